@@ -1,0 +1,107 @@
+"""Command line: ``densepass run CONFIG``, ``index``, ``evaluate``, ``download``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from densepass.errors import DensepassError
+
+
+def _run(args: argparse.Namespace) -> None:
+    from densepass.config import load_config
+    from densepass.runs.experiment import run_experiment
+
+    config = load_config(args.config, args.set)
+    run_experiment(config)
+    print(f"report: {config.run_dir / 'report.md'}")
+
+
+def _index(args: argparse.Namespace) -> None:
+    from densepass.data import load_dataset
+    from densepass.index.encode import encode_to_memmap
+    from densepass.index.faiss_index import build_faiss_index, save_faiss_index
+    from densepass.models.biencoder import BiEncoder
+
+    dataset = load_dataset(args.dataset, args.data_dir, args.format)
+    model = BiEncoder.from_pretrained(args.model)
+    out = Path(args.output)
+    emb = encode_to_memmap(model, dataset.corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage",
+                           out / "embeddings.npy", batch_size=args.batch_size)
+    (out / "ids.json").write_text(json.dumps(dataset.corpus.ids))
+    if args.kind != "exact":
+        save_faiss_index(build_faiss_index(emb, args.kind), out / f"{args.kind}.index")
+    print(f"indexed {len(emb)} passages into {out}")
+
+
+def _evaluate(args: argparse.Namespace) -> None:
+    from densepass.data import load_dataset
+    from densepass.evaluation.metrics import evaluate_run, read_trec_run
+
+    dataset = load_dataset(args.dataset, args.data_dir, args.format)
+    qrels = dataset.split(args.split)
+    run = read_trec_run(args.run)
+    print(json.dumps(evaluate_run(qrels, run, args.metrics), indent=2))
+
+
+def _download(args: argparse.Namespace) -> None:
+    from densepass.data.download import download_dataset
+    from densepass.data.paths import default_data_dir
+
+    print(download_dataset(args.name, args.data_dir or default_data_dir()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="densepass", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an experiment (train, index, evaluate, report) from a YAML/JSON config")
+    run.add_argument("config", nargs="?", help="config file (default: built-in defaults)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set train.batch_size=32")
+    run.set_defaults(func=_run)
+
+    def data_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("dataset", help="dataset name under the data dir, or a path")
+        p.add_argument("--data-dir", default=None, help="data directory (default: $DENSEPASS_DATA or ../shared/data)")
+        p.add_argument("--format", default="beir", choices=["beir", "msmarco", "dpr", "squad"])
+
+    index = sub.add_parser("index", help="encode a corpus (sharded, resumable) and build an index")
+    data_args(index)
+    index.add_argument("--model", default="all-MiniLM-L6-v2")
+    index.add_argument("--output", required=True)
+    index.add_argument("--kind", default="exact", choices=["exact", "faiss-flat", "faiss-hnsw", "faiss-ivfpq"])
+    index.add_argument("--batch-size", type=int, default=256)
+    index.set_defaults(func=_index)
+
+    evaluate = sub.add_parser("evaluate", help="evaluate a TREC run file against a split's qrels")
+    data_args(evaluate)
+    evaluate.add_argument("run", help="TREC run file")
+    evaluate.add_argument("--split", default="dev")
+    evaluate.add_argument("--metrics", nargs="+", default=["mrr@10", "ndcg@10", "recall@100"])
+    evaluate.set_defaults(func=_evaluate)
+
+    download = sub.add_parser("download", help="download a public BEIR dataset or SQuAD (needs internet)")
+    download.add_argument("name")
+    download.add_argument("--data-dir", default=None)
+    download.set_defaults(func=_download)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except DensepassError as err:
+        print(f"densepass: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("densepass: interrupted (re-run the same command to resume)", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

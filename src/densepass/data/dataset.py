@@ -1,0 +1,118 @@
+"""The in-memory model of a retrieval dataset shared by every reader.
+
+A corpus of passages (optionally grouped into documents by ``doc_id``), queries, graded qrels per
+split and optional answer strings per query (for DPR-style top-k accuracy).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from densepass.errors import DataError
+
+Qrels = dict[str, dict[str, int]]  # query id -> passage id -> relevance grade
+
+
+@dataclass
+class Corpus:
+    """Passages stored column-wise; ``position(pid)`` maps an id to its row."""
+
+    ids: list[str]
+    titles: list[str]
+    texts: list[str]
+    doc_ids: list[str]
+    _positions: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (len(self.ids) == len(self.titles) == len(self.texts) == len(self.doc_ids)):
+            raise DataError("corpus columns have different lengths")
+        self._positions = {pid: i for i, pid in enumerate(self.ids)}
+        if len(self._positions) != len(self.ids):
+            seen: set[str] = set()
+            dup = next(p for p in self.ids if p in seen or seen.add(p))
+            raise DataError(f"corpus has duplicate passage id {dup!r}")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __contains__(self, pid: str) -> bool:
+        return pid in self._positions
+
+    def position(self, pid: str) -> int:
+        return self._positions[pid]
+
+    def passage_inputs(self, sep_token: str, positions: list[int] | None = None) -> list[str]:
+        """Passage encoder inputs ``title [SEP] text`` (negative-contrast §3), as one string each so that
+        ``SentenceTransformer.encode`` on the same strings gives the same embeddings."""
+        rows = range(len(self.ids)) if positions is None else positions
+        return [f"{self.titles[i]} {sep_token} {self.texts[i]}" if self.titles[i] else self.texts[i] for i in rows]
+
+    def subset(self, positions: list[int]) -> Corpus:
+        return Corpus(
+            ids=[self.ids[i] for i in positions],
+            titles=[self.titles[i] for i in positions],
+            texts=[self.texts[i] for i in positions],
+            doc_ids=[self.doc_ids[i] for i in positions],
+        )
+
+
+@dataclass
+class RetrievalDataset:
+    """Corpus + queries + qrels per split (+ answers), validated on construction."""
+
+    name: str
+    corpus: Corpus
+    queries: dict[str, str]
+    qrels: dict[str, Qrels]
+    answers: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.corpus) == 0:
+            raise DataError(f"{self.name}: the corpus is empty")
+        for split, qrels in self.qrels.items():
+            for qid, rels in qrels.items():
+                if qid not in self.queries:
+                    raise DataError(f"{self.name}: qrels/{split} names query {qid!r}, which is not in the queries")
+                for pid in rels:
+                    if pid not in self.corpus:
+                        raise DataError(
+                            f"{self.name}: qrels/{split} names passage {pid!r} (query {qid!r}), which is not in the corpus"
+                        )
+
+    def split(self, name: str) -> Qrels:
+        """Qrels of one split, with a clear error for a missing or empty split."""
+        if name not in self.qrels:
+            known = ", ".join(sorted(self.qrels)) or "none"
+            raise DataError(f"{self.name}: no split {name!r} (available: {known})")
+        qrels = self.qrels[name]
+        if not any(grade > 0 for rels in qrels.values() for grade in rels.values()):
+            raise DataError(f"{self.name}: split {name!r} has no relevant query-passage pair")
+        return qrels
+
+    def positives(self, split: str) -> dict[str, list[str]]:
+        """Query id -> passage ids with a positive grade, best grade first."""
+        out = {}
+        for qid, rels in self.split(split).items():
+            pos = sorted((p for p, g in rels.items() if g > 0), key=lambda p: -rels[p])
+            if pos:
+                out[qid] = pos
+        return out
+
+    def relevant_sets(self) -> dict[str, set[str]]:
+        """Query id -> every passage judged relevant in any split (used to mask false negatives)."""
+        out: dict[str, set[str]] = {}
+        for qrels in self.qrels.values():
+            for qid, rels in qrels.items():
+                out.setdefault(qid, set()).update(p for p, g in rels.items() if g > 0)
+        return out
+
+
+def sample_queries(qrels: Qrels, limit: int | None, seed: int) -> Qrels:
+    """A seeded subsample of ``limit`` queries (all of them when limit is None or larger)."""
+    if limit is None or limit >= len(qrels):
+        return qrels
+    if limit < 1:
+        raise DataError(f"cannot sample {limit} queries")
+    keep = random.Random(seed).sample(sorted(qrels), limit)
+    return {qid: qrels[qid] for qid in sorted(keep)}

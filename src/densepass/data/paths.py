@@ -1,0 +1,38 @@
+"""Where datasets live: ``--data-dir``, else $DENSEPASS_DATA, else ``../shared/data`` beside the project."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from densepass.errors import DataError
+
+ENV_VAR = "DENSEPASS_DATA"
+
+
+def default_data_dir() -> Path:
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR])
+    here = Path.cwd()
+    for parent in [here, *here.parents]:
+        candidate = parent / "shared" / "data"
+        if candidate.is_dir():
+            return candidate
+        candidate = parent.parent / "shared" / "data"
+        if candidate.is_dir():
+            return candidate
+    return here / "data"
+
+
+def dataset_dir(name: str, data_dir: str | Path | None = None) -> Path:
+    """The directory of dataset ``name`` (or ``name`` itself when it is a path to a directory)."""
+    if Path(name).is_dir():
+        return Path(name)
+    root = Path(data_dir) if data_dir else default_data_dir()
+    path = root / name
+    if not path.is_dir():
+        raise DataError(
+            f"dataset {name!r} not found in {root} (set --data-dir or ${ENV_VAR}, "
+            f"or download it with `densepass download {name}`)"
+        )
+    return path

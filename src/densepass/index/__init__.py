@@ -1,0 +1,1 @@
+"""Encoding, exact and FAISS dense search, and BM25."""

@@ -1,0 +1,73 @@
+"""FAISS indexes over passage embeddings (inner product): flat, HNSW and IVF-PQ, with save/load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from densepass.errors import ConfigError, DensepassError
+
+KINDS = ("faiss-flat", "faiss-hnsw", "faiss-ivfpq")
+
+
+def build_faiss_index(
+    embeddings: np.ndarray,
+    kind: str = "faiss-flat",
+    hnsw_m: int = 32,
+    ivf_lists: int | None = None,
+    pq_m: int | None = None,
+    seed: int = 13,
+):
+    """An inner-product FAISS index of ``embeddings`` (float32, [n, d])."""
+    import faiss
+
+    if len(embeddings) == 0:
+        raise DensepassError("cannot index an empty set of embeddings")
+    x = np.ascontiguousarray(embeddings, dtype=np.float32)
+    n, dim = x.shape
+    if kind == "faiss-flat":
+        index = faiss.IndexFlatIP(dim)
+    elif kind == "faiss-hnsw":
+        index = faiss.IndexHNSWFlat(dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efSearch = 128
+    elif kind == "faiss-ivfpq":
+        lists = ivf_lists or max(1, min(4096, int(4 * np.sqrt(n))))
+        m = pq_m or next(c for c in (dim // 4, dim // 2, dim, 1) if c >= 1 and dim % c == 0)
+        if dim % m:
+            raise ConfigError(f"pq_m={m} must divide the embedding dimension {dim}")
+        if n < lists * 39 // 10:
+            lists = max(1, n // 39)
+        index = faiss.IndexIVFPQ(faiss.IndexFlatIP(dim), dim, lists, m, 8, faiss.METRIC_INNER_PRODUCT)
+        rng = np.random.default_rng(seed)
+        sample = x[rng.choice(n, size=min(n, 256 * max(lists, 256)), replace=False)]
+        index.train(sample)
+        index.nprobe = min(lists, 32)
+    else:
+        raise ConfigError(f"unknown index kind {kind!r} (known: exact, {', '.join(KINDS)})")
+    index.add(x)
+    return index
+
+
+def faiss_search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    scores, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), min(k, index.ntotal))
+    return scores, ids
+
+
+def save_faiss_index(index, path: str | Path) -> None:
+    """Write atomically (temporary file, then rename)."""
+    import faiss
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    faiss.write_index(index, str(tmp))
+    tmp.replace(path)
+
+
+def load_faiss_index(path: str | Path):
+    import faiss
+
+    if not Path(path).is_file():
+        raise DensepassError(f"index file not found: {path}")
+    return faiss.read_index(str(path))

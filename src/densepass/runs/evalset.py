@@ -1,0 +1,52 @@
+"""The evaluation set of a run: queries of the eval split (optionally a seeded sample) and the corpus
+they are searched in (the full corpus, or a subcorpus: their gold passages + BM25 top-k + random)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from densepass.config import DataConfig
+from densepass.data.dataset import Corpus, Qrels, RetrievalDataset, sample_queries
+from densepass.errors import ConfigError
+from densepass.index.bm25 import BM25Index
+
+
+@dataclass
+class EvalSet:
+    query_ids: list[str]
+    query_texts: list[str]
+    qrels: Qrels
+    corpus: Corpus
+    description: str
+
+
+def build_eval_set(dataset: RetrievalDataset, config: DataConfig, bm25: BM25Index | None) -> EvalSet:
+    qrels = sample_queries(dataset.split(config.eval_split), config.max_eval_queries, config.seed)
+    qrels = {q: r for q, r in qrels.items() if any(g > 0 for g in r.values())}
+    query_ids = sorted(qrels)
+    texts = [dataset.queries[q] for q in query_ids]
+    corpus = dataset.corpus
+    if not config.eval_subcorpus:
+        return EvalSet(query_ids, texts, qrels, corpus, f"{len(query_ids)} queries, full corpus ({len(corpus)} passages)")
+    if config.eval_hard_k < 0 or config.eval_random < 0:
+        raise ConfigError("data.eval_hard_k and data.eval_random must be >= 0")
+    keep = {corpus.position(p) for rels in qrels.values() for p, g in rels.items() if g > 0}
+    n_gold = len(keep)
+    if config.eval_hard_k:
+        if bm25 is None:
+            raise ConfigError("data.eval_hard_k needs a BM25 index of the corpus")
+        _, rows = bm25.search(texts, config.eval_hard_k)
+        keep.update(int(r) for r in rows.ravel())
+    n_hard = len(keep) - n_gold
+    if config.eval_random:
+        rest = np.setdiff1d(np.arange(len(corpus)), np.fromiter(keep, dtype=np.int64))
+        rng = np.random.default_rng(config.seed)
+        keep.update(int(r) for r in rng.choice(rest, size=min(config.eval_random, len(rest)), replace=False))
+    positions = sorted(keep)
+    description = (
+        f"{len(query_ids)} {config.eval_split} queries; subcorpus of {len(positions)} passages "
+        f"({n_gold} gold + {n_hard} more from BM25 top-{config.eval_hard_k} + {len(positions) - n_gold - n_hard} random)"
+    )
+    return EvalSet(query_ids, texts, qrels, corpus.subset(positions), description)

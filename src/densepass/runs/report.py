@@ -1,0 +1,89 @@
+"""The run report: a metrics table (markdown and terminal) and PNG plots of the training log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from densepass.io import atomic_write_text
+
+
+def metrics_table(results: dict[str, dict[str, float]], metrics: list[str]) -> str:
+    header = "| system | " + " | ".join(metrics) + " |"
+    rule = "|---|" + "---:|" * len(metrics)
+    rows = [f"| {name} | " + " | ".join(f"{values.get(m, float('nan')):.4f}" for m in metrics) + " |"
+            for name, values in results.items()]
+    return "\n".join([header, rule, *rows])
+
+
+def print_table(results: dict[str, dict[str, float]], metrics: list[str], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("system")
+    for m in metrics:
+        table.add_column(m, justify="right")
+    for name, values in results.items():
+        table.add_row(name, *(f"{values.get(m, float('nan')):.4f}" for m in metrics))
+    Console().print(table)
+
+
+def plot_training_log(log_path: Path, out_path: Path) -> bool:
+    """Loss per step as a PNG; False when there is no log to plot."""
+    if not log_path.is_file():
+        return False
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    if not records:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_metrics(results: dict[str, dict[str, float]], metrics: list[str], out_path: Path) -> None:
+    """Grouped bars of each system's metrics."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / max(len(results), 1)
+    x = np.arange(len(metrics))
+    for i, (name, values) in enumerate(results.items()):
+        ax.bar(x + i * width, [values.get(m, 0.0) for m in metrics], width, label=name)
+    ax.set_xticks(x + width * (len(results) - 1) / 2, metrics)
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(
+    run_dir: Path, title: str, description: str, results: dict[str, dict[str, float]], metrics: list[str],
+    notes: list[str],
+) -> Path:
+    plots = []
+    if plot_training_log(run_dir / "train_log.jsonl", run_dir / "loss.png"):
+        plots.append("![training loss](loss.png)")
+    plot_metrics(results, metrics, run_dir / "metrics.png")
+    plots.append("![metrics](metrics.png)")
+    text = "\n\n".join([f"# {title}", description, metrics_table(results, metrics), *notes, *plots]) + "\n"
+    path = run_dir / "report.md"
+    atomic_write_text(path, text)
+    return path

@@ -1,0 +1,135 @@
+"""Training instances and the collation of a batch: positives, sampled hard negatives, masks.
+
+The metadata of the *global* batch (ids, sampled negatives, false-negative mask) is computed
+identically on every process from a seed of (epoch, step); each process tokenises only its slice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from densepass.data.dataset import RetrievalDataset
+from densepass.errors import ConfigError, DataError
+from densepass.losses.contrastive import false_negative_mask
+
+
+def content_key(text: str) -> int:
+    """A stable 63-bit key of a passage's content (equal texts = the same passage for masking)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+@dataclass
+class TrainingBatch:
+    """One process's share of a global batch, plus the global mask."""
+
+    query_texts: list[str]
+    passage_texts: list[str]  # this process's positives, then its hard negatives
+    n_local_queries: int
+    positive_index: torch.Tensor  # [B_global] column of each query's positive in the global passage list
+    mask: torch.Tensor  # [B_global, P_global]
+
+
+class TrainingData:
+    """(query, positive) instances from one split, with optional hard-negative pools per query."""
+
+    def __init__(
+        self,
+        dataset: RetrievalDataset,
+        split: str,
+        sep_token: str,
+        negatives: dict[str, list[str]] | None = None,
+        negatives_per_query: int = 0,
+        query_ids: Sequence[str] | None = None,
+    ) -> None:
+        positives = dataset.positives(split)
+        self.query_ids = sorted(positives) if query_ids is None else list(query_ids)
+        missing = [q for q in self.query_ids if q not in positives]
+        if missing:
+            raise DataError(f"{len(missing)} training queries have no positive in qrels/{split} (e.g. {missing[0]!r})")
+        if negatives_per_query < 0:
+            raise ConfigError("negatives per query must be >= 0")
+        if negatives_per_query > 0 and not negatives:
+            raise ConfigError("hard negatives were requested but no negative pool was given")
+        self.dataset = dataset
+        self.positives = positives
+        self.negatives_per_query = negatives_per_query
+        self.query_texts = [dataset.queries[q] for q in self.query_ids]
+        self.passage_inputs = dataset.corpus.passage_inputs(sep_token)
+        self.keys = np.array([content_key(t) for t in self.passage_inputs], dtype=np.int64)
+        corpus = dataset.corpus
+        relevant = dataset.relevant_sets()
+        self.relevant_keys = [
+            {int(self.keys[corpus.position(p)]) for p in relevant.get(q, ())} for q in self.query_ids
+        ]
+        self.positive_rows = [[corpus.position(p) for p in positives[q]] for q in self.query_ids]
+        self.negative_rows = self._negative_pools(negatives or {}) if negatives_per_query else None
+
+    def __len__(self) -> int:
+        return len(self.query_ids)
+
+    def _negative_pools(self, negatives: dict[str, list[str]]) -> list[np.ndarray]:
+        """Per instance: corpus rows of its candidate negatives, minus anything relevant to it."""
+        corpus = self.dataset.corpus
+        pools = []
+        for i, qid in enumerate(self.query_ids):
+            rows = [
+                corpus.position(p)
+                for p in negatives.get(qid, ())
+                if p in corpus and int(self.keys[corpus.position(p)]) not in self.relevant_keys[i]
+            ]
+            pools.append(np.asarray(rows, dtype=np.int64))
+        return pools
+
+    def collate(self, batch: Sequence[int], seed: Sequence[int], rank: int = 0, world: int = 1) -> TrainingBatch:
+        """Build the global batch ``batch`` (instance indices) and return this process's share."""
+        if len(batch) % world:
+            raise ConfigError(f"global batch of {len(batch)} does not split over {world} processes")
+        rng = np.random.default_rng(list(seed))
+        pos_rows = [int(self.positive_rows[i][0]) for i in batch]
+        h = self.negatives_per_query
+        neg_rows: list[int] = []
+        if h:
+            for i in batch:
+                pool = self.negative_rows[i]
+                if len(pool) == 0:  # no candidate: fall back to random passages
+                    pool = rng.integers(0, len(self.passage_inputs), size=4 * h)
+                neg_rows.extend(int(r) for r in rng.choice(pool, size=h, replace=len(pool) < h))
+        all_rows = pos_rows + neg_rows
+        keys = [int(self.keys[r]) for r in all_rows]
+        n = len(batch)
+        mask = false_negative_mask(
+            positive_keys=keys[:n],
+            passage_keys=keys,
+            relevant_keys=[self.relevant_keys[i] for i in batch],
+            positive_index=list(range(n)),
+        )
+        b = n // world
+        local = slice(rank * b, (rank + 1) * b)
+        local_neg = neg_rows[rank * b * h : (rank + 1) * b * h]
+        return TrainingBatch(
+            query_texts=[self.query_texts[i] for i in batch[local]],
+            passage_texts=[self.passage_inputs[r] for r in pos_rows[local] + local_neg],
+            n_local_queries=b,
+            positive_index=torch.arange(n),
+            mask=mask,
+        )
+
+
+def epoch_batches(n: int, batch_size: int, order: str, seed: int, epoch: int) -> list[list[int]]:
+    """Fixed-size batches of instance indices for one epoch (the last partial batch is dropped)."""
+    if batch_size < 1:
+        raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+    if batch_size > n:
+        raise ConfigError(f"batch size {batch_size} is larger than the {n} training instances")
+    if order == "sequential":
+        indices = np.arange(n)
+    elif order == "random":
+        indices = np.random.default_rng([seed, epoch]).permutation(n)
+    else:
+        raise ConfigError(f"unknown batch order {order!r} (use 'random' or 'sequential')")
+    return [indices[i : i + batch_size].tolist() for i in range(0, n - batch_size + 1, batch_size)]

@@ -1,0 +1,115 @@
+"""One optimisation step's forward and backward, plain or with gradient caching.
+
+Gradient caching (Gao et al., "Scaling Deep Contrastive Learning Batch Size under Memory Limited
+Setup", GC-DPR/GradCache): (1) embed the whole batch in chunks without a graph; (2) compute the
+contrastive loss on those embeddings and its gradient with respect to each embedding; (3) re-embed
+chunk by chunk with a graph and back-propagate the cached embedding gradients. Random states are
+replayed so dropout matches between (1) and (3); the result equals the plain large-batch gradient,
+which gradient accumulation does not (in-batch negatives span the whole batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from densepass.losses.contrastive import contrastive_loss
+from densepass.models.biencoder import BiEncoder, Side
+from densepass.training.batches import TrainingBatch
+from densepass.training.distributed import gather_with_local_grad
+
+
+class RandomState:
+    """Captures the CPU and CUDA random states so a forward pass can be replayed exactly."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.device = device
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        devices = [self.device] if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+def autocast_context(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
+    if bf16 and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autocast) -> torch.Tensor:
+    with autocast():
+        return model(tokens["input_ids"], tokens["attention_mask"], side=side).float()
+
+
+def _chunks(tokens: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    n = tokens["input_ids"].shape[0]
+    return [{k: v[i : i + size] for k, v in tokens.items()} for i in range(0, n, size)]
+
+
+def global_loss(
+    batch: TrainingBatch, queries: torch.Tensor, passages: torch.Tensor, temperature: float, bidirectional: bool
+) -> torch.Tensor:
+    """Loss of the global batch from this process's query and passage embeddings."""
+    b = batch.n_local_queries
+    all_queries = gather_with_local_grad(queries)
+    all_passages = torch.cat([gather_with_local_grad(passages[:b]), gather_with_local_grad(passages[b:])])
+    return contrastive_loss(
+        all_queries,
+        all_passages,
+        batch.positive_index.to(queries.device),
+        temperature,
+        mask=batch.mask.to(queries.device),
+        bidirectional=bidirectional,
+    )
+
+
+def forward_backward(
+    model: BiEncoder,
+    batch: TrainingBatch,
+    device: torch.device,
+    bidirectional: bool = False,
+    chunk_size: int | None = None,
+    bf16: bool = True,
+) -> float:
+    """Accumulate into ``.grad`` the gradient of the batch loss; return the loss value."""
+    q_tokens = {k: v.to(device) for k, v in model.tokenize(batch.query_texts, "query").items()}
+    p_tokens = {k: v.to(device) for k, v in model.tokenize(batch.passage_texts, "passage").items()}
+    autocast: Callable[[], contextlib.AbstractContextManager] = lambda: autocast_context(device, bf16)  # noqa: E731
+    temperature = model.config.temperature
+    if chunk_size is None:
+        q = _embed(model, q_tokens, "query", autocast)
+        p = _embed(model, p_tokens, "passage", autocast)
+        loss = global_loss(batch, q, p, temperature, bidirectional)
+        loss.backward()
+        return loss.item()
+
+    sides: list[tuple[Side, list[dict[str, torch.Tensor]]]] = [
+        ("query", _chunks(q_tokens, chunk_size)),
+        ("passage", _chunks(p_tokens, chunk_size)),
+    ]
+    cached: dict[Side, list[tuple[torch.Tensor, RandomState]]] = {"query": [], "passage": []}
+    with torch.no_grad():
+        for side, chunks in sides:
+            for chunk in chunks:
+                state = RandomState(device)
+                cached[side].append((_embed(model, chunk, side, autocast), state))
+    q = torch.cat([e for e, _ in cached["query"]]).requires_grad_()
+    p = torch.cat([e for e, _ in cached["passage"]]).requires_grad_()
+    loss = global_loss(batch, q, p, temperature, bidirectional)
+    loss.backward()
+    grads = {"query": q.grad.split(chunk_size), "passage": p.grad.split(chunk_size)}
+    for side, chunks in sides:
+        for chunk, (_, state), grad in zip(chunks, cached[side], grads[side]):
+            with state.replay():
+                reps = _embed(model, chunk, side, autocast)
+            torch.dot(reps.flatten(), grad.flatten()).backward()
+    return loss.item()

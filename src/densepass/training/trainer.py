@@ -1,0 +1,137 @@
+"""The fine-tuning loop: AdamW with linear warm-up, checkpoints, resume, seeded determinism, logs.
+
+A checkpoint is a directory ``checkpoints/step-N`` written atomically with the model (loadable like
+any saved BiEncoder) and ``trainer_state.pt`` (optimiser, scheduler, step). Batches and negatives
+depend only on (seed, epoch, step), so a resumed run continues exactly where the last checkpoint was.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import get_linear_schedule_with_warmup
+
+from densepass.config import TrainConfig
+from densepass.io import atomic_directory
+from densepass.models.biencoder import BiEncoder
+from densepass.training import distributed
+from densepass.training.batches import TrainingData, epoch_batches
+from densepass.training.step import forward_backward
+
+BatchPlanner = Callable[[int], Sequence[Sequence[int]]]  # epoch -> batches of instance indices
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    examples_per_second: float
+    log_path: Path
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _checkpoints(run_dir: Path) -> list[Path]:
+    found = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "trainer_state.pt").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def save_checkpoint(model: BiEncoder, optimizer, scheduler, step: int, run_dir: Path, keep: int) -> Path:
+    path = run_dir / "checkpoints" / f"step-{step}"
+    if distributed.rank() == 0:
+        with atomic_directory(path) as tmp:
+            model.save(tmp / "model")
+            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step},
+                       tmp / "trainer_state.pt")
+        for old in _checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    distributed.barrier()
+    return path
+
+
+def _load_weights(model: BiEncoder, path: Path) -> None:
+    saved = BiEncoder.from_pretrained(str(path), config=model.config)
+    model.load_state_dict(saved.state_dict())
+
+
+def train(
+    model: BiEncoder,
+    data: TrainingData,
+    config: TrainConfig,
+    run_dir: Path,
+    device: torch.device,
+    plan_batches: BatchPlanner | None = None,
+) -> TrainResult:
+    """Fine-tune ``model`` in place on ``data``; resumes from the latest checkpoint in ``run_dir``."""
+    seed_everything(config.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    world, rank = distributed.world_size(), distributed.rank()
+    if plan_batches is None:
+        def plan_batches(epoch: int) -> Sequence[Sequence[int]]:
+            return epoch_batches(len(data), config.batch_size, config.batch_order, config.seed, epoch)
+
+    steps_per_epoch = len(plan_batches(0))
+    total = steps_per_epoch * config.epochs
+    if config.max_steps is not None:
+        total = min(total, config.max_steps)
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
+        fused=device.type == "cuda",
+    )
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
+    step = 0
+    existing = _checkpoints(run_dir)
+    if existing:
+        state = torch.load(existing[-1] / "trainer_state.pt", map_location="cpu", weights_only=False)
+        _load_weights(model, existing[-1] / "model")
+        model.to(device)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+    log_path = run_dir / "train_log.jsonl"
+    if step == 0 and rank == 0:
+        log_path.unlink(missing_ok=True)
+    loss_value, seen, started = float("nan"), 0, time.perf_counter()
+    progress = tqdm(total=total, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
+    for epoch in range(step // steps_per_epoch, config.epochs):
+        batches = plan_batches(epoch)
+        for index in range(step - epoch * steps_per_epoch, len(batches)):
+            if step >= total:
+                break
+            batch = data.collate(list(batches[index]), seed=(config.seed, epoch, index), rank=rank, world=world)
+            loss_value = forward_backward(
+                model, batch, device, config.bidirectional, config.grad_cache_chunk, config.bf16
+            )
+            distributed.sum_gradients(model.parameters())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            seen += len(batches[index])
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss_value:.4f}")
+            if rank == 0 and (step % config.log_every == 0 or step == total):
+                record = {"step": step, "epoch": epoch, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
+                          "examples_per_s": seen / (time.perf_counter() - started)}
+                with open(log_path, "a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+            if step % config.checkpoint_every == 0 or step == total:
+                save_checkpoint(model, optimizer, scheduler, step, run_dir, config.keep_checkpoints)
+    progress.close()
+    elapsed = time.perf_counter() - started
+    return TrainResult(step, loss_value, seen / elapsed if elapsed > 0 else 0.0, log_path)

@@ -1,0 +1,70 @@
+"""Shared fixtures: a tiny random BERT with MiniLM's tokenizer, and a tiny BEIR dataset on disk."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+transformers.logging.set_verbosity_error()
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer, 32-dim random BERT saved with the all-MiniLM-L6-v2 tokenizer (no dropout)."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from densepass.models.biencoder import resolve_model_path
+
+    path = tmp_path_factory.mktemp("tiny-bert")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+WORDS = ("audio video editor library game network terminal python font image mail server kernel driver "
+         "printer music player browser database compiler shell backup archive viewer").split()
+
+
+def write_tiny_beir(root: Path, n_passages: int = 40, seed: int = 0) -> Path:
+    """A small synthetic BEIR dataset: passages grouped in documents, one query per passage,
+    train/dev qrels, and one duplicate pair (two queries with the same positive)."""
+    import random
+
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "corpus.jsonl", "w") as f:
+        for i in range(n_passages):
+            text = " ".join(rng.choice(WORDS) for _ in range(12))
+            f.write(json.dumps({"_id": f"p{i}", "title": f"pkg{i}", "text": text, "doc_id": f"d{i // 2}"}) + "\n")
+    with open(root / "queries.jsonl", "w") as f:
+        for i in range(n_passages + 1):
+            f.write(json.dumps({"_id": f"q{i}", "text": " ".join(rng.choice(WORDS) for _ in range(3))}) + "\n")
+    (root / "qrels").mkdir(exist_ok=True)
+    split = int(n_passages * 0.75)
+    with open(root / "qrels" / "train.tsv", "w") as f:
+        f.write("query-id\tcorpus-id\tscore\n")
+        for i in range(split):
+            f.write(f"q{i}\tp{i}\t1\n")
+        f.write(f"q{n_passages}\tp0\t1\n")  # a second query whose positive is p0
+    with open(root / "qrels" / "dev.tsv", "w") as f:
+        f.write("query-id\tcorpus-id\tscore\n")
+        for i in range(split, n_passages):
+            f.write(f"q{i}\tp{i}\t1\n")
+    return root
+
+
+@pytest.fixture
+def tiny_beir(tmp_path) -> Path:
+    return write_tiny_beir(tmp_path / "tiny")

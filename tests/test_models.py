@@ -1,0 +1,91 @@
+"""Bi-encoder save/load: our loader, transformers.AutoModel and SentenceTransformer agree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel
+
+from densepass.errors import ConfigError
+from densepass.index.encode import encode_texts
+from densepass.models.biencoder import BiEncoder, BiEncoderConfig, pool
+
+TEXTS = ["audio editor for the terminal", "a python library", "fonts [SEP] a collection of free fonts"]
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+@pytest.mark.parametrize("projection_dim", [None, 25])
+def test_save_load_roundtrip_all_loaders(tiny_model_dir, tmp_path, pooling, projection_dim):
+    from sentence_transformers import SentenceTransformer
+
+    config = BiEncoderConfig(pooling=pooling, projection_dim=projection_dim, normalize=True)
+    model = BiEncoder.from_pretrained(str(tiny_model_dir), config=config)
+    expected = encode_texts(model, TEXTS, "passage", show_progress=False)
+    assert expected.shape == (3, projection_dim or 32)
+    model.save(tmp_path / "saved")
+
+    ours = BiEncoder.from_pretrained(str(tmp_path / "saved"))
+    assert ours.config == config
+    np.testing.assert_allclose(encode_texts(ours, TEXTS, "passage", show_progress=False), expected, atol=1e-5)
+
+    st = SentenceTransformer(str(tmp_path / "saved"), device="cpu")
+    np.testing.assert_allclose(st.encode(TEXTS, convert_to_numpy=True), expected, atol=1e-5)
+
+    hf = AutoModel.from_pretrained(str(tmp_path / "saved"))
+    tokens = model.tokenizer(TEXTS, padding=True, truncation=True, max_length=128, return_tensors="pt")
+    with torch.no_grad():
+        pooled = pool(hf(**tokens).last_hidden_state, tokens["attention_mask"], pooling)
+        if projection_dim is None:
+            np.testing.assert_allclose(torch.nn.functional.normalize(pooled, dim=-1).numpy(), expected, atol=1e-5)
+
+
+def test_separate_towers_saved_in_query_subdir(tiny_model_dir, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    model = BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(shared=False))
+    assert model.query_encoder is not model.passage_encoder
+    with torch.no_grad():
+        next(model.query_encoder.parameters()).add_(0.5)  # make the towers differ
+    q = encode_texts(model, TEXTS, "query", show_progress=False)
+    p = encode_texts(model, TEXTS, "passage", show_progress=False)
+    assert not np.allclose(q, p)
+    model.save(tmp_path / "m")
+    loaded = BiEncoder.from_pretrained(str(tmp_path / "m"))
+    np.testing.assert_allclose(encode_texts(loaded, TEXTS, "query", show_progress=False), q, atol=1e-5)
+    np.testing.assert_allclose(encode_texts(loaded, TEXTS, "passage", show_progress=False), p, atol=1e-5)
+    st_query = SentenceTransformer(str(tmp_path / "m" / "query"), device="cpu")
+    np.testing.assert_allclose(st_query.encode(TEXTS), q, atol=1e-5)
+
+
+def test_interrupted_save_keeps_previous_model(tiny_model_dir, tmp_path, monkeypatch):
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    model.save(tmp_path / "m")
+    before = encode_texts(BiEncoder.from_pretrained(str(tmp_path / "m")), TEXTS, "passage", show_progress=False)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(BiEncoder, "_save_tower", broken)
+    with pytest.raises(OSError):
+        model.save(tmp_path / "m")
+    after = encode_texts(BiEncoder.from_pretrained(str(tmp_path / "m")), TEXTS, "passage", show_progress=False)
+    np.testing.assert_array_equal(before, after)
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_default_model_is_minilm():
+    model = BiEncoder.from_pretrained("all-MiniLM-L6-v2")
+    assert model.dim == 384 and model.config.pooling == "mean"
+    assert model.query_encoder.config.num_hidden_layers == 6
+
+
+def test_bad_model_configs(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="pooling"):
+        BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(pooling="max"))
+    with pytest.raises(ConfigError, match="temperature"):
+        BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(temperature=0))
+    with pytest.raises(ConfigError, match="not a model directory"):
+        BiEncoder.from_pretrained(str(tmp_path))

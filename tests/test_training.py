@@ -1,0 +1,197 @@
+"""Training: gradient caching equals the plain large batch, two gloo processes equal one process of
+twice the batch, checkpoints resume exactly, and training lowers the loss."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from densepass.config import TrainConfig
+from densepass.data import load_dataset
+from densepass.errors import ConfigError, DataError
+from densepass.models.biencoder import BiEncoder, BiEncoderConfig
+from densepass.training.batches import TrainingData, epoch_batches
+from densepass.training.step import forward_backward
+from densepass.training.trainer import train
+
+CPU = torch.device("cpu")
+
+
+def make_data(beir_dir, per_query=1):
+    dataset = load_dataset(str(beir_dir))
+    negatives = {q: list(dataset.corpus.ids[::3]) for q in dataset.queries}
+    return TrainingData(dataset, "train", "[SEP]", negatives, per_query)
+
+
+def grads_of(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def step_grads(model_dir, data, batch, chunk, bidirectional=True):
+    model = BiEncoder.from_pretrained(str(model_dir), config=BiEncoderConfig(pooling="cls", temperature=0.1))
+    b = data.collate(batch, seed=(1, 0, 0))
+    loss = forward_backward(model, b, CPU, bidirectional=bidirectional, chunk_size=chunk)
+    return loss, grads_of(model)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5])
+def test_grad_cache_equals_full_batch(tiny_model_dir, tiny_beir, chunk):
+    data = make_data(tiny_beir)
+    batch = list(range(10))
+    loss_full, grads_full = step_grads(tiny_model_dir, data, batch, None)
+    loss_gc, grads_gc = step_grads(tiny_model_dir, data, batch, chunk)
+    assert abs(loss_full - loss_gc) < 1e-5
+    assert grads_full.keys() == grads_gc.keys()
+    for name in grads_full:
+        torch.testing.assert_close(grads_gc[name], grads_full[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_grad_cache_replays_dropout(tiny_model_dir, tiny_beir):
+    """With dropout on, GradCache's second (graph) pass must reuse the dropout masks of its first
+    pass: its gradient equals that of a loss built from the same chunked forwards with a graph."""
+    from densepass.losses.contrastive import contrastive_loss
+
+    data = make_data(tiny_beir)
+    batch = data.collate(list(range(8)), seed=(1, 0, 0))
+    model = BiEncoder.from_pretrained(str(tiny_model_dir), hidden_dropout_prob=0.3)
+    model.train()
+    torch.manual_seed(5)
+    loss_gc = forward_backward(model, batch, CPU, chunk_size=3)
+    grads_gc = grads_of(model)
+
+    model.zero_grad()
+    torch.manual_seed(5)
+    embed = []
+    for side, texts in (("query", batch.query_texts), ("passage", batch.passage_texts)):
+        tokens = model.tokenize(texts, side)
+        embed.append(torch.cat([
+            model(tokens["input_ids"][i : i + 3], tokens["attention_mask"][i : i + 3], side=side)
+            for i in range(0, len(texts), 3)
+        ]))
+    loss = contrastive_loss(embed[0], embed[1], batch.positive_index, model.config.temperature, batch.mask)
+    loss.backward()
+    assert abs(loss.item() - loss_gc) < 1e-5
+    for name, grad in grads_of(model).items():
+        torch.testing.assert_close(grads_gc[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, model_dir, beir_dir, batch, chunk, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        data = make_data(beir_dir)
+        model = BiEncoder.from_pretrained(str(model_dir), config=BiEncoderConfig(pooling="cls", temperature=0.1))
+        b = data.collate(batch, seed=(1, 0, 0), rank=rank, world=world)
+        loss = forward_backward(model, b, CPU, bidirectional=True, chunk_size=chunk)
+        from densepass.training.distributed import sum_gradients
+
+        sum_gradients(model.parameters())
+        torch.save({"loss": loss, "grads": grads_of(model)}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_two_gloo_processes_equal_one_process_of_double_batch(tiny_model_dir, tiny_beir, tmp_path, chunk):
+    batch = list(range(8))  # global batch 2b = 8, b = 4 per process
+    mp.spawn(_worker, args=(2, _free_port(), tiny_model_dir, tiny_beir, batch, chunk, str(tmp_path)), nprocs=2)
+    single_loss, single_grads = step_grads(tiny_model_dir, make_data(tiny_beir), batch, None)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert abs(got["loss"] - single_loss) < 1e-5
+        for name, grad in single_grads.items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_collate_never_uses_relevant_passages_as_hard_negatives(tiny_beir):
+    dataset = load_dataset(str(tiny_beir))
+    negatives = {q: list(dataset.corpus.ids) for q in dataset.queries}  # pool includes the positives
+    data = TrainingData(dataset, "train", "[SEP]", negatives, 3)
+    relevant = dataset.relevant_sets()
+    for i, qid in enumerate(data.query_ids):
+        pool_ids = {dataset.corpus.ids[r] for r in data.negative_rows[i]}
+        assert not pool_ids & relevant[qid]
+
+
+def test_shared_positive_queries_are_masked(tiny_beir):
+    """q0 and q40 share positive p0: in one batch neither counts the other's positive as a negative."""
+    data = make_data(tiny_beir, per_query=0)
+    i, j = data.query_ids.index("q0"), data.query_ids.index("q40")
+    batch = data.collate([i, j, 1 if i != 1 else 2], seed=(0, 0, 0))
+    assert batch.mask[0, 1] and batch.mask[1, 0]
+    assert not batch.mask[0, 0] and not batch.mask[1, 1]
+
+
+def test_epoch_batches_errors_and_determinism():
+    assert epoch_batches(10, 3, "random", 1, 0) == epoch_batches(10, 3, "random", 1, 0)
+    assert epoch_batches(10, 3, "random", 1, 0) != epoch_batches(10, 3, "random", 1, 1)
+    assert epoch_batches(7, 3, "sequential", 0, 0) == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(ConfigError, match="larger than"):
+        epoch_batches(4, 5, "random", 0, 0)
+    with pytest.raises(ConfigError, match="batch order"):
+        epoch_batches(4, 2, "zigzag", 0, 0)
+
+
+def test_training_data_bad_inputs(tiny_beir):
+    dataset = load_dataset(str(tiny_beir))
+    with pytest.raises(ConfigError, match="no negative pool"):
+        TrainingData(dataset, "train", "[SEP]", None, 1)
+    with pytest.raises(DataError, match="no split"):
+        TrainingData(dataset, "nosuch", "[SEP]")
+    with pytest.raises(DataError, match="no positive"):
+        TrainingData(dataset, "train", "[SEP]", query_ids=["q39"])
+
+
+def _config(**kw):
+    base = dict(epochs=2, batch_size=6, learning_rate=1e-3, warmup_ratio=0.0, checkpoint_every=3,
+                log_every=1, seed=3, keep_checkpoints=5)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_training_lowers_loss_and_resume_is_exact(tiny_model_dir, tiny_beir, tmp_path):
+    data = make_data(tiny_beir)
+    full = BiEncoder.from_pretrained(str(tiny_model_dir))
+    result = train(full, data, _config(), tmp_path / "full", CPU)
+    assert result.steps == 10  # 2 epochs x floor(31 / 6) batches
+    losses = [float(line.split('"loss": ')[1].split(",")[0]) for line in result.log_path.read_text().splitlines()]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+
+    # Interrupted during step 5 (last checkpoint at step 3), then resumed: identical final weights.
+    import densepass.training.trainer as trainer_module
+
+    real_step, calls = trainer_module.forward_backward, []
+
+    def crashing_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    trainer_module.forward_backward = crashing_step
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(BiEncoder.from_pretrained(str(tiny_model_dir)), data, _config(), tmp_path / "resumed", CPU)
+    finally:
+        trainer_module.forward_backward = real_step
+    ckpts = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert ckpts == ["step-3"]
+    resumed = BiEncoder.from_pretrained(str(tiny_model_dir))
+    train(resumed, data, _config(), tmp_path / "resumed", CPU)
+    torch.testing.assert_close(_params(resumed), _params(full), rtol=1e-5, atol=1e-6)
