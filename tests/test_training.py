@@ -15,7 +15,7 @@ from densepass.config import TrainConfig
 from densepass.data import load_dataset
 from densepass.errors import ConfigError, DataError
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
-from densepass.training.batches import TrainingData, epoch_batches
+from densepass.training.batches import TrainingData
 from densepass.training.step import forward_backward
 from densepass.training.trainer import train
 
@@ -132,16 +132,6 @@ def test_shared_positive_queries_are_masked(tiny_beir):
     batch = data.collate([i, j, 1 if i != 1 else 2], seed=(0, 0, 0))
     assert batch.mask[0, 1] and batch.mask[1, 0]
     assert not batch.mask[0, 0] and not batch.mask[1, 1]
-
-
-def test_epoch_batches_errors_and_determinism():
-    assert epoch_batches(10, 3, "random", 1, 0) == epoch_batches(10, 3, "random", 1, 0)
-    assert epoch_batches(10, 3, "random", 1, 0) != epoch_batches(10, 3, "random", 1, 1)
-    assert epoch_batches(7, 3, "sequential", 0, 0) == [[0, 1, 2], [3, 4, 5]]
-    with pytest.raises(ConfigError, match="larger than"):
-        epoch_batches(4, 5, "random", 0, 0)
-    with pytest.raises(ConfigError, match="batch order"):
-        epoch_batches(4, 2, "zigzag", 0, 0)
 
 
 def test_training_data_bad_inputs(tiny_beir):

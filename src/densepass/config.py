@@ -78,12 +78,25 @@ class TrainConfig:
     warmup_ratio: float = 0.1
     bidirectional: bool = False
     grad_cache_chunk: int | None = None  # sub-batch size for gradient caching; None = off
-    batch_order: Literal["random", "sequential"] = "random"
     bf16: bool = True  # autocast on GPU only
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     log_every: int = 10
     seed: int = 13
+
+
+@dataclass
+class ScheduleConfig:
+    """How each epoch's instances are grouped into batches (ABS: abs-condenser-openqa §3.2)."""
+
+    method: Literal["sequential", "random", "clustered", "abs-greedy", "abs-beam"] = "random"
+    # ABS similarity: BM25 in epoch 1 then the encoder's dot product (re-encoded after each epoch).
+    similarity: Literal["bm25-then-encoder", "bm25", "encoder"] = "bm25-then-encoder"
+    beam_width: int = 4
+    restrict_top_k: int | None = None  # the paper's top-100 candidate restriction; None = exact
+    clusters: int = 64  # for method=clustered (TAS-style topic batches)
+    background: bool = True  # schedule in a separate process while training runs
+    max_swaps: int | None = None  # per batch; None = 4 x batch size
 
 
 @dataclass
@@ -110,6 +123,7 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     negatives: NegativesConfig = field(default_factory=NegativesConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property

@@ -47,7 +47,7 @@ def exact_search(
             else:
                 merged_scores = torch.cat([best_scores, top_scores], 1)
                 merged_ids = torch.cat([best_ids, top_ids], 1)
-                best_scores, pos = merged_scores.topk(k, dim=1)
+                best_scores, pos = merged_scores.topk(min(k, merged_scores.shape[1]), dim=1)
                 best_ids = merged_ids.gather(1, pos)
         all_scores[qs : qs + len(q)] = best_scores.cpu().numpy()
         all_ids[qs : qs + len(q)] = best_ids.cpu().numpy()

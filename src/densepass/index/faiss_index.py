@@ -36,7 +36,7 @@ def build_faiss_index(
         m = pq_m or next(c for c in (dim // 4, dim // 2, dim, 1) if c >= 1 and dim % c == 0)
         if dim % m:
             raise ConfigError(f"pq_m={m} must divide the embedding dimension {dim}")
-        if n < lists * 39 // 10:
+        if n < lists * 39:  # FAISS wants >= 39 training points per list
             lists = max(1, n // 39)
         index = faiss.IndexIVFPQ(faiss.IndexFlatIP(dim), dim, lists, m, 8, faiss.METRIC_INNER_PRODUCT)
         rng = np.random.default_rng(seed)

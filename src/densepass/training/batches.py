@@ -118,18 +118,3 @@ class TrainingData:
             positive_index=torch.arange(n),
             mask=mask,
         )
-
-
-def epoch_batches(n: int, batch_size: int, order: str, seed: int, epoch: int) -> list[list[int]]:
-    """Fixed-size batches of instance indices for one epoch (the last partial batch is dropped)."""
-    if batch_size < 1:
-        raise ConfigError(f"batch size must be >= 1, got {batch_size}")
-    if batch_size > n:
-        raise ConfigError(f"batch size {batch_size} is larger than the {n} training instances")
-    if order == "sequential":
-        indices = np.arange(n)
-    elif order == "random":
-        indices = np.random.default_rng([seed, epoch]).permutation(n)
-    else:
-        raise ConfigError(f"unknown batch order {order!r} (use 'random' or 'sequential')")
-    return [indices[i : i + batch_size].tolist() for i in range(0, n - batch_size + 1, batch_size)]

@@ -11,9 +11,10 @@ import json
 import random
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -24,10 +25,29 @@ from densepass.config import TrainConfig
 from densepass.io import atomic_directory
 from densepass.models.biencoder import BiEncoder
 from densepass.training import distributed
-from densepass.training.batches import TrainingData, epoch_batches
+from densepass.scheduling.baselines import random_batches
+from densepass.training.batches import TrainingData
 from densepass.training.step import forward_backward
 
-BatchPlanner = Callable[[int], Sequence[Sequence[int]]]  # epoch -> batches of instance indices
+
+
+class BatchPlanner(Protocol):
+    """epoch -> that epoch's batches of instance indices (see ``densepass.scheduling.planner``)."""
+
+    steps_per_epoch: int
+
+    def __call__(self, epoch: int) -> Iterable[Sequence[int]]: ...
+
+
+class RandomPlanner:
+    """Fresh random batches every epoch (the default batch order)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.steps_per_epoch = len(random_batches(n, batch_size, seed, 0))
+
+    def __call__(self, epoch: int) -> list[list[int]]:
+        return random_batches(self.n, self.batch_size, self.seed, epoch)
 
 
 @dataclass
@@ -73,17 +93,14 @@ def train(
     config: TrainConfig,
     run_dir: Path,
     device: torch.device,
-    plan_batches: BatchPlanner | None = None,
+    planner: BatchPlanner | None = None,
 ) -> TrainResult:
     """Fine-tune ``model`` in place on ``data``; resumes from the latest checkpoint in ``run_dir``."""
     seed_everything(config.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     world, rank = distributed.world_size(), distributed.rank()
-    if plan_batches is None:
-        def plan_batches(epoch: int) -> Sequence[Sequence[int]]:
-            return epoch_batches(len(data), config.batch_size, config.batch_order, config.seed, epoch)
-
-    steps_per_epoch = len(plan_batches(0))
+    planner = planner or RandomPlanner(len(data), config.batch_size, config.seed)
+    steps_per_epoch = planner.steps_per_epoch
     total = steps_per_epoch * config.epochs
     if config.max_steps is not None:
         total = min(total, config.max_steps)
@@ -108,11 +125,13 @@ def train(
     loss_value, seen, started = float("nan"), 0, time.perf_counter()
     progress = tqdm(total=total, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
     for epoch in range(step // steps_per_epoch, config.epochs):
-        batches = plan_batches(epoch)
-        for index in range(step - epoch * steps_per_epoch, len(batches)):
+        done_in_epoch = step - epoch * steps_per_epoch
+        for index, members in enumerate(planner(epoch)):
             if step >= total:
                 break
-            batch = data.collate(list(batches[index]), seed=(config.seed, epoch, index), rank=rank, world=world)
+            if index < done_in_epoch or index >= steps_per_epoch:
+                continue  # trained on before a resume; or a partial batch past the epoch's steps
+            batch = data.collate(list(members), seed=(config.seed, epoch, index), rank=rank, world=world)
             loss_value = forward_backward(
                 model, batch, device, config.bidirectional, config.grad_cache_chunk, config.bf16
             )
@@ -122,7 +141,7 @@ def train(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            seen += len(batches[index])
+            seen += len(members)
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.4f}")
             if rank == 0 and (step % config.log_every == 0 or step == total):

@@ -1,0 +1,130 @@
+"""Exact greedy and beam-search batch scheduling over the whole pool (ABS eq. 3-4).
+
+For each batch: draw a random conflict-free seed from the pool U, then repeat
+
+    d_r = argmax_{d in B} h(B - d)                       (eq. 3)
+    d_a = argmax_{d in U, d not in B} h(B - d_r + d)     (eq. 4)
+
+and swap d_r for d_a while that raises h(B). With running sums sQ, sP of the batch (see
+``similarity.py``) both arg-maxes are cheap and exact:
+
+    h(B - d)       = h(B) - c(d),       c(d) = Q_d.sP + P_d.sQ - 2 Q_d.P_d
+    h(B' + a)      = h(B') + Q_a.sP' + P_a.sQ'      (B' = B - d_r; sums of B')
+
+so eq. 3 is an argmin over the batch and eq. 4 one matrix-vector product over the pool, instead of
+the pairwise search that made the paper restrict candidates to a top-100. Candidates that conflict
+with a batch member (``conflicts.py``) are never added.
+
+Beam search (``beam_width`` k > 1): the k removals with the smallest c(d), each with its best
+addition, and the best of those swaps by the resulting h (the k x k swaps of the paper evaluated
+exactly: for each removal, its best addition is the best of its k). With ``neighbours``, additions
+are restricted to the neighbour lists of the batch members (the paper's top-100 variant).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from densepass.errors import ConfigError
+from densepass.scheduling.pool import Pool, pack_remainder
+from densepass.scheduling.similarity import BilinearSimilarity
+
+
+def iter_batches(
+    sim: BilinearSimilarity,
+    batch_size: int,
+    conflicts: Sequence[Sequence[int]] | None = None,
+    seed: int = 0,
+    beam_width: int = 1,
+    neighbours: np.ndarray | None = None,
+    max_swaps: int | None = None,
+) -> Iterator[list[int]]:
+    """Yield batches (lists of instance indices) covering every instance exactly once."""
+    n = sim.n
+    if batch_size < 1:
+        raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+    if batch_size > n:
+        raise ConfigError(f"batch size {batch_size} is larger than the pool of {n} instances")
+    if beam_width < 1:
+        raise ConfigError(f"beam width must be >= 1, got {beam_width}")
+    if neighbours is not None and len(neighbours) != n:
+        raise ConfigError(f"neighbour lists cover {len(neighbours)} instances, expected {n}")
+    conflicts = conflicts if conflicts is not None else [[] for _ in range(n)]
+    max_swaps = max_swaps if max_swaps is not None else 4 * batch_size
+    device = sim.device
+    pool = Pool(n, seed)
+    available = torch.ones(n, dtype=torch.bool, device=device)  # in U and not in the current batch
+    blocked = torch.zeros(n, dtype=torch.int32, device=device)  # batch members each instance conflicts with
+    conflict_idx = [torch.as_tensor(c, dtype=torch.long, device=device) for c in conflicts]
+    neighbour_t = torch.as_tensor(neighbours, dtype=torch.long, device=device) if neighbours is not None else None
+    neg_inf = torch.tensor(float("-inf"), dtype=sim.dtype, device=device)
+
+    while pool.remaining > batch_size:
+        members = pool.seed_batch(batch_size, conflicts)
+        for m in members:
+            available[m] = False
+            blocked[conflict_idx[m]] += 1
+        sums = sim.sums(members)
+        for _ in range(max_swaps):
+            member_t = torch.as_tensor(members, device=device)
+            contrib = sim.cross(sums, member_t) - 2 * sim.self_sim[member_t]
+            order = torch.sort(contrib, stable=True).indices[:beam_width].tolist()
+            best = None  # (gain, position, addition)
+            for pos in order:
+                r = members[pos]
+                reduced = sums - sim.row(r)
+                allowed = available.clone()
+                block = blocked.clone()
+                block[conflict_idx[r]] -= 1
+                allowed &= block == 0
+                if neighbour_t is not None:
+                    candidates = torch.unique(neighbour_t[[m for m in members if m != r]].flatten())
+                    candidates = candidates[allowed[candidates]]
+                    if len(candidates) == 0:
+                        continue
+                    gains = sim.cross(reduced, candidates)
+                    k = int(torch.argmax(gains))
+                    addition, gain = int(candidates[k]), gains[k]
+                else:
+                    gains = torch.where(allowed, sim.cross(reduced), neg_inf)
+                    addition = int(torch.argmax(gains))
+                    gain = gains[addition]
+                delta = float(gain - contrib[pos])
+                if best is None or delta > best[0]:
+                    best = (delta, pos, addition)
+            if best is None or not best[0] > 0:
+                break
+            _, pos, addition = best
+            removed = members[pos]
+            members[pos] = addition
+            sums = sums - sim.row(removed) + sim.row(addition)
+            available[removed], available[addition] = True, False
+            blocked[conflict_idx[removed]] -= 1
+            blocked[conflict_idx[addition]] += 1
+        for m in members:
+            blocked[conflict_idx[m]] -= 1
+        pool.take(members)
+        yield members
+    yield from pack_remainder(pool.ids().tolist(), batch_size, conflicts)
+
+
+def schedule_batches(sim: BilinearSimilarity, batch_size: int, **kwargs) -> list[list[int]]:
+    """All batches of one epoch (see ``iter_batches``)."""
+    return list(iter_batches(sim, batch_size, **kwargs))
+
+
+def neighbour_lists(sim: BilinearSimilarity, k: int = 100) -> np.ndarray:
+    """The paper's candidate restriction: for each instance i, the top-k instances j by
+    sim(q_i, p_j) and the top-k by sim(q_j, p_i) (dense similarities; exact search)."""
+    from densepass.index.exact import exact_search
+
+    if sim.sparse:
+        raise ConfigError("candidate restriction needs dense similarities (use the encoder, not BM25)")
+    q, p = sim.stacked[:, : sim.dim], sim.stacked[:, sim.dim :]
+    k = min(k, sim.n)
+    _, by_query = exact_search(q.float(), p.float(), k, device=sim.device)
+    _, by_passage = exact_search(p.float(), q.float(), k, device=sim.device)
+    return np.concatenate([by_query, by_passage], axis=1)

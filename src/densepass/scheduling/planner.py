@@ -1,0 +1,160 @@
+"""Plugs a batch order into training: one call per epoch yields that epoch's batches.
+
+For ABS the similarity is BM25 in the first epoch (no encoder signal yet) and the current encoder's
+dot product afterwards, re-encoding queries and positives at the start of each epoch. With
+``background`` the scheduler runs in a separate process and hands batches over a queue as it makes
+them (the paper's on-demand generation), so training starts on the first batch at once. Each epoch
+appends to ``schedule_log.jsonl``: mean batch hardness of the schedule and of random batches under
+the same similarity, scheduling time, and how long training waited for batches.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from densepass.config import ScheduleConfig
+from densepass.errors import ConfigError
+from densepass.index.encode import encode_texts
+from densepass.models.biencoder import BiEncoder
+from densepass.scheduling.baselines import clustered_batches, random_batches, sequential_batches
+from densepass.scheduling.conflicts import build_conflicts
+from densepass.scheduling.greedy import iter_batches, neighbour_lists
+from densepass.scheduling.similarity import BilinearSimilarity, bm25_instance_matrices
+from densepass.training.batches import TrainingData
+
+
+def mean_hardness(sim: BilinearSimilarity, batches: list[list[int]]) -> float:
+    """Mean h(B) (eq. 1) over batches, from the running-sum identity h = sQ.sP - sum Q_i.P_i."""
+    values = []
+    for batch in batches:
+        sums = sim.sums(batch)
+        values.append(float(sums[: sim.dim] @ sums[sim.dim :] - sim.self_sim[torch.as_tensor(batch, device=sim.device)].sum()))
+    return float(np.mean(values)) if values else 0.0
+
+
+def _schedule_worker(queue, queries, passages, device, batch_size, conflicts, seed, beam_width, restrict, max_swaps):
+    """Child process: build the similarity, stream batches, then report statistics."""
+    started = time.perf_counter()
+    sim = BilinearSimilarity(queries, passages, device=device)
+    neighbours = neighbour_lists(sim, restrict) if restrict else None
+    batches = []
+    for batch in iter_batches(sim, batch_size, conflicts=conflicts, seed=seed, beam_width=beam_width,
+                              neighbours=neighbours, max_swaps=max_swaps):
+        queue.put(batch)
+        batches.append(batch)
+    elapsed = time.perf_counter() - started
+    baseline = random_batches(sim.n, batch_size, seed, 0)
+    full = [b for b in batches if len(b) == batch_size]  # compare like with like: full batches only
+    queue.put({"schedule_s": elapsed, "mean_hardness": mean_hardness(sim, full),
+               "random_mean_hardness": mean_hardness(sim, baseline), "n_batches": len(batches)})
+
+
+class EpochPlanner:
+    """Callable epoch -> batches, with ``steps_per_epoch`` for the learning-rate schedule."""
+
+    def __init__(self, config: ScheduleConfig, batch_size: int, seed: int, data: TrainingData,
+                 model: BiEncoder, device: torch.device, log_path: Path | None = None) -> None:
+        if config.method == "abs-beam" and config.beam_width < 2:
+            raise ConfigError("schedule.beam_width must be >= 2 for abs-beam (1 is plain greedy)")
+        if config.restrict_top_k is not None and config.restrict_top_k < 1:
+            raise ConfigError("schedule.restrict_top_k must be >= 1")
+        if batch_size > len(data):
+            raise ConfigError(f"batch size {batch_size} is larger than the {len(data)} training instances")
+        self.config, self.batch_size, self.seed = config, batch_size, seed
+        self.data, self.model, self.device, self.log_path = data, model, device, log_path
+        self.steps_per_epoch = len(data) // batch_size
+        self._bm25: tuple | None = None
+        positive_keys = [int(data.keys[rows[0]]) for rows in data.positive_rows]
+        self.conflicts = build_conflicts(positive_keys, data.relevant_keys)
+
+    def __call__(self, epoch: int) -> Iterator[list[int]]:
+        method = self.config.method
+        if method == "sequential":
+            yield from sequential_batches(len(self.data), self.batch_size)
+        elif method == "random":
+            yield from random_batches(len(self.data), self.batch_size, self.seed, epoch)
+        elif method == "clustered":
+            queries, _ = self._encode()
+            yield from clustered_batches(queries, self.batch_size, self.config.clusters, self.seed, epoch)
+        else:
+            yield from self._abs(epoch)
+
+    def similarity_source(self, epoch: int) -> str:
+        kind = self.config.similarity
+        return "bm25" if kind == "bm25" or (kind == "bm25-then-encoder" and epoch == 0) else "encoder"
+
+    def _encode(self) -> tuple[np.ndarray, np.ndarray]:
+        """Current encoder's embeddings of the training queries and their positives."""
+        was_training = self.model.training
+        rows = [r[0] for r in self.data.positive_rows]
+        queries = encode_texts(self.model, self.data.query_texts, "query", device=self.device, show_progress=False)
+        passages = encode_texts(self.model, [self.data.passage_inputs[r] for r in rows], "passage",
+                                device=self.device, show_progress=False)
+        self.model.train(was_training)
+        return queries, passages
+
+    def _matrices(self, epoch: int):
+        if self.similarity_source(epoch) == "encoder":
+            return self._encode()
+        if self._bm25 is None:
+            rows = [r[0] for r in self.data.positive_rows]
+            distinct = sorted(set(rows))
+            where = {r: i for i, r in enumerate(distinct)}
+            q, p, _ = bm25_instance_matrices(self.data.query_texts, [self.data.passage_inputs[r] for r in distinct],
+                                             [where[r] for r in rows])
+            self._bm25 = (q, p)
+        return self._bm25
+
+    def _abs(self, epoch: int) -> Iterator[list[int]]:
+        queries, passages = self._matrices(epoch)
+        args = (str(self.device), self.batch_size, self.conflicts, self.seed + epoch,
+                self.config.beam_width if self.config.method == "abs-beam" else 1,
+                self.config.restrict_top_k, self.config.max_swaps)
+        waited = 0.0
+        if self.config.background:
+            context = mp.get_context("spawn")
+            queue = context.Queue(maxsize=256)
+            worker = context.Process(target=_schedule_worker, args=(queue, queries, passages, *args), daemon=True)
+            worker.start()
+            try:
+                while True:
+                    start = time.perf_counter()
+                    item = queue.get()
+                    waited += time.perf_counter() - start
+                    if isinstance(item, dict):
+                        stats = item
+                        break
+                    yield item
+            finally:  # also when training stops early (max_steps) and drops this generator
+                if worker.is_alive():
+                    worker.terminate()
+                worker.join()
+        else:
+            items: list = []
+            _schedule_worker(_ListQueue(items), queries, passages, *args)
+            stats = items.pop()
+            yield from items
+        self._log({"epoch": epoch, "method": self.config.method, "similarity": self.similarity_source(epoch),
+                   "waited_s": waited, **stats})
+
+    def _log(self, record: dict) -> None:
+        if self.log_path is not None:
+            with open(self.log_path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+
+class _ListQueue:
+    """The queue interface of the worker, in-process."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def put(self, item) -> None:
+        self.items.append(item)

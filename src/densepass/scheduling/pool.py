@@ -1,0 +1,56 @@
+"""The pool of unscheduled instances, and the two steps every scheduler shares: drawing a random
+conflict-free seed batch (ABS §3.2: "randomly select n elements from U") and packing the last
+instances into conflict-free batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class Pool:
+    """Unscheduled instances U, with O(1) membership and seeded random draws."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.alive = np.ones(n, dtype=bool)
+        self.remaining = n
+        self.rng = np.random.default_rng(seed)
+
+    def ids(self) -> np.ndarray:
+        return np.flatnonzero(self.alive)
+
+    def take(self, batch: Sequence[int]) -> None:
+        self.alive[list(batch)] = False
+        self.remaining -= len(batch)
+
+    def seed_batch(self, size: int, conflicts: Sequence[Sequence[int]]) -> list[int]:
+        """Up to ``size`` random pool members, no two in conflict (drawn in random order)."""
+        ids = self.ids()
+        order = ids[self.rng.permutation(len(ids))]
+        chosen: list[int] = []
+        blocked: set[int] = set()
+        for i in order.tolist():
+            if i in blocked:
+                continue
+            chosen.append(i)
+            blocked.update(conflicts[i])
+            if len(chosen) == size:
+                break
+        return chosen
+
+
+def pack_remainder(ids: Sequence[int], size: int, conflicts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """First-fit packing of the last instances into batches of at most ``size`` without conflicts."""
+    batches: list[list[int]] = []
+    blocked: list[set[int]] = []
+    for i in ids:
+        for batch, block in zip(batches, blocked):
+            if len(batch) < size and i not in block:
+                batch.append(i)
+                block.update(conflicts[i])
+                break
+        else:
+            batches.append([i])
+            blocked.append(set(conflicts[i]))
+    return batches

@@ -1,0 +1,138 @@
+"""Bilinear similarities between training instances: sim(q_i, p_j) = Q_i . P_j.
+
+Both similarities ABS uses have this form: the encoder's dot product (Q, P = query and positive
+passage embeddings) and BM25 (Q = query term counts, P = the positive passage's BM25 term weights).
+Because of it the hardness of a batch B (eq. 1) is
+
+    h(B) = sum_{i != j in B} Q_i . P_j = (sum_B Q) . (sum_B P) - sum_{i in B} Q_i . P_i,
+
+so two running sums per batch give any candidate's effect on h with one matrix-vector product.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from densepass.errors import ConfigError
+
+
+class BilinearSimilarity:
+    """Instance-level Q [N, D] and P [N, D] (dense, or sparse CSR for BM25) on one device."""
+
+    def __init__(self, queries, passages, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        if queries.shape != passages.shape:
+            raise ConfigError(f"query and passage matrices differ in shape: {queries.shape} vs {passages.shape}")
+        if queries.shape[0] == 0:
+            raise ConfigError("no training instances to schedule")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.sparse = sp.issparse(queries)
+        self.n, self.dim = queries.shape
+        if self.sparse:
+            q, p = sp.csr_matrix(queries, dtype=np.float64), sp.csr_matrix(passages, dtype=np.float64)
+            self.self_sim = torch.as_tensor(np.asarray(q.multiply(p).sum(1)).ravel(), dtype=dtype, device=self.device)
+            self.stacked = _to_torch_csr(sp.hstack([q, p], format="csr"), self.device, dtype)  # [N, 2D]
+            self._q_rows, self._p_rows = q, p
+        else:
+            q = torch.as_tensor(np.asarray(queries)).to(self.device, dtype)
+            p = torch.as_tensor(np.asarray(passages)).to(self.device, dtype)
+            self.self_sim = (q * p).sum(1)
+            self.stacked = torch.cat([q, p], 1)  # [N, 2D]: row i = [Q_i, P_i]
+
+    def sums(self, members: Sequence[int]) -> torch.Tensor:
+        """[sum Q, sum P] over ``members`` as one dense vector of length 2D."""
+        if self.sparse:
+            idx = list(members)
+            q = np.asarray(self._q_rows[idx].sum(0)).ravel()
+            p = np.asarray(self._p_rows[idx].sum(0)).ravel()
+            return torch.as_tensor(np.concatenate([q, p]), dtype=self.dtype, device=self.device)
+        return self.stacked[torch.as_tensor(list(members), device=self.device)].sum(0)
+
+    def row(self, i: int) -> torch.Tensor:
+        """[Q_i, P_i] as a dense vector of length 2D."""
+        if self.sparse:
+            return torch.as_tensor(
+                np.concatenate([self._q_rows[i].toarray().ravel(), self._p_rows[i].toarray().ravel()]),
+                dtype=self.dtype, device=self.device,
+            )
+        return self.stacked[i]
+
+    def cross(self, sums: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """For each instance a: Q_a . (sum P) + P_a . (sum Q), given ``sums`` = [sum Q, sum P].
+
+        This is how much a adds to h(B) when it joins B (the batch the sums describe). ``sums`` may
+        be [2D] or [2D, k] (k batches at once). ``rows`` restricts the product to some instances.
+        """
+        swapped = torch.cat([sums[self.dim :], sums[: self.dim]])  # [sum P, sum Q]
+        matrix = self.stacked if rows is None else self._rows(rows)
+        if swapped.dim() == 1:
+            return (matrix @ swapped.unsqueeze(1)).squeeze(1)
+        return matrix @ swapped
+
+    def _rows(self, rows: torch.Tensor):
+        if self.sparse:
+            return _to_torch_csr(
+                sp.hstack([self._q_rows[rows.cpu().numpy()], self._p_rows[rows.cpu().numpy()]], format="csr"),
+                self.device, self.dtype,
+            )
+        return self.stacked[rows]
+
+    def dense_matrix(self) -> np.ndarray:
+        """The full [N, N] similarity matrix S_ij = sim(q_i, p_j) (small N only: tests, references)."""
+        if self.sparse:
+            return (self._q_rows @ self._p_rows.T).toarray()
+        q, p = self.stacked[:, : self.dim].double(), self.stacked[:, self.dim :].double()
+        return (q @ p.T).cpu().numpy()
+
+
+def _to_torch_csr(matrix: sp.csr_matrix, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
+        return torch.sparse_csr_tensor(
+            torch.as_tensor(matrix.indptr, dtype=torch.int64),
+            torch.as_tensor(matrix.indices, dtype=torch.int64),
+            torch.as_tensor(matrix.data),
+            size=matrix.shape,
+            check_invariants=False,
+        ).to(device=device, dtype=dtype)
+
+
+def batch_hardness(similarity: np.ndarray, batch: Sequence[int]) -> float:
+    """Eq. 1 literally: h(B) = sum over ordered pairs i != j in B of S_ij."""
+    idx = np.asarray(batch)
+    block = similarity[np.ix_(idx, idx)]
+    return float(block.sum() - np.trace(block))
+
+
+def bm25_instance_matrices(
+    queries: Sequence[str], passages: Sequence[str], passage_of: Sequence[int], k1: float = 0.9, b: float = 0.4
+):
+    """(Q, P, retriever): sparse matrices with Q_i . P_j = BM25(query i, passage ``passage_of[j]``),
+    scored by bm25s over the collection ``passages`` (the distinct positive passages)."""
+    import bm25s
+
+    from densepass.index.bm25 import _stemmer
+
+    stemmer = _stemmer()
+    corpus_tokens = bm25s.tokenize(list(passages), stopwords="en", stemmer=stemmer, show_progress=False)
+    retriever = bm25s.BM25(k1=k1, b=b)
+    retriever.index(corpus_tokens, show_progress=False)
+    s = retriever.scores
+    n_terms = len(s["indptr"]) - 1  # bm25s leaves the empty token out of its score matrix
+    vocab = {t: i for t, i in corpus_tokens.vocab.items() if i < n_terms}
+    weights = sp.csc_matrix((s["data"], s["indices"], s["indptr"]), shape=(s["num_docs"], n_terms)).tocsr()
+    query_tokens = bm25s.tokenize(list(queries), stopwords="en", stemmer=stemmer, show_progress=False,
+                                  return_ids=False)
+    rows, cols = [], []
+    for i, tokens in enumerate(query_tokens):
+        for tok in tokens:
+            if tok in vocab:
+                rows.append(i)
+                cols.append(vocab[tok])
+    counts = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(queries), n_terms))
+    return counts, weights[np.asarray(passage_of)], retriever

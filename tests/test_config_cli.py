@@ -1,0 +1,291 @@
+"""Typed configuration (YAML/JSON, typos, types, overrides), the CLI's one-line errors, and the
+evaluation subcorpus (gold + BM25 top-k + random passages)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from densepass.cli import main
+from densepass.config import DataConfig, ExperimentConfig, load_config, save_config
+from densepass.errors import ConfigError
+
+# ---- load_config ------------------------------------------------------------------------------
+
+
+def test_load_config_from_yaml(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text(
+        "name: tiny\n"
+        "train:\n  batch_size: 3\n  learning_rate: 1.0e-4\n  max_steps: 7\n"
+        "eval:\n  index: faiss-hnsw\n  metrics: [mrr@10, recall@5]\n"
+        "model:\n  projection_dim: 16\n  pooling: cls\n"
+    )
+    config = load_config(path)
+    assert isinstance(config, ExperimentConfig)
+    assert config.name == "tiny"
+    assert config.train.batch_size == 3 and config.train.max_steps == 7
+    assert config.train.learning_rate == pytest.approx(1e-4)
+    assert config.eval.index == "faiss-hnsw" and config.eval.metrics == ["mrr@10", "recall@5"]
+    assert config.model.projection_dim == 16 and config.model.pooling == "cls"
+    # everything not mentioned keeps its default
+    assert config.data == DataConfig()
+    assert config.train.epochs == ExperimentConfig().train.epochs
+
+
+def test_load_config_from_json(tmp_path):
+    path = tmp_path / "exp.json"
+    path.write_text(json.dumps({"name": "j", "data": {"name": "scifact", "max_eval_queries": None}, "train": {"epochs": 2}}))
+    config = load_config(path)
+    assert (config.name, config.data.name, config.data.max_eval_queries, config.train.epochs) == ("j", "scifact", None, 2)
+
+
+def test_int_is_accepted_for_float_field(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("train:\n  learning_rate: 1\n")
+    value = load_config(path).train.learning_rate
+    assert value == 1.0 and isinstance(value, float)
+
+
+def test_empty_file_and_none_give_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(path) == ExperimentConfig()
+    assert load_config(None) == ExperimentConfig()
+
+
+def test_unknown_key_suggests_close_name(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("train:\n  batch_szie: 3\n")
+    with pytest.raises(ConfigError, match=r"config\.train: unknown key 'batch_szie' \(did you mean 'batch_size'\?\)"):
+        load_config(path)
+
+
+def test_unknown_key_without_close_name_lists_known_keys(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("zzzzzz: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'zzzzzz' \(known: .*\btrain\b"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("train:\n  batch_size: eight\n", r"config\.train\.batch_size: expected an integer, got 'eight'"),
+        ("train:\n  batch_size: 8.5\n", r"config\.train\.batch_size: expected an integer"),
+        ("train:\n  batch_size: true\n", r"config\.train\.batch_size: expected an integer"),
+        ("train:\n  max_steps: many\n", r"config\.train\.max_steps: expected an integer"),
+        ("eval:\n  index: annoy\n", r"config\.eval\.index: 'annoy' is not one of 'exact', 'faiss-flat'"),
+        ("model:\n  pooling: max\n", r"config\.model\.pooling: 'max' is not one of"),
+        ("model:\n  normalize: 'yes'\n", r"config\.model\.normalize: expected true/false"),
+        ("eval:\n  metrics: mrr@10\n", r"config\.eval\.metrics: expected a list"),
+        ("eval:\n  metrics: [mrr@10, 5]\n", r"config\.eval\.metrics\[1\]: expected a string"),
+        ("train: 3\n", r"config\.train: expected a mapping"),
+        ("- a\n- b\n", r"top level must be a mapping"),
+        ("train: [unclosed\n", r"not valid YAML"),
+    ],
+)
+def test_wrong_types_name_the_field_path(tmp_path, text, message):
+    path = tmp_path / "exp.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_invalid_json_is_a_config_error(tmp_path):
+    path = tmp_path / "exp.json"
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(path)
+
+
+def test_overrides(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("train:\n  batch_size: 3\n")
+    config = load_config(path, ["train.batch_size=8", "eval.metrics=[ndcg@10]", "data.max_eval_queries=null", "name=x"])
+    assert config.train.batch_size == 8
+    assert config.eval.metrics == ["ndcg@10"]
+    assert config.data.max_eval_queries is None
+    assert config.name == "x"
+    # overrides on defaults, creating the section
+    assert load_config(None, ["model.projection_dim=12"]).model.projection_dim == 12
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.batch_szie=8", r"did you mean 'batch_size'"),
+        ("train.batch_size=eight", r"config\.train\.batch_size: expected an integer"),
+        ("train.batch_size", r"must look like section\.key=value"),
+        ("name.sub=1", r"config\.name: expected a string"),
+    ],
+)
+def test_bad_overrides(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_override_below_a_plain_value_is_rejected():
+    with pytest.raises(ConfigError, match=r"'name' is not a section"):
+        load_config(None, ["name=x", "name.sub=1"])
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_save_load_round_trip(tmp_path, suffix):
+    config = load_config(None, ["name=round", "train.batch_size=5", "eval.index=faiss-ivfpq", "model.projection_dim=8",
+                                "data.eval_subcorpus=true", "eval.metrics=[mrr@10, recall@3]"])
+    path = tmp_path / "sub" / f"saved{suffix}"
+    save_config(config, path)
+    assert load_config(path) == config
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # written atomically, no temporary file
+    if suffix == ".json":
+        assert json.loads(path.read_text())["train"]["batch_size"] == 5
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+# ---- CLI errors -------------------------------------------------------------------------------
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("densepass: error: ")
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_cli_missing_config_file(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.yaml")]) == 2
+    assert "config file not found" in one_line_error(capsys)
+
+
+def test_cli_config_typo(tmp_path, capsys):
+    path = tmp_path / "exp.yaml"
+    path.write_text("train:\n  batch_szie: 3\n")
+    assert main(["run", str(path)]) == 2
+    line = one_line_error(capsys)
+    assert "batch_szie" in line and "'batch_size'" in line
+
+
+def test_cli_override_typo(capsys):
+    assert main(["run", "--set", "eval.indx=exact"]) == 2
+    assert "did you mean 'index'" in one_line_error(capsys)
+
+
+def test_cli_unknown_dataset(tmp_path, capsys):
+    assert main(["evaluate", "nosuch", str(tmp_path / "run.trec"), "--data-dir", str(tmp_path)]) == 2
+    line = one_line_error(capsys)
+    assert "dataset 'nosuch' not found" in line and str(tmp_path) in line
+
+
+def test_cli_missing_run_file(tiny_beir, tmp_path, capsys):
+    assert main(["evaluate", str(tiny_beir), str(tmp_path / "missing.trec")]) == 2
+    assert "run file not found" in one_line_error(capsys)
+
+
+def test_cli_bad_run_file_line(tiny_beir, tmp_path, capsys):
+    run = tmp_path / "run.trec"
+    run.write_text("q30 Q0 p30 1 0.9 t\nq31 Q0 p31\n")
+    assert main(["evaluate", str(tiny_beir), str(run)]) == 2
+    assert "run.trec:2: expected 6 columns" in one_line_error(capsys)
+
+
+def test_cli_evaluate_prints_metrics(tiny_beir, tmp_path, capsys):
+    run = tmp_path / "run.trec"
+    # dev queries are q30..q39 with positives p30..p39; only q30 is answered, at rank 2
+    run.write_text("q30 Q0 p0 1 0.9 t\nq30 Q0 p30 2 0.8 t\n")
+    assert main(["evaluate", str(tiny_beir), str(run), "--metrics", "mrr@10", "recall@1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == pytest.approx({"mrr@10": (1 / 2) / 10, "recall@1": 0 / 10})
+
+
+# ---- evaluation subcorpus ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def dataset_and_bm25(tiny_beir):
+    from densepass.data import load_dataset
+    from densepass.index.bm25 import BM25Index
+
+    dataset = load_dataset(str(tiny_beir))
+    return dataset, BM25Index.build(dataset.corpus.passage_inputs(" "))
+
+
+def subcorpus_config(**changes) -> DataConfig:
+    base = DataConfig(eval_split="dev", max_eval_queries=4, eval_subcorpus=True, eval_hard_k=3, eval_random=5, seed=7)
+    return dataclasses.replace(base, **changes)
+
+
+def test_eval_subcorpus_has_gold_bm25_and_random_passages(dataset_and_bm25):
+    from densepass.runs.evalset import build_eval_set
+
+    dataset, bm25 = dataset_and_bm25
+    dev = dataset.split("dev")
+    config = subcorpus_config()
+    eval_set = build_eval_set(dataset, config, bm25)
+
+    assert len(eval_set.query_ids) == 4 and eval_set.query_ids == sorted(eval_set.query_ids)
+    assert set(eval_set.query_ids) <= set(dev)
+    assert eval_set.query_texts == [dataset.queries[q] for q in eval_set.query_ids]
+    assert eval_set.qrels == {q: dev[q] for q in eval_set.query_ids}
+
+    ids = eval_set.corpus.ids
+    assert len(set(ids)) == len(ids)
+    gold = {p for q in eval_set.query_ids for p, g in dev[q].items() if g > 0}
+    _, rows = bm25.search(eval_set.query_texts, 3)
+    hard = {dataset.corpus.ids[r] for r in rows.ravel().tolist()}
+    assert hard - gold, "BM25 should add passages beyond the gold ones on this data"
+    assert gold <= set(ids)
+    assert hard <= set(ids)
+    extra = set(ids) - gold - hard
+    assert len(extra) == config.eval_random
+    assert len(ids) == len(gold | hard) + config.eval_random
+
+    # the subcorpus keeps corpus order and each passage's own title and text
+    positions = [dataset.corpus.position(p) for p in ids]
+    assert positions == sorted(positions)
+    assert eval_set.corpus.texts == [dataset.corpus.texts[i] for i in positions]
+    assert eval_set.corpus.titles == [dataset.corpus.titles[i] for i in positions]
+    assert "4 dev queries" in eval_set.description
+
+
+def test_eval_subcorpus_is_deterministic_under_seed(dataset_and_bm25):
+    from densepass.runs.evalset import build_eval_set
+
+    dataset, bm25 = dataset_and_bm25
+    first = build_eval_set(dataset, subcorpus_config(), bm25)
+    second = build_eval_set(dataset, subcorpus_config(), bm25)
+    assert first.query_ids == second.query_ids
+    assert first.corpus.ids == second.corpus.ids
+    others = [build_eval_set(dataset, subcorpus_config(seed=s), bm25) for s in (1, 2, 3)]
+    assert any((o.query_ids, o.corpus.ids) != (first.query_ids, first.corpus.ids) for o in others)
+
+
+def test_eval_subcorpus_random_only_and_capped(dataset_and_bm25):
+    from densepass.runs.evalset import build_eval_set
+
+    dataset, _ = dataset_and_bm25
+    eval_set = build_eval_set(dataset, subcorpus_config(eval_hard_k=0, eval_random=2, max_eval_queries=None), None)
+    assert len(eval_set.query_ids) == 10  # every dev query
+    assert len(eval_set.corpus) == 10 + 2  # their 10 distinct positives + 2 random
+    everything = build_eval_set(dataset, subcorpus_config(eval_hard_k=0, eval_random=10_000), None)
+    assert len(everything.corpus) == len(dataset.corpus)
+
+
+def test_eval_set_full_corpus_and_errors(dataset_and_bm25):
+    from densepass.runs.evalset import build_eval_set
+
+    dataset, _ = dataset_and_bm25
+    full = build_eval_set(dataset, subcorpus_config(eval_subcorpus=False), None)
+    assert full.corpus is dataset.corpus and len(full.query_ids) == 4
+    with pytest.raises(ConfigError, match="needs a BM25 index"):
+        build_eval_set(dataset, subcorpus_config(), None)
+    with pytest.raises(ConfigError, match=">= 0"):
+        build_eval_set(dataset, subcorpus_config(eval_random=-1), None)

@@ -1,0 +1,295 @@
+"""Exact and FAISS dense search, BM25, and (resumable) encoding, against brute-force references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from densepass.errors import DensepassError
+from densepass.index import encode as encode_module
+from densepass.index.bm25 import BM25Index
+from densepass.index.encode import encode_texts, encode_to_memmap
+from densepass.index.exact import exact_search
+from densepass.index.faiss_index import build_faiss_index, faiss_search, load_faiss_index, save_faiss_index
+
+CPU = torch.device("cpu")
+
+
+def brute_force(queries: np.ndarray, passages: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    scores = queries.astype(np.float64) @ passages.astype(np.float64).T
+    ids = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(scores, ids, axis=1), ids
+
+
+def random_data(n_queries: int, n_passages: int, dim: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n_queries, dim)).astype(np.float32),
+            rng.normal(size=(n_passages, dim)).astype(np.float32))
+
+
+def clustered_unit_vectors(n: int, dim: int, n_clusters: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(n_clusters, dim))
+    x = centers[rng.integers(0, n_clusters, n)] + 0.3 * rng.normal(size=(n, dim))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.fixture
+def faiss_one_thread():
+    """FAISS's OpenMP threads fight torch's on a small machine; one thread is faster and deterministic."""
+    import faiss
+
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before)
+
+
+# ---- exact search -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("query_chunk", "passage_chunk", "k"),
+    [
+        (4096, 262_144, 10),  # one chunk each
+        (7, 50, 10),  # several query and passage chunks, chunk larger than k
+        (7, 3, 10),  # passage chunks smaller than k: the merge must still keep k results
+        (1, 64, 5),  # uneven last passage chunk
+        (16, 30, 1),
+    ],
+)
+def test_exact_search_matches_brute_force(query_chunk, passage_chunk, k):
+    queries, passages = random_data(20, 203, 16)
+    scores, ids = exact_search(queries, passages, k, device=CPU, query_chunk=query_chunk, passage_chunk=passage_chunk)
+    ref_scores, ref_ids = brute_force(queries, passages, k)
+    assert scores.shape == ids.shape == (20, k)
+    assert scores.dtype == np.float32 and ids.dtype == np.int64
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(scores, ref_scores, rtol=1e-5, atol=1e-5)
+
+
+def test_exact_search_k_larger_than_corpus_returns_whole_corpus_sorted():
+    queries, passages = random_data(5, 8, 4, seed=1)
+    scores, ids = exact_search(queries, passages, 50, device=CPU, passage_chunk=3)
+    ref_scores, ref_ids = brute_force(queries, passages, 8)
+    assert ids.shape == (5, 8)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    assert all(sorted(row) == list(range(8)) for row in ids.tolist())
+
+
+def test_exact_search_accepts_tensors():
+    queries, passages = random_data(3, 40, 8, seed=2)
+    scores, ids = exact_search(torch.from_numpy(queries), torch.from_numpy(passages), 4, device=CPU)
+    np.testing.assert_array_equal(ids, brute_force(queries, passages, 4)[1])
+
+
+def test_exact_search_errors():
+    queries, passages = random_data(2, 5, 4)
+    with pytest.raises(DensepassError, match="empty corpus"):
+        exact_search(queries, passages[:0], 3, device=CPU)
+    with pytest.raises(DensepassError, match="dim"):
+        exact_search(queries, passages[:, :3], 3, device=CPU)
+
+
+# ---- FAISS ------------------------------------------------------------------------------------
+
+
+def test_faiss_flat_equals_exact_search(faiss_one_thread):
+    queries, passages = random_data(30, 500, 16, seed=3)
+    index = build_faiss_index(passages, "faiss-flat")
+    scores, ids = faiss_search(index, queries, 10)
+    ex_scores, ex_ids = exact_search(queries, passages, 10, device=CPU)
+    np.testing.assert_array_equal(ids, ex_ids)
+    np.testing.assert_allclose(scores, ex_scores, rtol=1e-5, atol=1e-5)
+    # k beyond the corpus is clamped, like exact search
+    assert faiss_search(build_faiss_index(passages[:6], "faiss-flat"), queries, 10)[1].shape == (30, 6)
+
+
+@pytest.mark.parametrize(("kind", "options"), [("faiss-hnsw", {}), ("faiss-ivfpq", {"pq_m": 16})])
+def test_approximate_faiss_indexes_find_most_true_neighbours(faiss_one_thread, kind, options):
+    passages = clustered_unit_vectors(2000, 32, n_clusters=20, seed=0)
+    rng = np.random.default_rng(1)
+    queries = passages[rng.choice(len(passages), 100, replace=False)] + 0.05 * rng.normal(size=(100, 32))
+    queries = (queries / np.linalg.norm(queries, axis=1, keepdims=True)).astype(np.float32)
+    _, exact_ids = exact_search(queries, passages, 10, device=CPU)
+    _, ids = faiss_search(build_faiss_index(passages, kind, **options), queries, 10)
+    assert ids.shape == (100, 10)
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids.tolist(), exact_ids.tolist())])
+    assert recall >= 0.8, f"{kind} recall@10 vs exact = {recall:.3f}"
+
+
+def test_faiss_unknown_kind_and_empty_input():
+    from densepass.errors import ConfigError
+
+    _, passages = random_data(1, 10, 8)
+    with pytest.raises(ConfigError, match="unknown index kind"):
+        build_faiss_index(passages, "faiss-nope")
+    with pytest.raises(DensepassError, match="empty"):
+        build_faiss_index(passages[:0], "faiss-flat")
+
+
+def test_faiss_save_load_round_trip_is_atomic(tmp_path, faiss_one_thread):
+    queries, passages = random_data(5, 100, 8, seed=4)
+    index = build_faiss_index(passages, "faiss-hnsw")
+    path = tmp_path / "nested" / "hnsw.index"
+    save_faiss_index(index, path)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["hnsw.index"]  # no temporary file left
+    loaded = load_faiss_index(path)
+    assert loaded.ntotal == 100
+    before, after = faiss_search(index, queries, 5), faiss_search(loaded, queries, 5)
+    np.testing.assert_array_equal(before[1], after[1])
+    np.testing.assert_allclose(before[0], after[0])
+    save_faiss_index(build_faiss_index(passages[:10], "faiss-flat"), path)  # overwrite in place
+    assert load_faiss_index(path).ntotal == 10
+    assert sorted(p.name for p in path.parent.iterdir()) == ["hnsw.index"]
+
+
+def test_faiss_load_missing_file(tmp_path):
+    with pytest.raises(DensepassError, match="index file not found"):
+        load_faiss_index(tmp_path / "missing.index")
+
+
+# ---- BM25 -------------------------------------------------------------------------------------
+
+BM25_TEXTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a kernel driver for the network printer",
+    "python compiler and interpreter for scripting",
+    "music player with playlist and equalizer support",
+    "database server with replication and backup",
+    "image viewer for photographs and thumbnails",
+]
+
+
+def test_bm25_top_hit_is_the_passage_with_the_query_words():
+    index = BM25Index.build(BM25_TEXTS)
+    queries = ["playlist equalizer", "replication backup", "thumbnails photographs", "printer kernel"]
+    scores, rows = index.search(queries, k=3)
+    assert rows.shape == scores.shape == (4, 3)
+    assert rows[:, 0].tolist() == [3, 4, 5, 1]
+    assert (np.diff(scores, axis=1) <= 0).all()  # best first
+    assert (scores[:, 0] > 0).all()
+
+
+def test_bm25_stems_query_words():
+    index = BM25Index.build(BM25_TEXTS)
+    _, rows = index.search(["jumping foxes"], k=1)
+    assert rows[0, 0] == 0
+
+
+def test_bm25_k_is_clamped_to_corpus_size():
+    index = BM25Index.build(BM25_TEXTS)
+    scores, rows = index.search(["python"], k=100)
+    assert rows.shape == (1, len(BM25_TEXTS))
+    assert sorted(rows[0].tolist()) == list(range(len(BM25_TEXTS)))
+
+
+def test_bm25_save_load_round_trip(tmp_path):
+    index = BM25Index.build(BM25_TEXTS)
+    queries = ["python scripting", "lazy dog", "network driver"]
+    expected = index.search(queries, k=4)
+    path = tmp_path / "bm25"
+    index.save(path)
+    index.save(path)  # saving over an existing index replaces it
+    assert [p.name for p in tmp_path.iterdir()] == ["bm25"]  # no temporary or old directory left
+    loaded = BM25Index.load(path)
+    assert loaded.size == len(BM25_TEXTS)
+    got = loaded.search(queries, k=4)
+    np.testing.assert_array_equal(got[1], expected[1])
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
+
+
+def test_bm25_errors(tmp_path):
+    with pytest.raises(DensepassError, match="empty corpus"):
+        BM25Index.build([])
+    with pytest.raises(DensepassError, match="no queries"):
+        BM25Index.build(BM25_TEXTS).search([], k=1)
+    with pytest.raises(DensepassError, match="BM25 index not found"):
+        BM25Index.load(tmp_path / "missing")
+
+
+# ---- encoding ---------------------------------------------------------------------------------
+
+TEXTS = [
+    "short",
+    "a somewhat longer passage about audio and video editing software",
+    "mid length text here",
+    "one",
+    "the longest text of them all, describing a terminal emulator, a font viewer and a mail server in detail",
+    "two words",
+    "network kernel driver",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir):
+    from densepass.models.biencoder import BiEncoder
+
+    return BiEncoder.from_pretrained(str(tiny_model_dir))
+
+
+def test_encode_texts_keeps_input_order(tiny_model):
+    batched = encode_texts(tiny_model, TEXTS, "passage", batch_size=3, device=CPU, show_progress=False)
+    one_by_one = np.stack(
+        [encode_texts(tiny_model, [t], "passage", batch_size=1, device=CPU, show_progress=False)[0] for t in TEXTS]
+    )
+    assert batched.shape == (len(TEXTS), tiny_model.dim) and batched.dtype == np.float32
+    np.testing.assert_allclose(batched, one_by_one, atol=1e-5)
+    # the texts really differ, so a permuted result could not pass the comparison above
+    assert np.linalg.norm(batched[:, None] - batched[None], axis=-1)[~np.eye(len(TEXTS), dtype=bool)].min() > 1e-3
+
+
+def test_encode_texts_max_tokens_gives_same_embeddings(tiny_model):
+    plain = encode_texts(tiny_model, TEXTS, "query", batch_size=2, device=CPU, show_progress=False)
+    capped = encode_texts(tiny_model, TEXTS, "query", batch_size=1, device=CPU, show_progress=False, max_tokens=40)
+    np.testing.assert_allclose(plain, capped, atol=1e-5)
+
+
+def test_encode_texts_empty_list(tiny_model):
+    with pytest.raises(DensepassError, match="nothing to encode"):
+        encode_texts(tiny_model, [], "query", device=CPU, show_progress=False)
+
+
+def test_encode_to_memmap_resumes_after_interruption(tiny_model, tmp_path, monkeypatch):
+    texts = [f"{word} passage number {i}" for i, word in enumerate(TEXTS * 2)]  # 14 texts
+    path = tmp_path / "emb" / "passages.npy"
+    kwargs = dict(device=CPU, show_progress=False, batch_size=4)
+    real = encode_module.encode_texts
+    calls: list[int] = []
+
+    def failing_on_second_shard(model, shard_texts, side, **kw):
+        calls.append(len(shard_texts))
+        if len(calls) == 2:
+            raise KeyboardInterrupt("simulated interruption")
+        return real(model, shard_texts, side, **kw)
+
+    monkeypatch.setattr(encode_module, "encode_texts", failing_on_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        encode_to_memmap(tiny_model, texts, "passage", path, shard_size=5, **kwargs)
+    assert not path.exists()
+    assert (path.parent / "passages.npy.partial").is_file()
+    assert (path.parent / "passages.npy.done").read_text().split() == ["0"]
+
+    calls.clear()
+    monkeypatch.setattr(encode_module, "encode_texts", lambda *a, **kw: (calls.append(len(a[1])), real(*a, **kw))[1])
+    out = encode_to_memmap(tiny_model, texts, "passage", path, shard_size=5, **kwargs)
+    assert calls == [5, 4]  # shard 0 was not encoded again; shards 1 and 2 were
+    direct = real(tiny_model, texts, "passage", **kwargs)
+    assert out.shape == (14, tiny_model.dim)
+    np.testing.assert_allclose(np.asarray(out), direct, atol=1e-5)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["passages.npy"]  # no .partial or .done left
+
+    # a finished file is returned as is, without encoding anything
+    calls.clear()
+    again = encode_to_memmap(tiny_model, texts, "passage", path, shard_size=5, **kwargs)
+    assert calls == []
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
+
+
+def test_encode_to_memmap_rejects_partial_of_wrong_shape(tiny_model, tmp_path):
+    path = tmp_path / "emb.npy"
+    np.lib.format.open_memmap(path.with_name("emb.npy.partial"), mode="w+", dtype=np.float32, shape=(3, 5))
+    with pytest.raises(DensepassError, match="delete it to restart"):
+        encode_to_memmap(tiny_model, TEXTS, "passage", path, device=CPU, show_progress=False)

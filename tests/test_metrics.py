@@ -1,0 +1,240 @@
+"""Ranking metrics (through ranx), TREC run files, ``make_run`` and DPR answer accuracy, checked
+against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from densepass.errors import DataError
+from densepass.evaluation.answers import has_answer, normalize_answer, top_k_accuracy
+from densepass.evaluation.metrics import evaluate_run, make_run, read_trec_run, write_trec_run
+
+
+def log2(x: float) -> float:
+    return math.log2(x)
+
+
+# ---- metrics against hand-computed values -----------------------------------------------------
+
+QRELS = {
+    "q1": {"a": 2, "b": 1, "z": 0},  # graded; z is judged non-relevant
+    "q2": {"c": 1},
+    "q3": {"d": 1, "e": 1},
+}
+RUN = {
+    "q1": {"x": 0.9, "a": 0.8, "y": 0.7, "b": 0.6},  # a at rank 2, b at rank 4
+    "q2": {"c": 0.5, "w": 0.4},  # c at rank 1
+    "q3": {"v": 0.9, "u": 0.8, "d": 0.3},  # d at rank 3, e not retrieved
+}
+
+
+def test_mrr_at_k_matches_hand_computation():
+    got = evaluate_run(QRELS, RUN, ["mrr@10", "mrr@2"])
+    assert got["mrr@10"] == pytest.approx((1 / 2 + 1 / 1 + 1 / 3) / 3)
+    # at cutoff 2, q3's first relevant passage (rank 3) falls out
+    assert got["mrr@2"] == pytest.approx((1 / 2 + 1 / 1 + 0) / 3)
+
+
+def test_recall_at_k_matches_hand_computation():
+    got = evaluate_run(QRELS, RUN, ["recall@2", "recall@4"])
+    assert got["recall@2"] == pytest.approx((1 / 2 + 1 / 1 + 0 / 2) / 3)
+    assert got["recall@4"] == pytest.approx((2 / 2 + 1 / 1 + 1 / 2) / 3)
+
+
+def test_ndcg_at_k_uses_graded_relevance():
+    got = evaluate_run(QRELS, RUN, ["ndcg@4", "ndcg@2"])
+    # gain = grade, discount = log2(rank + 1); ideal ranking puts grade 2 first, then grade 1
+    q1 = (2 / log2(3) + 1 / log2(5)) / (2 / log2(2) + 1 / log2(3))
+    q2 = (1 / log2(2)) / (1 / log2(2))
+    q3 = (1 / log2(4)) / (1 / log2(2) + 1 / log2(3))
+    assert got["ndcg@4"] == pytest.approx((q1 + q2 + q3) / 3)
+    q1_at2 = (2 / log2(3)) / (2 / log2(2) + 1 / log2(3))
+    assert got["ndcg@2"] == pytest.approx((q1_at2 + 1 + 0) / 3)
+
+
+def test_ndcg_distinguishes_grades():
+    """Swapping the grade-2 and grade-1 passages must lower nDCG (grades are not binarised)."""
+    qrels = {"q": {"a": 2, "b": 1}}
+    best = evaluate_run(qrels, {"q": {"a": 2.0, "b": 1.0}}, ["ndcg@2"])["ndcg@2"]
+    swapped = evaluate_run(qrels, {"q": {"b": 2.0, "a": 1.0}}, ["ndcg@2"])["ndcg@2"]
+    assert best == pytest.approx(1.0)
+    assert swapped == pytest.approx((1 / log2(2) + 2 / log2(3)) / (2 / log2(2) + 1 / log2(3)))
+
+
+def test_query_missing_from_run_scores_zero():
+    qrels = {"q1": {"a": 1}, "q2": {"b": 1}}
+    got = evaluate_run(qrels, {"q1": {"a": 1.0}}, ["mrr@10", "recall@10", "ndcg@10"])
+    assert got == pytest.approx({"mrr@10": (1 + 0) / 2, "recall@10": (1 + 0) / 2, "ndcg@10": (1 + 0) / 2})
+    # an empty ranking counts the same as a missing one
+    got_empty = evaluate_run(qrels, {"q1": {"a": 1.0}, "q2": {}}, ["mrr@10"])
+    assert got_empty["mrr@10"] == pytest.approx((1 + 0) / 2)
+
+
+def test_queries_without_relevant_passages_are_not_averaged():
+    qrels = {"q1": {"a": 1}, "q2": {"b": 0}}  # q2 has judgments but nothing relevant
+    got = evaluate_run(qrels, {"q1": {"a": 1.0}, "q2": {"b": 1.0}}, ["mrr@10"])
+    assert got["mrr@10"] == pytest.approx(1 / 1)
+
+
+def test_run_query_absent_from_qrels_raises():
+    with pytest.raises(DataError, match="absent from the qrels"):
+        evaluate_run({"q1": {"a": 1}}, {"q1": {"a": 1.0}, "q9": {"a": 1.0}}, ["mrr@10"])
+
+
+def test_qrels_without_relevant_pair_raise():
+    with pytest.raises(DataError, match="no query in the qrels has a relevant passage"):
+        evaluate_run({"q1": {"a": 0}, "q2": {}}, {"q1": {"a": 1.0}}, ["mrr@10"])
+
+
+def test_accuracy_metrics_are_skipped_by_evaluate_run():
+    assert evaluate_run(QRELS, RUN, ["accuracy@5"]) == {}
+    assert set(evaluate_run(QRELS, RUN, ["accuracy@5", "mrr@10"])) == {"mrr@10"}
+
+
+def naive_mrr(qrels, run, k):
+    """Mean over queries with a relevant passage of 1/rank of the first relevant one in the top k."""
+    total, judged = 0.0, 0
+    for qid, rels in qrels.items():
+        relevant = {p for p, g in rels.items() if g > 0}
+        if not relevant:
+            continue
+        judged += 1
+        ranking = sorted(run.get(qid, {}).items(), key=lambda item: -item[1])[:k]
+        total += next((1 / rank for rank, (pid, _) in enumerate(ranking, 1) if pid in relevant), 0.0)
+    return total / judged
+
+
+DOCS = [f"d{i}" for i in range(15)]
+
+
+@st.composite
+def qrels_and_run(draw):
+    n_queries = draw(st.integers(1, 5))
+    qrels, run = {}, {}
+    for i in range(n_queries):
+        qid = f"q{i}"
+        judged = draw(st.lists(st.sampled_from(DOCS), min_size=1, max_size=5, unique=True))
+        grades = draw(st.lists(st.integers(0, 2), min_size=len(judged), max_size=len(judged)))
+        grades[0] = max(grades[0], 1)  # at least one relevant passage per query
+        qrels[qid] = dict(zip(judged, grades))
+        if draw(st.booleans()) or i == 0:
+            ranked = draw(st.permutations(DOCS))[: draw(st.integers(0, len(DOCS)))]
+            # distinct scores, best first: ties would make the expected ranking ambiguous
+            run[qid] = {pid: float(len(ranked) - r) for r, pid in enumerate(ranked)}
+    return qrels, run
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(qrels_and_run())
+def test_ranx_mrr_equals_naive_reference(case):
+    qrels, run = case
+    assert evaluate_run(qrels, run, ["mrr@10"])["mrr@10"] == pytest.approx(naive_mrr(qrels, run, 10))
+
+
+# ---- TREC run files ---------------------------------------------------------------------------
+
+
+def test_trec_run_round_trip(tmp_path):
+    run = {"q1": {"p1": 0.25, "p2": 1.5, "p3": -0.125}, "q2": {"p9": 3.0}}
+    path = tmp_path / "sub" / "run.trec"
+    write_trec_run(run, path, tag="mytag")
+    assert read_trec_run(path) == run
+    lines = path.read_text().splitlines()
+    # best first, ranks from 1, six columns with the tag
+    assert lines[0].split() == ["q1", "Q0", "p2", "1", "1.500000", "mytag"]
+    assert [line.split()[2] for line in lines[:3]] == ["p2", "p1", "p3"]
+    assert [line.split()[3] for line in lines[:3]] == ["1", "2", "3"]
+    assert [p.name for p in path.parent.iterdir()] == ["run.trec"]  # no temporary file left
+
+
+def test_read_trec_run_bad_column_count_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.trec"
+    path.write_text("q1 Q0 p1 1 0.5 tag\n\nq1 Q0 p2 2 0.4\n")
+    with pytest.raises(DataError, match=r"bad\.trec:3: expected 6 columns"):
+        read_trec_run(path)
+
+
+def test_read_trec_run_non_numeric_score_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.trec"
+    path.write_text("q1 Q0 p1 1 high tag\n")
+    with pytest.raises(DataError, match=r"bad\.trec:1: score 'high' is not a number"):
+        read_trec_run(path)
+
+
+def test_read_trec_run_missing_file(tmp_path):
+    with pytest.raises(DataError, match="run file not found"):
+        read_trec_run(tmp_path / "nope.trec")
+
+
+# ---- make_run ---------------------------------------------------------------------------------
+
+
+def test_make_run_maps_rows_to_ids_and_skips_padding():
+    scores = np.array([[0.9, 0.5, 0.1], [0.7, 0.0, -1.0]], dtype=np.float32)
+    rows = np.array([[2, 0, -1], [1, 2, 0]])  # -1 is FAISS padding for "no result"
+    run = make_run(["qa", "qb"], ["p0", "p1", "p2"], scores, rows)
+    assert run == {
+        "qa": {"p2": pytest.approx(0.9), "p0": pytest.approx(0.5)},
+        "qb": {"p1": pytest.approx(0.7), "p2": 0.0, "p0": -1.0},
+    }
+
+
+def test_make_run_drop_nonpositive():
+    scores = np.array([[0.9, 0.0, -0.5], [0.0, -1.0, -2.0]], dtype=np.float32)
+    rows = np.array([[0, 1, 2], [0, 1, 2]])
+    run = make_run(["qa", "qb"], ["p0", "p1", "p2"], scores, rows, drop_nonpositive=True)
+    assert run == {"qa": {"p0": pytest.approx(0.9)}, "qb": {}}
+
+
+# ---- DPR answer accuracy ----------------------------------------------------------------------
+
+
+def test_normalize_answer():
+    assert normalize_answer("The  Quick, Brown-Fox!") == "quick brown fox"
+    assert normalize_answer("An apple a day") == "apple day"
+    assert normalize_answer("theory") == "theory"  # articles only as whole words
+    assert normalize_answer("  ") == ""
+
+
+def test_normalize_answer_unicode_forms_agree():
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    assert normalize_answer(composed) == normalize_answer(decomposed)
+
+
+def test_has_answer_matches_on_token_boundaries():
+    assert has_answer("Paris is the capital of France.", ["paris"])
+    assert not has_answer("Parisian cafes are famous.", ["Paris"])
+    assert not has_answer("The word is unparis.", ["paris"])
+    assert has_answer("born in 1879 in Ulm", ["1879"])
+    assert not has_answer("born in 18790", ["1879"])
+
+
+def test_has_answer_ignores_articles_punctuation_and_case():
+    assert has_answer("He visited the Eiffel Tower, in Paris.", ["eiffel tower"])
+    assert has_answer("songs by Beatles", ["The Beatles"])
+    assert has_answer("Mr. Smith's car was red", ["smith's CAR"])
+    assert has_answer("nothing here", ["missing", "HERE!"])  # any of several answers
+    assert not has_answer("nothing here", ["missing"])
+
+
+def test_has_answer_never_matches_an_empty_answer():
+    assert not has_answer("the cat sat", ["the", "", "!!"])
+
+
+def test_top_k_accuracy_hand_case():
+    passages = {"p1": "Rome is in Italy", "p2": "Paris is in France", "p3": "nothing relevant"}
+    rankings = {
+        "qa": ["p2", "p1", "p3"],  # answer "Rome": first hit at rank 2
+        "qb": ["p2", "p3", "p1"],  # answer "France": first hit at rank 1
+        "qc": ["p3", "p1", "p2"],  # answer "Berlin": never
+        "qd": ["p1"],  # no answers: not counted
+    }
+    answers = {"qa": ["Rome"], "qb": ["france"], "qc": ["Berlin"], "qd": []}
+    got = top_k_accuracy(rankings, passages, answers, [1, 2, 3])
+    assert got == pytest.approx({"accuracy@1": 1 / 3, "accuracy@2": 2 / 3, "accuracy@3": 2 / 3})
+    assert top_k_accuracy({"qd": ["p1"]}, passages, {"qd": []}, [1]) == {}
