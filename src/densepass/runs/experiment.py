@@ -26,6 +26,7 @@ from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.bm25 import mine_bm25_negatives
 from densepass.runs.evalset import EvalSet, build_eval_set
 from densepass.runs.report import print_table, write_report
+from densepass.scheduling.planner import EpochPlanner
 from densepass.training.batches import TrainingData
 from densepass.training.trainer import train
 
@@ -99,13 +100,16 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
             dataset, config.data.train_split, model.tokenizer.sep_token or " ", negatives,
             config.negatives.per_query if negatives else 0, query_ids=train_qids,
         )
-        result = train(model, data, config.train, run_dir, device)
+        planner = EpochPlanner(config.schedule, config.train.batch_size, config.train.seed, data, model, device,
+                               run_dir / "schedule_log.jsonl")
+        result = train(model, data, config.train, run_dir, device, planner)
         model.save(run_dir / "model")
         timings["train_s"] = time.perf_counter() - started
         notes.append(
             f"Fine-tuned on {len(data)} {config.data.train_split} queries: {result.steps} steps of batch "
             f"{config.train.batch_size} with {config.negatives.per_query if negatives else 0} "
-            f"{config.negatives.source} hard negative(s) per query; final loss {result.final_loss:.4f}; "
+            f"{config.negatives.source} hard negative(s) per query, batches by {config.schedule.method}; "
+            f"final loss {result.final_loss:.4f}; "
             f"{result.examples_per_second:.1f} examples/s on {device.type}."
         )
         started = time.perf_counter()

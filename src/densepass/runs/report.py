@@ -52,6 +52,34 @@ def plot_training_log(log_path: Path, out_path: Path) -> bool:
     return True
 
 
+def plot_schedule_log(log_path: Path, out_path: Path) -> bool:
+    """Mean batch hardness per epoch, scheduled vs random batches (ABS paper, Figures 3-5)."""
+    if not log_path.is_file():
+        return False
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    if not records:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [r["epoch"] + 1 for r in records]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(epochs, [r["mean_hardness"] for r in records], marker="o", label="scheduled")
+    ax.plot(epochs, [r["random_mean_hardness"] for r in records], marker="x", label="random")
+    for e, r in zip(epochs, records):
+        ax.annotate(r["similarity"], (e, r["mean_hardness"]), fontsize=7)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("mean batch hardness h(B)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot_metrics(results: dict[str, dict[str, float]], metrics: list[str], out_path: Path) -> None:
     """Grouped bars of each system's metrics."""
     import matplotlib
@@ -81,6 +109,8 @@ def write_report(
     plots = []
     if plot_training_log(run_dir / "train_log.jsonl", run_dir / "loss.png"):
         plots.append("![training loss](loss.png)")
+    if plot_schedule_log(run_dir / "schedule_log.jsonl", run_dir / "hardness.png"):
+        plots.append("![batch hardness](hardness.png)")
     plot_metrics(results, metrics, run_dir / "metrics.png")
     plots.append("![metrics](metrics.png)")
     text = "\n\n".join([f"# {title}", description, metrics_table(results, metrics), *notes, *plots]) + "\n"

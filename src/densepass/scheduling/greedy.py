@@ -33,6 +33,17 @@ from densepass.scheduling.pool import Pool, pack_remainder
 from densepass.scheduling.similarity import BilinearSimilarity
 
 
+class _ActiveRows:
+    """The pool's rows as a compact matrix, rebuilt when half of it has been scheduled, so each
+    product runs over the instances still in U rather than all N."""
+
+    def __init__(self, sim: BilinearSimilarity, ids: np.ndarray) -> None:
+        self.ids = torch.as_tensor(ids, dtype=torch.long, device=sim.device)
+        self.matrix = sim.rows_matrix(self.ids)
+        self.position = torch.full((sim.n,), -1, dtype=torch.long, device=sim.device)
+        self.position[self.ids] = torch.arange(len(ids), device=sim.device)
+
+
 def iter_batches(
     sim: BilinearSimilarity,
     batch_size: int,
@@ -61,8 +72,35 @@ def iter_batches(
     conflict_idx = [torch.as_tensor(c, dtype=torch.long, device=device) for c in conflicts]
     neighbour_t = torch.as_tensor(neighbours, dtype=torch.long, device=device) if neighbours is not None else None
     neg_inf = torch.tensor(float("-inf"), dtype=sim.dtype, device=device)
+    active = _ActiveRows(sim, pool.ids())
+
+    def best_addition(reduced: torch.Tensor, removed: int, members: list[int]) -> tuple[int, torch.Tensor] | None:
+        """eq. 4 for B - removed: the allowed pool instance with the largest gain, and that gain."""
+        if neighbour_t is not None:
+            candidates = torch.unique(neighbour_t[[m for m in members if m != removed]].flatten())
+            gains = sim.cross(reduced, candidates)
+        else:
+            candidates = active.ids
+            gains = sim.cross(reduced, matrix=active.matrix)
+        allowed = available[candidates] & (blocked[candidates] == 0)
+        gains = torch.where(allowed, gains, neg_inf)
+        freed = conflict_idx[removed]  # instances blocked only by the removed member become allowed
+        if len(freed):
+            where = _positions(candidates, freed, active if neighbour_t is None else None)
+            keep = where >= 0
+            if keep.any():
+                freed, where = freed[keep], where[keep]
+                ok = available[freed] & (blocked[freed] - 1 == 0)
+                exact = sim.cross(reduced, freed)
+                gains[where] = torch.where(ok, exact, neg_inf)
+        k = int(torch.argmax(gains))
+        if not torch.isfinite(gains[k]):
+            return None
+        return int(candidates[k]), gains[k]
 
     while pool.remaining > batch_size:
+        if pool.remaining < len(active.ids) // 2:
+            active = _ActiveRows(sim, pool.ids())
         members = pool.seed_batch(batch_size, conflicts)
         for m in members:
             available[m] = False
@@ -71,30 +109,15 @@ def iter_batches(
         for _ in range(max_swaps):
             member_t = torch.as_tensor(members, device=device)
             contrib = sim.cross(sums, member_t) - 2 * sim.self_sim[member_t]
-            order = torch.sort(contrib, stable=True).indices[:beam_width].tolist()
-            best = None  # (gain, position, addition)
+            order = torch.sort(contrib, stable=True).indices[:beam_width].tolist()  # eq. 3, best first
+            best = None  # (gain in h, position, addition)
             for pos in order:
-                r = members[pos]
-                reduced = sums - sim.row(r)
-                allowed = available.clone()
-                block = blocked.clone()
-                block[conflict_idx[r]] -= 1
-                allowed &= block == 0
-                if neighbour_t is not None:
-                    candidates = torch.unique(neighbour_t[[m for m in members if m != r]].flatten())
-                    candidates = candidates[allowed[candidates]]
-                    if len(candidates) == 0:
-                        continue
-                    gains = sim.cross(reduced, candidates)
-                    k = int(torch.argmax(gains))
-                    addition, gain = int(candidates[k]), gains[k]
-                else:
-                    gains = torch.where(allowed, sim.cross(reduced), neg_inf)
-                    addition = int(torch.argmax(gains))
-                    gain = gains[addition]
-                delta = float(gain - contrib[pos])
+                found = best_addition(sums - sim.row(members[pos]), members[pos], members)
+                if found is None:
+                    continue
+                delta = float(found[1] - contrib[pos])
                 if best is None or delta > best[0]:
-                    best = (delta, pos, addition)
+                    best = (delta, pos, found[0])
             if best is None or not best[0] > 0:
                 break
             _, pos, addition = best
@@ -109,6 +132,14 @@ def iter_batches(
         pool.take(members)
         yield members
     yield from pack_remainder(pool.ids().tolist(), batch_size, conflicts)
+
+
+def _positions(candidates: torch.Tensor, ids: torch.Tensor, active: _ActiveRows | None) -> torch.Tensor:
+    """Where each of ``ids`` sits in ``candidates`` (-1 when absent)."""
+    if active is not None:
+        return active.position[ids]
+    match = candidates.unsqueeze(0) == ids.unsqueeze(1)
+    return torch.where(match.any(1), match.float().argmax(1), torch.tensor(-1, device=ids.device))
 
 
 def schedule_batches(sim: BilinearSimilarity, batch_size: int, **kwargs) -> list[list[int]]:

@@ -62,24 +62,25 @@ class BilinearSimilarity:
             )
         return self.stacked[i]
 
-    def cross(self, sums: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def cross(self, sums: torch.Tensor, rows: torch.Tensor | None = None, matrix=None) -> torch.Tensor:
         """For each instance a: Q_a . (sum P) + P_a . (sum Q), given ``sums`` = [sum Q, sum P].
 
         This is how much a adds to h(B) when it joins B (the batch the sums describe). ``sums`` may
-        be [2D] or [2D, k] (k batches at once). ``rows`` restricts the product to some instances.
+        be [2D] or [2D, k] (k batches at once). ``rows`` restricts the product to some instances;
+        ``matrix`` is a precomputed ``rows_matrix(rows)`` for repeated products over the same rows.
         """
         swapped = torch.cat([sums[self.dim :], sums[: self.dim]])  # [sum P, sum Q]
-        matrix = self.stacked if rows is None else self._rows(rows)
+        if matrix is None:
+            matrix = self.stacked if rows is None else self.rows_matrix(rows)
         if swapped.dim() == 1:
             return (matrix @ swapped.unsqueeze(1)).squeeze(1)
         return matrix @ swapped
 
-    def _rows(self, rows: torch.Tensor):
+    def rows_matrix(self, rows: torch.Tensor):
+        """The stacked [Q | P] rows of some instances, in the form ``cross`` multiplies."""
         if self.sparse:
-            return _to_torch_csr(
-                sp.hstack([self._q_rows[rows.cpu().numpy()], self._p_rows[rows.cpu().numpy()]], format="csr"),
-                self.device, self.dtype,
-            )
+            idx = rows.cpu().numpy()
+            return _to_torch_csr(sp.hstack([self._q_rows[idx], self._p_rows[idx]], format="csr"), self.device, self.dtype)
         return self.stacked[rows]
 
     def dense_matrix(self) -> np.ndarray:

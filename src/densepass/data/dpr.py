@@ -1,0 +1,109 @@
+"""Reader for DPR's retriever training files (``{split}.json`` or e.g. ``biencoder-nq-train.json``, optionally .gz).
+
+Each file is a JSON list of ``{"question", "answers", "positive_ctxs", "negative_ctxs", "hard_negative_ctxs"}``
+records, each context ``{"title", "text", "passage_id"?, "psg_id"?}``. The corpus is every context seen
+(de-duplicated by id); query ids are ``{split}-{index}``; positives get grade 1; a passage's document is
+its title (the passages of one Wikipedia article share it). The given hard negatives are returned by
+:func:`dpr_hard_negatives`, with the same ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from densepass.data.dataset import Qrels, RetrievalDataset
+from densepass.data.io_utils import CorpusBuilder, get_field, read_json, require_dir, split_files, unique
+from densepass.errors import DataError
+
+CONTEXT_FIELDS = ("positive_ctxs", "negative_ctxs", "hard_negative_ctxs")
+
+
+@dataclass(frozen=True)
+class Context:
+    pid: str
+    title: str
+    text: str
+
+
+@dataclass
+class DprRecord:
+    qid: str
+    question: str
+    answers: list[str]
+    contexts: dict[str, list[Context]]  # CONTEXT_FIELDS -> contexts
+
+
+def context_id(ctx: dict, title: str, text: str) -> str:
+    """``passage_id`` or ``psg_id`` when given, else a stable id hashed from title and text."""
+    for key in ("passage_id", "psg_id"):
+        if ctx.get(key) not in (None, ""):
+            return str(ctx[key])
+    digest = hashlib.sha1(f"{title}\x00{text}".encode("utf-8")).hexdigest()
+    return f"h{digest[:16]}"
+
+
+def parse_context(ctx: Any, where: str) -> Context:
+    text = get_field(ctx, "text", str, where)
+    title = get_field(ctx, "title", str, where, default="")
+    return Context(context_id(ctx, title, text), title, text)
+
+
+def parse_record(record: Any, split: str, index: int, where: str) -> DprRecord:
+    question = get_field(record, "question", str, where)
+    answers = get_field(record, "answers", list, where, default=[])
+    contexts = {}
+    for key in CONTEXT_FIELDS:
+        items = get_field(record, key, list, where, default=[])
+        contexts[key] = [parse_context(ctx, f"{where}.{key}[{i}]") for i, ctx in enumerate(items)]
+    return DprRecord(f"{split}-{index}", question, unique(str(a) for a in answers), contexts)
+
+
+def dpr_split_files(directory: Path) -> dict[str, Path]:
+    """``{split: path}``: the split is the last ``-``-separated part of the name before ``.json``."""
+    return split_files(directory, ".json", lambda stem: stem.rsplit("-", 1)[-1], "DPR <split>.json")
+
+
+def read_split(path: Path, split: str) -> Iterator[DprRecord]:
+    records = read_json(path)
+    if not isinstance(records, list):
+        raise DataError(f"{path}: expected a JSON list of records, got {type(records).__name__}")
+    for index, record in enumerate(records):
+        yield parse_record(record, split, index, f"{path}: record {index}")
+
+
+def load_dpr(directory: str | Path, name: str | None = None) -> RetrievalDataset:
+    """Read a directory of DPR JSON files into a :class:`RetrievalDataset` (positives get grade 1)."""
+    directory = require_dir(directory)
+    corpus = CorpusBuilder()
+    queries: dict[str, str] = {}
+    answers: dict[str, list[str]] = {}
+    qrels: dict[str, Qrels] = {}
+    for split, path in dpr_split_files(directory).items():
+        split_qrels = qrels.setdefault(split, {})
+        for record in read_split(path, split):
+            queries[record.qid] = record.question
+            if record.answers:
+                answers[record.qid] = record.answers
+            for contexts in record.contexts.values():
+                for ctx in contexts:
+                    corpus.add(ctx.pid, ctx.title, ctx.text, ctx.title or ctx.pid)
+            positives = record.contexts["positive_ctxs"]
+            if positives:
+                split_qrels[record.qid] = {ctx.pid: 1 for ctx in positives}
+    return RetrievalDataset(name or directory.name, corpus.build(directory), queries, qrels, answers)
+
+
+def dpr_hard_negatives(directory: str | Path) -> dict[str, list[str]]:
+    """Query id -> ids of its given ``hard_negative_ctxs`` (ids as in :func:`load_dpr`; queries without any
+    hard negative are left out; repeats removed, order kept)."""
+    out: dict[str, list[str]] = {}
+    for split, path in dpr_split_files(require_dir(directory)).items():
+        for record in read_split(path, split):
+            ids = unique(ctx.pid for ctx in record.contexts["hard_negative_ctxs"])
+            if ids:
+                out[record.qid] = ids
+    return out
