@@ -182,8 +182,11 @@ def test_planner_delivers_each_instance_once(tiny_beir, tiny_model_dir, tmp_path
     model = BiEncoder.from_pretrained(str(tiny_model_dir))
     config = ScheduleConfig(method=method, similarity="bm25-then-encoder", background=True, clusters=3)
     planner = EpochPlanner(config, 4, 0, data, model, torch.device("cpu"), tmp_path / "schedule.jsonl")
-    for epoch in (0, 1):
-        batches = list(planner(epoch))
+    try:
+        epochs = [list(planner(epoch)) for epoch in (0, 1)]
+    finally:
+        planner.close()
+    for batches in epochs:
         flat = [i for b in batches for i in b]
         assert len(flat) == len(set(flat))
         if method.startswith("abs"):

@@ -137,6 +137,8 @@ class BiEncoder(nn.Module):
             query_encoder = AutoModel.from_pretrained(str(query_dir), **model_kwargs)
         else:
             query_encoder = AutoModel.from_pretrained(path, **model_kwargs)
+        for encoder in {id(query_encoder): query_encoder, id(passage_encoder): passage_encoder}.values():
+            encoder.float()  # fp16/bf16 checkpoints train in fp32 (autocast gives bf16 compute on GPU)
         projection = _load_projection(Path(path), config)
         return cls(query_encoder, passage_encoder, tokenizer, config, projection)
 

@@ -102,7 +102,10 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
         )
         planner = EpochPlanner(config.schedule, config.train.batch_size, config.train.seed, data, model, device,
                                run_dir / "schedule_log.jsonl")
-        result = train(model, data, config.train, run_dir, device, planner)
+        try:
+            result = train(model, data, config.train, run_dir, device, planner)
+        finally:
+            planner.close()
         model.save(run_dir / "model")
         timings["train_s"] = time.perf_counter() - started
         notes.append(

@@ -39,8 +39,8 @@ def mean_hardness(sim: BilinearSimilarity, batches: list[list[int]]) -> float:
     return float(np.mean(values)) if values else 0.0
 
 
-def _schedule_worker(queue, queries, passages, device, batch_size, conflicts, seed, beam_width, restrict, max_swaps):
-    """Child process: build the similarity, stream batches, then report statistics."""
+def _schedule_epoch(queue, queries, passages, device, batch_size, conflicts, seed, beam_width, restrict, max_swaps):
+    """Build the similarity, stream one epoch's batches into ``queue``, then its statistics."""
     started = time.perf_counter()
     sim = BilinearSimilarity(queries, passages, device=device)
     neighbours = neighbour_lists(sim, restrict) if restrict else None
@@ -54,6 +54,12 @@ def _schedule_worker(queue, queries, passages, device, batch_size, conflicts, se
     full = [b for b in batches if len(b) == batch_size]  # compare like with like: full batches only
     queue.put({"schedule_s": elapsed, "mean_hardness": mean_hardness(sim, full),
                "random_mean_hardness": mean_hardness(sim, baseline), "n_batches": len(batches)})
+
+
+def _worker_loop(jobs, results) -> None:
+    """A scheduler process that lives across epochs (its start-up is paid once per run)."""
+    while (job := jobs.get()) is not None:
+        _schedule_epoch(results, *job)
 
 
 class EpochPlanner:
@@ -71,6 +77,8 @@ class EpochPlanner:
         self.data, self.model, self.device, self.log_path = data, model, device, log_path
         self.steps_per_epoch = len(data) // batch_size
         self._bm25: tuple | None = None
+        self._process = None
+        self._queues = None
         positive_keys = [int(data.keys[rows[0]]) for rows in data.positive_rows]
         self.conflicts = build_conflicts(positive_keys, data.relevant_keys)
 
@@ -119,30 +127,44 @@ class EpochPlanner:
                 self.config.restrict_top_k, self.config.max_swaps)
         waited = 0.0
         if self.config.background:
-            context = mp.get_context("spawn")
-            queue = context.Queue(maxsize=256)
-            worker = context.Process(target=_schedule_worker, args=(queue, queries, passages, *args), daemon=True)
-            worker.start()
+            jobs, results = self._worker()
+            jobs.put((queries, passages, *args))
             try:
                 while True:
                     start = time.perf_counter()
-                    item = queue.get()
+                    item = results.get()
                     waited += time.perf_counter() - start
                     if isinstance(item, dict):
                         stats = item
                         break
                     yield item
-            finally:  # also when training stops early (max_steps) and drops this generator
-                if worker.is_alive():
-                    worker.terminate()
-                worker.join()
+            except GeneratorExit:  # training stopped early (max_steps): the worker's epoch is abandoned
+                self.close()
+                raise
         else:
             items: list = []
-            _schedule_worker(_ListQueue(items), queries, passages, *args)
+            _schedule_epoch(_ListQueue(items), queries, passages, *args)
             stats = items.pop()
             yield from items
         self._log({"epoch": epoch, "method": self.config.method, "similarity": self.similarity_source(epoch),
                    "waited_s": waited, **stats})
+
+    def _worker(self):
+        if self._process is None or not self._process.is_alive():
+            context = mp.get_context("spawn")
+            jobs, results = context.Queue(), context.Queue(maxsize=1024)
+            self._process = context.Process(target=_worker_loop, args=(jobs, results), daemon=True)
+            self._process.start()
+            self._queues = (jobs, results)
+        return self._queues
+
+    def close(self) -> None:
+        """Stop the background scheduler process, if any."""
+        if self._process is not None:
+            if self._process.is_alive():
+                self._process.terminate()
+            self._process.join()
+            self._process = None
 
     def _log(self, record: dict) -> None:
         if self.log_path is not None:
