@@ -108,6 +108,11 @@ class EvalConfig:
     )
     depth: int = 1000
     index: Literal["exact", "faiss-flat", "faiss-hnsw", "faiss-ivfpq"] = "exact"
+    # "full": rank the whole evaluation corpus; "rerank": rank each query's positives plus BM25
+    # candidates, `rerank_candidates` in all (the ABS paper's dev setting: 1 positive + 99).
+    mode: Literal["full", "rerank"] = "full"
+    rerank_candidates: int = 100
+    each_epoch: bool = False  # also evaluate the model after every training epoch (metrics per epoch)
     batch_size: int = 256
     baselines: list[str] = field(default_factory=lambda: ["bm25", "zero-shot"])
 

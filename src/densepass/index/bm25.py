@@ -48,6 +48,13 @@ class BM25Index:
         rows, scores = self.retriever.retrieve(tokens, k=k, show_progress=show_progress, n_threads=n_threads)
         return scores.astype(np.float32), rows.astype(np.int64)
 
+    def score_all(self, query: str) -> np.ndarray:
+        """BM25 score of one query against every indexed passage."""
+        tokens = bm25s.tokenize([query], stopwords="en", stemmer=self.stemmer, show_progress=False, return_ids=False)[0]
+        if not tokens:
+            return np.zeros(self.size, dtype=np.float32)
+        return np.asarray(self.retriever.get_scores(tokens), dtype=np.float32)
+
     def save(self, path: str | Path) -> None:
         from densepass.io import atomic_directory
 

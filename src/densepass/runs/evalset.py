@@ -3,7 +3,7 @@ they are searched in (the full corpus, or a subcorpus: their gold passages + BM2
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,6 +20,27 @@ class EvalSet:
     qrels: Qrels
     corpus: Corpus
     description: str
+    answers: dict[str, list[str]] = field(default_factory=dict)
+    candidates: dict[str, list[str]] | None = None  # per query, for re-ranking evaluation
+
+
+def add_rerank_candidates(evalset: EvalSet, bm25: BM25Index, size: int) -> EvalSet:
+    """Give each query its positives plus BM25 candidates (from ``evalset.corpus``) up to ``size``."""
+    if size < 2:
+        raise ConfigError(f"eval.rerank_candidates must be >= 2, got {size}")
+    _, rows = bm25.search(evalset.query_texts, size)
+    candidates = {}
+    for qid, row in zip(evalset.query_ids, rows):
+        chosen = [p for p, g in evalset.qrels[qid].items() if g > 0]
+        for r in row.tolist():
+            if len(chosen) >= size:
+                break
+            if evalset.corpus.ids[r] not in chosen:
+                chosen.append(evalset.corpus.ids[r])
+        candidates[qid] = chosen
+    evalset.candidates = candidates
+    evalset.description += f"; re-ranking {size} candidates per query (positives + BM25)"
+    return evalset
 
 
 def build_eval_set(dataset: RetrievalDataset, config: DataConfig, bm25: BM25Index | None) -> EvalSet:
@@ -27,9 +48,11 @@ def build_eval_set(dataset: RetrievalDataset, config: DataConfig, bm25: BM25Inde
     qrels = {q: r for q, r in qrels.items() if any(g > 0 for g in r.values())}
     query_ids = sorted(qrels)
     texts = [dataset.queries[q] for q in query_ids]
+    answers = {q: dataset.answers[q] for q in query_ids if q in dataset.answers}
     corpus = dataset.corpus
     if not config.eval_subcorpus:
-        return EvalSet(query_ids, texts, qrels, corpus, f"{len(query_ids)} queries, full corpus ({len(corpus)} passages)")
+        return EvalSet(query_ids, texts, qrels, corpus, f"{len(query_ids)} queries, full corpus ({len(corpus)} passages)",
+                       answers)
     if config.eval_hard_k < 0 or config.eval_random < 0:
         raise ConfigError("data.eval_hard_k and data.eval_random must be >= 0")
     keep = {corpus.position(p) for rels in qrels.values() for p, g in rels.items() if g > 0}
@@ -49,4 +72,4 @@ def build_eval_set(dataset: RetrievalDataset, config: DataConfig, bm25: BM25Inde
         f"{len(query_ids)} {config.eval_split} queries; subcorpus of {len(positions)} passages "
         f"({n_gold} gold + {n_hard} more from BM25 top-{config.eval_hard_k} + {len(positions) - n_gold - n_hard} random)"
     )
-    return EvalSet(query_ids, texts, qrels, corpus.subset(positions), description)
+    return EvalSet(query_ids, texts, qrels, corpus.subset(positions), description, answers)

@@ -17,14 +17,15 @@ import torch
 from densepass.config import ExperimentConfig, save_config
 from densepass.data import load_dataset, sample_queries
 from densepass.errors import ConfigError
-from densepass.evaluation.metrics import evaluate_run, make_run, write_trec_run
+from densepass.evaluation.answers import top_k_accuracy
+from densepass.evaluation.metrics import Run, evaluate_run, make_run, write_trec_run
 from densepass.index.bm25 import BM25Index
 from densepass.index.encode import default_device
-from densepass.index.retrieve import dense_retrieve
+from densepass.index.retrieve import dense_retrieve, rerank_candidates
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.bm25 import mine_bm25_negatives
-from densepass.runs.evalset import EvalSet, build_eval_set
+from densepass.runs.evalset import EvalSet, add_rerank_candidates, build_eval_set
 from densepass.runs.report import print_table, write_report
 from densepass.scheduling.planner import EpochPlanner
 from densepass.training.batches import TrainingData
@@ -40,23 +41,46 @@ def model_from_config(config: ExperimentConfig) -> BiEncoder:
     return BiEncoder.from_pretrained(m.name_or_path, config=arch)
 
 
+def score_run(evalset: EvalSet, run: Run, config: ExperimentConfig, name: str) -> dict[str, float]:
+    """Write the run as TREC and compute its metrics (plus top-k answer accuracy when answers exist)."""
+    write_trec_run(run, config.run_dir / "runs" / f"{name}.trec", tag=name)
+    results = evaluate_run(evalset.qrels, run, config.eval.metrics)
+    if evalset.answers:
+        rankings = {q: sorted(r, key=r.get, reverse=True) for q, r in run.items()}
+        texts = dict(zip(evalset.corpus.ids, evalset.corpus.texts))
+        results.update(top_k_accuracy(rankings, texts, evalset.answers, [1, 5, 20, 100]))
+    return results
+
+
+def _candidate_run(evalset: EvalSet, scores_of) -> Run:
+    """A run scoring each query's own candidates with ``scores_of(query index, candidate ids)``."""
+    return {qid: dict(zip(evalset.candidates[qid], map(float, scores_of(i, evalset.candidates[qid]))))
+            for i, qid in enumerate(evalset.query_ids)}
+
+
 def evaluate_dense(model: BiEncoder, evalset: EvalSet, config: ExperimentConfig, device, name: str) -> dict[str, float]:
     sep = model.tokenizer.sep_token or " "
+    if evalset.candidates is not None:
+        corpus = evalset.corpus
+        texts = [corpus.passage_inputs(sep, [corpus.position(p) for p in evalset.candidates[q]]) for q in evalset.query_ids]
+        scores = rerank_candidates(model, evalset.query_texts, texts, config.eval.batch_size, device)
+        return score_run(evalset, _candidate_run(evalset, lambda i, _: scores[i]), config, name)
     scores, rows = dense_retrieve(
         model, evalset.query_texts, evalset.corpus.passage_inputs(sep), config.eval.depth, config.eval.index,
         config.eval.batch_size, device,
     )
-    run = make_run(evalset.query_ids, evalset.corpus.ids, scores, rows)
-    write_trec_run(run, config.run_dir / "runs" / f"{name}.trec", tag=name)
-    return evaluate_run(evalset.qrels, run, config.eval.metrics)
+    return score_run(evalset, make_run(evalset.query_ids, evalset.corpus.ids, scores, rows), config, name)
 
 
-def evaluate_bm25(evalset: EvalSet, config: ExperimentConfig) -> dict[str, float]:
-    index = BM25Index.build(evalset.corpus.passage_inputs(" "))
+def evaluate_bm25(evalset: EvalSet, index: BM25Index, config: ExperimentConfig) -> dict[str, float]:
+    """BM25 over the evaluation corpus (``index`` must cover ``evalset.corpus``)."""
+    if evalset.candidates is not None:
+        corpus = evalset.corpus
+        return score_run(evalset, _candidate_run(evalset, lambda i, cands: index.score_all(evalset.query_texts[i])[
+            [corpus.position(p) for p in cands]]), config, "bm25")
     scores, rows = index.search(evalset.query_texts, config.eval.depth)
     run = make_run(evalset.query_ids, evalset.corpus.ids, scores, rows, drop_nonpositive=True)
-    write_trec_run(run, config.run_dir / "runs" / "bm25.trec", tag="bm25")
-    return evaluate_run(evalset.qrels, run, config.eval.metrics)
+    return score_run(evalset, run, config, "bm25")
 
 
 def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
@@ -75,11 +99,16 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
     need_full_bm25 = config.negatives.source == "bm25" and config.train.enabled or config.data.eval_hard_k > 0
     full_bm25 = BM25Index.build(dataset.corpus.passage_inputs(" ")) if need_full_bm25 else None
     evalset = build_eval_set(dataset, config.data, full_bm25)
+    eval_bm25 = None
+    if "bm25" in config.eval.baselines or config.eval.mode == "rerank":
+        eval_bm25 = BM25Index.build(evalset.corpus.passage_inputs(" "))
+    if config.eval.mode == "rerank":
+        add_rerank_candidates(evalset, eval_bm25, config.eval.rerank_candidates)
     timings["data_and_bm25_s"] = time.perf_counter() - started
 
     results: dict[str, dict[str, float]] = {}
     if "bm25" in config.eval.baselines:
-        results["BM25"] = evaluate_bm25(evalset, config)
+        results["BM25"] = evaluate_bm25(evalset, eval_bm25, config)
     model = model_from_config(config)
     if "zero-shot" in config.eval.baselines:
         started = time.perf_counter()
@@ -102,8 +131,18 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
         )
         planner = EpochPlanner(config.schedule, config.train.batch_size, config.train.seed, data, model, device,
                                run_dir / "schedule_log.jsonl")
+        eval_log = run_dir / "eval_log.jsonl"
+        eval_log.unlink(missing_ok=True)
+
+        def evaluate_epoch(epoch: int) -> None:
+            metrics = evaluate_dense(model, evalset, config, device, f"epoch-{epoch + 1}")
+            with open(eval_log, "a") as handle:
+                handle.write(json.dumps({"epoch": epoch + 1, **metrics}) + "\n")
+            model.train()
+
         try:
-            result = train(model, data, config.train, run_dir, device, planner)
+            result = train(model, data, config.train, run_dir, device, planner,
+                           on_epoch_end=evaluate_epoch if config.eval.each_epoch else None)
         finally:
             planner.close()
         model.save(run_dir / "model")

@@ -80,6 +80,32 @@ def plot_schedule_log(log_path: Path, out_path: Path) -> bool:
     return True
 
 
+def plot_eval_log(log_path: Path, metrics: list[str], out_path: Path) -> bool:
+    """Evaluation metrics after each epoch."""
+    if not log_path.is_file():
+        return False
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    if not records:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for m in metrics:
+        if m in records[0]:
+            ax.plot([r["epoch"] for r in records], [r[m] for r in records], marker="o", label=m)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("metric")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot_metrics(results: dict[str, dict[str, float]], metrics: list[str], out_path: Path) -> None:
     """Grouped bars of each system's metrics."""
     import matplotlib
@@ -109,6 +135,8 @@ def write_report(
     plots = []
     if plot_training_log(run_dir / "train_log.jsonl", run_dir / "loss.png"):
         plots.append("![training loss](loss.png)")
+    if plot_eval_log(run_dir / "eval_log.jsonl", metrics, run_dir / "epochs.png"):
+        plots.append("![metrics per epoch](epochs.png)")
     if plot_schedule_log(run_dir / "schedule_log.jsonl", run_dir / "hardness.png"):
         plots.append("![batch hardness](hardness.png)")
     plot_metrics(results, metrics, run_dir / "metrics.png")

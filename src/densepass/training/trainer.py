@@ -11,7 +11,7 @@ import json
 import random
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -94,6 +94,7 @@ def train(
     run_dir: Path,
     device: torch.device,
     planner: BatchPlanner | None = None,
+    on_epoch_end: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Fine-tune ``model`` in place on ``data``; resumes from the latest checkpoint in ``run_dir``."""
     seed_everything(config.seed)
@@ -151,6 +152,8 @@ def train(
                     handle.write(json.dumps(record) + "\n")
             if step % config.checkpoint_every == 0 or step == total:
                 save_checkpoint(model, optimizer, scheduler, step, run_dir, config.keep_checkpoints)
+        if on_epoch_end is not None and rank == 0 and step == min(total, (epoch + 1) * steps_per_epoch):
+            on_epoch_end(epoch)
     progress.close()
     elapsed = time.perf_counter() - started
     return TrainResult(step, loss_value, seen / elapsed if elapsed > 0 else 0.0, log_path)

@@ -1,0 +1,7 @@
+"""``python -m densepass``: the command line."""
+
+import sys
+
+from densepass.cli import main
+
+sys.exit(main())

@@ -1,0 +1,65 @@
+"""End to end: a config runs baselines, training, evaluation and writes the run directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from densepass.config import load_config
+from densepass.errors import ConfigError
+from densepass.runs.experiment import run_experiment
+
+
+def tiny_config(tiny_beir, tiny_model_dir, tmp_path, *extra):
+    overrides = [
+        f"data.name={tiny_beir}", f"model.name_or_path={tiny_model_dir}", f"output_dir={tmp_path}", "name=t",
+        "train.batch_size=8", "train.epochs=2", "train.checkpoint_every=3", "negatives.pool_depth=5",
+        "eval.metrics=[mrr@10, ndcg@10, recall@20]", "eval.depth=20", "model.passage_max_length=32", *extra,
+    ]
+    return load_config(None, overrides)
+
+
+def test_run_directory_contents_and_resume(tiny_beir, tiny_model_dir, tmp_path):
+    config = tiny_config(tiny_beir, tiny_model_dir, tmp_path, "eval.each_epoch=true")
+    results = run_experiment(config)
+    assert set(results) == {"BM25", "zero-shot", "fine-tuned"}
+    run_dir = tmp_path / "t"
+    for name in ("config.yaml", "metrics.json", "report.md", "train_log.jsonl", "eval_log.jsonl", "loss.png",
+                 "epochs.png", "runs/bm25.trec", "runs/fine-tuned.trec", "model/densepass.json"):
+        assert (run_dir / name).exists(), name
+    stored = json.loads((run_dir / "metrics.json").read_text())
+    assert stored["results"] == results
+    assert len((run_dir / "eval_log.jsonl").read_text().splitlines()) == 2
+    assert "| fine-tuned |" in (run_dir / "report.md").read_text()
+    # Re-running resumes from the final checkpoint: no more training, the same numbers.
+    again = run_experiment(config)
+    assert again["fine-tuned"] == pytest.approx(results["fine-tuned"])
+
+
+def test_rerank_mode_and_answer_accuracy(tiny_beir, tiny_model_dir, tmp_path):
+    lines = (tiny_beir / "queries.jsonl").read_text().splitlines()
+    corpus = [json.loads(x) for x in (tiny_beir / "corpus.jsonl").read_text().splitlines()]
+    with_answers = []
+    for line in lines:
+        record = json.loads(line)
+        i = int(record["_id"][1:])
+        if i < len(corpus):
+            record["metadata"] = {"answers": [corpus[i]["text"].split()[0]]}
+        with_answers.append(json.dumps(record))
+    (tiny_beir / "queries.jsonl").write_text("\n".join(with_answers) + "\n")
+    config = tiny_config(tiny_beir, tiny_model_dir, tmp_path, "train.enabled=false", "eval.mode=rerank",
+                         "eval.rerank_candidates=5")
+    results = run_experiment(config)
+    assert "accuracy@5" in results["zero-shot"] and 0 <= results["zero-shot"]["accuracy@1"] <= 1
+    trec = (tmp_path / "t" / "runs" / "zero-shot.trec").read_text().splitlines()
+    per_query = {}
+    for line in trec:
+        per_query.setdefault(line.split()[0], []).append(line)
+    assert all(len(v) == 5 for v in per_query.values())
+    assert results["zero-shot"]["recall@20"] == 1.0  # every positive is among the candidates
+
+
+def test_bad_baseline_name(tiny_beir, tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="unknown baseline"):
+        run_experiment(tiny_config(tiny_beir, tiny_model_dir, tmp_path, "eval.baselines=[bm26]"))
