@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,3 +186,24 @@ def test_training_lowers_loss_and_resume_is_exact(tiny_model_dir, tiny_beir, tmp
     resumed = BiEncoder.from_pretrained(str(tiny_model_dir))
     train(resumed, data, _config(), tmp_path / "resumed", CPU)
     torch.testing.assert_close(_params(resumed), _params(full), rtol=1e-5, atol=1e-6)
+
+
+def _train_worker(rank, world, port, model_dir, beir_dir, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        model = BiEncoder.from_pretrained(str(model_dir))
+        train(model, make_data(beir_dir), _config(epochs=1, checkpoint_every=100), Path(out_dir) / "dist", CPU)
+        if rank == 0:
+            torch.save(_params(model), Path(out_dir) / "dist.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_training_matches_single_process(tiny_model_dir, tiny_beir, tmp_path):
+    """train() under 2 gloo processes (batch 6 = 2 x 3) ends with the same weights as 1 process."""
+    mp.spawn(_train_worker, args=(2, _free_port(), tiny_model_dir, tiny_beir, str(tmp_path)), nprocs=2)
+    single = BiEncoder.from_pretrained(str(tiny_model_dir))
+    train(single, make_data(tiny_beir), _config(epochs=1, checkpoint_every=100), tmp_path / "single", CPU)
+    torch.testing.assert_close(torch.load(tmp_path / "dist.pt"), _params(single), rtol=1e-4, atol=1e-5)

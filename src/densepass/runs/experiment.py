@@ -29,6 +29,7 @@ from densepass.runs.evalset import EvalSet, add_rerank_candidates, build_eval_se
 from densepass.runs.report import print_table, write_report
 from densepass.scheduling.planner import EpochPlanner
 from densepass.training.batches import TrainingData
+from densepass.training import distributed
 from densepass.training.trainer import train
 
 
@@ -88,9 +89,12 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
     for baseline in config.eval.baselines:
         if baseline not in ("bm25", "zero-shot"):
             raise ConfigError(f"eval.baselines: unknown baseline {baseline!r} (known: bm25, zero-shot)")
+    distributed.init_from_environment()  # under torchrun: one process per GPU, global in-batch negatives
+    main = distributed.rank() == 0
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml")
+    if main:
+        save_config(config, run_dir / "config.yaml")
     device = torch.device(config.device) if config.device else default_device()
     timings: dict[str, float] = {}
 
@@ -107,10 +111,10 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
     timings["data_and_bm25_s"] = time.perf_counter() - started
 
     results: dict[str, dict[str, float]] = {}
-    if "bm25" in config.eval.baselines:
+    if "bm25" in config.eval.baselines and main:
         results["BM25"] = evaluate_bm25(evalset, eval_bm25, config)
     model = model_from_config(config)
-    if "zero-shot" in config.eval.baselines:
+    if "zero-shot" in config.eval.baselines and main:
         started = time.perf_counter()
         results["zero-shot"] = evaluate_dense(model, evalset, config, device, "zero-shot")
         timings["zero_shot_eval_s"] = time.perf_counter() - started
@@ -145,6 +149,8 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
                            on_epoch_end=evaluate_epoch if config.eval.each_epoch else None)
         finally:
             planner.close()
+        if not main:
+            return {}
         model.save(run_dir / "model")
         timings["train_s"] = time.perf_counter() - started
         notes.append(
@@ -158,6 +164,8 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
         results["fine-tuned"] = evaluate_dense(model, evalset, config, device, "fine-tuned")
         timings["fine_tuned_eval_s"] = time.perf_counter() - started
 
+    if not main:
+        return {}
     metrics = config.eval.metrics
     payload = {"dataset": config.data.name, "eval": evalset.description, "device": str(device),
                "results": results, "timings": timings, "config": asdict(config)}

@@ -53,6 +53,15 @@ def sum_gradients(parameters) -> None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
 
+def broadcast_object(value):
+    """Rank 0's ``value`` on every process."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

@@ -132,6 +132,8 @@ def train(
                 break
             if index < done_in_epoch or index >= steps_per_epoch:
                 continue  # trained on before a resume; or a partial batch past the epoch's steps
+            if world > 1:  # every process trains on rank 0's batch (schedules may differ in the last bits)
+                members = distributed.broadcast_object(list(members))
             batch = data.collate(list(members), seed=(config.seed, epoch, index), rank=rank, world=world)
             loss_value = forward_backward(
                 model, batch, device, config.bidirectional, config.grad_cache_chunk, config.bf16
