@@ -46,6 +46,15 @@ def _evaluate(args: argparse.Namespace) -> None:
     print(json.dumps(evaluate_run(qrels, run, args.metrics), indent=2))
 
 
+def _validate_study(args: argparse.Namespace) -> None:
+    from densepass.data import load_dataset
+    from densepass.runs.study import expand_checkpoints, run_study
+
+    dataset = load_dataset(args.dataset, args.data_dir, args.format)
+    run_study(dataset, expand_checkpoints(args.checkpoints), args.split, args.r, args.k, args.retriever,
+              args.metric, args.max_queries, args.seed, Path(args.output))
+
+
 def _download(args: argparse.Namespace) -> None:
     from densepass.data.download import download_dataset
     from densepass.data.paths import default_data_dir
@@ -82,6 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", default="dev")
     evaluate.add_argument("--metrics", nargs="+", default=["mrr@10", "ndcg@10", "recall@100"])
     evaluate.set_defaults(func=_evaluate)
+
+    study = sub.add_parser("validate-study", help="compare validation subcorpora (C0, R_r, H_k) with the full corpus")
+    data_args(study)
+    study.add_argument("--checkpoints", nargs="+", required=True, help="saved models or run directories")
+    study.add_argument("--split", default="dev")
+    study.add_argument("--r", type=float, nargs="*", default=[0.01, 0.1, 0.3], help="random subcorpus fractions")
+    study.add_argument("--k", type=int, nargs="*", default=[10, 50], help="hard subcorpus depths")
+    study.add_argument("--retriever", default="bm25", help="'bm25' or a saved model for H_k")
+    study.add_argument("--metric", default="mrr@10")
+    study.add_argument("--max-queries", type=int, default=None)
+    study.add_argument("--seed", type=int, default=13)
+    study.add_argument("--output", required=True)
+    study.set_defaults(func=_validate_study)
 
     download = sub.add_parser("download", help="download a public BEIR dataset or SQuAD (needs internet)")
     download.add_argument("name")

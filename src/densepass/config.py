@@ -118,6 +118,22 @@ class EvalConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """Validation during training on a subcorpus (training-inference-gap §3), keeping the best model."""
+
+    enabled: bool = False
+    split: str = "dev"
+    max_queries: int | None = None
+    subcorpus: Literal["gold", "random", "hard", "full"] = "hard"
+    r: float = 0.1  # random subcorpus: |R_r| = r |C|
+    k: int = 10  # hard subcorpus: top-k of every query under `retriever`
+    retriever: str = "bm25"  # or the path of a saved model
+    every_steps: int = 500
+    metric: str = "mrr@10"
+    seed: int = 13
+
+
+@dataclass
 class ExperimentConfig:
     """One run: data -> (baselines) -> training -> indexing -> evaluation -> report."""
 
@@ -129,6 +145,7 @@ class ExperimentConfig:
     negatives: NegativesConfig = field(default_factory=NegativesConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property

@@ -10,6 +10,7 @@ import numpy as np
 from densepass.config import DataConfig
 from densepass.data.dataset import Corpus, Qrels, RetrievalDataset, sample_queries
 from densepass.errors import ConfigError
+from densepass.evaluation.subcorpus import gold_subcorpus, hard_subcorpus
 from densepass.index.bm25 import BM25Index
 
 
@@ -55,13 +56,14 @@ def build_eval_set(dataset: RetrievalDataset, config: DataConfig, bm25: BM25Inde
                        answers)
     if config.eval_hard_k < 0 or config.eval_random < 0:
         raise ConfigError("data.eval_hard_k and data.eval_random must be >= 0")
-    keep = {corpus.position(p) for rels in qrels.values() for p, g in rels.items() if g > 0}
-    n_gold = len(keep)
+    n_gold = len(gold_subcorpus(corpus, qrels))
     if config.eval_hard_k:
         if bm25 is None:
             raise ConfigError("data.eval_hard_k needs a BM25 index of the corpus")
-        _, rows = bm25.search(texts, config.eval_hard_k)
-        keep.update(int(r) for r in rows.ravel())
+        base = hard_subcorpus(corpus, qrels, texts, config.eval_hard_k, lambda q, k: bm25.search(q, k)[1], "bm25")
+    else:
+        base = gold_subcorpus(corpus, qrels)
+    keep = {corpus.position(p) for p in base.ids}
     n_hard = len(keep) - n_gold
     if config.eval_random:
         rest = np.setdiff1d(np.arange(len(corpus)), np.fromiter(keep, dtype=np.int64))

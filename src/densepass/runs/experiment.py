@@ -27,6 +27,7 @@ from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.bm25 import mine_bm25_negatives
 from densepass.runs.evalset import EvalSet, add_rerank_candidates, build_eval_set
 from densepass.runs.report import print_table, write_report
+from densepass.runs.validation import Validator
 from densepass.scheduling.planner import EpochPlanner
 from densepass.training.batches import TrainingData
 from densepass.training import distributed
@@ -145,8 +146,10 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
             model.train()
 
         try:
+            validator = (Validator(config.validation, dataset, model, device, run_dir, config.eval.metrics)
+                         if config.validation.enabled and main else None)
             result = train(model, data, config.train, run_dir, device, planner,
-                           on_epoch_end=evaluate_epoch if config.eval.each_epoch else None)
+                           on_epoch_end=evaluate_epoch if config.eval.each_epoch else None, on_step_end=validator)
         finally:
             planner.close()
         if not main:

@@ -80,8 +80,8 @@ def plot_schedule_log(log_path: Path, out_path: Path) -> bool:
     return True
 
 
-def plot_eval_log(log_path: Path, metrics: list[str], out_path: Path) -> bool:
-    """Evaluation metrics after each epoch."""
+def plot_log_metrics(log_path: Path, metrics: list[str], out_path: Path, x: str) -> bool:
+    """Metrics from a JSONL log against ``x`` (epoch or step)."""
     if not log_path.is_file():
         return False
     records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
@@ -95,8 +95,10 @@ def plot_eval_log(log_path: Path, metrics: list[str], out_path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for m in metrics:
         if m in records[0]:
-            ax.plot([r["epoch"] for r in records], [r[m] for r in records], marker="o", label=m)
-    ax.set_xlabel("epoch")
+            ax.plot([r[x] for r in records], [r[m] for r in records], marker="o", label=m)
+    if "subcorpus" in records[0]:
+        ax.set_title(f"validation on {records[0]['subcorpus']} ({records[0]['size']} passages)", fontsize=9)
+    ax.set_xlabel(x)
     ax.set_ylabel("metric")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -135,8 +137,10 @@ def write_report(
     plots = []
     if plot_training_log(run_dir / "train_log.jsonl", run_dir / "loss.png"):
         plots.append("![training loss](loss.png)")
-    if plot_eval_log(run_dir / "eval_log.jsonl", metrics, run_dir / "epochs.png"):
+    if plot_log_metrics(run_dir / "eval_log.jsonl", metrics, run_dir / "epochs.png", "epoch"):
         plots.append("![metrics per epoch](epochs.png)")
+    if plot_log_metrics(run_dir / "validation_log.jsonl", metrics, run_dir / "validation.png", "step"):
+        plots.append("![validation metrics per step](validation.png)")
     if plot_schedule_log(run_dir / "schedule_log.jsonl", run_dir / "hardness.png"):
         plots.append("![batch hardness](hardness.png)")
     plot_metrics(results, metrics, run_dir / "metrics.png")

@@ -95,6 +95,7 @@ def train(
     device: torch.device,
     planner: BatchPlanner | None = None,
     on_epoch_end: Callable[[int], None] | None = None,
+    on_step_end: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Fine-tune ``model`` in place on ``data``; resumes from the latest checkpoint in ``run_dir``."""
     seed_everything(config.seed)
@@ -154,6 +155,8 @@ def train(
                     handle.write(json.dumps(record) + "\n")
             if step % config.checkpoint_every == 0 or step == total:
                 save_checkpoint(model, optimizer, scheduler, step, run_dir, config.keep_checkpoints)
+            if on_step_end is not None and rank == 0:
+                on_step_end(step)
         if on_epoch_end is not None and rank == 0 and step == min(total, (epoch + 1) * steps_per_epoch):
             on_epoch_end(epoch)
     progress.close()

@@ -1,0 +1,137 @@
+"""``densepass validate-study``: which validation subcorpus orders checkpoints like the full corpus,
+at what fraction of its cost (training-inference-gap §3, Figure 3).
+
+Each checkpoint is evaluated on C0, every R_r, every H_k and the full corpus C; for each subcorpus we
+report its size, encode+search time (the subcorpus alone is encoded), the metric per checkpoint, and
+Kendall's tau between its ordering of the checkpoints and the full corpus's ordering.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import kendalltau
+
+from densepass.data.dataset import RetrievalDataset, sample_queries
+from densepass.errors import ConfigError
+from densepass.evaluation.metrics import evaluate_run, make_run
+from densepass.evaluation.subcorpus import (
+    Subcorpus,
+    bm25_retriever,
+    dense_retriever,
+    gold_subcorpus,
+    hard_subcorpus,
+    random_subcorpus,
+)
+from densepass.index.retrieve import dense_retrieve
+from densepass.io import atomic_write_text
+from densepass.models.biencoder import CONFIG_NAME, BiEncoder
+
+
+@dataclass
+class StudyRow:
+    subcorpus: Subcorpus
+    scores: list[float]  # metric per checkpoint
+    seconds: float  # mean encode + search time per checkpoint
+    tau: float
+
+
+def expand_checkpoints(paths: list[str]) -> list[Path]:
+    """Model directories from model paths or run directories (final model + every checkpoint)."""
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if (path / CONFIG_NAME).is_file() or (path / "config.json").is_file():
+            found.append(path)
+        elif (path / "checkpoints").is_dir() or (path / "model").is_dir():
+            steps = sorted((path / "checkpoints").glob("step-*/model"), key=lambda p: int(p.parent.name[5:]))
+            found.extend(steps)
+            if (path / "model").is_dir():
+                found.append(path / "model")
+        else:
+            raise ConfigError(f"{path} is neither a saved model nor a run directory")
+    if len(found) < 2:
+        raise ConfigError(f"a study needs at least 2 checkpoints, got {len(found)}")
+    return found
+
+
+def ordering_agreement(scores: list[float], reference: list[float]) -> float:
+    """Kendall's tau between two score lists over the same checkpoints (1 = same ordering)."""
+    if len(scores) != len(reference):
+        raise ConfigError("score lists differ in length")
+    if len(set(reference)) == 1 or len(set(scores)) == 1:
+        return float("nan")
+    return float(kendalltau(scores, reference).statistic)
+
+
+def run_study(
+    dataset: RetrievalDataset, checkpoints: list[Path], split: str, rs: list[float], ks: list[int],
+    retriever: str, metric: str, max_queries: int | None, seed: int, out_dir: Path,
+) -> list[StudyRow]:
+    qrels = sample_queries(dataset.split(split), max_queries, seed)
+    qrels = {q: r for q, r in qrels.items() if any(g > 0 for g in r.values())}
+    texts = [dataset.queries[q] for q in qrels]
+    corpus = dataset.corpus
+    subcorpora = [gold_subcorpus(corpus, qrels)]
+    subcorpora += [random_subcorpus(corpus, qrels, r, seed) for r in rs]
+    if ks:
+        search = bm25_retriever(corpus) if retriever == "bm25" else dense_retriever(corpus, retriever)
+        subcorpora += [hard_subcorpus(corpus, qrels, texts, k, search, retriever) for k in ks]
+    subcorpora.append(Subcorpus("full", list(corpus.ids), {}))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for sub in subcorpora:
+        sub.save(out_dir / f"subcorpus-{sub.label}.json")
+    scores = np.zeros((len(subcorpora), len(checkpoints)))
+    seconds = np.zeros_like(scores)
+    for j, path in enumerate(checkpoints):
+        model = BiEncoder.from_pretrained(str(path))
+        sep = model.tokenizer.sep_token or " "
+        for i, sub in enumerate(subcorpora):
+            passages = corpus.subset([corpus.position(p) for p in sub.ids])
+            started = time.perf_counter()
+            top, rows = dense_retrieve(model, texts, passages.passage_inputs(sep), 100)
+            seconds[i, j] = time.perf_counter() - started
+            scores[i, j] = evaluate_run(qrels, make_run(list(qrels), passages.ids, top, rows), [metric])[metric]
+    full = scores[-1].tolist()
+    rows_out = [StudyRow(sub, scores[i].tolist(), float(seconds[i].mean()), ordering_agreement(scores[i].tolist(), full))
+                for i, sub in enumerate(subcorpora)]
+    write_study(rows_out, checkpoints, metric, out_dir)
+    return rows_out
+
+
+def write_study(rows: list[StudyRow], checkpoints: list[Path], metric: str, out_dir: Path) -> None:
+    """``study.md`` (table) and ``study.png`` (metric against index size, log scale)."""
+    full = rows[-1]
+    names = [f"{p.parent.name}/{p.name}" if p.name == "model" else p.name for p in checkpoints]
+    header = "| subcorpus | passages | % of C | encode+search s | % of C's time | Kendall tau | " + " | ".join(names) + " |"
+    lines = [header, "|---|" + "---:|" * (5 + len(names))]
+    for row in rows:
+        lines.append(
+            f"| {row.subcorpus.label} | {len(row.subcorpus):,} | {100 * len(row.subcorpus) / len(full.subcorpus):.1f} | "
+            f"{row.seconds:.1f} | {100 * row.seconds / full.seconds:.0f} | {row.tau:.2f} | "
+            + " | ".join(f"{s:.4f}" for s in row.scores) + " |"
+        )
+    atomic_write_text(out_dir / "study.md", f"Metric: {metric}\n\n" + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sizes = [len(r.subcorpus) for r in rows]
+    for j, name in enumerate(names):
+        ax.plot(sizes, [r.scores[j] for r in rows], marker="o", label=name, linewidth=1)
+    for r in rows:
+        ax.annotate(r.subcorpus.label, (len(r.subcorpus), r.scores[0]), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("index size (passages, log scale)")
+    ax.set_ylabel(metric)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "study.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,93 @@
+"""Validation during training on a subcorpus, keeping the best checkpoint by a chosen metric.
+
+Only the subcorpus is encoded at each validation (training-inference-gap §3): C0, a random R_r or
+a hard H_k built once at the start. Each validation appends to ``validation_log.jsonl``; a new best
+replaces ``best-model/`` atomically and ``best.json`` records its step and score.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from densepass.config import ValidationConfig
+from densepass.data.dataset import RetrievalDataset, sample_queries
+from densepass.errors import ConfigError
+from densepass.evaluation.metrics import evaluate_run, make_run
+from densepass.evaluation.subcorpus import (
+    Subcorpus,
+    bm25_retriever,
+    dense_retriever,
+    gold_subcorpus,
+    hard_subcorpus,
+    random_subcorpus,
+)
+from densepass.index.retrieve import dense_retrieve
+from densepass.io import atomic_write_text
+from densepass.models.biencoder import BiEncoder
+
+
+def build_subcorpus(dataset: RetrievalDataset, config: ValidationConfig) -> tuple[Subcorpus, dict, list[str]]:
+    """The validation subcorpus, the qrels of the validation queries, and their texts."""
+    qrels = sample_queries(dataset.split(config.split), config.max_queries, config.seed)
+    qrels = {q: r for q, r in qrels.items() if any(g > 0 for g in r.values())}
+    texts = [dataset.queries[q] for q in qrels]
+    corpus = dataset.corpus
+    if config.subcorpus == "gold":
+        sub = gold_subcorpus(corpus, qrels)
+    elif config.subcorpus == "random":
+        sub = random_subcorpus(corpus, qrels, config.r, config.seed)
+    elif config.subcorpus == "hard":
+        retriever = bm25_retriever(corpus) if config.retriever == "bm25" else dense_retriever(corpus, config.retriever)
+        sub = hard_subcorpus(corpus, qrels, texts, config.k, retriever, config.retriever)
+    elif config.subcorpus == "full":
+        sub = Subcorpus("full", list(corpus.ids), {})
+    else:
+        raise ConfigError(f"unknown subcorpus {config.subcorpus!r}")
+    return sub, qrels, texts
+
+
+class Validator:
+    """Callable(step): validates every ``every_steps`` steps and keeps the best model."""
+
+    def __init__(self, config: ValidationConfig, dataset: RetrievalDataset, model: BiEncoder,
+                 device: torch.device, run_dir: Path, metrics: list[str]) -> None:
+        if config.every_steps < 1:
+            raise ConfigError(f"validation.every_steps must be >= 1, got {config.every_steps}")
+        if config.metric not in metrics:
+            metrics = [*metrics, config.metric]
+        self.config, self.model, self.device, self.run_dir, self.metrics = config, model, device, run_dir, metrics
+        self.subcorpus, self.qrels, self.query_texts = build_subcorpus(dataset, config)
+        corpus = dataset.corpus
+        self.passages = corpus.subset([corpus.position(p) for p in self.subcorpus.ids])
+        self.subcorpus.save(run_dir / f"subcorpus-{self.subcorpus.label}.json")
+        self.log_path = run_dir / "validation_log.jsonl"
+        best = run_dir / "best.json"
+        self.best = json.loads(best.read_text())["score"] if best.is_file() else float("-inf")
+
+    def evaluate(self) -> dict[str, float]:
+        sep = self.model.tokenizer.sep_token or " "
+        scores, rows = dense_retrieve(self.model, self.query_texts, self.passages.passage_inputs(sep), 100,
+                                      device=self.device)
+        run = make_run(list(self.qrels), self.passages.ids, scores, rows)
+        return evaluate_run(self.qrels, run, self.metrics)
+
+    def __call__(self, step: int) -> None:
+        if step % self.config.every_steps:
+            return
+        started = time.perf_counter()
+        metrics = self.evaluate()
+        self.model.train()
+        record = {"step": step, "subcorpus": self.subcorpus.label, "size": len(self.subcorpus),
+                  "seconds": time.perf_counter() - started, **metrics}
+        with open(self.log_path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        score = metrics[self.config.metric]
+        if score > self.best:
+            self.best = score
+            self.model.save(self.run_dir / "best-model")
+            atomic_write_text(self.run_dir / "best.json",
+                              json.dumps({"step": step, "metric": self.config.metric, "score": score}))

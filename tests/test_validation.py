@@ -1,0 +1,113 @@
+"""Validation subcorpora (C0, R_r, H_k), best-checkpoint selection and the validate-study ordering."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from densepass.config import ValidationConfig
+from densepass.data import load_dataset
+from densepass.errors import ConfigError, DataError
+from densepass.evaluation.subcorpus import (
+    Subcorpus,
+    bm25_retriever,
+    gold_subcorpus,
+    hard_subcorpus,
+    random_subcorpus,
+)
+from densepass.models.biencoder import BiEncoder
+from densepass.runs.study import expand_checkpoints, ordering_agreement, run_study
+from densepass.runs.validation import Validator
+
+
+@pytest.fixture
+def data(tiny_beir):
+    dataset = load_dataset(str(tiny_beir))
+    return dataset, dataset.split("dev")
+
+
+def test_subcorpora_nest_and_sizes(data):
+    dataset, qrels = data
+    corpus = dataset.corpus
+    c0 = set(gold_subcorpus(corpus, qrels).ids)
+    assert c0 == {p for rels in qrels.values() for p in rels}
+    for r in (0.3, 0.5, 1.0):
+        sub = random_subcorpus(corpus, qrels, r, seed=1)
+        assert c0 <= set(sub.ids) <= set(corpus.ids)
+        assert len(sub) == max(len(c0), round(r * len(corpus)))
+        assert sub.ids == random_subcorpus(corpus, qrels, r, seed=1).ids  # seeded
+    assert random_subcorpus(corpus, qrels, 0.5, seed=1).ids != random_subcorpus(corpus, qrels, 0.5, seed=2).ids
+    assert len(random_subcorpus(corpus, qrels, 0.01)) == len(c0)  # never smaller than C0
+
+
+def test_hard_subcorpus_contains_retriever_top_k(data):
+    dataset, qrels = data
+    corpus = dataset.corpus
+    texts = [dataset.queries[q] for q in qrels]
+    retriever = bm25_retriever(corpus)
+    sub = hard_subcorpus(corpus, qrels, texts, 3, retriever, "bm25")
+    top = {corpus.ids[r] for r in retriever(texts, 3).ravel()}
+    assert set(gold_subcorpus(corpus, qrels).ids) <= set(sub.ids)
+    assert top <= set(sub.ids)
+    assert set(sub.ids) == top | set(gold_subcorpus(corpus, qrels).ids)
+    assert sub.provenance == {"k": 3, "retriever": "bm25", "queries": len(qrels)}
+
+
+def test_subcorpus_errors_and_round_trip(data, tmp_path):
+    dataset, qrels = data
+    for r in (0, -0.1, 1.5):
+        with pytest.raises(ConfigError, match=r"\(0, 1\]"):
+            random_subcorpus(dataset.corpus, qrels, r)
+    with pytest.raises(ConfigError, match="k must be >= 1"):
+        hard_subcorpus(dataset.corpus, qrels, ["q"] * len(qrels), 0, lambda q, k: np.zeros((len(q), 0)), "x")
+    sub = random_subcorpus(dataset.corpus, qrels, 0.5)
+    sub.save(tmp_path / "s.json")
+    assert Subcorpus.load(tmp_path / "s.json") == sub
+    with pytest.raises(DataError, match="not found"):
+        Subcorpus.load(tmp_path / "missing.json")
+
+
+def test_kendall_tau_on_hand_orderings():
+    assert ordering_agreement([0.1, 0.2, 0.3], [1, 2, 3]) == pytest.approx(1.0)
+    assert ordering_agreement([0.3, 0.2, 0.1], [1, 2, 3]) == pytest.approx(-1.0)
+    # one discordant pair of three: (concordant - discordant) / pairs = (2 - 1) / 3
+    assert ordering_agreement([0.1, 0.3, 0.2], [1, 2, 3]) == pytest.approx(1 / 3)
+
+
+def test_best_checkpoint_is_the_argmax(data, tiny_model_dir, tmp_path, monkeypatch):
+    dataset, _ = data
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    config = ValidationConfig(enabled=True, subcorpus="random", r=0.5, every_steps=2, metric="mrr@10")
+    validator = Validator(config, dataset, model, model.query_encoder.device, tmp_path, ["mrr@10"])
+    values = iter([0.2, 0.5, 0.4, 0.1])
+    saved_at = []
+    monkeypatch.setattr(Validator, "evaluate", lambda self: {"mrr@10": next(values)})
+    monkeypatch.setattr(BiEncoder, "save", lambda self, path: saved_at.append(step))
+    for step in range(1, 9):
+        validator(step)
+    assert json.loads((tmp_path / "best.json").read_text()) == {"step": 4, "metric": "mrr@10", "score": 0.5}
+    assert saved_at == [2, 4]
+    log = [json.loads(line) for line in (tmp_path / "validation_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4, 6, 8] and log[0]["subcorpus"] == "R_0.5"
+
+
+def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path):
+    dataset, _ = data
+    import torch
+
+    paths = []
+    for i in range(3):  # three checkpoints of different (random) quality
+        model = BiEncoder.from_pretrained(str(tiny_model_dir))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * i * torch.randn_like(p))
+        model.save(tmp_path / f"m{i}")
+        paths.append(str(tmp_path / f"m{i}"))
+    rows = run_study(dataset, expand_checkpoints(paths), "dev", [0.5], [2], "bm25", "mrr@10", None, 0, tmp_path / "study")
+    assert [r.subcorpus.label for r in rows] == ["C0", "R_0.5", "H_2", "C"]
+    assert rows[-1].tau == pytest.approx(1.0) or np.isnan(rows[-1].tau)
+    assert (tmp_path / "study" / "study.md").is_file() and (tmp_path / "study" / "study.png").is_file()
+    with pytest.raises(ConfigError, match="at least 2"):
+        expand_checkpoints(paths[:1])
