@@ -247,6 +247,47 @@ def test_encode_texts_max_tokens_gives_same_embeddings(tiny_model):
     np.testing.assert_allclose(plain, capped, atol=1e-5)
 
 
+def naive_encoding(model, texts, side):
+    """One text at a time, straight through the tokenizer and the model: no sorting, no padding."""
+    rows = []
+    with torch.no_grad():
+        for text in texts:
+            tokens = model.tokenizer([text], truncation=True, max_length=model.max_length(side), return_tensors="pt")
+            rows.append(model(tokens["input_ids"], tokens["attention_mask"], side=side)[0].numpy())
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("chunk, batch_size, max_tokens", [(3, 2, None), (4, 1, 30), (1000, 5, None)])
+def test_encode_texts_equals_naive_per_text_encoding(tiny_model, monkeypatch, chunk, batch_size, max_tokens):
+    """Chunked background tokenisation, numpy padding and reordering change nothing: every row equals
+    the text encoded on its own. Includes an empty text and texts cut at the passage length."""
+    monkeypatch.setattr(encode_module, "TOKENIZE_CHUNK", chunk)
+    long_text = " ".join(TEXTS * 12)  # far beyond passage_max_length tokens
+    texts = TEXTS + ["", long_text, long_text[::-1], TEXTS[1]]
+    got = encode_texts(tiny_model, texts, "passage", batch_size=batch_size, device=CPU, show_progress=False,
+                       max_tokens=max_tokens)
+    assert got.shape == (len(texts), tiny_model.dim) and got.dtype == np.float32
+    np.testing.assert_allclose(got, naive_encoding(tiny_model, texts, "passage"), atol=1e-5)
+    queries = encode_texts(tiny_model, texts, "query", batch_size=batch_size, device=CPU, show_progress=False)
+    np.testing.assert_allclose(queries, naive_encoding(tiny_model, texts, "query"), atol=1e-5)
+
+
+def test_inference_copy_is_low_precision_and_leaves_the_model_alone(tiny_model):
+    before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    half = encode_module.inference_copy(tiny_model, torch.bfloat16)
+    assert {p.dtype for p in half.query_encoder.parameters()} == {torch.bfloat16}
+    assert half.query_encoder is half.passage_encoder  # a shared tower stays shared
+    for name, param in tiny_model.named_parameters():
+        assert param.dtype == torch.float32 and torch.equal(param, before[name]), name
+    with torch.no_grad():
+        tokens = tiny_model.tokenize(TEXTS, "passage")
+        full = tiny_model(tokens["input_ids"], tokens["attention_mask"], side="passage")
+        low = half(tokens["input_ids"], tokens["attention_mask"], side="passage")
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low, full, atol=3e-2, rtol=0)
+    assert not torch.equal(low, full)  # it really ran in bfloat16
+
+
 def test_encode_texts_empty_list(tiny_model):
     with pytest.raises(DensepassError, match="nothing to encode"):
         encode_texts(tiny_model, [], "query", device=CPU, show_progress=False)

@@ -1,25 +1,81 @@
-"""Batched encoding with length sorting: texts are tokenised once, sorted by length so each batch
-pads little, encoded under bf16 autocast on GPU, and returned in the original order."""
+"""Batched encoding for throughput: length-sorted batches, tokenisation overlapped with the model.
+
+Texts are ordered by character length (known before tokenising) and tokenised in chunks by a
+background thread while the model encodes the previous chunk; inside a chunk, rows are sorted by
+token count so each batch pads little, and padded batches are built with numpy. On GPU the model
+runs as a bfloat16 copy (weights cast once, pooling and normalisation in float32), inputs go
+through pinned memory, and embeddings stay on the device until one copy back at the end.
+Results are float32 in the original order.
+"""
 
 from __future__ import annotations
 
+import copy
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from densepass.errors import DensepassError
 from densepass.models.biencoder import BiEncoder, Side
-from densepass.training.step import autocast_context
+from densepass.prefetch import prefetched
+
+TOKENIZE_CHUNK = 16_384  # texts tokenised at once; the next chunk is tokenised while this one is encoded
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@torch.inference_mode()
+def inference_copy(model: BiEncoder, dtype: torch.dtype) -> BiEncoder:
+    """A copy of ``model`` for inference whose transformer weights are ``dtype``; the projection
+    stays float32 (``pool`` returns float32). ``model`` itself is left untouched."""
+    towers = {id(t): t for t in (model.query_encoder, model.passage_encoder)}
+    copies = {key: copy.deepcopy(t).to(dtype).eval().requires_grad_(False) for key, t in towers.items()}
+    projection = copy.deepcopy(model.projection) if model.projection is not None else None
+    return BiEncoder(copies[id(model.query_encoder)], copies[id(model.passage_encoder)], model.tokenizer,
+                     model.config, projection).eval()
+
+
+def padded_batches(
+    tokenizer: PreTrainedTokenizerBase,
+    texts: Sequence[str],
+    rows: np.ndarray,
+    max_length: int,
+    batch_size: int,
+    max_tokens: int | None,
+    pin: bool,
+) -> list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+    """Tokenise ``texts[rows]`` and cut them into batches of similar length, longest first:
+    a list of (rows of the batch, input ids, attention mask), each padded to its longest row."""
+    encoded = tokenizer([texts[r] for r in rows], truncation=True, max_length=max_length,
+                        return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    pad_id = tokenizer.pad_token_id or 0
+    flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64, count=int(lengths.sum()))
+    flat = np.append(flat, pad_id)  # never empty, so clipped gathers below stay in range
+    starts = np.cumsum(lengths) - lengths
+    by_length = np.argsort(-lengths, kind="stable")
+    batches, start = [], 0
+    while start < len(by_length):
+        longest = int(lengths[by_length[start]])
+        size = batch_size if max_tokens is None else max(batch_size, max_tokens // max(longest, 1))
+        members = by_length[start : start + size]
+        columns = np.arange(longest)
+        mask = columns[None, :] < lengths[members, None]
+        ids = np.where(mask, flat[np.minimum(starts[members, None] + columns[None, :], len(flat) - 1)], pad_id)
+        ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
+        if pin:
+            ids_t, mask_t = ids_t.pin_memory(), mask_t.pin_memory()
+        batches.append((rows[members], ids_t, mask_t))
+        start += len(members)
+    return batches
+
+
 def encode_texts(
     model: BiEncoder,
     texts: Sequence[str],
@@ -30,36 +86,40 @@ def encode_texts(
     show_progress: bool = True,
     max_tokens: int | None = None,
 ) -> np.ndarray:
-    """Embeddings [len(texts), dim] as float32.
+    """Embeddings [len(texts), dim] as float32, in the order of ``texts``.
 
-    ``max_tokens`` (optional) caps padded tokens per batch, so batches of short texts are larger.
+    ``bf16`` runs a bfloat16 copy of the model on GPU (CPU always uses float32). ``max_tokens``
+    (optional) caps padded tokens per batch, so batches of short texts are larger.
     """
     if len(texts) == 0:
         raise DensepassError(f"nothing to encode: the list of {side} texts is empty")
     device = device or default_device()
     model.to(device).eval()
-    encoded = model.tokenizer(list(texts), truncation=True, max_length=model.max_length(side))["input_ids"]
-    order = np.argsort([-len(ids) for ids in encoded], kind="stable")
-    out = np.empty((len(texts), model.dim), dtype=np.float32)
-    pad_id = model.tokenizer.pad_token_id or 0
-    start = 0
+    runner = inference_copy(model, torch.bfloat16) if bf16 and device.type == "cuda" else model
+    order = np.argsort([-len(t) for t in texts], kind="stable")
+    chunks = [order[s : s + TOKENIZE_CHUNK] for s in range(0, len(order), TOKENIZE_CHUNK)]
+    # a worker thread tokenises while this one encodes. With several chunks it gets its own tokenizer
+    # (a fast tokenizer's truncation settings are shared state); with one, this thread just waits.
+    tokenizer = model.tokenizer if len(chunks) == 1 else copy.deepcopy(model.tokenizer)
+    pin = device.type == "cuda"
+
+    def prepare(rows: np.ndarray):
+        return padded_batches(tokenizer, texts, rows, model.max_length(side), batch_size, max_tokens, pin)
+
+    encoded = torch.empty((len(texts), model.dim), dtype=torch.float32, device=device)  # rows in `placed` order
+    placed, filled = np.empty(len(texts), dtype=np.int64), 0
     progress = tqdm(total=len(texts), desc=f"encode {side}s", disable=not show_progress, dynamic_ncols=True)
-    while start < len(order):
-        longest = len(encoded[order[start]])
-        size = batch_size if max_tokens is None else max(batch_size, max_tokens // max(longest, 1))
-        rows = order[start : start + size]
-        ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for k, r in enumerate(rows):
-            seq = encoded[r]
-            ids[k, : len(seq)] = torch.tensor(seq)
-            mask[k, : len(seq)] = 1
-        with autocast_context(device, bf16):
-            emb = model(ids.to(device, non_blocking=True), mask.to(device, non_blocking=True), side=side)
-        out[rows] = emb.float().cpu().numpy()
-        start += len(rows)
-        progress.update(len(rows))
+    with torch.inference_mode():
+        for batches in prefetched(chunks, prepare):
+            for rows, ids, mask in batches:
+                emb = runner(ids.to(device, non_blocking=pin), mask.to(device, non_blocking=pin), side=side)
+                encoded[filled : filled + len(rows)] = emb
+                placed[filled : filled + len(rows)] = rows
+                filled += len(rows)
+                progress.update(len(rows))
     progress.close()
+    out = np.empty((len(texts), model.dim), dtype=np.float32)
+    out[placed] = encoded.cpu().numpy()
     return out
 
 

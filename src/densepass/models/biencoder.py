@@ -58,10 +58,12 @@ class BiEncoderConfig:
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, how: str) -> torch.Tensor:
-    """CLS vector, or the mean of the token vectors under the attention mask."""
+    """CLS vector, or the mean of the token vectors under the attention mask, in float32 (a model
+    run in bfloat16 still pools and projects at full precision)."""
     if how == "cls":
-        return hidden[:, 0]
+        return hidden[:, 0].float()
     if how == "mean":
+        hidden = hidden.float()
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)
     raise ConfigError(f"unknown pooling {how!r} (use 'mean' or 'cls')")
@@ -112,8 +114,12 @@ class BiEncoder(nn.Module):
             out = nn.functional.normalize(out.float(), dim=-1)
         return out
 
-    def tokenize(self, texts: list[str], side: Side, padding: bool | str = True) -> dict[str, torch.Tensor]:
-        return self.tokenizer(
+    def tokenize(
+        self, texts: list[str], side: Side, padding: bool | str = True, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Padded tensors of one side's texts; ``tokenizer``: a private copy of ``self.tokenizer`` for a
+        worker thread (a fast tokenizer's truncation settings are shared state)."""
+        return (tokenizer or self.tokenizer)(
             texts, truncation=True, max_length=self.max_length(side), padding=padding, return_tensors="pt"
         )
 
