@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -55,20 +56,47 @@ def _chunks(tokens: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.
     return [{k: v[i : i + size] for k, v in tokens.items()} for i in range(0, n, size)]
 
 
+@dataclass
+class BatchTensors:
+    """A batch's tensors on the host, ready to copy: tokens of each side, positive columns and mask."""
+
+    queries: dict[str, torch.Tensor]
+    passages: dict[str, torch.Tensor]
+    positive_index: torch.Tensor
+    mask: torch.Tensor
+
+    def to(self, device: torch.device) -> BatchTensors:
+        move = lambda t: t.to(device, non_blocking=t.is_pinned())  # noqa: E731
+        return BatchTensors({k: move(v) for k, v in self.queries.items()}, {k: move(v) for k, v in self.passages.items()},
+                            move(self.positive_index), move(self.mask))
+
+
+def batch_tensors(model: BiEncoder, batch: TrainingBatch, pin: bool = False, tokenizer=None) -> BatchTensors:
+    """Tokenise a batch (``tokenizer``: a private copy when called from a worker thread); ``pin`` puts
+    the tensors in page-locked memory so copies to the GPU do not wait for it."""
+    tensors = BatchTensors(
+        model.tokenize(batch.query_texts, "query", tokenizer=tokenizer),
+        model.tokenize(batch.passage_texts, "passage", tokenizer=tokenizer),
+        batch.positive_index,
+        batch.mask,
+    )
+    if not pin:
+        return tensors
+    return BatchTensors({k: v.pin_memory() for k, v in tensors.queries.items()},
+                        {k: v.pin_memory() for k, v in tensors.passages.items()},
+                        tensors.positive_index.pin_memory(), tensors.mask.pin_memory())
+
+
 def global_loss(
-    batch: TrainingBatch, queries: torch.Tensor, passages: torch.Tensor, temperature: float, bidirectional: bool
+    tensors: BatchTensors, n_local_queries: int, queries: torch.Tensor, passages: torch.Tensor, temperature: float,
+    bidirectional: bool,
 ) -> torch.Tensor:
     """Loss of the global batch from this process's query and passage embeddings."""
-    b = batch.n_local_queries
+    b = n_local_queries
     all_queries = gather_with_local_grad(queries)
     all_passages = torch.cat([gather_with_local_grad(passages[:b]), gather_with_local_grad(passages[b:])])
     return contrastive_loss(
-        all_queries,
-        all_passages,
-        batch.positive_index.to(queries.device),
-        temperature,
-        mask=batch.mask.to(queries.device),
-        bidirectional=bidirectional,
+        all_queries, all_passages, tensors.positive_index, temperature, mask=tensors.mask, bidirectional=bidirectional
     )
 
 
@@ -79,18 +107,22 @@ def forward_backward(
     bidirectional: bool = False,
     chunk_size: int | None = None,
     bf16: bool = True,
-) -> float:
-    """Accumulate into ``.grad`` the gradient of the batch loss; return the loss value."""
-    q_tokens = {k: v.to(device) for k, v in model.tokenize(batch.query_texts, "query").items()}
-    p_tokens = {k: v.to(device) for k, v in model.tokenize(batch.passage_texts, "passage").items()}
+    tensors: BatchTensors | None = None,
+) -> torch.Tensor:
+    """Accumulate into ``.grad`` the gradient of the batch loss; return the loss (detached, on
+    ``device``: reading it waits for the GPU, so the trainer reads it only when it logs).
+    ``tensors``: the batch already tokenised by ``batch_tensors`` (e.g. in a worker thread)."""
+    tensors = (tensors or batch_tensors(model, batch)).to(device)
+    q_tokens, p_tokens = tensors.queries, tensors.passages
     autocast: Callable[[], contextlib.AbstractContextManager] = lambda: autocast_context(device, bf16)  # noqa: E731
     temperature = model.config.temperature
+    b = batch.n_local_queries
     if chunk_size is None:
         q = _embed(model, q_tokens, "query", autocast)
         p = _embed(model, p_tokens, "passage", autocast)
-        loss = global_loss(batch, q, p, temperature, bidirectional)
+        loss = global_loss(tensors, b, q, p, temperature, bidirectional)
         loss.backward()
-        return loss.item()
+        return loss.detach()
 
     sides: list[tuple[Side, list[dict[str, torch.Tensor]]]] = [
         ("query", _chunks(q_tokens, chunk_size)),
@@ -104,7 +136,7 @@ def forward_backward(
                 cached[side].append((_embed(model, chunk, side, autocast), state))
     q = torch.cat([e for e, _ in cached["query"]]).requires_grad_()
     p = torch.cat([e for e, _ in cached["passage"]]).requires_grad_()
-    loss = global_loss(batch, q, p, temperature, bidirectional)
+    loss = global_loss(tensors, b, q, p, temperature, bidirectional)
     loss.backward()
     grads = {"query": q.grad.split(chunk_size), "passage": p.grad.split(chunk_size)}
     for side, chunks in sides:
@@ -112,4 +144,4 @@ def forward_backward(
             with state.replay():
                 reps = _embed(model, chunk, side, autocast)
             torch.dot(reps.flatten(), grad.flatten()).backward()
-    return loss.item()
+    return loss.detach()

@@ -7,11 +7,12 @@ depend only on (seed, epoch, step), so a resumed run continues exactly where the
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,11 +25,11 @@ from transformers import get_linear_schedule_with_warmup
 from densepass.config import TrainConfig
 from densepass.io import atomic_directory
 from densepass.models.biencoder import BiEncoder
-from densepass.training import distributed
+from densepass.prefetch import prefetched
 from densepass.scheduling.baselines import random_batches
+from densepass.training import distributed
 from densepass.training.batches import TrainingData
-from densepass.training.step import forward_backward
-
+from densepass.training.step import batch_tensors, forward_backward
 
 
 class BatchPlanner(Protocol):
@@ -124,20 +125,33 @@ def train(
     log_path = run_dir / "train_log.jsonl"
     if step == 0 and rank == 0:
         log_path.unlink(missing_ok=True)
-    loss_value, seen, started = float("nan"), 0, time.perf_counter()
+    loss, seen, started = torch.tensor(float("nan")), 0, time.perf_counter()
     progress = tqdm(total=total, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
-    for epoch in range(step // steps_per_epoch, config.epochs):
-        done_in_epoch = step - epoch * steps_per_epoch
+    # batches are collated and tokenised one step ahead in a worker thread, with its own tokenizer
+    tokenizer, pin = copy.deepcopy(model.tokenizer), device.type == "cuda"
+
+    def prepare(item: tuple[int, int, list[int]]):
+        epoch, index, members = item
+        batch = data.collate(members, seed=(config.seed, epoch, index), rank=rank, world=world)
+        return members, batch, batch_tensors(model, batch, pin, tokenizer)
+
+    def epoch_batches(epoch: int) -> Iterator[tuple[int, int, list[int]]]:
+        """(epoch, index, members) of the batches still to train on in ``epoch``."""
+        done_in_epoch, remaining = step - epoch * steps_per_epoch, total - step
         for index, members in enumerate(planner(epoch)):
-            if step >= total:
+            if remaining == 0:
                 break
             if index < done_in_epoch or index >= steps_per_epoch:
                 continue  # trained on before a resume; or a partial batch past the epoch's steps
             if world > 1:  # every process trains on rank 0's batch (schedules may differ in the last bits)
                 members = distributed.broadcast_object(list(members))
-            batch = data.collate(list(members), seed=(config.seed, epoch, index), rank=rank, world=world)
-            loss_value = forward_backward(
-                model, batch, device, config.bidirectional, config.grad_cache_chunk, config.bf16
+            remaining -= 1
+            yield epoch, index, list(members)
+
+    for epoch in range(step // steps_per_epoch, config.epochs):
+        for members, batch, tensors in prefetched(epoch_batches(epoch), prepare):
+            loss = forward_backward(
+                model, batch, device, config.bidirectional, config.grad_cache_chunk, config.bf16, tensors
             )
             distributed.sum_gradients(model.parameters())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -147,12 +161,14 @@ def train(
             step += 1
             seen += len(members)
             progress.update(1)
-            progress.set_postfix(loss=f"{loss_value:.4f}")
-            if rank == 0 and (step % config.log_every == 0 or step == total):
-                record = {"step": step, "epoch": epoch, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
-                          "examples_per_s": seen / (time.perf_counter() - started)}
-                with open(log_path, "a") as handle:
-                    handle.write(json.dumps(record) + "\n")
+            if step % config.log_every == 0 or step == total:  # reading the loss waits for the GPU
+                loss_value = loss.item()
+                progress.set_postfix(loss=f"{loss_value:.4f}")
+                if rank == 0:
+                    record = {"step": step, "epoch": epoch, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
+                              "examples_per_s": seen / (time.perf_counter() - started)}
+                    with open(log_path, "a") as handle:
+                        handle.write(json.dumps(record) + "\n")
             if step % config.checkpoint_every == 0 or step == total:
                 save_checkpoint(model, optimizer, scheduler, step, run_dir, config.keep_checkpoints)
             if on_step_end is not None and rank == 0:
@@ -161,4 +177,4 @@ def train(
             on_epoch_end(epoch)
     progress.close()
     elapsed = time.perf_counter() - started
-    return TrainResult(step, loss_value, seen / elapsed if elapsed > 0 else 0.0, log_path)
+    return TrainResult(step, loss.item(), seen / elapsed if elapsed > 0 else 0.0, log_path)
