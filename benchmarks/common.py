@@ -1,0 +1,68 @@
+"""Shared by the benchmark scripts: device choice, where it ran, timing, the markdown table and JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from densepass.io import atomic_write_text
+
+
+def pick_device(name: str | None) -> torch.device:
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def environment(device: torch.device) -> dict:
+    """Where a benchmark ran: the device and the versions of the libraries compared."""
+    import sentence_transformers
+    import transformers
+
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return {"device": where, "date": datetime.date.today().isoformat(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "sentence_transformers": sentence_transformers.__version__}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def timer(device: torch.device):
+    """``with timer(device) as t: ...`` then ``t()`` is the elapsed seconds (device work included)."""
+    sync(device)
+    started = time.perf_counter()
+    box = {}
+    try:
+        yield lambda: box["s"]
+    finally:
+        sync(device)
+        box["s"] = time.perf_counter() - started
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path | None, payload: dict) -> None:
+    if path:
+        atomic_write_text(Path(path), json.dumps(payload, indent=2))
+        print(f"\nwrote {path}")
+
+
+def rate(x: float) -> str:
+    """A throughput for a table: whole numbers when large, two decimals when small."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
