@@ -76,9 +76,12 @@ class DuplicateFilter:
         for qid, pos in self.positives.items():
             by_text.setdefault(normalize_answer(self.dataset.queries[qid]), set()).update(pos)
         self._by_text = by_text
+        self._keys: dict[str, int] = {}
 
     def _key(self, pid: str) -> int:
-        return content_key(passage_input(self.dataset.corpus, pid, self.sep_token))
+        if pid not in self._keys:
+            self._keys[pid] = content_key(passage_input(self.dataset.corpus, pid, self.sep_token))
+        return self._keys[pid]
 
     def keep(self, qid: str, cands: list[Candidate]) -> list[bool]:
         pos = self.positives.get(qid, [])

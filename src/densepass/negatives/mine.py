@@ -115,15 +115,18 @@ def raw_pool(spec: str, dataset: RetrievalDataset, query_ids: Sequence[str], con
 
 
 def mine_negatives(dataset: RetrievalDataset, query_ids: Sequence[str], config: NegativesConfig,
-                   ctx: MiningContext | None = None, sep_token: str = "[SEP]") -> MiningResult:
-    """The filtered pool of ``config.source`` for ``query_ids``, ``config.pool_depth`` per query."""
+                   ctx: MiningContext | None = None, sep_token: str = "[SEP]", strategy: str | None = None
+                   ) -> MiningResult:
+    """The filtered pool of ``config.source`` (or of ``strategy``, any ``raw_pool`` spec such as
+    ``dense:25``) for ``query_ids``, ``config.pool_depth`` per query."""
     ctx = ctx or MiningContext()
+    strategy = strategy or config.source
     if config.pool_depth < 1:
         raise ConfigError("negatives.pool_depth must be >= 1")
-    if config.source == "none":
+    if strategy == "none":
         raise ConfigError("negatives.source is 'none': nothing to mine")
     started = time.perf_counter()
-    raw = raw_pool(config.source, dataset, query_ids, config, ctx)
+    raw = raw_pool(strategy, dataset, query_ids, config, ctx)
     names = ["qrels", *(f for f in config.filters if f != "qrels")]
     filters = build_filters(names, dataset, ctx.split, sep_token, config.cross_encoder, config.cross_encoder_threshold)
     pool, removed = apply_filters(raw, filters, show_progress=ctx.show_progress)
