@@ -154,8 +154,8 @@ def main() -> None:
              "| row | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
     for label, values in results.items():
         lines.append(f"| {label} | " + " | ".join(f"{values[m]:.4f}" for m in metrics) + " |")
-    lines += ["", "Embedding-fusion weights (tuned on "
-              f"{base.data.eval_split} {ensemble.get('evaluations', 0)} evaluations): "
+    lines += ["", f"Embedding-fusion weights (tuned on {base.data.eval_split}, "
+              f"{ensemble.get('evaluations', 0)} evaluations): "
               + ", ".join(f"{k} {v:g}" for k, v in ensemble["weights"].items()),
               "", "Pools: " + "; ".join(f"{k}: {v['summary']}" for k, v in pools.items()),
               "", "Timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items())]
