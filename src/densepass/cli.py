@@ -1,4 +1,4 @@
-"""Command line: ``densepass run CONFIG``, ``index``, ``evaluate``, ``download``."""
+"""Command line: ``densepass run CONFIG``, ``mine``, ``ensemble``, ``index``, ``evaluate``, ``download``."""
 
 from __future__ import annotations
 
@@ -55,6 +55,72 @@ def _validate_study(args: argparse.Namespace) -> None:
               args.metric, args.max_queries, args.seed, Path(args.output))
 
 
+def _mine(args: argparse.Namespace) -> None:
+    from densepass.config import load_config
+    from densepass.data import load_dataset, sample_queries
+    from densepass.index.encode import default_device
+    from densepass.models.biencoder import BiEncoderConfig
+    from densepass.negatives.mine import MiningContext, mine_negatives
+    from densepass.negatives.pool import save_pool
+
+    options = {"negatives.source": args.strategy, "negatives.pool_depth": args.depth, "negatives.model": args.model,
+               "negatives.file": args.file, "negatives.filters": args.filters, "negatives.mix": args.mix,
+               "negatives.dense_dim": args.dense_dim, "negatives.miner_steps": args.miner_steps,
+               "negatives.cross_encoder": args.cross_encoder,
+               "negatives.cross_encoder_threshold": args.cross_encoder_threshold,
+               "data.name": args.dataset, "data.data_dir": args.data_dir, "data.max_train_queries": args.max_queries}
+    overrides = [f"{key}={json.dumps(value)}" for key, value in options.items() if value is not None]
+    config = load_config(args.config, [*overrides, *args.set])
+    data = config.data
+    dataset = load_dataset(data.name, data.data_dir, data.format)
+    positives = dataset.positives(data.train_split)
+    query_ids = sorted(q for q in sample_queries(dataset.split(data.train_split), data.max_train_queries, data.seed)
+                       if q in positives)
+    device = default_device()
+    arch = BiEncoderConfig(**{k: getattr(config.model, k) for k in BiEncoderConfig.__dataclass_fields__})
+    output = Path(args.output)
+    ctx = MiningContext(data.train_split, device, work_dir=output.with_name(output.name + ".miners"),
+                        base_model=config.model.name_or_path, architecture=arch, train_config=config.train,
+                        seed=data.seed)
+    print(f"mining {config.negatives.source} negatives for {len(query_ids)} {data.train_split} queries of "
+          f"{data.name} on {device.type}", file=sys.stderr)
+    result = mine_negatives(dataset, query_ids, config.negatives, ctx)
+    save_pool(result.pool, output)
+    _print_mining_summary(result, output)
+
+
+def _print_mining_summary(result, output: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"hard negatives -> {output}")
+    table.add_column("")
+    table.add_column("count", justify="right")
+    for source, count in result.source_counts.items():
+        table.add_row(f"source {source}", str(count))
+    for name, count in result.removed.items():
+        table.add_row(f"removed by {name}", str(count))
+    Console().print(table)
+    print(result.summary())
+
+
+def _ensemble(args: argparse.Namespace) -> None:
+    from densepass.data import load_dataset
+    from densepass.io import atomic_write_text
+    from densepass.runs.ensemble import evaluate_ensemble
+    from densepass.runs.report import print_table
+
+    dataset = load_dataset(args.dataset, args.data_dir, args.format)
+    methods = ["embedding", "rrf"] if args.method == "both" else [args.method]
+    out = evaluate_ensemble(dataset, args.models, methods, args.split, metrics=args.metrics, depth=args.depth,
+                            max_queries=args.max_queries, tune_metric=args.tune_metric, rrf_k=args.rrf_k)
+    print_table(out["results"], args.metrics, f"{args.dataset} {args.split}: {out['queries']} queries")
+    if "weights" in out:
+        print("embedding-fusion weights:", json.dumps(out["weights"]))
+    if args.out:
+        atomic_write_text(args.out, json.dumps(out, indent=2))
+
+
 def _download(args: argparse.Namespace) -> None:
     from densepass.data.download import download_dataset
     from densepass.data.paths import default_data_dir
@@ -104,6 +170,39 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--seed", type=int, default=13)
     study.add_argument("--output", required=True)
     study.set_defaults(func=_validate_study)
+
+    mine = sub.add_parser("mine", help="mine a hard-negatives file for the training queries")
+    mine.add_argument("config", nargs="?", help="experiment config (its data, model, negatives, train sections)")
+    mine.add_argument("--output", required=True, help="hard-negatives file to write (JSONL)")
+    mine.add_argument("--dataset", default=None, help="dataset name under the data dir, or a path")
+    mine.add_argument("--data-dir", default=None)
+    mine.add_argument("--strategy", default=None, choices=["bm25", "dense", "model", "context", "mixed", "file"])
+    mine.add_argument("--depth", type=int, default=None, help="candidates kept per query (pool depth)")
+    mine.add_argument("--model", default=None, help="saved model for --strategy model")
+    mine.add_argument("--file", default=None, help="hard-negatives file for --strategy file (re-filter it)")
+    mine.add_argument("--dense-dim", type=int, default=None, help="projection of the dense miner (25 coarse, 512 fine)")
+    mine.add_argument("--miner-steps", type=int, default=None, help="training steps of the dense miner")
+    mine.add_argument("--mix", nargs="+", default=None, help="strategies for --strategy mixed, e.g. bm25 context dense:25")
+    mine.add_argument("--filters", nargs="+", default=None, help="qrels answers duplicates cross-encoder")
+    mine.add_argument("--cross-encoder", default=None, help="sentence-transformers CrossEncoder for that filter")
+    mine.add_argument("--cross-encoder-threshold", type=float, default=None)
+    mine.add_argument("--max-queries", type=int, default=None, help="a seeded subset of the training queries")
+    mine.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    mine.set_defaults(func=_mine)
+
+    ensemble = sub.add_parser("ensemble", help="evaluate embedding fusion and/or RRF of saved models")
+    data_args(ensemble)
+    ensemble.add_argument("--models", nargs="+", required=True, help="saved models (at least two)")
+    ensemble.add_argument("--method", default="both", choices=["embedding", "rrf", "both"])
+    ensemble.add_argument("--split", default="dev")
+    ensemble.add_argument("--metrics", nargs="+",
+                          default=["mrr@10", "ndcg@10", "recall@1", "recall@5", "recall@20", "recall@100"])
+    ensemble.add_argument("--depth", type=int, default=100)
+    ensemble.add_argument("--max-queries", type=int, default=None)
+    ensemble.add_argument("--tune-metric", default="mrr@10", help="metric the fusion weights maximise")
+    ensemble.add_argument("--rrf-k", type=int, default=60)
+    ensemble.add_argument("--out", default=None, help="write the results as JSON here")
+    ensemble.set_defaults(func=_ensemble)
 
     download = sub.add_parser("download", help="download a public BEIR dataset or SQuAD (needs internet)")
     download.add_argument("name")

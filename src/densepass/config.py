@@ -57,12 +57,25 @@ class ModelConfig:
 
 @dataclass
 class NegativesConfig:
-    """Hard negatives mined before training and sampled per step."""
+    """Hard negatives mined before training (densepass.negatives) and sampled per step."""
 
-    source: Literal["none", "bm25"] = "bm25"
+    # bm25 | dense: a dual encoder with a `dense_dim` projection trained on the pairs (25 = coarse,
+    # 512 = fine) | model: a saved checkpoint (`model`) | context: same-document passages |
+    # mixed: round-robin over the `mix` strategies | file: a hard-negatives file (`file`)
+    source: Literal["none", "bm25", "dense", "model", "context", "mixed", "file"] = "bm25"
     pool_depth: int = 30  # top-k candidates kept per query
     per_query: int = 1  # h: hard negatives drawn per query per step
     skip_top: int = 0  # drop the first k candidates (often unlabeled positives)
+    # False-negative filters in order (qrels always runs first): qrels, answers, duplicates, cross-encoder
+    filters: list[str] = field(default_factory=lambda: ["qrels", "answers"])
+    file: str | None = None  # source=file
+    model: str | None = None  # source=model: a saved BiEncoder
+    dense_dim: int = 512  # source=dense: projection size of the miner
+    miner_steps: int | None = None  # source=dense: training steps of the miner (None: one epoch)
+    mix: list[str] = field(default_factory=lambda: ["bm25", "context"])  # bm25|context|model|dense[:DIM]|file:PATH
+    cross_encoder: str | None = None  # sentence-transformers CrossEncoder for the cross-encoder filter
+    cross_encoder_threshold: float = 0.0  # candidates scored above it are dropped
+    batch_size: int = 256  # encoding batch size for dense mining
 
 
 @dataclass

@@ -1,4 +1,8 @@
-"""BM25 hard negatives: the top-ranked passages of each training query that are not relevant to it."""
+"""BM25 hard negatives: each training query's top BM25 passages (negative-contrast §4.2, "BM25").
+
+Returns the raw ranking; ``densepass.negatives.mine`` removes the query's positives and, when the
+dataset has answers, passages containing an answer string (``filters.AnswerFilter``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from collections.abc import Sequence
 
 from densepass.data.dataset import RetrievalDataset
 from densepass.index.bm25 import BM25Index
+from densepass.negatives.pool import Candidate, NegativePool
 
 
 def mine_bm25_negatives(
@@ -15,15 +20,15 @@ def mine_bm25_negatives(
     depth: int,
     skip_top: int = 0,
     batch_size: int = 4096,
-) -> dict[str, list[str]]:
-    """Query id -> up to ``depth`` non-relevant passage ids in BM25 order (``index`` covers the corpus)."""
-    relevant = dataset.relevant_sets()
+) -> NegativePool:
+    """Query id -> up to ``depth`` passages with a positive BM25 score, best first, after dropping the
+    first ``skip_top`` (``index`` covers ``dataset.corpus`` row for row)."""
     ids = dataset.corpus.ids
-    out: dict[str, list[str]] = {}
+    out: NegativePool = {}
     for start in range(0, len(query_ids), batch_size):
         chunk = list(query_ids[start : start + batch_size])
-        scores, rows = index.search([dataset.queries[q] for q in chunk], depth + skip_top + 8)
-        for qid, row_scores, row_ids in zip(chunk, scores, rows):
-            ranked = [ids[r] for s, r in zip(row_scores, row_ids) if s > 0][skip_top:]
-            out[qid] = [p for p in ranked if p not in relevant.get(qid, ())][:depth]
+        scores, rows = index.search([dataset.queries[q] for q in chunk], depth + skip_top)
+        for qid, row_scores, row_ids in zip(chunk, scores.tolist(), rows.tolist()):
+            ranked = [(ids[r], s) for s, r in zip(row_scores, row_ids) if s > 0][skip_top:]
+            out[qid] = [Candidate(pid, "bm25", s) for pid, s in ranked]
     return out

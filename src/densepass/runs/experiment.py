@@ -24,7 +24,8 @@ from densepass.index.encode import default_device
 from densepass.index.retrieve import dense_retrieve, rerank_candidates
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
-from densepass.negatives.bm25 import mine_bm25_negatives
+from densepass.negatives.mine import MiningContext, mine_negatives
+from densepass.negatives.pool import passage_ids, save_pool
 from densepass.runs.evalset import EvalSet, add_rerank_candidates, build_eval_set
 from densepass.runs.report import print_table, write_report
 from densepass.runs.validation import Validator
@@ -101,7 +102,9 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
 
     started = time.perf_counter()
     dataset = load_dataset(config.data.name, config.data.data_dir, config.data.format)
-    need_full_bm25 = config.negatives.source == "bm25" and config.train.enabled or config.data.eval_hard_k > 0
+    neg = config.negatives
+    uses_bm25 = neg.source == "bm25" or neg.source == "mixed" and "bm25" in neg.mix
+    need_full_bm25 = uses_bm25 and neg.per_query > 0 and config.train.enabled or config.data.eval_hard_k > 0
     full_bm25 = BM25Index.build(dataset.corpus.passage_inputs(" ")) if need_full_bm25 else None
     evalset = build_eval_set(dataset, config.data, full_bm25)
     eval_bm25 = None
@@ -127,13 +130,18 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
                                            config.data.seed))
         train_qids = [q for q in train_qids if q in dataset.positives(config.data.train_split)]
         negatives = None
-        if config.negatives.source == "bm25" and config.negatives.per_query > 0:
-            negatives = mine_bm25_negatives(dataset, full_bm25, train_qids, config.negatives.pool_depth,
-                                            config.negatives.skip_top)
-        data = TrainingData(
-            dataset, config.data.train_split, model.tokenizer.sep_token or " ", negatives,
-            config.negatives.per_query if negatives else 0, query_ids=train_qids,
-        )
+        sep = model.tokenizer.sep_token or " "
+        if neg.source != "none" and neg.per_query > 0:
+            context = MiningContext(config.data.train_split, device, full_bm25, run_dir / "negatives",
+                                    config.model.name_or_path, model.config, config.train, config.data.seed,
+                                    show_progress=main)
+            mined = mine_negatives(dataset, train_qids, neg, context, sep)
+            if main:
+                save_pool(mined.pool, run_dir / "negatives.jsonl")
+            notes.append(f"Hard negatives ({neg.source}): {mined.summary()}.")
+            negatives = passage_ids(mined.pool)
+        data = TrainingData(dataset, config.data.train_split, sep, negatives,
+                            neg.per_query if negatives else 0, query_ids=train_qids)
         planner = EpochPlanner(config.schedule, config.train.batch_size, config.train.seed, data, model, device,
                                run_dir / "schedule_log.jsonl")
         eval_log = run_dir / "eval_log.jsonl"

@@ -16,11 +16,21 @@ import torch
 from densepass.data.dataset import RetrievalDataset
 from densepass.errors import ConfigError, DataError
 from densepass.losses.contrastive import false_negative_mask
+from densepass.negatives.context import is_known_passage, passage_input
 
 
 def content_key(text: str) -> int:
     """A stable 63-bit key of a passage's content (equal texts = the same passage for masking)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def draw_negatives(pool: np.ndarray, h: int, rng: np.random.Generator, n_passages: int) -> list[int]:
+    """``h`` rows drawn uniformly from ``pool`` (distinct when the pool has >= h rows), the paper's
+    "randomly select negatives from the pool for each question" (negative-contrast §4.3); an empty
+    pool falls back to random passages (training-inference-gap §4.3.2, footnote 6)."""
+    if len(pool) == 0:
+        pool = rng.integers(0, n_passages, size=4 * h)
+    return [int(r) for r in rng.choice(pool, size=h, replace=len(pool) < h)]
 
 
 @dataclass
@@ -67,23 +77,34 @@ class TrainingData:
             {int(self.keys[corpus.position(p)]) for p in relevant.get(q, ())} for q in self.query_ids
         ]
         self.positive_rows = [[corpus.position(p) for p in positives[q]] for q in self.query_ids]
-        self.negative_rows = self._negative_pools(negatives or {}) if negatives_per_query else None
+        self.negative_rows = self._negative_pools(negatives or {}, sep_token) if negatives_per_query else None
 
     def __len__(self) -> int:
         return len(self.query_ids)
 
-    def _negative_pools(self, negatives: dict[str, list[str]]) -> list[np.ndarray]:
-        """Per instance: corpus rows of its candidate negatives, minus anything relevant to it."""
+    def _negative_pools(self, negatives: dict[str, list[str]], sep_token: str) -> list[np.ndarray]:
+        """Per instance: rows of its distinct candidate negatives, minus anything relevant to it.
+
+        Synthetic passages (context halves, ``<pid>#half0``) get rows appended after the corpus."""
         corpus = self.dataset.corpus
+        extra: dict[str, int] = {}
+
+        def row_of(pid: str) -> int | None:
+            if pid in corpus:
+                return corpus.position(pid)
+            if pid not in extra and is_known_passage(corpus, pid):
+                extra[pid] = len(self.passage_inputs)
+                self.passage_inputs.append(passage_input(corpus, pid, sep_token))
+            return extra.get(pid)
+
         pools = []
-        for i, qid in enumerate(self.query_ids):
-            rows = [
-                corpus.position(p)
-                for p in negatives.get(qid, ())
-                if p in corpus and int(self.keys[corpus.position(p)]) not in self.relevant_keys[i]
-            ]
-            pools.append(np.asarray(rows, dtype=np.int64))
-        return pools
+        for qid in self.query_ids:
+            pools.append([r for r in dict.fromkeys(map(row_of, negatives.get(qid, ()))) if r is not None])
+        if extra:
+            new_keys = [content_key(self.passage_inputs[r]) for r in extra.values()]
+            self.keys = np.concatenate([self.keys, np.array(new_keys, dtype=np.int64)])
+        return [np.asarray([r for r in rows if int(self.keys[r]) not in self.relevant_keys[i]], dtype=np.int64)
+                for i, rows in enumerate(pools)]
 
     def collate(self, batch: Sequence[int], seed: Sequence[int], rank: int = 0, world: int = 1) -> TrainingBatch:
         """Build the global batch ``batch`` (instance indices) and return this process's share."""
@@ -95,10 +116,7 @@ class TrainingData:
         neg_rows: list[int] = []
         if h:
             for i in batch:
-                pool = self.negative_rows[i]
-                if len(pool) == 0:  # no candidate: fall back to random passages
-                    pool = rng.integers(0, len(self.passage_inputs), size=4 * h)
-                neg_rows.extend(int(r) for r in rng.choice(pool, size=h, replace=len(pool) < h))
+                neg_rows.extend(draw_negatives(self.negative_rows[i], h, rng, len(self.passage_inputs)))
         all_rows = pos_rows + neg_rows
         keys = [int(self.keys[r]) for r in all_rows]
         n = len(batch)

@@ -1,0 +1,94 @@
+"""Context negatives (negative-contrast §4.1): other passages of the positive's document.
+
+When the positive's document has no other passage, the passage is split in half at the middle word
+and the half that does not contain an answer string is the negative (a random half, seeded per
+query, when the query has no answers). A half is a synthetic passage with the id ``<pid>#half0`` or
+``<pid>#half1``; ``passage_input`` gives its encoder input (title [SEP] half text).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from densepass.data.dataset import Corpus, RetrievalDataset
+from densepass.evaluation.answers import has_answer
+from densepass.negatives.pool import Candidate, NegativePool
+
+HALF_MARK = "#half"
+
+
+def half_id(passage_id: str, half: int) -> str:
+    return f"{passage_id}{HALF_MARK}{half}"
+
+
+def parse_half_id(pid: str) -> tuple[str, int] | None:
+    """``(base passage id, half)`` for a half id, else None."""
+    base, mark, half = pid.rpartition(HALF_MARK)
+    return (base, int(half)) if mark and half in ("0", "1") else None
+
+
+def split_in_half(text: str) -> tuple[str, str]:
+    words = text.split()
+    middle = len(words) // 2
+    return " ".join(words[:middle]), " ".join(words[middle:])
+
+
+def is_known_passage(corpus: Corpus, pid: str) -> bool:
+    if pid in corpus:
+        return True
+    parsed = parse_half_id(pid)
+    return parsed is not None and parsed[0] in corpus
+
+
+def passage_input(corpus: Corpus, pid: str, sep_token: str) -> str:
+    """Encoder input of a corpus passage or of a half passage."""
+    if pid in corpus:
+        return corpus.passage_inputs(sep_token, [corpus.position(pid)])[0]
+    base, half = parse_half_id(pid)
+    row = corpus.position(base)
+    text = split_in_half(corpus.texts[row])[half]
+    return f"{corpus.titles[row]} {sep_token} {text}" if corpus.titles[row] else text
+
+
+def _half_negative(corpus: Corpus, pid: str, answers: Sequence[str], rng: random.Random) -> str | None:
+    halves = split_in_half(corpus.texts[corpus.position(pid)])
+    if not halves[0]:
+        return None  # a one-word passage has no halves
+    if answers:
+        without = [h for h in (0, 1) if not has_answer(halves[h], answers)]
+        if len(without) == 1:
+            return half_id(pid, without[0])
+        if not without:
+            return None  # the answer is in both halves: neither is a negative
+    return half_id(pid, rng.randrange(2))
+
+
+def mine_context_negatives(
+    dataset: RetrievalDataset, query_ids: Sequence[str], depth: int, split: str = "train", seed: int = 13
+) -> NegativePool:
+    """Per query: up to ``depth`` passages of its positives' documents, nearest in the document first
+    (score = minus the distance in passages); or one half of its positive (score 0)."""
+    corpus = dataset.corpus
+    positives = dataset.positives(split)
+    by_doc: dict[str, list[int]] = {}
+    for row, doc in enumerate(corpus.doc_ids):
+        by_doc.setdefault(doc, []).append(row)
+    pool: NegativePool = {}
+    for qid in query_ids:
+        pos_rows = [corpus.position(p) for p in positives.get(qid, ())]
+        distance: dict[int, int] = {}
+        for pos in pos_rows:
+            siblings = by_doc[corpus.doc_ids[pos]]
+            at = siblings.index(pos)
+            for k, row in enumerate(siblings):
+                if row not in pos_rows:
+                    distance[row] = min(distance.get(row, len(siblings)), abs(k - at))
+        ranked = sorted(distance, key=lambda r: (distance[r], r))[:depth]
+        cands = [Candidate(corpus.ids[r], "context", -float(distance[r])) for r in ranked]
+        if not cands and pos_rows and depth > 0:
+            rng = random.Random(f"{seed}:{qid}")
+            half = _half_negative(corpus, corpus.ids[pos_rows[0]], dataset.answers.get(qid, []), rng)
+            cands = [Candidate(half, "context", 0.0)] if half else []
+        pool[qid] = cands
+    return pool

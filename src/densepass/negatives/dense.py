@@ -1,0 +1,76 @@
+"""Dense hard negatives: top-k passages of each training query under a bi-encoder, by exact search.
+
+The miner is any ``BiEncoder``: a saved checkpoint (the training-inference-gap paper's model-based
+negatives, §4.3.1) or a dual encoder trained on the training pairs with a projection of the chosen
+size (negative-contrast §4.2: 25-d for "coarse", 512-d for "fine"), trained by ``train_miner`` with
+the ordinary trainer: random batches, in-batch negatives only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from densepass.config import TrainConfig
+from densepass.data.dataset import RetrievalDataset
+from densepass.index.encode import encode_texts
+from densepass.index.exact import exact_search
+from densepass.models.biencoder import BiEncoder, BiEncoderConfig
+from densepass.negatives.pool import Candidate, NegativePool
+
+
+def mine_dense_negatives(
+    model: BiEncoder,
+    dataset: RetrievalDataset,
+    query_ids: Sequence[str],
+    depth: int,
+    skip_top: int = 0,
+    source: str = "dense",
+    batch_size: int = 256,
+    device: torch.device | None = None,
+    passage_embeddings: np.ndarray | None = None,
+    show_progress: bool = True,
+) -> NegativePool:
+    """Query id -> the top ``depth`` passages by dot product (after dropping ``skip_top``), best first."""
+    sep = model.tokenizer.sep_token or " "
+    if passage_embeddings is None:
+        passage_embeddings = encode_texts(model, dataset.corpus.passage_inputs(sep), "passage", batch_size, device,
+                                          show_progress=show_progress)
+    queries = encode_texts(model, [dataset.queries[q] for q in query_ids], "query", batch_size, device,
+                           show_progress=show_progress)
+    scores, rows = exact_search(queries, passage_embeddings, depth + skip_top, device=device)
+    ids = dataset.corpus.ids
+    return {qid: [Candidate(ids[r], source, s) for s, r in zip(row_s[skip_top:], row_r[skip_top:])]
+            for qid, row_s, row_r in zip(query_ids, scores.tolist(), rows.tolist())}
+
+
+def train_miner(
+    dataset: RetrievalDataset,
+    query_ids: Sequence[str],
+    projection_dim: int,
+    train_config: TrainConfig,
+    work_dir: str | Path,
+    device: torch.device,
+    base_model: str = "all-MiniLM-L6-v2",
+    architecture: BiEncoderConfig | None = None,
+    split: str = "train",
+) -> BiEncoder:
+    """A dual encoder with a ``projection_dim`` projection, trained on (query, positive) pairs with
+    random batches and no hard negatives; saved under ``work_dir/model`` and reused when present."""
+    from densepass.training.batches import TrainingData
+    from densepass.training.trainer import train
+
+    work_dir = Path(work_dir)
+    saved = work_dir / "model"
+    if (saved / "config.json").is_file():
+        return BiEncoder.from_pretrained(str(saved))
+    arch = dataclasses.replace(architecture or BiEncoderConfig(), projection_dim=projection_dim)
+    model = BiEncoder.from_pretrained(base_model, config=arch)
+    data = TrainingData(dataset, split, model.tokenizer.sep_token or " ", query_ids=query_ids)
+    train(model, data, train_config, work_dir, device)
+    model.save(saved)
+    return model

@@ -1,0 +1,77 @@
+"""Ensembles of retrievers (negative-contrast §4.4).
+
+Embedding fusion: each model's query and passage embeddings are scaled and concatenated. Scaling
+both sides of model i by sqrt(w_i) makes the fused dot product the weighted sum of the per-model dot
+products, <[sqrt(w_i) q_i]_i, [sqrt(w_i) p_i]_i> = sum_i w_i <q_i, p_i>, so one search over the fused
+index ranks by the weighted score. Weights are tuned on dev by a coordinate-wise grid search.
+
+Rank fusion: reciprocal rank fusion (Cormack et al., 2009), score(d) = sum_runs 1 / (k + rank(d)),
+through ``ranx.fuse(method="rrf")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from densepass.errors import ConfigError
+from densepass.evaluation.metrics import Run
+
+
+def fuse_embeddings(embeddings: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """``[sqrt(w_1) e_1, ..., sqrt(w_n) e_n]`` concatenated along the last axis (float32)."""
+    if len(embeddings) != len(weights) or not embeddings:
+        raise ConfigError(f"{len(embeddings)} embedding matrices but {len(weights)} weights")
+    if any(w < 0 for w in weights):
+        raise ConfigError(f"fusion weights must be >= 0, got {list(weights)}")
+    rows = {len(e) for e in embeddings}
+    if len(rows) != 1:
+        raise ConfigError(f"embedding matrices have different numbers of rows: {sorted(rows)}")
+    return np.concatenate([np.sqrt(w, dtype=np.float32) * np.asarray(e, dtype=np.float32)
+                           for e, w in zip(embeddings, weights)], axis=-1)
+
+
+def tune_weights(
+    score: Callable[[tuple[float, ...]], float],
+    n_models: int,
+    grid: Sequence[float] = (0.0, 0.5, 1.0, 2.0),
+    rounds: int = 2,
+) -> tuple[tuple[float, ...], float, int]:
+    """Coordinate-wise grid search maximising ``score(weights)``, from the best of all weights 1 and
+    each single model (so the result is never worse than the best single model): each round sets every
+    weight in turn to its best grid value with the others fixed. Returns (weights, best score, number
+    of evaluations). All-zero weights are never tried."""
+    cache: dict[tuple[float, ...], float] = {}
+
+    def value(w: tuple[float, ...]) -> float:
+        if w not in cache:
+            cache[w] = score(w)
+        return cache[w]
+
+    starts = [(1.0,) * n_models] + [tuple(float(i == j) for j in range(n_models)) for i in range(n_models)]
+    weights = max(dict.fromkeys(starts), key=value)
+    best = value(weights)
+    for _ in range(rounds):
+        changed = False
+        for i in range(n_models):
+            for g in grid:
+                trial = weights[:i] + (float(g),) + weights[i + 1 :]
+                if any(trial) and trial != weights and value(trial) > best:
+                    weights, best, changed = trial, value(trial), True
+        if not changed:
+            break
+    return weights, best, len(cache)
+
+
+def reciprocal_rank_fusion(runs: Sequence[Run], k: int = 60) -> Run:
+    """RRF of runs over the same queries, via ranx (a query missing from a run counts as empty there)."""
+    from ranx import Run as RanxRun
+    from ranx import fuse
+
+    if len(runs) < 2:
+        raise ConfigError("rank fusion needs at least two runs")
+    queries = sorted(set().union(*runs))
+    ranx_runs = [RanxRun({q: (run.get(q) or {"__none__": -1e9}) for q in queries}) for run in runs]
+    fused = fuse(ranx_runs, norm=None, method="rrf", params={"k": k}).to_dict()
+    return {q: {p: float(s) for p, s in fused[q].items() if p != "__none__"} for q in queries}

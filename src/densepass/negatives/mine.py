@@ -1,0 +1,133 @@
+"""Mining a hard-negatives pool from a ``NegativesConfig``: strategy -> filters -> top ``pool_depth``.
+
+Every strategy first ranks more candidates than needed; the filters (``qrels`` always, first) then
+drop false negatives, and each query keeps its best ``pool_depth`` survivors. Training samples
+``per_query`` of them per step (``training.batches.TrainingData``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from densepass.config import NegativesConfig, TrainConfig
+from densepass.data.dataset import RetrievalDataset
+from densepass.errors import ConfigError
+from densepass.index.bm25 import BM25Index
+from densepass.models.biencoder import BiEncoder, BiEncoderConfig
+from densepass.negatives.filters import apply_filters, build_filters
+from densepass.negatives.pool import NegativePool, load_pool, source_counts, truncate
+
+
+@dataclass
+class MiningResult:
+    pool: NegativePool
+    removed: dict[str, int]  # filter name -> candidates removed
+    seconds: float
+
+    @property
+    def source_counts(self) -> dict[str, int]:
+        return source_counts(self.pool)
+
+    def summary(self) -> str:
+        n = len(self.pool)
+        total = sum(len(c) for c in self.pool.values())
+        empty = sum(1 for c in self.pool.values() if not c)
+        sources = ", ".join(f"{s}: {k}" for s, k in self.source_counts.items()) or "none"
+        removed = ", ".join(f"{f}: {k}" for f, k in self.removed.items())
+        return (f"{total} negatives for {n} queries ({total / max(n, 1):.1f} per query, {empty} with none) in "
+                f"{self.seconds:.1f}s; by source: {sources}; removed by filter: {removed}")
+
+
+@dataclass
+class MiningContext:
+    """What strategies may need besides the config: set the fields a strategy uses."""
+
+    split: str = "train"
+    device: torch.device | None = None
+    bm25_index: BM25Index | None = None  # over dataset.corpus.passage_inputs(" "); built when missing
+    work_dir: Path | None = None  # where source=dense trains and keeps its miners
+    base_model: str = "all-MiniLM-L6-v2"
+    architecture: BiEncoderConfig | None = None
+    train_config: TrainConfig | None = None
+    seed: int = 13
+    show_progress: bool = True
+
+
+def _fetch_depth(depth: int) -> int:
+    return depth + max(16, depth // 4)  # room for the candidates the filters remove
+
+
+def raw_pool(spec: str, dataset: RetrievalDataset, query_ids: Sequence[str], config: NegativesConfig,
+             ctx: MiningContext) -> NegativePool:
+    """Unfiltered candidates of one strategy: ``bm25``, ``context``, ``model``, ``dense[:DIM]``,
+    ``file:PATH``, ``file`` (config.file) or ``mixed`` (config.mix)."""
+    depth = _fetch_depth(config.pool_depth)
+    name, _, arg = spec.partition(":")
+    if name == "bm25":
+        from densepass.negatives.bm25 import mine_bm25_negatives
+
+        if ctx.bm25_index is None:
+            ctx.bm25_index = BM25Index.build(dataset.corpus.passage_inputs(" "), show_progress=ctx.show_progress)
+        return mine_bm25_negatives(dataset, ctx.bm25_index, query_ids, depth, config.skip_top)
+    if name == "context":
+        from densepass.negatives.context import mine_context_negatives
+
+        return mine_context_negatives(dataset, query_ids, depth, ctx.split, ctx.seed)
+    if name in ("model", "dense"):
+        from densepass.negatives.dense import mine_dense_negatives, train_miner
+
+        if name == "model":
+            if not config.model:
+                raise ConfigError("negatives.source=model needs negatives.model (a saved model)")
+            model, source = BiEncoder.from_pretrained(config.model), "model"
+        else:
+            dim = int(arg) if arg.isdigit() else config.dense_dim
+            if ctx.work_dir is None:
+                raise ConfigError("dense mining trains a miner and needs a work directory")
+            base = ctx.train_config or TrainConfig()
+            miner_config = dataclasses.replace(base, epochs=1, max_steps=config.miner_steps,
+                                               checkpoint_every=10**9, keep_checkpoints=1)
+            model = train_miner(dataset, query_ids, dim, miner_config, ctx.work_dir / f"miner-{dim}d",
+                                ctx.device or torch.device("cpu"), ctx.base_model, ctx.architecture, ctx.split)
+            source = f"dense-{dim}d"
+        return mine_dense_negatives(model, dataset, query_ids, depth, config.skip_top, source, config.batch_size,
+                                    ctx.device, show_progress=ctx.show_progress)
+    if name == "file":
+        path = arg or config.file
+        if not path:
+            raise ConfigError("negatives.source=file needs negatives.file (a hard-negatives file)")
+        pool = load_pool(path, dataset)
+        return {q: pool.get(q, [])[config.skip_top:] for q in query_ids}
+    if name == "mixed":
+        from densepass.negatives.mixed import mix_pools
+
+        if not config.mix or "mixed" in config.mix:
+            raise ConfigError("negatives.mix must list the strategies to mix (and not 'mixed')")
+        return mix_pools([raw_pool(s, dataset, query_ids, config, ctx) for s in config.mix], depth)
+    raise ConfigError(f"unknown negatives strategy {spec!r} (known: bm25, dense[:DIM], model, context, mixed, "
+                      "file[:PATH])")
+
+
+def mine_negatives(dataset: RetrievalDataset, query_ids: Sequence[str], config: NegativesConfig,
+                   ctx: MiningContext | None = None, sep_token: str = "[SEP]", strategy: str | None = None
+                   ) -> MiningResult:
+    """The filtered pool of ``config.source`` (or of ``strategy``, any ``raw_pool`` spec such as
+    ``dense:25``) for ``query_ids``, ``config.pool_depth`` per query."""
+    ctx = ctx or MiningContext()
+    strategy = strategy or config.source
+    if config.pool_depth < 1:
+        raise ConfigError("negatives.pool_depth must be >= 1")
+    if strategy == "none":
+        raise ConfigError("negatives.source is 'none': nothing to mine")
+    started = time.perf_counter()
+    raw = raw_pool(strategy, dataset, query_ids, config, ctx)
+    names = ["qrels", *(f for f in config.filters if f != "qrels")]
+    filters = build_filters(names, dataset, ctx.split, sep_token, config.cross_encoder, config.cross_encoder_threshold)
+    pool, removed = apply_filters(raw, filters, show_progress=ctx.show_progress)
+    return MiningResult(truncate(pool, config.pool_depth), removed, time.perf_counter() - started)

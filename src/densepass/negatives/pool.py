@@ -1,0 +1,101 @@
+"""The hard-negatives file: per training query, ranked candidate negatives with their source and score.
+
+In memory a ``NegativePool`` is ``{query_id: [Candidate(passage_id, source, score), ...]}``, best
+first. On disk it is JSONL, one query a line::
+
+    {"query_id": "q7", "negatives": [["p12", "bm25", 17.3], ["p9", "bm25", 15.1]]}
+
+written atomically (a crash never leaves half a file). ``load_pool`` reports a missing file, a bad
+line, an unknown query or an unknown passage as one ``DataError`` naming the line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+from densepass.data.dataset import RetrievalDataset
+from densepass.errors import DataError
+from densepass.io import atomic_write_text
+
+
+class Candidate(NamedTuple):
+    passage_id: str
+    source: str
+    score: float
+
+
+NegativePool = dict[str, list[Candidate]]
+
+
+def save_pool(pool: NegativePool, path: str | Path) -> None:
+    """Write ``pool`` as JSONL (queries in insertion order), atomically."""
+    lines = [json.dumps({"query_id": qid, "negatives": [[c.passage_id, c.source, float(c.score)] for c in cands]})
+             for qid, cands in pool.items()]
+    atomic_write_text(path, "\n".join(lines) + ("\n" if lines else ""))
+
+
+def _candidate(item: object, where: str) -> Candidate:
+    if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], str) or not isinstance(item[1], str)
+            or isinstance(item[2], bool) or not isinstance(item[2], (int, float))):
+        raise DataError(f"{where}: each negative must be [passage_id, source, score], got {item!r}")
+    return Candidate(item[0], item[1], float(item[2]))
+
+
+def load_pool(path: str | Path, dataset: RetrievalDataset | None = None) -> NegativePool:
+    """Read a hard-negatives file; with ``dataset``, every query and passage id must exist in it."""
+    from densepass.negatives.context import is_known_passage
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"hard-negatives file not found: {path}")
+    pool: NegativePool = {}
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{where}: not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("query_id"), str) \
+                    or not isinstance(record.get("negatives"), list):
+                raise DataError(f"{where}: expected {{\"query_id\": str, \"negatives\": [...]}}")
+            qid = record["query_id"]
+            if qid in pool:
+                raise DataError(f"{where}: query {qid!r} appears twice")
+            cands = [_candidate(item, where) for item in record["negatives"]]
+            if dataset is not None:
+                if qid not in dataset.queries:
+                    raise DataError(f"{where}: unknown query id {qid!r} (not in the dataset's queries)")
+                bad = next((c.passage_id for c in cands if not is_known_passage(dataset.corpus, c.passage_id)), None)
+                if bad is not None:
+                    raise DataError(f"{where}: unknown passage id {bad!r} (query {qid!r})")
+            pool[qid] = cands
+    return pool
+
+
+def truncate(pool: NegativePool, depth: int) -> NegativePool:
+    """The first ``depth`` candidates of each query."""
+    return {qid: cands[:depth] for qid, cands in pool.items()}
+
+
+def passage_ids(pool: NegativePool) -> dict[str, list[str]]:
+    """``{query_id: [passage_id, ...]}``, the form ``TrainingData`` samples from."""
+    return {qid: [c.passage_id for c in cands] for qid, cands in pool.items()}
+
+
+def source_counts(pool: NegativePool) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for cands in pool.values():
+        for c in cands:
+            counts[c.source] = counts.get(c.source, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def from_rankings(query_ids: Iterable[str], rankings: Iterable[list[tuple[str, float]]], source: str) -> NegativePool:
+    """A pool from per-query ``[(passage_id, score), ...]`` lists, best first."""
+    return {qid: [Candidate(pid, source, float(s)) for pid, s in ranked] for qid, ranked in zip(query_ids, rankings)}

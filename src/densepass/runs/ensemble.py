@@ -1,0 +1,93 @@
+"""Evaluate ensembles of saved bi-encoders on a split (negative-contrast §4.4, Table 2's last rows).
+
+Each model encodes the split's queries and the whole corpus once. "embedding": fused embeddings
+(``negatives.fusion.fuse_embeddings``) with weights tuned on the same split by coordinate-wise grid
+search on ``tune_metric`` (as the paper tunes on dev); "rrf": reciprocal rank fusion of the models'
+runs. Each single model is reported too.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from densepass.data.dataset import RetrievalDataset, sample_queries
+from densepass.errors import ConfigError
+from densepass.evaluation.metrics import Run, evaluate_run, make_run
+from densepass.index.encode import default_device, encode_texts
+from densepass.index.exact import exact_search
+from densepass.models.biencoder import BiEncoder
+from densepass.negatives.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
+
+METHODS = ("embedding", "rrf")
+
+
+def _encode(path: str, queries: list[str], dataset: RetrievalDataset, batch_size: int, device) -> tuple:
+    model = BiEncoder.from_pretrained(path)
+    q = encode_texts(model, queries, "query", batch_size, device)
+    p = encode_texts(model, dataset.corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage", batch_size,
+                     device)
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return q, p
+
+
+def evaluate_ensemble(
+    dataset: RetrievalDataset,
+    model_paths: Sequence[str],
+    methods: Sequence[str] = METHODS,
+    split: str = "dev",
+    labels: Sequence[str] | None = None,
+    metrics: Sequence[str] = ("mrr@10", "ndcg@10", "recall@1", "recall@5", "recall@20", "recall@100"),
+    depth: int = 100,
+    max_queries: int | None = None,
+    seed: int = 13,
+    tune_metric: str = "mrr@10",
+    grid: Sequence[float] = (0.0, 0.5, 1.0, 2.0),
+    rrf_k: int = 60,
+    batch_size: int = 256,
+    device: torch.device | None = None,
+) -> dict:
+    """``{"results": {system: {metric: value}}, "weights": {model: w}, "evaluations": n}``."""
+    if len(model_paths) < 2:
+        raise ConfigError("an ensemble needs at least two models")
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ConfigError(f"unknown ensemble method(s) {sorted(unknown)} (known: {', '.join(METHODS)})")
+    for path in model_paths:
+        if not Path(path).is_dir():
+            raise ConfigError(f"model not found: {path}")
+    labels = list(labels or model_paths)
+    device = device or default_device()
+    qrels = sample_queries(dataset.split(split), max_queries, seed)
+    qids = sorted(q for q, rels in qrels.items() if any(g > 0 for g in rels.values()))
+    queries = [dataset.queries[q] for q in qids]
+    ids = dataset.corpus.ids
+
+    def run_of(q: np.ndarray, p: np.ndarray) -> Run:
+        scores, rows = exact_search(q, p, depth, device=device)
+        return make_run(qids, ids, scores, rows)
+
+    embeddings = [_encode(path, queries, dataset, batch_size, device) for path in model_paths]
+    runs = [run_of(q, p) for q, p in embeddings]
+    results = {label: evaluate_run(qrels, run, metrics) for label, run in zip(labels, runs)}
+    out: dict = {"results": results, "queries": len(qids)}
+    if "embedding" in methods:
+        def fused_run(weights) -> Run:
+            return run_of(fuse_embeddings([q for q, _ in embeddings], weights),
+                          fuse_embeddings([p for _, p in embeddings], weights))
+
+        weights, _, evaluations = tune_weights(
+            lambda w: evaluate_run(qrels, fused_run(w), [tune_metric])[tune_metric], len(model_paths), grid)
+        results["ensemble (embedding)"] = evaluate_run(qrels, fused_run(weights), metrics)
+        out["weights"] = dict(zip(labels, weights))
+        out["evaluations"] = evaluations
+    if "rrf" in methods:
+        results["ensemble (rank)"] = evaluate_run(qrels, reciprocal_rank_fusion(runs, rrf_k), metrics)
+    return out

@@ -1,0 +1,343 @@
+"""Hard-negative mining, filtering, sampling and fusion (densepass.negatives)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from densepass.config import NegativesConfig, TrainConfig
+from densepass.data import load_dataset
+from densepass.data.dataset import Corpus, RetrievalDataset
+from densepass.errors import ConfigError, DataError
+from densepass.negatives.context import half_id, mine_context_negatives, split_in_half
+from densepass.negatives.filters import (AnswerFilter, CrossEncoderFilter, DuplicateFilter, QrelsFilter,
+                                         apply_filters)
+from densepass.negatives.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
+from densepass.negatives.mine import MiningContext, mine_negatives
+from densepass.negatives.mixed import mix_pools
+from densepass.negatives.pool import Candidate, load_pool, passage_ids, save_pool
+from densepass.training.batches import TrainingData, draw_negatives
+
+from conftest import SHARED_DATA
+
+
+def small_dataset() -> RetrievalDataset:
+    """Doc A has three passages, docs B and C one each; p5 duplicates p1's content; q3 repeats q0's text."""
+    corpus = Corpus(
+        ids=["p0", "p1", "p2", "p3", "p4", "p5"],
+        titles=["A", "A", "A", "B", "C", "A"],
+        texts=["audio editor for linux", "video editor with effects", "music player for the desktop",
+               "alpha beta gamma delta", "one two three four five six", "video editor with effects"],
+        doc_ids=["A", "A", "A", "B", "C", "A2"],
+    )
+    queries = {"q0": "audio editor", "q1": "greek letters", "q2": "counting words", "q3": "Audio editor!"}
+    qrels = {"train": {"q0": {"p0": 1}, "q1": {"p3": 1}, "q2": {"p4": 1}, "q3": {"p1": 1}},
+             "dev": {"q0": {"p2": 1}}}
+    return RetrievalDataset("small", corpus, queries, qrels, answers={"q1": ["delta"], "q0": ["with effects"]})
+
+
+def tiny_context(tmp_path: Path, tiny_model_dir: Path) -> MiningContext:
+    from densepass.models.biencoder import BiEncoderConfig
+
+    return MiningContext(work_dir=tmp_path / "miners", base_model=str(tiny_model_dir),
+                         architecture=BiEncoderConfig(passage_max_length=64),
+                         train_config=TrainConfig(batch_size=8, max_steps=2, bf16=False, log_every=1),
+                         show_progress=False)
+
+
+# ---- strategies -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source,extra", [("bm25", {}), ("context", {}), ("dense", {"dense_dim": 8}),
+                                          ("model", {}), ("mixed", {"mix": ["bm25", "context", "dense:8"]})])
+def test_no_relevant_passage_is_ever_a_negative(tiny_beir, tiny_model_dir, tmp_path, source, extra):
+    dataset = load_dataset(str(tiny_beir))
+    qids = sorted(dataset.positives("train"))
+    if source == "model":
+        extra = {"model": str(tiny_model_dir)}
+    depth = 40 if source in ("dense", "model") else 10  # 40: the dense miners rank the whole corpus
+    config = NegativesConfig(source=source, pool_depth=depth, miner_steps=2, **extra)
+    result = mine_negatives(dataset, qids, config, tiny_context(tmp_path, tiny_model_dir))
+    relevant = dataset.relevant_sets()
+    assert set(result.pool) == set(qids)
+    assert sum(map(len, result.pool.values())) > 0
+    for qid, cands in result.pool.items():
+        assert len(cands) <= depth
+        assert not {c.passage_id for c in cands} & relevant[qid], qid
+        assert len({c.passage_id for c in cands}) == len(cands)
+    if depth == 40:  # every relevant passage was ranked, and removed
+        assert result.removed["qrels"] == sum(len(relevant[q]) for q in qids)
+        assert all(len(cands) == 40 - len(relevant[q]) for q, cands in result.pool.items())
+
+
+def test_bm25_drops_answer_passages_and_positives():
+    dataset = small_dataset()
+    config = NegativesConfig(source="bm25", pool_depth=5)
+    result = mine_negatives(dataset, ["q0"], config, MiningContext(show_progress=False))
+    assert result.pool["q0"] == []  # BM25 finds p0 (positive), p1 and p5 (contain the answer "with effects")
+    assert result.removed == {"qrels": 1, "answers": 2}
+    config = NegativesConfig(source="bm25", pool_depth=5, filters=[])
+    result = mine_negatives(dataset, ["q0"], config, MiningContext(show_progress=False))
+    assert sorted(c.passage_id for c in result.pool["q0"]) == ["p1", "p5"] and result.removed == {"qrels": 1}
+
+
+def test_context_negatives_share_the_document_or_are_a_half():
+    dataset = small_dataset()
+    pool = mine_context_negatives(dataset, ["q0", "q1", "q2"], depth=5, seed=1)
+    assert [c.passage_id for c in pool["q0"]] == ["p1", "p2"]  # nearest in the document first
+    # single-passage doc with an answer: the half without "delta"
+    assert split_in_half("alpha beta gamma delta") == ("alpha beta", "gamma delta")
+    assert [c.passage_id for c in pool["q1"]] == [half_id("p3", 0)]
+    # no answers: a seeded random half, the same for the same seed
+    (half,) = pool["q2"]
+    assert half.passage_id in (half_id("p4", 0), half_id("p4", 1))
+    assert mine_context_negatives(dataset, ["q2"], 5, seed=1)["q2"] == [half]
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "debian-packages").is_dir(), reason="debian-packages not available")
+def test_context_negatives_on_debian_packages():
+    dataset = load_dataset("debian-packages", SHARED_DATA)
+    positives = dataset.positives("train")
+    qids = sorted(positives)[:3000]
+    result = mine_negatives(dataset, qids, NegativesConfig(source="context", pool_depth=20),
+                            MiningContext(show_progress=False))
+    corpus, relevant = dataset.corpus, dataset.relevant_sets()
+    halves = 0
+    for qid, cands in result.pool.items():
+        docs = {corpus.doc_ids[corpus.position(p)] for p in positives[qid]}
+        for c in cands:
+            assert c.passage_id not in relevant[qid]
+            if "#half" in c.passage_id:
+                halves += 1
+                base = c.passage_id.split("#half")[0]
+                assert base in positives[qid]
+            else:
+                assert corpus.doc_ids[corpus.position(c.passage_id)] in docs
+    assert halves > 0 and sum(map(len, result.pool.values())) > halves
+
+
+def test_coarse_miner_has_the_requested_dimension(tiny_beir, tiny_model_dir, tmp_path):
+    from densepass.index.encode import encode_texts
+    from densepass.models.biencoder import BiEncoder
+    from densepass.negatives.dense import train_miner
+
+    dataset = load_dataset(str(tiny_beir))
+    ctx = tiny_context(tmp_path, tiny_model_dir)
+    model = train_miner(dataset, sorted(dataset.positives("train")), 25, ctx.train_config, tmp_path / "coarse",
+                        torch_cpu(), str(tiny_model_dir), ctx.architecture)
+    emb = encode_texts(model, ["audio editor", "kernel driver"], "query", device=torch_cpu(), show_progress=False)
+    assert model.dim == 25 and emb.shape == (2, 25)
+    reloaded = BiEncoder.from_pretrained(str(tmp_path / "coarse" / "model"))
+    assert reloaded.dim == 25
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def test_mixed_pool_round_robin_without_repeats():
+    a = {"q": [Candidate("p1", "a", 3.0), Candidate("p2", "a", 2.0), Candidate("p3", "a", 1.0)]}
+    b = {"q": [Candidate("p2", "b", 9.0), Candidate("p4", "b", 8.0)], "r": [Candidate("p5", "b", 1.0)]}
+    mixed = mix_pools([a, b], depth=4)
+    assert [(c.passage_id, c.source) for c in mixed["q"]] == [("p1", "a"), ("p2", "b"), ("p4", "b"), ("p3", "a")]
+    assert [c.passage_id for c in mixed["r"]] == ["p5"]
+
+
+# ---- filters ----------------------------------------------------------------------------------
+
+
+def _pool(ids: list[str]) -> list[Candidate]:
+    return [Candidate(p, "test", float(-i)) for i, p in enumerate(ids)]
+
+
+def _check(filter_, pool, expected_removed):
+    out, removed = apply_filters(pool, [filter_])
+    gone = {(q, c.passage_id) for q, cands in pool.items() for c in cands} - \
+           {(q, c.passage_id) for q, cands in out.items() for c in cands}
+    assert gone == expected_removed
+    assert removed == {filter_.name: len(expected_removed)}
+    assert sum(map(len, pool.values())) - sum(map(len, out.values())) == len(expected_removed)
+
+
+def test_each_filter_removes_exactly_what_it_reports():
+    dataset = small_dataset()
+    everything = ["p0", "p1", "p2", "p3", "p4", "p5", half_id("p3", 1)]
+    pool = {"q0": _pool(everything), "q1": _pool(everything), "q3": _pool(everything)}
+    _check(QrelsFilter(dataset), pool, {("q0", "p0"), ("q0", "p2"), ("q1", "p3"), ("q3", "p1")})
+    _check(AnswerFilter(dataset), pool, {("q0", "p1"), ("q0", "p5"), ("q1", "p3"), ("q1", half_id("p3", 1))})
+    # q0 and q3 have the same text: each other's positives go; p5 has p1's content, q3's positive
+    _check(DuplicateFilter(dataset, "train"), pool,
+           {("q0", "p1"), ("q3", "p0"), ("q3", "p1"), ("q3", "p5"), ("q0", "p0"), ("q1", "p3")})
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from(["p0", "p1", "p2", "p3", "p4", "p5"]), max_size=6, unique=True),
+       st.floats(-2, 6))
+def test_cross_encoder_filter_drops_candidates_above_the_threshold(ids, threshold):
+    dataset = small_dataset()
+
+    def scorer(query: str, passages: list[str]) -> list[float]:  # a tiny fake: shared words
+        return [float(len(set(query.lower().split()) & set(p.lower().split()))) for p in passages]
+
+    pool = {"q0": _pool(ids)}
+    overlap = {p: len({"audio", "editor"} & set(dataset.corpus.texts[int(p[1])].split())) for p in ids}
+    _check(CrossEncoderFilter(dataset, scorer, threshold), pool,
+           {("q0", p) for p in ids if overlap[p] > threshold})
+
+
+def test_unknown_filter_and_missing_cross_encoder_are_config_errors():
+    dataset = small_dataset()
+    with pytest.raises(ConfigError, match="unknown negatives filter"):
+        mine_negatives(dataset, ["q0"], NegativesConfig(source="context", filters=["qrel"]))
+    with pytest.raises(ConfigError, match="needs a cross-encoder"):
+        mine_negatives(dataset, ["q0"], NegativesConfig(source="context", filters=["cross-encoder"]))
+    with pytest.raises(ConfigError, match="needs negatives.model"):
+        mine_negatives(dataset, ["q0"], NegativesConfig(source="model"))
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+
+
+def test_sampler_draws_h_distinct_negatives_deterministically():
+    pool = np.arange(100, 200)
+    draws = [draw_negatives(pool, 2, np.random.default_rng([13, e, s]), 1000) for e in range(3) for s in range(20)]
+    assert all(len(set(d)) == 2 and set(d) <= set(pool.tolist()) for d in draws)
+    again = [draw_negatives(pool, 2, np.random.default_rng([13, e, s]), 1000) for e in range(3) for s in range(20)]
+    assert draws == again
+    assert len({tuple(d) for d in draws}) > 50  # different (epoch, step) seeds draw different negatives
+    assert len(draw_negatives(np.array([7]), 3, np.random.default_rng(0), 1000)) == 3  # small pool: repeats
+    assert draw_negatives(np.array([], dtype=np.int64), 2, np.random.default_rng(0), 5) != []
+
+
+def test_training_data_samples_from_the_mined_pool_and_shares_negatives():
+    dataset = small_dataset()
+    pool = {"q0": ["p1", "p2", "p3", "p4"], "q1": [half_id("p3", 0), "p0", "p3"]}
+    data = TrainingData(dataset, "train", "[SEP]", pool, 2, query_ids=["q0", "q1"])
+    rows = [data.negative_rows[0].tolist(), data.negative_rows[1].tolist()]
+    assert rows[0] == [1, 3, 4]  # p2 is q0's dev positive: dropped
+    assert len(rows[1]) == 2 and rows[1][1] == 0 and data.passage_inputs[rows[1][0]] == "B [SEP] alpha beta"
+    first = data.collate([0, 1], seed=(13, 0, 5))
+    assert first.passage_texts == data.collate([0, 1], seed=(13, 0, 5)).passage_texts
+    negs = first.passage_texts[2:]
+    assert len(negs) == 4 and len(set(negs[:2])) == 2 and len(set(negs[2:])) == 2
+    # every query sees every hard negative unless it is relevant to it or repeats an earlier column
+    assert first.mask.shape == (2, 6)
+    texts = first.passage_texts
+    for j in range(2, 6):
+        relevant_to_q0 = texts[j] in {data.passage_inputs[dataset.corpus.position(p)] for p in ("p0", "p2")}
+        assert bool(first.mask[0, j]) == (relevant_to_q0 or texts[j] in texts[:j])
+
+
+# ---- fusion -----------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(0, 3), min_size=1, max_size=4), st.integers(0, 2**31 - 1))
+def test_embedding_fusion_is_the_weighted_sum_of_dot_products(weights, seed):
+    rng = np.random.default_rng(seed)
+    dims = rng.integers(1, 6, size=len(weights))
+    queries = [rng.normal(size=(3, d)) for d in dims]
+    passages = [rng.normal(size=(5, d)) for d in dims]
+    fused = fuse_embeddings(queries, weights) @ fuse_embeddings(passages, weights).T
+    reference = sum(w * q @ p.T for w, q, p in zip(weights, queries, passages))
+    np.testing.assert_allclose(fused, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_embedding_fusion_hand_computed():
+    q = fuse_embeddings([np.array([[1.0, 0.0]]), np.array([[2.0]])], [4.0, 0.25])
+    np.testing.assert_allclose(q, [[2.0, 0.0, 1.0]])
+    p = fuse_embeddings([np.array([[3.0, 1.0]]), np.array([[5.0]])], [4.0, 0.25])
+    assert float((q @ p.T)[0, 0]) == pytest.approx(4 * 3 + 0.25 * 10)
+    with pytest.raises(ConfigError):
+        fuse_embeddings([np.ones((2, 2))], [-1.0])
+
+
+def test_weight_search_finds_the_grid_optimum():
+    weights, best, evaluations = tune_weights(lambda w: -(w[0] - 2) ** 2 - (w[1] - 0.5) ** 2, 2)
+    assert weights == (2.0, 0.5) and best == 0.0 and evaluations <= 3 + 2 * 2 * 4
+
+
+def test_reciprocal_rank_fusion_hand_computed():
+    a = {"q": {"d1": 0.9, "d2": 0.5, "d3": 0.1}}
+    b = {"q": {"d3": 7.0, "d1": 3.0}}
+    fused = reciprocal_rank_fusion([a, b], k=60)["q"]
+    expected = {"d1": 1 / 61 + 1 / 62, "d2": 1 / 62, "d3": 1 / 63 + 1 / 61}
+    assert fused.keys() == expected.keys()
+    for d, value in expected.items():
+        assert fused[d] == pytest.approx(value)
+    assert sorted(fused, key=fused.get, reverse=True) == ["d1", "d3", "d2"]
+
+
+# ---- the hard-negatives file, CLI and ensemble ------------------------------------------------
+
+
+def test_pool_file_round_trip_and_bad_input(tmp_path):
+    dataset = small_dataset()
+    pool = {"q0": [Candidate("p1", "bm25", 3.5), Candidate(half_id("p3", 0), "context", 0.0)], "q1": []}
+    path = tmp_path / "neg.jsonl"
+    save_pool(pool, path)
+    assert load_pool(path, dataset) == pool
+    assert passage_ids(pool) == {"q0": ["p1", "p3#half0"], "q1": []}
+    with pytest.raises(DataError, match="not found"):
+        load_pool(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(path.read_text() + "{not json\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:3: not valid JSON"):
+        load_pool(bad)
+    bad.write_text(json.dumps({"query_id": "q9", "negatives": []}) + "\n")
+    with pytest.raises(DataError, match="unknown query id 'q9'"):
+        load_pool(bad, dataset)
+    bad.write_text(json.dumps({"query_id": "q0", "negatives": [["p99", "bm25", 1.0]]}) + "\n")
+    with pytest.raises(DataError, match="unknown passage id 'p99'"):
+        load_pool(bad, dataset)
+    bad.write_text(json.dumps({"query_id": "q0", "negatives": [["p1", 1.0]]}) + "\n")
+    with pytest.raises(DataError, match=r"\[passage_id, source, score\]"):
+        load_pool(bad, dataset)
+
+
+def test_mine_cli_writes_a_file_that_training_reads(tiny_beir, tmp_path, capsys):
+    from densepass.cli import main
+
+    out = tmp_path / "neg.jsonl"
+    assert main(["mine", "--dataset", str(tiny_beir), "--strategy", "bm25", "--depth", "5",
+                 "--filters", "qrels", "duplicates", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "removed by qrels" in printed and "source bm25" in printed
+    dataset = load_dataset(str(tiny_beir))
+    pool = load_pool(out, dataset)
+    assert set(pool) == set(dataset.positives("train")) and max(map(len, pool.values())) == 5
+    config = NegativesConfig(source="file", file=str(out), pool_depth=3, filters=[])
+    again = mine_negatives(dataset, sorted(pool), config, MiningContext(show_progress=False))
+    assert passage_ids(again.pool) == {q: [c.passage_id for c in cands[:3]] for q, cands in pool.items()}
+    assert main(["mine", "--dataset", str(tiny_beir), "--strategy", "file", "--output", str(out)]) == 2
+    assert "needs negatives.file" in capsys.readouterr().err
+
+
+def test_ensemble_of_two_models(tiny_beir, tiny_model_dir, tmp_path):
+    from densepass.models.biencoder import BiEncoder, BiEncoderConfig
+    from densepass.runs.ensemble import evaluate_ensemble
+
+    paths = []
+    for dim in (8, 16):
+        path = tmp_path / f"m{dim}"
+        BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(projection_dim=dim)).save(path)
+        paths.append(str(path))
+    dataset = load_dataset(str(tiny_beir))
+    out = evaluate_ensemble(dataset, paths, labels=["a", "b"], metrics=("mrr@10", "recall@5"), depth=10,
+                            grid=(0.0, 1.0), device=torch_cpu())
+    results = out["results"]
+    assert set(results) == {"a", "b", "ensemble (embedding)", "ensemble (rank)"}
+    weights = tuple(out["weights"].values())
+    best_single = max(results["a"]["mrr@10"], results["b"]["mrr@10"])
+    assert results["ensemble (embedding)"]["mrr@10"] >= best_single - 1e-9  # (1,0) and (0,1) are on the grid
+    if weights == (1.0, 0.0):
+        assert results["ensemble (embedding)"] == results["a"]
+    with pytest.raises(ConfigError, match="at least two"):
+        evaluate_ensemble(dataset, paths[:1])
