@@ -1,4 +1,5 @@
-"""Command line: ``densepass run CONFIG``, ``mine``, ``ensemble``, ``index``, ``evaluate``, ``download``."""
+"""Command line: ``densepass run CONFIG``, ``mine``, ``ensemble``, ``pretrain CONFIG``, ``index``,
+``evaluate``, ``analyze-attention``, ``validate-study``, ``download``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,37 @@ def _run(args: argparse.Namespace) -> None:
     config = load_config(args.config, args.set)
     run_experiment(config)
     print(f"report: {config.run_dir / 'report.md'}")
+
+
+def _pretrain(args: argparse.Namespace) -> None:
+    from densepass.config import load_config
+    from densepass.pretraining.config import PretrainConfig
+    from densepass.pretraining.trainer import pretrain
+
+    config = load_config(args.config, args.set, PretrainConfig)
+    result = pretrain(config)
+    print(f"backbone: {result.backbone_path}\nreport: {config.run_dir / 'report.md'}")
+
+
+def _analyze_attention(args: argparse.Namespace) -> None:
+    from densepass.analysis.attention import attention_entropy, entropy_table, plot_entropy, sample_passages
+    from densepass.data import load_dataset
+    from densepass.errors import ConfigError
+    from densepass.index.encode import default_device
+    from densepass.io import atomic_write_text
+
+    labels = args.labels or args.models
+    if len(labels) != len(args.models):
+        raise ConfigError(f"--labels gives {len(labels)} names for {len(args.models)} models")
+    dataset = load_dataset(args.dataset, args.data_dir, args.format)
+    texts = sample_passages(dataset.corpus, args.samples, args.seed, "[SEP]")
+    device = default_device()
+    results = {label: attention_entropy(model, texts, args.max_length, device=device)
+               for label, model in zip(labels, args.models)}
+    plot_entropy(results, args.out, f"CLS attention entropy, {len(texts)} {dataset.name} passages")
+    atomic_write_text(Path(args.out).with_suffix(".json"), json.dumps(results, indent=2))
+    print(entropy_table(results))
+    print(f"plot: {args.out}")
 
 
 def _index(args: argparse.Namespace) -> None:
@@ -138,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a config value, e.g. --set train.batch_size=32")
     run.set_defaults(func=_run)
 
+    pretrain = sub.add_parser("pretrain", help="MLM / Condenser / coCondenser pre-training from a YAML/JSON config")
+    pretrain.add_argument("config", nargs="?", help="config file (default: built-in defaults)")
+    pretrain.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a config value, e.g. --set model.mode=cocondenser")
+    pretrain.set_defaults(func=_pretrain)
+
     def data_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("dataset", help="dataset name under the data dir, or a path")
         p.add_argument("--data-dir", default=None, help="data directory (default: $DENSEPASS_DATA or ../shared/data)")
@@ -157,6 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", default="dev")
     evaluate.add_argument("--metrics", nargs="+", default=["mrr@10", "ndcg@10", "recall@100"])
     evaluate.set_defaults(func=_evaluate)
+
+    attention = sub.add_parser("analyze-attention", help="CLS attention entropy per layer of saved models (one plot)")
+    attention.add_argument("models", nargs="+", help="saved models (any AutoModel directory or name)")
+    attention.add_argument("--out", required=True, help="PNG path (the numbers go to the same path with .json)")
+    attention.add_argument("--labels", nargs="*", default=None, help="legend names, one per model")
+    attention.add_argument("--dataset", default="debian-packages", help="corpus to sample passages from")
+    attention.add_argument("--data-dir", default=None)
+    attention.add_argument("--format", default="beir", choices=["beir", "msmarco", "dpr", "squad"])
+    attention.add_argument("--samples", type=int, default=1000, help="passages averaged over")
+    attention.add_argument("--max-length", type=int, default=128)
+    attention.add_argument("--seed", type=int, default=13)
+    attention.set_defaults(func=_analyze_attention)
 
     study = sub.add_parser("validate-study", help="compare validation subcorpora (C0, R_r, H_k) with the full corpus")
     data_args(study)

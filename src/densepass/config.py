@@ -247,8 +247,8 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     return values
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read an ExperimentConfig from YAML or JSON (None = defaults), then apply overrides."""
+def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type[T] = ExperimentConfig) -> T:
+    """Read a ``cls`` config (default ExperimentConfig) from YAML or JSON (None = defaults), then apply overrides."""
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -263,7 +263,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
     values = apply_overrides(values, overrides or [])
-    return from_dict(ExperimentConfig, values)
+    return from_dict(cls, values)
 
 
 def save_config(config: Any, path: str | Path) -> None:

@@ -1,0 +1,1 @@
+"""Model analyses (attention entropy, condenser §5)."""

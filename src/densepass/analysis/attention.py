@@ -1,0 +1,81 @@
+"""CLS attention entropy per layer (condenser §5, after Clark et al. 2019) and the Figure 2 plot.
+
+For a passage and an attention head, the CLS row a_0 = softmax over the passage's tokens gives the
+entropy H = -sum_j a_0j log a_0j (nats; padding has zero weight and adds nothing). The entropy of a
+layer is the mean over its heads and over a sample of passages: high = broad attention, low = focused.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from densepass.data.dataset import Corpus
+from densepass.errors import ConfigError
+
+
+def cls_attention_entropy(attention: torch.Tensor) -> torch.Tensor:
+    """[B, heads, L, L] attention probabilities of one layer -> [B, heads] entropy of the CLS row."""
+    row = attention[:, :, 0, :].double()
+    return -(torch.where(row > 0, row * row.log(), torch.zeros_like(row))).sum(-1)
+
+
+def sample_passages(corpus: Corpus, n: int, seed: int, sep_token: str) -> list[str]:
+    """``n`` random passages (seeded) as encoder inputs."""
+    positions = sorted(random.Random(seed).sample(range(len(corpus)), min(n, len(corpus))))
+    return corpus.passage_inputs(sep_token, positions)
+
+
+@torch.no_grad()
+def attention_entropy(model_path: str, texts: list[str], max_length: int = 128, batch_size: int = 32,
+                      device: torch.device | None = None) -> list[float]:
+    """Mean CLS attention entropy of each layer of a saved model over ``texts``."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from densepass.models.biencoder import resolve_model_path
+
+    if not texts:
+        raise ConfigError("attention entropy needs at least one passage")
+    path = resolve_model_path(model_path)
+    device = device or torch.device("cpu")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, attn_implementation="eager").float().to(device).eval()
+    totals: torch.Tensor | None = None
+    for start in range(0, len(texts), batch_size):
+        tokens = tokenizer(texts[start : start + batch_size], truncation=True, max_length=max_length, padding=True,
+                           return_tensors="pt").to(device)
+        attentions = model(**tokens, output_attentions=True).attentions
+        sums = torch.stack([cls_attention_entropy(a).mean(1).sum() for a in attentions]).cpu()
+        totals = sums if totals is None else totals + sums
+    return (totals / len(texts)).tolist()
+
+
+def entropy_table(results: dict[str, list[float]]) -> str:
+    """Markdown table: one row per model, one column per layer."""
+    layers = max(len(v) for v in results.values())
+    header = "| model | " + " | ".join(f"layer {i + 1}" for i in range(layers)) + " |"
+    rows = [f"| {name} | " + " | ".join(f"{v:.3f}" for v in values) + " |" for name, values in results.items()]
+    return "\n".join([header, "|---|" + "---:|" * layers, *rows])
+
+
+def plot_entropy(results: dict[str, list[float]], out_path: str | Path, title: str = "CLS attention entropy") -> None:
+    """All models on one PNG (condenser Figure 2): entropy against layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for name, values in results.items():
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=name)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean CLS attention entropy (nats)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,62 @@
+"""``report.md`` of a pre-training run: settings, final loss terms, throughput and loss curves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from densepass.io import atomic_write_text
+from densepass.pretraining.config import PretrainConfig
+from densepass.runs.report import metrics_table
+
+TERMS = ("loss", "late_mlm", "head_mlm", "contrastive")
+
+
+def plot_loss_terms(records: list[dict], out_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [r["step"] for r in records]
+    for term in TERMS:
+        if any(r.get(term) for r in records):
+            ax.plot(steps, [r[term] for r in records], label=term, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+
+
+def write_pretrain_report(config: PretrainConfig, log_path: Path, device: torch.device) -> Path:
+    run_dir = config.run_dir
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    m, t = config.model, config.train
+    lines = [
+        f"# densepass pretrain: {config.name}",
+        f"Mode `{m.mode}` from `{m.name_or_path}` on `{config.data.name}`"
+        + (f" ({config.data.max_passages} passages)" if config.data.max_passages else "")
+        + f": {t.max_steps} steps of {t.batch_size} x {t.max_length} tokens"
+        + (f" ({t.grad_accumulation} micro-batches)" if t.grad_accumulation > 1 else "")
+        + f", lr {t.learning_rate}, warm-up {t.warmup_ratio}, bf16 {t.bf16 and device.type == 'cuda'}, "
+        + (f"{m.early_layers} early layers + {m.head_layers}-layer head, " if m.mode != "mlm" else "")
+        + f"masking {config.masking.probability:.0%}{' whole words' if config.masking.whole_word else ''}; "
+        f"device {device.type}.",
+    ]
+    if records:
+        last = records[-1]
+        lines.append(metrics_table({f"step {last['step']}": last}, [k for k in TERMS if k in last]))
+        lines.append(f"Throughput (non-padding tokens/s, this session): {last['tokens_per_s']:.0f}.")
+        plot_loss_terms(records, run_dir / "loss.png")
+        lines.append("![loss terms](loss.png)")
+    lines.append("The backbone (head dropped) is in `backbone/`: load it with AutoModel, "
+                 "`BiEncoder.from_pretrained` or SentenceTransformer.")
+    path = run_dir / "report.md"
+    atomic_write_text(path, "\n\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,208 @@
+"""The pre-training loop: AdamW with linear warm-up/decay, bf16 autocast on GPU, gradient accumulation,
+atomic checkpoints with exact resume, a JSONL loss log and the final head-less backbone.
+
+Gradient accumulation splits each step's ``batch_size`` sequences into ``grad_accumulation``
+micro-batches. MLM is per-token, so weighting each micro-batch's mean MLM by its share of the step's
+masked tokens makes the accumulated gradient equal the whole batch's (condenser A.3: "Condenser is
+based on instance-wise MLM loss and can naively use gradient accumulation"). The coCondenser contrastive
+loss is not per-instance: plain accumulation would shrink its negative pool to one micro-batch. We keep
+the whole batch as the pool with gradient caching instead (as the coCondenser authors do): (1) late CLS
+vectors of every micro-batch without a graph, (2) the contrastive loss of the full batch and its gradient
+with respect to those vectors, (3) each micro-batch again with a graph (dropout replayed), back-propagating
+its MLM share plus the cached CLS gradient. The result equals the full-batch gradient up to float
+rounding; it costs one extra backbone forward per micro-batch.
+
+Data, masking and dropout depend only on (seed, step), so a run resumed from a checkpoint continues
+exactly as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import get_linear_schedule_with_warmup
+
+from densepass.config import save_config
+from densepass.data import load_dataset
+from densepass.errors import ConfigError
+from densepass.index.encode import default_device
+from densepass.io import atomic_directory
+from densepass.pretraining.condenser import Condenser, span_contrastive_loss
+from densepass.pretraining.config import PretrainConfig
+from densepass.pretraining.data import Batch, mlm_batches, span_batches, subset_corpus
+from densepass.pretraining.masking import Masker
+from densepass.training.step import RandomState, autocast_context
+
+LOG_NAME = "train_log.jsonl"
+
+
+@dataclass
+class PretrainResult:
+    steps: int
+    final_loss: float
+    tokens_per_second: float
+    backbone_path: Path
+
+
+def build_model(config: PretrainConfig) -> Condenser:
+    m = config.model
+    return Condenser.from_pretrained(m.name_or_path, m.mode, m.early_layers, m.head_layers, m.temperature)
+
+
+def batch_stream(config: PretrainConfig, tokenizer) -> Iterator[Batch]:
+    """The run's infinite, seeded stream of (unmasked) batches."""
+    d, t = config.data, config.train
+    corpus = subset_corpus(load_dataset(d.name, d.data_dir, d.format).corpus, d.max_passages, d.seed)
+    if config.model.mode == "cocondenser":
+        return span_batches(corpus, tokenizer, t.batch_size, t.max_length, t.span_min_tokens, t.span_max_tokens,
+                            t.seed)
+    return mlm_batches(corpus, tokenizer, t.batch_size, t.max_length, t.seed)
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return seed * 1_000_003 + step
+
+
+def _split(batch: Batch, parts: int) -> list[Batch]:
+    size = -(-batch["input_ids"].shape[0] // parts)
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, batch["input_ids"].shape[0], size)]
+
+
+def forward_backward(model: Condenser, batch: Batch, accumulation: int, device: torch.device,
+                     bf16: bool) -> dict[str, float]:
+    """Accumulate the gradient of one step's loss into ``.grad``; return the loss terms of the step."""
+    chunks = [{k: v.to(device) for k, v in c.items()} for c in _split(batch, accumulation)]
+    total_masked = max(int((batch["labels"] != -100).sum()), 1)
+    autocast = lambda: autocast_context(device, bf16)  # noqa: E731
+    co_grads: list[torch.Tensor | None] = [None] * len(chunks)
+    states: list[contextlib.AbstractContextManager] = [contextlib.nullcontext()] * len(chunks)
+    terms = {"late_mlm": 0.0, "head_mlm": 0.0, "contrastive": 0.0}
+    cached = model.mode == "cocondenser" and len(chunks) > 1
+    if cached:  # gradient caching of the contrastive loss over the whole batch
+        reps, replays = [], []
+        with torch.no_grad():
+            for chunk in chunks:
+                replays.append(RandomState(device))
+                with autocast():
+                    reps.append(model.encode(chunk["input_ids"], chunk["attention_mask"])[1][:, 0].float())
+        cls = torch.cat(reps).requires_grad_()
+        co = span_contrastive_loss(cls, model.temperature)
+        co.backward()
+        co_grads = list(cls.grad.split([len(r) for r in reps]))
+        states = [state.replay() for state in replays]
+        terms["contrastive"] = co.item()
+    for chunk, grad, state in zip(chunks, co_grads, states):
+        weight = int((chunk["labels"] != -100).sum()) / total_masked
+        with state, autocast():
+            out = model(chunk["input_ids"], chunk["attention_mask"], chunk["labels"])
+        loss = out.mlm * weight
+        if grad is not None:
+            loss = loss + torch.dot(out.cls.float().flatten(), grad.flatten())
+        elif model.mode == "cocondenser":
+            co = span_contrastive_loss(out.cls, model.temperature)
+            loss = loss + co
+            terms["contrastive"] = co.item()
+        loss.backward()
+        terms["late_mlm"] += out.late_mlm.item() * weight
+        terms["head_mlm"] += out.head_mlm.item() * weight if out.head_mlm is not None else 0.0
+    terms["loss"] = terms["late_mlm"] + terms["head_mlm"] + terms["contrastive"]
+    return terms
+
+
+def _checkpoints(run_dir: Path) -> list[Path]:
+    found = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "trainer_state.pt").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def _save_checkpoint(model: Condenser, optimizer, scheduler, step: int, run_dir: Path, keep: int) -> None:
+    with atomic_directory(run_dir / "checkpoints" / f"step-{step}") as tmp:
+        torch.save(model.state_dict(), tmp / "model.pt")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step},
+                   tmp / "trainer_state.pt")
+    for old in _checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _resume(model: Condenser, optimizer, scheduler, run_dir: Path, log_path: Path) -> int:
+    """Load the latest checkpoint (if any) and cut the log back to it; return the step reached."""
+    existing = _checkpoints(run_dir)
+    if not existing:
+        log_path.unlink(missing_ok=True)
+        return 0
+    model.load_state_dict(torch.load(existing[-1] / "model.pt", map_location="cpu", weights_only=True))
+    state = torch.load(existing[-1] / "trainer_state.pt", map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if log_path.is_file():
+        kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= state["step"]]
+        log_path.write_text("".join(f"{line}\n" for line in kept))
+    return state["step"]
+
+
+def pretrain(config: PretrainConfig) -> PretrainResult:
+    """Run (or resume) the pre-training of ``config``; writes config, checkpoints, log, backbone, report."""
+    t = config.train
+    if t.max_steps < 1 or t.batch_size < 1 or t.grad_accumulation < 1:
+        raise ConfigError("train.max_steps, train.batch_size and train.grad_accumulation must be >= 1")
+    if t.batch_size % t.grad_accumulation:
+        raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by grad_accumulation {t.grad_accumulation}")
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, run_dir / "config.yaml")
+    device = torch.device(config.device) if config.device else default_device()
+    torch.manual_seed(t.seed)
+    model = build_model(config)
+    masker = Masker.from_tokenizer(model.tokenizer, probability=config.masking.probability,
+                                   mask_fraction=config.masking.mask_fraction,
+                                   random_fraction=config.masking.random_fraction,
+                                   whole_word=config.masking.whole_word)
+    if model.backbone.config.max_position_embeddings < t.max_length:
+        raise ConfigError(f"train.max_length {t.max_length} exceeds the model's "
+                          f"{model.backbone.config.max_position_embeddings} positions")
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay,
+                                  fused=device.type == "cuda")
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(t.warmup_ratio * t.max_steps), t.max_steps)
+    log_path = run_dir / LOG_NAME
+    step = _resume(model, optimizer, scheduler, run_dir, log_path)
+    stream = itertools.islice(batch_stream(config, model.tokenizer), step, None)
+    tokens, started, terms = 0, time.perf_counter(), {"loss": float("nan")}
+    progress = tqdm(total=t.max_steps, initial=step, desc=f"pretrain {config.model.mode}", dynamic_ncols=True)
+    while step < t.max_steps:
+        batch = next(stream)
+        torch.manual_seed(_step_seed(t.seed, step))  # dropout; masking has its own generator
+        generator = torch.Generator().manual_seed(_step_seed(t.seed, step))
+        batch["input_ids"], batch["labels"] = masker(batch["input_ids"], batch["attention_mask"], generator)
+        terms = forward_backward(model, batch, t.grad_accumulation, device, t.bf16)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens += int(batch["attention_mask"].sum())
+        progress.update(1)
+        progress.set_postfix(loss=f"{terms['loss']:.4f}")
+        if step % t.log_every == 0 or step == t.max_steps:
+            record = {"step": step, **terms, "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                      "tokens_per_s": tokens / (time.perf_counter() - started)}
+            with open(log_path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+        if step % t.checkpoint_every == 0 or step == t.max_steps:
+            _save_checkpoint(model, optimizer, scheduler, step, run_dir, t.keep_checkpoints)
+    progress.close()
+    elapsed = time.perf_counter() - started
+    backbone = run_dir / "backbone"
+    model.save_backbone(backbone, config.model.save_pooling, t.max_length)
+    from densepass.pretraining.report import write_pretrain_report
+
+    write_pretrain_report(config, log_path, device)
+    return PretrainResult(step, terms["loss"], tokens / elapsed if tokens else 0.0, backbone)
