@@ -32,6 +32,7 @@ from densepass.data import load_dataset
 from densepass.index.bm25 import BM25Index
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
 from densepass.negatives.bm25 import mine_bm25_negatives
+from densepass.negatives.pool import passage_ids
 from densepass.training.batches import TrainingData
 from densepass.training.trainer import train
 
@@ -128,7 +129,7 @@ def main() -> None:
     positives = dataset.positives("train")
     qids = sorted(np.random.default_rng(13).choice(sorted(positives), size=n, replace=False).tolist())
     started = time.perf_counter()
-    negatives = mine_bm25_negatives(dataset, BM25Index.build(dataset.corpus.passage_inputs(" ")), qids, depth=20)
+    negatives = passage_ids(mine_bm25_negatives(dataset, BM25Index.build(dataset.corpus.passage_inputs(" ")), qids, depth=20))
     print(f"BM25 over {len(dataset.corpus):,} passages and negatives for {n:,} train queries: "
           f"{time.perf_counter() - started:.0f}s (not timed)")
     sep = BiEncoder.from_pretrained(path).tokenizer.sep_token

@@ -23,7 +23,9 @@ from transformers import PreTrainedTokenizerBase
 from densepass.errors import DensepassError
 from densepass.models.biencoder import BiEncoder, Side
 from densepass.prefetch import prefetched
+from densepass.training.step import attention_kernels
 
+PAD_MULTIPLE = 8  # batches are padded to a multiple of 8 tokens: tensor-core friendly, few distinct shapes
 TOKENIZE_CHUNK = 16_384  # texts tokenised at once; the next chunk is tokenised while this one is encoded
 
 
@@ -62,7 +64,7 @@ def padded_batches(
     by_length = np.argsort(-lengths, kind="stable")
     batches, start = [], 0
     while start < len(by_length):
-        longest = int(lengths[by_length[start]])
+        longest = -(-int(lengths[by_length[start]]) // PAD_MULTIPLE) * PAD_MULTIPLE  # fewer distinct shapes
         size = batch_size if max_tokens is None else max(batch_size, max_tokens // max(longest, 1))
         members = by_length[start : start + size]
         columns = np.arange(longest)
@@ -109,7 +111,7 @@ def encode_texts(
     encoded = torch.empty((len(texts), model.dim), dtype=torch.float32, device=device)  # rows in `placed` order
     placed, filled = np.empty(len(texts), dtype=np.int64), 0
     progress = tqdm(total=len(texts), desc=f"encode {side}s", disable=not show_progress, dynamic_ncols=True)
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_kernels(device):
         for batches in prefetched(chunks, prepare):
             for rows, ids, mask in batches:
                 emb = runner(ids.to(device, non_blocking=pin), mask.to(device, non_blocking=pin), side=side)

@@ -120,7 +120,8 @@ class BiEncoder(nn.Module):
         """Padded tensors of one side's texts; ``tokenizer``: a private copy of ``self.tokenizer`` for a
         worker thread (a fast tokenizer's truncation settings are shared state)."""
         return (tokenizer or self.tokenizer)(
-            texts, truncation=True, max_length=self.max_length(side), padding=padding, return_tensors="pt"
+            texts, truncation=True, max_length=self.max_length(side), padding=padding, return_tensors="pt",
+            pad_to_multiple_of=8 if padding is True else None,  # tensor-core friendly, few distinct shapes
         )
 
     # ---- construction and persistence -------------------------------------------------------

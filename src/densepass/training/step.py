@@ -40,10 +40,26 @@ class RandomState:
             yield
 
 
-def autocast_context(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
-    if bf16 and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
+    """On GPU, scaled-dot-product attention through the flash / memory-efficient kernels (no cuDNN):
+    cuDNN builds an execution plan for every new sequence length, which costs seconds over the
+    many lengths of length-sorted batches."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+@contextlib.contextmanager
+def autocast_context(device: torch.device, bf16: bool) -> Iterator[None]:
+    """bf16 autocast on GPU (when ``bf16``) with the attention kernels of ``attention_kernels``."""
+    with attention_kernels(device):
+        if bf16 and device.type == "cuda":
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                yield
+        else:
+            yield
 
 
 def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autocast) -> torch.Tensor:
