@@ -128,7 +128,8 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
         started = time.perf_counter()
         train_qids = sorted(sample_queries(dataset.split(config.data.train_split), config.data.max_train_queries,
                                            config.data.seed))
-        train_qids = [q for q in train_qids if q in dataset.positives(config.data.train_split)]
+        with_positives = dataset.positives(config.data.train_split)
+        train_qids = [q for q in train_qids if q in with_positives]
         negatives = None
         sep = model.tokenizer.sep_token or " "
         if neg.source != "none" and neg.per_query > 0:
