@@ -89,3 +89,5 @@ def test_bad_model_configs(tiny_model_dir, tmp_path):
         BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(temperature=0))
     with pytest.raises(ConfigError, match="not a model directory"):
         BiEncoder.from_pretrained(str(tmp_path))
+    with pytest.raises(ConfigError, match="model not found"):
+        BiEncoder.from_pretrained(str(tmp_path / "missing"))
