@@ -49,6 +49,16 @@ def test_int_is_accepted_for_float_field(tmp_path):
     assert value == 1.0 and isinstance(value, float)
 
 
+def test_exponent_without_dot_is_a_float(tmp_path):
+    """YAML 1.1 parses `5e-5` as a string; a learning rate written that way must still work."""
+    path = tmp_path / "exp.yaml"
+    path.write_text("train:\n  learning_rate: 5e-5\n")
+    assert load_config(path).train.learning_rate == 5e-5
+    assert load_config(None, ["train.learning_rate=3e-4"]).train.learning_rate == 3e-4
+    with pytest.raises(ConfigError, match=r"learning_rate: expected a number, got 'fast'"):
+        load_config(None, ["train.learning_rate=fast"])
+
+
 def test_empty_file_and_none_give_defaults(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("")

@@ -203,6 +203,11 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads exponents without a dot (5e-5) as strings
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
