@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
+from densepass.cli import run_guarded
 from densepass.config import load_config
 from densepass.runs.experiment import run_experiment
 
@@ -76,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_guarded(main, Path(__file__).name))

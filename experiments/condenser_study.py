@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from densepass.analysis.attention import attention_entropy, entropy_table, plot_entropy, sample_passages
+from densepass.cli import run_guarded
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset
 from densepass.index.encode import default_device
@@ -164,4 +166,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_guarded(main, Path(__file__).name))

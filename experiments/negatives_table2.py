@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
+from densepass.cli import run_guarded
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset, sample_queries
 from densepass.data.dataset import RetrievalDataset
@@ -166,4 +168,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_guarded(main, Path(__file__).name))

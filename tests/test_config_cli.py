@@ -299,3 +299,16 @@ def test_eval_set_full_corpus_and_errors(dataset_and_bm25):
         build_eval_set(dataset, subcorpus_config(), None)
     with pytest.raises(ConfigError, match=">= 0"):
         build_eval_set(dataset, subcorpus_config(eval_random=-1), None)
+
+
+def test_experiment_scripts_report_errors_in_one_line():
+    """experiments/*.py wrap their main in run_guarded: a config typo is one line and exit code 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "experiments" / "abs_table2.py"
+    done = subprocess.run([sys.executable, str(script), "--set", "train.batch_szie=3"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("abs_table2.py: error: config.train: unknown key 'batch_szie' "
+                                   "(did you mean 'batch_size'?)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from densepass.errors import DensepassError
@@ -261,17 +262,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_guarded(func: Callable[[], object], prog: str = "densepass") -> int:
+    """Run ``func`` and turn densepass errors and Ctrl-C into a one-line message and an exit code."""
     try:
-        args.func(args)
+        func()
     except DensepassError as err:
-        print(f"densepass: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("densepass: interrupted (re-run the same command to resume)", file=sys.stderr)
+        print(f"{prog}: interrupted (re-run the same command to resume)", file=sys.stderr)
         return 130
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_guarded(lambda: args.func(args))
 
 
 if __name__ == "__main__":
