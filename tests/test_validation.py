@@ -18,7 +18,7 @@ from densepass.evaluation.subcorpus import (
     random_subcorpus,
 )
 from densepass.models.biencoder import BiEncoder
-from densepass.runs.study import expand_checkpoints, ordering_agreement, run_study
+from densepass.runs.study import checkpoint_name, expand_checkpoints, ordering_agreement, run_study
 from densepass.runs.validation import Validator
 
 
@@ -111,3 +111,25 @@ def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path):
     assert (tmp_path / "study" / "study.md").is_file() and (tmp_path / "study" / "study.png").is_file()
     with pytest.raises(ConfigError, match="at least 2"):
         expand_checkpoints(paths[:1])
+
+    # A stand-in C (C0 + half the corpus): every subcorpus is drawn from it, and it is recorded as such.
+    rows = run_study(dataset, expand_checkpoints(paths), "dev", [0.5], [2], "bm25", "mrr@10", None, 0,
+                     tmp_path / "study-half", corpus_fraction=0.5)
+    full = rows[-1].subcorpus
+    assert full.provenance["stand_in_for_full_corpus"] and full.provenance["r"] == 0.5
+    assert len(full) == max(len(rows[0].subcorpus), round(0.5 * len(dataset.corpus)))
+    assert all(set(row.subcorpus.ids) <= set(full.ids) for row in rows)
+    assert len(rows[1].subcorpus) == max(len(rows[0].subcorpus), round(0.5 * len(full)))
+    with pytest.raises(ConfigError, match=r"r must be in \(0, 1\]"):
+        run_study(dataset, expand_checkpoints(paths), "dev", [], [], "bm25", "mrr@10", None, 0,
+                  tmp_path / "study-bad", corpus_fraction=1.5)
+
+
+def test_checkpoint_names_and_the_default_model():
+    from pathlib import Path
+
+    assert checkpoint_name(Path("runs/abs/non-abs-random/model")) == "non-abs-random"
+    assert checkpoint_name(Path("runs/abs/non-abs-random/checkpoints/step-32/model")) == "non-abs-random@32"
+    assert checkpoint_name(Path("/models/m1")) == "m1"
+    found = expand_checkpoints(["all-MiniLM-L6-v2", "all-MiniLM-L6-v2"])
+    assert all((p / "config.json").is_file() for p in found)

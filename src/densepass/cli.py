@@ -85,7 +85,7 @@ def _validate_study(args: argparse.Namespace) -> None:
 
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     run_study(dataset, expand_checkpoints(args.checkpoints), args.split, args.r, args.k, args.retriever,
-              args.metric, args.max_queries, args.seed, Path(args.output))
+              args.metric, args.max_queries, args.seed, Path(args.output), args.corpus_fraction)
 
 
 def _mine(args: argparse.Namespace) -> None:
@@ -218,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--retriever", default="bm25", help="'bm25' or a saved model for H_k")
     study.add_argument("--metric", default="mrr@10")
     study.add_argument("--max-queries", type=int, default=None)
+    study.add_argument("--corpus-fraction", type=float, default=None,
+                       help="stand in for the full corpus with C0 + this random fraction of it (for a CPU)")
     study.add_argument("--seed", type=int, default=13)
     study.add_argument("--output", required=True)
     study.set_defaults(func=_validate_study)

@@ -28,7 +28,7 @@ from densepass.evaluation.subcorpus import (
 )
 from densepass.index.retrieve import dense_retrieve
 from densepass.io import atomic_write_text
-from densepass.models.biencoder import CONFIG_NAME, BiEncoder
+from densepass.models.biencoder import CONFIG_NAME, DEFAULT_MODEL, BiEncoder, resolve_model_path
 
 
 @dataclass
@@ -43,7 +43,7 @@ def expand_checkpoints(paths: list[str]) -> list[Path]:
     """Model directories from model paths or run directories (final model + every checkpoint)."""
     found: list[Path] = []
     for raw in paths:
-        path = Path(raw)
+        path = Path(resolve_model_path(raw) if raw == DEFAULT_MODEL else raw)
         if (path / CONFIG_NAME).is_file() or (path / "config.json").is_file():
             found.append(path)
         elif (path / "checkpoints").is_dir() or (path / "model").is_dir():
@@ -58,6 +58,15 @@ def expand_checkpoints(paths: list[str]) -> list[Path]:
     return found
 
 
+def checkpoint_name(path: Path) -> str:
+    """``run`` for a run's final model, ``run@step`` for one of its checkpoints, else the directory name."""
+    if path.name != "model":
+        return path.name
+    if path.parent.name.startswith("step-") and path.parent.parent.name == "checkpoints":
+        return f"{path.parent.parent.parent.name}@{path.parent.name[5:]}"
+    return path.parent.name
+
+
 def ordering_agreement(scores: list[float], reference: list[float]) -> float:
     """Kendall's tau between two score lists over the same checkpoints (1 = same ordering)."""
     if len(scores) != len(reference):
@@ -70,17 +79,29 @@ def ordering_agreement(scores: list[float], reference: list[float]) -> float:
 def run_study(
     dataset: RetrievalDataset, checkpoints: list[Path], split: str, rs: list[float], ks: list[int],
     retriever: str, metric: str, max_queries: int | None, seed: int, out_dir: Path,
+    corpus_fraction: float | None = None,
 ) -> list[StudyRow]:
+    """Evaluate every checkpoint on C0, each R_r, each H_k and C.
+
+    ``corpus_fraction`` f makes the study affordable where the full corpus is not (a CPU): C is then
+    the seeded random subcorpus R_f of the dataset's corpus, and every R_r and H_k is drawn from it
+    (r is a fraction of that C; H_k's retriever searches it).
+    """
     qrels = sample_queries(dataset.split(split), max_queries, seed)
     qrels = {q: r for q, r in qrels.items() if any(g > 0 for g in r.values())}
     texts = [dataset.queries[q] for q in qrels]
     corpus = dataset.corpus
+    full_provenance: dict = {"passages_in_dataset": len(corpus)}
+    if corpus_fraction is not None:
+        stand_in = random_subcorpus(corpus, qrels, corpus_fraction, seed)
+        corpus = corpus.subset([corpus.position(p) for p in stand_in.ids])
+        full_provenance.update(stand_in.provenance, stand_in_for_full_corpus=True)
     subcorpora = [gold_subcorpus(corpus, qrels)]
     subcorpora += [random_subcorpus(corpus, qrels, r, seed) for r in rs]
     if ks:
         search = bm25_retriever(corpus) if retriever == "bm25" else dense_retriever(corpus, retriever)
         subcorpora += [hard_subcorpus(corpus, qrels, texts, k, search, retriever) for k in ks]
-    subcorpora.append(Subcorpus("full", list(corpus.ids), {}))
+    subcorpora.append(Subcorpus("full", list(corpus.ids), full_provenance))
     out_dir.mkdir(parents=True, exist_ok=True)
     for sub in subcorpora:
         sub.save(out_dir / f"subcorpus-{sub.label}.json")
@@ -105,7 +126,7 @@ def run_study(
 def write_study(rows: list[StudyRow], checkpoints: list[Path], metric: str, out_dir: Path) -> None:
     """``study.md`` (table) and ``study.png`` (metric against index size, log scale)."""
     full = rows[-1]
-    names = [f"{p.parent.name}/{p.name}" if p.name == "model" else p.name for p in checkpoints]
+    names = [checkpoint_name(p) for p in checkpoints]
     header = "| subcorpus | passages | % of C | encode+search s | % of C's time | Kendall tau | " + " | ".join(names) + " |"
     lines = [header, "|---|" + "---:|" * (5 + len(names))]
     for row in rows:
