@@ -341,3 +341,67 @@ def test_ensemble_of_two_models(tiny_beir, tiny_model_dir, tmp_path):
         assert results["ensemble (embedding)"] == results["a"]
     with pytest.raises(ConfigError, match="at least two"):
         evaluate_ensemble(dataset, paths[:1])
+
+
+# ---- ANCE-style refresh -----------------------------------------------------------------------
+
+
+def test_replaced_pool_serves_batches_from_its_first_step_on():
+    dataset = small_dataset()
+    data = TrainingData(dataset, "train", "[SEP]", {"q0": ["p3"], "q1": ["p4"]}, 1, query_ids=["q0", "q1"])
+    data.replace_negatives({"q0": ["p1"], "q1": ["p0"]}, from_step=4)
+    old, new = {"alpha", "one"}, {"video", "audio"}
+
+    def first_words(step):
+        texts = data.collate([0, 1], seed=(13, 0, step or 0), step=step).passage_texts[2:]
+        return {t.split(" [SEP] ")[1].split()[0] for t in texts}
+
+    assert [first_words(s) for s in (0, 3)] == [old, old]
+    assert [first_words(s) for s in (4, 9)] == [new, new]
+    assert first_words(None) == old  # no step: the pool given at construction
+    with pytest.raises(ConfigError, match="nothing to refresh"):
+        TrainingData(dataset, "train", "[SEP]", query_ids=["q0"]).replace_negatives({"q0": ["p1"]}, 1)
+
+
+def test_refresh_during_training_is_saved_filtered_and_resumable(tiny_beir, tiny_model_dir, tmp_path):
+    import shutil
+
+    from densepass.config import load_config
+    from densepass.runs.experiment import run_experiment
+
+    def config(root, *extra):
+        return load_config(None, [
+            f"data.name={tiny_beir}", f"model.name_or_path={tiny_model_dir}", f"output_dir={root}", "name=r",
+            "train.batch_size=8", "train.epochs=2", "train.checkpoint_every=2", "train.keep_checkpoints=10",
+            "negatives.source=bm25", "negatives.pool_depth=5", "negatives.per_query=1", "negatives.refresh_every=2",
+            "eval.baselines=[]", "eval.metrics=[mrr@10]", "eval.depth=10", "model.passage_max_length=32", *extra])
+
+    first = run_experiment(config(tmp_path / "a"))["fine-tuned"]
+    work = tmp_path / "a" / "r" / "negatives"
+    # 6 steps: refreshed after steps 2 and 4, not after the last (no batch would use it)
+    assert sorted(p.name for p in work.glob("refresh-step-*.jsonl")) == ["refresh-step-2.jsonl", "refresh-step-4.jsonl"]
+    dataset = load_dataset(str(tiny_beir))
+    positives = dataset.relevant_sets()
+    for path in work.glob("refresh-step-*.jsonl"):
+        pool = load_pool(path, dataset)
+        assert all(len(c) == 5 and all(x.source == "model" for x in c) for c in pool.values())
+        assert not any(c.passage_id in positives[q] for q, cands in pool.items() for c in cands)
+    log = [json.loads(line) for line in (work / "refresh_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4] and log[0]["removed"]["qrels"] >= 0
+
+    # Interrupted after step 2: the pool of step 4 was mined by a model that is trained again, so it goes;
+    # the resumed run re-mines it and ends with the same model as the uninterrupted one.
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    run = tmp_path / "b" / "r"
+    shutil.rmtree(run / "model")
+    for step in (4, 6):
+        shutil.rmtree(run / "checkpoints" / f"step-{step}", ignore_errors=True)
+    (run / "negatives" / "refresh-step-4.jsonl").write_text('{"query_id": "q0", "negatives": []}\n')
+    resumed = run_experiment(config(tmp_path / "b"))["fine-tuned"]
+    assert resumed == pytest.approx(first)
+    assert (run / "negatives" / "refresh-step-4.jsonl").read_text() == (work / "refresh-step-4.jsonl").read_text()
+
+    with pytest.raises(ConfigError, match="refresh_every needs hard negatives"):
+        run_experiment(config(tmp_path / "c", "negatives.source=none", "negatives.per_query=0"))
+    with pytest.raises(ConfigError, match="refresh_every must be >= 1"):
+        run_experiment(config(tmp_path / "d", "negatives.refresh_every=0"))

@@ -76,6 +76,9 @@ class NegativesConfig:
     cross_encoder: str | None = None  # sentence-transformers CrossEncoder for the cross-encoder filter
     cross_encoder_threshold: float = 0.0  # candidates scored above it are dropped
     batch_size: int = 256  # encoding batch size for dense mining
+    # ANCE-style refresh: every N training steps, re-mine the pool with the model being trained
+    # (its top pool_depth, through the same filters); None keeps the pool mined before training.
+    refresh_every: int | None = None
 
 
 @dataclass

@@ -57,6 +57,7 @@ class MiningContext:
     train_config: TrainConfig | None = None
     seed: int = 13
     show_progress: bool = True
+    model: BiEncoder | None = None  # for source=model: a model in memory (the one being trained) instead of a path
 
 
 def _fetch_depth(depth: int) -> int:
@@ -82,7 +83,9 @@ def raw_pool(spec: str, dataset: RetrievalDataset, query_ids: Sequence[str], con
     if name in ("model", "dense"):
         from densepass.negatives.dense import mine_dense_negatives, train_miner
 
-        if name == "model":
+        if name == "model" and ctx.model is not None:
+            model, source = ctx.model, "model"
+        elif name == "model":
             if not config.model:
                 raise ConfigError("negatives.source=model needs negatives.model (a saved model)")
             model, source = BiEncoder.from_pretrained(config.model), "model"

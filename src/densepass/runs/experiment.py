@@ -26,13 +26,14 @@ from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import passage_ids, save_pool
+from densepass.negatives.refresh import NegativeRefresher
 from densepass.runs.evalset import EvalSet, add_rerank_candidates, build_eval_set
 from densepass.runs.report import print_table, write_report
 from densepass.runs.validation import Validator
 from densepass.scheduling.planner import EpochPlanner
 from densepass.training.batches import TrainingData
 from densepass.training import distributed
-from densepass.training.trainer import train
+from densepass.training.trainer import planned_steps, resume_step, train
 
 
 def model_from_config(config: ExperimentConfig) -> BiEncoder:
@@ -130,7 +131,7 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
                                            config.data.seed))
         with_positives = dataset.positives(config.data.train_split)
         train_qids = [q for q in train_qids if q in with_positives]
-        negatives = None
+        negatives, context = None, None
         sep = model.tokenizer.sep_token or " "
         if neg.source != "none" and neg.per_query > 0:
             context = MiningContext(config.data.train_split, device, full_bm25, run_dir / "negatives",
@@ -140,6 +141,9 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
             if main:
                 save_pool(mined.pool, run_dir / "negatives.jsonl")
             notes.append(f"Hard negatives ({neg.source}): {mined.summary()}.")
+            if neg.refresh_every:
+                notes.append(f"Refreshed with the model being trained every {neg.refresh_every} steps "
+                             "(negatives/refresh_log.jsonl).")
             negatives = passage_ids(mined.pool)
         data = TrainingData(dataset, config.data.train_split, sep, negatives,
                             neg.per_query if negatives else 0, query_ids=train_qids)
@@ -154,11 +158,27 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
                 handle.write(json.dumps({"epoch": epoch + 1, **metrics}) + "\n")
             model.train()
 
+        refresher = None
+        if neg.refresh_every is not None:
+            if context is None:
+                raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
+            if distributed.world_size() > 1:
+                raise ConfigError("negatives.refresh_every runs in a single process only (for now)")
+            refresher = NegativeRefresher(neg.refresh_every, model, data, dataset, train_qids, neg, context,
+                                          run_dir / "negatives", planned_steps(planner.steps_per_epoch, config.train))
+            refresher.restore(resume_step(run_dir))
         try:
             validator = (Validator(config.validation, dataset, model, device, run_dir, config.eval.metrics)
                          if config.validation.enabled and main else None)
+            callbacks = [c for c in (validator, refresher) if c is not None]
+
+            def on_step_end(step: int) -> None:
+                for callback in callbacks:
+                    callback(step)
+
             result = train(model, data, config.train, run_dir, device, planner,
-                           on_epoch_end=evaluate_epoch if config.eval.each_epoch else None, on_step_end=validator)
+                           on_epoch_end=evaluate_epoch if config.eval.each_epoch else None,
+                           on_step_end=on_step_end if callbacks else None)
         finally:
             planner.close()
         if not main:

@@ -77,7 +77,9 @@ class TrainingData:
             {int(self.keys[corpus.position(p)]) for p in relevant.get(q, ())} for q in self.query_ids
         ]
         self.positive_rows = [[corpus.position(p) for p in positives[q]] for q in self.query_ids]
+        self.sep_token = sep_token
         self.negative_rows = self._negative_pools(negatives or {}, sep_token) if negatives_per_query else None
+        self._refreshed: list[tuple[int, list[np.ndarray]]] = []  # (first step, pools), by first step
 
     def __len__(self) -> int:
         return len(self.query_ids)
@@ -106,8 +108,27 @@ class TrainingData:
         return [np.asarray([r for r in rows if int(self.keys[r]) not in self.relevant_keys[i]], dtype=np.int64)
                 for i, rows in enumerate(pools)]
 
-    def collate(self, batch: Sequence[int], seed: Sequence[int], rank: int = 0, world: int = 1) -> TrainingBatch:
-        """Build the global batch ``batch`` (instance indices) and return this process's share."""
+    def replace_negatives(self, negatives: dict[str, list[str]], from_step: int) -> None:
+        """Use a new pool (query id -> passage ids) for the batches of step ``from_step`` on (a refresh)."""
+        if not self.negatives_per_query:
+            raise ConfigError("this training data samples no hard negatives: nothing to refresh")
+        pools = self._negative_pools(negatives, self.sep_token)
+        # a new list, swapped in at once: the trainer's prefetch thread may be reading the old one
+        self._refreshed = sorted([*self._refreshed, (from_step, pools)], key=lambda item: item[0])
+
+    def negative_rows_at(self, step: int | None) -> list[np.ndarray] | None:
+        """The pools in force at global step ``step`` (0-based; None: the pool given at construction)."""
+        current = self.negative_rows
+        for first, pools in self._refreshed:
+            if step is None or first > step:
+                break
+            current = pools
+        return current
+
+    def collate(self, batch: Sequence[int], seed: Sequence[int], rank: int = 0, world: int = 1,
+                step: int | None = None) -> TrainingBatch:
+        """Build the global batch ``batch`` (instance indices) of global step ``step`` and return this
+        process's share."""
         if len(batch) % world:
             raise ConfigError(f"global batch of {len(batch)} does not split over {world} processes")
         rng = np.random.default_rng(list(seed))
@@ -115,8 +136,9 @@ class TrainingData:
         h = self.negatives_per_query
         neg_rows: list[int] = []
         if h:
+            pools = self.negative_rows_at(step)
             for i in batch:
-                neg_rows.extend(draw_negatives(self.negative_rows[i], h, rng, len(self.passage_inputs)))
+                neg_rows.extend(draw_negatives(pools[i], h, rng, len(self.passage_inputs)))
         all_rows = pos_rows + neg_rows
         keys = [int(self.keys[r]) for r in all_rows]
         n = len(batch)

@@ -70,6 +70,18 @@ def _checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
+def planned_steps(steps_per_epoch: int, config: TrainConfig) -> int:
+    """Training steps of a run: every epoch's batches, capped by ``max_steps``."""
+    total = steps_per_epoch * config.epochs
+    return total if config.max_steps is None else min(total, config.max_steps)
+
+
+def resume_step(run_dir: Path) -> int:
+    """The step ``train`` will resume from in ``run_dir`` (0 for a fresh run)."""
+    existing = _checkpoints(run_dir)
+    return int(existing[-1].name.split("-")[1]) if existing else 0
+
+
 def save_checkpoint(model: BiEncoder, optimizer, scheduler, step: int, run_dir: Path, keep: int) -> Path:
     path = run_dir / "checkpoints" / f"step-{step}"
     if distributed.rank() == 0:
@@ -104,9 +116,7 @@ def train(
     world, rank = distributed.world_size(), distributed.rank()
     planner = planner or RandomPlanner(len(data), config.batch_size, config.seed)
     steps_per_epoch = planner.steps_per_epoch
-    total = steps_per_epoch * config.epochs
-    if config.max_steps is not None:
-        total = min(total, config.max_steps)
+    total = planned_steps(steps_per_epoch, config)
     model.to(device).train()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
@@ -132,7 +142,8 @@ def train(
 
     def prepare(item: tuple[int, int, list[int]]):
         epoch, index, members = item
-        batch = data.collate(members, seed=(config.seed, epoch, index), rank=rank, world=world)
+        batch = data.collate(members, seed=(config.seed, epoch, index), rank=rank, world=world,
+                             step=epoch * steps_per_epoch + index)
         return members, batch, batch_tensors(model, batch, pin, tokenizer)
 
     def epoch_batches(epoch: int) -> Iterator[tuple[int, int, list[int]]]:

@@ -1,0 +1,71 @@
+"""ANCE-style refresh of the hard-negative pool while training (Xiong et al., 2021; the lecture's
+"negatives from the model being trained"; training-inference-gap §4.3.1 does it once, between rounds).
+
+Every ``every`` steps the model being trained re-encodes the corpus, mines each training query's top
+``pool_depth`` through the same false-negative filters, and the new pool replaces the old one. ANCE
+refreshes asynchronously from a stale checkpoint; here the refresh is synchronous, so its cost shows
+in the training time. The trainer prepares one batch ahead (``densepass.prefetch``): the pool mined after
+N steps serves the batches from the (N + 2)-th on, the (N + 1)-th having been prepared meanwhile. Each pool is saved as ``refresh-step-N.jsonl``: a resumed run
+reloads the pools mined before its checkpoint, so it samples the same negatives as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from densepass.config import NegativesConfig
+from densepass.data.dataset import RetrievalDataset
+from densepass.errors import ConfigError
+from densepass.models.biencoder import BiEncoder
+from densepass.negatives.mine import MiningContext, mine_negatives
+from densepass.negatives.pool import load_pool, passage_ids, save_pool
+from densepass.training.batches import TrainingData
+
+PREPARED_AHEAD = 1  # batches the trainer has prepared when a step ends (densepass.prefetch)
+
+
+class NegativeRefresher:
+    """An ``on_step_end`` callback of the trainer that re-mines ``data``'s negative pool with ``model``
+    after every ``every`` steps, up to (not at) ``last_step``."""
+
+    def __init__(self, every: int, model: BiEncoder, data: TrainingData, dataset: RetrievalDataset,
+                 query_ids: Sequence[str], config: NegativesConfig, context: MiningContext, work_dir: Path,
+                 last_step: int) -> None:
+        if every < 1:
+            raise ConfigError(f"negatives.refresh_every must be >= 1, got {every}")
+        if not data.negatives_per_query:
+            raise ConfigError("negatives.refresh_every needs hard negatives (negatives.per_query > 0)")
+        self.every, self.model, self.data, self.dataset = every, model, data, dataset
+        self.last_step = last_step  # no refresh after the final step: no batch would use it
+        self.query_ids, self.config, self.work_dir = list(query_ids), config, Path(work_dir)
+        self.context = dataclasses.replace(context, model=model, show_progress=False)
+        self.log_path = self.work_dir / "refresh_log.jsonl"
+
+    def _path(self, step: int) -> Path:
+        return self.work_dir / f"refresh-step-{step}.jsonl"
+
+    def restore(self, resume_step: int) -> None:
+        """Reload the pools mined up to ``resume_step``; drop later ones (their model is being retrained)."""
+        for path in sorted(self.work_dir.glob("refresh-step-*.jsonl")):
+            step = int(path.stem.rsplit("-", 1)[1])
+            if step <= resume_step:
+                self.data.replace_negatives(passage_ids(load_pool(path, self.dataset)), step + PREPARED_AHEAD)
+            else:
+                path.unlink()
+
+    def __call__(self, step: int) -> None:
+        if step % self.every or step >= self.last_step:
+            return
+        was_training = self.model.training
+        self.model.eval()
+        mined = mine_negatives(self.dataset, self.query_ids, self.config, self.context, self.data.sep_token,
+                               strategy="model")
+        self.model.train(was_training)
+        save_pool(mined.pool, self._path(step))
+        self.data.replace_negatives(passage_ids(mined.pool), step + PREPARED_AHEAD)
+        with open(self.log_path, "a") as handle:
+            handle.write(json.dumps({"step": step, "seconds": mined.seconds, "removed": mined.removed,
+                                     "negatives": sum(len(c) for c in mined.pool.values())}) + "\n")
