@@ -12,7 +12,9 @@
 3. Ensembles the five hard-negative models: embedding fusion (weights tuned on dev) and RRF.
 
 Writes ``table2.md`` and ``table2.json`` (metrics, pool summaries, fusion weights, timings) into --out.
-``--quick`` runs everything on a small subset of the dataset (written under --out/quick-data).
+``--subset TRAIN DEV RANDOM`` runs everything on a copy of the dataset with that many train and dev
+queries, the whole documents of their positives and RANDOM random passages (written under
+--out/subset-data); ``--quick`` is ``--subset 64 32 300`` with a tiny training budget.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ from densepass.runs.experiment import run_experiment
 
 POOLS = {"coarse": "dense:25", "fine": "dense:512", "bm25": "bm25", "context": "context"}
 ROWS = {"Rnd": None, "+Coarse": "coarse", "+Fine": "fine", "+BM25": "bm25", "+Context": "context", "+Mixed": "mixed"}
-QUICK = ["data.max_train_queries=null", "train.batch_size=16", "model.passage_max_length=48",
+QUICK = ["train.batch_size=16", "model.passage_max_length=48",
          "negatives.miner_steps=4", "negatives.pool_depth=20", "train.log_every=2", "eval.batch_size=64"]
 
 
-def write_quick_dataset(dataset: RetrievalDataset, root: Path, n_train: int, n_dev: int, n_random: int,
+def write_subset_dataset(dataset: RetrievalDataset, root: Path, n_train: int, n_dev: int, n_random: int,
                         seed: int) -> Path:
     """A small BEIR copy: ``n_train``/``n_dev`` sampled queries, the whole documents of their
     positives (so context negatives exist) plus ``n_random`` random passages."""
@@ -98,21 +100,26 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="base model (default: the config's)")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--set", action="append", default=[])
-    parser.add_argument("--quick", action="store_true", help="a small subset, for a CPU check")
+    parser.add_argument("--quick", action="store_true", help="a tiny subset and budget, for a CPU check")
+    parser.add_argument("--subset", nargs=3, type=int, metavar=("TRAIN", "DEV", "RANDOM"), default=None,
+                        help="run on a copy with TRAIN / DEV sampled queries, the documents of their positives "
+                             "and RANDOM random passages (a CPU-sized run)")
     parser.add_argument("--out", default=None, help="default: runs/negatives-table2[-quick]")
     args = parser.parse_args()
     out = Path(args.out or ("runs/negatives-table2-quick" if args.quick else "runs/negatives-table2"))
+    subset = (64, 32, 300) if args.quick and args.subset is None else args.subset
     overrides = list(args.set)
     if args.model:
         overrides.append(f"model.name_or_path={args.model}")
     if args.data_dir:
         overrides.append(f"data.data_dir={args.data_dir}")
     base = load_config(args.config, overrides)
-    if args.quick:
+    if subset is not None:
         full = load_dataset(base.data.name, base.data.data_dir, base.data.format)
-        root = write_quick_dataset(full, out / "quick-data" / f"{base.data.name}-quick", 64, 32, 300, base.data.seed)
-        overrides += [*QUICK, f"data.name={root.resolve()}", "data.data_dir=null"]
-        base = load_config(args.config, overrides)
+        root = write_subset_dataset(full, out / "subset-data" / f"{base.data.name}-{'-'.join(map(str, subset))}",
+                                    *subset, base.data.seed)
+        overrides += [*(QUICK if args.quick else []), "data.max_train_queries=null", f"data.name={root.resolve()}",
+                      "data.data_dir=null"]
     overrides.append(f"output_dir={out / 'runs'}")
     base = load_config(args.config, overrides)
     dataset = load_dataset(base.data.name, base.data.data_dir, base.data.format)
