@@ -74,14 +74,16 @@ def iter_batches(
     neg_inf = torch.tensor(float("-inf"), dtype=sim.dtype, device=device)
     active = _ActiveRows(sim, pool.ids())
 
-    def best_addition(reduced: torch.Tensor, removed: int, members: list[int]) -> tuple[int, torch.Tensor] | None:
-        """eq. 4 for B - removed: the allowed pool instance with the largest gain, and that gain."""
+    def best_addition(reduced: torch.Tensor, removed: int, members: list[int], pool_gains: torch.Tensor | None = None
+                      ) -> tuple[int, torch.Tensor] | None:
+        """eq. 4 for B - removed: the allowed pool instance with the largest gain, and that gain
+        (``pool_gains``: the gains over the active pool, when already computed)."""
         if neighbour_t is not None:
             candidates = torch.unique(neighbour_t[[m for m in members if m != removed]].flatten())
             gains = sim.cross(reduced, candidates)
         else:
             candidates = active.ids
-            gains = sim.cross(reduced, matrix=active.matrix)
+            gains = pool_gains if pool_gains is not None else sim.cross(reduced, matrix=active.matrix)
         allowed = available[candidates] & (blocked[candidates] == 0)
         gains = torch.where(allowed, gains, neg_inf)
         freed = conflict_idx[removed]  # instances blocked only by the removed member become allowed
@@ -110,9 +112,13 @@ def iter_batches(
             member_t = torch.as_tensor(members, device=device)
             contrib = sim.cross(sums, member_t) - 2 * sim.self_sim[member_t]
             order = torch.sort(contrib, stable=True).indices[:beam_width].tolist()  # eq. 3, best first
+            reduced = [sums - sim.row(members[pos]) for pos in order]
+            pool_gains = None  # beam: the k products over the pool as one matrix product, one read of the pool
+            if neighbour_t is None and len(order) > 1:
+                pool_gains = sim.cross(torch.stack(reduced, 1), matrix=active.matrix)
             best = None  # (gain in h, position, addition)
-            for pos in order:
-                found = best_addition(sums - sim.row(members[pos]), members[pos], members)
+            for j, pos in enumerate(order):
+                found = best_addition(reduced[j], members[pos], members, None if pool_gains is None else pool_gains[:, j])
                 if found is None:
                     continue
                 delta = float(found[1] - contrib[pos])
