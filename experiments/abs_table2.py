@@ -2,7 +2,8 @@
 
     python experiments/abs_table2.py [--config configs/abs_table2.yaml] [--set key=value ...] [--out DIR]
 
-Runs the shared config once per batch order and writes ``table2.md`` (dev metrics, scheduling time,
+Runs the shared config once per batch order (reusing a variant whose run directory already holds a
+finished run of the same config) and writes ``table2.md`` (dev metrics, scheduling time,
 time training waited for batches, mean batch hardness vs random) and ``table2_loss.png`` (training
 loss curves, the paper's Figure 5) into --out.
 """
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from densepass.cli import run_guarded
-from densepass.config import load_config
+from densepass.config import from_dict, load_config
 from densepass.runs.experiment import run_experiment
 
 VARIANTS = {
@@ -25,6 +26,16 @@ VARIANTS = {
     "ABS-Encode": ["schedule.method=abs-greedy", "schedule.similarity=bm25-then-encoder"],
     "ABS-BeamSearch": ["schedule.method=abs-beam", "schedule.similarity=bm25-then-encoder", "schedule.beam_width=4"],
 }
+
+
+def finished(config) -> bool:
+    """Whether the variant's run directory holds a finished run of exactly this config."""
+    path = config.run_dir / "metrics.json"
+    if not path.is_file():
+        return False
+    stored = json.loads(path.read_text())
+    same = from_dict(type(config), stored["config"]) == config  # fields added since then take their defaults
+    return same and "fine-tuned" in stored["results"]
 
 
 def main() -> None:
@@ -42,9 +53,13 @@ def main() -> None:
             continue
         slug = label.lower()
         config = load_config(args.config, [*args.set, *overrides, f"name={slug}"])
-        results = run_experiment(config)["fine-tuned"]
         run_dir = config.run_dir
+        if finished(config):
+            print(f"{label}: finished earlier with the same config, reusing {run_dir / 'metrics.json'}")
+        else:
+            run_experiment(config)
         metrics = json.loads((run_dir / "metrics.json").read_text())
+        results = metrics["results"]["fine-tuned"]
         log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
         curves[label] = ([r["step"] for r in log], [r["loss"] for r in log])
         schedule = run_dir / "schedule_log.jsonl"

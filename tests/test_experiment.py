@@ -63,3 +63,14 @@ def test_rerank_mode_and_answer_accuracy(tiny_beir, tiny_model_dir, tmp_path):
 def test_bad_baseline_name(tiny_beir, tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="unknown baseline"):
         run_experiment(tiny_config(tiny_beir, tiny_model_dir, tmp_path, "eval.baselines=[bm26]"))
+
+
+def test_abs_run_logs_the_schedule_of_every_epoch(tiny_beir, tiny_model_dir, tmp_path):
+    """The last epoch's scheduling statistics are written too (the trainer lets the planner finish)."""
+    config = tiny_config(tiny_beir, tiny_model_dir, tmp_path, "schedule.method=abs-greedy",
+                         "schedule.similarity=bm25-then-encoder", "negatives.source=none", "negatives.per_query=0",
+                         "eval.baselines=[]")
+    run_experiment(config)
+    log = [json.loads(line) for line in (tmp_path / "t" / "schedule_log.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["similarity"]) for r in log] == [(0, "bm25"), (1, "encoder")]
+    assert all(r["mean_hardness"] >= r["random_mean_hardness"] for r in log)

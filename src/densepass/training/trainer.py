@@ -150,10 +150,12 @@ def train(
         """(epoch, index, members) of the batches still to train on in ``epoch``."""
         done_in_epoch, remaining = step - epoch * steps_per_epoch, total - step
         for index, members in enumerate(planner(epoch)):
+            if index >= steps_per_epoch:
+                continue  # a partial batch past the epoch's steps, drawn so that the planner ends its epoch
             if remaining == 0:
-                break
-            if index < done_in_epoch or index >= steps_per_epoch:
-                continue  # trained on before a resume; or a partial batch past the epoch's steps
+                break  # max_steps ends training inside the epoch
+            if index < done_in_epoch:
+                continue  # trained on before a resume
             if world > 1:  # every process trains on rank 0's batch (schedules may differ in the last bits)
                 members = distributed.broadcast_object(list(members))
             remaining -= 1
