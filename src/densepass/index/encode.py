@@ -110,7 +110,8 @@ def encode_texts(
 
     encoded = torch.empty((len(texts), model.dim), dtype=torch.float32, device=device)  # rows in `placed` order
     placed, filled = np.empty(len(texts), dtype=np.int64), 0
-    progress = tqdm(total=len(texts), desc=f"encode {side}s", disable=not show_progress, dynamic_ncols=True)
+    label = {"query": "queries", "passage": "passages"}.get(side, side)
+    progress = tqdm(total=len(texts), desc=f"encode {label}", disable=not show_progress, dynamic_ncols=True)
     with torch.inference_mode(), attention_kernels(device):
         for batches in prefetched(chunks, prepare):
             for rows, ids, mask in batches:
