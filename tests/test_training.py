@@ -188,6 +188,23 @@ def test_training_lowers_loss_and_resume_is_exact(tiny_model_dir, tiny_beir, tmp
     torch.testing.assert_close(_params(resumed), _params(full), rtol=1e-5, atol=1e-6)
 
 
+def test_logged_loss_is_the_mean_since_the_previous_record(tiny_model_dir, tiny_beir, tmp_path):
+    import json
+
+    data = make_data(tiny_beir)
+
+    def logged(log_every):
+        result = train(BiEncoder.from_pretrained(str(tiny_model_dir)), data, _config(log_every=log_every),
+                       tmp_path / f"every-{log_every}", CPU)
+        return [json.loads(line) for line in result.log_path.read_text().splitlines()]
+
+    per_step = [r["loss"] for r in logged(1)]
+    coarse = logged(4)
+    assert [r["step"] for r in coarse] == [4, 8, 10]
+    expected = [sum(per_step[0:4]) / 4, sum(per_step[4:8]) / 4, sum(per_step[8:10]) / 2]
+    assert [r["loss"] for r in coarse] == pytest.approx(expected, rel=1e-5)
+
+
 def _train_worker(rank, world, port, model_dir, beir_dir, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -136,6 +136,7 @@ def train(
     if step == 0 and rank == 0:
         log_path.unlink(missing_ok=True)
     loss, seen, started = torch.tensor(float("nan")), 0, time.perf_counter()
+    interval_loss, interval_steps = torch.zeros((), device=device), 0  # summed on the device: no sync per step
     progress = tqdm(total=total, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
     # batches are collated and tokenised one step ahead in a worker thread, with its own tokenizer
     tokenizer, pin = copy.deepcopy(model.tokenizer), device.type == "cuda"
@@ -173,9 +174,13 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             step += 1
             seen += len(members)
+            interval_loss += loss.detach()
+            interval_steps += 1
             progress.update(1)
             if step % config.log_every == 0 or step == total:  # reading the loss waits for the GPU
-                loss_value = loss.item()
+                loss_value = interval_loss.item() / interval_steps  # mean over the steps since the last record
+                interval_loss.zero_()
+                interval_steps = 0
                 progress.set_postfix(loss=f"{loss_value:.4f}")
                 if rank == 0:
                     record = {"step": step, "epoch": epoch, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
