@@ -8,6 +8,7 @@ Kendall's tau between its ordering of the checkpoints and the full corpus's orde
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,9 +125,15 @@ def run_study(
 
 
 def write_study(rows: list[StudyRow], checkpoints: list[Path], metric: str, out_dir: Path) -> None:
-    """``study.md`` (table) and ``study.png`` (metric against index size, log scale)."""
+    """``study.md`` (table), ``study.json`` (the same numbers) and ``study.png`` (metric against index
+    size on a log axis: per checkpoint, a solid line C0 -> R_r -> C and a dashed one C0 -> H_k -> C)."""
     full = rows[-1]
     names = [checkpoint_name(p) for p in checkpoints]
+    record = {"metric": metric, "checkpoints": [str(p) for p in checkpoints], "names": names,
+              "rows": [{"subcorpus": r.subcorpus.label, "kind": r.subcorpus.kind, "passages": len(r.subcorpus),
+                        "provenance": r.subcorpus.provenance, "seconds": r.seconds, "kendall_tau": r.tau,
+                        "scores": r.scores} for r in rows]}
+    atomic_write_text(out_dir / "study.json", json.dumps(record, indent=2))
     header = "| subcorpus | passages | % of C | encode+search s | % of C's time | Kendall tau | " + " | ".join(names) + " |"
     lines = [header, "|---|" + "---:|" * (5 + len(names))]
     for row in rows:
@@ -142,12 +149,19 @@ def write_study(rows: list[StudyRow], checkpoints: list[Path], metric: str, out_
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    sizes = [len(r.subcorpus) for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    families = {kind: sorted((r for r in rows if r.subcorpus.kind in ("gold", kind, "full")), key=lambda r: len(r.subcorpus))
+                for kind in ("random", "hard")}
     for j, name in enumerate(names):
-        ax.plot(sizes, [r.scores[j] for r in rows], marker="o", label=name, linewidth=1)
+        color = f"C{j % 10}"
+        for kind, style in (("random", "-"), ("hard", "--")):
+            family = families[kind]
+            ax.plot([len(r.subcorpus) for r in family], [r.scores[j] for r in family], style, marker="o",
+                    color=color, linewidth=1, markersize=3, label=name if kind == "random" else None)
     for r in rows:
-        ax.annotate(r.subcorpus.label, (len(r.subcorpus), r.scores[0]), fontsize=7)
+        ax.annotate(r.subcorpus.label, (len(r.subcorpus), max(r.scores)), fontsize=7, xytext=(0, 4),
+                    textcoords="offset points", ha="center")
+    ax.set_title("solid: C0 -> R_r -> C (random), dashed: C0 -> H_k -> C (hard)", fontsize=9)
     ax.set_xscale("log")
     ax.set_xlabel("index size (passages, log scale)")
     ax.set_ylabel(metric)
