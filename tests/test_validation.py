@@ -120,7 +120,7 @@ def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path):
     assert len(full) == max(len(rows[0].subcorpus), round(0.5 * len(dataset.corpus)))
     assert all(set(row.subcorpus.ids) <= set(full.ids) for row in rows)
     assert len(rows[1].subcorpus) == max(len(rows[0].subcorpus), round(0.5 * len(full)))
-    with pytest.raises(ConfigError, match=r"r must be in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"corpus fraction must be in \(0, 1\]"):
         run_study(dataset, expand_checkpoints(paths), "dev", [], [], "bm25", "mrr@10", None, 0,
                   tmp_path / "study-bad", corpus_fraction=1.5)
 

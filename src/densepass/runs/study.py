@@ -94,6 +94,8 @@ def run_study(
     corpus = dataset.corpus
     full_provenance: dict = {"passages_in_dataset": len(corpus)}
     if corpus_fraction is not None:
+        if not 0 < corpus_fraction <= 1:
+            raise ConfigError(f"corpus fraction must be in (0, 1], got {corpus_fraction}")
         stand_in = random_subcorpus(corpus, qrels, corpus_fraction, seed)
         corpus = corpus.subset([corpus.position(p) for p in stand_in.ids])
         full_provenance.update(stand_in.provenance, stand_in_for_full_corpus=True)

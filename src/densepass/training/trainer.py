@@ -65,9 +65,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("-")[1])
+
+
 def _checkpoints(run_dir: Path) -> list[Path]:
     found = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "trainer_state.pt").is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    return sorted(found, key=_step_of)
 
 
 def planned_steps(steps_per_epoch: int, config: TrainConfig) -> int:
@@ -79,7 +83,7 @@ def planned_steps(steps_per_epoch: int, config: TrainConfig) -> int:
 def resume_step(run_dir: Path) -> int:
     """The step ``train`` will resume from in ``run_dir`` (0 for a fresh run)."""
     existing = _checkpoints(run_dir)
-    return int(existing[-1].name.split("-")[1]) if existing else 0
+    return _step_of(existing[-1]) if existing else 0
 
 
 def save_checkpoint(model: BiEncoder, optimizer, scheduler, step: int, run_dir: Path, keep: int) -> Path:
