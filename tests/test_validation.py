@@ -17,6 +17,8 @@ from densepass.evaluation.subcorpus import (
     hard_subcorpus,
     random_subcorpus,
 )
+from densepass.evaluation.metrics import evaluate_run, make_run
+from densepass.index.retrieve import dense_retrieve
 from densepass.models.biencoder import BiEncoder
 from densepass.runs.study import checkpoint_name, expand_checkpoints, ordering_agreement, run_study
 from densepass.runs.validation import Validator
@@ -107,6 +109,18 @@ def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path):
         paths.append(str(tmp_path / f"m{i}"))
     rows = run_study(dataset, expand_checkpoints(paths), "dev", [0.5], [2], "bm25", "mrr@10", None, 0, tmp_path / "study")
     assert [r.subcorpus.label for r in rows] == ["C0", "R_0.5", "H_2", "C"]
+    # Reference: each checkpoint evaluated on each subcorpus encoded on its own (the study slices C's embeddings).
+    qrels = {q: r for q, r in dataset.split("dev").items() if any(g > 0 for g in r.values())}
+    texts = [dataset.queries[q] for q in qrels]
+    for j, path in enumerate(paths):
+        model = BiEncoder.from_pretrained(path)
+        for row in rows:
+            passages = dataset.corpus.subset([dataset.corpus.position(p) for p in row.subcorpus.ids])
+            top, hits = dense_retrieve(model, texts, passages.passage_inputs(model.tokenizer.sep_token), 100)
+            direct = evaluate_run(qrels, make_run(list(qrels), passages.ids, top, hits), ["mrr@10"])["mrr@10"]
+            assert row.scores[j] == pytest.approx(direct, abs=1e-9)
+    assert all(r.seconds > 0 for r in rows)
+    assert json.loads((tmp_path / "study" / "study.json").read_text())["direct_vs_sliced_max_diff"] < 1e-9
     assert rows[-1].tau == pytest.approx(1.0) or np.isnan(rows[-1].tau)
     assert (tmp_path / "study" / "study.md").is_file() and (tmp_path / "study" / "study.png").is_file()
     with pytest.raises(ConfigError, match="at least 2"):
