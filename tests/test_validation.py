@@ -95,7 +95,7 @@ def test_best_checkpoint_is_the_argmax(data, tiny_model_dir, tmp_path, monkeypat
     assert [r["step"] for r in log] == [2, 4, 6, 8] and log[0]["subcorpus"] == "R_0.5"
 
 
-def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path):
+def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path, monkeypatch):
     dataset, _ = data
     import torch
 
@@ -121,6 +121,17 @@ def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path):
             assert row.scores[j] == pytest.approx(direct, abs=1e-9)
     assert all(r.seconds > 0 for r in rows)
     assert json.loads((tmp_path / "study" / "study.json").read_text())["direct_vs_sliced_max_diff"] < 1e-9
+
+    # Resuming: saved checkpoint results are reused, not recomputed; a reordered list recomputes the new first one.
+    import densepass.runs.study as study
+
+    evaluated = []
+    original = study._evaluate_checkpoint
+    monkeypatch.setattr(study, "_evaluate_checkpoint", lambda path, *a, **kw: evaluated.append(path) or original(path, *a, **kw))
+    again = run_study(dataset, expand_checkpoints(paths), "dev", [0.5], [2], "bm25", "mrr@10", None, 0, tmp_path / "study")
+    assert evaluated == [] and [r.scores for r in again] == [r.scores for r in rows]
+    run_study(dataset, expand_checkpoints(paths[::-1]), "dev", [0.5], [2], "bm25", "mrr@10", None, 0, tmp_path / "study")
+    assert [p.name for p in evaluated] == ["m2", "m0"]  # m1 kept its position, so its saved result is reused
     assert rows[-1].tau == pytest.approx(1.0) or np.isnan(rows[-1].tau)
     assert (tmp_path / "study" / "study.md").is_file() and (tmp_path / "study" / "study.png").is_file()
     with pytest.raises(ConfigError, match="at least 2"):

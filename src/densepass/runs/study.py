@@ -9,11 +9,13 @@ A passage's embedding does not depend on which corpus it sits in, so each checkp
 every subcorpus is searched over its rows of C's embeddings: the study costs one corpus encoding per
 checkpoint. What a subcorpus would cost on its own is measured the way validation would pay it, by
 encoding that subcorpus alone and searching it, with the first checkpoint; that run's metric is also
-compared with the sliced one (``direct_vs_sliced_max_diff`` in ``study.json``).
+compared with the sliced one (``direct_vs_sliced_max_diff`` in ``study.json``). Each checkpoint's
+results are saved as it finishes (``checkpoints/`` in the output), so an interrupted study resumes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -116,36 +118,56 @@ def run_study(
     for sub in subcorpora:
         sub.save(out_dir / f"subcorpus-{sub.label}.json")
     positions = [np.array([corpus.position(p) for p in sub.ids]) for sub in subcorpora]
-    scores = np.zeros((len(subcorpora), len(checkpoints)))
-    seconds = np.zeros(len(subcorpora))
-    direct_diff = 0.0
+    key = hashlib.sha1(json.dumps([metric, list(qrels), [sub.ids for sub in subcorpora]]).encode()).hexdigest()
+    results = []
+    for j, path in enumerate(checkpoints):  # one result file per checkpoint: an interrupted study resumes
+        cache = out_dir / "checkpoints" / f"{j:02d}-{checkpoint_name(path)}.json"
+        identity = {"key": key, "checkpoint": str(path.resolve()), "timed": j == 0}
+        record = json.loads(cache.read_text()) if cache.is_file() else {}
+        if {k: record.get(k) for k in identity} != identity:
+            record = {**identity, **_evaluate_checkpoint(path, corpus, subcorpora, positions, qrels, texts, metric,
+                                                         timed=j == 0)}
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(cache, json.dumps(record))
+        results.append(record)
+    scores = np.array([r["scores"] for r in results]).T  # [subcorpus, checkpoint]
+    seconds, direct_diff = results[0]["seconds"], results[0]["direct_vs_sliced_max_diff"]
+    full = scores[-1].tolist()
+    rows_out = [StudyRow(sub, scores[i].tolist(), seconds[i], ordering_agreement(scores[i].tolist(), full))
+                for i, sub in enumerate(subcorpora)]
+    write_study(rows_out, checkpoints, metric, out_dir, direct_diff)
+    return rows_out
+
+
+def _evaluate_checkpoint(path: Path, corpus, subcorpora: list[Subcorpus], positions: list[np.ndarray], qrels,
+                         texts: list[str], metric: str, timed: bool) -> dict:
+    """The metric on every subcorpus from one encoding of C (rows sliced per subcorpus); if ``timed``,
+    also each subcorpus's encode+search time on its own and the largest direct-vs-sliced difference."""
+    model = BiEncoder.from_pretrained(str(path))
+    sep = model.tokenizer.sep_token or " "
 
     def score(top: np.ndarray, rows: np.ndarray, ids: list[str]) -> float:
         return evaluate_run(qrels, make_run(list(qrels), ids, top, rows), [metric])[metric]
 
-    for j, path in enumerate(checkpoints):
-        model = BiEncoder.from_pretrained(str(path))
-        sep = model.tokenizer.sep_token or " "
-        started = time.perf_counter()
-        passage_emb = encode_texts(model, corpus.passage_inputs(sep), "passage")
-        query_emb = encode_texts(model, texts, "query", show_progress=False)
-        for i, sub in enumerate(subcorpora):
-            top, rows = search_embeddings(query_emb, passage_emb[positions[i]], 100)
-            scores[i, j] = score(top, rows, sub.ids)
-            if j == 0 and sub.kind == "full":
-                seconds[i] = time.perf_counter() - started
-        if j == 0:  # each subcorpus's own cost, and a check that slicing C's embeddings changes nothing
-            for i, sub in enumerate(subcorpora[:-1]):
-                passages = corpus.subset(positions[i].tolist())
-                started = time.perf_counter()
-                top, rows = dense_retrieve(model, texts, passages.passage_inputs(sep), 100)
-                seconds[i] = time.perf_counter() - started
-                direct_diff = max(direct_diff, abs(score(top, rows, sub.ids) - scores[i, j]))
-    full = scores[-1].tolist()
-    rows_out = [StudyRow(sub, scores[i].tolist(), float(seconds[i]), ordering_agreement(scores[i].tolist(), full))
-                for i, sub in enumerate(subcorpora)]
-    write_study(rows_out, checkpoints, metric, out_dir, direct_diff)
-    return rows_out
+    started = time.perf_counter()
+    passage_emb = encode_texts(model, corpus.passage_inputs(sep), "passage")
+    query_emb = encode_texts(model, texts, "query", show_progress=False)
+    scores = []
+    for i, sub in enumerate(subcorpora):
+        top, rows = search_embeddings(query_emb, passage_emb[positions[i]], 100)
+        scores.append(score(top, rows, sub.ids))
+    full_seconds = time.perf_counter() - started  # C's encode + search (the sliced searches are milliseconds)
+    record: dict = {"scores": scores}
+    if timed:
+        seconds, diff = [], 0.0
+        for i, sub in enumerate(subcorpora[:-1]):  # the last subcorpus is C itself, timed above
+            passages = corpus.subset(positions[i].tolist())
+            begun = time.perf_counter()
+            top, rows = dense_retrieve(model, texts, passages.passage_inputs(sep), 100)
+            seconds.append(time.perf_counter() - begun)
+            diff = max(diff, abs(score(top, rows, sub.ids) - scores[i]))
+        record.update(seconds=[*seconds, full_seconds], direct_vs_sliced_max_diff=diff)
+    return record
 
 
 def write_study(rows: list[StudyRow], checkpoints: list[Path], metric: str, out_dir: Path, direct_diff: float) -> None:
