@@ -1,5 +1,5 @@
-"""ABS scheduling time and batch hardness: exact running-sum greedy (densepass) against a naive
-matrix greedy, the paper's top-100 restricted variant, TAS-style topic clusters and random batches.
+"""ABS scheduling time and batch hardness: exact running-sum greedy (densepass), one batch at a time
+and many batches at once, against a naive matrix greedy, the paper's top-100 restricted variant, TAS-style topic clusters and random batches.
 
     python benchmarks/bench_abs.py --sizes 10000 --batch-sizes 64            # CPU
     python benchmarks/bench_abs.py --sizes 10000 100000 500000 --batch-sizes 64 128 --bm25 \
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from densepass.scheduling.baselines import clustered_batches, random_batches
+from densepass.scheduling.concurrent import iter_concurrent_batches
 from densepass.scheduling.greedy import iter_batches, neighbour_lists
 from densepass.scheduling.planner import mean_hardness
 from densepass.scheduling.pool import Pool
@@ -100,8 +101,13 @@ def bench(sim: BilinearSimilarity, label: str, b: int, args, dense: np.ndarray |
         t = time.perf_counter()
         clustered = clustered_batches(dense, b, max(2, n // (4 * b)), seed=0, epoch=0)
         row("topic clusters (k-means)", n, b, clustered, time.perf_counter() - t, True, sim, random_h, total)
-    batches, sec, done = timed(iter_batches, sim, b, seed=0, limit=args.time_limit, total_batches=total)
-    row(f"**ABS exact greedy (densepass)** {label}", n, b, batches, sec, done, sim, random_h, total)
+    if not args.skip_sequential:
+        batches, sec, done = timed(iter_batches, sim, b, seed=0, limit=args.time_limit, total_batches=total)
+        row(f"**ABS exact greedy (densepass)** {label}", n, b, batches, sec, done, sim, random_h, total)
+    for slots in args.concurrent:
+        batches, sec, done = timed(iter_concurrent_batches, sim, b, slots, seed=0, limit=args.time_limit,
+                                   total_batches=total)
+        row(f"**ABS greedy, {slots} batches at once (densepass)** {label}", n, b, batches, sec, done, sim, random_h, total)
     if not sim.sparse and n <= args.restricted_max:
         t = time.perf_counter()
         neighbours = neighbour_lists(sim, 100)
@@ -127,6 +133,9 @@ def main() -> None:
     parser.add_argument("--restricted-max", type=int, default=100_000)
     parser.add_argument("--beam-max", type=int, default=10_000)
     parser.add_argument("--time-limit", type=float, default=120.0)
+    parser.add_argument("--concurrent", type=int, nargs="*", default=[64],
+                        help="batches grown at once (scheduling/concurrent.py), one row each")
+    parser.add_argument("--skip-sequential", action="store_true", help="leave out the one-batch-at-a-time greedy")
     parser.add_argument("--bm25", action="store_true", help="also schedule debian-packages train with BM25")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()

@@ -15,6 +15,7 @@ from densepass.data import load_dataset
 from densepass.errors import ConfigError
 from densepass.models.biencoder import BiEncoder
 from densepass.scheduling.baselines import clustered_batches, random_batches, sequential_batches
+from densepass.scheduling.concurrent import iter_concurrent_batches
 from densepass.scheduling.conflicts import build_conflicts
 from densepass.scheduling.greedy import neighbour_lists, schedule_batches
 from densepass.scheduling.planner import EpochPlanner, mean_hardness
@@ -46,13 +47,8 @@ def test_fast_scheduler_equals_reference(n, batch, dim, beam, seed, sparse):
     """Same batches, in the same order. Entries are small integers, so float64 arithmetic is exact
     in both implementations and the many ties must be broken identically (first position/index)."""
     rng = np.random.default_rng(seed)
-    if sparse:  # BM25-like: non-negative, mostly zero
-        q = sp.csr_matrix(rng.integers(0, 4, size=(n, 3 * dim)) * (rng.random((n, 3 * dim)) < 0.3))
-        p = sp.csr_matrix(rng.integers(0, 4, size=(n, 3 * dim)) * (rng.random((n, 3 * dim)) < 0.3))
-    else:
-        q, p = rng.integers(-3, 4, size=(n, dim)), rng.integers(-3, 4, size=(n, dim))
     batch = min(batch, n)
-    sim = BilinearSimilarity(q, p, dtype=torch.float64)
+    sim = BilinearSimilarity(*random_instances(rng, n, dim, sparse), dtype=torch.float64)
     conflicts = random_conflicts(rng, n, n // 4)
     fast = schedule_batches(sim, batch, conflicts=conflicts, seed=seed, beam_width=beam)
     slow = reference_schedule(sim.dense_matrix(), batch, conflicts=conflicts, seed=seed, beam_width=beam)
@@ -62,6 +58,49 @@ def test_fast_scheduler_equals_reference(n, batch, dim, beam, seed, sparse):
     for b in fast:
         assert not any(j in conflicts[i] for i in b for j in b)
     assert mean_hardness(sim, fast) == pytest.approx(np.mean([batch_hardness(S, b) for b in fast]))
+
+
+def random_instances(rng, n, dim, sparse):
+    """Small-integer Q, P (exact in float64, so ties are many and must be broken identically)."""
+    if sparse:  # BM25-like: non-negative, mostly zero
+        q = sp.csr_matrix(rng.integers(0, 4, size=(n, 3 * dim)) * (rng.random((n, 3 * dim)) < 0.3))
+        p = sp.csr_matrix(rng.integers(0, 4, size=(n, 3 * dim)) * (rng.random((n, 3 * dim)) < 0.3))
+        return q, p
+    return rng.integers(-3, 4, size=(n, dim)), rng.integers(-3, 4, size=(n, dim))
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(6, 40), batch=st.integers(2, 6), dim=st.integers(1, 6), slots=st.integers(1, 5),
+       seed=st.integers(0, 1000), sparse=st.booleans())
+def test_concurrent_scheduler(n, batch, dim, slots, seed, sparse):
+    """One slot: the reference greedy, batch for batch. Several: still a partition without conflicts."""
+    rng = np.random.default_rng(seed)
+    sim = BilinearSimilarity(*random_instances(rng, n, dim, sparse), dtype=torch.float64)
+    batch = min(batch, n)
+    conflicts = random_conflicts(rng, n, n // 4)
+    one = list(iter_concurrent_batches(sim, batch, 1, conflicts=conflicts, seed=seed))
+    assert one == reference_schedule(sim.dense_matrix(), batch, conflicts=conflicts, seed=seed)
+    many = list(iter_concurrent_batches(sim, batch, slots, conflicts=conflicts, seed=seed))
+    assert covers_once(many, n)
+    for b in many:
+        assert not any(j in conflicts[i] for i in b for j in b)
+
+
+def test_concurrent_batches_keep_the_hardness():
+    """On topic-clustered data, 8 batches grown at once are about as hard as one at a time."""
+    rng = np.random.default_rng(0)
+    centers = rng.normal(size=(8, 16))
+    labels = rng.integers(0, 8, size=400)
+    q = centers[labels] + 0.5 * rng.normal(size=(400, 16))
+    p = centers[labels] + 0.5 * rng.normal(size=(400, 16))
+    sim = BilinearSimilarity(q, p)
+    sequential = schedule_batches(sim, 16, seed=0)
+    concurrent = list(iter_concurrent_batches(sim, 16, 8, seed=0))
+    assert covers_once(concurrent, 400)
+    assert mean_hardness(sim, concurrent) >= 0.95 * mean_hardness(sim, sequential)
+    assert mean_hardness(sim, concurrent) > 2 * mean_hardness(sim, random_batches(400, 16, 0, 0))
+    with pytest.raises(ConfigError, match="concurrent batches must be >= 1"):
+        list(iter_concurrent_batches(sim, 16, 0))
 
 
 def test_scheduled_batches_are_harder_than_random():
@@ -126,6 +165,11 @@ def test_bad_configurations():
         neighbour_lists(BilinearSimilarity(sp.csr_matrix(np.eye(3)), sp.csr_matrix(np.eye(3))), 2)
     with pytest.raises(ConfigError, match="batch size"):
         sequential_batches(3, 4)
+    for bad, match in [(ScheduleConfig(method="abs-greedy", concurrent_batches=0), "concurrent_batches must be >= 1"),
+                       (ScheduleConfig(method="abs-beam", concurrent_batches=4), "not abs-beam"),
+                       (ScheduleConfig(method="abs-greedy", concurrent_batches=4, restrict_top_k=100), "restrict_top_k")]:
+        with pytest.raises(ConfigError, match=match):
+            EpochPlanner(bad, 4, 0, data=None, model=None, device=torch.device("cpu"))
 
 
 def test_baselines():
@@ -150,9 +194,11 @@ def debian_subset():
     return dataset, TrainingData(dataset, "train", "[SEP]", query_ids=qids)
 
 
-def test_no_false_negatives_share_a_batch_on_real_data(debian_subset, tiny_model_dir):
+@pytest.mark.parametrize("concurrent", [1, 8])
+def test_no_false_negatives_share_a_batch_on_real_data(debian_subset, tiny_model_dir, concurrent):
     dataset, data = debian_subset
-    planner = EpochPlanner(ScheduleConfig(method="abs-greedy", similarity="bm25", background=False),
+    config = ScheduleConfig(method="abs-greedy", similarity="bm25", background=False, concurrent_batches=concurrent)
+    planner = EpochPlanner(config,
                            batch_size=32, seed=0, data=data, model=BiEncoder.from_pretrained(str(tiny_model_dir)),
                            device=torch.device("cpu"))
     batches = list(planner(0))
@@ -175,12 +221,14 @@ def test_no_false_negatives_share_a_batch_on_real_data(debian_subset, tiny_model
     assert shared_positive_pairs > 0
 
 
-@pytest.mark.parametrize("method", ["abs-greedy", "abs-beam", "clustered", "random", "sequential"])
-def test_planner_delivers_each_instance_once(tiny_beir, tiny_model_dir, tmp_path, method):
+@pytest.mark.parametrize("method,concurrent", [("abs-greedy", 1), ("abs-greedy", 3), ("abs-beam", 1),
+                                               ("clustered", 1), ("random", 1), ("sequential", 1)])
+def test_planner_delivers_each_instance_once(tiny_beir, tiny_model_dir, tmp_path, method, concurrent):
     dataset = load_dataset(str(tiny_beir))
     data = TrainingData(dataset, "train", "[SEP]")
     model = BiEncoder.from_pretrained(str(tiny_model_dir))
-    config = ScheduleConfig(method=method, similarity="bm25-then-encoder", background=True, clusters=3)
+    config = ScheduleConfig(method=method, similarity="bm25-then-encoder", background=True, clusters=3,
+                            concurrent_batches=concurrent)
     planner = EpochPlanner(config, 4, 0, data, model, torch.device("cpu"), tmp_path / "schedule.jsonl")
     try:
         epochs = [list(planner(epoch)) for epoch in (0, 1)]

@@ -113,6 +113,9 @@ class ScheduleConfig:
     clusters: int = 64  # for method=clustered (TAS-style topic batches)
     background: bool = True  # schedule in a separate process while training runs
     max_swaps: int | None = None  # per batch; None = 4 x batch size
+    # abs-greedy: batches grown at once, sharing each pass over the pool (scheduling/concurrent.py);
+    # 1 = the sequential greedy of eq. 3-4, larger = far fewer passes (the GPU-scale setting).
+    concurrent_batches: int = 1
 
 
 @dataclass

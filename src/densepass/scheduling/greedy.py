@@ -33,7 +33,7 @@ from densepass.scheduling.pool import Pool, pack_remainder
 from densepass.scheduling.similarity import BilinearSimilarity
 
 
-class _ActiveRows:
+class ActiveRows:
     """The pool's rows as a compact matrix, rebuilt when half of it has been scheduled, so each
     product runs over the instances still in U rather than all N."""
 
@@ -42,6 +42,13 @@ class _ActiveRows:
         self.matrix = sim.rows_matrix(self.ids)
         self.position = torch.full((sim.n,), -1, dtype=torch.long, device=sim.device)
         self.position[self.ids] = torch.arange(len(ids), device=sim.device)
+
+
+def check_schedule_args(sim: BilinearSimilarity, batch_size: int) -> None:
+    if batch_size < 1:
+        raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+    if batch_size > sim.n:
+        raise ConfigError(f"batch size {batch_size} is larger than the pool of {sim.n} instances")
 
 
 def iter_batches(
@@ -55,10 +62,7 @@ def iter_batches(
 ) -> Iterator[list[int]]:
     """Yield batches (lists of instance indices) covering every instance exactly once."""
     n = sim.n
-    if batch_size < 1:
-        raise ConfigError(f"batch size must be >= 1, got {batch_size}")
-    if batch_size > n:
-        raise ConfigError(f"batch size {batch_size} is larger than the pool of {n} instances")
+    check_schedule_args(sim, batch_size)
     if beam_width < 1:
         raise ConfigError(f"beam width must be >= 1, got {beam_width}")
     if neighbours is not None and len(neighbours) != n:
@@ -72,7 +76,7 @@ def iter_batches(
     conflict_idx = [torch.as_tensor(c, dtype=torch.long, device=device) for c in conflicts]
     neighbour_t = torch.as_tensor(neighbours, dtype=torch.long, device=device) if neighbours is not None else None
     neg_inf = torch.tensor(float("-inf"), dtype=sim.dtype, device=device)
-    active = _ActiveRows(sim, pool.ids())
+    active = ActiveRows(sim, pool.ids())
 
     def best_addition(reduced: torch.Tensor, removed: int, members: list[int], pool_gains: torch.Tensor | None = None
                       ) -> tuple[int, torch.Tensor] | None:
@@ -102,7 +106,7 @@ def iter_batches(
 
     while pool.remaining > batch_size:
         if pool.remaining < len(active.ids) // 2:
-            active = _ActiveRows(sim, pool.ids())
+            active = ActiveRows(sim, pool.ids())
         members = pool.seed_batch(batch_size, conflicts)
         for m in members:
             available[m] = False
@@ -140,7 +144,7 @@ def iter_batches(
     yield from pack_remainder(pool.ids().tolist(), batch_size, conflicts)
 
 
-def _positions(candidates: torch.Tensor, ids: torch.Tensor, active: _ActiveRows | None) -> torch.Tensor:
+def _positions(candidates: torch.Tensor, ids: torch.Tensor, active: ActiveRows | None) -> torch.Tensor:
     """Where each of ``ids`` sits in ``candidates`` (-1 when absent)."""
     if active is not None:
         return active.position[ids]

@@ -24,6 +24,7 @@ from densepass.errors import ConfigError
 from densepass.index.encode import encode_texts
 from densepass.models.biencoder import BiEncoder
 from densepass.scheduling.baselines import clustered_batches, random_batches, sequential_batches
+from densepass.scheduling.concurrent import iter_concurrent_batches
 from densepass.scheduling.conflicts import build_conflicts
 from densepass.scheduling.greedy import iter_batches, neighbour_lists
 from densepass.scheduling.similarity import BilinearSimilarity, bm25_instance_matrices
@@ -39,14 +40,19 @@ def mean_hardness(sim: BilinearSimilarity, batches: list[list[int]]) -> float:
     return float(np.mean(values)) if values else 0.0
 
 
-def _schedule_epoch(queue, queries, passages, device, batch_size, conflicts, seed, beam_width, restrict, max_swaps):
+def _schedule_epoch(queue, queries, passages, device, batch_size, conflicts, seed, beam_width, restrict, max_swaps,
+                    concurrent):
     """Build the similarity, stream one epoch's batches into ``queue``, then its statistics."""
     started = time.perf_counter()
     sim = BilinearSimilarity(queries, passages, device=device)
-    neighbours = neighbour_lists(sim, restrict) if restrict else None
+    if concurrent > 1:
+        scheduled = iter_concurrent_batches(sim, batch_size, concurrent, conflicts=conflicts, seed=seed,
+                                            max_swaps=max_swaps)
+    else:
+        scheduled = iter_batches(sim, batch_size, conflicts=conflicts, seed=seed, beam_width=beam_width,
+                                 neighbours=neighbour_lists(sim, restrict) if restrict else None, max_swaps=max_swaps)
     batches = []
-    for batch in iter_batches(sim, batch_size, conflicts=conflicts, seed=seed, beam_width=beam_width,
-                              neighbours=neighbours, max_swaps=max_swaps):
+    for batch in scheduled:
         queue.put(batch)
         batches.append(batch)
     elapsed = time.perf_counter() - started
@@ -71,6 +77,11 @@ class EpochPlanner:
             raise ConfigError("schedule.beam_width must be >= 2 for abs-beam (1 is plain greedy)")
         if config.restrict_top_k is not None and config.restrict_top_k < 1:
             raise ConfigError("schedule.restrict_top_k must be >= 1")
+        if config.concurrent_batches < 1:
+            raise ConfigError("schedule.concurrent_batches must be >= 1")
+        if config.concurrent_batches > 1 and (config.method == "abs-beam" or config.restrict_top_k is not None):
+            raise ConfigError("schedule.concurrent_batches > 1 is for abs-greedy over the whole pool "
+                              "(not abs-beam or restrict_top_k)")
         if batch_size > len(data):
             raise ConfigError(f"batch size {batch_size} is larger than the {len(data)} training instances")
         self.config, self.batch_size, self.seed = config, batch_size, seed
@@ -124,7 +135,7 @@ class EpochPlanner:
         queries, passages = self._matrices(epoch)
         args = (str(self.device), self.batch_size, self.conflicts, self.seed + epoch,
                 self.config.beam_width if self.config.method == "abs-beam" else 1,
-                self.config.restrict_top_k, self.config.max_swaps)
+                self.config.restrict_top_k, self.config.max_swaps, self.config.concurrent_batches)
         waited = 0.0
         if self.config.background:
             jobs, results = self._worker()

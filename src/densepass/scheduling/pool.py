@@ -24,9 +24,10 @@ class Pool:
         self.alive[list(batch)] = False
         self.remaining -= len(batch)
 
-    def seed_batch(self, size: int, conflicts: Sequence[Sequence[int]]) -> list[int]:
-        """Up to ``size`` random pool members, no two in conflict (drawn in random order)."""
-        ids = self.ids()
+    def seed_batch(self, size: int, conflicts: Sequence[Sequence[int]], exclude: np.ndarray | None = None) -> list[int]:
+        """Up to ``size`` random pool members, no two in conflict (drawn in random order); ``exclude``
+        (a boolean mask over all instances) leaves out members of batches still being built."""
+        ids = self.ids() if exclude is None else np.flatnonzero(self.alive & ~exclude)
         order = ids[self.rng.permutation(len(ids))]
         chosen: list[int] = []
         blocked: set[int] = set()

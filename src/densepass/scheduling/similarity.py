@@ -55,12 +55,15 @@ class BilinearSimilarity:
 
     def row(self, i: int) -> torch.Tensor:
         """[Q_i, P_i] as a dense vector of length 2D."""
+        return self.dense_rows(torch.tensor([i], device=self.device))[0]
+
+    def dense_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[Q_i, P_i] for each of ``ids`` as a dense [k, 2D] matrix."""
         if self.sparse:
-            return torch.as_tensor(
-                np.concatenate([self._q_rows[i].toarray().ravel(), self._p_rows[i].toarray().ravel()]),
-                dtype=self.dtype, device=self.device,
-            )
-        return self.stacked[i]
+            idx = ids.cpu().numpy()
+            rows = sp.hstack([self._q_rows[idx], self._p_rows[idx]], format="csr").toarray()
+            return torch.as_tensor(rows, dtype=self.dtype, device=self.device)
+        return self.stacked[ids]
 
     def cross(self, sums: torch.Tensor, rows: torch.Tensor | None = None, matrix=None) -> torch.Tensor:
         """For each instance a: Q_a . (sum P) + P_a . (sum Q), given ``sums`` = [sum Q, sum P].

@@ -1,0 +1,154 @@
+"""Exact-step greedy ABS for many batches at once: one pass over the pool serves P batches.
+
+The sequential greedy (``greedy.py``) grows one batch at a time, and each of its swaps reads the whole
+pool for one matrix-vector product: memory-bound, with ~N/b x swaps passes over an N-row pool per
+epoch. Here P batches ("slots") grow together. Each round, for every open batch p with running sums
+s_p = [sum Q, sum P] (``similarity.py``):
+
+    G = [Q | P] [sum P; sum Q]_p  over the pool           c_p(d) = G[d, p] - 2 Q_d.P_d
+    r_p = argmin_{d in B_p} c_p(d)                        (eq. 3: the member whose removal hurts least)
+    G' = the same product with the sums of B_p - r_p      a_p = argmax_{allowed a} G'[a, p]   (eq. 4)
+
+that is, two matrix products over the pool with P columns (compute-bound, not memory-bound). Every batch
+whose best swap raises h(B_p) makes it, except that an instance wanted by several batches goes to the
+lowest slot; the others retry next round without it. A batch that stops improving (or reaches
+``max_swaps``) is emitted and its slot is seeded again from the pool.
+
+With P = 1 this is the sequential greedy step for step (tested against the literal reference). With
+P > 1 the batches compete for candidates, so the schedule differs; ``benchmarks/bench_abs.py`` reports
+its hardness beside the sequential greedy's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from densepass.errors import ConfigError
+from densepass.scheduling.greedy import ActiveRows, check_schedule_args
+from densepass.scheduling.pool import Pool, pack_remainder
+from densepass.scheduling.similarity import BilinearSimilarity
+
+
+class _ConflictCounts:
+    """``counts[s, x]``: how many members of the batch in slot s conflict with instance x, updated for
+    many (slot, instance) pairs at once from the conflict lists held as one flat index."""
+
+    def __init__(self, conflicts: Sequence[Sequence[int]], slots: int, n: int, device: torch.device) -> None:
+        sizes = torch.tensor([len(c) for c in conflicts], dtype=torch.long)
+        self.start = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)]).to(device)
+        self.flat = torch.tensor([j for c in conflicts for j in c], dtype=torch.long, device=device)
+        self.counts = torch.zeros((slots, n), dtype=torch.int32, device=device)
+
+    def add(self, slots: torch.Tensor, instances: torch.Tensor, sign: int) -> None:
+        """counts[s, x] += sign for every (s, i) pair and every x in conflicts[i]."""
+        sizes = self.start[instances + 1] - self.start[instances]
+        total = int(sizes.sum())
+        if total == 0:
+            return
+        rows = torch.repeat_interleave(slots, sizes)
+        first = torch.repeat_interleave(self.start[instances], sizes)
+        offset = torch.arange(total, device=sizes.device) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+        cols = self.flat[first + offset]
+        ones = torch.full((total,), sign, dtype=torch.int32, device=sizes.device)
+        self.counts.index_put_((rows, cols), ones, accumulate=True)
+
+
+def iter_concurrent_batches(
+    sim: BilinearSimilarity,
+    batch_size: int,
+    slots: int,
+    conflicts: Sequence[Sequence[int]] | None = None,
+    seed: int = 0,
+    max_swaps: int | None = None,
+) -> Iterator[list[int]]:
+    """Yield batches covering every instance exactly once, ``slots`` of them grown at a time."""
+    check_schedule_args(sim, batch_size)
+    if slots < 1:
+        raise ConfigError(f"concurrent batches must be >= 1, got {slots}")
+    n, device = sim.n, sim.device
+    conflicts = conflicts if conflicts is not None else [[] for _ in range(n)]
+    max_swaps = max_swaps if max_swaps is not None else 4 * batch_size
+    pool = Pool(n, seed)
+    available = torch.ones(n, dtype=torch.bool, device=device)  # in U and in no open batch
+    blocked = _ConflictCounts(conflicts, slots, n, device)
+    members = torch.zeros((slots, batch_size), dtype=torch.long, device=device)
+    valid = torch.zeros((slots, batch_size), dtype=torch.bool, device=device)  # a seed may be short (conflicts)
+    sums = torch.zeros((slots, 2 * sim.dim), dtype=sim.dtype, device=device)
+    swaps = [0] * slots
+    open_slots: list[int] = []
+    unassigned = n  # pool instances in no open batch
+    inf = torch.tensor(float("inf"), dtype=sim.dtype, device=device)
+    active = ActiveRows(sim, pool.ids())
+
+    def open_batch(slot: int) -> None:
+        nonlocal unassigned
+        seed_ids = pool.seed_batch(batch_size, conflicts, exclude=~available.cpu().numpy())
+        ids = torch.as_tensor(seed_ids, device=device)
+        members[slot].zero_()
+        valid[slot] = False
+        members[slot, : len(ids)], valid[slot, : len(ids)] = ids, True
+        sums[slot] = sim.sums(seed_ids)
+        available[ids] = False
+        blocked.add(torch.full_like(ids, slot), ids, +1)
+        swaps[slot] = 0
+        unassigned -= len(ids)
+        open_slots.append(slot)
+
+    def close_batch(slot: int) -> list[int]:
+        ids = members[slot][valid[slot]]
+        blocked.counts[slot].zero_()
+        open_slots.remove(slot)
+        pool.take(ids.tolist())
+        return ids.tolist()
+
+    for slot in range(slots):
+        if unassigned > batch_size:
+            open_batch(slot)
+    while open_slots:
+        if pool.remaining < len(active.ids) // 2:
+            active = ActiveRows(sim, pool.ids())
+        finished = [s for s in open_slots if swaps[s] >= max_swaps]
+        rows = [s for s in open_slots if swaps[s] < max_swaps]
+        if rows:
+            slot_t = torch.as_tensor(rows, device=device)
+            batch = members[slot_t]
+            full = sim.cross(sums[slot_t].T, matrix=active.matrix)  # [pool, k]
+            contrib = full.T.gather(1, active.position[batch].clamp(min=0)) - 2 * sim.self_sim[batch]
+            contrib = torch.where(valid[slot_t], contrib, inf)
+            removal_pos = torch.argmin(contrib, 1)  # eq. 3 (first on ties)
+            removed = batch.gather(1, removal_pos[:, None]).squeeze(1)
+            reduced = sums[slot_t] - sim.dense_rows(removed)
+            gains = sim.cross(reduced.T, matrix=active.matrix)  # [pool, k]: eq. 4 for B_p - r_p
+            blocked.add(slot_t, removed, -1)  # instances blocked only by r_p become allowed
+            allowed = available[active.ids][:, None] & (blocked.counts[slot_t][:, active.ids].T == 0)
+            gains = torch.where(allowed, gains, -inf)
+            addition_pos = torch.argmax(gains, 0)  # first on ties
+            best = gains.gather(0, addition_pos[None]).squeeze(0)
+            addition = active.ids[addition_pos]
+            delta = best - contrib.gather(1, removal_pos[:, None]).squeeze(1)
+            wants = torch.isfinite(best) & (delta > 0)
+            owner = torch.full((n,), slots, dtype=torch.long, device=device)
+            owner.scatter_reduce_(0, addition[wants], slot_t[wants], "amin")
+            wins = wants & (owner[addition] == slot_t)
+            keep = ~wins
+            blocked.add(slot_t[keep], removed[keep], +1)
+            if wins.any():
+                won = slot_t[wins]
+                members[won, removal_pos[wins]] = addition[wins]
+                sums[won] = reduced[wins] + sim.dense_rows(addition[wins])
+                available[removed[wins]] = True
+                available[addition[wins]] = False
+                blocked.add(won, addition[wins], +1)
+            for slot, won_swap, wanted in zip(rows, wins.tolist(), wants.tolist()):
+                if won_swap:
+                    swaps[slot] += 1
+                elif not wanted:
+                    finished.append(slot)
+        for slot in sorted(finished):
+            batch_ids = close_batch(slot)
+            yield batch_ids
+            if unassigned > batch_size:
+                open_batch(slot)
+    yield from pack_remainder(pool.ids().tolist(), batch_size, conflicts)
