@@ -132,6 +132,9 @@ def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path, monkeypatch):
     assert evaluated == [] and [r.scores for r in again] == [r.scores for r in rows]
     run_study(dataset, expand_checkpoints(paths[::-1]), "dev", [0.5], [2], "bm25", "mrr@10", None, 0, tmp_path / "study")
     assert [p.name for p in evaluated] == ["m2", "m0"]  # m1 kept its position, so its saved result is reused
+    (tmp_path / "study" / "checkpoints" / "01-m1.json").write_text("{not json")  # a damaged file is recomputed
+    run_study(dataset, expand_checkpoints(paths[::-1]), "dev", [0.5], [2], "bm25", "mrr@10", None, 0, tmp_path / "study")
+    assert [p.name for p in evaluated] == ["m2", "m0", "m1"]
     assert rows[-1].tau == pytest.approx(1.0) or np.isnan(rows[-1].tau)
     assert (tmp_path / "study" / "study.md").is_file() and (tmp_path / "study" / "study.png").is_file()
     with pytest.raises(ConfigError, match="at least 2"):

@@ -123,7 +123,7 @@ def run_study(
     for j, path in enumerate(checkpoints):  # one result file per checkpoint: an interrupted study resumes
         cache = out_dir / "checkpoints" / f"{j:02d}-{checkpoint_name(path)}.json"
         identity = {"key": key, "checkpoint": str(path.resolve()), "timed": j == 0}
-        record = json.loads(cache.read_text()) if cache.is_file() else {}
+        record = _read_saved(cache)
         if {k: record.get(k) for k in identity} != identity:
             record = {**identity, **_evaluate_checkpoint(path, corpus, subcorpora, positions, qrels, texts, metric,
                                                          timed=j == 0)}
@@ -137,6 +137,15 @@ def run_study(
                 for i, sub in enumerate(subcorpora)]
     write_study(rows_out, checkpoints, metric, out_dir, direct_diff)
     return rows_out
+
+
+def _read_saved(path: Path) -> dict:
+    """A checkpoint's saved results, or {} when there are none usable (they are then recomputed)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _evaluate_checkpoint(path: Path, corpus, subcorpora: list[Subcorpus], positions: list[np.ndarray], qrels,
