@@ -11,7 +11,7 @@ s_p = [sum Q, sum P] (``similarity.py``):
 
 that is, two matrix products over the pool with P columns (compute-bound, not memory-bound). Every batch
 whose best swap raises h(B_p) makes it, except that an instance wanted by several batches goes to the
-lowest slot; the others retry next round without it. A batch that stops improving (or reaches
+one it raises most (ties: the lowest slot); the others retry next round without it. A batch that stops improving (or reaches
 ``max_swaps``) is emitted and its slot is seeded again from the pool.
 
 With P = 1 this is the sequential greedy step for step (tested against the literal reference). With
@@ -129,9 +129,12 @@ def iter_concurrent_batches(
             addition = active.ids[addition_pos]
             delta = best - contrib.gather(1, removal_pos[:, None]).squeeze(1)
             wants = torch.isfinite(best) & (delta > 0)
+            top = torch.full((n,), -float("inf"), dtype=sim.dtype, device=device)
+            top.scatter_reduce_(0, addition[wants], delta[wants], "amax")
+            wants_most = wants & (delta == top[addition])
             owner = torch.full((n,), slots, dtype=torch.long, device=device)
-            owner.scatter_reduce_(0, addition[wants], slot_t[wants], "amin")
-            wins = wants & (owner[addition] == slot_t)
+            owner.scatter_reduce_(0, addition[wants_most], slot_t[wants_most], "amin")
+            wins = wants_most & (owner[addition] == slot_t)
             keep = ~wins
             blocked.add(slot_t[keep], removed[keep], +1)
             if wins.any():
