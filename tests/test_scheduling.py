@@ -35,6 +35,20 @@ def random_conflicts(rng, n, pairs):
     return [sorted(c) for c in conflicts]
 
 
+def topic_similarity(n=400, topics=8, dim=16):
+    """Instances around a few topic centres (query and positive share one): hard batches exist."""
+    rng = np.random.default_rng(0)
+    centers = rng.normal(size=(topics, dim))
+    labels = rng.integers(0, topics, size=n)
+    q = centers[labels] + 0.5 * rng.normal(size=(n, dim))
+    p = centers[labels] + 0.5 * rng.normal(size=(n, dim))
+    return BilinearSimilarity(q, p)
+
+
+def conflict_free(batches, conflicts):
+    return not any(j in conflicts[i] for b in batches for i in b for j in b)
+
+
 def covers_once(batches, n):
     flat = [i for b in batches for i in b]
     return sorted(flat) == list(range(n))
@@ -55,8 +69,7 @@ def test_fast_scheduler_equals_reference(n, batch, dim, beam, seed, sparse):
     assert fast == slow
     assert covers_once(fast, n)
     S = sim.dense_matrix()
-    for b in fast:
-        assert not any(j in conflicts[i] for i in b for j in b)
+    assert conflict_free(fast, conflicts)
     assert mean_hardness(sim, fast) == pytest.approx(np.mean([batch_hardness(S, b) for b in fast]))
 
 
@@ -82,18 +95,12 @@ def test_concurrent_scheduler(n, batch, dim, slots, seed, sparse):
     assert one == reference_schedule(sim.dense_matrix(), batch, conflicts=conflicts, seed=seed)
     many = list(iter_concurrent_batches(sim, batch, slots, conflicts=conflicts, seed=seed))
     assert covers_once(many, n)
-    for b in many:
-        assert not any(j in conflicts[i] for i in b for j in b)
+    assert conflict_free(many, conflicts)
 
 
 def test_concurrent_batches_keep_the_hardness():
     """On topic-clustered data, 8 batches grown at once are about as hard as one at a time."""
-    rng = np.random.default_rng(0)
-    centers = rng.normal(size=(8, 16))
-    labels = rng.integers(0, 8, size=400)
-    q = centers[labels] + 0.5 * rng.normal(size=(400, 16))
-    p = centers[labels] + 0.5 * rng.normal(size=(400, 16))
-    sim = BilinearSimilarity(q, p)
+    sim = topic_similarity()
     sequential = schedule_batches(sim, 16, seed=0)
     concurrent = list(iter_concurrent_batches(sim, 16, 8, seed=0))
     assert covers_once(concurrent, 400)
@@ -104,12 +111,7 @@ def test_concurrent_batches_keep_the_hardness():
 
 
 def test_scheduled_batches_are_harder_than_random():
-    rng = np.random.default_rng(0)
-    centers = rng.normal(size=(8, 16))
-    labels = rng.integers(0, 8, size=400)
-    q = centers[labels] + 0.5 * rng.normal(size=(400, 16))
-    p = centers[labels] + 0.5 * rng.normal(size=(400, 16))
-    sim = BilinearSimilarity(q, p)
+    sim = topic_similarity()
     greedy = schedule_batches(sim, 16, seed=0)
     beam = schedule_batches(sim, 16, seed=0, beam_width=4)
     rand = random_batches(400, 16, 0, 0)
