@@ -216,6 +216,19 @@ def test_cli_evaluate_prints_metrics(tiny_beir, tmp_path, capsys):
     assert out == pytest.approx({"mrr@10": (1 / 2) / 10, "recall@1": 0 / 10})
 
 
+def test_cli_evaluate_compare_to_reports_paired_test(tiny_beir, tmp_path, capsys):
+    better, worse = tmp_path / "better.trec", tmp_path / "worse.trec"
+    # every dev query q30..q39 answered at rank 1 by one run and at rank 2 by the other
+    better.write_text("".join(f"q{q} Q0 p{q} 1 0.9 t\n" for q in range(30, 40)))
+    worse.write_text("".join(f"q{q} Q0 p0 1 0.9 t\nq{q} Q0 p{q} 2 0.8 t\n" for q in range(30, 40)))
+    assert main(["evaluate", str(tiny_beir), str(better), "--compare-to", str(worse), "--metrics", "mrr@10"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["run"] == {"mrr@10": 1.0} and out["baseline"] == {"mrr@10": 0.5}
+    test = out["paired_fisher"]["mrr@10"]
+    assert (test["delta"], test["wins"], test["ties"], test["losses"]) == (0.5, 10, 0, 0)
+    assert test["p"] == pytest.approx(2 / 2**10, abs=0.005)  # only the all-kept and all-swapped assignments
+
+
 # ---- evaluation subcorpus ---------------------------------------------------------------------
 
 

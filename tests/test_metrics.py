@@ -3,6 +3,7 @@ against values computed by hand."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -10,9 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from densepass.errors import DataError
+from densepass.errors import DataError, DensepassError
 from densepass.evaluation.answers import has_answer, normalize_answer, top_k_accuracy
-from densepass.evaluation.metrics import evaluate_run, make_run, read_trec_run, write_trec_run
+from densepass.evaluation.metrics import (
+    evaluate_run,
+    make_run,
+    paired_significance,
+    read_trec_run,
+    write_trec_run,
+)
 
 
 def log2(x: float) -> float:
@@ -137,6 +144,52 @@ def test_ranx_mrr_equals_naive_reference(case):
 
 
 # ---- TREC run files ---------------------------------------------------------------------------
+
+
+def _rank_runs(ranks_a, ranks_b):
+    """Two runs over queries q0..q{n-1} with one relevant passage ``rel``, placed at the given ranks."""
+    qrels = {f"q{i}": {"rel": 1} for i in range(len(ranks_a))}
+
+    def run(ranks):
+        return {f"q{i}": {("rel" if r == k else f"x{k}"): 1.0 / k for k in range(1, 11)} for i, r in enumerate(ranks)}
+
+    return qrels, run(ranks_a), run(ranks_b)
+
+
+def _exact_sign_flip_p(a: np.ndarray, b: np.ndarray) -> float:
+    """Slow reference: Fisher's randomization test by enumerating every swap of the two systems' scores."""
+    diffs, observed = a - b, abs((a - b).mean())
+    hits = 0
+    for signs in itertools.product([1.0, -1.0], repeat=len(diffs)):
+        hits += abs((np.array(signs) * diffs).mean()) >= observed - 1e-12
+    return hits / 2 ** len(diffs)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 10), st.integers(1, 10)), min_size=4, max_size=10))
+def test_paired_significance_matches_exact_randomization_test(pairs):
+    ranks_a, ranks_b = [a for a, _ in pairs], [b for _, b in pairs]
+    qrels, run_a, run_b = _rank_runs(ranks_a, ranks_b)
+    result = paired_significance(qrels, {"a": run_a, "base": run_b}, "base", "mrr@10", n_permutations=20_000)["a"]
+    rr_a, rr_b = 1.0 / np.array(ranks_a), 1.0 / np.array(ranks_b)
+    assert result["delta"] == pytest.approx(rr_a.mean() - rr_b.mean())
+    assert (result["wins"], result["ties"], result["losses"]) == (
+        int((rr_a > rr_b).sum()), int((rr_a == rr_b).sum()), int((rr_a < rr_b).sum()))
+    assert result["p"] == pytest.approx(_exact_sign_flip_p(rr_a, rr_b), abs=0.02)
+
+
+def test_paired_significance_separates_a_consistent_gain_from_noise():
+    qrels, better, base = _rank_runs([1] * 30, [3] * 30)
+    assert paired_significance(qrels, {"better": better, "base": base}, "base")["better"]["p"] < 0.001
+    _, same, _ = _rank_runs([3] * 30, [3] * 30)
+    assert paired_significance(qrels, {"same": same, "base": base}, "base")["same"] == {
+        "delta": 0.0, "wins": 0, "ties": 30, "losses": 0, "p": 1.0}
+
+
+def test_paired_significance_unknown_baseline_is_a_clear_error():
+    qrels, run_a, _ = _rank_runs([1, 2], [1, 2])
+    with pytest.raises(DensepassError, match="baseline 'nope'"):
+        paired_significance(qrels, {"a": run_a}, "nope")
 
 
 def test_trec_run_round_trip(tmp_path):

@@ -71,12 +71,18 @@ def _index(args: argparse.Namespace) -> None:
 
 def _evaluate(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
-    from densepass.evaluation.metrics import evaluate_run, read_trec_run
+    from densepass.evaluation.metrics import evaluate_run, paired_significance, read_trec_run
 
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     qrels = dataset.split(args.split)
     run = read_trec_run(args.run)
-    print(json.dumps(evaluate_run(qrels, run, args.metrics), indent=2))
+    result = evaluate_run(qrels, run, args.metrics)
+    if args.compare_to:
+        baseline = read_trec_run(args.compare_to)
+        runs = {"run": run, "baseline": baseline}
+        result = {"run": result, "baseline": evaluate_run(qrels, baseline, args.metrics),
+                  "paired_fisher": {m: paired_significance(qrels, runs, "baseline", m)["run"] for m in args.metrics}}
+    print(json.dumps(result, indent=2))
 
 
 def _validate_study(args: argparse.Namespace) -> None:
@@ -195,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("run", help="TREC run file")
     evaluate.add_argument("--split", default="dev")
     evaluate.add_argument("--metrics", nargs="+", default=["mrr@10", "ndcg@10", "recall@100"])
+    evaluate.add_argument("--compare-to", metavar="BASELINE_RUN",
+                          help="also evaluate this run and test the difference (paired Fisher randomization test)")
     evaluate.set_defaults(func=_evaluate)
 
     attention = sub.add_parser("analyze-attention", help="CLS attention entropy per layer of saved models (one plot)")

@@ -6,7 +6,7 @@ answer accuracy (see ``answers.py``) and needs answer strings.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,15 +36,11 @@ def make_run(
     return run
 
 
-def evaluate_run(qrels: Qrels, run: Run, metrics: Sequence[str]) -> dict[str, float]:
-    """Mean of each metric over the queries of ``qrels`` (a query missing from the run scores 0)."""
+def _ranx_inputs(qrels: Qrels, run: Run):
+    """ranx Qrels/Run of the judged queries; a judged query missing from the run gets an empty ranking."""
     from ranx import Qrels as RanxQrels
     from ranx import Run as RanxRun
-    from ranx import evaluate
 
-    metrics = [m for m in metrics if not m.startswith("accuracy@")]
-    if not metrics:
-        return {}
     judged = {q: {p: g for p, g in rels.items() if g > 0} for q, rels in qrels.items()}
     judged = {q: rels for q, rels in judged.items() if rels}
     if not judged:
@@ -54,13 +50,68 @@ def evaluate_run(qrels: Qrels, run: Run, metrics: Sequence[str]) -> dict[str, fl
         raise DataError(f"the run has {len(unknown)} queries absent from the qrels (e.g. {next(iter(unknown))!r})")
     # ranx needs every judged query in the run; an empty ranking scores zero.
     full_run = {q: (run.get(q) or {"__none__": 0.0}) for q in judged}
+    return RanxQrels(judged), RanxRun(full_run)
+
+
+def evaluate_run(qrels: Qrels, run: Run, metrics: Sequence[str]) -> dict[str, float]:
+    """Mean of each metric over the queries of ``qrels`` (a query missing from the run scores 0)."""
+    from ranx import evaluate
+
+    metrics = [m for m in metrics if not m.startswith("accuracy@")]
+    if not metrics:
+        return {}
+    ranx_qrels, ranx_run = _ranx_inputs(qrels, run)
     try:
-        result = evaluate(RanxQrels(judged), RanxRun(full_run), list(metrics), make_comparable=True)
+        result = evaluate(ranx_qrels, ranx_run, list(metrics), make_comparable=True)
     except (ValueError, KeyError) as err:
         raise DensepassError(f"cannot compute metrics {list(metrics)}: {err}") from None
     if isinstance(result, float):
         result = {metrics[0]: result}
     return {m: float(v) for m, v in result.items()}
+
+
+def paired_significance(
+    qrels: Qrels,
+    runs: Mapping[str, Run],
+    baseline: str,
+    metric: str = "mrr@10",
+    n_permutations: int = 10_000,
+    seed: int = 42,
+) -> dict[str, dict[str, float]]:
+    """Every run against ``baseline`` on ``metric``, query by query.
+
+    Returns, per other run: ``delta`` (its mean minus the baseline's), ``wins`` / ``ties`` / ``losses``
+    (queries where it scores above / equal to / below the baseline) and ``p``, the two-sided p-value of
+    Fisher's randomization test (Smucker et al., CIKM 2007) as computed by ``ranx.compare`` with
+    ``n_permutations`` random swaps of the two systems' per-query scores.
+    """
+    from ranx import compare
+
+    if baseline not in runs:
+        raise DensepassError(f"baseline {baseline!r} is not among the runs {sorted(runs)}")
+    if len(runs) < 2:
+        raise DensepassError("a paired test needs the baseline and at least one other run")
+    ranx_runs = []
+    for name, run in runs.items():
+        ranx_qrels, ranx_run = _ranx_inputs(qrels, run)
+        ranx_run.name = name
+        ranx_runs.append(ranx_run)
+    try:
+        report = compare(ranx_qrels, ranx_runs, [metric], stat_test="fisher", n_permutations=n_permutations,
+                         random_seed=seed, make_comparable=True)
+    except (ValueError, KeyError) as err:
+        raise DensepassError(f"cannot compare runs on {metric}: {err}") from None
+    results = {}
+    for name in runs:
+        if name == baseline:
+            continue
+        counts = report.win_tie_loss[(name, baseline)][metric]
+        results[name] = {
+            "delta": report.results[name][metric] - report.results[baseline][metric],
+            "wins": counts["W"], "ties": counts["T"], "losses": counts["L"],
+            "p": float(report.comparisons[frozenset([name, baseline])][metric]["p_value"]),
+        }
+    return results
 
 
 def write_trec_run(run: Run, path: str | Path, tag: str = "densepass") -> None:
