@@ -21,7 +21,13 @@ import json
 import sys
 from pathlib import Path
 
-from densepass.analysis.attention import attention_entropy, entropy_table, plot_entropy, sample_passages
+from densepass.analysis.attention import (
+    attention_entropy,
+    entropy_shift,
+    entropy_table,
+    plot_entropy,
+    sample_passages,
+)
 from densepass.cli import run_guarded
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset
@@ -161,7 +167,15 @@ def report(args: argparse.Namespace) -> None:
     device = default_device()
     entropies = {name: attention_entropy(path, texts, args.max_length, device=device)
                  for name, path in {**pretrained, **finetuned}.items()}
-    plot_entropy(entropies, out / "attention.png", f"CLS attention entropy, {len(texts)} debian-packages passages")
+    panels = {label: [name for name in entropies if name.startswith(f"{label} ")] for label in initialisers(args)}
+    plot_entropy(entropies, out / "attention.png", f"CLS attention entropy, {len(texts)} debian-packages passages",
+                 panels={label: names for label, names in panels.items() if names})
+    shift_lines = ["| initialiser | low | full |", "|---|---:|---:|"]
+    for label in initialisers(args):
+        shifts = [f"{entropy_shift(entropies[before], entropies[after]):.3f}"
+                  if before in entropies and after in entropies else "-"
+                  for before, after in ((f"{label} pre-trained", f"{label} fine-tuned ({s})") for s in ("low", "full"))]
+        shift_lines.append(f"| {label} | " + " | ".join(shifts) + " |")
     lines = ["| initialiser | " + " | ".join(f"{m} ({s})" for s in ("low", "full") for m in METRICS) + " |",
              "|---|" + "---:|" * (2 * len(METRICS))]
     for label, values in rows.items():
@@ -175,7 +189,9 @@ def report(args: argparse.Namespace) -> None:
         f"Evaluation: {'; '.join(sorted(evals))}.", "", *lines, "",
         "Paired Fisher randomization tests on MRR@10 (10,000 permutations, ranx), same dev queries:", "",
         *significance_lines(args, d), "", "CLS attention entropy (nats) per layer:", "",
-        entropy_table(entropies), "", "![attention entropy](attention.png)", ""])
+        entropy_table(entropies), "",
+        "How far fine-tuning moved the CLS attention (mean over layers of |entropy change|, condenser §5):", "",
+        *shift_lines, "", "![attention entropy](attention.png)", ""])
     (out / "study.md").write_text(text)
     (out / "study.json").write_text(json.dumps({"results": rows, "entropy": entropies, "args": vars(args)}, indent=2))
     print(text)

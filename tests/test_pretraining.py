@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModel, AutoTokenizer, BertForMaskedLM
 
-from densepass.analysis.attention import attention_entropy, cls_attention_entropy
+from densepass.analysis.attention import attention_entropy, cls_attention_entropy, entropy_shift, plot_entropy
 from densepass.config import load_config
 from densepass.data import load_dataset
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DensepassError
 from densepass.models.biencoder import BiEncoder, resolve_model_path
 from densepass.pretraining.condenser import Condenser, head_input, mlm_loss, span_contrastive_loss
 from densepass.pretraining.config import PretrainConfig
@@ -289,6 +289,18 @@ def test_entropy_against_hand_computed_attention(tiny_model_dir):
         probs = torch.softmax(torch.einsum("hd,khd->hk", q[0], k) / math.sqrt(size), -1)
     by_hand = float(-(probs * probs.log()).sum(-1).mean())
     assert attention_entropy(str(tiny_model_dir), [text])[0] == pytest.approx(by_hand, rel=1e-5)
+
+
+def test_entropy_shift_and_panel_plot(tmp_path):
+    results = {"A pre-trained": [1.0, 2.0, 3.0], "A fine-tuned": [1.5, 2.0, 1.0], "B pre-trained": [0.0, 0.0, 0.0]}
+    assert entropy_shift(results["A pre-trained"], results["A fine-tuned"]) == pytest.approx((0.5 + 0 + 2) / 3)
+    with pytest.raises(DensepassError, match="3 vs 2 layers"):
+        entropy_shift([1.0, 2.0, 3.0], [1.0, 2.0])
+    out = tmp_path / "fig" / "attention.png"
+    plot_entropy(results, out, panels={"A": ["A pre-trained", "A fine-tuned"], "B": ["B pre-trained"]})
+    assert out.read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(DensepassError, match="no entropy for \\['C'\\]"):
+        plot_entropy(results, out, panels={"C": ["C"]})
 
 
 def _config(tiny_beir, tiny_model_dir, tmp_path, *extra) -> PretrainConfig:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from densepass.data.dataset import Corpus
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DensepassError
 
 
 def cls_attention_entropy(attention: torch.Tensor) -> torch.Tensor:
@@ -60,21 +60,49 @@ def entropy_table(results: dict[str, list[float]]) -> str:
     return "\n".join([header, "|---|" + "---:|" * layers, *rows])
 
 
-def plot_entropy(results: dict[str, list[float]], out_path: str | Path, title: str = "CLS attention entropy") -> None:
-    """All models on one PNG (condenser Figure 2): entropy against layer."""
+def entropy_shift(before: list[float], after: list[float]) -> float:
+    """Mean over layers of |entropy after - entropy before|: how far fine-tuning moved the CLS attention.
+
+    Condenser §5 reads Figure 2 this way: a model with "structural readiness" changes little when
+    fine-tuned, pre-trained BERT changes drastically.
+    """
+    if len(before) != len(after) or not before:
+        raise DensepassError(f"entropy per layer of different models: {len(before)} vs {len(after)} layers")
+    return sum(abs(a - b) for a, b in zip(after, before)) / len(before)
+
+
+def plot_entropy(
+    results: dict[str, list[float]],
+    out_path: str | Path,
+    title: str = "CLS attention entropy",
+    panels: dict[str, list[str]] | None = None,
+) -> None:
+    """Entropy against layer for several models on one PNG (condenser Figure 2).
+
+    With ``panels`` (panel title -> model names), one subplot per group, e.g. a model pre-trained and
+    fine-tuned side by side as in the paper's Figure 2 (a)-(c); otherwise every model in one plot.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    for name, values in results.items():
-        ax.plot(range(1, len(values) + 1), values, marker="o", label=name)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("mean CLS attention entropy (nats)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    groups = panels or {"": list(results)}
+    unknown = [name for names in groups.values() for name in names if name not in results]
+    if unknown:
+        raise DensepassError(f"no entropy for {unknown}: known models are {sorted(results)}")
+    fig, axes = plt.subplots(1, len(groups), figsize=(max(6.0, 3.2 * len(groups)), 3.8), sharey=True, squeeze=False)
+    for ax, (panel, names) in zip(axes[0], groups.items()):
+        for name in names:
+            values = results[name]
+            ax.plot(range(1, len(values) + 1), values, marker="o", label=name.removeprefix(panel).strip() or name)
+        ax.set_xlabel("layer")
+        ax.set_title(panel or title, fontsize=10)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("mean CLS attention entropy (nats)")
+    if panels:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=120)
