@@ -131,14 +131,13 @@ def significance_lines(args: argparse.Namespace, dataset) -> list[str]:
     """Paired Fisher randomization tests on MRR@10 of every fine-tuned initialiser against MiniLM and MLM."""
     lines = ["| setting | initialiser | vs | delta mrr@10 | wins / ties / losses | p |", "|---|---|---|---:|---|---:|"]
     for setting in ("low", "full"):
-        runs, qrels = {}, None
+        runs = {}
         for label, model in initialisers(args).items():
-            config = finetune_config(args, label, model, setting)
+            config = finetune_config(args, label, model, setting)  # evaluation settings are the same for all
             trec = config.run_dir / "runs" / "fine-tuned.trec"
             if trec.is_file():
                 runs[label] = read_trec_run(trec)
-                qrels = sample_queries(dataset.split(config.data.eval_split), config.data.max_eval_queries,
-                                       config.data.seed)
+        qrels = sample_queries(dataset.split(config.data.eval_split), config.data.max_eval_queries, config.data.seed)
         for baseline in ("MiniLM", "MLM"):
             if baseline not in runs or len(runs) < 2:
                 continue

@@ -83,7 +83,8 @@ def paired_significance(
     Returns, per other run: ``delta`` (its mean minus the baseline's), ``wins`` / ``ties`` / ``losses``
     (queries where it scores above / equal to / below the baseline) and ``p``, the two-sided p-value of
     Fisher's randomization test (Smucker et al., CIKM 2007) as computed by ``ranx.compare`` with
-    ``n_permutations`` random swaps of the two systems' per-query scores.
+    ``n_permutations`` random swaps of the two systems' per-query scores (drawn in parallel threads, so
+    p varies by about 1/sqrt(n_permutations) between calls despite the seed).
     """
     from ranx import compare
 
@@ -91,9 +92,9 @@ def paired_significance(
         raise DensepassError(f"baseline {baseline!r} is not among the runs {sorted(runs)}")
     if len(runs) < 2:
         raise DensepassError("a paired test needs the baseline and at least one other run")
-    ranx_runs = []
+    ranx_qrels, ranx_runs = None, []
     for name, run in runs.items():
-        ranx_qrels, ranx_run = _ranx_inputs(qrels, run)
+        ranx_qrels, ranx_run = _ranx_inputs(qrels, run)  # the same judged qrels for every run
         ranx_run.name = name
         ranx_runs.append(ranx_run)
     try:
