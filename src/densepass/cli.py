@@ -76,9 +76,9 @@ def _evaluate(args: argparse.Namespace) -> None:
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     qrels = dataset.split(args.split)
     run = read_trec_run(args.run)
+    baseline = read_trec_run(args.compare_to) if args.compare_to else None  # a bad file fails before evaluating
     result = evaluate_run(qrels, run, args.metrics)
-    if args.compare_to:
-        baseline = read_trec_run(args.compare_to)
+    if baseline is not None:
         runs = {"run": run, "baseline": baseline}
         result = {"run": result, "baseline": evaluate_run(qrels, baseline, args.metrics),
                   "paired_fisher": {m: paired_significance(qrels, runs, "baseline", m)["run"] for m in args.metrics}}
