@@ -7,7 +7,7 @@ MLM through transformers' ``BertForMaskedLM`` on the same backbone, data, batch 
         --batch-size 64 --max-length 128 --steps 50 --out runs/bench_pretrain.json   # H100, bf16
 
 Every system trains the same packed, masked batches (15% BERT masking) with AdamW under bf16 autocast on
-GPU (fp32 on CPU): forward, backward and optimiser step are timed after --warmup untimed steps. coCondenser
+GPU (fp32 on CPU unless --cpu-bf16): forward, backward and optimiser step are timed after --warmup untimed steps. coCondenser
 pairs rows 2i and 2i + 1 of the packed batch as its "spans" (the cost is the same as for real spans).
 densepass applies the MLM prediction head to the masked positions only; BertForMaskedLM computes vocabulary
 logits at every position, which is part of the difference measured in the "densepass mlm" row.
@@ -31,7 +31,7 @@ from densepass.models.biencoder import resolve_model_path
 from densepass.pretraining.condenser import Condenser
 from densepass.pretraining.data import mlm_batches, subset_corpus
 from densepass.pretraining.masking import Masker
-from densepass.training.step import autocast_context
+from densepass.training.step import autocast_context, uses_bf16
 
 
 def make_batches(model_path: str, data_dir: str | None, dataset: str, batch_size: int, max_length: int, n: int):
@@ -48,7 +48,7 @@ def make_batches(model_path: str, data_dir: str | None, dataset: str, batch_size
     return batches
 
 
-def time_system(name: str, model_path: str, batches, warmup: int, device: torch.device) -> dict:
+def time_system(name: str, model_path: str, batches, warmup: int, device: torch.device, bf16: bool) -> dict:
     torch.manual_seed(0)
     if name == "BertForMaskedLM":
         model = BertForMaskedLM.from_pretrained(model_path, dtype=torch.float32)
@@ -72,7 +72,7 @@ def time_system(name: str, model_path: str, batches, warmup: int, device: torch.
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
         b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        with autocast_context(device, True):
+        with autocast_context(device, bf16):
             loss = loss_of(b)
         loss.backward()
         optimizer.step()
@@ -97,16 +97,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default="runs/bench_pretrain.json")
+    parser.add_argument("--cpu-bf16", action="store_true", help="bf16 autocast on CPU too (all systems)")
     args = parser.parse_args()
     device = default_device()
     path = resolve_model_path(args.model)
     batches = make_batches(path, args.data_dir, args.dataset, args.batch_size, args.max_length,
                            args.steps + args.warmup)
     systems = ["BertForMaskedLM", "densepass mlm", "densepass condenser", "densepass cocondenser"]
-    rows = [time_system(s, path, batches, args.warmup, device) for s in systems]
+    bf16 = uses_bf16(device, True, args.cpu_bf16)
+    rows = [time_system(s, path, batches, args.warmup, device, bf16) for s in systems]
     base = rows[0]["tokens_per_s"]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"device: {where} ({'bf16 autocast' if device.type == 'cuda' else 'fp32'}); torch {torch.__version__}; "
+    print(f"device: {where} ({'bf16 autocast' if bf16 else 'fp32'}); torch {torch.__version__}; "
           f"batch {args.batch_size} x {args.max_length}, {args.steps} timed steps\n")
     print("| system | tokens/s | s/step | vs BertForMaskedLM | parameters | peak GiB |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -116,7 +118,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": where, "torch": torch.__version__, "batch_size": args.batch_size,
-                               "max_length": args.max_length, "steps": args.steps, "results": rows}, indent=2))
+                               "max_length": args.max_length, "steps": args.steps, "bf16": bf16, "results": rows}, indent=2))
 
 
 if __name__ == "__main__":

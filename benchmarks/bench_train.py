@@ -1,6 +1,6 @@
 """Training throughput: densepass ``train`` against sentence-transformers' ``SentenceTransformerTrainer``
 with ``MultipleNegativesRankingLoss``, same model, same debian-packages (query, positive, BM25 hard
-negative) triplets, same batch size, bf16 autocast on GPU, in one run; plus peak GPU memory, and
+negative) triplets, same batch size, bf16 autocast on GPU (and on CPU with --cpu-bf16), in one run; plus peak GPU memory, and
 densepass with gradient caching.
 
     python benchmarks/bench_train.py --steps 2 --warmup 1 --batch-size 8 --out runs/bench/train-cpu.json   # CPU
@@ -68,7 +68,7 @@ def run_densepass(path, data, args, device, grad_cache_chunk):
     model = BiEncoder.from_pretrained(path, config=config)
     total = args.warmup + args.steps + 1  # the last step (it writes the final checkpoint) is not timed
     train_config = TrainConfig(max_steps=total, batch_size=args.batch_size, learning_rate=2e-5, warmup_ratio=0.1,
-                               grad_cache_chunk=grad_cache_chunk, bf16=True, checkpoint_every=10**9,
+                               grad_cache_chunk=grad_cache_chunk, bf16=True, cpu_bf16=args.cpu_bf16, checkpoint_every=10**9,
                                log_every=10**9, seed=13)
     clock = StepClock(device, args.warmup, args.warmup + args.steps)
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,7 +94,7 @@ def run_sentence_transformers(path, triplets, args, device):
     with tempfile.TemporaryDirectory() as tmp:
         training_args = SentenceTransformerTrainingArguments(
             output_dir=tmp, per_device_train_batch_size=args.batch_size, max_steps=total,
-            learning_rate=2e-5, warmup_steps=int(0.1 * total), bf16=device.type == "cuda", use_cpu=device.type == "cpu",
+            learning_rate=2e-5, warmup_steps=int(0.1 * total), bf16=device.type == "cuda" or args.cpu_bf16, use_cpu=device.type == "cpu",
             save_strategy="no", report_to="none", logging_steps=10**9, dataloader_drop_last=True, seed=13,
             disable_tqdm=True,
         )
@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--passage-max-length", type=int, default=128)
     parser.add_argument("--grad-cache-chunk", type=int, default=32)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--cpu-bf16", action="store_true",
+                        help="bf16 autocast on CPU too (both systems; fast where the CPU has AVX512-BF16/AMX)")
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
     device = pick_device(args.device)
@@ -166,11 +168,12 @@ def main() -> None:
              f"{ours['examples_per_s'] / r['examples_per_s']:.2f}x",
              "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"] for r in results]
     print(f"\nbatch {args.batch_size} queries + 1 BM25 hard negative each, query {args.query_max_length} / passage "
-          f"{args.passage_max_length} tokens, {args.steps} timed steps after {args.warmup}")
+          f"{args.passage_max_length} tokens, {args.steps} timed steps after {args.warmup}, "
+          f"{'bf16 autocast' if device.type == 'cuda' or args.cpu_bf16 else 'fp32'}")
     print(markdown_table(["system", "seconds", "examples/s", "densepass ÷ row", "peak GPU GiB"], rows))
     print(f"\ndensepass / sentence-transformers: {ours['examples_per_s'] / st['examples_per_s']:.2f}x")
     write_json(args.out, {"benchmark": "train", **env, "model": args.model, "dataset": args.dataset,
-                          "batch_size": args.batch_size, "hard_negatives": 1, "warmup_steps": args.warmup,
+                          "batch_size": args.batch_size, "hard_negatives": 1, "warmup_steps": args.warmup, "cpu_bf16": args.cpu_bf16,
                           "query_max_length": args.query_max_length, "passage_max_length": args.passage_max_length,
                           "results": results, "speedup_vs_st": ours["examples_per_s"] / st["examples_per_s"]})
 

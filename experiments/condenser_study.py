@@ -63,6 +63,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pooling", choices=["cls", "mean"], default="cls")
     parser.add_argument("--attention-samples", type=int, default=1000)
     parser.add_argument("--set", action="append", default=[], help="extra fine-tuning config overrides")
+    parser.add_argument("--cpu-bf16", action="store_true",
+                        help="bf16 autocast on CPU too, pre-training and fine-tuning (~2.5x faster with AVX512-BF16)")
     args = parser.parse_args()
     if args.quick:
         args.pretrain_steps, args.pretrain_batch, args.max_length = 3, 8, 64
@@ -78,7 +80,7 @@ def data_dir(args: argparse.Namespace) -> list[str]:
 def pretrain_config(args: argparse.Namespace, mode: str) -> PretrainConfig:
     overrides = [f"output_dir={Path(args.out) / 'pretrain'}", f"model.name_or_path={args.model}",
                  f"train.max_steps={args.pretrain_steps}", f"train.batch_size={args.pretrain_batch}",
-                 f"train.max_length={args.max_length}", *data_dir(args)]
+                 f"train.max_length={args.max_length}", f"train.cpu_bf16={args.cpu_bf16}", *data_dir(args)]
     if args.quick:
         overrides += ["data.max_passages=2000", "train.checkpoint_every=1000"]
     return load_config(f"configs/pretrain_{mode}.yaml", overrides, PretrainConfig)
@@ -89,7 +91,7 @@ def finetune_config(args: argparse.Namespace, label: str, model: str, setting: s
     overrides = [f"name={label.lower()}-{setting}", f"output_dir={Path(args.out) / 'finetune'}",
                  f"model.name_or_path={model}", f"model.pooling={args.pooling}", *data_dir(args),
                  f"data.max_train_queries={queries}", f"train.epochs={epochs}",
-                 f"data.max_eval_queries={args.eval_queries}"]
+                 f"data.max_eval_queries={args.eval_queries}", f"train.cpu_bf16={args.cpu_bf16}"]
     if args.quick:  # no 60k-passage BM25 per run on 2 CPU cores: in-batch negatives, a small eval subcorpus
         overrides += ["negatives.source=none", "train.batch_size=16", "data.eval_subcorpus=true",
                       "data.eval_random=1000", "model.passage_max_length=64"]
@@ -184,7 +186,8 @@ def report(args: argparse.Namespace) -> None:
     text = "\n".join([
         f"Pre-training: {args.pretrain_steps} steps of {args.pretrain_batch} x {args.max_length} tokens per objective. "
         f"Fine-tuning: {args.pooling} pooling; low = {args.low_queries} train queries x {args.low_epochs} epochs, "
-        f"full = {args.full_queries} queries x {args.full_epochs} epoch(s).{' (--quick)' if args.quick else ''}",
+        f"full = {args.full_queries} queries x {args.full_epochs} epoch(s).{' (--quick)' if args.quick else ''}"
+        f"{' bf16 autocast on CPU.' if args.cpu_bf16 else ''}",
         f"Evaluation: {'; '.join(sorted(evals))}.", "", *lines, "",
         "Paired Fisher randomization tests on MRR@10 (10,000 permutations, ranx), same dev queries:", "",
         *significance_lines(args, d), "", "CLS attention entropy (nats) per layer:", "",

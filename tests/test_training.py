@@ -224,3 +224,60 @@ def test_distributed_training_matches_single_process(tiny_model_dir, tiny_beir, 
     single = BiEncoder.from_pretrained(str(tiny_model_dir))
     train(single, make_data(tiny_beir), _config(epochs=1, checkpoint_every=100), tmp_path / "single", CPU)
     torch.testing.assert_close(torch.load(tmp_path / "dist.pt"), _params(single), rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_bf16_detection_reads_the_cpu_flags(tmp_path):
+    from densepass.training.step import cpu_has_native_bf16
+
+    def cpuinfo(flags):
+        path = tmp_path / f"cpuinfo-{len(flags)}"
+        path.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 avx2 {' '.join(flags)}\n")
+        return str(path)
+
+    assert cpu_has_native_bf16(cpuinfo(["avx512f", "avx512_bf16"]))
+    assert cpu_has_native_bf16(cpuinfo(["amx_tile", "amx_bf16"]))
+    assert not cpu_has_native_bf16(cpuinfo(["avx512f"]))
+    assert not cpu_has_native_bf16(str(tmp_path / "missing"))
+
+
+def test_bf16_is_opt_in_on_cpu_and_warns_without_native_support(monkeypatch):
+    import densepass.training.step as step
+
+    assert step.uses_bf16(torch.device("cuda"), True, False)
+    assert not step.uses_bf16(torch.device("cuda"), False, True)
+    assert not step.uses_bf16(CPU, True, False)  # GPU's default does not switch CPU runs to bf16
+    monkeypatch.setattr(step, "cpu_has_native_bf16", lambda: True)
+    assert step.uses_bf16(CPU, False, True)
+    monkeypatch.setattr(step, "cpu_has_native_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="no native bfloat16"):
+        assert step.uses_bf16(CPU, True, True)
+
+
+def test_cpu_bf16_step_autocasts_and_stays_close_to_float32(tiny_model_dir, tiny_beir):
+    data = make_data(tiny_beir)
+    batch = data.collate(list(range(8)), seed=(1, 0, 0))
+    losses, grads = {}, {}
+    for bf16 in (False, True):
+        model = BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(temperature=0.1))
+        losses[bf16] = float(forward_backward(model, batch, CPU, bf16=bf16))
+        grads[bf16] = torch.cat([g.flatten() for g in grads_of(model).values()])
+    assert losses[True] != losses[False]  # bf16 matmuls ran
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2)
+    cosine = torch.nn.functional.cosine_similarity(grads[True], grads[False], dim=0)
+    assert cosine > 0.99
+
+
+def test_trainer_passes_the_resolved_precision_to_each_step(tiny_model_dir, tiny_beir, tmp_path, monkeypatch):
+    import densepass.training.trainer as trainer_module
+
+    seen = []
+    real_step = trainer_module.forward_backward
+    monkeypatch.setattr("densepass.training.step.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(trainer_module, "forward_backward",
+                        lambda model, batch, device, bidi, chunk, bf16, tensors: seen.append(bf16)
+                        or real_step(model, batch, device, bidi, chunk, bf16, tensors))
+    data = make_data(tiny_beir)
+    for cpu_bf16 in (False, True):
+        train(BiEncoder.from_pretrained(str(tiny_model_dir)), data,
+              _config(epochs=1, checkpoint_every=100, cpu_bf16=cpu_bf16), tmp_path / str(cpu_bf16), CPU)
+    assert seen and set(seen[: len(seen) // 2]) == {False} and set(seen[len(seen) // 2 :]) == {True}

@@ -94,7 +94,8 @@ class TrainConfig:
     warmup_ratio: float = 0.1
     bidirectional: bool = False
     grad_cache_chunk: int | None = None  # sub-batch size for gradient caching; None = off
-    bf16: bool = True  # autocast on GPU only
+    bf16: bool = True  # bf16 autocast on GPU
+    cpu_bf16: bool = False  # bf16 autocast on CPU too (fast where the CPU has AVX512-BF16/AMX)
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     log_every: int = 10

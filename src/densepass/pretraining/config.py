@@ -49,7 +49,7 @@ class MaskingConfig:
 
 @dataclass
 class PretrainTrainConfig:
-    """Optimisation: AdamW with linear warm-up/decay, bf16 autocast on GPU, gradient accumulation."""
+    """Optimisation: AdamW with linear warm-up/decay, bf16 autocast (GPU; CPU on request), gradient accumulation."""
 
     max_steps: int = 1000
     batch_size: int = 64  # sequences per optimiser step (coCondenser: 2 spans each of batch_size / 2 documents)
@@ -61,7 +61,8 @@ class PretrainTrainConfig:
     weight_decay: float = 0.01
     warmup_ratio: float = 0.1
     max_grad_norm: float = 1.0
-    bf16: bool = True
+    bf16: bool = True  # bf16 autocast on GPU
+    cpu_bf16: bool = False  # bf16 autocast on CPU too (fast where the CPU has AVX512-BF16/AMX)
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     log_every: int = 10

@@ -10,6 +10,7 @@ import torch
 from densepass.io import atomic_write_text
 from densepass.pretraining.config import PretrainConfig
 from densepass.runs.report import metrics_table
+from densepass.training.step import uses_bf16
 
 TERMS = ("loss", "late_mlm", "head_mlm", "contrastive")
 
@@ -44,7 +45,7 @@ def write_pretrain_report(config: PretrainConfig, log_path: Path, device: torch.
         + (f" ({config.data.max_passages} passages)" if config.data.max_passages else "")
         + f": {t.max_steps} steps of {t.batch_size} x {t.max_length} tokens"
         + (f" ({t.grad_accumulation} micro-batches)" if t.grad_accumulation > 1 else "")
-        + f", lr {t.learning_rate}, warm-up {t.warmup_ratio}, bf16 {t.bf16 and device.type == 'cuda'}, "
+        + f", lr {t.learning_rate}, warm-up {t.warmup_ratio}, bf16 {uses_bf16(device, t.bf16, t.cpu_bf16)}, "
         + (f"{m.early_layers} early layers + {m.head_layers}-layer head, " if m.mode != "mlm" else "")
         + f"masking {config.masking.probability:.0%}{' whole words' if config.masking.whole_word else ''}; "
         f"device {device.type}.",

@@ -40,7 +40,7 @@ from densepass.pretraining.condenser import Condenser, span_contrastive_loss
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.data import Batch, mlm_batches, span_batches, subset_corpus
 from densepass.pretraining.masking import Masker
-from densepass.training.step import RandomState, autocast_context
+from densepass.training.step import RandomState, autocast_context, uses_bf16
 
 LOG_NAME = "train_log.jsonl"
 
@@ -169,6 +169,7 @@ def pretrain(config: PretrainConfig) -> PretrainResult:
         raise ConfigError(f"train.max_length {t.max_length} exceeds the model's "
                           f"{model.backbone.config.max_position_embeddings} positions")
     model.to(device).train()
+    bf16 = uses_bf16(device, t.bf16, t.cpu_bf16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay,
                                   fused=device.type == "cuda")
     scheduler = get_linear_schedule_with_warmup(optimizer, int(t.warmup_ratio * t.max_steps), t.max_steps)
@@ -182,7 +183,7 @@ def pretrain(config: PretrainConfig) -> PretrainResult:
         torch.manual_seed(_step_seed(t.seed, step))  # dropout; masking has its own generator
         generator = torch.Generator().manual_seed(_step_seed(t.seed, step))
         batch["input_ids"], batch["labels"] = masker(batch["input_ids"], batch["attention_mask"], generator)
-        terms = forward_backward(model, batch, t.grad_accumulation, device, t.bf16)
+        terms = forward_backward(model, batch, t.grad_accumulation, device, bf16)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
         optimizer.step()
         scheduler.step()

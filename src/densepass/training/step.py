@@ -11,8 +11,10 @@ which gradient accumulation does not (in-batch negatives span the whole batch).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -51,12 +53,37 @@ def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU computes bfloat16 in hardware (the ``avx512_bf16`` or ``amx_bf16`` flag), where
+    bf16 autocast speeds training up instead of emulating bf16 in float32 (False where unknown)."""
+    try:
+        flags = Path(cpuinfo).read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def uses_bf16(device: torch.device, bf16: bool, cpu_bf16: bool) -> bool:
+    """Whether steps on ``device`` autocast to bfloat16: on GPU when ``bf16`` (the default), on CPU only
+    when ``cpu_bf16`` is asked for, so that CPU results stay float32 unless a run opts in (about 2.5x
+    faster MiniLM training on a CPU with AVX512-BF16: benchmarks/bench_train.py --cpu-bf16)."""
+    if device.type == "cuda":
+        return bf16
+    if device.type == "cpu" and cpu_bf16:
+        if not cpu_has_native_bf16():
+            warnings.warn("cpu_bf16: this CPU has no native bfloat16 (avx512_bf16 / amx_bf16), so bf16 autocast "
+                          "is emulated and likely slower than float32", stacklevel=2)
+        return True
+    return False
+
+
 @contextlib.contextmanager
 def autocast_context(device: torch.device, bf16: bool) -> Iterator[None]:
-    """bf16 autocast on GPU (when ``bf16``) with the attention kernels of ``attention_kernels``."""
+    """bf16 autocast on ``device`` (when ``bf16``; see ``uses_bf16``) with the attention kernels of
+    ``attention_kernels``."""
     with attention_kernels(device):
-        if bf16 and device.type == "cuda":
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+        if bf16 and device.type in ("cuda", "cpu"):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 yield
         else:
             yield
@@ -122,11 +149,12 @@ def forward_backward(
     device: torch.device,
     bidirectional: bool = False,
     chunk_size: int | None = None,
-    bf16: bool = True,
+    bf16: bool = False,
     tensors: BatchTensors | None = None,
 ) -> torch.Tensor:
     """Accumulate into ``.grad`` the gradient of the batch loss; return the loss (detached, on
     ``device``: reading it waits for the GPU, so the trainer reads it only when it logs).
+    ``bf16``: autocast to bfloat16 (resolved for the device by ``uses_bf16``).
     ``tensors``: the batch already tokenised by ``batch_tensors`` (e.g. in a worker thread)."""
     tensors = (tensors or batch_tensors(model, batch)).to(device)
     q_tokens, p_tokens = tensors.queries, tensors.passages

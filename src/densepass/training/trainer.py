@@ -29,7 +29,7 @@ from densepass.prefetch import prefetched
 from densepass.scheduling.baselines import random_batches
 from densepass.training import distributed
 from densepass.training.batches import TrainingData
-from densepass.training.step import batch_tensors, forward_backward
+from densepass.training.step import batch_tensors, forward_backward, uses_bf16
 
 
 class BatchPlanner(Protocol):
@@ -144,6 +144,7 @@ def train(
     progress = tqdm(total=total, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
     # batches are collated and tokenised one step ahead in a worker thread, with its own tokenizer
     tokenizer, pin = copy.deepcopy(model.tokenizer), device.type == "cuda"
+    bf16 = uses_bf16(device, config.bf16, config.cpu_bf16)
 
     def prepare(item: tuple[int, int, list[int]]):
         epoch, index, members = item
@@ -169,7 +170,7 @@ def train(
     for epoch in range(step // steps_per_epoch, config.epochs):
         for members, batch, tensors in prefetched(epoch_batches(epoch), prepare):
             loss = forward_backward(
-                model, batch, device, config.bidirectional, config.grad_cache_chunk, config.bf16, tensors
+                model, batch, device, config.bidirectional, config.grad_cache_chunk, bf16, tensors
             )
             distributed.sum_gradients(model.parameters())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
