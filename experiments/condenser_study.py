@@ -64,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--attention-samples", type=int, default=1000)
     parser.add_argument("--set", action="append", default=[], help="extra fine-tuning config overrides")
     parser.add_argument("--cpu-bf16", action="store_true",
-                        help="bf16 autocast on CPU too, pre-training and fine-tuning (~2.5x faster with AVX512-BF16)")
+                        help="bf16 autocast on CPU too, pre-training and fine-tuning (~2x faster with AVX512-BF16)")
     args = parser.parse_args()
     if args.quick:
         args.pretrain_steps, args.pretrain_batch, args.max_length = 3, 8, 64
