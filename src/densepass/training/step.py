@@ -65,8 +65,8 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def uses_bf16(device: torch.device, bf16: bool, cpu_bf16: bool) -> bool:
     """Whether steps on ``device`` autocast to bfloat16: on GPU when ``bf16`` (the default), on CPU only
-    when ``cpu_bf16`` is asked for, so that CPU results stay float32 unless a run opts in (MiniLM fine-tuning about 2x and pre-training
-    2-2.4x faster on a CPU with AVX512-BF16: docs/benchmarks.md)."""
+    when ``cpu_bf16`` is asked for, so that CPU results stay float32 unless a run opts in (MiniLM
+    fine-tuning about 2x and pre-training 2-2.4x faster on a CPU with AVX512-BF16: docs/benchmarks.md)."""
     if device.type == "cuda":
         return bf16
     if device.type == "cpu" and cpu_bf16:
