@@ -34,6 +34,7 @@ from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model
 from densepass.negatives.bm25 import mine_bm25_negatives
 from densepass.negatives.pool import passage_ids
 from densepass.training.batches import TrainingData
+from densepass.training.step import uses_bf16
 from densepass.training.trainer import train
 
 
@@ -76,7 +77,7 @@ def run_densepass(path, data, args, device, grad_cache_chunk):
     return clock.seconds, peak
 
 
-def run_sentence_transformers(path, triplets, args, device):
+def run_sentence_transformers(path, triplets, args, device, bf16):
     from datasets import Dataset
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
     from sentence_transformers.losses import MultipleNegativesRankingLoss
@@ -94,7 +95,7 @@ def run_sentence_transformers(path, triplets, args, device):
     with tempfile.TemporaryDirectory() as tmp:
         training_args = SentenceTransformerTrainingArguments(
             output_dir=tmp, per_device_train_batch_size=args.batch_size, max_steps=total,
-            learning_rate=2e-5, warmup_steps=int(0.1 * total), bf16=device.type == "cuda" or args.cpu_bf16, use_cpu=device.type == "cpu",
+            learning_rate=2e-5, warmup_steps=int(0.1 * total), bf16=bf16, use_cpu=device.type == "cpu",
             save_strategy="no", report_to="none", logging_steps=10**9, dataloader_drop_last=True, seed=13,
             disable_tqdm=True,
         )
@@ -121,6 +122,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
     device = pick_device(args.device)
+    bf16 = uses_bf16(device, True, args.cpu_bf16)  # both systems train in the same precision
     env = environment(device)
     print(f"device: {env['device']}; torch {env['torch']}, transformers {env['transformers']}, "
           f"sentence-transformers {env['sentence_transformers']}")
@@ -159,7 +161,7 @@ def main() -> None:
               f"{args.steps * args.batch_size / seconds:,.0f} examples/s{mem}", flush=True)
 
     record("densepass train", *run_densepass(path, data, args, device, None))
-    record("SentenceTransformerTrainer + MNRL", *run_sentence_transformers(path, triplets, args, device))
+    record("SentenceTransformerTrainer + MNRL", *run_sentence_transformers(path, triplets, args, device, bf16))
     record(f"densepass train, GradCache chunk {args.grad_cache_chunk}",
            *run_densepass(path, data, args, device, args.grad_cache_chunk))
 
@@ -169,7 +171,7 @@ def main() -> None:
              "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"] for r in results]
     print(f"\nbatch {args.batch_size} queries + 1 BM25 hard negative each, query {args.query_max_length} / passage "
           f"{args.passage_max_length} tokens, {args.steps} timed steps after {args.warmup}, "
-          f"{'bf16 autocast' if device.type == 'cuda' or args.cpu_bf16 else 'fp32'}")
+          f"{'bf16 autocast' if bf16 else 'fp32'}")
     print(markdown_table(["system", "seconds", "examples/s", "densepass ÷ row", "peak GPU GiB"], rows))
     print(f"\ndensepass / sentence-transformers: {ours['examples_per_s'] / st['examples_per_s']:.2f}x")
     write_json(args.out, {"benchmark": "train", **env, "model": args.model, "dataset": args.dataset,

@@ -10,7 +10,6 @@ import torch
 from densepass.io import atomic_write_text
 from densepass.pretraining.config import PretrainConfig
 from densepass.runs.report import metrics_table
-from densepass.training.step import uses_bf16
 
 TERMS = ("loss", "late_mlm", "head_mlm", "contrastive")
 
@@ -35,7 +34,7 @@ def plot_loss_terms(records: list[dict], out_path: Path) -> None:
     plt.close(fig)
 
 
-def write_pretrain_report(config: PretrainConfig, log_path: Path, device: torch.device) -> Path:
+def write_pretrain_report(config: PretrainConfig, log_path: Path, device: torch.device, bf16: bool) -> Path:
     run_dir = config.run_dir
     records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     m, t = config.model, config.train
@@ -45,7 +44,7 @@ def write_pretrain_report(config: PretrainConfig, log_path: Path, device: torch.
         + (f" ({config.data.max_passages} passages)" if config.data.max_passages else "")
         + f": {t.max_steps} steps of {t.batch_size} x {t.max_length} tokens"
         + (f" ({t.grad_accumulation} micro-batches)" if t.grad_accumulation > 1 else "")
-        + f", lr {t.learning_rate}, warm-up {t.warmup_ratio}, bf16 {uses_bf16(device, t.bf16, t.cpu_bf16)}, "
+        + f", lr {t.learning_rate}, warm-up {t.warmup_ratio}, bf16 {bf16}, "
         + (f"{m.early_layers} early layers + {m.head_layers}-layer head, " if m.mode != "mlm" else "")
         + f"masking {config.masking.probability:.0%}{' whole words' if config.masking.whole_word else ''}; "
         f"device {device.type}.",

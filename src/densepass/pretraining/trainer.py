@@ -205,5 +205,5 @@ def pretrain(config: PretrainConfig) -> PretrainResult:
     model.save_backbone(backbone, config.model.save_pooling, t.max_length)
     from densepass.pretraining.report import write_pretrain_report
 
-    write_pretrain_report(config, log_path, device)
+    write_pretrain_report(config, log_path, device, bf16)
     return PretrainResult(step, terms["loss"], tokens / elapsed if tokens else 0.0, backbone)
