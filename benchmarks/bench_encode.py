@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import environment, markdown_table, pick_device, rate, timer, write_json
 
+from common import environment, markdown_table, pick_device, rate, timer, write_json
 from densepass.data import load_dataset
-from densepass.index.encode import encode_texts
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
+from densepass.models.encode import encode_texts
 
 
 def load_st(path: str, device: torch.device, dtype: torch.dtype, max_length: int):

@@ -27,7 +27,7 @@ import torch
 from densepass.config import NegativesConfig
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
-from densepass.index.encode import default_device
+from densepass.device import default_device
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
 from densepass.negatives.mine import MiningContext, _fetch_depth, mine_negatives

@@ -26,12 +26,11 @@ import torch
 from transformers import BertForMaskedLM
 
 from densepass.data import load_dataset
-from densepass.index.encode import default_device
+from densepass.device import autocast_context, default_device, uses_bf16
 from densepass.models.biencoder import resolve_model_path
 from densepass.pretraining.condenser import Condenser
 from densepass.pretraining.data import mlm_batches, subset_corpus
 from densepass.pretraining.masking import Masker
-from densepass.training.step import autocast_context, uses_bf16
 
 
 def make_batches(model_path: str, data_dir: str | None, dataset: str, batch_size: int, max_length: int, n: int):

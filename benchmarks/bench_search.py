@@ -23,8 +23,8 @@ import time
 import faiss
 import numpy as np
 import torch
-from common import environment, markdown_table, pick_device, rate, timer, write_json
 
+from common import environment, markdown_table, pick_device, rate, timer, write_json
 from densepass.index.exact import exact_search
 from densepass.index.faiss_index import build_faiss_index, faiss_search
 

@@ -25,16 +25,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import environment, markdown_table, pick_device, rate, sync, write_json
 
+from common import environment, markdown_table, pick_device, rate, sync, write_json
 from densepass.config import TrainConfig
 from densepass.data import load_dataset
+from densepass.device import uses_bf16
 from densepass.index.bm25 import BM25Index
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
 from densepass.negatives.bm25 import mine_bm25_negatives
 from densepass.negatives.pool import passage_ids
 from densepass.training.batches import TrainingData
-from densepass.training.step import uses_bf16
 from densepass.training.trainer import train
 
 
@@ -79,7 +79,11 @@ def run_densepass(path, data, args, device, grad_cache_chunk):
 
 def run_sentence_transformers(path, triplets, args, device, bf16):
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
     from sentence_transformers.losses import MultipleNegativesRankingLoss
     from transformers import TrainerCallback
 

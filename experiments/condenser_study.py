@@ -32,8 +32,8 @@ from densepass.cli import run_guarded
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset
 from densepass.data.dataset import sample_queries
+from densepass.device import default_device
 from densepass.evaluation.metrics import paired_significance, read_trec_run
-from densepass.index.encode import default_device
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.trainer import pretrain
 from densepass.runs.experiment import run_experiment

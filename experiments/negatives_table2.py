@@ -30,7 +30,7 @@ from densepass.cli import run_guarded
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset, sample_queries
 from densepass.data.dataset import RetrievalDataset
-from densepass.index.encode import default_device
+from densepass.device import default_device
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoderConfig
 from densepass.negatives.mine import MiningContext, mine_negatives

@@ -7,11 +7,18 @@ import pytest
 import torch
 
 from densepass.errors import DensepassError
-from densepass.index import encode as encode_module
+from densepass.index import embeddings as embeddings_module
 from densepass.index.bm25 import BM25Index
-from densepass.index.encode import encode_texts, encode_to_memmap
+from densepass.index.embeddings import encode_to_memmap
 from densepass.index.exact import exact_search
-from densepass.index.faiss_index import build_faiss_index, faiss_search, load_faiss_index, save_faiss_index
+from densepass.index.faiss_index import (
+    build_faiss_index,
+    faiss_search,
+    load_faiss_index,
+    save_faiss_index,
+)
+from densepass.models import encode as encode_module
+from densepass.models.encode import encode_texts
 
 CPU = torch.device("cpu")
 
@@ -306,7 +313,7 @@ def test_encode_to_memmap_resumes_after_interruption(tiny_model, tmp_path, monke
             raise KeyboardInterrupt("simulated interruption")
         return real(model, shard_texts, side, **kw)
 
-    monkeypatch.setattr(encode_module, "encode_texts", failing_on_second_shard)
+    monkeypatch.setattr(embeddings_module, "encode_texts", failing_on_second_shard)
     with pytest.raises(KeyboardInterrupt):
         encode_to_memmap(tiny_model, texts, "passage", path, shard_size=5, **kwargs)
     assert not path.exists()
@@ -314,7 +321,7 @@ def test_encode_to_memmap_resumes_after_interruption(tiny_model, tmp_path, monke
     assert (path.parent / "passages.npy.done").read_text().split() == ["0"]
 
     calls.clear()
-    monkeypatch.setattr(encode_module, "encode_texts", lambda *a, **kw: (calls.append(len(a[1])), real(*a, **kw))[1])
+    monkeypatch.setattr(embeddings_module, "encode_texts", lambda *a, **kw: (calls.append(len(a[1])), real(*a, **kw))[1])
     out = encode_to_memmap(tiny_model, texts, "passage", path, shard_size=5, **kwargs)
     assert calls == [5, 4]  # shard 0 was not encoded again; shards 1 and 2 were
     direct = real(tiny_model, texts, "passage", **kwargs)

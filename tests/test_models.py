@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModel
 
 from densepass.errors import ConfigError
-from densepass.index.encode import encode_texts
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, pool
+from densepass.models.encode import encode_texts
 
 TEXTS = ["audio editor for the terminal", "a python library", "fonts [SEP] a collection of free fonts"]
 

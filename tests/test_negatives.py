@@ -10,20 +10,28 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import SHARED_DATA
 from densepass.config import NegativesConfig, TrainConfig
 from densepass.data import load_dataset
 from densepass.data.dataset import Corpus, RetrievalDataset
 from densepass.errors import ConfigError, DataError
 from densepass.negatives.context import half_id, mine_context_negatives, split_in_half
-from densepass.negatives.filters import (AnswerFilter, CrossEncoderFilter, DuplicateFilter, QrelsFilter,
-                                         apply_filters)
-from densepass.negatives.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
+from densepass.negatives.filters import (
+    AnswerFilter,
+    CrossEncoderFilter,
+    DuplicateFilter,
+    QrelsFilter,
+    apply_filters,
+)
+from densepass.negatives.fusion import (
+    fuse_embeddings,
+    reciprocal_rank_fusion,
+    tune_weights,
+)
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.mixed import mix_pools
 from densepass.negatives.pool import Candidate, load_pool, passage_ids, save_pool
 from densepass.training.batches import TrainingData, draw_negatives
-
-from conftest import SHARED_DATA
 
 
 def small_dataset() -> RetrievalDataset:
@@ -122,8 +130,8 @@ def test_context_negatives_on_debian_packages():
 
 
 def test_coarse_miner_has_the_requested_dimension(tiny_beir, tiny_model_dir, tmp_path):
-    from densepass.index.encode import encode_texts
     from densepass.models.biencoder import BiEncoder
+    from densepass.models.encode import encode_texts
     from densepass.negatives.dense import train_miner
 
     dataset = load_dataset(str(tiny_beir))

@@ -10,20 +10,27 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import SHARED_DATA
 from densepass.config import ScheduleConfig
 from densepass.data import load_dataset
 from densepass.errors import ConfigError
 from densepass.models.biencoder import BiEncoder
-from densepass.scheduling.baselines import clustered_batches, random_batches, sequential_batches
+from densepass.scheduling.baselines import (
+    clustered_batches,
+    random_batches,
+    sequential_batches,
+)
 from densepass.scheduling.concurrent import iter_concurrent_batches
 from densepass.scheduling.conflicts import build_conflicts
 from densepass.scheduling.greedy import neighbour_lists, schedule_batches
 from densepass.scheduling.planner import EpochPlanner, mean_hardness
 from densepass.scheduling.reference import reference_schedule
-from densepass.scheduling.similarity import BilinearSimilarity, batch_hardness, bm25_instance_matrices
+from densepass.scheduling.similarity import (
+    BilinearSimilarity,
+    batch_hardness,
+    bm25_instance_matrices,
+)
 from densepass.training.batches import TrainingData
-
-from conftest import SHARED_DATA
 
 
 def random_conflicts(rng, n, pairs):

@@ -227,7 +227,7 @@ def test_distributed_training_matches_single_process(tiny_model_dir, tiny_beir, 
 
 
 def test_cpu_bf16_detection_reads_the_cpu_flags(tmp_path):
-    from densepass.training.step import cpu_has_native_bf16
+    from densepass.device import cpu_has_native_bf16
 
     def cpuinfo(flags):
         path = tmp_path / f"cpuinfo-{len(flags)}"
@@ -241,7 +241,7 @@ def test_cpu_bf16_detection_reads_the_cpu_flags(tmp_path):
 
 
 def test_bf16_is_opt_in_on_cpu_and_warns_without_native_support(monkeypatch):
-    import densepass.training.step as step
+    import densepass.device as step
 
     assert step.uses_bf16(torch.device("cuda"), True, False)
     assert not step.uses_bf16(torch.device("cuda"), False, True)
@@ -272,7 +272,7 @@ def test_trainer_passes_the_resolved_precision_to_each_step(tiny_model_dir, tiny
 
     seen = []
     real_step = trainer_module.forward_backward
-    monkeypatch.setattr("densepass.training.step.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("densepass.device.cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr(trainer_module, "forward_backward",
                         lambda model, batch, device, bidi, chunk, bf16, tensors: seen.append(bf16)
                         or real_step(model, batch, device, bidi, chunk, bf16, tensors))

@@ -32,10 +32,15 @@ def _pretrain(args: argparse.Namespace) -> None:
 
 
 def _analyze_attention(args: argparse.Namespace) -> None:
-    from densepass.analysis.attention import attention_entropy, entropy_table, plot_entropy, sample_passages
+    from densepass.analysis.attention import (
+        attention_entropy,
+        entropy_table,
+        plot_entropy,
+        sample_passages,
+    )
     from densepass.data import load_dataset
+    from densepass.device import default_device
     from densepass.errors import ConfigError
-    from densepass.index.encode import default_device
     from densepass.io import atomic_write_text
 
     labels = args.labels or args.models
@@ -54,7 +59,7 @@ def _analyze_attention(args: argparse.Namespace) -> None:
 
 def _index(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
-    from densepass.index.encode import encode_to_memmap
+    from densepass.index.embeddings import encode_to_memmap
     from densepass.index.faiss_index import build_faiss_index, save_faiss_index
     from densepass.models.biencoder import BiEncoder
 
@@ -71,7 +76,11 @@ def _index(args: argparse.Namespace) -> None:
 
 def _evaluate(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
-    from densepass.evaluation.metrics import evaluate_run, paired_significance, read_trec_run
+    from densepass.evaluation.metrics import (
+        evaluate_run,
+        paired_significance,
+        read_trec_run,
+    )
 
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     qrels = dataset.split(args.split)
@@ -97,7 +106,7 @@ def _validate_study(args: argparse.Namespace) -> None:
 def _mine(args: argparse.Namespace) -> None:
     from densepass.config import load_config
     from densepass.data import load_dataset, sample_queries
-    from densepass.index.encode import default_device
+    from densepass.device import default_device
     from densepass.models.biencoder import BiEncoderConfig
     from densepass.negatives.mine import MiningContext, mine_negatives
     from densepass.negatives.pool import save_pool

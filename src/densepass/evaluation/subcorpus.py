@@ -108,9 +108,9 @@ def bm25_retriever(corpus: Corpus) -> Retriever:
 
 def dense_retriever(corpus: Corpus, model_path: str, batch_size: int = 256) -> Retriever:
     """Any saved bi-encoder checkpoint as an H_k retriever."""
-    from densepass.index.encode import encode_texts
     from densepass.index.exact import exact_search
     from densepass.models.biencoder import BiEncoder
+    from densepass.models.encode import encode_texts
 
     model = BiEncoder.from_pretrained(model_path)
     passages = encode_texts(model, corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage",

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from densepass.errors import ConfigError
-from densepass.index.encode import encode_texts
 from densepass.index.exact import exact_search
 from densepass.index.faiss_index import KINDS, build_faiss_index, faiss_search
 from densepass.models.biencoder import BiEncoder
+from densepass.models.encode import encode_texts
 
 
 def search_embeddings(

@@ -17,9 +17,9 @@ import torch
 
 from densepass.config import TrainConfig
 from densepass.data.dataset import RetrievalDataset
-from densepass.index.encode import encode_texts
 from densepass.index.exact import exact_search
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
+from densepass.models.encode import encode_texts
 from densepass.negatives.pool import Candidate, NegativePool
 
 

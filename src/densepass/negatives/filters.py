@@ -21,7 +21,7 @@ import numpy as np
 from densepass.data.dataset import RetrievalDataset
 from densepass.errors import ConfigError
 from densepass.evaluation.answers import has_answer, normalize_answer
-from densepass.negatives.context import passage_input, parse_half_id, split_in_half
+from densepass.negatives.context import parse_half_id, passage_input, split_in_half
 from densepass.negatives.pool import Candidate, NegativePool
 from densepass.training.batches import content_key
 

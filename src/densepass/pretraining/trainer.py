@@ -33,14 +33,13 @@ from transformers import get_linear_schedule_with_warmup
 
 from densepass.config import save_config
 from densepass.data import load_dataset
+from densepass.device import RandomState, autocast_context, default_device, uses_bf16
 from densepass.errors import ConfigError
-from densepass.index.encode import default_device
 from densepass.io import atomic_directory
 from densepass.pretraining.condenser import Condenser, span_contrastive_loss
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.data import Batch, mlm_batches, span_batches, subset_corpus
 from densepass.pretraining.masking import Masker
-from densepass.training.step import RandomState, autocast_context, uses_bf16
 
 LOG_NAME = "train_log.jsonl"
 

@@ -16,12 +16,17 @@ import numpy as np
 import torch
 
 from densepass.data.dataset import RetrievalDataset, sample_queries
+from densepass.device import default_device
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import Run, evaluate_run, make_run
-from densepass.index.encode import default_device, encode_texts
 from densepass.index.exact import exact_search
 from densepass.models.biencoder import BiEncoder
-from densepass.negatives.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
+from densepass.models.encode import encode_texts
+from densepass.negatives.fusion import (
+    fuse_embeddings,
+    reciprocal_rank_fusion,
+    tune_weights,
+)
 
 METHODS = ("embedding", "rrf")
 

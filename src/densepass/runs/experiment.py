@@ -10,17 +10,16 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
 from densepass.config import ExperimentConfig, save_config
 from densepass.data import load_dataset, sample_queries
+from densepass.device import default_device
 from densepass.errors import ConfigError
 from densepass.evaluation.answers import top_k_accuracy
 from densepass.evaluation.metrics import Run, evaluate_run, make_run, write_trec_run
 from densepass.index.bm25 import BM25Index
-from densepass.index.encode import default_device
 from densepass.index.retrieve import dense_retrieve, rerank_candidates
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
@@ -31,8 +30,8 @@ from densepass.runs.evalset import EvalSet, add_rerank_candidates, build_eval_se
 from densepass.runs.report import print_table, write_report
 from densepass.runs.validation import Validator
 from densepass.scheduling.planner import EpochPlanner
-from densepass.training.batches import TrainingData
 from densepass.training import distributed
+from densepass.training.batches import TrainingData
 from densepass.training.trainer import planned_steps, resume_step, train
 
 

@@ -21,9 +21,13 @@ import torch
 
 from densepass.config import ScheduleConfig
 from densepass.errors import ConfigError
-from densepass.index.encode import encode_texts
 from densepass.models.biencoder import BiEncoder
-from densepass.scheduling.baselines import clustered_batches, random_batches, sequential_batches
+from densepass.models.encode import encode_texts
+from densepass.scheduling.baselines import (
+    clustered_batches,
+    random_batches,
+    sequential_batches,
+)
 from densepass.scheduling.concurrent import iter_concurrent_batches
 from densepass.scheduling.conflicts import build_conflicts
 from densepass.scheduling.greedy import iter_batches, neighbour_lists

@@ -23,13 +23,14 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from densepass.config import TrainConfig
+from densepass.device import uses_bf16
 from densepass.io import atomic_directory
 from densepass.models.biencoder import BiEncoder
 from densepass.prefetch import prefetched
 from densepass.scheduling.baselines import random_batches
 from densepass.training import distributed
 from densepass.training.batches import TrainingData
-from densepass.training.step import batch_tensors, forward_backward, uses_bf16
+from densepass.training.step import batch_tensors, forward_backward
 
 
 class BatchPlanner(Protocol):

@@ -1,0 +1,105 @@
+"""Where and in which precision models run: the default device, bf16 autocast (GPU by default, CPU on
+request where it has bfloat16 instructions), attention kernels, and replayable random states.
+
+Every module that picks a device or a precision asks this one, so a setting means the same thing in
+training, pre-training, encoding and serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from densepass.errors import ConfigError
+
+
+def default_device() -> torch.device:
+    """CUDA when available, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The device called ``name`` (None: ``default_device()``), checked to exist before any work starts."""
+    if name is None:
+        return default_device()
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device {name!r} is not a torch device (use cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} asked for, but this machine has no CUDA GPU (use cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif device.type != "cpu":
+        raise ConfigError(f"device {name!r} is not supported (use cpu, cuda or cuda:N)")
+    return device
+
+
+class RandomState:
+    """Captures the CPU and CUDA random states so a forward pass can be replayed exactly."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.device = device
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        devices = [self.device] if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
+    """On GPU, scaled-dot-product attention through the flash / memory-efficient kernels (no cuDNN):
+    cuDNN builds an execution plan for every new sequence length, which costs seconds over the
+    many lengths of length-sorted batches."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU computes bfloat16 in hardware (the ``avx512_bf16`` or ``amx_bf16`` flag), where
+    bf16 autocast speeds training up instead of emulating bf16 in float32 (False where unknown)."""
+    try:
+        flags = Path(cpuinfo).read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def uses_bf16(device: torch.device, bf16: bool, cpu_bf16: bool) -> bool:
+    """Whether steps on ``device`` autocast to bfloat16: on GPU when ``bf16`` (the default), on CPU only
+    when ``cpu_bf16`` is asked for, so that CPU results stay float32 unless a run opts in (MiniLM
+    fine-tuning about 2x and pre-training 2-2.4x faster on a CPU with AVX512-BF16: docs/benchmarks.md)."""
+    if device.type == "cuda":
+        return bf16
+    if device.type == "cpu" and cpu_bf16:
+        if not cpu_has_native_bf16():
+            warnings.warn("cpu_bf16: this CPU has no native bfloat16 (avx512_bf16 / amx_bf16), so bf16 autocast "
+                          "is emulated and likely slower than float32", stacklevel=2)
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def autocast_context(device: torch.device, bf16: bool) -> Iterator[None]:
+    """bf16 autocast on ``device`` (when ``bf16``; see ``uses_bf16``) with the attention kernels of
+    ``attention_kernels``."""
+    with attention_kernels(device):
+        if bf16 and device.type in ("cuda", "cpu"):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                yield
+        else:
+            yield
