@@ -14,8 +14,9 @@ from conftest import SHARED_DATA
 from densepass.config import NegativesConfig, TrainConfig
 from densepass.data import load_dataset
 from densepass.data.dataset import Corpus, RetrievalDataset
+from densepass.data.keys import half_id, split_in_half
 from densepass.errors import ConfigError, DataError
-from densepass.negatives.context import half_id, mine_context_negatives, split_in_half
+from densepass.negatives.context import mine_context_negatives
 from densepass.negatives.filters import (
     AnswerFilter,
     CrossEncoderFilter,

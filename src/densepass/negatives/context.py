@@ -12,43 +12,9 @@ import random
 from collections.abc import Sequence
 
 from densepass.data.dataset import Corpus, RetrievalDataset
+from densepass.data.keys import half_id, split_in_half
 from densepass.evaluation.answers import has_answer
 from densepass.negatives.pool import Candidate, NegativePool
-
-HALF_MARK = "#half"
-
-
-def half_id(passage_id: str, half: int) -> str:
-    return f"{passage_id}{HALF_MARK}{half}"
-
-
-def parse_half_id(pid: str) -> tuple[str, int] | None:
-    """``(base passage id, half)`` for a half id, else None."""
-    base, mark, half = pid.rpartition(HALF_MARK)
-    return (base, int(half)) if mark and half in ("0", "1") else None
-
-
-def split_in_half(text: str) -> tuple[str, str]:
-    words = text.split()
-    middle = len(words) // 2
-    return " ".join(words[:middle]), " ".join(words[middle:])
-
-
-def is_known_passage(corpus: Corpus, pid: str) -> bool:
-    if pid in corpus:
-        return True
-    parsed = parse_half_id(pid)
-    return parsed is not None and parsed[0] in corpus
-
-
-def passage_input(corpus: Corpus, pid: str, sep_token: str) -> str:
-    """Encoder input of a corpus passage or of a half passage."""
-    if pid in corpus:
-        return corpus.passage_inputs(sep_token, [corpus.position(pid)])[0]
-    base, half = parse_half_id(pid)
-    row = corpus.position(base)
-    text = split_in_half(corpus.texts[row])[half]
-    return f"{corpus.titles[row]} {sep_token} {text}" if corpus.titles[row] else text
 
 
 def _half_negative(corpus: Corpus, pid: str, answers: Sequence[str], rng: random.Random) -> str | None:

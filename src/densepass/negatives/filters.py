@@ -4,7 +4,7 @@
 - ``answers``: passages containing one of the query's answer strings (DPR/SQuAD normalisation,
   ``evaluation.answers``); queries without answers keep everything.
 - ``duplicates``: passages with the same content as one of the query's positives
-  (``training.batches.content_key``), and positives of other queries with the same text
+  (``data.keys.content_key``), and positives of other queries with the same text
   (debian-packages: two packages with the same synopsis).
 - ``cross-encoder``: RocketQA-style denoising; candidates a cross-encoder scores above a threshold
   are likely unlabeled positives. The scorer is any ``(query, [passage, ...]) -> scores`` callable,
@@ -19,11 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from densepass.data.dataset import RetrievalDataset
+from densepass.data.keys import content_key, passage_input, passage_text
 from densepass.errors import ConfigError
 from densepass.evaluation.answers import has_answer, normalize_answer
-from densepass.negatives.context import parse_half_id, passage_input, split_in_half
 from densepass.negatives.pool import Candidate, NegativePool
-from densepass.training.batches import content_key
 
 Scorer = Callable[[str, list[str]], Sequence[float]]
 FILTERS = ("qrels", "answers", "duplicates", "cross-encoder")
@@ -42,15 +41,6 @@ class QrelsFilter:
         return [c.passage_id not in relevant for c in cands]
 
 
-def passage_text(dataset: RetrievalDataset, pid: str) -> str:
-    """The text of a corpus passage or of a half passage (no title)."""
-    corpus = dataset.corpus
-    if pid in corpus:
-        return corpus.texts[corpus.position(pid)]
-    base, half = parse_half_id(pid)
-    return split_in_half(corpus.texts[corpus.position(base)])[half]
-
-
 @dataclass
 class AnswerFilter:
     dataset: RetrievalDataset
@@ -60,7 +50,7 @@ class AnswerFilter:
         answers = self.dataset.answers.get(qid)
         if not answers:
             return [True] * len(cands)
-        return [not has_answer(passage_text(self.dataset, c.passage_id), answers) for c in cands]
+        return [not has_answer(passage_text(self.dataset.corpus, c.passage_id), answers) for c in cands]
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from densepass.data.dataset import RetrievalDataset
+from densepass.data.keys import is_known_passage
 from densepass.errors import DataError
 from densepass.io import atomic_write_text
 
@@ -46,8 +47,6 @@ def _candidate(item: object, where: str) -> Candidate:
 
 def load_pool(path: str | Path, dataset: RetrievalDataset | None = None) -> NegativePool:
     """Read a hard-negatives file; with ``dataset``, every query and passage id must exist in it."""
-    from densepass.negatives.context import is_known_passage
-
     path = Path(path)
     if not path.is_file():
         raise DataError(f"hard-negatives file not found: {path}")

@@ -6,7 +6,6 @@ identically on every process from a seed of (epoch, step); each process tokenise
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,14 +13,9 @@ import numpy as np
 import torch
 
 from densepass.data.dataset import RetrievalDataset
+from densepass.data.keys import content_key, is_known_passage, passage_input
 from densepass.errors import ConfigError, DataError
 from densepass.losses.contrastive import false_negative_mask
-from densepass.negatives.context import is_known_passage, passage_input
-
-
-def content_key(text: str) -> int:
-    """A stable 63-bit key of a passage's content (equal texts = the same passage for masking)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def draw_negatives(pool: np.ndarray, h: int, rng: np.random.Generator, n_passages: int) -> list[int]:
