@@ -22,9 +22,8 @@ import torch
 from densepass.scheduling.baselines import clustered_batches, random_batches
 from densepass.scheduling.concurrent import iter_concurrent_batches
 from densepass.scheduling.greedy import iter_batches, neighbour_lists
-from densepass.scheduling.planner import mean_hardness
 from densepass.scheduling.pool import Pool
-from densepass.scheduling.similarity import BilinearSimilarity, bm25_instance_matrices
+from densepass.scheduling.similarity import BilinearSimilarity, bm25_instance_matrices, mean_hardness
 
 
 def synthetic(n: int, dim: int = 384, topics: int = 1000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -21,13 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from densepass.analysis.attention import (
-    attention_entropy,
-    entropy_shift,
-    entropy_table,
-    plot_entropy,
-    sample_passages,
-)
+from densepass.analysis.attention import attention_entropy, entropy_shift, entropy_table, plot_entropy, sample_passages
 from densepass.cli import run_guarded
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset

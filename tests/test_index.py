@@ -11,12 +11,7 @@ from densepass.index import embeddings as embeddings_module
 from densepass.index.bm25 import BM25Index
 from densepass.index.embeddings import encode_to_memmap
 from densepass.index.exact import exact_search
-from densepass.index.faiss_index import (
-    build_faiss_index,
-    faiss_search,
-    load_faiss_index,
-    save_faiss_index,
-)
+from densepass.index.faiss_index import build_faiss_index, faiss_search, load_faiss_index, save_faiss_index
 from densepass.models import encode as encode_module
 from densepass.models.encode import encode_texts
 

@@ -13,13 +13,7 @@ from hypothesis import strategies as st
 
 from densepass.errors import DataError, DensepassError
 from densepass.evaluation.answers import has_answer, normalize_answer, top_k_accuracy
-from densepass.evaluation.metrics import (
-    evaluate_run,
-    make_run,
-    paired_significance,
-    read_trec_run,
-    write_trec_run,
-)
+from densepass.evaluation.metrics import evaluate_run, make_run, paired_significance, read_trec_run, write_trec_run
 
 
 def log2(x: float) -> float:

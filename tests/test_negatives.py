@@ -17,18 +17,8 @@ from densepass.data.dataset import Corpus, RetrievalDataset
 from densepass.data.keys import half_id, split_in_half
 from densepass.errors import ConfigError, DataError
 from densepass.negatives.context import mine_context_negatives
-from densepass.negatives.filters import (
-    AnswerFilter,
-    CrossEncoderFilter,
-    DuplicateFilter,
-    QrelsFilter,
-    apply_filters,
-)
-from densepass.negatives.fusion import (
-    fuse_embeddings,
-    reciprocal_rank_fusion,
-    tune_weights,
-)
+from densepass.negatives.filters import AnswerFilter, CrossEncoderFilter, DuplicateFilter, QrelsFilter, apply_filters
+from densepass.negatives.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.mixed import mix_pools
 from densepass.negatives.pool import Candidate, load_pool, passage_ids, save_pool

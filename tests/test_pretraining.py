@@ -11,29 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModel, AutoTokenizer, BertForMaskedLM
 
-from densepass.analysis.attention import (
-    attention_entropy,
-    cls_attention_entropy,
-    entropy_shift,
-    plot_entropy,
-)
+from densepass.analysis.attention import attention_entropy, cls_attention_entropy, entropy_shift, plot_entropy
 from densepass.config import load_config
 from densepass.data import load_dataset
 from densepass.errors import ConfigError, DensepassError
 from densepass.models.biencoder import BiEncoder, resolve_model_path
-from densepass.pretraining.condenser import (
-    Condenser,
-    head_input,
-    mlm_loss,
-    span_contrastive_loss,
-)
+from densepass.pretraining.condenser import Condenser, head_input, mlm_loss, span_contrastive_loss
 from densepass.pretraining.config import PretrainConfig
-from densepass.pretraining.data import (
-    collate,
-    mlm_batches,
-    packed_sequences,
-    span_batches,
-)
+from densepass.pretraining.data import collate, mlm_batches, packed_sequences, span_batches
 from densepass.pretraining.masking import IGNORE, Masker
 from densepass.pretraining.spans import group_documents, span_pair
 from densepass.pretraining.trainer import forward_backward, pretrain

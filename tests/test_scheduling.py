@@ -15,22 +15,14 @@ from densepass.config import ScheduleConfig
 from densepass.data import load_dataset
 from densepass.errors import ConfigError
 from densepass.models.biencoder import BiEncoder
-from densepass.scheduling.baselines import (
-    clustered_batches,
-    random_batches,
-    sequential_batches,
-)
+from densepass.scheduling.baselines import clustered_batches, random_batches, sequential_batches
 from densepass.scheduling.concurrent import iter_concurrent_batches
 from densepass.scheduling.conflicts import build_conflicts
 from densepass.scheduling.greedy import neighbour_lists, schedule_batches
-from densepass.scheduling.planner import EpochPlanner, mean_hardness
 from densepass.scheduling.reference import reference_schedule
-from densepass.scheduling.similarity import (
-    BilinearSimilarity,
-    batch_hardness,
-    bm25_instance_matrices,
-)
+from densepass.scheduling.similarity import BilinearSimilarity, batch_hardness, bm25_instance_matrices, mean_hardness
 from densepass.training.batches import TrainingData
+from densepass.training.planner import EpochPlanner
 
 
 def random_conflicts(rng, n, pairs):
@@ -145,13 +137,13 @@ def test_restricted_candidates():
 def test_bm25_similarity_is_bilinear_and_exact():
     import bm25s
 
-    from densepass.index.bm25 import _stemmer
+    from densepass.index.bm25 import english_stemmer
 
     passages = ["audio editor for linux audio", "python library for audio", "free font collection",
                 "mail server and mail tools", "video player and audio player"]
     queries = ["audio editor", "python fonts", "mail", "video audio player", "zzz unknown"]
     q, p, retriever = bm25_instance_matrices(queries, passages, [0, 1, 2, 3, 4])
-    tokens = bm25s.tokenize(queries, stopwords="en", stemmer=_stemmer(), return_ids=False, show_progress=False)
+    tokens = bm25s.tokenize(queries, stopwords="en", stemmer=english_stemmer(), return_ids=False, show_progress=False)
     for i, toks in enumerate(tokens):
         expected = retriever.get_scores(toks) if toks else np.zeros(5)
         np.testing.assert_allclose((q[i] @ p.T).toarray().ravel(), expected, rtol=1e-5)

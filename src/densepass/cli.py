@@ -32,12 +32,7 @@ def _pretrain(args: argparse.Namespace) -> None:
 
 
 def _analyze_attention(args: argparse.Namespace) -> None:
-    from densepass.analysis.attention import (
-        attention_entropy,
-        entropy_table,
-        plot_entropy,
-        sample_passages,
-    )
+    from densepass.analysis.attention import attention_entropy, entropy_table, plot_entropy, sample_passages
     from densepass.data import load_dataset
     from densepass.device import default_device
     from densepass.errors import ConfigError
@@ -76,11 +71,7 @@ def _index(args: argparse.Namespace) -> None:
 
 def _evaluate(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
-    from densepass.evaluation.metrics import (
-        evaluate_run,
-        paired_significance,
-        read_trec_run,
-    )
+    from densepass.evaluation.metrics import evaluate_run, paired_significance, read_trec_run
 
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     qrels = dataset.split(args.split)

@@ -11,7 +11,8 @@ import numpy as np
 from densepass.errors import DensepassError
 
 
-def _stemmer():
+def english_stemmer():
+    """PyStemmer's English Snowball stemmer, or None when PyStemmer is not installed."""
     try:
         import Stemmer
 
@@ -26,13 +27,13 @@ class BM25Index:
     def __init__(self, retriever: bm25s.BM25, size: int) -> None:
         self.retriever = retriever
         self.size = size
-        self.stemmer = _stemmer()
+        self.stemmer = english_stemmer()
 
     @classmethod
     def build(cls, texts: Sequence[str], k1: float = 0.9, b: float = 0.4, show_progress: bool = False) -> BM25Index:
         if len(texts) == 0:
             raise DensepassError("cannot build a BM25 index over an empty corpus")
-        tokens = bm25s.tokenize(list(texts), stopwords="en", stemmer=_stemmer(), show_progress=show_progress)
+        tokens = bm25s.tokenize(list(texts), stopwords="en", stemmer=english_stemmer(), show_progress=show_progress)
         retriever = bm25s.BM25(k1=k1, b=b)
         retriever.index(tokens, show_progress=show_progress)
         return cls(retriever, len(texts))

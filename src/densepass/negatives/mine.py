@@ -60,7 +60,8 @@ class MiningContext:
     model: BiEncoder | None = None  # for source=model: a model in memory (the one being trained) instead of a path
 
 
-def _fetch_depth(depth: int) -> int:
+def fetch_depth(depth: int) -> int:
+    """Candidates a strategy ranks for a pool of ``depth``: room for those the filters remove."""
     return depth + max(16, depth // 4)  # room for the candidates the filters remove
 
 
@@ -68,7 +69,7 @@ def raw_pool(spec: str, dataset: RetrievalDataset, query_ids: Sequence[str], con
              ctx: MiningContext) -> NegativePool:
     """Unfiltered candidates of one strategy: ``bm25``, ``context``, ``model``, ``dense[:DIM]``,
     ``file:PATH``, ``file`` (config.file) or ``mixed`` (config.mix)."""
-    depth = _fetch_depth(config.pool_depth)
+    depth = fetch_depth(config.pool_depth)
     name, _, arg = spec.partition(":")
     if name == "bm25":
         from densepass.negatives.bm25 import mine_bm25_negatives

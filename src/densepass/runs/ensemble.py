@@ -22,11 +22,7 @@ from densepass.evaluation.metrics import Run, evaluate_run, make_run
 from densepass.index.exact import exact_search
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
-from densepass.negatives.fusion import (
-    fuse_embeddings,
-    reciprocal_rank_fusion,
-    tune_weights,
-)
+from densepass.negatives.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
 
 METHODS = ("embedding", "rrf")
 

@@ -29,9 +29,9 @@ from densepass.negatives.refresh import NegativeRefresher
 from densepass.runs.evalset import EvalSet, add_rerank_candidates, build_eval_set
 from densepass.runs.report import print_table, write_report
 from densepass.runs.validation import Validator
-from densepass.scheduling.planner import EpochPlanner
 from densepass.training import distributed
 from densepass.training.batches import TrainingData
+from densepass.training.planner import EpochPlanner
 from densepass.training.trainer import planned_steps, resume_step, train
 
 

@@ -37,12 +37,7 @@ from densepass.evaluation.subcorpus import (
 )
 from densepass.index.retrieve import dense_retrieve, search_embeddings
 from densepass.io import atomic_write_text
-from densepass.models.biencoder import (
-    CONFIG_NAME,
-    DEFAULT_MODEL,
-    BiEncoder,
-    resolve_model_path,
-)
+from densepass.models.biencoder import CONFIG_NAME, DEFAULT_MODEL, BiEncoder, resolve_model_path
 from densepass.models.encode import encode_texts
 
 

@@ -120,9 +120,9 @@ def bm25_instance_matrices(
     scored by bm25s over the collection ``passages`` (the distinct positive passages)."""
     import bm25s
 
-    from densepass.index.bm25 import _stemmer
+    from densepass.index.bm25 import english_stemmer
 
-    stemmer = _stemmer()
+    stemmer = english_stemmer()
     corpus_tokens = bm25s.tokenize(list(passages), stopwords="en", stemmer=stemmer, show_progress=False)
     retriever = bm25s.BM25(k1=k1, b=b)
     retriever.index(corpus_tokens, show_progress=False)
@@ -140,3 +140,12 @@ def bm25_instance_matrices(
                 cols.append(vocab[tok])
     counts = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(queries), n_terms))
     return counts, weights[np.asarray(passage_of)], retriever
+
+
+def mean_hardness(sim: BilinearSimilarity, batches: list[list[int]]) -> float:
+    """Mean h(B) (eq. 1) over batches, from the running-sum identity h = sQ.sP - sum Q_i.P_i."""
+    values = []
+    for batch in batches:
+        sums = sim.sums(batch)
+        values.append(float(sums[: sim.dim] @ sums[sim.dim :] - sim.self_sim[torch.as_tensor(batch, device=sim.device)].sum()))
+    return float(np.mean(values)) if values else 0.0

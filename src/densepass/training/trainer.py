@@ -34,7 +34,7 @@ from densepass.training.step import batch_tensors, forward_backward
 
 
 class BatchPlanner(Protocol):
-    """epoch -> that epoch's batches of instance indices (see ``densepass.scheduling.planner``)."""
+    """epoch -> that epoch's batches of instance indices (see ``densepass.training.planner``)."""
 
     steps_per_epoch: int
 

@@ -14,7 +14,9 @@ import json
 import multiprocessing as mp
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,45 +25,49 @@ from densepass.config import ScheduleConfig
 from densepass.errors import ConfigError
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
-from densepass.scheduling.baselines import (
-    clustered_batches,
-    random_batches,
-    sequential_batches,
-)
+from densepass.scheduling.baselines import clustered_batches, random_batches, sequential_batches
 from densepass.scheduling.concurrent import iter_concurrent_batches
 from densepass.scheduling.conflicts import build_conflicts
 from densepass.scheduling.greedy import iter_batches, neighbour_lists
-from densepass.scheduling.similarity import BilinearSimilarity, bm25_instance_matrices
+from densepass.scheduling.similarity import BilinearSimilarity, bm25_instance_matrices, mean_hardness
 from densepass.training.batches import TrainingData
 
 
-def mean_hardness(sim: BilinearSimilarity, batches: list[list[int]]) -> float:
-    """Mean h(B) (eq. 1) over batches, from the running-sum identity h = sQ.sP - sum Q_i.P_i."""
-    values = []
-    for batch in batches:
-        sums = sim.sums(batch)
-        values.append(float(sums[: sim.dim] @ sums[sim.dim :] - sim.self_sim[torch.as_tensor(batch, device=sim.device)].sum()))
-    return float(np.mean(values)) if values else 0.0
+@dataclass
+class ScheduleJob:
+    """One epoch of ABS scheduling, as handed to the scheduler process: the instances' similarity
+    matrices (dense or sparse), the conflicts, and the settings of ``ScheduleConfig``."""
+
+    queries: Any
+    passages: Any
+    device: str
+    batch_size: int
+    conflicts: list[list[int]]
+    seed: int
+    beam_width: int  # 1 = greedy
+    restrict_top_k: int | None
+    max_swaps: int | None
+    concurrent_batches: int
 
 
-def _schedule_epoch(queue, queries, passages, device, batch_size, conflicts, seed, beam_width, restrict, max_swaps,
-                    concurrent):
+def _schedule_epoch(queue, job: ScheduleJob) -> None:
     """Build the similarity, stream one epoch's batches into ``queue``, then its statistics."""
     started = time.perf_counter()
-    sim = BilinearSimilarity(queries, passages, device=device)
-    if concurrent > 1:
-        scheduled = iter_concurrent_batches(sim, batch_size, concurrent, conflicts=conflicts, seed=seed,
-                                            max_swaps=max_swaps)
+    sim = BilinearSimilarity(job.queries, job.passages, device=job.device)
+    if job.concurrent_batches > 1:
+        scheduled = iter_concurrent_batches(sim, job.batch_size, job.concurrent_batches, conflicts=job.conflicts,
+                                            seed=job.seed, max_swaps=job.max_swaps)
     else:
-        scheduled = iter_batches(sim, batch_size, conflicts=conflicts, seed=seed, beam_width=beam_width,
-                                 neighbours=neighbour_lists(sim, restrict) if restrict else None, max_swaps=max_swaps)
+        neighbours = neighbour_lists(sim, job.restrict_top_k) if job.restrict_top_k else None
+        scheduled = iter_batches(sim, job.batch_size, conflicts=job.conflicts, seed=job.seed,
+                                 beam_width=job.beam_width, neighbours=neighbours, max_swaps=job.max_swaps)
     batches = []
     for batch in scheduled:
         queue.put(batch)
         batches.append(batch)
     elapsed = time.perf_counter() - started
-    baseline = random_batches(sim.n, batch_size, seed, 0)
-    full = [b for b in batches if len(b) == batch_size]  # compare like with like: full batches only
+    baseline = random_batches(sim.n, job.batch_size, job.seed, 0)
+    full = [b for b in batches if len(b) == job.batch_size]  # compare like with like: full batches only
     queue.put({"schedule_s": elapsed, "mean_hardness": mean_hardness(sim, full),
                "random_mean_hardness": mean_hardness(sim, baseline), "n_batches": len(batches)})
 
@@ -69,7 +75,7 @@ def _schedule_epoch(queue, queries, passages, device, batch_size, conflicts, see
 def _worker_loop(jobs, results) -> None:
     """A scheduler process that lives across epochs (its start-up is paid once per run)."""
     while (job := jobs.get()) is not None:
-        _schedule_epoch(results, *job)
+        _schedule_epoch(results, job)
 
 
 class EpochPlanner:
@@ -137,13 +143,13 @@ class EpochPlanner:
 
     def _abs(self, epoch: int) -> Iterator[list[int]]:
         queries, passages = self._matrices(epoch)
-        args = (str(self.device), self.batch_size, self.conflicts, self.seed + epoch,
-                self.config.beam_width if self.config.method == "abs-beam" else 1,
-                self.config.restrict_top_k, self.config.max_swaps, self.config.concurrent_batches)
+        job = ScheduleJob(queries, passages, str(self.device), self.batch_size, self.conflicts, self.seed + epoch,
+                          self.config.beam_width if self.config.method == "abs-beam" else 1,
+                          self.config.restrict_top_k, self.config.max_swaps, self.config.concurrent_batches)
         waited = 0.0
         if self.config.background:
             jobs, results = self._worker()
-            jobs.put((queries, passages, *args))
+            jobs.put(job)
             try:
                 while True:
                     start = time.perf_counter()
@@ -158,7 +164,7 @@ class EpochPlanner:
                 raise
         else:
             items: list = []
-            _schedule_epoch(_ListQueue(items), queries, passages, *args)
+            _schedule_epoch(_ListQueue(items), job)
             stats = items.pop()
             yield from items
         self._log({"epoch": epoch, "method": self.config.method, "similarity": self.similarity_source(epoch),
