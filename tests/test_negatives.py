@@ -16,13 +16,14 @@ from densepass.data import load_dataset
 from densepass.data.dataset import Corpus, RetrievalDataset
 from densepass.data.keys import half_id, split_in_half
 from densepass.errors import ConfigError, DataError
+from densepass.evaluation.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
 from densepass.negatives.context import mine_context_negatives
 from densepass.negatives.filters import AnswerFilter, CrossEncoderFilter, DuplicateFilter, QrelsFilter, apply_filters
-from densepass.negatives.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.mixed import mix_pools
 from densepass.negatives.pool import Candidate, load_pool, passage_ids, save_pool
 from densepass.training.batches import TrainingData, draw_negatives
+from densepass.training.miner import prepare_miners
 
 
 def small_dataset() -> RetrievalDataset:
@@ -61,7 +62,9 @@ def test_no_relevant_passage_is_ever_a_negative(tiny_beir, tiny_model_dir, tmp_p
         extra = {"model": str(tiny_model_dir)}
     depth = 40 if source in ("dense", "model") else 10  # 40: the dense miners rank the whole corpus
     config = NegativesConfig(source=source, pool_depth=depth, miner_steps=2, **extra)
-    result = mine_negatives(dataset, qids, config, tiny_context(tmp_path, tiny_model_dir))
+    ctx = tiny_context(tmp_path, tiny_model_dir)
+    prepare_miners(dataset, qids, config, ctx)
+    result = mine_negatives(dataset, qids, config, ctx)
     relevant = dataset.relevant_sets()
     assert set(result.pool) == set(qids)
     assert sum(map(len, result.pool.values())) > 0
@@ -123,7 +126,7 @@ def test_context_negatives_on_debian_packages():
 def test_coarse_miner_has_the_requested_dimension(tiny_beir, tiny_model_dir, tmp_path):
     from densepass.models.biencoder import BiEncoder
     from densepass.models.encode import encode_texts
-    from densepass.negatives.dense import train_miner
+    from densepass.training.miner import train_miner
 
     dataset = load_dataset(str(tiny_beir))
     ctx = tiny_context(tmp_path, tiny_model_dir)
@@ -131,8 +134,29 @@ def test_coarse_miner_has_the_requested_dimension(tiny_beir, tiny_model_dir, tmp
                         torch_cpu(), str(tiny_model_dir), ctx.architecture)
     emb = encode_texts(model, ["audio editor", "kernel driver"], "query", device=torch_cpu(), show_progress=False)
     assert model.dim == 25 and emb.shape == (2, 25)
-    reloaded = BiEncoder.from_pretrained(str(tmp_path / "coarse" / "model"))
-    assert reloaded.dim == 25
+    (saved,) = (tmp_path / "coarse").glob("miner-25d-*/model")
+    assert BiEncoder.from_pretrained(str(saved)).dim == 25
+
+
+def test_a_dense_miner_is_reused_only_for_the_same_settings(tiny_beir, tiny_model_dir, tmp_path):
+    from densepass.training.miner import prepare_miners
+
+    dataset = load_dataset(str(tiny_beir))
+    qids = sorted(dataset.positives("train"))
+    trained = []
+    for steps in (2, 2, 3):  # the same miner twice, then another number of steps
+        ctx = tiny_context(tmp_path, tiny_model_dir)
+        prepare_miners(dataset, qids, NegativesConfig(source="dense", dense_dim=8, miner_steps=steps), ctx)
+        trained.append(sorted(p.name for p in (tmp_path / "miners").glob("miner-8d-*")))
+    assert len(trained[0]) == 1 and trained[1] == trained[0]
+    assert len(trained[2]) == 2
+
+
+def test_dense_mining_without_its_miner_is_a_one_line_error(tiny_beir):
+    dataset = load_dataset(str(tiny_beir))
+    config = NegativesConfig(source="mixed", mix=["bm25", "dense:25"])
+    with pytest.raises(ConfigError, match="needs a trained 25-d miner"):
+        mine_negatives(dataset, ["q0"], config, MiningContext(show_progress=False))
 
 
 def torch_cpu():

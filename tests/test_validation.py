@@ -11,11 +11,11 @@ from densepass.config import ValidationConfig
 from densepass.data import load_dataset
 from densepass.errors import ConfigError, DataError
 from densepass.evaluation.metrics import evaluate_run, make_run
-from densepass.evaluation.subcorpus import Subcorpus, bm25_retriever, gold_subcorpus, hard_subcorpus, random_subcorpus
+from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.index.retrieve import dense_retrieve
 from densepass.models.biencoder import BiEncoder
 from densepass.runs.study import checkpoint_name, expand_checkpoints, ordering_agreement, run_study
-from densepass.runs.validation import Validator
+from densepass.runs.validation import Validator, bm25_retriever
 
 
 @pytest.fixture

@@ -101,6 +101,7 @@ def _mine(args: argparse.Namespace) -> None:
     from densepass.models.biencoder import BiEncoderConfig
     from densepass.negatives.mine import MiningContext, mine_negatives
     from densepass.negatives.pool import save_pool
+    from densepass.training.miner import prepare_miners
 
     options = {"negatives.source": args.strategy, "negatives.pool_depth": args.depth, "negatives.model": args.model,
                "negatives.file": args.file, "negatives.filters": args.filters, "negatives.mix": args.mix,
@@ -123,6 +124,7 @@ def _mine(args: argparse.Namespace) -> None:
                         seed=data.seed)
     print(f"mining {config.negatives.source} negatives for {len(query_ids)} {data.train_split} queries of "
           f"{data.name} on {device.type}", file=sys.stderr)
+    prepare_miners(dataset, query_ids, config.negatives, ctx)
     result = mine_negatives(dataset, query_ids, config.negatives, ctx)
     save_pool(result.pool, output)
     _print_mining_summary(result, output)

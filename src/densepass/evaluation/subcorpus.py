@@ -96,23 +96,3 @@ def hard_subcorpus(
     top = retriever(list(query_texts), k)
     rows.update(int(r) for r in np.asarray(top).ravel() if r >= 0)
     return Subcorpus("hard", _ordered(corpus, rows), {"k": k, "retriever": retriever_name, "queries": len(qrels)})
-
-
-def bm25_retriever(corpus: Corpus) -> Retriever:
-    """BM25 over the whole corpus as an H_k retriever."""
-    from densepass.index.bm25 import BM25Index
-
-    index = BM25Index.build(corpus.passage_inputs(" "))
-    return lambda queries, k: index.search(queries, k)[1]
-
-
-def dense_retriever(corpus: Corpus, model_path: str, batch_size: int = 256) -> Retriever:
-    """Any saved bi-encoder checkpoint as an H_k retriever."""
-    from densepass.index.exact import exact_search
-    from densepass.models.biencoder import BiEncoder
-    from densepass.models.encode import encode_texts
-
-    model = BiEncoder.from_pretrained(model_path)
-    passages = encode_texts(model, corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage",
-                            batch_size=batch_size)
-    return lambda queries, k: exact_search(encode_texts(model, queries, "query", batch_size=batch_size), passages, k)[1]

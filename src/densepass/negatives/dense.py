@@ -1,24 +1,21 @@
 """Dense hard negatives: top-k passages of each training query under a bi-encoder, by exact search.
 
 The miner is any ``BiEncoder``: a saved checkpoint (the training-inference-gap paper's model-based
-negatives, §4.3.1) or a dual encoder trained on the training pairs with a projection of the chosen
-size (negative-contrast §4.2: 25-d for "coarse", 512-d for "fine"), trained by ``train_miner`` with
-the ordinary trainer: random batches, in-batch negatives only.
+negatives, §4.3.1), the model being trained (ANCE-style refresh), or a dual encoder trained on the
+training pairs with a projection of the chosen size (negative-contrast §4.2: 25-d for "coarse", 512-d
+for "fine"; ``densepass.training.miner`` trains those).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from densepass.config import TrainConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.index.exact import exact_search
-from densepass.models.biencoder import BiEncoder, BiEncoderConfig
+from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
 from densepass.negatives.pool import Candidate, NegativePool
 
@@ -46,31 +43,3 @@ def mine_dense_negatives(
     ids = dataset.corpus.ids
     return {qid: [Candidate(ids[r], source, s) for s, r in zip(row_s[skip_top:], row_r[skip_top:])]
             for qid, row_s, row_r in zip(query_ids, scores.tolist(), rows.tolist())}
-
-
-def train_miner(
-    dataset: RetrievalDataset,
-    query_ids: Sequence[str],
-    projection_dim: int,
-    train_config: TrainConfig,
-    work_dir: str | Path,
-    device: torch.device,
-    base_model: str = "all-MiniLM-L6-v2",
-    architecture: BiEncoderConfig | None = None,
-    split: str = "train",
-) -> BiEncoder:
-    """A dual encoder with a ``projection_dim`` projection, trained on (query, positive) pairs with
-    random batches and no hard negatives; saved under ``work_dir/model`` and reused when present."""
-    from densepass.training.batches import TrainingData
-    from densepass.training.trainer import train
-
-    work_dir = Path(work_dir)
-    saved = work_dir / "model"
-    if (saved / "config.json").is_file():
-        return BiEncoder.from_pretrained(str(saved))
-    arch = dataclasses.replace(architecture or BiEncoderConfig(), projection_dim=projection_dim)
-    model = BiEncoder.from_pretrained(base_model, config=arch)
-    data = TrainingData(dataset, split, model.tokenizer.sep_token or " ", query_ids=query_ids)
-    train(model, data, train_config, work_dir, device)
-    model.save(saved)
-    return model

@@ -7,10 +7,9 @@ drop false negatives, and each query keeps its best ``pool_depth`` survivors. Tr
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -58,11 +57,27 @@ class MiningContext:
     seed: int = 13
     show_progress: bool = True
     model: BiEncoder | None = None  # for source=model: a model in memory (the one being trained) instead of a path
+    miners: dict[int, BiEncoder] = field(default_factory=dict)  # dense:DIM -> its trained miner (training.miner)
 
 
 def fetch_depth(depth: int) -> int:
     """Candidates a strategy ranks for a pool of ``depth``: room for those the filters remove."""
     return depth + max(16, depth // 4)  # room for the candidates the filters remove
+
+
+def dense_dim(spec: str, config: NegativesConfig) -> int:
+    """The projection size of a ``dense`` or ``dense:DIM`` strategy."""
+    _, _, arg = spec.partition(":")
+    if arg and not arg.isdigit():
+        raise ConfigError(f"negatives strategy {spec!r}: the dimension after 'dense:' must be a number")
+    return int(arg) if arg else config.dense_dim
+
+
+def dense_specs(config: NegativesConfig, strategy: str | None = None) -> list[str]:
+    """The ``dense[:DIM]`` strategies that mining ``strategy`` (default: ``config.source``) will run."""
+    strategy = strategy or config.source
+    specs = config.mix if strategy == "mixed" else [strategy]
+    return [s for s in specs if s.partition(":")[0] == "dense"]
 
 
 def raw_pool(spec: str, dataset: RetrievalDataset, query_ids: Sequence[str], config: NegativesConfig,
@@ -82,7 +97,7 @@ def raw_pool(spec: str, dataset: RetrievalDataset, query_ids: Sequence[str], con
 
         return mine_context_negatives(dataset, query_ids, depth, ctx.split, ctx.seed)
     if name in ("model", "dense"):
-        from densepass.negatives.dense import mine_dense_negatives, train_miner
+        from densepass.negatives.dense import mine_dense_negatives
 
         if name == "model" and ctx.model is not None:
             model, source = ctx.model, "model"
@@ -91,15 +106,11 @@ def raw_pool(spec: str, dataset: RetrievalDataset, query_ids: Sequence[str], con
                 raise ConfigError("negatives.source=model needs negatives.model (a saved model)")
             model, source = BiEncoder.from_pretrained(config.model), "model"
         else:
-            dim = int(arg) if arg.isdigit() else config.dense_dim
-            if ctx.work_dir is None:
-                raise ConfigError("dense mining trains a miner and needs a work directory")
-            base = ctx.train_config or TrainConfig()
-            miner_config = dataclasses.replace(base, epochs=1, max_steps=config.miner_steps,
-                                               checkpoint_every=10**9, keep_checkpoints=1)
-            model = train_miner(dataset, query_ids, dim, miner_config, ctx.work_dir / f"miner-{dim}d",
-                                ctx.device or torch.device("cpu"), ctx.base_model, ctx.architecture, ctx.split)
-            source = f"dense-{dim}d"
+            dim = dense_dim(spec, config)
+            if dim not in ctx.miners:
+                raise ConfigError(f"{spec} mining needs a trained {dim}-d miner in the mining context "
+                                  "(densepass.training.miner.prepare_miners trains it)")
+            model, source = ctx.miners[dim], f"dense-{dim}d"
         return mine_dense_negatives(model, dataset, query_ids, depth, config.skip_top, source, config.batch_size,
                                     ctx.device, show_progress=ctx.show_progress)
     if name == "file":

@@ -1,7 +1,7 @@
 """Evaluate ensembles of saved bi-encoders on a split (negative-contrast §4.4, Table 2's last rows).
 
 Each model encodes the split's queries and the whole corpus once. "embedding": fused embeddings
-(``negatives.fusion.fuse_embeddings``) with weights tuned on the same split by coordinate-wise grid
+(``evaluation.fusion.fuse_embeddings``) with weights tuned on the same split by coordinate-wise grid
 search on ``tune_metric`` (as the paper tunes on dev); "rrf": reciprocal rank fusion of the models'
 runs. Each single model is reported too.
 """
@@ -18,11 +18,11 @@ import torch
 from densepass.data.dataset import RetrievalDataset, sample_queries
 from densepass.device import default_device
 from densepass.errors import ConfigError
+from densepass.evaluation.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
 from densepass.evaluation.metrics import Run, evaluate_run, make_run
 from densepass.index.exact import exact_search
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
-from densepass.negatives.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
 
 METHODS = ("embedding", "rrf")
 

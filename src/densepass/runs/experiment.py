@@ -25,13 +25,14 @@ from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import passage_ids, save_pool
-from densepass.negatives.refresh import NegativeRefresher
 from densepass.runs.evalset import EvalSet, add_rerank_candidates, build_eval_set
 from densepass.runs.report import print_table, write_report
 from densepass.runs.validation import Validator
 from densepass.training import distributed
 from densepass.training.batches import TrainingData
+from densepass.training.miner import prepare_miners
 from densepass.training.planner import EpochPlanner
+from densepass.training.refresh import NegativeRefresher
 from densepass.training.trainer import planned_steps, resume_step, train
 
 
@@ -136,6 +137,7 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
             context = MiningContext(config.data.train_split, device, full_bm25, run_dir / "negatives",
                                     config.model.name_or_path, model.config, config.train, config.data.seed,
                                     show_progress=main)
+            prepare_miners(dataset, train_qids, neg, context)
             mined = mine_negatives(dataset, train_qids, neg, context, sep)
             if main:
                 save_pool(mined.pool, run_dir / "negatives.jsonl")

@@ -27,18 +27,12 @@ from scipy.stats import kendalltau
 from densepass.data.dataset import RetrievalDataset, sample_queries
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import evaluate_run, make_run
-from densepass.evaluation.subcorpus import (
-    Subcorpus,
-    bm25_retriever,
-    dense_retriever,
-    gold_subcorpus,
-    hard_subcorpus,
-    random_subcorpus,
-)
+from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.index.retrieve import dense_retrieve, search_embeddings
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import CONFIG_NAME, DEFAULT_MODEL, BiEncoder, resolve_model_path
 from densepass.models.encode import encode_texts
+from densepass.runs.validation import bm25_retriever, dense_retriever
 
 
 @dataclass

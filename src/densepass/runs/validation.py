@@ -14,20 +14,30 @@ from pathlib import Path
 import torch
 
 from densepass.config import ValidationConfig
-from densepass.data.dataset import RetrievalDataset, sample_queries
+from densepass.data.dataset import Corpus, RetrievalDataset, sample_queries
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import evaluate_run, make_run
-from densepass.evaluation.subcorpus import (
-    Subcorpus,
-    bm25_retriever,
-    dense_retriever,
-    gold_subcorpus,
-    hard_subcorpus,
-    random_subcorpus,
-)
+from densepass.evaluation.subcorpus import Retriever, Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
+from densepass.index.bm25 import BM25Index
+from densepass.index.exact import exact_search
 from densepass.index.retrieve import dense_retrieve
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder
+from densepass.models.encode import encode_texts
+
+
+def bm25_retriever(corpus: Corpus) -> Retriever:
+    """BM25 over the whole corpus as an H_k retriever."""
+    index = BM25Index.build(corpus.passage_inputs(" "))
+    return lambda queries, k: index.search(queries, k)[1]
+
+
+def dense_retriever(corpus: Corpus, model_path: str, batch_size: int = 256) -> Retriever:
+    """Any saved bi-encoder checkpoint as an H_k retriever."""
+    model = BiEncoder.from_pretrained(model_path)
+    passages = encode_texts(model, corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage",
+                            batch_size=batch_size)
+    return lambda queries, k: exact_search(encode_texts(model, queries, "query", batch_size=batch_size), passages, k)[1]
 
 
 def build_subcorpus(dataset: RetrievalDataset, config: ValidationConfig) -> tuple[Subcorpus, dict, list[str]]:

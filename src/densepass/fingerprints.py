@@ -1,0 +1,67 @@
+"""Content fingerprints: what caches, indexes and checkpoints are keyed by (never a path).
+
+A fingerprint is a short hex BLAKE2b digest of content: a model's weights (every tensor of its
+state dict, by name), a corpus (ids, titles, texts, documents), a list of texts, or any JSON-able
+configuration. Two things with the same fingerprint have the same content; anything saved under a
+fingerprint is reused only when the fingerprint of what is asked for matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+DIGEST_BYTES = 16
+
+
+def _hasher():
+    return hashlib.blake2b(digest_size=DIGEST_BYTES)
+
+
+def fingerprint_strings(items: Iterable[str]) -> str:
+    """Digest of a sequence of strings (each length-prefixed, so ``["ab", "c"]`` differs from ``["a", "bc"]``)."""
+    h = _hasher()
+    for item in items:
+        data = item.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def fingerprint_json(value: Any) -> str:
+    """Digest of a JSON-able value (dataclasses are converted; keys sorted, so dict order does not matter)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    return fingerprint_strings([json.dumps(value, sort_keys=True, default=str)])
+
+
+@torch.no_grad()
+def fingerprint_weights(module: nn.Module) -> str:
+    """Digest of every tensor in ``module.state_dict()`` (names, dtypes, shapes and bytes), wherever it lives."""
+    h = _hasher()
+    for name, tensor in sorted(module.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def fingerprint_file(path, chunk: int = 1 << 22) -> str:
+    """Digest of a file's bytes."""
+    h = _hasher()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprint_corpus(corpus) -> str:
+    """Digest of a ``Corpus``: its passage ids, titles, texts and document ids, in order."""
+    return fingerprint_strings([*corpus.ids, "\x00", *corpus.titles, "\x00", *corpus.texts, "\x00", *corpus.doc_ids])
