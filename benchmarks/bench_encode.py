@@ -1,9 +1,9 @@
 """Encoding throughput: densepass ``encode_texts`` against ``SentenceTransformer.encode``, same model,
 same ``title [SEP] text`` passages of debian-packages, same maximum length, in one run.
 
-    python benchmarks/bench_encode.py --n 2000 --out runs/bench/encode-cpu.json             # CPU
+    python benchmarks/bench_encode.py --n 2000 --out outputs/bench/encode-cpu.json             # CPU
     python benchmarks/bench_encode.py --model .carry/minilm-l6-fp16 --data-dir .carry/data \
-        --save-embeddings runs/bench/emb --out runs/bench/encode-h100.json                   # H100
+        --save-embeddings outputs/bench/emb --out outputs/bench/encode-h100.json                   # H100
 
 sentence-transformers runs as a user would run it: its default batch size (32) in float32, and, for
 fairness, in bfloat16 (``model.to(torch.bfloat16)``) at its default and at densepass's batch size.

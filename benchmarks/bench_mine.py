@@ -3,7 +3,7 @@ sentence-transformers' ``util.mine_hard_negatives`` on the same model, queries a
 
     python benchmarks/bench_mine.py --n 200 --corpus-n 3000                  # CPU (2 cores: ~2 min)
     python benchmarks/bench_mine.py --model .carry/minilm-l6-fp16 --data-dir .carry/data \
-        --out runs/bench_mine.json                                            # H100: all queries, full corpus
+        --out outputs/bench_mine.json                                            # H100: all queries, full corpus
 
 Same work on both sides: top-``--depth`` negatives per query from ranks [0, depth + margin) of an
 exact search over the same passage strings (``title [SEP] text``), the positive removed, the same

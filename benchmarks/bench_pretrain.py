@@ -2,9 +2,9 @@
 MLM through transformers' ``BertForMaskedLM`` on the same backbone, data, batch and sequence length.
 
     python benchmarks/bench_pretrain.py --batch-size 4 --max-length 32 --steps 3 --warmup 1 \
-        --out runs/bench_pretrain_cpu.json                                      # CPU smoke
+        --out outputs/bench_pretrain_cpu.json                                      # CPU smoke
     python benchmarks/bench_pretrain.py --model .carry/minilm-l6-fp16 --data-dir .carry/data \
-        --batch-size 64 --max-length 128 --steps 50 --out runs/bench_pretrain.json   # H100, bf16
+        --batch-size 64 --max-length 128 --steps 50 --out outputs/bench_pretrain.json   # H100, bf16
 
 Every system trains the same packed, masked batches (15% BERT masking) with AdamW under bf16 autocast on
 GPU (fp32 on CPU unless --cpu-bf16): forward, backward and optimiser step are timed after --warmup untimed steps. coCondenser
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out", default="runs/bench_pretrain.json")
+    parser.add_argument("--out", default="outputs/bench_pretrain.json")
     parser.add_argument("--cpu-bf16", action="store_true", help="bf16 autocast on CPU too (all systems)")
     args = parser.parse_args()
     device = default_device()

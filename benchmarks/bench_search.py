@@ -2,10 +2,10 @@
 against FAISS ``IndexFlatIP`` (faiss-cpu) on the same vectors, in one run; plus FAISS HNSW and IVF-PQ
 from ``densepass.index.faiss_index`` with their recall@k against exact search.
 
-    python benchmarks/bench_search.py --sizes 60000 --queries 1000 --out runs/bench/search-cpu.json     # CPU
-    python benchmarks/bench_search.py --sizes 60000 1000000 --out runs/bench/search-h100.json           # H100
-    python benchmarks/bench_search.py --sizes 60240 --embeddings runs/bench/emb/passages.npy \
-        --query-embeddings runs/bench/emb/queries.npy --out runs/bench/search-minilm-h100.json
+    python benchmarks/bench_search.py --sizes 60000 --queries 1000 --out outputs/bench/search-cpu.json     # CPU
+    python benchmarks/bench_search.py --sizes 60000 1000000 --out outputs/bench/search-h100.json           # H100
+    python benchmarks/bench_search.py --sizes 60240 --embeddings outputs/bench/emb/passages.npy \
+        --query-embeddings outputs/bench/emb/queries.npy --out outputs/bench/search-minilm-h100.json
 
 Vectors: --embeddings PASSAGES.npy [--query-embeddings QUERIES.npy] (e.g. MiniLM embeddings of
 debian-packages), else synthetic unit vectors (384-d, normal). Corpora larger than the file are not

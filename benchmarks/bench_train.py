@@ -3,9 +3,9 @@ with ``MultipleNegativesRankingLoss``, same model, same debian-packages (query, 
 negative) triplets, same batch size, bf16 autocast on GPU (and on CPU with --cpu-bf16), in one run; plus peak GPU memory, and
 densepass with gradient caching.
 
-    python benchmarks/bench_train.py --steps 2 --warmup 1 --batch-size 8 --out runs/bench/train-cpu.json   # CPU
+    python benchmarks/bench_train.py --steps 2 --warmup 1 --batch-size 8 --out outputs/bench/train-cpu.json   # CPU
     python benchmarks/bench_train.py --model .carry/minilm-l6-fp16 --data-dir .carry/data \
-        --out runs/bench/train-h100.json                                                               # H100
+        --out outputs/bench/train-h100.json                                                               # H100
 
 Both sides: AdamW (fused on GPU), lr 2e-5 with linear warm-up, gradient clipping at 1.0, temperature
 0.05 = MNRL's scale 20, float32 weights under bf16 autocast. Only optimisation steps are timed: the

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from densepass.cli import run_guarded
 from densepass.config import from_dict, load_config
-from densepass.runs.experiment import run_experiment
+from densepass.pipelines.experiment import run_experiment
 
 VARIANTS = {
     "Non-ABS-Sequential": ["schedule.method=sequential"],
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/abs_table2.yaml")
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--only", nargs="*", default=None, help="run only these variants")
-    parser.add_argument("--out", default="runs/abs-table2")
+    parser.add_argument("--out", default="outputs/abs-table2")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,9 +28,9 @@ from densepass.data import load_dataset
 from densepass.data.dataset import sample_queries
 from densepass.device import default_device
 from densepass.evaluation.metrics import paired_significance, read_trec_run
+from densepass.pipelines.experiment import run_experiment
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.trainer import pretrain
-from densepass.runs.experiment import run_experiment
 
 MODES = {"mlm": "MLM", "condenser": "Condenser", "cocondenser": "coCondenser"}
 METRICS = ["mrr@10", "recall@100"]
@@ -40,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="all-MiniLM-L6-v2")
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--out", default="runs/condenser-study")
+    parser.add_argument("--out", default="outputs/condenser-study")
     parser.add_argument("--stage", choices=["all", "pretrain", "finetune", "report"], default="all")
     parser.add_argument("--only", nargs="*", default=None, choices=["minilm", *MODES],
                         help="initialisers to run (pre-training skips minilm)")

@@ -35,8 +35,8 @@ from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoderConfig
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import save_pool
-from densepass.runs.ensemble import evaluate_ensemble
-from densepass.runs.experiment import run_experiment
+from densepass.pipelines.ensemble import evaluate_ensemble
+from densepass.pipelines.experiment import run_experiment
 
 POOLS = {"coarse": "dense:25", "fine": "dense:512", "bm25": "bm25", "context": "context"}
 ROWS = {"Rnd": None, "+Coarse": "coarse", "+Fine": "fine", "+BM25": "bm25", "+Context": "context", "+Mixed": "mixed"}
@@ -104,9 +104,9 @@ def main() -> None:
     parser.add_argument("--subset", nargs=3, type=int, metavar=("TRAIN", "DEV", "RANDOM"), default=None,
                         help="run on a copy with TRAIN / DEV sampled queries, the documents of their positives "
                              "and RANDOM random passages (a CPU-sized run)")
-    parser.add_argument("--out", default=None, help="default: runs/negatives-table2[-quick]")
+    parser.add_argument("--out", default=None, help="default: outputs/negatives-table2[-quick]")
     args = parser.parse_args()
-    out = Path(args.out or ("runs/negatives-table2-quick" if args.quick else "runs/negatives-table2"))
+    out = Path(args.out or ("outputs/negatives-table2-quick" if args.quick else "outputs/negatives-table2"))
     subset = (64, 32, 300) if args.quick and args.subset is None else args.subset
     overrides = list(args.set)
     if args.model:

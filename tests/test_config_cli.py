@@ -247,7 +247,7 @@ def subcorpus_config(**changes) -> DataConfig:
 
 
 def test_eval_subcorpus_has_gold_bm25_and_random_passages(dataset_and_bm25):
-    from densepass.runs.evalset import build_eval_set
+    from densepass.pipelines.evalset import build_eval_set
 
     dataset, bm25 = dataset_and_bm25
     dev = dataset.split("dev")
@@ -280,7 +280,7 @@ def test_eval_subcorpus_has_gold_bm25_and_random_passages(dataset_and_bm25):
 
 
 def test_eval_subcorpus_is_deterministic_under_seed(dataset_and_bm25):
-    from densepass.runs.evalset import build_eval_set
+    from densepass.pipelines.evalset import build_eval_set
 
     dataset, bm25 = dataset_and_bm25
     first = build_eval_set(dataset, subcorpus_config(), bm25)
@@ -292,7 +292,7 @@ def test_eval_subcorpus_is_deterministic_under_seed(dataset_and_bm25):
 
 
 def test_eval_subcorpus_random_only_and_capped(dataset_and_bm25):
-    from densepass.runs.evalset import build_eval_set
+    from densepass.pipelines.evalset import build_eval_set
 
     dataset, _ = dataset_and_bm25
     eval_set = build_eval_set(dataset, subcorpus_config(eval_hard_k=0, eval_random=2, max_eval_queries=None), None)
@@ -303,7 +303,7 @@ def test_eval_subcorpus_random_only_and_capped(dataset_and_bm25):
 
 
 def test_eval_set_full_corpus_and_errors(dataset_and_bm25):
-    from densepass.runs.evalset import build_eval_set
+    from densepass.pipelines.evalset import build_eval_set
 
     dataset, _ = dataset_and_bm25
     full = build_eval_set(dataset, subcorpus_config(eval_subcorpus=False), None)

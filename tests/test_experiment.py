@@ -8,7 +8,7 @@ import pytest
 
 from densepass.config import load_config
 from densepass.errors import ConfigError
-from densepass.runs.experiment import run_experiment
+from densepass.pipelines.experiment import run_experiment
 
 
 def tiny_config(tiny_beir, tiny_model_dir, tmp_path, *extra):

@@ -345,7 +345,7 @@ def test_mine_cli_writes_a_file_that_training_reads(tiny_beir, tmp_path, capsys)
 
 def test_ensemble_of_two_models(tiny_beir, tiny_model_dir, tmp_path):
     from densepass.models.biencoder import BiEncoder, BiEncoderConfig
-    from densepass.runs.ensemble import evaluate_ensemble
+    from densepass.pipelines.ensemble import evaluate_ensemble
 
     paths = []
     for dim in (8, 16):
@@ -390,7 +390,7 @@ def test_refresh_during_training_is_saved_filtered_and_resumable(tiny_beir, tiny
     import shutil
 
     from densepass.config import load_config
-    from densepass.runs.experiment import run_experiment
+    from densepass.pipelines.experiment import run_experiment
 
     def config(root, *extra):
         return load_config(None, [

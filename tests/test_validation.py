@@ -14,8 +14,8 @@ from densepass.evaluation.metrics import evaluate_run, make_run
 from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.index.retrieve import dense_retrieve
 from densepass.models.biencoder import BiEncoder
-from densepass.runs.study import checkpoint_name, expand_checkpoints, ordering_agreement, run_study
-from densepass.runs.validation import Validator, bm25_retriever
+from densepass.pipelines.study import checkpoint_name, expand_checkpoints, ordering_agreement, run_study
+from densepass.pipelines.validation import Validator, bm25_retriever
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path, monkeypatch):
     assert json.loads((tmp_path / "study" / "study.json").read_text())["direct_vs_sliced_max_diff"] < 1e-9
 
     # Resuming: saved checkpoint results are reused, not recomputed; a reordered list recomputes the new first one.
-    import densepass.runs.study as study
+    import densepass.pipelines.study as study
 
     evaluated = []
     original = study._evaluate_checkpoint

@@ -14,7 +14,7 @@ from densepass.errors import DensepassError
 
 def _run(args: argparse.Namespace) -> None:
     from densepass.config import load_config
-    from densepass.runs.experiment import run_experiment
+    from densepass.pipelines.experiment import run_experiment
 
     config = load_config(args.config, args.set)
     run_experiment(config)
@@ -87,7 +87,7 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 def _validate_study(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
-    from densepass.runs.study import expand_checkpoints, run_study
+    from densepass.pipelines.study import expand_checkpoints, run_study
 
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     run_study(dataset, expand_checkpoints(args.checkpoints), args.split, args.r, args.k, args.retriever,
@@ -147,9 +147,9 @@ def _print_mining_summary(result, output: Path) -> None:
 
 def _ensemble(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
+    from densepass.evaluation.tables import print_table
     from densepass.io import atomic_write_text
-    from densepass.runs.ensemble import evaluate_ensemble
-    from densepass.runs.report import print_table
+    from densepass.pipelines.ensemble import evaluate_ensemble
 
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     methods = ["embedding", "rrf"] if args.method == "both" else [args.method]

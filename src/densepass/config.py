@@ -158,7 +158,7 @@ class ExperimentConfig:
     """One run: data -> (baselines) -> training -> indexing -> evaluation -> report."""
 
     name: str = "experiment"
-    output_dir: str = "runs"
+    output_dir: str = "outputs"
     device: str | None = None  # None = cuda when available
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

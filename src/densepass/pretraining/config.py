@@ -74,7 +74,7 @@ class PretrainConfig:
     """One pre-training run; everything is written under ``<output_dir>/<name>/``."""
 
     name: str = "pretrain"
-    output_dir: str = "runs"
+    output_dir: str = "outputs"
     device: str | None = None  # None = cuda when available
     data: PretrainDataConfig = field(default_factory=PretrainDataConfig)
     model: PretrainModelConfig = field(default_factory=PretrainModelConfig)

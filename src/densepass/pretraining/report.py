@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from densepass.evaluation.tables import metrics_table
 from densepass.io import atomic_write_text
 from densepass.pretraining.config import PretrainConfig
-from densepass.runs.report import metrics_table
 
 TERMS = ("loss", "late_mlm", "head_mlm", "contrastive")
 

@@ -1,32 +1,12 @@
-"""The run report: a metrics table (markdown and terminal) and PNG plots of the training log."""
+"""The report of ``densepass run``: the metrics table and PNG plots of the training, validation and schedule logs."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from densepass.evaluation.tables import metrics_table
 from densepass.io import atomic_write_text
-
-
-def metrics_table(results: dict[str, dict[str, float]], metrics: list[str]) -> str:
-    header = "| system | " + " | ".join(metrics) + " |"
-    rule = "|---|" + "---:|" * len(metrics)
-    rows = [f"| {name} | " + " | ".join(f"{values.get(m, float('nan')):.4f}" for m in metrics) + " |"
-            for name, values in results.items()]
-    return "\n".join([header, rule, *rows])
-
-
-def print_table(results: dict[str, dict[str, float]], metrics: list[str], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("system")
-    for m in metrics:
-        table.add_column(m, justify="right")
-    for name, values in results.items():
-        table.add_row(name, *(f"{values.get(m, float('nan')):.4f}" for m in metrics))
-    Console().print(table)
 
 
 def plot_training_log(log_path: Path, out_path: Path) -> bool:

@@ -19,15 +19,16 @@ from densepass.device import default_device
 from densepass.errors import ConfigError
 from densepass.evaluation.answers import top_k_accuracy
 from densepass.evaluation.metrics import Run, evaluate_run, make_run, write_trec_run
+from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.retrieve import dense_retrieve, rerank_candidates
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import passage_ids, save_pool
-from densepass.runs.evalset import EvalSet, add_rerank_candidates, build_eval_set
-from densepass.runs.report import print_table, write_report
-from densepass.runs.validation import Validator
+from densepass.pipelines.evalset import EvalSet, add_rerank_candidates, build_eval_set
+from densepass.pipelines.report import write_report
+from densepass.pipelines.validation import Validator
 from densepass.training import distributed
 from densepass.training.batches import TrainingData
 from densepass.training.miner import prepare_miners

@@ -32,7 +32,7 @@ from densepass.index.retrieve import dense_retrieve, search_embeddings
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import CONFIG_NAME, DEFAULT_MODEL, BiEncoder, resolve_model_path
 from densepass.models.encode import encode_texts
-from densepass.runs.validation import bm25_retriever, dense_retriever
+from densepass.pipelines.validation import bm25_retriever, dense_retriever
 
 
 @dataclass
