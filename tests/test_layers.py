@@ -1,0 +1,73 @@
+"""The package's structure: layers point one way and no module imports itself back through others."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_no_lower_layer_imports_a_higher_one():
+    """The import-linter contract in pyproject.toml (function-level imports included)."""
+    lint = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    if not Path(lint).exists():
+        pytest.fail("lint-imports is missing: pip install -e '.[test]'")
+    result = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of a directed graph (iterative, any size)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    out.append(component)
+            elif child not in index:
+                index[child] = low[child] = counter[0]
+                counter[0] += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph.get(child, ())))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return out
+
+
+def test_strongly_connected_finds_a_cycle_and_nothing_else():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    components = sorted(sorted(c) for c in strongly_connected(graph))
+    assert components == [["a", "b", "c"], ["d"]]
+
+
+def test_no_module_imports_itself_through_others():
+    modules = grimp.build_graph("densepass", cache_dir=None)
+    graph = {m: set(modules.find_modules_directly_imported_by(m)) for m in modules.modules}
+    cycles = [sorted(c) for c in strongly_connected(graph) if len(c) > 1]
+    assert not cycles, f"import cycles: {cycles}"
