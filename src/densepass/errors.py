@@ -11,3 +11,7 @@ class DataError(DensepassError):
 
 class ConfigError(DensepassError):
     """A configuration value or key is invalid."""
+
+
+class DataWarning(UserWarning):
+    """Something in the input was skipped or repaired; reported once per file and kind, with a count."""

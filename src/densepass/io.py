@@ -46,3 +46,35 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def exclusive_lock(directory: str | Path, what: str = "run") -> Iterator[None]:
+    """Hold an exclusive lock on ``directory`` (created if missing) for the block's duration.
+
+    A second densepass process that asks for the same directory gets a one-line error instead of
+    interleaving its writes with the first one's. The lock is released when the process ends, however
+    it ends (``fcntl.flock`` on ``<directory>/.lock``).
+    """
+    import fcntl
+
+    from densepass.errors import DensepassError
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / ".lock", "a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise DensepassError(f"{directory} is in use by another densepass {what} ({holder}); "
+                                 "wait for it to finish or choose another directory") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}")
+        handle.flush()
+        yield
+    finally:
+        handle.close()

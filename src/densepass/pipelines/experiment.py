@@ -88,6 +88,13 @@ def evaluate_bm25(evalset: EvalSet, index: BM25Index, config: ExperimentConfig) 
     return score_run(evalset, run, config, "bm25")
 
 
+def run_identity(config: ExperimentConfig) -> dict:
+    """The settings besides ``train`` that change the fine-tuned model: resuming across a change is refused."""
+    schedule = {k: v for k, v in asdict(config.schedule).items() if k != "background"}
+    return {"data": asdict(config.data), "model": asdict(config.model), "negatives": asdict(config.negatives),
+            "schedule": schedule}
+
+
 def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
     """Run every stage of ``config`` and return {system: {metric: value}}."""
     for baseline in config.eval.baselines:
@@ -168,7 +175,7 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
                 raise ConfigError("negatives.refresh_every runs in a single process only (for now)")
             refresher = NegativeRefresher(neg.refresh_every, model, data, dataset, train_qids, neg, context,
                                           run_dir / "negatives", planned_steps(planner.steps_per_epoch, config.train))
-            refresher.restore(resume_step(run_dir))
+            refresher.restore(resume_step(run_dir, config.train, run_identity(config)))
         try:
             validator = (Validator(config.validation, dataset, model, device, run_dir, config.eval.metrics)
                          if config.validation.enabled and main else None)
@@ -178,7 +185,7 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
                 for callback in callbacks:
                     callback(step)
 
-            result = train(model, data, config.train, run_dir, device, planner,
+            result = train(model, data, config.train, run_dir, device, planner, identity=run_identity(config),
                            on_epoch_end=evaluate_epoch if config.eval.each_epoch else None,
                            on_step_end=on_step_end if callbacks else None)
         finally:

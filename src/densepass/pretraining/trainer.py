@@ -19,29 +19,31 @@ exactly as the uninterrupted run would have.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
+from densepass.checkpoints import BOOKKEEPING, Checkpoints, restore_rng, trim_log
 from densepass.config import save_config
 from densepass.data import load_dataset
 from densepass.device import RandomState, autocast_context, default_device, uses_bf16
 from densepass.errors import ConfigError
-from densepass.io import atomic_directory
 from densepass.pretraining.condenser import Condenser, span_contrastive_loss
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.data import Batch, mlm_batches, span_batches, subset_corpus
 from densepass.pretraining.masking import Masker
 
 LOG_NAME = "train_log.jsonl"
+WEIGHTS = "model.safetensors"  # the whole Condenser (backbone, head, MLM head) of a checkpoint
 
 
 @dataclass
@@ -117,34 +119,14 @@ def forward_backward(model: Condenser, batch: Batch, accumulation: int, device: 
     return terms
 
 
-def _checkpoints(run_dir: Path) -> list[Path]:
-    found = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "trainer_state.pt").is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
-def _save_checkpoint(model: Condenser, optimizer, scheduler, step: int, run_dir: Path, keep: int) -> None:
-    with atomic_directory(run_dir / "checkpoints" / f"step-{step}") as tmp:
-        torch.save(model.state_dict(), tmp / "model.pt")
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step},
-                   tmp / "trainer_state.pt")
-    for old in _checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _resume(model: Condenser, optimizer, scheduler, run_dir: Path, log_path: Path) -> int:
-    """Load the latest checkpoint (if any) and cut the log back to it; return the step reached."""
-    existing = _checkpoints(run_dir)
-    if not existing:
-        log_path.unlink(missing_ok=True)
-        return 0
-    model.load_state_dict(torch.load(existing[-1] / "model.pt", map_location="cpu", weights_only=True))
-    state = torch.load(existing[-1] / "trainer_state.pt", map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    if log_path.is_file():
-        kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= state["step"]]
-        log_path.write_text("".join(f"{line}\n" for line in kept))
-    return state["step"]
+def pretraining_identity(config: PretrainConfig) -> dict:
+    """The settings that change the pre-trained model (resuming across a change is refused)."""
+    identity = dataclasses.asdict(config)
+    for key in ("name", "output_dir", "device"):
+        identity.pop(key)
+    for key in BOOKKEEPING:
+        identity["train"].pop(key)
+    return identity
 
 
 def pretrain(config: PretrainConfig) -> PretrainResult:
@@ -173,7 +155,16 @@ def pretrain(config: PretrainConfig) -> PretrainResult:
                                   fused=device.type == "cuda")
     scheduler = get_linear_schedule_with_warmup(optimizer, int(t.warmup_ratio * t.max_steps), t.max_steps)
     log_path = run_dir / LOG_NAME
-    step = _resume(model, optimizer, scheduler, run_dir, log_path)
+    checkpoints = Checkpoints(run_dir, t.keep_checkpoints, pretraining_identity(config))
+    step = 0
+    resumed = checkpoints.latest()
+    if resumed is not None:
+        load_model(model, str(resumed.path / WEIGHTS))
+        optimizer.load_state_dict(resumed.optimizer)
+        scheduler.load_state_dict(resumed.scheduler)
+        restore_rng(resumed.rng)
+        step = resumed.step
+    trim_log(log_path, step)
     stream = itertools.islice(batch_stream(config, model.tokenizer), step, None)
     tokens, started, terms = 0, time.perf_counter(), {"loss": float("nan")}
     progress = tqdm(total=t.max_steps, initial=step, desc=f"pretrain {config.model.mode}", dynamic_ncols=True)
@@ -197,7 +188,7 @@ def pretrain(config: PretrainConfig) -> PretrainResult:
             with open(log_path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
         if step % t.checkpoint_every == 0 or step == t.max_steps:
-            _save_checkpoint(model, optimizer, scheduler, step, run_dir, t.keep_checkpoints)
+            checkpoints.save(step, lambda directory: save_model(model, str(directory / WEIGHTS)), optimizer, scheduler)
     progress.close()
     elapsed = time.perf_counter() - started
     backbone = run_dir / "backbone"

@@ -1,16 +1,17 @@
-"""The fine-tuning loop: AdamW with linear warm-up, checkpoints, resume, seeded determinism, logs.
+"""The fine-tuning loop: AdamW with linear warm-up, checkpoints, exact resume, seeded determinism, logs.
 
-A checkpoint is a directory ``checkpoints/step-N`` written atomically with the model (loadable like
-any saved BiEncoder) and ``trainer_state.pt`` (optimiser, scheduler, step). Batches and negatives
-depend only on (seed, epoch, step), so a resumed run continues exactly where the last checkpoint was.
+Checkpoints (``densepass.checkpoints``) hold the model (loadable like any saved BiEncoder), the
+optimiser, scheduler and random states, and the run's identity. Batches and negatives depend only on
+(seed, epoch, step) and dropout on the restored random state, so a run resumed after an interruption
+ends with the same weights, bit for bit, as one that never stopped.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
-import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,9 +23,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
+from densepass.checkpoints import BOOKKEEPING, Checkpoints, restore_rng, trim_log
 from densepass.config import TrainConfig
 from densepass.device import uses_bf16
-from densepass.io import atomic_directory
 from densepass.models.biencoder import BiEncoder
 from densepass.prefetch import prefetched
 from densepass.scheduling.baselines import random_batches
@@ -66,38 +67,26 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _step_of(checkpoint: Path) -> int:
-    return int(checkpoint.name.split("-")[1])
-
-
-def _checkpoints(run_dir: Path) -> list[Path]:
-    found = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "trainer_state.pt").is_file()]
-    return sorted(found, key=_step_of)
-
-
 def planned_steps(steps_per_epoch: int, config: TrainConfig) -> int:
     """Training steps of a run: every epoch's batches, capped by ``max_steps``."""
     total = steps_per_epoch * config.epochs
     return total if config.max_steps is None else min(total, config.max_steps)
 
 
-def resume_step(run_dir: Path) -> int:
+def training_identity(config: TrainConfig) -> dict:
+    """The settings of ``config`` that change the trained model (resuming across a change is refused)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in BOOKKEEPING}
+
+
+def checkpoints_of(run_dir: Path, config: TrainConfig, identity: dict | None = None) -> Checkpoints:
+    """The checkpoints of a fine-tuning run; ``identity`` adds the caller's settings (data, model, ...)."""
+    return Checkpoints(run_dir, config.keep_checkpoints, {"train": training_identity(config), **(identity or {})})
+
+
+def resume_step(run_dir: Path, config: TrainConfig, identity: dict | None = None) -> int:
     """The step ``train`` will resume from in ``run_dir`` (0 for a fresh run)."""
-    existing = _checkpoints(run_dir)
-    return _step_of(existing[-1]) if existing else 0
-
-
-def save_checkpoint(model: BiEncoder, optimizer, scheduler, step: int, run_dir: Path, keep: int) -> Path:
-    path = run_dir / "checkpoints" / f"step-{step}"
-    if distributed.rank() == 0:
-        with atomic_directory(path) as tmp:
-            model.save(tmp / "model")
-            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step},
-                       tmp / "trainer_state.pt")
-        for old in _checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    distributed.barrier()
-    return path
+    resumed = checkpoints_of(run_dir, config, identity).latest()
+    return resumed.step if resumed else 0
 
 
 def _load_weights(model: BiEncoder, path: Path) -> None:
@@ -114,8 +103,12 @@ def train(
     planner: BatchPlanner | None = None,
     on_epoch_end: Callable[[int], None] | None = None,
     on_step_end: Callable[[int], None] | None = None,
+    identity: dict | None = None,
 ) -> TrainResult:
-    """Fine-tune ``model`` in place on ``data``; resumes from the latest checkpoint in ``run_dir``."""
+    """Fine-tune ``model`` in place on ``data``; resumes from the newest intact checkpoint in ``run_dir``.
+
+    ``identity``: the caller's settings that define the run besides ``config`` (data, model, negatives,
+    batch order); a checkpoint written with other settings is refused."""
     seed_everything(config.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     world, rank = distributed.world_size(), distributed.rank()
@@ -128,20 +121,28 @@ def train(
         fused=device.type == "cuda",
     )
     scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
-    step = 0
-    existing = _checkpoints(run_dir)
-    if existing:
-        state = torch.load(existing[-1] / "trainer_state.pt", map_location="cpu", weights_only=False)
-        _load_weights(model, existing[-1] / "model")
-        model.to(device)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step = state["step"]
+    checkpoints = checkpoints_of(run_dir, config, identity)
     log_path = run_dir / "train_log.jsonl"
-    if step == 0 and rank == 0:
-        log_path.unlink(missing_ok=True)
+    step, interval = 0, (0.0, 0)
+    resumed = checkpoints.latest()
+    if resumed is not None:
+        _load_weights(model, resumed.path / "model")
+        model.to(device)
+        optimizer.load_state_dict(resumed.optimizer)
+        scheduler.load_state_dict(resumed.scheduler)
+        restore_rng(resumed.rng)
+        step, interval = resumed.step, tuple(resumed.extra["interval"])
+    if rank == 0:
+        trim_log(log_path, step)
     loss, seen, started = torch.tensor(float("nan")), 0, time.perf_counter()
-    interval_loss, interval_steps = torch.zeros((), device=device), 0  # summed on the device: no sync per step
+    # the loss summed since the last log record, on the device (no sync per step)
+    interval_loss, interval_steps = torch.tensor(interval[0], device=device), interval[1]
+
+    def save_checkpoint() -> None:
+        if rank == 0:
+            checkpoints.save(step, lambda directory: model.save(directory / "model"), optimizer, scheduler,
+                             {"interval": [interval_loss.item(), interval_steps]})
+        distributed.barrier()
     progress = tqdm(total=total, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
     # batches are collated and tokenised one step ahead in a worker thread, with its own tokenizer
     tokenizer, pin = copy.deepcopy(model.tokenizer), device.type == "cuda"
@@ -194,7 +195,7 @@ def train(
                     with open(log_path, "a") as handle:
                         handle.write(json.dumps(record) + "\n")
             if step % config.checkpoint_every == 0 or step == total:
-                save_checkpoint(model, optimizer, scheduler, step, run_dir, config.keep_checkpoints)
+                save_checkpoint()
             if on_step_end is not None and rank == 0:
                 on_step_end(step)
         if on_epoch_end is not None and rank == 0 and step == min(total, (epoch + 1) * steps_per_epoch):

@@ -1,0 +1,254 @@
+"""Training checkpoints shared by fine-tuning and pre-training: atomic, verified, resumed bit for bit.
+
+A checkpoint is a directory ``checkpoints/step-N/`` written atomically (a temporary directory renamed
+into place) holding
+
+- the model, written by the trainer (``BiEncoder.save`` or safetensors weights);
+- ``state.safetensors`` + ``state.json``: optimizer, learning-rate scheduler, step, the random states of
+  torch (CPU and CUDA), NumPy and Python, the trainer's extras, and the *identity* of the run (the
+  settings that change what is trained) -- as plain tensors and JSON, so resuming never unpickles;
+- ``manifest.json``, written last: the size and BLAKE2b digest of every other file.
+
+``Checkpoints.latest`` verifies the newest checkpoint against its manifest and falls back to the
+next newest intact one with a warning, so a checkpoint damaged on disk costs only the steps since the
+one before it. Restoring the random states makes a resumed run continue exactly as the uninterrupted
+run would have: same batches, same dropout, same final weights.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from densepass.errors import ConfigError, DataWarning
+from densepass.fingerprints import fingerprint_file
+from densepass.io import atomic_directory, atomic_write_text
+
+MANIFEST = "manifest.json"
+# training settings that change how often things are written, not what is trained: a resumed run may change them
+BOOKKEEPING = ("checkpoint_every", "keep_checkpoints", "log_every")
+STATE_JSON = "state.json"
+STATE_TENSORS = "state.safetensors"
+
+
+# ---- a tree of tensors and JSON values, stored without pickle ----------------------------------
+
+
+def _encode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """``value`` as JSON, tensors moved into ``tensors`` and referenced by key."""
+    if isinstance(value, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = value.detach().to("cpu").contiguous()
+        return {"__tensor__": key}
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, tensors) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _encode(v, tensors) for k, v in value.items()}
+        return {"__items__": [[_encode(k, tensors), _encode(v, tensors)] for k, v in value.items()]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"cannot store a {type(value).__name__} in a checkpoint")
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        return tensors[value["__tensor__"]]
+    if "__ndarray__" in value:
+        return np.asarray(value["__ndarray__"], dtype=value["dtype"])
+    if "__tuple__" in value:
+        return tuple(_decode(v, tensors) for v in value["__tuple__"])
+    if "__items__" in value:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__items__"]}
+    return {k: _decode(v, tensors) for k, v in value.items()}
+
+
+def save_tree(tree: dict, directory: Path) -> None:
+    """Write a nested structure of dicts, lists, tuples, numbers, strings, tensors and arrays."""
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = _encode(tree, tensors)
+    save_file(tensors, str(directory / STATE_TENSORS))
+    atomic_write_text(directory / STATE_JSON, json.dumps(encoded))
+
+
+def load_tree(directory: Path) -> dict:
+    """Read back what ``save_tree`` wrote (JSON and safetensors only)."""
+    tensors = load_file(str(directory / STATE_TENSORS))
+    return _decode(json.loads((directory / STATE_JSON).read_text()), tensors)
+
+
+# ---- random states ---------------------------------------------------------------------------
+
+
+def capture_rng() -> dict:
+    """The random states of Python, NumPy's global generator, torch's CPU generator and every CUDA device."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(state: dict) -> None:
+    """Set the random states captured by ``capture_rng``."""
+    random.setstate(_as_python_state(state["python"]))
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    for i, cuda in enumerate(state["cuda"][: torch.cuda.device_count() if torch.cuda.is_available() else 0]):
+        torch.cuda.set_rng_state(cuda, i)
+
+
+def _as_python_state(value: Any) -> tuple:
+    """``random.setstate`` wants tuples all the way down."""
+    return tuple(_as_python_state(v) if isinstance(v, (list, tuple)) else v for v in value)
+
+
+# ---- checkpoint directories ------------------------------------------------------------------
+
+
+def step_of(path: Path) -> int:
+    """N of a ``step-N`` checkpoint directory."""
+    return int(path.name.split("-", 1)[1])
+
+
+def write_manifest(directory: Path) -> None:
+    """Record the size and digest of every file under ``directory`` (written last)."""
+    files = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "blake2b": fingerprint_file(p)}
+             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    atomic_write_text(directory / MANIFEST, json.dumps({"files": files}, indent=1))
+
+
+def verify(directory: Path) -> str | None:
+    """None when every file listed in the manifest is present with its size and digest, else why not."""
+    manifest = directory / MANIFEST
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no readable manifest.json"
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, {expected['bytes']} expected"
+        if fingerprint_file(path) != expected["blake2b"]:
+            return f"{name} does not match its digest"
+    return None
+
+
+@dataclass
+class Resumed:
+    """What a trainer needs to continue from a checkpoint."""
+
+    path: Path
+    step: int
+    optimizer: dict
+    scheduler: dict
+    rng: dict
+    extra: dict
+
+
+class Checkpoints:
+    """The ``checkpoints/`` folder of a run: save, keep the newest ``keep``, resume from the newest intact one.
+
+    ``identity`` is what the run is (the settings that change training: data, model, loss, optimiser,
+    batches); resuming a checkpoint whose identity differs is a ``ConfigError`` naming the differences,
+    never a silent continuation of another run.
+    """
+
+    def __init__(self, run_dir: Path, keep: int, identity: dict) -> None:
+        if keep < 1:
+            raise ConfigError(f"keep_checkpoints must be >= 1, got {keep}")
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep = keep
+        self.identity = json.loads(json.dumps(identity))  # as it will read back from JSON
+
+    def paths(self) -> list[Path]:
+        """Checkpoint directories by step, oldest first (verified or not)."""
+        found = [p for p in self.root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
+        return sorted(found, key=step_of)
+
+    def save(self, step: int, write_model: Callable[[Path], None], optimizer: torch.optim.Optimizer,
+             scheduler: Any, extra: dict | None = None) -> Path:
+        """Write checkpoint ``step`` atomically: ``write_model(directory)`` first, then state and manifest."""
+        path = self.root / f"step-{step}"
+        with atomic_directory(path) as tmp:
+            write_model(tmp)
+            save_tree({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                       "rng": capture_rng(), "extra": extra or {}, "identity": self.identity}, tmp)
+            write_manifest(tmp)
+        for old in self.paths()[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def latest(self) -> Resumed | None:
+        """The newest checkpoint that verifies (None for a fresh run); damaged ones are skipped with a warning."""
+        for path in reversed(self.paths()):
+            problem = verify(path)
+            if problem is None:
+                try:
+                    tree = load_tree(path)
+                except (OSError, ValueError, KeyError) as err:
+                    problem = f"its state does not load ({err})"
+            if problem is not None:
+                warnings.warn(f"checkpoint {path} is damaged ({problem}); resuming from an earlier one",
+                              DataWarning, stacklevel=2)
+                continue
+            self._check_identity(path, tree["identity"])
+            return Resumed(path, int(tree["step"]), tree["optimizer"], tree["scheduler"], tree["rng"],
+                           tree["extra"])
+        return None
+
+    def _check_identity(self, path: Path, saved: dict) -> None:
+        if saved == self.identity:
+            return
+        changed = sorted(_differences(saved, self.identity))
+        shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
+        raise ConfigError(f"{self.root.parent} holds a run with other settings ({shown} differ from {path.name}); "
+                          "use another name or output_dir, or --restart to discard it and start over")
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two JSON trees."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _differences(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def trim_log(path: Path, step: int) -> None:
+    """Drop the records of a JSONL log written after ``step`` (steps that are being trained again)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if line.strip() and json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a record cut short by the interruption
+    atomic_write_text(path, "".join(f"{line}\n" for line in kept))

@@ -1,0 +1,132 @@
+"""Checkpoints: stored without pickle, verified against their manifest, resumed only for the same run."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from densepass.checkpoints import Checkpoints, capture_rng, load_tree, restore_rng, save_tree, trim_log, verify
+from densepass.errors import ConfigError, DataWarning
+
+leaves = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False),
+                   st.text(max_size=5))
+trees = st.recursive(
+    leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.tuples(children, children),
+        st.dictionaries(st.text(max_size=3).filter(lambda k: not k.startswith("__")), children, max_size=3),
+        st.dictionaries(st.integers(0, 9), children, max_size=3),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tree=trees)
+def test_any_tree_of_plain_values_round_trips(tmp_path_factory, tree):
+    directory = tmp_path_factory.mktemp("tree")
+    save_tree({"value": tree}, directory)
+    assert load_tree(directory) == {"value": tree}
+
+
+def test_tensors_and_arrays_round_trip_exactly(tmp_path):
+    tree = {"state": {0: {"exp_avg": torch.randn(3, 2), "step": torch.tensor(7.0)}},
+            "rng": np.random.get_state(), "bytes": torch.get_rng_state()}
+    save_tree(tree, tmp_path)
+    back = load_tree(tmp_path)
+    assert torch.equal(back["state"][0]["exp_avg"], tree["state"][0]["exp_avg"])
+    assert torch.equal(back["bytes"], tree["bytes"])
+    assert back["rng"][0] == "MT19937" and np.array_equal(back["rng"][1], tree["rng"][1])
+
+
+def test_a_checkpoint_is_never_unpickled(tmp_path):
+    """The state files are safetensors + JSON: a pickle planted where state lives is never executed."""
+    save_tree({"step": 1}, tmp_path)
+    assert (tmp_path / "state.json").read_text().startswith("{")
+    with open(tmp_path / "state.safetensors", "rb") as handle:
+        header = handle.read(8)
+    assert int.from_bytes(header, "little") < 10_000  # a safetensors header length, not a pickle opcode
+
+
+def test_restored_random_states_replay_every_generator():
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    state = capture_rng()
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    restore_rng(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+
+
+def _save(checkpoints: Checkpoints, step: int) -> Path:
+    model = _Model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    model.layer(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    return checkpoints.save(step, lambda d: (d / "model.bin").write_bytes(b"w" * step),
+                            optimizer, scheduler, {"note": step})
+
+
+def test_the_newest_intact_checkpoint_is_resumed_and_older_ones_pruned(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep=2, identity={"lr": 1})
+    for step in (1, 2, 3):
+        _save(checkpoints, step)
+    assert [p.name for p in checkpoints.paths()] == ["step-2", "step-3"]
+    resumed = checkpoints.latest()
+    assert resumed.step == 3 and resumed.extra == {"note": 3}
+    assert resumed.optimizer["state"][0]["step"].item() == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])
+def test_a_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, damage):
+    checkpoints = Checkpoints(tmp_path, keep=3, identity={})
+    _save(checkpoints, 2)
+    newest = _save(checkpoints, 4)
+    target = newest / ("manifest.json" if damage == "manifest" else "state.safetensors")
+    data = target.read_bytes()
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        target.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    elif damage == "delete":
+        target.unlink()
+    else:
+        target.write_text("{not json")
+    assert verify(newest) is not None
+    with pytest.warns(DataWarning, match="step-4 is damaged"):
+        resumed = checkpoints.latest()
+    assert resumed.step == 2
+
+
+def test_no_intact_checkpoint_means_a_fresh_start(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep=2, identity={})
+    (_save(checkpoints, 1) / "manifest.json").unlink()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert checkpoints.latest() is None
+
+
+def test_resuming_a_run_with_other_settings_is_refused(tmp_path):
+    _save(Checkpoints(tmp_path, keep=2, identity={"train": {"batch_size": 8, "lr": 1e-3}}), 1)
+    with pytest.raises(ConfigError, match=r"train\.batch_size differ.*--restart"):
+        Checkpoints(tmp_path, keep=2, identity={"train": {"batch_size": 16, "lr": 1e-3}}).latest()
+
+
+def test_trim_log_drops_records_after_the_step_and_a_cut_line(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4')
+    trim_log(log, 2)
+    assert log.read_text() == '{"step": 1}\n{"step": 2}\n'
