@@ -32,11 +32,11 @@ from densepass.data import load_dataset, sample_queries
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import default_device
 from densepass.io import atomic_write_text
-from densepass.models.biencoder import BiEncoderConfig
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import save_pool
 from densepass.pipelines.ensemble import evaluate_ensemble
 from densepass.pipelines.experiment import run_experiment
+from densepass.training.miner import prepare_miners
 
 POOLS = {"coarse": "dense:25", "fine": "dense:512", "bm25": "bm25", "context": "context"}
 ROWS = {"Rnd": None, "+Coarse": "coarse", "+Fine": "fine", "+BM25": "bm25", "+Context": "context", "+Mixed": "mixed"}
@@ -78,15 +78,13 @@ def train_query_ids(config: ExperimentConfig, dataset: RetrievalDataset) -> list
 def mine_pools(config: ExperimentConfig, dataset: RetrievalDataset, out: Path) -> dict[str, dict]:
     """One hard-negatives file per strategy; returns {name: {path, summary, seconds}}."""
     qids = train_query_ids(config, dataset)
-    m = config.model
-    arch = BiEncoderConfig(shared=m.shared, pooling=m.pooling, normalize=m.normalize, temperature=m.temperature,
-                           query_max_length=m.query_max_length, passage_max_length=m.passage_max_length)
     ctx = MiningContext(config.data.train_split, default_device(), work_dir=out / "miners",
-                        base_model=m.name_or_path, architecture=arch, train_config=config.train,
-                        seed=config.data.seed)
+                        base_model=config.model.name_or_path, architecture=config.model.architecture(),
+                        train_config=config.train, seed=config.data.seed)
     pools = {}
     for name, spec in POOLS.items():
         path = out / "pools" / f"{name}.jsonl"
+        prepare_miners(dataset, qids, config.negatives, ctx, strategy=spec)
         result = mine_negatives(dataset, qids, config.negatives, ctx, strategy=spec)
         save_pool(result.pool, path)
         pools[name] = {"path": str(path), "summary": result.summary(), "seconds": result.seconds}

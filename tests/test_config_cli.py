@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -325,3 +326,84 @@ def test_experiment_scripts_report_errors_in_one_line():
     assert done.returncode == 2
     assert done.stderr.strip() == ("abs_table2.py: error: config.train: unknown key 'batch_szie' "
                                    "(did you mean 'batch_size'?)")
+
+
+# ---- ranges, duplicate keys and the help of every key ---------------------------------------------
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.batch_size=0", "train.batch_size: must be >= 1, got 0"),
+    ("train.epochs=0", "train.epochs: must be >= 1, got 0"),
+    ("train.learning_rate=-1e-5", "train.learning_rate: must be > 0"),
+    ("train.warmup_ratio=1.5", "train.warmup_ratio: must be <= 1"),
+    ("train.checkpoint_every=0", "train.checkpoint_every: must be >= 1"),
+    ("eval.batch_size=0", "eval.batch_size: must be >= 1"),
+    ("eval.depth=0", "eval.depth: must be >= 1"),
+    ("negatives.per_query=-1", "negatives.per_query: must be >= 0"),
+    ("negatives.pool_depth=0", "negatives.pool_depth: must be >= 1"),
+    ("model.temperature=0", "model.temperature: must be > 0"),
+    ("data.max_train_queries=0", "data.max_train_queries: must be >= 1"),
+    ("validation.r=0", "validation.r: must be > 0"),
+    ("train.learning_rate=.nan", "expected a finite number"),
+    ("eval.baselines=[bm26]", "eval.baselines[0]: 'bm26' is not one of"),
+])
+def test_sizes_counts_and_rates_out_of_range_are_one_line_errors(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_pretraining_ranges_are_checked_too():
+    from densepass.pretraining.config import PretrainConfig
+
+    with pytest.raises(ConfigError, match="train.batch_size: must be >= 1"):
+        load_config(None, ["train.batch_size=0"], PretrainConfig)
+
+
+def test_a_key_written_twice_is_an_error_with_its_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  batch_size: 8\n  epochs: 2\n  batch_size: 16\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:4: key 'batch_size' appears twice \(first on line 2\)"):
+        load_config(path)
+    path = tmp_path / "c.json"
+    path.write_text('{"name": "a", "name": "b"}')
+    with pytest.raises(ConfigError, match="'name' appears twice"):
+        load_config(path)
+
+
+def test_a_config_that_is_not_utf8_is_a_one_line_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(path)
+
+
+def test_every_key_has_help_and_the_explanation_lists_them_all():
+    from densepass.config import ExperimentConfig, explain
+    from densepass.pretraining.config import PretrainConfig
+
+    for cls in (ExperimentConfig, PretrainConfig):
+        rows = explain(cls)
+        assert all(help_text for _, _, _, help_text in rows), [k for k, _, _, h in rows if not h]
+        keys = {key for key, _, _, _ in rows}
+        assert len(keys) == len(rows)
+    keys = {key: kind for key, kind, _, _ in explain(ExperimentConfig)}
+    assert keys["train.batch_size"] == "int, >= 1" and "model.name_or_path" in keys and "model.pooling" in keys
+
+
+def test_model_config_is_the_architecture_plus_the_starting_weights():
+    from densepass.config import BiEncoderConfig, ModelConfig
+
+    model = ModelConfig(name_or_path="m", projection_dim=25, pooling="cls")
+    assert model.architecture() == BiEncoderConfig(projection_dim=25, pooling="cls")
+
+
+def test_cli_config_explains_every_key_and_prints_the_resolved_config(capsys):
+    from densepass.cli import main
+
+    assert main(["config", "--explain"]) == 0
+    text = capsys.readouterr().out
+    assert "train.batch_size  (int, >= 1; default 64)" in text and "negatives.refresh_every" in text
+    assert main(["config", "--set", "train.batch_size=8"]) == 0
+    assert "batch_size: 8" in capsys.readouterr().out
+    assert main(["config", "--set", "train.batch_size=0"]) == 2
+    assert "train.batch_size: must be >= 1, got 0" in capsys.readouterr().err

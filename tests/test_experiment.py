@@ -61,7 +61,7 @@ def test_rerank_mode_and_answer_accuracy(tiny_beir, tiny_model_dir, tmp_path):
 
 
 def test_bad_baseline_name(tiny_beir, tiny_model_dir, tmp_path):
-    with pytest.raises(ConfigError, match="unknown baseline"):
+    with pytest.raises(ConfigError, match="eval.baselines.0.: 'bm26' is not one of 'bm25', 'zero-shot'"):
         run_experiment(tiny_config(tiny_beir, tiny_model_dir, tmp_path, "eval.baselines=[bm26]"))
 
 

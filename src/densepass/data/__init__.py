@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from densepass.config import FORMATS
 from densepass.data.dataset import Corpus, Qrels, RetrievalDataset, sample_queries
 from densepass.data.paths import dataset_dir, default_data_dir
 from densepass.errors import DataError
-
-FORMATS = ("beir", "msmarco", "dpr", "squad")
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None, format: str = "beir") -> RetrievalDataset:

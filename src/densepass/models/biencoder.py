@@ -13,7 +13,7 @@ towers the query tower is saved the same way under ``query/``.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
@@ -22,10 +22,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
+from densepass.config import DEFAULT_MODEL, BiEncoderConfig, from_dict
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
 
-DEFAULT_MODEL = "all-MiniLM-L6-v2"
 CONFIG_NAME = "densepass.json"
 Side = Literal["query", "passage"]
 
@@ -44,19 +44,6 @@ def resolve_model_path(name_or_path: str) -> str:
     if path.exists() and not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a model directory (no config.json)")
     return name_or_path
-
-
-@dataclass
-class BiEncoderConfig:
-    """Architecture of a bi-encoder; stored as ``densepass.json`` beside the weights."""
-
-    shared: bool = True
-    pooling: Literal["mean", "cls"] = "mean"
-    projection_dim: int | None = None
-    normalize: bool = True
-    temperature: float = 0.05
-    query_max_length: int = 32
-    passage_max_length: int = 128
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, how: str) -> torch.Tensor:
@@ -134,7 +121,7 @@ class BiEncoder(nn.Module):
         path = resolve_model_path(name_or_path)
         saved = Path(path) / CONFIG_NAME
         if saved.is_file():
-            stored = BiEncoderConfig(**json.loads(saved.read_text()))
+            stored = from_dict(BiEncoderConfig, json.loads(saved.read_text()), str(saved))
             config = config or stored
         config = config or BiEncoderConfig()
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from densepass.config import NegativesConfig, TrainConfig
+from densepass.config import DEFAULT_MODEL, NegativesConfig, TrainConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.errors import ConfigError
 from densepass.index.bm25 import BM25Index
@@ -51,7 +51,7 @@ class MiningContext:
     device: torch.device | None = None
     bm25_index: BM25Index | None = None  # over dataset.corpus.passage_inputs(" "); built when missing
     work_dir: Path | None = None  # where source=dense trains and keeps its miners
-    base_model: str = "all-MiniLM-L6-v2"
+    base_model: str = DEFAULT_MODEL
     architecture: BiEncoderConfig | None = None
     train_config: TrainConfig | None = None
     seed: int = 13

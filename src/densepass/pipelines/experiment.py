@@ -23,7 +23,7 @@ from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.retrieve import dense_retrieve, rerank_candidates
 from densepass.io import atomic_write_text
-from densepass.models.biencoder import BiEncoder, BiEncoderConfig
+from densepass.models.biencoder import BiEncoder
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import passage_ids, save_pool
 from densepass.pipelines.evalset import EvalSet, add_rerank_candidates, build_eval_set
@@ -38,12 +38,7 @@ from densepass.training.trainer import planned_steps, resume_step, train
 
 
 def model_from_config(config: ExperimentConfig) -> BiEncoder:
-    m = config.model
-    arch = BiEncoderConfig(
-        shared=m.shared, pooling=m.pooling, projection_dim=m.projection_dim, normalize=m.normalize,
-        temperature=m.temperature, query_max_length=m.query_max_length, passage_max_length=m.passage_max_length,
-    )
-    return BiEncoder.from_pretrained(m.name_or_path, config=arch)
+    return BiEncoder.from_pretrained(config.model.name_or_path, config=config.model.architecture())
 
 
 def score_run(evalset: EvalSet, run: Run, config: ExperimentConfig, name: str) -> dict[str, float]:

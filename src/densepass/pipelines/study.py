@@ -24,13 +24,14 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import kendalltau
 
+from densepass.config import DEFAULT_MODEL
 from densepass.data.dataset import RetrievalDataset, sample_queries
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import evaluate_run, make_run
 from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.index.retrieve import dense_retrieve, search_embeddings
 from densepass.io import atomic_write_text
-from densepass.models.biencoder import CONFIG_NAME, DEFAULT_MODEL, BiEncoder, resolve_model_path
+from densepass.models.biencoder import CONFIG_NAME, BiEncoder, resolve_model_path
 from densepass.models.encode import encode_texts
 from densepass.pipelines.validation import bm25_retriever, dense_retriever
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from densepass.config import DEFAULT_MODEL, DatasetFormat, option
 
 Mode = Literal["mlm", "condenser", "cocondenser"]
 
@@ -13,11 +15,11 @@ Mode = Literal["mlm", "condenser", "cocondenser"]
 class PretrainDataConfig:
     """The corpus whose passages are pre-trained on (any densepass dataset layout)."""
 
-    name: str = "debian-packages"
-    data_dir: str | None = None
-    format: Literal["beir", "msmarco", "dpr", "squad"] = "beir"
-    max_passages: int | None = None  # seeded subset of the corpus for quick runs
-    seed: int = 13
+    name: str = option("debian-packages", "dataset: a folder under the data directory, or a path to one")
+    data_dir: str | None = option(None, "data directory (null: $DENSEPASS_DATA, else shared/data beside the checkout)")
+    format: DatasetFormat = option("beir", "dataset layout: beir, msmarco, dpr or squad")
+    max_passages: int | None = option(None, "a seeded subset of this many passages (null: the whole corpus)", min=1)
+    seed: int = option(13, "seed of the subset")
 
 
 @dataclass
@@ -29,57 +31,59 @@ class PretrainModelConfig:
     the late CLS (abs-condenser-openqa eq. 10-11).
     """
 
-    name_or_path: str = "all-MiniLM-L6-v2"
-    mode: Mode = "condenser"
-    early_layers: int = 3  # L^e; the remaining backbone layers are late (L^l)
-    head_layers: int = 2  # L^h, initialised at random
-    temperature: float = 1.0  # of the span contrastive loss; eq. 10 uses plain dot products (1.0)
-    save_pooling: Literal["cls", "mean"] = "cls"  # pooling written into the saved backbone's ST files
+    name_or_path: str = option(DEFAULT_MODEL, "the BERT-family backbone to continue pre-training")
+    mode: Mode = option("condenser", "objective: mlm, condenser or cocondenser")
+    early_layers: int = option(3, "backbone layers whose output feeds the head (L^e); the rest are late", min=1)
+    head_layers: int = option(2, "Condenser head layers (L^h), initialised at random", min=1)
+    temperature: float = option(1.0, "temperature of the span contrastive loss (eq. 10: plain dot products)",
+                                above=0)
+    save_pooling: Literal["cls", "mean"] = option("cls", "pooling written into the saved backbone's ST files")
 
 
 @dataclass
 class MaskingConfig:
     """BERT masking (Devlin et al. 2019): select ``probability`` of the tokens (or whole words)."""
 
-    probability: float = 0.15
-    mask_fraction: float = 0.8  # of the selected tokens -> [MASK]
-    random_fraction: float = 0.1  # -> a random token; the rest stay unchanged
-    whole_word: bool = False
+    probability: float = option(0.15, "share of the tokens selected for prediction", above=0, max=1)
+    mask_fraction: float = option(0.8, "of the selected tokens, the share replaced by [MASK]", min=0, max=1)
+    random_fraction: float = option(0.1, "of the selected tokens, the share replaced by a random token", min=0, max=1)
+    whole_word: bool = option(False, "select whole words rather than word pieces")
 
 
 @dataclass
 class PretrainTrainConfig:
     """Optimisation: AdamW with linear warm-up/decay, bf16 autocast (GPU; CPU on request), gradient accumulation."""
 
-    max_steps: int = 1000
-    batch_size: int = 64  # sequences per optimiser step (coCondenser: 2 spans each of batch_size / 2 documents)
-    grad_accumulation: int = 1  # micro-batches per step (batch_size must be divisible by it)
-    max_length: int = 128
-    span_min_tokens: int = 16  # coCondenser span lengths, before capping to the document length
-    span_max_tokens: int = 126
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.1
-    max_grad_norm: float = 1.0
-    bf16: bool = True  # bf16 autocast on GPU
-    cpu_bf16: bool = False  # bf16 autocast on CPU too (fast where the CPU has AVX512-BF16/AMX)
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 13
+    max_steps: int = option(1000, "optimiser steps", min=1)
+    batch_size: int = option(64, "sequences per step (coCondenser: 2 spans of each of batch_size / 2 documents)",
+                             min=1)
+    grad_accumulation: int = option(1, "micro-batches per step (must divide batch_size)", min=1)
+    max_length: int = option(128, "tokens per sequence", min=8)
+    span_min_tokens: int = option(16, "coCondenser: shortest span, before capping to the document", min=1)
+    span_max_tokens: int = option(126, "coCondenser: longest span", min=1)
+    learning_rate: float = option(1e-4, "AdamW learning rate", above=0)
+    weight_decay: float = option(0.01, "AdamW weight decay", min=0)
+    warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
+    max_grad_norm: float = option(1.0, "gradient clipping norm", above=0)
+    bf16: bool = option(True, "bf16 autocast on GPU")
+    cpu_bf16: bool = option(False, "bf16 autocast on CPU too (fast where the CPU has AVX512-BF16 or AMX)")
+    checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
+    keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
+    log_every: int = option(10, "append the loss terms to train_log.jsonl every N steps", min=1)
+    seed: int = option(13, "seed of data order, masking and dropout")
 
 
 @dataclass
 class PretrainConfig:
     """One pre-training run; everything is written under ``<output_dir>/<name>/``."""
 
-    name: str = "pretrain"
-    output_dir: str = "outputs"
-    device: str | None = None  # None = cuda when available
-    data: PretrainDataConfig = field(default_factory=PretrainDataConfig)
-    model: PretrainModelConfig = field(default_factory=PretrainModelConfig)
-    masking: MaskingConfig = field(default_factory=MaskingConfig)
-    train: PretrainTrainConfig = field(default_factory=PretrainTrainConfig)
+    name: str = option("pretrain", "name of the run: everything goes to <output_dir>/<name>/")
+    output_dir: str = option("outputs", "folder of the runs' directories")
+    device: str | None = option(None, "cpu, cuda or cuda:N (null: cuda when available)")
+    data: PretrainDataConfig = option(help="corpus", factory=PretrainDataConfig)
+    model: PretrainModelConfig = option(help="backbone and objective", factory=PretrainModelConfig)
+    masking: MaskingConfig = option(help="BERT masking", factory=MaskingConfig)
+    train: PretrainTrainConfig = option(help="optimisation", factory=PretrainTrainConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from densepass.config import NegativesConfig, TrainConfig
+from densepass.config import DEFAULT_MODEL, NegativesConfig, TrainConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.errors import ConfigError
 from densepass.fingerprints import fingerprint_json, fingerprint_weights
@@ -32,7 +32,7 @@ def train_miner(
     train_config: TrainConfig,
     work_dir: str | Path,
     device: torch.device,
-    base_model: str = "all-MiniLM-L6-v2",
+    base_model: str = DEFAULT_MODEL,
     architecture: BiEncoderConfig | None = None,
     split: str = "train",
 ) -> BiEncoder:
