@@ -12,8 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densepass.checkpoints import Checkpoints, capture_rng, load_tree, restore_rng, save_tree, trim_log, verify
+from densepass.checkpoints import Checkpoints, capture_rng, load_tree, restore_rng, save_tree, trim_log
 from densepass.errors import ConfigError, DataWarning
+from densepass.io import manifest_problem
 
 leaves = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False),
                    st.text(max_size=5))
@@ -105,7 +106,7 @@ def test_a_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, damage)
         target.unlink()
     else:
         target.write_text("{not json")
-    assert verify(newest) is not None
+    assert manifest_problem(newest) is not None
     with pytest.warns(DataWarning, match="step-4 is damaged"):
         resumed = checkpoints.latest()
     assert resumed.step == 2

@@ -168,7 +168,7 @@ BM25_TEXTS = [
 def test_bm25_top_hit_is_the_passage_with_the_query_words():
     index = BM25Index.build(BM25_TEXTS)
     queries = ["playlist equalizer", "replication backup", "thumbnails photographs", "printer kernel"]
-    scores, rows = index.search(queries, k=3)
+    scores, rows = index.search_rows(queries, k=3)
     assert rows.shape == scores.shape == (4, 3)
     assert rows[:, 0].tolist() == [3, 4, 5, 1]
     assert (np.diff(scores, axis=1) <= 0).all()  # best first
@@ -177,13 +177,13 @@ def test_bm25_top_hit_is_the_passage_with_the_query_words():
 
 def test_bm25_stems_query_words():
     index = BM25Index.build(BM25_TEXTS)
-    _, rows = index.search(["jumping foxes"], k=1)
+    _, rows = index.search_rows(["jumping foxes"], k=1)
     assert rows[0, 0] == 0
 
 
 def test_bm25_k_is_clamped_to_corpus_size():
     index = BM25Index.build(BM25_TEXTS)
-    scores, rows = index.search(["python"], k=100)
+    scores, rows = index.search_rows(["python"], k=100)
     assert rows.shape == (1, len(BM25_TEXTS))
     assert sorted(rows[0].tolist()) == list(range(len(BM25_TEXTS)))
 
@@ -191,24 +191,24 @@ def test_bm25_k_is_clamped_to_corpus_size():
 def test_bm25_save_load_round_trip(tmp_path):
     index = BM25Index.build(BM25_TEXTS)
     queries = ["python scripting", "lazy dog", "network driver"]
-    expected = index.search(queries, k=4)
+    expected = index.search_rows(queries, k=4)
     path = tmp_path / "bm25"
     index.save(path)
     index.save(path)  # saving over an existing index replaces it
     assert [p.name for p in tmp_path.iterdir()] == ["bm25"]  # no temporary or old directory left
     loaded = BM25Index.load(path)
     assert loaded.size == len(BM25_TEXTS)
-    got = loaded.search(queries, k=4)
+    got = loaded.search_rows(queries, k=4)
     np.testing.assert_array_equal(got[1], expected[1])
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
 
 
 def test_bm25_errors(tmp_path):
-    with pytest.raises(DensepassError, match="empty corpus"):
+    with pytest.raises(DensepassError, match="no passages to index"):
         BM25Index.build([])
     with pytest.raises(DensepassError, match="no queries"):
         BM25Index.build(BM25_TEXTS).search([], k=1)
-    with pytest.raises(DensepassError, match="BM25 index not found"):
+    with pytest.raises(DensepassError, match="densepass index not found"):
         BM25Index.load(tmp_path / "missing")
 
 

@@ -31,10 +31,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from densepass.errors import ConfigError, DataWarning
-from densepass.fingerprints import fingerprint_file
-from densepass.io import atomic_directory, atomic_write_text
+from densepass.io import atomic_directory, atomic_write_text, manifest_problem, write_manifest
 
-MANIFEST = "manifest.json"
 # training settings that change how often things are written, not what is trained: a resumed run may change them
 BOOKKEEPING = ("checkpoint_every", "keep_checkpoints", "log_every")
 STATE_JSON = "state.json"
@@ -133,31 +131,6 @@ def step_of(path: Path) -> int:
     return int(path.name.split("-", 1)[1])
 
 
-def write_manifest(directory: Path) -> None:
-    """Record the size and digest of every file under ``directory`` (written last)."""
-    files = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "blake2b": fingerprint_file(p)}
-             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
-    atomic_write_text(directory / MANIFEST, json.dumps({"files": files}, indent=1))
-
-
-def verify(directory: Path) -> str | None:
-    """None when every file listed in the manifest is present with its size and digest, else why not."""
-    manifest = directory / MANIFEST
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "no readable manifest.json"
-    for name, expected in files.items():
-        path = directory / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != expected["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes, {expected['bytes']} expected"
-        if fingerprint_file(path) != expected["blake2b"]:
-            return f"{name} does not match its digest"
-    return None
-
-
 @dataclass
 class Resumed:
     """What a trainer needs to continue from a checkpoint."""
@@ -206,7 +179,7 @@ class Checkpoints:
     def latest(self) -> Resumed | None:
         """The newest checkpoint that verifies (None for a fresh run); damaged ones are skipped with a warning."""
         for path in reversed(self.paths()):
-            problem = verify(path)
+            problem = manifest_problem(path)
             if problem is None:
                 try:
                     tree = load_tree(path)

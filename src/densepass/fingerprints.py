@@ -65,3 +65,15 @@ def fingerprint_file(path, chunk: int = 1 << 22) -> str:
 def fingerprint_corpus(corpus) -> str:
     """Digest of a ``Corpus``: its passage ids, titles, texts and document ids, in order."""
     return fingerprint_strings([*corpus.ids, "\x00", *corpus.titles, "\x00", *corpus.texts, "\x00", *corpus.doc_ids])
+
+
+def fingerprint_directory(path) -> str:
+    """Digest of every file under a directory (relative names and bytes), e.g. a saved model."""
+    from pathlib import Path
+
+    root = Path(path)
+    h = _hasher()
+    for file in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        h.update(str(file.relative_to(root)).encode() + b"\x00")
+        h.update(bytes.fromhex(fingerprint_file(file)))
+    return h.hexdigest()

@@ -1,4 +1,5 @@
-"""Crash-safe file writing: write to a temporary sibling, then rename over the target."""
+"""Crash-safe files: atomic writes (a temporary sibling renamed over the target), verified directories
+(a manifest of sizes and digests written last), and an exclusive lock on a working directory."""
 
 from __future__ import annotations
 
@@ -78,3 +79,55 @@ def exclusive_lock(directory: str | Path, what: str = "run") -> Iterator[None]:
         yield
     finally:
         handle.close()
+
+
+MANIFEST = "manifest.json"
+
+
+def write_manifest(directory: str | Path, **facts) -> None:
+    """Write ``manifest.json`` last into ``directory``: ``facts`` plus the size and digest of every other file."""
+    import json
+
+    from densepass.fingerprints import fingerprint_file
+
+    directory = Path(directory)
+    files = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "blake2b": fingerprint_file(p)}
+             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    atomic_write_text(directory / MANIFEST, json.dumps({**facts, "files": files}, indent=1))
+
+
+def manifest_problem(directory: str | Path) -> str | None:
+    """None when every file in the manifest is present with its size and digest, else what is wrong."""
+    import json
+
+    from densepass.fingerprints import fingerprint_file
+
+    directory = Path(directory)
+    try:
+        files = json.loads((directory / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no readable manifest.json"
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, {expected['bytes']} expected (truncated?)"
+        if fingerprint_file(path) != expected["blake2b"]:
+            return f"{name} does not match its digest (corrupted?)"
+    return None
+
+
+def read_manifest(directory: str | Path, what: str = "directory") -> dict:
+    """The verified manifest of ``directory``; a missing, damaged or incomplete one is a one-line DataError."""
+    import json
+
+    from densepass.errors import DataError
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DataError(f"{what} not found: {directory}")
+    problem = manifest_problem(directory)
+    if problem is not None:
+        raise DataError(f"{directory} is not a usable {what}: {problem}")
+    return json.loads((directory / MANIFEST).read_text())

@@ -1,14 +1,24 @@
-"""BM25 through ``bm25s`` (Lucene scoring, English stop words, Snowball stemming when available)."""
+"""BM25 through ``bm25s`` (Lucene scoring, English stop words, Snowball stemming when available).
+
+The text indexed for a passage is ``title text``. ``bm25s`` builds its sparse score matrix in one go,
+so ``add`` re-indexes every passage (seconds for 100k passages); saved with ``bm25s``' own files
+(NumPy arrays without pickle, JSON vocabulary and parameters) beside the passages.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import bm25s
 import numpy as np
 
-from densepass.errors import DensepassError
+from densepass.data.dataset import Corpus
+from densepass.errors import ConfigError
+from densepass.index.base import Index, Passages, SearchResults, as_corpus, check_queries, concat_corpora, register
+
+BM25_DIR = "bm25s"
 
 
 def english_stemmer():
@@ -21,51 +31,84 @@ def english_stemmer():
         return None
 
 
-class BM25Index:
-    """A BM25 index over passage texts; rows of results are positions in the indexed list."""
+def bm25_texts(corpus: Corpus) -> list[str]:
+    """What BM25 indexes for each passage: ``title text``."""
+    return corpus.passage_inputs(" ")
 
-    def __init__(self, retriever: bm25s.BM25, size: int) -> None:
-        self.retriever = retriever
-        self.size = size
+
+@register
+class BM25Index(Index):
+    """A BM25 index; ``search`` takes query texts.
+
+    >>> index = BM25Index.build(["fast audio editor", "kernel driver", "audio player"])
+    >>> index.search(["audio editor"], k=1).ids(0)
+    ['0']
+    """
+
+    kind: ClassVar[str] = "bm25"
+
+    def __init__(self, k1: float = 0.9, b: float = 0.4, show_progress: bool = False) -> None:
+        if k1 < 0 or not 0 <= b <= 1:
+            raise ConfigError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1}, b={b}")
+        self.k1, self.b, self.show_progress = k1, b, show_progress
+        self.passages = Corpus([], [], [], [])
+        self.retriever: bm25s.BM25 | None = None
         self.stemmer = english_stemmer()
 
     @classmethod
-    def build(cls, texts: Sequence[str], k1: float = 0.9, b: float = 0.4, show_progress: bool = False) -> BM25Index:
-        if len(texts) == 0:
-            raise DensepassError("cannot build a BM25 index over an empty corpus")
-        tokens = bm25s.tokenize(list(texts), stopwords="en", stemmer=english_stemmer(), show_progress=show_progress)
-        retriever = bm25s.BM25(k1=k1, b=b)
-        retriever.index(tokens, show_progress=show_progress)
-        return cls(retriever, len(texts))
+    def build(cls, passages: Passages, k1: float = 0.9, b: float = 0.4, show_progress: bool = False) -> BM25Index:
+        """A BM25 index of ``passages`` (a Corpus, texts, or {id, title, text} records)."""
+        index = cls(k1, b, show_progress)
+        index.add(passages)
+        return index
 
-    def search(
-        self, queries: Sequence[str], k: int, show_progress: bool = False, n_threads: int = 1
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-``k`` (scores, rows) per query, best first."""
-        if len(queries) == 0:
-            raise DensepassError("no queries to search")
-        k = min(k, self.size)
-        tokens = bm25s.tokenize(list(queries), stopwords="en", stemmer=self.stemmer, show_progress=False)
-        rows, scores = self.retriever.retrieve(tokens, k=k, show_progress=show_progress, n_threads=n_threads)
+    @property
+    def size(self) -> int:
+        return len(self.passages)
+
+    def add(self, passages: Passages) -> None:
+        new = as_corpus(passages, first_id=len(self.passages))
+        corpus = concat_corpora(self.passages, new) if len(self.passages) else new
+        tokens = bm25s.tokenize(bm25_texts(corpus), stopwords="en", stemmer=self.stemmer,
+                                show_progress=self.show_progress)
+        retriever = bm25s.BM25(k1=self.k1, b=self.b)
+        retriever.index(tokens, show_progress=self.show_progress)
+        self.passages, self.retriever = corpus, retriever
+
+    def search_rows(self, queries: Sequence[str], k: int, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` (scores, rows) per query, best first, as ``bm25s`` ranks them: when fewer than ``k``
+        passages share a term with a query, the rest are zero-score passages in index order."""
+        queries = check_queries(queries)
+        k = min(k, len(self.passages))
+        tokens = bm25s.tokenize(queries, stopwords="en", stemmer=self.stemmer, show_progress=False)
+        rows, scores = self.retriever.retrieve(tokens, k=k, show_progress=False, n_threads=n_threads)
         return scores.astype(np.float32), rows.astype(np.int64)
+
+    def search(self, queries: Sequence[str], k: int = 10) -> SearchResults:
+        """The top-``k`` passages of each query that share at least one term with it."""
+        results = super().search(queries, k)
+        results.rows[results.scores <= 0] = -1
+        return results
 
     def score_all(self, query: str) -> np.ndarray:
         """BM25 score of one query against every indexed passage."""
-        tokens = bm25s.tokenize([query], stopwords="en", stemmer=self.stemmer, show_progress=False, return_ids=False)[0]
+        tokens = bm25s.tokenize([query], stopwords="en", stemmer=self.stemmer, show_progress=False,
+                                return_ids=False)[0]
         if not tokens:
-            return np.zeros(self.size, dtype=np.float32)
+            return np.zeros(len(self.passages), dtype=np.float32)
         return np.asarray(self.retriever.get_scores(tokens), dtype=np.float32)
 
-    def save(self, path: str | Path) -> None:
-        from densepass.io import atomic_directory
+    def facts(self) -> dict:
+        return {"options": {"k1": self.k1, "b": self.b}}
 
-        with atomic_directory(path) as tmp:
-            self.retriever.save(str(tmp))
+    def _write(self, directory: Path) -> None:
+        self.retriever.save(str(directory / BM25_DIR))
 
     @classmethod
-    def load(cls, path: str | Path) -> BM25Index:
-        path = Path(path)
-        if not path.is_dir():
-            raise DensepassError(f"BM25 index not found: {path}")
-        retriever = bm25s.BM25.load(str(path))
-        return cls(retriever, int(retriever.scores["num_docs"]))
+    def _read(cls, directory: Path, manifest: dict, passages: Corpus, **options) -> BM25Index:
+        if options:
+            raise ConfigError(f"a BM25 index takes no load options (got {', '.join(options)})")
+        index = cls(**manifest["options"])
+        index.passages = passages
+        index.retriever = bm25s.BM25.load(str(directory / BM25_DIR))
+        return index

@@ -3,6 +3,8 @@ when one is present. Exact like FAISS ``IndexFlatIP``, without copying the corpu
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -10,7 +12,11 @@ from densepass.errors import DensepassError
 
 
 def _on(rows: np.ndarray | torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return (rows if torch.is_tensor(rows) else torch.from_numpy(np.ascontiguousarray(rows))).to(device, dtype)
+    if torch.is_tensor(rows):
+        return rows.to(device, dtype)
+    with warnings.catch_warnings():  # a read-only memory map: searching never writes to it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(rows)).to(device, dtype)
 
 
 @torch.inference_mode()

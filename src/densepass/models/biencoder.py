@@ -13,6 +13,7 @@ towers the query tower is saved the same way under ``query/``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
@@ -23,6 +24,7 @@ from torch import nn
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
 from densepass.config import DEFAULT_MODEL, BiEncoderConfig, from_dict
+from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
 
@@ -59,7 +61,14 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, how: str) -> torch.
 
 
 class BiEncoder(nn.Module):
-    """Query and passage towers with shared pooling, projection and normalisation."""
+    """Query and passage towers with shared pooling, projection and normalisation.
+
+    >>> model = BiEncoder.from_pretrained("all-MiniLM-L6-v2")
+    >>> passages = model.encode_passages(["tar: GNU version of the tar archiving utility"], show_progress=False)
+    >>> queries = model.encode_queries(["archiving utility"], show_progress=False)
+    >>> passages.shape, round(float(queries[0] @ passages[0]), 2) > 0.3
+    ((1, 384), True)
+    """
 
     def __init__(
         self,
@@ -84,6 +93,7 @@ class BiEncoder(nn.Module):
                 raise ConfigError(f"projection_dim must be >= 1, got {config.projection_dim}")
             projection = nn.Linear(hidden, config.projection_dim)
         self.projection = projection
+        self.source: str | None = None  # where from_pretrained loaded it (recorded in index manifests)
 
     @property
     def dim(self) -> int:
@@ -102,6 +112,30 @@ class BiEncoder(nn.Module):
         if self.config.normalize:
             out = nn.functional.normalize(out.float(), dim=-1)
         return out
+
+    def encode_queries(self, texts: Sequence[str], batch_size: int = 256, show_progress: bool = True,
+                       convert_to: Literal["numpy", "torch"] = "numpy", device: torch.device | None = None):
+        """Query embeddings [len(texts), dim] (float32), batched and length-sorted (``models.encode``)."""
+        return self._encode(texts, "query", batch_size, show_progress, convert_to, device)
+
+    def encode_passages(self, passages: Sequence[str] | Corpus, batch_size: int = 256, show_progress: bool = True,
+                        convert_to: Literal["numpy", "torch"] = "numpy", device: torch.device | None = None):
+        """Passage embeddings [n, dim] (float32) of strings, or of a ``Corpus`` as ``title [SEP] text``."""
+        if isinstance(passages, Corpus):
+            passages = passages.passage_inputs(self.tokenizer.sep_token or " ")
+        return self._encode(passages, "passage", batch_size, show_progress, convert_to, device)
+
+    def _encode(self, texts, side: Side, batch_size: int, show_progress: bool, convert_to: str, device):
+        from densepass.models.encode import encode_texts
+
+        if isinstance(texts, str):
+            raise ConfigError(f"encode_{side}s takes a list of texts, not one string")
+        if convert_to not in ("numpy", "torch"):
+            raise ConfigError(f"convert_to must be 'numpy' or 'torch', got {convert_to!r}")
+        was_training = self.training
+        out = encode_texts(self, list(texts), side, batch_size=batch_size, device=device, show_progress=show_progress)
+        self.train(was_training)
+        return torch.from_numpy(out) if convert_to == "torch" else out
 
     def tokenize(
         self, texts: list[str], side: Side, padding: bool | str = True, tokenizer: PreTrainedTokenizerBase | None = None
@@ -136,7 +170,9 @@ class BiEncoder(nn.Module):
         for encoder in {id(query_encoder): query_encoder, id(passage_encoder): passage_encoder}.values():
             encoder.float()  # fp16/bf16 checkpoints train in fp32 (autocast gives bf16 compute on GPU)
         projection = _load_projection(Path(path), config)
-        return cls(query_encoder, passage_encoder, tokenizer, config, projection)
+        model = cls(query_encoder, passage_encoder, tokenizer, config, projection)
+        model.source = path
+        return model
 
     def save(self, path: str | Path) -> None:
         """Write the model atomically: an interrupted save never leaves a half-written directory."""

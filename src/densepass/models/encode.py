@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,8 +22,10 @@ from transformers import PreTrainedTokenizerBase
 
 from densepass.device import attention_kernels, default_device
 from densepass.errors import DensepassError
-from densepass.models.biencoder import BiEncoder, Side
 from densepass.prefetch import prefetched
+
+if TYPE_CHECKING:
+    from densepass.models.biencoder import BiEncoder, Side
 
 PAD_MULTIPLE = 8  # batches are padded to a multiple of 8 tokens: tensor-core friendly, few distinct shapes
 TOKENIZE_CHUNK = 16_384  # texts tokenised at once; the next chunk is tokenised while this one is encoded
@@ -34,8 +37,8 @@ def inference_copy(model: BiEncoder, dtype: torch.dtype) -> BiEncoder:
     towers = {id(t): t for t in (model.query_encoder, model.passage_encoder)}
     copies = {key: copy.deepcopy(t).to(dtype).eval().requires_grad_(False) for key, t in towers.items()}
     projection = copy.deepcopy(model.projection) if model.projection is not None else None
-    return BiEncoder(copies[id(model.query_encoder)], copies[id(model.passage_encoder)], model.tokenizer,
-                     model.config, projection).eval()
+    return type(model)(copies[id(model.query_encoder)], copies[id(model.passage_encoder)], model.tokenizer,
+                       model.config, projection).eval()
 
 
 def padded_batches(

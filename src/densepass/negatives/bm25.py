@@ -27,7 +27,7 @@ def mine_bm25_negatives(
     out: NegativePool = {}
     for start in range(0, len(query_ids), batch_size):
         chunk = list(query_ids[start : start + batch_size])
-        scores, rows = index.search([dataset.queries[q] for q in chunk], depth + skip_top)
+        scores, rows = index.search_rows([dataset.queries[q] for q in chunk], depth + skip_top)
         for qid, row_scores, row_ids in zip(chunk, scores.tolist(), rows.tolist()):
             ranked = [(ids[r], s) for s, r in zip(row_scores, row_ids) if s > 0][skip_top:]
             out[qid] = [Candidate(pid, "bm25", s) for pid, s in ranked]

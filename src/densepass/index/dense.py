@@ -1,0 +1,159 @@
+"""Dense indexes: a bi-encoder's passage embeddings searched by inner product, exactly or with FAISS.
+
+Kinds: ``exact`` (chunked matrix products with a running top-k, ``index.exact``), ``faiss-flat``
+(exact, FAISS ``IndexFlatIP``), ``faiss-hnsw`` (graph search) and ``faiss-ivfpq`` (inverted lists of
+product-quantised codes, trained on the first passages added). Queries are encoded by the same model
+that encoded the passages; the saved index records that model's path and weights fingerprint, and
+loading it with another model is refused.
+
+>>> from densepass.models import BiEncoder
+>>> model = BiEncoder.from_pretrained("all-MiniLM-L6-v2")
+>>> index = DenseIndex.build(model, ["tar archiving utility", "X11 window manager"], show_progress=False)
+>>> index.search(["window manager"], k=1).ids(0)
+['1']
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from densepass.config import DENSE_INDEX_KINDS
+from densepass.data.dataset import Corpus
+from densepass.errors import ConfigError, DataError
+from densepass.fingerprints import fingerprint_weights
+from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, register
+from densepass.index.exact import exact_search
+from densepass.index.faiss_index import build_faiss_index, faiss_search, load_faiss_index, save_faiss_index
+from densepass.models.biencoder import BiEncoder
+
+EMBEDDINGS = "embeddings.npy"
+FAISS_FILE = "faiss.index"
+
+
+def weights_version(model: BiEncoder) -> int:
+    """How many in-place changes the model's weights have seen (optimiser steps, loads): a cheap way to tell
+    that the model is no longer the one that encoded an index."""
+    return sum(p._version for p in model.parameters())
+
+
+@register
+class DenseIndex(Index):
+    """Passage embeddings of one bi-encoder, searched exactly or with a FAISS index."""
+
+    kinds: ClassVar[tuple[str, ...]] = DENSE_INDEX_KINDS
+    kind = "exact"
+
+    def __init__(self, model: BiEncoder, kind: str = "exact", batch_size: int = 256,
+                 device: torch.device | None = None, show_progress: bool = True, model_path: str | None = None,
+                 **faiss_options: Any) -> None:
+        if kind not in DENSE_INDEX_KINDS:
+            raise ConfigError(f"unknown dense index kind {kind!r} (known: {', '.join(DENSE_INDEX_KINDS)})")
+        if batch_size < 1:
+            raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+        self.model, self.kind, self.batch_size, self.device = model, kind, batch_size, device
+        self.show_progress, self.faiss_options = show_progress, faiss_options
+        self.model_path = model_path or model.source
+        self.passages = Corpus([], [], [], [])
+        self.embeddings = np.zeros((0, model.dim), dtype=np.float32)
+        self.faiss = None
+        self.model_fingerprint: str | None = None  # of the model that encoded the passages (set when saved/loaded)
+        self._weights_version: int | None = None  # the model's in-place update count when it encoded them
+
+    @classmethod
+    def build(cls, model: BiEncoder, passages: Passages, kind: str = "exact", **options: Any) -> DenseIndex:
+        """Encode ``passages`` (a Corpus, texts, or {id, title, text} records) with ``model`` and index them."""
+        index = cls(model, kind, **options)
+        index.add(passages)
+        return index
+
+    @property
+    def dim(self) -> int:
+        return self.model.dim
+
+    def add(self, passages: Passages) -> None:
+        corpus = as_corpus(passages, first_id=len(self.passages))
+        embeddings = self.model.encode_passages(corpus, batch_size=self.batch_size, show_progress=self.show_progress,
+                                                device=self.device)
+        self.add_embeddings(corpus, embeddings)
+
+    def add_embeddings(self, passages: Passages, embeddings: np.ndarray) -> None:
+        """Index passages whose embeddings were computed already (by this index's model)."""
+        corpus = as_corpus(passages, first_id=len(self.passages))
+        embeddings = np.asarray(embeddings, dtype=np.float32)
+        if embeddings.shape != (len(corpus), self.dim):
+            raise ConfigError(f"embeddings of shape {embeddings.shape} for {len(corpus)} passages of a "
+                              f"{self.dim}-dimensional model")
+        if self._weights_version is None:
+            self._weights_version = weights_version(self.model)
+        self.passages = concat_corpora(self.passages, corpus) if len(self.passages) else corpus
+        self.embeddings = np.concatenate([self.embeddings, embeddings]) if len(self.embeddings) else embeddings
+        if self.kind != "exact":
+            if self.faiss is None:
+                self.faiss = build_faiss_index(self.embeddings, self.kind, **self.faiss_options)
+            else:
+                self.faiss.add(np.ascontiguousarray(embeddings))
+
+    def encode_queries(self, queries: Any) -> np.ndarray:
+        """Query embeddings: texts are encoded by the model, an array of embeddings is used as it is."""
+        if isinstance(queries, (np.ndarray, torch.Tensor)):
+            queries = np.asarray(queries, dtype=np.float32)
+            if queries.ndim != 2 or queries.shape[1] != self.dim:
+                raise ConfigError(f"query embeddings must be [n, {self.dim}], got {list(queries.shape)}")
+            return queries
+        return self.model.encode_queries(check_queries(queries), batch_size=self.batch_size, show_progress=False,
+                                         device=self.device)
+
+    def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        query_emb = self.encode_queries(queries)
+        if self.faiss is not None:
+            return faiss_search(self.faiss, query_emb, k)
+        return exact_search(query_emb, self.embeddings, k, device=self.device)
+
+    # ---- persistence ----------------------------------------------------------------------------
+
+    def facts(self) -> dict:
+        if self._weights_version is not None and weights_version(self.model) != self._weights_version:
+            raise ConfigError("the model changed after it encoded the indexed passages: build the index again")
+        if self.model_fingerprint is None:
+            self.model_fingerprint = fingerprint_weights(self.model)
+        return {"model": {"path": self.model_path, "fingerprint": self.model_fingerprint}, "dim": self.dim,
+                "options": self.faiss_options}
+
+    def _write(self, directory: Path) -> None:
+        np.save(directory / EMBEDDINGS, self.embeddings)
+        if self.faiss is not None:
+            save_faiss_index(self.faiss, directory / FAISS_FILE)
+
+    def save(self, directory: str | Path) -> Path:
+        if self.model_path is None:
+            raise ConfigError("save the model first (BiEncoder.save) or give model_path: the index records "
+                              "which model encodes its queries")
+        return super().save(directory)
+
+    @classmethod
+    def _read(cls, directory: Path, manifest: dict, passages: Corpus, model: BiEncoder | None = None,
+              mmap: bool = True, **options: Any) -> DenseIndex:
+        recorded = manifest["model"]
+        if model is None:
+            if not recorded["path"] or not Path(recorded["path"]).exists():
+                raise DataError(f"{directory}: its model {recorded['path']!r} is not there any more; "
+                                "pass the model that built the index")
+            model = BiEncoder.from_pretrained(recorded["path"])
+        if fingerprint_weights(model) != recorded["fingerprint"]:
+            raise ConfigError(f"{directory} was built with another model (weights {recorded['fingerprint'][:12]}, "
+                              f"from {recorded['path']}): encode queries with that model or index again")
+        index = cls(model, manifest["kind"], model_path=recorded["path"], show_progress=False,
+                    **options, **manifest["options"])
+        embeddings = np.load(directory / EMBEDDINGS, mmap_mode="r" if mmap else None, allow_pickle=False)
+        if embeddings.shape != (len(passages), manifest["dim"]):
+            raise DataError(f"{directory}: embeddings of shape {embeddings.shape} for {len(passages)} passages")
+        index.passages, index.embeddings = passages, embeddings
+        index.model_fingerprint = recorded["fingerprint"]
+        index._weights_version = weights_version(model)
+        if manifest["kind"] != "exact":
+            index.faiss = load_faiss_index(directory / FAISS_FILE)
+        return index

@@ -1,0 +1,115 @@
+"""Hybrid retrieval: two indexes over the same passages (typically dense + BM25), fused per query.
+
+Each index returns its top ``depth``; the fused score of a passage is
+
+- ``rrf``: reciprocal rank fusion (Cormack et al., 2009), sum over the indexes of 1 / (rrf_k + rank);
+- ``linear``: normalised score combination, w * s1 + (1 - w) * s2, each system's scores min-max
+  normalised over its top ``depth`` for that query (a passage missing from a list counts 0 there).
+
+>>> from densepass.index import BM25Index
+>>> texts = ["audio editor for linux", "kernel driver", "audio player"]
+>>> hybrid = HybridIndex(BM25Index.build(texts), BM25Index.build(texts), method="rrf")
+>>> hybrid.search(["audio editor"], k=2).ids(0)
+['0', '2']
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from densepass.data.dataset import Corpus
+from densepass.errors import ConfigError, DataError
+from densepass.index.base import KINDS, Index, Passages, check_queries, read_index_manifest, register
+
+Fusion = Literal["rrf", "linear"]
+
+
+def rrf_scores(ranked: list[list[int]], rrf_k: int) -> dict[int, float]:
+    """Reciprocal rank fusion of ranked row lists (best first)."""
+    fused: dict[int, float] = {}
+    for rows in ranked:
+        for rank, row in enumerate(rows, 1):
+            fused[row] = fused.get(row, 0.0) + 1.0 / (rrf_k + rank)
+    return fused
+
+
+def linear_scores(lists: list[tuple[list[int], list[float]]], weights: list[float]) -> dict[int, float]:
+    """Weighted sum of min-max normalised scores (each list over its own entries; missing = 0)."""
+    fused: dict[int, float] = {}
+    for (rows, scores), weight in zip(lists, weights):
+        if not rows:
+            continue
+        low, high = min(scores), max(scores)
+        for row, score in zip(rows, scores):
+            normalised = (score - low) / (high - low) if high > low else 1.0
+            fused[row] = fused.get(row, 0.0) + weight * normalised
+    return fused
+
+
+@register
+class HybridIndex(Index):
+    """Fusion of two indexes over the same passages; searched with query texts."""
+
+    kind: ClassVar[str] = "hybrid"
+
+    def __init__(self, first: Index, second: Index, method: Fusion = "rrf", weight: float = 0.5, depth: int = 100,
+                 rrf_k: int = 60) -> None:
+        if method not in ("rrf", "linear"):
+            raise ConfigError(f"unknown fusion {method!r} (use 'rrf' or 'linear')")
+        if not 0 <= weight <= 1:
+            raise ConfigError(f"the fusion weight must be in [0, 1], got {weight}")
+        if depth < 1 or rrf_k < 1:
+            raise ConfigError(f"depth and rrf_k must be >= 1, got {depth} and {rrf_k}")
+        if first.passages.ids != second.passages.ids:
+            raise ConfigError("the two indexes of a hybrid must hold the same passages in the same order")
+        self.first, self.second = first, second
+        self.method, self.weight, self.depth, self.rrf_k = method, weight, depth, rrf_k
+
+    @property
+    def passages(self) -> Corpus:  # type: ignore[override]
+        return self.first.passages
+
+    def add(self, passages: Passages) -> None:
+        self.first.add(passages)
+        self.second.add(passages)
+
+    def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        queries = check_queries(queries)
+        depth = max(k, self.depth)
+        results = [self.first.search(queries, depth), self.second.search(queries, depth)]
+        k = min(k, len(self.passages))
+        scores = np.zeros((len(queries), k), dtype=np.float32)
+        rows = np.full((len(queries), k), -1, dtype=np.int64)
+        for i in range(len(queries)):
+            lists = [([int(r) for r in res.rows[i] if r >= 0], [float(s) for r, s in zip(res.rows[i], res.scores[i])
+                                                                 if r >= 0]) for res in results]
+            if self.method == "rrf":
+                fused = rrf_scores([rows_ for rows_, _ in lists], self.rrf_k)
+            else:
+                fused = linear_scores(lists, [self.weight, 1 - self.weight])
+            best = sorted(fused.items(), key=lambda item: (-item[1], item[0]))[:k]
+            for j, (row, score) in enumerate(best):
+                rows[i, j], scores[i, j] = row, score
+        return scores, rows
+
+    def facts(self) -> dict:
+        return {"options": {"method": self.method, "weight": self.weight, "depth": self.depth, "rrf_k": self.rrf_k},
+                "parts": [self.first.kind, self.second.kind]}
+
+    def _write(self, directory: Path) -> None:
+        self.first.save(directory / "first")
+        self.second.save(directory / "second")
+
+    @classmethod
+    def _read(cls, directory: Path, manifest: dict, passages: Corpus, **options: Any) -> HybridIndex:
+        parts = []
+        for name in ("first", "second"):
+            kind = read_index_manifest(directory / name)["kind"]
+            takes_model = kind != "bm25"
+            parts.append(KINDS[kind].load(directory / name, **(options if takes_model else {})))
+        if parts[0].passages.ids != passages.ids:
+            raise DataError(f"{directory}: its parts hold other passages than the hybrid index")
+        return cls(*parts, **manifest["options"])
