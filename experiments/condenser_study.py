@@ -25,7 +25,6 @@ from densepass.analysis.attention import attention_entropy, entropy_shift, entro
 from densepass.cli import run_guarded
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset
-from densepass.data.dataset import sample_queries
 from densepass.device import default_device
 from densepass.evaluation.metrics import paired_significance, read_trec_run
 from densepass.pipelines.experiment import run_experiment
@@ -133,7 +132,7 @@ def significance_lines(args: argparse.Namespace, dataset) -> list[str]:
             trec = config.run_dir / "runs" / "fine-tuned.trec"
             if trec.is_file():
                 runs[label] = read_trec_run(trec)
-        qrels = sample_queries(dataset.split(config.data.eval_split), config.data.max_eval_queries, config.data.seed)
+        qrels = dataset.sample(config.data.eval_split, config.data.max_eval_queries, config.data.seed)
         for baseline in ("MiniLM", "MLM"):
             if baseline not in runs or len(runs) < 2:
                 continue

@@ -34,7 +34,7 @@ from densepass.device import default_device
 from densepass.io import atomic_write_text
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import save_pool
-from densepass.pipelines.ensemble import evaluate_ensemble
+from densepass.pipelines.ensemble import EnsembleSettings, evaluate_ensemble
 from densepass.pipelines.experiment import run_experiment
 from densepass.training.miner import prepare_miners
 
@@ -69,10 +69,7 @@ def write_subset_dataset(dataset: RetrievalDataset, root: Path, n_train: int, n_
 
 def train_query_ids(config: ExperimentConfig, dataset: RetrievalDataset) -> list[str]:
     """The training queries ``run_experiment`` uses for this config."""
-    split = config.data.train_split
-    positives = dataset.positives(split)
-    return sorted(q for q in sample_queries(dataset.split(split), config.data.max_train_queries, config.data.seed)
-                  if q in positives)
+    return sorted(dataset.sample(config.data.train_split, config.data.max_train_queries, config.data.seed))
 
 
 def mine_pools(config: ExperimentConfig, dataset: RetrievalDataset, out: Path) -> dict[str, dict]:
@@ -144,10 +141,10 @@ def main() -> None:
 
     members = [label for label in ROWS if label != "Rnd"]
     started = time.perf_counter()
-    ensemble = evaluate_ensemble(dataset, [model_dirs[m] for m in members], split=base.data.eval_split,
-                                 labels=members, metrics=base.eval.metrics, depth=base.eval.depth,
-                                 max_queries=base.data.max_eval_queries, seed=base.data.seed,
-                                 batch_size=base.eval.batch_size)
+    settings = EnsembleSettings(split=base.data.eval_split, metrics=base.eval.metrics, depth=base.eval.depth,
+                                max_queries=base.data.max_eval_queries, seed=base.data.seed,
+                                batch_size=base.eval.batch_size)
+    ensemble = evaluate_ensemble(dataset, [model_dirs[m] for m in members], settings, labels=members)
     timings["ensemble_s"] = time.perf_counter() - started
     results["Ensemble (embedding)"] = ensemble["results"]["ensemble (embedding)"]
     results["Ensemble (rank)"] = ensemble["results"]["ensemble (rank)"]

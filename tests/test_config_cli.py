@@ -263,7 +263,7 @@ def test_eval_subcorpus_has_gold_bm25_and_random_passages(dataset_and_bm25):
     ids = eval_set.corpus.ids
     assert len(set(ids)) == len(ids)
     gold = {p for q in eval_set.query_ids for p, g in dev[q].items() if g > 0}
-    _, rows = bm25.search(eval_set.query_texts, 3)
+    _, rows = bm25.search_rows(eval_set.query_texts, 3)
     hard = {dataset.corpus.ids[r] for r in rows.ravel().tolist()}
     assert hard - gold, "BM25 should add passages beyond the gold ones on this data"
     assert gold <= set(ids)

@@ -329,7 +329,7 @@ def test_mine_cli_writes_a_file_that_training_reads(tiny_beir, tmp_path, capsys)
     from densepass.cli import main
 
     out = tmp_path / "neg.jsonl"
-    assert main(["mine", "--dataset", str(tiny_beir), "--strategy", "bm25", "--depth", "5",
+    assert main(["mine", str(tiny_beir), "--strategy", "bm25", "--depth", "5",
                  "--filters", "qrels", "duplicates", "--output", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "removed by qrels" in printed and "source bm25" in printed
@@ -339,13 +339,15 @@ def test_mine_cli_writes_a_file_that_training_reads(tiny_beir, tmp_path, capsys)
     config = NegativesConfig(source="file", file=str(out), pool_depth=3, filters=[])
     again = mine_negatives(dataset, sorted(pool), config, MiningContext(show_progress=False))
     assert passage_ids(again.pool) == {q: [c.passage_id for c in cands[:3]] for q, cands in pool.items()}
-    assert main(["mine", "--dataset", str(tiny_beir), "--strategy", "file", "--output", str(out)]) == 2
+    assert main(["mine", str(tiny_beir), "--strategy", "file", "--output", str(out)]) == 2
     assert "needs negatives.file" in capsys.readouterr().err
+    assert main(["mine", str(tiny_beir), "--output", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
 
 
 def test_ensemble_of_two_models(tiny_beir, tiny_model_dir, tmp_path):
     from densepass.models.biencoder import BiEncoder, BiEncoderConfig
-    from densepass.pipelines.ensemble import evaluate_ensemble
+    from densepass.pipelines.ensemble import EnsembleSettings, evaluate_ensemble
 
     paths = []
     for dim in (8, 16):
@@ -353,8 +355,8 @@ def test_ensemble_of_two_models(tiny_beir, tiny_model_dir, tmp_path):
         BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(projection_dim=dim)).save(path)
         paths.append(str(path))
     dataset = load_dataset(str(tiny_beir))
-    out = evaluate_ensemble(dataset, paths, labels=["a", "b"], metrics=("mrr@10", "recall@5"), depth=10,
-                            grid=(0.0, 1.0), device=torch_cpu())
+    settings = EnsembleSettings(metrics=("mrr@10", "recall@5"), depth=10, grid=(0.0, 1.0), device=torch_cpu())
+    out = evaluate_ensemble(dataset, paths, settings, labels=["a", "b"])
     results = out["results"]
     assert set(results) == {"a", "b", "ensemble (embedding)", "ensemble (rank)"}
     weights = tuple(out["weights"].values())
@@ -426,5 +428,5 @@ def test_refresh_during_training_is_saved_filtered_and_resumable(tiny_beir, tiny
 
     with pytest.raises(ConfigError, match="refresh_every needs hard negatives"):
         run_experiment(config(tmp_path / "c", "negatives.source=none", "negatives.per_query=0"))
-    with pytest.raises(ConfigError, match="refresh_every must be >= 1"):
+    with pytest.raises(ConfigError, match="refresh_every: must be >= 1"):
         run_experiment(config(tmp_path / "d", "negatives.refresh_every=0"))

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import SHARED_DATA
-from densepass.config import ScheduleConfig
+from densepass.config import ScheduleConfig, load_config
 from densepass.data import load_dataset
 from densepass.errors import ConfigError
 from densepass.models.biencoder import BiEncoder
@@ -22,7 +22,7 @@ from densepass.scheduling.greedy import neighbour_lists, schedule_batches
 from densepass.scheduling.reference import reference_schedule
 from densepass.scheduling.similarity import BilinearSimilarity, batch_hardness, bm25_instance_matrices, mean_hardness
 from densepass.training.batches import TrainingData
-from densepass.training.planner import EpochPlanner
+from densepass.training.planner import EpochPlanner, check_schedule
 
 
 def random_conflicts(rng, n, pairs):
@@ -166,9 +166,14 @@ def test_bad_configurations():
         neighbour_lists(BilinearSimilarity(sp.csr_matrix(np.eye(3)), sp.csr_matrix(np.eye(3))), 2)
     with pytest.raises(ConfigError, match="batch size"):
         sequential_batches(3, 4)
-    for bad, match in [(ScheduleConfig(method="abs-greedy", concurrent_batches=0), "concurrent_batches must be >= 1"),
-                       (ScheduleConfig(method="abs-beam", concurrent_batches=4), "not abs-beam"),
+    with pytest.raises(ConfigError, match="schedule.concurrent_batches: must be >= 1"):
+        load_config(None, ["schedule.concurrent_batches=0"])
+    for bad, match in [(ScheduleConfig(method="abs-beam", concurrent_batches=4), "not abs-beam"),
+                       (ScheduleConfig(method="random", concurrent_batches=4), "the baselines"),
+                       (ScheduleConfig(method="abs-beam", beam_width=1), "beam_width must be >= 2"),
                        (ScheduleConfig(method="abs-greedy", concurrent_batches=4, restrict_top_k=100), "restrict_top_k")]:
+        with pytest.raises(ConfigError, match=match):
+            check_schedule(bad)
         with pytest.raises(ConfigError, match=match):
             EpochPlanner(bad, 4, 0, data=None, model=None, device=torch.device("cpu"))
 

@@ -6,15 +6,18 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from densepass.config import ValidationConfig
 from densepass.data import load_dataset
 from densepass.errors import ConfigError, DataError
 from densepass.evaluation.metrics import evaluate_run, make_run
 from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
-from densepass.index.retrieve import dense_retrieve
 from densepass.models.biencoder import BiEncoder
-from densepass.pipelines.study import checkpoint_name, expand_checkpoints, ordering_agreement, run_study
+from densepass.models.encode import encode_texts
+from densepass.pipelines.study import StudySettings, checkpoint_name, expand_checkpoints, ordering_agreement, run_study
+
+SETTINGS = StudySettings(rs=[0.5], ks=[2], seed=0)
 from densepass.pipelines.validation import Validator, bm25_retriever
 
 
@@ -101,7 +104,7 @@ def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path, monkeypatch):
                 p.add_(0.05 * i * torch.randn_like(p))
         model.save(tmp_path / f"m{i}")
         paths.append(str(tmp_path / f"m{i}"))
-    rows = run_study(dataset, expand_checkpoints(paths), "dev", [0.5], [2], "bm25", "mrr@10", None, 0, tmp_path / "study")
+    rows = run_study(dataset, expand_checkpoints(paths), SETTINGS, tmp_path / "study")
     assert [r.subcorpus.label for r in rows] == ["C0", "R_0.5", "H_2", "C"]
     # Reference: each checkpoint evaluated on each subcorpus encoded on its own (the study slices C's embeddings).
     qrels = {q: r for q, r in dataset.split("dev").items() if any(g > 0 for g in r.values())}
@@ -110,7 +113,11 @@ def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path, monkeypatch):
         model = BiEncoder.from_pretrained(path)
         for row in rows:
             passages = dataset.corpus.subset([dataset.corpus.position(p) for p in row.subcorpus.ids])
-            top, hits = dense_retrieve(model, texts, passages.passage_inputs(model.tokenizer.sep_token), 100)
+            p = encode_texts(model, passages.passage_inputs(model.tokenizer.sep_token), "passage", show_progress=False)
+            q = encode_texts(model, texts, "query", show_progress=False)
+            full = q @ p.T  # brute force, every passage
+            hits = np.argsort(-full, axis=1, kind="stable")[:, :100]
+            top = np.take_along_axis(full, hits, axis=1)
             direct = evaluate_run(qrels, make_run(list(qrels), passages.ids, top, hits), ["mrr@10"])["mrr@10"]
             assert row.scores[j] == pytest.approx(direct, abs=1e-9)
     assert all(r.seconds > 0 for r in rows)
@@ -122,12 +129,12 @@ def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path, monkeypatch):
     evaluated = []
     original = study._evaluate_checkpoint
     monkeypatch.setattr(study, "_evaluate_checkpoint", lambda path, *a, **kw: evaluated.append(path) or original(path, *a, **kw))
-    again = run_study(dataset, expand_checkpoints(paths), "dev", [0.5], [2], "bm25", "mrr@10", None, 0, tmp_path / "study")
+    again = run_study(dataset, expand_checkpoints(paths), SETTINGS, tmp_path / "study")
     assert evaluated == [] and [r.scores for r in again] == [r.scores for r in rows]
-    run_study(dataset, expand_checkpoints(paths[::-1]), "dev", [0.5], [2], "bm25", "mrr@10", None, 0, tmp_path / "study")
+    run_study(dataset, expand_checkpoints(paths[::-1]), SETTINGS, tmp_path / "study")
     assert [p.name for p in evaluated] == ["m2", "m0"]  # m1 kept its position, so its saved result is reused
     (tmp_path / "study" / "checkpoints" / "01-m1.json").write_text("{not json")  # a damaged file is recomputed
-    run_study(dataset, expand_checkpoints(paths[::-1]), "dev", [0.5], [2], "bm25", "mrr@10", None, 0, tmp_path / "study")
+    run_study(dataset, expand_checkpoints(paths[::-1]), SETTINGS, tmp_path / "study")
     assert [p.name for p in evaluated] == ["m2", "m0", "m1"]
     assert rows[-1].tau == pytest.approx(1.0) or np.isnan(rows[-1].tau)
     assert (tmp_path / "study" / "study.md").is_file() and (tmp_path / "study" / "study.png").is_file()
@@ -135,16 +142,15 @@ def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path, monkeypatch):
         expand_checkpoints(paths[:1])
 
     # A stand-in C (C0 + half the corpus): every subcorpus is drawn from it, and it is recorded as such.
-    rows = run_study(dataset, expand_checkpoints(paths), "dev", [0.5], [2], "bm25", "mrr@10", None, 0,
-                     tmp_path / "study-half", corpus_fraction=0.5)
+    rows = run_study(dataset, expand_checkpoints(paths), StudySettings(rs=[0.5], ks=[2], seed=0, corpus_fraction=0.5),
+                     tmp_path / "study-half")
     full = rows[-1].subcorpus
     assert full.provenance["stand_in_for_full_corpus"] and full.provenance["r"] == 0.5
     assert len(full) == max(len(rows[0].subcorpus), round(0.5 * len(dataset.corpus)))
     assert all(set(row.subcorpus.ids) <= set(full.ids) for row in rows)
     assert len(rows[1].subcorpus) == max(len(rows[0].subcorpus), round(0.5 * len(full)))
     with pytest.raises(ConfigError, match=r"corpus fraction must be in \(0, 1\]"):
-        run_study(dataset, expand_checkpoints(paths), "dev", [], [], "bm25", "mrr@10", None, 0,
-                  tmp_path / "study-bad", corpus_fraction=1.5)
+        StudySettings(rs=[], ks=[], corpus_fraction=1.5)
 
 
 def test_checkpoint_names_and_the_default_model():
@@ -153,5 +159,30 @@ def test_checkpoint_names_and_the_default_model():
     assert checkpoint_name(Path("runs/abs/non-abs-random/model")) == "non-abs-random"
     assert checkpoint_name(Path("runs/abs/non-abs-random/checkpoints/step-32/model")) == "non-abs-random@32"
     assert checkpoint_name(Path("/models/m1")) == "m1"
-    found = expand_checkpoints(["all-MiniLM-L6-v2", "all-MiniLM-L6-v2"])
-    assert all((p / "config.json").is_file() for p in found)
+    with pytest.raises(ConfigError, match="given twice"):
+        expand_checkpoints(["all-MiniLM-L6-v2", "all-MiniLM-L6-v2"])
+
+
+def test_a_study_recomputes_a_checkpoint_saved_again_at_the_same_path(tiny_beir, tiny_model_dir, tmp_path):
+    """Saved results are keyed by the checkpoint's content, not its path."""
+    dataset = load_dataset(str(tiny_beir))
+    paths = []
+    for i in range(2):
+        model = BiEncoder.from_pretrained(str(tiny_model_dir))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * i * torch.randn_like(p))
+        model.save(tmp_path / f"m{i}")
+        paths.append(str(tmp_path / f"m{i}"))
+    settings = StudySettings(rs=[0.5], ks=[], seed=0)
+    first = run_study(dataset, expand_checkpoints(paths), settings, tmp_path / "study")
+    other = BiEncoder.from_pretrained(str(tiny_model_dir))
+    with torch.no_grad():
+        torch.manual_seed(5)
+        for p in other.parameters():
+            p.add_(0.5 * torch.randn_like(p))  # another model, saved where m0 was
+    other.save(tmp_path / "m0")
+    again = run_study(dataset, expand_checkpoints(paths), settings, tmp_path / "study")
+    direct = run_study(dataset, expand_checkpoints(paths), settings, tmp_path / "fresh")
+    assert [r.scores for r in again] == [r.scores for r in direct]
+    assert [r.scores[0] for r in again] != [r.scores[0] for r in first]

@@ -1,15 +1,49 @@
-"""Command line: ``densepass run CONFIG``, ``mine``, ``ensemble``, ``pretrain CONFIG``, ``index``,
-``evaluate``, ``analyze-attention``, ``validate-study``, ``download``."""
+"""Command line: ``densepass run CONFIG``, ``config``, ``index``, ``search``, ``serve``, ``evaluate``, ``mine``,
+``ensemble``, ``pretrain CONFIG``, ``analyze-attention``, ``validate-study``, ``download``.
+
+Flags mean the same everywhere: a dataset is the first positional argument, ``--output`` is what a
+command writes, ``--data-dir`` / ``--format`` say where and how the dataset is stored, ``--device`` where
+models run. Every command validates its arguments before it starts working.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from densepass.config import DEFAULT_METRICS, DEFAULT_MODEL, DENSE_INDEX_KINDS, FORMATS
 from densepass.errors import DensepassError
+
+INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+# ---- commands ------------------------------------------------------------------------------------
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -17,11 +51,13 @@ def _run(args: argparse.Namespace) -> None:
     from densepass.pipelines.experiment import run_experiment
 
     config = load_config(args.config, args.set)
-    run_experiment(config)
+    run_experiment(config, restart=args.restart)
     print(f"report: {config.run_dir / 'report.md'}")
 
 
 def _config(args: argparse.Namespace) -> None:
+    import yaml
+
     from densepass.config import ExperimentConfig, explain, load_config, save_config, to_dict
     from densepass.pretraining.config import PretrainConfig
 
@@ -34,8 +70,6 @@ def _config(args: argparse.Namespace) -> None:
     if args.output:
         save_config(config, args.output)
     else:
-        import yaml
-
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
 
 
@@ -45,46 +79,84 @@ def _pretrain(args: argparse.Namespace) -> None:
     from densepass.pretraining.trainer import pretrain
 
     config = load_config(args.config, args.set, PretrainConfig)
-    result = pretrain(config)
+    result = pretrain(config, restart=args.restart)
     print(f"backbone: {result.backbone_path}\nreport: {config.run_dir / 'report.md'}")
-
-
-def _analyze_attention(args: argparse.Namespace) -> None:
-    from densepass.analysis.attention import attention_entropy, entropy_table, plot_entropy, sample_passages
-    from densepass.data import load_dataset
-    from densepass.device import default_device
-    from densepass.errors import ConfigError
-    from densepass.io import atomic_write_text
-
-    labels = args.labels or args.models
-    if len(labels) != len(args.models):
-        raise ConfigError(f"--labels gives {len(labels)} names for {len(args.models)} models")
-    dataset = load_dataset(args.dataset, args.data_dir, args.format)
-    texts = sample_passages(dataset.corpus, args.samples, args.seed, "[SEP]")
-    device = default_device()
-    results = {label: attention_entropy(model, texts, args.max_length, device=device)
-               for label, model in zip(labels, args.models)}
-    plot_entropy(results, args.out, f"CLS attention entropy, {len(texts)} {dataset.name} passages")
-    atomic_write_text(Path(args.out).with_suffix(".json"), json.dumps(results, indent=2))
-    print(entropy_table(results))
-    print(f"plot: {args.out}")
 
 
 def _index(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
-    from densepass.index.embeddings import encode_to_memmap
-    from densepass.index.faiss_index import build_faiss_index, save_faiss_index
-    from densepass.models.biencoder import BiEncoder
+    from densepass.device import resolve_device
+    from densepass.pipelines.indexing import IndexSettings, build_index
 
+    settings = IndexSettings(args.kind, args.model, args.dense_kind, args.fusion, args.fusion_weight, args.batch_size,
+                             args.shard_size, resolve_device(args.device))
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
-    model = BiEncoder.from_pretrained(args.model)
-    out = Path(args.output)
-    emb = encode_to_memmap(model, dataset.corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage",
-                           out / "embeddings.npy", batch_size=args.batch_size)
-    (out / "ids.json").write_text(json.dumps(dataset.corpus.ids))
-    if args.kind != "exact":
-        save_faiss_index(build_faiss_index(emb, args.kind), out / f"{args.kind}.index")
-    print(f"indexed {len(emb)} passages into {out}")
+    index = build_index(dataset.corpus, args.output, settings)
+    print(f"indexed {len(index):,} passages of {dataset.name} into {args.output} ({args.kind})")
+
+
+def _load_pipeline(args: argparse.Namespace):
+    from densepass.device import resolve_device
+    from densepass.index.base import Index, load_index
+    from densepass.index.bm25 import BM25Index
+    from densepass.index.hybrid import HybridIndex
+    from densepass.models.biencoder import BiEncoder
+    from densepass.pipelines.search import SearchPipeline
+
+    device = resolve_device(args.device)
+    options = {"device": device}
+    if args.model:
+        options["model"] = BiEncoder.from_pretrained(args.model)
+    from densepass.index.base import read_index_manifest
+
+    kind = read_index_manifest(Path(args.index))["kind"]
+    index: Index = load_index(args.index, **(options if kind != "bm25" else {}))
+    if args.hybrid:
+        if kind not in DENSE_INDEX_KINDS:
+            raise DensepassError(f"--hybrid adds BM25 to a dense index; {args.index} is a {kind} index")
+        index = HybridIndex(index, BM25Index.build(index.passages), args.hybrid, args.fusion_weight)
+    reranker = None
+    if args.rerank:
+        from densepass.models.cross_encoder import CrossEncoder
+
+        reranker = CrossEncoder.from_pretrained(args.rerank, device=device)
+    return SearchPipeline(index, reranker, args.rerank_depth)
+
+
+def _search(args: argparse.Namespace) -> None:
+    from densepass.errors import ConfigError
+
+    if (args.query is None) == (args.queries is None):
+        raise ConfigError("give either one QUERY or --queries FILE")
+    if args.queries is not None and not args.output:
+        raise ConfigError("--queries needs --output (a TREC run file)")
+    if args.output and Path(args.output).is_dir():
+        raise ConfigError(f"--output {args.output} is a directory; give a run file path")
+    pipeline = _load_pipeline(args)
+    if args.query is not None:
+        _print_hits(args.query, pipeline.search(args.query, args.k))
+        return
+    from densepass.evaluation.metrics import write_trec_run
+    from densepass.pipelines.search import read_queries
+
+    ids, texts = read_queries(args.queries)
+    run = pipeline.results(texts, args.k).as_run(ids)
+    write_trec_run(run, args.output, tag=args.tag)
+    print(f"{len(ids):,} queries searched, top {args.k} each -> {args.output}")
+
+
+def _print_hits(query: str, hits) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{query!r}: {len(hits)} hits")
+    for column, justify in (("rank", "right"), ("score", "right"), ("id", "left"), ("title", "left"),
+                            ("text", "left")):
+        table.add_column(column, justify=justify, overflow="fold")
+    for rank, hit in enumerate(hits, 1):
+        text = hit.text if len(hit.text) <= 160 else hit.text[:157] + "..."
+        table.add_row(str(rank), f"{hit.score:.4f}", hit.id, hit.title, text)
+    Console().print(table)
 
 
 def _evaluate(args: argparse.Namespace) -> None:
@@ -103,46 +175,56 @@ def _evaluate(args: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2))
 
 
+def _analyze_attention(args: argparse.Namespace) -> None:
+    from densepass.analysis.attention import attention_entropy, entropy_table, plot_entropy, sample_passages
+    from densepass.data import load_dataset
+    from densepass.device import resolve_device
+    from densepass.errors import ConfigError
+    from densepass.io import atomic_write_text
+
+    labels = args.labels or args.models
+    if len(labels) != len(args.models):
+        raise ConfigError(f"--labels gives {len(labels)} names for {len(args.models)} models")
+    dataset = load_dataset(args.dataset, args.data_dir, args.format)
+    texts = sample_passages(dataset.corpus, args.samples, args.seed, "[SEP]")
+    device = resolve_device(args.device)
+    results = {label: attention_entropy(model, texts, args.max_length, device=device)
+               for label, model in zip(labels, args.models)}
+    plot_entropy(results, args.output, f"CLS attention entropy, {len(texts)} {dataset.name} passages")
+    atomic_write_text(Path(args.output).with_suffix(".json"), json.dumps(results, indent=2))
+    print(entropy_table(results))
+    print(f"plot: {args.output}")
+
+
 def _validate_study(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
-    from densepass.pipelines.study import expand_checkpoints, run_study
+    from densepass.pipelines.study import StudySettings, expand_checkpoints, run_study
 
+    settings = StudySettings(args.split, args.r, args.k, args.retriever, args.metric, args.max_queries, args.seed,
+                             args.corpus_fraction)
+    checkpoints = expand_checkpoints(args.checkpoints)
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
-    run_study(dataset, expand_checkpoints(args.checkpoints), args.split, args.r, args.k, args.retriever,
-              args.metric, args.max_queries, args.seed, Path(args.output), args.corpus_fraction)
+    run_study(dataset, checkpoints, settings, Path(args.output))
 
 
 def _mine(args: argparse.Namespace) -> None:
     from densepass.config import load_config
-    from densepass.data import load_dataset, sample_queries
-    from densepass.device import default_device
-    from densepass.negatives.mine import MiningContext, mine_negatives
-    from densepass.negatives.pool import save_pool
-    from densepass.training.miner import prepare_miners
+    from densepass.errors import ConfigError
+    from densepass.pipelines.mining import mine_training_negatives
 
     options = {"negatives.source": args.strategy, "negatives.pool_depth": args.depth, "negatives.model": args.model,
                "negatives.file": args.file, "negatives.filters": args.filters, "negatives.mix": args.mix,
                "negatives.dense_dim": args.dense_dim, "negatives.miner_steps": args.miner_steps,
                "negatives.cross_encoder": args.cross_encoder,
                "negatives.cross_encoder_threshold": args.cross_encoder_threshold,
-               "data.name": args.dataset, "data.data_dir": args.data_dir, "data.max_train_queries": args.max_queries}
+               "data.name": args.dataset, "data.data_dir": args.data_dir, "data.format": args.format,
+               "data.max_train_queries": args.max_queries, "device": args.device}
     overrides = [f"{key}={json.dumps(value)}" for key, value in options.items() if value is not None]
     config = load_config(args.config, [*overrides, *args.set])
-    data = config.data
-    dataset = load_dataset(data.name, data.data_dir, data.format)
-    positives = dataset.positives(data.train_split)
-    query_ids = sorted(q for q in sample_queries(dataset.split(data.train_split), data.max_train_queries, data.seed)
-                       if q in positives)
-    device = default_device()
     output = Path(args.output)
-    ctx = MiningContext(data.train_split, device, work_dir=output.with_name(output.name + ".miners"),
-                        base_model=config.model.name_or_path, architecture=config.model.architecture(), train_config=config.train,
-                        seed=data.seed)
-    print(f"mining {config.negatives.source} negatives for {len(query_ids)} {data.train_split} queries of "
-          f"{data.name} on {device.type}", file=sys.stderr)
-    prepare_miners(dataset, query_ids, config.negatives, ctx)
-    result = mine_negatives(dataset, query_ids, config.negatives, ctx)
-    save_pool(result.pool, output)
+    if output.is_dir():
+        raise ConfigError(f"--output {output} is a directory; give the path of the hard-negatives file to write")
+    result = mine_training_negatives(config, output)
     _print_mining_summary(result, output)
 
 
@@ -165,17 +247,18 @@ def _ensemble(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
     from densepass.evaluation.tables import print_table
     from densepass.io import atomic_write_text
-    from densepass.pipelines.ensemble import evaluate_ensemble
+    from densepass.pipelines.ensemble import EnsembleSettings, evaluate_ensemble
 
+    settings = EnsembleSettings(["embedding", "rrf"] if args.method == "both" else [args.method], args.split,
+                                args.metrics, args.depth, args.max_queries, tune_metric=args.tune_metric,
+                                rrf_k=args.rrf_k)
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
-    methods = ["embedding", "rrf"] if args.method == "both" else [args.method]
-    out = evaluate_ensemble(dataset, args.models, methods, args.split, metrics=args.metrics, depth=args.depth,
-                            max_queries=args.max_queries, tune_metric=args.tune_metric, rrf_k=args.rrf_k)
+    out = evaluate_ensemble(dataset, args.models, settings)
     print_table(out["results"], args.metrics, f"{args.dataset} {args.split}: {out['queries']} queries")
     if "weights" in out:
         print("embedding-fusion weights:", json.dumps(out["weights"]))
-    if args.out:
-        atomic_write_text(args.out, json.dumps(out, indent=2))
+    if args.output:
+        atomic_write_text(args.output, json.dumps(out, indent=2))
 
 
 def _download(args: argparse.Namespace) -> None:
@@ -185,111 +268,152 @@ def _download(args: argparse.Namespace) -> None:
     print(download_dataset(args.name, args.data_dir or default_data_dir()))
 
 
+# ---- the parser ----------------------------------------------------------------------------------
+
+
+def _dataset_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
+    if positional:
+        p.add_argument("dataset", help="dataset name under the data dir, or a path")
+    p.add_argument("--data-dir", default=None, help="data directory (default: $DENSEPASS_DATA or ../shared/data)")
+    p.add_argument("--format", default="beir", choices=FORMATS, help="dataset layout")
+
+
+def _device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+
+
+def _config_args(p: argparse.ArgumentParser, example: str) -> None:
+    p.add_argument("config", nargs="?", help="config file (default: built-in defaults)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"override a config value, e.g. --set {example} (densepass config --explain lists them)")
+
+
+def _pipeline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="the index's bi-encoder, if it moved since indexing")
+    p.add_argument("--hybrid", choices=["rrf", "linear"], default=None,
+                   help="fuse a dense index with BM25 over its passages (reciprocal rank or normalised scores)")
+    p.add_argument("--fusion-weight", type=fraction, default=0.5, help="--hybrid linear: weight of the dense scores")
+    p.add_argument("--rerank", default=None, metavar="MODEL", help="re-score the top candidates with a cross-encoder")
+    p.add_argument("--rerank-depth", type=positive_int, default=100, help="candidates re-scored per query")
+    _device_arg(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="densepass", description=__doc__)
+    parser = argparse.ArgumentParser(prog="densepass", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run an experiment (train, index, evaluate, report) from a YAML/JSON config")
-    run.add_argument("config", nargs="?", help="config file (default: built-in defaults)")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value, e.g. --set train.batch_size=32")
+    _config_args(run, "train.batch_size=32")
+    run.add_argument("--restart", action="store_true", help="discard the run directory's checkpoints and start over")
     run.set_defaults(func=_run)
 
     config = sub.add_parser("config", help="print the resolved configuration, or --explain every key")
-    config.add_argument("config", nargs="?", help="config file (default: built-in defaults)")
-    config.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    _config_args(config, "train.batch_size=32")
     config.add_argument("--explain", action="store_true", help="list every key with its type, default and meaning")
     config.add_argument("--pretrain", action="store_true", help="the keys of `densepass pretrain` configs")
     config.add_argument("--output", default=None, help="write the resolved config here instead of printing it")
     config.set_defaults(func=_config)
 
     pretrain = sub.add_parser("pretrain", help="MLM / Condenser / coCondenser pre-training from a YAML/JSON config")
-    pretrain.add_argument("config", nargs="?", help="config file (default: built-in defaults)")
-    pretrain.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                          help="override a config value, e.g. --set model.mode=cocondenser")
+    _config_args(pretrain, "model.mode=cocondenser")
+    pretrain.add_argument("--restart", action="store_true", help="discard the run's checkpoints and start over")
     pretrain.set_defaults(func=_pretrain)
 
-    def data_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("dataset", help="dataset name under the data dir, or a path")
-        p.add_argument("--data-dir", default=None, help="data directory (default: $DENSEPASS_DATA or ../shared/data)")
-        p.add_argument("--format", default="beir", choices=["beir", "msmarco", "dpr", "squad"])
-
-    index = sub.add_parser("index", help="encode a corpus (sharded, resumable) and build an index")
-    data_args(index)
-    index.add_argument("--model", default="all-MiniLM-L6-v2")
-    index.add_argument("--output", required=True)
-    index.add_argument("--kind", default="exact", choices=["exact", "faiss-flat", "faiss-hnsw", "faiss-ivfpq"])
-    index.add_argument("--batch-size", type=int, default=256)
+    index = sub.add_parser("index", help="index a dataset's corpus (resumable encoding) into a saved index")
+    _dataset_args(index)
+    index.add_argument("--output", required=True, help="index directory to write")
+    index.add_argument("--kind", default="exact", choices=INDEX_KINDS, help="index kind")
+    index.add_argument("--model", default=DEFAULT_MODEL, help="bi-encoder (dense and hybrid kinds)")
+    index.add_argument("--dense-kind", default="exact", choices=DENSE_INDEX_KINDS, help="hybrid: the dense part")
+    index.add_argument("--fusion", default="rrf", choices=["rrf", "linear"], help="hybrid: how scores are fused")
+    index.add_argument("--fusion-weight", type=fraction, default=0.5, help="hybrid linear: weight of the dense scores")
+    index.add_argument("--batch-size", type=positive_int, default=256, help="encoding batch size")
+    index.add_argument("--shard-size", type=positive_int, default=100_000,
+                       help="passages encoded between resumable save points")
+    _device_arg(index)
     index.set_defaults(func=_index)
 
+    search = sub.add_parser("search", help="search a saved index: one query (a table) or a file of queries (a run)")
+    search.add_argument("index", help="index directory (from densepass index)")
+    search.add_argument("query", nargs="?", help="one query")
+    search.add_argument("--queries", default=None, help="queries file: BEIR queries.jsonl or id<TAB>text lines")
+    search.add_argument("--output", default=None, help="TREC run file to write (with --queries)")
+    search.add_argument("--k", type=positive_int, default=10, help="hits per query")
+    search.add_argument("--tag", default="densepass", help="run tag (last column of the TREC file)")
+    _pipeline_args(search)
+    search.set_defaults(func=_search)
+
     evaluate = sub.add_parser("evaluate", help="evaluate a TREC run file against a split's qrels")
-    data_args(evaluate)
+    _dataset_args(evaluate)
     evaluate.add_argument("run", help="TREC run file")
     evaluate.add_argument("--split", default="dev")
-    evaluate.add_argument("--metrics", nargs="+", default=["mrr@10", "ndcg@10", "recall@100"])
+    evaluate.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS))
     evaluate.add_argument("--compare-to", metavar="BASELINE_RUN",
                           help="also evaluate this run and test the difference (paired Fisher randomization test)")
     evaluate.set_defaults(func=_evaluate)
 
-    attention = sub.add_parser("analyze-attention", help="CLS attention entropy per layer of saved models (one plot)")
-    attention.add_argument("models", nargs="+", help="saved models (any AutoModel directory or name)")
-    attention.add_argument("--out", required=True, help="PNG path (the numbers go to the same path with .json)")
-    attention.add_argument("--labels", nargs="*", default=None, help="legend names, one per model")
-    attention.add_argument("--dataset", default="debian-packages", help="corpus to sample passages from")
-    attention.add_argument("--data-dir", default=None)
-    attention.add_argument("--format", default="beir", choices=["beir", "msmarco", "dpr", "squad"])
-    attention.add_argument("--samples", type=int, default=1000, help="passages averaged over")
-    attention.add_argument("--max-length", type=int, default=128)
-    attention.add_argument("--seed", type=int, default=13)
-    attention.set_defaults(func=_analyze_attention)
-
-    study = sub.add_parser("validate-study", help="compare validation subcorpora (C0, R_r, H_k) with the full corpus")
-    data_args(study)
-    study.add_argument("--checkpoints", nargs="+", required=True, help="saved models or run directories")
-    study.add_argument("--split", default="dev")
-    study.add_argument("--r", type=float, nargs="*", default=[0.01, 0.1, 0.3], help="random subcorpus fractions")
-    study.add_argument("--k", type=int, nargs="*", default=[10, 50], help="hard subcorpus depths")
-    study.add_argument("--retriever", default="bm25", help="'bm25' or a saved model for H_k")
-    study.add_argument("--metric", default="mrr@10")
-    study.add_argument("--max-queries", type=int, default=None)
-    study.add_argument("--corpus-fraction", type=float, default=None,
-                       help="stand in for the full corpus with C0 + this random fraction of it (for a CPU)")
-    study.add_argument("--seed", type=int, default=13)
-    study.add_argument("--output", required=True)
-    study.set_defaults(func=_validate_study)
-
     mine = sub.add_parser("mine", help="mine a hard-negatives file for the training queries")
-    mine.add_argument("config", nargs="?", help="experiment config (its data, model, negatives, train sections)")
+    _dataset_args(mine)
     mine.add_argument("--output", required=True, help="hard-negatives file to write (JSONL)")
-    mine.add_argument("--dataset", default=None, help="dataset name under the data dir, or a path")
-    mine.add_argument("--data-dir", default=None)
+    mine.add_argument("--config", default=None, help="experiment config (its data, model, negatives, train sections)")
     mine.add_argument("--strategy", default=None, choices=["bm25", "dense", "model", "context", "mixed", "file"])
-    mine.add_argument("--depth", type=int, default=None, help="candidates kept per query (pool depth)")
+    mine.add_argument("--depth", type=positive_int, default=None, help="candidates kept per query (pool depth)")
     mine.add_argument("--model", default=None, help="saved model for --strategy model")
     mine.add_argument("--file", default=None, help="hard-negatives file for --strategy file (re-filter it)")
-    mine.add_argument("--dense-dim", type=int, default=None, help="projection of the dense miner (25 coarse, 512 fine)")
-    mine.add_argument("--miner-steps", type=int, default=None, help="training steps of the dense miner")
+    mine.add_argument("--dense-dim", type=positive_int, default=None,
+                      help="projection of the dense miner (25 coarse, 512 fine)")
+    mine.add_argument("--miner-steps", type=positive_int, default=None, help="training steps of the dense miner")
     mine.add_argument("--mix", nargs="+", default=None, help="strategies for --strategy mixed, e.g. bm25 context dense:25")
     mine.add_argument("--filters", nargs="+", default=None, help="qrels answers duplicates cross-encoder")
     mine.add_argument("--cross-encoder", default=None, help="sentence-transformers CrossEncoder for that filter")
     mine.add_argument("--cross-encoder-threshold", type=float, default=None)
-    mine.add_argument("--max-queries", type=int, default=None, help="a seeded subset of the training queries")
+    mine.add_argument("--max-queries", type=positive_int, default=None, help="a seeded subset of the training queries")
     mine.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    _device_arg(mine)
     mine.set_defaults(func=_mine)
 
     ensemble = sub.add_parser("ensemble", help="evaluate embedding fusion and/or RRF of saved models")
-    data_args(ensemble)
+    _dataset_args(ensemble)
     ensemble.add_argument("--models", nargs="+", required=True, help="saved models (at least two)")
     ensemble.add_argument("--method", default="both", choices=["embedding", "rrf", "both"])
     ensemble.add_argument("--split", default="dev")
     ensemble.add_argument("--metrics", nargs="+",
                           default=["mrr@10", "ndcg@10", "recall@1", "recall@5", "recall@20", "recall@100"])
-    ensemble.add_argument("--depth", type=int, default=100)
-    ensemble.add_argument("--max-queries", type=int, default=None)
+    ensemble.add_argument("--depth", type=positive_int, default=100)
+    ensemble.add_argument("--max-queries", type=positive_int, default=None)
     ensemble.add_argument("--tune-metric", default="mrr@10", help="metric the fusion weights maximise")
-    ensemble.add_argument("--rrf-k", type=int, default=60)
-    ensemble.add_argument("--out", default=None, help="write the results as JSON here")
+    ensemble.add_argument("--rrf-k", type=positive_int, default=60)
+    ensemble.add_argument("--output", default=None, help="write the results as JSON here")
     ensemble.set_defaults(func=_ensemble)
+
+    pretrain_dataset = "debian-packages"
+    attention = sub.add_parser("analyze-attention", help="CLS attention entropy per layer of saved models (one plot)")
+    attention.add_argument("models", nargs="+", help="saved models (any AutoModel directory or name)")
+    attention.add_argument("--output", required=True, help="PNG path (the numbers go to the same path with .json)")
+    attention.add_argument("--labels", nargs="*", default=None, help="legend names, one per model")
+    attention.add_argument("--dataset", default=pretrain_dataset, help="corpus to sample passages from")
+    _dataset_args(attention, positional=False)
+    attention.add_argument("--samples", type=positive_int, default=1000, help="passages averaged over")
+    attention.add_argument("--max-length", type=positive_int, default=128)
+    attention.add_argument("--seed", type=int, default=13)
+    _device_arg(attention)
+    attention.set_defaults(func=_analyze_attention)
+
+    study = sub.add_parser("validate-study", help="compare validation subcorpora (C0, R_r, H_k) with the full corpus")
+    _dataset_args(study)
+    study.add_argument("--checkpoints", nargs="+", required=True, help="saved models or run directories")
+    study.add_argument("--split", default="dev")
+    study.add_argument("--r", type=float, nargs="*", default=[0.01, 0.1, 0.3], help="random subcorpus fractions")
+    study.add_argument("--k", type=positive_int, nargs="*", default=[10, 50], help="hard subcorpus depths")
+    study.add_argument("--retriever", default="bm25", help="'bm25' or a saved model for H_k")
+    study.add_argument("--metric", default="mrr@10")
+    study.add_argument("--max-queries", type=positive_int, default=None)
+    study.add_argument("--corpus-fraction", type=float, default=None,
+                       help="stand in for the full corpus with C0 + this random fraction of it (for a CPU)")
+    study.add_argument("--seed", type=int, default=13)
+    study.add_argument("--output", required=True)
+    study.set_defaults(func=_validate_study)
 
     download = sub.add_parser("download", help="download a public BEIR dataset or SQuAD (needs internet)")
     download.add_argument("name")
@@ -299,7 +423,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_guarded(func: Callable[[], object], prog: str = "densepass") -> int:
-    """Run ``func`` and turn densepass errors and Ctrl-C into a one-line message and an exit code."""
+    """Run ``func`` and turn densepass errors and Ctrl-C into a one-line message and an exit code;
+    warnings print as one line each."""
+    def one_line(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"{prog}: warning: {message}", file=sys.stderr)
+
+    previous = warnings.showwarning
+    warnings.showwarning = one_line
     try:
         func()
     except DensepassError as err:
@@ -308,6 +438,8 @@ def run_guarded(func: Callable[[], object], prog: str = "densepass") -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted (re-run the same command to resume)", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = previous
     return 0
 
 

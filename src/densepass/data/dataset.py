@@ -99,6 +99,12 @@ class RetrievalDataset:
                 out[qid] = pos
         return out
 
+    def sample(self, split: str, limit: int | None = None, seed: int = 13) -> Qrels:
+        """The qrels of a seeded sample of ``limit`` queries of ``split`` (all when None), keeping those with
+        at least one relevant passage: the queries a run trains on or evaluates."""
+        qrels = sample_queries(self.split(split), limit, seed)
+        return {q: rels for q, rels in qrels.items() if any(g > 0 for g in rels.values())}
+
     def relevant_sets(self) -> dict[str, set[str]]:
         """Query id -> every passage judged relevant in any split (used to mask false negatives)."""
         out: dict[str, set[str]] = {}

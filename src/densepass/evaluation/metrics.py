@@ -142,3 +142,18 @@ def read_trec_run(path: str | Path) -> Run:
         except ValueError:
             raise DataError(f"{path}:{line_no}: score {parts[4]!r} is not a number") from None
     return run
+
+
+RANX_METRICS = ("mrr", "ndcg", "ndcg_burges", "recall", "precision", "map", "hits", "hit_rate", "f1", "r-precision",
+                "bpref", "dcg", "dcg_burges")
+
+
+def check_metrics(names: Sequence[str]) -> None:
+    """A one-line error for a metric name that neither ranx nor densepass computes (``name@k``, k >= 1)."""
+    for name in names:
+        base, at, cutoff = str(name).partition("@")
+        if base == "accuracy" and not at:
+            raise DensepassError(f"metric {name!r}: accuracy needs a cutoff, e.g. accuracy@5")
+        if base not in (*RANX_METRICS, "accuracy") or (at and not (cutoff.isdigit() and int(cutoff) >= 1)):
+            raise DensepassError(f"unknown metric {name!r} (known: {', '.join(RANX_METRICS)}, accuracy, "
+                                 "each optionally @k with k >= 1, e.g. mrr@10)")

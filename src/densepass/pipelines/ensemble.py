@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from densepass.data.dataset import RetrievalDataset, sample_queries
+from densepass.data.dataset import RetrievalDataset
 from densepass.device import default_device
 from densepass.errors import ConfigError
 from densepass.evaluation.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
@@ -39,35 +40,44 @@ def _encode(path: str, queries: list[str], dataset: RetrievalDataset, batch_size
     return q, p
 
 
-def evaluate_ensemble(
-    dataset: RetrievalDataset,
-    model_paths: Sequence[str],
-    methods: Sequence[str] = METHODS,
-    split: str = "dev",
-    labels: Sequence[str] | None = None,
-    metrics: Sequence[str] = ("mrr@10", "ndcg@10", "recall@1", "recall@5", "recall@20", "recall@100"),
-    depth: int = 100,
-    max_queries: int | None = None,
-    seed: int = 13,
-    tune_metric: str = "mrr@10",
-    grid: Sequence[float] = (0.0, 0.5, 1.0, 2.0),
-    rrf_k: int = 60,
-    batch_size: int = 256,
-    device: torch.device | None = None,
-) -> dict:
+@dataclass
+class EnsembleSettings:
+    """What ``evaluate_ensemble`` fuses and reports."""
+
+    methods: Sequence[str] = METHODS
+    split: str = "dev"
+    metrics: Sequence[str] = ("mrr@10", "ndcg@10", "recall@1", "recall@5", "recall@20", "recall@100")
+    depth: int = 100
+    max_queries: int | None = None
+    seed: int = 13
+    tune_metric: str = "mrr@10"
+    grid: Sequence[float] = (0.0, 0.5, 1.0, 2.0)
+    rrf_k: int = 60
+    batch_size: int = 256
+    device: torch.device | None = None
+
+    def __post_init__(self) -> None:
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise ConfigError(f"unknown ensemble method(s) {sorted(unknown)} (known: {', '.join(METHODS)})")
+        if self.depth < 1 or self.rrf_k < 1 or self.batch_size < 1:
+            raise ConfigError("ensemble depth, rrf_k and batch size must be >= 1")
+
+
+def evaluate_ensemble(dataset: RetrievalDataset, model_paths: Sequence[str], settings: EnsembleSettings | None = None,
+                      labels: Sequence[str] | None = None) -> dict:
     """``{"results": {system: {metric: value}}, "weights": {model: w}, "evaluations": n}``."""
+    s = settings or EnsembleSettings()
     if len(model_paths) < 2:
         raise ConfigError("an ensemble needs at least two models")
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        raise ConfigError(f"unknown ensemble method(s) {sorted(unknown)} (known: {', '.join(METHODS)})")
     for path in model_paths:
         if not Path(path).is_dir():
             raise ConfigError(f"model not found: {path}")
     labels = list(labels or model_paths)
-    device = device or default_device()
-    qrels = sample_queries(dataset.split(split), max_queries, seed)
-    qids = sorted(q for q, rels in qrels.items() if any(g > 0 for g in rels.values()))
+    device = s.device or default_device()
+    metrics, depth, tune_metric = s.metrics, s.depth, s.tune_metric
+    qrels = dataset.sample(s.split, s.max_queries, s.seed)
+    qids = sorted(qrels)
     queries = [dataset.queries[q] for q in qids]
     ids = dataset.corpus.ids
 
@@ -75,20 +85,20 @@ def evaluate_ensemble(
         scores, rows = exact_search(q, p, depth, device=device)
         return make_run(qids, ids, scores, rows)
 
-    embeddings = [_encode(path, queries, dataset, batch_size, device) for path in model_paths]
+    embeddings = [_encode(path, queries, dataset, s.batch_size, device) for path in model_paths]
     runs = [run_of(q, p) for q, p in embeddings]
     results = {label: evaluate_run(qrels, run, metrics) for label, run in zip(labels, runs)}
     out: dict = {"results": results, "queries": len(qids)}
-    if "embedding" in methods:
+    if "embedding" in s.methods:
         def fused_run(weights) -> Run:
             return run_of(fuse_embeddings([q for q, _ in embeddings], weights),
                           fuse_embeddings([p for _, p in embeddings], weights))
 
         weights, _, evaluations = tune_weights(
-            lambda w: evaluate_run(qrels, fused_run(w), [tune_metric])[tune_metric], len(model_paths), grid)
+            lambda w: evaluate_run(qrels, fused_run(w), [tune_metric])[tune_metric], len(model_paths), s.grid)
         results["ensemble (embedding)"] = evaluate_run(qrels, fused_run(weights), metrics)
         out["weights"] = dict(zip(labels, weights))
         out["evaluations"] = evaluations
-    if "rrf" in methods:
-        results["ensemble (rank)"] = evaluate_run(qrels, reciprocal_rank_fusion(runs, rrf_k), metrics)
+    if "rrf" in s.methods:
+        results["ensemble (rank)"] = evaluate_run(qrels, reciprocal_rank_fusion(runs, s.rrf_k), metrics)
     return out

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from densepass.config import DataConfig
-from densepass.data.dataset import Corpus, Qrels, RetrievalDataset, sample_queries
+from densepass.data.dataset import Corpus, Qrels, RetrievalDataset
 from densepass.errors import ConfigError
 from densepass.evaluation.subcorpus import gold_subcorpus, hard_subcorpus
 from densepass.index.bm25 import BM25Index
@@ -29,7 +29,7 @@ def add_rerank_candidates(evalset: EvalSet, bm25: BM25Index, size: int) -> EvalS
     """Give each query its positives plus BM25 candidates (from ``evalset.corpus``) up to ``size``."""
     if size < 2:
         raise ConfigError(f"eval.rerank_candidates must be >= 2, got {size}")
-    _, rows = bm25.search(evalset.query_texts, size)
+    _, rows = bm25.search_rows(evalset.query_texts, size)
     candidates = {}
     for qid, row in zip(evalset.query_ids, rows):
         chosen = [p for p, g in evalset.qrels[qid].items() if g > 0]
@@ -45,8 +45,7 @@ def add_rerank_candidates(evalset: EvalSet, bm25: BM25Index, size: int) -> EvalS
 
 
 def build_eval_set(dataset: RetrievalDataset, config: DataConfig, bm25: BM25Index | None) -> EvalSet:
-    qrels = sample_queries(dataset.split(config.eval_split), config.max_eval_queries, config.seed)
-    qrels = {q: r for q, r in qrels.items() if any(g > 0 for g in r.values())}
+    qrels = dataset.sample(config.eval_split, config.max_eval_queries, config.seed)
     query_ids = sorted(qrels)
     texts = [dataset.queries[q] for q in query_ids]
     answers = {q: dataset.answers[q] for q in query_ids if q in dataset.answers}
@@ -60,7 +59,7 @@ def build_eval_set(dataset: RetrievalDataset, config: DataConfig, bm25: BM25Inde
     if config.eval_hard_k:
         if bm25 is None:
             raise ConfigError("data.eval_hard_k needs a BM25 index of the corpus")
-        base = hard_subcorpus(corpus, qrels, texts, config.eval_hard_k, lambda q, k: bm25.search(q, k)[1], "bm25")
+        base = hard_subcorpus(corpus, qrels, texts, config.eval_hard_k, lambda q, k: bm25.search_rows(q, k)[1], "bm25")
     else:
         base = gold_subcorpus(corpus, qrels)
     keep = {corpus.position(p) for p in base.ids}

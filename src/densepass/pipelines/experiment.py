@@ -1,28 +1,43 @@
-"""Run an experiment from its config: baselines, training, indexing, evaluation and the report.
+"""``densepass run``: an experiment from its config, in stages.
 
-Everything lands in ``<output_dir>/<name>/``: ``config.yaml`` (resolved), ``checkpoints/``,
-``model/`` (final fine-tuned model), ``runs/*.trec``, ``train_log.jsonl``, ``metrics.json`` and
-``report.md`` with PNG plots. Re-running the same command resumes an interrupted run.
+1. ``check``: everything that can be checked without data (device, metric names, option combinations);
+2. ``prepare``: the dataset, the evaluation set, BM25 where needed, and whether the run directory's
+   checkpoints belong to this config (a different run is refused before anything is written);
+3. ``evaluate_baselines``: BM25 and the zero-shot model;
+4. ``fine_tune``: hard negatives, batches, validation and refresh callbacks, the training loop;
+5. ``finish``: the fine-tuned model's evaluation, ``metrics.json`` and ``report.md``.
+
+Everything lands in ``<output_dir>/<name>/``: ``config.yaml`` (written once the run is known to be
+valid), ``checkpoints/``, ``model/`` (final fine-tuned model), ``runs/*.trec``, ``train_log.jsonl``,
+``metrics.json`` and ``report.md`` with PNG plots. The directory is locked while a run uses it;
+re-running the same command resumes an interrupted run exactly, ``restart=True`` starts it over.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
-from dataclasses import asdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+import numpy as np
 import torch
 
+from densepass.checkpoints import trim_log
 from densepass.config import ExperimentConfig, save_config
-from densepass.data import load_dataset, sample_queries
-from densepass.device import default_device
+from densepass.data import load_dataset
+from densepass.data.dataset import RetrievalDataset
+from densepass.device import resolve_device
 from densepass.errors import ConfigError
 from densepass.evaluation.answers import top_k_accuracy
-from densepass.evaluation.metrics import Run, evaluate_run, make_run, write_trec_run
+from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write_trec_run
 from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
-from densepass.index.retrieve import dense_retrieve, rerank_candidates
-from densepass.io import atomic_write_text
+from densepass.index.dense import DenseIndex
+from densepass.io import atomic_write_text, exclusive_lock
 from densepass.models.biencoder import BiEncoder
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import passage_ids, save_pool
@@ -32,55 +47,15 @@ from densepass.pipelines.validation import Validator
 from densepass.training import distributed
 from densepass.training.batches import TrainingData
 from densepass.training.miner import prepare_miners
-from densepass.training.planner import EpochPlanner
+from densepass.training.planner import EpochPlanner, check_schedule
 from densepass.training.refresh import NegativeRefresher
-from densepass.training.trainer import planned_steps, resume_step, train
+from densepass.training.trainer import planned_steps, resume_step, seed_everything, train
 
 
 def model_from_config(config: ExperimentConfig) -> BiEncoder:
+    """The bi-encoder a run starts from (a new projection, if any, is seeded by ``train.seed``)."""
+    torch.manual_seed(config.train.seed)
     return BiEncoder.from_pretrained(config.model.name_or_path, config=config.model.architecture())
-
-
-def score_run(evalset: EvalSet, run: Run, config: ExperimentConfig, name: str) -> dict[str, float]:
-    """Write the run as TREC and compute its metrics (plus top-k answer accuracy when answers exist)."""
-    write_trec_run(run, config.run_dir / "runs" / f"{name}.trec", tag=name)
-    results = evaluate_run(evalset.qrels, run, config.eval.metrics)
-    if evalset.answers:
-        rankings = {q: sorted(r, key=r.get, reverse=True) for q, r in run.items()}
-        texts = dict(zip(evalset.corpus.ids, evalset.corpus.texts))
-        results.update(top_k_accuracy(rankings, texts, evalset.answers, [1, 5, 20, 100]))
-    return results
-
-
-def _candidate_run(evalset: EvalSet, scores_of) -> Run:
-    """A run scoring each query's own candidates with ``scores_of(query index, candidate ids)``."""
-    return {qid: dict(zip(evalset.candidates[qid], map(float, scores_of(i, evalset.candidates[qid]))))
-            for i, qid in enumerate(evalset.query_ids)}
-
-
-def evaluate_dense(model: BiEncoder, evalset: EvalSet, config: ExperimentConfig, device, name: str) -> dict[str, float]:
-    sep = model.tokenizer.sep_token or " "
-    if evalset.candidates is not None:
-        corpus = evalset.corpus
-        texts = [corpus.passage_inputs(sep, [corpus.position(p) for p in evalset.candidates[q]]) for q in evalset.query_ids]
-        scores = rerank_candidates(model, evalset.query_texts, texts, config.eval.batch_size, device)
-        return score_run(evalset, _candidate_run(evalset, lambda i, _: scores[i]), config, name)
-    scores, rows = dense_retrieve(
-        model, evalset.query_texts, evalset.corpus.passage_inputs(sep), config.eval.depth, config.eval.index,
-        config.eval.batch_size, device,
-    )
-    return score_run(evalset, make_run(evalset.query_ids, evalset.corpus.ids, scores, rows), config, name)
-
-
-def evaluate_bm25(evalset: EvalSet, index: BM25Index, config: ExperimentConfig) -> dict[str, float]:
-    """BM25 over the evaluation corpus (``index`` must cover ``evalset.corpus``)."""
-    if evalset.candidates is not None:
-        corpus = evalset.corpus
-        return score_run(evalset, _candidate_run(evalset, lambda i, cands: index.score_all(evalset.query_texts[i])[
-            [corpus.position(p) for p in cands]]), config, "bm25")
-    scores, rows = index.search(evalset.query_texts, config.eval.depth)
-    run = make_run(evalset.query_ids, evalset.corpus.ids, scores, rows, drop_nonpositive=True)
-    return score_run(evalset, run, config, "bm25")
 
 
 def run_identity(config: ExperimentConfig) -> dict:
@@ -90,22 +65,72 @@ def run_identity(config: ExperimentConfig) -> dict:
             "schedule": schedule}
 
 
-def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
-    """Run every stage of ``config`` and return {system: {metric: value}}."""
-    for baseline in config.eval.baselines:
-        if baseline not in ("bm25", "zero-shot"):
-            raise ConfigError(f"eval.baselines: unknown baseline {baseline!r} (known: bm25, zero-shot)")
-    distributed.init_from_environment()  # under torchrun: one process per GPU, global in-batch negatives
-    main = distributed.rank() == 0
-    run_dir = config.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if main:
-        save_config(config, run_dir / "config.yaml")
-    device = torch.device(config.device) if config.device else default_device()
-    timings: dict[str, float] = {}
+# ---- stage 1: checks before any work -------------------------------------------------------------------
 
+
+def check(config: ExperimentConfig) -> torch.device:
+    """Everything about ``config`` that can be checked without data; returns the device to run on."""
+    device = resolve_device(config.device)
+    check_metrics(config.eval.metrics)
+    check_metrics([config.validation.metric])
+    neg = config.negatives
+    if config.train.enabled:
+        check_schedule(config.schedule)
+        if neg.refresh_every is not None and (neg.source == "none" or neg.per_query == 0):
+            raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
+        if neg.refresh_every is not None and distributed.world_size() > 1:
+            raise ConfigError("negatives.refresh_every runs in a single process only (for now)")
+    return device
+
+
+@contextmanager
+def run_directory(config: ExperimentConfig, main: bool, restart: bool) -> Iterator[Path]:
+    """The run directory, locked against a second process for the run's duration; emptied on ``restart``."""
+    run_dir = config.run_dir
+    if not main:
+        distributed.barrier()
+        yield run_dir
+        return
+    with exclusive_lock(run_dir, "run"):
+        if restart:
+            for child in run_dir.iterdir():
+                if child.name != ".lock":
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+        distributed.barrier()
+        yield run_dir
+
+
+# ---- stage 2: data -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Experiment:
+    """What the stages share."""
+
+    config: ExperimentConfig
+    device: torch.device
+    main: bool
+    dataset: RetrievalDataset
+    evalset: EvalSet
+    full_bm25: BM25Index | None
+    eval_bm25: BM25Index | None
+    results: dict[str, dict[str, float]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.config.run_dir
+
+
+def prepare(config: ExperimentConfig, device: torch.device, main: bool) -> Experiment:
+    """Load the data, build the evaluation set and the BM25 indexes the run needs, and check that the run
+    directory's checkpoints (if any) belong to this config."""
     started = time.perf_counter()
     dataset = load_dataset(config.data.name, config.data.data_dir, config.data.format)
+    needs_answers = [m for m in config.eval.metrics if m.startswith("accuracy@")]
+    if needs_answers and not dataset.answers:
+        raise ConfigError(f"eval.metrics {needs_answers} need answer strings, which {dataset.name} does not have")
     neg = config.negatives
     uses_bm25 = neg.source == "bm25" or neg.source == "mixed" and "bm25" in neg.mix
     need_full_bm25 = uses_bm25 and neg.per_query > 0 and config.train.enabled or config.data.eval_hard_k > 0
@@ -116,97 +141,185 @@ def run_experiment(config: ExperimentConfig) -> dict[str, dict[str, float]]:
         eval_bm25 = BM25Index.build(evalset.corpus.passage_inputs(" "))
     if config.eval.mode == "rerank":
         add_rerank_candidates(evalset, eval_bm25, config.eval.rerank_candidates)
-    timings["data_and_bm25_s"] = time.perf_counter() - started
-
-    results: dict[str, dict[str, float]] = {}
-    if "bm25" in config.eval.baselines and main:
-        results["BM25"] = evaluate_bm25(evalset, eval_bm25, config)
-    model = model_from_config(config)
-    if "zero-shot" in config.eval.baselines and main:
-        started = time.perf_counter()
-        results["zero-shot"] = evaluate_dense(model, evalset, config, device, "zero-shot")
-        timings["zero_shot_eval_s"] = time.perf_counter() - started
-
-    notes = []
     if config.train.enabled:
+        resume_step(config.run_dir, config.train, run_identity(config))  # refuses another run's checkpoints
+    experiment = Experiment(config, device, main, dataset, evalset, full_bm25, eval_bm25)
+    experiment.timings["data_and_bm25_s"] = time.perf_counter() - started
+    return experiment
+
+
+# ---- evaluation ----------------------------------------------------------------------------------------
+
+
+def score_run(exp: Experiment, run: Run, name: str) -> dict[str, float]:
+    """Write the run as TREC and compute its metrics (plus top-k answer accuracy when answers exist)."""
+    write_trec_run(run, exp.run_dir / "runs" / f"{name}.trec", tag=name)
+    evalset = exp.evalset
+    results = evaluate_run(evalset.qrels, run, exp.config.eval.metrics)
+    if evalset.answers:
+        rankings = {q: sorted(r, key=r.get, reverse=True) for q, r in run.items()}
+        texts = dict(zip(evalset.corpus.ids, evalset.corpus.texts))
+        results.update(top_k_accuracy(rankings, texts, evalset.answers, [1, 5, 20, 100]))
+    return results
+
+
+def _candidate_run(evalset: EvalSet, scores_of: Callable[[int, list[str]], np.ndarray]) -> Run:
+    """A run scoring each query's own candidates with ``scores_of(query index, candidate ids)``."""
+    return {qid: dict(zip(evalset.candidates[qid], map(float, scores_of(i, evalset.candidates[qid]))))
+            for i, qid in enumerate(evalset.query_ids)}
+
+
+def evaluate_dense(exp: Experiment, model: BiEncoder, name: str) -> dict[str, float]:
+    """The model over the evaluation set: searched through a ``DenseIndex`` of the evaluation corpus (what
+    ``densepass index`` + ``densepass search`` do), or scoring each query's candidates in rerank mode."""
+    evalset, settings = exp.evalset, exp.config.eval
+    if evalset.candidates is None:
+        index = DenseIndex.build(model, evalset.corpus, settings.index, batch_size=settings.batch_size,
+                                 device=exp.device)
+        results = index.search(evalset.query_texts, settings.depth)
+        return score_run(exp, results.as_run(evalset.query_ids), name)
+    corpus = evalset.corpus
+    flat = [pid for q in evalset.query_ids for pid in evalset.candidates[q]]
+    texts = corpus.passage_inputs(model.tokenizer.sep_token or " ", [corpus.position(p) for p in flat])
+    passages = model.encode_passages(texts, settings.batch_size, show_progress=False, device=exp.device)
+    queries = model.encode_queries(evalset.query_texts, settings.batch_size, show_progress=False, device=exp.device)
+    starts = np.cumsum([0] + [len(evalset.candidates[q]) for q in evalset.query_ids])
+    return score_run(exp, _candidate_run(evalset, lambda i, _: passages[starts[i]:starts[i + 1]] @ queries[i]), name)
+
+
+def evaluate_bm25(exp: Experiment) -> dict[str, float]:
+    """BM25 over the evaluation corpus (passages sharing no term with a query are not retrieved)."""
+    evalset, index = exp.evalset, exp.eval_bm25
+    if evalset.candidates is not None:
+        corpus = evalset.corpus
+        return score_run(exp, _candidate_run(evalset, lambda i, cands: index.score_all(evalset.query_texts[i])[
+            [corpus.position(p) for p in cands]]), "bm25")
+    results = index.search(evalset.query_texts, exp.config.eval.depth)
+    return score_run(exp, results.as_run(evalset.query_ids), "bm25")
+
+
+# ---- stage 3: baselines --------------------------------------------------------------------------------
+
+
+def evaluate_baselines(exp: Experiment, model: BiEncoder) -> None:
+    """BM25 and the starting model, as configured in ``eval.baselines``."""
+    if not exp.main:
+        return
+    if "bm25" in exp.config.eval.baselines:
+        exp.results["BM25"] = evaluate_bm25(exp)
+    if "zero-shot" in exp.config.eval.baselines:
         started = time.perf_counter()
-        train_qids = sorted(sample_queries(dataset.split(config.data.train_split), config.data.max_train_queries,
-                                           config.data.seed))
-        with_positives = dataset.positives(config.data.train_split)
-        train_qids = [q for q in train_qids if q in with_positives]
-        negatives, context = None, None
-        sep = model.tokenizer.sep_token or " "
-        if neg.source != "none" and neg.per_query > 0:
-            context = MiningContext(config.data.train_split, device, full_bm25, run_dir / "negatives",
-                                    config.model.name_or_path, model.config, config.train, config.data.seed,
-                                    show_progress=main)
-            prepare_miners(dataset, train_qids, neg, context)
-            mined = mine_negatives(dataset, train_qids, neg, context, sep)
+        exp.results["zero-shot"] = evaluate_dense(exp, model, "zero-shot")
+        exp.timings["zero_shot_eval_s"] = time.perf_counter() - started
+
+
+# ---- stage 4: fine-tuning ------------------------------------------------------------------------------
+
+
+def training_data(exp: Experiment, model: BiEncoder) -> tuple[TrainingData, MiningContext | None, list[str]]:
+    """The training instances with their mined hard-negative pools (and the mining context, for refreshes)."""
+    config, dataset = exp.config, exp.dataset
+    neg = config.negatives
+    train_qids = sorted(dataset.sample(config.data.train_split, config.data.max_train_queries, config.data.seed))
+    sep = model.tokenizer.sep_token or " "
+    if neg.source == "none" or neg.per_query == 0:
+        return TrainingData(dataset, config.data.train_split, sep, query_ids=train_qids), None, train_qids
+    context = MiningContext(config.data.train_split, exp.device, exp.full_bm25, exp.run_dir / "negatives",
+                            config.model.name_or_path, model.config, config.train, config.data.seed,
+                            show_progress=exp.main)
+    prepare_miners(dataset, train_qids, neg, context)
+    mined = mine_negatives(dataset, train_qids, neg, context, sep)
+    if exp.main:
+        save_pool(mined.pool, exp.run_dir / "negatives.jsonl")
+    exp.notes.append(f"Hard negatives ({neg.source}): {mined.summary()}.")
+    if neg.refresh_every:
+        exp.notes.append(f"Refreshed with the model being trained every {neg.refresh_every} steps "
+                         "(negatives/refresh_log.jsonl).")
+    data = TrainingData(dataset, config.data.train_split, sep, passage_ids(mined.pool), neg.per_query,
+                        query_ids=train_qids)
+    return data, context, train_qids
+
+
+def fine_tune(exp: Experiment, model: BiEncoder) -> None:
+    """Train ``model`` in place (resuming from the run's checkpoints) and save it to ``model/``."""
+    config, run_dir = exp.config, exp.run_dir
+    started = time.perf_counter()
+    data, context, train_qids = training_data(exp, model)
+    planner = EpochPlanner(config.schedule, config.train.batch_size, config.train.seed, data, model, exp.device,
+                           run_dir / "schedule_log.jsonl", state_dir=run_dir / "schedule")
+    identity = run_identity(config)
+    resumed_at = resume_step(run_dir, config.train, identity)
+    eval_log = run_dir / "eval_log.jsonl"
+    trim_log(eval_log, resumed_at)
+
+    def evaluate_epoch(epoch: int) -> None:
+        metrics = evaluate_dense(exp, model, f"epoch-{epoch + 1}")
+        step = min(planned_steps(planner.steps_per_epoch, config.train), (epoch + 1) * planner.steps_per_epoch)
+        with open(eval_log, "a") as handle:
+            handle.write(json.dumps({"epoch": epoch + 1, "step": step, **metrics}) + "\n")
+        model.train()
+
+    callbacks: list[Callable[[int], None]] = []
+    if config.negatives.refresh_every is not None:
+        refresher = NegativeRefresher(config.negatives.refresh_every, model, data, exp.dataset, train_qids,
+                                      config.negatives, context, run_dir / "negatives",
+                                      planned_steps(planner.steps_per_epoch, config.train))
+        refresher.restore(resumed_at)
+        callbacks.append(refresher)
+    if config.validation.enabled and exp.main:
+        callbacks.append(Validator(config.validation, exp.dataset, model, exp.device, run_dir, config.eval.metrics))
+    try:
+        result = train(model, data, config.train, run_dir, exp.device, planner, identity=identity,
+                       on_epoch_end=evaluate_epoch if config.eval.each_epoch else None,
+                       on_step_end=(lambda step: [callback(step) for callback in callbacks]) if callbacks else None)
+    finally:
+        planner.close()
+    if not exp.main:
+        return
+    model.save(run_dir / "model")
+    shutil.rmtree(run_dir / "schedule", ignore_errors=True)  # the epochs' scheduling embeddings: done with
+    exp.timings["train_s"] = time.perf_counter() - started
+    exp.notes.append(
+        f"Fine-tuned on {len(data)} {config.data.train_split} queries: {result.steps} steps of batch "
+        f"{config.train.batch_size} with {data.negatives_per_query} {config.negatives.source} hard negative(s) "
+        f"per query, batches by {config.schedule.method}; final loss {result.final_loss:.4f}; "
+        f"{result.examples_per_second:.1f} examples/s on {exp.device.type}."
+    )
+
+
+# ---- stage 5: results ----------------------------------------------------------------------------------
+
+
+def finish(exp: Experiment) -> None:
+    """``metrics.json``, ``report.md`` and the table on the terminal."""
+    config, metrics = exp.config, exp.config.eval.metrics
+    payload = {"dataset": config.data.name, "eval": exp.evalset.description, "device": str(exp.device),
+               "results": exp.results, "timings": exp.timings, "config": asdict(config)}
+    atomic_write_text(exp.run_dir / "metrics.json", json.dumps(payload, indent=2))
+    write_report(exp.run_dir, f"densepass run: {config.name}",
+                 f"Dataset `{config.data.name}`: {exp.evalset.description}.", exp.results, metrics, exp.notes)
+    print_table(exp.results, metrics, f"{config.data.name}: {exp.evalset.description}")
+
+
+def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str, dict[str, float]]:
+    """Run every stage of ``config`` and return {system: {metric: value}} (empty on ranks other than 0)."""
+    device = check(config)
+    distributed.init_from_environment()  # under torchrun: one process per GPU, global in-batch negatives
+    main = distributed.rank() == 0
+    with run_directory(config, main, restart) as run_dir:
+        exp = prepare(config, device, main)
+        if main:
+            save_config(config, run_dir / "config.yaml")  # only once the run is known to be valid
+        seed_everything(config.train.seed)
+        model = model_from_config(config)
+        evaluate_baselines(exp, model)
+        if config.train.enabled:
+            fine_tune(exp, model)
             if main:
-                save_pool(mined.pool, run_dir / "negatives.jsonl")
-            notes.append(f"Hard negatives ({neg.source}): {mined.summary()}.")
-            if neg.refresh_every:
-                notes.append(f"Refreshed with the model being trained every {neg.refresh_every} steps "
-                             "(negatives/refresh_log.jsonl).")
-            negatives = passage_ids(mined.pool)
-        data = TrainingData(dataset, config.data.train_split, sep, negatives,
-                            neg.per_query if negatives else 0, query_ids=train_qids)
-        planner = EpochPlanner(config.schedule, config.train.batch_size, config.train.seed, data, model, device,
-                               run_dir / "schedule_log.jsonl")
-        eval_log = run_dir / "eval_log.jsonl"
-        eval_log.unlink(missing_ok=True)
-
-        def evaluate_epoch(epoch: int) -> None:
-            metrics = evaluate_dense(model, evalset, config, device, f"epoch-{epoch + 1}")
-            with open(eval_log, "a") as handle:
-                handle.write(json.dumps({"epoch": epoch + 1, **metrics}) + "\n")
-            model.train()
-
-        refresher = None
-        if neg.refresh_every is not None:
-            if context is None:
-                raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
-            if distributed.world_size() > 1:
-                raise ConfigError("negatives.refresh_every runs in a single process only (for now)")
-            refresher = NegativeRefresher(neg.refresh_every, model, data, dataset, train_qids, neg, context,
-                                          run_dir / "negatives", planned_steps(planner.steps_per_epoch, config.train))
-            refresher.restore(resume_step(run_dir, config.train, run_identity(config)))
-        try:
-            validator = (Validator(config.validation, dataset, model, device, run_dir, config.eval.metrics)
-                         if config.validation.enabled and main else None)
-            callbacks = [c for c in (validator, refresher) if c is not None]
-
-            def on_step_end(step: int) -> None:
-                for callback in callbacks:
-                    callback(step)
-
-            result = train(model, data, config.train, run_dir, device, planner, identity=run_identity(config),
-                           on_epoch_end=evaluate_epoch if config.eval.each_epoch else None,
-                           on_step_end=on_step_end if callbacks else None)
-        finally:
-            planner.close()
+                started = time.perf_counter()
+                exp.results["fine-tuned"] = evaluate_dense(exp, model, "fine-tuned")
+                exp.timings["fine_tuned_eval_s"] = time.perf_counter() - started
         if not main:
             return {}
-        model.save(run_dir / "model")
-        timings["train_s"] = time.perf_counter() - started
-        notes.append(
-            f"Fine-tuned on {len(data)} {config.data.train_split} queries: {result.steps} steps of batch "
-            f"{config.train.batch_size} with {config.negatives.per_query if negatives else 0} "
-            f"{config.negatives.source} hard negative(s) per query, batches by {config.schedule.method}; "
-            f"final loss {result.final_loss:.4f}; "
-            f"{result.examples_per_second:.1f} examples/s on {device.type}."
-        )
-        started = time.perf_counter()
-        results["fine-tuned"] = evaluate_dense(model, evalset, config, device, "fine-tuned")
-        timings["fine_tuned_eval_s"] = time.perf_counter() - started
-
-    if not main:
-        return {}
-    metrics = config.eval.metrics
-    payload = {"dataset": config.data.name, "eval": evalset.description, "device": str(device),
-               "results": results, "timings": timings, "config": asdict(config)}
-    atomic_write_text(run_dir / "metrics.json", json.dumps(payload, indent=2))
-    write_report(run_dir, f"densepass run: {config.name}", f"Dataset `{config.data.name}`: {evalset.description}.",
-                 results, metrics, notes)
-    print_table(results, metrics, f"{config.data.name}: {evalset.description}")
-    return results
+        finish(exp)
+        return exp.results

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,11 +26,13 @@ import numpy as np
 from scipy.stats import kendalltau
 
 from densepass.config import DEFAULT_MODEL
-from densepass.data.dataset import RetrievalDataset, sample_queries
+from densepass.data.dataset import RetrievalDataset
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import evaluate_run, make_run
 from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
-from densepass.index.retrieve import dense_retrieve, search_embeddings
+from densepass.fingerprints import fingerprint_directory
+from densepass.index.dense import DenseIndex
+from densepass.index.exact import exact_search
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import CONFIG_NAME, BiEncoder, resolve_model_path
 from densepass.models.encode import encode_texts
@@ -60,6 +63,12 @@ def expand_checkpoints(paths: list[str]) -> list[Path]:
             raise ConfigError(f"{path} is neither a saved model nor a run directory")
     if len(found) < 2:
         raise ConfigError(f"a study needs at least 2 checkpoints, got {len(found)}")
+    seen: dict[str, Path] = {}
+    for path in found:
+        key = fingerprint_directory(path)
+        if key in seen:
+            raise ConfigError(f"the same model is given twice ({seen[key]} and {path}): its ordering would be a tie")
+        seen[key] = path
     return found
 
 
@@ -81,26 +90,48 @@ def ordering_agreement(scores: list[float], reference: list[float]) -> float:
     return float(kendalltau(scores, reference).statistic)
 
 
-def run_study(
-    dataset: RetrievalDataset, checkpoints: list[Path], split: str, rs: list[float], ks: list[int],
-    retriever: str, metric: str, max_queries: int | None, seed: int, out_dir: Path,
-    corpus_fraction: float | None = None,
-) -> list[StudyRow]:
-    """Evaluate every checkpoint on C0, each R_r, each H_k and C.
+@dataclass
+class StudySettings:
+    """Which subcorpora a study compares, on which queries and metric.
 
     ``corpus_fraction`` f makes the study affordable where the full corpus is not (a CPU): C is then
     the seeded random subcorpus R_f of the dataset's corpus, and every R_r and H_k is drawn from it
     (r is a fraction of that C; H_k's retriever searches it).
     """
-    qrels = sample_queries(dataset.split(split), max_queries, seed)
-    qrels = {q: r for q, r in qrels.items() if any(g > 0 for g in r.values())}
+
+    split: str = "dev"
+    rs: Sequence[float] = (0.01, 0.1, 0.3)
+    ks: Sequence[int] = (10, 50)
+    retriever: str = "bm25"
+    metric: str = "mrr@10"
+    max_queries: int | None = None
+    seed: int = 13
+    corpus_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        for r in self.rs:
+            if not 0 < r <= 1:
+                raise ConfigError(f"r must be in (0, 1], got {r}")
+        for k in self.ks:
+            if k < 1:
+                raise ConfigError(f"k must be >= 1, got {k}")
+        if self.corpus_fraction is not None and not 0 < self.corpus_fraction <= 1:
+            raise ConfigError(f"corpus fraction must be in (0, 1], got {self.corpus_fraction}")
+        if self.max_queries is not None and self.max_queries < 1:
+            raise ConfigError(f"max queries must be >= 1, got {self.max_queries}")
+
+
+def run_study(dataset: RetrievalDataset, checkpoints: list[Path], settings: StudySettings, out_dir: Path
+              ) -> list[StudyRow]:
+    """Evaluate every checkpoint on C0, each R_r, each H_k and C (see ``StudySettings``)."""
+    s = settings
+    rs, ks, retriever, metric, seed = s.rs, s.ks, s.retriever, s.metric, s.seed
+    qrels = dataset.sample(s.split, s.max_queries, seed)
     texts = [dataset.queries[q] for q in qrels]
     corpus = dataset.corpus
     full_provenance: dict = {"passages_in_dataset": len(corpus)}
-    if corpus_fraction is not None:
-        if not 0 < corpus_fraction <= 1:
-            raise ConfigError(f"corpus fraction must be in (0, 1], got {corpus_fraction}")
-        stand_in = random_subcorpus(corpus, qrels, corpus_fraction, seed)
+    if s.corpus_fraction is not None:
+        stand_in = random_subcorpus(corpus, qrels, s.corpus_fraction, seed)
         corpus = corpus.subset([corpus.position(p) for p in stand_in.ids])
         full_provenance.update(stand_in.provenance, stand_in_for_full_corpus=True)
     subcorpora = [gold_subcorpus(corpus, qrels)]
@@ -114,10 +145,10 @@ def run_study(
         sub.save(out_dir / f"subcorpus-{sub.label}.json")
     positions = [np.array([corpus.position(p) for p in sub.ids]) for sub in subcorpora]
     key = hashlib.sha1(json.dumps([metric, list(qrels), [sub.ids for sub in subcorpora]]).encode()).hexdigest()
-    results = []
+    results, fingerprints = [], [fingerprint_directory(path) for path in checkpoints]
     for j, path in enumerate(checkpoints):  # one result file per checkpoint: an interrupted study resumes
         cache = out_dir / "checkpoints" / f"{j:02d}-{checkpoint_name(path)}.json"
-        identity = {"key": key, "checkpoint": str(path.resolve()), "timed": j == 0}
+        identity = {"key": key, "checkpoint": fingerprints[j], "timed": j == 0}
         record = _read_saved(cache)
         if {k: record.get(k) for k in identity} != identity:
             record = {**identity, **_evaluate_checkpoint(path, corpus, subcorpora, positions, qrels, texts, metric,
@@ -158,7 +189,7 @@ def _evaluate_checkpoint(path: Path, corpus, subcorpora: list[Subcorpus], positi
     query_emb = encode_texts(model, texts, "query", show_progress=False)
     scores = []
     for i, sub in enumerate(subcorpora):
-        top, rows = search_embeddings(query_emb, passage_emb[positions[i]], 100)
+        top, rows = exact_search(query_emb, passage_emb[positions[i]], 100)
         scores.append(score(top, rows, sub.ids))
     full_seconds = time.perf_counter() - started  # C's encode + search (the sliced searches are milliseconds)
     record: dict = {"scores": scores}
@@ -167,9 +198,9 @@ def _evaluate_checkpoint(path: Path, corpus, subcorpora: list[Subcorpus], positi
         for i, sub in enumerate(subcorpora[:-1]):  # the last subcorpus is C itself, timed above
             passages = corpus.subset(positions[i].tolist())
             begun = time.perf_counter()
-            top, rows = dense_retrieve(model, texts, passages.passage_inputs(sep), 100)
+            direct = DenseIndex.build(model, passages, show_progress=False).search(texts, 100)
             seconds.append(time.perf_counter() - begun)
-            diff = max(diff, abs(score(top, rows, sub.ids) - scores[i]))
+            diff = max(diff, abs(score(direct.scores, direct.rows, sub.ids) - scores[i]))
         record.update(seconds=[*seconds, full_seconds], direct_vs_sliced_max_diff=diff)
     return record
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 
 from densepass.config import ValidationConfig
-from densepass.data.dataset import Corpus, RetrievalDataset, sample_queries
+from densepass.data.dataset import Corpus, RetrievalDataset
 from densepass.errors import ConfigError
-from densepass.evaluation.metrics import evaluate_run, make_run
+from densepass.evaluation.metrics import evaluate_run
 from densepass.evaluation.subcorpus import Retriever, Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.index.bm25 import BM25Index
+from densepass.index.dense import DenseIndex
 from densepass.index.exact import exact_search
-from densepass.index.retrieve import dense_retrieve
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
@@ -29,7 +29,7 @@ from densepass.models.encode import encode_texts
 def bm25_retriever(corpus: Corpus) -> Retriever:
     """BM25 over the whole corpus as an H_k retriever."""
     index = BM25Index.build(corpus.passage_inputs(" "))
-    return lambda queries, k: index.search(queries, k)[1]
+    return lambda queries, k: index.search_rows(queries, k)[1]
 
 
 def dense_retriever(corpus: Corpus, model_path: str, batch_size: int = 256) -> Retriever:
@@ -42,8 +42,7 @@ def dense_retriever(corpus: Corpus, model_path: str, batch_size: int = 256) -> R
 
 def build_subcorpus(dataset: RetrievalDataset, config: ValidationConfig) -> tuple[Subcorpus, dict, list[str]]:
     """The validation subcorpus, the qrels of the validation queries, and their texts."""
-    qrels = sample_queries(dataset.split(config.split), config.max_queries, config.seed)
-    qrels = {q: r for q, r in qrels.items() if any(g > 0 for g in r.values())}
+    qrels = dataset.sample(config.split, config.max_queries, config.seed)
     texts = [dataset.queries[q] for q in qrels]
     corpus = dataset.corpus
     if config.subcorpus == "gold":
@@ -79,10 +78,9 @@ class Validator:
         self.best = json.loads(best.read_text())["score"] if best.is_file() else float("-inf")
 
     def evaluate(self) -> dict[str, float]:
-        sep = self.model.tokenizer.sep_token or " "
-        scores, rows = dense_retrieve(self.model, self.query_texts, self.passages.passage_inputs(sep), 100,
-                                      device=self.device)
-        run = make_run(list(self.qrels), self.passages.ids, scores, rows)
+        """The metrics of the model as it is now, on the subcorpus (its top 100 per query)."""
+        index = DenseIndex.build(self.model, self.passages, device=self.device, show_progress=False)
+        run = index.search(self.query_texts, 100).as_run(list(self.qrels))
         return evaluate_run(self.qrels, run, self.metrics)
 
     def __call__(self, step: int) -> None:

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,8 +36,9 @@ from transformers import get_linear_schedule_with_warmup
 from densepass.checkpoints import BOOKKEEPING, Checkpoints, restore_rng, trim_log
 from densepass.config import save_config
 from densepass.data import load_dataset
-from densepass.device import RandomState, autocast_context, default_device, uses_bf16
+from densepass.device import RandomState, autocast_context, resolve_device, uses_bf16
 from densepass.errors import ConfigError
+from densepass.io import exclusive_lock
 from densepass.pretraining.condenser import Condenser, span_contrastive_loss
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.data import Batch, mlm_batches, span_batches, subset_corpus
@@ -129,17 +131,33 @@ def pretraining_identity(config: PretrainConfig) -> dict:
     return identity
 
 
-def pretrain(config: PretrainConfig) -> PretrainResult:
-    """Run (or resume) the pre-training of ``config``; writes config, checkpoints, log, backbone, report."""
+def check(config: PretrainConfig) -> torch.device:
+    """What can be checked before any work; returns the device."""
     t = config.train
-    if t.max_steps < 1 or t.batch_size < 1 or t.grad_accumulation < 1:
-        raise ConfigError("train.max_steps, train.batch_size and train.grad_accumulation must be >= 1")
     if t.batch_size % t.grad_accumulation:
         raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by grad_accumulation {t.grad_accumulation}")
+    if t.span_min_tokens > t.span_max_tokens:
+        raise ConfigError(f"train.span_min_tokens {t.span_min_tokens} > span_max_tokens {t.span_max_tokens}")
+    if config.masking.mask_fraction + config.masking.random_fraction > 1:
+        raise ConfigError("masking.mask_fraction + masking.random_fraction must be <= 1")
+    return resolve_device(config.device)
+
+
+def pretrain(config: PretrainConfig, restart: bool = False) -> PretrainResult:
+    """Run (or resume) the pre-training of ``config``; writes config, checkpoints, log, backbone, report.
+    The run directory is locked while it runs; ``restart`` discards what an earlier run left there."""
+    device = check(config)
+    with exclusive_lock(config.run_dir, "pre-training"):
+        if restart:
+            for child in config.run_dir.iterdir():
+                if child.name != ".lock":
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+        return _pretrain(config, device)
+
+
+def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
+    t = config.train
     run_dir = config.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml")
-    device = torch.device(config.device) if config.device else default_device()
     torch.manual_seed(t.seed)
     model = build_model(config)
     masker = Masker.from_tokenizer(model.tokenizer, probability=config.masking.probability,
@@ -157,7 +175,8 @@ def pretrain(config: PretrainConfig) -> PretrainResult:
     log_path = run_dir / LOG_NAME
     checkpoints = Checkpoints(run_dir, t.keep_checkpoints, pretraining_identity(config))
     step = 0
-    resumed = checkpoints.latest()
+    resumed = checkpoints.latest()  # refuses another run's checkpoints
+    save_config(config, run_dir / "config.yaml")
     if resumed is not None:
         load_model(model, str(resumed.path / WEIGHTS))
         optimizer.load_state_dict(resumed.optimizer)

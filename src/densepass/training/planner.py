@@ -78,24 +78,33 @@ def _worker_loop(jobs, results) -> None:
         _schedule_epoch(results, job)
 
 
+def check_schedule(config: ScheduleConfig) -> None:
+    """Option combinations a schedule cannot run with (checked before any work)."""
+    if config.method == "abs-beam" and config.beam_width < 2:
+        raise ConfigError("schedule.beam_width must be >= 2 for abs-beam (1 is plain greedy)")
+    if config.concurrent_batches > 1 and (config.method != "abs-greedy" or config.restrict_top_k is not None):
+        raise ConfigError("schedule.concurrent_batches > 1 is for abs-greedy over the whole pool "
+                          "(not abs-beam, the baselines or restrict_top_k)")
+
+
 class EpochPlanner:
-    """Callable epoch -> batches, with ``steps_per_epoch`` for the learning-rate schedule."""
+    """Callable epoch -> batches, with ``steps_per_epoch`` for the learning-rate schedule.
+
+    Schedules that depend on the encoder (clustered, ABS with encoder similarity) encode the training
+    queries and positives once per epoch, at its start; with ``state_dir`` those embeddings are kept in
+    ``epoch-N.npz`` so that a run resumed in the middle of epoch N schedules it from the same embeddings
+    (not from the half-trained model) and trains on the same batches as an uninterrupted run.
+    """
 
     def __init__(self, config: ScheduleConfig, batch_size: int, seed: int, data: TrainingData,
-                 model: BiEncoder, device: torch.device, log_path: Path | None = None) -> None:
-        if config.method == "abs-beam" and config.beam_width < 2:
-            raise ConfigError("schedule.beam_width must be >= 2 for abs-beam (1 is plain greedy)")
-        if config.restrict_top_k is not None and config.restrict_top_k < 1:
-            raise ConfigError("schedule.restrict_top_k must be >= 1")
-        if config.concurrent_batches < 1:
-            raise ConfigError("schedule.concurrent_batches must be >= 1")
-        if config.concurrent_batches > 1 and (config.method == "abs-beam" or config.restrict_top_k is not None):
-            raise ConfigError("schedule.concurrent_batches > 1 is for abs-greedy over the whole pool "
-                              "(not abs-beam or restrict_top_k)")
+                 model: BiEncoder, device: torch.device, log_path: Path | None = None,
+                 state_dir: Path | None = None) -> None:
+        check_schedule(config)
         if batch_size > len(data):
             raise ConfigError(f"batch size {batch_size} is larger than the {len(data)} training instances")
         self.config, self.batch_size, self.seed = config, batch_size, seed
         self.data, self.model, self.device, self.log_path = data, model, device, log_path
+        self.state_dir = state_dir
         self.steps_per_epoch = len(data) // batch_size
         self._bm25: tuple | None = None
         self._process = None
@@ -110,7 +119,7 @@ class EpochPlanner:
         elif method == "random":
             yield from random_batches(len(self.data), self.batch_size, self.seed, epoch)
         elif method == "clustered":
-            queries, _ = self._encode()
+            queries, _ = self._encode(epoch)
             yield from clustered_batches(queries, self.batch_size, self.config.clusters, self.seed, epoch)
         else:
             yield from self._abs(epoch)
@@ -119,8 +128,21 @@ class EpochPlanner:
         kind = self.config.similarity
         return "bm25" if kind == "bm25" or (kind == "bm25-then-encoder" and epoch == 0) else "encoder"
 
-    def _encode(self) -> tuple[np.ndarray, np.ndarray]:
-        """Current encoder's embeddings of the training queries and their positives."""
+    def _encode(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The encoder's embeddings of the training queries and their positives at the start of ``epoch``."""
+        saved = self.state_dir / f"epoch-{epoch}.npz" if self.state_dir is not None else None
+        if saved is not None and saved.is_file():
+            with np.load(saved, allow_pickle=False) as arrays:
+                return arrays["queries"], arrays["passages"]
+        queries, passages = self._encode_now()
+        if saved is not None:
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            partial = saved.with_name(f".{saved.name}.partial.npz")
+            np.savez(partial, queries=queries, passages=passages)
+            partial.replace(saved)
+        return queries, passages
+
+    def _encode_now(self) -> tuple[np.ndarray, np.ndarray]:
         was_training = self.model.training
         rows = [r[0] for r in self.data.positive_rows]
         queries = encode_texts(self.model, self.data.query_texts, "query", device=self.device, show_progress=False)
@@ -131,7 +153,7 @@ class EpochPlanner:
 
     def _matrices(self, epoch: int):
         if self.similarity_source(epoch) == "encoder":
-            return self._encode()
+            return self._encode(epoch)
         if self._bm25 is None:
             rows = [r[0] for r in self.data.positive_rows]
             distinct = sorted(set(rows))
