@@ -1,4 +1,5 @@
-"""Errors that densepass reports to users as one clear line (the CLI prints them without a trace)."""
+"""Errors that densepass reports to users as one clear line (the CLI prints them without a trace), and
+the warning category for input it accepts but that deserves a look (the CLI prints each as one line)."""
 
 
 class DensepassError(Exception):
@@ -11,3 +12,7 @@ class DataError(DensepassError):
 
 class ConfigError(DensepassError):
     """A configuration value or key is invalid."""
+
+
+class DataWarning(UserWarning):
+    """Input that is read anyway (a row skipped, a repeat ignored); one warning per file and kind, counted."""
