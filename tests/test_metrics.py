@@ -98,9 +98,9 @@ def test_qrels_without_relevant_pair_raise():
         evaluate_run({"q1": {"a": 0}, "q2": {}}, {"q1": {"a": 1.0}}, ["mrr@10"])
 
 
-def test_accuracy_metrics_are_skipped_by_evaluate_run():
-    assert evaluate_run(QRELS, RUN, ["accuracy@5"]) == {}
-    assert set(evaluate_run(QRELS, RUN, ["accuracy@5", "mrr@10"])) == {"mrr@10"}
+def test_accuracy_metrics_without_answers_are_an_error_not_skipped():
+    with pytest.raises(DataError, match="accuracy@5 needs answer strings"):
+        evaluate_run(QRELS, RUN, ["accuracy@5", "mrr@10"])
 
 
 def naive_mrr(qrels, run, k):
