@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 
 from densepass.errors import DataError, DensepassError
 from densepass.evaluation.answers import has_answer, normalize_answer, top_k_accuracy
-from densepass.evaluation.metrics import evaluate_run, make_run, paired_significance, read_trec_run, write_trec_run
+from densepass.evaluation.metrics import (
+    evaluate_run,
+    make_run,
+    paired_significance,
+    randomization_p,
+    read_trec_run,
+    write_trec_run,
+)
 
 
 def log2(x: float) -> float:
@@ -92,9 +99,9 @@ def test_qrels_without_relevant_pair_raise():
         evaluate_run({"q1": {"a": 0}, "q2": {}}, {"q1": {"a": 1.0}}, ["mrr@10"])
 
 
-def test_accuracy_metrics_are_skipped_by_evaluate_run():
-    assert evaluate_run(QRELS, RUN, ["accuracy@5"]) == {}
-    assert set(evaluate_run(QRELS, RUN, ["accuracy@5", "mrr@10"])) == {"mrr@10"}
+def test_accuracy_metrics_without_answers_are_an_error_not_skipped():
+    with pytest.raises(DataError, match="accuracy@5 needs answer strings"):
+        evaluate_run(QRELS, RUN, ["accuracy@5", "mrr@10"])
 
 
 def naive_mrr(qrels, run, k):
@@ -285,3 +292,22 @@ def test_top_k_accuracy_hand_case():
     got = top_k_accuracy(rankings, passages, answers, [1, 2, 3])
     assert got == pytest.approx({"accuracy@1": 1 / 3, "accuracy@2": 2 / 3, "accuracy@3": 2 / 3})
     assert top_k_accuracy({"qd": ["p1"]}, passages, {"qd": []}, [1]) == {}
+
+
+def test_randomization_p_counts_ties_lost_to_rounding():
+    """Sign flips whose mean equals the observed one only up to floating-point rounding still count."""
+    a, b = 1.0 / np.array([3, 1, 8, 2]), 1.0 / np.array([9, 3, 2, 8])
+    diffs = a - b
+    naive = sum(abs((np.array(signs) * diffs).sum()) >= abs(diffs.sum())
+                for signs in itertools.product([1.0, -1.0], repeat=4))
+    assert naive == 6  # in exact arithmetic 8 of the 16 assignments are as extreme as the observed one
+    assert randomization_p(a, b) == 8 / 16 == _exact_sign_flip_p(a, b)
+
+
+def test_randomization_p_is_seeded_and_close_to_exact_when_sampled():
+    rng = np.random.default_rng(3)
+    a, b = rng.random(18), rng.random(18)
+    exact = randomization_p(a, b, n_permutations=2**18)
+    sampled = randomization_p(a, b, n_permutations=20_000, seed=1)
+    assert sampled == randomization_p(a, b, n_permutations=20_000, seed=1)
+    assert sampled == pytest.approx(exact, abs=0.02)

@@ -161,17 +161,29 @@ def _print_hits(query: str, hits) -> None:
 
 def _evaluate(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
-    from densepass.evaluation.metrics import evaluate_run, paired_significance, read_trec_run
+    from densepass.evaluation.metrics import (
+        answered_queries,
+        check_metrics,
+        evaluate_run,
+        paired_significance,
+        read_trec_run,
+        split_metrics,
+    )
 
+    check_metrics(args.metrics)
+    ranx_metrics, accuracy_ks = split_metrics(args.metrics)
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     qrels = dataset.split(args.split)
-    run = read_trec_run(args.run)
-    baseline = read_trec_run(args.compare_to) if args.compare_to else None  # a bad file fails before evaluating
-    result = evaluate_run(qrels, run, args.metrics)
+    answered_queries(qrels, dataset.answers, args.metrics)  # accuracy@k without answers fails before reading runs
+    run = read_trec_run(args.run, dataset.corpus)
+    # a bad baseline file fails before evaluating
+    baseline = read_trec_run(args.compare_to, dataset.corpus) if args.compare_to else None
+    passages = dict(zip(dataset.corpus.ids, dataset.corpus.texts)) if accuracy_ks else None
+    result = evaluate_run(qrels, run, args.metrics, dataset.answers, passages)
     if baseline is not None:
         runs = {"run": run, "baseline": baseline}
-        result = {"run": result, "baseline": evaluate_run(qrels, baseline, args.metrics),
-                  "paired_fisher": {m: paired_significance(qrels, runs, "baseline", m)["run"] for m in args.metrics}}
+        result = {"run": result, "baseline": evaluate_run(qrels, baseline, args.metrics, dataset.answers, passages),
+                  "paired_fisher": {m: paired_significance(qrels, runs, "baseline", m)["run"] for m in ranx_metrics}}
     print(json.dumps(result, indent=2))
 
 

@@ -1,4 +1,5 @@
-"""Errors that densepass reports to users as one clear line (the CLI prints them without a trace)."""
+"""Errors that densepass reports to users as one clear line (the CLI prints them without a trace), and
+the warning category for input it accepts but that deserves a look (the CLI prints each as one line)."""
 
 
 class DensepassError(Exception):
@@ -14,4 +15,4 @@ class ConfigError(DensepassError):
 
 
 class DataWarning(UserWarning):
-    """Something in the input was skipped or repaired; reported once per file and kind, with a count."""
+    """Input that is read anyway (a row skipped, a repeat ignored); one warning per file and kind, counted."""

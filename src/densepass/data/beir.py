@@ -1,15 +1,20 @@
-"""Reader for the BEIR layout: corpus.jsonl, queries.jsonl, qrels/{split}.tsv (each optionally .gz)."""
+"""Reader for the BEIR layout: corpus.jsonl, queries.jsonl, qrels/{split}.tsv (each optionally .gz).
+
+Every field read is type-checked, and bad input is a one-line :class:`DataError` naming the file and line:
+a non-string ``text`` or ``title``, a null or non-scalar ``_id``, bad UTF-8, a truncated gzip file. What is
+tolerated is counted and reported once per file as a :class:`DataWarning` (see each reader's docstring).
+"""
 
 from __future__ import annotations
 
 import csv
-import gzip
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 from densepass.data.dataset import Corpus, Qrels, RetrievalDataset
+from densepass.data.files import Tally, open_text, reading
+from densepass.data.io_utils import CorpusBuilder, get_field, get_id, get_strings
 from densepass.errors import DataError
 
 
@@ -21,79 +26,145 @@ def find_file(directory: Path, stem: str) -> Path:
     raise DataError(f"missing file: {directory / stem} (or .gz)")
 
 
-def open_text(path: Path) -> io.TextIOBase:
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
-
-
-def read_jsonl(path: Path) -> Iterator[dict]:
-    with open_text(path) as handle:
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """``(line number, record)`` for each non-blank line of a JSON-lines file; each must be a JSON object."""
+    with reading(path), open_text(path) as handle:
         for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
+                if not line.strip():
+                    continue
                 raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict):
+            if record.__class__ is not dict:
                 raise DataError(f"{path}:{line_no}: expected a JSON object")
-            yield record
+            yield line_no, record
+
+
+def _passage(rec: dict, where: str) -> tuple[str, str, str, str]:
+    """``(_id, title, text, doc_id)`` of a corpus record, each field type-checked."""
+    pid = get_id(rec, "_id", where)
+    doc_id = str(get_field(rec, "doc_id", (str, int), where, default=""))
+    return (pid, get_field(rec, "title", str, where, default=""), get_field(rec, "text", str, where), doc_id or pid)
 
 
 def read_corpus(path: Path) -> Corpus:
-    ids, titles, texts, doc_ids = [], [], [], []
-    for line_no, rec in enumerate(read_jsonl(path), 1):
-        if "_id" not in rec or "text" not in rec:
-            raise DataError(f"{path}: record {line_no} lacks '_id' or 'text'")
-        pid = str(rec["_id"])
-        ids.append(pid)
-        titles.append(rec.get("title") or "")
-        texts.append(rec["text"] or "")
-        doc_ids.append(str(rec.get("doc_id") or pid))
-    if not ids:
-        raise DataError(f"{path}: the corpus is empty")
-    return Corpus(ids, titles, texts, doc_ids)
+    """Passages ``{"_id", "text", "title"?, "doc_id"?}``: ``_id`` a string or integer, ``text`` a string,
+    ``title`` a string or null, ``doc_id`` a string, integer or null (then the passage is its own document).
+    A repeated ``_id`` is an error."""
+    corpus = CorpusBuilder()
+    for line_no, rec in read_jsonl(path):
+        pid, title, text, doc_id = rec.get("_id"), rec.get("title"), rec.get("text"), rec.get("doc_id")
+        if not (pid.__class__ is str and pid and title.__class__ is str and text.__class__ is str
+                and doc_id.__class__ is str and doc_id):  # fast path; anything else is checked field by field
+            pid, title, text, doc_id = _passage(rec, f"{path}:{line_no}")
+        if not corpus.add(pid, title, text, doc_id):
+            raise DataError(f"{path}:{line_no}: duplicate passage id {pid!r}")
+    return corpus.build(path)
+
+
+def _answers(rec: dict, where: str) -> list[str]:
+    """Answer strings of a query record: ``answers``, else ``metadata.answers`` (lists of strings)."""
+    return get_strings(rec, "answers", where) or get_strings(
+        get_field(rec, "metadata", dict, where, default={}), "answers", f"{where}: metadata")
 
 
 def read_queries(path: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
-    """Queries and, where records carry them (``answers`` or ``metadata.answers``), answer strings."""
-    queries, answers = {}, {}
-    for line_no, rec in enumerate(read_jsonl(path), 1):
-        if "_id" not in rec or "text" not in rec:
-            raise DataError(f"{path}: record {line_no} lacks '_id' or 'text'")
-        qid = str(rec["_id"])
-        queries[qid] = rec["text"]
-        found = rec.get("answers") or (rec.get("metadata") or {}).get("answers")
-        if found:
-            answers[qid] = [str(a) for a in found]
+    """Queries ``{"_id", "text"}`` (``_id`` a string or integer, ``text`` a string) and, where records carry
+    them (``answers`` or ``metadata.answers``, a list of strings), answer strings.
+
+    A query id repeated with the same text is skipped with one counted DataWarning; repeated with a
+    different text it is a DataError (which text is meant is unknowable)."""
+    queries: dict[str, str] = {}
+    answers: dict[str, list[str]] = {}
+    repeats = Tally(path, "repeated query ids with the same text, ignored")
+    for line_no, rec in read_jsonl(path):
+        qid, text = rec.get("_id"), rec.get("text")
+        if not (qid.__class__ is str and qid and text.__class__ is str):  # fast path, as in read_corpus
+            where = f"{path}:{line_no}"
+            qid, text = get_id(rec, "_id", where), get_field(rec, "text", str, where)
+        if qid in queries:
+            if queries[qid] != text:
+                raise DataError(f"{path}:{line_no}: query id {qid!r} repeated with a different text "
+                                f"({text[:40]!r}, before {queries[qid][:40]!r})")
+            repeats.add(line_no)
+            continue
+        queries[qid] = text
+        if "answers" in rec or "metadata" in rec:
+            found = _answers(rec, f"{path}:{line_no}")
+            if found:
+                answers[qid] = found
     if not queries:
         raise DataError(f"{path}: no queries")
+    repeats.warn()
     return queries, answers
 
 
+def _grade(text: str, where: str) -> int:
+    """A relevance grade that is not written as an integer: an integral float (``1.0``) is accepted."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value.is_integer():
+        raise DataError(f"{where}: relevance {text!r} is not an integer")
+    return int(value)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def read_qrels_tsv(path: Path) -> Qrels:
-    """``query-id<TAB>corpus-id<TAB>score`` with a header line (BEIR), or TREC ``qid 0 pid grade``."""
+    """``query-id<TAB>corpus-id<TAB>score`` (BEIR) or TREC ``qid 0 pid grade`` (tabs or spaces).
+
+    The first row is a header, and skipped, when its grade column is not a number. Grades are integers
+    (``1.0`` is read as 1; ``0.5`` is an error). A (query, passage) pair judged twice with the same grade
+    is skipped with one counted DataWarning; with different grades it is a DataError (silently keeping
+    either one could drop a positive)."""
     qrels: Qrels = {}
-    with open_text(path) as handle:
-        for line_no, row in enumerate(csv.reader(handle, delimiter="\t"), 1):
+    repeats = Tally(path, "repeated (query, passage) rows with the same grade, ignored")
+    first_row = True
+    with reading(path), open_text(path) as handle:
+        reader = csv.reader(handle, delimiter="\t")
+        for row in reader:
             if not row or not "".join(row).strip():
                 continue
+            line_no = reader.line_num
             if len(row) == 1:
                 row = row[0].split()
-            if line_no == 1 and not row[-1].strip().lstrip("-").isdigit():
-                continue  # header
+            if first_row:
+                first_row = False
+                if row and not _is_number(row[-1].strip()):
+                    continue  # header
             if len(row) == 4:
                 row = [row[0], row[2], row[3]]
             if len(row) != 3:
                 raise DataError(f"{path}:{line_no}: expected 3 tab-separated columns, got {len(row)}")
-            qid, pid, grade = (c.strip() for c in row)
+            qid, pid, grade_text = (c.strip() for c in row)
             try:
-                qrels.setdefault(qid, {})[pid] = int(grade)
+                grade = int(grade_text)
             except ValueError:
-                raise DataError(f"{path}:{line_no}: relevance {grade!r} is not an integer") from None
+                grade = _grade(grade_text, f"{path}:{line_no}")
+            rels = qrels.setdefault(qid, {})
+            old = rels.get(pid)
+            if old is not None:
+                if old != grade:
+                    raise DataError(f"{path}:{line_no}: query {qid!r} and passage {pid!r} judged again with "
+                                    f"grade {grade} (before: {old})")
+                repeats.add(line_no)
+                continue
+            rels[pid] = grade
+    repeats.warn()
     return qrels
 
 
 def load_beir(directory: str | Path, name: str | None = None) -> RetrievalDataset:
+    """Read a BEIR directory into a :class:`RetrievalDataset` (one qrels split per ``qrels/*.tsv``)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise DataError(f"dataset directory not found: {directory}")

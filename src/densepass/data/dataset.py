@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from densepass.data.files import Tally
 from densepass.errors import DataError
 
 Qrels = dict[str, dict[str, int]]  # query id -> passage id -> relevance grade
@@ -59,7 +60,11 @@ class Corpus:
 
 @dataclass
 class RetrievalDataset:
-    """Corpus + queries + qrels per split (+ answers), validated on construction."""
+    """Corpus + queries + qrels per split (+ answers), validated on construction.
+
+    Every query and passage named by the qrels must exist. A split whose queries are all empty (or
+    whitespace) is a DataError (nothing could be learnt or measured); some empty queries give one counted
+    :class:`DataWarning` per split (they are kept: an empty query is a legitimate, if hopeless, input)."""
 
     name: str
     corpus: Corpus
@@ -71,14 +76,21 @@ class RetrievalDataset:
         if len(self.corpus) == 0:
             raise DataError(f"{self.name}: the corpus is empty")
         for split, qrels in self.qrels.items():
+            empty = Tally(f"{self.name}: qrels/{split}", f"of its {len(qrels)} queries have an empty text")
             for qid, rels in qrels.items():
-                if qid not in self.queries:
+                text = self.queries.get(qid)
+                if text is None:
                     raise DataError(f"{self.name}: qrels/{split} names query {qid!r}, which is not in the queries")
+                if not text or text.isspace():
+                    empty.add(f"query {qid!r}")
                 for pid in rels:
                     if pid not in self.corpus:
                         raise DataError(
                             f"{self.name}: qrels/{split} names passage {pid!r} (query {qid!r}), which is not in the corpus"
                         )
+            if qrels and empty.count == len(qrels):
+                raise DataError(f"{self.name}: every query of qrels/{split} has an empty text (e.g. {empty.first})")
+            empty.warn()
 
     def split(self, name: str) -> Qrels:
         """Qrels of one split, with a clear error for a missing or empty split."""

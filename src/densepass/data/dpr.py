@@ -5,6 +5,9 @@ records, each context ``{"title", "text", "passage_id"?, "psg_id"?}``. The corpu
 (de-duplicated by id); query ids are ``{split}-{index}``; positives get grade 1; a passage's document is
 its title (the passages of one Wikipedia article share it). The given hard negatives are returned by
 :func:`dpr_hard_negatives`, with the same ids.
+
+Every field is type-checked (a DataError names the file and record). A passage id seen again with the same
+title and text is the same passage; with a different title or text it is a DataError.
 """
 
 from __future__ import annotations
@@ -16,7 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from densepass.data.dataset import Qrels, RetrievalDataset
-from densepass.data.io_utils import CorpusBuilder, get_field, read_json, require_dir, split_files, unique
+from densepass.data.io_utils import (
+    CorpusBuilder,
+    get_field,
+    get_id,
+    get_strings,
+    read_json,
+    require_dir,
+    split_files,
+    unique,
+)
 from densepass.errors import DataError
 
 CONTEXT_FIELDS = ("positive_ctxs", "negative_ctxs", "hard_negative_ctxs")
@@ -37,11 +49,12 @@ class DprRecord:
     contexts: dict[str, list[Context]]  # CONTEXT_FIELDS -> contexts
 
 
-def context_id(ctx: dict, title: str, text: str) -> str:
-    """``passage_id`` or ``psg_id`` when given, else a stable id hashed from title and text."""
+def context_id(ctx: dict, title: str, text: str, where: str) -> str:
+    """``passage_id`` or ``psg_id`` (a string or integer) when given, else a stable id hashed from title and
+    text."""
     for key in ("passage_id", "psg_id"):
         if ctx.get(key) not in (None, ""):
-            return str(ctx[key])
+            return get_id(ctx, key, where)
     digest = hashlib.sha1(f"{title}\x00{text}".encode("utf-8")).hexdigest()
     return f"h{digest[:16]}"
 
@@ -49,17 +62,17 @@ def context_id(ctx: dict, title: str, text: str) -> str:
 def parse_context(ctx: Any, where: str) -> Context:
     text = get_field(ctx, "text", str, where)
     title = get_field(ctx, "title", str, where, default="")
-    return Context(context_id(ctx, title, text), title, text)
+    return Context(context_id(ctx, title, text, where), title, text)
 
 
 def parse_record(record: Any, split: str, index: int, where: str) -> DprRecord:
     question = get_field(record, "question", str, where)
-    answers = get_field(record, "answers", list, where, default=[])
+    answers = get_strings(record, "answers", where)
     contexts = {}
     for key in CONTEXT_FIELDS:
         items = get_field(record, key, list, where, default=[])
         contexts[key] = [parse_context(ctx, f"{where}.{key}[{i}]") for i, ctx in enumerate(items)]
-    return DprRecord(f"{split}-{index}", question, unique(str(a) for a in answers), contexts)
+    return DprRecord(f"{split}-{index}", question, unique(answers), contexts)
 
 
 def dpr_split_files(directory: Path) -> dict[str, Path]:
@@ -84,13 +97,15 @@ def load_dpr(directory: str | Path, name: str | None = None) -> RetrievalDataset
     qrels: dict[str, Qrels] = {}
     for split, path in dpr_split_files(directory).items():
         split_qrels = qrels.setdefault(split, {})
-        for record in read_split(path, split):
+        for index, record in enumerate(read_split(path, split)):
             queries[record.qid] = record.question
             if record.answers:
                 answers[record.qid] = record.answers
-            for contexts in record.contexts.values():
-                for ctx in contexts:
-                    corpus.add(ctx.pid, ctx.title, ctx.text, ctx.title or ctx.pid)
+            for key, contexts in record.contexts.items():
+                for i, ctx in enumerate(contexts):
+                    conflict = corpus.add_or_compare(ctx.pid, ctx.title, ctx.text, ctx.title or ctx.pid)
+                    if conflict:
+                        raise DataError(f"{path}: record {index}.{key}[{i}]: {conflict}")
             positives = record.contexts["positive_ctxs"]
             if positives:
                 split_qrels[record.qid] = {ctx.pid: 1 for ctx in positives}

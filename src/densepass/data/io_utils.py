@@ -1,4 +1,5 @@
-"""Helpers shared by the non-BEIR readers (MS MARCO, DPR, SQuAD); file opening lives in ``beir.py``."""
+"""Helpers shared by the readers: split files, JSON with typed fields, and the corpus builder (file opening
+and decoding errors live in ``files.py``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from densepass.data.beir import open_text
 from densepass.data.dataset import Corpus
+from densepass.data.files import read_text
 from densepass.errors import DataError
 
 
@@ -52,11 +53,10 @@ def split_files(
 
 def read_json(path: Path) -> Any:
     """A whole (optionally gzipped) JSON file, with ``file:line:column`` in the error for invalid JSON."""
-    with open_text(path) as handle:
-        try:
-            return json.load(handle)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
+    try:
+        return json.loads(read_text(path))
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
 
 
 _REQUIRED = object()
@@ -65,18 +65,40 @@ _REQUIRED = object()
 def get_field(record: Any, key: str, kind: type | tuple[type, ...], where: str, default: Any = _REQUIRED) -> Any:
     """``record[key]`` checked to be of ``kind``; ``where`` locates the record in error messages.
 
-    With a ``default``, a missing or null field gives the default instead of an error."""
+    With a ``default``, a missing or null field gives the default instead of an error. A JSON boolean is
+    not accepted where an integer is asked for."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     value = record.get(key)
     if value is None:
         if default is not _REQUIRED:
             return default
-        raise DataError(f"{where}: missing field {key!r}")
-    if not isinstance(value, kind):
+        raise DataError(f"{where}: {'null' if key in record else 'missing'} field {key!r}")
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise DataError(f"{where}: field {key!r} should be a {expected}, got {type(value).__name__}")
     return value
+
+
+def get_id(record: Any, key: str, where: str) -> str:
+    """An id field: a non-empty string, or an integer (returned as its decimal string)."""
+    value = record.get(key) if isinstance(record, dict) else None
+    if value.__class__ is str and value:
+        return value
+    value = get_field(record, key, (str, int), where)
+    if value == "":
+        raise DataError(f"{where}: empty field {key!r}")
+    return str(value)
+
+
+def get_strings(record: Any, key: str, where: str) -> list[str]:
+    """An optional list of strings (numbers are taken as their text), e.g. answers; [] when missing or null."""
+    values = get_field(record, key, list, where, default=[])
+    for i, value in enumerate(values):
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise DataError(f"{where}: {key}[{i}] should be a str, got {type(value).__name__}")
+    return [str(v) for v in values]
 
 
 def unique(items: Iterable[str]) -> list[str]:
@@ -92,21 +114,33 @@ class CorpusBuilder:
         self.titles: list[str] = []
         self.texts: list[str] = []
         self.doc_ids: list[str] = []
-        self._seen: set[str] = set()
+        self._rows: dict[str, int] = {}
 
     def __contains__(self, pid: str) -> bool:
-        return pid in self._seen
+        return pid in self._rows
 
     def add(self, pid: str, title: str, text: str, doc_id: str) -> bool:
         """Append a passage; False (and nothing added) when ``pid`` is already present."""
-        if pid in self._seen:
+        if pid in self._rows:
             return False
-        self._seen.add(pid)
+        self._rows[pid] = len(self.ids)
         self.ids.append(pid)
         self.titles.append(title)
         self.texts.append(text)
         self.doc_ids.append(doc_id)
         return True
+
+    def add_or_compare(self, pid: str, title: str, text: str, doc_id: str) -> str | None:
+        """Append a passage, or, when ``pid`` is already present, compare: None when it repeats the same
+        title and text, else what differs (for the caller's error message)."""
+        row = self._rows.get(pid)
+        if row is None:
+            self.add(pid, title, text, doc_id)
+            return None
+        for what, old, new in (("text", self.texts[row], text), ("title", self.titles[row], title)):
+            if old != new:
+                return f"passage id {pid!r} given again with a different {what} ({new[:40]!r}, before {old[:40]!r})"
+        return None
 
     def build(self, source: str | Path) -> Corpus:
         """The corpus; ``source`` names where the passages came from in the empty-corpus error."""

@@ -3,33 +3,53 @@
 ``collection.tsv`` (``pid<TAB>text``), ``queries.{split}.tsv`` (``qid<TAB>text``) and ``qrels.{split}.tsv``
 (TREC ``qid 0 pid grade``), each optionally ``.gz``. Queries of every split go into one dict; passages
 have no title and each passage is its own document.
+
+Bad input is a one-line :class:`DataError` naming the file and line: a line without a tab, a repeated
+passage id, a query id given two different texts (in one file or across split files), bad UTF-8. A header
+line (``id<TAB>text``, ``pid<TAB>passage``, ``qid<TAB>query``, ...) first in a file is skipped with a
+:class:`DataWarning`, and so are, counted, query ids repeated with the same text within one file (the same
+query in two split files, e.g. ``queries.dev.tsv`` and its subset ``queries.dev.small.tsv``, is normal).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from densepass.data.beir import find_file, open_text, read_qrels_tsv
+from densepass.data.beir import find_file, read_qrels_tsv
 from densepass.data.dataset import Corpus, Qrels, RetrievalDataset
+from densepass.data.files import Tally, read_lines
 from densepass.data.io_utils import CorpusBuilder, require_dir, split_files
-from densepass.errors import DataError
+from densepass.errors import DataError, DataWarning
+
+# First-column names that mark a header line rather than an id.
+HEADER_KEYS = frozenset({"id", "_id", "pid", "qid", "docid", "doc_id", "passage_id", "query_id", "query-id",
+                         "corpus-id"})
 
 
 def read_id_text_tsv(path: Path) -> Iterator[tuple[int, str, str]]:
-    """``(line number, id, text)`` for each non-blank ``id<TAB>text`` line of ``path``."""
-    with open_text(path) as handle:
-        for line_no, line in enumerate(handle, 1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
+    """``(line number, id, text)`` for each non-blank ``id<TAB>text`` line of ``path``; a header line
+    (first column one of :data:`HEADER_KEYS`) first in the file is skipped with a DataWarning."""
+    first = True
+    for line_no, line in read_lines(path):
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        key, tab, text = line.partition("\t")
+        key = key.strip()
+        if not tab or not key:
+            raise DataError(f"{path}:{line_no}: expected 'id<TAB>text', got {line[:60]!r}")
+        if first:
+            first = False
+            if key.lower() in HEADER_KEYS:
+                warnings.warn(f"{path}:{line_no}: skipped a header line {line[:60]!r}", DataWarning, stacklevel=2)
                 continue
-            key, tab, text = line.partition("\t")
-            if not tab or not key.strip():
-                raise DataError(f"{path}:{line_no}: expected 'id<TAB>text', got {line[:60]!r}")
-            yield line_no, key.strip(), text
+        yield line_no, key, text
 
 
 def read_collection(path: Path) -> Corpus:
+    """The passages of ``collection.tsv``; a repeated passage id is a DataError."""
     builder = CorpusBuilder()
     for line_no, pid, text in read_id_text_tsv(path):
         if not builder.add(pid, "", text, pid):
@@ -50,10 +70,21 @@ def prefixed_split_files(directory: Path, prefix: str) -> dict[str, Path]:
 
 
 def read_all_queries(directory: Path) -> dict[str, str]:
+    """The queries of every ``queries.{split}.tsv``: a query id with two different texts is a DataError;
+    one repeated with the same text within a file is ignored, with one counted DataWarning per file."""
     queries: dict[str, str] = {}
     for path in prefixed_split_files(directory, "queries").values():
-        for _, qid, text in read_id_text_tsv(path):
-            queries.setdefault(qid, text)
+        in_file: set[str] = set()
+        repeats = Tally(path, "repeated query ids with the same text, ignored")
+        for line_no, qid, text in read_id_text_tsv(path):
+            old = queries.setdefault(qid, text)
+            if old != text:
+                raise DataError(f"{path}:{line_no}: query id {qid!r} given again with a different text "
+                                f"({text[:40]!r}, before {old[:40]!r})")
+            if qid in in_file:
+                repeats.add(line_no)
+            in_file.add(qid)
+        repeats.warn()
     return queries
 
 

@@ -1,20 +1,52 @@
 """Ranking metrics through ``ranx`` (MRR@k, nDCG@k, Recall@k, ...) and TREC run files.
 
 Metric names follow ranx (``mrr@10``, ``ndcg@10``, ``recall@100``); ``accuracy@k`` is DPR's top-k
-answer accuracy (see ``answers.py``) and needs answer strings.
+answer accuracy (see ``answers.py``) and needs answer strings. :func:`check_metrics` validates names before
+any work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+import re
+import warnings
+from collections.abc import Container, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from densepass.data.dataset import Qrels
-from densepass.errors import DataError, DensepassError
+from densepass.data.files import read_lines
+from densepass.errors import ConfigError, DataError, DataWarning, DensepassError
+from densepass.evaluation.answers import top_k_accuracy
 
 Run = dict[str, dict[str, float]]  # query id -> passage id -> score
+
+# The metrics of ranx (``ranx.metrics.metric_switch``), each with an optional cutoff ``@k``.
+RANX_METRICS = ("mrr", "ndcg", "ndcg_burges", "dcg", "dcg_burges", "recall", "precision", "r-precision", "f1",
+                "map", "hits", "hit_rate", "bpref")
+ACCURACY = "accuracy"  # DPR top-k answer accuracy: always with a cutoff, accuracy@k
+_METRIC = re.compile(r"(?P<name>[a-z_-]+)(?:@(?P<k>[0-9]+))?")
+
+
+def check_metrics(names: Sequence[str]) -> None:
+    """A one-line ConfigError unless every name is a ranx metric (:data:`RANX_METRICS`) with an optional
+    cutoff ``@k`` (k >= 1), or ``accuracy@k``."""
+    if isinstance(names, str) or not names:
+        raise ConfigError(f"metrics should be a non-empty list of names, got {names!r}")
+    for name in names:
+        match = _METRIC.fullmatch(name) if isinstance(name, str) else None
+        ok = match is not None and (match["k"] is None or int(match["k"]) >= 1) and (
+            match["name"] in RANX_METRICS or (match["name"] == ACCURACY and match["k"] is not None))
+        if not ok:
+            raise ConfigError(f"unknown metric {name!r} (known: {', '.join(RANX_METRICS)}, each with an optional "
+                              f"cutoff @k, k >= 1; and {ACCURACY}@k)")
+
+
+def split_metrics(names: Sequence[str]) -> tuple[list[str], list[int]]:
+    """``(ranx metric names, cutoffs k of the accuracy@k metrics)`` of valid metric names."""
+    accuracy = [int(n.split("@", 1)[1]) for n in names if n.startswith(f"{ACCURACY}@")]
+    return [n for n in names if not n.startswith(f"{ACCURACY}@")], accuracy
 
 
 def make_run(
@@ -53,21 +85,96 @@ def _ranx_inputs(qrels: Qrels, run: Run):
     return RanxQrels(judged), RanxRun(full_run)
 
 
-def evaluate_run(qrels: Qrels, run: Run, metrics: Sequence[str]) -> dict[str, float]:
-    """Mean of each metric over the queries of ``qrels`` (a query missing from the run scores 0)."""
+def evaluate_run(
+    qrels: Qrels,
+    run: Run,
+    metrics: Sequence[str],
+    answers: Mapping[str, Sequence[str]] | None = None,
+    passages: Mapping[str, str] | None = None,
+) -> dict[str, float]:
+    """Mean of each metric over the queries of ``qrels`` (a query missing from the run scores 0).
+
+    ``accuracy@k`` (DPR top-k answer accuracy over the judged queries that have answers, a query missing
+    from the run counting as unanswered) needs ``answers`` (query id -> answer strings) and ``passages``
+    (passage id -> text); asking for it without them is a DataError, as is an unknown metric name."""
     from ranx import evaluate
 
-    metrics = [m for m in metrics if not m.startswith("accuracy@")]
-    if not metrics:
-        return {}
+    check_metrics(metrics)
+    ranx_metrics, ks = split_metrics(metrics)
+    results: dict[str, float] = {}
+    if ks:
+        results.update(_answer_accuracy(qrels, run, ks, answers, passages))
+    if not ranx_metrics:
+        return results
     ranx_qrels, ranx_run = _ranx_inputs(qrels, run)
     try:
-        result = evaluate(ranx_qrels, ranx_run, list(metrics), make_comparable=True)
+        result = evaluate(ranx_qrels, ranx_run, ranx_metrics, make_comparable=True)
     except (ValueError, KeyError) as err:
-        raise DensepassError(f"cannot compute metrics {list(metrics)}: {err}") from None
+        raise DensepassError(f"cannot compute metrics {ranx_metrics}: {err}") from None
     if isinstance(result, float):
-        result = {metrics[0]: result}
-    return {m: float(v) for m, v in result.items()}
+        result = {ranx_metrics[0]: result}
+    return {**{m: float(v) for m, v in result.items()}, **results}
+
+
+def answered_queries(qrels: Qrels, answers: Mapping[str, Sequence[str]] | None, metrics: Sequence[str]) -> list[str]:
+    """The judged queries of ``qrels`` that have answer strings, which ``accuracy@k`` averages over; a
+    DataError when ``metrics`` ask for accuracy@k and there is none (checked before any work)."""
+    ks = split_metrics(metrics)[1]
+    judged = [q for q, rels in qrels.items() if any(g > 0 for g in rels.values()) and (answers or {}).get(q)]
+    if ks and not judged:
+        raise DataError(f"accuracy@{ks[0]} needs answer strings, and no judged query has any (use a DPR, SQuAD or "
+                        f"BEIR dataset whose queries carry 'answers')")
+    return judged
+
+
+def _answer_accuracy(qrels: Qrels, run: Run, ks: list[int], answers: Mapping[str, Sequence[str]] | None,
+                     passages: Mapping[str, str] | None) -> dict[str, float]:
+    """``accuracy@k`` for each k over the queries of ``qrels`` that have answer strings."""
+    judged = answered_queries(qrels, answers, [f"{ACCURACY}@{k}" for k in ks])
+    if passages is None:
+        raise DensepassError("accuracy@k needs the passage texts (passages=)")
+    rankings = {q: sorted(run.get(q, {}), key=run.get(q, {}).get, reverse=True) for q in judged}
+    missing = next((p for ranking in rankings.values() for p in ranking if p not in passages), None)
+    if missing is not None:
+        raise DataError(f"the run names passage {missing!r}, which is not in the corpus")
+    return top_k_accuracy(rankings, passages, answers, ks)
+
+
+def randomization_p(a: np.ndarray, b: np.ndarray, n_permutations: int = 10_000, seed: int = 42) -> float:
+    """Two-sided p-value of Fisher's paired randomization test (Smucker et al., CIKM 2007): the share of the
+    sign assignments of the per-query differences ``a - b`` whose mean is at least as far from zero as the
+    observed one. Exact (all 2^n assignments) when 2^n <= ``n_permutations``; otherwise ``n_permutations``
+    seeded random assignments plus the observed one, so p >= 1 / (n_permutations + 1) and the same inputs
+    always give the same p. Means equal up to rounding count as "at least as far" (ties are not lost to
+    floating-point noise)."""
+    diffs = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    n = len(diffs)
+    if n == 0:
+        raise DensepassError("a paired test needs at least one query")
+    observed = abs(diffs.sum())
+    threshold = observed - 1e-9 * max(1.0, observed)
+    if 2 ** n <= n_permutations:
+        signs = ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1) * 2.0 - 1.0
+        return float(np.mean(np.abs(signs @ diffs) >= threshold))
+    rng = np.random.default_rng(seed)
+    hits, chunk = 0, max(1, 2_000_000 // n)
+    for start in range(0, n_permutations, chunk):
+        signs = rng.integers(0, 2, size=(min(chunk, n_permutations - start), n)) * 2.0 - 1.0
+        hits += int(np.count_nonzero(np.abs(signs @ diffs) >= threshold))
+    return (hits + 1) / (n_permutations + 1)
+
+
+def per_query_scores(qrels: Qrels, run: Run, metric: str) -> np.ndarray:
+    """``metric`` of every judged query of ``qrels`` (in a fixed order), by ranx."""
+    from ranx import evaluate
+
+    check_metrics([metric])
+    ranx_qrels, ranx_run = _ranx_inputs(qrels, run)
+    try:
+        return np.asarray(evaluate(ranx_qrels, ranx_run, metric, return_mean=False, make_comparable=True),
+                          dtype=np.float64)
+    except (ValueError, KeyError) as err:
+        raise DensepassError(f"cannot compute {metric}: {err}") from None
 
 
 def paired_significance(
@@ -82,35 +189,23 @@ def paired_significance(
 
     Returns, per other run: ``delta`` (its mean minus the baseline's), ``wins`` / ``ties`` / ``losses``
     (queries where it scores above / equal to / below the baseline) and ``p``, the two-sided p-value of
-    Fisher's randomization test (Smucker et al., CIKM 2007) as computed by ``ranx.compare`` with
-    ``n_permutations`` random swaps of the two systems' per-query scores (drawn in parallel threads, so
-    p varies by about 1/sqrt(n_permutations) between calls despite the seed).
+    Fisher's randomization test on the per-query scores (``randomization_p``: exact for up to
+    log2(n_permutations) queries, seeded otherwise, so the same runs always give the same p).
     """
-    from ranx import compare
-
     if baseline not in runs:
         raise DensepassError(f"baseline {baseline!r} is not among the runs {sorted(runs)}")
     if len(runs) < 2:
         raise DensepassError("a paired test needs the baseline and at least one other run")
-    ranx_qrels, ranx_runs = None, []
-    for name, run in runs.items():
-        ranx_qrels, ranx_run = _ranx_inputs(qrels, run)  # the same judged qrels for every run
-        ranx_run.name = name
-        ranx_runs.append(ranx_run)
-    try:
-        report = compare(ranx_qrels, ranx_runs, [metric], stat_test="fisher", n_permutations=n_permutations,
-                         random_seed=seed, make_comparable=True)
-    except (ValueError, KeyError) as err:
-        raise DensepassError(f"cannot compare runs on {metric}: {err}") from None
+    base = per_query_scores(qrels, runs[baseline], metric)
     results = {}
-    for name in runs:
+    for name, run in runs.items():
         if name == baseline:
             continue
-        counts = report.win_tie_loss[(name, baseline)][metric]
+        scores = per_query_scores(qrels, run, metric)
         results[name] = {
-            "delta": report.results[name][metric] - report.results[baseline][metric],
-            "wins": counts["W"], "ties": counts["T"], "losses": counts["L"],
-            "p": float(report.comparisons[frozenset([name, baseline])][metric]["p_value"]),
+            "delta": float(scores.mean() - base.mean()),
+            "wins": int((scores > base).sum()), "ties": int((scores == base).sum()),
+            "losses": int((scores < base).sum()), "p": randomization_p(scores, base, n_permutations, seed),
         }
     return results
 
@@ -126,34 +221,60 @@ def write_trec_run(run: Run, path: str | Path, tag: str = "densepass") -> None:
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
-def read_trec_run(path: str | Path) -> Run:
-    run: Run = {}
+def read_trec_run(path: str | Path, corpus: Container[str] | None = None) -> Run:
+    """A TREC run file ``qid Q0 pid rank score tag`` (optionally gzipped).
+
+    One-line DataErrors name the file and line of: a line without 6 columns, a score that is not a finite
+    number, a rank that is not an integer, a (query, passage) pair given twice, bad UTF-8; an empty file is
+    an error too, and so are, with their count and an example, passages not in ``corpus`` (when given).
+    Tied scores within a query are ordered by the rank column (then by the file's order): the scores of
+    such queries are replaced by ``n, n-1, ..., 1`` in that order (metrics depend on the order only), with
+    one counted DataWarning for the file."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"run file not found: {path}")
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    run: Run = {}
+    ranks: dict[str, list[int]] = {}  # query id -> rank column, in the file's order
+    for line_no, line in read_lines(path):
         parts = line.split()
+        if not parts:
+            continue
         if len(parts) != 6:
             raise DataError(f"{path}:{line_no}: expected 6 columns (qid Q0 pid rank score tag)")
+        qid, _, pid, rank, score, _ = parts
         try:
-            run.setdefault(parts[0], {})[parts[2]] = float(parts[4])
+            value = float(score)
         except ValueError:
-            raise DataError(f"{path}:{line_no}: score {parts[4]!r} is not a number") from None
+            raise DataError(f"{path}:{line_no}: score {score!r} is not a number") from None
+        if not math.isfinite(value):
+            raise DataError(f"{path}:{line_no}: score {score!r} is not a finite number")
+        try:
+            position = int(rank)
+        except ValueError:
+            raise DataError(f"{path}:{line_no}: rank {rank!r} is not an integer") from None
+        ranking = run.setdefault(qid, {})
+        if pid in ranking:
+            raise DataError(f"{path}:{line_no}: passage {pid!r} appears twice for query {qid!r}")
+        ranking[pid] = value
+        ranks.setdefault(qid, []).append(position)
+    if not run:
+        raise DataError(f"{path}: the run file is empty")
+    if corpus is not None:
+        unknown = list(dict.fromkeys(pid for ranking in run.values() for pid in ranking if pid not in corpus))
+        if unknown:
+            raise DataError(f"{path}: {len(unknown)} passage ids are not in the dataset's corpus (e.g. "
+                            f"{unknown[0]!r}); is the run for another dataset?")
+    _break_ties(path, run, ranks)
     return run
 
 
-RANX_METRICS = ("mrr", "ndcg", "ndcg_burges", "recall", "precision", "map", "hits", "hit_rate", "f1", "r-precision",
-                "bpref", "dcg", "dcg_burges")
-
-
-def check_metrics(names: Sequence[str]) -> None:
-    """A one-line error for a metric name that neither ranx nor densepass computes (``name@k``, k >= 1)."""
-    for name in names:
-        base, at, cutoff = str(name).partition("@")
-        if base == "accuracy" and not at:
-            raise DensepassError(f"metric {name!r}: accuracy needs a cutoff, e.g. accuracy@5")
-        if base not in (*RANX_METRICS, "accuracy") or (at and not (cutoff.isdigit() and int(cutoff) >= 1)):
-            raise DensepassError(f"unknown metric {name!r} (known: {', '.join(RANX_METRICS)}, accuracy, "
-                                 "each optionally @k with k >= 1, e.g. mrr@10)")
+def _break_ties(path: Path, run: Run, ranks: dict[str, list[int]]) -> None:
+    """Re-score, in place, the queries whose scores tie, in the order of (score desc, rank, file order)."""
+    tied = [qid for qid, ranking in run.items() if len(set(ranking.values())) < len(ranking)]
+    for qid in tied:
+        items, rank = list(run[qid].items()), ranks[qid]
+        order = sorted(range(len(items)), key=lambda i: (-items[i][1], rank[i]))
+        run[qid] = {items[i][0]: float(len(order) - n) for n, i in enumerate(order)}
+    if tied:
+        warnings.warn(f"{path}: {len(tied)} of {len(run)} queries have tied scores (first: query {tied[0]!r}); "
+                      f"their ties are ordered by the rank column", DataWarning, stacklevel=3)

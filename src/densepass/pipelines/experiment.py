@@ -32,7 +32,6 @@ from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import resolve_device
 from densepass.errors import ConfigError
-from densepass.evaluation.answers import top_k_accuracy
 from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write_trec_run
 from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
@@ -155,12 +154,12 @@ def score_run(exp: Experiment, run: Run, name: str) -> dict[str, float]:
     """Write the run as TREC and compute its metrics (plus top-k answer accuracy when answers exist)."""
     write_trec_run(run, exp.run_dir / "runs" / f"{name}.trec", tag=name)
     evalset = exp.evalset
-    results = evaluate_run(evalset.qrels, run, exp.config.eval.metrics)
+    metrics = list(exp.config.eval.metrics)
+    passages = None
     if evalset.answers:
-        rankings = {q: sorted(r, key=r.get, reverse=True) for q, r in run.items()}
-        texts = dict(zip(evalset.corpus.ids, evalset.corpus.texts))
-        results.update(top_k_accuracy(rankings, texts, evalset.answers, [1, 5, 20, 100]))
-    return results
+        metrics += [f"accuracy@{k}" for k in (1, 5, 20, 100) if f"accuracy@{k}" not in metrics]
+        passages = dict(zip(evalset.corpus.ids, evalset.corpus.texts))
+    return evaluate_run(evalset.qrels, run, metrics, evalset.answers, passages)
 
 
 def _candidate_run(evalset: EvalSet, scores_of: Callable[[int, list[str]], np.ndarray]) -> Run:

@@ -1,0 +1,88 @@
+"""Reading dataset and run files: UTF-8 text, optionally gzipped, with every decoding or decompression
+failure turned into a one-line :class:`DataError` naming the file (and the line, for bad UTF-8), and
+counted :class:`DataWarning` s (one per file and kind of oddity, never one per row)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import warnings
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from densepass.errors import DataError, DataWarning
+
+
+def open_text(path: Path) -> io.TextIOBase:
+    """``path`` opened for reading as UTF-8 text, through gzip when its name ends in ``.gz``."""
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def _bad_utf8(path: Path) -> DataError:
+    """The error for a file that is not UTF-8, naming the first line that does not decode."""
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as handle:
+            for line_no, raw in enumerate(handle, 1):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    return DataError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte "
+                                     f"{err.start + 1} of the line); re-save the file as UTF-8")
+    except (OSError, EOFError, zlib.error):
+        pass
+    return DataError(f"{path}: not valid UTF-8")
+
+
+@contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """Turn the errors of reading ``path`` (bad UTF-8, a truncated or corrupt gzip stream, an unreadable
+    file) into one-line DataErrors that name it."""
+    try:
+        yield
+    except UnicodeDecodeError:
+        raise _bad_utf8(path) from None
+    except EOFError:
+        raise DataError(f"{path}: truncated gzip file (it ends before the end of the compressed data)") from None
+    except (gzip.BadGzipFile, zlib.error) as err:
+        raise DataError(f"{path}: corrupt gzip file ({err})") from None
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+def read_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` for every line of ``path`` (line ends kept), errors as in :func:`reading`."""
+    with reading(path), open_text(path) as handle:
+        yield from enumerate(handle, 1)
+
+
+def read_text(path: Path) -> str:
+    """The whole (optionally gzipped) UTF-8 text of ``path``, errors as in :func:`reading`."""
+    with reading(path), open_text(path) as handle:
+        return handle.read()
+
+
+class Tally:
+    """Counts one kind of tolerated oddity in one source and warns once for all of them.
+
+    ``Tally("qrels.tsv", "repeated rows (same grade), ignored").add(7)`` ... ``.warn()`` gives
+    ``qrels.tsv: 3 repeated rows (same grade), ignored (first: line 7)``."""
+
+    def __init__(self, source: str | Path, what: str) -> None:
+        self.source = source
+        self.what = what
+        self.count = 0
+        self.first: int | str | None = None
+
+    def add(self, where: int | str) -> None:
+        """Count one occurrence; ``where`` (a line number, or a description) locates it."""
+        self.count += 1
+        if self.first is None:
+            self.first = where
+
+    def warn(self) -> None:
+        """Emit one DataWarning when anything was counted."""
+        if self.count:
+            first = f"line {self.first}" if isinstance(self.first, int) else self.first
+            warnings.warn(f"{self.source}: {self.count} {self.what} (first: {first})", DataWarning, stacklevel=3)

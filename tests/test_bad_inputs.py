@@ -1,0 +1,506 @@
+"""Bad data inputs: each is a one-line DataError naming the file (and line), or, where reading on is right,
+one counted DataWarning per file and kind; plus metric names, run files and unknown model names."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from densepass.cli import main
+from densepass.data import default_data_dir, load_dataset
+from densepass.data.beir import load_beir
+from densepass.data.dpr import load_dpr
+from densepass.data.msmarco import load_msmarco
+from densepass.data.squad import load_squad
+from densepass.errors import ConfigError, DataError, DataWarning
+from densepass.evaluation.metrics import check_metrics, evaluate_run, read_trec_run
+from test_data_readers import (
+    BEIR_CORPUS,
+    BEIR_QUERIES,
+    DPR_TRAIN,
+    ctx,
+    jsonl,
+    squad_file,
+    write,
+    write_beir,
+    write_dpr,
+    write_msmarco,
+    write_squad,
+)
+
+
+def data_warnings(record) -> list[str]:
+    """The messages of the DataWarnings recorded by ``pytest.warns`` / ``warnings.catch_warnings``."""
+    return [str(w.message) for w in record if issubclass(w.category, DataWarning)]
+
+
+def no_data_warnings(load):
+    """Call ``load`` and fail on any DataWarning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DataWarning)
+        return load()
+
+
+# ---------------------------------------------------------------- 1. bytes that are not UTF-8
+
+def corrupt_line(path: Path, line_no: int) -> None:
+    """Put a latin-1 ``é`` (0xe9, not UTF-8 on its own) after the first byte of line ``line_no`` (1-based) of
+    a (possibly gzipped) text file."""
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    lines = raw.split(b"\n")
+    lines[line_no - 1] = lines[line_no - 1][:1] + "\xe9".encode("latin-1") + lines[line_no - 1][1:]
+    raw = b"\n".join(lines)
+    path.write_bytes(gzip.compress(raw) if path.suffix == ".gz" else raw)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize("name", ["corpus.jsonl", "queries.jsonl", "qrels/train.tsv"])
+def test_non_utf8_bytes_in_beir_files_name_the_file_and_line(tmp_path, name, gz):
+    root = write_beir(tmp_path / "beir", gz)
+    path = root / (name + (".gz" if gz else ""))
+    corrupt_line(path, 2)
+    with pytest.raises(DataError, match=rf"{path.name}:2: not valid UTF-8 \(byte 0xe9"):
+        load_beir(root)
+
+
+@pytest.mark.parametrize("name", ["collection.tsv", "queries.train.tsv", "qrels.train.tsv"])
+def test_non_utf8_bytes_in_msmarco_files_name_the_file_and_line(tmp_path, name):
+    root = write_msmarco(tmp_path / "marco")
+    write(root / name, "10\tplain\n11\tfirst passage\n" if name != "qrels.train.tsv" else "10 0 0 1\n11 0 1 1\n")
+    corrupt_line(root / name, 2)
+    with pytest.raises(DataError, match=rf"{name}:2: not valid UTF-8"):
+        load_msmarco(root)
+
+
+def test_non_utf8_bytes_in_dpr_and_squad_json_name_the_file_and_line(tmp_path):
+    root = write_dpr(tmp_path / "dpr", gz=True)
+    corrupt_line(root / "dev.json.gz", 1)
+    with pytest.raises(DataError, match=r"dev\.json\.gz:1: not valid UTF-8"):
+        load_dpr(root)
+    root = write_squad(tmp_path / "squad")
+    corrupt_line(root / "train-v1.1.json", 1)
+    with pytest.raises(DataError, match=r"train-v1\.1\.json:1: not valid UTF-8"):
+        load_squad(root)
+
+
+def test_non_utf8_bytes_in_a_run_file_name_the_file_and_line(tmp_path):
+    path = tmp_path / "run.trec"
+    path.write_bytes(b"q1 Q0 p1 1 0.5 t\nq1 Q0 p\xe92 2 0.4 t\n")
+    with pytest.raises(DataError, match=r"run\.trec:2: not valid UTF-8"):
+        read_trec_run(path)
+
+
+# ---------------------------------------------------------------- 2. broken gzip files
+
+
+def test_a_truncated_gzip_is_a_one_line_error(tmp_path):
+    root = write_beir(tmp_path / "beir", gz=True)
+    path = root / "corpus.jsonl.gz"
+    path.write_bytes(path.read_bytes()[:-12])
+    with pytest.raises(DataError, match=r"corpus\.jsonl\.gz: truncated gzip file"):
+        load_beir(root)
+
+
+@pytest.mark.parametrize("damage", ["not gzip", "bad deflate block", "bad checksum"])
+def test_a_corrupt_gzip_is_a_one_line_error(tmp_path, damage):
+    root = write_beir(tmp_path / "beir", gz=True)
+    path = root / "queries.jsonl.gz"
+    data = bytearray(gzip.compress(jsonl(BEIR_QUERIES).encode()))  # no file name in the header: 10 bytes
+    if damage == "not gzip":
+        data = bytearray(jsonl(BEIR_QUERIES).encode())
+    elif damage == "bad deflate block":
+        data[10] = 0xFF  # first byte of the deflate stream: block type 3 does not exist
+    else:
+        data[-6] ^= 0xFF  # the CRC32 of the uncompressed data
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"queries\.jsonl\.gz: corrupt gzip file"):
+        load_beir(root)
+
+
+# ---------------------------------------------------------------- 3. / 10. field types
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"_id": "q1", "text": None}, "null field 'text'"),
+    ({"_id": "q1", "text": 42}, "field 'text' should be a str, got int"),
+    ({"_id": None, "text": "what"}, "null field '_id'"),
+    ({"_id": ["q1"], "text": "what"}, "field '_id' should be a str or int, got list"),
+    ({"_id": True, "text": "what"}, "field '_id' should be a str or int, got bool"),
+    ({"_id": "", "text": "what"}, "empty field '_id'"),
+    ({"_id": "q9", "text": "what", "answers": "one string"}, "field 'answers' should be a list"),
+])
+def test_a_bad_query_field_is_a_data_error_naming_file_and_line(tmp_path, record, message):
+    root = write_beir(tmp_path / "beir")
+    write(root / "queries.jsonl", jsonl([BEIR_QUERIES[0], record, *BEIR_QUERIES[1:]]))
+    with pytest.raises(DataError, match=rf"queries\.jsonl:2: {message}"):
+        load_beir(root)
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"_id": "p9", "text": 3.5}, "field 'text' should be a str, got float"),
+    ({"_id": "p9", "text": "fine", "title": ["a", "list"]}, "field 'title' should be a str, got list"),
+    ({"_id": "p9", "text": None}, "null field 'text'"),
+    ({"_id": {"id": 1}, "text": "fine"}, "field '_id' should be a str or int, got dict"),
+    ({"_id": "p9", "text": "fine", "doc_id": 1.5}, "field 'doc_id' should be a str or int, got float"),
+])
+def test_a_bad_passage_field_is_a_data_error_naming_file_and_line(tmp_path, record, message):
+    root = write_beir(tmp_path / "beir")
+    write(root / "corpus.jsonl", jsonl([*BEIR_CORPUS, record]))
+    with pytest.raises(DataError, match=rf"corpus\.jsonl:4: {message}"):
+        load_beir(root)
+
+
+def test_integer_ids_and_null_titles_are_accepted(tmp_path):
+    root = write_beir(tmp_path / "beir", qrels={"dev": "7\t5\t1\n"})
+    write(root / "corpus.jsonl", jsonl([{"_id": 5, "title": None, "text": "five", "doc_id": 50}]))
+    write(root / "queries.jsonl", jsonl([{"_id": 7, "text": "seven"}]))
+    ds = no_data_warnings(lambda: load_beir(root))
+    assert (ds.corpus.ids, ds.corpus.titles, ds.corpus.doc_ids) == (["5"], [""], ["50"])
+    assert ds.positives("dev") == {"7": ["5"]}
+
+
+def test_a_repeated_passage_id_in_a_beir_corpus_names_the_line(tmp_path):
+    root = write_beir(tmp_path / "beir")
+    write(root / "corpus.jsonl", jsonl([*BEIR_CORPUS, {"_id": "p2", "text": "again"}]))
+    with pytest.raises(DataError, match=r"corpus\.jsonl:4: duplicate passage id 'p2'"):
+        load_beir(root)
+
+
+def test_a_null_question_in_dpr_and_a_boolean_squad_id_are_errors(tmp_path):
+    write(tmp_path / "dpr" / "train.json", json.dumps([{"question": None, "positive_ctxs": []}]))
+    with pytest.raises(DataError, match=r"record 0: null field 'question'"):
+        load_dpr(tmp_path / "dpr")
+    write(tmp_path / "dpr" / "train.json", json.dumps([{"question": "q", "answers": [["nested"]]}]))
+    with pytest.raises(DataError, match=r"record 0: answers\[0\] should be a str, got list"):
+        load_dpr(tmp_path / "dpr")
+    write(tmp_path / "squad" / "dev-v1.1.json", squad_file([("T", [("c", [(True, "q", ["a"])])])]))
+    with pytest.raises(DataError, match=r"field 'id' should be a str or int, got bool"):
+        load_squad(tmp_path / "squad")
+
+
+# ---------------------------------------------------------------- 5. repeated query ids
+
+
+def test_a_query_id_repeated_with_another_text_is_an_error(tmp_path):
+    root = write_beir(tmp_path / "beir")
+    write(root / "queries.jsonl", jsonl([*BEIR_QUERIES, {"_id": "q1", "text": "something else"}]))
+    with pytest.raises(DataError, match=r"queries\.jsonl:4: query id 'q1' repeated with a different text"):
+        load_beir(root)
+
+
+def test_a_query_id_repeated_with_the_same_text_is_one_counted_warning(tmp_path):
+    root = write_beir(tmp_path / "beir")
+    write(root / "queries.jsonl", jsonl([*BEIR_QUERIES, BEIR_QUERIES[2], BEIR_QUERIES[0]]))
+    with pytest.warns(DataWarning) as record:
+        ds = load_beir(root)
+    assert data_warnings(record) == [
+        f"{root / 'queries.jsonl'}: 2 repeated query ids with the same text, ignored (first: line 4)"]
+    assert ds.queries["q1"] == "what is alpha"
+
+
+def test_msmarco_query_ids_with_two_texts_are_an_error_within_and_across_files(tmp_path):
+    root = write_msmarco(tmp_path / "marco")
+    write(root / "queries.train.tsv", "10\twhat is first\n10\twhat is first, really\n")
+    with pytest.raises(DataError, match=r"queries\.train\.tsv:2: query id '10' given again with a different text"):
+        load_msmarco(root)
+    root = write_msmarco(tmp_path / "marco2")
+    write(root / "queries.dev.tsv", "20\twhat is third\n10\tnot what is first\n")
+    with pytest.raises(DataError, match=r"queries\.(dev|train)\.tsv:\d: query id '10' given again"):
+        load_msmarco(root)
+
+
+def test_msmarco_repeated_queries_warn_within_a_file_but_not_across_split_files(tmp_path):
+    root = write_msmarco(tmp_path / "marco")
+    write(root / "queries.dev.small.tsv", "20\twhat is third\n")  # a subset of queries.dev.tsv: normal
+    no_data_warnings(lambda: load_msmarco(root))
+    write(root / "queries.train.tsv", "10\twhat is first\n11\twhat is second\n10\twhat is first\n")
+    with pytest.warns(DataWarning, match=r"queries\.train\.tsv: 1 repeated query ids with the same text"):
+        load_msmarco(root)
+
+
+# ---------------------------------------------------------------- 6. / 8. qrels rows
+
+
+def test_a_qrels_pair_judged_twice_with_different_grades_is_an_error(tmp_path):
+    # before: the later grade-0 row silently removed q1's positive
+    root = write_beir(tmp_path / "beir", qrels={"train": "q1\tp1\t1\nq1\tp2\t1\nq1\tp1\t0\n"})
+    with pytest.raises(DataError, match=r"train\.tsv:3: query 'q1' and passage 'p1' judged again with grade 0 "
+                                        r"\(before: 1\)"):
+        load_beir(root)
+
+
+def test_a_repeated_identical_qrels_row_is_one_counted_warning(tmp_path):
+    root = write_beir(tmp_path / "beir", qrels={"train": "q1\tp1\t1\nq1\tp1\t1\nq2\tp3\t1\nq1\tp1\t1\n"})
+    with pytest.warns(DataWarning) as record:
+        ds = load_beir(root)
+    expected = f"{root / 'qrels' / 'train.tsv'}: 2 repeated (query, passage) rows with the same grade, ignored"
+    assert data_warnings(record) == [f"{expected} (first: line 2)"]
+    assert ds.qrels["train"] == {"q1": {"p1": 1}, "q2": {"p3": 1}}
+
+
+def test_a_headerless_qrels_file_keeps_a_first_row_graded_1_point_0(tmp_path):
+    root = write_beir(tmp_path / "beir", qrels={"dev": "q2\tp3\t1.0\nq1\tp1\t2.0\n", "train": "q1 0 p2 1.0\n"})
+    ds = no_data_warnings(lambda: load_beir(root))
+    assert ds.qrels["dev"] == {"q2": {"p3": 1}, "q1": {"p1": 2}}
+    assert ds.qrels["train"] == {"q1": {"p2": 1}}
+
+
+@pytest.mark.parametrize("grade", ["0.5", "nan", "inf", "high"])
+def test_a_non_integral_grade_is_an_error(tmp_path, grade):
+    root = write_beir(tmp_path / "beir", qrels={"dev": f"query-id\tcorpus-id\tscore\nq2\tp3\t{grade}\n"})
+    with pytest.raises(DataError, match=rf"dev\.tsv:2: relevance '{grade}' is not an integer"):
+        load_beir(root)
+
+
+# ---------------------------------------------------------------- 7. DPR passage ids
+
+
+def test_a_dpr_passage_id_with_two_different_texts_is_an_error(tmp_path):
+    root = write_dpr(tmp_path / "dpr")
+    clash = [{"question": "q", "positive_ctxs": [ctx("Beta", "Beta is NOT a letter.", passage_id="200")]}]
+    write(root / "dev.json", json.dumps(clash))
+    with pytest.raises(DataError, match=r"dev\.json: record 0\.positive_ctxs\[0\]: passage id '200' given again "
+                                        r"with a different text"):
+        load_dpr(root)
+    write(root / "dev.json", json.dumps([{"question": "q", "positive_ctxs": [ctx("Gamma", "Beta is a letter.",
+                                                                                 passage_id="200")]}]))
+    with pytest.raises(DataError, match="passage id '200' given again with a different title"):
+        load_dpr(root)
+
+
+def test_a_dpr_passage_id_repeated_with_the_same_text_is_fine(tmp_path):
+    root = tmp_path / "dpr"
+    write(root / "train.json", json.dumps(DPR_TRAIN))  # passage 200 appears in two records, identical
+    assert no_data_warnings(lambda: load_dpr(root)).corpus.ids.count("200") == 1
+
+
+# ---------------------------------------------------------------- 9. MS MARCO header line
+
+
+@pytest.mark.parametrize("header", ["id\ttext", "pid\tpassage"])
+def test_a_header_line_in_collection_tsv_is_skipped_with_a_warning(tmp_path, header):
+    root = write_msmarco(tmp_path / "marco")
+    write(root / "collection.tsv", f"{header}\n0\tfirst passage\n1\tsecond\n2\tthird\n")
+    with pytest.warns(DataWarning, match=rf"collection\.tsv:1: skipped a header line '{header.split()[0]}"):
+        ds = load_msmarco(root)
+    assert ds.corpus.ids == ["0", "1", "2"]
+
+
+# ---------------------------------------------------------------- 11. empty queries
+
+
+def test_a_split_whose_queries_are_all_empty_is_an_error(tmp_path):
+    root = write_beir(tmp_path / "beir", qrels={"dev": "q1\tp1\t1\nq2\tp3\t1\n", "train": "q3\tp2\t1\n"})
+    write(root / "queries.jsonl", jsonl([{"_id": "q1", "text": ""}, {"_id": "q2", "text": "  \t"},
+                                         {"_id": "q3", "text": "fine"}]))
+    with pytest.raises(DataError, match=r"every query of qrels/dev has an empty text \(e\.g\. query 'q1'\)"):
+        load_beir(root)
+
+
+def test_some_empty_queries_are_one_counted_warning_per_split(tmp_path):
+    root = write_beir(tmp_path / "beir", qrels={"dev": "q1\tp1\t1\nq2\tp3\t1\nq3\tp2\t1\n"})
+    write(root / "queries.jsonl", jsonl([{"_id": "q1", "text": "fine"}, {"_id": "q2", "text": " "},
+                                         {"_id": "q3", "text": ""}]))
+    with pytest.warns(DataWarning) as record:
+        load_beir(root)
+    assert data_warnings(record) == ["beir: qrels/dev: 2 of its 3 queries have an empty text (first: query 'q2')"]
+
+
+# ---------------------------------------------------------------- 12. run files and metrics
+
+
+def write_run(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_a_run_naming_passages_outside_the_corpus_is_an_error(tmp_path):
+    path = write_run(tmp_path / "run.trec", ["q1 Q0 p1 1 0.9 t", "q1 Q0 zz 2 0.8 t", "q2 Q0 yy 1 0.7 t"])
+    assert set(read_trec_run(path)["q1"]) == {"p1", "zz"}  # without a corpus nothing is checked
+    with pytest.raises(DataError, match=r"run\.trec: 2 passage ids are not in the dataset's corpus \(e\.g\. 'zz'\)"):
+        read_trec_run(path, {"p1", "p2"})
+
+
+def test_a_run_giving_one_passage_twice_for_a_query_is_an_error(tmp_path):
+    path = write_run(tmp_path / "run.trec", ["q1 Q0 p1 1 0.9 t", "q2 Q0 p1 1 0.9 t", "q1 Q0 p1 2 0.1 t"])
+    with pytest.raises(DataError, match=r"run\.trec:3: passage 'p1' appears twice for query 'q1'"):
+        read_trec_run(path)
+
+
+@pytest.mark.parametrize("score", ["nan", "inf", "-inf", "NaN"])
+def test_a_run_score_that_is_not_finite_is_an_error(tmp_path, score):
+    path = write_run(tmp_path / "run.trec", ["q1 Q0 p1 1 0.9 t", f"q1 Q0 p2 2 {score} t"])
+    with pytest.raises(DataError, match=rf"run\.trec:2: score '{score}' is not a finite number"):
+        read_trec_run(path)
+
+
+def test_an_empty_run_file_is_an_error(tmp_path):
+    with pytest.raises(DataError, match=r"run\.trec: the run file is empty"):
+        read_trec_run(write_run(tmp_path / "run.trec", ["", "  "]))
+
+
+def test_tied_scores_are_ordered_by_the_rank_column_with_one_warning(tmp_path):
+    # constant scores; the file lists the relevant passage last but ranks it first
+    lines = [f"q1 Q0 x{i} {i + 2} 0.0 t" for i in range(19)] + ["q1 Q0 rel 1 0.0 t"]
+    lines += ["q2 Q0 a 1 0.5 t", "q2 Q0 rel 3 0.5 t", "q2 Q0 b 2 0.5 t", "q2 Q0 top 9 0.9 t"]
+    path = write_run(tmp_path / "run.trec", lines)
+    with pytest.warns(DataWarning) as record:
+        run = read_trec_run(path)
+    expected = f"{path}: 2 of 2 queries have tied scores (first: query 'q1'); their ties are ordered by the rank column"
+    assert data_warnings(record) == [expected]
+    assert sorted(run["q2"], key=run["q2"].get, reverse=True) == ["top", "a", "b", "rel"]
+    got = evaluate_run({"q1": {"rel": 1}, "q2": {"rel": 1}}, run, ["mrr@10"])
+    assert got["mrr@10"] == pytest.approx((1 / 1 + 1 / 4) / 2)
+
+
+def test_a_run_without_ties_keeps_its_scores_and_warns_nothing(tmp_path):
+    path = write_run(tmp_path / "run.trec", ["q1 Q0 p1 1 0.9 t", "q1 Q0 p2 2 0.25 t", "q2 Q0 p1 1 0.9 t"])
+    assert no_data_warnings(lambda: read_trec_run(path)) == {"q1": {"p1": 0.9, "p2": 0.25}, "q2": {"p1": 0.9}}
+
+
+@pytest.mark.parametrize("name", ["mrr@x", "foo@10", "mrr@0", "accuracy", "accuracy@0", "MRR@10", "ndcg@-1", "",
+                                  "recall@10@2", "mrr@ 10"])
+def test_an_unknown_metric_name_is_a_one_line_config_error(name):
+    with pytest.raises(ConfigError, match="unknown metric"):
+        check_metrics(["mrr@10", name])
+
+
+def test_known_metric_names_pass_the_check():
+    check_metrics(["mrr", "mrr@10", "ndcg@10", "recall@100", "precision@5", "map@1000", "hits@3", "hit_rate@5",
+                   "r-precision", "accuracy@5", "accuracy@20"])
+    with pytest.raises(ConfigError, match="non-empty list"):
+        check_metrics([])
+
+
+def test_evaluate_run_computes_answer_accuracy_or_refuses_without_answers():
+    qrels = {"qa": {"p1": 1}, "qb": {"p2": 1}}
+    run = {"qa": {"p2": 0.9, "p1": 0.8}, "qb": {"p2": 0.7}}
+    passages = {"p1": "Rome is in Italy", "p2": "Paris is in France"}
+    got = evaluate_run(qrels, run, ["accuracy@1", "accuracy@2", "mrr@10"], {"qa": ["Rome"], "qb": ["France"]},
+                       passages)
+    assert got == pytest.approx({"accuracy@1": 1 / 2, "accuracy@2": 2 / 2, "mrr@10": (1 / 2 + 1) / 2})
+    with pytest.raises(DataError, match="accuracy@1 needs answer strings"):
+        evaluate_run(qrels, run, ["accuracy@1"])
+    with pytest.raises(ConfigError, match="unknown metric 'mrr@x'"):
+        evaluate_run(qrels, run, ["mrr@x"])
+
+
+# ---------------------------------------------------------------- the evaluate command
+
+
+def stderr_lines(capsys) -> list[str]:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()
+
+
+def test_cli_evaluate_rejects_an_unknown_metric_before_any_work(tmp_path, capsys):
+    # the dataset does not exist either: the metric name is checked first
+    assert main(["evaluate", "nosuch", str(tmp_path / "run.trec"), "--data-dir", str(tmp_path),
+                 "--metrics", "mrr@10", "foo@10"]) == 2
+    [line] = stderr_lines(capsys)
+    assert line == ("densepass: error: unknown metric 'foo@10' (known: mrr, ndcg, ndcg_burges, dcg, dcg_burges, "
+                    "recall, precision, r-precision, f1, map, hits, hit_rate, bpref, each with an optional cutoff @k, "
+                    "k >= 1; and accuracy@k)")
+
+
+def test_cli_evaluate_reports_answer_accuracy_on_a_dataset_with_answers(tmp_path, capsys):
+    root = write_squad(tmp_path / "squad")
+    run = write_run(tmp_path / "run.trec", ["d1 Q0 train-0-0 1 0.9 t", "d1 Q0 dev-0-0 2 0.8 t"])
+    assert main(["evaluate", str(root), str(run), "--format", "squad", "--metrics", "accuracy@1", "accuracy@2",
+                 "mrr@10"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"mrr@10": 0.5, "accuracy@1": 0.0, "accuracy@2": 1.0}
+
+
+def test_cli_evaluate_accuracy_without_answers_is_a_one_line_error(tiny_beir, tmp_path, capsys):
+    run = write_run(tmp_path / "run.trec", ["q30 Q0 p30 1 0.9 t"])
+    assert main(["evaluate", str(tiny_beir), str(run), "--metrics", "accuracy@5"]) == 2
+    [line] = stderr_lines(capsys)
+    assert line.startswith("densepass: error: accuracy@5 needs answer strings, and no judged query has any")
+
+
+def test_cli_evaluate_rejects_a_run_for_another_corpus(tiny_beir, tmp_path, capsys):
+    run = write_run(tmp_path / "run.trec", ["q30 Q0 p30 1 0.9 t", "q30 Q0 other-7 2 0.8 t"])
+    assert main(["evaluate", str(tiny_beir), str(run)]) == 2
+    [line] = stderr_lines(capsys)
+    assert "1 passage ids are not in the dataset's corpus (e.g. 'other-7')" in line
+
+
+def test_cli_prints_each_warning_as_one_line(tiny_beir, tmp_path, capsys):
+    with open(tiny_beir / "qrels" / "dev.tsv", "a") as handle:
+        handle.write("q30\tp30\t1\nq31\tp31\t1\n")  # two repeated rows
+    run = write_run(tmp_path / "run.trec", ["q30 Q0 p30 1 0.5 t", "q30 Q0 p1 2 0.5 t"])  # tied scores
+    assert main(["evaluate", str(tiny_beir), str(run), "--metrics", "mrr@10"]) == 0
+    qrels = tiny_beir / "qrels" / "dev.tsv"
+    assert stderr_lines(capsys) == [
+        f"densepass: warning: {qrels}: 2 repeated (query, passage) rows with the same grade, ignored (first: line 12)",
+        (f"densepass: warning: {run}: 1 of 1 queries have tied scores (first: query 'q30'); their ties are ordered by "
+        "the rank column"),
+    ]
+    assert warnings.showwarning is not None and warnings.showwarning.__module__ == "warnings"  # restored
+
+
+# ---------------------------------------------------------------- 4. model names
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection or resolve a host name fails the test at once."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a network connection was attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    """An empty Hugging Face hub cache used for this test."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+@pytest.mark.timeout(60)
+def test_an_unknown_hub_model_is_a_one_line_config_error_without_network(no_network, hub_cache):
+    from densepass.models.biencoder import BiEncoder
+
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="model not found: no-such-org/no-such-model is neither a local model "
+                                          "directory nor in the Hugging Face cache"):
+        BiEncoder.from_pretrained("no-such-org/no-such-model")
+    assert time.monotonic() - start < 10
+
+
+def test_a_hub_model_in_the_local_cache_is_still_accepted(no_network, hub_cache, tiny_model_dir):
+    from densepass.models.biencoder import resolve_model_path
+
+    snapshot = hub_cache / "models--some-org--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model_dir, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    assert resolve_model_path("some-org/tiny") == "some-org/tiny"
+    with pytest.raises(ConfigError, match="model not found"):
+        resolve_model_path("some-org/other")
+
+
+# ---------------------------------------------------------------- the real datasets stay clean
+
+
+@pytest.mark.parametrize("name, fmt", [("debian-packages", "beir"), ("squad-v1.1-dev-split", "squad")])
+def test_the_shared_datasets_load_without_warnings(name, fmt):
+    data_dir = default_data_dir()
+    if not (data_dir / name).is_dir():
+        pytest.skip(f"shared data not found at {data_dir}")
+    no_data_warnings(lambda: load_dataset(name, data_dir=data_dir, format=fmt))
