@@ -1,6 +1,62 @@
-"""densepass: dense passage retrieval training, indexing and evaluation."""
+"""densepass: train, index, evaluate and serve neural passage retrievers.
 
-from densepass.errors import DensepassError
+The public API, loaded on first use (``import densepass`` itself stays cheap, so the command line
+starts fast)::
 
-__all__ = ["DensepassError"]
-__version__ = "0.1.0"
+    import densepass as dp
+
+    model = dp.BiEncoder.from_pretrained("all-MiniLM-L6-v2")
+    index = dp.DenseIndex.build(model, ["tar archiving utility", "X11 window manager"])
+    hits = dp.SearchPipeline(index).search("window manager", k=1)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from densepass.errors import ConfigError, DataError, DataWarning, DensepassError
+from densepass.version import __version__
+
+_WHERE = {
+    # models
+    "BiEncoder": "densepass.models.biencoder",
+    "BiEncoderConfig": "densepass.config",
+    "CrossEncoder": "densepass.models.cross_encoder",
+    # data
+    "Corpus": "densepass.data.dataset",
+    "RetrievalDataset": "densepass.data.dataset",
+    "load_dataset": "densepass.data",
+    # indexes and search
+    "Index": "densepass.index.base",
+    "SearchResults": "densepass.index.base",
+    "DenseIndex": "densepass.index.dense",
+    "BM25Index": "densepass.index.bm25",
+    "HybridIndex": "densepass.index.hybrid",
+    "load_index": "densepass.index.base",
+    "SearchPipeline": "densepass.pipelines.search",
+    "Hit": "densepass.pipelines.search",
+    # evaluation
+    "evaluate_run": "densepass.evaluation.metrics",
+    "paired_significance": "densepass.evaluation.metrics",
+    "read_trec_run": "densepass.evaluation.metrics",
+    "write_trec_run": "densepass.evaluation.metrics",
+    # experiments
+    "ExperimentConfig": "densepass.config",
+    "load_config": "densepass.config",
+    "run_experiment": "densepass.pipelines.experiment",
+}
+
+__all__ = ["ConfigError", "DataError", "DataWarning", "DensepassError", "__version__", *_WHERE]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'densepass' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

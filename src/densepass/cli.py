@@ -159,6 +159,16 @@ def _print_hits(query: str, hits) -> None:
     Console().print(table)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from densepass.serve import run_server, settings_from_args
+
+    settings = settings_from_args(args)  # checked before the index is loaded
+    pipeline = _load_pipeline(args)
+    print(f"densepass: serving {json.dumps(pipeline.describe())} on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    run_server(pipeline, args.host, args.port, settings)
+
+
 def _evaluate(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
     from densepass.evaluation.metrics import (
@@ -311,6 +321,8 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from densepass.serve.settings import add_settings_arguments
+
     parser = argparse.ArgumentParser(prog="densepass", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -355,6 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--tag", default="densepass", help="run tag (last column of the TREC file)")
     _pipeline_args(search)
     search.set_defaults(func=_search)
+
+    serve = sub.add_parser("serve", help="serve a saved index over HTTP: POST /search, GET /health, a search page at /")
+    serve.add_argument("index", help="index directory (from densepass index)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    serve.add_argument("--port", type=positive_int, default=8000)
+    _pipeline_args(serve)
+    add_settings_arguments(serve)
+    serve.set_defaults(func=_serve)
 
     evaluate = sub.add_parser("evaluate", help="evaluate a TREC run file against a split's qrels")
     _dataset_args(evaluate)

@@ -34,6 +34,7 @@ from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_corpus
 from densepass.io import atomic_directory, atomic_write_text, read_manifest, write_manifest
+from densepass.version import __version__
 
 PASSAGES = "passages.jsonl"
 FORMAT = "densepass-index"
@@ -187,7 +188,7 @@ class Index(ABC):
         with atomic_directory(directory) as tmp:
             save_passages(self.passages, tmp / PASSAGES)
             self._write(tmp)
-            write_manifest(tmp, format=FORMAT, kind=self.kind, densepass_version=_version(), size=len(self),
+            write_manifest(tmp, format=FORMAT, kind=self.kind, densepass_version=__version__, size=len(self),
                            corpus_fingerprint=fingerprint_corpus(self.passages), **self.facts())
         return directory
 
@@ -208,15 +209,6 @@ class Index(ABC):
         if len(passages) != manifest["size"]:
             raise DataError(f"{directory}: {len(passages)} passages but the manifest says {manifest['size']}")
         return KINDS[manifest["kind"]]._read(directory, manifest, passages, **options)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("densepass")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 KINDS: dict[str, type[Index]] = {}

@@ -1,0 +1,90 @@
+"""A small deterministic searcher for the search-service tests and the load-test smoke run.
+
+Scores are word overlap (shared words / query words) with a handful of passages, ties broken by id; every
+``search_batch`` call is logged. ``gate`` holds calls (queue-full and shutdown tests); the words "forbidden"
+and "explode" make a query raise a ``DataError`` and a ``RuntimeError``. Run as a script, it serves itself:
+``python3 tests/serve_fake.py --port 8000 [--max-batch-size 1] [--delay-ms 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+from densepass.errors import DataError
+
+PASSAGES = [
+    ("p0", "vlc", "VLC media player: plays audio and video files, DVDs and network streams"),
+    ("p1", "gimp", "GNU Image Manipulation Program: edit and retouch images and photos"),
+    ("p2", "postfix", "High-performance mail server: a mail transport agent"),
+    ("p3", "python3", "Interactive high-level object-oriented language: the Python interpreter"),
+    ("p4", "htmldoc", "Converts <b>HTML</b> files to PDF <script>alert('markup')</script> for the web"),
+    ("p5", "mpv", "Video player based on MPlayer: audio and video playback from the command line"),
+]
+
+
+@dataclass
+class FakeHit:
+    """A hit as the search pipeline gives it; ``answer`` is None here (dropped from the JSON)."""
+
+    id: str
+    score: float
+    title: str
+    text: str
+    answer: str | None = None
+
+
+def words(text: str) -> set[str]:
+    return set(re.findall(r"\w+", text.lower()))
+
+
+class FakeSearcher:
+    """Word-overlap searcher over :data:`PASSAGES` with a call log (``batches``: (queries, k) per call)."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.batches: list[tuple[list[str], int]] = []
+        self.gate: threading.Event | None = None  # when set, each call waits until the event is set
+        self.entered = threading.Event()  # set when a call starts
+
+    @property
+    def calls(self) -> int:
+        return len(self.batches)
+
+    def search_batch(self, queries: list[str], k: int) -> list[list[FakeHit]]:
+        self.batches.append((list(queries), k))
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(30)
+        time.sleep(self.delay_s)
+        return [self.search_one(query, k) for query in queries]
+
+    def search_one(self, query: str, k: int) -> list[FakeHit]:
+        """The hits for one query (the reference the service's answers are compared with)."""
+        query_words = words(query)
+        if "forbidden" in query_words:
+            raise DataError("the query contains the forbidden word")
+        if "explode" in query_words:
+            raise RuntimeError("the fake index exploded\nwith a second line")
+        scored = [(len(query_words & words(f"{title} {text}")) / len(query_words), pid, title, text)
+                  for pid, title, text in PASSAGES]
+        ranked = sorted((s for s in scored if s[0] > 0), key=lambda s: (-s[0], s[1]))
+        return [FakeHit(pid, score, title, text) for score, pid, title, text in ranked[:k]]
+
+    def describe(self) -> dict:
+        return {"kind": "fake word overlap", "passages": len(PASSAGES)}
+
+
+if __name__ == "__main__":
+    from densepass.serve import ServeSettings, run_server
+
+    parser = argparse.ArgumentParser(description="serve the fake searcher")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="time each searcher call takes")
+    args = parser.parse_args()
+    run_server(FakeSearcher(args.delay_ms / 1000), port=args.port, log_level="warning",
+               settings=ServeSettings(max_batch_size=args.max_batch_size))
