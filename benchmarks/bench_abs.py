@@ -1,5 +1,6 @@
 """ABS scheduling time and batch hardness: exact running-sum greedy (densepass), one batch at a time
-and many batches at once, against a naive matrix greedy, the paper's top-100 restricted variant, TAS-style topic clusters and random batches.
+and many batches at once, against a naive matrix greedy, the paper's top-100 restricted variant, TAS-style
+topic clusters and random batches.
 
     python benchmarks/bench_abs.py --sizes 10000 --batch-sizes 64            # CPU
     python benchmarks/bench_abs.py --sizes 10000 100000 500000 --batch-sizes 64 128 --bm25 \
@@ -86,7 +87,11 @@ def timed(fn, *args, limit: float, total_batches: int, **kwargs):
 
 def row(name, n, b, batches, seconds, finished, sim, random_h, total):
     h = mean_hardness(sim, [x for x in batches if len(x) == b])
-    shown = f"{seconds:.1f}" if finished else f">{seconds:.0f} ({len(batches)}/{total} batches; ~{seconds * total / max(len(batches), 1):.0f} projected)"
+    shown = (
+        f"{seconds:.1f}"
+        if finished
+        else f">{seconds:.0f} ({len(batches)}/{total} batches; ~{seconds * total / max(len(batches), 1):.0f} projected)"
+    )
     print(f"| {name} | {n:,} | {b} | {shown} | {h:.2f} | {h / random_h:.2f} |", flush=True)
 
 
@@ -104,23 +109,47 @@ def bench(sim: BilinearSimilarity, label: str, b: int, args, dense: np.ndarray |
         batches, sec, done = timed(iter_batches, sim, b, seed=0, limit=args.time_limit, total_batches=total)
         row(f"**ABS exact greedy (densepass)** {label}", n, b, batches, sec, done, sim, random_h, total)
     for slots in args.concurrent:
-        batches, sec, done = timed(iter_concurrent_batches, sim, b, slots, seed=0, limit=args.time_limit,
-                                   total_batches=total)
-        row(f"**ABS greedy, {slots} batches at once (densepass)** {label}", n, b, batches, sec, done, sim, random_h, total)
+        batches, sec, done = timed(
+            iter_concurrent_batches, sim, b, slots, seed=0, limit=args.time_limit, total_batches=total
+        )
+        row(
+            f"**ABS greedy, {slots} batches at once (densepass)** {label}",
+            n,
+            b,
+            batches,
+            sec,
+            done,
+            sim,
+            random_h,
+            total,
+        )
     if not sim.sparse and n <= args.restricted_max:
         t = time.perf_counter()
         neighbours = neighbour_lists(sim, 100)
         prep = time.perf_counter() - t
-        batches, sec, done = timed(iter_batches, sim, b, seed=0, neighbours=neighbours, limit=args.time_limit,
-                                   total_batches=total)
-        row(f"ABS top-100 restricted (paper), incl. {prep:.1f}s search", n, b, batches, sec + prep, done, sim, random_h, total)
+        batches, sec, done = timed(
+            iter_batches, sim, b, seed=0, neighbours=neighbours, limit=args.time_limit, total_batches=total
+        )
+        row(
+            f"ABS top-100 restricted (paper), incl. {prep:.1f}s search",
+            n,
+            b,
+            batches,
+            sec + prep,
+            done,
+            sim,
+            random_h,
+            total,
+        )
     if not sim.sparse and n <= args.naive_max:
         t = time.perf_counter()
         batches = naive_matrix_greedy(sim, b, 0, args.time_limit)
         sec = time.perf_counter() - t
         row("naive matrix greedy (N x N)", n, b, batches, sec, len(batches) >= total, sim, random_h, total)
     if n <= args.beam_max and not sim.sparse:
-        batches, sec, done = timed(iter_batches, sim, b, seed=0, beam_width=4, limit=args.time_limit, total_batches=total)
+        batches, sec, done = timed(
+            iter_batches, sim, b, seed=0, beam_width=4, limit=args.time_limit, total_batches=total
+        )
         row("ABS beam search k=4 (densepass)", n, b, batches, sec, done, sim, random_h, total)
 
 
@@ -132,14 +161,23 @@ def main() -> None:
     parser.add_argument("--restricted-max", type=int, default=100_000)
     parser.add_argument("--beam-max", type=int, default=10_000)
     parser.add_argument("--time-limit", type=float, default=120.0)
-    parser.add_argument("--concurrent", type=int, nargs="*", default=[64],
-                        help="batches grown at once (scheduling/concurrent.py), one row each")
+    parser.add_argument(
+        "--concurrent",
+        type=int,
+        nargs="*",
+        default=[64],
+        help="batches grown at once (scheduling/concurrent.py), one row each",
+    )
     parser.add_argument("--skip-sequential", action="store_true", help="leave out the one-batch-at-a-time greedy")
     parser.add_argument("--bm25", action="store_true", help="also schedule debian-packages train with BM25")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({platform.processor() or 'x86-64'}, {torch.get_num_threads()} threads)"
+    where = (
+        torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or 'x86-64'}, {torch.get_num_threads()} threads)"
+    )
     print(f"device: {where}; torch {torch.__version__}\n")
     print("| method | instances | batch | seconds | mean h(B) | vs random |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -41,18 +41,28 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=None, help="passages to encode (default: all on GPU, 2000 on CPU)")
     parser.add_argument("--batch-size", type=int, default=512, help="densepass batch size")
     parser.add_argument("--max-length", type=int, default=128, help="passage tokens (densepass's passage_max_length)")
-    parser.add_argument("--st-batch-sizes", type=int, nargs="+", default=None,
-                        help="sentence-transformers batch sizes (default: 32, its default, and --batch-size)")
+    parser.add_argument(
+        "--st-batch-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="sentence-transformers batch sizes (default: 32, its default, and --batch-size)",
+    )
     parser.add_argument("--device", default=None)
-    parser.add_argument("--save-embeddings", default=None,
-                        help="directory for densepass's passages.npy and dev queries.npy (for bench_search.py)")
+    parser.add_argument(
+        "--save-embeddings",
+        default=None,
+        help="directory for densepass's passages.npy and dev queries.npy (for bench_search.py)",
+    )
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
     device = pick_device(args.device)
     gpu = device.type == "cuda"
     env = environment(device)
-    print(f"device: {env['device']}; torch {env['torch']}, transformers {env['transformers']}, "
-          f"sentence-transformers {env['sentence_transformers']}")
+    print(
+        f"device: {env['device']}; torch {env['torch']}, transformers {env['transformers']}, "
+        f"sentence-transformers {env['sentence_transformers']}"
+    )
 
     path = resolve_model_path(args.model)
     model = BiEncoder.from_pretrained(path, config=BiEncoderConfig(passage_max_length=args.max_length))
@@ -66,13 +76,24 @@ def main() -> None:
     results, embeddings = [], {}
 
     def record(system: str, dtype: str, batch: int, seconds: float) -> None:
-        results.append({"system": system, "dtype": dtype, "batch_size": batch, "seconds": seconds,
-                        "passages_per_s": len(texts) / seconds})
+        results.append(
+            {
+                "system": system,
+                "dtype": dtype,
+                "batch_size": batch,
+                "seconds": seconds,
+                "passages_per_s": len(texts) / seconds,
+            }
+        )
         print(f"  {system} {dtype} batch {batch}: {seconds:.2f}s, {len(texts) / seconds:,.0f} passages/s", flush=True)
 
-    for bf16 in ([True, False] if gpu else [False]):
-        encode = lambda items: encode_texts(model, items, "passage", batch_size=args.batch_size,  # noqa: E731
-                                            device=device, bf16=bf16, show_progress=False)
+    for bf16 in [True, False] if gpu else [False]:
+
+        def encode(items, bf16=bf16, model=model):
+            return encode_texts(
+                model, items, "passage", batch_size=args.batch_size, device=device, bf16=bf16, show_progress=False
+            )
+
         encode(warm)
         with timer(device) as took:
             emb = encode(texts)
@@ -85,14 +106,16 @@ def main() -> None:
         dev = [dataset.queries[q] for q in sorted(dataset.positives("dev"))]
         np.save(out_dir / "queries.npy", encode_texts(model, dev, "query", device=device, show_progress=False))
         print(f"  saved {len(texts):,} passage and {len(dev):,} dev query embeddings in {out_dir}")
-    del model
+    del model, encode  # free the densepass model before loading sentence-transformers'
 
     st_batches = args.st_batch_sizes or sorted({32, args.batch_size})
     for name, dtype in [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if gpu else []):
         st = load_st(path, device, dtype, args.max_length)
         for batch in st_batches:
-            encode = lambda items: st.encode(items, batch_size=batch, convert_to_numpy=True,  # noqa: E731
-                                             show_progress_bar=False)
+
+            def encode(items, st=st, batch=batch):
+                return st.encode(items, batch_size=batch, convert_to_numpy=True, show_progress_bar=False)
+
             encode(warm)
             with timer(device) as took:
                 emb = encode(texts)
@@ -103,22 +126,49 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     ours = results[0]
-    baseline = next(r for r in results if r["system"].startswith("Sentence") and r["dtype"] == "fp32"
-                    and r["batch_size"] == 32) if 32 in st_batches else results[-1]
+    baseline = (
+        next(
+            r for r in results if r["system"].startswith("Sentence") and r["dtype"] == "fp32" and r["batch_size"] == 32
+        )
+        if 32 in st_batches
+        else results[-1]
+    )
     agreement = {k: float(np.mean(np.sum(v * embeddings["st-fp32"], axis=1))) for k, v in embeddings.items()}
-    rows = [[r["system"] + (" **(densepass)**" if r is ours else ""), r["dtype"], r["batch_size"],
-             f"{r['seconds']:.2f}", rate(r['passages_per_s']), f"{ours['passages_per_s'] / r['passages_per_s']:.2f}x"]
-            for r in results]
+    rows = [
+        [
+            r["system"] + (" **(densepass)**" if r is ours else ""),
+            r["dtype"],
+            r["batch_size"],
+            f"{r['seconds']:.2f}",
+            rate(r["passages_per_s"]),
+            f"{ours['passages_per_s'] / r['passages_per_s']:.2f}x",
+        ]
+        for r in results
+    ]
     print()
     print(markdown_table(["system", "dtype", "batch", "seconds", "passages/s", "densepass ÷ row"], rows))
-    print(f"\ndensepass / sentence-transformers default (fp32, batch 32): "
-          f"{ours['passages_per_s'] / baseline['passages_per_s']:.2f}x")
-    print("agreement with sentence-transformers fp32 (mean cosine): "
-          + ", ".join(f"{k} {v:.5f}" for k, v in agreement.items()))
-    write_json(args.out, {"benchmark": "encode", **env, "model": args.model, "dataset": args.dataset,
-                          "n_passages": len(texts), "max_length": args.max_length, "results": results,
-                          "speedup_vs_st_default": ours["passages_per_s"] / baseline["passages_per_s"],
-                          "agreement_mean_cosine_vs_st_fp32": agreement})
+    print(
+        f"\ndensepass / sentence-transformers default (fp32, batch 32): "
+        f"{ours['passages_per_s'] / baseline['passages_per_s']:.2f}x"
+    )
+    print(
+        "agreement with sentence-transformers fp32 (mean cosine): "
+        + ", ".join(f"{k} {v:.5f}" for k, v in agreement.items())
+    )
+    write_json(
+        args.out,
+        {
+            "benchmark": "encode",
+            **env,
+            "model": args.model,
+            "dataset": args.dataset,
+            "n_passages": len(texts),
+            "max_length": args.max_length,
+            "results": results,
+            "speedup_vs_st_default": ours["passages_per_s"] / baseline["passages_per_s"],
+            "agreement_mean_cosine_vs_st_fp32": agreement,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,15 @@ def subset(dataset: RetrievalDataset, query_ids: list[str], corpus_n: int | None
     return RetrievalDataset(dataset.name, sub, {q: dataset.queries[q] for q in query_ids}, qrels)
 
 
-def time_st(model_path: str, dataset: RetrievalDataset, query_ids: list[str], depth: int, max_length: int,
-            batch_size: int, device: torch.device) -> tuple[float, list[list[str]]] | str:
+def time_st(
+    model_path: str,
+    dataset: RetrievalDataset,
+    query_ids: list[str],
+    depth: int,
+    max_length: int,
+    batch_size: int,
+    device: torch.device,
+) -> tuple[float, list[list[str]]] | str:
     try:
         from datasets import Dataset
         from sentence_transformers import SentenceTransformer
@@ -62,13 +69,26 @@ def time_st(model_path: str, dataset: RetrievalDataset, query_ids: list[str], de
     corpus = dataset.corpus
     texts = corpus.passage_inputs(sep)
     positives = dataset.positives("train")
-    pairs = Dataset.from_dict({"query": [dataset.queries[q] for q in query_ids],
-                               "positive": [texts[corpus.position(positives[q][0])] for q in query_ids]})
+    pairs = Dataset.from_dict(
+        {
+            "query": [dataset.queries[q] for q in query_ids],
+            "positive": [texts[corpus.position(positives[q][0])] for q in query_ids],
+        }
+    )
 
     def run() -> list[list[str]]:
-        out = mine_hard_negatives(pairs, model, corpus=texts, range_min=0, range_max=_fetch_depth(depth),
-                                  num_negatives=depth, sampling_strategy="top", batch_size=batch_size,
-                                  output_format="n-tuple", verbose=False)
+        out = mine_hard_negatives(
+            pairs,
+            model,
+            corpus=texts,
+            range_min=0,
+            range_max=_fetch_depth(depth),
+            num_negatives=depth,
+            sampling_strategy="top",
+            batch_size=batch_size,
+            output_format="n-tuple",
+            verbose=False,
+        )
         cols = [c for c in out.column_names if c.startswith("negative")]
         return [[row[c] for c in cols] for row in out]
 
@@ -110,14 +130,19 @@ def main() -> None:
     rows, results = [], {}
 
     started = time.perf_counter()
-    bm25 = mine_negatives(dataset, query_ids, NegativesConfig(source="bm25", pool_depth=args.depth, filters=["qrels"]),
-                          MiningContext(show_progress=False))
+    bm25 = mine_negatives(
+        dataset,
+        query_ids,
+        NegativesConfig(source="bm25", pool_depth=args.depth, filters=["qrels"]),
+        MiningContext(show_progress=False),
+    )
     results["densepass bm25"] = time.perf_counter() - started
     rows.append(("densepass BM25 (index + search + filter)", results["densepass bm25"], None))
 
     path = resolve_model_path(args.model)
-    model = BiEncoder.from_pretrained(path, config=BiEncoderConfig(query_max_length=args.max_length,
-                                                                   passage_max_length=args.max_length))
+    model = BiEncoder.from_pretrained(
+        path, config=BiEncoderConfig(query_max_length=args.max_length, passage_max_length=args.max_length)
+    )
     saved = tempfile.mkdtemp(prefix="bench-mine-model-")
     model.save(saved)  # with our config (max lengths), for source=model
     config.source, config.model = "model", saved
@@ -129,38 +154,61 @@ def main() -> None:
     _sync(device)
     results["densepass dense"] = time.perf_counter() - started
 
-    st = None if args.skip_st else time_st(path, dataset, query_ids, args.depth, args.max_length, args.batch_size,
-                                           device)
+    st = (
+        None
+        if args.skip_st
+        else time_st(path, dataset, query_ids, args.depth, args.max_length, args.batch_size, device)
+    )
     agreement = None
     if isinstance(st, tuple):
         results["sentence-transformers dense"] = st[0]
         sep = model.tokenizer.sep_token
         texts = dataset.corpus.passage_inputs(sep)
         ours = [{texts[dataset.corpus.position(c.passage_id)] for c in dense.pool[q]} for q in query_ids]
-        agreement = float(np.mean([len(set(theirs) & mine) / max(len(theirs), 1)
-                                   for theirs, mine in zip(st[1], ours)]))
-    rows.append(("densepass dense (encode + exact top-k + filter)", results["densepass dense"],
-                 results["densepass dense"] / st[0] if isinstance(st, tuple) else None))
+        agreement = float(np.mean([len(set(theirs) & mine) / max(len(theirs), 1) for theirs, mine in zip(st[1], ours)]))
+    rows.append(
+        (
+            "densepass dense (encode + exact top-k + filter)",
+            results["densepass dense"],
+            results["densepass dense"] / st[0] if isinstance(st, tuple) else None,
+        )
+    )
     if isinstance(st, tuple):
         rows.append(("sentence-transformers mine_hard_negatives", st[0], 1.0))
 
-    title = (f"{args.dataset}: {len(query_ids)} train queries, {len(dataset.corpus)} passages, top-{args.depth}, "
-             f"max length {args.max_length}, {device.type}")
-    lines = [f"**{title}**", "", "| miner | seconds | queries/s | time / sentence-transformers |", "|---|---:|---:|---:|"]
+    title = (
+        f"{args.dataset}: {len(query_ids)} train queries, {len(dataset.corpus)} passages, top-{args.depth}, "
+        f"max length {args.max_length}, {device.type}"
+    )
+    lines = [
+        f"**{title}**",
+        "",
+        "| miner | seconds | queries/s | time / sentence-transformers |",
+        "|---|---:|---:|---:|",
+    ]
     for name, seconds, ratio in rows:
-        lines.append(f"| {name} | {seconds:.2f} | {len(query_ids) / seconds:.0f} | "
-                     f"{'-' if ratio is None else f'{ratio:.2f}'} |")
+        lines.append(
+            f"| {name} | {seconds:.2f} | {len(query_ids) / seconds:.0f} | {'-' if ratio is None else f'{ratio:.2f}'} |"
+        )
     if agreement is not None:
         lines.append(f"\nagreement of the dense negatives with sentence-transformers': {agreement:.3f}")
     elif isinstance(st, str):
         lines.append(f"\nsentence-transformers: {st}")
     print("\n".join(lines))
     if args.out:
-        payload = {"title": title, "seconds": results, "agreement": agreement, "queries": len(query_ids),
-                   "passages": len(dataset.corpus), "depth": args.depth, "device": str(device),
-                   "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
-                   "cpu": platform.processor() or platform.machine(),
-                   "bm25_summary": bm25.summary(), "dense_summary": dense.summary()}
+        payload = {
+            "title": title,
+            "seconds": results,
+            "agreement": agreement,
+            "queries": len(query_ids),
+            "passages": len(dataset.corpus),
+            "depth": args.depth,
+            "device": str(device),
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+            "cpu": platform.processor() or platform.machine(),
+            "bm25_summary": bm25.summary(),
+            "dense_summary": dense.summary(),
+        }
         atomic_write_text(args.out, json.dumps(payload, indent=2))
 
 

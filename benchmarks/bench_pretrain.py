@@ -7,8 +7,9 @@ MLM through transformers' ``BertForMaskedLM`` on the same backbone, data, batch 
         --batch-size 64 --max-length 128 --steps 50 --out outputs/bench_pretrain.json   # H100, bf16
 
 Every system trains the same packed, masked batches (15% BERT masking) with AdamW under bf16 autocast on
-GPU (fp32 on CPU unless --cpu-bf16): forward, backward and optimiser step are timed after --warmup untimed steps. coCondenser
-pairs rows 2i and 2i + 1 of the packed batch as its "spans" (the cost is the same as for real spans).
+GPU (fp32 on CPU unless --cpu-bf16): forward, backward and optimiser step are timed after --warmup
+untimed steps. coCondenser pairs rows 2i and 2i + 1 of the packed batch as its "spans" (the cost is
+the same as for real spans).
 densepass applies the MLM prediction head to the masked positions only; BertForMaskedLM computes vocabulary
 logits at every position, which is part of the difference measured in the "densepass mlm" row.
 """
@@ -41,8 +42,9 @@ def make_batches(model_path: str, data_dir: str | None, dataset: str, batch_size
     masker = Masker.from_tokenizer(tokenizer)
     batches = []
     for i, batch in enumerate(itertools.islice(mlm_batches(corpus, tokenizer, batch_size, max_length, 0), n)):
-        batch["input_ids"], batch["labels"] = masker(batch["input_ids"], batch["attention_mask"],
-                                                     torch.Generator().manual_seed(i))
+        batch["input_ids"], batch["labels"] = masker(
+            batch["input_ids"], batch["attention_mask"], torch.Generator().manual_seed(i)
+        )
         batches.append(batch)
     return batches
 
@@ -59,6 +61,7 @@ def time_system(name: str, model_path: str, batches, warmup: int, device: torch.
 
         def loss_of(b):
             return model.loss(model(b["input_ids"], b["attention_mask"], b["labels"]))
+
     model.to(device).train()
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
@@ -82,8 +85,14 @@ def time_system(name: str, model_path: str, batches, warmup: int, device: torch.
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    return {"system": name, "tokens_per_s": tokens / elapsed, "step_s": elapsed / (len(batches) - warmup),
-            "parameters": params, "peak_gib": peak, "final_loss": float(loss.detach())}
+    return {
+        "system": name,
+        "tokens_per_s": tokens / elapsed,
+        "step_s": elapsed / (len(batches) - warmup),
+        "parameters": params,
+        "peak_gib": peak,
+        "final_loss": float(loss.detach()),
+    }
 
 
 def main() -> None:
@@ -100,24 +109,41 @@ def main() -> None:
     args = parser.parse_args()
     device = default_device()
     path = resolve_model_path(args.model)
-    batches = make_batches(path, args.data_dir, args.dataset, args.batch_size, args.max_length,
-                           args.steps + args.warmup)
+    batches = make_batches(
+        path, args.data_dir, args.dataset, args.batch_size, args.max_length, args.steps + args.warmup
+    )
     systems = ["BertForMaskedLM", "densepass mlm", "densepass condenser", "densepass cocondenser"]
     bf16 = uses_bf16(device, True, args.cpu_bf16)
     rows = [time_system(s, path, batches, args.warmup, device, bf16) for s in systems]
     base = rows[0]["tokens_per_s"]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"device: {where} ({'bf16 autocast' if bf16 else 'fp32'}); torch {torch.__version__}; "
-          f"batch {args.batch_size} x {args.max_length}, {args.steps} timed steps\n")
+    print(
+        f"device: {where} ({'bf16 autocast' if bf16 else 'fp32'}); torch {torch.__version__}; "
+        f"batch {args.batch_size} x {args.max_length}, {args.steps} timed steps\n"
+    )
     print("| system | tokens/s | s/step | vs BertForMaskedLM | parameters | peak GiB |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['system']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {r['tokens_per_s'] / base:.2f} "
-              f"| {r['parameters'] / 1e6:.1f} M | {r['peak_gib']:.2f} |")
+        print(
+            f"| {r['system']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {r['tokens_per_s'] / base:.2f} "
+            f"| {r['parameters'] / 1e6:.1f} M | {r['peak_gib']:.2f} |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": where, "torch": torch.__version__, "batch_size": args.batch_size,
-                               "max_length": args.max_length, "steps": args.steps, "bf16": bf16, "results": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "device": where,
+                "torch": torch.__version__,
+                "batch_size": args.batch_size,
+                "max_length": args.max_length,
+                "steps": args.steps,
+                "bf16": bf16,
+                "results": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,12 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--embeddings", default=None, help="passage embeddings .npy (float32 [n, d])")
     parser.add_argument("--query-embeddings", default=None, help="query embeddings .npy (default: synthetic)")
-    parser.add_argument("--approximate-max", type=int, default=100_000,
-                        help="largest corpus for the HNSW / IVF-PQ rows (their build is slow on CPU)")
+    parser.add_argument(
+        "--approximate-max",
+        type=int,
+        default=100_000,
+        help="largest corpus for the HNSW / IVF-PQ rows (their build is slow on CPU)",
+    )
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
@@ -64,8 +68,11 @@ def main() -> None:
     else:
         corpus = unit_vectors(max(args.sizes), args.dim, seed=0)
     dim = corpus.shape[1]
-    queries = (np.load(args.query_embeddings).astype(np.float32) if args.query_embeddings
-               else unit_vectors(args.queries, dim, seed=1))[: args.queries]
+    queries = (
+        np.load(args.query_embeddings).astype(np.float32)
+        if args.query_embeddings
+        else unit_vectors(args.queries, dim, seed=1)
+    )[: args.queries]
     print(f"{len(queries):,} queries, k={args.k}, {dim}-d, {source}\n")
 
     results = []
@@ -75,8 +82,16 @@ def main() -> None:
         with timer(device) as took:
             _, ours = exact_search(queries, passages, args.k, device=device)
         exact_s = took()
-        results.append({"corpus": n, "system": f"densepass exact_search ({device.type})", "build_s": 0.0,
-                        "search_s": exact_s, "queries_per_s": len(queries) / exact_s, "recall_vs_exact": 1.0})
+        results.append(
+            {
+                "corpus": n,
+                "system": f"densepass exact_search ({device.type})",
+                "build_s": 0.0,
+                "search_s": exact_s,
+                "queries_per_s": len(queries) / exact_s,
+                "recall_vs_exact": 1.0,
+            }
+        )
         for kind in ["faiss-flat"] + (["faiss-hnsw", "faiss-ivfpq"] if n <= args.approximate_max else []):
             started = time.perf_counter()
             index = build_faiss_index(passages, kind)
@@ -84,9 +99,16 @@ def main() -> None:
             started = time.perf_counter()
             _, found = faiss_search(index, queries, args.k)
             search = time.perf_counter() - started
-            results.append({"corpus": n, "system": f"FAISS {kind.removeprefix('faiss-')} (CPU)", "build_s": build,
-                            "search_s": search, "queries_per_s": len(queries) / search,
-                            "recall_vs_exact": overlap(ours, found)})
+            results.append(
+                {
+                    "corpus": n,
+                    "system": f"FAISS {kind.removeprefix('faiss-')} (CPU)",
+                    "build_s": build,
+                    "search_s": search,
+                    "queries_per_s": len(queries) / search,
+                    "recall_vs_exact": overlap(ours, found),
+                }
+            )
             print(f"  {n:,} {kind}: build {build:.1f}s, search {search:.2f}s", flush=True)
             del index
         del passages
@@ -96,14 +118,44 @@ def main() -> None:
     rows = []
     for r in results:
         ours = next(x for x in results if x["corpus"] == r["corpus"] and x["system"].startswith("densepass"))
-        rows.append([r["system"] + (" **(densepass)**" if r is ours else ""), f"{r['corpus']:,}", f"{r['build_s']:.1f}",
-                     f"{r['search_s']:.2f}", rate(r["queries_per_s"]), f"{ours['queries_per_s'] / r['queries_per_s']:.2f}x",
-                     f"{r['recall_vs_exact']:.4f}"])
+        rows.append(
+            [
+                r["system"] + (" **(densepass)**" if r is ours else ""),
+                f"{r['corpus']:,}",
+                f"{r['build_s']:.1f}",
+                f"{r['search_s']:.2f}",
+                rate(r["queries_per_s"]),
+                f"{ours['queries_per_s'] / r['queries_per_s']:.2f}x",
+                f"{r['recall_vs_exact']:.4f}",
+            ]
+        )
     print()
-    print(markdown_table(["system", "corpus", "build s", "search s", "queries/s", "densepass ÷ row",
-                          f"top-{args.k} overlap with exact"], rows))
-    write_json(args.out, {"benchmark": "search", **env, "vectors": source, "dim": dim, "n_queries": len(queries),
-                          "k": args.k, "results": results})
+    print(
+        markdown_table(
+            [
+                "system",
+                "corpus",
+                "build s",
+                "search s",
+                "queries/s",
+                "densepass ÷ row",
+                f"top-{args.k} overlap with exact",
+            ],
+            rows,
+        )
+    )
+    write_json(
+        args.out,
+        {
+            "benchmark": "search",
+            **env,
+            "vectors": source,
+            "dim": dim,
+            "n_queries": len(queries),
+            "k": args.k,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

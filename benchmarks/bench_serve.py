@@ -42,8 +42,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from common import markdown_table, rate, write_json
 
+from common import markdown_table, rate, write_json
 from densepass.data.beir import open_text, read_queries
 
 
@@ -89,8 +89,9 @@ def start(service: Service, client: httpx.Client, startup_s: float) -> None:
     """Start the service's command on a free port and wait until its /health answers."""
     port = free_port()
     service.url = f"http://127.0.0.1:{port}"
-    service.process = subprocess.Popen(shlex.split(service.command.replace("{port}", str(port))),
-                                       start_new_session=True)
+    service.process = subprocess.Popen(
+        shlex.split(service.command.replace("{port}", str(port))), start_new_session=True
+    )
     deadline = time.monotonic() + startup_s
     while time.monotonic() < deadline:
         if service.process.poll() is not None:
@@ -116,8 +117,17 @@ def stop(service: Service) -> None:
         service.process.wait()
 
 
-async def load(url: str, queries: list[str], first: int, step: int, concurrency: int, requests: int, seconds: float,
-               k: int, timeout: float) -> dict:
+async def load(
+    url: str,
+    queries: list[str],
+    first: int,
+    step: int,
+    concurrency: int,
+    requests: int,
+    seconds: float,
+    k: int,
+    timeout: float,
+) -> dict:
     """Send one-query requests numbered ``first, first + step, ...`` below ``requests`` (or for ``seconds``) from
     ``concurrency`` workers, once all of them are connected (connecting is not timed). Each worker has its own
     client and keep-alive connection: one shared pool of many connections costs the client time that grows with
@@ -142,8 +152,10 @@ async def load(url: str, queries: list[str], first: int, step: int, concurrency:
             latencies.append(time.perf_counter() - sent)
 
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=timeout, trust_env=False))
-                   for _ in range(concurrency)]
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(timeout=timeout, trust_env=False))
+            for _ in range(concurrency)
+        ]
         await asyncio.gather(*(client.get(f"{url}/health") for client in clients))
         cpu, started = time.process_time(), time.perf_counter()
         await asyncio.gather(*(worker(client, started + seconds) for client in clients))
@@ -156,14 +168,32 @@ def run_load(*args) -> dict:
     return asyncio.run(load(*args))
 
 
-def measure(pool: ProcessPoolExecutor | None, client: httpx.Client, service: Service, queries: list[str],
-            concurrency: int, args: argparse.Namespace) -> dict:
+def measure(
+    pool: ProcessPoolExecutor | None,
+    client: httpx.Client,
+    service: Service,
+    queries: list[str],
+    concurrency: int,
+    args: argparse.Namespace,
+) -> dict:
     """One level on one service: the client's workers split over ``pool``'s processes (or run here), the
     latency percentiles over all of them, and the mean batch size from the service's /health counters."""
     before = get_health(client, service.url).get("served", {})
     shares = min(concurrency, args.processes)
-    jobs = [(service.url, queries, p, shares, concurrency // shares + (p < concurrency % shares), args.requests,
-             args.seconds, args.k, args.timeout) for p in range(shares)]
+    jobs = [
+        (
+            service.url,
+            queries,
+            p,
+            shares,
+            concurrency // shares + (p < concurrency % shares),
+            args.requests,
+            args.seconds,
+            args.k,
+            args.timeout,
+        )
+        for p in range(shares)
+    ]
     parts = list(pool.map(run_load, *zip(*jobs))) if pool else [run_load(*jobs[0])]
     wall = max(part["seconds"] for part in parts)
     after = get_health(client, service.url).get("served", {})
@@ -171,18 +201,30 @@ def measure(pool: ProcessPoolExecutor | None, client: httpx.Client, service: Ser
     failures = sum((part["failures"] for part in parts), Counter())
     p50, p95, p99 = np.percentile(latencies, [50, 95, 99]).tolist() if len(latencies) else [float("nan")] * 3
     batches = after.get("batches", 0) - before.get("batches", 0)
-    return {"service": service.name, "concurrency": concurrency, "requests": len(latencies) + sum(failures.values()),
-            "errors": sum(failures.values()), "error_kinds": dict(failures), "seconds": wall,
-            "queries_per_s": len(latencies) / wall, "p50_ms": p50, "p95_ms": p95, "p99_ms": p99,
-            "mean_batch": (after["queries"] - before["queries"]) / batches if batches else None,
-            "client_cpu": sum(part["cpu_s"] / part["seconds"] for part in parts) / shares}
+    return {
+        "service": service.name,
+        "concurrency": concurrency,
+        "requests": len(latencies) + sum(failures.values()),
+        "errors": sum(failures.values()),
+        "error_kinds": dict(failures),
+        "seconds": wall,
+        "queries_per_s": len(latencies) / wall,
+        "p50_ms": p50,
+        "p95_ms": p95,
+        "p99_ms": p99,
+        "mean_batch": (after["queries"] - before["queries"]) / batches if batches else None,
+        "client_cpu": sum(part["cpu_s"] / part["seconds"] for part in parts) / shares,
+    }
 
 
 def run(services: list[Service], queries: list[str], args: argparse.Namespace) -> list[dict]:
     """Every level on every service (see the module doc for the order); started services are stopped after."""
     results: list[dict] = []
-    pool = ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("fork")) \
-        if args.processes > 1 else None
+    pool = (
+        ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("fork"))
+        if args.processes > 1
+        else None
+    )
     with httpx.Client(timeout=args.timeout, trust_env=False) as client:
 
         def prepare(service: Service) -> None:
@@ -190,14 +232,20 @@ def run(services: list[Service], queries: list[str], args: argparse.Namespace) -
                 start(service, client, args.startup_seconds)
             service.health = get_health(client, service.url)
             run_load(service.url, queries, 0, 1, 1, args.warmup, args.seconds, args.k, args.timeout)
-            print(f"{service.name}: {service.url} {service.health.get('searcher')} "
-                  f"batching {service.health.get('batching')}", flush=True)
+            print(
+                f"{service.name}: {service.url} {service.health.get('searcher')} "
+                f"batching {service.health.get('batching')}",
+                flush=True,
+            )
 
         def level(service: Service, concurrency: int) -> None:
             r = measure(pool, client, service, queries, concurrency, args)
             results.append(r)
-            print(f"  {service.name} c={concurrency}: {rate(r['queries_per_s'])} queries/s, p50 {r['p50_ms']:.1f} ms"
-                  f", {r['errors']} errors, client CPU {r['client_cpu']:.0%}", flush=True)
+            print(
+                f"  {service.name} c={concurrency}: {rate(r['queries_per_s'])} queries/s, p50 {r['p50_ms']:.1f} ms"
+                f", {r['errors']} errors, client CPU {r['client_cpu']:.0%}",
+                flush=True,
+            )
 
         try:
             if any(s.command for s in services):  # started services run one at a time
@@ -222,44 +270,98 @@ def run(services: list[Service], queries: list[str], args: argparse.Namespace) -
 
 def tables(services: list[Service], results: list[dict], concurrency: list[int]) -> tuple[str, list[dict]]:
     """The markdown tables (per service and level; the first service against each other one) and the ratios."""
-    rows = [[r["concurrency"], r["service"], r["requests"], r["errors"], rate(r["queries_per_s"]), f"{r['p50_ms']:.1f}",
-             f"{r['p95_ms']:.1f}", f"{r['p99_ms']:.1f}", "" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}",
-             f"{r['client_cpu']:.0%}"]
-            for c in concurrency for r in results if r["concurrency"] == c]
-    text = markdown_table(["concurrency", "service", "requests", "errors", "queries/s", "p50 ms", "p95 ms", "p99 ms",
-                           "mean batch", "client CPU"], rows)
+    rows = [
+        [
+            r["concurrency"],
+            r["service"],
+            r["requests"],
+            r["errors"],
+            rate(r["queries_per_s"]),
+            f"{r['p50_ms']:.1f}",
+            f"{r['p95_ms']:.1f}",
+            f"{r['p99_ms']:.1f}",
+            "" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}",
+            f"{r['client_cpu']:.0%}",
+        ]
+        for c in concurrency
+        for r in results
+        if r["concurrency"] == c
+    ]
+    text = markdown_table(
+        [
+            "concurrency",
+            "service",
+            "requests",
+            "errors",
+            "queries/s",
+            "p50 ms",
+            "p95 ms",
+            "p99 ms",
+            "mean batch",
+            "client CPU",
+        ],
+        rows,
+    )
     ratios = []
     first = services[0].name
     for other in services[1:]:
         for c in concurrency:
-            a, b = (next(r for r in results if r["service"] == name and r["concurrency"] == c)
-                    for name in (first, other.name))
+            a, b = (
+                next(r for r in results if r["service"] == name and r["concurrency"] == c)
+                for name in (first, other.name)
+            )
             qps = a["queries_per_s"] / b["queries_per_s"] if b["queries_per_s"] else None
-            ratios.append({"concurrency": c, "service": first, "versus": other.name, "queries_per_s_ratio": qps,
-                           "p50_ratio": a["p50_ms"] / b["p50_ms"], "p99_ratio": a["p99_ms"] / b["p99_ms"]})
+            ratios.append(
+                {
+                    "concurrency": c,
+                    "service": first,
+                    "versus": other.name,
+                    "queries_per_s_ratio": qps,
+                    "p50_ratio": a["p50_ms"] / b["p50_ms"],
+                    "p99_ratio": a["p99_ms"] / b["p99_ms"],
+                }
+            )
     if ratios:
         text += "\n\n" + markdown_table(
             ["concurrency", "services", "queries/s ratio", "p50 ratio", "p99 ratio"],
-            [[r["concurrency"], f"{r['service']} ÷ {r['versus']}",
-              "n/a" if r["queries_per_s_ratio"] is None else f"{r['queries_per_s_ratio']:.2f}x",
-              f"{r['p50_ratio']:.2f}x", f"{r['p99_ratio']:.2f}x"] for r in ratios])
+            [
+                [
+                    r["concurrency"],
+                    f"{r['service']} ÷ {r['versus']}",
+                    "n/a" if r["queries_per_s_ratio"] is None else f"{r['queries_per_s_ratio']:.2f}x",
+                    f"{r['p50_ratio']:.2f}x",
+                    f"{r['p99_ratio']:.2f}x",
+                ]
+                for r in ratios
+            ],
+        )
     return text, ratios
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", action="append", default=[], metavar="NAME=URL", help="a running service")
-    parser.add_argument("--start", action="append", default=[], metavar="NAME=COMMAND",
-                        help="a command that serves on {port} (started, measured, then stopped with Ctrl-C)")
-    parser.add_argument("--queries", required=True, type=Path,
-                        help="BEIR queries.jsonl(.gz) or a text file with one query per line")
+    parser.add_argument(
+        "--start",
+        action="append",
+        default=[],
+        metavar="NAME=COMMAND",
+        help="a command that serves on {port} (started, measured, then stopped with Ctrl-C)",
+    )
+    parser.add_argument(
+        "--queries", required=True, type=Path, help="BEIR queries.jsonl(.gz) or a text file with one query per line"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--requests", type=int, default=2000, help="at most this many requests per level")
     parser.add_argument("--seconds", type=float, default=30.0, help="at most this long per level")
     parser.add_argument("--warmup", type=int, default=20, help="requests sent first to each service, not counted")
     parser.add_argument("--k", type=int, default=10)
-    parser.add_argument("--processes", type=int, default=1,
-                        help="client processes the concurrent workers are spread over (when one is not enough)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="client processes the concurrent workers are spread over (when one is not enough)",
+    )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take")
     parser.add_argument("--startup-seconds", type=float, default=300.0, help="how long a started service may load")
     parser.add_argument("--out", default=None, help="JSON results")
@@ -271,21 +373,32 @@ def main() -> None:
     if len({s.name for s in services}) < len(services):
         parser.error("two services have the same name")
     queries = read_query_texts(args.queries)
-    print(f"{len(queries):,} queries from {args.queries}; concurrency {args.concurrency}; at most {args.requests} "
-          f"requests or {args.seconds:g}s per level; k={args.k}\n")
+    print(
+        f"{len(queries):,} queries from {args.queries}; concurrency {args.concurrency}; at most {args.requests} "
+        f"requests or {args.seconds:g}s per level; k={args.k}\n"
+    )
 
     results = run(services, queries, args)
     text, ratios = tables(services, results, args.concurrency)
     print()
     print(text)
-    write_json(args.out, {"benchmark": "serve", "date": datetime.date.today().isoformat(),
-                          "client": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                                    f"python {platform.python_version()}, httpx {httpx.__version__}",
-                          "queries_file": str(args.queries), "n_queries": len(queries), "k": args.k,
-                          "requests_per_level": args.requests, "seconds_per_level": args.seconds,
-                          "services": [{"name": s.name, "url": s.url, "command": s.command, "health": s.health}
-                                       for s in services],
-                          "results": results, "ratios": ratios})
+    write_json(
+        args.out,
+        {
+            "benchmark": "serve",
+            "date": datetime.date.today().isoformat(),
+            "client": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"python {platform.python_version()}, httpx {httpx.__version__}",
+            "queries_file": str(args.queries),
+            "n_queries": len(queries),
+            "k": args.k,
+            "requests_per_level": args.requests,
+            "seconds_per_level": args.seconds,
+            "services": [{"name": s.name, "url": s.url, "command": s.command, "health": s.health} for s in services],
+            "results": results,
+            "ratios": ratios,
+        },
+    )
 
 
 if __name__ == "__main__":

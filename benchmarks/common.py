@@ -27,10 +27,16 @@ def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
     else:
-        where = f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-    return {"device": where, "date": datetime.date.today().isoformat(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "sentence_transformers": sentence_transformers.__version__}
+        cpu = platform.processor() or platform.machine()
+        where = f"CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return {
+        "device": where,
+        "date": datetime.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "sentence_transformers": sentence_transformers.__version__,
+    }
 
 
 def sync(device: torch.device) -> None:
@@ -52,7 +58,10 @@ def timer(device: torch.device):
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|",
+    ]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 

@@ -66,14 +66,23 @@ def main() -> None:
         sched = [json.loads(line) for line in schedule.read_text().splitlines()] if schedule.is_file() else []
         rows.append((label, results, metrics["timings"]["train_s"], sched))
     metric_names = list(rows[0][1]) if rows else []
-    lines = ["| batches | " + " | ".join(metric_names) + " | train s | schedule s (per epoch) | waited s | h(B) / random (per epoch) |",
-             "|---|" + "---:|" * (len(metric_names) + 4)]
+    lines = [
+        "| batches | "
+        + " | ".join(metric_names)
+        + " | train s | schedule s (per epoch) | waited s | h(B) / random (per epoch) |",
+        "|---|" + "---:|" * (len(metric_names) + 4),
+    ]
     for label, results, train_s, sched in rows:
         sched_s = ", ".join(f"{r['schedule_s']:.0f}" for r in sched) or "-"
         waited = f"{sum(r['waited_s'] for r in sched):.1f}" if sched else "-"
-        ratio = ", ".join(f"{r['mean_hardness'] / r['random_mean_hardness']:.1f} ({r['similarity']})" for r in sched) or "-"
-        lines.append(f"| {label} | " + " | ".join(f"{results[m]:.4f}" for m in metric_names)
-                     + f" | {train_s:.0f} | {sched_s} | {waited} | {ratio} |")
+        ratio = (
+            ", ".join(f"{r['mean_hardness'] / r['random_mean_hardness']:.1f} ({r['similarity']})" for r in sched) or "-"
+        )
+        lines.append(
+            f"| {label} | "
+            + " | ".join(f"{results[m]:.4f}" for m in metric_names)
+            + f" | {train_s:.0f} | {sched_s} | {waited} | {ratio} |"
+        )
     (out / "table2.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib

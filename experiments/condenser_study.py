@@ -2,7 +2,8 @@
 
     python experiments/condenser_study.py --quick --data-dir /work/shared/data          # CPU, end to end
     # GPU, in stages (each resumable; a finished stage is skipped when re-run):
-    python experiments/condenser_study.py --stage pretrain --only mlm --model .carry/minilm-l6-fp16 --data-dir .carry/data
+    python experiments/condenser_study.py --stage pretrain --only mlm --model .carry/minilm-l6-fp16 \
+        --data-dir .carry/data
     python experiments/condenser_study.py --stage finetune --setting low ...
     python experiments/condenser_study.py --stage report ...
 
@@ -41,8 +42,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--out", default="outputs/condenser-study")
     parser.add_argument("--stage", choices=["all", "pretrain", "finetune", "report"], default="all")
-    parser.add_argument("--only", nargs="*", default=None, choices=["minilm", *MODES],
-                        help="initialisers to run (pre-training skips minilm)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        choices=["minilm", *MODES],
+        help="initialisers to run (pre-training skips minilm)",
+    )
     parser.add_argument("--setting", choices=["both", "low", "full"], default="both")
     parser.add_argument("--quick", action="store_true", help="tiny CPU-sized run of every stage")
     parser.add_argument("--pretrain-steps", type=int, default=1000)
@@ -56,8 +62,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pooling", choices=["cls", "mean"], default="cls")
     parser.add_argument("--attention-samples", type=int, default=1000)
     parser.add_argument("--set", action="append", default=[], help="extra fine-tuning config overrides")
-    parser.add_argument("--cpu-bf16", action="store_true",
-                        help="bf16 autocast on CPU too, pre-training and fine-tuning (~2x faster with AVX512-BF16)")
+    parser.add_argument(
+        "--cpu-bf16",
+        action="store_true",
+        help="bf16 autocast on CPU too, pre-training and fine-tuning (~2x faster with AVX512-BF16)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.pretrain_steps, args.pretrain_batch, args.max_length = 3, 8, 64
@@ -71,9 +80,15 @@ def data_dir(args: argparse.Namespace) -> list[str]:
 
 
 def pretrain_config(args: argparse.Namespace, mode: str) -> PretrainConfig:
-    overrides = [f"output_dir={Path(args.out) / 'pretrain'}", f"model.name_or_path={args.model}",
-                 f"train.max_steps={args.pretrain_steps}", f"train.batch_size={args.pretrain_batch}",
-                 f"train.max_length={args.max_length}", f"train.cpu_bf16={args.cpu_bf16}", *data_dir(args)]
+    overrides = [
+        f"output_dir={Path(args.out) / 'pretrain'}",
+        f"model.name_or_path={args.model}",
+        f"train.max_steps={args.pretrain_steps}",
+        f"train.batch_size={args.pretrain_batch}",
+        f"train.max_length={args.max_length}",
+        f"train.cpu_bf16={args.cpu_bf16}",
+        *data_dir(args),
+    ]
     if args.quick:
         overrides += ["data.max_passages=2000", "train.checkpoint_every=1000"]
     return load_config(f"configs/pretrain_{mode}.yaml", overrides, PretrainConfig)
@@ -81,13 +96,25 @@ def pretrain_config(args: argparse.Namespace, mode: str) -> PretrainConfig:
 
 def finetune_config(args: argparse.Namespace, label: str, model: str, setting: str) -> ExperimentConfig:
     queries, epochs = (args.low_queries, args.low_epochs) if setting == "low" else (args.full_queries, args.full_epochs)
-    overrides = [f"name={label.lower()}-{setting}", f"output_dir={Path(args.out) / 'finetune'}",
-                 f"model.name_or_path={model}", f"model.pooling={args.pooling}", *data_dir(args),
-                 f"data.max_train_queries={queries}", f"train.epochs={epochs}",
-                 f"data.max_eval_queries={args.eval_queries}", f"train.cpu_bf16={args.cpu_bf16}"]
+    overrides = [
+        f"name={label.lower()}-{setting}",
+        f"output_dir={Path(args.out) / 'finetune'}",
+        f"model.name_or_path={model}",
+        f"model.pooling={args.pooling}",
+        *data_dir(args),
+        f"data.max_train_queries={queries}",
+        f"train.epochs={epochs}",
+        f"data.max_eval_queries={args.eval_queries}",
+        f"train.cpu_bf16={args.cpu_bf16}",
+    ]
     if args.quick:  # no 60k-passage BM25 per run on 2 CPU cores: in-batch negatives, a small eval subcorpus
-        overrides += ["negatives.source=none", "train.batch_size=16", "data.eval_subcorpus=true",
-                      "data.eval_random=1000", "model.passage_max_length=64"]
+        overrides += [
+            "negatives.source=none",
+            "train.batch_size=16",
+            "data.eval_subcorpus=true",
+            "data.eval_random=1000",
+            "model.passage_max_length=64",
+        ]
     return load_config("configs/condenser_finetune.yaml", [*overrides, *args.set])
 
 
@@ -105,7 +132,9 @@ def run_pretraining(args: argparse.Namespace) -> None:
             print(f"{mode}: already pre-trained ({config.run_dir})")
             continue
         result = pretrain(config)
-        print(f"{mode}: {result.steps} steps, final loss {result.final_loss:.3f}, {result.tokens_per_second:.0f} tokens/s")
+        print(
+            f"{mode}: {result.steps} steps, final loss {result.final_loss:.3f}, {result.tokens_per_second:.0f} tokens/s"
+        )
 
 
 def run_finetuning(args: argparse.Namespace) -> None:
@@ -138,8 +167,10 @@ def significance_lines(args: argparse.Namespace, dataset) -> list[str]:
                 continue
             others = {label: run for label, run in runs.items() if label not in ("MiniLM", baseline)}
             for label, test in paired_significance(qrels, {baseline: runs[baseline], **others}, baseline).items():
-                lines.append(f"| {setting} | {label} | {baseline} | {test['delta']:+.4f} | "
-                             f"{test['wins']} / {test['ties']} / {test['losses']} | {test['p']:.3f} |")
+                lines.append(
+                    f"| {setting} | {label} | {baseline} | {test['delta']:+.4f} | "
+                    f"{test['wins']} / {test['ties']} / {test['losses']} | {test['p']:.3f} |"
+                )
     return lines
 
 
@@ -154,39 +185,69 @@ def report(args: argparse.Namespace) -> None:
                 rows.setdefault(label, {})[setting] = metrics["results"]["fine-tuned"]
                 rows[label]["eval"] = metrics["eval"]
                 finetuned[f"{label} fine-tuned ({setting})"] = str(run_dir / "model")
-    pretrained = {f"{label} pre-trained": m for label, m in initialisers(args).items()
-                  if label == "MiniLM" or (Path(m) / "config.json").is_file()}
+    pretrained = {
+        f"{label} pre-trained": m
+        for label, m in initialisers(args).items()
+        if label == "MiniLM" or (Path(m) / "config.json").is_file()
+    }
     d = load_dataset("debian-packages", args.data_dir)
     texts = sample_passages(d.corpus, args.attention_samples, 13, "[SEP]")
     device = default_device()
-    entropies = {name: attention_entropy(path, texts, args.max_length, device=device)
-                 for name, path in {**pretrained, **finetuned}.items()}
+    entropies = {
+        name: attention_entropy(path, texts, args.max_length, device=device)
+        for name, path in {**pretrained, **finetuned}.items()
+    }
     panels = {label: [name for name in entropies if name.startswith(f"{label} ")] for label in initialisers(args)}
-    plot_entropy(entropies, out / "attention.png", f"CLS attention entropy, {len(texts)} debian-packages passages",
-                 panels={label: names for label, names in panels.items() if names})
+    plot_entropy(
+        entropies,
+        out / "attention.png",
+        f"CLS attention entropy, {len(texts)} debian-packages passages",
+        panels={label: names for label, names in panels.items() if names},
+    )
     shift_lines = ["| initialiser | low | full |", "|---|---:|---:|"]
     for label in initialisers(args):
-        shifts = [f"{entropy_shift(entropies[before], entropies[after]):.3f}"
-                  if before in entropies and after in entropies else "-"
-                  for before, after in ((f"{label} pre-trained", f"{label} fine-tuned ({s})") for s in ("low", "full"))]
+        shifts = [
+            f"{entropy_shift(entropies[before], entropies[after]):.3f}"
+            if before in entropies and after in entropies
+            else "-"
+            for before, after in ((f"{label} pre-trained", f"{label} fine-tuned ({s})") for s in ("low", "full"))
+        ]
         shift_lines.append(f"| {label} | " + " | ".join(shifts) + " |")
-    lines = ["| initialiser | " + " | ".join(f"{m} ({s})" for s in ("low", "full") for m in METRICS) + " |",
-             "|---|" + "---:|" * (2 * len(METRICS))]
+    lines = [
+        "| initialiser | " + " | ".join(f"{m} ({s})" for s in ("low", "full") for m in METRICS) + " |",
+        "|---|" + "---:|" * (2 * len(METRICS)),
+    ]
     for label, values in rows.items():
         cells = [f"{values[s][m]:.4f}" if s in values else "-" for s in ("low", "full") for m in METRICS]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     evals = {v["eval"] for v in rows.values()}
-    text = "\n".join([
-        f"Pre-training: {args.pretrain_steps} steps of {args.pretrain_batch} x {args.max_length} tokens per objective. "
-        f"Fine-tuning: {args.pooling} pooling; low = {args.low_queries} train queries x {args.low_epochs} epochs, "
-        f"full = {args.full_queries} queries x {args.full_epochs} epoch(s).{' (--quick)' if args.quick else ''}"
-        f"{' bf16 autocast on CPU.' if args.cpu_bf16 else ''}",
-        f"Evaluation: {'; '.join(sorted(evals))}.", "", *lines, "",
-        "Paired Fisher randomization tests on MRR@10 (10,000 permutations, ranx), same dev queries:", "",
-        *significance_lines(args, d), "", "CLS attention entropy (nats) per layer:", "",
-        entropy_table(entropies), "",
-        "How far fine-tuning moved the CLS attention (mean over layers of |entropy change|, condenser §5):", "",
-        *shift_lines, "", "![attention entropy](attention.png)", ""])
+    text = "\n".join(
+        [
+            f"Pre-training: {args.pretrain_steps} steps of {args.pretrain_batch} x {args.max_length} tokens "
+            "per objective. "
+            f"Fine-tuning: {args.pooling} pooling; low = {args.low_queries} train queries x {args.low_epochs} epochs, "
+            f"full = {args.full_queries} queries x {args.full_epochs} epoch(s).{' (--quick)' if args.quick else ''}"
+            f"{' bf16 autocast on CPU.' if args.cpu_bf16 else ''}",
+            f"Evaluation: {'; '.join(sorted(evals))}.",
+            "",
+            *lines,
+            "",
+            "Paired Fisher randomization tests on MRR@10 (10,000 permutations, ranx), same dev queries:",
+            "",
+            *significance_lines(args, d),
+            "",
+            "CLS attention entropy (nats) per layer:",
+            "",
+            entropy_table(entropies),
+            "",
+            "How far fine-tuning moved the CLS attention (mean over layers of |entropy change|, condenser §5):",
+            "",
+            *shift_lines,
+            "",
+            "![attention entropy](attention.png)",
+            "",
+        ]
+    )
     (out / "study.md").write_text(text)
     (out / "study.json").write_text(json.dumps({"results": rows, "entropy": entropies, "args": vars(args)}, indent=2))
     print(text)

@@ -40,27 +40,41 @@ from densepass.training.miner import prepare_miners
 
 POOLS = {"coarse": "dense:25", "fine": "dense:512", "bm25": "bm25", "context": "context"}
 ROWS = {"Rnd": None, "+Coarse": "coarse", "+Fine": "fine", "+BM25": "bm25", "+Context": "context", "+Mixed": "mixed"}
-QUICK = ["train.batch_size=16", "model.passage_max_length=48",
-         "negatives.miner_steps=4", "negatives.pool_depth=20", "train.log_every=2", "eval.batch_size=64"]
+QUICK = [
+    "train.batch_size=16",
+    "model.passage_max_length=48",
+    "negatives.miner_steps=4",
+    "negatives.pool_depth=20",
+    "train.log_every=2",
+    "eval.batch_size=64",
+]
 
 
-def write_subset_dataset(dataset: RetrievalDataset, root: Path, n_train: int, n_dev: int, n_random: int,
-                        seed: int) -> Path:
+def write_subset_dataset(
+    dataset: RetrievalDataset, root: Path, n_train: int, n_dev: int, n_random: int, seed: int
+) -> Path:
     """A small BEIR copy: ``n_train``/``n_dev`` sampled queries, the whole documents of their
     positives (so context negatives exist) plus ``n_random`` random passages."""
     rng = random.Random(seed)
     corpus = dataset.corpus
-    splits = {"train": sample_queries(dataset.split("train"), n_train, seed),
-              "dev": sample_queries(dataset.split("dev"), n_dev, seed)}
+    splits = {
+        "train": sample_queries(dataset.split("train"), n_train, seed),
+        "dev": sample_queries(dataset.split("dev"), n_dev, seed),
+    }
     docs = {corpus.doc_ids[corpus.position(p)] for qrels in splits.values() for rels in qrels.values() for p in rels}
     keep = {r for r, d in enumerate(corpus.doc_ids) if d in docs}
     keep |= set(rng.sample(range(len(corpus)), n_random))
-    lines = [json.dumps({"_id": corpus.ids[r], "title": corpus.titles[r], "text": corpus.texts[r],
-                         "doc_id": corpus.doc_ids[r]}) for r in sorted(keep)]
+    lines = [
+        json.dumps(
+            {"_id": corpus.ids[r], "title": corpus.titles[r], "text": corpus.texts[r], "doc_id": corpus.doc_ids[r]}
+        )
+        for r in sorted(keep)
+    ]
     atomic_write_text(root / "corpus.jsonl", "\n".join(lines) + "\n")
     qids = sorted({q for qrels in splits.values() for q in qrels})
-    atomic_write_text(root / "queries.jsonl",
-                      "\n".join(json.dumps({"_id": q, "text": dataset.queries[q]}) for q in qids) + "\n")
+    atomic_write_text(
+        root / "queries.jsonl", "\n".join(json.dumps({"_id": q, "text": dataset.queries[q]}) for q in qids) + "\n"
+    )
     for split, qrels in splits.items():
         rows = [f"{q}\t{p}\t{g}" for q, rels in sorted(qrels.items()) for p, g in rels.items()]
         atomic_write_text(root / "qrels" / f"{split}.tsv", "query-id\tcorpus-id\tscore\n" + "\n".join(rows) + "\n")
@@ -75,9 +89,15 @@ def train_query_ids(config: ExperimentConfig, dataset: RetrievalDataset) -> list
 def mine_pools(config: ExperimentConfig, dataset: RetrievalDataset, out: Path) -> dict[str, dict]:
     """One hard-negatives file per strategy; returns {name: {path, summary, seconds}}."""
     qids = train_query_ids(config, dataset)
-    ctx = MiningContext(config.data.train_split, default_device(), work_dir=out / "miners",
-                        base_model=config.model.name_or_path, architecture=config.model.architecture(),
-                        train_config=config.train, seed=config.data.seed)
+    ctx = MiningContext(
+        config.data.train_split,
+        default_device(),
+        work_dir=out / "miners",
+        base_model=config.model.name_or_path,
+        architecture=config.model.architecture(),
+        train_config=config.train,
+        seed=config.data.seed,
+    )
     pools = {}
     for name, spec in POOLS.items():
         path = out / "pools" / f"{name}.jsonl"
@@ -96,9 +116,15 @@ def main() -> None:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--quick", action="store_true", help="a tiny subset and budget, for a CPU check")
-    parser.add_argument("--subset", nargs=3, type=int, metavar=("TRAIN", "DEV", "RANDOM"), default=None,
-                        help="run on a copy with TRAIN / DEV sampled queries, the documents of their positives "
-                             "and RANDOM random passages (a CPU-sized run)")
+    parser.add_argument(
+        "--subset",
+        nargs=3,
+        type=int,
+        metavar=("TRAIN", "DEV", "RANDOM"),
+        default=None,
+        help="run on a copy with TRAIN / DEV sampled queries, the documents of their positives "
+        "and RANDOM random passages (a CPU-sized run)",
+    )
     parser.add_argument("--out", default=None, help="default: outputs/negatives-table2[-quick]")
     args = parser.parse_args()
     out = Path(args.out or ("outputs/negatives-table2-quick" if args.quick else "outputs/negatives-table2"))
@@ -111,10 +137,15 @@ def main() -> None:
     base = load_config(args.config, overrides)
     if subset is not None:
         full = load_dataset(base.data.name, base.data.data_dir, base.data.format)
-        root = write_subset_dataset(full, out / "subset-data" / f"{base.data.name}-{'-'.join(map(str, subset))}",
-                                    *subset, base.data.seed)
-        overrides += [*(QUICK if args.quick else []), "data.max_train_queries=null", f"data.name={root.resolve()}",
-                      "data.data_dir=null"]
+        root = write_subset_dataset(
+            full, out / "subset-data" / f"{base.data.name}-{'-'.join(map(str, subset))}", *subset, base.data.seed
+        )
+        overrides += [
+            *(QUICK if args.quick else []),
+            "data.max_train_queries=null",
+            f"data.name={root.resolve()}",
+            "data.data_dir=null",
+        ]
     overrides.append(f"output_dir={out / 'runs'}")
     base = load_config(args.config, overrides)
     dataset = load_dataset(base.data.name, base.data.data_dir, base.data.format)
@@ -141,9 +172,14 @@ def main() -> None:
 
     members = [label for label in ROWS if label != "Rnd"]
     started = time.perf_counter()
-    settings = EnsembleSettings(split=base.data.eval_split, metrics=base.eval.metrics, depth=base.eval.depth,
-                                max_queries=base.data.max_eval_queries, seed=base.data.seed,
-                                batch_size=base.eval.batch_size)
+    settings = EnsembleSettings(
+        split=base.data.eval_split,
+        metrics=base.eval.metrics,
+        depth=base.eval.depth,
+        max_queries=base.data.max_eval_queries,
+        seed=base.data.seed,
+        batch_size=base.eval.batch_size,
+    )
     ensemble = evaluate_ensemble(dataset, [model_dirs[m] for m in members], settings, labels=members)
     timings["ensemble_s"] = time.perf_counter() - started
     results["Ensemble (embedding)"] = ensemble["results"]["ensemble (embedding)"]
@@ -151,21 +187,35 @@ def main() -> None:
 
     metrics = base.eval.metrics
     n_train = len(train_query_ids(base, dataset))
-    lines = [f"negative-contrast Table 2 on `{base.data.name}`: {n_train} train queries, "
-             f"{ensemble['queries']} {base.data.eval_split} queries over {len(dataset.corpus)} passages; "
-             f"{base.train.epochs} epoch(s) of batch {base.train.batch_size}, {base.negatives.per_query} of the "
-             f"top-{base.negatives.pool_depth} per query per step.", "",
-             "| row | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
+    lines = [
+        f"negative-contrast Table 2 on `{base.data.name}`: {n_train} train queries, "
+        f"{ensemble['queries']} {base.data.eval_split} queries over {len(dataset.corpus)} passages; "
+        f"{base.train.epochs} epoch(s) of batch {base.train.batch_size}, {base.negatives.per_query} of the "
+        f"top-{base.negatives.pool_depth} per query per step.",
+        "",
+        "| row | " + " | ".join(metrics) + " |",
+        "|---|" + "---:|" * len(metrics),
+    ]
     for label, values in results.items():
         lines.append(f"| {label} | " + " | ".join(f"{values[m]:.4f}" for m in metrics) + " |")
-    lines += ["", f"Embedding-fusion weights (tuned on {base.data.eval_split}, "
-              f"{ensemble.get('evaluations', 0)} evaluations): "
-              + ", ".join(f"{k} {v:g}" for k, v in ensemble["weights"].items()),
-              "", "Pools: " + "; ".join(f"{k}: {v['summary']}" for k, v in pools.items()),
-              "", "Timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items())]
+    lines += [
+        "",
+        f"Embedding-fusion weights (tuned on {base.data.eval_split}, "
+        f"{ensemble.get('evaluations', 0)} evaluations): "
+        + ", ".join(f"{k} {v:g}" for k, v in ensemble["weights"].items()),
+        "",
+        "Pools: " + "; ".join(f"{k}: {v['summary']}" for k, v in pools.items()),
+        "",
+        "Timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
+    ]
     atomic_write_text(out / "table2.md", "\n".join(lines) + "\n")
-    atomic_write_text(out / "table2.json", json.dumps({"results": results, "ensemble": ensemble, "pools": pools,
-                                                       "timings": timings, "train_queries": n_train}, indent=2))
+    atomic_write_text(
+        out / "table2.json",
+        json.dumps(
+            {"results": results, "ensemble": ensemble, "pools": pools, "timings": timings, "train_queries": n_train},
+            indent=2,
+        ),
+    )
     print("\n".join(lines))
 
 

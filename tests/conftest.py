@@ -24,8 +24,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-bert")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
     config = BertConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     torch.manual_seed(0)
     BertModel(config).save_pretrained(path)
@@ -33,8 +39,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return path
 
 
-WORDS = ("audio video editor library game network terminal python font image mail server kernel driver "
-         "printer music player browser database compiler shell backup archive viewer").split()
+WORDS = (
+    "audio video editor library game network terminal python font image mail server kernel driver "
+    "printer music player browser database compiler shell backup archive viewer"
+).split()
 
 
 def write_tiny_beir(root: Path, n_passages: int = 40, seed: int = 0) -> Path:

@@ -69,8 +69,10 @@ class FakeSearcher:
             raise DataError("the query contains the forbidden word")
         if "explode" in query_words:
             raise RuntimeError("the fake index exploded\nwith a second line")
-        scored = [(len(query_words & words(f"{title} {text}")) / len(query_words), pid, title, text)
-                  for pid, title, text in PASSAGES]
+        scored = [
+            (len(query_words & words(f"{title} {text}")) / len(query_words), pid, title, text)
+            for pid, title, text in PASSAGES
+        ]
         ranked = sorted((s for s in scored if s[0] > 0), key=lambda s: (-s[0], s[1]))
         return [FakeHit(pid, score, title, text) for score, pid, title, text in ranked[:k]]
 
@@ -86,5 +88,9 @@ if __name__ == "__main__":
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--delay-ms", type=float, default=0.0, help="time each searcher call takes")
     args = parser.parse_args()
-    run_server(FakeSearcher(args.delay_ms / 1000), port=args.port, log_level="warning",
-               settings=ServeSettings(max_batch_size=args.max_batch_size))
+    run_server(
+        FakeSearcher(args.delay_ms / 1000),
+        port=args.port,
+        log_level="warning",
+        settings=ServeSettings(max_batch_size=args.max_batch_size),
+    )

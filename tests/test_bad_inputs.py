@@ -50,6 +50,7 @@ def no_data_warnings(load):
 
 # ---------------------------------------------------------------- 1. bytes that are not UTF-8
 
+
 def corrupt_line(path: Path, line_no: int) -> None:
     """Put a latin-1 ``é`` (0xe9, not UTF-8 on its own) after the first byte of line ``line_no`` (1-based) of
     a (possibly gzipped) text file."""
@@ -127,15 +128,18 @@ def test_a_corrupt_gzip_is_a_one_line_error(tmp_path, damage):
 # ---------------------------------------------------------------- 3. / 10. field types
 
 
-@pytest.mark.parametrize("record, message", [
-    ({"_id": "q1", "text": None}, "null field 'text'"),
-    ({"_id": "q1", "text": 42}, "field 'text' should be a str, got int"),
-    ({"_id": None, "text": "what"}, "null field '_id'"),
-    ({"_id": ["q1"], "text": "what"}, "field '_id' should be a str or int, got list"),
-    ({"_id": True, "text": "what"}, "field '_id' should be a str or int, got bool"),
-    ({"_id": "", "text": "what"}, "empty field '_id'"),
-    ({"_id": "q9", "text": "what", "answers": "one string"}, "field 'answers' should be a list"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"_id": "q1", "text": None}, "null field 'text'"),
+        ({"_id": "q1", "text": 42}, "field 'text' should be a str, got int"),
+        ({"_id": None, "text": "what"}, "null field '_id'"),
+        ({"_id": ["q1"], "text": "what"}, "field '_id' should be a str or int, got list"),
+        ({"_id": True, "text": "what"}, "field '_id' should be a str or int, got bool"),
+        ({"_id": "", "text": "what"}, "empty field '_id'"),
+        ({"_id": "q9", "text": "what", "answers": "one string"}, "field 'answers' should be a list"),
+    ],
+)
 def test_a_bad_query_field_is_a_data_error_naming_file_and_line(tmp_path, record, message):
     root = write_beir(tmp_path / "beir")
     write(root / "queries.jsonl", jsonl([BEIR_QUERIES[0], record, *BEIR_QUERIES[1:]]))
@@ -143,13 +147,16 @@ def test_a_bad_query_field_is_a_data_error_naming_file_and_line(tmp_path, record
         load_beir(root)
 
 
-@pytest.mark.parametrize("record, message", [
-    ({"_id": "p9", "text": 3.5}, "field 'text' should be a str, got float"),
-    ({"_id": "p9", "text": "fine", "title": ["a", "list"]}, "field 'title' should be a str, got list"),
-    ({"_id": "p9", "text": None}, "null field 'text'"),
-    ({"_id": {"id": 1}, "text": "fine"}, "field '_id' should be a str or int, got dict"),
-    ({"_id": "p9", "text": "fine", "doc_id": 1.5}, "field 'doc_id' should be a str or int, got float"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"_id": "p9", "text": 3.5}, "field 'text' should be a str, got float"),
+        ({"_id": "p9", "text": "fine", "title": ["a", "list"]}, "field 'title' should be a str, got list"),
+        ({"_id": "p9", "text": None}, "null field 'text'"),
+        ({"_id": {"id": 1}, "text": "fine"}, "field '_id' should be a str or int, got dict"),
+        ({"_id": "p9", "text": "fine", "doc_id": 1.5}, "field 'doc_id' should be a str or int, got float"),
+    ],
+)
 def test_a_bad_passage_field_is_a_data_error_naming_file_and_line(tmp_path, record, message):
     root = write_beir(tmp_path / "beir")
     write(root / "corpus.jsonl", jsonl([*BEIR_CORPUS, record]))
@@ -201,7 +208,8 @@ def test_a_query_id_repeated_with_the_same_text_is_one_counted_warning(tmp_path)
     with pytest.warns(DataWarning) as record:
         ds = load_beir(root)
     assert data_warnings(record) == [
-        f"{root / 'queries.jsonl'}: 2 repeated query ids with the same text, ignored (first: line 4)"]
+        f"{root / 'queries.jsonl'}: 2 repeated query ids with the same text, ignored (first: line 4)"
+    ]
     assert ds.queries["q1"] == "what is alpha"
 
 
@@ -231,8 +239,11 @@ def test_msmarco_repeated_queries_warn_within_a_file_but_not_across_split_files(
 def test_a_qrels_pair_judged_twice_with_different_grades_is_an_error(tmp_path):
     # before: the later grade-0 row silently removed q1's positive
     root = write_beir(tmp_path / "beir", qrels={"train": "q1\tp1\t1\nq1\tp2\t1\nq1\tp1\t0\n"})
-    with pytest.raises(DataError, match=r"train\.tsv:3: query 'q1' and passage 'p1' judged again with grade 0 "
-                                        r"\(before: 1\)"):
+    with pytest.raises(
+        DataError,
+        match=r"train\.tsv:3: query 'q1' and passage 'p1' judged again with grade 0 "
+        r"\(before: 1\)",
+    ):
         load_beir(root)
 
 
@@ -266,11 +277,16 @@ def test_a_dpr_passage_id_with_two_different_texts_is_an_error(tmp_path):
     root = write_dpr(tmp_path / "dpr")
     clash = [{"question": "q", "positive_ctxs": [ctx("Beta", "Beta is NOT a letter.", passage_id="200")]}]
     write(root / "dev.json", json.dumps(clash))
-    with pytest.raises(DataError, match=r"dev\.json: record 0\.positive_ctxs\[0\]: passage id '200' given again "
-                                        r"with a different text"):
+    with pytest.raises(
+        DataError,
+        match=r"dev\.json: record 0\.positive_ctxs\[0\]: passage id '200' given again "
+        r"with a different text",
+    ):
         load_dpr(root)
-    write(root / "dev.json", json.dumps([{"question": "q", "positive_ctxs": [ctx("Gamma", "Beta is a letter.",
-                                                                                 passage_id="200")]}]))
+    write(
+        root / "dev.json",
+        json.dumps([{"question": "q", "positive_ctxs": [ctx("Gamma", "Beta is a letter.", passage_id="200")]}]),
+    )
     with pytest.raises(DataError, match="passage id '200' given again with a different title"):
         load_dpr(root)
 
@@ -298,16 +314,20 @@ def test_a_header_line_in_collection_tsv_is_skipped_with_a_warning(tmp_path, hea
 
 def test_a_split_whose_queries_are_all_empty_is_an_error(tmp_path):
     root = write_beir(tmp_path / "beir", qrels={"dev": "q1\tp1\t1\nq2\tp3\t1\n", "train": "q3\tp2\t1\n"})
-    write(root / "queries.jsonl", jsonl([{"_id": "q1", "text": ""}, {"_id": "q2", "text": "  \t"},
-                                         {"_id": "q3", "text": "fine"}]))
+    write(
+        root / "queries.jsonl",
+        jsonl([{"_id": "q1", "text": ""}, {"_id": "q2", "text": "  \t"}, {"_id": "q3", "text": "fine"}]),
+    )
     with pytest.raises(DataError, match=r"every query of qrels/dev has an empty text \(e\.g\. query 'q1'\)"):
         load_beir(root)
 
 
 def test_some_empty_queries_are_one_counted_warning_per_split(tmp_path):
     root = write_beir(tmp_path / "beir", qrels={"dev": "q1\tp1\t1\nq2\tp3\t1\nq3\tp2\t1\n"})
-    write(root / "queries.jsonl", jsonl([{"_id": "q1", "text": "fine"}, {"_id": "q2", "text": " "},
-                                         {"_id": "q3", "text": ""}]))
+    write(
+        root / "queries.jsonl",
+        jsonl([{"_id": "q1", "text": "fine"}, {"_id": "q2", "text": " "}, {"_id": "q3", "text": ""}]),
+    )
     with pytest.warns(DataWarning) as record:
         load_beir(root)
     assert data_warnings(record) == ["beir: qrels/dev: 2 of its 3 queries have an empty text (first: query 'q2')"]
@@ -365,16 +385,30 @@ def test_a_run_without_ties_keeps_its_scores_and_warns_nothing(tmp_path):
     assert no_data_warnings(lambda: read_trec_run(path)) == {"q1": {"p1": 0.9, "p2": 0.25}, "q2": {"p1": 0.9}}
 
 
-@pytest.mark.parametrize("name", ["mrr@x", "foo@10", "mrr@0", "accuracy", "accuracy@0", "MRR@10", "ndcg@-1", "",
-                                  "recall@10@2", "mrr@ 10"])
+@pytest.mark.parametrize(
+    "name", ["mrr@x", "foo@10", "mrr@0", "accuracy", "accuracy@0", "MRR@10", "ndcg@-1", "", "recall@10@2", "mrr@ 10"]
+)
 def test_an_unknown_metric_name_is_a_one_line_config_error(name):
     with pytest.raises(ConfigError, match="unknown metric"):
         check_metrics(["mrr@10", name])
 
 
 def test_known_metric_names_pass_the_check():
-    check_metrics(["mrr", "mrr@10", "ndcg@10", "recall@100", "precision@5", "map@1000", "hits@3", "hit_rate@5",
-                   "r-precision", "accuracy@5", "accuracy@20"])
+    check_metrics(
+        [
+            "mrr",
+            "mrr@10",
+            "ndcg@10",
+            "recall@100",
+            "precision@5",
+            "map@1000",
+            "hits@3",
+            "hit_rate@5",
+            "r-precision",
+            "accuracy@5",
+            "accuracy@20",
+        ]
+    )
     with pytest.raises(ConfigError, match="non-empty list"):
         check_metrics([])
 
@@ -383,8 +417,7 @@ def test_evaluate_run_computes_answer_accuracy_or_refuses_without_answers():
     qrels = {"qa": {"p1": 1}, "qb": {"p2": 1}}
     run = {"qa": {"p2": 0.9, "p1": 0.8}, "qb": {"p2": 0.7}}
     passages = {"p1": "Rome is in Italy", "p2": "Paris is in France"}
-    got = evaluate_run(qrels, run, ["accuracy@1", "accuracy@2", "mrr@10"], {"qa": ["Rome"], "qb": ["France"]},
-                       passages)
+    got = evaluate_run(qrels, run, ["accuracy@1", "accuracy@2", "mrr@10"], {"qa": ["Rome"], "qb": ["France"]}, passages)
     assert got == pytest.approx({"accuracy@1": 1 / 2, "accuracy@2": 2 / 2, "mrr@10": (1 / 2 + 1) / 2})
     with pytest.raises(DataError, match="accuracy@1 needs answer strings"):
         evaluate_run(qrels, run, ["accuracy@1"])
@@ -403,19 +436,36 @@ def stderr_lines(capsys) -> list[str]:
 
 def test_cli_evaluate_rejects_an_unknown_metric_before_any_work(tmp_path, capsys):
     # the dataset does not exist either: the metric name is checked first
-    assert main(["evaluate", "nosuch", str(tmp_path / "run.trec"), "--data-dir", str(tmp_path),
-                 "--metrics", "mrr@10", "foo@10"]) == 2
+    assert (
+        main(
+            [
+                "evaluate",
+                "nosuch",
+                str(tmp_path / "run.trec"),
+                "--data-dir",
+                str(tmp_path),
+                "--metrics",
+                "mrr@10",
+                "foo@10",
+            ]
+        )
+        == 2
+    )
     [line] = stderr_lines(capsys)
-    assert line == ("densepass: error: unknown metric 'foo@10' (known: mrr, ndcg, ndcg_burges, dcg, dcg_burges, "
-                    "recall, precision, r-precision, f1, map, hits, hit_rate, bpref, each with an optional cutoff @k, "
-                    "k >= 1; and accuracy@k)")
+    assert line == (
+        "densepass: error: unknown metric 'foo@10' (known: mrr, ndcg, ndcg_burges, dcg, dcg_burges, "
+        "recall, precision, r-precision, f1, map, hits, hit_rate, bpref, each with an optional cutoff @k, "
+        "k >= 1; and accuracy@k)"
+    )
 
 
 def test_cli_evaluate_reports_answer_accuracy_on_a_dataset_with_answers(tmp_path, capsys):
     root = write_squad(tmp_path / "squad")
     run = write_run(tmp_path / "run.trec", ["d1 Q0 train-0-0 1 0.9 t", "d1 Q0 dev-0-0 2 0.8 t"])
-    assert main(["evaluate", str(root), str(run), "--format", "squad", "--metrics", "accuracy@1", "accuracy@2",
-                 "mrr@10"]) == 0
+    assert (
+        main(["evaluate", str(root), str(run), "--format", "squad", "--metrics", "accuracy@1", "accuracy@2", "mrr@10"])
+        == 0
+    )
     assert json.loads(capsys.readouterr().out) == {"mrr@10": 0.5, "accuracy@1": 0.0, "accuracy@2": 1.0}
 
 
@@ -441,8 +491,10 @@ def test_cli_prints_each_warning_as_one_line(tiny_beir, tmp_path, capsys):
     qrels = tiny_beir / "qrels" / "dev.tsv"
     assert stderr_lines(capsys) == [
         f"densepass: warning: {qrels}: 2 repeated (query, passage) rows with the same grade, ignored (first: line 12)",
-        (f"densepass: warning: {run}: 1 of 1 queries have tied scores (first: query 'q30'); their ties are ordered by "
-        "the rank column"),
+        (
+            f"densepass: warning: {run}: 1 of 1 queries have tied scores (first: query 'q30'); "
+            "their ties are ordered by the rank column"
+        ),
     ]
     assert warnings.showwarning is not None and warnings.showwarning.__module__ == "warnings"  # restored
 
@@ -453,6 +505,7 @@ def test_cli_prints_each_warning_as_one_line(tiny_beir, tmp_path, capsys):
 @pytest.fixture
 def no_network(monkeypatch):
     """Any attempt to open a connection or resolve a host name fails the test at once."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a network connection was attempted")
 
@@ -477,8 +530,11 @@ def test_an_unknown_hub_model_is_a_one_line_config_error_without_network(no_netw
     from densepass.models.biencoder import BiEncoder
 
     start = time.monotonic()
-    with pytest.raises(ConfigError, match="model not found: no-such-org/no-such-model is neither a local model "
-                                          "directory nor in the Hugging Face cache"):
+    with pytest.raises(
+        ConfigError,
+        match="model not found: no-such-org/no-such-model is neither a local model "
+        "directory nor in the Hugging Face cache",
+    ):
         BiEncoder.from_pretrained("no-such-org/no-such-model")
     assert time.monotonic() - start < 10
 

@@ -16,8 +16,9 @@ from densepass.checkpoints import Checkpoints, capture_rng, load_tree, restore_r
 from densepass.errors import ConfigError, DataWarning
 from densepass.io import manifest_problem
 
-leaves = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False),
-                   st.text(max_size=5))
+leaves = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text(max_size=5)
+)
 trees = st.recursive(
     leaves,
     lambda children: st.one_of(
@@ -39,8 +40,11 @@ def test_any_tree_of_plain_values_round_trips(tmp_path_factory, tree):
 
 
 def test_tensors_and_arrays_round_trip_exactly(tmp_path):
-    tree = {"state": {0: {"exp_avg": torch.randn(3, 2), "step": torch.tensor(7.0)}},
-            "rng": np.random.get_state(), "bytes": torch.get_rng_state()}
+    tree = {
+        "state": {0: {"exp_avg": torch.randn(3, 2), "step": torch.tensor(7.0)}},
+        "rng": np.random.get_state(),
+        "bytes": torch.get_rng_state(),
+    }
     save_tree(tree, tmp_path)
     back = load_tree(tmp_path)
     assert torch.equal(back["state"][0]["exp_avg"], tree["state"][0]["exp_avg"])
@@ -77,8 +81,9 @@ def _save(checkpoints: Checkpoints, step: int) -> Path:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     model.layer(torch.ones(1, 2)).sum().backward()
     optimizer.step()
-    return checkpoints.save(step, lambda d: (d / "model.bin").write_bytes(b"w" * step),
-                            optimizer, scheduler, {"note": step})
+    return checkpoints.save(
+        step, lambda d: (d / "model.bin").write_bytes(b"w" * step), optimizer, scheduler, {"note": step}
+    )
 
 
 def test_the_newest_intact_checkpoint_is_resumed_and_older_ones_pruned(tmp_path):

@@ -38,9 +38,16 @@ def test_load_config_from_yaml(tmp_path):
 
 def test_load_config_from_json(tmp_path):
     path = tmp_path / "exp.json"
-    path.write_text(json.dumps({"name": "j", "data": {"name": "scifact", "max_eval_queries": None}, "train": {"epochs": 2}}))
+    path.write_text(
+        json.dumps({"name": "j", "data": {"name": "scifact", "max_eval_queries": None}, "train": {"epochs": 2}})
+    )
     config = load_config(path)
-    assert (config.name, config.data.name, config.data.max_eval_queries, config.train.epochs) == ("j", "scifact", None, 2)
+    assert (config.name, config.data.name, config.data.max_eval_queries, config.train.epochs) == (
+        "j",
+        "scifact",
+        None,
+        2,
+    )
 
 
 def test_int_is_accepted_for_float_field(tmp_path):
@@ -145,8 +152,17 @@ def test_override_below_a_plain_value_is_rejected():
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_save_load_round_trip(tmp_path, suffix):
-    config = load_config(None, ["name=round", "train.batch_size=5", "eval.index=faiss-ivfpq", "model.projection_dim=8",
-                                "data.eval_subcorpus=true", "eval.metrics=[mrr@10, recall@3]"])
+    config = load_config(
+        None,
+        [
+            "name=round",
+            "train.batch_size=5",
+            "eval.index=faiss-ivfpq",
+            "model.projection_dim=8",
+            "data.eval_subcorpus=true",
+            "eval.metrics=[mrr@10, recall@3]",
+        ],
+    )
     path = tmp_path / "sub" / f"saved{suffix}"
     save_config(config, path)
     assert load_config(path) == config
@@ -324,29 +340,33 @@ def test_experiment_scripts_report_errors_in_one_line():
     script = Path(__file__).parent.parent / "experiments" / "abs_table2.py"
     done = subprocess.run([sys.executable, str(script), "--set", "train.batch_szie=3"], capture_output=True, text=True)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("abs_table2.py: error: config.train: unknown key 'batch_szie' "
-                                   "(did you mean 'batch_size'?)")
+    assert done.stderr.strip() == (
+        "abs_table2.py: error: config.train: unknown key 'batch_szie' (did you mean 'batch_size'?)"
+    )
 
 
 # ---- ranges, duplicate keys and the help of every key ---------------------------------------------
 
 
-@pytest.mark.parametrize("override,message", [
-    ("train.batch_size=0", "train.batch_size: must be >= 1, got 0"),
-    ("train.epochs=0", "train.epochs: must be >= 1, got 0"),
-    ("train.learning_rate=-1e-5", "train.learning_rate: must be > 0"),
-    ("train.warmup_ratio=1.5", "train.warmup_ratio: must be <= 1"),
-    ("train.checkpoint_every=0", "train.checkpoint_every: must be >= 1"),
-    ("eval.batch_size=0", "eval.batch_size: must be >= 1"),
-    ("eval.depth=0", "eval.depth: must be >= 1"),
-    ("negatives.per_query=-1", "negatives.per_query: must be >= 0"),
-    ("negatives.pool_depth=0", "negatives.pool_depth: must be >= 1"),
-    ("model.temperature=0", "model.temperature: must be > 0"),
-    ("data.max_train_queries=0", "data.max_train_queries: must be >= 1"),
-    ("validation.r=0", "validation.r: must be > 0"),
-    ("train.learning_rate=.nan", "expected a finite number"),
-    ("eval.baselines=[bm26]", "eval.baselines[0]: 'bm26' is not one of"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.batch_size=0", "train.batch_size: must be >= 1, got 0"),
+        ("train.epochs=0", "train.epochs: must be >= 1, got 0"),
+        ("train.learning_rate=-1e-5", "train.learning_rate: must be > 0"),
+        ("train.warmup_ratio=1.5", "train.warmup_ratio: must be <= 1"),
+        ("train.checkpoint_every=0", "train.checkpoint_every: must be >= 1"),
+        ("eval.batch_size=0", "eval.batch_size: must be >= 1"),
+        ("eval.depth=0", "eval.depth: must be >= 1"),
+        ("negatives.per_query=-1", "negatives.per_query: must be >= 0"),
+        ("negatives.pool_depth=0", "negatives.pool_depth: must be >= 1"),
+        ("model.temperature=0", "model.temperature: must be > 0"),
+        ("data.max_train_queries=0", "data.max_train_queries: must be >= 1"),
+        ("validation.r=0", "validation.r: must be > 0"),
+        ("train.learning_rate=.nan", "expected a finite number"),
+        ("eval.baselines=[bm26]", "eval.baselines[0]: 'bm26' is not one of"),
+    ],
+)
 def test_sizes_counts_and_rates_out_of_range_are_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])

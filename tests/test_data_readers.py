@@ -88,7 +88,7 @@ def test_load_dataset_dispatches_by_format(tmp_path):
 
 
 def write_msmarco(root: Path, gz: bool = False) -> Path:
-    write(root / "collection.tsv", "0\tfirst passage\n1\tsecond passage, with \"quotes\"\n\n2\tthird\tpassage\n", gz)
+    write(root / "collection.tsv", '0\tfirst passage\n1\tsecond passage, with "quotes"\n\n2\tthird\tpassage\n', gz)
     write(root / "queries.train.tsv", "10\twhat is first\n11\twhat is second\n", gz)
     write(root / "queries.dev.tsv", "20\twhat is third\n", gz)
     write(root / "queries.eval.tsv", "30\tunjudged query\n", gz)
@@ -190,7 +190,10 @@ def test_dpr_reader(tmp_path, gz):
     assert ds.corpus.ids == ["100", "200", "101", gamma[0]]
     assert ds.corpus.doc_ids == ["Alpha", "Beta", "Alpha", "Gamma"]
     assert ds.queries == {
-        "train-0": "who wrote alpha", "train-1": "what is beta", "dev-0": "no positives here", "dev-1": "alpha parts",
+        "train-0": "who wrote alpha",
+        "train-1": "what is beta",
+        "dev-0": "no positives here",
+        "dev-1": "alpha parts",
     }
     assert ds.qrels == {"train": {"train-0": {"100": 1}, "train-1": {"200": 1}}, "dev": {"dev-1": {"101": 1}}}
     assert ds.answers == {"train-0": ["Ann", "A. N."], "train-1": ["a letter"], "dev-1": ["two"]}
@@ -252,13 +255,16 @@ def squad_file(articles: list[tuple[str, list[tuple[str, list[tuple[str, str, li
 
 def write_squad(root: Path, gz: bool = False) -> Path:
     train = [
-        ("Super_Bowl_50", [
-            ("Denver won Super Bowl 50.", [("t1", "Who won? ", ["Denver", "Denver", "Denver Broncos"])]),
-            ("It was held in Santa Clara.", [
-                ("t2", "Where?", ["Santa Clara"]),
-                ("t3", "Which city?", ["Santa Clara"]),
-            ]),
-        ]),
+        (
+            "Super_Bowl_50",
+            [
+                ("Denver won Super Bowl 50.", [("t1", "Who won? ", ["Denver", "Denver", "Denver Broncos"])]),
+                (
+                    "It was held in Santa Clara.",
+                    [("t2", "Where?", ["Santa Clara"]), ("t3", "Which city?", ["Santa Clara"])],
+                ),
+            ],
+        ),
         ("Nikola_Tesla", [("Tesla was an inventor.", [("t4", "What was Tesla?", ["inventor"])])]),
     ]
     dev = [("Normans", [("The Normans were in France.", [("d1", "Where were the Normans?", ["France"])])])]

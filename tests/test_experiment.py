@@ -13,9 +13,18 @@ from densepass.pipelines.experiment import run_experiment
 
 def tiny_config(tiny_beir, tiny_model_dir, tmp_path, *extra):
     overrides = [
-        f"data.name={tiny_beir}", f"model.name_or_path={tiny_model_dir}", f"output_dir={tmp_path}", "name=t",
-        "train.batch_size=8", "train.epochs=2", "train.checkpoint_every=3", "negatives.pool_depth=5",
-        "eval.metrics=[mrr@10, ndcg@10, recall@20]", "eval.depth=20", "model.passage_max_length=32", *extra,
+        f"data.name={tiny_beir}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"output_dir={tmp_path}",
+        "name=t",
+        "train.batch_size=8",
+        "train.epochs=2",
+        "train.checkpoint_every=3",
+        "negatives.pool_depth=5",
+        "eval.metrics=[mrr@10, ndcg@10, recall@20]",
+        "eval.depth=20",
+        "model.passage_max_length=32",
+        *extra,
     ]
     return load_config(None, overrides)
 
@@ -25,8 +34,18 @@ def test_run_directory_contents_and_resume(tiny_beir, tiny_model_dir, tmp_path):
     results = run_experiment(config)
     assert set(results) == {"BM25", "zero-shot", "fine-tuned"}
     run_dir = tmp_path / "t"
-    for name in ("config.yaml", "metrics.json", "report.md", "train_log.jsonl", "eval_log.jsonl", "loss.png",
-                 "epochs.png", "runs/bm25.trec", "runs/fine-tuned.trec", "model/densepass.json"):
+    for name in (
+        "config.yaml",
+        "metrics.json",
+        "report.md",
+        "train_log.jsonl",
+        "eval_log.jsonl",
+        "loss.png",
+        "epochs.png",
+        "runs/bm25.trec",
+        "runs/fine-tuned.trec",
+        "model/densepass.json",
+    ):
         assert (run_dir / name).exists(), name
     stored = json.loads((run_dir / "metrics.json").read_text())
     assert stored["results"] == results
@@ -48,8 +67,9 @@ def test_rerank_mode_and_answer_accuracy(tiny_beir, tiny_model_dir, tmp_path):
             record["metadata"] = {"answers": [corpus[i]["text"].split()[0]]}
         with_answers.append(json.dumps(record))
     (tiny_beir / "queries.jsonl").write_text("\n".join(with_answers) + "\n")
-    config = tiny_config(tiny_beir, tiny_model_dir, tmp_path, "train.enabled=false", "eval.mode=rerank",
-                         "eval.rerank_candidates=5")
+    config = tiny_config(
+        tiny_beir, tiny_model_dir, tmp_path, "train.enabled=false", "eval.mode=rerank", "eval.rerank_candidates=5"
+    )
     results = run_experiment(config)
     assert "accuracy@5" in results["zero-shot"] and 0 <= results["zero-shot"]["accuracy@1"] <= 1
     trec = (tmp_path / "t" / "runs" / "zero-shot.trec").read_text().splitlines()
@@ -67,9 +87,16 @@ def test_bad_baseline_name(tiny_beir, tiny_model_dir, tmp_path):
 
 def test_abs_run_logs_the_schedule_of_every_epoch(tiny_beir, tiny_model_dir, tmp_path):
     """The last epoch's scheduling statistics are written too (the trainer lets the planner finish)."""
-    config = tiny_config(tiny_beir, tiny_model_dir, tmp_path, "schedule.method=abs-greedy",
-                         "schedule.similarity=bm25-then-encoder", "negatives.source=none", "negatives.per_query=0",
-                         "eval.baselines=[]")
+    config = tiny_config(
+        tiny_beir,
+        tiny_model_dir,
+        tmp_path,
+        "schedule.method=abs-greedy",
+        "schedule.similarity=bm25-then-encoder",
+        "negatives.source=none",
+        "negatives.per_query=0",
+        "eval.baselines=[]",
+    )
     run_experiment(config)
     log = [json.loads(line) for line in (tmp_path / "t" / "schedule_log.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["similarity"]) for r in log] == [(0, "bm25"), (1, "encoder")]

@@ -26,8 +26,7 @@ def brute_force(queries: np.ndarray, passages: np.ndarray, k: int) -> tuple[np.n
 
 def random_data(n_queries: int, n_passages: int, dim: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(n_queries, dim)).astype(np.float32),
-            rng.normal(size=(n_passages, dim)).astype(np.float32))
+    return (rng.normal(size=(n_queries, dim)).astype(np.float32), rng.normal(size=(n_passages, dim)).astype(np.float32))
 
 
 def clustered_unit_vectors(n: int, dim: int, n_clusters: int, seed: int) -> np.ndarray:
@@ -266,8 +265,9 @@ def test_encode_texts_equals_naive_per_text_encoding(tiny_model, monkeypatch, ch
     monkeypatch.setattr(encode_module, "TOKENIZE_CHUNK", chunk)
     long_text = " ".join(TEXTS * 12)  # far beyond passage_max_length tokens
     texts = TEXTS + ["", long_text, long_text[::-1], TEXTS[1]]
-    got = encode_texts(tiny_model, texts, "passage", batch_size=batch_size, device=CPU, show_progress=False,
-                       max_tokens=max_tokens)
+    got = encode_texts(
+        tiny_model, texts, "passage", batch_size=batch_size, device=CPU, show_progress=False, max_tokens=max_tokens
+    )
     assert got.shape == (len(texts), tiny_model.dim) and got.dtype == np.float32
     np.testing.assert_allclose(got, naive_encoding(tiny_model, texts, "passage"), atol=1e-5)
     queries = encode_texts(tiny_model, texts, "query", batch_size=batch_size, device=CPU, show_progress=False)
@@ -316,7 +316,9 @@ def test_encode_to_memmap_resumes_after_interruption(tiny_model, tmp_path, monke
     assert (path.parent / "passages.npy.done").read_text().split() == ["0"]
 
     calls.clear()
-    monkeypatch.setattr(embeddings_module, "encode_texts", lambda *a, **kw: (calls.append(len(a[1])), real(*a, **kw))[1])
+    monkeypatch.setattr(
+        embeddings_module, "encode_texts", lambda *a, **kw: (calls.append(len(a[1])), real(*a, **kw))[1]
+    )
     out = encode_to_memmap(tiny_model, texts, "passage", path, shard_size=5, **kwargs)
     assert calls == [5, 4]  # shard 0 was not encoded again; shards 1 and 2 were
     direct = real(tiny_model, texts, "passage", **kwargs)

@@ -44,8 +44,12 @@ def naive_mask(positive_keys, passage_keys, relevant, pos):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    b=st.integers(1, 6), h=st.integers(0, 2), dim=st.integers(1, 8), seed=st.integers(0, 10_000),
-    bidirectional=st.booleans(), n_keys=st.integers(2, 12),
+    b=st.integers(1, 6),
+    h=st.integers(0, 2),
+    dim=st.integers(1, 8),
+    seed=st.integers(0, 10_000),
+    bidirectional=st.booleans(),
+    n_keys=st.integers(2, 12),
 )
 def test_loss_and_mask_match_reference(b, h, dim, seed, bidirectional, n_keys):
     rng = np.random.default_rng(seed)

@@ -175,7 +175,10 @@ def test_paired_significance_matches_exact_randomization_test(pairs):
     rr_a, rr_b = 1.0 / np.array(ranks_a), 1.0 / np.array(ranks_b)
     assert result["delta"] == pytest.approx(rr_a.mean() - rr_b.mean())
     assert (result["wins"], result["ties"], result["losses"]) == (
-        int((rr_a > rr_b).sum()), int((rr_a == rr_b).sum()), int((rr_a < rr_b).sum()))
+        int((rr_a > rr_b).sum()),
+        int((rr_a == rr_b).sum()),
+        int((rr_a < rr_b).sum()),
+    )
     assert result["p"] == pytest.approx(_exact_sign_flip_p(rr_a, rr_b), abs=0.02)
 
 
@@ -184,7 +187,12 @@ def test_paired_significance_separates_a_consistent_gain_from_noise():
     assert paired_significance(qrels, {"better": better, "base": base}, "base")["better"]["p"] < 0.001
     _, same, _ = _rank_runs([3] * 30, [3] * 30)
     assert paired_significance(qrels, {"same": same, "base": base}, "base")["same"] == {
-        "delta": 0.0, "wins": 0, "ties": 30, "losses": 0, "p": 1.0}
+        "delta": 0.0,
+        "wins": 0,
+        "ties": 30,
+        "losses": 0,
+        "p": 1.0,
+    }
 
 
 def test_paired_significance_unknown_baseline_is_a_clear_error():
@@ -298,8 +306,9 @@ def test_randomization_p_counts_ties_lost_to_rounding():
     """Sign flips whose mean equals the observed one only up to floating-point rounding still count."""
     a, b = 1.0 / np.array([3, 1, 8, 2]), 1.0 / np.array([9, 3, 2, 8])
     diffs = a - b
-    naive = sum(abs((np.array(signs) * diffs).sum()) >= abs(diffs.sum())
-                for signs in itertools.product([1.0, -1.0], repeat=4))
+    naive = sum(
+        abs((np.array(signs) * diffs).sum()) >= abs(diffs.sum()) for signs in itertools.product([1.0, -1.0], repeat=4)
+    )
     assert naive == 6  # in exact arithmetic 8 of the 16 assignments are as extreme as the observed one
     assert randomization_p(a, b) == 8 / 16 == _exact_sign_flip_p(a, b)
 

@@ -31,30 +31,46 @@ def small_dataset() -> RetrievalDataset:
     corpus = Corpus(
         ids=["p0", "p1", "p2", "p3", "p4", "p5"],
         titles=["A", "A", "A", "B", "C", "A"],
-        texts=["audio editor for linux", "video editor with effects", "music player for the desktop",
-               "alpha beta gamma delta", "one two three four five six", "video editor with effects"],
+        texts=[
+            "audio editor for linux",
+            "video editor with effects",
+            "music player for the desktop",
+            "alpha beta gamma delta",
+            "one two three four five six",
+            "video editor with effects",
+        ],
         doc_ids=["A", "A", "A", "B", "C", "A2"],
     )
     queries = {"q0": "audio editor", "q1": "greek letters", "q2": "counting words", "q3": "Audio editor!"}
-    qrels = {"train": {"q0": {"p0": 1}, "q1": {"p3": 1}, "q2": {"p4": 1}, "q3": {"p1": 1}},
-             "dev": {"q0": {"p2": 1}}}
+    qrels = {"train": {"q0": {"p0": 1}, "q1": {"p3": 1}, "q2": {"p4": 1}, "q3": {"p1": 1}}, "dev": {"q0": {"p2": 1}}}
     return RetrievalDataset("small", corpus, queries, qrels, answers={"q1": ["delta"], "q0": ["with effects"]})
 
 
 def tiny_context(tmp_path: Path, tiny_model_dir: Path) -> MiningContext:
     from densepass.models.biencoder import BiEncoderConfig
 
-    return MiningContext(work_dir=tmp_path / "miners", base_model=str(tiny_model_dir),
-                         architecture=BiEncoderConfig(passage_max_length=64),
-                         train_config=TrainConfig(batch_size=8, max_steps=2, bf16=False, log_every=1),
-                         show_progress=False)
+    return MiningContext(
+        work_dir=tmp_path / "miners",
+        base_model=str(tiny_model_dir),
+        architecture=BiEncoderConfig(passage_max_length=64),
+        train_config=TrainConfig(batch_size=8, max_steps=2, bf16=False, log_every=1),
+        show_progress=False,
+    )
 
 
 # ---- strategies -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("source,extra", [("bm25", {}), ("context", {}), ("dense", {"dense_dim": 8}),
-                                          ("model", {}), ("mixed", {"mix": ["bm25", "context", "dense:8"]})])
+@pytest.mark.parametrize(
+    "source,extra",
+    [
+        ("bm25", {}),
+        ("context", {}),
+        ("dense", {"dense_dim": 8}),
+        ("model", {}),
+        ("mixed", {"mix": ["bm25", "context", "dense:8"]}),
+    ],
+)
 def test_no_relevant_passage_is_ever_a_negative(tiny_beir, tiny_model_dir, tmp_path, source, extra):
     dataset = load_dataset(str(tiny_beir))
     qids = sorted(dataset.positives("train"))
@@ -106,8 +122,9 @@ def test_context_negatives_on_debian_packages():
     dataset = load_dataset("debian-packages", SHARED_DATA)
     positives = dataset.positives("train")
     qids = sorted(positives)[:3000]
-    result = mine_negatives(dataset, qids, NegativesConfig(source="context", pool_depth=20),
-                            MiningContext(show_progress=False))
+    result = mine_negatives(
+        dataset, qids, NegativesConfig(source="context", pool_depth=20), MiningContext(show_progress=False)
+    )
     corpus, relevant = dataset.corpus, dataset.relevant_sets()
     halves = 0
     for qid, cands in result.pool.items():
@@ -130,8 +147,16 @@ def test_coarse_miner_has_the_requested_dimension(tiny_beir, tiny_model_dir, tmp
 
     dataset = load_dataset(str(tiny_beir))
     ctx = tiny_context(tmp_path, tiny_model_dir)
-    model = train_miner(dataset, sorted(dataset.positives("train")), 25, ctx.train_config, tmp_path / "coarse",
-                        torch_cpu(), str(tiny_model_dir), ctx.architecture)
+    model = train_miner(
+        dataset,
+        sorted(dataset.positives("train")),
+        25,
+        ctx.train_config,
+        tmp_path / "coarse",
+        torch_cpu(),
+        str(tiny_model_dir),
+        ctx.architecture,
+    )
     emb = encode_texts(model, ["audio editor", "kernel driver"], "query", device=torch_cpu(), show_progress=False)
     assert model.dim == 25 and emb.shape == (2, 25)
     (saved,) = (tmp_path / "coarse").glob("miner-25d-*/model")
@@ -182,8 +207,9 @@ def _pool(ids: list[str]) -> list[Candidate]:
 
 def _check(filter_, pool, expected_removed):
     out, removed = apply_filters(pool, [filter_])
-    gone = {(q, c.passage_id) for q, cands in pool.items() for c in cands} - \
-           {(q, c.passage_id) for q, cands in out.items() for c in cands}
+    gone = {(q, c.passage_id) for q, cands in pool.items() for c in cands} - {
+        (q, c.passage_id) for q, cands in out.items() for c in cands
+    }
     assert gone == expected_removed
     assert removed == {filter_.name: len(expected_removed)}
     assert sum(map(len, pool.values())) - sum(map(len, out.values())) == len(expected_removed)
@@ -196,13 +222,15 @@ def test_each_filter_removes_exactly_what_it_reports():
     _check(QrelsFilter(dataset), pool, {("q0", "p0"), ("q0", "p2"), ("q1", "p3"), ("q3", "p1")})
     _check(AnswerFilter(dataset), pool, {("q0", "p1"), ("q0", "p5"), ("q1", "p3"), ("q1", half_id("p3", 1))})
     # q0 and q3 have the same text: each other's positives go; p5 has p1's content, q3's positive
-    _check(DuplicateFilter(dataset, "train"), pool,
-           {("q0", "p1"), ("q3", "p0"), ("q3", "p1"), ("q3", "p5"), ("q0", "p0"), ("q1", "p3")})
+    _check(
+        DuplicateFilter(dataset, "train"),
+        pool,
+        {("q0", "p1"), ("q3", "p0"), ("q3", "p1"), ("q3", "p5"), ("q0", "p0"), ("q1", "p3")},
+    )
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.sampled_from(["p0", "p1", "p2", "p3", "p4", "p5"]), max_size=6, unique=True),
-       st.floats(-2, 6))
+@given(st.lists(st.sampled_from(["p0", "p1", "p2", "p3", "p4", "p5"]), max_size=6, unique=True), st.floats(-2, 6))
 def test_cross_encoder_filter_drops_candidates_above_the_threshold(ids, threshold):
     dataset = small_dataset()
 
@@ -211,8 +239,7 @@ def test_cross_encoder_filter_drops_candidates_above_the_threshold(ids, threshol
 
     pool = {"q0": _pool(ids)}
     overlap = {p: len({"audio", "editor"} & set(dataset.corpus.texts[int(p[1])].split())) for p in ids}
-    _check(CrossEncoderFilter(dataset, scorer, threshold), pool,
-           {("q0", p) for p in ids if overlap[p] > threshold})
+    _check(CrossEncoderFilter(dataset, scorer, threshold), pool, {("q0", p) for p in ids if overlap[p] > threshold})
 
 
 def test_unknown_filter_and_missing_cross_encoder_are_config_errors():
@@ -283,7 +310,7 @@ def test_embedding_fusion_hand_computed():
 
 
 def test_weight_search_finds_the_grid_optimum():
-    weights, best, evaluations = tune_weights(lambda w: -(w[0] - 2) ** 2 - (w[1] - 0.5) ** 2, 2)
+    weights, best, evaluations = tune_weights(lambda w: -((w[0] - 2) ** 2) - (w[1] - 0.5) ** 2, 2)
     assert weights == (2.0, 0.5) and best == 0.0 and evaluations <= 3 + 2 * 2 * 4
 
 
@@ -329,8 +356,24 @@ def test_mine_cli_writes_a_file_that_training_reads(tiny_beir, tmp_path, capsys)
     from densepass.cli import main
 
     out = tmp_path / "neg.jsonl"
-    assert main(["mine", str(tiny_beir), "--strategy", "bm25", "--depth", "5",
-                 "--filters", "qrels", "duplicates", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "mine",
+                str(tiny_beir),
+                "--strategy",
+                "bm25",
+                "--depth",
+                "5",
+                "--filters",
+                "qrels",
+                "duplicates",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "removed by qrels" in printed and "source bm25" in printed
     dataset = load_dataset(str(tiny_beir))
@@ -395,11 +438,28 @@ def test_refresh_during_training_is_saved_filtered_and_resumable(tiny_beir, tiny
     from densepass.pipelines.experiment import run_experiment
 
     def config(root, *extra):
-        return load_config(None, [
-            f"data.name={tiny_beir}", f"model.name_or_path={tiny_model_dir}", f"output_dir={root}", "name=r",
-            "train.batch_size=8", "train.epochs=2", "train.checkpoint_every=2", "train.keep_checkpoints=10",
-            "negatives.source=bm25", "negatives.pool_depth=5", "negatives.per_query=1", "negatives.refresh_every=2",
-            "eval.baselines=[]", "eval.metrics=[mrr@10]", "eval.depth=10", "model.passage_max_length=32", *extra])
+        return load_config(
+            None,
+            [
+                f"data.name={tiny_beir}",
+                f"model.name_or_path={tiny_model_dir}",
+                f"output_dir={root}",
+                "name=r",
+                "train.batch_size=8",
+                "train.epochs=2",
+                "train.checkpoint_every=2",
+                "train.keep_checkpoints=10",
+                "negatives.source=bm25",
+                "negatives.pool_depth=5",
+                "negatives.per_query=1",
+                "negatives.refresh_every=2",
+                "eval.baselines=[]",
+                "eval.metrics=[mrr@10]",
+                "eval.depth=10",
+                "model.passage_max_length=32",
+                *extra,
+            ],
+        )
 
     first = run_experiment(config(tmp_path / "a"))["fine-tuned"]
     work = tmp_path / "a" / "r" / "negatives"

@@ -23,8 +23,12 @@ from densepass.pretraining.masking import IGNORE, Masker
 from densepass.pretraining.spans import group_documents, span_pair
 from densepass.pretraining.trainer import forward_backward, pretrain
 
-TEXTS = ["the printer driver supports colour laser devices", "a terminal multiplexer for unix shells",
-         "python bindings for the kernel keyring", "backup archive viewer with compression"]
+TEXTS = [
+    "the printer driver supports colour laser devices",
+    "a terminal multiplexer for unix shells",
+    "python bindings for the kernel keyring",
+    "backup archive viewer with compression",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +44,8 @@ def make(tiny_model_dir, mode="condenser", head_layers=2) -> Condenser:
 def masked_batch(model: Condenser, seed: int = 0):
     tokens = model.tokenizer(TEXTS, padding=True, return_tensors="pt")
     ids, labels = Masker.from_tokenizer(model.tokenizer, probability=0.3)(
-        tokens["input_ids"], tokens["attention_mask"], torch.Generator().manual_seed(seed))
+        tokens["input_ids"], tokens["attention_mask"], torch.Generator().manual_seed(seed)
+    )
     return ids, tokens["attention_mask"], labels
 
 
@@ -61,8 +66,8 @@ def test_head_gradient_reaches_late_layers_only_through_cls(tiny_model_dir):
     early, late = early.detach().requires_grad_(), late.detach().requires_grad_()
     masked = labels != IGNORE
 
-    def head_loss(e, l):
-        return mlm_loss(model.mlm_head(model.run_head(e, l, mask)[masked]), labels[masked])
+    def head_loss(e, late):
+        return mlm_loss(model.mlm_head(model.run_head(e, late, mask)[masked]), labels[masked])
 
     loss = head_loss(early, late)
     loss.backward()
@@ -86,8 +91,12 @@ def test_mlm_loss_equals_hand_computed_cross_entropy(tiny_model_dir):
     expected = {}
     for name, hidden in (("late", late), ("head", model.run_head(early, late, mask))):
         logits = model.mlm_head(hidden).double()
-        terms = [-torch.log_softmax(logits[b, i], -1)[labels[b, i]] for b in range(ids.shape[0])
-                 for i in range(ids.shape[1]) if labels[b, i] != IGNORE]
+        terms = [
+            -torch.log_softmax(logits[b, i], -1)[labels[b, i]]
+            for b in range(ids.shape[0])
+            for i in range(ids.shape[1])
+            if labels[b, i] != IGNORE
+        ]
         expected[name] = sum(terms) / len(terms)
     assert out.n_masked == int((labels != IGNORE).sum()) > 0
     assert out.late_mlm.item() == pytest.approx(expected["late"].item(), rel=1e-5)
@@ -119,8 +128,10 @@ def test_bad_configuration_is_a_clear_error(tiny_model_dir):
 
 def test_masking_statistics(tokenizer):
     rng = random.Random(0)
-    words = ("network printer driver kernel compiler multiplexer keyring orchestration unicode "
-             "the of a bindings libxml2 gtk3 pulseaudio").split()
+    words = (
+        "network printer driver kernel compiler multiplexer keyring orchestration unicode "
+        "the of a bindings libxml2 gtk3 pulseaudio"
+    ).split()
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 40))) for _ in range(600)]
     tokens = tokenizer(texts, padding=True, return_tensors="pt")
     ids, mask = tokens["input_ids"], tokens["attention_mask"]
@@ -187,8 +198,9 @@ def test_span_pairs_lie_in_their_document(tiny_beir, tokenizer):
     for i in range(0, 8, 2):
         bodies = [rows[i][1:-1], rows[i + 1][1:-1]]
         assert all(rows[j][0] == tokenizer.cls_token_id and rows[j][-1] == sep for j in (i, i + 1))
-        owners = [[k for k, t in enumerate(doc_tokens) if any(t[s:s + len(b)] == b for s in range(len(t)))]
-                  for b in bodies]
+        owners = [
+            [k for k, t in enumerate(doc_tokens) if any(t[s : s + len(b)] == b for s in range(len(t)))] for b in bodies
+        ]
         assert set(owners[0]) & set(owners[1])  # both spans come from one document
         assert all(4 <= len(b) <= 20 for b in bodies)
 
@@ -208,8 +220,9 @@ def test_packing_keeps_every_token(tiny_beir, tokenizer):
     assert all(len(s) == 24 for s in sequences[:-1]) and len(sequences[-1]) <= 24
     assert all(s[0] == tokenizer.cls_token_id and s[-1] == tokenizer.sep_token_id for s in sequences)
     stream = [t for s in sequences for t in s[1:-1]]
-    total = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1
-                for t in corpus.passage_inputs(tokenizer.sep_token))
+    total = sum(
+        len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in corpus.passage_inputs(tokenizer.sep_token)
+    )
     assert len(stream) == total - 1
     batch = next(mlm_batches(corpus, tokenizer, 4, 24, seed=0))
     assert batch["input_ids"].shape == (4, 24) and batch["attention_mask"].all()
@@ -235,7 +248,8 @@ def test_grad_cache_accumulation_equals_full_batch(tiny_model_dir, tiny_beir):
     corpus = load_dataset(str(tiny_beir)).corpus
     batch = next(span_batches(corpus, model.tokenizer, 8, 32, 4, 16, seed=0))
     batch["input_ids"], batch["labels"] = Masker.from_tokenizer(model.tokenizer)(
-        batch["input_ids"], batch["attention_mask"], torch.Generator().manual_seed(0))
+        batch["input_ids"], batch["attention_mask"], torch.Generator().manual_seed(0)
+    )
     grads = []
     for parts in (1, 4):
         model.zero_grad()
@@ -303,10 +317,23 @@ def test_entropy_shift_and_panel_plot(tmp_path):
 
 
 def _config(tiny_beir, tiny_model_dir, tmp_path, *extra) -> PretrainConfig:
-    return load_config(None, [f"data.name={tiny_beir}", f"model.name_or_path={tiny_model_dir}",
-                              f"output_dir={tmp_path}", "name=pt", "model.early_layers=1", "train.max_steps=4",
-                              "train.batch_size=4", "train.max_length=32", "train.checkpoint_every=2",
-                              "train.log_every=1", *extra], PretrainConfig)
+    return load_config(
+        None,
+        [
+            f"data.name={tiny_beir}",
+            f"model.name_or_path={tiny_model_dir}",
+            f"output_dir={tmp_path}",
+            "name=pt",
+            "model.early_layers=1",
+            "train.max_steps=4",
+            "train.batch_size=4",
+            "train.max_length=32",
+            "train.checkpoint_every=2",
+            "train.log_every=1",
+            *extra,
+        ],
+        PretrainConfig,
+    )
 
 
 def test_pretrain_run_directory_and_exact_resume(tiny_beir, tiny_model_dir, tmp_path, monkeypatch):
@@ -336,9 +363,25 @@ def test_pretrain_run_directory_and_exact_resume(tiny_beir, tiny_model_dir, tmp_
 def test_pretrain_cli_and_config_errors(tiny_beir, tiny_model_dir, tmp_path, capsys):
     from densepass.cli import main
 
-    args = ["pretrain", "--set", f"data.name={tiny_beir}", "--set", f"model.name_or_path={tiny_model_dir}",
-            "--set", f"output_dir={tmp_path}", "--set", "model.early_layers=1", "--set", "train.max_steps=1",
-            "--set", "train.batch_size=2", "--set", "train.max_length=16", "--set", "model.mode=mlm"]
+    args = [
+        "pretrain",
+        "--set",
+        f"data.name={tiny_beir}",
+        "--set",
+        f"model.name_or_path={tiny_model_dir}",
+        "--set",
+        f"output_dir={tmp_path}",
+        "--set",
+        "model.early_layers=1",
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "train.batch_size=2",
+        "--set",
+        "train.max_length=16",
+        "--set",
+        "model.mode=mlm",
+    ]
     assert main(args) == 0
     assert (tmp_path / "pretrain" / "backbone" / "config.json").is_file()
     assert main([*args, "--set", "train.grad_accumulaton=2"]) == 2

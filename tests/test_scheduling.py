@@ -54,8 +54,14 @@ def covers_once(batches, n):
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(6, 40), batch=st.integers(2, 6), dim=st.integers(1, 6), beam=st.sampled_from([1, 2, 4]),
-       seed=st.integers(0, 1000), sparse=st.booleans())
+@given(
+    n=st.integers(6, 40),
+    batch=st.integers(2, 6),
+    dim=st.integers(1, 6),
+    beam=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 1000),
+    sparse=st.booleans(),
+)
 def test_fast_scheduler_equals_reference(n, batch, dim, beam, seed, sparse):
     """Same batches, in the same order. Entries are small integers, so float64 arithmetic is exact
     in both implementations and the many ties must be broken identically (first position/index)."""
@@ -82,8 +88,14 @@ def random_instances(rng, n, dim, sparse):
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(6, 40), batch=st.integers(2, 6), dim=st.integers(1, 6), slots=st.integers(1, 5),
-       seed=st.integers(0, 1000), sparse=st.booleans())
+@given(
+    n=st.integers(6, 40),
+    batch=st.integers(2, 6),
+    dim=st.integers(1, 6),
+    slots=st.integers(1, 5),
+    seed=st.integers(0, 1000),
+    sparse=st.booleans(),
+)
 def test_concurrent_scheduler(n, batch, dim, slots, seed, sparse):
     """One slot: the reference greedy, batch for batch. Several: still a partition without conflicts."""
     rng = np.random.default_rng(seed)
@@ -139,8 +151,13 @@ def test_bm25_similarity_is_bilinear_and_exact():
 
     from densepass.index.bm25 import english_stemmer
 
-    passages = ["audio editor for linux audio", "python library for audio", "free font collection",
-                "mail server and mail tools", "video player and audio player"]
+    passages = [
+        "audio editor for linux audio",
+        "python library for audio",
+        "free font collection",
+        "mail server and mail tools",
+        "video player and audio player",
+    ]
     queries = ["audio editor", "python fonts", "mail", "video audio player", "zzz unknown"]
     q, p, retriever = bm25_instance_matrices(queries, passages, [0, 1, 2, 3, 4])
     tokens = bm25s.tokenize(queries, stopwords="en", stemmer=english_stemmer(), return_ids=False, show_progress=False)
@@ -168,10 +185,12 @@ def test_bad_configurations():
         sequential_batches(3, 4)
     with pytest.raises(ConfigError, match="schedule.concurrent_batches: must be >= 1"):
         load_config(None, ["schedule.concurrent_batches=0"])
-    for bad, match in [(ScheduleConfig(method="abs-beam", concurrent_batches=4), "not abs-beam"),
-                       (ScheduleConfig(method="random", concurrent_batches=4), "the baselines"),
-                       (ScheduleConfig(method="abs-beam", beam_width=1), "beam_width must be >= 2"),
-                       (ScheduleConfig(method="abs-greedy", concurrent_batches=4, restrict_top_k=100), "restrict_top_k")]:
+    for bad, match in [
+        (ScheduleConfig(method="abs-beam", concurrent_batches=4), "not abs-beam"),
+        (ScheduleConfig(method="random", concurrent_batches=4), "the baselines"),
+        (ScheduleConfig(method="abs-beam", beam_width=1), "beam_width must be >= 2"),
+        (ScheduleConfig(method="abs-greedy", concurrent_batches=4, restrict_top_k=100), "restrict_top_k"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             check_schedule(bad)
         with pytest.raises(ConfigError, match=match):
@@ -204,9 +223,14 @@ def debian_subset():
 def test_no_false_negatives_share_a_batch_on_real_data(debian_subset, tiny_model_dir, concurrent):
     dataset, data = debian_subset
     config = ScheduleConfig(method="abs-greedy", similarity="bm25", background=False, concurrent_batches=concurrent)
-    planner = EpochPlanner(config,
-                           batch_size=32, seed=0, data=data, model=BiEncoder.from_pretrained(str(tiny_model_dir)),
-                           device=torch.device("cpu"))
+    planner = EpochPlanner(
+        config,
+        batch_size=32,
+        seed=0,
+        data=data,
+        model=BiEncoder.from_pretrained(str(tiny_model_dir)),
+        device=torch.device("cpu"),
+    )
     batches = list(planner(0))
     assert covers_once(batches, len(data))
     relevant = dataset.relevant_sets()
@@ -219,22 +243,26 @@ def test_no_false_negatives_share_a_batch_on_real_data(debian_subset, tiny_model
                     continue
                 qi, qj = data.query_ids[i], data.query_ids[j]
                 pj = data.positives[qj][0]
-                same_text = corpus.passage_inputs("[SEP]", [corpus.position(data.positives[qi][0])]) == \
-                    corpus.passage_inputs("[SEP]", [corpus.position(pj)])
+                same_text = corpus.passage_inputs(
+                    "[SEP]", [corpus.position(data.positives[qi][0])]
+                ) == corpus.passage_inputs("[SEP]", [corpus.position(pj)])
                 assert pj not in relevant[qi] and not same_text, (qi, qj)
-    for i, q in enumerate(data.query_ids):  # the subset really has such pairs to keep apart
+    for i in range(len(data.query_ids)):  # the subset really has such pairs to keep apart
         shared_positive_pairs += sum(1 for c in planner.conflicts[i])
     assert shared_positive_pairs > 0
 
 
-@pytest.mark.parametrize("method,concurrent", [("abs-greedy", 1), ("abs-greedy", 3), ("abs-beam", 1),
-                                               ("clustered", 1), ("random", 1), ("sequential", 1)])
+@pytest.mark.parametrize(
+    "method,concurrent",
+    [("abs-greedy", 1), ("abs-greedy", 3), ("abs-beam", 1), ("clustered", 1), ("random", 1), ("sequential", 1)],
+)
 def test_planner_delivers_each_instance_once(tiny_beir, tiny_model_dir, tmp_path, method, concurrent):
     dataset = load_dataset(str(tiny_beir))
     data = TrainingData(dataset, "train", "[SEP]")
     model = BiEncoder.from_pretrained(str(tiny_model_dir))
-    config = ScheduleConfig(method=method, similarity="bm25-then-encoder", background=True, clusters=3,
-                            concurrent_batches=concurrent)
+    config = ScheduleConfig(
+        method=method, similarity="bm25-then-encoder", background=True, clusters=3, concurrent_batches=concurrent
+    )
     planner = EpochPlanner(config, 4, 0, data, model, torch.device("cpu"), tmp_path / "schedule.jsonl")
     try:
         epochs = [list(planner(epoch)) for epoch in (0, 1)]

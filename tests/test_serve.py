@@ -29,8 +29,16 @@ from serve_fake import PASSAGES, FakeSearcher
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def reference(searcher: FakeSearcher, query: str, k: int) -> list[dict]:
@@ -89,8 +97,10 @@ def service():
 
 # --- the micro-batcher on its own (deterministic: the requests are queued before the worker starts) ---
 
+
 def run_batcher(searcher: FakeSearcher, jobs: list[tuple[list[str], int]], max_batch_size: int = 64):
     """Queue ``jobs`` (queries, k), then start the worker; returns each job's results or exception."""
+
     async def main():
         batcher = MicroBatcher(searcher, max_batch_size, max_wait_ms=0, max_queue=1000)
         tasks = [asyncio.create_task(batcher.search(queries, k)) for queries, k in jobs]
@@ -99,6 +109,7 @@ def run_batcher(searcher: FakeSearcher, jobs: list[tuple[list[str], int]], max_b
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         await batcher.close()
         return outcomes
+
     return asyncio.run(main())
 
 
@@ -141,13 +152,19 @@ def test_closing_the_batcher_searches_the_waiting_requests_then_refuses_new_ones
         with pytest.raises(Unavailable, match="shutting down"):
             await batcher.search(["video"], 1)
         return [task.result() for task in tasks], searcher
+
     results, searcher = asyncio.run(main())
     assert results == [[reference(searcher, f"video {i}", 1)] for i in range(5)]
 
 
 def test_the_settings_reject_values_that_cannot_work():
-    for bad in [dict(max_batch_size=0), dict(max_wait_ms=-1.0), dict(max_k=2.5), dict(max_queue=True),
-                dict(max_queries_per_request=10, max_queue=5)]:
+    for bad in [
+        dict(max_batch_size=0),
+        dict(max_wait_ms=-1.0),
+        dict(max_k=2.5),
+        dict(max_queue=True),
+        dict(max_queries_per_request=10, max_queue=5),
+    ]:
         with pytest.raises(ConfigError):
             ServeSettings(**bad)
 
@@ -161,6 +178,7 @@ def test_the_settings_flags_round_trip_through_argparse():
 
 
 # --- the service over HTTP ---
+
 
 def test_a_search_returns_the_ranked_hits_of_each_query(service):
     url, searcher = service
@@ -200,8 +218,9 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("content, status, fragment", [case[1:] for case in BAD_REQUESTS],
-                         ids=[case[0] for case in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    "content, status, fragment", [case[1:] for case in BAD_REQUESTS], ids=[case[0] for case in BAD_REQUESTS]
+)
 def test_every_malformed_request_is_a_one_line_json_4xx(service, content, status, fragment):
     url, _ = service
     body = content if isinstance(content, bytes) else json.dumps(content).encode()
@@ -275,8 +294,9 @@ def test_concurrent_requests_are_answered_correctly_by_fewer_searcher_calls():
 
     async def main(url):
         async with async_client(url) as http:
-            return await asyncio.gather(*(http.post("/search", json={"query": q, "k": 1 + i % 4})
-                                          for i, q in enumerate(queries)))
+            return await asyncio.gather(
+                *(http.post("/search", json={"query": q, "k": 1 + i % 4}) for i, q in enumerate(queries))
+            )
 
     with serving(searcher, ServeSettings(max_wait_ms=50)) as (url, _, _):
         responses = asyncio.run(main(url))
@@ -329,6 +349,7 @@ def test_shutdown_finishes_the_request_in_flight_and_stops_the_batcher():
     searcher.gate = threading.Event()
     answer = {}
     with serving(searcher) as (url, server, app):
+
         def ask():
             with client(url) as http:
                 answer["response"] = http.post("/search", json={"query": "video player", "k": 2})
@@ -349,8 +370,10 @@ def test_shutdown_finishes_the_request_in_flight_and_stops_the_batcher():
 
 # --- the search page in a headless browser ---
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no Chromium at {CHROMIUM} (scripts/setup.sh installs it "
-                                                  "with apt-get where it can)")
+
+@pytest.mark.skipif(
+    not CHROMIUM.exists(), reason=f"no Chromium at {CHROMIUM} (scripts/setup.sh installs it with apt-get where it can)"
+)
 def test_the_search_page_shows_ranked_hits_in_a_headless_browser(tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
@@ -388,22 +411,52 @@ def test_the_search_page_shows_ranked_hits_in_a_headless_browser(tmp_path):
 
 # --- the load-test client ---
 
+
 def test_the_load_test_client_compares_a_batched_and_an_unbatched_service(tmp_path):
     queries = tmp_path / "queries.txt"
     queries.write_text("video player\nmail server\n\nimage photos\n")
     out = tmp_path / "bench.json"
     fake = f"{sys.executable} {ROOT / 'tests' / 'serve_fake.py'} --port {{port}} --delay-ms 2"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(densepass.__file__).parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--queries", str(queries),
-                           "--start", f"batched={fake}", "--start", f"off={fake} --max-batch-size 1",
-                           "--concurrency", "1", "8", "--requests", "40", "--seconds", "20", "--warmup", "2",
-                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(densepass.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_serve.py"),
+            "--queries",
+            str(queries),
+            "--start",
+            f"batched={fake}",
+            "--start",
+            f"off={fake} --max-batch-size 1",
+            "--concurrency",
+            "1",
+            "8",
+            "--requests",
+            "40",
+            "--seconds",
+            "20",
+            "--warmup",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "batched ÷ off" in done.stdout and "queries/s ratio" in done.stdout
     report = json.loads(out.read_text())
     assert [(r["service"], r["concurrency"]) for r in report["results"]] == [
-        ("batched", 1), ("batched", 8), ("off", 1), ("off", 8)]
+        ("batched", 1),
+        ("batched", 8),
+        ("off", 1),
+        ("off", 8),
+    ]
     assert all(r["requests"] == 40 and r["errors"] == 0 and r["p50_ms"] <= r["p99_ms"] for r in report["results"])
     assert [s["health"]["batching"]["enabled"] for s in report["services"]] == [True, False]
     assert next(r for r in report["results"] if r["service"] == "off")["mean_batch"] == 1.0

@@ -70,10 +70,14 @@ def test_grad_cache_replays_dropout(tiny_model_dir, tiny_beir):
     embed = []
     for side, texts in (("query", batch.query_texts), ("passage", batch.passage_texts)):
         tokens = model.tokenize(texts, side)
-        embed.append(torch.cat([
-            model(tokens["input_ids"][i : i + 3], tokens["attention_mask"][i : i + 3], side=side)
-            for i in range(0, len(texts), 3)
-        ]))
+        embed.append(
+            torch.cat(
+                [
+                    model(tokens["input_ids"][i : i + 3], tokens["attention_mask"][i : i + 3], side=side)
+                    for i in range(0, len(texts), 3)
+                ]
+            )
+        )
     loss = contrastive_loss(embed[0], embed[1], batch.positive_index, model.config.temperature, batch.mask)
     loss.backward()
     assert abs(loss.item() - loss_gc) < 1e-5
@@ -146,8 +150,16 @@ def test_training_data_bad_inputs(tiny_beir):
 
 
 def _config(**kw):
-    base = dict(epochs=2, batch_size=6, learning_rate=1e-3, warmup_ratio=0.0, checkpoint_every=3,
-                log_every=1, seed=3, keep_checkpoints=5)
+    base = dict(
+        epochs=2,
+        batch_size=6,
+        learning_rate=1e-3,
+        warmup_ratio=0.0,
+        checkpoint_every=3,
+        log_every=1,
+        seed=3,
+        keep_checkpoints=5,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -194,8 +206,13 @@ def test_logged_loss_is_the_mean_since_the_previous_record(tiny_model_dir, tiny_
     data = make_data(tiny_beir)
 
     def logged(log_every):
-        result = train(BiEncoder.from_pretrained(str(tiny_model_dir)), data, _config(log_every=log_every),
-                       tmp_path / f"every-{log_every}", CPU)
+        result = train(
+            BiEncoder.from_pretrained(str(tiny_model_dir)),
+            data,
+            _config(log_every=log_every),
+            tmp_path / f"every-{log_every}",
+            CPU,
+        )
         return [json.loads(line) for line in result.log_path.read_text().splitlines()]
 
     per_step = [r["loss"] for r in logged(1)]
@@ -273,11 +290,20 @@ def test_trainer_passes_the_resolved_precision_to_each_step(tiny_model_dir, tiny
     seen = []
     real_step = trainer_module.forward_backward
     monkeypatch.setattr("densepass.device.cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr(trainer_module, "forward_backward",
-                        lambda model, batch, device, bidi, chunk, bf16, tensors: seen.append(bf16)
-                        or real_step(model, batch, device, bidi, chunk, bf16, tensors))
+    monkeypatch.setattr(
+        trainer_module,
+        "forward_backward",
+        lambda model, batch, device, bidi, chunk, bf16, tensors: (
+            seen.append(bf16) or real_step(model, batch, device, bidi, chunk, bf16, tensors)
+        ),
+    )
     data = make_data(tiny_beir)
     for cpu_bf16 in (False, True):
-        train(BiEncoder.from_pretrained(str(tiny_model_dir)), data,
-              _config(epochs=1, checkpoint_every=100, cpu_bf16=cpu_bf16), tmp_path / str(cpu_bf16), CPU)
+        train(
+            BiEncoder.from_pretrained(str(tiny_model_dir)),
+            data,
+            _config(epochs=1, checkpoint_every=100, cpu_bf16=cpu_bf16),
+            tmp_path / str(cpu_bf16),
+            CPU,
+        )
     assert seen and set(seen[: len(seen) // 2]) == {False} and set(seen[len(seen) // 2 :]) == {True}

@@ -16,9 +16,9 @@ from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus, hard_subco
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
 from densepass.pipelines.study import StudySettings, checkpoint_name, expand_checkpoints, ordering_agreement, run_study
+from densepass.pipelines.validation import Validator, bm25_retriever
 
 SETTINGS = StudySettings(rs=[0.5], ks=[2], seed=0)
-from densepass.pipelines.validation import Validator, bm25_retriever
 
 
 @pytest.fixture
@@ -128,7 +128,9 @@ def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path, monkeypatch):
 
     evaluated = []
     original = study._evaluate_checkpoint
-    monkeypatch.setattr(study, "_evaluate_checkpoint", lambda path, *a, **kw: evaluated.append(path) or original(path, *a, **kw))
+    monkeypatch.setattr(
+        study, "_evaluate_checkpoint", lambda path, *a, **kw: evaluated.append(path) or original(path, *a, **kw)
+    )
     again = run_study(dataset, expand_checkpoints(paths), SETTINGS, tmp_path / "study")
     assert evaluated == [] and [r.scores for r in again] == [r.scores for r in rows]
     run_study(dataset, expand_checkpoints(paths[::-1]), SETTINGS, tmp_path / "study")
@@ -142,8 +144,12 @@ def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path, monkeypatch):
         expand_checkpoints(paths[:1])
 
     # A stand-in C (C0 + half the corpus): every subcorpus is drawn from it, and it is recorded as such.
-    rows = run_study(dataset, expand_checkpoints(paths), StudySettings(rs=[0.5], ks=[2], seed=0, corpus_fraction=0.5),
-                     tmp_path / "study-half")
+    rows = run_study(
+        dataset,
+        expand_checkpoints(paths),
+        StudySettings(rs=[0.5], ks=[2], seed=0, corpus_fraction=0.5),
+        tmp_path / "study-half",
+    )
     full = rows[-1].subcorpus
     assert full.provenance["stand_in_for_full_corpus"] and full.provenance["r"] == 0.5
     assert len(full) == max(len(rows[0].subcorpus), round(0.5 * len(dataset.corpus)))

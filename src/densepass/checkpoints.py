@@ -105,7 +105,8 @@ def capture_rng() -> dict:
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "cuda": [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available() else [],
+        if torch.cuda.is_available()
+        else [],
     }
 
 
@@ -163,14 +164,29 @@ class Checkpoints:
         found = [p for p in self.root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
         return sorted(found, key=step_of)
 
-    def save(self, step: int, write_model: Callable[[Path], None], optimizer: torch.optim.Optimizer,
-             scheduler: Any, extra: dict | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        write_model: Callable[[Path], None],
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        extra: dict | None = None,
+    ) -> Path:
         """Write checkpoint ``step`` atomically: ``write_model(directory)`` first, then state and manifest."""
         path = self.root / f"step-{step}"
         with atomic_directory(path) as tmp:
             write_model(tmp)
-            save_tree({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                       "rng": capture_rng(), "extra": extra or {}, "identity": self.identity}, tmp)
+            save_tree(
+                {
+                    "step": step,
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": capture_rng(),
+                    "extra": extra or {},
+                    "identity": self.identity,
+                },
+                tmp,
+            )
             write_manifest(tmp)
         for old in self.paths()[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -186,12 +202,12 @@ class Checkpoints:
                 except (OSError, ValueError, KeyError) as err:
                     problem = f"its state does not load ({err})"
             if problem is not None:
-                warnings.warn(f"checkpoint {path} is damaged ({problem}); resuming from an earlier one",
-                              DataWarning, stacklevel=2)
+                warnings.warn(
+                    f"checkpoint {path} is damaged ({problem}); resuming from an earlier one", DataWarning, stacklevel=2
+                )
                 continue
             self._check_identity(path, tree["identity"])
-            return Resumed(path, int(tree["step"]), tree["optimizer"], tree["scheduler"], tree["rng"],
-                           tree["extra"])
+            return Resumed(path, int(tree["step"]), tree["optimizer"], tree["scheduler"], tree["rng"], tree["extra"])
         return None
 
     def _check_identity(self, path: Path, saved: dict) -> None:
@@ -199,8 +215,10 @@ class Checkpoints:
             return
         changed = sorted(_differences(saved, self.identity))
         shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
-        raise ConfigError(f"{self.root.parent} holds a run with other settings ({shown} differ from {path.name}); "
-                          "use another name or output_dir, or --restart to discard it and start over")
+        raise ConfigError(
+            f"{self.root.parent} holds a run with other settings ({shown} differ from {path.name}); "
+            "use another name or output_dir, or --restart to discard it and start over"
+        )
 
 
 def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:

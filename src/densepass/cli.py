@@ -88,8 +88,16 @@ def _index(args: argparse.Namespace) -> None:
     from densepass.device import resolve_device
     from densepass.pipelines.indexing import IndexSettings, build_index
 
-    settings = IndexSettings(args.kind, args.model, args.dense_kind, args.fusion, args.fusion_weight, args.batch_size,
-                             args.shard_size, resolve_device(args.device))
+    settings = IndexSettings(
+        args.kind,
+        args.model,
+        args.dense_kind,
+        args.fusion,
+        args.fusion_weight,
+        args.batch_size,
+        args.shard_size,
+        resolve_device(args.device),
+    )
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     index = build_index(dataset.corpus, args.output, settings)
     print(f"indexed {len(index):,} passages of {dataset.name} into {args.output} ({args.kind})")
@@ -150,8 +158,7 @@ def _print_hits(query: str, hits) -> None:
     from rich.table import Table
 
     table = Table(title=f"{query!r}: {len(hits)} hits")
-    for column, justify in (("rank", "right"), ("score", "right"), ("id", "left"), ("title", "left"),
-                            ("text", "left")):
+    for column, justify in (("rank", "right"), ("score", "right"), ("id", "left"), ("title", "left"), ("text", "left")):
         table.add_column(column, justify=justify, overflow="fold")
     for rank, hit in enumerate(hits, 1):
         text = hit.text if len(hit.text) <= 160 else hit.text[:157] + "..."
@@ -164,8 +171,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     settings = settings_from_args(args)  # checked before the index is loaded
     pipeline = _load_pipeline(args)
-    print(f"densepass: serving {json.dumps(pipeline.describe())} on http://{args.host}:{args.port}",
-          file=sys.stderr)
+    print(f"densepass: serving {json.dumps(pipeline.describe())} on http://{args.host}:{args.port}", file=sys.stderr)
     run_server(pipeline, args.host, args.port, settings)
 
 
@@ -192,8 +198,11 @@ def _evaluate(args: argparse.Namespace) -> None:
     result = evaluate_run(qrels, run, args.metrics, dataset.answers, passages)
     if baseline is not None:
         runs = {"run": run, "baseline": baseline}
-        result = {"run": result, "baseline": evaluate_run(qrels, baseline, args.metrics, dataset.answers, passages),
-                  "paired_fisher": {m: paired_significance(qrels, runs, "baseline", m)["run"] for m in ranx_metrics}}
+        result = {
+            "run": result,
+            "baseline": evaluate_run(qrels, baseline, args.metrics, dataset.answers, passages),
+            "paired_fisher": {m: paired_significance(qrels, runs, "baseline", m)["run"] for m in ranx_metrics},
+        }
     print(json.dumps(result, indent=2))
 
 
@@ -210,8 +219,10 @@ def _analyze_attention(args: argparse.Namespace) -> None:
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     texts = sample_passages(dataset.corpus, args.samples, args.seed, "[SEP]")
     device = resolve_device(args.device)
-    results = {label: attention_entropy(model, texts, args.max_length, device=device)
-               for label, model in zip(labels, args.models)}
+    results = {
+        label: attention_entropy(model, texts, args.max_length, device=device)
+        for label, model in zip(labels, args.models)
+    }
     plot_entropy(results, args.output, f"CLS attention entropy, {len(texts)} {dataset.name} passages")
     atomic_write_text(Path(args.output).with_suffix(".json"), json.dumps(results, indent=2))
     print(entropy_table(results))
@@ -222,8 +233,9 @@ def _validate_study(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
     from densepass.pipelines.study import StudySettings, expand_checkpoints, run_study
 
-    settings = StudySettings(args.split, args.r, args.k, args.retriever, args.metric, args.max_queries, args.seed,
-                             args.corpus_fraction)
+    settings = StudySettings(
+        args.split, args.r, args.k, args.retriever, args.metric, args.max_queries, args.seed, args.corpus_fraction
+    )
     checkpoints = expand_checkpoints(args.checkpoints)
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     run_study(dataset, checkpoints, settings, Path(args.output))
@@ -234,13 +246,23 @@ def _mine(args: argparse.Namespace) -> None:
     from densepass.errors import ConfigError
     from densepass.pipelines.mining import mine_training_negatives
 
-    options = {"negatives.source": args.strategy, "negatives.pool_depth": args.depth, "negatives.model": args.model,
-               "negatives.file": args.file, "negatives.filters": args.filters, "negatives.mix": args.mix,
-               "negatives.dense_dim": args.dense_dim, "negatives.miner_steps": args.miner_steps,
-               "negatives.cross_encoder": args.cross_encoder,
-               "negatives.cross_encoder_threshold": args.cross_encoder_threshold,
-               "data.name": args.dataset, "data.data_dir": args.data_dir, "data.format": args.format,
-               "data.max_train_queries": args.max_queries, "device": args.device}
+    options = {
+        "negatives.source": args.strategy,
+        "negatives.pool_depth": args.depth,
+        "negatives.model": args.model,
+        "negatives.file": args.file,
+        "negatives.filters": args.filters,
+        "negatives.mix": args.mix,
+        "negatives.dense_dim": args.dense_dim,
+        "negatives.miner_steps": args.miner_steps,
+        "negatives.cross_encoder": args.cross_encoder,
+        "negatives.cross_encoder_threshold": args.cross_encoder_threshold,
+        "data.name": args.dataset,
+        "data.data_dir": args.data_dir,
+        "data.format": args.format,
+        "data.max_train_queries": args.max_queries,
+        "device": args.device,
+    }
     overrides = [f"{key}={json.dumps(value)}" for key, value in options.items() if value is not None]
     config = load_config(args.config, [*overrides, *args.set])
     output = Path(args.output)
@@ -271,9 +293,15 @@ def _ensemble(args: argparse.Namespace) -> None:
     from densepass.io import atomic_write_text
     from densepass.pipelines.ensemble import EnsembleSettings, evaluate_ensemble
 
-    settings = EnsembleSettings(["embedding", "rrf"] if args.method == "both" else [args.method], args.split,
-                                args.metrics, args.depth, args.max_queries, tune_metric=args.tune_metric,
-                                rrf_k=args.rrf_k)
+    settings = EnsembleSettings(
+        ["embedding", "rrf"] if args.method == "both" else [args.method],
+        args.split,
+        args.metrics,
+        args.depth,
+        args.max_queries,
+        tune_metric=args.tune_metric,
+        rrf_k=args.rrf_k,
+    )
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     out = evaluate_ensemble(dataset, args.models, settings)
     print_table(out["results"], args.metrics, f"{args.dataset} {args.split}: {out['queries']} queries")
@@ -306,14 +334,23 @@ def _device_arg(p: argparse.ArgumentParser) -> None:
 
 def _config_args(p: argparse.ArgumentParser, example: str) -> None:
     p.add_argument("config", nargs="?", help="config file (default: built-in defaults)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"override a config value, e.g. --set {example} (densepass config --explain lists them)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config value, e.g. --set {example} (densepass config --explain lists them)",
+    )
 
 
 def _pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="the index's bi-encoder, if it moved since indexing")
-    p.add_argument("--hybrid", choices=["rrf", "linear"], default=None,
-                   help="fuse a dense index with BM25 over its passages (reciprocal rank or normalised scores)")
+    p.add_argument(
+        "--hybrid",
+        choices=["rrf", "linear"],
+        default=None,
+        help="fuse a dense index with BM25 over its passages (reciprocal rank or normalised scores)",
+    )
     p.add_argument("--fusion-weight", type=fraction, default=0.5, help="--hybrid linear: weight of the dense scores")
     p.add_argument("--rerank", default=None, metavar="MODEL", help="re-score the top candidates with a cross-encoder")
     p.add_argument("--rerank-depth", type=positive_int, default=100, help="candidates re-scored per query")
@@ -321,10 +358,12 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``densepass`` argument parser with every subcommand."""
     from densepass.serve.settings import add_settings_arguments
 
-    parser = argparse.ArgumentParser(prog="densepass", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="densepass", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run an experiment (train, index, evaluate, report) from a YAML/JSON config")
@@ -353,8 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--fusion", default="rrf", choices=["rrf", "linear"], help="hybrid: how scores are fused")
     index.add_argument("--fusion-weight", type=fraction, default=0.5, help="hybrid linear: weight of the dense scores")
     index.add_argument("--batch-size", type=positive_int, default=256, help="encoding batch size")
-    index.add_argument("--shard-size", type=positive_int, default=100_000,
-                       help="passages encoded between resumable save points")
+    index.add_argument(
+        "--shard-size", type=positive_int, default=100_000, help="passages encoded between resumable save points"
+    )
     _device_arg(index)
     index.set_defaults(func=_index)
 
@@ -381,8 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("run", help="TREC run file")
     evaluate.add_argument("--split", default="dev")
     evaluate.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS))
-    evaluate.add_argument("--compare-to", metavar="BASELINE_RUN",
-                          help="also evaluate this run and test the difference (paired Fisher randomization test)")
+    evaluate.add_argument(
+        "--compare-to",
+        metavar="BASELINE_RUN",
+        help="also evaluate this run and test the difference (paired Fisher randomization test)",
+    )
     evaluate.set_defaults(func=_evaluate)
 
     mine = sub.add_parser("mine", help="mine a hard-negatives file for the training queries")
@@ -393,10 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
     mine.add_argument("--depth", type=positive_int, default=None, help="candidates kept per query (pool depth)")
     mine.add_argument("--model", default=None, help="saved model for --strategy model")
     mine.add_argument("--file", default=None, help="hard-negatives file for --strategy file (re-filter it)")
-    mine.add_argument("--dense-dim", type=positive_int, default=None,
-                      help="projection of the dense miner (25 coarse, 512 fine)")
+    mine.add_argument(
+        "--dense-dim", type=positive_int, default=None, help="projection of the dense miner (25 coarse, 512 fine)"
+    )
     mine.add_argument("--miner-steps", type=positive_int, default=None, help="training steps of the dense miner")
-    mine.add_argument("--mix", nargs="+", default=None, help="strategies for --strategy mixed, e.g. bm25 context dense:25")
+    mine.add_argument(
+        "--mix", nargs="+", default=None, help="strategies for --strategy mixed, e.g. bm25 context dense:25"
+    )
     mine.add_argument("--filters", nargs="+", default=None, help="qrels answers duplicates cross-encoder")
     mine.add_argument("--cross-encoder", default=None, help="sentence-transformers CrossEncoder for that filter")
     mine.add_argument("--cross-encoder-threshold", type=float, default=None)
@@ -410,8 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     ensemble.add_argument("--models", nargs="+", required=True, help="saved models (at least two)")
     ensemble.add_argument("--method", default="both", choices=["embedding", "rrf", "both"])
     ensemble.add_argument("--split", default="dev")
-    ensemble.add_argument("--metrics", nargs="+",
-                          default=["mrr@10", "ndcg@10", "recall@1", "recall@5", "recall@20", "recall@100"])
+    ensemble.add_argument(
+        "--metrics", nargs="+", default=["mrr@10", "ndcg@10", "recall@1", "recall@5", "recall@20", "recall@100"]
+    )
     ensemble.add_argument("--depth", type=positive_int, default=100)
     ensemble.add_argument("--max-queries", type=positive_int, default=None)
     ensemble.add_argument("--tune-metric", default="mrr@10", help="metric the fusion weights maximise")
@@ -441,8 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--retriever", default="bm25", help="'bm25' or a saved model for H_k")
     study.add_argument("--metric", default="mrr@10")
     study.add_argument("--max-queries", type=positive_int, default=None)
-    study.add_argument("--corpus-fraction", type=float, default=None,
-                       help="stand in for the full corpus with C0 + this random fraction of it (for a CPU)")
+    study.add_argument(
+        "--corpus-fraction",
+        type=float,
+        default=None,
+        help="stand in for the full corpus with C0 + this random fraction of it (for a CPU)",
+    )
     study.add_argument("--seed", type=int, default=13)
     study.add_argument("--output", required=True)
     study.set_defaults(func=_validate_study)
@@ -457,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_guarded(func: Callable[[], object], prog: str = "densepass") -> int:
     """Run ``func`` and turn densepass errors and Ctrl-C into a one-line message and an exit code;
     warnings print as one line each."""
+
     def one_line(message, category, filename, lineno, file=None, line=None) -> None:
         print(f"{prog}: warning: {message}", file=sys.stderr)
 
@@ -476,6 +528,7 @@ def run_guarded(func: Callable[[], object], prog: str = "densepass") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     args = build_parser().parse_args(argv)
     return run_guarded(lambda: args.func(args))
 

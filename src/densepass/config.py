@@ -33,8 +33,15 @@ DENSE_INDEX_KINDS: tuple[str, ...] = get_args(IndexKind)
 DEFAULT_METRICS = ("mrr@10", "ndcg@10", "recall@100")  # what `densepass evaluate` and friends report
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
-           min: float | None = None, max: float | None = None, above: float | None = None) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    factory: Callable[[], Any] | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    above: float | None = None,
+) -> Any:
     """A config field with its help text and range: ``min``/``max`` inclusive, ``above`` exclusive.
     None (for optional fields) is always accepted."""
     metadata = {"help": help, "min": min, "max": max, "above": above}
@@ -78,8 +85,9 @@ class BiEncoderConfig:
 class ModelConfig(BiEncoderConfig):
     """The bi-encoder to start from: a saved model or any Hugging Face encoder, and its architecture."""
 
-    name_or_path: str = option(DEFAULT_MODEL, "starting weights: a model directory, a cached Hugging Face name, "
-                                              "or all-MiniLM-L6-v2 (shipped)")
+    name_or_path: str = option(
+        DEFAULT_MODEL, "starting weights: a model directory, a cached Hugging Face name, or all-MiniLM-L6-v2 (shipped)"
+    )
 
     def architecture(self) -> BiEncoderConfig:
         """The architecture fields alone."""
@@ -91,24 +99,30 @@ class NegativesConfig:
     """Hard negatives mined before training (densepass.negatives) and sampled per step."""
 
     source: Literal["none", "bm25", "dense", "model", "context", "mixed", "file"] = option(
-        "bm25", "bm25 | dense (a miner with a dense_dim projection trained on the pairs) | model (a saved "
-                "model) | context (same-document passages) | mixed (round-robin over `mix`) | file | none")
+        "bm25",
+        "bm25 | dense (a miner with a dense_dim projection trained on the pairs) | model (a saved "
+        "model) | context (same-document passages) | mixed (round-robin over `mix`) | file | none",
+    )
     pool_depth: int = option(30, "candidates kept per query (the pool negatives are drawn from)", min=1)
     per_query: int = option(1, "hard negatives drawn per query per step", min=0)
     skip_top: int = option(0, "drop each query's first k candidates (often unlabeled positives)", min=0)
     filters: list[Literal["qrels", "answers", "duplicates", "cross-encoder"]] = option(
-        help="false-negative filters in order (qrels always runs first)", factory=lambda: ["qrels", "answers"])
+        help="false-negative filters in order (qrels always runs first)", factory=lambda: ["qrels", "answers"]
+    )
     file: str | None = option(None, "source=file: a hard-negatives file (JSONL from `densepass mine`)")
     model: str | None = option(None, "source=model: a saved model that mines")
     dense_dim: int = option(512, "source=dense: projection size of the miner (25 = coarse, 512 = fine)", min=1)
     miner_steps: int | None = option(None, "source=dense: training steps of the miner (null: one epoch)", min=1)
-    mix: list[str] = option(help="source=mixed: strategies (bm25, context, model, dense[:DIM], file:PATH)",
-                            factory=lambda: ["bm25", "context"])
+    mix: list[str] = option(
+        help="source=mixed: strategies (bm25, context, model, dense[:DIM], file:PATH)",
+        factory=lambda: ["bm25", "context"],
+    )
     cross_encoder: str | None = option(None, "cross-encoder filter: a sentence-transformers CrossEncoder")
     cross_encoder_threshold: float = option(0.0, "cross-encoder filter: candidates scored above it are dropped")
     batch_size: int = option(256, "encoding batch size of dense mining", min=1)
-    refresh_every: int | None = option(None, "re-mine the pool with the model being trained every N steps "
-                                             "(ANCE-style; null: never)", min=1)
+    refresh_every: int | None = option(
+        None, "re-mine the pool with the model being trained every N steps (ANCE-style; null: never)", min=1
+    )
 
 
 @dataclass
@@ -137,9 +151,11 @@ class ScheduleConfig:
     """How each epoch's instances are grouped into batches (ABS: abs-condenser-openqa §3.2)."""
 
     method: Literal["sequential", "random", "clustered", "abs-greedy", "abs-beam"] = option(
-        "random", "batch order: sequential | random | clustered (TAS-style) | abs-greedy | abs-beam")
+        "random", "batch order: sequential | random | clustered (TAS-style) | abs-greedy | abs-beam"
+    )
     similarity: Literal["bm25-then-encoder", "bm25", "encoder"] = option(
-        "bm25-then-encoder", "ABS similarity: BM25 in epoch 1 then the encoder's dot product, or either alone")
+        "bm25-then-encoder", "ABS similarity: BM25 in epoch 1 then the encoder's dot product, or either alone"
+    )
     beam_width: int = option(4, "abs-beam: removals tried per swap", min=1)
     restrict_top_k: int | None = option(None, "ABS candidates restricted to each member's top-k (null: exact)", min=1)
     clusters: int = option(64, "clustered: k-means clusters of the queries", min=1)
@@ -152,18 +168,21 @@ class ScheduleConfig:
 class EvalConfig:
     """Retrieval over the evaluation corpus and the metrics reported."""
 
-    metrics: list[str] = option(help="ranx metrics (mrr@10, ndcg@10, recall@100, ...) and accuracy@k",
-                                factory=lambda: ["mrr@10", "mrr@100", "ndcg@10", "recall@20", "recall@100",
-                                                 "recall@1000"])
+    metrics: list[str] = option(
+        help="ranx metrics (mrr@10, ndcg@10, recall@100, ...) and accuracy@k",
+        factory=lambda: ["mrr@10", "mrr@100", "ndcg@10", "recall@20", "recall@100", "recall@1000"],
+    )
     depth: int = option(1000, "passages retrieved per query", min=1)
     index: IndexKind = option("exact", "search backend: exact, faiss-flat, faiss-hnsw or faiss-ivfpq")
     mode: Literal["full", "rerank"] = option(
-        "full", "full: rank the evaluation corpus; rerank: rank each query's positives + BM25 candidates")
+        "full", "full: rank the evaluation corpus; rerank: rank each query's positives + BM25 candidates"
+    )
     rerank_candidates: int = option(100, "mode=rerank: candidates per query (ABS paper: 1 positive + 99)", min=2)
     each_epoch: bool = option(False, "also evaluate after every training epoch")
     batch_size: int = option(256, "encoding batch size", min=1)
-    baselines: list[Literal["bm25", "zero-shot"]] = option(help="systems evaluated beside the fine-tuned model",
-                                                           factory=lambda: ["bm25", "zero-shot"])
+    baselines: list[Literal["bm25", "zero-shot"]] = option(
+        help="systems evaluated beside the fine-tuned model", factory=lambda: ["bm25", "zero-shot"]
+    )
 
 
 @dataclass
@@ -199,6 +218,7 @@ class ExperimentConfig:
 
     @property
     def run_dir(self) -> Path:
+        """Where this run writes: ``<output_dir>/<name>``."""
         return Path(self.output_dir) / self.name
 
 
@@ -384,9 +404,11 @@ def explain(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             rows.extend(explain(hints[f.name], f"{key}."))
             continue
         meta = f.metadata
-        bounds = [f">= {meta['min']:g}" if meta.get("min") is not None else "",
-                  f"<= {meta['max']:g}" if meta.get("max") is not None else "",
-                  f"> {meta['above']:g}" if meta.get("above") is not None else ""]
+        bounds = [
+            f">= {meta['min']:g}" if meta.get("min") is not None else "",
+            f"<= {meta['max']:g}" if meta.get("max") is not None else "",
+            f"> {meta['above']:g}" if meta.get("above") is not None else "",
+        ]
         kind = _type_name(hints[f.name]) + "".join(f", {b}" for b in bounds if b)
         rows.append((key, kind, json.dumps(getattr(defaults, f.name)), meta.get("help", "")))
     return rows

@@ -50,6 +50,7 @@ class RandomState:
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
+        """Run the block with the captured random states, restoring the current ones afterwards."""
         devices = [self.device] if self.cuda is not None else []
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(self.cpu)
@@ -87,8 +88,11 @@ def uses_bf16(device: torch.device, bf16: bool, cpu_bf16: bool) -> bool:
         return bf16
     if device.type == "cpu" and cpu_bf16:
         if not cpu_has_native_bf16():
-            warnings.warn("cpu_bf16: this CPU has no native bfloat16 (avx512_bf16 / amx_bf16), so bf16 autocast "
-                          "is emulated and likely slower than float32", stacklevel=2)
+            warnings.warn(
+                "cpu_bf16: this CPU has no native bfloat16 (avx512_bf16 / amx_bf16), so bf16 autocast "
+                "is emulated and likely slower than float32",
+                stacklevel=2,
+            )
         return True
     return False
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling renamed over it (never half-written)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -70,8 +71,10 @@ def exclusive_lock(directory: str | Path, what: str = "run") -> Iterator[None]:
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
-            raise DensepassError(f"{directory} is in use by another densepass {what} ({holder}); "
-                                 "wait for it to finish or choose another directory") from None
+            raise DensepassError(
+                f"{directory} is in use by another densepass {what} ({holder}); "
+                "wait for it to finish or choose another directory"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()}")
@@ -91,8 +94,11 @@ def write_manifest(directory: str | Path, **facts) -> None:
     from densepass.fingerprints import fingerprint_file
 
     directory = Path(directory)
-    files = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "blake2b": fingerprint_file(p)}
-             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    files = {
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "blake2b": fingerprint_file(p)}
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
     atomic_write_text(directory / MANIFEST, json.dumps({**facts, "files": files}, indent=1))
 
 

@@ -29,8 +29,9 @@ def sample_passages(corpus: Corpus, n: int, seed: int, sep_token: str) -> list[s
 
 
 @torch.no_grad()
-def attention_entropy(model_path: str, texts: list[str], max_length: int = 128, batch_size: int = 32,
-                      device: torch.device | None = None) -> list[float]:
+def attention_entropy(
+    model_path: str, texts: list[str], max_length: int = 128, batch_size: int = 32, device: torch.device | None = None
+) -> list[float]:
     """Mean CLS attention entropy of each layer of a saved model over ``texts``."""
     from transformers import AutoModel, AutoTokenizer
 
@@ -44,8 +45,9 @@ def attention_entropy(model_path: str, texts: list[str], max_length: int = 128, 
     model = AutoModel.from_pretrained(path, attn_implementation="eager").float().to(device).eval()
     totals: torch.Tensor | None = None
     for start in range(0, len(texts), batch_size):
-        tokens = tokenizer(texts[start : start + batch_size], truncation=True, max_length=max_length, padding=True,
-                           return_tensors="pt").to(device)
+        tokens = tokenizer(
+            texts[start : start + batch_size], truncation=True, max_length=max_length, padding=True, return_tensors="pt"
+        ).to(device)
         attentions = model(**tokens, output_attentions=True).attentions
         sums = torch.stack([cls_attention_entropy(a).mean(1).sum() for a in attentions]).cpu()
         totals = sums if totals is None else totals + sums

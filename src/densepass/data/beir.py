@@ -55,8 +55,14 @@ def read_corpus(path: Path) -> Corpus:
     corpus = CorpusBuilder()
     for line_no, rec in read_jsonl(path):
         pid, title, text, doc_id = rec.get("_id"), rec.get("title"), rec.get("text"), rec.get("doc_id")
-        if not (pid.__class__ is str and pid and title.__class__ is str and text.__class__ is str
-                and doc_id.__class__ is str and doc_id):  # fast path; anything else is checked field by field
+        if not (
+            pid.__class__ is str
+            and pid
+            and title.__class__ is str
+            and text.__class__ is str
+            and doc_id.__class__ is str
+            and doc_id
+        ):  # fast path; anything else is checked field by field
             pid, title, text, doc_id = _passage(rec, f"{path}:{line_no}")
         if not corpus.add(pid, title, text, doc_id):
             raise DataError(f"{path}:{line_no}: duplicate passage id {pid!r}")
@@ -66,7 +72,8 @@ def read_corpus(path: Path) -> Corpus:
 def _answers(rec: dict, where: str) -> list[str]:
     """Answer strings of a query record: ``answers``, else ``metadata.answers`` (lists of strings)."""
     return get_strings(rec, "answers", where) or get_strings(
-        get_field(rec, "metadata", dict, where, default={}), "answers", f"{where}: metadata")
+        get_field(rec, "metadata", dict, where, default={}), "answers", f"{where}: metadata"
+    )
 
 
 def read_queries(path: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
@@ -85,8 +92,10 @@ def read_queries(path: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
             qid, text = get_id(rec, "_id", where), get_field(rec, "text", str, where)
         if qid in queries:
             if queries[qid] != text:
-                raise DataError(f"{path}:{line_no}: query id {qid!r} repeated with a different text "
-                                f"({text[:40]!r}, before {queries[qid][:40]!r})")
+                raise DataError(
+                    f"{path}:{line_no}: query id {qid!r} repeated with a different text "
+                    f"({text[:40]!r}, before {queries[qid][:40]!r})"
+                )
             repeats.add(line_no)
             continue
         queries[qid] = text
@@ -154,8 +163,10 @@ def read_qrels_tsv(path: Path) -> Qrels:
             old = rels.get(pid)
             if old is not None:
                 if old != grade:
-                    raise DataError(f"{path}:{line_no}: query {qid!r} and passage {pid!r} judged again with "
-                                    f"grade {grade} (before: {old})")
+                    raise DataError(
+                        f"{path}:{line_no}: query {qid!r} and passage {pid!r} judged again with "
+                        f"grade {grade} (before: {old})"
+                    )
                 repeats.add(line_no)
                 continue
             rels[pid] = grade

@@ -41,6 +41,7 @@ class Corpus:
         return pid in self._positions
 
     def position(self, pid: str) -> int:
+        """The row of passage ``pid`` (KeyError when it is not in the corpus)."""
         return self._positions[pid]
 
     def passage_inputs(self, sep_token: str, positions: list[int] | None = None) -> list[str]:
@@ -50,6 +51,7 @@ class Corpus:
         return [f"{self.titles[i]} {sep_token} {self.texts[i]}" if self.titles[i] else self.texts[i] for i in rows]
 
     def subset(self, positions: list[int]) -> Corpus:
+        """The passages at ``positions``, in that order."""
         return Corpus(
             ids=[self.ids[i] for i in positions],
             titles=[self.titles[i] for i in positions],
@@ -86,7 +88,8 @@ class RetrievalDataset:
                 for pid in rels:
                     if pid not in self.corpus:
                         raise DataError(
-                            f"{self.name}: qrels/{split} names passage {pid!r} (query {qid!r}), which is not in the corpus"
+                            f"{self.name}: qrels/{split} names passage {pid!r} (query {qid!r}), "
+                            "which is not in the corpus"
                         )
             if qrels and empty.count == len(qrels):
                 raise DataError(f"{self.name}: every query of qrels/{split} has an empty text (e.g. {empty.first})")

@@ -36,6 +36,8 @@ CONTEXT_FIELDS = ("positive_ctxs", "negative_ctxs", "hard_negative_ctxs")
 
 @dataclass(frozen=True)
 class Context:
+    """One DPR context: its passage id, title and text."""
+
     pid: str
     title: str
     text: str
@@ -43,6 +45,8 @@ class Context:
 
 @dataclass
 class DprRecord:
+    """One DPR training record: question, answers and contexts by field."""
+
     qid: str
     question: str
     answers: list[str]
@@ -55,17 +59,19 @@ def context_id(ctx: dict, title: str, text: str, where: str) -> str:
     for key in ("passage_id", "psg_id"):
         if ctx.get(key) not in (None, ""):
             return get_id(ctx, key, where)
-    digest = hashlib.sha1(f"{title}\x00{text}".encode("utf-8")).hexdigest()
+    digest = hashlib.sha1(f"{title}\x00{text}".encode()).hexdigest()
     return f"h{digest[:16]}"
 
 
 def parse_context(ctx: Any, where: str) -> Context:
+    """A checked ``Context`` from one JSON context; ``where`` locates it in errors."""
     text = get_field(ctx, "text", str, where)
     title = get_field(ctx, "title", str, where, default="")
     return Context(context_id(ctx, title, text, where), title, text)
 
 
 def parse_record(record: Any, split: str, index: int, where: str) -> DprRecord:
+    """A checked ``DprRecord`` (query id ``{split}-{index}``) from one JSON record."""
     question = get_field(record, "question", str, where)
     answers = get_strings(record, "answers", where)
     contexts = {}
@@ -81,6 +87,7 @@ def dpr_split_files(directory: Path) -> dict[str, Path]:
 
 
 def read_split(path: Path, split: str) -> Iterator[DprRecord]:
+    """The records of one DPR file, in order."""
     records = read_json(path)
     if not isinstance(records, list):
         raise DataError(f"{path}: expected a JSON list of records, got {type(records).__name__}")

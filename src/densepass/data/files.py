@@ -28,8 +28,10 @@ def _bad_utf8(path: Path) -> DataError:
                 try:
                     raw.decode("utf-8")
                 except UnicodeDecodeError as err:
-                    return DataError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte "
-                                     f"{err.start + 1} of the line); re-save the file as UTF-8")
+                    return DataError(
+                        f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte "
+                        f"{err.start + 1} of the line); re-save the file as UTF-8"
+                    )
     except (OSError, EOFError, zlib.error):
         pass
     return DataError(f"{path}: not valid UTF-8")

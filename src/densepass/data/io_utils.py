@@ -33,9 +33,7 @@ def data_files(directory: Path, suffix: str) -> dict[str, Path]:
     return found
 
 
-def split_files(
-    directory: Path, suffix: str, split_of: Callable[[str], str | None], expected: str
-) -> dict[str, Path]:
+def split_files(directory: Path, suffix: str, split_of: Callable[[str], str | None], expected: str) -> dict[str, Path]:
     """``{split: path}`` for the data files (see :func:`data_files`) whose stem ``split_of`` maps to a split
     (None: not a split file); ``expected`` describes the wanted file names in the error when there is none."""
     files: dict[str, Path] = {}

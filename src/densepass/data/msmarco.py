@@ -24,8 +24,9 @@ from densepass.data.io_utils import CorpusBuilder, require_dir, split_files
 from densepass.errors import DataError, DataWarning
 
 # First-column names that mark a header line rather than an id.
-HEADER_KEYS = frozenset({"id", "_id", "pid", "qid", "docid", "doc_id", "passage_id", "query_id", "query-id",
-                         "corpus-id"})
+HEADER_KEYS = frozenset(
+    {"id", "_id", "pid", "qid", "docid", "doc_id", "passage_id", "query_id", "query-id", "corpus-id"}
+)
 
 
 def read_id_text_tsv(path: Path) -> Iterator[tuple[int, str, str]]:
@@ -64,7 +65,7 @@ def prefixed_split_files(directory: Path, prefix: str) -> dict[str, Path]:
     def split_of(stem: str) -> str | None:
         if not stem.startswith(start) or stem == start:
             return None
-        return stem[len(start):]
+        return stem[len(start) :]
 
     return split_files(directory, ".tsv", split_of, f"{prefix}.<split>.tsv")
 
@@ -79,8 +80,10 @@ def read_all_queries(directory: Path) -> dict[str, str]:
         for line_no, qid, text in read_id_text_tsv(path):
             old = queries.setdefault(qid, text)
             if old != text:
-                raise DataError(f"{path}:{line_no}: query id {qid!r} given again with a different text "
-                                f"({text[:40]!r}, before {old[:40]!r})")
+                raise DataError(
+                    f"{path}:{line_no}: query id {qid!r} given again with a different text "
+                    f"({text[:40]!r}, before {old[:40]!r})"
+                )
             if qid in in_file:
                 repeats.add(line_no)
             in_file.add(qid)
@@ -89,6 +92,7 @@ def read_all_queries(directory: Path) -> dict[str, str]:
 
 
 def read_all_qrels(directory: Path) -> dict[str, Qrels]:
+    """``{split: qrels}`` of every ``qrels.{split}.tsv`` in ``directory``."""
     return {split: read_qrels_tsv(path) for split, path in prefixed_split_files(directory, "qrels").items()}
 
 

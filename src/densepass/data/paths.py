@@ -11,6 +11,7 @@ ENV_VAR = "DENSEPASS_DATA"
 
 
 def default_data_dir() -> Path:
+    """``$DENSEPASS_DATA``, else the first ``shared/data`` found beside or above the working directory."""
     if os.environ.get(ENV_VAR):
         return Path(os.environ[ENV_VAR])
     here = Path.cwd()

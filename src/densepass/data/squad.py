@@ -26,6 +26,7 @@ class SquadBuilder:
         self.qrels: dict[str, Qrels] = {}
 
     def add_file(self, path: Path, split: str) -> None:
+        """Add every article of one SQuAD file as split ``split``."""
         data = get_field(read_json(path), "data", list, str(path))
         qrels = self.qrels.setdefault(split, {})
         for a, article in enumerate(data):
@@ -36,12 +37,14 @@ class SquadBuilder:
                 self.add_paragraph(paragraph, pid, title, qrels, f"{where}.paragraphs[{p}]")
 
     def add_paragraph(self, paragraph: Any, pid: str, title: str, qrels: Qrels, where: str) -> None:
+        """Add a paragraph as passage ``pid`` and its questions as queries."""
         context = get_field(paragraph, "context", str, where)
         self.corpus.add(pid, title.replace("_", " "), context, title)
         for q, qa in enumerate(get_field(paragraph, "qas", list, where)):
             self.add_question(qa, pid, qrels, f"{where}.qas[{q}]")
 
     def add_question(self, qa: Any, pid: str, qrels: Qrels, where: str) -> None:
+        """Add one question (skipping SQuAD v2 unanswerable ones) with its answers and qrels."""
         if get_field(qa, "is_impossible", bool, where, default=False):
             return  # SQuAD v2 unanswerable question: no passage answers it
         qid = str(get_field(qa, "id", (str, int), where))

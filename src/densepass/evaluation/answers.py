@@ -14,11 +14,13 @@ _PUNCT = str.maketrans({c: " " for c in string.punctuation})
 
 
 def normalize_answer(text: str) -> str:
+    """SQuAD/DPR answer normalisation: lower case, no punctuation or articles, whitespace collapsed."""
     text = unicodedata.normalize("NFD", text).lower().translate(_PUNCT)
     return " ".join(_ARTICLES.sub(" ", text).split())
 
 
 def has_answer(passage: str, answers: Sequence[str]) -> bool:
+    """Whether ``passage`` contains one of ``answers`` on token boundaries, after normalisation."""
     padded = f" {normalize_answer(passage)} "
     return any(norm and f" {norm} " in padded for norm in map(normalize_answer, answers))
 

@@ -28,8 +28,9 @@ def fuse_embeddings(embeddings: Sequence[np.ndarray], weights: Sequence[float]) 
     rows = {len(e) for e in embeddings}
     if len(rows) != 1:
         raise ConfigError(f"embedding matrices have different numbers of rows: {sorted(rows)}")
-    return np.concatenate([np.sqrt(w, dtype=np.float32) * np.asarray(e, dtype=np.float32)
-                           for e, w in zip(embeddings, weights)], axis=-1)
+    return np.concatenate(
+        [np.sqrt(w, dtype=np.float32) * np.asarray(e, dtype=np.float32) for e, w in zip(embeddings, weights)], axis=-1
+    )
 
 
 def tune_weights(

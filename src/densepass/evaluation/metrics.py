@@ -23,8 +23,21 @@ from densepass.evaluation.answers import top_k_accuracy
 Run = dict[str, dict[str, float]]  # query id -> passage id -> score
 
 # The metrics of ranx (``ranx.metrics.metric_switch``), each with an optional cutoff ``@k``.
-RANX_METRICS = ("mrr", "ndcg", "ndcg_burges", "dcg", "dcg_burges", "recall", "precision", "r-precision", "f1",
-                "map", "hits", "hit_rate", "bpref")
+RANX_METRICS = (
+    "mrr",
+    "ndcg",
+    "ndcg_burges",
+    "dcg",
+    "dcg_burges",
+    "recall",
+    "precision",
+    "r-precision",
+    "f1",
+    "map",
+    "hits",
+    "hit_rate",
+    "bpref",
+)
 ACCURACY = "accuracy"  # DPR top-k answer accuracy: always with a cutoff, accuracy@k
 _METRIC = re.compile(r"(?P<name>[a-z_-]+)(?:@(?P<k>[0-9]+))?")
 
@@ -36,11 +49,16 @@ def check_metrics(names: Sequence[str]) -> None:
         raise ConfigError(f"metrics should be a non-empty list of names, got {names!r}")
     for name in names:
         match = _METRIC.fullmatch(name) if isinstance(name, str) else None
-        ok = match is not None and (match["k"] is None or int(match["k"]) >= 1) and (
-            match["name"] in RANX_METRICS or (match["name"] == ACCURACY and match["k"] is not None))
+        ok = (
+            match is not None
+            and (match["k"] is None or int(match["k"]) >= 1)
+            and (match["name"] in RANX_METRICS or (match["name"] == ACCURACY and match["k"] is not None))
+        )
         if not ok:
-            raise ConfigError(f"unknown metric {name!r} (known: {', '.join(RANX_METRICS)}, each with an optional "
-                              f"cutoff @k, k >= 1; and {ACCURACY}@k)")
+            raise ConfigError(
+                f"unknown metric {name!r} (known: {', '.join(RANX_METRICS)}, each with an optional "
+                f"cutoff @k, k >= 1; and {ACCURACY}@k)"
+            )
 
 
 def split_metrics(names: Sequence[str]) -> tuple[list[str], list[int]]:
@@ -122,13 +140,20 @@ def answered_queries(qrels: Qrels, answers: Mapping[str, Sequence[str]] | None, 
     ks = split_metrics(metrics)[1]
     judged = [q for q, rels in qrels.items() if any(g > 0 for g in rels.values()) and (answers or {}).get(q)]
     if ks and not judged:
-        raise DataError(f"accuracy@{ks[0]} needs answer strings, and no judged query has any (use a DPR, SQuAD or "
-                        f"BEIR dataset whose queries carry 'answers')")
+        raise DataError(
+            f"accuracy@{ks[0]} needs answer strings, and no judged query has any (use a DPR, SQuAD or "
+            f"BEIR dataset whose queries carry 'answers')"
+        )
     return judged
 
 
-def _answer_accuracy(qrels: Qrels, run: Run, ks: list[int], answers: Mapping[str, Sequence[str]] | None,
-                     passages: Mapping[str, str] | None) -> dict[str, float]:
+def _answer_accuracy(
+    qrels: Qrels,
+    run: Run,
+    ks: list[int],
+    answers: Mapping[str, Sequence[str]] | None,
+    passages: Mapping[str, str] | None,
+) -> dict[str, float]:
     """``accuracy@k`` for each k over the queries of ``qrels`` that have answer strings."""
     judged = answered_queries(qrels, answers, [f"{ACCURACY}@{k}" for k in ks])
     if passages is None:
@@ -153,8 +178,8 @@ def randomization_p(a: np.ndarray, b: np.ndarray, n_permutations: int = 10_000, 
         raise DensepassError("a paired test needs at least one query")
     observed = abs(diffs.sum())
     threshold = observed - 1e-9 * max(1.0, observed)
-    if 2 ** n <= n_permutations:
-        signs = ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1) * 2.0 - 1.0
+    if 2**n <= n_permutations:
+        signs = ((np.arange(2**n)[:, None] >> np.arange(n)) & 1) * 2.0 - 1.0
         return float(np.mean(np.abs(signs @ diffs) >= threshold))
     rng = np.random.default_rng(seed)
     hits, chunk = 0, max(1, 2_000_000 // n)
@@ -171,8 +196,9 @@ def per_query_scores(qrels: Qrels, run: Run, metric: str) -> np.ndarray:
     check_metrics([metric])
     ranx_qrels, ranx_run = _ranx_inputs(qrels, run)
     try:
-        return np.asarray(evaluate(ranx_qrels, ranx_run, metric, return_mean=False, make_comparable=True),
-                          dtype=np.float64)
+        return np.asarray(
+            evaluate(ranx_qrels, ranx_run, metric, return_mean=False, make_comparable=True), dtype=np.float64
+        )
     except (ValueError, KeyError) as err:
         raise DensepassError(f"cannot compute {metric}: {err}") from None
 
@@ -204,8 +230,10 @@ def paired_significance(
         scores = per_query_scores(qrels, run, metric)
         results[name] = {
             "delta": float(scores.mean() - base.mean()),
-            "wins": int((scores > base).sum()), "ties": int((scores == base).sum()),
-            "losses": int((scores < base).sum()), "p": randomization_p(scores, base, n_permutations, seed),
+            "wins": int((scores > base).sum()),
+            "ties": int((scores == base).sum()),
+            "losses": int((scores < base).sum()),
+            "p": randomization_p(scores, base, n_permutations, seed),
         }
     return results
 
@@ -262,8 +290,10 @@ def read_trec_run(path: str | Path, corpus: Container[str] | None = None) -> Run
     if corpus is not None:
         unknown = list(dict.fromkeys(pid for ranking in run.values() for pid in ranking if pid not in corpus))
         if unknown:
-            raise DataError(f"{path}: {len(unknown)} passage ids are not in the dataset's corpus (e.g. "
-                            f"{unknown[0]!r}); is the run for another dataset?")
+            raise DataError(
+                f"{path}: {len(unknown)} passage ids are not in the dataset's corpus (e.g. "
+                f"{unknown[0]!r}); is the run for another dataset?"
+            )
     _break_ties(path, run, ranks)
     return run
 
@@ -276,5 +306,9 @@ def _break_ties(path: Path, run: Run, ranks: dict[str, list[int]]) -> None:
         order = sorted(range(len(items)), key=lambda i: (-items[i][1], rank[i]))
         run[qid] = {items[i][0]: float(len(order) - n) for n, i in enumerate(order)}
     if tied:
-        warnings.warn(f"{path}: {len(tied)} of {len(run)} queries have tied scores (first: query {tied[0]!r}); "
-                      f"their ties are ordered by the rank column", DataWarning, stacklevel=3)
+        warnings.warn(
+            f"{path}: {len(tied)} of {len(run)} queries have tied scores (first: query {tied[0]!r}); "
+            f"their ties are ordered by the rank column",
+            DataWarning,
+            stacklevel=3,
+        )

@@ -26,6 +26,8 @@ Retriever = Callable[[Sequence[str], int], np.ndarray]  # (query texts, k) -> co
 
 @dataclass
 class Subcorpus:
+    """A validation subcorpus: its kind, its passage ids in corpus order, and how it was made."""
+
     kind: str  # "gold", "random", "hard" or "full"
     ids: list[str]
     provenance: dict = field(default_factory=dict)
@@ -35,6 +37,7 @@ class Subcorpus:
 
     @property
     def label(self) -> str:
+        """The paper's name: C0, R_r, H_k or C."""
         if self.kind == "random":
             return f"R_{self.provenance['r']:g}"
         if self.kind == "hard":
@@ -42,10 +45,12 @@ class Subcorpus:
         return {"gold": "C0", "full": "C"}[self.kind]
 
     def save(self, path: str | Path) -> None:
+        """Write the subcorpus as JSON, atomically."""
         atomic_write_text(path, json.dumps(asdict(self)))
 
     @classmethod
     def load(cls, path: str | Path) -> Subcorpus:
+        """Read a subcorpus saved by ``save``."""
         path = Path(path)
         if not path.is_file():
             raise DataError(f"subcorpus file not found: {path}")

@@ -7,8 +7,10 @@ def metrics_table(results: dict[str, dict[str, float]], metrics: list[str]) -> s
     """A markdown table of ``results`` ({system: {metric: value}}), values to 4 decimals (nan when missing)."""
     header = "| system | " + " | ".join(metrics) + " |"
     rule = "|---|" + "---:|" * len(metrics)
-    rows = [f"| {name} | " + " | ".join(f"{values.get(m, float('nan')):.4f}" for m in metrics) + " |"
-            for name, values in results.items()]
+    rows = [
+        f"| {name} | " + " | ".join(f"{values.get(m, float('nan')):.4f}" for m in metrics) + " |"
+        for name, values in results.items()
+    ]
     return "\n".join([header, rule, *rows])
 
 

@@ -57,8 +57,9 @@ def as_corpus(passages: Passages, first_id: int = 0) -> Corpus:
     ids, titles, texts, docs = [], [], [], []
     for i, record in enumerate(items):
         if not isinstance(record, dict):
-            raise ConfigError(f"passage {i}: expected a text or an {{id, title, text}} record, got "
-                              f"{type(record).__name__}")
+            raise ConfigError(
+                f"passage {i}: expected a text or an {{id, title, text}} record, got {type(record).__name__}"
+            )
         pid = record.get("id", record.get("_id"))
         text = record.get("text")
         if not isinstance(pid, (str, int)) or isinstance(pid, bool) or not isinstance(text, str):
@@ -75,14 +76,17 @@ def as_corpus(passages: Passages, first_id: int = 0) -> Corpus:
 
 def concat_corpora(first: Corpus, second: Corpus) -> Corpus:
     """Passages of ``first`` then of ``second``; a repeated id is an error (Corpus checks)."""
-    return Corpus(first.ids + second.ids, first.titles + second.titles, first.texts + second.texts,
-                  first.doc_ids + second.doc_ids)
+    return Corpus(
+        first.ids + second.ids, first.titles + second.titles, first.texts + second.texts, first.doc_ids + second.doc_ids
+    )
 
 
 def save_passages(corpus: Corpus, path: Path) -> None:
     """The passages as JSONL, one ``{"id", "title", "text", "doc_id"}`` a line."""
-    lines = (json.dumps({"id": i, "title": t, "text": x, "doc_id": d}, ensure_ascii=False)
-             for i, t, x, d in zip(corpus.ids, corpus.titles, corpus.texts, corpus.doc_ids))
+    lines = (
+        json.dumps({"id": i, "title": t, "text": x, "doc_id": d}, ensure_ascii=False)
+        for i, t, x, d in zip(corpus.ids, corpus.titles, corpus.texts, corpus.doc_ids)
+    )
     atomic_write_text(path, "".join(f"{line}\n" for line in lines))
 
 
@@ -131,12 +135,14 @@ class SearchResults:
 
 
 def check_k(k: int) -> int:
+    """``k`` as an int, or a one-line error unless it is a positive integer."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ConfigError(f"k must be a positive integer, got {k!r}")
     return int(k)
 
 
 def check_queries(queries: Sequence[str]) -> list[str]:
+    """``queries`` as a non-empty list of strings, or a one-line error."""
     if isinstance(queries, str):
         raise ConfigError("search takes a list of queries, not one string")
     queries = list(queries)
@@ -188,8 +194,15 @@ class Index(ABC):
         with atomic_directory(directory) as tmp:
             save_passages(self.passages, tmp / PASSAGES)
             self._write(tmp)
-            write_manifest(tmp, format=FORMAT, kind=self.kind, densepass_version=__version__, size=len(self),
-                           corpus_fingerprint=fingerprint_corpus(self.passages), **self.facts())
+            write_manifest(
+                tmp,
+                format=FORMAT,
+                kind=self.kind,
+                densepass_version=__version__,
+                size=len(self),
+                corpus_fingerprint=fingerprint_corpus(self.passages),
+                **self.facts(),
+            )
         return directory
 
     @classmethod

@@ -64,13 +64,16 @@ class BM25Index(Index):
 
     @property
     def size(self) -> int:
+        """Number of indexed passages."""
         return len(self.passages)
 
     def add(self, passages: Passages) -> None:
+        """Index more passages; bm25s indexes in one go, so every passage is indexed again."""
         new = as_corpus(passages, first_id=len(self.passages))
         corpus = concat_corpora(self.passages, new) if len(self.passages) else new
-        tokens = bm25s.tokenize(bm25_texts(corpus), stopwords="en", stemmer=self.stemmer,
-                                show_progress=self.show_progress)
+        tokens = bm25s.tokenize(
+            bm25_texts(corpus), stopwords="en", stemmer=self.stemmer, show_progress=self.show_progress
+        )
         retriever = bm25s.BM25(k1=self.k1, b=self.b)
         retriever.index(tokens, show_progress=self.show_progress)
         self.passages, self.retriever = corpus, retriever
@@ -92,13 +95,13 @@ class BM25Index(Index):
 
     def score_all(self, query: str) -> np.ndarray:
         """BM25 score of one query against every indexed passage."""
-        tokens = bm25s.tokenize([query], stopwords="en", stemmer=self.stemmer, show_progress=False,
-                                return_ids=False)[0]
+        tokens = bm25s.tokenize([query], stopwords="en", stemmer=self.stemmer, show_progress=False, return_ids=False)[0]
         if not tokens:
             return np.zeros(len(self.passages), dtype=np.float32)
         return np.asarray(self.retriever.get_scores(tokens), dtype=np.float32)
 
     def facts(self) -> dict:
+        """The BM25 parameters, for the manifest."""
         return {"options": {"k1": self.k1, "b": self.b}}
 
     def _write(self, directory: Path) -> None:

@@ -47,9 +47,16 @@ class DenseIndex(Index):
     kinds: ClassVar[tuple[str, ...]] = DENSE_INDEX_KINDS
     kind = "exact"
 
-    def __init__(self, model: BiEncoder, kind: str = "exact", batch_size: int = 256,
-                 device: torch.device | None = None, show_progress: bool = True, model_path: str | None = None,
-                 **faiss_options: Any) -> None:
+    def __init__(
+        self,
+        model: BiEncoder,
+        kind: str = "exact",
+        batch_size: int = 256,
+        device: torch.device | None = None,
+        show_progress: bool = True,
+        model_path: str | None = None,
+        **faiss_options: Any,
+    ) -> None:
         if kind not in DENSE_INDEX_KINDS:
             raise ConfigError(f"unknown dense index kind {kind!r} (known: {', '.join(DENSE_INDEX_KINDS)})")
         if batch_size < 1:
@@ -72,12 +79,15 @@ class DenseIndex(Index):
 
     @property
     def dim(self) -> int:
+        """Embedding dimension of the model."""
         return self.model.dim
 
     def add(self, passages: Passages) -> None:
+        """Encode ``passages`` with the model and index them."""
         corpus = as_corpus(passages, first_id=len(self.passages))
-        embeddings = self.model.encode_passages(corpus, batch_size=self.batch_size, show_progress=self.show_progress,
-                                                device=self.device)
+        embeddings = self.model.encode_passages(
+            corpus, batch_size=self.batch_size, show_progress=self.show_progress, device=self.device
+        )
         self.add_embeddings(corpus, embeddings)
 
     def add_embeddings(self, passages: Passages, embeddings: np.ndarray) -> None:
@@ -85,8 +95,9 @@ class DenseIndex(Index):
         corpus = as_corpus(passages, first_id=len(self.passages))
         embeddings = np.asarray(embeddings, dtype=np.float32)
         if embeddings.shape != (len(corpus), self.dim):
-            raise ConfigError(f"embeddings of shape {embeddings.shape} for {len(corpus)} passages of a "
-                              f"{self.dim}-dimensional model")
+            raise ConfigError(
+                f"embeddings of shape {embeddings.shape} for {len(corpus)} passages of a {self.dim}-dimensional model"
+            )
         if self._weights_version is None:
             self._weights_version = weights_version(self.model)
         self.passages = concat_corpora(self.passages, corpus) if len(self.passages) else corpus
@@ -104,10 +115,12 @@ class DenseIndex(Index):
             if queries.ndim != 2 or queries.shape[1] != self.dim:
                 raise ConfigError(f"query embeddings must be [n, {self.dim}], got {list(queries.shape)}")
             return queries
-        return self.model.encode_queries(check_queries(queries), batch_size=self.batch_size, show_progress=False,
-                                         device=self.device)
+        return self.model.encode_queries(
+            check_queries(queries), batch_size=self.batch_size, show_progress=False, device=self.device
+        )
 
     def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` (scores, rows) of each query (texts, or query embeddings)."""
         query_emb = self.encode_queries(queries)
         if self.faiss is not None:
             return faiss_search(self.faiss, query_emb, k)
@@ -116,12 +129,16 @@ class DenseIndex(Index):
     # ---- persistence ----------------------------------------------------------------------------
 
     def facts(self) -> dict:
+        """Model path and weights fingerprint, dimension and FAISS options, for the manifest."""
         if self._weights_version is not None and weights_version(self.model) != self._weights_version:
             raise ConfigError("the model changed after it encoded the indexed passages: build the index again")
         if self.model_fingerprint is None:
             self.model_fingerprint = fingerprint_weights(self.model)
-        return {"model": {"path": self.model_path, "fingerprint": self.model_fingerprint}, "dim": self.dim,
-                "options": self.faiss_options}
+        return {
+            "model": {"path": self.model_path, "fingerprint": self.model_fingerprint},
+            "dim": self.dim,
+            "options": self.faiss_options,
+        }
 
     def _write(self, directory: Path) -> None:
         np.save(directory / EMBEDDINGS, self.embeddings)
@@ -129,25 +146,40 @@ class DenseIndex(Index):
             save_faiss_index(self.faiss, directory / FAISS_FILE)
 
     def save(self, directory: str | Path) -> Path:
+        """Write the index atomically (the model must be saved somewhere: the manifest records where)."""
         if self.model_path is None:
-            raise ConfigError("save the model first (BiEncoder.save) or give model_path: the index records "
-                              "which model encodes its queries")
+            raise ConfigError(
+                "save the model first (BiEncoder.save) or give model_path: the index records "
+                "which model encodes its queries"
+            )
         return super().save(directory)
 
     @classmethod
-    def _read(cls, directory: Path, manifest: dict, passages: Corpus, model: BiEncoder | None = None,
-              mmap: bool = True, **options: Any) -> DenseIndex:
+    def _read(
+        cls,
+        directory: Path,
+        manifest: dict,
+        passages: Corpus,
+        model: BiEncoder | None = None,
+        mmap: bool = True,
+        **options: Any,
+    ) -> DenseIndex:
         recorded = manifest["model"]
         if model is None:
             if not recorded["path"] or not Path(recorded["path"]).exists():
-                raise DataError(f"{directory}: its model {recorded['path']!r} is not there any more; "
-                                "pass the model that built the index")
+                raise DataError(
+                    f"{directory}: its model {recorded['path']!r} is not there any more; "
+                    "pass the model that built the index"
+                )
             model = BiEncoder.from_pretrained(recorded["path"])
         if fingerprint_weights(model) != recorded["fingerprint"]:
-            raise ConfigError(f"{directory} was built with another model (weights {recorded['fingerprint'][:12]}, "
-                              f"from {recorded['path']}): encode queries with that model or index again")
-        index = cls(model, manifest["kind"], model_path=recorded["path"], show_progress=False,
-                    **options, **manifest["options"])
+            raise ConfigError(
+                f"{directory} was built with another model (weights {recorded['fingerprint'][:12]}, "
+                f"from {recorded['path']}): encode queries with that model or index again"
+            )
+        index = cls(
+            model, manifest["kind"], model_path=recorded["path"], show_progress=False, **options, **manifest["options"]
+        )
         embeddings = np.load(directory / EMBEDDINGS, mmap_mode="r" if mmap else None, allow_pickle=False)
         if embeddings.shape != (len(passages), manifest["dim"]):
             raise DataError(f"{directory}: embeddings of shape {embeddings.shape} for {len(passages)} passages")

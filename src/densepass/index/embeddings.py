@@ -13,12 +13,7 @@ from densepass.models.encode import encode_texts
 
 
 def encode_to_memmap(
-    model: BiEncoder,
-    texts: Sequence[str],
-    side: Side,
-    path: str | Path,
-    shard_size: int = 100_000,
-    **kwargs,
+    model: BiEncoder, texts: Sequence[str], side: Side, path: str | Path, shard_size: int = 100_000, **kwargs
 ) -> np.memmap:
     """Encode a corpus larger than memory shard by shard into a float32 ``.npy`` memory map.
 

@@ -37,7 +37,9 @@ def exact_search(
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     k = min(k, len(passages))
     dtype = torch.float16 if half and device.type == "cuda" else torch.float32
-    corpus_chunks = [_on(passages[s : s + passage_chunk], device, dtype) for s in range(0, len(passages), passage_chunk)]
+    corpus_chunks = [
+        _on(passages[s : s + passage_chunk], device, dtype) for s in range(0, len(passages), passage_chunk)
+    ]
     all_scores = np.empty((len(queries), k), dtype=np.float32)
     all_ids = np.empty((len(queries), k), dtype=np.int64)
     for qs in range(0, len(queries), query_chunk):

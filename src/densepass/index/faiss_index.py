@@ -50,6 +50,7 @@ def build_faiss_index(
 
 
 def faiss_search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` (scores, rows) of each query from a FAISS index (rows -1 past its size)."""
     scores, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), min(k, index.ntotal))
     return scores, ids
 
@@ -66,6 +67,7 @@ def save_faiss_index(index, path: str | Path) -> None:
 
 
 def load_faiss_index(path: str | Path):
+    """Read a FAISS index file written by ``save_faiss_index``."""
     import faiss
 
     if not Path(path).is_file():

@@ -55,8 +55,15 @@ class HybridIndex(Index):
 
     kind: ClassVar[str] = "hybrid"
 
-    def __init__(self, first: Index, second: Index, method: Fusion = "rrf", weight: float = 0.5, depth: int = 100,
-                 rrf_k: int = 60) -> None:
+    def __init__(
+        self,
+        first: Index,
+        second: Index,
+        method: Fusion = "rrf",
+        weight: float = 0.5,
+        depth: int = 100,
+        rrf_k: int = 60,
+    ) -> None:
         if method not in ("rrf", "linear"):
             raise ConfigError(f"unknown fusion {method!r} (use 'rrf' or 'linear')")
         if not 0 <= weight <= 1:
@@ -70,13 +77,16 @@ class HybridIndex(Index):
 
     @property
     def passages(self) -> Corpus:  # type: ignore[override]
+        """The passages both parts index."""
         return self.first.passages
 
     def add(self, passages: Passages) -> None:
+        """Index more passages in both parts."""
         self.first.add(passages)
         self.second.add(passages)
 
     def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` of each query after fusing the two parts' top ``depth``."""
         queries = check_queries(queries)
         depth = max(k, self.depth)
         results = [self.first.search(queries, depth), self.second.search(queries, depth)]
@@ -84,8 +94,13 @@ class HybridIndex(Index):
         scores = np.zeros((len(queries), k), dtype=np.float32)
         rows = np.full((len(queries), k), -1, dtype=np.int64)
         for i in range(len(queries)):
-            lists = [([int(r) for r in res.rows[i] if r >= 0], [float(s) for r, s in zip(res.rows[i], res.scores[i])
-                                                                 if r >= 0]) for res in results]
+            lists = [
+                (
+                    [int(r) for r in res.rows[i] if r >= 0],
+                    [float(s) for r, s in zip(res.rows[i], res.scores[i]) if r >= 0],
+                )
+                for res in results
+            ]
             if self.method == "rrf":
                 fused = rrf_scores([rows_ for rows_, _ in lists], self.rrf_k)
             else:
@@ -96,8 +111,11 @@ class HybridIndex(Index):
         return scores, rows
 
     def facts(self) -> dict:
-        return {"options": {"method": self.method, "weight": self.weight, "depth": self.depth, "rrf_k": self.rrf_k},
-                "parts": [self.first.kind, self.second.kind]}
+        """Fusion method and parameters, and the kinds of the two parts, for the manifest."""
+        return {
+            "options": {"method": self.method, "weight": self.weight, "depth": self.depth, "rrf_k": self.rrf_k},
+            "parts": [self.first.kind, self.second.kind],
+        }
 
     def _write(self, directory: Path) -> None:
         self.first.save(directory / "first")

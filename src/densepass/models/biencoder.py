@@ -49,8 +49,10 @@ def resolve_model_path(name_or_path: str) -> str:
             raise ConfigError(f"{path} is not a model directory (no config.json)")
         return name_or_path
     if not _in_hub_cache(name_or_path):
-        raise ConfigError(f"model not found: {name_or_path} is neither a local model directory nor in the "
-                          f"Hugging Face cache (nothing is downloaded at run time)")
+        raise ConfigError(
+            f"model not found: {name_or_path} is neither a local model directory nor in the "
+            f"Hugging Face cache (nothing is downloaded at run time)"
+        )
     return name_or_path
 
 
@@ -115,9 +117,11 @@ class BiEncoder(nn.Module):
 
     @property
     def dim(self) -> int:
+        """Embedding dimension (the projection's when there is one)."""
         return self.projection.out_features if self.projection is not None else self.query_encoder.config.hidden_size
 
     def max_length(self, side: Side) -> int:
+        """Token limit of one side's inputs."""
         return self.config.query_max_length if side == "query" else self.config.passage_max_length
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, side: Side) -> torch.Tensor:
@@ -131,13 +135,25 @@ class BiEncoder(nn.Module):
             out = nn.functional.normalize(out.float(), dim=-1)
         return out
 
-    def encode_queries(self, texts: Sequence[str], batch_size: int = 256, show_progress: bool = True,
-                       convert_to: Literal["numpy", "torch"] = "numpy", device: torch.device | None = None):
+    def encode_queries(
+        self,
+        texts: Sequence[str],
+        batch_size: int = 256,
+        show_progress: bool = True,
+        convert_to: Literal["numpy", "torch"] = "numpy",
+        device: torch.device | None = None,
+    ):
         """Query embeddings [len(texts), dim] (float32), batched and length-sorted (``models.encode``)."""
         return self._encode(texts, "query", batch_size, show_progress, convert_to, device)
 
-    def encode_passages(self, passages: Sequence[str] | Corpus, batch_size: int = 256, show_progress: bool = True,
-                        convert_to: Literal["numpy", "torch"] = "numpy", device: torch.device | None = None):
+    def encode_passages(
+        self,
+        passages: Sequence[str] | Corpus,
+        batch_size: int = 256,
+        show_progress: bool = True,
+        convert_to: Literal["numpy", "torch"] = "numpy",
+        device: torch.device | None = None,
+    ):
         """Passage embeddings [n, dim] (float32) of strings, or of a ``Corpus`` as ``title [SEP] text``."""
         if isinstance(passages, Corpus):
             passages = passages.passage_inputs(self.tokenizer.sep_token or " ")
@@ -161,7 +177,11 @@ class BiEncoder(nn.Module):
         """Padded tensors of one side's texts; ``tokenizer``: a private copy of ``self.tokenizer`` for a
         worker thread (a fast tokenizer's truncation settings are shared state)."""
         return (tokenizer or self.tokenizer)(
-            texts, truncation=True, max_length=self.max_length(side), padding=padding, return_tensors="pt",
+            texts,
+            truncation=True,
+            max_length=self.max_length(side),
+            padding=padding,
+            return_tensors="pt",
             pad_to_multiple_of=8 if padding is True else None,  # tensor-core friendly, few distinct shapes
         )
 
@@ -206,7 +226,9 @@ class BiEncoder(nn.Module):
         self.tokenizer.save_pretrained(path)
         modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
         hidden = encoder.config.hidden_size
-        _write_json(path / "sentence_bert_config.json", {"max_seq_length": self.max_length(side), "do_lower_case": False})
+        _write_json(
+            path / "sentence_bert_config.json", {"max_seq_length": self.max_length(side), "do_lower_case": False}
+        )
         _write_json(
             path / "1_Pooling" / "config.json",
             {
@@ -236,7 +258,12 @@ class BiEncoder(nn.Module):
             idx = len(modules)
             (path / f"{idx}_Normalize").mkdir(parents=True, exist_ok=True)
             modules.append(
-                {"idx": idx, "name": str(idx), "path": f"{idx}_Normalize", "type": "sentence_transformers.models.Normalize"}
+                {
+                    "idx": idx,
+                    "name": str(idx),
+                    "path": f"{idx}_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                }
             )
         _write_json(path / "modules.json", modules)
 

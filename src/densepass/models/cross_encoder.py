@@ -29,14 +29,25 @@ from densepass.io import atomic_directory
 class CrossEncoder:
     """A (query, passage) -> relevance scorer."""
 
-    def __init__(self, model, tokenizer, max_length: int = 256, batch_size: int = 64,
-                 device: torch.device | None = None, bf16: bool = False, source: str | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_length: int = 256,
+        batch_size: int = 64,
+        device: torch.device | None = None,
+        bf16: bool = False,
+        source: str | None = None,
+    ) -> None:
         if getattr(model.config, "num_labels", None) != 1:
-            raise ConfigError(f"a cross-encoder needs a one-logit head; {source or 'this model'} has "
-                              f"{getattr(model.config, 'num_labels', 'no')} labels")
+            raise ConfigError(
+                f"a cross-encoder needs a one-logit head; {source or 'this model'} has "
+                f"{getattr(model.config, 'num_labels', 'no')} labels"
+            )
         if max_length < 8 or batch_size < 1:
-            raise ConfigError(f"cross-encoder max_length must be >= 8 and batch_size >= 1, got {max_length}, "
-                              f"{batch_size}")
+            raise ConfigError(
+                f"cross-encoder max_length must be >= 8 and batch_size >= 1, got {max_length}, {batch_size}"
+            )
         self.model, self.tokenizer = model, tokenizer
         self.max_length, self.batch_size, self.bf16, self.source = max_length, batch_size, bf16, source
         self.device = device or default_device()
@@ -63,8 +74,14 @@ class CrossEncoder:
         order = np.argsort([-(len(q) + len(p)) for q, p in zip(queries, passages)], kind="stable")
         for start in range(0, len(order), self.batch_size):
             rows = order[start : start + self.batch_size]
-            tokens = self.tokenizer([queries[r] for r in rows], [passages[r] for r in rows], truncation="only_second",
-                                    max_length=self.max_length, padding=True, return_tensors="pt").to(self.device)
+            tokens = self.tokenizer(
+                [queries[r] for r in rows],
+                [passages[r] for r in rows],
+                truncation="only_second",
+                max_length=self.max_length,
+                padding=True,
+                return_tensors="pt",
+            ).to(self.device)
             with autocast_context(self.device, self.bf16):
                 logits = self.model(**tokens).logits
             out[rows] = logits.float().squeeze(-1).cpu().numpy()

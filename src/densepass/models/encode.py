@@ -37,8 +37,9 @@ def inference_copy(model: BiEncoder, dtype: torch.dtype) -> BiEncoder:
     towers = {id(t): t for t in (model.query_encoder, model.passage_encoder)}
     copies = {key: copy.deepcopy(t).to(dtype).eval().requires_grad_(False) for key, t in towers.items()}
     projection = copy.deepcopy(model.projection) if model.projection is not None else None
-    return type(model)(copies[id(model.query_encoder)], copies[id(model.passage_encoder)], model.tokenizer,
-                       model.config, projection).eval()
+    return type(model)(
+        copies[id(model.query_encoder)], copies[id(model.passage_encoder)], model.tokenizer, model.config, projection
+    ).eval()
 
 
 def padded_batches(
@@ -52,8 +53,13 @@ def padded_batches(
 ) -> list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
     """Tokenise ``texts[rows]`` and cut them into batches of similar length, longest first:
     a list of (rows of the batch, input ids, attention mask), each padded to its longest row."""
-    encoded = tokenizer([texts[r] for r in rows], truncation=True, max_length=max_length,
-                        return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+    encoded = tokenizer(
+        [texts[r] for r in rows],
+        truncation=True,
+        max_length=max_length,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+    )["input_ids"]
     lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
     pad_id = tokenizer.pad_token_id or 0
     flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64, count=int(lengths.sum()))

@@ -35,11 +35,15 @@ def mine_dense_negatives(
     """Query id -> the top ``depth`` passages by dot product (after dropping ``skip_top``), best first."""
     sep = model.tokenizer.sep_token or " "
     if passage_embeddings is None:
-        passage_embeddings = encode_texts(model, dataset.corpus.passage_inputs(sep), "passage", batch_size, device,
-                                          show_progress=show_progress)
-    queries = encode_texts(model, [dataset.queries[q] for q in query_ids], "query", batch_size, device,
-                           show_progress=show_progress)
+        passage_embeddings = encode_texts(
+            model, dataset.corpus.passage_inputs(sep), "passage", batch_size, device, show_progress=show_progress
+        )
+    queries = encode_texts(
+        model, [dataset.queries[q] for q in query_ids], "query", batch_size, device, show_progress=show_progress
+    )
     scores, rows = exact_search(queries, passage_embeddings, depth + skip_top, device=device)
     ids = dataset.corpus.ids
-    return {qid: [Candidate(ids[r], source, s) for s, r in zip(row_s[skip_top:], row_r[skip_top:])]
-            for qid, row_s, row_r in zip(query_ids, scores.tolist(), rows.tolist())}
+    return {
+        qid: [Candidate(ids[r], source, s) for s, r in zip(row_s[skip_top:], row_r[skip_top:])]
+        for qid, row_s, row_r in zip(query_ids, scores.tolist(), rows.tolist())
+    }

@@ -30,6 +30,8 @@ FILTERS = ("qrels", "answers", "duplicates", "cross-encoder")
 
 @dataclass
 class QrelsFilter:
+    """Drops passages judged relevant to the query in any split."""
+
     dataset: RetrievalDataset
     name: str = "qrels"
 
@@ -37,16 +39,20 @@ class QrelsFilter:
         self.relevant = self.dataset.relevant_sets()
 
     def keep(self, qid: str, cands: list[Candidate]) -> list[bool]:
+        """For each candidate, whether it stays."""
         relevant = self.relevant.get(qid, set())
         return [c.passage_id not in relevant for c in cands]
 
 
 @dataclass
 class AnswerFilter:
+    """Drops passages that contain one of the query's answer strings."""
+
     dataset: RetrievalDataset
     name: str = "answers"
 
     def keep(self, qid: str, cands: list[Candidate]) -> list[bool]:
+        """For each candidate, whether it stays."""
         answers = self.dataset.answers.get(qid)
         if not answers:
             return [True] * len(cands)
@@ -55,6 +61,8 @@ class AnswerFilter:
 
 @dataclass
 class DuplicateFilter:
+    """Drops passages with a positive's content, and other queries' positives with the same text."""
+
     dataset: RetrievalDataset
     split: str = "train"
     name: str = "duplicates"
@@ -74,6 +82,7 @@ class DuplicateFilter:
         return self._keys[pid]
 
     def keep(self, qid: str, cands: list[Candidate]) -> list[bool]:
+        """For each candidate, whether it stays."""
         pos = self.positives.get(qid, [])
         pos_keys = {self._key(p) for p in pos}
         same_text = self._by_text.get(normalize_answer(self.dataset.queries[qid]), set()) - set(pos)
@@ -82,6 +91,8 @@ class DuplicateFilter:
 
 @dataclass
 class CrossEncoderFilter:
+    """Drops candidates a cross-encoder scores above a threshold (likely unlabeled positives)."""
+
     dataset: RetrievalDataset
     scorer: Scorer
     threshold: float
@@ -89,6 +100,7 @@ class CrossEncoderFilter:
     sep_token: str = "[SEP]"
 
     def keep(self, qid: str, cands: list[Candidate]) -> list[bool]:
+        """For each candidate, whether it stays."""
         if not cands:
             return []
         texts = [passage_input(self.dataset.corpus, c.passage_id, self.sep_token) for c in cands]
@@ -104,12 +116,19 @@ def cross_encoder_scorer(path: str, batch_size: int = 64) -> Scorer:
         model = CrossEncoder(path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot load cross-encoder {path!r}: {err}") from None
-    return lambda query, passages: model.predict([(query, p) for p in passages], batch_size=batch_size,
-                                                 show_progress_bar=False)
+    return lambda query, passages: model.predict(
+        [(query, p) for p in passages], batch_size=batch_size, show_progress_bar=False
+    )
 
 
-def build_filters(names: Sequence[str], dataset: RetrievalDataset, split: str = "train", sep_token: str = "[SEP]",
-                  cross_encoder: str | Scorer | None = None, threshold: float = 0.0) -> list:
+def build_filters(
+    names: Sequence[str],
+    dataset: RetrievalDataset,
+    split: str = "train",
+    sep_token: str = "[SEP]",
+    cross_encoder: str | Scorer | None = None,
+    threshold: float = 0.0,
+) -> list:
     """Filters by name, in the given order."""
     out = []
     for name in names:
@@ -129,15 +148,15 @@ def build_filters(names: Sequence[str], dataset: RetrievalDataset, split: str = 
     return out
 
 
-def apply_filters(pool: NegativePool, filters: Sequence, show_progress: bool = False
-                  ) -> tuple[NegativePool, dict[str, int]]:
+def apply_filters(
+    pool: NegativePool, filters: Sequence, show_progress: bool = False
+) -> tuple[NegativePool, dict[str, int]]:
     """Run the filters in order; returns the filtered pool and {filter name: candidates removed}."""
     from tqdm.auto import tqdm
 
     removed = {f.name: 0 for f in filters}
     out: NegativePool = {}
-    for qid, cands in tqdm(pool.items(), total=len(pool), desc="filter", disable=not show_progress,
-                           dynamic_ncols=True):
+    for qid, cands in tqdm(pool.items(), total=len(pool), desc="filter", disable=not show_progress, dynamic_ncols=True):
         for f in filters:
             flags = f.keep(qid, cands)
             kept = [c for c, ok in zip(cands, flags) if ok]

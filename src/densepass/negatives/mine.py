@@ -25,22 +25,28 @@ from densepass.negatives.pool import NegativePool, load_pool, source_counts, tru
 
 @dataclass
 class MiningResult:
+    """A mined pool, what each filter removed, and how long it took."""
+
     pool: NegativePool
     removed: dict[str, int]  # filter name -> candidates removed
     seconds: float
 
     @property
     def source_counts(self) -> dict[str, int]:
+        """Candidates per strategy in the pool."""
         return source_counts(self.pool)
 
     def summary(self) -> str:
+        """One line describing the pool (sizes, sources, removals, time)."""
         n = len(self.pool)
         total = sum(len(c) for c in self.pool.values())
         empty = sum(1 for c in self.pool.values() if not c)
         sources = ", ".join(f"{s}: {k}" for s, k in self.source_counts.items()) or "none"
         removed = ", ".join(f"{f}: {k}" for f, k in self.removed.items())
-        return (f"{total} negatives for {n} queries ({total / max(n, 1):.1f} per query, {empty} with none) in "
-                f"{self.seconds:.1f}s; by source: {sources}; removed by filter: {removed}")
+        return (
+            f"{total} negatives for {n} queries ({total / max(n, 1):.1f} per query, {empty} with none) in "
+            f"{self.seconds:.1f}s; by source: {sources}; removed by filter: {removed}"
+        )
 
 
 @dataclass
@@ -80,8 +86,9 @@ def dense_specs(config: NegativesConfig, strategy: str | None = None) -> list[st
     return [s for s in specs if s.partition(":")[0] == "dense"]
 
 
-def raw_pool(spec: str, dataset: RetrievalDataset, query_ids: Sequence[str], config: NegativesConfig,
-             ctx: MiningContext) -> NegativePool:
+def raw_pool(
+    spec: str, dataset: RetrievalDataset, query_ids: Sequence[str], config: NegativesConfig, ctx: MiningContext
+) -> NegativePool:
     """Unfiltered candidates of one strategy: ``bm25``, ``context``, ``model``, ``dense[:DIM]``,
     ``file:PATH``, ``file`` (config.file) or ``mixed`` (config.mix)."""
     depth = fetch_depth(config.pool_depth)
@@ -108,30 +115,47 @@ def raw_pool(spec: str, dataset: RetrievalDataset, query_ids: Sequence[str], con
         else:
             dim = dense_dim(spec, config)
             if dim not in ctx.miners:
-                raise ConfigError(f"{spec} mining needs a trained {dim}-d miner in the mining context "
-                                  "(densepass.training.miner.prepare_miners trains it)")
+                raise ConfigError(
+                    f"{spec} mining needs a trained {dim}-d miner in the mining context "
+                    "(densepass.training.miner.prepare_miners trains it)"
+                )
             model, source = ctx.miners[dim], f"dense-{dim}d"
-        return mine_dense_negatives(model, dataset, query_ids, depth, config.skip_top, source, config.batch_size,
-                                    ctx.device, show_progress=ctx.show_progress)
+        return mine_dense_negatives(
+            model,
+            dataset,
+            query_ids,
+            depth,
+            config.skip_top,
+            source,
+            config.batch_size,
+            ctx.device,
+            show_progress=ctx.show_progress,
+        )
     if name == "file":
         path = arg or config.file
         if not path:
             raise ConfigError("negatives.source=file needs negatives.file (a hard-negatives file)")
         pool = load_pool(path, dataset)
-        return {q: pool.get(q, [])[config.skip_top:] for q in query_ids}
+        return {q: pool.get(q, [])[config.skip_top :] for q in query_ids}
     if name == "mixed":
         from densepass.negatives.mixed import mix_pools
 
         if not config.mix or "mixed" in config.mix:
             raise ConfigError("negatives.mix must list the strategies to mix (and not 'mixed')")
         return mix_pools([raw_pool(s, dataset, query_ids, config, ctx) for s in config.mix], depth)
-    raise ConfigError(f"unknown negatives strategy {spec!r} (known: bm25, dense[:DIM], model, context, mixed, "
-                      "file[:PATH])")
+    raise ConfigError(
+        f"unknown negatives strategy {spec!r} (known: bm25, dense[:DIM], model, context, mixed, file[:PATH])"
+    )
 
 
-def mine_negatives(dataset: RetrievalDataset, query_ids: Sequence[str], config: NegativesConfig,
-                   ctx: MiningContext | None = None, sep_token: str = "[SEP]", strategy: str | None = None
-                   ) -> MiningResult:
+def mine_negatives(
+    dataset: RetrievalDataset,
+    query_ids: Sequence[str],
+    config: NegativesConfig,
+    ctx: MiningContext | None = None,
+    sep_token: str = "[SEP]",
+    strategy: str | None = None,
+) -> MiningResult:
     """The filtered pool of ``config.source`` (or of ``strategy``, any ``raw_pool`` spec such as
     ``dense:25``) for ``query_ids``, ``config.pool_depth`` per query."""
     ctx = ctx or MiningContext()

@@ -23,6 +23,8 @@ from densepass.io import atomic_write_text
 
 
 class Candidate(NamedTuple):
+    """A candidate negative: its passage id, the strategy that found it and its score there."""
+
     passage_id: str
     source: str
     score: float
@@ -33,14 +35,22 @@ NegativePool = dict[str, list[Candidate]]
 
 def save_pool(pool: NegativePool, path: str | Path) -> None:
     """Write ``pool`` as JSONL (queries in insertion order), atomically."""
-    lines = [json.dumps({"query_id": qid, "negatives": [[c.passage_id, c.source, float(c.score)] for c in cands]})
-             for qid, cands in pool.items()]
+    lines = [
+        json.dumps({"query_id": qid, "negatives": [[c.passage_id, c.source, float(c.score)] for c in cands]})
+        for qid, cands in pool.items()
+    ]
     atomic_write_text(path, "\n".join(lines) + ("\n" if lines else ""))
 
 
 def _candidate(item: object, where: str) -> Candidate:
-    if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], str) or not isinstance(item[1], str)
-            or isinstance(item[2], bool) or not isinstance(item[2], (int, float))):
+    if (
+        not isinstance(item, list)
+        or len(item) != 3
+        or not isinstance(item[0], str)
+        or not isinstance(item[1], str)
+        or isinstance(item[2], bool)
+        or not isinstance(item[2], (int, float))
+    ):
         raise DataError(f"{where}: each negative must be [passage_id, source, score], got {item!r}")
     return Candidate(item[0], item[1], float(item[2]))
 
@@ -60,9 +70,12 @@ def load_pool(path: str | Path, dataset: RetrievalDataset | None = None) -> Nega
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{where}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("query_id"), str) \
-                    or not isinstance(record.get("negatives"), list):
-                raise DataError(f"{where}: expected {{\"query_id\": str, \"negatives\": [...]}}")
+            if (
+                not isinstance(record, dict)
+                or not isinstance(record.get("query_id"), str)
+                or not isinstance(record.get("negatives"), list)
+            ):
+                raise DataError(f'{where}: expected {{"query_id": str, "negatives": [...]}}')
             qid = record["query_id"]
             if qid in pool:
                 raise DataError(f"{where}: query {qid!r} appears twice")
@@ -88,6 +101,7 @@ def passage_ids(pool: NegativePool) -> dict[str, list[str]]:
 
 
 def source_counts(pool: NegativePool) -> dict[str, int]:
+    """Candidates per strategy, over every query."""
     counts: dict[str, int] = {}
     for cands in pool.values():
         for c in cands:

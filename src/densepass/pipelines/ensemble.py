@@ -31,8 +31,9 @@ METHODS = ("embedding", "rrf")
 def _encode(path: str, queries: list[str], dataset: RetrievalDataset, batch_size: int, device) -> tuple:
     model = BiEncoder.from_pretrained(path)
     q = encode_texts(model, queries, "query", batch_size, device)
-    p = encode_texts(model, dataset.corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage", batch_size,
-                     device)
+    p = encode_texts(
+        model, dataset.corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage", batch_size, device
+    )
     del model
     gc.collect()
     if torch.cuda.is_available():
@@ -64,8 +65,12 @@ class EnsembleSettings:
             raise ConfigError("ensemble depth, rrf_k and batch size must be >= 1")
 
 
-def evaluate_ensemble(dataset: RetrievalDataset, model_paths: Sequence[str], settings: EnsembleSettings | None = None,
-                      labels: Sequence[str] | None = None) -> dict:
+def evaluate_ensemble(
+    dataset: RetrievalDataset,
+    model_paths: Sequence[str],
+    settings: EnsembleSettings | None = None,
+    labels: Sequence[str] | None = None,
+) -> dict:
     """``{"results": {system: {metric: value}}, "weights": {model: w}, "evaluations": n}``."""
     s = settings or EnsembleSettings()
     if len(model_paths) < 2:
@@ -90,12 +95,16 @@ def evaluate_ensemble(dataset: RetrievalDataset, model_paths: Sequence[str], set
     results = {label: evaluate_run(qrels, run, metrics) for label, run in zip(labels, runs)}
     out: dict = {"results": results, "queries": len(qids)}
     if "embedding" in s.methods:
+
         def fused_run(weights) -> Run:
-            return run_of(fuse_embeddings([q for q, _ in embeddings], weights),
-                          fuse_embeddings([p for _, p in embeddings], weights))
+            return run_of(
+                fuse_embeddings([q for q, _ in embeddings], weights),
+                fuse_embeddings([p for _, p in embeddings], weights),
+            )
 
         weights, _, evaluations = tune_weights(
-            lambda w: evaluate_run(qrels, fused_run(w), [tune_metric])[tune_metric], len(model_paths), s.grid)
+            lambda w: evaluate_run(qrels, fused_run(w), [tune_metric])[tune_metric], len(model_paths), s.grid
+        )
         results["ensemble (embedding)"] = evaluate_run(qrels, fused_run(weights), metrics)
         out["weights"] = dict(zip(labels, weights))
         out["evaluations"] = evaluations

@@ -16,6 +16,8 @@ from densepass.index.bm25 import BM25Index
 
 @dataclass
 class EvalSet:
+    """The evaluated queries, their qrels and answers, and the corpus they are searched in."""
+
     query_ids: list[str]
     query_texts: list[str]
     qrels: Qrels
@@ -45,14 +47,16 @@ def add_rerank_candidates(evalset: EvalSet, bm25: BM25Index, size: int) -> EvalS
 
 
 def build_eval_set(dataset: RetrievalDataset, config: DataConfig, bm25: BM25Index | None) -> EvalSet:
+    """The evaluation set a ``DataConfig`` describes: a sample of the eval split, in the full corpus or a subcorpus."""
     qrels = dataset.sample(config.eval_split, config.max_eval_queries, config.seed)
     query_ids = sorted(qrels)
     texts = [dataset.queries[q] for q in query_ids]
     answers = {q: dataset.answers[q] for q in query_ids if q in dataset.answers}
     corpus = dataset.corpus
     if not config.eval_subcorpus:
-        return EvalSet(query_ids, texts, qrels, corpus, f"{len(query_ids)} queries, full corpus ({len(corpus)} passages)",
-                       answers)
+        return EvalSet(
+            query_ids, texts, qrels, corpus, f"{len(query_ids)} queries, full corpus ({len(corpus)} passages)", answers
+        )
     if config.eval_hard_k < 0 or config.eval_random < 0:
         raise ConfigError("data.eval_hard_k and data.eval_random must be >= 0")
     n_gold = len(gold_subcorpus(corpus, qrels))
@@ -71,6 +75,7 @@ def build_eval_set(dataset: RetrievalDataset, config: DataConfig, bm25: BM25Inde
     positions = sorted(keep)
     description = (
         f"{len(query_ids)} {config.eval_split} queries; subcorpus of {len(positions)} passages "
-        f"({n_gold} gold + {n_hard} more from BM25 top-{config.eval_hard_k} + {len(positions) - n_gold - n_hard} random)"
+        f"({n_gold} gold + {n_hard} more from BM25 top-{config.eval_hard_k} + "
+        f"{len(positions) - n_gold - n_hard} random)"
     )
     return EvalSet(query_ids, texts, qrels, corpus.subset(positions), description, answers)

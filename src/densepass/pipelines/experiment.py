@@ -60,8 +60,12 @@ def model_from_config(config: ExperimentConfig) -> BiEncoder:
 def run_identity(config: ExperimentConfig) -> dict:
     """The settings besides ``train`` that change the fine-tuned model: resuming across a change is refused."""
     schedule = {k: v for k, v in asdict(config.schedule).items() if k != "background"}
-    return {"data": asdict(config.data), "model": asdict(config.model), "negatives": asdict(config.negatives),
-            "schedule": schedule}
+    return {
+        "data": asdict(config.data),
+        "model": asdict(config.model),
+        "negatives": asdict(config.negatives),
+        "schedule": schedule,
+    }
 
 
 # ---- stage 1: checks before any work -------------------------------------------------------------------
@@ -119,6 +123,7 @@ class Experiment:
 
     @property
     def run_dir(self) -> Path:
+        """Where this run writes: ``<output_dir>/<name>``."""
         return self.config.run_dir
 
 
@@ -164,8 +169,10 @@ def score_run(exp: Experiment, run: Run, name: str) -> dict[str, float]:
 
 def _candidate_run(evalset: EvalSet, scores_of: Callable[[int, list[str]], np.ndarray]) -> Run:
     """A run scoring each query's own candidates with ``scores_of(query index, candidate ids)``."""
-    return {qid: dict(zip(evalset.candidates[qid], map(float, scores_of(i, evalset.candidates[qid]))))
-            for i, qid in enumerate(evalset.query_ids)}
+    return {
+        qid: dict(zip(evalset.candidates[qid], map(float, scores_of(i, evalset.candidates[qid]))))
+        for i, qid in enumerate(evalset.query_ids)
+    }
 
 
 def evaluate_dense(exp: Experiment, model: BiEncoder, name: str) -> dict[str, float]:
@@ -173,8 +180,9 @@ def evaluate_dense(exp: Experiment, model: BiEncoder, name: str) -> dict[str, fl
     ``densepass index`` + ``densepass search`` do), or scoring each query's candidates in rerank mode."""
     evalset, settings = exp.evalset, exp.config.eval
     if evalset.candidates is None:
-        index = DenseIndex.build(model, evalset.corpus, settings.index, batch_size=settings.batch_size,
-                                 device=exp.device)
+        index = DenseIndex.build(
+            model, evalset.corpus, settings.index, batch_size=settings.batch_size, device=exp.device
+        )
         results = index.search(evalset.query_texts, settings.depth)
         return score_run(exp, results.as_run(evalset.query_ids), name)
     corpus = evalset.corpus
@@ -183,7 +191,7 @@ def evaluate_dense(exp: Experiment, model: BiEncoder, name: str) -> dict[str, fl
     passages = model.encode_passages(texts, settings.batch_size, show_progress=False, device=exp.device)
     queries = model.encode_queries(evalset.query_texts, settings.batch_size, show_progress=False, device=exp.device)
     starts = np.cumsum([0] + [len(evalset.candidates[q]) for q in evalset.query_ids])
-    return score_run(exp, _candidate_run(evalset, lambda i, _: passages[starts[i]:starts[i + 1]] @ queries[i]), name)
+    return score_run(exp, _candidate_run(evalset, lambda i, _: passages[starts[i] : starts[i + 1]] @ queries[i]), name)
 
 
 def evaluate_bm25(exp: Experiment) -> dict[str, float]:
@@ -191,8 +199,13 @@ def evaluate_bm25(exp: Experiment) -> dict[str, float]:
     evalset, index = exp.evalset, exp.eval_bm25
     if evalset.candidates is not None:
         corpus = evalset.corpus
-        return score_run(exp, _candidate_run(evalset, lambda i, cands: index.score_all(evalset.query_texts[i])[
-            [corpus.position(p) for p in cands]]), "bm25")
+        return score_run(
+            exp,
+            _candidate_run(
+                evalset, lambda i, cands: index.score_all(evalset.query_texts[i])[[corpus.position(p) for p in cands]]
+            ),
+            "bm25",
+        )
     results = index.search(evalset.query_texts, exp.config.eval.depth)
     return score_run(exp, results.as_run(evalset.query_ids), "bm25")
 
@@ -223,19 +236,29 @@ def training_data(exp: Experiment, model: BiEncoder) -> tuple[TrainingData, Mini
     sep = model.tokenizer.sep_token or " "
     if neg.source == "none" or neg.per_query == 0:
         return TrainingData(dataset, config.data.train_split, sep, query_ids=train_qids), None, train_qids
-    context = MiningContext(config.data.train_split, exp.device, exp.full_bm25, exp.run_dir / "negatives",
-                            config.model.name_or_path, model.config, config.train, config.data.seed,
-                            show_progress=exp.main)
+    context = MiningContext(
+        config.data.train_split,
+        exp.device,
+        exp.full_bm25,
+        exp.run_dir / "negatives",
+        config.model.name_or_path,
+        model.config,
+        config.train,
+        config.data.seed,
+        show_progress=exp.main,
+    )
     prepare_miners(dataset, train_qids, neg, context)
     mined = mine_negatives(dataset, train_qids, neg, context, sep)
     if exp.main:
         save_pool(mined.pool, exp.run_dir / "negatives.jsonl")
     exp.notes.append(f"Hard negatives ({neg.source}): {mined.summary()}.")
     if neg.refresh_every:
-        exp.notes.append(f"Refreshed with the model being trained every {neg.refresh_every} steps "
-                         "(negatives/refresh_log.jsonl).")
-    data = TrainingData(dataset, config.data.train_split, sep, passage_ids(mined.pool), neg.per_query,
-                        query_ids=train_qids)
+        exp.notes.append(
+            f"Refreshed with the model being trained every {neg.refresh_every} steps (negatives/refresh_log.jsonl)."
+        )
+    data = TrainingData(
+        dataset, config.data.train_split, sep, passage_ids(mined.pool), neg.per_query, query_ids=train_qids
+    )
     return data, context, train_qids
 
 
@@ -244,8 +267,16 @@ def fine_tune(exp: Experiment, model: BiEncoder) -> None:
     config, run_dir = exp.config, exp.run_dir
     started = time.perf_counter()
     data, context, train_qids = training_data(exp, model)
-    planner = EpochPlanner(config.schedule, config.train.batch_size, config.train.seed, data, model, exp.device,
-                           run_dir / "schedule_log.jsonl", state_dir=run_dir / "schedule")
+    planner = EpochPlanner(
+        config.schedule,
+        config.train.batch_size,
+        config.train.seed,
+        data,
+        model,
+        exp.device,
+        run_dir / "schedule_log.jsonl",
+        state_dir=run_dir / "schedule",
+    )
     identity = run_identity(config)
     resumed_at = resume_step(run_dir, config.train, identity)
     eval_log = run_dir / "eval_log.jsonl"
@@ -260,17 +291,33 @@ def fine_tune(exp: Experiment, model: BiEncoder) -> None:
 
     callbacks: list[Callable[[int], None]] = []
     if config.negatives.refresh_every is not None:
-        refresher = NegativeRefresher(config.negatives.refresh_every, model, data, exp.dataset, train_qids,
-                                      config.negatives, context, run_dir / "negatives",
-                                      planned_steps(planner.steps_per_epoch, config.train))
+        refresher = NegativeRefresher(
+            config.negatives.refresh_every,
+            model,
+            data,
+            exp.dataset,
+            train_qids,
+            config.negatives,
+            context,
+            run_dir / "negatives",
+            planned_steps(planner.steps_per_epoch, config.train),
+        )
         refresher.restore(resumed_at)
         callbacks.append(refresher)
     if config.validation.enabled and exp.main:
         callbacks.append(Validator(config.validation, exp.dataset, model, exp.device, run_dir, config.eval.metrics))
     try:
-        result = train(model, data, config.train, run_dir, exp.device, planner, identity=identity,
-                       on_epoch_end=evaluate_epoch if config.eval.each_epoch else None,
-                       on_step_end=(lambda step: [callback(step) for callback in callbacks]) if callbacks else None)
+        result = train(
+            model,
+            data,
+            config.train,
+            run_dir,
+            exp.device,
+            planner,
+            identity=identity,
+            on_epoch_end=evaluate_epoch if config.eval.each_epoch else None,
+            on_step_end=(lambda step: [callback(step) for callback in callbacks]) if callbacks else None,
+        )
     finally:
         planner.close()
     if not exp.main:
@@ -292,11 +339,23 @@ def fine_tune(exp: Experiment, model: BiEncoder) -> None:
 def finish(exp: Experiment) -> None:
     """``metrics.json``, ``report.md`` and the table on the terminal."""
     config, metrics = exp.config, exp.config.eval.metrics
-    payload = {"dataset": config.data.name, "eval": exp.evalset.description, "device": str(exp.device),
-               "results": exp.results, "timings": exp.timings, "config": asdict(config)}
+    payload = {
+        "dataset": config.data.name,
+        "eval": exp.evalset.description,
+        "device": str(exp.device),
+        "results": exp.results,
+        "timings": exp.timings,
+        "config": asdict(config),
+    }
     atomic_write_text(exp.run_dir / "metrics.json", json.dumps(payload, indent=2))
-    write_report(exp.run_dir, f"densepass run: {config.name}",
-                 f"Dataset `{config.data.name}`: {exp.evalset.description}.", exp.results, metrics, exp.notes)
+    write_report(
+        exp.run_dir,
+        f"densepass run: {config.name}",
+        f"Dataset `{config.data.name}`: {exp.evalset.description}.",
+        exp.results,
+        metrics,
+        exp.notes,
+    )
     print_table(exp.results, metrics, f"{config.data.name}: {exp.evalset.description}")
 
 

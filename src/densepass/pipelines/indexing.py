@@ -57,15 +57,27 @@ class IndexSettings:
 
 def encode_corpus(model: BiEncoder, corpus: Corpus, work_dir: Path, settings: IndexSettings):
     """The corpus's passage embeddings, through a resumable memory map named by content."""
-    key = fingerprint_json({"weights": fingerprint_weights(model), "architecture": dataclasses.asdict(model.config),
-                            "corpus": fingerprint_corpus(corpus)})[:20]
+    key = fingerprint_json(
+        {
+            "weights": fingerprint_weights(model),
+            "architecture": dataclasses.asdict(model.config),
+            "corpus": fingerprint_corpus(corpus),
+        }
+    )[:20]
     path = work_dir / f"passages-{key}.npy"
     for stale in work_dir.glob("passages-*"):
         if not stale.name.startswith(path.name):
             stale.unlink()  # another model's or corpus's rows: never reused
-    return encode_to_memmap(model, corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage", path,
-                            shard_size=settings.shard_size, batch_size=settings.batch_size, device=settings.device,
-                            show_progress=settings.show_progress)
+    return encode_to_memmap(
+        model,
+        corpus.passage_inputs(model.tokenizer.sep_token or " "),
+        "passage",
+        path,
+        shard_size=settings.shard_size,
+        batch_size=settings.batch_size,
+        device=settings.device,
+        show_progress=settings.show_progress,
+    )
 
 
 def dense_index(model: BiEncoder, corpus: Corpus, kind: str, work_dir: Path, settings: IndexSettings) -> DenseIndex:

@@ -27,10 +27,20 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path) -> Min
     dataset = load_dataset(data.name, data.data_dir, data.format)
     query_ids = sorted(dataset.sample(data.train_split, data.max_train_queries, data.seed))
     work_dir = output.with_name(output.name + ".miners")
-    ctx = MiningContext(data.train_split, device, work_dir=work_dir, base_model=config.model.name_or_path,
-                        architecture=config.model.architecture(), train_config=config.train, seed=data.seed)
-    print(f"mining {config.negatives.source} negatives for {len(query_ids)} {data.train_split} queries of "
-          f"{data.name} on {device.type}", file=sys.stderr)
+    ctx = MiningContext(
+        data.train_split,
+        device,
+        work_dir=work_dir,
+        base_model=config.model.name_or_path,
+        architecture=config.model.architecture(),
+        train_config=config.train,
+        seed=data.seed,
+    )
+    print(
+        f"mining {config.negatives.source} negatives for {len(query_ids)} {data.train_split} queries of "
+        f"{data.name} on {device.type}",
+        file=sys.stderr,
+    )
     with exclusive_lock(work_dir, "mining"):
         prepare_miners(dataset, query_ids, config.negatives, ctx)
         result = mine_negatives(dataset, query_ids, config.negatives, ctx)

@@ -111,9 +111,14 @@ def plot_metrics(results: dict[str, dict[str, float]], metrics: list[str], out_p
 
 
 def write_report(
-    run_dir: Path, title: str, description: str, results: dict[str, dict[str, float]], metrics: list[str],
+    run_dir: Path,
+    title: str,
+    description: str,
+    results: dict[str, dict[str, float]],
+    metrics: list[str],
     notes: list[str],
 ) -> Path:
+    """Write ``report.md`` (table, notes and plots of the run's logs) into ``run_dir``."""
     plots = []
     if plot_training_log(run_dir / "train_log.jsonl", run_dir / "loss.png"):
         plots.append("![training loss](loss.png)")

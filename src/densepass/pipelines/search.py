@@ -55,8 +55,9 @@ class SearchPipeline:
         self.index, self.reranker, self.rerank_depth = index, reranker, rerank_depth
 
     @classmethod
-    def load(cls, directory: str | Path, reranker: Reranker | None = None, rerank_depth: int = 100,
-             **index_options: Any) -> SearchPipeline:
+    def load(
+        cls, directory: str | Path, reranker: Reranker | None = None, rerank_depth: int = 100, **index_options: Any
+    ) -> SearchPipeline:
         """A pipeline over the index saved in ``directory``."""
         return cls(load_index(directory, **index_options), reranker, rerank_depth)
 
@@ -83,8 +84,13 @@ class SearchPipeline:
         corpus = results.passages
         out = []
         for i in range(len(results)):
-            out.append([Hit(corpus.ids[r], float(s), corpus.titles[r], corpus.texts[r])
-                        for r, s in zip(results.rows[i].tolist(), results.scores[i].tolist()) if r >= 0])
+            out.append(
+                [
+                    Hit(corpus.ids[r], float(s), corpus.titles[r], corpus.texts[r])
+                    for r, s in zip(results.rows[i].tolist(), results.scores[i].tolist())
+                    if r >= 0
+                ]
+            )
         return out
 
     def describe(self) -> dict:

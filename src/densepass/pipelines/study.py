@@ -41,6 +41,8 @@ from densepass.pipelines.validation import bm25_retriever, dense_retriever
 
 @dataclass
 class StudyRow:
+    """One subcorpus of a study: the metric of each checkpoint on it, its cost and its Kendall tau."""
+
     subcorpus: Subcorpus
     scores: list[float]  # metric per checkpoint
     seconds: float  # encode + search time of this subcorpus alone, with the first checkpoint
@@ -121,8 +123,9 @@ class StudySettings:
             raise ConfigError(f"max queries must be >= 1, got {self.max_queries}")
 
 
-def run_study(dataset: RetrievalDataset, checkpoints: list[Path], settings: StudySettings, out_dir: Path
-              ) -> list[StudyRow]:
+def run_study(
+    dataset: RetrievalDataset, checkpoints: list[Path], settings: StudySettings, out_dir: Path
+) -> list[StudyRow]:
     """Evaluate every checkpoint on C0, each R_r, each H_k and C (see ``StudySettings``)."""
     s = settings
     rs, ks, retriever, metric, seed = s.rs, s.ks, s.retriever, s.metric, s.seed
@@ -151,16 +154,20 @@ def run_study(dataset: RetrievalDataset, checkpoints: list[Path], settings: Stud
         identity = {"key": key, "checkpoint": fingerprints[j], "timed": j == 0}
         record = _read_saved(cache)
         if {k: record.get(k) for k in identity} != identity:
-            record = {**identity, **_evaluate_checkpoint(path, corpus, subcorpora, positions, qrels, texts, metric,
-                                                         timed=j == 0)}
+            record = {
+                **identity,
+                **_evaluate_checkpoint(path, corpus, subcorpora, positions, qrels, texts, metric, timed=j == 0),
+            }
             cache.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(cache, json.dumps(record))
         results.append(record)
     scores = np.array([r["scores"] for r in results]).T  # [subcorpus, checkpoint]
     seconds, direct_diff = results[0]["seconds"], results[0]["direct_vs_sliced_max_diff"]
     full = scores[-1].tolist()
-    rows_out = [StudyRow(sub, scores[i].tolist(), seconds[i], ordering_agreement(scores[i].tolist(), full))
-                for i, sub in enumerate(subcorpora)]
+    rows_out = [
+        StudyRow(sub, scores[i].tolist(), seconds[i], ordering_agreement(scores[i].tolist(), full))
+        for i, sub in enumerate(subcorpora)
+    ]
     write_study(rows_out, checkpoints, metric, out_dir, direct_diff)
     return rows_out
 
@@ -174,8 +181,16 @@ def _read_saved(path: Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def _evaluate_checkpoint(path: Path, corpus, subcorpora: list[Subcorpus], positions: list[np.ndarray], qrels,
-                         texts: list[str], metric: str, timed: bool) -> dict:
+def _evaluate_checkpoint(
+    path: Path,
+    corpus,
+    subcorpora: list[Subcorpus],
+    positions: list[np.ndarray],
+    qrels,
+    texts: list[str],
+    metric: str,
+    timed: bool,
+) -> dict:
     """The metric on every subcorpus from one encoding of C (rows sliced per subcorpus); if ``timed``,
     also each subcorpus's encode+search time on its own and the largest direct-vs-sliced difference."""
     model = BiEncoder.from_pretrained(str(path))
@@ -210,22 +225,41 @@ def write_study(rows: list[StudyRow], checkpoints: list[Path], metric: str, out_
     size on a log axis: per checkpoint, a solid line C0 -> R_r -> C and a dashed one C0 -> H_k -> C)."""
     full = rows[-1]
     names = [checkpoint_name(p) for p in checkpoints]
-    record = {"metric": metric, "checkpoints": [str(p) for p in checkpoints], "names": names,
-              "direct_vs_sliced_max_diff": direct_diff,
-              "rows": [{"subcorpus": r.subcorpus.label, "kind": r.subcorpus.kind, "passages": len(r.subcorpus),
-                        "provenance": r.subcorpus.provenance, "seconds": r.seconds, "kendall_tau": r.tau,
-                        "scores": r.scores} for r in rows]}
+    record = {
+        "metric": metric,
+        "checkpoints": [str(p) for p in checkpoints],
+        "names": names,
+        "direct_vs_sliced_max_diff": direct_diff,
+        "rows": [
+            {
+                "subcorpus": r.subcorpus.label,
+                "kind": r.subcorpus.kind,
+                "passages": len(r.subcorpus),
+                "provenance": r.subcorpus.provenance,
+                "seconds": r.seconds,
+                "kendall_tau": r.tau,
+                "scores": r.scores,
+            }
+            for r in rows
+        ],
+    }
     atomic_write_text(out_dir / "study.json", json.dumps(record, indent=2))
-    header = "| subcorpus | passages | % of C | encode+search s | % of C's time | Kendall tau | " + " | ".join(names) + " |"
+    header = (
+        "| subcorpus | passages | % of C | encode+search s | % of C's time | Kendall tau | " + " | ".join(names) + " |"
+    )
     lines = [header, "|---|" + "---:|" * (5 + len(names))]
     for row in rows:
         lines.append(
-            f"| {row.subcorpus.label} | {len(row.subcorpus):,} | {100 * len(row.subcorpus) / len(full.subcorpus):.1f} | "
+            f"| {row.subcorpus.label} | {len(row.subcorpus):,} | "
+            f"{100 * len(row.subcorpus) / len(full.subcorpus):.1f} | "
             f"{row.seconds:.1f} | {100 * row.seconds / full.seconds:.0f} | {row.tau:.2f} | "
-            + " | ".join(f"{s:.4f}" for s in row.scores) + " |"
+            + " | ".join(f"{s:.4f}" for s in row.scores)
+            + " |"
         )
-    intro = (f"Metric: {metric}. Encode+search time: the subcorpus alone, with the first checkpoint. Largest "
-             f"difference between that run's metric and the one from C's sliced embeddings: {direct_diff:.2g}.")
+    intro = (
+        f"Metric: {metric}. Encode+search time: the subcorpus alone, with the first checkpoint. Largest "
+        f"difference between that run's metric and the one from C's sliced embeddings: {direct_diff:.2g}."
+    )
     atomic_write_text(out_dir / "study.md", intro + "\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
@@ -234,17 +268,33 @@ def write_study(rows: list[StudyRow], checkpoints: list[Path], metric: str, out_
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    families = {kind: sorted((r for r in rows if r.subcorpus.kind in ("gold", kind, "full")), key=lambda r: len(r.subcorpus))
-                for kind in ("random", "hard")}
+    families = {
+        kind: sorted((r for r in rows if r.subcorpus.kind in ("gold", kind, "full")), key=lambda r: len(r.subcorpus))
+        for kind in ("random", "hard")
+    }
     for j, name in enumerate(names):
         color = f"C{j % 10}"
         for kind, style in (("random", "-"), ("hard", "--")):
             family = families[kind]
-            ax.plot([len(r.subcorpus) for r in family], [r.scores[j] for r in family], style, marker="o",
-                    color=color, linewidth=1, markersize=3, label=name if kind == "random" else None)
+            ax.plot(
+                [len(r.subcorpus) for r in family],
+                [r.scores[j] for r in family],
+                style,
+                marker="o",
+                color=color,
+                linewidth=1,
+                markersize=3,
+                label=name if kind == "random" else None,
+            )
     for r in rows:
-        ax.annotate(r.subcorpus.label, (len(r.subcorpus), max(r.scores)), fontsize=7, xytext=(0, 4),
-                    textcoords="offset points", ha="center")
+        ax.annotate(
+            r.subcorpus.label,
+            (len(r.subcorpus), max(r.scores)),
+            fontsize=7,
+            xytext=(0, 4),
+            textcoords="offset points",
+            ha="center",
+        )
     ax.set_title("solid: C0 -> R_r -> C (random), dashed: C0 -> H_k -> C (hard)", fontsize=9)
     ax.set_xscale("log")
     ax.set_xlabel("index size (passages, log scale)")

@@ -35,8 +35,9 @@ def bm25_retriever(corpus: Corpus) -> Retriever:
 def dense_retriever(corpus: Corpus, model_path: str, batch_size: int = 256) -> Retriever:
     """Any saved bi-encoder checkpoint as an H_k retriever."""
     model = BiEncoder.from_pretrained(model_path)
-    passages = encode_texts(model, corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage",
-                            batch_size=batch_size)
+    passages = encode_texts(
+        model, corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage", batch_size=batch_size
+    )
     return lambda queries, k: exact_search(encode_texts(model, queries, "query", batch_size=batch_size), passages, k)[1]
 
 
@@ -62,8 +63,15 @@ def build_subcorpus(dataset: RetrievalDataset, config: ValidationConfig) -> tupl
 class Validator:
     """Callable(step): validates every ``every_steps`` steps and keeps the best model."""
 
-    def __init__(self, config: ValidationConfig, dataset: RetrievalDataset, model: BiEncoder,
-                 device: torch.device, run_dir: Path, metrics: list[str]) -> None:
+    def __init__(
+        self,
+        config: ValidationConfig,
+        dataset: RetrievalDataset,
+        model: BiEncoder,
+        device: torch.device,
+        run_dir: Path,
+        metrics: list[str],
+    ) -> None:
         if config.every_steps < 1:
             raise ConfigError(f"validation.every_steps must be >= 1, got {config.every_steps}")
         if config.metric not in metrics:
@@ -84,18 +92,25 @@ class Validator:
         return evaluate_run(self.qrels, run, self.metrics)
 
     def __call__(self, step: int) -> None:
+        """Validate after step ``step`` when it is due; keep the model when it is the best so far."""
         if step % self.config.every_steps:
             return
         started = time.perf_counter()
         metrics = self.evaluate()
         self.model.train()
-        record = {"step": step, "subcorpus": self.subcorpus.label, "size": len(self.subcorpus),
-                  "seconds": time.perf_counter() - started, **metrics}
+        record = {
+            "step": step,
+            "subcorpus": self.subcorpus.label,
+            "size": len(self.subcorpus),
+            "seconds": time.perf_counter() - started,
+            **metrics,
+        }
         with open(self.log_path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         score = metrics[self.config.metric]
         if score > self.best:
             self.best = score
             self.model.save(self.run_dir / "best-model")
-            atomic_write_text(self.run_dir / "best.json",
-                              json.dumps({"step": step, "metric": self.config.metric, "score": score}))
+            atomic_write_text(
+                self.run_dir / "best.json", json.dumps({"step": step, "metric": self.config.metric, "score": score})
+            )

@@ -53,6 +53,7 @@ class CondenserOutput:
 
     @property
     def mlm(self) -> torch.Tensor:
+        """The MLM terms of the objective: late, plus head in Condenser modes."""
         return self.late_mlm if self.head_mlm is None else self.late_mlm + self.head_mlm
 
 
@@ -64,8 +65,9 @@ def head_input(early: torch.Tensor, late: torch.Tensor) -> torch.Tensor:
 def mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the positions whose label is not -100 (eq. 9/10 up to normalisation);
     0 when nothing is masked (so that a micro-batch without masked tokens adds nothing)."""
-    total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                            ignore_index=IGNORE, reduction="sum")
+    total = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
     return total / (labels != IGNORE).sum().clamp_min(1)
 
 
@@ -84,8 +86,15 @@ def span_contrastive_loss(cls: torch.Tensor, temperature: float = 1.0) -> torch.
 class Condenser(nn.Module):
     """A BertModel backbone with an optional Condenser head and one shared MLM prediction head."""
 
-    def __init__(self, backbone: nn.Module, tokenizer: PreTrainedTokenizerBase, mode: Mode = "condenser",
-                 early_layers: int = 3, head_layers: int = 2, temperature: float = 1.0) -> None:
+    def __init__(
+        self,
+        backbone: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        mode: Mode = "condenser",
+        early_layers: int = 3,
+        head_layers: int = 2,
+        temperature: float = 1.0,
+    ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ConfigError(f"unknown pre-training mode {mode!r} (known: {', '.join(MODES)})")
@@ -114,8 +123,14 @@ class Condenser(nn.Module):
         predictions.decoder.bias = predictions.bias
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, mode: Mode = "condenser", early_layers: int = 3,
-                        head_layers: int = 2, temperature: float = 1.0) -> Condenser:
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        mode: Mode = "condenser",
+        early_layers: int = 3,
+        head_layers: int = 2,
+        temperature: float = 1.0,
+    ) -> Condenser:
         """Backbone (and tokenizer) from a pre-trained model, head and MLM transform at random."""
         from transformers import AutoTokenizer
 
@@ -126,8 +141,9 @@ class Condenser(nn.Module):
         return cls(backbone, AutoTokenizer.from_pretrained(path), mode, early_layers, head_layers, temperature)
 
     def _mask(self, hidden: torch.Tensor, attention_mask: torch.Tensor):
-        return create_bidirectional_mask(config=self.backbone.config, inputs_embeds=hidden,
-                                         attention_mask=attention_mask)
+        return create_bidirectional_mask(
+            config=self.backbone.config, inputs_embeds=hidden, attention_mask=attention_mask
+        )
 
     @staticmethod
     def _layer(layer: nn.Module, hidden: torch.Tensor, mask) -> torch.Tensor:
@@ -156,6 +172,7 @@ class Condenser(nn.Module):
         return hidden
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> CondenserOutput:
+        """MLM terms and late CLS vectors of a masked batch."""
         early, late = self.encode(input_ids, attention_mask)
         masked = labels != IGNORE  # the prediction head is per token: apply it to masked positions only
         targets = labels[masked]

@@ -35,8 +35,7 @@ class PretrainModelConfig:
     mode: Mode = option("condenser", "objective: mlm, condenser or cocondenser")
     early_layers: int = option(3, "backbone layers whose output feeds the head (L^e); the rest are late", min=1)
     head_layers: int = option(2, "Condenser head layers (L^h), initialised at random", min=1)
-    temperature: float = option(1.0, "temperature of the span contrastive loss (eq. 10: plain dot products)",
-                                above=0)
+    temperature: float = option(1.0, "temperature of the span contrastive loss (eq. 10: plain dot products)", above=0)
     save_pooling: Literal["cls", "mean"] = option("cls", "pooling written into the saved backbone's ST files")
 
 
@@ -55,8 +54,7 @@ class PretrainTrainConfig:
     """Optimisation: AdamW with linear warm-up/decay, bf16 autocast (GPU; CPU on request), gradient accumulation."""
 
     max_steps: int = option(1000, "optimiser steps", min=1)
-    batch_size: int = option(64, "sequences per step (coCondenser: 2 spans of each of batch_size / 2 documents)",
-                             min=1)
+    batch_size: int = option(64, "sequences per step (coCondenser: 2 spans of each of batch_size / 2 documents)", min=1)
     grad_accumulation: int = option(1, "micro-batches per step (must divide batch_size)", min=1)
     max_length: int = option(128, "tokens per sequence", min=8)
     span_min_tokens: int = option(16, "coCondenser: shortest span, before capping to the document", min=1)
@@ -87,4 +85,5 @@ class PretrainConfig:
 
     @property
     def run_dir(self) -> Path:
+        """Where this run writes: ``<output_dir>/<name>``."""
         return Path(self.output_dir) / self.name

@@ -53,8 +53,9 @@ def _frame(tokenizer: PreTrainedTokenizerBase, body: list[int]) -> list[int]:
     return [tokenizer.cls_token_id, *body, tokenizer.sep_token_id]
 
 
-def packed_sequences(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, max_length: int, seed: int,
-                     epoch: int) -> Iterator[list[int]]:
+def packed_sequences(
+    corpus: Corpus, tokenizer: PreTrainedTokenizerBase, max_length: int, seed: int, epoch: int
+) -> Iterator[list[int]]:
     """One epoch of packed sequences: [CLS] p_a [SEP] p_b [SEP] ... cut to ``max_length``."""
     if max_length < 3:
         raise ConfigError(f"max_length must be >= 3, got {max_length}")
@@ -73,8 +74,9 @@ def packed_sequences(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, max_len
         yield _frame(tokenizer, buffer[:-1])
 
 
-def mlm_batches(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, batch_size: int, max_length: int,
-                seed: int) -> Iterator[Batch]:
+def mlm_batches(
+    corpus: Corpus, tokenizer: PreTrainedTokenizerBase, batch_size: int, max_length: int, seed: int
+) -> Iterator[Batch]:
     """Infinite stream of packed batches (an epoch's remainder joins the next epoch's first batch)."""
     rows: list[list[int]] = []
     epoch = 0
@@ -91,15 +93,23 @@ def mlm_batches(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, batch_size: 
         epoch += 1
 
 
-def span_batches(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, batch_size: int, max_length: int,
-                 min_tokens: int, max_tokens: int, seed: int) -> Iterator[Batch]:
+def span_batches(
+    corpus: Corpus,
+    tokenizer: PreTrainedTokenizerBase,
+    batch_size: int,
+    max_length: int,
+    min_tokens: int,
+    max_tokens: int,
+    seed: int,
+) -> Iterator[Batch]:
     """Infinite stream of coCondenser batches: rows 2i, 2i + 1 are two spans of document i."""
     if batch_size < 4 or batch_size % 2:
         raise ConfigError(f"coCondenser needs an even batch size >= 4 (two spans per document), got {batch_size}")
     max_tokens = min(max_tokens, max_length - 2)
     if min_tokens > max_tokens:
-        raise ConfigError(f"span_min_tokens {min_tokens} exceeds the longest span that fits max_length "
-                          f"{max_length} ({max_tokens})")
+        raise ConfigError(
+            f"span_min_tokens {min_tokens} exceeds the longest span that fits max_length {max_length} ({max_tokens})"
+        )
     documents = group_documents(corpus)
     per_batch = batch_size // 2
     if len(documents) < per_batch:

@@ -40,6 +40,7 @@ class Masker:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, **options) -> Masker:
+        """A masker with the tokenizer's special, mask and vocabulary ids."""
         if tokenizer.mask_token_id is None:
             raise ConfigError(f"tokenizer {tokenizer.name_or_path!r} has no mask token; MLM needs one")
         vocab = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)

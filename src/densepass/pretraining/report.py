@@ -15,6 +15,7 @@ TERMS = ("loss", "late_mlm", "head_mlm", "contrastive")
 
 
 def plot_loss_terms(records: list[dict], out_path: Path) -> None:
+    """Plot each loss term against the step into a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -35,6 +36,7 @@ def plot_loss_terms(records: list[dict], out_path: Path) -> None:
 
 
 def write_pretrain_report(config: PretrainConfig, log_path: Path, device: torch.device, bf16: bool) -> Path:
+    """Write the run's ``report.md``: settings, final loss terms, throughput and loss curves."""
     run_dir = config.run_dir
     records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     m, t = config.model, config.train
@@ -55,8 +57,10 @@ def write_pretrain_report(config: PretrainConfig, log_path: Path, device: torch.
         lines.append(f"Throughput (non-padding tokens/s, this session): {last['tokens_per_s']:.0f}.")
         plot_loss_terms(records, run_dir / "loss.png")
         lines.append("![loss terms](loss.png)")
-    lines.append("The backbone (head dropped) is in `backbone/`: load it with AutoModel, "
-                 "`BiEncoder.from_pretrained` or SentenceTransformer.")
+    lines.append(
+        "The backbone (head dropped) is in `backbone/`: load it with AutoModel, "
+        "`BiEncoder.from_pretrained` or SentenceTransformer."
+    )
     path = run_dir / "report.md"
     atomic_write_text(path, "\n\n".join(lines) + "\n")
     return path

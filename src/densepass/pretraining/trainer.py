@@ -50,6 +50,8 @@ WEIGHTS = "model.safetensors"  # the whole Condenser (backbone, head, MLM head) 
 
 @dataclass
 class PretrainResult:
+    """What a pre-training run ends with."""
+
     steps: int
     final_loss: float
     tokens_per_second: float
@@ -57,6 +59,7 @@ class PretrainResult:
 
 
 def build_model(config: PretrainConfig) -> Condenser:
+    """The Condenser (or plain MLM model) of ``config``."""
     m = config.model
     return Condenser.from_pretrained(m.name_or_path, m.mode, m.early_layers, m.head_layers, m.temperature)
 
@@ -66,8 +69,7 @@ def batch_stream(config: PretrainConfig, tokenizer) -> Iterator[Batch]:
     d, t = config.data, config.train
     corpus = subset_corpus(load_dataset(d.name, d.data_dir, d.format).corpus, d.max_passages, d.seed)
     if config.model.mode == "cocondenser":
-        return span_batches(corpus, tokenizer, t.batch_size, t.max_length, t.span_min_tokens, t.span_max_tokens,
-                            t.seed)
+        return span_batches(corpus, tokenizer, t.batch_size, t.max_length, t.span_min_tokens, t.span_max_tokens, t.seed)
     return mlm_batches(corpus, tokenizer, t.batch_size, t.max_length, t.seed)
 
 
@@ -80,8 +82,9 @@ def _split(batch: Batch, parts: int) -> list[Batch]:
     return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, batch["input_ids"].shape[0], size)]
 
 
-def forward_backward(model: Condenser, batch: Batch, accumulation: int, device: torch.device,
-                     bf16: bool) -> dict[str, float]:
+def forward_backward(
+    model: Condenser, batch: Batch, accumulation: int, device: torch.device, bf16: bool
+) -> dict[str, float]:
     """Accumulate the gradient of one step's loss into ``.grad``; return the loss terms of the step."""
     chunks = [{k: v.to(device) for k, v in c.items()} for c in _split(batch, accumulation)]
     total_masked = max(int((batch["labels"] != -100).sum()), 1)
@@ -135,7 +138,9 @@ def check(config: PretrainConfig) -> torch.device:
     """What can be checked before any work; returns the device."""
     t = config.train
     if t.batch_size % t.grad_accumulation:
-        raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by grad_accumulation {t.grad_accumulation}")
+        raise ConfigError(
+            f"train.batch_size {t.batch_size} is not divisible by grad_accumulation {t.grad_accumulation}"
+        )
     if t.span_min_tokens > t.span_max_tokens:
         raise ConfigError(f"train.span_min_tokens {t.span_min_tokens} > span_max_tokens {t.span_max_tokens}")
     if config.masking.mask_fraction + config.masking.random_fraction > 1:
@@ -160,17 +165,23 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
     run_dir = config.run_dir
     torch.manual_seed(t.seed)
     model = build_model(config)
-    masker = Masker.from_tokenizer(model.tokenizer, probability=config.masking.probability,
-                                   mask_fraction=config.masking.mask_fraction,
-                                   random_fraction=config.masking.random_fraction,
-                                   whole_word=config.masking.whole_word)
+    masker = Masker.from_tokenizer(
+        model.tokenizer,
+        probability=config.masking.probability,
+        mask_fraction=config.masking.mask_fraction,
+        random_fraction=config.masking.random_fraction,
+        whole_word=config.masking.whole_word,
+    )
     if model.backbone.config.max_position_embeddings < t.max_length:
-        raise ConfigError(f"train.max_length {t.max_length} exceeds the model's "
-                          f"{model.backbone.config.max_position_embeddings} positions")
+        raise ConfigError(
+            f"train.max_length {t.max_length} exceeds the model's "
+            f"{model.backbone.config.max_position_embeddings} positions"
+        )
     model.to(device).train()
     bf16 = uses_bf16(device, t.bf16, t.cpu_bf16)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay,
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay, fused=device.type == "cuda"
+    )
     scheduler = get_linear_schedule_with_warmup(optimizer, int(t.warmup_ratio * t.max_steps), t.max_steps)
     log_path = run_dir / LOG_NAME
     checkpoints = Checkpoints(run_dir, t.keep_checkpoints, pretraining_identity(config))
@@ -202,8 +213,13 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
         progress.update(1)
         progress.set_postfix(loss=f"{terms['loss']:.4f}")
         if step % t.log_every == 0 or step == t.max_steps:
-            record = {"step": step, **terms, "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                      "tokens_per_s": tokens / (time.perf_counter() - started)}
+            record = {
+                "step": step,
+                **terms,
+                "grad_norm": float(grad_norm),
+                "lr": scheduler.get_last_lr()[0],
+                "tokens_per_s": tokens / (time.perf_counter() - started),
+            }
             with open(log_path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
         if step % t.checkpoint_every == 0 or step == t.max_steps:

@@ -28,7 +28,9 @@ def random_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[
     return [order[i : i + batch_size].tolist() for i in range(0, n - batch_size + 1, batch_size)]
 
 
-def clustered_batches(embeddings: np.ndarray, batch_size: int, n_clusters: int, seed: int, epoch: int) -> list[list[int]]:
+def clustered_batches(
+    embeddings: np.ndarray, batch_size: int, n_clusters: int, seed: int, epoch: int
+) -> list[list[int]]:
     """TAS-style: k-means (FAISS) on query embeddings; each batch is drawn from a single cluster
     (clusters shuffled, members shuffled, leftovers of all clusters batched at random at the end)."""
     import faiss
@@ -51,5 +53,7 @@ def clustered_batches(embeddings: np.ndarray, batch_size: int, n_clusters: int, 
         batches.extend(members[i : i + batch_size].tolist() for i in range(0, full, batch_size))
         leftovers.extend(members[full:].tolist())
     leftovers = rng.permutation(np.asarray(leftovers, dtype=np.int64))
-    batches.extend(leftovers[i : i + batch_size].tolist() for i in range(0, len(leftovers) - batch_size + 1, batch_size))
+    batches.extend(
+        leftovers[i : i + batch_size].tolist() for i in range(0, len(leftovers) - batch_size + 1, batch_size)
+    )
     return [batches[i] for i in rng.permutation(len(batches))]

@@ -11,8 +11,8 @@ s_p = [sum Q, sum P] (``similarity.py``):
 
 that is, two matrix products over the pool with P columns (compute-bound, not memory-bound). Every batch
 whose best swap raises h(B_p) makes it, except that an instance wanted by several batches goes to the
-one it raises most (ties: the lowest slot); the others retry next round without it. A batch that stops improving (or reaches
-``max_swaps``) is emitted and its slot is seeded again from the pool.
+one it raises most (ties: the lowest slot); the others retry next round without it. A batch that
+stops improving (or reaches ``max_swaps``) is emitted and its slot is seeded again from the pool.
 
 With P = 1 this is the sequential greedy step for step (tested against the literal reference). With
 P > 1 the batches compete for candidates, so the schedule differs; ``benchmarks/bench_abs.py`` reports

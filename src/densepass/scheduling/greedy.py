@@ -45,6 +45,7 @@ class ActiveRows:
 
 
 def check_schedule_args(sim: BilinearSimilarity, batch_size: int) -> None:
+    """A one-line error for a batch size below 1 or above the pool."""
     if batch_size < 1:
         raise ConfigError(f"batch size must be >= 1, got {batch_size}")
     if batch_size > sim.n:
@@ -78,8 +79,9 @@ def iter_batches(
     neg_inf = torch.tensor(float("-inf"), dtype=sim.dtype, device=device)
     active = ActiveRows(sim, pool.ids())
 
-    def best_addition(reduced: torch.Tensor, removed: int, members: list[int], pool_gains: torch.Tensor | None = None
-                      ) -> tuple[int, torch.Tensor] | None:
+    def best_addition(
+        reduced: torch.Tensor, removed: int, members: list[int], pool_gains: torch.Tensor | None = None
+    ) -> tuple[int, torch.Tensor] | None:
         """eq. 4 for B - removed: the allowed pool instance with the largest gain, and that gain
         (``pool_gains``: the gains over the active pool, when already computed)."""
         if neighbour_t is not None:
@@ -122,7 +124,9 @@ def iter_batches(
                 pool_gains = sim.cross(torch.stack(reduced, 1), matrix=active.matrix)
             best = None  # (gain in h, position, addition)
             for j, pos in enumerate(order):
-                found = best_addition(reduced[j], members[pos], members, None if pool_gains is None else pool_gains[:, j])
+                found = best_addition(
+                    reduced[j], members[pos], members, None if pool_gains is None else pool_gains[:, j]
+                )
                 if found is None:
                     continue
                 delta = float(found[1] - contrib[pos])

@@ -18,9 +18,11 @@ class Pool:
         self.rng = np.random.default_rng(seed)
 
     def ids(self) -> np.ndarray:
+        """The unscheduled instances, ascending."""
         return np.flatnonzero(self.alive)
 
     def take(self, batch: Sequence[int]) -> None:
+        """Remove ``batch`` from the unscheduled instances."""
         self.alive[list(batch)] = False
         self.remaining -= len(batch)
 

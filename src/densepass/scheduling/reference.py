@@ -22,6 +22,7 @@ def reference_schedule(
     beam_width: int = 1,
     max_swaps: int | None = None,
 ) -> list[list[int]]:
+    """Batches of the literal ABS greedy / beam search over a dense similarity matrix (slow; for tests)."""
     n = len(similarity)
     conflicts = conflicts if conflicts is not None else [[] for _ in range(n)]
     max_swaps = max_swaps if max_swaps is not None else 4 * batch_size

@@ -83,7 +83,9 @@ class BilinearSimilarity:
         """The stacked [Q | P] rows of some instances, in the form ``cross`` multiplies."""
         if self.sparse:
             idx = rows.cpu().numpy()
-            return _to_torch_csr(sp.hstack([self._q_rows[idx], self._p_rows[idx]], format="csr"), self.device, self.dtype)
+            return _to_torch_csr(
+                sp.hstack([self._q_rows[idx], self._p_rows[idx]], format="csr"), self.device, self.dtype
+            )
         return self.stacked[rows]
 
     def dense_matrix(self) -> np.ndarray:
@@ -130,8 +132,7 @@ def bm25_instance_matrices(
     n_terms = len(s["indptr"]) - 1  # bm25s leaves the empty token out of its score matrix
     vocab = {t: i for t, i in corpus_tokens.vocab.items() if i < n_terms}
     weights = sp.csc_matrix((s["data"], s["indices"], s["indptr"]), shape=(s["num_docs"], n_terms)).tocsr()
-    query_tokens = bm25s.tokenize(list(queries), stopwords="en", stemmer=stemmer, show_progress=False,
-                                  return_ids=False)
+    query_tokens = bm25s.tokenize(list(queries), stopwords="en", stemmer=stemmer, show_progress=False, return_ids=False)
     rows, cols = [], []
     for i, tokens in enumerate(query_tokens):
         for tok in tokens:
@@ -147,5 +148,7 @@ def mean_hardness(sim: BilinearSimilarity, batches: list[list[int]]) -> float:
     values = []
     for batch in batches:
         sums = sim.sums(batch)
-        values.append(float(sums[: sim.dim] @ sums[sim.dim :] - sim.self_sim[torch.as_tensor(batch, device=sim.device)].sum()))
+        values.append(
+            float(sums[: sim.dim] @ sums[sim.dim :] - sim.self_sim[torch.as_tensor(batch, device=sim.device)].sum())
+        )
     return float(np.mean(values)) if values else 0.0

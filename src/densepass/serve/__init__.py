@@ -8,5 +8,12 @@ from densepass.serve.app import create_app, run_server
 from densepass.serve.searcher import Searcher, hit_to_json
 from densepass.serve.settings import ServeSettings, add_settings_arguments, settings_from_args
 
-__all__ = ["Searcher", "ServeSettings", "add_settings_arguments", "create_app", "hit_to_json", "run_server",
-           "settings_from_args"]
+__all__ = [
+    "Searcher",
+    "ServeSettings",
+    "add_settings_arguments",
+    "create_app",
+    "hit_to_json",
+    "run_server",
+    "settings_from_args",
+]

@@ -31,9 +31,11 @@ from densepass.version import __version__
 
 logger = logging.getLogger("densepass.serve")
 
-PAGE_SECURITY = {"Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
-                                            "style-src 'unsafe-inline'; connect-src 'self'",
-                 "X-Content-Type-Options": "nosniff"}
+PAGE_SECURITY = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+    "style-src 'unsafe-inline'; connect-src 'self'",
+    "X-Content-Type-Options": "nosniff",
+}
 
 
 class SearchRequest(BaseModel):
@@ -115,13 +117,15 @@ class BodyLimit:
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on, answering 413 once its body exceeds the limit."""
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         too_large = f"request body larger than {self.max_bytes} bytes"
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_bytes:
-            return await error_response(413 if length.isdigit() else 400,
-                                        too_large if length.isdigit() else "bad Content-Length")(scope, receive, send)
+            return await error_response(
+                413 if length.isdigit() else 400, too_large if length.isdigit() else "bad Content-Length"
+            )(scope, receive, send)
         received = 0
 
         async def limited_receive() -> Message:
@@ -151,12 +155,16 @@ def create_app(searcher: Searcher, settings: ServeSettings | None = None) -> Fas
         finally:
             await batcher.close()
 
-    app = FastAPI(title="densepass search", version=__version__, lifespan=lifespan,
-                  description="Search a densepass index: `POST /search` with `{\"queries\": [...], \"k\": 10}` or "
-                              "`{\"query\": \"...\", \"k\": 10}`. Limits: at most "
-                              f"{settings.max_queries_per_request} queries of at most {settings.max_query_chars} "
-                              f"characters per request, k from 1 to {settings.max_k}, bodies of at most "
-                              f"{settings.max_body_bytes} bytes. Errors are `{{\"error\": \"...\"}}`.")
+    app = FastAPI(
+        title="densepass search",
+        version=__version__,
+        lifespan=lifespan,
+        description='Search a densepass index: `POST /search` with `{"queries": [...], "k": 10}` or '
+        '`{"query": "...", "k": 10}`. Limits: at most '
+        f"{settings.max_queries_per_request} queries of at most {settings.max_query_chars} "
+        f"characters per request, k from 1 to {settings.max_k}, bodies of at most "
+        f'{settings.max_body_bytes} bytes. Errors are `{{"error": "..."}}`.',
+    )
     app.state.batcher = batcher
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
@@ -172,10 +180,16 @@ def create_app(searcher: Searcher, settings: ServeSettings | None = None) -> Fas
     async def unexpected_error(request: Request, err: Exception) -> JSONResponse:
         return error_response(500, f"internal server error ({type(err).__name__}); see the server log")
 
-    errors = {status: {"model": ErrorResponse, "description": what} for status, what in [
-        (400, "malformed JSON, or input the searcher rejects"), (413, "request body too large"),
-        (422, "wrong field types or values out of the limits"), (503, "queue full or shutting down (Retry-After)"),
-        (500, "unexpected failure (details in the server log)")]}
+    errors = {
+        status: {"model": ErrorResponse, "description": what}
+        for status, what in [
+            (400, "malformed JSON, or input the searcher rejects"),
+            (413, "request body too large"),
+            (422, "wrong field types or values out of the limits"),
+            (503, "queue full or shutting down (Retry-After)"),
+            (500, "unexpected failure (details in the server log)"),
+        ]
+    }
 
     @app.post("/search", response_model=SearchResponse, responses=errors)
     async def search(body: SearchRequest) -> Any:
@@ -199,15 +213,28 @@ def create_app(searcher: Searcher, settings: ServeSettings | None = None) -> Fas
     @app.get("/health")
     async def health() -> dict:
         """Status, the searcher's description, queue depth, batching settings and what was served so far."""
-        return {"status": "shutting down" if batcher.closing else "ok", "searcher": searcher.describe(),
-                "queue_depth": batcher.waiting,
-                "batching": {"enabled": settings.batching, "max_batch_size": settings.max_batch_size,
-                             "max_wait_ms": settings.max_wait_ms, "max_queue": settings.max_queue},
-                "limits": {"max_queries_per_request": settings.max_queries_per_request,
-                           "max_query_chars": settings.max_query_chars, "max_k": settings.max_k,
-                           "max_body_bytes": settings.max_body_bytes},
-                "served": {"batches": batcher.batches, "queries": batcher.queries,
-                           "searcher_calls": batcher.searcher_calls}}
+        return {
+            "status": "shutting down" if batcher.closing else "ok",
+            "searcher": searcher.describe(),
+            "queue_depth": batcher.waiting,
+            "batching": {
+                "enabled": settings.batching,
+                "max_batch_size": settings.max_batch_size,
+                "max_wait_ms": settings.max_wait_ms,
+                "max_queue": settings.max_queue,
+            },
+            "limits": {
+                "max_queries_per_request": settings.max_queries_per_request,
+                "max_query_chars": settings.max_query_chars,
+                "max_k": settings.max_k,
+                "max_body_bytes": settings.max_body_bytes,
+            },
+            "served": {
+                "batches": batcher.batches,
+                "queries": batcher.queries,
+                "searcher_calls": batcher.searcher_calls,
+            },
+        }
 
     @app.get("/", include_in_schema=False)
     async def search_page() -> HTMLResponse:
@@ -216,11 +243,22 @@ def create_app(searcher: Searcher, settings: ServeSettings | None = None) -> Fas
     return app
 
 
-def run_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8000, settings: ServeSettings | None = None,
-               log_level: str = "info", shutdown_timeout_s: float = 30.0) -> None:
+def run_server(
+    searcher: Searcher,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    settings: ServeSettings | None = None,
+    log_level: str = "info",
+    shutdown_timeout_s: float = 30.0,
+) -> None:
     """Serve ``searcher`` with uvicorn until Ctrl-C or SIGTERM; then requests in flight are finished (for at
     most ``shutdown_timeout_s`` seconds) before the batcher stops."""
     import uvicorn
 
-    uvicorn.run(create_app(searcher, settings), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=shutdown_timeout_s)
+    uvicorn.run(
+        create_app(searcher, settings),
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_timeout_s,
+    )

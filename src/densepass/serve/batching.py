@@ -75,8 +75,9 @@ class MicroBatcher:
         if self.closing:
             raise Unavailable("the service is shutting down")
         if self.waiting + len(queries) > self.max_queue:
-            raise Unavailable(f"the search queue is full ({self.waiting} queries waiting, at most {self.max_queue});"
-                              " retry shortly")
+            raise Unavailable(
+                f"the search queue is full ({self.waiting} queries waiting, at most {self.max_queue}); retry shortly"
+            )
         job = _Job(list(queries), k, asyncio.get_running_loop().create_future())
         self._pending.append(job)
         self.waiting += len(queries)
@@ -134,7 +135,7 @@ class MicroBatcher:
         outcomes: list[Results | Exception] = []
         start = 0
         for job in jobs:
-            outcomes.append([hits[: job.k] for hits in results[start: start + len(job.queries)]])
+            outcomes.append([hits[: job.k] for hits in results[start : start + len(job.queries)]])
             start += len(job.queries)
         return outcomes
 

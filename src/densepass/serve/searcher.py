@@ -26,5 +26,8 @@ class Searcher(Protocol):
 
 def hit_to_json(hit: Any) -> dict[str, Any]:
     """A hit dataclass as a JSON-able dict: its fields without the None ones, numpy scalars as Python numbers."""
-    return {key: value.item() if hasattr(value, "item") else value
-            for key, value in dataclasses.asdict(hit).items() if value is not None}
+    return {
+        key: value.item() if hasattr(value, "item") else value
+        for key, value in dataclasses.asdict(hit).items()
+        if value is not None
+    }

@@ -67,9 +67,7 @@ class TrainingData:
         self.keys = np.array([content_key(t) for t in self.passage_inputs], dtype=np.int64)
         corpus = dataset.corpus
         relevant = dataset.relevant_sets()
-        self.relevant_keys = [
-            {int(self.keys[corpus.position(p)]) for p in relevant.get(q, ())} for q in self.query_ids
-        ]
+        self.relevant_keys = [{int(self.keys[corpus.position(p)]) for p in relevant.get(q, ())} for q in self.query_ids]
         self.positive_rows = [[corpus.position(p) for p in positives[q]] for q in self.query_ids]
         self.sep_token = sep_token
         self.negative_rows = self._negative_pools(negatives or {}, sep_token) if negatives_per_query else None
@@ -99,8 +97,10 @@ class TrainingData:
         if extra:
             new_keys = [content_key(self.passage_inputs[r]) for r in extra.values()]
             self.keys = np.concatenate([self.keys, np.array(new_keys, dtype=np.int64)])
-        return [np.asarray([r for r in rows if int(self.keys[r]) not in self.relevant_keys[i]], dtype=np.int64)
-                for i, rows in enumerate(pools)]
+        return [
+            np.asarray([r for r in rows if int(self.keys[r]) not in self.relevant_keys[i]], dtype=np.int64)
+            for i, rows in enumerate(pools)
+        ]
 
     def replace_negatives(self, negatives: dict[str, list[str]], from_step: int) -> None:
         """Use a new pool (query id -> passage ids) for the batches of step ``from_step`` on (a refresh)."""
@@ -119,8 +119,9 @@ class TrainingData:
             current = pools
         return current
 
-    def collate(self, batch: Sequence[int], seed: Sequence[int], rank: int = 0, world: int = 1,
-                step: int | None = None) -> TrainingBatch:
+    def collate(
+        self, batch: Sequence[int], seed: Sequence[int], rank: int = 0, world: int = 1, step: int | None = None
+    ) -> TrainingBatch:
         """Build the global batch ``batch`` (instance indices) of global step ``step`` and return this
         process's share."""
         if len(batch) % world:

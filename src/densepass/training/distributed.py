@@ -14,14 +14,17 @@ import torch.distributed as dist
 
 
 def is_distributed() -> bool:
+    """Whether this process is part of an initialised torch.distributed group."""
     return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
+    """This process's rank (0 outside torch.distributed)."""
     return dist.get_rank() if is_distributed() else 0
 
 
 def world_size() -> int:
+    """Number of processes (1 outside torch.distributed)."""
     return dist.get_world_size() if is_distributed() else 1
 
 
@@ -63,5 +66,6 @@ def broadcast_object(value):
 
 
 def barrier() -> None:
+    """Wait for every process (nothing outside torch.distributed)."""
     if is_distributed():
         dist.barrier()

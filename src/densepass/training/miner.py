@@ -42,11 +42,15 @@ def train_miner(
     torch.manual_seed(train_config.seed)  # the new projection's initial weights
     model = BiEncoder.from_pretrained(base_model, config=arch)
     positives = dataset.positives(split)
-    key = fingerprint_json({
-        "base_weights": fingerprint_weights(model), "architecture": dataclasses.asdict(arch),
-        "train": dataclasses.asdict(train_config), "split": split,
-        "pairs": [[q, dataset.queries[q], positives.get(q, [])] for q in query_ids],
-    })[:16]
+    key = fingerprint_json(
+        {
+            "base_weights": fingerprint_weights(model),
+            "architecture": dataclasses.asdict(arch),
+            "train": dataclasses.asdict(train_config),
+            "split": split,
+            "pairs": [[q, dataset.queries[q], positives.get(q, [])] for q in query_ids],
+        }
+    )[:16]
     run_dir = Path(work_dir) / f"miner-{projection_dim}d-{key}"
     saved = run_dir / "model"
     if (saved / "config.json").is_file():
@@ -57,8 +61,13 @@ def train_miner(
     return model
 
 
-def prepare_miners(dataset: RetrievalDataset, query_ids: Sequence[str], config: NegativesConfig,
-                   ctx: MiningContext, strategy: str | None = None) -> None:
+def prepare_miners(
+    dataset: RetrievalDataset,
+    query_ids: Sequence[str],
+    config: NegativesConfig,
+    ctx: MiningContext,
+    strategy: str | None = None,
+) -> None:
     """Train (or reuse) the miner of every ``dense[:DIM]`` strategy that mining ``strategy`` (default:
     ``config.source``) will run, into ``ctx.miners``: one epoch over the pairs, or ``config.miner_steps``."""
     specs = dense_specs(config, strategy)
@@ -69,7 +78,17 @@ def prepare_miners(dataset: RetrievalDataset, query_ids: Sequence[str], config: 
         if dim in ctx.miners:
             continue
         base = ctx.train_config or TrainConfig()
-        miner_config = dataclasses.replace(base, epochs=1, max_steps=config.miner_steps, checkpoint_every=10**9,
-                                           keep_checkpoints=1)
-        ctx.miners[dim] = train_miner(dataset, query_ids, dim, miner_config, ctx.work_dir,
-                                      ctx.device or torch.device("cpu"), ctx.base_model, ctx.architecture, ctx.split)
+        miner_config = dataclasses.replace(
+            base, epochs=1, max_steps=config.miner_steps, checkpoint_every=10**9, keep_checkpoints=1
+        )
+        ctx.miners[dim] = train_miner(
+            dataset,
+            query_ids,
+            dim,
+            miner_config,
+            ctx.work_dir,
+            ctx.device or torch.device("cpu"),
+            ctx.base_model,
+            ctx.architecture,
+            ctx.split,
+        )

@@ -55,12 +55,20 @@ def _schedule_epoch(queue, job: ScheduleJob) -> None:
     started = time.perf_counter()
     sim = BilinearSimilarity(job.queries, job.passages, device=job.device)
     if job.concurrent_batches > 1:
-        scheduled = iter_concurrent_batches(sim, job.batch_size, job.concurrent_batches, conflicts=job.conflicts,
-                                            seed=job.seed, max_swaps=job.max_swaps)
+        scheduled = iter_concurrent_batches(
+            sim, job.batch_size, job.concurrent_batches, conflicts=job.conflicts, seed=job.seed, max_swaps=job.max_swaps
+        )
     else:
         neighbours = neighbour_lists(sim, job.restrict_top_k) if job.restrict_top_k else None
-        scheduled = iter_batches(sim, job.batch_size, conflicts=job.conflicts, seed=job.seed,
-                                 beam_width=job.beam_width, neighbours=neighbours, max_swaps=job.max_swaps)
+        scheduled = iter_batches(
+            sim,
+            job.batch_size,
+            conflicts=job.conflicts,
+            seed=job.seed,
+            beam_width=job.beam_width,
+            neighbours=neighbours,
+            max_swaps=job.max_swaps,
+        )
     batches = []
     for batch in scheduled:
         queue.put(batch)
@@ -68,8 +76,14 @@ def _schedule_epoch(queue, job: ScheduleJob) -> None:
     elapsed = time.perf_counter() - started
     baseline = random_batches(sim.n, job.batch_size, job.seed, 0)
     full = [b for b in batches if len(b) == job.batch_size]  # compare like with like: full batches only
-    queue.put({"schedule_s": elapsed, "mean_hardness": mean_hardness(sim, full),
-               "random_mean_hardness": mean_hardness(sim, baseline), "n_batches": len(batches)})
+    queue.put(
+        {
+            "schedule_s": elapsed,
+            "mean_hardness": mean_hardness(sim, full),
+            "random_mean_hardness": mean_hardness(sim, baseline),
+            "n_batches": len(batches),
+        }
+    )
 
 
 def _worker_loop(jobs, results) -> None:
@@ -83,8 +97,10 @@ def check_schedule(config: ScheduleConfig) -> None:
     if config.method == "abs-beam" and config.beam_width < 2:
         raise ConfigError("schedule.beam_width must be >= 2 for abs-beam (1 is plain greedy)")
     if config.concurrent_batches > 1 and (config.method != "abs-greedy" or config.restrict_top_k is not None):
-        raise ConfigError("schedule.concurrent_batches > 1 is for abs-greedy over the whole pool "
-                          "(not abs-beam, the baselines or restrict_top_k)")
+        raise ConfigError(
+            "schedule.concurrent_batches > 1 is for abs-greedy over the whole pool "
+            "(not abs-beam, the baselines or restrict_top_k)"
+        )
 
 
 class EpochPlanner:
@@ -96,9 +112,17 @@ class EpochPlanner:
     (not from the half-trained model) and trains on the same batches as an uninterrupted run.
     """
 
-    def __init__(self, config: ScheduleConfig, batch_size: int, seed: int, data: TrainingData,
-                 model: BiEncoder, device: torch.device, log_path: Path | None = None,
-                 state_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: ScheduleConfig,
+        batch_size: int,
+        seed: int,
+        data: TrainingData,
+        model: BiEncoder,
+        device: torch.device,
+        log_path: Path | None = None,
+        state_dir: Path | None = None,
+    ) -> None:
         check_schedule(config)
         if batch_size > len(data):
             raise ConfigError(f"batch size {batch_size} is larger than the {len(data)} training instances")
@@ -113,6 +137,7 @@ class EpochPlanner:
         self.conflicts = build_conflicts(positive_keys, data.relevant_keys)
 
     def __call__(self, epoch: int) -> Iterator[list[int]]:
+        """The batches of ``epoch``, as the configured method orders them."""
         method = self.config.method
         if method == "sequential":
             yield from sequential_batches(len(self.data), self.batch_size)
@@ -125,6 +150,7 @@ class EpochPlanner:
             yield from self._abs(epoch)
 
     def similarity_source(self, epoch: int) -> str:
+        """Which similarity ABS uses in ``epoch``: bm25 or encoder."""
         kind = self.config.similarity
         return "bm25" if kind == "bm25" or (kind == "bm25-then-encoder" and epoch == 0) else "encoder"
 
@@ -146,8 +172,9 @@ class EpochPlanner:
         was_training = self.model.training
         rows = [r[0] for r in self.data.positive_rows]
         queries = encode_texts(self.model, self.data.query_texts, "query", device=self.device, show_progress=False)
-        passages = encode_texts(self.model, [self.data.passage_inputs[r] for r in rows], "passage",
-                                device=self.device, show_progress=False)
+        passages = encode_texts(
+            self.model, [self.data.passage_inputs[r] for r in rows], "passage", device=self.device, show_progress=False
+        )
         self.model.train(was_training)
         return queries, passages
 
@@ -158,16 +185,26 @@ class EpochPlanner:
             rows = [r[0] for r in self.data.positive_rows]
             distinct = sorted(set(rows))
             where = {r: i for i, r in enumerate(distinct)}
-            q, p, _ = bm25_instance_matrices(self.data.query_texts, [self.data.passage_inputs[r] for r in distinct],
-                                             [where[r] for r in rows])
+            q, p, _ = bm25_instance_matrices(
+                self.data.query_texts, [self.data.passage_inputs[r] for r in distinct], [where[r] for r in rows]
+            )
             self._bm25 = (q, p)
         return self._bm25
 
     def _abs(self, epoch: int) -> Iterator[list[int]]:
         queries, passages = self._matrices(epoch)
-        job = ScheduleJob(queries, passages, str(self.device), self.batch_size, self.conflicts, self.seed + epoch,
-                          self.config.beam_width if self.config.method == "abs-beam" else 1,
-                          self.config.restrict_top_k, self.config.max_swaps, self.config.concurrent_batches)
+        job = ScheduleJob(
+            queries,
+            passages,
+            str(self.device),
+            self.batch_size,
+            self.conflicts,
+            self.seed + epoch,
+            self.config.beam_width if self.config.method == "abs-beam" else 1,
+            self.config.restrict_top_k,
+            self.config.max_swaps,
+            self.config.concurrent_batches,
+        )
         waited = 0.0
         if self.config.background:
             jobs, results = self._worker()
@@ -189,8 +226,15 @@ class EpochPlanner:
             _schedule_epoch(_ListQueue(items), job)
             stats = items.pop()
             yield from items
-        self._log({"epoch": epoch, "method": self.config.method, "similarity": self.similarity_source(epoch),
-                   "waited_s": waited, **stats})
+        self._log(
+            {
+                "epoch": epoch,
+                "method": self.config.method,
+                "similarity": self.similarity_source(epoch),
+                "waited_s": waited,
+                **stats,
+            }
+        )
 
     def _worker(self):
         if self._process is None or not self._process.is_alive():

@@ -4,9 +4,10 @@
 Every ``every`` steps the model being trained re-encodes the corpus, mines each training query's top
 ``pool_depth`` through the same false-negative filters, and the new pool replaces the old one. ANCE
 refreshes asynchronously from a stale checkpoint; here the refresh is synchronous, so its cost shows
-in the training time. The trainer prepares one batch ahead (``densepass.prefetch``): the pool mined after
-N steps serves the batches from the (N + 2)-th on, the (N + 1)-th having been prepared meanwhile. Each pool is saved as ``refresh-step-N.jsonl``: a resumed run
-reloads the pools mined before its checkpoint, so it samples the same negatives as an uninterrupted one.
+in the training time. The trainer prepares one batch ahead (``densepass.prefetch``): the pool mined
+after N steps serves the batches from the (N + 2)-th on, the (N + 1)-th having been prepared meanwhile.
+Each pool is saved as ``refresh-step-N.jsonl``: a resumed run reloads the pools mined before its
+checkpoint, so it samples the same negatives as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -31,9 +32,18 @@ class NegativeRefresher:
     """An ``on_step_end`` callback of the trainer that re-mines ``data``'s negative pool with ``model``
     after every ``every`` steps, up to (not at) ``last_step``."""
 
-    def __init__(self, every: int, model: BiEncoder, data: TrainingData, dataset: RetrievalDataset,
-                 query_ids: Sequence[str], config: NegativesConfig, context: MiningContext, work_dir: Path,
-                 last_step: int) -> None:
+    def __init__(
+        self,
+        every: int,
+        model: BiEncoder,
+        data: TrainingData,
+        dataset: RetrievalDataset,
+        query_ids: Sequence[str],
+        config: NegativesConfig,
+        context: MiningContext,
+        work_dir: Path,
+        last_step: int,
+    ) -> None:
         if every < 1:
             raise ConfigError(f"negatives.refresh_every must be >= 1, got {every}")
         if not data.negatives_per_query:
@@ -57,15 +67,26 @@ class NegativeRefresher:
                 path.unlink()
 
     def __call__(self, step: int) -> None:
+        """Re-mine the pool after step ``step`` when a refresh is due."""
         if step % self.every or step >= self.last_step:
             return
         was_training = self.model.training
         self.model.eval()
-        mined = mine_negatives(self.dataset, self.query_ids, self.config, self.context, self.data.sep_token,
-                               strategy="model")
+        mined = mine_negatives(
+            self.dataset, self.query_ids, self.config, self.context, self.data.sep_token, strategy="model"
+        )
         self.model.train(was_training)
         save_pool(mined.pool, self._path(step))
         self.data.replace_negatives(passage_ids(mined.pool), step + PREPARED_AHEAD)
         with open(self.log_path, "a") as handle:
-            handle.write(json.dumps({"step": step, "seconds": mined.seconds, "removed": mined.removed,
-                                     "negatives": sum(len(c) for c in mined.pool.values())}) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "seconds": mined.seconds,
+                        "removed": mined.removed,
+                        "negatives": sum(len(c) for c in mined.pool.values()),
+                    }
+                )
+                + "\n"
+            )

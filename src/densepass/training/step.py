@@ -43,9 +43,14 @@ class BatchTensors:
     mask: torch.Tensor
 
     def to(self, device: torch.device) -> BatchTensors:
+        """The tensors on ``device`` (non-blocking from pinned memory)."""
         move = lambda t: t.to(device, non_blocking=t.is_pinned())  # noqa: E731
-        return BatchTensors({k: move(v) for k, v in self.queries.items()}, {k: move(v) for k, v in self.passages.items()},
-                            move(self.positive_index), move(self.mask))
+        return BatchTensors(
+            {k: move(v) for k, v in self.queries.items()},
+            {k: move(v) for k, v in self.passages.items()},
+            move(self.positive_index),
+            move(self.mask),
+        )
 
 
 def batch_tensors(model: BiEncoder, batch: TrainingBatch, pin: bool = False, tokenizer=None) -> BatchTensors:
@@ -59,13 +64,20 @@ def batch_tensors(model: BiEncoder, batch: TrainingBatch, pin: bool = False, tok
     )
     if not pin:
         return tensors
-    return BatchTensors({k: v.pin_memory() for k, v in tensors.queries.items()},
-                        {k: v.pin_memory() for k, v in tensors.passages.items()},
-                        tensors.positive_index.pin_memory(), tensors.mask.pin_memory())
+    return BatchTensors(
+        {k: v.pin_memory() for k, v in tensors.queries.items()},
+        {k: v.pin_memory() for k, v in tensors.passages.items()},
+        tensors.positive_index.pin_memory(),
+        tensors.mask.pin_memory(),
+    )
 
 
 def global_loss(
-    tensors: BatchTensors, n_local_queries: int, queries: torch.Tensor, passages: torch.Tensor, temperature: float,
+    tensors: BatchTensors,
+    n_local_queries: int,
+    queries: torch.Tensor,
+    passages: torch.Tensor,
+    temperature: float,
     bidirectional: bool,
 ) -> torch.Tensor:
     """Loss of the global batch from this process's query and passage embeddings."""

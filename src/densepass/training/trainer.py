@@ -39,7 +39,9 @@ class BatchPlanner(Protocol):
 
     steps_per_epoch: int
 
-    def __call__(self, epoch: int) -> Iterable[Sequence[int]]: ...
+    def __call__(self, epoch: int) -> Iterable[Sequence[int]]:
+        """The batches of ``epoch``."""
+        ...
 
 
 class RandomPlanner:
@@ -50,11 +52,14 @@ class RandomPlanner:
         self.steps_per_epoch = len(random_batches(n, batch_size, seed, 0))
 
     def __call__(self, epoch: int) -> list[list[int]]:
+        """A fresh random order of ``epoch``."""
         return random_batches(self.n, self.batch_size, self.seed, epoch)
 
 
 @dataclass
 class TrainResult:
+    """What a fine-tuning run ends with."""
+
     steps: int
     final_loss: float
     examples_per_second: float
@@ -62,6 +67,7 @@ class TrainResult:
 
 
 def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -117,8 +123,7 @@ def train(
     total = planned_steps(steps_per_epoch, config)
     model.to(device).train()
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
-        fused=device.type == "cuda",
+        model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, fused=device.type == "cuda"
     )
     scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
     checkpoints = checkpoints_of(run_dir, config, identity)
@@ -140,9 +145,15 @@ def train(
 
     def save_checkpoint() -> None:
         if rank == 0:
-            checkpoints.save(step, lambda directory: model.save(directory / "model"), optimizer, scheduler,
-                             {"interval": [interval_loss.item(), interval_steps]})
+            checkpoints.save(
+                step,
+                lambda directory: model.save(directory / "model"),
+                optimizer,
+                scheduler,
+                {"interval": [interval_loss.item(), interval_steps]},
+            )
         distributed.barrier()
+
     progress = tqdm(total=total, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
     # batches are collated and tokenised one step ahead in a worker thread, with its own tokenizer
     tokenizer, pin = copy.deepcopy(model.tokenizer), device.type == "cuda"
@@ -150,8 +161,9 @@ def train(
 
     def prepare(item: tuple[int, int, list[int]]):
         epoch, index, members = item
-        batch = data.collate(members, seed=(config.seed, epoch, index), rank=rank, world=world,
-                             step=epoch * steps_per_epoch + index)
+        batch = data.collate(
+            members, seed=(config.seed, epoch, index), rank=rank, world=world, step=epoch * steps_per_epoch + index
+        )
         return members, batch, batch_tensors(model, batch, pin, tokenizer)
 
     def epoch_batches(epoch: int) -> Iterator[tuple[int, int, list[int]]]:
@@ -171,9 +183,7 @@ def train(
 
     for epoch in range(step // steps_per_epoch, config.epochs):
         for members, batch, tensors in prefetched(epoch_batches(epoch), prepare):
-            loss = forward_backward(
-                model, batch, device, config.bidirectional, config.grad_cache_chunk, bf16, tensors
-            )
+            loss = forward_backward(model, batch, device, config.bidirectional, config.grad_cache_chunk, bf16, tensors)
             distributed.sum_gradients(model.parameters())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -190,8 +200,13 @@ def train(
                 interval_steps = 0
                 progress.set_postfix(loss=f"{loss_value:.4f}")
                 if rank == 0:
-                    record = {"step": step, "epoch": epoch, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
-                              "examples_per_s": seen / (time.perf_counter() - started)}
+                    record = {
+                        "step": step,
+                        "epoch": epoch,
+                        "loss": loss_value,
+                        "lr": scheduler.get_last_lr()[0],
+                        "examples_per_s": seen / (time.perf_counter() - started),
+                    }
                     with open(log_path, "a") as handle:
                         handle.write(json.dumps(record) + "\n")
             if step % config.checkpoint_every == 0 or step == total:

@@ -1,4 +1,4 @@
-"""The package's structure: layers point one way and no module imports itself back through others."""
+"""Code health, checked with the suite: layers point one way, no import cycles, ruff lint and format clean."""
 
 from __future__ import annotations
 
@@ -13,12 +13,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _tool(name: str) -> str:
+    found = shutil.which(name) or str(Path(sys.executable).with_name(name))
+    if not Path(found).exists():
+        pytest.fail(f"{name} is missing: pip install -e '.[test]'")
+    return found
+
+
 def test_no_lower_layer_imports_a_higher_one():
     """The import-linter contract in pyproject.toml (function-level imports included)."""
-    lint = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
-    if not Path(lint).exists():
-        pytest.fail("lint-imports is missing: pip install -e '.[test]'")
-    result = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run([_tool("lint-imports"), "--no-cache"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])
+def test_ruff_is_clean(command):
+    """ruff's lint rules and formatting (configured in pyproject.toml) hold for the whole tree."""
+    paths = ["src", "tests", "benchmarks", "experiments"]
+    result = subprocess.run([_tool("ruff"), *command, *paths], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
 
 
