@@ -17,6 +17,7 @@ from densepass.data import load_dataset
 from densepass.errors import ConfigError, DataError
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.training.batches import TrainingData
+from densepass.training.objectives import Contrastive
 from densepass.training.step import forward_backward
 from densepass.training.trainer import train
 
@@ -36,7 +37,7 @@ def grads_of(model):
 def step_grads(model_dir, data, batch, chunk, bidirectional=True):
     model = BiEncoder.from_pretrained(str(model_dir), config=BiEncoderConfig(pooling="cls", temperature=0.1))
     b = data.collate(batch, seed=(1, 0, 0))
-    loss = forward_backward(model, b, CPU, bidirectional=bidirectional, chunk_size=chunk)
+    loss = forward_backward(model, b, CPU, Contrastive(bidirectional), chunk_size=chunk).loss
     return loss, grads_of(model)
 
 
@@ -62,7 +63,7 @@ def test_grad_cache_replays_dropout(tiny_model_dir, tiny_beir):
     model = BiEncoder.from_pretrained(str(tiny_model_dir), hidden_dropout_prob=0.3)
     model.train()
     torch.manual_seed(5)
-    loss_gc = forward_backward(model, batch, CPU, chunk_size=3)
+    loss_gc = forward_backward(model, batch, CPU, chunk_size=3).loss
     grads_gc = grads_of(model)
 
     model.zero_grad()
@@ -99,7 +100,7 @@ def _worker(rank, world, port, model_dir, beir_dir, batch, chunk, out_dir):
         data = make_data(beir_dir)
         model = BiEncoder.from_pretrained(str(model_dir), config=BiEncoderConfig(pooling="cls", temperature=0.1))
         b = data.collate(batch, seed=(1, 0, 0), rank=rank, world=world)
-        loss = forward_backward(model, b, CPU, bidirectional=True, chunk_size=chunk)
+        loss = forward_backward(model, b, CPU, Contrastive(bidirectional=True), chunk_size=chunk).loss
         from densepass.training.distributed import sum_gradients
 
         sum_gradients(model.parameters())
@@ -276,7 +277,7 @@ def test_cpu_bf16_step_autocasts_and_stays_close_to_float32(tiny_model_dir, tiny
     losses, grads = {}, {}
     for bf16 in (False, True):
         model = BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(temperature=0.1))
-        losses[bf16] = float(forward_backward(model, batch, CPU, bf16=bf16))
+        losses[bf16] = float(forward_backward(model, batch, CPU, bf16=bf16).loss)
         grads[bf16] = torch.cat([g.flatten() for g in grads_of(model).values()])
     assert losses[True] != losses[False]  # bf16 matmuls ran
     assert losses[True] == pytest.approx(losses[False], rel=2e-2)
@@ -293,8 +294,8 @@ def test_trainer_passes_the_resolved_precision_to_each_step(tiny_model_dir, tiny
     monkeypatch.setattr(
         trainer_module,
         "forward_backward",
-        lambda model, batch, device, bidi, chunk, bf16, tensors: (
-            seen.append(bf16) or real_step(model, batch, device, bidi, chunk, bf16, tensors)
+        lambda model, batch, device, objective, chunk, bf16, tensors: (
+            seen.append(bf16) or real_step(model, batch, device, objective, chunk, bf16, tensors)
         ),
     )
     data = make_data(tiny_beir)

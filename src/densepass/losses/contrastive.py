@@ -19,21 +19,15 @@ import torch
 import torch.nn.functional as F
 
 
-def contrastive_loss(
-    queries: torch.Tensor,
-    passages: torch.Tensor,
-    positive_index: torch.Tensor,
-    temperature: float,
-    mask: torch.Tensor | None = None,
-    bidirectional: bool = False,
+def info_nce(
+    scores: torch.Tensor, positive_index: torch.Tensor, mask: torch.Tensor | None = None, bidirectional: bool = False
 ) -> torch.Tensor:
-    """Mean InfoNCE loss of ``queries`` [B, d] against ``passages`` [P, d].
+    """Mean InfoNCE loss of a score matrix [B, P] (similarities already divided by the temperature).
 
     ``positive_index`` [B] gives each query's positive column; ``mask`` [B, P] is True where a
     passage must not count as a negative of the query (a false negative or a duplicate). The
     positive itself is never masked.
     """
-    scores = queries.float() @ passages.float().T / temperature
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))
     loss = F.cross_entropy(scores, positive_index)
@@ -43,6 +37,18 @@ def contrastive_loss(
     backward_scores = scores[:, positive_index].T
     target = torch.arange(len(positive_index), device=scores.device)
     return (loss + F.cross_entropy(backward_scores, target)) / 2
+
+
+def contrastive_loss(
+    queries: torch.Tensor,
+    passages: torch.Tensor,
+    positive_index: torch.Tensor,
+    temperature: float,
+    mask: torch.Tensor | None = None,
+    bidirectional: bool = False,
+) -> torch.Tensor:
+    """``info_nce`` of ``queries`` [B, d] against ``passages`` [P, d] by dot product over ``temperature``."""
+    return info_nce(queries.float() @ passages.float().T / temperature, positive_index, mask, bidirectional)
 
 
 def false_negative_mask(

@@ -135,6 +135,10 @@ class BiEncoder(nn.Module):
             out = nn.functional.normalize(out.float(), dim=-1)
         return out
 
+    def similarity(self, queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
+        """Scores [len(queries), len(passages)]: dot products of the embeddings (no temperature)."""
+        return queries.float() @ passages.float().T
+
     def encode_queries(
         self,
         texts: Sequence[str],

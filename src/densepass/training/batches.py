@@ -7,7 +7,7 @@ identically on every process from a seed of (epoch, step); each process tokenise
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ class TrainingBatch:
     n_local_queries: int
     positive_index: torch.Tensor  # [B_global] column of each query's positive in the global passage list
     mask: torch.Tensor  # [B_global, P_global]
+    passage_keys: torch.Tensor  # [P_global] content key of each passage column (data.keys.content_key)
+    relevant_keys: list[set[int]]  # per global query: keys of every passage judged relevant to it, and its positive's
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-batch data of other objectives
 
 
 class TrainingData:
@@ -152,4 +155,6 @@ class TrainingData:
             n_local_queries=b,
             positive_index=torch.arange(n),
             mask=mask,
+            passage_keys=torch.tensor(keys, dtype=torch.long),
+            relevant_keys=[self.relevant_keys[i] | {keys[j]} for j, i in enumerate(batch)],
         )

@@ -1,4 +1,5 @@
-"""One optimisation step's forward and backward, plain or with gradient caching.
+"""One optimisation step's forward and backward, plain or with gradient caching; the loss is the
+objective's (``training.objectives``) on the global batch's representations.
 
 Gradient caching (Gao et al., "Scaling Deep Contrastive Learning Batch Size under Memory Limited
 Setup", GC-DPR/GradCache): (1) embed the whole batch in chunks without a graph; (2) compute the
@@ -12,15 +13,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from densepass.device import RandomState, autocast_context
-from densepass.losses.contrastive import contrastive_loss
 from densepass.models.biencoder import BiEncoder, Side
 from densepass.training.batches import TrainingBatch
 from densepass.training.distributed import gather_with_local_grad
+from densepass.training.objectives import Contrastive, Objective
 
 
 def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autocast) -> torch.Tensor:
@@ -35,22 +36,32 @@ def _chunks(tokens: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.
 
 @dataclass
 class BatchTensors:
-    """A batch's tensors on the host, ready to copy: tokens of each side, positive columns and mask."""
+    """A batch's tensors, ready to copy: tokens of each side, positive columns, false-negative mask,
+    passage content keys, the queries' relevant keys (host-side sets) and objective-specific extras."""
 
     queries: dict[str, torch.Tensor]
     passages: dict[str, torch.Tensor]
     positive_index: torch.Tensor
     mask: torch.Tensor
+    passage_keys: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    relevant_keys: list[set[int]] = field(default_factory=list)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BatchTensors:
+        """The batch with ``fn`` applied to every tensor."""
+        return BatchTensors(
+            {k: fn(v) for k, v in self.queries.items()},
+            {k: fn(v) for k, v in self.passages.items()},
+            fn(self.positive_index),
+            fn(self.mask),
+            fn(self.passage_keys),
+            self.relevant_keys,
+            {k: fn(v) for k, v in self.extras.items()},
+        )
 
     def to(self, device: torch.device) -> BatchTensors:
         """The tensors on ``device`` (non-blocking from pinned memory)."""
-        move = lambda t: t.to(device, non_blocking=t.is_pinned())  # noqa: E731
-        return BatchTensors(
-            {k: move(v) for k, v in self.queries.items()},
-            {k: move(v) for k, v in self.passages.items()},
-            move(self.positive_index),
-            move(self.mask),
-        )
+        return self.map(lambda t: t.to(device, non_blocking=t.is_pinned()))
 
 
 def batch_tensors(model: BiEncoder, batch: TrainingBatch, pin: bool = False, tokenizer=None) -> BatchTensors:
@@ -61,58 +72,55 @@ def batch_tensors(model: BiEncoder, batch: TrainingBatch, pin: bool = False, tok
         model.tokenize(batch.passage_texts, "passage", tokenizer=tokenizer),
         batch.positive_index,
         batch.mask,
+        batch.passage_keys,
+        batch.relevant_keys,
+        batch.extras,
     )
-    if not pin:
-        return tensors
-    return BatchTensors(
-        {k: v.pin_memory() for k, v in tensors.queries.items()},
-        {k: v.pin_memory() for k, v in tensors.passages.items()},
-        tensors.positive_index.pin_memory(),
-        tensors.mask.pin_memory(),
-    )
+    return tensors.map(lambda t: t.pin_memory()) if pin else tensors
 
 
-def global_loss(
-    tensors: BatchTensors,
-    n_local_queries: int,
-    queries: torch.Tensor,
-    passages: torch.Tensor,
-    temperature: float,
-    bidirectional: bool,
-) -> torch.Tensor:
-    """Loss of the global batch from this process's query and passage embeddings."""
+@dataclass
+class StepOutput:
+    """A step's loss and the global batch's representations, all detached (for the objective's state)."""
+
+    loss: torch.Tensor
+    queries: torch.Tensor
+    passages: torch.Tensor
+    batch: BatchTensors  # on the device
+
+
+def gather_batch(queries: torch.Tensor, passages: torch.Tensor, n_local_queries: int) -> tuple[torch.Tensor, ...]:
+    """The global batch's representations from this process's (every process's positives, then every
+    process's hard negatives); only this process's rows carry gradient."""
     b = n_local_queries
-    all_queries = gather_with_local_grad(queries)
     all_passages = torch.cat([gather_with_local_grad(passages[:b]), gather_with_local_grad(passages[b:])])
-    return contrastive_loss(
-        all_queries, all_passages, tensors.positive_index, temperature, mask=tensors.mask, bidirectional=bidirectional
-    )
+    return gather_with_local_grad(queries), all_passages
 
 
 def forward_backward(
     model: BiEncoder,
     batch: TrainingBatch,
     device: torch.device,
-    bidirectional: bool = False,
+    objective: Objective | None = None,
     chunk_size: int | None = None,
     bf16: bool = False,
     tensors: BatchTensors | None = None,
-) -> torch.Tensor:
-    """Accumulate into ``.grad`` the gradient of the batch loss; return the loss (detached, on
-    ``device``: reading it waits for the GPU, so the trainer reads it only when it logs).
+) -> StepOutput:
+    """Accumulate into ``.grad`` the gradient of the objective on the batch (default: ``Contrastive()``);
+    return the loss (detached, on ``device``: reading it waits for the GPU, so the trainer reads it only
+    when it logs) with the batch's representations.
     ``bf16``: autocast to bfloat16 (resolved for the device by ``uses_bf16``).
     ``tensors``: the batch already tokenised by ``batch_tensors`` (e.g. in a worker thread)."""
+    objective = objective or Contrastive()
     tensors = (tensors or batch_tensors(model, batch)).to(device)
     q_tokens, p_tokens = tensors.queries, tensors.passages
     autocast: Callable[[], contextlib.AbstractContextManager] = lambda: autocast_context(device, bf16)  # noqa: E731
-    temperature = model.config.temperature
     b = batch.n_local_queries
     if chunk_size is None:
-        q = _embed(model, q_tokens, "query", autocast)
-        p = _embed(model, p_tokens, "passage", autocast)
-        loss = global_loss(tensors, b, q, p, temperature, bidirectional)
+        q, p = gather_batch(_embed(model, q_tokens, "query", autocast), _embed(model, p_tokens, "passage", autocast), b)
+        loss = objective(model, q, p, tensors)
         loss.backward()
-        return loss.detach()
+        return StepOutput(loss.detach(), q.detach(), p.detach(), tensors)
 
     sides: list[tuple[Side, list[dict[str, torch.Tensor]]]] = [
         ("query", _chunks(q_tokens, chunk_size)),
@@ -126,7 +134,8 @@ def forward_backward(
                 cached[side].append((_embed(model, chunk, side, autocast), state))
     q = torch.cat([e for e, _ in cached["query"]]).requires_grad_()
     p = torch.cat([e for e, _ in cached["passage"]]).requires_grad_()
-    loss = global_loss(tensors, b, q, p, temperature, bidirectional)
+    all_q, all_p = gather_batch(q, p, b)
+    loss = objective(model, all_q, all_p, tensors)
     loss.backward()
     grads = {"query": q.grad.split(chunk_size), "passage": p.grad.split(chunk_size)}
     for side, chunks in sides:
@@ -134,4 +143,4 @@ def forward_backward(
             with state.replay():
                 reps = _embed(model, chunk, side, autocast)
             torch.dot(reps.flatten(), grad.flatten()).backward()
-    return loss.detach()
+    return StepOutput(loss.detach(), all_q.detach(), all_p.detach(), tensors)

@@ -31,6 +31,7 @@ from densepass.prefetch import prefetched
 from densepass.scheduling.baselines import random_batches
 from densepass.training import distributed
 from densepass.training.batches import TrainingData
+from densepass.training.objectives import Contrastive, Objective
 from densepass.training.step import batch_tensors, forward_backward
 
 
@@ -110,12 +111,15 @@ def train(
     on_epoch_end: Callable[[int], None] | None = None,
     on_step_end: Callable[[int], None] | None = None,
     identity: dict | None = None,
+    objective: Objective | None = None,
 ) -> TrainResult:
     """Fine-tune ``model`` in place on ``data``; resumes from the newest intact checkpoint in ``run_dir``.
 
     ``identity``: the caller's settings that define the run besides ``config`` (data, model, negatives,
-    batch order); a checkpoint written with other settings is refused."""
+    batch order); a checkpoint written with other settings is refused. ``objective``: what is minimised
+    (default: ``Contrastive(config.bidirectional)``); its state is checkpointed with the model."""
     seed_everything(config.seed)
+    objective = objective or Contrastive(config.bidirectional)
     run_dir.mkdir(parents=True, exist_ok=True)
     world, rank = distributed.world_size(), distributed.rank()
     planner = planner or RandomPlanner(len(data), config.batch_size, config.seed)
@@ -136,6 +140,7 @@ def train(
         optimizer.load_state_dict(resumed.optimizer)
         scheduler.load_state_dict(resumed.scheduler)
         restore_rng(resumed.rng)
+        objective.load_state_dict(resumed.extra["objective"])
         step, interval = resumed.step, tuple(resumed.extra["interval"])
     if rank == 0:
         trim_log(log_path, step)
@@ -150,7 +155,7 @@ def train(
                 lambda directory: model.save(directory / "model"),
                 optimizer,
                 scheduler,
-                {"interval": [interval_loss.item(), interval_steps]},
+                {"interval": [interval_loss.item(), interval_steps], "objective": objective.state_dict()},
             )
         distributed.barrier()
 
@@ -183,12 +188,14 @@ def train(
 
     for epoch in range(step // steps_per_epoch, config.epochs):
         for members, batch, tensors in prefetched(epoch_batches(epoch), prepare):
-            loss = forward_backward(model, batch, device, config.bidirectional, config.grad_cache_chunk, bf16, tensors)
+            out = forward_backward(model, batch, device, objective, config.grad_cache_chunk, bf16, tensors)
+            loss = out.loss
             distributed.sum_gradients(model.parameters())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            objective.after_step(model, out.queries, out.passages, out.batch)
             step += 1
             seen += len(members)
             interval_loss += loss.detach()
