@@ -23,8 +23,8 @@ import torch
 from densepass.scheduling.baselines import clustered_batches, random_batches
 from densepass.scheduling.concurrent import iter_concurrent_batches
 from densepass.scheduling.greedy import iter_batches, neighbour_lists
-from densepass.scheduling.pool import Pool
 from densepass.scheduling.similarity import BilinearSimilarity, bm25_instance_matrices, mean_hardness
+from densepass.scheduling.unscheduled import Unscheduled
 
 
 def synthetic(n: int, dim: int = 384, topics: int = 1000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -42,11 +42,11 @@ def naive_matrix_greedy(sim: BilinearSimilarity, batch_size: int, seed: int, lim
     q, p = sim.stacked[:, : sim.dim], sim.stacked[:, sim.dim :]
     S = q @ p.T
     n = sim.n
-    pool = Pool(n, seed)
+    unscheduled = Unscheduled(n, seed)
     available = torch.ones(n, dtype=torch.bool, device=sim.device)
     started, batches = time.perf_counter(), []
-    while pool.remaining > batch_size and time.perf_counter() - started < limit:
-        members = pool.seed_batch(batch_size, _NoConflicts())
+    while unscheduled.remaining > batch_size and time.perf_counter() - started < limit:
+        members = unscheduled.seed_batch(batch_size, _NoConflicts())
         available[members] = False
         for _ in range(4 * batch_size):
             m = torch.as_tensor(members, device=sim.device)
@@ -61,7 +61,7 @@ def naive_matrix_greedy(sim: BilinearSimilarity, batch_size: int, seed: int, lim
                 break
             available[members[pos]], available[a] = True, False
             members[pos] = a
-        pool.take(members)
+        unscheduled.take(members)
         batches.append(members)
     return batches
 

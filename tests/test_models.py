@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModel
 
 from densepass.errors import ConfigError
-from densepass.models.biencoder import BiEncoder, BiEncoderConfig, pool
+from densepass.models.biencoder import BiEncoder, BiEncoderConfig, token_pooling
 from densepass.models.encode import encode_texts
 
 TEXTS = ["audio editor for the terminal", "a python library", "fonts [SEP] a collection of free fonts"]
@@ -35,7 +35,7 @@ def test_save_load_roundtrip_all_loaders(tiny_model_dir, tmp_path, pooling, proj
     hf = AutoModel.from_pretrained(str(tmp_path / "saved"))
     tokens = model.tokenizer(TEXTS, padding=True, truncation=True, max_length=128, return_tensors="pt")
     with torch.no_grad():
-        pooled = pool(hf(**tokens).last_hidden_state, tokens["attention_mask"], pooling)
+        pooled = token_pooling(hf(**tokens).last_hidden_state, tokens["attention_mask"], pooling)
         if projection_dim is None:
             np.testing.assert_allclose(torch.nn.functional.normalize(pooled, dim=-1).numpy(), expected, atol=1e-5)
 

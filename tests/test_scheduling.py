@@ -173,7 +173,7 @@ def test_conflicts_are_symmetric_and_complete():
 
 def test_bad_configurations():
     sim = BilinearSimilarity(np.ones((4, 2)), np.ones((4, 2)))
-    with pytest.raises(ConfigError, match="larger than the pool"):
+    with pytest.raises(ConfigError, match="larger than the 4 instances to schedule"):
         schedule_batches(sim, 5)
     with pytest.raises(ConfigError, match="differ in shape"):
         BilinearSimilarity(np.ones((4, 2)), np.ones((3, 2)))

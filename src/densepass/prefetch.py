@@ -14,10 +14,10 @@ def prefetched(items: Iterable[T], prepare: Callable[[T], R]) -> Iterator[R]:
     """``prepare(item)`` for each item, in order. Items are drawn in the calling thread (so
     collective operations inside ``items`` keep their order); ``prepare`` runs in one worker thread,
     one item ahead of the consumer. ``prepare`` must not share mutable state with the consumer."""
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    with ThreadPoolExecutor(max_workers=1) as worker:
         pending = None
         for item in items:
-            future = pool.submit(prepare, item)
+            future = worker.submit(prepare, item)
             if pending is not None:
                 yield pending.result()
             pending = future

@@ -68,7 +68,7 @@ def _in_hub_cache(name: str) -> bool:
         return False
 
 
-def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, how: str) -> torch.Tensor:
+def token_pooling(hidden: torch.Tensor, attention_mask: torch.Tensor, how: str) -> torch.Tensor:
     """CLS vector, or the mean of the token vectors under the attention mask, in float32 (a model
     run in bfloat16 still pools and projects at full precision)."""
     if how == "cls":
@@ -128,7 +128,7 @@ class BiEncoder(nn.Module):
         """Embeddings of one side's tokenised batch."""
         encoder = self.query_encoder if side == "query" else self.passage_encoder
         hidden = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        out = pool(hidden, attention_mask, self.config.pooling)
+        out = token_pooling(hidden, attention_mask, self.config.pooling)
         if self.projection is not None:
             out = self.projection(out)
         if self.config.normalize:

@@ -2,7 +2,7 @@
 
 Start with ``greedy.py`` (the fast exact scheduler), ``similarity.py`` (the bilinear similarities it
 relies on) and ``reference.py`` (the slow, literal reading of eq. 3-4 that the tests compare against);
-``concurrent.py`` grows many greedy batches per pass over the pool (the large-pool setting).
+``concurrent.py`` grows many greedy batches per pass over U (the setting for large training sets).
 """
 
 from densepass.scheduling.concurrent import iter_concurrent_batches

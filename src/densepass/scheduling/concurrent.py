@@ -1,18 +1,18 @@
-"""Exact-step greedy ABS for many batches at once: one pass over the pool serves P batches.
+"""Exact-step greedy ABS for many batches at once: one pass over the unscheduled instances U serves P batches.
 
 The sequential greedy (``greedy.py``) grows one batch at a time, and each of its swaps reads the whole
-pool for one matrix-vector product: memory-bound, with ~N/b x swaps passes over an N-row pool per
+of U for one matrix-vector product: memory-bound, with ~N/b x swaps passes over an N-row U per
 epoch. Here P batches ("slots") grow together. Each round, for every open batch p with running sums
 s_p = [sum Q, sum P] (``similarity.py``):
 
-    G = [Q | P] [sum P; sum Q]_p  over the pool           c_p(d) = G[d, p] - 2 Q_d.P_d
+    G = [Q | P] [sum P; sum Q]_p  over U                  c_p(d) = G[d, p] - 2 Q_d.P_d
     r_p = argmin_{d in B_p} c_p(d)                        (eq. 3: the member whose removal hurts least)
     G' = the same product with the sums of B_p - r_p      a_p = argmax_{allowed a} G'[a, p]   (eq. 4)
 
-that is, two matrix products over the pool with P columns (compute-bound, not memory-bound). Every batch
+that is, two matrix products over U with P columns (compute-bound, not memory-bound). Every batch
 whose best swap raises h(B_p) makes it, except that an instance wanted by several batches goes to the
 one it raises most (ties: the lowest slot); the others retry next round without it. A batch that
-stops improving (or reaches ``max_swaps``) is emitted and its slot is seeded again from the pool.
+stops improving (or reaches ``max_swaps``) is emitted and its slot is seeded again from the unscheduled.
 
 With P = 1 this is the sequential greedy step for step (tested against the literal reference). With
 P > 1 the batches compete for candidates, so the schedule differs; ``benchmarks/bench_abs.py`` reports
@@ -27,8 +27,8 @@ import torch
 
 from densepass.errors import ConfigError
 from densepass.scheduling.greedy import ActiveRows, check_schedule_args
-from densepass.scheduling.pool import Pool, pack_remainder
 from densepass.scheduling.similarity import BilinearSimilarity
+from densepass.scheduling.unscheduled import Unscheduled, pack_remainder
 
 
 class _ConflictCounts:
@@ -70,7 +70,7 @@ def iter_concurrent_batches(
     n, device = sim.n, sim.device
     conflicts = conflicts if conflicts is not None else [[] for _ in range(n)]
     max_swaps = max_swaps if max_swaps is not None else 4 * batch_size
-    pool = Pool(n, seed)
+    unscheduled = Unscheduled(n, seed)
     available = torch.ones(n, dtype=torch.bool, device=device)  # in U and in no open batch
     blocked = _ConflictCounts(conflicts, slots, n, device)
     members = torch.zeros((slots, batch_size), dtype=torch.long, device=device)
@@ -78,13 +78,13 @@ def iter_concurrent_batches(
     sums = torch.zeros((slots, 2 * sim.dim), dtype=sim.dtype, device=device)
     swaps = [0] * slots
     open_slots: list[int] = []
-    unassigned = n  # pool instances in no open batch
+    unassigned = n  # instances of U in no open batch
     inf = torch.tensor(float("inf"), dtype=sim.dtype, device=device)
-    active = ActiveRows(sim, pool.ids())
+    active = ActiveRows(sim, unscheduled.ids())
 
     def open_batch(slot: int) -> None:
         nonlocal unassigned
-        seed_ids = pool.seed_batch(batch_size, conflicts, exclude=~available.cpu().numpy())
+        seed_ids = unscheduled.seed_batch(batch_size, conflicts, exclude=~available.cpu().numpy())
         ids = torch.as_tensor(seed_ids, device=device)
         members[slot].zero_()
         valid[slot] = False
@@ -100,27 +100,27 @@ def iter_concurrent_batches(
         ids = members[slot][valid[slot]]
         blocked.counts[slot].zero_()
         open_slots.remove(slot)
-        pool.take(ids.tolist())
+        unscheduled.take(ids.tolist())
         return ids.tolist()
 
     for slot in range(slots):
         if unassigned > batch_size:
             open_batch(slot)
     while open_slots:
-        if pool.remaining < len(active.ids) // 2:
-            active = ActiveRows(sim, pool.ids())
+        if unscheduled.remaining < len(active.ids) // 2:
+            active = ActiveRows(sim, unscheduled.ids())
         finished = [s for s in open_slots if swaps[s] >= max_swaps]
         rows = [s for s in open_slots if swaps[s] < max_swaps]
         if rows:
             slot_t = torch.as_tensor(rows, device=device)
             batch = members[slot_t]
-            full = sim.cross(sums[slot_t].T, matrix=active.matrix)  # [pool, k]
+            full = sim.cross(sums[slot_t].T, matrix=active.matrix)  # [|U|, k]
             contrib = full.T.gather(1, active.position[batch].clamp(min=0)) - 2 * sim.self_sim[batch]
             contrib = torch.where(valid[slot_t], contrib, inf)
             removal_pos = torch.argmin(contrib, 1)  # eq. 3 (first on ties)
             removed = batch.gather(1, removal_pos[:, None]).squeeze(1)
             reduced = sums[slot_t] - sim.dense_rows(removed)
-            gains = sim.cross(reduced.T, matrix=active.matrix)  # [pool, k]: eq. 4 for B_p - r_p
+            gains = sim.cross(reduced.T, matrix=active.matrix)  # [|U|, k]: eq. 4 for B_p - r_p
             blocked.add(slot_t, removed, -1)  # instances blocked only by r_p become allowed
             allowed = available[active.ids][:, None] & (blocked.counts[slot_t][:, active.ids].T == 0)
             gains = torch.where(allowed, gains, -inf)
@@ -154,4 +154,4 @@ def iter_concurrent_batches(
             yield batch_ids
             if unassigned > batch_size:
                 open_batch(slot)
-    yield from pack_remainder(pool.ids().tolist(), batch_size, conflicts)
+    yield from pack_remainder(unscheduled.ids().tolist(), batch_size, conflicts)

@@ -1,6 +1,6 @@
-"""Exact greedy and beam-search batch scheduling over the whole pool (ABS eq. 3-4).
+"""Exact greedy and beam-search batch scheduling over all unscheduled instances (ABS eq. 3-4).
 
-For each batch: draw a random conflict-free seed from the pool U, then repeat
+For each batch: draw a random conflict-free seed from the unscheduled instances U, then repeat
 
     d_r = argmax_{d in B} h(B - d)                       (eq. 3)
     d_a = argmax_{d in U, d not in B} h(B - d_r + d)     (eq. 4)
@@ -11,7 +11,7 @@ and swap d_r for d_a while that raises h(B). With running sums sQ, sP of the bat
     h(B - d)       = h(B) - c(d),       c(d) = Q_d.sP + P_d.sQ - 2 Q_d.P_d
     h(B' + a)      = h(B') + Q_a.sP' + P_a.sQ'      (B' = B - d_r; sums of B')
 
-so eq. 3 is an argmin over the batch and eq. 4 one matrix-vector product over the pool, instead of
+so eq. 3 is an argmin over the batch and eq. 4 one matrix-vector product over U, instead of
 the pairwise search that made the paper restrict candidates to a top-100. Candidates that conflict
 with a batch member (``conflicts.py``) are never added.
 
@@ -29,12 +29,12 @@ import numpy as np
 import torch
 
 from densepass.errors import ConfigError
-from densepass.scheduling.pool import Pool, pack_remainder
 from densepass.scheduling.similarity import BilinearSimilarity
+from densepass.scheduling.unscheduled import Unscheduled, pack_remainder
 
 
 class ActiveRows:
-    """The pool's rows as a compact matrix, rebuilt when half of it has been scheduled, so each
+    """The rows of U as a compact matrix, rebuilt when half of it has been scheduled, so each
     product runs over the instances still in U rather than all N."""
 
     def __init__(self, sim: BilinearSimilarity, ids: np.ndarray) -> None:
@@ -45,11 +45,11 @@ class ActiveRows:
 
 
 def check_schedule_args(sim: BilinearSimilarity, batch_size: int) -> None:
-    """A one-line error for a batch size below 1 or above the pool."""
+    """A one-line error for a batch size below 1 or above the unscheduled."""
     if batch_size < 1:
         raise ConfigError(f"batch size must be >= 1, got {batch_size}")
     if batch_size > sim.n:
-        raise ConfigError(f"batch size {batch_size} is larger than the pool of {sim.n} instances")
+        raise ConfigError(f"batch size {batch_size} is larger than the {sim.n} instances to schedule")
 
 
 def iter_batches(
@@ -71,25 +71,25 @@ def iter_batches(
     conflicts = conflicts if conflicts is not None else [[] for _ in range(n)]
     max_swaps = max_swaps if max_swaps is not None else 4 * batch_size
     device = sim.device
-    pool = Pool(n, seed)
+    unscheduled = Unscheduled(n, seed)
     available = torch.ones(n, dtype=torch.bool, device=device)  # in U and not in the current batch
     blocked = torch.zeros(n, dtype=torch.int32, device=device)  # batch members each instance conflicts with
     conflict_idx = [torch.as_tensor(c, dtype=torch.long, device=device) for c in conflicts]
     neighbour_t = torch.as_tensor(neighbours, dtype=torch.long, device=device) if neighbours is not None else None
     neg_inf = torch.tensor(float("-inf"), dtype=sim.dtype, device=device)
-    active = ActiveRows(sim, pool.ids())
+    active = ActiveRows(sim, unscheduled.ids())
 
     def best_addition(
-        reduced: torch.Tensor, removed: int, members: list[int], pool_gains: torch.Tensor | None = None
+        reduced: torch.Tensor, removed: int, members: list[int], gains_over_u: torch.Tensor | None = None
     ) -> tuple[int, torch.Tensor] | None:
-        """eq. 4 for B - removed: the allowed pool instance with the largest gain, and that gain
-        (``pool_gains``: the gains over the active pool, when already computed)."""
+        """eq. 4 for B - removed: the allowed instance of U with the largest gain, and that gain
+        (``gains_over_u``: the gains over U, when already computed)."""
         if neighbour_t is not None:
             candidates = torch.unique(neighbour_t[[m for m in members if m != removed]].flatten())
             gains = sim.cross(reduced, candidates)
         else:
             candidates = active.ids
-            gains = pool_gains if pool_gains is not None else sim.cross(reduced, matrix=active.matrix)
+            gains = gains_over_u if gains_over_u is not None else sim.cross(reduced, matrix=active.matrix)
         allowed = available[candidates] & (blocked[candidates] == 0)
         gains = torch.where(allowed, gains, neg_inf)
         freed = conflict_idx[removed]  # instances blocked only by the removed member become allowed
@@ -106,10 +106,10 @@ def iter_batches(
             return None
         return int(candidates[k]), gains[k]
 
-    while pool.remaining > batch_size:
-        if pool.remaining < len(active.ids) // 2:
-            active = ActiveRows(sim, pool.ids())
-        members = pool.seed_batch(batch_size, conflicts)
+    while unscheduled.remaining > batch_size:
+        if unscheduled.remaining < len(active.ids) // 2:
+            active = ActiveRows(sim, unscheduled.ids())
+        members = unscheduled.seed_batch(batch_size, conflicts)
         for m in members:
             available[m] = False
             blocked[conflict_idx[m]] += 1
@@ -119,13 +119,13 @@ def iter_batches(
             contrib = sim.cross(sums, member_t) - 2 * sim.self_sim[member_t]
             order = torch.sort(contrib, stable=True).indices[:beam_width].tolist()  # eq. 3, best first
             reduced = [sums - sim.row(members[pos]) for pos in order]
-            pool_gains = None  # beam: the k products over the pool as one matrix product, one read of the pool
+            gains_over_u = None  # beam: the k products over U as one matrix product, one read of U
             if neighbour_t is None and len(order) > 1:
-                pool_gains = sim.cross(torch.stack(reduced, 1), matrix=active.matrix)
+                gains_over_u = sim.cross(torch.stack(reduced, 1), matrix=active.matrix)
             best = None  # (gain in h, position, addition)
             for j, pos in enumerate(order):
                 found = best_addition(
-                    reduced[j], members[pos], members, None if pool_gains is None else pool_gains[:, j]
+                    reduced[j], members[pos], members, None if gains_over_u is None else gains_over_u[:, j]
                 )
                 if found is None:
                     continue
@@ -143,9 +143,9 @@ def iter_batches(
             blocked[conflict_idx[addition]] += 1
         for m in members:
             blocked[conflict_idx[m]] -= 1
-        pool.take(members)
+        unscheduled.take(members)
         yield members
-    yield from pack_remainder(pool.ids().tolist(), batch_size, conflicts)
+    yield from pack_remainder(unscheduled.ids().tolist(), batch_size, conflicts)
 
 
 def _positions(candidates: torch.Tensor, ids: torch.Tensor, active: ActiveRows | None) -> torch.Tensor:

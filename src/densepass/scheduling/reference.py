@@ -1,7 +1,7 @@
 """A slow, literal implementation of ABS scheduling (eq. 1, 3, 4) for testing the fast one.
 
 Every hardness is recomputed from the full similarity matrix with ``batch_hardness``; no running
-sums, no incremental updates. Only for small pools (O(N^2) memory, O(N * n^2) per step).
+sums, no incremental updates. Only for small training sets (O(N^2) memory, O(N * n^2) per step).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from densepass.scheduling.pool import Pool, pack_remainder
 from densepass.scheduling.similarity import batch_hardness
+from densepass.scheduling.unscheduled import Unscheduled, pack_remainder
 
 
 def reference_schedule(
@@ -26,10 +26,10 @@ def reference_schedule(
     n = len(similarity)
     conflicts = conflicts if conflicts is not None else [[] for _ in range(n)]
     max_swaps = max_swaps if max_swaps is not None else 4 * batch_size
-    pool = Pool(n, seed)
+    unscheduled = Unscheduled(n, seed)
     batches = []
-    while pool.remaining > batch_size:
-        batch = pool.seed_batch(batch_size, conflicts)
+    while unscheduled.remaining > batch_size:
+        batch = unscheduled.seed_batch(batch_size, conflicts)
         for _ in range(max_swaps):
             h = batch_hardness(similarity, batch)
             # eq. 3: the removals that leave the hardest batch, best first (stable on ties)
@@ -39,7 +39,7 @@ def reference_schedule(
             for pos in removal_order:
                 rest = batch[:pos] + batch[pos + 1 :]
                 banned = set(rest) | {batch[pos]} | {c for m in rest for c in conflicts[m]}
-                candidates = [d for d in pool.ids().tolist() if d not in banned]
+                candidates = [d for d in unscheduled.ids().tolist() if d not in banned]
                 if not candidates:
                     continue
                 # eq. 4: the addition that makes B - d_r + d hardest (first on ties)
@@ -51,7 +51,7 @@ def reference_schedule(
                 break
             batch = batch.copy()
             batch[best[1]] = best[2]
-        pool.take(batch)
+        unscheduled.take(batch)
         batches.append(batch)
-    batches.extend(pack_remainder(pool.ids().tolist(), batch_size, conflicts))
+    batches.extend(pack_remainder(unscheduled.ids().tolist(), batch_size, conflicts))
     return batches

@@ -1,4 +1,4 @@
-"""The pool of unscheduled instances, and the two steps every scheduler shares: drawing a random
+"""The unscheduled instances U, and the two steps every scheduler shares: drawing a random
 conflict-free seed batch (ABS §3.2: "randomly select n elements from U") and packing the last
 instances into conflict-free batches."""
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 
-class Pool:
+class Unscheduled:
     """Unscheduled instances U, with O(1) membership and seeded random draws."""
 
     def __init__(self, n: int, seed: int) -> None:
@@ -27,7 +27,7 @@ class Pool:
         self.remaining -= len(batch)
 
     def seed_batch(self, size: int, conflicts: Sequence[Sequence[int]], exclude: np.ndarray | None = None) -> list[int]:
-        """Up to ``size`` random pool members, no two in conflict (drawn in random order); ``exclude``
+        """Up to ``size`` random members of U, no two in conflict (drawn in random order); ``exclude``
         (a boolean mask over all instances) leaves out members of batches still being built."""
         ids = self.ids() if exclude is None else np.flatnonzero(self.alive & ~exclude)
         order = ids[self.rng.permutation(len(ids))]
