@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -333,8 +335,29 @@ def test_encode_to_memmap_resumes_after_interruption(tiny_model, tmp_path, monke
     np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
 
 
-def test_encode_to_memmap_rejects_partial_of_wrong_shape(tiny_model, tmp_path):
+@pytest.mark.parametrize("damage", ["wrong shape", "truncated", "bad done list", "truncated final"])
+def test_encode_to_memmap_encodes_damaged_files_again(tiny_model, tmp_path, damage):
     path = tmp_path / "emb.npy"
-    np.lib.format.open_memmap(path.with_name("emb.npy.partial"), mode="w+", dtype=np.float32, shape=(3, 5))
-    with pytest.raises(DensepassError, match="delete it to restart"):
-        encode_to_memmap(tiny_model, TEXTS, "passage", path, device=CPU, show_progress=False)
+    kwargs = dict(device=CPU, show_progress=False, shard_size=2)
+    expected = np.asarray(encode_to_memmap(tiny_model, TEXTS, "passage", tmp_path / "ref.npy", **kwargs))
+    partial, done = path.with_name("emb.npy.partial"), path.with_name("emb.npy.done")
+    if damage == "wrong shape":
+        np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=(3, 5))
+    elif damage == "truncated":
+        with open(partial, "wb") as handle:
+            np.save(handle, expected)
+        partial.write_bytes(partial.read_bytes()[:100])
+        done.write_text("0\n1\n")
+    elif damage == "bad done list":
+        with open(partial, "wb") as handle:
+            np.save(handle, np.zeros_like(expected))
+        done.write_text("0\nnot-a-shard")
+    else:
+        np.save(path, expected)
+        path.write_bytes(path.read_bytes()[:150])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = encode_to_memmap(tiny_model, TEXTS, "passage", path, **kwargs)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    if damage != "bad done list":  # an unreadable list of shards just means: encode every shard
+        assert any("is damaged" in str(w.message) for w in caught)

@@ -202,12 +202,24 @@ class ValidationConfig:
 
 
 @dataclass
-class ExperimentConfig:
+class RunConfig:
+    """Where a run writes and runs (the first keys of every run's config)."""
+
+    name: str = option("run", "name of the run: everything goes to <output_dir>/<name>/")
+    output_dir: str = option("outputs", "folder of the runs' directories")
+    device: str | None = option(None, "cpu, cuda or cuda:N (null: cuda when available)")
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run writes: ``<output_dir>/<name>``."""
+        return Path(self.output_dir) / self.name
+
+
+@dataclass
+class ExperimentConfig(RunConfig):
     """One run: data -> (baselines) -> training -> indexing -> evaluation -> report."""
 
     name: str = option("experiment", "name of the run: everything goes to <output_dir>/<name>/")
-    output_dir: str = option("outputs", "folder of the runs' directories")
-    device: str | None = option(None, "cpu, cuda or cuda:N (null: cuda when available)")
     data: DataConfig = option(help="dataset", factory=DataConfig)
     model: ModelConfig = option(help="bi-encoder", factory=ModelConfig)
     negatives: NegativesConfig = option(help="hard negatives", factory=NegativesConfig)
@@ -215,11 +227,6 @@ class ExperimentConfig:
     schedule: ScheduleConfig = option(help="batch order", factory=ScheduleConfig)
     validation: ValidationConfig = option(help="validation during training", factory=ValidationConfig)
     eval: EvalConfig = option(help="evaluation", factory=EvalConfig)
-
-    @property
-    def run_dir(self) -> Path:
-        """Where this run writes: ``<output_dir>/<name>``."""
-        return Path(self.output_dir) / self.name
 
 
 # ---- loading ------------------------------------------------------------------------------------

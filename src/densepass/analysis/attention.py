@@ -1,4 +1,4 @@
-"""CLS attention entropy per layer (condenser §5, after Clark et al. 2019) and the Figure 2 plot.
+"""CLS attention entropy per layer (condenser §5, after clark2019) and the Figure 2 plot.
 
 For a passage and an attention head, the CLS row a_0 = softmax over the passage's tokens gives the
 entropy H = -sum_j a_0j log a_0j (nats; padding has zero weight and adds nothing). The entropy of a

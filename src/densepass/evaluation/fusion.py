@@ -5,7 +5,7 @@ both sides of model i by sqrt(w_i) makes the fused dot product the weighted sum 
 products, <[sqrt(w_i) q_i]_i, [sqrt(w_i) p_i]_i> = sum_i w_i <q_i, p_i>, so one search over the fused
 index ranks by the weighted score. Weights are tuned on dev by a coordinate-wise grid search.
 
-Rank fusion: reciprocal rank fusion (Cormack et al., 2009), score(d) = sum_runs 1 / (k + rank(d)),
+Rank fusion: reciprocal rank fusion (rrf), score(d) = sum_runs 1 / (k + rank(d)),
 through ``ranx.fuse(method="rrf")``.
 """
 

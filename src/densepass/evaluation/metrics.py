@@ -166,7 +166,7 @@ def _answer_accuracy(
 
 
 def randomization_p(a: np.ndarray, b: np.ndarray, n_permutations: int = 10_000, seed: int = 42) -> float:
-    """Two-sided p-value of Fisher's paired randomization test (Smucker et al., CIKM 2007): the share of the
+    """Two-sided p-value of Fisher's paired randomization test (fisher-test): the share of the
     sign assignments of the per-query differences ``a - b`` whose mean is at least as far from zero as the
     observed one. Exact (all 2^n assignments) when 2^n <= ``n_permutations``; otherwise ``n_permutations``
     seeded random assignments plus the observed one, so p >= 1 / (n_permutations + 1) and the same inputs

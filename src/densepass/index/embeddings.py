@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from densepass.errors import DensepassError
+from densepass.errors import DataWarning
 from densepass.models.biencoder import BiEncoder, Side
 from densepass.models.encode import encode_texts
 
@@ -18,23 +19,23 @@ def encode_to_memmap(
     """Encode a corpus larger than memory shard by shard into a float32 ``.npy`` memory map.
 
     Finished shards are recorded in ``<path>.done``; an interrupted run resumes at the first
-    unfinished shard, and the file is renamed into place only when every shard is written.
+    unfinished shard, and the file is renamed into place only when every shard is written. Callers name
+    ``path`` by the content it encodes (model and corpus fingerprints), so what is there is reused; files
+    damaged on disk (a truncated array, an unreadable list of shards) are encoded again, with a warning.
     """
     path = Path(path)
-    if path.is_file():
-        return np.load(path, mmap_mode="r")
+    n, dim = len(texts), model.dim
+    finished = _open(path, "r", (n, dim))
+    if finished is not None:
+        return finished
     partial = path.with_name(path.name + ".partial")
     done_file = path.with_name(path.name + ".done")
-    n, dim = len(texts), model.dim
-    if partial.is_file():
-        out = np.lib.format.open_memmap(partial, mode="r+")
-        if out.shape != (n, dim):
-            raise DensepassError(f"{partial} has shape {out.shape}, expected {(n, dim)}: delete it to restart")
-    else:
+    out = _open(partial, "r+", (n, dim))
+    done = _done_shards(done_file) if out is not None else set()
+    if out is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         out = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=(n, dim))
         done_file.unlink(missing_ok=True)
-    done = set(int(x) for x in done_file.read_text().split()) if done_file.is_file() else set()
     for shard, start in enumerate(range(0, n, shard_size)):
         if shard in done:
             continue
@@ -46,3 +47,28 @@ def encode_to_memmap(
     partial.rename(path)
     done_file.unlink(missing_ok=True)
     return np.load(path, mmap_mode="r")
+
+
+def _open(path: Path, mode: str, shape: tuple[int, int]) -> np.memmap | None:
+    """The float32 array at ``path`` with ``shape``, memory-mapped; None (and the file removed, with a
+    warning) when it is missing, damaged or of another shape."""
+    if not path.is_file():
+        return None
+    try:
+        array = np.lib.format.open_memmap(path, mode=mode)
+        if array.shape == shape and array.dtype == np.float32:
+            return array
+        problem = f"shape {array.shape} {array.dtype}, expected {shape} float32"
+    except (ValueError, OSError) as err:
+        problem = str(err).splitlines()[0]
+    warnings.warn(f"{path} is damaged ({problem}); encoding it again", DataWarning, stacklevel=3)
+    path.unlink()
+    return None
+
+
+def _done_shards(path: Path) -> set[int]:
+    """The shards recorded as written (none when the record is missing or unreadable)."""
+    try:
+        return {int(x) for x in path.read_text().split()}
+    except (OSError, ValueError):
+        return set()

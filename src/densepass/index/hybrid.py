@@ -2,7 +2,7 @@
 
 Each index returns its top ``depth``; the fused score of a passage is
 
-- ``rrf``: reciprocal rank fusion (Cormack et al., 2009), sum over the indexes of 1 / (rrf_k + rank);
+- ``rrf``: reciprocal rank fusion (rrf), sum over the indexes of 1 / (rrf_k + rank);
 - ``linear``: normalised score combination, w * s1 + (1 - w) * s2, each system's scores min-max
   normalised over its top ``depth`` for that query (a passage missing from a list counts 0 there).
 

@@ -26,7 +26,7 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 from densepass.config import DEFAULT_MODEL, BiEncoderConfig, from_dict
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
-from densepass.io import atomic_directory, atomic_write_text
+from densepass.io import MANIFEST, atomic_directory, atomic_write_text, read_manifest, write_manifest
 
 CONFIG_NAME = "densepass.json"
 Side = Literal["query", "passage"]
@@ -195,6 +195,8 @@ class BiEncoder(nn.Module):
     def from_pretrained(cls, name_or_path: str, config: BiEncoderConfig | None = None, **model_kwargs) -> BiEncoder:
         """Load a saved BiEncoder, or start one from any Hugging Face / sentence-transformers model."""
         path = resolve_model_path(name_or_path)
+        if (Path(path) / MANIFEST).is_file():
+            read_manifest(path, "densepass model")  # a truncated or corrupted saved model: one line, not a trace
         saved = Path(path) / CONFIG_NAME
         if saved.is_file():
             stored = from_dict(BiEncoderConfig, json.loads(saved.read_text()), str(saved))
@@ -223,6 +225,7 @@ class BiEncoder(nn.Module):
             if not self.config.shared:
                 self._save_tower(self.query_encoder, tmp / "query", "query")
             atomic_write_text(tmp / CONFIG_NAME, json.dumps(asdict(self.config), indent=2))
+            write_manifest(tmp)
 
     def _save_tower(self, encoder: nn.Module, path: Path, side: Side) -> None:
         """One tower as a Hugging Face model plus sentence-transformers module files."""

@@ -2,112 +2,65 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from densepass.evaluation.tables import metrics_table
 from densepass.io import atomic_write_text
+from densepass.plots import figure, read_log
 
 
 def plot_training_log(log_path: Path, out_path: Path) -> bool:
     """Loss per step as a PNG; False when there is no log to plot."""
-    if not log_path.is_file():
-        return False
-    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    records = read_log(log_path)
     if not records:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
+    with figure(out_path, xlabel="step", ylabel="training loss") as ax:
+        ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".")
     return True
 
 
 def plot_schedule_log(log_path: Path, out_path: Path) -> bool:
-    """Mean batch hardness per epoch, scheduled vs random batches (ABS paper, Figures 3-5)."""
-    if not log_path.is_file():
-        return False
-    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    """Mean batch hardness per epoch, scheduled vs random batches (abs-condenser-openqa Figures 3-5)."""
+    records = read_log(log_path)
     if not records:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     epochs = [r["epoch"] + 1 for r in records]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(epochs, [r["mean_hardness"] for r in records], marker="o", label="scheduled")
-    ax.plot(epochs, [r["random_mean_hardness"] for r in records], marker="x", label="random")
-    for e, r in zip(epochs, records):
-        ax.annotate(r["similarity"], (e, r["mean_hardness"]), fontsize=7)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("mean batch hardness h(B)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
+    with figure(out_path, xlabel="epoch", ylabel="mean batch hardness h(B)") as ax:
+        ax.plot(epochs, [r["mean_hardness"] for r in records], marker="o", label="scheduled")
+        ax.plot(epochs, [r["random_mean_hardness"] for r in records], marker="x", label="random")
+        for e, r in zip(epochs, records):
+            ax.annotate(r["similarity"], (e, r["mean_hardness"]), fontsize=7)
+        ax.legend()
     return True
 
 
 def plot_log_metrics(log_path: Path, metrics: list[str], out_path: Path, x: str) -> bool:
     """Metrics from a JSONL log against ``x`` (epoch or step)."""
-    if not log_path.is_file():
-        return False
-    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    records = read_log(log_path)
     if not records:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for m in metrics:
-        if m in records[0]:
-            ax.plot([r[x] for r in records], [r[m] for r in records], marker="o", label=m)
-    if "subcorpus" in records[0]:
-        ax.set_title(f"validation on {records[0]['subcorpus']} ({records[0]['size']} passages)", fontsize=9)
-    ax.set_xlabel(x)
-    ax.set_ylabel("metric")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
+    with figure(out_path, xlabel=x, ylabel="metric") as ax:
+        for m in metrics:
+            if m in records[0]:
+                ax.plot([r[x] for r in records], [r[m] for r in records], marker="o", label=m)
+        if "subcorpus" in records[0]:
+            ax.set_title(f"validation on {records[0]['subcorpus']} ({records[0]['size']} passages)", fontsize=9)
+        ax.legend(fontsize=8)
     return True
 
 
 def plot_metrics(results: dict[str, dict[str, float]], metrics: list[str], out_path: Path) -> None:
     """Grouped bars of each system's metrics."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / max(len(results), 1)
     x = np.arange(len(metrics))
-    for i, (name, values) in enumerate(results.items()):
-        ax.bar(x + i * width, [values.get(m, 0.0) for m in metrics], width, label=name)
-    ax.set_xticks(x + width * (len(results) - 1) / 2, metrics)
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
+    with figure(out_path, size=(7, 3.5)) as ax:
+        for i, (name, values) in enumerate(results.items()):
+            ax.bar(x + i * width, [values.get(m, 0.0) for m in metrics], width, label=name)
+        ax.set_xticks(x + width * (len(results) - 1) / 2, metrics)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
 
 
 def write_report(

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
-from densepass.config import DEFAULT_MODEL, DatasetFormat, option
+from densepass.config import DEFAULT_MODEL, DatasetFormat, RunConfig, option
 
 Mode = Literal["mlm", "condenser", "cocondenser"]
 
@@ -41,7 +40,7 @@ class PretrainModelConfig:
 
 @dataclass
 class MaskingConfig:
-    """BERT masking (Devlin et al. 2019): select ``probability`` of the tokens (or whole words)."""
+    """BERT masking (bert): select ``probability`` of the tokens (or whole words)."""
 
     probability: float = option(0.15, "share of the tokens selected for prediction", above=0, max=1)
     mask_fraction: float = option(0.8, "of the selected tokens, the share replaced by [MASK]", min=0, max=1)
@@ -72,18 +71,11 @@ class PretrainTrainConfig:
 
 
 @dataclass
-class PretrainConfig:
+class PretrainConfig(RunConfig):
     """One pre-training run; everything is written under ``<output_dir>/<name>/``."""
 
     name: str = option("pretrain", "name of the run: everything goes to <output_dir>/<name>/")
-    output_dir: str = option("outputs", "folder of the runs' directories")
-    device: str | None = option(None, "cpu, cuda or cuda:N (null: cuda when available)")
     data: PretrainDataConfig = option(help="corpus", factory=PretrainDataConfig)
     model: PretrainModelConfig = option(help="backbone and objective", factory=PretrainModelConfig)
     masking: MaskingConfig = option(help="BERT masking", factory=MaskingConfig)
     train: PretrainTrainConfig = option(help="optimisation", factory=PretrainTrainConfig)
-
-    @property
-    def run_dir(self) -> Path:
-        """Where this run writes: ``<output_dir>/<name>``."""
-        return Path(self.output_dir) / self.name

@@ -1,4 +1,4 @@
-"""BERT masking for MLM (Devlin et al. 2019; condenser §3.3 "we follow the masking scheme").
+"""BERT masking for MLM (bert; condenser §3.3 "we follow the masking scheme").
 
 Each maskable token (every token that is neither special nor padding) is selected with probability
 ``probability``; with ``whole_word`` the draw is per word and selects all of its WordPiece pieces (a

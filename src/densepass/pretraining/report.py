@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from densepass.evaluation.tables import metrics_table
 from densepass.io import atomic_write_text
+from densepass.plots import figure, read_log
 from densepass.pretraining.config import PretrainConfig
 
 TERMS = ("loss", "late_mlm", "head_mlm", "contrastive")
@@ -16,29 +16,18 @@ TERMS = ("loss", "late_mlm", "head_mlm", "contrastive")
 
 def plot_loss_terms(records: list[dict], out_path: Path) -> None:
     """Plot each loss term against the step into a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = [r["step"] for r in records]
-    for term in TERMS:
-        if any(r.get(term) for r in records):
-            ax.plot(steps, [r[term] for r in records], label=term, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
+    with figure(out_path, xlabel="step", ylabel="loss") as ax:
+        for term in TERMS:
+            if any(r.get(term) for r in records):
+                ax.plot(steps, [r[term] for r in records], label=term, linewidth=1)
+        ax.legend(fontsize=8)
 
 
 def write_pretrain_report(config: PretrainConfig, log_path: Path, device: torch.device, bf16: bool) -> Path:
     """Write the run's ``report.md``: settings, final loss terms, throughput and loss curves."""
     run_dir = config.run_dir
-    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    records = read_log(log_path)
     m, t = config.model, config.train
     lines = [
         f"# densepass pretrain: {config.name}",

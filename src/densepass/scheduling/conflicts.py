@@ -1,4 +1,4 @@
-"""Which training instances must never share a batch (no false negatives, issue 3 item 5).
+"""Which training instances must never share a batch: each would be a false negative of the other.
 
 Instances i and j conflict when their positive passages coincide (the same content), or when j's
 positive is judged relevant to i's query or vice versa. On debian-packages several synopses often

@@ -10,6 +10,8 @@ pairs. Changing any of them trains a new miner instead of reusing a stale one.
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch
 
 from densepass.config import DEFAULT_MODEL, NegativesConfig, TrainConfig
 from densepass.data.dataset import RetrievalDataset
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.fingerprints import fingerprint_json, fingerprint_weights
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.mine import MiningContext, dense_dim, dense_specs
@@ -54,7 +56,11 @@ def train_miner(
     run_dir = Path(work_dir) / f"miner-{projection_dim}d-{key}"
     saved = run_dir / "model"
     if (saved / "config.json").is_file():
-        return BiEncoder.from_pretrained(str(saved))
+        try:
+            return BiEncoder.from_pretrained(str(saved))
+        except DataError as err:  # damaged on disk: train it again
+            warnings.warn(f"{err}; training the miner again", DataWarning, stacklevel=2)
+            shutil.rmtree(run_dir)
     data = TrainingData(dataset, split, model.tokenizer.sep_token or " ", query_ids=query_ids)
     train(model, data, train_config, run_dir, device)
     model.save(saved)

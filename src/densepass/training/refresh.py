@@ -1,5 +1,5 @@
-"""ANCE-style refresh of the hard-negative pool while training (Xiong et al., 2021; the lecture's
-"negatives from the model being trained"; training-inference-gap §4.3.1 does it once, between rounds).
+"""Refresh of the hard-negative pool while training, with the model being trained (ance;
+neural-retrieval-lecture; training-inference-gap §4.3.1 does it once, between rounds).
 
 Every ``every`` steps the model being trained re-encodes the corpus, mines each training query's top
 ``pool_depth`` through the same false-negative filters, and the new pool replaces the old one. ANCE

@@ -1,8 +1,7 @@
 """One optimisation step's forward and backward, plain or with gradient caching; the loss is the
 objective's (``training.objectives``) on the global batch's representations.
 
-Gradient caching (Gao et al., "Scaling Deep Contrastive Learning Batch Size under Memory Limited
-Setup", GC-DPR/GradCache): (1) embed the whole batch in chunks without a graph; (2) compute the
+Gradient caching (gradcache): (1) embed the whole batch in chunks without a graph; (2) compute the
 contrastive loss on those embeddings and its gradient with respect to each embedding; (3) re-embed
 chunk by chunk with a graph and back-propagate the cached embedding gradients. Random states are
 replayed so dropout matches between (1) and (3); the result equals the plain large-batch gradient,

@@ -1,0 +1,36 @@
+"""Plot helpers for reports: JSONL logs read back, and a figure context that saves a PNG (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def read_log(path: Path) -> list[dict]:
+    """The records of a JSONL log (empty when the file is missing or empty)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@contextmanager
+def figure(out_path: Path, size: tuple[float, float] = (6, 3.5), xlabel: str = "", ylabel: str = "") -> Iterator[Any]:
+    """Yield the axes of a new figure; on leaving, grid, labels, tight layout, save ``out_path`` (PNG), close."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    try:
+        yield ax
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_path, dpi=120)
+    finally:
+        plt.close(fig)
