@@ -13,7 +13,6 @@ import pytest
 from densepass.cli import main
 from densepass.errors import ConfigError, DataError
 from densepass.pipelines.experiment import run_experiment
-
 from test_experiment import tiny_config
 
 RERANKER = [
