@@ -417,6 +417,7 @@ def finish(exp: Experiment) -> None:
         "device": str(exp.device),
         "results": exp.results,
         "timings": exp.timings,
+        "notes": exp.notes,
         "config": asdict(config),
     }
     atomic_write_text(exp.run_dir / "metrics.json", json.dumps(payload, indent=2))
