@@ -95,3 +95,14 @@ def test_a_run_becomes_search_results_best_first_and_unknown_passages_are_refuse
     assert results.as_run(["a", "b"]) == {"a": {"p1": 2.0, "p3": 1.0}, "b": {}}
     with pytest.raises(DataError, match="'nope'"):
         results_from_run({"a": {"nope": 1.0}}, ["a"], CORPUS)
+
+
+def test_cached_scores_score_each_pair_once_and_return_the_same_scores():
+    from densepass.pipelines.search import CachedScores
+
+    table = TableReranker([float(i) for i in range(len(TEXTS))])
+    cached = CachedScores(table)
+    first = cached.score_pairs(["q", "q", "r"], [TEXTS[1], TEXTS[1], TEXTS[2]])
+    second = cached.score_pairs(["q", "r", "r"], [TEXTS[1], TEXTS[2], TEXTS[3]])
+    assert first.tolist() == [1.0, 1.0, 2.0] and second.tolist() == [1.0, 2.0, 3.0]
+    assert table.pairs == 3 and cached.scored == 3

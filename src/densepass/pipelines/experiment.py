@@ -468,8 +468,15 @@ def evaluate_reranked(exp: Experiment) -> None:
             exp.timings,
         )
     )
-    per_query = ", ".join(f"{s}: {exp.timings[f'rerank_{s}_ms_per_query']:.0f} ms" for s in cfg.first_stages)
-    exp.notes.append(f"Reranking the top {cfg.depth} on {exp.device.type}, per query: {per_query}.")
+    per_query = ", ".join(
+        f"{s}: {exp.timings.get(f'rerank_{s}_ms_per_query', 0):.0f} ms ({exp.timings[f'rerank_{s}_pairs_scored']} "
+        f"new pairs scored)"
+        for s in cfg.first_stages
+    )
+    exp.notes.append(
+        f"Reranking the top {cfg.depth} on {exp.device.type}, per query: {per_query}; pairs two first stages share "
+        "are scored once, and a stage's cost per query is its time per scored pair times its pairs per query."
+    )
 
 
 def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str, dict[str, float]]:

@@ -48,6 +48,31 @@ class Reranker(Protocol):
         ...
 
 
+class CachedScores:
+    """A reranker that remembers the score of every (query, passage text) pair it has scored, so that
+    reranking several first stages of one evaluation scores their shared candidates once.
+    ``scored`` counts the pairs the wrapped reranker was actually asked for."""
+
+    def __init__(self, reranker: Reranker) -> None:
+        self.reranker, self.scores, self.scored = reranker, {}, 0
+
+    def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:
+        """The scores of the pairs, the new ones from the wrapped reranker in one call."""
+        pairs = list(zip(queries, passages))
+        new = [pair for pair in dict.fromkeys(pairs) if pair not in self.scores]
+        if new:
+            values = np.asarray(self.reranker.score_pairs([q for q, _ in new], [p for _, p in new]), dtype=np.float32)
+            if values.shape != (len(new),):
+                raise ConfigError(f"the reranker returned {values.shape} scores for {len(new)} pairs")
+            self.scores.update(zip(new, values.tolist()))
+            self.scored += len(new)
+        return np.asarray([self.scores[pair] for pair in pairs], dtype=np.float32)
+
+    def describe(self) -> dict:
+        """The wrapped reranker's description."""
+        return self.reranker.describe()
+
+
 class SearchPipeline:
     """First stage ``index``, then (optionally) ``reranker`` over its top ``rerank_depth`` candidates."""
 
