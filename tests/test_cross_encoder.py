@@ -86,3 +86,21 @@ def test_scoring_needs_as_many_queries_as_passages_and_a_sane_length(saved_cross
         model.score_pairs(["a", "b"], ["c"])
     with pytest.raises(ConfigError, match="exceeds the model's 128 positions"):
         CrossEncoder.new(str(tiny_model_dir), max_length=1000, device=CPU)
+
+
+def test_scoring_batches_pairs_of_similar_token_length_padded_to_their_longest(saved_cross_encoder):
+    from densepass.models.cross_encoder import length_sorted_batches
+
+    model, _ = saved_cross_encoder
+    model.batch_size = 2
+    encoded = model.tokenizer(QUERIES, PASSAGES, truncation=True, max_length=model.max_length)
+    lengths = [len(ids) for ids in encoded["input_ids"]]
+    batches = length_sorted_batches(encoded, model)
+    rows = [int(r) for batch_rows, _ in batches for r in batch_rows]
+    assert sorted(rows) == list(range(len(QUERIES)))
+    assert [lengths[r] for r in rows] == sorted(lengths, reverse=True)
+    for batch_rows, tensors in batches:
+        assert tensors["input_ids"].shape == (len(batch_rows), max(lengths[r] for r in batch_rows))
+        assert tensors["attention_mask"].sum(1).tolist() == [lengths[r] for r in batch_rows]
+        for j, r in enumerate(batch_rows):
+            assert tensors["input_ids"][j, : lengths[r]].tolist() == encoded["input_ids"][r]

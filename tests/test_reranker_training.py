@@ -56,7 +56,7 @@ def test_training_lowers_the_loss_and_ranks_positives_higher(tiny_model_dir, tin
     data = make_data(tiny_beir)
     model = new_model(tiny_model_dir)
     before = _positive_margin(model, data)
-    result = train_cross_encoder(model, data, config(loss=loss, epochs=10, learning_rate=5e-3), tmp_path, CPU)
+    result = train_cross_encoder(model, data, config(loss=loss, epochs=10, learning_rate=5e-3, head_learning_rate=None), tmp_path, CPU)
     assert result.steps == 10 * (len(data) // 5)
     losses = [float(line.split('"loss": ')[1].split(",")[0]) for line in result.log_path.read_text().splitlines()]
     assert np.mean(losses[-4:]) < np.mean(losses[:4])
@@ -101,3 +101,17 @@ def test_the_config_and_the_data_must_draw_the_same_number_of_negatives(tiny_mod
         train_cross_encoder(
             new_model(tiny_model_dir), make_data(tiny_beir), config(negatives_per_query=2), tmp_path, CPU
         )
+
+
+def test_a_new_head_and_the_pooler_learn_at_the_head_rate_and_the_encoder_at_the_base_rate(tiny_model_dir):
+    from densepass.training.cross_encoder import parameter_groups
+
+    model = new_model(tiny_model_dir)
+    names = {id(p): n for n, p in model.model.named_parameters()}
+    base, head = parameter_groups(model, config(head_learning_rate=1e-2))
+    head_names = {names[id(p)] for p in head["params"]}
+    assert head["lr"] == 1e-2 and "lr" not in base
+    assert any(n.startswith("classifier.") for n in head_names) and any(".pooler." in n for n in head_names)
+    assert not any(".encoder." in n or ".embeddings." in n for n in head_names)
+    assert len(base["params"]) + len(head["params"]) == len(names)
+    assert len(parameter_groups(model, config(head_learning_rate=None))) == 1

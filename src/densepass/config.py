@@ -217,6 +217,9 @@ class RerankerTrainConfig:
     max_steps: int | None = option(None, "stop after this many steps (null: every epoch)", min=1)
     batch_size: int = option(16, "queries per step (each brings 1 + n pairs)", min=1)
     learning_rate: float = option(2e-5, "AdamW learning rate", above=0)
+    head_learning_rate: float | None = option(
+        1e-3, "learning rate of a newly initialised head (null: learning_rate); a fresh head learns slowly", above=0
+    )
     weight_decay: float = option(0.01, "AdamW weight decay", min=0)
     warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
     checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)

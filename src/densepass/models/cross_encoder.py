@@ -9,8 +9,9 @@ A saved cross-encoder is a plain Hugging Face directory that ``transformers`` an
 as the activation (``predict`` returns the raw logits) and its tokenizer's ``model_max_length`` is the
 cross-encoder's truncation length.
 
-Scoring is batched over pairs sorted by length (little padding), under bf16 autocast where the device
-computes bfloat16 natively (``device.uses_bf16``: a GPU, or a CPU with AVX512-BF16 / AMX).
+Scoring tokenises pairs in large chunks (in a worker thread, ahead of the model) and batches them by
+token length (little padding), under bf16 autocast where the device computes bfloat16 natively
+(``device.uses_bf16``: a GPU, or a CPU with AVX512-BF16 / AMX).
 
 >>> from densepass.models.cross_encoder import CrossEncoder
 >>> reranker = CrossEncoder.from_pretrained("path/to/cross-encoder")  # doctest: +SKIP
@@ -20,6 +21,7 @@ array([7.3], dtype=float32)
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,8 +32,10 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 from densepass.device import autocast_context, cpu_has_native_bf16, default_device, uses_bf16
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory
+from densepass.prefetch import prefetched
 
 DEFAULT_MAX_LENGTH = 256
+TOKENIZE_CHUNK = 8192  # pairs tokenised per call when scoring
 IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation: keep the raw logits
 
 
@@ -47,6 +51,34 @@ def _load(path: str, name: str, **kwargs):
         return AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True, **kwargs)
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(f"cannot load cross-encoder {name!r}: {str(err).strip().splitlines()[0]}") from None
+
+
+def length_sorted_batches(encoded, scorer: CrossEncoder) -> list[tuple[np.ndarray, dict[str, torch.Tensor]]]:
+    """``(rows, tensors)`` batches of ``scorer.batch_size`` unpadded encodings, longest first, each padded to its
+    longest member (a multiple of 8 on GPU, for tensor cores), in pinned memory on GPU."""
+    ids = encoded["input_ids"]
+    types = encoded.get("token_type_ids")
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    order = np.argsort(-lengths, kind="stable")
+    cuda = scorer.device.type == "cuda"
+    pad, left = scorer.tokenizer.pad_token_id or 0, scorer.tokenizer.padding_side == "left"
+    batches = []
+    for start in range(0, len(order), scorer.batch_size):
+        rows = order[start : start + scorer.batch_size]
+        width = int(lengths[rows[0]])
+        width = -(-width // 8) * 8 if cuda else width
+        tensors = {"input_ids": np.full((len(rows), width), pad), "attention_mask": np.zeros((len(rows), width))}
+        if types is not None:
+            tensors["token_type_ids"] = np.zeros((len(rows), width))
+        for j, r in enumerate(rows):
+            span = slice(width - lengths[r], width) if left else slice(0, lengths[r])
+            tensors["input_ids"][j, span] = ids[r]
+            tensors["attention_mask"][j, span] = 1
+            if types is not None:
+                tensors["token_type_ids"][j, span] = types[r]
+        tensors = {k: torch.from_numpy(v.astype(np.int64)) for k, v in tensors.items()}
+        batches.append((rows, {k: v.pin_memory() for k, v in tensors.items()} if cuda else tensors))
+    return batches
 
 
 class CrossEncoder:
@@ -82,6 +114,7 @@ class CrossEncoder:
         self.device = device or default_device()
         self.bf16 = native_bf16(self.device) if bf16 is None else bf16
         self.model.to(self.device).eval()
+        self.new_parameters: set[str] = set()  # names of the parameters ``new`` initialised (a fresh head)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, **options) -> CrossEncoder:
@@ -108,10 +141,22 @@ class CrossEncoder:
         path = resolve_model_path(name_or_path)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model, _ = _load(path, name_or_path, num_labels=1, ignore_mismatched_sizes=True)
+            model, info = _load(path, name_or_path, num_labels=1, ignore_mismatched_sizes=True)
         if options.get("max_length") is None:
             options["max_length"] = min(DEFAULT_MAX_LENGTH, model.config.max_position_embeddings or DEFAULT_MAX_LENGTH)
-        return cls(model, AutoTokenizer.from_pretrained(path), source=str(path), **options)
+        out = cls(model, AutoTokenizer.from_pretrained(path), source=str(path), **options)
+        mismatched = {m[0] if isinstance(m, tuple) else m for m in info.get("mismatched_keys") or ()}
+        out.new_parameters = set(info.get("missing_keys") or ()) | mismatched
+        return out
+
+    def head_parameters(self) -> set[str]:
+        """Names of the parameters between the encoder's states and a newly initialised logit: the new head
+        and, where the classifier reads it, the base model's pooler (a sentence-embedding checkpoint never
+        trained it: all-MiniLM-L6-v2's pooled outputs are near zero, so a fresh head there barely learns)."""
+        if not self.new_parameters:
+            return set()
+        prefix = f"{self.model.base_model_prefix}.pooler."
+        return self.new_parameters | {n for n, _ in self.model.named_parameters() if n.startswith(prefix)}
 
     def tokenize(
         self, queries: Sequence[str], passages: Sequence[str], tokenizer: PreTrainedTokenizerBase | None = None
@@ -133,18 +178,30 @@ class CrossEncoder:
 
     @torch.inference_mode()
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:
-        """One relevance logit per pair ``(queries[i], passages[i])``, float32."""
+        """One relevance logit per pair ``(queries[i], passages[i])``, float32.
+
+        Pairs are tokenised a chunk at a time in one call (the fast tokenizer's threads share the work),
+        in a worker thread one chunk ahead of the model; each chunk is cut into batches of equal token
+        length, longest first, padded only to their own longest pair."""
         if len(queries) != len(passages):
             raise ConfigError(f"{len(queries)} queries but {len(passages)} passages")
         was_training = self.model.training
         self.model.eval()
         out = np.empty(len(queries), dtype=np.float32)
-        order = np.argsort([-(len(q) + len(p)) for q, p in zip(queries, passages)], kind="stable")
-        for start in range(0, len(order), self.batch_size):
-            rows = order[start : start + self.batch_size]
-            tokens = self.tokenize([queries[r] for r in rows], [passages[r] for r in rows]).to(self.device)
-            with autocast_context(self.device, self.bf16):
-                out[rows] = self.logits(tokens).cpu().numpy()
+        tokenizer = copy.deepcopy(self.tokenizer)
+        chunks = [range(s, min(s + TOKENIZE_CHUNK, len(queries))) for s in range(0, len(queries), TOKENIZE_CHUNK)]
+
+        def prepare(chunk: range) -> list[tuple[np.ndarray, dict[str, torch.Tensor]]]:
+            encoded = tokenizer(
+                [queries[i] for i in chunk], [passages[i] for i in chunk], truncation=True, max_length=self.max_length
+            )
+            return [(chunk.start + rows, tokens) for rows, tokens in length_sorted_batches(encoded, self)]
+
+        for batches in prefetched(chunks, prepare):
+            for rows, tokens in batches:
+                tokens = {k: v.to(self.device, non_blocking=v.is_pinned()) for k, v in tokens.items()}
+                with autocast_context(self.device, self.bf16):
+                    out[rows] = self.logits(tokens).cpu().numpy()
         self.model.train(was_training)
         return out
 

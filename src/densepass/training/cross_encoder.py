@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,6 +46,18 @@ def group_pairs(batch: TrainingBatch, n: int) -> tuple[list[str], list[str]]:
     return [q for q in batch.query_texts for _ in range(n + 1)], passages
 
 
+def parameter_groups(model: CrossEncoder, config: RerankerTrainConfig) -> list[dict]:
+    """AdamW groups: the pre-trained weights at ``learning_rate``, a newly initialised head
+    (``model.head_parameters()``) at ``head_learning_rate``: a fresh head with the encoder's small rate
+    barely moves in a few hundred steps."""
+    named = list(model.model.named_parameters())
+    head = model.head_parameters() if config.head_learning_rate is not None else set()
+    groups = [{"params": [p for n, p in named if n not in head]}]
+    if head:
+        groups.append({"params": [p for n, p in named if n in head], "lr": config.head_learning_rate})
+    return groups
+
+
 def reranker_identity(config: RerankerTrainConfig) -> dict:
     """The settings of ``config`` that change the trained cross-encoder (resuming across a change is refused)."""
     return {k: v for k, v in dataclasses.asdict(config).items() if k not in BOOKKEEPING}
@@ -58,10 +71,12 @@ def train_cross_encoder(
     device: torch.device,
     bf16: bool = False,
     identity: dict | None = None,
+    on_step_end: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Fine-tune ``model`` in place on the groups of ``data`` (whose ``negatives_per_query`` must equal
     ``config.negatives_per_query``); resumes from the newest intact checkpoint in ``run_dir``.
-    ``identity``: the caller's settings that define the run besides ``config`` (data, model, pool)."""
+    ``identity``: the caller's settings that define the run besides ``config`` (data, model, pool);
+    ``on_step_end(step)`` is called after every step."""
     n = config.negatives_per_query
     if data.negatives_per_query != n:
         raise ConfigError(f"the training data draws {data.negatives_per_query} negatives per query, the config {n}")
@@ -72,7 +87,10 @@ def train_cross_encoder(
     total = planned_steps(steps_per_epoch, config)
     net = model.model.to(device).train()
     optimizer = torch.optim.AdamW(
-        net.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, fused=device.type == "cuda"
+        parameter_groups(model, config),
+        lr=config.learning_rate,
+        weight_decay=config.weight_decay,
+        fused=device.type == "cuda",
     )
     scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
     checkpoints = Checkpoints(
@@ -142,6 +160,8 @@ def train_cross_encoder(
                     scheduler,
                     {"interval": [interval_loss.item(), interval_steps]},
                 )
+            if on_step_end is not None:
+                on_step_end(step)
     progress.close()
     net.eval()
     elapsed = time.perf_counter() - started
