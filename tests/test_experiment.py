@@ -101,3 +101,9 @@ def test_abs_run_logs_the_schedule_of_every_epoch(tiny_beir, tiny_model_dir, tmp
     log = [json.loads(line) for line in (tmp_path / "t" / "schedule_log.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["similarity"]) for r in log] == [(0, "bm25"), (1, "encoder")]
     assert all(r["mean_hardness"] >= r["random_mean_hardness"] for r in log)
+
+
+def test_the_bm25_row_of_a_run_names_the_datasets_passage_ids(tiny_beir, tiny_model_dir, tmp_path):
+    run_experiment(tiny_config(tiny_beir, tiny_model_dir, tmp_path, "train.enabled=false", "eval.baselines=[bm25]"))
+    lines = (tmp_path / "t" / "runs" / "bm25.trec").read_text().split("\n")
+    assert lines[0].split()[2].startswith("p")  # a corpus id, not the index's row number

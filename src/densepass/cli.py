@@ -127,7 +127,7 @@ def _load_pipeline(args: argparse.Namespace):
     if args.rerank:
         from densepass.models.cross_encoder import CrossEncoder
 
-        reranker = CrossEncoder.from_pretrained(args.rerank, device=device)
+        reranker = CrossEncoder.from_pretrained(args.rerank, device=device, batch_size=args.rerank_batch_size)
     return SearchPipeline(index, reranker, args.rerank_depth)
 
 
@@ -354,6 +354,7 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fusion-weight", type=fraction, default=0.5, help="--hybrid linear: weight of the dense scores")
     p.add_argument("--rerank", default=None, metavar="MODEL", help="re-score the top candidates with a cross-encoder")
     p.add_argument("--rerank-depth", type=positive_int, default=100, help="candidates re-scored per query")
+    p.add_argument("--rerank-batch-size", type=positive_int, default=64, help="pairs per cross-encoder forward pass")
     _device_arg(p)
 
 

@@ -202,6 +202,75 @@ class ValidationConfig:
 
 
 @dataclass
+class RerankerTrainConfig:
+    """Fine-tuning the cross-encoder on the run's hard-negative pool (``negatives`` section: the same miner
+    and false-negative filters as the bi-encoder); precision follows ``train.bf16`` / ``train.cpu_bf16``."""
+
+    enabled: bool = option(True, "train the cross-encoder (false: use reranker.name_or_path, a trained one, as it is)")
+    loss: Literal["listwise", "pointwise"] = option(
+        "listwise",
+        "listwise: softmax cross-entropy over 1 positive + n hard negatives (localized contrastive estimation); "
+        "pointwise: binary cross-entropy of every pair",
+    )
+    negatives_per_query: int = option(7, "n: hard negatives per query and step, drawn from its pool", min=1)
+    epochs: int = option(1, "passes over the training queries", min=1)
+    max_steps: int | None = option(None, "stop after this many steps (null: every epoch)", min=1)
+    batch_size: int = option(16, "queries per step (each brings 1 + n pairs)", min=1)
+    learning_rate: float = option(2e-5, "AdamW learning rate", above=0)
+    head_learning_rate: float | None = option(
+        1e-3, "learning rate of a newly initialised head (null: learning_rate); a fresh head learns slowly", above=0
+    )
+    weight_decay: float = option(0.01, "AdamW weight decay", min=0)
+    warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
+    checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
+    keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
+    log_every: int = option(10, "append the mean loss to reranker/train_log.jsonl every N steps", min=1)
+    seed: int = option(13, "seed of the new head, the batches, the negatives drawn and dropout")
+
+
+@dataclass
+class DistillConfig:
+    """Distilling the cross-encoder (the teacher) into the bi-encoder (neural-retrieval-lecture: Margin-MSE;
+    listwise KL), on each query's positive and the ``negatives.per_query`` negatives drawn from its pool."""
+
+    loss: Literal["none", "margin-mse", "kl"] = option(
+        "none",
+        "none: no distillation; margin-mse: MSE between student and teacher margins (positive minus negative); "
+        "kl: KL between teacher and student softmaxes over 1 + n candidates",
+    )
+    contrastive: bool = option(False, "add the contrastive loss (InfoNCE) to the distillation term (false: alone)")
+    weight: float = option(1.0, "weight of the distillation term", above=0)
+    temperature: float = option(1.0, "kl: softmax temperature of teacher and student scores", above=0)
+    teacher: str | None = option(None, "teacher cross-encoder (null: the run's reranker)")
+    scores_file: str | None = option(
+        None,
+        "teacher scores of the training queries' positives and pools, computed once and resumable "
+        "(null: <run>/teacher_scores.jsonl); an existing file must match the teacher, queries and pool",
+    )
+
+
+@dataclass
+class RerankerConfig:
+    """A cross-encoder (neural-retrieval-lecture): trained on the run's hard negatives, evaluated as a second
+    stage over the evaluated systems' top candidates, and distilled into the bi-encoder."""
+
+    enabled: bool = option(False, "use a cross-encoder in this run (train it, rerank with it, distil it)")
+    name_or_path: str = option(
+        DEFAULT_MODEL,
+        "train.enabled: the starting encoder (a fresh one-logit head unless it has one); else a trained cross-encoder",
+    )
+    max_length: int = option(256, "a (query, passage) pair is cut to this many tokens", min=8)
+    batch_size: int = option(64, "pairs per forward pass when scoring", min=1)
+    depth: int = option(100, "first-stage candidates re-scored per query", min=1)
+    first_stages: list[Literal["bm25", "zero-shot", "fine-tuned"]] = option(
+        help="evaluated systems whose top-depth candidates are reranked (a row each: 'BM25 → cross-encoder@100')",
+        factory=lambda: ["bm25", "fine-tuned"],
+    )
+    train: RerankerTrainConfig = option(help="fine-tuning the cross-encoder", factory=RerankerTrainConfig)
+    distill: DistillConfig = option(help="distillation into the bi-encoder", factory=DistillConfig)
+
+
+@dataclass
 class RunConfig:
     """Where a run writes and runs (the first keys of every run's config)."""
 
@@ -227,6 +296,7 @@ class ExperimentConfig(RunConfig):
     schedule: ScheduleConfig = option(help="batch order", factory=ScheduleConfig)
     validation: ValidationConfig = option(help="validation during training", factory=ValidationConfig)
     eval: EvalConfig = option(help="evaluation", factory=EvalConfig)
+    reranker: RerankerConfig = option(help="cross-encoder reranker and distillation", factory=RerankerConfig)
 
 
 # ---- loading ------------------------------------------------------------------------------------

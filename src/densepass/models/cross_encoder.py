@@ -1,10 +1,17 @@
 """Cross-encoders (neural-retrieval-lecture: "cross-encoder re-ranking"): query and passage read together
 by one transformer, one relevance logit per pair.
 
-Any model that ``transformers.AutoModelForSequenceClassification`` loads with a single output is
-accepted; a saved cross-encoder is a plain Hugging Face directory, which ``sentence_transformers``'
-``CrossEncoder`` loads too. Scoring is batched over pairs sorted by length (little padding), under
-bf16 autocast where the device computes bfloat16 natively (``device.uses_bf16``).
+Any model that ``transformers.AutoModelForSequenceClassification`` loads with a single, trained output is
+accepted (``from_pretrained``); ``CrossEncoder.new`` starts one from any encoder (the shipped
+all-MiniLM-L6-v2 by default) with a fresh one-logit head, to be trained (``training.cross_encoder``).
+A saved cross-encoder is a plain Hugging Face directory that ``transformers`` and
+``sentence_transformers.CrossEncoder`` both load and score identically: its config names the identity
+as the activation (``predict`` returns the raw logits) and its tokenizer's ``model_max_length`` is the
+cross-encoder's truncation length.
+
+Scoring tokenises pairs in large chunks (in a worker thread, ahead of the model) and batches them by
+token length (little padding), under bf16 autocast where the device computes bfloat16 natively
+(``device.uses_bf16``: a GPU, or a CPU with AVX512-BF16 / AMX).
 
 >>> from densepass.models.cross_encoder import CrossEncoder
 >>> reranker = CrossEncoder.from_pretrained("path/to/cross-encoder")  # doctest: +SKIP
@@ -14,29 +21,77 @@ array([7.3], dtype=float32)
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
-from densepass.device import autocast_context, default_device
+from densepass.device import autocast_context, cpu_has_native_bf16, default_device, uses_bf16
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory
+from densepass.prefetch import prefetched
+
+DEFAULT_MAX_LENGTH = 256
+TOKENIZE_CHUNK = 8192  # pairs tokenised per call when scoring
+IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation: keep the raw logits
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bfloat16 natively (a GPU, or a CPU with bf16 instructions): where
+    scoring runs under bf16 autocast by default."""
+    return uses_bf16(device, True, device.type == "cpu" and cpu_has_native_bf16())
+
+
+def _load(path: str, name: str, **kwargs):
+    """(model, loading info) of a sequence-classification model, or a one-line ConfigError."""
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"cannot load cross-encoder {name!r}: {str(err).strip().splitlines()[0]}") from None
+
+
+def length_sorted_batches(encoded, scorer: CrossEncoder) -> list[tuple[np.ndarray, dict[str, torch.Tensor]]]:
+    """``(rows, tensors)`` batches of ``scorer.batch_size`` unpadded encodings, longest first, each padded to its
+    longest member (a multiple of 8 on GPU, for tensor cores), in pinned memory on GPU."""
+    ids = encoded["input_ids"]
+    types = encoded.get("token_type_ids")
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    order = np.argsort(-lengths, kind="stable")
+    cuda = scorer.device.type == "cuda"
+    pad, left = scorer.tokenizer.pad_token_id or 0, scorer.tokenizer.padding_side == "left"
+    batches = []
+    for start in range(0, len(order), scorer.batch_size):
+        rows = order[start : start + scorer.batch_size]
+        width = int(lengths[rows[0]])
+        width = -(-width // 8) * 8 if cuda else width
+        tensors = {"input_ids": np.full((len(rows), width), pad), "attention_mask": np.zeros((len(rows), width))}
+        if types is not None:
+            tensors["token_type_ids"] = np.zeros((len(rows), width))
+        for j, r in enumerate(rows):
+            span = slice(width - lengths[r], width) if left else slice(0, lengths[r])
+            tensors["input_ids"][j, span] = ids[r]
+            tensors["attention_mask"][j, span] = 1
+            if types is not None:
+                tensors["token_type_ids"][j, span] = types[r]
+        tensors = {k: torch.from_numpy(v.astype(np.int64)) for k, v in tensors.items()}
+        batches.append((rows, {k: v.pin_memory() for k, v in tensors.items()} if cuda else tensors))
+    return batches
 
 
 class CrossEncoder:
-    """A (query, passage) -> relevance scorer."""
+    """A (query, passage) -> relevance scorer; ``model`` is the trainable ``transformers`` module."""
 
     def __init__(
         self,
         model,
-        tokenizer,
-        max_length: int = 256,
+        tokenizer: PreTrainedTokenizerBase,
+        max_length: int | None = None,
         batch_size: int = 64,
         device: torch.device | None = None,
-        bf16: bool = False,
+        bf16: bool | None = None,
         source: str | None = None,
     ) -> None:
         if getattr(model.config, "num_labels", None) != 1:
@@ -44,55 +99,129 @@ class CrossEncoder:
                 f"a cross-encoder needs a one-logit head; {source or 'this model'} has "
                 f"{getattr(model.config, 'num_labels', 'no')} labels"
             )
+        limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
+        if max_length is None:
+            saved = getattr(tokenizer, "model_max_length", None) or DEFAULT_MAX_LENGTH
+            max_length = min(saved, limit) if saved < 100_000 else min(DEFAULT_MAX_LENGTH, limit)
         if max_length < 8 or batch_size < 1:
             raise ConfigError(
                 f"cross-encoder max_length must be >= 8 and batch_size >= 1, got {max_length}, {batch_size}"
             )
-        self.model, self.tokenizer = model, tokenizer
-        self.max_length, self.batch_size, self.bf16, self.source = max_length, batch_size, bf16, source
+        if max_length > limit:
+            raise ConfigError(f"cross-encoder max_length {max_length} exceeds the model's {limit} positions")
+        self.model, self.tokenizer = model.float(), tokenizer
+        self.max_length, self.batch_size, self.source = max_length, batch_size, source
         self.device = device or default_device()
+        self.bf16 = native_bf16(self.device) if bf16 is None else bf16
         self.model.to(self.device).eval()
+        self.new_parameters: set[str] = set()  # names of the parameters ``new`` initialised (a fresh head)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, **options) -> CrossEncoder:
-        """Load a cross-encoder (a sequence-classification model with one label) from a directory or name."""
+        """Load a trained cross-encoder (a sequence-classification model with one trained label) from a
+        directory or name; a model whose head would be newly initialised is a one-line ConfigError."""
         from densepass.models.biencoder import resolve_model_path
 
         path = resolve_model_path(name_or_path)
-        try:
-            model = AutoModelForSequenceClassification.from_pretrained(path)
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"cannot load cross-encoder {name_or_path!r}: {str(err).splitlines()[0]}") from None
+        model, info = _load(path, name_or_path)
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:
+            raise ConfigError(
+                f"{name_or_path} has no trained relevance head ({', '.join(missing[:2])} missing): it is an "
+                "encoder, not a cross-encoder; train one first (reranker.train in a run config)"
+            )
         return cls(model, AutoTokenizer.from_pretrained(path), source=str(path), **options)
+
+    @classmethod
+    def new(cls, name_or_path: str, seed: int = 13, **options) -> CrossEncoder:
+        """A cross-encoder to train from the encoder ``name_or_path``: its one-logit head when it has one, else a
+        fresh one (seeded); truncation at ``max_length`` tokens (default 256, or the model's positions)."""
+        from densepass.models.biencoder import resolve_model_path
+
+        path = resolve_model_path(name_or_path)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model, info = _load(path, name_or_path, num_labels=1, ignore_mismatched_sizes=True)
+        if options.get("max_length") is None:
+            options["max_length"] = min(DEFAULT_MAX_LENGTH, model.config.max_position_embeddings or DEFAULT_MAX_LENGTH)
+        out = cls(model, AutoTokenizer.from_pretrained(path), source=str(path), **options)
+        mismatched = {m[0] if isinstance(m, tuple) else m for m in info.get("mismatched_keys") or ()}
+        out.new_parameters = set(info.get("missing_keys") or ()) | mismatched
+        return out
+
+    def head_parameters(self) -> set[str]:
+        """Names of the parameters between the encoder's states and a newly initialised logit: the new head
+        and, where the classifier reads it, the base model's pooler (a sentence-embedding checkpoint never
+        trained it: all-MiniLM-L6-v2's pooled outputs are near zero, so a fresh head there barely learns)."""
+        if not self.new_parameters:
+            return set()
+        prefix = f"{self.model.base_model_prefix}.pooler."
+        return self.new_parameters | {n for n, _ in self.model.named_parameters() if n.startswith(prefix)}
+
+    def tokenize(
+        self, queries: Sequence[str], passages: Sequence[str], tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Padded pair tensors ``[CLS] query [SEP] passage [SEP]``, the longer side truncated first (as
+        ``transformers`` and ``sentence_transformers`` do); ``tokenizer``: a private copy for a worker thread."""
+        return (tokenizer or self.tokenizer)(
+            list(queries),
+            list(passages),
+            truncation=True,
+            max_length=self.max_length,
+            padding=True,
+            return_tensors="pt",
+        )
+
+    def logits(self, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One logit per tokenised pair, float32 [n] (with the graph when the model trains)."""
+        return self.model(**tokens).logits.float().squeeze(-1)
 
     @torch.inference_mode()
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:
-        """One relevance logit per pair ``(queries[i], passages[i])``, float32."""
+        """One relevance logit per pair ``(queries[i], passages[i])``, float32.
+
+        Pairs are tokenised a chunk at a time in one call (the fast tokenizer's threads share the work),
+        in a worker thread one chunk ahead of the model; each chunk is cut into batches of equal token
+        length, longest first, padded only to their own longest pair."""
         if len(queries) != len(passages):
             raise ConfigError(f"{len(queries)} queries but {len(passages)} passages")
+        was_training = self.model.training
+        self.model.eval()
         out = np.empty(len(queries), dtype=np.float32)
-        order = np.argsort([-(len(q) + len(p)) for q, p in zip(queries, passages)], kind="stable")
-        for start in range(0, len(order), self.batch_size):
-            rows = order[start : start + self.batch_size]
-            tokens = self.tokenizer(
-                [queries[r] for r in rows],
-                [passages[r] for r in rows],
-                truncation="only_second",
-                max_length=self.max_length,
-                padding=True,
-                return_tensors="pt",
-            ).to(self.device)
-            with autocast_context(self.device, self.bf16):
-                logits = self.model(**tokens).logits
-            out[rows] = logits.float().squeeze(-1).cpu().numpy()
+        tokenizer = copy.deepcopy(self.tokenizer)
+        chunks = [range(s, min(s + TOKENIZE_CHUNK, len(queries))) for s in range(0, len(queries), TOKENIZE_CHUNK)]
+
+        def prepare(chunk: range) -> list[tuple[np.ndarray, dict[str, torch.Tensor]]]:
+            encoded = tokenizer(
+                [queries[i] for i in chunk], [passages[i] for i in chunk], truncation=True, max_length=self.max_length
+            )
+            return [(chunk.start + rows, tokens) for rows, tokens in length_sorted_batches(encoded, self)]
+
+        for batches in prefetched(chunks, prepare):
+            for rows, tokens in batches:
+                tokens = {k: v.to(self.device, non_blocking=v.is_pinned()) for k, v in tokens.items()}
+                with autocast_context(self.device, self.bf16):
+                    out[rows] = self.logits(tokens).cpu().numpy()
+        self.model.train(was_training)
         return out
 
     def describe(self) -> dict:
         """JSON-able facts about the reranker."""
-        return {"kind": "cross-encoder", "model": self.source, "max_length": self.max_length}
+        return {"kind": "cross-encoder", "model": self.source, "max_length": self.max_length, "bf16": self.bf16}
 
     def save(self, path: str | Path) -> None:
-        """Write the model atomically as a Hugging Face directory (``CrossEncoder`` and ``AutoModel...`` load it)."""
-        with atomic_directory(path) as tmp:
-            self.model.save_pretrained(tmp, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
+        """Write the model atomically as a Hugging Face directory that ``AutoModelForSequenceClassification``
+        and ``sentence_transformers.CrossEncoder`` load with the same scores (raw logits, same truncation)."""
+        config = self.model.config
+        config.sentence_transformers = {
+            **(getattr(config, "sentence_transformers", None) or {}),
+            "activation_fn": IDENTITY,
+        }
+        previous = self.tokenizer.model_max_length
+        self.tokenizer.model_max_length = self.max_length
+        try:
+            with atomic_directory(path) as tmp:
+                self.model.save_pretrained(tmp, safe_serialization=True)
+                self.tokenizer.save_pretrained(tmp)
+        finally:
+            self.tokenizer.model_max_length = previous

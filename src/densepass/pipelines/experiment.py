@@ -4,8 +4,12 @@
 2. ``prepare``: the dataset, the evaluation set, BM25 where needed, and whether the run directory's
    checkpoints belong to this config (a different run is refused before anything is written);
 3. ``evaluate_baselines``: BM25 and the zero-shot model;
-4. ``fine_tune``: hard negatives, batches, validation and refresh callbacks, the training loop;
-5. ``finish``: the fine-tuned model's evaluation, ``metrics.json`` and ``report.md``.
+4. ``mine_training_pool``: the training queries' hard-negative pool (shared by the bi-encoder and the
+   cross-encoder), and an existing teacher-scores file checked against it, before anything is written;
+5. the cross-encoder (``pipelines.reranking``): trained on the pool, or loaded; the teacher's scores
+   (``pipelines.distillation``) when the bi-encoder is distilled;
+6. ``fine_tune``: batches, validation and refresh callbacks, the training loop with the run's objective;
+7. ``finish``: the fine-tuned model's evaluation, the reranked rows, ``metrics.json`` and ``report.md``.
 
 Everything lands in ``<output_dir>/<name>/``: ``config.yaml`` (written once the run is known to be
 valid), ``checkpoints/``, ``model/`` (final fine-tuned model), ``runs/*.trec``, ``train_log.jsonl``,
@@ -38,16 +42,34 @@ from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
 from densepass.io import atomic_write_text, exclusive_lock
 from densepass.models.biencoder import BiEncoder
-from densepass.negatives.mine import MiningContext, mine_negatives
+from densepass.models.cross_encoder import CrossEncoder
+from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
 from densepass.negatives.pool import passage_ids, save_pool
+from densepass.pipelines.distillation import (
+    check_existing_scores,
+    distillation_identity,
+    distilling,
+    fixed_teacher,
+    objective_of,
+    teacher_scores,
+)
 from densepass.pipelines.evalset import EvalSet, add_rerank_candidates, build_eval_set
 from densepass.pipelines.report import write_report
+from densepass.pipelines.reranking import (
+    check_reranker_config,
+    load_fixed_reranker,
+    rerank_rows,
+    scoring_options,
+    train_reranker,
+)
 from densepass.pipelines.validation import Validator
 from densepass.training import distributed
 from densepass.training.batches import TrainingData
 from densepass.training.miner import prepare_miners
+from densepass.training.objectives import Objective
 from densepass.training.planner import EpochPlanner, check_schedule
 from densepass.training.refresh import NegativeRefresher
+from densepass.training.teacher_scores import Pairs, Scores, distillation_pairs
 from densepass.training.trainer import planned_steps, resume_step, seed_everything, train
 
 
@@ -65,6 +87,7 @@ def run_identity(config: ExperimentConfig) -> dict:
         "model": asdict(config.model),
         "negatives": asdict(config.negatives),
         "schedule": schedule,
+        **distillation_identity(config),
     }
 
 
@@ -83,6 +106,7 @@ def check(config: ExperimentConfig) -> torch.device:
             raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
         if neg.refresh_every is not None and distributed.world_size() > 1:
             raise ConfigError("negatives.refresh_every runs in a single process only (for now)")
+    check_reranker_config(config)
     return device
 
 
@@ -117,7 +141,10 @@ class Experiment:
     evalset: EvalSet
     full_bm25: BM25Index | None
     eval_bm25: BM25Index | None
+    reranker: CrossEncoder | None = None  # the cross-encoder (loaded in prepare, or trained)
+    teacher: CrossEncoder | None = None  # the distillation teacher when known before training
     results: dict[str, dict[str, float]] = field(default_factory=dict)
+    runs: dict[str, Run] = field(default_factory=dict)  # every scored run by name (first stages for reranking)
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -142,12 +169,15 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool) -> Exper
     evalset = build_eval_set(dataset, config.data, full_bm25)
     eval_bm25 = None
     if "bm25" in config.eval.baselines or config.eval.mode == "rerank":
-        eval_bm25 = BM25Index.build(evalset.corpus.passage_inputs(" "))
+        eval_bm25 = BM25Index.build(evalset.corpus)  # the passages with their ids: its runs name them
     if config.eval.mode == "rerank":
         add_rerank_candidates(evalset, eval_bm25, config.eval.rerank_candidates)
     if config.train.enabled:
         resume_step(config.run_dir, config.train, run_identity(config))  # refuses another run's checkpoints
     experiment = Experiment(config, device, main, dataset, evalset, full_bm25, eval_bm25)
+    experiment.reranker = load_fixed_reranker(config, device)  # a model without a usable head fails here
+    if distilling(config):
+        experiment.teacher = fixed_teacher(config, experiment.reranker, scoring_options(config, device))
     experiment.timings["data_and_bm25_s"] = time.perf_counter() - started
     return experiment
 
@@ -158,6 +188,7 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool) -> Exper
 def score_run(exp: Experiment, run: Run, name: str) -> dict[str, float]:
     """Write the run as TREC and compute its metrics (plus top-k answer accuracy when answers exist)."""
     write_trec_run(run, exp.run_dir / "runs" / f"{name}.trec", tag=name)
+    exp.runs[name] = run
     evalset = exp.evalset
     metrics = list(exp.config.eval.metrics)
     passages = None
@@ -228,14 +259,29 @@ def evaluate_baselines(exp: Experiment, model: BiEncoder) -> None:
 # ---- stage 4: fine-tuning ------------------------------------------------------------------------------
 
 
-def training_data(exp: Experiment, model: BiEncoder) -> tuple[TrainingData, MiningContext | None, list[str]]:
-    """The training instances with their mined hard-negative pools (and the mining context, for refreshes)."""
+@dataclass
+class TrainingPool:
+    """The training queries and their mined hard-negative pool (None without hard negatives)."""
+
+    query_ids: list[str]
+    mined: MiningResult | None = None
+    context: MiningContext | None = None
+
+
+def needs_pool(config: ExperimentConfig) -> bool:
+    """Whether the run mines a hard-negative pool (for the bi-encoder's negatives or the cross-encoder)."""
+    neg, reranker = config.negatives, config.reranker
+    trains_reranker = reranker.enabled and reranker.train.enabled
+    return neg.source != "none" and (config.train.enabled and neg.per_query > 0 or trains_reranker)
+
+
+def mine_training_pool(exp: Experiment, model: BiEncoder) -> TrainingPool:
+    """The training queries and, when the run needs them, their hard negatives (not yet written)."""
     config, dataset = exp.config, exp.dataset
     neg = config.negatives
     train_qids = sorted(dataset.sample(config.data.train_split, config.data.max_train_queries, config.data.seed))
-    sep = model.tokenizer.sep_token or " "
-    if neg.source == "none" or neg.per_query == 0:
-        return TrainingData(dataset, config.data.train_split, sep, query_ids=train_qids), None, train_qids
+    if not needs_pool(config):
+        return TrainingPool(train_qids)
     context = MiningContext(
         config.data.train_split,
         exp.device,
@@ -248,25 +294,49 @@ def training_data(exp: Experiment, model: BiEncoder) -> tuple[TrainingData, Mini
         show_progress=exp.main,
     )
     prepare_miners(dataset, train_qids, neg, context)
-    mined = mine_negatives(dataset, train_qids, neg, context, sep)
-    if exp.main:
-        save_pool(mined.pool, exp.run_dir / "negatives.jsonl")
+    mined = mine_negatives(dataset, train_qids, neg, context, model.tokenizer.sep_token or " ")
     exp.notes.append(f"Hard negatives ({neg.source}): {mined.summary()}.")
+    return TrainingPool(train_qids, mined, context)
+
+
+def distillation_inputs(exp: Experiment, pool: TrainingPool) -> Pairs | None:
+    """The (query, passages) pairs the teacher scores; an existing scores file is checked against them now."""
+    if not distilling(exp.config):
+        return None
+    pairs = distillation_pairs(exp.dataset, exp.config.data.train_split, pool.query_ids, pool.mined.pool)
+    check_existing_scores(exp.config, pairs, exp.teacher)
+    return pairs
+
+
+def training_data(exp: Experiment, model: BiEncoder, pool: TrainingPool, teacher: Scores | None = None) -> TrainingData:
+    """The bi-encoder's training instances: the pool's hard negatives, and the teacher's scores when distilling."""
+    config = exp.config
+    neg = config.negatives
+    sep = model.tokenizer.sep_token or " "
+    if neg.source == "none" or neg.per_query == 0:
+        return TrainingData(exp.dataset, config.data.train_split, sep, query_ids=pool.query_ids)
     if neg.refresh_every:
         exp.notes.append(
             f"Refreshed with the model being trained every {neg.refresh_every} steps (negatives/refresh_log.jsonl)."
         )
-    data = TrainingData(
-        dataset, config.data.train_split, sep, passage_ids(mined.pool), neg.per_query, query_ids=train_qids
+    return TrainingData(
+        exp.dataset,
+        config.data.train_split,
+        sep,
+        passage_ids(pool.mined.pool),
+        neg.per_query,
+        query_ids=pool.query_ids,
+        teacher_scores=teacher,
     )
-    return data, context, train_qids
 
 
-def fine_tune(exp: Experiment, model: BiEncoder) -> None:
-    """Train ``model`` in place (resuming from the run's checkpoints) and save it to ``model/``."""
+def fine_tune(
+    exp: Experiment, model: BiEncoder, pool: TrainingPool, objective: Objective, teacher: Scores | None = None
+) -> None:
+    """Train ``model`` in place on ``objective`` (resuming from the run's checkpoints) and save it to ``model/``."""
     config, run_dir = exp.config, exp.run_dir
     started = time.perf_counter()
-    data, context, train_qids = training_data(exp, model)
+    data = training_data(exp, model, pool, teacher)
     planner = EpochPlanner(
         config.schedule,
         config.train.batch_size,
@@ -296,9 +366,9 @@ def fine_tune(exp: Experiment, model: BiEncoder) -> None:
             model,
             data,
             exp.dataset,
-            train_qids,
+            pool.query_ids,
             config.negatives,
-            context,
+            pool.context,
             run_dir / "negatives",
             planned_steps(planner.steps_per_epoch, config.train),
         )
@@ -315,6 +385,7 @@ def fine_tune(exp: Experiment, model: BiEncoder) -> None:
             exp.device,
             planner,
             identity=identity,
+            objective=objective,
             on_epoch_end=evaluate_epoch if config.eval.each_epoch else None,
             on_step_end=(lambda step: [callback(step) for callback in callbacks]) if callbacks else None,
         )
@@ -328,7 +399,8 @@ def fine_tune(exp: Experiment, model: BiEncoder) -> None:
     exp.notes.append(
         f"Fine-tuned on {len(data)} {config.data.train_split} queries: {result.steps} steps of batch "
         f"{config.train.batch_size} with {data.negatives_per_query} {config.negatives.source} hard negative(s) "
-        f"per query, batches by {config.schedule.method}; final loss {result.final_loss:.4f}; "
+        f"per query, batches by {config.schedule.method}; objective {objective.describe()}; final loss "
+        f"{result.final_loss:.4f}; "
         f"{result.examples_per_second:.1f} examples/s on {exp.device.type}."
     )
 
@@ -345,6 +417,7 @@ def finish(exp: Experiment) -> None:
         "device": str(exp.device),
         "results": exp.results,
         "timings": exp.timings,
+        "notes": exp.notes,
         "config": asdict(config),
     }
     atomic_write_text(exp.run_dir / "metrics.json", json.dumps(payload, indent=2))
@@ -359,6 +432,53 @@ def finish(exp: Experiment) -> None:
     print_table(exp.results, metrics, f"{config.data.name}: {exp.evalset.description}")
 
 
+def prepare_cross_encoder(exp: Experiment, pool: TrainingPool, pairs: Pairs | None) -> Scores | None:
+    """Train the run's cross-encoder when configured (its pool: the run's), then the teacher's scores of
+    ``pairs`` when the bi-encoder is distilled (rank 0 computes them, every rank reads them)."""
+    config = exp.config
+    if config.reranker.enabled and config.reranker.train.enabled:
+        if exp.main:
+            exp.reranker = train_reranker(
+                config, exp.dataset, pool.query_ids, pool.mined.pool, exp.device, exp.run_dir, exp.notes
+            )
+        distributed.barrier()
+        if not exp.main:
+            exp.reranker = CrossEncoder.from_pretrained(str(exp.run_dir / "reranker" / "model"))
+    if pairs is None:
+        return None
+    teacher = exp.teacher or exp.reranker
+    scores = teacher_scores(config, exp.dataset, pairs, teacher, exp.main) if exp.main else None
+    distributed.barrier()
+    return scores if exp.main else teacher_scores(config, exp.dataset, pairs, teacher, False)
+
+
+def evaluate_reranked(exp: Experiment) -> None:
+    """The rows of ``reranker.first_stages``, each first stage's run with its top ``reranker.depth`` reranked."""
+    cfg = exp.config.reranker
+    if exp.reranker is None or not cfg.first_stages:
+        return
+    exp.results.update(
+        rerank_rows(
+            exp.evalset,
+            exp.runs,
+            exp.reranker,
+            cfg.first_stages,
+            cfg.depth,
+            lambda run, name: score_run(exp, run, name),
+            exp.timings,
+        )
+    )
+    per_query = ", ".join(
+        f"{s}: {exp.timings.get(f'rerank_{s}_ms_per_query', 0):.0f} ms ({exp.timings[f'rerank_{s}_pairs_scored']} "
+        f"new pairs scored)"
+        for s in cfg.first_stages
+    )
+    exp.notes.append(
+        f"Reranking the top {cfg.depth} on {exp.device.type}, per query: {per_query}; pairs two first stages share "
+        "are scored once, and a stage's cost per query is its time per scored pair times its pairs per query."
+    )
+
+
 def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str, dict[str, float]]:
     """Run every stage of ``config`` and return {system: {metric: value}} (empty on ranks other than 0)."""
     device = check(config)
@@ -366,18 +486,24 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
     main = distributed.rank() == 0
     with run_directory(config, main, restart) as run_dir:
         exp = prepare(config, device, main)
-        if main:
-            save_config(config, run_dir / "config.yaml")  # only once the run is known to be valid
         seed_everything(config.train.seed)
         model = model_from_config(config)
+        pool = mine_training_pool(exp, model)
+        pairs = distillation_inputs(exp, pool)  # an existing teacher-scores file is checked before any write
+        if main:
+            save_config(config, run_dir / "config.yaml")  # only once the run is known to be valid
+            if pool.mined is not None:
+                save_pool(pool.mined.pool, run_dir / "negatives.jsonl")
         evaluate_baselines(exp, model)
+        teacher = prepare_cross_encoder(exp, pool, pairs)
         if config.train.enabled:
-            fine_tune(exp, model)
+            fine_tune(exp, model, pool, objective_of(config), teacher)
             if main:
                 started = time.perf_counter()
                 exp.results["fine-tuned"] = evaluate_dense(exp, model, "fine-tuned")
                 exp.timings["fine_tuned_eval_s"] = time.perf_counter() - started
         if not main:
             return {}
+        evaluate_reranked(exp)
         finish(exp)
         return exp.results

@@ -3,7 +3,8 @@ re-scores the first stage's top candidates (a reranker, e.g. a cross-encoder).
 
 ``SearchPipeline.search("query", k)`` returns ``Hit``s with the passage's id, score, title and text;
 ``search_batch`` does many queries at once (what ``densepass serve`` calls with micro-batches).
-A reranked list holds every first-stage candidate it was given, re-ordered: nothing is lost.
+A reranked list holds every first-stage candidate it was given: the top ``rerank_depth`` re-ordered by
+the reranker, the rest after them in their first-stage order; nothing is lost.
 
 >>> from densepass.index import BM25Index
 >>> pipeline = SearchPipeline(BM25Index.build(["tar archiving utility", "X11 window manager"]))
@@ -13,13 +14,14 @@ A reranked list holds every first-stage candidate it was given, re-ordered: noth
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.index.base import Index, SearchResults, check_k, load_index
 
@@ -46,12 +48,39 @@ class Reranker(Protocol):
         ...
 
 
+class CachedScores:
+    """A reranker that remembers the score of every (query, passage text) pair it has scored, so that
+    reranking several first stages of one evaluation scores their shared candidates once.
+    ``scored`` counts the pairs the wrapped reranker was actually asked for."""
+
+    def __init__(self, reranker: Reranker) -> None:
+        self.reranker, self.scores, self.scored = reranker, {}, 0
+
+    def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:
+        """The scores of the pairs, the new ones from the wrapped reranker in one call."""
+        pairs = list(zip(queries, passages))
+        new = [pair for pair in dict.fromkeys(pairs) if pair not in self.scores]
+        if new:
+            values = np.asarray(self.reranker.score_pairs([q for q, _ in new], [p for _, p in new]), dtype=np.float32)
+            if values.shape != (len(new),):
+                raise ConfigError(f"the reranker returned {values.shape} scores for {len(new)} pairs")
+            self.scores.update(zip(new, values.tolist()))
+            self.scored += len(new)
+        return np.asarray([self.scores[pair] for pair in pairs], dtype=np.float32)
+
+    def describe(self) -> dict:
+        """The wrapped reranker's description."""
+        return self.reranker.describe()
+
+
 class SearchPipeline:
     """First stage ``index``, then (optionally) ``reranker`` over its top ``rerank_depth`` candidates."""
 
     def __init__(self, index: Index, reranker: Reranker | None = None, rerank_depth: int = 100) -> None:
         if rerank_depth < 1:
             raise ConfigError(f"rerank depth must be >= 1, got {rerank_depth}")
+        if reranker is not None and rerank_depth > len(index):
+            raise ConfigError(f"rerank depth {rerank_depth} is larger than the index's {len(index)} passages")
         self.index, self.reranker, self.rerank_depth = index, reranker, rerank_depth
 
     @classmethod
@@ -105,31 +134,63 @@ class SearchPipeline:
         return facts
 
 
-def rerank(first: SearchResults, queries: list[str], reranker: Reranker, depth: int, k: int) -> SearchResults:
-    """Re-score the top ``depth`` candidates of each query with ``reranker``; keep the best ``k``. Every
-    query's candidates are scored in one call (the reranker batches and sorts them by length)."""
-    corpus = first.passages
-    texts = corpus.passage_inputs(" ")
-    pairs_q, pairs_p, where = [], [], []
-    for i, rows in enumerate(first.rows):
-        for j, r in enumerate(rows[:depth].tolist()):
-            if r >= 0:
-                pairs_q.append(queries[i])
-                pairs_p.append(texts[r])
-                where.append((i, j))
-    scores = np.full(first.rows[:, :depth].shape, -np.inf, dtype=np.float32)
-    if pairs_q:
-        values = np.asarray(reranker.score_pairs(pairs_q, pairs_p), dtype=np.float32)
-        if values.shape != (len(pairs_q),):
-            raise ConfigError(f"the reranker returned {values.shape} scores for {len(pairs_q)} pairs")
-        for (i, j), value in zip(where, values):
-            scores[i, j] = value
-    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    rows = np.take_along_axis(first.rows[:, :depth], order, axis=1)
-    out_scores = np.take_along_axis(scores, order, axis=1)
-    rows[~np.isfinite(out_scores)] = -1
-    out_scores[~np.isfinite(out_scores)] = 0.0
-    return SearchResults(out_scores, rows, corpus)
+def rerank(
+    first: SearchResults, queries: Sequence[str], reranker: Reranker, depth: int, k: int | None = None
+) -> SearchResults:
+    """Re-score the top ``depth`` candidates of each query with ``reranker`` and order them by that score;
+    candidates past ``depth`` follow in their first-stage order, scored below every re-scored one, so the
+    reranked list holds every first-stage candidate (its top ``k`` when given). Every query's candidates
+    are scored in one call (the reranker batches and sorts them by length). A ``depth`` larger than the
+    first stage's candidate lists is a one-line ConfigError."""
+    width = first.rows.shape[1]
+    if depth < 1 or depth > width:
+        raise ConfigError(f"rerank depth {depth} is outside the first stage's {width} candidates per query")
+    if len(queries) != len(first):
+        raise ConfigError(f"{len(queries)} queries for {len(first)} first-stage result lists")
+    k = width if k is None else min(check_k(k), width)
+    texts = first.passages.passage_inputs(" ")
+    head = first.rows[:, :depth]
+    where = np.nonzero(head >= 0)
+    scores = np.full(head.shape, -np.inf, dtype=np.float32)
+    if len(where[0]):
+        values = np.asarray(
+            reranker.score_pairs([queries[i] for i in where[0]], [texts[r] for r in head[where]]), dtype=np.float32
+        )
+        if values.shape != (len(where[0]),) or not np.isfinite(values).all():
+            raise ConfigError(f"the reranker returned {values.shape} scores (finite?) for {len(where[0])} pairs")
+        scores[where] = values
+    order = np.argsort(-scores, axis=1, kind="stable")
+    rows = np.concatenate([np.take_along_axis(head, order, axis=1), first.rows[:, depth:]], axis=1)
+    reranked = np.take_along_axis(scores, order, axis=1)
+    floor = np.where(np.isfinite(reranked), reranked, np.inf).min(axis=1, keepdims=True)
+    floor[~np.isfinite(floor)] = 0.0
+    tail = floor - 1.0 - np.arange(width - depth, dtype=np.float32)[None, :]
+    out = np.concatenate([reranked, tail], axis=1).astype(np.float32)
+    valid = rows >= 0
+    # a query's -1 slots (fewer candidates than the width) go last
+    order = np.argsort(~valid, axis=1, kind="stable")
+    rows, out = np.take_along_axis(rows, order, axis=1), np.take_along_axis(out, order, axis=1)
+    rows[rows < 0], out[rows < 0] = -1, 0.0
+    return SearchResults(out[:, :k], rows[:, :k], first.passages)
+
+
+def results_from_run(
+    run: Mapping[str, Mapping[str, float]], query_ids: Sequence[str], corpus: Corpus, width: int = 1
+) -> SearchResults:
+    """A run's rankings (best first) as ``SearchResults`` over ``corpus``, at least ``width`` wide, padded
+    with -1 rows; a passage outside ``corpus`` is a DataError."""
+    from densepass.errors import DataError
+
+    width = max([len(run.get(q, {})) for q in query_ids] + [width])
+    rows = np.full((len(query_ids), width), -1, dtype=np.int64)
+    scores = np.zeros((len(query_ids), width), dtype=np.float32)
+    for i, qid in enumerate(query_ids):
+        ranked = sorted(run.get(qid, {}).items(), key=lambda item: -item[1])
+        for j, (pid, score) in enumerate(ranked):
+            if pid not in corpus:
+                raise DataError(f"the run ranks passage {pid!r} for query {qid!r}, which is not in the corpus")
+            rows[i, j], scores[i, j] = corpus.position(pid), score
+    return SearchResults(scores, rows, corpus)
 
 
 def read_queries(path: str | Path) -> tuple[list[str], list[str]]:

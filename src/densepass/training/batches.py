@@ -6,7 +6,7 @@ identically on every process from a seed of (epoch, step); each process tokenise
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,7 +42,9 @@ class TrainingBatch:
 
 
 class TrainingData:
-    """(query, positive) instances from one split, with optional hard-negative pools per query."""
+    """(query, positive) instances from one split, with optional hard-negative pools per query and optional
+    teacher scores of (query, passage) pairs (distillation: each batch then carries, in
+    ``extras["teacher_scores"]``, the teacher's scores of every query's positive and drawn negatives)."""
 
     def __init__(
         self,
@@ -52,6 +54,7 @@ class TrainingData:
         negatives: dict[str, list[str]] | None = None,
         negatives_per_query: int = 0,
         query_ids: Sequence[str] | None = None,
+        teacher_scores: Mapping[str, Mapping[str, float]] | None = None,
     ) -> None:
         positives = dataset.positives(split)
         self.query_ids = sorted(positives) if query_ids is None else list(query_ids)
@@ -73,33 +76,41 @@ class TrainingData:
         self.relevant_keys = [{int(self.keys[corpus.position(p)]) for p in relevant.get(q, ())} for q in self.query_ids]
         self.positive_rows = [[corpus.position(p) for p in positives[q]] for q in self.query_ids]
         self.sep_token = sep_token
-        self.negative_rows = self._negative_pools(negatives or {}, sep_token) if negatives_per_query else None
+        self._extra_rows: dict[str, int] = {}  # synthetic passages (context halves) -> rows after the corpus
+        self.negative_rows = self._negative_pools(negatives or {}) if negatives_per_query else None
         self._refreshed: list[tuple[int, list[np.ndarray]]] = []  # (first step, pools), by first step
+        self.teacher: list[dict[int, float]] | None = None
+        if teacher_scores is not None:
+            rows = [{self._row(p): float(v) for p, v in teacher_scores.get(q, {}).items()} for q in self.query_ids]
+            self._add_extra_keys()
+            self.teacher = [{r: v for r, v in scored.items() if r is not None} for scored in rows]
 
     def __len__(self) -> int:
         return len(self.query_ids)
 
-    def _negative_pools(self, negatives: dict[str, list[str]], sep_token: str) -> list[np.ndarray]:
-        """Per instance: rows of its distinct candidate negatives, minus anything relevant to it.
-
-        Synthetic passages (context halves, ``<pid>#half0``) get rows appended after the corpus."""
+    def _row(self, pid: str) -> int | None:
+        """The row of passage ``pid``; synthetic passages (context halves, ``<pid>#half0``) get rows appended
+        after the corpus (their content keys by ``_add_extra_keys``); None for an unknown id."""
         corpus = self.dataset.corpus
-        extra: dict[str, int] = {}
+        if pid in corpus:
+            return corpus.position(pid)
+        if pid not in self._extra_rows and is_known_passage(corpus, pid):
+            self._extra_rows[pid] = len(self.passage_inputs)
+            self.passage_inputs.append(passage_input(corpus, pid, self.sep_token))
+        return self._extra_rows.get(pid)
 
-        def row_of(pid: str) -> int | None:
-            if pid in corpus:
-                return corpus.position(pid)
-            if pid not in extra and is_known_passage(corpus, pid):
-                extra[pid] = len(self.passage_inputs)
-                self.passage_inputs.append(passage_input(corpus, pid, sep_token))
-            return extra.get(pid)
+    def _add_extra_keys(self) -> None:
+        """Content keys of the rows ``_row`` appended since the last call."""
+        new = [content_key(t) for t in self.passage_inputs[len(self.keys) :]]
+        if new:
+            self.keys = np.concatenate([self.keys, np.array(new, dtype=np.int64)])
 
+    def _negative_pools(self, negatives: dict[str, list[str]]) -> list[np.ndarray]:
+        """Per instance: rows of its distinct candidate negatives, minus anything relevant to it."""
         pools = []
         for qid in self.query_ids:
-            pools.append([r for r in dict.fromkeys(map(row_of, negatives.get(qid, ()))) if r is not None])
-        if extra:
-            new_keys = [content_key(self.passage_inputs[r]) for r in extra.values()]
-            self.keys = np.concatenate([self.keys, np.array(new_keys, dtype=np.int64)])
+            pools.append([r for r in dict.fromkeys(map(self._row, negatives.get(qid, ()))) if r is not None])
+        self._add_extra_keys()
         return [
             np.asarray([r for r in rows if int(self.keys[r]) not in self.relevant_keys[i]], dtype=np.int64)
             for i, rows in enumerate(pools)
@@ -109,7 +120,7 @@ class TrainingData:
         """Use a new pool (query id -> passage ids) for the batches of step ``from_step`` on (a refresh)."""
         if not self.negatives_per_query:
             raise ConfigError("this training data samples no hard negatives: nothing to refresh")
-        pools = self._negative_pools(negatives, self.sep_token)
+        pools = self._negative_pools(negatives)
         # a new list, swapped in at once: the trainer's prefetch thread may be reading the old one
         self._refreshed = sorted([*self._refreshed, (from_step, pools)], key=lambda item: item[0])
 
@@ -149,6 +160,7 @@ class TrainingData:
         b = n // world
         local = slice(rank * b, (rank + 1) * b)
         local_neg = neg_rows[rank * b * h : (rank + 1) * b * h]
+        extras = {} if self.teacher is None else {"teacher_scores": self._teacher_scores(batch, pos_rows, neg_rows)}
         return TrainingBatch(
             query_texts=[self.query_texts[i] for i in batch[local]],
             passage_texts=[self.passage_inputs[r] for r in pos_rows[local] + local_neg],
@@ -157,4 +169,12 @@ class TrainingData:
             mask=mask,
             passage_keys=torch.tensor(keys, dtype=torch.long),
             relevant_keys=[self.relevant_keys[i] | {keys[j]} for j, i in enumerate(batch)],
+            extras=extras,
         )
+
+    def _teacher_scores(self, batch: Sequence[int], pos_rows: list[int], neg_rows: list[int]) -> torch.Tensor:
+        """[B, 1 + h]: the teacher's score of each query's positive, then of its drawn negatives (NaN: unscored)."""
+        h = self.negatives_per_query
+        rows = [[p, *neg_rows[j * h : (j + 1) * h]] for j, p in enumerate(pos_rows)]
+        values = [[self.teacher[i].get(r, float("nan")) for r in row] for i, row in zip(batch, rows)]
+        return torch.tensor(values, dtype=torch.float32)

@@ -1,0 +1,82 @@
+"""The distillation stage of ``densepass run`` (neural-retrieval-lecture: Margin-MSE; training-inference-gap
+§2: distillation from a cross encoder): the teacher's scores of every training query's positives and
+pool candidates, computed once into a file (``training.teacher_scores``) and checked against the
+teacher, the queries and the pool, then the bi-encoder's objective (``training.objectives.Distillation``).
+
+An existing scores file is checked as soon as the pool is known, before the run writes anything: a
+file of other queries or another pool (or of another teacher, when the teacher is a fixed model) is a
+one-line error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from densepass.config import ExperimentConfig
+from densepass.data.dataset import RetrievalDataset
+from densepass.models.cross_encoder import CrossEncoder
+from densepass.training.objectives import Contrastive, Distillation, Objective
+from densepass.training.teacher_scores import (
+    Pairs,
+    Scores,
+    compute_teacher_scores,
+    load_teacher_scores,
+    teacher_identity,
+)
+
+
+def distilling(config: ExperimentConfig) -> bool:
+    """Whether the run distils a teacher into the bi-encoder."""
+    return config.train.enabled and config.reranker.distill.loss != "none"
+
+
+def objective_of(config: ExperimentConfig) -> Objective:
+    """The bi-encoder's objective: contrastive, or distillation (alone or + contrastive) when configured."""
+    distill, contrastive = config.reranker.distill, Contrastive(config.train.bidirectional)
+    if distill.loss == "none":
+        return contrastive
+    return Distillation(distill.loss, distill.weight, distill.temperature, contrastive if distill.contrastive else None)
+
+
+def distillation_identity(config: ExperimentConfig) -> dict:
+    """What the distillation adds to the fine-tuned model's identity (empty when not distilling)."""
+    if not distilling(config):
+        return {}
+    distill = {k: v for k, v in asdict(config.reranker.distill).items() if k != "scores_file"}
+    teacher = distill["teacher"] or {
+        "reranker": config.reranker.name_or_path,
+        "max_length": config.reranker.max_length,
+        "train": asdict(config.reranker.train) if config.reranker.train.enabled else None,
+    }
+    return {"distill": {**distill, "teacher": teacher}}
+
+
+def scores_path(config: ExperimentConfig) -> Path:
+    """Where the teacher scores are (to be) written."""
+    file = config.reranker.distill.scores_file
+    return Path(file) if file else config.run_dir / "teacher_scores.jsonl"
+
+
+def fixed_teacher(config: ExperimentConfig, reranker: CrossEncoder | None, options: dict) -> CrossEncoder | None:
+    """The teacher when it is known before training: ``distill.teacher``, or the run's reranker used as it is
+    (None when the run's reranker is still to be trained)."""
+    teacher = config.reranker.distill.teacher
+    if teacher is not None:
+        return CrossEncoder.from_pretrained(teacher, **options)
+    return reranker
+
+
+def check_existing_scores(config: ExperimentConfig, pairs: Pairs, teacher: CrossEncoder | None) -> None:
+    """A one-line DataError when a scores file exists and does not cover ``pairs`` (or, with a known teacher,
+    was scored by another one); nothing to check when there is no file yet."""
+    path = scores_path(config)
+    if path.is_file():
+        load_teacher_scores(path, pairs, teacher_identity(teacher) if teacher is not None else None)
+
+
+def teacher_scores(
+    config: ExperimentConfig, dataset: RetrievalDataset, pairs: Pairs, teacher: CrossEncoder, show_progress: bool
+) -> Scores:
+    """The teacher's scores of ``pairs``: read from the scores file (checked), or computed into it (resumable)."""
+    return compute_teacher_scores(teacher, dataset, pairs, scores_path(config), show_progress=show_progress)

@@ -1,0 +1,153 @@
+"""The cross-encoder stages of ``densepass run`` (neural-retrieval-lecture: cross-encoder re-ranking): the
+reranker is trained on the run's hard-negative pool (or loaded, trained elsewhere), then every evaluated
+first stage named in ``reranker.first_stages`` gets a second row, its top ``reranker.depth`` candidates
+re-scored by the cross-encoder (``pipelines.search.rerank``: nothing the first stage found is lost), with
+the reranking's cost per query.
+
+The trained cross-encoder is saved in ``<run>/reranker/model`` (loadable by ``transformers`` and
+``sentence_transformers.CrossEncoder``), its checkpoints and log in ``<run>/reranker/``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from densepass.config import ExperimentConfig
+from densepass.data.dataset import RetrievalDataset
+from densepass.device import cpu_has_native_bf16, uses_bf16
+from densepass.errors import ConfigError
+from densepass.evaluation.metrics import Run
+from densepass.models.cross_encoder import CrossEncoder
+from densepass.negatives.pool import NegativePool, passage_ids
+from densepass.pipelines.evalset import EvalSet
+from densepass.pipelines.search import CachedScores, rerank, results_from_run
+from densepass.training.batches import TrainingData
+from densepass.training.cross_encoder import train_cross_encoder
+from densepass.training.teacher_scores import PASSAGE_SEP
+
+SYSTEMS = {"bm25": "BM25", "zero-shot": "zero-shot", "fine-tuned": "fine-tuned"}  # first stage -> its row
+
+
+def reranked_row(stage: str, depth: int) -> str:
+    """The name of a reranked row: ``BM25 → cross-encoder@100``."""
+    return f"{SYSTEMS[stage]} → cross-encoder@{depth}"
+
+
+def check_reranker_config(config: ExperimentConfig) -> None:
+    """What can be checked about ``config.reranker`` without data (one-line ConfigErrors)."""
+    cfg, neg = config.reranker, config.negatives
+    distill = cfg.distill
+    if distill.loss != "none":
+        if not config.train.enabled:
+            raise ConfigError("reranker.distill trains the bi-encoder: it needs train.enabled")
+        if not cfg.enabled and distill.teacher is None:
+            raise ConfigError("reranker.distill needs a teacher: reranker.enabled, or reranker.distill.teacher")
+        if neg.source == "none" or neg.per_query < 1:
+            raise ConfigError("reranker.distill scores each query's hard negatives: set negatives.source and per_query")
+        if neg.refresh_every is not None:
+            raise ConfigError(
+                "reranker.distill cannot follow negatives.refresh_every (the teacher scored the first pool)"
+            )
+    if not cfg.enabled:
+        return
+    if cfg.train.enabled and neg.source == "none":
+        raise ConfigError("reranker.train draws hard negatives from the run's pool: set negatives.source")
+    evaluated = {"bm25": "bm25" in config.eval.baselines, "zero-shot": "zero-shot" in config.eval.baselines}
+    evaluated["fine-tuned"] = config.train.enabled
+    missing = [s for s in cfg.first_stages if not evaluated[s]]
+    if missing:
+        raise ConfigError(f"reranker.first_stages names {missing[0]!r}, which this run does not evaluate")
+    limit = config.eval.rerank_candidates if config.eval.mode == "rerank" else config.eval.depth
+    if cfg.first_stages and cfg.depth > limit:
+        what = "eval.rerank_candidates" if config.eval.mode == "rerank" else "eval.depth"
+        raise ConfigError(f"reranker.depth {cfg.depth} is larger than the {limit} candidates per query of {what}")
+
+
+def load_fixed_reranker(config: ExperimentConfig, device: torch.device) -> CrossEncoder | None:
+    """The run's cross-encoder when it is used as it is (``reranker.train.enabled: false``), loaded now so a
+    model without a usable head fails before any work; None when the run trains it or has none."""
+    cfg = config.reranker
+    if not cfg.enabled or cfg.train.enabled:
+        return None
+    return CrossEncoder.from_pretrained(cfg.name_or_path, **scoring_options(config, device))
+
+
+def scoring_options(config: ExperimentConfig, device: torch.device) -> dict:
+    """CrossEncoder options of the run: truncation, batch size, device, and bf16 scoring where the device
+    computes bfloat16 natively (``train.bf16`` on GPU; a CPU with bf16 instructions, or ``train.cpu_bf16``)."""
+    cfg = config.reranker
+    bf16 = uses_bf16(device, config.train.bf16, config.train.cpu_bf16 or cpu_has_native_bf16())
+    return {"max_length": cfg.max_length, "batch_size": cfg.batch_size, "device": device, "bf16": bf16}
+
+
+def train_reranker(
+    config: ExperimentConfig,
+    dataset: RetrievalDataset,
+    query_ids: Sequence[str],
+    pool: NegativePool,
+    device: torch.device,
+    run_dir: Path,
+    notes: list[str],
+) -> CrossEncoder:
+    """Fine-tune the run's cross-encoder on ``pool`` (resuming from ``<run>/reranker/checkpoints``) and save
+    it to ``<run>/reranker/model``."""
+    cfg = config.reranker
+    options = {**scoring_options(config, device), "bf16": uses_bf16(device, config.train.bf16, config.train.cpu_bf16)}
+    model = CrossEncoder.new(cfg.name_or_path, seed=cfg.train.seed, **options)
+    data = TrainingData(
+        dataset,
+        config.data.train_split,
+        PASSAGE_SEP,
+        passage_ids(pool),
+        cfg.train.negatives_per_query,
+        query_ids=query_ids,
+    )
+    identity = {
+        "data": asdict(config.data),
+        "negatives": asdict(config.negatives),
+        "cross_encoder": {"name_or_path": cfg.name_or_path, "max_length": cfg.max_length, "bf16": options["bf16"]},
+    }
+    started = time.perf_counter()
+    result = train_cross_encoder(model, data, cfg.train, run_dir / "reranker", device, options["bf16"], identity)
+    model.save(run_dir / "reranker" / "model")
+    notes.append(
+        f"Cross-encoder ({cfg.name_or_path} + a new one-logit head) trained {cfg.train.loss} on {len(data)} queries: "
+        f"{result.steps} steps of {cfg.train.batch_size} queries x (1 + {cfg.train.negatives_per_query}) pairs, "
+        f"final loss {result.final_loss:.4f}, {time.perf_counter() - started:.0f} s; saved in reranker/model."
+    )
+    return model
+
+
+def rerank_rows(
+    evalset: EvalSet,
+    runs: Mapping[str, Run],
+    reranker: CrossEncoder,
+    stages: Sequence[str],
+    depth: int,
+    score: Callable[[Run, str], dict[str, float]],
+    timings: dict[str, float],
+) -> dict[str, dict[str, float]]:
+    """``{row: metrics}`` of each first stage's run with its top ``depth`` reranked; ``score(run, name)``
+    evaluates (and writes) a run. The stages share a score cache (``CachedScores``: a pair found by two
+    first stages is scored once); ``timings`` gets, per stage, the seconds spent, the pairs it scored, and
+    the reranking cost per query: the measured time per scored pair times the pairs each query reranks."""
+    rows, cached = {}, CachedScores(reranker)
+    n = len(evalset.query_ids)
+    for stage in stages:
+        first = results_from_run(runs[stage], evalset.query_ids, evalset.corpus, width=depth)
+        scored_before, started = cached.scored, time.perf_counter()
+        reranked = rerank(first, evalset.query_texts, cached, depth)
+        seconds, scored = time.perf_counter() - started, cached.scored - scored_before
+        pairs = int((first.rows[:, :depth] >= 0).sum())
+        timings[f"rerank_{stage}_s"] = seconds
+        timings[f"rerank_{stage}_pairs"] = pairs
+        timings[f"rerank_{stage}_pairs_scored"] = scored
+        if scored:
+            timings[f"rerank_{stage}_ms_per_query"] = 1000 * seconds / scored * pairs / n
+        rows[reranked_row(stage, depth)] = score(reranked.as_run(evalset.query_ids), f"{stage}-rerank{depth}")
+    return rows

@@ -1,0 +1,192 @@
+"""Teacher scores for distillation (neural-retrieval-lecture: Margin-MSE; training-inference-gap §2): a
+cross-encoder's score of every training query with each of its positives and pool candidates, computed
+once into a file that any number of student runs then read.
+
+The file is JSONL: a header line, then one line per query::
+
+    {"format": "densepass-teacher-scores", "version": 1, "teacher": {"path": ..., "weights": ..., "max_length": 256},
+     "pairs": "<fingerprint of the (query, passages) lists>", "queries": 2048, "pair_count": 63488}
+    {"query_id": "q7", "scores": {"p12": 7.31, "p9": -2.04, ...}}
+
+``teacher`` is the teacher's identity: its path and the fingerprint of its weights (``fingerprints``)
+and its truncation length. Computing is resumable: lines go to ``<file>.partial`` (flushed every
+``chunk`` queries) and a re-run continues after the last complete line; the finished file replaces
+``<file>`` atomically. Reading checks the header and that every pair asked for has a score: a file from
+another teacher, other queries or another pool is a one-line ``DataError`` naming what differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from densepass.data.dataset import RetrievalDataset
+from densepass.data.keys import passage_input
+from densepass.errors import DataError, DataWarning
+from densepass.fingerprints import fingerprint_strings, fingerprint_weights
+from densepass.models.cross_encoder import CrossEncoder
+from densepass.negatives.pool import NegativePool
+
+FORMAT = "densepass-teacher-scores"
+VERSION = 1
+PASSAGE_SEP = " "  # cross-encoder passage input: "title text" (as the search pipeline's reranking)
+Pairs = dict[str, list[str]]  # query id -> passage ids to score
+Scores = dict[str, dict[str, float]]  # query id -> passage id -> teacher score
+
+
+def teacher_identity(teacher: CrossEncoder) -> dict:
+    """What a teacher is: its path, the fingerprint of its weights and its truncation length."""
+    return {"path": teacher.source, "weights": fingerprint_weights(teacher.model), "max_length": teacher.max_length}
+
+
+def distillation_pairs(dataset: RetrievalDataset, split: str, query_ids: Sequence[str], pool: NegativePool) -> Pairs:
+    """Per training query: its positives of ``split``, then its pool candidates (each passage once)."""
+    positives = dataset.positives(split)
+    return {
+        q: list(dict.fromkeys([*positives.get(q, ()), *(c.passage_id for c in pool.get(q, ()))])) for q in query_ids
+    }
+
+
+def pairs_fingerprint(pairs: Pairs) -> str:
+    """Fingerprint of the (query, passages) lists, in query order."""
+    return fingerprint_strings(f"{q}\t" + "\t".join(pids) for q, pids in pairs.items())
+
+
+def _header(pairs: Pairs, teacher: dict) -> dict:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "teacher": teacher,
+        "pairs": pairs_fingerprint(pairs),
+        "queries": len(pairs),
+        "pair_count": sum(map(len, pairs.values())),
+    }
+
+
+def _read(path: Path, complete: bool) -> tuple[dict, Scores, int]:
+    """(header, scores, bytes of complete lines) of a scores file; ``complete=False`` tolerates a last line
+    cut short by an interruption (a partial file)."""
+    with open(path, "rb") as handle:
+        data = handle.read()
+    lines = data.split(b"\n")
+    try:
+        header = json.loads(lines[0])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise DataError(f"{path}: not a teacher-scores file (no {FORMAT!r} header line)")
+    if header.get("version") != VERSION:
+        raise DataError(f"{path}: teacher-scores format version {header.get('version')!r}, expected {VERSION}")
+    scores: Scores = {}
+    good = len(lines[0]) + 1
+    for line_no, line in enumerate(lines[1:], 2):
+        if not line.strip():
+            good += len(line) + 1
+            continue
+        try:
+            record = json.loads(line)
+            qid, values = record["query_id"], record["scores"]
+            if not isinstance(qid, str) or not isinstance(values, dict):
+                raise TypeError
+            scores[qid] = {str(p): float(v) for p, v in values.items()}
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+            if not complete and line_no == len(lines):
+                break  # the line being written when the run stopped
+            raise DataError(f'{path}:{line_no}: expected {{"query_id": str, "scores": {{passage: score}}}}') from None
+        good += len(line) + 1
+    return header, scores, min(good, len(data))
+
+
+def _check_teacher(path: Path, header: dict, teacher: Mapping | None) -> None:
+    saved = header.get("teacher") or {}
+    if (
+        teacher is None
+        or saved.get("weights") == teacher["weights"]
+        and saved.get("max_length") == teacher["max_length"]
+    ):
+        return
+    raise DataError(
+        f"{path} was scored by teacher {saved.get('path')!r} (weights {str(saved.get('weights'))[:12]}, max_length "
+        f"{saved.get('max_length')}), not by {teacher['path']!r} (weights {teacher['weights'][:12]}, max_length "
+        f"{teacher['max_length']}); delete it or point reranker.distill.scores_file elsewhere"
+    )
+
+
+def load_teacher_scores(path: str | Path, pairs: Pairs, teacher: Mapping | None = None) -> Scores:
+    """The scores of ``pairs`` read from a finished file; a file of another teacher (when ``teacher`` is
+    given), or one missing a query or a pair of ``pairs`` (other queries, another pool), is a DataError."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"teacher-scores file not found: {path}")
+    header, scores, _ = _read(path, complete=True)
+    _check_teacher(path, header, teacher)
+    if header.get("pairs") == pairs_fingerprint(pairs) and len(scores) == len(pairs):
+        return scores
+    for qid, pids in pairs.items():
+        if qid not in scores:
+            raise DataError(
+                f"{path} has no teacher scores for query {qid!r} ({header.get('queries')} queries scored): it was "
+                "computed for other training queries"
+            )
+        missing = next((p for p in pids if p not in scores[qid]), None)
+        if missing is not None:
+            raise DataError(
+                f"{path} has no teacher score for query {qid!r} and passage {missing!r}: it was computed for "
+                "another hard-negative pool"
+            )
+    return {q: scores[q] for q in pairs}
+
+
+def compute_teacher_scores(
+    teacher: CrossEncoder,
+    dataset: RetrievalDataset,
+    pairs: Pairs,
+    path: str | Path,
+    chunk: int = 256,
+    show_progress: bool = True,
+) -> Scores:
+    """Score every (query, passage) pair of ``pairs`` with ``teacher`` into ``path`` (resuming a partial file
+    of the same teacher and pairs); an existing finished file is checked and read, not recomputed."""
+    path = Path(path)
+    identity = teacher_identity(teacher)
+    if path.is_file():
+        return load_teacher_scores(path, pairs, identity)
+    header = _header(pairs, identity)
+    partial = path.with_name(path.name + ".partial")
+    done: Scores = {}
+    if partial.is_file():
+        try:
+            old, done, good = _read(partial, complete=False)
+        except DataError:
+            old, good = None, 0
+        if old != header:
+            warnings.warn(f"{partial} belongs to another teacher or pool; starting it over", DataWarning, stacklevel=2)
+            done = {}
+        else:
+            os.truncate(partial, good)
+    if not done:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(header) + "\n")
+    todo = [q for q in pairs if q not in done]
+    progress = tqdm(total=len(pairs), initial=len(pairs) - len(todo), desc="teacher scores", disable=not show_progress)
+    with open(partial, "a", encoding="utf-8") as handle:
+        for start in range(0, len(todo), chunk):
+            queries = todo[start : start + chunk]
+            flat = [(q, p) for q in queries for p in pairs[q]]
+            values = teacher.score_pairs(
+                [dataset.queries[q] for q, _ in flat], [passage_input(dataset.corpus, p, PASSAGE_SEP) for _, p in flat]
+            )
+            for (q, p), value in zip(flat, values.tolist()):
+                done.setdefault(q, {})[p] = value
+            handle.write("".join(json.dumps({"query_id": q, "scores": done.get(q, {})}) + "\n" for q in queries))
+            handle.flush()
+            os.fsync(handle.fileno())
+            progress.update(len(queries))
+    progress.close()
+    os.replace(partial, path)
+    return {q: done.get(q, {}) for q in pairs}

@@ -1,0 +1,106 @@
+"""Cross-encoders: a fresh head on any encoder, saves that transformers and sentence-transformers score
+identically, batched length-sorted scoring equal to one pair at a time, and one-line errors for models
+without a usable head."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
+
+from densepass.errors import ConfigError
+from densepass.models.cross_encoder import CrossEncoder
+
+CPU = torch.device("cpu")
+QUERIES = ["audio editor", "kernel driver for printers", "x", "a long query " * 30]
+PASSAGES = ["Audacity: fast audio editor", "printer driver " * 40, "", "the tar archiver"]
+
+
+@pytest.fixture(scope="module")
+def saved_cross_encoder(tiny_model_dir, tmp_path_factory):
+    model = CrossEncoder.new(str(tiny_model_dir), seed=3, max_length=48, device=CPU)
+    path = tmp_path_factory.mktemp("ce") / "model"
+    model.save(path)
+    return model, path
+
+
+def test_a_new_cross_encoder_has_a_seeded_one_logit_head_on_the_encoder(tiny_model_dir):
+    a = CrossEncoder.new(str(tiny_model_dir), seed=3, device=CPU)
+    b = CrossEncoder.new(str(tiny_model_dir), seed=3, device=CPU)
+    c = CrossEncoder.new(str(tiny_model_dir), seed=4, device=CPU)
+    assert a.model.config.num_labels == 1
+    np.testing.assert_array_equal(a.score_pairs(QUERIES, PASSAGES), b.score_pairs(QUERIES, PASSAGES))
+    assert not np.allclose(a.score_pairs(QUERIES, PASSAGES), c.score_pairs(QUERIES, PASSAGES))
+
+
+def test_batched_length_sorted_scores_equal_one_pair_at_a_time(saved_cross_encoder):
+    model, _ = saved_cross_encoder
+    model.batch_size = 3
+    batched = model.score_pairs(QUERIES, PASSAGES)
+    model.batch_size = 1
+    single = model.score_pairs(QUERIES, PASSAGES)
+    np.testing.assert_allclose(batched, single, rtol=1e-5, atol=1e-5)
+
+
+def test_a_saved_cross_encoder_scores_the_same_in_transformers_and_sentence_transformers(saved_cross_encoder):
+    from sentence_transformers import CrossEncoder as STCrossEncoder
+
+    model, path = saved_cross_encoder
+    ours = model.score_pairs(QUERIES, PASSAGES)
+    reloaded = CrossEncoder.from_pretrained(str(path), device=CPU)
+    assert reloaded.max_length == 48
+    np.testing.assert_allclose(reloaded.score_pairs(QUERIES, PASSAGES), ours, rtol=1e-5, atol=1e-5)
+    st = STCrossEncoder(str(path), device="cpu")
+    np.testing.assert_allclose(st.predict(list(zip(QUERIES, PASSAGES)), batch_size=2), ours, rtol=1e-5, atol=1e-5)
+    hf = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    tokens = AutoTokenizer.from_pretrained(str(path))(
+        QUERIES, PASSAGES, truncation=True, padding=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        np.testing.assert_allclose(hf(**tokens).logits.squeeze(-1).numpy(), ours, rtol=1e-5, atol=1e-5)
+
+
+def test_an_encoder_without_a_trained_head_is_a_one_line_error(tiny_model_dir):
+    with pytest.raises(ConfigError, match="no trained relevance head"):
+        CrossEncoder.from_pretrained(str(tiny_model_dir), device=CPU)
+
+
+def test_a_classifier_with_two_labels_is_a_one_line_error(tiny_model_dir, tmp_path):
+    config = BertConfig.from_pretrained(str(tiny_model_dir), num_labels=2)
+    BertForSequenceClassification(config).save_pretrained(tmp_path / "two")
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(tmp_path / "two")
+    with pytest.raises(ConfigError, match="one-logit head; .* has 2 labels"):
+        CrossEncoder.from_pretrained(str(tmp_path / "two"), device=CPU)
+
+
+def test_a_directory_that_is_no_model_is_a_one_line_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="cannot load cross-encoder"):
+        CrossEncoder.from_pretrained(str(tmp_path), device=CPU)
+
+
+def test_scoring_needs_as_many_queries_as_passages_and_a_sane_length(saved_cross_encoder, tiny_model_dir):
+    model, _ = saved_cross_encoder
+    with pytest.raises(ConfigError, match="2 queries but 1 passages"):
+        model.score_pairs(["a", "b"], ["c"])
+    with pytest.raises(ConfigError, match="exceeds the model's 128 positions"):
+        CrossEncoder.new(str(tiny_model_dir), max_length=1000, device=CPU)
+
+
+def test_scoring_batches_pairs_of_similar_token_length_padded_to_their_longest(saved_cross_encoder):
+    from densepass.models.cross_encoder import length_sorted_batches
+
+    model, _ = saved_cross_encoder
+    model.batch_size = 2
+    encoded = model.tokenizer(QUERIES, PASSAGES, truncation=True, max_length=model.max_length)
+    lengths = [len(ids) for ids in encoded["input_ids"]]
+    batches = length_sorted_batches(encoded, model)
+    rows = [int(r) for batch_rows, _ in batches for r in batch_rows]
+    assert sorted(rows) == list(range(len(QUERIES)))
+    assert [lengths[r] for r in rows] == sorted(lengths, reverse=True)
+    for batch_rows, tensors in batches:
+        assert tensors["input_ids"].shape == (len(batch_rows), max(lengths[r] for r in batch_rows))
+        assert tensors["attention_mask"].sum(1).tolist() == [lengths[r] for r in batch_rows]
+        for j, r in enumerate(batch_rows):
+            assert tensors["input_ids"][j, : lengths[r]].tolist() == encoded["input_ids"][r]

@@ -1,0 +1,133 @@
+"""densepass run with a cross-encoder: it trains the reranker on the run's pool, adds reranked rows,
+distils it into the bi-encoder (with ABS batches), resumes, and refuses bad input with one line before
+writing anything."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from densepass.cli import main
+from densepass.errors import ConfigError, DataError
+from densepass.pipelines.experiment import run_experiment
+from test_experiment import tiny_config
+
+RERANKER = [
+    "negatives.per_query=2",
+    "reranker.enabled=true",
+    "reranker.max_length=48",
+    "reranker.depth=10",
+    "reranker.train.batch_size=5",
+    "reranker.train.negatives_per_query=3",
+    "reranker.first_stages=[bm25, fine-tuned]",
+]
+
+
+def config_with(tiny_beir, tiny_model_dir, tmp_path, *extra):
+    return tiny_config(
+        tiny_beir, tiny_model_dir, tmp_path, f"reranker.name_or_path={tiny_model_dir}", *RERANKER, *extra
+    )
+
+
+def test_a_run_trains_the_reranker_distils_it_with_abs_batches_and_resumes(tiny_beir, tiny_model_dir, tmp_path):
+    from sentence_transformers import CrossEncoder as STCrossEncoder
+
+    from densepass.models.cross_encoder import CrossEncoder
+
+    config = config_with(
+        tiny_beir,
+        tiny_model_dir,
+        tmp_path,
+        "reranker.distill.loss=kl",
+        "reranker.distill.contrastive=true",
+        "reranker.distill.temperature=2.0",
+        "schedule.method=abs-greedy",
+        "schedule.similarity=bm25",
+    )
+    results = run_experiment(config)
+    assert set(results) == {
+        "BM25",
+        "zero-shot",
+        "fine-tuned",
+        "BM25 → cross-encoder@10",
+        "fine-tuned → cross-encoder@10",
+    }
+    run_dir = tmp_path / "t"
+    for name in (
+        "reranker/model/config.json",
+        "reranker/train_log.jsonl",
+        "teacher_scores.jsonl",
+        "runs/bm25-rerank10.trec",
+    ):
+        assert (run_dir / name).exists(), name
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["timings"]["rerank_bm25_ms_per_query"] > 0
+    assert "listwise KL (T=2) + contrastive" in (run_dir / "report.md").read_text()
+    pairs = [("audio editor", "pkg3 audio video"), ("kernel", "a font viewer")]
+    ours = CrossEncoder.from_pretrained(str(run_dir / "reranker" / "model")).score_pairs(*zip(*pairs))
+    np.testing.assert_allclose(STCrossEncoder(str(run_dir / "reranker" / "model")).predict(pairs), ours, rtol=1e-5)
+    again = run_experiment(config)  # resumes from the final checkpoints: the same numbers
+    for row in results:
+        assert again[row] == pytest.approx(results[row])
+
+
+def test_a_teacher_file_of_another_pool_is_refused_before_anything_is_written(tiny_beir, tiny_model_dir, tmp_path):
+    first = config_with(tiny_beir, tiny_model_dir, tmp_path, "reranker.distill.loss=margin-mse", "train.epochs=1")
+    run_experiment(first)
+    scores = tmp_path / "scores.jsonl"
+    shutil.copy(tmp_path / "t" / "teacher_scores.jsonl", scores)
+    other = config_with(
+        tiny_beir,
+        tiny_model_dir,
+        tmp_path,
+        "name=other",
+        "reranker.distill.loss=margin-mse",
+        "negatives.pool_depth=7",
+        f"reranker.distill.teacher={tmp_path / 't' / 'reranker' / 'model'}",
+        f"reranker.distill.scores_file={scores}",
+    )
+    with pytest.raises(DataError, match="computed for another hard-negative pool"):
+        run_experiment(other)
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == [".lock"]
+
+
+def test_a_reranker_without_a_usable_head_is_refused_before_anything_is_written(tiny_beir, tiny_model_dir, tmp_path):
+    config = config_with(tiny_beir, tiny_model_dir, tmp_path, "reranker.train.enabled=false")
+    with pytest.raises(ConfigError, match="no trained relevance head"):
+        run_experiment(config)
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [".lock"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["reranker.depth=30"], "reranker.depth 30 is larger than the 20 candidates per query of eval.depth"),
+        (["eval.baselines=[zero-shot]"], "reranker.first_stages names 'bm25', which this run does not evaluate"),
+        (["reranker.distill.loss=kl", "negatives.per_query=0"], "scores each query's hard negatives"),
+        (["reranker.distill.loss=kl", "negatives.refresh_every=2"], "cannot follow negatives.refresh_every"),
+        (["reranker.enabled=false", "reranker.distill.loss=kl"], "reranker.distill needs a teacher"),
+        (["reranker.train.loss=lce"], "'lce' is not one of 'listwise', 'pointwise'"),
+    ],
+)
+def test_inconsistent_reranker_settings_are_one_line_errors(tiny_beir, tiny_model_dir, tmp_path, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        run_experiment(config_with(tiny_beir, tiny_model_dir, tmp_path, *extra))
+    assert not (tmp_path / "t").exists()
+
+
+def test_search_with_a_rerank_depth_beyond_the_index_is_a_one_line_error(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    from densepass.models.cross_encoder import CrossEncoder
+
+    CrossEncoder.new(str(tiny_model_dir), max_length=32).save(tmp_path / "ce")
+    assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", str(tmp_path / "idx")]) == 0
+    capsys.readouterr()
+    args = ["search", str(tmp_path / "idx"), "audio", "--rerank", str(tmp_path / "ce")]
+    assert main([*args, "--rerank-depth", "41"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "densepass: error: rerank depth 41 is larger than the index's 40 passages"
+    assert "Traceback" not in err
+    assert main([*args, "--rerank-depth", "5", "--k", "8"]) == 0
+    assert "'audio': 8 hits" in capsys.readouterr().out

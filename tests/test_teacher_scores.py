@@ -1,0 +1,121 @@
+"""Teacher scores: computed once into a file with the teacher's identity, resumed after an interruption,
+and a file of another teacher, other queries or another pool refused with a one-line error."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from densepass.data import load_dataset
+from densepass.errors import DataError
+from densepass.models.cross_encoder import CrossEncoder
+from densepass.negatives.pool import Candidate
+from densepass.training.teacher_scores import (
+    compute_teacher_scores,
+    distillation_pairs,
+    load_teacher_scores,
+    teacher_identity,
+)
+
+CPU = torch.device("cpu")
+
+
+def flat(scores):
+    return {(q, p): v for q, values in scores.items() for p, v in values.items()}
+
+
+@pytest.fixture
+def setup(tiny_beir, tiny_model_dir):
+    dataset = load_dataset(str(tiny_beir))
+    qids = sorted(dataset.positives("train"))[:6]
+    pool = {q: [Candidate(f"p{(i * 7 + j) % 40}", "bm25", 1.0) for j in range(3)] for i, q in enumerate(qids)}
+    pool = {q: [c for c in cands if c.passage_id not in dataset.relevant_sets()[q]] for q, cands in pool.items()}
+    teacher = CrossEncoder.new(str(tiny_model_dir), seed=1, max_length=32, batch_size=4, device=CPU)
+    return dataset, distillation_pairs(dataset, "train", qids, pool), teacher
+
+
+def test_scores_are_the_teachers_logits_of_every_positive_and_candidate(setup, tmp_path):
+    from densepass.data.keys import passage_input
+
+    dataset, pairs, teacher = setup
+    scores = compute_teacher_scores(teacher, dataset, pairs, tmp_path / "s.jsonl", show_progress=False)
+    assert list(scores) == list(pairs) and all(list(scores[q]) == pairs[q] for q in pairs)
+    q = next(iter(pairs))
+    direct = teacher.score_pairs(
+        [dataset.queries[q]] * len(pairs[q]), [passage_input(dataset.corpus, p, " ") for p in pairs[q]]
+    )
+    np.testing.assert_allclose([scores[q][p] for p in pairs[q]], direct, rtol=1e-5)
+    header = json.loads((tmp_path / "s.jsonl").read_text().splitlines()[0])
+    assert header["teacher"] == teacher_identity(teacher) and header["queries"] == len(pairs)
+    assert not (tmp_path / "s.jsonl.partial").exists()
+    assert load_teacher_scores(tmp_path / "s.jsonl", pairs, teacher_identity(teacher)) == scores
+
+
+def test_an_interrupted_computation_resumes_after_its_last_complete_line(setup, tmp_path, monkeypatch):
+    dataset, pairs, teacher = setup
+    full = compute_teacher_scores(teacher, dataset, pairs, tmp_path / "full.jsonl", chunk=2, show_progress=False)
+    calls = []
+    real = teacher.score_pairs
+
+    def crash_on_third(queries, passages):
+        calls.append(len(queries))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(queries, passages)
+
+    monkeypatch.setattr(teacher, "score_pairs", crash_on_third)
+    path = tmp_path / "s.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        compute_teacher_scores(teacher, dataset, pairs, path, chunk=2, show_progress=False)
+    partial = tmp_path / "s.jsonl.partial"
+    assert not path.exists() and len(partial.read_text().splitlines()) == 1 + 4
+    with open(partial, "a") as handle:
+        handle.write('{"query_id": "q1", "sco')  # a line cut short
+    calls.clear()
+    resumed = compute_teacher_scores(teacher, dataset, pairs, path, chunk=2, show_progress=False)
+    assert len(calls) == 1  # only the last two queries were scored again
+    assert flat(resumed) == pytest.approx(flat(full))
+    assert flat(load_teacher_scores(path, pairs)) == pytest.approx(flat(full))
+
+
+def test_a_file_of_another_teacher_is_refused(setup, tmp_path, tiny_model_dir):
+    dataset, pairs, teacher = setup
+    path = tmp_path / "s.jsonl"
+    compute_teacher_scores(teacher, dataset, pairs, path, show_progress=False)
+    other = CrossEncoder.new(str(tiny_model_dir), seed=2, max_length=32, device=CPU)
+    before = path.read_bytes()
+    with pytest.raises(DataError, match="was scored by teacher .* not by"):
+        compute_teacher_scores(other, dataset, pairs, path, show_progress=False)
+    assert path.read_bytes() == before
+
+
+def test_a_file_of_other_queries_or_another_pool_is_refused(setup, tmp_path):
+    dataset, pairs, teacher = setup
+    path = tmp_path / "s.jsonl"
+    compute_teacher_scores(teacher, dataset, pairs, path, show_progress=False)
+    more_queries = {**pairs, "q20": ["p20", "p3"]}
+    with pytest.raises(DataError, match="no teacher scores for query 'q20'"):
+        load_teacher_scores(path, more_queries)
+    q = next(iter(pairs))
+    other_pool = {**pairs, q: [*pairs[q], "p39"]}
+    with pytest.raises(DataError, match=f"no teacher score for query '{q}' and passage 'p39'"):
+        load_teacher_scores(path, other_pool)
+    fewer = dict(list(pairs.items())[:2])  # a file covering more than asked is fine
+    assert list(load_teacher_scores(path, fewer)) == list(fewer)
+
+
+def test_a_file_that_is_not_a_scores_file_or_is_damaged_is_a_one_line_error(setup, tmp_path):
+    _, pairs, _ = setup
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"query_id": "q1", "negatives": []}\n')
+    with pytest.raises(DataError, match="not a teacher-scores file"):
+        load_teacher_scores(bad, pairs)
+    header = {"format": "densepass-teacher-scores", "version": 1, "teacher": {}, "pairs": "", "queries": 1}
+    bad.write_text(json.dumps(header) + "\nnot json\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: expected"):
+        load_teacher_scores(bad, pairs)
+    with pytest.raises(DataError, match="not found"):
+        load_teacher_scores(tmp_path / "missing.jsonl", pairs)
