@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from densepass.checkpoints import trim_log
-from densepass.config import ExperimentConfig, save_config
+from densepass.config import ExperimentConfig, LossConfig, save_config
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import resolve_device
@@ -46,6 +46,7 @@ from densepass.pipelines.validation import Validator
 from densepass.training import distributed
 from densepass.training.batches import TrainingData
 from densepass.training.miner import prepare_miners
+from densepass.training.more_negatives import check_loss, objective_from_config
 from densepass.training.planner import EpochPlanner, check_schedule
 from densepass.training.refresh import NegativeRefresher
 from densepass.training.trainer import planned_steps, resume_step, seed_everything, train
@@ -60,11 +61,13 @@ def model_from_config(config: ExperimentConfig) -> BiEncoder:
 def run_identity(config: ExperimentConfig) -> dict:
     """The settings besides ``train`` that change the fine-tuned model: resuming across a change is refused."""
     schedule = {k: v for k, v in asdict(config.schedule).items() if k != "background"}
+    loss = {"loss": asdict(config.loss)} if config.loss != LossConfig() else {}  # the default: earlier runs resume
     return {
         "data": asdict(config.data),
         "model": asdict(config.model),
         "negatives": asdict(config.negatives),
         "schedule": schedule,
+        **loss,
     }
 
 
@@ -79,6 +82,7 @@ def check(config: ExperimentConfig) -> torch.device:
     neg = config.negatives
     if config.train.enabled:
         check_schedule(config.schedule)
+        check_loss(config.loss, config.train)
         if neg.refresh_every is not None and (neg.source == "none" or neg.per_query == 0):
             raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
         if neg.refresh_every is not None and distributed.world_size() > 1:
@@ -306,6 +310,7 @@ def fine_tune(exp: Experiment, model: BiEncoder) -> None:
         callbacks.append(refresher)
     if config.validation.enabled and exp.main:
         callbacks.append(Validator(config.validation, exp.dataset, model, exp.device, run_dir, config.eval.metrics))
+    objective = objective_from_config(config.loss, config.train, model)
     try:
         result = train(
             model,
@@ -315,6 +320,7 @@ def fine_tune(exp: Experiment, model: BiEncoder) -> None:
             exp.device,
             planner,
             identity=identity,
+            objective=objective,
             on_epoch_end=evaluate_epoch if config.eval.each_epoch else None,
             on_step_end=(lambda step: [callback(step) for callback in callbacks]) if callbacks else None,
         )
@@ -328,7 +334,8 @@ def fine_tune(exp: Experiment, model: BiEncoder) -> None:
     exp.notes.append(
         f"Fine-tuned on {len(data)} {config.data.train_split} queries: {result.steps} steps of batch "
         f"{config.train.batch_size} with {data.negatives_per_query} {config.negatives.source} hard negative(s) "
-        f"per query, batches by {config.schedule.method}; final loss {result.final_loss:.4f}; "
+        f"per query, batches by {config.schedule.method}, loss: {objective.describe()}; "
+        f"final loss {result.final_loss:.4f}; "
         f"{result.examples_per_second:.1f} examples/s on {exp.device.type}."
     )
 
