@@ -423,3 +423,27 @@ def test_the_default_loss_config_builds_todays_objective(tiny_model_dir):
     built = objective_from_config(LossConfig(memory="moco", queue_size=32, lambda_memory=16), TrainConfig(), model)
     assert isinstance(built.memory, MoCoQueue) and built.weights == (1.0, 16.0, 1.0)
     assert "MoCo queue (K = 32" in built.describe()
+
+
+def test_densepass_run_trains_with_a_memory_and_reports_it(tiny_beir, tiny_model_dir, tmp_path):
+    from densepass.pipelines.experiment import run_experiment
+
+    overrides = [
+        f"data.name={tiny_beir}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"output_dir={tmp_path}",
+        "name=pb",
+        "train.batch_size=8",
+        "negatives.source=none",
+        "eval.baselines=[]",
+        "eval.metrics=[mrr@10]",
+        "eval.depth=10",
+        "loss.memory=pre-batch",
+        "loss.pre_batches=2",
+        "loss.lambda_memory=4",
+    ]
+    assert set(run_experiment(load_config(None, overrides))) == {"fine-tuned"}
+    assert "pre-batch negatives (T = 2); λ in-batch 1, memory 4, hard 1" in (tmp_path / "pb" / "report.md").read_text()
+    changed = load_config(None, [*overrides, "loss.pre_batches=3"])
+    with pytest.raises(ConfigError, match="loss.pre_batches"):  # the loss is part of the run's identity
+        run_experiment(changed)
