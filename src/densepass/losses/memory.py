@@ -125,11 +125,11 @@ def memory_mask(memory_keys: torch.Tensor, batch_keys: torch.Tensor, relevant_ke
     if n == 0:
         return mask
     columns = torch.isin(memory_keys, batch_keys.to(device))
-    reversed_keys = memory_keys.flip(0).tolist()
-    newest: dict[int, int] = {}
-    for j, key in enumerate(reversed_keys):
-        newest.setdefault(key, n - 1 - j)
-    older = torch.tensor([newest[k] != j for j, k in enumerate(memory_keys.tolist())], device=device)
+    _, inverse = torch.unique(memory_keys, return_inverse=True)
+    position = torch.arange(n, device=device)
+    newest = torch.zeros(int(inverse.max()) + 1, dtype=torch.long, device=device)
+    newest = newest.scatter_reduce(0, inverse, position, reduce="amax")  # the newest entry of each key
+    older = newest[inverse] != position
     mask |= (columns | older).unsqueeze(0)
     for i, keys in enumerate(relevant_keys):
         if keys:
