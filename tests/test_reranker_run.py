@@ -109,6 +109,7 @@ def test_a_reranker_without_a_usable_head_is_refused_before_anything_is_written(
         (["reranker.distill.loss=kl", "negatives.per_query=0"], "scores each query's hard negatives"),
         (["reranker.distill.loss=kl", "negatives.refresh_every=2"], "cannot follow negatives.refresh_every"),
         (["reranker.enabled=false", "reranker.distill.loss=kl"], "reranker.distill needs a teacher"),
+        (["reranker.distill.loss=kl", "loss.memory=pre-batch"], "adds to the plain contrastive loss"),
         (["reranker.train.loss=lce"], "'lce' is not one of 'listwise', 'pointwise'"),
     ],
 )

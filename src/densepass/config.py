@@ -202,6 +202,30 @@ class ValidationConfig:
 
 
 @dataclass
+class LossConfig:
+    """More negatives per step and the loss over them (training.more_negatives): pre-batch negatives
+    (training-inference-gap §4.1), a MoCo queue (neural-retrieval-lecture), a λ per negative source
+    (training-inference-gap eq. 2, or eq. 1's separate terms) and the LTR loss (abs-condenser-openqa eq. 14)."""
+
+    kind: Literal["contrastive", "ltr"] = option(
+        "contrastive", "contrastive (similarity / temperature), or ltr: a learned head σ(W[q; d] + b) (eq. 14)"
+    )
+    memory: Literal["none", "pre-batch", "moco"] = option(
+        "none", "negatives from earlier steps: none, pre-batch (the previous T batches) or moco (a queue of K keys)"
+    )
+    pre_batches: int = option(4, "memory=pre-batch: T, the previous batches whose passages join the negatives", min=1)
+    queue_size: int = option(4096, "memory=moco: K, keys in the queue", min=1)
+    momentum: float = option(0.999, "memory=moco: m of the key encoder's update θ_k <- m θ_k + (1 - m) θ", min=0, max=1)
+    combine: Literal["unified", "separate"] = option(
+        "unified",
+        "unified: one softmax, each source's terms times its λ (eq. 2); separate: a softmax per source (eq. 1)",
+    )
+    lambda_in_batch: float = option(1.0, "λ of the other queries' positives (every λ = 1: the plain loss)", above=0)
+    lambda_memory: float = option(1.0, "λ of the pre-batch / queue entries", above=0)
+    lambda_hard: float = option(1.0, "λ of the hard negatives", above=0)
+
+
+@dataclass
 class RerankerTrainConfig:
     """Fine-tuning the cross-encoder on the run's hard-negative pool (``negatives`` section: the same miner
     and false-negative filters as the bi-encoder); precision follows ``train.bf16`` / ``train.cpu_bf16``."""
@@ -297,6 +321,7 @@ class ExperimentConfig(RunConfig):
     validation: ValidationConfig = option(help="validation during training", factory=ValidationConfig)
     eval: EvalConfig = option(help="evaluation", factory=EvalConfig)
     reranker: RerankerConfig = option(help="cross-encoder reranker and distillation", factory=RerankerConfig)
+    loss: LossConfig = option(help="negatives from earlier steps, λ per source, LTR", factory=LossConfig)
 
 
 # ---- loading ------------------------------------------------------------------------------------

@@ -33,10 +33,15 @@ def info_nce(
     loss = F.cross_entropy(scores, positive_index)
     if not bidirectional:
         return loss
-    # passage -> query: rows are the positive passages, columns the queries.
-    backward_scores = scores[:, positive_index].T
-    target = torch.arange(len(positive_index), device=scores.device)
-    return (loss + F.cross_entropy(backward_scores, target)) / 2
+    return (loss + passage_to_query_loss(scores, positive_index)) / 2
+
+
+def passage_to_query_loss(masked_scores: torch.Tensor, positive_index: torch.Tensor) -> torch.Tensor:
+    """The backward term (negative-contrast eq. 2) of masked scores [B, P]: each query's positive passage
+    ranks its own query above the batch's other queries."""
+    backward_scores = masked_scores[:, positive_index].T  # rows: the positive passages, columns: the queries
+    target = torch.arange(len(positive_index), device=masked_scores.device)
+    return F.cross_entropy(backward_scores, target)
 
 
 def contrastive_loss(

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from densepass.checkpoints import trim_log
-from densepass.config import ExperimentConfig, save_config
+from densepass.config import ExperimentConfig, LossConfig, save_config
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import resolve_device
@@ -66,6 +66,7 @@ from densepass.pipelines.validation import Validator
 from densepass.training import distributed
 from densepass.training.batches import TrainingData
 from densepass.training.miner import prepare_miners
+from densepass.training.more_negatives import check_loss
 from densepass.training.objectives import Objective
 from densepass.training.planner import EpochPlanner, check_schedule
 from densepass.training.refresh import NegativeRefresher
@@ -82,12 +83,14 @@ def model_from_config(config: ExperimentConfig) -> BiEncoder:
 def run_identity(config: ExperimentConfig) -> dict:
     """The settings besides ``train`` that change the fine-tuned model: resuming across a change is refused."""
     schedule = {k: v for k, v in asdict(config.schedule).items() if k != "background"}
+    loss = {"loss": asdict(config.loss)} if config.loss != LossConfig() else {}  # the default: earlier runs resume
     return {
         "data": asdict(config.data),
         "model": asdict(config.model),
         "negatives": asdict(config.negatives),
         "schedule": schedule,
         **distillation_identity(config),
+        **loss,
     }
 
 
@@ -102,6 +105,7 @@ def check(config: ExperimentConfig) -> torch.device:
     neg = config.negatives
     if config.train.enabled:
         check_schedule(config.schedule)
+        check_loss(config.loss, config.train)
         if neg.refresh_every is not None and (neg.source == "none" or neg.per_query == 0):
             raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
         if neg.refresh_every is not None and distributed.world_size() > 1:
@@ -399,8 +403,8 @@ def fine_tune(
     exp.notes.append(
         f"Fine-tuned on {len(data)} {config.data.train_split} queries: {result.steps} steps of batch "
         f"{config.train.batch_size} with {data.negatives_per_query} {config.negatives.source} hard negative(s) "
-        f"per query, batches by {config.schedule.method}; objective {objective.describe()}; final loss "
-        f"{result.final_loss:.4f}; "
+        f"per query, batches by {config.schedule.method}, loss: {objective.describe()}; "
+        f"final loss {result.final_loss:.4f}; "
         f"{result.examples_per_second:.1f} examples/s on {exp.device.type}."
     )
 
@@ -497,7 +501,7 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
         evaluate_baselines(exp, model)
         teacher = prepare_cross_encoder(exp, pool, pairs)
         if config.train.enabled:
-            fine_tune(exp, model, pool, objective_of(config), teacher)
+            fine_tune(exp, model, pool, objective_of(config, model), teacher)
             if main:
                 started = time.perf_counter()
                 exp.results["fine-tuned"] = evaluate_dense(exp, model, "fine-tuned")

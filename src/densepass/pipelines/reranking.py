@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from densepass.config import ExperimentConfig
+from densepass.config import ExperimentConfig, LossConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import cpu_has_native_bf16, uses_bf16
 from densepass.errors import ConfigError
@@ -53,6 +53,8 @@ def check_reranker_config(config: ExperimentConfig) -> None:
             raise ConfigError(
                 "reranker.distill cannot follow negatives.refresh_every (the teacher scored the first pool)"
             )
+        if config.loss != LossConfig():
+            raise ConfigError("reranker.distill adds to the plain contrastive loss: leave the loss section out")
     if not cfg.enabled:
         return
     if cfg.train.enabled and neg.source == "none":

@@ -7,7 +7,7 @@ from typing import Literal
 
 from densepass.config import DEFAULT_MODEL, DatasetFormat, RunConfig, option
 
-Mode = Literal["mlm", "condenser", "cocondenser"]
+Mode = Literal["mlm", "condenser", "cocondenser", "contriever"]
 
 
 @dataclass
@@ -27,15 +27,22 @@ class PretrainModelConfig:
 
     ``mlm``: MLM on the late (last-layer) outputs only, i.e. BertForMaskedLM. ``condenser``: head MLM
     plus backbone MLM (condenser eq. 9-11). ``cocondenser``: those plus the span contrastive loss on
-    the late CLS (abs-condenser-openqa eq. 10-11).
+    the late CLS (abs-condenser-openqa eq. 10-11). ``contriever``: a bi-encoder matching two random crops of a
+    document, negatives from a MoCo queue (neural-retrieval-lecture; settings in the ``contriever`` section).
     """
 
     name_or_path: str = option(DEFAULT_MODEL, "the BERT-family backbone to continue pre-training")
-    mode: Mode = option("condenser", "objective: mlm, condenser or cocondenser")
+    mode: Mode = option("condenser", "objective: mlm, condenser, cocondenser or contriever")
     early_layers: int = option(3, "backbone layers whose output feeds the head (L^e); the rest are late", min=1)
     head_layers: int = option(2, "Condenser head layers (L^h), initialised at random", min=1)
-    temperature: float = option(1.0, "temperature of the span contrastive loss (eq. 10: plain dot products)", above=0)
-    save_pooling: Literal["cls", "mean"] = option("cls", "pooling written into the saved backbone's ST files")
+    temperature: float = option(
+        1.0,
+        "temperature of the contrastive loss (coCondenser eq. 10: 1, plain dot products; Contriever: 0.05)",
+        above=0,
+    )
+    save_pooling: Literal["cls", "mean"] = option(
+        "cls", "pooling written into the saved backbone's ST files (contriever: also the pooling it trains)"
+    )
 
 
 @dataclass
@@ -71,6 +78,39 @@ class PretrainTrainConfig:
 
 
 @dataclass
+class ContrieverConfig:
+    """Contriever-style pre-training (model.mode=contriever; neural-retrieval-lecture): positive pairs and negatives."""
+
+    crop_ratio_min: float = option(
+        0.05, "shortest crop, as a share of the document window (Contriever: 5%)", above=0, max=1
+    )
+    crop_ratio_max: float = option(
+        0.5, "longest crop, as a share of the document window (Contriever: 50%)", above=0, max=1
+    )
+    document_tokens: int = option(
+        256, "crops come from a random window of this many document tokens (Contriever: 256)", min=2
+    )
+    token_deletion: float = option(
+        0.1, "each token of a view is deleted with this probability (Contriever: 10%)", min=0, max=0.99
+    )
+    ict_probability: float = option(
+        0.0,
+        "share of the pairs made by the inverse cloze task (a sentence vs the rest) instead of two crops",
+        min=0,
+        max=1,
+    )
+    ict_keep_sentence: float = option(
+        0.1, "ICT: the context keeps the query sentence with this probability", min=0, max=1
+    )
+    negatives: Literal["moco", "in-batch"] = option(
+        "moco", "moco: keys from a momentum encoder, the batch's and a queue's; in-batch: both views trained"
+    )
+    queue_size: int = option(4096, "moco: K, keys in the queue", min=1)
+    momentum: float = option(0.999, "moco: m of θ_k <- m θ_k + (1 - m) θ (Contriever: 0.9995)", min=0, max=1)
+    normalize: bool = option(True, "L2-normalise the embeddings (similarities are cosines over the temperature)")
+
+
+@dataclass
 class PretrainConfig(RunConfig):
     """One pre-training run; everything is written under ``<output_dir>/<name>/``."""
 
@@ -79,3 +119,4 @@ class PretrainConfig(RunConfig):
     model: PretrainModelConfig = option(help="backbone and objective", factory=PretrainModelConfig)
     masking: MaskingConfig = option(help="BERT masking", factory=MaskingConfig)
     train: PretrainTrainConfig = option(help="optimisation", factory=PretrainTrainConfig)
+    contriever: ContrieverConfig = option(help="model.mode=contriever: pairs and negatives", factory=ContrieverConfig)

@@ -24,6 +24,19 @@ def plot_loss_terms(records: list[dict], out_path: Path) -> None:
         ax.legend(fontsize=8)
 
 
+def _objective_settings(config: PretrainConfig) -> str:
+    m, c = config.model, config.contriever
+    if m.mode == "contriever":
+        pairs = f"crops of {c.crop_ratio_min:.0%}-{c.crop_ratio_max:.0%} of {c.document_tokens}-token windows"
+        pairs += f", {c.token_deletion:.0%} token deletion" + (
+            f", {c.ict_probability:.0%} ICT" if c.ict_probability else ""
+        )
+        negatives = f"MoCo queue K={c.queue_size}, m={c.momentum}" if c.negatives == "moco" else "in-batch negatives"
+        return f"{pairs}, {negatives}, {m.save_pooling} pooling, temperature {m.temperature}"
+    layers = f"{m.early_layers} early layers + {m.head_layers}-layer head, " if m.mode != "mlm" else ""
+    return layers + f"masking {config.masking.probability:.0%}{' whole words' if config.masking.whole_word else ''}"
+
+
 def write_pretrain_report(config: PretrainConfig, log_path: Path, device: torch.device, bf16: bool) -> Path:
     """Write the run's ``report.md``: settings, final loss terms, throughput and loss curves."""
     run_dir = config.run_dir
@@ -36,9 +49,8 @@ def write_pretrain_report(config: PretrainConfig, log_path: Path, device: torch.
         + f": {t.max_steps} steps of {t.batch_size} x {t.max_length} tokens"
         + (f" ({t.grad_accumulation} micro-batches)" if t.grad_accumulation > 1 else "")
         + f", lr {t.learning_rate}, warm-up {t.warmup_ratio}, bf16 {bf16}, "
-        + (f"{m.early_layers} early layers + {m.head_layers}-layer head, " if m.mode != "mlm" else "")
-        + f"masking {config.masking.probability:.0%}{' whole words' if config.masking.whole_word else ''}; "
-        f"device {device.type}.",
+        + _objective_settings(config)
+        + f"; device {device.type}.",
     ]
     if records:
         last = records[-1]

@@ -41,6 +41,8 @@ from densepass.errors import ConfigError
 from densepass.io import exclusive_lock
 from densepass.pretraining.condenser import Condenser, span_contrastive_loss
 from densepass.pretraining.config import PretrainConfig
+from densepass.pretraining.contriever import Contriever, contriever_forward_backward
+from densepass.pretraining.crops import CropSettings, contriever_batches
 from densepass.pretraining.data import Batch, mlm_batches, span_batches, subset_corpus
 from densepass.pretraining.masking import Masker
 
@@ -58,10 +60,29 @@ class PretrainResult:
     backbone_path: Path
 
 
-def build_model(config: PretrainConfig) -> Condenser:
-    """The Condenser (or plain MLM model) of ``config``."""
-    m = config.model
+def build_model(config: PretrainConfig) -> Condenser | Contriever:
+    """The Condenser (or plain MLM model, or Contriever) of ``config``."""
+    m, c = config.model, config.contriever
+    if m.mode == "contriever":
+        return Contriever.from_pretrained(
+            m.name_or_path,
+            m.save_pooling,
+            c.normalize,
+            m.temperature,
+            config.train.max_length,
+            c.negatives,
+            c.queue_size,
+            c.momentum,
+        )
     return Condenser.from_pretrained(m.name_or_path, m.mode, m.early_layers, m.head_layers, m.temperature)
+
+
+def crop_settings(config: PretrainConfig) -> CropSettings:
+    """How Contriever's pairs are drawn."""
+    c = config.contriever
+    return CropSettings(
+        c.crop_ratio_min, c.crop_ratio_max, c.document_tokens, c.token_deletion, c.ict_probability, c.ict_keep_sentence
+    )
 
 
 def batch_stream(config: PretrainConfig, tokenizer) -> Iterator[Batch]:
@@ -70,6 +91,8 @@ def batch_stream(config: PretrainConfig, tokenizer) -> Iterator[Batch]:
     corpus = subset_corpus(load_dataset(d.name, d.data_dir, d.format).corpus, d.max_passages, d.seed)
     if config.model.mode == "cocondenser":
         return span_batches(corpus, tokenizer, t.batch_size, t.max_length, t.span_min_tokens, t.span_max_tokens, t.seed)
+    if config.model.mode == "contriever":
+        return contriever_batches(corpus, tokenizer, t.batch_size // 2, t.max_length, crop_settings(config), t.seed)
     return mlm_batches(corpus, tokenizer, t.batch_size, t.max_length, t.seed)
 
 
@@ -131,6 +154,8 @@ def pretraining_identity(config: PretrainConfig) -> dict:
         identity.pop(key)
     for key in BOOKKEEPING:
         identity["train"].pop(key)
+    if config.model.mode != "contriever":
+        identity.pop("contriever")  # unused, and runs written before the section existed still resume
     return identity
 
 
@@ -145,6 +170,12 @@ def check(config: PretrainConfig) -> torch.device:
         raise ConfigError(f"train.span_min_tokens {t.span_min_tokens} > span_max_tokens {t.span_max_tokens}")
     if config.masking.mask_fraction + config.masking.random_fraction > 1:
         raise ConfigError("masking.mask_fraction + masking.random_fraction must be <= 1")
+    if config.model.mode == "contriever":
+        if t.batch_size < 4 or t.batch_size % 2:
+            raise ConfigError(f"contriever needs an even batch size >= 4 (two views per document), got {t.batch_size}")
+        if config.contriever.negatives == "in-batch" and t.grad_accumulation > 1:
+            raise ConfigError("contriever.negatives=in-batch uses the whole batch as its pool: grad_accumulation 1")
+        crop_settings(config)  # the crop ratios' order
     return resolve_device(config.device)
 
 
@@ -165,22 +196,24 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
     run_dir = config.run_dir
     torch.manual_seed(t.seed)
     model = build_model(config)
-    masker = Masker.from_tokenizer(
-        model.tokenizer,
-        probability=config.masking.probability,
-        mask_fraction=config.masking.mask_fraction,
-        random_fraction=config.masking.random_fraction,
-        whole_word=config.masking.whole_word,
-    )
-    if model.backbone.config.max_position_embeddings < t.max_length:
-        raise ConfigError(
-            f"train.max_length {t.max_length} exceeds the model's "
-            f"{model.backbone.config.max_position_embeddings} positions"
+    contriever = isinstance(model, Contriever)
+    masker = None
+    if not contriever:
+        masker = Masker.from_tokenizer(
+            model.tokenizer,
+            probability=config.masking.probability,
+            mask_fraction=config.masking.mask_fraction,
+            random_fraction=config.masking.random_fraction,
+            whole_word=config.masking.whole_word,
         )
+    positions = (model.backbone_config if contriever else model.backbone.config).max_position_embeddings
+    if positions < t.max_length:
+        raise ConfigError(f"train.max_length {t.max_length} exceeds the model's {positions} positions")
     model.to(device).train()
     bf16 = uses_bf16(device, t.bf16, t.cpu_bf16)
+    trainable = model.trainable_parameters() if contriever else list(model.parameters())
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay, fused=device.type == "cuda"
+        trainable, lr=t.learning_rate, weight_decay=t.weight_decay, fused=device.type == "cuda"
     )
     scheduler = get_linear_schedule_with_warmup(optimizer, int(t.warmup_ratio * t.max_steps), t.max_steps)
     log_path = run_dir / LOG_NAME
@@ -193,6 +226,8 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
         optimizer.load_state_dict(resumed.optimizer)
         scheduler.load_state_dict(resumed.scheduler)
         restore_rng(resumed.rng)
+        if contriever:
+            model.load_memory_state(resumed.extra.get("memory"))
         step = resumed.step
     trim_log(log_path, step)
     stream = itertools.islice(batch_stream(config, model.tokenizer), step, None)
@@ -201,10 +236,13 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
     while step < t.max_steps:
         batch = next(stream)
         torch.manual_seed(_step_seed(t.seed, step))  # dropout; masking has its own generator
-        generator = torch.Generator().manual_seed(_step_seed(t.seed, step))
-        batch["input_ids"], batch["labels"] = masker(batch["input_ids"], batch["attention_mask"], generator)
-        terms = forward_backward(model, batch, t.grad_accumulation, device, bf16)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        if contriever:
+            terms = contriever_forward_backward(model, batch, t.grad_accumulation, device, bf16)
+        else:
+            generator = torch.Generator().manual_seed(_step_seed(t.seed, step))
+            batch["input_ids"], batch["labels"] = masker(batch["input_ids"], batch["attention_mask"], generator)
+            terms = forward_backward(model, batch, t.grad_accumulation, device, bf16)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, t.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -223,7 +261,10 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
             with open(log_path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
         if step % t.checkpoint_every == 0 or step == t.max_steps:
-            checkpoints.save(step, lambda directory: save_model(model, str(directory / WEIGHTS)), optimizer, scheduler)
+            extra = {"memory": model.memory_state()} if contriever else None
+            checkpoints.save(
+                step, lambda directory: save_model(model, str(directory / WEIGHTS)), optimizer, scheduler, extra
+            )
     progress.close()
     elapsed = time.perf_counter() - started
     backbone = run_dir / "backbone"

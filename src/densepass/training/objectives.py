@@ -8,7 +8,8 @@ queries' relevant keys, and per-batch extras such as teacher scores). Scores com
 
 An objective may keep state across steps (a memory of earlier batches, a queue, a momentum encoder):
 ``after_step`` updates it once the optimiser has stepped, and ``state_dict`` / ``load_state_dict`` put it
-in the trainer's checkpoints, so an interrupted run resumes to the same model.
+in the trainer's checkpoints, so an interrupted run resumes to the same model. An objective may also have
+trainable ``parameters`` of its own (optimised with the model's) and modules to move ``to`` the device.
 
 >>> import torch
 >>> from densepass.training.step import BatchTensors
@@ -54,6 +55,14 @@ class Objective:
     def state_dict(self) -> dict:
         """The state to checkpoint (tensors and plain values)."""
         return {}
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Trainable parameters of the objective itself (e.g. a scoring head), optimised with the model's."""
+        return []
+
+    def to(self, device: torch.device) -> Objective:
+        """Move the objective's tensors and modules to ``device``."""
+        return self
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()`` output."""

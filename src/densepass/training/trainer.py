@@ -126,8 +126,10 @@ def train(
     steps_per_epoch = planner.steps_per_epoch
     total = planned_steps(steps_per_epoch, config)
     model.to(device).train()
+    objective.to(device)
+    trainable = [*model.parameters(), *objective.parameters()]  # an objective may train a head of its own
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, fused=device.type == "cuda"
+        trainable, lr=config.learning_rate, weight_decay=config.weight_decay, fused=device.type == "cuda"
     )
     scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
     checkpoints = checkpoints_of(run_dir, config, identity)
@@ -190,8 +192,8 @@ def train(
         for members, batch, tensors in prefetched(epoch_batches(epoch), prepare):
             out = forward_backward(model, batch, device, objective, config.grad_cache_chunk, bf16, tensors)
             loss = out.loss
-            distributed.sum_gradients(model.parameters())
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            distributed.sum_gradients(trainable)
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
