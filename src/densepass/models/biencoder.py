@@ -27,6 +27,7 @@ from densepass.config import DEFAULT_MODEL, BiEncoderConfig, from_dict
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
+from densepass.models.kinds import model_kind
 
 CONFIG_NAME = "densepass.json"
 Side = Literal["query", "passage"]
@@ -195,6 +196,9 @@ class BiEncoder(nn.Module):
     def from_pretrained(cls, name_or_path: str, config: BiEncoderConfig | None = None, **model_kwargs) -> BiEncoder:
         """Load a saved BiEncoder, or start one from any Hugging Face / sentence-transformers model."""
         path = resolve_model_path(name_or_path)
+        kind = model_kind(path)
+        if kind not in (None, "bi-encoder"):
+            raise ConfigError(f"{path} holds a {kind} model, not a bi-encoder")
         saved = Path(path) / CONFIG_NAME
         if saved.is_file():
             stored = from_dict(BiEncoderConfig, json.loads(saved.read_text()), str(saved))
