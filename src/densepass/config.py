@@ -90,6 +90,7 @@ class SpladeConfig:
     lambda_d: float = option(3e-4, "FLOPS regulariser weight of the passages", min=0)
     warmup_steps: int = option(100, "the lambdas grow quadratically to their value over this many steps", min=0)
     index_top_terms: int | None = option(None, "index pruning: keep each passage's heaviest N terms (null: all)", min=1)
+    head_bias: float = option(-6.0, "vocabulary bias of a new MLM head (a model without one, e.g. MiniLM)")
 
 
 @dataclass

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModelForMaskedLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from densepass.config import from_dict, option
 from densepass.data.dataset import Corpus
@@ -191,7 +192,12 @@ class SpladeEncoder(nn.Module):
         saved = Path(path) / CONFIG_FILES["splade"]
         if saved.is_file():
             config = config or from_dict(SpladeArchitecture, json.loads(saved.read_text()), str(saved))
-        mlm, info = AutoModelForMaskedLM.from_pretrained(path, output_loading_info=True)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # a missing head is expected here, and reported below as head_source
+        try:
+            mlm, info = AutoModelForMaskedLM.from_pretrained(path, output_loading_info=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
         mlm.float()
         model = cls(mlm, AutoTokenizer.from_pretrained(path), config or SpladeArchitecture())
         if any("predictions" in key or "lm_head" in key for key in info["missing_keys"]):

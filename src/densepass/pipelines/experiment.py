@@ -40,6 +40,7 @@ from densepass.io import atomic_write_text, exclusive_lock
 from densepass.models.biencoder import BiEncoder
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import passage_ids, save_pool
+from densepass.pipelines import retrievers
 from densepass.pipelines.evalset import EvalSet, add_rerank_candidates, build_eval_set
 from densepass.pipelines.report import write_report
 from densepass.pipelines.validation import Validator
@@ -52,9 +53,8 @@ from densepass.training.trainer import planned_steps, resume_step, seed_everythi
 
 
 def model_from_config(config: ExperimentConfig) -> BiEncoder:
-    """The bi-encoder a run starts from (a new projection, if any, is seeded by ``train.seed``)."""
-    torch.manual_seed(config.train.seed)
-    return BiEncoder.from_pretrained(config.model.name_or_path, config=config.model.architecture())
+    """The model a run starts from, of ``model.kind`` (new weights, if any, are seeded by ``train.seed``)."""
+    return retrievers.model_from_config(config)
 
 
 def run_identity(config: ExperimentConfig) -> dict:
@@ -74,6 +74,7 @@ def run_identity(config: ExperimentConfig) -> dict:
 def check(config: ExperimentConfig) -> torch.device:
     """Everything about ``config`` that can be checked without data; returns the device to run on."""
     device = resolve_device(config.device)
+    retrievers.check_kind(config)
     check_metrics(config.eval.metrics)
     check_metrics([config.validation.metric])
     neg = config.negatives
@@ -179,6 +180,8 @@ def evaluate_dense(exp: Experiment, model: BiEncoder, name: str) -> dict[str, fl
     """The model over the evaluation set: searched through a ``DenseIndex`` of the evaluation corpus (what
     ``densepass index`` + ``densepass search`` do), or scoring each query's candidates in rerank mode."""
     evalset, settings = exp.evalset, exp.config.eval
+    if not isinstance(model, BiEncoder):
+        return evaluate_retriever(exp, model, name)
     if evalset.candidates is None:
         index = DenseIndex.build(
             model, evalset.corpus, settings.index, batch_size=settings.batch_size, device=exp.device
@@ -192,6 +195,22 @@ def evaluate_dense(exp: Experiment, model: BiEncoder, name: str) -> dict[str, fl
     queries = model.encode_queries(evalset.query_texts, settings.batch_size, show_progress=False, device=exp.device)
     starts = np.cumsum([0] + [len(evalset.candidates[q]) for q in evalset.query_ids])
     return score_run(exp, _candidate_run(evalset, lambda i, _: passages[starts[i] : starts[i + 1]] @ queries[i]), name)
+
+
+def evaluate_retriever(exp: Experiment, model, name: str) -> dict[str, float]:
+    """A SPLADE or ColBERT model over the evaluation set: its own index of the evaluation corpus, or its
+    scores of each query's candidates in rerank mode."""
+    evalset, settings = exp.evalset, exp.config.eval
+    if evalset.candidates is None:
+        index = retrievers.index_for_model(model, evalset.corpus, exp.config.model, device=exp.device)
+        results = index.search(evalset.query_texts, settings.depth)
+        return score_run(exp, results.as_run(evalset.query_ids), name)
+    corpus = evalset.corpus
+    pairs = [(i, pid) for i, q in enumerate(evalset.query_ids) for pid in evalset.candidates[q]]
+    texts = corpus.passage_inputs(model.tokenizer.sep_token or " ", [corpus.position(p) for _, p in pairs])
+    scores = retrievers.score_pairs(model, [evalset.query_texts[i] for i, _ in pairs], texts, exp.device)
+    starts = np.cumsum([0] + [len(evalset.candidates[q]) for q in evalset.query_ids])
+    return score_run(exp, _candidate_run(evalset, lambda i, _: scores[starts[i] : starts[i + 1]]), name)
 
 
 def evaluate_bm25(exp: Experiment) -> dict[str, float]:
@@ -242,7 +261,7 @@ def training_data(exp: Experiment, model: BiEncoder) -> tuple[TrainingData, Mini
         exp.full_bm25,
         exp.run_dir / "negatives",
         config.model.name_or_path,
-        model.config,
+        config.model.architecture(),  # of the dense miners (whatever kind is trained)
         config.train,
         config.data.seed,
         show_progress=exp.main,
@@ -315,6 +334,7 @@ def fine_tune(exp: Experiment, model: BiEncoder) -> None:
             exp.device,
             planner,
             identity=identity,
+            objective=retrievers.objective_for(config),
             on_epoch_end=evaluate_epoch if config.eval.each_epoch else None,
             on_step_end=(lambda step: [callback(step) for callback in callbacks]) if callbacks else None,
         )
