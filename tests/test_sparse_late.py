@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -339,6 +343,13 @@ def test_cli_indexes_and_searches_splade_and_colbert(splade, colbert, tiny_beir,
         assert main([*args, *extra, "--device", "cpu"]) == 0
         assert main(["search", str(out), "audio editor", "--k", "3", "--device", "cpu"]) == 0
         assert "hits" in capsys.readouterr().out
+    fresh = subprocess.run(  # a fresh process knows the new kinds without importing them first
+        [sys.executable, "-m", "densepass", "search", str(tmp_path / "idx-splade"), "audio", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
+    )
+    assert fresh.returncode == 0, fresh.stderr[-500:]
     dense = tmp_path / "idx-bm25"
     assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", str(dense)]) == 0
     assert main(["search", str(dense), "audio", "--rerank", str(tmp_path / "colbert"), "--device", "cpu"]) == 0
