@@ -1,7 +1,8 @@
 """SPLADE and ColBERT against BM25, the densepass bi-encoder and a dense + SPLADE hybrid, at one training budget.
 
-    nice -n 10 python experiments/sparse_late.py                       # both datasets (CPU: about 1.5 hours)
-    python experiments/sparse_late.py --datasets squad --out outputs/sparse-late
+    nice -n 10 python experiments/sparse_late.py --datasets debian      # CPU: about 1.5 hours on 2 shared cores
+    nice -n 10 python experiments/sparse_late.py --datasets squad --set data.max_train_queries=512
+    python experiments/sparse_late.py --summary-only                    # summary.md of both
 
 For each dataset, three runs of configs/sparse_late.yaml (model.kind = bi-encoder, splade, colbert) train
 with the same data, hard negatives, batches and steps (the run stages of ``densepass run``; a finished run
@@ -72,6 +73,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--latency-queries", type=int, default=50)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
+    parser.add_argument(
+        "--summary-only", action="store_true", help="rewrite summary.md from the datasets' results.json files"
+    )
     return parser.parse_args()
 
 
@@ -237,7 +241,10 @@ def summary(results: list[dict]) -> str:
 
 def main() -> None:
     args = parse_args()
-    results = [run_dataset(args, dataset) for dataset in args.datasets]
+    if args.summary_only:
+        results = [json.loads((Path(args.out) / d / "results.json").read_text()) for d in args.datasets]
+    else:
+        results = [run_dataset(args, dataset) for dataset in args.datasets]
     text = summary(results)
     atomic_write_text(Path(args.out) / "summary.md", text)
     print(text)
