@@ -22,7 +22,8 @@ inverted list per centroid holds the passages with a token there. Search, per qu
 pruned search is measured against. A query longer than ``query_max_length`` tokens is cut (every
 encoder here truncates), with one ``DataWarning`` per search call saying how many were.
 
->>> from densepass.models.colbert import ColBERT
+>>> from densepass.models.batching import warn_long_queries
+from densepass.models.colbert import ColBERT
 >>> torch.manual_seed(0) and None
 >>> model = ColBERT.from_pretrained("all-MiniLM-L6-v2")
 >>> index = ColbertIndex.build(model, ["tar archiving utility", "X11 window manager"], device=torch.device("cpu"))
@@ -33,7 +34,6 @@ encoder here truncates), with one ``DataWarning`` per search call saying how man
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from densepass.data.dataset import Corpus
-from densepass.errors import ConfigError, DataError, DataWarning
+from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_weights
 from densepass.index.base import (
     Index,
@@ -55,6 +55,7 @@ from densepass.index.base import (
     register,
 )
 from densepass.index.checks import model_for_index
+from densepass.models.batching import warn_long_queries
 from densepass.models.colbert import ColBERT
 
 Compression = Literal["fp16", "residual"]
@@ -247,14 +248,8 @@ class ColbertIndex(Index):
                 raise ConfigError(f"query vectors must be [n, length, {self.model.dim}], got {list(queries.shape)}")
             return queries
         queries = check_queries(queries)
-        limit = self.model.config.query_max_length
-        cut = sum(n > limit for n in self.model.query_lengths(queries))
-        if cut:
-            warnings.warn(
-                f"{cut} of {len(queries)} queries are longer than the model's {limit} query tokens and were cut",
-                DataWarning,
-                stacklevel=3,
-            )
+        config = self.model.config
+        warn_long_queries(self.model.tokenizer, queries, config.query_max_length, int(config.markers))
         return self.model.encode_queries(queries, self.batch_size, device=self.device)
 
     def search_rows(self, queries: Any, k: int, exhaustive: bool = False) -> tuple[np.ndarray, np.ndarray]:

@@ -12,9 +12,12 @@ average non-zeros per passage and per query and the FLOPS estimate of Paria et a
 multiplications of one query-passage dot product, sum_j P(query uses j) P(passage uses j).
 
 A query whose weights are all zero (an empty query, or only words the model gives no weight) has no
-hits: its row of the results is all -1, with one ``DataWarning`` per search call that met any.
+hits: its row of the results is all -1, with one ``DataWarning`` per search call that met any. A query
+longer than the model's ``query_max_length`` tokens is cut there (as every encoder here does), with one
+``DataWarning`` per search call saying how many were.
 
->>> from densepass.models.splade import SpladeEncoder
+>>> from densepass.models.batching import warn_long_queries
+from densepass.models.splade import SpladeEncoder
 >>> model = SpladeEncoder.from_pretrained("all-MiniLM-L6-v2")
 >>> index = SpladeIndex.build(model, ["tar archiving utility", "X11 window manager"], device=torch.device("cpu"))
 >>> index.search(["window manager"], k=1).ids(0)
@@ -36,6 +39,7 @@ from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.fingerprints import fingerprint_weights
 from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, register
 from densepass.index.checks import model_for_index
+from densepass.models.batching import warn_long_queries
 from densepass.models.splade import SpladeEncoder
 
 POSTINGS = "postings.npz"
@@ -123,7 +127,9 @@ class SpladeIndex(Index):
             if matrix.shape[1] != self.model.dim:
                 raise ConfigError(f"query weights must be [n, {self.model.dim}], got {list(matrix.shape)}")
             return matrix
-        return self.model.encode_queries(check_queries(queries), self.batch_size, device=self.device)
+        queries = check_queries(queries)
+        warn_long_queries(self.model.tokenizer, queries, self.model.config.query_max_length)
+        return self.model.encode_queries(queries, self.batch_size, device=self.device)
 
     def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` (scores, rows) of each query; rows -1 past the passages sharing a term with it."""

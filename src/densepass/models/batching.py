@@ -6,13 +6,14 @@ outputs are put back in the order of the input by the caller (``order`` says whe
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataWarning
 
 
 def tokenize(
@@ -39,3 +40,17 @@ def length_sorted_batches(texts: Sequence[str], batch_size: int) -> Iterator[np.
     order = np.argsort([-len(t) for t in texts], kind="stable")
     for start in range(0, len(order), batch_size):
         yield order[start : start + batch_size]
+
+
+def warn_long_queries(tokenizer: PreTrainedTokenizerBase, queries: Sequence[str], limit: int, extra: int = 0) -> int:
+    """Count the queries longer than ``limit`` tokens (with special tokens, plus ``extra`` such as a marker)
+    and warn once (a ``DataWarning``) that they are cut there; returns the count."""
+    lengths = [len(ids) + extra for ids in tokenizer(list(queries), truncation=False)["input_ids"]]
+    cut = sum(n > limit for n in lengths)
+    if cut:
+        warnings.warn(
+            f"{cut} of {len(lengths)} queries are longer than the model's {limit} query tokens and were cut",
+            DataWarning,
+            stacklevel=4,
+        )
+    return cut

@@ -188,11 +188,6 @@ class ColBERT(nn.Module):
             passages = passages.passage_inputs(self.tokenizer.sep_token or " ")
         return self.encode(list(passages), "passage", batch_size, **options)
 
-    def query_lengths(self, texts: Sequence[str]) -> list[int]:
-        """Token count of each query as tokenised without truncation (with [CLS], [SEP] and marker)."""
-        ids = self.tokenizer(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
-        return [len(i) + int(self.config.markers) for i in ids]
-
     # ---- construction and persistence -------------------------------------------------------------------
 
     @classmethod

@@ -204,6 +204,7 @@ def evaluate_retriever(exp: Experiment, model, name: str) -> dict[str, float]:
     if evalset.candidates is None:
         index = retrievers.index_for_model(model, evalset.corpus, exp.config.model, device=exp.device)
         results = index.search(evalset.query_texts, settings.depth)
+        exp.notes.append(f"{name}: {retrievers.describe_index(index, evalset.query_texts)}")
         return score_run(exp, results.as_run(evalset.query_ids), name)
     corpus = evalset.corpus
     pairs = [(i, pid) for i, q in enumerate(evalset.query_ids) for pid in evalset.candidates[q]]

@@ -128,3 +128,21 @@ def score_pairs(
     if isinstance(model, SpladeEncoder):
         return np.asarray(q.multiply(p).sum(axis=1)).ravel().astype(np.float32)
     return np.einsum("ij,ij->i", q, p).astype(np.float32)
+
+
+def describe_index(index: Index, queries: Sequence[str]) -> str | None:
+    """One line on a SPLADE or ColBERT index for reports: sizes, non-zeros and FLOPS (None for other kinds)."""
+    if isinstance(index, SpladeIndex):
+        stats = index.stats(index.model.encode_queries(list(queries), device=index.device))
+        return (
+            f"SPLADE index: {stats['avg_nnz_per_passage']:.1f} non-zeros per passage, "
+            f"{stats['avg_nnz_per_query']:.1f} per query, FLOPS {stats['flops']:.2f}, "
+            f"{stats['bytes'] / 1e6:.1f} MB of postings."
+        )
+    if isinstance(index, ColbertIndex):
+        stats = index.stats()
+        return (
+            f"ColBERT index ({index.compression}): {stats['avg_tokens_per_passage']:.1f} token vectors per passage, "
+            f"{stats['centroids']} centroids, {stats['bytes'] / 1e6:.1f} MB."
+        )
+    return None
