@@ -361,3 +361,17 @@ def test_cli_indexes_and_searches_splade_and_colbert(splade, colbert, tiny_beir,
     assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", str(dense)]) == 0
     assert main(["search", str(dense), "audio", "--rerank", str(tmp_path / "colbert"), "--device", "cpu"]) == 0
     assert math.isfinite(float(capsys.readouterr().out.count("audio")))
+
+
+def test_the_bm25_baseline_run_names_corpus_passages_not_rows(tiny_beir, tiny_model_dir, tmp_path):
+    overrides = [
+        f"data.name={tiny_beir}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"output_dir={tmp_path}",
+        "train.enabled=false",
+        "eval.baselines=[bm25]",
+        "eval.metrics=[mrr@10]",
+    ]
+    run_experiment(load_config(None, overrides))
+    named = {line.split()[2] for line in (tmp_path / "experiment" / "runs" / "bm25.trec").read_text().splitlines()}
+    assert named and all(pid.startswith("p") for pid in named)  # the fixture's ids are p0, p1, ...

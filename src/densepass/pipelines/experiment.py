@@ -143,7 +143,7 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool) -> Exper
     evalset = build_eval_set(dataset, config.data, full_bm25)
     eval_bm25 = None
     if "bm25" in config.eval.baselines or config.eval.mode == "rerank":
-        eval_bm25 = BM25Index.build(evalset.corpus.passage_inputs(" "))
+        eval_bm25 = BM25Index.build(evalset.corpus)  # the corpus, so that runs name passages by id
     if config.eval.mode == "rerank":
         add_rerank_candidates(evalset, eval_bm25, config.eval.rerank_candidates)
     if config.train.enabled:
