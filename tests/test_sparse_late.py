@@ -255,7 +255,7 @@ def test_save_load_search_round_trips(splade, colbert, tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", ["splade", "colbert"])
-def test_both_train_end_to_end_resume_and_reload(tiny_beir, tiny_model_dir, tmp_path, kind):
+def test_both_train_end_to_end_with_abs_batches_validation_resume_and_reload(tiny_beir, tiny_model_dir, tmp_path, kind):
     overrides = [
         f"data.name={tiny_beir}",
         f"model.name_or_path={tiny_model_dir}",
@@ -274,6 +274,9 @@ def test_both_train_end_to_end_resume_and_reload(tiny_beir, tiny_model_dir, tmp_
         "train.learning_rate=1e-3",
         "train.grad_cache_chunk=4",
         "negatives.pool_depth=5",
+        "schedule.method=abs-greedy",  # ABS batches by BM25 similarity
+        "schedule.similarity=bm25",
+        "schedule.background=false",
         "validation.enabled=true",
         "validation.every_steps=3",
         "validation.subcorpus=gold",

@@ -24,7 +24,7 @@ encoder here truncates), with one ``DataWarning`` per search call saying how man
 
 >>> from densepass.models.batching import warn_long_queries
 from densepass.models.colbert import ColBERT
->>> torch.manual_seed(0) and None
+>>> _ = torch.manual_seed(0)
 >>> model = ColBERT.from_pretrained("all-MiniLM-L6-v2")
 >>> index = ColbertIndex.build(model, ["tar archiving utility", "X11 window manager"], device=torch.device("cpu"))
 >>> index.search(["window manager"], k=1).ids(0)
