@@ -132,3 +132,5 @@ def test_search_with_a_rerank_depth_beyond_the_index_is_a_one_line_error(tiny_be
     assert "Traceback" not in err
     assert main([*args, "--rerank-depth", "5", "--k", "8"]) == 0
     assert "'audio': 8 hits" in capsys.readouterr().out
+    assert main([*args, "--k", "50"]) == 0  # the default depth: 100, or every passage of a smaller index
+    assert "'audio': 16 hits" in capsys.readouterr().out  # BM25 matches 16 of the 40 passages

@@ -23,6 +23,9 @@ _WHERE = {
     "BiEncoder": "densepass.models.biencoder",
     "BiEncoderConfig": "densepass.config",
     "CrossEncoder": "densepass.models.cross_encoder",
+    "SpladeEncoder": "densepass.models.splade",
+    "ColBERT": "densepass.models.colbert",
+    "load_model": "densepass.models.load",
     # data
     "Corpus": "densepass.data.dataset",
     "RetrievalDataset": "densepass.data.dataset",
@@ -33,6 +36,8 @@ _WHERE = {
     "DenseIndex": "densepass.index.dense",
     "BM25Index": "densepass.index.bm25",
     "HybridIndex": "densepass.index.hybrid",
+    "SpladeIndex": "densepass.index.splade",
+    "ColbertIndex": "densepass.index.colbert",
     "load_index": "densepass.index.base",
     "SearchPipeline": "densepass.pipelines.search",
     "Hit": "densepass.pipelines.search",

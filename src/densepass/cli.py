@@ -18,7 +18,7 @@ from pathlib import Path
 from densepass.config import DEFAULT_METRICS, DEFAULT_MODEL, DENSE_INDEX_KINDS, FORMATS
 from densepass.errors import DensepassError
 
-INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid")
+INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid", "splade", "colbert")
 
 
 def positive_int(text: str) -> int:
@@ -97,10 +97,22 @@ def _index(args: argparse.Namespace) -> None:
         args.batch_size,
         args.shard_size,
         resolve_device(args.device),
+        sparse_model=args.sparse_model,
+        retriever=_retriever_options(args),
     )
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     index = build_index(dataset.corpus, args.output, settings)
     print(f"indexed {len(index):,} passages of {dataset.name} into {args.output} ({args.kind})")
+
+
+def _retriever_options(args: argparse.Namespace):
+    """SPLADE pruning and ColBERT storage / search options of ``densepass index``, as a model section."""
+    from densepass.config import ColbertConfig, ModelConfig, SpladeConfig
+
+    colbert = ColbertConfig(
+        compression=args.compression, residual_bits=args.residual_bits, nprobe=args.nprobe, candidates=args.candidates
+    )
+    return ModelConfig(splade=SpladeConfig(index_top_terms=args.top_terms), colbert=colbert)
 
 
 def _load_pipeline(args: argparse.Namespace):
@@ -108,13 +120,14 @@ def _load_pipeline(args: argparse.Namespace):
     from densepass.index.base import Index, load_index
     from densepass.index.bm25 import BM25Index
     from densepass.index.hybrid import HybridIndex
-    from densepass.models.biencoder import BiEncoder
+    from densepass.models.kinds import model_kind
+    from densepass.models.load import load_model
     from densepass.pipelines.search import SearchPipeline
 
     device = resolve_device(args.device)
     options = {"device": device}
     if args.model:
-        options["model"] = BiEncoder.from_pretrained(args.model)
+        options["model"] = load_model(args.model)  # a bi-encoder, SPLADE or ColBERT model (the index checks which)
     from densepass.index.base import read_index_manifest
 
     kind = read_index_manifest(Path(args.index))["kind"]
@@ -125,10 +138,15 @@ def _load_pipeline(args: argparse.Namespace):
         index = HybridIndex(index, BM25Index.build(index.passages), args.hybrid, args.fusion_weight)
     reranker = None
     if args.rerank:
+        from densepass.models.biencoder import resolve_model_path
+        from densepass.models.colbert import ColBERT, ColbertReranker
         from densepass.models.cross_encoder import CrossEncoder
 
-        reranker = CrossEncoder.from_pretrained(args.rerank, device=device, batch_size=args.rerank_batch_size)
-    return SearchPipeline(index, reranker, args.rerank_depth)
+        if model_kind(resolve_model_path(args.rerank)) == "colbert":  # late interaction over the candidates
+            reranker = ColbertReranker(ColBERT.from_pretrained(args.rerank), device=device)
+        else:
+            reranker = CrossEncoder.from_pretrained(args.rerank, device=device, batch_size=args.rerank_batch_size)
+    return SearchPipeline(index, reranker, args.rerank_depth or min(100, len(index)))
 
 
 def _search(args: argparse.Namespace) -> None:
@@ -344,7 +362,7 @@ def _config_args(p: argparse.ArgumentParser, example: str) -> None:
 
 
 def _pipeline_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="the index's bi-encoder, if it moved since indexing")
+    p.add_argument("--model", default=None, help="the index's model (any kind), if it moved since indexing")
     p.add_argument(
         "--hybrid",
         choices=["rrf", "linear"],
@@ -352,8 +370,15 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
         help="fuse a dense index with BM25 over its passages (reciprocal rank or normalised scores)",
     )
     p.add_argument("--fusion-weight", type=fraction, default=0.5, help="--hybrid linear: weight of the dense scores")
-    p.add_argument("--rerank", default=None, metavar="MODEL", help="re-score the top candidates with a cross-encoder")
-    p.add_argument("--rerank-depth", type=positive_int, default=100, help="candidates re-scored per query")
+    p.add_argument(
+        "--rerank", default=None, metavar="MODEL", help="re-score the top candidates with a cross-encoder or ColBERT"
+    )
+    p.add_argument(
+        "--rerank-depth",
+        type=positive_int,
+        default=None,
+        help="candidates re-scored per query (default: 100, or every passage of a smaller index)",
+    )
     p.add_argument("--rerank-batch-size", type=positive_int, default=64, help="pairs per cross-encoder forward pass")
     _device_arg(p)
 
@@ -388,10 +413,16 @@ def build_parser() -> argparse.ArgumentParser:
     _dataset_args(index)
     index.add_argument("--output", required=True, help="index directory to write")
     index.add_argument("--kind", default="exact", choices=INDEX_KINDS, help="index kind")
-    index.add_argument("--model", default=DEFAULT_MODEL, help="bi-encoder (dense and hybrid kinds)")
+    index.add_argument("--model", default=DEFAULT_MODEL, help="the model (dense, hybrid, splade, colbert kinds)")
     index.add_argument("--dense-kind", default="exact", choices=DENSE_INDEX_KINDS, help="hybrid: the dense part")
     index.add_argument("--fusion", default="rrf", choices=["rrf", "linear"], help="hybrid: how scores are fused")
     index.add_argument("--fusion-weight", type=fraction, default=0.5, help="hybrid linear: weight of the dense scores")
+    index.add_argument("--sparse-model", default=None, help="hybrid: fuse with this SPLADE model instead of BM25")
+    index.add_argument("--top-terms", type=positive_int, default=None, help="splade: keep each passage's top N terms")
+    index.add_argument("--compression", default="fp16", choices=["fp16", "residual"], help="colbert: vector storage")
+    index.add_argument("--residual-bits", type=int, default=2, choices=[1, 2, 4, 8], help="colbert residual: bits/dim")
+    index.add_argument("--nprobe", type=positive_int, default=4, help="colbert: centroids probed per query token")
+    index.add_argument("--candidates", type=positive_int, default=256, help="colbert: candidates scored exactly")
     index.add_argument("--batch-size", type=positive_int, default=256, help="encoding batch size")
     index.add_argument(
         "--shard-size", type=positive_int, default=100_000, help="passages encoded between resumable save points"

@@ -82,12 +82,43 @@ class BiEncoderConfig:
 
 
 @dataclass
+class SpladeConfig:
+    """SPLADE (neural-retrieval-lecture): vocabulary-sized term weights w_j = max_i log(1 + ReLU(logit_ij)),
+    trained with the contrastive loss plus the FLOPS regulariser on each side."""
+
+    lambda_q: float = option(5e-4, "FLOPS regulariser weight of the queries", min=0)
+    lambda_d: float = option(3e-4, "FLOPS regulariser weight of the passages", min=0)
+    warmup_steps: int = option(100, "the lambdas grow quadratically to their value over this many steps", min=0)
+    index_top_terms: int | None = option(None, "index pruning: keep each passage's heaviest N terms (null: all)", min=1)
+    head_bias: float = option(-6.0, "vocabulary bias of a new MLM head (a model without one, e.g. MiniLM)")
+
+
+@dataclass
+class ColbertConfig:
+    """ColBERT (neural-retrieval-lecture): L2-normalised token vectors scored by MaxSim, and its index."""
+
+    dim: int = option(128, "token vectors are projected to this many dimensions", min=1)
+    skiplist: bool = option(True, "drop punctuation tokens from passages")
+    markers: bool = option(True, "insert [unused0] / [unused1] query / passage markers after [CLS]")
+    compression: Literal["fp16", "residual"] = option("fp16", "index storage: fp16 vectors, or centroid + residual")
+    residual_bits: Literal[1, 2, 4, 8] = option(2, "compression=residual: bits per dimension of the residual")
+    centroids: int | None = option(None, "index k-means centroids (null: about 4 sqrt(number of token vectors))", min=1)
+    nprobe: int = option(4, "centroids searched per query token (candidate generation)", min=1)
+    candidates: int = option(256, "candidates re-scored with exact MaxSim per query", min=1)
+
+
+@dataclass
 class ModelConfig(BiEncoderConfig):
-    """The bi-encoder to start from: a saved model or any Hugging Face encoder, and its architecture."""
+    """The retriever to start from: a saved model or any Hugging Face encoder, and its architecture."""
 
     name_or_path: str = option(
         DEFAULT_MODEL, "starting weights: a model directory, a cached Hugging Face name, or all-MiniLM-L6-v2 (shipped)"
     )
+    kind: Literal["bi-encoder", "splade", "colbert"] = option(
+        "bi-encoder", "bi-encoder (one vector), splade (sparse term weights) or colbert (token vectors, MaxSim)"
+    )
+    splade: SpladeConfig = option(help="kind=splade: regulariser and index pruning", factory=SpladeConfig)
+    colbert: ColbertConfig = option(help="kind=colbert: token vectors and index", factory=ColbertConfig)
 
     def architecture(self) -> BiEncoderConfig:
         """The architecture fields alone."""

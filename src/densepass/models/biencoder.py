@@ -27,6 +27,7 @@ from densepass.config import DEFAULT_MODEL, BiEncoderConfig, from_dict
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.io import MANIFEST, atomic_directory, atomic_write_text, read_manifest, write_manifest
+from densepass.models.kinds import model_kind
 
 CONFIG_NAME = "densepass.json"
 Side = Literal["query", "passage"]
@@ -197,6 +198,9 @@ class BiEncoder(nn.Module):
         path = resolve_model_path(name_or_path)
         if (Path(path) / MANIFEST).is_file():
             read_manifest(path, "densepass model")  # a truncated or corrupted saved model: one line, not a trace
+        kind = model_kind(path)
+        if kind not in (None, "bi-encoder"):
+            raise ConfigError(f"{path} holds a {kind} model, not a bi-encoder")
         saved = Path(path) / CONFIG_NAME
         if saved.is_file():
             stored = from_dict(BiEncoderConfig, json.loads(saved.read_text()), str(saved))

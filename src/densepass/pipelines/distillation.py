@@ -15,8 +15,9 @@ from pathlib import Path
 
 from densepass.config import ExperimentConfig
 from densepass.data.dataset import RetrievalDataset
-from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.load import Retriever
+from densepass.pipelines.retrievers import objective_for
 from densepass.training.more_negatives import objective_from_config
 from densepass.training.objectives import Contrastive, Distillation, Objective
 from densepass.training.teacher_scores import (
@@ -33,12 +34,12 @@ def distilling(config: ExperimentConfig) -> bool:
     return config.train.enabled and config.reranker.distill.loss != "none"
 
 
-def objective_of(config: ExperimentConfig, model: BiEncoder) -> Objective:
+def objective_of(config: ExperimentConfig, model: Retriever) -> Objective:
     """The bi-encoder's objective: the ``loss`` section's (``training.more_negatives``), or distillation (alone
     or + the contrastive loss) when configured."""
     distill, contrastive = config.reranker.distill, Contrastive(config.train.bidirectional)
     if distill.loss == "none":
-        return objective_from_config(config.loss, config.train, model)
+        return objective_for(config) or objective_from_config(config.loss, config.train, model)
     return Distillation(distill.loss, distill.weight, distill.temperature, contrastive if distill.contrastive else None)
 
 

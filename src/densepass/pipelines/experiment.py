@@ -45,6 +45,7 @@ from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
 from densepass.negatives.pool import passage_ids, save_pool
+from densepass.pipelines import retrievers
 from densepass.pipelines.distillation import (
     check_existing_scores,
     distillation_identity,
@@ -75,9 +76,8 @@ from densepass.training.trainer import planned_steps, resume_step, seed_everythi
 
 
 def model_from_config(config: ExperimentConfig) -> BiEncoder:
-    """The bi-encoder a run starts from (a new projection, if any, is seeded by ``train.seed``)."""
-    torch.manual_seed(config.train.seed)
-    return BiEncoder.from_pretrained(config.model.name_or_path, config=config.model.architecture())
+    """The model a run starts from, of ``model.kind`` (new weights, if any, are seeded by ``train.seed``)."""
+    return retrievers.model_from_config(config)
 
 
 def run_identity(config: ExperimentConfig) -> dict:
@@ -100,6 +100,7 @@ def run_identity(config: ExperimentConfig) -> dict:
 def check(config: ExperimentConfig) -> torch.device:
     """Everything about ``config`` that can be checked without data; returns the device to run on."""
     device = resolve_device(config.device)
+    retrievers.check_kind(config)
     check_metrics(config.eval.metrics)
     check_metrics([config.validation.metric])
     neg = config.negatives
@@ -214,6 +215,8 @@ def evaluate_dense(exp: Experiment, model: BiEncoder, name: str) -> dict[str, fl
     """The model over the evaluation set: searched through a ``DenseIndex`` of the evaluation corpus (what
     ``densepass index`` + ``densepass search`` do), or scoring each query's candidates in rerank mode."""
     evalset, settings = exp.evalset, exp.config.eval
+    if not isinstance(model, BiEncoder):
+        return evaluate_retriever(exp, model, name)
     if evalset.candidates is None:
         index = DenseIndex.build(
             model, evalset.corpus, settings.index, batch_size=settings.batch_size, device=exp.device
@@ -227,6 +230,23 @@ def evaluate_dense(exp: Experiment, model: BiEncoder, name: str) -> dict[str, fl
     queries = model.encode_queries(evalset.query_texts, settings.batch_size, show_progress=False, device=exp.device)
     starts = np.cumsum([0] + [len(evalset.candidates[q]) for q in evalset.query_ids])
     return score_run(exp, _candidate_run(evalset, lambda i, _: passages[starts[i] : starts[i + 1]] @ queries[i]), name)
+
+
+def evaluate_retriever(exp: Experiment, model, name: str) -> dict[str, float]:
+    """A SPLADE or ColBERT model over the evaluation set: its own index of the evaluation corpus, or its
+    scores of each query's candidates in rerank mode."""
+    evalset, settings = exp.evalset, exp.config.eval
+    if evalset.candidates is None:
+        index = retrievers.index_for_model(model, evalset.corpus, exp.config.model, device=exp.device)
+        results = index.search(evalset.query_texts, settings.depth)
+        exp.notes.append(f"{name}: {retrievers.describe_index(index, evalset.query_texts)}")
+        return score_run(exp, results.as_run(evalset.query_ids), name)
+    corpus = evalset.corpus
+    pairs = [(i, pid) for i, q in enumerate(evalset.query_ids) for pid in evalset.candidates[q]]
+    texts = corpus.passage_inputs(model.tokenizer.sep_token or " ", [corpus.position(p) for _, p in pairs])
+    scores = retrievers.score_pairs(model, [evalset.query_texts[i] for i, _ in pairs], texts, exp.device)
+    starts = np.cumsum([0] + [len(evalset.candidates[q]) for q in evalset.query_ids])
+    return score_run(exp, _candidate_run(evalset, lambda i, _: scores[starts[i] : starts[i + 1]]), name)
 
 
 def evaluate_bm25(exp: Experiment) -> dict[str, float]:
@@ -292,7 +312,7 @@ def mine_training_pool(exp: Experiment, model: BiEncoder) -> TrainingPool:
         exp.full_bm25,
         exp.run_dir / "negatives",
         config.model.name_or_path,
-        model.config,
+        config.model.architecture(),  # of the dense miners (whatever kind is trained)
         config.train,
         config.data.seed,
         show_progress=exp.main,

@@ -3,8 +3,10 @@
 Dense kinds encode the corpus shard by shard into a memory-mapped file (``index.embeddings``) kept
 beside the output while it is being built, named by the fingerprint of the model's weights and
 architecture and of the corpus: an interrupted run resumes at the first unfinished shard, and a run
-with another model or corpus never reuses those rows. The index is then saved atomically; the
-encoding files are removed. Two processes building the same output are refused.
+with another model or corpus never reuses those rows. SPLADE and ColBERT kinds (``pipelines.retrievers``)
+encode the corpus in one go (not resumable). The index is then saved atomically; the encoding files are
+removed. Two processes building the same output are refused. ``hybrid`` fuses a dense index with BM25,
+or with a SPLADE index when ``sparse_model`` is given.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from densepass.config import DENSE_INDEX_KINDS
+from densepass.config import DENSE_INDEX_KINDS, ModelConfig
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.fingerprints import fingerprint_corpus, fingerprint_json, fingerprint_weights
@@ -26,8 +28,11 @@ from densepass.index.embeddings import encode_to_memmap
 from densepass.index.hybrid import HybridIndex
 from densepass.io import exclusive_lock
 from densepass.models.biencoder import BiEncoder
+from densepass.models.colbert import ColBERT
+from densepass.models.splade import SpladeEncoder
+from densepass.pipelines.retrievers import index_for_model
 
-INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid")
+INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid", "splade", "colbert")
 
 
 @dataclasses.dataclass
@@ -43,6 +48,8 @@ class IndexSettings:
     shard_size: int = 100_000  # passages encoded between resumable save points
     device: torch.device | None = None
     show_progress: bool = True
+    sparse_model: str | None = None  # hybrid: a SPLADE model for the second part instead of BM25
+    retriever: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # splade pruning, colbert storage
 
     def __post_init__(self) -> None:
         if self.kind not in INDEX_KINDS:
@@ -96,12 +103,20 @@ def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> 
     with exclusive_lock(work_dir, "index build"):
         if settings.kind == "bm25":
             index: Index = BM25Index.build(corpus, show_progress=settings.show_progress)
+        elif settings.kind in ("splade", "colbert"):
+            model = (SpladeEncoder if settings.kind == "splade" else ColBERT).from_pretrained(settings.model)
+            index = index_for_model(model, corpus, settings.retriever, settings.batch_size, settings.device)
         else:
             model = BiEncoder.from_pretrained(settings.model)
             kind = settings.dense_kind if settings.kind == "hybrid" else settings.kind
             index = dense_index(model, corpus, kind, work_dir, settings)
             if settings.kind == "hybrid":
-                index = HybridIndex(index, BM25Index.build(corpus), settings.fusion, settings.fusion_weight)
+                second: Index = (
+                    index_for_model(SpladeEncoder.from_pretrained(settings.sparse_model), corpus, settings.retriever)
+                    if settings.sparse_model
+                    else BM25Index.build(corpus)
+                )
+                index = HybridIndex(index, second, settings.fusion, settings.fusion_weight)
         index.save(output)
     shutil.rmtree(work_dir, ignore_errors=True)
     return index

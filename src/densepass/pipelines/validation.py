@@ -19,11 +19,11 @@ from densepass.errors import ConfigError
 from densepass.evaluation.metrics import evaluate_run
 from densepass.evaluation.subcorpus import Retriever, Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.index.bm25 import BM25Index
-from densepass.index.dense import DenseIndex
 from densepass.index.exact import exact_search
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
+from densepass.pipelines.retrievers import index_for_model
 
 
 def bm25_retriever(corpus: Corpus) -> Retriever:
@@ -87,7 +87,7 @@ class Validator:
 
     def evaluate(self) -> dict[str, float]:
         """The metrics of the model as it is now, on the subcorpus (its top 100 per query)."""
-        index = DenseIndex.build(self.model, self.passages, device=self.device, show_progress=False)
+        index = index_for_model(self.model, self.passages, device=self.device)  # any retriever kind
         run = index.search(self.query_texts, 100).as_run(list(self.qrels))
         return evaluate_run(self.qrels, run, self.metrics)
 

@@ -97,7 +97,7 @@ def resume_step(run_dir: Path, config: TrainConfig, identity: dict | None = None
 
 
 def _load_weights(model: BiEncoder, path: Path) -> None:
-    saved = BiEncoder.from_pretrained(str(path), config=model.config)
+    saved = type(model).from_pretrained(str(path), config=model.config)  # any retriever kind (SPLADE, ColBERT)
     model.load_state_dict(saved.state_dict())
 
 

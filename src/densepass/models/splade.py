@@ -1,0 +1,245 @@
+"""SPLADE: a masked-language-model head turned into vocabulary-sized sparse term weights.
+
+For a text with tokens t_1..t_N, BERT states h_i and MLM logits w_ij = transform(h_i)^T E_j + b_j over the
+vocabulary, the representation is (SPLADE v2's max pooling, neural-retrieval-lecture)
+
+    w_j = max_i log(1 + ReLU(w_ij))            (over the non-padding tokens i)
+
+and the score of a query and a passage is the dot product of their weights. log(1 + ReLU(.)) is
+non-decreasing, so w_j = log(1 + ReLU(max_i w_ij)): the forward takes the max of the logits first and
+keeps one [B, N, V] tensor instead of three (same values and gradients).
+
+**The MLM head.** all-MiniLM-L6-v2 (and any sentence-transformers model) ships no MLM head. When the
+starting checkpoint has one (e.g. a ``BertForMaskedLM``), it is used as it is. Otherwise the vocabulary
+projection is *tied to the input embeddings* E (so a token's weight starts as the similarity of the
+contextual state to that token's own embedding) and the fresh transform is initialised to the identity
+(dense = I, bias 0, then GELU and LayerNorm as in BERT's head) instead of at random: a random transform
+scrambles the states and starts from weights unrelated to the text, while the identity gives a passage's
+own words and near-synonyms the top weights from the first step ("audio editor" -> audio, sound, editor,
+music). The vocabulary bias starts at ``FRESH_HEAD_BIAS`` = -6: with MiniLM, a bias of 0 makes nearly every
+term positive (about 30,000 non-zeros per passage), -6 about 125, so training starts sparse and the
+FLOPS regulariser has less to undo.
+The saved model is a ``BertForMaskedLM``-style checkpoint (loadable by ``AutoModelForMaskedLM``) with
+sentence-transformers' SparseEncoder module files (MLMTransformer + SpladePooling(max, relu)).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoModelForMaskedLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from densepass.config import from_dict, option
+from densepass.data.dataset import Corpus
+from densepass.device import autocast_context, default_device
+from densepass.errors import ConfigError
+from densepass.io import atomic_directory, atomic_write_text
+from densepass.models.batching import length_sorted_batches, tokenize
+from densepass.models.biencoder import Side, resolve_model_path
+from densepass.models.kinds import CONFIG_FILES, model_kind
+
+FRESH_HEAD_BIAS = -6.0  # the vocabulary bias of a fresh MLM head (see the module docstring)
+
+
+@dataclass
+class SpladeArchitecture:
+    """What a saved SPLADE model needs besides its weights (``densepass-splade.json``)."""
+
+    query_max_length: int = option(32, "queries are cut to this many tokens", min=1)
+    passage_max_length: int = option(128, "passages are cut to this many tokens", min=1)
+    temperature: float = option(1.0, "softmax temperature of the contrastive loss", above=0)
+
+
+def splade_weights(logits: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """w_j = max_i log(1 + ReLU(logits_ij)) over the tokens the mask keeps: [B, N, V] -> [B, V] float32.
+
+    >>> logits = torch.tensor([[[1.0, -2.0], [3.0, -1.0], [9.0, 9.0]]])
+    >>> splade_weights(logits, torch.tensor([[1, 1, 0]])).round(decimals=4)
+    tensor([[1.3863, 0.0000]])
+    """
+    masked = logits.float().masked_fill(~attention_mask.bool().unsqueeze(-1), float("-inf"))
+    return torch.log1p(torch.relu(masked.amax(dim=1)))
+
+
+def _identity_head(mlm: nn.Module, bias: float) -> None:
+    """A fresh BERT-style MLM head: identity transform, vocabulary bias ``bias`` (the decoder stays tied to
+    the input embeddings)."""
+    predictions = getattr(getattr(mlm, "cls", None), "predictions", None)
+    if predictions is None:
+        return  # not a BERT-style head: keep the library's initialisation
+    with torch.no_grad():
+        dense = predictions.transform.dense
+        dense.weight.copy_(torch.eye(dense.weight.shape[0], dense.weight.shape[1]))
+        dense.bias.zero_()
+        predictions.transform.LayerNorm.reset_parameters()
+        predictions.bias.fill_(bias)
+
+
+class SpladeEncoder(nn.Module):
+    """One shared MLM encoder for queries and passages; representations are [B, |V|] term weights.
+
+    Offers what the trainer needs (``forward(input_ids, attention_mask, side)``, ``similarity``,
+    ``tokenize``, ``save`` / ``from_pretrained``, ``config.temperature``), so the contrastive objective,
+    hard negatives, batch schedules by BM25 and gradient caching apply unchanged.
+    """
+
+    def __init__(self, mlm: nn.Module, tokenizer: PreTrainedTokenizerBase, config: SpladeArchitecture) -> None:
+        super().__init__()
+        if config.temperature <= 0:
+            raise ConfigError(f"temperature must be positive, got {config.temperature}")
+        self.mlm, self.tokenizer, self.config = mlm, tokenizer, config
+        self.source: str | None = None
+        self.head_source = "checkpoint"  # or "tied embeddings + identity transform" when it was created
+
+    @property
+    def dim(self) -> int:
+        """Size of the term-weight vectors (the vocabulary)."""
+        return self.mlm.get_output_embeddings().out_features
+
+    def max_length(self, side: Side) -> int:
+        """Token limit of one side's inputs."""
+        return self.config.query_max_length if side == "query" else self.config.passage_max_length
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, side: Side) -> torch.Tensor:
+        """Term weights [B, |V|] of one side's tokenised batch (both sides share the encoder)."""
+        logits = self.mlm(input_ids=input_ids, attention_mask=attention_mask).logits
+        return splade_weights(logits, attention_mask)
+
+    def similarity(self, queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
+        """Scores [len(queries), len(passages)]: dot products of the term weights."""
+        return queries.float() @ passages.float().T
+
+    def tokenize(
+        self, texts: list[str], side: Side, padding: bool | str = True, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Padded tensors of one side's texts."""
+        return tokenize(tokenizer or self.tokenizer, texts, self.max_length(side), padding)
+
+    # ---- encoding --------------------------------------------------------------------------------------
+
+    def encode(
+        self,
+        texts: Sequence[str],
+        side: Side,
+        batch_size: int = 64,
+        device: torch.device | None = None,
+        show_progress: bool = False,
+        top_terms: int | None = None,
+    ) -> sp.csr_matrix:
+        """Sparse term weights [len(texts), |V|] (float32 CSR, rows in the order of ``texts``);
+        ``top_terms`` keeps each row's heaviest terms only (index pruning)."""
+        if top_terms is not None and top_terms < 1:
+            raise ConfigError(f"top_terms must be >= 1, got {top_terms}")
+        device = device or default_device()
+        was_training = self.training
+        self.to(device).eval()
+        parts, placed = [], []
+        progress = tqdm(total=len(texts), desc=f"encode {side}s", disable=not show_progress, dynamic_ncols=True)
+        with torch.inference_mode(), autocast_context(device, device.type == "cuda"):
+            for rows in length_sorted_batches(texts, batch_size):
+                tokens = self.tokenize([texts[r] for r in rows], side)
+                weights = self(tokens["input_ids"].to(device), tokens["attention_mask"].to(device), side)
+                if top_terms is not None and top_terms < weights.shape[1]:
+                    values, columns = weights.topk(top_terms, dim=1)
+                    weights = torch.zeros_like(weights).scatter_(1, columns, values)
+                parts.append(_to_csr(weights))
+                placed.append(rows)
+                progress.update(len(rows))
+        progress.close()
+        self.train(was_training)
+        if not parts:
+            return sp.csr_matrix((0, self.dim), dtype=np.float32)
+        stacked = sp.vstack(parts, format="csr")
+        inverse = np.empty(len(texts), dtype=np.int64)
+        inverse[np.concatenate(placed)] = np.arange(len(texts))
+        return stacked[inverse]
+
+    def encode_queries(self, texts: Sequence[str], batch_size: int = 64, **options) -> sp.csr_matrix:
+        """Sparse query term weights (see ``encode``)."""
+        return self.encode(list(texts), "query", batch_size, **options)
+
+    def encode_passages(self, passages: Sequence[str] | Corpus, batch_size: int = 64, **options) -> sp.csr_matrix:
+        """Sparse passage term weights of strings, or of a ``Corpus`` as ``title [SEP] text``."""
+        if isinstance(passages, Corpus):
+            passages = passages.passage_inputs(self.tokenizer.sep_token or " ")
+        return self.encode(list(passages), "passage", batch_size, **options)
+
+    def vocabulary(self) -> list[str]:
+        """The token of every column of the term weights."""
+        return self.tokenizer.convert_ids_to_tokens(list(range(self.dim)))
+
+    # ---- construction and persistence -------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str, config: SpladeArchitecture | None = None, head_bias: float = FRESH_HEAD_BIAS
+    ) -> SpladeEncoder:
+        """Load a saved SPLADE model, or start one from any BERT-style model (see the module docstring for
+        how a missing MLM head is initialised; ``head_bias``: its vocabulary bias)."""
+        path = resolve_model_path(name_or_path)
+        kind = model_kind(path)
+        if kind not in (None, "splade"):
+            raise ConfigError(f"{path} holds a {kind} model, not a SPLADE model")
+        saved = Path(path) / CONFIG_FILES["splade"]
+        if saved.is_file():
+            config = config or from_dict(SpladeArchitecture, json.loads(saved.read_text()), str(saved))
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # a missing head is expected here, and reported below as head_source
+        try:
+            mlm, info = AutoModelForMaskedLM.from_pretrained(path, output_loading_info=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        mlm.float()
+        model = cls(mlm, AutoTokenizer.from_pretrained(path), config or SpladeArchitecture())
+        if any("predictions" in key or "lm_head" in key for key in info["missing_keys"]):
+            _identity_head(mlm, head_bias)
+            model.head_source = "tied embeddings + identity transform"
+        model.source = path
+        return model
+
+    def save(self, path: str | Path) -> None:
+        """Write the model atomically: MLM weights, tokenizer, our config and SparseEncoder module files."""
+        with atomic_directory(path) as tmp:
+            self.mlm.save_pretrained(tmp, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+            atomic_write_text(tmp / CONFIG_FILES["splade"], json.dumps(asdict(self.config), indent=2))
+            modules = [
+                {
+                    "idx": 0,
+                    "name": "0",
+                    "path": "",
+                    "type": "sentence_transformers.sparse_encoder.modules.MLMTransformer",
+                },
+                {
+                    "idx": 1,
+                    "name": "1",
+                    "path": "1_SpladePooling",
+                    "type": "sentence_transformers.sparse_encoder.modules.SpladePooling",
+                },
+            ]
+            atomic_write_text(tmp / "modules.json", json.dumps(modules, indent=2))
+            pooling = {"pooling_strategy": "max", "activation_function": "relu", "embedding_dimension": self.dim}
+            (tmp / "1_SpladePooling").mkdir()
+            atomic_write_text(tmp / "1_SpladePooling" / "config.json", json.dumps(pooling, indent=2))
+            bert_config = {"max_seq_length": self.config.passage_max_length, "do_lower_case": False}
+            atomic_write_text(tmp / "sentence_bert_config.json", json.dumps(bert_config, indent=2))
+            st_config = {"model_type": "SparseEncoder", "similarity_fn_name": "dot"}
+            atomic_write_text(tmp / "config_sentence_transformers.json", json.dumps(st_config, indent=2))
+
+
+def _to_csr(weights: torch.Tensor) -> sp.csr_matrix:
+    """A [B, V] tensor as a float32 SciPy CSR matrix (its non-zeros only)."""
+    weights = weights.float()
+    rows, cols = torch.nonzero(weights, as_tuple=True)
+    values = weights[rows, cols].cpu().numpy()
+    shape = tuple(weights.shape)
+    return sp.csr_matrix((values, (rows.cpu().numpy(), cols.cpu().numpy())), shape=shape, dtype=np.float32)

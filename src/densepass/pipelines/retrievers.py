@@ -1,0 +1,152 @@
+"""The three retriever kinds in runs: which model a config starts from, what it is trained with, how it is
+indexed and searched, and which run options it cannot take.
+
+``model.kind`` picks the kind: ``bi-encoder`` (``models.biencoder``), ``splade`` (``models.splade``, the
+contrastive loss + FLOPS, searched in an inverted index) or ``colbert`` (``models.colbert``, MaxSim,
+searched by centroid pruning + exact MaxSim). Everything else a run does (hard negatives, batches, BM25 or
+random schedules, gradient caching, checkpoints, validation) is shared: the trainer only needs
+``forward`` / ``similarity`` / ``tokenize`` / ``save`` of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from densepass.config import ExperimentConfig, LossConfig, ModelConfig
+from densepass.data.dataset import Corpus
+from densepass.errors import ConfigError
+from densepass.index.base import Index
+from densepass.index.colbert import ColbertIndex
+from densepass.index.dense import DenseIndex
+from densepass.index.splade import SpladeIndex
+from densepass.models.biencoder import BiEncoder
+from densepass.models.colbert import ColBERT, ColbertArchitecture, ColbertReranker
+from densepass.models.load import Retriever
+from densepass.models.splade import SpladeArchitecture, SpladeEncoder
+from densepass.training.objectives import Objective
+from densepass.training.splade import SpladeObjective
+
+
+def architecture(model: ModelConfig) -> SpladeArchitecture | ColbertArchitecture:
+    """The saved architecture of a SPLADE or ColBERT ``model`` section."""
+    shared = {
+        "query_max_length": model.query_max_length,
+        "passage_max_length": model.passage_max_length,
+        "temperature": model.temperature,
+    }
+    if model.kind == "splade":
+        return SpladeArchitecture(**shared)
+    colbert = model.colbert
+    return ColbertArchitecture(dim=colbert.dim, skiplist=colbert.skiplist, markers=colbert.markers, **shared)
+
+
+def model_from_config(config: ExperimentConfig) -> Retriever:
+    """The model a run starts from (new weights, if any, seeded by ``train.seed``)."""
+    torch.manual_seed(config.train.seed)
+    model = config.model
+    if model.kind == "splade":
+        return SpladeEncoder.from_pretrained(
+            model.name_or_path, config=architecture(model), head_bias=model.splade.head_bias
+        )
+    if model.kind == "colbert":
+        return ColBERT.from_pretrained(model.name_or_path, config=architecture(model))
+    return BiEncoder.from_pretrained(model.name_or_path, config=model.architecture())
+
+
+def objective_for(config: ExperimentConfig) -> Objective | None:
+    """What a run minimises: SPLADE adds the FLOPS regulariser; None is the trainer's default (contrastive)."""
+    if config.model.kind != "splade":
+        return None
+    splade = config.model.splade
+    return SpladeObjective(config.train.bidirectional, splade.lambda_q, splade.lambda_d, splade.warmup_steps)
+
+
+def check_kind(config: ExperimentConfig) -> None:
+    """Run options that need a one-vector bi-encoder, refused for SPLADE and ColBERT before any work."""
+    kind = config.model.kind
+    if kind == "bi-encoder":
+        return
+    model, schedule, neg = config.model, config.schedule, config.negatives
+    if config.loss != LossConfig() or config.reranker.distill.loss != "none":
+        raise ConfigError(
+            f"model.kind={kind} trains with its own contrastive loss: leave the loss section and reranker.distill out"
+        )
+    if model.projection_dim is not None or not model.shared or model.pooling != "mean" or not model.normalize:
+        raise ConfigError(
+            f"model.kind={kind} has one shared encoder and its own output: leave model.projection_dim, shared, "
+            "pooling and normalize at their defaults (colbert's size is model.colbert.dim)"
+        )
+    if schedule.method == "clustered" or schedule.method.startswith("abs") and schedule.similarity != "bm25":
+        raise ConfigError(
+            f"model.kind={kind}: batch schedules by encoder similarity need a bi-encoder; "
+            "use schedule.similarity=bm25 (ABS) or a random / sequential order"
+        )
+    if neg.refresh_every is not None:
+        raise ConfigError(f"model.kind={kind}: negatives.refresh_every mines with a bi-encoder; leave it null")
+    if neg.source == "model" and model.name_or_path == neg.model:
+        raise ConfigError(f"model.kind={kind}: negatives.model must be a bi-encoder, not the model being trained")
+
+
+def index_for_model(
+    model: Retriever,
+    corpus: Corpus,
+    config: ModelConfig | None = None,
+    batch_size: int = 64,
+    device: torch.device | None = None,
+    dense_kind: str = "exact",
+) -> Index:
+    """An index of ``corpus`` for any kind of model; ``config`` gives SPLADE pruning and ColBERT storage
+    and search options (defaults without it)."""
+    config = config or ModelConfig()
+    if isinstance(model, SpladeEncoder):
+        return SpladeIndex.build(
+            model, corpus, top_terms=config.splade.index_top_terms, batch_size=batch_size, device=device
+        )
+    if isinstance(model, ColBERT):
+        colbert = config.colbert
+        return ColbertIndex.build(
+            model,
+            corpus,
+            compression=colbert.compression,
+            residual_bits=colbert.residual_bits,
+            centroids=colbert.centroids,
+            nprobe=colbert.nprobe,
+            candidates=colbert.candidates,
+            batch_size=batch_size,
+            device=device,
+        )
+    return DenseIndex.build(model, corpus, dense_kind, batch_size=batch_size, device=device, show_progress=False)
+
+
+def score_pairs(
+    model: Retriever, queries: Sequence[str], passages: Sequence[str], device: torch.device | None = None
+) -> np.ndarray:
+    """The model's score of each pair ``(queries[i], passages[i])`` (re-ranking evaluation)."""
+    if isinstance(model, ColBERT):
+        return ColbertReranker(model, device=device).score_pairs(queries, passages)
+    q = model.encode_queries(list(queries), device=device)
+    p = model.encode_passages(list(passages), device=device)
+    if isinstance(model, SpladeEncoder):
+        return np.asarray(q.multiply(p).sum(axis=1)).ravel().astype(np.float32)
+    return np.einsum("ij,ij->i", q, p).astype(np.float32)
+
+
+def describe_index(index: Index, queries: Sequence[str]) -> str | None:
+    """One line on a SPLADE or ColBERT index for reports: sizes, non-zeros and FLOPS (None for other kinds)."""
+    if isinstance(index, SpladeIndex):
+        stats = index.stats(index.model.encode_queries(list(queries), device=index.device))
+        return (
+            f"SPLADE index: {stats['avg_nnz_per_passage']:.1f} non-zeros per passage, "
+            f"{stats['avg_nnz_per_query']:.1f} per query, FLOPS {stats['flops']:.2f}, "
+            f"{stats['bytes'] / 1e6:.1f} MB of postings."
+        )
+    if isinstance(index, ColbertIndex):
+        stats = index.stats()
+        return (
+            f"ColBERT index ({index.compression}): {stats['avg_tokens_per_passage']:.1f} token vectors per passage, "
+            f"{stats['centroids']} centroids, {stats['bytes'] / 1e6:.1f} MB."
+        )
+    return None

@@ -1,0 +1,386 @@
+"""SPLADE and ColBERT: the maths against literal definitions, the indexes against exact computation,
+save/load round trips, training end to end, and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from densepass.cli import main
+from densepass.config import load_config
+from densepass.errors import ConfigError, DataWarning
+from densepass.index.base import load_index
+from densepass.index.colbert import ColbertIndex, pack_bits, unpack_bits
+from densepass.index.splade import SpladeIndex
+from densepass.losses.flops import flops, quadratic_warmup
+from densepass.models.biencoder import BiEncoder
+from densepass.models.colbert import ColBERT, ColbertReranker, maxsim
+from densepass.models.splade import SpladeEncoder, splade_weights
+from densepass.pipelines.experiment import run_experiment
+from densepass.training.splade import SpladeObjective
+from densepass.training.step import BatchTensors, forward_backward
+
+CPU = torch.device("cpu")
+WORDS = "audio video editor library game network terminal python font image mail server kernel".split()
+
+
+def texts(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, 6)) + ("!" if i % 3 == 0 else "") for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def splade(tiny_model_dir) -> SpladeEncoder:
+    return SpladeEncoder.from_pretrained(str(tiny_model_dir), head_bias=-0.35)
+
+
+@pytest.fixture(scope="module")
+def colbert(tiny_model_dir) -> ColBERT:
+    torch.manual_seed(0)
+    return ColBERT.from_pretrained(str(tiny_model_dir))
+
+
+# ---- the maths ------------------------------------------------------------------------------------------
+
+
+def test_maxsim_equals_a_literal_double_loop():
+    torch.manual_seed(0)
+    q, p = torch.randn(3, 5, 4), torch.randn(4, 7, 4)
+    p[1, 3:] = 0  # absent tokens (padding, skiplist)
+    p[2] = 0  # a passage without tokens
+    q[0, 4] = 0  # an absent query token
+    expected = torch.zeros(3, 4)
+    for a in range(3):
+        for b in range(4):
+            for i in range(5):
+                if q[a, i].abs().sum() == 0:
+                    continue
+                present = [float(q[a, i] @ p[b, j]) for j in range(7) if p[b, j].abs().sum() > 0]
+                expected[a, b] += max(present) if present else 0.0
+    torch.testing.assert_close(maxsim(q, p), expected)
+
+
+def test_flops_equals_its_definition():
+    w = torch.rand(6, 9) * (torch.rand(6, 9) > 0.5)
+    expected = sum((sum(float(w[i, j]) for i in range(6)) / 6) ** 2 for j in range(9))
+    assert float(flops(w)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_regulariser_weight_grows_quadratically_then_stays():
+    assert [quadratic_warmup(1.0, s, 4) for s in range(6)] == [0.0, 1 / 16, 4 / 16, 9 / 16, 1.0, 1.0]
+    assert quadratic_warmup(0.5, 0, 0) == 0.5
+
+
+def test_splade_weights_and_gradients_equal_the_literal_definition():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    ours = splade_weights(logits, mask)
+    literal = torch.stack(
+        [torch.stack([torch.log1p(torch.relu(logits[b, i])) for i in range(5) if mask[b, i]]).amax(0) for b in range(2)]
+    )
+    torch.testing.assert_close(ours, literal)
+    (g1,) = torch.autograd.grad((ours * torch.arange(11.0)).sum(), logits)
+    (g2,) = torch.autograd.grad((literal * torch.arange(11.0)).sum(), logits)
+    torch.testing.assert_close(g1, g2)
+
+
+def test_splade_objective_adds_the_warmed_up_flops_terms_and_resumes_its_clock(splade):
+    q, p = torch.rand(2, 30), torch.rand(4, 30)
+    batch = BatchTensors({}, {}, torch.tensor([0, 1]), torch.zeros(2, 4, dtype=torch.bool))
+    objective = SpladeObjective(lambda_q=0.1, lambda_d=0.2, warmup_steps=2)
+    from densepass.losses.contrastive import info_nce
+
+    base = info_nce(q @ p.T / splade.config.temperature, batch.positive_index, batch.mask)
+    assert float(objective(splade, q, p, batch)) == pytest.approx(float(base))  # step 0: lambda 0
+    objective.after_step(splade, q, p, batch)
+    resumed = SpladeObjective(lambda_q=0.1, lambda_d=0.2, warmup_steps=2)
+    resumed.load_state_dict(objective.state_dict())
+    expected = base + 0.1 / 4 * flops(q) + 0.2 / 4 * flops(p)
+    assert float(resumed(splade, q, p, batch)) == pytest.approx(float(expected), rel=1e-5)
+
+
+# ---- models ----------------------------------------------------------------------------------------------
+
+
+def test_colbert_queries_are_mask_padded_to_a_fixed_length_and_passages_skip_punctuation(colbert):
+    tokens = colbert.tokenize(["audio editor", "a much longer query about a network terminal"], "query")
+    assert tokens["input_ids"].shape == (2, colbert.config.query_max_length)
+    assert (tokens["input_ids"][0, 5:] == colbert.tokenizer.mask_token_id).all()
+    assert tokens["input_ids"][0, 1] == colbert.marker_ids["query"]
+    encoded = colbert.encode_queries(["audio editor"], device=CPU)
+    assert encoded.shape == (1, 32, 128)
+    np.testing.assert_allclose(np.linalg.norm(encoded[0], axis=1), 1.0, rtol=1e-5)
+    with_punct, without = colbert.encode_passages(["audio, editor!", "audio editor"], device=CPU)
+    assert len(with_punct) == len(without)  # the comma and "!" are dropped
+
+
+def test_gradient_caching_equals_the_plain_step_for_splade_and_colbert(tiny_model_dir, tiny_beir):
+    from densepass.data import load_dataset
+    from densepass.training.batches import TrainingData
+
+    dataset = load_dataset(str(tiny_beir))
+    data = TrainingData(dataset, "train", "[SEP]", {q: dataset.corpus.ids[::3] for q in dataset.queries}, 1)
+    batch = data.collate(list(range(6)), seed=(1, 0, 0))
+    for make, objective in (
+        (lambda: SpladeEncoder.from_pretrained(str(tiny_model_dir), head_bias=-0.35), SpladeObjective(1e-2, 1e-2, 0)),
+        (lambda: ColBERT.from_pretrained(str(tiny_model_dir)), None),
+    ):
+        grads = []
+        for chunk in (None, 4):
+            torch.manual_seed(0)
+            model = make()
+            loss = forward_backward(model, batch, CPU, objective, chunk_size=chunk).loss
+            grads.append((loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        assert float(grads[0][0]) == pytest.approx(float(grads[1][0]), rel=1e-5)
+        for name, grad in grads[0][1].items():
+            torch.testing.assert_close(grads[1][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_saved_splade_loads_in_sentence_transformers_with_the_same_weights(splade, tmp_path):
+    from sentence_transformers import SparseEncoder
+
+    splade.save(tmp_path / "splade")
+    ours = SpladeEncoder.from_pretrained(str(tmp_path / "splade")).encode(["audio editor"], "passage", device=CPU)
+    theirs = SparseEncoder(str(tmp_path / "splade"), device="cpu").encode(["audio editor"], convert_to_tensor=True)
+    np.testing.assert_allclose(ours.toarray()[0], theirs.to_dense().numpy()[0], rtol=1e-4, atol=1e-5)
+
+
+# ---- indexes ---------------------------------------------------------------------------------------------
+
+
+def test_sparse_search_returns_the_scores_of_the_dense_computation(splade):
+    rng = np.random.default_rng(0)
+    dense_docs = rng.random((30, splade.dim)) * (rng.random((30, splade.dim)) < 0.001)
+    dense_queries = rng.random((5, splade.dim)) * (rng.random((5, splade.dim)) < 0.002)
+    index = SpladeIndex(splade)
+    index.add_weights([str(i) for i in range(30)], sp.csr_matrix(dense_docs))
+    results = index.search(sp.csr_matrix(dense_queries), k=7)
+    expected = dense_queries @ dense_docs.T
+    for i in range(5):
+        want = sorted(((float(s), j) for j, s in enumerate(expected[i]) if s > 0), key=lambda t: (-t[0], t[1]))[:7]
+        got = [(float(s), int(r)) for s, r in zip(results.scores[i], results.rows[i]) if r >= 0]
+        assert [r for _, r in got] == [r for _, r in want]
+        np.testing.assert_allclose([s for s, _ in got], [s for s, _ in want], rtol=1e-5)
+
+
+def test_splade_index_of_model_weights_equals_their_dot_products_and_prunes(splade):
+    passages = texts(20)
+    index = SpladeIndex.build(splade, passages, device=CPU)
+    q = splade.encode_queries(["audio editor", "python kernel"], device=CPU)
+    d = splade.encode_passages(passages, device=CPU).toarray()
+    results = index.search(["audio editor", "python kernel"], k=20)
+    for i in range(2):
+        np.testing.assert_allclose(results.scores[i], np.sort(q[i].toarray()[0] @ d.T)[::-1], rtol=1e-4)
+    pruned = SpladeIndex.build(splade, passages, top_terms=3, device=CPU)
+    assert pruned.stats()["avg_nnz_per_passage"] <= 3 < index.stats()["avg_nnz_per_passage"]
+    stats = index.stats(q)
+    assert stats["avg_nnz_per_query"] == q.nnz / 2 and stats["flops"] > 0
+
+
+def test_a_zero_weight_query_has_no_hits_and_a_warning(splade):
+    index = SpladeIndex.build(splade, texts(5), device=CPU)
+    with pytest.warns(DataWarning, match="1 of 2 queries have no term"):
+        results = index.search(sp.csr_matrix(np.vstack([np.zeros(splade.dim), np.ones(splade.dim)])), k=3)
+    assert (results.rows[0] == -1).all() and (results.rows[1] >= 0).all()
+
+
+def test_colbert_exhaustive_search_is_exact_maxsim_and_full_probing_matches_it(colbert):
+    passages = texts(25)
+    index = ColbertIndex.build(colbert, passages, device=CPU, centroids=8, nprobe=8, candidates=25)
+    queries = ["audio editor", "python kernel font"]
+    exhaustive = index.search(queries, k=10, exhaustive=True)
+    q = torch.from_numpy(colbert.encode_queries(queries, device=CPU))
+    p = torch.stack([colbert(**colbert.tokenize([t], "passage"), side="passage")[0] for t in passages]).detach()
+    exact = maxsim(q, p).numpy()
+    for i in range(2):
+        np.testing.assert_allclose(exhaustive.scores[i], np.sort(exact[i])[::-1][:10], rtol=1e-3)
+    pruned = index.search(queries, k=10)  # every centroid probed, every candidate kept: the same ranking
+    np.testing.assert_array_equal(pruned.rows, exhaustive.rows)
+    few = ColbertIndex.build(colbert, passages, device=CPU, centroids=8, nprobe=1, candidates=3).search(queries, k=10)
+    assert ((few.rows >= 0).sum(axis=1) <= 3).all()
+    reranked = ColbertReranker(colbert, device=CPU).score_pairs(queries[:1] * 3, passages[:3])
+    np.testing.assert_allclose(reranked, exact[0, :3], rtol=1e-3)
+
+
+def test_residual_codes_pack_and_unpack_and_decompress_close_to_the_vectors(colbert):
+    codes = np.random.default_rng(0).integers(0, 4, size=(5, 128))
+    np.testing.assert_array_equal(unpack_bits(pack_bits(codes, 2), 2), codes)
+    passages = texts(25)
+    index = ColbertIndex.build(colbert, passages, device=CPU, centroids=8, compression="residual", residual_bits=8)
+    fp16 = ColbertIndex.build(colbert, passages, device=CPU, centroids=8)
+    original = fp16.token_vectors(0, fp16.n_tokens)
+    two_bits = ColbertIndex.build(colbert, passages, device=CPU, centroids=8, compression="residual", residual_bits=2)
+    cosine = [
+        (v * original).sum(1).mean()
+        for v in (two_bits.token_vectors(0, index.n_tokens), index.token_vectors(0, index.n_tokens))
+    ]
+    assert 0.9 < cosine[0] < cosine[1] and cosine[1] > 0.99
+    assert two_bits.stats()["bytes"] < index.stats()["bytes"] < fp16.stats()["bytes"]
+
+
+@pytest.mark.parametrize("kind", ["splade", "colbert", "colbert-residual"])
+def test_save_load_search_round_trips(splade, colbert, tmp_path, kind):
+    passages = texts(20)
+    if kind == "splade":
+        splade.save(tmp_path / "model")
+        model = SpladeEncoder.from_pretrained(str(tmp_path / "model"))
+        index = SpladeIndex.build(model, passages, device=CPU)
+    else:
+        colbert.save(tmp_path / "model")
+        model = ColBERT.from_pretrained(str(tmp_path / "model"))
+        options = {"compression": "residual", "residual_bits": 4} if kind == "colbert-residual" else {}
+        index = ColbertIndex.build(model, passages, device=CPU, centroids=6, **options)
+    before = index.search(["audio editor", "python"], k=5)
+    index.save(tmp_path / "index")
+    loaded = load_index(tmp_path / "index", device=CPU)
+    after = loaded.search(["audio editor", "python"], k=5)
+    np.testing.assert_array_equal(after.rows, before.rows)
+    np.testing.assert_allclose(after.scores, before.scores, rtol=1e-5)
+    manifest = json.loads((tmp_path / "index" / "manifest.json").read_text())
+    assert manifest["kind"] == kind.split("-")[0] and manifest["stats"]["bytes"] > 0
+
+
+# ---- training end to end ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["splade", "colbert"])
+def test_both_train_end_to_end_with_abs_batches_validation_resume_and_reload(tiny_beir, tiny_model_dir, tmp_path, kind):
+    overrides = [
+        f"data.name={tiny_beir}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"output_dir={tmp_path}",
+        "name=t",
+        f"model.kind={kind}",
+        "model.temperature=1.0",
+        "model.passage_max_length=32",
+        "model.splade.head_bias=-0.35",
+        "model.splade.warmup_steps=2",
+        "model.colbert.centroids=8",
+        "train.batch_size=8",
+        "train.epochs=2",
+        "train.checkpoint_every=3",
+        "train.log_every=1",
+        "train.learning_rate=1e-3",
+        "train.grad_cache_chunk=4",
+        "negatives.pool_depth=5",
+        "schedule.method=abs-greedy",  # ABS batches by BM25 similarity
+        "schedule.similarity=bm25",
+        "schedule.background=false",
+        "validation.enabled=true",
+        "validation.every_steps=3",
+        "validation.subcorpus=gold",
+        "eval.metrics=[mrr@10, recall@20]",
+        "eval.depth=20",
+        "eval.baselines=[zero-shot]",
+    ]
+    config = load_config(None, overrides)
+    results = run_experiment(config)
+    log = [json.loads(line) for line in (tmp_path / "t" / "train_log.jsonl").read_text().splitlines()]
+    epoch_loss = [np.mean([r["loss"] for r in log if r["epoch"] == e]) for e in (0, 1)]
+    assert epoch_loss[1] < epoch_loss[0]  # the second pass over the same queries has a lower loss
+    assert (tmp_path / "t" / "best-model").is_dir()
+    report = (tmp_path / "t" / "report.md").read_text()
+    assert ("non-zeros per passage" if kind == "splade" else "token vectors per passage") in report
+    again = run_experiment(config)  # resumes from the final checkpoint: the same model
+    assert again["fine-tuned"] == pytest.approx(results["fine-tuned"])
+    cls = SpladeEncoder if kind == "splade" else ColBERT
+    assert isinstance(cls.from_pretrained(str(tmp_path / "t" / "model")), cls)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------
+
+
+def test_an_index_of_another_kind_than_the_model_is_a_one_line_error(splade, colbert, tmp_path, capsys):
+    splade.save(tmp_path / "splade-model")
+    colbert.save(tmp_path / "colbert-model")
+    model = SpladeEncoder.from_pretrained(str(tmp_path / "splade-model"))
+    SpladeIndex.build(model, texts(5), device=CPU).save(tmp_path / "index")
+    with pytest.raises(ConfigError, match="is a splade index; .* is a colbert model"):
+        load_index(tmp_path / "index", model=ColBERT.from_pretrained(str(tmp_path / "colbert-model")))
+    with pytest.raises(ConfigError, match="holds a splade model, not a bi-encoder"):
+        BiEncoder.from_pretrained(str(tmp_path / "splade-model"))
+    with pytest.raises(ConfigError, match="holds a colbert model, not a SPLADE model"):
+        SpladeEncoder.from_pretrained(str(tmp_path / "colbert-model"))
+    capsys.readouterr()
+    code = main(["search", str(tmp_path / "index"), "audio", "--model", str(tmp_path / "colbert-model")])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the model-loading progress bars
+    assert code == 2 and last.startswith("densepass: error:") and "Traceback" not in err and "colbert model" in last
+
+
+@pytest.mark.parametrize("kind", ["colbert", "splade"])
+def test_a_query_longer_than_the_configured_length_is_cut_with_a_warning(colbert, splade, kind):
+    index = (
+        ColbertIndex.build(colbert, texts(5), device=CPU, centroids=4)
+        if kind == "colbert"
+        else SpladeIndex.build(splade, texts(5), device=CPU)
+    )
+    long_query = " ".join(["audio"] * 40)
+    with pytest.warns(DataWarning, match="1 of 2 queries are longer than the model's 32 query tokens and were cut"):
+        results = index.search([long_query, "audio"], k=2)
+    assert results.rows.shape == (2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        index.search(["audio"], k=2)
+
+
+def test_run_options_that_need_a_bi_encoder_are_refused_before_any_work(tmp_path):
+    from densepass.pipelines.experiment import check
+
+    for extra in (
+        ["schedule.method=clustered"],
+        ["model.projection_dim=64"],
+        ["negatives.refresh_every=5"],
+        ["loss.memory=moco"],
+        ["reranker.distill.loss=kl"],
+    ):
+        config = load_config(None, ["model.kind=splade", f"output_dir={tmp_path}", *extra])
+        with pytest.raises(ConfigError, match="model.kind=splade"):
+            check(config)
+
+
+def test_cli_indexes_and_searches_splade_and_colbert(splade, colbert, tiny_beir, tmp_path, capsys):
+    splade.save(tmp_path / "splade")
+    colbert.save(tmp_path / "colbert")
+    for kind, extra in (("splade", ["--top-terms", "50"]), ("colbert", ["--compression", "residual"])):
+        out = tmp_path / f"idx-{kind}"
+        args = ["index", str(tiny_beir), "--kind", kind, "--model", str(tmp_path / kind), "--output", str(out)]
+        assert main([*args, *extra, "--device", "cpu"]) == 0
+        assert main(["search", str(out), "audio editor", "--k", "3", "--device", "cpu"]) == 0
+        assert "hits" in capsys.readouterr().out
+    fresh = subprocess.run(  # a fresh process knows the new kinds without importing them first
+        [sys.executable, "-m", "densepass", "search", str(tmp_path / "idx-splade"), "audio", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
+    )
+    assert fresh.returncode == 0, fresh.stderr[-500:]
+    dense = tmp_path / "idx-bm25"
+    assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", str(dense)]) == 0
+    assert main(["search", str(dense), "audio", "--rerank", str(tmp_path / "colbert"), "--device", "cpu"]) == 0
+    assert math.isfinite(float(capsys.readouterr().out.count("audio")))
+
+
+def test_the_bm25_baseline_run_names_corpus_passages_not_rows(tiny_beir, tiny_model_dir, tmp_path):
+    overrides = [
+        f"data.name={tiny_beir}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"output_dir={tmp_path}",
+        "train.enabled=false",
+        "eval.baselines=[bm25]",
+        "eval.metrics=[mrr@10]",
+    ]
+    run_experiment(load_config(None, overrides))
+    named = {line.split()[2] for line in (tmp_path / "experiment" / "runs" / "bm25.trec").read_text().splitlines()}
+    assert named and all(pid.startswith("p") for pid in named)  # the fixture's ids are p0, p1, ...
