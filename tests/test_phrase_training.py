@@ -6,10 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
 import pytest
 import torch
-from phrase_fixtures import tiny_phrase_model, write_phrase_squad
 
 from densepass.data.squad import load_squad_spans
 from densepass.errors import ConfigError
@@ -18,6 +16,7 @@ from densepass.phrase.config import PhraseTrainConfig
 from densepass.phrase.memory import PrebatchMemory
 from densepass.phrase.model import PhraseEncoder
 from densepass.phrase.train import build_phrase_data, step_columns, step_loss, train_phrases
+from phrase_fixtures import tiny_phrase_model, write_phrase_squad
 
 CPU = torch.device("cpu")
 
@@ -78,7 +77,7 @@ def test_unified_loss_with_lambdas_one_and_in_passage_negatives_only_is_the_read
     with torch.no_grad():
         got, _ = step_loss(model, phrase_data, step, config, PrebatchMemory(0), False, CPU)
         rc = []
-        for e, w, s, t, per_window in window_logits(model, phrase_data, step):
+        for _, w, s, t, per_window in window_logits(model, phrase_data, step):
             _, start_logits, end_logits = per_window[w]
             rc.append(
                 (
@@ -111,7 +110,7 @@ def test_the_unified_loss_weighs_every_token_of_the_other_passages_by_lambda_inb
                 denominator = math.exp(own[gold]) + 2.0 * sum(
                     math.exp(x) for j, x in enumerate(own.tolist()) if j != gold
                 )
-                for v, window_scores in enumerate(per_window):
+                for window_scores in per_window:
                     if window_scores[0] != e.passage:
                         denominator += 256.0 * float(window_scores[side].double().exp().sum())
                 total += -(float(own[gold]) - math.log(denominator)) / 2
