@@ -1,4 +1,4 @@
-"""``densepass index``: a dataset's corpus into a saved index, resumably.
+"""``densepass index``: a dataset's corpus into a saved index, resumably (a phrase index is encoded in one go).
 
 Dense kinds encode the corpus shard by shard into a memory-mapped file (``index.embeddings``) kept
 beside the output while it is being built, named by the fingerprint of the model's weights and
@@ -26,8 +26,10 @@ from densepass.index.embeddings import encode_to_memmap
 from densepass.index.hybrid import HybridIndex
 from densepass.io import exclusive_lock
 from densepass.models.biencoder import BiEncoder
+from densepass.phrase.index import PhraseIndex
+from densepass.phrase.model import PhraseEncoder
 
-INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid")
+INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid", "phrase")
 
 
 @dataclasses.dataclass
@@ -43,6 +45,7 @@ class IndexSettings:
     shard_size: int = 100_000  # passages encoded between resumable save points
     device: torch.device | None = None
     show_progress: bool = True
+    threshold: float | None = None  # phrase: the token filter's threshold (None: keep every vector)
 
     def __post_init__(self) -> None:
         if self.kind not in INDEX_KINDS:
@@ -96,6 +99,15 @@ def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> 
     with exclusive_lock(work_dir, "index build"):
         if settings.kind == "bm25":
             index: Index = BM25Index.build(corpus, show_progress=settings.show_progress)
+        elif settings.kind == "phrase":
+            model = PhraseEncoder.from_pretrained(settings.model)
+            index = PhraseIndex.build(
+                model,
+                corpus,
+                device=settings.device,
+                threshold=settings.threshold,
+                show_progress=settings.show_progress,
+            )
         else:
             model = BiEncoder.from_pretrained(settings.model)
             kind = settings.dense_kind if settings.kind == "hybrid" else settings.kind

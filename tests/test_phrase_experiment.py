@@ -1,0 +1,143 @@
+"""``densepass phrase``: every stage end to end on a tiny model and dataset, resuming, and the phrase index
+through ``densepass index`` / ``densepass search``; the token filter's AUC-PR against scikit-learn."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.metrics import average_precision_score
+
+from densepass.cli import main
+from densepass.config import load_config
+from densepass.errors import ConfigError
+from densepass.phrase.config import PhraseConfig
+from densepass.phrase.experiment import run_phrase
+from densepass.phrase.metrics import average_precision, exact_match, f1_score, phrase_metrics
+from phrase_fixtures import tiny_phrase_model, write_phrase_squad
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([-2.0, -0.5, 0.0, 0.3, 1.0, 4.0]), st.booleans()), min_size=1, max_size=40))
+def test_average_precision_is_scikit_learns_on_the_same_scores_ties_included(pairs):
+    scores, labels = [s for s, _ in pairs], [int(y) for _, y in pairs]
+    if not any(labels):
+        assert average_precision(scores, labels) == 0.0
+        return
+    assert average_precision(scores, labels) == pytest.approx(average_precision_score(labels, scores))
+
+
+def test_squad_exact_match_and_f1_follow_the_official_normalisation():
+    assert exact_match("The  Broncos!", ["Denver Broncos", "broncos"]) == 1.0
+    assert exact_match("Denver", ["Denver Broncos"]) == 0.0
+    assert f1_score("the Denver Broncos team", ["Denver Broncos"]) == pytest.approx(0.8)
+    metrics = phrase_metrics([["Paris", "France"], ["x", "y", "Rome"], []], [["france"], ["Rome"], ["z"]], [1, 2, 3])
+    assert metrics["em@1"] == 0.0 and metrics["accuracy@2"] == pytest.approx(100 / 3)
+    assert metrics["accuracy@3"] == pytest.approx(200 / 3)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("phrase-run")
+    write_phrase_squad(root / "squad")
+    tiny_phrase_model(root / "bert")
+    overrides = [
+        f"data.name={root / 'squad'}",
+        f"output_dir={root / 'outputs'}",
+        "name=tiny",
+        "device=cpu",
+        f"model.base={root / 'bert'}",
+        "model.max_length=40",
+        "model.stride=8",
+        "model.title_max_tokens=4",
+        "model.max_answer_tokens=5",
+        "train.epochs=1",
+        "train.max_steps=3",
+        "train.passages_per_batch=2",
+        "train.checkpoint_every=2",
+        "validation.subcorpus=hard",
+        "validation.k=1",
+        "validation.every_steps=2",
+        "filter.epochs=2",
+        "filter.thresholds=[-100.0, 0.0, 100.0]",
+        "filter.threshold=-100.0",
+        "query_tuning.enabled=true",
+        "query_tuning.batch_size=4",
+        "query_tuning.top_k=5",
+        "eval.ks=[1, 3]",
+    ]
+    return root, overrides
+
+
+def test_every_stage_runs_and_a_rerun_skips_them(tiny_run):
+    root, overrides = tiny_run
+    config = load_config(None, overrides, PhraseConfig)
+    metrics = run_phrase(config, show_progress=False)
+    run_dir = root / "outputs" / "tiny"
+    assert metrics["train"]["steps"] == 3 and metrics["train"]["best"]["step"] in (2, 3)
+    evaluate = metrics["evaluate"]
+    assert 0 <= evaluate["unfiltered"]["em@1"] <= evaluate["unfiltered"]["accuracy@3"] <= 100
+    sweep = {r["threshold"]: r for r in evaluate["sweep"]}
+    assert sweep[-100.0]["start_vectors"] == evaluate["unfiltered"]["start_vectors"]  # nothing filtered
+    assert sweep[100.0]["start_vectors"] == 0 and sweep[100.0]["em@1"] == 0.0  # everything filtered
+    assert 0 < metrics["filter"]["best_auc_pr"] <= 1
+    assert metrics["query_tuning"]["steps"] > 0
+    assert {"config.yaml", "report.md", "metrics.json", "subcorpus.json", "eval_log.jsonl"} <= {
+        p.name for p in run_dir.iterdir()
+    }
+    again = run_phrase(config, show_progress=False)
+    assert again == metrics  # every stage was skipped
+
+
+def test_the_saved_index_answers_densepass_search(tiny_run, capsys):
+    root, overrides = tiny_run
+    run_phrase(load_config(None, overrides, PhraseConfig), show_progress=False)
+    index = root / "outputs" / "tiny" / "index"
+    assert main(["search", str(index), "what is the kernel driver?", "--k", "3", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "answer" in out and "span" in out
+    queries = root / "q.tsv"
+    queries.write_text("q1\tkernel driver?\nq2\tmusic player?\n")
+    assert main(["search", str(index), "--queries", str(queries), "--output", str(root / "run.trec")]) == 0
+    lines = (root / "run.trec").read_text().splitlines()
+    assert lines and all(len(line.split()) == 6 for line in lines)
+
+
+def test_densepass_index_builds_a_phrase_index_with_a_filter_threshold(tiny_run, capsys):
+    root, overrides = tiny_run
+    run_phrase(load_config(None, overrides, PhraseConfig), show_progress=False)
+    model = root / "outputs" / "tiny" / "model"
+    code = main(
+        [
+            "index",
+            str(root / "squad"),
+            "--format",
+            "squad",
+            "--kind",
+            "phrase",
+            "--model",
+            str(model),
+            "--filter-threshold",
+            "0.0",
+            "--output",
+            str(root / "idx"),
+            "--device",
+            "cpu",
+        ]
+    )
+    assert code == 0
+    manifest = json.loads((root / "idx" / "manifest.json").read_text())
+    assert manifest["kind"] == "phrase" and manifest["options"]["threshold"] == 0.0
+    logits = np.load(root / "idx" / "start_logits.npy")
+    assert manifest["stats"]["start_vectors"] == int((logits > 0.0).sum())
+
+
+def test_phrase_runs_refuse_a_layout_without_offsets_and_hard_negatives_with_eq1(tiny_run):
+    _, overrides = tiny_run
+    with pytest.raises(ConfigError, match="squad"):
+        run_phrase(load_config(None, [*overrides, "data.format=beir"], PhraseConfig))
+    with pytest.raises(ConfigError, match="unified"):
+        run_phrase(load_config(None, [*overrides, "train.loss=separate", "train.hard_negatives=1"], PhraseConfig))
