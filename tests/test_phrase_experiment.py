@@ -141,3 +141,15 @@ def test_phrase_runs_refuse_a_layout_without_offsets_and_hard_negatives_with_eq1
         run_phrase(load_config(None, [*overrides, "data.format=beir"], PhraseConfig))
     with pytest.raises(ConfigError, match="unified"):
         run_phrase(load_config(None, [*overrides, "train.loss=separate", "train.hard_negatives=1"], PhraseConfig))
+
+
+def test_every_phrase_config_key_has_help_and_densepass_config_explains_them(capsys):
+    from densepass.config import explain
+
+    rows = explain(PhraseConfig)
+    assert all(help_text for _, _, _, help_text in rows), [k for k, _, _, h in rows if not h]
+    assert main(["config", "--phrase", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "train.lambda_inb" in out and "filter.threshold" in out and "query_tuning.top_k" in out
+    assert main(["phrase", "--set", "train.lambda_inb=0"]) != 0  # out of range: one line, before any work
+    assert capsys.readouterr().err.strip() == "densepass: error: config.train.lambda_inb: must be > 0, got 0.0"

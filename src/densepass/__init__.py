@@ -33,6 +33,8 @@ _WHERE = {
     "DenseIndex": "densepass.index.dense",
     "BM25Index": "densepass.index.bm25",
     "HybridIndex": "densepass.index.hybrid",
+    "PhraseEncoder": "densepass.phrase.model",
+    "PhraseIndex": "densepass.phrase.index",
     "load_index": "densepass.index.base",
     "SearchPipeline": "densepass.pipelines.search",
     "Hit": "densepass.pipelines.search",
