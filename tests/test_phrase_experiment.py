@@ -153,3 +153,25 @@ def test_every_phrase_config_key_has_help_and_densepass_config_explains_them(cap
     assert "train.lambda_inb" in out and "filter.threshold" in out and "query_tuning.top_k" in out
     assert main(["phrase", "--set", "train.lambda_inb=0"]) != 0  # out of range: one line, before any work
     assert capsys.readouterr().err.strip() == "densepass: error: config.train.lambda_inb: must be > 0, got 0.0"
+
+
+def test_the_filter_is_validated_by_the_auc_pr_scikit_learn_gives_its_logits():
+    from densepass.phrase.config import FilterConfig
+    from densepass.phrase.encode import TokenVectors
+    from densepass.phrase.filter import filter_logits, fit_filter
+
+    rng = np.random.default_rng(0)
+
+    def table(n):
+        labels = rng.random((n, 2)) < 0.1
+        start = rng.normal(size=(n, 8)).astype(np.float32) + labels[:, :1] * 1.5  # positives shifted: learnable
+        end = rng.normal(size=(n, 8)).astype(np.float32) - labels[:, 1:] * 1.5
+        return TokenVectors(np.array([0, n]), np.zeros((n, 2), dtype=np.int64), start, end), labels
+
+    (train, train_labels), (valid, valid_labels) = table(2000), table(500)
+    token_filter, log = fit_filter(train, train_labels, valid, valid_labels, FilterConfig(epochs=3, batch_size=256))
+    start, end = filter_logits(token_filter, valid)
+    best = max(log, key=lambda r: r["auc_pr"])
+    assert best["auc_pr_start"] == pytest.approx(average_precision_score(valid_labels[:, 0], start))
+    assert best["auc_pr_end"] == pytest.approx(average_precision_score(valid_labels[:, 1], end))
+    assert best["auc_pr"] > 0.2  # well above the 0.1 base rate: the filter learnt something
