@@ -293,3 +293,23 @@ def test_a_threshold_without_a_filter_is_a_one_line_error(model, tmp_path):
         PhraseIndex.build(plain, PASSAGES, threshold=0.0)
     with pytest.raises(ConfigError, match="no filter logits"):
         PhraseIndex.build(plain, PASSAGES).filtered(0.0)
+
+
+def test_the_search_service_returns_the_answer_and_its_span(model):
+    from fastapi.testclient import TestClient
+
+    from densepass.phrase.index import PhraseIndex
+    from densepass.serve import create_app
+
+    pipeline = SearchPipeline(PhraseIndex.build(model, PASSAGES))
+    expected = pipeline.search(QUESTIONS[1], k=2)
+    with TestClient(create_app(pipeline)) as client:
+        response = client.post("/search", json={"query": QUESTIONS[1], "k": 2})
+        health = client.get("/health").json()
+    assert response.status_code == 200
+    hits = response.json()["results"][0]
+    assert [(h["id"], h["answer"], h["start"], h["end"]) for h in hits] == [
+        (h.id, h.answer, h.start, h.end) for h in expected
+    ]
+    assert hits[0]["text"][hits[0]["start"] : hits[0]["end"]] == hits[0]["answer"]
+    assert "phrase" in json.dumps(health)
