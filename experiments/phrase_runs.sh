@@ -10,4 +10,5 @@ mkdir -p outputs
 run 1 original & run 1 unified & wait
 run 1 unified_hn & run 1 unified_more & wait
 nice -n 10 python3 experiments/phrase_table.py --runs outputs/phrase-original outputs/phrase-unified \
-    outputs/phrase-unified-more outputs/phrase-unified-hn --out outputs/phrase-table.json
+    outputs/phrase-unified-more outputs/phrase-unified-hn --out outputs/phrase-table.json \
+    --baselines outputs/phrase-baselines.json

@@ -59,10 +59,19 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", required=True, help="densepass phrase run directories")
     parser.add_argument("--biencoder", nargs="*", default=["all-MiniLM-L6-v2"], help="bi-encoders for the baseline")
     parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument(
+        "--baselines", default=None, help="JSON cache of the baselines' metrics (computed when missing)"
+    )
     args = parser.parse_args()
     runs = {Path(r).name: json.loads((Path(r) / "metrics.json").read_text()) for r in args.runs}
     config = load_config(Path(args.runs[0]) / "config.yaml", [], PhraseConfig)
-    passage_rows = baselines(config, args.biencoder)
+    cache = Path(args.baselines) if args.baselines else None
+    if cache is not None and cache.is_file():
+        passage_rows = json.loads(cache.read_text())
+    else:
+        passage_rows = baselines(config, args.biencoder)
+        if cache is not None:
+            atomic_write_text(cache, json.dumps(passage_rows, indent=2))
     rows = {}
     for name, metrics in runs.items():
         rows[name] = {**metrics["evaluate"]["unfiltered"], "train_seconds": metrics["train"]["seconds"]}
