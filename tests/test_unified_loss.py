@@ -109,3 +109,30 @@ def test_bad_weights_and_shapes_are_one_line_errors():
         unified_loss(scores, positive, torch.tensor([0, 0]), [1.0])
     with pytest.raises(ConfigError, match="2 terms but 1 weights"):
         separate_terms_loss(scores, positive, sources, [[0], [1]], [1.0])
+
+
+@st.composite
+def per_row_batches(draw):
+    scores, positive, _, mask, weights = draw(batches())
+    rows = [[draw(st.integers(0, len(weights) - 1)) for _ in range(scores.shape[1])] for _ in range(scores.shape[0])]
+    return scores, positive, torch.tensor(rows), mask, weights
+
+
+@settings(max_examples=60, deadline=None)
+@given(per_row_batches(), st.data())
+def test_a_source_per_row_and_column_is_eq2_and_eq1_with_that_rows_sources(case, data):
+    scores, positive, sources, mask, weights = case
+    want2 = [
+        literal_eq2(scores[i : i + 1], positive[i : i + 1].tolist(), s, weights, mask[i : i + 1].tolist())
+        for i, s in enumerate(sources.tolist())
+    ]
+    got2 = unified_loss(scores, positive, sources, weights, mask)
+    assert float(got2) == pytest.approx(sum(want2) / len(want2), rel=1e-9, abs=1e-9)
+    terms = [sorted(set(data.draw(st.lists(st.integers(0, len(weights) - 1), min_size=1, max_size=3)))) for _ in "ab"]
+    term_weights = [data.draw(st.floats(0, 300)) for _ in terms]
+    want1 = [
+        literal_eq1(scores[i : i + 1], positive[i : i + 1].tolist(), s, terms, term_weights, mask[i : i + 1].tolist())
+        for i, s in enumerate(sources.tolist())
+    ]
+    got1 = separate_terms_loss(scores, positive, sources, terms, term_weights, mask)
+    assert float(got1) == pytest.approx(sum(want1) / len(want1), rel=1e-9, abs=1e-9)

@@ -38,6 +38,8 @@ _WHERE = {
     "HybridIndex": "densepass.index.hybrid",
     "SpladeIndex": "densepass.index.splade",
     "ColbertIndex": "densepass.index.colbert",
+    "PhraseEncoder": "densepass.phrase.model",
+    "PhraseIndex": "densepass.phrase.index",
     "load_index": "densepass.index.base",
     "SearchPipeline": "densepass.pipelines.search",
     "Hit": "densepass.pipelines.search",

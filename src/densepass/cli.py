@@ -1,5 +1,5 @@
 """Command line: ``densepass run CONFIG``, ``config``, ``index``, ``search``, ``serve``, ``evaluate``, ``mine``,
-``ensemble``, ``pretrain CONFIG``, ``analyze-attention``, ``validate-study``, ``download``.
+``ensemble``, ``pretrain CONFIG``, ``phrase CONFIG``, ``analyze-attention``, ``validate-study``, ``download``.
 
 Flags mean the same everywhere: a dataset is the first positional argument, ``--output`` is what a
 command writes, ``--data-dir`` / ``--format`` say where and how the dataset is stored, ``--device`` where
@@ -18,7 +18,7 @@ from pathlib import Path
 from densepass.config import DEFAULT_METRICS, DEFAULT_MODEL, DENSE_INDEX_KINDS, FORMATS
 from densepass.errors import DensepassError
 
-INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid", "splade", "colbert")
+INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid", "splade", "colbert", "phrase")
 
 
 def positive_int(text: str) -> int:
@@ -59,9 +59,10 @@ def _config(args: argparse.Namespace) -> None:
     import yaml
 
     from densepass.config import ExperimentConfig, explain, load_config, save_config, to_dict
+    from densepass.phrase.config import PhraseConfig
     from densepass.pretraining.config import PretrainConfig
 
-    cls = PretrainConfig if args.pretrain else ExperimentConfig
+    cls = PretrainConfig if args.pretrain else PhraseConfig if args.phrase else ExperimentConfig
     if args.explain:
         for key, kind, default, meaning in explain(cls):
             print(f"{key}  ({kind}; default {default})\n    {meaning}")
@@ -83,6 +84,16 @@ def _pretrain(args: argparse.Namespace) -> None:
     print(f"backbone: {result.backbone_path}\nreport: {config.run_dir / 'report.md'}")
 
 
+def _phrase(args: argparse.Namespace) -> None:
+    from densepass.config import load_config
+    from densepass.phrase.config import PhraseConfig
+    from densepass.phrase.experiment import run_phrase
+
+    config = load_config(args.config, args.set, PhraseConfig)
+    run_phrase(config, restart=args.restart)
+    print(f"report: {config.run_dir / 'report.md'}\nindex: {config.run_dir / 'index'}")
+
+
 def _index(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
     from densepass.device import resolve_device
@@ -99,6 +110,7 @@ def _index(args: argparse.Namespace) -> None:
         resolve_device(args.device),
         sparse_model=args.sparse_model,
         retriever=_retriever_options(args),
+        threshold=args.filter_threshold,
     )
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     index = build_index(dataset.corpus, args.output, settings)
@@ -126,11 +138,11 @@ def _load_pipeline(args: argparse.Namespace):
 
     device = resolve_device(args.device)
     options = {"device": device}
-    if args.model:
-        options["model"] = load_model(args.model)  # a bi-encoder, SPLADE or ColBERT model (the index checks which)
     from densepass.index.base import read_index_manifest
 
     kind = read_index_manifest(Path(args.index))["kind"]
+    if args.model:  # a phrase index loads its own model; the others check the kind of the one given
+        options["model"] = args.model if kind == "phrase" else load_model(args.model)
     index: Index = load_index(args.index, **(options if kind != "bm25" else {}))
     if args.hybrid:
         if kind not in DENSE_INDEX_KINDS:
@@ -176,11 +188,14 @@ def _print_hits(query: str, hits) -> None:
     from rich.table import Table
 
     table = Table(title=f"{query!r}: {len(hits)} hits")
-    for column, justify in (("rank", "right"), ("score", "right"), ("id", "left"), ("title", "left"), ("text", "left")):
+    answers = any(hit.answer is not None for hit in hits)  # a phrase index: the answer and its character span
+    columns = [("rank", "right"), ("score", "right"), *([("answer", "left"), ("span", "right")] if answers else [])]
+    for column, justify in (*columns, ("id", "left"), ("title", "left"), ("text", "left")):
         table.add_column(column, justify=justify, overflow="fold")
     for rank, hit in enumerate(hits, 1):
         text = hit.text if len(hit.text) <= 160 else hit.text[:157] + "..."
-        table.add_row(str(rank), f"{hit.score:.4f}", hit.id, hit.title, text)
+        span = [hit.answer, f"{hit.start}-{hit.end}"] if answers else []
+        table.add_row(str(rank), f"{hit.score:.4f}", *span, hit.id, hit.title, text)
     Console().print(table)
 
 
@@ -401,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(config, "train.batch_size=32")
     config.add_argument("--explain", action="store_true", help="list every key with its type, default and meaning")
     config.add_argument("--pretrain", action="store_true", help="the keys of `densepass pretrain` configs")
+    config.add_argument("--phrase", action="store_true", help="the keys of `densepass phrase` configs")
     config.add_argument("--output", default=None, help="write the resolved config here instead of printing it")
     config.set_defaults(func=_config)
 
@@ -409,11 +425,21 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument("--restart", action="store_true", help="discard the run's checkpoints and start over")
     pretrain.set_defaults(func=_pretrain)
 
+    phrase = sub.add_parser("phrase", help="phrase retrieval: train, filter, index, evaluate (DensePhrases-style)")
+    _config_args(phrase, "train.loss=separate")
+    phrase.add_argument("--restart", action="store_true", help="discard the run's outputs and start over")
+    phrase.set_defaults(func=_phrase)
+
     index = sub.add_parser("index", help="index a dataset's corpus (resumable encoding) into a saved index")
     _dataset_args(index)
     index.add_argument("--output", required=True, help="index directory to write")
     index.add_argument("--kind", default="exact", choices=INDEX_KINDS, help="index kind")
-    index.add_argument("--model", default=DEFAULT_MODEL, help="the model (dense, hybrid, splade, colbert kinds)")
+    index.add_argument(
+        "--model", default=DEFAULT_MODEL, help="the model (dense, hybrid, splade, colbert, phrase kinds)"
+    )
+    index.add_argument(
+        "--filter-threshold", type=float, default=None, help="phrase: keep tokens above this filter logit"
+    )
     index.add_argument("--dense-kind", default="exact", choices=DENSE_INDEX_KINDS, help="hybrid: the dense part")
     index.add_argument("--fusion", default="rrf", choices=["rrf", "linear"], help="hybrid: how scores are fused")
     index.add_argument("--fusion-weight", type=fraction, default=0.5, help="hybrid linear: weight of the dense scores")

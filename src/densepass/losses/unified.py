@@ -5,7 +5,9 @@ A batch's candidates are columns of a score matrix ``scores`` [B, P] (already di
 temperature). Each column comes from a *source* -- in-batch positives of other queries, pre-batch or
 queue entries, hard negatives, or (for phrases) the other tokens of the gold passage -- given by
 ``sources`` [P], and each query's positive column by ``positive_index`` [B]. ``mask`` [B, P] removes
-false negatives. With λ_s the weight of source s, eq. 2 is
+false negatives. Where a column's source depends on the row -- a phrase's token is an in-passage
+negative for the questions on its passage and an in-batch one for the others (training-inference-gap
+§4.2) -- ``sources`` is [B, P]. With λ_s the weight of source s, eq. 2 is
 
     L_i = -log e^{s_i+} / (e^{s_i+} + sum_{j negative for i} λ_{source(j)} e^{s_ij})
 
@@ -35,12 +37,16 @@ from densepass.errors import ConfigError
 
 
 def _check(scores: torch.Tensor, positive_index: torch.Tensor, sources: torch.Tensor, n_sources: int) -> None:
-    if scores.dim() != 2 or positive_index.shape != (scores.shape[0],) or sources.shape != (scores.shape[1],):
+    if (
+        scores.dim() != 2
+        or positive_index.shape != (scores.shape[0],)
+        or sources.shape not in ((scores.shape[1],), scores.shape)
+    ):
         raise ConfigError(
-            f"scores [B, P], positive_index [B] and sources [P] do not fit: {list(scores.shape)}, "
+            f"scores [B, P], positive_index [B] and sources [P] or [B, P] do not fit: {list(scores.shape)}, "
             f"{list(positive_index.shape)}, {list(sources.shape)}"
         )
-    if len(sources) and (int(sources.min()) < 0 or int(sources.max()) >= n_sources):
+    if sources.numel() and (int(sources.min()) < 0 or int(sources.max()) >= n_sources):
         raise ConfigError(f"a column's source is outside 0..{n_sources - 1}")
 
 
@@ -69,7 +75,7 @@ def unified_loss(
         raise ConfigError(f"every λ must be a positive number, got {list(weights)}")
     _check(scores, positive_index, sources, len(weights))
     log_weights = torch.log(torch.as_tensor(weights, dtype=scores.dtype, device=scores.device))
-    bias = log_weights[sources].expand(scores.shape[0], -1).clone()
+    bias = log_weights[sources].expand_as(scores).clone()
     bias[torch.arange(scores.shape[0], device=scores.device), positive_index] = 0.0  # the positive is not weighted
     return F.cross_entropy(_negatives_only(scores, positive_index, mask) + bias, positive_index)
 
@@ -89,11 +95,11 @@ def separate_terms_loss(
         raise ConfigError(f"{len(terms)} terms but {len(weights)} weights")
     if any(not (w >= 0 and math.isfinite(w)) for w in weights):
         raise ConfigError(f"term weights must be >= 0, got {list(weights)}")
-    n_sources = 1 + max([s for term in terms for s in term] + [int(sources.max()) if len(sources) else 0])
+    n_sources = 1 + max([s for term in terms for s in term] + [int(sources.max()) if sources.numel() else 0])
     _check(scores, positive_index, sources, n_sources)
     total = scores.new_zeros(())
     for term, weight in zip(terms, weights):
         in_term = torch.isin(sources, torch.as_tensor(list(term), device=sources.device))
-        keep = in_term.expand(scores.shape[0], -1)
+        keep = in_term.expand_as(scores)
         total = total + weight * F.cross_entropy(_negatives_only(scores, positive_index, mask, keep), positive_index)
     return total

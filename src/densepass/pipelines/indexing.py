@@ -1,4 +1,4 @@
-"""``densepass index``: a dataset's corpus into a saved index, resumably.
+"""``densepass index``: a dataset's corpus into a saved index, resumably (a phrase index is encoded in one go).
 
 Dense kinds encode the corpus shard by shard into a memory-mapped file (``index.embeddings``) kept
 beside the output while it is being built, named by the fingerprint of the model's weights and
@@ -30,9 +30,11 @@ from densepass.io import exclusive_lock
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT
 from densepass.models.splade import SpladeEncoder
+from densepass.phrase.index import PhraseIndex
+from densepass.phrase.model import PhraseEncoder
 from densepass.pipelines.retrievers import index_for_model
 
-INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid", "splade", "colbert")
+INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid", "splade", "colbert", "phrase")
 
 
 @dataclasses.dataclass
@@ -50,6 +52,7 @@ class IndexSettings:
     show_progress: bool = True
     sparse_model: str | None = None  # hybrid: a SPLADE model for the second part instead of BM25
     retriever: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # splade pruning, colbert storage
+    threshold: float | None = None  # phrase: the token filter's threshold (None: keep every vector)
 
     def __post_init__(self) -> None:
         if self.kind not in INDEX_KINDS:
@@ -106,6 +109,15 @@ def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> 
         elif settings.kind in ("splade", "colbert"):
             model = (SpladeEncoder if settings.kind == "splade" else ColBERT).from_pretrained(settings.model)
             index = index_for_model(model, corpus, settings.retriever, settings.batch_size, settings.device)
+        elif settings.kind == "phrase":
+            model = PhraseEncoder.from_pretrained(settings.model)
+            index = PhraseIndex.build(
+                model,
+                corpus,
+                device=settings.device,
+                threshold=settings.threshold,
+                show_progress=settings.show_progress,
+            )
         else:
             model = BiEncoder.from_pretrained(settings.model)
             kind = settings.dense_kind if settings.kind == "hybrid" else settings.kind

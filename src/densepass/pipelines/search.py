@@ -1,7 +1,8 @@
-"""Search pipelines: a first stage (any index: dense, BM25, hybrid) and an optional second stage that
+"""Search pipelines: a first stage (any index: dense, BM25, hybrid, phrase) and an optional second stage that
 re-scores the first stage's top candidates (a reranker, e.g. a cross-encoder).
 
-``SearchPipeline.search("query", k)`` returns ``Hit``s with the passage's id, score, title and text;
+``SearchPipeline.search("query", k)`` returns ``Hit``s with the passage's id, score, title and text (and,
+from a phrase index, the answer phrase and its character span);
 ``search_batch`` does many queries at once (what ``densepass serve`` calls with micro-batches).
 A reranked list holds every first-stage candidate it was given: the top ``rerank_depth`` re-ordered by
 the reranker, the rest after them in their first-stage order; nothing is lost.
@@ -24,16 +25,21 @@ import numpy as np
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.index.base import Index, SearchResults, check_k, load_index
+from densepass.phrase.index import PhraseIndex, PhraseSearchResults  # registers the phrase kind for load_index
 
 
 @dataclass
 class Hit:
-    """One retrieved passage."""
+    """One retrieved passage; a phrase index also gives the answer phrase and its character span
+    ``[start, end)`` in ``text``."""
 
     id: str
     score: float
     title: str
     text: str
+    answer: str | None = None
+    start: int | None = None
+    end: int | None = None
 
 
 class Reranker(Protocol):
@@ -81,6 +87,8 @@ class SearchPipeline:
             raise ConfigError(f"rerank depth must be >= 1, got {rerank_depth}")
         if reranker is not None and rerank_depth > len(index):
             raise ConfigError(f"rerank depth {rerank_depth} is larger than the index's {len(index)} passages")
+        if reranker is not None and isinstance(index, PhraseIndex):
+            raise ConfigError("a phrase index returns phrases: rerank passages with a passage index instead")
         self.index, self.reranker, self.rerank_depth = index, reranker, rerank_depth
 
     @classmethod
@@ -111,15 +119,18 @@ class SearchPipeline:
     def hits(self, results: SearchResults) -> list[list[Hit]]:
         """``Hit``s (with title and text) of search results."""
         corpus = results.passages
+        spans = isinstance(results, PhraseSearchResults)
         out = []
         for i in range(len(results)):
-            out.append(
-                [
-                    Hit(corpus.ids[r], float(s), corpus.titles[r], corpus.texts[r])
-                    for r, s in zip(results.rows[i].tolist(), results.scores[i].tolist())
-                    if r >= 0
-                ]
-            )
+            hits = []
+            for j, (r, s) in enumerate(zip(results.rows[i].tolist(), results.scores[i].tolist())):
+                if r >= 0:
+                    hit = Hit(corpus.ids[r], float(s), corpus.titles[r], corpus.texts[r])
+                    if spans:
+                        hit.answer = results.answers[i][j]
+                        hit.start, hit.end = int(results.starts[i, j]), int(results.ends[i, j])
+                    hits.append(hit)
+            out.append(hits)
         return out
 
     def describe(self) -> dict:

@@ -1,0 +1,177 @@
+"""``densepass phrase``: every stage end to end on a tiny model and dataset, resuming, and the phrase index
+through ``densepass index`` / ``densepass search``; the token filter's AUC-PR against scikit-learn."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.metrics import average_precision_score
+
+from densepass.cli import main
+from densepass.config import load_config
+from densepass.errors import ConfigError
+from densepass.phrase.config import PhraseConfig
+from densepass.phrase.experiment import run_phrase
+from densepass.phrase.metrics import average_precision, exact_match, f1_score, phrase_metrics
+from phrase_fixtures import tiny_phrase_model, write_phrase_squad
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([-2.0, -0.5, 0.0, 0.3, 1.0, 4.0]), st.booleans()), min_size=1, max_size=40))
+def test_average_precision_is_scikit_learns_on_the_same_scores_ties_included(pairs):
+    scores, labels = [s for s, _ in pairs], [int(y) for _, y in pairs]
+    if not any(labels):
+        assert average_precision(scores, labels) == 0.0
+        return
+    assert average_precision(scores, labels) == pytest.approx(average_precision_score(labels, scores))
+
+
+def test_squad_exact_match_and_f1_follow_the_official_normalisation():
+    assert exact_match("The  Broncos!", ["Denver Broncos", "broncos"]) == 1.0
+    assert exact_match("Denver", ["Denver Broncos"]) == 0.0
+    assert f1_score("the Denver Broncos team", ["Denver Broncos"]) == pytest.approx(0.8)
+    metrics = phrase_metrics([["Paris", "France"], ["x", "y", "Rome"], []], [["france"], ["Rome"], ["z"]], [1, 2, 3])
+    assert metrics["em@1"] == 0.0 and metrics["accuracy@2"] == pytest.approx(100 / 3)
+    assert metrics["accuracy@3"] == pytest.approx(200 / 3)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("phrase-run")
+    write_phrase_squad(root / "squad")
+    tiny_phrase_model(root / "bert")
+    overrides = [
+        f"data.name={root / 'squad'}",
+        f"output_dir={root / 'outputs'}",
+        "name=tiny",
+        "device=cpu",
+        f"model.base={root / 'bert'}",
+        "model.max_length=40",
+        "model.stride=8",
+        "model.title_max_tokens=4",
+        "model.max_answer_tokens=5",
+        "train.epochs=1",
+        "train.max_steps=3",
+        "train.passages_per_batch=2",
+        "train.checkpoint_every=2",
+        "validation.subcorpus=hard",
+        "validation.k=1",
+        "validation.every_steps=2",
+        "filter.epochs=2",
+        "filter.thresholds=[-100.0, 0.0, 100.0]",
+        "filter.threshold=-100.0",
+        "query_tuning.enabled=true",
+        "query_tuning.batch_size=4",
+        "query_tuning.top_k=5",
+        "eval.ks=[1, 3]",
+    ]
+    return root, overrides
+
+
+def test_every_stage_runs_and_a_rerun_skips_them(tiny_run):
+    root, overrides = tiny_run
+    config = load_config(None, overrides, PhraseConfig)
+    metrics = run_phrase(config, show_progress=False)
+    run_dir = root / "outputs" / "tiny"
+    assert metrics["train"]["steps"] == 3 and metrics["train"]["best"]["step"] in (2, 3)
+    evaluate = metrics["evaluate"]
+    assert 0 <= evaluate["unfiltered"]["em@1"] <= evaluate["unfiltered"]["accuracy@3"] <= 100
+    sweep = {r["threshold"]: r for r in evaluate["sweep"]}
+    assert sweep[-100.0]["start_vectors"] == evaluate["unfiltered"]["start_vectors"]  # nothing filtered
+    assert sweep[100.0]["start_vectors"] == 0 and sweep[100.0]["em@1"] == 0.0  # everything filtered
+    assert 0 < metrics["filter"]["best_auc_pr"] <= 1
+    assert metrics["query_tuning"]["steps"] > 0
+    assert {"config.yaml", "report.md", "metrics.json", "subcorpus.json", "eval_log.jsonl"} <= {
+        p.name for p in run_dir.iterdir()
+    }
+    again = run_phrase(config, show_progress=False)
+    assert again == metrics  # every stage was skipped
+
+
+def test_the_saved_index_answers_densepass_search(tiny_run, capsys):
+    root, overrides = tiny_run
+    run_phrase(load_config(None, overrides, PhraseConfig), show_progress=False)
+    index = root / "outputs" / "tiny" / "index"
+    assert main(["search", str(index), "what is the kernel driver?", "--k", "3", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "answer" in out and "span" in out
+    queries = root / "q.tsv"
+    queries.write_text("q1\tkernel driver?\nq2\tmusic player?\n")
+    assert main(["search", str(index), "--queries", str(queries), "--output", str(root / "run.trec")]) == 0
+    lines = (root / "run.trec").read_text().splitlines()
+    assert lines and all(len(line.split()) == 6 for line in lines)
+
+
+def test_densepass_index_builds_a_phrase_index_with_a_filter_threshold(tiny_run, capsys):
+    root, overrides = tiny_run
+    run_phrase(load_config(None, overrides, PhraseConfig), show_progress=False)
+    model = root / "outputs" / "tiny" / "model"
+    code = main(
+        [
+            "index",
+            str(root / "squad"),
+            "--format",
+            "squad",
+            "--kind",
+            "phrase",
+            "--model",
+            str(model),
+            "--filter-threshold",
+            "0.0",
+            "--output",
+            str(root / "idx"),
+            "--device",
+            "cpu",
+        ]
+    )
+    assert code == 0
+    manifest = json.loads((root / "idx" / "manifest.json").read_text())
+    assert manifest["kind"] == "phrase" and manifest["options"]["threshold"] == 0.0
+    logits = np.load(root / "idx" / "start_logits.npy")
+    assert manifest["stats"]["start_vectors"] == int((logits > 0.0).sum())
+
+
+def test_phrase_runs_refuse_a_layout_without_offsets_and_hard_negatives_with_eq1(tiny_run):
+    _, overrides = tiny_run
+    with pytest.raises(ConfigError, match="squad"):
+        run_phrase(load_config(None, [*overrides, "data.format=beir"], PhraseConfig))
+    with pytest.raises(ConfigError, match="unified"):
+        run_phrase(load_config(None, [*overrides, "train.loss=separate", "train.hard_negatives=1"], PhraseConfig))
+
+
+def test_every_phrase_config_key_has_help_and_densepass_config_explains_them(capsys):
+    from densepass.config import explain
+
+    rows = explain(PhraseConfig)
+    assert all(help_text for _, _, _, help_text in rows), [k for k, _, _, h in rows if not h]
+    assert main(["config", "--phrase", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "train.lambda_inb" in out and "filter.threshold" in out and "query_tuning.top_k" in out
+    assert main(["phrase", "--set", "train.lambda_inb=0"]) != 0  # out of range: one line, before any work
+    assert capsys.readouterr().err.strip() == "densepass: error: config.train.lambda_inb: must be > 0, got 0.0"
+
+
+def test_the_filter_is_validated_by_the_auc_pr_scikit_learn_gives_its_logits():
+    from densepass.phrase.config import FilterConfig
+    from densepass.phrase.encode import TokenVectors
+    from densepass.phrase.filter import filter_logits, fit_filter
+
+    rng = np.random.default_rng(0)
+
+    def table(n):
+        labels = rng.random((n, 2)) < 0.1
+        start = rng.normal(size=(n, 8)).astype(np.float32) + labels[:, :1] * 1.5  # positives shifted: learnable
+        end = rng.normal(size=(n, 8)).astype(np.float32) - labels[:, 1:] * 1.5
+        return TokenVectors(np.array([0, n]), np.zeros((n, 2), dtype=np.int64), start, end), labels
+
+    (train, train_labels), (valid, valid_labels) = table(2000), table(500)
+    token_filter, log = fit_filter(train, train_labels, valid, valid_labels, FilterConfig(epochs=3, batch_size=256))
+    start, end = filter_logits(token_filter, valid)
+    best = max(log, key=lambda r: r["auc_pr"])
+    assert best["auc_pr_start"] == pytest.approx(average_precision_score(valid_labels[:, 0], start))
+    assert best["auc_pr_end"] == pytest.approx(average_precision_score(valid_labels[:, 1], end))
+    assert best["auc_pr"] > 0.2  # well above the 0.1 base rate: the filter learnt something
