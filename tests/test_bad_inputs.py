@@ -12,13 +12,16 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from densepass.cli import main
+from densepass.config import load_config
 from densepass.data import default_data_dir, load_dataset
 from densepass.data.beir import load_beir
 from densepass.data.dpr import load_dpr
 from densepass.data.msmarco import load_msmarco
 from densepass.data.squad import load_squad
+from densepass.device import resolve_device
 from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.evaluation.metrics import check_metrics, evaluate_run, read_trec_run
 from test_data_readers import (
@@ -560,3 +563,22 @@ def test_the_shared_datasets_load_without_warnings(name, fmt):
     if not (data_dir / name).is_dir():
         pytest.skip(f"shared data not found at {data_dir}")
     no_data_warnings(lambda: load_dataset(name, data_dir=data_dir, format=fmt))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("cuda", "asked for, but this machine has no CUDA GPU"),
+        ("mps", "is not supported"),
+        ("gpu0", "is not a torch device"),
+    ],
+)
+def test_a_device_this_machine_lacks_is_a_one_line_error_before_any_work(tmp_path, name, message):
+    from densepass.pipelines.experiment import check
+
+    with pytest.raises(ConfigError, match=message):
+        resolve_device(name)
+    with pytest.raises(ConfigError, match=message):
+        check(load_config(None, [f"device={name}", f"output_dir={tmp_path}"]))
+    assert list(tmp_path.iterdir()) == []

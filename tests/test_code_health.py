@@ -83,3 +83,18 @@ def test_no_module_imports_itself_through_others():
     graph = {m: set(modules.find_modules_directly_imported_by(m)) for m in modules.modules}
     cycles = [sorted(c) for c in strongly_connected(graph) if len(c) > 1]
     assert not cycles, f"import cycles: {cycles}"
+
+
+UNPICKLING = ("torch.load(", "import pickle", "pickle.load", "joblib", "allow_pickle=True", "trust_remote_code=True")
+
+
+def test_nothing_densepass_reads_can_unpickle_or_run_remote_code():
+    """Checkpoints are safetensors + JSON, arrays are read with allow_pickle=False, models never run remote code:
+    a planted pickle is never executed (tests/test_faults.py checks that end to end)."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in sorted((ROOT / "src").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if any(pattern in line for pattern in UNPICKLING)
+    ]
+    assert offenders == []

@@ -113,5 +113,5 @@ class BM25Index(Index):
             raise ConfigError(f"a BM25 index takes no load options (got {', '.join(options)})")
         index = cls(**manifest["options"])
         index.passages = passages
-        index.retriever = bm25s.BM25.load(str(directory / BM25_DIR))
+        index.retriever = bm25s.BM25.load(str(directory / BM25_DIR), allow_pickle=False)
         return index

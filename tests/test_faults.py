@@ -1,0 +1,304 @@
+"""Fault injection: real ``densepass`` processes killed (SIGKILL) part-way through training, indexing and
+mining, then run again, end exactly where an uninterrupted run ends; damaged saved files, planted
+pickles, concurrent runs and changed settings are handled as docs/reliability.md promises."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import write_tiny_beir
+
+pytestmark = pytest.mark.timeout(900)
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+
+
+def densepass(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "densepass", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+
+
+def start(*args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "densepass", *args],
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def kill_when(process: subprocess.Popen, ready, seed: int, timeout: float = 300) -> bool:
+    """SIGKILL ``process`` a random moment (0-0.3 s, seeded) after ``ready()`` turns true; False if it ended first."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if process.poll() is not None:
+            return False
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail("the process never reached the point where it should be killed")
+        time.sleep(0.02)
+    time.sleep(random.Random(seed).uniform(0, 0.3))
+    if process.poll() is not None:
+        return False
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    return True
+
+
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "train_log.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def dropout_model(tmp_path_factory) -> Path:
+    """A tiny random BERT *with dropout*, so that resuming must restore the random state to be exact."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from densepass.models.biencoder import resolve_model_path
+
+    path = tmp_path_factory.mktemp("dropout-bert")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
+    torch.manual_seed(1)  # other weights than tiny_model_dir
+    BertModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def train_config(root: Path, data: Path, model: Path, *extra: str, epochs: int = 6) -> Path:
+    lines = [
+        "name: run",
+        f"output_dir: {root}",
+        "data:",
+        f"  name: {data}",
+        "model:",
+        f"  name_or_path: {model}",
+        "  passage_max_length: 32",
+        "negatives:",
+        "  source: bm25",
+        "  pool_depth: 5",
+        "  per_query: 1",
+        "train:",
+        "  batch_size: 8",
+        f"  epochs: {epochs}",
+        "  checkpoint_every: 1",
+        "  keep_checkpoints: 3",
+        "  log_every: 1",
+        "  learning_rate: 1.0e-3",
+        "eval:",
+        "  baselines: []",
+        "  metrics: [mrr@10]",
+        "  depth: 10",
+        *extra,
+    ]
+    path = root / "config.yaml"
+    root.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ---- training -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["random", "abs-encoder"])
+def test_training_killed_at_a_random_step_resumes_to_the_same_weights(tmp_path, tiny_beir, dropout_model, schedule):
+    extra = (
+        []
+        if schedule == "random"
+        else ["schedule:", "  method: abs-greedy", "  similarity: bm25-then-encoder", "  background: false"]
+    )
+    reference = train_config(tmp_path / "reference", tiny_beir, dropout_model, *extra)
+    assert densepass("run", str(reference), cwd=tmp_path).returncode == 0
+    interrupted = train_config(tmp_path / "interrupted", tiny_beir, dropout_model, *extra)
+    run_dir = tmp_path / "interrupted" / "run"
+    process = start("run", str(interrupted), cwd=tmp_path)
+    assert kill_when(process, lambda: (run_dir / "checkpoints" / "step-5").is_dir(), seed=len(schedule))
+    assert not (run_dir / "model").exists()  # interrupted in the middle: 18 steps in all
+    result = densepass("run", str(interrupted), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert_same_weights(tmp_path / "reference" / "run" / "model", run_dir / "model")
+    assert losses(run_dir) == losses(tmp_path / "reference" / "run")  # the resumed steps logged the same losses
+
+
+def test_a_damaged_newest_checkpoint_falls_back_and_still_ends_exactly(tmp_path, tiny_beir, dropout_model):
+    config = train_config(tmp_path / "a", tiny_beir, dropout_model)
+    assert densepass("run", str(config), cwd=tmp_path).returncode == 0
+    run_dir = tmp_path / "a" / "run"
+    reference = weights(run_dir / "model")
+    newest = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))[-1]
+    state = newest / "state.safetensors"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # truncated, as by a full disk
+    (run_dir / "model" / "model.safetensors").unlink()
+    result = densepass("run", str(config), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"{newest} is damaged" in result.stderr and "Traceback" not in result.stderr
+    again = weights(run_dir / "model")
+    assert all(torch.equal(reference[k], again[k]) for k in reference)
+
+
+def test_a_planted_pickle_in_a_checkpoint_is_never_executed(tmp_path, tiny_beir, dropout_model):
+    config = train_config(tmp_path / "a", tiny_beir, dropout_model, epochs=1)
+    run_dir = tmp_path / "a" / "run"
+    marker = tmp_path / "pwned"
+    planted = run_dir / "checkpoints" / "step-99"
+    planted.mkdir(parents=True)
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    payload = __import__("pickle").dumps(Exploit())
+    for name in ("trainer_state.pt", "state.safetensors", "state.json", "model.pt"):
+        (planted / name).write_bytes(payload)
+    result = densepass("run", str(config), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not marker.exists()
+    assert "step-99 is damaged" in result.stderr
+
+
+def test_resuming_with_other_settings_is_refused_and_keeps_the_config(tmp_path, tiny_beir, dropout_model):
+    config = train_config(tmp_path / "a", tiny_beir, dropout_model)
+    assert densepass("run", str(config), cwd=tmp_path).returncode == 0
+    saved = (tmp_path / "a" / "run" / "config.yaml").read_text()
+    changed = densepass("run", str(config), "--set", "train.batch_size=4", cwd=tmp_path)
+    assert changed.returncode == 2 and "train.batch_size differ" in changed.stderr and "--restart" in changed.stderr
+    typo = densepass("run", str(config), "--set", "data.name=no-such-dataset", cwd=tmp_path)
+    assert typo.returncode == 2 and "not found" in typo.stderr
+    assert (tmp_path / "a" / "run" / "config.yaml").read_text() == saved  # neither failed run wrote it
+    restarted = densepass("run", str(config), "--set", "train.batch_size=4", "--restart", cwd=tmp_path)
+    assert restarted.returncode == 0, restarted.stderr[-2000:]
+    assert "batch_size: 4" in (tmp_path / "a" / "run" / "config.yaml").read_text()
+
+
+def test_a_second_run_into_the_same_directory_is_refused(tmp_path, tiny_beir, dropout_model):
+    config = train_config(tmp_path / "a", tiny_beir, dropout_model)
+    first = start("run", str(config), cwd=tmp_path)
+    lock = tmp_path / "a" / "run" / ".lock"
+    deadline = time.monotonic() + 120
+    while not (lock.is_file() and lock.read_text().startswith("pid")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second = densepass("run", str(config), cwd=tmp_path)
+    first.wait(timeout=600)
+    assert first.returncode == 0
+    assert second.returncode == 2 and "is in use by another densepass run" in second.stderr
+
+
+# ---- indexing -----------------------------------------------------------------------------------------
+
+
+def test_indexing_killed_part_way_resumes_to_the_same_index(tmp_path, tiny_model_dir):
+    data = write_tiny_beir(tmp_path / "corpus", n_passages=3000, seed=1)
+    args = ["index", str(data), "--model", str(tiny_model_dir), "--shard-size", "300", "--batch-size", "64"]
+    assert densepass(*args, "--output", "reference", cwd=tmp_path).returncode == 0
+    work = tmp_path / ".interrupted.encoding"
+
+    def two_shards_done() -> bool:
+        return any(len(p.read_text().split()) >= 2 for p in work.glob("*.done"))
+
+    assert kill_when(start(*args, "--output", "interrupted", cwd=tmp_path), two_shards_done, seed=3)
+    assert not (tmp_path / "interrupted").exists()  # nothing half-written where the index goes
+    assert densepass(*args, "--output", "interrupted", cwd=tmp_path).returncode == 0
+    for name in ("embeddings.npy", "passages.jsonl"):
+        assert (tmp_path / "interrupted" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
+    assert not work.exists()
+
+
+def test_reindexing_with_another_model_or_corpus_never_reuses_old_rows(tmp_path, tiny_model_dir, dropout_model):
+    from densepass.index import load_index
+
+    big, small = write_tiny_beir(tmp_path / "big", 260), write_tiny_beir(tmp_path / "small", 60, seed=2)
+    assert densepass("index", str(big), "--model", str(tiny_model_dir), "--output", "idx", cwd=tmp_path).returncode == 0
+    result = densepass("index", str(small), "--model", str(tiny_model_dir), "--output", "idx", cwd=tmp_path)
+    assert result.returncode == 0 and "indexed 60 passages" in result.stdout
+    index = load_index(tmp_path / "idx")
+    assert len(index) == 60 and index.search(["audio"], k=100).rows.max() < 60
+    before = np.load(tmp_path / "idx" / "embeddings.npy")
+    assert (
+        densepass("index", str(small), "--model", str(dropout_model), "--output", "idx", cwd=tmp_path).returncode == 0
+    )
+    assert not np.array_equal(np.load(tmp_path / "idx" / "embeddings.npy"), before)
+
+
+@pytest.mark.parametrize("victim", ["embeddings.npy", "passages.jsonl", "manifest.json", "bm25s"])
+def test_a_damaged_saved_index_is_a_one_line_error(tmp_path, tiny_model_dir, victim):
+    data = write_tiny_beir(tmp_path / "data", 40)
+    kind = "bm25" if victim == "bm25s" else "exact"
+    assert (
+        densepass(
+            "index", str(data), "--kind", kind, "--model", str(tiny_model_dir), "--output", "idx", cwd=tmp_path
+        ).returncode
+        == 0
+    )
+    target = tmp_path / "idx" / victim
+    if target.is_dir():
+        target = sorted(p for p in target.iterdir() if p.is_file())[0]
+    target.write_bytes(target.read_bytes()[: max(1, target.stat().st_size // 2)])
+    result = densepass("search", "idx", "audio editor", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "not a usable densepass index" in result.stderr
+
+
+# ---- mining -------------------------------------------------------------------------------------------
+
+
+def test_mining_killed_part_way_writes_nothing_and_resumes_to_the_same_file(tmp_path, tiny_model_dir):
+    data = write_tiny_beir(tmp_path / "data", 200, seed=4)
+    args = [
+        "mine",
+        str(data),
+        "--strategy",
+        "dense",
+        "--dense-dim",
+        "8",
+        "--miner-steps",
+        "60",
+        "--depth",
+        "5",
+        "--set",
+        f"model.name_or_path={tiny_model_dir}",
+        "--set",
+        "train.batch_size=8",
+    ]
+    assert densepass(*args, "--output", "reference.jsonl", cwd=tmp_path).returncode == 0
+    process = start(*args, "--output", "out.jsonl", cwd=tmp_path)
+    started = time.monotonic()
+    killed = kill_when(process, lambda: time.monotonic() - started > 6 + random.Random(5).uniform(0, 3), seed=5)
+    if killed:
+        assert not (tmp_path / "out.jsonl").exists()  # written atomically, only once complete
+    assert densepass(*args, "--output", "out.jsonl", cwd=tmp_path).returncode == 0
+    assert (tmp_path / "out.jsonl").read_text() == (tmp_path / "reference.jsonl").read_text()
