@@ -1,4 +1,4 @@
-"""Step time and peak memory of each way of adding negatives (issue 18): in-batch only, pre-batch T, MoCo K, the
+"""Step time and peak memory of each way of adding negatives: in-batch only, pre-batch T, MoCo K, the
 unified λ loss (eq. 2), the separate terms (eq. 1) and LTR, with all-MiniLM-L6-v2 on debian-packages.
 
     python benchmarks/bench_negatives.py --steps 2 --warmup 1 --batch-size 8 --only in-batch "MoCo K=4096"  # smoke

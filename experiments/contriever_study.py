@@ -1,4 +1,4 @@
-"""Contriever-style pre-training against no pre-training and against coCondenser (issue 18), on debian-packages.
+"""Contriever-style pre-training against no pre-training and against coCondenser, on debian-packages.
 
     python experiments/contriever_study.py --out outputs/contriever-study          # every stage, then the report
     python experiments/contriever_study.py --stage report --out ...                 # the tables from finished runs

@@ -1,4 +1,4 @@
-"""Cross-encoder reranking and distillation into the bi-encoder (issue 17; neural-retrieval-lecture:
+"""Cross-encoder reranking and distillation into the bi-encoder (neural-retrieval-lecture:
 cross-encoder re-ranking and Margin-MSE distillation; training-inference-gap §2: distillation from a
 cross encoder), every row with a paired test against the contrastive bi-encoder.
 

@@ -1,4 +1,4 @@
-"""More negatives per step on debian-packages (issue 18): pre-batch negatives, a MoCo queue, λ per source, LTR.
+"""More negatives per step on debian-packages: pre-batch negatives, a MoCo queue, λ per source, LTR.
 
     python experiments/more_negatives.py --steps 192 --out outputs/more-negatives     # every variant, then report
     python experiments/more_negatives.py --only in-batch pre-batch-4 ...             # some variants
