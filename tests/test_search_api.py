@@ -1,0 +1,218 @@
+"""End to end through the search API: saved indexes answer like a brute-force reference, an index refuses
+another model in one line, `densepass run` -> `index` -> `search` -> `evaluate` reproduces the run's own
+metrics, and `densepass serve` answers like the in-process pipeline and shuts down cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from conftest import write_tiny_beir
+from densepass import cli
+from densepass.data import load_dataset
+from densepass.errors import ConfigError
+from densepass.evaluation.metrics import read_trec_run
+from densepass.index import BM25Index, DenseIndex, SearchResults, load_index
+from densepass.models.biencoder import BiEncoder
+from densepass.pipelines.search import SearchPipeline
+from densepass.serve import hit_to_json
+
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+QUERIES = ["audio video player", "kernel driver printer", "python compiler shell", "mail server backup"]
+METRICS = ["mrr@10", "ndcg@10", "recall@20"]
+DEPTH = 20  # the run's eval.depth and the k of `densepass search`
+
+
+def densepass(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python3 -m densepass ARGS`` in a fresh process that imports this checkout."""
+    command = [sys.executable, "-m", "densepass", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """conftest's tiny BERT architecture and tokenizer with other random weights (another torch seed)."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    path = tmp_path_factory.mktemp("other-bert")
+    torch.manual_seed(1)
+    BertModel(BertConfig.from_pretrained(tiny_model_dir)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return load_dataset(str(write_tiny_beir(tmp_path_factory.mktemp("data") / "tiny"))).corpus
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> BiEncoder:
+    return BiEncoder.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def saved(model, corpus, tmp_path_factory) -> dict[str, Path]:
+    """Each kind's index of the tiny corpus, saved: {kind: directory}, and the in-memory BM25 index."""
+    root = tmp_path_factory.mktemp("indexes")
+    indexes = {kind: DenseIndex.build(model, corpus, kind, show_progress=False) for kind in ("exact", "faiss-flat")}
+    indexes["bm25"] = BM25Index.build(corpus)
+    return {kind: index.save(root / kind) for kind, index in indexes.items()} | {"bm25-in-memory": indexes["bm25"]}
+
+
+def brute_force(model: BiEncoder, corpus, queries: list[str], k: int) -> tuple[list[list[str]], np.ndarray]:
+    """The top-k passage ids and scores of each query by every dot product, sorted in numpy."""
+    scores = model.encode_queries(queries, show_progress=False) @ model.encode_passages(corpus, show_progress=False).T
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return [[corpus.ids[r] for r in row] for row in order], np.take_along_axis(scores, order, axis=1)
+
+
+def assert_same_ranking(results: SearchResults, ids: list[list[str]], scores: np.ndarray, atol: float) -> None:
+    """``results`` rank exactly ``ids`` with ``scores`` (to ``atol``)."""
+    assert [results.ids(i) for i in range(len(results))] == ids
+    np.testing.assert_allclose(results.scores, scores, atol=atol)
+
+
+@pytest.mark.parametrize("kind", ["exact", "faiss-flat"])
+def test_a_saved_dense_index_searches_like_brute_force_dot_products(model, corpus, saved, kind):
+    results = load_index(saved[kind], model=model).search(QUERIES, k=5)
+    assert_same_ranking(results, *brute_force(model, corpus, QUERIES, 5), atol=1e-5)
+
+
+def test_a_saved_bm25_index_searches_like_the_one_in_memory(saved):
+    loaded, built = load_index(saved["bm25"]), saved["bm25-in-memory"]
+    expected = list(built.search(QUERIES, k=5))
+    assert any(expected) and list(loaded.search(QUERIES, k=5)) == expected
+
+
+@pytest.mark.parametrize("kind", ["exact", "faiss-flat", "bm25"])
+def test_adding_the_second_half_searches_like_building_over_everything(model, corpus, kind):
+    half = len(corpus) // 2
+    first, second = corpus.subset(list(range(half))), corpus.subset(list(range(half, len(corpus))))
+    build = BM25Index.build if kind == "bm25" else lambda c: DenseIndex.build(model, c, kind, show_progress=False)
+    grown = build(first)
+    grown.add(second)
+    whole = build(corpus)
+    assert grown.passages.ids == corpus.ids
+    expected = whole.search(QUERIES, k=5)
+    ids = [expected.ids(i) for i in range(len(expected))]
+    assert_same_ranking(grown.search(QUERIES, k=5), ids, expected.scores, atol=1e-6)
+
+
+def test_loading_a_dense_index_with_another_model_is_a_one_line_error(saved, other_model_dir):
+    built_with = json.loads((saved["exact"] / "manifest.json").read_text())["model"]["fingerprint"][:12]
+    with pytest.raises(ConfigError, match=f"built with another model \\(weights {built_with}") as err:
+        load_index(saved["exact"], model=BiEncoder.from_pretrained(str(other_model_dir)))
+    assert "\n" not in str(err.value)
+    done = densepass("search", saved["exact"], "audio player", "--model", other_model_dir, "--device", "cpu")
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("densepass: error: ")]
+    assert errors == [f"densepass: error: {err.value}"], done.stderr
+    assert done.stderr.strip().endswith(errors[0]) and "Traceback" not in done.stderr
+
+
+def test_run_then_index_search_and_evaluate_reproduce_the_runs_metrics(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    # The commands run in this process through the CLI's entry point (argument parsing and error handling
+    # included) to keep the module fast; the other tests start fresh processes. The run evaluates every dev
+    # query over the full corpus in dense mode with an exact index (no query sample, no subcorpus, no rerank
+    # mode): the same search that `densepass index` + `densepass search --k eval.depth` do from the saved model.
+    settings = [
+        f"data.name={tiny_beir}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"output_dir={tmp_path}",
+        "name=t",
+        "device=cpu",
+        "train.batch_size=8",
+        "train.max_steps=2",
+        "negatives.pool_depth=5",
+        "model.passage_max_length=32",
+        f"eval.metrics=[{', '.join(METRICS)}]",
+        f"eval.depth={DEPTH}",
+        "eval.mode=full",
+        "eval.index=exact",
+        "eval.baselines=[]",
+    ]
+    assert cli.main(["run", *[arg for setting in settings for arg in ("--set", setting)]]) == 0
+    run_dir, index, run = tmp_path / "t", str(tmp_path / "index"), tmp_path / "search.trec"
+    dataset = load_dataset(str(tiny_beir))
+    queries = tmp_path / "dev-queries.tsv"  # `densepass evaluate` refuses a run with queries outside the split
+    queries.write_text("".join(f"{q}\t{dataset.queries[q]}\n" for q in sorted(dataset.split("dev"))))
+    device = ["--device", "cpu"]
+    assert cli.main(["index", str(tiny_beir), "--model", str(run_dir / "model"), "--output", index, *device]) == 0
+    assert cli.main(["search", index, "--queries", str(queries), "--output", str(run), "--k", str(DEPTH), *device]) == 0
+    capsys.readouterr()
+    assert cli.main(["evaluate", str(tiny_beir), str(run), "--split", "dev", "--metrics", *METRICS]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics == pytest.approx(
+        json.loads((run_dir / "metrics.json").read_text())["results"]["fine-tuned"], abs=1e-6
+    )
+    ours, theirs = read_trec_run(run), read_trec_run(run_dir / "runs" / "fine-tuned.trec")
+    assert {q: list(ranked) for q, ranked in ours.items()} == {q: list(ranked) for q, ranked in theirs.items()}
+    assert {q: list(ranked.values()) for q, ranked in ours.items()} == pytest.approx(
+        {q: list(ranked.values()) for q, ranked in theirs.items()}, abs=2e-6
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def without_scores(results: list[list[dict]]) -> list[list[dict]]:
+    return [[{key: value for key, value in hit.items() if key != "score"} for hit in hits] for hits in results]
+
+
+def scores(results: list[list[dict]]) -> list[list[float]]:
+    return [[hit["score"] for hit in hits] for hits in results]
+
+
+def test_the_service_answers_like_the_pipeline_and_shuts_down_cleanly_on_sigterm(model, saved):
+    port, queries = free_port(), QUERIES[:2]
+    command = [sys.executable, "-m", "densepass", "serve", str(saved["exact"]), "--port", str(port), "--device", "cpu"]
+    server = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, trust_env=False) as http:
+            deadline = time.monotonic() + 60
+            while True:
+                assert server.poll() is None, server.communicate()[1]
+                assert time.monotonic() < deadline, "the service did not start"
+                with contextlib.suppress(httpx.TransportError):
+                    health = http.get("/health")
+                    break
+                time.sleep(0.1)
+            answer = http.post("/search", json={"queries": queries, "k": 3})
+            wrong_type = http.post("/search", json={"queries": "audio player", "k": 3})
+            malformed = http.post(
+                "/search", content=b'{"queries": ["audio', headers={"Content-Type": "application/json"}
+            )
+        server.send_signal(signal.SIGTERM)
+        _, log = server.communicate(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    pipeline = SearchPipeline.load(saved["exact"], model=model)
+    assert health.status_code == 200 and health.json()["searcher"] == pipeline.describe()
+    assert answer.status_code == 200, answer.text
+    expected = [[hit_to_json(hit) for hit in hits] for hits in pipeline.search_batch(queries, 3)]
+    served = answer.json()["results"]
+    assert without_scores(served) == without_scores(expected)  # ids, titles and texts, in the same order
+    np.testing.assert_allclose(scores(served), scores(expected), atol=1e-5)
+    for response, status in ((wrong_type, 422), (malformed, 400)):
+        assert response.status_code == status and set(response.json()) == {"error"}, response.text
+    # uvicorn finishes its graceful shutdown, then re-raises the signal it caught: killed by SIGTERM (or 0)
+    assert server.returncode in (0, -signal.SIGTERM), log
+    assert "Application shutdown complete" in log and "Traceback" not in log
