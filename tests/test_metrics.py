@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from densepass.errors import DataError, DensepassError
+from densepass.errors import DataError, DataWarning, DensepassError
 from densepass.evaluation.answers import has_answer, normalize_answer, top_k_accuracy
 from densepass.evaluation.metrics import (
     evaluate_run,
@@ -89,9 +89,10 @@ def test_queries_without_relevant_passages_are_not_averaged():
     assert got["mrr@10"] == pytest.approx(1 / 1)
 
 
-def test_run_query_absent_from_qrels_raises():
-    with pytest.raises(DataError, match="absent from the qrels"):
-        evaluate_run({"q1": {"a": 1}}, {"q1": {"a": 1.0}, "q9": {"a": 1.0}}, ["mrr@10"])
+def test_run_queries_absent_from_the_qrels_are_left_out_with_one_warning():
+    with pytest.warns(DataWarning, match="1 queries absent from the qrels .*'q9'.*not evaluated"):
+        got = evaluate_run({"q1": {"a": 1}}, {"q1": {"b": 2.0, "a": 1.0}, "q9": {"a": 1.0}}, ["mrr@10"])
+    assert got["mrr@10"] == pytest.approx(1 / 2)
 
 
 def test_qrels_without_relevant_pair_raise():

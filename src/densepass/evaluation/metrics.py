@@ -96,8 +96,12 @@ def _ranx_inputs(qrels: Qrels, run: Run):
     if not judged:
         raise DataError("no query in the qrels has a relevant passage")
     unknown = set(run) - set(qrels)
-    if unknown:
-        raise DataError(f"the run has {len(unknown)} queries absent from the qrels (e.g. {next(iter(unknown))!r})")
+    if unknown:  # as trec_eval does: a run over every query of a dataset evaluates on one split's
+        warnings.warn(
+            f"the run has {len(unknown)} queries absent from the qrels (e.g. {sorted(unknown)[0]!r}): not evaluated",
+            DataWarning,
+            stacklevel=3,
+        )
     # ranx needs every judged query in the run; an empty ranking scores zero.
     full_run = {q: (run.get(q) or {"__none__": 0.0}) for q in judged}
     return RanxQrels(judged), RanxRun(full_run)
