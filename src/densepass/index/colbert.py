@@ -22,8 +22,7 @@ inverted list per centroid holds the passages with a token there. Search, per qu
 pruned search is measured against. A query longer than ``query_max_length`` tokens is cut (every
 encoder here truncates), with one ``DataWarning`` per search call saying how many were.
 
->>> from densepass.models.batching import warn_long_queries
-from densepass.models.colbert import ColBERT
+>>> from densepass.models.colbert import ColBERT
 >>> _ = torch.manual_seed(0)
 >>> model = ColBERT.from_pretrained("all-MiniLM-L6-v2")
 >>> index = ColbertIndex.build(model, ["tar archiving utility", "X11 window manager"], device=torch.device("cpu"))
