@@ -17,6 +17,7 @@ run would have: same batches, same dropout, same final weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -37,6 +38,12 @@ from densepass.io import atomic_directory, atomic_write_text, manifest_problem, 
 BOOKKEEPING = ("checkpoint_every", "keep_checkpoints", "log_every")
 STATE_JSON = "state.json"
 STATE_TENSORS = "state.safetensors"
+
+
+def training_identity(config: Any) -> dict:
+    """The settings of a training config dataclass that change what is trained (every field but the
+    ``BOOKKEEPING`` ones): resuming across a change is refused."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in BOOKKEEPING}
 
 
 # ---- a tree of tensors and JSON values, stored without pickle ----------------------------------

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from densepass.checkpoints import Checkpoints, restore_rng, trim_log
+from densepass.checkpoints import Checkpoints, trim_log
 from densepass.data.squad import SquadSpans
 from densepass.errors import ConfigError
 from densepass.phrase.batches import PhraseExample
@@ -35,6 +35,7 @@ from densepass.phrase.index import PhraseIndex
 from densepass.phrase.metrics import exact_match
 from densepass.phrase.model import PhraseEncoder
 from densepass.phrase.spans import top_spans
+from densepass.phrase.train import restore_training
 from densepass.phrase.windows import char_span_to_tokens
 from densepass.training.trainer import seed_everything
 
@@ -96,12 +97,7 @@ def tune_question_encoder(
     step = 0
     resumed = checkpoints.latest()
     if resumed is not None:
-        saved = PhraseEncoder.from_pretrained(str(resumed.path / "model"), model.config)
-        model.load_state_dict(saved.state_dict())
-        model.to(device)
-        optimizer.load_state_dict(resumed.optimizer)
-        scheduler.load_state_dict(resumed.scheduler)
-        restore_rng(resumed.rng)
+        restore_training(resumed, model, optimizer, scheduler, device)
         step = resumed.step
     trim_log(log_path, step)
     start_vectors = torch.from_numpy(np.asarray(index.stored["start"][1], dtype=np.float32)).to(device)

@@ -10,7 +10,6 @@ accuracy on a subcorpus, §3) the best model so far is kept in ``best-model/``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from densepass.checkpoints import BOOKKEEPING, Checkpoints, restore_rng, trim_log
+from densepass.checkpoints import Checkpoints, Resumed, restore_rng, training_identity, trim_log
 from densepass.data.dataset import Corpus, sample_queries
 from densepass.data.squad import SquadSpans
 from densepass.errors import ConfigError
@@ -184,9 +183,14 @@ def step_loss(
     return loss, columns
 
 
-def training_identity(config: PhraseTrainConfig) -> dict:
-    """The settings that change the trained model (resuming across a change is refused)."""
-    return {k: v for k, v in dataclasses.asdict(config).items() if k not in BOOKKEEPING}
+def restore_training(resumed: Resumed, model: PhraseEncoder, optimizer, scheduler, device: torch.device) -> None:
+    """Load a checkpoint's phrase model, optimizer, learning-rate schedule and random states in place."""
+    saved = PhraseEncoder.from_pretrained(str(resumed.path / "model"), model.config)
+    model.load_state_dict(saved.state_dict())
+    model.to(device)
+    optimizer.load_state_dict(resumed.optimizer)
+    scheduler.load_state_dict(resumed.scheduler)
+    restore_rng(resumed.rng)
 
 
 def train_phrases(
@@ -227,12 +231,7 @@ def train_phrases(
     step, interval, best = 0, [0.0, 0], None
     resumed = checkpoints.latest()
     if resumed is not None:
-        saved = PhraseEncoder.from_pretrained(str(resumed.path / "model"), model.config)
-        model.load_state_dict(saved.state_dict())
-        model.to(device)
-        optimizer.load_state_dict(resumed.optimizer)
-        scheduler.load_state_dict(resumed.scheduler)
-        restore_rng(resumed.rng)
+        restore_training(resumed, model, optimizer, scheduler, device)
         memory.load_state_dict(resumed.extra["memory"])
         step, interval, best = resumed.step, list(resumed.extra["interval"]), resumed.extra["best"]
     trim_log(log_path, step)

@@ -16,7 +16,6 @@ worker thread.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, get_linear_schedule_with_warmup
 
-from densepass.checkpoints import BOOKKEEPING, Checkpoints, restore_rng, trim_log
+from densepass.checkpoints import Checkpoints, restore_rng, training_identity, trim_log
 from densepass.config import RerankerTrainConfig
 from densepass.device import autocast_context
 from densepass.errors import ConfigError
@@ -56,11 +55,6 @@ def parameter_groups(model: CrossEncoder, config: RerankerTrainConfig) -> list[d
     if head:
         groups.append({"params": [p for n, p in named if n in head], "lr": config.head_learning_rate})
     return groups
-
-
-def reranker_identity(config: RerankerTrainConfig) -> dict:
-    """The settings of ``config`` that change the trained cross-encoder (resuming across a change is refused)."""
-    return {k: v for k, v in dataclasses.asdict(config).items() if k not in BOOKKEEPING}
 
 
 def train_cross_encoder(
@@ -94,7 +88,7 @@ def train_cross_encoder(
     )
     scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
     checkpoints = Checkpoints(
-        run_dir, config.keep_checkpoints, {"reranker": reranker_identity(config), **(identity or {})}
+        run_dir, config.keep_checkpoints, {"reranker": training_identity(config), **(identity or {})}
     )
     log_path = run_dir / "train_log.jsonl"
     loss_fn = localized_contrastive_loss if config.loss == "listwise" else pointwise_bce_loss

@@ -9,7 +9,6 @@ ends with the same weights, bit for bit, as one that never stopped.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import random
 import time
@@ -23,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from densepass.checkpoints import BOOKKEEPING, Checkpoints, restore_rng, trim_log
+from densepass.checkpoints import Checkpoints, restore_rng, training_identity, trim_log
 from densepass.config import TrainConfig
 from densepass.device import uses_bf16
 from densepass.models.biencoder import BiEncoder
@@ -78,11 +77,6 @@ def planned_steps(steps_per_epoch: int, config: TrainConfig) -> int:
     """Training steps of a run: every epoch's batches, capped by ``max_steps``."""
     total = steps_per_epoch * config.epochs
     return total if config.max_steps is None else min(total, config.max_steps)
-
-
-def training_identity(config: TrainConfig) -> dict:
-    """The settings of ``config`` that change the trained model (resuming across a change is refused)."""
-    return {k: v for k, v in dataclasses.asdict(config).items() if k not in BOOKKEEPING}
 
 
 def checkpoints_of(run_dir: Path, config: TrainConfig, identity: dict | None = None) -> Checkpoints:
