@@ -22,14 +22,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common import environment, markdown_table, pick_device, write_json
+from common import StepClock, environment, markdown_table, pick_device, write_json
 from densepass.config import LossConfig, TrainConfig
 from densepass.data import load_dataset
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
@@ -53,24 +52,6 @@ VARIANTS: dict[str, dict] = {
     "pre-batch T=4, eq. 1": {"memory": "pre-batch", "pre_batches": 4, "combine": "separate"},
     "LTR": {"kind": "ltr"},
 }
-
-
-class StepClock:
-    """Seconds between the end of step ``start`` and the end of step ``stop`` (device synchronised)."""
-
-    def __init__(self, device: torch.device, start: int, stop: int) -> None:
-        self.device, self.start, self.stop = device, start, stop
-        self.t0 = self.seconds = None
-
-    def __call__(self, step: int) -> None:
-        """Record the time of step ``step``."""
-        if step in (self.start, self.stop):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            if step == self.start:
-                self.t0 = time.perf_counter()
-            else:
-                self.seconds = time.perf_counter() - self.t0
 
 
 def reset_peak(device: torch.device) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import environment, markdown_table, pick_device, rate, sync, write_json
+from common import StepClock, environment, markdown_table, pick_device, rate, sync, write_json
 from densepass.config import RerankerTrainConfig
 from densepass.data import load_dataset
 from densepass.device import autocast_context, uses_bf16
@@ -40,23 +40,6 @@ from densepass.negatives.pool import passage_ids
 from densepass.training.batches import TrainingData
 from densepass.training.cross_encoder import group_pairs, train_cross_encoder
 from densepass.training.teacher_scores import PASSAGE_SEP
-
-
-class StepClock:
-    """Seconds between the end of step ``start`` and the end of step ``stop`` (device synchronised)."""
-
-    def __init__(self, device: torch.device, start: int, stop: int) -> None:
-        self.device, self.start, self.stop = device, start, stop
-        self.t0 = self.seconds = None
-
-    def __call__(self, step: int) -> None:
-        """Record the time of step ``step``."""
-        if step in (self.start, self.stop):
-            sync(self.device)
-            if step == self.start:
-                self.t0 = time.perf_counter()
-            else:
-                self.seconds = time.perf_counter() - self.t0
 
 
 def train_densepass(path: str, data: TrainingData, args, device: torch.device, bf16: bool) -> float:

@@ -35,26 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import environment, markdown_table, pick_device, rate, sync, write_json
+from common import StepClock, environment, markdown_table, pick_device, rate, sync, write_json
 
 FIELDS = ("anchor", "positive", "negative")
-
-
-class StepClock:
-    """Seconds between the end of step ``start`` and the end of step ``stop`` (device synchronised)."""
-
-    def __init__(self, device: torch.device, start: int, stop: int) -> None:
-        self.device, self.start, self.stop = device, start, stop
-        self.t0 = self.seconds = None
-
-    def __call__(self, step: int) -> None:
-        """Record the time of step ``step``."""
-        if step in (self.start, self.stop):
-            sync(self.device)
-            if step == self.start:
-                self.t0 = time.perf_counter()
-            else:
-                self.seconds = time.perf_counter() - self.t0
 
 
 def st_trainer_seconds(model, loss, triplets: dict, args, device, bf16: bool) -> float:

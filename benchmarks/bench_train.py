@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import environment, markdown_table, pick_device, rate, sync, write_json
+from common import StepClock, environment, markdown_table, pick_device, rate, write_json
 from densepass.config import TrainConfig
 from densepass.data import load_dataset
 from densepass.device import uses_bf16
@@ -36,23 +36,6 @@ from densepass.negatives.bm25 import mine_bm25_negatives
 from densepass.negatives.pool import passage_ids
 from densepass.training.batches import TrainingData
 from densepass.training.trainer import train
-
-
-class StepClock:
-    """Seconds between the end of step ``start`` and the end of step ``stop`` (device synchronised)."""
-
-    def __init__(self, device: torch.device, start: int, stop: int) -> None:
-        self.device, self.start, self.stop = device, start, stop
-        self.t0 = self.seconds = None
-
-    def __call__(self, step: int) -> None:
-        """Record the time of step ``step``."""
-        if step in (self.start, self.stop):
-            sync(self.device)
-            if step == self.start:
-                self.t0 = time.perf_counter()
-            else:
-                self.seconds = time.perf_counter() - self.t0
 
 
 def peak_memory(device: torch.device, fn):

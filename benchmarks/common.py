@@ -44,6 +44,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class StepClock:
+    """Seconds between the end of step ``start`` and the end of step ``stop`` (device synchronised); pass it as a
+    trainer's ``on_step_end``."""
+
+    def __init__(self, device: torch.device, start: int, stop: int) -> None:
+        self.device, self.start, self.stop = device, start, stop
+        self.t0 = self.seconds = None
+
+    def __call__(self, step: int) -> None:
+        """Record the time of step ``step``."""
+        if step in (self.start, self.stop):
+            sync(self.device)
+            if step == self.start:
+                self.t0 = time.perf_counter()
+            else:
+                self.seconds = time.perf_counter() - self.t0
+
+
 @contextmanager
 def timer(device: torch.device):
     """``with timer(device) as t: ...`` then ``t()`` is the elapsed seconds (device work included)."""
