@@ -23,13 +23,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
-from densepass.config import DEFAULT_MODEL, BiEncoderConfig, from_dict
+from densepass.config import DEFAULT_MODEL, BiEncoderConfig
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.io import MANIFEST, atomic_directory, atomic_write_text, read_manifest, write_manifest
-from densepass.models.kinds import model_kind
+from densepass.models.kinds import CONFIG_FILES, saved_architecture
 
-CONFIG_NAME = "densepass.json"
+CONFIG_NAME = CONFIG_FILES["bi-encoder"]
 Side = Literal["query", "passage"]
 
 
@@ -207,14 +207,8 @@ class BiEncoder(nn.Module):
         path = resolve_model_path(name_or_path)
         if (Path(path) / MANIFEST).is_file():
             read_manifest(path, "densepass model")  # a truncated or corrupted saved model: one line, not a trace
-        kind = model_kind(path)
-        if kind not in (None, "bi-encoder"):
-            raise ConfigError(f"{path} holds a {kind} model, not a bi-encoder")
-        saved = Path(path) / CONFIG_NAME
-        if saved.is_file():
-            stored = from_dict(BiEncoderConfig, json.loads(saved.read_text()), str(saved))
-            config = config or stored
-        config = config or BiEncoderConfig()
+        stored = saved_architecture(path, "bi-encoder", BiEncoderConfig, "a bi-encoder")
+        config = config or stored or BiEncoderConfig()
         tokenizer = AutoTokenizer.from_pretrained(path)
         passage_encoder = AutoModel.from_pretrained(path, **model_kwargs)
         query_dir = Path(path) / "query"

@@ -32,14 +32,14 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
-from densepass.config import from_dict, option
+from densepass.config import option
 from densepass.data.dataset import Corpus
 from densepass.device import autocast_context, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
 from densepass.models.batching import length_sorted_batches, tokenize
 from densepass.models.biencoder import Side, resolve_model_path
-from densepass.models.kinds import CONFIG_FILES, model_kind
+from densepass.models.kinds import CONFIG_FILES, saved_architecture
 
 LINEAR_FILE = "colbert_linear.safetensors"
 MARKERS = {"query": "[unused0]", "passage": "[unused1]"}
@@ -194,13 +194,8 @@ class ColBERT(nn.Module):
     def from_pretrained(cls, name_or_path: str, config: ColbertArchitecture | None = None) -> ColBERT:
         """Load a saved ColBERT, or start one from any encoder (a new projection, seeded by torch's generator)."""
         path = resolve_model_path(name_or_path)
-        kind = model_kind(path)
-        if kind not in (None, "colbert"):
-            raise ConfigError(f"{path} holds a {kind} model, not a ColBERT model")
-        saved = Path(path) / CONFIG_FILES["colbert"]
-        if saved.is_file():
-            config = config or from_dict(ColbertArchitecture, json.loads(saved.read_text()), str(saved))
-        config = config or ColbertArchitecture()
+        stored = saved_architecture(path, "colbert", ColbertArchitecture, "a ColBERT model")
+        config = config or stored or ColbertArchitecture()
         encoder = AutoModel.from_pretrained(path)
         encoder.float()
         linear = None

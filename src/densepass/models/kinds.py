@@ -7,10 +7,15 @@ wrong one with a one-line error (``models.load.load_model`` loads whichever it i
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
+
+from densepass.config import from_dict
+from densepass.errors import ConfigError
 
 ModelKind = Literal["bi-encoder", "splade", "colbert"]
+Architecture = TypeVar("Architecture")
 CONFIG_FILES: dict[str, str] = {
     "splade": "densepass-splade.json",
     "colbert": "densepass-colbert.json",
@@ -25,3 +30,13 @@ def model_kind(path: str | Path) -> ModelKind | None:
         if (Path(path) / name).is_file():
             return kind  # type: ignore[return-value]
     return None
+
+
+def saved_architecture(path: str | Path, kind: ModelKind, cls: type[Architecture], what: str) -> Architecture | None:
+    """The ``cls`` architecture saved in ``path`` by a ``kind`` model (None for a plain Hugging Face model);
+    a directory holding another kind is a one-line ConfigError ("... holds a splade model, not ``what``")."""
+    found = model_kind(path)
+    if found not in (None, kind):
+        raise ConfigError(f"{path} holds a {found} model, not {what}")
+    saved = Path(path) / CONFIG_FILES[kind]
+    return from_dict(cls, json.loads(saved.read_text()), str(saved)) if saved.is_file() else None

@@ -38,14 +38,14 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForMaskedLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from densepass.config import from_dict, option
+from densepass.config import option
 from densepass.data.dataset import Corpus
 from densepass.device import autocast_context, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
 from densepass.models.batching import length_sorted_batches, tokenize
 from densepass.models.biencoder import Side, resolve_model_path
-from densepass.models.kinds import CONFIG_FILES, model_kind
+from densepass.models.kinds import CONFIG_FILES, saved_architecture
 
 FRESH_HEAD_BIAS = -6.0  # the vocabulary bias of a fresh MLM head (see the module docstring)
 
@@ -186,12 +186,7 @@ class SpladeEncoder(nn.Module):
         """Load a saved SPLADE model, or start one from any BERT-style model (see the module docstring for
         how a missing MLM head is initialised; ``head_bias``: its vocabulary bias)."""
         path = resolve_model_path(name_or_path)
-        kind = model_kind(path)
-        if kind not in (None, "splade"):
-            raise ConfigError(f"{path} holds a {kind} model, not a SPLADE model")
-        saved = Path(path) / CONFIG_FILES["splade"]
-        if saved.is_file():
-            config = config or from_dict(SpladeArchitecture, json.loads(saved.read_text()), str(saved))
+        config = config or saved_architecture(path, "splade", SpladeArchitecture, "a SPLADE model")
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # a missing head is expected here, and reported below as head_source
         try:
