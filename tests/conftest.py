@@ -14,14 +14,13 @@ transformers.logging.set_verbosity_error()
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A 2-layer, 32-dim random BERT saved with the all-MiniLM-L6-v2 tokenizer (no dropout)."""
+def save_tiny_bert(path: Path, seed: int = 0, dropout: float = 0.0) -> Path:
+    """Save a 2-layer, 32-dim random BERT (weights drawn under torch seed ``seed``, dropout ``dropout``) with
+    the all-MiniLM-L6-v2 tokenizer in ``path``."""
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     from densepass.models.biencoder import resolve_model_path
 
-    path = tmp_path_factory.mktemp("tiny-bert")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
     config = BertConfig(
         vocab_size=tokenizer.vocab_size,
@@ -30,13 +29,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=128,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     BertModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer, 32-dim random BERT saved with the all-MiniLM-L6-v2 tokenizer (no dropout)."""
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
 WORDS = (

@@ -7,8 +7,7 @@ import json
 import random
 from pathlib import Path
 
-import torch
-
+from conftest import save_tiny_bert
 from densepass.phrase.config import PhraseModelConfig
 from densepass.phrase.model import PhraseEncoder
 
@@ -56,22 +55,5 @@ def write_phrase_squad(root: Path, seed: int = 0, words: int = 30) -> Path:
 
 def tiny_phrase_model(path: Path, config: PhraseModelConfig = SMALL, dropout: float = 0.0) -> PhraseEncoder:
     """A 2-layer, 32-dim random BERT as both towers (saved under ``path``)."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from densepass.models.biencoder import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
-    bert = BertConfig(
-        vocab_size=tok.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
-    torch.manual_seed(0)
-    BertModel(bert).save_pretrained(path)
-    tok.save_pretrained(path)
+    save_tiny_bert(path, dropout=dropout)
     return PhraseEncoder.from_pretrained(str(path), config)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import write_tiny_beir
+from conftest import save_tiny_bert, write_tiny_beir
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -78,26 +78,7 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 @pytest.fixture(scope="module")
 def dropout_model(tmp_path_factory) -> Path:
     """A tiny random BERT *with dropout*, so that resuming must restore the random state to be exact."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from densepass.models.biencoder import resolve_model_path
-
-    path = tmp_path_factory.mktemp("dropout-bert")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-        hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1,
-    )
-    torch.manual_seed(1)  # other weights than tiny_model_dir
-    BertModel(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_bert(tmp_path_factory.mktemp("dropout-bert"), seed=1, dropout=0.1)  # not tiny_model_dir's
 
 
 def train_config(root: Path, data: Path, model: Path, *extra: str, epochs: int = 6) -> Path:

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import save_tiny_bert
 from densepass.data.paths import default_data_dir
 from densepass.data.squad import load_squad_spans
 from densepass.errors import ConfigError, DataError
@@ -169,23 +170,7 @@ def test_squad_answers_map_back_to_their_exact_text_unless_they_split_a_token(to
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from densepass.models.biencoder import resolve_model_path
-
-    path = tmp_path_factory.mktemp("tiny-phrase-bert")
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
-    config = BertConfig(
-        vocab_size=tok.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(path)
-    tok.save_pretrained(path)
+    path = save_tiny_bert(tmp_path_factory.mktemp("tiny-phrase-bert"), dropout=0.1)  # BertConfig's default
     encoder = PhraseEncoder.from_pretrained(str(path), SMALL)
     encoder.filter = TokenFilter(encoder.dim)
     encoder.eval()

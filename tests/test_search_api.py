@@ -17,9 +17,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
 
-from conftest import write_tiny_beir
+from conftest import save_tiny_bert, write_tiny_beir
 from densepass import cli
 from densepass.data import load_dataset
 from densepass.errors import ConfigError
@@ -42,15 +41,9 @@ def densepass(*args, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def other_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+def other_model_dir(tmp_path_factory) -> Path:
     """conftest's tiny BERT architecture and tokenizer with other random weights (another torch seed)."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    path = tmp_path_factory.mktemp("other-bert")
-    torch.manual_seed(1)
-    BertModel(BertConfig.from_pretrained(tiny_model_dir)).save_pretrained(path)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
-    return path
+    return save_tiny_bert(tmp_path_factory.mktemp("other-bert"), seed=1)
 
 
 @pytest.fixture(scope="module")
