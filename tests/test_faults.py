@@ -277,9 +277,9 @@ def test_mining_killed_part_way_writes_nothing_and_resumes_to_the_same_file(tmp_
     ]
     assert densepass(*args, "--output", "reference.jsonl", cwd=tmp_path).returncode == 0
     process = start(*args, "--output", "out.jsonl", cwd=tmp_path)
-    started = time.monotonic()
-    killed = kill_when(process, lambda: time.monotonic() - started > 6 + random.Random(5).uniform(0, 3), seed=5)
-    if killed:
-        assert not (tmp_path / "out.jsonl").exists()  # written atomically, only once complete
+    # killed while its miner trains (its work folder exists; the output is written only at the very end): a kill
+    # at a fixed time could land after the output's atomic rename, while the process is still exiting
+    assert kill_when(process, (tmp_path / "out.jsonl.miners").exists, seed=5), "mining ended before the kill"
+    assert not (tmp_path / "out.jsonl").exists()  # written atomically, only once complete
     assert densepass(*args, "--output", "out.jsonl", cwd=tmp_path).returncode == 0
     assert (tmp_path / "out.jsonl").read_text() == (tmp_path / "reference.jsonl").read_text()
