@@ -8,11 +8,12 @@ tolerated is counted and reported once per file as a :class:`DataWarning` (see e
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from densepass.data.dataset import Corpus, Qrels, RetrievalDataset
+from densepass.data.dataset import Corpus, LazyTexts, Qrels, RetrievalDataset, passage_input
 from densepass.data.files import Tally, open_text, reading
 from densepass.data.io_utils import CorpusBuilder, get_field, get_id, get_strings
 from densepass.errors import DataError
@@ -48,11 +49,9 @@ def _passage(rec: dict, where: str) -> tuple[str, str, str, str]:
     return (pid, get_field(rec, "title", str, where, default=""), get_field(rec, "text", str, where), doc_id or pid)
 
 
-def read_corpus(path: Path) -> Corpus:
-    """Passages ``{"_id", "text", "title"?, "doc_id"?}``: ``_id`` a string or integer, ``text`` a string,
-    ``title`` a string or null, ``doc_id`` a string, integer or null (then the passage is its own document).
-    A repeated ``_id`` is an error."""
-    corpus = CorpusBuilder()
+def iter_passages(path: Path) -> Iterator[tuple[int, str, str, str, str]]:
+    """``(line number, _id, title, text, doc_id)`` of each passage of a corpus file, in order, fields checked
+    as :func:`read_corpus` says (repeated ids are the caller's to detect)."""
     for line_no, rec in read_jsonl(path):
         pid, title, text, doc_id = rec.get("_id"), rec.get("title"), rec.get("text"), rec.get("doc_id")
         if not (
@@ -64,9 +63,39 @@ def read_corpus(path: Path) -> Corpus:
             and doc_id
         ):  # fast path; anything else is checked field by field
             pid, title, text, doc_id = _passage(rec, f"{path}:{line_no}")
+        yield line_no, pid, title, text, doc_id
+
+
+def read_corpus(path: Path) -> Corpus:
+    """Passages ``{"_id", "text", "title"?, "doc_id"?}``: ``_id`` a string or integer, ``text`` a string,
+    ``title`` a string or null, ``doc_id`` a string, integer or null (then the passage is its own document).
+    A repeated ``_id`` is an error."""
+    corpus = CorpusBuilder()
+    for line_no, pid, title, text, doc_id in iter_passages(path):
         if not corpus.add(pid, title, text, doc_id):
             raise DataError(f"{path}:{line_no}: duplicate passage id {pid!r}")
     return corpus.build(path)
+
+
+def stream_passage_inputs(path: Path, sep_token: str, length: int) -> LazyTexts:
+    """The encoder inputs of the ``length`` passages of a corpus file, read from the file on demand: reading
+    rows ``a`` to ``b`` holds only those as strings. Reads that go forward continue where the last one
+    stopped (a process reading its shard block by block scans the file once); a read backwards starts over."""
+    state: dict = {"rows": None, "at": 0}
+
+    def read(start: int, end: int) -> list[str]:
+        if state["rows"] is None or start < state["at"]:
+            state["rows"], state["at"] = iter_passages(path), 0
+        rows = state["rows"]
+        for _ in itertools.islice(rows, start - state["at"]):
+            pass
+        texts = [passage_input(title, text, sep_token) for _, _, title, text, _ in itertools.islice(rows, end - start)]
+        state["at"] = start + len(texts)
+        if len(texts) != end - start:
+            raise DataError(f"{path}: expected {length} passages, the file has fewer (it changed while being read?)")
+        return texts
+
+    return LazyTexts(read, length)
 
 
 def _answers(rec: dict, where: str) -> list[str]:

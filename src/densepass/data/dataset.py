@@ -7,12 +7,55 @@ split and optional answer strings per query (for DPR-style top-k accuracy).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from densepass.data.files import Tally
 from densepass.errors import DataError
 
 Qrels = dict[str, dict[str, int]]  # query id -> passage id -> relevance grade
+
+
+def passage_input(title: str, text: str, sep_token: str) -> str:
+    """A passage's encoder input: ``title [SEP] text`` (negative-contrast §3), or the text alone without a title."""
+    return f"{title} {sep_token} {text}" if title else text
+
+
+class LazyTexts(Sequence[str]):
+    """Texts produced on demand: ``texts[a:b]`` calls ``read(offset + a, offset + b)``, so a caller that reads
+    a corpus block by block never holds more than a block of it as Python strings. ``window`` narrows the
+    view (a process's shard) without reading anything."""
+
+    def __init__(self, read: Callable[[int, int], list[str]], length: int, offset: int = 0) -> None:
+        self._read, self._length, self._offset = read, length, offset
+
+    @classmethod
+    def of(cls, texts: Sequence[str]) -> LazyTexts:
+        """A view of texts already in memory."""
+        return cls(lambda start, end: list(texts[start:end]), len(texts))
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self._length)
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return self._read(self._offset + start, self._offset + max(start, stop))
+        if not -self._length <= key < self._length:
+            raise IndexError(key)
+        key %= self._length
+        return self._read(self._offset + key, self._offset + key + 1)[0]
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, self._length, 4096):
+            yield from self[start : start + 4096]
+
+    def window(self, start: int, end: int) -> LazyTexts:
+        """The view of rows ``start`` to ``end`` (clipped to this view)."""
+        start, end = min(max(start, 0), self._length), min(max(end, start), self._length)
+        return LazyTexts(self._read, end - start, self._offset + start)
 
 
 @dataclass
@@ -44,11 +87,15 @@ class Corpus:
         """The row of passage ``pid`` (KeyError when it is not in the corpus)."""
         return self._positions[pid]
 
-    def passage_inputs(self, sep_token: str, positions: list[int] | None = None) -> list[str]:
+    def passage_inputs(self, sep_token: str, positions: Sequence[int] | None = None) -> list[str]:
         """Passage encoder inputs ``title [SEP] text`` (negative-contrast §3), as one string each so that
         ``SentenceTransformer.encode`` on the same strings gives the same embeddings."""
         rows = range(len(self.ids)) if positions is None else positions
-        return [f"{self.titles[i]} {sep_token} {self.texts[i]}" if self.titles[i] else self.texts[i] for i in rows]
+        return [passage_input(self.titles[i], self.texts[i], sep_token) for i in rows]
+
+    def lazy_inputs(self, sep_token: str) -> LazyTexts:
+        """The passage encoder inputs, built block by block as they are read (never all at once)."""
+        return LazyTexts(lambda start, end: self.passage_inputs(sep_token, range(start, end)), len(self))
 
     def subset(self, positions: list[int]) -> Corpus:
         """The passages at ``positions``, in that order."""

@@ -1,9 +1,14 @@
-"""Embedding files: a corpus encoded shard by shard into a float32 ``.npy`` memory map, resumable."""
+"""Embedding files: a corpus encoded block by block into a float32 ``.npy`` memory map, resumable, or into
+an array in memory through the same blocks (so both give the same embeddings).
+
+``texts`` is any sequence that can be sliced, e.g. a ``LazyTexts`` view of a corpus file: only one block
+of it is held as strings at a time.
+"""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,17 +41,42 @@ def encode_to_memmap(
         path.parent.mkdir(parents=True, exist_ok=True)
         out = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=(n, dim))
         done_file.unlink(missing_ok=True)
-    for shard, start in enumerate(range(0, n, shard_size)):
-        if shard in done:
-            continue
-        out[start : start + shard_size] = encode_texts(model, texts[start : start + shard_size], side, **kwargs)
+
+    def record(shard: int) -> None:
         out.flush()
         with open(done_file, "a") as handle:
             handle.write(f"{shard}\n")
-    del out
+
+    _encode_blocks(model, texts, side, out, shard_size, done, record, **kwargs)
+    out.flush()
     partial.rename(path)
     done_file.unlink(missing_ok=True)
     return np.load(path, mmap_mode="r")
+
+
+def encode_in_blocks(model: BiEncoder, texts: Sequence[str], side: Side, block: int, **kwargs) -> np.ndarray:
+    """Embeddings [len(texts), dim] encoded ``block`` texts at a time, in memory (no file, not resumable)."""
+    out = np.empty((len(texts), model.dim), dtype=np.float32)
+    _encode_blocks(model, texts, side, out, block, set(), lambda shard: None, **kwargs)
+    return out
+
+
+def _encode_blocks(
+    model: BiEncoder,
+    texts: Sequence[str],
+    side: Side,
+    out: np.ndarray,
+    block: int,
+    done: set[int],
+    after: Callable[[int], None],
+    **kwargs,
+) -> None:
+    """Encode each block of ``texts`` not in ``done`` into its rows of ``out``; ``after(block number)`` follows each."""
+    for shard, start in enumerate(range(0, len(texts), block)):
+        if shard in done:
+            continue
+        out[start : start + block] = encode_texts(model, texts[start : start + block], side, **kwargs)
+        after(shard)
 
 
 def _open(path: Path, mode: str, shape: tuple[int, int]) -> np.memmap | None:

@@ -1,0 +1,96 @@
+"""torch.distributed basics shared by every layer: who this process is, joining torchrun's group, and
+collectives that keep errors from hanging the other processes.
+
+Under torchrun (``WORLD_SIZE`` > 1) the processes join one group (nccl on GPU, gloo on CPU); outside it
+every helper behaves as a group of one, so the same code path runs in a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from densepass.errors import DensepassError
+
+T = TypeVar("T")
+
+
+def is_distributed() -> bool:
+    """Whether this process is part of an initialised torch.distributed group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank (0 outside torch.distributed)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """Number of processes (1 outside torch.distributed)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def launched_by_torchrun() -> bool:
+    """Whether torchrun (or another launcher setting ``WORLD_SIZE``) started several processes."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_from_environment() -> None:
+    """Join the process group described by torchrun's environment variables, when there is one."""
+    if launched_by_torchrun() and not is_distributed():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def collective_device() -> torch.device:
+    """Where tensors given to collectives must live: the GPU under nccl, else the CPU."""
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather(local: torch.Tensor) -> list[torch.Tensor]:
+    """``local`` of every process (equal shapes), in rank order, on the CPU."""
+    if not is_distributed():
+        return [local]
+    device = collective_device()
+    parts = [torch.empty_like(local, device=device) for _ in range(world_size())]
+    dist.all_gather(parts, local.contiguous().to(device))
+    return [part.cpu() for part in parts]
+
+
+def broadcast_object(value):
+    """Rank 0's ``value`` on every process."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    """Wait for every process (nothing outside torch.distributed)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def on_rank_zero(func: Callable[[], T]) -> T:
+    """``func()`` computed on rank 0 and given to every process; a :class:`DensepassError` it raises is
+    raised on every process (so a bad input stops them all with the same one-line error instead of leaving
+    the others waiting in a collective)."""
+    result, error = None, None
+    if rank() == 0:
+        try:
+            result = func()
+        except DensepassError as err:
+            error = (type(err), str(err))
+    result, error = broadcast_object((result, error))
+    if error is not None:
+        raise error[0](error[1])
+    return result
