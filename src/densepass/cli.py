@@ -95,9 +95,9 @@ def _phrase(args: argparse.Namespace) -> None:
 
 
 def _index(args: argparse.Namespace) -> None:
-    from densepass.data import load_dataset
+    from densepass import distributed
     from densepass.device import resolve_device
-    from densepass.pipelines.indexing import IndexSettings, build_index
+    from densepass.pipelines.indexing import IndexSettings, index_dataset
 
     settings = IndexSettings(
         args.kind,
@@ -112,9 +112,10 @@ def _index(args: argparse.Namespace) -> None:
         retriever=_retriever_options(args),
         threshold=args.filter_threshold,
     )
-    dataset = load_dataset(args.dataset, args.data_dir, args.format)
-    index = build_index(dataset.corpus, args.output, settings)
-    print(f"indexed {len(index):,} passages of {dataset.name} into {args.output} ({args.kind})")
+    with distributed.process_group():  # under torchrun: one shard per process, rank 0 writes the index
+        index, name = index_dataset(args.dataset, args.data_dir, args.format, args.output, settings)
+    if index is not None:
+        print(f"indexed {len(index):,} passages of {name} into {args.output} ({args.kind})")
 
 
 def _retriever_options(args: argparse.Namespace):
@@ -275,6 +276,7 @@ def _validate_study(args: argparse.Namespace) -> None:
 
 
 def _mine(args: argparse.Namespace) -> None:
+    from densepass import distributed
     from densepass.config import load_config
     from densepass.errors import ConfigError
     from densepass.pipelines.mining import mine_training_negatives
@@ -301,8 +303,11 @@ def _mine(args: argparse.Namespace) -> None:
     output = Path(args.output)
     if output.is_dir():
         raise ConfigError(f"--output {output} is a directory; give the path of the hard-negatives file to write")
-    result = mine_training_negatives(config, output)
-    _print_mining_summary(result, output)
+    with distributed.process_group():  # under torchrun: dense mining in shards, rank 0 writes the file
+        result = mine_training_negatives(config, output)
+        main = distributed.rank() == 0
+    if main:
+        _print_mining_summary(result, output)
 
 
 def _print_mining_summary(result, output: Path) -> None:
@@ -451,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--candidates", type=positive_int, default=256, help="colbert: candidates scored exactly")
     index.add_argument("--batch-size", type=positive_int, default=256, help="encoding batch size")
     index.add_argument(
-        "--shard-size", type=positive_int, default=100_000, help="passages encoded between resumable save points"
+        "--shard-size", type=positive_int, default=65_536, help="passages encoded between resumable save points"
     )
     _device_arg(index)
     index.set_defaults(func=_index)

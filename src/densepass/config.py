@@ -151,6 +151,9 @@ class NegativesConfig:
     cross_encoder: str | None = option(None, "cross-encoder filter: a sentence-transformers CrossEncoder")
     cross_encoder_threshold: float = option(0.0, "cross-encoder filter: candidates scored above it are dropped")
     batch_size: int = option(256, "encoding batch size of dense mining", min=1)
+    shard_block: int = option(
+        65_536, "dense mining: passages encoded and searched together (under torchrun, shards are runs of them)", min=1
+    )
     refresh_every: int | None = option(
         None, "re-mine the pool with the model being trained every N steps (ANCE-style; null: never)", min=1
     )

@@ -7,14 +7,17 @@ every helper behaves as a group of one, so the same code path runs in a single p
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from densepass.errors import DensepassError
+from densepass.io import exclusive_lock
 
 T = TypeVar("T")
 
@@ -46,6 +49,18 @@ def init_from_environment() -> None:
         dist.init_process_group(backend)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+@contextlib.contextmanager
+def process_group() -> Iterator[None]:
+    """Under torchrun, torchrun's process group joined for the block and left after it; nothing otherwise."""
+    joined = launched_by_torchrun() and not is_distributed()
+    init_from_environment()
+    try:
+        yield
+    finally:
+        if joined:
+            dist.destroy_process_group()
 
 
 def collective_device() -> torch.device:
@@ -94,3 +109,12 @@ def on_rank_zero(func: Callable[[], T]) -> T:
     if error is not None:
         raise error[0](error[1])
     return result
+
+
+@contextlib.contextmanager
+def rank_zero_lock(directory: str | Path, what: str = "run") -> Iterator[None]:
+    """``io.exclusive_lock`` on ``directory`` held by rank 0 for the whole group (each process asking for it
+    would lock the others out); when it is taken, every process gets the one-line error."""
+    with contextlib.ExitStack() as stack:
+        on_rank_zero(lambda: stack.enter_context(exclusive_lock(directory, what)))
+        yield

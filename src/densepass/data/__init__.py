@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from densepass.config import FORMATS
-from densepass.data.dataset import Corpus, Qrels, RetrievalDataset, sample_queries
+from densepass.data.dataset import Corpus, LazyTexts, Qrels, RetrievalDataset, sample_queries
 from densepass.data.paths import dataset_dir, default_data_dir
 from densepass.errors import DataError
 
@@ -32,4 +32,27 @@ def load_dataset(name: str, data_dir: str | Path | None = None, format: str = "b
     raise DataError(f"unknown dataset format {format!r} (known: {', '.join(FORMATS)})")
 
 
-__all__ = ["Corpus", "Qrels", "RetrievalDataset", "load_dataset", "sample_queries", "dataset_dir", "default_data_dir"]
+def stream_passage_inputs(
+    name: str, data_dir: str | Path | None, format: str, sep_token: str, length: int
+) -> LazyTexts | None:
+    """The ``length`` passage encoder inputs of dataset ``name``, read from its corpus file on demand (a process
+    that reads a shard holds only that shard as strings); None for layouts that can only be loaded whole
+    (every one but ``beir``)."""
+    if format != "beir":
+        return None
+    from densepass.data.beir import find_file
+    from densepass.data.beir import stream_passage_inputs as stream_beir
+
+    return stream_beir(find_file(dataset_dir(name, data_dir), "corpus.jsonl"), sep_token, length)
+
+
+__all__ = [
+    "Corpus",
+    "Qrels",
+    "RetrievalDataset",
+    "load_dataset",
+    "stream_passage_inputs",
+    "sample_queries",
+    "dataset_dir",
+    "default_data_dir",
+]

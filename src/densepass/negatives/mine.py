@@ -130,6 +130,7 @@ def raw_pool(
             config.batch_size,
             ctx.device,
             show_progress=ctx.show_progress,
+            block=config.shard_block,
         )
     if name == "file":
         path = arg or config.file

@@ -1,9 +1,12 @@
 """``densepass index``: a dataset's corpus into a saved index, resumably (a phrase index is encoded in one go).
 
-Dense kinds encode the corpus shard by shard into a memory-mapped file (``index.embeddings``) kept
-beside the output while it is being built, named by the fingerprint of the model's weights and
-architecture and of the corpus: an interrupted run resumes at the first unfinished shard, and a run
-with another model or corpus never reuses those rows. SPLADE and ColBERT kinds (``pipelines.retrievers``)
+Dense kinds encode the corpus block by block into memory-mapped shards (``index.sharded``) kept beside
+the output while it is being built, with a manifest of the model's and corpus's fingerprints: an
+interrupted run resumes at the first unfinished block, and a run with another model or corpus never reuses
+those rows (this private directory is cleared for it, where ``encode_sharded`` itself would refuse).
+Under torchrun (``torchrun --nproc_per_node N -m densepass index ...``) each process encodes its shard;
+rank 0 loads the corpus and writes the index, the others read only their shard's passages (streamed from a
+BEIR ``corpus.jsonl``; other layouts are loaded whole). SPLADE and ColBERT kinds (``pipelines.retrievers``)
 encode the corpus in one go (not resumable). The index is then saved atomically; the encoding files are
 removed. Two processes building the same output are refused. ``hybrid`` fuses a dense index with BM25,
 or with a SPLADE index when ``sparse_model`` is given.
@@ -12,21 +15,23 @@ or with a SPLADE index when ``sparse_model`` is given.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
 import torch
 
+from densepass import distributed
 from densepass.config import DENSE_INDEX_KINDS, ModelConfig
-from densepass.data.dataset import Corpus
+from densepass.data import load_dataset, stream_passage_inputs
+from densepass.data.dataset import Corpus, LazyTexts
 from densepass.errors import ConfigError
-from densepass.fingerprints import fingerprint_corpus, fingerprint_json, fingerprint_weights
+from densepass.fingerprints import fingerprint_corpus
 from densepass.index.base import Index
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
-from densepass.index.embeddings import encode_to_memmap
 from densepass.index.hybrid import HybridIndex
-from densepass.io import exclusive_lock
+from densepass.index.sharded import DEFAULT_BLOCK, SHARDS_FILE, ShardedEmbeddings, encode_sharded, encoder_fingerprint
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT
 from densepass.models.splade import SpladeEncoder
@@ -47,7 +52,7 @@ class IndexSettings:
     fusion: str = "rrf"  # hybrid: rrf or linear
     fusion_weight: float = 0.5  # hybrid, linear: weight of the dense scores
     batch_size: int = 256
-    shard_size: int = 100_000  # passages encoded between resumable save points
+    shard_size: int = DEFAULT_BLOCK  # passages encoded between resumable save points (a block of the shards)
     device: torch.device | None = None
     show_progress: bool = True
     sparse_model: str | None = None  # hybrid: a SPLADE model for the second part instead of BM25
@@ -65,25 +70,33 @@ class IndexSettings:
             raise ConfigError(f"a {self.kind} index needs a model")
 
 
-def encode_corpus(model: BiEncoder, corpus: Corpus, work_dir: Path, settings: IndexSettings):
-    """The corpus's passage embeddings, through a resumable memory map named by content."""
-    key = fingerprint_json(
-        {
-            "weights": fingerprint_weights(model),
-            "architecture": dataclasses.asdict(model.config),
-            "corpus": fingerprint_corpus(corpus),
-        }
-    )[:20]
-    path = work_dir / f"passages-{key}.npy"
-    for stale in work_dir.glob("passages-*"):
-        if not stale.name.startswith(path.name):
-            stale.unlink()  # another model's or corpus's rows: never reused
-    return encode_to_memmap(
+def encode_corpus(
+    model: BiEncoder, texts: LazyTexts, corpus_fingerprint: str, work_dir: Path, settings: IndexSettings
+) -> ShardedEmbeddings:
+    """This process's shard of the corpus's passage embeddings (``texts``: its encoder inputs), encoded
+    resumably into ``work_dir``. Shards there of another model or corpus are removed first (the directory
+    belongs to this output's build). Collective under torchrun."""
+    manifest = work_dir / SHARDS_FILE
+    try:
+        recorded = json.loads(manifest.read_text()) if manifest.is_file() else None
+        stale = recorded is not None and (recorded.get("model"), recorded.get("corpus")) != (
+            encoder_fingerprint(model),
+            corpus_fingerprint,
+        )
+    except (OSError, ValueError, AttributeError):
+        stale = True
+    distributed.barrier()  # every process has read it
+    if stale and distributed.rank() == 0:
+        manifest.unlink()
+        for old in work_dir.glob("rows-*"):
+            old.unlink()  # another model's or corpus's rows: never reused
+    distributed.barrier()  # ... before anyone looks again
+    return encode_sharded(
         model,
-        corpus.passage_inputs(model.tokenizer.sep_token or " "),
-        "passage",
-        path,
-        shard_size=settings.shard_size,
+        texts,
+        work_dir,
+        corpus_fingerprint,
+        block=settings.shard_size,
         batch_size=settings.batch_size,
         device=settings.device,
         show_progress=settings.show_progress,
@@ -91,19 +104,73 @@ def encode_corpus(model: BiEncoder, corpus: Corpus, work_dir: Path, settings: In
 
 
 def dense_index(model: BiEncoder, corpus: Corpus, kind: str, work_dir: Path, settings: IndexSettings) -> DenseIndex:
-    """A dense index of ``corpus``, its embeddings encoded resumably under ``work_dir``."""
+    """A dense index of ``corpus``, its embeddings encoded resumably under ``work_dir`` (one process)."""
+    sep = model.tokenizer.sep_token or " "
+    shards = encode_corpus(model, corpus.lazy_inputs(sep), fingerprint_corpus(corpus), work_dir, settings)
+    return _assembled_index(model, corpus, kind, shards, work_dir, settings)
+
+
+def _assembled_index(
+    model: BiEncoder, corpus: Corpus, kind: str, shards: ShardedEmbeddings, work_dir: Path, settings: IndexSettings
+) -> DenseIndex:
+    """A dense index of ``corpus`` over every shard's embeddings (on rank 0)."""
     index = DenseIndex(model, kind, batch_size=settings.batch_size, device=settings.device, show_progress=False)
-    index.add_embeddings(corpus, encode_corpus(model, corpus, work_dir, settings))
+    index.add_embeddings(corpus, shards.assemble(work_dir / "assembled.npy"))
     return index
+
+
+def _work_dir(output: str | Path) -> tuple[Path, Path]:
+    """The output directory (checked) and the private directory its encoding is built in."""
+    output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"--output {output} exists and is not a directory")
+    return output, output.with_name(f".{output.name}.encoding")
+
+
+def index_dataset(
+    name: str, data_dir: str | Path | None, format: str, output: str | Path, settings: IndexSettings
+) -> tuple[Index | None, str]:
+    """Index the corpus of dataset ``name`` into ``output``: ``build_index`` in one process; under torchrun,
+    dense kinds only, each process encoding its shard. Returns (the index, on rank 0 (else None); the
+    dataset's name)."""
+    if distributed.world_size() == 1:
+        dataset = load_dataset(name, data_dir, format)
+        return build_index(dataset.corpus, output, settings), dataset.name
+    if settings.kind not in DENSE_INDEX_KINDS:
+        raise ConfigError(
+            f"under torchrun only dense kinds ({', '.join(DENSE_INDEX_KINDS)}) are indexed in shards; "
+            f"build a {settings.kind} index in one process"
+        )
+    output, work_dir = _work_dir(output)
+    model = BiEncoder.from_pretrained(settings.model)
+    sep = model.tokenizer.sep_token or " "
+    loaded: dict = {}
+
+    def load() -> tuple[int, str, str]:
+        loaded["dataset"] = load_dataset(name, data_dir, format)
+        corpus = loaded["dataset"].corpus
+        return len(corpus), fingerprint_corpus(corpus), loaded["dataset"].name
+
+    with distributed.rank_zero_lock(work_dir, "index build"):
+        rows, corpus_fingerprint, dataset_name = distributed.on_rank_zero(load)
+        if "dataset" in loaded:
+            texts = loaded["dataset"].corpus.lazy_inputs(sep)
+        else:
+            texts = stream_passage_inputs(name, data_dir, format, sep, rows)
+            texts = texts if texts is not None else load_dataset(name, data_dir, format).corpus.lazy_inputs(sep)
+        shards = encode_corpus(model, texts, corpus_fingerprint, work_dir, settings)
+        if distributed.rank() != 0:
+            return None, dataset_name
+        index = _assembled_index(model, loaded["dataset"].corpus, settings.kind, shards, work_dir, settings)
+        index.save(output)
+    shutil.rmtree(work_dir, ignore_errors=True)
+    return index, dataset_name
 
 
 def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> Index:
     """Index ``corpus`` as ``settings`` say and save it atomically to ``output``."""
-    output = Path(output)
-    if output.exists() and not output.is_dir():
-        raise ConfigError(f"--output {output} exists and is not a directory")
-    work_dir = output.with_name(f".{output.name}.encoding")
-    with exclusive_lock(work_dir, "index build"):
+    output, work_dir = _work_dir(output)
+    with distributed.rank_zero_lock(work_dir, "index build"):
         if settings.kind == "bm25":
             index: Index = BM25Index.build(corpus, show_progress=settings.show_progress)
         elif settings.kind in ("splade", "colbert"):

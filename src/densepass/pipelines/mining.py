@@ -3,6 +3,10 @@
 The queries are the ones ``densepass run`` trains on for the same config (``RetrievalDataset.sample``);
 dense miners are trained (or reused, keyed by content) beside the output in ``<output>.miners/``, which
 is locked while mining runs. The file is written atomically.
+
+Under torchrun (``torchrun --nproc_per_node N -m densepass mine ...``) every process loads the dataset and
+mines together: dense strategies encode and search the corpus in shards (``index.sharded``), so the file
+equals one process's; rank 0 holds the lock and writes the file.
 """
 
 from __future__ import annotations
@@ -10,10 +14,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from densepass import distributed
 from densepass.config import ExperimentConfig
 from densepass.data import load_dataset
 from densepass.device import resolve_device
-from densepass.io import exclusive_lock
 from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
 from densepass.negatives.pool import save_pool
 from densepass.training.miner import prepare_miners
@@ -36,13 +40,18 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path) -> Min
         train_config=config.train,
         seed=data.seed,
     )
-    print(
-        f"mining {config.negatives.source} negatives for {len(query_ids)} {data.train_split} queries of "
-        f"{data.name} on {device.type}",
-        file=sys.stderr,
-    )
-    with exclusive_lock(work_dir, "mining"):
+    main = distributed.rank() == 0
+    ctx.show_progress = main
+    if main:
+        processes = f" in {distributed.world_size()} processes" if distributed.world_size() > 1 else ""
+        print(
+            f"mining {config.negatives.source} negatives for {len(query_ids)} {data.train_split} queries of "
+            f"{data.name} on {device.type}{processes}",
+            file=sys.stderr,
+        )
+    with distributed.rank_zero_lock(work_dir, "mining"):
         prepare_miners(dataset, query_ids, config.negatives, ctx)
         result = mine_negatives(dataset, query_ids, config.negatives, ctx)
-        save_pool(result.pool, output)
+        if main:
+            save_pool(result.pool, output)
     return result

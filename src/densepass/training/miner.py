@@ -23,6 +23,7 @@ from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.fingerprints import fingerprint_json, fingerprint_weights
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.mine import MiningContext, dense_dim, dense_specs
+from densepass.training import distributed
 from densepass.training.batches import TrainingData
 from densepass.training.trainer import train
 
@@ -63,7 +64,9 @@ def train_miner(
             shutil.rmtree(run_dir)
     data = TrainingData(dataset, split, model.tokenizer.sep_token or " ", query_ids=query_ids)
     train(model, data, train_config, run_dir, device)
-    model.save(saved)
+    if distributed.rank() == 0:  # under torchrun every process trained the same model; one saves it
+        model.save(saved)
+    distributed.barrier()
     return model
 
 
