@@ -1,0 +1,309 @@
+"""Sharded encoding and mining with 1, 2 and 4 processes (``index.sharded`` under torchrun) against
+sentence-transformers' multi-process ``encode`` pool and ``util.mine_hard_negatives``: time and peak
+resident memory per process on a synthetic corpus of N passages.
+
+    python benchmarks/bench_scale.py --n 100000 --processes 1 2 4 --out outputs/bench/scale-100k.json
+    python benchmarks/bench_scale.py --n 1000000 --processes 1 2 4 --out outputs/bench/scale-1m.json
+
+The corpus repeats debian-packages' 60,240 passages (copy r > 0 has `` (copy r)`` appended to its text, so
+no two passages are equal) as a BEIR directory under ``--work-dir``; the queries are debian-packages train
+queries, each relevant to the first copy of its passage. Each system gets the same passage strings
+(``title [SEP] text``), model, max length, batch size and, with P processes, ``--threads`` // P torch
+threads per process (the same total). Rows:
+
+- densepass encode: ``torchrun --nproc_per_node P`` of ``encode_sharded`` into memory-mapped shards, each
+  process streaming only its shard of ``corpus.jsonl``; seconds from the model loaded to every shard written.
+- sentence-transformers encode: the whole list of passages in memory, ``encode(..., pool=...)`` over a pool
+  of P CPU processes from ``start_multi_process_pool`` (P = 1: plain ``encode``); pool start excluded.
+- densepass mine: ``torchrun --nproc_per_node P -m densepass mine --strategy model`` (qrels filter only);
+  seconds = the mining itself (encode, search, filter), as the command reports it.
+- sentence-transformers mine: ``mine_hard_negatives(..., use_multi_process=["cpu"] * P)``, top-``--depth``
+  of ranks [0, depth + margin), the same queries and corpus (needs the ``datasets`` package).
+
+Peak RSS (``getrusage`` max resident set size) is per process: for densepass the largest rank, for
+sentence-transformers the main process (which holds every passage string and embedding) and the largest
+pool worker. Every measurement runs in fresh processes. Use ``--model`` with a tiny model directory and a
+small ``--n`` to smoke-test the script; timings only mean something on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import environment, markdown_table, rate, write_json  # noqa: E402
+from densepass.data import load_dataset  # noqa: E402
+from densepass.io import atomic_write_text  # noqa: E402
+
+
+def peak_rss_mib(who: int = resource.RUSAGE_SELF) -> float:
+    """Maximum resident set size of this process (or of its largest waited-for child), MiB."""
+    return resource.getrusage(who).ru_maxrss / 1024
+
+
+# ---- the synthetic corpus ------------------------------------------------------------------------
+
+
+def build_corpus(source: str, data_dir: str | None, n: int, queries: int, out: Path, seed: int) -> Path:
+    """A BEIR directory of ``n`` passages (debian-packages repeated) and ``queries`` train queries."""
+    done = out / "done.json"
+    if done.is_file() and json.loads(done.read_text()) == {"n": n, "queries": queries, "seed": seed}:
+        return out
+    dataset = load_dataset(source, data_dir)
+    corpus = dataset.corpus
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "corpus.jsonl", "w") as handle:
+        for i in range(n):
+            row, copy = i % len(corpus), i // len(corpus)
+            text = corpus.texts[row] + (f" (copy {copy})" if copy else "")
+            record = {"_id": f"p{i}", "title": corpus.titles[row], "text": text, "doc_id": f"d{i}"}
+            handle.write(json.dumps(record) + "\n")
+    pairs = [(q, corpus.position(p[0])) for q, p in sorted(dataset.positives("train").items())]
+    pairs = [(q, row) for q, row in pairs if row < n]
+    chosen = random.Random(seed).sample(pairs, min(queries, len(pairs)))
+    with open(out / "queries.jsonl", "w") as handle:
+        for j, (q, _) in enumerate(chosen):
+            handle.write(json.dumps({"_id": f"q{j}", "text": dataset.queries[q]}) + "\n")
+    (out / "qrels").mkdir(exist_ok=True)
+    with open(out / "qrels" / "train.tsv", "w") as handle:
+        handle.write("query-id\tcorpus-id\tscore\n")
+        for j, (_, row) in enumerate(chosen):
+            handle.write(f"q{j}\tp{row}\t1\n")
+    atomic_write_text(done, json.dumps({"n": n, "queries": queries, "seed": seed}))
+    return out
+
+
+# ---- workers (each in fresh processes) -------------------------------------------------------------
+
+
+def densepass_encode_worker(args: argparse.Namespace) -> dict:
+    """One torchrun process: encode its shard of the streamed corpus into memory-mapped shards."""
+    from densepass import distributed
+    from densepass.data import stream_passage_inputs
+    from densepass.index.sharded import encode_sharded
+    from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
+
+    with distributed.process_group():
+        config = BiEncoderConfig(query_max_length=args.max_length, passage_max_length=args.max_length)
+        model = BiEncoder.from_pretrained(resolve_model_path(args.model), config=config)
+        rows = sum(1 for _ in open(Path(args.data) / "corpus.jsonl"))
+        texts = stream_passage_inputs(args.data, None, "beir", model.tokenizer.sep_token, rows)
+        distributed.barrier()
+        started = time.perf_counter()
+        encode_sharded(
+            model,
+            texts,
+            args.shards,
+            f"synthetic-{rows}",
+            block=args.block,
+            batch_size=args.batch_size,
+            device=torch.device("cpu"),
+            show_progress=False,
+        )  # ends with a barrier: every shard is written
+        return {"seconds": time.perf_counter() - started, "rank": distributed.rank()}
+
+
+def densepass_mine_worker(args: argparse.Namespace) -> dict:
+    """One torchrun process of ``densepass mine``."""
+    from densepass import distributed
+    from densepass.config import load_config
+    from densepass.pipelines.mining import mine_training_negatives
+
+    overrides = {
+        "data.name": args.data,
+        "negatives.source": "model",
+        "negatives.model": args.model_path,
+        "negatives.pool_depth": args.depth,
+        "negatives.filters": ["qrels"],
+        "negatives.batch_size": args.batch_size,
+        "negatives.shard_block": args.block,
+        "device": "cpu",
+    }
+    config = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+    with distributed.process_group():
+        result = mine_training_negatives(config, Path(args.shards) / "negatives.jsonl")
+        return {"seconds": result.seconds, "rank": distributed.rank(), "negatives": len(result.pool)}
+
+
+def st_worker(args: argparse.Namespace) -> dict:
+    """sentence-transformers' encode (pool of P processes) or mine_hard_negatives, in this process."""
+    from sentence_transformers import SentenceTransformer
+
+    from densepass.models.biencoder import resolve_model_path
+    from densepass.negatives.mine import fetch_depth
+
+    model = SentenceTransformer(resolve_model_path(args.model), device="cpu")
+    model.max_seq_length = args.max_length
+    dataset = load_dataset(args.data)
+    texts = dataset.corpus.passage_inputs(model.tokenizer.sep_token)
+    devices = ["cpu"] * args.processes
+    if args.worker == "st-encode":
+        pool = model.start_multi_process_pool(devices) if args.processes > 1 else None
+        started = time.perf_counter()
+        model.encode(texts, batch_size=args.batch_size, pool=pool, show_progress_bar=False)
+        seconds = time.perf_counter() - started
+        if pool is not None:
+            model.stop_multi_process_pool(pool)
+        return {"seconds": seconds}
+    from datasets import Dataset
+    from sentence_transformers.util import mine_hard_negatives
+
+    positives = dataset.positives("train")
+    query_ids = sorted(positives)
+    pairs = Dataset.from_dict(
+        {
+            "query": [dataset.queries[q] for q in query_ids],
+            "positive": [texts[dataset.corpus.position(positives[q][0])] for q in query_ids],
+        }
+    )
+    started = time.perf_counter()
+    mine_hard_negatives(
+        pairs,
+        model,
+        corpus=texts,
+        range_max=fetch_depth(args.depth),
+        num_negatives=args.depth,
+        sampling_strategy="top",
+        batch_size=args.batch_size,
+        output_format="n-tuple",
+        use_multi_process=devices if args.processes > 1 else False,
+        verbose=False,
+    )
+    return {"seconds": time.perf_counter() - started}
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """Run one worker and write its seconds and peak memory as JSON lines to ``--report``."""
+    work = {"encode": densepass_encode_worker, "mine": densepass_mine_worker}.get(args.worker, st_worker)
+    result = work(args)
+    result.update(rss_mib=peak_rss_mib(), children_rss_mib=peak_rss_mib(resource.RUSAGE_CHILDREN))
+    with open(args.report, "a") as handle:
+        handle.write(json.dumps(result) + "\n")
+
+
+# ---- the driver ----------------------------------------------------------------------------------------
+
+
+def measure(worker: str, processes: int, args: argparse.Namespace, data: Path, model_path: str) -> dict:
+    """Run ``worker`` with ``processes`` processes (torchrun for densepass) and collect its reports."""
+    run_dir = Path(args.work_dir) / f"{worker}-{args.n}-p{processes}"
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    report = run_dir / "report.jsonl"
+    threads = max(1, args.threads // processes)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    common = [
+        "--worker", worker, "--data", str(data), "--model", args.model, "--model-path", model_path,
+        "--shards", str(run_dir), "--report", str(report), "--processes", str(processes),
+        "--block", str(args.block), "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+        "--depth", str(args.depth),
+    ]  # fmt: skip
+    launcher = [sys.executable]
+    if worker in ("encode", "mine"):
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    started = time.perf_counter()
+    done = subprocess.run([*launcher, __file__, *common], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1], "wall": wall}
+    reports = [json.loads(line) for line in report.read_text().splitlines()]
+    pool = worker.startswith("st") and processes > 1  # sentence-transformers' worker processes
+    return {
+        "seconds": max(r["seconds"] for r in reports),
+        "wall": wall,
+        "rss_mib": max(r["rss_mib"] for r in reports),
+        "workers_rss_mib": max(r["children_rss_mib"] for r in reports) if pool else None,
+        "processes": processes,
+        "threads_per_process": threads,
+    }
+
+
+def saved_model(args: argparse.Namespace) -> str:
+    """The model saved with the benchmark's max length, for ``densepass mine --strategy model``."""
+    from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
+
+    path = Path(args.work_dir) / f"model-{args.max_length}"
+    if not (path / "config.json").is_file():
+        config = BiEncoderConfig(query_max_length=args.max_length, passage_max_length=args.max_length)
+        BiEncoder.from_pretrained(resolve_model_path(args.model), config=config).save(path)
+    return str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=100_000, help="passages in the synthetic corpus")
+    parser.add_argument("--queries", type=int, default=10_000, help="train queries mined")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads in all (split per process)")
+    parser.add_argument("--model", default="all-MiniLM-L6-v2", help="a model name or directory")
+    parser.add_argument("--dataset", default="debian-packages", help="the passages and queries repeated")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--work-dir", default="outputs/bench_scale")
+    parser.add_argument("--block", type=int, default=65_536, help="densepass: passages per block (shards are runs)")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=50, help="negatives per query")
+    parser.add_argument("--systems", nargs="+", default=["encode", "st-encode", "mine", "st-mine"])
+    parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--out", default=None)
+    # worker mode (the driver runs this script again for each measurement)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    for hidden in ("--data", "--model-path", "--shards", "--report"):
+        parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.processes = args.processes[0]
+        run_worker(args)
+        return
+
+    data = build_corpus(args.dataset, args.data_dir, args.n, args.queries, Path(args.work_dir) / f"data-{args.n}", 13)
+    model_path = saved_model(args)
+    names = {
+        "encode": "densepass encode_sharded (torchrun)",
+        "st-encode": "sentence-transformers encode (multi-process pool)",
+        "mine": "densepass mine (torchrun)",
+        "st-mine": "sentence-transformers mine_hard_negatives (use_multi_process)",
+    }
+    results, rows = [], []
+    for system in args.systems:
+        for processes in args.processes:
+            got = measure(system, processes, args, data, model_path)
+            results.append({"system": names[system], **got})
+            print(json.dumps(results[-1]), flush=True)
+            per_second = args.n if "encode" in system else args.queries
+            if "error" in got:
+                rows.append([names[system], processes, got["error"], "-", "-", "-"])
+                continue
+            rows.append(
+                [names[system], processes, f"{got['seconds']:.1f}", rate(per_second / got["seconds"])]
+                + [f"{got['rss_mib']:,.0f}", _mib(got["workers_rss_mib"])]
+            )
+    headers = ["system", "processes", "seconds", "per second", "peak RSS MiB (main)", "peak RSS MiB (workers)"]
+    print(f"\n**{args.n:,} passages, {args.queries:,} queries, {args.threads} threads in all, CPU**\n")
+    print(markdown_table(headers, rows))
+    write_json(args.out, {"args": vars(args), "environment": environment(torch.device("cpu")), "results": results})
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+if __name__ == "__main__":
+    main()
