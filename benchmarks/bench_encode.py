@@ -91,7 +91,13 @@ def main() -> None:
 
         def encode(items, bf16=bf16, model=model):
             return encode_texts(
-                model, items, "passage", batch_size=args.batch_size, device=device, bf16=bf16, show_progress=False
+                model,
+                items,
+                "passage",
+                batch_size=args.batch_size,
+                device=device,
+                precision="bf16" if bf16 else "fp32",
+                show_progress=False,
             )
 
         encode(warm)

@@ -3,8 +3,9 @@
 Kinds: ``exact`` (chunked matrix products with a running top-k, ``index.exact``), ``faiss-flat``
 (exact, FAISS ``IndexFlatIP``), ``faiss-hnsw`` (graph search) and ``faiss-ivfpq`` (inverted lists of
 product-quantised codes, trained on the first passages added). Queries are encoded by the same model
-that encoded the passages; the saved index records that model's path and weights fingerprint, and
-loading it with another model is refused.
+that encoded the passages, in the index's encoding ``precision`` (``models.encode``: auto, fp32, bf16,
+int8; a runtime option, not saved); the saved index records that model's path and weights fingerprint,
+and loading it with another model is refused.
 
 >>> from densepass.models import BiEncoder
 >>> model = BiEncoder.from_pretrained("all-MiniLM-L6-v2")
@@ -23,6 +24,7 @@ import torch
 
 from densepass.config import DENSE_INDEX_KINDS
 from densepass.data.dataset import Corpus
+from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_weights
 from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, register
@@ -55,14 +57,16 @@ class DenseIndex(Index):
         device: torch.device | None = None,
         show_progress: bool = True,
         model_path: str | None = None,
+        precision: str = "auto",
         **faiss_options: Any,
     ) -> None:
+        resolve_precision(precision, device or default_device())  # a bad name fails before any work
         if kind not in DENSE_INDEX_KINDS:
             raise ConfigError(f"unknown dense index kind {kind!r} (known: {', '.join(DENSE_INDEX_KINDS)})")
         if batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {batch_size}")
         self.model, self.kind, self.batch_size, self.device = model, kind, batch_size, device
-        self.show_progress, self.faiss_options = show_progress, faiss_options
+        self.show_progress, self.faiss_options, self.precision = show_progress, faiss_options, precision
         self.model_path = model_path or model.source
         self.passages = Corpus([], [], [], [])
         self.embeddings = np.zeros((0, model.dim), dtype=np.float32)
@@ -86,7 +90,11 @@ class DenseIndex(Index):
         """Encode ``passages`` with the model and index them."""
         corpus = as_corpus(passages, first_id=len(self.passages))
         embeddings = self.model.encode_passages(
-            corpus, batch_size=self.batch_size, show_progress=self.show_progress, device=self.device
+            corpus,
+            batch_size=self.batch_size,
+            show_progress=self.show_progress,
+            device=self.device,
+            precision=self.precision,
         )
         self.add_embeddings(corpus, embeddings)
 
@@ -116,7 +124,11 @@ class DenseIndex(Index):
                 raise ConfigError(f"query embeddings must be [n, {self.dim}], got {list(queries.shape)}")
             return queries
         return self.model.encode_queries(
-            check_queries(queries), batch_size=self.batch_size, show_progress=False, device=self.device
+            check_queries(queries),
+            batch_size=self.batch_size,
+            show_progress=False,
+            device=self.device,
+            precision=self.precision,
         )
 
     def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -31,15 +31,17 @@ def mine_dense_negatives(
     device: torch.device | None = None,
     passage_embeddings: np.ndarray | None = None,
     show_progress: bool = True,
+    precision: str = "auto",
 ) -> NegativePool:
-    """Query id -> the top ``depth`` passages by dot product (after dropping ``skip_top``), best first."""
+    """Query id -> the top ``depth`` passages by dot product (after dropping ``skip_top``), best first;
+    texts encoded in ``precision`` (``models.encode``)."""
     sep = model.tokenizer.sep_token or " "
     if passage_embeddings is None:
         passage_embeddings = encode_texts(
-            model, dataset.corpus.passage_inputs(sep), "passage", batch_size, device, show_progress=show_progress
+            model, dataset.corpus.passage_inputs(sep), "passage", batch_size, device, precision, show_progress
         )
     queries = encode_texts(
-        model, [dataset.queries[q] for q in query_ids], "query", batch_size, device, show_progress=show_progress
+        model, [dataset.queries[q] for q in query_ids], "query", batch_size, device, precision, show_progress
     )
     scores, rows = exact_search(queries, passage_embeddings, depth + skip_top, device=device)
     ids = dataset.corpus.ids

@@ -19,6 +19,7 @@ import torch
 
 from densepass.config import DENSE_INDEX_KINDS, ModelConfig
 from densepass.data.dataset import Corpus
+from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.fingerprints import fingerprint_corpus, fingerprint_json, fingerprint_weights
 from densepass.index.base import Index
@@ -53,6 +54,7 @@ class IndexSettings:
     sparse_model: str | None = None  # hybrid: a SPLADE model for the second part instead of BM25
     retriever: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # splade pruning, colbert storage
     threshold: float | None = None  # phrase: the token filter's threshold (None: keep every vector)
+    precision: str = "auto"  # dense kinds: encoding precision (auto, fp32, bf16, int8; models.encode)
 
     def __post_init__(self) -> None:
         if self.kind not in INDEX_KINDS:
@@ -63,6 +65,9 @@ class IndexSettings:
             raise ConfigError("batch size and shard size must be >= 1")
         if self.kind != "bm25" and not self.model:
             raise ConfigError(f"a {self.kind} index needs a model")
+        resolve_precision(self.precision, self.device or default_device())
+        if self.precision not in ("auto", "fp32") and self.kind in ("bm25", "splade", "colbert", "phrase"):
+            raise ConfigError(f"precision {self.precision} applies to bi-encoder indexes, not to a {self.kind} index")
 
 
 def encode_corpus(model: BiEncoder, corpus: Corpus, work_dir: Path, settings: IndexSettings):
@@ -72,6 +77,7 @@ def encode_corpus(model: BiEncoder, corpus: Corpus, work_dir: Path, settings: In
             "weights": fingerprint_weights(model),
             "architecture": dataclasses.asdict(model.config),
             "corpus": fingerprint_corpus(corpus),
+            "precision": resolve_precision(settings.precision, settings.device or default_device()),
         }
     )[:20]
     path = work_dir / f"passages-{key}.npy"
@@ -87,12 +93,20 @@ def encode_corpus(model: BiEncoder, corpus: Corpus, work_dir: Path, settings: In
         batch_size=settings.batch_size,
         device=settings.device,
         show_progress=settings.show_progress,
+        precision=settings.precision,
     )
 
 
 def dense_index(model: BiEncoder, corpus: Corpus, kind: str, work_dir: Path, settings: IndexSettings) -> DenseIndex:
     """A dense index of ``corpus``, its embeddings encoded resumably under ``work_dir``."""
-    index = DenseIndex(model, kind, batch_size=settings.batch_size, device=settings.device, show_progress=False)
+    index = DenseIndex(
+        model,
+        kind,
+        batch_size=settings.batch_size,
+        device=settings.device,
+        show_progress=False,
+        precision=settings.precision,
+    )
     index.add_embeddings(corpus, encode_corpus(model, corpus, work_dir, settings))
     return index
 

@@ -35,6 +35,7 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path) -> Min
         architecture=config.model.architecture(),
         train_config=config.train,
         seed=data.seed,
+        precision=config.eval.precision,
     )
     print(
         f"mining {config.negatives.source} negatives for {len(query_ids)} {data.train_split} queries of "
