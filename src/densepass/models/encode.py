@@ -8,12 +8,12 @@ Results are float32 in the original order.
 
 The model runs in one of three precisions (``densepass.device.resolve_precision``; ``auto`` picks bf16
 where the device computes it natively): ``fp32``; ``bf16``, a bfloat16 copy (weights cast once, pooling
-and normalisation in float32: as fast as bf16 autocast on a CPU, without a cast per operation);
+and normalisation in float32; on a CPU as fast as bf16 autocast, without a cast per operation);
 ``int8``, a copy whose linear layers are dynamically quantised (int8 weights with a scale per output
-channel, activations quantised per batch), except the feed-forward output projections, whose inputs
-(GELU activations with outliers) lose too much in int8 (mean cosine to fp32 0.98 with them, 0.99 without,
-MiniLM on debian-packages passages); its activations are quantised with one scale per batch, so a text's
-int8 embedding depends slightly (about 1e-4) on the texts batched with it. On CPU, a copy is made once per model and reused until its weights
+channel, activations with one scale per batch, so a text's int8 embedding depends slightly, about 1e-4,
+on the texts batched with it), except the feed-forward output projections, whose inputs (GELU
+activations with outliers) lose too much in int8 (mean cosine to fp32 0.98 with them, 0.99 without:
+MiniLM, debian-packages passages). On CPU a copy is made once per model and reused until its weights
 change (a server encoding one query at a time would otherwise quantise the model for each); on GPU a
 bf16 copy is a quick cast, made at each call and freed after it.
 """
