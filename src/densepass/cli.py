@@ -147,6 +147,10 @@ def _load_pipeline(args: argparse.Namespace):
         options["precision"] = args.precision
     elif args.precision not in ("auto", "fp32"):
         raise DensepassError(f"--precision {args.precision} applies to dense indexes; {args.index} is a {kind} index")
+    if args.search_precision != "fp32":
+        if kind != "exact":
+            raise DensepassError(f"--search-precision is an option of exact indexes; {args.index} is a {kind} index")
+        options.update(search_precision=args.search_precision, rescore=args.rescore)
     if args.model:  # a phrase index loads its own model; the others check the kind of the one given
         options["model"] = args.model if kind == "phrase" else load_model(args.model)
     index: Index = load_index(args.index, **(options if kind != "bm25" else {}))
@@ -413,6 +417,13 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rerank-batch-size", type=positive_int, default=64, help="pairs per cross-encoder forward pass")
     _precision_arg(p)
+    p.add_argument(
+        "--search-precision",
+        default="fp32",
+        choices=["fp32", "bf16", "int8"],
+        help="exact index: score every passage in bf16 or int8, then re-score the best --rescore x k in fp32",
+    )
+    p.add_argument("--rescore", type=positive_int, default=4, help="--search-precision: candidates re-scored, x k")
     _device_arg(p)
 
 
