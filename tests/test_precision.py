@@ -18,6 +18,7 @@ from densepass.models.biencoder import BiEncoder, resolve_model_path
 from densepass.models.encode import encode_texts, inference_runner
 
 CPU = torch.device("cpu")
+pytestmark = pytest.mark.filterwarnings("ignore:precision bf16:UserWarning")  # emulated bf16 on this CPU: expected
 TEXTS = [
     "tar: GNU version of the tar archiving utility",
     "X11 window manager with tabs and tiling",
