@@ -1,19 +1,29 @@
-"""Encoding throughput: densepass ``encode_texts`` against ``SentenceTransformer.encode``, same model,
-same ``title [SEP] text`` passages of debian-packages, same maximum length, in one run.
+"""Encoding throughput: densepass ``encode_texts`` in each precision against ``SentenceTransformer.encode`` and its
+ONNX / OpenVINO backends, same model, same ``title [SEP] text`` passages of debian-packages, same maximum length,
+in one run.
 
     python benchmarks/bench_encode.py --n 2000 --out outputs/bench/encode-cpu.json             # CPU
     python benchmarks/bench_encode.py --model .carry/minilm-l6-fp16 --data-dir .carry/data \
         --save-embeddings outputs/bench/emb --out outputs/bench/encode-h100.json                   # H100
 
-sentence-transformers runs as a user would run it: its default batch size (32) in float32, and, for
-fairness, in bfloat16 (``model.to(torch.bfloat16)``) at its default and at densepass's batch size.
-On CPU everything runs in float32. Each system first encodes a small warm-up set (not timed).
-Agreement = mean cosine between densepass's and sentence-transformers' float32 embeddings.
+densepass runs in fp32, bf16 (a bfloat16 copy; on CPU only where it has native bf16, or with
+``--densepass-precisions``) and, on CPU, int8 (dynamic quantisation). sentence-transformers runs as a user
+would run it: its default batch size (32) and densepass's, in float32, and on GPU in bfloat16
+(``model.to(torch.bfloat16)``). On CPU it also runs, where they install (``--st-backends``), with
+``backend="onnx"`` (fp32, and int8 from ``export_dynamic_quantized_onnx_model``) and ``backend="openvino"``;
+those are exported offline from the model's files into a temporary copy. Where sentence-transformers' ONNX
+backend does not install (its optimum-onnx needs transformers < 4.58), ``--ort`` runs the same graph in
+ONNX Runtime directly: the transformer exported with ``torch.onnx``, fp32 and ORT's dynamic int8, with the
+same tokenisation and mean pooling. Each system first encodes a small warm-up set (not timed).
+Agreement = mean cosine to sentence-transformers' float32 embeddings.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,16 +31,128 @@ import torch
 
 from common import environment, markdown_table, pick_device, rate, timer, write_json
 from densepass.data import load_dataset
+from densepass.device import resolve_precision
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
 from densepass.models.encode import encode_texts
 
+Encoder = Callable[[list[str]], np.ndarray]
 
-def load_st(path: str, device: torch.device, dtype: torch.dtype, max_length: int):
+
+def load_st(path: str, device: torch.device, max_length: int, dtype=torch.float32, **options):
+    """A SentenceTransformer of ``path`` cut at ``max_length`` tokens (``options``: backend, model_kwargs)."""
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(path, device=str(device)).to(dtype)
+    model = SentenceTransformer(path, device=str(device), **options)
+    if options.get("backend", "torch") == "torch":
+        model = model.to(dtype)
     model.max_seq_length = max_length
     return model
+
+
+def st_encoder(model, batch: int) -> Encoder:
+    """``model.encode`` at batch size ``batch`` as an encoder."""
+    return lambda items: np.asarray(
+        model.encode(items, batch_size=batch, convert_to_numpy=True, show_progress_bar=False), dtype=np.float32
+    )
+
+
+def cpu_quantization_target() -> str:
+    """sentence-transformers' ONNX quantisation config for this CPU: avx512_vnni, avx512 or avx2."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").is_file() else []
+    return "avx512_vnni" if "avx512_vnni" in flags else "avx512" if "avx512f" in flags else "avx2"
+
+
+def st_backend_encoders(path: str, work: Path, device: torch.device, args) -> dict[str, Encoder | str]:
+    """sentence-transformers' ONNX (fp32, int8) and OpenVINO backends, exported from a copy of the model's
+    files in ``work``: name -> encoder, or -> why it could not run."""
+    out: dict[str, Encoder | str] = {}
+    copy = work / "st-model"
+    shutil.copytree(path, copy, dirs_exist_ok=True)
+    for backend in args.st_backends:
+        try:
+            model = load_st(str(copy), device, args.max_length, backend=backend)
+            out[f"SentenceTransformer.encode backend={backend}|fp32"] = st_encoder(model, 32)
+            if backend == "onnx":
+                from sentence_transformers import export_dynamic_quantized_onnx_model
+
+                target = cpu_quantization_target()
+                model.save_pretrained(str(copy))  # the exported model.onnx beside the original files
+                export_dynamic_quantized_onnx_model(model, target, str(copy))
+                quantized = load_st(
+                    str(copy),
+                    device,
+                    args.max_length,
+                    backend="onnx",
+                    model_kwargs={"file_name": f"onnx/model_qint8_{target}.onnx"},
+                )
+                out[f"SentenceTransformer.encode backend=onnx|int8 ({target})"] = st_encoder(quantized, 32)
+        except Exception as err:  # an optional backend that does not install or export here: recorded, not fatal
+            out[f"SentenceTransformer.encode backend={backend}"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    return out
+
+
+def ort_encoders(path: str, work: Path, args) -> dict[str, Encoder | str]:
+    """The model's transformer exported with ``torch.onnx`` and run by ONNX Runtime, fp32 and dynamic int8,
+    with densepass's tokenisation and mean pooling (what sentence-transformers' ONNX backend runs)."""
+    try:
+        import onnxruntime as ort
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+        from transformers import AutoModel, AutoTokenizer
+    except ImportError as err:
+        return {"ONNX Runtime (torch.onnx export)": f"ImportError: {err}"}
+
+    class Hidden(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    fp32_file, int8_file = work / "model.onnx", work / "model-int8.onnx"
+    example = (torch.ones(2, 16, dtype=torch.long), torch.ones(2, 16, dtype=torch.long))
+    dynamic = {name: {0: "batch", 1: "tokens"} for name in ("input_ids", "attention_mask", "hidden")}
+    torch.onnx.export(
+        Hidden(AutoModel.from_pretrained(path).eval()),
+        example,
+        str(fp32_file),
+        input_names=["input_ids", "attention_mask"],
+        output_names=["hidden"],
+        dynamic_axes=dynamic,
+        opset_version=17,
+        dynamo=False,
+    )
+    quantize_dynamic(str(fp32_file), str(int8_file), weight_type=QuantType.QInt8, per_channel=True)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+
+    def encoder(file: Path) -> Encoder:
+        session = ort.InferenceSession(str(file), options, providers=["CPUExecutionProvider"])
+
+        def encode(items: list[str]) -> np.ndarray:
+            out = []
+            for start in range(0, len(items), args.ort_batch_size):
+                tokens = tokenizer(
+                    items[start : start + args.ort_batch_size],
+                    truncation=True,
+                    max_length=args.max_length,
+                    padding=True,
+                    return_tensors="np",
+                    return_token_type_ids=False,
+                )
+                hidden = session.run(None, {k: v.astype(np.int64) for k, v in tokens.items()})[0]
+                mask = tokens["attention_mask"][..., None].astype(np.float32)
+                pooled = (hidden * mask).sum(1) / np.maximum(mask.sum(1), 1e-9)
+                out.append(pooled / np.linalg.norm(pooled, axis=1, keepdims=True))
+            return np.concatenate(out).astype(np.float32)
+
+        return encode
+
+    return {
+        "ONNX Runtime (torch.onnx export)|fp32": encoder(fp32_file),
+        "ONNX Runtime (torch.onnx export)|int8": encoder(int8_file),
+    }
 
 
 def main() -> None:
@@ -41,6 +163,13 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=None, help="passages to encode (default: all on GPU, 2000 on CPU)")
     parser.add_argument("--batch-size", type=int, default=512, help="densepass batch size")
     parser.add_argument("--max-length", type=int, default=128, help="passage tokens (densepass's passage_max_length)")
+    parser.add_argument("--warm-up", type=int, default=512, help="passages each system encodes before it is timed")
+    parser.add_argument(
+        "--densepass-precisions",
+        nargs="+",
+        default=None,
+        help="densepass precisions (default: fp32, bf16 where the device has it natively, int8 on CPU)",
+    )
     parser.add_argument(
         "--st-batch-sizes",
         type=int,
@@ -48,6 +177,14 @@ def main() -> None:
         default=None,
         help="sentence-transformers batch sizes (default: 32, its default, and --batch-size)",
     )
+    parser.add_argument(
+        "--st-backends",
+        nargs="*",
+        default=["onnx", "openvino"],
+        help="CPU: sentence-transformers backends besides torch, where they install (run at batch 32)",
+    )
+    parser.add_argument("--ort", action="store_true", help="CPU: also ONNX Runtime on a torch.onnx export")
+    parser.add_argument("--ort-batch-size", type=int, default=32, help="--ort: batch size")
     parser.add_argument("--device", default=None)
     parser.add_argument(
         "--save-embeddings",
@@ -63,6 +200,13 @@ def main() -> None:
         f"device: {env['device']}; torch {env['torch']}, transformers {env['transformers']}, "
         f"sentence-transformers {env['sentence_transformers']}"
     )
+    precisions = args.densepass_precisions or (
+        ["bf16", "fp32"]
+        if gpu
+        else ["fp32", *(["bf16"] if resolve_precision("auto", device) == "bf16" else []), "int8"]
+    )
+    for precision in precisions:
+        resolve_precision(precision, device)  # int8 on a GPU fails before any work
 
     path = resolve_model_path(args.model)
     model = BiEncoder.from_pretrained(path, config=BiEncoderConfig(passage_max_length=args.max_length))
@@ -70,12 +214,16 @@ def main() -> None:
     texts = dataset.corpus.passage_inputs(model.tokenizer.sep_token)
     n = args.n or (len(texts) if gpu else 2000)
     texts = texts[:n]
-    warm = texts[:512]
+    warm = texts[: args.warm_up]
     print(f"{len(texts):,} {args.dataset} passages, max {args.max_length} tokens\n")
 
-    results, embeddings = [], {}
+    results, embeddings, skipped = [], {}, {}
 
-    def record(system: str, dtype: str, batch: int, seconds: float) -> None:
+    def measure(system: str, dtype: str, batch: int, encode: Encoder) -> None:
+        encode(warm)
+        with timer(device) as took:
+            emb = encode(texts)
+        seconds = took()
         results.append(
             {
                 "system": system,
@@ -85,55 +233,61 @@ def main() -> None:
                 "passages_per_s": len(texts) / seconds,
             }
         )
+        embeddings[f"{system}|{dtype}|{batch}"] = np.asarray(emb, dtype=np.float32)
         print(f"  {system} {dtype} batch {batch}: {seconds:.2f}s, {len(texts) / seconds:,.0f} passages/s", flush=True)
 
-    for bf16 in [True, False] if gpu else [False]:
-
-        def encode(items, bf16=bf16, model=model):
-            return encode_texts(
-                model, items, "passage", batch_size=args.batch_size, device=device, bf16=bf16, show_progress=False
-            )
-
-        encode(warm)
-        with timer(device) as took:
-            emb = encode(texts)
-        record("densepass encode_texts", "bf16" if bf16 else "fp32", args.batch_size, took())
-        embeddings[f"densepass-{'bf16' if bf16 else 'fp32'}"] = emb
+    for precision in precisions:
+        options = {"batch_size": args.batch_size, "device": device, "precision": precision, "show_progress": False}
+        measure(
+            "densepass encode_texts",
+            precision,
+            args.batch_size,
+            lambda x, o=options, m=model: encode_texts(m, x, "passage", **o),
+        )
     if args.save_embeddings:
         out_dir = Path(args.save_embeddings)
         out_dir.mkdir(parents=True, exist_ok=True)
-        np.save(out_dir / "passages.npy", embeddings["densepass-bf16" if gpu else "densepass-fp32"])
+        np.save(out_dir / "passages.npy", embeddings[f"densepass encode_texts|{precisions[0]}|{args.batch_size}"])
         dev = [dataset.queries[q] for q in sorted(dataset.positives("dev"))]
-        np.save(out_dir / "queries.npy", encode_texts(model, dev, "query", device=device, show_progress=False))
+        queries = encode_texts(model, dev, "query", device=device, precision=precisions[0], show_progress=False)
+        np.save(out_dir / "queries.npy", queries)
         print(f"  saved {len(texts):,} passage and {len(dev):,} dev query embeddings in {out_dir}")
-    del model, encode  # free the densepass model before loading sentence-transformers'
+    del model  # free the densepass model before loading sentence-transformers'
 
     st_batches = args.st_batch_sizes or sorted({32, args.batch_size})
     for name, dtype in [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if gpu else []):
-        st = load_st(path, device, dtype, args.max_length)
+        st = load_st(path, device, args.max_length, dtype)
         for batch in st_batches:
-
-            def encode(items, st=st, batch=batch):
-                return st.encode(items, batch_size=batch, convert_to_numpy=True, show_progress_bar=False)
-
-            encode(warm)
-            with timer(device) as took:
-                emb = encode(texts)
-            record("SentenceTransformer.encode", name, batch, took())
-            embeddings.setdefault(f"st-{name}", np.asarray(emb, dtype=np.float32))
+            measure("SentenceTransformer.encode", name, batch, st_encoder(st, batch))
         del st
         if gpu:
             torch.cuda.empty_cache()
+    if not gpu:
+        with tempfile.TemporaryDirectory() as tmp:
+            others = st_backend_encoders(path, Path(tmp), device, args) if args.st_backends else {}
+            if args.ort:
+                others.update(ort_encoders(path, Path(tmp), args))
+            for label, encoder in others.items():
+                if isinstance(encoder, str):
+                    skipped[label] = encoder
+                    print(f"  {label}: not run ({encoder})", flush=True)
+                    continue
+                system, dtype = label.split("|")
+                measure(system, dtype, args.ort_batch_size if system.startswith("ONNX") else 32, encoder)
+    report(args, env, len(texts), results, embeddings, skipped)
 
+
+def report(args, env: dict, n: int, results: list[dict], embeddings: dict[str, np.ndarray], skipped: dict) -> None:
+    """The table, the speed-ups that matter and the agreement with sentence-transformers fp32; the JSON."""
     ours = results[0]
-    baseline = (
-        next(
-            r for r in results if r["system"].startswith("Sentence") and r["dtype"] == "fp32" and r["batch_size"] == 32
-        )
-        if 32 in st_batches
-        else results[-1]
+    st_rows = [r for r in results if not r["system"].startswith("densepass")]
+    st_default = next(
+        (r for r in st_rows if r["system"] == "SentenceTransformer.encode" and r["dtype"] == "fp32"), st_rows[0]
     )
-    agreement = {k: float(np.mean(np.sum(v * embeddings["st-fp32"], axis=1))) for k, v in embeddings.items()}
+    reference = embeddings[f"{st_default['system']}|{st_default['dtype']}|{st_default['batch_size']}"]
+    agreement = {key: float(np.mean(np.sum(v * reference, axis=1))) for key, v in embeddings.items()}
+    for r in results:
+        r["mean_cosine_vs_st_fp32"] = agreement[f"{r['system']}|{r['dtype']}|{r['batch_size']}"]
     rows = [
         [
             r["system"] + (" **(densepass)**" if r is ours else ""),
@@ -142,19 +296,31 @@ def main() -> None:
             f"{r['seconds']:.2f}",
             rate(r["passages_per_s"]),
             f"{ours['passages_per_s'] / r['passages_per_s']:.2f}x",
+            f"{r['mean_cosine_vs_st_fp32']:.5f}",
         ]
         for r in results
     ]
     print()
-    print(markdown_table(["system", "dtype", "batch", "seconds", "passages/s", "densepass ÷ row"], rows))
     print(
-        f"\ndensepass / sentence-transformers default (fp32, batch 32): "
-        f"{ours['passages_per_s'] / baseline['passages_per_s']:.2f}x"
+        markdown_table(
+            ["system", "dtype", "batch", "seconds", "passages/s", "densepass first row ÷ row", "cosine to ST fp32"],
+            rows,
+        )
     )
+    best_ours = max((r for r in results if r["system"].startswith("densepass")), key=lambda r: r["passages_per_s"])
+    best_st = max(st_rows, key=lambda r: r["passages_per_s"])
+    speedups = {
+        "first_densepass_vs_st_default": ours["passages_per_s"] / st_default["passages_per_s"],
+        "best_densepass_vs_best_other": best_ours["passages_per_s"] / best_st["passages_per_s"],
+    }
     print(
-        "agreement with sentence-transformers fp32 (mean cosine): "
-        + ", ".join(f"{k} {v:.5f}" for k, v in agreement.items())
+        f"\ndensepass {ours['dtype']} / sentence-transformers default (fp32, batch {st_default['batch_size']}): "
+        f"{speedups['first_densepass_vs_st_default']:.2f}x\nfastest densepass ({best_ours['dtype']}) / fastest other "
+        f"system ({best_st['system']} {best_st['dtype']} batch {best_st['batch_size']}): "
+        f"{speedups['best_densepass_vs_best_other']:.2f}x (compare at equal quality: the cosine column)"
     )
+    for label, why in skipped.items():
+        print(f"not run: {label}: {why}")
     write_json(
         args.out,
         {
@@ -162,11 +328,11 @@ def main() -> None:
             **env,
             "model": args.model,
             "dataset": args.dataset,
-            "n_passages": len(texts),
+            "n_passages": n,
             "max_length": args.max_length,
             "results": results,
-            "speedup_vs_st_default": ours["passages_per_s"] / baseline["passages_per_s"],
-            "agreement_mean_cosine_vs_st_fp32": agreement,
+            "speedups": speedups,
+            "not_run": skipped,
         },
     )
 

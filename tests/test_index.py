@@ -234,9 +234,14 @@ def tiny_model(tiny_model_dir):
 
 
 def test_encode_texts_keeps_input_order(tiny_model):
-    batched = encode_texts(tiny_model, TEXTS, "passage", batch_size=3, device=CPU, show_progress=False)
+    batched = encode_texts(
+        tiny_model, TEXTS, "passage", batch_size=3, device=CPU, precision="fp32", show_progress=False
+    )
     one_by_one = np.stack(
-        [encode_texts(tiny_model, [t], "passage", batch_size=1, device=CPU, show_progress=False)[0] for t in TEXTS]
+        [
+            encode_texts(tiny_model, [t], "passage", batch_size=1, device=CPU, precision="fp32", show_progress=False)[0]
+            for t in TEXTS
+        ]
     )
     assert batched.shape == (len(TEXTS), tiny_model.dim) and batched.dtype == np.float32
     np.testing.assert_allclose(batched, one_by_one, atol=1e-5)
@@ -245,8 +250,10 @@ def test_encode_texts_keeps_input_order(tiny_model):
 
 
 def test_encode_texts_max_tokens_gives_same_embeddings(tiny_model):
-    plain = encode_texts(tiny_model, TEXTS, "query", batch_size=2, device=CPU, show_progress=False)
-    capped = encode_texts(tiny_model, TEXTS, "query", batch_size=1, device=CPU, show_progress=False, max_tokens=40)
+    plain = encode_texts(tiny_model, TEXTS, "query", batch_size=2, device=CPU, precision="fp32", show_progress=False)
+    capped = encode_texts(
+        tiny_model, TEXTS, "query", batch_size=1, device=CPU, precision="fp32", show_progress=False, max_tokens=40
+    )
     np.testing.assert_allclose(plain, capped, atol=1e-5)
 
 
@@ -268,11 +275,20 @@ def test_encode_texts_equals_naive_per_text_encoding(tiny_model, monkeypatch, ch
     long_text = " ".join(TEXTS * 12)  # far beyond passage_max_length tokens
     texts = TEXTS + ["", long_text, long_text[::-1], TEXTS[1]]
     got = encode_texts(
-        tiny_model, texts, "passage", batch_size=batch_size, device=CPU, show_progress=False, max_tokens=max_tokens
+        tiny_model,
+        texts,
+        "passage",
+        batch_size=batch_size,
+        device=CPU,
+        precision="fp32",
+        show_progress=False,
+        max_tokens=max_tokens,
     )
     assert got.shape == (len(texts), tiny_model.dim) and got.dtype == np.float32
     np.testing.assert_allclose(got, naive_encoding(tiny_model, texts, "passage"), atol=1e-5)
-    queries = encode_texts(tiny_model, texts, "query", batch_size=batch_size, device=CPU, show_progress=False)
+    queries = encode_texts(
+        tiny_model, texts, "query", batch_size=batch_size, device=CPU, precision="fp32", show_progress=False
+    )
     np.testing.assert_allclose(queries, naive_encoding(tiny_model, texts, "query"), atol=1e-5)
 
 

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from densepass.config import DEFAULT_METRICS, DEFAULT_MODEL, DENSE_INDEX_KINDS, FORMATS
+from densepass.config import DEFAULT_METRICS, DEFAULT_MODEL, DENSE_INDEX_KINDS, FORMATS, PRECISIONS
 from densepass.errors import DensepassError
 
 INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid", "splade", "colbert", "phrase")
@@ -111,6 +111,7 @@ def _index(args: argparse.Namespace) -> None:
         sparse_model=args.sparse_model,
         retriever=_retriever_options(args),
         threshold=args.filter_threshold,
+        precision=args.precision,
     )
     with distributed.process_group():  # under torchrun: one shard per process, rank 0 writes the index
         index, name = index_dataset(args.dataset, args.data_dir, args.format, args.output, settings)
@@ -129,7 +130,7 @@ def _retriever_options(args: argparse.Namespace):
 
 
 def _load_pipeline(args: argparse.Namespace):
-    from densepass.device import resolve_device
+    from densepass.device import resolve_device, resolve_precision
     from densepass.index.base import Index, load_index
     from densepass.index.bm25 import BM25Index
     from densepass.index.hybrid import HybridIndex
@@ -142,6 +143,15 @@ def _load_pipeline(args: argparse.Namespace):
     from densepass.index.base import read_index_manifest
 
     kind = read_index_manifest(Path(args.index))["kind"]
+    if kind in (*DENSE_INDEX_KINDS, "hybrid"):  # a hybrid index's first part is dense
+        resolve_precision(args.precision, device)
+        options["precision"] = args.precision
+    elif args.precision not in ("auto", "fp32"):
+        raise DensepassError(f"--precision {args.precision} applies to dense indexes; {args.index} is a {kind} index")
+    if args.search_precision != "fp32":
+        if kind != "exact":
+            raise DensepassError(f"--search-precision is an option of exact indexes; {args.index} is a {kind} index")
+        options.update(search_precision=args.search_precision, rescore=args.rescore)
     if args.model:  # a phrase index loads its own model; the others check the kind of the one given
         options["model"] = args.model if kind == "phrase" else load_model(args.model)
     index: Index = load_index(args.index, **(options if kind != "bm25" else {}))
@@ -296,6 +306,7 @@ def _mine(args: argparse.Namespace) -> None:
         "data.data_dir": args.data_dir,
         "data.format": args.format,
         "data.max_train_queries": args.max_queries,
+        "eval.precision": args.precision,
         "device": args.device,
     }
     overrides = [f"{key}={json.dumps(value)}" for key, value in options.items() if value is not None]
@@ -370,6 +381,16 @@ def _device_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
 
 
+def _precision_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    p.add_argument(
+        "--precision",
+        default=default,
+        choices=PRECISIONS,
+        help="encoding precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (bf16 on GPU, "
+        "fp32 on CPU)" + ("" if default else "; default: the config's eval.precision"),
+    )
+
+
 def _config_args(p: argparse.ArgumentParser, example: str) -> None:
     p.add_argument("config", nargs="?", help="config file (default: built-in defaults)")
     p.add_argument(
@@ -400,6 +421,14 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
         help="candidates re-scored per query (default: 100, or every passage of a smaller index)",
     )
     p.add_argument("--rerank-batch-size", type=positive_int, default=64, help="pairs per cross-encoder forward pass")
+    _precision_arg(p)
+    p.add_argument(
+        "--search-precision",
+        default="fp32",
+        choices=["fp32", "bf16", "int8"],
+        help="exact index: score every passage in bf16 or int8, then re-score the best --rescore x k in fp32",
+    )
+    p.add_argument("--rescore", type=positive_int, default=4, help="--search-precision: candidates re-scored, x k")
     _device_arg(p)
 
 
@@ -458,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument(
         "--shard-size", type=positive_int, default=65_536, help="passages encoded between resumable save points"
     )
+    _precision_arg(index)
     _device_arg(index)
     index.set_defaults(func=_index)
 
@@ -511,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     mine.add_argument("--cross-encoder-threshold", type=float, default=None)
     mine.add_argument("--max-queries", type=positive_int, default=None, help="a seeded subset of the training queries")
     mine.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    _precision_arg(mine, default=None)
     _device_arg(mine)
     mine.set_defaults(func=_mine)
 

@@ -31,6 +31,8 @@ FORMATS: tuple[str, ...] = get_args(DatasetFormat)
 IndexKind = Literal["exact", "faiss-flat", "faiss-hnsw", "faiss-ivfpq"]
 DENSE_INDEX_KINDS: tuple[str, ...] = get_args(IndexKind)
 DEFAULT_METRICS = ("mrr@10", "ndcg@10", "recall@100")  # what `densepass evaluate` and friends report
+Precision = Literal["auto", "fp32", "bf16", "int8"]  # what encoding runs in (densepass.device.resolve_precision)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 def option(
@@ -214,6 +216,11 @@ class EvalConfig:
     rerank_candidates: int = option(100, "mode=rerank: candidates per query (ABS paper: 1 positive + 99)", min=2)
     each_epoch: bool = option(False, "also evaluate after every training epoch")
     batch_size: int = option(256, "encoding batch size", min=1)
+    precision: Precision = option(
+        "auto",
+        "encoding precision of evaluation and of mining (densepass mine): fp32; bf16 (a bfloat16 copy); int8 "
+        "(dynamic quantisation, CPU only); auto: bf16 on GPU, fp32 on CPU",
+    )
     baselines: list[Literal["bm25", "zero-shot"]] = option(
         help="systems evaluated beside the fine-tuned model", factory=lambda: ["bm25", "zero-shot"]
     )

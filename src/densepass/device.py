@@ -1,5 +1,6 @@
 """Where and in which precision models run: the default device, bf16 autocast (GPU by default, CPU on
-request where it has bfloat16 instructions), attention kernels, and replayable random states.
+request where it has bfloat16 instructions), the precision encoding runs in (``resolve_precision``),
+attention kernels, and replayable random states.
 
 Every module that picks a device or a precision asks this one, so a setting means the same thing in
 training, pre-training, encoding and serving.
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from densepass.config import PRECISIONS
 from densepass.errors import ConfigError
 
 
@@ -95,6 +97,26 @@ def uses_bf16(device: torch.device, bf16: bool, cpu_bf16: bool) -> bool:
             )
         return True
     return False
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """The precision encoding on ``device`` runs in for a ``precision`` setting: ``fp32``, ``bf16`` or ``int8``
+    (``auto``: bf16 on GPU, fp32 on the CPU: bf16 is emulated and several times slower on CPUs without native
+    bfloat16, and on those with it, ask for ``bf16`` by name until its MRR@10 is checked against fp32 there).
+    int8 (dynamic quantisation) runs on the CPU only."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if precision == "int8" and device.type != "cpu":
+        raise ConfigError(f"precision int8 (dynamic quantisation) runs on the CPU only; use bf16 on {device.type}")
+    if precision == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
+        warnings.warn(
+            "precision bf16: this CPU has no native bfloat16 (avx512_bf16 / amx_bf16), so it is emulated and "
+            "several times slower than fp32",
+            stacklevel=2,
+        )
+    return precision
 
 
 @contextlib.contextmanager

@@ -3,8 +3,11 @@
 Kinds: ``exact`` (chunked matrix products with a running top-k, ``index.exact``), ``faiss-flat``
 (exact, FAISS ``IndexFlatIP``), ``faiss-hnsw`` (graph search) and ``faiss-ivfpq`` (inverted lists of
 product-quantised codes, trained on the first passages added). Queries are encoded by the same model
-that encoded the passages; the saved index records that model's path and weights fingerprint, and
-loading it with another model is refused.
+that encoded the passages, in the index's encoding ``precision`` (``models.encode``: auto, fp32, bf16,
+int8; a runtime option, not saved). The exact kind can search a bf16 / int8 copy of the passages and
+re-score the best ``rescore x k`` of each query in float32 (``search_precision``, ``index.exact``; also a
+runtime option). The saved index records that model's path and weights fingerprint,
+and loading it with another model is refused.
 
 >>> from densepass.models import BiEncoder
 >>> model = BiEncoder.from_pretrained("all-MiniLM-L6-v2")
@@ -23,10 +26,11 @@ import torch
 
 from densepass.config import DENSE_INDEX_KINDS
 from densepass.data.dataset import Corpus
+from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_weights
 from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, register
-from densepass.index.exact import exact_search
+from densepass.index.exact import SEARCH_PRECISIONS, ReducedPassages, exact_search
 from densepass.index.faiss_index import build_faiss_index, faiss_search, load_faiss_index, save_faiss_index
 from densepass.models.biencoder import BiEncoder
 
@@ -55,14 +59,26 @@ class DenseIndex(Index):
         device: torch.device | None = None,
         show_progress: bool = True,
         model_path: str | None = None,
+        precision: str = "auto",
+        search_precision: str = "fp32",
+        rescore: int = 4,
         **faiss_options: Any,
     ) -> None:
+        resolve_precision(precision, device or default_device())  # a bad name fails before any work
         if kind not in DENSE_INDEX_KINDS:
             raise ConfigError(f"unknown dense index kind {kind!r} (known: {', '.join(DENSE_INDEX_KINDS)})")
+        if search_precision not in SEARCH_PRECISIONS:
+            raise ConfigError(f"unknown search precision {search_precision!r} (known: {', '.join(SEARCH_PRECISIONS)})")
+        if search_precision != "fp32" and kind != "exact":
+            raise ConfigError(f"search precision {search_precision} is an option of the exact index, not of {kind}")
+        if rescore < 1:
+            raise ConfigError(f"rescore must be >= 1, got {rescore}")
         if batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {batch_size}")
         self.model, self.kind, self.batch_size, self.device = model, kind, batch_size, device
-        self.show_progress, self.faiss_options = show_progress, faiss_options
+        self.show_progress, self.faiss_options, self.precision = show_progress, faiss_options, precision
+        self.search_precision, self.rescore = search_precision, rescore
+        self._reduced: ReducedPassages | None = None  # the bf16 / int8 copy, made at the first search
         self.model_path = model_path or model.source
         self.passages = Corpus([], [], [], [])
         self.embeddings = np.zeros((0, model.dim), dtype=np.float32)
@@ -86,7 +102,11 @@ class DenseIndex(Index):
         """Encode ``passages`` with the model and index them."""
         corpus = as_corpus(passages, first_id=len(self.passages))
         embeddings = self.model.encode_passages(
-            corpus, batch_size=self.batch_size, show_progress=self.show_progress, device=self.device
+            corpus,
+            batch_size=self.batch_size,
+            show_progress=self.show_progress,
+            device=self.device,
+            precision=self.precision,
         )
         self.add_embeddings(corpus, embeddings)
 
@@ -102,6 +122,7 @@ class DenseIndex(Index):
             self._weights_version = weights_version(self.model)
         self.passages = concat_corpora(self.passages, corpus) if len(self.passages) else corpus
         self.embeddings = np.concatenate([self.embeddings, embeddings]) if len(self.embeddings) else embeddings
+        self._reduced = None
         if self.kind != "exact":
             if self.faiss is None:
                 self.faiss = build_faiss_index(self.embeddings, self.kind, **self.faiss_options)
@@ -116,7 +137,11 @@ class DenseIndex(Index):
                 raise ConfigError(f"query embeddings must be [n, {self.dim}], got {list(queries.shape)}")
             return queries
         return self.model.encode_queries(
-            check_queries(queries), batch_size=self.batch_size, show_progress=False, device=self.device
+            check_queries(queries),
+            batch_size=self.batch_size,
+            show_progress=False,
+            device=self.device,
+            precision=self.precision,
         )
 
     def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -124,7 +149,11 @@ class DenseIndex(Index):
         query_emb = self.encode_queries(queries)
         if self.faiss is not None:
             return faiss_search(self.faiss, query_emb, k)
-        return exact_search(query_emb, self.embeddings, k, device=self.device)
+        if self.search_precision != "fp32" and self._reduced is None:
+            self._reduced = ReducedPassages(self.embeddings, self.search_precision, self.device or default_device())
+        return exact_search(
+            query_emb, self.embeddings, k, device=self.device, reduced=self._reduced, rescore=self.rescore
+        )
 
     # ---- persistence ----------------------------------------------------------------------------
 

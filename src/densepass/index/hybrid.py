@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from densepass.config import DENSE_INDEX_KINDS
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
 from densepass.index.base import KINDS, Index, Passages, check_queries, read_index_manifest, register
@@ -127,7 +128,10 @@ class HybridIndex(Index):
         for name in ("first", "second"):
             kind = read_index_manifest(directory / name)["kind"]
             takes_model = kind != "bm25"
-            parts.append(KINDS[kind].load(directory / name, **(options if takes_model else {})))
+            takes = options if takes_model else {}
+            if kind not in DENSE_INDEX_KINDS:  # the encoding precision is a dense index's option
+                takes = {key: value for key, value in takes.items() if key != "precision"}
+            parts.append(KINDS[kind].load(directory / name, **takes))
         if parts[0].passages.ids != passages.ids:
             raise DataError(f"{directory}: its parts hold other passages than the hybrid index")
         return cls(*parts, **manifest["options"])

@@ -37,6 +37,7 @@ import torch
 
 from densepass import distributed
 from densepass.data.dataset import LazyTexts
+from densepass.device import default_device, resolve_precision
 from densepass.errors import DataError, DataWarning, DensepassError
 from densepass.fingerprints import fingerprint_json, fingerprint_weights
 from densepass.index.embeddings import encode_in_blocks, encode_to_memmap
@@ -68,9 +69,16 @@ class ShardPlan:
         return min(first * self.block, self.rows), min(last * self.block, self.rows)
 
 
-def encoder_fingerprint(model: BiEncoder) -> str:
-    """Fingerprint of what determines a passage's embedding: the model's weights and architecture."""
-    return fingerprint_json({"weights": fingerprint_weights(model), "architecture": dataclasses.asdict(model.config)})
+def encoder_fingerprint(model: BiEncoder, precision: str) -> str:
+    """Fingerprint of what determines a passage's embedding: the model's weights and architecture, and the
+    precision it runs in (``resolve_precision``'s answer)."""
+    return fingerprint_json(
+        {
+            "weights": fingerprint_weights(model),
+            "architecture": dataclasses.asdict(model.config),
+            "precision": precision,
+        }
+    )
 
 
 @dataclasses.dataclass
@@ -148,21 +156,24 @@ def encode_sharded(
     batch_size: int = 256,
     device: torch.device | None = None,
     show_progress: bool = True,
+    precision: str = "auto",
 ) -> ShardedEmbeddings:
     """Encode this process's shard of the passage encoder inputs ``texts`` (every process passes a view of the
     same corpus), block by block: into ``directory`` (resumable, with a manifest; ``corpus_fingerprint``
-    required) or in memory. Collective: every process of the group must call it."""
+    required) or in memory, in ``precision`` (``models.encode``; part of the manifest's model fingerprint).
+    Collective: every process of the group must call it."""
     rank = distributed.rank()
+    precision = resolve_precision(precision, device or default_device())
     plan = ShardPlan(len(texts), distributed.world_size(), block)
     start, end = plan.shard(rank)
-    options = dict(batch_size=batch_size, device=device, show_progress=show_progress and rank == 0)
+    options = dict(batch_size=batch_size, device=device, show_progress=show_progress and rank == 0, precision=precision)
     if directory is None:
         local = encode_in_blocks(model, texts.window(start, end), "passage", block, **options) if end > start else None
         return ShardedEmbeddings(plan, rank, _or_empty(local, model.dim))
     if corpus_fingerprint is None:
         raise DensepassError("encoding shards into a directory needs the corpus fingerprint for its manifest")
     directory = Path(directory)
-    _prepare_directory(directory, plan, model, corpus_fingerprint)
+    _prepare_directory(directory, plan, encoder_fingerprint(model, precision), model.dim, corpus_fingerprint)
     local = None
     if end > start:
         path = shard_path(directory, plan, rank)
@@ -175,12 +186,13 @@ def _or_empty(local: np.ndarray | None, dim: int) -> np.ndarray:
     return local if local is not None else np.zeros((0, dim), dtype=np.float32)
 
 
-def _prepare_directory(directory: Path, plan: ShardPlan, model: BiEncoder, corpus_fingerprint: str) -> None:
+def _prepare_directory(
+    directory: Path, plan: ShardPlan, model_fingerprint: str, dim: int, corpus_fingerprint: str
+) -> None:
     """Check the directory's manifest against this encoding (every process reads it, so every process takes
     the same decision), clear shards of another layout, and have rank 0 write the manifest."""
     manifest = directory / SHARDS_FILE
-    model_fingerprint = encoder_fingerprint(model)
-    layout = {"format": FORMAT, "rows": plan.rows, "dim": model.dim, "block": plan.block, "world": plan.world}
+    layout = {"format": FORMAT, "rows": plan.rows, "dim": dim, "block": plan.block, "world": plan.world}
     recorded = _read_manifest(manifest)
     if recorded is not None:
         for what, mine in (("model", model_fingerprint), ("corpus", corpus_fingerprint)):

@@ -156,9 +156,11 @@ class BiEncoder(nn.Module):
         show_progress: bool = True,
         convert_to: Literal["numpy", "torch"] = "numpy",
         device: torch.device | None = None,
+        precision: str = "auto",
     ):
-        """Query embeddings [len(texts), dim] (float32), batched and length-sorted (``models.encode``)."""
-        return self._encode(texts, "query", batch_size, show_progress, convert_to, device)
+        """Query embeddings [len(texts), dim] (float32), batched and length-sorted (``models.encode``;
+        ``precision``: auto, fp32, bf16 or int8)."""
+        return self._encode(texts, "query", batch_size, show_progress, convert_to, device, precision)
 
     def encode_passages(
         self,
@@ -167,13 +169,14 @@ class BiEncoder(nn.Module):
         show_progress: bool = True,
         convert_to: Literal["numpy", "torch"] = "numpy",
         device: torch.device | None = None,
+        precision: str = "auto",
     ):
         """Passage embeddings [n, dim] (float32) of strings, or of a ``Corpus`` as ``title [SEP] text``."""
         if isinstance(passages, Corpus):
             passages = passages.passage_inputs(self.tokenizer.sep_token or " ")
-        return self._encode(passages, "passage", batch_size, show_progress, convert_to, device)
+        return self._encode(passages, "passage", batch_size, show_progress, convert_to, device, precision)
 
-    def _encode(self, texts, side: Side, batch_size: int, show_progress: bool, convert_to: str, device):
+    def _encode(self, texts, side: Side, batch_size: int, show_progress: bool, convert_to: str, device, precision: str):
         from densepass.models.encode import encode_texts
 
         if isinstance(texts, str):
@@ -181,7 +184,9 @@ class BiEncoder(nn.Module):
         if convert_to not in ("numpy", "torch"):
             raise ConfigError(f"convert_to must be 'numpy' or 'torch', got {convert_to!r}")
         was_training = self.training
-        out = encode_texts(self, list(texts), side, batch_size=batch_size, device=device, show_progress=show_progress)
+        out = encode_texts(
+            self, list(texts), side, batch_size, device, precision=precision, show_progress=show_progress
+        )
         self.train(was_training)
         return torch.from_numpy(out) if convert_to == "torch" else out
 

@@ -38,10 +38,12 @@ def mine_dense_negatives(
     passage_embeddings: np.ndarray | None = None,
     show_progress: bool = True,
     block: int = DEFAULT_BLOCK,
+    precision: str = "auto",
 ) -> NegativePool:
     """Query id -> the top ``depth`` passages by dot product (after dropping ``skip_top``), best first, equal
     scores by corpus row. ``passage_embeddings``: the whole corpus's, already encoded (searched in one process);
-    ``block``: passages encoded and searched together (``index.sharded``)."""
+    ``block``: passages encoded and searched together (``index.sharded``); texts encoded in ``precision``
+    (``models.encode``)."""
     sep = model.tokenizer.sep_token or " "
     show_progress = show_progress and distributed.rank() == 0
     if passage_embeddings is None:
@@ -52,11 +54,12 @@ def mine_dense_negatives(
             batch_size=batch_size,
             device=device,
             show_progress=show_progress,
+            precision=precision,
         )
     else:
         shards = ShardedEmbeddings.whole(passage_embeddings, block)
     queries = encode_texts(
-        model, [dataset.queries[q] for q in query_ids], "query", batch_size, device, show_progress=show_progress
+        model, [dataset.queries[q] for q in query_ids], "query", batch_size, device, precision, show_progress
     )
     scores, rows = shards.search(queries, depth + skip_top, device=device)
     ids = dataset.corpus.ids

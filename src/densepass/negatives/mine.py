@@ -64,6 +64,7 @@ class MiningContext:
     show_progress: bool = True
     model: BiEncoder | None = None  # for source=model: a model in memory (the one being trained) instead of a path
     miners: dict[int, BiEncoder] = field(default_factory=dict)  # dense:DIM -> its trained miner (training.miner)
+    precision: str = "auto"  # encoding precision of the model and dense strategies (models.encode)
 
 
 def fetch_depth(depth: int) -> int:
@@ -131,6 +132,7 @@ def raw_pool(
             ctx.device,
             show_progress=ctx.show_progress,
             block=config.shard_block,
+            precision=ctx.precision,
         )
     if name == "file":
         path = arg or config.file

@@ -34,7 +34,7 @@ from densepass.checkpoints import trim_log
 from densepass.config import ExperimentConfig, LossConfig, save_config
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
-from densepass.device import resolve_device
+from densepass.device import resolve_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write_trec_run
 from densepass.evaluation.tables import print_table
@@ -100,6 +100,7 @@ def run_identity(config: ExperimentConfig) -> dict:
 def check(config: ExperimentConfig) -> torch.device:
     """Everything about ``config`` that can be checked without data; returns the device to run on."""
     device = resolve_device(config.device)
+    resolve_precision(config.eval.precision, device)  # int8 on a GPU fails here
     retrievers.check_kind(config)
     check_metrics(config.eval.metrics)
     check_metrics([config.validation.metric])
@@ -219,15 +220,21 @@ def evaluate_dense(exp: Experiment, model: BiEncoder, name: str) -> dict[str, fl
         return evaluate_retriever(exp, model, name)
     if evalset.candidates is None:
         index = DenseIndex.build(
-            model, evalset.corpus, settings.index, batch_size=settings.batch_size, device=exp.device
+            model,
+            evalset.corpus,
+            settings.index,
+            batch_size=settings.batch_size,
+            device=exp.device,
+            precision=settings.precision,
         )
         results = index.search(evalset.query_texts, settings.depth)
         return score_run(exp, results.as_run(evalset.query_ids), name)
     corpus = evalset.corpus
     flat = [pid for q in evalset.query_ids for pid in evalset.candidates[q]]
     texts = corpus.passage_inputs(model.tokenizer.sep_token or " ", [corpus.position(p) for p in flat])
-    passages = model.encode_passages(texts, settings.batch_size, show_progress=False, device=exp.device)
-    queries = model.encode_queries(evalset.query_texts, settings.batch_size, show_progress=False, device=exp.device)
+    options = {"show_progress": False, "device": exp.device, "precision": settings.precision}
+    passages = model.encode_passages(texts, settings.batch_size, **options)
+    queries = model.encode_queries(evalset.query_texts, settings.batch_size, **options)
     starts = np.cumsum([0] + [len(evalset.candidates[q]) for q in evalset.query_ids])
     return score_run(exp, _candidate_run(evalset, lambda i, _: passages[starts[i] : starts[i + 1]] @ queries[i]), name)
 
@@ -316,6 +323,7 @@ def mine_training_pool(exp: Experiment, model: BiEncoder) -> TrainingPool:
         config.train,
         config.data.seed,
         show_progress=exp.main,
+        precision=config.eval.precision,
     )
     prepare_miners(dataset, train_qids, neg, context)
     mined = mine_negatives(dataset, train_qids, neg, context, model.tokenizer.sep_token or " ")

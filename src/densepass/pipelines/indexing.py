@@ -25,6 +25,7 @@ from densepass import distributed
 from densepass.config import DENSE_INDEX_KINDS, ModelConfig
 from densepass.data import load_dataset, stream_passage_inputs
 from densepass.data.dataset import Corpus, LazyTexts
+from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.fingerprints import fingerprint_corpus
 from densepass.index.base import Index
@@ -58,6 +59,7 @@ class IndexSettings:
     sparse_model: str | None = None  # hybrid: a SPLADE model for the second part instead of BM25
     retriever: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # splade pruning, colbert storage
     threshold: float | None = None  # phrase: the token filter's threshold (None: keep every vector)
+    precision: str = "auto"  # dense kinds: encoding precision (auto, fp32, bf16, int8; models.encode)
 
     def __post_init__(self) -> None:
         if self.kind not in INDEX_KINDS:
@@ -68,6 +70,9 @@ class IndexSettings:
             raise ConfigError("batch size and shard size must be >= 1")
         if self.kind != "bm25" and not self.model:
             raise ConfigError(f"a {self.kind} index needs a model")
+        resolve_precision(self.precision, self.device or default_device())
+        if self.precision not in ("auto", "fp32") and self.kind in ("bm25", "splade", "colbert", "phrase"):
+            raise ConfigError(f"precision {self.precision} applies to bi-encoder indexes, not to a {self.kind} index")
 
 
 def encode_corpus(
@@ -80,7 +85,7 @@ def encode_corpus(
     try:
         recorded = json.loads(manifest.read_text()) if manifest.is_file() else None
         stale = recorded is not None and (recorded.get("model"), recorded.get("corpus")) != (
-            encoder_fingerprint(model),
+            encoder_fingerprint(model, resolve_precision(settings.precision, settings.device or default_device())),
             corpus_fingerprint,
         )
     except (OSError, ValueError, AttributeError):
@@ -100,6 +105,7 @@ def encode_corpus(
         batch_size=settings.batch_size,
         device=settings.device,
         show_progress=settings.show_progress,
+        precision=settings.precision,
     )
 
 
@@ -114,7 +120,14 @@ def _assembled_index(
     model: BiEncoder, corpus: Corpus, kind: str, shards: ShardedEmbeddings, work_dir: Path, settings: IndexSettings
 ) -> DenseIndex:
     """A dense index of ``corpus`` over every shard's embeddings (on rank 0)."""
-    index = DenseIndex(model, kind, batch_size=settings.batch_size, device=settings.device, show_progress=False)
+    index = DenseIndex(
+        model,
+        kind,
+        batch_size=settings.batch_size,
+        device=settings.device,
+        show_progress=False,
+        precision=settings.precision,
+    )
     index.add_embeddings(corpus, shards.assemble(work_dir / "assembled.npy"))
     return index
 

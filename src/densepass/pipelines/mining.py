@@ -39,6 +39,7 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path) -> Min
         architecture=config.model.architecture(),
         train_config=config.train,
         seed=data.seed,
+        precision=config.eval.precision,
     )
     main = distributed.rank() == 0
     ctx.show_progress = main

@@ -84,6 +84,8 @@ def check_kind(config: ExperimentConfig) -> None:
             f"model.kind={kind}: batch schedules by encoder similarity need a bi-encoder; "
             "use schedule.similarity=bm25 (ABS) or a random / sequential order"
         )
+    if config.eval.precision in ("bf16", "int8"):
+        raise ConfigError(f"model.kind={kind}: eval.precision={config.eval.precision} applies to bi-encoders; use auto")
     if neg.refresh_every is not None:
         raise ConfigError(f"model.kind={kind}: negatives.refresh_every mines with a bi-encoder; leave it null")
     if neg.source == "model" and model.name_or_path == neg.model:

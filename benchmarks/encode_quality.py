@@ -1,0 +1,134 @@
+"""Quality of the encoding precisions (``models.encode``: fp32, bf16, int8): each precision's mean cosine to the
+fp32 embeddings (passages and queries) and its retrieval metrics, with the difference to fp32, on the same
+queries and corpus. The issue's bar: mean cosine >= 0.99 and MRR@10 within 0.005 of fp32.
+
+    # a seeded sample of dev queries in a subcorpus (their gold passages + BM25 top-k + random passages)
+    python benchmarks/encode_quality.py --max-queries 1000 --subcorpus --hard-k 20 --random 10000 \
+        --out outputs/quality/encode-sub.json
+    # every dev query in the full corpus (60,240 passages: ~14 minutes of fp32 MiniLM per precision on 2 cores)
+    python benchmarks/encode_quality.py --out outputs/quality/encode-full.json
+
+Timings are printed for orientation only (measure speed with bench_encode.py on a quiet machine). bf16 is
+emulated, and several times slower than fp32, on a CPU without AVX512-BF16 / AMX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import markdown_table, pick_device, write_json
+from densepass.config import DataConfig
+from densepass.data import load_dataset
+from densepass.device import resolve_precision
+from densepass.evaluation.metrics import evaluate_run
+from densepass.index.bm25 import BM25Index
+from densepass.index.exact import exact_search
+from densepass.io import atomic_write_text
+from densepass.models.biencoder import BiEncoder, resolve_model_path
+from densepass.models.encode import encode_texts
+from densepass.pipelines.evalset import build_eval_set
+
+METRICS = ["mrr@10", "ndcg@10", "recall@100"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="all-MiniLM-L6-v2")
+    parser.add_argument("--dataset", default="debian-packages")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--split", default="dev")
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "int8"], help="fp32 always runs first")
+    parser.add_argument("--max-queries", type=int, default=None, help="a seeded sample of the split's queries")
+    parser.add_argument("--subcorpus", action="store_true", help="search a subcorpus instead of the full corpus")
+    parser.add_argument("--hard-k", type=int, default=20, help="subcorpus: each query's BM25 top-k")
+    parser.add_argument("--random", type=int, default=10_000, help="subcorpus: this many random passages")
+    parser.add_argument("--seed", type=int, default=13, help="seed of the query sample and the random passages")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default=None, help="JSON results (the markdown table goes beside it, .md)")
+    args = parser.parse_args()
+    device = pick_device(args.device)
+    precisions = ["fp32", *(p for p in args.precisions if p != "fp32")]
+    for precision in precisions:
+        resolve_precision(precision, device)  # a bad name or int8 on a GPU fails before any work
+
+    dataset = load_dataset(args.dataset, args.data_dir)
+    data = DataConfig(
+        eval_split=args.split,
+        max_eval_queries=args.max_queries,
+        eval_subcorpus=args.subcorpus,
+        eval_hard_k=args.hard_k if args.subcorpus else 0,
+        eval_random=args.random if args.subcorpus else 0,
+        seed=args.seed,
+    )
+    bm25 = BM25Index.build(dataset.corpus.passage_inputs(" ")) if data.eval_hard_k else None
+    evalset = build_eval_set(dataset, data, bm25)
+    model = BiEncoder.from_pretrained(resolve_model_path(args.model))
+    passages = evalset.corpus.passage_inputs(model.tokenizer.sep_token or " ")
+    print(f"{args.model} on {args.dataset}: {evalset.description}; device {device}, {torch.get_num_threads()} threads")
+
+    reference, results = {}, []
+    for precision in precisions:
+        options = {"batch_size": args.batch_size, "device": device, "precision": precision, "show_progress": False}
+        started = time.perf_counter()
+        p = encode_texts(model, passages, "passage", **options)
+        seconds = time.perf_counter() - started
+        q = encode_texts(model, evalset.query_texts, "query", **options)
+        reference = reference or {"p": p, "q": q}
+        scores, rows = exact_search(q, p, 100, device=device)
+        ids = evalset.corpus.ids
+        run = {
+            qid: {ids[r]: float(s) for s, r in zip(row_s, row_r)}
+            for qid, row_s, row_r in zip(evalset.query_ids, scores.tolist(), rows.tolist())
+        }
+        metrics = evaluate_run(evalset.qrels, run, METRICS)
+        passage_cos, query_cos = np.sum(p * reference["p"], 1), np.sum(q * reference["q"], 1)
+        results.append(
+            {
+                "precision": precision,
+                "passage_cosine_mean": float(passage_cos.mean()),
+                "passage_cosine_min": float(passage_cos.min()),
+                "query_cosine_mean": float(query_cos.mean()),
+                "encode_passages_s": seconds,
+                **metrics,
+            }
+        )
+        print(f"  {precision}: {metrics}, passage cosine {passage_cos.mean():.5f}, {seconds:.0f}s", flush=True)
+
+    fp32 = results[0]
+    rows = [
+        [
+            r["precision"],
+            f"{r['passage_cosine_mean']:.5f}",
+            f"{r['passage_cosine_min']:.4f}",
+            f"{r['query_cosine_mean']:.5f}",
+            *(f"{r[m]:.4f}" for m in METRICS),
+            f"{r['mrr@10'] - fp32['mrr@10']:+.4f}",
+            f"{r['encode_passages_s']:.0f}",
+        ]
+        for r in results
+    ]
+    headers = ["precision", "passage cos (mean)", "(min)", "query cos", *METRICS, "Δ MRR@10", "passages s"]
+    table = markdown_table(headers, rows)
+    print(f"\n{evalset.description}\n\n{table}")
+    payload = {
+        "benchmark": "encode_quality",
+        "model": args.model,
+        "dataset": args.dataset,
+        "evaluation_set": evalset.description,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "results": results,
+    }
+    write_json(args.out, payload)
+    if args.out:
+        atomic_write_text(Path(args.out).with_suffix(".md"), f"{evalset.description}\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
