@@ -157,11 +157,13 @@ def encode_sharded(
     device: torch.device | None = None,
     show_progress: bool = True,
     precision: str = "auto",
+    replace_other: bool = False,
 ) -> ShardedEmbeddings:
     """Encode this process's shard of the passage encoder inputs ``texts`` (every process passes a view of the
     same corpus), block by block: into ``directory`` (resumable, with a manifest; ``corpus_fingerprint``
     required) or in memory, in ``precision`` (``models.encode``; part of the manifest's model fingerprint).
-    Collective: every process of the group must call it."""
+    Shards in ``directory`` of another model or corpus are refused, or removed with ``replace_other`` (a
+    directory private to one build). Collective: every process of the group must call it."""
     rank = distributed.rank()
     precision = resolve_precision(precision, device or default_device())
     plan = ShardPlan(len(texts), distributed.world_size(), block)
@@ -173,7 +175,8 @@ def encode_sharded(
     if corpus_fingerprint is None:
         raise DensepassError("encoding shards into a directory needs the corpus fingerprint for its manifest")
     directory = Path(directory)
-    _prepare_directory(directory, plan, encoder_fingerprint(model, precision), model.dim, corpus_fingerprint)
+    content = {"model": encoder_fingerprint(model, precision), "corpus": corpus_fingerprint}
+    _prepare_directory(directory, plan, content, model.dim, replace_other)
     local = None
     if end > start:
         path = shard_path(directory, plan, rank)
@@ -187,24 +190,25 @@ def _or_empty(local: np.ndarray | None, dim: int) -> np.ndarray:
 
 
 def _prepare_directory(
-    directory: Path, plan: ShardPlan, model_fingerprint: str, dim: int, corpus_fingerprint: str
+    directory: Path, plan: ShardPlan, content: dict[str, str], dim: int, replace_other: bool
 ) -> None:
     """Check the directory's manifest against this encoding (every process reads it, so every process takes
-    the same decision), clear shards of another layout, and have rank 0 write the manifest."""
+    the same decision): refuse shards of another model or corpus (``content``: their fingerprints), or with
+    ``replace_other`` clear them; clear shards of another layout; have rank 0 write the manifest."""
     manifest = directory / SHARDS_FILE
     layout = {"format": FORMAT, "rows": plan.rows, "dim": dim, "block": plan.block, "world": plan.world}
     recorded = _read_manifest(manifest)
-    if recorded is not None:
-        for what, mine in (("model", model_fingerprint), ("corpus", corpus_fingerprint)):
-            if recorded.get(what) != mine:
-                raise DataError(
-                    f"{directory} holds passages encoded with another {what} (fingerprint "
-                    f"{str(recorded.get(what))[:12]}, this one {mine[:12]}): delete it or encode into another directory"
-                )
-    fresh = recorded is None or any(recorded.get(key) != value for key, value in layout.items())
+    other = recorded is not None and any(recorded.get(what) != mine for what, mine in content.items())
+    if other and not replace_other:
+        what, mine = next((what, mine) for what, mine in content.items() if recorded.get(what) != mine)
+        raise DataError(
+            f"{directory} holds passages encoded with another {what} (fingerprint "
+            f"{str(recorded.get(what))[:12]}, this one {mine[:12]}): delete it or encode into another directory"
+        )
+    fresh = recorded is None or other or any(recorded.get(key) != value for key, value in layout.items())
     distributed.barrier()  # everyone has read the old manifest before rank 0 replaces it
     if distributed.rank() == 0 and fresh:
-        if recorded is not None:
+        if recorded is not None and not other:
             warnings.warn(
                 f"{directory} holds shards for {recorded.get('world')} processes; encoding again for {plan.world}",
                 DataWarning,
@@ -216,7 +220,7 @@ def _prepare_directory(
             {"rank": r, "start": plan.shard(r)[0], "end": plan.shard(r)[1], "file": shard_path(directory, plan, r).name}
             for r in range(plan.world)
         ]
-        record = {**layout, "model": model_fingerprint, "corpus": corpus_fingerprint, "shards": shards}
+        record = {**layout, **content, "shards": shards}
         atomic_write_text(manifest, json.dumps(record, indent=2))
     distributed.barrier()  # the directory is ready for every process
 

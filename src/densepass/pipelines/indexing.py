@@ -15,7 +15,6 @@ or with a SPLADE index when ``sparse_model`` is given.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from densepass.index.base import Index
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
 from densepass.index.hybrid import HybridIndex
-from densepass.index.sharded import DEFAULT_BLOCK, SHARDS_FILE, ShardedEmbeddings, encode_sharded, encoder_fingerprint
+from densepass.index.sharded import DEFAULT_BLOCK, ShardedEmbeddings, encode_sharded
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT
 from densepass.models.splade import SpladeEncoder
@@ -79,23 +78,8 @@ def encode_corpus(
     model: BiEncoder, texts: LazyTexts, corpus_fingerprint: str, work_dir: Path, settings: IndexSettings
 ) -> ShardedEmbeddings:
     """This process's shard of the corpus's passage embeddings (``texts``: its encoder inputs), encoded
-    resumably into ``work_dir``. Shards there of another model or corpus are removed first (the directory
-    belongs to this output's build). Collective under torchrun."""
-    manifest = work_dir / SHARDS_FILE
-    try:
-        recorded = json.loads(manifest.read_text()) if manifest.is_file() else None
-        stale = recorded is not None and (recorded.get("model"), recorded.get("corpus")) != (
-            encoder_fingerprint(model, resolve_precision(settings.precision, settings.device or default_device())),
-            corpus_fingerprint,
-        )
-    except (OSError, ValueError, AttributeError):
-        stale = True
-    distributed.barrier()  # every process has read it
-    if stale and distributed.rank() == 0:
-        manifest.unlink()
-        for old in work_dir.glob("rows-*"):
-            old.unlink()  # another model's or corpus's rows: never reused
-    distributed.barrier()  # ... before anyone looks again
+    resumably into ``work_dir``. Shards there of another model or corpus are removed (the directory belongs
+    to this output's build). Collective under torchrun."""
     return encode_sharded(
         model,
         texts,
@@ -106,6 +90,7 @@ def encode_corpus(
         device=settings.device,
         show_progress=settings.show_progress,
         precision=settings.precision,
+        replace_other=True,
     )
 
 
