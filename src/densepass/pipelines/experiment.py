@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from densepass import distributed
 from densepass.checkpoints import trim_log
 from densepass.config import ExperimentConfig, LossConfig, save_config
 from densepass.data import load_dataset
@@ -64,7 +65,6 @@ from densepass.pipelines.reranking import (
     train_reranker,
 )
 from densepass.pipelines.validation import Validator
-from densepass.training import distributed
 from densepass.training.batches import TrainingData
 from densepass.training.miner import prepare_miners
 from densepass.training.more_negatives import check_loss

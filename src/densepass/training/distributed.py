@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from densepass.distributed import barrier, broadcast_object, init_from_environment, is_distributed, rank, world_size  # noqa: F401  (the training layer's callers use them from here)
+from densepass.distributed import is_distributed, rank, world_size
 
 
 def gather_with_local_grad(local: torch.Tensor) -> torch.Tensor:

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
+from densepass import distributed
 from densepass.config import DEFAULT_MODEL, NegativesConfig, TrainConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.fingerprints import fingerprint_json, fingerprint_weights
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.mine import MiningContext, dense_dim, dense_specs
-from densepass.training import distributed
 from densepass.training.batches import TrainingData
 from densepass.training.trainer import train
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 from torch import nn
 
+from densepass import distributed
 from densepass.config import LossConfig, TrainConfig
 from densepass.errors import ConfigError
 from densepass.losses.contrastive import passage_to_query_loss
@@ -37,7 +38,7 @@ from densepass.losses.memory import NegativeMemory, memory_mask
 from densepass.losses.unified import separate_terms_loss, unified_loss
 from densepass.models.biencoder import BiEncoder
 from densepass.models.momentum import MomentumEncoder
-from densepass.training import distributed
+from densepass.training.distributed import gather_with_local_grad
 from densepass.training.objectives import Contrastive, Objective
 
 if TYPE_CHECKING:
@@ -129,9 +130,7 @@ class MoCoQueue:
         self.encoder.update(model)
         keys = self.encoder.encode(batch.passages, self.chunk_size)
         b = len(batch.queries["input_ids"])  # this process's queries = its positives
-        gathered = torch.cat(
-            [distributed.gather_with_local_grad(keys[:b]), distributed.gather_with_local_grad(keys[b:])]
-        )
+        gathered = torch.cat([gather_with_local_grad(keys[:b]), gather_with_local_grad(keys[b:])])
         self.memory.push(gathered, batch.passage_keys)
 
     def to(self, device: torch.device) -> None:

@@ -22,14 +22,15 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
+from densepass import distributed
 from densepass.checkpoints import Checkpoints, restore_rng, training_identity, trim_log
 from densepass.config import TrainConfig
 from densepass.device import uses_bf16
 from densepass.models.biencoder import BiEncoder
 from densepass.prefetch import prefetched
 from densepass.scheduling.baselines import random_batches
-from densepass.training import distributed
 from densepass.training.batches import TrainingData
+from densepass.training.distributed import sum_gradients
 from densepass.training.objectives import Contrastive, Objective
 from densepass.training.step import batch_tensors, forward_backward
 
@@ -186,7 +187,7 @@ def train(
         for members, batch, tensors in prefetched(epoch_batches(epoch), prepare):
             out = forward_backward(model, batch, device, objective, config.grad_cache_chunk, bf16, tensors)
             loss = out.loss
-            distributed.sum_gradients(trainable)
+            sum_gradients(trainable)
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             scheduler.step()
