@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
 
 from densepass.errors import ConfigError
+from densepass.models.batching import forward_in_pieces
 from densepass.models.cross_encoder import CrossEncoder
 
 CPU = torch.device("cpu")
@@ -104,3 +105,12 @@ def test_scoring_batches_pairs_of_similar_token_length_padded_to_their_longest(s
         assert tensors["attention_mask"].sum(1).tolist() == [lengths[r] for r in batch_rows]
         for j, r in enumerate(batch_rows):
             assert tensors["input_ids"][j, : lengths[r]].tolist() == encoded["input_ids"][r]
+
+
+def test_training_logits_in_pieces_equal_one_forward(saved_cross_encoder):
+    """The trainer scores a batch's pairs in length-sorted pieces on the CPU: same logits as one forward."""
+    model, _ = saved_cross_encoder
+    queries = ["font", "audio editor", "kernel driver for printers", "a"] * 4
+    passages = ["python library", "a game", "the terminal shell with a long description of it", "mail"] * 4
+    tokens = model.tokenize(queries, passages)
+    torch.testing.assert_close(forward_in_pieces(model.logits, tokens, 24), model.logits(tokens), rtol=1e-5, atol=1e-5)

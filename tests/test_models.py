@@ -5,9 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModel
 
 from densepass.errors import ConfigError
+from densepass.models.batching import forward_in_pieces
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, token_pooling
 from densepass.models.encode import encode_texts
 
@@ -91,3 +94,47 @@ def test_bad_model_configs(tiny_model_dir, tmp_path):
         BiEncoder.from_pretrained(str(tmp_path))
     with pytest.raises(ConfigError, match="model not found"):
         BiEncoder.from_pretrained(str(tmp_path / "missing"))
+
+
+def masked_row_sum(tokens):
+    """A per-row output that reads only unmasked positions, and knows their position."""
+    positions = torch.arange(1, tokens["input_ids"].shape[1] + 1, dtype=torch.float64)
+    return (tokens["input_ids"].double() * positions * tokens["attention_mask"]).sum(1, keepdim=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=20), max_tokens=st.integers(1, 60), left=st.booleans())
+def test_forward_in_pieces_puts_every_row_back_in_order(lengths, max_tokens, left):
+    """Pieces cut to their longest row (right padding) or kept whole (left padding) give exactly the
+    rows of one whole call, in input order."""
+    width = max(lengths) + 2
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        if left:
+            mask[i, width - n :] = 1
+        else:
+            mask[i, :n] = 1
+    ids = torch.randint(1, 1000, mask.shape) * mask
+    tokens = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+    seen = []
+
+    def fn(piece):
+        seen.append(piece["input_ids"].shape)
+        return masked_row_sum(piece)
+
+    out = forward_in_pieces(fn, tokens, max_tokens)
+    assert torch.equal(out, masked_row_sum(tokens))
+    if len(lengths) * width > max_tokens:
+        assert sum(rows for rows, _ in seen) == len(lengths)
+        assert all(rows == 1 or rows * cols <= max_tokens for rows, cols in seen)
+
+
+def test_forward_in_pieces_matches_one_encoder_forward(tiny_model_dir):
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    texts = ["a", "python library for fonts", "kernel", "an audio and video editor for the terminal"] * 3
+    tokens = model.tokenize(texts, "passage")
+    run = lambda piece: model(piece["input_ids"], piece["attention_mask"], side="passage")  # noqa: E731
+    torch.testing.assert_close(forward_in_pieces(run, tokens, 16), run(tokens), rtol=1e-5, atol=1e-6)
+    assert torch.equal(forward_in_pieces(run, tokens, None), run(tokens))
+    with pytest.raises(ConfigError, match="piece size"):
+        forward_in_pieces(run, tokens, 0)

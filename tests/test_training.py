@@ -308,3 +308,28 @@ def test_trainer_passes_the_resolved_precision_to_each_step(tiny_model_dir, tiny
             CPU,
         )
     assert seen and set(seen[: len(seen) // 2]) == {False} and set(seen[len(seen) // 2 :]) == {True}
+
+
+def test_forward_in_pieces_gives_the_whole_batch_gradient(tiny_model_dir, tiny_beir, monkeypatch):
+    """On the CPU a pooled encoder's forward runs in length-sorted pieces (training.step._embed): pieces of
+    at most 40 tokens give the loss and gradient of one whole forward."""
+    import densepass.training.step as step_module
+
+    data = make_data(tiny_beir, per_query=2)
+    batch = list(range(10))
+    monkeypatch.setattr(step_module, "piece_tokens", lambda device: None)
+    loss_whole, grads_whole = step_grads(tiny_model_dir, data, batch, None)
+    calls = []
+    real = step_module.forward_in_pieces
+
+    def spy(fn, tokens, max_tokens):
+        calls.append(max_tokens)
+        return real(fn, tokens, max_tokens)
+
+    monkeypatch.setattr(step_module, "piece_tokens", lambda device: 40)
+    monkeypatch.setattr(step_module, "forward_in_pieces", spy)
+    loss_pieces, grads_pieces = step_grads(tiny_model_dir, data, batch, None)
+    assert calls == [40, 40]
+    assert abs(loss_whole - loss_pieces) < 1e-5
+    for name in grads_whole:
+        torch.testing.assert_close(grads_pieces[name], grads_whole[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -1,13 +1,15 @@
-"""Tokenisation and length-sorted batching shared by the SPLADE and ColBERT encoders.
+"""Tokenisation and length-sorted batching shared by the encoders.
 
 Texts are encoded in batches of similar character length (few pad tokens), longest first, and the
 outputs are put back in the order of the input by the caller (``order`` says where each batch's rows go).
+On the CPU, a training batch's forward pass, and a cross-encoder's scoring batch, run in length-sorted
+pieces (``forward_in_pieces``).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +31,49 @@ def tokenize(
         return_tensors="pt",
         pad_to_multiple_of=8 if padding is True and max_length % 8 == 0 else None,
     )
+
+
+CPU_PIECE_TOKENS = 2048
+"""Tokens (rows x padded length) per piece of a forward pass on the CPU (``forward_in_pieces``)."""
+
+
+def piece_tokens(device: torch.device) -> int | None:
+    """The piece size of a forward pass on ``device``: ``CPU_PIECE_TOKENS`` on the CPU, else None (whole)."""
+    return CPU_PIECE_TOKENS if device.type == "cpu" else None
+
+
+def forward_in_pieces(
+    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], tokens: dict[str, torch.Tensor], max_tokens: int | None
+) -> torch.Tensor:
+    """``fn(tokens)`` (one output row per input row), computed on pieces of at most ``max_tokens`` tokens:
+    rows sorted by length, each piece cut to its own longest row, the outputs put back in input order.
+    Equal to ``fn(tokens)`` up to float rounding (masked positions do not change the unmasked outputs);
+    the autograd graph runs through the pieces. ``max_tokens`` None: ``fn(tokens)`` whole.
+
+    Why, on the CPU: a forward pass over a whole training batch allocates activations of tens of MB each
+    (e.g. 64 passages x 96 tokens x 1,536 feed-forward units x 4 bytes = 38 MB), above glibc's largest
+    mmap threshold (32 MB), so every step maps fresh pages and faults them in, and pads every row to the
+    batch's longest. Pieces of 2,048 tokens stay in the reused heap and cut most padding:
+    ``benchmarks/bench_train.py`` and ``bench_rerank.py`` measure the effect (docs/benchmarks.md).
+    GPU memory comes from PyTorch's caching allocator: there, one large forward is best."""
+    mask = tokens["attention_mask"]
+    rows, width = mask.shape
+    if max_tokens is None or rows * width <= max_tokens:
+        return fn(tokens)
+    if max_tokens < 1:
+        raise ConfigError(f"piece size must be >= 1 token, got {max_tokens}")
+    lengths = mask.sum(1)
+    right_padded = bool(mask[:, 0].all())
+    order = torch.argsort(lengths, descending=True, stable=True)
+    outputs, start = [], 0
+    while start < rows:
+        longest = int(lengths[order[start]]) if right_padded else width
+        index = order[start : start + max(1, max_tokens // max(longest, 1))]
+        outputs.append(fn({k: v[index, :longest] for k, v in tokens.items()}))
+        start += len(index)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(rows, device=order.device)
+    return torch.cat(outputs)[inverse]
 
 
 def length_sorted_batches(texts: Sequence[str], batch_size: int) -> Iterator[np.ndarray]:

@@ -32,6 +32,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 from densepass.device import autocast_context, cpu_has_native_bf16, default_device, uses_bf16
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory
+from densepass.models.batching import forward_in_pieces, piece_tokens
 from densepass.prefetch import prefetched
 
 DEFAULT_MAX_LENGTH = 256
@@ -182,7 +183,8 @@ class CrossEncoder:
 
         Pairs are tokenised a chunk at a time in one call (the fast tokenizer's threads share the work),
         in a worker thread one chunk ahead of the model; each chunk is cut into batches of equal token
-        length, longest first, padded only to their own longest pair."""
+        length, longest first, padded only to their own longest pair (on the CPU, a batch runs in pieces of
+        ``CPU_PIECE_TOKENS``: ``models.batching.forward_in_pieces``)."""
         if len(queries) != len(passages):
             raise ConfigError(f"{len(queries)} queries but {len(passages)} passages")
         was_training = self.model.training
@@ -201,7 +203,7 @@ class CrossEncoder:
             for rows, tokens in batches:
                 tokens = {k: v.to(self.device, non_blocking=v.is_pinned()) for k, v in tokens.items()}
                 with autocast_context(self.device, self.bf16):
-                    out[rows] = self.logits(tokens).cpu().numpy()
+                    out[rows] = forward_in_pieces(self.logits, tokens, piece_tokens(self.device)).cpu().numpy()
         self.model.train(was_training)
         return out
 

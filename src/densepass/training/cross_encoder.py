@@ -30,6 +30,7 @@ from densepass.config import RerankerTrainConfig
 from densepass.device import autocast_context
 from densepass.errors import ConfigError
 from densepass.losses.localized_contrastive import localized_contrastive_loss, pointwise_bce_loss
+from densepass.models.batching import forward_in_pieces, piece_tokens
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.prefetch import prefetched
 from densepass.training.batches import TrainingBatch, TrainingData
@@ -121,7 +122,7 @@ def train_cross_encoder(
     for epoch in range(step // steps_per_epoch, config.epochs):
         for size, tokens in prefetched(remaining_batches(epoch), prepare):
             with autocast_context(device, bf16):
-                logits = model.logits(tokens.to(device)).view(size, n + 1)
+                logits = forward_in_pieces(model.logits, tokens.to(device), piece_tokens(device)).view(size, n + 1)
             loss = loss_fn(logits)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)

@@ -17,15 +17,26 @@ from dataclasses import dataclass, field
 import torch
 
 from densepass.device import RandomState, autocast_context
+from densepass.models.batching import forward_in_pieces, piece_tokens
 from densepass.models.biencoder import BiEncoder, Side
+from densepass.models.splade import SpladeEncoder
 from densepass.training.batches import TrainingBatch
 from densepass.training.distributed import gather_with_local_grad
 from densepass.training.objectives import Contrastive, Objective
 
 
 def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autocast) -> torch.Tensor:
+    """The representations of one side (float32). Pooled encoders (one vector per text: bi-encoder,
+    SPLADE) run in length-sorted pieces on the CPU (``forward_in_pieces``); ColBERT's per-token output
+    keeps its fixed width, so it runs whole."""
+
+    def run(piece: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(piece["input_ids"], piece["attention_mask"], side=side).float()
+
     with autocast():
-        return model(tokens["input_ids"], tokens["attention_mask"], side=side).float()
+        if isinstance(model, BiEncoder | SpladeEncoder):
+            return forward_in_pieces(run, tokens, piece_tokens(tokens["input_ids"].device))
+        return run(tokens)
 
 
 def _chunks(tokens: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
