@@ -97,10 +97,10 @@ class TokenStore:
     @classmethod
     def build(cls, tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_length: int) -> TokenStore:
         """Tokenise ``texts`` (truncated to ``max_length``, unpadded) in memory."""
-        ids, types, lengths, names = [], [], [], ("input_ids",)
+        names = tuple(tokenizer([""], truncation=True, max_length=max_length).keys())  # even of no texts
+        ids, types, lengths = [], [], []
         for start in range(0, len(texts), CHUNK):
             encoded = tokenizer(list(texts[start : start + CHUNK]), truncation=True, max_length=max_length)
-            names = tuple(encoded.keys())
             lengths += [len(row) for row in encoded["input_ids"]]
             ids.append(np.fromiter(itertools.chain.from_iterable(encoded["input_ids"]), dtype=np.int32))
             if "token_type_ids" in encoded:
@@ -126,12 +126,9 @@ class TokenStore:
     def load(cls, directory: Path, texts: Sequence[str], key: str, verify: bool = True) -> TokenStore:
         """The store saved in ``directory`` for ``key``, memory-mapped; a DataError when it is missing, was
         saved for another key, or (``verify``) does not match its manifest."""
-        try:
-            facts = json.loads((directory / MANIFEST).read_text())
-        except (OSError, ValueError) as err:
-            raise DataError(f"{directory}: no readable manifest ({err})") from None
-        if facts.get("key") != key:
-            raise DataError(f"{directory} holds the token ids of other texts or another tokenizer")
+        facts = _facts(directory)
+        if facts is None or facts.get("key") != key:
+            raise DataError(f"{directory} holds no token ids of these texts with this tokenizer")
         problem = manifest_problem(directory) if verify else None
         if problem is not None:
             raise DataError(f"{directory} is damaged: {problem}")
@@ -166,12 +163,13 @@ def store_key(tokenizer_digest: str, side: str, max_length: int, texts: Sequence
     )
 
 
-def _saved_key(directory: Path) -> str | None:
-    """The key in ``directory``'s manifest (None: none readable)."""
+def _facts(directory: Path) -> dict | None:
+    """The manifest of ``directory`` (None: none readable)."""
     try:
-        return json.loads((directory / MANIFEST).read_text()).get("key")
-    except (OSError, ValueError, AttributeError):
+        facts = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
         return None
+    return facts if isinstance(facts, dict) else None
 
 
 def ensure_store(
@@ -179,7 +177,7 @@ def ensure_store(
 ) -> bool:
     """Make ``directory`` hold the cache of ``texts``: kept when it has key ``key`` and its files are intact
     (returns True), else built and saved (False); a damaged one is rebuilt with a ``DataWarning``."""
-    if _saved_key(directory) == key:
+    if (_facts(directory) or {}).get("key") == key:
         try:
             TokenStore.load(directory, texts, key)
             return True
