@@ -34,8 +34,9 @@ from safetensors.torch import load_file, save_file
 from densepass.errors import ConfigError, DataWarning
 from densepass.io import atomic_directory, atomic_write_text, manifest_problem, write_manifest
 
-# training settings that change how often things are written, not what is trained: a resumed run may change them
-BOOKKEEPING = ("checkpoint_every", "keep_checkpoints", "log_every")
+# training settings that change how often things are written or how batches are tokenised, not what is
+# trained: a resumed run may change them
+BOOKKEEPING = ("checkpoint_every", "keep_checkpoints", "log_every", "token_cache")
 STATE_JSON = "state.json"
 STATE_TENSORS = "state.safetensors"
 

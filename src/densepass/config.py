@@ -180,6 +180,9 @@ class TrainConfig:
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the mean loss to train_log.jsonl every N steps", min=1)
     seed: int = option(13, "seed of batches, negatives sampling, dropout and new weights")
+    token_cache: bool = option(
+        True, "tokenise the training texts once per run (cached under the run directory) instead of every step"
+    )
 
 
 @dataclass

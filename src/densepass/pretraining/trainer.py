@@ -153,7 +153,7 @@ def pretraining_identity(config: PretrainConfig) -> dict:
     for key in ("name", "output_dir", "device"):
         identity.pop(key)
     for key in BOOKKEEPING:
-        identity["train"].pop(key)
+        identity["train"].pop(key, None)  # fine-tuning's bookkeeping may name settings pre-training lacks
     if config.model.mode != "contriever":
         identity.pop("contriever")  # unused, and runs written before the section existed still resume
     return identity

@@ -88,6 +88,15 @@ class TrainingData:
     def __len__(self) -> int:
         return len(self.query_ids)
 
+    def texts_in_use(self) -> dict[str, list[str]]:
+        """The texts batches draw, per side (what the trainer's token cache holds): every training query, and
+        every passage that is a positive or in a negative pool (an empty pool's random fallback and a later
+        refresh may draw others)."""
+        rows = {r for positives in self.positive_rows for r in positives}
+        for pools in [self.negative_rows or [], *(pools for _, pools in self._refreshed)]:
+            rows.update(int(r) for pool in pools for r in pool)
+        return {"query": list(self.query_texts), "passage": [self.passage_inputs[r] for r in sorted(rows)]}
+
     def _row(self, pid: str) -> int | None:
         """The row of passage ``pid``; synthetic passages (context halves, ``<pid>#half0``) get rows appended
         after the corpus (their content keys by ``_add_extra_keys``); None for an unknown id."""

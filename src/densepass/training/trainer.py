@@ -27,6 +27,7 @@ from densepass.checkpoints import Checkpoints, restore_rng, training_identity, t
 from densepass.config import TrainConfig
 from densepass.device import uses_bf16
 from densepass.models.biencoder import BiEncoder
+from densepass.models.token_cache import cached_tokenizer
 from densepass.prefetch import prefetched
 from densepass.scheduling.baselines import random_batches
 from densepass.training.batches import TrainingData
@@ -157,8 +158,11 @@ def train(
         distributed.barrier()
 
     progress = tqdm(total=total, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
-    # batches are collated and tokenised one step ahead in a worker thread, with its own tokenizer
+    # batches are collated and tokenised one step ahead in a worker thread, with its own tokenizer, which
+    # answers from the run's token cache the texts it holds
     tokenizer, pin = copy.deepcopy(model.tokenizer), device.type == "cuda"
+    if config.token_cache:
+        tokenizer = cached_tokenizer(model, data.texts_in_use(), run_dir / "token_cache", tokenizer)
     bf16 = uses_bf16(device, config.bf16, config.cpu_bf16)
 
     def prepare(item: tuple[int, int, list[int]]):
