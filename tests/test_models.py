@@ -138,3 +138,13 @@ def test_forward_in_pieces_matches_one_encoder_forward(tiny_model_dir):
     assert torch.equal(forward_in_pieces(run, tokens, None), run(tokens))
     with pytest.raises(ConfigError, match="piece size"):
         forward_in_pieces(run, tokens, 0)
+
+
+@pytest.mark.parametrize("length", [30, 32])
+def test_any_max_length_tokenises_not_only_multiples_of_eight(tiny_model_dir, length):
+    """transformers refuses pad_to_multiple_of=8 with a truncation length it does not divide: a query length
+    of 30 used to fail every call."""
+    model = BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(query_max_length=length))
+    tokens = model.tokenize(["audio " * 50, "a font"], "query")
+    assert tokens["input_ids"].shape == (2, length)
+    assert tokens["attention_mask"][1].sum() < length

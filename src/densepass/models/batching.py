@@ -22,7 +22,8 @@ def tokenize(
     tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int, padding: bool | str = True
 ) -> dict[str, torch.Tensor]:
     """Truncated, padded tensors of ``texts`` (padded to a multiple of 8 when padding to the longest and
-    ``max_length`` is one too)."""
+    ``max_length`` is one too: tensor-core friendly, few distinct shapes; ``transformers`` refuses a
+    multiple that does not divide the truncation length)."""
     return tokenizer(
         texts,
         truncation=True,

@@ -27,6 +27,7 @@ from densepass.config import DEFAULT_MODEL, BiEncoderConfig
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.io import MANIFEST, atomic_directory, atomic_write_text, read_manifest, write_manifest
+from densepass.models.batching import tokenize
 from densepass.models.kinds import CONFIG_FILES, saved_architecture
 
 CONFIG_NAME = CONFIG_FILES["bi-encoder"]
@@ -195,14 +196,7 @@ class BiEncoder(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Padded tensors of one side's texts; ``tokenizer``: a private copy of ``self.tokenizer`` for a
         worker thread (a fast tokenizer's truncation settings are shared state)."""
-        return (tokenizer or self.tokenizer)(
-            texts,
-            truncation=True,
-            max_length=self.max_length(side),
-            padding=padding,
-            return_tensors="pt",
-            pad_to_multiple_of=8 if padding is True else None,  # tensor-core friendly, few distinct shapes
-        )
+        return tokenize(tokenizer or self.tokenizer, texts, self.max_length(side), padding)
 
     # ---- construction and persistence -------------------------------------------------------
 
