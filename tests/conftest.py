@@ -1,8 +1,12 @@
-"""Shared fixtures: a tiny random BERT with MiniLM's tokenizer, and a tiny BEIR dataset on disk."""
+"""Shared fixtures: a tiny random BERT with MiniLM's tokenizer, a tiny BEIR dataset on disk, and the command
+line run in a subprocess (under torchrun for several processes)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,3 +85,15 @@ def write_tiny_beir(root: Path, n_passages: int = 40, seed: int = 0) -> Path:
 @pytest.fixture
 def tiny_beir(tmp_path) -> Path:
     return write_tiny_beir(tmp_path / "tiny")
+
+
+def run_densepass(*args: str, cwd: Path, processes: int = 1) -> subprocess.CompletedProcess:
+    """``python -m densepass ARGS`` in a subprocess of this checkout's package, one thread per process; under
+    torchrun (gloo on the CPU) when ``processes`` > 1."""
+    import densepass
+
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
+    env = {**os.environ, "PYTHONPATH": str(Path(densepass.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, *launcher, "-m", "densepass", *args], cwd=cwd, env=env, capture_output=True, text=True
+    )

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import densepass
-from conftest import save_tiny_bert, write_tiny_beir
+from conftest import run_densepass, save_tiny_bert, write_tiny_beir
 from densepass.data import load_dataset, stream_passage_inputs
 from densepass.data.dataset import LazyTexts
 from densepass.errors import DataError
@@ -168,14 +165,6 @@ def test_a_streamed_corpus_reads_the_same_inputs_as_the_loaded_one(tiny_beir):
     assert list(streamed) == corpus.passage_inputs("[SEP]") and streamed[-1] == corpus.passage_inputs("[SEP]")[-1]
 
 
-def _densepass(*args: str, cwd: Path, processes: int = 1) -> subprocess.CompletedProcess:
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
-    env = {**os.environ, "PYTHONPATH": str(Path(densepass.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, *launcher, "-m", "densepass", *args], cwd=cwd, env=env, capture_output=True, text=True
-    )
-
-
 @pytest.mark.timeout(600)
 def test_mining_and_indexing_under_torchrun_equal_one_process(tiny_model_dir, beir60, tmp_path, monkeypatch):
     from densepass.cli import main
@@ -186,9 +175,9 @@ def test_mining_and_indexing_under_torchrun_equal_one_process(tiny_model_dir, be
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(1)
     assert main([*mine, "--output", "mined1.jsonl"]) == 0 and main([*index, "--output", "index1"]) == 0
-    mined = _densepass(*mine, "--output", "mined2.jsonl", cwd=tmp_path, processes=2)
+    mined = run_densepass(*mine, "--output", "mined2.jsonl", cwd=tmp_path, processes=2)
     assert mined.returncode == 0, mined.stderr
-    indexed = _densepass(*index, "--output", "index2", cwd=tmp_path, processes=2)
+    indexed = run_densepass(*index, "--output", "index2", cwd=tmp_path, processes=2)
     assert indexed.returncode == 0, indexed.stderr
     assert indexed.stdout.count("indexed 60 passages") == 1  # rank 0 alone reports (and writes)
     assert (tmp_path / "mined1.jsonl").read_bytes() == (tmp_path / "mined2.jsonl").read_bytes()

@@ -15,10 +15,11 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from densepass.config import DEFAULT_METRICS, DEFAULT_MODEL, DENSE_INDEX_KINDS, FORMATS, PRECISIONS
+from densepass.config import DEFAULT_METRICS, DEFAULT_MODEL, DENSE_INDEX_KINDS, FORMATS, ONDISK_INDEX_KIND, PRECISIONS
 from densepass.errors import DensepassError
 
-INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid", "splade", "colbert", "phrase")
+BIENCODER_KINDS = (*DENSE_INDEX_KINDS, ONDISK_INDEX_KIND)  # indexes of one bi-encoder's passage embeddings
+INDEX_KINDS = (*BIENCODER_KINDS, "bm25", "hybrid", "splade", "colbert", "phrase")
 
 
 def positive_int(text: str) -> int:
@@ -97,8 +98,10 @@ def _phrase(args: argparse.Namespace) -> None:
 def _index(args: argparse.Namespace) -> None:
     from densepass import distributed
     from densepass.device import resolve_device
+    from densepass.index.ondisk import IVFPQOptions
     from densepass.pipelines.indexing import IndexSettings, index_dataset
 
+    nprobe = {} if args.nprobe is None else {"nprobe": args.nprobe}  # else each kind's own default
     settings = IndexSettings(
         args.kind,
         args.model,
@@ -112,6 +115,7 @@ def _index(args: argparse.Namespace) -> None:
         retriever=_retriever_options(args),
         threshold=args.filter_threshold,
         precision=args.precision,
+        ivf=IVFPQOptions(args.ivf_lists, args.pq_m, args.pq_bits, args.train_size, **nprobe),
     )
     with distributed.process_group():  # under torchrun: one shard per process, rank 0 writes the index
         index, name = index_dataset(args.dataset, args.data_dir, args.format, args.output, settings)
@@ -123,8 +127,9 @@ def _retriever_options(args: argparse.Namespace):
     """SPLADE pruning and ColBERT storage / search options of ``densepass index``, as a model section."""
     from densepass.config import ColbertConfig, ModelConfig, SpladeConfig
 
+    nprobe = {} if args.nprobe is None else {"nprobe": args.nprobe}
     colbert = ColbertConfig(
-        compression=args.compression, residual_bits=args.residual_bits, nprobe=args.nprobe, candidates=args.candidates
+        compression=args.compression, residual_bits=args.residual_bits, candidates=args.candidates, **nprobe
     )
     return ModelConfig(splade=SpladeConfig(index_top_terms=args.top_terms), colbert=colbert)
 
@@ -143,7 +148,7 @@ def _load_pipeline(args: argparse.Namespace):
     from densepass.index.base import read_index_manifest
 
     kind = read_index_manifest(Path(args.index))["kind"]
-    if kind in (*DENSE_INDEX_KINDS, "hybrid"):  # a hybrid index's first part is dense
+    if kind in (*BIENCODER_KINDS, "hybrid"):  # a hybrid index's first part is dense
         resolve_precision(args.precision, device)
         options["precision"] = args.precision
     elif args.precision not in ("auto", "fp32"):
@@ -152,11 +157,17 @@ def _load_pipeline(args: argparse.Namespace):
         if kind != "exact":
             raise DensepassError(f"--search-precision is an option of exact indexes; {args.index} is a {kind} index")
         options.update(search_precision=args.search_precision, rescore=args.rescore)
+    if args.nprobe is not None:
+        if kind != ONDISK_INDEX_KIND:
+            raise DensepassError(
+                f"--nprobe is an option of {ONDISK_INDEX_KIND} indexes; {args.index} is a {kind} index"
+            )
+        options["nprobe"] = args.nprobe
     if args.model:  # a phrase index loads its own model; the others check the kind of the one given
         options["model"] = args.model if kind == "phrase" else load_model(args.model)
     index: Index = load_index(args.index, **(options if kind != "bm25" else {}))
     if args.hybrid:
-        if kind not in DENSE_INDEX_KINDS:
+        if kind not in BIENCODER_KINDS:
             raise DensepassError(f"--hybrid adds BM25 to a dense index; {args.index} is a {kind} index")
         index = HybridIndex(index, BM25Index.build(index.passages), args.hybrid, args.fusion_weight)
     reranker = None
@@ -429,6 +440,12 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
         help="exact index: score every passage in bf16 or int8, then re-score the best --rescore x k in fp32",
     )
     p.add_argument("--rescore", type=positive_int, default=4, help="--search-precision: candidates re-scored, x k")
+    p.add_argument(
+        "--nprobe",
+        type=positive_int,
+        default=None,
+        help=f"{ONDISK_INDEX_KIND} index: inverted lists probed per query (default: the one it was built with)",
+    )
     _device_arg(p)
 
 
@@ -481,7 +498,28 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--top-terms", type=positive_int, default=None, help="splade: keep each passage's top N terms")
     index.add_argument("--compression", default="fp16", choices=["fp16", "residual"], help="colbert: vector storage")
     index.add_argument("--residual-bits", type=int, default=2, choices=[1, 2, 4, 8], help="colbert residual: bits/dim")
-    index.add_argument("--nprobe", type=positive_int, default=4, help="colbert: centroids probed per query token")
+    index.add_argument(
+        "--nprobe",
+        type=positive_int,
+        default=None,
+        help=f"colbert: centroids probed per query token (default 4); {ONDISK_INDEX_KIND}: lists per query (32)",
+    )
+    index.add_argument(
+        "--ivf-lists", type=positive_int, default=None, help=f"{ONDISK_INDEX_KIND}: inverted lists (default 4 sqrt(n))"
+    )
+    index.add_argument(
+        "--pq-m",
+        type=positive_int,
+        default=None,
+        help=f"{ONDISK_INDEX_KIND}: sub-vectors per passage code (default dim/4)",
+    )
+    index.add_argument("--pq-bits", type=positive_int, default=8, help=f"{ONDISK_INDEX_KIND}: bits per sub-vector")
+    index.add_argument(
+        "--train-size",
+        type=positive_int,
+        default=None,
+        help=f"{ONDISK_INDEX_KIND}: passages sampled to train on (default 64 per list, at least 10,000)",
+    )
     index.add_argument("--candidates", type=positive_int, default=256, help="colbert: candidates scored exactly")
     index.add_argument("--batch-size", type=positive_int, default=256, help="encoding batch size")
     index.add_argument(

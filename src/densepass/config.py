@@ -30,6 +30,7 @@ DatasetFormat = Literal["beir", "msmarco", "dpr", "squad"]
 FORMATS: tuple[str, ...] = get_args(DatasetFormat)
 IndexKind = Literal["exact", "faiss-flat", "faiss-hnsw", "faiss-ivfpq"]
 DENSE_INDEX_KINDS: tuple[str, ...] = get_args(IndexKind)
+ONDISK_INDEX_KIND = "faiss-ivfpq-disk"  # IVF-PQ with memory-mapped lists (index.ondisk), built by `densepass index`
 DEFAULT_METRICS = ("mrr@10", "ndcg@10", "recall@100")  # what `densepass evaluate` and friends report
 Precision = Literal["auto", "fp32", "bf16", "int8"]  # what encoding runs in (densepass.device.resolve_precision)
 PRECISIONS: tuple[str, ...] = get_args(Precision)

@@ -3,8 +3,9 @@
 An index holds the passages it was given (ids, titles, texts, document ids: a ``Corpus``) and answers
 ``search(queries, k)`` with ``SearchResults`` (rows into those passages, scores, and the passage ids).
 Kinds register themselves in ``KINDS``; ``load_index(directory)`` reads the manifest and returns the
-right class. Today: ``exact`` and the FAISS kinds (``index.dense``), ``bm25`` (``index.bm25``), ``splade``
-(``index.splade``), ``colbert`` (``index.colbert``) and ``hybrid`` fusion of two (``index.hybrid``).
+right class. Today: ``exact`` and the FAISS kinds (``index.dense``), ``faiss-ivfpq-disk`` (IVF-PQ with
+memory-mapped lists, ``index.ondisk``), ``bm25`` (``index.bm25``), ``splade`` (``index.splade``),
+``colbert`` (``index.colbert``) and ``hybrid`` fusion of two (``index.hybrid``).
 
 A saved index is a directory written atomically (a temporary directory renamed into place) holding
 the passages (``passages.jsonl``), the kind's own files, and ``manifest.json`` written last: kind,

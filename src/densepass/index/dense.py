@@ -44,6 +44,47 @@ def weights_version(model: BiEncoder) -> int:
     return sum(p._version for p in model.parameters())
 
 
+def query_embeddings(
+    model: BiEncoder, queries: Any, batch_size: int, device: torch.device | None, precision: str
+) -> np.ndarray:
+    """Query embeddings for a dense index: texts are encoded by ``model``, an array of embeddings is used as it is."""
+    if isinstance(queries, (np.ndarray, torch.Tensor)):
+        queries = np.asarray(queries, dtype=np.float32)
+        if queries.ndim != 2 or queries.shape[1] != model.dim:
+            raise ConfigError(f"query embeddings must be [n, {model.dim}], got {list(queries.shape)}")
+        return queries
+    return model.encode_queries(
+        check_queries(queries), batch_size=batch_size, show_progress=False, device=device, precision=precision
+    )
+
+
+def require_model_path(model_path: str | None) -> None:
+    """A one-line error unless a dense index about to be saved knows where its model is."""
+    if model_path is None:
+        raise ConfigError(
+            "save the model first (BiEncoder.save) or give model_path: the index records "
+            "which model encodes its queries"
+        )
+
+
+def recorded_model(directory: Path, recorded: dict, model: BiEncoder | None) -> BiEncoder:
+    """The model a saved dense index records (``{path, fingerprint}``): ``model`` when given, else loaded from
+    its path; a one-line error when it is gone or its weights are not the ones that encoded the passages."""
+    if model is None:
+        if not recorded["path"] or not Path(recorded["path"]).exists():
+            raise DataError(
+                f"{directory}: its model {recorded['path']!r} is not there any more; "
+                "pass the model that built the index"
+            )
+        model = BiEncoder.from_pretrained(recorded["path"])
+    if fingerprint_weights(model) != recorded["fingerprint"]:
+        raise ConfigError(
+            f"{directory} was built with another model (weights {recorded['fingerprint'][:12]}, "
+            f"from {recorded['path']}): encode queries with that model or index again"
+        )
+    return model
+
+
 @register
 class DenseIndex(Index):
     """Passage embeddings of one bi-encoder, searched exactly or with a FAISS index."""
@@ -131,18 +172,7 @@ class DenseIndex(Index):
 
     def encode_queries(self, queries: Any) -> np.ndarray:
         """Query embeddings: texts are encoded by the model, an array of embeddings is used as it is."""
-        if isinstance(queries, (np.ndarray, torch.Tensor)):
-            queries = np.asarray(queries, dtype=np.float32)
-            if queries.ndim != 2 or queries.shape[1] != self.dim:
-                raise ConfigError(f"query embeddings must be [n, {self.dim}], got {list(queries.shape)}")
-            return queries
-        return self.model.encode_queries(
-            check_queries(queries),
-            batch_size=self.batch_size,
-            show_progress=False,
-            device=self.device,
-            precision=self.precision,
-        )
+        return query_embeddings(self.model, queries, self.batch_size, self.device, self.precision)
 
     def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` (scores, rows) of each query (texts, or query embeddings)."""
@@ -176,11 +206,7 @@ class DenseIndex(Index):
 
     def save(self, directory: str | Path) -> Path:
         """Write the index atomically (the model must be saved somewhere: the manifest records where)."""
-        if self.model_path is None:
-            raise ConfigError(
-                "save the model first (BiEncoder.save) or give model_path: the index records "
-                "which model encodes its queries"
-            )
+        require_model_path(self.model_path)
         return super().save(directory)
 
     @classmethod
@@ -194,18 +220,7 @@ class DenseIndex(Index):
         **options: Any,
     ) -> DenseIndex:
         recorded = manifest["model"]
-        if model is None:
-            if not recorded["path"] or not Path(recorded["path"]).exists():
-                raise DataError(
-                    f"{directory}: its model {recorded['path']!r} is not there any more; "
-                    "pass the model that built the index"
-                )
-            model = BiEncoder.from_pretrained(recorded["path"])
-        if fingerprint_weights(model) != recorded["fingerprint"]:
-            raise ConfigError(
-                f"{directory} was built with another model (weights {recorded['fingerprint'][:12]}, "
-                f"from {recorded['path']}): encode queries with that model or index again"
-            )
+        model = recorded_model(directory, recorded, model)
         index = cls(
             model, manifest["kind"], model_path=recorded["path"], show_progress=False, **options, **manifest["options"]
         )

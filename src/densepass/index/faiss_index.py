@@ -33,12 +33,9 @@ def build_faiss_index(
         index.hnsw.efSearch = 128
     elif kind == "faiss-ivfpq":
         lists = ivf_lists or max(1, min(4096, int(4 * np.sqrt(n))))
-        m = pq_m or next(c for c in (dim // 4, dim // 2, dim, 1) if c >= 1 and dim % c == 0)
-        if dim % m:
-            raise ConfigError(f"pq_m={m} must divide the embedding dimension {dim}")
         if n < lists * 39:  # FAISS wants >= 39 training points per list
             lists = max(1, n // 39)
-        index = faiss.IndexIVFPQ(faiss.IndexFlatIP(dim), dim, lists, m, 8, faiss.METRIC_INNER_PRODUCT)
+        index = new_ivfpq(dim, lists, pq_m or default_pq_m(dim))
         rng = np.random.default_rng(seed)
         sample = x[rng.choice(n, size=min(n, 256 * max(lists, 256)), replace=False)]
         index.train(sample)
@@ -47,6 +44,21 @@ def build_faiss_index(
         raise ConfigError(f"unknown index kind {kind!r} (known: exact, {', '.join(KINDS)})")
     index.add(x)
     return index
+
+
+def default_pq_m(dim: int) -> int:
+    """Product-quantiser sub-vectors for ``dim`` dimensions: one per 4 dimensions (or the nearest divisor)."""
+    return next(c for c in (dim // 4, dim // 2, dim, 1) if c >= 1 and dim % c == 0)
+
+
+def new_ivfpq(dim: int, lists: int, pq_m: int, pq_bits: int = 8):
+    """An untrained inner-product IVF-PQ index: ``lists`` inverted lists over a flat coarse quantiser, codes
+    of ``pq_m`` sub-vectors of ``pq_bits`` bits."""
+    import faiss
+
+    if dim % pq_m:
+        raise ConfigError(f"pq_m={pq_m} must divide the embedding dimension {dim}")
+    return faiss.IndexIVFPQ(faiss.IndexFlatIP(dim), dim, lists, pq_m, pq_bits, faiss.METRIC_INNER_PRODUCT)
 
 
 def faiss_search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

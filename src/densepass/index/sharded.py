@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,7 @@ class ShardedEmbeddings:
     rank: int
     local: np.ndarray  # [end - start, dim] float32, in memory or memory-mapped
     directory: Path | None = None  # where the shards are (None: in memory)
+    content: dict[str, str] | None = None  # fingerprints of the encoder ("model") and "corpus", from the manifest
 
     @classmethod
     def whole(cls, embeddings: np.ndarray, block: int = DEFAULT_BLOCK) -> ShardedEmbeddings:
@@ -122,21 +124,39 @@ class ShardedEmbeddings:
             scores_out[qs : qs + len(q)], rows_out[qs : qs + len(q)] = scores[:, :k].numpy(), rows[:, :k].numpy()
         return scores_out, rows_out
 
+    def every_shard(self) -> Iterator[tuple[int, np.ndarray]]:
+        """(first corpus row, rows) of every non-empty shard, in order, memory-mapped from their files (this
+        process must see the other shards' files); this shard alone for one process."""
+        if self.plan.world == 1:
+            yield 0, self.local
+            return
+        if self.directory is None:
+            raise DensepassError(
+                "shards encoded in memory are not readable by another process: encode them into a directory"
+            )
+        for rank in range(self.plan.world):
+            start, end = self.plan.shard(rank)
+            if end > start:
+                yield start, np.load(shard_path(self.directory, self.plan, rank), mmap_mode="r")
+
+    def read_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The embeddings of corpus ``rows`` (sorted, each once) read from every shard, as one array."""
+        parts = []
+        for start, shard in self.every_shard():
+            mine = rows[(rows >= start) & (rows < start + len(shard))]
+            parts.append(np.asarray(shard[mine - start], dtype=np.float32))
+        return np.concatenate(parts)
+
     def assemble(self, path: str | Path) -> np.ndarray:
         """Every shard's rows as one array, on rank 0 (which must see the other shards' files): this shard
         itself for one process, else the shards copied block by block into a ``.npy`` memory map at ``path``."""
         if self.plan.world == 1:
             return self.local
-        if self.directory is None:
-            raise DensepassError("shards encoded in memory cannot be assembled: encode them into a directory")
         dim = self.local.shape[1]
         out = np.lib.format.open_memmap(Path(path), mode="w+", dtype=np.float32, shape=(self.plan.rows, dim))
-        for rank in range(self.plan.world):
-            start, end = self.plan.shard(rank)
-            if end > start:
-                shard = np.load(shard_path(self.directory, self.plan, rank), mmap_mode="r")
-                for s in range(0, end - start, self.plan.block):
-                    out[start + s : start + min(s + self.plan.block, end - start)] = shard[s : s + self.plan.block]
+        for start, shard in self.every_shard():
+            for s in range(0, len(shard), self.plan.block):
+                out[start + s : start + min(s + self.plan.block, len(shard))] = shard[s : s + self.plan.block]
         out.flush()
         return out
 
@@ -182,7 +202,7 @@ def encode_sharded(
         path = shard_path(directory, plan, rank)
         local = encode_to_memmap(model, texts.window(start, end), "passage", path, shard_size=block, **options)
     distributed.barrier()  # every shard is complete before anyone reads another's
-    return ShardedEmbeddings(plan, rank, _or_empty(local, model.dim), directory)
+    return ShardedEmbeddings(plan, rank, _or_empty(local, model.dim), directory, content)
 
 
 def _or_empty(local: np.ndarray | None, dim: int) -> np.ndarray:

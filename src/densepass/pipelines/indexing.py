@@ -6,7 +6,9 @@ interrupted run resumes at the first unfinished block, and a run with another mo
 those rows (this private directory is cleared for it, where ``encode_sharded`` itself would refuse).
 Under torchrun (``torchrun --nproc_per_node N -m densepass index ...``) each process encodes its shard;
 rank 0 loads the corpus and writes the index, the others read only their shard's passages (streamed from a
-BEIR ``corpus.jsonl``; other layouts are loaded whole). SPLADE and ColBERT kinds (``pipelines.retrievers``)
+BEIR ``corpus.jsonl``; other layouts are loaded whole). ``faiss-ivfpq-disk`` (``index.ondisk``) is then
+trained by rank 0 on a sample of the shards and filled by each process from its shard, and its inverted
+lists are merged on disk by rank 0 (only the encoding resumes). SPLADE and ColBERT kinds (``pipelines.retrievers``)
 encode the corpus in one go (not resumable). The index is then saved atomically; the encoding files are
 removed. Two processes building the same output are refused. ``hybrid`` fuses a dense index with BM25,
 or with a SPLADE index when ``sparse_model`` is given.
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 from densepass import distributed
-from densepass.config import DENSE_INDEX_KINDS, ModelConfig
+from densepass.config import DENSE_INDEX_KINDS, ONDISK_INDEX_KIND, ModelConfig
 from densepass.data import load_dataset, stream_passage_inputs
 from densepass.data.dataset import Corpus, LazyTexts
 from densepass.device import default_device, resolve_precision
@@ -31,6 +33,7 @@ from densepass.index.base import Index
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
 from densepass.index.hybrid import HybridIndex
+from densepass.index.ondisk import IVFPQOptions, build_ondisk_ivfpq
 from densepass.index.sharded import DEFAULT_BLOCK, ShardedEmbeddings, encode_sharded
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT
@@ -39,7 +42,8 @@ from densepass.phrase.index import PhraseIndex
 from densepass.phrase.model import PhraseEncoder
 from densepass.pipelines.retrievers import index_for_model
 
-INDEX_KINDS = (*DENSE_INDEX_KINDS, "bm25", "hybrid", "splade", "colbert", "phrase")
+SHARDED_KINDS = (*DENSE_INDEX_KINDS, ONDISK_INDEX_KIND)  # built from the sharded encoder's output
+INDEX_KINDS = (*SHARDED_KINDS, "bm25", "hybrid", "splade", "colbert", "phrase")
 
 
 @dataclasses.dataclass
@@ -59,6 +63,7 @@ class IndexSettings:
     retriever: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # splade pruning, colbert storage
     threshold: float | None = None  # phrase: the token filter's threshold (None: keep every vector)
     precision: str = "auto"  # dense kinds: encoding precision (auto, fp32, bf16, int8; models.encode)
+    ivf: IVFPQOptions = dataclasses.field(default_factory=IVFPQOptions)  # faiss-ivfpq-disk: training, codes, nprobe
 
     def __post_init__(self) -> None:
         if self.kind not in INDEX_KINDS:
@@ -79,7 +84,10 @@ def encode_corpus(
 ) -> ShardedEmbeddings:
     """This process's shard of the corpus's passage embeddings (``texts``: its encoder inputs), encoded
     resumably into ``work_dir``. Shards there of another model or corpus are removed (the directory belongs
-    to this output's build). Collective under torchrun."""
+    to this output's build). Options of the on-disk IVF-PQ that cannot be trained on this corpus fail first.
+    Collective under torchrun."""
+    if settings.kind == ONDISK_INDEX_KIND:
+        settings.ivf.resolve(len(texts), model.dim)
     return encode_sharded(
         model,
         texts,
@@ -94,10 +102,30 @@ def encode_corpus(
     )
 
 
-def dense_index(model: BiEncoder, corpus: Corpus, kind: str, work_dir: Path, settings: IndexSettings) -> DenseIndex:
+def dense_index(model: BiEncoder, corpus: Corpus, kind: str, work_dir: Path, settings: IndexSettings) -> Index:
     """A dense index of ``corpus``, its embeddings encoded resumably under ``work_dir`` (one process)."""
     sep = model.tokenizer.sep_token or " "
-    shards = encode_corpus(model, corpus.lazy_inputs(sep), fingerprint_corpus(corpus), work_dir, settings)
+    fingerprint = fingerprint_corpus(corpus)
+    shards = encode_corpus(model, corpus.lazy_inputs(sep), fingerprint, work_dir, settings)
+    return _index_of_shards(model, corpus, fingerprint, kind, shards, work_dir, settings)
+
+
+def _index_of_shards(
+    model: BiEncoder,
+    corpus: Corpus | None,
+    corpus_fingerprint: str,
+    kind: str,
+    shards: ShardedEmbeddings,
+    work_dir: Path,
+    settings: IndexSettings,
+) -> Index | None:
+    """The index of the encoded shards on rank 0 (which has ``corpus``), None elsewhere: the on-disk IVF-PQ,
+    each shard filled by its process (collective), or a dense index over every shard's embeddings."""
+    if kind == ONDISK_INDEX_KIND:
+        options = dict(precision=settings.precision, device=settings.device, batch_size=settings.batch_size)
+        return build_ondisk_ivfpq(model, shards, corpus, work_dir, settings.ivf, corpus_fingerprint, **options)
+    if distributed.rank() != 0:
+        return None
     return _assembled_index(model, corpus, kind, shards, work_dir, settings)
 
 
@@ -134,9 +162,9 @@ def index_dataset(
     if distributed.world_size() == 1:
         dataset = load_dataset(name, data_dir, format)
         return build_index(dataset.corpus, output, settings), dataset.name
-    if settings.kind not in DENSE_INDEX_KINDS:
+    if settings.kind not in SHARDED_KINDS:
         raise ConfigError(
-            f"under torchrun only dense kinds ({', '.join(DENSE_INDEX_KINDS)}) are indexed in shards; "
+            f"under torchrun only dense kinds ({', '.join(SHARDED_KINDS)}) are indexed in shards; "
             f"build a {settings.kind} index in one process"
         )
     output, work_dir = _work_dir(output)
@@ -157,9 +185,10 @@ def index_dataset(
             texts = stream_passage_inputs(name, data_dir, format, sep, rows)
             texts = texts if texts is not None else load_dataset(name, data_dir, format).corpus.lazy_inputs(sep)
         shards = encode_corpus(model, texts, corpus_fingerprint, work_dir, settings)
-        if distributed.rank() != 0:
+        corpus = loaded["dataset"].corpus if "dataset" in loaded else None
+        index = _index_of_shards(model, corpus, corpus_fingerprint, settings.kind, shards, work_dir, settings)
+        if index is None:
             return None, dataset_name
-        index = _assembled_index(model, loaded["dataset"].corpus, settings.kind, shards, work_dir, settings)
         index.save(output)
     shutil.rmtree(work_dir, ignore_errors=True)
     return index, dataset_name
