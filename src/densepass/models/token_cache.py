@@ -302,7 +302,7 @@ def cached_tokenizer(
 ) -> CachedTokenizer:
     """A ``CachedTokenizer`` for ``model.tokenize`` over ``texts`` (per side), cached under ``directory/<side>``;
     ``tokenizer``: the private copy it wraps (default: a copy of the model's). Rank 0 builds or checks the
-    caches; every process then maps them."""
+    caches; every process then maps them (a process whose directory is not rank 0's builds its own)."""
     tokenizer = tokenizer if tokenizer is not None else copy.deepcopy(model.tokenizer)
     digest = tokenizer_fingerprint(tokenizer)
     plans = []
@@ -313,7 +313,10 @@ def cached_tokenizer(
             plans.append((directory / side, unique, max_length, side, store_key(digest, side, max_length, unique)))
     reused = distributed.on_rank_zero(lambda: [ensure_store(path, tokenizer, *plan) for path, *plan in plans])
     stores = []
-    for (path, unique, _, _, key), was_reused in zip(plans, reused):
-        stores.append(TokenStore.load(path, unique, key, verify=False))  # checked (or just written) by rank 0
+    for (path, unique, max_length, side, key), was_reused in zip(plans, reused):
+        if distributed.rank() != 0 and (_facts(path) or {}).get("key") != key:
+            # this process's run directory is not rank 0's (not a shared one): it builds its own cache
+            was_reused = ensure_store(path, tokenizer, unique, max_length, side, key)
+        stores.append(TokenStore.load(path, unique, key, verify=False))  # checked (or just written) already
         stores[-1].reused = was_reused
     return CachedTokenizer(tokenizer, stores)
