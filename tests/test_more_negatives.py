@@ -287,7 +287,9 @@ def _train_worker(rank, world, port, model_dir, beir_dir, name, out_dir):
     try:
         model = BiEncoder.from_pretrained(str(model_dir))
         objective = OBJECTIVES[name](model)
-        train(model, make_data(beir_dir), _config(epochs=1), Path(out_dir) / f"dist{rank}", CPU, objective=objective)
+        # with the token cache, in a run directory per process (each builds its own cache)
+        config = _config(epochs=1, token_cache=True)
+        train(model, make_data(beir_dir), config, Path(out_dir) / f"dist{rank}", CPU, objective=objective)
         if rank == 0:
             torch.save({"params": _params(model), "memory": objective.memory.memory.reps}, Path(out_dir) / "dist.pt")
     finally:
