@@ -485,6 +485,8 @@ def test_refresh_during_training_is_saved_filtered_and_resumable(tiny_beir, tiny
     resumed = run_experiment(config(tmp_path / "b"))["fine-tuned"]
     assert resumed == pytest.approx(first)
     assert (run / "negatives" / "refresh-step-4.jsonl").read_text() == (work / "refresh-step-4.jsonl").read_text()
+    log = [json.loads(line) for line in (run / "negatives" / "refresh_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4]  # the record of the dropped pool went with it
 
     with pytest.raises(ConfigError, match="refresh_every needs hard negatives"):
         run_experiment(config(tmp_path / "c", "negatives.source=none", "negatives.per_query=0"))

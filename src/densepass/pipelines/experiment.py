@@ -110,8 +110,6 @@ def check(config: ExperimentConfig) -> torch.device:
         check_loss(config.loss, config.train)
         if neg.refresh_every is not None and (neg.source == "none" or neg.per_query == 0):
             raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
-        if neg.refresh_every is not None and distributed.world_size() > 1:
-            raise ConfigError("negatives.refresh_every runs in a single process only (for now)")
     check_reranker_config(config)
     return device
 

@@ -8,6 +8,11 @@ in the training time. The trainer prepares one batch ahead (``densepass.prefetch
 after N steps serves the batches from the (N + 2)-th on, the (N + 1)-th having been prepared meanwhile.
 Each pool is saved as ``refresh-step-N.jsonl``: a resumed run reloads the pools mined before its
 checkpoint, so it samples the same negatives as an uninterrupted one.
+
+Under torchrun every process takes part in each refresh: each encodes and searches its shard of the corpus
+(``negatives.dense``, ``index.sharded``) and all receive the merged pool, the one a single process would mine
+with the same weights. Rank 0 alone writes the pool and the log, and on resume reads them and hands the
+pools to every process (whose run directory may be its own), and alone deletes the stale ones.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from densepass import distributed
+from densepass.checkpoints import trim_log
 from densepass.config import NegativesConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.errors import ConfigError
+from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import load_pool, passage_ids, save_pool
@@ -58,16 +66,25 @@ class NegativeRefresher:
         return self.work_dir / f"refresh-step-{step}.jsonl"
 
     def restore(self, resume_step: int) -> None:
-        """Reload the pools mined up to ``resume_step``; drop later ones (their model is being retrained)."""
-        for path in sorted(self.work_dir.glob("refresh-step-*.jsonl")):
-            step = int(path.stem.rsplit("-", 1)[1])
-            if step <= resume_step:
-                self.data.replace_negatives(passage_ids(load_pool(path, self.dataset)), step + PREPARED_AHEAD)
-            else:
-                path.unlink()
+        """Reload the pools mined up to ``resume_step`` (rank 0's) on every process; rank 0 drops later ones
+        and their log records (their model is being retrained)."""
+
+        def read() -> list[tuple[int, dict[str, list[str]]]]:
+            pools = []
+            for path in self.work_dir.glob("refresh-step-*.jsonl"):
+                step = int(path.stem.rsplit("-", 1)[1])
+                if step <= resume_step:
+                    pools.append((step, passage_ids(load_pool(path, self.dataset))))
+                else:
+                    path.unlink()
+            trim_log(self.log_path, resume_step)
+            return pools
+
+        for step, pool in distributed.on_rank_zero(read):
+            self.data.replace_negatives(pool, step + PREPARED_AHEAD)
 
     def __call__(self, step: int) -> None:
-        """Re-mine the pool after step ``step`` when a refresh is due."""
+        """Re-mine the pool after step ``step`` when a refresh is due (every process of the group calls it)."""
         if step % self.every or step >= self.last_step:
             return
         was_training = self.model.training
@@ -76,17 +93,15 @@ class NegativeRefresher:
             self.dataset, self.query_ids, self.config, self.context, self.data.sep_token, strategy="model"
         )
         self.model.train(was_training)
-        save_pool(mined.pool, self._path(step))
         self.data.replace_negatives(passage_ids(mined.pool), step + PREPARED_AHEAD)
-        with open(self.log_path, "a") as handle:
-            handle.write(
-                json.dumps(
-                    {
-                        "step": step,
-                        "seconds": mined.seconds,
-                        "removed": mined.removed,
-                        "negatives": sum(len(c) for c in mined.pool.values()),
-                    }
-                )
-                + "\n"
-            )
+        if distributed.rank() == 0:
+            save_pool(mined.pool, self._path(step))
+            record = {
+                "step": step,
+                "seconds": mined.seconds,
+                "removed": mined.removed,
+                "negatives": sum(len(c) for c in mined.pool.values()),
+            }
+            logged = self.log_path.read_text() if self.log_path.is_file() else ""
+            atomic_write_text(self.log_path, logged + json.dumps(record) + "\n")
+        distributed.barrier()  # the pool is on disk before any process trains on with it

@@ -113,7 +113,9 @@ def train(
 
     ``identity``: the caller's settings that define the run besides ``config`` (data, model, negatives,
     batch order); a checkpoint written with other settings is refused. ``objective``: what is minimised
-    (default: ``Contrastive(config.bidirectional)``); its state is checkpointed with the model."""
+    (default: ``Contrastive(config.bidirectional)``); its state is checkpointed with the model.
+    ``on_step_end(step)`` runs on every process after each step, before that step's checkpoint (a callback
+    that writes files writes them from rank 0); ``on_epoch_end(epoch)`` runs on rank 0 only."""
     seed_everything(config.seed)
     objective = objective or Contrastive(config.bidirectional)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -217,10 +219,10 @@ def train(
                     }
                     with open(log_path, "a") as handle:
                         handle.write(json.dumps(record) + "\n")
+            if on_step_end is not None:  # before the checkpoint: a resume from it never skips the callback
+                on_step_end(step)
             if step % config.checkpoint_every == 0 or step == total:
                 save_checkpoint()
-            if on_step_end is not None and rank == 0:
-                on_step_end(step)
         if on_epoch_end is not None and rank == 0 and step == min(total, (epoch + 1) * steps_per_epoch):
             on_epoch_end(epoch)
     progress.close()
