@@ -15,12 +15,13 @@ device computes bfloat16 natively, ``device.uses_bf16``: a GPU, or a CPU with AV
 ``fp32``; ``bf16``, under bf16 autocast; ``int8`` (CPU only), with a copy whose linear layers are dynamically
 quantised (``models.quantize``: int8 weights with a scale per output channel, activations with one scale per
 batch), made once and reused until the weights change. As for the bi-encoder, the feed-forward output
-projections stay float32: quantising them too moves scores further from fp32 (the debian-packages cross-encoder
-of the distillation runs, 100 dev queries x 20 candidates: mean Spearman per query to fp32 0.91 with them
-quantised, 0.95 without, mean absolute difference 0.60 and 0.35 for a score spread (std) of 3.1; MiniLM with a
-fresh head, 40 x 20: 0.86 and 0.90). int8 scores are close to fp32 but not equal, so near-ties swap: the top
-candidate stayed first in 81% of those queries, MRR@10 0.728 against fp32's 0.735, within the noise of 100
-queries (``bench_rerank.py --precision int8`` measures the agreement on its pairs with the timings).
+projections stay float32: quantising them too moves scores further from fp32 (``experiments/rerank_int8.py``,
+docs/experiments.md: a MiniLM cross-encoder trained on debian-packages, 100 dev queries x 20 candidates, mean
+Spearman per query to fp32 0.90 with them quantised, 0.94 without, mean absolute difference 0.60 and 0.33 for
+a score spread (std) of 3.1; MiniLM with a new head, 40 x 20: 0.84 and 0.90). int8 scores are close to fp32
+but not equal, so near-ties swap: the top candidate stayed first in 83% of those queries, and MRR@10 was 0.721
+against fp32's 0.743 (paired randomization p = 0.20; 100 queries do not settle whether int8 costs MRR).
+``benchmarks/bench_rerank.py --precision int8`` measures the agreement on its pairs with the timings.
 
 >>> from densepass.models.cross_encoder import CrossEncoder
 >>> reranker = CrossEncoder.from_pretrained("path/to/cross-encoder")  # doctest: +SKIP
