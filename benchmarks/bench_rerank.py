@@ -9,12 +9,19 @@
    Only optimisation steps are timed: after ``--warmup`` untimed steps, ``--steps`` more (device
    synchronised at both ends); loading, data preparation and the final checkpoint are not timed.
 2. **Reranking** pairs per second: ``CrossEncoder.score_pairs`` against ``sentence_transformers.CrossEncoder.
-   predict`` on the same (dev query, BM25 top-``--depth`` passage) pairs, same batch size, max_length and
-   precision (both under the same bf16 autocast where it applies), best of ``--repeats``.
+   predict`` on the same (dev query, BM25 top-``--depth`` passage) pairs, same batch size and max_length, best
+   of ``--repeats``; by default in the same precision (both under the same bf16 autocast where it applies).
+   ``--precision int8`` (or fp32, bf16) times densepass in that precision against sentence-transformers in
+   its own, and reports how far densepass' scores moved from its scores in sentence-transformers' precision
+   on the same pairs (``evaluation.agreement``): mean and largest absolute difference, Spearman over all pairs
+   and per query, and the share of queries whose top-10 order (and top 1) is unchanged. ``--no-train`` skips
+   part 1; ``--rerank-model`` reranks with a trained cross-encoder instead of a new head (same speed, a
+   meaningful agreement: a new head's scores are near zero, so int8's error looks larger against them).
 
     python benchmarks/bench_rerank.py --steps 2 --warmup 1 --batch-size 2 --negatives 3 --max-length 64 \
         --rerank-queries 4 --depth 8 --repeats 1 --out outputs/bench/rerank-smoke.json               # a smoke run
     python benchmarks/bench_rerank.py --out outputs/bench/rerank-cpu.json                          # CPU
+    python benchmarks/bench_rerank.py --no-train --precision int8 --out outputs/bench/rerank-cpu-int8.json  # int8
     python benchmarks/bench_rerank.py --batch-size 64 --rerank-queries 500 --out outputs/bench/rerank-gpu.json  # GPU
 """
 
@@ -32,9 +39,10 @@ from common import StepClock, environment, markdown_table, pick_device, rate, sy
 from densepass.config import RerankerTrainConfig
 from densepass.data import load_dataset
 from densepass.device import autocast_context, uses_bf16
+from densepass.evaluation.agreement import score_agreement
 from densepass.index.bm25 import BM25Index
 from densepass.models.biencoder import resolve_model_path
-from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.cross_encoder import CrossEncoder, scoring_precision
 from densepass.negatives.bm25 import mine_bm25_negatives
 from densepass.negatives.pool import passage_ids
 from densepass.training.batches import TrainingData
@@ -153,14 +161,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="reranking: best of this many runs")
     parser.add_argument("--device", default=None)
     parser.add_argument("--cpu-bf16", action="store_true", help="bf16 autocast on CPU too (both systems)")
+    parser.add_argument(
+        "--precision",
+        default=None,
+        choices=["fp32", "bf16", "int8"],
+        help="densepass' reranking precision (int8: CPU only); default: sentence-transformers' (fp32 on CPU)",
+    )
+    parser.add_argument("--no-train", action="store_true", help="time reranking only")
+    parser.add_argument(
+        "--rerank-model",
+        default=None,
+        help="a trained cross-encoder to rerank with (default: --model with a new seeded head, whose near-zero "
+        "scores make --precision's agreement look worse than a trained model's)",
+    )
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
     device = pick_device(args.device)
     bf16 = uses_bf16(device, True, args.cpu_bf16)  # both systems in the same precision
+    baseline = "bf16" if bf16 else "fp32"  # sentence-transformers' reranking precision
+    precision = args.precision or baseline
+    scoring_precision(precision, device)  # int8 on a GPU fails before any work
     env = environment(device)
     print(
         f"device: {env['device']}; torch {env['torch']}, transformers {env['transformers']}, "
         f"sentence-transformers {env['sentence_transformers']}; {'bf16 autocast' if bf16 else 'fp32'}"
+        + (f"; densepass reranks in {precision}" if precision != baseline else "")
     )
     path = resolve_model_path(args.model)
     dataset = load_dataset(args.dataset, args.data_dir)
@@ -191,22 +216,25 @@ def main() -> None:
 
     results = {}
     pairs_per_step = args.batch_size * (args.negatives + 1)
-    for system, fn in (
+    training = (
         ("densepass train_cross_encoder", lambda: train_densepass(path, data, args, device, bf16)),
         (
             "sentence-transformers CrossEncoderTrainer",
             lambda: train_sentence_transformers(path, groups, args, device, bf16),
         ),
-    ):
+    )
+    for system, fn in training if not args.no_train else ():
         seconds = fn()
         results[system] = {"task": "train", "seconds": seconds, "pairs_per_s": args.steps * pairs_per_step / seconds}
         print(f"  {system}: {results[system]['pairs_per_s']:,.1f} pairs/s", flush=True)
 
     from sentence_transformers.cross_encoder import CrossEncoder as STCrossEncoder
 
-    ours = CrossEncoder.new(
-        path, seed=13, max_length=args.max_length, batch_size=args.rerank_batch_size, device=device, bf16=bf16
-    )
+    options = {"max_length": args.max_length, "batch_size": args.rerank_batch_size, "device": device}
+    if args.rerank_model:
+        ours = CrossEncoder.from_pretrained(args.rerank_model, precision=precision, **options)
+    else:
+        ours = CrossEncoder.new(path, seed=13, precision=precision, **options)
     with tempfile.TemporaryDirectory() as tmp:
         ours.save(Path(tmp) / "ce")
         theirs = STCrossEncoder(str(Path(tmp) / "ce"), device=str(device))
@@ -217,10 +245,14 @@ def main() -> None:
                 list(zip(pair_queries, pair_passages)), batch_size=args.rerank_batch_size, show_progress_bar=False
             )
 
-    a, b = ours.score_pairs(pair_queries, pair_passages), st_predict()  # also the untimed warm-up
-    agreement = float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+    # untimed: the warm-up, and densepass in sentence-transformers' precision, to check both score alike
+    low = ours.score_pairs(pair_queries, pair_passages)
+    reference = ours.score_pairs(pair_queries, pair_passages, baseline) if precision != baseline else low
+    difference = float(np.max(np.abs(reference - np.asarray(st_predict()))))
+    quality = score_agreement(low, reference, args.depth) if precision != baseline else None
+    ours_name = "densepass CrossEncoder.score_pairs" + (f" ({precision})" if precision != baseline else "")
     for system, fn in (
-        ("densepass CrossEncoder.score_pairs", lambda: ours.score_pairs(pair_queries, pair_passages)),
+        (ours_name, lambda: ours.score_pairs(pair_queries, pair_passages)),
         ("sentence-transformers CrossEncoder.predict", st_predict),
     ):
         seconds = best_of(args.repeats, device, fn)
@@ -228,20 +260,30 @@ def main() -> None:
         print(f"  {system}: {results[system]['pairs_per_s']:,.1f} pairs/s", flush=True)
 
     names = list(results)
-    train_ratio = results[names[0]]["pairs_per_s"] / results[names[1]]["pairs_per_s"]
-    rerank_ratio = results[names[2]]["pairs_per_s"] / results[names[3]]["pairs_per_s"]
+    ratios = {}  # task -> densepass ÷ sentence-transformers
+    for first, second in zip(names[::2], names[1::2]):
+        ratios[results[first]["task"]] = results[first]["pairs_per_s"] / results[second]["pairs_per_s"]
     table = [
         [name, r["task"], f"{r['seconds']:.2f}", rate(r["pairs_per_s"])]
-        + [f"{train_ratio if r['task'] == 'train' else rerank_ratio:.2f}x" if name.startswith("densepass") else ""]
+        + [f"{ratios[r['task']]:.2f}x" if name.startswith("densepass") else ""]
         for name, r in results.items()
     ]
-    print(
-        f"\ntraining: {args.loss}, {args.batch_size} queries x (1 + {args.negatives}) pairs per step, "
-        f"{args.steps} timed "
-        f"steps after {args.warmup}; reranking: {len(pair_queries):,} pairs (BM25 top-{args.depth} of "
-        f"{len(dev_texts)} dev queries), batch {args.rerank_batch_size}, best of {args.repeats}; max_length "
-        f"{args.max_length}; largest score difference between the two rerankers {agreement:.2e}"
+    trained = (
+        "no training"
+        if args.no_train
+        else f"training: {args.loss}, {args.batch_size} queries x (1 + {args.negatives}) pairs per step, "
+        f"{args.steps} timed steps after {args.warmup}"
     )
+    print(
+        f"\n{trained}; reranking: {len(pair_queries):,} pairs (BM25 top-{args.depth} of "
+        f"{len(dev_texts)} dev queries), batch {args.rerank_batch_size}, best of {args.repeats}; max_length "
+        f"{args.max_length}; largest score difference between the two rerankers in {baseline} {difference:.2e}"
+    )
+    if quality is not None:
+        print(
+            f"densepass {precision} scores against its {baseline} scores: "
+            + ", ".join(f"{key} {value:.4g}" for key, value in quality.items())
+        )
     print(markdown_table(["system", "task", "seconds", "pairs/s", "densepass ÷ sentence-transformers"], table))
     write_json(
         args.out,
@@ -249,13 +291,16 @@ def main() -> None:
             "benchmark": "rerank",
             **env,
             "model": args.model,
+            "rerank_model": args.rerank_model,
             "dataset": args.dataset,
             "settings": {k: v for k, v in vars(args).items() if k != "out"},
             "bf16": bf16,
+            "precision": precision,
             "results": results,
-            "train_speedup_vs_st": train_ratio,
-            "rerank_speedup_vs_st": rerank_ratio,
-            "max_score_difference": agreement,
+            "train_speedup_vs_st": ratios.get("train"),
+            "rerank_speedup_vs_st": ratios["rerank"],
+            "max_score_difference": difference,
+            "agreement_with_" + baseline: quality,
         },
     )
 

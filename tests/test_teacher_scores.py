@@ -60,11 +60,11 @@ def test_an_interrupted_computation_resumes_after_its_last_complete_line(setup, 
     calls = []
     real = teacher.score_pairs
 
-    def crash_on_third(queries, passages):
+    def crash_on_third(queries, passages, precision=None):
         calls.append(len(queries))
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real(queries, passages)
+        return real(queries, passages, precision)
 
     monkeypatch.setattr(teacher, "score_pairs", crash_on_third)
     path = tmp_path / "s.jsonl"

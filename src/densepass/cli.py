@@ -153,6 +153,9 @@ def _load_pipeline(args: argparse.Namespace):
         options["precision"] = args.precision
     elif args.precision not in ("auto", "fp32"):
         raise DensepassError(f"--precision {args.precision} applies to dense indexes; {args.index} is a {kind} index")
+    if args.rerank_precision != "auto" and not args.rerank:
+        raise DensepassError(f"--rerank-precision {args.rerank_precision} applies to the cross-encoder of --rerank")
+    resolve_precision(args.rerank_precision, device)  # int8 on a GPU fails before anything loads
     if args.search_precision != "fp32":
         if kind != "exact":
             raise DensepassError(f"--search-precision is an option of exact indexes; {args.index} is a {kind} index")
@@ -177,9 +180,12 @@ def _load_pipeline(args: argparse.Namespace):
         from densepass.models.cross_encoder import CrossEncoder
 
         if model_kind(resolve_model_path(args.rerank)) == "colbert":  # late interaction over the candidates
+            if args.rerank_precision != "auto":
+                raise DensepassError(f"--rerank-precision applies to cross-encoders; {args.rerank} is a ColBERT model")
             reranker = ColbertReranker(ColBERT.from_pretrained(args.rerank), device=device)
         else:
-            reranker = CrossEncoder.from_pretrained(args.rerank, device=device, batch_size=args.rerank_batch_size)
+            options = {"device": device, "batch_size": args.rerank_batch_size, "precision": args.rerank_precision}
+            reranker = CrossEncoder.from_pretrained(args.rerank, **options)
     return SearchPipeline(index, reranker, args.rerank_depth or min(100, len(index)))
 
 
@@ -432,6 +438,13 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
         help="candidates re-scored per query (default: 100, or every passage of a smaller index)",
     )
     p.add_argument("--rerank-batch-size", type=positive_int, default=64, help="pairs per cross-encoder forward pass")
+    p.add_argument(
+        "--rerank-precision",
+        default="auto",
+        choices=PRECISIONS,
+        help="cross-encoder scoring precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (bf16 "
+        "where the device computes it natively, else fp32)",
+    )
     _precision_arg(p)
     p.add_argument(
         "--search-precision",

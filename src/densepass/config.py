@@ -332,6 +332,12 @@ class RerankerConfig:
     )
     max_length: int = option(256, "a (query, passage) pair is cut to this many tokens", min=8)
     batch_size: int = option(64, "pairs per forward pass when scoring", min=1)
+    precision: Precision = option(
+        "auto",
+        "reranking precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (bf16 where the device "
+        "computes it natively: train.bf16 on GPU, a CPU with bf16 instructions or train.cpu_bf16); teacher scores "
+        "for distillation stay auto",
+    )
     depth: int = option(100, "first-stage candidates re-scored per query", min=1)
     first_stages: list[Literal["bm25", "zero-shot", "fine-tuned"]] = option(
         help="evaluated systems whose top-depth candidates are reranked (a row each: 'BM25 → cross-encoder@100')",

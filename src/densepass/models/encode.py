@@ -9,9 +9,9 @@ Results are float32 in the original order.
 The model runs in one of three precisions (``densepass.device.resolve_precision``; ``auto`` is bf16
 on GPU and fp32 on CPU): ``fp32``; ``bf16``, a bfloat16 copy (weights cast once, pooling
 and normalisation in float32; on a CPU as fast as bf16 autocast, without a cast per operation);
-``int8``, a copy whose linear layers are dynamically quantised (int8 weights with a scale per output
-channel, activations with one scale per batch, so a text's int8 embedding depends slightly, about 1e-4,
-on the texts batched with it), except the feed-forward output projections, whose inputs (GELU
+``int8``, a copy whose linear layers are dynamically quantised (``models.quantize``: int8 weights with a
+scale per output channel, activations with one scale per batch, so a text's int8 embedding depends slightly,
+about 1e-4, on the texts batched with it), except the feed-forward output projections, whose inputs (GELU
 activations with outliers) lose too much in int8 (mean cosine to fp32 0.98 with them, 0.99 without:
 MiniLM, debian-packages passages). On CPU a copy is made once per model and reused until its weights
 change (a server encoding one query at a time would otherwise quantise the model for each); on GPU a
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -34,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from densepass.device import attention_kernels, default_device, resolve_precision
 from densepass.errors import DensepassError
+from densepass.models.quantize import quantized_linear_copy, weights_key
 from densepass.prefetch import prefetched
 
 if TYPE_CHECKING:
@@ -57,30 +57,12 @@ def inference_copy(model: BiEncoder, dtype: torch.dtype) -> BiEncoder:
 def quantized_copy(model: BiEncoder) -> BiEncoder:
     """A copy of ``model`` for CPU inference whose transformer linear layers are dynamically quantised to int8
     (per-channel weights), all but the feed-forward output projections; the projection stays float32."""
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    def quantized(tower: torch.nn.Module) -> torch.nn.Module:
-        spec = {
-            name: per_channel_dynamic_qconfig
-            for name, module in tower.named_modules()
-            if isinstance(module, torch.nn.Linear) and not _feed_forward_output(name)
-        }
-        with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao
-            warnings.filterwarnings("ignore", category=DeprecationWarning)
-            warnings.filterwarnings("ignore", message=".*quantize_per_(tensor|channel).*")
-            return quantize_dynamic(copy.deepcopy(tower).eval(), spec, dtype=torch.qint8).requires_grad_(False)
-
     towers = {id(t): t for t in (model.query_encoder, model.passage_encoder)}
-    copies = {key: quantized(t) for key, t in towers.items()}
+    copies = {key: quantized_linear_copy(t) for key, t in towers.items()}
     projection = copy.deepcopy(model.projection) if model.projection is not None else None
     return type(model)(
         copies[id(model.query_encoder)], copies[id(model.passage_encoder)], model.tokenizer, model.config, projection
     ).eval()
-
-
-def _feed_forward_output(name: str) -> bool:
-    """Whether a BERT-style linear layer is a feed-forward block's output projection (``layer.N.output.dense``)."""
-    return name.endswith("output.dense") and not name.endswith("attention.output.dense")
 
 
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, its inference copy)
@@ -93,7 +75,7 @@ def inference_runner(model: BiEncoder, precision: str, device: torch.device) -> 
         return model
     if device.type != "cpu":
         return inference_copy(model, torch.bfloat16)
-    key = (precision, tuple((p.data_ptr(), p._version) for p in model.parameters()))
+    key = (precision, weights_key(model))
     cached = _RUNNERS.get(model)
     if cached is not None and cached[0] == key:
         return cached[1]

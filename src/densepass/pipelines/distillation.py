@@ -17,6 +17,7 @@ from densepass.config import ExperimentConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.load import Retriever
+from densepass.pipelines.reranking import automatic_precision
 from densepass.pipelines.retrievers import objective_for
 from densepass.training.more_negatives import objective_from_config
 from densepass.training.objectives import Contrastive, Distillation, Objective
@@ -82,5 +83,10 @@ def check_existing_scores(config: ExperimentConfig, pairs: Pairs, teacher: Cross
 def teacher_scores(
     config: ExperimentConfig, dataset: RetrievalDataset, pairs: Pairs, teacher: CrossEncoder, show_progress: bool
 ) -> Scores:
-    """The teacher's scores of ``pairs``: read from the scores file (checked), or computed into it (resumable)."""
-    return compute_teacher_scores(teacher, dataset, pairs, scores_path(config), show_progress=show_progress)
+    """The teacher's scores of ``pairs``: read from the scores file (checked), or computed into it (resumable)
+    in the run's automatic precision whatever ``reranker.precision`` says: they are the students' targets,
+    computed once (int8 would put its quantisation error into every distilled model)."""
+    precision = automatic_precision(config, teacher.device)
+    return compute_teacher_scores(
+        teacher, dataset, pairs, scores_path(config), show_progress=show_progress, precision=precision
+    )

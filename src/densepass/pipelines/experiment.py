@@ -101,6 +101,7 @@ def check(config: ExperimentConfig) -> torch.device:
     """Everything about ``config`` that can be checked without data; returns the device to run on."""
     device = resolve_device(config.device)
     resolve_precision(config.eval.precision, device)  # int8 on a GPU fails here
+    resolve_precision(config.reranker.precision, device)  # the reranker's too
     retrievers.check_kind(config)
     check_metrics(config.eval.metrics)
     check_metrics([config.validation.metric])

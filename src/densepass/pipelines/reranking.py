@@ -79,12 +79,20 @@ def load_fixed_reranker(config: ExperimentConfig, device: torch.device) -> Cross
     return CrossEncoder.from_pretrained(cfg.name_or_path, **scoring_options(config, device))
 
 
-def scoring_options(config: ExperimentConfig, device: torch.device) -> dict:
-    """CrossEncoder options of the run: truncation, batch size, device, and bf16 scoring where the device
-    computes bfloat16 natively (``train.bf16`` on GPU; a CPU with bf16 instructions, or ``train.cpu_bf16``)."""
-    cfg = config.reranker
+def automatic_precision(config: ExperimentConfig, device: torch.device) -> str:
+    """What ``reranker.precision: auto`` scores in: bf16 where the device computes bfloat16 natively
+    (``train.bf16`` on GPU; a CPU with bf16 instructions, or ``train.cpu_bf16``), else fp32. Teacher scores for
+    distillation are always computed in it (``pipelines.distillation.teacher_scores``)."""
     bf16 = uses_bf16(device, config.train.bf16, config.train.cpu_bf16 or cpu_has_native_bf16())
-    return {"max_length": cfg.max_length, "batch_size": cfg.batch_size, "device": device, "bf16": bf16}
+    return "bf16" if bf16 else "fp32"
+
+
+def scoring_options(config: ExperimentConfig, device: torch.device) -> dict:
+    """CrossEncoder options of the run: truncation, batch size, device and ``reranker.precision`` (``auto``:
+    ``automatic_precision``)."""
+    cfg = config.reranker
+    precision = automatic_precision(config, device) if cfg.precision == "auto" else cfg.precision
+    return {"max_length": cfg.max_length, "batch_size": cfg.batch_size, "device": device, "precision": precision}
 
 
 def train_reranker(
@@ -99,8 +107,8 @@ def train_reranker(
     """Fine-tune the run's cross-encoder on ``pool`` (resuming from ``<run>/reranker/checkpoints``) and save
     it to ``<run>/reranker/model``."""
     cfg = config.reranker
-    options = {**scoring_options(config, device), "bf16": uses_bf16(device, config.train.bf16, config.train.cpu_bf16)}
-    model = CrossEncoder.new(cfg.name_or_path, seed=cfg.train.seed, **options)
+    bf16 = uses_bf16(device, config.train.bf16, config.train.cpu_bf16)  # training's autocast
+    model = CrossEncoder.new(cfg.name_or_path, seed=cfg.train.seed, **scoring_options(config, device))
     data = TrainingData(
         dataset,
         config.data.train_split,
@@ -112,10 +120,10 @@ def train_reranker(
     identity = {
         "data": asdict(config.data),
         "negatives": asdict(config.negatives),
-        "cross_encoder": {"name_or_path": cfg.name_or_path, "max_length": cfg.max_length, "bf16": options["bf16"]},
+        "cross_encoder": {"name_or_path": cfg.name_or_path, "max_length": cfg.max_length, "bf16": bf16},
     }
     started = time.perf_counter()
-    result = train_cross_encoder(model, data, cfg.train, run_dir / "reranker", device, options["bf16"], identity)
+    result = train_cross_encoder(model, data, cfg.train, run_dir / "reranker", device, bf16, identity)
     model.save(run_dir / "reranker" / "model")
     notes.append(
         f"Cross-encoder ({cfg.name_or_path} + a new one-logit head) trained {cfg.train.loss} on {len(data)} queries: "

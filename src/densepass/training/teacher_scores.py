@@ -149,9 +149,11 @@ def compute_teacher_scores(
     path: str | Path,
     chunk: int = 256,
     show_progress: bool = True,
+    precision: str | None = None,
 ) -> Scores:
-    """Score every (query, passage) pair of ``pairs`` with ``teacher`` into ``path`` (resuming a partial file
-    of the same teacher and pairs); an existing finished file is checked and read, not recomputed."""
+    """Score every (query, passage) pair of ``pairs`` with ``teacher`` (in ``precision``; None: the teacher's
+    own) into ``path`` (resuming a partial file of the same teacher and pairs); an existing finished file is
+    checked and read, not recomputed."""
     path = Path(path)
     identity = teacher_identity(teacher)
     if path.is_file():
@@ -179,7 +181,9 @@ def compute_teacher_scores(
             queries = todo[start : start + chunk]
             flat = [(q, p) for q in queries for p in pairs[q]]
             values = teacher.score_pairs(
-                [dataset.queries[q] for q, _ in flat], [passage_input(dataset.corpus, p, PASSAGE_SEP) for _, p in flat]
+                [dataset.queries[q] for q, _ in flat],
+                [passage_input(dataset.corpus, p, PASSAGE_SEP) for _, p in flat],
+                precision,
             )
             for (q, p), value in zip(flat, values.tolist()):
                 done.setdefault(q, {})[p] = value
