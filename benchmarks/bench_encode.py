@@ -8,8 +8,8 @@ in one run.
 
 densepass runs in fp32, bf16 (a bfloat16 copy; on CPU only where it has native bf16, or with
 ``--densepass-precisions``) and, on CPU, int8 (dynamic quantisation). sentence-transformers runs as a user
-would run it: its default batch size (32) and densepass's, in float32, and on GPU in bfloat16
-(``model.to(torch.bfloat16)``). On CPU it also runs, where they install (``--st-backends``), with
+would run it: its default batch size (32) and densepass's, in float32, and on a GPU or a CPU with native
+bfloat16 (AVX512-BF16 / AMX) in bfloat16 too (``model.to(torch.bfloat16)``). On CPU it also runs, where they install (``--st-backends``), with
 ``backend="onnx"`` (fp32, and int8 from ``export_dynamic_quantized_onnx_model``) and ``backend="openvino"``;
 those are exported offline from the model's files into a temporary copy. Where sentence-transformers' ONNX
 backend does not install (its optimum-onnx needs transformers < 4.58), ``--ort`` runs the same graph in
@@ -31,7 +31,7 @@ import torch
 
 from common import environment, markdown_table, pick_device, rate, timer, write_json
 from densepass.data import load_dataset
-from densepass.device import resolve_precision
+from densepass.device import cpu_has_native_bf16, resolve_precision
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
 from densepass.models.encode import encode_texts
 
@@ -255,7 +255,8 @@ def main() -> None:
     del model  # free the densepass model before loading sentence-transformers'
 
     st_batches = args.st_batch_sizes or sorted({32, args.batch_size})
-    for name, dtype in [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if gpu else []):
+    st_bf16 = gpu or cpu_has_native_bf16()  # a bfloat16 copy is sentence-transformers' fast setting there too
+    for name, dtype in [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if st_bf16 else []):
         st = load_st(path, device, args.max_length, dtype)
         for batch in st_batches:
             measure("SentenceTransformer.encode", name, batch, st_encoder(st, batch))

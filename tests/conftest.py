@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -97,3 +98,15 @@ def run_densepass(*args: str, cwd: Path, processes: int = 1) -> subprocess.Compl
     return subprocess.run(
         [sys.executable, *launcher, "-m", "densepass", *args], cwd=cwd, env=env, capture_output=True, text=True
     )
+
+
+def assert_same_ranking_up_to_ties(rows, scores, ref_rows, ref_scores, atol: float) -> None:
+    """Top-k ``rows`` with ``scores`` equal the reference's, except that rows whose reference scores are within
+    ``atol`` of each other (near-ties, which float rounding in another matrix-product blocking may swap) may
+    change places, or trade the last places with a row just outside the reference's top k."""
+    rows, ref_rows = np.asarray(rows), np.asarray(ref_rows)
+    np.testing.assert_allclose(scores, ref_scores, rtol=0, atol=atol)
+    for q, j in zip(*np.nonzero(rows != ref_rows)):
+        where = np.flatnonzero(ref_rows[q] == rows[q, j])
+        partner = ref_scores[q, where[0]] if len(where) else ref_scores[q, -1]
+        assert abs(partner - ref_scores[q, j]) <= atol, f"query {q}, rank {j}: row {rows[q, j]} is not a near-tie"

@@ -20,7 +20,8 @@ PASSAGES = ["Audacity: fast audio editor", "printer driver " * 40, "", "the tar 
 
 @pytest.fixture(scope="module")
 def saved_cross_encoder(tiny_model_dir, tmp_path_factory):
-    model = CrossEncoder.new(str(tiny_model_dir), seed=3, max_length=48, device=CPU)
+    # fp32 pinned: ``auto`` scores in bf16 on a CPU with native bfloat16, and these tests compare with fp32 scorers
+    model = CrossEncoder.new(str(tiny_model_dir), seed=3, max_length=48, device=CPU, precision="fp32")
     path = tmp_path_factory.mktemp("ce") / "model"
     model.save(path)
     return model, path
@@ -49,7 +50,7 @@ def test_a_saved_cross_encoder_scores_the_same_in_transformers_and_sentence_tran
 
     model, path = saved_cross_encoder
     ours = model.score_pairs(QUERIES, PASSAGES)
-    reloaded = CrossEncoder.from_pretrained(str(path), device=CPU)
+    reloaded = CrossEncoder.from_pretrained(str(path), device=CPU, precision="fp32")
     assert reloaded.max_length == 48
     np.testing.assert_allclose(reloaded.score_pairs(QUERIES, PASSAGES), ours, rtol=1e-5, atol=1e-5)
     st = STCrossEncoder(str(path), device="cpu")
