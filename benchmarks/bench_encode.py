@@ -7,15 +7,15 @@ in one run.
         --save-embeddings outputs/bench/emb --out outputs/bench/encode-h100.json                   # H100
 
 densepass runs in fp32, bf16 (a bfloat16 copy; on CPU only where it has native bf16, or with
-``--densepass-precisions``) and, on CPU, int8 (dynamic quantisation). sentence-transformers runs as a user
-would run it: its default batch size (32) and densepass's, in float32, and on a GPU or a CPU with native
-bfloat16 (AVX512-BF16 / AMX) in bfloat16 too (``model.to(torch.bfloat16)``). On CPU it also runs, where they install (``--st-backends``), with
-``backend="onnx"`` (fp32, and int8 from ``export_dynamic_quantized_onnx_model``) and ``backend="openvino"``;
-those are exported offline from the model's files into a temporary copy. Where sentence-transformers' ONNX
-backend does not install (its optimum-onnx needs transformers < 4.58), ``--ort`` runs the same graph in
-ONNX Runtime directly: the transformer exported with ``torch.onnx``, fp32 and ORT's dynamic int8, with the
-same tokenisation and mean pooling. Each system first encodes a small warm-up set (not timed).
-Agreement = mean cosine to sentence-transformers' float32 embeddings.
+``--densepass-precisions``) and, on CPU, int8 (dynamic quantisation). sentence-transformers runs as a user would
+run it: its default batch size (32) and densepass's, in float32, and on a GPU or a CPU with native bfloat16
+(AVX512-BF16 / AMX) in bfloat16 too (``model.to(torch.bfloat16)``). On CPU it also runs, where they install
+(``--st-backends``), with ``backend="onnx"`` (fp32, and int8 from ``export_dynamic_quantized_onnx_model``) and
+``backend="openvino"``; those are exported offline from the model's files into a temporary copy. Where
+sentence-transformers' ONNX backend does not install (its optimum-onnx needs transformers < 4.58), ``--ort`` runs
+the same graph in ONNX Runtime directly: the transformer exported with ``torch.onnx``, fp32 and ORT's dynamic int8,
+with the same tokenisation and mean pooling. Each system first encodes a small warm-up set (not timed). Agreement =
+mean cosine to sentence-transformers' float32 embeddings.
 """
 
 from __future__ import annotations

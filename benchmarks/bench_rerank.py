@@ -38,11 +38,11 @@ import torch
 from common import StepClock, environment, markdown_table, pick_device, rate, sync, write_json
 from densepass.config import RerankerTrainConfig
 from densepass.data import load_dataset
-from densepass.device import autocast_context, uses_bf16
+from densepass.device import autocast_context, resolve_precision, uses_bf16
 from densepass.evaluation.agreement import score_agreement
 from densepass.index.bm25 import BM25Index
 from densepass.models.biencoder import resolve_model_path
-from densepass.models.cross_encoder import CrossEncoder, scoring_precision
+from densepass.models.cross_encoder import CrossEncoder
 from densepass.negatives.bm25 import mine_bm25_negatives
 from densepass.negatives.pool import passage_ids
 from densepass.training.batches import TrainingData
@@ -180,7 +180,7 @@ def main() -> None:
     bf16 = uses_bf16(device, True, args.cpu_bf16)  # both systems in the same precision
     baseline = "bf16" if bf16 else "fp32"  # sentence-transformers' reranking precision
     precision = args.precision or baseline
-    scoring_precision(precision, device)  # int8 on a GPU fails before any work
+    resolve_precision(precision, device)  # int8 on a GPU fails before any work
     env = environment(device)
     print(
         f"device: {env['device']}; torch {env['torch']}, transformers {env['transformers']}, "

@@ -12,7 +12,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densepass.checkpoints import Checkpoints, capture_rng, load_tree, restore_rng, save_tree, trim_log
+from densepass.checkpoints import (
+    Checkpoints,
+    capture_rng,
+    load_tree,
+    restore_rng,
+    save_tree,
+    training_identity,
+    trim_log,
+)
+from densepass.config import TrainConfig
 from densepass.errors import ConfigError, DataWarning
 from densepass.io import manifest_problem
 
@@ -129,6 +138,20 @@ def test_resuming_a_run_with_other_settings_is_refused(tmp_path):
     _save(Checkpoints(tmp_path, keep=2, identity={"train": {"batch_size": 8, "lr": 1e-3}}), 1)
     with pytest.raises(ConfigError, match=r"train\.batch_size differ.*--restart"):
         Checkpoints(tmp_path, keep=2, identity={"train": {"batch_size": 16, "lr": 1e-3}}).latest()
+
+
+def test_a_run_with_cpu_bf16_auto_never_resumes_in_another_precision(tmp_path, monkeypatch):
+    """``cpu_bf16: auto`` is bf16 on a CPU with bf16 instructions and fp32 elsewhere: the identity holds what it
+    resolved to, so a run moved to a CPU where auto means the other precision is refused, not silently changed."""
+    config = TrainConfig()  # cpu_bf16: auto
+    monkeypatch.setenv("DENSEPASS_NATIVE_BF16", "1")
+    _save(Checkpoints(tmp_path, keep=2, identity={"train": training_identity(config)}), 1)
+    assert Checkpoints(tmp_path, keep=2, identity={"train": training_identity(config)}).latest().step == 1
+    forced = {"train": training_identity(TrainConfig(cpu_bf16=True))}
+    assert Checkpoints(tmp_path, keep=2, identity=forced).latest().step == 1  # the same precision, said outright
+    monkeypatch.setenv("DENSEPASS_NATIVE_BF16", "0")
+    with pytest.raises(ConfigError, match=r"train\.cpu_bf16 differ"):
+        Checkpoints(tmp_path, keep=2, identity={"train": training_identity(config)}).latest()
 
 
 def test_trim_log_drops_records_after_the_step_and_a_cut_line(tmp_path):

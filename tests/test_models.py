@@ -24,13 +24,16 @@ def test_save_load_roundtrip_all_loaders(tiny_model_dir, tmp_path, pooling, proj
 
     config = BiEncoderConfig(pooling=pooling, projection_dim=projection_dim, normalize=True)
     model = BiEncoder.from_pretrained(str(tiny_model_dir), config=config)
-    expected = encode_texts(model, TEXTS, "passage", show_progress=False)
+    # fp32 pinned: sentence-transformers and transformers below compute in fp32, and auto is bf16 on a CPU with it
+    expected = encode_texts(model, TEXTS, "passage", precision="fp32", show_progress=False)
     assert expected.shape == (3, projection_dim or 32)
     model.save(tmp_path / "saved")
 
     ours = BiEncoder.from_pretrained(str(tmp_path / "saved"))
     assert ours.config == config
-    np.testing.assert_allclose(encode_texts(ours, TEXTS, "passage", show_progress=False), expected, atol=1e-5)
+    np.testing.assert_allclose(
+        encode_texts(ours, TEXTS, "passage", precision="fp32", show_progress=False), expected, atol=1e-5
+    )
 
     st = SentenceTransformer(str(tmp_path / "saved"), device="cpu")
     np.testing.assert_allclose(st.encode(TEXTS, convert_to_numpy=True), expected, atol=1e-5)
@@ -50,13 +53,17 @@ def test_separate_towers_saved_in_query_subdir(tiny_model_dir, tmp_path):
     assert model.query_encoder is not model.passage_encoder
     with torch.no_grad():
         next(model.query_encoder.parameters()).add_(0.5)  # make the towers differ
-    q = encode_texts(model, TEXTS, "query", show_progress=False)
-    p = encode_texts(model, TEXTS, "passage", show_progress=False)
+    q = encode_texts(model, TEXTS, "query", precision="fp32", show_progress=False)
+    p = encode_texts(model, TEXTS, "passage", precision="fp32", show_progress=False)
     assert not np.allclose(q, p)
     model.save(tmp_path / "m")
     loaded = BiEncoder.from_pretrained(str(tmp_path / "m"))
-    np.testing.assert_allclose(encode_texts(loaded, TEXTS, "query", show_progress=False), q, atol=1e-5)
-    np.testing.assert_allclose(encode_texts(loaded, TEXTS, "passage", show_progress=False), p, atol=1e-5)
+    np.testing.assert_allclose(
+        encode_texts(loaded, TEXTS, "query", precision="fp32", show_progress=False), q, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        encode_texts(loaded, TEXTS, "passage", precision="fp32", show_progress=False), p, atol=1e-5
+    )
     st_query = SentenceTransformer(str(tmp_path / "m" / "query"), device="cpu")
     np.testing.assert_allclose(st_query.encode(TEXTS), q, atol=1e-5)
 

@@ -287,8 +287,9 @@ def _train_worker(rank, world, port, model_dir, beir_dir, name, out_dir):
     try:
         model = BiEncoder.from_pretrained(str(model_dir))
         objective = OBJECTIVES[name](model)
-        # with the token cache, in a run directory per process (each builds its own cache)
-        config = _config(epochs=1, token_cache=True)
+        # with the token cache, in a run directory per process (each builds its own cache); fp32 on every CPU, as
+        # below: bf16 rounding would blur the comparison of the two ways to compute the same steps
+        config = _config(epochs=1, token_cache=True, cpu_bf16=False)
         train(model, make_data(beir_dir), config, Path(out_dir) / f"dist{rank}", CPU, objective=objective)
         if rank == 0:
             torch.save({"params": _params(model), "memory": objective.memory.memory.reps}, Path(out_dir) / "dist.pt")
@@ -303,7 +304,9 @@ def test_two_gloo_processes_with_a_memory_train_like_one_process(tiny_model_dir,
     mp.spawn(_train_worker, args=(2, _free_port(), tiny_model_dir, tiny_beir, name, str(tmp_path)), nprocs=2)
     single = BiEncoder.from_pretrained(str(tiny_model_dir))
     objective = OBJECTIVES[name](single)
-    train(single, make_data(tiny_beir), _config(epochs=1), tmp_path / "single", CPU, objective=objective)
+    train(
+        single, make_data(tiny_beir), _config(epochs=1, cpu_bf16=False), tmp_path / "single", CPU, objective=objective
+    )
     got = torch.load(tmp_path / "dist.pt")
     torch.testing.assert_close(got["params"], _params(single), rtol=1e-4, atol=1e-4)  # Adam: rounding of ~0 grads
     torch.testing.assert_close(got["memory"], objective.memory.memory.reps, rtol=1e-4, atol=1e-5)

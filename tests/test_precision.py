@@ -86,17 +86,19 @@ def test_low_precision_agrees_with_fp32_on_minilm_and_real_passages(minilm_and_p
     assert mean_cosine(encode(model, passages, precision), encode(model, passages, "fp32")) >= 0.99
 
 
-def test_auto_is_bf16_on_gpu_and_fp32_on_every_cpu(monkeypatch):
-    for native in (True, False):
+def test_auto_is_bf16_on_gpu_and_on_a_cpu_with_native_bf16_else_fp32(monkeypatch):
+    for native, on_cpu in ((True, "bf16"), (False, "fp32")):
         monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda native=native: native)
-        assert resolve_precision("auto", CPU) == "fp32"
+        assert resolve_precision("auto", CPU) == on_cpu
         assert resolve_precision("auto", torch.device("cuda")) == "bf16"
     assert resolve_precision("int8", CPU) == "int8"
 
 
-def test_auto_encodes_in_fp32_on_a_cpu_even_with_native_bf16(tiny_model, monkeypatch):
-    monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: True)
-    np.testing.assert_array_equal(encode(tiny_model, TEXTS, "auto"), encode(tiny_model, TEXTS, "fp32"))
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_encodes_like_the_precision_it_resolves_to(tiny_model, monkeypatch, native):
+    monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: native)
+    expected = encode(tiny_model, TEXTS, "bf16" if native else "fp32")
+    np.testing.assert_array_equal(encode(tiny_model, TEXTS, "auto"), expected)
 
 
 def test_bf16_on_a_cpu_without_native_bf16_warns(tiny_model, monkeypatch):

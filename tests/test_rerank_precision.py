@@ -12,10 +12,10 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-import densepass.models.cross_encoder as cross_encoder_module
 from densepass.config import RerankerConfig, explain, load_config
+from densepass.device import resolve_precision
 from densepass.errors import ConfigError
-from densepass.models.cross_encoder import CrossEncoder, scoring_precision
+from densepass.models.cross_encoder import CrossEncoder
 
 CPU = torch.device("cpu")
 QUERIES = ["audio editor", "kernel driver for printers", "python library for http", "fonts for maths", "mail server"]
@@ -87,15 +87,14 @@ def test_the_quantised_copy_is_reused_until_the_weights_change(tiny):
     assert not np.allclose(before, after, atol=1e-3)  # the change matters
 
 
-@pytest.mark.filterwarnings("ignore:cpu_bf16:UserWarning")  # pretending this CPU has native bf16
 def test_auto_is_bf16_where_the_device_computes_it_natively_else_fp32(tiny_model_dir, monkeypatch):
     for native, expected in ((True, "bf16"), (False, "fp32")):
-        monkeypatch.setattr(cross_encoder_module, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setenv("DENSEPASS_NATIVE_BF16", str(int(native)))
         model = CrossEncoder.new(str(tiny_model_dir), max_length=32, device=CPU)
         assert model.precision == expected and model.describe()["precision"] == expected
         assert CrossEncoder.new(str(tiny_model_dir), max_length=32, device=CPU, precision="fp32").precision == "fp32"
-    assert scoring_precision("auto", torch.device("cuda")) == "bf16"
-    assert scoring_precision("int8", CPU) == "int8"
+    assert resolve_precision("auto", torch.device("cuda")) == "bf16"
+    assert resolve_precision("int8", CPU) == "int8"
 
 
 def test_int8_off_the_cpu_and_an_unknown_precision_are_one_line_errors(tiny, tiny_model_dir):
@@ -123,13 +122,13 @@ def test_the_run_reranks_in_reranker_precision_and_computes_teacher_scores_in_au
     tiny_beir, tiny, tmp_path, monkeypatch
 ):
     """Rows, search and serve rerank in reranker.precision; the distillation targets stay in the automatic
-    precision (fp32 on this CPU), whatever the reranker's."""
+    precision (the run's training precision: fp32 here), whatever the reranker's."""
     from densepass.data import load_dataset
     from densepass.data.keys import passage_input
     from densepass.pipelines import reranking
     from densepass.pipelines.distillation import teacher_scores
 
-    monkeypatch.setattr(reranking, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setenv("DENSEPASS_NATIVE_BF16", "0")
     base = [f"reranker.distill.scores_file={tmp_path / 'scores.jsonl'}"]
     assert reranking.scoring_options(load_config(None, base), CPU)["precision"] == "fp32"
     config = load_config(None, [*base, "reranker.precision=int8"])

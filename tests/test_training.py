@@ -165,6 +165,12 @@ def _config(**kw):
     return TrainConfig(**base)
 
 
+def _fp32_config(**kw):
+    """``_config`` trained in fp32 on every CPU: for comparisons of two ways to compute the same steps, which bf16
+    rounding (the default on a CPU with bf16 instructions) would blur beyond their tolerance."""
+    return _config(cpu_bf16=False, **kw)
+
+
 def _params(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
@@ -229,7 +235,7 @@ def _train_worker(rank, world, port, model_dir, beir_dir, out_dir):
     torch.set_num_threads(1)
     try:
         model = BiEncoder.from_pretrained(str(model_dir))
-        train(model, make_data(beir_dir), _config(epochs=1, checkpoint_every=100), Path(out_dir) / "dist", CPU)
+        train(model, make_data(beir_dir), _fp32_config(epochs=1, checkpoint_every=100), Path(out_dir) / "dist", CPU)
         if rank == 0:
             torch.save(_params(model), Path(out_dir) / "dist.pt")
     finally:
@@ -240,12 +246,14 @@ def test_distributed_training_matches_single_process(tiny_model_dir, tiny_beir, 
     """train() under 2 gloo processes (batch 6 = 2 x 3) ends with the same weights as 1 process."""
     mp.spawn(_train_worker, args=(2, _free_port(), tiny_model_dir, tiny_beir, str(tmp_path)), nprocs=2)
     single = BiEncoder.from_pretrained(str(tiny_model_dir))
-    train(single, make_data(tiny_beir), _config(epochs=1, checkpoint_every=100), tmp_path / "single", CPU)
+    train(single, make_data(tiny_beir), _fp32_config(epochs=1, checkpoint_every=100), tmp_path / "single", CPU)
     torch.testing.assert_close(torch.load(tmp_path / "dist.pt"), _params(single), rtol=1e-4, atol=1e-5)
 
 
-def test_cpu_bf16_detection_reads_the_cpu_flags(tmp_path):
+def test_cpu_bf16_detection_reads_the_cpu_flags(tmp_path, monkeypatch):
     from densepass.device import cpu_has_native_bf16
+
+    monkeypatch.delenv("DENSEPASS_NATIVE_BF16", raising=False)
 
     def cpuinfo(flags):
         path = tmp_path / f"cpuinfo-{len(flags)}"
@@ -258,17 +266,31 @@ def test_cpu_bf16_detection_reads_the_cpu_flags(tmp_path):
     assert not cpu_has_native_bf16(str(tmp_path / "missing"))
 
 
-def test_bf16_is_opt_in_on_cpu_and_warns_without_native_support(monkeypatch):
+def test_cpu_bf16_auto_follows_the_cpu_and_forcing_it_without_native_support_warns(monkeypatch):
     import densepass.device as step
 
     assert step.uses_bf16(torch.device("cuda"), True, False)
     assert not step.uses_bf16(torch.device("cuda"), False, True)
     assert not step.uses_bf16(CPU, True, False)  # GPU's default does not switch CPU runs to bf16
     monkeypatch.setattr(step, "cpu_has_native_bf16", lambda: True)
-    assert step.uses_bf16(CPU, False, True)
+    assert step.uses_bf16(CPU, False, True) and step.uses_bf16(CPU, False, "auto")
+    assert not step.uses_bf16(CPU, True, False)
     monkeypatch.setattr(step, "cpu_has_native_bf16", lambda: False)
+    assert not step.uses_bf16(CPU, True, "auto")
     with pytest.warns(UserWarning, match="no native bfloat16"):
         assert step.uses_bf16(CPU, True, True)
+
+
+def test_native_bf16_detection_can_be_overridden_by_the_environment(monkeypatch):
+    from densepass.device import NATIVE_BF16_ENV, cpu_has_native_bf16
+
+    for value, expected in (("0", False), ("1", True)):
+        monkeypatch.setenv(NATIVE_BF16_ENV, value)
+        assert cpu_has_native_bf16("/nonexistent") is expected
+    monkeypatch.setenv(NATIVE_BF16_ENV, "yes")
+    with pytest.raises(ConfigError, match="must be 0 or 1") as err:
+        cpu_has_native_bf16()
+    assert "\n" not in str(err.value)
 
 
 def test_cpu_bf16_step_autocasts_and_stays_close_to_float32(tiny_model_dir, tiny_beir):
@@ -299,7 +321,7 @@ def test_trainer_passes_the_resolved_precision_to_each_step(tiny_model_dir, tiny
         ),
     )
     data = make_data(tiny_beir)
-    for cpu_bf16 in (False, True):
+    for cpu_bf16 in (False, "auto"):
         train(
             BiEncoder.from_pretrained(str(tiny_model_dir)),
             data,

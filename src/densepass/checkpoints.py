@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from densepass.device import resolved_cpu_bf16
 from densepass.errors import ConfigError, DataWarning
 from densepass.io import atomic_directory, atomic_write_text, manifest_problem, write_manifest
 
@@ -43,8 +44,11 @@ STATE_TENSORS = "state.safetensors"
 
 def training_identity(config: Any) -> dict:
     """The settings of a training config dataclass that change what is trained (every field but the
-    ``BOOKKEEPING`` ones): resuming across a change is refused."""
-    return {k: v for k, v in dataclasses.asdict(config).items() if k not in BOOKKEEPING}
+    ``BOOKKEEPING`` ones, with ``cpu_bf16: auto`` resolved for this CPU): resuming across a change is refused."""
+    identity = {k: v for k, v in dataclasses.asdict(config).items() if k not in BOOKKEEPING}
+    if "cpu_bf16" in identity:
+        identity["cpu_bf16"] = resolved_cpu_bf16(identity["cpu_bf16"])
+    return identity
 
 
 # ---- a tree of tensors and JSON values, stored without pickle ----------------------------------

@@ -403,8 +403,8 @@ def _precision_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> 
         "--precision",
         default=default,
         choices=PRECISIONS,
-        help="encoding precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (bf16 on GPU, "
-        "fp32 on CPU)" + ("" if default else "; default: the config's eval.precision"),
+        help="encoding precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (bf16 on GPU and on a "
+        "CPU with bf16 instructions, else fp32)" + ("" if default else "; default: the config's eval.precision"),
     )
 
 

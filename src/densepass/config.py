@@ -176,7 +176,9 @@ class TrainConfig:
     bidirectional: bool = option(False, "add the passage-to-query loss (negative-contrast eq. 2-3)")
     grad_cache_chunk: int | None = option(None, "gradient caching: sub-batch size (null: off)", min=1)
     bf16: bool = option(True, "bf16 autocast on GPU")
-    cpu_bf16: bool = option(False, "bf16 autocast on CPU too (fast where the CPU has AVX512-BF16 or AMX)")
+    cpu_bf16: bool | Literal["auto"] = option(
+        "auto", "bf16 autocast on CPU: auto (where the CPU has AVX512-BF16 or AMX; else fp32), true or false"
+    )
     checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the mean loss to train_log.jsonl every N steps", min=1)
@@ -225,7 +227,7 @@ class EvalConfig:
     precision: Precision = option(
         "auto",
         "encoding precision of evaluation and of mining (densepass mine): fp32; bf16 (a bfloat16 copy); int8 "
-        "(dynamic quantisation, CPU only); auto: bf16 on GPU, fp32 on CPU",
+        "(dynamic quantisation, CPU only); auto: bf16 on GPU and on a CPU with bf16 instructions, else fp32",
     )
     baselines: list[Literal["bm25", "zero-shot"]] = option(
         help="systems evaluated beside the fine-tuned model", factory=lambda: ["bm25", "zero-shot"]
@@ -334,8 +336,8 @@ class RerankerConfig:
     batch_size: int = option(64, "pairs per forward pass when scoring", min=1)
     precision: Precision = option(
         "auto",
-        "reranking precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (bf16 where the device "
-        "computes it natively: train.bf16 on GPU, a CPU with bf16 instructions or train.cpu_bf16); teacher scores "
+        "reranking precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (the run's training "
+        "precision: bf16 where train.bf16 on GPU or train.cpu_bf16 on the CPU say so, else fp32); teacher scores "
         "for distillation stay auto",
     )
     depth: int = option(100, "first-stage candidates re-scored per query", min=1)
@@ -399,7 +401,9 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
                 return _convert(value, arg, where)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+        if not errors:
+            raise ConfigError(f"{where}: invalid value {value!r}")
+        raise ConfigError(f"{where}: " + " / ".join(e.removeprefix(f"{where}: ") for e in errors))
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")

@@ -1,5 +1,5 @@
-"""Where and in which precision models run: the default device, bf16 autocast (GPU by default, CPU on
-request where it has bfloat16 instructions), the precision encoding runs in (``resolve_precision``),
+"""Where and in which precision models run: the default device, bf16 autocast (by default on GPU and on a CPU
+with bfloat16 instructions), the precision encoding and scoring run in (``resolve_precision``),
 attention kernels, and replayable random states.
 
 Every module that picks a device or a precision asks this one, so a setting means the same thing in
@@ -9,6 +9,7 @@ training, pre-training, encoding and serving.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,9 +73,20 @@ def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+NATIVE_BF16_ENV = "DENSEPASS_NATIVE_BF16"
+"""Set to 0 or 1 to override the detection of ``cpu_has_native_bf16`` (0: every ``auto`` stays fp32 on this CPU,
+e.g. to reproduce a machine without bf16 instructions; 1: trust a CPU whose flags are hidden)."""
+
+
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether the CPU computes bfloat16 in hardware (the ``avx512_bf16`` or ``amx_bf16`` flag), where
-    bf16 autocast speeds training up instead of emulating bf16 in float32 (False where unknown)."""
+    bf16 speeds training and encoding up instead of emulating bf16 in float32 (False where unknown;
+    ``$DENSEPASS_NATIVE_BF16`` overrides it)."""
+    override = os.environ.get(NATIVE_BF16_ENV, "").strip()
+    if override in ("0", "1"):
+        return override == "1"
+    if override:
+        raise ConfigError(f"${NATIVE_BF16_ENV} must be 0 or 1, got {override!r}")
     try:
         flags = Path(cpuinfo).read_text().split()
     except OSError:
@@ -82,32 +94,47 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def uses_bf16(device: torch.device, bf16: bool, cpu_bf16: bool) -> bool:
-    """Whether steps on ``device`` autocast to bfloat16: on GPU when ``bf16`` (the default), on CPU only
-    when ``cpu_bf16`` is asked for, so that CPU results stay float32 unless a run opts in (MiniLM
-    fine-tuning about 2x and pre-training 2-2.4x faster on a CPU with AVX512-BF16: docs/benchmarks.md)."""
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bfloat16 natively: a GPU, or a CPU with bf16 instructions."""
+    return device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
+
+
+def uses_bf16(device: torch.device, bf16: bool, cpu_bf16: bool | str) -> bool:
+    """Whether steps on ``device`` autocast to bfloat16: on GPU when ``bf16`` (the default); on CPU when
+    ``cpu_bf16`` is true, or ``"auto"`` (the default) and the CPU has native bfloat16 (MiniLM fine-tuning about
+    2x and pre-training 2-2.4x faster with AVX512-BF16: docs/benchmarks.md). Forced on a CPU without it, bf16 is
+    emulated, with a warning."""
     if device.type == "cuda":
         return bf16
-    if device.type == "cpu" and cpu_bf16:
-        if not cpu_has_native_bf16():
-            warnings.warn(
-                "cpu_bf16: this CPU has no native bfloat16 (avx512_bf16 / amx_bf16), so bf16 autocast "
-                "is emulated and likely slower than float32",
-                stacklevel=2,
-            )
-        return True
-    return False
+    if device.type != "cpu":
+        return False
+    if cpu_bf16 == "auto":
+        return resolved_cpu_bf16(cpu_bf16)
+    if cpu_bf16 and not cpu_has_native_bf16():
+        warnings.warn(
+            "cpu_bf16: this CPU has no native bfloat16 (avx512_bf16 / amx_bf16), so bf16 autocast "
+            "is emulated and likely slower than float32",
+            stacklevel=2,
+        )
+    return bool(cpu_bf16)
+
+
+def resolved_cpu_bf16(cpu_bf16: bool | str) -> bool:
+    """What a ``cpu_bf16`` setting does on this machine's CPU (``"auto"``: whether it has native bfloat16): part
+    of a run's identity, so that a run started with bf16 autocast never resumes in fp32 on another CPU."""
+    return cpu_has_native_bf16() if cpu_bf16 == "auto" else bool(cpu_bf16)
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """The precision encoding on ``device`` runs in for a ``precision`` setting: ``fp32``, ``bf16`` or ``int8``
-    (``auto``: bf16 on GPU, fp32 on the CPU: bf16 is emulated and several times slower on CPUs without native
-    bfloat16, and on those with it, ask for ``bf16`` by name until its MRR@10 is checked against fp32 there).
-    int8 (dynamic quantisation) runs on the CPU only."""
+    """The precision encoding and scoring on ``device`` run in for a ``precision`` setting: ``fp32``, ``bf16``
+    or ``int8`` (``auto``: bf16 where the device computes it natively, ``native_bf16``: a GPU, or a CPU with
+    AVX512-BF16 / AMX, where MiniLM's bf16 embeddings keep the fp32 ranking (docs/benchmarks.md); else fp32,
+    since bf16 is emulated and several times slower on other CPUs). int8 (dynamic quantisation) runs on the
+    CPU only."""
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
     if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
+        return "bf16" if native_bf16(device) else "fp32"
     if precision == "int8" and device.type != "cpu":
         raise ConfigError(f"precision int8 (dynamic quantisation) runs on the CPU only; use bf16 on {device.type}")
     if precision == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():

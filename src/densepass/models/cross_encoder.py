@@ -10,8 +10,8 @@ as the activation (``predict`` returns the raw logits) and its tokenizer's ``mod
 cross-encoder's truncation length.
 
 Scoring tokenises pairs in large chunks (in a worker thread, ahead of the model) and batches them by
-token length (little padding), in one of three precisions (``scoring_precision``; ``auto`` is bf16 where the
-device computes bfloat16 natively, ``device.uses_bf16``: a GPU, or a CPU with AVX512-BF16 / AMX, else fp32):
+token length (little padding), in one of three precisions (``device.resolve_precision``; ``auto`` is bf16 where
+the device computes bfloat16 natively: a GPU, or a CPU with AVX512-BF16 / AMX, else fp32):
 ``fp32``; ``bf16``, under bf16 autocast; ``int8`` (CPU only), with a copy whose linear layers are dynamically
 quantised (``models.quantize``: int8 weights with a scale per output channel, activations with one scale per
 batch), made once and reused until the weights change. As for the bi-encoder, the feed-forward output
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
-from densepass.device import autocast_context, cpu_has_native_bf16, default_device, resolve_precision, uses_bf16
+from densepass.device import autocast_context, default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory
 from densepass.models.batching import forward_in_pieces, piece_tokens
@@ -50,20 +50,6 @@ from densepass.prefetch import prefetched
 DEFAULT_MAX_LENGTH = 256
 TOKENIZE_CHUNK = 8192  # pairs tokenised per call when scoring
 IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation: keep the raw logits
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` computes bfloat16 natively (a GPU, or a CPU with bf16 instructions): where
-    scoring runs under bf16 autocast by default."""
-    return uses_bf16(device, True, device.type == "cpu" and cpu_has_native_bf16())
-
-
-def scoring_precision(precision: str, device: torch.device) -> str:
-    """The precision a cross-encoder on ``device`` scores in for a ``precision`` setting: ``fp32``, ``bf16`` or
-    ``int8`` (``auto``: bf16 where ``native_bf16``, else fp32); an unknown name, or int8 off the CPU, is a
-    one-line ConfigError (``device.resolve_precision``)."""
-    resolved = resolve_precision(precision, device)
-    return ("bf16" if native_bf16(device) else "fp32") if precision == "auto" else resolved
 
 
 def _logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -138,7 +124,7 @@ class CrossEncoder:
         self.model, self.tokenizer = model.float(), tokenizer
         self.max_length, self.batch_size, self.source = max_length, batch_size, source
         self.device = device or default_device()
-        self.precision = scoring_precision(precision, self.device)  # what score_pairs runs in (module docstring)
+        self.precision = resolve_precision(precision, self.device)  # what score_pairs runs in (module docstring)
         self.model.to(self.device).eval()
         self.new_parameters: set[str] = set()  # names of the parameters ``new`` initialised (a fresh head)
         self._int8: tuple[tuple, torch.nn.Module] | None = None  # (weights_key, quantised copy) for int8 scoring
@@ -215,7 +201,7 @@ class CrossEncoder:
     @torch.inference_mode()
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str], precision: str | None = None) -> np.ndarray:
         """One relevance logit per pair ``(queries[i], passages[i])``, float32, in ``precision`` (None: the
-        scorer's own; else a setting as ``scoring_precision`` reads it).
+        scorer's own; else a setting as ``device.resolve_precision`` reads it).
 
         Pairs are tokenised a chunk at a time in one call (the fast tokenizer's threads share the work),
         in a worker thread one chunk ahead of the model; each chunk is cut into batches of equal token
@@ -223,7 +209,7 @@ class CrossEncoder:
         ``CPU_PIECE_TOKENS``: ``models.batching.forward_in_pieces``)."""
         if len(queries) != len(passages):
             raise ConfigError(f"{len(queries)} queries but {len(passages)} passages")
-        precision = self.precision if precision is None else scoring_precision(precision, self.device)
+        precision = self.precision if precision is None else resolve_precision(precision, self.device)
         was_training = self.model.training
         self.model.eval()
         forward = partial(_logits, self.quantized_model() if precision == "int8" else self.model)

@@ -7,7 +7,7 @@ through pinned memory, and embeddings stay on the device until one copy back at 
 Results are float32 in the original order.
 
 The model runs in one of three precisions (``densepass.device.resolve_precision``; ``auto`` is bf16
-on GPU and fp32 on CPU): ``fp32``; ``bf16``, a bfloat16 copy (weights cast once, pooling
+on GPU and on a CPU with bf16 instructions, else fp32): ``fp32``; ``bf16``, a bfloat16 copy (weights cast once, pooling
 and normalisation in float32; on a CPU as fast as bf16 autocast, without a cast per operation);
 ``int8``, a copy whose linear layers are dynamically quantised (``models.quantize``: int8 weights with a
 scale per output channel, activations with one scale per batch, so a text's int8 embedding depends slightly,
@@ -136,7 +136,7 @@ def encode_texts(
 ) -> np.ndarray:
     """Embeddings [len(texts), dim] as float32, in the order of ``texts``.
 
-    ``precision``: auto, fp32, bf16 or int8 (module docstring; ``auto`` is bf16 on GPU, fp32 on CPU).
+    ``precision``: auto, fp32, bf16 or int8 (module docstring; ``auto``: bf16 where the device has it natively).
     ``max_tokens`` (optional) caps padded tokens per batch, so batches of short texts are larger.
     """
     device = device or default_device()

@@ -19,7 +19,7 @@ import torch
 
 from densepass.config import ExperimentConfig, LossConfig
 from densepass.data.dataset import RetrievalDataset
-from densepass.device import cpu_has_native_bf16, uses_bf16
+from densepass.device import uses_bf16
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import Run
 from densepass.models.cross_encoder import CrossEncoder
@@ -80,11 +80,10 @@ def load_fixed_reranker(config: ExperimentConfig, device: torch.device) -> Cross
 
 
 def automatic_precision(config: ExperimentConfig, device: torch.device) -> str:
-    """What ``reranker.precision: auto`` scores in: bf16 where the device computes bfloat16 natively
-    (``train.bf16`` on GPU; a CPU with bf16 instructions, or ``train.cpu_bf16``), else fp32. Teacher scores for
-    distillation are always computed in it (``pipelines.distillation.teacher_scores``)."""
-    bf16 = uses_bf16(device, config.train.bf16, config.train.cpu_bf16 or cpu_has_native_bf16())
-    return "bf16" if bf16 else "fp32"
+    """What ``reranker.precision: auto`` scores in: the precision the run trains in (bf16 where ``train.bf16`` on
+    a GPU, or ``train.cpu_bf16`` on the CPU, say so: by default where the CPU has bf16 instructions), else fp32.
+    Teacher scores for distillation are always computed in it (``pipelines.distillation.teacher_scores``)."""
+    return "bf16" if uses_bf16(device, config.train.bf16, config.train.cpu_bf16) else "fp32"
 
 
 def scoring_options(config: ExperimentConfig, device: torch.device) -> dict:

@@ -57,7 +57,8 @@ class MaskingConfig:
 
 @dataclass
 class PretrainTrainConfig:
-    """Optimisation: AdamW with linear warm-up/decay, bf16 autocast (GPU; CPU on request), gradient accumulation."""
+    """Optimisation: AdamW with linear warm-up/decay, bf16 autocast (GPU; CPU with bf16 instructions), gradient
+    accumulation."""
 
     max_steps: int = option(1000, "optimiser steps", min=1)
     batch_size: int = option(64, "sequences per step (coCondenser: 2 spans of each of batch_size / 2 documents)", min=1)
@@ -70,7 +71,9 @@ class PretrainTrainConfig:
     warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
     max_grad_norm: float = option(1.0, "gradient clipping norm", above=0)
     bf16: bool = option(True, "bf16 autocast on GPU")
-    cpu_bf16: bool = option(False, "bf16 autocast on CPU too (fast where the CPU has AVX512-BF16 or AMX)")
+    cpu_bf16: bool | Literal["auto"] = option(
+        "auto", "bf16 autocast on CPU: auto (where the CPU has AVX512-BF16 or AMX; else fp32), true or false"
+    )
     checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the loss terms to train_log.jsonl every N steps", min=1)

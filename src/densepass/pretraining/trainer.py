@@ -36,7 +36,7 @@ from transformers import get_linear_schedule_with_warmup
 from densepass.checkpoints import BOOKKEEPING, Checkpoints, restore_rng, trim_log
 from densepass.config import save_config
 from densepass.data import load_dataset
-from densepass.device import RandomState, autocast_context, resolve_device, uses_bf16
+from densepass.device import RandomState, autocast_context, resolve_device, resolved_cpu_bf16, uses_bf16
 from densepass.errors import ConfigError
 from densepass.io import exclusive_lock
 from densepass.pretraining.condenser import Condenser, span_contrastive_loss
@@ -154,6 +154,7 @@ def pretraining_identity(config: PretrainConfig) -> dict:
         identity.pop(key)
     for key in BOOKKEEPING:
         identity["train"].pop(key, None)  # fine-tuning's bookkeeping may name settings pre-training lacks
+    identity["train"]["cpu_bf16"] = resolved_cpu_bf16(config.train.cpu_bf16)  # auto: what this CPU does
     if config.model.mode != "contriever":
         identity.pop("contriever")  # unused, and runs written before the section existed still resume
     return identity
