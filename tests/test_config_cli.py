@@ -229,7 +229,11 @@ def test_cli_evaluate_prints_metrics(tiny_beir, tmp_path, capsys):
     # dev queries are q30..q39 with positives p30..p39; only q30 is answered, at rank 2
     run.write_text("q30 Q0 p0 1 0.9 t\nq30 Q0 p30 2 0.8 t\n")
     assert main(["evaluate", str(tiny_beir), str(run), "--metrics", "mrr@10", "recall@1"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()  # evaluated on q30 alone, as trec_eval, with a one-line warning
+    assert json.loads(printed.out) == pytest.approx({"mrr@10": 1 / 2, "recall@1": 0})
+    assert "warning: the run answers 1 of the 10 queries" in printed.err
+    assert main(["evaluate", str(tiny_beir), str(run), "--metrics", "mrr@10", "recall@1", "--all-queries"]) == 0
+    out = json.loads(capsys.readouterr().out)  # as trec_eval -c: the nine missing queries score zero
     assert out == pytest.approx({"mrr@10": (1 / 2) / 10, "recall@1": 0 / 10})
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from densepass.errors import DataError, DataWarning, DensepassError
 from densepass.evaluation.answers import has_answer, normalize_answer, top_k_accuracy
 from densepass.evaluation.metrics import (
+    answered_qrels,
     evaluate_run,
     make_run,
     paired_significance,
@@ -81,6 +82,22 @@ def test_query_missing_from_run_scores_zero():
     # an empty ranking counts the same as a missing one
     got_empty = evaluate_run(qrels, {"q1": {"a": 1.0}, "q2": {}}, ["mrr@10"])
     assert got_empty["mrr@10"] == pytest.approx((1 + 0) / 2)
+
+
+def test_run_files_are_evaluated_on_the_queries_they_answer_as_trec_eval_does():
+    """A run over a sample of a split (q1 of q1-q3) is evaluated on that sample, with one warning; --all-queries
+    (trec_eval -c) counts the rest as zero; a second run (a comparison) widens the sample to the queries of both."""
+    qrels = {"q1": {"a": 1}, "q2": {"b": 1}, "q3": {"c": 1}}
+    run = {"q1": {"x": 2.0, "a": 1.0}}
+    with pytest.warns(DataWarning, match="answers 1 of the 3 queries"):
+        kept = answered_qrels(qrels, [run])
+    assert kept == {"q1": {"a": 1}} and evaluate_run(kept, run, ["mrr@10"])["mrr@10"] == pytest.approx(1 / 2)
+    assert answered_qrels(qrels, [run], all_queries=True) == qrels
+    assert evaluate_run(qrels, run, ["mrr@10"])["mrr@10"] == pytest.approx(1 / 2 / 3)
+    with pytest.warns(DataWarning, match="answers 2 of the 3"):
+        assert set(answered_qrels(qrels, [run, {"q2": {"b": 1.0}}])) == {"q1", "q2"}
+    with pytest.raises(DataError, match="answers none of the 3 queries"):
+        answered_qrels(qrels, [{"q9": {"a": 1.0}}])
 
 
 def test_queries_without_relevant_passages_are_not_averaged():

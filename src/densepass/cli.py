@@ -239,6 +239,7 @@ def _serve(args: argparse.Namespace) -> None:
 def _evaluate(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
     from densepass.evaluation.metrics import (
+        answered_qrels,
         answered_queries,
         check_metrics,
         evaluate_run,
@@ -255,6 +256,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     run = read_trec_run(args.run, dataset.corpus)
     # a bad baseline file fails before evaluating
     baseline = read_trec_run(args.compare_to, dataset.corpus) if args.compare_to else None
+    qrels = answered_qrels(qrels, [run] + ([baseline] if baseline else []), args.all_queries)
     passages = dict(zip(dataset.corpus.ids, dataset.corpus.texts)) if accuracy_ks else None
     result = evaluate_run(qrels, run, args.metrics, dataset.answers, passages)
     if baseline is not None:
@@ -569,6 +571,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare-to",
         metavar="BASELINE_RUN",
         help="also evaluate this run and test the difference (paired Fisher randomization test)",
+    )
+    evaluate.add_argument(
+        "--all-queries",
+        action="store_true",
+        help="evaluate every query of the split, one missing from the runs scoring zero (trec_eval -c); default: "
+        "the queries the runs answer, as trec_eval",
     )
     evaluate.set_defaults(func=_evaluate)
 

@@ -107,6 +107,26 @@ def _ranx_inputs(qrels: Qrels, run: Run):
     return RanxQrels(judged), RanxRun(full_run)
 
 
+def answered_qrels(qrels: Qrels, runs: Sequence[Run], all_queries: bool = False) -> Qrels:
+    """The qrels that TREC run files are evaluated on: as trec_eval does, those of the queries the runs answer
+    (a DataWarning says how many judged queries they leave out, e.g. a run over a sample of a split), or with
+    ``all_queries`` (trec_eval's -c) every judged query, a missing one scoring zero. Runs that answer no query
+    of the qrels are a DataError (a run of another split or dataset)."""
+    answered = set().union(*runs)
+    kept = {q: rels for q, rels in qrels.items() if q in answered}
+    if not kept:
+        raise DataError(f"the run answers none of the {len(qrels):,} queries of the qrels (another split or dataset?)")
+    if all_queries or len(kept) == len(qrels):
+        return qrels
+    warnings.warn(
+        f"the run answers {len(kept):,} of the {len(qrels):,} queries of the qrels: evaluated on those "
+        "(as trec_eval; --all-queries counts the others as zero, as trec_eval -c)",
+        DataWarning,
+        stacklevel=2,
+    )
+    return kept
+
+
 def evaluate_run(
     qrels: Qrels,
     run: Run,
