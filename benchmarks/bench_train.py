@@ -13,7 +13,8 @@ clock starts after ``--warmup`` steps and stops after ``--steps`` more (the devi
 both ends), so model loading, dataset preparation and the final checkpoint are excluded. Tokenisation
 is inside the steps for both (sentence-transformers tokenises in its collator; densepass one step
 ahead in a worker thread). sentence-transformers has one max_seq_length, set to the passage length;
-queries are shorter than --query-max-length anyway (printed below).
+queries are shorter than --query-max-length anyway (printed below). ``--profile`` prints, instead of the
+comparison, where densepass's step time goes (``torch.profiler``, ops by self CPU time).
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ def run_densepass(path, data, args, device, grad_cache_chunk):
     with tempfile.TemporaryDirectory() as tmp:
         _, peak = peak_memory(device, lambda: train(model, data, train_config, Path(tmp), device, on_step_end=clock))
     return clock.seconds, peak
+
+
+def profile_densepass(path, data, args, device, rows: int = 15) -> None:
+    """densepass's warm-up and timed steps under ``torch.profiler``: the ``rows`` ops with the most self CPU time
+    (where a step's time goes: matrix products, dropout's random masks, copies, ...)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run_densepass(path, data, args, device, None)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40))
 
 
 def run_sentence_transformers(path, triplets, args, device, bf16):
@@ -133,6 +145,11 @@ def main() -> None:
         action="store_true",
         help="bf16 autocast on CPU too (both systems; fast where the CPU has AVX512-BF16/AMX)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the comparison: densepass's steps under torch.profiler, the ops by self CPU time",
+    )
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
     device = pick_device(args.device)
@@ -179,6 +196,9 @@ def main() -> None:
         f"{np.mean(np.array(query_lengths) > args.query_max_length):.2%} above {args.query_max_length}\n"
     )
 
+    if args.profile:
+        profile_densepass(path, data, args, device)
+        return
     results = []
 
     def record(system: str, seconds: float, peak: float | None) -> None:

@@ -498,6 +498,8 @@ def test_cli_prints_each_warning_as_one_line(tiny_beir, tmp_path, capsys):
             f"densepass: warning: {run}: 1 of 1 queries have tied scores (first: query 'q30'); "
             "their ties are ordered by the rank column"
         ),
+        "densepass: warning: the run answers 1 of the 10 queries of the qrels: evaluated on those (as trec_eval; "
+        "--all-queries counts the others as zero, as trec_eval -c)",
     ]
     assert warnings.showwarning is not None and warnings.showwarning.__module__ == "warnings"  # restored
 
