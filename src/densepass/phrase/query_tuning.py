@@ -29,6 +29,7 @@ from transformers import get_linear_schedule_with_warmup
 from densepass.checkpoints import Checkpoints, trim_log
 from densepass.data.squad import SquadSpans
 from densepass.errors import ConfigError
+from densepass.models.dropout import use_cpu_dropout
 from densepass.phrase.batches import PhraseExample
 from densepass.phrase.config import QueryTuningConfig
 from densepass.phrase.index import PhraseIndex
@@ -82,7 +83,7 @@ def tune_question_encoder(
         raise ConfigError("no training question has its gold phrase in the index")
     seed_everything(config.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model.to(device).train()
+    use_cpu_dropout(model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
     for module in model.phrase_modules():
         module.eval()
         module.requires_grad_(False)

@@ -39,6 +39,7 @@ from densepass.data import load_dataset
 from densepass.device import RandomState, autocast_context, resolve_device, resolved_cpu_bf16, uses_bf16
 from densepass.errors import ConfigError
 from densepass.io import exclusive_lock
+from densepass.models.dropout import use_cpu_dropout
 from densepass.pretraining.condenser import Condenser, span_contrastive_loss
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.contriever import Contriever, contriever_forward_backward
@@ -210,7 +211,7 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
     positions = (model.backbone_config if contriever else model.backbone.config).max_position_embeddings
     if positions < t.max_length:
         raise ConfigError(f"train.max_length {t.max_length} exceeds the model's {positions} positions")
-    model.to(device).train()
+    use_cpu_dropout(model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
     bf16 = uses_bf16(device, t.bf16, t.cpu_bf16)
     trainable = model.trainable_parameters() if contriever else list(model.parameters())
     optimizer = torch.optim.AdamW(

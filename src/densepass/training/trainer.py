@@ -27,6 +27,7 @@ from densepass.checkpoints import Checkpoints, restore_rng, training_identity, t
 from densepass.config import TrainConfig
 from densepass.device import uses_bf16
 from densepass.models.biencoder import BiEncoder
+from densepass.models.dropout import use_cpu_dropout
 from densepass.models.token_cache import cached_tokenizer
 from densepass.prefetch import prefetched
 from densepass.scheduling.baselines import random_batches
@@ -123,7 +124,7 @@ def train(
     planner = planner or RandomPlanner(len(data), config.batch_size, config.seed)
     steps_per_epoch = planner.steps_per_epoch
     total = planned_steps(steps_per_epoch, config)
-    model.to(device).train()
+    use_cpu_dropout(model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
     objective.to(device)
     trainable = [*model.parameters(), *objective.parameters()]  # an objective may train a head of its own
     optimizer = torch.optim.AdamW(
