@@ -138,6 +138,22 @@ def test_the_cached_low_precision_copy_follows_the_model_weights(tiny_model_dir)
     assert mean_cosine(encode(model, TEXTS, "int8"), truth) >= 0.95
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_the_cached_copy_follows_a_fused_optimiser_step(tiny_model_dir, precision):
+    """Fused AdamW updates parameters in place without bumping their version counters; the copy still
+    follows (weights_key samples the values): ABS scheduling encodes with the model between training steps."""
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    first = inference_runner(model, precision, CPU)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    versions = [p._version for p in model.parameters()]
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert [p._version for p in model.parameters()] == versions  # what makes the sample necessary
+    assert inference_runner(model, precision, CPU) is not first
+    assert inference_runner(model, precision, CPU) is inference_runner(model, precision, CPU)
+
+
 def test_densepass_index_and_search_encode_in_the_precision_asked_for(tiny_beir, tiny_model_dir, tmp_path, capsys):
     """An int8 index holds the int8 embeddings of its passages; search encodes its queries in the precision
     given; --precision on a BM25 index is a one-line error."""

@@ -13,6 +13,7 @@ measurements are in ``models.cross_encoder``). A quantised copy is worth making 
 from __future__ import annotations
 
 import copy
+import hashlib
 import warnings
 from collections.abc import Callable
 
@@ -24,10 +25,18 @@ def feed_forward_output(name: str) -> bool:
     return name.endswith("output.dense") and not name.endswith("attention.output.dense")
 
 
+KEY_SAMPLE = 64  # values per parameter in ``weights_key``'s sample
+
+
 def weights_key(module: torch.nn.Module) -> tuple:
-    """What identifies ``module``'s current weights: each parameter's storage and version counter (an
-    optimiser step, ``load_state_dict`` or any in-place change makes a new key)."""
-    return tuple((p.data_ptr(), p._version) for p in module.parameters())
+    """What identifies ``module``'s current weights: each parameter's storage and version counter (an in-place
+    change, ``load_state_dict`` or a plain optimiser step makes a new key) and a strided sample of about
+    ``KEY_SAMPLE`` of its values, for the in-place updates that leave the version counter as it was (fused
+    optimiser kernels: ``torch.optim.AdamW(fused=True)``, the trainers' optimiser, and Hugging Face's default)."""
+    params = list(module.parameters())
+    sample = torch.cat([p.detach().reshape(-1)[:: max(1, p.numel() // KEY_SAMPLE)].float() for p in params])
+    digest = hashlib.blake2b(sample.cpu().numpy().tobytes(), digest_size=16).hexdigest()
+    return (*((p.data_ptr(), p._version) for p in params), digest)
 
 
 def quantized_linear_copy(

@@ -90,7 +90,7 @@ def tune_question_encoder(
     parameters = [p for m in model.question_modules() for p in m.parameters()]
     steps_per_epoch = -(-len(examples) // config.batch_size)
     total = steps_per_epoch * config.epochs
-    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate)
+    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, fused=True)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
     identity = {"query_tuning": {k: v for k, v in asdict(config).items() if k != "checkpoint_every"}}
     checkpoints = Checkpoints(run_dir, 1, identity)

@@ -222,7 +222,9 @@ def train_phrases(
         if config.max_steps is None
         else min(steps_per_epoch * config.epochs, config.max_steps)
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, fused=True
+    )
     scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
     memory = PrebatchMemory(config.prebatch)
     checkpoints = Checkpoints(

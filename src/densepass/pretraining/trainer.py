@@ -214,9 +214,7 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
     use_cpu_dropout(model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
     bf16 = uses_bf16(device, t.bf16, t.cpu_bf16)
     trainable = model.trainable_parameters() if contriever else list(model.parameters())
-    optimizer = torch.optim.AdamW(
-        trainable, lr=t.learning_rate, weight_decay=t.weight_decay, fused=device.type == "cuda"
-    )
+    optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=t.weight_decay, fused=True)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(t.warmup_ratio * t.max_steps), t.max_steps)
     log_path = run_dir / LOG_NAME
     checkpoints = Checkpoints(run_dir, t.keep_checkpoints, pretraining_identity(config))

@@ -83,10 +83,7 @@ def train_cross_encoder(
     total = planned_steps(steps_per_epoch, config)
     net = use_cpu_dropout(model.model.to(device).train(), device)  # on the CPU, faster masks (models.dropout)
     optimizer = torch.optim.AdamW(
-        parameter_groups(model, config),
-        lr=config.learning_rate,
-        weight_decay=config.weight_decay,
-        fused=device.type == "cuda",
+        parameter_groups(model, config), lr=config.learning_rate, weight_decay=config.weight_decay, fused=True
     )
     scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
     checkpoints = Checkpoints(

@@ -127,9 +127,7 @@ def train(
     use_cpu_dropout(model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
     objective.to(device)
     trainable = [*model.parameters(), *objective.parameters()]  # an objective may train a head of its own
-    optimizer = torch.optim.AdamW(
-        trainable, lr=config.learning_rate, weight_decay=config.weight_decay, fused=device.type == "cuda"
-    )
+    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay, fused=True)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
     checkpoints = checkpoints_of(run_dir, config, identity)
     log_path = run_dir / "train_log.jsonl"
