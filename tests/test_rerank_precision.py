@@ -15,7 +15,7 @@ from scipy.stats import spearmanr
 from densepass.config import RerankerConfig, explain, load_config
 from densepass.device import resolve_precision
 from densepass.errors import ConfigError
-from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.cross_encoder import CrossEncoder, fp32_logit_layer
 
 CPU = torch.device("cpu")
 QUERIES = ["audio editor", "kernel driver for printers", "python library for http", "fonts for maths", "mail server"]
@@ -186,3 +186,22 @@ def test_score_agreement_matches_a_query_by_query_count():
     assert got["reference_std"] == pytest.approx(reference.std())
     with pytest.raises(DataError, match="multiple of per_query"):
         score_agreement(scores.ravel()[:-1], reference.ravel()[:-1], per_query=12)
+
+
+def test_bf16_scores_keep_a_float32_logit_layer(tiny):
+    """Under bf16 autocast the encoder runs in bf16 but the one-logit layer in float32, so close candidates
+    do not tie: the scores are not rounded to bf16, and equal that layer applied in float32 to its input."""
+    seen = {}
+    head = tiny.model.classifier
+    handle = head.register_forward_pre_hook(lambda module, args: seen.update(x=args[0].detach().clone()))
+    try:
+        scores = tiny.score_pairs(PAIR_QUERIES, PAIR_PASSAGES, precision="bf16")
+    finally:
+        handle.remove()
+    assert seen["x"].dtype == torch.bfloat16  # the layers before it did run in bf16
+    as_bf16 = torch.from_numpy(scores).bfloat16().float().numpy()
+    assert (as_bf16 != scores).mean() > 0.5, "bf16 scores were rounded to bf16"
+    with torch.no_grad():
+        last = torch.nn.functional.linear(seen["x"].float(), head.weight, head.bias).squeeze(-1)
+    assert set(np.round(last.numpy(), 5)) <= set(np.round(scores, 5))  # the last batch's pairs, in fp32
+    assert fp32_logit_layer(tiny.model) is tiny.model and len(head._forward_hooks) == 1  # applied once

@@ -12,15 +12,18 @@ cross-encoder's truncation length.
 Scoring tokenises pairs in large chunks (in a worker thread, ahead of the model) and batches them by
 token length (little padding), in one of three precisions (``device.resolve_precision``; ``auto`` is bf16 where
 the device computes bfloat16 natively: a GPU, or a CPU with AVX512-BF16 / AMX, else fp32):
-``fp32``; ``bf16``, under bf16 autocast; ``int8`` (CPU only), with a copy whose linear layers are dynamically
-quantised (``models.quantize``: int8 weights with a scale per output channel, activations with one scale per
-batch), made once and reused until the weights change. As for the bi-encoder, the feed-forward output
-projections stay float32: quantising them too moves scores further from fp32 (``experiments/rerank_int8.py``,
-docs/experiments.md: a MiniLM cross-encoder trained on debian-packages, 100 dev queries x 20 candidates, mean
-Spearman per query to fp32 0.90 with them quantised, 0.94 without, mean absolute difference 0.60 and 0.33 for
-a score spread (std) of 3.1; MiniLM with a new head, 40 x 20: 0.84 and 0.90). int8 scores are close to fp32
-but not equal, so near-ties swap: the top candidate stayed first in 83% of those queries, and MRR@10 was 0.721
-against fp32's 0.743 (paired randomization p = 0.20; 100 queries do not settle whether int8 costs MRR).
+``fp32``; ``bf16``, under bf16 autocast, with the one-logit output layer kept in float32 (``fp32_logit_layer``: a
+bf16 logit has 8 significant bits, so candidates with close scores tie: with a bf16 output layer, 393 and 381 of 500
+SQuAD dev questions had ties in their reranked BM25 and bi-encoder top 20, docs/experiments.md); ``int8`` (CPU
+only), with a copy whose linear layers are dynamically quantised (``models.quantize``: int8 weights with a scale per
+output channel, activations with one scale per batch), made once and reused until the weights change. As for the bi-
+encoder, the feed-forward output projections stay float32: quantising them too moves scores further from fp32
+(``experiments/rerank_int8.py``, docs/experiments.md: a MiniLM cross-encoder trained on debian-packages, 100 dev
+queries x 20 candidates, mean Spearman per query to fp32 0.90 with them quantised, 0.94 without, mean absolute
+difference 0.60 and 0.33 for a score spread (std) of 3.1; MiniLM with a new head, 40 x 20: 0.84 and 0.90). int8
+scores are close to fp32 but not equal, so near-ties swap: the top candidate stayed first in 83% of those queries,
+and MRR@10 was 0.721 against fp32's 0.743 (paired randomization p = 0.20; 100 queries do not settle whether int8
+costs MRR).
 ``benchmarks/bench_rerank.py --precision int8`` measures the agreement on its pairs with the timings.
 
 >>> from densepass.models.cross_encoder import CrossEncoder
@@ -55,6 +58,28 @@ IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activati
 def _logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
     """One float32 logit per tokenised pair of a one-logit sequence-classification model."""
     return model(**tokens).logits.float().squeeze(-1)
+
+
+def _fp32_linear(module: torch.nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook: the layer's output recomputed in float32 (outside autocast) from its input, where it ran in
+    lower precision (under autocast; an int8 copy's quantised layer computes in float32 already)."""
+    if output.dtype == torch.float32:
+        return output
+    with torch.autocast(output.device.type, enabled=False):
+        bias = None if module.bias is None else module.bias.float()
+        return torch.nn.functional.linear(args[0].float(), module.weight.float(), bias)
+
+
+def fp32_logit_layer(model: torch.nn.Module) -> torch.nn.Module:
+    """Make the output layer of a one-logit sequence-classification model (the ``Linear`` outside the base model
+    with one output) compute in float32 under autocast too; nothing saved changes. Returns ``model``."""
+    base = getattr(model, model.base_model_prefix, None)
+    inside = {id(m) for m in base.modules()} if base is not None else set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.out_features == 1 and id(module) not in inside:
+            if _fp32_linear not in module._forward_hooks.values():
+                module.register_forward_hook(_fp32_linear)
+    return model
 
 
 def _load(path: str, name: str, **kwargs):
@@ -121,7 +146,7 @@ class CrossEncoder:
             )
         if max_length > limit:
             raise ConfigError(f"cross-encoder max_length {max_length} exceeds the model's {limit} positions")
-        self.model, self.tokenizer = model.float(), tokenizer
+        self.model, self.tokenizer = fp32_logit_layer(model.float()), tokenizer
         self.max_length, self.batch_size, self.source = max_length, batch_size, source
         self.device = device or default_device()
         self.precision = resolve_precision(precision, self.device)  # what score_pairs runs in (module docstring)
