@@ -20,13 +20,15 @@
 4. **ColBERT search**: the centroid-pruned ``ColbertIndex`` against a straightforward exact MaxSim over all
    token vectors (``exhaustive=True``) on the same index, queries per second and recall of the exact top 10.
 
-Both sides run in float32 on CPU and under bf16 autocast on GPU.
+Both sides run in float32 on CPU (training under bf16 autocast with ``--cpu-bf16``, on both sides) and under
+bf16 autocast on GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -101,7 +103,7 @@ def pylate_part(args) -> None:
         return
     payload = json.loads(Path(args.pylate_part).read_text())
     device = pick_device(args.device)
-    bf16 = device.type == "cuda"
+    bf16 = device.type == "cuda" or args.cpu_bf16
     model = models.ColBERT(
         payload["model"],
         device=str(device),
@@ -136,6 +138,7 @@ def densepass_train_seconds(model, data, args, device, objective) -> float:
         learning_rate=args.learning_rate,
         warmup_ratio=0.1,
         bf16=True,
+        cpu_bf16=args.cpu_bf16,
         checkpoint_every=10**9,
         log_every=10**9,
         seed=13,
@@ -204,6 +207,7 @@ def main() -> None:
     parser.add_argument("--pylate-part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tiny", action="store_true", help="smoke test: a tiny random BERT instead of the model")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--cpu-bf16", action="store_true", help="train under bf16 autocast on the CPU (both sides)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.pylate_part:
@@ -220,7 +224,7 @@ def main() -> None:
     from densepass.training.splade import SpladeObjective
 
     device = pick_device(args.device)
-    bf16 = device.type == "cuda"
+    bf16 = device.type == "cuda" or args.cpu_bf16
     env = environment(device)
     print(f"device: {env['device']}; torch {env['torch']}, sentence-transformers {env['sentence_transformers']}")
     work = Path(tempfile.mkdtemp(prefix="bench-sparse-late-"))
@@ -260,6 +264,8 @@ def main() -> None:
     encode = lambda: splade.encode_passages(passages, args.encode_batch_size, device=device)  # noqa: E731
     encode()  # warm-up
     record("SPLADE encode", "densepass", timed(device, encode), len(passages), "passages")
+    st = SparseEncoder(str(start), device=str(device))  # the same starting weights as densepass encodes
+    st.max_seq_length = args.passage_max_length
     st.eval()
     st_encode = lambda: st.encode_document(passages, batch_size=args.encode_batch_size)  # noqa: E731
     st_encode()
@@ -317,7 +323,7 @@ def main() -> None:
     print(
         f"\nbatch {args.batch_size} + 1 BM25 negative each, {args.steps} timed steps after {args.warmup}, "
         f"query {args.query_max_length} / passage {args.passage_max_length} tokens, {len(passages)} passages, "
-        f"{'bf16 autocast' if bf16 else 'fp32'}"
+        f"{'bf16 autocast (training; encoding too on GPU)' if bf16 else 'fp32'}"
     )
     print(markdown_table(["part", "system", "seconds", "rate", "unit", "note"], rows))
     write_json(
@@ -338,7 +344,8 @@ def run_pylate(args, path: str, triplets: dict, passages: list[str], work: Path)
         return {"error": "not run: no --pylate-python (PyLate needs its own environment)"}
     payload = work / "pylate-input.json"
     payload.write_text(json.dumps({"model": path, "triplets": triplets, "passages": passages}))
-    command = [args.pylate_python, __file__, "--pylate-part", str(payload)]
+    # absolute, not resolved: the subprocess runs elsewhere, and a venv's python is a symlink to keep as it is
+    command = [os.path.abspath(args.pylate_python), __file__, "--pylate-part", str(payload)]
     for flag in (
         "batch_size",
         "steps",
@@ -351,6 +358,8 @@ def run_pylate(args, path: str, triplets: dict, passages: list[str], work: Path)
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.device:
         command += ["--device", args.device]
+    if args.cpu_bf16:
+        command += ["--cpu-bf16"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parent)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:

@@ -25,7 +25,7 @@ from densepass.index.splade import SpladeIndex
 from densepass.losses.flops import flops, quadratic_warmup
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT, ColbertReranker, maxsim
-from densepass.models.splade import SpladeEncoder, splade_weights
+from densepass.models.splade import CPU_ENCODE_PIECE_TOKENS, SpladeEncoder, splade_weights
 from densepass.pipelines.experiment import run_experiment
 from densepass.training.splade import SpladeObjective
 from densepass.training.step import BatchTensors, forward_backward
@@ -157,6 +157,18 @@ def test_saved_splade_loads_in_sentence_transformers_with_the_same_weights(splad
 
 
 # ---- indexes ---------------------------------------------------------------------------------------------
+
+
+def test_splade_encoding_in_pieces_equals_one_forward_of_the_batch(splade):
+    """On the CPU a batch is encoded in pieces of CPU_ENCODE_PIECE_TOKENS tokens: the same weights as one
+    forward over the padded batch, in the order of the texts."""
+    batch = texts(80, seed=3)
+    encoded = splade.encode(batch, "passage", batch_size=80, device=CPU).toarray()
+    with torch.inference_mode():
+        tokens = splade.tokenize(batch, "passage")
+        assert tokens["attention_mask"].numel() > 2 * CPU_ENCODE_PIECE_TOKENS  # three pieces or more
+        whole = splade(tokens["input_ids"], tokens["attention_mask"], "passage").numpy()
+    np.testing.assert_allclose(encoded, whole, rtol=1e-4, atol=1e-5)
 
 
 def test_sparse_search_returns_the_scores_of_the_dense_computation(splade):

@@ -43,7 +43,7 @@ from densepass.data.dataset import Corpus
 from densepass.device import autocast_context, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
-from densepass.models.batching import length_sorted_batches, tokenize
+from densepass.models.batching import forward_in_pieces, length_sorted_batches, tokenize
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.kinds import CONFIG_FILES, saved_architecture
 
@@ -57,6 +57,14 @@ class SpladeArchitecture:
     query_max_length: int = option(32, "queries are cut to this many tokens", min=1)
     passage_max_length: int = option(128, "passages are cut to this many tokens", min=1)
     temperature: float = option(1.0, "softmax temperature of the contrastive loss", above=0)
+
+
+CPU_ENCODE_PIECE_TOKENS = 256
+"""Tokens per piece of an encoding forward pass on the CPU (``models.batching.forward_in_pieces``). Fewer than
+the bi-encoder's 2,048: every token has vocabulary-sized logits (30,522 floats = 122 KB for BERT), and 256
+tokens keep them at 31 MB, under glibc's mmap threshold. 400 debian-packages passages, 128 tokens, batch 64,
+fp32 on 2 cores: 23.7 passages/s whole, 28.1 in pieces of 2,048, 30.3 in pieces of 256 (timed ad hoc with
+``encode``; ``benchmarks/bench_sparse_late.py`` compares the result with sentence-transformers)."""
 
 
 def splade_weights(logits: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -143,11 +151,15 @@ class SpladeEncoder(nn.Module):
         was_training = self.training
         self.to(device).eval()
         parts, placed = [], []
+
+        def forward(tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self(tokens["input_ids"], tokens["attention_mask"], side)
+
         progress = tqdm(total=len(texts), desc=f"encode {side}s", disable=not show_progress, dynamic_ncols=True)
         with torch.inference_mode(), autocast_context(device, device.type == "cuda"):
             for rows in length_sorted_batches(texts, batch_size):
-                tokens = self.tokenize([texts[r] for r in rows], side)
-                weights = self(tokens["input_ids"].to(device), tokens["attention_mask"].to(device), side)
+                tokens = {k: v.to(device) for k, v in self.tokenize([texts[r] for r in rows], side).items()}
+                weights = forward_in_pieces(forward, tokens, CPU_ENCODE_PIECE_TOKENS if device.type == "cpu" else None)
                 if top_terms is not None and top_terms < weights.shape[1]:
                     values, columns = weights.topk(top_terms, dim=1)
                     weights = torch.zeros_like(weights).scatter_(1, columns, values)
