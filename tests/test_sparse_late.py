@@ -23,6 +23,7 @@ from densepass.index.base import load_index
 from densepass.index.colbert import ColbertIndex, pack_bits, unpack_bits
 from densepass.index.splade import SpladeIndex
 from densepass.losses.flops import flops, quadratic_warmup
+from densepass.models.batching import CPU_PIECE_TOKENS
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT, ColbertReranker, maxsim
 from densepass.models.splade import CPU_ENCODE_PIECE_TOKENS, SpladeEncoder, splade_weights
@@ -169,6 +170,20 @@ def test_splade_encoding_in_pieces_equals_one_forward_of_the_batch(splade):
         assert tokens["attention_mask"].numel() > 2 * CPU_ENCODE_PIECE_TOKENS  # three pieces or more
         whole = splade(tokens["input_ids"], tokens["attention_mask"], "passage").numpy()
     np.testing.assert_allclose(encoded, whole, rtol=1e-4, atol=1e-5)
+
+
+def test_colbert_passages_encoded_in_pieces_equal_one_forward_of_the_batch(colbert):
+    """On the CPU passages are encoded (and trained) in pieces of 2,048 tokens, padded back to their fixed
+    width: the same token vectors as one forward over the padded batch."""
+    batch = texts(600, seed=4)
+    encoded = colbert.encode(batch, "passage", batch_size=600, device=CPU)
+    with torch.inference_mode():
+        tokens = colbert.tokenize(batch, "passage")
+        assert tokens["attention_mask"].numel() > 2 * CPU_PIECE_TOKENS  # three pieces or more
+        whole = colbert(tokens["input_ids"], tokens["attention_mask"], "passage").numpy()
+    for i, vectors in enumerate(encoded):
+        present = np.abs(whole[i]).sum(-1) > 0
+        np.testing.assert_allclose(vectors, whole[i][present], rtol=1e-4, atol=1e-5)
 
 
 def test_sparse_search_returns_the_scores_of_the_dense_computation(splade):

@@ -37,7 +37,7 @@ from densepass.data.dataset import Corpus
 from densepass.device import autocast_context, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
-from densepass.models.batching import length_sorted_batches, tokenize
+from densepass.models.batching import forward_in_pieces, length_sorted_batches, piece_tokens, tokenize
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.kinds import CONFIG_FILES, saved_architecture
 
@@ -161,11 +161,18 @@ class ColBERT(nn.Module):
         was_training = self.training
         self.to(device).eval()
         out: list[np.ndarray | None] = [None] * len(texts)
+
+        def forward(tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self(tokens["input_ids"], tokens["attention_mask"], side)
+
+        # passages in pieces on the CPU (as the bi-encoder); a query keeps every position, its [MASK] padding too
+        pieces = piece_tokens(device) if side == "passage" else None
+
         progress = tqdm(total=len(texts), desc=f"encode {side}s", disable=not show_progress, dynamic_ncols=True)
         with torch.inference_mode(), autocast_context(device, device.type == "cuda"):
             for rows in length_sorted_batches(texts, batch_size):
-                tokens = self.tokenize([texts[r] for r in rows], side)
-                vectors = self(tokens["input_ids"].to(device), tokens["attention_mask"].to(device), side).float()
+                tokens = {k: v.to(device) for k, v in self.tokenize([texts[r] for r in rows], side).items()}
+                vectors = forward_in_pieces(forward, tokens, pieces).float()
                 present = (vectors.abs().sum(-1) > 0).cpu().numpy()
                 vectors = vectors.cpu().numpy()
                 for i, r in enumerate(rows):

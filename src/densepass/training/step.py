@@ -26,15 +26,15 @@ from densepass.training.objectives import Contrastive, Objective
 
 
 def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autocast) -> torch.Tensor:
-    """The representations of one side (float32). Pooled encoders (one vector per text: bi-encoder,
-    SPLADE) run in length-sorted pieces on the CPU (``forward_in_pieces``); ColBERT's per-token output
-    keeps its fixed width, so it runs whole."""
+    """The representations of one side (float32), in length-sorted pieces on the CPU (``forward_in_pieces``):
+    pooled encoders (one vector per text: bi-encoder, SPLADE) and ColBERT's passages (padded back to their fixed
+    width); ColBERT's queries run whole, since every position of a query counts, its [MASK] padding too."""
 
     def run(piece: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(piece["input_ids"], piece["attention_mask"], side=side).float()
 
     with autocast():
-        if isinstance(model, BiEncoder | SpladeEncoder):
+        if isinstance(model, BiEncoder | SpladeEncoder) or side == "passage":
             return forward_in_pieces(run, tokens, piece_tokens(tokens["input_ids"].device))
         return run(tokens)
 
