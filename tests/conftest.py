@@ -19,24 +19,31 @@ transformers.logging.set_verbosity_error()
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def save_tiny_bert(path: Path, seed: int = 0, dropout: float = 0.0) -> Path:
-    """Save a 2-layer, 32-dim random BERT (weights drawn under torch seed ``seed``, dropout ``dropout``) with
-    the all-MiniLM-L6-v2 tokenizer in ``path``."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
+def tiny_bert_config(vocab_size: int, dropout: float = 0.0, attention_dropout: float | None = None):
+    """A 2-layer, 32-dim BERT config; ``attention_dropout`` defaults to ``dropout``."""
+    from transformers import BertConfig
 
-    from densepass.models.biencoder import resolve_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size,
+    return BertConfig(
+        vocab_size=vocab_size,
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=128,
         hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout if attention_dropout is None else attention_dropout,
     )
+
+
+def save_tiny_bert(path: Path, seed: int = 0, dropout: float = 0.0) -> Path:
+    """Save a 2-layer, 32-dim random BERT (weights drawn under torch seed ``seed``, dropout ``dropout``) with
+    the all-MiniLM-L6-v2 tokenizer in ``path``."""
+    from transformers import AutoTokenizer, BertModel
+
+    from densepass.models.biencoder import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    config = tiny_bert_config(tokenizer.vocab_size, dropout)
     torch.manual_seed(seed)
     BertModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

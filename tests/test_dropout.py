@@ -8,9 +8,10 @@ import json
 
 import pytest
 import torch
-from transformers import BertConfig, BertModel
+from transformers import BertModel
 
 import densepass.models.dropout as dropout_module
+from conftest import tiny_bert_config
 from densepass.device import RandomState
 from densepass.models.dropout import ATTENTION, BITS, CpuDropout, cpu_dropout_, dropout_mask, use_cpu_dropout
 
@@ -65,16 +66,7 @@ def test_masks_follow_torch_seed_and_replay_under_a_random_state():
 
 def _tiny_bert(attention_dropout: float, hidden_dropout: float) -> BertModel:
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        attention_probs_dropout_prob=attention_dropout,
-        hidden_dropout_prob=hidden_dropout,
-    )
-    return BertModel(config, add_pooling_layer=False)
+    return BertModel(tiny_bert_config(100, hidden_dropout, attention_dropout), add_pooling_layer=False)
 
 
 IDS = torch.tensor([[2, 10, 11, 12, 3, 0, 0], [2, 20, 21, 22, 23, 24, 3]])
