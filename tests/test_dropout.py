@@ -13,7 +13,7 @@ from transformers import BertModel
 import densepass.models.dropout as dropout_module
 from conftest import tiny_bert_config
 from densepass.device import RandomState
-from densepass.models.dropout import ATTENTION, BITS, CpuDropout, cpu_dropout_, dropout_mask, use_cpu_dropout
+from densepass.models.dropout import ATTENTION, BITS, CpuDropout, cpu_dropout, dropout_mask, use_cpu_dropout
 
 CPU = torch.device("cpu")
 
@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 def test_each_element_is_dropped_with_probability_p_and_kept_ones_keep_the_expectation(p):
     torch.manual_seed(0)
     n = 1_000_000
-    out = cpu_dropout_(torch.ones(n), p)
+    out = cpu_dropout(torch.ones(n), p)
     dropped = float((out == 0).float().mean())
     assert abs(dropped - p) < 5 * (p * (1 - p) / n) ** 0.5  # five standard deviations
     threshold = round((1 - p) * 2**BITS)
@@ -33,15 +33,15 @@ def test_each_element_is_dropped_with_probability_p_and_kept_ones_keep_the_expec
 
 def test_no_dropout_when_not_training_with_p_zero_and_an_empty_tensor():
     x = torch.randn(100)
-    assert torch.equal(cpu_dropout_(x, 0.5, training=False), x)
-    assert torch.equal(cpu_dropout_(x, 0.0), x)
-    assert cpu_dropout_(torch.ones(0), 0.5).shape == (0,)
+    assert torch.equal(cpu_dropout(x, 0.5, training=False), x)
+    assert torch.equal(cpu_dropout(x, 0.0), x)
+    assert cpu_dropout(torch.ones(0), 0.5).shape == (0,)
 
 
 def test_the_gradient_goes_through_the_forward_mask():
     torch.manual_seed(1)
     x = (torch.rand(4, 50) + 0.5).requires_grad_()  # no zero inputs: a zero output means a dropped element
-    out = cpu_dropout_(x, 0.3)
+    out = cpu_dropout(x, 0.3)
     weights = torch.randn(4, 50)
     (out * weights).sum().backward()
     keep = out.detach() != 0

@@ -38,9 +38,9 @@ CPU_PIECE_TOKENS = 2048
 """Tokens (rows x padded length) per piece of a forward pass on the CPU (``forward_in_pieces``)."""
 
 
-def piece_tokens(device: torch.device) -> int | None:
-    """The piece size of a forward pass on ``device``: ``CPU_PIECE_TOKENS`` on the CPU, else None (whole)."""
-    return CPU_PIECE_TOKENS if device.type == "cpu" else None
+def piece_tokens(device: torch.device, cpu_tokens: int = CPU_PIECE_TOKENS) -> int | None:
+    """The piece size of a forward pass on ``device``: ``cpu_tokens`` on the CPU, else None (whole)."""
+    return cpu_tokens if device.type == "cpu" else None
 
 
 def forward_in_pieces(

@@ -65,7 +65,7 @@ class _MaskedScale(torch.autograd.Function):
         return grad.mul(keep).mul_(ctx.scale), None
 
 
-def cpu_dropout_(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+def cpu_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """Dropout of ``x`` with probability ``p`` (module docstring); ``x`` itself when not training, with ``p`` 0, or
     off the CPU (where ``torch.nn.functional.dropout`` is fast)."""
     if not training or p == 0.0 or x.device.type != "cpu":
@@ -77,10 +77,10 @@ class CpuDropout(torch.nn.Dropout):
     """``torch.nn.Dropout`` whose masks come from ``dropout_mask`` on the CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` dropped out: by ``cpu_dropout_`` on the CPU, by ``torch.nn.Dropout`` elsewhere or in place."""
+        """``x`` dropped out: by ``cpu_dropout`` on the CPU, by ``torch.nn.Dropout`` elsewhere or in place."""
         if self.inplace or x.device.type != "cpu":
             return super().forward(x)
-        return cpu_dropout_(x, self.p, self.training)
+        return cpu_dropout(x, self.p, self.training)
 
 
 def _attention(
@@ -93,7 +93,7 @@ def _attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA attention ([batch, heads, length, dim] in, [batch, length, heads, dim] out), with ``cpu_dropout_`` on
+    """SDPA attention ([batch, heads, length, dim] in, [batch, length, heads, dim] out), with ``cpu_dropout`` on
     the attention probabilities of a non-causal attention on the CPU; anything else goes to SDPA itself."""
     plain = getattr(module, "is_causal", False) or getattr(module, "num_key_value_groups", 1) > 1
     if dropout == 0.0 or query.device.type != "cpu" or plain:
@@ -104,7 +104,7 @@ def _attention(
             scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
         else:
             scores = scores + attention_mask
-    probs = cpu_dropout_(torch.softmax(scores, dim=-1), dropout).to(value.dtype)
+    probs = cpu_dropout(torch.softmax(scores, dim=-1), dropout).to(value.dtype)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
 

@@ -43,7 +43,7 @@ from densepass.data.dataset import Corpus
 from densepass.device import autocast_context, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
-from densepass.models.batching import forward_in_pieces, length_sorted_batches, tokenize
+from densepass.models.batching import forward_in_pieces, length_sorted_batches, piece_tokens, tokenize
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.kinds import CONFIG_FILES, saved_architecture
 
@@ -159,7 +159,7 @@ class SpladeEncoder(nn.Module):
         with torch.inference_mode(), autocast_context(device, device.type == "cuda"):
             for rows in length_sorted_batches(texts, batch_size):
                 tokens = {k: v.to(device) for k, v in self.tokenize([texts[r] for r in rows], side).items()}
-                weights = forward_in_pieces(forward, tokens, CPU_ENCODE_PIECE_TOKENS if device.type == "cpu" else None)
+                weights = forward_in_pieces(forward, tokens, piece_tokens(device, CPU_ENCODE_PIECE_TOKENS))
                 if top_terms is not None and top_terms < weights.shape[1]:
                     values, columns = weights.topk(top_terms, dim=1)
                     weights = torch.zeros_like(weights).scatter_(1, columns, values)
