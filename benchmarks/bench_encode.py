@@ -6,10 +6,11 @@ in one run.
     python benchmarks/bench_encode.py --model .carry/minilm-l6-fp16 --data-dir .carry/data \
         --save-embeddings outputs/bench/emb --out outputs/bench/encode-h100.json                   # H100
 
-densepass runs in fp32, bf16 (a bfloat16 copy; on CPU only where it has native bf16, or with
+densepass runs in fp32, bf16 (a bfloat16 copy; on CPU only where bf16 is fast, or with
 ``--densepass-precisions``) and, on CPU, int8 (dynamic quantisation). sentence-transformers runs as a user would
-run it: its default batch size (32) and densepass's, in float32, and on a GPU or a CPU with native bfloat16
-(AVX512-BF16 / AMX) in bfloat16 too (``model.to(torch.bfloat16)``). On CPU it also runs, where they install
+run it: its default batch size (32) and densepass's, in float32, and on a GPU or a CPU with fast bfloat16 (AMX,
+or AVX512-BF16 on AMD: ``device.cpu_has_fast_bf16``) in bfloat16 too (``model.to(torch.bfloat16)``). On CPU it
+also runs, where they install
 (``--st-backends``), with ``backend="onnx"`` (fp32, and int8 from ``export_dynamic_quantized_onnx_model``) and
 ``backend="openvino"``; those are exported offline from the model's files into a temporary copy. Where
 sentence-transformers' ONNX backend does not install (its optimum-onnx needs transformers < 4.58), ``--ort`` runs
@@ -31,7 +32,7 @@ import torch
 
 from common import environment, markdown_table, pick_device, rate, timer, write_json
 from densepass.data import load_dataset
-from densepass.device import cpu_has_native_bf16, resolve_precision
+from densepass.device import cpu_has_fast_bf16, resolve_precision
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
 from densepass.models.encode import encode_texts
 
@@ -255,7 +256,7 @@ def main() -> None:
     del model  # free the densepass model before loading sentence-transformers'
 
     st_batches = args.st_batch_sizes or sorted({32, args.batch_size})
-    st_bf16 = gpu or cpu_has_native_bf16()  # a bfloat16 copy is sentence-transformers' fast setting there too
+    st_bf16 = gpu or cpu_has_fast_bf16()  # a bfloat16 copy is sentence-transformers' fast setting there too
     for name, dtype in [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if st_bf16 else []):
         st = load_st(path, device, args.max_length, dtype)
         for batch in st_batches:

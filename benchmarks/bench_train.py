@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument(
         "--cpu-bf16",
         action="store_true",
-        help="bf16 autocast on CPU too (both systems; fast where the CPU has AVX512-BF16/AMX)",
+        help="bf16 autocast on CPU too (both systems; fast with AMX, or AVX512-BF16 on AMD)",
     )
     parser.add_argument(
         "--profile",

@@ -9,7 +9,7 @@ queries and corpus. The issue's bar: mean cosine >= 0.99 and MRR@10 within 0.005
     python benchmarks/encode_quality.py --out outputs/quality/encode-full.json
 
 Timings are printed for orientation only (measure speed with bench_encode.py on a quiet machine). bf16 is
-emulated, and several times slower than fp32, on a CPU without AVX512-BF16 / AMX.
+slower than fp32 on a CPU without fast bf16 (AMX, or AVX512-BF16 on AMD: ``device.cpu_has_fast_bf16``).
 """
 
 from __future__ import annotations

@@ -144,12 +144,12 @@ def test_a_run_with_cpu_bf16_auto_never_resumes_in_another_precision(tmp_path, m
     """``cpu_bf16: auto`` is bf16 on a CPU with bf16 instructions and fp32 elsewhere: the identity holds what it
     resolved to, so a run moved to a CPU where auto means the other precision is refused, not silently changed."""
     config = TrainConfig()  # cpu_bf16: auto
-    monkeypatch.setenv("DENSEPASS_NATIVE_BF16", "1")
+    monkeypatch.setenv("DENSEPASS_FAST_BF16", "1")
     _save(Checkpoints(tmp_path, keep=2, identity={"train": training_identity(config)}), 1)
     assert Checkpoints(tmp_path, keep=2, identity={"train": training_identity(config)}).latest().step == 1
     forced = {"train": training_identity(TrainConfig(cpu_bf16=True))}
     assert Checkpoints(tmp_path, keep=2, identity=forced).latest().step == 1  # the same precision, said outright
-    monkeypatch.setenv("DENSEPASS_NATIVE_BF16", "0")
+    monkeypatch.setenv("DENSEPASS_FAST_BF16", "0")
     with pytest.raises(ConfigError, match=r"train\.cpu_bf16 differ"):
         Checkpoints(tmp_path, keep=2, identity={"train": training_identity(config)}).latest()
 

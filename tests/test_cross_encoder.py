@@ -20,7 +20,7 @@ PASSAGES = ["Audacity: fast audio editor", "printer driver " * 40, "", "the tar 
 
 @pytest.fixture(scope="module")
 def saved_cross_encoder(tiny_model_dir, tmp_path_factory):
-    # fp32 pinned: ``auto`` scores in bf16 on a CPU with native bfloat16, and these tests compare with fp32 scorers
+    # fp32 pinned: ``auto`` scores in bf16 on a CPU with fast bfloat16, and these tests compare with fp32 scorers
     model = CrossEncoder.new(str(tiny_model_dir), seed=3, max_length=48, device=CPU, precision="fp32")
     path = tmp_path_factory.mktemp("ce") / "model"
     model.save(path)

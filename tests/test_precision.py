@@ -18,7 +18,7 @@ from densepass.models.biencoder import BiEncoder, resolve_model_path
 from densepass.models.encode import encode_texts, inference_runner
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.filterwarnings("ignore:precision bf16:UserWarning")  # emulated bf16 on this CPU: expected
+pytestmark = pytest.mark.filterwarnings("ignore:precision bf16:UserWarning")  # bf16 where it is not fast: expected
 TEXTS = [
     "tar: GNU version of the tar archiving utility",
     "X11 window manager with tabs and tiling",
@@ -86,24 +86,24 @@ def test_low_precision_agrees_with_fp32_on_minilm_and_real_passages(minilm_and_p
     assert mean_cosine(encode(model, passages, precision), encode(model, passages, "fp32")) >= 0.99
 
 
-def test_auto_is_bf16_on_gpu_and_on_a_cpu_with_native_bf16_else_fp32(monkeypatch):
-    for native, on_cpu in ((True, "bf16"), (False, "fp32")):
-        monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda native=native: native)
+def test_auto_is_bf16_on_gpu_and_on_a_cpu_with_fast_bf16_else_fp32(monkeypatch):
+    for fast, on_cpu in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(device_module, "cpu_has_fast_bf16", lambda fast=fast: fast)
         assert resolve_precision("auto", CPU) == on_cpu
         assert resolve_precision("auto", torch.device("cuda")) == "bf16"
     assert resolve_precision("int8", CPU) == "int8"
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_auto_encodes_like_the_precision_it_resolves_to(tiny_model, monkeypatch, native):
-    monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: native)
-    expected = encode(tiny_model, TEXTS, "bf16" if native else "fp32")
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_encodes_like_the_precision_it_resolves_to(tiny_model, monkeypatch, fast):
+    monkeypatch.setattr(device_module, "cpu_has_fast_bf16", lambda: fast)
+    expected = encode(tiny_model, TEXTS, "bf16" if fast else "fp32")
     np.testing.assert_array_equal(encode(tiny_model, TEXTS, "auto"), expected)
 
 
-def test_bf16_on_a_cpu_without_native_bf16_warns(tiny_model, monkeypatch):
-    monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
-    with pytest.warns(UserWarning, match="emulated"):
+def test_bf16_on_a_cpu_without_fast_bf16_warns(tiny_model, monkeypatch):
+    monkeypatch.setattr(device_module, "cpu_has_fast_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="no fast bfloat16"):
         resolve_precision("bf16", CPU)
 
 

@@ -87,9 +87,9 @@ def test_the_quantised_copy_is_reused_until_the_weights_change(tiny):
     assert not np.allclose(before, after, atol=1e-3)  # the change matters
 
 
-def test_auto_is_bf16_where_the_device_computes_it_natively_else_fp32(tiny_model_dir, monkeypatch):
-    for native, expected in ((True, "bf16"), (False, "fp32")):
-        monkeypatch.setenv("DENSEPASS_NATIVE_BF16", str(int(native)))
+def test_auto_is_bf16_where_it_is_fast_else_fp32(tiny_model_dir, monkeypatch):
+    for fast, expected in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setenv("DENSEPASS_FAST_BF16", str(int(fast)))
         model = CrossEncoder.new(str(tiny_model_dir), max_length=32, device=CPU)
         assert model.precision == expected and model.describe()["precision"] == expected
         assert CrossEncoder.new(str(tiny_model_dir), max_length=32, device=CPU, precision="fp32").precision == "fp32"
@@ -128,7 +128,7 @@ def test_the_run_reranks_in_reranker_precision_and_computes_teacher_scores_in_au
     from densepass.pipelines import reranking
     from densepass.pipelines.distillation import teacher_scores
 
-    monkeypatch.setenv("DENSEPASS_NATIVE_BF16", "0")
+    monkeypatch.setenv("DENSEPASS_FAST_BF16", "0")
     base = [f"reranker.distill.scores_file={tmp_path / 'scores.jsonl'}"]
     assert reranking.scoring_options(load_config(None, base), CPU)["precision"] == "fp32"
     config = load_config(None, [*base, "reranker.precision=int8"])

@@ -250,20 +250,21 @@ def test_distributed_training_matches_single_process(tiny_model_dir, tiny_beir, 
     torch.testing.assert_close(torch.load(tmp_path / "dist.pt"), _params(single), rtol=1e-4, atol=1e-5)
 
 
-def test_cpu_bf16_detection_reads_the_cpu_flags(tmp_path, monkeypatch):
-    from densepass.device import cpu_has_native_bf16
+def test_fast_bf16_detection_reads_the_cpu_vendor_and_flags(tmp_path, monkeypatch):
+    from densepass.device import cpu_has_fast_bf16
 
-    monkeypatch.delenv("DENSEPASS_NATIVE_BF16", raising=False)
+    monkeypatch.delenv("DENSEPASS_FAST_BF16", raising=False)
 
-    def cpuinfo(flags):
-        path = tmp_path / f"cpuinfo-{len(flags)}"
-        path.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 avx2 {' '.join(flags)}\n")
+    def cpuinfo(vendor, flags):
+        path = tmp_path / f"cpuinfo-{vendor}-{len(flags)}"
+        path.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu sse2 avx2 {' '.join(flags)}\n")
         return str(path)
 
-    assert cpu_has_native_bf16(cpuinfo(["avx512f", "avx512_bf16"]))
-    assert cpu_has_native_bf16(cpuinfo(["amx_tile", "amx_bf16"]))
-    assert not cpu_has_native_bf16(cpuinfo(["avx512f"]))
-    assert not cpu_has_native_bf16(str(tmp_path / "missing"))
+    assert cpu_has_fast_bf16(cpuinfo("AuthenticAMD", ["avx512f", "avx512_bf16"]))  # Zen 4
+    assert cpu_has_fast_bf16(cpuinfo("GenuineIntel", ["avx512_bf16", "amx_tile", "amx_bf16"]))  # Sapphire Rapids
+    assert not cpu_has_fast_bf16(cpuinfo("GenuineIntel", ["avx512f", "avx512_bf16"]))  # no AMX: slower than fp32
+    assert not cpu_has_fast_bf16(cpuinfo("AuthenticAMD", ["avx512f"]))
+    assert not cpu_has_fast_bf16(str(tmp_path / "missing"))
 
 
 def test_cpu_bf16_auto_follows_the_cpu_and_forcing_it_without_native_support_warns(monkeypatch):
@@ -272,24 +273,24 @@ def test_cpu_bf16_auto_follows_the_cpu_and_forcing_it_without_native_support_war
     assert step.uses_bf16(torch.device("cuda"), True, False)
     assert not step.uses_bf16(torch.device("cuda"), False, True)
     assert not step.uses_bf16(CPU, True, False)  # GPU's default does not switch CPU runs to bf16
-    monkeypatch.setattr(step, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(step, "cpu_has_fast_bf16", lambda: True)
     assert step.uses_bf16(CPU, False, True) and step.uses_bf16(CPU, False, "auto")
     assert not step.uses_bf16(CPU, True, False)
-    monkeypatch.setattr(step, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(step, "cpu_has_fast_bf16", lambda: False)
     assert not step.uses_bf16(CPU, True, "auto")
-    with pytest.warns(UserWarning, match="no native bfloat16"):
+    with pytest.warns(UserWarning, match="no fast bfloat16"):
         assert step.uses_bf16(CPU, True, True)
 
 
-def test_native_bf16_detection_can_be_overridden_by_the_environment(monkeypatch):
-    from densepass.device import NATIVE_BF16_ENV, cpu_has_native_bf16
+def test_fast_bf16_detection_can_be_overridden_by_the_environment(monkeypatch):
+    from densepass.device import FAST_BF16_ENV, cpu_has_fast_bf16
 
     for value, expected in (("0", False), ("1", True)):
-        monkeypatch.setenv(NATIVE_BF16_ENV, value)
-        assert cpu_has_native_bf16("/nonexistent") is expected
-    monkeypatch.setenv(NATIVE_BF16_ENV, "yes")
+        monkeypatch.setenv(FAST_BF16_ENV, value)
+        assert cpu_has_fast_bf16("/nonexistent") is expected
+    monkeypatch.setenv(FAST_BF16_ENV, "yes")
     with pytest.raises(ConfigError, match="must be 0 or 1") as err:
-        cpu_has_native_bf16()
+        cpu_has_fast_bf16()
     assert "\n" not in str(err.value)
 
 
@@ -312,7 +313,7 @@ def test_trainer_passes_the_resolved_precision_to_each_step(tiny_model_dir, tiny
 
     seen = []
     real_step = trainer_module.forward_backward
-    monkeypatch.setattr("densepass.device.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("densepass.device.cpu_has_fast_bf16", lambda: True)
     monkeypatch.setattr(
         trainer_module,
         "forward_backward",

@@ -1,5 +1,5 @@
 """Where and in which precision models run: the default device, bf16 autocast (by default on GPU and on a CPU
-with bfloat16 instructions), the precision encoding and scoring run in (``resolve_precision``),
+where bfloat16 is faster than float32), the precision encoding and scoring run in (``resolve_precision``),
 attention kernels, and replayable random states.
 
 Every module that picks a device or a precision asks this one, so a setting means the same thing in
@@ -73,76 +73,73 @@ def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-NATIVE_BF16_ENV = "DENSEPASS_NATIVE_BF16"
-"""Set to 0 or 1 to override the detection of ``cpu_has_native_bf16`` (0: every ``auto`` stays fp32 on this CPU,
-e.g. to reproduce a machine without bf16 instructions; 1: trust a CPU whose flags are hidden)."""
+FAST_BF16_ENV = "DENSEPASS_FAST_BF16"
+"""Set to 0 or 1 to override ``cpu_has_fast_bf16``'s reading of the CPU (0: every ``auto`` stays fp32, e.g. to
+reproduce a machine without fast bf16; 1: trust a CPU whose flags are hidden)."""
 
 
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether the CPU computes bfloat16 in hardware (the ``avx512_bf16`` or ``amx_bf16`` flag), where
-    bf16 speeds training and encoding up instead of emulating bf16 in float32 (False where unknown;
-    ``$DENSEPASS_NATIVE_BF16`` overrides it)."""
-    override = os.environ.get(NATIVE_BF16_ENV, "").strip()
+def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether bfloat16 is faster than float32 on this CPU, so that ``auto`` settings pick it: with AMX
+    (``amx_bf16``: Intel Sapphire Rapids and later) or with AVX512-BF16 on AMD (``avx512_bf16``: Zen 4 and later).
+    Intel's AVX512-BF16 without AMX (Cooper Lake, or a Sapphire Rapids VM that hides AMX) is not: there oneDNN's
+    bf16 GEMM ran at 0.7x MKL's float32 and MiniLM encoding and training steps at 0.6-0.9x their float32 speed,
+    while on an AMD EPYC with AVX512-BF16 bf16 encoding ran at 1.6x float32 (docs/benchmarks.md). False where
+    unknown; ``$DENSEPASS_FAST_BF16`` overrides it."""
+    override = os.environ.get(FAST_BF16_ENV, "").strip()
     if override in ("0", "1"):
         return override == "1"
     if override:
-        raise ConfigError(f"${NATIVE_BF16_ENV} must be 0 or 1, got {override!r}")
+        raise ConfigError(f"${FAST_BF16_ENV} must be 0 or 1, got {override!r}")
     try:
-        flags = Path(cpuinfo).read_text().split()
+        words = Path(cpuinfo).read_text().split()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return "amx_bf16" in words or ("avx512_bf16" in words and "AuthenticAMD" in words)
 
 
-def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` computes bfloat16 natively: a GPU, or a CPU with bf16 instructions."""
-    return device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 is faster than float32 on ``device``: a GPU, or a CPU where ``cpu_has_fast_bf16``."""
+    return device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
+
+
+SLOW_BF16 = "this CPU has no fast bfloat16 (AMX, or AVX512-BF16 on AMD), so bf16 is likely slower than float32"
 
 
 def uses_bf16(device: torch.device, bf16: bool, cpu_bf16: bool | str) -> bool:
     """Whether steps on ``device`` autocast to bfloat16: on GPU when ``bf16`` (the default); on CPU when
-    ``cpu_bf16`` is true, or ``"auto"`` (the default) and the CPU has native bfloat16 (MiniLM fine-tuning about
-    2x and pre-training 2-2.4x faster with AVX512-BF16: docs/benchmarks.md). Forced on a CPU without it, bf16 is
-    emulated, with a warning."""
+    ``cpu_bf16`` is true, or ``"auto"`` (the default) and bf16 is faster than float32 there (``cpu_has_fast_bf16``;
+    MiniLM fine-tuning about 2x and pre-training 2-2.4x faster on an AMD EPYC with AVX512-BF16:
+    docs/benchmarks.md). Forced on another CPU, it runs, with a warning."""
     if device.type == "cuda":
         return bf16
     if device.type != "cpu":
         return False
     if cpu_bf16 == "auto":
         return resolved_cpu_bf16(cpu_bf16)
-    if cpu_bf16 and not cpu_has_native_bf16():
-        warnings.warn(
-            "cpu_bf16: this CPU has no native bfloat16 (avx512_bf16 / amx_bf16), so bf16 autocast "
-            "is emulated and likely slower than float32",
-            stacklevel=2,
-        )
+    if cpu_bf16 and not cpu_has_fast_bf16():
+        warnings.warn(f"cpu_bf16: {SLOW_BF16}", stacklevel=2)
     return bool(cpu_bf16)
 
 
 def resolved_cpu_bf16(cpu_bf16: bool | str) -> bool:
-    """What a ``cpu_bf16`` setting does on this machine's CPU (``"auto"``: whether it has native bfloat16): part
+    """What a ``cpu_bf16`` setting does on this machine's CPU (``"auto"``: whether bf16 is fast there): part
     of a run's identity, so that a run started with bf16 autocast never resumes in fp32 on another CPU."""
-    return cpu_has_native_bf16() if cpu_bf16 == "auto" else bool(cpu_bf16)
+    return cpu_has_fast_bf16() if cpu_bf16 == "auto" else bool(cpu_bf16)
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
     """The precision encoding and scoring on ``device`` run in for a ``precision`` setting: ``fp32``, ``bf16``
-    or ``int8`` (``auto``: bf16 where the device computes it natively, ``native_bf16``: a GPU, or a CPU with
-    AVX512-BF16 / AMX, where MiniLM's bf16 embeddings keep the fp32 ranking (docs/benchmarks.md); else fp32,
-    since bf16 is emulated and several times slower on other CPUs). int8 (dynamic quantisation) runs on the
-    CPU only."""
+    or ``int8`` (``auto``: bf16 where it is faster than fp32, ``fast_bf16``: a GPU, or a CPU with AMX or AMD's
+    AVX512-BF16, where MiniLM's bf16 embeddings keep the fp32 ranking (docs/benchmarks.md); else fp32). int8
+    (dynamic quantisation) runs on the CPU only."""
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
     if precision == "auto":
-        return "bf16" if native_bf16(device) else "fp32"
+        return "bf16" if fast_bf16(device) else "fp32"
     if precision == "int8" and device.type != "cpu":
         raise ConfigError(f"precision int8 (dynamic quantisation) runs on the CPU only; use bf16 on {device.type}")
-    if precision == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
-        warnings.warn(
-            "precision bf16: this CPU has no native bfloat16 (avx512_bf16 / amx_bf16), so it is emulated and "
-            "several times slower than fp32",
-            stacklevel=2,
-        )
+    if precision == "bf16" and device.type == "cpu" and not cpu_has_fast_bf16():
+        warnings.warn(f"precision bf16: {SLOW_BF16}", stacklevel=2)
     return precision
 
 

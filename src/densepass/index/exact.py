@@ -11,7 +11,7 @@ a first pass in reduced precision; ``exact_search(..., reduced=...)`` then re-sc
 fp32's unless a true top-k passage falls outside the candidates (a score error larger than the gap between
 the k-th and the (rescore x k)-th passage: about 4e-3 for bf16, 1e-2 for int8 on unit vectors). The copy is
 half (bf16) or a quarter (int8) of the float32 corpus; it is faster where the device multiplies bf16
-natively (GPUs, CPUs with AVX512-BF16 / AMX), and slower than float32 on a CPU without.
+fast (GPUs, CPUs with AMX or AMD's AVX512-BF16: ``device.cpu_has_fast_bf16``), and slower than float32 elsewhere.
 """
 
 from __future__ import annotations

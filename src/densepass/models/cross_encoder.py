@@ -11,7 +11,7 @@ cross-encoder's truncation length.
 
 Scoring tokenises pairs in large chunks (in a worker thread, ahead of the model) and batches them by
 token length (little padding), in one of three precisions (``device.resolve_precision``; ``auto`` is bf16 where
-the device computes bfloat16 natively: a GPU, or a CPU with AVX512-BF16 / AMX, else fp32):
+bfloat16 is faster than float32: a GPU, or a CPU with AMX or AMD's AVX512-BF16, else fp32):
 ``fp32``; ``bf16``, under bf16 autocast, with the one-logit output layer kept in float32 (``fp32_logit_layer``: a
 bf16 logit has 8 significant bits, so candidates with close scores tie: with a bf16 output layer, 393 and 381 of 500
 SQuAD dev questions had ties in their reranked BM25 and bi-encoder top 20, docs/experiments.md); ``int8`` (CPU

@@ -72,7 +72,7 @@ class PretrainTrainConfig:
     max_grad_norm: float = option(1.0, "gradient clipping norm", above=0)
     bf16: bool = option(True, "bf16 autocast on GPU")
     cpu_bf16: bool | Literal["auto"] = option(
-        "auto", "bf16 autocast on CPU: auto (where the CPU has AVX512-BF16 or AMX; else fp32), true or false"
+        "auto", "bf16 autocast on CPU: auto (where bf16 is fast: AMX, or AVX512-BF16 on AMD; else fp32), true or false"
     )
     checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
