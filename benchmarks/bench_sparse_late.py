@@ -111,15 +111,23 @@ def pylate_part(args) -> None:
     payload = json.loads(Path(args.pylate_part).read_text())
     device = pick_device(args.device)
     bf16 = device.type == "cuda" or args.cpu_bf16
-    model = models.ColBERT(
-        payload["model"],
-        device=str(device),
-        embedding_size=128,
-        query_length=args.query_max_length,
-        document_length=args.passage_max_length,
-    )
+
+    def load() -> models.ColBERT:
+        return models.ColBERT(
+            payload["model"],
+            device=str(device),
+            embedding_size=128,
+            query_length=args.query_max_length,
+            document_length=args.passage_max_length,
+        )
+
+    model = load()
     loss = losses.Contrastive(model=model, temperature=1.0)
     train_s = st_trainer_seconds(model, loss, payload["triplets"], args, device, bf16)
+    # a fresh model encodes: after a bf16 run, accelerate leaves the trained model's forward wrapped in bf16
+    # autocast, so it would encode in bf16 while densepass encodes in float32 on the CPU
+    model = load()
+    model.eval()
     passages = payload["passages"]
     model.encode(passages[:8], is_query=False, batch_size=args.encode_batch_size)  # warm-up
     sync(device)
