@@ -82,7 +82,7 @@ def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether bfloat16 is faster than float32 on this CPU, so that ``auto`` settings pick it: with AMX
     (``amx_bf16``: Intel Sapphire Rapids and later) or with AVX512-BF16 on AMD (``avx512_bf16``: Zen 4 and later).
     Intel's AVX512-BF16 without AMX (Cooper Lake, or a Sapphire Rapids VM that hides AMX) is not: there oneDNN's
-    bf16 GEMM ran at 0.7x MKL's float32 and MiniLM encoding and training steps at 0.6-0.9x their float32 speed,
+    bf16 GEMM ran at 0.7x MKL's float32 and MiniLM encoding and training steps at 0.6-0.8x their float32 speed,
     while on an AMD EPYC with AVX512-BF16 bf16 encoding ran at 1.6x float32 (docs/benchmarks.md). False where
     unknown; ``$DENSEPASS_FAST_BF16`` overrides it."""
     override = os.environ.get(FAST_BF16_ENV, "").strip()
