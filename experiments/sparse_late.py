@@ -34,11 +34,13 @@ from densepass.index.colbert import ColbertIndex
 from densepass.index.hybrid import HybridIndex
 from densepass.index.splade import SpladeIndex
 from densepass.io import atomic_write_text
+from densepass.pipelines.distillation import objective_of
 from densepass.pipelines.experiment import (
     Experiment,
     check,
     evaluate_baselines,
     fine_tune,
+    mine_training_pool,
     model_from_config,
     prepare,
     run_directory,
@@ -151,7 +153,7 @@ def run_dataset(args: argparse.Namespace, dataset: str) -> dict:
             evaluate_baselines(exp, model)  # BM25 and zero-shot with the bi-encoder run
             for baseline, metrics in exp.results.items():
                 systems[baseline] = {"metrics": metrics}
-            fine_tune(exp, model)
+            fine_tune(exp, model, mine_training_pool(exp, model), objective_of(config, model))
             label = NAMES[kind]
             started = time.perf_counter()
             index = index_for_model(model, exp.evalset.corpus, config.model, device=exp.device)

@@ -411,3 +411,34 @@ def test_the_bm25_baseline_run_names_corpus_passages_not_rows(tiny_beir, tiny_mo
     run_experiment(load_config(None, overrides))
     named = {line.split()[2] for line in (tmp_path / "experiment" / "runs" / "bm25.trec").read_text().splitlines()}
     assert named and all(pid.startswith("p") for pid in named)  # the fixture's ids are p0, p1, ...
+
+
+def test_the_experiment_script_runs_on_a_tiny_dataset(tiny_beir, tiny_model_dir, tmp_path):
+    """experiments/sparse_late.py end to end (three kinds trained, indexed and compared), so that it cannot
+    drift from the pipeline's functions unnoticed."""
+    script = Path(__file__).parent.parent / "experiments" / "sparse_late.py"
+    sets = [
+        f"data.name={tiny_beir}",
+        f"model.name_or_path={tiny_model_dir}",
+        "data.max_train_queries=16",
+        "data.max_eval_queries=8",
+        "data.eval_random=8",
+        "model.passage_max_length=32",
+        "model.colbert.centroids=8",
+        "model.colbert.candidates=16",
+        "train.batch_size=8",
+        "eval.metrics=[mrr@10, recall@20]",
+        "eval.depth=20",
+    ]
+    out = tmp_path / "out"
+    args = [sys.executable, str(script), "--datasets", "debian", "--out", str(out), "--latency-queries", "2"]
+    done = subprocess.run(args + [a for s in sets for a in ("--set", s)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((out / "debian" / "results.json").read_text())
+    systems = result["systems"]
+    expected = {"BM25", "bi-encoder", "SPLADE", "ColBERT", "ColBERT exhaustive", "dense + SPLADE (RRF)"}
+    assert expected <= set(systems)
+    for name in expected:
+        assert 0.0 <= systems[name]["metrics"]["mrr@10"] <= 1.0
+    assert systems["SPLADE"]["train_step_s"] > 0 and systems["ColBERT"]["index_bytes"] > 0
+    assert (out / "summary.md").is_file()
