@@ -134,3 +134,26 @@ def test_search_with_a_rerank_depth_beyond_the_index_is_a_one_line_error(tiny_be
     assert "'audio': 8 hits" in capsys.readouterr().out
     assert main([*args, "--k", "50"]) == 0  # the default depth: 100, or every passage of a smaller index
     assert "'audio': 16 hits" in capsys.readouterr().out  # BM25 matches 16 of the 40 passages
+
+
+@pytest.mark.parametrize("kind", ["splade", "colbert"])
+def test_splade_and_colbert_runs_distil_the_reranker_and_resume(tiny_beir, tiny_model_dir, tmp_path, kind):
+    config = config_with(
+        tiny_beir,
+        tiny_model_dir,
+        tmp_path,
+        f"model.kind={kind}",
+        "model.temperature=1.0",
+        "model.colbert.centroids=8",
+        "reranker.distill.loss=margin-mse",
+        "reranker.distill.contrastive=true",
+        "reranker.first_stages=[bm25]",
+        "eval.baselines=[bm25]",
+    )
+    results = run_experiment(config)
+    report = (tmp_path / "t" / "report.md").read_text()
+    assert "distillation: 1 x Margin-MSE + contrastive" in report
+    assert ("+ FLOPS" in report) == (kind == "splade")
+    assert (tmp_path / "t" / "teacher_scores.jsonl").exists()
+    again = run_experiment(config)  # resumes from the final checkpoint: the same numbers
+    assert again["fine-tuned"] == pytest.approx(results["fine-tuned"])

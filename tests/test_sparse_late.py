@@ -134,7 +134,10 @@ def test_gradient_caching_equals_the_plain_step_for_splade_and_colbert(tiny_mode
     data = TrainingData(dataset, "train", "[SEP]", {q: dataset.corpus.ids[::3] for q in dataset.queries}, 1)
     batch = data.collate(list(range(6)), seed=(1, 0, 0))
     for make, objective in (
-        (lambda: SpladeEncoder.from_pretrained(str(tiny_model_dir), head_bias=-0.35), SpladeObjective(1e-2, 1e-2, 0)),
+        (
+            lambda: SpladeEncoder.from_pretrained(str(tiny_model_dir), head_bias=-0.35),
+            SpladeObjective(lambda_q=1e-2, lambda_d=1e-2, warmup_steps=0),
+        ),
         (lambda: ColBERT.from_pretrained(str(tiny_model_dir)), None),
     ):
         grads = []
@@ -370,7 +373,6 @@ def test_run_options_that_need_a_bi_encoder_are_refused_before_any_work(tmp_path
         ["model.projection_dim=64"],
         ["negatives.refresh_every=5"],
         ["loss.memory=moco"],
-        ["reranker.distill.loss=kl"],
     ):
         config = load_config(None, ["model.kind=splade", f"output_dir={tmp_path}", *extra])
         with pytest.raises(ConfigError, match="model.kind=splade"):
@@ -442,3 +444,29 @@ def test_the_experiment_script_runs_on_a_tiny_dataset(tiny_beir, tiny_model_dir,
         assert 0.0 <= systems[name]["metrics"]["mrr@10"] <= 1.0
     assert systems["SPLADE"]["train_step_s"] > 0 and systems["ColBERT"]["index_bytes"] > 0
     assert (out / "summary.md").is_file()
+
+
+def test_splade_objective_adds_flops_to_any_base_objective(splade, tiny_beir):
+    """FLOPS on top of distillation: the base's loss plus the warmed-up FLOPS terms, and its state kept."""
+    from densepass.data import load_dataset
+    from densepass.training.batches import TrainingData
+    from densepass.training.objectives import Distillation
+    from densepass.training.step import batch_tensors
+
+    dataset = load_dataset(str(tiny_beir))
+    teacher = {q: {p: float(len(q) * 3 - len(p)) for p in dataset.corpus.ids} for q in dataset.queries}
+    data = TrainingData(
+        dataset, "train", "[SEP]", {q: dataset.corpus.ids[::3] for q in dataset.queries}, 2, teacher_scores=teacher
+    )
+    batch = batch_tensors(splade, data.collate(list(range(4)), seed=(1, 0, 0)))
+    base = Distillation("kl", 0.5)
+    objective = SpladeObjective(lambda_q=0.1, lambda_d=0.2, warmup_steps=2, base=base, step=1)
+    with torch.no_grad():
+        queries = splade(batch.queries["input_ids"], batch.queries["attention_mask"], "query")
+        passages = splade(batch.passages["input_ids"], batch.passages["attention_mask"], "passage")
+        flops_q = (queries.abs().mean(0) ** 2).sum()
+        flops_d = (passages.abs().mean(0) ** 2).sum()
+        expected = base(splade, queries, passages, batch) + 0.1 / 4 * flops_q + 0.2 / 4 * flops_d
+        assert float(objective(splade, queries, passages, batch)) == pytest.approx(float(expected), rel=1e-6)
+    assert objective.describe().startswith("distillation: 0.5 x listwise KL (T=1) + FLOPS")
+    assert objective.state_dict() == {"step": 1, "base": {}}

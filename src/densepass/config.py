@@ -303,7 +303,7 @@ class RerankerTrainConfig:
 
 @dataclass
 class DistillConfig:
-    """Distilling the cross-encoder (the teacher) into the bi-encoder (neural-retrieval-lecture: Margin-MSE;
+    """Distilling the cross-encoder (the teacher) into the retriever (neural-retrieval-lecture: Margin-MSE;
     listwise KL), on each query's positive and the ``negatives.per_query`` negatives drawn from its pool."""
 
     loss: Literal["none", "margin-mse", "kl"] = option(
@@ -325,7 +325,7 @@ class DistillConfig:
 @dataclass
 class RerankerConfig:
     """A cross-encoder (neural-retrieval-lecture): trained on the run's hard negatives, evaluated as a second
-    stage over the evaluated systems' top candidates, and distilled into the bi-encoder."""
+    stage over the evaluated systems' top candidates, and distilled into the retriever."""
 
     enabled: bool = option(False, "use a cross-encoder in this run (train it, rerank with it, distil it)")
     name_or_path: str = option(
@@ -346,7 +346,7 @@ class RerankerConfig:
         factory=lambda: ["bm25", "fine-tuned"],
     )
     train: RerankerTrainConfig = option(help="fine-tuning the cross-encoder", factory=RerankerTrainConfig)
-    distill: DistillConfig = option(help="distillation into the bi-encoder", factory=DistillConfig)
+    distill: DistillConfig = option(help="distillation into the retriever (any model.kind)", factory=DistillConfig)
 
 
 @dataclass

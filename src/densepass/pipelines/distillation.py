@@ -31,17 +31,20 @@ from densepass.training.teacher_scores import (
 
 
 def distilling(config: ExperimentConfig) -> bool:
-    """Whether the run distils a teacher into the bi-encoder."""
+    """Whether the run distils a teacher into the retriever."""
     return config.train.enabled and config.reranker.distill.loss != "none"
 
 
 def objective_of(config: ExperimentConfig, model: Retriever) -> Objective:
-    """The bi-encoder's objective: the ``loss`` section's (``training.more_negatives``), or distillation (alone
-    or + the contrastive loss) when configured."""
+    """The run's objective: the ``loss`` section's (``training.more_negatives``), or distillation (alone or + the
+    contrastive loss) when configured; SPLADE adds its FLOPS regulariser to either (``objective_for``)."""
     distill, contrastive = config.reranker.distill, Contrastive(config.train.bidirectional)
     if distill.loss == "none":
-        return objective_for(config) or objective_from_config(config.loss, config.train, model)
-    return Distillation(distill.loss, distill.weight, distill.temperature, contrastive if distill.contrastive else None)
+        return objective_for(config, objective_from_config(config.loss, config.train, model))
+    distillation = Distillation(
+        distill.loss, distill.weight, distill.temperature, contrastive if distill.contrastive else None
+    )
+    return objective_for(config, distillation)
 
 
 def distillation_identity(config: ExperimentConfig) -> dict:

@@ -56,12 +56,13 @@ def model_from_config(config: ExperimentConfig) -> Retriever:
     return BiEncoder.from_pretrained(model.name_or_path, config=model.architecture())
 
 
-def objective_for(config: ExperimentConfig) -> Objective | None:
-    """What a run minimises: SPLADE adds the FLOPS regulariser; None is the trainer's default (contrastive)."""
+def objective_for(config: ExperimentConfig, base: Objective) -> Objective:
+    """What a run minimises, given its ``base`` objective (contrastive or distillation): SPLADE adds the FLOPS
+    regulariser to it; the other kinds minimise ``base`` itself."""
     if config.model.kind != "splade":
-        return None
+        return base
     splade = config.model.splade
-    return SpladeObjective(config.train.bidirectional, splade.lambda_q, splade.lambda_d, splade.warmup_steps)
+    return SpladeObjective(splade.lambda_q, splade.lambda_d, splade.warmup_steps, base=base)
 
 
 def check_kind(config: ExperimentConfig) -> None:
@@ -70,9 +71,9 @@ def check_kind(config: ExperimentConfig) -> None:
     if kind == "bi-encoder":
         return
     model, schedule, neg = config.model, config.schedule, config.negatives
-    if config.loss != LossConfig() or config.reranker.distill.loss != "none":
+    if config.loss != LossConfig():
         raise ConfigError(
-            f"model.kind={kind} trains with its own contrastive loss: leave the loss section and reranker.distill out"
+            f"model.kind={kind} trains with the contrastive loss or reranker.distill: leave the loss section out"
         )
     if model.projection_dim is not None or not model.shared or model.pooling != "mean" or not model.normalize:
         raise ConfigError(
