@@ -9,6 +9,7 @@ training, pre-training, encoding and serving.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from collections.abc import Iterator
@@ -90,11 +91,18 @@ def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
         return override == "1"
     if override:
         raise ConfigError(f"${FAST_BF16_ENV} must be 0 or 1, got {override!r}")
-    try:
-        words = Path(cpuinfo).read_text().split()
-    except OSError:
-        return False
+    words = _cpuinfo_words(cpuinfo)
     return "amx_bf16" in words or ("avx512_bf16" in words and "AuthenticAMD" in words)
+
+
+@functools.lru_cache(maxsize=8)
+def _cpuinfo_words(cpuinfo: str) -> frozenset[str]:
+    """The words of ``cpuinfo`` (vendor and flags), read once per process: every encoding call resolves its
+    precision, and /proc/cpuinfo grows with the core count (empty where it cannot be read)."""
+    try:
+        return frozenset(Path(cpuinfo).read_text().split())
+    except OSError:
+        return frozenset()
 
 
 def fast_bf16(device: torch.device) -> bool:
