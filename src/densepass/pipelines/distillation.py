@@ -38,13 +38,13 @@ def distilling(config: ExperimentConfig) -> bool:
 def objective_of(config: ExperimentConfig, model: Retriever) -> Objective:
     """The run's objective: the ``loss`` section's (``training.more_negatives``), or distillation (alone or + the
     contrastive loss) when configured; SPLADE adds its FLOPS regulariser to either (``objective_for``)."""
-    distill, contrastive = config.reranker.distill, Contrastive(config.train.bidirectional)
+    distill = config.reranker.distill
     if distill.loss == "none":
-        return objective_for(config, objective_from_config(config.loss, config.train, model))
-    distillation = Distillation(
-        distill.loss, distill.weight, distill.temperature, contrastive if distill.contrastive else None
-    )
-    return objective_for(config, distillation)
+        base = objective_from_config(config.loss, config.train, model)
+    else:
+        contrastive = Contrastive(config.train.bidirectional) if distill.contrastive else None
+        base = Distillation(distill.loss, distill.weight, distill.temperature, contrastive)
+    return objective_for(config, base)
 
 
 def distillation_identity(config: ExperimentConfig) -> dict:
