@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gzip
 import io
 import json
@@ -17,6 +18,7 @@ from densepass.data.dpr import dpr_hard_negatives, load_dpr
 from densepass.data.msmarco import load_msmarco
 from densepass.data.squad import load_squad
 from densepass.errors import DataError
+from densepass.fingerprints import fingerprint_corpus
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -82,6 +84,63 @@ def test_load_dataset_dispatches_by_format(tmp_path):
     write_beir(tmp_path / "mine")
     assert len(load_dataset("mine", data_dir=tmp_path).corpus) == 3
     assert load_dataset(str(tmp_path / "mine")).name == "mine"  # a path works as the name
+
+
+def test_passages_on_disk_read_the_same_corpus_as_the_loaded_one(tmp_path):
+    records = [*BEIR_CORPUS, {"_id": 7, "title": None, "text": "an integer id, ünïcode", "doc_id": 3}]
+    root = write_beir(tmp_path / "beir")
+    write(root / "corpus.jsonl", jsonl(records[:2]) + "\n  \n" + jsonl(records[2:]))  # blank lines are skipped
+    loaded, on_disk = load_beir(root).corpus, load_beir(root, passages_on_disk=True).corpus
+    assert not isinstance(on_disk.texts, list) and on_disk.ids == loaded.ids == ["p1", "p2", "p3", "7"]
+    assert on_disk.doc_ids == loaded.doc_ids and on_disk.position("7") == 3
+    assert list(on_disk.titles) == loaded.titles and list(on_disk.texts) == loaded.texts
+    assert (
+        on_disk.texts[-1] == "an integer id, ünïcode"
+        and on_disk.titles[3] == ""
+        and on_disk.texts[1:3] == loaded.texts[1:3]
+    )
+    assert on_disk.texts[::2] == loaded.texts[::2] and on_disk.texts[3:1] == []
+    assert on_disk.passage_inputs("[SEP]") == loaded.passage_inputs("[SEP]")
+    assert on_disk.passage_inputs("[SEP]", [3, 0]) == loaded.passage_inputs("[SEP]", [3, 0])
+    assert fingerprint_corpus(on_disk) == fingerprint_corpus(loaded)
+    assert list(copy.deepcopy(on_disk).texts) == loaded.texts  # copies (and pickles) reopen the file
+    with pytest.raises(IndexError):
+        on_disk.texts[4]
+
+
+def test_passages_on_disk_of_a_gzipped_corpus_are_loaded_whole(tmp_path):
+    corpus = load_beir(write_beir(tmp_path / "beir", gz=True), passages_on_disk=True).corpus
+    assert corpus.texts == [r["text"] for r in BEIR_CORPUS]  # a gzip stream cannot be read at an offset
+
+
+def test_passages_on_disk_refuse_a_file_changed_after_loading(tmp_path):
+    root = write_beir(tmp_path / "beir")
+    corpus = load_beir(root, passages_on_disk=True).corpus
+    assert corpus.texts[0] == "alpha text"
+    records = [dict(r) for r in BEIR_CORPUS]
+    records[1]["_id"] = "other"
+    write(root / "corpus.jsonl", jsonl(records))
+    with pytest.raises(DataError, match=r"row 1 is not passage 'p2' any more \(the file changed after loading\)"):
+        corpus.texts[1]
+    write(root / "corpus.jsonl", jsonl(BEIR_CORPUS[:1]))
+    with pytest.raises(DataError, match="the file changed after loading"):
+        corpus.passage_inputs("[SEP]")
+
+
+@pytest.mark.parametrize(
+    "lines, error",
+    [
+        (['{"_id": "p1", "text": "a"}', '{"_id": "p1", "text": "b"}'], r"corpus\.jsonl:2: duplicate passage id 'p1'"),
+        (['{"_id": "p1", "text": "a"}', '{"_id": "p2", "text": '], r"corpus\.jsonl:2: not valid JSON"),
+        (['{"_id": "p1", "text": 3}'], r"corpus\.jsonl:1: field 'text' should be a str"),
+        (["", " "], r"corpus\.jsonl: the corpus is empty"),
+    ],
+)
+def test_passages_on_disk_check_the_file_as_the_loaded_corpus_does(tmp_path, lines, error):
+    root = write_beir(tmp_path / "beir")
+    write(root / "corpus.jsonl", "\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=error):
+        load_beir(root, passages_on_disk=True)
 
 
 # ---------------------------------------------------------------- MS MARCO

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -64,7 +65,8 @@ def fingerprint_file(path, chunk: int = 1 << 22) -> str:
 
 def fingerprint_corpus(corpus) -> str:
     """Digest of a ``Corpus``: its passage ids, titles, texts and document ids, in order."""
-    return fingerprint_strings([*corpus.ids, "\x00", *corpus.titles, "\x00", *corpus.texts, "\x00", *corpus.doc_ids])
+    sep = ["\x00"]  # streamed, column by column: a corpus read from its file is never all in memory
+    return fingerprint_strings(itertools.chain(corpus.ids, sep, corpus.titles, sep, corpus.texts, sep, corpus.doc_ids))
 
 
 def fingerprint_directory(path) -> str:

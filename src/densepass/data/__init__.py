@@ -10,13 +10,17 @@ from densepass.data.paths import dataset_dir, default_data_dir
 from densepass.errors import DataError
 
 
-def load_dataset(name: str, data_dir: str | Path | None = None, format: str = "beir") -> RetrievalDataset:
-    """Read dataset ``name`` (a directory under the data dir, or a path) in the given layout."""
+def load_dataset(
+    name: str, data_dir: str | Path | None = None, format: str = "beir", passages_on_disk: bool = False
+) -> RetrievalDataset:
+    """Read dataset ``name`` (a directory under the data dir, or a path) in the given layout.
+    ``passages_on_disk``: a ``beir`` corpus keeps its titles and texts in ``corpus.jsonl``, read when asked for
+    (``data.beir.PassageFile``: memory for ids, not for text); other layouts are always loaded whole."""
     directory = dataset_dir(name, data_dir)
     if format == "beir":
         from densepass.data.beir import load_beir
 
-        return load_beir(directory, Path(name).name)
+        return load_beir(directory, Path(name).name, passages_on_disk)
     if format == "msmarco":
         from densepass.data.msmarco import load_msmarco
 

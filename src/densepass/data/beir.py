@@ -7,11 +7,16 @@ tolerated is counted and reported once per file as a :class:`DataWarning` (see e
 
 from __future__ import annotations
 
+import array
 import csv
 import itertools
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
 
 from densepass.data.dataset import Corpus, LazyTexts, Qrels, RetrievalDataset, passage_input
 from densepass.data.files import Tally, open_text, reading
@@ -27,19 +32,26 @@ def find_file(directory: Path, stem: str) -> Path:
     raise DataError(f"missing file: {directory / stem} (or .gz)")
 
 
+def _record(line: str | bytes, path: Path, line_no: int) -> dict | None:
+    """The JSON object on one line of a JSON-lines file; None for a blank line."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        if not line.strip():
+            return None
+        raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
+    if record.__class__ is not dict:
+        raise DataError(f"{path}:{line_no}: expected a JSON object")
+    return record
+
+
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
     """``(line number, record)`` for each non-blank line of a JSON-lines file; each must be a JSON object."""
     with reading(path), open_text(path) as handle:
         for line_no, line in enumerate(handle, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                if not line.strip():
-                    continue
-                raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
-            if record.__class__ is not dict:
-                raise DataError(f"{path}:{line_no}: expected a JSON object")
-            yield line_no, record
+            record = _record(line, path, line_no)
+            if record is not None:
+                yield line_no, record
 
 
 def _passage(rec: dict, where: str) -> tuple[str, str, str, str]:
@@ -49,32 +61,142 @@ def _passage(rec: dict, where: str) -> tuple[str, str, str, str]:
     return (pid, get_field(rec, "title", str, where, default=""), get_field(rec, "text", str, where), doc_id or pid)
 
 
+def _checked_passage(rec: dict, path: Path, line_no: int) -> tuple[str, str, str, str]:
+    """``(_id, title, text, doc_id)`` of a corpus record, fields checked as :func:`read_corpus` says."""
+    pid, title, text, doc_id = rec.get("_id"), rec.get("title"), rec.get("text"), rec.get("doc_id")
+    if (
+        pid.__class__ is str
+        and pid
+        and title.__class__ is str
+        and text.__class__ is str
+        and doc_id.__class__ is str
+        and doc_id
+    ):  # fast path; anything else is checked field by field
+        return pid, title, text, doc_id
+    return _passage(rec, f"{path}:{line_no}")
+
+
 def iter_passages(path: Path) -> Iterator[tuple[int, str, str, str, str]]:
     """``(line number, _id, title, text, doc_id)`` of each passage of a corpus file, in order, fields checked
     as :func:`read_corpus` says (repeated ids are the caller's to detect)."""
     for line_no, rec in read_jsonl(path):
-        pid, title, text, doc_id = rec.get("_id"), rec.get("title"), rec.get("text"), rec.get("doc_id")
-        if not (
-            pid.__class__ is str
-            and pid
-            and title.__class__ is str
-            and text.__class__ is str
-            and doc_id.__class__ is str
-            and doc_id
-        ):  # fast path; anything else is checked field by field
-            pid, title, text, doc_id = _passage(rec, f"{path}:{line_no}")
-        yield line_no, pid, title, text, doc_id
+        yield line_no, *_checked_passage(rec, path, line_no)
 
 
-def read_corpus(path: Path) -> Corpus:
+def read_corpus(path: Path, on_disk: bool = False) -> Corpus:
     """Passages ``{"_id", "text", "title"?, "doc_id"?}``: ``_id`` a string or integer, ``text`` a string,
     ``title`` a string or null, ``doc_id`` a string, integer or null (then the passage is its own document).
-    A repeated ``_id`` is an error."""
+    A repeated ``_id`` is an error. ``on_disk``: titles and texts stay in the file and are read on demand
+    (:class:`PassageFile`; an uncompressed file only, a gzipped one is loaded whole)."""
+    if on_disk and path.suffix != ".gz":
+        return PassageFile.open(path)
     corpus = CorpusBuilder()
     for line_no, pid, title, text, doc_id in iter_passages(path):
         if not corpus.add(pid, title, text, doc_id):
             raise DataError(f"{path}:{line_no}: duplicate passage id {pid!r}")
     return corpus.build(path)
+
+
+class PassageFile:
+    """The titles and texts of an uncompressed ``corpus.jsonl``, read from the file when asked for: a corpus of
+    N passages holds its ids, documents and 16 bytes of line offsets per passage in memory, not its text.
+
+    ``PassageFile.open(path)`` reads the file once (every record checked as in :func:`read_corpus`) and returns
+    a :class:`Corpus` whose ``titles`` and ``texts`` are this file's two columns (:class:`PassageColumn`). A read
+    of rows ``a`` to ``b`` is one ``pread`` of their lines; the last rows read are kept, so a block's titles and
+    then its texts parse the lines once. A file that no longer holds the same passage at a row (it was changed
+    after loading) is a ``DataError``."""
+
+    def __init__(self, path: Path, ids: list[str], spans: np.ndarray) -> None:
+        self.path, self.ids, self.spans = path, ids, spans
+        self._handle: BinaryIO | None = None
+        self._last: tuple[int, int, list[tuple[str, str]]] = (0, 0, [])
+
+    @classmethod
+    def open(cls, path: Path) -> Corpus:
+        """The corpus of ``path`` with its titles and texts left in the file."""
+        ids: list[str] = []
+        doc_ids: list[str] = []
+        spans = array.array("q")
+        seen: set[str] = set()
+        with reading(path), open(path, "rb") as handle:
+            end = 0
+            for line_no, line in enumerate(handle, 1):
+                start, end = end, end + len(line)
+                record = _record(line, path, line_no)
+                if record is None:
+                    continue
+                pid, _, _, doc_id = _checked_passage(record, path, line_no)
+                if pid in seen:
+                    raise DataError(f"{path}:{line_no}: duplicate passage id {pid!r}")
+                seen.add(pid)
+                ids.append(pid)
+                doc_ids.append(doc_id)
+                spans.extend((start, end))
+        if not ids:
+            raise DataError(f"{path}: the corpus is empty")
+        del seen
+        file = cls(path, ids, np.frombuffer(spans, dtype=np.int64).reshape(-1, 2))
+        return Corpus(ids, PassageColumn(file, 0), PassageColumn(file, 1), doc_ids)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_handle": None, "_last": (0, 0, [])}
+
+    def rows(self, start: int, end: int) -> list[tuple[str, str]]:
+        """``(title, text)`` of rows ``start`` to ``end``."""
+        if (start, end) == self._last[:2]:
+            return self._last[2]
+        if end <= start:
+            return []
+        if self._handle is None:
+            self._handle = open(self.path, "rb")  # kept open for the corpus's lifetime
+        offset = int(self.spans[start, 0])
+        with reading(self.path):
+            data = os.pread(self._handle.fileno(), int(self.spans[end - 1, 1]) - offset, offset)
+            lines = [line for line in data.split(b"\n") if line.strip()]
+            if len(lines) != end - start:
+                raise self._changed(start)
+            out = []
+            for row, line in zip(range(start, end), lines):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    raise self._changed(row) from None
+                if record.__class__ is not dict or str(record.get("_id")) != self.ids[row]:
+                    raise self._changed(row)
+                out.append((record.get("title") or "", record.get("text")))
+        self._last = (start, end, out)
+        return out
+
+    def _changed(self, row: int) -> DataError:
+        return DataError(
+            f"{self.path}: row {row} is not passage {self.ids[row]!r} any more (the file changed after loading)"
+        )
+
+
+class PassageColumn(Sequence[str]):
+    """The titles (``field`` 0) or texts (1) of a :class:`PassageFile`, as a read-only sequence."""
+
+    def __init__(self, file: PassageFile, field: int) -> None:
+        self.file, self.field = file, field
+
+    def __len__(self) -> int:
+        return len(self.file.ids)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return [row[self.field] for row in self.file.rows(start, max(start, stop))]
+        if not -len(self) <= key < len(self):
+            raise IndexError(key)
+        key %= len(self)
+        return self.file.rows(key, key + 1)[0][self.field]
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, len(self), 4096):
+            yield from self[start : start + 4096]
 
 
 def stream_passage_inputs(path: Path, sep_token: str, length: int) -> LazyTexts:
@@ -203,12 +325,13 @@ def read_qrels_tsv(path: Path) -> Qrels:
     return qrels
 
 
-def load_beir(directory: str | Path, name: str | None = None) -> RetrievalDataset:
-    """Read a BEIR directory into a :class:`RetrievalDataset` (one qrels split per ``qrels/*.tsv``)."""
+def load_beir(directory: str | Path, name: str | None = None, passages_on_disk: bool = False) -> RetrievalDataset:
+    """Read a BEIR directory into a :class:`RetrievalDataset` (one qrels split per ``qrels/*.tsv``);
+    ``passages_on_disk``: titles and texts are read from ``corpus.jsonl`` when asked for (:class:`PassageFile`)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise DataError(f"dataset directory not found: {directory}")
-    corpus = read_corpus(find_file(directory, "corpus.jsonl"))
+    corpus = read_corpus(find_file(directory, "corpus.jsonl"), passages_on_disk)
     queries, answers = read_queries(find_file(directory, "queries.jsonl"))
     qrels_dir = directory / "qrels"
     if not qrels_dir.is_dir():

@@ -60,11 +60,13 @@ class LazyTexts(Sequence[str]):
 
 @dataclass
 class Corpus:
-    """Passages stored column-wise; ``position(pid)`` maps an id to its row."""
+    """Passages stored column-wise; ``position(pid)`` maps an id to its row. ``titles`` and ``texts`` are lists,
+    or sequences read from the corpus file on demand (``data.beir.PassageFile``: a corpus that is not held in
+    memory as strings); ids and documents are always in memory."""
 
     ids: list[str]
-    titles: list[str]
-    texts: list[str]
+    titles: Sequence[str]
+    texts: Sequence[str]
     doc_ids: list[str]
     _positions: dict[str, int] = field(default_factory=dict, repr=False)
 
@@ -91,6 +93,11 @@ class Corpus:
         """Passage encoder inputs ``title [SEP] text`` (negative-contrast §3), as one string each so that
         ``SentenceTransformer.encode`` on the same strings gives the same embeddings."""
         rows = range(len(self.ids)) if positions is None else positions
+        if isinstance(rows, range) and rows.step == 1:  # a block: one slice of each column (one read from a file)
+            return [
+                passage_input(t, x, sep_token)
+                for t, x in zip(self.titles[rows.start : rows.stop], self.texts[rows.start : rows.stop])
+            ]
         return [passage_input(self.titles[i], self.texts[i], sep_token) for i in rows]
 
     def lazy_inputs(self, sep_token: str) -> LazyTexts:

@@ -6,7 +6,9 @@ is locked while mining runs. The file is written atomically.
 
 Under torchrun (``torchrun --nproc_per_node N -m densepass mine ...``) every process loads the dataset and
 mines together: dense strategies encode and search the corpus in shards (``index.sharded``), so the file
-equals one process's; rank 0 holds the lock and writes the file.
+equals one process's; rank 0 holds the lock and writes the file. A BEIR corpus's titles and texts stay in
+``corpus.jsonl`` (``data.beir.PassageFile``), read a block at a time to encode and a passage at a time by the
+filters, so what a process holds grows with its shard's embeddings and the corpus's ids, not its text.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path) -> Min
     output = Path(output)
     device = resolve_device(config.device)
     data = config.data
-    dataset = load_dataset(data.name, data.data_dir, data.format)
+    dataset = load_dataset(data.name, data.data_dir, data.format, passages_on_disk=True)
     query_ids = sorted(dataset.sample(data.train_split, data.max_train_queries, data.seed))
     work_dir = output.with_name(output.name + ".miners")
     ctx = MiningContext(
