@@ -204,6 +204,20 @@ def test_bm25_save_load_round_trip(tmp_path):
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
 
 
+def test_a_loaded_index_reads_its_passages_from_its_file(tmp_path):
+    records = [{"id": f"p{i}", "title": f"T{i}" if i % 2 else "", "text": text} for i, text in enumerate(BM25_TEXTS)]
+    BM25Index.build(records).save(tmp_path / "bm25")
+    loaded = BM25Index.load(tmp_path / "bm25")
+    assert not isinstance(loaded.passages.texts, list) and list(loaded.passages.texts) == BM25_TEXTS
+    assert list(loaded.passages.titles) == [r["title"] for r in records]
+    hits = loaded.search(["lazy dog"], k=2)
+    assert [loaded.passages.texts[loaded.passages.position(pid)] for pid in hits.ids(0)][0] == BM25_TEXTS[0]
+    BM25Index.build(["another corpus"]).save(tmp_path / "bm25")  # saved over it: the loaded one still reads its own
+    assert list(loaded.passages.texts) == BM25_TEXTS
+    loaded.add([{"id": "new", "text": "a new passage about audio"}])  # adding brings the passages into memory
+    assert loaded.passages.texts[-1] == "a new passage about audio" and loaded.passages.texts[:-1] == BM25_TEXTS
+
+
 def test_bm25_errors(tmp_path):
     with pytest.raises(DensepassError, match="no passages to index"):
         BM25Index.build([])

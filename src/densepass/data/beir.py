@@ -54,16 +54,16 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
                 yield line_no, record
 
 
-def _passage(rec: dict, where: str) -> tuple[str, str, str, str]:
-    """``(_id, title, text, doc_id)`` of a corpus record, each field type-checked."""
-    pid = get_id(rec, "_id", where)
+def _passage(rec: dict, where: str, id_key: str = "_id") -> tuple[str, str, str, str]:
+    """``(id, title, text, doc_id)`` of a corpus record (its id under ``id_key``), each field type-checked."""
+    pid = get_id(rec, id_key, where)
     doc_id = str(get_field(rec, "doc_id", (str, int), where, default=""))
     return (pid, get_field(rec, "title", str, where, default=""), get_field(rec, "text", str, where), doc_id or pid)
 
 
-def _checked_passage(rec: dict, path: Path, line_no: int) -> tuple[str, str, str, str]:
-    """``(_id, title, text, doc_id)`` of a corpus record, fields checked as :func:`read_corpus` says."""
-    pid, title, text, doc_id = rec.get("_id"), rec.get("title"), rec.get("text"), rec.get("doc_id")
+def _checked_passage(rec: dict, path: Path, line_no: int, id_key: str = "_id") -> tuple[str, str, str, str]:
+    """``(id, title, text, doc_id)`` of a corpus record, fields checked as :func:`read_corpus` says."""
+    pid, title, text, doc_id = rec.get(id_key), rec.get("title"), rec.get("text"), rec.get("doc_id")
     if (
         pid.__class__ is str
         and pid
@@ -73,7 +73,7 @@ def _checked_passage(rec: dict, path: Path, line_no: int) -> tuple[str, str, str
         and doc_id
     ):  # fast path; anything else is checked field by field
         return pid, title, text, doc_id
-    return _passage(rec, f"{path}:{line_no}")
+    return _passage(rec, f"{path}:{line_no}", id_key)
 
 
 def iter_passages(path: Path) -> Iterator[tuple[int, str, str, str, str]]:
@@ -98,23 +98,32 @@ def read_corpus(path: Path, on_disk: bool = False) -> Corpus:
 
 
 class PassageFile:
-    """The titles and texts of an uncompressed ``corpus.jsonl``, read from the file when asked for: a corpus of
-    N passages holds its ids, documents and 16 bytes of line offsets per passage in memory, not its text.
+    """The titles and texts of an uncompressed ``corpus.jsonl`` (or a saved index's ``passages.jsonl``), read
+    from the file when asked for: a corpus of N passages holds its ids, documents and 16 bytes of line offsets
+    per passage in memory, not its text.
 
     ``PassageFile.open(path)`` reads the file once (every record checked as in :func:`read_corpus`) and returns
     a :class:`Corpus` whose ``titles`` and ``texts`` are this file's two columns (:class:`PassageColumn`). A read
     of rows ``a`` to ``b`` is one ``pread`` of their lines; the last rows read are kept, so a block's titles and
-    then its texts parse the lines once. A file that no longer holds the same passage at a row (it was changed
-    after loading) is a ``DataError``."""
+    then its texts parse the lines once. The file stays open, so a file replaced by a new one (an index saved
+    again over it) is still read as it was; one changed in place, so that a row no longer holds the same
+    passage, is a ``DataError``. A copy or an unpickled corpus opens the file again."""
 
-    def __init__(self, path: Path, ids: list[str], spans: np.ndarray) -> None:
-        self.path, self.ids, self.spans = path, ids, spans
-        self._handle: BinaryIO | None = None
+    def __init__(self, path: Path, ids: list[str], spans: np.ndarray, id_key: str = "_id") -> None:
+        self.path, self.ids, self.spans, self.id_key = path, ids, spans, id_key
+        self._handle: BinaryIO = open(path, "rb")  # noqa: SIM115 (closed with the corpus)
         self._last: tuple[int, int, list[tuple[str, str]]] = (0, 0, [])
 
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_handle", "_last")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._handle, self._last = open(self.path, "rb"), (0, 0, [])  # noqa: SIM115
+
     @classmethod
-    def open(cls, path: Path) -> Corpus:
-        """The corpus of ``path`` with its titles and texts left in the file."""
+    def open(cls, path: Path, id_key: str = "_id") -> Corpus:
+        """The corpus of ``path`` (ids under ``id_key``) with its titles and texts left in the file."""
         ids: list[str] = []
         doc_ids: list[str] = []
         spans = array.array("q")
@@ -126,7 +135,7 @@ class PassageFile:
                 record = _record(line, path, line_no)
                 if record is None:
                     continue
-                pid, _, _, doc_id = _checked_passage(record, path, line_no)
+                pid, _, _, doc_id = _checked_passage(record, path, line_no, id_key)
                 if pid in seen:
                     raise DataError(f"{path}:{line_no}: duplicate passage id {pid!r}")
                 seen.add(pid)
@@ -136,11 +145,8 @@ class PassageFile:
         if not ids:
             raise DataError(f"{path}: the corpus is empty")
         del seen
-        file = cls(path, ids, np.frombuffer(spans, dtype=np.int64).reshape(-1, 2))
+        file = cls(path, ids, np.frombuffer(spans, dtype=np.int64).reshape(-1, 2), id_key)
         return Corpus(ids, PassageColumn(file, 0), PassageColumn(file, 1), doc_ids)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_handle": None, "_last": (0, 0, [])}
 
     def rows(self, start: int, end: int) -> list[tuple[str, str]]:
         """``(title, text)`` of rows ``start`` to ``end``."""
@@ -148,8 +154,6 @@ class PassageFile:
             return self._last[2]
         if end <= start:
             return []
-        if self._handle is None:
-            self._handle = open(self.path, "rb")  # kept open for the corpus's lifetime
         offset = int(self.spans[start, 0])
         with reading(self.path):
             data = os.pread(self._handle.fileno(), int(self.spans[end - 1, 1]) - offset, offset)
@@ -162,7 +166,7 @@ class PassageFile:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     raise self._changed(row) from None
-                if record.__class__ is not dict or str(record.get("_id")) != self.ids[row]:
+                if record.__class__ is not dict or str(record.get(self.id_key)) != self.ids[row]:
                     raise self._changed(row)
                 out.append((record.get("title") or "", record.get("text")))
         self._last = (start, end, out)

@@ -1,6 +1,8 @@
 """One interface for every index: build, add, search, save, load.
 
-An index holds the passages it was given (ids, titles, texts, document ids: a ``Corpus``) and answers
+An index holds the passages it was given (ids, titles, texts, document ids: a ``Corpus``; a loaded index, or one
+built from a BEIR ``corpus.jsonl`` by ``densepass index``, reads titles and texts from that file when a search
+returns them: ``data.beir.PassageFile``) and answers
 ``search(queries, k)`` with ``SearchResults`` (rows into those passages, scores, and the passage ids).
 Kinds register themselves in ``KINDS``; ``load_index(directory)`` reads the manifest and returns the
 right class. Today: ``exact`` and the FAISS kinds (``index.dense``), ``faiss-ivfpq-disk`` (IVF-PQ with
@@ -31,10 +33,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from densepass.data.beir import PassageFile
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_corpus
-from densepass.io import atomic_directory, atomic_write_text, read_manifest, write_manifest
+from densepass.io import atomic_directory, read_manifest, write_manifest
 from densepass.version import __version__
 
 PASSAGES = "passages.jsonl"
@@ -76,32 +79,28 @@ def as_corpus(passages: Passages, first_id: int = 0) -> Corpus:
 
 
 def concat_corpora(first: Corpus, second: Corpus) -> Corpus:
-    """Passages of ``first`` then of ``second``; a repeated id is an error (Corpus checks)."""
+    """Passages of ``first`` then of ``second`` (in memory, also when ``first`` was read from a file); a repeated
+    id is an error (Corpus checks)."""
     return Corpus(
-        first.ids + second.ids, first.titles + second.titles, first.texts + second.texts, first.doc_ids + second.doc_ids
+        first.ids + second.ids,
+        [*first.titles, *second.titles],
+        [*first.texts, *second.texts],
+        first.doc_ids + second.doc_ids,
     )
 
 
 def save_passages(corpus: Corpus, path: Path) -> None:
-    """The passages as JSONL, one ``{"id", "title", "text", "doc_id"}`` a line."""
-    lines = (
-        json.dumps({"id": i, "title": t, "text": x, "doc_id": d}, ensure_ascii=False)
-        for i, t, x, d in zip(corpus.ids, corpus.titles, corpus.texts, corpus.doc_ids)
-    )
-    atomic_write_text(path, "".join(f"{line}\n" for line in lines))
+    """The passages as JSONL, one ``{"id", "title", "text", "doc_id"}`` a line, written as they are read (a corpus
+    read from its file is never all in memory); the caller makes the write atomic (``Index.save``)."""
+    with open(path, "w", encoding="utf-8") as handle:
+        for i, t, x, d in zip(corpus.ids, corpus.titles, corpus.texts, corpus.doc_ids):
+            handle.write(json.dumps({"id": i, "title": t, "text": x, "doc_id": d}, ensure_ascii=False) + "\n")
 
 
 def load_passages(path: Path) -> Corpus:
-    """Read ``save_passages`` output back (the manifest has already verified the file)."""
-    ids, titles, texts, docs = [], [], [], []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            record = json.loads(line)
-            ids.append(record["id"])
-            titles.append(record["title"])
-            texts.append(record["text"])
-            docs.append(record["doc_id"])
-    return Corpus(ids, titles, texts, docs)
+    """Read ``save_passages`` output back: ids in memory, titles and texts read from the file when a search
+    returns them (``data.beir.PassageFile``)."""
+    return PassageFile.open(path, id_key="id")
 
 
 @dataclass

@@ -6,7 +6,8 @@ interrupted run resumes at the first unfinished block, and a run with another mo
 those rows (this private directory is cleared for it, where ``encode_sharded`` itself would refuse).
 Under torchrun (``torchrun --nproc_per_node N -m densepass index ...``) each process encodes its shard;
 rank 0 loads the corpus and writes the index, the others read only their shard's passages (streamed from a
-BEIR ``corpus.jsonl``; other layouts are loaded whole). ``faiss-ivfpq-disk`` (``index.ondisk``) is then
+BEIR ``corpus.jsonl``; other layouts are loaded whole). A BEIR ``corpus.jsonl`` is loaded as ids only, its
+titles and texts read from the file when needed (``data.beir.PassageFile``), in one process or several. ``faiss-ivfpq-disk`` (``index.ondisk``) is then
 trained by rank 0 on a sample of the shards and filled by each process from its shard, and its inverted
 lists are merged on disk by rank 0 (only the encoding resumes). SPLADE and ColBERT kinds (``pipelines.retrievers``)
 encode the corpus in one go (not resumable). The index is then saved atomically; the encoding files are
@@ -160,7 +161,7 @@ def index_dataset(
     dense kinds only, each process encoding its shard. Returns (the index, on rank 0 (else None); the
     dataset's name)."""
     if distributed.world_size() == 1:
-        dataset = load_dataset(name, data_dir, format)
+        dataset = load_dataset(name, data_dir, format, passages_on_disk=True)
         return build_index(dataset.corpus, output, settings), dataset.name
     if settings.kind not in SHARDED_KINDS:
         raise ConfigError(
@@ -173,7 +174,7 @@ def index_dataset(
     loaded: dict = {}
 
     def load() -> tuple[int, str, str]:
-        loaded["dataset"] = load_dataset(name, data_dir, format)
+        loaded["dataset"] = load_dataset(name, data_dir, format, passages_on_disk=True)
         corpus = loaded["dataset"].corpus
         return len(corpus), fingerprint_corpus(corpus), loaded["dataset"].name
 
