@@ -111,7 +111,7 @@ class PassageFile:
 
     def __init__(self, path: Path, ids: list[str], spans: np.ndarray, id_key: str = "_id") -> None:
         self.path, self.ids, self.spans, self.id_key = path, ids, spans, id_key
-        self._handle: BinaryIO = open(path, "rb")  # noqa: SIM115 (closed with the corpus)
+        self._handle: BinaryIO = open(path, "rb")  # closed with the corpus
         self._last: tuple[int, int, list[tuple[str, str]]] = (0, 0, [])
 
     def __getstate__(self) -> dict:
@@ -119,7 +119,7 @@ class PassageFile:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._handle, self._last = open(self.path, "rb"), (0, 0, [])  # noqa: SIM115
+        self._handle, self._last = open(self.path, "rb"), (0, 0, [])
 
     @classmethod
     def open(cls, path: Path, id_key: str = "_id") -> Corpus:

@@ -7,12 +7,12 @@ those rows (this private directory is cleared for it, where ``encode_sharded`` i
 Under torchrun (``torchrun --nproc_per_node N -m densepass index ...``) each process encodes its shard;
 rank 0 loads the corpus and writes the index, the others read only their shard's passages (streamed from a
 BEIR ``corpus.jsonl``; other layouts are loaded whole). A BEIR ``corpus.jsonl`` is loaded as ids only, its
-titles and texts read from the file when needed (``data.beir.PassageFile``), in one process or several. ``faiss-ivfpq-disk`` (``index.ondisk``) is then
-trained by rank 0 on a sample of the shards and filled by each process from its shard, and its inverted
-lists are merged on disk by rank 0 (only the encoding resumes). SPLADE and ColBERT kinds (``pipelines.retrievers``)
-encode the corpus in one go (not resumable). The index is then saved atomically; the encoding files are
-removed. Two processes building the same output are refused. ``hybrid`` fuses a dense index with BM25,
-or with a SPLADE index when ``sparse_model`` is given.
+titles and texts read from the file when needed (``data.beir.PassageFile``), in one process or several.
+``faiss-ivfpq-disk`` (``index.ondisk``) is then trained by rank 0 on a sample of the shards and filled by each
+process from its shard, and its inverted lists are merged on disk by rank 0 (only the encoding resumes). SPLADE
+and ColBERT kinds (``pipelines.retrievers``) encode the corpus in one go (not resumable). The index is then
+saved atomically; the encoding files are removed. Two processes building the same output are refused.
+``hybrid`` fuses a dense index with BM25, or with a SPLADE index when ``sparse_model`` is given.
 """
 
 from __future__ import annotations
