@@ -59,8 +59,8 @@ def peak_rss_mib(who: int = resource.RUSAGE_SELF) -> float:
 
 def build_corpus(source: str, data_dir: str | None, n: int, queries: int, out: Path, seed: int) -> Path:
     """A BEIR directory of ``n`` passages (debian-packages repeated) and ``queries`` train queries."""
-    done = out / "done.json"
-    if done.is_file() and json.loads(done.read_text()) == {"n": n, "queries": queries, "seed": seed}:
+    done, recipe = out / "done.json", {"source": source, "n": n, "queries": queries, "seed": seed}
+    if done.is_file() and json.loads(done.read_text()) == recipe:
         return out
     dataset = load_dataset(source, data_dir)
     corpus = dataset.corpus
@@ -82,7 +82,7 @@ def build_corpus(source: str, data_dir: str | None, n: int, queries: int, out: P
         handle.write("query-id\tcorpus-id\tscore\n")
         for j, (_, row) in enumerate(chosen):
             handle.write(f"q{j}\tp{row}\t1\n")
-    atomic_write_text(done, json.dumps({"n": n, "queries": queries, "seed": seed}))
+    atomic_write_text(done, json.dumps(recipe))
     return out
 
 
@@ -236,13 +236,17 @@ def measure(worker: str, processes: int, args: argparse.Namespace, data: Path, m
 
 
 def saved_model(args: argparse.Namespace) -> str:
-    """The model saved with the benchmark's max length, for ``densepass mine --strategy model``."""
+    """The model saved with the benchmark's max length, for ``densepass mine --strategy model`` (kept under the
+    fingerprint of the model's files and the max length, so another ``--model`` never reuses it)."""
+    from densepass.fingerprints import fingerprint_directory, fingerprint_json
     from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
 
-    path = Path(args.work_dir) / f"model-{args.max_length}"
+    source = resolve_model_path(args.model)
+    key = fingerprint_json([fingerprint_directory(source), args.max_length])[:16]
+    path = Path(args.work_dir) / f"model-{key}"
     if not (path / "config.json").is_file():
         config = BiEncoderConfig(query_max_length=args.max_length, passage_max_length=args.max_length)
-        BiEncoder.from_pretrained(resolve_model_path(args.model), config=config).save(path)
+        BiEncoder.from_pretrained(source, config=config).save(path)
     return str(path)
 
 

@@ -25,6 +25,14 @@ import torch
 from densepass.errors import ConfigError, DensepassError
 
 SEARCH_PRECISIONS = ("fp32", "bf16", "int8")
+SCORE_BLOCK_BYTES = 256 << 20
+"""The largest block of float32 scores (query chunk x passage chunk) a search holds at once: with the top-k
+selection's temporaries, a search's memory is a few times this, whatever the corpus and query counts."""
+
+
+def score_block_queries(passage_chunk: int) -> int:
+    """Queries per chunk so that a chunk's scores against ``passage_chunk`` passages fit ``SCORE_BLOCK_BYTES``."""
+    return max(1, SCORE_BLOCK_BYTES // (4 * max(1, passage_chunk)))
 
 
 def _on(rows: np.ndarray | torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -134,16 +142,18 @@ def exact_search(
     passages: np.ndarray | torch.Tensor,
     k: int,
     device: torch.device | None = None,
-    query_chunk: int = 4096,
+    query_chunk: int | None = None,
     passage_chunk: int = 262_144,
     half: bool = False,
     reduced: ReducedPassages | None = None,
     rescore: int = 4,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Top-``k`` (scores, indices) of every query by inner product, best first, equal scores by index.
+    """Top-``k`` (scores, indices) of every query by inner product, best first, equal scores by index; queries
+    and passages in chunks (``query_chunk`` None: as many queries as keep a chunk's scores within
+    ``SCORE_BLOCK_BYTES``).
 
-    With ``reduced`` (a bf16 / int8 copy of ``passages``), a first pass over it keeps ``rescore x k``
-    candidates per query, re-scored in float32 from ``passages`` (module docstring)."""
+        With ``reduced`` (a bf16 / int8 copy of ``passages``), a first pass over it keeps ``rescore x k``
+        candidates per query, re-scored in float32 from ``passages`` (module docstring)."""
     if len(passages) == 0:
         raise DensepassError("cannot search an empty corpus")
     if queries.shape[1] != passages.shape[1]:
@@ -158,6 +168,7 @@ def exact_search(
         else device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     )
     k = min(k, len(passages))
+    query_chunk = query_chunk or score_block_queries(min(passage_chunk, len(passages)))
     dtype = torch.float16 if half and device.type == "cuda" else torch.float32
     corpus_chunks = (
         []

@@ -42,7 +42,7 @@ from densepass.device import default_device, resolve_precision
 from densepass.errors import DataError, DataWarning, DensepassError
 from densepass.fingerprints import fingerprint_json, fingerprint_weights
 from densepass.index.embeddings import encode_in_blocks, encode_to_memmap
-from densepass.index.exact import exact_search, sort_by_score_then_row
+from densepass.index.exact import exact_search, score_block_queries, sort_by_score_then_row
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder
 
@@ -103,11 +103,13 @@ class ShardedEmbeddings:
         return self.plan.shard(self.rank)[0]
 
     def search(
-        self, queries: np.ndarray, k: int, device: torch.device | None = None, query_chunk: int = 4096
+        self, queries: np.ndarray, k: int, device: torch.device | None = None, query_chunk: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` (scores, corpus rows) of every query over the whole corpus, best first, equal scores by row;
-        the same on every process (each passes the same queries)."""
+        the same on every process (each passes the same queries). Queries go in chunks (``query_chunk`` None:
+        a block's scores within ``exact.SCORE_BLOCK_BYTES``), the same on every process."""
         k = min(k, self.plan.rows)
+        query_chunk = query_chunk or score_block_queries(self.plan.block)
         scores_out = np.empty((len(queries), k), dtype=np.float32)
         rows_out = np.empty((len(queries), k), dtype=np.int64)
         for qs in range(0, len(queries), query_chunk):
