@@ -242,9 +242,7 @@ def random_model(spec: str, work_dir: str) -> str:
     """A BERT of ``LAYERSxHIDDEN`` (e.g. ``1x64``) with random weights (seed 13) and MiniLM's tokenizer, saved
     under ``work_dir``: a model whose matrix products cost little, so that the benchmark measures the pipeline
     around it at corpus sizes MiniLM would take hours to encode on a CPU."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from densepass.models.biencoder import resolve_model_path
+    from densepass.models.load import save_random_bert
 
     try:
         layers, hidden = (int(x) for x in spec.lower().split("x"))
@@ -252,21 +250,7 @@ def random_model(spec: str, work_dir: str) -> str:
         raise SystemExit(f"--random-model: expected LAYERSxHIDDEN such as 1x64, got {spec!r}") from None
     if layers < 1 or hidden < 1 or hidden % 64:
         raise SystemExit(f"--random-model: layers >= 1 and a hidden size that is a multiple of 64, got {spec!r}")
-    path = Path(work_dir) / f"random-bert-{layers}x{hidden}"
-    if not (path / "config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
-        config = BertConfig(
-            vocab_size=tokenizer.vocab_size,
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=hidden // 64,
-            intermediate_size=4 * hidden,
-            max_position_embeddings=512,
-        )
-        torch.manual_seed(13)
-        BertModel(config).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-    return str(path)
+    return save_random_bert(Path(work_dir) / f"random-bert-{layers}x{hidden}", layers, hidden)
 
 
 def saved_model(args: argparse.Namespace) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset
 from densepass.evaluation.metrics import paired_significance, read_trec_run
+from densepass.models.load import save_random_bert
 from densepass.pipelines.experiment import run_experiment
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.trainer import pretrain
@@ -59,26 +60,7 @@ def parse_args() -> argparse.Namespace:
 
 def random_bert(args: argparse.Namespace) -> str:
     """A small BERT with random weights (seed 13) and MiniLM's tokenizer, saved under <out>/random-bert."""
-    path = Path(args.out) / "random-bert"
-    if not (path / "config.json").is_file():
-        import torch
-        from transformers import AutoTokenizer, BertConfig, BertModel
-
-        from densepass.models.biencoder import resolve_model_path
-
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
-        config = BertConfig(
-            vocab_size=tokenizer.vocab_size,
-            hidden_size=args.random_hidden,
-            num_hidden_layers=args.random_layers,
-            num_attention_heads=max(1, args.random_hidden // 64),
-            intermediate_size=4 * args.random_hidden,
-            max_position_embeddings=512,
-        )
-        torch.manual_seed(13)
-        BertModel(config).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-    return str(path)
+    return save_random_bert(Path(args.out) / "random-bert", args.random_layers, args.random_hidden)
 
 
 def initialisers(args: argparse.Namespace) -> dict[str, str]:
