@@ -152,8 +152,8 @@ def exact_search(
     and passages in chunks (``query_chunk`` None: as many queries as keep a chunk's scores within
     ``SCORE_BLOCK_BYTES``).
 
-        With ``reduced`` (a bf16 / int8 copy of ``passages``), a first pass over it keeps ``rescore x k``
-        candidates per query, re-scored in float32 from ``passages`` (module docstring)."""
+    With ``reduced`` (a bf16 / int8 copy of ``passages``), a first pass over it keeps ``rescore x k``
+    candidates per query, re-scored in float32 from ``passages`` (module docstring)."""
     if len(passages) == 0:
         raise DensepassError("cannot search an empty corpus")
     if queries.shape[1] != passages.shape[1]:
