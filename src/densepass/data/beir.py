@@ -12,7 +12,7 @@ import csv
 import itertools
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -103,11 +103,12 @@ class PassageFile:
     per passage in memory, not its text.
 
     ``PassageFile.open(path)`` reads the file once (every record checked as in :func:`read_corpus`) and returns
-    a :class:`Corpus` whose ``titles`` and ``texts`` are this file's two columns (:class:`PassageColumn`). A read
-    of rows ``a`` to ``b`` is one ``pread`` of their lines; the last rows read are kept, so a block's titles and
-    then its texts parse the lines once. The file stays open, so a file replaced by a new one (an index saved
-    again over it) is still read as it was; one changed in place, so that a row no longer holds the same
-    passage, is a ``DataError``. A copy or an unpickled corpus opens the file again."""
+    a :class:`Corpus` whose ``titles`` and ``texts`` are this file's two columns (``LazyTexts`` over
+    :meth:`titles` and :meth:`texts`). A read of rows ``a`` to ``b`` is one ``pread`` of their lines; the last
+    rows read are kept, so a block's titles and then its texts parse the lines once. The file stays open, so a
+    file replaced by a new one (an index saved again over it) is still read as it was; one changed in place, so
+    that a row no longer holds the same passage, is a ``DataError``. A copy or an unpickled corpus opens the
+    file again."""
 
     def __init__(self, path: Path, ids: list[str], spans: np.ndarray, id_key: str = "_id") -> None:
         self.path, self.ids, self.spans, self.id_key = path, ids, spans, id_key
@@ -146,7 +147,7 @@ class PassageFile:
             raise DataError(f"{path}: the corpus is empty")
         del seen
         file = cls(path, ids, np.frombuffer(spans, dtype=np.int64).reshape(-1, 2), id_key)
-        return Corpus(ids, PassageColumn(file, 0), PassageColumn(file, 1), doc_ids)
+        return Corpus(ids, LazyTexts(file.titles, len(ids)), LazyTexts(file.texts, len(ids)), doc_ids)
 
     def rows(self, start: int, end: int) -> list[tuple[str, str]]:
         """``(title, text)`` of rows ``start`` to ``end``."""
@@ -172,35 +173,18 @@ class PassageFile:
         self._last = (start, end, out)
         return out
 
+    def titles(self, start: int, end: int) -> list[str]:
+        """The titles of rows ``start`` to ``end``."""
+        return [title for title, _ in self.rows(start, end)]
+
+    def texts(self, start: int, end: int) -> list[str]:
+        """The texts of rows ``start`` to ``end``."""
+        return [text for _, text in self.rows(start, end)]
+
     def _changed(self, row: int) -> DataError:
         return DataError(
             f"{self.path}: row {row} is not passage {self.ids[row]!r} any more (the file changed after loading)"
         )
-
-
-class PassageColumn(Sequence[str]):
-    """The titles (``field`` 0) or texts (1) of a :class:`PassageFile`, as a read-only sequence."""
-
-    def __init__(self, file: PassageFile, field: int) -> None:
-        self.file, self.field = file, field
-
-    def __len__(self) -> int:
-        return len(self.file.ids)
-
-    def __getitem__(self, key):
-        if isinstance(key, slice):
-            start, stop, step = key.indices(len(self))
-            if step != 1:
-                return [self[i] for i in range(start, stop, step)]
-            return [row[self.field] for row in self.file.rows(start, max(start, stop))]
-        if not -len(self) <= key < len(self):
-            raise IndexError(key)
-        key %= len(self)
-        return self.file.rows(key, key + 1)[0][self.field]
-
-    def __iter__(self) -> Iterator[str]:
-        for start in range(0, len(self), 4096):
-            yield from self[start : start + 4096]
 
 
 def stream_passage_inputs(path: Path, sep_token: str, length: int) -> LazyTexts:
