@@ -18,7 +18,9 @@ threads per process (the same total). Rows:
 - densepass mine: ``torchrun --nproc_per_node P -m densepass mine --strategy model`` (qrels filter only);
   seconds = the mining itself (encode, search, filter), as the command reports it.
 - sentence-transformers mine: ``mine_hard_negatives(..., use_multi_process=["cpu"] * P)``, top-``--depth``
-  of ranks [0, depth + margin), the same queries and corpus (needs the ``datasets`` package).
+  of ranks [0, depth + margin), the same queries and corpus (needs the ``datasets`` package). Its exact
+  search holds a ``faiss_batch_size`` x N matrix of scores (16,384 queries by default, so all 10,000 queries
+  at once: 4 GB at N = 100k, 40 GB at 1M); ``--st-faiss-batch-size`` sets a smaller chunk.
 
 ``--random-model 1x64`` replaces the model by a 1-layer, 64-unit BERT with random weights (MiniLM's tokenizer):
 at 88 passages/s, MiniLM on 2 CPU cores would need hours per 1M-passage row.
@@ -183,6 +185,7 @@ def st_worker(args: argparse.Namespace) -> dict:
         batch_size=args.batch_size,
         output_format="n-tuple",
         use_multi_process=devices if args.processes > 1 else False,
+        **({"faiss_batch_size": args.st_faiss_batch_size} if args.st_faiss_batch_size else {}),
         verbose=False,
     )
     return {"seconds": time.perf_counter() - started}
@@ -217,7 +220,7 @@ def measure(worker: str, processes: int, args: argparse.Namespace, data: Path, m
         "--shards", str(run_dir), "--report", str(report), "--processes", str(processes),
         "--block", str(args.block), "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
         "--depth", str(args.depth),
-    ]  # fmt: skip
+    ] + (["--st-faiss-batch-size", str(args.st_faiss_batch_size)] if args.st_faiss_batch_size else [])  # fmt: skip
     launcher = [sys.executable]
     if worker in ("encode", "mine"):
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
@@ -225,7 +228,8 @@ def measure(worker: str, processes: int, args: argparse.Namespace, data: Path, m
     done = subprocess.run([*launcher, __file__, *common], env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
     if done.returncode != 0:
-        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1], "wall": wall}
+        (run_dir / "stderr.log").write_text(done.stderr)
+        return {"error": failure(done.returncode, done.stderr), "wall": wall}
     reports = [json.loads(line) for line in report.read_text().splitlines()]
     pool = worker.startswith("st") and processes > 1  # sentence-transformers' worker processes
     return {
@@ -236,6 +240,17 @@ def measure(worker: str, processes: int, args: argparse.Namespace, data: Path, m
         "processes": processes,
         "threads_per_process": threads,
     }
+
+
+def failure(returncode: int, stderr: str) -> str:
+    """How a measurement ended: killed by a signal (``SIGKILL``: most often the kernel's out-of-memory killer)
+    or its exit status, with the last stderr line that is not a warning (the whole stderr is kept beside the
+    report as ``stderr.log``)."""
+    import signal
+
+    how = f"killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exit status {returncode}"
+    lines = [line for line in stderr.strip().splitlines() if "warn" not in line.lower()]
+    return f"{how}: {lines[-1].strip()}" if lines else how
 
 
 def random_model(spec: str, work_dir: str) -> str:
@@ -285,6 +300,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--depth", type=int, default=50, help="negatives per query")
+    parser.add_argument(
+        "--st-faiss-batch-size",
+        type=int,
+        default=None,
+        help="sentence-transformers mine: queries per similarity chunk (default: its own, 16,384)",
+    )
     parser.add_argument("--systems", nargs="+", default=["encode", "st-encode", "mine", "st-mine"])
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--out", default=None)
