@@ -115,3 +115,75 @@ def test_training_logits_in_pieces_equal_one_forward(saved_cross_encoder):
     passages = ["python library", "a game", "the terminal shell with a long description of it", "mail"] * 4
     tokens = model.tokenize(queries, passages)
     torch.testing.assert_close(forward_in_pieces(model.logits, tokens, 24), model.logits(tokens), rtol=1e-5, atol=1e-5)
+
+
+def _classifier(name: str, **overrides) -> torch.nn.Module:
+    """A tiny random one-logit classifier of the ``transformers`` architecture ``name`` (seeded, eval mode)."""
+    import transformers
+
+    config_class = getattr(transformers, name.replace("ForSequenceClassification", "Config"))
+    settings = dict(vocab_size=120, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48)
+    settings.update(num_labels=1, max_position_embeddings=64, **overrides)
+    torch.manual_seed(5)
+    return getattr(transformers, name)(config_class(**settings)).eval()
+
+
+def _padded_tokens(rows: int = 6, width: int = 14) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 120, (rows, width), generator=generator)
+    mask = torch.ones_like(ids)
+    for row, length in enumerate([width, 9, 3, width, 1, 6][:rows]):
+        mask[row, length:] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 1), "attention_mask": mask}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "BertForSequenceClassification",
+        "RobertaForSequenceClassification",
+        "XLMRobertaForSequenceClassification",
+        "ElectraForSequenceClassification",
+    ],
+)
+def test_the_last_layer_on_the_first_position_only_gives_the_full_forwards_logits(name):
+    from densepass.models.cross_encoder import first_position_logits, reads_first_position
+
+    model = _classifier(name)
+    tokens = _padded_tokens()
+    assert reads_first_position(model)
+    with torch.inference_mode():
+        full = model(**tokens).logits.squeeze(-1)
+        torch.testing.assert_close(first_position_logits(model, tokens), full, rtol=1e-5, atol=1e-6)
+        # the shortcut changes nothing in the model: the full forward still gives every position
+        assert model.base_model(**tokens).last_hidden_state.shape == (6, 14, 32)
+        # padding matters to the first position: unmasking the pads changes its logits, so the mask is applied
+        unmasked = {**tokens, "attention_mask": torch.ones_like(tokens["attention_mask"])}
+        assert not torch.allclose(first_position_logits(model, unmasked)[1:3], full[1:3])
+
+
+def test_architectures_without_the_shortcut_are_scored_by_the_full_forward(saved_cross_encoder):
+    from densepass.models.cross_encoder import reads_first_position
+
+    relative = _classifier("BertForSequenceClassification", position_embedding_type="relative_key")
+    distil = _classifier(
+        "DistilBertForSequenceClassification", vocab_size=30522, dim=32, n_layers=2, n_heads=4, hidden_dim=48
+    )
+    training = _classifier("BertForSequenceClassification").train()
+    assert not any(reads_first_position(m) for m in (relative, distil, training))
+    model, _ = saved_cross_encoder
+    scorer = CrossEncoder(distil, model.tokenizer, max_length=48, device=CPU, precision="fp32")
+    tokens = scorer.tokenize(QUERIES, PASSAGES)
+    with torch.inference_mode():
+        full = distil(**tokens).logits.squeeze(-1).numpy()
+    np.testing.assert_allclose(scorer.score_pairs(QUERIES, PASSAGES), full, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_scoring_with_the_shortcut_stays_near_the_full_forward(saved_cross_encoder):
+    from densepass.models.cross_encoder import _logits, first_position_logits
+
+    model, _ = saved_cross_encoder
+    tokens = model.tokenize(QUERIES, PASSAGES)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        short, full = first_position_logits(model.model, tokens), _logits(model.model, tokens)
+    torch.testing.assert_close(short, full, rtol=0.02, atol=0.02)

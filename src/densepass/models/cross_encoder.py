@@ -9,15 +9,17 @@ A saved cross-encoder is a plain Hugging Face directory that ``transformers`` an
 as the activation (``predict`` returns the raw logits) and its tokenizer's ``model_max_length`` is the
 cross-encoder's truncation length.
 
-Scoring tokenises pairs in large chunks (in a worker thread, ahead of the model) and batches them by
-token length (little padding), in one of three precisions (``device.resolve_precision``; ``auto`` is bf16 where
-bfloat16 is faster than float32: a GPU, or a CPU with AMX or AMD's AVX512-BF16, else fp32):
-``fp32``; ``bf16``, under bf16 autocast, with the one-logit output layer kept in float32 (``fp32_logit_layer``: a
-bf16 logit has 8 significant bits, so candidates with close scores tie: with a bf16 output layer, 393 and 381 of 500
-SQuAD dev questions had ties in their reranked BM25 and bi-encoder top 20, docs/experiments.md); ``int8`` (CPU
-only), with a copy whose linear layers are dynamically quantised (``models.quantize``: int8 weights with a scale per
-output channel, activations with one scale per batch), made once and reused until the weights change. As for the bi-
-encoder, the feed-forward output projections stay float32: quantising them too moves scores further from fp32
+Scoring tokenises pairs in large chunks (in a worker thread, ahead of the model), batches them by token length
+(little padding) and, for BERT, RoBERTa, XLM-R and ELECTRA classifiers, runs the last layer on the first position
+only, the one the head reads (``first_position_logits``: the same logits for about 14% fewer multiply-adds in a
+6-layer model). It runs in one of three precisions (``device.resolve_precision``; ``auto`` is bf16 where bfloat16 is
+faster than float32: a GPU, or a CPU with AMX or AMD's AVX512-BF16, else fp32): ``fp32``; ``bf16``, under bf16
+autocast, with the one-logit output layer kept in float32 (``fp32_logit_layer``: a bf16 logit has 8 significant
+bits, so candidates with close scores tie: with a bf16 output layer, 393 and 381 of 500 SQuAD dev questions had ties
+in their reranked BM25 and bi-encoder top 20, docs/experiments.md); ``int8`` (CPU only), with a copy whose linear
+layers are dynamically quantised (``models.quantize``: int8 weights with a scale per output channel, activations
+with one scale per batch, so it runs the full last layer), made once and reused until the weights change. As for the
+bi-encoder, the feed-forward output projections stay float32: quantising them too moves scores further from fp32
 (``experiments/rerank_int8.py``, docs/experiments.md: a MiniLM cross-encoder trained on debian-packages, 100 dev
 queries x 20 candidates, mean Spearman per query to fp32 0.90 with them quantised, 0.94 without, mean absolute
 difference 0.60 and 0.33 for a score spread (std) of 3.1; MiniLM with a new head, 40 x 20: 0.84 and 0.90). int8
@@ -58,6 +60,62 @@ IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activati
 def _logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
     """One float32 logit per tokenised pair of a one-logit sequence-classification model."""
     return model(**tokens).logits.float().squeeze(-1)
+
+
+# The head over the last layer's first position, per architecture whose classifier reads only that position.
+_CLS_HEADS = {
+    "BertForSequenceClassification": lambda m, first: m.classifier(m.dropout(m.bert.pooler(first))),
+    "RobertaForSequenceClassification": lambda m, first: m.classifier(first),
+    "XLMRobertaForSequenceClassification": lambda m, first: m.classifier(first),
+    "ElectraForSequenceClassification": lambda m, first: m.classifier(first),
+}
+
+
+def reads_first_position(model: torch.nn.Module) -> bool:
+    """Whether ``first_position_logits`` knows ``model``: a BERT, RoBERTa, XLM-R or ELECTRA classifier (their
+    heads read only the first position) with absolute positions, an encoder (not a decoder), in eval mode."""
+    config = model.config
+    return (
+        type(model).__name__ in _CLS_HEADS
+        and not model.training
+        and not config.is_decoder
+        and getattr(config, "position_embedding_type", "absolute") == "absolute"
+    )
+
+
+def first_position_logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``_logits(model, tokens)`` computed with the last layer on the first position only (where the
+    classifier reads), for the architectures ``reads_first_position`` accepts.
+
+    The classification head reads the last layer's first position alone, and that position depends on every
+    position of the layer below only through the last layer's keys and values. So the layers below run as
+    usual (a view of the base model that shares its modules without the last layer), and the last layer
+    projects keys and values for every position but its query, attention output and feed-forward for the
+    first position only: of a layer's 12 h^2 multiply-adds per token (query, key, value and output 4 h^2,
+    feed-forward 8 h^2) it keeps the 2 h^2 of the keys and values, about 14% of a 6-layer model's products.
+    The result equals the full forward up to float rounding (tests/test_cross_encoder.py, every architecture).
+    """
+    base = model.base_model
+    below = copy.copy(base.encoder)  # shares its modules with ``base``; nothing in the model changes
+    below._modules = {**below._modules, "layer": torch.nn.ModuleList(list(base.encoder.layer)[:-1])}
+    trunk = copy.copy(base)
+    trunk._modules = {**trunk._modules, "encoder": below}
+    if "pooler" in trunk._modules:
+        trunk._modules["pooler"] = None
+    hidden = trunk(**tokens).last_hidden_state
+    last = base.encoder.layer[-1]
+    attention = last.attention.self
+    rows, width, _ = hidden.shape
+    heads, size = attention.num_attention_heads, attention.attention_head_size
+    first = hidden[:, :1]
+    query = attention.query(first).view(rows, 1, heads, size).transpose(1, 2)
+    key = attention.key(hidden).view(rows, width, heads, size).transpose(1, 2)
+    value = attention.value(hidden).view(rows, width, heads, size).transpose(1, 2)
+    mask = tokens["attention_mask"].bool()[:, None, None, :]
+    context = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    state = last.attention.output(context.transpose(1, 2).reshape(rows, 1, heads * size), first)
+    state = last.feed_forward_chunk(state)
+    return _CLS_HEADS[type(model).__name__](model, state).float().squeeze(-1)
 
 
 def _fp32_linear(module: torch.nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -231,13 +289,17 @@ class CrossEncoder:
         Pairs are tokenised a chunk at a time in one call (the fast tokenizer's threads share the work),
         in a worker thread one chunk ahead of the model; each chunk is cut into batches of equal token
         length, longest first, padded only to their own longest pair (on the CPU, a batch runs in pieces of
-        ``CPU_PIECE_TOKENS``: ``models.batching.forward_in_pieces``)."""
+        ``CPU_PIECE_TOKENS``: ``models.batching.forward_in_pieces``); in fp32 and bf16 the last layer runs on
+        the first position only where the architecture allows (``first_position_logits``)."""
         if len(queries) != len(passages):
             raise ConfigError(f"{len(queries)} queries but {len(passages)} passages")
         precision = self.precision if precision is None else resolve_precision(precision, self.device)
         was_training = self.model.training
         self.model.eval()
-        forward = partial(_logits, self.quantized_model() if precision == "int8" else self.model)
+        if precision == "int8":  # one activation scale per batch: the shortcut's smaller batches round differently
+            forward = partial(_logits, self.quantized_model())
+        else:
+            forward = partial(first_position_logits if reads_first_position(self.model) else _logits, self.model)
         out = np.empty(len(queries), dtype=np.float32)
         tokenizer = copy.deepcopy(self.tokenizer)
         chunks = [range(s, min(s + TOKENIZE_CHUNK, len(queries))) for s in range(0, len(queries), TOKENIZE_CHUNK)]
