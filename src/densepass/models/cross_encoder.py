@@ -63,7 +63,7 @@ def _logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor]) -> torch.Te
 
 
 # The head over the last layer's first position, per architecture whose classifier reads only that position.
-_CLS_HEADS = {
+_FIRST_POSITION_HEADS = {
     "BertForSequenceClassification": lambda m, first: m.classifier(m.dropout(m.bert.pooler(first))),
     "RobertaForSequenceClassification": lambda m, first: m.classifier(first),
     "XLMRobertaForSequenceClassification": lambda m, first: m.classifier(first),
@@ -76,7 +76,7 @@ def reads_first_position(model: torch.nn.Module) -> bool:
     heads read only the first position) with absolute positions, an encoder (not a decoder), in eval mode."""
     config = model.config
     return (
-        type(model).__name__ in _CLS_HEADS
+        type(model).__name__ in _FIRST_POSITION_HEADS
         and not model.training
         and not config.is_decoder
         and getattr(config, "position_embedding_type", "absolute") == "absolute"
@@ -89,8 +89,8 @@ def first_position_logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor
 
     The classification head reads the last layer's first position alone, and that position depends on every
     position of the layer below only through the last layer's keys and values. So the layers below run as
-    usual (a view of the base model that shares its modules without the last layer), and the last layer
-    projects keys and values for every position but its query, attention output and feed-forward for the
+    usual (a view of the base model that shares its modules, without the last layer), and the last layer
+    projects keys and values for every position, and the query, attention output and feed-forward for the
     first position only: of a layer's 12 h^2 multiply-adds per token (query, key, value and output 4 h^2,
     feed-forward 8 h^2) it keeps the 2 h^2 of the keys and values, about 14% of a 6-layer model's products.
     The result equals the full forward up to float rounding (tests/test_cross_encoder.py, every architecture).
@@ -115,7 +115,7 @@ def first_position_logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor
     context = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
     state = last.attention.output(context.transpose(1, 2).reshape(rows, 1, heads * size), first)
     state = last.feed_forward_chunk(state)
-    return _CLS_HEADS[type(model).__name__](model, state).float().squeeze(-1)
+    return _FIRST_POSITION_HEADS[type(model).__name__](model, state).float().squeeze(-1)
 
 
 def _fp32_linear(module: torch.nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
