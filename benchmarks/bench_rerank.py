@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import StepClock, environment, markdown_table, pick_device, rate, sync, write_json
+from common import StepClock, environment, markdown_table, pick_device, rate, timer, write_json
 from densepass.config import RerankerTrainConfig
 from densepass.data import load_dataset
 from densepass.device import autocast_context, resolve_precision, uses_bf16
@@ -140,11 +140,9 @@ def best_of_interleaved(repeats: int, device: torch.device, fns: dict) -> dict[s
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            sync(device)
-            started = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - started)
+            with timer(device) as took:
+                fn()
+            times[name].append(took())
     return {name: min(seconds) for name, seconds in times.items()}
 
 
