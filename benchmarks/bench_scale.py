@@ -319,6 +319,8 @@ def main() -> None:
         run_worker(args)
         return
 
+    if args.st_faiss_batch_size is not None and args.st_faiss_batch_size < 1:
+        raise SystemExit(f"--st-faiss-batch-size must be >= 1, got {args.st_faiss_batch_size}")
     if args.random_model:
         args.model = random_model(args.random_model, args.work_dir)
     data = build_corpus(args.dataset, args.data_dir, args.n, args.queries, Path(args.work_dir) / f"data-{args.n}", 13)
