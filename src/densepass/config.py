@@ -183,6 +183,13 @@ class TrainConfig:
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the mean loss to train_log.jsonl every N steps", min=1)
     seed: int = option(13, "seed of batches, negatives sampling, dropout and new weights")
+    wise_ft: float | None = option(
+        None,
+        "wise-ft: the saved model is (1 - a) x starting weights + a x fine-tuned weights with a this value (the"
+        " fine-tuned weights are kept in model-fine-tuned/); null: the fine-tuned weights",
+        above=0,
+        max=1,
+    )
     token_cache: bool = option(
         False,
         "tokenise the training texts once per run (cached under the run directory) instead of every step; off by"

@@ -44,6 +44,7 @@ from densepass.index.dense import DenseIndex
 from densepass.io import atomic_write_text, exclusive_lock
 from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.interpolate import interpolate_weights, snapshot
 from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
 from densepass.negatives.pool import passage_ids, save_pool
 from densepass.pipelines import retrievers
@@ -362,9 +363,15 @@ def training_data(exp: Experiment, model: BiEncoder, pool: TrainingPool, teacher
 
 
 def fine_tune(
-    exp: Experiment, model: BiEncoder, pool: TrainingPool, objective: Objective, teacher: Scores | None = None
+    exp: Experiment,
+    model: BiEncoder,
+    pool: TrainingPool,
+    objective: Objective,
+    teacher: Scores | None = None,
+    start: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Train ``model`` in place on ``objective`` (resuming from the run's checkpoints) and save it to ``model/``."""
+    """Train ``model`` in place on ``objective`` (resuming from the run's checkpoints) and save it to ``model/``;
+    with ``start`` (the weights before training) and ``train.wise_ft``, the saved model is their interpolation."""
     config, run_dir = exp.config, exp.run_dir
     started = time.perf_counter()
     data = training_data(exp, model, pool, teacher)
@@ -424,6 +431,13 @@ def fine_tune(
         planner.close()
     if not exp.main:
         return
+    if start is not None:
+        model.save(run_dir / "model-fine-tuned")
+        interpolate_weights(model, start, config.train.wise_ft)
+        exp.notes.append(
+            f"wise-ft: the saved and evaluated model is {1 - config.train.wise_ft:g} x the starting weights + "
+            f"{config.train.wise_ft:g} x the fine-tuned ones (those alone: model-fine-tuned/)."
+        )
     model.save(run_dir / "model")
     shutil.rmtree(run_dir / "schedule", ignore_errors=True)  # the epochs' scheduling embeddings: done with
     exp.timings["train_s"] = time.perf_counter() - started
@@ -528,7 +542,8 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
         evaluate_baselines(exp, model)
         teacher = prepare_cross_encoder(exp, pool, pairs)
         if config.train.enabled:
-            fine_tune(exp, model, pool, objective_of(config, model), teacher)
+            start = snapshot(model) if config.train.wise_ft is not None else None
+            fine_tune(exp, model, pool, objective_of(config, model), teacher, start)
             if main:
                 started = time.perf_counter()
                 exp.results["fine-tuned"] = evaluate_dense(exp, model, "fine-tuned")
