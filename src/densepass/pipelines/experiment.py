@@ -310,6 +310,7 @@ def mine_training_pool(exp: Experiment, model: BiEncoder) -> TrainingPool:
     """The training queries and, when the run needs them, their hard negatives (not yet written)."""
     config, dataset = exp.config, exp.dataset
     neg = config.negatives
+    started = time.perf_counter()
     train_qids = sorted(dataset.sample(config.data.train_split, config.data.max_train_queries, config.data.seed))
     if not needs_pool(config):
         return TrainingPool(train_qids)
@@ -328,6 +329,7 @@ def mine_training_pool(exp: Experiment, model: BiEncoder) -> TrainingPool:
     prepare_miners(dataset, train_qids, neg, context)
     mined = mine_negatives(dataset, train_qids, neg, context, model.tokenizer.sep_token or " ")
     exp.notes.append(f"Hard negatives ({neg.source}): {mined.summary()}.")
+    exp.timings["mining_s"] = time.perf_counter() - started
     return TrainingPool(train_qids, mined, context)
 
 

@@ -1,0 +1,396 @@
+"""The recipe study: which ingredients make the best MiniLM retriever on debian-packages, beside
+sentence-transformers' own recipe, and what each costs out of domain.
+
+    python experiments/recipe.py --out outputs/recipe                          # every row, then the report
+    python experiments/recipe.py --only "README recipe" "+ 3 hard negatives"  # some rows
+    PYTHONPATH=src venv-bench/bin/python experiments/recipe.py --stage st    # sentence-transformers' recipe
+    python experiments/recipe.py --stage wise-ft --wise-ft-row "README recipe" --alphas 0.25 0.5 0.75
+    python experiments/recipe.py --stage report
+
+**Rows are cumulative**: each keeps every ingredient of the row above and adds one (``ROWS``), and is
+compared with the row above by a paired randomization test (fisher-test) on the same dev queries. Every row
+fine-tunes all-MiniLM-L6-v2 on the same seeded sample of ``--train-queries`` debian-packages train queries
+(configs/recipe.yaml: batch 32, lr 5e-5, one BM25 hard negative in the first row) and is evaluated on a
+seeded sample of dev queries over the **full corpus** (60,240 passages), then zero-shot **out of domain** on
+the squad split's 760 dev questions (configs/recipe_ood.yaml: nDCG@10 and top-k answer accuracy) next to
+the zero-shot MiniLM it started from.
+
+Beside the rows:
+
+- ``--stage st``: **sentence-transformers' recipe** at the same model, training queries, steps, batch,
+  learning rate, warm-up, lengths and precision: ``mine_hard_negatives`` with the starting model (the
+  settings of its documented hard-negative datasets: skip the top 10, sample among the top 50 below the
+  positive's score) and ``SentenceTransformerTrainer`` with ``MultipleNegativesRankingLoss`` (scale 20 =
+  temperature 0.05) and its no-duplicates batch sampler; the model it saves is evaluated by the same code.
+  Needs the ``datasets`` package (the benchmarks' environment).
+- ``--stage wise-ft``: wise-ft interpolations of one row's model with the starting weights
+  (``densepass.models.interpolate``), each evaluated in and out of domain like a row.
+
+Every run is an ordinary ``densepass run`` directory under ``<out>/runs`` (resumable; a finished one is
+skipped). The report (<out>/report.md, report.json) gives each row's metrics, the paired tests, the
+out-of-domain numbers and each row's cost: mining + training seconds as the run measured them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from densepass.cli import run_guarded
+from densepass.config import ExperimentConfig, load_config
+from densepass.data import load_dataset
+from densepass.evaluation.metrics import paired_significance, read_trec_run
+from densepass.pipelines.experiment import run_experiment
+
+README = "README recipe"
+ST = "sentence-transformers recipe"
+ROWS: dict[str, list[str]] = {
+    README: [],
+    "+ 3 hard negatives": ["negatives.per_query=3"],
+    "+ MiniLM dense negatives (mixed with BM25)": [
+        "negatives.source=mixed",
+        "negatives.mix=[bm25, model]",
+        "negatives.model=all-MiniLM-L6-v2",
+    ],
+    "+ ABS batches": ["schedule.method=abs-greedy"],
+    "+ 2 epochs": ["train.epochs=2"],
+    "+ pre-batch negatives T=4": ["loss.memory=pre-batch", "loss.pre_batches=4"],
+}
+IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]
+OUT_OF_DOMAIN = ["ndcg@10", "accuracy@1", "accuracy@5", "accuracy@20"]
+
+
+def slug(name: str) -> str:
+    """A run directory name for a row."""
+    text = "".join(c if c.isascii() and c.isalnum() else "-" for c in name.lower())
+    while "--" in text:
+        text = text.replace("--", "-")
+    return text.strip("-")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="outputs/recipe")
+    parser.add_argument("--config", default="configs/recipe.yaml")
+    parser.add_argument("--ood-config", default="configs/recipe_ood.yaml")
+    parser.add_argument("--stage", choices=["all", "train", "st", "wise-ft", "report"], default="all")
+    parser.add_argument("--only", nargs="*", default=None, choices=list(ROWS), metavar="ROW")
+    parser.add_argument("--train-queries", type=int, default=8192, help="training queries of every row")
+    parser.add_argument("--eval-queries", type=int, default=2000, help="dev queries (seeded sample), full corpus")
+    parser.add_argument("--wise-ft-row", default=README, choices=list(ROWS), metavar="ROW")
+    parser.add_argument("--alphas", nargs="*", type=float, default=[0.5])
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--set", action="append", default=[], help="extra config overrides for every row")
+    parser.add_argument("--ood-set", action="append", default=[], help="overrides of the out-of-domain config")
+    args = parser.parse_args()
+    for name, value in (("--train-queries", args.train_queries), ("--eval-queries", args.eval_queries)):
+        if value < 1:
+            parser.error(f"{name} must be >= 1, got {value}")
+    if any(not 0 < a <= 1 for a in args.alphas):
+        parser.error(f"--alphas must lie in (0, 1], got {args.alphas}")
+    return args
+
+
+def common_overrides(args: argparse.Namespace) -> list[str]:
+    return [
+        f"output_dir={Path(args.out) / 'runs'}",
+        f"data.max_train_queries={args.train_queries}",
+        f"data.max_eval_queries={args.eval_queries}",
+        *([f"data.data_dir={args.data_dir}"] if args.data_dir else []),
+    ]
+
+
+def row_config(args: argparse.Namespace, name: str) -> ExperimentConfig:
+    """A row's config: the shared recipe, every ingredient up to and including the row's, the overrides."""
+    ingredients = []
+    for row, keys in ROWS.items():
+        ingredients += keys
+        if row == name:
+            break
+    first = ["eval.baselines=[bm25, zero-shot]"] if name == README else []
+    return load_config(args.config, [f"name={slug(name)}", *common_overrides(args), *ingredients, *first, *args.set])
+
+
+def evaluation_config(args: argparse.Namespace, name: str, model_path: Path) -> ExperimentConfig:
+    """A saved model evaluated in domain with a row's settings and no training (its result: "zero-shot")."""
+    return load_config(
+        args.config,
+        [
+            f"name={slug(name)}",
+            *common_overrides(args),
+            f"model.name_or_path={model_path}",
+            "train.enabled=false",
+            "negatives.source=none",
+            "eval.baselines=[zero-shot]",
+            *args.set,
+        ],
+    )
+
+
+def ood_config(args: argparse.Namespace, name: str, model_path: str) -> ExperimentConfig:
+    """A saved model (or MiniLM) evaluated zero-shot on the squad split."""
+    return load_config(
+        args.ood_config,
+        [
+            f"name={slug(name)}",
+            f"output_dir={Path(args.out) / 'ood'}",
+            f"model.name_or_path={model_path}",
+            *([f"data.data_dir={args.data_dir}"] if args.data_dir else []),
+            *args.ood_set,
+        ],
+    )
+
+
+def run_once(config: ExperimentConfig) -> None:
+    """``run_experiment`` unless the run directory already holds its metrics."""
+    if (config.run_dir / "metrics.json").is_file():
+        print(f"done: {config.run_dir}", flush=True)
+        return
+    run_experiment(config)
+
+
+def evaluate_out_of_domain(args: argparse.Namespace, name: str, model_path: str) -> None:
+    run_once(ood_config(args, name, model_path))
+
+
+def run_rows(args: argparse.Namespace) -> None:
+    evaluate_out_of_domain(args, "zero-shot MiniLM", load_config(args.config).model.name_or_path)
+    for name in args.only or ROWS:
+        config = row_config(args, name)
+        print(f"== {name}: {' '.join(ROWS[name]) or 'configs/recipe.yaml'}", flush=True)
+        run_once(config)
+        evaluate_out_of_domain(args, name, str(config.run_dir / "model"))
+
+
+def train_sentence_transformers(args: argparse.Namespace) -> None:
+    """sentence-transformers' recipe on the README row's queries and budget, saved to <out>/st-model, then
+    evaluated like a row."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers.losses import MultipleNegativesRankingLoss
+    from sentence_transformers.training_args import BatchSamplers, SentenceTransformerTrainingArguments
+
+    from densepass.models.biencoder import resolve_model_path
+
+    config = row_config(args, README)
+    model_dir = Path(args.out) / "st-model"
+    timings_path = Path(args.out) / "st-timings.json"
+    if not (model_dir / "config.json").is_file():
+        data, train = config.data, config.train
+        dataset = load_dataset(data.name, data.data_dir, data.format)
+        query_ids = sorted(dataset.sample(data.train_split, data.max_train_queries, data.seed))
+        positives = dataset.positives(data.train_split)
+        model = SentenceTransformer(resolve_model_path(config.model.name_or_path), device="cpu")
+        model.max_seq_length = config.model.passage_max_length
+        texts = dataset.corpus.passage_inputs(model.tokenizer.sep_token)
+        pairs = Dataset.from_dict(
+            {
+                "query": [dataset.queries[q] for q in query_ids],
+                "positive": [texts[dataset.corpus.position(positives[q][0])] for q in query_ids],
+            }
+        )
+        started = time.perf_counter()
+        triplets = mine_hard_negatives_st(pairs, model, texts, config.negatives.per_query, config.eval.batch_size)
+        mining_s = time.perf_counter() - started
+        steps = len(query_ids) // train.batch_size * train.epochs
+        training_args = SentenceTransformerTrainingArguments(
+            output_dir=str(Path(args.out) / "st-checkpoints"),
+            per_device_train_batch_size=train.batch_size,
+            num_train_epochs=train.epochs,
+            learning_rate=train.learning_rate,
+            warmup_ratio=train.warmup_ratio,
+            weight_decay=train.weight_decay,
+            batch_sampler=BatchSamplers.NO_DUPLICATES,
+            use_cpu=True,
+            bf16=False,
+            save_strategy="no",
+            report_to="none",
+            logging_steps=max(1, steps // 16),
+            seed=train.seed,
+            dataloader_drop_last=True,
+        )
+        trainer = SentenceTransformerTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=triplets,
+            loss=MultipleNegativesRankingLoss(model, scale=1 / config.model.temperature),
+        )
+        started = time.perf_counter()
+        trainer.train()
+        training_s = time.perf_counter() - started
+        model.save(str(model_dir))
+        timings_path.write_text(
+            json.dumps({"mining_s": mining_s, "train_s": training_s, "steps": trainer.state.global_step}, indent=2)
+        )
+    run_once(evaluation_config(args, ST, model_dir))
+    evaluate_out_of_domain(args, ST, str(model_dir))
+
+
+def mine_hard_negatives_st(pairs, model, corpus: list[str], per_query: int, batch_size: int):
+    """sentence-transformers' ``mine_hard_negatives`` with the settings of its published hard-negative datasets
+    (e.g. natural-questions-hard-negatives): skip the top 10, sample at random among ranks 10-50 below the
+    positive's score."""
+    from sentence_transformers.util import mine_hard_negatives
+
+    return mine_hard_negatives(
+        pairs,
+        model,
+        corpus=corpus,
+        range_min=10,
+        range_max=50,
+        absolute_margin=0.0,
+        num_negatives=per_query,
+        sampling_strategy="random",
+        batch_size=batch_size,
+        output_format="triplet" if per_query == 1 else "n-tuple",
+        verbose=False,
+    )
+
+
+def wise_ft_name(row: str, alpha: float) -> str:
+    return f"{row}, wise-ft α={alpha:g}"
+
+
+def run_wise_ft(args: argparse.Namespace) -> None:
+    """Interpolations of ``--wise-ft-row``'s model with the starting weights, evaluated like rows."""
+    from densepass.models.biencoder import BiEncoder
+    from densepass.models.interpolate import interpolate_weights, snapshot
+
+    config = row_config(args, args.wise_ft_row)
+    start = snapshot(BiEncoder.from_pretrained(config.model.name_or_path))
+    for alpha in args.alphas:
+        name = wise_ft_name(args.wise_ft_row, alpha)
+        model_dir = Path(args.out) / "wise-ft" / slug(name)
+        if not (model_dir / "densepass.json").is_file():
+            model = BiEncoder.from_pretrained(str(config.run_dir / "model"))
+            interpolate_weights(model, start, alpha).save(model_dir)
+        evaluate_out_of_domain(args, name, str(model_dir))
+        run_once(evaluation_config(args, name, model_dir))
+
+
+def load_result(run_dir: Path, system: str) -> tuple[dict, dict] | None:
+    """(metrics of ``system``, the run's timings) from a finished run directory, or None."""
+    path = run_dir / "metrics.json"
+    if not path.is_file():
+        return None
+    stored = json.loads(path.read_text())
+    return stored["results"][system], stored["timings"]
+
+
+def report(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    rows: dict[str, dict] = {}  # name -> {"in": metrics, "ood": metrics, "cost_s": ..., "run": trec path}
+    ood_dir = out / "ood"
+    baseline_ood = load_result(ood_dir / slug("zero-shot MiniLM"), "zero-shot")
+
+    def add(name: str, run_dir: Path, system: str, cost_s: float | None, steps: int | None = None) -> None:
+        found = load_result(run_dir, system)
+        if found is None:
+            return
+        ood = load_result(ood_dir / slug(name), "zero-shot")
+        rows[name] = {
+            "in": found[0],
+            "ood": ood[0] if ood else None,
+            "cost_s": cost_s,
+            "steps": steps,
+            "trec": str(run_dir / "runs" / f"{system}.trec"),
+        }
+
+    readme_dir = row_config(args, README).run_dir
+    baselines = load_result(readme_dir, "BM25"), load_result(readme_dir, "zero-shot")
+    for name in ROWS:
+        config = row_config(args, name)
+        found = load_result(config.run_dir, "fine-tuned")
+        if found is not None:
+            timings = found[1]
+            log = (config.run_dir / "train_log.jsonl").read_text().splitlines()
+            steps = json.loads(log[-1])["step"]
+            add(name, config.run_dir, "fine-tuned", timings.get("train_s", 0) + timings.get("mining_s", 0), steps)
+    st_timings = out / "st-timings.json"
+    if st_timings.is_file():
+        stored = json.loads(st_timings.read_text())
+        cost = stored["mining_s"] + stored["train_s"]
+        add(ST, evaluation_config(args, ST, out).run_dir, "zero-shot", cost, stored["steps"])
+    for alpha in args.alphas:
+        name = wise_ft_name(args.wise_ft_row, alpha)
+        add(name, evaluation_config(args, name, out).run_dir, "zero-shot", None)
+    data = row_config(args, README).data
+    qrels = load_dataset(data.name, data.data_dir, data.format).sample(
+        data.eval_split, data.max_eval_queries, data.seed
+    )
+    runs = {name: read_trec_run(row["trec"]) for name, row in rows.items()}
+    tests = {}
+    order = [n for n in ROWS if n in rows]
+    for above, name in zip(order, order[1:]):
+        tests[name] = {"against": above, **_test(qrels, runs, above, name)}
+    if ST in rows and README in rows:
+        best = max(order, key=lambda n: rows[n]["in"]["mrr@10"])
+        for rival in dict.fromkeys([README, best]):
+            tests[f"{rival} vs {ST}"] = {"against": ST, **_test(qrels, runs, ST, rival)}
+    for name in rows:
+        if "wise-ft" in name:
+            tests[name] = {"against": args.wise_ft_row, **_test(qrels, runs, args.wise_ft_row, name)}
+    text = render(args, rows, tests, baselines, baseline_ood)
+    (out / "report.md").write_text(text)
+    (out / "report.json").write_text(json.dumps({"rows": rows, "tests": tests}, indent=2))
+    print(text)
+
+
+def _test(qrels, runs, baseline: str, name: str) -> dict:
+    return paired_significance(qrels, {baseline: runs[baseline], name: runs[name]}, baseline, "mrr@10")[name]
+
+
+def render(args, rows: dict, tests: dict, baselines, baseline_ood) -> str:
+    head = "| row | " + " | ".join(IN_DOMAIN) + " | Δ MRR@10 (vs) | p | squad " + " | squad ".join(OUT_OF_DOMAIN)
+    lines = [head + " | steps | mining + training s |", "|---|" + "---:|" * (len(IN_DOMAIN) + len(OUT_OF_DOMAIN) + 4)]
+
+    def cells(values: dict | None, names: list[str]) -> str:
+        return " | ".join(f"{values[m]:.4f}" if values else "" for m in names)
+
+    for label, found, ood in (("BM25", baselines[0], None), ("zero-shot MiniLM", baselines[1], baseline_ood)):
+        if found:
+            lines.append(f"| {label} | {cells(found[0], IN_DOMAIN)} | | | {cells(ood and ood[0], OUT_OF_DOMAIN)} | | |")
+    for name, row in rows.items():
+        test = tests.get(name)
+        delta = f"{test['delta']:+.4f} ({test['against']})" if test else ""
+        p = f"{test['p']:.4f}" if test else ""
+        cost = f"{row['cost_s']:.0f}" if row["cost_s"] is not None else ""
+        steps = row["steps"] if row["steps"] is not None else ""
+        lines.append(
+            f"| {name} | {cells(row['in'], IN_DOMAIN)} | {delta} | {p} | {cells(row['ood'], OUT_OF_DOMAIN)} | {steps} "
+            f"| {cost} |"
+        )
+    extra = [
+        f"| {n} | {t['delta']:+.4f} | {t['wins']} / {t['ties']} / {t['losses']} | {t['p']:.4f} |"
+        for n, t in tests.items()
+        if " vs " in n
+    ]
+    parts = [
+        f"{args.train_queries} training queries per row, batch {row_config(args, README).train.batch_size}; "
+        f"dev: {args.eval_queries} seeded queries over the "
+        "full corpus; out of domain: the squad split's dev questions, zero-shot.",
+        "",
+        *lines,
+    ]
+    if extra:
+        parts += ["", "| comparison | Δ MRR@10 | wins / ties / losses | p |", "|---|---:|---|---:|", *extra]
+    return "\n".join(parts) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+    if args.stage in ("all", "train"):
+        run_rows(args)
+    if args.stage == "st":
+        train_sentence_transformers(args)
+    if args.stage == "wise-ft":
+        run_wise_ft(args)
+    if args.stage in ("all", "report"):
+        report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(run_guarded(main, Path(__file__).name))

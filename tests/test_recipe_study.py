@@ -1,0 +1,62 @@
+"""experiments/recipe.py end to end on tiny data (two cumulative rows, their out-of-domain check, a wise-ft
+interpolation and the report), so that the study cannot drift from the pipeline unnoticed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from phrase_fixtures import write_phrase_squad
+
+SCRIPT = Path(__file__).parent.parent / "experiments" / "recipe.py"
+
+
+def recipe(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True)
+
+
+def test_rows_out_of_domain_wise_ft_and_report(tiny_beir, tiny_model_dir, tmp_path):
+    squad = write_phrase_squad(tmp_path / "squad")
+    out = tmp_path / "out"
+    sets = [
+        f"data.name={tiny_beir}",
+        f"model.name_or_path={tiny_model_dir}",
+        "model.passage_max_length=32",
+        "train.batch_size=8",
+        "negatives.pool_depth=5",
+        "eval.depth=20",
+    ]
+    ood = [f"data.name={squad}", "model.passage_max_length=32"]
+    common = ["--out", str(out), "--train-queries", "24", "--eval-queries", "12", "--alphas", "0.5"]
+    common += [a for s in sets for a in ("--set", s)] + [a for s in ood for a in ("--ood-set", s)]
+    rows = ["README recipe", "+ 3 hard negatives"]
+    done = recipe("--stage", "train", "--only", *rows, *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = recipe("--stage", "wise-ft", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = recipe("--stage", "report", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    wise = "README recipe, wise-ft α=0.5"
+    assert list(report["rows"]) == [*rows, wise]
+    for name, row in report["rows"].items():
+        assert 0 <= row["in"]["mrr@10"] <= 1 and 0 <= row["ood"]["accuracy@5"] <= 1, name
+    assert report["tests"]["+ 3 hard negatives"]["against"] == "README recipe"
+    assert report["tests"][wise]["against"] == "README recipe"
+    # The interpolated model sits between the start and the fine-tuned model (its own directory).
+    assert (out / "wise-ft" / "readme-recipe-wise-ft-0-5" / "model.safetensors").is_file()
+    text = (out / "report.md").read_text()
+    assert "| BM25 |" in text and "| zero-shot MiniLM |" in text and "| + 3 hard negatives |" in text
+    # A finished row is not run again.
+    again = recipe("--stage", "train", "--only", "README recipe", *common)
+    assert again.returncode == 0 and "done:" in again.stdout
+
+
+def test_bad_arguments_are_one_line_errors():
+    done = recipe("--train-queries", "0")
+    assert done.returncode == 2 and "--train-queries must be >= 1, got 0" in done.stderr
+    done = recipe("--stage", "report", "--set", "train.batch_szie=3")
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith("config.train: unknown key 'batch_szie' (did you mean 'batch_size'?)")
