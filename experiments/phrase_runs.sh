@@ -2,13 +2,31 @@
 # Phrase retrieval experiment (docs/experiments.md, "Phrase retrieval"): the original and unified
 # losses side by side (one thread each), then the hard-negative row (+ filter sweep + query-side
 # fine-tuning) and its more-steps control, then the passage-level baselines and the table.
+#
+#   bash experiments/phrase_runs.sh                 # the CPU-sized run: the configs' step budgets
+#   EPOCHS=3 bash experiments/phrase_runs.sh        # the configs with EPOCHS epochs of the first two
+#                                                   # runs and one of the continuations, written
+#                                                   # under outputs/phrase-${EPOCHS}ep/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src
-run() { OMP_NUM_THREADS=$1 nice -n 10 python3 -m densepass phrase "configs/phrase_$2.yaml" > "outputs/phrase_$2.log" 2>&1; }
-mkdir -p outputs
-run 1 original & run 1 unified & wait
-run 1 unified_hn & run 1 unified_more & wait
-nice -n 10 python3 experiments/phrase_table.py --runs outputs/phrase-original outputs/phrase-unified \
-    outputs/phrase-unified-more outputs/phrase-unified-hn --out outputs/phrase-table.json \
-    --baselines outputs/phrase-baselines.json
+out=outputs
+first=() more=()
+if [[ -n "${EPOCHS:-}" ]]; then
+    out=outputs/phrase-${EPOCHS}ep
+    every=(--set train.checkpoint_every=48 --set validation.every_steps=48)
+    first=(--set output_dir="$out" --set train.max_steps=null --set train.epochs="$EPOCHS" "${every[@]}")
+    more=(--set output_dir="$out" --set train.init="$out/phrase-unified/model" --set train.max_steps=null
+          --set train.epochs=1 "${every[@]}")
+fi
+run() {
+    local threads=$1 config=$2; shift 2
+    OMP_NUM_THREADS=$threads nice -n 10 python3 -m densepass phrase "configs/phrase_$config.yaml" "$@" \
+        > "$out/phrase_$config.log" 2>&1
+}
+mkdir -p "$out"
+run 1 original "${first[@]}" & run 1 unified "${first[@]}" & wait
+run 1 unified_hn "${more[@]}" & run 1 unified_more "${more[@]}" & wait
+nice -n 10 python3 experiments/phrase_table.py --runs "$out/phrase-original" "$out/phrase-unified" \
+    "$out/phrase-unified-more" "$out/phrase-unified-hn" --out "$out/phrase-table.json" \
+    --baselines "$out/phrase-baselines.json"

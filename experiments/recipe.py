@@ -50,12 +50,11 @@ ST = "sentence-transformers recipe"
 ROWS: dict[str, list[str]] = {
     README: [],
     "+ 3 hard negatives": ["negatives.per_query=3"],
-    "+ MiniLM dense negatives (mixed with BM25)": [
-        "negatives.source=mixed",
-        "negatives.mix=[bm25, model]",
-        "negatives.model=all-MiniLM-L6-v2",
-    ],
+    "+ context negatives (mixed with BM25)": ["negatives.source=mixed", "negatives.mix=[bm25, context]"],
+    "+ MiniLM dense negatives (mixed)": ["negatives.mix=[bm25, context, model]", "negatives.model=all-MiniLM-L6-v2"],
+    "+ re-mining with the model being trained": ["negatives.refresh_every=REFRESH"],
     "+ ABS batches": ["schedule.method=abs-greedy"],
+    "+ batch 128 (GradCache)": ["train.batch_size=128", "train.grad_cache_chunk=32"],
     "+ 2 epochs": ["train.epochs=2"],
     "+ pre-batch negatives T=4": ["loss.memory=pre-batch", "loss.pre_batches=4"],
 }
@@ -111,7 +110,10 @@ def row_config(args: argparse.Namespace, name: str) -> ExperimentConfig:
         if row == name:
             break
     first = ["eval.baselines=[bm25, zero-shot]"] if name == README else []
-    return load_config(args.config, [f"name={slug(name)}", *common_overrides(args), *ingredients, *first, *args.set])
+    overrides = [f"name={slug(name)}", *common_overrides(args), *ingredients, *first, *args.set]
+    batch = load_config(args.config, [key.replace("REFRESH", "null") for key in overrides]).train.batch_size
+    refresh = max(1, args.train_queries // batch // 2)  # re-mined every half epoch
+    return load_config(args.config, [key.replace("REFRESH", str(refresh)) for key in overrides])
 
 
 def evaluation_config(args: argparse.Namespace, name: str, model_path: Path) -> ExperimentConfig:
