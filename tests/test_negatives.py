@@ -16,7 +16,7 @@ from densepass.data import load_dataset
 from densepass.data.dataset import Corpus, RetrievalDataset
 from densepass.data.keys import half_id, split_in_half
 from densepass.errors import ConfigError, DataError
-from densepass.evaluation.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
+from densepass.evaluation.fusion import fuse_embeddings, linear_fusion, reciprocal_rank_fusion, tune_weights
 from densepass.negatives.context import mine_context_negatives
 from densepass.negatives.filters import AnswerFilter, CrossEncoderFilter, DuplicateFilter, QrelsFilter, apply_filters
 from densepass.negatives.mine import MiningContext, mine_negatives
@@ -323,6 +323,57 @@ def test_reciprocal_rank_fusion_hand_computed():
     for d, value in expected.items():
         assert fused[d] == pytest.approx(value)
     assert sorted(fused, key=fused.get, reverse=True) == ["d1", "d3", "d2"]
+
+
+def naive_linear_fusion(runs, weights):
+    """Per query: each run's scores min-max normalised over its own passages (one passage: 0), weighted, summed."""
+    fused = {}
+    for q in set().union(*runs):
+        scores = {}
+        for run, weight in zip(runs, weights):
+            own = run.get(q, {})
+            if not own:
+                continue
+            low, high = min(own.values()), max(own.values())
+            for d, s in own.items():
+                scores[d] = scores.get(d, 0.0) + weight * ((s - low) / (high - low) if high > low else 0.0)
+        fused[q] = scores
+    return fused
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    scores=st.lists(
+        st.dictionaries(
+            st.sampled_from([f"d{i}" for i in range(6)]),
+            st.integers(-5000, 5000).map(lambda x: x / 100),  # retrieval scores, not subnormal gaps
+            max_size=6,
+        ),
+        min_size=4,
+        max_size=4,
+    ),
+    weight=st.floats(0.05, 0.95),
+)
+def test_linear_fusion_matches_a_naive_min_max_weighted_sum(scores, weight):
+    a = {"q1": scores[0], "q2": scores[1]}
+    b = {"q1": scores[2], "q2": scores[3]}
+    a, b = ({q: r for q, r in run.items() if r} for run in (a, b))  # a query a run does not answer is absent
+    if not set(a) | set(b):
+        return
+    fused = linear_fusion([a, b], [weight, 1 - weight])
+    expected = naive_linear_fusion([a, b], [weight, 1 - weight])
+    assert fused.keys() == expected.keys()
+    for q in expected:
+        assert fused[q].keys() == expected[q].keys()
+        for d, value in expected[q].items():
+            assert fused[q][d] == pytest.approx(value, abs=1e-6)
+
+
+def test_linear_fusion_bad_weights_are_one_line_errors():
+    run = {"q": {"d": 1.0}}
+    for weights in ([1.0], [0.0, 0.0], [-0.5, 1.5]):
+        with pytest.raises(ConfigError, match="linear fusion needs one weight"):
+            linear_fusion([run, run], weights)
 
 
 # ---- the hard-negatives file, CLI and ensemble ------------------------------------------------

@@ -40,8 +40,12 @@ def test_rows_out_of_domain_wise_ft_and_report(tiny_beir, tiny_model_dir, tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     wise = "README recipe, wise-ft α=0.5"
-    assert list(report["rows"]) == [*rows, wise]
-    for name, row in report["rows"].items():
+    hybrids = [name for name in report["rows"] if "+ BM25" in name]
+    assert list(report["rows"]) == [*rows, wise, *hybrids]
+    assert hybrids[0] == "README recipe + BM25 (RRF)" and hybrids[1].startswith("README recipe + BM25 (linear, dense")
+    assert all(report["tests"][name]["against"] in rows for name in hybrids)
+    for name in [*rows, wise]:
+        row = report["rows"][name]
         assert 0 <= row["in"]["mrr@10"] <= 1 and 0 <= row["ood"]["accuracy@5"] <= 1, name
     assert report["tests"]["+ 3 hard negatives"]["against"] == "README recipe"
     assert report["tests"][wise]["against"] == "README recipe"

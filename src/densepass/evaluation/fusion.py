@@ -6,7 +6,8 @@ products, <[sqrt(w_i) q_i]_i, [sqrt(w_i) p_i]_i> = sum_i w_i <q_i, p_i>, so one 
 index ranks by the weighted score. Weights are tuned on dev by a coordinate-wise grid search.
 
 Rank fusion: reciprocal rank fusion (rrf), score(d) = sum_runs 1 / (k + rank(d)),
-through ``ranx.fuse(method="rrf")``.
+through ``ranx.fuse(method="rrf")``; or linear fusion, sum_runs w_run * minmax_run(score(d)), through
+``ranx.fuse(method="wsum", norm="min-max")`` (the usual BM25 + dense hybrid).
 """
 
 from __future__ import annotations
@@ -67,6 +68,18 @@ def tune_weights(
 
 def reciprocal_rank_fusion(runs: Sequence[Run], k: int = 60) -> Run:
     """RRF of runs over the same queries, via ranx (a query missing from a run counts as empty there)."""
+    return _ranx_fuse(runs, norm=None, method="rrf", params={"k": k})
+
+
+def linear_fusion(runs: Sequence[Run], weights: Sequence[float]) -> Run:
+    """The weighted sum of each run's scores min-max normalised per query (ranx ``wsum`` with ``min-max``):
+    a passage missing from a run counts 0 there, and a run's lowest-scored passage of a query scores 0."""
+    if len(weights) != len(runs) or any(w < 0 for w in weights) or not any(weights):
+        raise ConfigError(f"linear fusion needs one weight >= 0 per run, not all zero; got {list(weights)}")
+    return _ranx_fuse(runs, norm="min-max", method="wsum", params={"weights": list(map(float, weights))})
+
+
+def _ranx_fuse(runs: Sequence[Run], norm: str | None, method: str, params: dict) -> Run:
     from ranx import Run as RanxRun
     from ranx import fuse
 
@@ -74,5 +87,5 @@ def reciprocal_rank_fusion(runs: Sequence[Run], k: int = 60) -> Run:
         raise ConfigError("rank fusion needs at least two runs")
     queries = sorted(set().union(*runs))
     ranx_runs = [RanxRun({q: (run.get(q) or {"__none__": -1e9}) for q in queries}) for run in runs]
-    fused = fuse(ranx_runs, norm=None, method="rrf", params={"k": k}).to_dict()
+    fused = fuse(ranx_runs, norm=norm, method=method, params=params).to_dict()
     return {q: {p: float(s) for p, s in fused[q].items() if p != "__none__"} for q in queries}
