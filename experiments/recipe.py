@@ -54,10 +54,19 @@ ROWS: dict[str, list[str]] = {
     "+ 3 hard negatives": ["negatives.per_query=3"],
     "+ context negatives (mixed with BM25)": ["negatives.source=mixed", "negatives.mix=[bm25, context]"],
     "+ MiniLM dense negatives (mixed)": ["negatives.mix=[bm25, context, model]", "negatives.model=all-MiniLM-L6-v2"],
-    "+ re-mining with the model being trained": ["negatives.refresh_every=REFRESH"],
+    "+ re-mining with the model being trained": ["negatives.refresh_every=HALF_EPOCH"],
     "+ ABS batches": ["schedule.method=abs-greedy"],
     "+ batch 128 (GradCache)": ["train.batch_size=128", "train.grad_cache_chunk=32"],
     "+ 2 epochs": ["train.epochs=2"],
+    "+ best checkpoint on H_10 of held-out train queries": [
+        "validation.enabled=true",
+        "validation.split=train",
+        "validation.max_queries=500",
+        "validation.subcorpus=hard",
+        "validation.k=10",
+        "validation.every_steps=HALF_EPOCH",
+        "validation.select=true",
+    ],
     "+ pre-batch negatives T=4": ["loss.memory=pre-batch", "loss.pre_batches=4"],
 }
 IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]
@@ -113,9 +122,11 @@ def row_config(args: argparse.Namespace, name: str) -> ExperimentConfig:
             break
     first = ["eval.baselines=[bm25, zero-shot]"] if name == README else []
     overrides = [f"name={slug(name)}", *common_overrides(args), *ingredients, *first, *args.set]
-    batch = load_config(args.config, [key.replace("REFRESH", "null") for key in overrides]).train.batch_size
-    refresh = max(1, args.train_queries // batch // 2)  # re-mined every half epoch
-    return load_config(args.config, [key.replace("REFRESH", str(refresh)) for key in overrides])
+    batch = load_config(
+        args.config, [key.split("=")[0] + "=1" if key.endswith("=HALF_EPOCH") else key for key in overrides]
+    ).train.batch_size
+    half_epoch = str(max(1, args.train_queries // batch // 2))  # re-mining and validation every half epoch
+    return load_config(args.config, [key.replace("HALF_EPOCH", half_epoch) for key in overrides])
 
 
 def evaluation_config(args: argparse.Namespace, name: str, model_path: Path) -> ExperimentConfig:

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from densepass.config import ValidationConfig
+from densepass.config import ValidationConfig, load_config
 from densepass.data import load_dataset
 from densepass.errors import ConfigError, DataError
 from densepass.evaluation.metrics import evaluate_run, make_run
 from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
+from densepass.pipelines.experiment import run_experiment
 from densepass.pipelines.study import StudySettings, checkpoint_name, expand_checkpoints, ordering_agreement, run_study
 from densepass.pipelines.validation import Validator, bm25_retriever
 
@@ -90,6 +91,67 @@ def test_best_checkpoint_is_the_argmax(data, tiny_model_dir, tmp_path, monkeypat
     assert saved_at == [2, 4]
     log = [json.loads(line) for line in (tmp_path / "validation_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [2, 4, 6, 8] and log[0]["subcorpus"] == "R_0.5"
+
+
+def test_the_last_step_is_validated_for_selection_and_excluded_queries_never_validate(
+    data, tiny_model_dir, tmp_path, monkeypatch
+):
+    dataset, _ = data
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    train = sorted(dataset.split("train"))
+    config = ValidationConfig(enabled=True, split="train", subcorpus="gold", every_steps=4)
+    validator = Validator(config, dataset, model, model.query_encoder.device, tmp_path, ["mrr@10"], train[:-3])
+    assert sorted(validator.qrels) == train[-3:]  # only the queries not trained on
+    values = iter([0.3, 0.6])
+    monkeypatch.setattr(Validator, "evaluate", lambda self: {"mrr@10": next(values)})
+    monkeypatch.setattr(BiEncoder, "save", lambda self, path: None)
+    for step in range(1, 7):
+        validator(step)
+    assert validator.best_after(6) == {"step": 6, "metric": "mrr@10", "score": 0.6}  # step 6 was not due
+    assert validator.best_after(8) == {"step": 6, "metric": "mrr@10", "score": 0.6}  # due at 8: not validated again
+    assert [json.loads(x)["step"] for x in (tmp_path / "validation_log.jsonl").read_text().splitlines()] == [4, 6]
+
+
+def test_a_run_with_selection_evaluates_and_saves_the_best_validated_weights(
+    tiny_beir, tiny_model_dir, tmp_path, monkeypatch
+):
+    scores = iter([0.9, 0.1])  # step 4 validates best, the last step (6) worse
+    monkeypatch.setattr(Validator, "evaluate", lambda self: {"mrr@10": next(scores)})
+    overrides = [
+        f"data.name={tiny_beir}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"output_dir={tmp_path}",
+        "name=s",
+        "data.max_train_queries=24",
+        "train.batch_size=4",
+        "train.learning_rate=1e-3",
+        "negatives.pool_depth=5",
+        "model.passage_max_length=32",
+        "eval.metrics=[mrr@10]",
+        "eval.depth=10",
+        "eval.baselines=[]",
+        "validation.enabled=true",
+        "validation.split=train",
+        "validation.subcorpus=gold",
+        "validation.every_steps=4",
+        "validation.select=true",
+    ]
+    results = run_experiment(load_config(None, overrides))
+    run_dir = tmp_path / "s"
+    best = json.loads((run_dir / "best.json").read_text())
+    log = [json.loads(x) for x in (run_dir / "validation_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [4, 6]  # every 4 steps, and the last (6) for the selection
+    assert best == {"step": 4, "metric": "mrr@10", "score": 0.9}
+    chosen = BiEncoder.from_pretrained(str(run_dir / "model")).state_dict()
+    kept = BiEncoder.from_pretrained(str(run_dir / "best-model")).state_dict()
+    last = BiEncoder.from_pretrained(str(run_dir / "checkpoints" / "step-6" / "model")).state_dict()
+    for name, tensor in kept.items():
+        assert torch.equal(chosen[name], tensor), name
+    name = "query_encoder.encoder.layer.0.attention.self.query.weight"
+    assert not torch.equal(chosen[name], last[name])  # not the last step's weights
+    notes = json.loads((run_dir / "metrics.json").read_text())["notes"]
+    assert any(f"the model is the step-{best['step']} weights" in note for note in notes)
+    assert "fine-tuned" in results
 
 
 def test_validate_study_end_to_end(data, tiny_model_dir, tmp_path, monkeypatch):

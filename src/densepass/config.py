@@ -255,6 +255,11 @@ class ValidationConfig:
     every_steps: int = option(500, "validate every N steps", min=1)
     metric: str = option("mrr@10", "metric that picks the best checkpoint")
     seed: int = option(13, "seed of the query sample and the random subcorpus")
+    select: bool = option(
+        False,
+        "at the end, the best validated weights (the last step validated too) become the run's model/ and are"
+        " evaluated; false: the last step's",
+    )
 
 
 @dataclass

@@ -7,7 +7,7 @@ split and optional answer strings per query (for DPR-style top-k accuracy).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from densepass.data.files import Tally
@@ -168,10 +168,12 @@ class RetrievalDataset:
                 out[qid] = pos
         return out
 
-    def sample(self, split: str, limit: int | None = None, seed: int = 13) -> Qrels:
+    def sample(self, split: str, limit: int | None = None, seed: int = 13, exclude: Collection[str] = ()) -> Qrels:
         """The qrels of a seeded sample of ``limit`` queries of ``split`` (all when None), keeping those with
-        at least one relevant passage: the queries a run trains on or evaluates."""
-        qrels = sample_queries(self.split(split), limit, seed)
+        at least one relevant passage: the queries a run trains on or evaluates. Queries in ``exclude`` are
+        removed before sampling (validation on the training split, without the queries trained on)."""
+        excluded = set(exclude)
+        qrels = sample_queries({q: r for q, r in self.split(split).items() if q not in excluded}, limit, seed)
         return {q: rels for q, rels in qrels.items() if any(g > 0 for g in rels.values())}
 
     def relevant_sets(self) -> dict[str, set[str]]:

@@ -414,8 +414,12 @@ def fine_tune(
         )
         refresher.restore(resumed_at)
         callbacks.append(refresher)
+    validator = None
     if config.validation.enabled and exp.main:
-        callbacks.append(Validator(config.validation, exp.dataset, model, exp.device, run_dir, config.eval.metrics))
+        # validating on the training split leaves out the queries trained on
+        held_out = pool.query_ids if config.validation.split == config.data.train_split else ()
+        validator = Validator(config.validation, exp.dataset, model, exp.device, run_dir, config.eval.metrics, held_out)
+        callbacks.append(validator)
     try:
         result = train(
             model,
@@ -433,6 +437,13 @@ def fine_tune(
         planner.close()
     if not exp.main:
         return
+    if validator is not None and config.validation.select:
+        best = validator.best_after(result.steps)
+        model.load_state_dict(type(model).from_pretrained(str(run_dir / "best-model")).state_dict())
+        exp.notes.append(
+            f"validation.select: the model is the step-{best['step']} weights, the best {best['metric']} "
+            f"({best['score']:.4f}) on the {validator.subcorpus.label} validation subcorpus."
+        )
     if start is not None:
         model.save(run_dir / "model-fine-tuned")
         interpolate_weights(model, start, config.train.wise_ft)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -41,9 +42,11 @@ def dense_retriever(corpus: Corpus, model_path: str, batch_size: int = 256) -> R
     return lambda queries, k: exact_search(encode_texts(model, queries, "query", batch_size=batch_size), passages, k)[1]
 
 
-def build_subcorpus(dataset: RetrievalDataset, config: ValidationConfig) -> tuple[Subcorpus, dict, list[str]]:
-    """The validation subcorpus, the qrels of the validation queries, and their texts."""
-    qrels = dataset.sample(config.split, config.max_queries, config.seed)
+def build_subcorpus(
+    dataset: RetrievalDataset, config: ValidationConfig, exclude: Collection[str] = ()
+) -> tuple[Subcorpus, dict, list[str]]:
+    """The validation subcorpus, the qrels of the validation queries (none of ``exclude``), and their texts."""
+    qrels = dataset.sample(config.split, config.max_queries, config.seed, exclude)
     texts = [dataset.queries[q] for q in qrels]
     corpus = dataset.corpus
     if config.subcorpus == "gold":
@@ -71,13 +74,14 @@ class Validator:
         device: torch.device,
         run_dir: Path,
         metrics: list[str],
+        exclude: Collection[str] = (),
     ) -> None:
         if config.every_steps < 1:
             raise ConfigError(f"validation.every_steps must be >= 1, got {config.every_steps}")
         if config.metric not in metrics:
             metrics = [*metrics, config.metric]
         self.config, self.model, self.device, self.run_dir, self.metrics = config, model, device, run_dir, metrics
-        self.subcorpus, self.qrels, self.query_texts = build_subcorpus(dataset, config)
+        self.subcorpus, self.qrels, self.query_texts = build_subcorpus(dataset, config, exclude)
         corpus = dataset.corpus
         self.passages = corpus.subset([corpus.position(p) for p in self.subcorpus.ids])
         self.subcorpus.save(run_dir / f"subcorpus-{self.subcorpus.label}.json")
@@ -93,8 +97,17 @@ class Validator:
 
     def __call__(self, step: int) -> None:
         """Validate after step ``step`` when it is due; keep the model when it is the best so far."""
-        if step % self.config.every_steps:
-            return
+        if step % self.config.every_steps == 0:
+            self.validate(step)
+
+    def best_after(self, last_step: int) -> dict:
+        """Validate the last step unless that was due anyway, then return ``best.json`` (step, metric, score)."""
+        if last_step % self.config.every_steps:
+            self.validate(last_step)
+        return json.loads((self.run_dir / "best.json").read_text())
+
+    def validate(self, step: int) -> None:
+        """Validate the model as it is after step ``step``; keep it when it is the best so far."""
         started = time.perf_counter()
         metrics = self.evaluate()
         self.model.train()
