@@ -95,6 +95,22 @@ def tiny_beir(tmp_path) -> Path:
     return write_tiny_beir(tmp_path / "tiny")
 
 
+def small_run_overrides(dataset: Path, model_dir: Path, output_dir: Path, name: str) -> list[str]:
+    """Config overrides of a quick ``run_experiment`` on the tiny dataset: small pools and passages, no
+    baselines, MRR@10 of the top 10 (each test adds the settings it exercises)."""
+    return [
+        f"data.name={dataset}",
+        f"model.name_or_path={model_dir}",
+        f"output_dir={output_dir}",
+        f"name={name}",
+        "negatives.pool_depth=5",
+        "model.passage_max_length=32",
+        "eval.metrics=[mrr@10]",
+        "eval.depth=10",
+        "eval.baselines=[]",
+    ]
+
+
 def run_densepass(*args: str, cwd: Path, processes: int = 1) -> subprocess.CompletedProcess:
     """``python -m densepass ARGS`` in a subprocess of this checkout's package, one thread per process; under
     torchrun (gloo on the CPU) when ``processes`` > 1."""

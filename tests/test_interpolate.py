@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import small_run_overrides
 from densepass.config import load_config
 from densepass.errors import ConfigError
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
@@ -91,18 +92,10 @@ def test_mismatched_weights_and_bad_alpha_fail_before_any_change(tiny_model_dir)
 
 def test_a_run_with_wise_ft_saves_the_interpolated_model(tiny_beir, tiny_model_dir, tmp_path):
     overrides = [
-        f"data.name={tiny_beir}",
-        f"model.name_or_path={tiny_model_dir}",
-        f"output_dir={tmp_path}",
-        "name=w",
+        *small_run_overrides(tiny_beir, tiny_model_dir, tmp_path, "w"),
         "train.batch_size=8",
         "train.learning_rate=1e-3",
         "train.wise_ft=0.25",
-        "negatives.pool_depth=5",
-        "eval.metrics=[mrr@10]",
-        "eval.depth=10",
-        "eval.baselines=[]",
-        "model.passage_max_length=32",
     ]
     results = run_experiment(load_config(None, overrides))
     run_dir = tmp_path / "w"

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import small_run_overrides
 from densepass.config import ValidationConfig, load_config
 from densepass.data import load_dataset
 from densepass.errors import ConfigError, DataError
@@ -118,18 +119,10 @@ def test_a_run_with_selection_evaluates_and_saves_the_best_validated_weights(
     scores = iter([0.9, 0.1])  # step 4 validates best, the last step (6) worse
     monkeypatch.setattr(Validator, "evaluate", lambda self: {"mrr@10": next(scores)})
     overrides = [
-        f"data.name={tiny_beir}",
-        f"model.name_or_path={tiny_model_dir}",
-        f"output_dir={tmp_path}",
-        "name=s",
+        *small_run_overrides(tiny_beir, tiny_model_dir, tmp_path, "s"),
         "data.max_train_queries=24",
         "train.batch_size=4",
         "train.learning_rate=1e-3",
-        "negatives.pool_depth=5",
-        "model.passage_max_length=32",
-        "eval.metrics=[mrr@10]",
-        "eval.depth=10",
-        "eval.baselines=[]",
         "validation.enabled=true",
         "validation.split=train",
         "validation.subcorpus=gold",
