@@ -3,10 +3,11 @@
 Reads the metrics of finished ``densepass phrase`` runs and adds, on the same questions and corpus, the
 passage-level baselines: BM25 and a densepass bi-encoder (zero-shot all-MiniLM-L6-v2, or any saved
 bi-encoder given with ``--biencoder``). Prints Markdown tables (Table 1 rows, the filter-threshold
-sweep) and writes everything to ``--out`` as JSON.
+sweep) and writes everything to ``--out`` as JSON. ``--thresholds`` sweeps the token filter again at other
+thresholds on each filtered run's saved index (nothing is encoded again but the questions).
 
     python3 experiments/phrase_table.py --runs outputs/phrase-original outputs/phrase-unified \\
-        outputs/phrase-unified-hn --out outputs/phrase-table.json
+        outputs/phrase-unified-hn --out outputs/phrase-table.json [--thresholds -3.5 -3 -2.5]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 from densepass.config import load_config
+from densepass.index import load_index
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
 from densepass.io import atomic_write_text
@@ -24,7 +26,7 @@ from densepass.models.biencoder import BiEncoder
 from densepass.phrase.config import PhraseConfig
 from densepass.phrase.experiment import load_data
 from densepass.phrase.metrics import passage_metrics
-from densepass.phrase.validation import evaluation_set
+from densepass.phrase.validation import evaluate_index, evaluation_set
 
 KS = (1, 5, 20)
 PHRASE = ("em@1", "f1@1", "accuracy@1", "accuracy@5", "accuracy@20")
@@ -50,6 +52,16 @@ def baselines(config: PhraseConfig, biencoders: list[str]) -> dict[str, dict]:
     return out
 
 
+def sweep_again(run_dir: Path, thresholds: list[float]) -> list[dict]:
+    """The run's dev metrics on its saved index with the token filter at each threshold."""
+    config = load_config(run_dir / "config.yaml", [], PhraseConfig)
+    data = load_data(config)
+    evalset = evaluation_set(data, config.data.eval_split, config.data.max_eval_questions, config.data.seed)
+    index = load_index(run_dir / "index")
+    vectors = index.question_vectors(evalset.questions)
+    return [{"threshold": t, **evaluate_index(index.filtered(t), evalset, config.eval.ks, vectors)} for t in thresholds]
+
+
 def cells(values: dict, keys: tuple[str, ...]) -> str:
     return " | ".join(f"{values[k]:.1f}" if k in values else "-" for k in keys)
 
@@ -62,6 +74,7 @@ def main() -> None:
     parser.add_argument(
         "--baselines", default=None, help="JSON cache of the baselines' metrics (computed when missing)"
     )
+    parser.add_argument("--thresholds", nargs="*", type=float, default=None, help="sweep the filter again at these")
     args = parser.parse_args()
     runs = {Path(r).name: json.loads((Path(r) / "metrics.json").read_text()) for r in args.runs}
     config = load_config(Path(args.runs[0]) / "config.yaml", [], PhraseConfig)
@@ -84,6 +97,10 @@ def main() -> None:
     for name, values in passage_rows.items():
         print(f"| {name} | {cells(values, PHRASE + PASSAGE)} | - |")
     sweeps = {name: m["evaluate"]["sweep"] for name, m in runs.items() if m["evaluate"]["sweep"]}
+    if args.thresholds:
+        sweeps = {name: sweep_again(Path(r), args.thresholds) for name, r in zip(runs, args.runs) if name in sweeps}
+        for name, sweep in sweeps.items():
+            runs[name]["evaluate"]["sweep"] = sweep
     for name, sweep in sweeps.items():
         print(f"\nThreshold sweep of {name} (AUC-PR {runs[name]['filter']['best_auc_pr']:.3f}):\n")
         print("| threshold | kept vectors | kept % | MB (fp16) | " + " | ".join(PHRASE) + " | passage_recall@20 |")
