@@ -109,3 +109,5 @@ def test_a_run_with_wise_ft_saves_the_interpolated_model(tiny_beir, tiny_model_d
     assert "fine-tuned" in results
     with pytest.raises(ConfigError, match="wise_ft"):
         load_config(None, ["train.wise_ft=1.5"])
+    with pytest.raises(ConfigError, match="train.wise_ft interpolates fine-tuned weights: it needs train.enabled"):
+        run_experiment(load_config(None, [*overrides, "train.enabled=false"]))

@@ -142,6 +142,8 @@ def test_a_run_with_selection_evaluates_and_saves_the_best_validated_weights(
         assert torch.equal(chosen[name], tensor), name
     name = "query_encoder.encoder.layer.0.attention.self.query.weight"
     assert not torch.equal(chosen[name], last[name])  # not the last step's weights
+    with pytest.raises(ConfigError, match="validation.select needs validation.enabled: true"):
+        run_experiment(load_config(None, [*overrides, "validation.enabled=false"]))
     notes = json.loads((run_dir / "metrics.json").read_text())["notes"]
     assert any(f"the model is the step-{best['step']} weights" in note for note in notes)
     assert "fine-tuned" in results

@@ -112,6 +112,10 @@ def check(config: ExperimentConfig) -> torch.device:
         check_loss(config.loss, config.train)
         if neg.refresh_every is not None and (neg.source == "none" or neg.per_query == 0):
             raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
+        if config.validation.select and not config.validation.enabled:
+            raise ConfigError("validation.select needs validation.enabled: true (nothing is validated otherwise)")
+    elif config.train.wise_ft is not None:
+        raise ConfigError("train.wise_ft interpolates fine-tuned weights: it needs train.enabled: true")
     check_reranker_config(config)
     return device
 
