@@ -172,7 +172,7 @@ def evaluate_out_of_domain(args: argparse.Namespace, name: str, model_path: str)
 
 
 def run_rows(args: argparse.Namespace) -> None:
-    evaluate_out_of_domain(args, "zero-shot MiniLM", load_config(args.config).model.name_or_path)
+    evaluate_out_of_domain(args, "zero-shot MiniLM", row_config(args, README).model.name_or_path)
     for name in args.only or ROWS:
         config = row_config(args, name)
         print(f"== {name}: {' '.join(ROWS[name]) or 'configs/recipe.yaml'}", flush=True)
