@@ -7,9 +7,11 @@ the fine-tuning gain in domain while recovering much of the starting model's rob
 for a retriever fine-tuned on one collection, "out of domain" is every other collection. Only floating
 parameters and buffers are mixed; integer buffers (BERT's position ids) are taken from the fine-tuned model.
 
-    >>> start = BiEncoder.from_pretrained("all-MiniLM-L6-v2")
-    >>> model = BiEncoder.from_pretrained("outputs/main/model")
-    >>> interpolate_weights(model, start.state_dict(), alpha=0.5).save("outputs/main/model-wise-ft-0.5")
+Usage (a fine-tuned run's model with its starting weights)::
+
+    start = BiEncoder.from_pretrained("all-MiniLM-L6-v2")
+    model = BiEncoder.from_pretrained("outputs/main/model")
+    interpolate_weights(model, snapshot(start), alpha=0.5).save("outputs/main/model-wise-ft-0.5")
 """
 
 from __future__ import annotations
