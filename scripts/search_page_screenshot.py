@@ -19,6 +19,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"
 
 
 def main() -> None:
+    """Serve the index, load the search page in headless Chromium, search, and save the screenshot."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("index", help="a saved index directory")
     parser.add_argument("query", help="the query typed into the page")
