@@ -43,8 +43,10 @@ from pathlib import Path
 from densepass.cli import run_guarded
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset
+from densepass.errors import ConfigError
 from densepass.evaluation.fusion import linear_fusion, reciprocal_rank_fusion
 from densepass.evaluation.metrics import Run, evaluate_run, paired_significance, read_trec_run
+from densepass.io import atomic_write_text
 from densepass.pipelines.experiment import run_experiment
 
 README = "README recipe"
@@ -183,17 +185,21 @@ def run_rows(args: argparse.Namespace) -> None:
 def train_sentence_transformers(args: argparse.Namespace) -> None:
     """sentence-transformers' recipe on the README row's queries and budget, saved to <out>/st-model, then
     evaluated like a row."""
-    from datasets import Dataset
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-    from sentence_transformers.losses import MultipleNegativesRankingLoss
-    from sentence_transformers.training_args import BatchSamplers, SentenceTransformerTrainingArguments
+    try:
+        from datasets import Dataset
+        from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+        from sentence_transformers.losses import MultipleNegativesRankingLoss
+        from sentence_transformers.training_args import BatchSamplers, SentenceTransformerTrainingArguments
+    except ImportError as err:
+        extras = f"sentence-transformers' training extras ({err})"
+        raise ConfigError(f"--stage st needs {extras}: run it with venv-bench") from err
 
     from densepass.models.biencoder import resolve_model_path
 
     config = row_config(args, README)
     model_dir = Path(args.out) / "st-model"
-    timings_path = Path(args.out) / "st-timings.json"
-    if not (model_dir / "config.json").is_file():
+    timings_path = Path(args.out) / "st-timings.json"  # written last: the recipe's model is complete
+    if not timings_path.is_file():
         data, train = config.data, config.train
         dataset = load_dataset(data.name, data.data_dir, data.format)
         query_ids = sorted(dataset.sample(data.train_split, data.max_train_queries, data.seed))
@@ -237,8 +243,9 @@ def train_sentence_transformers(args: argparse.Namespace) -> None:
         trainer.train()
         training_s = time.perf_counter() - started
         model.save(str(model_dir))
-        timings_path.write_text(
-            json.dumps({"mining_s": mining_s, "train_s": training_s, "steps": trainer.state.global_step}, indent=2)
+        atomic_write_text(
+            timings_path,
+            json.dumps({"mining_s": mining_s, "train_s": training_s, "steps": trainer.state.global_step}, indent=2),
         )
     run_once(evaluation_config(args, ST, model_dir))
     evaluate_out_of_domain(args, ST, str(model_dir))
@@ -275,6 +282,8 @@ def run_wise_ft(args: argparse.Namespace) -> None:
     from densepass.models.interpolate import interpolate_weights, snapshot
 
     config = row_config(args, args.wise_ft_row)
+    if not (config.run_dir / "model").is_dir():
+        raise ConfigError(f"row {args.wise_ft_row!r} has no model yet: run --stage train --only it first")
     start = snapshot(BiEncoder.from_pretrained(config.model.name_or_path))
     for alpha in args.alphas:
         name = wise_ft_name(args.wise_ft_row, alpha)
@@ -314,8 +323,8 @@ def report(args: argparse.Namespace) -> None:
             "trec": str(run_dir / "runs" / f"{system}.trec"),
         }
 
-    readme_dir = row_config(args, README).run_dir
-    baselines = load_result(readme_dir, "BM25"), load_result(readme_dir, "zero-shot")
+    readme = row_config(args, README)
+    baselines = load_result(readme.run_dir, "BM25"), load_result(readme.run_dir, "zero-shot")
     for name in ROWS:
         config = row_config(args, name)
         found = load_result(config.run_dir, "fine-tuned")
@@ -332,7 +341,7 @@ def report(args: argparse.Namespace) -> None:
     for alpha in args.alphas:
         name = wise_ft_name(args.wise_ft_row, alpha)
         add(name, evaluation_config(args, name, out).run_dir, "zero-shot", None)
-    data = row_config(args, README).data
+    data = readme.data
     qrels = load_dataset(data.name, data.data_dir, data.format).sample(
         data.eval_split, data.max_eval_queries, data.seed
     )
@@ -348,16 +357,16 @@ def report(args: argparse.Namespace) -> None:
     for name in list(rows):
         if "wise-ft" in name:
             tests[name] = {"against": args.wise_ft_row, **_test(qrels, runs, args.wise_ft_row, name)}
-    bm25_path = readme_dir / "runs" / "bm25.trec"
+    bm25_path = readme.run_dir / "runs" / "bm25.trec"
     for base in dict.fromkeys([README, best]) if best and bm25_path.is_file() else []:
         for label, run in hybrid_runs(qrels, runs[base], read_trec_run(bm25_path), data.seed).items():
             name = f"{base} + BM25 ({label})"
             rows[name] = {"in": evaluate_run(qrels, run, IN_DOMAIN), "ood": None, "cost_s": None, "steps": None}
             runs[name] = run
             tests[name] = {"against": base, **_test(qrels, runs, base, name)}
-    text = render(args, rows, tests, baselines, baseline_ood)
-    (out / "report.md").write_text(text)
-    (out / "report.json").write_text(json.dumps({"rows": rows, "tests": tests}, indent=2))
+    text = render(args, readme.train.batch_size, rows, tests, baselines, baseline_ood)
+    atomic_write_text(out / "report.md", text)
+    atomic_write_text(out / "report.json", json.dumps({"rows": rows, "tests": tests}, indent=2))
     print(text)
 
 
@@ -391,7 +400,7 @@ def _test(qrels, runs, baseline: str, name: str) -> dict:
     return paired_significance(qrels, {baseline: runs[baseline], name: runs[name]}, baseline, "mrr@10")[name]
 
 
-def render(args, rows: dict, tests: dict, baselines, baseline_ood) -> str:
+def render(args, batch_size: int, rows: dict, tests: dict, baselines, baseline_ood) -> str:
     head = "| row | " + " | ".join(IN_DOMAIN) + " | Δ MRR@10 (vs) | p | squad " + " | squad ".join(OUT_OF_DOMAIN)
     lines = [head + " | steps | mining + training s |", "|---|" + "---:|" * (len(IN_DOMAIN) + len(OUT_OF_DOMAIN) + 4)]
 
@@ -417,7 +426,7 @@ def render(args, rows: dict, tests: dict, baselines, baseline_ood) -> str:
         if " vs " in n
     ]
     parts = [
-        f"{args.train_queries} training queries per row, batch {row_config(args, README).train.batch_size}; "
+        f"{args.train_queries} training queries per row, batch {batch_size}; "
         f"dev: {args.eval_queries} seeded queries over the "
         "full corpus; out of domain: the squad split's dev questions, zero-shot.",
         "",

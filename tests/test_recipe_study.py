@@ -58,9 +58,13 @@ def test_rows_out_of_domain_wise_ft_and_report(tiny_beir, tiny_model_dir, tmp_pa
     assert again.returncode == 0 and "done:" in again.stdout
 
 
-def test_bad_arguments_are_one_line_errors():
+def test_bad_arguments_are_one_line_errors(tmp_path):
     done = recipe("--train-queries", "0")
     assert done.returncode == 2 and "--train-queries must be >= 1, got 0" in done.stderr
     done = recipe("--stage", "report", "--set", "train.batch_szie=3")
     assert done.returncode == 2
     assert done.stderr.strip().endswith("config.train: unknown key 'batch_szie' (did you mean 'batch_size'?)")
+    done = recipe("--stage", "wise-ft", "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith("row 'README recipe' has no model yet: run --stage train --only it first")
+    assert not (tmp_path / "out").exists()  # nothing written
