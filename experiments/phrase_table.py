@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
+from densepass.cli import run_guarded
 from densepass.config import load_config
+from densepass.errors import DataError
 from densepass.index import load_index
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
@@ -76,6 +79,9 @@ def main() -> None:
     )
     parser.add_argument("--thresholds", nargs="*", type=float, default=None, help="sweep the filter again at these")
     args = parser.parse_args()
+    unfinished = [r for r in args.runs if not (Path(r) / "metrics.json").is_file()]
+    if unfinished:
+        raise DataError(f"{unfinished[0]} is not a finished densepass phrase run (no metrics.json)")
     runs = {Path(r).name: json.loads((Path(r) / "metrics.json").read_text()) for r in args.runs}
     config = load_config(Path(args.runs[0]) / "config.yaml", [], PhraseConfig)
     cache = Path(args.baselines) if args.baselines else None
@@ -117,4 +123,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_guarded(main, Path(__file__).name))
