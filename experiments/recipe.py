@@ -272,6 +272,16 @@ def mine_hard_negatives_st(pairs, model, corpus: list[str], per_query: int, batc
     )
 
 
+WISE_FT_MARK = "wise-ft.json"
+
+
+def wise_ft_runs(out: Path) -> list[tuple[str, float]]:
+    """The (row, alpha) of every wise-ft model under <out>/wise-ft, ordered by row then alpha."""
+    found = [json.loads(p.read_text()) for p in (out / "wise-ft").glob(f"*/{WISE_FT_MARK}")]
+    order = list(ROWS)
+    return sorted(((f["row"], f["alpha"]) for f in found if f["row"] in ROWS), key=lambda r: (order.index(r[0]), r[1]))
+
+
 def wise_ft_name(row: str, alpha: float) -> str:
     return f"{row}, wise-ft α={alpha:g}"
 
@@ -291,6 +301,8 @@ def run_wise_ft(args: argparse.Namespace) -> None:
         if not (model_dir / "densepass.json").is_file():
             model = BiEncoder.from_pretrained(str(config.run_dir / "model"))
             interpolate_weights(model, start, alpha).save(model_dir)
+        if not (model_dir / WISE_FT_MARK).is_file():  # what the report reads back
+            atomic_write_text(model_dir / WISE_FT_MARK, json.dumps({"row": args.wise_ft_row, "alpha": alpha}))
         evaluate_out_of_domain(args, name, str(model_dir))
         run_once(evaluation_config(args, name, model_dir))
 
@@ -338,8 +350,8 @@ def report(args: argparse.Namespace) -> None:
         stored = json.loads(st_timings.read_text())
         cost = stored["mining_s"] + stored["train_s"]
         add(ST, evaluation_config(args, ST, out).run_dir, "zero-shot", cost, stored["steps"])
-    for alpha in args.alphas:
-        name = wise_ft_name(args.wise_ft_row, alpha)
+    wise_ft = {wise_ft_name(row, alpha): row for row, alpha in wise_ft_runs(out)}
+    for name in wise_ft:
         add(name, evaluation_config(args, name, out).run_dir, "zero-shot", None)
     data = readme.data
     qrels = load_dataset(data.name, data.data_dir, data.format).sample(
@@ -354,9 +366,9 @@ def report(args: argparse.Namespace) -> None:
     if ST in rows and README in rows:
         for rival in dict.fromkeys([README, best]):
             tests[f"{rival} vs {ST}"] = {"against": ST, **_test(qrels, runs, ST, rival)}
-    for name in list(rows):
-        if "wise-ft" in name:
-            tests[name] = {"against": args.wise_ft_row, **_test(qrels, runs, args.wise_ft_row, name)}
+    for name, row in wise_ft.items():
+        if name in rows and row in rows:
+            tests[name] = {"against": row, **_test(qrels, runs, row, name)}
     bm25_path = readme.run_dir / "runs" / "bm25.trec"
     for base in dict.fromkeys([README, best]) if best and bm25_path.is_file() else []:
         for label, run in hybrid_runs(qrels, runs[base], read_trec_run(bm25_path), data.seed).items():

@@ -29,22 +29,24 @@ def test_rows_out_of_domain_wise_ft_and_report(tiny_beir, tiny_model_dir, tmp_pa
         "eval.depth=20",
     ]
     ood = [f"data.name={squad}", "model.passage_max_length=32"]
-    common = ["--out", str(out), "--train-queries", "24", "--eval-queries", "12", "--alphas", "0.5"]
+    common = ["--out", str(out), "--train-queries", "24", "--eval-queries", "12"]
     common += [a for s in sets for a in ("--set", s)] + [a for s in ood for a in ("--ood-set", s)]
     rows = ["README recipe", "+ 3 hard negatives"]
     done = recipe("--stage", "train", "--only", *rows, *common)
     assert done.returncode == 0, done.stderr[-3000:]
-    done = recipe("--stage", "wise-ft", *common)
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = recipe("--stage", "report", *common)
+    for row in reversed(rows):  # the report lists every interpolation on disk, in the rows' order
+        done = recipe("--stage", "wise-ft", "--wise-ft-row", row, "--alphas", "0.5", *common)
+        assert done.returncode == 0, done.stderr[-3000:]
+    done = recipe("--stage", "report", *common)  # found on disk, not named again
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    wise = "README recipe, wise-ft α=0.5"
+    wise, wise_hn = "README recipe, wise-ft α=0.5", "+ 3 hard negatives, wise-ft α=0.5"
     hybrids = [name for name in report["rows"] if "+ BM25" in name]
-    assert list(report["rows"]) == [*rows, wise, *hybrids]
+    assert list(report["rows"]) == [*rows, wise, wise_hn, *hybrids]
+    assert report["tests"][wise_hn]["against"] == "+ 3 hard negatives"
     assert hybrids[0] == "README recipe + BM25 (RRF)" and hybrids[1].startswith("README recipe + BM25 (linear, dense")
     assert all(report["tests"][name]["against"] in rows for name in hybrids)
-    for name in [*rows, wise]:
+    for name in [*rows, wise, wise_hn]:
         row = report["rows"][name]
         assert 0 <= row["in"]["mrr@10"] <= 1 and 0 <= row["ood"]["accuracy@5"] <= 1, name
     assert report["tests"]["+ 3 hard negatives"]["against"] == "README recipe"

@@ -175,6 +175,12 @@ class TrainConfig:
     warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
     bidirectional: bool = option(False, "add the passage-to-query loss (negative-contrast eq. 2-3)")
     grad_cache_chunk: int | None = option(None, "gradient caching: sub-batch size (null: off)", min=1)
+    freeze_layers: int | None = option(
+        None,
+        "keep the token embeddings and the N lowest transformer layers of each tower at their starting weights"
+        " (0: the embeddings only; null: train every weight)",
+        min=0,
+    )
     bf16: bool = option(True, "bf16 autocast on GPU")
     cpu_bf16: bool | Literal["auto"] = option(
         "auto", "bf16 autocast on CPU: auto (where bf16 is fast: AMX, or AVX512-BF16 on AMD; else fp32), true or false"

@@ -44,6 +44,7 @@ from densepass.index.dense import DenseIndex
 from densepass.io import atomic_write_text, exclusive_lock
 from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.freeze import freeze_bottom
 from densepass.models.interpolate import interpolate_weights, snapshot
 from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
 from densepass.negatives.pool import passage_ids, save_pool
@@ -550,6 +551,8 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
         exp = prepare(config, device, main)
         seed_everything(config.train.seed)
         model = model_from_config(config)
+        if config.train.enabled and config.train.freeze_layers is not None:  # its error before any mining
+            freeze_bottom(model, config.train.freeze_layers)
         pool = mine_training_pool(exp, model)
         pairs = distillation_inputs(exp, pool)  # an existing teacher-scores file is checked before any write
         if main:

@@ -28,6 +28,7 @@ from densepass.config import TrainConfig
 from densepass.device import uses_bf16
 from densepass.models.biencoder import BiEncoder
 from densepass.models.dropout import use_cpu_dropout
+from densepass.models.freeze import freeze_bottom
 from densepass.models.token_cache import cached_tokenizer
 from densepass.prefetch import prefetched
 from densepass.scheduling.baselines import random_batches
@@ -126,7 +127,10 @@ def train(
     total = planned_steps(steps_per_epoch, config)
     use_cpu_dropout(model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
     objective.to(device)
-    trainable = [*model.parameters(), *objective.parameters()]  # an objective may train a head of its own
+    if config.freeze_layers is not None:
+        freeze_bottom(model, config.freeze_layers)
+    # an objective may train a head of its own
+    trainable = [p for p in (*model.parameters(), *objective.parameters()) if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay, fused=True)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
     checkpoints = checkpoints_of(run_dir, config, identity)

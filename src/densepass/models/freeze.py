@@ -1,0 +1,44 @@
+"""Freezing the bottom of a pre-trained encoder while fine-tuning: the token embeddings and the lowest
+transformer layers keep their starting weights (``train.freeze_layers``).
+
+The lower layers of a pre-trained transformer hold its most general features; fine-tuning only the upper
+ones is a standard guard against forgetting what the starting model knew out of domain (beside wise-ft's
+weight-space ensembling, ``models.interpolate``), and on a CPU it also saves the backward pass through
+every frozen layer. The towers of a bi-encoder are frozen alike (one shared encoder once).
+
+Usage::
+
+    model = BiEncoder.from_pretrained("all-MiniLM-L6-v2")
+    freeze_bottom(model, layers=3)  # embeddings + layers 0-2 of 6 frozen
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-5)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from densepass.errors import ConfigError
+
+
+def freeze_bottom(model: nn.Module, layers: int) -> int:
+    """Stop gradients to the embeddings and the ``layers`` lowest transformer layers of each tower of
+    ``model`` (a ``BiEncoder``); returns the number of weights frozen. Idempotent. A tower that is not
+    BERT-like (``embeddings`` + ``encoder.layer``) or has fewer layers is a one-line error, before any change."""
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+        raise ConfigError(f"freeze_layers must be a whole number >= 0, got {layers!r}")
+    towers = list({id(t): t for t in (model.query_encoder, model.passage_encoder)}.values())
+    for tower in towers:
+        stack = getattr(getattr(tower, "encoder", None), "layer", None)
+        if getattr(tower, "embeddings", None) is None or not isinstance(stack, nn.ModuleList):
+            raise ConfigError(
+                f"freeze_layers needs a BERT-like encoder (embeddings + encoder.layer), got {type(tower).__name__}"
+            )
+        if layers > len(stack):
+            raise ConfigError(f"freeze_layers={layers} but the encoder has {len(stack)} layers")
+    frozen = {}
+    for tower in towers:
+        for module in [tower.embeddings, *tower.encoder.layer[:layers]]:
+            for param in module.parameters():
+                param.requires_grad_(False)
+                frozen[id(param)] = param.numel()
+    return sum(frozen.values())
