@@ -5,6 +5,7 @@ sentence-transformers' own recipe, and what each costs out of domain.
     python experiments/recipe.py --only "README recipe" "+ 3 hard negatives"  # some rows
     PYTHONPATH=src venv-bench/bin/python experiments/recipe.py --stage st    # sentence-transformers' recipe
     python experiments/recipe.py --stage wise-ft --wise-ft-row "README recipe" --alphas 0.25 0.5 0.75
+    python experiments/recipe.py --stage variant --variant-row "+ 3 hard negatives" --variants "lr 2e-5"
     python experiments/recipe.py --stage report
 
 **Rows are cumulative**: each keeps every ingredient of the row above and adds one (``ROWS``), and is
@@ -25,6 +26,8 @@ Beside the rows:
   Needs the ``datasets`` package (the benchmarks' environment).
 - ``--stage wise-ft``: wise-ft interpolations of one row's model with the starting weights
   (``densepass.models.interpolate``), each evaluated in and out of domain like a row.
+- ``--stage variant``: the forgetting study's changes to one row (``VARIANTS``: freezing the embeddings and
+  the lowest layers, a lower learning rate, half the steps), each its own run, tested against that row.
 
 Every run is an ordinary ``densepass run`` directory under ``<out>/runs`` (resumable; a finished one is
 skipped). The report (<out>/report.md, report.json) gives each row's metrics, the paired tests, the
@@ -71,6 +74,12 @@ ROWS: dict[str, list[str]] = {
     ],
     "+ pre-batch negatives T=4": ["loss.memory=pre-batch", "loss.pre_batches=4"],
 }
+# The forgetting study: one change to a row (--stage variant), compared with that row in and out of domain.
+VARIANTS: dict[str, list[str]] = {
+    "freeze embeddings + 3 layers": ["train.freeze_layers=3"],
+    "lr 2e-5": ["train.learning_rate=2e-5"],
+    "half the steps": ["train.max_steps=HALF_EPOCH"],
+}
 IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]
 OUT_OF_DOMAIN = ["ndcg@10", "accuracy@1", "accuracy@5", "accuracy@20"]
 
@@ -88,12 +97,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default="outputs/recipe")
     parser.add_argument("--config", default="configs/recipe.yaml")
     parser.add_argument("--ood-config", default="configs/recipe_ood.yaml")
-    parser.add_argument("--stage", choices=["all", "train", "st", "wise-ft", "report"], default="all")
+    parser.add_argument("--stage", choices=["all", "train", "st", "wise-ft", "variant", "report"], default="all")
     parser.add_argument("--only", nargs="*", default=None, choices=list(ROWS), metavar="ROW")
     parser.add_argument("--train-queries", type=int, default=8192, help="training queries of every row")
     parser.add_argument("--eval-queries", type=int, default=2000, help="dev queries (seeded sample), full corpus")
     parser.add_argument("--wise-ft-row", default=README, choices=list(ROWS), metavar="ROW")
     parser.add_argument("--alphas", nargs="*", type=float, default=[0.5])
+    parser.add_argument("--variant-row", default=README, choices=list(ROWS), metavar="ROW")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--set", action="append", default=[], help="extra config overrides for every row")
     parser.add_argument("--ood-set", action="append", default=[], help="overrides of the out-of-domain config")
@@ -115,15 +126,22 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def row_config(args: argparse.Namespace, name: str) -> ExperimentConfig:
-    """A row's config: the shared recipe, every ingredient up to and including the row's, the overrides."""
+def variant_name(row: str, variant: str) -> str:
+    return f"{row}, {variant}"
+
+
+def row_config(args: argparse.Namespace, name: str, variant: str | None = None) -> ExperimentConfig:
+    """A row's config: the shared recipe, every ingredient up to and including the row's, then ``variant``'s
+    change (its own run), then the overrides."""
     ingredients = []
     for row, keys in ROWS.items():
         ingredients += keys
         if row == name:
             break
-    first = ["eval.baselines=[bm25, zero-shot]"] if name == README else []
-    overrides = [f"name={slug(name)}", *common_overrides(args), *ingredients, *first, *args.set]
+    first = ["eval.baselines=[bm25, zero-shot]"] if name == README and variant is None else []
+    run = slug(variant_name(name, variant) if variant else name)
+    changes = VARIANTS[variant] if variant else []
+    overrides = [f"name={run}", *common_overrides(args), *ingredients, *changes, *first, *args.set]
     batch = load_config(
         args.config, [key.split("=")[0] + "=1" if key.endswith("=HALF_EPOCH") else key for key in overrides]
     ).train.batch_size
@@ -171,6 +189,15 @@ def run_once(config: ExperimentConfig) -> None:
 
 def evaluate_out_of_domain(args: argparse.Namespace, name: str, model_path: str) -> None:
     run_once(ood_config(args, name, model_path))
+
+
+def run_variants(args: argparse.Namespace) -> None:
+    """``--variants`` of ``--variant-row``, each trained and evaluated like a row."""
+    for variant in args.variants:
+        config = row_config(args, args.variant_row, variant)
+        print(f"== {variant_name(args.variant_row, variant)}: {' '.join(VARIANTS[variant])}", flush=True)
+        run_once(config)
+        evaluate_out_of_domain(args, variant_name(args.variant_row, variant), str(config.run_dir / "model"))
 
 
 def run_rows(args: argparse.Namespace) -> None:
@@ -342,9 +369,28 @@ def report(args: argparse.Namespace) -> None:
         found = load_result(config.run_dir, "fine-tuned")
         if found is not None:
             timings = found[1]
-            log = (config.run_dir / "train_log.jsonl").read_text().splitlines()
-            steps = json.loads(log[-1])["step"]
-            add(name, config.run_dir, "fine-tuned", timings.get("train_s", 0) + timings.get("mining_s", 0), steps)
+            add(
+                name,
+                config.run_dir,
+                "fine-tuned",
+                timings.get("train_s", 0) + timings.get("mining_s", 0),
+                steps_of(config),
+            )
+    variants = {}
+    for row in ROWS:
+        for variant in VARIANTS:
+            config = row_config(args, row, variant)
+            found = load_result(config.run_dir, "fine-tuned")
+            if found is not None:
+                name = variant_name(row, variant)
+                variants[name] = row
+                add(
+                    name,
+                    config.run_dir,
+                    "fine-tuned",
+                    found[1].get("train_s", 0) + found[1].get("mining_s", 0),
+                    steps_of(config),
+                )
     st_timings = out / "st-timings.json"
     if st_timings.is_file():
         stored = json.loads(st_timings.read_text())
@@ -366,7 +412,7 @@ def report(args: argparse.Namespace) -> None:
     if ST in rows and README in rows:
         for rival in dict.fromkeys([README, best]):
             tests[f"{rival} vs {ST}"] = {"against": ST, **_test(qrels, runs, ST, rival)}
-    for name, row in wise_ft.items():
+    for name, row in {**variants, **wise_ft}.items():
         if name in rows and row in rows:
             tests[name] = {"against": row, **_test(qrels, runs, row, name)}
     bm25_path = readme.run_dir / "runs" / "bm25.trec"
@@ -380,6 +426,12 @@ def report(args: argparse.Namespace) -> None:
     atomic_write_text(out / "report.md", text)
     atomic_write_text(out / "report.json", json.dumps({"rows": rows, "tests": tests}, indent=2))
     print(text)
+
+
+def steps_of(config: ExperimentConfig) -> int:
+    """The training steps a finished run logged."""
+    log = (config.run_dir / "train_log.jsonl").read_text().splitlines()
+    return json.loads(log[-1])["step"]
 
 
 def hybrid_runs(qrels: dict, dense: Run, bm25: Run, seed: int) -> dict[str, Run]:
@@ -457,6 +509,8 @@ def main() -> None:
         train_sentence_transformers(args)
     if args.stage == "wise-ft":
         run_wise_ft(args)
+    if args.stage == "variant":
+        run_variants(args)
     if args.stage in ("all", "report"):
         report(args)
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from phrase_fixtures import write_phrase_squad
 
 SCRIPT = Path(__file__).parent.parent / "experiments" / "recipe.py"
@@ -37,16 +39,25 @@ def test_rows_out_of_domain_wise_ft_and_report(tiny_beir, tiny_model_dir, tmp_pa
     for row in reversed(rows):  # the report lists every interpolation on disk, in the rows' order
         done = recipe("--stage", "wise-ft", "--wise-ft-row", row, "--alphas", "0.5", *common)
         assert done.returncode == 0, done.stderr[-3000:]
+    freeze = ["--variant-row", "+ 3 hard negatives", "--variants", "freeze embeddings + 3 layers"]
+    done = recipe("--stage", "variant", *freeze, *common, "--set", "train.freeze_layers=1")  # the tiny model: 2
+    assert done.returncode == 0, done.stderr[-3000:]
     done = recipe("--stage", "report", *common)  # found on disk, not named again
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     wise, wise_hn = "README recipe, wise-ft α=0.5", "+ 3 hard negatives, wise-ft α=0.5"
+    frozen = "+ 3 hard negatives, freeze embeddings + 3 layers"
     hybrids = [name for name in report["rows"] if "+ BM25" in name]
-    assert list(report["rows"]) == [*rows, wise, wise_hn, *hybrids]
+    assert list(report["rows"]) == [*rows, frozen, wise, wise_hn, *hybrids]
     assert report["tests"][wise_hn]["against"] == "+ 3 hard negatives"
+    assert report["tests"][frozen]["against"] == "+ 3 hard negatives"
+    frozen_config = yaml.safe_load(
+        (out / "runs" / "3-hard-negatives-freeze-embeddings-3-layers" / "config.yaml").read_text()
+    )
+    assert frozen_config["train"]["freeze_layers"] == 1 and frozen_config["negatives"]["per_query"] == 3
     assert hybrids[0] == "README recipe + BM25 (RRF)" and hybrids[1].startswith("README recipe + BM25 (linear, dense")
     assert all(report["tests"][name]["against"] in rows for name in hybrids)
-    for name in [*rows, wise, wise_hn]:
+    for name in [*rows, frozen, wise, wise_hn]:
         row = report["rows"][name]
         assert 0 <= row["in"]["mrr@10"] <= 1 and 0 <= row["ood"]["accuracy@5"] <= 1, name
     assert report["tests"]["+ 3 hard negatives"]["against"] == "README recipe"
