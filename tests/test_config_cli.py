@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -431,3 +432,22 @@ def test_cli_config_explains_every_key_and_prints_the_resolved_config(capsys):
     assert "batch_size: 8" in capsys.readouterr().out
     assert main(["config", "--set", "train.batch_size=0"]) == 2
     assert "train.batch_size: must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).parent.parent / "configs").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_shipped_config_loads(path):
+    """A typo in a shipped config fails here, not after its command's first minutes."""
+    from densepass.phrase.config import PhraseConfig
+    from densepass.pretraining.config import PretrainConfig
+
+    cls = (
+        PretrainConfig
+        if path.name.startswith("pretrain_")
+        else PhraseConfig
+        if path.name.startswith("phrase_")
+        else None
+    )
+    config = load_config(path, [], cls) if cls else load_config(path, [])
+    assert config.name
