@@ -410,7 +410,8 @@ def report(args: argparse.Namespace) -> None:
     for above, name in zip(order, order[1:]):
         tests[name] = {"against": above, **_test(qrels, runs, above, name)}
     if ST in rows and README in rows:
-        for rival in dict.fromkeys([README, best]):
+        best_variants = [name for name, row in {**variants, **wise_ft}.items() if row == best and name in rows]
+        for rival in dict.fromkeys([README, best, *best_variants]):
             tests[f"{rival} vs {ST}"] = {"against": ST, **_test(qrels, runs, ST, rival)}
     for name, row in {**variants, **wise_ft}.items():
         if name in rows and row in rows:
