@@ -364,33 +364,23 @@ def report(args: argparse.Namespace) -> None:
 
     readme = row_config(args, README)
     baselines = load_result(readme.run_dir, "BM25"), load_result(readme.run_dir, "zero-shot")
-    for name in ROWS:
-        config = row_config(args, name)
+
+    def add_trained(name: str, config: ExperimentConfig) -> bool:
+        """A finished training run as a row, costed by its mining + training seconds."""
         found = load_result(config.run_dir, "fine-tuned")
         if found is not None:
-            timings = found[1]
-            add(
-                name,
-                config.run_dir,
-                "fine-tuned",
-                timings.get("train_s", 0) + timings.get("mining_s", 0),
-                steps_of(config),
-            )
-    variants = {}
+            cost = found[1].get("train_s", 0) + found[1].get("mining_s", 0)
+            add(name, config.run_dir, "fine-tuned", cost, steps_of(config))
+        return found is not None
+
+    for name in ROWS:
+        add_trained(name, row_config(args, name))
+    variants = {}  # a variant's name -> its row
     for row in ROWS:
         for variant in VARIANTS:
-            config = row_config(args, row, variant)
-            found = load_result(config.run_dir, "fine-tuned")
-            if found is not None:
-                name = variant_name(row, variant)
+            name = variant_name(row, variant)
+            if add_trained(name, row_config(args, row, variant)):
                 variants[name] = row
-                add(
-                    name,
-                    config.run_dir,
-                    "fine-tuned",
-                    found[1].get("train_s", 0) + found[1].get("mining_s", 0),
-                    steps_of(config),
-                )
     st_timings = out / "st-timings.json"
     if st_timings.is_file():
         stored = json.loads(st_timings.read_text())
