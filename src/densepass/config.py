@@ -181,6 +181,12 @@ class TrainConfig:
         " (0: the embeddings only; null: train every weight)",
         min=0,
     )
+    passage_max_length: int | None = option(
+        None,
+        "passages are cut to this many tokens in training batches only (null: model.passage_max_length, which"
+        " mining, validation, indexing and evaluation read): shorter crops train faster",
+        min=2,
+    )
     bf16: bool = option(True, "bf16 autocast on GPU")
     cpu_bf16: bool | Literal["auto"] = option(
         "auto", "bf16 autocast on CPU: auto (where bf16 is fast: AMX, or AVX512-BF16 on AMD; else fp32), true or false"

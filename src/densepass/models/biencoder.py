@@ -192,11 +192,17 @@ class BiEncoder(nn.Module):
         return torch.from_numpy(out) if convert_to == "torch" else out
 
     def tokenize(
-        self, texts: list[str], side: Side, padding: bool | str = True, tokenizer: PreTrainedTokenizerBase | None = None
+        self,
+        texts: list[str],
+        side: Side,
+        padding: bool | str = True,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        max_length: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """Padded tensors of one side's texts; ``tokenizer``: a private copy of ``self.tokenizer`` for a
-        worker thread (a fast tokenizer's truncation settings are shared state)."""
-        return tokenize(tokenizer or self.tokenizer, texts, self.max_length(side), padding)
+        worker thread (a fast tokenizer's truncation settings are shared state); ``max_length``: another token
+        limit than the side's (training's shorter passage crops)."""
+        return tokenize(tokenizer or self.tokenizer, texts, max_length or self.max_length(side), padding)
 
     # ---- construction and persistence -------------------------------------------------------
 

@@ -113,13 +113,19 @@ class ColBERT(nn.Module):
         return self.config.query_max_length if side == "query" else self.config.passage_max_length
 
     def tokenize(
-        self, texts: list[str], side: Side, padding: bool | str = True, tokenizer: PreTrainedTokenizerBase | None = None
+        self,
+        texts: list[str],
+        side: Side,
+        padding: bool | str = True,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        max_length: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """Token ids and attention masks; queries padded with [MASK] to ``query_max_length`` (the [MASK]
-        positions are not attended to), markers inserted after [CLS] when configured."""
+        positions are not attended to), markers inserted after [CLS] when configured; ``max_length``: another
+        token limit than the side's (markers included)."""
         tokenizer = tokenizer or self.tokenizer
         markers = self.config.markers
-        length = self.max_length(side) - int(markers)
+        length = (max_length or self.max_length(side)) - int(markers)
         tokens = tokenize(tokenizer, texts, length, "max_length" if side == "query" else padding)
         ids, mask = tokens["input_ids"], tokens["attention_mask"]
         if markers:

@@ -127,10 +127,15 @@ class SpladeEncoder(nn.Module):
         return queries.float() @ passages.float().T
 
     def tokenize(
-        self, texts: list[str], side: Side, padding: bool | str = True, tokenizer: PreTrainedTokenizerBase | None = None
+        self,
+        texts: list[str],
+        side: Side,
+        padding: bool | str = True,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        max_length: int | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Padded tensors of one side's texts."""
-        return tokenize(tokenizer or self.tokenizer, texts, self.max_length(side), padding)
+        """Padded tensors of one side's texts (``max_length``: another token limit than the side's)."""
+        return tokenize(tokenizer or self.tokenizer, texts, max_length or self.max_length(side), padding)
 
     # ---- encoding --------------------------------------------------------------------------------------
 

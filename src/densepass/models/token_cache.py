@@ -284,12 +284,14 @@ class _Recorder:
         return self.tokenizer(*args, **kwargs)
 
 
-def requested_length(model, side: Side, tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The length ``model.tokenize`` truncates ``side``'s texts to (e.g. ColBERT's, one less for its marker),
-    seen by tokenising one text through a recording tokenizer; None when its call is not one the cache
-    serves."""
+def requested_length(
+    model, side: Side, tokenizer: PreTrainedTokenizerBase, max_length: int | None = None
+) -> int | None:
+    """The length ``model.tokenize`` (asked for ``max_length``, if given) truncates ``side``'s texts to (e.g.
+    ColBERT's, one less for its marker), seen by tokenising one text through a recording tokenizer; None when
+    its call is not one the cache serves."""
     recorder = _Recorder(tokenizer)
-    model.tokenize(["a"], side, tokenizer=recorder)
+    model.tokenize(["a"], side, tokenizer=recorder, max_length=max_length)
     if len(recorder.calls) != 1:
         return None
     call = recorder.calls[0]
@@ -298,16 +300,22 @@ def requested_length(model, side: Side, tokenizer: PreTrainedTokenizerBase) -> i
 
 
 def cached_tokenizer(
-    model, texts: Mapping[Side, Sequence[str]], directory: Path, tokenizer: PreTrainedTokenizerBase | None = None
+    model,
+    texts: Mapping[Side, Sequence[str]],
+    directory: Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    max_lengths: Mapping[Side, int | None] | None = None,
 ) -> CachedTokenizer:
     """A ``CachedTokenizer`` for ``model.tokenize`` over ``texts`` (per side), cached under ``directory/<side>``;
-    ``tokenizer``: the private copy it wraps (default: a copy of the model's). Rank 0 builds or checks the
-    caches; every process then maps them (a process whose directory is not rank 0's builds its own)."""
+    ``tokenizer``: the private copy it wraps (default: a copy of the model's); ``max_lengths``: the
+    ``max_length`` each side's calls will pass to ``model.tokenize`` (default: none, the model's own). Rank 0
+    builds or checks the caches; every process then maps them (a process whose directory is not rank 0's builds
+    its own)."""
     tokenizer = tokenizer if tokenizer is not None else copy.deepcopy(model.tokenizer)
     digest = tokenizer_fingerprint(tokenizer)
     plans = []
     for side, side_texts in texts.items():
-        max_length = requested_length(model, side, tokenizer)
+        max_length = requested_length(model, side, tokenizer, (max_lengths or {}).get(side))
         if max_length is not None:
             unique = list(dict.fromkeys(side_texts))
             plans.append((directory / side, unique, max_length, side, store_key(digest, side, max_length, unique)))

@@ -113,6 +113,12 @@ def check(config: ExperimentConfig) -> torch.device:
         check_loss(config.loss, config.train)
         if neg.refresh_every is not None and (neg.source == "none" or neg.per_query == 0):
             raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
+        crop = config.train.passage_max_length
+        if crop is not None and crop > config.model.passage_max_length:
+            raise ConfigError(
+                f"train.passage_max_length={crop} is longer than model.passage_max_length="
+                f"{config.model.passage_max_length}: training crops passages, it cannot read more than the model"
+            )
         if config.validation.select and not config.validation.enabled:
             raise ConfigError("validation.select needs validation.enabled: true (nothing is validated otherwise)")
     elif config.train.wise_ft is not None:

@@ -74,12 +74,15 @@ class BatchTensors:
         return self.map(lambda t: t.to(device, non_blocking=t.is_pinned()))
 
 
-def batch_tensors(model: BiEncoder, batch: TrainingBatch, pin: bool = False, tokenizer=None) -> BatchTensors:
-    """Tokenise a batch (``tokenizer``: a private copy when called from a worker thread); ``pin`` puts
-    the tensors in page-locked memory so copies to the GPU do not wait for it."""
+def batch_tensors(
+    model: BiEncoder, batch: TrainingBatch, pin: bool = False, tokenizer=None, passage_length: int | None = None
+) -> BatchTensors:
+    """Tokenise a batch (``tokenizer``: a private copy when called from a worker thread; ``passage_length``:
+    passages cut shorter than the model reads them, ``train.passage_max_length``); ``pin`` puts the tensors
+    in page-locked memory so copies to the GPU do not wait for it."""
     tensors = BatchTensors(
         model.tokenize(batch.query_texts, "query", tokenizer=tokenizer),
-        model.tokenize(batch.passage_texts, "passage", tokenizer=tokenizer),
+        model.tokenize(batch.passage_texts, "passage", tokenizer=tokenizer, max_length=passage_length),
         batch.positive_index,
         batch.mask,
         batch.passage_keys,

@@ -167,7 +167,8 @@ def train(
     # answers from the run's token cache the texts it holds
     tokenizer, pin = copy.deepcopy(model.tokenizer), device.type == "cuda"
     if config.token_cache:
-        tokenizer = cached_tokenizer(model, data.texts_in_use(), run_dir / "token_cache", tokenizer)
+        lengths = {"passage": config.passage_max_length}
+        tokenizer = cached_tokenizer(model, data.texts_in_use(), run_dir / "token_cache", tokenizer, lengths)
     bf16 = uses_bf16(device, config.bf16, config.cpu_bf16)
 
     def prepare(item: tuple[int, int, list[int]]):
@@ -175,7 +176,7 @@ def train(
         batch = data.collate(
             members, seed=(config.seed, epoch, index), rank=rank, world=world, step=epoch * steps_per_epoch + index
         )
-        return members, batch, batch_tensors(model, batch, pin, tokenizer)
+        return members, batch, batch_tensors(model, batch, pin, tokenizer, config.passage_max_length)
 
     def epoch_batches(epoch: int) -> Iterator[tuple[int, int, list[int]]]:
         """(epoch, index, members) of the batches still to train on in ``epoch``."""
