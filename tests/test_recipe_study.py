@@ -3,6 +3,8 @@ interpolation and the report), so that the study cannot drift from the pipeline 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from densepass.config import load_config
 from phrase_fixtures import write_phrase_squad
 
 SCRIPT = Path(__file__).parent.parent / "experiments" / "recipe.py"
@@ -81,3 +84,15 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().endswith("row 'README recipe' has no model yet: run --stage train --only it first")
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_the_recommended_config_is_the_studys_recommended_run(monkeypatch):
+    """configs/recommended.yaml trains exactly what the study measured as its recommended variant."""
+    spec = importlib.util.spec_from_file_location("recipe_driver", SCRIPT)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
+    study = driver.row_config(driver.parse_args(), "+ MiniLM dense negatives (mixed)", driver.RECOMMENDED)
+    shipped = load_config(str(SCRIPT.parent.parent / "configs" / "recommended.yaml"))
+    where = {"name": "recommended", "output_dir": "outputs"}
+    assert dataclasses.asdict(dataclasses.replace(study, **where)) == dataclasses.asdict(shipped)
