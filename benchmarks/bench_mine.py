@@ -30,7 +30,7 @@ from densepass.data.dataset import RetrievalDataset
 from densepass.device import default_device
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
-from densepass.negatives.mine import MiningContext, _fetch_depth, mine_negatives
+from densepass.negatives.mine import MiningContext, fetch_depth, mine_negatives
 
 
 def subset(dataset: RetrievalDataset, query_ids: list[str], corpus_n: int | None, seed: int) -> RetrievalDataset:
@@ -82,7 +82,7 @@ def time_st(
             model,
             corpus=texts,
             range_min=0,
-            range_max=_fetch_depth(depth),
+            range_max=fetch_depth(depth),
             num_negatives=depth,
             sampling_strategy="top",
             batch_size=batch_size,
