@@ -101,7 +101,7 @@ def bench(sim: BilinearSimilarity, label: str, b: int, args, dense: np.ndarray |
     rand = random_batches(n, b, 0, 0)
     random_h = mean_hardness(sim, rand)
     print(f"| random | {n:,} | {b} | 0.0 | {random_h:.2f} | 1.00 |", flush=True)
-    if dense is not None:
+    if dense is not None and not args.skip_clusters:
         t = time.perf_counter()
         clustered = clustered_batches(dense, b, max(2, n // (4 * b)), seed=0, epoch=0)
         row("topic clusters (k-means)", n, b, clustered, time.perf_counter() - t, True, sim, random_h, total)
@@ -169,6 +169,9 @@ def main() -> None:
         help="batches grown at once (scheduling/concurrent.py), one row each",
     )
     parser.add_argument("--skip-sequential", action="store_true", help="leave out the one-batch-at-a-time greedy")
+    parser.add_argument(
+        "--skip-clusters", action="store_true", help="leave out the topic clusters (FAISS k-means) on synthetic data"
+    )
     parser.add_argument("--bm25", action="store_true", help="also schedule debian-packages train with BM25")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()

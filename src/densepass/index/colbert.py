@@ -36,7 +36,6 @@ import math
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import faiss
 import numpy as np
 import torch
 
@@ -173,6 +172,8 @@ class ColbertIndex(Index):
         """k-means centroids of the first vectors (and, for residual compression, the residual buckets)."""
         if len(flat) == 0:
             raise ConfigError("the first passages added to a colbert index have no token vectors")
+        import faiss  # imported where used, as in index.faiss_index: searching needs no FAISS
+
         k = min(self.n_centroids or max(1, int(4 * math.sqrt(len(flat)))), len(flat))
         kmeans = faiss.Kmeans(
             self.model.dim, k, niter=20, seed=self.seed, spherical=True, verbose=False, min_points_per_centroid=1
