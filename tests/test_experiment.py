@@ -56,6 +56,25 @@ def test_run_directory_contents_and_resume(tiny_beir, tiny_model_dir, tmp_path):
     assert again["fine-tuned"] == pytest.approx(results["fine-tuned"])
 
 
+def test_a_run_directory_holding_another_run_is_refused_before_any_work(tiny_beir, tiny_model_dir, tmp_path):
+    """Two evaluation-only runs with the same name and output_dir but other data used to share one run directory,
+    the second silently replacing the first's metrics."""
+    eval_only = ("train.enabled=false", "eval.baselines=[zero-shot]")
+    first = tiny_config(tiny_beir, tiny_model_dir, tmp_path, *eval_only)
+    results = run_experiment(first)
+    assert run_experiment(first) == results  # the same run again
+    assert run_experiment(tiny_config(tiny_beir, tiny_model_dir, tmp_path, *eval_only, "eval.batch_size=4")) == results
+    metrics = (tmp_path / "t" / "metrics.json").read_text()
+    other_data = tiny_config(tiny_beir, tiny_model_dir, tmp_path, *eval_only, "data.max_eval_queries=2")
+    with pytest.raises(ConfigError, match=r"holds another run \(data\.max_eval_queries differ .*--restart"):
+        run_experiment(other_data)
+    with pytest.raises(ConfigError, match=r"holds another run \(train\."):
+        run_experiment(tiny_config(tiny_beir, tiny_model_dir, tmp_path, "eval.baselines=[zero-shot]"))
+    assert (tmp_path / "t" / "metrics.json").read_text() == metrics
+    assert run_experiment(other_data, restart=True) != results  # --restart replaces it
+    assert run_experiment(other_data) != results
+
+
 def test_rerank_mode_and_answer_accuracy(tiny_beir, tiny_model_dir, tmp_path):
     lines = (tiny_beir / "queries.jsonl").read_text().splitlines()
     corpus = [json.loads(x) for x in (tiny_beir / "corpus.jsonl").read_text().splitlines()]

@@ -225,12 +225,17 @@ class Checkpoints:
     def _check_identity(self, path: Path, saved: dict) -> None:
         if saved == self.identity:
             return
-        changed = sorted(_differences(saved, self.identity))
-        shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
         raise ConfigError(
-            f"{self.root.parent} holds a run with other settings ({shown} differ from {path.name}); "
+            f"{self.root.parent} holds a run with other settings ({differences(saved, self.identity)} differ "
+            f"from {path.name}); "
             "use another name or output_dir, or --restart to discard it and start over"
         )
+
+
+def differences(a: Any, b: Any) -> str:
+    """The dotted keys whose values differ between two JSON trees, the first six named ("" when none)."""
+    changed = sorted(_differences(a, b))
+    return ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
 
 
 def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from densepass import distributed
-from densepass.checkpoints import trim_log
-from densepass.config import ExperimentConfig, LossConfig, save_config
+from densepass.checkpoints import differences, training_identity, trim_log
+from densepass.config import ExperimentConfig, LossConfig, load_config, save_config
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import resolve_device, resolve_precision
@@ -96,6 +96,13 @@ def run_identity(config: ExperimentConfig) -> dict:
     }
 
 
+def results_identity(config: ExperimentConfig) -> dict:
+    """What a run directory's results are of: ``run_identity`` and, for a run that trains, its training settings
+    (those that change what is trained), as JSON values."""
+    train = training_identity(config.train) if config.train.enabled else {"enabled": False}
+    return json.loads(json.dumps({**run_identity(config), "train": train}))
+
+
 # ---- stage 1: checks before any work -------------------------------------------------------------------
 
 
@@ -125,6 +132,22 @@ def check(config: ExperimentConfig) -> torch.device:
         raise ConfigError("train.wise_ft interpolates fine-tuned weights: it needs train.enabled: true")
     check_reranker_config(config)
     return device
+
+
+def check_run_directory(config: ExperimentConfig) -> None:
+    """Refuse a run directory that holds another run: a second run with the same ``name`` and ``output_dir``
+    would replace the first one's metrics and report (resuming the same run, or evaluating it again, is fine)."""
+    saved = config.run_dir / "config.yaml"
+    if not saved.is_file():
+        return
+    hint = "use another name or output_dir, or --restart to discard it"
+    try:
+        earlier = results_identity(load_config(saved))
+    except ConfigError as err:
+        raise ConfigError(f"{config.run_dir} holds a config.yaml that does not load ({err}); {hint}") from err
+    changed = differences(earlier, results_identity(config))
+    if changed:
+        raise ConfigError(f"{config.run_dir} holds another run ({changed} differ from its config.yaml); {hint}")
 
 
 @contextmanager
@@ -554,6 +577,7 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
     distributed.init_from_environment()  # under torchrun: one process per GPU, global in-batch negatives
     main = distributed.rank() == 0
     with run_directory(config, main, restart) as run_dir:
+        check_run_directory(config)
         exp = prepare(config, device, main)
         seed_everything(config.train.seed)
         model = model_from_config(config)
