@@ -195,13 +195,15 @@ class Experiment:
 
 
 def prepare(config: ExperimentConfig, device: torch.device, main: bool) -> Experiment:
-    """Load the data, build the evaluation set and the BM25 indexes the run needs, and check that the run
-    directory's checkpoints (if any) belong to this config."""
+    """Load the data, check that the run directory holds no other run (``check_run_directory``), build the
+    evaluation set and the BM25 indexes the run needs, and check that its checkpoints (if any) belong to this
+    config."""
     started = time.perf_counter()
-    dataset = load_dataset(config.data.name, config.data.data_dir, config.data.format)
+    dataset = load_dataset(config.data.name, config.data.data_dir, config.data.format)  # a missing one: its error
     needs_answers = [m for m in config.eval.metrics if m.startswith("accuracy@")]
     if needs_answers and not dataset.answers:
         raise ConfigError(f"eval.metrics {needs_answers} need answer strings, which {dataset.name} does not have")
+    check_run_directory(config)
     neg = config.negatives
     uses_bm25 = neg.source == "bm25" or neg.source == "mixed" and "bm25" in neg.mix
     need_full_bm25 = uses_bm25 and neg.per_query > 0 and config.train.enabled or config.data.eval_hard_k > 0
@@ -577,7 +579,6 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
     distributed.init_from_environment()  # under torchrun: one process per GPU, global in-batch negatives
     main = distributed.rank() == 0
     with run_directory(config, main, restart) as run_dir:
-        check_run_directory(config)
         exp = prepare(config, device, main)
         seed_everything(config.train.seed)
         model = model_from_config(config)
