@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -32,6 +33,34 @@ def tokenize(
         return_tensors="pt",
         pad_to_multiple_of=8 if padding is True and max_length % 8 == 0 else None,
     )
+
+
+Side = Literal["query", "passage"]
+
+
+class SidedInputs:
+    """Token limits and tokenisation of a retriever with a query side and a passage side: a ``config`` with
+    ``query_max_length`` and ``passage_max_length``, and a ``tokenizer`` (the bi-encoder, SPLADE, ColBERT)."""
+
+    config: Any
+    tokenizer: PreTrainedTokenizerBase
+
+    def max_length(self, side: Side) -> int:
+        """Token limit of one side's inputs."""
+        return self.config.query_max_length if side == "query" else self.config.passage_max_length
+
+    def tokenize(
+        self,
+        texts: list[str],
+        side: Side,
+        padding: bool | str = True,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        max_length: int | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Padded tensors of one side's texts; ``tokenizer``: a private copy of ``self.tokenizer`` for a
+        worker thread (a fast tokenizer's truncation settings are shared state); ``max_length``: another token
+        limit than the side's (training's shorter passage crops)."""
+        return tokenize(tokenizer or self.tokenizer, texts, max_length or self.max_length(side), padding)
 
 
 CPU_PIECE_TOKENS = 2048

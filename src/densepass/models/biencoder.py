@@ -27,11 +27,10 @@ from densepass.config import DEFAULT_MODEL, BiEncoderConfig
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.io import MANIFEST, atomic_directory, atomic_write_text, read_manifest, write_manifest
-from densepass.models.batching import tokenize
+from densepass.models.batching import Side, SidedInputs
 from densepass.models.kinds import CONFIG_FILES, saved_architecture
 
 CONFIG_NAME = CONFIG_FILES["bi-encoder"]
-Side = Literal["query", "passage"]
 
 
 def model_name(path: str) -> str:
@@ -91,7 +90,7 @@ def token_pooling(hidden: torch.Tensor, attention_mask: torch.Tensor, how: str) 
     raise ConfigError(f"unknown pooling {how!r} (use 'mean' or 'cls')")
 
 
-class BiEncoder(nn.Module):
+class BiEncoder(SidedInputs, nn.Module):
     """Query and passage towers with shared pooling, projection and normalisation.
 
     >>> model = BiEncoder.from_pretrained("all-MiniLM-L6-v2")
@@ -130,10 +129,6 @@ class BiEncoder(nn.Module):
     def dim(self) -> int:
         """Embedding dimension (the projection's when there is one)."""
         return self.projection.out_features if self.projection is not None else self.query_encoder.config.hidden_size
-
-    def max_length(self, side: Side) -> int:
-        """Token limit of one side's inputs."""
-        return self.config.query_max_length if side == "query" else self.config.passage_max_length
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, side: Side) -> torch.Tensor:
         """Embeddings of one side's tokenised batch."""
@@ -190,19 +185,6 @@ class BiEncoder(nn.Module):
         )
         self.train(was_training)
         return torch.from_numpy(out) if convert_to == "torch" else out
-
-    def tokenize(
-        self,
-        texts: list[str],
-        side: Side,
-        padding: bool | str = True,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-        max_length: int | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Padded tensors of one side's texts; ``tokenizer``: a private copy of ``self.tokenizer`` for a
-        worker thread (a fast tokenizer's truncation settings are shared state); ``max_length``: another token
-        limit than the side's (training's shorter passage crops)."""
-        return tokenize(tokenizer or self.tokenizer, texts, max_length or self.max_length(side), padding)
 
     # ---- construction and persistence -------------------------------------------------------
 

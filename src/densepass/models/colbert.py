@@ -37,7 +37,7 @@ from densepass.data.dataset import Corpus
 from densepass.device import autocast_context, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
-from densepass.models.batching import forward_in_pieces, length_sorted_batches, piece_tokens, tokenize
+from densepass.models.batching import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens, tokenize
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.kinds import CONFIG_FILES, saved_architecture
 
@@ -76,7 +76,7 @@ def maxsim(queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
     return (best * query_present[:, None, :]).sum(-1)
 
 
-class ColBERT(nn.Module):
+class ColBERT(SidedInputs, nn.Module):
     """A shared encoder with a linear projection; representations are zero-padded token vectors."""
 
     def __init__(
@@ -108,10 +108,6 @@ class ColBERT(nn.Module):
         """Dimension of a token vector."""
         return self.config.dim
 
-    def max_length(self, side: Side) -> int:
-        """Token limit of one side's inputs (queries are always exactly this long)."""
-        return self.config.query_max_length if side == "query" else self.config.passage_max_length
-
     def tokenize(
         self,
         texts: list[str],
@@ -120,9 +116,9 @@ class ColBERT(nn.Module):
         tokenizer: PreTrainedTokenizerBase | None = None,
         max_length: int | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Token ids and attention masks; queries padded with [MASK] to ``query_max_length`` (the [MASK]
-        positions are not attended to), markers inserted after [CLS] when configured; ``max_length``: another
-        token limit than the side's (markers included)."""
+        """Token ids and attention masks; queries padded with [MASK] to exactly ``query_max_length`` (the
+        [MASK] positions are not attended to), markers inserted after [CLS] when configured; ``max_length``:
+        another token limit than the side's (markers included)."""
         tokenizer = tokenizer or self.tokenizer
         markers = self.config.markers
         length = (max_length or self.max_length(side)) - int(markers)

@@ -43,7 +43,7 @@ from densepass.data.dataset import Corpus
 from densepass.device import autocast_context, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
-from densepass.models.batching import forward_in_pieces, length_sorted_batches, piece_tokens, tokenize
+from densepass.models.batching import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.kinds import CONFIG_FILES, saved_architecture
 
@@ -92,7 +92,7 @@ def _identity_head(mlm: nn.Module, bias: float) -> None:
         predictions.bias.fill_(bias)
 
 
-class SpladeEncoder(nn.Module):
+class SpladeEncoder(SidedInputs, nn.Module):
     """One shared MLM encoder for queries and passages; representations are [B, |V|] term weights.
 
     Offers what the trainer needs (``forward(input_ids, attention_mask, side)``, ``similarity``,
@@ -113,10 +113,6 @@ class SpladeEncoder(nn.Module):
         """Size of the term-weight vectors (the vocabulary)."""
         return self.mlm.get_output_embeddings().out_features
 
-    def max_length(self, side: Side) -> int:
-        """Token limit of one side's inputs."""
-        return self.config.query_max_length if side == "query" else self.config.passage_max_length
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, side: Side) -> torch.Tensor:
         """Term weights [B, |V|] of one side's tokenised batch (both sides share the encoder)."""
         logits = self.mlm(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -125,17 +121,6 @@ class SpladeEncoder(nn.Module):
     def similarity(self, queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
         """Scores [len(queries), len(passages)]: dot products of the term weights."""
         return queries.float() @ passages.float().T
-
-    def tokenize(
-        self,
-        texts: list[str],
-        side: Side,
-        padding: bool | str = True,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-        max_length: int | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Padded tensors of one side's texts (``max_length``: another token limit than the side's)."""
-        return tokenize(tokenizer or self.tokenizer, texts, max_length or self.max_length(side), padding)
 
     # ---- encoding --------------------------------------------------------------------------------------
 
