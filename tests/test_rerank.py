@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -106,3 +107,76 @@ def test_cached_scores_score_each_pair_once_and_return_the_same_scores():
     second = cached.score_pairs(["q", "r", "r"], [TEXTS[1], TEXTS[2], TEXTS[3]])
     assert first.tolist() == [1.0, 1.0, 2.0] and second.tolist() == [1.0, 2.0, 3.0]
     assert table.pairs == 3 and cached.scored == 3
+
+
+def test_the_rerank_command_reorders_a_trec_runs_top_depth_by_the_cross_encoder(
+    tiny_beir, tiny_model_dir, tmp_path, capsys
+):
+    import gzip
+    import json
+
+    from densepass import cli
+    from densepass.data import load_dataset
+    from densepass.evaluation.metrics import read_trec_run
+    from densepass.models.cross_encoder import CrossEncoder
+
+    model = CrossEncoder.new(str(tiny_model_dir), seed=5, max_length=48, device=torch.device("cpu"), precision="fp32")
+    with torch.no_grad():  # a random head's scores differ in the 7th decimal; TREC files keep 6
+        model.model.classifier.weight.mul_(1e4)
+    model.save(tmp_path / "ce")
+    dataset = load_dataset(str(tiny_beir))
+    first = tmp_path / "first.trec.gz"  # every dev query ranks 6 passages, in corpus order
+    dev = sorted(dataset.split("dev"))
+    with gzip.open(first, "wt") as f:
+        for q in dev:
+            f.writelines(f"{q} Q0 p{i} {i + 1} {10 - i} bm25\n" for i in range(6))
+    out = tmp_path / "reranked.trec"
+    common = [str(tiny_beir), str(first), "--model", str(tmp_path / "ce"), "--device", "cpu", "--precision", "fp32"]
+    assert cli.main(["rerank", *common, "--depth", "4", "--output", str(out)]) == 0
+    reranked = read_trec_run(out)
+    texts = dict(zip(dataset.corpus.ids, dataset.corpus.passage_inputs(" ")))
+    for q in dev:  # one pair at a time: the top 4 by the cross-encoder, then p4 and p5 as they were
+        head = {f"p{i}": float(model.score_pairs([dataset.queries[q]], [texts[f"p{i}"]])[0]) for i in range(4)}
+        expected = sorted(head, key=lambda p: -head[p]) + ["p4", "p5"]
+        assert list(sorted(reranked[q], key=lambda p: -reranked[q][p])) == expected
+        for p, score in head.items():
+            assert reranked[q][p] == pytest.approx(score, rel=1e-5)
+    assert cli.main(["rerank", *common, "--depth", "4", "--k", "2", "--output", str(out)]) == 0
+    assert {len(ranked) for ranked in read_trec_run(out).values()} == {2}
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["queries"] == len(dev) and summary["depth"] == 4 and summary["reranker"]["kind"] == "cross-encoder"
+    with gzip.open(first, "at") as f:  # a query the dataset does not have
+        f.write("nosuchquery Q0 p1 1 1.0 bm25\n")
+    assert cli.main(["rerank", *common, "--output", str(out)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "have no text in the dataset" in err and "'nosuchquery'" in err and len(err.splitlines()) == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    scores=st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=len(TEXTS), max_size=len(TEXTS), unique=True),
+    table=st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=len(TEXTS), max_size=len(TEXTS), unique=True),
+    depth=st.integers(2, 8),
+    weight=st.sampled_from([0.0, 0.3, 0.5, 1.0]),
+)
+def test_fusing_the_reranker_with_the_first_stage_matches_a_hand_computed_interpolation(scores, table, depth, weight):
+    from densepass.pipelines.search import rerank_run
+
+    run = {"q": {f"p{i}": s for i, s in enumerate(scores)}}
+    out = rerank_run(run, {"q": "x"}, CORPUS, TableReranker(table), depth, fuse_weight=weight)["q"]
+    ranked = sorted(run["q"], key=lambda p: -run["q"][p])
+    head, tail = ranked[:depth], ranked[depth:]
+
+    def minmax(values: dict) -> dict:
+        low, high = min(values.values()), max(values.values())
+        return {p: (v - low) / (high - low) if high > low else 0.0 for p, v in values.items()}
+
+    ce = minmax({p: table[int(p[1:])] for p in head})
+    first = minmax({p: run["q"][p] for p in head})
+    expected = {p: weight * ce[p] + (1 - weight) * first[p] for p in head}
+    order = sorted(out, key=lambda p: -out[p])
+    assert order[depth:] == tail and set(order[:depth]) == set(head)
+    for p in head:
+        assert out[p] == pytest.approx(expected[p], abs=1e-6)
+    assert all(out[a] >= out[b] for a, b in zip(order, order[1:]))
+    assert len(rerank_run(run, {"q": "x"}, CORPUS, TableReranker(table), depth, k=3, fuse_weight=weight)["q"]) == 3

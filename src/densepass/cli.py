@@ -139,7 +139,6 @@ def _load_pipeline(args: argparse.Namespace):
     from densepass.index.base import Index, load_index
     from densepass.index.bm25 import BM25Index
     from densepass.index.hybrid import HybridIndex
-    from densepass.models.kinds import model_kind
     from densepass.models.load import load_model
     from densepass.pipelines.search import SearchPipeline
 
@@ -173,20 +172,51 @@ def _load_pipeline(args: argparse.Namespace):
         if kind not in BIENCODER_KINDS:
             raise DensepassError(f"--hybrid adds BM25 to a dense index; {args.index} is a {kind} index")
         index = HybridIndex(index, BM25Index.build(index.passages), args.hybrid, args.fusion_weight)
-    reranker = None
-    if args.rerank:
-        from densepass.models.biencoder import resolve_model_path
-        from densepass.models.colbert import ColBERT, ColbertReranker
-        from densepass.models.cross_encoder import CrossEncoder
-
-        if model_kind(resolve_model_path(args.rerank)) == "colbert":  # late interaction over the candidates
-            if args.rerank_precision != "auto":
-                raise DensepassError(f"--rerank-precision applies to cross-encoders; {args.rerank} is a ColBERT model")
-            reranker = ColbertReranker(ColBERT.from_pretrained(args.rerank), device=device)
-        else:
-            options = {"device": device, "batch_size": args.rerank_batch_size, "precision": args.rerank_precision}
-            reranker = CrossEncoder.from_pretrained(args.rerank, **options)
+    reranker = (
+        _load_reranker(args.rerank, device, args.rerank_batch_size, args.rerank_precision) if args.rerank else None
+    )
     return SearchPipeline(index, reranker, args.rerank_depth or min(100, len(index)))
+
+
+def _load_reranker(path: str, device, batch_size: int, precision: str):
+    """A second stage from a saved model: ColBERT (late interaction over the candidates) or a cross-encoder."""
+    from densepass.models.biencoder import resolve_model_path
+    from densepass.models.colbert import ColBERT, ColbertReranker
+    from densepass.models.cross_encoder import CrossEncoder
+    from densepass.models.kinds import model_kind
+
+    if model_kind(resolve_model_path(path)) == "colbert":
+        if precision != "auto":
+            raise DensepassError(f"a reranker's precision applies to cross-encoders; {path} is a ColBERT model")
+        return ColbertReranker(ColBERT.from_pretrained(path), device=device)
+    return CrossEncoder.from_pretrained(path, device=device, batch_size=batch_size, precision=precision)
+
+
+def _rerank(args: argparse.Namespace) -> None:
+    import time
+
+    from densepass.data import load_dataset
+    from densepass.device import resolve_device, resolve_precision
+    from densepass.errors import ConfigError
+    from densepass.evaluation.metrics import read_trec_run, write_trec_run
+    from densepass.pipelines.search import check_run_queries, rerank_run
+
+    if Path(args.output).is_dir():
+        raise ConfigError(f"--output {args.output} is a directory; give a run file path")
+    device = resolve_device(args.device)
+    resolve_precision(args.precision, device)  # int8 on a GPU fails before anything loads
+    dataset = load_dataset(args.dataset, args.data_dir, args.format)
+    run = read_trec_run(args.run, dataset.corpus)
+    check_run_queries(run, dataset.queries)  # before the model loads
+    reranker = _load_reranker(args.model, device, args.batch_size, args.precision)
+    started = time.perf_counter()
+    reranked = rerank_run(run, dataset.queries, dataset.corpus, reranker, args.depth, args.k, args.fuse_weight)
+    seconds = time.perf_counter() - started
+    write_trec_run(reranked, args.output, tag=args.tag)
+    summary = {"queries": len(run), "depth": args.depth, "fuse_weight": args.fuse_weight, "device": str(device)}
+    summary["seconds"] = round(seconds, 2)
+    summary["ms_per_query"] = round(1000 * seconds / len(run), 2)
+    print(json.dumps({**summary, "reranker": reranker.describe(), "output": args.output}))
 
 
 def _search(args: argparse.Namespace) -> None:
@@ -561,6 +591,35 @@ def build_parser() -> argparse.ArgumentParser:
     _pipeline_args(serve)
     add_settings_arguments(serve)
     serve.set_defaults(func=_serve)
+
+    rerank = sub.add_parser(
+        "rerank", help="re-score the top candidates of a TREC run (any first stage) with a cross-encoder or ColBERT"
+    )
+    _dataset_args(rerank)
+    rerank.add_argument("run", help="first-stage TREC run file (.gz too) over the dataset's corpus and queries")
+    rerank.add_argument("--model", required=True, help="saved cross-encoder or ColBERT model")
+    rerank.add_argument("--output", required=True, help="TREC run file to write")
+    rerank.add_argument("--depth", type=positive_int, default=100, help="candidates re-scored per query")
+    rerank.add_argument("--k", type=positive_int, default=None, help="passages written per query (default: all)")
+    rerank.add_argument(
+        "--fuse-weight",
+        type=fraction,
+        default=None,
+        metavar="W",
+        help="order the top --depth by W x the reranker's + (1 - W) x the run's scores, each min-max normalised "
+        "per query (default: the reranker's alone)",
+    )
+    rerank.add_argument("--batch-size", type=positive_int, default=64, help="pairs per cross-encoder forward pass")
+    rerank.add_argument(
+        "--precision",
+        default="auto",
+        choices=PRECISIONS,
+        help="cross-encoder scoring precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (bf16 "
+        "where the device computes it natively, else fp32)",
+    )
+    rerank.add_argument("--tag", default="densepass-rerank", help="run tag (last column of the TREC file)")
+    _device_arg(rerank)
+    rerank.set_defaults(func=_rerank)
 
     evaluate = sub.add_parser("evaluate", help="evaluate a TREC run file against a split's qrels")
     _dataset_args(evaluate)

@@ -205,6 +205,58 @@ def results_from_run(
     return SearchResults(scores, rows, corpus)
 
 
+def rerank_run(
+    run: Mapping[str, Mapping[str, float]],
+    queries: Mapping[str, str],
+    corpus: Corpus,
+    reranker: Reranker,
+    depth: int,
+    k: int | None = None,
+    fuse_weight: float | None = None,
+) -> dict[str, dict[str, float]]:
+    """A run (e.g. a TREC file of any first stage) with each query's top ``depth`` re-scored by ``reranker``
+    (``rerank``: the rest follow in their first-stage order), its top ``k`` per query when given. ``queries``
+    maps the run's query ids to their texts; an id without one is a one-line DataError.
+
+    ``fuse_weight`` w: the top ``depth`` are ordered by w x the reranker's score + (1 - w) x the first stage's,
+    each min-max normalised over the query's top ``depth`` (``evaluation.fusion.linear_fusion``), instead of by
+    the reranker's alone: interpolating with the first stage keeps what it knew that the reranker does not.
+
+    >>> class Length:  # a toy reranker: longer passages first
+    ...     def score_pairs(self, queries, passages): return np.array([len(p) for p in passages], dtype=float)
+    >>> corpus = Corpus(["a", "b"], ["", ""], ["tar", "X11 window manager"], ["a", "b"])
+    >>> rerank_run({"q": {"a": 2.0, "b": 1.0}}, {"q": "window"}, corpus, Length(), depth=2)["q"]
+    {'b': 18.0, 'a': 3.0}
+    """
+    check_run_queries(run, queries)
+    if fuse_weight is not None and not 0 <= fuse_weight <= 1:
+        raise ConfigError(f"the fusion weight of the reranker lies in [0, 1], got {fuse_weight}")
+    query_ids = list(run)
+    first = results_from_run(run, query_ids, corpus, width=depth)
+    reranked = rerank(first, [queries[q] for q in query_ids], reranker, depth, k if fuse_weight is None else None)
+    if fuse_weight is None:
+        return reranked.as_run(query_ids)
+    from densepass.evaluation.fusion import linear_fusion
+
+    head = {q: dict(ranked[:depth]) for q, ranked in zip(query_ids, first)}
+    scored = {q: {p: s for p, s in ranked if p in head[q]} for q, ranked in zip(query_ids, reranked)}
+    fused = linear_fusion([scored, head], [fuse_weight, 1 - fuse_weight])
+    out = {}
+    for q, ranked in zip(query_ids, first):  # the fused top depth (in [0, 1]), then the rest below it, in order
+        tail = {p: -1.0 - i for i, (p, _) in enumerate(ranked[depth:])}
+        out[q] = dict(list(sorted({**fused.get(q, {}), **tail}.items(), key=lambda item: -item[1]))[:k])
+    return out
+
+
+def check_run_queries(run: Mapping[str, object], queries: Mapping[str, str]) -> None:
+    """A one-line DataError unless every query of ``run`` has a text in ``queries``."""
+    from densepass.errors import DataError
+
+    missing = [q for q in run if q not in queries]
+    if missing:
+        raise DataError(f"{len(missing)} of the run's queries have no text in the dataset (e.g. {missing[0]!r})")
+
+
 def read_queries(path: str | Path) -> tuple[list[str], list[str]]:
     """(ids, texts) of a queries file: BEIR ``queries.jsonl`` (``_id``, ``text``; .gz too) or ``id<TAB>text`` lines."""
     from densepass.data.beir import read_queries as read_jsonl_queries
