@@ -36,6 +36,13 @@ Every run is an ordinary ``densepass run`` directory under ``<out>/runs`` (resum
 skipped). The report (<out>/report.md, report.json) gives each row's metrics, the paired tests, the
 out-of-domain numbers and each row's cost: mining + training seconds as the run measured them; the README
 row, the best row and the best model of all are also fused with BM25 (RRF and 2-fold cross-validated linear).
+
+**Reranking** (neural-retrieval-lecture: cross-encoder re-ranking): the report writes the top 100 of BM25, of the
+best model and of its linear fusion with BM25 to ``<out>/first-stages/{bm25,dense,pipeline}.trec``; a cross-encoder
+(configs/recipe_reranker.yaml trains one) reranks them with ``densepass rerank ... --output
+<out>/reranked/<stage>.trec``, and the next report adds, for each reranked file, rows at depth 100 and 10: the
+cross-encoder's order alone, and fused with the first stage's scores (``cv_linear_fusion``), each tested against
+the first stage.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset
 from densepass.errors import ConfigError
 from densepass.evaluation.fusion import linear_fusion, reciprocal_rank_fusion
-from densepass.evaluation.metrics import Run, evaluate_run, paired_significance, read_trec_run
+from densepass.evaluation.metrics import Run, evaluate_run, paired_significance, read_trec_run, write_trec_run
 from densepass.io import atomic_write_text
 from densepass.pipelines.experiment import run_experiment
 
@@ -102,6 +109,7 @@ VARIANTS: dict[str, list[str]] = {
     ],
 }
 IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]
+RERANK_DEPTH = 100  # candidates of the best model (alone, + BM25) that the cross-encoder re-scores
 OUT_OF_DOMAIN = ["ndcg@10", "accuracy@1", "accuracy@5", "accuracy@20"]
 
 
@@ -416,6 +424,13 @@ def report(args: argparse.Namespace) -> None:
     )
     runs = {name: read_trec_run(row["trec"]) for name, row in rows.items()}
     tests = {}
+
+    def add_run(name: str, against: str, run: Run) -> None:
+        """A row that is a run built here (fused or reranked), tested against the row it came from."""
+        rows[name] = {"in": evaluate_run(qrels, run, IN_DOMAIN), "ood": None, "cost_s": None, "steps": None}
+        runs[name] = run
+        tests[name] = {"against": against, **_test(qrels, runs, against, name)}
+
     order = [n for n in ROWS if n in rows]
     best = max(order, key=lambda n: rows[n]["in"]["mrr@10"]) if order else None
     for above, name in zip(order, order[1:]):
@@ -429,12 +444,27 @@ def report(args: argparse.Namespace) -> None:
             tests[name] = {"against": row, **_test(qrels, runs, row, name)}
     best_model = max((n for n in rows if n != ST), key=lambda n: rows[n]["in"]["mrr@10"], default=None)
     bm25_path = readme.run_dir / "runs" / "bm25.trec"
+    first_stages = {}  # what a cross-encoder reranks: BM25, the best model alone and fused with BM25 (linear)
+    if bm25_path.is_file():
+        runs["BM25"] = read_trec_run(bm25_path)
+        first_stages["bm25"] = "BM25"
     for base in dict.fromkeys([README, best, best_model]) if best and bm25_path.is_file() else []:
-        for label, run in hybrid_runs(qrels, runs[base], read_trec_run(bm25_path), data.seed).items():
+        for label, run in hybrid_runs(qrels, runs[base], runs["BM25"], data.seed).items():
             name = f"{base} + BM25 ({label})"
-            rows[name] = {"in": evaluate_run(qrels, run, IN_DOMAIN), "ood": None, "cost_s": None, "steps": None}
-            runs[name] = run
-            tests[name] = {"against": base, **_test(qrels, runs, base, name)}
+            add_run(name, base, run)
+            if base == best_model and label != "RRF":
+                first_stages.update(dense=base, pipeline=name)
+    for stage, base in first_stages.items():
+        write_trec_run(top(runs[base], RERANK_DEPTH), out / "first-stages" / f"{stage}.trec")
+        reranked = out / "reranked" / f"{stage}.trec"  # `densepass rerank` of that file (docs/experiments.md)
+        for depth in (RERANK_DEPTH, 10) if reranked.is_file() else ():
+            alone, fused, weights = reranked_runs(qrels, runs[base], read_trec_run(reranked), depth, data.seed)
+            add_run(f"{base} → cross-encoder@{depth}", base, alone)
+            add_run(
+                f"{base} → cross-encoder@{depth}, fused with its first stage (weight {weights} by 2-fold CV)",
+                base,
+                fused,
+            )
     text = render(args, readme.train.batch_size, rows, tests, baselines, baseline_ood)
     atomic_write_text(out / "report.md", text)
     atomic_write_text(out / "report.json", json.dumps({"rows": rows, "tests": tests}, indent=2))
@@ -448,9 +478,15 @@ def steps_of(config: ExperimentConfig) -> int:
 
 
 def hybrid_runs(qrels: dict, dense: Run, bm25: Run, seed: int) -> dict[str, Run]:
-    """The dense run fused with BM25's: RRF (k = 60), and a linear fusion of min-max normalised scores whose
-    dense weight is tuned by two-fold cross-validation (chosen on one half of the queries for the other half,
-    grid 0.05 ... 0.95 on MRR@10), so that no query is scored with a weight tuned on it."""
+    """The dense run fused with BM25's: RRF (k = 60), and ``cv_linear_fusion``."""
+    linear, weights = cv_linear_fusion(qrels, dense, bm25, seed)
+    return {"RRF": reciprocal_rank_fusion([dense, bm25]), f"linear, dense weight {weights} by 2-fold CV": linear}
+
+
+def cv_linear_fusion(qrels: dict, a: Run, b: Run, seed: int) -> tuple[Run, str]:
+    """A linear fusion of min-max normalised scores whose weight of ``a`` is tuned by two-fold
+    cross-validation (chosen on one half of the queries for the other half, grid 0.05 ... 0.95 on MRR@10), so
+    that no query is scored with a weight tuned on it; and the two weights chosen ("0.65 / 0.60")."""
     queries = sorted(qrels)
     random.Random(seed).shuffle(queries)
     folds = [queries[::2], queries[1::2]]
@@ -459,14 +495,37 @@ def hybrid_runs(qrels: dict, dense: Run, bm25: Run, seed: int) -> dict[str, Run]
     for held_out, tuning in (folds, folds[::-1]):
 
         def mrr(weight: float, names: list[str] = tuning) -> float:
-            fused = linear_fusion([_subset(dense, names), _subset(bm25, names)], [weight, 1 - weight])
+            fused = linear_fusion([_subset(a, names), _subset(b, names)], [weight, 1 - weight])
             return evaluate_run({q: qrels[q] for q in names}, fused, ["mrr@10"])["mrr@10"]
 
         weight = max((i / 20 for i in range(1, 20)), key=mrr)
         weights.append(f"{weight:.2f}")
-        linear.update(linear_fusion([_subset(dense, held_out), _subset(bm25, held_out)], [weight, 1 - weight]))
-    label = f"linear, dense weight {' / '.join(weights)} by 2-fold CV"
-    return {"RRF": reciprocal_rank_fusion([dense, bm25]), label: linear}
+        linear.update(linear_fusion([_subset(a, held_out), _subset(b, held_out)], [weight, 1 - weight]))
+    return linear, " / ".join(weights)
+
+
+def reranked_runs(qrels: dict, first: Run, scores: Run, depth: int, seed: int) -> tuple[Run, Run, str]:
+    """The first stage's top ``depth`` ordered by the cross-encoder's ``scores`` (of its top RERANK_DEPTH), and
+    ordered by their linear fusion with the first stage's scores (``cv_linear_fusion``, over the top ``depth``),
+    each followed by the rest of the first stage's top RERANK_DEPTH in its order; and the fusion's weights."""
+    ranked = {q: sorted(first[q], key=lambda p: -first[q][p])[:RERANK_DEPTH] for q in first}
+    head = {q: {p: first[q][p] for p in pids[:depth]} for q, pids in ranked.items()}
+    alone = {q: {p: scores[q][p] for p in pids} for q, pids in head.items()}
+    fused, weights = cv_linear_fusion(qrels, alone, head, seed)
+
+    def then_the_rest(run: Run) -> Run:
+        out = {}
+        for q, pids in ranked.items():
+            floor = min(run[q].values(), default=0.0)
+            out[q] = {**run[q], **{p: floor - 1.0 - i for i, p in enumerate(pids[depth:])}}
+        return out
+
+    return then_the_rest(alone), then_the_rest({q: fused.get(q, {}) for q in ranked}), weights
+
+
+def top(run: Run, k: int) -> Run:
+    """Each query's ``k`` best passages."""
+    return {q: dict(sorted(ranked.items(), key=lambda item: -item[1])[:k]) for q, ranked in run.items()}
 
 
 def _subset(run: Run, queries: list[str]) -> Run:

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 
+from densepass import cli
 from densepass.config import load_config
+from densepass.models.cross_encoder import CrossEncoder
 from phrase_fixtures import write_phrase_squad
 
 SCRIPT = Path(__file__).parent.parent / "experiments" / "recipe.py"
@@ -69,6 +72,27 @@ def test_rows_out_of_domain_wise_ft_and_report(tiny_beir, tiny_model_dir, tmp_pa
     assert (out / "wise-ft" / "readme-recipe-wise-ft-0-5" / "model.safetensors").is_file()
     text = (out / "report.md").read_text()
     assert "| BM25 |" in text and "| zero-shot MiniLM |" in text and "| + 3 hard negatives |" in text
+    # The best model's first stages are written for a cross-encoder; its reranked runs become rows.
+    stages = out / "first-stages"
+    assert sorted(path.name for path in stages.iterdir()) == ["bm25.trec", "dense.trec", "pipeline.trec"]
+    ce = tmp_path / "ce"
+    CrossEncoder.new(str(tiny_model_dir), seed=1, max_length=48, device=torch.device("cpu"), precision="fp32").save(ce)
+    for stage in ("bm25", "pipeline"):
+        reranked = ["rerank", str(tiny_beir), str(stages / f"{stage}.trec"), "--model", str(ce), "--device", "cpu"]
+        assert cli.main([*reranked, "--output", str(out / "reranked" / f"{stage}.trec")]) == 0
+    done = recipe("--stage", "report", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    reranked = [name for name in report["rows"] if "→ cross-encoder@" in name]
+    assert len(reranked) == 8  # BM25, then the pipeline: reranked at 100 and 10, alone and fused
+    pipeline = report["tests"][reranked[4]]["against"]  # the best model + BM25, linear
+    assert pipeline in hybrids and "linear" in pipeline
+    for first, names in (("BM25", reranked[:4]), (pipeline, reranked[4:])):
+        for i, depth in enumerate((100, 10)):
+            alone, fused = names[2 * i : 2 * i + 2]
+            assert alone == f"{first} → cross-encoder@{depth}"
+            assert fused.startswith(f"{alone}, fused with its first stage (weight ")
+            assert report["tests"][alone]["against"] == first and report["tests"][fused]["against"] == first
     # A finished row is not run again.
     again = recipe("--stage", "train", "--only", "README recipe", *common)
     assert again.returncode == 0 and "done:" in again.stdout
