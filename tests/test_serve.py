@@ -461,3 +461,17 @@ def test_the_load_test_client_compares_a_batched_and_an_unbatched_service(tmp_pa
     assert [s["health"]["batching"]["enabled"] for s in report["services"]] == [True, False]
     assert next(r for r in report["results"] if r["service"] == "off")["mean_batch"] == 1.0
     assert len(report["ratios"]) == 2 and all(r["queries_per_s_ratio"] > 0 for r in report["ratios"])
+
+
+def test_the_cli_builds_without_the_serving_stack_and_serving_says_what_is_missing():
+    # every command but `serve` runs where FastAPI is not installed (e.g. a bare GPU machine)
+    code = (
+        "import sys; sys.modules['fastapi'] = None\n"
+        "from densepass.cli import build_parser\n"
+        "assert build_parser().parse_args(['evaluate', 'd', 'r.trec']).func.__name__ == '_evaluate'\n"
+        "import densepass.serve as serve\n"
+        "try:\n    serve.create_app\nexcept ImportError as err:\n    print('missing:', err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("missing:") and "fastapi" in done.stdout
