@@ -111,6 +111,7 @@ def test_a_reranker_without_a_usable_head_is_refused_before_anything_is_written(
         (["reranker.enabled=false", "reranker.distill.loss=kl"], "reranker.distill needs a teacher"),
         (["reranker.distill.loss=kl", "loss.memory=pre-batch"], "adds to the plain contrastive loss"),
         (["reranker.train.loss=lce"], "'lce' is not one of 'listwise', 'pointwise'"),
+        (["reranker.max_length=256"], "reranker.max_length 256 exceeds .*'s 128 positions"),
     ],
 )
 def test_inconsistent_reranker_settings_are_one_line_errors(tiny_beir, tiny_model_dir, tmp_path, extra, message):
