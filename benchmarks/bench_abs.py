@@ -1,4 +1,4 @@
-"""ABS scheduling time and batch hardness: exact running-sum greedy (densepass), one batch at a time
+r"""ABS scheduling time and batch hardness: exact running-sum greedy (densepass), one batch at a time
 and many batches at once, against a naive matrix greedy, the paper's top-100 restricted variant, TAS-style
 topic clusters and random batches.
 

@@ -1,4 +1,4 @@
-"""Recall against latency of approximate search on real embeddings: FAISS HNSW over an efSearch sweep and IVF-PQ
+r"""Recall against latency of approximate search on real embeddings: FAISS HNSW over an efSearch sweep and IVF-PQ
 over an nprobe sweep (``densepass.index.faiss_index``), and exact search in fp32 and in reduced precision with
 fp32 re-scoring (``densepass.index.exact``), each against fp32 exact search; a markdown table and a PNG.
 

@@ -1,4 +1,4 @@
-"""Encoding throughput: densepass ``encode_texts`` in each precision against ``SentenceTransformer.encode`` and its
+r"""Encoding throughput: densepass ``encode_texts`` in each precision against ``SentenceTransformer.encode`` and its
 ONNX / OpenVINO backends, same model, same ``title [SEP] text`` passages of debian-packages, same maximum length,
 in one run.
 

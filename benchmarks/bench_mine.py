@@ -1,4 +1,4 @@
-"""Hard-negative mining speed: densepass BM25 and dense mining of debian-packages train queries, and
+r"""Hard-negative mining speed: densepass BM25 and dense mining of debian-packages train queries, and
 sentence-transformers' ``util.mine_hard_negatives`` on the same model, queries and corpus.
 
     python benchmarks/bench_mine.py --n 200 --corpus-n 3000                  # CPU (2 cores: ~2 min)

@@ -1,4 +1,4 @@
-"""Pre-training throughput (non-padding tokens/s): densepass MLM / Condenser / coCondenser against plain
+r"""Pre-training throughput (non-padding tokens/s): densepass MLM / Condenser / coCondenser against plain
 MLM through transformers' ``BertForMaskedLM`` on the same backbone, data, batch and sequence length.
 
     python benchmarks/bench_pretrain.py --batch-size 4 --max-length 32 --steps 3 --warmup 1 \

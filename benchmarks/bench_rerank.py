@@ -1,4 +1,4 @@
-"""Cross-encoder speed: densepass against sentence-transformers at equal settings, in one run, as ratios.
+r"""Cross-encoder speed: densepass against sentence-transformers at equal settings, in one run, as ratios.
 
 1. **Training** examples (pairs) per second: densepass ``train_cross_encoder`` against sentence-transformers'
    ``CrossEncoderTrainer``, the same listwise loss (softmax cross-entropy over 1 positive + n BM25 hard

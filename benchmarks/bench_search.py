@@ -1,4 +1,4 @@
-"""Exact search: densepass ``exact_search`` (chunked matrix product + top-k, on GPU when present)
+r"""Exact search: densepass ``exact_search`` (chunked matrix product + top-k, on GPU when present)
 against FAISS ``IndexFlatIP`` (faiss-cpu) on the same vectors, in one run; plus FAISS HNSW and IVF-PQ
 from ``densepass.index.faiss_index`` with their recall@k against exact search.
 

@@ -1,4 +1,4 @@
-"""Load test of the search service: queries/s and p50/p95/p99 latency at concurrency 1, 8 and 64, one query
+r"""Load test of the search service: queries/s and p50/p95/p99 latency at concurrency 1, 8 and 64, one query
 per request, for one or more services side by side (e.g. micro-batched against batching off), with the ratio.
 
     # services already running (NAME=URL):

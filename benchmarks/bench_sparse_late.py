@@ -1,4 +1,4 @@
-"""SPLADE and ColBERT speed, in one run: densepass against sentence-transformers' SparseEncoder and PyLate.
+r"""SPLADE and ColBERT speed, in one run: densepass against sentence-transformers' SparseEncoder and PyLate.
 
     python benchmarks/bench_sparse_late.py --out outputs/bench/sparse-late.json \
         --pylate-python /path/to/venv-pylate/bin/python                       # a quiet machine or a GPU

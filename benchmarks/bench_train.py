@@ -1,4 +1,4 @@
-"""Training throughput: densepass ``train`` against sentence-transformers' ``SentenceTransformerTrainer``
+r"""Training throughput: densepass ``train`` against sentence-transformers' ``SentenceTransformerTrainer``
 with ``MultipleNegativesRankingLoss``, same model, same debian-packages (query, positive, BM25 hard
 negative) triplets, same batch size, bf16 autocast on GPU (and on CPU with --cpu-bf16), in one run; plus
 peak GPU memory, and densepass with gradient caching.

@@ -1,4 +1,4 @@
-"""Quality of the encoding precisions (``models.encode``: fp32, bf16, int8): each precision's mean cosine to the
+r"""Quality of the encoding precisions (``models.encode``: fp32, bf16, int8): each precision's mean cosine to the
 fp32 embeddings (passages and queries) and its retrieval metrics, with the difference to fp32, on the same
 queries and corpus. The issue's bar: mean cosine >= 0.99 and MRR@10 within 0.005 of fp32.
 

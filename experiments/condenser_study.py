@@ -1,4 +1,4 @@
-"""Condenser study (condenser Tables 3 and 5, Figure 2) on debian-packages.
+r"""Condenser study (condenser Tables 3 and 5, Figure 2) on debian-packages.
 
     python experiments/condenser_study.py --quick --data-dir /work/shared/data          # CPU, end to end
     # GPU, in stages (each resumable; a finished stage is skipped when re-run):

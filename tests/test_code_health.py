@@ -4,6 +4,7 @@ every benchmark and experiment script imports."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -116,3 +117,13 @@ def test_every_benchmark_and_experiment_script_imports(script, monkeypatch):
     monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     assert module.__doc__, f"{script.name} has no docstring saying what it measures and how to run it"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_a_scripts_help_shows_its_commands_as_written(script):
+    # --help prints the module docstring: a shell line continuation (a backslash at a line's end) in a plain
+    # string joins the command's lines into one, so such docstrings are raw strings
+    text = script.read_text()
+    assert text.startswith(('"""', 'r"""')), f"{script.name} does not start with its docstring"
+    body = text[text.index('"""') + 3 : text.index('"""', text.index('"""') + 3)]
+    assert text.startswith('r"""') or not re.search(r"(?<!\\)\\\n", body), f"{script.name}: make its docstring raw"
