@@ -33,6 +33,12 @@ def positive_int(text: str) -> int:
     return value
 
 
+RERANK_PRECISION_HELP = (
+    "cross-encoder scoring precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (bf16 where the "
+    "device computes it natively, else fp32)"
+)
+
+
 def fraction(text: str) -> float:
     """argparse type: a number in [0, 1]."""
     try:
@@ -470,13 +476,7 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
         help="candidates re-scored per query (default: 100, or every passage of a smaller index)",
     )
     p.add_argument("--rerank-batch-size", type=positive_int, default=64, help="pairs per cross-encoder forward pass")
-    p.add_argument(
-        "--rerank-precision",
-        default="auto",
-        choices=PRECISIONS,
-        help="cross-encoder scoring precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (bf16 "
-        "where the device computes it natively, else fp32)",
-    )
+    p.add_argument("--rerank-precision", default="auto", choices=PRECISIONS, help=RERANK_PRECISION_HELP)
     _precision_arg(p)
     p.add_argument(
         "--search-precision",
@@ -610,13 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
         "per query (default: the reranker's alone)",
     )
     rerank.add_argument("--batch-size", type=positive_int, default=64, help="pairs per cross-encoder forward pass")
-    rerank.add_argument(
-        "--precision",
-        default="auto",
-        choices=PRECISIONS,
-        help="cross-encoder scoring precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (bf16 "
-        "where the device computes it natively, else fp32)",
-    )
+    rerank.add_argument("--precision", default="auto", choices=PRECISIONS, help=RERANK_PRECISION_HELP)
     rerank.add_argument("--tag", default="densepass-rerank", help="run tag (last column of the TREC file)")
     _device_arg(rerank)
     rerank.set_defaults(func=_rerank)
