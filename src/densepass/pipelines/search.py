@@ -244,7 +244,7 @@ def rerank_run(
     out = {}
     for q, ranked in zip(query_ids, first):  # the fused top depth (in [0, 1]), then the rest below it, in order
         tail = {p: -1.0 - i for i, (p, _) in enumerate(ranked[depth:])}
-        out[q] = dict(list(sorted({**fused.get(q, {}), **tail}.items(), key=lambda item: -item[1]))[:k])
+        out[q] = dict(sorted({**fused.get(q, {}), **tail}.items(), key=lambda item: -item[1])[:k])
     return out
 
 
