@@ -510,6 +510,9 @@ def reranked_runs(qrels: dict, first: Run, scores: Run, depth: int, seed: int) -
     each followed by the rest of the first stage's top RERANK_DEPTH in its order; and the fusion's weights."""
     ranked = {q: sorted(first[q], key=lambda p: -first[q][p])[:RERANK_DEPTH] for q in first}
     head = {q: {p: first[q][p] for p in pids[:depth]} for q, pids in ranked.items()}
+    missing = next(((q, p) for q, pids in head.items() for p in pids if p not in scores.get(q, {})), None)
+    if missing:
+        raise ConfigError(f"the reranked run has no score for {missing[1]!r} of query {missing[0]!r} (its top {depth})")
     alone = {q: {p: scores[q][p] for p in pids} for q, pids in head.items()}
     fused, weights = cv_linear_fusion(qrels, alone, head, seed)
 
