@@ -198,19 +198,27 @@ def _load_reranker(path: str, device, batch_size: int, precision: str):
     return CrossEncoder.from_pretrained(path, device=device, batch_size=batch_size, precision=precision)
 
 
+def check_run_output(path: str) -> None:
+    """A one-line error when a run file to write is an existing directory."""
+    from densepass.errors import ConfigError
+
+    if Path(path).is_dir():
+        raise ConfigError(f"--output {path} is a directory; give a run file path")
+
+
 def _rerank(args: argparse.Namespace) -> None:
     import time
 
     from densepass.data import load_dataset
     from densepass.device import resolve_device, resolve_precision
-    from densepass.errors import ConfigError
     from densepass.evaluation.metrics import read_trec_run, write_trec_run
+    from densepass.models.biencoder import resolve_model_path
     from densepass.pipelines.search import check_run_queries, rerank_run
 
-    if Path(args.output).is_dir():
-        raise ConfigError(f"--output {args.output} is a directory; give a run file path")
+    check_run_output(args.output)
     device = resolve_device(args.device)
     resolve_precision(args.precision, device)  # int8 on a GPU fails before anything loads
+    resolve_model_path(args.model)  # a missing model fails before the dataset loads
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     run = read_trec_run(args.run, dataset.corpus)
     check_run_queries(run, dataset.queries)  # before the model loads
@@ -232,8 +240,8 @@ def _search(args: argparse.Namespace) -> None:
         raise ConfigError("give either one QUERY or --queries FILE")
     if args.queries is not None and not args.output:
         raise ConfigError("--queries needs --output (a TREC run file)")
-    if args.output and Path(args.output).is_dir():
-        raise ConfigError(f"--output {args.output} is a directory; give a run file path")
+    if args.output:
+        check_run_output(args.output)
     pipeline = _load_pipeline(args)
     if args.query is not None:
         _print_hits(args.query, pipeline.search(args.query, args.k))
