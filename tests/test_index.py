@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -391,3 +394,25 @@ def test_encode_to_memmap_encodes_damaged_files_again(tiny_model, tmp_path, dama
     np.testing.assert_array_equal(np.asarray(out), expected)
     if damage != "bad done list":  # an unreadable list of shards just means: encode every shard
         assert any("is damaged" in str(w.message) for w in caught)
+
+
+def test_an_installed_jax_neither_takes_the_gpu_nor_ranks_bm25(tmp_path):
+    """bm25s imports JAX where it is installed (on a GPU machine JAX preallocates 75% of the GPU at that
+    import): densepass lets it allocate on demand and ranks with NumPy. A stand-in JAX prints the setting it
+    was imported under and answers every top-k wrongly, so ranking through it would show."""
+    fake = tmp_path / "jax"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "import os\nprint('PREALLOCATE=' + str(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE')))\n"
+    )
+    (fake / "lax.py").write_text("import numpy as np\n\n\ndef top_k(x, k):\n    return np.zeros(k), np.arange(k)\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    script = (
+        "from densepass.index.bm25 import BM25Index\n"
+        "index = BM25Index.build(['kernel driver', 'fast audio editor', 'audio player'])\n"
+        "print('TOP=' + ','.join(index.search(['audio editor'], k=2).ids(0)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    assert "PREALLOCATE=false" in out
+    assert "TOP=1,2" in out

@@ -7,12 +7,17 @@ so ``add`` re-indexes every passage (seconds for 100k passages); saved with ``bm
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
-import bm25s
-import numpy as np
+# bm25s imports JAX where it is installed and runs a top-k with it at import time: on a GPU machine JAX then
+# takes 75% of the GPU's memory (its default preallocation) and the encoders' own CUDA allocations fail. Unless
+# the user chose otherwise, JAX allocates on demand; retrieval itself ranks with NumPy (``search_rows``).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import bm25s  # noqa: E402
+import numpy as np  # noqa: E402
 
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
@@ -79,12 +84,15 @@ class BM25Index(Index):
         self.passages, self.retriever = corpus, retriever
 
     def search_rows(self, queries: Sequence[str], k: int, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """Top-``k`` (scores, rows) per query, best first, as ``bm25s`` ranks them: when fewer than ``k``
-        passages share a term with a query, the rest are zero-score passages in index order."""
+        """Top-``k`` (scores, rows) per query, best first, as ``bm25s`` ranks them with NumPy (the same ranking
+        whether JAX is installed or not): when fewer than ``k`` passages share a term with a query, the rest are
+        zero-score passages in index order."""
         queries = check_queries(queries)
         k = min(k, len(self.passages))
         tokens = bm25s.tokenize(queries, stopwords="en", stemmer=self.stemmer, show_progress=False)
-        rows, scores = self.retriever.retrieve(tokens, k=k, show_progress=False, n_threads=n_threads)
+        rows, scores = self.retriever.retrieve(
+            tokens, k=k, show_progress=False, n_threads=n_threads, backend_selection="numpy"
+        )
         return scores.astype(np.float32), rows.astype(np.int64)
 
     def search(self, queries: Sequence[str], k: int = 10) -> SearchResults:

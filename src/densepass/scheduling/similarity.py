@@ -120,9 +120,7 @@ def bm25_instance_matrices(
 ):
     """(Q, P, retriever): sparse matrices with Q_i . P_j = BM25(query i, passage ``passage_of[j]``),
     scored by bm25s over the collection ``passages`` (the distinct positive passages)."""
-    import bm25s
-
-    from densepass.index.bm25 import english_stemmer
+    from densepass.index.bm25 import bm25s, english_stemmer  # bm25s as that module imports it (its JAX setting)
 
     stemmer = english_stemmer()
     corpus_tokens = bm25s.tokenize(list(passages), stopwords="en", stemmer=stemmer, show_progress=False)
