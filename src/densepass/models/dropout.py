@@ -44,7 +44,9 @@ def dropout_mask(shape: torch.Size, p: float) -> tuple[torch.Tensor, float]:
     the kept elements (the inverse of that probability), from a PCG64 generator seeded by PyTorch's CPU generator."""
     threshold = round((1.0 - p) * (1 << BITS))
     seed = int(torch.randint(0, 2**62, (1,)))
-    draws = np.random.Generator(np.random.PCG64(seed)).integers(0, 1 << BITS, size=shape.numel(), dtype=np.uint16)
+    n = shape.numel()
+    # the generator's raw 64-bit outputs cut into four 16-bit draws each: half the time of ``integers``
+    draws = np.random.PCG64(seed).random_raw(-(-n // 4)).view(np.uint16)[:n]
     keep = torch.from_numpy(draws < threshold).view(shape)
     return keep, (1 << BITS) / threshold if threshold else 0.0
 
@@ -57,12 +59,18 @@ class _MaskedScale(torch.autograd.Function):
         keep, scale = dropout_mask(x.shape, p)
         ctx.save_for_backward(keep)
         ctx.scale = scale
-        return x.mul(keep).mul_(scale)
+        return _apply(x, keep, scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (keep,) = ctx.saved_tensors
-        return grad.mul(keep).mul_(ctx.scale), None
+        return _apply(grad, keep, ctx.scale), None
+
+
+def _apply(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x * keep * scale`` by a select, not a product: multiplying by a boolean tensor first converts it to
+    ``x``'s dtype, which made a MiniLM step's attention dropout 3.7x slower (fp32, [16, 12, 128, 128])."""
+    return torch.where(keep, x, 0).mul_(scale)
 
 
 def cpu_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
@@ -104,7 +112,7 @@ def _attention(
             scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
         else:
             scores = scores + attention_mask
-    probs = cpu_dropout(torch.softmax(scores, dim=-1), dropout).to(value.dtype)
+    probs = cpu_dropout(torch.softmax(scores, dim=-1).to(value.dtype), dropout)  # under autocast: bf16 masks
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
 
