@@ -335,24 +335,33 @@ def test_trainer_passes_the_resolved_precision_to_each_step(tiny_model_dir, tiny
 
 def test_forward_in_pieces_gives_the_whole_batch_gradient(tiny_model_dir, tiny_beir, monkeypatch):
     """On the CPU a pooled encoder's forward runs in length-sorted pieces (training.step._embed): pieces of
-    at most 40 tokens give the loss and gradient of one whole forward."""
+    at most 40 tokens give the loss and gradient of one whole forward, with one token-embedding lookup per side
+    for all its pieces (each lookup's backward writes a gradient of the whole vocabulary table)."""
     import densepass.training.step as step_module
 
     data = make_data(tiny_beir, per_query=2)
     batch = list(range(10))
     monkeypatch.setattr(step_module, "piece_tokens", lambda device: None)
     loss_whole, grads_whole = step_grads(tiny_model_dir, data, batch, None)
-    calls = []
+    calls, lookups = [], []
     real = step_module.forward_in_pieces
 
-    def spy(fn, tokens, max_tokens):
+    def spy(fn, tokens, max_tokens, embed=None):
         calls.append(max_tokens)
-        return real(fn, tokens, max_tokens)
+        rows, width = tokens["input_ids"].shape
+        assert rows * width > max_tokens  # more than one piece
+
+        def counted(ids):
+            lookups.append(ids.shape)
+            return embed(ids)
+
+        return real(fn, tokens, max_tokens, counted)
 
     monkeypatch.setattr(step_module, "piece_tokens", lambda device: 40)
     monkeypatch.setattr(step_module, "forward_in_pieces", spy)
     loss_pieces, grads_pieces = step_grads(tiny_model_dir, data, batch, None)
     assert calls == [40, 40]
+    assert len(lookups) == 2 and all(len(shape) == 1 for shape in lookups)  # one flat lookup per side
     assert abs(loss_whole - loss_pieces) < 1e-5
     for name in grads_whole:
         torch.testing.assert_close(grads_pieces[name], grads_whole[name], rtol=1e-4, atol=1e-6, msg=name)

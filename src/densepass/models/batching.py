@@ -73,7 +73,10 @@ def piece_tokens(device: torch.device, cpu_tokens: int = CPU_PIECE_TOKENS) -> in
 
 
 def forward_in_pieces(
-    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], tokens: dict[str, torch.Tensor], max_tokens: int | None
+    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    tokens: dict[str, torch.Tensor],
+    max_tokens: int | None,
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``fn(tokens)`` (one output row per input row), computed on pieces of at most ``max_tokens`` tokens:
     rows sorted by length, each piece cut to its own longest row, the outputs put back in input order.
@@ -85,22 +88,36 @@ def forward_in_pieces(
     mmap threshold (32 MB), so every step maps fresh pages and faults them in, and pads every row to the
     batch's longest. Pieces of 2,048 tokens stay in the reused heap and cut most padding:
     ``benchmarks/bench_train.py`` and ``bench_rerank.py`` measure the effect (docs/benchmarks.md).
-    GPU memory comes from PyTorch's caching allocator: there, one large forward is best."""
+    GPU memory comes from PyTorch's caching allocator: there, one large forward is best.
+
+    ``embed`` (training): the token-embedding lookup (``input_ids`` -> vectors), done once for every piece's ids
+    together and handed to ``fn`` as each piece's ``inputs_embeds``. A lookup's backward writes a dense gradient
+    of the whole vocabulary table (MiniLM: 30,522 x 384 floats, 47 MB, mapped afresh each time), so one lookup
+    per piece cost a MiniLM training step one such table per piece (docs/benchmarks.md)."""
     mask = tokens["attention_mask"]
     rows, width = mask.shape
-    if max_tokens is None or rows * width <= max_tokens:
-        return fn(tokens)
-    if max_tokens < 1:
+    if max_tokens is not None and max_tokens < 1:
         raise ConfigError(f"piece size must be >= 1 token, got {max_tokens}")
-    lengths = mask.sum(1)
-    right_padded = bool(mask[:, 0].all())
-    order = torch.argsort(lengths, descending=True, stable=True)
-    outputs, start = [], 0
-    while start < rows:
-        longest = int(lengths[order[start]]) if right_padded else width
-        index = order[start : start + max(1, max_tokens // max(longest, 1))]
-        outputs.append(fn({k: v[index, :longest] for k, v in tokens.items()}))
-        start += len(index)
+    if max_tokens is None or rows * width <= max_tokens:
+        order, pieces = None, [dict(tokens)]
+    else:
+        lengths = mask.sum(1)
+        right_padded = bool(mask[:, 0].all())
+        order = torch.argsort(lengths, descending=True, stable=True)
+        pieces, start = [], 0
+        while start < rows:
+            longest = int(lengths[order[start]]) if right_padded else width
+            index = order[start : start + max(1, max_tokens // max(longest, 1))]
+            pieces.append({k: v[index, :longest] for k, v in tokens.items()})
+            start += len(index)
+    if embed is not None:
+        ids = [piece["input_ids"] for piece in pieces]
+        vectors = embed(torch.cat([i.reshape(-1) for i in ids])).split([i.numel() for i in ids])
+        for piece, i, v in zip(pieces, ids, vectors):
+            piece["inputs_embeds"] = v.view(*i.shape, -1)
+    outputs = [fn(piece) for piece in pieces]
+    if order is None:
+        return outputs[0]
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(rows, device=order.device)
     return torch.cat(outputs)[inverse]

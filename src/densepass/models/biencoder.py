@@ -130,16 +130,30 @@ class BiEncoder(SidedInputs, nn.Module):
         """Embedding dimension (the projection's when there is one)."""
         return self.projection.out_features if self.projection is not None else self.query_encoder.config.hidden_size
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, side: Side) -> torch.Tensor:
-        """Embeddings of one side's tokenised batch."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        side: Side,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Embeddings of one side's tokenised batch; ``inputs_embeds``: its token vectors, already looked up by
+        ``token_embeddings`` (training on the CPU looks them up once for a batch's pieces: ``forward_in_pieces``)."""
         encoder = self.query_encoder if side == "query" else self.passage_encoder
-        hidden = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if inputs_embeds is None:
+            hidden = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        else:
+            hidden = encoder(inputs_embeds=inputs_embeds, attention_mask=attention_mask).last_hidden_state
         out = token_pooling(hidden, attention_mask, self.config.pooling)
         if self.projection is not None:
             out = self.projection(out)
         if self.config.normalize:
             out = nn.functional.normalize(out.float(), dim=-1)
         return out
+
+    def token_embeddings(self, side: Side) -> nn.Module:
+        """The token-embedding lookup of one side's encoder (its ``get_input_embeddings()``)."""
+        return (self.query_encoder if side == "query" else self.passage_encoder).get_input_embeddings()
 
     def similarity(self, queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
         """Scores [len(queries), len(passages)]: dot products of the embeddings (no temperature)."""

@@ -31,11 +31,13 @@ def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autoca
     width); ColBERT's queries run whole, since every position of a query counts, its [MASK] padding too."""
 
     def run(piece: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model(piece["input_ids"], piece["attention_mask"], side=side).float()
+        embedded = {"inputs_embeds": piece["inputs_embeds"]} if "inputs_embeds" in piece else {}
+        return model(piece["input_ids"], piece["attention_mask"], side=side, **embedded).float()
 
     with autocast():
         if isinstance(model, BiEncoder | SpladeEncoder) or side == "passage":
-            return forward_in_pieces(run, tokens, piece_tokens(tokens["input_ids"].device))
+            embed = model.token_embeddings(side) if isinstance(model, BiEncoder) else None  # one lookup, all pieces
+            return forward_in_pieces(run, tokens, piece_tokens(tokens["input_ids"].device), embed)
         return run(tokens)
 
 
