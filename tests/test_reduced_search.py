@@ -74,6 +74,27 @@ def test_a_dense_index_searches_in_reduced_precision_like_fp32(tiny_model_dir):
         np.testing.assert_allclose(got[0], want[0], atol=1e-6)
 
 
+def test_a_dense_index_keeps_its_passages_on_the_search_device_between_searches(tiny_model_dir, monkeypatch):
+    """The fp32 passages go to the search device once, at the first search (on a GPU a copy per search cost more
+    than the search), as a view of the array on the CPU; adding passages drops the copy."""
+    import densepass.index.dense as dense_module
+    from densepass.models.biencoder import BiEncoder
+
+    queries, passages, _ = separated_data(dim=32)
+    index = DenseIndex(BiEncoder.from_pretrained(str(tiny_model_dir)), device=CPU, show_progress=False)
+    index.add_embeddings([f"passage {i}" for i in range(len(passages))], passages)
+    seen = []
+    real = dense_module.exact_search
+    monkeypatch.setattr(dense_module, "exact_search", lambda q, p, *a, **kw: seen.append(p) or real(q, p, *a, **kw))
+    first, second = index.search_rows(queries, 10), index.search_rows(queries, 10)
+    np.testing.assert_array_equal(first[1], second[1])
+    assert torch.is_tensor(seen[0]) and seen[0] is seen[1]  # one tensor for both searches
+    assert seen[0].data_ptr() == index.embeddings.ctypes.data  # on the CPU: the array itself, not a copy
+    index.add_embeddings(["one more"], passages[:1])
+    index.search_rows(queries, 10)
+    assert len(seen[2]) == len(passages) + 1
+
+
 def test_bad_search_precision_options_are_one_line_errors(tiny_model_dir):
     from densepass.models.biencoder import BiEncoder
 

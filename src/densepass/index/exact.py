@@ -35,6 +35,12 @@ def score_block_queries(passage_chunk: int) -> int:
     return max(1, SCORE_BLOCK_BYTES // (4 * max(1, passage_chunk)))
 
 
+def passages_on(passages: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``passages`` as a float32 tensor on ``device`` (on the CPU a float32 array, memory maps included, is shared,
+    not copied): what a searcher keeps to search many times."""
+    return _on(passages, device, torch.float32)
+
+
 def _on(rows: np.ndarray | torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     if torch.is_tensor(rows):
         return rows.to(device, dtype)
