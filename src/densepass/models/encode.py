@@ -16,9 +16,9 @@ and normalisation in float32; on a CPU as fast as bf16 autocast, without a cast 
 scale per output channel, activations with one scale per batch, so a text's int8 embedding depends slightly,
 about 1e-4, on the texts batched with it), except the feed-forward output projections, whose inputs (GELU
 activations with outliers) lose too much in int8 (mean cosine to fp32 0.98 with them, 0.99 without:
-MiniLM, debian-packages passages). On CPU a copy is made once per model and reused until its weights
-change (a server encoding one query at a time would otherwise quantise the model for each); on GPU a
-bf16 copy is a quick cast, made at each call and freed after it.
+MiniLM, debian-packages passages). A copy is made once per model and reused until its weights change: a
+server encoding one query at a time would otherwise copy or quantise the model for each (on an H100, a bf16
+copy made at each call took one query's encoding from 9 ms in fp32 to 20 ms in bf16, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -73,13 +73,11 @@ _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (k
 
 
 def inference_runner(model: BiEncoder, precision: str, device: torch.device) -> BiEncoder:
-    """``model`` itself (fp32), or its bf16 or int8 copy (``precision`` as ``resolve_precision`` returns it);
-    on CPU made once and reused while the model's weights and the precision stay the same."""
+    """``model`` itself (fp32), or its bf16 or int8 copy (``precision`` as ``resolve_precision`` returns it),
+    made once and reused while the model's weights, device and the precision stay the same."""
     if precision == "fp32":
         return model
-    if device.type != "cpu":
-        return inference_copy(model, torch.bfloat16)
-    key = (precision, weights_key(model))
+    key = (precision, device, weights_key(model))
     cached = _RUNNERS.get(model)
     if cached is not None and cached[0] == key:
         return cached[1]
