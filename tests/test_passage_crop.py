@@ -48,10 +48,10 @@ def _train(model_dir, tiny_beir, run_dir, crop: int | None, token_cache: bool = 
     model = BiEncoder.from_pretrained(str(model_dir), config=BiEncoderConfig(passage_max_length=24))
     widths, forward = [], model.forward
 
-    def spy(input_ids, attention_mask, side):
+    def spy(input_ids, attention_mask, side, **embedded):
         if side == "passage" and torch.is_grad_enabled():
             widths.append(input_ids.shape[1])
-        return forward(input_ids, attention_mask, side)
+        return forward(input_ids, attention_mask, side, **embedded)
 
     model.forward = spy
     config = TrainConfig(
