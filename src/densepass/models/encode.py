@@ -17,8 +17,8 @@ scale per output channel, activations with one scale per batch, so a text's int8
 about 1e-4, on the texts batched with it), except the feed-forward output projections, whose inputs (GELU
 activations with outliers) lose too much in int8 (mean cosine to fp32 0.98 with them, 0.99 without:
 MiniLM, debian-packages passages). A copy is made once per model and reused until its weights change: a
-server encoding one query at a time would otherwise copy or quantise the model for each (on an H100, a bf16
-copy made at each call took one query's encoding from 9 ms in fp32 to 20 ms in bf16, docs/benchmarks.md).
+server encoding one query at a time would otherwise copy or quantise the model for each (on an H100, while a
+bf16 copy was made at each call, one query took 20 ms to encode in bf16 against 9 ms in fp32: docs/benchmarks.md).
 """
 
 from __future__ import annotations
