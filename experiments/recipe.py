@@ -96,16 +96,17 @@ FIVE_NEGATIVES = "recommended, 5 hard negatives per query"
 TWO_EPOCHS = "recommended, 2 epochs"
 RECOMMENDED = "recommended: 2 epochs, wise-ft 0.7"
 LONGER = ["data.max_train_queries=16384", "model.passage_max_length=256"]  # the 16,384-query variants
-RECOMMENDED_KEYS = [*LONGER, "train.passage_max_length=128", "train.wise_ft=0.85"]  # one-epoch variants build on it
+CROPS_128 = [*LONGER, "train.passage_max_length=128"]  # the recommended recipe's data and crops, in every form
+ONE_EPOCH_KEYS = [*CROPS_128, "train.wise_ft=0.85"]
 VARIANTS: dict[str, list[str]] = {
     "freeze embeddings + 3 layers": ["train.freeze_layers=3"],
     "lr 2e-5": ["train.learning_rate=2e-5"],
     "half the steps": ["train.max_steps=HALF_EPOCH"],
     CROPS_96: [*LONGER, "train.passage_max_length=96", "train.wise_ft=0.75"],
-    ONE_EPOCH: RECOMMENDED_KEYS,
-    FIVE_NEGATIVES: [*RECOMMENDED_KEYS, "negatives.per_query=5"],
-    TWO_EPOCHS: [*RECOMMENDED_KEYS, "train.epochs=2"],
-    RECOMMENDED: [*LONGER, "train.passage_max_length=128", "train.epochs=2", "train.wise_ft=0.7"],
+    ONE_EPOCH: ONE_EPOCH_KEYS,
+    FIVE_NEGATIVES: [*ONE_EPOCH_KEYS, "negatives.per_query=5"],
+    TWO_EPOCHS: [*ONE_EPOCH_KEYS, "train.epochs=2"],
+    RECOMMENDED: [*CROPS_128, "train.epochs=2", "train.wise_ft=0.7"],
 }
 IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]
 RERANK_DEPTH = 100  # candidates of the best model (alone, + BM25) that the cross-encoder re-scores

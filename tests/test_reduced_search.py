@@ -70,6 +70,7 @@ def test_a_dense_index_searches_in_reduced_precision_like_fp32(tiny_model_dir):
         index = DenseIndex(model, device=CPU, show_progress=False, search_precision=precision, rescore=3)
         index.add_embeddings(texts, passages)
         got = index.search_rows(queries, 10)
+        assert index._resident is None  # only the reduced copy goes to the device: re-scoring reads the array
         np.testing.assert_array_equal(got[1], want[1])
         np.testing.assert_allclose(got[0], want[0], atol=1e-6)
 
