@@ -65,31 +65,19 @@ from densepass.pipelines.experiment import run_experiment
 
 README = "README recipe"
 ST = "sentence-transformers recipe"
+DENSE = "+ MiniLM dense negatives (mixed)"  # the last cumulative row: the training ingredients below change it
 ROWS: dict[str, list[str]] = {
     README: [],
     "+ 3 hard negatives": ["negatives.per_query=3"],
     "+ context negatives (mixed with BM25)": ["negatives.source=mixed", "negatives.mix=[bm25, context]"],
-    "+ MiniLM dense negatives (mixed)": ["negatives.mix=[bm25, context, model]", "negatives.model=all-MiniLM-L6-v2"],
-    "+ re-mining with the model being trained": ["negatives.refresh_every=HALF_EPOCH"],
-    "+ ABS batches": ["schedule.method=abs-greedy"],
-    "+ batch 128 (GradCache)": ["train.batch_size=128", "train.grad_cache_chunk=32"],
-    "+ 2 epochs": ["train.epochs=2"],
-    "+ best checkpoint on H_10 of held-out train queries": [
-        "validation.enabled=true",
-        "validation.split=train",
-        "validation.max_queries=500",
-        "validation.subcorpus=hard",
-        "validation.k=10",
-        "validation.every_steps=HALF_EPOCH",
-        "validation.select=true",
-    ],
-    "+ pre-batch negatives T=4": ["loss.memory=pre-batch", "loss.pre_batches=4"],
+    DENSE: ["negatives.mix=[bm25, context, model]", "negatives.model=all-MiniLM-L6-v2"],
 }
-# Changes to a row (--stage variant), each compared with that row in and out of domain: the forgetting study's
-# one-change runs, and the recommended recipe (configs/recommended.yaml): twice the queries, passages read at 256
-# tokens by mining and evaluation but cut to 128 in training batches, two epochs, wise-ft 0.7 (and its earlier
-# forms: one epoch at wise-ft 0.85, the hour's recipe in fp32, and 96-token crops at wise-ft 0.75; and tries with
-# five hard negatives per query instead of three, and two epochs at wise-ft 0.85).
+# Changes to a row (--stage variant), each compared with that row in and out of domain: the training ingredients
+# that add to the negatives (one change each to DENSE), the forgetting study's one-change runs, and the recommended
+# recipe (configs/recommended.yaml): twice the queries, passages read at 256 tokens by mining and evaluation but cut
+# to 128 in training batches, two epochs, wise-ft 0.7 (and its earlier forms: one epoch at wise-ft 0.85, the hour's
+# recipe in fp32, and 96-token crops at wise-ft 0.75; and tries with five hard negatives per query instead of three,
+# and two epochs at wise-ft 0.85).
 CROPS_96 = "16,384 queries, 96-token crops of 256, wise-ft 0.75"
 ONE_EPOCH = "recommended: 16,384 queries, 128-token crops of 256, wise-ft 0.85"  # recommended until 2026-11-26
 FIVE_NEGATIVES = "recommended, 5 hard negatives per query"
@@ -99,6 +87,23 @@ LONGER = ["data.max_train_queries=16384", "model.passage_max_length=256"]  # the
 CROPS_128 = [*LONGER, "train.passage_max_length=128"]  # the recommended recipe's data and crops, in every form
 ONE_EPOCH_KEYS = [*CROPS_128, "train.wise_ft=0.85"]
 VARIANTS: dict[str, list[str]] = {
+    # the training ingredients, one change each to DENSE
+    "re-mining every half epoch with the model being trained": ["negatives.refresh_every=HALF_EPOCH"],
+    "ABS batches (greedy)": ["schedule.method=abs-greedy"],
+    "best checkpoint on H_10 of held-out train queries": [
+        "validation.enabled=true",
+        "validation.split=train",
+        "validation.max_queries=500",
+        "validation.subcorpus=hard",
+        "validation.k=10",
+        "validation.every_steps=HALF_EPOCH",
+        "validation.select=true",
+    ],
+    "MoCo queue K=4096": ["loss.memory=moco", "loss.queue_size=4096"],
+    "pre-batch negatives T=4": ["loss.memory=pre-batch", "loss.pre_batches=4"],
+    "batch 128 (GradCache)": ["train.batch_size=128", "train.grad_cache_chunk=32"],
+    "2 epochs": ["train.epochs=2"],
+    # the forgetting study and the recommended recipe
     "freeze embeddings + 3 layers": ["train.freeze_layers=3"],
     "lr 2e-5": ["train.learning_rate=2e-5"],
     "half the steps": ["train.max_steps=HALF_EPOCH"],

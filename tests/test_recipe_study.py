@@ -110,13 +110,40 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing written
 
 
-def test_the_recommended_config_is_the_studys_recommended_run(monkeypatch):
-    """configs/recommended.yaml trains exactly what the study measured as its recommended variant."""
+def load_driver(monkeypatch):
     spec = importlib.util.spec_from_file_location("recipe_driver", SCRIPT)
     driver = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(driver)
     monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
-    study = driver.row_config(driver.parse_args(), "+ MiniLM dense negatives (mixed)", driver.RECOMMENDED)
+    return driver
+
+
+def test_the_recommended_config_is_the_studys_recommended_run(monkeypatch):
+    """configs/recommended.yaml trains exactly what the study measured as its recommended variant."""
+    driver = load_driver(monkeypatch)
+    study = driver.row_config(driver.parse_args(), driver.DENSE, driver.RECOMMENDED)
     shipped = load_config(str(SCRIPT.parent.parent / "configs" / "recommended.yaml"))
     where = {"name": "recommended", "output_dir": "outputs"}
     assert dataclasses.asdict(dataclasses.replace(study, **where)) == dataclasses.asdict(shipped)
+
+
+def test_each_ingredient_changes_only_its_own_keys(monkeypatch):
+    """Every variant of the dense row loads (no key typo reaches a 20-minute run) and differs from the row in
+    the settings it names, the half epoch resolved to steps."""
+    driver = load_driver(monkeypatch)
+    args = driver.parse_args()
+    row = dataclasses.asdict(driver.row_config(args, driver.DENSE))
+    half_epoch = row["data"]["max_train_queries"] // row["train"]["batch_size"] // 2
+    for variant, keys in driver.VARIANTS.items():
+        config = dataclasses.asdict(driver.row_config(args, driver.DENSE, variant))
+        changed = {
+            f"{section}.{key}"
+            for section, values in config.items()
+            if isinstance(values, dict)
+            for key, value in values.items()
+            if value != row[section][key]
+        }
+        assert changed <= {key.split("=")[0] for key in keys}, variant
+        assert changed, variant
+    remine = driver.row_config(args, driver.DENSE, "re-mining every half epoch with the model being trained")
+    assert remine.negatives.refresh_every == half_epoch == 128
