@@ -27,6 +27,9 @@ Beside the rows:
 - ``--stage wise-ft``: wise-ft interpolations of one row's model with the starting weights
   (``densepass.models.interpolate``), each evaluated in and out of domain like a row.
 - ``--stage variant``: changes to one row (``VARIANTS``), each its own run, tested against that row: the
+  training ingredients after the negatives (re-mining with the model being trained, ABS batches, the best
+  checkpoint on H_10, MoCo and pre-batch negatives, batch 128, two epochs), one change each to the dense row
+  (``DENSE``; docs/experiments.md runs them on its pool with ``--set negatives.source=file``), the
   forgetting study's (freezing the embeddings and the lowest layers, a lower learning rate, half the steps)
   and the recommended recipe's (``RECOMMENDED``, configs/recommended.yaml: twice the queries, passages read
   at 256 tokens but cut to 128 in training batches, two epochs, wise-ft 0.7; its one-epoch form, ``ONE_EPOCH``,
