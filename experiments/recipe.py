@@ -76,7 +76,7 @@ ROWS: dict[str, list[str]] = {
     DENSE: ["negatives.mix=[bm25, context, model]", "negatives.model=all-MiniLM-L6-v2"],
 }
 # Changes to a row (--stage variant), each compared with that row in and out of domain: the training ingredients
-# that add to the negatives (one change each to DENSE), the forgetting study's one-change runs, and the recommended
+# beyond the negatives (one change each to DENSE), the forgetting study's one-change runs, and the recommended
 # recipe (configs/recommended.yaml): twice the queries, passages read at 256 tokens by mining and evaluation but cut
 # to 128 in training batches, two epochs, wise-ft 0.7 (and its earlier forms: one epoch at wise-ft 0.85, the hour's
 # recipe in fp32, and 96-token crops at wise-ft 0.75; and tries with five hard negatives per query instead of three,
