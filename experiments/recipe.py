@@ -32,8 +32,9 @@ Beside the rows:
   (``DENSE``; docs/experiments.md runs them on its pool with ``--set negatives.source=file``), the
   forgetting study's (freezing the embeddings and the lowest layers, a lower learning rate, half the steps)
   and the recommended recipe's (``RECOMMENDED``, configs/recommended.yaml: twice the queries, passages read
-  at 256 tokens but cut to 128 in training batches, two epochs, wise-ft 0.7; its one-epoch form, ``ONE_EPOCH``,
-  kept 0.85 of the fine-tuned weights, and its first form, ``CROPS_96``, cut passages to 96 and kept 0.75).
+  at 256 tokens but cut to 128 in training batches, one epoch with the pool re-mined half-way, wise-ft 0.85; its
+  earlier forms: ``TWO_EPOCHS_07``, two epochs kept at 0.7, ``ONE_EPOCH`` without re-mining, and ``CROPS_96``,
+  passages cut to 96 and kept at 0.75).
 
 Every run is an ordinary ``densepass run`` directory under ``<out>/runs`` (resumable; a finished one is
 skipped). The report (<out>/report.md, report.json) gives each row's metrics, the paired tests, the
@@ -78,14 +79,15 @@ ROWS: dict[str, list[str]] = {
 # Changes to a row (--stage variant), each compared with that row in and out of domain: the training ingredients
 # beyond the negatives (one change each to DENSE), the forgetting study's one-change runs, and the recommended
 # recipe (configs/recommended.yaml): twice the queries, passages read at 256 tokens by mining and evaluation but cut
-# to 128 in training batches, two epochs, wise-ft 0.7 (and its earlier forms: one epoch at wise-ft 0.85, the hour's
-# recipe in fp32, and 96-token crops at wise-ft 0.75; and tries with five hard negatives per query instead of three,
-# and two epochs at wise-ft 0.85).
+# to 128 in training batches, one epoch, the pool re-mined half-way with the model being trained, wise-ft 0.85 (and
+# its earlier forms: two epochs at wise-ft 0.7, one epoch at wise-ft 0.85 without re-mining, and 96-token crops at
+# wise-ft 0.75; and tries with five hard negatives per query instead of three, and two epochs at wise-ft 0.85).
 CROPS_96 = "16,384 queries, 96-token crops of 256, wise-ft 0.75"
 ONE_EPOCH = "recommended: 16,384 queries, 128-token crops of 256, wise-ft 0.85"  # recommended until 2026-11-26
 FIVE_NEGATIVES = "recommended, 5 hard negatives per query"
 TWO_EPOCHS = "recommended, 2 epochs"
-RECOMMENDED = "recommended: 2 epochs, wise-ft 0.7"
+TWO_EPOCHS_07 = "recommended: 2 epochs, wise-ft 0.7"  # recommended until 2026-11-27
+RECOMMENDED = "recommended: 1 epoch, re-mined half-way, wise-ft 0.85"
 LONGER = ["data.max_train_queries=16384", "model.passage_max_length=256"]  # the 16,384-query variants
 CROPS_128 = [*LONGER, "train.passage_max_length=128"]  # the recommended recipe's data and crops, in every form
 ONE_EPOCH_KEYS = [*CROPS_128, "train.wise_ft=0.85"]
@@ -114,7 +116,8 @@ VARIANTS: dict[str, list[str]] = {
     ONE_EPOCH: ONE_EPOCH_KEYS,
     FIVE_NEGATIVES: [*ONE_EPOCH_KEYS, "negatives.per_query=5"],
     TWO_EPOCHS: [*ONE_EPOCH_KEYS, "train.epochs=2"],
-    RECOMMENDED: [*CROPS_128, "train.epochs=2", "train.wise_ft=0.7"],
+    TWO_EPOCHS_07: [*CROPS_128, "train.epochs=2", "train.wise_ft=0.7"],
+    RECOMMENDED: [*ONE_EPOCH_KEYS, "negatives.refresh_every=HALF_EPOCH"],
 }
 IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]
 RERANK_DEPTH = 100  # candidates of the best model (alone, + BM25) that the cross-encoder re-scores
