@@ -7,11 +7,12 @@ through pinned memory, and embeddings stay on the device until one copy back at 
 runs in length-sorted pieces of 2,048 tokens (``models.batching.forward_in_pieces``): a batch of 256 passages
 x 128 tokens has activations of 200 MB, above glibc's mmap threshold, so each one was mapped and faulted in
 afresh; in pieces, MiniLM encodes debian-packages passages 1.4x faster in fp32 at the default batch size
-(docs/benchmarks.md). Results are float32 in the original order.
+(docs/benchmarks.md); in bf16, pieces of 4,096 tokens. Results are float32 in the original order.
 
 The model runs in one of three precisions (``densepass.device.resolve_precision``; ``auto`` is bf16
 on GPU and on a CPU with bf16 instructions, else fp32): ``fp32``; ``bf16``, a bfloat16 copy (weights cast once, pooling
-and normalisation in float32; on a CPU as fast as bf16 autocast, without a cast per operation);
+and normalisation in float32; on a CPU as fast as bf16 autocast, without a cast per operation, and a BERT tower
+runs there with fused layers, ``models.fused``: 1.27-1.36x faster on a Xeon with AMX);
 ``int8``, a copy whose linear layers are dynamically quantised (``models.quantize``: int8 weights with a
 scale per output channel, activations with one scale per batch, so a text's int8 embedding depends slightly,
 about 1e-4, on the texts batched with it), except the feed-forward output projections, whose inputs (GELU
@@ -36,22 +37,31 @@ from transformers import PreTrainedTokenizerBase
 
 from densepass.device import attention_kernels, default_device, resolve_precision
 from densepass.errors import DensepassError
-from densepass.models.batching import forward_in_pieces, piece_tokens
+from densepass.models.batching import CPU_PIECE_TOKENS, forward_in_pieces, piece_tokens
+from densepass.models.fused import FusedBertEncoder, fusable
 from densepass.models.quantize import quantized_linear_copy, weights_key
 from densepass.prefetch import prefetched
 
 if TYPE_CHECKING:
     from densepass.models.biencoder import BiEncoder, Side
 
+BF16_PIECE_TOKENS = 4096
+"""Tokens per piece of a bf16 forward pass on the CPU: bf16 activations take half the bytes of float32 ones, so
+twice ``CPU_PIECE_TOKENS`` stays under glibc's mmap threshold, and larger products run faster on AMX (MiniLM with
+fused layers on a Xeon with AMX: 2,048-token pieces 1.04x and 1.33x slower in two runs, 8,192 within 3%;
+docs/benchmarks.md)."""
 PAD_MULTIPLE = 8  # batches are padded to a multiple of 8 tokens: tensor-core friendly, few distinct shapes
 TOKENIZE_CHUNK = 16_384  # texts tokenised at once; the next chunk is tokenised while this one is encoded
 
 
-def inference_copy(model: BiEncoder, dtype: torch.dtype) -> BiEncoder:
+def inference_copy(model: BiEncoder, dtype: torch.dtype, fuse: bool = False) -> BiEncoder:
     """A copy of ``model`` for inference whose transformer weights are ``dtype``; the projection
-    stays float32 (``pool`` returns float32). ``model`` itself is left untouched."""
+    stays float32 (``pool`` returns float32). ``model`` itself is left untouched. ``fuse`` (CPU): BERT towers
+    run as ``models.fused.FusedBertEncoder`` (oneDNN's fused linear kernels), other towers as they are."""
     towers = {id(t): t for t in (model.query_encoder, model.passage_encoder)}
     copies = {key: copy.deepcopy(t).to(dtype).eval().requires_grad_(False) for key, t in towers.items()}
+    if fuse:
+        copies = {key: FusedBertEncoder(t) if fusable(t) else t for key, t in copies.items()}
     projection = copy.deepcopy(model.projection) if model.projection is not None else None
     return type(model)(
         copies[id(model.query_encoder)], copies[id(model.passage_encoder)], model.tokenizer, model.config, projection
@@ -81,7 +91,10 @@ def inference_runner(model: BiEncoder, precision: str, device: torch.device) -> 
     cached = _RUNNERS.get(model)
     if cached is not None and cached[0] == key:
         return cached[1]
-    runner = inference_copy(model, torch.bfloat16) if precision == "bf16" else quantized_copy(model)
+    if precision == "bf16":
+        runner = inference_copy(model, torch.bfloat16, fuse=device.type == "cpu")
+    else:
+        runner = quantized_copy(model)
     _RUNNERS[model] = (key, runner)
     return runner
 
@@ -153,7 +166,8 @@ def encode_texts(
     # (a fast tokenizer's truncation settings are shared state); with one, this thread just waits.
     tokenizer = model.tokenizer if len(chunks) == 1 else copy.deepcopy(model.tokenizer)
     pin = device.type == "cuda"
-    pieces = piece_tokens(device)  # on the CPU a batch runs in pieces of 2,048 tokens (module docstring)
+    # on the CPU a batch runs in pieces of 2,048 tokens, 4,096 in bf16 (module docstring)
+    pieces = piece_tokens(device, BF16_PIECE_TOKENS if precision == "bf16" else CPU_PIECE_TOKENS)
 
     def forward(tokens: dict[str, torch.Tensor]) -> torch.Tensor:
         return runner(tokens["input_ids"], tokens["attention_mask"], side=side)

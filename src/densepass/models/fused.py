@@ -1,0 +1,119 @@
+"""BERT encoders for bf16 inference on the CPU, through oneDNN's fused linear kernels.
+
+On the CPU, ``transformers``' eager BERT layer in bf16 runs each linear layer as oneDNN's matrix product with the
+bias copied into the output first (one more pass), GELU as a pass of its own over the 1,536-wide feed-forward
+activations, and each residual add as another: in a profile of MiniLM encoding debian-packages passages on a
+2-core Xeon with AMX, the products took 39% of the time, the bias copies 8%, GELU 12% and the adds 4%
+(docs/benchmarks.md). A fused layer computes the same thing in fewer passes:
+
+    qkv = x Wqkv^T + bqkv                       one product for the query, key and value projections
+    a   = SDPA(q, k, v, mask)                   scaled dot-product attention, per head
+    h   = LayerNorm(x + a Wo^T + bo)            oneDNN adds the bias and the residual (binary post-op)
+    f   = GELU(h Wi^T + bi)                     bias and GELU fused into the product (exact, erf GELU)
+    out = LayerNorm(h + f Wf^T + bf)            bias and residual fused
+
+with each weight reordered once into oneDNN's blocked layout. The maths is the eager layer's (same attention
+scale, same GELU): in bf16 the two agree to bf16 rounding, in float32 to float32 rounding (tests). Used for the
+bf16 inference copy of a bi-encoder's towers on the CPU (``models.encode.inference_runner``); BERT models only
+(``fusable``: MiniLM, BERT, BGE / E5 / GTE small and base), everything else runs the ``transformers`` model as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.modeling_outputs import BaseModelOutput
+
+FUSABLE_TYPES = ("bert",)
+
+
+def fusable(encoder: nn.Module) -> bool:
+    """Whether ``encoder`` is a ``transformers`` BERT encoder the fused layers compute exactly: absolute positions,
+    exact GELU, no cross-attention, on a torch with oneDNN's fused linear kernels."""
+    config = getattr(encoder, "config", None)
+    return (
+        config is not None
+        and getattr(config, "model_type", None) in FUSABLE_TYPES
+        and config.hidden_act == "gelu"
+        and getattr(config, "position_embedding_type", "absolute") == "absolute"
+        and not config.is_decoder
+        and not config.add_cross_attention
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ([out, in]) reordered once into oneDNN's blocked layout for ``_linear_pointwise``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+class FusedBertLayer(nn.Module):
+    """One BERT layer (``transformers``' ``BertLayer``, in eval mode) as five fused products and SDPA."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        attention = layer.attention.self
+        self.heads = attention.num_attention_heads
+        self.qkv = packed(torch.cat([attention.query.weight, attention.key.weight, attention.value.weight]))
+        self.qkv_bias = torch.cat([attention.query.bias, attention.key.bias, attention.value.bias]).detach()
+        self.out, self.out_bias = packed(layer.attention.output.dense.weight), layer.attention.output.dense.bias
+        self.inner, self.inner_bias = packed(layer.intermediate.dense.weight), layer.intermediate.dense.bias
+        self.ffn_out, self.ffn_out_bias = packed(layer.output.dense.weight), layer.output.dense.bias
+        self.attention_norm = layer.attention.output.LayerNorm
+        self.output_norm = layer.output.LayerNorm
+
+    def forward(self, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``hidden`` [batch, length, width] -> the same shape; ``keep`` [batch, 1, 1, length]: True where a key
+        is a token, False at padding."""
+        batch, length, width = hidden.shape
+        x = hidden.reshape(-1, width)
+        linear = torch.ops.mkldnn._linear_pointwise
+        qkv = linear(x, self.qkv, self.qkv_bias, "none", [], "")
+        q, k, v = qkv.view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(-1, width)
+        h = self.attention_norm(linear.binary(context, x, self.out, self.out_bias, "add"))
+        f = linear(h, self.inner, self.inner_bias, "gelu", [], "none")
+        return self.output_norm(linear.binary(f, h, self.ffn_out, self.ffn_out_bias, "add")).view(batch, length, width)
+
+
+class FusedBertEncoder(nn.Module):
+    """A ``transformers`` BERT encoder (``fusable``) for inference with fused layers: called like the model
+    (``input_ids`` or ``inputs_embeds``, ``attention_mask``), it returns ``last_hidden_state`` (no pooler).
+    It keeps the model's embeddings and layer norms; the products' weights are packed copies.
+
+        >>> from transformers import AutoModel
+        >>> bert = AutoModel.from_pretrained(path).to(torch.bfloat16).eval()
+        >>> FusedBertEncoder(bert)(input_ids=ids, attention_mask=mask).last_hidden_state.shape
+        torch.Size([2, 16, 384])
+    """
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        if not fusable(encoder):
+            raise ValueError(f"not a BERT encoder the fused layers compute: {type(encoder).__name__}")
+        self.config = encoder.config
+        self.embeddings = encoder.embeddings
+        self.layers = nn.ModuleList(FusedBertLayer(layer) for layer in encoder.encoder.layer)
+        self.eval().requires_grad_(False)
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The token-embedding table (as ``transformers`` models expose it)."""
+        return self.embeddings.word_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> BaseModelOutput:
+        """The last layer's hidden states [batch, length, width] of ``input_ids`` (or ``inputs_embeds``);
+        ``attention_mask`` [batch, length], 1 at tokens and 0 at padding (default: no padding)."""
+        hidden = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)
+        if attention_mask is None:
+            attention_mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+        keep = attention_mask.bool()[:, None, None, :]
+        for layer in self.layers:
+            hidden = layer(hidden, keep)
+        return BaseModelOutput(last_hidden_state=hidden)

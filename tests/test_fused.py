@@ -1,0 +1,108 @@
+"""Fused BERT layers for bf16 CPU inference (``models.fused``): the same function as ``transformers``' BERT on
+random weights and inputs (float32 to float32 rounding, bf16 to bf16 rounding), what bf16 encoding on the CPU
+runs, and refused for the encoders they do not compute."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import BertModel
+
+from conftest import tiny_bert_config
+from densepass.models import encode as encode_module
+from densepass.models.biencoder import BiEncoder
+from densepass.models.encode import encode_texts, inference_runner
+from densepass.models.fused import FusedBertEncoder, fusable
+
+CPU = torch.device("cpu")
+
+
+def random_bert(seed: int, dtype: torch.dtype = torch.float32, **changes) -> BertModel:
+    """A 2-layer, 32-dim BERT with random weights (biases and layer norms too, so no term is zero or one)."""
+    config = tiny_bert_config(100)
+    for name, value in changes.items():
+        setattr(config, name, value)
+    torch.manual_seed(seed)
+    model = BertModel(config, add_pooling_layer=False)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.5)
+    return model.to(dtype).eval()
+
+
+def right_padded(seed: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids [len(lengths), max(lengths)] and their attention mask, padded on the right."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(1, 100, (len(lengths), width), generator=generator)
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return ids * mask, mask
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6))
+def test_fused_layers_compute_bert_in_float32(seed, lengths):
+    """Every token's last hidden state equals transformers' BERT's (its own layers, unfused) to float32
+    rounding, whatever the batch's lengths; padded positions are not compared (no pooling reads them)."""
+    bert = random_bert(seed)
+    ids, mask = right_padded(seed, lengths)
+    with torch.inference_mode():
+        expected = bert(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = FusedBertEncoder(bert)(input_ids=ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got[keep], expected[keep], atol=2e-5, rtol=2e-5)
+
+
+def test_fused_layers_in_bf16_agree_with_bert_in_bf16_to_its_rounding():
+    bert = random_bert(1, torch.bfloat16)
+    ids, mask = right_padded(1, [40, 33, 7, 1])
+    with torch.inference_mode():
+        expected = bert(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        got = FusedBertEncoder(bert)(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert got.dtype == torch.bfloat16
+    keep = mask.bool()
+    cosine = torch.nn.functional.cosine_similarity(got.float()[keep], expected[keep], dim=-1)
+    assert cosine.min() > 0.999
+    torch.testing.assert_close(got.float()[keep], expected[keep], atol=0.1, rtol=0.05)
+
+
+def test_fused_layers_take_token_vectors_as_the_model_does():
+    """``inputs_embeds`` (what training's piecewise forward hands the towers) gives what the ids give."""
+    bert = random_bert(2)
+    ids, mask = right_padded(2, [12, 5])
+    fused = FusedBertEncoder(bert)
+    with torch.inference_mode():
+        by_ids = fused(input_ids=ids, attention_mask=mask).last_hidden_state
+        by_vectors = fused(inputs_embeds=bert.get_input_embeddings()(ids), attention_mask=mask).last_hidden_state
+        unmasked = fused(input_ids=ids[:1, :12]).last_hidden_state
+    torch.testing.assert_close(by_vectors, by_ids)
+    torch.testing.assert_close(unmasked, by_ids[:1], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "changes", [{"hidden_act": "gelu_new"}, {"position_embedding_type": "relative_key"}, {"is_decoder": True}]
+)
+def test_what_the_fused_layers_do_not_compute_is_refused_and_left_to_transformers(changes):
+    bert = random_bert(3, **changes)
+    assert not fusable(bert)
+    with pytest.raises(ValueError, match="not a BERT encoder"):
+        FusedBertEncoder(bert)
+    assert not fusable(torch.nn.Linear(2, 2))
+
+
+def test_bf16_encoding_on_the_cpu_runs_the_fused_layers_and_agrees_with_the_unfused_copy(tiny_model_dir, monkeypatch):
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    runner = inference_runner(model, "bf16", CPU)
+    assert isinstance(runner.query_encoder, FusedBertEncoder) and runner.passage_encoder is runner.query_encoder
+    texts = ["tar archiving utility", "X11 window manager with tabs", "python3 library for HTTP requests"] * 3
+    fused = encode_texts(model, texts, "passage", device=CPU, precision="bf16", show_progress=False)
+    monkeypatch.setattr(encode_module, "fusable", lambda tower: False)
+    unfused_model = BiEncoder.from_pretrained(str(tiny_model_dir))  # a model with no cached runner
+    assert not isinstance(inference_runner(unfused_model, "bf16", CPU).query_encoder, FusedBertEncoder)
+    unfused = encode_texts(unfused_model, texts, "passage", device=CPU, precision="bf16", show_progress=False)
+    cosine = np.sum(fused * unfused, 1) / (np.linalg.norm(fused, axis=1) * np.linalg.norm(unfused, axis=1))
+    assert cosine.min() > 0.999
