@@ -7,16 +7,19 @@ in one run.
         --save-embeddings outputs/bench/emb --out outputs/bench/encode-h100.json                   # H100
 
 densepass runs in fp32, bf16 (a bfloat16 copy; on CPU only where bf16 is fast, or with
-``--densepass-precisions``) and, on CPU, int8 (dynamic quantisation). sentence-transformers runs as a user would
-run it: its default batch size (32) and densepass's, in float32, and on a GPU or a CPU with fast bfloat16 (AMX,
-or AVX512-BF16 on AMD: ``device.cpu_has_fast_bf16``) in bfloat16 too (``model.to(torch.bfloat16)``). On CPU it
-also runs, where they install
-(``--st-backends``), with ``backend="onnx"`` (fp32, and int8 from ``export_dynamic_quantized_onnx_model``) and
-``backend="openvino"``; those are exported offline from the model's files into a temporary copy. Where
+``--densepass-precisions``; on CPU with fused BERT layers, ``models.fused``) and, on CPU, int8 (dynamic
+quantisation). ``--unfused`` adds densepass bf16 as it ran before the fused layers (transformers' layers, pieces of
+2,048 tokens), ``--bf16-piece-tokens`` other piece sizes; ``--profile`` prints, instead of timings, where each
+densepass setting's time goes (``torch.profiler``). sentence-transformers runs as a user would run it: its default
+batch size (32) and densepass's, in float32, and on a GPU or a CPU with fast bfloat16 (AMX, or AVX512-BF16 on AMD:
+``device.cpu_has_fast_bf16``) in bfloat16 too (``model.to(torch.bfloat16)``). On CPU it also runs, where they
+install (``--st-backends``), with ``backend="onnx"`` (fp32, and int8 from ``export_dynamic_quantized_onnx_model``)
+and ``backend="openvino"``; those are exported offline from the model's files into a temporary copy. Where
 sentence-transformers' ONNX backend does not install (its optimum-onnx needs transformers < 4.58), ``--ort`` runs
 the same graph in ONNX Runtime directly: the transformer exported with ``torch.onnx``, fp32 and ORT's dynamic int8,
-with the same tokenisation and mean pooling. Each system first encodes a small warm-up set (not timed). Agreement =
-mean cosine to sentence-transformers' float32 embeddings.
+with the same tokenisation and mean pooling. Each system first encodes a small warm-up set (not timed); then the
+systems encode the passages in turn, ``--repeats`` rounds (a drift in the machine's speed reaches each alike), and
+each one's fastest time is reported. Agreement = mean cosine to sentence-transformers' float32 embeddings.
 """
 
 from __future__ import annotations
@@ -30,13 +33,32 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import environment, markdown_table, pick_device, rate, timer, write_json
+from common import environment, markdown_table, pick_device, print_profile, rate, timer, write_json
 from densepass.data import load_dataset
 from densepass.device import cpu_has_fast_bf16, resolve_precision
+from densepass.models import encode as encode_module
+from densepass.models.batching import CPU_PIECE_TOKENS
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
 from densepass.models.encode import encode_texts
 
 Encoder = Callable[[list[str]], np.ndarray]
+
+
+def under(settings: dict, encode: Encoder) -> Encoder:
+    """``encode`` run with ``models.encode``'s module-level ``settings`` (name -> value) in place meanwhile: a
+    densepass setting to compare with its default."""
+
+    def run(items: list[str]) -> np.ndarray:
+        before = {name: getattr(encode_module, name) for name in settings}
+        for name, value in settings.items():
+            setattr(encode_module, name, value)
+        try:
+            return encode(items)
+        finally:
+            for name, value in before.items():
+                setattr(encode_module, name, value)
+
+    return run
 
 
 def load_st(path: str, device: torch.device, max_length: int, dtype=torch.float32, **options):
@@ -165,6 +187,24 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=512, help="densepass batch size")
     parser.add_argument("--max-length", type=int, default=128, help="passage tokens (densepass's passage_max_length)")
     parser.add_argument("--warm-up", type=int, default=512, help="passages each system encodes before it is timed")
+    parser.add_argument("--repeats", type=int, default=1, help="timed encodings per system; the fastest is reported")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing: each densepass setting's encoding under torch.profiler, the ops by self CPU time",
+    )
+    parser.add_argument(
+        "--unfused",
+        action="store_true",
+        help="CPU: densepass bf16 also as before the fused layers (transformers' layers, 2,048-token pieces)",
+    )
+    parser.add_argument(
+        "--bf16-piece-tokens",
+        type=int,
+        nargs="*",
+        default=[],
+        help="CPU: densepass bf16 also at these piece sizes (tokens; the default is BF16_PIECE_TOKENS)",
+    )
     parser.add_argument(
         "--densepass-precisions",
         nargs="+",
@@ -218,33 +258,49 @@ def main() -> None:
     warm = texts[: args.warm_up]
     print(f"{len(texts):,} {args.dataset} passages, max {args.max_length} tokens\n")
 
-    results, embeddings, skipped = [], {}, {}
-
-    def measure(system: str, dtype: str, batch: int, encode: Encoder) -> None:
-        encode(warm)
-        with timer(device) as took:
-            emb = encode(texts)
-        seconds = took()
-        results.append(
-            {
-                "system": system,
-                "dtype": dtype,
-                "batch_size": batch,
-                "seconds": seconds,
-                "passages_per_s": len(texts) / seconds,
-            }
-        )
-        embeddings[f"{system}|{dtype}|{batch}"] = np.asarray(emb, dtype=np.float32)
-        print(f"  {system} {dtype} batch {batch}: {seconds:.2f}s, {len(texts) / seconds:,.0f} passages/s", flush=True)
-
+    systems: list[tuple[str, str, int, Encoder]] = []  # (system, precision, batch size, encoder)
     for precision in precisions:
         options = {"batch_size": args.batch_size, "device": device, "precision": precision, "show_progress": False}
-        measure(
-            "densepass encode_texts",
-            precision,
-            args.batch_size,
-            lambda x, o=options, m=model: encode_texts(m, x, "passage", **o),
+        encode = lambda x, o=options: encode_texts(model, x, "passage", **o)  # noqa: E731
+        systems.append(("densepass encode_texts", precision, args.batch_size, encode))
+    bf16_options = {"batch_size": args.batch_size, "device": device, "precision": "bf16", "show_progress": False}
+    for tokens in args.bf16_piece_tokens if not gpu else []:
+        encode = under({"BF16_PIECE_TOKENS": tokens}, lambda x: encode_texts(model, x, "passage", **bf16_options))
+        systems.append((f"densepass encode_texts, pieces of {tokens:,} tokens", "bf16", args.batch_size, encode))
+    if args.unfused and not gpu:
+        # a model of its own: its bf16 copy is made while fusion is off (copies are cached per model)
+        unfused = BiEncoder.from_pretrained(path, config=BiEncoderConfig(passage_max_length=args.max_length))
+        encode = under(
+            {"fusable": lambda tower: False, "BF16_PIECE_TOKENS": CPU_PIECE_TOKENS},
+            lambda x: encode_texts(unfused, x, "passage", **bf16_options),
         )
+        systems.append(
+            ("densepass encode_texts, transformers' layers, pieces of 2,048", "bf16", args.batch_size, encode)
+        )
+    if args.profile:
+        for system, dtype, batch, encode in systems:
+            encode(warm)
+            print(f"\n{system} {dtype} batch {batch}:")
+            print_profile(lambda e=encode: e(texts), device)
+        return
+    st_batches = args.st_batch_sizes or sorted({32, args.batch_size})
+    st_bf16 = gpu or cpu_has_fast_bf16()  # a bfloat16 copy is sentence-transformers' fast setting there too
+    for name, dtype in [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if st_bf16 else []):
+        st = load_st(path, device, args.max_length, dtype)
+        systems.extend(("SentenceTransformer.encode", name, batch, st_encoder(st, batch)) for batch in st_batches)
+    skipped = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        others = st_backend_encoders(path, Path(tmp), device, args) if args.st_backends and not gpu else {}
+        if args.ort and not gpu:
+            others.update(ort_encoders(path, Path(tmp), args))
+        for label, encoder in others.items():
+            if isinstance(encoder, str):
+                skipped[label] = encoder
+                print(f"  {label}: not run ({encoder})", flush=True)
+                continue
+            system, dtype = label.split("|")
+            systems.append((system, dtype, args.ort_batch_size if system.startswith("ONNX") else 32, encoder))
+        results, embeddings = measure_in_turn(systems, warm, texts, device, args.repeats)
     if args.save_embeddings:
         out_dir = Path(args.save_embeddings)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -253,30 +309,29 @@ def main() -> None:
         queries = encode_texts(model, dev, "query", device=device, precision=precisions[0], show_progress=False)
         np.save(out_dir / "queries.npy", queries)
         print(f"  saved {len(texts):,} passage and {len(dev):,} dev query embeddings in {out_dir}")
-    del model  # free the densepass model before loading sentence-transformers'
-
-    st_batches = args.st_batch_sizes or sorted({32, args.batch_size})
-    st_bf16 = gpu or cpu_has_fast_bf16()  # a bfloat16 copy is sentence-transformers' fast setting there too
-    for name, dtype in [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if st_bf16 else []):
-        st = load_st(path, device, args.max_length, dtype)
-        for batch in st_batches:
-            measure("SentenceTransformer.encode", name, batch, st_encoder(st, batch))
-        del st
-        if gpu:
-            torch.cuda.empty_cache()
-    if not gpu:
-        with tempfile.TemporaryDirectory() as tmp:
-            others = st_backend_encoders(path, Path(tmp), device, args) if args.st_backends else {}
-            if args.ort:
-                others.update(ort_encoders(path, Path(tmp), args))
-            for label, encoder in others.items():
-                if isinstance(encoder, str):
-                    skipped[label] = encoder
-                    print(f"  {label}: not run ({encoder})", flush=True)
-                    continue
-                system, dtype = label.split("|")
-                measure(system, dtype, args.ort_batch_size if system.startswith("ONNX") else 32, encoder)
     report(args, env, len(texts), results, embeddings, skipped)
+
+
+def measure_in_turn(
+    systems: list[tuple[str, str, int, Encoder]], warm: list[str], texts: list[str], device: torch.device, repeats: int
+) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """Each system encodes ``warm`` (untimed), then ``texts`` ``repeats`` times, the systems in turn (a drift in
+    the machine's speed reaches each of them alike); each one's fastest time. Returns the result rows and each
+    system's embeddings (key ``system|precision|batch``)."""
+    for _, _, _, encode in systems:
+        encode(warm)
+    seconds, embeddings = [float("inf")] * len(systems), {}
+    for _ in range(repeats):
+        for i, (system, dtype, batch, encode) in enumerate(systems):
+            with timer(device) as took:
+                embeddings[f"{system}|{dtype}|{batch}"] = np.asarray(encode(texts), dtype=np.float32)
+            seconds[i] = min(seconds[i], took())
+            print(f"  {system} {dtype} batch {batch}: {took():.2f}s, {len(texts) / took():,.0f} passages/s", flush=True)
+    results = [
+        {"system": system, "dtype": dtype, "batch_size": batch, "seconds": s, "passages_per_s": len(texts) / s}
+        for (system, dtype, batch, _), s in zip(systems, seconds)
+    ]
+    return results, embeddings
 
 
 def report(args, env: dict, n: int, results: list[dict], embeddings: dict[str, np.ndarray], skipped: dict) -> None:

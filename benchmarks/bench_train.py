@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import StepClock, environment, markdown_table, pick_device, rate, write_json
+from common import StepClock, environment, markdown_table, pick_device, print_profile, rate, write_json
 from densepass.config import TrainConfig
 from densepass.data import load_dataset
 from densepass.device import uses_bf16
@@ -74,12 +74,7 @@ def run_densepass(path, data, args, device, grad_cache_chunk):
 def profile_densepass(path, data, args, device, rows: int = 15) -> None:
     """densepass's warm-up and timed steps under ``torch.profiler``: the ``rows`` ops with the most self CPU time
     (where a step's time goes: matrix products, dropout's random masks, copies, ...)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        run_densepass(path, data, args, device, None)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40))
+    print_profile(lambda: run_densepass(path, data, args, device, None), device, rows)
 
 
 def run_sentence_transformers(path, triplets, args, device, bf16):

@@ -75,6 +75,16 @@ def timer(device: torch.device):
         box["s"] = time.perf_counter() - started
 
 
+def print_profile(fn, device: torch.device, rows: int = 15) -> None:
+    """``fn()`` under ``torch.profiler``; prints the ``rows`` ops with the most self CPU time (where the time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40))
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = [
         "| " + " | ".join(headers) + " |",
