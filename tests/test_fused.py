@@ -94,6 +94,14 @@ def test_what_the_fused_layers_do_not_compute_is_refused_and_left_to_transformer
     assert not fusable(torch.nn.Linear(2, 2))
 
 
+def test_the_fused_layers_are_for_x86_64_only(monkeypatch):
+    import densepass.models.fused as fused_module
+
+    assert fusable(random_bert(4))  # on this machine (CI and development machines are x86-64)
+    monkeypatch.setattr(fused_module.platform, "machine", lambda: "aarch64")
+    assert not fusable(random_bert(4))
+
+
 def test_bf16_encoding_on_the_cpu_runs_the_fused_layers_and_agrees_with_the_unfused_copy(tiny_model_dir, monkeypatch):
     model = BiEncoder.from_pretrained(str(tiny_model_dir))
     runner = inference_runner(model, "bf16", CPU)

@@ -20,6 +20,8 @@ bf16 inference copy of a bi-encoder's towers on the CPU (``models.encode.inferen
 
 from __future__ import annotations
 
+import platform
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -30,7 +32,8 @@ FUSABLE_TYPES = ("bert",)
 
 def fusable(encoder: nn.Module) -> bool:
     """Whether ``encoder`` is a ``transformers`` BERT encoder the fused layers compute exactly: absolute positions,
-    exact GELU, no cross-attention, on a torch with oneDNN's fused linear kernels."""
+    exact GELU, no cross-attention, on an x86-64 CPU whose torch has oneDNN's fused linear kernels (Arm builds
+    route oneDNN through the Arm Compute Library, which TorchInductor does not fuse into either)."""
     config = getattr(encoder, "config", None)
     return (
         config is not None
@@ -39,6 +42,7 @@ def fusable(encoder: nn.Module) -> bool:
         and getattr(config, "position_embedding_type", "absolute") == "absolute"
         and not config.is_decoder
         and not config.add_cross_attention
+        and platform.machine().lower() in ("x86_64", "amd64")
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
