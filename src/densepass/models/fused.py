@@ -87,10 +87,14 @@ class FusedBertEncoder(nn.Module):
     (``input_ids`` or ``inputs_embeds``, ``attention_mask``), it returns ``last_hidden_state`` (no pooler).
     It keeps the model's embeddings and layer norms; the products' weights are packed copies.
 
-        >>> from transformers import AutoModel
+        >>> from transformers import AutoModel, AutoTokenizer
+        >>> from densepass.models.biencoder import resolve_model_path
+        >>> path = resolve_model_path("all-MiniLM-L6-v2")
         >>> bert = AutoModel.from_pretrained(path).to(torch.bfloat16).eval()
-        >>> FusedBertEncoder(bert)(input_ids=ids, attention_mask=mask).last_hidden_state.shape
-        torch.Size([2, 16, 384])
+        >>> tokens = AutoTokenizer.from_pretrained(path)(["audio editor", "a tar archiver for tapes"], padding=True,
+        ...                                            return_tensors="pt")
+        >>> FusedBertEncoder(bert)(tokens["input_ids"], tokens["attention_mask"]).last_hidden_state.shape
+        torch.Size([2, 8, 384])
     """
 
     def __init__(self, encoder: nn.Module) -> None:
