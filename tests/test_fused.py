@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import BertModel
+from transformers import AutoConfig, AutoModel
 
 from conftest import tiny_bert_config
 from densepass.models import encode as encode_module
@@ -20,13 +20,16 @@ from densepass.models.fused import FusedBertEncoder, fusable
 CPU = torch.device("cpu")
 
 
-def random_bert(seed: int, dtype: torch.dtype = torch.float32, **changes) -> BertModel:
-    """A 2-layer, 32-dim BERT with random weights (biases and layer norms too, so no term is zero or one)."""
-    config = tiny_bert_config(100)
+def random_encoder(seed: int, dtype: torch.dtype = torch.float32, kind: str = "bert", **changes) -> torch.nn.Module:
+    """A 2-layer, 32-dim encoder of ``kind`` (a ``transformers`` model type) with random weights (biases and layer
+    norms too, so no term is zero or one)."""
+    sizes = {k: v for k, v in tiny_bert_config(100).to_diff_dict().items() if k not in ("model_type", "architectures")}
+    config = AutoConfig.for_model(kind, **sizes)
+    config.pad_token_id = 0
     for name, value in changes.items():
         setattr(config, name, value)
     torch.manual_seed(seed)
-    model = BertModel(config, add_pooling_layer=False)
+    model = AutoModel.from_config(config)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.5)
@@ -43,11 +46,15 @@ def right_padded(seed: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Ten
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**16), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6))
-def test_fused_layers_compute_bert_in_float32(seed, lengths):
-    """Every token's last hidden state equals transformers' BERT's (its own layers, unfused) to float32
+@given(
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    kind=st.sampled_from(["bert", "roberta", "xlm-roberta"]),
+)
+def test_fused_layers_compute_the_encoder_in_float32(seed, lengths, kind):
+    """Every token's last hidden state equals the ``transformers`` model's (its own layers, unfused) to float32
     rounding, whatever the batch's lengths; padded positions are not compared (no pooling reads them)."""
-    bert = random_bert(seed)
+    bert = random_encoder(seed, kind=kind)
     ids, mask = right_padded(seed, lengths)
     with torch.inference_mode():
         expected = bert(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -58,7 +65,7 @@ def test_fused_layers_compute_bert_in_float32(seed, lengths):
 
 
 def test_fused_layers_in_bf16_agree_with_bert_in_bf16_to_its_rounding():
-    bert = random_bert(1, torch.bfloat16)
+    bert = random_encoder(1, torch.bfloat16)
     ids, mask = right_padded(1, [40, 33, 7, 1])
     with torch.inference_mode():
         expected = bert(input_ids=ids, attention_mask=mask).last_hidden_state.float()
@@ -72,7 +79,7 @@ def test_fused_layers_in_bf16_agree_with_bert_in_bf16_to_its_rounding():
 
 def test_fused_layers_take_token_vectors_as_the_model_does():
     """``inputs_embeds`` (what training's piecewise forward hands the towers) gives what the ids give."""
-    bert = random_bert(2)
+    bert = random_encoder(2)
     ids, mask = right_padded(2, [12, 5])
     fused = FusedBertEncoder(bert)
     with torch.inference_mode():
@@ -84,10 +91,16 @@ def test_fused_layers_take_token_vectors_as_the_model_does():
 
 
 @pytest.mark.parametrize(
-    "changes", [{"hidden_act": "gelu_new"}, {"position_embedding_type": "relative_key"}, {"is_decoder": True}]
+    "kind, changes",
+    [
+        ("bert", {"hidden_act": "gelu_new"}),
+        ("bert", {"position_embedding_type": "relative_key"}),
+        ("bert", {"is_decoder": True}),
+        ("electra", {}),  # BERT's layers, but an embedding projection the fused encoder does not run
+    ],
 )
-def test_what_the_fused_layers_do_not_compute_is_refused_and_left_to_transformers(changes):
-    bert = random_bert(3, **changes)
+def test_what_the_fused_layers_do_not_compute_is_refused_and_left_to_transformers(kind, changes):
+    bert = random_encoder(3, kind=kind, **changes)
     assert not fusable(bert)
     with pytest.raises(ValueError, match="not a BERT encoder"):
         FusedBertEncoder(bert)
@@ -97,9 +110,9 @@ def test_what_the_fused_layers_do_not_compute_is_refused_and_left_to_transformer
 def test_the_fused_layers_are_for_x86_64_only(monkeypatch):
     import densepass.models.fused as fused_module
 
-    assert fusable(random_bert(4))  # on this machine (CI and development machines are x86-64)
+    assert fusable(random_encoder(4))  # on this machine (CI and development machines are x86-64)
     monkeypatch.setattr(fused_module.platform, "machine", lambda: "aarch64")
-    assert not fusable(random_bert(4))
+    assert not fusable(random_encoder(4))
 
 
 def test_bf16_encoding_on_the_cpu_runs_the_fused_layers_and_agrees_with_the_unfused_copy(tiny_model_dir, monkeypatch):

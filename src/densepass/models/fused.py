@@ -1,10 +1,11 @@
-"""BERT encoders for bf16 inference on the CPU, through oneDNN's fused linear kernels.
+"""BERT-layered encoders (BERT, RoBERTa, XLM-R) for bf16 inference on the CPU, through oneDNN's fused linear kernels.
 
 On the CPU, ``transformers``' eager BERT layer in bf16 runs each linear layer as oneDNN's matrix product with the
 bias copied into the output first (one more pass), GELU as a pass of its own over the 1,536-wide feed-forward
 activations, and each residual add as another: in a profile of MiniLM encoding debian-packages passages on a
-2-core Xeon with AMX, the products took 39% of the time, the bias copies 8%, GELU 12% and the adds 4%
-(docs/benchmarks.md). A fused layer computes the same thing in fewer passes:
+2-core Xeon with AMX, the products took 47% of the time, SDPA 26%, GELU 7%, the copies 6%, the adds 4%
+(``benchmarks/bench_encode.py --unfused --profile``, docs/benchmarks.md). A fused layer computes the same thing in
+fewer passes:
 
     qkv = x Wqkv^T + bqkv                       one product for the query, key and value projections
     a   = SDPA(q, k, v, mask)                   scaled dot-product attention, per head
@@ -14,8 +15,9 @@ activations, and each residual add as another: in a profile of MiniLM encoding d
 
 with each weight reordered once into oneDNN's blocked layout. The maths is the eager layer's (same attention
 scale, same GELU): in bf16 the two agree to bf16 rounding, in float32 to float32 rounding (tests). Used for the
-bf16 inference copy of a bi-encoder's towers on the CPU (``models.encode.inference_runner``); BERT models only
-(``fusable``: MiniLM, BERT, BGE / E5 / GTE small and base), everything else runs the ``transformers`` model as it is.
+bf16 inference copy of a bi-encoder's towers on the CPU (``models.encode.inference_runner``); BERT, RoBERTa and
+XLM-R encoders only (``fusable``: MiniLM, BERT, BGE / E5 / GTE, multilingual E5), everything else runs the
+``transformers`` model as it is.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.modeling_outputs import BaseModelOutput
 
-FUSABLE_TYPES = ("bert",)
+FUSABLE_TYPES = ("bert", "roberta", "xlm-roberta")  # RoBERTa and XLM-R run BERT's layers
 
 
 def fusable(encoder: nn.Module) -> bool:
-    """Whether ``encoder`` is a ``transformers`` BERT encoder the fused layers compute exactly: absolute positions,
-    exact GELU, no cross-attention, on an x86-64 CPU whose torch has oneDNN's fused linear kernels (Arm builds
-    route oneDNN through the Arm Compute Library, which TorchInductor does not fuse into either)."""
+    """Whether ``encoder`` is a ``transformers`` BERT, RoBERTa or XLM-R encoder (``FUSABLE_TYPES``) that the fused
+    layers compute exactly (absolute positions, exact GELU, no cross-attention), on an x86-64 CPU whose torch has
+    oneDNN's fused linear kernels (Arm builds route oneDNN through the Arm Compute Library, which TorchInductor does
+    not fuse into either)."""
     config = getattr(encoder, "config", None)
     return (
         config is not None
@@ -54,7 +57,8 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
 
 
 class FusedBertLayer(nn.Module):
-    """One BERT layer (``transformers``' ``BertLayer``, in eval mode) as five fused products and SDPA."""
+    """One BERT layer (``transformers``' ``BertLayer``, or RoBERTa's and XLM-R's copies of it, in eval mode) as
+    four fused products and SDPA."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -83,7 +87,7 @@ class FusedBertLayer(nn.Module):
 
 
 class FusedBertEncoder(nn.Module):
-    """A ``transformers`` BERT encoder (``fusable``) for inference with fused layers: called like the model
+    """A ``transformers`` BERT-layered encoder (``fusable``) for inference with fused layers: called like the model
     (``input_ids`` or ``inputs_embeds``, ``attention_mask``), it returns ``last_hidden_state`` (no pooler).
     It keeps the model's embeddings and layer norms; the products' weights are packed copies.
 
