@@ -11,8 +11,8 @@ afresh; in pieces, MiniLM encodes debian-packages passages 1.4x faster in fp32 a
 
 The model runs in one of three precisions (``densepass.device.resolve_precision``; ``auto`` is bf16
 on GPU and on a CPU with bf16 instructions, else fp32): ``fp32``; ``bf16``, a bfloat16 copy (weights cast once, pooling
-and normalisation in float32; on a CPU as fast as bf16 autocast, without a cast per operation, and a BERT tower
-runs there with fused layers, ``models.fused``: 1.27-1.36x faster on a Xeon with AMX);
+and normalisation in float32; on a CPU as fast as bf16 autocast, without a cast per operation, and a BERT, RoBERTa
+or XLM-R tower runs there with fused layers, ``models.fused``: 1.27-1.36x faster on a Xeon with AMX);
 ``int8``, a copy whose linear layers are dynamically quantised (``models.quantize``: int8 weights with a
 scale per output channel, activations with one scale per batch, so a text's int8 embedding depends slightly,
 about 1e-4, on the texts batched with it), except the feed-forward output projections, whose inputs (GELU
@@ -56,8 +56,8 @@ TOKENIZE_CHUNK = 16_384  # texts tokenised at once; the next chunk is tokenised 
 
 def inference_copy(model: BiEncoder, dtype: torch.dtype, fuse: bool = False) -> BiEncoder:
     """A copy of ``model`` for inference whose transformer weights are ``dtype``; the projection
-    stays float32 (``pool`` returns float32). ``model`` itself is left untouched. ``fuse`` (CPU): BERT towers
-    run as ``models.fused.FusedBertEncoder`` (oneDNN's fused linear kernels), other towers as they are."""
+    stays float32 (``pool`` returns float32). ``model`` itself is left untouched. ``fuse`` (CPU): BERT, RoBERTa
+    and XLM-R towers run as ``models.fused.FusedBertEncoder`` (oneDNN's fused linear kernels), others as they are."""
     towers = {id(t): t for t in (model.query_encoder, model.passage_encoder)}
     copies = {key: copy.deepcopy(t).to(dtype).eval().requires_grad_(False) for key, t in towers.items()}
     if fuse:
