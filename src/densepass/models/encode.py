@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 BF16_PIECE_TOKENS = 4096
 """Tokens per piece of a bf16 forward pass on the CPU: bf16 activations take half the bytes of float32 ones, so
 twice ``CPU_PIECE_TOKENS`` stays under glibc's mmap threshold, and larger products run faster on AMX (MiniLM with
-fused layers on a Xeon with AMX: 2,048-token pieces 1.04x and 1.33x slower in two runs, 8,192 within 3%;
+fused layers on a Xeon with AMX: 2,048-token pieces 1.04x and 1.33x slower in two runs, 8,192 within 4%;
 docs/benchmarks.md)."""
 PAD_MULTIPLE = 8  # batches are padded to a multiple of 8 tokens: tensor-core friendly, few distinct shapes
 TOKENIZE_CHUNK = 16_384  # texts tokenised at once; the next chunk is tokenised while this one is encoded
