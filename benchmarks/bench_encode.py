@@ -234,6 +234,8 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
+    if args.repeats < 1 or any(tokens < 1 for tokens in args.bf16_piece_tokens):
+        parser.error("--repeats and --bf16-piece-tokens must be >= 1")
     device = pick_device(args.device)
     gpu = device.type == "cuda"
     env = environment(device)
