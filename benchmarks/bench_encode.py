@@ -72,6 +72,11 @@ def load_st(path: str, device: torch.device, max_length: int, dtype=torch.float3
     return model
 
 
+def densepass_encoder(model: BiEncoder, options: dict) -> Encoder:
+    """densepass ``encode_texts`` of passages with ``options`` (batch size, device, precision, ...) as an encoder."""
+    return lambda items: encode_texts(model, items, "passage", **options)
+
+
 def st_encoder(model, batch: int) -> Encoder:
     """``model.encode`` at batch size ``batch`` as an encoder."""
     return lambda items: np.asarray(
@@ -261,20 +266,20 @@ def main() -> None:
     print(f"{len(texts):,} {args.dataset} passages, max {args.max_length} tokens\n")
 
     systems: list[tuple[str, str, int, Encoder]] = []  # (system, precision, batch size, encoder)
+    options = {"batch_size": args.batch_size, "device": device, "show_progress": False}
     for precision in precisions:
-        options = {"batch_size": args.batch_size, "device": device, "precision": precision, "show_progress": False}
-        encode = lambda x, o=options: encode_texts(model, x, "passage", **o)  # noqa: E731
+        encode = densepass_encoder(model, {**options, "precision": precision})
         systems.append(("densepass encode_texts", precision, args.batch_size, encode))
-    bf16_options = {"batch_size": args.batch_size, "device": device, "precision": "bf16", "show_progress": False}
+    bf16_options = {**options, "precision": "bf16"}
     for tokens in args.bf16_piece_tokens if not gpu else []:
-        encode = under({"BF16_PIECE_TOKENS": tokens}, lambda x: encode_texts(model, x, "passage", **bf16_options))
+        encode = under({"BF16_PIECE_TOKENS": tokens}, densepass_encoder(model, bf16_options))
         systems.append((f"densepass encode_texts, pieces of {tokens:,} tokens", "bf16", args.batch_size, encode))
     if args.unfused and not gpu:
         # a model of its own: its bf16 copy is made while fusion is off (copies are cached per model)
         unfused = BiEncoder.from_pretrained(path, config=BiEncoderConfig(passage_max_length=args.max_length))
         encode = under(
             {"fusable": lambda tower: False, "BF16_PIECE_TOKENS": CPU_PIECE_TOKENS},
-            lambda x: encode_texts(unfused, x, "passage", **bf16_options),
+            densepass_encoder(unfused, bf16_options),
         )
         systems.append(
             ("densepass encode_texts, transformers' layers, pieces of 2,048", "bf16", args.batch_size, encode)
