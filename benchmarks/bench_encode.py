@@ -9,7 +9,8 @@ in one run.
 densepass runs in fp32, bf16 (a bfloat16 copy; on CPU only where bf16 is fast, or with
 ``--densepass-precisions``; on CPU with fused BERT layers, ``models.fused``) and, on CPU, int8 (dynamic
 quantisation). ``--unfused`` adds densepass bf16 as it ran before the fused layers (transformers' layers, pieces of
-2,048 tokens), ``--bf16-piece-tokens`` other piece sizes; ``--profile`` prints, instead of timings, where each
+2,048 tokens), ``--bf16-piece-tokens`` other piece sizes, ``--length-multiples`` other paddings of the fused
+layers' inputs (1: none); ``--profile`` prints, instead of timings, where each
 densepass setting's time goes (``torch.profiler``). sentence-transformers runs as a user would run it: its default
 batch size (32) and densepass's, in float32, and on a GPU or a CPU with fast bfloat16 (AMX, or AVX512-BF16 on AMD:
 ``device.cpu_has_fast_bf16``) in bfloat16 too (``model.to(torch.bfloat16)``). On CPU it also runs, where they
@@ -29,6 +30,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -37,6 +39,7 @@ from common import environment, markdown_table, pick_device, print_profile, rate
 from densepass.data import load_dataset
 from densepass.device import cpu_has_fast_bf16, resolve_precision
 from densepass.models import encode as encode_module
+from densepass.models import fused as fused_module
 from densepass.models.batching import CPU_PIECE_TOKENS
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
 from densepass.models.encode import encode_texts
@@ -44,19 +47,19 @@ from densepass.models.encode import encode_texts
 Encoder = Callable[[list[str]], np.ndarray]
 
 
-def under(settings: dict, encode: Encoder) -> Encoder:
-    """``encode`` run with ``models.encode``'s module-level ``settings`` (name -> value) in place meanwhile: a
-    densepass setting to compare with its default."""
+def under(module: ModuleType, settings: dict, encode: Encoder) -> Encoder:
+    """``encode`` run with ``module``'s module-level ``settings`` (name -> value) in place meanwhile: a densepass
+    setting to compare with its default."""
 
     def run(items: list[str]) -> np.ndarray:
-        before = {name: getattr(encode_module, name) for name in settings}
+        before = {name: getattr(module, name) for name in settings}
         for name, value in settings.items():
-            setattr(encode_module, name, value)
+            setattr(module, name, value)
         try:
             return encode(items)
         finally:
             for name, value in before.items():
-                setattr(encode_module, name, value)
+                setattr(module, name, value)
 
     return run
 
@@ -211,6 +214,14 @@ def main() -> None:
         help="CPU: densepass bf16 also at these piece sizes (tokens; the default is BF16_PIECE_TOKENS)",
     )
     parser.add_argument(
+        "--length-multiples",
+        type=int,
+        nargs="*",
+        default=[],
+        help="CPU: densepass bf16 also with the fused layers' inputs padded to these multiples (1: not padded; "
+        "the default is models.fused.LENGTH_MULTIPLE)",
+    )
+    parser.add_argument(
         "--densepass-precisions",
         nargs="+",
         default=None,
@@ -239,8 +250,8 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
-    if args.repeats < 1 or any(tokens < 1 for tokens in args.bf16_piece_tokens):
-        parser.error("--repeats and --bf16-piece-tokens must be >= 1")
+    if args.repeats < 1 or any(size < 1 for size in [*args.bf16_piece_tokens, *args.length_multiples]):
+        parser.error("--repeats, --bf16-piece-tokens and --length-multiples must be >= 1")
     device = pick_device(args.device)
     gpu = device.type == "cuda"
     env = environment(device)
@@ -272,12 +283,17 @@ def main() -> None:
         systems.append(("densepass encode_texts", precision, args.batch_size, encode))
     bf16_options = {**options, "precision": "bf16"}
     for tokens in args.bf16_piece_tokens if not gpu else []:
-        encode = under({"BF16_PIECE_TOKENS": tokens}, densepass_encoder(model, bf16_options))
+        encode = under(encode_module, {"BF16_PIECE_TOKENS": tokens}, densepass_encoder(model, bf16_options))
         systems.append((f"densepass encode_texts, pieces of {tokens:,} tokens", "bf16", args.batch_size, encode))
+    for multiple in args.length_multiples if not gpu else []:
+        encode = under(fused_module, {"LENGTH_MULTIPLE": multiple}, densepass_encoder(model, bf16_options))
+        label = f"densepass encode_texts, lengths padded to a multiple of {multiple}"
+        systems.append((label, "bf16", args.batch_size, encode))
     if args.unfused and not gpu:
         # a model of its own: its bf16 copy is made while fusion is off (copies are cached per model)
         unfused = BiEncoder.from_pretrained(path, config=BiEncoderConfig(passage_max_length=args.max_length))
         encode = under(
+            encode_module,
             {"fusable": lambda tower: False, "BF16_PIECE_TOKENS": CPU_PIECE_TOKENS},
             densepass_encoder(unfused, bf16_options),
         )

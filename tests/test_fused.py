@@ -90,6 +90,22 @@ def test_fused_layers_take_token_vectors_as_the_model_does():
     torch.testing.assert_close(unmasked, by_ids[:1], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize(("table", "length", "seen"), [(128, 13, 16), (128, 32, 32), (50, 45, 48), (50, 49, 49)])
+def test_the_layers_see_lengths_padded_to_whole_tiles_within_the_position_table(table, length, seen):
+    """Inputs are padded to a multiple of ``LENGTH_MULTIPLE`` (16) tokens unless that passes the position table;
+    the output keeps the input's length and equals the unpadded model's."""
+    bert = random_encoder(3, max_position_embeddings=table)
+    ids, mask = right_padded(3, [length, 4])
+    fused, widths = FusedBertEncoder(bert), []
+    fused.layers[0].register_forward_pre_hook(lambda layer, args: widths.append(args[0].shape[1]))
+    with torch.inference_mode():
+        expected = bert(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = fused(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert widths == [seen] and got.shape == expected.shape
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], expected[keep], atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize(
     "kind, changes",
     [

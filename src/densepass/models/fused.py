@@ -13,11 +13,11 @@ fewer passes:
     f   = GELU(h Wi^T + bi)                     bias and GELU fused into the product (exact, erf GELU)
     out = LayerNorm(h + f Wf^T + bf)            bias and residual fused
 
-with each weight reordered once into oneDNN's blocked layout. The maths is the eager layer's (same attention
-scale, same GELU): in bf16 the two agree to bf16 rounding, in float32 to float32 rounding (tests). Used for the
-bf16 inference copy of a bi-encoder's towers on the CPU (``models.encode.inference_runner``); BERT, RoBERTa and
-XLM-R encoders only (``fusable``: MiniLM, BERT, BGE / E5 / GTE, multilingual E5), everything else runs the
-``transformers`` model as it is.
+with each weight reordered once into oneDNN's blocked layout, and the inputs padded to a multiple of 16 tokens
+(``LENGTH_MULTIPLE``). The maths is the eager layer's (same attention scale, same GELU): in bf16 the two agree to
+bf16 rounding, in float32 to float32 rounding (tests). Used for the bf16 inference copy of a bi-encoder's towers
+on the CPU (``models.encode.inference_runner``); BERT, RoBERTa and XLM-R encoders only (``fusable``: MiniLM, BERT,
+BGE / E5 / GTE, multilingual E5), everything else runs the ``transformers`` model as it is.
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ from torch.nn import functional as F
 from transformers.modeling_outputs import BaseModelOutput
 
 FUSABLE_TYPES = ("bert", "roberta", "xlm-roberta")  # RoBERTa and XLM-R run BERT's layers
+LENGTH_MULTIPLE = 16
+"""Inputs are padded to a multiple of this many tokens (masked as keys, cut from the output). SDPA's CPU flash
+kernel splits queries into blocks of 32 rows and runs its bf16 products on AMX tiles of 16: a ragged tail of queries
+or keys costs nearly a whole tile. Padding costs the products a few percent more rows and saves more in attention
+(``bench_encode.py --length-multiples 1``, docs/benchmarks.md "Fused BERT layers for bf16 encoding")."""
 
 
 def fusable(encoder: nn.Module) -> bool:
@@ -121,11 +126,22 @@ class FusedBertEncoder(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> BaseModelOutput:
         """The last layer's hidden states [batch, length, width] of ``input_ids`` (or ``inputs_embeds``);
-        ``attention_mask`` [batch, length], 1 at tokens and 0 at padding (default: no padding)."""
-        hidden = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)
+        ``attention_mask`` [batch, length], 1 at tokens and 0 at padding (default: no padding). The layers run on
+        the inputs padded to a multiple of ``LENGTH_MULTIPLE`` tokens where the position table allows."""
+        given = input_ids if input_ids is not None else inputs_embeds
+        batch, length = given.shape[:2]
         if attention_mask is None:
-            attention_mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+            attention_mask = torch.ones((batch, length), dtype=torch.bool, device=given.device)
+        extra = -length % LENGTH_MULTIPLE
+        if extra and length + extra <= self.config.max_position_embeddings:
+            pad_id = self.config.pad_token_id or 0  # RoBERTa numbers its positions from the non-pad tokens
+            if input_ids is not None:
+                input_ids = F.pad(input_ids, (0, extra), value=pad_id)
+            else:
+                inputs_embeds = F.pad(inputs_embeds, (0, 0, 0, extra))
+            attention_mask = F.pad(attention_mask, (0, extra))
+        hidden = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)
         keep = attention_mask.bool()[:, None, None, :]
         for layer in self.layers:
             hidden = layer(hidden, keep)
-        return BaseModelOutput(last_hidden_state=hidden)
+        return BaseModelOutput(last_hidden_state=hidden[:, :length])
