@@ -1,6 +1,6 @@
 r"""Encoding throughput: densepass ``encode_texts`` in each precision against ``SentenceTransformer.encode`` and its
-ONNX / OpenVINO backends, same model, same ``title [SEP] text`` passages of debian-packages, same maximum length,
-in one run.
+ONNX / OpenVINO backends, same model, same ``title [SEP] text`` passages of debian-packages (or, ``--side query``,
+its dev queries), same maximum length, in one run.
 
     python benchmarks/bench_encode.py --n 2000 --out outputs/bench/encode-cpu.json             # CPU
     python benchmarks/bench_encode.py --model .carry/minilm-l6-fp16 --data-dir .carry/data \
@@ -10,8 +10,8 @@ densepass runs in fp32, bf16 (a bfloat16 copy; on CPU only where bf16 is fast, o
 ``--densepass-precisions``; on CPU with fused BERT layers, ``models.fused``) and, on CPU, int8 (dynamic
 quantisation). ``--unfused`` adds densepass bf16 as it ran before the fused layers (transformers' layers, pieces of
 2,048 tokens), ``--bf16-piece-tokens`` other piece sizes, ``--length-multiples`` other paddings of the fused
-layers' inputs (1: none); ``--profile`` prints, instead of timings, where each
-densepass setting's time goes (``torch.profiler``). sentence-transformers runs as a user would run it: its default
+layers' inputs (1: none); ``--profile`` prints, instead of timings, where each densepass setting's time goes
+(``torch.profiler``). sentence-transformers runs as a user would run it: its default
 batch size (32) and densepass's, in float32, and on a GPU or a CPU with fast bfloat16 (AMX, or AVX512-BF16 on AMD:
 ``device.cpu_has_fast_bf16``) in bfloat16 too (``model.to(torch.bfloat16)``). On CPU it also runs, where they
 install (``--st-backends``), with ``backend="onnx"`` (fp32, and int8 from ``export_dynamic_quantized_onnx_model``)
@@ -19,7 +19,7 @@ and ``backend="openvino"``; those are exported offline from the model's files in
 sentence-transformers' ONNX backend does not install (its optimum-onnx needs transformers < 4.58), ``--ort`` runs
 the same graph in ONNX Runtime directly: the transformer exported with ``torch.onnx``, fp32 and ORT's dynamic int8,
 with the same tokenisation and mean pooling. Each system first encodes a small warm-up set (not timed); then the
-systems encode the passages in turn, ``--repeats`` rounds (a drift in the machine's speed reaches each alike), and
+systems encode the texts in turn, ``--repeats`` rounds (a drift in the machine's speed reaches each alike), and
 each one's fastest time is reported. Agreement = mean cosine to sentence-transformers' float32 embeddings.
 """
 
@@ -45,6 +45,7 @@ from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model
 from densepass.models.encode import encode_texts
 
 Encoder = Callable[[list[str]], np.ndarray]
+PLURAL = {"passage": "passages", "query": "queries"}
 
 
 def under(module: ModuleType, settings: dict, encode: Encoder) -> Encoder:
@@ -76,8 +77,8 @@ def load_st(path: str, device: torch.device, max_length: int, dtype=torch.float3
 
 
 def densepass_encoder(model: BiEncoder, options: dict) -> Encoder:
-    """densepass ``encode_texts`` of passages with ``options`` (batch size, device, precision, ...) as an encoder."""
-    return lambda items: encode_texts(model, items, "passage", **options)
+    """densepass ``encode_texts`` with ``options`` (side, batch size, device, precision, ...) as an encoder."""
+    return lambda items: encode_texts(model, items, **options)
 
 
 def st_encoder(model, batch: int) -> Encoder:
@@ -191,10 +192,16 @@ def main() -> None:
     parser.add_argument("--model", default="all-MiniLM-L6-v2")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--dataset", default="debian-packages")
-    parser.add_argument("--n", type=int, default=None, help="passages to encode (default: all on GPU, 2000 on CPU)")
+    parser.add_argument(
+        "--side",
+        choices=["passage", "query"],
+        default="passage",
+        help="encode the corpus's passages, or the split's dev queries (short inputs)",
+    )
+    parser.add_argument("--n", type=int, default=None, help="texts to encode (default: all on GPU, 2000 on CPU)")
     parser.add_argument("--batch-size", type=int, default=512, help="densepass batch size")
-    parser.add_argument("--max-length", type=int, default=128, help="passage tokens (densepass's passage_max_length)")
-    parser.add_argument("--warm-up", type=int, default=512, help="passages each system encodes before it is timed")
+    parser.add_argument("--max-length", type=int, default=128, help="tokens per text (densepass's max length)")
+    parser.add_argument("--warm-up", type=int, default=512, help="texts each system encodes before it is timed")
     parser.add_argument("--repeats", type=int, default=1, help="timed encodings per system; the fastest is reported")
     parser.add_argument(
         "--profile",
@@ -252,6 +259,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1 or any(size < 1 for size in [*args.bf16_piece_tokens, *args.length_multiples]):
         parser.error("--repeats, --bf16-piece-tokens and --length-multiples must be >= 1")
+    if args.save_embeddings and args.side != "passage":
+        parser.error("--save-embeddings saves passage embeddings: run it with --side passage")
     device = pick_device(args.device)
     gpu = device.type == "cuda"
     env = environment(device)
@@ -268,16 +277,18 @@ def main() -> None:
         resolve_precision(precision, device)  # int8 on a GPU fails before any work
 
     path = resolve_model_path(args.model)
-    model = BiEncoder.from_pretrained(path, config=BiEncoderConfig(passage_max_length=args.max_length))
+    lengths = BiEncoderConfig(query_max_length=args.max_length, passage_max_length=args.max_length)
+    model = BiEncoder.from_pretrained(path, config=lengths)
     dataset = load_dataset(args.dataset, args.data_dir)
-    texts = dataset.corpus.passage_inputs(model.tokenizer.sep_token)
+    dev = [dataset.queries[q] for q in sorted(dataset.positives("dev"))]
+    texts = dataset.corpus.passage_inputs(model.tokenizer.sep_token) if args.side == "passage" else dev
     n = args.n or (len(texts) if gpu else 2000)
     texts = texts[:n]
     warm = texts[: args.warm_up]
-    print(f"{len(texts):,} {args.dataset} passages, max {args.max_length} tokens\n")
+    print(f"{len(texts):,} {args.dataset} {PLURAL[args.side]}, max {args.max_length} tokens\n")
 
     systems: list[tuple[str, str, int, Encoder]] = []  # (system, precision, batch size, encoder)
-    options = {"batch_size": args.batch_size, "device": device, "show_progress": False}
+    options = {"side": args.side, "batch_size": args.batch_size, "device": device, "show_progress": False}
     for precision in precisions:
         encode = densepass_encoder(model, {**options, "precision": precision})
         systems.append(("densepass encode_texts", precision, args.batch_size, encode))
@@ -291,7 +302,7 @@ def main() -> None:
         systems.append((label, "bf16", args.batch_size, encode))
     if args.unfused and not gpu:
         # a model of its own: its bf16 copy is made while fusion is off (copies are cached per model)
-        unfused = BiEncoder.from_pretrained(path, config=BiEncoderConfig(passage_max_length=args.max_length))
+        unfused = BiEncoder.from_pretrained(path, config=lengths)
         encode = under(
             encode_module,
             {"fusable": lambda tower: False, "BF16_PIECE_TOKENS": CPU_PIECE_TOKENS},
@@ -323,12 +334,11 @@ def main() -> None:
                 continue
             system, dtype = label.split("|")
             systems.append((system, dtype, args.ort_batch_size if system.startswith("ONNX") else 32, encoder))
-        results, embeddings = measure_in_turn(systems, warm, texts, device, args.repeats)
+        results, embeddings = measure_in_turn(systems, warm, texts, device, args.repeats, PLURAL[args.side])
     if args.save_embeddings:
         out_dir = Path(args.save_embeddings)
         out_dir.mkdir(parents=True, exist_ok=True)
         np.save(out_dir / "passages.npy", embeddings[f"densepass encode_texts|{precisions[0]}|{args.batch_size}"])
-        dev = [dataset.queries[q] for q in sorted(dataset.positives("dev"))]
         queries = encode_texts(model, dev, "query", device=device, precision=precisions[0], show_progress=False)
         np.save(out_dir / "queries.npy", queries)
         print(f"  saved {len(texts):,} passage and {len(dev):,} dev query embeddings in {out_dir}")
@@ -336,11 +346,16 @@ def main() -> None:
 
 
 def measure_in_turn(
-    systems: list[tuple[str, str, int, Encoder]], warm: list[str], texts: list[str], device: torch.device, repeats: int
+    systems: list[tuple[str, str, int, Encoder]],
+    warm: list[str],
+    texts: list[str],
+    device: torch.device,
+    repeats: int,
+    unit: str,
 ) -> tuple[list[dict], dict[str, np.ndarray]]:
     """Each system encodes ``warm`` (untimed), then ``texts`` ``repeats`` times, the systems in turn (a drift in
     the machine's speed reaches each of them alike); each one's fastest time. Returns the result rows and each
-    system's embeddings (key ``system|precision|batch``)."""
+    system's embeddings (key ``system|precision|batch``); ``unit``: what the texts are, for the printout."""
     for _, _, _, encode in systems:
         encode(warm)
     seconds, embeddings = [float("inf")] * len(systems), {}
@@ -349,9 +364,9 @@ def measure_in_turn(
             with timer(device) as took:
                 embeddings[f"{system}|{dtype}|{batch}"] = np.asarray(encode(texts), dtype=np.float32)
             seconds[i] = min(seconds[i], took())
-            print(f"  {system} {dtype} batch {batch}: {took():.2f}s, {len(texts) / took():,.0f} passages/s", flush=True)
+            print(f"  {system} {dtype} batch {batch}: {took():.2f}s, {len(texts) / took():,.0f} {unit}/s", flush=True)
     results = [
-        {"system": system, "dtype": dtype, "batch_size": batch, "seconds": s, "passages_per_s": len(texts) / s}
+        {"system": system, "dtype": dtype, "batch_size": batch, "seconds": s, "texts_per_s": len(texts) / s}
         for (system, dtype, batch, _), s in zip(systems, seconds)
     ]
     return results, embeddings
@@ -374,8 +389,8 @@ def report(args, env: dict, n: int, results: list[dict], embeddings: dict[str, n
             r["dtype"],
             r["batch_size"],
             f"{r['seconds']:.2f}",
-            rate(r["passages_per_s"]),
-            f"{ours['passages_per_s'] / r['passages_per_s']:.2f}x",
+            rate(r["texts_per_s"]),
+            f"{ours['texts_per_s'] / r['texts_per_s']:.2f}x",
             f"{r['mean_cosine_vs_st_fp32']:.5f}",
         ]
         for r in results
@@ -383,15 +398,23 @@ def report(args, env: dict, n: int, results: list[dict], embeddings: dict[str, n
     print()
     print(
         markdown_table(
-            ["system", "dtype", "batch", "seconds", "passages/s", "densepass first row ÷ row", "cosine to ST fp32"],
+            [
+                "system",
+                "dtype",
+                "batch",
+                "seconds",
+                f"{PLURAL[args.side]}/s",
+                "densepass first row ÷ row",
+                "cosine to ST fp32",
+            ],
             rows,
         )
     )
-    best_ours = max((r for r in results if r["system"].startswith("densepass")), key=lambda r: r["passages_per_s"])
-    best_st = max(st_rows, key=lambda r: r["passages_per_s"])
+    best_ours = max((r for r in results if r["system"].startswith("densepass")), key=lambda r: r["texts_per_s"])
+    best_st = max(st_rows, key=lambda r: r["texts_per_s"])
     speedups = {
-        "first_densepass_vs_st_default": ours["passages_per_s"] / st_default["passages_per_s"],
-        "best_densepass_vs_best_other": best_ours["passages_per_s"] / best_st["passages_per_s"],
+        "first_densepass_vs_st_default": ours["texts_per_s"] / st_default["texts_per_s"],
+        "best_densepass_vs_best_other": best_ours["texts_per_s"] / best_st["texts_per_s"],
     }
     print(
         f"\ndensepass {ours['dtype']} / sentence-transformers default (fp32, batch {st_default['batch_size']}): "
@@ -408,7 +431,8 @@ def report(args, env: dict, n: int, results: list[dict], embeddings: dict[str, n
             **env,
             "model": args.model,
             "dataset": args.dataset,
-            "n_passages": n,
+            "side": args.side,
+            "n_texts": n,
             "max_length": args.max_length,
             "results": results,
             "speedups": speedups,

@@ -14,10 +14,11 @@ fewer passes:
     out = LayerNorm(h + f Wf^T + bf)            bias and residual fused
 
 with each weight reordered once into oneDNN's blocked layout, and the inputs padded to a multiple of 16 tokens
-(``LENGTH_MULTIPLE``). The maths is the eager layer's (same attention scale, same GELU): in bf16 the two agree to
-bf16 rounding, in float32 to float32 rounding (tests). Used for the bf16 inference copy of a bi-encoder's towers
-on the CPU (``models.encode.inference_runner``); BERT, RoBERTa and XLM-R encoders only (``fusable``: MiniLM, BERT,
-BGE / E5 / GTE, multilingual E5), everything else runs the ``transformers`` model as it is.
+where that adds little (``LENGTH_MULTIPLE``). The maths is the eager layer's (same attention scale, same GELU): in
+bf16 the two agree to bf16 rounding, in float32 to float32 rounding (tests). Used for the bf16 inference copy of a
+bi-encoder's towers on the CPU (``models.encode.inference_runner``); BERT, RoBERTa and XLM-R encoders only
+(``fusable``: MiniLM, BERT, BGE / E5 / GTE, multilingual E5), everything else runs the ``transformers`` model as it
+is.
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ from transformers.modeling_outputs import BaseModelOutput
 
 FUSABLE_TYPES = ("bert", "roberta", "xlm-roberta")  # RoBERTa and XLM-R run BERT's layers
 LENGTH_MULTIPLE = 16
-"""Inputs are padded to a multiple of this many tokens (masked as keys, cut from the output). SDPA's CPU flash
-kernel splits queries into blocks of 32 rows and runs its bf16 products on AMX tiles of 16: a ragged tail of queries
-or keys costs nearly a whole tile. Padding costs the products a few percent more rows and saves more in attention
-(``bench_encode.py --length-multiples 1``, docs/benchmarks.md "Fused BERT layers for bf16 encoding")."""
+PAD_SHARE = 8
+"""Inputs are padded to a multiple of ``LENGTH_MULTIPLE`` tokens (masked as keys, cut from the output) where that
+adds at most 1 / ``PAD_SHARE`` of their length. SDPA's CPU flash kernel splits queries into blocks of 32 rows and
+runs its bf16 products on AMX tiles of 16: a ragged tail of queries or keys costs nearly a whole tile. A padded
+position costs the products as much as a token, so padding pays where it adds little: passages of 60-128 tokens
+encode faster, while short queries padded from 9 to 16 tokens would encode slower (``bench_encode.py
+--length-multiples 1``, docs/benchmarks.md "Fused BERT layers for bf16 encoding")."""
 
 
 def fusable(encoder: nn.Module) -> bool:
@@ -127,13 +131,14 @@ class FusedBertEncoder(nn.Module):
     ) -> BaseModelOutput:
         """The last layer's hidden states [batch, length, width] of ``input_ids`` (or ``inputs_embeds``);
         ``attention_mask`` [batch, length], 1 at tokens and 0 at padding (default: no padding). The layers run on
-        the inputs padded to a multiple of ``LENGTH_MULTIPLE`` tokens where the position table allows."""
+        the inputs padded to a multiple of ``LENGTH_MULTIPLE`` tokens where that adds at most 1 / ``PAD_SHARE`` and
+        the position table allows."""
         given = input_ids if input_ids is not None else inputs_embeds
         batch, length = given.shape[:2]
         if attention_mask is None:
             attention_mask = torch.ones((batch, length), dtype=torch.bool, device=given.device)
         extra = -length % LENGTH_MULTIPLE
-        if extra and length + extra <= self.config.max_position_embeddings:
+        if 0 < extra * PAD_SHARE <= length and length + extra <= self.config.max_position_embeddings:
             pad_id = self.config.pad_token_id or 0  # RoBERTa numbers its positions from the non-pad tokens
             if input_ids is not None:
                 input_ids = F.pad(input_ids, (0, extra), value=pad_id)
