@@ -94,11 +94,12 @@ def test_fused_layers_take_token_vectors_as_the_model_does():
     ("table", "length", "seen"),
     [(128, 15, 16), (128, 57, 64), (128, 13, 13), (128, 53, 53), (128, 32, 32), (50, 45, 48), (50, 49, 49)],
 )
-def test_the_layers_see_lengths_padded_to_whole_tiles_within_the_position_table(table, length, seen):
+@pytest.mark.parametrize("kind", ["bert", "roberta"])  # RoBERTa numbers positions from its non-pad tokens
+def test_the_layers_see_lengths_padded_to_whole_tiles_within_the_position_table(table, length, seen, kind):
     """Inputs are padded to a multiple of ``LENGTH_MULTIPLE`` (16) tokens where that adds at most an eighth of the
     length (``PAD_SHARE``) and stays within the position table; the output keeps the input's length and equals the
     unpadded model's."""
-    bert = random_encoder(3, max_position_embeddings=table)
+    bert = random_encoder(3, kind=kind, max_position_embeddings=table)
     ids, mask = right_padded(3, [length, 4])
     fused, widths = FusedBertEncoder(bert), []
     fused.layers[0].register_forward_pre_hook(lambda layer, args: widths.append(args[0].shape[1]))
