@@ -18,9 +18,11 @@ install (``--st-backends``), with ``backend="onnx"`` (fp32, and int8 from ``expo
 and ``backend="openvino"``; those are exported offline from the model's files into a temporary copy. Where
 sentence-transformers' ONNX backend does not install (its optimum-onnx needs transformers < 4.58), ``--ort`` runs
 the same graph in ONNX Runtime directly: the transformer exported with ``torch.onnx``, fp32 and ORT's dynamic int8,
-with the same tokenisation and mean pooling. Each system first encodes a small warm-up set (not timed); then the
-systems encode the texts in turn, ``--repeats`` rounds (a drift in the machine's speed reaches each alike), and
-each one's fastest time is reported. Agreement = mean cosine to sentence-transformers' float32 embeddings.
+with the same tokenisation and mean pooling; ``--openvino`` likewise runs it converted by ``openvino.convert_model``
+in OpenVINO's CPU plugin (f32, and bf16 where the CPU has fast bf16), for the OpenVINO backend (both sort and
+batch the texts as sentence-transformers does). Each system first encodes a small warm-up set (not timed); then
+the systems encode the texts in turn, ``--repeats`` rounds (a drift in the machine's speed reaches each alike),
+and each one's fastest time is reported. Agreement = mean cosine to sentence-transformers' float32 embeddings.
 """
 
 from __future__ import annotations
@@ -123,9 +125,49 @@ def st_backend_encoders(path: str, work: Path, device: torch.device, args) -> di
     return out
 
 
+class LastHidden(torch.nn.Module):
+    """A ``transformers`` encoder as a function of (input ids, attention mask) -> last hidden states, for export."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last hidden states [batch, length, width]."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def exported_encoder(run: Callable[[dict[str, np.ndarray]], np.ndarray], tokenizer, args) -> Encoder:
+    """An exported transformer (``run``: int64 token arrays -> last hidden states) encoding as
+    sentence-transformers' ONNX / OpenVINO backends do: batches of ``--export-batch-size`` texts, longest first,
+    padded to their longest, mean-pooled and normalised; the rows put back in input order."""
+
+    def encode(items: list[str]) -> np.ndarray:
+        order = np.argsort([-len(t) for t in items], kind="stable")
+        out = []
+        for start in range(0, len(items), args.export_batch_size):
+            tokens = tokenizer(
+                [items[i] for i in order[start : start + args.export_batch_size]],
+                truncation=True,
+                max_length=args.max_length,
+                padding=True,
+                return_tensors="np",
+                return_token_type_ids=False,
+            )
+            hidden = run({k: v.astype(np.int64) for k, v in tokens.items()})
+            mask = tokens["attention_mask"][..., None].astype(np.float32)
+            pooled = (hidden * mask).sum(1) / np.maximum(mask.sum(1), 1e-9)
+            out.append(pooled / np.linalg.norm(pooled, axis=1, keepdims=True))
+        embeddings = np.empty((len(items), out[0].shape[1]), dtype=np.float32)
+        embeddings[order] = np.concatenate(out)
+        return embeddings
+
+    return encode
+
+
 def ort_encoders(path: str, work: Path, args) -> dict[str, Encoder | str]:
-    """The model's transformer exported with ``torch.onnx`` and run by ONNX Runtime, fp32 and dynamic int8,
-    with densepass's tokenisation and mean pooling (what sentence-transformers' ONNX backend runs)."""
+    """The model's transformer exported with ``torch.onnx`` and run by ONNX Runtime, fp32 and dynamic int8
+    (what sentence-transformers' ONNX backend runs)."""
     try:
         import onnxruntime as ort
         from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -133,19 +175,11 @@ def ort_encoders(path: str, work: Path, args) -> dict[str, Encoder | str]:
     except ImportError as err:
         return {"ONNX Runtime (torch.onnx export)": f"ImportError: {err}"}
 
-    class Hidden(torch.nn.Module):
-        def __init__(self, model: torch.nn.Module) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
     fp32_file, int8_file = work / "model.onnx", work / "model-int8.onnx"
     example = (torch.ones(2, 16, dtype=torch.long), torch.ones(2, 16, dtype=torch.long))
     dynamic = {name: {0: "batch", 1: "tokens"} for name in ("input_ids", "attention_mask", "hidden")}
     torch.onnx.export(
-        Hidden(AutoModel.from_pretrained(path).eval()),
+        LastHidden(AutoModel.from_pretrained(path).eval()),
         example,
         str(fp32_file),
         input_names=["input_ids", "attention_mask"],
@@ -161,30 +195,34 @@ def ort_encoders(path: str, work: Path, args) -> dict[str, Encoder | str]:
 
     def encoder(file: Path) -> Encoder:
         session = ort.InferenceSession(str(file), options, providers=["CPUExecutionProvider"])
-
-        def encode(items: list[str]) -> np.ndarray:
-            out = []
-            for start in range(0, len(items), args.ort_batch_size):
-                tokens = tokenizer(
-                    items[start : start + args.ort_batch_size],
-                    truncation=True,
-                    max_length=args.max_length,
-                    padding=True,
-                    return_tensors="np",
-                    return_token_type_ids=False,
-                )
-                hidden = session.run(None, {k: v.astype(np.int64) for k, v in tokens.items()})[0]
-                mask = tokens["attention_mask"][..., None].astype(np.float32)
-                pooled = (hidden * mask).sum(1) / np.maximum(mask.sum(1), 1e-9)
-                out.append(pooled / np.linalg.norm(pooled, axis=1, keepdims=True))
-            return np.concatenate(out).astype(np.float32)
-
-        return encode
+        return exported_encoder(lambda tokens: session.run(None, tokens)[0], tokenizer, args)
 
     return {
         "ONNX Runtime (torch.onnx export)|fp32": encoder(fp32_file),
         "ONNX Runtime (torch.onnx export)|int8": encoder(int8_file),
     }
+
+
+def openvino_encoders(path: str, args) -> dict[str, Encoder | str]:
+    """The model's transformer converted by OpenVINO (``openvino.convert_model``) and run by its CPU plugin in f32
+    and, where the CPU has fast bf16, bf16 (the plugin's own default there): what sentence-transformers' OpenVINO
+    backend runs."""
+    try:
+        import openvino as ov
+        from transformers import AutoModel, AutoTokenizer
+    except ImportError as err:
+        return {"OpenVINO (convert_model)": f"ImportError: {err}"}
+
+    example = {name: torch.ones(2, 16, dtype=torch.long) for name in ("input_ids", "attention_mask")}
+    model = ov.convert_model(LastHidden(AutoModel.from_pretrained(path).eval()), example_input=example)
+    tokenizer, core = AutoTokenizer.from_pretrained(path), ov.Core()
+    out: dict[str, Encoder | str] = {}
+    for name, hint in [("fp32", "f32")] + ([("bf16", "bf16")] if cpu_has_fast_bf16() else []):
+        settings = {"INFERENCE_PRECISION_HINT": hint, "INFERENCE_NUM_THREADS": torch.get_num_threads()}
+        request = core.compile_model(model, "CPU", settings).create_infer_request()
+        label = f"OpenVINO {ov.__version__.split('-')[0]} (convert_model)|{name}"
+        out[label] = exported_encoder(lambda tokens, r=request: r.infer(tokens)[0], tokenizer, args)
+    return out
 
 
 def main() -> None:
@@ -248,7 +286,10 @@ def main() -> None:
         help="CPU: sentence-transformers backends besides torch, where they install (run at batch 32)",
     )
     parser.add_argument("--ort", action="store_true", help="CPU: also ONNX Runtime on a torch.onnx export")
-    parser.add_argument("--ort-batch-size", type=int, default=32, help="--ort: batch size")
+    parser.add_argument(
+        "--openvino", action="store_true", help="CPU: also OpenVINO on the model converted by openvino.convert_model"
+    )
+    parser.add_argument("--export-batch-size", type=int, default=32, help="--ort, --openvino: batch size")
     parser.add_argument("--device", default=None)
     parser.add_argument(
         "--save-embeddings",
@@ -327,13 +368,16 @@ def main() -> None:
         others = st_backend_encoders(path, Path(tmp), device, args) if args.st_backends and not gpu else {}
         if args.ort and not gpu:
             others.update(ort_encoders(path, Path(tmp), args))
+        if args.openvino and not gpu:
+            others.update(openvino_encoders(path, args))
         for label, encoder in others.items():
             if isinstance(encoder, str):
                 skipped[label] = encoder
                 print(f"  {label}: not run ({encoder})", flush=True)
                 continue
             system, dtype = label.split("|")
-            systems.append((system, dtype, args.ort_batch_size if system.startswith("ONNX") else 32, encoder))
+            exported = system.startswith(("ONNX", "OpenVINO"))
+            systems.append((system, dtype, args.export_batch_size if exported else 32, encoder))
         results, embeddings = measure_in_turn(systems, warm, texts, device, args.repeats, PLURAL[args.side])
     if args.save_embeddings:
         out_dir = Path(args.save_embeddings)
