@@ -298,8 +298,9 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
-    if args.repeats < 1 or any(size < 1 for size in [*args.bf16_piece_tokens, *args.length_multiples]):
-        parser.error("--repeats, --bf16-piece-tokens and --length-multiples must be >= 1")
+    sizes = [args.repeats, args.export_batch_size, *args.bf16_piece_tokens, *args.length_multiples]
+    if any(size < 1 for size in sizes):
+        parser.error("--repeats, --export-batch-size, --bf16-piece-tokens and --length-multiples must be >= 1")
     if args.save_embeddings and args.side != "passage":
         parser.error("--save-embeddings saves passage embeddings: run it with --side passage")
     device = pick_device(args.device)
