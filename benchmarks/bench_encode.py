@@ -263,8 +263,8 @@ def main() -> None:
         type=int,
         nargs="*",
         default=[],
-        help="CPU: densepass bf16 also with the fused layers' inputs padded to these multiples (1: not padded; "
-        "the default is models.fused.LENGTH_MULTIPLE)",
+        help="CPU: densepass bf16 also with the fused layers' inputs padded to these multiples where that adds at "
+        "most 1 / models.fused.PAD_SHARE (1: not padded; the default is models.fused.LENGTH_MULTIPLE)",
     )
     parser.add_argument(
         "--densepass-precisions",
@@ -299,8 +299,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
     sizes = [args.repeats, args.export_batch_size, *args.bf16_piece_tokens, *args.length_multiples]
-    if any(size < 1 for size in sizes):
-        parser.error("--repeats, --export-batch-size, --bf16-piece-tokens and --length-multiples must be >= 1")
+    if any(size < 1 for size in sizes) or (args.n is not None and args.n < 1):
+        parser.error("--n, --repeats, --export-batch-size, --bf16-piece-tokens and --length-multiples must be >= 1")
     if args.save_embeddings and args.side != "passage":
         parser.error("--save-embeddings saves passage embeddings: run it with --side passage")
     device = pick_device(args.device)

@@ -12,7 +12,7 @@ afresh; in pieces, MiniLM encodes debian-packages passages 1.4x faster in fp32 a
 The model runs in one of three precisions (``densepass.device.resolve_precision``; ``auto`` is bf16
 on GPU and on a CPU with bf16 instructions, else fp32): ``fp32``; ``bf16``, a bfloat16 copy (weights cast once, pooling
 and normalisation in float32; on a CPU as fast as bf16 autocast, without a cast per operation, and a BERT, RoBERTa
-or XLM-R tower runs there with fused layers, ``models.fused``: 1.27-1.36x faster on a Xeon with AMX);
+or XLM-R tower runs there with fused layers, ``models.fused``: 1.26-1.36x faster on a Xeon with AMX);
 ``int8``, a copy whose linear layers are dynamically quantised (``models.quantize``: int8 weights with a
 scale per output channel, activations with one scale per batch, so a text's int8 embedding depends slightly,
 about 1e-4, on the texts batched with it), except the feed-forward output projections, whose inputs (GELU
