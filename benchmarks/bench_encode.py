@@ -40,6 +40,7 @@ import torch
 from common import environment, markdown_table, pick_device, print_profile, rate, timer, write_json
 from densepass.data import load_dataset
 from densepass.device import cpu_has_fast_bf16, resolve_precision
+from densepass.models import copies as copies_module
 from densepass.models import encode as encode_module
 from densepass.models import fused as fused_module
 from densepass.models.batching import CPU_PIECE_TOKENS
@@ -345,11 +346,9 @@ def main() -> None:
     if args.unfused and not gpu:
         # a model of its own: its bf16 copy is made while fusion is off (copies are cached per model)
         unfused = BiEncoder.from_pretrained(path, config=lengths)
-        encode = under(
-            encode_module,
-            {"fusable": lambda tower: False, "BF16_PIECE_TOKENS": CPU_PIECE_TOKENS},
-            densepass_encoder(unfused, bf16_options),
-        )
+        encode = densepass_encoder(unfused, bf16_options)
+        encode = under(encode_module, {"BF16_PIECE_TOKENS": CPU_PIECE_TOKENS}, encode)
+        encode = under(copies_module, {"fusable": lambda tower: False}, encode)
         systems.append(
             ("densepass encode_texts, transformers' layers, pieces of 2,048", "bf16", args.batch_size, encode)
         )

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModel
 
 from conftest import tiny_bert_config
-from densepass.models import encode as encode_module
+from densepass.models import copies as copies_module
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts, inference_runner
 from densepass.models.fused import FusedBertEncoder, fusable
@@ -90,6 +90,49 @@ def test_fused_layers_take_token_vectors_as_the_model_does():
     torch.testing.assert_close(unmasked, by_ids[:1], atol=2e-5, rtol=2e-5)
 
 
+def test_fused_layers_read_token_types_and_refuse_what_they_do_not_compute():
+    """Segments (a cross-encoder's query and passage) as the model reads them, padded along with the ids; the
+    arguments a ``transformers`` head passes are accepted where they change nothing, refused where they would."""
+    bert = random_encoder(5)
+    ids, mask = right_padded(5, [60, 21])  # 60 is padded to 64
+    types = (torch.arange(60)[None, :] >= 20).long() * mask
+    fused = FusedBertEncoder(bert)
+    with torch.inference_mode():
+        expected = bert(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        got = fused(ids, mask, token_type_ids=types, return_dict=True, position_ids=None, output_attentions=False)
+        untyped = fused(input_ids=ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    torch.testing.assert_close(got.last_hidden_state[keep], expected[keep], atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(untyped[keep], expected[keep], atol=1e-3)  # the segments matter
+    for refused in ({"position_ids": torch.arange(60)[None]}, {"encoder_hidden_states": torch.zeros(2, 3, 32)}):
+        with pytest.raises(ValueError, match=f"does not compute {next(iter(refused))}"):
+            fused(input_ids=ids, attention_mask=mask, **refused)
+
+
+def test_a_model_with_a_head_gets_the_encoder_under_its_head_fused():
+    """SPLADE's MLM: ``bf16_copy`` fuses its ``bert`` and keeps the head; the logits agree with the model's own in
+    bf16 to bf16 rounding, and the model is left in float32."""
+    from transformers import BertForMaskedLM
+
+    from densepass.models.copies import bf16_copy
+
+    torch.manual_seed(6)
+    mlm = BertForMaskedLM(tiny_bert_config(100)).eval()
+    assert not fusable(mlm) and fusable(mlm.bert)  # the model with a head is not the encoder itself
+    half = bf16_copy(mlm, fuse=True)
+    assert isinstance(half.bert, FusedBertEncoder) and not isinstance(mlm.bert, FusedBertEncoder)
+    assert {p.dtype for p in mlm.parameters()} == {torch.float32}
+    ids, mask = right_padded(6, [40, 9])
+    with torch.inference_mode():
+        expected = mlm.to(torch.bfloat16)(input_ids=ids, attention_mask=mask).logits.float()
+        got = half(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    cosine = torch.nn.functional.cosine_similarity(got.float()[keep], expected[keep], dim=-1)
+    assert cosine.min() > 0.999
+    assert not isinstance(bf16_copy(mlm, fuse=False).bert, FusedBertEncoder)
+
+
 @pytest.mark.parametrize(
     ("table", "length", "seen"),
     [(128, 15, 16), (128, 57, 64), (128, 13, 13), (128, 53, 53), (128, 32, 32), (50, 45, 48), (50, 49, 49)],
@@ -142,7 +185,7 @@ def test_bf16_encoding_on_the_cpu_runs_the_fused_layers_and_agrees_with_the_unfu
     assert isinstance(runner.query_encoder, FusedBertEncoder) and runner.passage_encoder is runner.query_encoder
     texts = ["tar archiving utility", "X11 window manager with tabs", "python3 library for HTTP requests"] * 3
     fused = encode_texts(model, texts, "passage", device=CPU, precision="bf16", show_progress=False)
-    monkeypatch.setattr(encode_module, "fusable", lambda tower: False)
+    monkeypatch.setattr(copies_module, "fusable", lambda tower: False)
     unfused_model = BiEncoder.from_pretrained(str(tiny_model_dir))  # a model with no cached runner
     assert not isinstance(inference_runner(unfused_model, "bf16", CPU).query_encoder, FusedBertEncoder)
     unfused = encode_texts(unfused_model, texts, "passage", device=CPU, precision="bf16", show_progress=False)

@@ -311,7 +311,7 @@ def test_encode_texts_equals_naive_per_text_encoding(tiny_model, monkeypatch, ch
 
 def test_inference_copy_is_low_precision_and_leaves_the_model_alone(tiny_model):
     before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
-    half = encode_module.inference_copy(tiny_model, torch.bfloat16)
+    half = encode_module.inference_copy(tiny_model)
     assert {p.dtype for p in half.query_encoder.parameters()} == {torch.bfloat16}
     assert half.query_encoder is half.passage_encoder  # a shared tower stays shared
     for name, param in tiny_model.named_parameters():

@@ -155,7 +155,9 @@ def test_saved_splade_loads_in_sentence_transformers_with_the_same_weights(splad
     from sentence_transformers import SparseEncoder
 
     splade.save(tmp_path / "splade")
-    ours = SpladeEncoder.from_pretrained(str(tmp_path / "splade")).encode(["audio editor"], "passage", device=CPU)
+    ours = SpladeEncoder.from_pretrained(str(tmp_path / "splade")).encode(
+        ["audio editor"], "passage", device=CPU, precision="fp32"
+    )
     theirs = SparseEncoder(str(tmp_path / "splade"), device="cpu").encode(["audio editor"], convert_to_tensor=True)
     np.testing.assert_allclose(ours.toarray()[0], theirs.to_dense().numpy()[0], rtol=1e-4, atol=1e-5)
 
@@ -167,7 +169,7 @@ def test_splade_encoding_in_pieces_equals_one_forward_of_the_batch(splade):
     """On the CPU a batch is encoded in pieces of CPU_ENCODE_PIECE_TOKENS tokens: the same weights as one
     forward over the padded batch, in the order of the texts."""
     batch = texts(80, seed=3)
-    encoded = splade.encode(batch, "passage", batch_size=80, device=CPU).toarray()
+    encoded = splade.encode(batch, "passage", batch_size=80, device=CPU, precision="fp32").toarray()
     with torch.inference_mode():
         tokens = splade.tokenize(batch, "passage")
         assert tokens["attention_mask"].numel() > 2 * CPU_ENCODE_PIECE_TOKENS  # three pieces or more
@@ -179,7 +181,7 @@ def test_colbert_passages_encoded_in_pieces_equal_one_forward_of_the_batch(colbe
     """On the CPU passages are encoded (and trained) in pieces of 2,048 tokens, padded back to their fixed
     width: the same token vectors as one forward over the padded batch."""
     batch = texts(600, seed=4)
-    encoded = colbert.encode(batch, "passage", batch_size=600, device=CPU)
+    encoded = colbert.encode(batch, "passage", batch_size=600, device=CPU, precision="fp32")
     with torch.inference_mode():
         tokens = colbert.tokenize(batch, "passage")
         assert tokens["attention_mask"].numel() > 2 * CPU_PIECE_TOKENS  # three pieces or more
@@ -187,6 +189,68 @@ def test_colbert_passages_encoded_in_pieces_equal_one_forward_of_the_batch(colbe
     for i, vectors in enumerate(encoded):
         present = np.abs(whole[i]).sum(-1) > 0
         np.testing.assert_allclose(vectors, whole[i][present], rtol=1e-4, atol=1e-5)
+
+
+# ---- precision ------------------------------------------------------------------------------------------
+
+
+def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sum(a * b, 1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+@pytest.mark.filterwarnings("ignore:precision bf16:UserWarning")  # bf16 where it is not fast: expected
+def test_splade_and_colbert_in_bf16_agree_with_fp32(splade, colbert):
+    """bf16 (a bfloat16 copy, fused layers on the CPU) to the issue's mean cosine 0.99, on both sides."""
+    batch = texts(24, seed=5)
+    for side in ("passage", "query"):
+        full = splade.encode(batch, side, device=CPU, precision="fp32").toarray()
+        half = splade.encode(batch, side, device=CPU, precision="bf16").toarray()
+        assert half.dtype == np.float32 and not np.array_equal(half, full)  # it really ran in bf16
+        assert row_cosines(half, full).mean() >= 0.99
+        full_vectors = colbert.encode(batch, side, device=CPU, precision="fp32")
+        half_vectors = colbert.encode(batch, side, device=CPU, precision="bf16")
+        assert [v.shape for v in half_vectors] == [v.shape for v in full_vectors]  # the same tokens kept
+        assert row_cosines(np.concatenate(half_vectors), np.concatenate(full_vectors)).mean() >= 0.99
+    assert {p.dtype for p in splade.parameters()} == {p.dtype for p in colbert.parameters()} == {torch.float32}
+
+
+@pytest.mark.filterwarnings("ignore:precision bf16:UserWarning")
+def test_bf16_encoding_runs_a_fused_copy_made_once_per_weights(tiny_model_dir):
+    """SPLADE's copy fuses the encoder under its MLM head, ColBERT's the encoder; both are reused until the
+    weights change, and the model itself stays float32."""
+    from densepass.models.copies import encoder_in_precision
+    from densepass.models.fused import FusedBertEncoder
+
+    splade, colbert = SpladeEncoder.from_pretrained(str(tiny_model_dir)), ColBERT.from_pretrained(str(tiny_model_dir))
+    mlm = encoder_in_precision(splade.mlm, "bf16", CPU)
+    assert isinstance(getattr(mlm, mlm.base_model_prefix), FusedBertEncoder)
+    assert encoder_in_precision(splade.mlm, "bf16", CPU) is mlm
+    encoder = encoder_in_precision(colbert.encoder, "bf16", CPU)
+    assert isinstance(encoder, FusedBertEncoder) and encoder_in_precision(colbert.encoder, "bf16", CPU) is encoder
+    assert encoder_in_precision(colbert.encoder, "fp32", CPU) is colbert.encoder
+    before = colbert.encode(texts(4), "passage", device=CPU, precision="bf16")
+    with torch.no_grad():
+        for param in colbert.encoder.parameters():
+            param.add_(torch.randn_like(param))
+    assert encoder_in_precision(colbert.encoder, "bf16", CPU) is not encoder
+    after = colbert.encode(texts(4), "passage", device=CPU, precision="bf16")
+    truth = colbert.encode(texts(4), "passage", device=CPU, precision="fp32")
+    assert row_cosines(np.concatenate(after), np.concatenate(truth)).mean() >= 0.99
+    assert row_cosines(np.concatenate(before), np.concatenate(truth)).mean() < 0.9  # the change mattered
+
+
+def test_int8_is_refused_for_splade_and_colbert_before_any_work(splade, colbert):
+    calls = {
+        "SPLADE encode": lambda: splade.encode(texts(2), "passage", device=CPU, precision="int8"),
+        "ColBERT encode": lambda: colbert.encode(texts(2), "query", device=CPU, precision="int8"),
+        "SPLADE index": lambda: SpladeIndex(splade, device=CPU, precision="int8"),
+        "ColBERT index": lambda: ColbertIndex(colbert, device=CPU, precision="int8"),
+        "a typo": lambda: SpladeIndex(splade, device=CPU, precision="bf61"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ConfigError, match="fp32 or bf16|unknown precision") as err:
+            call()
+        assert "\n" not in str(err.value), name
 
 
 def test_sparse_search_returns_the_scores_of_the_dense_computation(splade):
@@ -385,9 +449,11 @@ def test_cli_indexes_and_searches_splade_and_colbert(splade, colbert, tiny_beir,
     for kind, extra in (("splade", ["--top-terms", "50"]), ("colbert", ["--compression", "residual"])):
         out = tmp_path / f"idx-{kind}"
         args = ["index", str(tiny_beir), "--kind", kind, "--model", str(tmp_path / kind), "--output", str(out)]
-        assert main([*args, *extra, "--device", "cpu"]) == 0
-        assert main(["search", str(out), "audio editor", "--k", "3", "--device", "cpu"]) == 0
+        assert main([*args, *extra, "--device", "cpu", "--precision", "fp32"]) == 0
+        assert main(["search", str(out), "audio editor", "--k", "3", "--device", "cpu", "--precision", "bf16"]) == 0
         assert "hits" in capsys.readouterr().out
+        assert main(["search", str(out), "audio", "--device", "cpu", "--precision", "int8"]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith("densepass: error:")
     fresh = subprocess.run(  # a fresh process knows the new kinds without importing them first
         [sys.executable, "-m", "densepass", "search", str(tmp_path / "idx-splade"), "audio", "--device", "cpu"],
         capture_output=True,

@@ -145,6 +145,7 @@ def _load_pipeline(args: argparse.Namespace):
     from densepass.index.base import Index, load_index
     from densepass.index.bm25 import BM25Index
     from densepass.index.hybrid import HybridIndex
+    from densepass.models.copies import float_precision
     from densepass.models.load import load_model
     from densepass.pipelines.search import SearchPipeline
 
@@ -153,11 +154,13 @@ def _load_pipeline(args: argparse.Namespace):
     from densepass.index.base import read_index_manifest
 
     kind = read_index_manifest(Path(args.index))["kind"]
-    if kind in (*BIENCODER_KINDS, "hybrid"):  # a hybrid index's first part is dense
+    if kind in (*BIENCODER_KINDS, "hybrid", "splade", "colbert"):  # a hybrid index's first part is dense
+        if kind in ("splade", "colbert"):
+            float_precision(args.precision, device, "SPLADE" if kind == "splade" else "ColBERT")
         resolve_precision(args.precision, device)
         options["precision"] = args.precision
     elif args.precision not in ("auto", "fp32"):
-        raise DensepassError(f"--precision {args.precision} applies to dense indexes; {args.index} is a {kind} index")
+        raise DensepassError(f"--precision {args.precision} applies to model indexes; {args.index} is a {kind} index")
     if args.rerank_precision != "auto" and not args.rerank:
         raise DensepassError(f"--rerank-precision {args.rerank_precision} applies to the cross-encoder of --rerank")
     resolve_precision(args.rerank_precision, device)  # int8 on a GPU fails before anything loads
@@ -449,8 +452,8 @@ def _precision_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> 
         "--precision",
         default=default,
         choices=PRECISIONS,
-        help="encoding precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (bf16 on GPU and on a "
-        "CPU with bf16 instructions, else fp32)" + ("" if default else "; default: the config's eval.precision"),
+        help="encoding precision: fp32, bf16, int8 (dynamic quantisation, CPU only; bi-encoders only) or auto (bf16 on "
+        "GPU and on a CPU with fast bf16, else fp32)" + ("" if default else "; default: the config's eval.precision"),
     )
 
 

@@ -23,6 +23,7 @@ pruned search is measured against. A query longer than ``query_max_length`` toke
 encoder here truncates), with one ``DataWarning`` per search call saying how many were.
 
 >>> from densepass.models.colbert import ColBERT
+from densepass.models.copies import float_precision
 >>> _ = torch.manual_seed(0)
 >>> model = ColBERT.from_pretrained("all-MiniLM-L6-v2")
 >>> index = ColbertIndex.build(model, ["tar archiving utility", "X11 window manager"], device=torch.device("cpu"))
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from densepass.data.dataset import Corpus
+from densepass.device import default_device
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_weights
 from densepass.index.base import (
@@ -55,6 +57,7 @@ from densepass.index.base import (
 from densepass.index.checks import model_for_index
 from densepass.models.batching import warn_long_queries
 from densepass.models.colbert import ColBERT
+from densepass.models.copies import float_precision
 
 Compression = Literal["fp16", "residual"]
 ARRAYS = ("offsets", "codes", "centroids", "vectors", "residuals", "bucket_cutoffs", "bucket_weights")
@@ -100,9 +103,11 @@ class ColbertIndex(Index):
         show_progress: bool = False,
         model_path: str | None = None,
         seed: int = 13,
+        precision: str = "auto",
     ) -> None:
         if not isinstance(model, ColBERT):
             raise ConfigError(f"a colbert index needs a ColBERT model, got a {type(model).__name__}")
+        float_precision(precision, device or default_device(), "ColBERT")  # a bad setting fails before any work
         if compression not in ("fp16", "residual"):
             raise ConfigError(f"unknown compression {compression!r} (use 'fp16' or 'residual')")
         if residual_bits not in (1, 2, 4, 8) or (model.dim * residual_bits) % 8:
@@ -115,6 +120,7 @@ class ColbertIndex(Index):
         self.model, self.compression, self.residual_bits = model, compression, residual_bits
         self.n_centroids, self.nprobe, self.candidates, self.seed = centroids, nprobe, candidates, seed
         self.batch_size, self.device, self.show_progress = batch_size, device, show_progress
+        self.precision = precision
         self.model_path = model_path or model.source
         self.passages = Corpus([], [], [], [])
         self.offsets = np.zeros(1, dtype=np.int64)
@@ -143,7 +149,7 @@ class ColbertIndex(Index):
         """Encode ``passages`` and append their token vectors (the first call trains the centroids)."""
         corpus = as_corpus(passages, first_id=len(self.passages))
         vectors = self.model.encode_passages(
-            corpus, self.batch_size, device=self.device, show_progress=self.show_progress
+            corpus, self.batch_size, device=self.device, show_progress=self.show_progress, precision=self.precision
         )
         self.add_vectors(corpus, vectors)
 
@@ -250,7 +256,7 @@ class ColbertIndex(Index):
         queries = check_queries(queries)
         config = self.model.config
         warn_long_queries(self.model.tokenizer, queries, config.query_max_length, int(config.markers))
-        return self.model.encode_queries(queries, self.batch_size, device=self.device)
+        return self.model.encode_queries(queries, self.batch_size, device=self.device, precision=self.precision)
 
     def search_rows(self, queries: Any, k: int, exhaustive: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` (scores, rows) of each query, by centroid pruning + exact MaxSim (or exact MaxSim over

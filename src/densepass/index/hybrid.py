@@ -129,7 +129,7 @@ class HybridIndex(Index):
             kind = read_index_manifest(directory / name)["kind"]
             takes_model = kind != "bm25"
             takes = options if takes_model else {}
-            if kind not in DENSE_INDEX_KINDS:  # the encoding precision is a dense index's option
+            if kind not in DENSE_INDEX_KINDS and takes.get("precision") == "int8":  # SPLADE runs no int8: auto
                 takes = {key: value for key, value in takes.items() if key != "precision"}
             parts.append(KINDS[kind].load(directory / name, **takes))
         if parts[0].passages.ids != passages.ids:

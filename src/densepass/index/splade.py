@@ -16,7 +16,8 @@ hits: its row of the results is all -1, with one ``DataWarning`` per search call
 longer than the model's ``query_max_length`` tokens is cut there (as every encoder here does), with one
 ``DataWarning`` per search call saying how many were.
 
->>> from densepass.models.splade import SpladeEncoder
+>>> from densepass.models.copies import float_precision
+from densepass.models.splade import SpladeEncoder
 >>> model = SpladeEncoder.from_pretrained("all-MiniLM-L6-v2")
 >>> index = SpladeIndex.build(model, ["tar archiving utility", "X11 window manager"], device=torch.device("cpu"))
 >>> index.search(["window manager"], k=1).ids(0)
@@ -34,11 +35,13 @@ import scipy.sparse as sp
 import torch
 
 from densepass.data.dataset import Corpus
+from densepass.device import default_device
 from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.fingerprints import fingerprint_weights
 from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, register
 from densepass.index.checks import model_for_index
 from densepass.models.batching import warn_long_queries
+from densepass.models.copies import float_precision
 from densepass.models.splade import SpladeEncoder
 
 POSTINGS = "postings.npz"
@@ -76,15 +79,17 @@ class SpladeIndex(Index):
         device: torch.device | None = None,
         show_progress: bool = False,
         model_path: str | None = None,
+        precision: str = "auto",
     ) -> None:
         if not isinstance(model, SpladeEncoder):
             raise ConfigError(f"a splade index needs a SPLADE model, got a {type(model).__name__}")
+        float_precision(precision, device or default_device(), "SPLADE")  # a bad setting fails before any work
         if top_terms is not None and top_terms < 1:
             raise ConfigError(f"top_terms must be >= 1, got {top_terms}")
         if batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {batch_size}")
         self.model, self.top_terms, self.batch_size, self.device = model, top_terms, batch_size, device
-        self.show_progress = show_progress
+        self.show_progress, self.precision = show_progress, precision
         self.model_path = model_path or model.source
         self.passages = Corpus([], [], [], [])
         self.postings = sp.csr_matrix((model.dim, 0), dtype=np.float32)  # [|V|, n]
@@ -101,7 +106,12 @@ class SpladeIndex(Index):
         """Encode ``passages`` and append their postings."""
         corpus = as_corpus(passages, first_id=len(self.passages))
         weights = self.model.encode_passages(
-            corpus, self.batch_size, device=self.device, show_progress=self.show_progress, top_terms=self.top_terms
+            corpus,
+            self.batch_size,
+            device=self.device,
+            show_progress=self.show_progress,
+            top_terms=self.top_terms,
+            precision=self.precision,
         )
         self.add_weights(corpus, weights)
 
@@ -128,7 +138,7 @@ class SpladeIndex(Index):
             return matrix
         queries = check_queries(queries)
         warn_long_queries(self.model.tokenizer, queries, self.model.config.query_max_length)
-        return self.model.encode_queries(queries, self.batch_size, device=self.device)
+        return self.model.encode_queries(queries, self.batch_size, device=self.device, precision=self.precision)
 
     def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` (scores, rows) of each query; rows -1 past the passages sharing a term with it."""

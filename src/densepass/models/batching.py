@@ -66,6 +66,12 @@ class SidedInputs:
 CPU_PIECE_TOKENS = 2048
 """Tokens (rows x padded length) per piece of a forward pass on the CPU (``forward_in_pieces``)."""
 
+BF16_PIECE_TOKENS = 4096
+"""Tokens per piece of a bf16 forward pass on the CPU: bf16 activations take half the bytes of float32 ones, so
+twice ``CPU_PIECE_TOKENS`` stays under glibc's mmap threshold, and larger products run faster on AMX (MiniLM with
+fused layers on a Xeon with AMX: 2,048-token pieces 1.04x and 1.33x slower in two runs, 8,192 within 4%;
+docs/benchmarks.md)."""
+
 
 def piece_tokens(device: torch.device, cpu_tokens: int = CPU_PIECE_TOKENS) -> int | None:
     """The piece size of a forward pass on ``device``: ``cpu_tokens`` on the CPU, else None (whole)."""

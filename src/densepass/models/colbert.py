@@ -34,11 +34,20 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
 from densepass.config import option
 from densepass.data.dataset import Corpus
-from densepass.device import autocast_context, default_device
+from densepass.device import attention_kernels, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
-from densepass.models.batching import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens, tokenize
+from densepass.models.batching import (
+    BF16_PIECE_TOKENS,
+    CPU_PIECE_TOKENS,
+    SidedInputs,
+    forward_in_pieces,
+    length_sorted_batches,
+    piece_tokens,
+    tokenize,
+)
 from densepass.models.biencoder import Side, resolve_model_path
+from densepass.models.copies import encoder_in_precision, float_precision
 from densepass.models.kinds import CONFIG_FILES, saved_architecture
 
 LINEAR_FILE = "colbert_linear.safetensors"
@@ -132,10 +141,12 @@ class ColBERT(SidedInputs, nn.Module):
             ids = ids.masked_fill(ids == tokenizer.pad_token_id, tokenizer.mask_token_id)
         return {"input_ids": ids, "attention_mask": mask}
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, side: Side) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, side: Side, encoder: nn.Module | None = None
+    ) -> torch.Tensor:
         """Token vectors [B, L, dim] (float32): L2-normalised, zero where a token is absent; passages are
-        padded to ``passage_max_length`` tokens."""
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        padded to ``passage_max_length`` tokens. ``encoder``: another copy of the encoder to run (a bf16 one)."""
+        hidden = (encoder or self.encoder)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         vectors = nn.functional.normalize(self.linear(hidden.float()), dim=-1)
         if side == "query":
             return vectors  # every position, [MASK] padding included
@@ -157,21 +168,27 @@ class ColBERT(SidedInputs, nn.Module):
         batch_size: int = 64,
         device: torch.device | None = None,
         show_progress: bool = False,
+        precision: str = "auto",
     ) -> list[np.ndarray]:
-        """Per text, its present token vectors [n_i, dim] (float32; a query always has ``query_max_length``)."""
+        """Per text, its present token vectors [n_i, dim] (float32; a query always has ``query_max_length``).
+        ``precision``: fp32, bf16 (a bfloat16 copy of the encoder, with fused layers on the CPU:
+        ``models.copies``; the projection and normalisation stay float32) or auto (bf16 where it is fast)."""
         device = device or default_device()
+        precision = float_precision(precision, device, "ColBERT")
         was_training = self.training
         self.to(device).eval()
+        encoder = encoder_in_precision(self.encoder, precision, device)
         out: list[np.ndarray | None] = [None] * len(texts)
 
         def forward(tokens: dict[str, torch.Tensor]) -> torch.Tensor:
-            return self(tokens["input_ids"], tokens["attention_mask"], side)
+            return self(tokens["input_ids"], tokens["attention_mask"], side, encoder)
 
         # passages in pieces on the CPU (as the bi-encoder); a query keeps every position, its [MASK] padding too
-        pieces = piece_tokens(device) if side == "passage" else None
+        pieces = piece_tokens(device, BF16_PIECE_TOKENS if precision == "bf16" else CPU_PIECE_TOKENS)
+        pieces = pieces if side == "passage" else None
 
         progress = tqdm(total=len(texts), desc=f"encode {side}s", disable=not show_progress, dynamic_ncols=True)
-        with torch.inference_mode(), autocast_context(device, device.type == "cuda"):
+        with torch.inference_mode(), attention_kernels(device):
             for rows in length_sorted_batches(texts, batch_size):
                 tokens = {k: v.to(device) for k, v in self.tokenize([texts[r] for r in rows], side).items()}
                 vectors = forward_in_pieces(forward, tokens, pieces).float()
@@ -231,16 +248,19 @@ class ColbertReranker:
     """A second stage that re-scores first-stage candidates (BM25, dense, SPLADE) by ColBERT MaxSim,
     encoding queries and passages on the fly (``pipelines.search.Reranker``)."""
 
-    def __init__(self, model: ColBERT, batch_size: int = 64, device: torch.device | None = None) -> None:
-        self.model, self.batch_size, self.device = model, batch_size, device
+    def __init__(
+        self, model: ColBERT, batch_size: int = 64, device: torch.device | None = None, precision: str = "auto"
+    ) -> None:
+        self.model, self.batch_size, self.device, self.precision = model, batch_size, device, precision
 
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:
         """MaxSim of each pair ``(queries[i], passages[i])`` (each distinct text encoded once)."""
         if len(queries) != len(passages):
             raise ConfigError(f"{len(queries)} queries for {len(passages)} passages")
         unique_q, unique_p = list(dict.fromkeys(queries)), list(dict.fromkeys(passages))
-        q = dict(zip(unique_q, self.model.encode_queries(unique_q, self.batch_size, device=self.device)))
-        p = dict(zip(unique_p, self.model.encode_passages(unique_p, self.batch_size, device=self.device)))
+        options = {"device": self.device, "precision": self.precision}
+        q = dict(zip(unique_q, self.model.encode_queries(unique_q, self.batch_size, **options)))
+        p = dict(zip(unique_p, self.model.encode_passages(unique_p, self.batch_size, **options)))
         return np.array(
             [float((q[a] @ p[b].T).max(axis=1).sum()) if len(p[b]) else 0.0 for a, b in zip(queries, passages)],
             dtype=np.float32,

@@ -49,7 +49,8 @@ from densepass.device import autocast_context, default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory
 from densepass.models.batching import forward_in_pieces, piece_tokens
-from densepass.models.quantize import quantized_linear_copy, weights_key
+from densepass.models.copies import reused_copy
+from densepass.models.quantize import quantized_linear_copy
 from densepass.prefetch import prefetched
 
 DEFAULT_MAX_LENGTH = 256
@@ -210,7 +211,6 @@ class CrossEncoder:
         self.precision = resolve_precision(precision, self.device)  # what score_pairs runs in (module docstring)
         self.model.to(self.device).eval()
         self.new_parameters: set[str] = set()  # names of the parameters ``new`` initialised (a fresh head)
-        self._int8: tuple[tuple, torch.nn.Module] | None = None  # (weights_key, quantised copy) for int8 scoring
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, **options) -> CrossEncoder:
@@ -275,11 +275,7 @@ class CrossEncoder:
     def quantized_model(self) -> torch.nn.Module:
         """The int8 copy of ``model`` that int8 scoring runs (module docstring): made at the first call and
         reused while the model's weights stay the same (a training step or a load makes a new one)."""
-        key = weights_key(self.model)
-        if self._int8 is None or self._int8[0] != key:
-            self._int8 = None  # free the stale copy before making the new one
-            self._int8 = (key, quantized_linear_copy(self.model))
-        return self._int8[1]
+        return reused_copy(self.model, "int8", lambda: quantized_linear_copy(self.model))
 
     @torch.inference_mode()
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str], precision: str | None = None) -> np.ndarray:

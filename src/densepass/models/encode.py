@@ -17,16 +17,14 @@ or XLM-R tower runs there with fused layers, ``models.fused``: 1.26-1.36x faster
 scale per output channel, activations with one scale per batch, so a text's int8 embedding depends slightly,
 about 1e-4, on the texts batched with it), except the feed-forward output projections, whose inputs (GELU
 activations with outliers) lose too much in int8 (mean cosine to fp32 0.98 with them, 0.99 without:
-MiniLM, debian-packages passages). A copy is made once per model and reused until its weights change: a
-server encoding one query at a time would otherwise copy or quantise the model for each (on an H100, while a
-bf16 copy was made at each call, one query took 20 ms to encode in bf16 against 9 ms in fp32: docs/benchmarks.md).
+MiniLM, debian-packages passages). A copy is made once per model and reused until its weights change
+(``models.copies``).
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -37,66 +35,50 @@ from transformers import PreTrainedTokenizerBase
 
 from densepass.device import attention_kernels, default_device, resolve_precision
 from densepass.errors import DensepassError
-from densepass.models.batching import CPU_PIECE_TOKENS, forward_in_pieces, piece_tokens
-from densepass.models.fused import FusedBertEncoder, fusable
-from densepass.models.quantize import quantized_linear_copy, weights_key
+from densepass.models.batching import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS, forward_in_pieces, piece_tokens
+from densepass.models.copies import bf16_copy, reused_copy
+from densepass.models.quantize import quantized_linear_copy
 from densepass.prefetch import prefetched
 
 if TYPE_CHECKING:
     from densepass.models.biencoder import BiEncoder, Side
 
-BF16_PIECE_TOKENS = 4096
-"""Tokens per piece of a bf16 forward pass on the CPU: bf16 activations take half the bytes of float32 ones, so
-twice ``CPU_PIECE_TOKENS`` stays under glibc's mmap threshold, and larger products run faster on AMX (MiniLM with
-fused layers on a Xeon with AMX: 2,048-token pieces 1.04x and 1.33x slower in two runs, 8,192 within 4%;
-docs/benchmarks.md)."""
 PAD_MULTIPLE = 8  # batches are padded to a multiple of 8 tokens: tensor-core friendly, few distinct shapes
 TOKENIZE_CHUNK = 16_384  # texts tokenised at once; the next chunk is tokenised while this one is encoded
 
 
-def inference_copy(model: BiEncoder, dtype: torch.dtype, fuse: bool = False) -> BiEncoder:
-    """A copy of ``model`` for inference whose transformer weights are ``dtype``; the projection
-    stays float32 (``pool`` returns float32). ``model`` itself is left untouched. ``fuse`` (CPU): BERT, RoBERTa
-    and XLM-R towers run as ``models.fused.FusedBertEncoder`` (oneDNN's fused linear kernels), others as they are."""
-    towers = {id(t): t for t in (model.query_encoder, model.passage_encoder)}
-    copies = {key: copy.deepcopy(t).to(dtype).eval().requires_grad_(False) for key, t in towers.items()}
-    if fuse:
-        copies = {key: FusedBertEncoder(t) if fusable(t) else t for key, t in copies.items()}
-    projection = copy.deepcopy(model.projection) if model.projection is not None else None
-    return type(model)(
-        copies[id(model.query_encoder)], copies[id(model.passage_encoder)], model.tokenizer, model.config, projection
-    ).eval()
+def inference_copy(model: BiEncoder, fuse: bool = False) -> BiEncoder:
+    """A copy of ``model`` for inference whose towers are bfloat16 (``models.copies.bf16_copy``; ``fuse``, on the
+    CPU: BERT, RoBERTa and XLM-R towers run with ``models.fused``'s layers); the projection stays float32
+    (``pool`` returns float32). ``model`` itself is left untouched."""
+    return _copy_towers(model, lambda tower: bf16_copy(tower, fuse))
 
 
 def quantized_copy(model: BiEncoder) -> BiEncoder:
     """A copy of ``model`` for CPU inference whose transformer linear layers are dynamically quantised to int8
     (per-channel weights), all but the feed-forward output projections; the projection stays float32."""
+    return _copy_towers(model, quantized_linear_copy)
+
+
+def _copy_towers(model: BiEncoder, copy_tower) -> BiEncoder:
+    """``model`` with each distinct tower replaced by ``copy_tower(tower)`` (a shared tower stays shared) and a
+    copy of its projection."""
     towers = {id(t): t for t in (model.query_encoder, model.passage_encoder)}
-    copies = {key: quantized_linear_copy(t) for key, t in towers.items()}
+    copies = {key: copy_tower(t) for key, t in towers.items()}
     projection = copy.deepcopy(model.projection) if model.projection is not None else None
     return type(model)(
         copies[id(model.query_encoder)], copies[id(model.passage_encoder)], model.tokenizer, model.config, projection
     ).eval()
 
 
-_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, its inference copy)
-
-
 def inference_runner(model: BiEncoder, precision: str, device: torch.device) -> BiEncoder:
     """``model`` itself (fp32), or its bf16 or int8 copy (``precision`` as ``resolve_precision`` returns it),
-    made once and reused while the model's weights, device and the precision stay the same."""
+    made once and reused while the model's weights, device and the precision stay the same (``models.copies``)."""
     if precision == "fp32":
         return model
-    key = (precision, device, weights_key(model))
-    cached = _RUNNERS.get(model)
-    if cached is not None and cached[0] == key:
-        return cached[1]
     if precision == "bf16":
-        runner = inference_copy(model, torch.bfloat16, fuse=device.type == "cpu")
-    else:
-        runner = quantized_copy(model)
-    _RUNNERS[model] = (key, runner)
-    return runner
+        return reused_copy(model, (precision, device), lambda: inference_copy(model, fuse=device.type == "cpu"))
+    return reused_copy(model, (precision, device), lambda: quantized_copy(model))
 
 
 def padded_batches(

@@ -15,10 +15,10 @@ fewer passes:
 
 with each weight reordered once into oneDNN's blocked layout, and the inputs padded to a multiple of 16 tokens
 where that adds little (``LENGTH_MULTIPLE``). The maths is the eager layer's (same attention scale, same GELU): in
-bf16 the two agree to bf16 rounding, in float32 to float32 rounding (tests). Used for the bf16 inference copy of a
-bi-encoder's towers on the CPU (``models.encode.inference_runner``); BERT, RoBERTa and XLM-R encoders only
-(``fusable``: MiniLM, BERT, BGE / E5 / GTE, multilingual E5), everything else runs the ``transformers`` model as it
-is.
+bf16 the two agree to bf16 rounding, in float32 to float32 rounding (tests). Used for the bf16 inference copies
+on the CPU (``models.copies.bf16_copy``): a bi-encoder's towers, ColBERT's encoder and SPLADE's MLM encoder (the
+model under its head); BERT, RoBERTa and XLM-R encoders only (``fusable``: MiniLM, BERT, BGE / E5 / GTE,
+multilingual E5), everything else runs the ``transformers`` model as it is.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def fusable(encoder: nn.Module) -> bool:
     config = getattr(encoder, "config", None)
     return (
         config is not None
+        and hasattr(encoder, "embeddings")  # the encoder itself, not a model with a head on it
+        and hasattr(getattr(encoder, "encoder", None), "layer")
         and getattr(config, "model_type", None) in FUSABLE_TYPES
         and config.hidden_act == "gelu"
         and getattr(config, "position_embedding_type", "absolute") == "absolute"
@@ -128,11 +130,18 @@ class FusedBertEncoder(nn.Module):
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        **unused,
     ) -> BaseModelOutput:
         """The last layer's hidden states [batch, length, width] of ``input_ids`` (or ``inputs_embeds``);
-        ``attention_mask`` [batch, length], 1 at tokens and 0 at padding (default: no padding). The layers run on
-        the inputs padded to a multiple of ``LENGTH_MULTIPLE`` tokens where that adds at most 1 / ``PAD_SHARE`` and
-        the position table allows."""
+        ``attention_mask`` [batch, length], 1 at tokens and 0 at padding (default: no padding); ``token_type_ids``
+        the segments (default: all 0). The layers run on the inputs padded to a multiple of ``LENGTH_MULTIPLE``
+        tokens where that adds at most 1 / ``PAD_SHARE`` and the position table allows. Other arguments a
+        ``transformers`` head passes its encoder are accepted where they change nothing (``return_dict``, None,
+        False) and refused otherwise (``position_ids``, ``encoder_hidden_states`` ...)."""
+        refused = sorted(k for k, v in unused.items() if k != "return_dict" and v is not None and v is not False)
+        if refused:
+            raise ValueError(f"the fused encoder does not compute {', '.join(refused)}")
         given = input_ids if input_ids is not None else inputs_embeds
         batch, length = given.shape[:2]
         if attention_mask is None:
@@ -145,7 +154,9 @@ class FusedBertEncoder(nn.Module):
             else:
                 inputs_embeds = F.pad(inputs_embeds, (0, 0, 0, extra))
             attention_mask = F.pad(attention_mask, (0, extra))
-        hidden = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)
+            if token_type_ids is not None:
+                token_type_ids = F.pad(token_type_ids, (0, extra))
+        hidden = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids)
         keep = attention_mask.bool()[:, None, None, :]
         for layer in self.layers:
             hidden = layer(hidden, keep)

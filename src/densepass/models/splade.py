@@ -40,11 +40,12 @@ from transformers.utils import logging as hf_logging
 
 from densepass.config import option
 from densepass.data.dataset import Corpus
-from densepass.device import autocast_context, default_device
+from densepass.device import attention_kernels, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
 from densepass.models.batching import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens
 from densepass.models.biencoder import Side, resolve_model_path
+from densepass.models.copies import encoder_in_precision, float_precision
 from densepass.models.kinds import CONFIG_FILES, saved_architecture
 
 FRESH_HEAD_BIAS = -6.0  # the vocabulary bias of a fresh MLM head (see the module docstring)
@@ -74,8 +75,8 @@ def splade_weights(logits: torch.Tensor, attention_mask: torch.Tensor) -> torch.
     >>> splade_weights(logits, torch.tensor([[1, 1, 0]])).round(decimals=4)
     tensor([[1.3863, 0.0000]])
     """
-    masked = logits.float().masked_fill(~attention_mask.bool().unsqueeze(-1), float("-inf"))
-    return torch.log1p(torch.relu(masked.amax(dim=1)))
+    masked = logits.masked_fill(~attention_mask.bool().unsqueeze(-1), float("-inf"))
+    return torch.log1p(torch.relu(masked.amax(dim=1).float()))  # the max is exact in any precision
 
 
 def _identity_head(mlm: nn.Module, bias: float) -> None:
@@ -113,9 +114,12 @@ class SpladeEncoder(SidedInputs, nn.Module):
         """Size of the term-weight vectors (the vocabulary)."""
         return self.mlm.get_output_embeddings().out_features
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, side: Side) -> torch.Tensor:
-        """Term weights [B, |V|] of one side's tokenised batch (both sides share the encoder)."""
-        logits = self.mlm(input_ids=input_ids, attention_mask=attention_mask).logits
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, side: Side, mlm: nn.Module | None = None
+    ) -> torch.Tensor:
+        """Term weights [B, |V|] (float32) of one side's tokenised batch (both sides share the encoder); ``mlm``:
+        another copy of the model to run (a bf16 one)."""
+        logits = (mlm or self.mlm)(input_ids=input_ids, attention_mask=attention_mask).logits
         return splade_weights(logits, attention_mask)
 
     def similarity(self, queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
@@ -132,24 +136,31 @@ class SpladeEncoder(SidedInputs, nn.Module):
         device: torch.device | None = None,
         show_progress: bool = False,
         top_terms: int | None = None,
+        precision: str = "auto",
     ) -> sp.csr_matrix:
         """Sparse term weights [len(texts), |V|] (float32 CSR, rows in the order of ``texts``);
-        ``top_terms`` keeps each row's heaviest terms only (index pruning)."""
+        ``top_terms`` keeps each row's heaviest terms only (index pruning). ``precision``: fp32, bf16 (a bfloat16
+        copy of the model, its encoder with fused layers on the CPU: ``models.copies``; the max over tokens is
+        taken in bf16, log(1 + ReLU) in float32) or auto (bf16 where it is fast)."""
         if top_terms is not None and top_terms < 1:
             raise ConfigError(f"top_terms must be >= 1, got {top_terms}")
         device = device or default_device()
+        precision = float_precision(precision, device, "SPLADE")
         was_training = self.training
         self.to(device).eval()
+        mlm = encoder_in_precision(self.mlm, precision, device)
         parts, placed = [], []
 
         def forward(tokens: dict[str, torch.Tensor]) -> torch.Tensor:
-            return self(tokens["input_ids"], tokens["attention_mask"], side)
+            return self(tokens["input_ids"], tokens["attention_mask"], side, mlm)
 
+        # bf16 logits take half the bytes: twice the tokens per piece for the same memory
+        pieces = piece_tokens(device, CPU_ENCODE_PIECE_TOKENS * (2 if precision == "bf16" else 1))
         progress = tqdm(total=len(texts), desc=f"encode {side}s", disable=not show_progress, dynamic_ncols=True)
-        with torch.inference_mode(), autocast_context(device, device.type == "cuda"):
+        with torch.inference_mode(), attention_kernels(device):
             for rows in length_sorted_batches(texts, batch_size):
                 tokens = {k: v.to(device) for k, v in self.tokenize([texts[r] for r in rows], side).items()}
-                weights = forward_in_pieces(forward, tokens, piece_tokens(device, CPU_ENCODE_PIECE_TOKENS))
+                weights = forward_in_pieces(forward, tokens, pieces)
                 if top_terms is not None and top_terms < weights.shape[1]:
                     values, columns = weights.topk(top_terms, dim=1)
                     weights = torch.zeros_like(weights).scatter_(1, columns, values)

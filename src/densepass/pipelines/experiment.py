@@ -280,14 +280,17 @@ def evaluate_retriever(exp: Experiment, model, name: str) -> dict[str, float]:
     scores of each query's candidates in rerank mode."""
     evalset, settings = exp.evalset, exp.config.eval
     if evalset.candidates is None:
-        index = retrievers.index_for_model(model, evalset.corpus, exp.config.model, device=exp.device)
+        index = retrievers.index_for_model(
+            model, evalset.corpus, exp.config.model, device=exp.device, precision=settings.precision
+        )
         results = index.search(evalset.query_texts, settings.depth)
         exp.notes.append(f"{name}: {retrievers.describe_index(index, evalset.query_texts)}")
         return score_run(exp, results.as_run(evalset.query_ids), name)
     corpus = evalset.corpus
     pairs = [(i, pid) for i, q in enumerate(evalset.query_ids) for pid in evalset.candidates[q]]
     texts = corpus.passage_inputs(model.tokenizer.sep_token or " ", [corpus.position(p) for _, p in pairs])
-    scores = retrievers.score_pairs(model, [evalset.query_texts[i] for i, _ in pairs], texts, exp.device)
+    queries = [evalset.query_texts[i] for i, _ in pairs]
+    scores = retrievers.score_pairs(model, queries, texts, exp.device, settings.precision)
     starts = np.cumsum([0] + [len(evalset.candidates[q]) for q in evalset.query_ids])
     return score_run(exp, _candidate_run(evalset, lambda i, _: scores[starts[i] : starts[i + 1]]), name)
 

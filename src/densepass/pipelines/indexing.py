@@ -38,6 +38,7 @@ from densepass.index.ondisk import IVFPQOptions, build_ondisk_ivfpq
 from densepass.index.sharded import DEFAULT_BLOCK, ShardedEmbeddings, encode_sharded
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT
+from densepass.models.copies import float_precision
 from densepass.models.splade import SpladeEncoder
 from densepass.phrase.index import PhraseIndex
 from densepass.phrase.model import PhraseEncoder
@@ -63,7 +64,7 @@ class IndexSettings:
     sparse_model: str | None = None  # hybrid: a SPLADE model for the second part instead of BM25
     retriever: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # splade pruning, colbert storage
     threshold: float | None = None  # phrase: the token filter's threshold (None: keep every vector)
-    precision: str = "auto"  # dense kinds: encoding precision (auto, fp32, bf16, int8; models.encode)
+    precision: str = "auto"  # encoding precision: auto, fp32, bf16, int8 (bi-encoders only; models.encode)
     ivf: IVFPQOptions = dataclasses.field(default_factory=IVFPQOptions)  # faiss-ivfpq-disk: training, codes, nprobe
 
     def __post_init__(self) -> None:
@@ -75,9 +76,13 @@ class IndexSettings:
             raise ConfigError("batch size and shard size must be >= 1")
         if self.kind != "bm25" and not self.model:
             raise ConfigError(f"a {self.kind} index needs a model")
-        resolve_precision(self.precision, self.device or default_device())
-        if self.precision not in ("auto", "fp32") and self.kind in ("bm25", "splade", "colbert", "phrase"):
-            raise ConfigError(f"precision {self.precision} applies to bi-encoder indexes, not to a {self.kind} index")
+        device = self.device or default_device()
+        if self.kind in ("splade", "colbert"):
+            float_precision(self.precision, device, "SPLADE" if self.kind == "splade" else "ColBERT")
+        else:
+            resolve_precision(self.precision, device)
+        if self.precision not in ("auto", "fp32") and self.kind in ("bm25", "phrase"):
+            raise ConfigError(f"precision {self.precision} applies to model indexes, not to a {self.kind} index")
 
 
 def encode_corpus(
@@ -203,7 +208,9 @@ def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> 
             index: Index = BM25Index.build(corpus, show_progress=settings.show_progress)
         elif settings.kind in ("splade", "colbert"):
             model = (SpladeEncoder if settings.kind == "splade" else ColBERT).from_pretrained(settings.model)
-            index = index_for_model(model, corpus, settings.retriever, settings.batch_size, settings.device)
+            index = index_for_model(
+                model, corpus, settings.retriever, settings.batch_size, settings.device, precision=settings.precision
+            )
         elif settings.kind == "phrase":
             model = PhraseEncoder.from_pretrained(settings.model)
             index = PhraseIndex.build(
@@ -219,7 +226,12 @@ def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> 
             index = dense_index(model, corpus, kind, work_dir, settings)
             if settings.kind == "hybrid":
                 second: Index = (
-                    index_for_model(SpladeEncoder.from_pretrained(settings.sparse_model), corpus, settings.retriever)
+                    index_for_model(
+                        SpladeEncoder.from_pretrained(settings.sparse_model),
+                        corpus,
+                        settings.retriever,
+                        precision="auto" if settings.precision == "int8" else settings.precision,  # SPLADE runs no int8
+                    )
                     if settings.sparse_model
                     else BM25Index.build(corpus)
                 )

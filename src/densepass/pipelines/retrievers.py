@@ -85,8 +85,8 @@ def check_kind(config: ExperimentConfig) -> None:
             f"model.kind={kind}: batch schedules by encoder similarity need a bi-encoder; "
             "use schedule.similarity=bm25 (ABS) or a random / sequential order"
         )
-    if config.eval.precision in ("bf16", "int8"):
-        raise ConfigError(f"model.kind={kind}: eval.precision={config.eval.precision} applies to bi-encoders; use auto")
+    if config.eval.precision == "int8":
+        raise ConfigError(f"model.kind={kind}: eval.precision=int8 applies to bi-encoders; use auto, fp32 or bf16")
     if neg.refresh_every is not None:
         raise ConfigError(f"model.kind={kind}: negatives.refresh_every mines with a bi-encoder; leave it null")
     if neg.source == "model" and model.name_or_path == neg.model:
@@ -100,13 +100,19 @@ def index_for_model(
     batch_size: int = 64,
     device: torch.device | None = None,
     dense_kind: str = "exact",
+    precision: str = "auto",
 ) -> Index:
-    """An index of ``corpus`` for any kind of model; ``config`` gives SPLADE pruning and ColBERT storage
-    and search options (defaults without it)."""
+    """An index of ``corpus`` for any kind of model, encoded in ``precision`` (auto, fp32, bf16; int8 for
+    bi-encoders); ``config`` gives SPLADE pruning and ColBERT storage and search options (defaults without it)."""
     config = config or ModelConfig()
     if isinstance(model, SpladeEncoder):
         return SpladeIndex.build(
-            model, corpus, top_terms=config.splade.index_top_terms, batch_size=batch_size, device=device
+            model,
+            corpus,
+            top_terms=config.splade.index_top_terms,
+            batch_size=batch_size,
+            device=device,
+            precision=precision,
         )
     if isinstance(model, ColBERT):
         colbert = config.colbert
@@ -120,18 +126,26 @@ def index_for_model(
             candidates=colbert.candidates,
             batch_size=batch_size,
             device=device,
+            precision=precision,
         )
-    return DenseIndex.build(model, corpus, dense_kind, batch_size=batch_size, device=device, show_progress=False)
+    return DenseIndex.build(
+        model, corpus, dense_kind, batch_size=batch_size, device=device, show_progress=False, precision=precision
+    )
 
 
 def score_pairs(
-    model: Retriever, queries: Sequence[str], passages: Sequence[str], device: torch.device | None = None
+    model: Retriever,
+    queries: Sequence[str],
+    passages: Sequence[str],
+    device: torch.device | None = None,
+    precision: str = "auto",
 ) -> np.ndarray:
-    """The model's score of each pair ``(queries[i], passages[i])`` (re-ranking evaluation)."""
+    """The model's score of each pair ``(queries[i], passages[i])`` (re-ranking evaluation), encoded in
+    ``precision``."""
     if isinstance(model, ColBERT):
-        return ColbertReranker(model, device=device).score_pairs(queries, passages)
-    q = model.encode_queries(list(queries), device=device)
-    p = model.encode_passages(list(passages), device=device)
+        return ColbertReranker(model, device=device, precision=precision).score_pairs(queries, passages)
+    q = model.encode_queries(list(queries), device=device, precision=precision)
+    p = model.encode_passages(list(passages), device=device, precision=precision)
     if isinstance(model, SpladeEncoder):
         return np.asarray(q.multiply(p).sum(axis=1)).ravel().astype(np.float32)
     return np.einsum("ij,ij->i", q, p).astype(np.float32)

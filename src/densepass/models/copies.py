@@ -1,0 +1,84 @@
+"""Inference copies of a model in lower precision, made once and reused while the model's weights stay the same.
+
+Encoding in bf16 or int8 runs a copy of the model, never the model itself (which may still train, in float32): a
+bfloat16 copy (``bf16_copy``; on the CPU with ``models.fused``'s layers where the encoder is BERT-layered) or an int8
+one (``models.quantize``). Making a copy costs about as much as encoding a few hundred texts, so a server encoding
+one query at a time must not make one per call (on an H100, while a bf16 copy was made at each call, one query took
+20 ms to encode in bf16 against 9 ms in fp32: docs/benchmarks.md): ``reused_copy`` keeps one copy per model, keyed
+by the precision, the device and ``models.quantize.weights_key`` (a training step or a load makes a new one).
+
+>>> from transformers import AutoModel
+>>> from densepass.models.biencoder import resolve_model_path
+>>> bert = AutoModel.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+>>> cpu = torch.device("cpu")
+>>> runner = reused_copy(bert, ("bf16", cpu), lambda: bf16_copy(bert, fuse=True))
+>>> type(runner).__name__, runner is reused_copy(bert, ("bf16", cpu), lambda: bf16_copy(bert, fuse=True))
+('FusedBertEncoder', True)
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable, Hashable
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from densepass.device import resolve_precision
+from densepass.errors import ConfigError
+from densepass.models.fused import FusedBertEncoder, fusable
+from densepass.models.quantize import weights_key
+
+M = TypeVar("M", bound=nn.Module)
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, its inference copy)
+
+
+def reused_copy(model: nn.Module, setting: Hashable, make: Callable[[], M]) -> M:
+    """``make()``, a copy of ``model`` for ``setting`` (e.g. the precision and device), made at the first call and
+    returned again while ``model``'s weights and ``setting`` stay the same; one copy per model is kept (a new
+    setting or new weights replace it, the stale copy freed first)."""
+    key = (setting, weights_key(model))
+    cached = _COPIES.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    _COPIES.pop(model, None)
+    made = make()
+    _COPIES[model] = (key, made)
+    return made
+
+
+def bf16_copy(model: nn.Module, fuse: bool) -> nn.Module:
+    """A bfloat16 copy of a ``transformers`` model in eval mode, without gradients; ``model`` is left untouched.
+    With ``fuse`` (the CPU), a BERT-layered encoder (``models.fused.fusable``) runs as ``FusedBertEncoder``: the
+    model itself, or the encoder under its head (``base_model_prefix``: the ``bert`` of a ``BertForMaskedLM``,
+    whose head then runs as it is, in bf16)."""
+    half = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
+    if not fuse:
+        return half
+    if fusable(half):
+        return FusedBertEncoder(half)
+    prefix = getattr(half, "base_model_prefix", "")
+    base = getattr(half, prefix, None) if prefix else None
+    if isinstance(base, nn.Module) and base is not half and fusable(base):
+        setattr(half, prefix, FusedBertEncoder(base))
+    return half
+
+
+def float_precision(precision: str, device: torch.device, kind: str) -> str:
+    """fp32 or bf16: a ``precision`` setting as ``device.resolve_precision`` reads it (``auto``: bf16 where it is
+    fast), for a ``kind`` model (SPLADE, ColBERT) that runs no int8 (dynamic quantisation); a one-line error
+    otherwise."""
+    resolved = resolve_precision(precision, device)
+    if resolved not in ("fp32", "bf16"):
+        raise ConfigError(f"{kind} models encode in fp32 or bf16 (or auto), not {precision}")
+    return resolved
+
+
+def encoder_in_precision(model: nn.Module, precision: str, device: torch.device) -> nn.Module:
+    """What encodes for ``model`` on ``device`` in ``precision`` (fp32 or bf16, as ``float_precision`` returns
+    it): the model itself, or its reused bf16 copy (``bf16_copy``, fused on the CPU)."""
+    if precision == "fp32":
+        return model
+    return reused_copy(model, (precision, device), lambda: bf16_copy(model, fuse=device.type == "cpu"))
