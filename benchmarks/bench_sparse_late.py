@@ -20,8 +20,15 @@ r"""SPLADE and ColBERT speed, in one run: densepass against sentence-transformer
 4. **ColBERT search**: the centroid-pruned ``ColbertIndex`` against a straightforward exact MaxSim over all
    token vectors (``exhaustive=True``) on the same index, queries per second and recall of the exact top 10.
 
-Both sides run in float32 on CPU (training under bf16 autocast with ``--cpu-bf16``, on both sides) and under
-bf16 autocast on GPU.
+Training runs in float32 on CPU (under bf16 autocast with ``--cpu-bf16``, on both sides) and under bf16 autocast
+on GPU. densepass encodes in ``--encode-precisions`` (default ``auto``: bf16 on a GPU and on a CPU with fast bf16,
+where its copy of the encoder runs fused layers; else fp32); SparseEncoder and PyLate encode their float32 model,
+and with ``--other-bf16`` also the model cast to bfloat16 (``model.to(torch.bfloat16)``, their fastest CPU setting
+where bf16 is fast). Encodings are timed ``--repeats`` rounds, the systems in turn, the fastest reported (PyLate's
+rounds run in its own process, after densepass's). ``--no-train`` times encoding and search only:
+
+    PYTHONPATH=src venv-bench/bin/python benchmarks/bench_sparse_late.py --no-train --encode-precisions fp32 bf16 \
+        --other-bf16 --repeats 3 --pylate-python venv-pylate/bin/python --out outputs/bench/sparse-late-encode.json
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import torch
 from common import StepClock, environment, markdown_table, pick_device, rate, sync, write_json
 
 FIELDS = ("anchor", "positive", "negative")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 def st_trainer_seconds(model, loss, triplets: dict, args, device, bf16: bool) -> float:
@@ -121,22 +129,27 @@ def pylate_part(args) -> None:
             document_length=args.passage_max_length,
         )
 
-    model = load()
-    loss = losses.Contrastive(model=model, temperature=1.0)
-    train_s = st_trainer_seconds(model, loss, payload["triplets"], args, device, bf16)
-    # a fresh model encodes: after a bf16 run, accelerate leaves the trained model's forward wrapped in bf16
+    train_s = None
+    if not args.no_train:
+        model = load()
+        loss = losses.Contrastive(model=model, temperature=1.0)
+        train_s = st_trainer_seconds(model, loss, payload["triplets"], args, device, bf16)
+    # fresh models encode: after a bf16 run, accelerate leaves the trained model's forward wrapped in bf16
     # autocast, so it would encode in bf16 while densepass encodes in float32 on the CPU
-    model = load()
-    model.eval()
     passages = payload["passages"]
-    model.encode(passages[:8], is_query=False, batch_size=args.encode_batch_size)  # warm-up
-    sync(device)
-    started = time.perf_counter()
-    model.encode(passages, is_query=False, batch_size=args.encode_batch_size, show_progress_bar=False)
-    sync(device)
+    models_by_dtype = {"fp32": load().eval()}
+    if args.other_bf16:
+        models_by_dtype["bf16"] = load().to(torch.bfloat16).eval()
+    encoders = {
+        dtype: lambda m=model: m.encode(
+            passages, is_query=False, batch_size=args.encode_batch_size, show_progress_bar=False
+        )
+        for dtype, model in models_by_dtype.items()
+    }
+    encode_s = fastest_in_turn(encoders, args.repeats, device)
     import pylate
 
-    print(json.dumps({"train_s": train_s, "encode_s": time.perf_counter() - started, "pylate": pylate.__version__}))
+    print(json.dumps({"train_s": train_s, "encode_s": encode_s, "pylate": pylate.__version__}))
 
 
 # ---- the densepass side ------------------------------------------------------------------------------------
@@ -162,6 +175,19 @@ def densepass_train_seconds(model, data, args, device, objective) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         train(model, data, config, Path(tmp), device, on_step_end=clock, objective=objective)
     return clock.seconds
+
+
+def fastest_in_turn(encoders: dict, repeats: int, device) -> dict[str, float]:
+    """Each encoder's fastest time over ``repeats`` rounds, the encoders in turn within a round (a drift in the
+    machine's speed reaches each alike), after one untimed call each."""
+    for encode in encoders.values():
+        encode()
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        for name, encode in encoders.items():
+            seconds = timed(device, encode)
+            best[name] = min(best.get(name, seconds), seconds)
+    return best
 
 
 def timed(device, fn) -> float:
@@ -223,8 +249,18 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="smoke test: a tiny random BERT instead of the model")
     parser.add_argument("--device", default=None)
     parser.add_argument("--cpu-bf16", action="store_true", help="train under bf16 autocast on the CPU (both sides)")
+    parser.add_argument("--no-train", action="store_true", help="encoding and search only (both sides)")
+    parser.add_argument(
+        "--encode-precisions", nargs="+", default=["auto"], help="densepass encoding precisions (fp32, bf16, auto)"
+    )
+    parser.add_argument(
+        "--other-bf16", action="store_true", help="SparseEncoder and PyLate also encode with their model in bf16"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="encoding rounds (systems in turn); the fastest")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.pylate_part:
         pylate_part(args)
         return
@@ -232,14 +268,20 @@ def main() -> None:
     from sentence_transformers import SparseEncoder
     from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss, SpladeLoss
 
+    from densepass.device import resolve_precision
     from densepass.index.colbert import ColbertIndex
     from densepass.models.biencoder import resolve_model_path
     from densepass.models.colbert import ColBERT, ColbertArchitecture
+    from densepass.models.copies import float_precision
     from densepass.models.splade import SpladeArchitecture, SpladeEncoder
     from densepass.training.splade import SpladeObjective
 
     device = pick_device(args.device)
     bf16 = device.type == "cuda" or args.cpu_bf16
+    precisions = list(dict.fromkeys(resolve_precision(p, device) for p in args.encode_precisions))
+    for precision in precisions:
+        float_precision(precision, device, "SPLADE / ColBERT")  # int8 fails before any work
+    other_dtypes = [torch.float32, *([torch.bfloat16] if args.other_bf16 else [])]
     env = environment(device)
     print(f"device: {env['device']}; torch {env['torch']}, sentence-transformers {env['sentence_transformers']}")
     work = Path(tempfile.mkdtemp(prefix="bench-sparse-late-"))
@@ -257,49 +299,61 @@ def main() -> None:
     start = work / "splade-start"
     SpladeEncoder.from_pretrained(path, config=SpladeArchitecture(temperature=1.0, **lengths)).save(start)
     objective = SpladeObjective(lambda_q=args.lambda_q, lambda_d=args.lambda_d, warmup_steps=0)
-    splade = SpladeEncoder.from_pretrained(str(start))
     examples = args.steps * args.batch_size
-    record("SPLADE train", "densepass", densepass_train_seconds(splade, data, args, device, objective), examples, "ex")
-    st = SparseEncoder(str(start), device=str(device))
-    st.max_seq_length = args.passage_max_length
-    loss = SpladeLoss(
-        st,
-        loss=SparseMultipleNegativesRankingLoss(st, scale=1.0),
-        query_regularizer_weight=args.lambda_q,
-        document_regularizer_weight=args.lambda_d,
-    )
-    record(
-        "SPLADE train",
-        "SparseEncoderTrainer + SpladeLoss",
-        st_trainer_seconds(st, loss, triplets, args, device, bf16),
-        examples,
-        "ex",
-    )
-    splade = SpladeEncoder.from_pretrained(str(start))
-    encode = lambda: splade.encode_passages(passages, args.encode_batch_size, device=device)  # noqa: E731
-    encode()  # warm-up
-    record("SPLADE encode", "densepass", timed(device, encode), len(passages), "passages")
-    st = SparseEncoder(str(start), device=str(device))  # the same starting weights as densepass encodes
-    st.max_seq_length = args.passage_max_length
-    st.eval()
-    st_encode = lambda: st.encode_document(passages, batch_size=args.encode_batch_size)  # noqa: E731
-    st_encode()
-    record("SPLADE encode", "SparseEncoder.encode_document", timed(device, st_encode), len(passages), "passages")
+    if not args.no_train:
+        splade = SpladeEncoder.from_pretrained(str(start))
+        seconds = densepass_train_seconds(splade, data, args, device, objective)
+        record("SPLADE train", "densepass", seconds, examples, "ex")
+        st = SparseEncoder(str(start), device=str(device))
+        st.max_seq_length = args.passage_max_length
+        loss = SpladeLoss(
+            st,
+            loss=SparseMultipleNegativesRankingLoss(st, scale=1.0),
+            query_regularizer_weight=args.lambda_q,
+            document_regularizer_weight=args.lambda_d,
+        )
+        seconds = st_trainer_seconds(st, loss, triplets, args, device, bf16)
+        record("SPLADE train", "SparseEncoderTrainer + SpladeLoss", seconds, examples, "ex")
+    splade = SpladeEncoder.from_pretrained(str(start))  # the starting weights, on both sides
+    encoders = {}
+    for precision in precisions:
+        encoders[f"densepass {precision}"] = lambda p=precision: splade.encode_passages(
+            passages, args.encode_batch_size, device=device, precision=p
+        )
+    for dtype in other_dtypes:
+        st = SparseEncoder(str(start), device=str(device)).to(dtype).eval()
+        st.max_seq_length = args.passage_max_length
+        name = f"SparseEncoder.encode_document {DTYPE_NAMES[dtype]}"
+        encoders[name] = lambda m=st: m.encode_document(passages, batch_size=args.encode_batch_size)
+    for system, seconds in fastest_in_turn(encoders, args.repeats, device).items():
+        record("SPLADE encode", system, seconds, len(passages), "passages")
 
     # 3. ColBERT training and encoding
     torch.manual_seed(13)
     colbert = ColBERT.from_pretrained(path, config=ColbertArchitecture(temperature=1.0, **lengths))
-    record("ColBERT train", "densepass", densepass_train_seconds(colbert, data, args, device, None), examples, "ex")
-    encode = lambda: colbert.encode_passages(passages, args.encode_batch_size, device=device)  # noqa: E731
-    encode()
-    record("ColBERT encode", "densepass", timed(device, encode), len(passages), "passages")
+    if not args.no_train:
+        seconds = densepass_train_seconds(colbert, data, args, device, None)
+        record("ColBERT train", "densepass", seconds, examples, "ex")
+        torch.manual_seed(13)
+        colbert = ColBERT.from_pretrained(path, config=ColbertArchitecture(temperature=1.0, **lengths))
+    encoders = {
+        f"densepass {precision}": lambda p=precision: colbert.encode_passages(
+            passages, args.encode_batch_size, device=device, precision=p
+        )
+        for precision in precisions
+    }
+    for system, seconds in fastest_in_turn(encoders, args.repeats, device).items():
+        record("ColBERT encode", system, seconds, len(passages), "passages")
     pylate = run_pylate(args, path, triplets, passages, work)
     if "error" in pylate:
-        record("ColBERT train", "PyLate", None, examples, "ex", pylate["error"])
+        if not args.no_train:
+            record("ColBERT train", "PyLate", None, examples, "ex", pylate["error"])
         record("ColBERT encode", "PyLate", None, len(passages), "passages", pylate["error"])
     else:
-        record("ColBERT train", f"PyLate {pylate['pylate']}", pylate["train_s"], examples, "ex")
-        record("ColBERT encode", f"PyLate {pylate['pylate']}", pylate["encode_s"], len(passages), "passages")
+        if not args.no_train:
+            record("ColBERT train", f"PyLate {pylate['pylate']}", pylate["train_s"], examples, "ex")
+        for dtype, seconds in pylate["encode_s"].items():
+            record("ColBERT encode", f"PyLate {pylate['pylate']} {dtype}", seconds, len(passages), "passages")
 
     # 4. ColBERT search: centroid pruning + exact MaxSim against exact MaxSim over every token vector
     index = ColbertIndex.build(colbert, passages, device=device)
@@ -338,7 +392,7 @@ def main() -> None:
     print(
         f"\nbatch {args.batch_size} + 1 BM25 negative each, {args.steps} timed steps after {args.warmup}, "
         f"query {args.query_max_length} / passage {args.passage_max_length} tokens, {len(passages)} passages, "
-        f"{'bf16 autocast (training; encoding too on GPU)' if bf16 else 'fp32'}"
+        f"training in {'bf16 autocast' if bf16 else 'fp32'}, densepass encoding in {', '.join(precisions)}"
     )
     print(markdown_table(["part", "system", "seconds", "rate", "unit", "note"], rows))
     write_json(
@@ -373,8 +427,10 @@ def run_pylate(args, path: str, triplets: dict, passages: list[str], work: Path)
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.device:
         command += ["--device", args.device]
-    if args.cpu_bf16:
-        command += ["--cpu-bf16"]
+    command += ["--repeats", str(args.repeats)]
+    for flag in ("cpu_bf16", "no_train", "other_bf16"):
+        if getattr(args, flag):
+            command += [f"--{flag.replace('_', '-')}"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parent)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
