@@ -187,3 +187,52 @@ def test_bf16_scoring_with_the_shortcut_stays_near_the_full_forward(saved_cross_
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         short, full = first_position_logits(model.model, tokens), _logits(model.model, tokens)
     torch.testing.assert_close(short, full, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize(
+    "name", ["BertForSequenceClassification", "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification"]
+)
+@pytest.mark.parametrize("width", [14, 60])  # 60 is padded to 64 inside the fused layers
+def test_fused_layers_with_the_last_on_the_first_position_give_the_full_forwards_logits(name, width):
+    """In float32 the fused encoder (``models.fused``), its last layer on the first position only, gives the
+    classifier's logits to float32 rounding, segments and padding included."""
+    import copy
+
+    from densepass.models.cross_encoder import fused_first_position_logits
+    from densepass.models.fused import FusedBertEncoder
+
+    model = _classifier(name)
+    tokens = _padded_tokens(width=width)
+    if name.startswith("Bert"):
+        tokens["token_type_ids"] = (torch.arange(width)[None, :] >= 4).long() * tokens["attention_mask"]
+    fused = copy.deepcopy(model)
+    setattr(fused, fused.base_model_prefix, FusedBertEncoder(fused.base_model, first_position=True))
+    with torch.inference_mode():
+        full = model(**tokens).logits.squeeze(-1)
+        torch.testing.assert_close(fused_first_position_logits(fused, tokens), full, rtol=1e-5, atol=2e-5)
+        with pytest.raises(ValueError, match="first_position=True"):
+            FusedBertEncoder(model.base_model)(**tokens, first_position=True)
+
+
+def test_bf16_scoring_on_the_cpu_runs_a_fused_copy_near_fp32_and_near_autocast(saved_cross_encoder):
+    """bf16 on the CPU scores with a fused bf16 copy (reused while the weights stay), close to fp32 and to the
+    bf16 autocast of the model itself; the model stays float32."""
+    from densepass.models.cross_encoder import _logits
+    from densepass.models.fused import FusedBertEncoder
+
+    trained, _ = saved_cross_encoder  # its fresh head scores every pair alike: a random classifier instead
+    classifier = _classifier("BertForSequenceClassification", vocab_size=30522)
+    with torch.no_grad():  # weights large enough that pairs score apart
+        for param in classifier.parameters():
+            param.normal_(0, 0.3)
+    model = CrossEncoder(classifier, trained.tokenizer, max_length=48, device=CPU, precision="fp32")
+    fp32 = model.score_pairs(QUERIES, PASSAGES, precision="fp32")
+    bf16 = model.score_pairs(QUERIES, PASSAGES, precision="bf16")
+    assert isinstance(model.fused_model().base_model, FusedBertEncoder) and model.fused_model() is model.fused_model()
+    assert {p.dtype for p in model.model.parameters()} == {torch.float32}
+    tokens = model.tokenize(QUERIES, PASSAGES)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = _logits(model.model, tokens).numpy()
+    scale = np.abs(fp32).max()
+    assert not np.array_equal(bf16, fp32)  # it really ran in bf16
+    assert np.abs(bf16 - fp32).max() < 0.02 * scale and np.abs(bf16 - autocast).max() < 0.02 * scale

@@ -49,21 +49,29 @@ def reused_copy(model: nn.Module, setting: Hashable, make: Callable[[], M]) -> M
     return made
 
 
-def bf16_copy(model: nn.Module, fuse: bool) -> nn.Module:
+def bf16_copy(model: nn.Module, fuse: bool, first_position: bool = False) -> nn.Module:
     """A bfloat16 copy of a ``transformers`` model in eval mode, without gradients; ``model`` is left untouched.
     With ``fuse`` (the CPU), a BERT-layered encoder (``models.fused.fusable``) runs as ``FusedBertEncoder``: the
     model itself, or the encoder under its head (``base_model_prefix``: the ``bert`` of a ``BertForMaskedLM``,
-    whose head then runs as it is, in bf16)."""
+    whose head then runs as it is, in bf16); ``first_position``: its last layer can run on the first position
+    only (a cross-encoder's)."""
     half = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
     if not fuse:
         return half
     if fusable(half):
-        return FusedBertEncoder(half)
-    prefix = getattr(half, "base_model_prefix", "")
-    base = getattr(half, prefix, None) if prefix else None
-    if isinstance(base, nn.Module) and base is not half and fusable(base):
-        setattr(half, prefix, FusedBertEncoder(base))
+        return FusedBertEncoder(half, first_position)
+    base = fusable_base(half)
+    if base is not None:
+        setattr(half, half.base_model_prefix, FusedBertEncoder(base, first_position))
     return half
+
+
+def fusable_base(model: nn.Module) -> nn.Module | None:
+    """The encoder under ``model``'s head (its ``base_model_prefix`` attribute) where the fused layers compute it,
+    else None."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    return base if isinstance(base, nn.Module) and base is not model and fusable(base) else None
 
 
 def float_precision(precision: str, device: torch.device, kind: str) -> str:

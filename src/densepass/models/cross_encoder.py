@@ -14,7 +14,9 @@ Scoring tokenises pairs in large chunks (in a worker thread, ahead of the model)
 only, the one the head reads (``first_position_logits``: the same logits for about 14% fewer multiply-adds in a
 6-layer model). It runs in one of three precisions (``device.resolve_precision``; ``auto`` is bf16 where bfloat16 is
 faster than float32: a GPU, or a CPU with AMX or AMD's AVX512-BF16, else fp32): ``fp32``; ``bf16``, under bf16
-autocast, with the one-logit output layer kept in float32 (``fp32_logit_layer``: a bf16 logit has 8 significant
+autocast (on the CPU, a BERT, RoBERTa or XLM-R classifier instead runs a bf16 copy whose encoder has fused layers,
+``models.fused``, the last on the first position only: ``fused_first_position_logits``), with the one-logit output
+layer computing in float32 (``fp32_logit_layer``: a bf16 logit has 8 significant
 bits, so candidates with close scores tie: with a bf16 output layer, 393 and 381 of 500 SQuAD dev questions had ties
 in their reranked BM25 and bi-encoder top 20, docs/experiments.md); ``int8`` (CPU only), with a copy whose linear
 layers are dynamically quantised (``models.quantize``: int8 weights with a scale per output channel, activations
@@ -49,7 +51,7 @@ from densepass.device import autocast_context, default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory
 from densepass.models.batching import forward_in_pieces, piece_tokens
-from densepass.models.copies import reused_copy
+from densepass.models.copies import bf16_copy, fusable_base, reused_copy
 from densepass.models.quantize import quantized_linear_copy
 from densepass.prefetch import prefetched
 
@@ -115,8 +117,19 @@ def first_position_logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor
     mask = tokens["attention_mask"].bool()[:, None, None, :]
     context = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
     state = last.attention.output(context.transpose(1, 2).reshape(rows, 1, heads * size), first)
-    state = last.feed_forward_chunk(state)
-    return _FIRST_POSITION_HEADS[type(model).__name__](model, state).float().squeeze(-1)
+    return _head_logits(model, last.feed_forward_chunk(state))
+
+
+def fused_first_position_logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``first_position_logits`` of a cross-encoder's bf16 copy for the CPU whose encoder runs fused layers, the
+    last on the first position only (``models.copies.bf16_copy(model, fuse=True, first_position=True)``)."""
+    return _head_logits(model, model.base_model(**tokens, first_position=True).last_hidden_state)
+
+
+def _head_logits(model: torch.nn.Module, first: torch.Tensor) -> torch.Tensor:
+    """The one-logit head of a ``reads_first_position`` classifier on its last layer's first position
+    [rows, 1, width]: float32 [rows]."""
+    return _FIRST_POSITION_HEADS[type(model).__name__](model, first).float().squeeze(-1)
 
 
 def _fp32_linear(module: torch.nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -277,6 +290,11 @@ class CrossEncoder:
         reused while the model's weights stay the same (a training step or a load makes a new one)."""
         return reused_copy(self.model, "int8", lambda: quantized_linear_copy(self.model))
 
+    def fused_model(self) -> torch.nn.Module:
+        """The bf16 copy of ``model`` that bf16 scoring runs on the CPU (module docstring): its encoder with fused
+        layers, the last on the first position only; made at the first call and reused while the weights stay."""
+        return reused_copy(self.model, "bf16", lambda: bf16_copy(self.model, fuse=True, first_position=True))
+
     @torch.inference_mode()
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str], precision: str | None = None) -> np.ndarray:
         """One relevance logit per pair ``(queries[i], passages[i])``, float32, in ``precision`` (None: the
@@ -292,10 +310,14 @@ class CrossEncoder:
         precision = self.precision if precision is None else resolve_precision(precision, self.device)
         was_training = self.model.training
         self.model.eval()
+        shortcut = reads_first_position(self.model)
+        fused = precision == "bf16" and self.device.type == "cpu" and shortcut and fusable_base(self.model) is not None
         if precision == "int8":  # one activation scale per batch: the shortcut's smaller batches round differently
             forward = partial(_logits, self.quantized_model())
+        elif fused:
+            forward = partial(fused_first_position_logits, self.fused_model())
         else:
-            forward = partial(first_position_logits if reads_first_position(self.model) else _logits, self.model)
+            forward = partial(first_position_logits if shortcut else _logits, self.model)
         out = np.empty(len(queries), dtype=np.float32)
         tokenizer = copy.deepcopy(self.tokenizer)
         chunks = [range(s, min(s + TOKENIZE_CHUNK, len(queries))) for s in range(0, len(queries), TOKENIZE_CHUNK)]
@@ -309,7 +331,7 @@ class CrossEncoder:
         for batches in prefetched(chunks, prepare):
             for rows, tokens in batches:
                 tokens = {k: v.to(self.device, non_blocking=v.is_pinned()) for k, v in tokens.items()}
-                with autocast_context(self.device, precision == "bf16"):
+                with autocast_context(self.device, precision == "bf16" and not fused):  # a fused copy is bf16
                     out[rows] = forward_in_pieces(forward, tokens, piece_tokens(self.device)).cpu().numpy()
         self.model.train(was_training)
         return out

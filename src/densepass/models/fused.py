@@ -71,12 +71,15 @@ class FusedBertLayer(nn.Module):
     """One BERT layer (``transformers``' ``BertLayer``, or RoBERTa's and XLM-R's copies of it, in eval mode) as
     four fused products and SDPA."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, first_position: bool = False) -> None:
         super().__init__()
         attention = layer.attention.self
         self.heads = attention.num_attention_heads
         self.qkv = packed(torch.cat([attention.query.weight, attention.key.weight, attention.value.weight]))
         self.qkv_bias = torch.cat([attention.query.bias, attention.key.bias, attention.value.bias]).detach()
+        # ``first_position`` needs the keys and values on their own, the query as it is (last layers only)
+        self.kv = packed(torch.cat([attention.key.weight, attention.value.weight])) if first_position else None
+        self.query = attention.query if first_position else None
         self.out, self.out_bias = packed(layer.attention.output.dense.weight), layer.attention.output.dense.bias
         self.inner, self.inner_bias = packed(layer.intermediate.dense.weight), layer.intermediate.dense.bias
         self.ffn_out, self.ffn_out_bias = packed(layer.output.dense.weight), layer.output.dense.bias
@@ -88,13 +91,35 @@ class FusedBertLayer(nn.Module):
         is a token, False at padding."""
         batch, length, width = hidden.shape
         x = hidden.reshape(-1, width)
-        linear = torch.ops.mkldnn._linear_pointwise
-        qkv = linear(x, self.qkv, self.qkv_bias, "none", [], "")
+        qkv = torch.ops.mkldnn._linear_pointwise(x, self.qkv, self.qkv_bias, "none", [], "")
         q, k, v = qkv.view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(-1, width)
+        return self._after_attention(q, k, v, keep, x).view(batch, length, width)
+
+    def first_position(self, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The layer's output at the first position only, [batch, 1, width]: keys and values of every position,
+        the query, attention output and feed-forward of the first (a cross-encoder's last layer, whose head reads
+        that position alone: ``models.cross_encoder.first_position_logits``)."""
+        batch, length, width = hidden.shape
+        size = width // self.heads
+        if self.kv is None or self.query is None:
+            raise ValueError("this layer was fused without first_position=True")
+        linear = torch.ops.mkldnn._linear_pointwise
+        kv = linear(hidden.reshape(-1, width), self.kv, self.qkv_bias[width:], "none", [], "")
+        k, v = kv.view(batch, length, 2, self.heads, size).permute(2, 0, 3, 1, 4)
+        first = hidden[:, 0]
+        q = self.query(first).view(batch, self.heads, 1, size)
+        return self._after_attention(q, k, v, keep, first).view(batch, 1, width)
+
+    def _after_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of the queries ``q`` [batch, heads, rows, size] over ``k``, ``v``, then the output projection,
+        residual ``x`` [batch x rows, width], layer norms and feed-forward: [batch x rows, width]."""
+        linear = torch.ops.mkldnn._linear_pointwise
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(x.shape)
         h = self.attention_norm(linear.binary(context, x, self.out, self.out_bias, "add"))
         f = linear(h, self.inner, self.inner_bias, "gelu", [], "none")
-        return self.output_norm(linear.binary(f, h, self.ffn_out, self.ffn_out_bias, "add")).view(batch, length, width)
+        return self.output_norm(linear.binary(f, h, self.ffn_out, self.ffn_out_bias, "add"))
 
 
 class FusedBertEncoder(nn.Module):
@@ -112,13 +137,17 @@ class FusedBertEncoder(nn.Module):
         torch.Size([2, 8, 384])
     """
 
-    def __init__(self, encoder: nn.Module) -> None:
+    def __init__(self, encoder: nn.Module, first_position: bool = False) -> None:
         super().__init__()
         if not fusable(encoder):
             raise ValueError(f"not a BERT encoder the fused layers compute: {type(encoder).__name__}")
         self.config = encoder.config
         self.embeddings = encoder.embeddings
-        self.layers = nn.ModuleList(FusedBertLayer(layer) for layer in encoder.encoder.layer)
+        last = len(encoder.encoder.layer) - 1
+        self.layers = nn.ModuleList(
+            FusedBertLayer(layer, first_position and i == last) for i, layer in enumerate(encoder.encoder.layer)
+        )
+        self.pooler = getattr(encoder, "pooler", None)  # what a BERT classifier's head reads (not run here)
         self.eval().requires_grad_(False)
 
     def get_input_embeddings(self) -> nn.Module:
@@ -131,12 +160,15 @@ class FusedBertEncoder(nn.Module):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        first_position: bool = False,
         **unused,
     ) -> BaseModelOutput:
         """The last layer's hidden states [batch, length, width] of ``input_ids`` (or ``inputs_embeds``);
         ``attention_mask`` [batch, length], 1 at tokens and 0 at padding (default: no padding); ``token_type_ids``
-        the segments (default: all 0). The layers run on the inputs padded to a multiple of ``LENGTH_MULTIPLE``
-        tokens where that adds at most 1 / ``PAD_SHARE`` and the position table allows. Other arguments a
+        the segments (default: all 0); ``first_position`` (an encoder built with ``first_position=True``): the
+        last layer's output at the first position only, [batch, 1, width]. The layers run on the inputs padded
+        to a multiple of ``LENGTH_MULTIPLE`` tokens where that adds at most 1 / ``PAD_SHARE`` and the position
+        table allows. Other arguments a
         ``transformers`` head passes its encoder are accepted where they change nothing (``return_dict``, None,
         False) and refused otherwise (``position_ids``, ``encoder_hidden_states`` ...)."""
         refused = sorted(k for k, v in unused.items() if k != "return_dict" and v is not None and v is not False)
@@ -158,6 +190,8 @@ class FusedBertEncoder(nn.Module):
                 token_type_ids = F.pad(token_type_ids, (0, extra))
         hidden = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids)
         keep = attention_mask.bool()[:, None, None, :]
-        for layer in self.layers:
+        for layer in self.layers[:-1] if first_position else self.layers:
             hidden = layer(hidden, keep)
+        if first_position:  # built with first_position=True
+            return BaseModelOutput(last_hidden_state=self.layers[-1].first_position(hidden, keep))
         return BaseModelOutput(last_hidden_state=hidden[:, :length])
