@@ -12,7 +12,10 @@ r"""Cross-encoder speed: densepass against sentence-transformers at equal settin
    predict`` on the same (dev query, BM25 top-``--depth`` passage) pairs, same batch size and max_length, best
    of ``--repeats`` taken in turns, after one untimed pass of each; by default in the same precision (both
    under the same bf16 autocast where it applies). A third row times densepass with its last layer on every
-   position (``models.cross_encoder.first_position_logits`` switched off), to show what that shortcut is worth.
+   position (``models.cross_encoder.first_position_logits`` switched off), to show what that shortcut is worth;
+   in bf16 on the CPU, where densepass scores with a fused bf16 copy, another times it under bf16 autocast of
+   the float32 model instead (unfused), and sentence-transformers also runs with its model cast to bfloat16:
+   the ratio is taken against the faster of its two bf16 settings.
    ``--precision int8`` (or fp32, bf16) times densepass in that precision against sentence-transformers in
    its own, and reports how far densepass' scores moved from its scores in sentence-transformers' precision
    on the same pairs (``evaluation.agreement``): mean and largest absolute difference, Spearman over all pairs
@@ -164,6 +167,14 @@ def full_last_layer(ours: CrossEncoder, queries: list[str], passages: list[str])
         return ours.score_pairs(queries, passages)
 
 
+def unfused(ours: CrossEncoder, queries: list[str], passages: list[str]) -> np.ndarray:
+    """densepass' bf16 scores under autocast of the float32 model, as before the fused bf16 copy (CPU)."""
+    from unittest import mock
+
+    with mock.patch("densepass.models.cross_encoder.fusable_base", return_value=None):
+        return ours.score_pairs(queries, passages)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="all-MiniLM-L6-v2", help="encoder the cross-encoders start from")
@@ -259,9 +270,9 @@ def main() -> None:
         ours.save(Path(tmp) / "ce")
         theirs = STCrossEncoder(str(Path(tmp) / "ce"), device=str(device))
 
-    def st_predict():
-        with autocast_context(device, bf16):
-            return theirs.predict(
+    def st_predict(model=theirs, autocast: bool = bf16):
+        with autocast_context(device, autocast):
+            return model.predict(
                 list(zip(pair_queries, pair_passages)), batch_size=args.rerank_batch_size, show_progress_bar=False
             )
 
@@ -278,12 +289,30 @@ def main() -> None:
         scorers["densepass CrossEncoder.score_pairs, full last layer"] = lambda: full_last_layer(
             ours, pair_queries, pair_passages
         )
+    if precision == "bf16" and device.type == "cpu":  # what the fused bf16 copy is worth against autocast
+        scorers["densepass CrossEncoder.score_pairs, bf16 autocast (unfused)"] = lambda: unfused(
+            ours, pair_queries, pair_passages
+        )
     scorers["sentence-transformers CrossEncoder.predict"] = st_predict
+    if bf16:  # its other bf16 setting: the model cast to bfloat16 (the faster of the two is the comparison)
+        with tempfile.TemporaryDirectory() as tmp:
+            ours.save(Path(tmp) / "ce")
+            half = STCrossEncoder(str(Path(tmp) / "ce"), device=str(device))
+        half.model.to(torch.bfloat16)
+        half_scores = np.asarray(st_predict(half, False), dtype=np.float32)
+        print(
+            f"  sentence-transformers bf16 weights: largest difference to its autocast scores "
+            f"{np.max(np.abs(half_scores - np.asarray(st_predict(), dtype=np.float32))):.4f}"
+        )
+        scorers["sentence-transformers CrossEncoder.predict, bf16 weights"] = lambda: st_predict(half, False)
     for system, seconds in best_of_interleaved(args.repeats, device, scorers).items():
         results[system] = {"task": "rerank", "seconds": seconds, "pairs_per_s": len(pair_queries) / seconds}
         print(f"  {system}: {results[system]['pairs_per_s']:,.1f} pairs/s", flush=True)
 
-    theirs_of = {r["task"]: r["pairs_per_s"] for name, r in results.items() if name.startswith("sentence")}
+    theirs_of: dict[str, float] = {}  # task -> sentence-transformers' fastest setting
+    for name, r in results.items():
+        if name.startswith("sentence"):
+            theirs_of[r["task"]] = max(theirs_of.get(r["task"], 0.0), r["pairs_per_s"])
     table = [
         [name, r["task"], f"{r['seconds']:.2f}", rate(r["pairs_per_s"])]
         + [f"{r['pairs_per_s'] / theirs_of[r['task']]:.2f}x" if name.startswith("densepass") else ""]
