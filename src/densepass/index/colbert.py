@@ -23,7 +23,6 @@ pruned search is measured against. A query longer than ``query_max_length`` toke
 encoder here truncates), with one ``DataWarning`` per search call saying how many were.
 
 >>> from densepass.models.colbert import ColBERT
-from densepass.models.copies import float_precision
 >>> _ = torch.manual_seed(0)
 >>> model = ColBERT.from_pretrained("all-MiniLM-L6-v2")
 >>> index = ColbertIndex.build(model, ["tar archiving utility", "X11 window manager"], device=torch.device("cpu"))

@@ -16,8 +16,7 @@ hits: its row of the results is all -1, with one ``DataWarning`` per search call
 longer than the model's ``query_max_length`` tokens is cut there (as every encoder here does), with one
 ``DataWarning`` per search call saying how many were.
 
->>> from densepass.models.copies import float_precision
-from densepass.models.splade import SpladeEncoder
+>>> from densepass.models.splade import SpladeEncoder
 >>> model = SpladeEncoder.from_pretrained("all-MiniLM-L6-v2")
 >>> index = SpladeIndex.build(model, ["tar archiving utility", "X11 window manager"], device=torch.device("cpu"))
 >>> index.search(["window manager"], k=1).ids(0)
