@@ -390,9 +390,15 @@ def main() -> None:
         for r in results
     ]
     print(
-        f"\nbatch {args.batch_size} + 1 BM25 negative each, {args.steps} timed steps after {args.warmup}, "
-        f"query {args.query_max_length} / passage {args.passage_max_length} tokens, {len(passages)} passages, "
-        f"training in {'bf16 autocast' if bf16 else 'fp32'}, densepass encoding in {', '.join(precisions)}"
+        "\n"
+        + (
+            "no training, "
+            if args.no_train
+            else f"batch {args.batch_size} + 1 BM25 negative each, {args.steps} timed steps after {args.warmup}, "
+            f"training in {'bf16 autocast' if bf16 else 'fp32'}, "
+        )
+        + f"query {args.query_max_length} / passage {args.passage_max_length} tokens, {len(passages)} passages, "
+        f"densepass encoding in {', '.join(precisions)}, best of {args.repeats}"
     )
     print(markdown_table(["part", "system", "seconds", "rate", "unit", "note"], rows))
     write_json(
