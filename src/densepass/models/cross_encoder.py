@@ -16,8 +16,8 @@ only, the one the head reads (``first_position_logits``: the same logits for abo
 faster than float32: a GPU, or a CPU with AMX or AMD's AVX512-BF16, else fp32): ``fp32``; ``bf16``, under bf16
 autocast (on the CPU, a BERT, RoBERTa or XLM-R classifier instead runs a bf16 copy whose encoder has fused layers,
 ``models.fused``, the last on the first position only: ``fused_first_position_logits``), with the one-logit output
-layer computing in float32 (``fp32_logit_layer``: a bf16 logit has 8 significant
-bits, so candidates with close scores tie: with a bf16 output layer, 393 and 381 of 500 SQuAD dev questions had ties
+layer computing in float32 (``fp32_logit_layer``: a bf16 logit has 8 significant bits, so candidates with close
+scores tie: with a bf16 output layer, 393 and 381 of 500 SQuAD dev questions had ties
 in their reranked BM25 and bi-encoder top 20, docs/experiments.md); ``int8`` (CPU only), with a copy whose linear
 layers are dynamically quantised (``models.quantize``: int8 weights with a scale per output channel, activations
 with one scale per batch, so it runs the full last layer), made once and reused until the weights change. As for the
