@@ -154,9 +154,10 @@ def _load_pipeline(args: argparse.Namespace):
     from densepass.index.base import read_index_manifest
 
     kind = read_index_manifest(Path(args.index))["kind"]
-    if kind in (*BIENCODER_KINDS, "hybrid", "splade", "colbert"):  # a hybrid index's first part is dense
-        if kind in ("splade", "colbert"):
-            float_precision(args.precision, device, "SPLADE" if kind == "splade" else "ColBERT")
+    if kind in ("splade", "colbert"):
+        float_precision(args.precision, device, kind)
+        options["precision"] = args.precision
+    elif kind in (*BIENCODER_KINDS, "hybrid"):  # a hybrid index's first part is dense
         resolve_precision(args.precision, device)
         options["precision"] = args.precision
     elif args.precision not in ("auto", "fp32"):

@@ -106,7 +106,7 @@ class ColbertIndex(Index):
     ) -> None:
         if not isinstance(model, ColBERT):
             raise ConfigError(f"a colbert index needs a ColBERT model, got a {type(model).__name__}")
-        float_precision(precision, device or default_device(), "ColBERT")  # a bad setting fails before any work
+        float_precision(precision, device or default_device(), "colbert")  # a bad setting fails before any work
         if compression not in ("fp16", "residual"):
             raise ConfigError(f"unknown compression {compression!r} (use 'fp16' or 'residual')")
         if residual_bits not in (1, 2, 4, 8) or (model.dim * residual_bits) % 8:

@@ -82,7 +82,7 @@ class SpladeIndex(Index):
     ) -> None:
         if not isinstance(model, SpladeEncoder):
             raise ConfigError(f"a splade index needs a SPLADE model, got a {type(model).__name__}")
-        float_precision(precision, device or default_device(), "SPLADE")  # a bad setting fails before any work
+        float_precision(precision, device or default_device(), "splade")  # a bad setting fails before any work
         if top_terms is not None and top_terms < 1:
             raise ConfigError(f"top_terms must be >= 1, got {top_terms}")
         if batch_size < 1:

@@ -174,7 +174,7 @@ class ColBERT(SidedInputs, nn.Module):
         ``precision``: fp32, bf16 (a bfloat16 copy of the encoder, with fused layers on the CPU:
         ``models.copies``; the projection and normalisation stay float32) or auto (bf16 where it is fast)."""
         device = device or default_device()
-        precision = float_precision(precision, device, "ColBERT")
+        precision = float_precision(precision, device, "colbert")
         was_training = self.training
         self.to(device).eval()
         encoder = encoder_in_precision(self.encoder, precision, device)

@@ -75,13 +75,16 @@ def fusable_base(model: nn.Module) -> nn.Module | None:
     return base if isinstance(base, nn.Module) and base is not model and fusable(base) else None
 
 
+KIND_NAMES = {"splade": "SPLADE", "colbert": "ColBERT"}  # model kinds (``models.kinds``) as messages name them
+
+
 def float_precision(precision: str, device: torch.device, kind: str) -> str:
     """fp32 or bf16: a ``precision`` setting as ``device.resolve_precision`` reads it (``auto``: bf16 where it is
-    fast), for a ``kind`` model (SPLADE, ColBERT) that runs no int8 (dynamic quantisation); a one-line error
+    fast), for a ``kind`` model (``splade``, ``colbert``) that runs no int8 (dynamic quantisation); a one-line error
     otherwise."""
     resolved = resolve_precision(precision, device)
     if resolved not in ("fp32", "bf16"):
-        raise ConfigError(f"{kind} models encode in fp32 or bf16 (or auto), not {precision}")
+        raise ConfigError(f"{KIND_NAMES.get(kind, kind)} models encode in fp32 or bf16 (or auto), not {precision}")
     return resolved
 
 

@@ -101,7 +101,7 @@ class FusedBertLayer(nn.Module):
         that position alone: ``models.cross_encoder.first_position_logits``)."""
         batch, length, width = hidden.shape
         size = width // self.heads
-        if self.kv is None or self.query is None:
+        if self.query is None:  # ``kv`` is packed alongside
             raise ValueError("this layer was fused without first_position=True")
         linear = torch.ops.mkldnn._linear_pointwise
         kv = linear(hidden.reshape(-1, width), self.kv, self.qkv_bias[width:], "none", [], "")

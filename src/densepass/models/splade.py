@@ -145,7 +145,7 @@ class SpladeEncoder(SidedInputs, nn.Module):
         if top_terms is not None and top_terms < 1:
             raise ConfigError(f"top_terms must be >= 1, got {top_terms}")
         device = device or default_device()
-        precision = float_precision(precision, device, "SPLADE")
+        precision = float_precision(precision, device, "splade")
         was_training = self.training
         self.to(device).eval()
         mlm = encoder_in_precision(self.mlm, precision, device)

@@ -78,7 +78,7 @@ class IndexSettings:
             raise ConfigError(f"a {self.kind} index needs a model")
         device = self.device or default_device()
         if self.kind in ("splade", "colbert"):
-            float_precision(self.precision, device, "SPLADE" if self.kind == "splade" else "ColBERT")
+            float_precision(self.precision, device, self.kind)
         else:
             resolve_precision(self.precision, device)
         if self.precision not in ("auto", "fp32") and self.kind in ("bm25", "phrase"):
