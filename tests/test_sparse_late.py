@@ -536,3 +536,17 @@ def test_splade_objective_adds_flops_to_any_base_objective(splade, tiny_beir):
         assert float(objective(splade, queries, passages, batch)) == pytest.approx(float(expected), rel=1e-6)
     assert objective.describe().startswith("distillation: 0.5 x listwise KL (T=1) + FLOPS")
     assert objective.state_dict() == {"step": 1, "base": {}}
+
+
+def test_a_hybrid_of_a_dense_part_and_splade_builds_and_searches_in_int8(splade, tiny_beir, tiny_model_dir, tmp_path):
+    # SPLADE runs no int8: next to an int8 dense part it encodes in auto, at build and at load
+    splade.save(tmp_path / "splade")
+    out = tmp_path / "idx-hybrid"
+    args = ["index", str(tiny_beir), "--kind", "hybrid", "--model", str(tiny_model_dir), "--output", str(out)]
+    assert main([*args, "--sparse-model", str(tmp_path / "splade"), "--device", "cpu", "--precision", "int8"]) == 0
+    hybrid = load_index(out, device=CPU, precision="int8")
+    assert [part.kind for part in (hybrid.first, hybrid.second)] == ["exact", "splade"]
+    assert hybrid.second.precision == "auto"
+    scores, rows = hybrid.search_rows(["audio editor"], k=3)
+    assert rows.shape == (1, 3) and (rows >= 0).all() and np.isfinite(scores).all()
+    assert load_index(out, device=CPU, precision="fp32").second.precision == "fp32"

@@ -50,6 +50,13 @@ def linear_scores(lists: list[tuple[list[int], list[float]]], weights: list[floa
     return fused
 
 
+def part_precision(kind: str, precision: str) -> str:
+    """The encoding precision of a hybrid's ``kind`` part where the hybrid is built or loaded in ``precision``: a
+    SPLADE part runs no int8 (``models.copies.float_precision``), so next to an int8 dense part it encodes in
+    ``auto``."""
+    return "auto" if kind not in DENSE_INDEX_KINDS and precision == "int8" else precision
+
+
 @register
 class HybridIndex(Index):
     """Fusion of two indexes over the same passages; searched with query texts."""
@@ -129,8 +136,8 @@ class HybridIndex(Index):
             kind = read_index_manifest(directory / name)["kind"]
             takes_model = kind != "bm25"
             takes = options if takes_model else {}
-            if kind not in DENSE_INDEX_KINDS and takes.get("precision") == "int8":  # SPLADE runs no int8: auto
-                takes = {key: value for key, value in takes.items() if key != "precision"}
+            if "precision" in takes:
+                takes = {**takes, "precision": part_precision(kind, takes["precision"])}
             parts.append(KINDS[kind].load(directory / name, **takes))
         if parts[0].passages.ids != passages.ids:
             raise DataError(f"{directory}: its parts hold other passages than the hybrid index")

@@ -33,7 +33,7 @@ from densepass.fingerprints import fingerprint_corpus
 from densepass.index.base import Index
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
-from densepass.index.hybrid import HybridIndex
+from densepass.index.hybrid import HybridIndex, part_precision
 from densepass.index.ondisk import IVFPQOptions, build_ondisk_ivfpq
 from densepass.index.sharded import DEFAULT_BLOCK, ShardedEmbeddings, encode_sharded
 from densepass.models.biencoder import BiEncoder
@@ -230,7 +230,7 @@ def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> 
                         SpladeEncoder.from_pretrained(settings.sparse_model),
                         corpus,
                         settings.retriever,
-                        precision="auto" if settings.precision == "int8" else settings.precision,  # SPLADE runs no int8
+                        precision=part_precision("splade", settings.precision),
                     )
                     if settings.sparse_model
                     else BM25Index.build(corpus)
