@@ -550,3 +550,5 @@ def test_a_hybrid_of_a_dense_part_and_splade_builds_and_searches_in_int8(splade,
     scores, rows = hybrid.search_rows(["audio editor"], k=3)
     assert rows.shape == (1, 3) and (rows >= 0).all() and np.isfinite(scores).all()
     assert load_index(out, device=CPU, precision="fp32").second.precision == "fp32"
+    for model in (tiny_model_dir, tmp_path / "splade"):  # --model: the model of either part, the other as recorded
+        assert main(["search", str(out), "audio", "--model", str(model), "--device", "cpu"]) == 0

@@ -470,7 +470,11 @@ def _config_args(p: argparse.ArgumentParser, example: str) -> None:
 
 
 def _pipeline_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="the index's model (any kind), if it moved since indexing")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the index's model (any kind; a hybrid's: of either part), if it moved since indexing",
+    )
     p.add_argument(
         "--hybrid",
         choices=["rrf", "linear"],

@@ -24,6 +24,7 @@ from densepass.config import DENSE_INDEX_KINDS
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
 from densepass.index.base import KINDS, Index, Passages, check_queries, read_index_manifest, register
+from densepass.models.splade import SpladeEncoder
 
 Fusion = Literal["rrf", "linear"]
 
@@ -130,15 +131,19 @@ class HybridIndex(Index):
         self.second.save(directory / "second")
 
     @classmethod
-    def _read(cls, directory: Path, manifest: dict, passages: Corpus, **options: Any) -> HybridIndex:
+    def _read(cls, directory: Path, manifest: dict, passages: Corpus, model: Any = None, **options: Any) -> HybridIndex:
+        """The two parts; ``model`` (if given) replaces the recorded model of the part of its kind: the SPLADE
+        part's for a ``SpladeEncoder``, else the dense part's (which refuses another kind in one line)."""
+        kinds = [read_index_manifest(directory / name)["kind"] for name in ("first", "second")]
+        owner = 1 if isinstance(model, SpladeEncoder) and kinds[1] == "splade" else 0
         parts = []
-        for name in ("first", "second"):
-            kind = read_index_manifest(directory / name)["kind"]
-            takes_model = kind != "bm25"
-            takes = options if takes_model else {}
+        for i, kind in enumerate(kinds):
+            takes = {} if kind == "bm25" else dict(options)
             if "precision" in takes:
-                takes = {**takes, "precision": part_precision(kind, takes["precision"])}
-            parts.append(KINDS[kind].load(directory / name, **takes))
+                takes["precision"] = part_precision(kind, takes["precision"])
+            if model is not None and i == owner:
+                takes["model"] = model
+            parts.append(KINDS[kind].load(directory / ("first", "second")[i], **takes))
         if parts[0].passages.ids != passages.ids:
             raise DataError(f"{directory}: its parts hold other passages than the hybrid index")
         return cls(*parts, **manifest["options"])
