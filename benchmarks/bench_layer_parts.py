@@ -1,0 +1,147 @@
+r"""Where a fused bf16 BERT layer's time goes on the CPU, part by part, against each part's arithmetic: how much
+faster kernels could still make bi-encoder encoding.
+
+densepass encodes ``--n`` debian-packages passages in bf16 (``encode_texts``: length-sorted batches, pieces of
+``BF16_PIECE_TOKENS``, the fused encoder of ``models.fused``) and keeps the hidden states each piece hands its first
+layer. Then each part of that layer runs on its own over those pieces, the parts in turn, ``--repeats`` rounds, the
+fastest round of each reported:
+
+    qkv            x Wqkv^T + b                          one product for the query, key and value projections
+    attention      SDPA(q, k, v, mask)                   torch's CPU flash-attention kernel
+    output         context Wo^T + bo + x                 bias and residual as oneDNN post-ops
+    layer norms    the two LayerNorms
+    inner          h Wi^T + bi                           without its GELU
+    GELU           the GELU post-op: inner with GELU fused, minus inner without
+    ffn output     f Wf^T + bf + h                       the feed-forward output product, likewise
+
+and the whole layer, whose time above the sum of its parts is what running them in sequence costs (each part's
+inputs are no longer in cache). Each part's rate is its multiply-adds (or, GELU and layer norms, its elements) per
+second; attention counts Q K^T and P V over the padded length.
+
+    PYTHONPATH=src:benchmarks python benchmarks/bench_layer_parts.py --n 2000 --repeats 7 \
+        --data-dir /work/shared/data --out outputs/bench/layer-parts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.nn import functional as F
+
+from common import environment, markdown_table, write_json
+from densepass.data import load_dataset
+from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
+from densepass.models.encode import encode_texts, inference_runner
+from densepass.models.fused import FusedBertEncoder
+
+
+def captured_pieces(model: BiEncoder, texts: list[str]) -> tuple[FusedBertEncoder, list[tuple]]:
+    """The fused bf16 passage tower and the (hidden states, key mask) each piece of an ``encode_texts`` run hands
+    its first layer."""
+    cpu = torch.device("cpu")
+    tower = inference_runner(model, "bf16", cpu).passage_encoder
+    if not isinstance(tower, FusedBertEncoder):
+        raise SystemExit("the model's bf16 copy does not run fused layers on this CPU (models.fused.fusable)")
+    pieces = []
+    hook = tower.layers[0].register_forward_pre_hook(lambda layer, args: pieces.append(args))
+    try:
+        encode_texts(model, texts, "passage", device=cpu, precision="bf16", show_progress=False)
+    finally:
+        hook.remove()
+    return tower, pieces
+
+
+def layer_parts(layer, pieces: list[tuple]) -> tuple[list[dict], dict, dict]:
+    """Each piece's inputs to every part (computed once), name -> the part run on one piece's inputs, and name ->
+    its work over all pieces (multiply-adds, or elements for GELU and the layer norms)."""
+    linear = torch.ops.mkldnn._linear_pointwise
+    width, heads = pieces[0][0].shape[-1], layer.heads
+    inner = layer.inner_bias.numel()
+    stages = []
+    for hidden, keep in pieces:
+        batch, length, _ = hidden.shape
+        x = hidden.reshape(-1, width)
+        qkv = linear(x, layer.qkv, layer.qkv_bias, "none", [], "")
+        q, k, v = qkv.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(x.shape)
+        h = layer.attention_norm(linear.binary(context, x, layer.out, layer.out_bias, "add"))
+        f = linear(h, layer.inner, layer.inner_bias, "gelu", [], "none")
+        stages.append(
+            {
+                "hidden": hidden, "keep": keep, "x": x, "q": q, "k": k, "v": v, "context": context, "h": h, "f": f,
+                "tokens": batch * length,
+                "attention_macs": 2 * batch * heads * length * length * (width // heads),
+            }
+        )  # fmt: skip
+    sdpa = F.scaled_dot_product_attention
+    runs = {
+        "qkv": lambda s: linear(s["x"], layer.qkv, layer.qkv_bias, "none", [], ""),
+        "attention": lambda s: sdpa(s["q"], s["k"], s["v"], attn_mask=s["keep"]),
+        "output": lambda s: linear.binary(s["context"], s["x"], layer.out, layer.out_bias, "add"),
+        "layer norms": lambda s: (layer.attention_norm(s["x"]), layer.output_norm(s["h"])),
+        "inner": lambda s: linear(s["h"], layer.inner, layer.inner_bias, "none", [], ""),
+        "inner with GELU": lambda s: linear(s["h"], layer.inner, layer.inner_bias, "gelu", [], "none"),
+        "ffn output": lambda s: linear.binary(s["f"], s["h"], layer.ffn_out, layer.ffn_out_bias, "add"),
+        "whole layer": lambda s: layer(s["hidden"], s["keep"]),
+    }
+    per_token = {"qkv": 3 * width, "output": width, "layer norms": 2, "inner": inner, "ffn output": inner}
+    positions = sum(s["tokens"] for s in stages)
+    work = {name: positions * width * count for name, count in per_token.items()}
+    work["GELU"] = positions * inner
+    work["attention"] = sum(s["attention_macs"] for s in stages)
+    return stages, runs, work
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="all-MiniLM-L6-v2")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--n", type=int, default=2000, help="debian-packages passages")
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=7, help="rounds; each part's fastest is reported")
+    parser.add_argument("--out", default=None, help="JSON results")
+    args = parser.parse_args()
+    if min(args.n, args.repeats, args.max_length) < 1:
+        parser.error("--n, --repeats and --max-length must be >= 1")
+    cpu = torch.device("cpu")
+    env = environment(cpu)
+    print(f"device: {env['device']}; torch {env['torch']}")
+    path = resolve_model_path(args.model)
+    lengths = BiEncoderConfig(query_max_length=args.max_length, passage_max_length=args.max_length)
+    model = BiEncoder.from_pretrained(path, config=lengths)
+    texts = load_dataset("debian-packages", args.data_dir).corpus.passage_inputs(model.tokenizer.sep_token)[: args.n]
+    tower, pieces = captured_pieces(model, texts)
+    stages, runs, work = layer_parts(tower.layers[0], pieces)
+    best = dict.fromkeys(runs, float("inf"))
+    with torch.inference_mode():
+        for _ in range(args.repeats + 1):  # the first round warms up
+            for name, run in runs.items():
+                started = time.perf_counter()
+                for stage in stages:
+                    run(stage)
+                best[name] = min(best[name], time.perf_counter() - started)
+    ms = {name: 1000 * seconds * 1000 / len(texts) for name, seconds in best.items()}  # per 1,000 passages
+    ms["GELU"] = ms.pop("inner with GELU") - ms["inner"]
+    whole = ms.pop("whole layer")
+    total = sum(ms.values())
+    rows = [
+        [name, f"{ms[name]:.1f}", f"{ms[name] / total:.0%}", f"{work[name] / (ms[name] * len(texts) / 1e6) / 1e9:,.0f}"]
+        for name in ms
+    ]
+    rows.append(["sum of the parts", f"{total:.1f}", "100%", ""])
+    rows.append(["the whole layer", f"{whole:.1f}", f"{whole / total:.0%}", ""])
+    real = sum(int(keep.sum()) for _, keep in pieces)
+    padded = sum(s["tokens"] for s in stages)
+    print(f"\n{len(texts):,} passages, {len(pieces)} pieces, {padded:,} positions ({real:,} tokens), one layer:\n")
+    print(
+        markdown_table(
+            ["part", "ms per 1,000 passages", "share", "rate (G multiply-adds / s; GELU, norms: G elements / s)"], rows
+        )
+    )
+    write_json(args.out, {"environment": env, "args": vars(args), "ms_per_1000": ms, "whole_layer_ms": whole})
+
+
+if __name__ == "__main__":
+    main()
