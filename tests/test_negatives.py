@@ -437,6 +437,10 @@ def test_mine_cli_writes_a_file_that_training_reads(tiny_beir, tmp_path, capsys)
     assert "needs negatives.file" in capsys.readouterr().err
     assert main(["mine", str(tiny_beir), "--output", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+    for strategy in ("bm25", "context"):  # no model encodes: a precision would be ignored
+        assert main(["mine", str(tiny_beir), "--strategy", strategy, "--precision", "bf16", "--output", str(out)]) == 2
+        message = f"--precision sets how a model encodes; the {strategy} strategy mines with no model"
+        assert capsys.readouterr().err.strip() == f"densepass: error: {message}"
 
 
 def test_ensemble_of_two_models(tiny_beir, tiny_model_dir, tmp_path):

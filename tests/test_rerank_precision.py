@@ -161,7 +161,10 @@ def test_search_and_serve_rerank_in_the_precision_asked_for(tiny_beir, tiny, tmp
     assert "'audio': 3 hits" in capsys.readouterr().out
     assert cli.main(["search", index, "audio", "--rerank-precision", "int8"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "densepass: error: --rerank-precision int8 applies to the cross-encoder of --rerank"
+    assert (
+        err.strip()
+        == "densepass: error: --rerank-precision int8 applies to the second stage of --rerank, which is not given"
+    )
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         cli.main(["search", index, "audio", *rerank, "--rerank-precision", "fp16"])
 

@@ -34,7 +34,7 @@ def positive_int(text: str) -> int:
 
 
 RERANK_PRECISION_HELP = (
-    "cross-encoder scoring precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (bf16 where the "
+    "reranker precision: fp32, bf16, int8 (cross-encoders: dynamic quantisation, CPU only) or auto (bf16 where the "
     "device computes it natively, else fp32)"
 )
 
@@ -162,13 +162,23 @@ def _load_pipeline(args: argparse.Namespace):
         options["precision"] = args.precision
     elif args.precision not in ("auto", "fp32"):
         raise DensepassError(f"--precision {args.precision} applies to model indexes; {args.index} is a {kind} index")
-    if args.rerank_precision != "auto" and not args.rerank:
-        raise DensepassError(f"--rerank-precision {args.rerank_precision} applies to the cross-encoder of --rerank")
-    resolve_precision(args.rerank_precision, device)  # int8 on a GPU fails before anything loads
+    if not args.rerank:
+        given = [f"--{n.replace('_', '-')}" for n in ("rerank_depth", "rerank_batch_size") if getattr(args, n)]
+        given += [f"--rerank-precision {args.rerank_precision}"] if args.rerank_precision != "auto" else []
+        if given:
+            raise DensepassError(f"{', '.join(given)} applies to the second stage of --rerank, which is not given")
+    if args.rerank:
+        _check_reranker_precision(args.rerank, args.rerank_precision, device)
+    if args.rescore is not None and args.search_precision == "fp32":
+        raise DensepassError("--rescore sets how many candidates --search-precision bf16 / int8 re-scores in fp32")
+    if args.fusion_weight is not None and args.hybrid != "linear":
+        raise DensepassError("--fusion-weight weighs the dense scores of --hybrid linear")
     if args.search_precision != "fp32":
         if kind != "exact":
             raise DensepassError(f"--search-precision is an option of exact indexes; {args.index} is a {kind} index")
-        options.update(search_precision=args.search_precision, rescore=args.rescore)
+        options["search_precision"] = args.search_precision
+        if args.rescore is not None:
+            options["rescore"] = args.rescore
     if args.nprobe is not None:
         if kind != ONDISK_INDEX_KIND:
             raise DensepassError(
@@ -181,25 +191,39 @@ def _load_pipeline(args: argparse.Namespace):
     if args.hybrid:
         if kind not in BIENCODER_KINDS:
             raise DensepassError(f"--hybrid adds BM25 to a dense index; {args.index} is a {kind} index")
-        index = HybridIndex(index, BM25Index.build(index.passages), args.hybrid, args.fusion_weight)
+        weight = 0.5 if args.fusion_weight is None else args.fusion_weight
+        index = HybridIndex(index, BM25Index.build(index.passages), args.hybrid, weight)
     reranker = (
         _load_reranker(args.rerank, device, args.rerank_batch_size, args.rerank_precision) if args.rerank else None
     )
     return SearchPipeline(index, reranker, args.rerank_depth or min(100, len(index)))
 
 
-def _load_reranker(path: str, device, batch_size: int, precision: str):
-    """A second stage from a saved model: ColBERT (late interaction over the candidates) or a cross-encoder."""
+def _check_reranker_precision(path: str, precision: str, device) -> None:
+    """A one-line error, before anything loads, where the reranker saved at ``path`` does not run ``precision``
+    (int8 on a GPU; int8 for ColBERT, which runs fp32 or bf16)."""
+    from densepass.device import resolve_precision
+    from densepass.models.biencoder import resolve_model_path
+    from densepass.models.copies import float_precision
+    from densepass.models.kinds import model_kind
+
+    if model_kind(resolve_model_path(path)) == "colbert":
+        float_precision(precision, device, "colbert")
+    else:
+        resolve_precision(precision, device)
+
+
+def _load_reranker(path: str, device, batch_size: int | None, precision: str):
+    """A second stage from a saved model: ColBERT (late interaction over the candidates) or a cross-encoder
+    (``batch_size`` pairs per forward pass, None: 64), scoring in ``precision`` (``_check_reranker_precision``)."""
     from densepass.models.biencoder import resolve_model_path
     from densepass.models.colbert import ColBERT, ColbertReranker
     from densepass.models.cross_encoder import CrossEncoder
     from densepass.models.kinds import model_kind
 
     if model_kind(resolve_model_path(path)) == "colbert":
-        if precision != "auto":
-            raise DensepassError(f"a reranker's precision applies to cross-encoders; {path} is a ColBERT model")
-        return ColbertReranker(ColBERT.from_pretrained(path), device=device)
-    return CrossEncoder.from_pretrained(path, device=device, batch_size=batch_size, precision=precision)
+        return ColbertReranker(ColBERT.from_pretrained(path), device=device, precision=precision)
+    return CrossEncoder.from_pretrained(path, device=device, batch_size=batch_size or 64, precision=precision)
 
 
 def check_run_output(path: str) -> None:
@@ -214,15 +238,13 @@ def _rerank(args: argparse.Namespace) -> None:
     import time
 
     from densepass.data import load_dataset
-    from densepass.device import resolve_device, resolve_precision
+    from densepass.device import resolve_device
     from densepass.evaluation.metrics import read_trec_run, write_trec_run
-    from densepass.models.biencoder import resolve_model_path
     from densepass.pipelines.search import check_run_queries, rerank_run
 
     check_run_output(args.output)
     device = resolve_device(args.device)
-    resolve_precision(args.precision, device)  # int8 on a GPU fails before anything loads
-    resolve_model_path(args.model)  # a missing model fails before the dataset loads
+    _check_reranker_precision(args.model, args.precision, device)  # a missing model or a bad precision: first
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     run = read_trec_run(args.run, dataset.corpus)
     check_run_queries(run, dataset.queries)  # before the model loads
@@ -381,6 +403,10 @@ def _mine(args: argparse.Namespace) -> None:
     output = Path(args.output)
     if output.is_dir():
         raise ConfigError(f"--output {output} is a directory; give the path of the hard-negatives file to write")
+    negatives = config.negatives
+    strategies = negatives.mix if negatives.source == "mixed" else [negatives.source]
+    if args.precision is not None and strategies and not any(s.split(":")[0] in ("model", "dense") for s in strategies):
+        raise ConfigError(f"--precision sets how a model encodes; the {negatives.source} strategy mines with no model")
     with distributed.process_group():  # under torchrun: dense mining in shards, rank 0 writes the file
         result = mine_training_negatives(config, output)
         main = distributed.rank() == 0
@@ -481,7 +507,9 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="fuse a dense index with BM25 over its passages (reciprocal rank or normalised scores)",
     )
-    p.add_argument("--fusion-weight", type=fraction, default=0.5, help="--hybrid linear: weight of the dense scores")
+    p.add_argument(
+        "--fusion-weight", type=fraction, default=None, help="--hybrid linear: weight of the dense scores (default 0.5)"
+    )
     p.add_argument(
         "--rerank", default=None, metavar="MODEL", help="re-score the top candidates with a cross-encoder or ColBERT"
     )
@@ -491,7 +519,9 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="candidates re-scored per query (default: 100, or every passage of a smaller index)",
     )
-    p.add_argument("--rerank-batch-size", type=positive_int, default=64, help="pairs per cross-encoder forward pass")
+    p.add_argument(
+        "--rerank-batch-size", type=positive_int, default=None, help="pairs per cross-encoder forward pass (default 64)"
+    )
     p.add_argument("--rerank-precision", default="auto", choices=PRECISIONS, help=RERANK_PRECISION_HELP)
     _precision_arg(p)
     p.add_argument(
@@ -500,7 +530,9 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
         choices=["fp32", "bf16", "int8"],
         help="exact index: score every passage in bf16 or int8, then re-score the best --rescore x k in fp32",
     )
-    p.add_argument("--rescore", type=positive_int, default=4, help="--search-precision: candidates re-scored, x k")
+    p.add_argument(
+        "--rescore", type=positive_int, default=None, help="--search-precision: candidates re-scored, x k (default 4)"
+    )
     p.add_argument(
         "--nprobe",
         type=positive_int,

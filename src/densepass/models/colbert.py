@@ -268,7 +268,7 @@ class ColbertReranker:
 
     def describe(self) -> dict:
         """What reranks (for ``/health`` and reports)."""
-        return {"kind": "colbert", "model": self.model.source}
+        return {"kind": "colbert", "model": self.model.source, "precision": self.precision}
 
 
 def _marker_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int | None:

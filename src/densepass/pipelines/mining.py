@@ -19,7 +19,7 @@ from pathlib import Path
 from densepass import distributed
 from densepass.config import ExperimentConfig
 from densepass.data import load_dataset
-from densepass.device import resolve_device
+from densepass.device import resolve_device, resolve_precision
 from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
 from densepass.negatives.pool import save_pool
 from densepass.training.miner import prepare_miners
@@ -29,6 +29,7 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path) -> Min
     """Mine ``config.negatives`` for the training queries of ``config.data`` and write them to ``output``."""
     output = Path(output)
     device = resolve_device(config.device)
+    resolve_precision(config.eval.precision, device)  # int8 on a GPU fails before the dataset loads
     data = config.data
     dataset = load_dataset(data.name, data.data_dir, data.format, passages_on_disk=True)
     query_ids = sorted(dataset.sample(data.train_split, data.max_train_queries, data.seed))
