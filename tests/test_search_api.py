@@ -116,6 +116,41 @@ def test_loading_a_dense_index_with_another_model_is_a_one_line_error(saved, oth
     assert done.stderr.strip().endswith(errors[0]) and "Traceback" not in done.stderr
 
 
+def test_a_load_option_the_kind_does_not_take_is_a_one_line_error(saved):
+    with pytest.raises(ConfigError, match=r"^a bm25 index takes no load option device \(it takes: none\)$"):
+        load_index(saved["bm25"], device="cpu")
+    with pytest.raises(ConfigError, match=r"^a faiss-flat index takes no load option nprobe \(it takes: model, "):
+        load_index(saved["faiss-flat"], nprobe=3)
+    assert load_index(saved["exact"], search_precision="bf16", rescore=2).rescore == 2
+
+
+def test_an_ivfpq_index_of_too_few_passages_is_refused_before_encoding(model, corpus, tiny_beir, tmp_path, capsys):
+    message = f"needs at least 256 passages, got {len(corpus)}: index them exactly"
+    with pytest.raises(ConfigError, match=message):
+        DenseIndex.build(model, corpus, "faiss-ivfpq", show_progress=False)
+    out = tmp_path / "ivfpq"
+    args = ["index", str(tiny_beir), "--kind", "faiss-ivfpq", "--model", model.source, "--output", str(out)]
+    assert cli.main([*args, "--device", "cpu"]) == 2
+    assert message in capsys.readouterr().err and not list(tmp_path.glob(".ivfpq.encoding/*.npy"))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--rescore", "8"], "--rescore sets how many candidates --search-precision bf16 / int8 re-scores in fp32"),
+        (["--rerank-depth", "5"], "--rerank-depth applies to the second stage of --rerank, which is not given"),
+        (
+            ["--rerank-batch-size", "5"],
+            "--rerank-batch-size applies to the second stage of --rerank, which is not given",
+        ),
+        (["--hybrid", "rrf", "--fusion-weight", "0.3"], "--fusion-weight weighs the dense scores of --hybrid linear"),
+    ],
+)
+def test_search_options_that_would_be_ignored_are_refused_in_one_line(saved, flags, message, capsys):
+    assert cli.main(["search", str(saved["exact"]), "audio", *flags, "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == f"densepass: error: {message}"
+
+
 def test_run_then_index_search_and_evaluate_reproduce_the_runs_metrics(tiny_beir, tiny_model_dir, tmp_path, capsys):
     # The commands run in this process through the CLI's entry point (argument parsing and error handling
     # included) to keep the module fast; the other tests start fresh processes. The run evaluates every dev

@@ -552,3 +552,44 @@ def test_a_hybrid_of_a_dense_part_and_splade_builds_and_searches_in_int8(splade,
     assert load_index(out, device=CPU, precision="fp32").second.precision == "fp32"
     for model in (tiny_model_dir, tmp_path / "splade"):  # --model: the model of either part, the other as recorded
         assert main(["search", str(out), "audio", "--model", str(model), "--device", "cpu"]) == 0
+
+
+def test_a_hybrid_checks_its_splade_model_first_and_encodes_it_like_the_dense_part(
+    splade, colbert, tiny_beir, tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    from densepass.pipelines import indexing
+
+    splade.save(tmp_path / "splade")
+    colbert.save(tmp_path / "colbert")
+    out = tmp_path / "idx"
+    args = ["index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(out), "--device", "cpu"]
+    assert main([*args, "--kind", "hybrid", "--sparse-model", str(tmp_path / "colbert")]) == 2
+    assert capsys.readouterr().err.strip().endswith("holds a colbert model, not a SPLADE model")
+    assert not list(tmp_path.glob(".idx.encoding/*.npy")) and not out.exists()  # refused before any encoding
+    assert main([*args, "--kind", "exact", "--sparse-model", str(tmp_path / "splade")]) == 2
+    assert capsys.readouterr().err.strip().endswith("a exact index has none")
+    calls = []
+    built = indexing.index_for_model
+    monkeypatch.setattr(indexing, "index_for_model", lambda *a, **k: calls.append(a) or built(*a, **k))
+    assert main([*args, "--kind", "hybrid", "--sparse-model", str(tmp_path / "splade"), "--batch-size", "8"]) == 0
+    assert [call[3:] for call in calls] == [(8, CPU)]  # the SPLADE part's batch size and device: the command's
+
+
+def test_a_colbert_reranker_scores_in_the_precision_asked_for(colbert, tiny_beir, tmp_path, capsys):
+    from densepass import cli
+
+    colbert.save(tmp_path / "colbert")
+    index = str(tmp_path / "bm25")
+    assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", index]) == 0
+    rerank = ["--rerank", str(tmp_path / "colbert"), "--device", "cpu"]
+    for precision in ("fp32", "bf16"):
+        args = cli.build_parser().parse_args(["search", index, "audio", *rerank, "--rerank-precision", precision])
+        assert cli._load_pipeline(args).reranker.describe()["precision"] == precision
+    refused = "densepass: error: ColBERT models encode in fp32 or bf16 (or auto), not int8"
+    assert main(["search", index, "audio", *rerank, "--rerank-precision", "int8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == refused
+    missing_run = str(tmp_path / "missing.trec")  # the precision is refused before the run file is read
+    out = str(tmp_path / "out.trec")
+    assert main(["rerank", str(tiny_beir), missing_run, "--model", str(tmp_path / "colbert"), "--output", out,
+                 "--precision", "int8", "--device", "cpu"]) == 2  # fmt: skip
+    assert capsys.readouterr().err.strip().splitlines()[-1] == refused

@@ -158,6 +158,9 @@ class Index(ABC):
     """An index over passages; see the module docstring."""
 
     kind: ClassVar[str]
+    load_options: ClassVar[tuple[str, ...] | None] = ()
+    """The options ``load`` takes for this kind (what searching may change: the model, device, precision ...);
+    None: the kind checks them itself (a hybrid, per part)."""
     passages: Corpus
 
     def __len__(self) -> int:
@@ -218,10 +221,17 @@ class Index(ABC):
         kinds = getattr(cls, "kinds", (cls.kind,))
         if manifest["kind"] not in kinds:
             raise DataError(f"{directory} holds a {manifest['kind']} index, not a {' or '.join(kinds)} index")
+        kind = KINDS[manifest["kind"]]
+        unknown = sorted(set(options) - set(kind.load_options)) if kind.load_options is not None else []
+        if unknown:
+            takes = ", ".join(kind.load_options) or "none"
+            raise ConfigError(
+                f"a {manifest['kind']} index takes no load option {', '.join(unknown)} (it takes: {takes})"
+            )
         passages = load_passages(directory / PASSAGES)
         if len(passages) != manifest["size"]:
             raise DataError(f"{directory}: {len(passages)} passages but the manifest says {manifest['size']}")
-        return KINDS[manifest["kind"]]._read(directory, manifest, passages, **options)
+        return kind._read(directory, manifest, passages, **options)
 
 
 KINDS: dict[str, type[Index]] = {}

@@ -117,8 +117,6 @@ class BM25Index(Index):
 
     @classmethod
     def _read(cls, directory: Path, manifest: dict, passages: Corpus, **options) -> BM25Index:
-        if options:
-            raise ConfigError(f"a BM25 index takes no load options (got {', '.join(options)})")
         index = cls(**manifest["options"])
         index.passages = passages
         index.retriever = bm25s.BM25.load(str(directory / BM25_DIR), allow_pickle=False)

@@ -88,6 +88,15 @@ class ColbertIndex(Index):
     """Passage token vectors of a ColBERT model, searched by centroid pruning + exact MaxSim."""
 
     kind: ClassVar[str] = "colbert"
+    load_options: ClassVar[tuple[str, ...]] = (
+        "model",
+        "batch_size",
+        "device",
+        "precision",
+        "show_progress",
+        "nprobe",
+        "candidates",
+    )
 
     def __init__(
         self,

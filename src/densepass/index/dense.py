@@ -31,7 +31,13 @@ from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_weights
 from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, register
 from densepass.index.exact import SEARCH_PRECISIONS, ReducedPassages, exact_search, passages_on
-from densepass.index.faiss_index import build_faiss_index, faiss_search, load_faiss_index, save_faiss_index
+from densepass.index.faiss_index import (
+    build_faiss_index,
+    check_trainable,
+    faiss_search,
+    load_faiss_index,
+    save_faiss_index,
+)
 from densepass.models.biencoder import BiEncoder
 
 EMBEDDINGS = "embeddings.npy"
@@ -90,6 +96,15 @@ class DenseIndex(Index):
     """Passage embeddings of one bi-encoder, searched exactly or with a FAISS index."""
 
     kinds: ClassVar[tuple[str, ...]] = DENSE_INDEX_KINDS
+    load_options: ClassVar[tuple[str, ...]] = (
+        "model",
+        "batch_size",
+        "device",
+        "precision",
+        "mmap",
+        "search_precision",
+        "rescore",
+    )
     kind = "exact"
 
     def __init__(
@@ -143,6 +158,8 @@ class DenseIndex(Index):
     def add(self, passages: Passages) -> None:
         """Encode ``passages`` with the model and index them."""
         corpus = as_corpus(passages, first_id=len(self.passages))
+        if self.faiss is None:  # trained on the first passages added
+            check_trainable(self.kind, len(self.passages) + len(corpus))
         embeddings = self.model.encode_passages(
             corpus,
             batch_size=self.batch_size,

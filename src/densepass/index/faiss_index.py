@@ -9,6 +9,17 @@ import numpy as np
 from densepass.errors import ConfigError, DensepassError
 
 KINDS = ("faiss-flat", "faiss-hnsw", "faiss-ivfpq")
+PQ_CODES = 256  # codes per sub-vector of the IVF-PQ's product quantiser (8 bits)
+
+
+def check_trainable(kind: str, n: int) -> None:
+    """A one-line error, before anything is encoded, where a ``kind`` index cannot be trained on ``n`` passages:
+    an IVF-PQ's product quantiser learns ``PQ_CODES`` codes per sub-vector by k-means over the passages."""
+    if kind == "faiss-ivfpq" and n < PQ_CODES:
+        raise ConfigError(
+            f"a faiss-ivfpq index trains {PQ_CODES} codes per sub-vector and needs at least {PQ_CODES} passages, "
+            f"got {n}: index them exactly (exact, faiss-flat) or with faiss-hnsw"
+        )
 
 
 def build_faiss_index(
@@ -26,6 +37,7 @@ def build_faiss_index(
         raise DensepassError("cannot index an empty set of embeddings")
     x = np.ascontiguousarray(embeddings, dtype=np.float32)
     n, dim = x.shape
+    check_trainable(kind, n)
     if kind == "faiss-flat":
         index = faiss.IndexFlatIP(dim)
     elif kind == "faiss-hnsw":

@@ -63,6 +63,7 @@ class HybridIndex(Index):
     """Fusion of two indexes over the same passages; searched with query texts."""
 
     kind: ClassVar[str] = "hybrid"
+    load_options: ClassVar[None] = None  # each part takes its own (``_read``)
 
     def __init__(
         self,
@@ -132,13 +133,18 @@ class HybridIndex(Index):
 
     @classmethod
     def _read(cls, directory: Path, manifest: dict, passages: Corpus, model: Any = None, **options: Any) -> HybridIndex:
-        """The two parts; ``model`` (if given) replaces the recorded model of the part of its kind: the SPLADE
-        part's for a ``SpladeEncoder``, else the dense part's (which refuses another kind in one line)."""
+        """The two parts, each with the ``options`` its kind takes (an option neither takes is a one-line error);
+        ``model`` (if given) replaces the recorded model of the part of its kind: the SPLADE part's for a
+        ``SpladeEncoder``, else the dense part's (which refuses another kind in one line)."""
         kinds = [read_index_manifest(directory / name)["kind"] for name in ("first", "second")]
+        taken = [KINDS[kind].load_options or () for kind in kinds]
+        unknown = sorted(name for name in options if not any(name in t for t in taken))
+        if unknown:
+            raise ConfigError(f"neither part of a {' + '.join(kinds)} hybrid takes {', '.join(unknown)} on load")
         owner = 1 if isinstance(model, SpladeEncoder) and kinds[1] == "splade" else 0
         parts = []
         for i, kind in enumerate(kinds):
-            takes = {} if kind == "bm25" else dict(options)
+            takes = {name: value for name, value in options.items() if name in taken[i]}
             if "precision" in takes:
                 takes["precision"] = part_precision(kind, takes["precision"])
             if model is not None and i == owner:

@@ -170,6 +170,7 @@ class OnDiskIVFPQIndex(Index):
     ``build_ondisk_ivfpq`` (its lists are merged on disk when it is first saved), then loaded by ``load_index``."""
 
     kind: ClassVar[str] = ONDISK_INDEX_KIND
+    load_options: ClassVar[tuple[str, ...]] = ("model", "batch_size", "device", "precision", "nprobe")
 
     def __init__(
         self,

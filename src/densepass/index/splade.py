@@ -69,6 +69,7 @@ class SpladeIndex(Index):
     """Passages' SPLADE term weights in an inverted index; ``search`` takes query texts or a CSR matrix."""
 
     kind: ClassVar[str] = "splade"
+    load_options: ClassVar[tuple[str, ...]] = ("model", "batch_size", "device", "precision", "show_progress")
 
     def __init__(
         self,

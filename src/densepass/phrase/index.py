@@ -88,6 +88,7 @@ class PhraseIndex(Index):
     """Start/end vectors of every token of a corpus (see the module docstring)."""
 
     kind: ClassVar[str] = "phrase"
+    load_options: ClassVar[tuple[str, ...]] = ("model", "batch_size", "device", "max_answer_tokens", "show_progress")
 
     def __init__(
         self,

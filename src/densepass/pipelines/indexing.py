@@ -33,6 +33,7 @@ from densepass.fingerprints import fingerprint_corpus
 from densepass.index.base import Index
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
+from densepass.index.faiss_index import check_trainable
 from densepass.index.hybrid import HybridIndex, part_precision
 from densepass.index.ondisk import IVFPQOptions, build_ondisk_ivfpq
 from densepass.index.sharded import DEFAULT_BLOCK, ShardedEmbeddings, encode_sharded
@@ -76,6 +77,8 @@ class IndexSettings:
             raise ConfigError("batch size and shard size must be >= 1")
         if self.kind != "bm25" and not self.model:
             raise ConfigError(f"a {self.kind} index needs a model")
+        if self.sparse_model and self.kind != "hybrid":
+            raise ConfigError(f"--sparse-model is the SPLADE part of a hybrid index; a {self.kind} index has none")
         device = self.device or default_device()
         if self.kind in ("splade", "colbert"):
             float_precision(self.precision, device, self.kind)
@@ -94,6 +97,7 @@ def encode_corpus(
     Collective under torchrun."""
     if settings.kind == ONDISK_INDEX_KIND:
         settings.ivf.resolve(len(texts), model.dim)
+    check_trainable(settings.dense_kind if settings.kind == "hybrid" else settings.kind, len(texts))
     return encode_sharded(
         model,
         texts,
@@ -221,19 +225,23 @@ def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> 
                 show_progress=settings.show_progress,
             )
         else:
+            # a hybrid's SPLADE model loads first: a wrong one fails before the corpus is encoded
+            sparse = SpladeEncoder.from_pretrained(settings.sparse_model) if settings.sparse_model else None
             model = BiEncoder.from_pretrained(settings.model)
             kind = settings.dense_kind if settings.kind == "hybrid" else settings.kind
             index = dense_index(model, corpus, kind, work_dir, settings)
             if settings.kind == "hybrid":
                 second: Index = (
                     index_for_model(
-                        SpladeEncoder.from_pretrained(settings.sparse_model),
+                        sparse,
                         corpus,
                         settings.retriever,
+                        settings.batch_size,
+                        settings.device,
                         precision=part_precision("splade", settings.precision),
                     )
-                    if settings.sparse_model
-                    else BM25Index.build(corpus)
+                    if sparse is not None
+                    else BM25Index.build(corpus, show_progress=settings.show_progress)
                 )
                 index = HybridIndex(index, second, settings.fusion, settings.fusion_weight)
         index.save(output)
