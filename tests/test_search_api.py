@@ -124,6 +124,24 @@ def test_a_load_option_the_kind_does_not_take_is_a_one_line_error(saved):
     assert load_index(saved["exact"], search_precision="bf16", rescore=2).rescore == 2
 
 
+def test_an_index_records_its_models_absolute_path_and_refuses_a_model_of_another_kind(
+    tiny_beir, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    from densepass.models.splade import SpladeEncoder
+
+    monkeypatch.chdir(tiny_model_dir.parent)  # the model given by a relative path
+    out = tmp_path / "idx"
+    args = ["index", str(tiny_beir), "--model", tiny_model_dir.name, "--output", str(out), "--device", "cpu"]
+    assert cli.main(args) == 0
+    assert json.loads((out / "manifest.json").read_text())["model"]["path"] == str(tiny_model_dir.resolve())
+    monkeypatch.chdir(tmp_path)  # searched from elsewhere, it still finds its model
+    assert cli.main(["search", str(out), "audio", "--device", "cpu"]) == 0
+    SpladeEncoder.from_pretrained(str(tiny_model_dir)).save(tmp_path / "splade")
+    assert cli.main(["search", str(out), "audio", "--model", str(tmp_path / "splade"), "--device", "cpu"]) == 2
+    expected = f"densepass: error: {out} is a exact index; {tmp_path / 'splade'} is a splade model"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == expected
+
+
 def test_an_ivfpq_index_of_too_few_passages_is_refused_before_encoding(model, corpus, tiny_beir, tmp_path, capsys):
     message = f"needs at least 256 passages, got {len(corpus)}: index them exactly"
     with pytest.raises(ConfigError, match=message):

@@ -204,7 +204,7 @@ class Index(ABC):
                 densepass_version=__version__,
                 size=len(self),
                 corpus_fingerprint=fingerprint_corpus(self.passages),
-                **self.facts(),
+                **with_absolute_model_path(self.facts()),
             )
         return directory
 
@@ -232,6 +232,15 @@ class Index(ABC):
         if len(passages) != manifest["size"]:
             raise DataError(f"{directory}: {len(passages)} passages but the manifest says {manifest['size']}")
         return kind._read(directory, manifest, passages, **options)
+
+
+def with_absolute_model_path(facts: dict) -> dict:
+    """``facts`` with the model's path made absolute where it is a local directory, so that the saved index finds
+    its model from any working directory (a hub name stays as it is)."""
+    model = facts.get("model")
+    if isinstance(model, dict) and model.get("path") and Path(model["path"]).exists():
+        return {**facts, "model": {**model, "path": str(Path(model["path"]).resolve())}}
+    return facts
 
 
 KINDS: dict[str, type[Index]] = {}

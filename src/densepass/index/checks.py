@@ -1,4 +1,4 @@
-"""Checks shared by the indexes that encode queries with a model of their own kind (SPLADE, ColBERT)."""
+"""Checks shared by the indexes that encode queries with a model of their own (dense, SPLADE, ColBERT)."""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_weights
 from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, register
+from densepass.index.checks import model_for_index
 from densepass.index.exact import SEARCH_PRECISIONS, ReducedPassages, exact_search, passages_on
 from densepass.index.faiss_index import (
     build_faiss_index,
@@ -71,24 +72,6 @@ def require_model_path(model_path: str | None) -> None:
             "save the model first (BiEncoder.save) or give model_path: the index records "
             "which model encodes its queries"
         )
-
-
-def recorded_model(directory: Path, recorded: dict, model: BiEncoder | None) -> BiEncoder:
-    """The model a saved dense index records (``{path, fingerprint}``): ``model`` when given, else loaded from
-    its path; a one-line error when it is gone or its weights are not the ones that encoded the passages."""
-    if model is None:
-        if not recorded["path"] or not Path(recorded["path"]).exists():
-            raise DataError(
-                f"{directory}: its model {recorded['path']!r} is not there any more; "
-                "pass the model that built the index"
-            )
-        model = BiEncoder.from_pretrained(recorded["path"])
-    if fingerprint_weights(model) != recorded["fingerprint"]:
-        raise ConfigError(
-            f"{directory} was built with another model (weights {recorded['fingerprint'][:12]}, "
-            f"from {recorded['path']}): encode queries with that model or index again"
-        )
-    return model
 
 
 @register
@@ -241,7 +224,7 @@ class DenseIndex(Index):
         **options: Any,
     ) -> DenseIndex:
         recorded = manifest["model"]
-        model = recorded_model(directory, recorded, model)
+        model = model_for_index(directory, manifest["kind"], recorded, model, BiEncoder)
         index = cls(
             model, manifest["kind"], model_path=recorded["path"], show_progress=False, **options, **manifest["options"]
         )

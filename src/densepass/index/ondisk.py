@@ -43,7 +43,8 @@ from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_corpus, fingerprint_weights
 from densepass.index.base import Index, Passages, register
-from densepass.index.dense import query_embeddings, recorded_model, require_model_path
+from densepass.index.checks import model_for_index
+from densepass.index.dense import query_embeddings, require_model_path
 from densepass.index.faiss_index import default_pq_m, faiss_search, load_faiss_index, new_ivfpq, save_faiss_index
 from densepass.index.sharded import ShardedEmbeddings, ShardPlan, encoder_fingerprint, shard_path
 from densepass.models.biencoder import BiEncoder
@@ -275,7 +276,7 @@ class OnDiskIVFPQIndex(Index):
         saved = IVFPQOptions(**manifest["options"])
         saved = saved if nprobe is None else dataclasses.replace(saved, nprobe=nprobe)
         recorded = manifest["model"]
-        model = recorded_model(directory, recorded, model)
+        model = model_for_index(directory, manifest["kind"], recorded, model, BiEncoder)
         index = cls(model, passages, saved, model_path=recorded["path"], **options)
         index.model_fingerprint, index.encoder_fingerprint = recorded["fingerprint"], manifest["encoder_fingerprint"]
         index._open(directory)
