@@ -125,7 +125,7 @@ def uses_bf16(device: torch.device, bf16: bool, cpu_bf16: bool | str) -> bool:
     if cpu_bf16 == "auto":
         return resolved_cpu_bf16(cpu_bf16)
     if cpu_bf16 and not cpu_has_fast_bf16():
-        warnings.warn(f"cpu_bf16: {SLOW_BF16}", stacklevel=2)
+        warnings.warn(f"cpu_bf16: {SLOW_BF16}", stacklevel=1)  # one place: shown once per process
     return bool(cpu_bf16)
 
 
@@ -147,7 +147,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision == "int8" and device.type != "cpu":
         raise ConfigError(f"precision int8 (dynamic quantisation) runs on the CPU only; use bf16 on {device.type}")
     if precision == "bf16" and device.type == "cpu" and not cpu_has_fast_bf16():
-        warnings.warn(f"precision bf16: {SLOW_BF16}", stacklevel=2)
+        warnings.warn(f"precision bf16: {SLOW_BF16}", stacklevel=1)  # one place: shown once per process
     return precision
 
 
