@@ -253,6 +253,8 @@ def test_the_service_answers_like_the_pipeline_and_shuts_down_cleanly_on_sigterm
             server.wait()
     pipeline = SearchPipeline.load(saved["exact"], model=model)
     assert health.status_code == 200 and health.json()["searcher"] == pipeline.describe()
+    assert health.json()["searcher"]["precision"] in ("fp32", "bf16")  # auto, as resolved on this machine
+    assert health.json()["searcher"]["search_precision"] == "fp32"
     assert answer.status_code == 200, answer.text
     expected = [[hit_to_json(hit) for hit in hits] for hits in pipeline.search_batch(queries, 3)]
     served = answer.json()["results"]

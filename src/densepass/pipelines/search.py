@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from densepass.data.dataset import Corpus
+from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.index.base import Index, SearchResults, check_k, load_index
 from densepass.models.biencoder import model_name
@@ -140,6 +141,11 @@ class SearchPipeline:
         facts = {"index": self.index.kind, "passages": len(self.index)}
         if manifest_model:
             facts["model"] = model_name(manifest_model)
+        precision = getattr(self.index, "precision", None)  # how queries are encoded (auto: as resolved here)
+        if precision is not None:
+            facts["precision"] = resolve_precision(precision, getattr(self.index, "device", None) or default_device())
+        if getattr(self.index, "search_precision", None) is not None:  # how an exact index scores passages
+            facts["search_precision"] = self.index.search_precision
         if self.reranker is not None:
             facts["reranker"] = self.reranker.describe()
             facts["rerank_depth"] = self.rerank_depth
