@@ -162,13 +162,17 @@ def _load_pipeline(args: argparse.Namespace):
         options["precision"] = args.precision
     elif args.precision not in ("auto", "fp32"):
         raise DensepassError(f"--precision {args.precision} applies to model indexes; {args.index} is a {kind} index")
-    if not args.rerank:
-        given = [f"--{n.replace('_', '-')}" for n in ("rerank_depth", "rerank_batch_size") if getattr(args, n)]
-        given += [f"--rerank-precision {args.rerank_precision}"] if args.rerank_precision != "auto" else []
-        if given:
-            raise DensepassError(f"{', '.join(given)} applies to the second stage of --rerank, which is not given")
     if args.rerank:
         _check_reranker_precision(args.rerank, args.rerank_precision, device)
+    else:
+        second_stage = [
+            ("--rerank-depth", args.rerank_depth is not None),
+            ("--rerank-batch-size", args.rerank_batch_size is not None),
+            (f"--rerank-precision {args.rerank_precision}", args.rerank_precision != "auto"),
+        ]
+        given = [flag for flag, set_ in second_stage if set_]
+        if given:
+            raise DensepassError(f"{', '.join(given)} applies to the second stage of --rerank, which is not given")
     if args.rescore is not None and args.search_precision == "fp32":
         raise DensepassError("--rescore sets how many candidates --search-precision bf16 / int8 re-scores in fp32")
     if args.fusion_weight is not None and args.hybrid != "linear":
@@ -214,15 +218,16 @@ def _check_reranker_precision(path: str, precision: str, device) -> None:
 
 
 def _load_reranker(path: str, device, batch_size: int | None, precision: str):
-    """A second stage from a saved model: ColBERT (late interaction over the candidates) or a cross-encoder
-    (``batch_size`` pairs per forward pass, None: 64), scoring in ``precision`` (``_check_reranker_precision``)."""
+    """A second stage from a saved model: ColBERT (late interaction over the candidates) or a cross-encoder,
+    ``batch_size`` texts or pairs per forward pass (None: 64), scoring in ``precision``
+    (``_check_reranker_precision``)."""
     from densepass.models.biencoder import resolve_model_path
     from densepass.models.colbert import ColBERT, ColbertReranker
     from densepass.models.cross_encoder import CrossEncoder
     from densepass.models.kinds import model_kind
 
     if model_kind(resolve_model_path(path)) == "colbert":
-        return ColbertReranker(ColBERT.from_pretrained(path), device=device, precision=precision)
+        return ColbertReranker(ColBERT.from_pretrained(path), batch_size or 64, device, precision)
     return CrossEncoder.from_pretrained(path, device=device, batch_size=batch_size or 64, precision=precision)
 
 
@@ -520,7 +525,7 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
         help="candidates re-scored per query (default: 100, or every passage of a smaller index)",
     )
     p.add_argument(
-        "--rerank-batch-size", type=positive_int, default=None, help="pairs per cross-encoder forward pass (default 64)"
+        "--rerank-batch-size", type=positive_int, default=None, help="texts or pairs per reranker pass (default 64)"
     )
     p.add_argument("--rerank-precision", default="auto", choices=PRECISIONS, help=RERANK_PRECISION_HELP)
     _precision_arg(p)
@@ -657,7 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="order the top --depth by W x the reranker's + (1 - W) x the run's scores, each min-max normalised "
         "per query (default: the reranker's alone)",
     )
-    rerank.add_argument("--batch-size", type=positive_int, default=64, help="pairs per cross-encoder forward pass")
+    rerank.add_argument("--batch-size", type=positive_int, default=64, help="texts or pairs per reranker pass")
     rerank.add_argument("--precision", default="auto", choices=PRECISIONS, help=RERANK_PRECISION_HELP)
     rerank.add_argument("--tag", default="densepass-rerank", help="run tag (last column of the TREC file)")
     _device_arg(rerank)
