@@ -117,9 +117,9 @@ def test_densepass_search_takes_a_search_precision(tiny_beir, tiny_model_dir, tm
     index, run = str(tmp_path / "idx"), tmp_path / "{}.trec"
     assert cli.main(["index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", index]) == 0
     queries = str(tiny_beir / "queries.jsonl")
-    for precision in ("fp32", "int8"):
+    for precision, rescore in (("fp32", []), ("int8", ["--rescore", "20"])):
         # 20 x 3 candidates cover the 40 passages: re-scored in fp32, the runs are the same
-        args = ["search", index, "--queries", queries, "--k", "3", "--search-precision", precision, "--rescore", "20"]
+        args = ["search", index, "--queries", queries, "--k", "3", "--search-precision", precision, *rescore]
         assert cli.main([*args, "--output", str(run).format(precision)]) == 0
     fp32, int8 = (str(run).format(p) for p in ("fp32", "int8"))
     runs = [
