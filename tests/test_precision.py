@@ -154,6 +154,42 @@ def test_the_cached_copy_follows_a_fused_optimiser_step(tiny_model_dir, precisio
     assert inference_runner(model, precision, CPU) is inference_runner(model, precision, CPU)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_the_cached_copy_follows_a_few_rows_changed_a_buffer_and_a_new_config(tiny_model_dir, precision):
+    """A fused step that moves only the rows of the texts' tokens (no weight decay: the sampled values stay),
+    a changed buffer and a replaced config each make a new copy, equal to one made afresh."""
+    import dataclasses
+
+    from densepass.models import copies
+
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    table = model.passage_encoder.embeddings.word_embeddings.weight
+    model.requires_grad_(False)
+    table.requires_grad_(True)
+    optimizer = torch.optim.AdamW([table], lr=0.5, weight_decay=0.0, fused=True)
+
+    def fresh(text_side: str = "passage") -> np.ndarray:  # a copy made now, not the cached one
+        copies._COPIES.pop(model, None)
+        return encode(model, TEXTS, precision, side=text_side)
+
+    before = encode(model, TEXTS, precision)
+    rows = model.tokenize(TEXTS, "passage")["input_ids"].unique()
+    table.grad = torch.zeros_like(table)
+    table.grad[rows] = torch.randn(len(rows), table.shape[1], generator=torch.Generator().manual_seed(0))
+    optimizer.step()
+    after = encode(model, TEXTS, precision)
+    assert mean_cosine(before, after) < 0.99 and np.allclose(after, fresh(), atol=1e-6)
+    with torch.no_grad():
+        model.passage_encoder.embeddings.token_type_embeddings.weight[1].normal_()
+    before = encode(model, TEXTS, precision)
+    model.passage_encoder.embeddings.token_type_ids.fill_(1)  # a buffer: every position reads type 1
+    after = encode(model, TEXTS, precision)
+    assert mean_cosine(before, after) < 0.99 and np.allclose(after, fresh(), atol=1e-6)
+    model.config = dataclasses.replace(model.config, pooling="cls")
+    after = encode(model, TEXTS, precision)
+    assert mean_cosine(before, after) < 0.99 and np.allclose(after, fresh(), atol=1e-6)
+
+
 def test_densepass_index_and_search_encode_in_the_precision_asked_for(tiny_beir, tiny_model_dir, tmp_path, capsys):
     """An int8 index holds the int8 embeddings of its passages; search encodes its queries in the precision
     given; --precision on a BM25 index is a one-line error."""

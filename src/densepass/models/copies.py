@@ -38,9 +38,9 @@ _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (ke
 
 def reused_copy(model: nn.Module, setting: Hashable, make: Callable[[], M]) -> M:
     """``make()``, a copy of ``model`` for ``setting`` (e.g. the precision and device), made at the first call and
-    returned again while ``model``'s weights and ``setting`` stay the same; one copy per model is kept (a new
-    setting or new weights replace it, the stale copy freed first)."""
-    key = (setting, weights_key(model))
+    returned again while ``model``'s weights, its ``config`` and ``setting`` stay the same; one copy per model is
+    kept (a new setting, config or weights replace it, the stale copy freed first)."""
+    key = (setting, repr(getattr(model, "config", None)), weights_key(model))
     cached = _COPIES.get(model)
     if cached is not None and cached[0] == key:
         return cached[1]

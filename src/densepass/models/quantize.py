@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 def feed_forward_output(name: str) -> bool:
@@ -25,18 +26,31 @@ def feed_forward_output(name: str) -> bool:
     return name.endswith("output.dense") and not name.endswith("attention.output.dense")
 
 
-KEY_SAMPLE = 64  # values per parameter in ``weights_key``'s sample
+KEY_SAMPLE = 64  # values per tensor in ``weights_key``'s sample
+_steps_taken = [0]  # optimiser steps taken in this process, by any optimiser (``weights_key``)
+
+
+def _count_step(*_) -> None:
+    _steps_taken[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
 
 
 def weights_key(module: torch.nn.Module) -> tuple:
-    """What identifies ``module``'s current weights: each parameter's storage and version counter (an in-place
-    change, ``load_state_dict`` or a plain optimiser step makes a new key) and a strided sample of about
-    ``KEY_SAMPLE`` of its values, for the in-place updates that leave the version counter as it was (fused
-    optimiser kernels: ``torch.optim.AdamW(fused=True)``, the trainers' optimiser, and Hugging Face's default)."""
+    """What identifies ``module``'s current weights (parameters and buffers): where any parameter trains, the
+    optimiser steps this process has taken (fused kernels, ``torch.optim.AdamW(fused=True)``, the trainers'
+    optimiser and Hugging Face's default, update in place without a version bump, and may change only a few
+    rows, e.g. a word-embedding table's); each tensor's storage and version counter (an in-place change or
+    ``load_state_dict`` makes a new key); and a strided sample of about ``KEY_SAMPLE`` of its values. A hand
+    edit of a few values through ``.data`` that none of these see is not followed: make a new model, or load
+    the weights."""
     params = list(module.parameters())
-    sample = torch.cat([p.detach().reshape(-1)[:: max(1, p.numel() // KEY_SAMPLE)].float() for p in params])
+    tensors = [*params, *module.buffers()]
+    sample = torch.cat([t.detach().reshape(-1)[:: max(1, t.numel() // KEY_SAMPLE)].float() for t in tensors])
     digest = hashlib.blake2b(sample.cpu().numpy().tobytes(), digest_size=16).hexdigest()
-    return (*((p.data_ptr(), p._version) for p in params), digest)
+    steps = _steps_taken[0] if any(p.requires_grad for p in params) else None
+    return (steps, *((t.data_ptr(), t._version) for t in tensors), digest)
 
 
 def quantized_linear_copy(
