@@ -125,6 +125,14 @@ def test_the_cache_is_reused_only_for_the_same_tokenizer_length_and_texts(tiny_m
     assert _reuses(model, TEXTS, directory, more_words) == [False, False]
 
     _reuses(model, TEXTS, directory)
+    split = copy.deepcopy(model.tokenizer)
+    split.split_special_tokens = True  # set after loading: not in what save_pretrained writes
+    assert _reuses(model, TEXTS, directory, split) == [False, False]
+    cached = cached_tokenizer(model, TEXTS, directory, split)
+    _equal(model.tokenize(TEXTS["passage"], "passage", tokenizer=cached),
+           model.tokenize(TEXTS["passage"], "passage", tokenizer=split))  # fmt: skip
+
+    _reuses(model, TEXTS, directory)
     assert _reuses(_bi_encoder(tiny_model_dir, passage_length=32), TEXTS, directory) == [True, False]
     edited = {"query": TEXTS["query"], "passage": [*TEXTS["passage"][:-1], "a b c d e f h"]}
     assert _reuses(model, edited, directory) == [True, False]
@@ -150,26 +158,44 @@ def test_the_cache_files_load_memory_mapped_without_pickle(tiny_model_dir, tmp_p
         np.load(path, allow_pickle=False)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip a byte", "drop the manifest"])
+MANIFEST_EDITS = {  # a hand-edited manifest: each is found damaged, and the cache rebuilt
+    "unknown names": lambda m: m.update(names=["input_ids", "bogus"]),
+    "no names": lambda m: m.pop("names"),
+    "a bad max_length": lambda m: m.update(max_length="x"),
+    "files as a list": lambda m: m.update(files=list(m["files"])),
+    "a file entry not a dict": lambda m: m["files"].update({"offsets.npy": 3}),
+    "the ids unlisted": lambda m: m["files"].pop("input_ids.npy"),
+}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip a byte", "drop the manifest", "a stray file", *MANIFEST_EDITS])
 def test_a_damaged_cache_is_rebuilt(tiny_model_dir, tmp_path, damage):
     directory = tmp_path / "cache"
     model = _bi_encoder(tiny_model_dir)
     cached_tokenizer(model, TEXTS, directory)
     ids = directory / "passage" / "input_ids.npy"
+    manifest = directory / "passage" / "manifest.json"
     if damage == "truncate":
         ids.write_bytes(ids.read_bytes()[:-10])
     elif damage == "flip a byte":
         data = bytearray(ids.read_bytes())
         data[-3] ^= 0xFF
         ids.write_bytes(bytes(data))
+    elif damage == "drop the manifest":
+        manifest.unlink()
+    elif damage == "a stray file":  # not in the manifest: never read
+        np.save(directory / "passage" / "token_type_ids.npy", np.ones(len(np.load(ids)), dtype=np.int8))
     else:
-        (directory / "passage" / "manifest.json").unlink()
-    if damage == "drop the manifest":  # nothing says what it holds: built again, silently
+        facts = json.loads(manifest.read_text())
+        MANIFEST_EDITS[damage](facts)
+        manifest.write_text(json.dumps(facts))
+    if damage in ("drop the manifest", "a stray file"):  # built again silently, or reused as it was
         reused = _reuses(model, TEXTS, directory)
+        assert reused == [True, damage == "a stray file"]
     else:
         with pytest.warns(DataWarning, match="is damaged.*tokenising again"):
             reused = _reuses(model, TEXTS, directory)
-    assert reused == [True, False]
+        assert reused == [True, False]
     cached = cached_tokenizer(model, TEXTS, directory)
     _equal(model.tokenize(TEXTS["passage"], "passage", tokenizer=cached), model.tokenize(TEXTS["passage"], "passage"))
 

@@ -113,6 +113,11 @@ def manifest_problem(directory: str | Path) -> str | None:
         files = json.loads((directory / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return "no readable manifest.json"
+    if not isinstance(files, dict) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("blake2b"), str)
+        for entry in files.values()
+    ):
+        return "manifest.json does not list its files as {name: {bytes, blake2b}}"
     for name, expected in files.items():
         path = directory / name
         if not path.is_file():

@@ -10,10 +10,11 @@ tokenizer gives non-zero type ids), read back memory-mapped and never unpickled,
 every negative that points at a passage.
 
 How it is keyed: a fingerprint of the tokenizer (the content of the files ``save_pretrained`` writes for it,
-less the backend's truncation and padding settings, which every call overwrites), the truncation length,
-the side, and the texts themselves, in order. A directory whose key differs (another tokenizer, length or
-text) is rebuilt; one whose files do not match their manifest (sizes and digests) is rebuilt with a
-``DataWarning``. Under torchrun rank 0 builds or checks it and every process reads it.
+less the backend's truncation and padding settings, which every call overwrites, and its output for a probe
+text, which shows settings changed after loading), the truncation length, the side, and the texts
+themselves, in order. A directory whose key differs (another tokenizer, length or text) is rebuilt; one whose
+manifest is malformed or whose files do not match it (sizes and digests) is rebuilt with a ``DataWarning``;
+only the files its manifest lists are read. Under torchrun rank 0 builds or checks it and every process reads it.
 
 How it is used: ``CachedTokenizer`` stands in for the tokenizer inside the model's own ``tokenize`` (any
 retriever kind, ColBERT's markers and [MASK] padding included). A call for texts it holds, at the length it
@@ -48,11 +49,18 @@ CHUNK = 4096  # texts tokenised per call while building
 SERVED = {"truncation", "max_length", "padding", "return_tensors", "pad_to_multiple_of"}  # call arguments served
 
 
+PROBE = "Héllo WORLD, naïve café 日本語 😀 supercalifragilistic x-ray 3.14 [SEP] [CLS] [MASK] <s> </s> <mask>"
+"""A text tokenised into ``tokenizer_fingerprint``: its ids and output names show settings changed after
+loading that ``save_pretrained`` does not write (``split_special_tokens``, ``model_input_names``)."""
+
+
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
-    """Digest of what decides a tokenizer's output: its class and the files ``save_pretrained`` writes
+    """Digest of what decides a tokenizer's output: its class, the files ``save_pretrained`` writes
     (vocabulary, normaliser, special tokens, padding and truncation sides...), with ``tokenizer.json``'s
-    truncation and padding settings left out (the last call's, not the tokenizer's)."""
-    parts = [type(tokenizer).__name__]
+    truncation and padding settings left out (the last call's, not the tokenizer's), and what it makes of
+    ``PROBE`` (with its special tokens, as the cache asks)."""
+    probe = tokenizer([PROBE, f"{tokenizer.sep_token} {tokenizer.cls_token}"], truncation=True, max_length=64)
+    parts = [type(tokenizer).__name__, fingerprint_json({name: list(rows) for name, rows in probe.items()})]
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         for path in sorted(p for p in Path(tmp).rglob("*") if p.is_file()):
@@ -129,14 +137,15 @@ class TokenStore:
         facts = _facts(directory)
         if facts is None or facts.get("key") != key:
             raise DataError(f"{directory} holds no token ids of these texts with this tokenizer")
-        problem = manifest_problem(directory) if verify else None
+        problem = _facts_problem(facts) or (manifest_problem(directory) if verify else None)
         if problem is not None:
             raise DataError(f"{directory} is damaged: {problem}")
+        listed = facts["files"]  # only the files the manifest lists are read
         try:
             arrays = {
                 name: np.load(directory / f"{name}.npy", mmap_mode="r", allow_pickle=False)
                 for name in ("input_ids", "offsets", "token_type_ids")
-                if name != "token_type_ids" or (directory / f"{name}.npy").is_file()
+                if f"{name}.npy" in listed
             }
         except (OSError, ValueError) as err:
             raise DataError(f"{directory} is damaged: {err}") from None
@@ -161,6 +170,21 @@ def store_key(tokenizer_digest: str, side: str, max_length: int, texts: Sequence
             "texts": fingerprint_strings(texts),
         }
     )
+
+
+NAMES = {"input_ids", "token_type_ids", "attention_mask"}  # what a cache may say its tokenizer returns
+
+
+def _facts_problem(facts: dict) -> str | None:
+    """What is wrong with the shape of a cache's manifest (None: nothing): its names, length and file list."""
+    names, files, max_length = facts.get("names"), facts.get("files"), facts.get("max_length")
+    if not isinstance(names, list) or "input_ids" not in names or not set(names) <= NAMES:
+        return f"its manifest names {names!r}, not the tokenizer outputs it can hold ({', '.join(sorted(NAMES))})"
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+        return f"its manifest's max_length is {max_length!r}"
+    if not isinstance(files, dict) or not {"input_ids.npy", "offsets.npy"} <= set(files):
+        return "its manifest does not list input_ids.npy and offsets.npy"
+    return None
 
 
 def _facts(directory: Path) -> dict | None:
