@@ -248,3 +248,39 @@ def test_training_with_the_cache_ends_with_the_same_weights_bit_for_bit(
     assert losses == plain_losses
     for name, tensor in plain_weights.items():
         assert torch.equal(weights[name], tensor), name
+
+
+def test_the_cache_is_built_and_read_under_a_lock_other_processes_wait_for(tiny_model_dir, tmp_path, monkeypatch):
+    """Ranks of one node without a shared disk each build the same directory: while one builds or reads it,
+    it holds ``<cache>/.lock``, which another process's ``flock`` cannot take (it waits its turn)."""
+    import fcntl
+
+    from densepass.models import token_cache
+
+    directory = tmp_path / "cache"
+    held = []
+
+    def lock_is_held() -> bool:
+        with open(directory / ".lock", "a+") as other:  # another open file: as another process sees it
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(other, fcntl.LOCK_UN)
+            return False
+
+    real_ensure, real_load = token_cache.ensure_store, token_cache.TokenStore.load
+
+    def ensure(*args, **kwargs):
+        held.append(lock_is_held())
+        return real_ensure(*args, **kwargs)
+
+    def load(*args, **kwargs):
+        held.append(lock_is_held())
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(token_cache, "ensure_store", ensure)
+    monkeypatch.setattr(token_cache.TokenStore, "load", load)  # called on the class: TokenStore.load(path, ...)
+    cached_tokenizer(_bi_encoder(tiny_model_dir), TEXTS, directory)
+    assert held and all(held)
+    assert not lock_is_held()  # released afterwards

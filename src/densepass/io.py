@@ -51,12 +51,12 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def exclusive_lock(directory: str | Path, what: str = "run") -> Iterator[None]:
+def exclusive_lock(directory: str | Path, what: str = "run", wait: bool = False) -> Iterator[None]:
     """Hold an exclusive lock on ``directory`` (created if missing) for the block's duration.
 
     A second densepass process that asks for the same directory gets a one-line error instead of
-    interleaving its writes with the first one's. The lock is released when the process ends, however
-    it ends (``fcntl.flock`` on ``<directory>/.lock``).
+    interleaving its writes with the first one's (``wait``: it waits for the lock instead). The lock is
+    released when the process ends, however it ends (``fcntl.flock`` on ``<directory>/.lock``).
     """
     import fcntl
 
@@ -67,7 +67,7 @@ def exclusive_lock(directory: str | Path, what: str = "run") -> Iterator[None]:
     handle = open(directory / ".lock", "a+")
     try:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"

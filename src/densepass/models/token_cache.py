@@ -41,7 +41,7 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 from densepass import distributed
 from densepass.errors import DataError, DataWarning
 from densepass.fingerprints import fingerprint_file, fingerprint_json, fingerprint_strings
-from densepass.io import MANIFEST, atomic_directory, manifest_problem, write_manifest
+from densepass.io import MANIFEST, atomic_directory, exclusive_lock, manifest_problem, write_manifest
 from densepass.models.biencoder import Side
 
 FORMAT = 1
@@ -343,12 +343,19 @@ def cached_tokenizer(
         if max_length is not None:
             unique = list(dict.fromkeys(side_texts))
             plans.append((directory / side, unique, max_length, side, store_key(digest, side, max_length, unique)))
-    reused = distributed.on_rank_zero(lambda: [ensure_store(path, tokenizer, *plan) for path, *plan in plans])
+
+    def ensure_all() -> list[bool]:
+        with exclusive_lock(directory, "token cache", wait=True):
+            return [ensure_store(path, tokenizer, *plan) for path, *plan in plans]
+
+    reused = distributed.on_rank_zero(ensure_all)
     stores = []
-    for (path, unique, max_length, side, key), was_reused in zip(plans, reused):
-        if distributed.rank() != 0 and (_facts(path) or {}).get("key") != key:
-            # this process's run directory is not rank 0's (not a shared one): it builds its own cache
-            was_reused = ensure_store(path, tokenizer, unique, max_length, side, key)
-        stores.append(TokenStore.load(path, unique, key, verify=False))  # checked (or just written) already
-        stores[-1].reused = was_reused
+    # processes that build or read the same directory (ranks of one node without a shared disk) take turns
+    with exclusive_lock(directory, "token cache", wait=True):
+        for (path, unique, max_length, side, key), was_reused in zip(plans, reused):
+            if distributed.rank() != 0 and (_facts(path) or {}).get("key") != key:
+                # this process's run directory is not rank 0's (not a shared one): it builds its own cache
+                was_reused = ensure_store(path, tokenizer, unique, max_length, side, key)
+            stores.append(TokenStore.load(path, unique, key, verify=False))  # checked (or just written) already
+            stores[-1].reused = was_reused
     return CachedTokenizer(tokenizer, stores)
