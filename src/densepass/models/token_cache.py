@@ -14,7 +14,8 @@ less the backend's truncation and padding settings, which every call overwrites,
 text, which shows settings changed after loading), the truncation length, the side, and the texts
 themselves, in order. A directory whose key differs (another tokenizer, length or text) is rebuilt; one whose
 manifest is malformed or whose files do not match it (sizes and digests) is rebuilt with a ``DataWarning``;
-only the files its manifest lists are read. Under torchrun rank 0 builds or checks it and every process reads it.
+only the files its manifest lists are read. Under torchrun rank 0 builds or checks it and every process reads
+it; processes that build or read one directory (ranks of a node without a shared disk) take turns, under a lock.
 
 How it is used: ``CachedTokenizer`` stands in for the tokenizer inside the model's own ``tokenize`` (any
 retriever kind, ColBERT's markers and [MASK] padding included). A call for texts it holds, at the length it
