@@ -383,6 +383,7 @@ def _mine(args: argparse.Namespace) -> None:
     from densepass import distributed
     from densepass.config import load_config
     from densepass.errors import ConfigError
+    from densepass.negatives.mine import mines_with_a_model, strategy_specs
     from densepass.pipelines.mining import mine_training_negatives
 
     options = {
@@ -409,8 +410,7 @@ def _mine(args: argparse.Namespace) -> None:
     if output.is_dir():
         raise ConfigError(f"--output {output} is a directory; give the path of the hard-negatives file to write")
     negatives = config.negatives
-    strategies = negatives.mix if negatives.source == "mixed" else [negatives.source]
-    if args.precision is not None and strategies and not any(s.split(":")[0] in ("model", "dense") for s in strategies):
+    if args.precision is not None and strategy_specs(negatives) and not mines_with_a_model(negatives):
         raise ConfigError(f"--precision sets how a model encodes; the {negatives.source} strategy mines with no model")
     with distributed.process_group():  # under torchrun: dense mining in shards, rank 0 writes the file
         result = mine_training_negatives(config, output)

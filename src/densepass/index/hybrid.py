@@ -136,20 +136,21 @@ class HybridIndex(Index):
         """The two parts, each with the ``options`` its kind takes (an option neither takes is a one-line error);
         ``model`` (if given) replaces the recorded model of the part of its kind: the SPLADE part's for a
         ``SpladeEncoder``, else the dense part's (which refuses another kind in one line)."""
-        kinds = [read_index_manifest(directory / name)["kind"] for name in ("first", "second")]
+        names = ("first", "second")
+        kinds = [read_index_manifest(directory / name)["kind"] for name in names]
         taken = [KINDS[kind].load_options or () for kind in kinds]
         unknown = sorted(name for name in options if not any(name in t for t in taken))
         if unknown:
             raise ConfigError(f"neither part of a {' + '.join(kinds)} hybrid takes {', '.join(unknown)} on load")
         owner = 1 if isinstance(model, SpladeEncoder) and kinds[1] == "splade" else 0
         parts = []
-        for i, kind in enumerate(kinds):
-            takes = {name: value for name, value in options.items() if name in taken[i]}
+        for i, (name, kind) in enumerate(zip(names, kinds)):
+            takes = {option: value for option, value in options.items() if option in taken[i]}
             if "precision" in takes:
                 takes["precision"] = part_precision(kind, takes["precision"])
             if model is not None and i == owner:
                 takes["model"] = model
-            parts.append(KINDS[kind].load(directory / ("first", "second")[i], **takes))
+            parts.append(KINDS[kind].load(directory / name, **takes))
         if parts[0].passages.ids != passages.ids:
             raise DataError(f"{directory}: its parts hold other passages than the hybrid index")
         return cls(*parts, **manifest["options"])

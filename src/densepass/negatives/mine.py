@@ -80,11 +80,20 @@ def dense_dim(spec: str, config: NegativesConfig) -> int:
     return int(arg) if arg else config.dense_dim
 
 
+def strategy_specs(config: NegativesConfig, strategy: str | None = None) -> list[str]:
+    """The strategies that mining ``strategy`` (default: ``config.source``) runs: ``config.mix`` for ``mixed``."""
+    strategy = strategy or config.source
+    return config.mix if strategy == "mixed" else [strategy]
+
+
 def dense_specs(config: NegativesConfig, strategy: str | None = None) -> list[str]:
     """The ``dense[:DIM]`` strategies that mining ``strategy`` (default: ``config.source``) will run."""
-    strategy = strategy or config.source
-    specs = config.mix if strategy == "mixed" else [strategy]
-    return [s for s in specs if s.partition(":")[0] == "dense"]
+    return [s for s in strategy_specs(config, strategy) if s.partition(":")[0] == "dense"]
+
+
+def mines_with_a_model(config: NegativesConfig) -> bool:
+    """Whether mining ``config.source`` encodes with a model (a ``model`` or ``dense[:DIM]`` strategy)."""
+    return any(s.partition(":")[0] in ("model", "dense") for s in strategy_specs(config))
 
 
 def raw_pool(

@@ -68,6 +68,11 @@ class IndexSettings:
     precision: str = "auto"  # encoding precision: auto, fp32, bf16, int8 (bi-encoders only; models.encode)
     ivf: IVFPQOptions = dataclasses.field(default_factory=IVFPQOptions)  # faiss-ivfpq-disk: training, codes, nprobe
 
+    @property
+    def encoded_kind(self) -> str:
+        """The kind of index the bi-encoder's passage embeddings go into: a hybrid's dense part, else ``kind``."""
+        return self.dense_kind if self.kind == "hybrid" else self.kind
+
     def __post_init__(self) -> None:
         if self.kind not in INDEX_KINDS:
             raise ConfigError(f"unknown index kind {self.kind!r} (known: {', '.join(INDEX_KINDS)})")
@@ -97,7 +102,7 @@ def encode_corpus(
     Collective under torchrun."""
     if settings.kind == ONDISK_INDEX_KIND:
         settings.ivf.resolve(len(texts), model.dim)
-    check_trainable(settings.dense_kind if settings.kind == "hybrid" else settings.kind, len(texts))
+    check_trainable(settings.encoded_kind, len(texts))
     return encode_sharded(
         model,
         texts,
@@ -228,8 +233,7 @@ def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> 
             # a hybrid's SPLADE model loads first: a wrong one fails before the corpus is encoded
             sparse = SpladeEncoder.from_pretrained(settings.sparse_model) if settings.sparse_model else None
             model = BiEncoder.from_pretrained(settings.model)
-            kind = settings.dense_kind if settings.kind == "hybrid" else settings.kind
-            index = dense_index(model, corpus, kind, work_dir, settings)
+            index = dense_index(model, corpus, settings.encoded_kind, work_dir, settings)
             if settings.kind == "hybrid":
                 second: Index = (
                     index_for_model(
