@@ -10,7 +10,8 @@ densepass runs in fp32, bf16 (a bfloat16 copy; on CPU only where bf16 is fast, o
 ``--densepass-precisions``; on CPU with fused BERT layers, ``models.fused``) and, on CPU, int8 (dynamic
 quantisation). ``--unfused`` adds densepass bf16 as it ran before the fused layers (transformers' layers, pieces of
 2,048 tokens), ``--bf16-piece-tokens`` other piece sizes, ``--length-multiples`` other paddings of the fused
-layers' inputs (1: none); ``--profile`` prints, instead of timings, where each densepass setting's time goes
+layers' inputs (1: none), ``--sdpa`` SDPA in the fused layers instead of the AMX attention kernel
+(``models.cpu_kernels``); ``--profile`` prints, instead of timings, where each densepass setting's time goes
 (``torch.profiler``). sentence-transformers runs as a user would run it: its default
 batch size (32) and densepass's, in float32, and on a GPU or a CPU with fast bfloat16 (AMX, or AVX512-BF16 on AMD:
 ``device.cpu_has_fast_bf16``) in bfloat16 too (``model.to(torch.bfloat16)``). On CPU it also runs, where they
@@ -41,6 +42,7 @@ from common import environment, markdown_table, pick_device, print_profile, rate
 from densepass.data import load_dataset
 from densepass.device import cpu_has_fast_bf16, resolve_precision
 from densepass.models import copies as copies_module
+from densepass.models import cpu_kernels as kernels_module
 from densepass.models import encode as encode_module
 from densepass.models import fused as fused_module
 from densepass.models.batching import CPU_PIECE_TOKENS
@@ -253,6 +255,11 @@ def main() -> None:
         help="CPU: densepass bf16 also as before the fused layers (transformers' layers, 2,048-token pieces)",
     )
     parser.add_argument(
+        "--sdpa",
+        action="store_true",
+        help="CPU: densepass bf16 also with SDPA in the fused layers instead of the AMX attention kernel",
+    )
+    parser.add_argument(
         "--bf16-piece-tokens",
         type=int,
         nargs="*",
@@ -343,6 +350,9 @@ def main() -> None:
         encode = under(fused_module, {"LENGTH_MULTIPLE": multiple}, densepass_encoder(model, bf16_options))
         label = f"densepass encode_texts, lengths padded to a multiple of {multiple}"
         systems.append((label, "bf16", args.batch_size, encode))
+    if args.sdpa and not gpu:
+        encode = under(kernels_module, {"usable": lambda qkv, size: False}, densepass_encoder(model, bf16_options))
+        systems.append(("densepass encode_texts, SDPA attention", "bf16", args.batch_size, encode))
     if args.unfused and not gpu:
         # a model of its own: its bf16 copy is made while fusion is off (copies are cached per model)
         unfused = BiEncoder.from_pretrained(path, config=lengths)

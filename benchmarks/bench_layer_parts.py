@@ -32,25 +32,46 @@ from torch.nn import functional as F
 
 from common import environment, markdown_table, write_json
 from densepass.data import load_dataset
+from densepass.models import cpu_kernels
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
 from densepass.models.encode import encode_texts, inference_runner
 from densepass.models.fused import FusedBertEncoder
 
 
 def captured_pieces(model: BiEncoder, texts: list[str]) -> tuple[FusedBertEncoder, list[tuple]]:
-    """The fused bf16 passage tower and the (hidden states, key mask) each piece of an ``encode_texts`` run hands
+    """The fused bf16 passage tower and the (packed tokens, offsets) each piece of an ``encode_texts`` run hands
     its first layer."""
     cpu = torch.device("cpu")
     tower = inference_runner(model, "bf16", cpu).passage_encoder
     if not isinstance(tower, FusedBertEncoder):
         raise SystemExit("the model's bf16 copy does not run fused layers on this CPU (models.fused.fusable)")
+    first = tower.layers[0]
+    if not cpu_kernels.usable(first.qkv_bias, tower.head_size):
+        raise SystemExit("the AMX attention kernel does not run here (models.cpu_kernels.usable)")
     pieces = []
-    hook = tower.layers[0].register_forward_pre_hook(lambda layer, args: pieces.append(args))
+
+    def capture(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        pieces.append((x, offsets))
+        return type(first).packed_tokens(first, x, offsets)
+
+    first.packed_tokens = capture
     try:
         encode_texts(model, texts, "passage", device=cpu, precision="bf16", show_progress=False)
     finally:
-        hook.remove()
+        del first.packed_tokens
     return tower, pieces
+
+
+def padded(qkv: torch.Tensor, offsets: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+    """Packed ``qkv`` [tokens, 3 x width] as SDPA takes it: q, k, v [sequences, heads, longest, size] padded
+    with zeros, and the key mask [sequences, 1, 1, longest]."""
+    lengths = offsets.diff()
+    longest, width = int(lengths.max()), qkv.shape[1] // 3
+    kept = torch.arange(longest)[None, :] < lengths[:, None]
+    grid = qkv.new_zeros(len(lengths), longest, 3 * width)
+    grid[kept] = qkv
+    q, k, v = grid.view(len(lengths), longest, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+    return q, k, v, kept[:, None, None, :]
 
 
 def layer_parts(layer, pieces: list[tuple]) -> tuple[list[dict], dict, dict]:
@@ -60,37 +81,36 @@ def layer_parts(layer, pieces: list[tuple]) -> tuple[list[dict], dict, dict]:
     width, heads = pieces[0][0].shape[-1], layer.heads
     inner = layer.inner_bias.numel()
     stages = []
-    for hidden, keep in pieces:
-        batch, length, _ = hidden.shape
-        x = hidden.reshape(-1, width)
+    for x, offsets in pieces:
         qkv = linear(x, layer.qkv, layer.qkv_bias, "none", [], "")
-        q, k, v = qkv.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(x.shape)
+        context = cpu_kernels.self_attention(qkv, offsets, heads)
         h = layer.attention_norm(linear.binary(context, x, layer.out, layer.out_bias, "add"))
         f = linear(h, layer.inner, layer.inner_bias, "gelu", [], "none")
+        q, k, v, keep = padded(qkv, offsets, heads)
         stages.append(
             {
-                "hidden": hidden, "keep": keep, "x": x, "q": q, "k": k, "v": v, "context": context, "h": h, "f": f,
-                "tokens": batch * length,
-                "attention_macs": 2 * batch * heads * length * length * (width // heads),
+                "x": x, "offsets": offsets, "qkv": qkv, "context": context, "h": h, "f": f,
+                "q": q, "k": k, "v": v, "keep": keep, "tokens": x.shape[0],
+                "attention_macs": 2 * heads * int((offsets.diff() ** 2).sum()) * (width // heads),
             }
         )  # fmt: skip
     sdpa = F.scaled_dot_product_attention
     runs = {
         "qkv": lambda s: linear(s["x"], layer.qkv, layer.qkv_bias, "none", [], ""),
-        "attention": lambda s: sdpa(s["q"], s["k"], s["v"], attn_mask=s["keep"]),
+        "attention": lambda s: cpu_kernels.self_attention(s["qkv"], s["offsets"], heads),
         "output": lambda s: linear.binary(s["context"], s["x"], layer.out, layer.out_bias, "add"),
         "layer norms": lambda s: (layer.attention_norm(s["x"]), layer.output_norm(s["h"])),
         "inner": lambda s: linear(s["h"], layer.inner, layer.inner_bias, "none", [], ""),
         "inner with GELU": lambda s: linear(s["h"], layer.inner, layer.inner_bias, "gelu", [], "none"),
         "ffn output": lambda s: linear.binary(s["f"], s["h"], layer.ffn_out, layer.ffn_out_bias, "add"),
-        "whole layer": lambda s: layer(s["hidden"], s["keep"]),
+        "whole layer": lambda s: layer.packed_tokens(s["x"], s["offsets"]),
+        "SDPA": lambda s: sdpa(s["q"], s["k"], s["v"], attn_mask=s["keep"]),
     }
     per_token = {"qkv": 3 * width, "output": width, "layer norms": 2, "inner": inner, "ffn output": inner}
-    positions = sum(s["tokens"] for s in stages)
-    work = {name: positions * width * count for name, count in per_token.items()}
-    work["GELU"] = positions * inner
-    work["attention"] = sum(s["attention_macs"] for s in stages)
+    tokens = sum(s["tokens"] for s in stages)
+    work = {name: tokens * width * count for name, count in per_token.items()}
+    work["GELU"] = tokens * inner
+    work["attention"] = work["SDPA"] = sum(s["attention_macs"] for s in stages)
     return stages, runs, work
 
 
@@ -124,7 +144,7 @@ def main() -> None:
                 best[name] = min(best[name], time.perf_counter() - started)
     ms = {name: 1000 * seconds * 1000 / len(texts) for name, seconds in best.items()}  # per 1,000 passages
     ms["GELU"] = ms.pop("inner with GELU") - ms["inner"]
-    whole = ms.pop("whole layer")
+    whole, sdpa = ms.pop("whole layer"), ms.pop("SDPA")
     total = sum(ms.values())
     rows = [
         [name, f"{ms[name]:.1f}", f"{ms[name] / total:.0%}", f"{work[name] / (ms[name] * len(texts) / 1e6) / 1e9:,.0f}"]
@@ -132,15 +152,17 @@ def main() -> None:
     ]
     rows.append(["sum of the parts", f"{total:.1f}", "100%", ""])
     rows.append(["the whole layer", f"{whole:.1f}", f"{whole / total:.0%}", ""])
-    real = sum(int(keep.sum()) for _, keep in pieces)
-    padded = sum(s["tokens"] for s in stages)
-    print(f"\n{len(texts):,} passages, {len(pieces)} pieces, {padded:,} positions ({real:,} tokens), one layer:\n")
+    rate = work["SDPA"] / (sdpa * len(texts) / 1e6) / 1e9
+    rows.append(["(SDPA instead of the kernel, each piece padded to its longest)", f"{sdpa:.1f}", "", f"{rate:,.0f}"])
+    tokens = sum(s["tokens"] for s in stages)
+    print(f"\n{len(texts):,} passages, {len(pieces)} pieces, {tokens:,} tokens packed, one layer:\n")
     print(
         markdown_table(
             ["part", "ms per 1,000 passages", "share", "rate (G multiply-adds / s; GELU, norms: G elements / s)"], rows
         )
     )
-    write_json(args.out, {"environment": env, "args": vars(args), "ms_per_1000": ms, "whole_layer_ms": whole})
+    results = {"ms_per_1000": ms, "whole_layer_ms": whole, "sdpa_ms": sdpa}
+    write_json(args.out, {"environment": env, "args": vars(args), **results})
 
 
 if __name__ == "__main__":

@@ -91,14 +91,14 @@ def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
         return override == "1"
     if override:
         raise ConfigError(f"${FAST_BF16_ENV} must be 0 or 1, got {override!r}")
-    words = _cpuinfo_words(cpuinfo)
+    words = cpuinfo_words(cpuinfo)
     return "amx_bf16" in words or ("avx512_bf16" in words and "AuthenticAMD" in words)
 
 
 @functools.lru_cache(maxsize=8)
-def _cpuinfo_words(cpuinfo: str) -> frozenset[str]:
-    """The words of ``cpuinfo`` (vendor and flags), read once per process: every encoding call resolves its
-    precision, and /proc/cpuinfo grows with the core count (empty where it cannot be read)."""
+def cpuinfo_words(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The words of ``cpuinfo`` (vendor and flags, e.g. ``amx_bf16``), read once per process: every encoding call
+    resolves its precision, and /proc/cpuinfo grows with the core count (empty where it cannot be read)."""
     try:
         return frozenset(Path(cpuinfo).read_text().split())
     except OSError:

@@ -50,20 +50,21 @@ def reused_copy(model: nn.Module, setting: Hashable, make: Callable[[], M]) -> M
     return made
 
 
-def bf16_copy(model: nn.Module, fuse: bool, first_position: bool = False) -> nn.Module:
+def bf16_copy(model: nn.Module, fuse: bool, first_position: bool = False, padding_outputs: bool = True) -> nn.Module:
     """A bfloat16 copy of a ``transformers`` model in eval mode, without gradients; ``model`` is left untouched.
     With ``fuse`` (the CPU), a BERT-layered encoder (``models.fused.fusable``) runs as ``FusedBertEncoder``: the
     model itself, or the encoder under its head (``base_model_prefix``: the ``bert`` of a ``BertForMaskedLM``,
     whose head then runs as it is, in bf16); ``first_position``: its last layer can run on the first position
-    only (a cross-encoder's)."""
+    only (a cross-encoder's); ``padding_outputs``: False where only the tokens' hidden states are read
+    (``FusedBertEncoder``)."""
     half = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
     if not fuse:
         return half
     if fusable(half):
-        return FusedBertEncoder(half, first_position)
+        return FusedBertEncoder(half, first_position, padding_outputs)
     base = fusable_base(half)
     if base is not None:
-        setattr(half, half.base_model_prefix, FusedBertEncoder(base, first_position))
+        setattr(half, half.base_model_prefix, FusedBertEncoder(base, first_position, padding_outputs))
     return half
 
 

@@ -49,9 +49,10 @@ TOKENIZE_CHUNK = 16_384  # texts tokenised at once; the next chunk is tokenised 
 
 def inference_copy(model: BiEncoder, fuse: bool = False) -> BiEncoder:
     """A copy of ``model`` for inference whose towers are bfloat16 (``models.copies.bf16_copy``; ``fuse``, on the
-    CPU: BERT, RoBERTa and XLM-R towers run with ``models.fused``'s layers); the projection stays float32
-    (``pool`` returns float32). ``model`` itself is left untouched."""
-    return _copy_towers(model, lambda tower: bf16_copy(tower, fuse))
+    CPU: BERT, RoBERTa and XLM-R towers run with ``models.fused``'s layers, which skip the padding: the pooling
+    reads the tokens alone); the projection stays float32 (``pool`` returns float32). ``model`` itself is left
+    untouched."""
+    return _copy_towers(model, lambda tower: bf16_copy(tower, fuse, padding_outputs=False))
 
 
 def quantized_copy(model: BiEncoder) -> BiEncoder:

@@ -8,17 +8,20 @@ activations, and each residual add as another: in a profile of MiniLM encoding d
 fewer passes:
 
     qkv = x Wqkv^T + bqkv                       one product for the query, key and value projections
-    a   = SDPA(q, k, v, mask)                   scaled dot-product attention, per head
+    a   = attention(q, k, v)                    scaled dot-product attention, per head
     h   = LayerNorm(x + a Wo^T + bo)            oneDNN adds the bias and the residual (binary post-op)
     f   = GELU(h Wi^T + bi)                     bias and GELU fused into the product (exact, erf GELU)
     out = LayerNorm(h + f Wf^T + bf)            bias and residual fused
 
-with each weight reordered once into oneDNN's blocked layout, and the inputs padded to a multiple of 16 tokens
-where that adds little (``LENGTH_MULTIPLE``). The maths is the eager layer's (same attention scale, same GELU): in
-bf16 the two agree to bf16 rounding, in float32 to float32 rounding (tests). Used for the bf16 inference copies
-on the CPU (``models.copies.bf16_copy``): a bi-encoder's towers, ColBERT's encoder and SPLADE's MLM encoder (the
-model under its head); BERT, RoBERTa and XLM-R encoders only (``fusable``: MiniLM, BERT, BGE / E5 / GTE,
-multilingual E5), everything else runs the ``transformers`` model as it is.
+with each weight reordered once into oneDNN's blocked layout. Where ``cpu_kernels`` runs (bf16 on a CPU with AMX,
+heads of 32 or 64), the layers take the tokens packed without padding: the products run on tokens alone, attention
+and the layer norms are ``cpu_kernels``' (attention on AMX tiles, per sequence); elsewhere (float32, other CPUs) they
+take padded batches, attention is SDPA, and the inputs are padded to a multiple of 16 tokens where that adds little
+(``LENGTH_MULTIPLE``). The maths is the eager layer's (same attention scale, same GELU): in bf16 the two agree to
+bf16 rounding, in float32 to float32 rounding (tests). Used for the bf16 inference copies on the CPU
+(``models.copies.bf16_copy``): a bi-encoder's towers, ColBERT's encoder and SPLADE's MLM encoder (the model under
+its head); BERT, RoBERTa and XLM-R encoders only (``fusable``: MiniLM, BERT, BGE / E5 / GTE, multilingual E5),
+everything else runs the ``transformers`` model as it is.
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.modeling_outputs import BaseModelOutput
 
+from . import cpu_kernels
+
 FUSABLE_TYPES = ("bert", "roberta", "xlm-roberta")  # RoBERTa and XLM-R run BERT's layers
 LENGTH_MULTIPLE = 16
 PAD_SHARE = 8
-"""Inputs are padded to a multiple of ``LENGTH_MULTIPLE`` tokens (masked as keys, cut from the output) where that
-adds at most 1 / ``PAD_SHARE`` of their length. SDPA's CPU flash kernel splits queries into blocks of 32 rows and
-runs its bf16 products on AMX tiles of 16: a ragged tail of queries or keys costs nearly a whole tile. A padded
+"""On padded batches (SDPA's path), inputs are padded to a multiple of ``LENGTH_MULTIPLE`` tokens (masked as keys,
+cut from the output) where that adds at most 1 / ``PAD_SHARE`` of their length. SDPA's CPU flash kernel splits
+queries into blocks of 32 rows and runs its bf16 products on AMX tiles of 16: a ragged tail of queries or keys costs
+nearly a whole tile. A padded
 position costs the products as much as a token, so padding pays where it adds little: debian-packages passages
 encode 1.09x faster with it, while short queries padded from 9 to 16 tokens would encode slower (``bench_encode.py
 --length-multiples 1``, docs/benchmarks.md "Inputs padded to whole tiles")."""
@@ -69,7 +75,8 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
 
 class FusedBertLayer(nn.Module):
     """One BERT layer (``transformers``' ``BertLayer``, or RoBERTa's and XLM-R's copies of it, in eval mode) as
-    four fused products and SDPA."""
+    four fused products and attention: SDPA on padded batches (``forward``), ``cpu_kernels`` on packed tokens
+    (``packed_tokens``)."""
 
     def __init__(self, layer: nn.Module, first_position: bool = False) -> None:
         super().__init__()
@@ -95,6 +102,14 @@ class FusedBertLayer(nn.Module):
         q, k, v = qkv.view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
         return self._after_attention(q, k, v, keep, x).view(batch, length, width)
 
+    def packed_tokens(self, x: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """The layer over sequences packed one after the other (``cpu_kernels.self_attention``): ``x`` [tokens,
+        width], sequence ``b`` in rows ``offsets[b]`` to ``offsets[b + 1]``, its first ``keys[b]`` the tokens
+        attended to; returns the same shape."""
+        qkv = torch.ops.mkldnn._linear_pointwise(x, self.qkv, self.qkv_bias, "none", [], "")
+        context = cpu_kernels.self_attention(qkv, offsets, self.heads, keys)
+        return self._after_context(context, x, kernels=True)
+
     def first_position(self, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """The layer's output at the first position only, [batch, 1, width]: keys and values of every position,
         the query, attention output and feed-forward of the first (a cross-encoder's last layer, whose head reads
@@ -115,17 +130,26 @@ class FusedBertLayer(nn.Module):
     ) -> torch.Tensor:
         """Attention of the queries ``q`` [batch, heads, rows, size] over ``k``, ``v``, then the output projection,
         residual ``x`` [batch x rows, width], layer norms and feed-forward: [batch x rows, width]."""
-        linear = torch.ops.mkldnn._linear_pointwise
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(x.shape)
-        h = self.attention_norm(linear.binary(context, x, self.out, self.out_bias, "add"))
+        return self._after_context(context, x)
+
+    def _after_context(self, context: torch.Tensor, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+        """The output projection of the attention ``context`` [batch x rows, width], residual ``x``, layer norms
+        (``kernels``: ``cpu_kernels.layer_norm_``) and feed-forward: [batch x rows, width]."""
+        linear = torch.ops.mkldnn._linear_pointwise
+        norm = cpu_kernels.layer_norm_ if kernels else lambda t, layer_norm: layer_norm(t)
+        h = norm(linear.binary(context, x, self.out, self.out_bias, "add"), self.attention_norm)
         f = linear(h, self.inner, self.inner_bias, "gelu", [], "none")
-        return self.output_norm(linear.binary(f, h, self.ffn_out, self.ffn_out_bias, "add"))
+        return norm(linear.binary(f, h, self.ffn_out, self.ffn_out_bias, "add"), self.output_norm)
 
 
 class FusedBertEncoder(nn.Module):
     """A ``transformers`` BERT-layered encoder (``fusable``) for inference with fused layers: called like the model
     (``input_ids`` or ``inputs_embeds``, ``attention_mask``), it returns ``last_hidden_state`` (no pooler).
-    It keeps the model's embeddings and layer norms; the products' weights are packed copies.
+    It keeps the model's embeddings and layer norms; the products' weights are packed copies. ``padding_outputs``:
+    hidden states at the padding positions too, as ``transformers`` computes them (ColBERT reads its queries'
+    [MASK] padding); False, where only the tokens' are read (a bi-encoder's pooling), zeros there, and the
+    ``cpu_kernels`` path runs the layers on the tokens alone.
 
         >>> from transformers import AutoModel, AutoTokenizer
         >>> from densepass.models.biencoder import resolve_model_path
@@ -137,11 +161,13 @@ class FusedBertEncoder(nn.Module):
         torch.Size([2, 8, 384])
     """
 
-    def __init__(self, encoder: nn.Module, first_position: bool = False) -> None:
+    def __init__(self, encoder: nn.Module, first_position: bool = False, padding_outputs: bool = True) -> None:
         super().__init__()
         if not fusable(encoder):
             raise ValueError(f"not a BERT encoder the fused layers compute: {type(encoder).__name__}")
         self.config = encoder.config
+        self.head_size = encoder.config.hidden_size // encoder.config.num_attention_heads
+        self.padding_outputs = padding_outputs
         self.embeddings = encoder.embeddings
         last = len(encoder.encoder.layer) - 1
         self.layers = nn.ModuleList(
@@ -149,6 +175,28 @@ class FusedBertEncoder(nn.Module):
         )
         self.pooler = getattr(encoder, "pooler", None)  # what a BERT classifier's head reads (not run here)
         self.eval().requires_grad_(False)
+
+    def _packed(self, hidden: torch.Tensor, kept: torch.Tensor, first_position: bool) -> torch.Tensor:
+        """The layers over ``hidden`` [batch, length, width] with ``cpu_kernels``' attention, each sequence's rows
+        one after the other, its kept tokens (``kept`` [batch, length]) first as the keys: every row where
+        ``padding_outputs``, the kept ones alone otherwise (zeros at padding) and for ``first_position`` (whose
+        last layer reads the first position's query only)."""
+        batch, length, width = hidden.shape
+        counts = kept.sum(1)
+        if self.padding_outputs and not first_position:
+            order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)  # kept first, in order
+            rows = (order + torch.arange(batch)[:, None] * length).reshape(-1)
+            offsets = torch.arange(0, (batch + 1) * length, length)
+        else:
+            rows = kept.reshape(-1).nonzero().squeeze(1)
+            offsets = F.pad(counts.cumsum(0), (1, 0))
+        in_place = len(rows) == batch * length and bool((rows == torch.arange(len(rows))).all())
+        x = hidden.reshape(-1, width) if in_place else hidden.reshape(-1, width).index_select(0, rows)
+        for layer in self.layers[:-1] if first_position else self.layers:
+            x = layer.packed_tokens(x, offsets, counts)
+        out = x if in_place else hidden.new_zeros(batch * length, width).index_copy_(0, rows, x)
+        out = out.view(batch, length, width)
+        return self.layers[-1].first_position(out, kept[:, None, None, :]) if first_position else out
 
     def get_input_embeddings(self) -> nn.Module:
         """The token-embedding table (as ``transformers`` models expose it)."""
@@ -166,9 +214,10 @@ class FusedBertEncoder(nn.Module):
         """The last layer's hidden states [batch, length, width] of ``input_ids`` (or ``inputs_embeds``);
         ``attention_mask`` [batch, length], 1 at tokens and 0 at padding (default: no padding); ``token_type_ids``
         the segments (default: all 0); ``first_position`` (an encoder built with ``first_position=True``): the
-        last layer's output at the first position only, [batch, 1, width]. The layers run on the inputs padded
-        to a multiple of ``LENGTH_MULTIPLE`` tokens where that adds at most 1 / ``PAD_SHARE`` and the position
-        table allows. Other arguments a ``transformers`` head passes its encoder are accepted where they change
+        last layer's output at the first position only, [batch, 1, width]. Where ``cpu_kernels`` runs, the layers
+        run on the tokens packed without padding (the output is zero at padding); elsewhere on the inputs padded to
+        a multiple of ``LENGTH_MULTIPLE`` tokens where that adds at most 1 / ``PAD_SHARE`` and the position table
+        allows. Other arguments a ``transformers`` head passes its encoder are accepted where they change
         nothing (``return_dict``, None, False) and refused otherwise (``position_ids``, ``encoder_hidden_states``
         ...)."""
         refused = sorted(k for k, v in unused.items() if k != "return_dict" and v is not None and v is not False)
@@ -178,6 +227,9 @@ class FusedBertEncoder(nn.Module):
         batch, length = given.shape[:2]
         if attention_mask is None:
             attention_mask = torch.ones((batch, length), dtype=torch.bool, device=given.device)
+        if cpu_kernels.usable(self.embeddings.word_embeddings.weight, self.head_size):
+            hidden = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids)
+            return BaseModelOutput(last_hidden_state=self._packed(hidden, attention_mask.bool(), first_position))
         extra = -length % LENGTH_MULTIPLE
         if 0 < extra * PAD_SHARE <= length and length + extra <= self.config.max_position_embeddings:
             pad_id = self.config.pad_token_id or 0  # RoBERTa numbers its positions from the non-pad tokens

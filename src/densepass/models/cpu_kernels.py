@@ -1,0 +1,173 @@
+"""bf16 kernels of the fused BERT layers on x86 CPUs with AMX: attention on AMX tiles and layer norm, in C++.
+
+SDPA's CPU flash-attention kernel ran MiniLM's attention (12 heads of 32 dimensions over rows of about 90 tokens)
+at 61 G multiply-adds/s on a 2-core Xeon with AMX, against 0.5-1.6 T for the layer's products, and took a third of
+a fused layer's time; torch's bf16 layer norm another 8% (``benchmarks/bench_layer_parts.py``, docs/benchmarks.md).
+``self_attention`` computes, per sequence and head,
+
+    S = Q K^T                 on AMX tiles (bf16 in, float32 out), 16 queries x 16 keys a tile
+    P = exp(scale (S - max))  in float32 (AVX-512), per query row, rounded to bf16
+    O = P V / sum(P)          on AMX tiles, divided and rounded to bf16
+
+as SDPA does in bf16 (float32 scores and softmax, bf16 probabilities for P V), over sequences packed one after the
+other without padding: a layer's products run on the tokens alone, and the kernel reads queries, keys and values
+where the one query/key/value product left them and writes the context where the output product reads it (no
+permute or copy on either side). It takes heads of 32 or 64 dimensions (MiniLM, BERT-base and -large, BGE, E5,
+GTE). ``layer_norm_`` normalises bf16 rows in place, in float32, a row held in registers (about 1.7x torch's).
+
+The kernels (``csrc/cpu_kernels.cpp``) are built with the system's C++ compiler on first use, into a cache keyed
+by the source, the flags and the compiler (``$DENSEPASS_KERNEL_CACHE``, else ``~/.cache/densepass/kernels``), and
+loaded with ``ctypes``. Where the CPU has no AMX, no compiler is found or the build fails (a warning, once), the
+fused layers run SDPA and torch's layer norm on padded batches, as they do in float32. ``$DENSEPASS_CPU_KERNELS=0``
+turns the kernels off (to compare).
+
+    >>> import torch
+    >>> qkv = torch.randn(8 + 5, 3 * 12 * 32).bfloat16()  # two sequences of 8 and 5 tokens, 12 heads of 32
+    >>> offsets = torch.tensor([0, 8, 13])
+    >>> self_attention(qkv, offsets, heads=12).shape if usable(qkv, 32) else torch.Size([13, 384])
+    torch.Size([13, 384])
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..device import cpuinfo_words
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+SIZES = (32, 64)
+"""Head sizes ``self_attention`` takes (one or two 32-deep tile steps)."""
+MAX_NORM_WIDTH = 2048
+"""The widest row ``layer_norm_`` holds in registers (a multiple of 16)."""
+ENV = "DENSEPASS_CPU_KERNELS"
+"""Set to 0 to run the fused layers without these kernels (SDPA and torch's layer norm)."""
+CACHE_ENV = "DENSEPASS_KERNEL_CACHE"
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+         "-mavx512dq", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16")  # fmt: skip
+"""Compiler flags: the instruction sets the kernels use, not ``-march=native`` (a cache shared by machines of
+other CPUs stays valid). OpenMP resolves to the ``libgomp`` torch has loaded, so the kernels share its threads."""
+REQUIRED = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl", "avx512dq"})
+"""The CPU flags (/proc/cpuinfo) the kernels need: Intel Sapphire Rapids and later."""
+
+
+def usable(x: torch.Tensor, size: int) -> bool:
+    """Whether the kernels run the layers of ``x`` (bf16 on the CPU) with heads of ``size``: a head size in
+    ``SIZES``, the kernels not turned off (``ENV``), and built and loaded on this CPU."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and size in SIZES
+        and os.environ.get(ENV, "1").strip() != "0"
+        and _library() is not None
+    )
+
+
+def self_attention(
+    qkv: torch.Tensor, offsets: torch.Tensor, heads: int, keys: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Multi-head scaled dot-product attention (scale 1 / sqrt(size)) of each sequence's tokens over its keys.
+
+    ``qkv`` [tokens, 3 x heads x size] bf16: per token its query, key and value side by side (one product of the
+    three projections), the sequences' tokens one after the other, sequence ``b`` in rows ``offsets[b]`` to
+    ``offsets[b + 1]`` (``offsets`` int64, [sequences + 1]); ``keys`` (int64, [sequences], default: all): how many
+    of a sequence's first tokens are its keys (the rest, e.g. padding whose output is read, only query). Returns
+    the context [tokens, heads x size], zero for a sequence without keys. Call where ``usable``."""
+    tokens, triple = qkv.shape
+    size = triple // 3 // heads
+    if qkv.dtype != torch.bfloat16 or triple != 3 * heads * size or size not in SIZES:
+        raise ValueError(f"qkv {tuple(qkv.shape)} {qkv.dtype} is not bf16 [tokens, 3 x {heads} heads x 32 or 64]")
+    if offsets.dtype != torch.int64 or offsets.dim() != 1 or int(offsets[0]) != 0 or int(offsets[-1]) != tokens:
+        raise ValueError(f"offsets must be int64 [sequences + 1], from 0 to the {tokens} tokens")
+    lengths = offsets.diff()
+    if bool((lengths < 0).any()):
+        raise ValueError("offsets must not decrease")
+    keys = lengths if keys is None else keys
+    if keys.dtype != torch.int64 or keys.shape != lengths.shape:
+        raise ValueError(f"keys must be int64 [{len(lengths)}], one count per sequence")
+    qkv, offsets, keys = qkv.contiguous(), offsets.contiguous(), keys.contiguous()
+    out = torch.empty((tokens, heads * size), dtype=torch.bfloat16)
+    attention = _library().densepass_attention
+    pointers = qkv.data_ptr(), offsets.data_ptr(), keys.data_ptr(), out.data_ptr()
+    status = attention(*pointers, len(lengths), heads, size, size**-0.5, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"the attention kernel refused its input (status {status})")
+    return out
+
+
+def layer_norm_(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """``norm(x)`` written over ``x`` [rows, width] (contiguous bf16) and returned, where the kernel takes it: bf16
+    weight and bias, a width that is a multiple of 16 up to ``MAX_NORM_WIDTH``; elsewhere ``norm(x)``. Call where
+    ``usable``."""
+    width = x.shape[-1]
+    weight, bias = norm.weight, norm.bias
+    if not (
+        x.dtype == weight.dtype == torch.bfloat16
+        and bias is not None
+        and bias.dtype == torch.bfloat16
+        and x.is_contiguous()
+        and tuple(norm.normalized_shape) == (width,)
+        and width % 16 == 0
+        and width <= MAX_NORM_WIDTH
+    ):
+        return norm(x)
+    rows = x.numel() // width
+    pointers = x.data_ptr(), weight.data_ptr(), bias.data_ptr()
+    status = _library().densepass_layer_norm(*pointers, rows, width, norm.eps, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"the layer norm kernel refused its input (status {status})")
+    return x
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The kernels, built and loaded once per process; None where this machine cannot run them."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if not REQUIRED <= cpuinfo_words():
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return None
+    try:
+        library = ctypes.CDLL(str(_built(compiler)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = (getattr(error, "stderr", "") or str(error)).strip().splitlines()
+        warnings.warn(f"densepass's CPU kernels did not build, SDPA runs instead: {detail[-1:]}", stacklevel=1)
+        return None
+    if library.densepass_request_amx() != 0:  # Linux refused the tile state (before 5.16)
+        return None
+    pointer, size, number = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    library.densepass_attention.argtypes = [*[pointer] * 4, *[size] * 3, number, ctypes.c_int]
+    library.densepass_layer_norm.argtypes = [*[pointer] * 3, *[size] * 2, number, ctypes.c_int]
+    return library
+
+
+def _built(compiler: str) -> Path:
+    """The shared library built from ``SOURCE`` by ``compiler``, from the cache or compiled into it (atomically:
+    a library is complete under its final name, and builds in parallel leave the same file)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "densepass" / "kernels")
+    target = cache / f"cpu_kernels-{key}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(dir=cache, prefix=target.name, suffix=".tmp")
+        os.close(handle)
+        try:
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True, check=True)
+            os.replace(partial, target)
+        finally:
+            Path(partial).unlink(missing_ok=True)
+    return target

@@ -1,0 +1,255 @@
+"""The C++ CPU kernels of the fused layers (``models.cpu_kernels``): attention over packed sequences and layer norm
+against slow float64 references on random inputs, the fused encoder that runs them against ``transformers``, and
+how the kernels are built, cached, refused and turned off. The numeric tests run where the CPU has AMX (they skip
+elsewhere); the build tests wherever a C++ compiler is found."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn import functional as F
+
+from densepass.device import cpuinfo_words
+from densepass.models import cpu_kernels
+from densepass.models.fused import FusedBertEncoder
+from test_fused import random_encoder, right_padded
+
+BF16 = torch.bfloat16
+available = cpu_kernels.usable(torch.zeros(1, dtype=BF16), 32)
+needs_kernels = pytest.mark.skipif(not available, reason="the CPU kernels need AMX (models.cpu_kernels.REQUIRED)")
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++")
+
+
+def packed(seed: int, lengths: list[int], heads: int, size: int, spread: float = 2.0) -> tuple[torch.Tensor, ...]:
+    """Random bf16 queries, keys and values of sequences of ``lengths`` packed one after the other, [tokens,
+    3 x heads x size], and their offsets. ``spread`` scales them, so attention is far from uniform."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(sum(lengths), 3 * heads * size, generator=generator) * spread).to(BF16)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    return qkv, offsets
+
+
+def reference_attention(qkv: torch.Tensor, offsets: torch.Tensor, heads: int, keys: list[int] | None = None):
+    """softmax(q k^T / sqrt(size)) v per sequence and head over its first ``keys[b]`` tokens (default: all), in
+    float64, one loop step at a time; zero for a sequence without keys."""
+    width = qkv.shape[1] // 3
+    size = width // heads
+    out = torch.zeros(qkv.shape[0], width, dtype=torch.float64)
+    for b, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        rows = qkv[start:end].double()
+        count = end - start if keys is None else min(keys[b], end - start)
+        if count == 0:
+            continue
+        for h in range(heads):
+            q, k, v = (rows[:, part * width + h * size : part * width + (h + 1) * size] for part in range(3))
+            weights = torch.softmax(q @ k[:count].T / math.sqrt(size), dim=1)
+            out[start:end, h * size : (h + 1) * size] = weights @ v[:count]
+    return out
+
+
+@needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(0, 150), min_size=1, max_size=5),
+    heads=st.integers(1, 3),
+    size=st.sampled_from([32, 64]),
+)
+def test_attention_agrees_with_a_float64_reference_to_bf16_rounding(seed, lengths, heads, size):
+    """Any lengths (empty sequences, partial tiles, several key blocks), heads of 32 and 64: within bf16 rounding of
+    the exact result, and as close to it as SDPA in bf16 is."""
+    qkv, offsets = packed(seed, lengths, heads, size)
+    got = cpu_kernels.self_attention(qkv, offsets, heads)
+    expected = reference_attention(qkv, offsets, heads)
+    assert got.dtype == BF16 and got.shape == (sum(lengths), heads * size)
+    if sum(lengths) == 0:
+        return
+    error = (got.double() - expected).abs()
+    assert error.max() <= 0.02 + 0.01 * expected.abs().max()
+    sdpa_errors = []
+    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        if end > start:
+            q, k, v = qkv[start:end].view(1, end - start, 3, heads, size).permute(2, 0, 3, 1, 4)
+            sdpa = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(end - start, -1)
+            sdpa_errors.append((sdpa.double() - expected[start:end]).abs())
+    if sdpa_errors:  # mean errors: both are bf16 rounding of the same probabilities and outputs
+        assert error.mean() <= 1.5 * torch.cat(sdpa_errors).mean() + 1e-4
+
+
+@needs_kernels
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), lengths=st.lists(st.integers(0, 70), min_size=1, max_size=4), data=st.data())
+def test_tokens_past_a_sequences_keys_query_them_and_are_not_attended_to(seed, lengths, data):
+    """``keys``: each sequence attends to its first ``keys[b]`` tokens only (ColBERT's [MASK] padding queries
+    without being attended to); a sequence without keys gets zeros."""
+    keys = [data.draw(st.integers(0, n)) for n in lengths]
+    qkv, offsets = packed(seed, lengths, heads=2, size=32)
+    got = cpu_kernels.self_attention(qkv, offsets, 2, torch.tensor(keys))
+    expected = reference_attention(qkv, offsets, 2, keys)
+    if sum(lengths):
+        assert (got.double() - expected).abs().max() <= 0.02 + 0.01 * expected.abs().max()
+
+
+@needs_kernels
+def test_each_sequence_attends_to_itself_alone():
+    """A sequence's context is the same packed alone or among others (bit for bit), and changes when one of its
+    own keys changes, not when another sequence's does."""
+    qkv, offsets = packed(1, [40, 17, 90], heads=2, size=32)
+    together = cpu_kernels.self_attention(qkv, offsets, 2)
+    alone = cpu_kernels.self_attention(qkv[40:57], torch.tensor([0, 17]), 2)
+    assert torch.equal(together[40:57], alone)
+    changed = qkv.clone()
+    changed[57 + 5, 2 * 64 :] += 4  # a value of the third sequence
+    again = cpu_kernels.self_attention(changed, offsets, 2)
+    assert torch.equal(again[:57], together[:57]) and not torch.equal(again[57:], together[57:])
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("qkv", "offsets", "heads", "message"),
+    [
+        (torch.zeros(4, 3 * 2 * 32), torch.tensor([0, 4]), 2, "bf16"),
+        (torch.zeros(4, 3 * 4 * 16, dtype=BF16), torch.tensor([0, 4]), 4, "32 or 64"),
+        (torch.zeros(4, 3 * 64, dtype=BF16), torch.tensor([0, 3]), 2, "from 0 to the 4 tokens"),
+        (torch.zeros(4, 3 * 64, dtype=BF16), torch.tensor([0, 4], dtype=torch.int32), 2, "int64"),
+        (torch.zeros(4, 3 * 64, dtype=BF16), torch.tensor([0, 3, 2, 4]), 2, "must not decrease"),
+        (torch.zeros(4, 3 * 64, dtype=BF16), torch.tensor([0, 4]), 2, "keys must be int64 \\[1\\]"),
+    ],
+)
+def test_attention_refuses_what_it_does_not_compute(qkv, offsets, heads, message):
+    keys = torch.tensor([4, 4]) if "keys" in message else None
+    with pytest.raises(ValueError, match=message):
+        cpu_kernels.self_attention(qkv, offsets, heads, keys)
+
+
+@needs_kernels
+@pytest.mark.parametrize("width", [16, 384, 1024, 2048])
+def test_layer_norm_in_place_agrees_with_a_float64_reference(width):
+    torch.manual_seed(width)
+    norm = torch.nn.LayerNorm(width, eps=1e-5).to(BF16)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = (torch.randn(300, width) * 3 + 1).to(BF16)
+    expected = F.layer_norm(x.double(), (width,), norm.weight.double(), norm.bias.double(), norm.eps)
+    torch_bf16 = norm(x)
+    got = cpu_kernels.layer_norm_(x, norm)
+    assert got.data_ptr() == x.data_ptr()  # in place
+    error, torch_error = (got.double() - expected).abs(), (torch_bf16.double() - expected).abs()
+    assert error.max() <= torch_error.max() * 1.01 + 1e-6 and error.mean() <= torch_error.mean() * 1.05
+
+
+@needs_kernels
+def test_layer_norm_leaves_what_it_does_not_take_to_torch():
+    """A width that is not a multiple of 16, float32 weights, or no bias: ``norm(x)``, and ``x`` unchanged."""
+    for norm, width in [
+        (torch.nn.LayerNorm(40).to(BF16), 40),
+        (torch.nn.LayerNorm(64), 64),
+        (torch.nn.LayerNorm(64, bias=False).to(BF16), 64),
+    ]:
+        x = torch.randn(8, width).to(BF16)
+        before = x.clone()
+        out = cpu_kernels.layer_norm_(x, norm)
+        assert torch.equal(x, before) and torch.equal(out, norm(before))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["bert", "roberta"])  # RoBERTa numbers positions from its non-pad tokens
+@pytest.mark.parametrize("hidden", [64, 128])  # heads of 32 and 64
+def test_the_fused_encoder_on_the_kernels_agrees_with_transformers_in_bf16(kind, hidden):
+    """bf16 ``transformers`` against the fused encoder with the kernels and with SDPA (padded batches): within bf16
+    rounding of it at every position, padding included (attending to the tokens, as ``transformers`` computes
+    it), or zeros at padding with ``padding_outputs=False``; and the kernels' path is the one that runs."""
+    bert = random_encoder(4, BF16, kind=kind, hidden_size=hidden, num_attention_heads=2, intermediate_size=128)
+    ids, mask = right_padded(4, [70, 33, 1, 16])
+    mask[1, 5] = 0  # a hole in the mask: not attended to, its output computed all the same
+    keep = mask.bool()
+    fused, tokens_only = FusedBertEncoder(bert), FusedBertEncoder(bert, padding_outputs=False)
+    with torch.inference_mode():
+        expected = bert(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        got = fused(input_ids=ids, attention_mask=mask).last_hidden_state
+        alone = tokens_only(input_ids=ids, attention_mask=mask).last_hidden_state
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(cpu_kernels.ENV, "0")
+            sdpa = fused(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert got.shape == alone.shape == expected.shape and not alone[~keep].any()
+    for output, where in ((got, torch.ones_like(keep)), (sdpa, torch.ones_like(keep)), (alone, keep)):
+        cosine = F.cosine_similarity(output.float()[where], expected[where], dim=-1)
+        assert cosine.min() > 0.999
+    assert not torch.equal(got[keep], sdpa[keep])  # the kernels ran (SDPA rounds differently)
+
+
+@needs_kernels
+def test_the_first_position_of_a_cross_encoder_agrees_with_the_padded_path():
+    bert = random_encoder(5, BF16, hidden_size=64, num_attention_heads=2, intermediate_size=128)
+    ids, mask = right_padded(5, [50, 20, 9])
+    fused = FusedBertEncoder(bert, first_position=True)
+    with torch.inference_mode():
+        full = bert(input_ids=ids, attention_mask=mask).last_hidden_state[:, :1].float()
+        first = fused(input_ids=ids, attention_mask=mask, first_position=True).last_hidden_state
+    assert first.shape == (3, 1, 64)
+    assert F.cosine_similarity(first.float().squeeze(1), full.squeeze(1), dim=-1).min() > 0.999
+
+
+@needs_compiler
+def test_the_kernels_load_wherever_the_cpu_has_amx():
+    """A CPU with the flags and a compiler: the library builds and loads (a broken build would otherwise only
+    skip the numeric tests above)."""
+    if not cpu_kernels.REQUIRED <= cpuinfo_words():
+        pytest.skip("the CPU has no AMX")
+    assert cpu_kernels._library() is not None and available
+
+
+def test_the_kernels_are_off_where_asked_or_not_applicable(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    assert not cpu_kernels.usable(torch.zeros(1, dtype=BF16), 32)
+    monkeypatch.delenv(cpu_kernels.ENV)
+    assert not cpu_kernels.usable(torch.zeros(1), 32)  # float32 runs SDPA
+    assert not cpu_kernels.usable(torch.zeros(1, dtype=BF16), 16)  # a head size it does not take
+
+
+@needs_compiler
+def test_the_library_is_built_once_per_source_into_the_cache(tmp_path, monkeypatch):
+    """Built on first use under a key of source, flags and compiler, complete under its final name (no partial
+    file left), reused afterwards; another source builds another library."""
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    compiler = shutil.which("c++") or shutil.which("g++")
+    first = cpu_kernels._built(compiler)
+    assert first.parent == tmp_path and [p.name for p in tmp_path.iterdir()] == [first.name]
+    built_at = first.stat().st_mtime_ns
+    assert cpu_kernels._built(compiler) == first and first.stat().st_mtime_ns == built_at
+    edited = tmp_path / "edited" / "cpu_kernels.cpp"
+    edited.parent.mkdir()
+    edited.write_text(cpu_kernels.SOURCE.read_text() + "\n// edited\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", edited)
+    second = cpu_kernels._built(compiler)
+    assert second != first and second.exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_failed_build_warns_once_and_the_layers_run_sdpa(tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
+    monkeypatch.setattr(cpu_kernels, "REQUIRED", frozenset())  # as if the CPU had AMX
+    cpu_kernels._library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="did not build, SDPA runs instead"):
+            assert not cpu_kernels.usable(torch.zeros(1, dtype=BF16), 32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not cpu_kernels.usable(torch.zeros(1, dtype=BF16), 32)  # once per process
+        bert = random_encoder(6, BF16, hidden_size=64, num_attention_heads=2, intermediate_size=128)
+        ids, mask = right_padded(6, [20, 7])
+        with torch.inference_mode():
+            expected = bert(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+            got = FusedBertEncoder(bert)(input_ids=ids, attention_mask=mask).last_hidden_state
+        keep = mask.bool()
+        assert F.cosine_similarity(got.float()[keep], expected[keep], dim=-1).min() > 0.999
+        assert not list(tmp_path.iterdir())
+    finally:
+        cpu_kernels._library.cache_clear()
