@@ -2,21 +2,23 @@ r"""Where a fused bf16 BERT layer's time goes on the CPU, part by part, against 
 faster kernels could still make bi-encoder encoding.
 
 densepass encodes ``--n`` debian-packages passages in bf16 (``encode_texts``: length-sorted batches, pieces of
-``BF16_PIECE_TOKENS``, the fused encoder of ``models.fused``) and keeps the hidden states each piece hands its first
-layer. Then each part of that layer runs on its own over those pieces, the parts in turn, ``--repeats`` rounds, the
-fastest round of each reported:
+``BF16_PIECE_TOKENS``, the fused encoder of ``models.fused`` on the ``models.cpu_kernels`` path) and keeps the
+packed tokens each piece hands its first layer. Then each part of that layer runs on its own over those pieces, the
+parts in turn, ``--repeats`` rounds, the fastest round of each reported:
 
     qkv            x Wqkv^T + b                          one product for the query, key and value projections
-    attention      SDPA(q, k, v, mask)                   torch's CPU flash-attention kernel
-    output         context Wo^T + bo + x                 bias and residual as oneDNN post-ops
-    layer norms    the two LayerNorms
+    attention      cpu_kernels.self_attention            per sequence, on AMX tiles
+    output         context Wo^T + bo                     the bias as a oneDNN post-op
+    layer norms    LayerNorm(x + ...), twice             cpu_kernels.layer_norm_, the residual added (in place,
+                                                         on scratch copies)
     inner          h Wi^T + bi                           without its GELU
     GELU           the GELU post-op: inner with GELU fused, minus inner without
-    ffn output     f Wf^T + bf + h                       the feed-forward output product, likewise
+    ffn output     f Wf^T + bf                           the feed-forward output product
 
 and the whole layer, whose time above the sum of its parts is what running them in sequence costs (each part's
-inputs are no longer in cache). Each part's rate is its multiply-adds (or, GELU and layer norms, its elements) per
-second; attention counts Q K^T and P V over the padded length.
+inputs are no longer in cache), and, for comparison, SDPA on the same sequences padded to each piece's longest.
+Each part's rate is its multiply-adds (or, GELU and layer norms, its elements) per second; attention counts Q K^T
+and P V over each sequence's own length.
 
     PYTHONPATH=src:benchmarks python benchmarks/bench_layer_parts.py --n 2000 --repeats 7 \
         --data-dir /work/shared/data --out outputs/bench/layer-parts.json
@@ -50,9 +52,9 @@ def captured_pieces(model: BiEncoder, texts: list[str]) -> tuple[FusedBertEncode
         raise SystemExit("the AMX attention kernel does not run here (models.cpu_kernels.usable)")
     pieces = []
 
-    def capture(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        pieces.append((x, offsets))
-        return type(first).packed_tokens(first, x, offsets)
+    def capture(x: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        pieces.append((x, offsets))  # every token a key: the bi-encoder's towers skip the padding
+        return type(first).packed_tokens(first, x, offsets, keys)
 
     first.packed_tokens = capture
     try:
@@ -84,12 +86,14 @@ def layer_parts(layer, pieces: list[tuple]) -> tuple[list[dict], dict, dict]:
     for x, offsets in pieces:
         qkv = linear(x, layer.qkv, layer.qkv_bias, "none", [], "")
         context = cpu_kernels.self_attention(qkv, offsets, heads)
-        h = layer.attention_norm(linear.binary(context, x, layer.out, layer.out_bias, "add"))
+        attended = linear(context, layer.out, layer.out_bias, "none", [], "")
+        h = cpu_kernels.layer_norm_(attended.clone(), layer.attention_norm, x)
         f = linear(h, layer.inner, layer.inner_bias, "gelu", [], "none")
         q, k, v, keep = padded(qkv, offsets, heads)
         stages.append(
             {
                 "x": x, "offsets": offsets, "qkv": qkv, "context": context, "h": h, "f": f,
+                "attended": attended, "ffn": linear(f, layer.ffn_out, layer.ffn_out_bias, "none", [], ""),
                 "q": q, "k": k, "v": v, "keep": keep, "tokens": x.shape[0],
                 "attention_macs": 2 * heads * int((offsets.diff() ** 2).sum()) * (width // heads),
             }
@@ -98,12 +102,15 @@ def layer_parts(layer, pieces: list[tuple]) -> tuple[list[dict], dict, dict]:
     runs = {
         "qkv": lambda s: linear(s["x"], layer.qkv, layer.qkv_bias, "none", [], ""),
         "attention": lambda s: cpu_kernels.self_attention(s["qkv"], s["offsets"], heads),
-        "output": lambda s: linear.binary(s["context"], s["x"], layer.out, layer.out_bias, "add"),
-        "layer norms": lambda s: (layer.attention_norm(s["x"]), layer.output_norm(s["h"])),
+        "output": lambda s: linear(s["context"], layer.out, layer.out_bias, "none", [], ""),
+        "layer norms": lambda s: (
+            cpu_kernels.layer_norm_(s["attended"], layer.attention_norm, s["x"]),
+            cpu_kernels.layer_norm_(s["ffn"], layer.output_norm, s["h"]),
+        ),
         "inner": lambda s: linear(s["h"], layer.inner, layer.inner_bias, "none", [], ""),
         "inner with GELU": lambda s: linear(s["h"], layer.inner, layer.inner_bias, "gelu", [], "none"),
-        "ffn output": lambda s: linear.binary(s["f"], s["h"], layer.ffn_out, layer.ffn_out_bias, "add"),
-        "whole layer": lambda s: layer.packed_tokens(s["x"], s["offsets"]),
+        "ffn output": lambda s: linear(s["f"], layer.ffn_out, layer.ffn_out_bias, "none", [], ""),
+        "whole layer": lambda s: layer.packed_tokens(s["x"], s["offsets"], s["offsets"].diff()),
         "SDPA": lambda s: sdpa(s["q"], s["k"], s["v"], attn_mask=s["keep"]),
     }
     per_token = {"qkv": 3 * width, "output": width, "layer norms": 2, "inner": inner, "ffn output": inner}

@@ -130,16 +130,21 @@ def test_attention_refuses_what_it_does_not_compute(qkv, offsets, heads, message
 
 @needs_kernels
 @pytest.mark.parametrize("width", [16, 384, 1024, 2048])
-def test_layer_norm_in_place_agrees_with_a_float64_reference(width):
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layer_norm_in_place_agrees_with_a_float64_reference(width, with_residual):
+    """LayerNorm(x) or LayerNorm(x + residual) over ``x``'s storage, as close to the exact result as torch's bf16
+    layer norm of the same input (the residual added in float32, torch's sum rounded to bf16 first)."""
     torch.manual_seed(width)
     norm = torch.nn.LayerNorm(width, eps=1e-5).to(BF16)
     with torch.no_grad():
         norm.weight.normal_()
         norm.bias.normal_()
     x = (torch.randn(300, width) * 3 + 1).to(BF16)
-    expected = F.layer_norm(x.double(), (width,), norm.weight.double(), norm.bias.double(), norm.eps)
-    torch_bf16 = norm(x)
-    got = cpu_kernels.layer_norm_(x, norm)
+    residual = (torch.randn(300, width) * 2).to(BF16) if with_residual else None
+    exact_input = x.double() + (0 if residual is None else residual.double())
+    expected = F.layer_norm(exact_input, (width,), norm.weight.double(), norm.bias.double(), norm.eps)
+    torch_bf16 = norm(x if residual is None else x + residual)
+    got = cpu_kernels.layer_norm_(x, norm, residual)
     assert got.data_ptr() == x.data_ptr()  # in place
     error, torch_error = (got.double() - expected).abs(), (torch_bf16.double() - expected).abs()
     assert error.max() <= torch_error.max() * 1.01 + 1e-6 and error.mean() <= torch_error.mean() * 1.05
@@ -147,16 +152,18 @@ def test_layer_norm_in_place_agrees_with_a_float64_reference(width):
 
 @needs_kernels
 def test_layer_norm_leaves_what_it_does_not_take_to_torch():
-    """A width that is not a multiple of 16, float32 weights, or no bias: ``norm(x)``, and ``x`` unchanged."""
-    for norm, width in [
-        (torch.nn.LayerNorm(40).to(BF16), 40),
-        (torch.nn.LayerNorm(64), 64),
-        (torch.nn.LayerNorm(64, bias=False).to(BF16), 64),
+    """A width that is not a multiple of 16, float32 weights, no bias, a residual to broadcast: ``norm(x + residual)``,
+    and ``x`` unchanged."""
+    for norm, width, residual in [
+        (torch.nn.LayerNorm(40).to(BF16), 40, None),
+        (torch.nn.LayerNorm(64), 64, None),
+        (torch.nn.LayerNorm(64, bias=False).to(BF16), 64, None),
+        (torch.nn.LayerNorm(64).to(BF16), 64, torch.randn(1, 64).to(BF16)),
     ]:
         x = torch.randn(8, width).to(BF16)
         before = x.clone()
-        out = cpu_kernels.layer_norm_(x, norm)
-        assert torch.equal(x, before) and torch.equal(out, norm(before))
+        out = cpu_kernels.layer_norm_(x, norm, residual)
+        assert torch.equal(x, before) and torch.equal(out, norm(before if residual is None else before + residual))
 
 
 @needs_kernels

@@ -83,10 +83,9 @@ def token_pooling(hidden: torch.Tensor, attention_mask: torch.Tensor, how: str) 
     run in bfloat16 still pools and projects at full precision)."""
     if how == "cls":
         return hidden[:, 0].float()
-    if how == "mean":
-        hidden = hidden.float()
+    if how == "mean":  # zeroing by the mask is exact in any precision; the sum runs in float32
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)
+        return (hidden * mask).sum(1, dtype=torch.float32) / mask.sum(1, dtype=torch.float32).clamp_min(1e-9)
     raise ConfigError(f"unknown pooling {how!r} (use 'mean' or 'cls')")
 
 

@@ -13,7 +13,8 @@ as SDPA does in bf16 (float32 scores and softmax, bf16 probabilities for P V), o
 other without padding: a layer's products run on the tokens alone, and the kernel reads queries, keys and values
 where the one query/key/value product left them and writes the context where the output product reads it (no
 permute or copy on either side). It takes heads of 32 or 64 dimensions (MiniLM, BERT-base and -large, BGE, E5,
-GTE). ``layer_norm_`` normalises bf16 rows in place, in float32, a row held in registers (about 1.7x torch's).
+GTE). ``layer_norm_`` normalises bf16 rows in place, in float32, a row held in registers (about 1.7x torch's),
+the residual added on the way (cheaper than oneDNN's add post-op on the product before it).
 
 The kernels (``csrc/cpu_kernels.cpp``) are built with the system's C++ compiler on first use, into a cache keyed
 by the source, the flags and the compiler (``$DENSEPASS_KERNEL_CACHE``, else ``~/.cache/densepass/kernels``), and
@@ -106,9 +107,10 @@ def self_attention(
     return out
 
 
-def layer_norm_(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
-    """``norm(x)`` written over ``x`` [rows, width] (contiguous bf16) and returned, where the kernel takes it: bf16
-    weight and bias, a width that is a multiple of 16 up to ``MAX_NORM_WIDTH``; elsewhere ``norm(x)``. Call where
+def layer_norm_(x: torch.Tensor, norm: nn.LayerNorm, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``norm(x + residual)`` (or ``norm(x)``) written over ``x`` [rows, width] (contiguous bf16) and returned,
+    the sum taken in float32, where the kernel takes it: bf16 weight, bias and residual (of ``x``'s shape), a
+    width that is a multiple of 16 up to ``MAX_NORM_WIDTH``; elsewhere ``norm(x + residual)``. Call where
     ``usable``."""
     width = x.shape[-1]
     weight, bias = norm.weight, norm.bias
@@ -117,13 +119,15 @@ def layer_norm_(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
         and bias is not None
         and bias.dtype == torch.bfloat16
         and x.is_contiguous()
+        and (residual is None or (residual.dtype == torch.bfloat16 and residual.shape == x.shape))
         and tuple(norm.normalized_shape) == (width,)
         and width % 16 == 0
         and width <= MAX_NORM_WIDTH
     ):
-        return norm(x)
+        return norm(x if residual is None else x + residual)
     rows = x.numel() // width
-    pointers = x.data_ptr(), weight.data_ptr(), bias.data_ptr()
+    added = None if residual is None else residual.contiguous()
+    pointers = x.data_ptr(), None if added is None else added.data_ptr(), weight.data_ptr(), bias.data_ptr()
     status = _library().densepass_layer_norm(*pointers, rows, width, norm.eps, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"the layer norm kernel refused its input (status {status})")
@@ -150,7 +154,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     pointer, size, number = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     library.densepass_attention.argtypes = [*[pointer] * 4, *[size] * 3, number, ctypes.c_int]
-    library.densepass_layer_norm.argtypes = [*[pointer] * 3, *[size] * 2, number, ctypes.c_int]
+    library.densepass_layer_norm.argtypes = [*[pointer] * 4, *[size] * 2, number, ctypes.c_int]
     return library
 
 

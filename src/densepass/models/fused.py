@@ -135,12 +135,18 @@ class FusedBertLayer(nn.Module):
 
     def _after_context(self, context: torch.Tensor, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
         """The output projection of the attention ``context`` [batch x rows, width], residual ``x``, layer norms
-        (``kernels``: ``cpu_kernels.layer_norm_``) and feed-forward: [batch x rows, width]."""
+        and feed-forward: [batch x rows, width]. ``kernels``: the residuals added by ``cpu_kernels.layer_norm_``
+        (one pass fewer than oneDNN's add post-op), else by the products."""
         linear = torch.ops.mkldnn._linear_pointwise
-        norm = cpu_kernels.layer_norm_ if kernels else lambda t, layer_norm: layer_norm(t)
-        h = norm(linear.binary(context, x, self.out, self.out_bias, "add"), self.attention_norm)
+        if kernels:
+            attended = linear(context, self.out, self.out_bias, "none", [], "")
+            h = cpu_kernels.layer_norm_(attended, self.attention_norm, x)
+            f = linear(h, self.inner, self.inner_bias, "gelu", [], "none")
+            out = linear(f, self.ffn_out, self.ffn_out_bias, "none", [], "")
+            return cpu_kernels.layer_norm_(out, self.output_norm, h)
+        h = self.attention_norm(linear.binary(context, x, self.out, self.out_bias, "add"))
         f = linear(h, self.inner, self.inner_bias, "gelu", [], "none")
-        return norm(linear.binary(f, h, self.ffn_out, self.ffn_out_bias, "add"), self.output_norm)
+        return self.output_norm(linear.binary(f, h, self.ffn_out, self.ffn_out_bias, "add"))
 
 
 class FusedBertEncoder(nn.Module):

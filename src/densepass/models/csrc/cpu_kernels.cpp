@@ -289,11 +289,11 @@ int densepass_attention(const uint16_t* qkv, const int64_t* offsets, const int64
   return 0;
 }
 
-// x: [rows, width] bf16, normalised in place per row, (x - mean) / sqrt(variance + eps) * weight + bias, in
-// float32 (two passes over the row held in registers), on `threads` OpenMP threads. width: a multiple of 16, at
-// most 2,048. Returns 0, or -1.
-int densepass_layer_norm(uint16_t* x, const uint16_t* weight, const uint16_t* bias, int64_t rows, int64_t width,
-                         float eps, int threads) {
+// x: [rows, width] bf16, replaced per row by LayerNorm(x + residual) = (y - mean) / sqrt(variance + eps) * weight
+// + bias with y = x + residual (residual: [rows, width] bf16, or null for y = x), in float32, the row held in
+// registers, on `threads` OpenMP threads. width: a multiple of 16, at most 2,048. Returns 0, or -1.
+int densepass_layer_norm(uint16_t* x, const uint16_t* residual, const uint16_t* weight, const uint16_t* bias,
+                         int64_t rows, int64_t width, float eps, int threads) {
   if (width % 16 != 0 || width <= 0 || width > 2048) return -1;
   const int64_t blocks = width / 16;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -303,6 +303,7 @@ int densepass_layer_norm(uint16_t* x, const uint16_t* weight, const uint16_t* bi
     __m512 total = _mm512_setzero_ps();
     for (int64_t k = 0; k < blocks; ++k) {
       v[k] = load_bf16(row + 16 * k);
+      if (residual != nullptr) v[k] = _mm512_add_ps(v[k], load_bf16(residual + i * width + 16 * k));
       total = _mm512_add_ps(total, v[k]);
     }
     const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(total) / width);
@@ -312,8 +313,10 @@ int densepass_layer_norm(uint16_t* x, const uint16_t* weight, const uint16_t* bi
       squares = _mm512_fmadd_ps(v[k], v[k], squares);
     }
     const __m512 scale = _mm512_set1_ps(1.0f / __builtin_sqrtf(_mm512_reduce_add_ps(squares) / width + eps));
-    for (int64_t k = 0; k < blocks; ++k)
-      store_bf16(row + 16 * k, _mm512_fmadd_ps(_mm512_mul_ps(v[k], scale), load_bf16(weight + 16 * k), load_bf16(bias + 16 * k)));
+    for (int64_t k = 0; k < blocks; ++k) {
+      const __m512 normal = _mm512_mul_ps(v[k], scale);
+      store_bf16(row + 16 * k, _mm512_fmadd_ps(normal, load_bf16(weight + 16 * k), load_bf16(bias + 16 * k)));
+    }
   }
   return 0;
 }
