@@ -193,6 +193,28 @@ def test_the_fused_encoder_on_the_kernels_agrees_with_transformers_in_bf16(kind,
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta"])
+def test_the_kernels_path_embeds_segments_and_token_vectors_as_the_model_does(kind):
+    """Token types, and token vectors instead of ids, through the packed embeddings: as ``transformers`` computes
+    them, and the segments matter."""
+    bert = random_encoder(7, BF16, kind=kind, hidden_size=64, num_attention_heads=2, intermediate_size=128)
+    ids, mask = right_padded(7, [60, 21])
+    types = (torch.arange(60)[None, :] >= 20).long() * mask
+    keep = mask.bool()
+    fused = FusedBertEncoder(bert)
+    with torch.inference_mode():
+        expected = bert(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state.float()
+        by_ids = fused(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        vectors = bert.get_input_embeddings()(ids)
+        by_vectors = fused(inputs_embeds=vectors, attention_mask=mask, token_type_ids=types).last_hidden_state
+        untyped = fused(input_ids=ids, attention_mask=mask).last_hidden_state
+        expected_vectors = bert(inputs_embeds=vectors, attention_mask=mask, token_type_ids=types).last_hidden_state
+    for got, reference in ((by_ids, expected), (by_vectors, expected_vectors.float())):
+        assert F.cosine_similarity(got.float()[keep], reference[keep], dim=-1).min() > 0.999
+    assert F.cosine_similarity(untyped.float()[keep], expected[keep], dim=-1).min() < 0.99  # segments matter
+
+
+@needs_kernels
 def test_the_first_position_of_a_cross_encoder_agrees_with_the_padded_path():
     bert = random_encoder(5, BF16, hidden_size=64, num_attention_heads=2, intermediate_size=128)
     ids, mask = right_padded(5, [50, 20, 9])

@@ -147,8 +147,8 @@ def _library() -> ctypes.CDLL | None:
     try:
         library = ctypes.CDLL(str(_built(compiler)))
     except (OSError, subprocess.CalledProcessError) as error:
-        detail = (getattr(error, "stderr", "") or str(error)).strip().splitlines()
-        warnings.warn(f"densepass's CPU kernels did not build, SDPA runs instead: {detail[-1:]}", stacklevel=1)
+        lines = (getattr(error, "stderr", "") or str(error)).strip().splitlines() or [type(error).__name__]
+        warnings.warn(f"densepass's CPU kernels did not build, SDPA runs instead: {lines[-1]}", stacklevel=1)
         return None
     if library.densepass_request_amx() != 0:  # Linux refused the tile state (before 5.16)
         return None

@@ -221,7 +221,8 @@ class FusedBertEncoder(nn.Module):
         ``attention_mask`` [batch, length], 1 at tokens and 0 at padding (default: no padding); ``token_type_ids``
         the segments (default: all 0); ``first_position`` (an encoder built with ``first_position=True``): the
         last layer's output at the first position only, [batch, 1, width]. Where ``cpu_kernels`` runs, the layers
-        run on the tokens packed without padding (the output is zero at padding); elsewhere on the inputs padded to
+        run on the sequences packed one after the other (without their padding where not ``padding_outputs``, the
+        output zero there); elsewhere on the inputs padded to
         a multiple of ``LENGTH_MULTIPLE`` tokens where that adds at most 1 / ``PAD_SHARE`` and the position table
         allows. Other arguments a ``transformers`` head passes its encoder are accepted where they change
         nothing (``return_dict``, None, False) and refused otherwise (``position_ids``, ``encoder_hidden_states``
