@@ -41,7 +41,7 @@ struct Scratch {
   ~Scratch() { std::free(data); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
-  static size_t bytes(int64_t count) { return (count * sizeof(T) + 63) / 64 * 64; }
+  static size_t bytes(int64_t count) { return ((count > 0 ? count : 1) * sizeof(T) + 63) / 64 * 64; }
 };
 
 // 2^t for t <= 0, to 8e-5 relative (bf16 rounds to 4e-3): t = n + f with |f| <= 1/2, 2^f by a cubic (fitted to
@@ -82,23 +82,15 @@ inline void transpose16(__m512i (&r)[16]) {
   for (int j = 0; j < 16; ++j) r[j] = t[j];
 }
 
-// Lane i of the result: the maximum (or sum) of the 16 lanes of rows[i].
-inline __m512 across_max(__m512 (&rows)[16]) {
+// Lane i of the result: the 16 lanes of rows[i] folded by `combine` (a maximum or a sum), through one transpose.
+template <typename Combine>
+inline __m512 across(__m512 (&rows)[16], Combine combine) {
   __m512i r[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(rows[i]);
   transpose16(r);
-  __m512 top = _mm512_castsi512_ps(r[0]);
-  for (int j = 1; j < 16; ++j) top = _mm512_max_ps(top, _mm512_castsi512_ps(r[j]));
-  return top;
-}
-
-inline __m512 across_sum(__m512 (&rows)[16]) {
-  __m512i r[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(rows[i]);
-  transpose16(r);
-  __m512 total = _mm512_castsi512_ps(r[0]);
-  for (int j = 1; j < 16; ++j) total = _mm512_add_ps(total, _mm512_castsi512_ps(r[j]));
-  return total;
+  __m512 folded = _mm512_castsi512_ps(r[0]);
+  for (int j = 1; j < 16; ++j) folded = combine(folded, _mm512_castsi512_ps(r[j]));
+  return folded;
 }
 
 inline __m512 load_bf16(const uint16_t* p) {  // 16 bf16 values widened to float32
@@ -141,6 +133,8 @@ int densepass_attention(const uint16_t* qkv, const int64_t* offsets, const int64
   const __m512i interleave_low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                                   39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i interleave_high = _mm512_add_epi16(interleave_low, _mm512_set1_epi16(16));
+  const auto larger = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
+  const auto plus = [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); };
 
 #pragma omp parallel num_threads(threads)
   {
@@ -179,8 +173,9 @@ int densepass_attention(const uint16_t* qkv, const int64_t* offsets, const int64
         for (int r = 0; r < 16; ++r) {
           const int64_t k0 = kb * 32 + 2 * r, k1 = k0 + 1;
           for (int s = 0; s < steps; ++s) {
-            const __m512i a = k0 < m ? _mm512_loadu_si512(base + k0 * row + 2 * width + s * 32) : _mm512_setzero_si512();
-            const __m512i c = k1 < m ? _mm512_loadu_si512(base + k1 * row + 2 * width + s * 32) : _mm512_setzero_si512();
+            const uint16_t* values = base + 2 * width + s * 32;
+            const __m512i a = k0 < m ? _mm512_loadu_si512(values + k0 * row) : _mm512_setzero_si512();
+            const __m512i c = k1 < m ? _mm512_loadu_si512(values + k1 * row) : _mm512_setzero_si512();
             _mm512_store_si512(value_tiles.data + (kb * columns + 2 * s) * 512 + r * 32,
                                _mm512_permutex2var_epi16(a, interleave_low, c));
             _mm512_store_si512(value_tiles.data + (kb * columns + 2 * s + 1) * 512 + r * 32,
@@ -231,7 +226,7 @@ int densepass_attention(const uint16_t* qkv, const int64_t* offsets, const int64
           lanes[i] = top;
         }
         alignas(64) float shifts[16];
-        _mm512_store_ps(shifts, _mm512_mul_ps(across_max(lanes), factor));
+        _mm512_store_ps(shifts, _mm512_mul_ps(across(lanes, larger), factor));
         for (int i = 0; i < 16; ++i) {
           const float* s = scores.data + i * padded;
           uint16_t* p = probs.data + i * pstride;
@@ -247,7 +242,7 @@ int densepass_attention(const uint16_t* qkv, const int64_t* offsets, const int64
           lanes[i] = total;
         }
         alignas(64) float inverses[16];
-        _mm512_store_ps(inverses, _mm512_div_ps(_mm512_set1_ps(1.0f), across_sum(lanes)));
+        _mm512_store_ps(inverses, _mm512_div_ps(_mm512_set1_ps(1.0f), across(lanes, plus)));
         // context = probabilities x values
         _tile_zero(0);
         _tile_zero(1);
