@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from densepass.device import cpuinfo_words
+from densepass.errors import ConfigError
 from densepass.models import cpu_kernels
 from densepass.models.fused import FusedBertEncoder
 from test_fused import random_encoder, right_padded
@@ -238,6 +239,9 @@ def test_the_kernels_load_wherever_the_cpu_has_amx():
 def test_the_kernels_are_off_where_asked_or_not_applicable(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV, "0")
     assert not cpu_kernels.usable(torch.zeros(1, dtype=BF16), 32)
+    monkeypatch.setenv(cpu_kernels.ENV, "off")
+    with pytest.raises(ConfigError, match="DENSEPASS_CPU_KERNELS must be 0 or 1, got 'off'"):
+        cpu_kernels.usable(torch.zeros(1, dtype=BF16), 32)
     monkeypatch.delenv(cpu_kernels.ENV)
     assert not cpu_kernels.usable(torch.zeros(1), 32)  # float32 runs SDPA
     assert not cpu_kernels.usable(torch.zeros(1, dtype=BF16), 16)  # a head size it does not take

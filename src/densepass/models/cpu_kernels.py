@@ -45,7 +45,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..device import cpuinfo_words
+from densepass.device import cpuinfo_words
+from densepass.errors import ConfigError
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 SIZES = (32, 64)
@@ -53,7 +54,8 @@ SIZES = (32, 64)
 MAX_NORM_WIDTH = 2048
 """The widest row ``layer_norm_`` holds in registers (a multiple of 16)."""
 ENV = "DENSEPASS_CPU_KERNELS"
-"""Set to 0 to run the fused layers without these kernels (SDPA and torch's layer norm)."""
+"""Set to 0 to run the fused layers without these kernels (SDPA and torch's layer norm); 1 or unset: with them
+where they run."""
 CACHE_ENV = "DENSEPASS_KERNEL_CACHE"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512dq", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16")  # fmt: skip
@@ -66,11 +68,14 @@ REQUIRED = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512
 def usable(x: torch.Tensor, size: int) -> bool:
     """Whether the kernels run the layers of ``x`` (bf16 on the CPU) with heads of ``size``: a head size in
     ``SIZES``, the kernels not turned off (``ENV``), and built and loaded on this CPU."""
+    switch = os.environ.get(ENV, "").strip()
+    if switch not in ("", "0", "1"):
+        raise ConfigError(f"${ENV} must be 0 or 1, got {switch!r}")
     return (
         x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and size in SIZES
-        and os.environ.get(ENV, "1").strip() != "0"
+        and switch != "0"
         and _library() is not None
     )
 

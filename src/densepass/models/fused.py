@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.modeling_outputs import BaseModelOutput
 
-from . import cpu_kernels
+from densepass.models import cpu_kernels
 
 FUSABLE_TYPES = ("bert", "roberta", "xlm-roberta")  # RoBERTa and XLM-R run BERT's layers
 LENGTH_MULTIPLE = 16
