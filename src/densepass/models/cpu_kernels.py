@@ -13,8 +13,8 @@ as SDPA does in bf16 (float32 scores and softmax, bf16 probabilities for P V), o
 other without padding: a layer's products run on the tokens alone, and the kernel reads queries, keys and values
 where the one query/key/value product left them and writes the context where the output product reads it (no
 permute or copy on either side). It takes heads of 32 or 64 dimensions (MiniLM, BERT-base and -large, BGE, E5,
-GTE). ``layer_norm_`` normalises bf16 rows in place, in float32, a row held in registers (about 1.7x torch's),
-the residual added on the way (cheaper than oneDNN's add post-op on the product before it).
+GTE). ``layer_norm_`` normalises bf16 rows in place, in float32, a row held in registers, the residual added on
+the way (in the pass the norm makes anyway, where oneDNN's add post-op slowed the product before it).
 
 The kernels (``csrc/cpu_kernels.cpp``) are built with the system's C++ compiler on first use, into a cache keyed
 by the source, the flags and the compiler (``$DENSEPASS_KERNEL_CACHE``, else ``~/.cache/densepass/kernels``), and
