@@ -222,11 +222,10 @@ class FusedBertEncoder(nn.Module):
         the segments (default: all 0); ``first_position`` (an encoder built with ``first_position=True``): the
         last layer's output at the first position only, [batch, 1, width]. Where ``cpu_kernels`` runs, the layers
         run on the sequences packed one after the other (without their padding where not ``padding_outputs``, the
-        output zero there); elsewhere on the inputs padded to
-        a multiple of ``LENGTH_MULTIPLE`` tokens where that adds at most 1 / ``PAD_SHARE`` and the position table
-        allows. Other arguments a ``transformers`` head passes its encoder are accepted where they change
-        nothing (``return_dict``, None, False) and refused otherwise (``position_ids``, ``encoder_hidden_states``
-        ...)."""
+        output zero there); elsewhere on the inputs padded to a multiple of ``LENGTH_MULTIPLE`` tokens where that
+        adds at most 1 / ``PAD_SHARE`` and the position table allows. Other arguments a ``transformers`` head
+        passes its encoder are accepted where they change nothing (``return_dict``, None, False) and refused
+        otherwise (``position_ids``, ``encoder_hidden_states`` ...)."""
         refused = sorted(k for k, v in unused.items() if k != "return_dict" and v is not None and v is not False)
         if refused:
             raise ValueError(f"the fused encoder does not compute {', '.join(refused)}")
