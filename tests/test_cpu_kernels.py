@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import stat
 import warnings
 
 import pytest
@@ -216,9 +217,13 @@ def test_the_kernels_path_embeds_segments_and_token_vectors_as_the_model_does(ki
 
 
 @needs_kernels
-def test_the_first_position_of_a_cross_encoder_agrees_with_the_padded_path():
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_the_first_position_of_a_cross_encoder_agrees_with_transformers(side):
+    """The last layer's first position, a token or (padded on the left) not: as ``transformers`` computes it."""
     bert = random_encoder(5, BF16, hidden_size=64, num_attention_heads=2, intermediate_size=128)
     ids, mask = right_padded(5, [50, 20, 9])
+    if side == "left":
+        ids, mask = ids.flip(1), mask.flip(1)
     fused = FusedBertEncoder(bert, first_position=True)
     with torch.inference_mode():
         full = bert(input_ids=ids, attention_mask=mask).last_hidden_state[:, :1].float()
@@ -255,6 +260,7 @@ def test_the_library_is_built_once_per_source_into_the_cache(tmp_path, monkeypat
     compiler = shutil.which("c++") or shutil.which("g++")
     first = cpu_kernels._built(compiler)
     assert first.parent == tmp_path and [p.name for p in tmp_path.iterdir()] == [first.name]
+    assert stat.S_IMODE(first.stat().st_mode) & 0o055 == 0o055  # other users of a shared cache load it
     built_at = first.stat().st_mtime_ns
     assert cpu_kernels._built(compiler) == first and first.stat().st_mtime_ns == built_at
     edited = tmp_path / "edited" / "cpu_kernels.cpp"
@@ -265,9 +271,31 @@ def test_the_library_is_built_once_per_source_into_the_cache(tmp_path, monkeypat
     assert second != first and second.exists() and not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_failed_build_warns_once_and_the_layers_run_sdpa(tmp_path, monkeypatch):
+@needs_compiler
+def test_a_damaged_library_in_the_cache_is_built_again(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
-    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
+    compiler = shutil.which("c++") or shutil.which("g++")
+    target = cpu_kernels._built(compiler)
+    target.write_bytes(b"")  # e.g. a disk that filled up under another tool
+    library = cpu_kernels._loaded(compiler)
+    assert hasattr(library, "densepass_attention") and target.stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "compiler",
+    [
+        "exit 1",  # fails
+        "exit 0",  # "succeeds" and writes nothing
+        "printf '\\377\\376 not UTF-8\\n'; exit 0",  # a version line that is not text
+    ],
+)
+def test_a_failed_build_warns_once_and_the_layers_run_sdpa(tmp_path, monkeypatch, compiler):
+    fake = tmp_path / "fake-c++"
+    fake.write_text(f"#!/bin/sh\n{compiler}\n")
+    fake.chmod(0o755)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(cache))
+    monkeypatch.setenv("CXX", str(fake))
     monkeypatch.setattr(cpu_kernels, "REQUIRED", frozenset())  # as if the CPU had AMX
     cpu_kernels._library.cache_clear()
     try:
@@ -283,6 +311,6 @@ def test_a_failed_build_warns_once_and_the_layers_run_sdpa(tmp_path, monkeypatch
             got = FusedBertEncoder(bert)(input_ids=ids, attention_mask=mask).last_hidden_state
         keep = mask.bool()
         assert F.cosine_similarity(got.float()[keep], expected[keep], dim=-1).min() > 0.999
-        assert not list(tmp_path.iterdir())
+        assert not cache.exists() or not list(cache.iterdir())  # nothing cached
     finally:
         cpu_kernels._library.cache_clear()

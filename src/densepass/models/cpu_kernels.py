@@ -150,8 +150,8 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         return None
     try:
-        library = ctypes.CDLL(str(_built(compiler)))
-    except (OSError, subprocess.CalledProcessError) as error:
+        library = _loaded(compiler)
+    except (OSError, subprocess.SubprocessError, ValueError) as error:
         lines = (getattr(error, "stderr", "") or str(error)).strip().splitlines() or [type(error).__name__]
         warnings.warn(f"densepass's CPU kernels did not build, SDPA runs instead: {lines[-1]}", stacklevel=1)
         return None
@@ -163,10 +163,23 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
+def _loaded(compiler: str) -> ctypes.CDLL:
+    """The library from the cache, built by ``compiler`` where it is missing, or again where what the cache holds
+    does not load (a damaged or foreign file: what ``_built`` writes is complete)."""
+    target = _built(compiler)
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError:
+        target.unlink(missing_ok=True)
+        return ctypes.CDLL(str(_built(compiler)))
+
+
 def _built(compiler: str) -> Path:
     """The shared library built from ``SOURCE`` by ``compiler``, from the cache or compiled into it (atomically:
-    a library is complete under its final name, and builds in parallel leave the same file)."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    a library is complete under its final name, and builds in parallel leave the same file), readable by every
+    user of a shared cache."""
+    run = functools.partial(subprocess.run, capture_output=True, text=True, errors="replace", check=True)
+    version = run([compiler, "--version"]).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "densepass" / "kernels")
     target = cache / f"cpu_kernels-{key}.so"
@@ -175,7 +188,10 @@ def _built(compiler: str) -> Path:
         handle, partial = tempfile.mkstemp(dir=cache, prefix=target.name, suffix=".tmp")
         os.close(handle)
         try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True, check=True)
+            run([compiler, *FLAGS, str(SOURCE), "-o", partial])
+            if Path(partial).stat().st_size == 0:
+                raise OSError(f"{compiler} wrote no library")
+            os.chmod(partial, 0o755)  # mkstemp's file is private to its owner
             os.replace(partial, target)
         finally:
             Path(partial).unlink(missing_ok=True)

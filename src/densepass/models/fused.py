@@ -184,18 +184,17 @@ class FusedBertEncoder(nn.Module):
 
     def _packed(self, hidden: torch.Tensor, kept: torch.Tensor, first_position: bool) -> torch.Tensor:
         """The layers over ``hidden`` [batch, length, width] with ``cpu_kernels``' attention, each sequence's rows
-        one after the other, its kept tokens (``kept`` [batch, length]) first as the keys: every row where
-        ``padding_outputs``, the kept ones alone otherwise (zeros at padding) and for ``first_position`` (whose
-        last layer reads the first position's query only)."""
+        one after the other, its kept tokens (``kept`` [batch, length]) first as the keys, then the positions that
+        only query: every position where ``padding_outputs``, none otherwise (zeros at padding), the first for
+        ``first_position`` (whose last layer reads the first position's query, a token or not)."""
         batch, length, width = hidden.shape
         counts = kept.sum(1)
-        if self.padding_outputs and not first_position:
-            order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)  # kept first, in order
-            rows = (order + torch.arange(batch)[:, None] * length).reshape(-1)
-            offsets = torch.arange(0, (batch + 1) * length, length)
-        else:
-            rows = kept.reshape(-1).nonzero().squeeze(1)
-            offsets = F.pad(counts.cumsum(0), (1, 0))
+        wanted = torch.ones_like(kept) if self.padding_outputs and not first_position else kept.clone()
+        if first_position:
+            wanted[:, 0] = True
+        order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)  # kept first, each part in order
+        rows = (order + torch.arange(batch)[:, None] * length)[wanted.gather(1, order)]
+        offsets = F.pad(wanted.sum(1).cumsum(0), (1, 0))
         in_place = len(rows) == batch * length and bool((rows == torch.arange(len(rows))).all())
         x = hidden.reshape(-1, width) if in_place else hidden.reshape(-1, width).index_select(0, rows)
         for layer in self.layers[:-1] if first_position else self.layers:
