@@ -79,6 +79,15 @@ FAST_BF16_ENV = "DENSEPASS_FAST_BF16"
 reproduce a machine without fast bf16; 1: trust a CPU whose flags are hidden)."""
 
 
+def env_switch(name: str) -> bool | None:
+    """The environment variable ``name`` as a switch: 1 (True), 0 (False) or unset / empty (None); anything else
+    is a one-line ``ConfigError``."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"${name} must be 0 or 1, got {value!r}")
+    return None if value == "" else value == "1"
+
+
 def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether bfloat16 is faster than float32 on this CPU, so that ``auto`` settings pick it: with AMX
     (``amx_bf16``: Intel Sapphire Rapids and later) or with AVX512-BF16 on AMD (``avx512_bf16``: Zen 4 and later).
@@ -86,11 +95,9 @@ def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     bf16 GEMM ran at 0.7x MKL's float32 and MiniLM encoding and training steps at 0.6-0.8x their float32 speed,
     while on an AMD EPYC with AVX512-BF16 bf16 encoding ran at 1.6x float32 (docs/benchmarks.md). False where
     unknown; ``$DENSEPASS_FAST_BF16`` overrides it."""
-    override = os.environ.get(FAST_BF16_ENV, "").strip()
-    if override in ("0", "1"):
-        return override == "1"
-    if override:
-        raise ConfigError(f"${FAST_BF16_ENV} must be 0 or 1, got {override!r}")
+    override = env_switch(FAST_BF16_ENV)
+    if override is not None:
+        return override
     words = cpuinfo_words(cpuinfo)
     return "amx_bf16" in words or ("avx512_bf16" in words and "AuthenticAMD" in words)
 

@@ -45,8 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from densepass.device import cpuinfo_words
-from densepass.errors import ConfigError
+from densepass.device import cpuinfo_words, env_switch
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 SIZES = (32, 64)
@@ -68,14 +67,12 @@ REQUIRED = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512
 def usable(x: torch.Tensor, size: int) -> bool:
     """Whether the kernels run the layers of ``x`` (bf16 on the CPU) with heads of ``size``: a head size in
     ``SIZES``, the kernels not turned off (``ENV``), and built and loaded on this CPU."""
-    switch = os.environ.get(ENV, "").strip()
-    if switch not in ("", "0", "1"):
-        raise ConfigError(f"${ENV} must be 0 or 1, got {switch!r}")
+    switched_off = env_switch(ENV) is False  # a value other than 0 or 1 fails on any input
     return (
         x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and size in SIZES
-        and switch != "0"
+        and not switched_off
         and _library() is not None
     )
 
