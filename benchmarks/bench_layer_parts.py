@@ -6,17 +6,23 @@ densepass encodes ``--n`` debian-packages passages in bf16 (``encode_texts``: le
 packed tokens each piece hands its first layer. Then each part of that layer runs on its own over those pieces, the
 parts in turn, ``--repeats`` rounds, the fastest round of each reported:
 
-    qkv            x Wqkv^T + b                          one product for the query, key and value projections
-    attention      cpu_kernels.self_attention            per sequence, on AMX tiles
-    output         context Wo^T + bo                     the bias as a oneDNN post-op
-    layer norms    LayerNorm(x + ...), twice             cpu_kernels.layer_norm_, the residual added (in place,
-                                                         on scratch copies)
-    inner          h Wi^T + bi                           without its GELU
-    GELU           the GELU post-op: inner with GELU fused, minus inner without
-    ffn output     f Wf^T + bf                           the feed-forward output product
+    qkv              x Wqkv^T + b                          one product for the query, key and value projections
+    attention        cpu_kernels.self_attention            per sequence, on AMX tiles
+    after attention  cpu_kernels.AfterAttention            the output product, the feed-forward and the two layer
+                                                           norms, 256 tokens at a time through all of them
 
 and the whole layer, whose time above the sum of its parts is what running them in sequence costs (each part's
 inputs are no longer in cache), and, for comparison, SDPA on the same sequences padded to each piece's longest.
+Then what the after-attention kernel replaced, one part at a time (oneDNN's products on the weights in its blocked
+layout, and the layer-norm kernel):
+
+    output           context Wo^T + bo                     the bias as a oneDNN post-op
+    layer norms      LayerNorm(x + ...), twice             cpu_kernels.layer_norm_, the residual added (in place,
+                                                           on scratch copies)
+    inner            h Wi^T + bi                           without its GELU
+    GELU             the GELU post-op: inner with GELU fused, minus inner without
+    ffn output       f Wf^T + bf                           the feed-forward output product
+
 Each part's rate is its multiply-adds (or, GELU and layer norms, its elements) per second; attention counts Q K^T
 and P V over each sequence's own length.
 
@@ -48,8 +54,8 @@ def captured_pieces(model: BiEncoder, texts: list[str]) -> tuple[FusedBertEncode
     if not isinstance(tower, FusedBertEncoder):
         raise SystemExit("the model's bf16 copy does not run fused layers on this CPU (models.fused.fusable)")
     first = tower.layers[0]
-    if not cpu_kernels.usable(first.qkv_bias, tower.head_size):
-        raise SystemExit("the AMX attention kernel does not run here (models.cpu_kernels.usable)")
+    if not cpu_kernels.usable(first.qkv_bias, tower.head_size) or first.after is None:
+        raise SystemExit("the AMX kernels do not run here (models.cpu_kernels.usable)")
     pieces = []
 
     def capture(x: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -80,20 +86,21 @@ def layer_parts(layer, pieces: list[tuple]) -> tuple[list[dict], dict, dict]:
     """Each piece's inputs to every part (computed once), name -> the part run on one piece's inputs, and name ->
     its work over all pieces (multiply-adds, or elements for GELU and the layer norms)."""
     linear = torch.ops.mkldnn._linear_pointwise
+    out, inner, ffn = (layer.products(name) for name in ("out", "inner", "ffn"))
     width, heads = pieces[0][0].shape[-1], layer.heads
-    inner = layer.inner_bias.numel()
+    inner_width = layer.inner_bias.numel()
     stages = []
     for x, offsets in pieces:
         qkv = linear(x, layer.qkv, layer.qkv_bias, "none", [], "")
         context = cpu_kernels.self_attention(qkv, offsets, heads)
-        attended = linear(context, layer.out, layer.out_bias, "none", [], "")
+        attended = linear(context, out, layer.out_bias, "none", [], "")
         h = cpu_kernels.layer_norm_(attended.clone(), layer.attention_norm, x)
-        f = linear(h, layer.inner, layer.inner_bias, "gelu", [], "none")
+        f = linear(h, inner, layer.inner_bias, "gelu", [], "none")
         q, k, v, keep = padded(qkv, offsets, heads)
         stages.append(
             {
                 "x": x, "offsets": offsets, "qkv": qkv, "context": context, "h": h, "f": f,
-                "attended": attended, "ffn": linear(f, layer.ffn_out, layer.ffn_out_bias, "none", [], ""),
+                "attended": attended, "ffn": linear(f, ffn, layer.ffn_bias, "none", [], ""),
                 "q": q, "k": k, "v": v, "keep": keep, "tokens": x.shape[0],
                 "attention_macs": 2 * heads * int((offsets.diff() ** 2).sum()) * (width // heads),
             }
@@ -102,21 +109,23 @@ def layer_parts(layer, pieces: list[tuple]) -> tuple[list[dict], dict, dict]:
     runs = {
         "qkv": lambda s: linear(s["x"], layer.qkv, layer.qkv_bias, "none", [], ""),
         "attention": lambda s: cpu_kernels.self_attention(s["qkv"], s["offsets"], heads),
-        "output": lambda s: linear(s["context"], layer.out, layer.out_bias, "none", [], ""),
+        "after attention": lambda s: layer.after(s["context"], s["x"]),
+        "whole layer": lambda s: layer.packed_tokens(s["x"], s["offsets"], s["offsets"].diff()),
+        "SDPA": lambda s: sdpa(s["q"], s["k"], s["v"], attn_mask=s["keep"]),
+        "output": lambda s: linear(s["context"], out, layer.out_bias, "none", [], ""),
         "layer norms": lambda s: (
             cpu_kernels.layer_norm_(s["attended"], layer.attention_norm, s["x"]),
             cpu_kernels.layer_norm_(s["ffn"], layer.output_norm, s["h"]),
         ),
-        "inner": lambda s: linear(s["h"], layer.inner, layer.inner_bias, "none", [], ""),
-        "inner with GELU": lambda s: linear(s["h"], layer.inner, layer.inner_bias, "gelu", [], "none"),
-        "ffn output": lambda s: linear(s["f"], layer.ffn_out, layer.ffn_out_bias, "none", [], ""),
-        "whole layer": lambda s: layer.packed_tokens(s["x"], s["offsets"], s["offsets"].diff()),
-        "SDPA": lambda s: sdpa(s["q"], s["k"], s["v"], attn_mask=s["keep"]),
+        "inner": lambda s: linear(s["h"], inner, layer.inner_bias, "none", [], ""),
+        "inner with GELU": lambda s: linear(s["h"], inner, layer.inner_bias, "gelu", [], "none"),
+        "ffn output": lambda s: linear(s["f"], ffn, layer.ffn_bias, "none", [], ""),
     }
-    per_token = {"qkv": 3 * width, "output": width, "layer norms": 2, "inner": inner, "ffn output": inner}
+    per_token = {"qkv": 3 * width, "output": width, "layer norms": 2, "inner": inner_width, "ffn output": inner_width}
+    per_token["after attention"] = width + 2 * inner_width
     tokens = sum(s["tokens"] for s in stages)
     work = {name: tokens * width * count for name, count in per_token.items()}
-    work["GELU"] = tokens * inner
+    work["GELU"] = tokens * inner_width
     work["attention"] = work["SDPA"] = sum(s["attention_macs"] for s in stages)
     return stages, runs, work
 
@@ -151,24 +160,27 @@ def main() -> None:
                 best[name] = min(best[name], time.perf_counter() - started)
     ms = {name: 1000 * seconds * 1000 / len(texts) for name, seconds in best.items()}  # per 1,000 passages
     ms["GELU"] = ms.pop("inner with GELU") - ms["inner"]
-    whole, sdpa = ms.pop("whole layer"), ms.pop("SDPA")
-    total = sum(ms.values())
-    rows = [
-        [name, f"{ms[name]:.1f}", f"{ms[name] / total:.0%}", f"{work[name] / (ms[name] * len(texts) / 1e6) / 1e9:,.0f}"]
-        for name in ms
-    ]
+    rate = {name: work[name] / (ms[name] * len(texts) / 1e6) / 1e9 for name in work}
+    parts = ["qkv", "attention", "after attention"]
+    total = sum(ms[name] for name in parts)
+    rows = [[name, f"{ms[name]:.1f}", f"{ms[name] / total:.0%}", f"{rate[name]:,.0f}"] for name in parts]
     rows.append(["sum of the parts", f"{total:.1f}", "100%", ""])
-    rows.append(["the whole layer", f"{whole:.1f}", f"{whole / total:.0%}", ""])
-    rate = work["SDPA"] / (sdpa * len(texts) / 1e6) / 1e9
-    rows.append(["(SDPA instead of the kernel, each piece padded to its longest)", f"{sdpa:.1f}", "", f"{rate:,.0f}"])
+    rows.append(["the whole layer", f"{ms['whole layer']:.1f}", f"{ms['whole layer'] / total:.0%}", ""])
+    rows.append(["(SDPA instead of the kernel, each piece padded to its longest)", f"{ms['SDPA']:.1f}", "",
+                 f"{rate['SDPA']:,.0f}"])  # fmt: skip
     tokens = sum(s["tokens"] for s in stages)
     print(f"\n{len(texts):,} passages, {len(pieces)} pieces, {tokens:,} tokens packed, one layer:\n")
-    print(
-        markdown_table(
-            ["part", "ms per 1,000 passages", "share", "rate (G multiply-adds / s; GELU, norms: G elements / s)"], rows
-        )
-    )
-    results = {"ms_per_1000": ms, "whole_layer_ms": whole, "sdpa_ms": sdpa}
+    header = ["part", "ms per 1,000 passages", "share", "rate (G multiply-adds / s; GELU, norms: G elements / s)"]
+    print(markdown_table(header, rows))
+    replaced = ["output", "layer norms", "inner", "GELU", "ffn output"]
+    before = sum(ms[name] for name in replaced)
+    rows = [[name, f"{ms[name]:.1f}", f"{ms[name] / before:.0%}", f"{rate[name]:,.0f}"] for name in replaced]
+    rows.append(["sum (oneDNN's products and the layer-norm kernel)", f"{before:.1f}", "100%", ""])
+    rows.append(["the after-attention kernel", f"{ms['after attention']:.1f}", f"{ms['after attention'] / before:.0%}",
+                 f"{rate['after attention']:,.0f}"])  # fmt: skip
+    print("\nthe after-attention part, one part at a time:\n")
+    print(markdown_table(header, rows))
+    results = {"ms_per_1000": ms}
     write_json(args.out, {"environment": env, "args": vars(args), **results})
 
 

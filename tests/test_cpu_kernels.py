@@ -168,6 +168,126 @@ def test_layer_norm_leaves_what_it_does_not_take_to_torch():
         assert torch.equal(x, before) and torch.equal(out, norm(before if residual is None else before + residual))
 
 
+def exact_gelu(x: torch.Tensor) -> torch.Tensor:
+    """0.5 x (1 + erf(x / sqrt(2))) in float64."""
+    x = x.double()
+    return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+
+
+@needs_kernels
+@settings(max_examples=20, deadline=None)
+@given(values=st.lists(st.floats(-1e4, 1e4, width=32), min_size=16, max_size=16))
+def test_gelu_is_within_1e6_of_the_exact_gelu(values):
+    """The piecewise quartic against erf's GELU in float64: on a dense grid over and past its range [-6, 6] (every
+    interval, both sides of each end), and on any floats; exactly 0 at 0."""
+    grid = torch.cat([torch.linspace(-20, 20, 2**18), torch.tensor([0.0, -6.0, 6.0, 5.9999, -6.0001, 6.0001])])
+    grid = torch.cat([grid, torch.zeros(-len(grid) % 16)])
+    for x in (grid, torch.tensor(values)):
+        error = (cpu_kernels.gelu(x).double() - exact_gelu(x)).abs()
+        assert error.max() <= 1.5e-6 + 1e-7 * x.abs().max()
+    assert cpu_kernels.gelu(torch.zeros(16)).eq(0).all()
+    with pytest.raises(ValueError, match="a multiple of 16"):
+        cpu_kernels.gelu(torch.zeros(15))
+
+
+def random_layer(seed: int, width: int, inner: int) -> tuple[torch.nn.Module, ...]:
+    """A BERT layer's modules after its attention (output product, layer norm, feed-forward products, layer norm),
+    bf16, with random weights at the scale of a trained model's."""
+    generator = torch.Generator().manual_seed(seed)
+    modules = (torch.nn.Linear(width, width), torch.nn.LayerNorm(width, eps=1e-12), torch.nn.Linear(width, inner),
+               torch.nn.Linear(inner, width), torch.nn.LayerNorm(width, eps=1e-12))  # fmt: skip
+    with torch.no_grad():
+        for module in modules:
+            fan_in = module.weight.shape[-1]
+            module.weight.copy_(torch.randn(module.weight.shape, generator=generator) / math.sqrt(fan_in))
+            module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * 0.2)
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.add_(1)
+    return tuple(module.to(BF16) for module in modules)
+
+
+def after_attention_in(dtype: torch.dtype, modules, context: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """LayerNorm(h + GELU(h Wi^T + bi) Wf^T + bf), h = LayerNorm(x + context Wo^T + bo), each step in ``dtype``
+    (float64: the exact result of the bf16 parameters and inputs; bf16: torch's bf16 eager layer)."""
+    out, norm1, inner, ffn, norm2 = modules
+    cast = lambda t: t.to(dtype)  # noqa: E731
+    norm = lambda y, n: F.layer_norm(y, y.shape[-1:], cast(n.weight), cast(n.bias), n.eps)  # noqa: E731
+    h = norm(cast(x) + F.linear(cast(context), cast(out.weight), cast(out.bias)), norm1)
+    f = F.gelu(F.linear(h, cast(inner.weight), cast(inner.bias)))
+    return norm(h + F.linear(f, cast(ffn.weight), cast(ffn.bias)), norm2)
+
+
+@needs_kernels
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.integers(1, 600),
+    width=st.sampled_from([32, 64, 416]),
+    inner=st.sampled_from([32, 160, 800]),
+)
+def test_after_attention_agrees_with_a_float64_reference_to_bf16_rounding(seed, rows, width, inner):
+    """Any number of tokens (partial tiles, partial and several blocks of 256), widths and inner widths of one tile
+    and of several (depths past 384 summed in chunks): as close to the exact result as torch's bf16 layer is."""
+    modules = random_layer(seed, width, inner)
+    generator = torch.Generator().manual_seed(seed + 1)
+    context, x = (torch.randn(rows, width, generator=generator).to(BF16) for _ in range(2))
+    got = cpu_kernels.AfterAttention(*modules)(context, x)
+    expected = after_attention_in(torch.float64, modules, context, x)
+    torch_bf16 = after_attention_in(BF16, modules, context, x)
+    assert got.dtype == BF16 and got.shape == (rows, width)
+    error, torch_error = (got.double() - expected).abs(), (torch_bf16.double() - expected).abs()
+    assert error.max() <= 1.5 * torch_error.max() and error.mean() <= 1.1 * torch_error.mean()
+
+
+@needs_kernels
+def test_after_attention_computes_each_token_on_its_own():
+    """A token's output does not depend on the others (the rows a last, partial block pads with): the first rows of a
+    longer input come out bit for bit as on their own, at every boundary of a tile and a block."""
+    modules = random_layer(0, 64, 160)
+    kernel = cpu_kernels.AfterAttention(*modules)
+    context, x = torch.randn(2, 700, 64).to(BF16)
+    whole = kernel(context, x)
+    for rows in (1, 15, 16, 17, 31, 32, 33, 255, 256, 257, 513):
+        assert torch.equal(kernel(context[:rows], x[:rows]), whole[:rows])
+
+
+@needs_kernels
+def test_after_attention_takes_only_what_it_computes():
+    """``fits`` refuses layers it does not compute (float32, a width or inner width off whole tiles, a norm without
+    a bias), the constructor says why in one line, and a call refuses inputs of another shape or dtype."""
+    layer = random_layer(0, 64, 96)
+    assert cpu_kernels.AfterAttention.fits(*layer)
+    unfit = [
+        tuple(module.float() for module in random_layer(0, 64, 96)),
+        random_layer(0, 48, 96),
+        random_layer(0, 64, 80),
+        (*layer[:4], torch.nn.LayerNorm(64, bias=False).to(BF16)),
+    ]
+    for modules in unfit:
+        assert not cpu_kernels.AfterAttention.fits(*modules)
+        with pytest.raises(ValueError, match="^the after-attention kernel takes bf16 layers"):
+            cpu_kernels.AfterAttention(*modules)
+    kernel = cpu_kernels.AfterAttention(*layer)
+    wrong = [
+        (torch.zeros(4, 64), torch.zeros(4, 64).to(BF16)),  # float32
+        (torch.zeros(4, 32).to(BF16), torch.zeros(4, 32).to(BF16)),  # another width
+        (torch.zeros(4, 64).to(BF16), torch.zeros(5, 64).to(BF16)),  # other token counts
+    ]
+    for context, x in wrong:
+        with pytest.raises(ValueError, match=r"^context and x must be bf16 \[tokens, 64\]"):
+            kernel(context, x)
+
+
+def test_the_tile_layout_is_undone_exactly():
+    """``untiled`` gives back the weight ``tile_layout`` was given, and a tile holds its 16 columns' pairs of
+    depths side by side."""
+    weight = torch.randn(96, 64).to(BF16)
+    tiles = cpu_kernels.tile_layout(weight)
+    assert tiles.shape == (6, 2, 16, 16, 2) and torch.equal(cpu_kernels.untiled(tiles), weight)
+    n, k, r, column, pair = 3, 1, 5, 7, 1
+    assert tiles[n, k, r, column, pair] == weight[16 * n + column, 32 * k + 2 * r + pair]
+
+
 @needs_kernels
 @pytest.mark.parametrize("kind", ["bert", "roberta"])  # RoBERTa numbers positions from its non-pad tokens
 @pytest.mark.parametrize("hidden", [64, 128])  # heads of 32 and 64

@@ -1,4 +1,5 @@
-"""bf16 kernels of the fused BERT layers on x86 CPUs with AMX: attention on AMX tiles and layer norm, in C++.
+"""bf16 kernels of the fused BERT layers on x86 CPUs with AMX: attention, and all that follows it, on AMX tiles, in
+C++.
 
 SDPA's CPU flash-attention kernel ran MiniLM's attention (12 heads of 32 dimensions over rows of about 90 tokens)
 at 61 G multiply-adds/s on a 2-core Xeon with AMX, against 0.5-1.6 T for the layer's products, and took a third of
@@ -13,8 +14,11 @@ as SDPA does in bf16 (float32 scores and softmax, bf16 probabilities for P V), o
 other without padding: a layer's products run on the tokens alone, and the kernel reads queries, keys and values
 where the one query/key/value product left them and writes the context where the output product reads it (no
 permute or copy on either side). It takes heads of 32 or 64 dimensions (MiniLM, BERT-base and -large, BGE, E5,
-GTE). ``layer_norm_`` normalises bf16 rows in place, in float32, a row held in registers, the residual added on
-the way (in the pass the norm makes anyway, where oneDNN's add post-op slowed the product before it).
+GTE). ``AfterAttention`` computes the rest of the layer (output product, feed-forward, both layer norms) as one
+kernel, a block of tokens at a time through all of it, with its own products on AMX tiles and the biases,
+residuals, GELU and layer norms applied as the products' results come off the tiles. ``layer_norm_`` normalises
+bf16 rows in place, in float32, the residual added on the way (what the layers run where ``AfterAttention`` does
+not fit).
 
 The kernels (``csrc/cpu_kernels.cpp``) are built with the system's C++ compiler on first use, into a cache keyed
 by the source, the flags and the compiler (``$DENSEPASS_KERNEL_CACHE``, else ``~/.cache/densepass/kernels``), and
@@ -136,6 +140,118 @@ def layer_norm_(x: torch.Tensor, norm: nn.LayerNorm, residual: torch.Tensor | No
     return x
 
 
+def tile_layout(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's weight [out, in] (both multiples of 32) in the order the products read it from memory:
+    per 16 output columns, its tiles of 32 input depths one after the other, each 16 rows of the 16 columns' two
+    depths side by side ([out / 16, in / 32, 16, 16, 2]: AMX's layout for the right operand of a bf16 product)."""
+    out, depth = weight.shape
+    return weight.detach().reshape(out // 16, 16, depth // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def untiled(tiles: torch.Tensor) -> torch.Tensor:
+    """The weight [out, in] that ``tile_layout`` made ``tiles`` of."""
+    blocks, steps = tiles.shape[:2]
+    return tiles.permute(0, 3, 1, 2, 4).reshape(blocks * 16, steps * 32)
+
+
+class _LayerWeights(ctypes.Structure):
+    """``LayerWeights`` of csrc/cpu_kernels.cpp: what ``AfterAttention`` hands its kernel."""
+
+    _fields_ = [  # noqa: RUF012 (ctypes reads the class attribute)
+        *[(name, ctypes.c_void_p) for name in ("out", "out_bias", "norm1_weight", "norm1_bias", "inner",
+                                               "inner_bias", "ffn", "ffn_bias", "norm2_weight", "norm2_bias")],
+        ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("width", ctypes.c_int64), ("inner_width", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+class AfterAttention:
+    """What follows the attention in a BERT layer, as one kernel over packed tokens:
+
+        h   = LayerNorm(x + context Wo^T + bo)
+        out = LayerNorm(h + GELU(h Wi^T + bi) Wf^T + bf)
+
+    A thread takes 256 tokens at a time through all of it, so ``h`` and the 4x wider GELU output stay in its caches
+    instead of going through memory. The products run on AMX tiles, with the weights in ``tile_layout``: the tiles
+    of a block of 32 tokens x 32 columns, then its bias, residual or GELU applied to the float32 result as it comes
+    off the tiles (interleaved with the next block's tile instructions), where oneDNN's products take a pass of
+    their own for each (GELU's post-op cost 12% of a layer). A layer norm runs on each 32 tokens once their sums are
+    complete, interleaved with the next tokens' product. GELU is the exact (erf) GELU by a quartic on each of 32
+    intervals, within 1.2e-6 of it; the layer norms are two-pass in float32 (the shifted-data algorithm). Built from
+    the layer's modules where ``fits``, with its own references to their weights (made ``tile_layout``), biases and
+    norm parameters; the weights' other layout is ``untiled(self.tiles[name])``.
+
+        >>> linear, norm = lambda i, o: nn.Linear(i, o).bfloat16(), lambda: nn.LayerNorm(64).bfloat16()
+        >>> kernel = AfterAttention(linear(64, 64), norm(), linear(64, 256), linear(256, 64), norm())
+        >>> x = torch.randn(10, 64).bfloat16()
+        >>> kernel(x, x).shape if usable(x, 32) else torch.Size([10, 64])
+        torch.Size([10, 64])
+    """
+
+    def __init__(
+        self, out: nn.Linear, attention_norm: nn.LayerNorm, inner: nn.Linear, ffn: nn.Linear, output_norm: nn.LayerNorm
+    ) -> None:
+        if not self.fits(out, attention_norm, inner, ffn, output_norm):
+            raise ValueError("the after-attention kernel takes bf16 layers of widths that are multiples of 32")
+        linears = {"out": out, "inner": inner, "ffn": ffn}
+        self.tiles = {name: tile_layout(linear.weight) for name, linear in linears.items()}
+        biases = [linear.bias.detach() for linear in linears.values()]
+        norms = [tensor.detach() for norm in (attention_norm, output_norm) for tensor in (norm.weight, norm.bias)]
+        # what the kernel reads, held here (a module moved or cast after this leaves these in place)
+        self._tensors = [self.tiles["out"], biases[0], *norms[:2], self.tiles["inner"], biases[1], self.tiles["ffn"],
+                         biases[2], *norms[2:]]  # fmt: skip
+        pointers = [tensor.data_ptr() for tensor in self._tensors]
+        width, inner_width = out.weight.shape[0], inner.weight.shape[0]
+        self._weights = _LayerWeights(*pointers, attention_norm.eps, output_norm.eps, width, inner_width)
+
+    @staticmethod
+    def fits(
+        out: nn.Linear, attention_norm: nn.LayerNorm, inner: nn.Linear, ffn: nn.Linear, output_norm: nn.LayerNorm
+    ) -> bool:
+        """Whether the kernel computes this layer: bf16 weights and biases, a width (a multiple of 32, at most
+        ``MAX_NORM_WIDTH``) and an inner width (a multiple of 32) the products take in whole tiles, layer norms over
+        the width with a weight and a bias."""
+        width, inner_width = out.weight.shape[0], inner.weight.shape[0]
+        tensors = [out.weight, out.bias, inner.weight, inner.bias, ffn.weight, ffn.bias]
+        tensors += [attention_norm.weight, attention_norm.bias, output_norm.weight, output_norm.bias]
+        return (
+            all(tensor is not None and tensor.dtype == torch.bfloat16 for tensor in tensors)
+            and out.weight.shape == (width, width)
+            and inner.weight.shape == (inner_width, width)
+            and ffn.weight.shape == (width, inner_width)
+            and width % 32 == 0
+            and width <= MAX_NORM_WIDTH
+            and inner_width % 32 == 0
+            and tuple(attention_norm.normalized_shape) == tuple(output_norm.normalized_shape) == (width,)
+        )
+
+    def __call__(self, context: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output [tokens, width] (bf16) from the attention ``context`` and the layer's input ``x``,
+        both [tokens, width] bf16. Call where ``usable``."""
+        width = self._weights.width
+        if not (context.dtype == x.dtype == torch.bfloat16 and context.shape == x.shape and x.shape[-1] == width):
+            raise ValueError(f"context and x must be bf16 [tokens, {width}], got {tuple(context.shape)} and "
+                             f"{tuple(x.shape)}")  # fmt: skip
+        context, x = context.contiguous(), x.contiguous()
+        out = torch.empty_like(x)
+        kernel = _library().densepass_after_attention
+        status = kernel(context.data_ptr(), x.data_ptr(), x.shape[0], ctypes.byref(self._weights), out.data_ptr(),
+                        torch.get_num_threads())  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"the after-attention kernel refused its input (status {status})")
+        return out
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU as ``AfterAttention`` computes it, of float32 ``x`` (its count a multiple of 16; for tests). Call where
+    ``usable``."""
+    x = x.contiguous()
+    if x.dtype != torch.float32 or x.numel() % 16 != 0:
+        raise ValueError("gelu takes float32 values, a multiple of 16 of them")
+    out = torch.empty_like(x)
+    _library().densepass_gelu(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The kernels, built and loaded once per process; None where this machine cannot run them."""
@@ -157,6 +273,9 @@ def _library() -> ctypes.CDLL | None:
     pointer, size, number = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     library.densepass_attention.argtypes = [*[pointer] * 4, *[size] * 3, number, ctypes.c_int]
     library.densepass_layer_norm.argtypes = [*[pointer] * 4, *[size] * 2, number, ctypes.c_int]
+    library.densepass_after_attention.argtypes = [pointer, pointer, size, ctypes.POINTER(_LayerWeights), pointer,
+                                                  ctypes.c_int]  # fmt: skip
+    library.densepass_gelu.argtypes, library.densepass_gelu.restype = [pointer, pointer, size], None
     return library
 
 

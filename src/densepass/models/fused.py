@@ -13,15 +13,16 @@ fewer passes:
     f   = GELU(h Wi^T + bi)                     bias and GELU fused into the product (exact, erf GELU)
     out = LayerNorm(h + f Wf^T + bf)            bias and residual fused
 
-with each weight reordered once into oneDNN's blocked layout. Where ``cpu_kernels`` runs (bf16 on a CPU with AMX,
-heads of 32 or 64), the layers take the tokens packed without padding: the products run on tokens alone, attention
-and the layer norms are ``cpu_kernels``' (attention on AMX tiles, per sequence); elsewhere (float32, other CPUs) they
-take padded batches, attention is SDPA, and the inputs are padded to a multiple of 16 tokens where that adds little
-(``LENGTH_MULTIPLE``). The maths is the eager layer's (same attention scale, same GELU): in bf16 the two agree to
-bf16 rounding, in float32 to float32 rounding (tests). Used for the bf16 inference copies on the CPU
-(``models.copies.bf16_copy``): a bi-encoder's towers, ColBERT's encoder and SPLADE's MLM encoder (the model under
-its head); BERT, RoBERTa and XLM-R encoders only (``fusable``: MiniLM, BERT, BGE / E5 / GTE, multilingual E5),
-everything else runs the ``transformers`` model as it is.
+with each weight reordered once into oneDNN's blocked layout (into AMX tiles on the kernels' path). Where
+``cpu_kernels`` runs (bf16 on a CPU with AMX, heads of 32 or 64), the layers take the tokens packed without padding:
+the products run on tokens alone, attention is ``cpu_kernels``' (on AMX tiles, per sequence), and so is all that
+follows it (``cpu_kernels.AfterAttention``: the output product, the feed-forward and both layer norms, a block of
+tokens at a time); elsewhere (float32, other CPUs) they take padded batches, attention is SDPA, and the inputs are
+padded to a multiple of 16 tokens where that adds little (``LENGTH_MULTIPLE``). The maths is the eager layer's (same
+attention scale, same GELU): in bf16 the two agree to bf16 rounding, in float32 to float32 rounding (tests). Used for
+the bf16 inference copies on the CPU (``models.copies.bf16_copy``): a bi-encoder's towers, ColBERT's encoder and
+SPLADE's MLM encoder (the model under its head); BERT, RoBERTa and XLM-R encoders only (``fusable``: MiniLM, BERT,
+BGE / E5 / GTE, multilingual E5), everything else runs the ``transformers`` model as it is.
 """
 
 from __future__ import annotations
@@ -87,11 +88,23 @@ class FusedBertLayer(nn.Module):
         # ``first_position`` needs the keys and values on their own, the query as it is (last layers only)
         self.kv = packed(torch.cat([attention.key.weight, attention.value.weight])) if first_position else None
         self.query = attention.query if first_position else None
-        self.out, self.out_bias = packed(layer.attention.output.dense.weight), layer.attention.output.dense.bias
-        self.inner, self.inner_bias = packed(layer.intermediate.dense.weight), layer.intermediate.dense.bias
-        self.ffn_out, self.ffn_out_bias = packed(layer.output.dense.weight), layer.output.dense.bias
+        linears = {"out": layer.attention.output.dense, "inner": layer.intermediate.dense, "ffn": layer.output.dense}
+        self.out_bias, self.inner_bias, self.ffn_bias = (linear.bias for linear in linears.values())
         self.attention_norm = layer.attention.output.LayerNorm
         self.output_norm = layer.output.LayerNorm
+        after = (linears["out"], self.attention_norm, linears["inner"], linears["ffn"], self.output_norm)
+        kernels = cpu_kernels.usable(self.qkv_bias, attention.attention_head_size)
+        # on the kernels' path the layer after attention is one kernel (its weights in AMX tiles); oneDNN's layout
+        # of them is made from those the first time another path runs (``products``)
+        self.after = cpu_kernels.AfterAttention(*after) if kernels and cpu_kernels.AfterAttention.fits(*after) else None
+        self._products = {} if self.after else {name: packed(linear.weight) for name, linear in linears.items()}
+
+    def products(self, name: str) -> torch.Tensor:
+        """The weight of the output product (``out``), or of the feed-forward's (``inner``, ``ffn``), in oneDNN's
+        blocked layout."""
+        if name not in self._products:
+            self._products[name] = packed(cpu_kernels.untiled(self.after.tiles[name]))
+        return self._products[name]
 
     def forward(self, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """``hidden`` [batch, length, width] -> the same shape; ``keep`` [batch, 1, 1, length]: True where a key
@@ -110,10 +123,11 @@ class FusedBertLayer(nn.Module):
         context = cpu_kernels.self_attention(qkv, offsets, self.heads, keys)
         return self._after_context(context, x, kernels=True)
 
-    def first_position(self, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def first_position(self, hidden: torch.Tensor, keep: torch.Tensor, kernels: bool = False) -> torch.Tensor:
         """The layer's output at the first position only, [batch, 1, width]: keys and values of every position,
         the query, attention output and feed-forward of the first (a cross-encoder's last layer, whose head reads
-        that position alone: ``models.cross_encoder.first_position_logits``)."""
+        that position alone: ``models.cross_encoder.first_position_logits``); ``kernels``: what follows attention
+        by ``cpu_kernels`` (``_after_context``)."""
         batch, length, width = hidden.shape
         size = width // self.heads
         if self.query is None:  # ``kv`` is packed alongside
@@ -123,30 +137,39 @@ class FusedBertLayer(nn.Module):
         k, v = kv.view(batch, length, 2, self.heads, size).permute(2, 0, 3, 1, 4)
         first = hidden[:, 0]
         q = self.query(first).view(batch, self.heads, 1, size)
-        return self._after_attention(q, k, v, keep, first).view(batch, 1, width)
+        return self._after_attention(q, k, v, keep, first, kernels).view(batch, 1, width)
 
     def _after_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, x: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keep: torch.Tensor,
+        x: torch.Tensor,
+        kernels: bool = False,
     ) -> torch.Tensor:
         """Attention of the queries ``q`` [batch, heads, rows, size] over ``k``, ``v``, then the output projection,
         residual ``x`` [batch x rows, width], layer norms and feed-forward: [batch x rows, width]."""
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(x.shape)
-        return self._after_context(context, x)
+        return self._after_context(context, x, kernels)
 
     def _after_context(self, context: torch.Tensor, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
         """The output projection of the attention ``context`` [batch x rows, width], residual ``x``, layer norms
-        and feed-forward: [batch x rows, width]. ``kernels``: the residuals added by ``cpu_kernels.layer_norm_``
-        (one pass fewer than oneDNN's add post-op), else by the products."""
+        and feed-forward: [batch x rows, width]. ``kernels``: all of it one ``cpu_kernels.AfterAttention`` where the
+        layer was built for it, else oneDNN's products with the residuals added by ``cpu_kernels.layer_norm_`` (one
+        pass fewer than oneDNN's add post-op); otherwise oneDNN's products, the residuals added by them."""
+        if kernels and self.after is not None:
+            return self.after(context, x)
         linear = torch.ops.mkldnn._linear_pointwise
+        out, inner, ffn = (self.products(name) for name in ("out", "inner", "ffn"))
         if kernels:
-            attended = linear(context, self.out, self.out_bias, "none", [], "")
+            attended = linear(context, out, self.out_bias, "none", [], "")
             h = cpu_kernels.layer_norm_(attended, self.attention_norm, x)
-            f = linear(h, self.inner, self.inner_bias, "gelu", [], "none")
-            out = linear(f, self.ffn_out, self.ffn_out_bias, "none", [], "")
-            return cpu_kernels.layer_norm_(out, self.output_norm, h)
-        h = self.attention_norm(linear.binary(context, x, self.out, self.out_bias, "add"))
-        f = linear(h, self.inner, self.inner_bias, "gelu", [], "none")
-        return self.output_norm(linear.binary(f, h, self.ffn_out, self.ffn_out_bias, "add"))
+            f = linear(h, inner, self.inner_bias, "gelu", [], "none")
+            return cpu_kernels.layer_norm_(linear(f, ffn, self.ffn_bias, "none", [], ""), self.output_norm, h)
+        h = self.attention_norm(linear.binary(context, x, out, self.out_bias, "add"))
+        f = linear(h, inner, self.inner_bias, "gelu", [], "none")
+        return self.output_norm(linear.binary(f, h, ffn, self.ffn_bias, "add"))
 
 
 class FusedBertEncoder(nn.Module):
@@ -201,7 +224,7 @@ class FusedBertEncoder(nn.Module):
             x = layer.packed_tokens(x, offsets, counts)
         out = x if in_place else hidden.new_zeros(batch * length, width).index_copy_(0, rows, x)
         out = out.view(batch, length, width)
-        return self.layers[-1].first_position(out, kept[:, None, None, :]) if first_position else out
+        return self.layers[-1].first_position(out, kept[:, None, None, :], kernels=True) if first_position else out
 
     def get_input_embeddings(self) -> nn.Module:
         """The token-embedding table (as ``transformers`` models expose it)."""

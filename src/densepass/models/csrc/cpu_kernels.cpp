@@ -5,9 +5,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 namespace {
 
@@ -105,7 +107,229 @@ inline uint16_t block_mask(int64_t remaining) {
   return remaining >= 16 ? 0xffff : static_cast<uint16_t>((1u << remaining) - 1);
 }
 
+// Buffers a thread keeps from call to call, each grown where a call needs more (never shrunk): the large
+// activations of densepass_after_attention, without mapping and faulting in fresh pages every layer.
+class Workspace {
+ public:
+  static constexpr int kSlots = 7;
+  ~Workspace() {
+    for (void* buffer : buffers_) std::free(buffer);
+  }
+  float* floats(int slot, int64_t count) { return static_cast<float*>(get(slot, count * 4)); }
+  uint16_t* halves(int slot, int64_t count) { return static_cast<uint16_t*>(get(slot, count * 2)); }
+
+ private:
+  void* get(int slot, int64_t bytes) {
+    const size_t size = (static_cast<size_t>(bytes) + 63) / 64 * 64;
+    if (size > sizes_[slot]) {
+      std::free(buffers_[slot]);
+      buffers_[slot] = std::aligned_alloc(64, size);
+      sizes_[slot] = size;
+    }
+    return buffers_[slot];
+  }
+  void* buffers_[kSlots] = {};
+  size_t sizes_[kSlots] = {};
+};
+
+constexpr int64_t kMaxWidth = 2048;  // the widest row the layer norms take
+constexpr int64_t kBlockRows = 256;  // the rows densepass_after_attention's threads take at a time
+
+// Running sums of a row's values less a shift (its first value: the shifted-data algorithm, so that the variance
+// is not lost where the mean is large against it), 16 lanes each, for a layer norm.
+struct Moments {
+  __m512 sum, squares;
+  float shift;
+  void add(__m512 v) {
+    const __m512 d = _mm512_sub_ps(v, _mm512_set1_ps(shift));
+    sum = _mm512_add_ps(sum, d);
+    squares = _mm512_fmadd_ps(d, d, squares);
+  }
+};
+
+// A float32 row of `blocks` x 16 values, whose Moments are m, normalised: (row - mean) / sqrt(variance + eps) x
+// weight + bias (float32 weight and bias), written to dst in bf16.
+inline void normalize(const float* row, int64_t blocks, const Moments& m, const float* weight, const float* bias,
+                      float eps, uint16_t* dst) {
+  const float width = static_cast<float>(blocks * 16);
+  const float sum = _mm512_reduce_add_ps(m.sum) / width, squares = _mm512_reduce_add_ps(m.squares) / width;
+  const float variance = squares - sum * sum > 0 ? squares - sum * sum : 0;
+  const __m512 mean = _mm512_set1_ps(m.shift + sum);
+  const __m512 scale = _mm512_set1_ps(1.0f / __builtin_sqrtf(variance + eps));
+  for (int64_t k = 0; k < blocks; ++k) {
+    const __m512 normal = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(row + 16 * k), mean), scale);
+    store_bf16(dst + 16 * k, _mm512_fmadd_ps(normal, _mm512_load_ps(weight + 16 * k), _mm512_load_ps(bias + 16 * k)));
+  }
+}
+
+// `count` bf16 values widened into float32 (a multiple of 16).
+inline void widen(const uint16_t* from, int64_t count, float* to) {
+  for (int64_t k = 0; k < count; k += 16) _mm512_store_ps(to + k, load_bf16(from + k));
+}
+
+// a [32 x parts rows of `depth`, `stride` elements apart] W^T ([width, depth] in `tile_layout`), 32 rows x 32
+// columns at a time, on AMX tiles (accumulators 0-3, rows of a 4 and 5, columns of W 6 and 7), the depth kChunk at
+// a time (the sums kept in `partial` in between, so that a chunk of a slice of W stays in L1 while rows go by).
+// Columns outer (a slice of W read from memory once for all the rows), or with `rows_outer` each 32 rows finished
+// one after the other. Each finished block is handed to epilogue(first row, first column, c [32 x 32 floats],
+// rows from, rows to) a few rows at a time in between the tile instructions of the next block, and background()
+// is called once a step: the core computes them while the tiles run. prepare(part) runs before a block of the
+// part's rows.
+constexpr int64_t kChunk = 384;
+template <typename Prepare, typename Epilogue, typename Background>
+inline void product(const uint16_t* a, int64_t stride, int64_t parts, int64_t depth, const uint16_t* w,
+                    int64_t width, bool rows_outer, float* partial, Prepare prepare, Epilogue epilogue,
+                    Background background) {
+  alignas(64) float c[32 * 32];
+  const int64_t steps = depth / 32, chunk = kChunk / 32 < steps ? kChunk / 32 : steps;
+  const int64_t slice = (32 + chunk - 1) / chunk;  // rows of the finished block's epilogue per step of the next
+  const int64_t columns = width / 32;
+  bool pending = false;
+  int64_t pending_row = 0, pending_column = 0;  // where the finished block in c goes
+  const auto finish = [&](int64_t from, int64_t to) {
+    if (pending && from < 32) epilogue(pending_row, pending_column, c, from, to < 32 ? to : 32);
+  };
+  for (int64_t outer = 0; outer < (rows_outer ? parts : columns); ++outer)
+    for (int64_t inner = 0; inner < (rows_outer ? columns : parts); ++inner)
+      for (int64_t k0 = 0; k0 < steps; k0 += chunk) {
+        const int64_t part = rows_outer ? outer : inner, j = 32 * (rows_outer ? inner : outer);
+        const uint16_t* rows = a + part * 32 * stride;
+        const uint16_t* w0 = w + j * depth;
+        const uint16_t* w1 = w0 + steps * 512;
+        float* sums = partial + part * 1024;
+        prepare(part);
+        if (k0 == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        } else {
+          _tile_loadd(0, sums, 128);
+          _tile_loadd(1, sums + 16, 128);
+          _tile_loadd(2, sums + 512, 128);
+          _tile_loadd(3, sums + 528, 128);
+        }
+        const int64_t end = k0 + chunk < steps ? k0 + chunk : steps;
+        for (int64_t k = k0; k < end; ++k) {
+          _tile_loadd(4, rows + k * 32, stride * 2);
+          _tile_loadd(6, w0 + k * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(7, w1 + k * 512, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_loadd(5, rows + 16 * stride + k * 32, stride * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+          finish((k - k0) * slice, (k - k0 + 1) * slice);
+          background();
+        }
+        finish((end - k0) * slice, 32);  // the last block's epilogue done: c is free
+        pending = end == steps;
+        pending_row = part * 32;
+        pending_column = j;
+        float* target = pending ? c : sums;
+        _tile_stored(0, target, 128);
+        _tile_stored(1, target + 16, 128);
+        _tile_stored(2, target + 512, 128);
+        _tile_stored(3, target + 528, 128);
+      }
+  finish(0, 32);
+}
+
+// Layer norms of the rows of a float32 buffer, one row at a time as they become ready (their sums complete), so
+// that they can run in between tile instructions.
+struct RowNorms {
+  float* sums = nullptr;
+  uint16_t* out = nullptr;
+  const float* weight = nullptr;
+  const float* bias = nullptr;
+  float eps = 0;
+  int64_t width = 0, next = 0, ready = 0;  // rows normalised so far; rows whose sums are complete
+
+  void add(int64_t row, int64_t column, __m512 v0, __m512 v1) {  // sums[row][column .. column + 31] = v0, v1
+    _mm512_store_ps(sums + row * width + column, v0);
+    _mm512_store_ps(sums + row * width + column + 16, v1);
+  }
+  bool one() {  // normalises the next row where it is ready; whether there was one
+    if (next >= ready) return false;
+    const float* row = sums + next * width;
+    Moments m{_mm512_setzero_ps(), _mm512_setzero_ps(), row[0]};
+    for (int64_t k = 0; k < width; k += 16) m.add(_mm512_load_ps(row + k));
+    normalize(row, width / 16, m, weight, bias, eps, out + next * width);
+    ++next;
+    return true;
+  }
+  void until(int64_t row) {  // every ready row before `row`
+    while (next < row && one()) {
+    }
+  }
+};
+
+// GELU(x) = x Phi(x) (the exact GELU, Phi the normal distribution function) by a quartic on each of 32 intervals
+// of [-6, 6] through its values at the interval's Chebyshev-Lobatto points (both ends among them: exact at 0),
+// x itself above 6 and the quartic's value at -6 (about -6e-9) below: within 1.2e-6 of GELU everywhere, far below
+// bf16's rounding. The coefficients are worked out once, in double precision.
+struct GeluTable {
+  static constexpr double kLow = -6.0, kHigh = 6.0;
+  float c[5][32];  // coefficient of t^d (t in [0, 1] across the interval) for interval i: c[d][i]
+  GeluTable() {
+    const double step = (kHigh - kLow) / 32, pi = 3.14159265358979323846;
+    for (int i = 0; i < 32; ++i) {
+      double m[5][6];  // the Vandermonde system at the nodes, augmented with GELU's values
+      for (int r = 0; r < 5; ++r) {
+        const double t = 0.5 - 0.5 * std::cos(r * pi / 4), x = kLow + step * (i + t);
+        for (int d = 0; d < 5; ++d) m[r][d] = std::pow(t, d);
+        m[r][5] = 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+      }
+      for (int col = 0; col < 5; ++col) {  // Gauss-Jordan elimination with partial pivoting
+        int pivot = col;
+        for (int r = col + 1; r < 5; ++r)
+          if (std::fabs(m[r][col]) > std::fabs(m[pivot][col])) pivot = r;
+        for (int d = 0; d < 6; ++d) std::swap(m[col][d], m[pivot][d]);
+        for (int r = 0; r < 5; ++r) {
+          if (r == col) continue;
+          const double factor = m[r][col] / m[col][col];
+          for (int d = 0; d < 6; ++d) m[r][d] -= factor * m[col][d];
+        }
+      }
+      for (int d = 0; d < 5; ++d) c[d][i] = static_cast<float>(m[d][5] / m[d][d]);
+    }
+  }
+};
+
+const GeluTable& gelu_table() {
+  static const GeluTable table;
+  return table;
+}
+
+inline __m512 gelu(__m512 x, const GeluTable& table) {
+  const __m512 low = _mm512_set1_ps(static_cast<float>(GeluTable::kLow));
+  const __m512 high = _mm512_set1_ps(static_cast<float>(GeluTable::kHigh));
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, low), high);
+  const __m512 position = _mm512_mul_ps(_mm512_sub_ps(clamped, low),
+                                        _mm512_set1_ps(static_cast<float>(32 / (GeluTable::kHigh - GeluTable::kLow))));
+  const __m512 interval = _mm512_min_ps(_mm512_roundscale_ps(position, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                        _mm512_set1_ps(31.0f));
+  const __m512 t = _mm512_sub_ps(position, interval);
+  const __m512i index = _mm512_cvttps_epi32(interval);
+  __m512 p = _mm512_permutex2var_ps(_mm512_loadu_ps(table.c[4]), index, _mm512_loadu_ps(table.c[4] + 16));
+  for (int d = 3; d >= 0; --d) {
+    const __m512 coefficient = _mm512_permutex2var_ps(_mm512_loadu_ps(table.c[d]), index,
+                                                      _mm512_loadu_ps(table.c[d] + 16));
+    p = _mm512_fmadd_ps(p, t, coefficient);
+  }
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, high, _CMP_GT_OQ), p, x);
+}
+
 }  // namespace
+
+// A BERT layer's weights after its attention, bf16, for densepass_after_attention (cpu_kernels._LayerWeights):
+// the products' weights in `tile_layout`, [width, width], [inner, width] and [width, inner].
+struct LayerWeights {
+  const uint16_t *out, *out_bias, *norm1_weight, *norm1_bias;
+  const uint16_t *inner, *inner_bias, *ffn, *ffn_bias, *norm2_weight, *norm2_bias;
+  float eps1, eps2;
+  int64_t width, inner_width;
+};
 
 extern "C" {
 
@@ -284,36 +508,125 @@ int densepass_attention(const uint16_t* qkv, const int64_t* offsets, const int64
   return 0;
 }
 
-// x: [rows, width] bf16, replaced per row by LayerNorm(x + residual) = (y - mean) / sqrt(variance + eps) * weight
-// + bias with y = x + residual (residual: [rows, width] bf16, or null for y = x), in float32, the row held in
-// registers, on `threads` OpenMP threads. width: a multiple of 16, at most 2,048. Returns 0, or -1.
+// x: [rows, width] bf16, replaced per row by LayerNorm(x + residual) (residual: [rows, width] bf16, or null for
+// LayerNorm(x)), as `normalize` computes it, on `threads` OpenMP threads. width: a multiple of 16, at most 2,048.
+// Returns 0, or -1.
 int densepass_layer_norm(uint16_t* x, const uint16_t* residual, const uint16_t* weight, const uint16_t* bias,
                          int64_t rows, int64_t width, float eps, int threads) {
-  if (width % 16 != 0 || width <= 0 || width > 2048) return -1;
-  const int64_t blocks = width / 16;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < rows; ++i) {
-    uint16_t* row = x + i * width;
-    __m512 v[128];
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t k = 0; k < blocks; ++k) {
-      v[k] = load_bf16(row + 16 * k);
-      if (residual != nullptr) v[k] = _mm512_add_ps(v[k], load_bf16(residual + i * width + 16 * k));
-      total = _mm512_add_ps(total, v[k]);
-    }
-    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(total) / width);
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t k = 0; k < blocks; ++k) {
-      v[k] = _mm512_sub_ps(v[k], mean);
-      squares = _mm512_fmadd_ps(v[k], v[k], squares);
-    }
-    const __m512 scale = _mm512_set1_ps(1.0f / __builtin_sqrtf(_mm512_reduce_add_ps(squares) / width + eps));
-    for (int64_t k = 0; k < blocks; ++k) {
-      const __m512 normal = _mm512_mul_ps(v[k], scale);
-      store_bf16(row + 16 * k, _mm512_fmadd_ps(normal, load_bf16(weight + 16 * k), load_bf16(bias + 16 * k)));
+  if (width % 16 != 0 || width <= 0 || width > kMaxWidth) return -1;
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) float scale[kMaxWidth], shift[kMaxWidth], row[kMaxWidth];
+    widen(weight, width, scale);
+    widen(bias, width, shift);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+      Moments m{_mm512_setzero_ps(), _mm512_setzero_ps(), 0.0f};
+      for (int64_t k = 0; k < width; k += 16) {
+        __m512 v = load_bf16(x + i * width + k);
+        if (residual != nullptr) v = _mm512_add_ps(v, load_bf16(residual + i * width + k));
+        if (k == 0) m.shift = _mm512_cvtss_f32(v);
+        m.add(v);
+        _mm512_store_ps(row + k, v);
+      }
+      normalize(row, width / 16, m, scale, shift, eps, x + i * width);
     }
   }
   return 0;
+}
+
+// What follows the attention in a BERT layer, over `rows` tokens (rows of `context` and `x`, [rows, width] bf16),
+// into `out` ([rows, width] bf16):
+//     h   = LayerNorm(x + context Wo^T + bo)
+//     out = LayerNorm(h + GELU(h Wi^T + bi) Wf^T + bf)
+// a thread taking kBlockRows rows at a time through all of it, h and GELU's output held in its caches, the
+// products on AMX tiles (weights in `tile_layout`), the biases, residuals, GELU and layer norms applied to each
+// product's float32 result as it comes off the tiles. Returns 0, or -1 for a width or inner width it does not take
+// (multiples of 32, width at most 2,048).
+int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_t rows, const LayerWeights* layer,
+                              uint16_t* out, int threads) {
+  const int64_t width = layer->width, inner = layer->inner_width;
+  if (width % 32 != 0 || width <= 0 || width > kMaxWidth || inner % 32 != 0 || inner <= 0) return -1;
+  const int64_t blocks = width / 16;
+  const GeluTable& table = gelu_table();
+#pragma omp parallel num_threads(threads)
+  {
+    configure_tiles();
+    // the thread's buffers, kept from call to call (no pages mapped anew for each layer)
+    static thread_local Workspace workspace;
+    // the output product and the feed-forward's, their biases and residuals added, before their norms
+    float* sums = workspace.floats(0, kBlockRows * width);
+    float* ffn_sums = workspace.floats(1, kBlockRows * width);
+    float* partial = workspace.floats(2, kBlockRows * 32);  // sums of a slice of columns over the depth so far
+    uint16_t* padded = workspace.halves(3, kBlockRows * width);  // a last block's context rows, fewer than kBlockRows
+    uint16_t* h = workspace.halves(4, kBlockRows * width);
+    uint16_t* f = workspace.halves(5, kBlockRows * inner);
+    float* norms = workspace.floats(6, 4 * width);  // the layer norms' weights and biases, in float32
+    const uint16_t* norm_parameters[4] = {layer->norm1_weight, layer->norm1_bias, layer->norm2_weight,
+                                          layer->norm2_bias};
+    for (int n = 0; n < 4; ++n) widen(norm_parameters[n], width, norms + n * width);
+    // the output norm of a block is computed while the next block's output product runs (its sums kept apart)
+    RowNorms output_norm{ffn_sums, nullptr, norms + 2 * width, norms + 3 * width, layer->eps2, width};
+    bool alternate = false;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
+      const int64_t valid = rows - r0 < kBlockRows ? rows - r0 : kBlockRows, parts = (valid + 31) / 32;
+      const uint16_t* a = context + r0 * width;
+      if (valid < kBlockRows) {
+        std::memcpy(padded, a, valid * width * 2);
+        a = padded;
+      }
+      const auto add = [&](const uint16_t* bias, const uint16_t* residual, RowNorms* norm) {
+        // the norm's sums = c + bias + residual; the rows whose last columns these are become ready
+        return [=, &valid](int64_t i0, int64_t j0, const float* c, int64_t from, int64_t until) {
+          const __m512 b0 = load_bf16(bias + j0), b1 = load_bf16(bias + j0 + 16);
+          for (int64_t i = i0 + from; i < i0 + until && i < valid; ++i) {
+            const uint16_t* r = residual + i * width + j0;
+            const float* block = c + (i - i0) * 32;
+            norm->add(i, j0, _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(block), b0), load_bf16(r)),
+                      _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(block + 16), b1), load_bf16(r + 16)));
+          }
+          if (j0 + 32 == width) norm->ready = i0 + until < valid ? i0 + until : valid;
+        };
+      };
+      const auto nothing = [](int64_t) {};
+      // h = LayerNorm(x + context Wo^T + bo): 32 rows finished at a time, normalised while the next go through
+      // the tiles, alongside the last block's output norm (a row every other step)
+      RowNorms attention_norm{sums, h, norms, norms + width, layer->eps1, width};
+      product(a, width, parts, width, layer->out, width, true, partial, nothing,
+              add(layer->out_bias, x + r0 * width, &attention_norm), [&] {
+                alternate = !alternate;
+                if (alternate && !attention_norm.one()) output_norm.one();
+              });
+      output_norm.until(kBlockRows);  // ffn_sums is free again
+      // f = GELU(h Wi^T + bi), the attention norm's last rows finished before the first block that reads them
+      product(h, width, parts, width, layer->inner, inner, false, partial,
+              [&](int64_t part) { attention_norm.until((part + 1) * 32); },
+              [&](int64_t i0, int64_t j0, const float* c, int64_t from, int64_t until) {
+                const __m512 b0 = load_bf16(layer->inner_bias + j0), b1 = load_bf16(layer->inner_bias + j0 + 16);
+                for (int64_t i = from; i < until; ++i) {
+                  uint16_t* dst = f + (i0 + i) * inner + j0;
+                  store_bf16(dst, gelu(_mm512_add_ps(_mm512_load_ps(c + i * 32), b0), table));
+                  store_bf16(dst + 16, gelu(_mm512_add_ps(_mm512_load_ps(c + i * 32 + 16), b1), table));
+                }
+              },
+              [&] { attention_norm.one(); });
+      // ffn_sums = f Wf^T + bf + h, normalised into out during the next block (or after the last)
+      product(f, inner, parts, inner, layer->ffn, width, false, partial, nothing,
+              add(layer->ffn_bias, h, &output_norm), [] {});
+      output_norm.out = out + r0 * width;
+      output_norm.next = 0;
+    }
+    output_norm.until(kBlockRows);
+    _tile_release();
+  }
+  return 0;
+}
+
+// out[i] = GELU(x[i]) for i < n (a multiple of 16), as densepass_after_attention computes it (for tests).
+void densepass_gelu(const float* x, float* out, int64_t n) {
+  const GeluTable& table = gelu_table();
+  for (int64_t i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, gelu(_mm512_loadu_ps(x + i), table));
 }
 
 }  // extern "C"
