@@ -111,7 +111,7 @@ inline uint16_t block_mask(int64_t remaining) {
 // activations of densepass_after_attention, without mapping and faulting in fresh pages every layer.
 class Workspace {
  public:
-  static constexpr int kSlots = 7;
+  static constexpr int kSlots = 6;
   ~Workspace() {
     for (void* buffer : buffers_) std::free(buffer);
   }
@@ -148,9 +148,9 @@ struct Moments {
 };
 
 // A float32 row of `blocks` x 16 values, whose Moments are m, normalised: (row - mean) / sqrt(variance + eps) x
-// weight + bias (float32 weight and bias), written to dst in bf16.
-inline void normalize(const float* row, int64_t blocks, const Moments& m, const float* weight, const float* bias,
-                      float eps, uint16_t* dst) {
+// weight + bias (bf16 weight and bias, widened as they are read), written to dst in bf16.
+inline void normalize(const float* row, int64_t blocks, const Moments& m, const uint16_t* weight,
+                      const uint16_t* bias, float eps, uint16_t* dst) {
   const float width = static_cast<float>(blocks * 16);
   const float sum = _mm512_reduce_add_ps(m.sum) / width, squares = _mm512_reduce_add_ps(m.squares) / width;
   const float variance = squares - sum * sum > 0 ? squares - sum * sum : 0;
@@ -158,13 +158,8 @@ inline void normalize(const float* row, int64_t blocks, const Moments& m, const 
   const __m512 scale = _mm512_set1_ps(1.0f / __builtin_sqrtf(variance + eps));
   for (int64_t k = 0; k < blocks; ++k) {
     const __m512 normal = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(row + 16 * k), mean), scale);
-    store_bf16(dst + 16 * k, _mm512_fmadd_ps(normal, _mm512_load_ps(weight + 16 * k), _mm512_load_ps(bias + 16 * k)));
+    store_bf16(dst + 16 * k, _mm512_fmadd_ps(normal, load_bf16(weight + 16 * k), load_bf16(bias + 16 * k)));
   }
-}
-
-// `count` bf16 values widened into float32 (a multiple of 16).
-inline void widen(const uint16_t* from, int64_t count, float* to) {
-  for (int64_t k = 0; k < count; k += 16) _mm512_store_ps(to + k, load_bf16(from + k));
 }
 
 // a [32 x parts rows of `depth`, `stride` elements apart] W^T ([width, depth] in `tile_layout`), 32 rows x 32
@@ -240,8 +235,8 @@ inline void product(const uint16_t* a, int64_t stride, int64_t parts, int64_t de
 struct RowNorms {
   float* sums = nullptr;
   uint16_t* out = nullptr;
-  const float* weight = nullptr;
-  const float* bias = nullptr;
+  const uint16_t* weight = nullptr;
+  const uint16_t* bias = nullptr;
   float eps = 0;
   int64_t width = 0, next = 0, ready = 0;  // rows normalised so far; rows whose sums are complete
 
@@ -301,24 +296,30 @@ const GeluTable& gelu_table() {
   return table;
 }
 
-inline __m512 gelu(__m512 x, const GeluTable& table) {
-  const __m512 low = _mm512_set1_ps(static_cast<float>(GeluTable::kLow));
-  const __m512 high = _mm512_set1_ps(static_cast<float>(GeluTable::kHigh));
-  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, low), high);
-  const __m512 position = _mm512_mul_ps(_mm512_sub_ps(clamped, low),
-                                        _mm512_set1_ps(static_cast<float>(32 / (GeluTable::kHigh - GeluTable::kLow))));
-  const __m512 interval = _mm512_min_ps(_mm512_roundscale_ps(position, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
-                                        _mm512_set1_ps(31.0f));
-  const __m512 t = _mm512_sub_ps(position, interval);
-  const __m512i index = _mm512_cvttps_epi32(interval);
-  __m512 p = _mm512_permutex2var_ps(_mm512_loadu_ps(table.c[4]), index, _mm512_loadu_ps(table.c[4] + 16));
-  for (int d = 3; d >= 0; --d) {
-    const __m512 coefficient = _mm512_permutex2var_ps(_mm512_loadu_ps(table.c[d]), index,
-                                                      _mm512_loadu_ps(table.c[d] + 16));
-    p = _mm512_fmadd_ps(p, t, coefficient);
+// GELU by the table's quartics, the coefficients held in registers (loaded once per batch of values).
+struct Gelu {
+  __m512 left[5], right[5];  // coefficient d of intervals 0-15 and 16-31
+  Gelu() {
+    const GeluTable& table = gelu_table();
+    for (int d = 0; d < 5; ++d) {
+      left[d] = _mm512_loadu_ps(table.c[d]);
+      right[d] = _mm512_loadu_ps(table.c[d] + 16);
+    }
   }
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, high, _CMP_GT_OQ), p, x);
-}
+  __m512 operator()(__m512 x) const {
+    const __m512 low = _mm512_set1_ps(static_cast<float>(GeluTable::kLow));
+    const __m512 high = _mm512_set1_ps(static_cast<float>(GeluTable::kHigh));
+    const __m512 per_unit = _mm512_set1_ps(static_cast<float>(32 / (GeluTable::kHigh - GeluTable::kLow)));
+    const __m512 position = _mm512_mul_ps(_mm512_sub_ps(_mm512_min_ps(_mm512_max_ps(x, low), high), low), per_unit);
+    const __m512 interval = _mm512_min_ps(_mm512_roundscale_ps(position, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                          _mm512_set1_ps(31.0f));
+    const __m512 t = _mm512_sub_ps(position, interval);
+    const __m512i index = _mm512_cvttps_epi32(interval);
+    __m512 p = _mm512_permutex2var_ps(left[4], index, right[4]);
+    for (int d = 3; d >= 0; --d) p = _mm512_fmadd_ps(p, t, _mm512_permutex2var_ps(left[d], index, right[d]));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, high, _CMP_GT_OQ), p, x);
+  }
+};
 
 }  // namespace
 
@@ -516,9 +517,7 @@ int densepass_layer_norm(uint16_t* x, const uint16_t* residual, const uint16_t* 
   if (width % 16 != 0 || width <= 0 || width > kMaxWidth) return -1;
 #pragma omp parallel num_threads(threads)
   {
-    alignas(64) float scale[kMaxWidth], shift[kMaxWidth], row[kMaxWidth];
-    widen(weight, width, scale);
-    widen(bias, width, shift);
+    alignas(64) float row[kMaxWidth];
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows; ++i) {
       Moments m{_mm512_setzero_ps(), _mm512_setzero_ps(), 0.0f};
@@ -529,7 +528,7 @@ int densepass_layer_norm(uint16_t* x, const uint16_t* residual, const uint16_t* 
         m.add(v);
         _mm512_store_ps(row + k, v);
       }
-      normalize(row, width / 16, m, scale, shift, eps, x + i * width);
+      normalize(row, width / 16, m, weight, bias, eps, x + i * width);
     }
   }
   return 0;
@@ -548,7 +547,6 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
   const int64_t width = layer->width, inner = layer->inner_width;
   if (width % 32 != 0 || width <= 0 || width > kMaxWidth || inner % 32 != 0 || inner <= 0) return -1;
   const int64_t blocks = width / 16;
-  const GeluTable& table = gelu_table();
 #pragma omp parallel num_threads(threads)
   {
     configure_tiles();
@@ -561,12 +559,8 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
     uint16_t* padded = workspace.halves(3, kBlockRows * width);  // a last block's context rows, fewer than kBlockRows
     uint16_t* h = workspace.halves(4, kBlockRows * width);
     uint16_t* f = workspace.halves(5, kBlockRows * inner);
-    float* norms = workspace.floats(6, 4 * width);  // the layer norms' weights and biases, in float32
-    const uint16_t* norm_parameters[4] = {layer->norm1_weight, layer->norm1_bias, layer->norm2_weight,
-                                          layer->norm2_bias};
-    for (int n = 0; n < 4; ++n) widen(norm_parameters[n], width, norms + n * width);
     // the output norm of a block is computed while the next block's output product runs (its sums kept apart)
-    RowNorms output_norm{ffn_sums, nullptr, norms + 2 * width, norms + 3 * width, layer->eps2, width};
+    RowNorms output_norm{ffn_sums, nullptr, layer->norm2_weight, layer->norm2_bias, layer->eps2, width};
     bool alternate = false;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
@@ -592,7 +586,7 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
       const auto nothing = [](int64_t) {};
       // h = LayerNorm(x + context Wo^T + bo): 32 rows finished at a time, normalised while the next go through
       // the tiles, alongside the last block's output norm (a row every other step)
-      RowNorms attention_norm{sums, h, norms, norms + width, layer->eps1, width};
+      RowNorms attention_norm{sums, h, layer->norm1_weight, layer->norm1_bias, layer->eps1, width};
       product(a, width, parts, width, layer->out, width, true, partial, nothing,
               add(layer->out_bias, x + r0 * width, &attention_norm), [&] {
                 alternate = !alternate;
@@ -604,10 +598,11 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
               [&](int64_t part) { attention_norm.until((part + 1) * 32); },
               [&](int64_t i0, int64_t j0, const float* c, int64_t from, int64_t until) {
                 const __m512 b0 = load_bf16(layer->inner_bias + j0), b1 = load_bf16(layer->inner_bias + j0 + 16);
+                const Gelu gelu;
                 for (int64_t i = from; i < until; ++i) {
                   uint16_t* dst = f + (i0 + i) * inner + j0;
-                  store_bf16(dst, gelu(_mm512_add_ps(_mm512_load_ps(c + i * 32), b0), table));
-                  store_bf16(dst + 16, gelu(_mm512_add_ps(_mm512_load_ps(c + i * 32 + 16), b1), table));
+                  store_bf16(dst, gelu(_mm512_add_ps(_mm512_load_ps(c + i * 32), b0)));
+                  store_bf16(dst + 16, gelu(_mm512_add_ps(_mm512_load_ps(c + i * 32 + 16), b1)));
                 }
               },
               [&] { attention_norm.one(); });
@@ -625,8 +620,8 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
 
 // out[i] = GELU(x[i]) for i < n (a multiple of 16), as densepass_after_attention computes it (for tests).
 void densepass_gelu(const float* x, float* out, int64_t n) {
-  const GeluTable& table = gelu_table();
-  for (int64_t i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, gelu(_mm512_loadu_ps(x + i), table));
+  const Gelu gelu;
+  for (int64_t i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, gelu(_mm512_loadu_ps(x + i)));
 }
 
 }  // extern "C"
