@@ -18,7 +18,8 @@ layout, and the layer-norm kernel):
 
     output           context Wo^T + bo                     the bias as a oneDNN post-op
     layer norms      LayerNorm(x + ...), twice             cpu_kernels.layer_norm_, the residual added (in place,
-                                                           on scratch copies)
+                                                           over stored product outputs: their values change from
+                                                           round to round, the work does not)
     inner            h Wi^T + bi                           without its GELU
     GELU             the GELU post-op: inner with GELU fused, minus inner without
     ffn output       f Wf^T + bf                           the feed-forward output product

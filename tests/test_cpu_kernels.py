@@ -186,6 +186,8 @@ def test_gelu_is_within_1e6_of_the_exact_gelu(values):
         error = (cpu_kernels.gelu(x).double() - exact_gelu(x)).abs()
         assert error.max() <= 1.5e-6 + 1e-7 * x.abs().max()
     assert cpu_kernels.gelu(torch.zeros(16)).eq(0).all()
+    special = cpu_kernels.gelu(torch.tensor([math.nan, math.inf, -math.inf] + [1.0] * 13))
+    assert special[0].isnan() and special[1] == math.inf and abs(special[2]) < 1e-8  # NaN stays; limits at +-inf
     with pytest.raises(ValueError, match="a multiple of 16"):
         cpu_kernels.gelu(torch.zeros(15))
 
@@ -242,13 +244,23 @@ def test_after_attention_agrees_with_a_float64_reference_to_bf16_rounding(seed, 
 @needs_kernels
 def test_after_attention_computes_each_token_on_its_own():
     """A token's output does not depend on the others (the rows a last, partial block pads with): the first rows of a
-    longer input come out bit for bit as on their own, at every boundary of a tile and a block."""
+    longer input come out bit for bit as on their own, at every boundary of a tile and a block, and a NaN stays in
+    its row; and the kernel keeps the layer as it was built, whatever later happens to its modules."""
     modules = random_layer(0, 64, 160)
     kernel = cpu_kernels.AfterAttention(*modules)
     context, x = torch.randn(2, 700, 64).to(BF16)
     whole = kernel(context, x)
     for rows in (1, 15, 16, 17, 31, 32, 33, 255, 256, 257, 513):
         assert torch.equal(kernel(context[:rows], x[:rows]), whole[:rows])
+    context[300, 5] = math.nan  # a NaN stays in its row, as in torch
+    poisoned = kernel(context, x)
+    assert poisoned[300].isnan().all() and torch.equal(poisoned[:300], whole[:300])
+    assert torch.equal(poisoned[301:], whole[301:])
+    with torch.no_grad():  # the kernel computes the layer as it was built
+        for module in modules:
+            module.weight.add_(1)
+            module.bias.add_(1)
+    assert torch.equal(kernel(context[:10], x[:10]), whole[:10])
 
 
 @needs_kernels
@@ -272,6 +284,8 @@ def test_after_attention_takes_only_what_it_computes():
         (torch.zeros(4, 64), torch.zeros(4, 64).to(BF16)),  # float32
         (torch.zeros(4, 32).to(BF16), torch.zeros(4, 32).to(BF16)),  # another width
         (torch.zeros(4, 64).to(BF16), torch.zeros(5, 64).to(BF16)),  # other token counts
+        (torch.zeros(64).to(BF16), torch.zeros(64).to(BF16)),  # one token, not [tokens, width]
+        (torch.zeros(2, 5, 64).to(BF16), torch.zeros(2, 5, 64).to(BF16)),  # a batch of sequences
     ]
     for context, x in wrong:
         with pytest.raises(ValueError, match=r"^context and x must be bf16 \[tokens, 64\]"):

@@ -55,7 +55,7 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 SIZES = (32, 64)
 """Head sizes ``self_attention`` takes (one or two 32-deep tile steps)."""
 MAX_NORM_WIDTH = 2048
-"""The widest row ``layer_norm_`` holds in registers (a multiple of 16)."""
+"""The widest row ``layer_norm_`` and ``AfterAttention`` take (a row of float32 values on a thread's stack)."""
 ENV = "DENSEPASS_CPU_KERNELS"
 """Set to 0 to run the fused layers without these kernels (SDPA and torch's layer norm); 1 or unset: with them
 where they run."""
@@ -174,11 +174,12 @@ class AfterAttention:
     instead of going through memory. The products run on AMX tiles, with the weights in ``tile_layout``: the tiles
     of a block of 32 tokens x 32 columns, then its bias, residual or GELU applied to the float32 result as it comes
     off the tiles (interleaved with the next block's tile instructions), where oneDNN's products take a pass of
-    their own for each (GELU's post-op cost 12% of a layer). A layer norm runs on each 32 tokens once their sums are
-    complete, interleaved with the next tokens' product. GELU is the exact (erf) GELU by a quartic on each of 32
+    their own for each (GELU's post-op cost 12% of a layer). The layer norms run row by row as soon as a row's sums
+    are complete, interleaved with the next rows' product. GELU is the exact (erf) GELU by a quartic on each of 32
     intervals, within 1.2e-6 of it; the layer norms are two-pass in float32 (the shifted-data algorithm). Built from
-    the layer's modules where ``fits``, with its own references to their weights (made ``tile_layout``), biases and
-    norm parameters; the weights' other layout is ``untiled(self.tiles[name])``. Each of torch's threads keeps its
+    the layer's modules where ``fits``, from a copy of their parameters (the weights in ``tile_layout``): the layer as
+    it was built, as the inference copies it is made for are (``models.copies``); the weights' other layout is
+    ``untiled(self.tiles[name])``. Each of torch's threads keeps its
     buffers from call to call: 256 x (12 x width + 2 x inner width) bytes and 32 KB (2 MB for MiniLM, 5 MB for
     BERT-large).
 
@@ -193,12 +194,15 @@ class AfterAttention:
         self, out: nn.Linear, attention_norm: nn.LayerNorm, inner: nn.Linear, ffn: nn.Linear, output_norm: nn.LayerNorm
     ) -> None:
         if not self.fits(out, attention_norm, inner, ffn, output_norm):
-            raise ValueError("the after-attention kernel takes bf16 layers of widths that are multiples of 32")
+            raise ValueError(
+                "the after-attention kernel takes bf16 layers with biases, widths and inner widths in multiples of 32 "
+                f"(widths up to {MAX_NORM_WIDTH}), and layer norms over the width with a weight and a bias"
+            )
         linears = {"out": out, "inner": inner, "ffn": ffn}
         self.tiles = {name: tile_layout(linear.weight) for name, linear in linears.items()}
-        biases = [linear.bias.detach() for linear in linears.values()]
-        norms = [tensor.detach() for norm in (attention_norm, output_norm) for tensor in (norm.weight, norm.bias)]
-        # what the kernel reads, held here (a module moved or cast after this leaves these in place)
+        biases = [linear.bias.detach().clone() for linear in linears.values()]
+        norms = [p.detach().clone() for norm in (attention_norm, output_norm) for p in (norm.weight, norm.bias)]
+        # what the kernel reads: copies, held here (the layer as it was built, whatever later happens to its modules)
         self._tensors = [self.tiles["out"], biases[0], *norms[:2], self.tiles["inner"], biases[1], self.tiles["ffn"],
                          biases[2], *norms[2:]]  # fmt: skip
         pointers = [tensor.data_ptr() for tensor in self._tensors]
@@ -230,7 +234,7 @@ class AfterAttention:
         """The layer's output [tokens, width] (bf16) from the attention ``context`` and the layer's input ``x``,
         both [tokens, width] bf16. Call where ``usable``."""
         width = self._weights.width
-        if not (context.dtype == x.dtype == torch.bfloat16 and context.shape == x.shape and x.shape[-1] == width):
+        if not (context.dtype == x.dtype == torch.bfloat16 and context.shape == x.shape == (x.shape[0], width)):
             raise ValueError(f"context and x must be bf16 [tokens, {width}], got {tuple(context.shape)} and "
                              f"{tuple(x.shape)}")  # fmt: skip
         context, x = context.contiguous(), x.contiguous()

@@ -1,6 +1,7 @@
 // bf16 kernels of the fused BERT layers on x86 CPUs with AMX: self-attention over sequences packed without padding
-// on AMX tiles, and layer norm in place (densepass/models/cpu_kernels.py says what they compute and why;
-// tests/test_cpu_kernels.py checks them against torch).
+// on AMX tiles, all that follows attention in a layer (output product, feed-forward, layer norms) as one kernel with
+// its products on AMX tiles, and layer norm in place (densepass/models/cpu_kernels.py says what they compute and
+// why; tests/test_cpu_kernels.py checks them against float64 and torch).
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -153,7 +154,7 @@ inline void normalize(const float* row, int64_t blocks, const Moments& m, const 
                       const uint16_t* bias, float eps, uint16_t* dst) {
   const float width = static_cast<float>(blocks * 16);
   const float sum = _mm512_reduce_add_ps(m.sum) / width, squares = _mm512_reduce_add_ps(m.squares) / width;
-  const float variance = squares - sum * sum > 0 ? squares - sum * sum : 0;
+  const float difference = squares - sum * sum, variance = difference < 0 ? 0 : difference;  // NaN stays NaN
   const __m512 mean = _mm512_set1_ps(m.shift + sum);
   const __m512 scale = _mm512_set1_ps(1.0f / __builtin_sqrtf(variance + eps));
   for (int64_t k = 0; k < blocks; ++k) {
@@ -317,7 +318,7 @@ struct Gelu {
     const __m512i index = _mm512_cvttps_epi32(interval);
     __m512 p = _mm512_permutex2var_ps(left[4], index, right[4]);
     for (int d = 3; d >= 0; --d) p = _mm512_fmadd_ps(p, t, _mm512_permutex2var_ps(left[d], index, right[d]));
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, high, _CMP_GT_OQ), p, x);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, high, _CMP_NLE_UQ), p, x);  // x above 6, and NaN as NaN
   }
 };
 
