@@ -180,7 +180,7 @@ class AfterAttention:
     the layer's modules where ``fits``, from a copy of their parameters (the weights in ``tile_layout``): the layer as
     it was built, as the inference copies it is made for are (``models.copies``); the weights' other layout is
     ``untiled(self.tiles[name])``. Each of torch's threads keeps its buffers from call to call: 256 x (12 x width +
-    2 x inner width) bytes and 32 KB (2 MB for MiniLM, 5 MB for BERT-large).
+    2 x inner width) bytes (2 MB for MiniLM, 5 MB for BERT-large).
 
         >>> linear, norm = lambda i, o: nn.Linear(i, o).bfloat16(), lambda: nn.LayerNorm(64).bfloat16()
         >>> kernel = AfterAttention(linear(64, 64), norm(), linear(64, 256), linear(256, 64), norm())

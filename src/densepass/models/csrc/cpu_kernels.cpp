@@ -112,7 +112,7 @@ inline uint16_t block_mask(int64_t remaining) {
 // activations of densepass_after_attention, without mapping and faulting in fresh pages every layer.
 class Workspace {
  public:
-  static constexpr int kSlots = 6;
+  static constexpr int kSlots = 5;
   ~Workspace() {
     for (void* buffer : buffers_) std::free(buffer);
   }
@@ -164,21 +164,16 @@ inline void normalize(const float* row, int64_t blocks, const Moments& m, const 
 }
 
 // a [32 x parts rows of `depth`, `stride` elements apart] W^T ([width, depth] in `tile_layout`), 32 rows x 32
-// columns at a time, on AMX tiles (accumulators 0-3, rows of a 4 and 5, columns of W 6 and 7), the depth kChunk at
-// a time (the sums kept in `partial` in between, so that a chunk of a slice of W stays in L1 while rows go by).
-// Columns outer (a slice of W read from memory once for all the rows), or with `rows_outer` each 32 rows finished
-// one after the other. Each finished block is handed to epilogue(first row, first column, c [32 x 32 floats],
-// rows from, rows to) a few rows at a time in between the tile instructions of the next block, and background()
-// is called once a step: the core computes them while the tiles run. prepare(part) runs before a block of the
-// part's rows.
-constexpr int64_t kChunk = 384;
+// columns at a time, on AMX tiles (accumulators 0-3, rows of a 4 and 5, columns of W 6 and 7): columns outer (a
+// slice of W read from memory once for all the rows), or with `rows_outer` each 32 rows finished one after the
+// other. Each finished block is handed to epilogue(first row, first column, c [32 x 32 floats], rows from, rows to)
+// a few rows at a time in between the tile instructions of the next block, and background() is called once a
+// step: the core computes them while the tiles run. prepare(part) runs before a block of the part's rows.
 template <typename Prepare, typename Epilogue, typename Background>
 inline void product(const uint16_t* a, int64_t stride, int64_t parts, int64_t depth, const uint16_t* w,
-                    int64_t width, bool rows_outer, float* partial, Prepare prepare, Epilogue epilogue,
-                    Background background) {
+                    int64_t width, bool rows_outer, Prepare prepare, Epilogue epilogue, Background background) {
   alignas(64) float c[32 * 32];
-  const int64_t steps = depth / 32, chunk = kChunk / 32 < steps ? kChunk / 32 : steps;
-  const int64_t slice = (32 + chunk - 1) / chunk;  // rows of the finished block's epilogue per step of the next
+  const int64_t steps = depth / 32, slice = (32 + steps - 1) / steps;  // epilogue rows per step of the next block
   const int64_t columns = width / 32;
   bool pending = false;
   int64_t pending_row = 0, pending_column = 0;  // where the finished block in c goes
@@ -186,48 +181,37 @@ inline void product(const uint16_t* a, int64_t stride, int64_t parts, int64_t de
     if (pending && from < 32) epilogue(pending_row, pending_column, c, from, to < 32 ? to : 32);
   };
   for (int64_t outer = 0; outer < (rows_outer ? parts : columns); ++outer)
-    for (int64_t inner = 0; inner < (rows_outer ? columns : parts); ++inner)
-      for (int64_t k0 = 0; k0 < steps; k0 += chunk) {
-        const int64_t part = rows_outer ? outer : inner, j = 32 * (rows_outer ? inner : outer);
-        const uint16_t* rows = a + part * 32 * stride;
-        const uint16_t* w0 = w + j * depth;
-        const uint16_t* w1 = w0 + steps * 512;
-        float* sums = partial + part * 1024;
-        prepare(part);
-        if (k0 == 0) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-        } else {
-          _tile_loadd(0, sums, 128);
-          _tile_loadd(1, sums + 16, 128);
-          _tile_loadd(2, sums + 512, 128);
-          _tile_loadd(3, sums + 528, 128);
-        }
-        const int64_t end = k0 + chunk < steps ? k0 + chunk : steps;
-        for (int64_t k = k0; k < end; ++k) {
-          _tile_loadd(4, rows + k * 32, stride * 2);
-          _tile_loadd(6, w0 + k * 512, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(7, w1 + k * 512, 64);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_loadd(5, rows + 16 * stride + k * 32, stride * 2);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-          finish((k - k0) * slice, (k - k0 + 1) * slice);
-          background();
-        }
-        finish((end - k0) * slice, 32);  // the last block's epilogue done: c is free
-        pending = end == steps;
-        pending_row = part * 32;
-        pending_column = j;
-        float* target = pending ? c : sums;
-        _tile_stored(0, target, 128);
-        _tile_stored(1, target + 16, 128);
-        _tile_stored(2, target + 512, 128);
-        _tile_stored(3, target + 528, 128);
+    for (int64_t inner = 0; inner < (rows_outer ? columns : parts); ++inner) {
+      const int64_t part = rows_outer ? outer : inner, j = 32 * (rows_outer ? inner : outer);
+      const uint16_t* rows = a + part * 32 * stride;
+      const uint16_t* w0 = w + j * depth;
+      const uint16_t* w1 = w0 + steps * 512;
+      prepare(part);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k = 0; k < steps; ++k) {
+        _tile_loadd(4, rows + k * 32, stride * 2);
+        _tile_loadd(6, w0 + k * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, w1 + k * 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, rows + 16 * stride + k * 32, stride * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        finish(k * slice, (k + 1) * slice);
+        background();
       }
+      finish(steps * slice, 32);  // the last block's epilogue done: c is free
+      pending = true;
+      pending_row = part * 32;
+      pending_column = j;
+      _tile_stored(0, c, 128);
+      _tile_stored(1, c + 16, 128);
+      _tile_stored(2, c + 512, 128);
+      _tile_stored(3, c + 528, 128);
+    }
   finish(0, 32);
 }
 
@@ -556,10 +540,9 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
     // the output product and the feed-forward's, their biases and residuals added, before their norms
     float* sums = workspace.floats(0, kBlockRows * width);
     float* ffn_sums = workspace.floats(1, kBlockRows * width);
-    float* partial = workspace.floats(2, kBlockRows * 32);  // sums of a slice of columns over the depth so far
-    uint16_t* padded = workspace.halves(3, kBlockRows * width);  // a last block's context rows, fewer than kBlockRows
-    uint16_t* h = workspace.halves(4, kBlockRows * width);
-    uint16_t* f = workspace.halves(5, kBlockRows * inner);
+    uint16_t* padded = workspace.halves(2, kBlockRows * width);  // a last block's context rows, fewer than kBlockRows
+    uint16_t* h = workspace.halves(3, kBlockRows * width);
+    uint16_t* f = workspace.halves(4, kBlockRows * inner);
     // the output norm of a block is computed while the next block's output product runs (its sums kept apart)
     RowNorms output_norm{ffn_sums, nullptr, layer->norm2_weight, layer->norm2_bias, layer->eps2, width};
     bool alternate = false;
@@ -588,14 +571,14 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
       // h = LayerNorm(x + context Wo^T + bo): 32 rows finished at a time, normalised while the next go through
       // the tiles, alongside the last block's output norm (a row every other step)
       RowNorms attention_norm{sums, h, layer->norm1_weight, layer->norm1_bias, layer->eps1, width};
-      product(a, width, parts, width, layer->out, width, true, partial, nothing,
+      product(a, width, parts, width, layer->out, width, true, nothing,
               add(layer->out_bias, x + r0 * width, &attention_norm), [&] {
                 alternate = !alternate;
                 if (alternate && !attention_norm.one()) output_norm.one();
               });
       output_norm.until(kBlockRows);  // ffn_sums is free again
       // f = GELU(h Wi^T + bi), the attention norm's last rows finished before the first block that reads them
-      product(h, width, parts, width, layer->inner, inner, false, partial,
+      product(h, width, parts, width, layer->inner, inner, false,
               [&](int64_t part) { attention_norm.until((part + 1) * 32); },
               [&](int64_t i0, int64_t j0, const float* c, int64_t from, int64_t until) {
                 const __m512 b0 = load_bf16(layer->inner_bias + j0), b1 = load_bf16(layer->inner_bias + j0 + 16);
@@ -608,7 +591,7 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
               },
               [&] { attention_norm.one(); });
       // ffn_sums = f Wf^T + bf + h, normalised into out during the next block (or after the last)
-      product(f, inner, parts, inner, layer->ffn, width, false, partial, nothing,
+      product(f, inner, parts, inner, layer->ffn, width, false, nothing,
               add(layer->ffn_bias, h, &output_norm), [] {});
       output_norm.out = out + r0 * width;
       output_norm.next = 0;
