@@ -148,10 +148,12 @@ struct Moments {
   }
 };
 
-// A float32 row of `blocks` x 16 values, whose Moments are m, normalised: (row - mean) / sqrt(variance + eps) x
-// weight + bias (bf16 weight and bias, widened as they are read), written to dst in bf16.
-inline void normalize(const float* row, int64_t blocks, const Moments& m, const uint16_t* weight,
-                      const uint16_t* bias, float eps, uint16_t* dst) {
+// A float32 row of `blocks` x 16 values (in L1) normalised: (row - mean) / sqrt(variance + eps) x weight + bias
+// (bf16 weight and bias, widened as they are read), written to dst in bf16; two passes, its Moments, then this.
+inline void normalize(const float* row, int64_t blocks, const uint16_t* weight, const uint16_t* bias, float eps,
+                      uint16_t* dst) {
+  Moments m{_mm512_setzero_ps(), _mm512_setzero_ps(), row[0]};
+  for (int64_t k = 0; k < blocks; ++k) m.add(_mm512_load_ps(row + 16 * k));
   const float width = static_cast<float>(blocks * 16);
   const float sum = _mm512_reduce_add_ps(m.sum) / width, squares = _mm512_reduce_add_ps(m.squares) / width;
   const float difference = squares - sum * sum, variance = difference < 0 ? 0 : difference;  // NaN stays NaN
@@ -231,10 +233,7 @@ struct RowNorms {
   }
   bool one() {  // normalises the next row where it is ready; whether there was one
     if (next >= ready) return false;
-    const float* row = sums + next * width;
-    Moments m{_mm512_setzero_ps(), _mm512_setzero_ps(), row[0]};
-    for (int64_t k = 0; k < width; k += 16) m.add(_mm512_load_ps(row + k));
-    normalize(row, width / 16, m, weight, bias, eps, out + next * width);
+    normalize(sums + next * width, width / 16, weight, bias, eps, out + next * width);
     ++next;
     return true;
   }
@@ -505,15 +504,12 @@ int densepass_layer_norm(uint16_t* x, const uint16_t* residual, const uint16_t* 
     alignas(64) float row[kMaxWidth];
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows; ++i) {
-      Moments m{_mm512_setzero_ps(), _mm512_setzero_ps(), 0.0f};
       for (int64_t k = 0; k < width; k += 16) {
         __m512 v = load_bf16(x + i * width + k);
         if (residual != nullptr) v = _mm512_add_ps(v, load_bf16(residual + i * width + k));
-        if (k == 0) m.shift = _mm512_cvtss_f32(v);
-        m.add(v);
         _mm512_store_ps(row + k, v);
       }
-      normalize(row, width / 16, m, weight, bias, eps, x + i * width);
+      normalize(row, width / 16, weight, bias, eps, x + i * width);
     }
   }
   return 0;
@@ -531,7 +527,6 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
                               uint16_t* out, int threads) {
   const int64_t width = layer->width, inner = layer->inner_width;
   if (width % 32 != 0 || width <= 0 || width > kMaxWidth || inner % 32 != 0 || inner <= 0) return -1;
-  const int64_t blocks = width / 16;
 #pragma omp parallel num_threads(threads)
   {
     configure_tiles();
@@ -591,10 +586,10 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
               },
               [&] { attention_norm.one(); });
       // ffn_sums = f Wf^T + bf + h, normalised into out during the next block (or after the last)
-      product(f, inner, parts, inner, layer->ffn, width, false, nothing,
-              add(layer->ffn_bias, h, &output_norm), [] {});
       output_norm.out = out + r0 * width;
       output_norm.next = 0;
+      product(f, inner, parts, inner, layer->ffn, width, false, nothing,
+              add(layer->ffn_bias, h, &output_norm), [] {});
     }
     output_norm.until(kBlockRows);
     _tile_release();
