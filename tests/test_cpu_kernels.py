@@ -300,6 +300,9 @@ def test_the_tile_layout_is_undone_exactly():
     assert tiles.shape == (6, 2, 16, 16, 2) and torch.equal(cpu_kernels.untiled(tiles), weight)
     n, k, r, column, pair = 3, 1, 5, 7, 1
     assert tiles[n, k, r, column, pair] == weight[16 * n + column, 32 * k + 2 * r + pair]
+    for shape in [(96, 48), (80, 64), (64,)]:
+        with pytest.raises(ValueError, match=r"^tile_layout takes a weight \[out, in\] of multiples of 32"):
+            cpu_kernels.tile_layout(torch.zeros(shape))
 
 
 @needs_kernels

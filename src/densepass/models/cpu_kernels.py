@@ -144,6 +144,8 @@ def tile_layout(weight: torch.Tensor) -> torch.Tensor:
     """A linear layer's weight [out, in] (both multiples of 32) in the order the products read it from memory:
     per 16 output columns, its tiles of 32 input depths one after the other, each 16 rows of the 16 columns' two
     depths side by side ([out / 16, in / 32, 16, 16, 2]: AMX's layout for the right operand of a bf16 product)."""
+    if weight.dim() != 2 or weight.shape[0] % 32 or weight.shape[1] % 32:
+        raise ValueError(f"tile_layout takes a weight [out, in] of multiples of 32, got {tuple(weight.shape)}")
     out, depth = weight.shape
     return weight.detach().reshape(out // 16, 16, depth // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
