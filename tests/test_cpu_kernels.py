@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
+from transformers.models.bert.modeling_bert import BertEmbeddings
 
 from densepass.device import cpuinfo_words
 from densepass.errors import ConfigError
@@ -166,6 +167,64 @@ def test_layer_norm_leaves_what_it_does_not_take_to_torch():
         before = x.clone()
         out = cpu_kernels.layer_norm_(x, norm, residual)
         assert torch.equal(x, before) and torch.equal(out, norm(before if residual is None else before + residual))
+
+
+def random_embeddings(seed: int, width: int, dtype: torch.dtype = BF16) -> torch.nn.Module:
+    """A BERT embeddings module (100 tokens, 128 positions, 2 token types) with random tables and norm."""
+    config = random_encoder(seed, hidden_size=width, num_attention_heads=1, intermediate_size=width).config
+    embeddings = BertEmbeddings(config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in embeddings.parameters():
+            param.normal_(0.5, 2.0)
+    return embeddings.to(dtype).eval()
+
+
+@needs_kernels
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), tokens=st.integers(0, 300), width=st.sampled_from([16, 384, 2048]))
+def test_embeddings_of_packed_tokens_agree_with_a_float64_reference(seed, tokens, width):
+    """LayerNorm(word[id] + position[p] + type[t]) per token, as close to the exact result as ``transformers``'
+    bf16 embeddings (which round each sum to bf16 before the norm), and the same wherever a token sits."""
+    embeddings = random_embeddings(seed, width)
+    generator = torch.Generator().manual_seed(seed)
+    ids, positions, types = (torch.randint(0, n, (tokens,), generator=generator) for n in (100, 128, 2))
+    word, position, kind = (t.weight.double() for t in (embeddings.word_embeddings, embeddings.position_embeddings,
+                                                       embeddings.token_type_embeddings))  # fmt: skip
+    norm = embeddings.LayerNorm
+    exact = F.layer_norm(word[ids] + position[positions] + kind[types], (width,), norm.weight.double(),
+                         norm.bias.double(), norm.eps)  # fmt: skip
+    with torch.inference_mode():
+        got = cpu_kernels.embed(embeddings, ids, positions, types)
+        eager = norm(embeddings.word_embeddings(ids) + embeddings.token_type_embeddings(types)
+                     + embeddings.position_embeddings(positions))  # fmt: skip
+    assert got.shape == (tokens, width) and got.dtype == BF16
+    if tokens:
+        error, eager_error = (got.double() - exact).abs(), (eager.double() - exact).abs()
+        assert error.max() <= eager_error.max() * 1.01 + 1e-6 and error.mean() <= eager_error.mean() * 1.05
+        alone = cpu_kernels.embed(embeddings, ids[-1:], positions[-1:], types[-1:])
+        assert torch.equal(alone, got[-1:])
+
+
+@needs_kernels
+def test_embeddings_refuse_indices_outside_their_tables_and_leave_other_tables_to_torch():
+    """An id, position or type past its table (or negative), or indices that are not int64 [tokens]: a one-line
+    error before any work; float32 tables: the eager sum."""
+    embeddings = random_embeddings(3, 32)
+    ids, positions, types = torch.tensor([1, 99]), torch.tensor([0, 127]), torch.tensor([0, 1])
+    for bad, message in [
+        ((torch.tensor([1, 100]), positions, types), "token id is outside the model's table of 100"),
+        ((ids, torch.tensor([-1, 0]), types), "position is outside the model's table of 128"),
+        ((ids, positions, torch.tensor([0, 2])), "token type is outside the model's table of 2"),
+        ((ids.int(), positions, types), "token ids must be int64"),
+        ((ids, positions[:1], types), "positions must be int64 \\[tokens\\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cpu_kernels.embed(embeddings, *bad)
+    float32 = random_embeddings(3, 32, torch.float32)
+    with torch.inference_mode():
+        expected = float32(input_ids=ids[None], position_ids=positions[None], token_type_ids=types[None])[0]
+        torch.testing.assert_close(cpu_kernels.embed(float32, ids, positions, types), expected)
 
 
 def exact_gelu(x: torch.Tensor) -> torch.Tensor:

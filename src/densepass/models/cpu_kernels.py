@@ -18,7 +18,8 @@ GTE). ``AfterAttention`` computes the rest of the layer (output product, feed-fo
 kernel, a block of tokens at a time through all of it, with its own products on AMX tiles and the biases,
 residuals, GELU and layer norms applied as the products' results come off the tiles. ``layer_norm_`` normalises
 bf16 rows in place, in float32, the residual added on the way (what the layers run where ``AfterAttention`` does
-not fit).
+not fit); ``embed`` computes the first layer's input vectors of packed tokens from their ids, positions and types
+(the lookups, sums and layer norm in one pass).
 
 The kernels (``csrc/cpu_kernels.cpp``) are built with the system's C++ compiler on first use, into a cache keyed
 by the source, the flags and the compiler (``$DENSEPASS_KERNEL_CACHE``, else ``~/.cache/densepass/kernels``), and
@@ -138,6 +139,41 @@ def layer_norm_(x: torch.Tensor, norm: nn.LayerNorm, residual: torch.Tensor | No
     if status != 0:
         raise RuntimeError(f"the layer norm kernel refused its input (status {status})")
     return x
+
+
+def embed(embeddings: nn.Module, ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+    """A BERT encoder's input vectors of tokens one after the other, [tokens, width] bf16: ``LayerNorm(word[ids] +
+    position[positions] + type[types])`` from ``embeddings`` (``transformers``' ``BertEmbeddings`` or RoBERTa's, in
+    eval mode: its dropout does nothing), each token's position and type given (int64 [tokens] each). One pass,
+    the sum taken in float32, where ``transformers`` rounds each sum to bf16 and takes a pass for each lookup, sum
+    and the norm; where the kernel does not take the tables (bf16, a width that is a multiple of 16 up to
+    ``MAX_NORM_WIDTH``), the eager sum. An index outside its table is an error. Call where ``usable``."""
+    tables = [embeddings.word_embeddings.weight, embeddings.position_embeddings.weight]
+    tables.append(embeddings.token_type_embeddings.weight)
+    indices = [ids, positions, types]
+    for name, index, table in zip(("token id", "position", "token type"), indices, tables):
+        if index.dtype != torch.int64 or index.shape != ids.shape or index.dim() != 1:
+            raise ValueError(f"{name}s must be int64 [tokens], one per token")
+        if len(index) and not 0 <= int(index.min()) <= int(index.max()) < len(table):
+            raise ValueError(f"a {name} is outside the model's table of {len(table)}")
+    norm = embeddings.LayerNorm
+    width = tables[0].shape[1]
+    parameters = [*tables, norm.weight, norm.bias]
+    if not (
+        all(p is not None and p.dtype == torch.bfloat16 and p.is_contiguous() for p in parameters)
+        and tuple(norm.normalized_shape) == (width,)
+        and width % 16 == 0
+        and width <= MAX_NORM_WIDTH
+    ):
+        return norm(tables[0][ids] + tables[2][types] + tables[1][positions])
+    out = torch.empty((len(ids), width), dtype=torch.bfloat16)
+    indices = [index.contiguous() for index in indices]  # held until the kernel returns
+    pointers = [index.data_ptr() for index in indices], [p.data_ptr() for p in parameters]
+    status = _library().densepass_embed(*pointers[0], len(ids), *pointers[1], norm.eps, width, out.data_ptr(),
+                                        torch.get_num_threads())  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"the embedding kernel refused its input (status {status})")
+    return out
 
 
 def tile_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -282,6 +318,7 @@ def _library() -> ctypes.CDLL | None:
     library.densepass_layer_norm.argtypes = [*[pointer] * 4, *[size] * 2, number, ctypes.c_int]
     library.densepass_after_attention.argtypes = [pointer, pointer, size, ctypes.POINTER(_LayerWeights), pointer,
                                                   ctypes.c_int]  # fmt: skip
+    library.densepass_embed.argtypes = [*[pointer] * 3, size, *[pointer] * 5, number, size, pointer, ctypes.c_int]
     library.densepass_gelu.argtypes, library.densepass_gelu.restype = [pointer, pointer, size], None
     return library
 

@@ -28,6 +28,7 @@ BGE / E5 / GTE, multilingual E5), everything else runs the ``transformers`` mode
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -205,12 +206,14 @@ class FusedBertEncoder(nn.Module):
         self.pooler = getattr(encoder, "pooler", None)  # what a BERT classifier's head reads (not run here)
         self.eval().requires_grad_(False)
 
-    def _packed(self, hidden: torch.Tensor, kept: torch.Tensor, first_position: bool) -> torch.Tensor:
-        """The layers over ``hidden`` [batch, length, width] with ``cpu_kernels``' attention, each sequence's rows
-        one after the other, its kept tokens (``kept`` [batch, length]) first as the keys, then the positions that
-        only query: every position where ``padding_outputs``, none otherwise (zeros at padding), the first for
-        ``first_position`` (whose last layer reads the first position's query, a token or not)."""
-        batch, length, width = hidden.shape
+    def _packed(self, inputs: Callable[[torch.Tensor], torch.Tensor], kept: torch.Tensor, first_position: bool):
+        """The layers with ``cpu_kernels``' attention over the inputs of each sequence's positions one after the
+        other (``inputs(rows)``: the layers' input vectors [rows, width] at the positions ``rows`` of the flattened
+        [batch, length] grid), its kept tokens (``kept`` [batch, length]) first as the keys, then the positions
+        that only query: every position where ``padding_outputs``, none otherwise (zeros at padding), the first for
+        ``first_position`` (whose last layer reads the first position's query, a token or not). Returns the last
+        layer's output [batch, length, width]."""
+        (batch, length), width = kept.shape, self.config.hidden_size
         counts = kept.sum(1)
         wanted = torch.ones_like(kept) if self.padding_outputs and not first_position else kept.clone()
         if first_position:
@@ -219,12 +222,19 @@ class FusedBertEncoder(nn.Module):
         rows = (order + torch.arange(batch)[:, None] * length)[wanted.gather(1, order)]
         offsets = F.pad(wanted.sum(1).cumsum(0), (1, 0))
         in_place = len(rows) == batch * length and bool((rows == torch.arange(len(rows))).all())
-        x = hidden.reshape(-1, width) if in_place else hidden.reshape(-1, width).index_select(0, rows)
+        x = inputs(rows)
         for layer in self.layers[:-1] if first_position else self.layers:
             x = layer.packed_tokens(x, offsets, counts)
-        out = x if in_place else hidden.new_zeros(batch * length, width).index_copy_(0, rows, x)
+        out = x if in_place else x.new_zeros(batch * length, width).index_copy_(0, rows, x)
         out = out.view(batch, length, width)
         return self.layers[-1].first_position(out, kept[:, None, None, :], kernels=True) if first_position else out
+
+    def _positions(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The position of each token in the model's table, [batch, length], as its embeddings number them: BERT
+        from 0, RoBERTa and XLM-R from the padding id + 1, over the tokens that are not padding."""
+        if hasattr(self.embeddings, "padding_idx"):  # RoBERTa's and XLM-R's embeddings
+            return self.embeddings.create_position_ids_from_input_ids(input_ids, self.embeddings.padding_idx)
+        return self.embeddings.position_ids[:, : input_ids.shape[1]].expand_as(input_ids)
 
     def get_input_embeddings(self) -> nn.Module:
         """The token-embedding table (as ``transformers`` models expose it)."""
@@ -244,8 +254,9 @@ class FusedBertEncoder(nn.Module):
         the segments (default: all 0); ``first_position`` (an encoder built with ``first_position=True``): the
         last layer's output at the first position only, [batch, 1, width]. Where ``cpu_kernels`` runs, the layers
         run on the sequences packed one after the other (without their padding where not ``padding_outputs``, the
-        output zero there); elsewhere on the inputs padded to a multiple of ``LENGTH_MULTIPLE`` tokens where that
-        adds at most 1 / ``PAD_SHARE`` and the position table allows. Other arguments a ``transformers`` head
+        output zero there), their input vectors from ids by ``cpu_kernels.embed`` (the packed tokens alone);
+        elsewhere on the inputs padded to a multiple of ``LENGTH_MULTIPLE`` tokens where that adds at most 1 /
+        ``PAD_SHARE`` and the position table allows. Other arguments a ``transformers`` head
         passes its encoder are accepted where they change nothing (``return_dict``, None, False) and refused
         otherwise (``position_ids``, ``encoder_hidden_states`` ...)."""
         refused = sorted(k for k, v in unused.items() if k != "return_dict" and v is not None and v is not False)
@@ -256,8 +267,18 @@ class FusedBertEncoder(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones((batch, length), dtype=torch.bool, device=given.device)
         if cpu_kernels.usable(self.embeddings.word_embeddings.weight, self.head_size):
-            hidden = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids)
-            return BaseModelOutput(last_hidden_state=self._packed(hidden, attention_mask.bool(), first_position))
+            kept = attention_mask.bool()
+            if input_ids is None:  # token vectors given: the embeddings of the whole grid, then its rows
+                grid = self.embeddings(inputs_embeds=inputs_embeds, token_type_ids=token_type_ids).flatten(0, 1)
+                return BaseModelOutput(last_hidden_state=self._packed(lambda rows: grid[rows], kept, first_position))
+            positions, types = self._positions(input_ids), token_type_ids
+            types = torch.zeros_like(input_ids) if types is None else types.expand_as(input_ids)
+            flat = input_ids.flatten(), positions.flatten(), types.flatten()
+
+            def inputs(rows: torch.Tensor) -> torch.Tensor:
+                return cpu_kernels.embed(self.embeddings, *(index[rows] for index in flat))
+
+            return BaseModelOutput(last_hidden_state=self._packed(inputs, kept, first_position))
         extra = -length % LENGTH_MULTIPLE
         if 0 < extra * PAD_SHARE <= length and length + extra <= self.config.max_position_embeddings:
             pad_id = self.config.pad_token_id or 0  # RoBERTa numbers its positions from the non-pad tokens

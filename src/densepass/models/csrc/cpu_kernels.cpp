@@ -1,7 +1,7 @@
 // bf16 kernels of the fused BERT layers on x86 CPUs with AMX: self-attention over sequences packed without padding
 // on AMX tiles, all that follows attention in a layer (output product, feed-forward, layer norms) as one kernel with
-// its products on AMX tiles, and layer norm in place (densepass/models/cpu_kernels.py says what they compute and
-// why; tests/test_cpu_kernels.py checks them against float64 and torch).
+// its products on AMX tiles, the embeddings of packed tokens, and layer norm in place (densepass/models/
+// cpu_kernels.py says what they compute and why; tests/test_cpu_kernels.py checks them against float64 and torch).
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -510,6 +510,28 @@ int densepass_layer_norm(uint16_t* x, const uint16_t* residual, const uint16_t* 
         _mm512_store_ps(row + k, v);
       }
       normalize(row, width / 16, weight, bias, eps, x + i * width);
+    }
+  }
+  return 0;
+}
+
+// A BERT layer's input from token ids: out[t] = LayerNorm(word[ids[t]] + position[positions[t]] + type[types[t]])
+// for t < tokens (tables [*, width] bf16, out [tokens, width] bf16), the sum in float32, as `normalize` computes
+// it, on `threads` OpenMP threads. width: a multiple of 16, at most 2,048 (the indices are the caller's to check).
+// Returns 0, or -1.
+int densepass_embed(const int64_t* ids, const int64_t* positions, const int64_t* types, int64_t tokens,
+                    const uint16_t* word, const uint16_t* position, const uint16_t* type, const uint16_t* weight,
+                    const uint16_t* bias, float eps, int64_t width, uint16_t* out, int threads) {
+  if (width % 16 != 0 || width <= 0 || width > kMaxWidth) return -1;
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) float row[kMaxWidth];
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const uint16_t *w = word + ids[t] * width, *p = position + positions[t] * width, *y = type + types[t] * width;
+      for (int64_t k = 0; k < width; k += 16)
+        _mm512_store_ps(row + k, _mm512_add_ps(_mm512_add_ps(load_bf16(w + k), load_bf16(y + k)), load_bf16(p + k)));
+      normalize(row, width / 16, weight, bias, eps, out + t * width);
     }
   }
   return 0;
