@@ -6,15 +6,18 @@ densepass encodes ``--n`` debian-packages passages in bf16 (``encode_texts``: le
 packed tokens each piece hands its first layer. Then each part of that layer runs on its own over those pieces, the
 parts in turn, ``--repeats`` rounds, the fastest round of each reported:
 
-    qkv              x Wqkv^T + b                          one product for the query, key and value projections
-    attention        cpu_kernels.self_attention            per sequence, on AMX tiles
-    after attention  cpu_kernels.AfterAttention            the output product, the feed-forward and the two layer
+    qkv and attention  cpu_kernels.SelfAttention           the query, key and value product and attention, whole
+                                                           sequences of up to 256 tokens at a time through both
+    after attention    cpu_kernels.AfterAttention          the output product, the feed-forward and the two layer
                                                            norms, 256 tokens at a time through all of them
 
 and the whole layer, whose time above the sum of its parts is what running them in sequence costs (each part's
 inputs are no longer in cache), and, for comparison, SDPA on the same sequences padded to each piece's longest.
-Then what the after-attention kernel replaced, one part at a time (oneDNN's products on the weights in its blocked
-layout, and the layer-norm kernel):
+Then what each kernel replaced, one part at a time (oneDNN's products on the weights in its blocked layout, the
+attention kernel on their output, and the layer-norm kernel):
+
+    qkv              x Wqkv^T + b                          one product for the query, key and value projections
+    attention        cpu_kernels.self_attention            per sequence, on AMX tiles, over qkv in memory
 
     output           context Wo^T + bo                     the bias as a oneDNN post-op
     layer norms      LayerNorm(x + ...), twice             cpu_kernels.layer_norm_, the residual added (in place,
@@ -55,7 +58,7 @@ def captured_pieces(model: BiEncoder, texts: list[str]) -> tuple[FusedBertEncode
     if not isinstance(tower, FusedBertEncoder):
         raise SystemExit("the model's bf16 copy does not run fused layers on this CPU (models.fused.fusable)")
     first = tower.layers[0]
-    if not cpu_kernels.usable(first.qkv_bias, tower.head_size) or first.after is None:
+    if not cpu_kernels.usable(first.qkv_bias, tower.head_size) or first.after is None or first.attention is None:
         raise SystemExit("the AMX kernels do not run here (models.cpu_kernels.usable)")
     pieces = []
 
@@ -92,7 +95,7 @@ def layer_parts(layer, pieces: list[tuple]) -> tuple[list[dict], dict, dict]:
     inner_width = layer.inner_bias.numel()
     stages = []
     for x, offsets in pieces:
-        qkv = linear(x, layer.qkv, layer.qkv_bias, "none", [], "")
+        qkv = linear(x, layer.products("qkv"), layer.qkv_bias, "none", [], "")
         context = cpu_kernels.self_attention(qkv, offsets, heads)
         attended = linear(context, out, layer.out_bias, "none", [], "")
         h = cpu_kernels.layer_norm_(attended.clone(), layer.attention_norm, x)
@@ -108,8 +111,9 @@ def layer_parts(layer, pieces: list[tuple]) -> tuple[list[dict], dict, dict]:
         )  # fmt: skip
     sdpa = F.scaled_dot_product_attention
     runs = {
-        "qkv": lambda s: linear(s["x"], layer.qkv, layer.qkv_bias, "none", [], ""),
+        "qkv": lambda s: linear(s["x"], layer.products("qkv"), layer.qkv_bias, "none", [], ""),
         "attention": lambda s: cpu_kernels.self_attention(s["qkv"], s["offsets"], heads),
+        "qkv and attention": lambda s: layer.attention(s["x"], s["offsets"]),
         "after attention": lambda s: layer.after(s["context"], s["x"]),
         "whole layer": lambda s: layer.packed_tokens(s["x"], s["offsets"], s["offsets"].diff()),
         "SDPA": lambda s: sdpa(s["q"], s["k"], s["v"], attn_mask=s["keep"]),
@@ -128,6 +132,7 @@ def layer_parts(layer, pieces: list[tuple]) -> tuple[list[dict], dict, dict]:
     work = {name: tokens * width * count for name, count in per_token.items()}
     work["GELU"] = tokens * inner_width
     work["attention"] = work["SDPA"] = sum(s["attention_macs"] for s in stages)
+    work["qkv and attention"] = work["qkv"] + work["attention"]
     return stages, runs, work
 
 
@@ -162,7 +167,7 @@ def main() -> None:
     ms = {name: 1000 * seconds * 1000 / len(texts) for name, seconds in best.items()}  # per 1,000 passages
     ms["GELU"] = ms.pop("inner with GELU") - ms["inner"]
     rate = {name: work[name] / (ms[name] * len(texts) / 1e6) / 1e9 for name in work}
-    parts = ["qkv", "attention", "after attention"]
+    parts = ["qkv and attention", "after attention"]
     total = sum(ms[name] for name in parts)
     rows = [[name, f"{ms[name]:.1f}", f"{ms[name] / total:.0%}", f"{rate[name]:,.0f}"] for name in parts]
     rows.append(["sum of the parts", f"{total:.1f}", "100%", ""])
@@ -173,14 +178,17 @@ def main() -> None:
     print(f"\n{len(texts):,} passages, {len(pieces)} pieces, {tokens:,} tokens packed, one layer:\n")
     header = ["part", "ms per 1,000 passages", "share", "rate (G multiply-adds / s; GELU, norms: G elements / s)"]
     print(markdown_table(header, rows))
-    replaced = ["output", "layer norms", "inner", "GELU", "ffn output"]
-    before = sum(ms[name] for name in replaced)
-    rows = [[name, f"{ms[name]:.1f}", f"{ms[name] / before:.0%}", f"{rate[name]:,.0f}"] for name in replaced]
-    rows.append(["sum (oneDNN's products and the layer-norm kernel)", f"{before:.1f}", "100%", ""])
-    rows.append(["the after-attention kernel", f"{ms['after attention']:.1f}", f"{ms['after attention'] / before:.0%}",
-                 f"{rate['after attention']:,.0f}"])  # fmt: skip
-    print("\nthe after-attention part, one part at a time:\n")
-    print(markdown_table(header, rows))
+    for kernel, replaced, what in [
+        ("qkv and attention", ["qkv", "attention"], "oneDNN's product and the attention kernel"),
+        ("after attention", ["output", "layer norms", "inner", "GELU", "ffn output"],
+         "oneDNN's products and the layer-norm kernel"),
+    ]:  # fmt: skip
+        before = sum(ms[name] for name in replaced)
+        rows = [[name, f"{ms[name]:.1f}", f"{ms[name] / before:.0%}", f"{rate[name]:,.0f}"] for name in replaced]
+        rows.append([f"sum ({what})", f"{before:.1f}", "100%", ""])
+        rows.append([f"the {kernel} kernel", f"{ms[kernel]:.1f}", f"{ms[kernel] / before:.0%}", f"{rate[kernel]:,.0f}"])
+        print(f"\nthe {kernel} part, one part at a time:\n")
+        print(markdown_table(header, rows))
     results = {"ms_per_1000": ms}
     write_json(args.out, {"environment": env, "args": vars(args), **results})
 

@@ -113,6 +113,73 @@ def test_each_sequence_attends_to_itself_alone():
     assert torch.equal(again[:57], together[:57]) and not torch.equal(again[57:], together[57:])
 
 
+def qkv_layers(seed: int, heads: int, size: int) -> tuple[torch.nn.Linear, ...]:
+    """Random bf16 query, key and value layers of ``heads`` x ``size`` (weights scaled so attention is far from
+    uniform)."""
+    torch.manual_seed(seed)
+    width = heads * size
+    layers = [torch.nn.Linear(width, width) for _ in range(3)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.normal_(0, 2 / math.sqrt(width))
+            layer.bias.normal_(0, 0.5)
+    return tuple(layer.to(BF16) for layer in layers)
+
+
+@needs_kernels
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(0, 300), min_size=1, max_size=5),
+    heads=st.integers(1, 3),
+    size=st.sampled_from([32, 64]),
+    data=st.data(),
+)
+def test_the_product_and_attention_as_one_kernel_agree_with_a_float64_reference(seed, lengths, heads, size, data):
+    """``SelfAttention``: any lengths (empty sequences, groups of several sequences, one past a group's 256 tokens),
+    keys, heads of 32 and 64: as close to attention over the exact product as the exact product rounded to bf16 and
+    then ``self_attention`` is (the two-step path; both round q, k and v to bf16)."""
+    keys = torch.tensor([data.draw(st.integers(0, n)) for n in lengths])
+    query, key, value = qkv_layers(seed, heads, size)
+    width = heads * size
+    x = torch.randn(sum(lengths), width, generator=torch.Generator().manual_seed(seed)).to(BF16)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    got = cpu_kernels.SelfAttention(query, key, value, heads)(x, offsets, keys)
+    assert got.dtype == BF16 and got.shape == (sum(lengths), width)
+    if sum(lengths) == 0:
+        return
+    weight = torch.cat([layer.weight for layer in (query, key, value)]).double()
+    bias = torch.cat([layer.bias for layer in (query, key, value)]).double()
+    exact_qkv = x.double() @ weight.T + bias
+    expected = reference_attention(exact_qkv, offsets, heads, keys.tolist())
+    two_step = cpu_kernels.self_attention(exact_qkv.to(BF16), offsets, heads, keys)
+    error, two_step_error = (got.double() - expected).abs(), (two_step.double() - expected).abs()
+    assert error.max() <= 1.5 * two_step_error.max() + 0.01  # mostly the bf16 rounding of q, k and v, in both
+    assert error.mean() <= 1.1 * two_step_error.mean() + 1e-5
+
+
+@needs_kernels
+def test_the_one_kernel_attends_each_sequence_alone_whatever_its_group():
+    """A sequence's context is the same bit for bit packed alone or among others (in a group of several, or after
+    a sequence longer than a group), and refuses what it does not compute."""
+    layers = qkv_layers(2, heads=2, size=32)
+    attention = cpu_kernels.SelfAttention(*layers, heads=2)
+    x = torch.randn(300 + 40 + 17 + 90, 64).to(BF16)
+    offsets = torch.tensor([0, 300, 340, 357, 447])
+    together = attention(x, offsets)
+    assert torch.equal(together[340:357], attention(x[340:357], torch.tensor([0, 17])))
+    assert torch.equal(together[:300], attention(x[:300], torch.tensor([0, 300])))
+    float32 = [torch.nn.Linear(64, 64) for _ in range(3)]
+    assert not cpu_kernels.SelfAttention.fits(*float32, heads=2)
+    assert not cpu_kernels.SelfAttention.fits(*layers, heads=4)  # heads of 16
+    with pytest.raises(ValueError, match="bf16 query, key and value layers"):
+        cpu_kernels.SelfAttention(*float32, heads=2)
+    with pytest.raises(ValueError, match="x must be bf16 \\[tokens, 64\\]"):
+        attention(x.float(), offsets)
+    with pytest.raises(ValueError, match="offsets must be int64"):
+        attention(x, torch.tensor([0, 300]))
+
+
 @needs_kernels
 @pytest.mark.parametrize(
     ("qkv", "offsets", "heads", "message"),

@@ -1,5 +1,5 @@
-"""bf16 kernels of the fused BERT layers on x86 CPUs with AMX: attention, and all that follows it, on AMX tiles, in
-C++.
+"""bf16 kernels of the fused BERT layers on x86 CPUs with AMX: the query, key and value product with attention, and
+all that follows it, on AMX tiles, in C++.
 
 SDPA's CPU flash-attention kernel ran MiniLM's attention (12 heads of 32 dimensions over rows of about 90 tokens)
 at 61 G multiply-adds/s on a 2-core Xeon with AMX, against 0.5-1.6 T for the layer's products, and took a third of
@@ -12,14 +12,15 @@ a fused layer's time; torch's bf16 layer norm another 8% (``benchmarks/bench_lay
 
 as SDPA does in bf16 (float32 scores and softmax, bf16 probabilities for P V), over sequences packed one after the
 other without padding: a layer's products run on the tokens alone, and the kernel reads queries, keys and values
-where the one query/key/value product left them and writes the context where the output product reads it (no
-permute or copy on either side). It takes heads of 32 or 64 dimensions (MiniLM, BERT-base and -large, BGE, E5,
-GTE). ``AfterAttention`` computes the rest of the layer (output product, feed-forward, both layer norms) as one
-kernel, a block of tokens at a time through all of it, with its own products on AMX tiles and the biases,
-residuals, GELU and layer norms applied as the products' results come off the tiles. ``layer_norm_`` normalises
-bf16 rows in place, in float32, the residual added on the way (what the layers run where ``AfterAttention`` does
-not fit); ``embed`` computes the first layer's input vectors of packed tokens from their ids, positions and types
-(the lookups, sums and layer norm in one pass).
+where the one query/key/value product left them and writes the context where the output product reads it (no permute
+or copy on either side). It takes heads of 32 or 64 dimensions (MiniLM, BERT-base and -large, BGE, E5, GTE).
+``SelfAttention`` computes that product and the attention as one kernel, whole sequences at a time, their queries,
+keys and values in a thread's cache instead of memory (what the fused layers run). ``AfterAttention`` computes the
+rest of the layer (output product, feed-forward, both layer norms) as one kernel, a block of tokens at a time
+through all of it, with its own products on AMX tiles and the biases, residuals, GELU and layer norms applied as the
+products' results come off the tiles. ``layer_norm_`` normalises bf16 rows in place, in float32, the residual added
+on the way (what the layers run where ``AfterAttention`` does not fit); ``embed`` computes the first layer's input
+vectors of packed tokens from their ids, positions and types (the lookups, sums and layer norm in one pass).
 
 The kernels (``csrc/cpu_kernels.cpp``) are built with the system's C++ compiler on first use, into a cache keyed
 by the source, the flags and the compiler (``$DENSEPASS_KERNEL_CACHE``, else ``~/.cache/densepass/kernels``), and
@@ -96,6 +97,75 @@ def self_attention(
     size = triple // 3 // heads
     if qkv.dtype != torch.bfloat16 or triple != 3 * heads * size or size not in SIZES:
         raise ValueError(f"qkv {tuple(qkv.shape)} {qkv.dtype} is not bf16 [tokens, 3 x {heads} heads x 32 or 64]")
+    offsets, keys = _checked_sequences(offsets, keys, tokens)
+    qkv = qkv.contiguous()
+    out = torch.empty((tokens, heads * size), dtype=torch.bfloat16)
+    attention = _library().densepass_attention
+    pointers = qkv.data_ptr(), offsets.data_ptr(), keys.data_ptr(), out.data_ptr()
+    status = attention(*pointers, len(keys), heads, size, size**-0.5, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"the attention kernel refused its input (status {status})")
+    return out
+
+
+class SelfAttention:
+    """A BERT layer's query, key and value product and its attention over packed tokens, as one kernel: a thread
+    takes whole sequences of up to 256 tokens at a time, computes their queries, keys and values on AMX tiles (the
+    weights in ``tile_layout``) into a buffer of its own, and their attention from there while it is in its cache,
+    as ``self_attention`` computes it from ``x Wqkv^T + b`` rounded to bf16; a separate product wrote a piece's
+    queries, keys and values to memory, where attention's loads of them stalled it. Built from the layer's
+    ``query``, ``key`` and ``value`` linear layers (copies of their parameters) where ``fits``.
+
+        >>> linear = lambda: nn.Linear(64, 64).bfloat16()
+        >>> attention = SelfAttention(linear(), linear(), linear(), heads=2)
+        >>> x, offsets = torch.randn(13, 64).bfloat16(), torch.tensor([0, 8, 13])
+        >>> attention(x, offsets).shape if usable(x, 32) else torch.Size([13, 64])
+        torch.Size([13, 64])
+    """
+
+    def __init__(self, query: nn.Linear, key: nn.Linear, value: nn.Linear, heads: int) -> None:
+        if not self.fits(query, key, value, heads):
+            raise ValueError("the attention kernel takes bf16 query, key and value layers with biases, of one width "
+                             f"in heads of {' or '.join(map(str, SIZES))}")  # fmt: skip
+        linears = (query, key, value)
+        self.heads, self.size = heads, query.weight.shape[0] // heads
+        self.tiles = tile_layout(torch.cat([linear.weight.detach() for linear in linears]))
+        self.bias = torch.cat([linear.bias.detach() for linear in linears]).contiguous()
+
+    @staticmethod
+    def fits(query: nn.Linear, key: nn.Linear, value: nn.Linear, heads: int) -> bool:
+        """Whether the kernel computes these layers: bf16 square weights of one width with biases, in heads of a
+        size in ``SIZES``."""
+        linears, width = (query, key, value), query.weight.shape[0]
+        parameters = [p for linear in linears for p in (linear.weight, linear.bias)]
+        return (
+            all(p is not None and p.dtype == torch.bfloat16 for p in parameters)
+            and all(linear.weight.shape == (width, width) for linear in linears)
+            and width % heads == 0
+            and width // heads in SIZES
+        )
+
+    def __call__(self, x: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention context [tokens, width] bf16 of ``x`` [tokens, width] (bf16), sequences packed by ``offsets``
+        with ``keys`` as ``self_attention`` takes them. Call where ``usable``."""
+        width = self.heads * self.size
+        if x.dtype != torch.bfloat16 or x.shape != (x.shape[0], width):
+            raise ValueError(f"x must be bf16 [tokens, {width}], got {tuple(x.shape)} {x.dtype}")
+        offsets, keys = _checked_sequences(offsets, keys, x.shape[0])
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        pointers = x.data_ptr(), offsets.data_ptr(), keys.data_ptr()
+        status = _library().densepass_qkv_attention(*pointers, len(keys), self.tiles.data_ptr(), self.bias.data_ptr(),
+                                                    self.heads, self.size, self.size**-0.5, out.data_ptr(),
+                                                    torch.get_num_threads())  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"the attention kernel refused its input (status {status})")
+        return out
+
+
+def _checked_sequences(offsets: torch.Tensor, keys: torch.Tensor | None, tokens: int) -> tuple[torch.Tensor, ...]:
+    """``offsets`` (int64 [sequences + 1], from 0 to ``tokens``, not decreasing) and ``keys`` (int64 [sequences],
+    default: each sequence's length), contiguous; a one-line error where they are not."""
     if offsets.dtype != torch.int64 or offsets.dim() != 1 or int(offsets[0]) != 0 or int(offsets[-1]) != tokens:
         raise ValueError(f"offsets must be int64 [sequences + 1], from 0 to the {tokens} tokens")
     lengths = offsets.diff()
@@ -104,14 +174,7 @@ def self_attention(
     keys = lengths if keys is None else keys
     if keys.dtype != torch.int64 or keys.shape != lengths.shape:
         raise ValueError(f"keys must be int64 [{len(lengths)}], one count per sequence")
-    qkv, offsets, keys = qkv.contiguous(), offsets.contiguous(), keys.contiguous()
-    out = torch.empty((tokens, heads * size), dtype=torch.bfloat16)
-    attention = _library().densepass_attention
-    pointers = qkv.data_ptr(), offsets.data_ptr(), keys.data_ptr(), out.data_ptr()
-    status = attention(*pointers, len(lengths), heads, size, size**-0.5, torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"the attention kernel refused its input (status {status})")
-    return out
+    return offsets.contiguous(), keys.contiguous()
 
 
 def layer_norm_(x: torch.Tensor, norm: nn.LayerNorm, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -319,6 +382,8 @@ def _library() -> ctypes.CDLL | None:
     library.densepass_after_attention.argtypes = [pointer, pointer, size, ctypes.POINTER(_LayerWeights), pointer,
                                                   ctypes.c_int]  # fmt: skip
     library.densepass_embed.argtypes = [*[pointer] * 3, size, *[pointer] * 5, number, size, pointer, ctypes.c_int]
+    library.densepass_qkv_attention.argtypes = [*[pointer] * 3, size, pointer, pointer, size, size, number, pointer,
+                                                ctypes.c_int]  # fmt: skip
     library.densepass_gelu.argtypes, library.densepass_gelu.restype = [pointer, pointer, size], None
     return library
 

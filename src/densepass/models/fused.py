@@ -15,9 +15,10 @@ fewer passes:
 
 with each weight reordered once into oneDNN's blocked layout (into AMX tiles on the kernels' path). Where
 ``cpu_kernels`` runs (bf16 on a CPU with AMX, heads of 32 or 64), the layers take the tokens packed without padding:
-the products run on tokens alone, attention is ``cpu_kernels``' (on AMX tiles, per sequence), and so is all that
-follows it (``cpu_kernels.AfterAttention``: the output product, the feed-forward and both layer norms, a block of
-tokens at a time); elsewhere (float32, other CPUs) they take padded batches, attention is SDPA, and the inputs are
+the products run on tokens alone, the query, key and value product and attention are one ``cpu_kernels`` kernel
+(``cpu_kernels.SelfAttention``: on AMX tiles, whole sequences at a time), and so is all that follows them
+(``cpu_kernels.AfterAttention``: the output product, the feed-forward and both layer norms, a block of tokens at a
+time); elsewhere (float32, other CPUs) they take padded batches, attention is SDPA, and the inputs are
 padded to a multiple of 16 tokens where that adds little (``LENGTH_MULTIPLE``). The maths is the eager layer's (same
 attention scale, same GELU): in bf16 the two agree to bf16 rounding, in float32 to float32 rounding (tests). Used for
 the bf16 inference copies on the CPU (``models.copies.bf16_copy``): a bi-encoder's towers, ColBERT's encoder and
@@ -84,8 +85,8 @@ class FusedBertLayer(nn.Module):
         super().__init__()
         attention = layer.attention.self
         self.heads = attention.num_attention_heads
-        self.qkv = packed(torch.cat([attention.query.weight, attention.key.weight, attention.value.weight]))
-        self.qkv_bias = torch.cat([attention.query.bias, attention.key.bias, attention.value.bias]).detach()
+        qkv = (attention.query, attention.key, attention.value)
+        self.qkv_bias = torch.cat([linear.bias for linear in qkv]).detach()
         # ``first_position`` needs the keys and values on their own, the query as it is (last layers only)
         self.kv = packed(torch.cat([attention.key.weight, attention.value.weight])) if first_position else None
         self.query = attention.query if first_position else None
@@ -95,16 +96,22 @@ class FusedBertLayer(nn.Module):
         self.output_norm = layer.output.LayerNorm
         after = (linears["out"], self.attention_norm, linears["inner"], linears["ffn"], self.output_norm)
         kernels = cpu_kernels.usable(self.qkv_bias, attention.attention_head_size)
-        # on the kernels' path the layer after attention is one kernel (its weights in AMX tiles); oneDNN's layout
-        # of them is made from those the first time another path runs (``products``)
+        # on the kernels' path the query, key and value product with attention is one kernel, and all that follows
+        # another (their weights in AMX tiles); oneDNN's layout of those weights is made from the tiles the first
+        # time another path runs (``products``)
+        fits = kernels and cpu_kernels.SelfAttention.fits(*qkv, self.heads)
+        self.attention = cpu_kernels.SelfAttention(*qkv, self.heads) if fits else None
         self.after = cpu_kernels.AfterAttention(*after) if kernels and cpu_kernels.AfterAttention.fits(*after) else None
-        self._products = {} if self.after else {name: packed(linear.weight) for name, linear in linears.items()}
+        self._products = {} if self.attention else {"qkv": packed(torch.cat([linear.weight for linear in qkv]))}
+        if self.after is None:
+            self._products.update({name: packed(linear.weight) for name, linear in linears.items()})
 
     def products(self, name: str) -> torch.Tensor:
-        """The weight of the output product (``out``), or of the feed-forward's (``inner``, ``ffn``), in oneDNN's
-        blocked layout."""
+        """The weight of the query, key and value product (``qkv``: theirs one after the other), of the output
+        product (``out``), or of the feed-forward's (``inner``, ``ffn``), in oneDNN's blocked layout."""
         if name not in self._products:
-            self._products[name] = packed(cpu_kernels.untiled(self.after.tiles[name]))
+            tiles = self.attention.tiles if name == "qkv" else self.after.tiles[name]
+            self._products[name] = packed(cpu_kernels.untiled(tiles))
         return self._products[name]
 
     def forward(self, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -112,7 +119,7 @@ class FusedBertLayer(nn.Module):
         is a token, False at padding."""
         batch, length, width = hidden.shape
         x = hidden.reshape(-1, width)
-        qkv = torch.ops.mkldnn._linear_pointwise(x, self.qkv, self.qkv_bias, "none", [], "")
+        qkv = torch.ops.mkldnn._linear_pointwise(x, self.products("qkv"), self.qkv_bias, "none", [], "")
         q, k, v = qkv.view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
         return self._after_attention(q, k, v, keep, x).view(batch, length, width)
 
@@ -120,8 +127,11 @@ class FusedBertLayer(nn.Module):
         """The layer over sequences packed one after the other (``cpu_kernels.self_attention``): ``x`` [tokens,
         width], sequence ``b`` in rows ``offsets[b]`` to ``offsets[b + 1]``, its first ``keys[b]`` the tokens
         attended to; returns the same shape."""
-        qkv = torch.ops.mkldnn._linear_pointwise(x, self.qkv, self.qkv_bias, "none", [], "")
-        context = cpu_kernels.self_attention(qkv, offsets, self.heads, keys)
+        if self.attention is not None:
+            context = self.attention(x, offsets, keys)
+        else:
+            qkv = torch.ops.mkldnn._linear_pointwise(x, self.products("qkv"), self.qkv_bias, "none", [], "")
+            context = cpu_kernels.self_attention(qkv, offsets, self.heads, keys)
         return self._after_context(context, x, kernels=True)
 
     def first_position(self, hidden: torch.Tensor, keep: torch.Tensor, kernels: bool = False) -> torch.Tensor:

@@ -1,7 +1,8 @@
 // bf16 kernels of the fused BERT layers on x86 CPUs with AMX: self-attention over sequences packed without padding
-// on AMX tiles, all that follows attention in a layer (output product, feed-forward, layer norms) as one kernel with
-// its products on AMX tiles, the embeddings of packed tokens, and layer norm in place (densepass/models/
-// cpu_kernels.py says what they compute and why; tests/test_cpu_kernels.py checks them against float64 and torch).
+// on AMX tiles (alone, or with the query, key and value product before it), all that follows attention in a layer
+// (output product, feed-forward, layer norms) as one kernel with its products on AMX tiles, the embeddings of packed
+// tokens, and layer norm in place (densepass/models/cpu_kernels.py says what they compute and why;
+// tests/test_cpu_kernels.py checks them against float64 and torch).
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -135,6 +137,7 @@ class Workspace {
 
 constexpr int64_t kMaxWidth = 2048;  // the widest row the layer norms take
 constexpr int64_t kBlockRows = 256;  // the rows densepass_after_attention's threads take at a time
+constexpr int64_t kGroupRows = 256;  // the tokens densepass_qkv_attention's threads take at a time (whole sequences)
 
 // Running sums of a row's values less a shift (its first value: the shifted-data algorithm, so that the variance
 // is not lost where the mean is large against it), 16 lanes each, for a layer norm.
@@ -305,6 +308,182 @@ struct Gelu {
   }
 };
 
+// Scaled dot-product attention of one sequence's n queries over its first m keys (m <= n), one head of `size`
+// (32 or 64) on AMX tiles: `base` points at its first token's query, the keys `width` and the values 2 `width`
+// elements after each query, tokens `row` elements apart; the context of query i goes to out + i * width (zero
+// where m is 0). A thread
+// keeps one for sequences of up to `longest` tokens (its scratch) and calls it with its tiles configured.
+class HeadAttention {
+ public:
+  HeadAttention(int64_t longest, int64_t size, float scale)
+      : size_(size),
+        padded_((longest + 31) / 32 * 32),
+        steps_(static_cast<int>(size / 32)),
+        columns_(static_cast<int>(size / 16)),
+        factor_(_mm512_set1_ps(scale * 1.44269504088896341f)),  // exp(x) = 2^(x log2 e)
+        key_tiles_(padded_ / 16 * steps_ * 256),
+        value_tiles_(padded_ / 32 * columns_ * 512),
+        scores_(16 * padded_),
+        probs_(16 * padded_),
+        query_(16 * size),
+        context_(16 * size) {}
+
+  void operator()(const uint16_t* base, int64_t row, int64_t width, int64_t n, int64_t m, uint16_t* out) {
+    const int64_t size = size_, padded = padded_;
+    if (m <= 0) {  // no keys: a zero context
+      for (int64_t i = 0; i < n; ++i) std::memset(out + i * width, 0, size * 2);
+      return;
+    }
+    const int steps = steps_, columns = columns_;
+    const __m512 factor = factor_;
+    const __m512i interleave_low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                    39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i interleave_high = _mm512_add_epi16(interleave_low, _mm512_set1_epi16(16));
+    const auto larger = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
+    const auto plus = [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); };
+    const int64_t blocks16 = (m + 15) / 16, blocks32 = (m + 31) / 32, pstride = blocks32 * 32;
+        // keys, tile (kb, s): row r holds dims 32 s + 2 r and 32 s + 2 r + 1 of keys 16 kb .. 16 kb + 15
+    for (int64_t kb = 0; kb < blocks16; ++kb)
+      for (int s = 0; s < steps; ++s) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j)
+          r[j] = kb * 16 + j < m ? _mm512_loadu_si512(base + (kb * 16 + j) * row + width + s * 32)
+                                 : _mm512_setzero_si512();
+        transpose16(r);
+        for (int j = 0; j < 16; ++j) _mm512_store_si512(key_tiles_.data + (kb * steps + s) * 256 + j * 16, r[j]);
+      }
+    // values, tile (kb, c): row r holds keys 32 kb + 2 r and 32 kb + 2 r + 1 of dims 16 c .. 16 c + 15
+    for (int64_t kb = 0; kb < blocks32; ++kb)
+      for (int r = 0; r < 16; ++r) {
+        const int64_t k0 = kb * 32 + 2 * r, k1 = k0 + 1;
+        for (int s = 0; s < steps; ++s) {
+          const uint16_t* values = base + 2 * width + s * 32;
+          const __m512i a = k0 < m ? _mm512_loadu_si512(values + k0 * row) : _mm512_setzero_si512();
+          const __m512i c = k1 < m ? _mm512_loadu_si512(values + k1 * row) : _mm512_setzero_si512();
+          _mm512_store_si512(value_tiles_.data + (kb * columns + 2 * s) * 512 + r * 32,
+                             _mm512_permutex2var_epi16(a, interleave_low, c));
+          _mm512_store_si512(value_tiles_.data + (kb * columns + 2 * s + 1) * 512 + r * 32,
+                             _mm512_permutex2var_epi16(a, interleave_high, c));
+        }
+      }
+    for (int64_t qb = 0; qb * 16 < n; ++qb) {
+      const int64_t rows = n - qb * 16 < 16 ? n - qb * 16 : 16;
+      if (rows == 16) {  // queries straight from qkv, or a partial block copied and padded with zeros
+        _tile_loadd(4, base + qb * 16 * row, row * 2);
+        if (steps == 2) _tile_loadd(5, base + qb * 16 * row + 32, row * 2);
+      } else {
+        std::memset(query_.data, 0, 16 * size * 2);
+        for (int64_t i = 0; i < rows; ++i) std::memcpy(query_.data + i * size, base + (qb * 16 + i) * row, size * 2);
+        _tile_loadd(4, query_.data, size * 2);
+        if (steps == 2) _tile_loadd(5, query_.data + 32, size * 2);
+      }
+      // scores, two key blocks at a time
+      for (int64_t kb = 0; kb < blocks16; kb += 2) {
+        const uint32_t* k = key_tiles_.data + kb * steps * 256;
+        const bool pair = kb + 1 < blocks16;
+        _tile_zero(0);
+        _tile_loadd(6, k, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (pair) {
+          _tile_zero(1);
+          _tile_loadd(7, k + steps * 256, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (steps == 2) {
+          _tile_loadd(6, k + 256, 64);
+          _tile_dpbf16ps(0, 5, 6);
+          if (pair) {
+            _tile_loadd(7, k + 3 * 256, 64);
+            _tile_dpbf16ps(1, 5, 7);
+          }
+        }
+        _tile_stored(0, scores_.data + kb * 16, padded * 4);
+        if (pair) _tile_stored(1, scores_.data + kb * 16 + 16, padded * 4);
+      }
+      // softmax rows: per-row maxima and sums come out of one transpose each instead of 16 reductions
+      __m512 lanes[16];
+      for (int i = 0; i < 16; ++i) {
+        const float* s = scores_.data + i * padded;
+        __m512 top = _mm512_set1_ps(-3.0e38f);
+        for (int64_t kb = 0; kb < blocks16; ++kb)
+          top = _mm512_mask_max_ps(top, block_mask(m - kb * 16), top, _mm512_load_ps(s + kb * 16));
+        lanes[i] = top;
+      }
+      alignas(64) float shifts[16];
+      _mm512_store_ps(shifts, _mm512_mul_ps(across(lanes, larger), factor));
+      for (int i = 0; i < 16; ++i) {
+        const float* s = scores_.data + i * padded;
+        uint16_t* p = probs_.data + i * pstride;
+        const __m512 shift = _mm512_set1_ps(shifts[i]);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t kb = 0; kb < blocks16; ++kb) {
+          __m512 e = exp2_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(s + kb * 16), factor, shift));
+          e = _mm512_maskz_mov_ps(block_mask(m - kb * 16), e);
+          total = _mm512_add_ps(total, e);
+          store_bf16(p + kb * 16, e);
+        }
+        if (blocks16 * 16 < pstride) std::memset(p + blocks16 * 16, 0, 32);
+        lanes[i] = total;
+      }
+      alignas(64) float inverses[16];
+      _mm512_store_ps(inverses, _mm512_div_ps(_mm512_set1_ps(1.0f), across(lanes, plus)));
+      // context = probabilities x values
+      _tile_zero(0);
+      _tile_zero(1);
+      if (columns == 4) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t kb = 0; kb < blocks32; ++kb) {
+        const uint16_t* v = value_tiles_.data + kb * columns * 512;
+        _tile_loadd(5, probs_.data + kb * 32, pstride * 2);
+        _tile_loadd(6, v, 64);
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_loadd(7, v + 512, 64);
+        _tile_dpbf16ps(1, 5, 7);
+        if (columns == 4) {
+          _tile_loadd(6, v + 1024, 64);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_loadd(7, v + 1536, 64);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, context_.data, size * 4);
+      _tile_stored(1, context_.data + 16, size * 4);
+      if (columns == 4) {
+        _tile_stored(2, context_.data + 32, size * 4);
+        _tile_stored(3, context_.data + 48, size * 4);
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const __m512 inverse = _mm512_set1_ps(inverses[i]);
+        uint16_t* dst = out + (qb * 16 + i) * width;
+        for (int c = 0; c < columns; ++c) {
+          store_bf16(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(context_.data + i * size + c * 16), inverse));
+        }
+      }
+    }
+  }
+
+ private:
+  int64_t size_, padded_;
+  int steps_, columns_;
+  __m512 factor_;
+  Scratch<uint32_t> key_tiles_;    // key tiles, dims in pairs: 16 rows x 16 keys
+  Scratch<uint16_t> value_tiles_;  // value tiles, keys in pairs: 16 rows x 16 dims
+  Scratch<float> scores_;
+  Scratch<uint16_t> probs_;
+  Scratch<uint16_t> query_;
+  Scratch<float> context_;
+};
+
+// The longest of `sequences` sequences packed by `offsets`.
+inline int64_t longest_of(const int64_t* offsets, int64_t sequences) {
+  int64_t longest = 0;
+  for (int64_t b = 0; b < sequences; ++b)
+    if (offsets[b + 1] - offsets[b] > longest) longest = offsets[b + 1] - offsets[b];
+  return longest;
+}
+
 }  // namespace
 
 // A BERT layer's weights after its attention, bf16, for densepass_after_attention (cpu_kernels._LayerWeights):
@@ -332,160 +511,73 @@ int densepass_attention(const uint16_t* qkv, const int64_t* offsets, const int64
   if (size != 32 && size != 64) return -1;
   const int64_t row = 3 * heads * size;  // elements from one token of qkv to the next
   const int64_t width = heads * size;
-  int64_t longest = 0;
-  for (int64_t b = 0; b < sequences; ++b)
-    if (offsets[b + 1] - offsets[b] > longest) longest = offsets[b + 1] - offsets[b];
-  const int64_t padded = (longest + 31) / 32 * 32;
-  const int steps = static_cast<int>(size / 32);    // 32-deep slices of a head (one tile's depth)
-  const int columns = static_cast<int>(size / 16);  // 16-wide slices (one accumulator's width)
-  const __m512 factor = _mm512_set1_ps(scale * 1.44269504088896341f);  // exp(x) = 2^(x log2 e)
-  const __m512i interleave_low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                                  39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i interleave_high = _mm512_add_epi16(interleave_low, _mm512_set1_epi16(16));
-  const auto larger = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
-  const auto plus = [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); };
-
+  const int64_t longest = longest_of(offsets, sequences);
 #pragma omp parallel num_threads(threads)
   {
     configure_tiles();
-    Scratch<uint32_t> key_tiles(padded / 16 * steps * 256);   // key tiles, dims in pairs: 16 rows x 16 keys
-    Scratch<uint16_t> value_tiles(padded / 32 * columns * 512);  // value tiles, keys in pairs: 16 rows x 16 dims
-    Scratch<float> scores(16 * padded);
-    Scratch<uint16_t> probs(16 * padded);
-    Scratch<uint16_t> query(16 * size);
-    Scratch<float> context(16 * size);
-
+    HeadAttention attend(longest, size, scale);
 #pragma omp for schedule(dynamic, 4)
     for (int64_t item = 0; item < sequences * heads; ++item) {
       const int64_t b = item / heads, h = item % heads;
-      const int64_t n = offsets[b + 1] - offsets[b];              // queries
-      const int64_t m = keys[b] < n ? keys[b] : n;                 // keys: the first m of them
-      if (n <= 0) continue;
-      if (m <= 0) {
-        for (int64_t i = 0; i < n; ++i) std::memset(out + (offsets[b] + i) * width + h * size, 0, size * 2);
-        continue;
+      const int64_t n = offsets[b + 1] - offsets[b];  // queries
+      const int64_t m = keys[b] < n ? keys[b] : n;     // keys: the first m of them
+      attend(qkv + offsets[b] * row + h * size, row, width, n, m, out + offsets[b] * width + h * size);
+    }
+    _tile_release();
+  }
+  return 0;
+}
+
+// The query, key and value product of a BERT layer and its attention as one kernel: x [tokens, width] bf16, the
+// tokens of `sequences` sequences packed as densepass_attention takes them; weight: [3 width, width] (the query's,
+// key's and value's rows in turn) in `tile_layout`, bias [3 width], both bf16; out [tokens, width] bf16, what
+// densepass_attention computes from qkv = x weight^T + bias. A thread takes whole sequences of up to kGroupRows
+// tokens at a time (a longer sequence alone), computes their qkv on AMX tiles into a buffer of its own (rounded to
+// bf16 as a product's output is) and their attention from there, while it is in its cache. size: 32 or 64.
+// Returns 0, or -1 for a size it does not take.
+int densepass_qkv_attention(const uint16_t* x, const int64_t* offsets, const int64_t* keys, int64_t sequences,
+                            const uint16_t* weight, const uint16_t* bias, int64_t heads, int64_t size, float scale,
+                            uint16_t* out, int threads) {
+  if (size != 32 && size != 64) return -1;
+  const int64_t width = heads * size, row = 3 * width, tokens = offsets[sequences];
+  const int64_t longest = longest_of(offsets, sequences);
+  const int64_t most = ((longest > kGroupRows ? longest : kGroupRows) + 31) / 32 * 32;  // rows of a group
+  std::vector<int64_t> groups{0};  // each group's first sequence, then the end
+  for (int64_t b = 1; b < sequences; ++b)
+    if (offsets[b + 1] - offsets[groups.back()] > kGroupRows) groups.push_back(b);
+  groups.push_back(sequences);
+  const int64_t count = static_cast<int64_t>(groups.size()) - 1;
+#pragma omp parallel num_threads(threads)
+  {
+    configure_tiles();
+    HeadAttention attend(longest, size, scale);
+    static thread_local Workspace workspace;  // kept from call to call
+    uint16_t* qkv = workspace.halves(0, most * row);
+    uint16_t* padded = workspace.halves(1, most * width);  // a group at the end whose last 32 rows run past it
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < count; ++g) {
+      const int64_t first = groups[g], last = groups[g + 1], r0 = offsets[first], valid = offsets[last] - r0;
+      const int64_t parts = (valid + 31) / 32;
+      const uint16_t* a = x + r0 * width;
+      if (r0 + parts * 32 > tokens) {
+        std::memcpy(padded, a, valid * width * 2);
+        std::memset(padded + valid * width, 0, (parts * 32 - valid) * width * 2);
+        a = padded;
       }
-      const int64_t blocks16 = (m + 15) / 16, blocks32 = (m + 31) / 32, pstride = blocks32 * 32;
-      const uint16_t* base = qkv + offsets[b] * row + h * size;
-      // keys, tile (kb, s): row r holds dims 32 s + 2 r and 32 s + 2 r + 1 of keys 16 kb .. 16 kb + 15
-      for (int64_t kb = 0; kb < blocks16; ++kb)
-        for (int s = 0; s < steps; ++s) {
-          __m512i r[16];
-          for (int j = 0; j < 16; ++j)
-            r[j] = kb * 16 + j < m ? _mm512_loadu_si512(base + (kb * 16 + j) * row + width + s * 32)
-                                   : _mm512_setzero_si512();
-          transpose16(r);
-          for (int j = 0; j < 16; ++j) _mm512_store_si512(key_tiles.data + (kb * steps + s) * 256 + j * 16, r[j]);
-        }
-      // values, tile (kb, c): row r holds keys 32 kb + 2 r and 32 kb + 2 r + 1 of dims 16 c .. 16 c + 15
-      for (int64_t kb = 0; kb < blocks32; ++kb)
-        for (int r = 0; r < 16; ++r) {
-          const int64_t k0 = kb * 32 + 2 * r, k1 = k0 + 1;
-          for (int s = 0; s < steps; ++s) {
-            const uint16_t* values = base + 2 * width + s * 32;
-            const __m512i a = k0 < m ? _mm512_loadu_si512(values + k0 * row) : _mm512_setzero_si512();
-            const __m512i c = k1 < m ? _mm512_loadu_si512(values + k1 * row) : _mm512_setzero_si512();
-            _mm512_store_si512(value_tiles.data + (kb * columns + 2 * s) * 512 + r * 32,
-                               _mm512_permutex2var_epi16(a, interleave_low, c));
-            _mm512_store_si512(value_tiles.data + (kb * columns + 2 * s + 1) * 512 + r * 32,
-                               _mm512_permutex2var_epi16(a, interleave_high, c));
-          }
-        }
-      for (int64_t qb = 0; qb * 16 < n; ++qb) {
-        const int64_t rows = n - qb * 16 < 16 ? n - qb * 16 : 16;
-        if (rows == 16) {  // queries straight from qkv, or a partial block copied and padded with zeros
-          _tile_loadd(4, base + qb * 16 * row, row * 2);
-          if (steps == 2) _tile_loadd(5, base + qb * 16 * row + 32, row * 2);
-        } else {
-          std::memset(query.data, 0, 16 * size * 2);
-          for (int64_t i = 0; i < rows; ++i) std::memcpy(query.data + i * size, base + (qb * 16 + i) * row, size * 2);
-          _tile_loadd(4, query.data, size * 2);
-          if (steps == 2) _tile_loadd(5, query.data + 32, size * 2);
-        }
-        // scores, two key blocks at a time
-        for (int64_t kb = 0; kb < blocks16; kb += 2) {
-          const uint32_t* k = key_tiles.data + kb * steps * 256;
-          const bool pair = kb + 1 < blocks16;
-          _tile_zero(0);
-          _tile_loadd(6, k, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          if (pair) {
-            _tile_zero(1);
-            _tile_loadd(7, k + steps * 256, 64);
-            _tile_dpbf16ps(1, 4, 7);
-          }
-          if (steps == 2) {
-            _tile_loadd(6, k + 256, 64);
-            _tile_dpbf16ps(0, 5, 6);
-            if (pair) {
-              _tile_loadd(7, k + 3 * 256, 64);
-              _tile_dpbf16ps(1, 5, 7);
-            }
-          }
-          _tile_stored(0, scores.data + kb * 16, padded * 4);
-          if (pair) _tile_stored(1, scores.data + kb * 16 + 16, padded * 4);
-        }
-        // softmax rows: per-row maxima and sums come out of one transpose each instead of 16 reductions
-        __m512 lanes[16];
-        for (int i = 0; i < 16; ++i) {
-          const float* s = scores.data + i * padded;
-          __m512 top = _mm512_set1_ps(-3.0e38f);
-          for (int64_t kb = 0; kb < blocks16; ++kb)
-            top = _mm512_mask_max_ps(top, block_mask(m - kb * 16), top, _mm512_load_ps(s + kb * 16));
-          lanes[i] = top;
-        }
-        alignas(64) float shifts[16];
-        _mm512_store_ps(shifts, _mm512_mul_ps(across(lanes, larger), factor));
-        for (int i = 0; i < 16; ++i) {
-          const float* s = scores.data + i * padded;
-          uint16_t* p = probs.data + i * pstride;
-          const __m512 shift = _mm512_set1_ps(shifts[i]);
-          __m512 total = _mm512_setzero_ps();
-          for (int64_t kb = 0; kb < blocks16; ++kb) {
-            __m512 e = exp2_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(s + kb * 16), factor, shift));
-            e = _mm512_maskz_mov_ps(block_mask(m - kb * 16), e);
-            total = _mm512_add_ps(total, e);
-            store_bf16(p + kb * 16, e);
-          }
-          if (blocks16 * 16 < pstride) std::memset(p + blocks16 * 16, 0, 32);
-          lanes[i] = total;
-        }
-        alignas(64) float inverses[16];
-        _mm512_store_ps(inverses, _mm512_div_ps(_mm512_set1_ps(1.0f), across(lanes, plus)));
-        // context = probabilities x values
-        _tile_zero(0);
-        _tile_zero(1);
-        if (columns == 4) {
-          _tile_zero(2);
-          _tile_zero(3);
-        }
-        for (int64_t kb = 0; kb < blocks32; ++kb) {
-          const uint16_t* v = value_tiles.data + kb * columns * 512;
-          _tile_loadd(5, probs.data + kb * 32, pstride * 2);
-          _tile_loadd(6, v, 64);
-          _tile_dpbf16ps(0, 5, 6);
-          _tile_loadd(7, v + 512, 64);
-          _tile_dpbf16ps(1, 5, 7);
-          if (columns == 4) {
-            _tile_loadd(6, v + 1024, 64);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_loadd(7, v + 1536, 64);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        _tile_stored(0, context.data, size * 4);
-        _tile_stored(1, context.data + 16, size * 4);
-        if (columns == 4) {
-          _tile_stored(2, context.data + 32, size * 4);
-          _tile_stored(3, context.data + 48, size * 4);
-        }
-        for (int64_t i = 0; i < rows; ++i) {
-          const __m512 inverse = _mm512_set1_ps(inverses[i]);
-          uint16_t* dst = out + (offsets[b] + qb * 16 + i) * width + h * size;
-          for (int c = 0; c < columns; ++c) {
-            store_bf16(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(context.data + i * size + c * 16), inverse));
-          }
-        }
+      product(a, width, parts, width, weight, row, false, [](int64_t) {},
+              [&](int64_t i0, int64_t j0, const float* c, int64_t from, int64_t until) {
+                const __m512 b0 = load_bf16(bias + j0), b1 = load_bf16(bias + j0 + 16);
+                for (int64_t i = i0 + from; i < i0 + until && i < valid; ++i) {
+                  const float* block = c + (i - i0) * 32;
+                  store_bf16(qkv + i * row + j0, _mm512_add_ps(_mm512_load_ps(block), b0));
+                  store_bf16(qkv + i * row + j0 + 16, _mm512_add_ps(_mm512_load_ps(block + 16), b1));
+                }
+              },
+              [] {});
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t n = offsets[b + 1] - offsets[b], m = keys[b] < n ? keys[b] : n;
+        for (int64_t h = 0; h < heads; ++h)
+          attend(qkv + (offsets[b] - r0) * row + h * size, row, width, n, m, out + offsets[b] * width + h * size);
       }
     }
     _tile_release();
