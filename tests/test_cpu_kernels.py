@@ -26,6 +26,7 @@ from test_fused import random_encoder, right_padded
 BF16 = torch.bfloat16
 available = cpu_kernels.usable(torch.zeros(1, dtype=BF16), 32)
 needs_kernels = pytest.mark.skipif(not available, reason="the CPU kernels need AMX (models.cpu_kernels.REQUIRED)")
+HEADS = {"heads": st.integers(1, 3), "size": st.sampled_from([32, 64])}  # 1-3 heads of the sizes the kernels take
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++")
 
 
@@ -58,12 +59,7 @@ def reference_attention(qkv: torch.Tensor, offsets: torch.Tensor, heads: int, ke
 
 @needs_kernels
 @settings(max_examples=30, deadline=None)
-@given(
-    seed=st.integers(0, 2**16),
-    lengths=st.lists(st.integers(0, 150), min_size=1, max_size=5),
-    heads=st.integers(1, 3),
-    size=st.sampled_from([32, 64]),
-)
+@given(seed=st.integers(0, 2**16), lengths=st.lists(st.integers(0, 150), min_size=1, max_size=5), **HEADS)
 def test_attention_agrees_with_a_float64_reference_to_bf16_rounding(seed, lengths, heads, size):
     """Any lengths (empty sequences, partial tiles, several key blocks), heads of 32 and 64: within bf16 rounding of
     the exact result, and as close to it as SDPA in bf16 is."""
@@ -129,11 +125,7 @@ def qkv_layers(seed: int, heads: int, size: int) -> tuple[torch.nn.Linear, ...]:
 @needs_kernels
 @settings(max_examples=25, deadline=None)
 @given(
-    seed=st.integers(0, 2**16),
-    lengths=st.lists(st.integers(0, 300), min_size=1, max_size=5),
-    heads=st.integers(1, 3),
-    size=st.sampled_from([32, 64]),
-    data=st.data(),
+    seed=st.integers(0, 2**16), lengths=st.lists(st.integers(0, 300), min_size=1, max_size=5), data=st.data(), **HEADS
 )
 def test_the_product_and_attention_as_one_kernel_agree_with_a_float64_reference(seed, lengths, heads, size, data):
     """``SelfAttention``: any lengths (empty sequences, groups of several sequences, one past a group's 256 tokens),
