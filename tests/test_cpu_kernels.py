@@ -447,6 +447,28 @@ def test_the_fused_encoder_on_the_kernels_agrees_with_transformers_in_bf16(kind,
         cosine = F.cosine_similarity(output.float()[where], expected[where], dim=-1)
         assert cosine.min() > 0.999
     assert not torch.equal(got[keep], sdpa[keep])  # the kernels ran (SDPA rounds differently)
+    assert all(layer.attention is not None and layer.after is not None for layer in fused.layers)  # both kernels
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_the_kernels_path_takes_ids_as_the_model_does(kind):
+    """int32 ids and token types as int64 ones; token vectors taken over ids where both are given (as the
+    embeddings take them); a position past the table: a one-line error."""
+    bert = random_encoder(8, BF16, kind=kind, hidden_size=64, num_attention_heads=2, intermediate_size=128)
+    ids, mask = right_padded(8, [30, 12])
+    types = (torch.arange(30)[None, :] >= 10).long() * mask
+    fused = FusedBertEncoder(bert)
+    with torch.inference_mode():
+        wide = fused(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        narrow = fused(input_ids=ids.int(), attention_mask=mask, token_type_ids=types.int()).last_hidden_state
+        vectors = bert.get_input_embeddings()(ids)
+        by_vectors = fused(inputs_embeds=vectors, attention_mask=mask).last_hidden_state
+        both = fused(input_ids=torch.zeros_like(ids), inputs_embeds=vectors, attention_mask=mask).last_hidden_state
+        assert torch.equal(wide, narrow) and torch.equal(by_vectors, both)
+        table = bert.config.max_position_embeddings
+        with pytest.raises(ValueError, match=f"position is outside the model's table of {table}"):
+            fused(input_ids=torch.ones(1, table + 1, dtype=torch.long))
 
 
 @needs_kernels

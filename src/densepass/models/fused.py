@@ -124,7 +124,7 @@ class FusedBertLayer(nn.Module):
         return self._after_attention(q, k, v, keep, x).view(batch, length, width)
 
     def packed_tokens(self, x: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """The layer over sequences packed one after the other (``cpu_kernels.self_attention``): ``x`` [tokens,
+        """The layer over sequences packed one after the other (``cpu_kernels.SelfAttention``): ``x`` [tokens,
         width], sequence ``b`` in rows ``offsets[b]`` to ``offsets[b + 1]``, its first ``keys[b]`` the tokens
         attended to; returns the same shape."""
         if self.attention is not None:
@@ -244,7 +244,7 @@ class FusedBertEncoder(nn.Module):
         from 0, RoBERTa and XLM-R from the padding id + 1, over the tokens that are not padding."""
         if hasattr(self.embeddings, "padding_idx"):  # RoBERTa's and XLM-R's embeddings
             return self.embeddings.create_position_ids_from_input_ids(input_ids, self.embeddings.padding_idx)
-        return self.embeddings.position_ids[:, : input_ids.shape[1]].expand_as(input_ids)
+        return torch.arange(input_ids.shape[1]).expand_as(input_ids)  # past the table: ``cpu_kernels.embed`` says so
 
     def get_input_embeddings(self) -> nn.Module:
         """The token-embedding table (as ``transformers`` models expose it)."""
@@ -278,11 +278,13 @@ class FusedBertEncoder(nn.Module):
             attention_mask = torch.ones((batch, length), dtype=torch.bool, device=given.device)
         if cpu_kernels.usable(self.embeddings.word_embeddings.weight, self.head_size):
             kept = attention_mask.bool()
-            if input_ids is None:  # token vectors given: the embeddings of the whole grid, then its rows
+            if inputs_embeds is not None:  # token vectors (taken over ids, as the embeddings take them): the
+                # embeddings of the whole grid, then its rows
                 grid = self.embeddings(inputs_embeds=inputs_embeds, token_type_ids=token_type_ids).flatten(0, 1)
                 return BaseModelOutput(last_hidden_state=self._packed(lambda rows: grid[rows], kept, first_position))
+            input_ids = input_ids.long()  # int32 ids too, as the embeddings take them
             positions, types = self._positions(input_ids), token_type_ids
-            types = torch.zeros_like(input_ids) if types is None else types.expand_as(input_ids)
+            types = torch.zeros_like(input_ids) if types is None else types.long().expand_as(input_ids)
             flat = input_ids.flatten(), positions.flatten(), types.flatten()
 
             def inputs(rows: torch.Tensor) -> torch.Tensor:
