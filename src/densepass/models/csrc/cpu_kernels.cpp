@@ -311,8 +311,8 @@ struct Gelu {
 // Scaled dot-product attention of one sequence's n queries over its first m keys (m <= n), one head of `size`
 // (32 or 64) on AMX tiles: `base` points at its first token's query, the keys `width` and the values 2 `width`
 // elements after each query, tokens `row` elements apart; the context of query i goes to out + i * width (zero
-// where m is 0). A thread
-// keeps one for sequences of up to `longest` tokens (its scratch) and calls it with its tiles configured.
+// where m is 0). A thread keeps one for sequences of up to `longest` tokens (its scratch) and calls it with its
+// tiles configured.
 class HeadAttention {
  public:
   HeadAttention(int64_t longest, int64_t size, float scale)
@@ -342,7 +342,7 @@ class HeadAttention {
     const auto larger = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
     const auto plus = [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); };
     const int64_t blocks16 = (m + 15) / 16, blocks32 = (m + 31) / 32, pstride = blocks32 * 32;
-        // keys, tile (kb, s): row r holds dims 32 s + 2 r and 32 s + 2 r + 1 of keys 16 kb .. 16 kb + 15
+    // keys, tile (kb, s): row r holds dims 32 s + 2 r and 32 s + 2 r + 1 of keys 16 kb .. 16 kb + 15
     for (int64_t kb = 0; kb < blocks16; ++kb)
       for (int s = 0; s < steps; ++s) {
         __m512i r[16];
@@ -476,6 +476,17 @@ class HeadAttention {
   Scratch<float> context_;
 };
 
+// `valid` rows of `width` at a, read by the products 32 at a time: a itself where its whole parts of 32 rows lie
+// within the `readable` rows there, else its rows copied into `padded` (room for the whole parts), the rest zero.
+inline const uint16_t* in_whole_parts(const uint16_t* a, int64_t valid, int64_t readable, int64_t width,
+                                      uint16_t* padded) {
+  const int64_t rows = (valid + 31) / 32 * 32;
+  if (rows <= readable) return a;
+  std::memcpy(padded, a, valid * width * 2);
+  std::memset(padded + valid * width, 0, (rows - valid) * width * 2);
+  return padded;
+}
+
 // The longest of `sequences` sequences packed by `offsets`.
 inline int64_t longest_of(const int64_t* offsets, int64_t sequences) {
   int64_t longest = 0;
@@ -558,12 +569,7 @@ int densepass_qkv_attention(const uint16_t* x, const int64_t* offsets, const int
     for (int64_t g = 0; g < count; ++g) {
       const int64_t first = groups[g], last = groups[g + 1], r0 = offsets[first], valid = offsets[last] - r0;
       const int64_t parts = (valid + 31) / 32;
-      const uint16_t* a = x + r0 * width;
-      if (r0 + parts * 32 > tokens) {
-        std::memcpy(padded, a, valid * width * 2);
-        std::memset(padded + valid * width, 0, (parts * 32 - valid) * width * 2);
-        a = padded;
-      }
+      const uint16_t* a = in_whole_parts(x + r0 * width, valid, tokens - r0, width, padded);
       product(a, width, parts, width, weight, row, false, [](int64_t) {},
               [&](int64_t i0, int64_t j0, const float* c, int64_t from, int64_t until) {
                 const __m512 b0 = load_bf16(bias + j0), b1 = load_bf16(bias + j0 + 16);
@@ -658,11 +664,7 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
       const int64_t valid = rows - r0 < kBlockRows ? rows - r0 : kBlockRows, parts = (valid + 31) / 32;
-      const uint16_t* a = context + r0 * width;
-      if (valid < kBlockRows) {
-        std::memcpy(padded, a, valid * width * 2);
-        a = padded;
-      }
+      const uint16_t* a = in_whole_parts(context + r0 * width, valid, rows - r0, width, padded);
       const auto add = [&](const uint16_t* bias, const uint16_t* residual, RowNorms* norm) {
         // the norm's sums = c + bias + residual; the rows whose last columns these are become ready
         return [=, &valid](int64_t i0, int64_t j0, const float* c, int64_t from, int64_t until) {
