@@ -180,6 +180,7 @@ def test_the_one_kernel_attends_each_sequence_alone_whatever_its_group():
         (torch.zeros(4, 3 * 4 * 16, dtype=BF16), torch.tensor([0, 4]), 4, "32 or 64"),
         (torch.zeros(4, 3 * 64, dtype=BF16), torch.tensor([0, 3]), 2, "from 0 to the 4 tokens"),
         (torch.zeros(4, 3 * 64, dtype=BF16), torch.tensor([0, 4], dtype=torch.int32), 2, "int64"),
+        (torch.zeros(4, 3 * 64, dtype=BF16), torch.tensor([], dtype=torch.int64), 2, "from 0 to the 4 tokens"),
         (torch.zeros(4, 3 * 64, dtype=BF16), torch.tensor([0, 3, 2, 4]), 2, "must not decrease"),
         (torch.zeros(4, 3 * 64, dtype=BF16), torch.tensor([0, 4]), 2, "keys must be int64 \\[1\\]"),
     ],

@@ -166,7 +166,8 @@ class SelfAttention:
 def _checked_sequences(offsets: torch.Tensor, keys: torch.Tensor | None, tokens: int) -> tuple[torch.Tensor, ...]:
     """``offsets`` (int64 [sequences + 1], from 0 to ``tokens``, not decreasing) and ``keys`` (int64 [sequences],
     default: each sequence's length), contiguous; a one-line error where they are not."""
-    if offsets.dtype != torch.int64 or offsets.dim() != 1 or int(offsets[0]) != 0 or int(offsets[-1]) != tokens:
+    malformed = offsets.dtype != torch.int64 or offsets.dim() != 1 or len(offsets) == 0
+    if malformed or int(offsets[0]) != 0 or int(offsets[-1]) != tokens:
         raise ValueError(f"offsets must be int64 [sequences + 1], from 0 to the {tokens} tokens")
     lengths = offsets.diff()
     if bool((lengths < 0).any()):
