@@ -584,3 +584,51 @@ def test_a_device_this_machine_lacks_is_a_one_line_error_before_any_work(tmp_pat
     with pytest.raises(ConfigError, match=message):
         check(load_config(None, [f"device={name}", f"output_dir={tmp_path}"]))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["cpu:7", "cpu:1"])
+def test_a_cpu_device_index_is_a_one_line_error(tmp_path, name):
+    from densepass.pipelines.experiment import check
+
+    with pytest.raises(ConfigError, match=rf"device '{name}': the CPU has no device index \(use cpu\)"):
+        resolve_device(name)
+    with pytest.raises(ConfigError, match="the CPU has no device index"):
+        check(load_config(None, [f"device={name}", f"output_dir={tmp_path}"]))
+    assert list(tmp_path.iterdir()) == []
+    assert resolve_device("cpu:0") == resolve_device("cpu") == torch.device("cpu")
+
+
+def test_a_cuda_index_beyond_the_gpus_is_a_one_line_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ConfigError, match=r"device 'cuda:2': this machine has 2 CUDA GPU\(s\)"):
+        resolve_device("cuda:2")
+
+
+# ---------------------------------------------------------------- seeds
+
+
+@pytest.mark.parametrize("seed, message", [("-1", "must be >= 0, got -1"), ("4294967296", "must be <= 4294967295")])
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        (None, "train.seed"),
+        (None, "data.seed"),
+        (None, "validation.seed"),
+        (None, "reranker.train.seed"),
+        ("pretraining", "train.seed"),
+        ("pretraining", "data.seed"),
+        ("phrase", "train.seed"),
+        ("phrase", "data.seed"),
+        ("phrase", "query_tuning.seed"),
+    ],
+)
+def test_a_seed_numpy_refuses_is_a_one_line_config_error(config, key, seed, message):
+    from densepass.phrase.config import PhraseConfig
+    from densepass.pretraining.config import PretrainConfig
+
+    cls = {"pretraining": [PretrainConfig], "phrase": [PhraseConfig], None: []}[config]
+    with pytest.raises(ConfigError, match=rf"{key}: {message}"):
+        load_config(None, [f"{key}={seed}"], *cls)
+    load_config(None, [f"{key}=4294967295"], *cls)  # the largest seed numpy takes

@@ -34,6 +34,7 @@ ONDISK_INDEX_KIND = "faiss-ivfpq-disk"  # IVF-PQ with memory-mapped lists (index
 DEFAULT_METRICS = ("mrr@10", "ndcg@10", "recall@100")  # what `densepass evaluate` and friends report
 Precision = Literal["auto", "fp32", "bf16", "int8"]  # what encoding runs in (densepass.device.resolve_precision)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+SEED_MAX = 2**32 - 1  # seeds run from 0 to this: numpy's legacy seeding (np.random.seed) refuses the rest
 
 
 def option(
@@ -67,7 +68,7 @@ class DataConfig:
     eval_subcorpus: bool = option(False, "search a subcorpus (gold + BM25 top-k + random) instead of the full corpus")
     eval_hard_k: int = option(0, "subcorpus: the BM25 top-k of every evaluated query", min=0)
     eval_random: int = option(0, "subcorpus: this many random passages", min=0)
-    seed: int = option(13, "seed of the query samples and the subcorpus")
+    seed: int = option(13, "seed of the query samples and the subcorpus", min=0, max=SEED_MAX)
 
 
 @dataclass
@@ -194,7 +195,7 @@ class TrainConfig:
     checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the mean loss to train_log.jsonl every N steps", min=1)
-    seed: int = option(13, "seed of batches, negatives sampling, dropout and new weights")
+    seed: int = option(13, "seed of batches, negatives sampling, dropout and new weights", min=0, max=SEED_MAX)
     wise_ft: float | None = option(
         None,
         "wise-ft: the saved model is (1 - a) x starting weights + a x fine-tuned weights with a this value (the"
@@ -266,7 +267,7 @@ class ValidationConfig:
     retriever: str = option("bm25", "hard subcorpus: bm25, or the path of a saved model")
     every_steps: int = option(500, "validate every N steps", min=1)
     metric: str = option("mrr@10", "metric that picks the best checkpoint")
-    seed: int = option(13, "seed of the query sample and the random subcorpus")
+    seed: int = option(13, "seed of the query sample and the random subcorpus", min=0, max=SEED_MAX)
     select: bool = option(
         False,
         "at the end, the best validated weights (the last step validated too) become the run's model/ and are"
@@ -322,7 +323,7 @@ class RerankerTrainConfig:
     checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the mean loss to reranker/train_log.jsonl every N steps", min=1)
-    seed: int = option(13, "seed of the new head, the batches, the negatives drawn and dropout")
+    seed: int = option(13, "seed of the new head, the batches, the negatives drawn and dropout", min=0, max=SEED_MAX)
 
 
 @dataclass
@@ -462,15 +463,20 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
+def _bound(limit: float) -> str:
+    """A range limit as written in messages: an integer in full (a seed's 4294967295), a float as ``:g``."""
+    return str(limit) if isinstance(limit, int) else f"{limit:g}"
+
+
 def _check_range(value: Any, meta: typing.Mapping[str, Any], where: str) -> None:
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
     if meta.get("min") is not None and value < meta["min"]:
-        raise ConfigError(f"{where}: must be >= {meta['min']:g}, got {value!r}")
+        raise ConfigError(f"{where}: must be >= {_bound(meta['min'])}, got {value!r}")
     if meta.get("max") is not None and value > meta["max"]:
-        raise ConfigError(f"{where}: must be <= {meta['max']:g}, got {value!r}")
+        raise ConfigError(f"{where}: must be <= {_bound(meta['max'])}, got {value!r}")
     if meta.get("above") is not None and value <= meta["above"]:
-        raise ConfigError(f"{where}: must be > {meta['above']:g}, got {value!r}")
+        raise ConfigError(f"{where}: must be > {_bound(meta['above'])}, got {value!r}")
 
 
 def from_dict(cls: type[T], values: dict[str, Any], where: str = "config") -> T:
@@ -588,9 +594,9 @@ def explain(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             continue
         meta = f.metadata
         bounds = [
-            f">= {meta['min']:g}" if meta.get("min") is not None else "",
-            f"<= {meta['max']:g}" if meta.get("max") is not None else "",
-            f"> {meta['above']:g}" if meta.get("above") is not None else "",
+            f">= {_bound(meta['min'])}" if meta.get("min") is not None else "",
+            f"<= {_bound(meta['max'])}" if meta.get("max") is not None else "",
+            f"> {_bound(meta['above'])}" if meta.get("above") is not None else "",
         ]
         kind = _type_name(hints[f.name]) + "".join(f", {b}" for b in bounds if b)
         rows.append((key, kind, json.dumps(getattr(defaults, f.name)), meta.get("help", "")))

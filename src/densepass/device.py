@@ -27,7 +27,9 @@ def default_device() -> torch.device:
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """The device called ``name`` (None: ``default_device()``), checked to exist before any work starts."""
+    """The device called ``name`` (None: ``default_device()``), checked to exist before any work starts: a CUDA
+    index beyond this machine's GPUs and a CPU index other than 0 (``cpu:7``, which torch accepts) are one-line
+    ConfigErrors."""
     if name is None:
         return default_device()
     try:
@@ -41,6 +43,10 @@ def resolve_device(name: str | None) -> torch.device:
             raise ConfigError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     elif device.type != "cpu":
         raise ConfigError(f"device {name!r} is not supported (use cpu, cuda or cuda:N)")
+    elif device.index not in (None, 0):  # torch takes cpu:7, and it is the one CPU device
+        raise ConfigError(f"device {name!r}: the CPU has no device index (use cpu)")
+    else:
+        device = torch.device("cpu")  # cpu:0 is cpu (torch.device("cpu:0") != torch.device("cpu"))
     return device
 
 

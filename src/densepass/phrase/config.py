@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from densepass.config import DEFAULT_MODEL, DatasetFormat, option
+from densepass.config import DEFAULT_MODEL, SEED_MAX, DatasetFormat, option
 
 
 @dataclass
@@ -24,7 +24,7 @@ class PhraseDataConfig:
     eval_split: str = option("dev", "split whose questions validate and are evaluated")
     max_train_questions: int | None = option(None, "a seeded sample of this many training questions", min=1)
     max_eval_questions: int | None = option(None, "a seeded sample of this many evaluation questions", min=1)
-    seed: int = option(13, "seed of the samples")
+    seed: int = option(13, "seed of the samples", min=0, max=SEED_MAX)
 
 
 @dataclass
@@ -66,7 +66,7 @@ class PhraseTrainConfig:
     checkpoint_every: int = option(100, "write a checkpoint every N steps (and at the end)", min=1)
     keep_checkpoints: int = option(1, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the mean loss to train_log.jsonl every N steps", min=1)
-    seed: int = option(13, "seed of batches, hard-negative sampling, dropout and new weights")
+    seed: int = option(13, "seed of batches, hard-negative sampling, dropout and new weights", min=0, max=SEED_MAX)
 
 
 @dataclass
@@ -107,7 +107,7 @@ class QueryTuningConfig:
     learning_rate: float = option(1e-5, "AdamW learning rate", above=0)
     warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
     checkpoint_every: int = option(100, "write a checkpoint every N steps (and at the end)", min=1)
-    seed: int = option(13, "seed of the question order and dropout")
+    seed: int = option(13, "seed of the question order and dropout", min=0, max=SEED_MAX)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from densepass.config import DEFAULT_MODEL, DatasetFormat, RunConfig, option
+from densepass.config import DEFAULT_MODEL, SEED_MAX, DatasetFormat, RunConfig, option
 
 Mode = Literal["mlm", "condenser", "cocondenser", "contriever"]
 
@@ -18,7 +18,7 @@ class PretrainDataConfig:
     data_dir: str | None = option(None, "data directory (null: $DENSEPASS_DATA, else shared/data beside the checkout)")
     format: DatasetFormat = option("beir", "dataset layout: beir, msmarco, dpr or squad")
     max_passages: int | None = option(None, "a seeded subset of this many passages (null: the whole corpus)", min=1)
-    seed: int = option(13, "seed of the subset")
+    seed: int = option(13, "seed of the subset", min=0, max=SEED_MAX)
 
 
 @dataclass
@@ -77,7 +77,7 @@ class PretrainTrainConfig:
     checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the loss terms to train_log.jsonl every N steps", min=1)
-    seed: int = option(13, "seed of data order, masking and dropout")
+    seed: int = option(13, "seed of data order, masking and dropout", min=0, max=SEED_MAX)
 
 
 @dataclass
