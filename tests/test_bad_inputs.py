@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 import socket
 import time
@@ -632,3 +633,45 @@ def test_a_seed_numpy_refuses_is_a_one_line_config_error(config, key, seed, mess
     with pytest.raises(ConfigError, match=rf"{key}: {message}"):
         load_config(None, [f"{key}={seed}"], *cls)
     load_config(None, [f"{key}=4294967295"], *cls)  # the largest seed numpy takes
+
+
+# ---------------------------------------------------------------- damaged weights without a manifest
+
+
+def truncated_copy(model_dir: Path, to: Path, keep: float = 0.5) -> Path:
+    """A copy of ``model_dir`` whose ``model.safetensors`` is cut to ``keep`` of its bytes (no manifest)."""
+    shutil.copytree(model_dir, to)
+    weights = to / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: int(weights.stat().st_size * keep)])
+    return to
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.0001])
+@pytest.mark.parametrize(
+    "loader",
+    [
+        "densepass.models.biencoder:BiEncoder",
+        "densepass.models.splade:SpladeEncoder",
+        "densepass.models.colbert:ColBERT",
+        "densepass.models.cross_encoder:CrossEncoder",
+        "densepass.pretraining.condenser:Condenser",
+        "densepass.phrase.model:PhraseEncoder",
+    ],
+)
+def test_a_truncated_model_safetensors_without_a_manifest_is_one_line(tiny_model_dir, tmp_path, loader, keep):
+    import importlib
+
+    module, name = loader.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    damaged = truncated_copy(tiny_model_dir, tmp_path / "damaged", keep)
+    expected = rf"^{re.escape(str(damaged / 'model.safetensors'))} does not load \(truncated or damaged\?\): [^\n]+$"
+    with pytest.raises(DataError, match=expected):
+        cls.from_pretrained(str(damaged))
+
+
+def test_cli_index_with_a_truncated_model_is_a_one_line_error(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    damaged = truncated_copy(tiny_model_dir, tmp_path / "damaged")
+    args = ["index", str(tiny_beir), "--model", str(damaged), "--output", str(tmp_path / "idx"), "--device", "cpu"]
+    assert main(args) == 2
+    [line] = stderr_lines(capsys)
+    assert line.startswith(f"densepass: error: {damaged / 'model.safetensors'} does not load (truncated or damaged?)")

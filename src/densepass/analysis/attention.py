@@ -36,13 +36,15 @@ def attention_entropy(
     from transformers import AutoModel, AutoTokenizer
 
     from densepass.models.biencoder import resolve_model_path
+    from densepass.models.kinds import loading_weights
 
     if not texts:
         raise ConfigError("attention entropy needs at least one passage")
     path = resolve_model_path(model_path)
     device = device or torch.device("cpu")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path, attn_implementation="eager").float().to(device).eval()
+    with loading_weights(path):
+        model = AutoModel.from_pretrained(path, attn_implementation="eager").float().to(device).eval()
     totals: torch.Tensor | None = None
     for start in range(0, len(texts), batch_size):
         tokens = tokenizer(

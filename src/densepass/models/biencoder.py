@@ -28,7 +28,7 @@ from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.io import MANIFEST, atomic_directory, atomic_write_text, read_manifest, write_manifest
 from densepass.models.batching import Side, SidedInputs
-from densepass.models.kinds import CONFIG_FILES, saved_architecture
+from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 
 CONFIG_NAME = CONFIG_FILES["bi-encoder"]
 
@@ -210,14 +210,17 @@ class BiEncoder(SidedInputs, nn.Module):
         stored = saved_architecture(path, "bi-encoder", BiEncoderConfig, "a bi-encoder")
         config = config or stored or BiEncoderConfig()
         tokenizer = AutoTokenizer.from_pretrained(path)
-        passage_encoder = AutoModel.from_pretrained(path, **model_kwargs)
+        with loading_weights(path):
+            passage_encoder = AutoModel.from_pretrained(path, **model_kwargs)
         query_dir = Path(path) / "query"
         if config.shared:
             query_encoder = passage_encoder
         elif query_dir.is_dir():
-            query_encoder = AutoModel.from_pretrained(str(query_dir), **model_kwargs)
+            with loading_weights(query_dir):
+                query_encoder = AutoModel.from_pretrained(str(query_dir), **model_kwargs)
         else:
-            query_encoder = AutoModel.from_pretrained(path, **model_kwargs)
+            with loading_weights(path):
+                query_encoder = AutoModel.from_pretrained(path, **model_kwargs)
         for encoder in {id(query_encoder): query_encoder, id(passage_encoder): passage_encoder}.values():
             encoder.float()  # fp16/bf16 checkpoints train in fp32 (autocast gives bf16 compute on GPU)
         projection = _load_projection(Path(path), config)
@@ -292,7 +295,8 @@ def _load_projection(path: Path, config: BiEncoderConfig) -> nn.Linear | None:
     weights = path / "2_Dense" / "model.safetensors"
     if config.projection_dim is None or not weights.is_file():
         return None
-    state = load_file(str(weights))
+    with loading_weights(weights.parent):
+        state = load_file(str(weights))
     out_dim, in_dim = state["linear.weight"].shape
     if out_dim != config.projection_dim:
         return None

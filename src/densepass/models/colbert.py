@@ -48,7 +48,7 @@ from densepass.models.batching import (
 )
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.copies import encoder_in_precision, float_precision
-from densepass.models.kinds import CONFIG_FILES, saved_architecture
+from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 
 LINEAR_FILE = "colbert_linear.safetensors"
 MARKERS = {"query": "[unused0]", "passage": "[unused1]"}
@@ -222,12 +222,14 @@ class ColBERT(SidedInputs, nn.Module):
         path = resolve_model_path(name_or_path)
         stored = saved_architecture(path, "colbert", ColbertArchitecture, "a ColBERT model")
         config = config or stored or ColbertArchitecture()
-        encoder = AutoModel.from_pretrained(path)
+        with loading_weights(path):
+            encoder = AutoModel.from_pretrained(path)
         encoder.float()
         linear = None
         weights = Path(path) / LINEAR_FILE
         if weights.is_file():
-            state = load_file(str(weights))
+            with loading_weights(path, LINEAR_FILE):
+                state = load_file(str(weights))
             if state["weight"].shape[0] == config.dim:
                 linear = nn.Linear(state["weight"].shape[1], config.dim, bias=False)
                 linear.load_state_dict(state)

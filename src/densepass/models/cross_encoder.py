@@ -52,6 +52,7 @@ from densepass.errors import ConfigError
 from densepass.io import atomic_directory
 from densepass.models.batching import forward_in_pieces, piece_tokens
 from densepass.models.copies import bf16_copy, fusable_base, reused_copy
+from densepass.models.kinds import loading_weights
 from densepass.models.quantize import quantized_linear_copy
 from densepass.prefetch import prefetched
 
@@ -157,7 +158,8 @@ def fp32_logit_layer(model: torch.nn.Module) -> torch.nn.Module:
 def _load(path: str, name: str, **kwargs):
     """(model, loading info) of a sequence-classification model, or a one-line ConfigError."""
     try:
-        return AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True, **kwargs)
+        with loading_weights(path):
+            return AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True, **kwargs)
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(f"cannot load cross-encoder {name!r}: {str(err).strip().splitlines()[0]}") from None
 

@@ -8,11 +8,15 @@ wrong one with a one-line error (``models.load.load_model`` loads whichever it i
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from safetensors import SafetensorError
+
 from densepass.config import from_dict
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataError
 
 ModelKind = Literal["bi-encoder", "splade", "colbert"]
 Architecture = TypeVar("Architecture")
@@ -40,3 +44,18 @@ def saved_architecture(path: str | Path, kind: ModelKind, cls: type[Architecture
         raise ConfigError(f"{path} holds a {found} model, not {what}")
     saved = Path(path) / CONFIG_FILES[kind]
     return from_dict(cls, json.loads(saved.read_text()), str(saved)) if saved.is_file() else None
+
+
+@contextmanager
+def loading_weights(directory: str | Path, weights: str = "model.safetensors") -> Iterator[None]:
+    """Turn weights that do not load, in a model directory without a manifest to check them by (a truncated or
+    damaged ``weights`` file, which safetensors reports as a ``SafetensorError``, or a read that fails), into one
+    line: ``<directory>/model.safetensors does not load (truncated or damaged?): <reason>``. transformers' own
+    errors (a missing weights file, an unknown architecture) pass through."""
+    try:
+        yield
+    except (SafetensorError, OSError) as err:
+        if isinstance(err, OSError) and err.errno is None:
+            raise  # transformers' "no file named ..." and the like: not a damaged file
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DataError(f"{Path(directory) / weights} does not load (truncated or damaged?): {reason}") from None

@@ -46,7 +46,7 @@ from densepass.io import atomic_directory, atomic_write_text
 from densepass.models.batching import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.copies import encoder_in_precision, float_precision
-from densepass.models.kinds import CONFIG_FILES, saved_architecture
+from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 
 FRESH_HEAD_BIAS = -6.0  # the vocabulary bias of a fresh MLM head (see the module docstring)
 
@@ -203,7 +203,8 @@ class SpladeEncoder(SidedInputs, nn.Module):
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # a missing head is expected here, and reported below as head_source
         try:
-            mlm, info = AutoModelForMaskedLM.from_pretrained(path, output_loading_info=True)
+            with loading_weights(path):
+                mlm, info = AutoModelForMaskedLM.from_pretrained(path, output_loading_info=True)
         finally:
             hf_logging.set_verbosity(verbosity)
         mlm.float()

@@ -30,6 +30,7 @@ from densepass.config import from_dict
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
 from densepass.models.biencoder import resolve_model_path, token_pooling
+from densepass.models.kinds import loading_weights
 from densepass.phrase.config import PhraseModelConfig
 from densepass.phrase.windows import TokenizedPassage, Window, tokenize_passages
 
@@ -178,7 +179,8 @@ class PhraseEncoder(nn.Module):
 
     def load_heads(self, path: Path) -> None:
         """Set the heads (and the filter, when saved) from ``heads.safetensors``."""
-        state = load_file(str(path))
+        with loading_weights(path.parent, path.name):
+            state = load_file(str(path))
         if any(key.startswith("filter.") for key in state):
             self.filter = TokenFilter(self.dim)
         for name in ("start", "end", "question_start", "question_end", "filter"):
@@ -195,20 +197,16 @@ class PhraseEncoder(nn.Module):
         path = Path(name_or_path) if saved.is_file() else Path(resolve_model_path(name_or_path))
         if saved.is_file():
             stored = from_dict(PhraseModelConfig, json.loads(saved.read_text()), str(saved))
-            model = cls(
-                AutoModel.from_pretrained(path / "phrase"),
-                AutoModel.from_pretrained(path / "question"),
-                AutoTokenizer.from_pretrained(path / "phrase"),
-                config or stored,
-            )
+            with loading_weights(path / "phrase"):
+                phrase = AutoModel.from_pretrained(path / "phrase")
+            with loading_weights(path / "question"):
+                question = AutoModel.from_pretrained(path / "question")
+            model = cls(phrase, question, AutoTokenizer.from_pretrained(path / "phrase"), config or stored)
             model.load_heads(path / HEADS)
         else:
-            model = cls(
-                AutoModel.from_pretrained(path),
-                AutoModel.from_pretrained(path),
-                AutoTokenizer.from_pretrained(path),
-                config or PhraseModelConfig(),
-            )
+            with loading_weights(path):
+                phrase, question = AutoModel.from_pretrained(path), AutoModel.from_pretrained(path)
+            model = cls(phrase, question, AutoTokenizer.from_pretrained(path), config or PhraseModelConfig())
         model.phrase_encoder.float()
         model.question_encoder.float()
         model.source = str(path)

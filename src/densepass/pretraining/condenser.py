@@ -135,9 +135,11 @@ class Condenser(nn.Module):
         from transformers import AutoTokenizer
 
         from densepass.models.biencoder import resolve_model_path
+        from densepass.models.kinds import loading_weights
 
         path = resolve_model_path(name_or_path)
-        backbone = AutoModel.from_pretrained(path).float()
+        with loading_weights(path):
+            backbone = AutoModel.from_pretrained(path).float()
         return cls(backbone, AutoTokenizer.from_pretrained(path), mode, early_layers, head_layers, temperature)
 
     def _mask(self, hidden: torch.Tensor, attention_mask: torch.Tensor):
