@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from densepass.config import ScheduleConfig
 from densepass.errors import ConfigError
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
+from densepass.processes import die_with_parent
 from densepass.scheduling.baselines import clustered_batches, random_batches, sequential_batches
 from densepass.scheduling.concurrent import iter_concurrent_batches
 from densepass.scheduling.conflicts import build_conflicts
@@ -86,8 +88,10 @@ def _schedule_epoch(queue, job: ScheduleJob) -> None:
     )
 
 
-def _worker_loop(jobs, results) -> None:
-    """A scheduler process that lives across epochs (its start-up is paid once per run)."""
+def _worker_loop(jobs, results, parent_pid: int) -> None:
+    """A scheduler process that lives across epochs (its start-up is paid once per run) and ends with the
+    training process, however that ends (on SIGKILL no ``None`` job ever comes)."""
+    die_with_parent(parent_pid)
     while (job := jobs.get()) is not None:
         _schedule_epoch(results, job)
 
@@ -240,7 +244,7 @@ class EpochPlanner:
         if self._process is None or not self._process.is_alive():
             context = mp.get_context("spawn")
             jobs, results = context.Queue(), context.Queue(maxsize=1024)
-            self._process = context.Process(target=_worker_loop, args=(jobs, results), daemon=True)
+            self._process = context.Process(target=_worker_loop, args=(jobs, results, os.getpid()), daemon=True)
             self._process.start()
             self._queues = (jobs, results)
         return self._queues
