@@ -104,13 +104,17 @@ def _phrase(args: argparse.Namespace) -> None:
 def _index(args: argparse.Namespace) -> None:
     from densepass import distributed
     from densepass.device import resolve_device
+    from densepass.errors import ConfigError
     from densepass.index.ondisk import IVFPQOptions
+    from densepass.io import move_aside
     from densepass.pipelines.indexing import IndexSettings, index_dataset
 
+    if args.kind == "bm25" and args.model is not None:
+        raise ConfigError("--kind bm25 indexes words, not a model's vectors: drop --model")
     nprobe = {} if args.nprobe is None else {"nprobe": args.nprobe}  # else each kind's own default
     settings = IndexSettings(
         args.kind,
-        args.model,
+        args.model or DEFAULT_MODEL,
         args.dense_kind,
         args.fusion,
         args.fusion_weight,
@@ -123,6 +127,10 @@ def _index(args: argparse.Namespace) -> None:
         precision=args.precision,
         ivf=IVFPQOptions(args.ivf_lists, args.pq_m, args.pq_bits, args.train_size, **nprobe),
     )
+    if args.force and distributed.rank() == 0:
+        moved = move_aside(args.output)
+        if moved is not None:
+            print(f"moved what was at {args.output} to {moved}", file=sys.stderr)
     with distributed.process_group():  # under torchrun: one shard per process, rank 0 writes the index
         index, name = index_dataset(args.dataset, args.data_dir, args.format, args.output, settings)
     if index is not None:
@@ -304,8 +312,13 @@ def _print_hits(query: str, hits) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from densepass.serve import run_server, settings_from_args
+    from densepass.serve.settings import check_can_listen, exposure_warning
 
-    settings = settings_from_args(args)  # checked before the index is loaded
+    settings = settings_from_args(args)  # checked before the index is loaded, and so are the address and port
+    check_can_listen(args.host, args.port)
+    exposed = exposure_warning(args.host, args.port)
+    if exposed:
+        print(f"densepass: warning: {exposed}", file=sys.stderr)
     pipeline = _load_pipeline(args)
     print(f"densepass: serving {json.dumps(pipeline.describe())} on http://{args.host}:{args.port}", file=sys.stderr)
     run_server(pipeline, args.host, args.port, settings)
@@ -584,7 +597,15 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--output", required=True, help="index directory to write")
     index.add_argument("--kind", default="exact", choices=INDEX_KINDS, help="index kind")
     index.add_argument(
-        "--model", default=DEFAULT_MODEL, help="the model (dense, hybrid, splade, colbert, phrase kinds)"
+        "--model",
+        default=None,
+        help=f"the model (dense, hybrid, splade, colbert, phrase kinds; default {DEFAULT_MODEL}); bm25 takes none",
+    )
+    index.add_argument(
+        "--force",
+        action="store_true",
+        help="where --output holds files densepass did not write, move them aside to OUTPUT.replaced-TIME "
+        "(nothing is deleted) instead of stopping",
     )
     index.add_argument(
         "--filter-threshold", type=float, default=None, help="phrase: keep tokens above this filter logit"
@@ -639,8 +660,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve a saved index over HTTP: POST /search, GET /health, a search page at /")
     serve.add_argument("index", help="index directory (from densepass index)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    serve.add_argument("--port", type=positive_int, default=8000)
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: loopback only; any other is warned about: the service has no "
+        "authentication)",
+    )
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on, 0 to 65535 (0: any free port)")
     _pipeline_args(serve)
     add_settings_arguments(serve)
     serve.set_defaults(func=_serve)
@@ -778,12 +804,39 @@ def run_guarded(func: Callable[[], object], prog: str = "densepass") -> int:
     except DensepassError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        message = disk_failure(err)
+        if message is None:
+            raise
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted (re-run the same command to resume)", file=sys.stderr)
         return 130
     finally:
         warnings.showwarning = previous
     return 0
+
+
+def disk_failure(err: Exception) -> str | None:
+    """One line for a write that failed for want of space or permission where no ``io.disk_errors`` named what it
+    wrote (a log line, a lock file, a model saved by a library): the file where the error names it; None for any
+    other error."""
+    import errno
+
+    from densepass.io import DISK_ERRORS, disk_errno, disk_error_message
+
+    code = disk_errno(err, wrapped=type(err).__name__ == "SafetensorError")
+    if code is None:
+        return None
+    filename = getattr(err, "filename", None)
+    if filename is not None:  # a read may fail for want of permission too: "writing" only for a lack of space
+        return (
+            disk_error_message(code, filename)
+            if code in (errno.ENOSPC, errno.EDQUOT)
+            else f"{err.strerror}: {filename}"
+        )
+    return f"{DISK_ERRORS[code]} ({err}); free some space or choose another --output, and run the command again"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -196,6 +196,11 @@ class TrainConfig:
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the mean loss to train_log.jsonl every N steps", min=1)
     seed: int = option(13, "seed of batches, negatives sampling, dropout and new weights", min=0, max=SEED_MAX)
+    skip_nonfinite: bool = option(
+        False,
+        "a batch whose loss or gradient norm is NaN or infinite is skipped with a warning (no optimiser step), and"
+        " more than 10 in a row stop training; false: the first one stops training with an error naming the step",
+    )
     wise_ft: float | None = option(
         None,
         "wise-ft: the saved model is (1 - a) x starting weights + a x fine-tuned weights with a this value (the"
@@ -324,6 +329,9 @@ class RerankerTrainConfig:
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the mean loss to reranker/train_log.jsonl every N steps", min=1)
     seed: int = option(13, "seed of the new head, the batches, the negatives drawn and dropout", min=0, max=SEED_MAX)
+    skip_nonfinite: bool = option(
+        False, "skip a batch whose loss or gradient norm is not finite (as train.skip_nonfinite); false: stop"
+    )
 
 
 @dataclass
@@ -374,6 +382,23 @@ class RerankerConfig:
     distill: DistillConfig = option(help="distillation into the retriever (any model.kind)", factory=DistillConfig)
 
 
+def check_run_name(name: str) -> None:
+    """A run's ``name`` is one path component (its directory is ``<output_dir>/<name>``, never elsewhere): a
+    one-line ConfigError for '', '.', '..', a path or a control character."""
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or "/" in name
+        or "\\" in name
+        or name != name.strip()
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+    ):
+        raise ConfigError(
+            f"name {name!r} must be one folder name (no '/', not '.' or '..', not empty, no surrounding spaces): "
+            "the run is written to <output_dir>/<name>"
+        )
+
+
 @dataclass
 class RunConfig:
     """Where a run writes and runs (the first keys of every run's config)."""
@@ -381,6 +406,9 @@ class RunConfig:
     name: str = option("run", "name of the run: everything goes to <output_dir>/<name>/")
     output_dir: str = option("outputs", "folder of the runs' directories")
     device: str | None = option(None, "cpu, cuda or cuda:N (null: cuda when available)")
+
+    def __post_init__(self) -> None:
+        check_run_name(self.name)
 
     @property
     def run_dir(self) -> Path:

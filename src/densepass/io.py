@@ -1,46 +1,124 @@
 """Crash-safe files: atomic writes (a temporary sibling renamed over the target), verified directories
-(a manifest of sizes and digests written last), and an exclusive lock on a working directory."""
+(a manifest of sizes and digests written last), an exclusive lock on a working directory, and ownership: densepass
+replaces or empties only a directory it wrote (``atomic_directory``'s ``OWNED`` list, a run directory's
+``RUN_MARKER``), never one that holds a file it did not write."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fnmatch
+import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary sibling renamed over it (never half-written)."""
+    """Write ``text`` to ``path`` through a temporary sibling renamed over it (never half-written; ``atomic_file``:
+    a full disk is a one-line error, and a killed process's temporaries of ``path`` are removed)."""
+    with atomic_file(path, "w", needs=len(text)) as handle:
+        handle.write(text)
+
+
+MANIFEST = "manifest.json"  # a verified directory's sizes and digests of its files (write_manifest)
+OWNED = ".densepass-owned"  # in a directory atomic_directory wrote: the files it wrote there, so it may replace them
+
+
+def _files_under(directory: Path) -> list[str]:
+    """Every file and link under ``directory`` (relative, sorted), folders left out; symlinks are not followed."""
+    found = []
+    for root, folders, files in os.walk(directory):
+        base = Path(root)
+        found += [str((base / name).relative_to(directory)) for name in files]
+        found += [str((base / name).relative_to(directory)) for name in folders if (base / name).is_symlink()]
+    return sorted(found)
+
+
+def foreign_files(directory: str | Path) -> list[str]:
+    """The files under ``directory`` that ``atomic_directory`` did not write there (all of them where it holds no
+    ``OWNED`` list); empty for a missing or empty directory. A directory saved before ``OWNED`` existed counts as
+    densepass's when its ``manifest.json`` lists every other file in it."""
+    directory = Path(directory)
+    if not directory.is_dir() or directory.is_symlink():
+        return [] if not directory.exists() and not directory.is_symlink() else [directory.name]
+    present = [name for name in _files_under(directory) if name not in (OWNED, ".lock")]
+    listed: set[str] = set()
+    for record, key in ((OWNED, None), (MANIFEST, "files")):
+        try:
+            value = json.loads((directory / record).read_text(encoding="utf-8"))
+            value = value if key is None else value[key]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(value, list | dict):
+            listed |= {str(name) for name in value} | {record}
+            break  # OWNED when there is one; a manifest only where it is missing (a directory of an older version)
+    return [name for name in present if name not in listed]
+
+
+def check_replaceable(path: str | Path, what: str = "output") -> None:
+    """A one-line error unless ``path`` is missing, an empty directory, or a directory densepass wrote whose every
+    file it wrote (``foreign_files``): densepass never replaces, and so never deletes, a file it did not write."""
+    from densepass.errors import DensepassError
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    if path.is_symlink() or path.exists() and not path.is_dir():
+        raise DensepassError(f"{what} {path} exists and is not a directory densepass wrote; choose another path")
+    foreign = foreign_files(path)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise DensepassError(
+            f"{what} {path} holds files densepass did not write ({shown}); densepass replaces only what it wrote: "
+            "choose another path, or move those files away yourself"
+        )
+
+
+def move_aside(path: str | Path) -> Path | None:
+    """Rename ``path`` to ``<path>.replaced-<time>`` where it holds what densepass may not replace
+    (``check_replaceable``): ``--force`` keeps a user's files instead of deleting them. Returns the new name, or
+    None where nothing was in the way."""
+    import time
+
+    from densepass.errors import DensepassError
+
+    path = Path(path)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+        check_replaceable(path)
+        return None
+    except DensepassError:
+        pass
+    target = path.with_name(f"{path.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    serial = 1
+    while target.exists() or target.is_symlink():
+        serial += 1
+        target = target.with_name(f"{path.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{serial}")
+    os.rename(path, target)
+    return target
 
 
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield a temporary directory that replaces ``path`` only when the block finishes without error.
 
-    An interrupted save leaves the previous ``path`` (if any) untouched.
+    An interrupted save leaves the previous ``path`` (if any) untouched. ``path`` must be missing, empty, or a
+    directory this function wrote with nothing added since (``check_replaceable``: checked before the block runs
+    and again before the swap); the new directory lists the files it holds in ``OWNED``.
     """
     path = Path(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield tmp
+        atomic_write_text(tmp / OWNED, json.dumps(_files_under(tmp), indent=0))
+        check_replaceable(path)
         if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+            os.replace(path, old)  # an empty folder of our own is replaced by the old directory
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
         else:
@@ -56,25 +134,38 @@ def exclusive_lock(directory: str | Path, what: str = "run", wait: bool = False)
 
     A second densepass process that asks for the same directory gets a one-line error instead of
     interleaving its writes with the first one's (``wait``: it waits for the lock instead). The lock is
-    released when the process ends, however it ends (``fcntl.flock`` on ``<directory>/.lock``).
+    released when the process ends, however it ends (``fcntl.flock`` on ``<directory>/.lock``). The holder may
+    remove ``directory`` before it lets go (a work directory): a process that locked the removed file tries again.
     """
     import fcntl
 
     from densepass.errors import DensepassError
 
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    handle = open(directory / ".lock", "a+")
-    try:
+    while True:
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            handle = open(directory / ".lock", "a+")
+        except FileNotFoundError:  # removed by its holder between the two lines
+            continue
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
+            handle.close()
             raise DensepassError(
                 f"{directory} is in use by another densepass {what} ({holder}); "
                 "wait for it to finish or choose another directory"
             ) from None
+        try:
+            current = os.stat(directory / ".lock").st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(handle.fileno()).st_ino:
+            break
+        handle.close()  # the holder removed the directory before it let go: this lock is of a file now gone
+    try:
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()}")
@@ -82,9 +173,6 @@ def exclusive_lock(directory: str | Path, what: str = "run", wait: bool = False)
         yield
     finally:
         handle.close()
-
-
-MANIFEST = "manifest.json"
 
 
 def write_manifest(directory: str | Path, **facts) -> None:
@@ -142,3 +230,257 @@ def read_manifest(directory: str | Path, what: str = "directory") -> dict:
     if problem is not None:
         raise DataError(f"{directory} is not a usable {what}: {problem}")
     return json.loads((directory / MANIFEST).read_text())
+
+
+RUN_MARKER = ".densepass-run"  # in a run directory densepass made: it may write there and --restart empty it
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?:[A-Za-z0-9_]+\.(?:tmp|old)|encoding|miners)")  # our siblings' names
+
+
+def run_entry(name: str, entries: tuple[str, ...]) -> bool:
+    """Whether ``name``, in a run directory, is one of the ``entries`` (glob patterns) a run writes there, or a
+    temporary sibling densepass makes of one (``.<entry>.<random>.tmp`` while it is written, ...)."""
+    temporary = _TEMPORARY.fullmatch(name)
+    name = temporary["name"] if temporary else name
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in entries)
+
+
+def run_directory_problem(directory: str | Path, what: str, entries: tuple[str, ...]) -> str | None:
+    """Why densepass may not write a ``what`` into ``directory``, or None: it may where the directory is missing,
+    empty, marked as a run directory (``RUN_MARKER``), or, without a marker (a run of an older version), holds a
+    ``config.yaml`` and nothing but what such a run writes (``entries``)."""
+    directory = Path(directory)
+    if directory.is_symlink() and not directory.is_dir() or directory.exists() and not directory.is_dir():
+        return f"{directory} exists and is not a directory"
+    if not directory.is_dir() or (directory / RUN_MARKER).is_file():
+        return None
+    present = sorted(c.name for c in directory.iterdir() if c.name != ".lock")
+    if not present or "config.yaml" in present and all(run_entry(name, entries) for name in present):
+        return None
+    shown = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
+    return (
+        f"{directory} is not a densepass {what} directory (it holds {shown}); densepass writes a run only into a "
+        "new or empty directory or one of its own runs: choose another name or output_dir"
+    )
+
+
+def claim_run_directory(directory: str | Path, what: str, entries: tuple[str, ...], restart: bool) -> list[str]:
+    """Make ``directory`` a ``what``'s run directory (call it holding the directory's ``exclusive_lock``): a
+    one-line error where ``run_directory_problem`` says it is someone else's; marked with ``RUN_MARKER``. With
+    ``restart``, what an earlier run wrote there (``entries``) is removed and everything else kept: returns the
+    names kept (files densepass did not write). A symlink is removed as a link, never followed."""
+    from densepass.errors import DensepassError
+
+    directory = Path(directory)
+    problem = run_directory_problem(directory, what, entries)
+    if problem is not None:
+        raise DensepassError(problem)
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / RUN_MARKER).is_file():
+        atomic_write_text(directory / RUN_MARKER, json.dumps({"densepass": what}) + "\n")
+    if not restart:
+        return []
+    kept = []
+    for child in sorted(directory.iterdir()):
+        if child.name in (".lock", RUN_MARKER):
+            continue
+        if not run_entry(child.name, entries):
+            kept.append(child.name)
+        elif child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    return kept
+
+
+# ---- a full disk, a read-only place: one line, before the work where it can be ---------------------------
+
+DISK_ERRORS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+}
+"""The errnos of a write that fails for want of space or permission, and how ``disk_errors`` names them."""
+STALE_AFTER_S = 60.0
+"""A temporary no process holds is taken for a killed process's once it is this old (``remove_stale_temporaries``)."""
+_TEMPORARY_TAIL = r"\.[a-z0-9_]{8}\.tmp"  # what tempfile.mkstemp / mkdtemp add to our prefix ".<name>.": 8 characters
+
+
+def disk_errno(err: BaseException, wrapped: bool = True) -> int | None:
+    """The errno (one of ``DISK_ERRORS``) of a write that failed for want of space or permission: an ``OSError``'s, or
+    (``wrapped``) the one safetensors (``SafetensorError: ... (os error 28)``) or FAISS (``RuntimeError: ... (No space
+    left on device)``) put in their message; None for any other error."""
+    if isinstance(err, OSError):
+        return err.errno if err.errno in DISK_ERRORS else None
+    if not wrapped or not isinstance(err, RuntimeError) and type(err).__name__ != "SafetensorError":
+        return None
+    text = str(err)
+    coded = re.search(r"os error (\d+)|Os \{ code: (\d+)", text)
+    if coded:
+        code = int(coded.group(1) or coded.group(2))
+        return code if code in DISK_ERRORS else None
+    return next((code for code in DISK_ERRORS if os.strerror(code) in text), None)
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """The bytes free (to an unprivileged user) on the file system of ``path``, or of its nearest existing parent."""
+    path = Path(path).absolute()
+    for place in (path, *path.parents):
+        if place.exists():
+            try:
+                return shutil.disk_usage(place).free
+            except OSError:
+                return None
+    return None
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB" if size < 10e6 else f"{size / 1e6:,.0f} MB"
+
+
+def disk_error_message(code: int, path: str | Path, needs: int | None = None, free: int | None = None) -> str:
+    """One line for a write of ``path`` that failed with errno ``code``; for a full disk or quota, with what the write
+    needed (``needs`` bytes, where known) and what is free (``free``; looked up when not given)."""
+    reason = DISK_ERRORS.get(code) or os.strerror(code).lower()
+    if code not in (errno.ENOSPC, errno.EDQUOT):
+        return f"{reason}: cannot write {path}"
+    free = free_bytes(path) if free is None else free
+    sizes = [f"needs ~{_megabytes(needs)}"] if needs else []
+    sizes += [f"{_megabytes(free)} free"] if free is not None else []
+    return f"{reason} writing {path}" + (f" ({', '.join(sizes)})" if sizes else "")
+
+
+@contextlib.contextmanager
+def disk_errors(path: str | Path, needs: int | None = None) -> Iterator[None]:
+    """Turn a write in the block that fails for want of space or permission (``disk_errno``: ``OSError`` ENOSPC,
+    EDQUOT, EROFS, EACCES, or safetensors' / FAISS's errors wrapping one) into a one-line ``DensepassError`` naming
+    ``path``, what the block writes (``needs``: about how many bytes, where known); any other error passes as it is.
+    Cleanups inside the block (``atomic_directory``'s, ``atomic_file``'s) run first."""
+    from densepass.errors import DensepassError
+
+    try:
+        yield
+    except Exception as err:
+        code = disk_errno(err)
+        if code is None:
+            raise
+        raise DensepassError(disk_error_message(code, path, needs)) from err
+
+
+def reserve_space(path: str | Path, size: int | None = None) -> None:
+    """Allocate the disk blocks of the file at ``path`` (made where missing; its first ``size`` bytes, all of it by
+    default) before it is written through a memory map. A store to a mapped page that the file system cannot back
+    kills the process with SIGBUS, with no message; blocks allocated here can be written, so a full disk is a
+    one-line ``DensepassError`` here, before the work. Where the file system cannot allocate ahead
+    (``posix_fallocate`` unsupported), its free space is checked against what the file still lacks instead."""
+    from densepass.errors import DensepassError
+
+    path = Path(path)
+    free = free_bytes(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        stat = os.fstat(fd)
+        size = stat.st_size if size is None else size
+        if size <= 0:
+            return
+        allocate = getattr(os, "posix_fallocate", None)
+        if allocate is not None:
+            try:
+                allocate(fd, 0, size)
+                return
+            except OSError as err:
+                if err.errno in DISK_ERRORS:
+                    raise DensepassError(disk_error_message(err.errno, path, size, free)) from err
+                # not supported here (EOPNOTSUPP, EINVAL, ...): check the free space instead
+        missing = size - min(size, stat.st_blocks * 512)
+        if free is not None and missing > free:
+            raise DensepassError(disk_error_message(errno.ENOSPC, path, size, free))
+    finally:
+        os.close(fd)
+
+
+def _hold(fd: int) -> None:
+    """Mark the temporary open as ``fd`` as in use (a shared ``flock``): ``remove_stale_temporaries`` leaves it."""
+    import fcntl
+
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+
+
+@contextlib.contextmanager
+def hold_temporaries() -> Iterator[Callable[[str | Path], None]]:
+    """``hold(path)`` marks a temporary file or directory as in use until the block ends, so that
+    ``remove_stale_temporaries`` in another process leaves it alone. Enter it before ``atomic_directory``, so that
+    the hold lasts until the directory has been renamed into place."""
+    fds: list[int] = []
+
+    def hold(path: str | Path) -> None:
+        with contextlib.suppress(OSError):
+            fds.append(os.open(path, os.O_RDONLY))
+            _hold(fds[-1])
+
+    try:
+        yield hold
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def remove_stale_temporaries(directory: str | Path, name: str, owned: bool = False) -> list[Path]:
+    """Remove what killed densepass processes left in ``directory`` while writing ``name`` there (a regular expression
+    for the target's name: ``re.escape("run.trec")``, ``r"step-\\d+"``): the temporary files and directories that
+    ``atomic_file`` / ``atomic_write_text`` / ``atomic_directory`` make, ``.<name>.<8 random characters>.tmp``.
+    Nothing of any other name is touched (no link is followed), nor a temporary that a live process holds
+    (``hold_temporaries``); unless ``owned`` (the caller holds the lock of whatever writes ``name`` there), nor one
+    modified in the last ``STALE_AFTER_S`` seconds (just made, not held yet). Returns what was removed."""
+    import fcntl
+    import time
+
+    pattern = re.compile(rf"\.(?:{name}){_TEMPORARY_TAIL}")
+    removed: list[Path] = []
+    try:
+        entries = [entry for entry in os.scandir(directory) if pattern.fullmatch(entry.name)]
+    except OSError:
+        return removed
+    for entry in entries:
+        path = Path(entry.path)
+        try:
+            if entry.is_symlink() or not owned and time.time() - entry.stat().st_mtime < STALE_AFTER_S:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held (by a live process): OSError, and it stays
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "w", needs: int | None = None) -> Iterator[IO]:
+    """A handle (``open``'s ``mode``, "w" or "wb") on a temporary sibling of ``path`` that replaces ``path`` when the
+    block ends without error, and is removed when it does not: ``path`` is never half-written. A full disk or a
+    read-only place is a one-line ``DensepassError`` (``disk_errors``; ``needs``: about how many bytes are written);
+    temporaries of ``path`` that a killed process left are removed first (``remove_stale_temporaries``)."""
+    path = Path(path)
+    with disk_errors(path, needs):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path.parent, re.escape(path.name))
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, mode) as handle:
+                _hold(handle.fileno())
+                yield handle
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise

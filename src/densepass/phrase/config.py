@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from densepass.config import DEFAULT_MODEL, SEED_MAX, DatasetFormat, option
+from densepass.config import DEFAULT_MODEL, SEED_MAX, DatasetFormat, check_run_name, option
 
 
 @dataclass
@@ -67,6 +67,11 @@ class PhraseTrainConfig:
     keep_checkpoints: int = option(1, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the mean loss to train_log.jsonl every N steps", min=1)
     seed: int = option(13, "seed of batches, hard-negative sampling, dropout and new weights", min=0, max=SEED_MAX)
+    skip_nonfinite: bool = option(
+        False,
+        "a batch whose loss or gradient norm is NaN or infinite is skipped with a warning (no optimiser step), and"
+        " more than 10 in a row stop training; false: the first one stops training with an error naming the step",
+    )
 
 
 @dataclass
@@ -108,6 +113,9 @@ class QueryTuningConfig:
     warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
     checkpoint_every: int = option(100, "write a checkpoint every N steps (and at the end)", min=1)
     seed: int = option(13, "seed of the question order and dropout", min=0, max=SEED_MAX)
+    skip_nonfinite: bool = option(
+        False, "skip a batch whose loss or gradient norm is not finite (as train.skip_nonfinite); false: stop"
+    )
 
 
 @dataclass
@@ -133,6 +141,9 @@ class PhraseConfig:
     filter: FilterConfig = option(help="token filter", factory=FilterConfig)
     query_tuning: QueryTuningConfig = option(help="query-side fine-tuning", factory=QueryTuningConfig)
     eval: PhraseEvalConfig = option(help="evaluation", factory=PhraseEvalConfig)
+
+    def __post_init__(self) -> None:
+        check_run_name(self.name)
 
     @property
     def run_dir(self) -> Path:

@@ -16,8 +16,8 @@ Everything lands in ``<output_dir>/<name>/``: ``config.yaml``, ``checkpoints/``,
 from __future__ import annotations
 
 import json
-import shutil
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,10 +27,10 @@ from densepass.config import save_config
 from densepass.data.paths import dataset_dir
 from densepass.data.squad import SquadSpans, load_squad_spans
 from densepass.device import resolve_device
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataWarning
 from densepass.evaluation.subcorpus import gold_subcorpus
 from densepass.fingerprints import fingerprint_file
-from densepass.io import atomic_write_text, exclusive_lock
+from densepass.io import atomic_write_text, claim_run_directory, exclusive_lock, run_directory_problem
 from densepass.phrase.config import PhraseConfig
 from densepass.phrase.filter import train_token_filter
 from densepass.phrase.index import PhraseIndex
@@ -47,6 +47,24 @@ from densepass.phrase.validation import (
 )
 
 STAGES = "stages.json"
+# What a phrase run writes in its directory: all that --restart removes; anything else there is kept.
+RUN_ENTRIES = (
+    STAGES,
+    "config.yaml",
+    "metrics.json",
+    "report.md",
+    "train_log.jsonl",
+    "eval_log.jsonl",
+    "hard_negatives.jsonl",
+    "subcorpus.json",
+    "checkpoints",
+    "best-model",
+    "best.json",
+    "model",
+    "index",
+    "qsft",
+    "qsft-model",
+)
 
 
 class Stages:
@@ -91,12 +109,13 @@ def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool 
     if config.train.loss == "separate" and config.train.hard_negatives:
         raise ConfigError("hard negatives need train.loss=unified (eq. 1 has no term for them)")
     data = load_data(config)
+    problem = run_directory_problem(run_dir, "phrase run", RUN_ENTRIES)
+    if problem is not None:  # before the lock, which would leave a .lock in someone else's folder
+        raise ConfigError(problem)
     with exclusive_lock(run_dir, "phrase run"):
-        if restart and run_dir.exists():
-            for child in run_dir.iterdir():
-                if child.name != ".lock":
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        kept = claim_run_directory(run_dir, "phrase run", RUN_ENTRIES, restart)
+        if kept:
+            warnings.warn(f"--restart kept files densepass did not write in {run_dir}: {kept}", DataWarning, 2)
         save_config(config, run_dir / "config.yaml")
         stages = Stages(run_dir)
         corpus = data.dataset.corpus

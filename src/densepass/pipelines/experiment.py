@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -36,12 +37,12 @@ from densepass.config import ExperimentConfig, LossConfig, load_config, save_con
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import resolve_device, resolve_precision
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataWarning
 from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write_trec_run
 from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
-from densepass.io import atomic_write_text, exclusive_lock
+from densepass.io import atomic_write_text, claim_run_directory, exclusive_lock, run_directory_problem
 from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.freeze import freeze_bottom
@@ -150,19 +151,54 @@ def check_run_directory(config: ExperimentConfig) -> None:
         raise ConfigError(f"{config.run_dir} holds another run ({changed} differ from its config.yaml); {hint}")
 
 
+# What a run writes in its directory (glob patterns): all that --restart removes; anything else there is kept.
+RUN_ENTRIES = (
+    "config.yaml",
+    "metrics.json",
+    "report.md",
+    "*_log.jsonl",  # train, eval, validation, schedule
+    "loss.png",
+    "epochs.png",
+    "validation.png",
+    "hardness.png",
+    "metrics.png",
+    "runs",
+    "model",
+    "model-fine-tuned",
+    "best-model",
+    "best.json",
+    "checkpoints",
+    "schedule",
+    "negatives",
+    "negatives.jsonl",
+    "teacher_scores.jsonl",
+    "token_cache",
+    "reranker",
+    "subcorpus*.json",
+)
+
+
 @contextmanager
 def run_directory(config: ExperimentConfig, main: bool, restart: bool) -> Iterator[Path]:
-    """The run directory, locked against a second process for the run's duration; emptied on ``restart``."""
+    """The run directory, locked against a second process for the run's duration and marked as a run's
+    (``io.claim_run_directory``: a directory densepass did not make is refused); on ``restart`` what an earlier
+    run wrote there is removed, and any other file kept with a warning."""
     run_dir = config.run_dir
     if not main:
         distributed.barrier()
         yield run_dir
         return
+    problem = run_directory_problem(run_dir, "run", RUN_ENTRIES)
+    if problem is not None:  # before the lock, which would leave a .lock in someone else's folder
+        raise ConfigError(problem)
     with exclusive_lock(run_dir, "run"):
-        if restart:
-            for child in run_dir.iterdir():
-                if child.name != ".lock":
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+        kept = claim_run_directory(run_dir, "run", RUN_ENTRIES, restart)
+        if kept:
+            warnings.warn(
+                f"--restart kept {len(kept)} file(s) in {run_dir} that densepass did not write: {', '.join(kept[:5])}",
+                DataWarning,
+                stacklevel=3,
+            )
         distributed.barrier()
         yield run_dir
 

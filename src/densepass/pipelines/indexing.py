@@ -37,6 +37,7 @@ from densepass.index.faiss_index import check_trainable
 from densepass.index.hybrid import HybridIndex, part_precision
 from densepass.index.ondisk import IVFPQOptions, build_ondisk_ivfpq
 from densepass.index.sharded import DEFAULT_BLOCK, ShardedEmbeddings, encode_sharded
+from densepass.io import check_replaceable
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT
 from densepass.models.copies import float_precision
@@ -161,10 +162,12 @@ def _assembled_index(
 
 
 def _work_dir(output: str | Path) -> tuple[Path, Path]:
-    """The output directory (checked) and the private directory its encoding is built in."""
+    """The output directory (checked: missing, empty, or an index densepass wrote with nothing added since,
+    ``io.check_replaceable``) and the private directory its encoding is built in."""
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"--output {output} exists and is not a directory")
+    check_replaceable(output, "--output")
     return output, output.with_name(f".{output.name}.encoding")
 
 
@@ -205,7 +208,7 @@ def index_dataset(
         if index is None:
             return None, dataset_name
         index.save(output)
-    shutil.rmtree(work_dir, ignore_errors=True)
+        shutil.rmtree(work_dir, ignore_errors=True)  # while locked: a process waiting for it starts afresh
     return index, dataset_name
 
 
@@ -249,5 +252,5 @@ def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> 
                 )
                 index = HybridIndex(index, second, settings.fusion, settings.fusion_weight)
         index.save(output)
-    shutil.rmtree(work_dir, ignore_errors=True)
+        shutil.rmtree(work_dir, ignore_errors=True)  # while locked: a process waiting for it starts afresh
     return index

@@ -22,8 +22,8 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import shutil
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,13 +33,15 @@ from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from densepass.checkpoints import BOOKKEEPING, Checkpoints, restore_rng, trim_log
+from densepass.checkpoints import BOOKKEEPING, Checkpoints, restore_rng, trim_log, without_default_skipping
 from densepass.config import save_config
 from densepass.data import load_dataset
 from densepass.device import RandomState, autocast_context, resolve_device, resolved_cpu_bf16, uses_bf16
-from densepass.errors import ConfigError
-from densepass.io import exclusive_lock
+from densepass.errors import ConfigError, DataWarning
+from densepass.io import claim_run_directory, exclusive_lock, run_directory_problem
+from densepass.models.batching import check_position_limit
 from densepass.models.dropout import use_cpu_dropout
+from densepass.numerics import DivergenceGuard
 from densepass.pretraining.condenser import Condenser, span_contrastive_loss
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.contriever import Contriever, contriever_forward_backward
@@ -48,6 +50,8 @@ from densepass.pretraining.data import Batch, mlm_batches, span_batches, subset_
 from densepass.pretraining.masking import Masker
 
 LOG_NAME = "train_log.jsonl"
+# What a pre-training run writes in its directory: all that --restart removes; anything else there is kept.
+RUN_ENTRIES = ("config.yaml", LOG_NAME, "checkpoints", "backbone", "model", "report.md", "loss.png", "metrics.json")
 WEIGHTS = "model.safetensors"  # the whole Condenser (backbone, head, MLM head) of a checkpoint
 
 
@@ -155,6 +159,7 @@ def pretraining_identity(config: PretrainConfig) -> dict:
         identity.pop(key)
     for key in BOOKKEEPING:
         identity["train"].pop(key, None)  # fine-tuning's bookkeeping may name settings pre-training lacks
+    without_default_skipping(identity["train"])
     identity["train"]["cpu_bf16"] = resolved_cpu_bf16(config.train.cpu_bf16)  # auto: what this CPU does
     if config.model.mode != "contriever":
         identity.pop("contriever")  # unused, and runs written before the section existed still resume
@@ -185,11 +190,13 @@ def pretrain(config: PretrainConfig, restart: bool = False) -> PretrainResult:
     """Run (or resume) the pre-training of ``config``; writes config, checkpoints, log, backbone, report.
     The run directory is locked while it runs; ``restart`` discards what an earlier run left there."""
     device = check(config)
+    problem = run_directory_problem(config.run_dir, "pre-training", RUN_ENTRIES)
+    if problem is not None:  # before the lock, which would leave a .lock in someone else's folder
+        raise ConfigError(problem)
     with exclusive_lock(config.run_dir, "pre-training"):
-        if restart:
-            for child in config.run_dir.iterdir():
-                if child.name != ".lock":
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+        kept = claim_run_directory(config.run_dir, "pre-training", RUN_ENTRIES, restart)
+        if kept:
+            warnings.warn(f"--restart kept files densepass did not write in {config.run_dir}: {kept}", DataWarning, 2)
         return _pretrain(config, device)
 
 
@@ -208,9 +215,8 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
             random_fraction=config.masking.random_fraction,
             whole_word=config.masking.whole_word,
         )
-    positions = (model.backbone_config if contriever else model.backbone.config).max_position_embeddings
-    if positions < t.max_length:
-        raise ConfigError(f"train.max_length {t.max_length} exceeds the model's {positions} positions")
+    backbone = model.backbone_config if contriever else model.backbone.config
+    check_position_limit(backbone, {"train.max_length": t.max_length}, "the model")
     use_cpu_dropout(model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
     bf16 = uses_bf16(device, t.bf16, t.cpu_bf16)
     trainable = model.trainable_parameters() if contriever else list(model.parameters())
@@ -219,6 +225,7 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
     log_path = run_dir / LOG_NAME
     checkpoints = Checkpoints(run_dir, t.keep_checkpoints, pretraining_identity(config))
     step = 0
+    guard = DivergenceGuard(t.skip_nonfinite)
     resumed = checkpoints.latest()  # refuses another run's checkpoints
     save_config(config, run_dir / "config.yaml")
     if resumed is not None:
@@ -228,6 +235,7 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
         restore_rng(resumed.rng)
         if contriever:
             model.load_memory_state(resumed.extra.get("memory"))
+        guard.load_state_dict(resumed.extra.get("nonfinite"))
         step = resumed.step
     trim_log(log_path, step)
     stream = itertools.islice(batch_stream(config, model.tokenizer), step, None)
@@ -242,26 +250,27 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
             generator = torch.Generator().manual_seed(_step_seed(t.seed, step))
             batch["input_ids"], batch["labels"] = masker(batch["input_ids"], batch["attention_mask"], generator)
             terms = forward_backward(model, batch, t.grad_accumulation, device, bf16)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, t.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        # a skipped step still moved a MoCo queue and its key encoder (finite: the weights they follow are)
+        taken, grad_norm = guard.step(step + 1, terms["loss"], trainable, optimizer, scheduler, t.max_grad_norm)
         step += 1
         tokens += int(batch["attention_mask"].sum())
         progress.update(1)
         progress.set_postfix(loss=f"{terms['loss']:.4f}")
-        if step % t.log_every == 0 or step == t.max_steps:
+        if (step % t.log_every == 0 or step == t.max_steps) and taken:  # a skipped step's terms: not numbers
             record = {
                 "step": step,
                 **terms,
                 "grad_norm": float(grad_norm),
                 "lr": scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens / (time.perf_counter() - started),
+                **({"skipped": guard.skipped} if guard.skipped else {}),
             }
             with open(log_path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
         if step % t.checkpoint_every == 0 or step == t.max_steps:
-            extra = {"memory": model.memory_state()} if contriever else None
+            guard.check_weights(step, model.named_parameters())
+            extra = {"memory": model.memory_state()} if contriever else {}
+            extra["nonfinite"] = guard.state_dict()
             checkpoints.save(
                 step, lambda directory: save_model(model, str(directory / WEIGHTS)), optimizer, scheduler, extra
             )

@@ -1,0 +1,266 @@
+"""densepass deletes or overwrites only what it wrote: foreign files planted in every output path of every
+command survive re-indexing, --restart, resume and failure (docs/reliability.md, "Nothing of yours is lost")."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import small_run_overrides
+from densepass.cli import main
+from densepass.config import ExperimentConfig
+from densepass.errors import ConfigError, DensepassError
+from densepass.io import (
+    OWNED,
+    RUN_MARKER,
+    atomic_directory,
+    claim_run_directory,
+    exclusive_lock,
+    foreign_files,
+    run_entry,
+)
+from densepass.pipelines.experiment import RUN_ENTRIES
+
+
+def plant(directory: Path) -> dict[str, str]:
+    """Foreign files in ``directory`` (a note, a nested folder, a file named like densepass's own); returns
+    {relative path: content}."""
+    planted = {"notes.txt": "my notes\n", "sub/thesis.tex": "\\section{x}\n", "sub/deeper/data.csv": "a,b\n"}
+    for name, text in planted.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_text(text)
+    return planted
+
+
+def assert_intact(directory: Path, planted: dict[str, str]) -> None:
+    for name, text in planted.items():
+        assert (directory / name).read_text() == text, name
+
+
+# ---- io: the rules ---------------------------------------------------------------------------------------
+
+
+def test_atomic_directory_replaces_only_a_directory_it_wrote(tmp_path):
+    target = tmp_path / "out"
+    with atomic_directory(target) as tmp:
+        (tmp / "a.bin").write_bytes(b"1")
+        (tmp / "nested").mkdir()
+        (tmp / "nested" / "b.bin").write_bytes(b"2")
+    assert json.loads((target / OWNED).read_text()) == ["a.bin", "nested/b.bin"]
+    assert foreign_files(target) == []
+    with atomic_directory(target) as tmp:  # its own directory: replaced
+        (tmp / "c.bin").write_bytes(b"3")
+    assert sorted(p.name for p in target.iterdir()) == [OWNED, "c.bin"]
+    (target / "mine.txt").write_text("added by the user")
+    with pytest.raises(DensepassError, match=r"holds files densepass did not write \(mine.txt\)"):
+        with atomic_directory(target) as tmp:
+            pytest.fail("the block must not run")
+    assert (target / "mine.txt").read_text() == "added by the user"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary left
+
+
+def test_atomic_directory_refuses_a_foreign_directory_and_accepts_an_empty_one(tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    planted = plant(foreign)
+    with pytest.raises(DensepassError, match="notes.txt"):
+        with atomic_directory(foreign):
+            pass
+    assert_intact(foreign, planted)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with atomic_directory(empty) as tmp:
+        (tmp / "x").write_text("x")
+    assert (empty / "x").read_text() == "x"
+    link = tmp_path / "link"
+    link.symlink_to(foreign)
+    with pytest.raises(DensepassError, match="not a directory densepass wrote"):
+        with atomic_directory(link):
+            pass
+    assert_intact(foreign, planted)
+
+
+def test_a_file_added_while_a_directory_is_written_stops_the_swap(tmp_path):
+    """The check runs again right before the swap: a file the user adds during a long save survives it."""
+    target = tmp_path / "out"
+    with atomic_directory(target) as tmp:
+        (tmp / "a").write_text("a")
+    with pytest.raises(DensepassError, match="late.txt"):
+        with atomic_directory(target) as tmp:
+            (tmp / "a").write_text("b")
+            (target / "late.txt").write_text("written meanwhile")
+    assert (target / "late.txt").read_text() == "written meanwhile"
+    assert (target / "a").read_text() == "a"
+
+
+def test_a_directory_saved_before_ownership_lists_counts_through_its_manifest(tmp_path):
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "embeddings.npy").write_bytes(b"x")
+    (legacy / "manifest.json").write_text(json.dumps({"files": {"embeddings.npy": {"bytes": 1, "blake2b": "y"}}}))
+    assert foreign_files(legacy) == []
+    (legacy / "notes.txt").write_text("n")
+    assert foreign_files(legacy) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../../etc", "/tmp/abs", " padded", "tab\there"])
+def test_a_run_name_is_one_folder_name(name):
+    with pytest.raises(ConfigError, match="must be one folder name"):
+        ExperimentConfig(name=name)
+
+
+def test_run_entries_cover_densepass_temporaries_only():
+    assert run_entry("checkpoints", RUN_ENTRIES)
+    assert run_entry("train_log.jsonl", RUN_ENTRIES)
+    assert run_entry(".config.yaml.ab12_x9Z.tmp", RUN_ENTRIES)
+    assert run_entry(".best-model.k2j3h4.old", RUN_ENTRIES)
+    assert not run_entry("notes.txt", RUN_ENTRIES)
+    assert not run_entry(".notes.txt.abc.tmp", RUN_ENTRIES)
+    assert not run_entry("thesis", RUN_ENTRIES)
+
+
+def test_claim_refuses_a_foreign_folder_and_restart_keeps_foreign_files(tmp_path):
+    foreign = tmp_path / "thesis"
+    foreign.mkdir()
+    planted = plant(foreign)
+    with pytest.raises(DensepassError, match="is not a densepass run directory"):
+        claim_run_directory(foreign, "run", RUN_ENTRIES, restart=True)
+    assert_intact(foreign, planted)
+    assert not (foreign / RUN_MARKER).exists()
+
+    run = tmp_path / "run"
+    assert claim_run_directory(run, "run", RUN_ENTRIES, restart=False) == []
+    (run / "checkpoints" / "step-1").mkdir(parents=True)
+    (run / "report.md").write_text("old report")
+    (run / "model").symlink_to(foreign)  # a link is removed as a link, never followed
+    planted_in_run = plant(run)
+    kept = claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
+    assert kept == ["notes.txt", "sub"]
+    assert not (run / "checkpoints").exists() and not (run / "report.md").exists()
+    assert not (run / "model").is_symlink()
+    assert_intact(run, planted_in_run)
+    assert_intact(foreign, planted)
+
+
+def test_a_run_directory_of_an_older_version_is_still_a_run_directory(tmp_path):
+    old = tmp_path / "old"
+    (old / "checkpoints").mkdir(parents=True)
+    (old / "config.yaml").write_text("name: old\n")
+    claim_run_directory(old, "run", RUN_ENTRIES, restart=False)
+    assert (old / RUN_MARKER).is_file()
+
+
+def test_a_lock_whose_directory_its_holder_removed_is_not_a_lock(tmp_path):
+    """The gap that let a bm25 index into a folder a dense index was writing: the holder removes its work
+    directory (and lock file) before it lets go; a process that was waiting on the removed file must not think
+    it holds the lock on the path."""
+    import shutil
+
+    work = tmp_path / ".out.encoding"
+    acquired = threading.Event()
+    holder = exclusive_lock(work, "index build")
+    holder.__enter__()
+    result = {}
+
+    def waiter():
+        with exclusive_lock(work, "index build", wait=True):
+            acquired.set()
+            try:
+                with exclusive_lock(work, "index build"):
+                    result["third"] = "got it"
+            except DensepassError as err:
+                result["third"] = str(err)
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.3)  # the waiter has opened the lock file and blocks on it
+    assert not acquired.is_set()
+    shutil.rmtree(work)
+    holder.__exit__(None, None, None)
+    thread.join(timeout=30)
+    assert acquired.is_set()
+    assert "in use by another densepass index build" in result["third"]
+
+
+# ---- the commands --------------------------------------------------------------------------------------
+
+
+def test_index_never_replaces_a_folder_it_did_not_write(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    for kind, model in (("exact", ["--model", str(tiny_model_dir)]), ("bm25", [])):
+        out = tmp_path / f"x-{kind}"
+        out.mkdir()
+        planted = plant(out)
+        code = main(["index", str(tiny_beir), "--kind", kind, *model, "--output", str(out)])
+        assert code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "holds files densepass did not write" in err[0], err
+        assert_intact(out, planted)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # nothing left beside
+    # re-indexing into densepass's own index replaces it; a file the user adds to it afterwards stops the next one
+    out = tmp_path / "idx"
+    args = ["index", str(tiny_beir), "--kind", "exact", "--model", str(tiny_model_dir), "--output", str(out)]
+    assert main(args) == 0
+    assert main(args) == 0
+    (out / "notes.txt").write_text("mine")
+    assert main(args) == 2
+    assert (out / "notes.txt").read_text() == "mine"
+    # --force moves what is in the way aside, whole, and writes the index
+    assert main([*args, "--force"]) == 0
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("idx.replaced-")]
+    assert len(moved) == 1 and (moved[0] / "notes.txt").read_text() == "mine"
+    assert (out / "manifest.json").is_file() and not (out / "notes.txt").exists()
+    capsys.readouterr()
+
+
+def test_index_bm25_refuses_a_model(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    code = main(
+        ["index", str(tiny_beir), "--kind", "bm25", "--model", str(tiny_model_dir), "--output", str(tmp_path / "b")]
+    )
+    assert code == 2
+    assert "drop --model" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
+def run_args(tiny_beir, tiny_model_dir, output_dir, name, *extra):
+    sets = small_run_overrides(tiny_beir, tiny_model_dir, output_dir, name)
+    sets += ["data.max_train_queries=8", "train.batch_size=4", "negatives.per_query=0", *extra]
+    return ["run", *[a for s in sets for a in ("--set", s)]]
+
+
+def test_run_never_deletes_what_it_did_not_write(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    outputs = tmp_path / "outputs"
+    thesis = outputs / "thesis"
+    thesis.mkdir(parents=True)
+    planted = plant(thesis)
+    # a name that points elsewhere, or a folder that is not a run, is refused before any work, restart or not
+    for name in (".", "..", "", "../outputs/thesis"):
+        assert main([*run_args(tiny_beir, tiny_model_dir, thesis, name), "--restart"]) == 2
+    assert main([*run_args(tiny_beir, tiny_model_dir, outputs, "thesis"), "--restart"]) == 2
+    assert main(run_args(tiny_beir, tiny_model_dir, outputs, "thesis")) == 2
+    err = capsys.readouterr().err
+    assert "is not a densepass run directory" in err and "Traceback" not in err
+    assert_intact(thesis, planted)
+    assert sorted(p.name for p in thesis.iterdir()) == ["notes.txt", "sub"]  # not even a .lock
+
+    # a run, a file of the user's put into its directory, then --restart: the run's files go, the user's stay
+    args = run_args(tiny_beir, tiny_model_dir, outputs, "r")
+    assert main(args) == 0
+    run_dir = outputs / "r"
+    unknown = [p.name for p in run_dir.iterdir() if not run_entry(p.name, RUN_ENTRIES)]
+    assert sorted(unknown) == sorted([".lock", RUN_MARKER])  # every entry a run writes is one --restart may remove
+    planted_in_run = plant(run_dir)
+    assert main(args) == 0  # resume / evaluate again: the user's files are untouched
+    assert_intact(run_dir, planted_in_run)
+    assert main([*args, "--restart"]) == 0
+    assert_intact(run_dir, planted_in_run)
+    assert (run_dir / "report.md").is_file()
+    # a failed run (a setting refused before work) leaves them too
+    assert main([*args, "--set", "train.learning_rate=-1"]) == 2
+    assert_intact(run_dir, planted_in_run)
+    assert_intact(thesis, planted)
+    capsys.readouterr()
