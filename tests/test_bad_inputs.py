@@ -675,3 +675,77 @@ def test_cli_index_with_a_truncated_model_is_a_one_line_error(tiny_beir, tiny_mo
     assert main(args) == 2
     [line] = stderr_lines(capsys)
     assert line.startswith(f"densepass: error: {damaged / 'model.safetensors'} does not load (truncated or damaged?)")
+
+
+# ---------------------------------------------------------------- token limits beyond the model's positions
+
+LONG_PASSAGE = " ".join(["archive"] * 400)
+
+
+@pytest.mark.parametrize("key", ["query_max_length", "passage_max_length"])
+@pytest.mark.parametrize("kind", ["bi-encoder", "splade", "colbert"])
+def test_a_max_length_beyond_the_models_positions_is_refused_at_load(tiny_model_dir, key, kind):
+    from densepass.models.biencoder import BiEncoder, BiEncoderConfig
+    from densepass.models.colbert import ColBERT, ColbertArchitecture
+    from densepass.models.splade import SpladeArchitecture, SpladeEncoder
+
+    cls, arch = {
+        "bi-encoder": (BiEncoder, BiEncoderConfig),
+        "splade": (SpladeEncoder, SpladeArchitecture),
+        "colbert": (ColBERT, ColbertArchitecture),
+    }[kind]
+    with pytest.raises(
+        ConfigError, match=rf"^model\.{key} 129 exceeds {re.escape(str(tiny_model_dir))}'s 128 positions: set it to 128"
+    ):
+        cls.from_pretrained(str(tiny_model_dir), config=arch(**{key: 129}))
+    model = cls.from_pretrained(str(tiny_model_dir), config=arch(**{key: 128}))  # the limit itself reads a long text
+    model.encode_passages([LONG_PASSAGE], show_progress=False)
+    model.encode_queries([LONG_PASSAGE], show_progress=False)
+
+
+def test_a_roberta_models_limit_is_its_positions_less_the_padding_offset(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer, RobertaConfig, RobertaModel
+
+    from densepass.models.biencoder import BiEncoder, BiEncoderConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = RobertaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=34,  # 32 positions: RoBERTa's start after the padding index 1
+        pad_token_id=1,
+    )
+    RobertaModel(config).save_pretrained(tmp_path / "roberta")
+    tokenizer.save_pretrained(tmp_path / "roberta")
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.passage_max_length 33 exceeds .*'s 32 positions \(max_position_embeddings 34 less RoBERTa's "
+        r"padding offset 2\): set it to 32 or less",
+    ):
+        BiEncoder.from_pretrained(str(tmp_path / "roberta"), config=BiEncoderConfig(passage_max_length=33))
+    model = BiEncoder.from_pretrained(str(tmp_path / "roberta"), config=BiEncoderConfig(passage_max_length=32))
+    assert model.encode_passages([LONG_PASSAGE], show_progress=False).shape == (1, 32)
+
+
+def test_phrase_max_lengths_beyond_the_models_positions_are_refused_at_load(tiny_model_dir):
+    from densepass.phrase.config import PhraseModelConfig
+    from densepass.phrase.model import PhraseEncoder
+
+    with pytest.raises(ConfigError, match=r"^model\.max_length 256 exceeds .*'s 128 positions"):
+        PhraseEncoder.from_pretrained(str(tiny_model_dir), PhraseModelConfig())  # the default windows: 256 tokens
+    with pytest.raises(ConfigError, match=r"^model\.question_max_length 129 exceeds .*'s 128 positions"):
+        PhraseEncoder.from_pretrained(str(tiny_model_dir), PhraseModelConfig(max_length=128, question_max_length=129))
+
+
+def test_a_run_with_a_max_length_beyond_the_positions_stops_before_any_work(tiny_beir, tiny_model_dir, tmp_path):
+    from conftest import small_run_overrides
+    from densepass.pipelines.experiment import run_experiment
+
+    overrides = small_run_overrides(tiny_beir, tiny_model_dir, tmp_path, "long")
+    config = load_config(None, [*overrides, "model.passage_max_length=512"])
+    with pytest.raises(ConfigError, match=r"model\.passage_max_length 512 exceeds .*'s 128 positions"):
+        run_experiment(config)
+    assert not (tmp_path / "long" / "negatives.jsonl").exists() and not (tmp_path / "long" / "model").exists()

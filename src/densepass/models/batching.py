@@ -37,6 +37,57 @@ def tokenize(
 
 Side = Literal["query", "passage"]
 
+PADDING_OFFSET_MODELS = frozenset(
+    {
+        "camembert",
+        "data2vec-text",
+        "ibert",
+        "lilt",
+        "longformer",
+        "luke",
+        "markuplm",
+        "mpnet",
+        "roberta",
+        "roberta-prelayernorm",
+        "xlm-roberta",
+        "xlm-roberta-xl",
+        "xmod",
+    }
+)
+"""Model types whose position ids start after the padding token's (RoBERTa's ``padding_idx + 1``): of their
+``max_position_embeddings`` (514 for RoBERTa), ``pad_token_id + 1`` are never a token's position (512 are)."""
+
+
+def position_limit(model_config: Any) -> tuple[int, int] | None:
+    """``(limit, offset)``: the most tokens (special tokens included) an encoder with this Hugging Face config
+    reads, its ``max_position_embeddings`` less ``offset``, RoBERTa's padding offset (``PADDING_OFFSET_MODELS``;
+    0 for BERT and the rest); None when the config gives no limit."""
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions <= 0:
+        return None
+    offset = 0
+    if getattr(model_config, "model_type", None) in PADDING_OFFSET_MODELS:
+        offset = (getattr(model_config, "pad_token_id", None) or 0) + 1
+    return positions - offset, offset
+
+
+def check_position_limit(model_config: Any, lengths: dict[str, int | None], name: str | None = None) -> None:
+    """Refuse token limits (``{"model.passage_max_length": 512, ...}``) above the positions of the encoder with
+    ``model_config`` (``position_limit``): a longer input would crash in its position embeddings on the first
+    long text, so this is a one-line ConfigError naming the key and the limit when the model is loaded. ``name``:
+    how to call the model (default: the path it was loaded from)."""
+    found = position_limit(model_config)
+    if found is None:
+        return
+    limit, offset = found
+    name = name or getattr(model_config, "_name_or_path", None) or "the model"
+    for key, value in lengths.items():
+        if value is not None and value > limit:
+            how = (
+                f" (max_position_embeddings {limit + offset} less RoBERTa's padding offset {offset})" if offset else ""
+            )
+            raise ConfigError(f"{key} {value} exceeds {name}'s {limit} positions{how}: set it to {limit} or less")
+
 
 class SidedInputs:
     """Token limits and tokenisation of a retriever with a query side and a passage side: a ``config`` with
@@ -48,6 +99,13 @@ class SidedInputs:
     def max_length(self, side: Side) -> int:
         """Token limit of one side's inputs."""
         return self.config.query_max_length if side == "query" else self.config.passage_max_length
+
+    def check_positions(self, query_encoder: Any, passage_encoder: Any = None) -> None:
+        """Refuse ``model.query_max_length`` / ``model.passage_max_length`` above the positions of the encoder that
+        reads that side (``check_position_limit``; ``passage_encoder``: the query encoder when None)."""
+        check_position_limit(query_encoder.config, {"model.query_max_length": self.config.query_max_length})
+        passage = (passage_encoder or query_encoder).config
+        check_position_limit(passage, {"model.passage_max_length": self.config.passage_max_length})
 
     def tokenize(
         self,

@@ -26,9 +26,10 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 from densepass.config import DEFAULT_MODEL, BiEncoderConfig
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
-from densepass.io import MANIFEST, atomic_directory, atomic_write_text, read_manifest, write_manifest
+from densepass.io import MANIFEST, atomic_directory, atomic_write_text, disk_errors, read_manifest, write_manifest
 from densepass.models.batching import Side, SidedInputs
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
+from densepass.numerics import refuse_nonfinite_weights
 
 CONFIG_NAME = CONFIG_FILES["bi-encoder"]
 
@@ -122,6 +123,7 @@ class BiEncoder(SidedInputs, nn.Module):
                 raise ConfigError(f"projection_dim must be >= 1, got {config.projection_dim}")
             projection = nn.Linear(hidden, config.projection_dim)
         self.projection = projection
+        self.check_positions(self.query_encoder, self.passage_encoder)
         self.source: str | None = None  # where from_pretrained loaded it (recorded in index manifests)
 
     @property
@@ -225,12 +227,15 @@ class BiEncoder(SidedInputs, nn.Module):
             encoder.float()  # fp16/bf16 checkpoints train in fp32 (autocast gives bf16 compute on GPU)
         projection = _load_projection(Path(path), config)
         model = cls(query_encoder, passage_encoder, tokenizer, config, projection)
+        refuse_nonfinite_weights(model, path, saving=False)  # NaN weights would score every passage NaN
         model.source = path
         return model
 
     def save(self, path: str | Path) -> None:
-        """Write the model atomically: an interrupted save never leaves a half-written directory."""
-        with atomic_directory(path) as tmp:
+        """Write the model atomically: an interrupted save never leaves a half-written directory; weights
+        holding NaN or infinity are refused."""
+        refuse_nonfinite_weights(self, str(path), saving=True)
+        with disk_errors(path), atomic_directory(path) as tmp:  # a full disk: one line
             self._save_tower(self.passage_encoder, tmp, "passage")
             if not self.config.shared:
                 self._save_tower(self.query_encoder, tmp / "query", "query")

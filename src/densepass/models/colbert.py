@@ -49,6 +49,7 @@ from densepass.models.batching import (
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.copies import encoder_in_precision, float_precision
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
+from densepass.numerics import refuse_nonfinite_weights
 
 LINEAR_FILE = "colbert_linear.safetensors"
 MARKERS = {"query": "[unused0]", "passage": "[unused1]"}
@@ -101,6 +102,7 @@ class ColBERT(SidedInputs, nn.Module):
         if tokenizer.mask_token_id is None or tokenizer.pad_token_id is None:
             raise ConfigError("ColBERT needs a tokenizer with [MASK] and [PAD] tokens (query augmentation)")
         self.encoder, self.tokenizer, self.config = encoder, tokenizer, config
+        self.check_positions(encoder)
         self.linear = linear or nn.Linear(encoder.config.hidden_size, config.dim, bias=False)
         if self.linear.out_features != config.dim:
             raise ConfigError(f"the saved projection has {self.linear.out_features} dimensions, not {config.dim}")
@@ -234,11 +236,14 @@ class ColBERT(SidedInputs, nn.Module):
                 linear = nn.Linear(state["weight"].shape[1], config.dim, bias=False)
                 linear.load_state_dict(state)
         model = cls(encoder, AutoTokenizer.from_pretrained(path), config, linear)
+        refuse_nonfinite_weights(model, path, saving=False)
         model.source = path
         return model
 
     def save(self, path: str | Path) -> None:
-        """Write the model atomically: encoder, tokenizer, projection and our config."""
+        """Write the model atomically: encoder, tokenizer, projection and our config (weights holding NaN or
+        infinity are refused)."""
+        refuse_nonfinite_weights(self, str(path), saving=True)
         with atomic_directory(path) as tmp:
             self.encoder.save_pretrained(tmp, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)

@@ -50,10 +50,11 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 from densepass.device import autocast_context, default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory
-from densepass.models.batching import forward_in_pieces, piece_tokens
+from densepass.models.batching import check_position_limit, forward_in_pieces, piece_tokens, position_limit
 from densepass.models.copies import bf16_copy, fusable_base, reused_copy
 from densepass.models.kinds import loading_weights
 from densepass.models.quantize import quantized_linear_copy
+from densepass.numerics import refuse_nonfinite_weights
 from densepass.prefetch import prefetched
 
 DEFAULT_MAX_LENGTH = 256
@@ -210,7 +211,7 @@ class CrossEncoder:
                 f"a cross-encoder needs a one-logit head; {source or 'this model'} has "
                 f"{getattr(model.config, 'num_labels', 'no')} labels"
             )
-        limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
+        limit = (position_limit(model.config) or (DEFAULT_MAX_LENGTH,))[0]
         if max_length is None:
             saved = getattr(tokenizer, "model_max_length", None) or DEFAULT_MAX_LENGTH
             max_length = min(saved, limit) if saved < 100_000 else min(DEFAULT_MAX_LENGTH, limit)
@@ -218,8 +219,7 @@ class CrossEncoder:
             raise ConfigError(
                 f"cross-encoder max_length must be >= 8 and batch_size >= 1, got {max_length}, {batch_size}"
             )
-        if max_length > limit:
-            raise ConfigError(f"cross-encoder max_length {max_length} exceeds the model's {limit} positions")
+        check_position_limit(model.config, {"cross-encoder max_length": max_length}, "the model")
         self.model, self.tokenizer = fp32_logit_layer(model.float()), tokenizer
         self.max_length, self.batch_size, self.source = max_length, batch_size, source
         self.device = device or default_device()
@@ -241,6 +241,7 @@ class CrossEncoder:
                 f"{name_or_path} has no trained relevance head ({', '.join(missing[:2])} missing): it is an "
                 "encoder, not a cross-encoder; train one first (reranker.train in a run config)"
             )
+        refuse_nonfinite_weights(model, str(path), saving=False)
         return cls(model, AutoTokenizer.from_pretrained(path), source=str(path), **options)
 
     @classmethod
@@ -254,7 +255,7 @@ class CrossEncoder:
             torch.manual_seed(seed)
             model, info = _load(path, name_or_path, num_labels=1, ignore_mismatched_sizes=True)
         if options.get("max_length") is None:
-            options["max_length"] = min(DEFAULT_MAX_LENGTH, model.config.max_position_embeddings or DEFAULT_MAX_LENGTH)
+            options["max_length"] = min(DEFAULT_MAX_LENGTH, (position_limit(model.config) or (DEFAULT_MAX_LENGTH,))[0])
         out = cls(model, AutoTokenizer.from_pretrained(path), source=str(path), **options)
         mismatched = {m[0] if isinstance(m, tuple) else m for m in info.get("mismatched_keys") or ()}
         out.new_parameters = set(info.get("missing_keys") or ()) | mismatched
@@ -355,6 +356,7 @@ class CrossEncoder:
             **(getattr(config, "sentence_transformers", None) or {}),
             "activation_fn": IDENTITY,
         }
+        refuse_nonfinite_weights(self.model, str(path), saving=True)
         previous = self.tokenizer.model_max_length
         self.tokenizer.model_max_length = self.max_length
         try:

@@ -47,6 +47,7 @@ from densepass.models.batching import SidedInputs, forward_in_pieces, length_sor
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.copies import encoder_in_precision, float_precision
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
+from densepass.numerics import refuse_nonfinite_weights
 
 FRESH_HEAD_BIAS = -6.0  # the vocabulary bias of a fresh MLM head (see the module docstring)
 
@@ -106,6 +107,7 @@ class SpladeEncoder(SidedInputs, nn.Module):
         if config.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {config.temperature}")
         self.mlm, self.tokenizer, self.config = mlm, tokenizer, config
+        self.check_positions(mlm)
         self.source: str | None = None
         self.head_source = "checkpoint"  # or "tied embeddings + identity transform" when it was created
 
@@ -212,11 +214,14 @@ class SpladeEncoder(SidedInputs, nn.Module):
         if any("predictions" in key or "lm_head" in key for key in info["missing_keys"]):
             _identity_head(mlm, head_bias)
             model.head_source = "tied embeddings + identity transform"
+        refuse_nonfinite_weights(model, path, saving=False)
         model.source = path
         return model
 
     def save(self, path: str | Path) -> None:
-        """Write the model atomically: MLM weights, tokenizer, our config and SparseEncoder module files."""
+        """Write the model atomically: MLM weights, tokenizer, our config and SparseEncoder module files (weights
+        holding NaN or infinity are refused)."""
+        refuse_nonfinite_weights(self, str(path), saving=True)
         with atomic_directory(path) as tmp:
             self.mlm.save_pretrained(tmp, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)

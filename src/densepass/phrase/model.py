@@ -29,8 +29,10 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 from densepass.config import from_dict
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
+from densepass.models.batching import check_position_limit
 from densepass.models.biencoder import resolve_model_path, token_pooling
 from densepass.models.kinds import loading_weights
+from densepass.numerics import refuse_nonfinite_weights
 from densepass.phrase.config import PhraseModelConfig
 from densepass.phrase.windows import TokenizedPassage, Window, tokenize_passages
 
@@ -75,6 +77,8 @@ class PhraseEncoder(nn.Module):
         hidden = phrase_encoder.config.hidden_size
         if question_encoder.config.hidden_size != hidden:
             raise ConfigError("the phrase and question encoders must have the same hidden size")
+        check_position_limit(phrase_encoder.config, {"model.max_length": config.max_length})
+        check_position_limit(question_encoder.config, {"model.question_max_length": config.question_max_length})
         self.start, self.end = _identity(hidden), _identity(hidden)
         self.question_start, self.question_end = _identity(hidden), _identity(hidden)
         self.filter: TokenFilter | None = None
@@ -169,7 +173,8 @@ class PhraseEncoder(nn.Module):
         }
 
     def save(self, path: str | Path) -> None:
-        """Write the model atomically."""
+        """Write the model atomically (weights holding NaN or infinity are refused)."""
+        refuse_nonfinite_weights(self, str(path), saving=True)
         with atomic_directory(path) as tmp:
             for name, encoder in (("phrase", self.phrase_encoder), ("question", self.question_encoder)):
                 encoder.save_pretrained(tmp / name, safe_serialization=True)
@@ -203,6 +208,7 @@ class PhraseEncoder(nn.Module):
                 question = AutoModel.from_pretrained(path / "question")
             model = cls(phrase, question, AutoTokenizer.from_pretrained(path / "phrase"), config or stored)
             model.load_heads(path / HEADS)
+            refuse_nonfinite_weights(model, str(path), saving=False)
         else:
             with loading_weights(path):
                 phrase, question = AutoModel.from_pretrained(path), AutoModel.from_pretrained(path)

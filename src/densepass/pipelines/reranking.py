@@ -60,15 +60,11 @@ def check_reranker_config(config: ExperimentConfig) -> None:
     if cfg.max_length is not None:  # the model's own limit, before any mining or training
         from transformers import AutoConfig
 
+        from densepass.models.batching import check_position_limit
         from densepass.models.biencoder import resolve_model_path
 
-        positions = getattr(
-            AutoConfig.from_pretrained(resolve_model_path(cfg.name_or_path)), "max_position_embeddings", 0
-        )
-        if positions and cfg.max_length > positions:
-            raise ConfigError(
-                f"reranker.max_length {cfg.max_length} exceeds {cfg.name_or_path}'s {positions} positions"
-            )
+        model_config = AutoConfig.from_pretrained(resolve_model_path(cfg.name_or_path))
+        check_position_limit(model_config, {"reranker.max_length": cfg.max_length}, cfg.name_or_path)
     if cfg.train.enabled and neg.source == "none":
         raise ConfigError("reranker.train draws hard negatives from the run's pool: set negatives.source")
     evaluated = {"bm25": "bm25" in config.eval.baselines, "zero-shot": "zero-shot" in config.eval.baselines}
