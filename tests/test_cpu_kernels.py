@@ -5,10 +5,17 @@ elsewhere); the build tests wherever a C++ compiler is found."""
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import json
 import math
+import os
 import shutil
 import stat
+import subprocess
+import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -537,8 +544,9 @@ def test_the_library_is_built_once_per_source_into_the_cache(tmp_path, monkeypat
     monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
     compiler = shutil.which("c++") or shutil.which("g++")
     first = cpu_kernels._built(compiler)
-    assert first.parent == tmp_path and [p.name for p in tmp_path.iterdir()] == [first.name]
-    assert stat.S_IMODE(first.stat().st_mode) & 0o055 == 0o055  # other users of a shared cache load it
+    manifest = first.with_suffix(".json")
+    assert first.parent == tmp_path and sorted(p.name for p in tmp_path.iterdir()) == [manifest.name, first.name]
+    assert stat.S_IMODE(first.stat().st_mode) == 0o700  # this user's alone: a cache shared by users is not supported
     built_at = first.stat().st_mtime_ns
     assert cpu_kernels._built(compiler) == first and first.stat().st_mtime_ns == built_at
     edited = tmp_path / "edited" / "cpu_kernels.cpp"
@@ -592,3 +600,197 @@ def test_a_failed_build_warns_once_and_the_layers_run_sdpa(tmp_path, monkeypatch
         assert not cache.exists() or not list(cache.iterdir())  # nothing cached
     finally:
         cpu_kernels._library.cache_clear()
+
+
+# densepass loads no native code it did not build for this user: the tests below build a tiny library in place of
+# the kernels' source (any CPU, a fraction of a second) and plant, beside or instead of it, a library whose
+# constructor writes a marker file the moment it is loaded.
+PLANTED = """#include <cstdio>
+__attribute__((constructor)) static void planted() { std::FILE* f = std::fopen("MARKER", "w"); if (f) std::fclose(f); }
+extern "C" int densepass_tiny() { return 666; }
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    """``SOURCE`` a one-function library, the cache ``tmp_path/cache``, a compiler that counts its builds, and a
+    planted library (``tmp_path/planted.so``) that writes ``tmp_path/marker`` when it is loaded."""
+    real = shutil.which("c++") or shutil.which("g++")
+    if real is None:
+        pytest.skip("no C++ compiler")
+    source = tmp_path / "tiny.cpp"
+    source.write_text('extern "C" int densepass_tiny() { return 7; }\n')
+    monkeypatch.setattr(cpu_kernels, "SOURCE", source)
+    log, compiler = tmp_path / "builds.log", tmp_path / "counting-c++"
+    compiler.write_text(f'#!/bin/sh\ncase " $* " in *" -o "*) echo build >> {log};; esac\nexec {real} "$@"\n')
+    compiler.chmod(0o755)
+    marker, planted = tmp_path / "marker", tmp_path / "planted.so"
+    planted_source = tmp_path / "planted.cpp"
+    planted_source.write_text(PLANTED.replace("MARKER", str(marker)))
+    subprocess.run([real, "-shared", "-fPIC", str(planted_source), "-o", str(planted)], check=True)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(cache))
+    inputs = cpu_kernels._inputs(str(compiler))
+    target = cache / f"cpu_kernels-{inputs['key']}.so"
+
+    def forged_manifest(library: Path, at: Path) -> Path:
+        """A manifest at ``at`` that records ``library``'s size and digest and this build's inputs."""
+        data = library.read_bytes()
+        facts = {"library": target.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), **inputs}
+        at.write_text(json.dumps(facts))
+        return at
+
+    builds = lambda: len(log.read_text().splitlines()) if log.exists() else 0  # noqa: E731
+    return types.SimpleNamespace(compiler=str(compiler), cache=cache, target=target, manifest=target.with_suffix(
+        ".json"), marker=marker, planted=planted, builds=builds, forged_manifest=forged_manifest)  # fmt: skip
+
+
+def loads_the_tiny_library(tiny, warning: str | None = None) -> ctypes.CDLL:
+    """``_loaded`` as ``_library`` calls it: the tiny library (not the planted one, whose constructor never ran),
+    with a warning matching ``warning`` or none."""
+    if warning is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            library = cpu_kernels._loaded(tiny.compiler)
+    else:
+        with pytest.warns(UserWarning, match=warning) as caught:
+            library = cpu_kernels._loaded(tiny.compiler)
+        assert all("\n" not in str(w.message) for w in caught)  # one line
+    assert library.densepass_tiny() == 7 and library._name.startswith("/proc/self/fd/")
+    assert not tiny.marker.exists()
+    return library
+
+
+def matches_its_manifest(target: Path) -> bool:
+    manifest = json.loads(target.with_suffix(".json").read_text())
+    return manifest["sha256"] == hashlib.sha256(target.read_bytes()).hexdigest()
+
+
+def foreign(*paths: Path) -> None:
+    """``paths`` made another user's (root alone can)."""
+    if os.getuid() != 0:
+        pytest.skip("making a file another user's takes root")
+    for path in paths:
+        os.chown(path, 65534, 65534, follow_symlinks=False)
+
+
+def test_a_built_library_is_loaded_from_the_cache_without_compiling_again(tiny):
+    loads_the_tiny_library(tiny)
+    assert tiny.builds() == 1
+    assert stat.S_IMODE(tiny.cache.stat().st_mode) == 0o700  # made private
+    assert stat.S_IMODE(tiny.target.stat().st_mode) == 0o700 and tiny.manifest.stat().st_mode & 0o077 == 0
+    manifest = json.loads(tiny.manifest.read_text())
+    assert manifest["size"] == tiny.target.stat().st_size and matches_its_manifest(tiny.target)
+    version = subprocess.run([tiny.compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    assert manifest["flags"] == list(cpu_kernels.FLAGS) and manifest["compiler_version"] == version
+    assert manifest["source_sha256"] == hashlib.sha256(cpu_kernels.SOURCE.read_bytes()).hexdigest()
+    built_at = tiny.target.stat().st_mtime_ns
+    loads_the_tiny_library(tiny)
+    assert tiny.builds() == 1 and tiny.target.stat().st_mtime_ns == built_at
+    assert sorted(p.name for p in tiny.cache.iterdir()) == [tiny.manifest.name, tiny.target.name]
+
+
+def test_a_library_planted_under_the_cache_name_is_built_over_not_loaded(tiny):
+    """This user's file under the library's name without a manifest (or with one of another library): built
+    again."""
+    tiny.cache.mkdir(mode=0o700)
+    shutil.copy(tiny.planted, tiny.target)
+    loads_the_tiny_library(tiny)
+    assert tiny.builds() == 1 and matches_its_manifest(tiny.target)
+    shutil.copy(tiny.planted, tiny.target)  # the manifest now records the tiny library
+    loads_the_tiny_library(tiny)
+    assert tiny.builds() == 2 and matches_its_manifest(tiny.target)
+
+
+def test_another_users_library_and_manifest_in_the_cache_are_refused_and_left(tiny):
+    """Another user's library under the name, with a manifest that records it exactly: a warning, the library
+    built for this process elsewhere, the planted files left as they were."""
+    tiny.cache.mkdir(mode=0o700)
+    shutil.copy(tiny.planted, tiny.target)
+    tiny.forged_manifest(tiny.target, tiny.manifest)
+    foreign(tiny.target, tiny.manifest)
+    loads_the_tiny_library(tiny, warning=r"not loaded from their cache: .*belongs to uid 65534, not this user")
+    assert tiny.builds() == 1 and tiny.target.read_bytes() == tiny.planted.read_bytes()
+    assert sorted(p.name for p in tiny.cache.iterdir()) == [tiny.manifest.name, tiny.target.name]
+
+
+@pytest.mark.parametrize("where", ["cache open to others", "cache open to its group", "inside a directory open to "
+                                   "others", "cache of another user"])  # fmt: skip
+def test_a_cache_directory_others_can_change_is_not_used(tiny, tmp_path, monkeypatch, where):
+    """A library and a manifest that would pass every check of a file, in a directory others can change: nothing
+    is loaded from it or written to it; a warning names the problem and the library is built in a private
+    temporary directory."""
+    cache = tmp_path / "open" / "cache" if where.startswith("inside") else tiny.cache
+    cache.mkdir(parents=True, mode=0o700)
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(cache))
+    library = cache / tiny.target.name
+    shutil.copy(tiny.planted, library)
+    tiny.forged_manifest(library, library.with_suffix(".json"))
+    problem = {
+        "cache open to others": (cache, 0o777, "is writable by group or others"),
+        "cache open to its group": (cache, 0o770, "is writable by group or others"),
+        "inside a directory open to others": (cache.parent, 0o777, "which group or others can write to"),
+        "cache of another user": (cache, 0o700, "belongs to uid 65534"),
+    }[where]
+    problem[0].chmod(problem[1])
+    if where == "cache of another user":
+        foreign(cache)
+    before = sorted(p.name for p in cache.iterdir())
+    loads_the_tiny_library(tiny, warning=f"not loaded from their cache: .*{problem[2]}.*private temporary directory")
+    assert tiny.builds() == 1 and sorted(p.name for p in cache.iterdir()) == before
+    assert stat.S_IMODE(problem[0].stat().st_mode) == problem[1]  # left as it was
+
+
+@pytest.mark.parametrize("change", ["bytes", "mode"])
+def test_a_library_changed_after_its_build_is_built_again_not_loaded(tiny, change):
+    """The library's bytes changed in place (its manifest intact), or the file opened to others' writes."""
+    cpu_kernels._built(tiny.compiler)
+    if change == "bytes":
+        tiny.target.write_bytes(tiny.planted.read_bytes())  # same file, owner and mode
+    else:
+        tiny.target.chmod(0o766)
+    loads_the_tiny_library(tiny)
+    assert tiny.builds() == 2 and matches_its_manifest(tiny.target)
+    assert stat.S_IMODE(tiny.target.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("entry", ["library", "manifest"])
+def test_a_symlink_planted_in_the_cache_is_not_followed(tiny, tmp_path, entry):
+    """A link under the library's (or the manifest's) name to a library (manifest) that would pass the checks:
+    refused with a warning, left in place."""
+    tiny.cache.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if entry == "library":
+        tiny.target.symlink_to(tiny.planted)
+        tiny.forged_manifest(tiny.planted, tiny.manifest)
+    else:
+        shutil.copy(tiny.planted, tiny.target)
+        tiny.manifest.symlink_to(tiny.forged_manifest(tiny.planted, elsewhere / "manifest.json"))
+    loads_the_tiny_library(tiny, warning="not loaded from their cache: .* is a symbolic link")
+    assert tiny.builds() == 1 and (tiny.target if entry == "library" else tiny.manifest).is_symlink()
+
+
+def test_a_pipe_planted_under_the_library_name_is_refused_without_waiting(tiny):
+    tiny.cache.mkdir(mode=0o700)
+    os.mkfifo(tiny.target)
+    tiny.forged_manifest(tiny.planted, tiny.manifest)
+    loads_the_tiny_library(tiny, warning="is not a regular file")
+
+
+def test_a_library_swapped_in_after_the_check_is_not_the_one_loaded(tiny, monkeypatch):
+    """The file loaded is the one whose digest was checked (through its descriptor), whatever lies under its name
+    by the time ``dlopen`` runs."""
+    cpu_kernels._built(tiny.compiler)
+    checked = cpu_kernels._verified
+
+    def then_swapped(target, inputs):
+        fd = checked(target, inputs)
+        swapped = target.with_name("swapped")
+        shutil.copy(tiny.planted, swapped)
+        os.replace(swapped, target)
+        return fd
+
+    monkeypatch.setattr(cpu_kernels, "_verified", then_swapped)
+    library = cpu_kernels._verified_load(tiny.target, cpu_kernels._inputs(tiny.compiler))
+    assert library.densepass_tiny() == 7 and not tiny.marker.exists()

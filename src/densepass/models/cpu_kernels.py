@@ -28,6 +28,16 @@ loaded with ``ctypes``. Where the CPU has no AMX, no compiler is found or the bu
 fused layers run SDPA and torch's layer norm on padded batches, as they do in float32. ``$DENSEPASS_CPU_KERNELS=0``
 turns the kernels off (to compare).
 
+densepass loads no native code it did not build for this user. The cache is private to its user: a directory
+(made 0700) that the user owns and group and others cannot write to, below directories only the user or root can
+change; a cache shared by several users is not supported. Each library (0700) has a manifest beside it
+(``cpu_kernels-<key>.json``: its size and sha256, the compiler's version, the flags, the source's digest), and is
+loaded only where both are the user's plain files (no link followed), the library's digest, taken from the
+descriptor it is then loaded through (``/proc/self/fd/N``), matching the manifest. A damaged entry of the user's is
+built again; where the cache directory or an entry in it is not the user's alone (another user's file, a link, a
+directory others can write to), nothing is loaded from it: a one-line warning, and the kernels are built for the
+process alone in a private temporary directory.
+
     >>> import torch
     >>> qkv = torch.randn(8 + 5, 3 * 12 * 32).bfloat16()  # two sequences of 8 and 5 tokens, 12 heads of 32
     >>> offsets = torch.tensor([0, 8, 13])
@@ -37,21 +47,28 @@ turns the kernels off (to compare).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
+import fcntl
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from densepass.device import cpuinfo_words, env_switch
+from densepass.io import atomic_write_text
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 SIZES = (32, 64)
@@ -390,35 +407,217 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _loaded(compiler: str) -> ctypes.CDLL:
-    """The library from the cache, built by ``compiler`` where it is missing, or again where what the cache holds
-    does not load (a damaged or foreign file: what ``_built`` writes is complete)."""
-    target = _built(compiler)
+    """The library built by ``compiler`` from the cache (``_cache_path``), verified and loaded (``_verified_load``),
+    compiled into it where it is missing or damaged. Where the cache directory or its entry is not this user's alone
+    (``_Refused``), nothing is loaded from it: a one-line warning, and the library is built for this process alone
+    in a private temporary directory (removed once it is loaded); where that fails too, the error."""
+    inputs = _inputs(compiler)
     try:
-        return ctypes.CDLL(str(target))
-    except OSError:
-        target.unlink(missing_ok=True)
-        return ctypes.CDLL(str(_built(compiler)))
+        return _load_from(_private_directory(_cache_path(), create=True), compiler, inputs)
+    except _Refused as refused:
+        warnings.warn(f"densepass's CPU kernels are not loaded from their cache: {refused}; built for this process "
+                      "in a private temporary directory instead", stacklevel=2)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="densepass-kernels-") as private:
+        return _load_from(_private_directory(Path(private)), compiler, inputs)
 
 
-def _built(compiler: str) -> Path:
-    """The shared library built from ``SOURCE`` by ``compiler``, from the cache or compiled into it (atomically:
-    a library is complete under its final name, and builds in parallel leave the same file), readable by every
-    user of a shared cache."""
+def _load_from(cache: Path, compiler: str, inputs: dict) -> ctypes.CDLL:
+    """The library in ``cache``, built where needed and loaded; built again once where another process replaced it
+    between the build and the load."""
+    try:
+        return _verified_load(_built(compiler, cache, inputs), inputs)
+    except _Damaged:
+        return _verified_load(_built(compiler, cache, inputs), inputs)
+
+
+def _cache_path() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "densepass" / "kernels")
+
+
+def _inputs(compiler: str) -> dict:
+    """What a library is built from, as its manifest records it: the cache key (of the source, the flags and the
+    compiler's version), the compiler's version, the flags and the source's digest."""
     run = functools.partial(subprocess.run, capture_output=True, text=True, errors="replace", check=True)
     version = run([compiler, "--version"]).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "densepass" / "kernels")
-    target = cache / f"cpu_kernels-{key}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode()])).hexdigest()[:16]
+    source_digest = hashlib.sha256(source).hexdigest()
+    return {"key": key, "compiler_version": version, "flags": list(FLAGS), "source_sha256": source_digest}
+
+
+def _built(compiler: str, cache: Path | None = None, inputs: dict | None = None) -> Path:
+    """The shared library built from ``SOURCE`` by ``compiler`` in ``cache`` (default: the private cache directory,
+    ``_Refused`` where it is not private), where a verified one is there already (``_verified``), else compiled into
+    it: under a lock on the directory (parallel builds build once), owner-only (0700), its manifest
+    ``cpu_kernels-<key>.json`` (the library's size and sha256, the build's inputs) written atomically before the
+    library is renamed to its final name. An entry that is not this user's plain file is ``_Refused``, never
+    replaced."""
+    inputs = _inputs(compiler) if inputs is None else inputs
+    cache = _private_directory(_cache_path(), create=True) if cache is None else cache
+    target = cache / f"cpu_kernels-{inputs['key']}.so"
+    with contextlib.suppress(_Damaged):
+        os.close(_verified(target, inputs))
+        return target
+    run = functools.partial(subprocess.run, capture_output=True, text=True, errors="replace", check=True)
+    with _directory_lock(cache):
+        with contextlib.suppress(_Damaged):
+            os.close(_verified(target, inputs))  # built by another process while this one waited
+            return target
         handle, partial = tempfile.mkstemp(dir=cache, prefix=target.name, suffix=".tmp")
         os.close(handle)
         try:
             run([compiler, *FLAGS, str(SOURCE), "-o", partial])
-            if Path(partial).stat().st_size == 0:
-                raise OSError(f"{compiler} wrote no library")
-            os.chmod(partial, 0o755)  # mkstemp's file is private to its owner
+            fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:  # the compiler's file (a linker writes a new one, its mode from the umask)
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                    raise _Refused(f"{partial} is not a file of this user's")
+                if info.st_size == 0:
+                    raise OSError(f"{compiler} wrote no library")
+                os.fchmod(fd, 0o700)
+                size, digest = _digest(fd)
+            finally:
+                os.close(fd)
+            manifest = {"library": target.name, "size": size, "sha256": digest, "compiler": compiler, **inputs}
+            atomic_write_text(_manifest_path(target), json.dumps(manifest, indent=1) + "\n")
             os.replace(partial, target)
         finally:
             Path(partial).unlink(missing_ok=True)
     return target
+
+
+def _verified_load(target: Path, inputs: dict) -> ctypes.CDLL:
+    """The library ``target`` loaded from the very file ``_verified`` checked: opened once (no link followed), its
+    digest taken from that descriptor, and ``dlopen``ed as ``/proc/self/fd/N``, so a file swapped in under its name
+    after the check is never the one loaded. The descriptor stays open (``_HELD``)."""
+    fd = _verified(target, inputs)
+    try:
+        library = ctypes.CDLL(f"/proc/self/fd/{fd}")
+    except BaseException:
+        os.close(fd)
+        raise
+    _HELD.append(fd)
+    return library
+
+
+_HELD: list[int] = []
+"""The descriptors the libraries were loaded through, open as long as the process runs: ``dlopen`` knows a library
+by the name it was opened under, and would take a later ``/proc/self/fd/N`` of a reused N for the first library."""
+
+
+class _Damaged(OSError):
+    """A cache entry of this user's that is missing, incomplete or does not match its manifest: built again."""
+
+
+class _Refused(OSError):
+    """A cache directory or entry that is not this user's alone (a link, not a plain file, another user's, open to
+    others' writes): nothing is loaded from it and it is left as it is."""
+
+
+def _manifest_path(target: Path) -> Path:
+    return target.with_suffix(".json")
+
+
+def _verified(target: Path, inputs: dict) -> int:
+    """A descriptor of ``target``, open for reading, where it and its manifest are this user's plain files (not
+    links, not writable by group or others) and the manifest records the library's size and sha256 (taken from the
+    descriptor) and ``inputs``; ``_Damaged`` where either is missing, does not match or is open to others' writes
+    (a file this user owns, replaced by the next build), ``_Refused`` where either is not this user's plain file."""
+    fd = _opened(_manifest_path(target))
+    try:
+        text = os.read(fd, 1 << 20)
+    finally:
+        os.close(fd)
+    try:
+        manifest = json.loads(text)
+    except ValueError as error:
+        raise _Damaged(f"{_manifest_path(target)} is not a manifest") from error
+    fd = _opened(target)
+    try:
+        size, digest = _digest(fd)
+        expected = {"library": target.name, "size": size, "sha256": digest, **inputs}
+        if not isinstance(manifest, dict) or any(manifest.get(name) != value for name, value in expected.items()):
+            raise _Damaged(f"{target} does not match its manifest")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _opened(path: Path) -> int:
+    """A read-only descriptor of ``path`` where it is this user's plain file, not writable by group or others; no
+    link is followed and a pipe does not block the open."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError as error:
+        raise _Damaged(f"{path} is missing") from error
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise _Refused(f"{path} is a symbolic link") from error
+        raise _Refused(f"{path} cannot be opened ({error.strerror})") from error
+    try:
+        info, uid = os.fstat(fd), os.getuid()
+        if not stat.S_ISREG(info.st_mode):
+            raise _Refused(f"{path} is not a regular file")
+        if info.st_uid != uid:
+            raise _Refused(f"{path} belongs to uid {info.st_uid}, not this user ({uid})")
+        if info.st_mode & 0o022:
+            raise _Damaged(f"{path} is writable by group or others")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _digest(fd: int) -> tuple[int, str]:
+    """The size and sha256 of the file open as ``fd``, read from its start."""
+    digest, size, offset = hashlib.sha256(), 0, 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        size, offset = size + len(chunk), offset + len(chunk)
+    return size, digest.hexdigest()
+
+
+def _private_directory(path: Path, create: bool = False) -> Path:
+    """``path`` with its links resolved, where it is a directory of this user's that group and others cannot write
+    to, below directories only this user or root can change (a directory others may write to only where it is
+    sticky, as /tmp): no other user can put a file in it or swap it for another. ``create``: made where missing
+    (mode 0700). ``_Refused`` (naming the problem) otherwise; an existing directory's mode is not changed."""
+    if create and not os.path.lexists(path):
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+        except OSError as error:
+            raise _Refused(f"{path} cannot be made ({error.strerror})") from error
+    real, uid = Path(os.path.realpath(path)), os.getuid()
+    try:
+        info = os.lstat(real)
+    except OSError as error:
+        raise _Refused(f"{real} cannot be read ({error.strerror})") from error
+    if not stat.S_ISDIR(info.st_mode):
+        raise _Refused(f"{real} is not a directory")
+    if info.st_uid != uid:
+        raise _Refused(f"{real} belongs to uid {info.st_uid}, not this user ({uid})")
+    if info.st_mode & 0o022:
+        raise _Refused(f"{real} is writable by group or others (chmod 700 it to use it)")
+    for parent in real.parents:
+        info = os.lstat(parent)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid not in (uid, 0):
+            raise _Refused(f"{real} is inside {parent}, which belongs to uid {info.st_uid}, not this user or root")
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            raise _Refused(f"{real} is inside {parent}, which group or others can write to")
+    return real
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``directory`` itself for the block (none where the file system has no such locks:
+    a second build then writes the same library)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
