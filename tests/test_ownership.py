@@ -264,3 +264,30 @@ def test_run_never_deletes_what_it_did_not_write(tiny_beir, tiny_model_dir, tmp_
     assert_intact(run_dir, planted_in_run)
     assert_intact(thesis, planted)
     capsys.readouterr()
+
+
+def test_file_outputs_overwrite_only_what_densepass_wrote(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    """search / rerank / mine / config / ensemble --output: a user's file at that path is refused before any
+    work; densepass's own earlier output there is replaced."""
+    index = tmp_path / "idx"
+    assert main(["index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(index)]) == 0
+    queries = tmp_path / "queries.tsv"
+    queries.write_text("a\taudio editor\nb\tfont viewer\n")
+    user_file = tmp_path / "thesis.txt"
+    user_file.write_text("chapter one\n")
+    search = ["search", str(index), "--queries", str(queries), "--k", "3", "--output"]
+    assert main([*search, str(user_file)]) == 2
+    assert user_file.read_text() == "chapter one\n"
+    assert "densepass overwrites only its own files" in capsys.readouterr().err
+    run = tmp_path / "run.trec"
+    assert main([*search, str(run)]) == 0
+    assert main([*search, str(run)]) == 0  # its own run file: replaced
+    capsys.readouterr()
+    assert main(["config", "--output", str(user_file)]) == 2
+    assert main(["mine", str(tiny_beir), "--strategy", "bm25", "--output", str(user_file)]) == 2
+    assert user_file.read_text() == "chapter one\n"
+    config = tmp_path / "resolved.yaml"
+    assert main(["config", "--output", str(config)]) == 0
+    assert main(["config", "--output", str(config), "--set", "name=other"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("densepass overwrites only its own files") == 2

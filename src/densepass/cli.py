@@ -66,6 +66,7 @@ def _config(args: argparse.Namespace) -> None:
     import yaml
 
     from densepass.config import ExperimentConfig, explain, load_config, save_config, to_dict
+    from densepass.io import check_output_file
     from densepass.phrase.config import PhraseConfig
     from densepass.pretraining.config import PretrainConfig
 
@@ -76,6 +77,7 @@ def _config(args: argparse.Namespace) -> None:
         return
     config = load_config(args.config, args.set, cls)
     if args.output:
+        check_output_file(args.output, "config", lambda line: line.startswith(("name:", "{")))
         save_config(config, args.output)
     else:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
@@ -240,11 +242,15 @@ def _load_reranker(path: str, device, batch_size: int | None, precision: str):
 
 
 def check_run_output(path: str) -> None:
-    """A one-line error when a run file to write is an existing directory."""
+    """A one-line error when a run file to write is an existing directory, or a file that is not a TREC run
+    (densepass overwrites only its own output, ``io.check_output_file``)."""
     from densepass.errors import ConfigError
+    from densepass.evaluation.metrics import is_trec_line
+    from densepass.io import check_output_file
 
     if Path(path).is_dir():
         raise ConfigError(f"--output {path} is a directory; give a run file path")
+    check_output_file(path, "TREC run", is_trec_line)
 
 
 def _rerank(args: argparse.Namespace) -> None:
@@ -312,13 +318,14 @@ def _print_hits(query: str, hits) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from densepass.serve import run_server, settings_from_args
-    from densepass.serve.settings import check_can_listen, exposure_warning
+    from densepass.serve.settings import check_address, check_can_listen, exposure_warning
 
     settings = settings_from_args(args)  # checked before the index is loaded, and so are the address and port
-    check_can_listen(args.host, args.port)
+    check_address(args.host, args.port)
     exposed = exposure_warning(args.host, args.port)
     if exposed:
         print(f"densepass: warning: {exposed}", file=sys.stderr)
+    check_can_listen(args.host, args.port)
     pipeline = _load_pipeline(args)
     print(f"densepass: serving {json.dumps(pipeline.describe())} on http://{args.host}:{args.port}", file=sys.stderr)
     run_server(pipeline, args.host, args.port, settings)
@@ -396,7 +403,9 @@ def _mine(args: argparse.Namespace) -> None:
     from densepass import distributed
     from densepass.config import load_config
     from densepass.errors import ConfigError
+    from densepass.io import check_output_file
     from densepass.negatives.mine import mines_with_a_model, strategy_specs
+    from densepass.negatives.pool import is_pool_line
     from densepass.pipelines.mining import mine_training_negatives
 
     options = {
@@ -422,6 +431,7 @@ def _mine(args: argparse.Namespace) -> None:
     output = Path(args.output)
     if output.is_dir():
         raise ConfigError(f"--output {output} is a directory; give the path of the hard-negatives file to write")
+    check_output_file(output, "hard-negatives file", is_pool_line)
     negatives = config.negatives
     if args.precision is not None and strategy_specs(negatives) and not mines_with_a_model(negatives):
         raise ConfigError(f"--precision sets how a model encodes; the {negatives.source} strategy mines with no model")
@@ -450,8 +460,11 @@ def _print_mining_summary(result, output: Path) -> None:
 def _ensemble(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
     from densepass.evaluation.tables import print_table
-    from densepass.io import atomic_write_text
+    from densepass.io import atomic_write_text, check_output_file
     from densepass.pipelines.ensemble import EnsembleSettings, evaluate_ensemble
+
+    if args.output:  # before the work: densepass overwrites only its own JSON
+        check_output_file(args.output, "JSON report", lambda line: line.startswith("{"))
 
     settings = EnsembleSettings(
         ["embedding", "rrf"] if args.method == "both" else [args.method],

@@ -484,3 +484,28 @@ def atomic_file(path: str | Path, mode: str = "w", needs: int | None = None) -> 
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
+
+
+def check_output_file(path: str | Path, what: str, ours: Callable[[str], bool]) -> None:
+    """A one-line error unless ``path`` is free for a ``what`` densepass writes: missing, empty, or a file whose
+    first line ``ours`` recognises as that format (so densepass overwrites its own output of an earlier run,
+    never a user's file that happens to have the name). A directory or a link there is refused too."""
+    from densepass.errors import DensepassError
+
+    path = Path(path)
+    if path.is_symlink() or path.exists() and not path.is_file():
+        raise DensepassError(f"--output {path} exists and is not a file; give the path of the {what} to write")
+    if not path.exists():
+        return
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(65536)
+        first = head.decode("utf-8").splitlines()[0] if head.strip() else ""
+    except (OSError, UnicodeDecodeError):
+        first = None
+    if first == "" or first is not None and ours(first):
+        return
+    raise DensepassError(
+        f"--output {path} exists and is not a {what} densepass wrote; densepass overwrites only its own files: "
+        "choose another path, or move that file away yourself"
+    )

@@ -262,6 +262,12 @@ def paired_significance(
     return results
 
 
+def is_trec_line(line: str) -> bool:
+    """Whether ``line`` reads as a TREC run line ``qid Q0 pid rank score tag`` (what ``write_trec_run`` writes)."""
+    fields = line.split()
+    return len(fields) == 6 and fields[1] == "Q0"
+
+
 def write_trec_run(run: Run, path: str | Path, tag: str = "densepass") -> None:
     """TREC run format: ``qid Q0 pid rank score tag``, best first; written atomically."""
     from densepass.io import atomic_write_text

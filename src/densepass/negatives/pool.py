@@ -33,6 +33,15 @@ class Candidate(NamedTuple):
 NegativePool = dict[str, list[Candidate]]
 
 
+def is_pool_line(line: str) -> bool:
+    """Whether ``line`` reads as a line of ``save_pool``'s JSONL (``{"query_id", "negatives"}``)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and {"query_id", "negatives"} <= set(record)
+
+
 def save_pool(pool: NegativePool, path: str | Path) -> None:
     """Write ``pool`` as JSONL (queries in insertion order), atomically."""
     lines = [
