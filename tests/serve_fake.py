@@ -69,8 +69,8 @@ class FakeSearcher:
             raise DataError("the query contains the forbidden word")
         if "explode" in query_words:
             raise RuntimeError("the fake index exploded\nwith a second line")
-        scored = [
-            (len(query_words & words(f"{title} {text}")) / len(query_words), pid, title, text)
+        scored = [  # a query without words (say "?!") matches nothing
+            (len(query_words & words(f"{title} {text}")) / max(1, len(query_words)), pid, title, text)
             for pid, title, text in PASSAGES
         ]
         ranked = sorted((s for s in scored if s[0] > 0), key=lambda s: (-s[0], s[1]))

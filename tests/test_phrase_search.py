@@ -288,7 +288,7 @@ def test_the_search_service_returns_the_answer_and_its_span(model):
 
     pipeline = SearchPipeline(PhraseIndex.build(model, PASSAGES))
     expected = pipeline.search(QUESTIONS[1], k=2)
-    with TestClient(create_app(pipeline)) as client:
+    with TestClient(create_app(pipeline), base_url="http://localhost") as client:  # an allowed Host
         response = client.post("/search", json={"query": QUESTIONS[1], "k": 2})
         health = client.get("/health").json()
     assert response.status_code == 200

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +25,9 @@ import uvicorn
 import densepass
 from densepass.errors import ConfigError
 from densepass.serve import ServeSettings, add_settings_arguments, create_app, hit_to_json, settings_from_args
+from densepass.serve.app import uvicorn_config
 from densepass.serve.batching import MicroBatcher, Unavailable
+from densepass.serve.settings import exposure_warning
 from serve_fake import PASSAGES, FakeSearcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +56,7 @@ def serving(searcher: FakeSearcher, settings: ServeSettings | None = None):
     app = create_app(searcher, settings)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn_config(app, log_config=None, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -169,6 +172,119 @@ def test_the_settings_reject_values_that_cannot_work():
             ServeSettings(**bad)
 
 
+UNBOUNDED_SETTINGS = [
+    ("max_wait_ms", float("nan")),
+    ("max_wait_ms", float("inf")),
+    ("max_wait_ms", 1e308),
+    ("max_wait_ms", 1000.5),
+    ("max_wait_ms", 10**400),
+    ("read_timeout_s", 0.0),
+    ("read_timeout_s", float("nan")),
+    ("read_timeout_s", 1e9),
+    ("max_batch_size", 10**6),
+    ("max_queue", 10**12),
+    ("max_queries_per_request", 10**6),
+    ("max_query_chars", 10**9),
+    ("max_k", 10**9),
+    ("max_body_bytes", 10**12),
+]
+
+
+@pytest.mark.parametrize("name, value", UNBOUNDED_SETTINGS, ids=[f"{n}={v!r}"[:40] for n, v in UNBOUNDED_SETTINGS])
+def test_every_setting_is_bounded_and_nan_is_refused_naming_the_flag(name, value):
+    extra = {"max_queue": 10**6} if name == "max_queries_per_request" else {}
+    with pytest.raises(ConfigError) as err:
+        ServeSettings(**{name: value, **extra})
+    message = str(err.value)
+    assert f"--{name.replace('_', '-')}" in message and "\n" not in message
+    ServeSettings(max_wait_ms=1000, read_timeout_s=600, max_queue=10**6, max_queries_per_request=10_000)  # the bounds
+
+
+@pytest.mark.parametrize("value", ["1e308", "nan", "inf", "-inf", "1001"])
+def test_cli_serve_refuses_an_unbounded_max_wait_before_loading_the_index(tmp_path, capsys, value):
+    from densepass.cli import main
+
+    assert main(["serve", str(tmp_path / "no-index"), f"--max-wait-ms={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--max-wait-ms" in err and "from 0 to 1000" in err, err
+    assert "no-index" not in err  # refused before the (missing) index was looked at
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "65536"])
+def test_cli_serve_refuses_a_port_out_of_range_in_one_line_before_loading_the_index(tmp_path, capsys, port):
+    from densepass.cli import main
+
+    assert main(["serve", str(tmp_path / "no-index"), "--port", port]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"densepass: error: --port must be an integer from 0 to 65535 (0: any free port), got {port}"
+    with pytest.raises(ConfigError, match="--port"):
+        from densepass.serve import run_server
+
+        run_server(FakeSearcher(), port=int(port))
+
+
+def test_cli_serve_refuses_a_taken_port_or_an_unknown_host_before_loading_the_index(tmp_path, capsys):
+    from densepass.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["serve", str(tmp_path / "no-index"), "--port", port]) == 2
+        err = capsys.readouterr().err.strip()
+        assert (
+            err.startswith(f"densepass: error: cannot listen on --host 127.0.0.1 --port {port}: ") and "\n" not in err
+        )
+        with pytest.raises(ConfigError, match=f"could not listen on 127.0.0.1:{port}"):
+            from densepass.serve import run_server
+
+            run_server(FakeSearcher(), port=int(port), log_level="critical")
+    assert main(["serve", str(tmp_path / "no-index"), "--host", "127.0.0.1 "]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == "densepass: error: --host must be an address or host name to listen on, got '127.0.0.1 '"
+    )
+
+
+def test_cli_serve_warns_in_one_line_that_a_non_loopback_host_has_no_authentication(tmp_path, capsys):
+    from densepass.cli import main
+
+    # 192.0.2.7 (TEST-NET-1) is no address of this machine: the warning comes, then binding it fails
+    assert main(["serve", str(tmp_path / "no-index"), "--host", "192.0.2.7", "--port", "8123"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == f"densepass: warning: {exposure_warning('192.0.2.7', 8123)}"
+    assert lines[1].startswith("densepass: error: ") and len(lines) == 2  # (cannot listen, or then no index)
+
+
+@pytest.mark.parametrize("host, shown", [("0.0.0.0", "0.0.0.0"), ("::", "[::]"), ("search.example.com", None)])
+def test_a_non_loopback_host_is_warned_about_naming_the_missing_authentication(host, shown):
+    warning = exposure_warning(host, 8123)
+    assert warning.startswith(f"--host {host}: the service has no authentication; ") and "\n" not in warning
+    assert f"anyone who can reach {shown or host}:8123 can search the index" in warning
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_a_loopback_host_is_not_warned_about(host):
+    assert exposure_warning(host, 8000) is None
+
+
+def test_the_host_allow_list_is_loopback_the_bound_address_and_the_given_names():
+    loopback = ("localhost", "127.0.0.1", "::1")
+    assert ServeSettings().host_allow_list() == loopback
+    assert ServeSettings().host_allow_list("0.0.0.0") == loopback and ServeSettings().host_allow_list("::") == loopback
+    assert ServeSettings().host_allow_list("192.0.2.7") == (*loopback, "192.0.2.7")
+    given = ServeSettings(allowed_hosts=("Search.Example.com", "[2001:db8::1]", "*.corp.example"))
+    assert given.host_allow_list("[::1]") == (*loopback, "search.example.com", "2001:db8::1", "*.corp.example")
+    assert ServeSettings(allowed_hosts=("*",)).host_allow_list("0.0.0.0") is None
+    for bad in ["example.com:8000", "a b", "http://example.com", "*example.com", ""]:
+        with pytest.raises(ConfigError, match="--allowed-hosts"):
+            ServeSettings(allowed_hosts=(bad,))
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    args = parser.parse_args(["--allowed-hosts", "a.example, b.example,"])
+    assert settings_from_args(args).allowed_hosts == ("a.example", "b.example")
+
+
 def test_the_settings_flags_round_trip_through_argparse():
     parser = argparse.ArgumentParser()
     add_settings_arguments(parser)
@@ -209,6 +325,12 @@ BAD_REQUESTS = [
     ("an empty query", {"query": ""}, 422, "empty"),
     ("a whitespace-only query", {"queries": ["video", " \t\n"]}, 422, "query 1 is empty or whitespace"),
     ("no queries", {"queries": []}, 422, "empty"),
+    ("a lone surrogate", b'{"query": "\\ud800"}', 422, "the query has a lone surrogate U+D800 at character 0"),
+    ("a lone low surrogate", {"queries": ["video", "a\udc00b"]}, 422, "query 1 has a lone surrogate U+DC00"),
+    ("a zero-width-only query", {"query": "\u200b"}, 422, "no visible character"),
+    ("zero-width and no-break spaces", {"queries": ["video", "\u200b\u00a0\ufeff\u2060"]}, 422, "query 1 has no"),
+    ("a Hangul filler", {"query": " \u3164 "}, 422, "no visible character"),
+    ("control characters only", {"query": "\u0000\u0007"}, 422, "no visible character"),
     ("too many queries", {"queries": ["video"] * 5}, 422, "too many queries: 5 (at most 4)"),
     ("a too-long query", {"query": "v" * 51}, 422, "51 characters (at most 50)"),
     ("k = 0", {"query": "video", "k": 0}, 422, "between 1 and 20, got 0"),
@@ -273,8 +395,9 @@ def test_health_and_the_openapi_docs_describe_the_service(service):
     assert health["queue_depth"] == 0
     assert health["batching"] == {"enabled": True, "max_batch_size": 64, "max_wait_ms": 2.0, "max_queue": 64}
     assert health["limits"]["max_k"] == 20 and health["served"]["searcher_calls"] >= 0
+    assert health["limits"]["read_timeout_s"] == 10.0
     assert {"/search", "/health"} <= set(schema["paths"]) and "/" not in schema["paths"]
-    assert {"413", "422", "503"} <= set(schema["paths"]["/search"]["post"]["responses"])
+    assert {"408", "413", "422", "503"} <= set(schema["paths"]["/search"]["post"]["responses"])
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
 
 
@@ -285,6 +408,162 @@ def test_the_search_page_is_served_without_external_resources(service):
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "connect-src 'self'" in page.headers["content-security-policy"]
     assert "http://" not in page.text and "https://" not in page.text and "innerHTML" not in page.text
+
+
+def test_queries_with_visible_characters_around_zero_width_ones_are_searched(service):
+    url, searcher = service
+    with client(url) as http:
+        response = http.post("/search", json={"queries": ["video\u200bplayer", "?!", "\u00a0mail\u00a0"], "k": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["results"] == [reference(searcher, q, 2) for q in ["video\u200bplayer", "?!", " mail "]]
+
+
+ALLOWED_BY_DEFAULT = [
+    "localhost",
+    "localhost:1",
+    "LOCALHOST:8000",
+    "127.0.0.1",
+    "127.0.0.1:65535",
+    "[::1]:8000",
+    "[::1]",
+]
+REFUSED_BY_DEFAULT = [
+    "evil.example",
+    "evil.example:8000",
+    "localhost.evil.example",
+    "127.0.0.1.nip.io",
+    "[::2]:80",
+    "localhost:80:80",
+    "[::1",
+    "localhost:port",
+    "0.0.0.0:8000",
+]
+
+
+def test_a_request_naming_another_host_is_a_400_and_never_searched(service):
+    url, searcher = service
+    calls = searcher.calls
+    with client(url) as http:
+        for host in ALLOWED_BY_DEFAULT:
+            response = http.get("/health", headers={"Host": host})
+            assert response.status_code == 200, (host, response.text)
+        for host in REFUSED_BY_DEFAULT:
+            response = http.post("/search", json={"query": "video"}, headers={"Host": host})
+            assert response.status_code == 400, (host, response.text)
+            assert set(response.json()) == {"error"} and "is not allowed" in response.json()["error"]
+            assert "--allowed-hosts" in response.json()["error"]
+            assert http.get("/", headers={"Host": host}).status_code == 400  # the search page too
+    assert searcher.calls == calls
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:  # HTTP/1.0 allows no Host header
+        sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        answer = read_until_closed(sock, time.monotonic() + 5)
+    assert answer is not None and answer.startswith(b"HTTP/1.1 400") and b"exactly one Host header" in answer
+
+
+def test_allowed_hosts_add_names_and_star_allows_any():
+    settings = ServeSettings(allowed_hosts=("search.example.com", "*.corp.example"))
+    with serving(FakeSearcher(), settings) as (url, _, _), client(url) as http:
+        for host, status in [
+            ("search.example.com", 200),
+            ("search.example.com.:443", 200),
+            ("a.corp.example:8000", 200),
+            ("b.a.corp.example", 200),
+            ("localhost:9", 200),
+            ("corp.example", 400),
+            ("evil.example", 400),
+        ]:
+            assert http.get("/health", headers={"Host": host}).status_code == status, host
+    with serving(FakeSearcher(), ServeSettings(allowed_hosts=("*",))) as (url, _, _), client(url) as http:
+        assert all(http.get("/health", headers={"Host": host}).status_code == 200 for host in REFUSED_BY_DEFAULT[:5])
+
+
+def read_until_closed(sock: socket.socket, deadline: float) -> bytes | None:
+    """What the server sent on ``sock`` before it closed the connection, or None if it was still open at
+    ``deadline`` (a ``time.monotonic()``)."""
+    data = b""
+    for _ in range(10_000):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        sock.settimeout(remaining)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            return None
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+    return None
+
+
+HEADERS = b"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+
+
+def test_a_stalled_body_gets_408_and_its_connection_closed_within_the_read_timeout():
+    searcher = FakeSearcher()
+    with serving(searcher, ServeSettings(read_timeout_s=0.5)) as (url, _, _):
+        port = int(url.rsplit(":", 1)[1])
+        started = time.monotonic()
+        sockets = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(30)]
+        try:
+            for sock in sockets:
+                sock.sendall(HEADERS + b'{"query": "vid')  # 14 of the 100 bytes promised, then nothing
+            answers = [read_until_closed(sock, started + 5) for sock in sockets]
+        finally:
+            for sock in sockets:
+                sock.close()
+        took = time.monotonic() - started
+        with client(url) as http:  # the service still answers
+            assert http.post("/search", json={"query": "video"}).status_code == 200
+    assert all(answer is not None for answer in answers), "a connection was still open after 5 s"
+    for answer in answers:
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower()
+        assert json.loads(body) == {"error": "the request body did not arrive within 0.5 s"}
+    assert 0.4 < took < 5 and searcher.calls == 1
+
+
+def test_connections_that_do_not_send_their_headers_in_time_are_closed():
+    with serving(FakeSearcher(), ServeSettings(read_timeout_s=0.5)) as (url, _, _):
+        port = int(url.rsplit(":", 1)[1])
+        started = time.monotonic()
+        partial = [b"", b"GET /hea", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"]  # never the blank line
+        sockets = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in partial]
+        try:
+            for sock, data in zip(sockets, partial):
+                sock.sendall(data)
+            answers = [read_until_closed(sock, started + 5) for sock in sockets]
+        finally:
+            for sock in sockets:
+                sock.close()
+        assert answers == [b"", b"", b""] and time.monotonic() - started < 5
+
+        # one header byte at a time (slowloris) never resets the clock
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            started, closed = time.monotonic(), False
+            for _ in range(50):  # 5 s of dripping at most
+                try:
+                    sock.sendall(b"X")
+                except OSError:
+                    closed = True
+                    break
+                time.sleep(0.1)
+                if read_until_closed(sock, time.monotonic() + 0.01) is not None:
+                    closed = True
+                    break
+            assert closed and time.monotonic() - started < 3
+
+        # and after a first request on a kept-alive connection, the second one's headers are timed too
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            first = sock.recv(65536)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHo")
+            started = time.monotonic()
+            assert first.startswith(b"HTTP/1.1 200") and read_until_closed(sock, started + 5) is not None
+            assert time.monotonic() - started < 3
 
 
 def test_concurrent_requests_are_answered_correctly_by_fewer_searcher_calls():
@@ -366,6 +645,39 @@ def test_shutdown_finishes_the_request_in_flight_and_stops_the_batcher():
     assert app.state.batcher.stopped and app.state.batcher.closing
     with pytest.raises(httpx.ConnectError), client(url) as http:
         http.get("/health")
+
+
+def test_sigterm_drains_the_request_in_flight_of_run_server():
+    with socket.socket() as probe:  # a free port for the subprocess
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    fake = [sys.executable, str(ROOT / "tests" / "serve_fake.py"), "--port", str(port), "--delay-ms", "1500"]
+    process = subprocess.Popen(fake, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        with client(url) as http:
+            for _ in range(300):  # up to 30 s to start
+                try:
+                    if http.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert process.poll() is None, process.communicate()[1][-2000:]
+                time.sleep(0.1)
+            answer = {}
+            asking = threading.Thread(target=lambda: answer.update(r=http.post("/search", json={"query": "video"})))
+            asking.start()
+            time.sleep(0.5)  # the request is being searched (1.5 s)
+            process.send_signal(signal.SIGTERM)
+            asking.join(30)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert answer["r"].status_code == 200 and answer["r"].json()["results"] == [reference(FakeSearcher(), "video", 10)]
+    assert process.returncode in (0, -signal.SIGTERM) and "Traceback" not in stderr, stderr[-2000:]
 
 
 # --- the search page in a headless browser ---

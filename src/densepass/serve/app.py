@@ -4,13 +4,20 @@
 ``GET /`` and FastAPI's OpenAPI docs (``/docs``, ``/openapi.json``). Every error is a one-line JSON
 ``{"error": "..."}``: 4xx for bad requests (including input the searcher rejects with a ``DensepassError``),
 503 with Retry-After when the queue is full, 500 without a trace for anything unexpected (the trace goes
-to the server log). :func:`run_server` serves an app with uvicorn.
+to the server log). A request whose Host header is not on the allow-list gets 400 (DNS rebinding); a body
+that does not arrive within ``read_timeout_s`` gets 408 and its connection closed. :func:`run_server` serves
+an app with uvicorn (:func:`uvicorn_config`), whose connections must send their headers within
+``read_timeout_s`` too.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import re
 import time
+import unicodedata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -23,10 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from densepass.errors import DensepassError
+from densepass.errors import ConfigError, DensepassError
 from densepass.serve.batching import MicroBatcher, Unavailable
 from densepass.serve.searcher import Searcher
-from densepass.serve.settings import ServeSettings
+from densepass.serve.settings import ServeSettings, check_address, host_name
 from densepass.version import __version__
 
 logger = logging.getLogger("densepass.serve")
@@ -75,6 +82,26 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     return JSONResponse({"error": " ".join(str(message).split())}, status_code=status, headers=headers)
 
 
+INVISIBLE_CATEGORIES = {"Cc", "Cf", "Zs", "Zl", "Zp"}  # controls, format (zero-width) characters, separators
+SURROGATE = re.compile("[\ud800-\udfff]")  # only lone ones reach a str: JSON pairs decode to one character
+BLANK_LETTERS = {"\u115f", "\u1160", "\u3164", "\uffa0", "\u2800"}  # Hangul fillers and the blank Braille cell
+
+
+def query_problem(query: str) -> str | None:
+    """Why ``query`` cannot be searched (after "the query" / "query i"), or None: a lone surrogate (not
+    Unicode, which tokenizers reject with a TypeError), or nothing visible (empty, whitespace, control or
+    zero-width characters only)."""
+    surrogate = SURROGATE.search(query)
+    if surrogate:
+        return f"has a lone surrogate U+{ord(surrogate[0]):04X} at character {surrogate.start()}, not valid Unicode"
+    if not query.strip():
+        return "is empty or whitespace only"
+    if all(unicodedata.category(c) in INVISIBLE_CATEGORIES or c in BLANK_LETTERS or c.isspace() for c in query):
+        shown = " ".join(dict.fromkeys(f"U+{ord(c):04X}" for c in query if not c.isspace()))
+        return f"has no visible character, only whitespace, control or zero-width ones ({shown[:80]})"
+    return None
+
+
 def request_queries(body: SearchRequest, settings: ServeSettings) -> list[str]:
     """The queries of a request, checked against ``settings``; raises ``ValueError`` with a one-line reason."""
     if (body.query is None) == (body.queries is None):
@@ -86,10 +113,11 @@ def request_queries(body: SearchRequest, settings: ServeSettings) -> list[str]:
         raise ValueError(f"too many queries: {len(queries)} (at most {settings.max_queries_per_request})")
     for i, query in enumerate(queries):
         where = "the query" if body.query is not None else f"query {i}"
-        if not query.strip():
-            raise ValueError(f"{where} is empty or whitespace only")
         if len(query) > settings.max_query_chars:
             raise ValueError(f"{where} has {len(query)} characters (at most {settings.max_query_chars})")
+        problem = query_problem(query)
+        if problem:
+            raise ValueError(f"{where} {problem}")
     if not 1 <= body.k <= settings.max_k:
         raise ValueError(f"k must be between 1 and {settings.max_k}, got {body.k}")
     return queries
@@ -109,15 +137,23 @@ def validation_message(err: RequestValidationError) -> tuple[int, str]:
     return 422, f"{where}: {first.get('msg')}{more}"
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for request bodies over ``max_bytes`` (by Content-Length, or counted as they stream)."""
+class _BodyTooLarge(Exception):
+    pass
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+
+class RequestBody:
+    """ASGI middleware: reads each request's whole body before the app sees the request. 413 for a body over
+    ``max_bytes`` (by Content-Length, or counted as it streams); 408 with ``Connection: close`` for one that has
+    not arrived ``timeout_s`` seconds after the app got the headers (a stalled client never holds a connection
+    longer); nothing when the client goes away meanwhile."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Pass the request on, answering 413 once its body exceeds the limit."""
+        """Read the body (or answer 408 / 413), then pass the request on with the body replayed."""
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         too_large = f"request body larger than {self.max_bytes} bytes"
@@ -126,23 +162,91 @@ class BodyLimit:
             return await error_response(
                 413 if length.isdigit() else 400, too_large if length.isdigit() else "bad Content-Length"
             )(scope, receive, send)
-        received = 0
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.timeout_s)
+        except asyncio.TimeoutError:
+            message = f"the request body did not arrive within {self.timeout_s:g} s"
+            return await error_response(408, message, {"Connection": "close"})(scope, receive, send)
+        except _BodyTooLarge:
+            return await error_response(413, too_large)(scope, receive, send)
+        if body is None:  # the client disconnected
+            return None
+        replayed = False
 
-        async def limited_receive() -> Message:
-            nonlocal received
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
+        chunks, received = [], 0
+        while True:
             message = await receive()
-            received += len(message.get("body", b""))
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            received += len(chunk)
             if received > self.max_bytes:
-                raise HTTPException(413, too_large)
-            return message
+                raise _BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
-        await self.app(scope, limited_receive, send)
+
+class HostAllowList:
+    """ASGI middleware: 400 for a request whose Host header names no allowed host (any port), so that a page
+    on another site cannot read answers through DNS rebinding. ``allowed`` holds names as
+    :func:`~densepass.serve.settings.host_name` gives them, ``*.domain`` for subdomains; None allows any.
+    (Starlette's ``TrustedHostMiddleware`` does the same check, but answers in plain text.)"""
+
+    def __init__(self, app: ASGIApp, allowed: tuple[str, ...] | None):
+        self.app = app
+        self.allowed = allowed
+
+    def allows(self, header: str | None) -> bool:
+        """Whether a Host header value ``header`` (e.g. ``localhost:8000``, ``[::1]:8000``) is allowed."""
+        if self.allowed is None:
+            return True
+        if not header:
+            return False
+        header = header.strip()
+        if header.startswith("["):  # an IPv6 literal, then perhaps a port
+            name, bracket, port = header[1:].partition("]")
+            if not bracket or (port and not (port.startswith(":") and port[1:].isdigit())):
+                return False
+        else:
+            name, colon, port = header.partition(":")
+            if colon and not port.isdigit():
+                return False
+        name = host_name(name)
+        return any(
+            name == pattern or (pattern.startswith("*.") and name.endswith(pattern[1:])) for pattern in self.allowed
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass allowed requests on; answer the others 400."""
+        if scope["type"] != "http" or self.allowed is None:
+            return await self.app(scope, receive, send)
+        hosts = [value for key, value in scope["headers"] if key == b"host"]
+        header = hosts[0].decode("latin-1") if len(hosts) == 1 else None
+        if self.allows(header):
+            return await self.app(scope, receive, send)
+        if header is None:
+            message = "the request needs exactly one Host header"
+        else:
+            message = f"Host {header[:100]!r} is not allowed (the service's --allowed-hosts adds names)"
+        await error_response(400, message)(scope, receive, send)
 
 
-def create_app(searcher: Searcher, settings: ServeSettings | None = None) -> FastAPI:
+def create_app(searcher: Searcher, settings: ServeSettings | None = None, host: str | None = None) -> FastAPI:
     """The search service's FastAPI app over ``searcher`` (used read-only), with ``settings`` (default:
-    :class:`ServeSettings`). Its lifespan starts the batcher and, on shutdown, searches what is still
-    waiting before it stops."""
+    :class:`ServeSettings`); ``host`` is the address it will listen on, accepted in the Host header when it is a
+    specific one (see :meth:`ServeSettings.host_allow_list`). Its lifespan starts the batcher and, on shutdown,
+    searches what is still waiting before it stops."""
     settings = settings or ServeSettings()
     batcher = MicroBatcher(searcher, settings.max_batch_size, settings.max_wait_ms, settings.max_queue)
     page = resources.files("densepass.serve").joinpath("static/index.html").read_text(encoding="utf-8")
@@ -163,10 +267,13 @@ def create_app(searcher: Searcher, settings: ServeSettings | None = None) -> Fas
         '`{"query": "...", "k": 10}`. Limits: at most '
         f"{settings.max_queries_per_request} queries of at most {settings.max_query_chars} "
         f"characters per request, k from 1 to {settings.max_k}, bodies of at most "
-        f'{settings.max_body_bytes} bytes. Errors are `{{"error": "..."}}`.',
+        f"{settings.max_body_bytes} bytes, sent within {settings.read_timeout_s:g} s. "
+        'Errors are `{"error": "..."}`.',
     )
     app.state.batcher = batcher
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.state.settings = settings
+    app.add_middleware(RequestBody, max_bytes=settings.max_body_bytes, timeout_s=settings.read_timeout_s)
+    app.add_middleware(HostAllowList, allowed=settings.host_allow_list(host))  # the outermost: checked first
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -183,7 +290,8 @@ def create_app(searcher: Searcher, settings: ServeSettings | None = None) -> Fas
     errors = {
         status: {"model": ErrorResponse, "description": what}
         for status, what in [
-            (400, "malformed JSON, or input the searcher rejects"),
+            (400, "malformed JSON, input the searcher rejects, or a Host header not allowed"),
+            (408, "the request body did not arrive in time (the connection is closed)"),
             (413, "request body too large"),
             (422, "wrong field types or values out of the limits"),
             (503, "queue full or shutting down (Retry-After)"),
@@ -228,6 +336,7 @@ def create_app(searcher: Searcher, settings: ServeSettings | None = None) -> Fas
                 "max_query_chars": settings.max_query_chars,
                 "max_k": settings.max_k,
                 "max_body_bytes": settings.max_body_bytes,
+                "read_timeout_s": settings.read_timeout_s,
             },
             "served": {
                 "batches": batcher.batches,
@@ -243,6 +352,59 @@ def create_app(searcher: Searcher, settings: ServeSettings | None = None) -> Fas
     return app
 
 
+def _timed_h11_protocol(read_timeout_s: float) -> type:
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request line and headers within
+    ``read_timeout_s`` of connecting, or of the first byte of its next request (uvicorn alone waits forever;
+    its keep-alive timeout covers only idle connections between requests)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self._header_timer: asyncio.TimerHandle | None = None
+            super().connection_made(transport)
+            self._watch_headers()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch_headers()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_header_timer()
+            super().connection_lost(exc)
+
+        def _watch_headers(self) -> None:
+            """Start the clock while a request's headers are awaited (once per request); stop it once they came."""
+            if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+                self._stop_header_timer()
+            elif self._header_timer is None:
+                self._header_timer = self.loop.call_later(read_timeout_s, self._headers_timed_out)
+
+        def _stop_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_timed_out(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                logger.info("closing a connection that sent no complete headers within %g s", read_timeout_s)
+                with contextlib.suppress(h11.LocalProtocolError):
+                    self.conn.send(h11.ConnectionClosed())
+                self.transport.close()
+
+    return TimedH11Protocol
+
+
+def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> Any:
+    """The ``uvicorn.Config`` that serves ``app`` (from :func:`create_app`): the h11 protocol with the header
+    read timeout of the app's settings; ``options`` go to ``uvicorn.Config`` (``log_level``...)."""
+    import uvicorn
+
+    settings: ServeSettings = app.state.settings
+    return uvicorn.Config(app, host=host, port=port, http=_timed_h11_protocol(settings.read_timeout_s), **options)
+
+
 def run_server(
     searcher: Searcher,
     host: str = "127.0.0.1",
@@ -252,13 +414,21 @@ def run_server(
     shutdown_timeout_s: float = 30.0,
 ) -> None:
     """Serve ``searcher`` with uvicorn until Ctrl-C or SIGTERM; then requests in flight are finished (for at
-    most ``shutdown_timeout_s`` seconds) before the batcher stops."""
+    most ``shutdown_timeout_s`` seconds) before the batcher stops. A ``port`` outside 0..65535 is a one-line
+    ``ConfigError``, and so is an address it cannot listen on (after uvicorn logged why). The service has no
+    authentication: with a ``host`` other than loopback, anyone who can reach it can search (the CLI warns)."""
     import uvicorn
 
-    uvicorn.run(
-        create_app(searcher, settings),
-        host=host,
-        port=port,
-        log_level=log_level,
-        timeout_graceful_shutdown=shutdown_timeout_s,
-    )
+    check_address(host, port)
+    app = create_app(searcher, settings, host=host)
+    config = uvicorn_config(app, host, port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s)
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    except SystemExit:  # uvicorn exits when it cannot bind (it logged why)
+        if server.started:
+            raise
+    if not server.started:
+        raise ConfigError(f"could not listen on {host}:{port} (see the log above)")
