@@ -749,3 +749,42 @@ def test_a_run_with_a_max_length_beyond_the_positions_stops_before_any_work(tiny
     with pytest.raises(ConfigError, match=r"model\.passage_max_length 512 exceeds .*'s 128 positions"):
         run_experiment(config)
     assert not (tmp_path / "long" / "negatives.jsonl").exists() and not (tmp_path / "long" / "model").exists()
+
+
+# ---------------------------------------------------------------- a corpus of empty passages
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_a_beir_corpus_whose_passages_are_all_empty_is_one_data_error(tmp_path, on_disk):
+    root = write_beir(tmp_path / "beir")
+    empty = [{"_id": "p1", "title": "", "text": ""}, {"_id": "p2", "text": " \t"}, {"_id": "p3", "title": None}]
+    write(root / "corpus.jsonl", jsonl([{**r, "text": r.get("text", "")} for r in empty]))
+    with pytest.raises(
+        DataError,
+        match=r"corpus\.jsonl: every passage of the corpus \(3\) has an empty title and text: there is nothing",
+    ):
+        load_beir(root, passages_on_disk=on_disk)
+    write(root / "corpus.jsonl", jsonl([*empty[:2], {"_id": "p3", "title": "a title alone", "text": ""}]))
+    assert len(no_data_warnings(lambda: load_beir(root, passages_on_disk=on_disk)).corpus) == 3  # one passage reads
+
+
+def test_an_msmarco_collection_of_empty_passages_is_one_data_error(tmp_path):
+    root = write_msmarco(tmp_path / "marco")
+    write(root / "collection.tsv", "0\t\n1\t  \n2\t\n")
+    with pytest.raises(DataError, match=r"collection\.tsv: every passage of the corpus \(3\) has an empty title"):
+        load_msmarco(root)
+
+
+def test_bm25_over_passages_without_a_word_is_one_data_error(tiny_beir, tmp_path, capsys):
+    from densepass.index.bm25 import BM25Index
+
+    with pytest.raises(DataError, match=r"BM25 has nothing to index: none of the 2 passages has a word"):
+        BM25Index.build(["", "the of a"])  # what the Python API lets through: empty and stopwords only
+    records = [json.loads(line) for line in (tiny_beir / "corpus.jsonl").read_text().splitlines()]
+    write(tiny_beir / "corpus.jsonl", jsonl([{**r, "title": "", "text": ""} for r in records]))
+    assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", str(tmp_path / "bm25")]) == 2
+    [line] = stderr_lines(capsys)
+    assert line == (
+        f"densepass: error: {tiny_beir / 'corpus.jsonl'}: every passage of the corpus (40) has an empty title and "
+        "text: there is nothing to index"
+    )

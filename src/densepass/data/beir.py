@@ -20,7 +20,7 @@ import numpy as np
 
 from densepass.data.dataset import Corpus, LazyTexts, Qrels, RetrievalDataset, passage_input
 from densepass.data.files import Tally, open_text, reading
-from densepass.data.io_utils import CorpusBuilder, get_field, get_id, get_strings
+from densepass.data.io_utils import CorpusBuilder, all_empty, get_field, get_id, get_strings, has_words
 from densepass.errors import DataError
 
 
@@ -129,6 +129,7 @@ class PassageFile:
         doc_ids: list[str] = []
         spans = array.array("q")
         seen: set[str] = set()
+        words = False  # whether any passage has a title or text that is not empty
         with reading(path), open(path, "rb") as handle:
             end = 0
             for line_no, line in enumerate(handle, 1):
@@ -136,7 +137,8 @@ class PassageFile:
                 record = _record(line, path, line_no)
                 if record is None:
                     continue
-                pid, _, _, doc_id = _checked_passage(record, path, line_no, id_key)
+                pid, title, text, doc_id = _checked_passage(record, path, line_no, id_key)
+                words = words or has_words(title, text)
                 if pid in seen:
                     raise DataError(f"{path}:{line_no}: duplicate passage id {pid!r}")
                 seen.add(pid)
@@ -145,6 +147,8 @@ class PassageFile:
                 spans.extend((start, end))
         if not ids:
             raise DataError(f"{path}: the corpus is empty")
+        if not words:
+            raise DataError(all_empty(path, len(ids)))
         del seen
         file = cls(path, ids, np.frombuffer(spans, dtype=np.int64).reshape(-1, 2), id_key)
         return Corpus(ids, LazyTexts(file.titles, len(ids)), LazyTexts(file.texts, len(ids)), doc_ids)

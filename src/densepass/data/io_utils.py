@@ -141,7 +141,20 @@ class CorpusBuilder:
         return None
 
     def build(self, source: str | Path) -> Corpus:
-        """The corpus; ``source`` names where the passages came from in the empty-corpus error."""
+        """The corpus; ``source`` names where the passages came from in the errors for an empty corpus and for
+        one whose every passage has an empty (or whitespace) title and text (nothing to index or search)."""
         if not self.ids:
             raise DataError(f"{source}: the corpus is empty")
+        if not any(map(has_words, self.titles, self.texts)):
+            raise DataError(all_empty(source, len(self.ids)))
         return Corpus(self.ids, self.titles, self.texts, self.doc_ids)
+
+
+def has_words(title: str, text: str) -> bool:
+    """Whether a passage has a title or text that is not empty or whitespace."""
+    return (bool(title) and not title.isspace()) or (bool(text) and not text.isspace())
+
+
+def all_empty(source: str | Path, count: int) -> str:
+    """The error message for a corpus whose ``count`` passages all have an empty title and text."""
+    return f"{source}: every passage of the corpus ({count}) has an empty title and text: there is nothing to index"

@@ -20,7 +20,7 @@ import bm25s  # noqa: E402
 import numpy as np  # noqa: E402
 
 from densepass.data.dataset import Corpus
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataError
 from densepass.index.base import Index, Passages, SearchResults, as_corpus, check_queries, concat_corpora, register
 
 BM25_DIR = "bm25s"
@@ -79,6 +79,11 @@ class BM25Index(Index):
         tokens = bm25s.tokenize(
             bm25_texts(corpus), stopwords="en", stemmer=self.stemmer, show_progress=self.show_progress
         )
+        if not tokens.vocab:  # bm25s fails on it with "max() arg is an empty sequence"
+            raise DataError(
+                f"BM25 has nothing to index: none of the {len(corpus)} passages has a word (each is empty, "
+                "whitespace or English stopwords)"
+            )
         retriever = bm25s.BM25(k1=self.k1, b=self.b)
         retriever.index(tokens, show_progress=self.show_progress)
         self.passages, self.retriever = corpus, retriever
