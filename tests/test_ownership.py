@@ -291,3 +291,22 @@ def test_file_outputs_overwrite_only_what_densepass_wrote(tiny_beir, tiny_model_
     assert main(["config", "--output", str(config), "--set", "name=other"]) == 0
     err = capsys.readouterr().err
     assert err.count("densepass overwrites only its own files") == 2
+
+
+def test_a_planted_encoding_directory_is_not_used(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    """The encoding's work directory has a predictable name beside --output: a link planted there (or a folder
+    anyone can write to) would steer densepass's writes, so it is refused, and what it points to is untouched."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / ".idx.encoding").symlink_to(elsewhere)
+    args = ["index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(tmp_path / "idx")]
+    assert main(args) == 2
+    assert "is not a private directory of this user" in capsys.readouterr().err
+    assert list(elsewhere.iterdir()) == []
+    (tmp_path / ".idx.encoding").unlink()
+    (tmp_path / ".idx.encoding").mkdir(mode=0o777)
+    (tmp_path / ".idx.encoding").chmod(0o777)
+    assert main(args) == 2
+    (tmp_path / ".idx.encoding").chmod(0o755)
+    assert main(args) == 0
+    assert not (tmp_path / ".idx.encoding").exists()

@@ -18,6 +18,7 @@ saved atomically; the encoding files are removed. Two processes building the sam
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 from pathlib import Path
 
@@ -168,7 +169,17 @@ def _work_dir(output: str | Path) -> tuple[Path, Path]:
     if output.exists() and not output.is_dir():
         raise ConfigError(f"--output {output} exists and is not a directory")
     check_replaceable(output, "--output")
-    return output, output.with_name(f".{output.name}.encoding")
+    work_dir = output.with_name(f".{output.name}.encoding")
+    if (
+        work_dir.is_symlink()
+        or work_dir.exists()
+        and (not work_dir.is_dir() or work_dir.stat().st_uid != os.getuid() or work_dir.stat().st_mode & 0o002)
+    ):  # its name is predictable: in a folder others can write to, someone else's would steer our writes
+        raise ConfigError(
+            f"{work_dir}, where the encoding of {output} resumes, is not a private directory of this user "
+            "(a link, another user's, or writable by anyone); remove it or choose another --output"
+        )
+    return output, work_dir
 
 
 def index_dataset(
