@@ -788,3 +788,95 @@ def test_bm25_over_passages_without_a_word_is_one_data_error(tiny_beir, tmp_path
         f"densepass: error: {tiny_beir / 'corpus.jsonl'}: every passage of the corpus (40) has an empty title and "
         "text: there is nothing to index"
     )
+
+
+# ---------------------------------------------------------------- lone surrogates
+
+LONE = '"\\ud800"'  # how a lone surrogate reaches a JSON file: an escape without its pair
+
+
+def with_lone_surrogate(record: dict, field: str) -> str:
+    """``record`` as one JSON line whose ``field`` is ``'bad ' + '\\ud800'`` (written as a JSON escape)."""
+    return json.dumps({**record, field: "bad @"}).replace("@", "\\ud800")
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize(
+    "name, field", [("corpus.jsonl", "text"), ("corpus.jsonl", "title"), ("queries.jsonl", "text")]
+)
+def test_a_lone_surrogate_in_a_beir_file_names_the_file_line_and_field(tmp_path, name, field, gz, on_disk):
+    root = write_beir(tmp_path / "beir", gz)
+    records = BEIR_CORPUS if name == "corpus.jsonl" else BEIR_QUERIES
+    lines = [json.dumps(r) for r in records]
+    lines[1] = with_lone_surrogate(records[1], field)
+    path = write(root / name, "\n".join(lines) + "\n", gz)
+    with pytest.raises(
+        DataError,
+        match=rf"^{re.escape(str(path))}:2: field '{field}': a lone surrogate U\+D800 \(character 5\) is not a Unicode "
+        r"character \(a \\ud800-style JSON escape without its pair\?\)$",
+    ):
+        load_beir(root, passages_on_disk=on_disk)
+
+
+def test_a_surrogate_pair_escape_is_a_character_and_reads(tmp_path):
+    root = write_beir(tmp_path / "beir")
+    write(root / "queries.jsonl", jsonl(BEIR_QUERIES).replace("what is alpha", "what is \\ud83d\\ude00 alpha"))
+    assert no_data_warnings(lambda: load_beir(root)).queries["q1"] == "what is \U0001f600 alpha"
+
+
+def test_a_lone_surrogate_in_dpr_and_squad_json_names_the_file_line_and_path(tmp_path):
+    root = write_dpr(tmp_path / "dpr")
+    text = json.dumps(DPR_TRAIN, indent=1).replace('"Alpha was written by Ann."', '"Alpha \\udfff"', 1)
+    assert "\\udfff" in text
+    write(root / "biencoder-nq-train.json", text)
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if "\\udfff" in row)
+    with pytest.raises(
+        DataError, match=rf"train\.json:{line}: \[0\]\.positive_ctxs\[0\]\.text: a lone surrogate U\+DFFF"
+    ):
+        load_dpr(root)
+    root = write_squad(tmp_path / "squad")
+    path = root / "train-v1.1.json"
+    path.write_text(path.read_text().replace('"context": "', '"context": "\\ud800', 1))
+    with pytest.raises(DataError, match=r"train-v1\.1\.json:1: data\[0\]\.paragraphs\[0\]\.context: a lone surrogate"):
+        load_squad(root)
+
+
+def test_a_surrogate_in_a_tsv_file_is_bytes_that_are_not_utf8(tmp_path):
+    root = write_msmarco(tmp_path / "marco")
+    (root / "queries.train.tsv").write_bytes(b"10\twhat is first\n11\tbad \xed\xa0\x80\n")
+    with pytest.raises(DataError, match=r"queries\.train\.tsv:2: not valid UTF-8"):
+        load_msmarco(root)
+
+
+@pytest.mark.parametrize("kind", ["bi-encoder", "splade", "colbert"])
+def test_a_lone_surrogate_given_to_encode_is_a_one_line_error(tiny_model_dir, kind):
+    from densepass.models.load import CLASSES
+
+    model = CLASSES[kind].from_pretrained(str(tiny_model_dir))
+    with pytest.raises(DataError, match=r"^query text 1: a lone surrogate U\+D800 \(character 5\) is not a Unicode"):
+        model.encode_queries(["fine", "bad \ud800"], show_progress=False)
+    with pytest.raises(DataError, match=r"^passage text 0: a lone surrogate U\+DC80"):
+        model.encode_passages(["\udc80"], show_progress=False)
+
+
+def test_a_lone_surrogate_reaching_a_tokenizer_is_a_one_line_error(tiny_model_dir):
+    from densepass.models.biencoder import BiEncoder
+    from densepass.models.encode import encode_texts
+
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    with pytest.raises(DataError, match=r"^text 0: a lone surrogate"):  # below the API's check: the tokenizer's net
+        encode_texts(model, ["bad \ud800"], "query", show_progress=False)
+    with pytest.raises(DataError, match=r"^text 1: a lone surrogate"):
+        model.tokenize(["fine", "bad \ud800"], "query")
+
+
+def test_a_lone_surrogate_in_a_search_query_is_a_one_line_error(tiny_model_dir):
+    from densepass.index.bm25 import BM25Index
+    from densepass.pipelines.search import SearchPipeline
+
+    pipeline = SearchPipeline(BM25Index.build(["tar archiving utility", "X11 window manager"]))
+    with pytest.raises(DataError, match=r"^the query: a lone surrogate U\+D800 \(character 8\)"):
+        pipeline.search("window \ud800")
+    with pytest.raises(DataError, match=r"^query 1: a lone surrogate"):
+        pipeline.search_batch(["window", "\ud800"])

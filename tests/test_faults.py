@@ -186,6 +186,21 @@ def test_resuming_with_other_settings_is_refused_and_keeps_the_config(tmp_path, 
     assert "batch_size: 4" in (tmp_path / "a" / "run" / "config.yaml").read_text()
 
 
+def test_a_diverging_run_stops_with_one_line_naming_the_step_and_writes_no_model(tmp_path, tiny_beir, dropout_model):
+    config = train_config(tmp_path / "a", tiny_beir, dropout_model, epochs=1)
+    for every, expected in (("100", "at step 2: the loss is nan"), ("1", "at step 1: its optimiser step left nan")):
+        result = densepass(
+            "run", str(config), "--set", "train.learning_rate=1e308", "--set", f"train.checkpoint_every={every}",
+            cwd=tmp_path,
+        )  # fmt: skip
+        errors = [line for line in result.stderr.replace("\r", "\n").splitlines() if "densepass: error:" in line]
+        assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr
+        assert f"training diverged {expected}" in errors[0] and "lower train.learning_rate" in errors[0]
+        run_dir = tmp_path / "a" / "run"
+        assert not (run_dir / "model").exists() and not list(run_dir.glob("checkpoints/step-*"))
+        assert not (run_dir / "metrics.json").exists()
+
+
 def test_a_second_run_into_the_same_directory_is_refused(tmp_path, tiny_beir, dropout_model):
     config = train_config(tmp_path / "a", tiny_beir, dropout_model)
     first = start("run", str(config), cwd=tmp_path)

@@ -19,8 +19,9 @@ from typing import BinaryIO
 import numpy as np
 
 from densepass.data.dataset import Corpus, LazyTexts, Qrels, RetrievalDataset, passage_input
-from densepass.data.files import Tally, open_text, reading
+from densepass.data.files import Tally, open_text, reading, records_files
 from densepass.data.io_utils import CorpusBuilder, all_empty, get_field, get_id, get_strings, has_words
+from densepass.data.texts import might_hold_surrogates, surrogate_in
 from densepass.errors import DataError
 
 
@@ -42,6 +43,10 @@ def _record(line: str | bytes, path: Path, line_no: int) -> dict | None:
         raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
     if record.__class__ is not dict:
         raise DataError(f"{path}:{line_no}: expected a JSON object")
+    if might_hold_surrogates(line):
+        found = surrogate_in(record)
+        if found is not None:
+            raise DataError(f"{path}:{line_no}: {found[0]}: {found[1]}")
     return record
 
 
@@ -317,6 +322,7 @@ def read_qrels_tsv(path: Path) -> Qrels:
     return qrels
 
 
+@records_files
 def load_beir(directory: str | Path, name: str | None = None, passages_on_disk: bool = False) -> RetrievalDataset:
     """Read a BEIR directory into a :class:`RetrievalDataset` (one qrels split per ``qrels/*.tsv``);
     ``passages_on_disk``: titles and texts are read from ``corpus.jsonl`` when asked for (:class:`PassageFile`)."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from densepass.data.dataset import Corpus
 from densepass.data.files import read_text
+from densepass.data.texts import lone_escape_line, might_hold_surrogates, surrogate_in
 from densepass.errors import DataError
 
 
@@ -50,11 +51,19 @@ def split_files(directory: Path, suffix: str, split_of: Callable[[str], str | No
 
 
 def read_json(path: Path) -> Any:
-    """A whole (optionally gzipped) JSON file, with ``file:line:column`` in the error for invalid JSON."""
+    """A whole (optionally gzipped) JSON file, with ``file:line:column`` in the error for invalid JSON, and
+    ``file:line`` and the JSON path in the error for a string holding a lone surrogate (``data.texts``)."""
+    text = read_text(path)
     try:
-        return json.loads(read_text(path))
+        data = json.loads(text)
     except json.JSONDecodeError as err:
         raise DataError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
+    if might_hold_surrogates(text):
+        found = surrogate_in(data)
+        if found is not None:
+            line = lone_escape_line(text)
+            raise DataError(f"{path}{'' if line is None else f':{line}'}: {found[0]}: {found[1]}")
+    return data
 
 
 _REQUIRED = object()

@@ -40,6 +40,7 @@ from densepass.index.faiss_index import (
     save_faiss_index,
 )
 from densepass.models.biencoder import BiEncoder
+from densepass.numerics import refuse_nonfinite_rows
 
 EMBEDDINGS = "embeddings.npy"
 FAISS_FILE = "faiss.index"
@@ -211,6 +212,7 @@ class DenseIndex(Index):
     def save(self, directory: str | Path) -> Path:
         """Write the index atomically (the model must be saved somewhere: the manifest records where)."""
         require_model_path(self.model_path)
+        refuse_nonfinite_rows(self.embeddings, self.passages.ids, str(directory), saving=True)  # NaN scores
         return super().save(directory)
 
     @classmethod
@@ -231,6 +233,7 @@ class DenseIndex(Index):
         embeddings = np.load(directory / EMBEDDINGS, mmap_mode="r" if mmap else None, allow_pickle=False)
         if embeddings.shape != (len(passages), manifest["dim"]):
             raise DataError(f"{directory}: embeddings of shape {embeddings.shape} for {len(passages)} passages")
+        refuse_nonfinite_rows(embeddings, passages.ids, str(directory), saving=False)  # a memory map: in blocks
         index.passages, index.embeddings = passages, embeddings
         index.model_fingerprint = recorded["fingerprint"]
         index._weights_version = weights_version(model)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from densepass.data.texts import tokenizing
 from densepass.errors import ConfigError, DataWarning
 
 
@@ -25,14 +26,15 @@ def tokenize(
     """Truncated, padded tensors of ``texts`` (padded to a multiple of 8 when padding to the longest and
     ``max_length`` is one too: tensor-core friendly, few distinct shapes; ``transformers`` refuses a
     multiple that does not divide the truncation length)."""
-    return tokenizer(
-        texts,
-        truncation=True,
-        max_length=max_length,
-        padding=padding,
-        return_tensors="pt",
-        pad_to_multiple_of=8 if padding is True and max_length % 8 == 0 else None,
-    )
+    with tokenizing(texts):
+        return tokenizer(
+            texts,
+            truncation=True,
+            max_length=max_length,
+            padding=padding,
+            return_tensors="pt",
+            pad_to_multiple_of=8 if padding is True and max_length % 8 == 0 else None,
+        )
 
 
 Side = Literal["query", "passage"]

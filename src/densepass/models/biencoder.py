@@ -25,6 +25,7 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
 from densepass.config import DEFAULT_MODEL, BiEncoderConfig
 from densepass.data.dataset import Corpus
+from densepass.data.texts import check_texts
 from densepass.errors import ConfigError
 from densepass.io import MANIFEST, atomic_directory, atomic_write_text, disk_errors, read_manifest, write_manifest
 from densepass.models.batching import Side, SidedInputs
@@ -194,10 +195,10 @@ class BiEncoder(SidedInputs, nn.Module):
             raise ConfigError(f"encode_{side}s takes a list of texts, not one string")
         if convert_to not in ("numpy", "torch"):
             raise ConfigError(f"convert_to must be 'numpy' or 'torch', got {convert_to!r}")
+        texts = list(texts)
+        check_texts(texts, f"{side} text")  # a lone surrogate: one line, not the tokenizer's TypeError
         was_training = self.training
-        out = encode_texts(
-            self, list(texts), side, batch_size, device, precision=precision, show_progress=show_progress
-        )
+        out = encode_texts(self, texts, side, batch_size, device, precision=precision, show_progress=show_progress)
         self.train(was_training)
         return torch.from_numpy(out) if convert_to == "torch" else out
 

@@ -34,6 +34,7 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
 from densepass.config import option
 from densepass.data.dataset import Corpus
+from densepass.data.texts import check_texts
 from densepass.device import attention_kernels, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
@@ -175,6 +176,7 @@ class ColBERT(SidedInputs, nn.Module):
         """Per text, its present token vectors [n_i, dim] (float32; a query always has ``query_max_length``).
         ``precision``: fp32, bf16 (a bfloat16 copy of the encoder, with fused layers on the CPU:
         ``models.copies``; the projection and normalisation stay float32) or auto (bf16 where it is fast)."""
+        check_texts(texts, f"{side} text")
         device = device or default_device()
         precision = float_precision(precision, device, "colbert")
         was_training = self.training

@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from densepass.data.texts import tokenizing
 from densepass.device import attention_kernels, default_device, resolve_precision
 from densepass.errors import DensepassError
 from densepass.models.batching import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS, forward_in_pieces, piece_tokens
@@ -93,13 +94,11 @@ def padded_batches(
 ) -> list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
     """Tokenise ``texts[rows]`` and cut them into batches of similar length, longest first:
     a list of (rows of the batch, input ids, attention mask), each padded to its longest row."""
-    encoded = tokenizer(
-        [texts[r] for r in rows],
-        truncation=True,
-        max_length=max_length,
-        return_attention_mask=False,
-        return_token_type_ids=False,
-    )["input_ids"]
+    batch = [texts[r] for r in rows]
+    with tokenizing(batch):
+        encoded = tokenizer(
+            batch, truncation=True, max_length=max_length, return_attention_mask=False, return_token_type_ids=False
+        )["input_ids"]
     lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
     pad_id = tokenizer.pad_token_id or 0
     flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64, count=int(lengths.sum()))

@@ -40,6 +40,7 @@ from transformers.utils import logging as hf_logging
 
 from densepass.config import option
 from densepass.data.dataset import Corpus
+from densepass.data.texts import check_texts
 from densepass.device import attention_kernels, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
@@ -146,6 +147,7 @@ class SpladeEncoder(SidedInputs, nn.Module):
         taken in bf16, log(1 + ReLU) in float32) or auto (bf16 where it is fast)."""
         if top_terms is not None and top_terms < 1:
             raise ConfigError(f"top_terms must be >= 1, got {top_terms}")
+        check_texts(texts, f"{side} text")
         device = device or default_device()
         precision = float_precision(precision, device, "splade")
         was_training = self.training

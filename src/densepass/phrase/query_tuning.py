@@ -26,10 +26,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from densepass.checkpoints import Checkpoints, trim_log
+from densepass.checkpoints import Checkpoints, trim_log, without_default_skipping
 from densepass.data.squad import SquadSpans
 from densepass.errors import ConfigError
 from densepass.models.dropout import use_cpu_dropout
+from densepass.numerics import DivergenceGuard
 from densepass.phrase.batches import PhraseExample
 from densepass.phrase.config import QueryTuningConfig
 from densepass.phrase.index import PhraseIndex
@@ -73,9 +74,11 @@ def tune_question_encoder(
     run_dir: Path,
     device: torch.device,
     show_progress: bool = True,
+    identity: dict | None = None,
 ) -> dict:
     """Fine-tune ``model``'s question encoder in place against ``index`` (the phrase side is frozen);
-    ``gold``: index rows (start, end) of each example's annotated phrase. Resumes from ``run_dir``."""
+    ``gold``: index rows (start, end) of each example's annotated phrase. Resumes from ``run_dir``;
+    ``identity``: the caller's settings that define the run besides ``config`` (its data files)."""
     if index.threshold is not None:
         raise ConfigError("query-side fine-tuning needs an unfiltered index of the training passages")
     examples = [e for e in examples if e.qid in gold]
@@ -92,13 +95,15 @@ def tune_question_encoder(
     total = steps_per_epoch * config.epochs
     optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, fused=True)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
-    identity = {"query_tuning": {k: v for k, v in asdict(config).items() if k != "checkpoint_every"}}
-    checkpoints = Checkpoints(run_dir, 1, identity)
+    settings = without_default_skipping({k: v for k, v in asdict(config).items() if k != "checkpoint_every"})
+    checkpoints = Checkpoints(run_dir, 1, {"query_tuning": settings, **(identity or {})})
     log_path = run_dir / "train_log.jsonl"
     step = 0
+    guard = DivergenceGuard(config.skip_nonfinite, "query_tuning")
     resumed = checkpoints.latest()
     if resumed is not None:
         restore_training(resumed, model, optimizer, scheduler, device)
+        guard.load_state_dict(resumed.extra.get("nonfinite"))
         step = resumed.step
     trim_log(log_path, step)
     start_vectors = torch.from_numpy(np.asarray(index.stored["start"][1], dtype=np.float32)).to(device)
@@ -141,21 +146,21 @@ def tune_question_encoder(
             scores = scores.masked_fill(~valid.to(device), float("-inf"))
             loss = marginal_loss(scores, positive.to(device))
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            taken, _ = guard.step(step + 1, loss, parameters, optimizer, scheduler)
             step += 1
             progress.update(1)
             with open(log_path, "a") as handle:
                 record = {
                     "step": step,
-                    "loss": float(loss.detach()),
+                    "loss": float(loss.detach()) if taken else None,  # a skipped batch's loss: not a number
                     "positives": float(positive.sum(1).float().mean()),
+                    **({"skipped": guard.skipped} if guard.skipped else {}),
                 }
                 handle.write(json.dumps(record) + "\n")
             if step % config.checkpoint_every == 0 or step == total:
-                checkpoints.save(step, lambda directory: model.save(directory / "model"), optimizer, scheduler)
+                guard.check_weights(step, model.named_parameters())
+                extra = {"nonfinite": guard.state_dict()}
+                checkpoints.save(step, lambda directory: model.save(directory / "model"), optimizer, scheduler, extra)
     progress.close()
     for module in model.phrase_modules():
         module.requires_grad_(True)

@@ -27,6 +27,7 @@ from densepass.data.squad import SquadSpans
 from densepass.errors import ConfigError
 from densepass.io import atomic_write_text
 from densepass.models.dropout import use_cpu_dropout
+from densepass.numerics import DivergenceGuard
 from densepass.phrase.batches import PhraseExample, plan_epoch, sample_hard_negatives, training_examples
 from densepass.phrase.config import PhraseTrainConfig
 from densepass.phrase.loss import Columns, phrase_loss
@@ -232,10 +233,12 @@ def train_phrases(
     )
     log_path, eval_path = run_dir / "train_log.jsonl", run_dir / "eval_log.jsonl"
     step, interval, best = 0, [0.0, 0], None
+    guard = DivergenceGuard(config.skip_nonfinite)
     resumed = checkpoints.latest()
     if resumed is not None:
         restore_training(resumed, model, optimizer, scheduler, device)
         memory.load_state_dict(resumed.extra["memory"])
+        guard.load_state_dict(resumed.extra.get("nonfinite"))
         step, interval, best = resumed.step, list(resumed.extra["interval"]), resumed.extra["best"]
     trim_log(log_path, step)
     trim_log(eval_path, step)
@@ -263,31 +266,38 @@ def train_phrases(
             batch = data.step(config, epoch, index, groups)
             loss, columns = step_loss(model, data, batch, config, memory, step >= config.prebatch_warmup, device)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            memory.push(columns)
+            taken, _ = guard.step(step + 1, loss, model.parameters(), optimizer, scheduler)
+            if taken:  # a skipped batch's columns may hold NaN: kept out of the pre-batch memory
+                memory.push(columns)
+                interval = [interval[0] + float(loss.detach()), interval[1] + 1]
             step += 1
-            interval = [interval[0] + float(loss.detach()), interval[1] + 1]
             progress.update(1)
-            if step % config.log_every == 0 or step == total:
+            if (step % config.log_every == 0 or step == total) and interval[1]:
                 loss_value = interval[0] / interval[1]
                 progress.set_postfix(loss=f"{loss_value:.4f}")
                 record = {"step": step, "epoch": epoch, "loss": loss_value, "lr": scheduler.get_last_lr()[0]}
+                if guard.skipped:
+                    record["skipped"] = guard.skipped
                 with open(log_path, "a") as handle:
                     handle.write(json.dumps(record) + "\n")
                 interval = [0.0, 0]
             epoch_end = index == len(plan) - 1 or step == total
             if validate is not None and (epoch_end or (validate_every and step % validate_every == 0)):
+                guard.check_weights(step, model.named_parameters())
                 run_validation()
             if step % config.checkpoint_every == 0 or step == total:
+                guard.check_weights(step, model.named_parameters())
                 checkpoints.save(
                     step,
                     lambda directory: model.save(directory / "model"),
                     optimizer,
                     scheduler,
-                    {"memory": memory.state_dict(), "interval": interval, "best": best},
+                    {
+                        "memory": memory.state_dict(),
+                        "interval": interval,
+                        "best": best,
+                        "nonfinite": guard.state_dict(),
+                    },
                 )
     progress.close()
     return PhraseTrainResult(step, loss_value, best, time.perf_counter() - started)

@@ -23,8 +23,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from densepass.data.dataset import Corpus
+from densepass.data.texts import is_blank, surrogate_problem
 from densepass.device import default_device, resolve_precision
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataError
 from densepass.index.base import Index, SearchResults, check_k, load_index
 from densepass.models.biencoder import model_name
 from densepass.phrase.index import PhraseIndex, PhraseSearchResults  # registers the phrase kind for load_index
@@ -101,9 +102,11 @@ class SearchPipeline:
         return cls(load_index(directory, **index_options), reranker, rerank_depth)
 
     def search(self, query: str, k: int = 10) -> list[Hit]:
-        """The top-``k`` hits of one query."""
+        """The top-``k`` hits of one query (a blank one, or one holding a lone surrogate, is a one-line
+        DataError: ``check_query``)."""
         if not isinstance(query, str):
             raise ConfigError(f"a query is a string, got {type(query).__name__}")
+        check_query(query, "the query")
         return self.search_batch([query], k)[0]
 
     def search_batch(self, queries: Sequence[str], k: int = 10) -> list[list[Hit]]:
@@ -111,8 +114,13 @@ class SearchPipeline:
         return self.hits(self.results(queries, k))
 
     def results(self, queries: Sequence[str], k: int = 10) -> SearchResults:
-        """Rows and scores of the top-``k`` of each query (reranked when there is a second stage)."""
+        """Rows and scores of the top-``k`` of each query (reranked when there is a second stage); a blank query,
+        or one holding a lone surrogate, is a one-line DataError naming it (``check_query``)."""
         k = check_k(k)
+        if not isinstance(queries, str):
+            for i, query in enumerate(queries):
+                if isinstance(query, str):
+                    check_query(query, f"query {i}")
         if self.reranker is None:
             return self.index.search(queries, k)
         first = self.index.search(queries, max(k, self.rerank_depth))
@@ -150,6 +158,21 @@ class SearchPipeline:
             facts["reranker"] = self.reranker.describe()
             facts["rerank_depth"] = self.rerank_depth
         return facts
+
+
+def check_query(query: str, what: str) -> None:
+    """A one-line DataError for a query nothing can be searched for: blank (empty, whitespace, or invisible
+    characters only, such as zero-width spaces: ``data.texts.is_blank``), or holding a lone surrogate (not a
+    Unicode character). ``what`` names it (``the query``, ``query 3``)."""
+    if is_blank(query):
+        shown = "" if not query else f" ({query!r})"
+        raise DataError(
+            f"{what} is empty{shown}: it has no visible character (whitespace and zero-width characters do not "
+            "count), so there is nothing to search for"
+        )
+    problem = surrogate_problem(query)
+    if problem is not None:
+        raise DataError(f"{what}: {problem}")
 
 
 def rerank(

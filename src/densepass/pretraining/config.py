@@ -78,6 +78,11 @@ class PretrainTrainConfig:
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the loss terms to train_log.jsonl every N steps", min=1)
     seed: int = option(13, "seed of data order, masking and dropout", min=0, max=SEED_MAX)
+    skip_nonfinite: bool = option(
+        False,
+        "a step whose loss or gradient norm is NaN or infinite is skipped with a warning (no optimiser step), and"
+        " more than 10 in a row stop training; false: the first one stops training with an error naming the step",
+    )
 
 
 @dataclass

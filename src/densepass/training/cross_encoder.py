@@ -33,6 +33,7 @@ from densepass.losses.localized_contrastive import localized_contrastive_loss, p
 from densepass.models.batching import forward_in_pieces, piece_tokens
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.dropout import use_cpu_dropout
+from densepass.numerics import DivergenceGuard
 from densepass.prefetch import prefetched
 from densepass.training.batches import TrainingBatch, TrainingData
 from densepass.training.trainer import RandomPlanner, TrainResult, planned_steps, seed_everything
@@ -92,6 +93,7 @@ def train_cross_encoder(
     log_path = run_dir / "train_log.jsonl"
     loss_fn = localized_contrastive_loss if config.loss == "listwise" else pointwise_bce_loss
     step, interval = 0, (0.0, 0)
+    guard = DivergenceGuard(config.skip_nonfinite, "reranker.train")
     resumed = checkpoints.latest()
     if resumed is not None:
         saved = AutoModelForSequenceClassification.from_pretrained(str(resumed.path / "model"))
@@ -99,6 +101,7 @@ def train_cross_encoder(
         optimizer.load_state_dict(resumed.optimizer)
         scheduler.load_state_dict(resumed.scheduler)
         restore_rng(resumed.rng)
+        guard.load_state_dict(resumed.extra.get("nonfinite"))
         step, interval = resumed.step, tuple(resumed.extra["interval"])
     trim_log(log_path, step)
     interval_loss, interval_steps = torch.tensor(interval[0], device=device), interval[1]
@@ -121,24 +124,24 @@ def train_cross_encoder(
         for size, tokens in prefetched(remaining_batches(epoch), prepare):
             with autocast_context(device, bf16):
                 logits = forward_in_pieces(model.logits, tokens.to(device), piece_tokens(device)).view(size, n + 1)
-            loss = loss_fn(logits)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            step_loss = loss_fn(logits)
+            step_loss.backward()
+            taken, _ = guard.step(step + 1, step_loss, net.parameters(), optimizer, scheduler)
+            if taken:
+                loss = step_loss
+                interval_loss += loss.detach()
+                interval_steps += 1
             step += 1
             seen += size
-            interval_loss += loss.detach()
-            interval_steps += 1
             progress.update(1)
-            if step % config.log_every == 0 or step == total:
+            if (step % config.log_every == 0 or step == total) and interval_steps:
                 record = {
                     "step": step,
                     "epoch": epoch,
                     "loss": interval_loss.item() / interval_steps,
                     "lr": scheduler.get_last_lr()[0],
                     "examples_per_s": seen / (time.perf_counter() - started),
+                    **({"skipped": guard.skipped} if guard.skipped else {}),
                 }
                 interval_loss.zero_()
                 interval_steps = 0
@@ -146,12 +149,13 @@ def train_cross_encoder(
                 with open(log_path, "a") as handle:
                     handle.write(json.dumps(record) + "\n")
             if step % config.checkpoint_every == 0 or step == total:
+                guard.check_weights(step, net.named_parameters())
                 checkpoints.save(
                     step,
                     lambda directory: model.save(directory / "model"),
                     optimizer,
                     scheduler,
-                    {"interval": [interval_loss.item(), interval_steps]},
+                    {"interval": [interval_loss.item(), interval_steps], "nonfinite": guard.state_dict()},
                 )
             if on_step_end is not None:
                 on_step_end(step)

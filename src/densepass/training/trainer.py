@@ -30,6 +30,7 @@ from densepass.models.biencoder import BiEncoder
 from densepass.models.dropout import use_cpu_dropout
 from densepass.models.freeze import freeze_bottom
 from densepass.models.token_cache import cached_tokenizer
+from densepass.numerics import DivergenceGuard
 from densepass.prefetch import prefetched
 from densepass.scheduling.baselines import random_batches
 from densepass.training.batches import TrainingData
@@ -136,6 +137,7 @@ def train(
     checkpoints = checkpoints_of(run_dir, config, identity)
     log_path = run_dir / "train_log.jsonl"
     step, interval = 0, (0.0, 0)
+    guard = DivergenceGuard(config.skip_nonfinite)  # a non-finite loss or gradient: stop, or skip the batch
     resumed = checkpoints.latest()
     if resumed is not None:
         _load_weights(model, resumed.path / "model")
@@ -144,6 +146,7 @@ def train(
         scheduler.load_state_dict(resumed.scheduler)
         restore_rng(resumed.rng)
         objective.load_state_dict(resumed.extra["objective"])
+        guard.load_state_dict(resumed.extra.get("nonfinite"))
         step, interval = resumed.step, tuple(resumed.extra["interval"])
     if rank == 0:
         trim_log(log_path, step)
@@ -152,13 +155,18 @@ def train(
     interval_loss, interval_steps = torch.tensor(interval[0], device=device), interval[1]
 
     def save_checkpoint() -> None:
+        guard.check_weights(step, model.named_parameters())  # every process: the same weights, the same verdict
         if rank == 0:
             checkpoints.save(
                 step,
                 lambda directory: model.save(directory / "model"),
                 optimizer,
                 scheduler,
-                {"interval": [interval_loss.item(), interval_steps], "objective": objective.state_dict()},
+                {
+                    "interval": [interval_loss.item(), interval_steps],
+                    "objective": objective.state_dict(),
+                    "nonfinite": guard.state_dict(),
+                },
             )
         distributed.barrier()
 
@@ -196,19 +204,18 @@ def train(
     for epoch in range(step // steps_per_epoch, config.epochs):
         for members, batch, tensors in prefetched(epoch_batches(epoch), prepare):
             out = forward_backward(model, batch, device, objective, config.grad_cache_chunk, bf16, tensors)
-            loss = out.loss
             sum_gradients(trainable)
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            objective.after_step(model, out.queries, out.passages, out.batch)
+            taken, _ = guard.step(step + 1, out.loss, trainable, optimizer, scheduler)
+            if taken:  # a skipped batch's representations may hold NaN: kept out of the objective's state
+                loss = out.loss
+                objective.after_step(model, out.queries, out.passages, out.batch)
+                interval_loss += loss.detach()
+                interval_steps += 1
             step += 1
             seen += len(members)
-            interval_loss += loss.detach()
-            interval_steps += 1
             progress.update(1)
-            if step % config.log_every == 0 or step == total:  # reading the loss waits for the GPU
+            # reading the loss waits for the GPU; an interval whose batches were all skipped has no record
+            if (step % config.log_every == 0 or step == total) and interval_steps:
                 loss_value = interval_loss.item() / interval_steps  # mean over the steps since the last record
                 interval_loss.zero_()
                 interval_steps = 0
@@ -220,6 +227,7 @@ def train(
                         "loss": loss_value,
                         "lr": scheduler.get_last_lr()[0],
                         "examples_per_s": seen / (time.perf_counter() - started),
+                        **({"skipped": guard.skipped} if guard.skipped else {}),
                     }
                     with open(log_path, "a") as handle:
                         handle.write(json.dumps(record) + "\n")
