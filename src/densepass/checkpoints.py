@@ -48,6 +48,14 @@ def training_identity(config: Any) -> dict:
     identity = {k: v for k, v in dataclasses.asdict(config).items() if k not in BOOKKEEPING}
     if "cpu_bf16" in identity:
         identity["cpu_bf16"] = resolved_cpu_bf16(identity["cpu_bf16"])
+    return without_default_skipping(identity)
+
+
+def without_default_skipping(identity: dict) -> dict:
+    """``identity`` without ``skip_nonfinite: false``: a run that stops at a non-finite step trains what a run
+    written before the setting existed trains, so those still resume (``true`` skips batches: it is kept)."""
+    if identity.get("skip_nonfinite") is False:
+        identity.pop("skip_nonfinite")
     return identity
 
 
@@ -57,14 +65,6 @@ def training_identity(config: Any) -> dict:
 def _encode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """``value`` as JSON, tensors moved into ``tensors`` and referenced by key."""
     if isinstance(value, torch.Tensor):
-    return without_default_skipping(identity)
-
-
-def without_default_skipping(identity: dict) -> dict:
-    """``identity`` without ``skip_nonfinite: false``: a run that stops at a non-finite step trains what a run
-    written before the setting existed trains, so those still resume (``true`` skips batches: it is kept)."""
-    if identity.get("skip_nonfinite") is False:
-        identity.pop("skip_nonfinite")
         key = f"t{len(tensors)}"
         tensors[key] = value.detach().to("cpu").contiguous()
         return {"__tensor__": key}
@@ -213,11 +213,7 @@ class Checkpoints:
         return path
 
     def latest(self) -> Resumed | None:
-        """The newest checkpoint that verifies (None for a fresh run); damaged ones are skipped with a warning.
-        Called at the start of training, which holds the run directory's lock: the partial checkpoints of a killed
-        process (``.step-N.<random>.tmp``) are removed first (rank 0's; ``io.remove_stale_temporaries``)."""
-        if distributed.rank() == 0:
-            remove_stale_temporaries(self.root, r"step-\d+", owned=True)
+        """The newest checkpoint that verifies (None for a fresh run); damaged ones are skipped with a warning."""
         for path in reversed(self.paths()):
             problem = manifest_problem(path)
             if problem is None:
@@ -258,49 +254,6 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
             out += _differences(a.get(key), b.get(key), f"{prefix}{key}.")
         return out
     return [] if a == b else [prefix.rstrip(".")]
-
-DATA_FILES = "data_files"  # the identity's {file: content digest} of the data a run reads
-
-
-def data_change(saved: dict, current: dict, checkpoint: str = "checkpoint") -> str | None:
-    """How the data files of identity ``current`` differ from those of ``saved`` (written with ``checkpoint``),
-    when nothing else differs; None otherwise."""
-    if DATA_FILES not in current or {k: v for k, v in saved.items() if k != DATA_FILES} != {
-        k: v for k, v in current.items() if k != DATA_FILES
-    }:
-        return None
-    if DATA_FILES not in saved:
-        return f"its {checkpoint} does not record what its data files held (an older densepass wrote it)"
-    old, new = saved[DATA_FILES], current[DATA_FILES]
-    changes = [f"{name} changed" for name in new if name in old and old[name] != new[name]]
-    changes += [f"{name} is new" for name in new if name not in old]
-    changes += [f"{name} is no longer read" for name in old if name not in new]
-    listed = ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
-    return f"{listed} since its {checkpoint} was written"
-
-
-def _other_data(run_dir: Path, change: str) -> ConfigError:
-    return ConfigError(
-        f"{run_dir} holds a run that cannot resume on this data: {change}; use --restart to discard it and train "
-        "on the data as it is now, or another name or output_dir"
-    )
-
-
-def check_data_files(run_dir: Path, data_files: dict[str, str]) -> None:
-    """Refuse ``run_dir`` when its newest checkpoint was trained on other data files than ``data_files``
-    (``RetrievalDataset.file_fingerprints``), before any work: for runs whose finished stages are skipped, and
-    so never reach a resume. Only the checkpoint's state.json is read (a damaged one is left to the resume)."""
-    for path in reversed(Checkpoints(run_dir, 1, {}).paths()):
-        try:
-            saved = json.loads((path / STATE_JSON).read_text())["identity"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        saved = {DATA_FILES: saved[DATA_FILES]} if isinstance(saved, dict) and DATA_FILES in saved else {}
-        change = data_change(saved, {DATA_FILES: data_files}, path.name)
-        if change is not None:
-            raise _other_data(Path(run_dir), change)
-        return
-
 
 
 def trim_log(path: Path, step: int) -> None:

@@ -48,8 +48,8 @@ from densepass.index.dense import query_embeddings, require_model_path
 from densepass.index.faiss_index import default_pq_m, faiss_search, load_faiss_index, new_ivfpq, save_faiss_index
 from densepass.index.sharded import ShardedEmbeddings, ShardPlan, encoder_fingerprint, shard_path
 from densepass.models.biencoder import BiEncoder
-
 from densepass.numerics import nonfinite_row
+
 INDEX_FILE = "faiss.index"  # the quantisers and every list's offset and size
 LISTS_FILE = "lists.ivfdata"  # every list's codes and ids, memory-mapped
 TRAINED_FILE = "ivf-trained.index"  # in the build's work directory: the trained, empty index
@@ -118,9 +118,9 @@ def sample_rows(rows: int, size: int, seed: int) -> np.ndarray:
 def train_ivfpq(sample: np.ndarray, options: IVFPQOptions):
     """An empty IVF-PQ index (inner product) whose coarse and product quantisers are trained on ``sample``
     (``options`` resolved)."""
-    index = new_ivfpq(sample.shape[1], options.lists, options.pq_m, options.pq_bits)
     if nonfinite_row(sample) is not None:
         raise DataError("the training sample of the IVF-PQ index holds a NaN or infinite embedding: encode again")
+    index = new_ivfpq(sample.shape[1], options.lists, options.pq_m, options.pq_bits)
     index.cp.seed = options.seed
     index.pq.cp.seed = options.seed
     index.train(np.ascontiguousarray(sample, dtype=np.float32))
@@ -133,12 +133,12 @@ def fill_part(trained: Path, embeddings: np.ndarray, first_row: int, path: Path,
     index = load_faiss_index(trained)
     for start in range(0, len(embeddings), block):
         chunk = np.ascontiguousarray(embeddings[start : start + block], dtype=np.float32)
-        ids = np.arange(first_row + start, first_row + start + len(chunk), dtype=np.int64)
         bad = nonfinite_row(chunk)
         if bad is not None:  # its codes would be garbage, its scores NaN
             raise DataError(
                 f"the embedding of corpus row {first_row + start + bad} holds NaN or infinity: encode again"
             )
+        ids = np.arange(first_row + start, first_row + start + len(chunk), dtype=np.int64)
         index.add_with_ids(chunk, ids)
     save_faiss_index(index, path)
 
@@ -165,14 +165,11 @@ def open_ondisk(directory: Path):
         raise DataError(f"{directory}: {INDEX_FILE} does not keep its inverted lists on disk")
     lists.filename = str(directory / LISTS_FILE)
     lists.do_mmap()
+    if _quantisers_nonfinite(index):
+        raise DataError(f"{directory} is not a usable index: its quantisers hold NaN or infinity; build it again")
     return index
 
 
-    if _quantisers_nonfinite(index):
-        raise DataError(f"{directory} is not a usable index: its quantisers hold NaN or infinity; build it again")
-def part_path(directory: Path, plan: ShardPlan, rank: int) -> Path:
-    """The IVF file that process ``rank`` fills with its shard."""
-    return directory / f"ivf-{shard_path(directory, plan, rank).stem}.index"
 def _quantisers_nonfinite(index) -> bool:
     """Whether the coarse or the product quantiser's centroids of an IVF-PQ index hold NaN or infinity (the
     stored codes are integers: the centroids are all its floats)."""
@@ -183,6 +180,9 @@ def _quantisers_nonfinite(index) -> bool:
     return nonfinite_row(coarse) is not None or not np.isfinite(faiss.vector_to_array(ivf.pq.centroids)).all()
 
 
+def part_path(directory: Path, plan: ShardPlan, rank: int) -> Path:
+    """The IVF file that process ``rank`` fills with its shard."""
+    return directory / f"ivf-{shard_path(directory, plan, rank).stem}.index"
 
 
 @register
