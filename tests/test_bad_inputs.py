@@ -8,12 +8,15 @@ import json
 import re
 import shutil
 import socket
+import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from densepass.cli import main
 from densepass.config import load_config
@@ -459,7 +462,7 @@ def test_cli_evaluate_rejects_an_unknown_metric_before_any_work(tmp_path, capsys
     assert line == (
         "densepass: error: unknown metric 'foo@10' (known: mrr, ndcg, ndcg_burges, dcg, dcg_burges, "
         "recall, precision, r-precision, f1, map, hits, hit_rate, bpref, each with an optional cutoff @k, "
-        "k >= 1; and accuracy@k)"
+        "1 <= k <= 1000000000; and accuracy@k)"
     )
 
 
@@ -880,3 +883,72 @@ def test_a_lone_surrogate_in_a_search_query_is_a_one_line_error(tiny_model_dir):
         pipeline.search("window \ud800")
     with pytest.raises(DataError, match=r"^query 1: a lone surrogate"):
         pipeline.search_batch(["window", "\ud800"])
+
+
+# ---------------------------------------------------------------- ids a TREC run cannot hold
+
+
+@pytest.mark.parametrize("bad", ["p 1", "p\t1", "p\u00a01", "p\u20281"])
+def test_a_passage_id_with_whitespace_names_the_id_and_line(tmp_path, bad):
+    root = write_beir(tmp_path / "beir")
+    write(root / "corpus.jsonl", jsonl([*BEIR_CORPUS, {"_id": bad, "text": "fine"}]))
+    with pytest.raises(
+        DataError,
+        match=rf"corpus\.jsonl:4: field '_id' {re.escape(repr(bad))} holds whitespace \({re.escape(repr(bad[1]))}\), "
+        r"which TREC run and qrels files cannot represent \(their columns are separated by whitespace\)$",
+    ):
+        load_beir(root)
+
+
+def test_query_ids_with_whitespace_are_refused_by_every_reader(tmp_path):
+    root = write_beir(tmp_path / "beir")
+    write(root / "queries.jsonl", jsonl([*BEIR_QUERIES, {"_id": "q 9", "text": "what"}]))
+    with pytest.raises(DataError, match=r"queries\.jsonl:4: field '_id' 'q 9' holds whitespace"):
+        load_beir(root)
+    root = write_beir(tmp_path / "beir2", qrels={"dev": "q1\tp 1\t1\n"})
+    with pytest.raises(DataError, match=r"dev\.tsv:1: passage id 'p 1' holds whitespace"):
+        load_beir(root)
+    root = write_msmarco(tmp_path / "marco")
+    write(root / "queries.train.tsv", "10\twhat is first\n1 1\twhat is second\n")
+    with pytest.raises(DataError, match=r"queries\.train\.tsv:2: id '1 1' holds whitespace"):
+        load_msmarco(root)
+    write(tmp_path / "squad" / "dev-v1.1.json", squad_file([("T", [("c", [("d 1", "q", ["a"])])])]))
+    with pytest.raises(DataError, match=r"field 'id' 'd 1' holds whitespace"):
+        load_squad(tmp_path / "squad")
+    root = write_dpr(tmp_path / "dpr")
+    write(root / "dev.json", json.dumps([{"question": "q", "positive_ctxs": [ctx("T", "t", passage_id="1 2")]}]))
+    with pytest.raises(DataError, match=r"dev\.json: record 0\.positive_ctxs\[0\]: field 'passage_id' '1 2' holds"):
+        load_dpr(root)
+
+
+def test_a_qrels_id_with_a_quote_is_read_as_written(tmp_path):
+    # a tab-separated qrels file was read as CSV: a field starting with '"' swallowed the lines after it
+    root = write_beir(tmp_path / "beir", qrels={"dev": '"q1\tp1\t1\nq2\tp3\t1\n'})
+    write(root / "queries.jsonl", jsonl([*BEIR_QUERIES, {"_id": '"q1', "text": "quoted"}]))
+    assert no_data_warnings(lambda: load_beir(root)).qrels["dev"] == {'"q1': {"p1": 1}, "q2": {"p3": 1}}
+
+
+ANY_ID = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(qid=ANY_ID, pid=ANY_ID)
+def test_any_id_the_readers_accept_round_trips_through_trec_run_and_qrels_files(qid, pid):
+    from densepass.evaluation.metrics import write_trec_run
+
+    assume(qid not in ("q1", "q2", "q3") and pid not in ("p1", "p2", "p3"))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = write_beir(Path(tmp) / "beir")
+        write(root / "corpus.jsonl", jsonl([*BEIR_CORPUS, {"_id": pid, "text": "words"}]))
+        write(root / "queries.jsonl", jsonl([*BEIR_QUERIES, {"_id": qid, "text": "a query"}]))
+        try:
+            dataset = load_beir(root)
+        except DataError as err:  # refused: exactly the ids a TREC line cannot hold
+            assert "holds whitespace" in str(err) and any(c.isspace() for c in qid + pid)
+            return
+        assert not any(c.isspace() for c in qid + pid)
+        run = {qid: {pid: 0.5, "p1": 0.25}}
+        write_trec_run(run, Path(tmp) / "run.trec")
+        assert read_trec_run(Path(tmp) / "run.trec", dataset.corpus) == run
+        write(root / "qrels" / "dev.tsv", f"query-id\tcorpus-id\tscore\n{qid}\t{pid}\t1\nq2\tp3\t1\n")
+        assert load_beir(root).qrels["dev"] == {qid: {pid: 1}, "q2": {"p3": 1}}

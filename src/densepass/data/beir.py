@@ -1,7 +1,9 @@
 """Reader for the BEIR layout: corpus.jsonl, queries.jsonl, qrels/{split}.tsv (each optionally .gz).
 
 Every field read is type-checked, and bad input is a one-line :class:`DataError` naming the file and line:
-a non-string ``text`` or ``title``, a null or non-scalar ``_id``, bad UTF-8, a truncated gzip file. What is
+a non-string ``text`` or ``title``, a null or non-scalar ``_id``, an ``_id`` holding whitespace (a TREC run
+cannot represent it: ``io_utils.check_id``), a string holding a lone surrogate (``data.texts``), bad UTF-8, a
+truncated gzip file. What is
 tolerated is counted and reported once per file as a :class:`DataWarning` (see each reader's docstring).
 """
 
@@ -20,7 +22,16 @@ import numpy as np
 
 from densepass.data.dataset import Corpus, LazyTexts, Qrels, RetrievalDataset, passage_input
 from densepass.data.files import Tally, open_text, reading, records_files
-from densepass.data.io_utils import CorpusBuilder, all_empty, get_field, get_id, get_strings, has_words
+from densepass.data.io_utils import (
+    WHITESPACE,
+    CorpusBuilder,
+    all_empty,
+    check_id,
+    get_field,
+    get_id,
+    get_strings,
+    has_words,
+)
 from densepass.data.texts import might_hold_surrogates, surrogate_in
 from densepass.errors import DataError
 
@@ -72,6 +83,7 @@ def _checked_passage(rec: dict, path: Path, line_no: int, id_key: str = "_id") -
     if (
         pid.__class__ is str
         and pid
+        and WHITESPACE.search(pid) is None
         and title.__class__ is str
         and text.__class__ is str
         and doc_id.__class__ is str
@@ -235,7 +247,7 @@ def read_queries(path: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
     repeats = Tally(path, "repeated query ids with the same text, ignored")
     for line_no, rec in read_jsonl(path):
         qid, text = rec.get("_id"), rec.get("text")
-        if not (qid.__class__ is str and qid and text.__class__ is str):  # fast path, as in read_corpus
+        if not (qid.__class__ is str and qid and text.__class__ is str and WHITESPACE.search(qid) is None):
             where = f"{path}:{line_no}"
             qid, text = get_id(rec, "_id", where), get_field(rec, "text", str, where)
         if qid in queries:
@@ -282,12 +294,13 @@ def read_qrels_tsv(path: Path) -> Qrels:
     The first row is a header, and skipped, when its grade column is not a number. Grades are integers
     (``1.0`` is read as 1; ``0.5`` is an error). A (query, passage) pair judged twice with the same grade
     is skipped with one counted DataWarning; with different grades it is a DataError (silently keeping
-    either one could drop a positive)."""
+    either one could drop a positive). An id holding whitespace (a tab-separated field can hold spaces) is a
+    DataError (``io_utils.check_id``). Fields are never quoted: a ``"`` is part of the id, as in a TREC file."""
     qrels: Qrels = {}
     repeats = Tally(path, "repeated (query, passage) rows with the same grade, ignored")
     first_row = True
     with reading(path), open_text(path) as handle:
-        reader = csv.reader(handle, delimiter="\t")
+        reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)  # ids as written: '"q1' is an id
         for row in reader:
             if not row or not "".join(row).strip():
                 continue
@@ -303,6 +316,8 @@ def read_qrels_tsv(path: Path) -> Qrels:
             if len(row) != 3:
                 raise DataError(f"{path}:{line_no}: expected 3 tab-separated columns, got {len(row)}")
             qid, pid, grade_text = (c.strip() for c in row)
+            check_id(qid, "query id", f"{path}:{line_no}")
+            check_id(pid, "passage id", f"{path}:{line_no}")
             try:
                 grade = int(grade_text)
             except ValueError:

@@ -21,6 +21,7 @@ from typing import Any
 from densepass.data.dataset import Qrels, RetrievalDataset
 from densepass.data.io_utils import (
     CorpusBuilder,
+    check_id,
     get_field,
     get_id,
     get_strings,
@@ -72,13 +73,14 @@ def parse_context(ctx: Any, where: str) -> Context:
 
 def parse_record(record: Any, split: str, index: int, where: str) -> DprRecord:
     """A checked ``DprRecord`` (query id ``{split}-{index}``) from one JSON record."""
+    qid = check_id(f"{split}-{index}", "query id (from the file name)", where)
     question = get_field(record, "question", str, where)
     answers = get_strings(record, "answers", where)
     contexts = {}
     for key in CONTEXT_FIELDS:
         items = get_field(record, key, list, where, default=[])
         contexts[key] = [parse_context(ctx, f"{where}.{key}[{i}]") for i, ctx in enumerate(items)]
-    return DprRecord(f"{split}-{index}", question, unique(answers), contexts)
+    return DprRecord(qid, question, unique(answers), contexts)
 
 
 def dpr_split_files(directory: Path) -> dict[str, Path]:

@@ -4,6 +4,7 @@ and decoding errors live in ``files.py``)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -88,15 +89,33 @@ def get_field(record: Any, key: str, kind: type | tuple[type, ...], where: str, 
     return value
 
 
+WHITESPACE = re.compile(r"\s")
+"""Any whitespace character (what ``str.split()`` splits at, and so every reader of TREC run and qrels lines)."""
+
+
+def check_id(value: str, what: str, where: str) -> str:
+    """``value``, an id (of a query or passage), or a one-line DataError when it holds whitespace: a TREC run or
+    qrels line (``qid Q0 pid rank score tag``) cannot represent it, so a run written with it could not be read back
+    (``where`` locates it, ``what`` names it: ``query id``, ``field '_id'``)."""
+    found = WHITESPACE.search(value)
+    if found is not None:
+        raise DataError(
+            f"{where}: {what} {value!r} holds whitespace ({found.group()!r}), which TREC run and qrels files cannot "
+            "represent (their columns are separated by whitespace)"
+        )
+    return value
+
+
 def get_id(record: Any, key: str, where: str) -> str:
-    """An id field: a non-empty string, or an integer (returned as its decimal string)."""
+    """An id field: a non-empty string, or an integer (returned as its decimal string), without whitespace
+    (``check_id``)."""
     value = record.get(key) if isinstance(record, dict) else None
-    if value.__class__ is str and value:
+    if value.__class__ is str and value and WHITESPACE.search(value) is None:
         return value
     value = get_field(record, key, (str, int), where)
     if value == "":
         raise DataError(f"{where}: empty field {key!r}")
-    return str(value)
+    return check_id(str(value), f"field {key!r}", where)
 
 
 def get_strings(record: Any, key: str, where: str) -> list[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from densepass.data.beir import find_file, read_qrels_tsv
 from densepass.data.dataset import Corpus, Qrels, RetrievalDataset
 from densepass.data.files import Tally, read_lines
-from densepass.data.io_utils import CorpusBuilder, require_dir, split_files
+from densepass.data.io_utils import CorpusBuilder, check_id, require_dir, split_files
 from densepass.errors import DataError, DataWarning
 
 # First-column names that mark a header line rather than an id.
@@ -41,6 +41,7 @@ def read_id_text_tsv(path: Path) -> Iterator[tuple[int, str, str]]:
         key = key.strip()
         if not tab or not key:
             raise DataError(f"{path}:{line_no}: expected 'id<TAB>text', got {line[:60]!r}")
+        check_id(key, "id", f"{path}:{line_no}")
         if first:
             first = False
             if key.lower() in HEADER_KEYS:

@@ -19,7 +19,7 @@ from typing import Any
 
 from densepass.data.dataset import Qrels, RetrievalDataset
 from densepass.data.files import Tally
-from densepass.data.io_utils import CorpusBuilder, get_field, read_json, require_dir, split_files, unique
+from densepass.data.io_utils import CorpusBuilder, check_id, get_field, read_json, require_dir, split_files, unique
 from densepass.errors import DataError
 
 
@@ -66,7 +66,7 @@ class SquadBuilder:
             where = f"{path}: data[{a}]"
             title = get_field(article, "title", str, where)
             for p, paragraph in enumerate(get_field(article, "paragraphs", list, where)):
-                pid = f"{split}-{a}-{p}"
+                pid = check_id(f"{split}-{a}-{p}", "passage id (from the file name)", where)
                 self.add_paragraph(paragraph, pid, title, qrels, f"{where}.paragraphs[{p}]")
 
     def add_paragraph(self, paragraph: Any, pid: str, title: str, qrels: Qrels, where: str) -> None:
@@ -80,7 +80,7 @@ class SquadBuilder:
         """Add one question (skipping SQuAD v2 unanswerable ones) with its answers and qrels."""
         if get_field(qa, "is_impossible", bool, where, default=False):
             return  # SQuAD v2 unanswerable question: no passage answers it
-        qid = str(get_field(qa, "id", (str, int), where))
+        qid = check_id(str(get_field(qa, "id", (str, int), where)), "field 'id'", where)
         if qid in self.queries:
             raise DataError(f"{where}: duplicate question id {qid!r}")
         self.queries[qid] = get_field(qa, "question", str, where).strip()
