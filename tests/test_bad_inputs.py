@@ -952,3 +952,100 @@ def test_any_id_the_readers_accept_round_trips_through_trec_run_and_qrels_files(
         assert read_trec_run(Path(tmp) / "run.trec", dataset.corpus) == run
         write(root / "qrels" / "dev.tsv", f"query-id\tcorpus-id\tscore\n{qid}\t{pid}\t1\nq2\tp3\t1\n")
         assert load_beir(root).qrels["dev"] == {qid: {pid: 1}, "q2": {"p3": 1}}
+
+
+# ---------------------------------------------------------------- blank and repeated search queries
+
+
+@pytest.fixture(scope="module")
+def bm25_index(tmp_path_factory) -> Path:
+    """A saved BM25 index of the tiny dataset."""
+    from conftest import write_tiny_beir
+
+    root = tmp_path_factory.mktemp("search")
+    assert main(["index", str(write_tiny_beir(root / "tiny")), "--kind", "bm25", "--output", str(root / "bm25")]) == 0
+    return root / "bm25"
+
+
+def run_queries(path: Path) -> list[str]:
+    """The query ids of a TREC run file (BM25 on the tiny dataset ties: no warning about it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DataWarning)
+        return list(read_trec_run(path))
+
+
+@pytest.mark.parametrize("query", ["", "   ", "\t\n", "\u200b\u2060", "\ufeff \u200b"])
+def test_a_blank_query_is_a_one_line_error(bm25_index, tmp_path, capsys, query):
+    from densepass.index.bm25 import BM25Index
+    from densepass.pipelines.search import SearchPipeline
+
+    capsys.readouterr()
+    assert main(["search", str(bm25_index), query]) == 2
+    [line] = stderr_lines(capsys)
+    assert line.startswith("densepass: error: the query is empty") and "nothing to search for" in line
+    pipeline = SearchPipeline(BM25Index.build(["tar archiving utility", "X11 window manager"]))
+    with pytest.raises(DataError, match=r"^the query is empty"):
+        pipeline.search(query)
+    with pytest.raises(DataError, match=r"^query 1 is empty"):
+        pipeline.search_batch(["window", query])
+
+
+@pytest.mark.parametrize("fmt", ["tsv", "jsonl"])
+def test_blank_queries_in_a_queries_file_are_skipped_with_one_counted_warning(bm25_index, tmp_path, capsys, fmt):
+    rows = [("q1", "audio editor"), ("q2", ""), ("q3", "\u200b\u2060"), ("q4", "kernel driver"), ("q5", " ")]
+    path = tmp_path / f"queries.{fmt}"
+    if fmt == "tsv":
+        path.write_text("".join(f"{qid}\t{text}\n" for qid, text in rows))
+    else:
+        path.write_text(jsonl([{"_id": qid, "text": text} for qid, text in rows]))
+    capsys.readouterr()
+    assert main(["search", str(bm25_index), "--queries", str(path), "--output", str(tmp_path / "run.trec")]) == 0
+    assert stderr_lines(capsys) == [
+        f"densepass: warning: {path}: 3 blank queries (empty, whitespace or zero-width characters only) skipped: "
+        "nothing to search (first: line 2)"
+    ]
+    assert set(run_queries(tmp_path / "run.trec")) == {"q1", "q4"}
+    blank = [("q2", ""), ("q3", "\u200b")]
+    path.write_text(
+        "".join(f"{q}\t{t}\n" for q, t in blank) if fmt == "tsv" else jsonl([{"_id": q, "text": t} for q, t in blank])
+    )
+    assert main(["search", str(bm25_index), "--queries", str(path), "--output", str(tmp_path / "run2.trec")]) == 2
+    [line] = stderr_lines(capsys)
+    assert line == f"densepass: error: {path}: every query is blank (empty, whitespace or zero-width characters only)"
+    assert not (tmp_path / "run2.trec").exists()
+
+
+def test_blank_dataset_queries_count_zero_width_characters_as_empty(tmp_path):
+    root = write_beir(tmp_path / "beir", qrels={"dev": "q1\tp1\t1\nq2\tp3\t1\n"})
+    write(root / "queries.jsonl", jsonl([{"_id": "q1", "text": "fine"}, {"_id": "q2", "text": "\u200b\u2060"}]))
+    with pytest.warns(DataWarning) as record:
+        load_beir(root)
+    assert data_warnings(record) == ["beir: qrels/dev: 1 of its 2 queries have an empty text (first: query 'q2')"]
+
+
+@pytest.mark.parametrize("fmt", ["tsv", "jsonl"])
+def test_a_query_id_repeated_in_a_queries_file_is_an_error_or_one_counted_warning(bm25_index, tmp_path, capsys, fmt):
+    def write_queries(rows):
+        path = tmp_path / f"queries.{fmt}"
+        if fmt == "tsv":
+            path.write_text("".join(f"{qid}\t{text}\n" for qid, text in rows))
+        else:
+            path.write_text(jsonl([{"_id": qid, "text": text} for qid, text in rows]))
+        return path
+
+    path = write_queries([("q1", "audio editor"), ("q2", "kernel"), ("q1", "a different text")])
+    run = tmp_path / "run.trec"
+    capsys.readouterr()
+    assert main(["search", str(bm25_index), "--queries", str(path), "--output", str(run)]) == 2
+    [line] = stderr_lines(capsys)
+    assert line == (
+        f"densepass: error: {path}:3: query id 'q1' given again with a different text ('a different text'; "
+        "line 1: 'audio editor')"
+    )
+    assert not run.exists()
+    path = write_queries([("q1", "audio editor"), ("q2", "kernel"), ("q1", "audio editor"), ("q2", "kernel")])
+    assert main(["search", str(bm25_index), "--queries", str(path), "--output", str(run)]) == 0
+    assert stderr_lines(capsys) == [
+        f"densepass: warning: {path}: 2 repeated query ids with the same text, ignored (first: line 3)"
+    ]
+    assert set(run_queries(run)) == {"q1", "q2"}

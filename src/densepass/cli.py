@@ -287,14 +287,18 @@ def _search(args: argparse.Namespace) -> None:
         raise ConfigError("--queries needs --output (a TREC run file)")
     if args.output:
         check_run_output(args.output)
+    from densepass.pipelines.search import check_query, read_queries
+
+    if args.query is not None:
+        check_query(args.query, "the query")  # before the index and model load
+    else:
+        ids, texts = read_queries(args.queries)
     pipeline = _load_pipeline(args)
     if args.query is not None:
         _print_hits(args.query, pipeline.search(args.query, args.k))
         return
     from densepass.evaluation.metrics import write_trec_run
-    from densepass.pipelines.search import read_queries
 
-    ids, texts = read_queries(args.queries)
     run = pipeline.results(texts, args.k).as_run(ids)
     write_trec_run(run, args.output, tag=args.tag)
     print(f"{len(ids):,} queries searched, top {args.k} each -> {args.output}")

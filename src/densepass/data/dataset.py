@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from densepass.data.files import Tally
+from densepass.data.texts import is_blank
 from densepass.errors import DataError
 
 Qrels = dict[str, dict[str, int]]  # query id -> passage id -> relevance grade
@@ -118,9 +119,10 @@ class Corpus:
 class RetrievalDataset:
     """Corpus + queries + qrels per split (+ answers), validated on construction.
 
-    Every query and passage named by the qrels must exist. A split whose queries are all empty (or
-    whitespace) is a DataError (nothing could be learnt or measured); some empty queries give one counted
-    :class:`DataWarning` per split (they are kept: an empty query is a legitimate, if hopeless, input)."""
+    Every query and passage named by the qrels must exist. A split whose queries are all empty (or whitespace,
+    or invisible characters only such as zero-width spaces: ``data.texts.is_blank``) is a DataError (nothing could
+    be learnt or measured); some empty queries give one counted :class:`DataWarning` per split (they are kept: an
+    empty query is a legitimate, if hopeless, input, and evaluation counts it)."""
 
     name: str
     corpus: Corpus
@@ -137,7 +139,7 @@ class RetrievalDataset:
                 text = self.queries.get(qid)
                 if text is None:
                     raise DataError(f"{self.name}: qrels/{split} names query {qid!r}, which is not in the queries")
-                if not text or text.isspace():
+                if is_blank(text):
                     empty.add(f"query {qid!r}")
                 for pid in rels:
                     if pid not in self.corpus:

@@ -287,21 +287,59 @@ def check_run_queries(run: Mapping[str, object], queries: Mapping[str, str]) -> 
 
 
 def read_queries(path: str | Path) -> tuple[list[str], list[str]]:
-    """(ids, texts) of a queries file: BEIR ``queries.jsonl`` (``_id``, ``text``; .gz too) or ``id<TAB>text`` lines."""
-    from densepass.data.beir import read_queries as read_jsonl_queries
-    from densepass.data.msmarco import read_id_text_tsv
-    from densepass.errors import DataError
+    """(ids, texts) of a queries file: BEIR ``queries.jsonl`` (``_id``, ``text``; .gz too) or ``id<TAB>text`` lines,
+    in the file's order, checked as the dataset readers check theirs (a lone surrogate, an id with whitespace: a
+    DataError naming the line).
+
+    A query id given again with a different text is a DataError naming the id and both lines (which text is meant
+    is unknowable); with the same text the repeat is skipped, with one counted DataWarning. A blank query (empty,
+    whitespace or invisible characters only, e.g. zero-width spaces: ``data.texts.is_blank``) is skipped, with one
+    counted DataWarning naming the first line: the run has no line for it, as for a query a search returns nothing
+    for (the dataset readers keep theirs, with the same kind of warning, since evaluation counts them); a file of
+    blank queries only is a DataError."""
+    from densepass.data.files import Tally
 
     path = Path(path)
     if not path.is_file():
         raise DataError(f"queries file not found: {path}")
-    if path.name.endswith((".jsonl", ".jsonl.gz", ".json")):
-        queries, _ = read_jsonl_queries(path)
-        return list(queries), list(queries.values())
+    first: dict[str, tuple[str, int]] = {}  # query id -> (text, line)
+    repeats = Tally(path, "repeated query ids with the same text, ignored")
+    blank = Tally(path, "blank queries (empty, whitespace or zero-width characters only) skipped: nothing to search")
     ids, texts = [], []
-    for _, qid, text in read_id_text_tsv(path):
+    for line_no, qid, text in _query_lines(path):
+        if qid in first:
+            old, old_line = first[qid]
+            if old != text:
+                raise DataError(
+                    f"{path}:{line_no}: query id {qid!r} given again with a different text ({text[:40]!r}; line "
+                    f"{old_line}: {old[:40]!r})"
+                )
+            repeats.add(line_no)
+            continue
+        first[qid] = (text, line_no)
+        if is_blank(text):
+            blank.add(line_no)
+            continue
         ids.append(qid)
         texts.append(text)
-    if not ids:
+    if not first:
         raise DataError(f"{path}: no queries")
+    if not ids:
+        raise DataError(f"{path}: every query is blank (empty, whitespace or zero-width characters only)")
+    repeats.warn()
+    blank.warn()
     return ids, texts
+
+
+def _query_lines(path: Path):
+    """``(line number, id, text)`` of each query of a queries file (``read_queries``), fields checked."""
+    from densepass.data.beir import read_jsonl
+    from densepass.data.io_utils import get_field, get_id
+    from densepass.data.msmarco import read_id_text_tsv
+
+    if not path.name.endswith((".jsonl", ".jsonl.gz", ".json")):
+        yield from read_id_text_tsv(path)
+        return
+    for line_no, record in read_jsonl(path):
+        where = f"{path}:{line_no}"
+        yield line_no, get_id(record, "_id", where), get_field(record, "text", str, where)
