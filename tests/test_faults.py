@@ -201,6 +201,26 @@ def test_a_diverging_run_stops_with_one_line_naming_the_step_and_writes_no_model
         assert not (run_dir / "metrics.json").exists()
 
 
+def test_resuming_on_a_changed_data_file_is_refused_naming_it_and_restart_trains_on_it(
+    tmp_path, tiny_beir, dropout_model
+):
+    config = train_config(tmp_path / "a", tiny_beir, dropout_model, epochs=1)  # tiny_beir: this test's own copy
+    assert densepass("run", str(config), cwd=tmp_path).returncode == 0  # its checkpoints are kept
+    corpus = tiny_beir / "corpus.jsonl"
+    first, *rest = corpus.read_text().splitlines()
+    corpus.write_text("\n".join([json.dumps({**json.loads(first), "text": "a changed text"}), *rest]) + "\n")
+    saved = (tmp_path / "a" / "run" / "config.yaml").read_text()
+    changed = densepass("run", str(config), cwd=tmp_path)
+    errors = [line for line in changed.stderr.replace("\r", "\n").splitlines() if "densepass: error:" in line]
+    assert changed.returncode == 2 and len(errors) == 1 and "Traceback" not in changed.stderr
+    assert "tiny/corpus.jsonl changed since its checkpoint step-" in errors[0] and "--restart" in errors[0]
+    assert (tmp_path / "a" / "run" / "config.yaml").read_text() == saved
+    restarted = densepass("run", str(config), "--restart", cwd=tmp_path)
+    assert restarted.returncode == 0, restarted.stderr[-2000:]
+    again = densepass("run", str(config), cwd=tmp_path)  # the same data: the finished run is taken up again
+    assert again.returncode == 0, again.stderr[-2000:]
+
+
 def test_a_second_run_into_the_same_directory_is_refused(tmp_path, tiny_beir, dropout_model):
     config = train_config(tmp_path / "a", tiny_beir, dropout_model)
     first = start("run", str(config), cwd=tmp_path)

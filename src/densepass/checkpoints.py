@@ -233,11 +233,59 @@ class Checkpoints:
     def _check_identity(self, path: Path, saved: dict) -> None:
         if saved == self.identity:
             return
+        data = data_change(saved, self.identity, path.name)
+        if data is not None:
+            raise _other_data(self.root.parent, data)
         raise ConfigError(
             f"{self.root.parent} holds a run with other settings ({differences(saved, self.identity)} differ "
             f"from {path.name}); "
             "use another name or output_dir, or --restart to discard it and start over"
         )
+
+
+DATA_FILES = "data_files"  # the identity's {file: content digest} of the data a run reads
+
+
+def data_change(saved: dict, current: dict, checkpoint: str) -> str | None:
+    """How the data files of identity ``current`` differ from those of ``saved`` (the identity of checkpoint
+    ``checkpoint``, e.g. ``step-5``), when nothing else differs; None otherwise."""
+    if DATA_FILES not in current or {k: v for k, v in saved.items() if k != DATA_FILES} != {
+        k: v for k, v in current.items() if k != DATA_FILES
+    }:
+        return None
+    if saved.get(DATA_FILES) == current[DATA_FILES]:
+        return None
+    if DATA_FILES not in saved:
+        return f"its checkpoint {checkpoint} does not record what its data files held (an older densepass wrote it)"
+    old, new = saved[DATA_FILES], current[DATA_FILES]
+    changes = [f"{name} changed" for name in new if name in old and old[name] != new[name]]
+    changes += [f"{name} is new" for name in new if name not in old]
+    changes += [f"{name} is no longer read" for name in old if name not in new]
+    listed = ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
+    return f"{listed} since its checkpoint {checkpoint} was written"
+
+
+def _other_data(run_dir: Path, change: str) -> ConfigError:
+    return ConfigError(
+        f"{run_dir} holds a run that cannot resume on this data: {change}; use --restart to discard it and train "
+        "on the data as it is now, or another name or output_dir"
+    )
+
+
+def check_data_files(run_dir: Path, data_files: dict[str, str]) -> None:
+    """Refuse ``run_dir`` when its newest checkpoint was trained on other data files than ``data_files``
+    (``RetrievalDataset.file_fingerprints``), before any work: for runs whose finished stages are skipped, and
+    so never reach a resume. Only the checkpoint's state.json is read (a damaged one is left to the resume)."""
+    for path in reversed(Checkpoints(run_dir, 1, {}).paths()):
+        try:
+            saved = json.loads((path / STATE_JSON).read_text())["identity"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        saved = {DATA_FILES: saved[DATA_FILES]} if isinstance(saved, dict) and DATA_FILES in saved else {}
+        change = data_change(saved, {DATA_FILES: data_files}, path.name)
+        if change is not None:
+            raise _other_data(Path(run_dir), change)
+        return
 
 
 def differences(a: Any, b: Any) -> str:

@@ -63,6 +63,21 @@ def fingerprint_file(path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+_FILE_DIGESTS: dict[tuple, str] = {}
+
+
+def fingerprint_file_cached(path) -> str:
+    """``fingerprint_file``, computed once per process for a file whose path, size, modification time and inode
+    stay the same (a dataset's files are fingerprinted at every check of a run's identity)."""
+    import os
+
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_dev)
+    if key not in _FILE_DIGESTS:
+        _FILE_DIGESTS[key] = fingerprint_file(path)
+    return _FILE_DIGESTS[key]
+
+
 def fingerprint_corpus(corpus) -> str:
     """Digest of a ``Corpus``: its passage ids, titles, texts and document ids, in order."""
     sep = ["\x00"]  # streamed, column by column: a corpus read from its file is never all in memory

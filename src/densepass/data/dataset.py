@@ -9,10 +9,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from densepass.data.files import Tally
 from densepass.data.texts import is_blank
 from densepass.errors import DataError
+from densepass.fingerprints import fingerprint_file_cached
 
 Qrels = dict[str, dict[str, int]]  # query id -> passage id -> relevance grade
 
@@ -129,6 +131,7 @@ class RetrievalDataset:
     queries: dict[str, str]
     qrels: dict[str, Qrels]
     answers: dict[str, list[str]] = field(default_factory=dict)
+    files: dict[str, Path] = field(default_factory=dict)  # what the reader read, by name in the dataset directory
 
     def __post_init__(self) -> None:
         if len(self.corpus) == 0:
@@ -150,6 +153,12 @@ class RetrievalDataset:
             if qrels and empty.count == len(qrels):
                 raise DataError(f"{self.name}: every query of qrels/{split} has an empty text (e.g. {empty.first})")
             empty.warn()
+
+    def file_fingerprints(self) -> dict[str, str]:
+        """{``<dataset name>/<file>``: content digest} of every file the reader read (corpus, queries, qrels, ...):
+        a run's identity, so that a run is never resumed on data that changed (each file is hashed once per
+        process while its size and modification time stay the same)."""
+        return {f"{self.name}/{name}": fingerprint_file_cached(path) for name, path in self.files.items()}
 
     def split(self, name: str) -> Qrels:
         """Qrels of one split, with a clear error for a missing or empty split."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from densepass.data.dataset import Qrels, RetrievalDataset
+from densepass.data.files import records_files
 from densepass.data.io_utils import (
     CorpusBuilder,
     check_id,
@@ -97,6 +98,7 @@ def read_split(path: Path, split: str) -> Iterator[DprRecord]:
         yield parse_record(record, split, index, f"{path}: record {index}")
 
 
+@records_files
 def load_dpr(directory: str | Path, name: str | None = None) -> RetrievalDataset:
     """Read a directory of DPR JSON files into a :class:`RetrievalDataset` (positives get grade 1)."""
     directory = require_dir(directory)

@@ -1,18 +1,26 @@
 """Reading dataset and run files: UTF-8 text, optionally gzipped, with every decoding or decompression
 failure turned into a one-line :class:`DataError` naming the file (and the line, for bad UTF-8), and
-counted :class:`DataWarning` s (one per file and kind of oddity, never one per row)."""
+counted :class:`DataWarning` s (one per file and kind of oddity, never one per row). A dataset reader
+decorated with :func:`records_files` lists every file it read in the dataset's ``files`` (what a run's
+identity fingerprints: ``RetrievalDataset.file_fingerprints``)."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import io
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
+from typing import TypeVar
 
 from densepass.errors import DataError, DataWarning
+
+L = TypeVar("L", bound=Callable)
+_RECORDERS: ContextVar[tuple[list[Path], ...]] = ContextVar("densepass_files_read", default=())
 
 
 def open_text(path: Path) -> io.TextIOBase:
@@ -40,7 +48,9 @@ def _bad_utf8(path: Path) -> DataError:
 @contextmanager
 def reading(path: Path) -> Iterator[None]:
     """Turn the errors of reading ``path`` (bad UTF-8, a truncated or corrupt gzip stream, an unreadable
-    file) into one-line DataErrors that name it."""
+    file) into one-line DataErrors that name it (and note ``path`` as read, inside :func:`recording_reads`)."""
+    for files in _RECORDERS.get():
+        files.append(Path(path))
     try:
         yield
     except UnicodeDecodeError:
@@ -51,6 +61,40 @@ def reading(path: Path) -> Iterator[None]:
         raise DataError(f"{path}: corrupt gzip file ({err})") from None
     except OSError as err:
         raise DataError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+@contextmanager
+def recording_reads() -> Iterator[list[Path]]:
+    """A list that collects every path read through :func:`reading` inside the block (repeats included)."""
+    files: list[Path] = []
+    token = _RECORDERS.set((*_RECORDERS.get(), files))
+    try:
+        yield files
+    finally:
+        _RECORDERS.reset(token)
+
+
+def records_files(loader: L) -> L:
+    """Decorate a dataset reader ``loader(directory, ...)`` (returning a ``RetrievalDataset``, or a tuple whose
+    last item is one): the dataset's ``files`` become {name relative to ``directory``: path} of every file it
+    read, in the order first read."""
+
+    @functools.wraps(loader)
+    def load(directory, *args, **kwargs):
+        with recording_reads() as read:
+            result = loader(directory, *args, **kwargs)
+        dataset = result[-1] if isinstance(result, tuple) else result
+        root, files = Path(directory), {}
+        for path in read:
+            try:
+                name = path.relative_to(root).as_posix()
+            except ValueError:
+                name = str(path)
+            files.setdefault(name, path)
+        dataset.files = files
+        return result
+
+    return load  # type: ignore[return-value]
 
 
 def read_lines(path: Path) -> Iterator[tuple[int, str]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from densepass.data.beir import find_file, read_qrels_tsv
 from densepass.data.dataset import Corpus, Qrels, RetrievalDataset
-from densepass.data.files import Tally, read_lines
+from densepass.data.files import Tally, read_lines, records_files
 from densepass.data.io_utils import CorpusBuilder, check_id, require_dir, split_files
 from densepass.errors import DataError, DataWarning
 
@@ -97,6 +97,7 @@ def read_all_qrels(directory: Path) -> dict[str, Qrels]:
     return {split: read_qrels_tsv(path) for split, path in prefixed_split_files(directory, "qrels").items()}
 
 
+@records_files
 def load_msmarco(directory: str | Path, name: str | None = None) -> RetrievalDataset:
     """Read an MS MARCO passage-ranking directory into a :class:`RetrievalDataset`."""
     directory = require_dir(directory)

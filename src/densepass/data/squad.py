@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from densepass.data.dataset import Qrels, RetrievalDataset
-from densepass.data.files import Tally
+from densepass.data.files import Tally, records_files
 from densepass.data.io_utils import CorpusBuilder, check_id, get_field, read_json, require_dir, split_files, unique
 from densepass.errors import DataError
 
@@ -129,6 +129,7 @@ class SquadBuilder:
         return SquadSpans(dataset, spans, passage, {kind: t.count for kind, t in tallies.items()})
 
 
+@records_files
 def _read(directory: str | Path, name: str | None) -> tuple[SquadBuilder, RetrievalDataset]:
     directory = require_dir(directory)
     builder = SquadBuilder()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from densepass.checkpoints import DATA_FILES, check_data_files
 from densepass.config import save_config
 from densepass.data.paths import dataset_dir
 from densepass.data.squad import SquadSpans, load_squad_spans
@@ -116,6 +117,8 @@ def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool 
         kept = claim_run_directory(run_dir, "phrase run", RUN_ENTRIES, restart)
         if kept:
             warnings.warn(f"--restart kept files densepass did not write in {run_dir}: {kept}", DataWarning, 2)
+        data_files = {DATA_FILES: data.dataset.file_fingerprints()}
+        check_data_files(run_dir, data_files[DATA_FILES])  # finished stages are skipped: checked before any
         save_config(config, run_dir / "config.yaml")
         stages = Stages(run_dir)
         corpus = data.dataset.corpus
@@ -148,7 +151,13 @@ def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool 
             if config.validation.enabled
             else None
         )
-        identity = {"data": asdict(d), "model": asdict(model.config), "init": config.train.init, "hard": hard_key}
+        identity = {
+            "data": asdict(d),
+            "model": asdict(model.config),
+            "init": config.train.init,
+            "hard": hard_key,
+            **data_files,
+        }
 
         def train() -> dict:
             result = train_phrases(
@@ -252,6 +261,7 @@ def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool 
                     run_dir / "qsft",
                     device,
                     show_progress,
+                    data_files,
                 )
                 tuned.save(run_dir / "qsft-model")
                 index = corpus_index()

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from densepass import distributed
-from densepass.checkpoints import differences, training_identity, trim_log
+from densepass.checkpoints import DATA_FILES, differences, training_identity, trim_log
 from densepass.config import ExperimentConfig, LossConfig, load_config, save_config
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
@@ -83,10 +83,12 @@ def model_from_config(config: ExperimentConfig) -> BiEncoder:
     return retrievers.model_from_config(config)
 
 
-def run_identity(config: ExperimentConfig) -> dict:
-    """The settings besides ``train`` that change the fine-tuned model: resuming across a change is refused."""
+def run_identity(config: ExperimentConfig, dataset: RetrievalDataset | None = None) -> dict:
+    """The settings besides ``train`` that change the fine-tuned model, and (given the ``dataset``) the content
+    fingerprint of every data file it was read from: resuming across a change is refused."""
     schedule = {k: v for k, v in asdict(config.schedule).items() if k != "background"}
     loss = {"loss": asdict(config.loss)} if config.loss != LossConfig() else {}  # the default: earlier runs resume
+    data_files = {DATA_FILES: dataset.file_fingerprints()} if dataset is not None else {}
     return {
         "data": asdict(config.data),
         "model": asdict(config.model),
@@ -94,6 +96,7 @@ def run_identity(config: ExperimentConfig) -> dict:
         "schedule": schedule,
         **distillation_identity(config),
         **loss,
+        **data_files,
     }
 
 
@@ -240,6 +243,8 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool) -> Exper
     if needs_answers and not dataset.answers:
         raise ConfigError(f"eval.metrics {needs_answers} need answer strings, which {dataset.name} does not have")
     check_run_directory(config)
+    if config.train.enabled:  # before any work: a changed data file is refused here
+        resume_step(config.run_dir, config.train, run_identity(config, dataset))  # refuses another run's checkpoints
     neg = config.negatives
     uses_bm25 = neg.source == "bm25" or neg.source == "mixed" and "bm25" in neg.mix
     need_full_bm25 = uses_bm25 and neg.per_query > 0 and config.train.enabled or config.data.eval_hard_k > 0
@@ -250,8 +255,6 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool) -> Exper
         eval_bm25 = BM25Index.build(evalset.corpus)  # the passages with their ids: its runs name them
     if config.eval.mode == "rerank":
         add_rerank_candidates(evalset, eval_bm25, config.eval.rerank_candidates)
-    if config.train.enabled:
-        resume_step(config.run_dir, config.train, run_identity(config))  # refuses another run's checkpoints
     experiment = Experiment(config, device, main, dataset, evalset, full_bm25, eval_bm25)
     experiment.reranker = load_fixed_reranker(config, device)  # a model without a usable head fails here
     if distilling(config):
@@ -462,7 +465,7 @@ def fine_tune(
         run_dir / "schedule_log.jsonl",
         state_dir=run_dir / "schedule",
     )
-    identity = run_identity(config)
+    identity = run_identity(config, exp.dataset)
     resumed_at = resume_step(run_dir, config.train, identity)
     eval_log = run_dir / "eval_log.jsonl"
     trim_log(eval_log, resumed_at)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from densepass.checkpoints import DATA_FILES
 from densepass.config import ExperimentConfig, LossConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import uses_bf16
@@ -128,6 +129,7 @@ def train_reranker(
         "data": asdict(config.data),
         "negatives": asdict(config.negatives),
         "cross_encoder": {"name_or_path": cfg.name_or_path, "max_length": cfg.max_length, "bf16": bf16},
+        DATA_FILES: dataset.file_fingerprints(),  # a changed data file: the checkpoints are refused
     }
     started = time.perf_counter()
     result = train_cross_encoder(model, data, cfg.train, run_dir / "reranker", device, bf16, identity)

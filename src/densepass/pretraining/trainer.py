@@ -33,9 +33,10 @@ from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from densepass.checkpoints import BOOKKEEPING, Checkpoints, restore_rng, trim_log, without_default_skipping
+from densepass.checkpoints import BOOKKEEPING, DATA_FILES, Checkpoints, restore_rng, trim_log, without_default_skipping
 from densepass.config import save_config
 from densepass.data import load_dataset
+from densepass.data.dataset import RetrievalDataset
 from densepass.device import RandomState, autocast_context, resolve_device, resolved_cpu_bf16, uses_bf16
 from densepass.errors import ConfigError, DataWarning
 from densepass.io import claim_run_directory, exclusive_lock, run_directory_problem
@@ -90,10 +91,11 @@ def crop_settings(config: PretrainConfig) -> CropSettings:
     )
 
 
-def batch_stream(config: PretrainConfig, tokenizer) -> Iterator[Batch]:
-    """The run's infinite, seeded stream of (unmasked) batches."""
+def batch_stream(config: PretrainConfig, tokenizer, dataset: RetrievalDataset | None = None) -> Iterator[Batch]:
+    """The run's infinite, seeded stream of (unmasked) batches (``dataset``: ``config.data``'s, already read)."""
     d, t = config.data, config.train
-    corpus = subset_corpus(load_dataset(d.name, d.data_dir, d.format).corpus, d.max_passages, d.seed)
+    dataset = dataset or load_dataset(d.name, d.data_dir, d.format)
+    corpus = subset_corpus(dataset.corpus, d.max_passages, d.seed)
     if config.model.mode == "cocondenser":
         return span_batches(corpus, tokenizer, t.batch_size, t.max_length, t.span_min_tokens, t.span_max_tokens, t.seed)
     if config.model.mode == "contriever":
@@ -223,7 +225,9 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
     optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=t.weight_decay, fused=True)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(t.warmup_ratio * t.max_steps), t.max_steps)
     log_path = run_dir / LOG_NAME
-    checkpoints = Checkpoints(run_dir, t.keep_checkpoints, pretraining_identity(config))
+    dataset = load_dataset(config.data.name, config.data.data_dir, config.data.format)
+    data_files = {DATA_FILES: dataset.file_fingerprints()}  # a changed corpus file: its checkpoints are refused
+    checkpoints = Checkpoints(run_dir, t.keep_checkpoints, {**pretraining_identity(config), **data_files})
     step = 0
     guard = DivergenceGuard(t.skip_nonfinite)
     resumed = checkpoints.latest()  # refuses another run's checkpoints
@@ -238,7 +242,7 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
         guard.load_state_dict(resumed.extra.get("nonfinite"))
         step = resumed.step
     trim_log(log_path, step)
-    stream = itertools.islice(batch_stream(config, model.tokenizer), step, None)
+    stream = itertools.islice(batch_stream(config, model.tokenizer, dataset), step, None)
     tokens, started, terms = 0, time.perf_counter(), {"loss": float("nan")}
     progress = tqdm(total=t.max_steps, initial=step, desc=f"pretrain {config.model.mode}", dynamic_ncols=True)
     while step < t.max_steps:
