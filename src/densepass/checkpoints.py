@@ -31,9 +31,18 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from densepass import distributed
 from densepass.device import resolved_cpu_bf16
 from densepass.errors import ConfigError, DataWarning
-from densepass.io import atomic_directory, atomic_write_text, manifest_problem, write_manifest
+from densepass.io import (
+    atomic_directory,
+    atomic_write_text,
+    disk_errors,
+    hold_temporaries,
+    manifest_problem,
+    remove_stale_temporaries,
+    write_manifest,
+)
 
 # training settings that change how often things are written or how batches are tokenised, not what is
 # trained: a resumed run may change them
@@ -192,9 +201,12 @@ class Checkpoints:
         scheduler: Any,
         extra: dict | None = None,
     ) -> Path:
-        """Write checkpoint ``step`` atomically: ``write_model(directory)`` first, then state and manifest."""
+        """Write checkpoint ``step`` atomically: ``write_model(directory)`` first, then state and manifest. A full
+        disk is a one-line error (``io.disk_errors``), the partial checkpoint removed; the run resumes from the
+        one before."""
         path = self.root / f"step-{step}"
-        with atomic_directory(path) as tmp:
+        with disk_errors(path), hold_temporaries() as hold, atomic_directory(path) as tmp:
+            hold(tmp)
             write_model(tmp)
             save_tree(
                 {
@@ -213,7 +225,11 @@ class Checkpoints:
         return path
 
     def latest(self) -> Resumed | None:
-        """The newest checkpoint that verifies (None for a fresh run); damaged ones are skipped with a warning."""
+        """The newest checkpoint that verifies (None for a fresh run); damaged ones are skipped with a warning.
+        Called at the start of training, which holds the run directory's lock: the partial checkpoints of a killed
+        process (``.step-N.<random>.tmp``) are removed first (rank 0's; ``io.remove_stale_temporaries``)."""
+        if distributed.rank() == 0:
+            remove_stale_temporaries(self.root, r"step-\d+", owned=True)
         for path in reversed(self.paths()):
             problem = manifest_problem(path)
             if problem is None:

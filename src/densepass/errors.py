@@ -16,3 +16,12 @@ class ConfigError(DensepassError):
 
 class DataWarning(UserWarning):
     """Input that is read anyway (a row skipped, a repeat ignored); one warning per file and kind, counted."""
+
+
+class DiskError(DensepassError):
+    """A write failed for want of space or permission (a full disk, a quota, a read-only place): ``code`` is its
+    errno, ``needs`` about how many bytes it needed where known (``io.disk_errors``)."""
+
+    def __init__(self, message: str, code: int, needs: int | None = None) -> None:
+        super().__init__(message)
+        self.code, self.needs = code, needs

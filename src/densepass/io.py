@@ -353,18 +353,22 @@ def disk_error_message(code: int, path: str | Path, needs: int | None = None, fr
 @contextlib.contextmanager
 def disk_errors(path: str | Path, needs: int | None = None) -> Iterator[None]:
     """Turn a write in the block that fails for want of space or permission (``disk_errno``: ``OSError`` ENOSPC,
-    EDQUOT, EROFS, EACCES, or safetensors' / FAISS's errors wrapping one) into a one-line ``DensepassError`` naming
+    EDQUOT, EROFS, EACCES, or safetensors' / FAISS's errors wrapping one) into a one-line ``DiskError`` naming
     ``path``, what the block writes (``needs``: about how many bytes, where known); any other error passes as it is.
-    Cleanups inside the block (``atomic_directory``'s, ``atomic_file``'s) run first."""
-    from densepass.errors import DensepassError
+    Cleanups inside the block (``atomic_directory``'s, ``atomic_file``'s) run first. Where scopes nest (a model saved
+    into a checkpoint's temporary directory), the outermost names the write: what the user asked for."""
+    from densepass.errors import DiskError
 
     try:
         yield
+    except DiskError as err:
+        needs = needs or err.needs
+        raise DiskError(disk_error_message(err.code, path, needs), err.code, needs) from err.__cause__
     except Exception as err:
         code = disk_errno(err)
         if code is None:
             raise
-        raise DensepassError(disk_error_message(code, path, needs)) from err
+        raise DiskError(disk_error_message(code, path, needs), code, needs) from err
 
 
 def reserve_space(path: str | Path, size: int | None = None) -> None:
@@ -373,7 +377,7 @@ def reserve_space(path: str | Path, size: int | None = None) -> None:
     kills the process with SIGBUS, with no message; blocks allocated here can be written, so a full disk is a
     one-line ``DensepassError`` here, before the work. Where the file system cannot allocate ahead
     (``posix_fallocate`` unsupported), its free space is checked against what the file still lacks instead."""
-    from densepass.errors import DensepassError
+    from densepass.errors import DiskError
 
     path = Path(path)
     free = free_bytes(path)
@@ -390,11 +394,11 @@ def reserve_space(path: str | Path, size: int | None = None) -> None:
                 return
             except OSError as err:
                 if err.errno in DISK_ERRORS:
-                    raise DensepassError(disk_error_message(err.errno, path, size, free)) from err
+                    raise DiskError(disk_error_message(err.errno, path, size, free), err.errno, size) from err
                 # not supported here (EOPNOTSUPP, EINVAL, ...): check the free space instead
         missing = size - min(size, stat.st_blocks * 512)
         if free is not None and missing > free:
-            raise DensepassError(disk_error_message(errno.ENOSPC, path, size, free))
+            raise DiskError(disk_error_message(errno.ENOSPC, path, size, free), errno.ENOSPC, size)
     finally:
         os.close(fd)
 

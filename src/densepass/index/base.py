@@ -25,6 +25,7 @@ corrupted file, or another model than the one that built the index, is a one-lin
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,14 @@ from densepass.data.beir import PassageFile
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_corpus
-from densepass.io import atomic_directory, read_manifest, write_manifest
+from densepass.io import (
+    atomic_directory,
+    disk_errors,
+    hold_temporaries,
+    read_manifest,
+    remove_stale_temporaries,
+    write_manifest,
+)
 from densepass.version import __version__
 
 PASSAGES = "passages.jsonl"
@@ -192,9 +200,12 @@ class Index(ABC):
         """Write the kind's own files into ``directory``."""
 
     def save(self, directory: str | Path) -> Path:
-        """Write the index atomically to ``directory`` (replacing what is there only once complete)."""
+        """Write the index atomically to ``directory`` (replacing what is there only once complete); a full disk is
+        a one-line error, with nothing left behind (``io.disk_errors``)."""
         directory = Path(directory)
-        with atomic_directory(directory) as tmp:
+        remove_stale_temporaries(directory.parent, re.escape(directory.name))  # a killed save's
+        with disk_errors(directory), hold_temporaries() as hold, atomic_directory(directory) as tmp:
+            hold(tmp)
             save_passages(self.passages, tmp / PASSAGES)
             self._write(tmp)
             write_manifest(

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from densepass.errors import DataWarning
+from densepass.io import disk_errors, reserve_space
 from densepass.models.biencoder import BiEncoder, Side
 from densepass.models.encode import encode_texts
 
@@ -26,7 +27,9 @@ def encode_to_memmap(
     Finished shards are recorded in ``<path>.done``; an interrupted run resumes at the first
     unfinished shard, and the file is renamed into place only when every shard is written. Callers name
     ``path`` by the content it encodes (model and corpus fingerprints), so what is there is reused; files
-    damaged on disk (a truncated array, an unreadable list of shards) are encoded again, with a warning.
+    damaged on disk (a truncated array, an unreadable list of shards) are encoded again, with a warning. The
+    file's disk blocks are reserved before the first shard (``create_memmap``): a full disk is a one-line error
+    up front, never SIGBUS part-way.
     """
     path = Path(path)
     n, dim = len(texts), model.dim
@@ -39,12 +42,14 @@ def encode_to_memmap(
     done = _done_shards(done_file) if out is not None else set()
     if out is None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        out = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=(n, dim))
         done_file.unlink(missing_ok=True)
+        out = create_memmap(partial, (n, dim))
+    else:
+        reserve_space(partial)  # its blocks (reserved when it was made, unless an older version made it)
 
     def record(shard: int) -> None:
         out.flush()
-        with open(done_file, "a") as handle:
+        with disk_errors(done_file), open(done_file, "a") as handle:
             handle.write(f"{shard}\n")
 
     _encode_blocks(model, texts, side, out, shard_size, done, record, **kwargs)
@@ -52,6 +57,21 @@ def encode_to_memmap(
     partial.rename(path)
     done_file.unlink(missing_ok=True)
     return np.load(path, mmap_mode="r")
+
+
+def create_memmap(path: str | Path, shape: tuple[int, int]) -> np.memmap:
+    """A new float32 ``.npy`` memory map of ``shape`` at ``path`` with its disk blocks reserved (``io.reserve_space``):
+    a full disk is a one-line error here, before any encoding, where a store to a page the file system cannot back
+    would kill the process with SIGBUS. Nothing is left at ``path`` when it fails."""
+    path = Path(path)
+    try:
+        with disk_errors(path, needs=4 * shape[0] * shape[1]):
+            out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
+            reserve_space(path)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return out
 
 
 def encode_in_blocks(model: BiEncoder, texts: Sequence[str], side: Side, block: int, **kwargs) -> np.ndarray:

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from densepass.errors import ConfigError, DensepassError
+from densepass.io import atomic_file
 
 KINDS = ("faiss-flat", "faiss-hnsw", "faiss-ivfpq")
 PQ_CODES = 256  # codes per sub-vector of the IVF-PQ's product quantiser (8 bits)
@@ -80,14 +81,13 @@ def faiss_search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.nda
 
 
 def save_faiss_index(index, path: str | Path) -> None:
-    """Write atomically (temporary file, then rename)."""
+    """Write atomically (a temporary sibling, then rename: ``io.atomic_file``). The bytes go through Python's file
+    API, so that a write that fails (a full disk: a one-line error) fails here, also the last one, which FAISS's
+    own writer would only report on stderr when it closes the file."""
     import faiss
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    faiss.write_index(index, str(tmp))
-    tmp.replace(path)
+    with atomic_file(path, "wb") as handle:
+        faiss.write_index(index, faiss.PyCallbackIOWriter(handle.write))
 
 
 def load_faiss_index(path: str | Path):

@@ -47,6 +47,7 @@ from densepass.index.checks import model_for_index
 from densepass.index.dense import query_embeddings, require_model_path
 from densepass.index.faiss_index import default_pq_m, faiss_search, load_faiss_index, new_ivfpq, save_faiss_index
 from densepass.index.sharded import ShardedEmbeddings, ShardPlan, encoder_fingerprint, shard_path
+from densepass.io import reserve_space
 from densepass.models.biencoder import BiEncoder
 from densepass.numerics import nonfinite_row
 
@@ -146,12 +147,14 @@ def fill_part(trained: Path, embeddings: np.ndarray, first_row: int, path: Path,
 def merge_parts(trained: Path, parts: list[Path], directory: Path) -> None:
     """Merge the inverted lists of the filled ``parts`` (in order) into ``directory``'s on-disk lists file and
     write the index that points at it (``INDEX_FILE``)."""
-    import faiss
     from faiss.contrib.ondisk import merge_ondisk
 
     index = load_faiss_index(trained)
+    # FAISS fills the lists file through a memory map: its blocks are reserved first (the parts' size, more than the
+    # lists need; FAISS truncates it to theirs), so that a full disk is a one-line error, never SIGBUS
+    reserve_space(directory / LISTS_FILE, sum(part.stat().st_size for part in parts))
     merge_ondisk(index, [str(part) for part in parts], str(directory / LISTS_FILE))
-    faiss.write_index(index, str(directory / INDEX_FILE))
+    save_faiss_index(index, directory / INDEX_FILE)
 
 
 def open_ondisk(directory: Path):

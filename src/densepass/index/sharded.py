@@ -41,7 +41,7 @@ from densepass.data.dataset import LazyTexts
 from densepass.device import default_device, resolve_precision
 from densepass.errors import DataError, DataWarning, DensepassError
 from densepass.fingerprints import fingerprint_json, fingerprint_weights
-from densepass.index.embeddings import encode_in_blocks, encode_to_memmap
+from densepass.index.embeddings import create_memmap, encode_in_blocks, encode_to_memmap
 from densepass.index.exact import exact_search, score_block_queries, sort_by_score_then_row
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder
@@ -155,7 +155,7 @@ class ShardedEmbeddings:
         if self.plan.world == 1:
             return self.local
         dim = self.local.shape[1]
-        out = np.lib.format.open_memmap(Path(path), mode="w+", dtype=np.float32, shape=(self.plan.rows, dim))
+        out = create_memmap(path, (self.plan.rows, dim))  # its blocks reserved: a full disk is one line, not SIGBUS
         for start, shard in self.every_shard():
             for s in range(0, len(shard), self.plan.block):
                 out[start + s : start + min(s + self.plan.block, len(shard))] = shard[s : s + self.plan.block]

@@ -13,6 +13,7 @@ towers the query tower is saved the same way under ``query/``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -27,7 +28,16 @@ from densepass.config import DEFAULT_MODEL, BiEncoderConfig
 from densepass.data.dataset import Corpus
 from densepass.data.texts import check_texts
 from densepass.errors import ConfigError
-from densepass.io import MANIFEST, atomic_directory, atomic_write_text, disk_errors, read_manifest, write_manifest
+from densepass.io import (
+    MANIFEST,
+    atomic_directory,
+    atomic_write_text,
+    disk_errors,
+    hold_temporaries,
+    read_manifest,
+    remove_stale_temporaries,
+    write_manifest,
+)
 from densepass.models.batching import Side, SidedInputs
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 from densepass.numerics import refuse_nonfinite_weights
@@ -236,7 +246,9 @@ class BiEncoder(SidedInputs, nn.Module):
         """Write the model atomically: an interrupted save never leaves a half-written directory; weights
         holding NaN or infinity are refused."""
         refuse_nonfinite_weights(self, str(path), saving=True)
-        with disk_errors(path), atomic_directory(path) as tmp:  # a full disk: one line
+        remove_stale_temporaries(Path(path).parent, re.escape(Path(path).name))  # a killed save's temporary
+        with disk_errors(path), hold_temporaries() as hold, atomic_directory(path) as tmp:  # a full disk: one line
+            hold(tmp)
             self._save_tower(self.passage_encoder, tmp, "passage")
             if not self.config.shared:
                 self._save_tower(self.query_encoder, tmp / "query", "query")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import re
 import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
@@ -42,7 +43,16 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 from densepass import distributed
 from densepass.errors import DataError, DataWarning
 from densepass.fingerprints import fingerprint_file, fingerprint_json, fingerprint_strings
-from densepass.io import MANIFEST, atomic_directory, exclusive_lock, manifest_problem, write_manifest
+from densepass.io import (
+    MANIFEST,
+    atomic_directory,
+    disk_errors,
+    exclusive_lock,
+    hold_temporaries,
+    manifest_problem,
+    remove_stale_temporaries,
+    write_manifest,
+)
 from densepass.models.biencoder import Side
 
 FORMAT = 1
@@ -123,8 +133,11 @@ class TokenStore:
         return cls(texts, max_length, names, flat_ids, offsets, flat_types)
 
     def save(self, directory: Path, facts: dict) -> None:
-        """Write the arrays and a manifest (``facts`` plus every file's size and digest) atomically."""
-        with atomic_directory(directory) as tmp:
+        """Write the arrays and a manifest (``facts`` plus every file's size and digest) atomically; a full disk is a
+        one-line error, and a killed save's temporary directory is removed first (``io``)."""
+        remove_stale_temporaries(directory.parent, re.escape(directory.name))
+        with disk_errors(directory), hold_temporaries() as hold, atomic_directory(directory) as tmp:
+            hold(tmp)
             np.save(tmp / "input_ids.npy", self.input_ids)
             np.save(tmp / "offsets.npy", self.offsets)
             if self.token_type_ids is not None:

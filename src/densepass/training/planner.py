@@ -24,6 +24,7 @@ import torch
 
 from densepass.config import ScheduleConfig
 from densepass.errors import ConfigError
+from densepass.io import disk_errors
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
 from densepass.processes import die_with_parent
@@ -168,8 +169,13 @@ class EpochPlanner:
         if saved is not None:
             saved.parent.mkdir(parents=True, exist_ok=True)
             partial = saved.with_name(f".{saved.name}.partial.npz")
-            np.savez(partial, queries=queries, passages=passages)
-            partial.replace(saved)
+            try:
+                with disk_errors(saved, needs=queries.nbytes + passages.nbytes):
+                    np.savez(partial, queries=queries, passages=passages)
+                partial.replace(saved)
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
         return queries, passages
 
     def _encode_now(self) -> tuple[np.ndarray, np.ndarray]:
