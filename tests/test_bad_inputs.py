@@ -1049,3 +1049,64 @@ def test_a_query_id_repeated_in_a_queries_file_is_an_error_or_one_counted_warnin
         f"densepass: warning: {path}: 2 repeated query ids with the same text, ignored (first: line 3)"
     ]
     assert set(run_queries(run)) == {"q1", "q2"}
+
+
+# ---------------------------------------------------------------- more negatives per query than a pool holds
+
+
+def test_more_negatives_per_query_than_the_pool_depth_is_refused_before_any_work(tiny_model_dir, tmp_path):
+    from densepass.pipelines.experiment import check
+
+    with pytest.raises(
+        ConfigError,
+        match=r"^negatives\.per_query 6 is more than negatives\.pool_depth 5: a pool holds at most pool_depth "
+        r"distinct negatives, so every draw would repeat some$",
+    ):
+        check(load_config(None, ["negatives.per_query=6", "negatives.pool_depth=5", f"output_dir={tmp_path}"]))
+    reranker = [
+        "reranker.enabled=true",
+        f"reranker.name_or_path={tiny_model_dir}",
+        "reranker.max_length=64",
+        "reranker.train.negatives_per_query=9",
+        "negatives.pool_depth=8",
+        f"output_dir={tmp_path}",
+    ]
+    with pytest.raises(
+        ConfigError, match=r"^reranker\.train\.negatives_per_query 9 is more than negatives\.pool_depth 8"
+    ):
+        check(load_config(None, reranker))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pools_shorter_than_the_negatives_drawn_are_one_counted_warning(tiny_beir):
+    from densepass.training.batches import TrainingData
+
+    dataset = load_beir(tiny_beir)
+    qids = ["q0", "q1", "q2", "q3"]
+    pools = {"q0": ["p10", "p11", "p12"], "q1": ["p10", "p11"], "q2": ["p13", "p2", "p10"], "q3": []}
+    with pytest.warns(DataWarning) as record:  # q2 loses its positive p2: q1 and q2 keep 2 distinct negatives
+        data = TrainingData(dataset, "train", "[SEP]", pools, 3, query_ids=qids)
+    assert data_warnings(record) == [
+        "2 of 4 training queries have fewer distinct hard negatives in their pool than the 3 drawn per query "
+        "(the smallest pool holds 2): their draws repeat negatives"
+    ]
+    assert data.pool_sizes.summary() == (
+        "3 hard negative(s) drawn per query and step; 2 of the 4 queries have fewer distinct ones in their pool "
+        "(the smallest 2), so their draws repeat negatives; 1 of the 4 have an empty pool (random passages instead)."
+    )
+    no_data_warnings(lambda: TrainingData(dataset, "train", "[SEP]", pools, 2, query_ids=qids))
+
+
+def test_a_run_reports_the_negatives_its_pools_really_hold(tiny_beir, tiny_model_dir, tmp_path):
+    from conftest import small_run_overrides
+    from densepass.pipelines.experiment import run_experiment
+
+    overrides = small_run_overrides(tiny_beir, tiny_model_dir, tmp_path, "short")
+    settings = ["negatives.source=context", "negatives.per_query=2", "train.max_steps=1", "train.batch_size=4"]
+    config = load_config(None, [*overrides, *settings])  # a passage's document holds one other passage
+    with pytest.warns(DataWarning, match=r"training queries have fewer distinct hard negatives in their pool"):
+        run_experiment(config)
+    report = (tmp_path / "short" / "report.md").read_text()
+    assert re.search(
+        r"Training negatives: 2 hard negative\(s\) drawn per query and step; \d+ of the \d+ queries", report
+    )

@@ -124,6 +124,11 @@ def check(config: ExperimentConfig) -> torch.device:
         check_loss(config.loss, config.train)
         if neg.refresh_every is not None and (neg.source == "none" or neg.per_query == 0):
             raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
+        if neg.source != "none" and neg.per_query > neg.pool_depth:
+            raise ConfigError(
+                f"negatives.per_query {neg.per_query} is more than negatives.pool_depth {neg.pool_depth}: a pool "
+                "holds at most pool_depth distinct negatives, so every draw would repeat some"
+            )
         crop = config.train.passage_max_length
         if crop is not None and crop > config.model.passage_max_length:
             raise ConfigError(
@@ -431,7 +436,7 @@ def training_data(exp: Experiment, model: BiEncoder, pool: TrainingPool, teacher
         exp.notes.append(
             f"Refreshed with the model being trained every {neg.refresh_every} steps (negatives/refresh_log.jsonl)."
         )
-    return TrainingData(
+    data = TrainingData(
         exp.dataset,
         config.data.train_split,
         sep,
@@ -440,6 +445,8 @@ def training_data(exp: Experiment, model: BiEncoder, pool: TrainingPool, teacher
         query_ids=pool.query_ids,
         teacher_scores=teacher,
     )
+    exp.notes.append(f"Training negatives: {data.pool_sizes.summary()}")  # short pools repeat negatives: said here
+    return data
 
 
 def fine_tune(

@@ -68,6 +68,11 @@ def check_reranker_config(config: ExperimentConfig) -> None:
         check_position_limit(model_config, {"reranker.max_length": cfg.max_length}, cfg.name_or_path)
     if cfg.train.enabled and neg.source == "none":
         raise ConfigError("reranker.train draws hard negatives from the run's pool: set negatives.source")
+    if cfg.train.enabled and cfg.train.negatives_per_query > neg.pool_depth:
+        raise ConfigError(
+            f"reranker.train.negatives_per_query {cfg.train.negatives_per_query} is more than negatives.pool_depth "
+            f"{neg.pool_depth}: a pool holds at most pool_depth distinct negatives, so every draw would repeat some"
+        )
     evaluated = {"bm25": "bm25" in config.eval.baselines, "zero-shot": "zero-shot" in config.eval.baselines}
     evaluated["fine-tuned"] = config.train.enabled
     missing = [s for s in cfg.first_stages if not evaluated[s]]
@@ -139,6 +144,7 @@ def train_reranker(
         f"{result.steps} steps of {cfg.train.batch_size} queries x (1 + {cfg.train.negatives_per_query}) pairs, "
         f"final loss {result.final_loss:.4f}, {time.perf_counter() - started:.0f} s; saved in reranker/model."
     )
+    notes.append(f"Cross-encoder negatives: {data.pool_sizes.summary()}")
     return model
 
 

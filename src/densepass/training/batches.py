@@ -6,6 +6,7 @@ identically on every process from a seed of (epoch, step); each process tokenise
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -14,14 +15,15 @@ import torch
 
 from densepass.data.dataset import RetrievalDataset
 from densepass.data.keys import content_key, is_known_passage, passage_input
-from densepass.errors import ConfigError, DataError
+from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.losses.contrastive import false_negative_mask
 
 
 def draw_negatives(pool: np.ndarray, h: int, rng: np.random.Generator, n_passages: int) -> list[int]:
-    """``h`` rows drawn uniformly from ``pool`` (distinct when the pool has >= h rows), the paper's
-    "randomly select negatives from the pool for each question" (negative-contrast §4.3); an empty
-    pool falls back to random passages (training-inference-gap §4.3.2, footnote 6)."""
+    """``h`` rows drawn uniformly from ``pool`` (distinct when the pool has >= h rows; a shorter pool repeats some,
+    which ``TrainingData`` warns about and reports: ``PoolSizes``), the paper's "randomly select negatives from the
+    pool for each question" (negative-contrast §4.3); an empty pool falls back to random passages
+    (training-inference-gap §4.3.2, footnote 6)."""
     if len(pool) == 0:
         pool = rng.integers(0, n_passages, size=4 * h)
     return [int(r) for r in rng.choice(pool, size=h, replace=len(pool) < h)]
@@ -39,6 +41,49 @@ class TrainingBatch:
     passage_keys: torch.Tensor  # [P_global] content key of each passage column (data.keys.content_key)
     relevant_keys: list[set[int]]  # per global query: keys of every passage judged relevant to it, and its positive's
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-batch data of other objectives
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """How the hard-negative pools of the training queries compare with the negatives drawn per query: ``short``
+    queries have some, but fewer than ``per_query``, distinct negatives in their pool (the smallest such pool holds
+    ``smallest``), so their draws repeat negatives; ``empty`` have none (random passages are drawn instead)."""
+
+    queries: int
+    per_query: int
+    short: int = 0
+    smallest: int | None = None
+    empty: int = 0
+
+    @classmethod
+    def of(cls, pools: Sequence[np.ndarray], per_query: int) -> PoolSizes:
+        """The sizes of ``pools`` (one per training query) against ``per_query`` negatives drawn from each."""
+        short = [len(pool) for pool in pools if 0 < len(pool) < per_query]
+        empty = sum(1 for pool in pools if len(pool) == 0)
+        return cls(len(pools), per_query, len(short), min(short) if short else None, empty)
+
+    def summary(self) -> str:
+        """One sentence for the run's report: the true number of distinct negatives the draws had."""
+        text = f"{self.per_query} hard negative(s) drawn per query and step"
+        if self.short:
+            text += (
+                f"; {self.short} of the {self.queries} queries have fewer distinct ones in their pool (the smallest "
+                f"{self.smallest}), so their draws repeat negatives"
+            )
+        if self.empty:
+            text += f"; {self.empty} of the {self.queries} have an empty pool (random passages instead)"
+        return text + "."
+
+    def warn(self) -> None:
+        """One DataWarning when some pools are shorter than ``per_query`` (never one per query)."""
+        if self.short:
+            warnings.warn(
+                f"{self.short} of {self.queries} training queries have fewer distinct hard negatives in their pool "
+                f"than the {self.per_query} drawn per query (the smallest pool holds {self.smallest}): their draws "
+                "repeat negatives",
+                DataWarning,
+                stacklevel=3,
+            )
 
 
 class TrainingData:
@@ -78,6 +123,10 @@ class TrainingData:
         self.sep_token = sep_token
         self._extra_rows: dict[str, int] = {}  # synthetic passages (context halves) -> rows after the corpus
         self.negative_rows = self._negative_pools(negatives or {}) if negatives_per_query else None
+        self.pool_sizes: PoolSizes | None = None  # the pools against negatives_per_query: what a report says
+        if self.negative_rows is not None:
+            self.pool_sizes = PoolSizes.of(self.negative_rows, negatives_per_query)
+            self.pool_sizes.warn()  # a pool shorter than negatives_per_query repeats negatives: never silently
         self._refreshed: list[tuple[int, list[np.ndarray]]] = []  # (first step, pools), by first step
         self.teacher: list[dict[int, float]] | None = None
         if teacher_scores is not None:
