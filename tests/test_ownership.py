@@ -310,3 +310,9 @@ def test_a_planted_encoding_directory_is_not_used(tiny_beir, tiny_model_dir, tmp
     (tmp_path / ".idx.encoding").chmod(0o755)
     assert main(args) == 0
     assert not (tmp_path / ".idx.encoding").exists()
+
+
+def test_a_failed_index_build_leaves_no_empty_work_directory(tiny_beir, tmp_path, capsys):
+    assert main(["index", str(tiny_beir), "--model", str(tmp_path / "no-model"), "--output", str(tmp_path / "i")]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # the dataset alone

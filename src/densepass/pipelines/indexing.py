@@ -17,9 +17,11 @@ saved atomically; the encoding files are removed. Two processes building the sam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -37,7 +39,7 @@ from densepass.index.dense import DenseIndex
 from densepass.index.faiss_index import check_trainable
 from densepass.index.hybrid import HybridIndex, part_precision
 from densepass.index.ondisk import IVFPQOptions, build_ondisk_ivfpq
-from densepass.index.sharded import DEFAULT_BLOCK, ShardedEmbeddings, encode_sharded
+from densepass.index.sharded import DEFAULT_BLOCK, SHARDS_FILE, ShardedEmbeddings, encode_sharded
 from densepass.io import check_replaceable
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT
@@ -182,6 +184,20 @@ def _work_dir(output: str | Path) -> tuple[Path, Path]:
     return output, work_dir
 
 
+@contextlib.contextmanager
+def _locked(work_dir: Path) -> Iterator[None]:
+    """``work_dir`` locked for an index build; where the build fails before any passage was encoded there (a
+    refusal, a BM25 or model index, which keep nothing to resume), the directory is removed, lock and all."""
+    with distributed.rank_zero_lock(work_dir, "index build"):
+        try:
+            yield
+        except BaseException:
+            if distributed.rank() == 0 and work_dir.is_dir():
+                if all(p.name in (".lock", SHARDS_FILE) for p in work_dir.iterdir()):
+                    shutil.rmtree(work_dir, ignore_errors=True)
+            raise
+
+
 def index_dataset(
     name: str, data_dir: str | Path | None, format: str, output: str | Path, settings: IndexSettings
 ) -> tuple[Index | None, str]:
@@ -206,7 +222,7 @@ def index_dataset(
         corpus = loaded["dataset"].corpus
         return len(corpus), fingerprint_corpus(corpus), loaded["dataset"].name
 
-    with distributed.rank_zero_lock(work_dir, "index build"):
+    with _locked(work_dir):
         rows, corpus_fingerprint, dataset_name = distributed.on_rank_zero(load)
         if "dataset" in loaded:
             texts = loaded["dataset"].corpus.lazy_inputs(sep)
@@ -226,7 +242,7 @@ def index_dataset(
 def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> Index:
     """Index ``corpus`` as ``settings`` say and save it atomically to ``output``."""
     output, work_dir = _work_dir(output)
-    with distributed.rank_zero_lock(work_dir, "index build"):
+    with _locked(work_dir):
         if settings.kind == "bm25":
             index: Index = BM25Index.build(corpus, show_progress=settings.show_progress)
         elif settings.kind in ("splade", "colbert"):
