@@ -62,6 +62,46 @@ def test_the_guard_stops_or_skips_and_bounds_the_skips_in_a_row():
     assert (restored.skipped, restored.in_a_row) == (guard.skipped, guard.in_a_row)
 
 
+def _guard_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        for skip in (False, True):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:  # only rank 1's loss is NaN
+                    loss = torch.tensor(NAN if rank else 0.5)
+                    result = {"taken": DivergenceGuard(skip).check(4, loss, torch.tensor(1.0))}
+                except Diverged as err:
+                    result = {"error": str(err)}
+            result["warnings"] = [str(w.message) for w in caught if w.category is SkippedBatchWarning]
+            results[str(skip)] = result
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_process_stops_or_skips_when_one_of_them_meets_a_nan(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_guard_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    first, second = (json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1))
+    assert first["False"]["error"].startswith("training diverged at step 4: the loss is not finite on another process")
+    assert second["False"]["error"].startswith("training diverged at step 4: the loss is nan")
+    assert first["True"]["taken"] is False and second["True"]["taken"] is False  # both skip the batch
+    assert "the loss is not finite on another process; batch skipped" in first["True"]["warnings"][0]
+
+
 # ---- the bi-encoder loop -------------------------------------------------------------------------------
 
 
