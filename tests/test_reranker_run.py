@@ -91,14 +91,20 @@ def test_a_teacher_file_of_another_pool_is_refused_before_anything_is_written(ti
     )
     with pytest.raises(DataError, match="computed for another hard-negative pool"):
         run_experiment(other)
-    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == [".lock"]
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == [
+        ".densepass-run",
+        ".lock",
+    ]  # the run directory's marker and lock alone
 
 
 def test_a_reranker_without_a_usable_head_is_refused_before_anything_is_written(tiny_beir, tiny_model_dir, tmp_path):
     config = config_with(tiny_beir, tiny_model_dir, tmp_path, "reranker.train.enabled=false")
     with pytest.raises(ConfigError, match="no trained relevance head"):
         run_experiment(config)
-    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [".lock"]
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [
+        ".densepass-run",
+        ".lock",
+    ]  # the run directory's marker and lock alone
 
 
 @pytest.mark.parametrize(
