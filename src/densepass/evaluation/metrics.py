@@ -40,24 +40,33 @@ RANX_METRICS = (
 )
 ACCURACY = "accuracy"  # DPR top-k answer accuracy: always with a cutoff, accuracy@k
 _METRIC = re.compile(r"(?P<name>[a-z_-]+)(?:@(?P<k>[0-9]+))?")
+MAX_CUTOFF = 10**9  # ranx overflows past 2**63, and Python parses no integer of more than 4300 digits
+
+
+def _cutoff_ok(k: str | None) -> bool:
+    """No cutoff, or one from 1 to MAX_CUTOFF."""
+    if k is None:
+        return True
+    digits = k.lstrip("0")
+    return 0 < len(digits) <= len(str(MAX_CUTOFF)) and int(digits) <= MAX_CUTOFF
 
 
 def check_metrics(names: Sequence[str]) -> None:
     """A one-line ConfigError unless every name is a ranx metric (:data:`RANX_METRICS`) with an optional
-    cutoff ``@k`` (k >= 1), or ``accuracy@k``."""
+    cutoff ``@k`` (1 <= k <= :data:`MAX_CUTOFF`), or ``accuracy@k``."""
     if isinstance(names, str) or not names:
         raise ConfigError(f"metrics should be a non-empty list of names, got {names!r}")
     for name in names:
         match = _METRIC.fullmatch(name) if isinstance(name, str) else None
         ok = (
             match is not None
-            and (match["k"] is None or int(match["k"]) >= 1)
+            and _cutoff_ok(match["k"])
             and (match["name"] in RANX_METRICS or (match["name"] == ACCURACY and match["k"] is not None))
         )
         if not ok:
             raise ConfigError(
                 f"unknown metric {name!r} (known: {', '.join(RANX_METRICS)}, each with an optional "
-                f"cutoff @k, k >= 1; and {ACCURACY}@k)"
+                f"cutoff @k, 1 <= k <= {MAX_CUTOFF}; and {ACCURACY}@k)"
             )
 
 
