@@ -455,11 +455,11 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
             except ConfigError as err:
                 errors.append(str(err))
         if not errors:
-            raise ConfigError(f"{where}: invalid value {value!r}")
+            raise ConfigError(f"{where}: invalid value {_short(value)}")
         raise ConfigError(f"{where}: " + " / ".join(e.removeprefix(f"{where}: ") for e in errors))
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
+            raise ConfigError(f"{where}: {_short(value)} is not one of {', '.join(map(repr, args))}")
         return value
     if origin is list:
         if not isinstance(value, list):
@@ -467,28 +467,45 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
         return [_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
     if annotation is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+            raise ConfigError(f"{where}: expected true/false, got {_short(value)}")
         return value
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {_short(value)}")
+        if abs(value) > _INT_MAX:
+            raise ConfigError(f"{where}: {_short(value)} is beyond the 64-bit integers NumPy and torch take")
         return value
     if annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads exponents without a dot (5e-5) as strings
             try:
                 value = float(value)
             except ValueError:
-                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+                raise ConfigError(f"{where}: expected a number, got {_short(value)}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {_short(value)}")
+        if value != value or value in (float("inf"), float("-inf")) or abs(value) > _FLOAT_MAX:
+            raise ConfigError(f"{where}: expected a finite number, got {_short(value)}")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {_short(value)}")
         return value
     return value
+
+
+_FLOAT_MAX = 1.7976931348623157e308  # an integer above it (10**400 in a YAML or JSON file) has no float
+_INT_MAX = 2**63 - 1  # sizes, counts and seeds go to NumPy and torch as int64
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, or the number of digits of an integer too long to print in a message (Python prints none
+    of more than 4300)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    try:
+        return repr(value)
+    except ValueError:  # a list or mapping holding such an integer
+        return f"a {type(value).__name__} holding an integer too long to print"
 
 
 def _bound(limit: float) -> str:
@@ -500,11 +517,11 @@ def _check_range(value: Any, meta: typing.Mapping[str, Any], where: str) -> None
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
     if meta.get("min") is not None and value < meta["min"]:
-        raise ConfigError(f"{where}: must be >= {_bound(meta['min'])}, got {value!r}")
+        raise ConfigError(f"{where}: must be >= {_bound(meta['min'])}, got {_short(value)}")
     if meta.get("max") is not None and value > meta["max"]:
-        raise ConfigError(f"{where}: must be <= {_bound(meta['max'])}, got {value!r}")
+        raise ConfigError(f"{where}: must be <= {_bound(meta['max'])}, got {_short(value)}")
     if meta.get("above") is not None and value <= meta["above"]:
-        raise ConfigError(f"{where}: must be > {_bound(meta['above'])}, got {value!r}")
+        raise ConfigError(f"{where}: must be > {_bound(meta['above'])}, got {_short(value)}")
 
 
 def from_dict(cls: type[T], values: dict[str, Any], where: str = "config") -> T:
@@ -515,9 +532,9 @@ def from_dict(cls: type[T], values: dict[str, Any], where: str = "config") -> T:
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            close = difflib.get_close_matches(key if isinstance(key, str) else _short(key), list(fields), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(fields)})"
-            raise ConfigError(f"{where}: unknown key {key!r}{hint}")
+            raise ConfigError(f"{where}: unknown key {_short(key)}{hint}")
         kwargs[key] = _convert(value, hints[key], f"{where}.{key}")
         _check_range(kwargs[key], fields[key].metadata, f"{where}.{key}")
     return cls(**kwargs)
