@@ -489,6 +489,12 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
     if annotation is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {_short(value)}")
+        if "\x00" in value:
+            raise ConfigError(f"{where}: {_short(value)} holds a NUL character (no name or path can)")
+        if _has_surrogate(value):
+            raise ConfigError(
+                f"{where}: {_short(value)} holds a lone surrogate, which is not text (a \\ud800 escape alone?)"
+            )
         return value
     return value
 
@@ -506,6 +512,15 @@ def _short(value: Any) -> str:
         return repr(value)
     except ValueError:  # a list or mapping holding such an integer
         return f"a {type(value).__name__} holding an integer too long to print"
+
+
+def _has_surrogate(text: str) -> bool:
+    """Whether ``text`` holds a lone surrogate (a JSON or YAML ``\\ud800``), which no file can be named by."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _bound(limit: float) -> str:
