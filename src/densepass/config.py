@@ -573,8 +573,8 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
         try:
-            node[leaf] = yaml.load(raw, Loader=_UniqueKeyLoader)
-        except yaml.YAMLError as err:
+            node[leaf] = _load_yaml(raw, "<unicode string>")
+        except _YamlProblem as err:
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from None
     return values
 
@@ -587,10 +587,46 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
-            if key in seen:
+            try:
+                repeated = key in seen
+            except TypeError:  # a list or mapping as a key: SafeLoader's own error says so
+                continue
+            if repeated:
                 raise ConfigError(f"{self.name}:{line}: key {key!r} appears twice (first on line {seen[key]})")
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+class _YamlProblem(Exception):
+    """Why a text is not a YAML value, in one line (``_load_yaml``)."""
+
+
+def _load_yaml(text: str, name: str) -> Any:
+    """``text`` parsed by the unique-key loader (``name`` is where its errors say it is). Every way it can fail is
+    one line: a ``_YamlProblem``, or the ConfigError of a repeated key. PyYAML's own messages span several lines
+    (a snippet and a caret), and its constructors of explicit tags raise plain Python errors (``!!int x``: a
+    ValueError, ``!!bool x``: a KeyError), as do an integer of more than 4300 digits and a date such as 2001-02-30."""
+    loader = None
+    try:
+        loader = _UniqueKeyLoader(text)  # its reader refuses a control character here
+        loader.name = name
+        return loader.get_single_data()
+    except ConfigError:
+        raise
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = ", ".join(str(p) for p in (err.context, err.problem) if p)
+        raise _YamlProblem(" ".join(f"{problem}{where}".split())) from None
+    except yaml.YAMLError as err:  # a ReaderError: a control character
+        raise _YamlProblem(" ".join(str(err).split())) from None
+    except RecursionError:
+        raise _YamlProblem("nested too deeply") from None
+    except Exception as err:  # a tag constructor's error, as above
+        raise _YamlProblem(" ".join(f"{type(err).__name__}: {err}".split())) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type[T] = ExperimentConfig) -> T:
@@ -605,15 +641,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, cls
             if path.suffix == ".json":
                 values = json.loads(text, object_pairs_hook=_unique_json_object(path))
             else:
-                loader = _UniqueKeyLoader(text)
-                loader.name = str(path)
-                try:
-                    values = loader.get_single_data()
-                finally:
-                    loader.dispose()
+                values = _load_yaml(text, str(path))
         except UnicodeDecodeError as err:
             raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-        except (json.JSONDecodeError, yaml.YAMLError) as err:
+        except RecursionError:
+            raise ConfigError(f"{path}: not valid JSON: nested too deeply") from None
+        except (ValueError, _YamlProblem) as err:  # ValueError: a JSONDecodeError, or an integer of 4300+ digits
             raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
         values = values or {}
         if not isinstance(values, dict):
