@@ -529,6 +529,10 @@ def _bound(limit: float) -> str:
 
 
 def _check_range(value: Any, meta: typing.Mapping[str, Any], where: str) -> None:
+    if isinstance(value, list):  # a list of sizes or counts: each item in the range
+        for i, item in enumerate(value):
+            _check_range(item, meta, f"{where}[{i}]")
+        return
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
     if meta.get("min") is not None and value < meta["min"]:

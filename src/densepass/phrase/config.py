@@ -122,7 +122,7 @@ class QueryTuningConfig:
 class PhraseEvalConfig:
     """Final evaluation on the whole corpus (every split's passages)."""
 
-    ks: list[int] = option(help="k of answer accuracy and passage recall", factory=lambda: [1, 5, 20])
+    ks: list[int] = option(help="k of answer accuracy and passage recall", factory=lambda: [1, 5, 20], min=1)
     batch_size: int = option(32, "windows per encoding batch", min=1)
     vector_dtype: Literal["float16", "float32"] = option("float16", "precision of the indexed start/end vectors")
 
