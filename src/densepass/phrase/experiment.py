@@ -46,6 +46,7 @@ from densepass.phrase.validation import (
     subcorpus_rows,
     validation_subcorpus,
 )
+from densepass.phrase.windows import check_window_settings
 
 STAGES = "stages.json"
 # What a phrase run writes in its directory: all that --restart removes; anything else there is kept.
@@ -103,12 +104,23 @@ def load_data(config: PhraseConfig) -> SquadSpans:
     return load_squad_spans(dataset_dir(config.data.name, config.data.data_dir), config.data.name)
 
 
-def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool = True) -> dict:
-    """Run every stage of ``config`` (resuming a run that stopped); returns the metrics."""
+def check(config: PhraseConfig) -> torch.device:
+    """Everything about ``config`` that can be checked without data or a model; returns the device to run on."""
     device = resolve_device(config.device)
-    run_dir = config.run_dir
     if config.train.loss == "separate" and config.train.hard_negatives:
         raise ConfigError("hard negatives need train.loss=unified (eq. 1 has no term for them)")
+    if config.data.format != "squad":
+        raise ConfigError(f"phrase retrieval needs answer offsets: data.format must be squad, not {config.data.format}")
+    if not config.train.init:  # a saved phrase model brings its own windows
+        m = config.model
+        check_window_settings(m.max_length, m.stride, m.title_max_tokens)
+    return device
+
+
+def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool = True) -> dict:
+    """Run every stage of ``config`` (resuming a run that stopped); returns the metrics."""
+    device = check(config)
+    run_dir = config.run_dir
     data = load_data(config)
     problem = run_directory_problem(run_dir, "phrase run", RUN_ENTRIES)
     if problem is not None:  # before the lock, which would leave a .lock in someone else's folder
