@@ -31,6 +31,7 @@ from densepass.data.io_utils import (
     get_id,
     get_strings,
     has_words,
+    json_limit,
 )
 from densepass.data.texts import might_hold_surrogates, surrogate_in
 from densepass.errors import DataError
@@ -52,6 +53,8 @@ def _record(line: str | bytes, path: Path, line_no: int) -> dict | None:
         if not line.strip():
             return None
         raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
+    except (ValueError, RecursionError) as err:  # not JSONDecodeErrors: a 5000-digit number, [[[[...]]]]
+        raise DataError(f"{path}:{line_no}: not valid JSON ({json_limit(err)})") from None
     if record.__class__ is not dict:
         raise DataError(f"{path}:{line_no}: expected a JSON object")
     if might_hold_surrogates(line):
@@ -186,7 +189,7 @@ class PassageFile:
             for row, line in zip(range(start, end), lines):
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # a JSONDecodeError, or json_limit's
                     raise self._changed(row) from None
                 if record.__class__ is not dict or str(record.get(self.id_key)) != self.ids[row]:
                     raise self._changed(row)

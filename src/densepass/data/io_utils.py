@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,16 @@ def split_files(directory: Path, suffix: str, split_of: Callable[[str], str | No
     return files
 
 
+def json_limit(err: ValueError | RecursionError) -> str:
+    """What ``json.loads`` met beyond Python's limits, where it raises something other than a JSONDecodeError: an
+    integer of more than ``sys.get_int_max_str_digits()`` digits (a ValueError), arrays or objects nested deeper
+    than the interpreter recurses (a RecursionError)."""
+    if isinstance(err, RecursionError):
+        return "arrays or objects nested too deeply"
+    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
+    return f"an integer of more than {limit} digits" if limit and "digits" in str(err) else " ".join(str(err).split())
+
+
 def read_json(path: Path) -> Any:
     """A whole (optionally gzipped) JSON file, with ``file:line:column`` in the error for invalid JSON, and
     ``file:line`` and the JSON path in the error for a string holding a lone surrogate (``data.texts``)."""
@@ -59,6 +70,8 @@ def read_json(path: Path) -> Any:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise DataError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
+    except (ValueError, RecursionError) as err:
+        raise DataError(f"{path}: not valid JSON ({json_limit(err)})") from None
     if might_hold_surrogates(text):
         found = surrogate_in(data)
         if found is not None:
