@@ -291,20 +291,33 @@ def _is_number(text: str) -> bool:
     return True
 
 
+MAX_GRADE = 2**31 - 1  # the largest relevance grade a qrels file may give (and the lowest, negated)
+
+
+def _csv_rows(reader: Iterator[list[str]], path: Path) -> Iterator[list[str]]:
+    """The rows of a csv ``reader`` of ``path``, its errors (a field over ``csv.field_size_limit()``, a NUL before
+    Python 3.11) as one-line DataErrors naming the line."""
+    try:
+        yield from reader
+    except csv.Error as err:
+        raise DataError(f"{path}:{reader.line_num}: not a qrels line ({err})") from None
+
+
 def read_qrels_tsv(path: Path) -> Qrels:
     """``query-id<TAB>corpus-id<TAB>score`` (BEIR) or TREC ``qid 0 pid grade`` (tabs or spaces).
 
     The first row is a header, and skipped, when its grade column is not a number. Grades are integers
-    (``1.0`` is read as 1; ``0.5`` is an error). A (query, passage) pair judged twice with the same grade
-    is skipped with one counted DataWarning; with different grades it is a DataError (silently keeping
-    either one could drop a positive). An id holding whitespace (a tab-separated field can hold spaces) is a
-    DataError (``io_utils.check_id``). Fields are never quoted: a ``"`` is part of the id, as in a TREC file."""
+    (``1.0`` is read as 1; ``0.5`` is an error) within +-:data:`MAX_GRADE`. A (query, passage) pair judged
+    twice with the same grade is skipped with one counted DataWarning; with different grades it is a DataError
+    (silently keeping either one could drop a positive). An id holding whitespace (a tab-separated field can hold
+    spaces) is a DataError (``io_utils.check_id``). Fields are never quoted: a ``"`` is part of the id, as in a TREC
+    file. A line the csv module refuses (a field over its size limit) is a DataError too."""
     qrels: Qrels = {}
     repeats = Tally(path, "repeated (query, passage) rows with the same grade, ignored")
     first_row = True
     with reading(path), open_text(path) as handle:
         reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)  # ids as written: '"q1' is an id
-        for row in reader:
+        for row in _csv_rows(reader, path):
             if not row or not "".join(row).strip():
                 continue
             line_no = reader.line_num
@@ -325,6 +338,8 @@ def read_qrels_tsv(path: Path) -> Qrels:
                 grade = int(grade_text)
             except ValueError:
                 grade = _grade(grade_text, f"{path}:{line_no}")
+            if abs(grade) > MAX_GRADE:  # ranx overflows on 2**63; no judgement scale comes near
+                raise DataError(f"{path}:{line_no}: relevance {grade_text[:40]!r} is beyond +-{MAX_GRADE}")
             rels = qrels.setdefault(qid, {})
             old = rels.get(pid)
             if old is not None:
