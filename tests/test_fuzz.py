@@ -296,8 +296,8 @@ FOUND = [
     ("run", ["reranker.train.head_learning_rate=1" + "0" * 400]),  # OverflowError: int too large to convert to float
     ("run", [f"train.epochs={2**64}"]),  # accepted, then an OverflowError in NumPy
     ("run", ["data={[1, 2]: 3}"]),  # TypeError: unhashable type: 'list' (the repeated-key check)
-    ("run", ["data.name=*x"]),  # PyYAML's message: four lines with a snippet and a caret
-    ("run", ["device=a\x00b"]),  # ReaderError raised where the loader is made, outside the try
+    ("run", ["data.name=*x"]),  # PyYAML's message: four lines, with a snippet and a caret
+    ("run", ["device=a\x00b"]),  # PyYAML's ReaderError: two lines
     (
         "run",
         ["train.epochs=" + "1" * 5000],
