@@ -697,6 +697,7 @@ def test_a_library_planted_under_the_cache_name_is_built_over_not_loaded(tiny):
     shutil.copy(tiny.planted, tiny.target)
     loads_the_tiny_library(tiny)
     assert tiny.builds() == 1 and matches_its_manifest(tiny.target)
+    tiny.target.unlink()  # a new file: writing into the one this process has mapped would crash it at exit
     shutil.copy(tiny.planted, tiny.target)  # the manifest now records the tiny library
     loads_the_tiny_library(tiny)
     assert tiny.builds() == 2 and matches_its_manifest(tiny.target)
