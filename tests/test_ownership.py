@@ -22,6 +22,7 @@ from densepass.io import (
     exclusive_lock,
     foreign_files,
     run_entry,
+    write_manifest,
 )
 from densepass.pipelines.experiment import RUN_ENTRIES
 
@@ -102,6 +103,8 @@ def test_a_directory_saved_before_ownership_lists_counts_through_its_manifest(tm
     legacy.mkdir()
     (legacy / "embeddings.npy").write_bytes(b"x")
     (legacy / "manifest.json").write_text(json.dumps({"files": {"embeddings.npy": {"bytes": 1, "blake2b": "y"}}}))
+    assert foreign_files(legacy) == ["embeddings.npy", "manifest.json"]  # a manifest whose digests do not match
+    write_manifest(legacy)
     assert foreign_files(legacy) == []
     (legacy / "notes.txt").write_text("n")
     assert foreign_files(legacy) == ["notes.txt"]
@@ -140,6 +143,26 @@ def test_claim_refuses_a_foreign_folder_and_restart_keeps_foreign_files(tmp_path
     planted_in_run = plant(run)
     kept = claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
     assert kept == ["notes.txt", "sub"]
+    # inside the run's own entries too: a user's file in a saved model, or named like a log, is kept
+    with atomic_directory(run / "best-model") as tmp:
+        (tmp / "weights.bin").write_text("w")
+    (run / "best-model" / "my_notes.txt").write_text("mine")
+    (run / "meeting_log.jsonl").write_text("{}")
+    (run / "subcorpus_ideas.json").write_text("{}")
+    (run / "runs").mkdir()
+    (run / "runs" / "bm25.trec").write_text("q Q0 p 1 1.0 x\n")
+    (run / "runs" / "draft.txt").write_text("mine")
+    kept = claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
+    assert kept == [
+        "best-model/my_notes.txt",
+        "meeting_log.jsonl",
+        "notes.txt",
+        "runs/draft.txt",
+        "sub",
+        "subcorpus_ideas.json",
+    ]
+    assert (run / "best-model" / "my_notes.txt").read_text() == "mine"
+    assert (run / "runs" / "draft.txt").read_text() == "mine"
     assert not (run / "checkpoints").exists() and not (run / "report.md").exists()
     assert not (run / "model").is_symlink()
     assert_intact(run, planted_in_run)
@@ -149,9 +172,19 @@ def test_claim_refuses_a_foreign_folder_and_restart_keeps_foreign_files(tmp_path
 def test_a_run_directory_of_an_older_version_is_still_a_run_directory(tmp_path):
     old = tmp_path / "old"
     (old / "checkpoints").mkdir(parents=True)
-    (old / "config.yaml").write_text("name: old\n")
+    (old / "config.yaml").write_text(f"name: old\noutput_dir: {tmp_path}\n")
     claim_run_directory(old, "run", RUN_ENTRIES, restart=False)
     assert (old / RUN_MARKER).is_file()
+    # a user's project folder that merely looks like one (a config.yaml of its own, a report, a model folder)
+    project = tmp_path / "proj"
+    (project / "model").mkdir(parents=True)
+    (project / "config.yaml").write_text("lr: 1\n")
+    (project / "report.md").write_text("# my report\n")
+    (project / "model" / "my_weights.bin").write_text("w")
+    with pytest.raises(DensepassError, match="is not a densepass run directory"):
+        claim_run_directory(project, "run", RUN_ENTRIES, restart=True)
+    assert (project / "report.md").read_text() == "# my report\n"
+    assert (project / "model" / "my_weights.bin").read_text() == "w"
 
 
 def test_a_lock_whose_directory_its_holder_removed_is_not_a_lock(tmp_path):
@@ -275,6 +308,15 @@ def test_file_outputs_overwrite_only_what_densepass_wrote(tiny_beir, tiny_model_
     queries.write_text("a\taudio editor\nb\tfont viewer\n")
     user_file = tmp_path / "thesis.txt"
     user_file.write_text("chapter one\n")
+    blank_first = tmp_path / "blank-first.txt"
+    blank_first.write_text("\nmy precious notes\n")
+    assert main(["search", str(index), "--queries", str(queries), "--output", str(blank_first)]) == 2
+    assert blank_first.read_text() == "\nmy precious notes\n"
+    model_config = tiny_model_dir / "config.json"  # JSON that starts with '{' is not a config densepass wrote
+    before = model_config.read_text()
+    assert main(["config", "--output", str(model_config)]) == 2
+    assert model_config.read_text() == before
+    capsys.readouterr()
     search = ["search", str(index), "--queries", str(queries), "--k", "3", "--output"]
     assert main([*search, str(user_file)]) == 2
     assert user_file.read_text() == "chapter one\n"
@@ -316,3 +358,26 @@ def test_a_failed_index_build_leaves_no_empty_work_directory(tiny_beir, tmp_path
     assert main(["index", str(tiny_beir), "--model", str(tmp_path / "no-model"), "--output", str(tmp_path / "i")]) == 2
     assert "Traceback" not in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # the dataset alone
+
+
+def test_an_encoding_directory_holding_a_users_files_is_refused_not_removed(
+    tiny_beir, tiny_model_dir, tmp_path, capsys
+):
+    work = tmp_path / ".idx.encoding"
+    work.mkdir(mode=0o700)
+    (work / "notes.txt").write_text("precious")
+    args = ["index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(tmp_path / "idx")]
+    assert main(args) == 2
+    assert "holds files densepass did not write (notes.txt)" in capsys.readouterr().err
+    assert (work / "notes.txt").read_text() == "precious"
+
+
+def test_an_index_output_that_is_its_own_input_is_refused(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    before = sorted(p.name for p in tiny_model_dir.iterdir())
+    for output in (tiny_model_dir, tiny_beir, tiny_beir / "idx", tiny_beir.parent):
+        for force in ([], ["--force"]):
+            args = ["index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(output), *force]
+            assert main(args) == 2
+            assert "which this command reads" in capsys.readouterr().err
+    assert sorted(p.name for p in tiny_model_dir.iterdir()) == before
+    assert (tiny_beir / "corpus.jsonl").is_file() and not (tiny_beir / "idx").exists()

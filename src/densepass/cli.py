@@ -77,7 +77,7 @@ def _config(args: argparse.Namespace) -> None:
         return
     config = load_config(args.config, args.set, cls)
     if args.output:
-        check_output_file(args.output, "config", lambda line: line.startswith(("name:", "{")))
+        check_output_file(args.output, "config", lambda path: _is_saved_config(path, cls))
         save_config(config, args.output)
     else:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
@@ -129,6 +129,7 @@ def _index(args: argparse.Namespace) -> None:
         precision=args.precision,
         ivf=IVFPQOptions(args.ivf_lists, args.pq_m, args.pq_bits, args.train_size, **nprobe),
     )
+    _check_output_apart(args.output, args.dataset, args.data_dir, [args.model, args.sparse_model])
     if args.force and distributed.rank() == 0:
         moved = move_aside(args.output)
         if moved is not None:
@@ -137,6 +138,23 @@ def _index(args: argparse.Namespace) -> None:
         index, name = index_dataset(args.dataset, args.data_dir, args.format, args.output, settings)
     if index is not None:
         print(f"indexed {len(index):,} passages of {name} into {args.output} ({args.kind})")
+
+
+def _check_output_apart(output: str, dataset: str, data_dir: str | None, models: list[str | None]) -> None:
+    """A one-line error where ``--output`` is, holds or lies inside the dataset's or a model's folder: the index
+    would replace (or with --force move aside) what it reads."""
+    from densepass.data.paths import dataset_dir
+    from densepass.errors import ConfigError
+
+    target = Path(output).resolve()
+    inputs = [Path(m) for m in models if m and Path(m).is_dir()]
+    try:
+        inputs.append(dataset_dir(dataset, data_dir))
+    except Exception:  # a dataset that is not found: its own error comes when it is loaded
+        pass
+    for path in (p.resolve() for p in inputs):
+        if target == path or path in target.parents or target in path.parents:
+            raise ConfigError(f"--output {output} is, holds or lies inside {path}, which this command reads")
 
 
 def _retriever_options(args: argparse.Namespace):
@@ -246,11 +264,11 @@ def check_run_output(path: str) -> None:
     (densepass overwrites only its own output, ``io.check_output_file``)."""
     from densepass.errors import ConfigError
     from densepass.evaluation.metrics import is_trec_line
-    from densepass.io import check_output_file
+    from densepass.io import check_output_file, every_line
 
     if Path(path).is_dir():
         raise ConfigError(f"--output {path} is a directory; give a run file path")
-    check_output_file(path, "TREC run", is_trec_line)
+    check_output_file(path, "TREC run", every_line(is_trec_line))
 
 
 def _rerank(args: argparse.Namespace) -> None:
@@ -407,7 +425,7 @@ def _mine(args: argparse.Namespace) -> None:
     from densepass import distributed
     from densepass.config import load_config
     from densepass.errors import ConfigError
-    from densepass.io import check_output_file
+    from densepass.io import check_output_file, every_line
     from densepass.negatives.mine import mines_with_a_model, strategy_specs
     from densepass.negatives.pool import is_pool_line
     from densepass.pipelines.mining import mine_training_negatives
@@ -435,7 +453,7 @@ def _mine(args: argparse.Namespace) -> None:
     output = Path(args.output)
     if output.is_dir():
         raise ConfigError(f"--output {output} is a directory; give the path of the hard-negatives file to write")
-    check_output_file(output, "hard-negatives file", is_pool_line)
+    check_output_file(output, "hard-negatives file", every_line(is_pool_line))
     negatives = config.negatives
     if args.precision is not None and strategy_specs(negatives) and not mines_with_a_model(negatives):
         raise ConfigError(f"--precision sets how a model encodes; the {negatives.source} strategy mines with no model")
@@ -461,6 +479,27 @@ def _print_mining_summary(result, output: Path) -> None:
     print(result.summary())
 
 
+def _is_saved_config(path: Path, cls: type) -> bool:
+    """Whether ``path`` holds a config as ``densepass config --output`` writes it: every key of ``cls``, no other."""
+    import dataclasses
+
+    import yaml
+
+    values = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    return isinstance(values, dict) and set(values) == {f.name for f in dataclasses.fields(cls)}
+
+
+def _is_ensemble_report(path: Path) -> bool:
+    """Whether ``path`` holds what ``densepass ensemble --output`` writes (its keys, no other)."""
+    values = json.loads(Path(path).read_text(encoding="utf-8"))
+    return isinstance(values, dict) and {"results", "queries"} <= set(values) <= {
+        "results",
+        "queries",
+        "weights",
+        "evaluations",
+    }
+
+
 def _ensemble(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
     from densepass.evaluation.tables import print_table
@@ -468,7 +507,7 @@ def _ensemble(args: argparse.Namespace) -> None:
     from densepass.pipelines.ensemble import EnsembleSettings, evaluate_ensemble
 
     if args.output:  # before the work: densepass overwrites only its own JSON
-        check_output_file(args.output, "JSON report", lambda line: line.startswith("{"))
+        check_output_file(args.output, "ensemble report", _is_ensemble_report)
 
     settings = EnsembleSettings(
         ["embedding", "rrf"] if args.method == "both" else [args.method],

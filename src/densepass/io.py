@@ -42,22 +42,12 @@ def _files_under(directory: Path) -> list[str]:
 def foreign_files(directory: str | Path) -> list[str]:
     """The files under ``directory`` that ``atomic_directory`` did not write there (all of them where it holds no
     ``OWNED`` list); empty for a missing or empty directory. A directory saved before ``OWNED`` existed counts as
-    densepass's when its ``manifest.json`` lists every other file in it."""
+    densepass's where its ``manifest.json`` lists every other file in it, each with its size and digest."""
     directory = Path(directory)
     if not directory.is_dir() or directory.is_symlink():
         return [] if not directory.exists() and not directory.is_symlink() else [directory.name]
-    present = [name for name in _files_under(directory) if name not in (OWNED, ".lock")]
-    listed: set[str] = set()
-    for record, key in ((OWNED, None), (MANIFEST, "files")):
-        try:
-            value = json.loads((directory / record).read_text(encoding="utf-8"))
-            value = value if key is None else value[key]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if isinstance(value, list | dict):
-            listed |= {str(name) for name in value} | {record}
-            break  # OWNED when there is one; a manifest only where it is missing (a directory of an older version)
-    return [name for name in present if name not in listed]
+    listed = _listed(directory)
+    return [name for name in _files_under(directory) if name not in (OWNED, ".lock") and name not in listed]
 
 
 def check_replaceable(path: str | Path, what: str = "output") -> None:
@@ -237,24 +227,83 @@ _TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?:[A-Za-z0-9_]+\.(?:tmp|old)|encoding
 
 
 def run_entry(name: str, entries: tuple[str, ...]) -> bool:
-    """Whether ``name``, in a run directory, is one of the ``entries`` (glob patterns) a run writes there, or a
-    temporary sibling densepass makes of one (``.<entry>.<random>.tmp`` while it is written, ...)."""
+    """Whether ``name``, in a run directory, is one of the ``entries`` a run writes there (glob patterns of names;
+    ``"runs/*.trec"`` names ``runs`` and what it may hold), or a temporary sibling densepass makes of one
+    (``.<entry>.<random>.tmp`` while it is written, ...)."""
+    return _entry_pattern(name, entries) is not None
+
+
+def _entry_pattern(name: str, entries: tuple[str, ...]) -> str | None:
+    """The first of ``entries`` that names ``name`` (or the entry ``name`` is a temporary sibling of), or None."""
     temporary = _TEMPORARY.fullmatch(name)
     name = temporary["name"] if temporary else name
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in entries)
+    return next((e for e in entries if fnmatch.fnmatchcase(name, e.split("/", 1)[0])), None)
+
+
+def _listed(directory: Path) -> set[str]:
+    """The files (relative) ``atomic_directory`` wrote in ``directory`` (its ``OWNED`` list, or a verified
+    manifest of an older version's save); empty where it wrote none."""
+    try:
+        owned = json.loads((directory / OWNED).read_text(encoding="utf-8"))
+        if isinstance(owned, list):
+            return {str(name) for name in owned} | {OWNED}
+    except (OSError, ValueError):
+        pass
+    if (directory / MANIFEST).is_file() and manifest_problem(directory) is None:
+        return set(json.loads((directory / MANIFEST).read_text())["files"]) | {MANIFEST}
+    return set()
+
+
+def _foreign_in(root: Path, inner: str | None) -> list[str]:
+    """The files under the run entry ``root`` densepass did not write: those no directory on their way lists
+    (``_listed``) and the entry's pattern ``inner`` (``"*.trec"`` of ``"runs/*.trec"``) does not name."""
+    listed: dict[Path, set[str]] = {}
+    foreign = []
+    for name in _files_under(root):
+        path = root / name
+        if path.name == ".lock" or any(_TEMPORARY.fullmatch(part) for part in Path(name).parts):
+            continue  # a lock, or in a temporary densepass makes while it writes (a killed save's)
+        if inner is not None and any(fnmatch.fnmatchcase(name, pattern) for pattern in inner.split("|")):
+            continue
+        ancestors = [path.parents[i] for i in range(len(Path(name).parts))]  # its folder ... up to root
+        for folder in ancestors:
+            if folder not in listed:
+                listed[folder] = _listed(folder)
+            if str(path.relative_to(folder)) in listed[folder]:
+                break
+        else:
+            foreign.append(f"{root.name}/{name}")
+    return foreign
+
+
+def _legacy_run(directory: Path, present: list[str], entries: tuple[str, ...]) -> bool:
+    """Whether ``directory`` (no ``RUN_MARKER``) is a run directory of an older version: its ``config.yaml`` is
+    a config naming this directory (``name``, ``output_dir``), and the rest is what such a run writes."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((directory / "config.yaml").read_text(encoding="utf-8"))
+    except Exception:  # unreadable, not YAML: not a config densepass wrote
+        return False
+    return (
+        isinstance(saved, dict)
+        and saved.get("name") == directory.name
+        and "output_dir" in saved
+        and all(run_entry(name, entries) for name in present)
+    )
 
 
 def run_directory_problem(directory: str | Path, what: str, entries: tuple[str, ...]) -> str | None:
     """Why densepass may not write a ``what`` into ``directory``, or None: it may where the directory is missing,
-    empty, marked as a run directory (``RUN_MARKER``), or, without a marker (a run of an older version), holds a
-    ``config.yaml`` and nothing but what such a run writes (``entries``)."""
+    empty, marked as a run directory (``RUN_MARKER``), or, without a marker, a run directory of an older version
+    (``_legacy_run``)."""
     directory = Path(directory)
     if directory.is_symlink() and not directory.is_dir() or directory.exists() and not directory.is_dir():
         return f"{directory} exists and is not a directory"
     if not directory.is_dir() or (directory / RUN_MARKER).is_file():
         return None
     present = sorted(c.name for c in directory.iterdir() if c.name != ".lock")
-    if not present or "config.yaml" in present and all(run_entry(name, entries) for name in present):
+    if not present or _legacy_run(directory, present, entries):
         return None
     shown = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
     return (
@@ -266,8 +315,9 @@ def run_directory_problem(directory: str | Path, what: str, entries: tuple[str, 
 def claim_run_directory(directory: str | Path, what: str, entries: tuple[str, ...], restart: bool) -> list[str]:
     """Make ``directory`` a ``what``'s run directory (call it holding the directory's ``exclusive_lock``): a
     one-line error where ``run_directory_problem`` says it is someone else's; marked with ``RUN_MARKER``. With
-    ``restart``, what an earlier run wrote there (``entries``) is removed and everything else kept: returns the
-    names kept (files densepass did not write). A symlink is removed as a link, never followed."""
+    ``restart``, what an earlier run wrote there (``entries``) is removed and everything else kept: returns what
+    was kept (files densepass did not write; an entry holding any is kept whole). A symlink is removed as a
+    link, never followed."""
     from densepass.errors import DensepassError
 
     directory = Path(directory)
@@ -283,10 +333,15 @@ def claim_run_directory(directory: str | Path, what: str, entries: tuple[str, ..
     for child in sorted(directory.iterdir()):
         if child.name in (".lock", RUN_MARKER):
             continue
-        if not run_entry(child.name, entries):
+        pattern = _entry_pattern(child.name, entries)
+        if pattern is None:
             kept.append(child.name)
         elif child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
+            foreign = _foreign_in(child, pattern.split("/", 1)[1] if "/" in pattern else None)
+            if foreign:
+                kept += foreign
+            else:
+                shutil.rmtree(child)
         else:
             child.unlink()
     return kept
@@ -490,26 +545,33 @@ def atomic_file(path: str | Path, mode: str = "w", needs: int | None = None) -> 
             raise
 
 
-def check_output_file(path: str | Path, what: str, ours: Callable[[str], bool]) -> None:
-    """A one-line error unless ``path`` is free for a ``what`` densepass writes: missing, empty, or a file whose
-    first line ``ours`` recognises as that format (so densepass overwrites its own output of an earlier run,
-    never a user's file that happens to have the name). A directory or a link there is refused too."""
+def check_output_file(path: str | Path, what: str, ours: Callable[[Path], bool]) -> None:
+    """A one-line error unless ``path`` is free for a ``what`` densepass writes: missing, empty (0 bytes), or a
+    file ``ours`` recognises, read whole, as that format (so densepass overwrites its own output of an earlier
+    run, never a user's file that happens to have the name). A directory or a link there is refused too."""
     from densepass.errors import DensepassError
 
     path = Path(path)
     if path.is_symlink() or path.exists() and not path.is_file():
         raise DensepassError(f"--output {path} exists and is not a file; give the path of the {what} to write")
-    if not path.exists():
+    if not path.exists() or path.stat().st_size == 0:
         return
     try:
-        with open(path, "rb") as handle:
-            head = handle.read(65536)
-        first = head.decode("utf-8").splitlines()[0] if head.strip() else ""
-    except (OSError, UnicodeDecodeError):
-        first = None
-    if first == "" or first is not None and ours(first):
-        return
-    raise DensepassError(
-        f"--output {path} exists and is not a {what} densepass wrote; densepass overwrites only its own files: "
-        "choose another path, or move that file away yourself"
-    )
+        recognised = ours(path)
+    except Exception:  # whatever it fails on (bytes, syntax, depth), it is not densepass's output
+        recognised = False
+    if not recognised:
+        raise DensepassError(
+            f"--output {path} exists and is not a {what} densepass wrote; densepass overwrites only its own files: "
+            "choose another path, or move that file away yourself"
+        )
+
+
+def every_line(test: Callable[[str], bool]) -> Callable[[Path], bool]:
+    """A recogniser for ``check_output_file``: every line of the file (UTF-8, read as a stream) passes ``test``."""
+
+    def recognise(path: Path) -> bool:
+        with open(path, encoding="utf-8") as handle:
+            return all(test(line.rstrip("\n")) for line in handle)
+
+    return recognise

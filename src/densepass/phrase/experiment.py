@@ -64,7 +64,7 @@ RUN_ENTRIES = (
     "best.json",
     "model",
     "index",
-    "qsft",
+    "qsft/train_log.jsonl",  # query tuning's run: its log and checkpoints
     "qsft-model",
 )
 

@@ -159,30 +159,36 @@ def check_run_directory(config: ExperimentConfig) -> None:
         raise ConfigError(f"{config.run_dir} holds another run ({changed} differ from its config.yaml); {hint}")
 
 
-# What a run writes in its directory (glob patterns): all that --restart removes; anything else there is kept.
+# What a run writes in its directory (glob patterns; "runs/*.trec": the folder and what it may hold): all that
+# --restart removes. Folders densepass saves atomically list their own files (io.OWNED); any other file is kept.
 RUN_ENTRIES = (
     "config.yaml",
     "metrics.json",
     "report.md",
-    "*_log.jsonl",  # train, eval, validation, schedule
+    "train_log.jsonl",
+    "eval_log.jsonl",
+    "validation_log.jsonl",
+    "schedule_log.jsonl",
     "loss.png",
     "epochs.png",
     "validation.png",
     "hardness.png",
     "metrics.png",
-    "runs",
+    "runs/*.trec",
     "model",
     "model-fine-tuned",
     "best-model",
     "best.json",
     "checkpoints",
-    "schedule",
-    "negatives",
+    "schedule/epoch-*",
+    "negatives/*",  # the pools' miners and their work (a folder of densepass's alone)
     "negatives.jsonl",
     "teacher_scores.jsonl",
+    "teacher_scores.jsonl.partial",
     "token_cache",
-    "reranker",
-    "subcorpus*.json",
+    "reranker/*",  # the cross-encoder's own run (a folder of densepass's alone)
+    "subcorpus.json",
+    "subcorpus-*.json",
 )
 
 

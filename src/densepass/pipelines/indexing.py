@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import os
 import shutil
 from collections.abc import Iterator
@@ -164,6 +165,11 @@ def _assembled_index(
     return index
 
 
+# What an index build writes in its work directory (``.<output>.encoding``): the shards of the encoding, their
+# manifest, the assembled embeddings, the on-disk IVF-PQ's parts, the lock, and densepass's temporaries.
+WORK_FILES = (".lock", "shards.json", "rows-*", "assembled.npy*", "ivf-*", ".*.tmp", ".*.partial*")
+
+
 def _work_dir(output: str | Path) -> tuple[Path, Path]:
     """The output directory (checked: missing, empty, or an index densepass wrote with nothing added since,
     ``io.check_replaceable``) and the private directory its encoding is built in."""
@@ -181,6 +187,13 @@ def _work_dir(output: str | Path) -> tuple[Path, Path]:
             f"{work_dir}, where the encoding of {output} resumes, is not a private directory of this user "
             "(a link, another user's, or writable by anyone); remove it or choose another --output"
         )
+    if work_dir.is_dir():  # it is removed whole once the index is saved: it must hold nothing but densepass's work
+        foreign = [p.name for p in work_dir.iterdir() if not any(fnmatch.fnmatchcase(p.name, w) for w in WORK_FILES)]
+        if foreign:
+            raise ConfigError(
+                f"{work_dir}, where the encoding of {output} resumes, holds files densepass did not write "
+                f"({', '.join(sorted(foreign)[:3])}); move them away or choose another --output"
+            )
     return output, work_dir
 
 
