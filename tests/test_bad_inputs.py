@@ -1110,3 +1110,164 @@ def test_a_run_reports_the_negatives_its_pools_really_hold(tiny_beir, tiny_model
     assert re.search(
         r"Training negatives: 2 hard negative\(s\) drawn per query and step; \d+ of the \d+ queries", report
     )
+
+
+# ---------------------------------------------------------------- damaged files under a manifest that matches them
+
+
+def error_lines(capsys) -> list[str]:
+    """The ``densepass: error:`` lines of what the command printed (warnings aside); never a traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return [line for line in err.splitlines() if line.startswith("densepass: error:")]
+
+
+def as_object_array(path: Path) -> None:
+    """Rewrite the ``.npy`` at ``path`` with the same numbers as an object array (what only a pickle can load), and
+    its directory's manifest to match, as a user who rewrote the manifest by hand would."""
+    import numpy as np
+
+    from densepass.io import write_manifest
+
+    array = np.load(path, allow_pickle=False)
+    np.save(path, array.astype(object), allow_pickle=True)
+    directory = next(p for p in path.parents if (p / "manifest.json").is_file())
+    facts = json.loads((directory / "manifest.json").read_text())
+    write_manifest(directory, **{k: v for k, v in facts.items() if k != "files"})
+
+
+@pytest.mark.parametrize("kind", ["exact", "bm25"])
+def test_an_object_array_in_a_saved_index_under_a_matching_manifest_is_one_data_error(
+    tiny_beir, tiny_model_dir, tmp_path, capsys, kind
+):
+    from densepass.index.base import load_index
+    from densepass.io import manifest_problem
+
+    index = tmp_path / "idx"
+    model = ["--model", str(tiny_model_dir)] if kind == "exact" else []
+    assert main(["index", str(tiny_beir), "--kind", kind, *model, "--output", str(index)]) == 0
+    as_object_array(index / ("embeddings.npy" if kind == "exact" else "bm25s/data.csc.index.npy"))
+    assert manifest_problem(index) is None  # the digests match: only reading the array can tell
+    capsys.readouterr()
+    assert main(["search", str(index), "audio editor"]) == 2
+    [line] = error_lines(capsys)
+    assert line.startswith(f"densepass: error: {index} is not a usable densepass index: its files do not load")
+    with pytest.raises(DataError, match="its files do not load"):
+        load_index(index)
+
+
+def test_a_dense_index_whose_embeddings_are_not_float32_is_one_data_error(tiny_beir, tiny_model_dir, tmp_path):
+    import numpy as np
+
+    from densepass.index.base import load_index
+    from densepass.io import write_manifest
+
+    index = tmp_path / "idx"
+    assert main(["index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(index)]) == 0
+    embeddings = index / "embeddings.npy"
+    np.save(embeddings, np.load(embeddings).astype(np.int8))
+    facts = json.loads((index / "manifest.json").read_text())
+    write_manifest(index, **{k: v for k, v in facts.items() if k != "files"})
+    with pytest.raises(DataError, match=r"embeddings.npy holds int8 numbers, not float32"):
+        load_index(index)
+
+
+@pytest.mark.parametrize("state", [b"\xff" * 64, b"", b"not safetensors at all"])
+def test_a_checkpoint_state_that_is_not_safetensors_under_a_matching_manifest_falls_back(tmp_path, state):
+    from densepass.checkpoints import Checkpoints
+    from densepass.io import manifest_problem, write_manifest
+    from test_checkpoints import _save
+
+    checkpoints = Checkpoints(tmp_path, keep=3, identity={})
+    _save(checkpoints, 2)
+    newest = _save(checkpoints, 4)
+    (newest / "state.safetensors").write_bytes(state)  # safetensors: "header too large" and the like
+    write_manifest(newest)
+    assert manifest_problem(newest) is None
+    with pytest.warns(DataWarning, match=r"step-4 is damaged \(its state does not load"):
+        resumed = checkpoints.latest()
+    assert resumed.step == 2
+
+
+# ---------------------------------------------------------------- pickled weights (pytorch_model.bin)
+
+
+def evil_pickle(marker: Path) -> bytes:
+    """A pickle that, if ever unpickled without restriction, runs a shell command creating ``marker``."""
+    import os
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    return pickle.dumps({"weight": Payload()})
+
+
+@pytest.mark.parametrize("damage", ["pickle", "garbage", "truncated", "empty"])
+def test_a_damaged_pytorch_model_bin_is_one_line_naming_it_and_never_unpickled(
+    tiny_beir, tiny_model_dir, tmp_path, capsys, damage
+):
+    from transformers import AutoModel
+
+    from densepass.models.biencoder import BiEncoder
+
+    model = tmp_path / "pmodel"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").unlink()
+    weights = model / "pytorch_model.bin"
+    torch.save(AutoModel.from_pretrained(tiny_model_dir).state_dict(), weights)
+    BiEncoder.from_pretrained(str(model))  # intact, it loads (transformers' weights-only loader)
+    marker = tmp_path / "unpickled"
+    data = {
+        "pickle": evil_pickle(marker),
+        "garbage": bytes(range(256)) * 4,
+        "truncated": weights.read_bytes()[: weights.stat().st_size // 2],
+        "empty": b"",
+    }[damage]
+    weights.write_bytes(data)
+    capsys.readouterr()
+    assert main(["index", str(tiny_beir), "--model", str(model), "--output", str(tmp_path / "x")]) == 2
+    [line] = error_lines(capsys)
+    assert line.startswith(f"densepass: error: {weights} does not load (truncated or damaged?): not tensors")
+    assert "weights_only" not in line  # torch's advice to load it with weights_only=False is not repeated
+    assert not marker.exists() and not (tmp_path / "x").exists()
+    with pytest.raises(DataError, match="pytorch_model.bin does not load"):
+        BiEncoder.from_pretrained(str(model))
+
+
+# ---------------------------------------------------------------- sizes that allocate
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "model.projection_dim=100000000",
+        "model.projection_dim=10000000000",
+        "model.colbert.dim=100000000",
+        "negatives.dense_dim=100000000",
+        "loss.queue_size=10000000000",
+    ],
+)
+def test_a_size_that_would_allocate_without_bound_is_a_one_line_config_error(capsys, override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}: must be <= \d+"):
+        load_config(None, [override])
+    capsys.readouterr()
+    assert main(["run", "--set", override]) == 2  # before the dataset or the model is looked at
+    [line] = error_lines(capsys)
+    assert re.match(rf"densepass: error: .*{re.escape(key)}: must be <= \d+", line)
+
+
+def test_pretraining_sizes_that_allocate_are_bounded_and_dense_dim_specs_too():
+    from densepass.config import NegativesConfig
+    from densepass.negatives.mine import dense_dim
+    from densepass.pretraining.config import PretrainConfig
+
+    for override in ("contriever.queue_size=10000000000", "model.head_layers=1000000"):
+        with pytest.raises(ConfigError, match=rf"{re.escape(override.split('=')[0])}: must be <= \d+"):
+            load_config(None, [override], PretrainConfig)
+    assert dense_dim("dense:65536", NegativesConfig()) == 65536
+    for spec in ("dense:100000000", "dense:0"):
+        with pytest.raises(ConfigError, match=r"the dimension after 'dense:' must be in \[1, 65536\]"):
+            dense_dim(spec, NegativesConfig())

@@ -339,3 +339,136 @@ def test_an_index_build_removes_a_killed_save_of_the_same_output(tmp_path):
     assert run_densepass("index", str(data), "--kind", "bm25", "--output", "idx", cwd=tmp_path).returncode == 0
     assert not stale.exists() and other.exists() and mine.exists()
     assert (tmp_path / "idx" / "manifest.json").is_file()
+
+
+# ---- output paths the file system refuses: one line naming the path, before the work where cheap ---------------
+
+LONG = "n" * 300  # a file name longer than any file system takes (255 bytes): ENAMETOOLONG
+
+
+def error_line(capsys) -> str:
+    """The one ``densepass: error:`` line the command printed (warnings aside)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("densepass: error:")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+@pytest.fixture
+def commands(tmp_path, tiny_beir, tiny_model_dir, monkeypatch):
+    """``command(output)``: each command that writes ``--output`` (or a run's ``name`` / ``output_dir``), in
+    ``tmp_path``, with a saved BM25 index to search and a queries file."""
+    from densepass.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", "bm25"]) == 0
+    (tmp_path / "queries.tsv").write_text("q1\taudio editor\n")
+    run = ["run", "--set", f"data.name={tiny_beir}", "--set", f"model.name_or_path={tiny_model_dir}"]
+    return {
+        "run name": lambda out: [*run, "--set", f"name={out}"],
+        "run output_dir": lambda out: [*run, "--set", f"output_dir={out}"],
+        "index": lambda out: ["index", str(tiny_beir), "--kind", "bm25", "--output", out],
+        "search": lambda out: ["search", "bm25", "--queries", "queries.tsv", "--output", out],
+        "mine": lambda out: ["mine", str(tiny_beir), "--strategy", "bm25", "--output", out],
+        "config": lambda out: ["config", "--output", out],
+    }
+
+
+COMMANDS = ["run name", "run output_dir", "index", "search", "mine", "config"]
+PLACES = COMMANDS[1:]  # a run's name is one folder name (a path is refused as such): output_dir is its place
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_name_longer_than_the_file_system_takes_is_one_line(commands, capsys, command):
+    from densepass.cli import main
+
+    capsys.readouterr()
+    assert main(commands[command](LONG)) == 2
+    line = error_line(capsys)
+    assert line.startswith("densepass: error: cannot write ") and LONG in line
+    assert line.endswith("File name too long (a name of 300 bytes; a file or folder name is at most 255)")
+
+
+@pytest.mark.parametrize("command", PLACES)
+def test_an_output_under_a_regular_file_is_one_line_and_leaves_the_file(commands, tmp_path, capsys, command):
+    from densepass.cli import main
+
+    (tmp_path / "afile").write_text("mine\n")
+    out = "afile" if command == "run output_dir" else "afile/sub"
+    capsys.readouterr()
+    assert main(commands[command](out)) == 2
+    line = error_line(capsys)
+    assert re.match(r"densepass: error: cannot write afile\S*: .*\(afile is a file, not a folder\)$", line), line
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc")
+@pytest.mark.parametrize("command", PLACES)
+def test_an_output_where_nothing_can_be_made_is_one_line(commands, capsys, command):
+    from densepass.cli import main
+
+    out = "/proc/self" if command == "run output_dir" else "/proc/self/x"
+    capsys.readouterr()
+    assert main(commands[command](out)) == 2
+    line = error_line(capsys)  # ENOENT as root, EACCES otherwise: either way the path, not a temporary's name
+    assert re.match(r"densepass: error: .*/proc/self/\S+", line) and ".tmp" not in line, line
+
+
+def test_mining_checks_its_output_before_it_loads_anything(tmp_path, monkeypatch):
+    import densepass.pipelines.mining as mining
+    from densepass.config import load_config
+
+    monkeypatch.setattr(mining, "load_dataset", lambda *a, **k: pytest.fail("the dataset was loaded"))
+    (tmp_path / "afile").write_text("")
+    for out in (tmp_path / LONG, tmp_path / "afile" / "x.jsonl"):
+        with pytest.raises(OSError) as raised:
+            mining.mine_training_negatives(load_config(None, ["negatives.source=bm25"]), out)
+        assert raised.value.filename == str(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # the probe is gone
+
+
+# ---- <output>.miners: made only for a dense miner, private, removed when it holds none ---------------------------
+
+DENSE = ["--strategy", "dense", "--dense-dim", "8", "--miner-steps", "2", "--set", "train.batch_size=8"]
+
+
+def test_mining_leaves_a_miners_folder_only_where_it_holds_a_trained_miner(tiny_beir, tiny_model_dir, tmp_path):
+    from densepass.cli import main
+
+    model = ["--set", f"model.name_or_path={tiny_model_dir}"]
+    assert main(["mine", str(tiny_beir), "--strategy", "bm25", "--output", str(tmp_path / "b.jsonl")]) == 0
+    assert main(["mine", str(tiny_beir), "--strategy", "bm25", "--output", str(tmp_path / "d" / "b.jsonl")]) == 0
+    failing = [*DENSE[:-1], "train.batch_size=64", *model]  # 64 > the 31 training queries: the miner cannot train
+    assert main(["mine", str(tiny_beir), *failing, "--output", str(tmp_path / "f.jsonl")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.jsonl", "d", "tiny"]
+    assert main(["mine", str(tiny_beir), *DENSE, *model, "--output", str(tmp_path / "m.jsonl")]) == 0
+    miners = tmp_path / "m.jsonl.miners"
+    assert [p.name.startswith("miner-8d-") for p in miners.iterdir() if p.name != ".lock"] == [True]
+
+
+@pytest.mark.parametrize("planted", ["link", "open to all", "another user's", "a file"])
+def test_a_miners_folder_that_is_not_this_users_own_is_refused(tiny_beir, tiny_model_dir, tmp_path, capsys, planted):
+    from densepass.cli import main
+
+    miners, elsewhere = tmp_path / "m.jsonl.miners", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if planted == "link":
+        miners.symlink_to(elsewhere)
+    elif planted == "a file":
+        miners.write_text("")
+    else:
+        miners.mkdir()
+        if planted == "open to all":
+            miners.chmod(0o777)
+        else:
+            if os.getuid() != 0:
+                pytest.skip("giving a folder to another user needs root")
+            os.chown(miners, 65534, 65534)
+    capsys.readouterr()
+    args = ["mine", str(tiny_beir), *DENSE, "--set", f"model.name_or_path={tiny_model_dir}"]
+    assert main([*args, "--output", str(tmp_path / "m.jsonl")]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"densepass: error: {miners}, where the miners of ") and "not a private directory" in line
+    assert list(elsewhere.iterdir()) == [] and (miners.is_symlink() or miners.exists())
+    assert not (tmp_path / "m.jsonl").exists()

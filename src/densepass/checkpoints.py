@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from densepass import distributed
@@ -235,15 +236,20 @@ class Checkpoints:
             if problem is None:
                 try:
                     tree = load_tree(path)
-                except (OSError, ValueError, KeyError) as err:
+                    resumed = Resumed(
+                        path, int(tree["step"]), tree["optimizer"], tree["scheduler"], tree["rng"], tree["extra"]
+                    )
+                    identity = tree["identity"]
+                # files of another format under a manifest that matches them (rewritten by hand): not a checkpoint
+                except (OSError, ValueError, KeyError, TypeError, IndexError, SafetensorError) as err:
                     problem = f"its state does not load ({err})"
             if problem is not None:
                 warnings.warn(
                     f"checkpoint {path} is damaged ({problem}); resuming from an earlier one", DataWarning, stacklevel=2
                 )
                 continue
-            self._check_identity(path, tree["identity"])
-            return Resumed(path, int(tree["step"]), tree["optimizer"], tree["scheduler"], tree["rng"], tree["extra"])
+            self._check_identity(path, identity)
+            return resumed
         return None
 
     def _check_identity(self, path: Path, saved: dict) -> None:

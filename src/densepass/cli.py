@@ -876,15 +876,16 @@ def run_guarded(func: Callable[[], object], prog: str = "densepass") -> int:
 
 def disk_failure(err: Exception) -> str | None:
     """One line for a write that failed for want of space or permission where no ``io.disk_errors`` named what it
-    wrote (a log line, a lock file, a model saved by a library): the file where the error names it; None for any
-    other error."""
+    wrote (a log line, a lock file, a model saved by a library): the file where the error names it; for any other
+    ``OSError`` naming a path (a name too long, a file where a folder should be, a place nobody may write to such as
+    ``/proc``) ``cannot write <path>: <reason>``; None for any other error."""
     import errno
 
     from densepass.io import DISK_ERRORS, disk_errno, disk_error_message
 
     code = disk_errno(err, wrapped=type(err).__name__ == "SafetensorError")
     if code is None:
-        return None
+        return path_failure(err) if isinstance(err, OSError) and err.filename is not None else None
     filename = getattr(err, "filename", None)
     if filename is not None:  # a read may fail for want of permission too: "writing" only for a lack of space
         return (
@@ -893,6 +894,31 @@ def disk_failure(err: Exception) -> str | None:
             else f"{err.strerror}: {filename}"
         )
     return f"{DISK_ERRORS[code]} ({err}); free some space or choose another --output, and run the command again"
+
+
+def path_failure(err: OSError) -> str:
+    """``cannot write <path>: <reason>`` for an ``OSError`` about a path, saying which part is at fault where that is
+    cheap to find: a name longer than the file system takes, or a file where a folder is needed."""
+    import errno
+    import os
+    import re
+
+    path = os.fsdecode(err.filename) if isinstance(err.filename, (str, bytes)) else str(err.filename)
+    temporary = re.fullmatch(r"\.(.+)\.[a-z0-9_]{8}\.tmp", Path(path).name)  # what io's atomic writes name
+    path = str(Path(path).with_name(temporary.group(1))) if temporary else path
+    message = f"cannot write {path}: {err.strerror or err}"
+    if err.errno == errno.ENAMETOOLONG:
+        longest = max(Path(path).parts or [path], key=lambda part: len(os.fsencode(part)))
+        if len(os.fsencode(longest)) > 255:
+            message += f" (a name of {len(os.fsencode(longest))} bytes; a file or folder name is at most 255)"
+    elif err.errno in (errno.EEXIST, errno.ENOTDIR):
+        try:
+            blocking = next((p for p in (Path(path), *Path(path).parents) if p.exists() and not p.is_dir()), None)
+        except OSError:
+            blocking = None
+        if blocking is not None:
+            message += f" ({blocking} is a file, not a folder)"
+    return message
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,7 +78,9 @@ class BiEncoderConfig:
 
     shared: bool = option(True, "one encoder for queries and passages (false: two towers)")
     pooling: Literal["mean", "cls"] = option("mean", "token pooling: mean of the token vectors, or the CLS vector")
-    projection_dim: int | None = option(None, "a linear projection to this many dimensions (null: none)", min=1)
+    projection_dim: int | None = option(
+        None, "a linear projection to this many dimensions (null: none)", min=1, max=65_536
+    )
     normalize: bool = option(True, "L2-normalise the embeddings (cosine similarity)")
     temperature: float = option(0.05, "softmax temperature of the contrastive loss", above=0)
     query_max_length: int = option(32, "queries are cut to this many tokens", min=1)
@@ -101,7 +103,7 @@ class SpladeConfig:
 class ColbertConfig:
     """ColBERT (neural-retrieval-lecture): L2-normalised token vectors scored by MaxSim, and its index."""
 
-    dim: int = option(128, "token vectors are projected to this many dimensions", min=1)
+    dim: int = option(128, "token vectors are projected to this many dimensions", min=1, max=65_536)
     skiplist: bool = option(True, "drop punctuation tokens from passages")
     markers: bool = option(True, "insert [unused0] / [unused1] query / passage markers after [CLS]")
     compression: Literal["fp16", "residual"] = option("fp16", "index storage: fp16 vectors, or centroid + residual")
@@ -146,7 +148,9 @@ class NegativesConfig:
     )
     file: str | None = option(None, "source=file: a hard-negatives file (JSONL from `densepass mine`)")
     model: str | None = option(None, "source=model: a saved model that mines")
-    dense_dim: int = option(512, "source=dense: projection size of the miner (25 = coarse, 512 = fine)", min=1)
+    dense_dim: int = option(
+        512, "source=dense: projection size of the miner (25 = coarse, 512 = fine)", min=1, max=65_536
+    )
     miner_steps: int | None = option(None, "source=dense: training steps of the miner (null: one epoch)", min=1)
     mix: list[str] = option(
         help="source=mixed: strategies (bm25, context, model, dense[:DIM], file:PATH)",
@@ -293,7 +297,7 @@ class LossConfig:
         "none", "negatives from earlier steps: none, pre-batch (the previous T batches) or moco (a queue of K keys)"
     )
     pre_batches: int = option(4, "memory=pre-batch: T, the previous batches whose passages join the negatives", min=1)
-    queue_size: int = option(4096, "memory=moco: K, keys in the queue", min=1)
+    queue_size: int = option(4096, "memory=moco: K, keys in the queue", min=1, max=1_048_576)
     momentum: float = option(0.999, "memory=moco: m of the key encoder's update θ_k <- m θ_k + (1 - m) θ", min=0, max=1)
     combine: Literal["unified", "separate"] = option(
         "unified",

@@ -242,7 +242,10 @@ class Index(ABC):
         passages = load_passages(directory / PASSAGES)
         if len(passages) != manifest["size"]:
             raise DataError(f"{directory}: {len(passages)} passages but the manifest says {manifest['size']}")
-        return kind._read(directory, manifest, passages, **options)
+        try:
+            return kind._read(directory, manifest, passages, **options)
+        except (ValueError, EOFError) as err:  # NumPy, SciPy, JSON: files of another format under a matching manifest
+            raise DataError(f"{directory} is not a usable densepass index: its files do not load ({err})") from None
 
 
 def with_absolute_model_path(facts: dict) -> dict:

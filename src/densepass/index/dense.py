@@ -233,6 +233,8 @@ class DenseIndex(Index):
         embeddings = np.load(directory / EMBEDDINGS, mmap_mode="r" if mmap else None, allow_pickle=False)
         if embeddings.shape != (len(passages), manifest["dim"]):
             raise DataError(f"{directory}: embeddings of shape {embeddings.shape} for {len(passages)} passages")
+        if embeddings.dtype != np.float32:
+            raise DataError(f"{directory}: {EMBEDDINGS} holds {embeddings.dtype} numbers, not float32 (damaged?)")
         refuse_nonfinite_rows(embeddings, passages.ids, str(directory), saving=False)  # a memory map: in blocks
         index.passages, index.embeddings = passages, embeddings
         index.model_fingerprint = recorded["fingerprint"]

@@ -60,7 +60,7 @@ MARKERS = {"query": "[unused0]", "passage": "[unused1]"}
 class ColbertArchitecture:
     """What a saved ColBERT model needs besides its weights (``densepass-colbert.json``)."""
 
-    dim: int = option(128, "token vectors are projected to this many dimensions", min=1)
+    dim: int = option(128, "token vectors are projected to this many dimensions", min=1, max=65_536)
     query_max_length: int = option(32, "queries are padded with [MASK] (or cut) to this many tokens", min=2)
     passage_max_length: int = option(128, "passages are cut to this many tokens", min=2)
     skiplist: bool = option(True, "drop punctuation tokens from passages")

@@ -8,6 +8,7 @@ wrong one with a one-line error (``models.load.load_model`` loads whichever it i
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,16 +47,46 @@ def saved_architecture(path: str | Path, kind: ModelKind, cls: type[Architecture
     return from_dict(cls, json.loads(saved.read_text()), str(saved)) if saved.is_file() else None
 
 
+PICKLED_WEIGHTS = "pytorch_model.bin"
+"""Weights a Hugging Face model directory may hold instead of safetensors: transformers reads them with torch's
+weights-only loader (``weights_only=True``: tensors and plain containers, never an arbitrary object)."""
+
+
 @contextmanager
 def loading_weights(directory: str | Path, weights: str = "model.safetensors") -> Iterator[None]:
     """Turn weights that do not load, in a model directory without a manifest to check them by (a truncated or
     damaged ``weights`` file, which safetensors reports as a ``SafetensorError``, or a read that fails), into one
-    line: ``<directory>/model.safetensors does not load (truncated or damaged?): <reason>``. transformers' own
-    errors (a missing weights file, an unknown architecture) pass through."""
+    line: ``<directory>/model.safetensors does not load (truncated or damaged?): <reason>``. A directory with only
+    ``pytorch_model.bin`` has it read by the weights-only loader, which refuses any pickled object: a damaged or
+    foreign one (``UnpicklingError``, a truncated zip archive, an empty file) is the same line naming that file.
+    transformers' own errors (a missing weights file, an unknown architecture) pass through."""
     try:
         yield
-    except (SafetensorError, OSError) as err:
+    except Exception as err:
         if isinstance(err, OSError) and err.errno is None:
             raise  # transformers' "no file named ..." and the like: not a damaged file
+        pickled = _only_pickled_weights(Path(directory), weights)
+        refused = type(err).__name__ == "UnpicklingError"  # by name: densepass imports no pickle module
+        if not isinstance(err, (SafetensorError, OSError)) and not (
+            pickled and (refused or isinstance(err, (EOFError, RuntimeError, KeyError)))
+        ):
+            raise
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise DataError(f"{Path(directory) / weights} does not load (truncated or damaged?): {reason}") from None
+        if pickled and not isinstance(err, OSError):  # torch's own message suggests weights_only=False: never
+            said = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(err))
+            detail = said.group(1) if said else reason.split(". ")[0] if str(err).strip() else ""
+            if isinstance(err, (EOFError, KeyError)):
+                detail = f"{type(err).__name__} {detail}"
+            reason = f"not tensors that torch's weights-only loader reads ({detail.strip()})"
+        name = PICKLED_WEIGHTS if pickled else weights
+        raise DataError(f"{Path(directory) / name} does not load (truncated or damaged?): {reason}") from None
+
+
+def _only_pickled_weights(directory: Path, weights: str) -> bool:
+    """Whether ``directory`` holds ``pytorch_model.bin`` and not ``weights`` (what transformers then reads)."""
+    if weights != "model.safetensors":  # a head of its own (ColBERT's linear layer, a phrase tower's): no fallback
+        return False
+    try:
+        return not (directory / weights).exists() and (directory / PICKLED_WEIGHTS).is_file()
+    except OSError:
+        return False

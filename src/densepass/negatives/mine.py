@@ -7,6 +7,7 @@ drop false negatives, and each query keeps its best ``pool_depth`` survivors. Tr
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,7 +78,14 @@ def dense_dim(spec: str, config: NegativesConfig) -> int:
     _, _, arg = spec.partition(":")
     if arg and not arg.isdigit():
         raise ConfigError(f"negatives strategy {spec!r}: the dimension after 'dense:' must be a number")
-    return int(arg) if arg else config.dense_dim
+    if not arg:
+        return config.dense_dim
+    bounds = next(f.metadata for f in dataclasses.fields(NegativesConfig) if f.name == "dense_dim")
+    if not bounds["min"] <= int(arg) <= bounds["max"]:  # the range of negatives.dense_dim
+        raise ConfigError(
+            f"negatives strategy {spec!r}: the dimension after 'dense:' must be in [{bounds['min']}, {bounds['max']}]"
+        )
+    return int(arg)
 
 
 def strategy_specs(config: NegativesConfig, strategy: str | None = None) -> list[str]:

@@ -170,6 +170,21 @@ def _assembled_index(
 WORK_FILES = (".lock", "shards.json", "rows-*", "assembled.npy*", "ivf-*", ".*.tmp", ".*.partial*")
 
 
+def check_private_work_dir(work_dir: Path, role: str) -> None:
+    """Refuse a work directory beside an output (``role``: what it is for) that is a link, not a directory, another
+    user's or writable by anyone: its name is predictable, so in a folder others can write to, someone else's
+    would steer densepass's writes. A missing one is fine (densepass makes it)."""
+    if (
+        work_dir.is_symlink()
+        or work_dir.exists()
+        and (not work_dir.is_dir() or work_dir.stat().st_uid != os.getuid() or work_dir.stat().st_mode & 0o002)
+    ):
+        raise ConfigError(
+            f"{work_dir}, {role}, is not a private directory of this user "
+            "(a link, another user's, or writable by anyone); remove it or choose another --output"
+        )
+
+
 def _work_dir(output: str | Path) -> tuple[Path, Path]:
     """The output directory (checked: missing, empty, or an index densepass wrote with nothing added since,
     ``io.check_replaceable``) and the private directory its encoding is built in."""
@@ -178,15 +193,7 @@ def _work_dir(output: str | Path) -> tuple[Path, Path]:
         raise ConfigError(f"--output {output} exists and is not a directory")
     check_replaceable(output, "--output")
     work_dir = output.with_name(f".{output.name}.encoding")
-    if (
-        work_dir.is_symlink()
-        or work_dir.exists()
-        and (not work_dir.is_dir() or work_dir.stat().st_uid != os.getuid() or work_dir.stat().st_mode & 0o002)
-    ):  # its name is predictable: in a folder others can write to, someone else's would steer our writes
-        raise ConfigError(
-            f"{work_dir}, where the encoding of {output} resumes, is not a private directory of this user "
-            "(a link, another user's, or writable by anyone); remove it or choose another --output"
-        )
+    check_private_work_dir(work_dir, f"where the encoding of {output} resumes")
     if work_dir.is_dir():  # it is removed whole once the index is saved: it must hold nothing but densepass's work
         foreign = [p.name for p in work_dir.iterdir() if not any(fnmatch.fnmatchcase(p.name, w) for w in WORK_FILES)]
         if foreign:

@@ -2,7 +2,9 @@
 
 The queries are the ones ``densepass run`` trains on for the same config (``RetrievalDataset.sample``);
 dense miners are trained (or reused, keyed by content) beside the output in ``<output>.miners/``, which
-is locked while mining runs. The file is written atomically.
+is locked while mining runs. That folder is made only where a dense strategy trains a miner, used only where it
+is a private directory of this user (not a link, nor another user's, nor writable by anyone: its name is
+predictable), and removed at the end when it holds no miner. The file is written atomically.
 
 Under torchrun (``torchrun --nproc_per_node N -m densepass mine ...``) every process loads the dataset and
 mines together: dense strategies encode and search the corpus in shards (``index.sharded``), so the file
@@ -13,27 +15,37 @@ filters, so what a process holds grows with its shard's embeddings and the corpu
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from densepass import distributed
 from densepass.config import ExperimentConfig
 from densepass.data import load_dataset
 from densepass.device import resolve_device, resolve_precision
-from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
+from densepass.negatives.mine import MiningContext, MiningResult, dense_specs, mine_negatives
 from densepass.negatives.pool import save_pool
+from densepass.pipelines.indexing import check_private_work_dir
 from densepass.training.miner import prepare_miners
 
 
 def mine_training_negatives(config: ExperimentConfig, output: str | Path) -> MiningResult:
     """Mine ``config.negatives`` for the training queries of ``config.data`` and write them to ``output``."""
     output = Path(output)
+    check_writable(output)
+    work_dir = output.with_name(output.name + ".miners") if dense_specs(config.negatives) else None
+    if work_dir is not None:
+        check_private_work_dir(work_dir, f"where the miners of {output} are kept")
     device = resolve_device(config.device)
     resolve_precision(config.eval.precision, device)  # int8 on a GPU fails before the dataset loads
     data = config.data
     dataset = load_dataset(data.name, data.data_dir, data.format, passages_on_disk=True)
     query_ids = sorted(dataset.sample(data.train_split, data.max_train_queries, data.seed))
-    work_dir = output.with_name(output.name + ".miners")
     ctx = MiningContext(
         data.train_split,
         device,
@@ -53,9 +65,53 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path) -> Min
             f"{data.name} on {device.type}{processes}",
             file=sys.stderr,
         )
-    with distributed.rank_zero_lock(work_dir, "mining"):
+    with _miners_dir(work_dir, output) if work_dir is not None else contextlib.nullcontext():
         prepare_miners(dataset, query_ids, config.negatives, ctx)
         result = mine_negatives(dataset, query_ids, config.negatives, ctx)
         if main:
             save_pool(result.pool, output)
     return result
+
+
+def check_writable(output: Path) -> None:
+    """Fail before any mining where ``output`` cannot be written: a name longer than the file system takes, a file
+    where a folder should be, a place where nothing can be made (``/proc``, a read-only mount). A file is made and
+    removed at once in the nearest existing folder; the ``OSError`` names ``output`` (the CLI prints it in one line)."""
+    try:
+        if any(len(os.fsencode(part)) > 255 for part in output.parts):
+            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
+        folder = next(p for p in output.absolute().parents if os.path.lexists(p))
+        if not folder.is_dir():
+            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=f".{output.name}.", suffix=".tmp")
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(output)) from None
+    os.close(handle)
+    os.unlink(probe)
+
+
+@contextlib.contextmanager
+def _miners_dir(work_dir: Path, output: Path) -> Iterator[None]:
+    """``work_dir`` locked for mining (checked again once made: it must be this user's private directory), and
+    removed at the end, however mining ends, where it holds nothing but the lock (no miner was trained there)."""
+    with distributed.rank_zero_lock(work_dir, "mining"):
+        try:
+            if distributed.rank() == 0:
+                check_private_work_dir(work_dir, f"where the miners of {output} are kept")
+            yield
+        finally:
+            if distributed.rank() == 0 and _holds_no_miner(work_dir):
+                shutil.rmtree(work_dir, ignore_errors=True)  # while locked: a waiting process starts afresh
+
+
+def _holds_no_miner(work_dir: Path) -> bool:
+    """Whether ``work_dir`` is a directory holding nothing but its ``.lock`` and empty folders (a miner whose
+    training failed before it wrote anything); a link anywhere counts as something."""
+    if work_dir.is_symlink() or not work_dir.is_dir():
+        return False
+    for root, folders, files in os.walk(work_dir):
+        if any(os.path.islink(os.path.join(root, f)) for f in folders):
+            return False
+        if any(not (f == ".lock" and Path(root) == work_dir) for f in files):
+            return False
+    return True

@@ -34,7 +34,7 @@ class PretrainModelConfig:
     name_or_path: str = option(DEFAULT_MODEL, "the BERT-family backbone to continue pre-training")
     mode: Mode = option("condenser", "objective: mlm, condenser, cocondenser or contriever")
     early_layers: int = option(3, "backbone layers whose output feeds the head (L^e); the rest are late", min=1)
-    head_layers: int = option(2, "Condenser head layers (L^h), initialised at random", min=1)
+    head_layers: int = option(2, "Condenser head layers (L^h), initialised at random", min=1, max=64)
     temperature: float = option(
         1.0,
         "temperature of the contrastive loss (coCondenser eq. 10: 1, plain dot products; Contriever: 0.05)",
@@ -113,7 +113,7 @@ class ContrieverConfig:
     negatives: Literal["moco", "in-batch"] = option(
         "moco", "moco: keys from a momentum encoder, the batch's and a queue's; in-batch: both views trained"
     )
-    queue_size: int = option(4096, "moco: K, keys in the queue", min=1)
+    queue_size: int = option(4096, "moco: K, keys in the queue", min=1, max=1_048_576)
     momentum: float = option(0.999, "moco: m of θ_k <- m θ_k + (1 - m) θ (Contriever: 0.9995)", min=0, max=1)
     normalize: bool = option(True, "L2-normalise the embeddings (similarities are cosines over the temperature)")
 
