@@ -381,3 +381,8 @@ def test_an_index_output_that_is_its_own_input_is_refused(tiny_beir, tiny_model_
             assert "which this command reads" in capsys.readouterr().err
     assert sorted(p.name for p in tiny_model_dir.iterdir()) == before
     assert (tiny_beir / "corpus.jsonl").is_file() and not (tiny_beir / "idx").exists()
+
+
+def test_search_of_one_query_refuses_an_output_it_would_not_write(tmp_path, capsys):
+    assert main(["search", str(tmp_path / "idx"), "audio", "--output", str(tmp_path / "run.trec")]) == 2
+    assert "one QUERY's hits are printed" in capsys.readouterr().err

@@ -303,6 +303,8 @@ def _search(args: argparse.Namespace) -> None:
         raise ConfigError("give either one QUERY or --queries FILE")
     if args.queries is not None and not args.output:
         raise ConfigError("--queries needs --output (a TREC run file)")
+    if args.query is not None and args.output:
+        raise ConfigError("--output writes the TREC run of --queries FILE; one QUERY's hits are printed")
     if args.output:
         check_run_output(args.output)
     from densepass.pipelines.search import check_query, read_queries
