@@ -386,3 +386,64 @@ def test_an_index_output_that_is_its_own_input_is_refused(tiny_beir, tiny_model_
 def test_search_of_one_query_refuses_an_output_it_would_not_write(tmp_path, capsys):
     assert main(["search", str(tmp_path / "idx"), "audio", "--output", str(tmp_path / "run.trec")]) == 2
     assert "one QUERY's hits are printed" in capsys.readouterr().err
+
+
+def test_an_index_replaces_only_an_index(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    """A model or a checkpoint densepass saved is its own output too, but not an index's to replace."""
+    from densepass.models.biencoder import BiEncoder
+
+    model = tmp_path / "fine-tuned"
+    BiEncoder.from_pretrained(str(tiny_model_dir)).save(model)
+    before = sorted(p.name for p in model.iterdir())
+    assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", str(model)]) == 2
+    assert "not a densepass index" in capsys.readouterr().err
+    assert sorted(p.name for p in model.iterdir()) == before
+
+
+def test_checkpoint_rotation_keeps_a_checkpoint_holding_a_users_file(tmp_path):
+    import torch
+
+    from densepass.checkpoints import Checkpoints
+
+    layer = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    checkpoints = Checkpoints(tmp_path, keep=1, identity={})
+
+    def save(step):
+        return checkpoints.save(step, lambda d: (d / "w.bin").write_bytes(b"w"), optimizer, scheduler)
+
+    first = save(1)
+    (first / "NOTES.txt").write_text("mine")
+    with pytest.warns(UserWarning, match="is kept: it holds files densepass did not write"):
+        save(2)
+    assert (first / "NOTES.txt").read_text() == "mine"
+    with pytest.warns(UserWarning, match="step-1 is kept"):
+        save(3)
+    assert not (tmp_path / "checkpoints" / "step-2").exists()  # its own: rotated away
+
+
+def test_a_model_that_needs_its_own_code_or_does_not_parse_is_one_line(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    import shutil
+
+    evil = tmp_path / "evil"
+    shutil.copytree(tiny_model_dir, evil)
+    config = json.loads((evil / "config.json").read_text())
+    (evil / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "evil_model.EvilModel"}}))
+    (evil / "evil_model.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "tokenizer.json").write_text((broken / "tokenizer.json").read_text()[:1000])
+    for model, message in ((evil, "never runs a model's code"), (broken, "tokenizer.json does not load")):
+        assert main(["index", str(tiny_beir), "--model", str(model), "--output", str(tmp_path / "i")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "ran").exists()
+
+
+def test_rerank_refuses_to_write_over_the_run_it_reranks(tiny_beir, tmp_path, capsys):
+    run = tmp_path / "first.trec"
+    run.write_text("q30 Q0 p30 1 1.0 densepass\n")
+    assert main(["rerank", str(tiny_beir), str(run), "--model", "none", "--output", str(run)]) == 2
+    assert "is the run being reranked" in capsys.readouterr().err
+    assert run.read_text() == "q30 Q0 p30 1 1.0 densepass\n"

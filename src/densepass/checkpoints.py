@@ -39,6 +39,7 @@ from densepass.io import (
     atomic_directory,
     atomic_write_text,
     disk_errors,
+    foreign_files,
     hold_temporaries,
     manifest_problem,
     remove_stale_temporaries,
@@ -222,6 +223,14 @@ class Checkpoints:
             )
             write_manifest(tmp)
         for old in self.paths()[: -self.keep]:
+            foreign = foreign_files(old)
+            if foreign:  # a file of the user's put into an old checkpoint: the checkpoint is kept, not deleted
+                warnings.warn(
+                    f"{old} is kept: it holds files densepass did not write ({', '.join(foreign[:3])})",
+                    DataWarning,
+                    stacklevel=2,
+                )
+                continue
             shutil.rmtree(old, ignore_errors=True)
         return path
 

@@ -276,10 +276,13 @@ def _rerank(args: argparse.Namespace) -> None:
 
     from densepass.data import load_dataset
     from densepass.device import resolve_device
+    from densepass.errors import ConfigError
     from densepass.evaluation.metrics import read_trec_run, write_trec_run
     from densepass.pipelines.search import check_run_queries, rerank_run
 
     check_run_output(args.output)
+    if Path(args.output).resolve() == Path(args.run).resolve():
+        raise ConfigError(f"--output {args.output} is the run being reranked; write the reranked run elsewhere")
     device = resolve_device(args.device)
     _check_reranker_precision(args.model, args.precision, device)  # a missing model or a bad precision: first
     dataset = load_dataset(args.dataset, args.data_dir, args.format)

@@ -39,7 +39,9 @@ from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_corpus
 from densepass.io import (
+    MANIFEST,
     atomic_directory,
+    check_replaceable,
     disk_errors,
     hold_temporaries,
     read_manifest,
@@ -95,6 +97,24 @@ def concat_corpora(first: Corpus, second: Corpus) -> Corpus:
         [*first.texts, *second.texts],
         first.doc_ids + second.doc_ids,
     )
+
+
+def check_index_target(directory: str | Path) -> None:
+    """A one-line error where ``directory`` holds something densepass saved that is not an index (a model, a
+    checkpoint): an index replaces only an index (``io.atomic_directory`` checks that densepass wrote it)."""
+    directory = Path(directory)
+    check_replaceable(directory, "--output")
+    if not directory.is_dir() or directory.is_symlink() or not any(directory.iterdir()):
+        return
+    try:
+        format = json.loads((directory / MANIFEST).read_text(encoding="utf-8")).get("format")
+    except (OSError, ValueError, AttributeError):
+        format = None
+    if format != FORMAT:
+        raise DataError(
+            f"--output {directory} holds something that is not a densepass index (a model or a checkpoint?); an "
+            "index replaces only an index: choose another path"
+        )
 
 
 def save_passages(corpus: Corpus, path: Path) -> None:
@@ -203,6 +223,7 @@ class Index(ABC):
         """Write the index atomically to ``directory`` (replacing what is there only once complete); a full disk is
         a one-line error, with nothing left behind (``io.disk_errors``)."""
         directory = Path(directory)
+        check_index_target(directory)
         remove_stale_temporaries(directory.parent, re.escape(directory.name))  # a killed save's
         with disk_errors(directory), hold_temporaries() as hold, atomic_directory(directory) as tmp:
             hold(tmp)

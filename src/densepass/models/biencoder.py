@@ -27,7 +27,7 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 from densepass.config import DEFAULT_MODEL, BiEncoderConfig
 from densepass.data.dataset import Corpus
 from densepass.data.texts import check_texts
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataError
 from densepass.io import (
     MANIFEST,
     atomic_directory,
@@ -73,6 +73,7 @@ def resolve_model_path(name_or_path: str) -> str:
     if exists:
         if not (path / "config.json").is_file():
             raise ConfigError(f"{path} is not a model directory (no config.json)")
+        check_model_files(path)
         return name_or_path
     if not _in_hub_cache(name_or_path):
         raise ConfigError(
@@ -80,6 +81,29 @@ def resolve_model_path(name_or_path: str) -> str:
             f"Hugging Face cache (nothing is downloaded at run time)"
         )
     return name_or_path
+
+
+def check_model_files(path: Path) -> None:
+    """One line, before transformers reads them, where a model directory's JSON files (``config.json``,
+    ``tokenizer.json``, ``tokenizer_config.json``) do not parse, or where its config asks for code of its own
+    (``auto_map``): densepass never runs a model's code (``trust_remote_code`` stays off), and transformers would
+    otherwise ask at the terminal whether to."""
+    import json
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            values = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as err:
+            reason = (str(err).splitlines() or [type(err).__name__])[0]
+            raise DataError(f"{file} does not load (truncated or damaged?): {reason}") from None
+        if isinstance(values, dict) and "auto_map" in values:
+            raise ConfigError(
+                f"{path} needs code of its own ({name} has an auto_map); densepass never runs a model's code "
+                "(trust_remote_code stays off): use a model that transformers supports as it is"
+            )
 
 
 def _in_hub_cache(name: str) -> bool:

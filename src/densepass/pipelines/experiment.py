@@ -42,7 +42,13 @@ from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write
 from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
-from densepass.io import atomic_write_text, claim_run_directory, exclusive_lock, run_directory_problem
+from densepass.io import (
+    atomic_write_text,
+    check_replaceable,
+    claim_run_directory,
+    exclusive_lock,
+    run_directory_problem,
+)
 from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.freeze import freeze_bottom
@@ -207,6 +213,8 @@ def run_directory(config: ExperimentConfig, main: bool, restart: bool) -> Iterat
         raise ConfigError(problem)
     with exclusive_lock(run_dir, "run"):
         kept = claim_run_directory(run_dir, "run", RUN_ENTRIES, restart)
+        for saved in ("model", "best-model", "model-fine-tuned"):  # what the run will replace: before the work
+            check_replaceable(run_dir / saved, "the run's")
         if kept:
             warnings.warn(
                 f"--restart kept {len(kept)} file(s) in {run_dir} that densepass did not write: {', '.join(kept[:5])}",

@@ -34,14 +34,13 @@ from densepass.data.dataset import Corpus, LazyTexts
 from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.fingerprints import fingerprint_corpus
-from densepass.index.base import Index
+from densepass.index.base import Index, check_index_target
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
 from densepass.index.faiss_index import check_trainable
 from densepass.index.hybrid import HybridIndex, part_precision
 from densepass.index.ondisk import IVFPQOptions, build_ondisk_ivfpq
 from densepass.index.sharded import DEFAULT_BLOCK, SHARDS_FILE, ShardedEmbeddings, encode_sharded
-from densepass.io import check_replaceable
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT
 from densepass.models.copies import float_precision
@@ -191,7 +190,7 @@ def _work_dir(output: str | Path) -> tuple[Path, Path]:
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"--output {output} exists and is not a directory")
-    check_replaceable(output, "--output")
+    check_index_target(output)  # densepass's own index alone, before any work
     work_dir = output.with_name(f".{output.name}.encoding")
     check_private_work_dir(work_dir, f"where the encoding of {output} resumes")
     if work_dir.is_dir():  # it is removed whole once the index is saved: it must hold nothing but densepass's work
