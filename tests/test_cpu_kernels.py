@@ -678,7 +678,7 @@ def test_a_built_library_is_loaded_from_the_cache_without_compiling_again(tiny):
     loads_the_tiny_library(tiny)
     assert tiny.builds() == 1
     assert stat.S_IMODE(tiny.cache.stat().st_mode) == 0o700  # made private
-    assert stat.S_IMODE(tiny.target.stat().st_mode) == 0o700 and tiny.manifest.stat().st_mode & 0o077 == 0
+    assert stat.S_IMODE(tiny.target.stat().st_mode) == 0o700 and tiny.manifest.stat().st_mode & 0o022 == 0
     manifest = json.loads(tiny.manifest.read_text())
     assert manifest["size"] == tiny.target.stat().st_size and matches_its_manifest(tiny.target)
     version = subprocess.run([tiny.compiler, "--version"], capture_output=True, text=True, check=True).stdout

@@ -4,6 +4,7 @@ command survive re-indexing, --restart, resume and failure (docs/reliability.md,
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -447,3 +448,22 @@ def test_rerank_refuses_to_write_over_the_run_it_reranks(tiny_beir, tmp_path, ca
     assert main(["rerank", str(tiny_beir), str(run), "--model", "none", "--output", str(run)]) == 2
     assert "is the run being reranked" in capsys.readouterr().err
     assert run.read_text() == "q30 Q0 p30 1 1.0 densepass\n"
+
+
+def test_a_users_own_config_with_notes_is_not_overwritten_and_outputs_keep_their_mode(tmp_path, capsys):
+    mine = tmp_path / "my.yaml"
+    assert main(["config", "--output", str(mine)]) == 0
+    assert mine.stat().st_mode & 0o777 == 0o666 & ~_umask_now()  # as open() makes a file, not mkstemp's 0600
+    mine.chmod(0o640)
+    assert main(["config", "--output", str(mine), "--set", "name=again"]) == 0  # its own output: replaced
+    assert mine.stat().st_mode & 0o777 == 0o640  # keeping the mode it had
+    mine.write_text("# my precious notes\n" + mine.read_text())
+    assert main(["config", "--output", str(mine), "--set", "train.batch_size=8"]) == 2
+    assert mine.read_text().startswith("# my precious notes\n")
+    capsys.readouterr()
+
+
+def _umask_now() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask

@@ -490,7 +490,10 @@ def _is_saved_config(path: Path, cls: type) -> bool:
 
     import yaml
 
-    values = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    text = Path(path).read_text(encoding="utf-8")
+    if any(line.lstrip().startswith("#") for line in text.splitlines()):
+        return False  # densepass writes no comments: a user's own notes are in it
+    values = yaml.safe_load(text)
     return isinstance(values, dict) and set(values) == {f.name for f in dataclasses.fields(cls)}
 
 

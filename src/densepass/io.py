@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -535,6 +536,7 @@ def atomic_file(path: str | Path, mode: str = "w", needs: int | None = None) -> 
         remove_stale_temporaries(path.parent, re.escape(path.name))
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            os.fchmod(fd, _file_mode(path))  # mkstemp's is private to its owner; an output is not
             with os.fdopen(fd, mode) as handle:
                 _hold(handle.fileno())
                 yield handle
@@ -543,6 +545,24 @@ def atomic_file(path: str | Path, mode: str = "w", needs: int | None = None) -> 
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
+
+
+def _file_mode(path: Path) -> int:
+    """The mode a file written at ``path`` gets: the one it replaces keeps its own, a new one what ``open`` gives
+    (0666 less the umask)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (``os.umask`` would, for every thread, for an instant)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0o022
 
 
 def check_output_file(path: str | Path, what: str, ours: Callable[[Path], bool]) -> None:
