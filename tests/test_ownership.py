@@ -140,8 +140,14 @@ def test_claim_refuses_a_foreign_folder_and_restart_keeps_foreign_files(tmp_path
     assert claim_run_directory(run, "run", RUN_ENTRIES, restart=False) == []
     (run / "checkpoints" / "step-1").mkdir(parents=True)
     (run / "report.md").write_text("old report")
-    (run / "model").symlink_to(foreign)  # a link is removed as a link, never followed
+    (run / "model").symlink_to(foreign)  # a link where the run writes: refused, never followed
     planted_in_run = plant(run)
+    with pytest.raises(DensepassError, match=r"holds links where a run writes \(model\)"):
+        claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
+    assert (run / "report.md").is_file()  # nothing removed
+    (run / "model").unlink()
+    with pytest.raises(DensepassError, match="is a densepass run directory, not a pre-training's"):
+        claim_run_directory(run, "pre-training", ("checkpoints", "report.md"), restart=True)
     kept = claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
     assert kept == ["notes.txt", "sub"]
     # inside the run's own entries too: a user's file in a saved model, or named like a log, is kept
@@ -467,3 +473,33 @@ def _umask_now() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return umask
+
+
+def test_attention_and_study_outputs_never_write_over_a_users_files(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    user = tmp_path / "fig.png"
+    user.write_text("my figure")
+    attention = ["analyze-attention", str(tiny_model_dir), "--dataset", str(tiny_beir), "--samples", "2", "--output"]
+    config = tiny_model_dir / "config.json"
+    before = config.read_text()
+    for output in (user, tiny_model_dir / "config.png", tmp_path / "plot"):
+        assert main([*attention, str(output)]) == 2
+    assert user.read_text() == "my figure" and config.read_text() == before
+    notes = tmp_path / "study"
+    notes.mkdir()
+    (notes / "study.md").write_text("# my study notes\n")
+    study = ["validate-study", str(tiny_beir), "--checkpoints", str(tiny_model_dir), "--max-queries", "4", "--output"]
+    assert main([*study, str(notes)]) == 2
+    assert main([*study, str(tiny_beir)]) == 2
+    assert (notes / "study.md").read_text() == "# my study notes\n"
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("densepass: error:") == 5
+
+
+def test_a_model_config_without_a_model_type_is_one_line(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "config.json").write_text('{"a": 1}')
+    assert main(["index", str(tiny_beir), "--model", str(model), "--output", str(tmp_path / "i")]) == 2
+    assert "names no model_type" in capsys.readouterr().err

@@ -396,11 +396,16 @@ def _analyze_attention(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
     from densepass.device import resolve_device
     from densepass.errors import ConfigError
-    from densepass.io import atomic_write_text
+    from densepass.io import atomic_write_text, check_output_file
 
     labels = args.labels or args.models
     if len(labels) != len(args.models):
         raise ConfigError(f"--labels gives {len(labels)} names for {len(args.models)} models")
+    if Path(args.output).suffix.lower() != ".png":
+        raise ConfigError(f"--output {args.output} is the plot's path: give it a .png name (the numbers go beside it)")
+    _check_output_apart(args.output, args.dataset, args.data_dir, list(args.models))
+    check_output_file(args.output, "attention plot", lambda path: path.read_bytes().startswith(b"\x89PNG"))
+    check_output_file(Path(args.output).with_suffix(".json"), "attention result", _is_attention_result)
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     texts = sample_passages(dataset.corpus, args.samples, args.seed, "[SEP]")
     device = resolve_device(args.device)
@@ -414,16 +419,30 @@ def _analyze_attention(args: argparse.Namespace) -> None:
     print(f"plot: {args.output}")
 
 
+def _is_attention_result(path: Path) -> bool:
+    """Whether ``path`` holds what ``analyze-attention`` writes beside its plot: {label: [entropy per layer]}."""
+    values = json.loads(Path(path).read_text(encoding="utf-8"))
+    return isinstance(values, dict) and all(isinstance(v, list) for v in values.values())
+
+
 def _validate_study(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
-    from densepass.pipelines.study import StudySettings, expand_checkpoints, run_study
+    from densepass.io import claim_run_directory, exclusive_lock, run_directory_problem
+    from densepass.pipelines.study import STUDY_ENTRIES, StudySettings, expand_checkpoints, run_study
+
+    _check_output_apart(args.output, args.dataset, args.data_dir, list(args.checkpoints))
+    problem = run_directory_problem(args.output, "validation study", STUDY_ENTRIES)
+    if problem is not None:  # a folder densepass did not make for a study: nothing is written into it
+        raise DensepassError(problem)
 
     settings = StudySettings(
         args.split, args.r, args.k, args.retriever, args.metric, args.max_queries, args.seed, args.corpus_fraction
     )
     checkpoints = expand_checkpoints(args.checkpoints)
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
-    run_study(dataset, checkpoints, settings, Path(args.output))
+    with exclusive_lock(args.output, "validation study"):
+        claim_run_directory(args.output, "validation study", STUDY_ENTRIES, restart=False)
+        run_study(dataset, checkpoints, settings, Path(args.output))
 
 
 def _mine(args: argparse.Namespace) -> None:

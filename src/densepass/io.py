@@ -301,7 +301,19 @@ def run_directory_problem(directory: str | Path, what: str, entries: tuple[str, 
     directory = Path(directory)
     if directory.is_symlink() and not directory.is_dir() or directory.exists() and not directory.is_dir():
         return f"{directory} exists and is not a directory"
-    if not directory.is_dir() or (directory / RUN_MARKER).is_file():
+    if not directory.is_dir():
+        return None
+    if (directory / RUN_MARKER).is_file():
+        try:
+            kind = json.loads((directory / RUN_MARKER).read_text(encoding="utf-8")).get("densepass")
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        if kind != what:
+            return f"{directory} is a densepass {kind or 'unknown'} directory, not a {what}'s: choose another name"
+        links = sorted(c.name for c in directory.iterdir() if c.is_symlink() and run_entry(c.name, entries))
+        if links:
+            shown = ", ".join(links)
+            return f"{directory} holds links where a {what} writes ({shown}): densepass never writes through them"
         return None
     present = sorted(c.name for c in directory.iterdir() if c.name != ".lock")
     if not present or _legacy_run(directory, present, entries):

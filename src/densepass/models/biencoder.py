@@ -99,6 +99,8 @@ def check_model_files(path: Path) -> None:
         except (OSError, ValueError, RecursionError) as err:
             reason = (str(err).splitlines() or [type(err).__name__])[0]
             raise DataError(f"{file} does not load (truncated or damaged?): {reason}") from None
+        if name == "config.json" and not (isinstance(values, dict) and isinstance(values.get("model_type"), str)):
+            raise DataError(f"{file} is not a transformers model config (it names no model_type)")
         if isinstance(values, dict) and "auto_map" in values:
             raise ConfigError(
                 f"{path} needs code of its own ({name} has an auto_map); densepass never runs a model's code "

@@ -212,9 +212,9 @@ def run_directory(config: ExperimentConfig, main: bool, restart: bool) -> Iterat
     if problem is not None:  # before the lock, which would leave a .lock in someone else's folder
         raise ConfigError(problem)
     with exclusive_lock(run_dir, "run"):
-        kept = claim_run_directory(run_dir, "run", RUN_ENTRIES, restart)
-        for saved in ("model", "best-model", "model-fine-tuned"):  # what the run will replace: before the work
+        for saved in ("model", "best-model", "model-fine-tuned"):  # what the run will replace: before anything goes
             check_replaceable(run_dir / saved, "the run's")
+        kept = claim_run_directory(run_dir, "run", RUN_ENTRIES, restart)
         if kept:
             warnings.warn(
                 f"--restart kept {len(kept)} file(s) in {run_dir} that densepass did not write: {', '.join(kept[:5])}",

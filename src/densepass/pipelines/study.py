@@ -123,6 +123,11 @@ class StudySettings:
             raise ConfigError(f"max queries must be >= 1, got {self.max_queries}")
 
 
+# What a study writes in its output folder: the folder is made a study's (``io.claim_run_directory``) before any
+# of it is written, so a folder of the user's is never written into.
+STUDY_ENTRIES = ("study.json", "study.md", "study.png", "subcorpus-*.json", "checkpoints/*.json")
+
+
 def run_study(
     dataset: RetrievalDataset, checkpoints: list[Path], settings: StudySettings, out_dir: Path
 ) -> list[StudyRow]:
