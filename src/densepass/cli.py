@@ -427,21 +427,17 @@ def _is_attention_result(path: Path) -> bool:
 
 def _validate_study(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
-    from densepass.io import claim_run_directory, exclusive_lock, run_directory_problem
+    from densepass.io import owned_run_directory
     from densepass.pipelines.study import STUDY_ENTRIES, StudySettings, expand_checkpoints, run_study
 
     _check_output_apart(args.output, args.dataset, args.data_dir, list(args.checkpoints))
-    problem = run_directory_problem(args.output, "validation study", STUDY_ENTRIES)
-    if problem is not None:  # a folder densepass did not make for a study: nothing is written into it
-        raise DensepassError(problem)
 
     settings = StudySettings(
         args.split, args.r, args.k, args.retriever, args.metric, args.max_queries, args.seed, args.corpus_fraction
     )
     checkpoints = expand_checkpoints(args.checkpoints)
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
-    with exclusive_lock(args.output, "validation study"):
-        claim_run_directory(args.output, "validation study", STUDY_ENTRIES, restart=False)
+    with owned_run_directory(args.output, "validation study", STUDY_ENTRIES, restart=False):  # never a user's folder
         run_study(dataset, checkpoints, settings, Path(args.output))
 
 

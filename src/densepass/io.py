@@ -360,6 +360,36 @@ def claim_run_directory(directory: str | Path, what: str, entries: tuple[str, ..
     return kept
 
 
+@contextlib.contextmanager
+def owned_run_directory(
+    directory: str | Path, what: str, entries: tuple[str, ...], restart: bool, saved: tuple[str, ...] = ()
+) -> Iterator[Path]:
+    """``directory`` as a ``what``'s run directory for the block: refused before its lock where it is someone
+    else's (``run_directory_problem``; the lock would leave a ``.lock`` in their folder), locked, the folders
+    ``saved`` that the run will replace checked as densepass's own (``check_replaceable``) before anything is
+    removed, then claimed (``claim_run_directory``), with one warning naming what ``restart`` kept."""
+    import warnings
+
+    from densepass.errors import ConfigError, DataWarning
+
+    directory = Path(directory)
+    problem = run_directory_problem(directory, what, entries)
+    if problem is not None:
+        raise ConfigError(problem)
+    with exclusive_lock(directory, what):
+        for name in saved:
+            check_replaceable(directory / name, f"the {what}'s")
+        kept = claim_run_directory(directory, what, entries, restart)
+        if kept:
+            shown = ", ".join(kept[:5])
+            warnings.warn(
+                f"--restart kept {len(kept)} file(s) in {directory} that densepass did not write: {shown}",
+                DataWarning,
+                stacklevel=3,
+            )
+        yield directory
+
+
 # ---- a full disk, a read-only place: one line, before the work where it can be ---------------------------
 
 DISK_ERRORS = {

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,10 +27,10 @@ from densepass.config import save_config
 from densepass.data.paths import dataset_dir
 from densepass.data.squad import SquadSpans, load_squad_spans
 from densepass.device import resolve_device
-from densepass.errors import ConfigError, DataWarning
+from densepass.errors import ConfigError
 from densepass.evaluation.subcorpus import gold_subcorpus
 from densepass.fingerprints import fingerprint_file
-from densepass.io import atomic_write_text, claim_run_directory, exclusive_lock, run_directory_problem
+from densepass.io import atomic_write_text, owned_run_directory
 from densepass.phrase.config import PhraseConfig
 from densepass.phrase.filter import train_token_filter
 from densepass.phrase.index import PhraseIndex
@@ -122,13 +121,7 @@ def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool 
     device = check(config)
     run_dir = config.run_dir
     data = load_data(config)
-    problem = run_directory_problem(run_dir, "phrase run", RUN_ENTRIES)
-    if problem is not None:  # before the lock, which would leave a .lock in someone else's folder
-        raise ConfigError(problem)
-    with exclusive_lock(run_dir, "phrase run"):
-        kept = claim_run_directory(run_dir, "phrase run", RUN_ENTRIES, restart)
-        if kept:
-            warnings.warn(f"--restart kept files densepass did not write in {run_dir}: {kept}", DataWarning, 2)
+    with owned_run_directory(run_dir, "phrase run", RUN_ENTRIES, restart):
         data_files = {DATA_FILES: data.dataset.file_fingerprints()}
         check_data_files(run_dir, data_files[DATA_FILES])  # finished stages are skipped: checked before any
         save_config(config, run_dir / "config.yaml")

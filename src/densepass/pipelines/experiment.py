@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -37,18 +36,12 @@ from densepass.config import ExperimentConfig, LossConfig, load_config, save_con
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import resolve_device, resolve_precision
-from densepass.errors import ConfigError, DataWarning
+from densepass.errors import ConfigError
 from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write_trec_run
 from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
-from densepass.io import (
-    atomic_write_text,
-    check_replaceable,
-    claim_run_directory,
-    exclusive_lock,
-    run_directory_problem,
-)
+from densepass.io import atomic_write_text, owned_run_directory
 from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.freeze import freeze_bottom
@@ -208,19 +201,8 @@ def run_directory(config: ExperimentConfig, main: bool, restart: bool) -> Iterat
         distributed.barrier()
         yield run_dir
         return
-    problem = run_directory_problem(run_dir, "run", RUN_ENTRIES)
-    if problem is not None:  # before the lock, which would leave a .lock in someone else's folder
-        raise ConfigError(problem)
-    with exclusive_lock(run_dir, "run"):
-        for saved in ("model", "best-model", "model-fine-tuned"):  # what the run will replace: before anything goes
-            check_replaceable(run_dir / saved, "the run's")
-        kept = claim_run_directory(run_dir, "run", RUN_ENTRIES, restart)
-        if kept:
-            warnings.warn(
-                f"--restart kept {len(kept)} file(s) in {run_dir} that densepass did not write: {', '.join(kept[:5])}",
-                DataWarning,
-                stacklevel=3,
-            )
+    saved = ("model", "best-model", "model-fine-tuned")  # what the run will replace: checked before anything goes
+    with owned_run_directory(run_dir, "run", RUN_ENTRIES, restart, saved):
         distributed.barrier()
         yield run_dir
 

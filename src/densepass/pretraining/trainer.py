@@ -23,7 +23,6 @@ import dataclasses
 import itertools
 import json
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +37,8 @@ from densepass.config import save_config
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import RandomState, autocast_context, resolve_device, resolved_cpu_bf16, uses_bf16
-from densepass.errors import ConfigError, DataWarning
-from densepass.io import claim_run_directory, exclusive_lock, run_directory_problem
+from densepass.errors import ConfigError
+from densepass.io import owned_run_directory
 from densepass.models.batching import check_position_limit
 from densepass.models.dropout import use_cpu_dropout
 from densepass.numerics import DivergenceGuard
@@ -192,13 +191,7 @@ def pretrain(config: PretrainConfig, restart: bool = False) -> PretrainResult:
     """Run (or resume) the pre-training of ``config``; writes config, checkpoints, log, backbone, report.
     The run directory is locked while it runs; ``restart`` discards what an earlier run left there."""
     device = check(config)
-    problem = run_directory_problem(config.run_dir, "pre-training", RUN_ENTRIES)
-    if problem is not None:  # before the lock, which would leave a .lock in someone else's folder
-        raise ConfigError(problem)
-    with exclusive_lock(config.run_dir, "pre-training"):
-        kept = claim_run_directory(config.run_dir, "pre-training", RUN_ENTRIES, restart)
-        if kept:
-            warnings.warn(f"--restart kept files densepass did not write in {config.run_dir}: {kept}", DataWarning, 2)
+    with owned_run_directory(config.run_dir, "pre-training", RUN_ENTRIES, restart):
         return _pretrain(config, device)
 
 
