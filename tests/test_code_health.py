@@ -24,7 +24,7 @@ def _tool(name: str) -> str:
 
 
 def test_no_lower_layer_imports_a_higher_one():
-    """The import-linter contract in pyproject.toml (function-level imports included)."""
+    """The import-linter contract in pyproject.toml (function-level and ``TYPE_CHECKING`` imports included)."""
     result = subprocess.run([_tool("lint-imports"), "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
 
@@ -81,10 +81,29 @@ def test_strongly_connected_finds_a_cycle_and_nothing_else():
     assert components == [["a", "b", "c"], ["d"]]
 
 
-def test_no_module_imports_itself_through_others():
-    modules = grimp.build_graph("densepass", cache_dir=None, exclude_type_checking_imports=True)
+def import_cycles(package: str) -> list[list[str]]:
+    """The import circles among ``package``'s modules: every import counts, function-level ones and those under
+    ``if TYPE_CHECKING:`` too (an annotation-only import still ties the two modules together)."""
+    modules = grimp.build_graph(package, cache_dir=None, exclude_type_checking_imports=False)
     graph = {m: set(modules.find_modules_directly_imported_by(m)) for m in modules.modules}
-    cycles = [sorted(c) for c in strongly_connected(graph) if len(c) > 1]
+    return sorted(sorted(c) for c in strongly_connected(graph) if len(c) > 1)
+
+
+def test_import_cycles_sees_type_checking_and_function_level_imports(tmp_path, monkeypatch):
+    package = tmp_path / "planted_circles"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from planted_circles.b import B\n"
+    )
+    (package / "b.py").write_text("def b():\n    from planted_circles.a import A\n")
+    (package / "c.py").write_text("import planted_circles.a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_cycles("planted_circles") == [["planted_circles.a", "planted_circles.b"]]
+
+
+def test_no_module_imports_itself_through_others():
+    cycles = import_cycles("densepass")
     assert not cycles, f"import cycles: {cycles}"
 
 

@@ -20,10 +20,10 @@ from densepass.losses.ltr import ltr_loss, ltr_scores
 from densepass.losses.memory import NegativeMemory, memory_mask
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.models.momentum import MomentumEncoder, passage_parameters
-from densepass.training.batches import TrainingData
+from densepass.training.batches import BatchTensors, TrainingData
 from densepass.training.more_negatives import MoCoQueue, MultiSource, PreBatch, ltr_head, objective_from_config
 from densepass.training.objectives import Contrastive
-from densepass.training.step import BatchTensors, batch_tensors, forward_backward
+from densepass.training.step import batch_tensors, forward_backward
 from densepass.training.trainer import train
 
 CPU = torch.device("cpu")

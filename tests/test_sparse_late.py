@@ -28,8 +28,9 @@ from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT, ColbertReranker, maxsim
 from densepass.models.splade import CPU_ENCODE_PIECE_TOKENS, SpladeEncoder, splade_weights
 from densepass.pipelines.experiment import run_experiment
+from densepass.training.batches import BatchTensors
 from densepass.training.splade import SpladeObjective
-from densepass.training.step import BatchTensors, forward_backward
+from densepass.training.step import forward_backward
 
 CPU = torch.device("cpu")
 WORDS = "audio video editor library game network terminal python font image mail server kernel".split()

@@ -39,6 +39,7 @@ from densepass.io import (
     write_manifest,
 )
 from densepass.models.batching import Side, SidedInputs
+from densepass.models.encode import encode_texts
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 from densepass.numerics import refuse_nonfinite_weights
 
@@ -229,8 +230,6 @@ class BiEncoder(SidedInputs, nn.Module):
         return self._encode(passages, "passage", batch_size, show_progress, convert_to, device, precision)
 
     def _encode(self, texts, side: Side, batch_size: int, show_progress: bool, convert_to: str, device, precision: str):
-        from densepass.models.encode import encode_texts
-
         if isinstance(texts, str):
             raise ConfigError(f"encode_{side}s takes a list of texts, not one string")
         if convert_to not in ("numpy", "torch"):

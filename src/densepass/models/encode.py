@@ -26,29 +26,60 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from densepass.data.texts import tokenizing
 from densepass.device import attention_kernels, default_device, resolve_precision
 from densepass.errors import DensepassError
-from densepass.models.batching import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS, forward_in_pieces, piece_tokens
+from densepass.models.batching import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS, Side, forward_in_pieces, piece_tokens
 from densepass.models.copies import bf16_copy, reused_copy
 from densepass.models.quantize import quantized_linear_copy
 from densepass.prefetch import prefetched
-
-if TYPE_CHECKING:
-    from densepass.models.biencoder import BiEncoder, Side
 
 PAD_MULTIPLE = 8  # batches are padded to a multiple of 8 tokens: tensor-core friendly, few distinct shapes
 TOKENIZE_CHUNK = 16_384  # texts tokenised at once; the next chunk is tokenised while this one is encoded
 
 
-def inference_copy(model: BiEncoder, fuse: bool = False) -> BiEncoder:
+class TwoTowers(Protocol):
+    """What this module needs of a model (``models.biencoder.BiEncoder`` is one): a query and a passage tower (one
+    module when shared), its tokenizer, config and optional projection, its embedding ``dim`` and each side's
+    ``max_length``, a forward pass ``model(input_ids, attention_mask, side=...)`` returning one embedding per
+    text, and a constructor taking (query tower, passage tower, tokenizer, config, projection). Stated here so
+    that the model, which encodes through this module, is not imported by it (no import circle)."""
+
+    query_encoder: nn.Module
+    passage_encoder: nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    config: Any
+    projection: nn.Linear | None
+
+    @property
+    def dim(self) -> int:
+        """The embedding dimension."""
+
+    def max_length(self, side: Side) -> int:
+        """The truncation length of one side's texts."""
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, side: Side) -> torch.Tensor:
+        """Embeddings [batch, dim] of one side's tokenised batch."""
+
+    def to(self, device: torch.device) -> Any:
+        """The model on ``device`` (``nn.Module.to``)."""
+
+    def eval(self) -> Any:
+        """The model in inference mode (``nn.Module.eval``)."""
+
+
+Model = TypeVar("Model", bound=TwoTowers)
+
+
+def inference_copy(model: Model, fuse: bool = False) -> Model:
     """A copy of ``model`` for inference whose towers are bfloat16 (``models.copies.bf16_copy``; ``fuse``, on the
     CPU: BERT, RoBERTa and XLM-R towers run with ``models.fused``'s layers, which skip the padding: the pooling
     reads the tokens alone); the projection stays float32 (``pool`` returns float32). ``model`` itself is left
@@ -56,13 +87,13 @@ def inference_copy(model: BiEncoder, fuse: bool = False) -> BiEncoder:
     return _copy_towers(model, lambda tower: bf16_copy(tower, fuse, padding_outputs=False))
 
 
-def quantized_copy(model: BiEncoder) -> BiEncoder:
+def quantized_copy(model: Model) -> Model:
     """A copy of ``model`` for CPU inference whose transformer linear layers are dynamically quantised to int8
     (per-channel weights), all but the feed-forward output projections; the projection stays float32."""
     return _copy_towers(model, quantized_linear_copy)
 
 
-def _copy_towers(model: BiEncoder, copy_tower) -> BiEncoder:
+def _copy_towers(model: Model, copy_tower) -> Model:
     """``model`` with each distinct tower replaced by ``copy_tower(tower)`` (a shared tower stays shared) and a
     copy of its projection."""
     towers = {id(t): t for t in (model.query_encoder, model.passage_encoder)}
@@ -73,7 +104,7 @@ def _copy_towers(model: BiEncoder, copy_tower) -> BiEncoder:
     ).eval()
 
 
-def inference_runner(model: BiEncoder, precision: str, device: torch.device) -> BiEncoder:
+def inference_runner(model: Model, precision: str, device: torch.device) -> Model:
     """``model`` itself (fp32), or its bf16 or int8 copy (``precision`` as ``resolve_precision`` returns it),
     made once and reused while the model's weights, device and the precision stay the same (``models.copies``)."""
     if precision == "fp32":
@@ -122,7 +153,7 @@ def padded_batches(
 
 
 def encode_texts(
-    model: BiEncoder,
+    model: TwoTowers,
     texts: Sequence[str],
     side: Side,
     batch_size: int = 256,

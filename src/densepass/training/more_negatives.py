@@ -24,7 +24,7 @@ objective a ``LossConfig`` describes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -38,11 +38,9 @@ from densepass.losses.memory import NegativeMemory, memory_mask
 from densepass.losses.unified import separate_terms_loss, unified_loss
 from densepass.models.biencoder import BiEncoder
 from densepass.models.momentum import MomentumEncoder
+from densepass.training.batches import BatchTensors
 from densepass.training.distributed import gather_with_local_grad
 from densepass.training.objectives import Contrastive, Objective
-
-if TYPE_CHECKING:
-    from densepass.training.step import BatchTensors
 
 IN_BATCH, MEMORY, HARD = 0, 1, 2  # the sources; λ is given in this order
 SOURCE_NAMES = ("in-batch", "memory", "hard")

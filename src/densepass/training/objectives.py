@@ -12,7 +12,7 @@ in the trainer's checkpoints, so an interrupted run resumes to the same model. A
 trainable ``parameters`` of its own (optimised with the model's) and modules to move ``to`` the device.
 
 >>> import torch
->>> from densepass.training.step import BatchTensors
+>>> from densepass.training.batches import BatchTensors
 >>> class Dot(torch.nn.Module):
 ...     class config:
 ...         temperature = 1.0
@@ -26,7 +26,7 @@ trainable ``parameters`` of its own (optimised with the model's) and modules to 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -35,9 +35,7 @@ from densepass.errors import ConfigError
 from densepass.losses.contrastive import info_nce
 from densepass.losses.listwise_kl import listwise_kl_loss
 from densepass.losses.margin_mse import margin_mse_loss
-
-if TYPE_CHECKING:
-    from densepass.training.step import BatchTensors
+from densepass.training.batches import BatchTensors
 
 
 class Objective:

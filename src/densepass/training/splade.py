@@ -4,16 +4,13 @@ plus the FLOPS regulariser of both sides, warmed up."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from densepass.losses.flops import flops, quadratic_warmup
+from densepass.training.batches import BatchTensors
 from densepass.training.objectives import Contrastive, Objective
-
-if TYPE_CHECKING:
-    from densepass.training.step import BatchTensors
 
 
 @dataclass

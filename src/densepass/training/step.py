@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +20,7 @@ from densepass.device import RandomState, autocast_context
 from densepass.models.batching import forward_in_pieces, piece_tokens
 from densepass.models.biencoder import BiEncoder, Side
 from densepass.models.splade import SpladeEncoder
-from densepass.training.batches import TrainingBatch
+from densepass.training.batches import BatchTensors, TrainingBatch
 from densepass.training.distributed import gather_with_local_grad
 from densepass.training.objectives import Contrastive, Objective
 
@@ -44,36 +44,6 @@ def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autoca
 def _chunks(tokens: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
     n = tokens["input_ids"].shape[0]
     return [{k: v[i : i + size] for k, v in tokens.items()} for i in range(0, n, size)]
-
-
-@dataclass
-class BatchTensors:
-    """A batch's tensors, ready to copy: tokens of each side, positive columns, false-negative mask,
-    passage content keys, the queries' relevant keys (host-side sets) and objective-specific extras."""
-
-    queries: dict[str, torch.Tensor]
-    passages: dict[str, torch.Tensor]
-    positive_index: torch.Tensor
-    mask: torch.Tensor
-    passage_keys: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    relevant_keys: list[set[int]] = field(default_factory=list)
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BatchTensors:
-        """The batch with ``fn`` applied to every tensor."""
-        return BatchTensors(
-            {k: fn(v) for k, v in self.queries.items()},
-            {k: fn(v) for k, v in self.passages.items()},
-            fn(self.positive_index),
-            fn(self.mask),
-            fn(self.passage_keys),
-            self.relevant_keys,
-            {k: fn(v) for k, v in self.extras.items()},
-        )
-
-    def to(self, device: torch.device) -> BatchTensors:
-        """The tensors on ``device`` (non-blocking from pinned memory)."""
-        return self.map(lambda t: t.to(device, non_blocking=t.is_pinned()))
 
 
 def batch_tensors(
