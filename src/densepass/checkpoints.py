@@ -59,14 +59,20 @@ def training_identity(config: Any) -> dict:
     identity = {k: v for k, v in dataclasses.asdict(config).items() if k not in BOOKKEEPING}
     if "cpu_bf16" in identity:
         identity["cpu_bf16"] = resolved_cpu_bf16(identity["cpu_bf16"])
-    return without_default_skipping(identity)
+    return without_later_defaults(identity)
 
 
-def without_default_skipping(identity: dict) -> dict:
-    """``identity`` without ``skip_nonfinite: false``: a run that stops at a non-finite step trains what a run
-    written before the setting existed trains, so those still resume (``true`` skips batches: it is kept)."""
-    if identity.get("skip_nonfinite") is False:
-        identity.pop("skip_nonfinite")
+# training options added after runs were already being written, with the value every earlier run trained
+# with: at that value they stay out of a run's identity, so those runs still resume
+LATER_OPTIONS = {"skip_nonfinite": False, "max_grad_norm": 1.0}
+
+
+def without_later_defaults(identity: dict) -> dict:
+    """``identity`` without the ``LATER_OPTIONS`` at their earlier value (``skip_nonfinite: true`` skips batches,
+    another ``max_grad_norm`` clips otherwise: those are kept, and resuming an earlier run across them is refused)."""
+    for key, value in LATER_OPTIONS.items():
+        if key in identity and identity[key] == value and type(identity[key]) is type(value):
+            identity.pop(key)
     return identity
 
 

@@ -167,17 +167,52 @@ class NegativesConfig:
     )
 
 
+def with_default(config: type, name: str, default: Any) -> Any:
+    """The option ``name`` of the config dataclass ``config`` (its help and range) with another default: how a
+    config tree gives a shared training option (``OptimConfig``) the default that suits its task."""
+    return dataclasses.field(default=default, metadata=config.__dataclass_fields__[name].metadata)
+
+
 @dataclass
-class TrainConfig:
+class OptimConfig:
+    """What every training task shares (``densepass.training.engine``): AdamW with a linear warm-up and decay,
+    gradient clipping, the divergence guard, checkpoints and logs. Each config tree's training section
+    (``train``, ``reranker.train``, the phrase ``train`` and ``query_tuning``, pre-training's ``train``) is one
+    of these plus its task's own keys, so a key means the same everywhere."""
+
+    learning_rate: float = option(2e-5, "AdamW learning rate", above=0)
+    weight_decay: float = option(0.01, "AdamW weight decay", min=0)
+    warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
+    max_grad_norm: float = option(1.0, "gradients are clipped to this norm before every optimiser step", above=0)
+    checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
+    keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
+    log_every: int = option(10, "append the mean loss since the last record to train_log.jsonl every N steps", min=1)
+    seed: int = option(13, "seed of batches, negatives sampling, dropout and new weights", min=0, max=SEED_MAX)
+    skip_nonfinite: bool = option(
+        False,
+        "a batch whose loss or gradient norm is NaN or infinite is skipped with a warning (no optimiser step), and"
+        " more than 10 in a row stop training; false: the first one stops training with an error naming the step",
+    )
+
+
+@dataclass
+class AutocastOptimConfig(OptimConfig):
+    """``OptimConfig`` plus the precision of the steps (``densepass.device.uses_bf16``)."""
+
+    bf16: bool = option(True, "bf16 autocast on GPU")
+    cpu_bf16: bool | Literal["auto"] = option(
+        "auto", "bf16 autocast on CPU: auto (where bf16 is fast: AMX, or AVX512-BF16 on AMD; else fp32), true or false"
+    )
+
+
+@dataclass
+class TrainConfig(AutocastOptimConfig):
     """Optimisation of the contrastive loss (negative-contrast eq. 1-3)."""
 
     enabled: bool = option(True, "fine-tune (false: evaluate the baselines only)")
     epochs: int = option(1, "passes over the training queries", min=1)
     max_steps: int | None = option(None, "stop after this many steps (null: every epoch)", min=1)
     batch_size: int = option(64, "queries per step (each brings its positive and its hard negatives)", min=1)
-    learning_rate: float = option(2e-5, "AdamW learning rate", above=0)
-    weight_decay: float = option(0.01, "AdamW weight decay", min=0)
-    warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
     bidirectional: bool = option(False, "add the passage-to-query loss (negative-contrast eq. 2-3)")
     grad_cache_chunk: int | None = option(None, "gradient caching: sub-batch size (null: off)", min=1)
     freeze_layers: int | None = option(
@@ -191,19 +226,6 @@ class TrainConfig:
         "passages are cut to this many tokens in training batches only (null: model.passage_max_length, which"
         " mining, validation, indexing and evaluation read): shorter crops train faster",
         min=2,
-    )
-    bf16: bool = option(True, "bf16 autocast on GPU")
-    cpu_bf16: bool | Literal["auto"] = option(
-        "auto", "bf16 autocast on CPU: auto (where bf16 is fast: AMX, or AVX512-BF16 on AMD; else fp32), true or false"
-    )
-    checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
-    keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
-    log_every: int = option(10, "append the mean loss to train_log.jsonl every N steps", min=1)
-    seed: int = option(13, "seed of batches, negatives sampling, dropout and new weights", min=0, max=SEED_MAX)
-    skip_nonfinite: bool = option(
-        False,
-        "a batch whose loss or gradient norm is NaN or infinite is skipped with a warning (no optimiser step), and"
-        " more than 10 in a row stop training; false: the first one stops training with an error naming the step",
     )
     wise_ft: float | None = option(
         None,
@@ -309,7 +331,7 @@ class LossConfig:
 
 
 @dataclass
-class RerankerTrainConfig:
+class RerankerTrainConfig(OptimConfig):
     """Fine-tuning the cross-encoder on the run's hard-negative pool (``negatives`` section: the same miner
     and false-negative filters as the bi-encoder); precision follows ``train.bf16`` / ``train.cpu_bf16``."""
 
@@ -323,18 +345,8 @@ class RerankerTrainConfig:
     epochs: int = option(1, "passes over the training queries", min=1)
     max_steps: int | None = option(None, "stop after this many steps (null: every epoch)", min=1)
     batch_size: int = option(16, "queries per step (each brings 1 + n pairs)", min=1)
-    learning_rate: float = option(2e-5, "AdamW learning rate", above=0)
     head_learning_rate: float | None = option(
         1e-3, "learning rate of a newly initialised head (null: learning_rate); a fresh head learns slowly", above=0
-    )
-    weight_decay: float = option(0.01, "AdamW weight decay", min=0)
-    warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
-    checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
-    keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
-    log_every: int = option(10, "append the mean loss to reranker/train_log.jsonl every N steps", min=1)
-    seed: int = option(13, "seed of the new head, the batches, the negatives drawn and dropout", min=0, max=SEED_MAX)
-    skip_nonfinite: bool = option(
-        False, "skip a batch whose loss or gradient norm is not finite (as train.skip_nonfinite); false: stop"
     )
 
 

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from densepass.checkpoints import Checkpoints, trim_log, without_default_skipping
+from densepass.checkpoints import Checkpoints, trim_log, without_later_defaults
 from densepass.data.squad import SquadSpans
 from densepass.errors import ConfigError
 from densepass.models.dropout import use_cpu_dropout
@@ -95,7 +95,7 @@ def tune_question_encoder(
     total = steps_per_epoch * config.epochs
     optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, fused=True)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
-    settings = without_default_skipping({k: v for k, v in asdict(config).items() if k != "checkpoint_every"})
+    settings = without_later_defaults({k: v for k, v in asdict(config).items() if k != "checkpoint_every"})
     checkpoints = Checkpoints(run_dir, 1, {"query_tuning": settings, **(identity or {})})
     log_path = run_dir / "train_log.jsonl"
     step = 0

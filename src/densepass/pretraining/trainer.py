@@ -32,7 +32,7 @@ from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from densepass.checkpoints import BOOKKEEPING, DATA_FILES, Checkpoints, restore_rng, trim_log, without_default_skipping
+from densepass.checkpoints import BOOKKEEPING, DATA_FILES, Checkpoints, restore_rng, trim_log, without_later_defaults
 from densepass.config import save_config
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
@@ -160,7 +160,7 @@ def pretraining_identity(config: PretrainConfig) -> dict:
         identity.pop(key)
     for key in BOOKKEEPING:
         identity["train"].pop(key, None)  # fine-tuning's bookkeeping may name settings pre-training lacks
-    without_default_skipping(identity["train"])
+    without_later_defaults(identity["train"])
     identity["train"]["cpu_bf16"] = resolved_cpu_bf16(config.train.cpu_bf16)  # auto: what this CPU does
     if config.model.mode != "contriever":
         identity.pop("contriever")  # unused, and runs written before the section existed still resume

@@ -1,40 +1,34 @@
-"""The fine-tuning loop: AdamW with linear warm-up, checkpoints, exact resume, seeded determinism, logs.
+"""Fine-tuning a bi-encoder (dense, SPLADE, ColBERT): the task the training engine runs for ``densepass run``.
 
-Checkpoints (``densepass.checkpoints``) hold the model (loadable like any saved BiEncoder), the
-optimiser, scheduler and random states, and the run's identity. Batches and negatives depend only on
-(seed, epoch, step) and dropout on the restored random state, so a run resumed after an interruption
-ends with the same weights, bit for bit, as one that never stopped.
+Each step collates ``batch_size`` training queries with their positives and hard negatives
+(``training.batches``), tokenises them one step ahead in a worker thread and minimises the run's objective
+(``training.objectives``: InfoNCE, the unified λ loss, distillation, + FLOPS for SPLADE) with gradient caching
+when asked (``training.step``). Batches and negatives depend only on (seed, epoch, step), so the engine's exact
+resume holds; under torch.distributed every process embeds its share of the batch and the objective contrasts
+the whole gathered batch (``training.distributed``).
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import random
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
-from transformers import get_linear_schedule_with_warmup
+from typing_extensions import override
 
 from densepass import distributed
-from densepass.checkpoints import Checkpoints, restore_rng, training_identity, trim_log
+from densepass.checkpoints import Checkpoints, training_identity
 from densepass.config import TrainConfig
-from densepass.device import uses_bf16
 from densepass.models.biencoder import BiEncoder
 from densepass.models.dropout import use_cpu_dropout
 from densepass.models.freeze import freeze_bottom
 from densepass.models.token_cache import cached_tokenizer
-from densepass.numerics import DivergenceGuard
-from densepass.prefetch import prefetched
 from densepass.scheduling.baselines import random_batches
+from densepass.training import engine
 from densepass.training.batches import TrainingData
-from densepass.training.distributed import sum_gradients
 from densepass.training.objectives import Contrastive, Objective
 from densepass.training.step import batch_tensors, forward_backward
 
@@ -71,22 +65,23 @@ class TrainResult:
     log_path: Path
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's global generators."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+seed_everything = engine.seed_everything
 
 
 def planned_steps(steps_per_epoch: int, config: TrainConfig) -> int:
     """Training steps of a run: every epoch's batches, capped by ``max_steps``."""
-    total = steps_per_epoch * config.epochs
-    return total if config.max_steps is None else min(total, config.max_steps)
+    return engine.planned_steps(steps_per_epoch, config.epochs, config.max_steps)
+
+
+def run_identity(config: TrainConfig, identity: dict | None = None) -> dict:
+    """What a fine-tuning run's checkpoints must match: ``config``'s training settings and the caller's (data,
+    model, negatives, batch order)."""
+    return {"train": training_identity(config), **(identity or {})}
 
 
 def checkpoints_of(run_dir: Path, config: TrainConfig, identity: dict | None = None) -> Checkpoints:
     """The checkpoints of a fine-tuning run; ``identity`` adds the caller's settings (data, model, ...)."""
-    return Checkpoints(run_dir, config.keep_checkpoints, {"train": training_identity(config), **(identity or {})})
+    return Checkpoints(run_dir, config.keep_checkpoints, run_identity(config, identity))
 
 
 def resume_step(run_dir: Path, config: TrainConfig, identity: dict | None = None) -> int:
@@ -95,9 +90,97 @@ def resume_step(run_dir: Path, config: TrainConfig, identity: dict | None = None
     return resumed.step if resumed else 0
 
 
-def _load_weights(model: BiEncoder, path: Path) -> None:
-    saved = type(model).from_pretrained(str(path), config=model.config)  # any retriever kind (SPLADE, ColBERT)
-    model.load_state_dict(saved.state_dict())
+class BiEncoderTask(engine.Task):
+    """A bi-encoder (any retriever kind: dense, SPLADE, ColBERT) trained on ``data`` with ``objective``; the
+    objective may train a head of its own and keep state across steps (a MoCo queue, pre-batch memory)."""
+
+    prefetch = True
+    distributed = True
+
+    def __init__(
+        self,
+        model: BiEncoder,
+        data: TrainingData,
+        config: TrainConfig,
+        run_dir: Path,
+        planner: BatchPlanner | None = None,
+        objective: Objective | None = None,
+    ) -> None:
+        self.model, self.data, self.config, self.run_dir = model, data, config, run_dir
+        self.planner = planner or RandomPlanner(len(data), config.batch_size, config.seed)
+        self.objective = objective or Contrastive(config.bidirectional)
+        self.steps_per_epoch, self.epochs = self.planner.steps_per_epoch, config.epochs
+
+    @override
+    def setup(self, device: torch.device) -> None:
+        self.device = device
+        use_cpu_dropout(self.model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
+        self.objective.to(device)
+        if self.config.freeze_layers is not None:
+            freeze_bottom(self.model, self.config.freeze_layers)
+        # batches are collated and tokenised one step ahead in a worker thread, with its own tokenizer, which
+        # answers from the run's token cache the texts it holds
+        self.tokenizer = copy.deepcopy(self.model.tokenizer)
+        if self.config.token_cache:
+            lengths = {"passage": self.config.passage_max_length}
+            texts = self.data.texts_in_use()
+            self.tokenizer = cached_tokenizer(self.model, texts, self.run_dir / "token_cache", self.tokenizer, lengths)
+
+    @override
+    def parameter_groups(self) -> list[dict]:
+        parameters = (*self.model.parameters(), *self.objective.parameters())
+        return [{"params": [p for p in parameters if p.requires_grad]}]
+
+    @override
+    def named_weights(self):
+        return self.model.named_parameters()
+
+    @override
+    def plan(self, epoch: int) -> Iterable[list[int]]:
+        return (list(members) for members in self.planner(epoch))
+
+    @override
+    def prepare(self, epoch: int, index: int, members: list[int]):
+        batch = self.data.collate(
+            members,
+            seed=(self.config.seed, epoch, index),
+            rank=distributed.rank(),
+            world=distributed.world_size(),
+            step=epoch * self.steps_per_epoch + index,
+        )
+        pin = self.device.type == "cuda"
+        return members, batch, batch_tensors(self.model, batch, pin, self.tokenizer, self.config.passage_max_length)
+
+    @override
+    def step(self, prepared, context: engine.StepContext) -> engine.StepOutput:
+        members, batch, tensors = prepared
+        out = forward_backward(
+            self.model, batch, context.device, self.objective, self.config.grad_cache_chunk, context.bf16, tensors
+        )
+        return engine.StepOutput(out.loss, size=len(members), outputs=out)
+
+    @override
+    def after_step(self, output: engine.StepOutput, prepared) -> None:
+        out = output.outputs
+        self.objective.after_step(self.model, out.queries, out.passages, out.batch)
+
+    @override
+    def save(self, checkpoint: Path) -> None:
+        self.model.save(checkpoint / "model")
+
+    @override
+    def load(self, checkpoint: Path, device: torch.device) -> None:
+        saved = type(self.model).from_pretrained(str(checkpoint / "model"), config=self.model.config)  # any kind
+        self.model.load_state_dict(saved.state_dict())
+        self.model.to(device)
+
+    @override
+    def state_dict(self) -> dict:
+        return {"objective": self.objective.state_dict()}
+
+    @override
+    def load_state_dict(self, state: dict) -> None:
+        self.objective.load_state_dict(state["objective"])
 
 
 def train(
@@ -119,124 +202,14 @@ def train(
     (default: ``Contrastive(config.bidirectional)``); its state is checkpointed with the model.
     ``on_step_end(step)`` runs on every process after each step, before that step's checkpoint (a callback
     that writes files writes them from rank 0); ``on_epoch_end(epoch)`` runs on rank 0 only."""
-    seed_everything(config.seed)
-    objective = objective or Contrastive(config.bidirectional)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    world, rank = distributed.world_size(), distributed.rank()
-    planner = planner or RandomPlanner(len(data), config.batch_size, config.seed)
-    steps_per_epoch = planner.steps_per_epoch
-    total = planned_steps(steps_per_epoch, config)
-    use_cpu_dropout(model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
-    objective.to(device)
-    if config.freeze_layers is not None:
-        freeze_bottom(model, config.freeze_layers)
-    # an objective may train a head of its own
-    trainable = [p for p in (*model.parameters(), *objective.parameters()) if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay, fused=True)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
-    checkpoints = checkpoints_of(run_dir, config, identity)
-    log_path = run_dir / "train_log.jsonl"
-    step, interval = 0, (0.0, 0)
-    guard = DivergenceGuard(config.skip_nonfinite)  # a non-finite loss or gradient: stop, or skip the batch
-    resumed = checkpoints.latest()
-    if resumed is not None:
-        _load_weights(model, resumed.path / "model")
-        model.to(device)
-        optimizer.load_state_dict(resumed.optimizer)
-        scheduler.load_state_dict(resumed.scheduler)
-        restore_rng(resumed.rng)
-        objective.load_state_dict(resumed.extra["objective"])
-        guard.load_state_dict(resumed.extra.get("nonfinite"))
-        step, interval = resumed.step, tuple(resumed.extra["interval"])
-    if rank == 0:
-        trim_log(log_path, step)
-    loss, seen, started = torch.tensor(float("nan")), 0, time.perf_counter()
-    # the loss summed since the last log record, on the device (no sync per step)
-    interval_loss, interval_steps = torch.tensor(interval[0], device=device), interval[1]
-
-    def save_checkpoint() -> None:
-        guard.check_weights(step, model.named_parameters())  # every process: the same weights, the same verdict
-        if rank == 0:
-            checkpoints.save(
-                step,
-                lambda directory: model.save(directory / "model"),
-                optimizer,
-                scheduler,
-                {
-                    "interval": [interval_loss.item(), interval_steps],
-                    "objective": objective.state_dict(),
-                    "nonfinite": guard.state_dict(),
-                },
-            )
-        distributed.barrier()
-
-    progress = tqdm(total=total, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
-    # batches are collated and tokenised one step ahead in a worker thread, with its own tokenizer, which
-    # answers from the run's token cache the texts it holds
-    tokenizer, pin = copy.deepcopy(model.tokenizer), device.type == "cuda"
-    if config.token_cache:
-        lengths = {"passage": config.passage_max_length}
-        tokenizer = cached_tokenizer(model, data.texts_in_use(), run_dir / "token_cache", tokenizer, lengths)
-    bf16 = uses_bf16(device, config.bf16, config.cpu_bf16)
-
-    def prepare(item: tuple[int, int, list[int]]):
-        epoch, index, members = item
-        batch = data.collate(
-            members, seed=(config.seed, epoch, index), rank=rank, world=world, step=epoch * steps_per_epoch + index
-        )
-        return members, batch, batch_tensors(model, batch, pin, tokenizer, config.passage_max_length)
-
-    def epoch_batches(epoch: int) -> Iterator[tuple[int, int, list[int]]]:
-        """(epoch, index, members) of the batches still to train on in ``epoch``."""
-        done_in_epoch, remaining = step - epoch * steps_per_epoch, total - step
-        for index, members in enumerate(planner(epoch)):
-            if index >= steps_per_epoch:
-                continue  # a partial batch past the epoch's steps, drawn so that the planner ends its epoch
-            if remaining == 0:
-                break  # max_steps ends training inside the epoch
-            if index < done_in_epoch:
-                continue  # trained on before a resume
-            if world > 1:  # every process trains on rank 0's batch (schedules may differ in the last bits)
-                members = distributed.broadcast_object(list(members))
-            remaining -= 1
-            yield epoch, index, list(members)
-
-    for epoch in range(step // steps_per_epoch, config.epochs):
-        for members, batch, tensors in prefetched(epoch_batches(epoch), prepare):
-            out = forward_backward(model, batch, device, objective, config.grad_cache_chunk, bf16, tensors)
-            sum_gradients(trainable)
-            taken, _ = guard.step(step + 1, out.loss, trainable, optimizer, scheduler)
-            if taken:  # a skipped batch's representations may hold NaN: kept out of the objective's state
-                loss = out.loss
-                objective.after_step(model, out.queries, out.passages, out.batch)
-                interval_loss += loss.detach()
-                interval_steps += 1
-            step += 1
-            seen += len(members)
-            progress.update(1)
-            # reading the loss waits for the GPU; an interval whose batches were all skipped has no record
-            if (step % config.log_every == 0 or step == total) and interval_steps:
-                loss_value = interval_loss.item() / interval_steps  # mean over the steps since the last record
-                interval_loss.zero_()
-                interval_steps = 0
-                progress.set_postfix(loss=f"{loss_value:.4f}")
-                if rank == 0:
-                    record = {
-                        "step": step,
-                        "epoch": epoch,
-                        "loss": loss_value,
-                        "lr": scheduler.get_last_lr()[0],
-                        "examples_per_s": seen / (time.perf_counter() - started),
-                        **({"skipped": guard.skipped} if guard.skipped else {}),
-                    }
-                    with open(log_path, "a") as handle:
-                        handle.write(json.dumps(record) + "\n")
-            if on_step_end is not None:  # before the checkpoint: a resume from it never skips the callback
-                on_step_end(step)
-            if step % config.checkpoint_every == 0 or step == total:
-                save_checkpoint()
-        if on_epoch_end is not None and rank == 0 and step == min(total, (epoch + 1) * steps_per_epoch):
-            on_epoch_end(epoch)
-    progress.close()
-    elapsed = time.perf_counter() - started
-    return TrainResult(step, loss.item(), seen / elapsed if elapsed > 0 else 0.0, log_path)
+    task = BiEncoderTask(model, data, config, run_dir, planner, objective)
+    result = engine.fit(
+        task,
+        config,
+        run_dir,
+        device,
+        total=planned_steps(task.steps_per_epoch, config),
+        identity=run_identity(config, identity),
+        callbacks=[engine.Hooks(on_step_end, on_epoch_end)],
+    )
+    return TrainResult(result.steps, result.final_loss, result.per_second, result.log_path)

@@ -1,0 +1,375 @@
+"""The training engine: one loop for every model kind.
+
+A :class:`Task` says what one model kind trains on and how: its trainable parameters, each epoch's batches,
+the forward and backward pass of one step (and the state a step leaves besides the weights, e.g. a pre-batch
+memory or a MoCo queue), and how its model is written to and read from a checkpoint. :func:`fit` does the rest,
+the same way for all of them:
+
+- seeding, AdamW with a linear warm-up and decay (parameter groups from the task), gradient clipping;
+- the divergence guard (``densepass.numerics``): a non-finite loss, gradient or weight stops the run in one line,
+  or skips the batch with ``skip_nonfinite``;
+- bf16 autocast where ``uses_bf16`` says so, handed to the task's step;
+- atomic, verified checkpoints (``densepass.checkpoints``) holding the model, optimiser, schedule, random states,
+  the task's and the callbacks' state, so that a run killed at any point resumes to the same weights, bit for
+  bit, as one that never stopped; a checkpoint of other settings (the run's *identity*) is refused;
+- a JSONL log of the mean of every logged term since the previous record, and a progress bar;
+- torch.distributed: every process trains on rank 0's batch plan and gradients are summed across processes
+  (for tasks whose step gathers what it contrasts across processes); rank 0 writes.
+
+Tasks: ``training.trainer`` (bi-encoders: dense, SPLADE, ColBERT), ``training.cross_encoder``, ``phrase.train``,
+``phrase.query_tuning`` and ``pretraining.trainer`` (Condenser, coCondenser, Contriever).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import get_linear_schedule_with_warmup
+from typing_extensions import override
+
+from densepass import distributed
+from densepass.checkpoints import Checkpoints, restore_rng, trim_log
+from densepass.config import OptimConfig
+from densepass.device import uses_bf16
+from densepass.errors import ConfigError
+from densepass.numerics import DivergenceGuard
+from densepass.prefetch import prefetched
+from densepass.training.distributed import sum_gradients
+
+LOG_NAME = "train_log.jsonl"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class StepContext:
+    """Where a step stands: ``step`` steps were taken before it; its place in the epoch; how it computes."""
+
+    step: int
+    epoch: int
+    index: int
+    device: torch.device
+    bf16: bool
+
+
+@dataclass
+class StepOutput:
+    """What a task's step returns, its backward pass done: the loss, how many examples (or tokens: the task's
+    ``throughput``) it trained on, more terms to log (each logged as its mean since the previous record), and
+    what the task's ``after_step`` needs (representations for a memory, say)."""
+
+    loss: torch.Tensor
+    size: int = 0
+    terms: dict[str, torch.Tensor | float] = field(default_factory=dict)
+    outputs: Any = None
+
+
+class Task:
+    """One model kind's part of training (see the module docstring); subclasses override what they need.
+
+    ``section``: where the task's settings live in its config, for messages; ``description``: the progress bar's
+    label; ``throughput``: the log key of examples (or tokens) per second, None for no timing in the log (a log
+    that must be byte-identical across a resume); ``prefetch``: ``prepare`` runs one batch ahead in a worker
+    thread; ``distributed``: whether ``step`` is written for several processes (it gathers across them what it
+    contrasts, and the engine sums the gradients)."""
+
+    section = "train"
+    description = "train"
+    throughput: str | None = "examples_per_s"
+    prefetch = False
+    distributed = False
+    steps_per_epoch: int
+    epochs: int
+
+    def setup(self, device: torch.device) -> None:
+        """Move the model to ``device`` and into training mode (after the engine seeded the generators)."""
+
+    def parameter_groups(self) -> list[dict]:
+        """AdamW's parameter groups: the trainable parameters (a group may set its own ``lr``)."""
+        raise NotImplementedError
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The weights checked for non-finite values before a checkpoint or a validation."""
+        raise NotImplementedError
+
+    def plan(self, epoch: int) -> Iterable[Any]:
+        """The batches of ``epoch`` (cheap descriptions, e.g. instance indices): at least ``steps_per_epoch``;
+        those past it are drawn (so that a planner ends its epoch) and not trained on."""
+        raise NotImplementedError
+
+    def prepare(self, epoch: int, index: int, item: Any) -> Any:
+        """The batch ``index`` of ``epoch`` ready for ``step`` (collated, tokenised); no shared mutable state."""
+        return item
+
+    def step(self, batch: Any, context: StepContext) -> StepOutput:
+        """Forward and backward pass of one batch (gradients accumulated in the parameters)."""
+        raise NotImplementedError
+
+    def after_step(self, output: StepOutput, batch: Any) -> None:
+        """Update the task's own state after a step that was taken (not after a skipped one)."""
+
+    def save(self, checkpoint: Path) -> None:
+        """Write the model into the checkpoint directory being written (as ``model/``, or a file of its own)."""
+        raise NotImplementedError
+
+    def load(self, checkpoint: Path, device: torch.device) -> None:
+        """Load the weights ``save`` wrote into ``checkpoint``, in place, on ``device``."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """The task's state besides the weights (tensors and JSON values), stored in every checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` output (the checkpoint's extras: other keys may be present)."""
+
+    def finish(self) -> None:
+        """After the last step."""
+
+
+class Callback:
+    """Something that happens during training besides the steps (validation, re-mining, a hook of the caller)."""
+
+    def on_train_begin(self, engine: Engine) -> None:
+        """After the run's checkpoint (if any) was accepted and restored, before the first step."""
+
+    def on_step_end(self, engine: Engine) -> None:
+        """After every step, on every process, before that step's checkpoint (so a resume never skips it)."""
+
+    def on_epoch_end(self, engine: Engine, epoch: int) -> None:
+        """After the last step of ``epoch``, on rank 0."""
+
+    def state_dict(self) -> dict:
+        """State stored in every checkpoint (its keys must not collide with the task's)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` output from a checkpoint's extras."""
+
+
+class Hooks(Callback):
+    """The caller's plain functions: ``on_step_end(step)`` (every process) and ``on_epoch_end(epoch)`` (rank 0)."""
+
+    def __init__(
+        self, on_step_end: Callable[[int], None] | None = None, on_epoch_end: Callable[[int], None] | None = None
+    ) -> None:
+        self.step_end, self.epoch_end = on_step_end, on_epoch_end
+
+    @override
+    def on_step_end(self, engine: Engine) -> None:
+        if self.step_end is not None:
+            self.step_end(engine.step)
+
+    @override
+    def on_epoch_end(self, engine: Engine, epoch: int) -> None:
+        if self.epoch_end is not None:
+            self.epoch_end(epoch)
+
+
+@dataclass
+class FitResult:
+    """What a run ends with: steps, the last taken step's loss, throughput (the task's unit), wall time."""
+
+    steps: int
+    final_loss: float
+    per_second: float
+    seconds: float
+    log_path: Path
+
+
+class Engine:
+    """The state of one run while it trains (what callbacks see): ``step`` (steps taken), ``epoch``, ``total``,
+    ``epoch_end`` (the step just taken ended its epoch), ``task``, ``run_dir``, ``guard``."""
+
+    def __init__(self, task: Task, run_dir: Path, total: int, guard: DivergenceGuard) -> None:
+        self.task, self.run_dir, self.total, self.guard = task, run_dir, total, guard
+        self.step, self.epoch, self.epoch_end = 0, 0, False
+
+    def check_weights(self) -> None:
+        """A one-line ``Diverged`` error when a weight is not finite (before using or saving the model)."""
+        self.guard.check_weights(self.step, self.task.named_weights())
+
+
+def planned_steps(steps_per_epoch: int, epochs: int, max_steps: int | None) -> int:
+    """Training steps of a run: every epoch's batches, capped by ``max_steps``."""
+    total = steps_per_epoch * epochs
+    return total if max_steps is None else min(total, max_steps)
+
+
+class _Interval:
+    """The sums of the logged terms since the last log record, on the device (no synchronisation per step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.sums, self.steps = device, {}, 0
+
+    def add(self, terms: dict[str, torch.Tensor | float]) -> None:
+        for key, value in terms.items():
+            value = value.detach().float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            self.sums[key] = self.sums.get(key, torch.zeros((), device=self.device)) + value.to(self.device)
+        self.steps += 1
+
+    def means(self) -> dict[str, float]:
+        out = {key: value.item() / self.steps for key, value in self.sums.items()}
+        self.sums, self.steps = {}, 0
+        return out
+
+    def state(self) -> dict:
+        sums = {key: value.item() for key, value in self.sums.items()}
+        return {"interval": [sums.pop("loss", 0.0), self.steps], "interval_terms": sums}
+
+    def restore(self, extra: dict) -> None:
+        loss, self.steps = extra.get("interval", [0.0, 0])
+        sums = {"loss": loss, **extra.get("interval_terms", {})} if self.steps else {}
+        self.sums = {key: torch.tensor(value, dtype=torch.float32, device=self.device) for key, value in sums.items()}
+
+
+def fit(
+    task: Task,
+    optim: OptimConfig,
+    run_dir: Path,
+    device: torch.device,
+    *,
+    total: int,
+    identity: dict,
+    bf16: bool | None = None,
+    callbacks: Sequence[Callback] = (),
+    show_progress: bool = True,
+) -> FitResult:
+    """Train ``task`` for ``total`` steps with the settings of ``optim``; resumes from the newest intact checkpoint
+    in ``run_dir`` whose identity is ``identity`` (a checkpoint of other settings is a one-line error).
+
+    ``bf16``: whether steps autocast to bfloat16 (None: from ``optim``'s ``bf16`` / ``cpu_bf16`` where it has
+    them, else float32)."""
+    world, rank = distributed.world_size(), distributed.rank()
+    if world > 1 and not task.distributed:
+        raise ConfigError(f"{task.description} does not run under torch.distributed yet: run it in one process")
+    seed_everything(optim.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    task.setup(device)
+    if bf16 is None:
+        bf16 = hasattr(optim, "cpu_bf16") and uses_bf16(device, optim.bf16, optim.cpu_bf16)
+    groups = task.parameter_groups()
+    trainable = [p for group in groups for p in group["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=optim.learning_rate, weight_decay=optim.weight_decay, fused=True)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(optim.warmup_ratio * total), total)
+    checkpoints = Checkpoints(run_dir, optim.keep_checkpoints, identity)
+    guard = DivergenceGuard(optim.skip_nonfinite, task.section)
+    engine = Engine(task, run_dir, total, guard)
+    interval = _Interval(device)
+    resumed = checkpoints.latest()
+    if resumed is not None:
+        task.load(resumed.path, device)
+        optimizer.load_state_dict(resumed.optimizer)
+        scheduler.load_state_dict(resumed.scheduler)
+        restore_rng(resumed.rng)
+        task.load_state_dict(resumed.extra)
+        for callback in callbacks:
+            callback.load_state_dict(resumed.extra)
+        guard.load_state_dict(resumed.extra.get("nonfinite"))
+        interval.restore(resumed.extra)
+        engine.step = resumed.step
+    log_path = run_dir / LOG_NAME
+    if rank == 0:
+        trim_log(log_path, engine.step)
+    for callback in callbacks:
+        callback.on_train_begin(engine)
+
+    def save_checkpoint() -> None:
+        engine.check_weights()  # every process: the same weights, the same verdict
+        if rank == 0:
+            extra: dict = {**interval.state(), "nonfinite": guard.state_dict(), **task.state_dict()}
+            for callback in callbacks:
+                extra.update(callback.state_dict())
+            checkpoints.save(engine.step, task.save, optimizer, scheduler, extra)
+        distributed.barrier()
+
+    def epoch_batches(epoch: int) -> Iterator[tuple[int, int, Any]]:
+        """(epoch, index, item) of the batches still to train on in ``epoch``."""
+        done_in_epoch, remaining = engine.step - epoch * task.steps_per_epoch, total - engine.step
+        for index, item in enumerate(task.plan(epoch)):
+            if index >= task.steps_per_epoch:
+                continue  # a partial batch past the epoch's steps, drawn so that the planner ends its epoch
+            if remaining == 0:
+                break  # max_steps ends training inside the epoch
+            if index < done_in_epoch:
+                continue  # trained on before a resume
+            if world > 1:  # every process trains on rank 0's batch (plans may differ in the last bits)
+                item = distributed.broadcast_object(item)
+            remaining -= 1
+            yield epoch, index, item
+
+    def prepare(entry: tuple[int, int, Any]) -> tuple[int, int, Any]:
+        epoch, index, item = entry
+        return epoch, index, task.prepare(epoch, index, item)
+
+    def prepared(epoch: int) -> Iterator[tuple[int, int, Any]]:
+        batches = epoch_batches(epoch)
+        return prefetched(batches, prepare) if task.prefetch else map(prepare, batches)
+
+    progress = tqdm(
+        total=total,
+        initial=engine.step,
+        desc=task.description,
+        disable=rank != 0 or not show_progress,
+        dynamic_ncols=True,
+    )
+    loss, seen, started = torch.tensor(float("nan")), 0, time.perf_counter()
+    try:
+        for epoch in range(engine.step // task.steps_per_epoch, task.epochs):
+            engine.epoch = epoch
+            for _, index, batch in prepared(epoch):
+                context = StepContext(engine.step, epoch, index, device, bf16)
+                out = task.step(batch, context)
+                if world > 1:
+                    sum_gradients(trainable)
+                taken, norm = guard.step(
+                    engine.step + 1, out.loss, trainable, optimizer, scheduler, optim.max_grad_norm
+                )
+                if taken:  # a skipped batch's outputs may hold NaN: kept out of the task's state and the log
+                    loss = out.loss
+                    task.after_step(out, batch)
+                    interval.add({"loss": out.loss, **out.terms, "grad_norm": norm})
+                engine.step += 1
+                engine.epoch_end = index == task.steps_per_epoch - 1 or engine.step == total
+                seen += out.size
+                progress.update(1)
+                if (engine.step % optim.log_every == 0 or engine.step == total) and interval.steps:
+                    record = {"step": engine.step, "epoch": epoch, **interval.means()}
+                    record["lr"] = scheduler.get_last_lr()[0]
+                    if task.throughput:
+                        record[task.throughput] = seen / (time.perf_counter() - started)
+                    if guard.skipped:
+                        record["skipped"] = guard.skipped
+                    progress.set_postfix(loss=f"{record['loss']:.4f}")
+                    if rank == 0:
+                        with open(log_path, "a") as handle:
+                            handle.write(json.dumps(record) + "\n")
+                for callback in callbacks:
+                    callback.on_step_end(engine)
+                if engine.step % optim.checkpoint_every == 0 or engine.step == total:
+                    save_checkpoint()
+            if rank == 0 and engine.step == min(total, (epoch + 1) * task.steps_per_epoch):
+                for callback in callbacks:
+                    callback.on_epoch_end(engine, epoch)
+    except BaseException:
+        progress.leave = False  # the error is the last line, not a progress bar
+        progress.close()
+        raise
+    progress.close()
+    task.finish()
+    elapsed = time.perf_counter() - started
+    return FitResult(engine.step, loss.item(), seen / elapsed if elapsed > 0 else 0.0, elapsed, log_path)
