@@ -10,7 +10,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from densepass.config import DEFAULT_MODEL, SEED_MAX, DatasetFormat, check_run_name, option
+from densepass.config import (
+    DEFAULT_MODEL,
+    SEED_MAX,
+    AutocastOptimConfig,
+    DatasetFormat,
+    OptimConfig,
+    check_run_name,
+    option,
+    with_default,
+)
 
 
 @dataclass
@@ -41,8 +50,12 @@ class PhraseModelConfig:
 
 
 @dataclass
-class PhraseTrainConfig:
+class PhraseTrainConfig(AutocastOptimConfig):
     """Training of both encoders (training-inference-gap §4): eq. 1 or eq. 2 over token columns."""
+
+    learning_rate: float = with_default(OptimConfig, "learning_rate", 3e-5)
+    checkpoint_every: int = with_default(OptimConfig, "checkpoint_every", 100)
+    keep_checkpoints: int = with_default(OptimConfig, "keep_checkpoints", 1)
 
     init: str | None = option(None, "start from this saved phrase model (null: model.base)")
     loss: Literal["unified", "separate"] = option("unified", "unified: eq. 2; separate: eq. 1 (original DensePhrases)")
@@ -60,18 +73,6 @@ class PhraseTrainConfig:
     questions_per_passage: int = option(4, "most questions of one passage in one step", min=1)
     epochs: int = option(2, "passes over the training questions", min=1)
     max_steps: int | None = option(None, "stop after this many steps (null: every epoch)", min=1)
-    learning_rate: float = option(3e-5, "AdamW learning rate", above=0)
-    weight_decay: float = option(0.01, "AdamW weight decay", min=0)
-    warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
-    checkpoint_every: int = option(100, "write a checkpoint every N steps (and at the end)", min=1)
-    keep_checkpoints: int = option(1, "newest checkpoints kept", min=1)
-    log_every: int = option(10, "append the mean loss to train_log.jsonl every N steps", min=1)
-    seed: int = option(13, "seed of batches, hard-negative sampling, dropout and new weights", min=0, max=SEED_MAX)
-    skip_nonfinite: bool = option(
-        False,
-        "a batch whose loss or gradient norm is NaN or infinite is skipped with a warning (no optimiser step), and"
-        " more than 10 in a row stop training; false: the first one stops training with an error naming the step",
-    )
 
 
 @dataclass
@@ -102,20 +103,18 @@ class FilterConfig:
 
 
 @dataclass
-class QueryTuningConfig:
+class QueryTuningConfig(AutocastOptimConfig):
     """Query-side fine-tuning: the question encoder only, against a fixed index of the training passages."""
+
+    learning_rate: float = with_default(OptimConfig, "learning_rate", 1e-5)
+    checkpoint_every: int = with_default(OptimConfig, "checkpoint_every", 100)
+    keep_checkpoints: int = with_default(OptimConfig, "keep_checkpoints", 1)
+    log_every: int = with_default(OptimConfig, "log_every", 1)
 
     enabled: bool = option(False, "fine-tune the question encoder after training")
     epochs: int = option(1, "passes over the training questions", min=1)
     batch_size: int = option(16, "questions per step", min=1)
     top_k: int = option(50, "phrases retrieved per question: those without an answer are its hard negatives", min=1)
-    learning_rate: float = option(1e-5, "AdamW learning rate", above=0)
-    warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
-    checkpoint_every: int = option(100, "write a checkpoint every N steps (and at the end)", min=1)
-    seed: int = option(13, "seed of the question order and dropout", min=0, max=SEED_MAX)
-    skip_nonfinite: bool = option(
-        False, "skip a batch whose loss or gradient norm is not finite (as train.skip_nonfinite); false: stop"
-    )
 
 
 @dataclass

@@ -10,36 +10,32 @@ likelihood of the correct phrases among the retrieved ones):
     L = -log sum_{c in positives} e^{s(q, c)} + log sum_{c in candidates} e^{s(q, c)},
     s(q, (i, j)) = <q_start, start_i> + <q_end, end_j>.
 
-The phrase side is frozen, so the index stays valid. Checkpoints and resume are as in ``phrase.train``.
+The phrase side is frozen, so the index stays valid. The training engine (``training.engine``) runs it.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
-from transformers import get_linear_schedule_with_warmup
+from typing_extensions import override
 
-from densepass.checkpoints import Checkpoints, trim_log, without_later_defaults
+from densepass.checkpoints import training_identity
 from densepass.data.squad import SquadSpans
+from densepass.device import autocast_context
 from densepass.errors import ConfigError
 from densepass.models.dropout import use_cpu_dropout
-from densepass.numerics import DivergenceGuard
 from densepass.phrase.batches import PhraseExample
 from densepass.phrase.config import QueryTuningConfig
 from densepass.phrase.index import PhraseIndex
 from densepass.phrase.metrics import exact_match
 from densepass.phrase.model import PhraseEncoder
 from densepass.phrase.spans import top_spans
-from densepass.phrase.train import restore_training
+from densepass.phrase.train import load_phrase_weights
 from densepass.phrase.windows import char_span_to_tokens
-from densepass.training.trainer import seed_everything
+from densepass.training import engine
 
 
 def gold_rows(index: PhraseIndex, data: SquadSpans, qids: Sequence[str]) -> dict[str, tuple[int, int]]:
@@ -65,6 +61,108 @@ def marginal_loss(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
     return (torch.logsumexp(scores, 1) - torch.logsumexp(scores.masked_fill(~positive, float("-inf")), 1)).mean()
 
 
+class QueryTuningTask(engine.Task):
+    """The question encoder of ``model`` trained against ``index`` (its phrase side frozen): each step retrieves
+    the top-k phrases of its questions without gradient, then minimises the marginal loss over them and the gold
+    phrase."""
+
+    section = "query_tuning"
+    description = "query-side fine-tuning"
+
+    def __init__(
+        self,
+        model: PhraseEncoder,
+        index: PhraseIndex,
+        examples: list[PhraseExample],
+        gold: dict[str, tuple[int, int]],
+        config: QueryTuningConfig,
+    ) -> None:
+        if index.threshold is not None:
+            raise ConfigError("query-side fine-tuning needs an unfiltered index of the training passages")
+        self.examples = [e for e in examples if e.qid in gold]
+        if not self.examples:
+            raise ConfigError("no training question has its gold phrase in the index")
+        if len(index.stored["start"][1]) != len(index.offsets):
+            raise ConfigError("query-side fine-tuning needs every token's vectors in the index")
+        self.model, self.index, self.gold, self.config = model, index, gold, config
+        self.steps_per_epoch, self.epochs = -(-len(self.examples) // config.batch_size), config.epochs
+        self.passage_of_row = index.passage_of_row.numpy()
+
+    @override
+    def setup(self, device: torch.device) -> None:
+        use_cpu_dropout(self.model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
+        for module in self.model.phrase_modules():
+            module.eval()
+            module.requires_grad_(False)
+        stored = self.index.stored
+        self.start_vectors = torch.from_numpy(np.asarray(stored["start"][1], dtype=np.float32)).to(device)
+        self.end_vectors = torch.from_numpy(np.asarray(stored["end"][1], dtype=np.float32)).to(device)
+
+    @override
+    def parameter_groups(self) -> list[dict]:
+        return [{"params": [p for m in self.model.question_modules() for p in m.parameters()]}]
+
+    @override
+    def named_weights(self):
+        return self.model.named_parameters()
+
+    @override
+    def plan(self, epoch: int) -> list[list[PhraseExample]]:
+        size = self.config.batch_size
+        order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.examples))
+        return [[self.examples[i] for i in order[lo : lo + size]] for lo in range(0, len(order), size)]
+
+    def candidates(self, batch: list[PhraseExample], q_start: torch.Tensor, q_end: torch.Tensor):
+        """Each question's gold phrase, then its top-k phrases under the current question vectors (rows of the
+        index, -1 where fewer exist), and which of them are correct (their text matches an answer)."""
+        index = self.index
+        with torch.no_grad():
+            a, b = (q_start.detach() @ self.start_vectors.T).cpu(), (q_end.detach() @ self.end_vectors.T).cpu()
+            _, starts, ends = top_spans(a, b, index.limit, self.config.top_k)
+        starts = torch.cat([torch.tensor([[self.gold[e.qid][0]] for e in batch]), starts], 1)
+        ends = torch.cat([torch.tensor([[self.gold[e.qid][1]] for e in batch]), ends], 1)
+        positive = torch.zeros(starts.shape, dtype=torch.bool)
+        positive[:, 0] = True
+        texts = index.passages.texts
+        for i, e in enumerate(batch):
+            for j in range(1, starts.shape[1]):
+                s, t = int(starts[i, j]), int(ends[i, j])
+                if s >= 0:
+                    text = texts[self.passage_of_row[s]][index.offsets[s, 0] : index.offsets[t, 1]]
+                    positive[i, j] = exact_match(text, e.answers)
+        return starts, ends, positive
+
+    @override
+    def step(self, batch: list[PhraseExample], context: engine.StepContext) -> engine.StepOutput:
+        device = context.device
+        questions = self.model.tokenize_questions([e.question for e in batch])
+        with autocast_context(device, context.bf16):
+            q_start, q_end = self.model.question_vectors({k: v.to(device) for k, v in questions.items()})
+        q_start, q_end = q_start.float(), q_end.float()
+        starts, ends, positive = self.candidates(batch, q_start, q_end)
+        valid = starts >= 0
+        safe_start, safe_end = starts.clamp_min(0).to(device), ends.clamp_min(0).to(device)
+        scores = (q_start[:, None, :] * self.start_vectors[safe_start]).sum(-1) + (
+            q_end[:, None, :] * self.end_vectors[safe_end]
+        ).sum(-1)
+        loss = marginal_loss(scores.masked_fill(~valid.to(device), float("-inf")), positive.to(device))
+        loss.backward()
+        return engine.StepOutput(loss, size=len(batch), terms={"positives": positive.sum(1).float().mean()})
+
+    @override
+    def save(self, checkpoint: Path) -> None:
+        self.model.save(checkpoint / "model")
+
+    @override
+    def load(self, checkpoint: Path, device: torch.device) -> None:
+        load_phrase_weights(self.model, checkpoint, device)
+
+    @override
+    def finish(self) -> None:
+        for module in self.model.phrase_modules():
+            module.requires_grad_(True)
+
+
 def tune_question_encoder(
     model: PhraseEncoder,
     index: PhraseIndex,
@@ -79,89 +177,14 @@ def tune_question_encoder(
     """Fine-tune ``model``'s question encoder in place against ``index`` (the phrase side is frozen);
     ``gold``: index rows (start, end) of each example's annotated phrase. Resumes from ``run_dir``;
     ``identity``: the caller's settings that define the run besides ``config`` (its data files)."""
-    if index.threshold is not None:
-        raise ConfigError("query-side fine-tuning needs an unfiltered index of the training passages")
-    examples = [e for e in examples if e.qid in gold]
-    if not examples:
-        raise ConfigError("no training question has its gold phrase in the index")
-    seed_everything(config.seed)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    use_cpu_dropout(model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
-    for module in model.phrase_modules():
-        module.eval()
-        module.requires_grad_(False)
-    parameters = [p for m in model.question_modules() for p in m.parameters()]
-    steps_per_epoch = -(-len(examples) // config.batch_size)
-    total = steps_per_epoch * config.epochs
-    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, fused=True)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
-    settings = without_later_defaults({k: v for k, v in asdict(config).items() if k != "checkpoint_every"})
-    checkpoints = Checkpoints(run_dir, 1, {"query_tuning": settings, **(identity or {})})
-    log_path = run_dir / "train_log.jsonl"
-    step = 0
-    guard = DivergenceGuard(config.skip_nonfinite, "query_tuning")
-    resumed = checkpoints.latest()
-    if resumed is not None:
-        restore_training(resumed, model, optimizer, scheduler, device)
-        guard.load_state_dict(resumed.extra.get("nonfinite"))
-        step = resumed.step
-    trim_log(log_path, step)
-    start_vectors = torch.from_numpy(np.asarray(index.stored["start"][1], dtype=np.float32)).to(device)
-    end_vectors = torch.from_numpy(np.asarray(index.stored["end"][1], dtype=np.float32)).to(device)
-    if len(start_vectors) != len(index.offsets):
-        raise ConfigError("query-side fine-tuning needs every token's vectors in the index")
-    texts = index.passages.texts
-    passage_of_row = index.passage_of_row.numpy()
-    started = time.perf_counter()
-    progress = tqdm(total=total, initial=step, desc="query-side fine-tuning", disable=not show_progress)
-    for epoch in range(step // steps_per_epoch, config.epochs):
-        order = np.random.default_rng([config.seed, epoch]).permutation(len(examples))
-        for index_in_epoch in range(steps_per_epoch):
-            if epoch * steps_per_epoch + index_in_epoch < step:
-                continue
-            batch = [
-                examples[i]
-                for i in order[index_in_epoch * config.batch_size : (index_in_epoch + 1) * config.batch_size]
-            ]
-            questions = {k: v.to(device) for k, v in model.tokenize_questions([e.question for e in batch]).items()}
-            q_start, q_end = model.question_vectors(questions)
-            with torch.no_grad():
-                a, b = (q_start.detach() @ start_vectors.T).cpu(), (q_end.detach() @ end_vectors.T).cpu()
-                _, starts, ends = top_spans(a, b, index.limit, config.top_k)
-            candidates_start = torch.cat([torch.tensor([[gold[e.qid][0]] for e in batch]), starts], 1)
-            candidates_end = torch.cat([torch.tensor([[gold[e.qid][1]] for e in batch]), ends], 1)
-            positive = torch.zeros(candidates_start.shape, dtype=torch.bool)
-            positive[:, 0] = True
-            for i, e in enumerate(batch):
-                for j in range(1, candidates_start.shape[1]):
-                    s, t = int(candidates_start[i, j]), int(candidates_end[i, j])
-                    if s >= 0:
-                        text = texts[passage_of_row[s]][index.offsets[s, 0] : index.offsets[t, 1]]
-                        positive[i, j] = exact_match(text, e.answers)
-            valid = candidates_start >= 0
-            safe_start, safe_end = candidates_start.clamp_min(0).to(device), candidates_end.clamp_min(0).to(device)
-            scores = (q_start[:, None, :] * start_vectors[safe_start]).sum(-1) + (
-                q_end[:, None, :] * end_vectors[safe_end]
-            ).sum(-1)
-            scores = scores.masked_fill(~valid.to(device), float("-inf"))
-            loss = marginal_loss(scores, positive.to(device))
-            loss.backward()
-            taken, _ = guard.step(step + 1, loss, parameters, optimizer, scheduler)
-            step += 1
-            progress.update(1)
-            with open(log_path, "a") as handle:
-                record = {
-                    "step": step,
-                    "loss": float(loss.detach()) if taken else None,  # a skipped batch's loss: not a number
-                    "positives": float(positive.sum(1).float().mean()),
-                    **({"skipped": guard.skipped} if guard.skipped else {}),
-                }
-                handle.write(json.dumps(record) + "\n")
-            if step % config.checkpoint_every == 0 or step == total:
-                guard.check_weights(step, model.named_parameters())
-                extra = {"nonfinite": guard.state_dict()}
-                checkpoints.save(step, lambda directory: model.save(directory / "model"), optimizer, scheduler, extra)
-    progress.close()
-    for module in model.phrase_modules():
-        module.requires_grad_(True)
-    return {"steps": step, "seconds": time.perf_counter() - started, "questions": len(examples)}
+    task = QueryTuningTask(model, index, examples, gold, config)
+    result = engine.fit(
+        task,
+        config,
+        run_dir,
+        device,
+        total=task.steps_per_epoch * config.epochs,
+        identity={"query_tuning": training_identity(config), **(identity or {})},
+        show_progress=show_progress,
+    )
+    return {"steps": result.steps, "seconds": result.seconds, "questions": len(task.examples)}

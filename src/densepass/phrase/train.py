@@ -1,40 +1,38 @@
 """Training the phrase and question encoders (training-inference-gap §4), resumable bit for bit.
 
-Each step encodes the windows of its passage groups (``phrase.batches``) and of its hard negatives, takes
-every text token as a column, adds the pre-batch memory (``phrase.memory``) and minimises eq. 1 or eq. 2
-(``phrase.loss``) with AdamW and a linear warm-up. Checkpoints (``densepass.checkpoints``: safetensors and
-JSON) hold the model, the optimiser, scheduler and random states, the memory and the validation state, so
-an interrupted run resumes to the same weights. With a ``validate`` callback (``phrase.validation``: phrase
+Each step encodes the windows of its passage groups (``phrase.batches``) and of its hard negatives (under bf16
+autocast where the run trains in bf16), takes every text token as a column, adds the pre-batch memory
+(``phrase.memory``) and minimises eq. 1 or eq. 2 (``phrase.loss``, in float32). The training engine
+(``training.engine``) runs it; its checkpoints also hold the memory and the validation state, so an
+interrupted run resumes to the same weights. With a ``validate`` callback (``phrase.validation``: phrase
 accuracy on a subcorpus, §3) the best model so far is kept in ``best-model/``.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
-from transformers import get_linear_schedule_with_warmup
+from typing_extensions import override
 
-from densepass.checkpoints import Checkpoints, Resumed, restore_rng, training_identity, trim_log
+from densepass.checkpoints import training_identity, trim_log
 from densepass.data.dataset import Corpus, sample_queries
 from densepass.data.squad import SquadSpans
+from densepass.device import autocast_context
 from densepass.errors import ConfigError
 from densepass.io import atomic_write_text
 from densepass.models.dropout import use_cpu_dropout
-from densepass.numerics import DivergenceGuard
 from densepass.phrase.batches import PhraseExample, plan_epoch, sample_hard_negatives, training_examples
 from densepass.phrase.config import PhraseTrainConfig
 from densepass.phrase.loss import Columns, phrase_loss
 from densepass.phrase.memory import PrebatchMemory
 from densepass.phrase.model import PhraseEncoder
 from densepass.phrase.windows import TokenizedPassage
-from densepass.training.trainer import seed_everything
+from densepass.training import engine
 
 Validator = Callable[[PhraseEncoder], dict[str, float]]
 
@@ -114,12 +112,15 @@ def build_phrase_data(
 
 
 def step_columns(
-    model: PhraseEncoder, data: PhraseData, step: Step, device: torch.device
+    model: PhraseEncoder, data: PhraseData, step: Step, device: torch.device, bf16: bool = False
 ) -> tuple[Columns, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The step's token columns, each question's window id, and its gold start / end columns."""
+    """The step's token columns (float32; the encoder runs in bf16 when ``bf16``), each question's window id,
+    and its gold start / end columns."""
     windows = [data.tokenized[p].windows[w] for p, w in step.windows]
     batch = {k: v.to(device) for k, v in model.collate_windows(windows).items()}
-    start, end = model.phrase_vectors(batch)
+    with autocast_context(device, bf16):
+        start, end = model.phrase_vectors(batch)
+    start, end = start.float(), end.float()
     window_of, position = [], []
     for w, window in enumerate(windows):
         window_of += [w] * window.length
@@ -161,11 +162,14 @@ def step_loss(
     memory: PrebatchMemory,
     use_memory: bool,
     device: torch.device,
+    bf16: bool = False,
 ) -> tuple[torch.Tensor, Columns]:
     """The step's loss (eq. 1 or 2) and its batch columns (for the memory)."""
-    columns, row_window, positive_start, positive_end = step_columns(model, data, step, device)
+    columns, row_window, positive_start, positive_end = step_columns(model, data, step, device, bf16)
     questions = {k: v.to(device) for k, v in model.tokenize_questions([e.question for e in step.examples]).items()}
-    q_start, q_end = model.question_vectors(questions)
+    with autocast_context(device, bf16):
+        q_start, q_end = model.question_vectors(questions)
+    q_start, q_end = q_start.float(), q_end.float()
     remembered = memory.columns(device) if use_memory else None
     all_columns = Columns.cat([columns, remembered]) if remembered is not None else columns
     row_passage = torch.tensor([e.passage for e in step.examples], dtype=torch.long, device=device)
@@ -185,14 +189,114 @@ def step_loss(
     return loss, columns
 
 
-def restore_training(resumed: Resumed, model: PhraseEncoder, optimizer, scheduler, device: torch.device) -> None:
-    """Load a checkpoint's phrase model, optimizer, learning-rate schedule and random states in place."""
-    saved = PhraseEncoder.from_pretrained(str(resumed.path / "model"), model.config)
+def load_phrase_weights(model: PhraseEncoder, checkpoint: Path, device: torch.device) -> None:
+    """Load the phrase model a checkpoint holds (``model/``) into ``model``, in place, on ``device``."""
+    saved = PhraseEncoder.from_pretrained(str(checkpoint / "model"), model.config)
     model.load_state_dict(saved.state_dict())
     model.to(device)
-    optimizer.load_state_dict(resumed.optimizer)
-    scheduler.load_state_dict(resumed.scheduler)
-    restore_rng(resumed.rng)
+
+
+class PhraseTask(engine.Task):
+    """Both encoders of a phrase model trained on ``data`` (eq. 1 or 2), with the pre-batch memory."""
+
+    description = "train phrases"
+    throughput = None  # the log is the same, byte for byte, after a resume
+
+    def __init__(self, model: PhraseEncoder, data: PhraseData, config: PhraseTrainConfig) -> None:
+        if config.loss == "separate" and config.hard_negatives:
+            raise ConfigError("hard negatives need train.loss=unified (eq. 1 has no term for them)")
+        self.model, self.data, self.config = model, data, config
+        self.memory = PrebatchMemory(config.prebatch)
+        self.steps_per_epoch = len(
+            plan_epoch(data.examples, config.passages_per_batch, config.questions_per_passage, 0, 0)
+        )
+        self.epochs = config.epochs
+
+    @override
+    def setup(self, device: torch.device) -> None:
+        self.model.filter = None  # the token filter is trained on the final vectors (§5.2)
+        use_cpu_dropout(self.model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
+
+    @override
+    def parameter_groups(self) -> list[dict]:
+        return [{"params": list(self.model.parameters())}]
+
+    @override
+    def named_weights(self):
+        return self.model.named_parameters()
+
+    @override
+    def plan(self, epoch: int) -> list[list[list[int]]]:
+        c = self.config
+        return plan_epoch(self.data.examples, c.passages_per_batch, c.questions_per_passage, c.seed, epoch)
+
+    @override
+    def prepare(self, epoch: int, index: int, groups: list[list[int]]) -> Step:
+        return self.data.step(self.config, epoch, index, groups)
+
+    @override
+    def step(self, batch: Step, context: engine.StepContext) -> engine.StepOutput:
+        use_memory = context.step >= self.config.prebatch_warmup
+        loss, columns = step_loss(
+            self.model, self.data, batch, self.config, self.memory, use_memory, context.device, context.bf16
+        )
+        loss.backward()
+        return engine.StepOutput(loss, size=len(batch.examples), outputs=columns)
+
+    @override
+    def after_step(self, output: engine.StepOutput, batch: Step) -> None:
+        self.memory.push(output.outputs)  # a skipped batch's columns may hold NaN: never pushed
+
+    @override
+    def save(self, checkpoint: Path) -> None:
+        self.model.save(checkpoint / "model")
+
+    @override
+    def load(self, checkpoint: Path, device: torch.device) -> None:
+        load_phrase_weights(self.model, checkpoint, device)
+
+    @override
+    def state_dict(self) -> dict:
+        return {"memory": self.memory.state_dict()}
+
+    @override
+    def load_state_dict(self, state: dict) -> None:
+        self.memory.load_state_dict(state["memory"])
+
+
+class KeepBest(engine.Callback):
+    """Validation every ``every`` steps and at the end of every epoch (``eval_log.jsonl``); the model with the
+    highest ``metric`` so far is saved to ``best-model/`` and its metrics to ``best.json``."""
+
+    def __init__(self, model: PhraseEncoder, validate: Validator, metric: str, every: int | None) -> None:
+        self.model, self.validate, self.metric, self.every = model, validate, metric, every
+        self.best: dict | None = None
+
+    @override
+    def on_train_begin(self, engine: engine.Engine) -> None:
+        trim_log(engine.run_dir / "eval_log.jsonl", engine.step)
+
+    @override
+    def on_step_end(self, engine: engine.Engine) -> None:
+        if not (engine.epoch_end or (self.every and engine.step % self.every == 0)):
+            return
+        engine.check_weights()
+        metrics = self.validate(self.model)
+        self.model.train()
+        with open(engine.run_dir / "eval_log.jsonl", "a") as handle:
+            handle.write(json.dumps({"step": engine.step, **metrics}) + "\n")
+        if self.best is None or metrics[self.metric] > self.best[self.metric]:
+            self.best = {"step": engine.step, **metrics}
+            self.model.save(engine.run_dir / "best-model")
+            atomic_write_text(engine.run_dir / "best.json", json.dumps(self.best, indent=2))
+
+    @override
+    def state_dict(self) -> dict:
+        return {"best": self.best}
+
+    @override
+    def load_state_dict(self, state: dict) -> None:
+        self.best = state["best"]
 
 
 def train_phrases(
@@ -211,93 +315,17 @@ def train_phrases(
 
     ``validate(model)`` (when given) runs every ``validate_every`` steps and at the end of every epoch; the
     model with the highest ``select_metric`` so far is saved to ``run_dir / "best-model"``."""
-    if config.loss == "separate" and config.hard_negatives:
-        raise ConfigError("hard negatives need train.loss=unified (eq. 1 has no term for them)")
-    seed_everything(config.seed)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model.filter = None  # the token filter is trained on the final vectors (§5.2)
-    use_cpu_dropout(model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
-    steps_per_epoch = len(plan_epoch(data.examples, config.passages_per_batch, config.questions_per_passage, 0, 0))
-    total = (
-        steps_per_epoch * config.epochs
-        if config.max_steps is None
-        else min(steps_per_epoch * config.epochs, config.max_steps)
+    task = PhraseTask(model, data, config)
+    keep_best = KeepBest(model, validate, select_metric, validate_every) if validate is not None else None
+    result = engine.fit(
+        task,
+        config,
+        run_dir,
+        device,
+        total=engine.planned_steps(task.steps_per_epoch, config.epochs, config.max_steps),
+        identity={"train": training_identity(config), **(identity or {})},
+        callbacks=[keep_best] if keep_best is not None else [],
+        show_progress=show_progress,
     )
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, fused=True
-    )
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
-    memory = PrebatchMemory(config.prebatch)
-    checkpoints = Checkpoints(
-        run_dir, config.keep_checkpoints, {"train": training_identity(config), **(identity or {})}
-    )
-    log_path, eval_path = run_dir / "train_log.jsonl", run_dir / "eval_log.jsonl"
-    step, interval, best = 0, [0.0, 0], None
-    guard = DivergenceGuard(config.skip_nonfinite)
-    resumed = checkpoints.latest()
-    if resumed is not None:
-        restore_training(resumed, model, optimizer, scheduler, device)
-        memory.load_state_dict(resumed.extra["memory"])
-        guard.load_state_dict(resumed.extra.get("nonfinite"))
-        step, interval, best = resumed.step, list(resumed.extra["interval"]), resumed.extra["best"]
-    trim_log(log_path, step)
-    trim_log(eval_path, step)
-    started, loss_value = time.perf_counter(), float("nan")
-
-    def run_validation() -> None:
-        nonlocal best
-        metrics = validate(model)
-        model.train()
-        with open(eval_path, "a") as handle:
-            handle.write(json.dumps({"step": step, **metrics}) + "\n")
-        if best is None or metrics[select_metric] > best[select_metric]:
-            best = {"step": step, **metrics}
-            model.save(run_dir / "best-model")
-            atomic_write_text(run_dir / "best.json", json.dumps(best, indent=2))
-
-    progress = tqdm(total=total, initial=step, desc="train phrases", disable=not show_progress, dynamic_ncols=True)
-    for epoch in range(step // steps_per_epoch, config.epochs):
-        plan = plan_epoch(data.examples, config.passages_per_batch, config.questions_per_passage, config.seed, epoch)
-        for index, groups in enumerate(plan):
-            if epoch * steps_per_epoch + index < step:
-                continue  # trained on before the resume
-            if step >= total:
-                break
-            batch = data.step(config, epoch, index, groups)
-            loss, columns = step_loss(model, data, batch, config, memory, step >= config.prebatch_warmup, device)
-            loss.backward()
-            taken, _ = guard.step(step + 1, loss, model.parameters(), optimizer, scheduler)
-            if taken:  # a skipped batch's columns may hold NaN: kept out of the pre-batch memory
-                memory.push(columns)
-                interval = [interval[0] + float(loss.detach()), interval[1] + 1]
-            step += 1
-            progress.update(1)
-            if (step % config.log_every == 0 or step == total) and interval[1]:
-                loss_value = interval[0] / interval[1]
-                progress.set_postfix(loss=f"{loss_value:.4f}")
-                record = {"step": step, "epoch": epoch, "loss": loss_value, "lr": scheduler.get_last_lr()[0]}
-                if guard.skipped:
-                    record["skipped"] = guard.skipped
-                with open(log_path, "a") as handle:
-                    handle.write(json.dumps(record) + "\n")
-                interval = [0.0, 0]
-            epoch_end = index == len(plan) - 1 or step == total
-            if validate is not None and (epoch_end or (validate_every and step % validate_every == 0)):
-                guard.check_weights(step, model.named_parameters())
-                run_validation()
-            if step % config.checkpoint_every == 0 or step == total:
-                guard.check_weights(step, model.named_parameters())
-                checkpoints.save(
-                    step,
-                    lambda directory: model.save(directory / "model"),
-                    optimizer,
-                    scheduler,
-                    {
-                        "memory": memory.state_dict(),
-                        "interval": interval,
-                        "best": best,
-                        "nonfinite": guard.state_dict(),
-                    },
-                )
-    progress.close()
-    return PhraseTrainResult(step, loss_value, best, time.perf_counter() - started)
+    best = keep_best.best if keep_best is not None else None
+    return PhraseTrainResult(result.steps, result.final_loss, best, result.seconds)
