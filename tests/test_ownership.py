@@ -503,3 +503,93 @@ def test_a_model_config_without_a_model_type_is_one_line(tiny_beir, tiny_model_d
     (model / "config.json").write_text('{"a": 1}')
     assert main(["index", str(tiny_beir), "--model", str(model), "--output", str(tmp_path / "i")]) == 2
     assert "names no model_type" in capsys.readouterr().err
+
+
+def _listing(directory: Path) -> dict[str, bytes | None]:
+    """Every path under ``directory`` with its bytes (None for a folder; a lock's holder left out): to compare
+    before and after."""
+    return {
+        str(p.relative_to(directory)): None if p.is_dir() or p.name == ".lock" else p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+    }
+
+
+def test_a_pretraining_refused_by_its_model_checks_removes_nothing_with_restart(
+    tiny_beir, tiny_model_dir, tmp_path, capsys
+):
+    """The pre-training's own checks (early_layers against the model's depth, max_length against its positions)
+    run before --restart removes the earlier run's files: a refused run leaves them all."""
+    sets = [
+        f"data.name={tiny_beir}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"output_dir={tmp_path / 'out'}",
+        "name=pt",
+        "model.mode=mlm",
+        "train.max_steps=1",
+        "train.batch_size=2",
+        "train.max_length=16",
+    ]
+    args = ["pretrain", *[a for s in sets for a in ("--set", s)]]
+    assert main(args) == 0
+    run = tmp_path / "out" / "pt"
+    before = _listing(run)
+    assert "backbone/config.json" in before and "checkpoints/step-1" in before
+    capsys.readouterr()
+    refused = (
+        (["model.mode=condenser", "model.early_layers=2"], "early_layers must be in [1, 1]"),  # a 2-layer model
+        (["train.max_length=512"], "train.max_length"),  # beyond its 128 positions
+    )
+    for extra, message in refused:
+        assert main([*args, *[a for s in extra for a in ("--set", s)], "--restart"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("densepass: error:") == 1 and message in err and "Traceback" not in err, err
+        assert _listing(run) == before
+
+
+def test_a_run_refused_by_its_model_checks_removes_nothing_with_restart(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    """`run --restart`: the model's checks (freeze_layers against its depth, a max length beyond its positions)
+    come before the earlier run's files are removed."""
+    args = run_args(tiny_beir, tiny_model_dir, tmp_path, "r", "train.epochs=1")
+    assert main(args) == 0
+    run = tmp_path / "r"
+    before = _listing(run)
+    assert "report.md" in before and "model/config.json" in before
+    capsys.readouterr()
+    for extra, message in (("train.freeze_layers=5", "freeze_layers"), ("model.passage_max_length=512", "positions")):
+        assert main([*args, "--set", extra, "--restart"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("densepass: error:") == 1 and message in err and "Traceback" not in err, err
+        assert _listing(run) == before
+
+
+def test_a_phrase_run_refused_by_its_model_checks_removes_nothing_with_restart(tiny_model_dir, tmp_path):
+    """`phrase --restart`: the starting model is loaded (and refused) before the earlier run's files are removed."""
+    from phrase_fixtures import write_phrase_squad
+
+    from densepass.config import load_config
+    from densepass.phrase.config import PhraseConfig
+    from densepass.phrase.experiment import RUN_ENTRIES as PHRASE_ENTRIES
+    from densepass.phrase.experiment import run_phrase
+
+    run = tmp_path / "out" / "p"
+    claim_run_directory(run, "phrase run", PHRASE_ENTRIES, restart=False)
+    (run / "report.md").write_text("the earlier run's report\n")
+    (run / "train_log.jsonl").write_text("{}\n")
+    before = _listing(run)
+    sets = [f"data.name={write_phrase_squad(tmp_path / 'squad')}", f"output_dir={tmp_path / 'out'}", "name=p"]
+    config = load_config(None, [*sets, f"train.init={tiny_model_dir}"], PhraseConfig)  # not a saved phrase model
+    with pytest.raises(ConfigError, match="is not a saved phrase model"):
+        run_phrase(config, restart=True, show_progress=False)
+    assert _listing(run) == before
+
+
+def test_a_study_refused_by_its_checks_leaves_no_folder(tiny_beir, tiny_model_dir, tmp_path, capsys):
+    """validate-study makes its output folder only once its retriever's model has loaded."""
+    from conftest import save_tiny_bert
+
+    other = save_tiny_bert(tmp_path / "other", seed=1)
+    study = ["validate-study", str(tiny_beir), "--checkpoints", str(tiny_model_dir), str(other), "--max-queries", "4"]
+    args = [*study, "--retriever", str(tmp_path / "no-such-model"), "--output", str(tmp_path / "out" / "study")]
+    assert main(args) == 2
+    assert "densepass: error:" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

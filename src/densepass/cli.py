@@ -427,7 +427,7 @@ def _is_attention_result(path: Path) -> bool:
 
 def _validate_study(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
-    from densepass.io import owned_run_directory
+    from densepass.io import locked_run_directory
     from densepass.pipelines.study import STUDY_ENTRIES, StudySettings, expand_checkpoints, run_study
 
     _check_output_apart(args.output, args.dataset, args.data_dir, list(args.checkpoints))
@@ -437,8 +437,9 @@ def _validate_study(args: argparse.Namespace) -> None:
     )
     checkpoints = expand_checkpoints(args.checkpoints)
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
-    with owned_run_directory(args.output, "validation study", STUDY_ENTRIES, restart=False):  # never a user's folder
-        run_study(dataset, checkpoints, settings, Path(args.output))
+    # never a user's folder, and nothing written into it (not even the lock) when a check refuses the study
+    with locked_run_directory(args.output, "validation study", STUDY_ENTRIES, restart=False) as claim:
+        run_study(dataset, checkpoints, settings, Path(args.output), claim)
 
 
 def _mine(args: argparse.Namespace) -> None:

@@ -364,10 +364,25 @@ def claim_run_directory(directory: str | Path, what: str, entries: tuple[str, ..
 def owned_run_directory(
     directory: str | Path, what: str, entries: tuple[str, ...], restart: bool, saved: tuple[str, ...] = ()
 ) -> Iterator[Path]:
-    """``directory`` as a ``what``'s run directory for the block: refused before its lock where it is someone
-    else's (``run_directory_problem``; the lock would leave a ``.lock`` in their folder), locked, the folders
-    ``saved`` that the run will replace checked as densepass's own (``check_replaceable``) before anything is
-    removed, then claimed (``claim_run_directory``), with one warning naming what ``restart`` kept."""
+    """``directory`` as a ``what``'s run directory for the block, claimed at once (``locked_run_directory``): for a
+    command whose checks have all passed before it gets here."""
+    with locked_run_directory(directory, what, entries, restart, saved) as claim:
+        yield claim()
+
+
+@contextlib.contextmanager
+def locked_run_directory(
+    directory: str | Path, what: str, entries: tuple[str, ...], restart: bool, saved: tuple[str, ...] = ()
+) -> Iterator[Callable[[], Path]]:
+    """``directory`` locked for a ``what``'s run, and claimed only when the block calls the ``claim()`` it yields.
+
+    Refused before its lock where it is someone else's (``run_directory_problem``; the lock would leave a ``.lock``
+    in their folder); locked; the folders ``saved`` that the run will replace checked as densepass's own
+    (``check_replaceable``). The block then runs the command's own checks (its model and data, what the directory
+    holds), which only read, and calls ``claim()`` once they have all passed: the directory is marked
+    (``claim_run_directory``) and, with ``restart``, what an earlier run wrote is removed, with one warning naming
+    what was kept. So a run refused by a check removes nothing and marks nothing: a block that ends before
+    ``claim()`` removes the ``.lock`` it added, and the folders the lock made, leaving the directory as it was."""
     import warnings
 
     from densepass.errors import ConfigError, DataWarning
@@ -376,18 +391,36 @@ def owned_run_directory(
     problem = run_directory_problem(directory, what, entries)
     if problem is not None:
         raise ConfigError(problem)
+    made = [d for d in (directory, *directory.parents) if not d.exists() and not d.is_symlink()]  # deepest first
+    new_lock = not os.path.lexists(directory / ".lock")
+    claimed = False
+
+    def claim() -> Path:
+        nonlocal claimed
+        if not claimed:
+            kept = claim_run_directory(directory, what, entries, restart)
+            claimed = True
+            if kept:
+                shown = ", ".join(kept[:5])
+                warnings.warn(
+                    f"--restart kept {len(kept)} file(s) in {directory} that densepass did not write: {shown}",
+                    DataWarning,
+                    stacklevel=2,
+                )
+        return directory
+
     with exclusive_lock(directory, what):
-        for name in saved:
-            check_replaceable(directory / name, f"the {what}'s")
-        kept = claim_run_directory(directory, what, entries, restart)
-        if kept:
-            shown = ", ".join(kept[:5])
-            warnings.warn(
-                f"--restart kept {len(kept)} file(s) in {directory} that densepass did not write: {shown}",
-                DataWarning,
-                stacklevel=3,
-            )
-        yield directory
+        try:
+            for name in saved:
+                check_replaceable(directory / name, f"the {what}'s")
+            yield claim
+        finally:
+            if not claimed:  # refused (or left) before the claim: undo what the lock wrote, still holding it
+                with contextlib.suppress(OSError):
+                    if new_lock:
+                        (directory / ".lock").unlink()
+                    for folder in made:
+                        folder.rmdir()  # only while empty: a folder anything was put into stays
 
 
 # ---- a full disk, a read-only place: one line, before the work where it can be ---------------------------

@@ -30,7 +30,7 @@ from densepass.device import resolve_device
 from densepass.errors import ConfigError
 from densepass.evaluation.subcorpus import gold_subcorpus
 from densepass.fingerprints import fingerprint_file
-from densepass.io import atomic_write_text, owned_run_directory
+from densepass.io import atomic_write_text, locked_run_directory
 from densepass.phrase.config import PhraseConfig
 from densepass.phrase.filter import train_token_filter
 from densepass.phrase.index import PhraseIndex
@@ -121,17 +121,19 @@ def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool 
     device = check(config)
     run_dir = config.run_dir
     data = load_data(config)
-    with owned_run_directory(run_dir, "phrase run", RUN_ENTRIES, restart):
+    with locked_run_directory(run_dir, "phrase run", RUN_ENTRIES, restart) as claim:
         data_files = {DATA_FILES: data.dataset.file_fingerprints()}
-        check_data_files(run_dir, data_files[DATA_FILES])  # finished stages are skipped: checked before any
-        save_config(config, run_dir / "config.yaml")
-        stages = Stages(run_dir)
+        if not restart:  # finished stages are skipped: checked before any
+            check_data_files(run_dir, data_files[DATA_FILES])
         corpus = data.dataset.corpus
         d = config.data
         evalset = evaluation_set(data, d.eval_split, d.max_eval_questions, d.seed)
         train_rows = split_rows(data, d.train_split)
         train_qids = [q for q in data.dataset.split(d.train_split) if q in data.spans]
         model = starting_model(config)
+        claim()  # the checks above passed: only now is the directory marked and --restart's removal done
+        save_config(config, run_dir / "config.yaml")
+        stages = Stages(run_dir)
 
         hard, hard_key = None, None
         if config.train.hard_negatives:

@@ -41,7 +41,7 @@ from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write
 from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
-from densepass.io import atomic_write_text, owned_run_directory
+from densepass.io import atomic_write_text, locked_run_directory
 from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.freeze import freeze_bottom
@@ -192,19 +192,22 @@ RUN_ENTRIES = (
 
 
 @contextmanager
-def run_directory(config: ExperimentConfig, main: bool, restart: bool) -> Iterator[Path]:
-    """The run directory, locked against a second process for the run's duration and marked as a run's
-    (``io.claim_run_directory``: a directory densepass did not make is refused); on ``restart`` what an earlier
-    run wrote there is removed, and any other file kept with a warning."""
+def run_directory(config: ExperimentConfig, main: bool, restart: bool) -> Iterator[Callable[[], Path]]:
+    """The run directory, locked against a second process for the run's duration; yields ``claim()``, which the
+    run calls once its checks have passed: the directory is then marked as a run's (``io.locked_run_directory``: a
+    directory densepass did not make is refused) and, on ``restart``, what an earlier run wrote there is removed,
+    any other file kept with a warning. The other processes of a torchrun run wait in ``claim()`` for rank 0's."""
     run_dir = config.run_dir
+
+    def claimed(claim: Callable[[], Path]) -> Callable[[], Path]:
+        return lambda: (claim(), distributed.barrier(), run_dir)[-1]
+
     if not main:
-        distributed.barrier()
-        yield run_dir
+        yield claimed(lambda: run_dir)
         return
     saved = ("model", "best-model", "model-fine-tuned")  # what the run will replace: checked before anything goes
-    with owned_run_directory(run_dir, "run", RUN_ENTRIES, restart, saved):
-        distributed.barrier()
-        yield run_dir
+    with locked_run_directory(run_dir, "run", RUN_ENTRIES, restart, saved) as claim:
+        yield claimed(claim)
 
 
 # ---- stage 2: data -------------------------------------------------------------------------------------
@@ -234,18 +237,19 @@ class Experiment:
         return self.config.run_dir
 
 
-def prepare(config: ExperimentConfig, device: torch.device, main: bool) -> Experiment:
+def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart: bool = False) -> Experiment:
     """Load the data, check that the run directory holds no other run (``check_run_directory``), build the
     evaluation set and the BM25 indexes the run needs, and check that its checkpoints (if any) belong to this
-    config."""
+    config (not on ``restart``: what the directory holds is then to be removed)."""
     started = time.perf_counter()
     dataset = load_dataset(config.data.name, config.data.data_dir, config.data.format)  # a missing one: its error
     needs_answers = [m for m in config.eval.metrics if m.startswith("accuracy@")]
     if needs_answers and not dataset.answers:
         raise ConfigError(f"eval.metrics {needs_answers} need answer strings, which {dataset.name} does not have")
-    check_run_directory(config)
-    if config.train.enabled:  # before any work: a changed data file is refused here
-        resume_step(config.run_dir, config.train, run_identity(config, dataset))  # refuses another run's checkpoints
+    if not restart:  # with --restart, what the directory holds is to be removed: nothing of it to check
+        check_run_directory(config)
+        if config.train.enabled:  # before any work: a changed data file is refused here
+            resume_step(config.run_dir, config.train, run_identity(config, dataset))  # refuses another run's
     neg = config.negatives
     uses_bm25 = neg.source == "bm25" or neg.source == "mixed" and "bm25" in neg.mix
     need_full_bm25 = uses_bm25 and neg.per_query > 0 and config.train.enabled or config.data.eval_hard_k > 0
@@ -623,12 +627,13 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
     device = check(config)
     distributed.init_from_environment()  # under torchrun: one process per GPU, global in-batch negatives
     main = distributed.rank() == 0
-    with run_directory(config, main, restart) as run_dir:
-        exp = prepare(config, device, main)
+    with run_directory(config, main, restart) as claim:
+        exp = prepare(config, device, main, restart)
         seed_everything(config.train.seed)
         model = model_from_config(config)
         if config.train.enabled and config.train.freeze_layers is not None:  # its error before any mining
             freeze_bottom(model, config.train.freeze_layers)
+        run_dir = claim()  # the checks above passed: only now is the directory marked and --restart's removal done
         pool = mine_training_pool(exp, model)
         pairs = distillation_inputs(exp, pool)  # an existing teacher-scores file is checked before any write
         if main:

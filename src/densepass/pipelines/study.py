@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,15 +123,21 @@ class StudySettings:
             raise ConfigError(f"max queries must be >= 1, got {self.max_queries}")
 
 
-# What a study writes in its output folder: the folder is made a study's (``io.claim_run_directory``) before any
+# What a study writes in its output folder: the folder is made a study's (``io.locked_run_directory``) before any
 # of it is written, so a folder of the user's is never written into.
 STUDY_ENTRIES = ("study.json", "study.md", "study.png", "subcorpus-*.json", "checkpoints/*.json")
 
 
 def run_study(
-    dataset: RetrievalDataset, checkpoints: list[Path], settings: StudySettings, out_dir: Path
+    dataset: RetrievalDataset,
+    checkpoints: list[Path],
+    settings: StudySettings,
+    out_dir: Path,
+    claim: Callable[[], object] = lambda: None,
 ) -> list[StudyRow]:
-    """Evaluate every checkpoint on C0, each R_r, each H_k and C (see ``StudySettings``)."""
+    """Evaluate every checkpoint on C0, each R_r, each H_k and C (see ``StudySettings``). ``claim()`` is called
+    before anything is written into ``out_dir`` (``io.locked_run_directory``'s): what can refuse the study (its
+    split, its retriever's model) is checked first."""
     s = settings
     rs, ks, retriever, metric, seed = s.rs, s.ks, s.retriever, s.metric, s.seed
     qrels = dataset.sample(s.split, s.max_queries, seed)
@@ -148,6 +154,7 @@ def run_study(
         search = bm25_retriever(corpus) if retriever == "bm25" else dense_retriever(corpus, retriever)
         subcorpora += [hard_subcorpus(corpus, qrels, texts, k, search, retriever) for k in ks]
     subcorpora.append(Subcorpus("full", list(corpus.ids), full_provenance))
+    claim()
     out_dir.mkdir(parents=True, exist_ok=True)
     for sub in subcorpora:
         sub.save(out_dir / f"subcorpus-{sub.label}.json")

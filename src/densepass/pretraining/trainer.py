@@ -23,7 +23,7 @@ import dataclasses
 import itertools
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +38,7 @@ from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import RandomState, autocast_context, resolve_device, resolved_cpu_bf16, uses_bf16
 from densepass.errors import ConfigError
-from densepass.io import owned_run_directory
+from densepass.io import locked_run_directory
 from densepass.models.batching import check_position_limit
 from densepass.models.dropout import use_cpu_dropout
 from densepass.numerics import DivergenceGuard
@@ -189,13 +189,14 @@ def check(config: PretrainConfig) -> torch.device:
 
 def pretrain(config: PretrainConfig, restart: bool = False) -> PretrainResult:
     """Run (or resume) the pre-training of ``config``; writes config, checkpoints, log, backbone, report.
-    The run directory is locked while it runs; ``restart`` discards what an earlier run left there."""
+    The run directory is locked while it runs; ``restart`` discards what an earlier run left there, but only once
+    the model, the data and the checkpoints have passed their checks (a refused run removes nothing)."""
     device = check(config)
-    with owned_run_directory(config.run_dir, "pre-training", RUN_ENTRIES, restart):
-        return _pretrain(config, device)
+    with locked_run_directory(config.run_dir, "pre-training", RUN_ENTRIES, restart) as claim:
+        return _pretrain(config, device, claim, restart)
 
 
-def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
+def _pretrain(config: PretrainConfig, device: torch.device, claim: Callable[[], Path], restart: bool) -> PretrainResult:
     t = config.train
     run_dir = config.run_dir
     torch.manual_seed(t.seed)
@@ -223,7 +224,10 @@ def _pretrain(config: PretrainConfig, device: torch.device) -> PretrainResult:
     checkpoints = Checkpoints(run_dir, t.keep_checkpoints, {**pretraining_identity(config), **data_files})
     step = 0
     guard = DivergenceGuard(t.skip_nonfinite)
-    resumed = checkpoints.latest()  # refuses another run's checkpoints
+    resumed = None if restart else checkpoints.latest()  # refuses another run's checkpoints
+    claim()  # every check has passed: only now is the directory marked and --restart's removal done
+    if restart:
+        resumed = checkpoints.latest()  # None, unless --restart kept checkpoints holding a user's file
     save_config(config, run_dir / "config.yaml")
     if resumed is not None:
         load_model(model, str(resumed.path / WEIGHTS))
