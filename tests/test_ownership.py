@@ -593,3 +593,21 @@ def test_a_study_refused_by_its_checks_leaves_no_folder(tiny_beir, tiny_model_di
     assert main(args) == 2
     assert "densepass: error:" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_directory_of_an_older_version_gets_nothing_written_when_a_check_refuses_the_run(
+    tiny_beir, tiny_model_dir, tmp_path, capsys
+):
+    """An older version's run directory (no marker, recognised by its config.yaml) is marked and locked only
+    once every check has passed: a run refused by one (another run's settings here) leaves it as it was."""
+    old = tmp_path / "old"
+    old.mkdir()
+    sets = [f"name={old.name}", f"output_dir={tmp_path}", f"data.name={tiny_beir}", "train.batch_size=8"]
+    assert main(["config", "--output", str(old / "config.yaml"), *[a for s in sets for a in ("--set", s)]]) == 0
+    (old / "report.md").write_text("# the older version's report\n")
+    before = _listing(old)
+    capsys.readouterr()
+    assert main(run_args(tiny_beir, tiny_model_dir, tmp_path, "old")) == 2
+    err = capsys.readouterr().err
+    assert err.count("densepass: error:") == 1 and "holds another run" in err, err
+    assert _listing(old) == before and not (old / RUN_MARKER).exists() and not (old / ".lock").exists()
