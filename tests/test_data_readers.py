@@ -475,9 +475,42 @@ def test_download_rejects_bad_names(tmp_path):
 def test_download_skips_existing_dataset(tmp_path, monkeypatch):
     from densepass.data import download
 
-    (tmp_path / "scifact").mkdir()
+    write_beir(tmp_path / "scifact")
+    (tmp_path / "squad").mkdir()
+    for filename in download.SQUAD_URLS:
+        (tmp_path / "squad" / filename).write_text('{"data": []}')
     monkeypatch.setattr(download.urllib.request, "urlopen", lambda *a, **k: pytest.fail("no network expected"))
     assert download.download_dataset("scifact", tmp_path) == tmp_path / "scifact"
+    assert download.download_dataset("squad", tmp_path) == tmp_path / "squad"
+
+
+def test_download_into_a_folder_holding_a_users_files_is_refused_before_any_download(tmp_path, monkeypatch, capsys):
+    """`densepass download NAME` where NAME/ holds only a user's file: one line, nothing fetched or written (it
+    exited 0 as if it had downloaded); an empty folder is downloaded into."""
+    from densepass.cli import main
+    from densepass.data import download
+
+    (tmp_path / "scifact").mkdir()
+    (tmp_path / "scifact" / "notes.txt").write_text("my notes")
+    (tmp_path / "squad").mkdir()
+    (tmp_path / "squad" / "train-v1.1.json").write_text("{}")  # one of its files, not the dataset
+    monkeypatch.setattr(download.urllib.request, "urlopen", lambda *a, **k: pytest.fail("no network expected"))
+    for name, found in (("scifact", "notes.txt"), ("squad", "train-v1.1.json")):
+        assert main(["download", name, "--data-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"holds files that are not a downloaded '{name}' dataset ({found})" in err[0], err
+    assert (tmp_path / "scifact" / "notes.txt").read_text() == "my notes"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["notes.txt", "scifact", "squad", "train-v1.1.json"]
+
+    source = write_beir(tmp_path / "src" / "tinyset")
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for path in source.rglob("*"):
+            zf.write(path, path.relative_to(source.parent).as_posix())
+    monkeypatch.setattr(download.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(buffer.getvalue()))
+    (tmp_path / "data" / "tinyset").mkdir(parents=True)
+    assert download.download_dataset("tinyset", tmp_path / "data") == tmp_path / "data" / "tinyset"
+    assert len(load_dataset("tinyset", data_dir=tmp_path / "data").corpus) == 3
 
 
 def test_download_network_failure_is_a_data_error(tmp_path, monkeypatch):

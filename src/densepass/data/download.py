@@ -2,7 +2,9 @@
 
 Everything is fetched into a temporary directory inside ``data_dir`` and moved into place with one
 ``os.replace``, so an interrupted download never leaves a half-written dataset behind. An existing
-dataset directory is left untouched.
+dataset directory is left untouched; a folder of that name holding anything else is refused (densepass writes
+only into a new or empty folder: ``io``'s ownership rules), so a user's files there are never mixed with, or
+taken for, a download.
 """
 
 from __future__ import annotations
@@ -81,20 +83,52 @@ def fetch_beir(name: str, workdir: Path) -> Path:
     return extract_zip(archive, workdir, name)
 
 
+def holds_dataset(directory: Path, name: str) -> bool:
+    """Whether ``directory`` holds what downloading ``name`` gives: SQuAD's two JSON files, or a BEIR dataset's
+    corpus, queries and qrels folder (plain or gzipped)."""
+    if name == "squad":
+        return all((directory / filename).is_file() for filename in SQUAD_URLS)
+    present = {p.name for p in directory.iterdir()}
+    return (
+        bool({"corpus.jsonl", "corpus.jsonl.gz"} & present)
+        and bool({"queries.jsonl", "queries.jsonl.gz"} & present)
+        and (directory / "qrels").is_dir()
+    )
+
+
 def download_dataset(name: str, data_dir: str | Path) -> Path:
     """Download dataset ``name`` (``squad``, or any BEIR dataset) into ``data_dir/name``; returns that path.
 
-    Does nothing when ``data_dir/name`` already exists."""
+    Does nothing when ``data_dir/name`` already holds the dataset (``holds_dataset``); downloads into an empty
+    folder; a folder holding anything else is a one-line DataError before any download."""
     check_name(name)
     data_dir = Path(data_dir)
     target = data_dir / name
-    if target.is_dir():
+    if target.is_dir() and holds_dataset(target, name):
         return target
-    if target.exists():
-        raise DataError(f"{target} exists and is not a directory")
+    if target.is_symlink() or target.exists() and not target.is_dir():
+        raise DataError(f"{target} exists and is not a directory (or is a link): densepass never downloads into it")
+    if target.is_dir():
+        _check_empty(target, name)
     data_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=data_dir, prefix=f".{name}-download-") as tmp:
         workdir = Path(tmp)
         source = fetch_squad(workdir) if name == "squad" else fetch_beir(name, workdir)
-        os.replace(source, target)
+        try:
+            os.replace(source, target)  # onto an empty folder too; one that files were put into meanwhile: refused
+        except OSError as err:
+            if target.is_dir():
+                _check_empty(target, name)
+            raise DataError(f"cannot move the download of {name!r} to {target}: {err.strerror or err}") from err
     return target
+
+
+def _check_empty(target: Path, name: str) -> None:
+    """A one-line DataError where ``target`` holds anything: it is not a download of ``name``."""
+    found = sorted(p.name + ("/" if p.is_dir() else "") for p in target.iterdir())
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise DataError(
+            f"{target} exists and holds files that are not a downloaded {name!r} dataset ({shown}); densepass "
+            "downloads only into a new or empty folder: move them away or give another --data-dir"
+        )
