@@ -9,8 +9,8 @@ every frozen layer. The towers of a bi-encoder are frozen alike (one shared enco
 Usage::
 
     model = BiEncoder.from_pretrained("all-MiniLM-L6-v2")
-    freeze_bottom(model, layers=3)  # embeddings + layers 0-2 of 6 frozen
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-5)
+    freeze_bottom(model, layers=3)  # embeddings + layers 0-2 of 6 frozen: requires_grad is off
+    # the training engine (training.engine) optimises only the weights that still require gradients
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ register_optimizer_step_post_hook(_count_step)
 
 def weights_key(module: torch.nn.Module) -> tuple:
     """What identifies ``module``'s current weights (parameters and buffers): where any parameter trains, the
-    optimiser steps this process has taken (fused kernels, ``torch.optim.AdamW(fused=True)``, the trainers'
+    optimiser steps this process has taken (fused kernels, fused AdamW, the trainers'
     optimiser and Hugging Face's default, update in place without a version bump, and may change only a few
     rows, e.g. a word-embedding table's); each tensor's storage and version counter (an in-place change or
     ``load_state_dict`` makes a new key); and a strided sample of about ``KEY_SAMPLE`` of its values. A hand

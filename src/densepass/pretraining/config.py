@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from densepass.config import DEFAULT_MODEL, SEED_MAX, DatasetFormat, RunConfig, option
+from densepass.config import (
+    DEFAULT_MODEL,
+    SEED_MAX,
+    AutocastOptimConfig,
+    DatasetFormat,
+    OptimConfig,
+    RunConfig,
+    option,
+    with_default,
+)
 
 Mode = Literal["mlm", "condenser", "cocondenser", "contriever"]
 
@@ -56,9 +65,11 @@ class MaskingConfig:
 
 
 @dataclass
-class PretrainTrainConfig:
-    """Optimisation: AdamW with linear warm-up/decay, bf16 autocast (GPU; CPU with bf16 instructions), gradient
-    accumulation."""
+class PretrainTrainConfig(AutocastOptimConfig):
+    """Optimisation (the training engine's ``OptimConfig``, bf16 autocast on GPU and on CPUs with fast bf16) and
+    what a step reads: sequences, their length, spans, gradient accumulation."""
+
+    learning_rate: float = with_default(OptimConfig, "learning_rate", 1e-4)
 
     max_steps: int = option(1000, "optimiser steps", min=1)
     batch_size: int = option(64, "sequences per step (coCondenser: 2 spans of each of batch_size / 2 documents)", min=1)
@@ -66,23 +77,6 @@ class PretrainTrainConfig:
     max_length: int = option(128, "tokens per sequence", min=8)
     span_min_tokens: int = option(16, "coCondenser: shortest span, before capping to the document", min=1)
     span_max_tokens: int = option(126, "coCondenser: longest span", min=1)
-    learning_rate: float = option(1e-4, "AdamW learning rate", above=0)
-    weight_decay: float = option(0.01, "AdamW weight decay", min=0)
-    warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
-    max_grad_norm: float = option(1.0, "gradient clipping norm", above=0)
-    bf16: bool = option(True, "bf16 autocast on GPU")
-    cpu_bf16: bool | Literal["auto"] = option(
-        "auto", "bf16 autocast on CPU: auto (where bf16 is fast: AMX, or AVX512-BF16 on AMD; else fp32), true or false"
-    )
-    checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
-    keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
-    log_every: int = option(10, "append the loss terms to train_log.jsonl every N steps", min=1)
-    seed: int = option(13, "seed of data order, masking and dropout", min=0, max=SEED_MAX)
-    skip_nonfinite: bool = option(
-        False,
-        "a step whose loss or gradient norm is NaN or infinite is skipped with a warning (no optimiser step), and"
-        " more than 10 in a row stop training; false: the first one stops training with an error naming the step",
-    )
 
 
 @dataclass

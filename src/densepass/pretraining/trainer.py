@@ -1,5 +1,6 @@
-"""The pre-training loop: AdamW with linear warm-up/decay, bf16 autocast on GPU, gradient accumulation,
-atomic checkpoints with exact resume, a JSONL loss log and the final head-less backbone.
+"""Pre-training (Condenser, coCondenser, Contriever) as a task of the training engine (``training.engine``:
+AdamW with linear warm-up/decay, bf16 autocast, atomic checkpoints with exact resume, the loss log), with
+gradient accumulation and the final head-less backbone.
 
 Gradient accumulation splits each step's ``batch_size`` sequences into ``grad_accumulation``
 micro-batches. MLM is per-token, so weighting each micro-batch's mean MLM by its share of the step's
@@ -21,18 +22,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_model, save_model
-from tqdm.auto import tqdm
-from transformers import get_linear_schedule_with_warmup
+from typing_extensions import override
 
-from densepass.checkpoints import BOOKKEEPING, DATA_FILES, Checkpoints, restore_rng, trim_log, without_later_defaults
+from densepass.checkpoints import BOOKKEEPING, DATA_FILES, Checkpoints, without_later_defaults
 from densepass.config import save_config
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
@@ -41,15 +39,15 @@ from densepass.errors import ConfigError
 from densepass.io import locked_run_directory
 from densepass.models.batching import check_position_limit
 from densepass.models.dropout import use_cpu_dropout
-from densepass.numerics import DivergenceGuard
 from densepass.pretraining.condenser import Condenser, span_contrastive_loss
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.contriever import Contriever, contriever_forward_backward
 from densepass.pretraining.crops import CropSettings, contriever_batches
 from densepass.pretraining.data import Batch, mlm_batches, span_batches, subset_corpus
 from densepass.pretraining.masking import Masker
+from densepass.training import engine
 
-LOG_NAME = "train_log.jsonl"
+LOG_NAME = engine.LOG_NAME
 # What a pre-training run writes in its directory: all that --restart removes; anything else there is kept.
 RUN_ENTRIES = ("config.yaml", LOG_NAME, "checkpoints", "backbone", "model", "report.md", "loss.png", "metrics.json")
 WEIGHTS = "model.safetensors"  # the whole Condenser (backbone, head, MLM head) of a checkpoint
@@ -161,6 +159,7 @@ def pretraining_identity(config: PretrainConfig) -> dict:
     for key in BOOKKEEPING:
         identity["train"].pop(key, None)  # fine-tuning's bookkeeping may name settings pre-training lacks
     without_later_defaults(identity["train"])
+    identity["train"]["max_grad_norm"] = config.train.max_grad_norm  # pre-training always had it in its identity
     identity["train"]["cpu_bf16"] = resolved_cpu_bf16(config.train.cpu_bf16)  # auto: what this CPU does
     if config.model.mode != "contriever":
         identity.pop("contriever")  # unused, and runs written before the section existed still resume
@@ -196,90 +195,99 @@ def pretrain(config: PretrainConfig, restart: bool = False) -> PretrainResult:
         return _pretrain(config, device, claim, restart)
 
 
+class PretrainTask(engine.Task):
+    """Condenser / coCondenser (MLM on a masked copy of each batch, + the span contrastive loss) or Contriever
+    (InfoNCE over two views, with a MoCo queue) on the run's seeded stream of batches: one epoch of
+    ``max_steps`` steps. Masking and dropout are seeded by (seed, step)."""
+
+    throughput = "tokens_per_s"
+
+    def __init__(self, config: PretrainConfig, model: Condenser | Contriever, dataset: RetrievalDataset) -> None:
+        self.config, self.model, self.dataset = config, model, dataset
+        self.contriever = isinstance(model, Contriever)
+        self.description = f"pretrain {config.model.mode}"
+        self.steps_per_epoch, self.epochs = config.train.max_steps, 1
+        self.masker = None
+        if not self.contriever:
+            m = config.masking
+            self.masker = Masker.from_tokenizer(
+                model.tokenizer,
+                probability=m.probability,
+                mask_fraction=m.mask_fraction,
+                random_fraction=m.random_fraction,
+                whole_word=m.whole_word,
+            )
+
+    @override
+    def setup(self, device: torch.device) -> None:
+        use_cpu_dropout(self.model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
+
+    @override
+    def parameter_groups(self) -> list[dict]:
+        trainable = self.model.trainable_parameters() if self.contriever else list(self.model.parameters())
+        return [{"params": trainable}]
+
+    @override
+    def named_weights(self):
+        return self.model.named_parameters()
+
+    @override
+    def plan(self, epoch: int) -> Iterator[Batch]:
+        stream = batch_stream(self.config, self.model.tokenizer, self.dataset)
+        return itertools.islice(stream, self.steps_per_epoch)
+
+    @override
+    def step(self, batch: Batch, context: engine.StepContext) -> engine.StepOutput:
+        t = self.config.train
+        seed = _step_seed(t.seed, context.step)
+        torch.manual_seed(seed)  # dropout; masking has its own generator
+        if self.contriever:
+            # a skipped step still moves the MoCo queue and its key encoder (finite: the weights they follow are)
+            terms = contriever_forward_backward(self.model, batch, t.grad_accumulation, context.device, context.bf16)
+        else:
+            generator = torch.Generator().manual_seed(seed)
+            batch["input_ids"], batch["labels"] = self.masker(batch["input_ids"], batch["attention_mask"], generator)
+            terms = forward_backward(self.model, batch, t.grad_accumulation, context.device, context.bf16)
+        loss = torch.tensor(terms.pop("loss"))
+        return engine.StepOutput(loss, size=int(batch["attention_mask"].sum()), terms=terms)
+
+    @override
+    def save(self, checkpoint: Path) -> None:
+        save_model(self.model, str(checkpoint / WEIGHTS))
+
+    @override
+    def load(self, checkpoint: Path, device: torch.device) -> None:
+        load_model(self.model, str(checkpoint / WEIGHTS))
+
+    @override
+    def state_dict(self) -> dict:
+        return {"memory": self.model.memory_state()} if self.contriever else {}
+
+    @override
+    def load_state_dict(self, state: dict) -> None:
+        if self.contriever:
+            self.model.load_memory_state(state.get("memory"))
+
+
 def _pretrain(config: PretrainConfig, device: torch.device, claim: Callable[[], Path], restart: bool) -> PretrainResult:
     t = config.train
     run_dir = config.run_dir
-    torch.manual_seed(t.seed)
+    torch.manual_seed(t.seed)  # new weights (heads, the MoCo queue)
     model = build_model(config)
-    contriever = isinstance(model, Contriever)
-    masker = None
-    if not contriever:
-        masker = Masker.from_tokenizer(
-            model.tokenizer,
-            probability=config.masking.probability,
-            mask_fraction=config.masking.mask_fraction,
-            random_fraction=config.masking.random_fraction,
-            whole_word=config.masking.whole_word,
-        )
-    backbone = model.backbone_config if contriever else model.backbone.config
+    backbone = model.backbone_config if isinstance(model, Contriever) else model.backbone.config
     check_position_limit(backbone, {"train.max_length": t.max_length}, "the model")
-    use_cpu_dropout(model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
-    bf16 = uses_bf16(device, t.bf16, t.cpu_bf16)
-    trainable = model.trainable_parameters() if contriever else list(model.parameters())
-    optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=t.weight_decay, fused=True)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(t.warmup_ratio * t.max_steps), t.max_steps)
-    log_path = run_dir / LOG_NAME
     dataset = load_dataset(config.data.name, config.data.data_dir, config.data.format)
     data_files = {DATA_FILES: dataset.file_fingerprints()}  # a changed corpus file: its checkpoints are refused
-    checkpoints = Checkpoints(run_dir, t.keep_checkpoints, {**pretraining_identity(config), **data_files})
-    step = 0
-    guard = DivergenceGuard(t.skip_nonfinite)
-    resumed = None if restart else checkpoints.latest()  # refuses another run's checkpoints
+    identity = {**pretraining_identity(config), **data_files}
+    if not restart:
+        Checkpoints(run_dir, t.keep_checkpoints, identity).latest()  # refuses another run's checkpoints
     claim()  # every check has passed: only now is the directory marked and --restart's removal done
-    if restart:
-        resumed = checkpoints.latest()  # None, unless --restart kept checkpoints holding a user's file
     save_config(config, run_dir / "config.yaml")
-    if resumed is not None:
-        load_model(model, str(resumed.path / WEIGHTS))
-        optimizer.load_state_dict(resumed.optimizer)
-        scheduler.load_state_dict(resumed.scheduler)
-        restore_rng(resumed.rng)
-        if contriever:
-            model.load_memory_state(resumed.extra.get("memory"))
-        guard.load_state_dict(resumed.extra.get("nonfinite"))
-        step = resumed.step
-    trim_log(log_path, step)
-    stream = itertools.islice(batch_stream(config, model.tokenizer, dataset), step, None)
-    tokens, started, terms = 0, time.perf_counter(), {"loss": float("nan")}
-    progress = tqdm(total=t.max_steps, initial=step, desc=f"pretrain {config.model.mode}", dynamic_ncols=True)
-    while step < t.max_steps:
-        batch = next(stream)
-        torch.manual_seed(_step_seed(t.seed, step))  # dropout; masking has its own generator
-        if contriever:
-            terms = contriever_forward_backward(model, batch, t.grad_accumulation, device, bf16)
-        else:
-            generator = torch.Generator().manual_seed(_step_seed(t.seed, step))
-            batch["input_ids"], batch["labels"] = masker(batch["input_ids"], batch["attention_mask"], generator)
-            terms = forward_backward(model, batch, t.grad_accumulation, device, bf16)
-        # a skipped step still moved a MoCo queue and its key encoder (finite: the weights they follow are)
-        taken, grad_norm = guard.step(step + 1, terms["loss"], trainable, optimizer, scheduler, t.max_grad_norm)
-        step += 1
-        tokens += int(batch["attention_mask"].sum())
-        progress.update(1)
-        progress.set_postfix(loss=f"{terms['loss']:.4f}")
-        if (step % t.log_every == 0 or step == t.max_steps) and taken:  # a skipped step's terms: not numbers
-            record = {
-                "step": step,
-                **terms,
-                "grad_norm": float(grad_norm),
-                "lr": scheduler.get_last_lr()[0],
-                "tokens_per_s": tokens / (time.perf_counter() - started),
-                **({"skipped": guard.skipped} if guard.skipped else {}),
-            }
-            with open(log_path, "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-        if step % t.checkpoint_every == 0 or step == t.max_steps:
-            guard.check_weights(step, model.named_parameters())
-            extra = {"memory": model.memory_state()} if contriever else {}
-            extra["nonfinite"] = guard.state_dict()
-            checkpoints.save(
-                step, lambda directory: save_model(model, str(directory / WEIGHTS)), optimizer, scheduler, extra
-            )
-    progress.close()
-    elapsed = time.perf_counter() - started
-    backbone = run_dir / "backbone"
-    model.save_backbone(backbone, config.model.save_pooling, t.max_length)
+    task = PretrainTask(config, model, dataset)
+    result = engine.fit(task, t, run_dir, device, total=t.max_steps, identity=identity)
+    backbone_dir = run_dir / "backbone"
+    model.save_backbone(backbone_dir, config.model.save_pooling, t.max_length)
     from densepass.pretraining.report import write_pretrain_report
 
-    write_pretrain_report(config, log_path, device, bf16)
-    return PretrainResult(step, terms["loss"], tokens / elapsed if tokens else 0.0, backbone)
+    write_pretrain_report(config, result.log_path, device, uses_bf16(device, t.bf16, t.cpu_bf16))
+    return PretrainResult(result.steps, result.final_loss, result.per_second, backbone_dir)

@@ -1,0 +1,259 @@
+"""The training engine (``densepass.training.engine``) on a toy task whose every step is known: exact resume after
+an interruption at any step, logs as means since the previous record, callbacks in order, the divergence guard,
+bf16 autocast handed to the step, one optimiser for the whole package, and every task under bf16."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from densepass.checkpoints import training_identity
+from densepass.config import OptimConfig
+from densepass.errors import ConfigError
+from densepass.numerics import Diverged
+from densepass.training import engine
+
+CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Interrupt(Exception):
+    pass
+
+
+class Regression(engine.Task):
+    """Linear regression with dropout on a fixed random dataset; batches drawn from (seed, epoch); a running
+    count of examples seen as the task's own state."""
+
+    throughput = None
+
+    def __init__(self, n=24, batch=5, epochs=3, fail_at=None, nan_at=()):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 4, generator=g), torch.randn(n, generator=g)
+        self.batch, self.epochs = batch, epochs
+        self.steps_per_epoch = n // batch
+        torch.manual_seed(0)  # the same starting weights for every run
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+        torch.nn.init.constant_(self.model[0].weight, 0.1)
+        self.seen, self.fail_at, self.nan_at, self.bf16_seen = 0, fail_at, set(nan_at), []
+
+    def setup(self, device):
+        self.model.to(device).train()
+
+    def parameter_groups(self):
+        return [{"params": list(self.model.parameters())}]
+
+    def named_weights(self):
+        return self.model.named_parameters()
+
+    def plan(self, epoch):
+        order = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(100 + epoch)).tolist()
+        return [order[i : i + self.batch] for i in range(0, len(order), self.batch)]  # the last batch is partial
+
+    def step(self, rows, context):
+        if context.step + 1 == self.fail_at:
+            raise Interrupt
+        self.bf16_seen.append((context.bf16, torch.is_autocast_enabled("cpu")))
+        loss = ((self.model(self.x[rows]).squeeze(1) - self.y[rows]) ** 2).mean()
+        if context.step + 1 in self.nan_at:
+            loss = loss * float("nan")
+        loss.backward()
+        return engine.StepOutput(loss, size=len(rows), terms={"rows": float(len(rows))})
+
+    def after_step(self, output, rows):
+        self.seen += len(rows)
+
+    def save(self, checkpoint):
+        from safetensors.torch import save_file
+
+        (checkpoint / "model").mkdir()
+        save_file({k: v.contiguous() for k, v in self.model.state_dict().items()}, str(checkpoint / "model" / "w"))
+
+    def load(self, checkpoint, device):
+        from safetensors.torch import load_file
+
+        self.model.load_state_dict(load_file(str(checkpoint / "model" / "w")))
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+
+
+class Record(engine.Callback):
+    def __init__(self):
+        self.events, self.count = [], 0
+
+    def on_train_begin(self, state):
+        self.events.append(("begin", state.step))
+
+    def on_step_end(self, state):
+        self.count += 1
+        self.events.append(("step", state.step, state.epoch_end))
+
+    def on_epoch_end(self, state, epoch):
+        self.events.append(("epoch", epoch))
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def optim(**kw):
+    base = dict(learning_rate=0.05, warmup_ratio=0.2, checkpoint_every=2, keep_checkpoints=2, log_every=3, seed=7)
+    return OptimConfig(**{**base, **kw})
+
+
+def fit(task, run_dir, callbacks=(), **kw):
+    total = engine.planned_steps(task.steps_per_epoch, task.epochs, kw.pop("max_steps", None))
+    config = optim(**kw)
+    identity = {"optim": training_identity(config)}
+    return engine.fit(
+        task, config, run_dir, CPU, total=total, identity=identity, callbacks=callbacks, show_progress=False
+    )
+
+
+def weights(task):
+    return torch.cat([p.detach().flatten() for p in task.model.parameters()])
+
+
+def test_a_run_trains_every_planned_step_and_logs_means_since_the_previous_record(tmp_path):
+    task, record = Regression(), Record()
+    result = fit(task, tmp_path / "run", [record])
+    assert result.steps == 12 and task.seen == 12 * 5  # 3 epochs of 4 full batches; the partial one never trains
+    log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    assert [r["step"] for r in log] == [3, 6, 9, 12]
+    assert all(r["rows"] == 5.0 and r["loss"] > 0 and r["grad_norm"] > 0 for r in log)
+    assert record.events[0] == ("begin", 0)
+    ends = [e for e in record.events if e[0] == "step" and e[2]]
+    assert [e[1] for e in ends] == [4, 8, 12]
+    assert [e for e in record.events if e[0] == "epoch"] == [("epoch", 0), ("epoch", 1), ("epoch", 2)]
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 4, 6, 11])
+def test_a_run_interrupted_at_any_step_resumes_to_the_same_weights_state_and_log(tmp_path, fail_at):
+    straight, rec = Regression(), Record()
+    fit(straight, tmp_path / "a", [rec])
+    interrupted = Regression(fail_at=fail_at)
+    with pytest.raises(Interrupt):
+        fit(interrupted, tmp_path / "b", [Record()])
+    again, rec_again = Regression(), Record()
+    fit(again, tmp_path / "b", [rec_again])
+    assert torch.equal(weights(straight), weights(again))
+    assert again.seen == straight.seen and rec_again.count == rec.count
+    assert (tmp_path / "a" / "train_log.jsonl").read_text() == (tmp_path / "b" / "train_log.jsonl").read_text()
+
+
+def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
+    fit(Regression(), tmp_path / "run")
+    with pytest.raises(ConfigError, match="other settings"):
+        fit(Regression(), tmp_path / "run", learning_rate=0.01)
+
+
+def test_max_steps_ends_inside_an_epoch(tmp_path):
+    task = Regression()
+    assert fit(task, tmp_path / "run", max_steps=5).steps == 5 and task.seen == 25
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step_or_is_skipped(tmp_path):
+    with pytest.raises(Diverged, match="training diverged at step 3"):
+        fit(Regression(nan_at={3}), tmp_path / "a")
+    task = Regression(nan_at={3})
+    with pytest.warns(UserWarning, match="step 3"):
+        fit(task, tmp_path / "b", skip_nonfinite=True)
+    assert task.seen == 11 * 5  # the skipped batch left the task's state alone
+
+
+def test_the_step_is_told_to_autocast_and_the_engine_leaves_autocast_to_it(tmp_path):
+    task = Regression(epochs=1)
+    engine.fit(task, optim(), tmp_path / "run", CPU, total=2, identity={}, bf16=True, show_progress=False)
+    assert task.bf16_seen == [(True, False), (True, False)]
+
+
+def test_a_task_not_written_for_several_processes_is_refused_under_torch_distributed(tmp_path, monkeypatch):
+    from densepass import distributed
+
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    with pytest.raises(ConfigError, match="one process"):
+        fit(Regression(), tmp_path / "run")
+
+
+def test_the_package_builds_one_optimiser_in_one_place():
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in (ROOT / "src" / "densepass").rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\bAdamW\(", line)
+    ]
+    assert found == [f"src/densepass/training/engine.py:{_line_of('AdamW(')}"], found
+
+
+def _line_of(text: str) -> int:
+    lines = (ROOT / "src" / "densepass" / "training" / "engine.py").read_text().splitlines()
+    return next(n for n, line in enumerate(lines, 1) if text in line)
+
+
+def test_phrase_training_runs_its_encoders_under_bf16_autocast_when_the_run_trains_in_bf16(tmp_path, monkeypatch):
+    from densepass.data.squad import load_squad_spans
+    from densepass.phrase.config import PhraseTrainConfig
+    from densepass.phrase.model import PhraseEncoder
+    from densepass.phrase.train import build_phrase_data, train_phrases
+    from phrase_fixtures import tiny_phrase_model, write_phrase_squad
+
+    data = load_squad_spans(write_phrase_squad(tmp_path / "squad"))
+    seen = []
+    for name in ("phrase_vectors", "question_vectors"):
+        real = getattr(PhraseEncoder, name)
+
+        def recording(self, *args, _real=real, _name=name, **kwargs):
+            seen.append((_name, torch.is_autocast_enabled("cpu")))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(PhraseEncoder, name, recording)
+    for bf16 in (True, False):
+        seen.clear()
+        model = tiny_phrase_model(tmp_path / f"bert-{bf16}")
+        config = PhraseTrainConfig(cpu_bf16=bf16, passages_per_batch=2, max_steps=2, prebatch=0, log_every=1)
+        with pytest.warns(UserWarning) if bf16 and not _fast_bf16() else _no_warning():  # forced bf16 warns there
+            result = train_phrases(model, build_phrase_data(model, data, "train"), config, tmp_path / f"r{bf16}", CPU)
+        assert result.steps == 2 and result.final_loss == result.final_loss  # finite, not NaN
+        assert {s for _, s in seen} == {bf16} and {n for n, _ in seen} == {"phrase_vectors", "question_vectors"}
+
+
+def test_contriever_pretraining_steps_in_bf16_when_the_run_trains_in_bf16(
+    tiny_beir, tiny_model_dir, tmp_path, monkeypatch
+):
+    from densepass.pretraining import trainer
+    from test_contriever import _config
+
+    seen = []
+    real = trainer.contriever_forward_backward
+
+    def recording(model, batch, accumulation, device, bf16):
+        seen.append(bf16)
+        return real(model, batch, accumulation, device, bf16)
+
+    monkeypatch.setattr(trainer, "contriever_forward_backward", recording)
+    config = _config(tiny_beir, tiny_model_dir, tmp_path, "train.cpu_bf16=true", "train.max_steps=2")
+    with pytest.warns(UserWarning) if not _fast_bf16() else _no_warning():
+        result = trainer.pretrain(config)
+    assert result.steps == 2 and seen == [True, True]
+
+
+def _fast_bf16() -> bool:
+    from densepass.device import cpu_has_fast_bf16
+
+    return cpu_has_fast_bf16()
+
+
+def _no_warning():
+    import contextlib
+
+    return contextlib.nullcontext()
