@@ -1271,3 +1271,25 @@ def test_pretraining_sizes_that_allocate_are_bounded_and_dense_dim_specs_too():
     for spec in ("dense:100000000", "dense:0"):
         with pytest.raises(ConfigError, match=r"the dimension after 'dense:' must be in \[1, 65536\]"):
             dense_dim(spec, NegativesConfig())
+
+
+def test_rerank_with_an_encoder_for_a_model_is_one_line_without_transformers_load_report(
+    tiny_beir, tiny_model_dir, tmp_path
+):
+    """`rerank --model` given a bi-encoder densepass saved, or a plain BERT: the missing relevance head is
+    densepass's one line; transformers' LOAD REPORT table and its loading progress bar are not printed (a fresh
+    process, at transformers' default verbosity)."""
+    from conftest import run_densepass
+    from densepass.models.biencoder import BiEncoder
+
+    BiEncoder.from_pretrained(str(tiny_model_dir)).save(tmp_path / "bi")
+    (tmp_path / "first.trec").write_text("q30 Q0 p30 1 1.0 densepass\n")
+    for model in (tmp_path / "bi", tiny_model_dir):
+        rerank = ["rerank", str(tiny_beir), "first.trec", "--model", str(model), "--output", "second.trec"]
+        done = run_densepass(*rerank, cwd=tmp_path)
+        assert done.returncode == 2
+        assert done.stderr.strip().splitlines() == [
+            f"densepass: error: {model} has no trained relevance head (classifier.bias, classifier.weight missing): "
+            "it is an encoder, not a cross-encoder; train one first (reranker.train in a run config)"
+        ]
+    assert not (tmp_path / "second.trec").exists()

@@ -52,7 +52,7 @@ from densepass.errors import ConfigError
 from densepass.io import atomic_directory
 from densepass.models.batching import check_position_limit, forward_in_pieces, piece_tokens, position_limit
 from densepass.models.copies import bf16_copy, fusable_base, reused_copy
-from densepass.models.kinds import loading_weights
+from densepass.models.kinds import loading_weights, quiet_loading
 from densepass.models.quantize import quantized_linear_copy
 from densepass.numerics import refuse_nonfinite_weights
 from densepass.prefetch import prefetched
@@ -159,7 +159,7 @@ def fp32_logit_layer(model: torch.nn.Module) -> torch.nn.Module:
 def _load(path: str, name: str, **kwargs):
     """(model, loading info) of a sequence-classification model, or a one-line ConfigError."""
     try:
-        with loading_weights(path):
+        with loading_weights(path), quiet_loading():  # missing weights: reported by the caller, in one line
             return AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True, **kwargs)
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(f"cannot load cross-encoder {name!r}: {str(err).strip().splitlines()[0]}") from None

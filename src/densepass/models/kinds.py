@@ -82,6 +82,24 @@ def loading_weights(directory: str | Path, weights: str = "model.safetensors") -
         raise DataError(f"{Path(directory) / name} does not load (truncated or damaged?): {reason}") from None
 
 
+@contextmanager
+def quiet_loading() -> Iterator[None]:
+    """transformers' loading output silenced for the block: its "Loading weights" progress bar and its LOAD REPORT
+    (a table of missing and unexpected weights, logged as a warning over many lines). For a load whose missing
+    weights densepass reports itself, in one line (a cross-encoder's relevance head), or expects (a new head)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def _only_pickled_weights(directory: Path, weights: str) -> bool:
     """Whether ``directory`` holds ``pytorch_model.bin`` and not ``weights`` (what transformers then reads)."""
     if weights != "model.safetensors":  # a head of its own (ColBERT's linear layer, a phrase tower's): no fallback
