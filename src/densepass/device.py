@@ -98,8 +98,8 @@ def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether bfloat16 is faster than float32 on this CPU, so that ``auto`` settings pick it: with AMX
     (``amx_bf16``: Intel Sapphire Rapids and later) or with AVX512-BF16 on AMD (``avx512_bf16``: Zen 4 and later).
     Intel's AVX512-BF16 without AMX (Cooper Lake, or a Sapphire Rapids VM that hides AMX) is not: there oneDNN's
-    bf16 GEMM ran at 0.7x MKL's float32 and MiniLM encoding and training steps at 0.6-0.8x their float32 speed,
-    while on an AMD EPYC with AVX512-BF16 bf16 encoding ran at 1.6x float32 (docs/benchmarks.md). False where
+    bf16 products do no more multiply-adds per cycle than MKL's float32 ones, plus conversions, so encoding and
+    training run slower in bf16 (docs/benchmarks.md, "A CPU where bf16 is slower than fp32"). False where
     unknown; ``$DENSEPASS_FAST_BF16`` overrides it."""
     override = env_switch(FAST_BF16_ENV)
     if override is not None:
@@ -129,8 +129,7 @@ SLOW_BF16 = "this CPU has no fast bfloat16 (AMX, or AVX512-BF16 on AMD), so bf16
 def uses_bf16(device: torch.device, bf16: bool, cpu_bf16: bool | str) -> bool:
     """Whether steps on ``device`` autocast to bfloat16: on GPU when ``bf16`` (the default); on CPU when
     ``cpu_bf16`` is true, or ``"auto"`` (the default) and bf16 is faster than float32 there (``cpu_has_fast_bf16``;
-    MiniLM fine-tuning about 2x and pre-training 2-2.4x faster on an AMD EPYC with AVX512-BF16:
-    docs/benchmarks.md). Forced on another CPU, it runs, with a warning."""
+    the gain is measured in docs/benchmarks.md). Forced on another CPU, it runs, with a warning."""
     if device.type == "cuda":
         return bf16
     if device.type != "cpu":

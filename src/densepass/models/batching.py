@@ -128,9 +128,8 @@ CPU_PIECE_TOKENS = 2048
 
 BF16_PIECE_TOKENS = 4096
 """Tokens per piece of a bf16 forward pass on the CPU: bf16 activations take half the bytes of float32 ones, so
-twice ``CPU_PIECE_TOKENS`` stays under glibc's mmap threshold, and larger products run faster on AMX (MiniLM with
-fused layers on a Xeon with AMX: 2,048-token pieces 1.04x and 1.33x slower in two runs, 8,192 within 4%;
-docs/benchmarks.md)."""
+twice ``CPU_PIECE_TOKENS`` stays under glibc's mmap threshold, and larger products run faster on AMX (pieces of
+2,048 and 8,192 tokens were measured against it: docs/history/benchmarks-log.md, "Fused BERT layers")."""
 
 
 def piece_tokens(device: torch.device, cpu_tokens: int = CPU_PIECE_TOKENS) -> int | None:
@@ -159,7 +158,7 @@ def forward_in_pieces(
     ``embed`` (training): the token-embedding lookup (``input_ids`` -> vectors), done once for every piece's ids
     together and handed to ``fn`` as each piece's ``inputs_embeds``. A lookup's backward writes a dense gradient
     of the whole vocabulary table (MiniLM: 30,522 x 384 floats, 47 MB, mapped afresh each time), so one lookup
-    per piece cost a MiniLM training step one such table per piece (docs/benchmarks.md)."""
+    per piece would cost a training step one such table per piece."""
     mask = tokens["attention_mask"]
     rows, width = mask.shape
     if max_tokens is not None and max_tokens < 1:

@@ -3,8 +3,8 @@
 Encoding in bf16 or int8 runs a copy of the model, never the model itself (which may still train, in float32): a
 bfloat16 copy (``bf16_copy``; on the CPU with ``models.fused``'s layers where the encoder is BERT-layered) or an int8
 one (``models.quantize``). A copy takes a deep copy, a cast and, fused, a reordering of every weight, so a server
-encoding one query at a time must not make one per call (on an H100, while a bf16 copy was made at each call, one
-query took 20 ms to encode in bf16 against 9 ms in fp32: docs/benchmarks.md): ``reused_copy`` keeps one copy per
+encoding one query at a time must not make one per call (making it cost more than the query's encoding itself:
+docs/benchmarks.md, "Search service"): ``reused_copy`` keeps one copy per
 model, keyed by the precision, the device and ``models.quantize.weights_key`` (a training step or a load makes a new
 one).
 

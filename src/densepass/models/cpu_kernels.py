@@ -293,13 +293,13 @@ class AfterAttention:
     instead of going through memory. The products run on AMX tiles, with the weights in ``tile_layout``: the tiles
     of a block of 32 tokens x 32 columns, then its bias, residual or GELU applied to the float32 result as it comes
     off the tiles (interleaved with the next block's tile instructions), where oneDNN's products take a pass of
-    their own for each (GELU's post-op cost 12% of a layer). The layer norms run row by row as soon as a row's sums
-    are complete, interleaved with the next rows' product. GELU is the exact (erf) GELU by a quartic on each of 32
-    intervals, within 1.2e-6 of it; the layer norms are two-pass in float32 (the shifted-data algorithm). Built from
-    the layer's modules where ``fits``, from a copy of their parameters (the weights in ``tile_layout``): the layer as
-    it was built, as the inference copies it is made for are (``models.copies``); the weights' other layout is
-    ``untiled(self.tiles[name])``. Each of torch's threads keeps its buffers from call to call: 256 x (12 x width +
-    2 x inner width) bytes (2 MB for MiniLM, 5 MB for BERT-large).
+    their own for each (GELU's post-op a whole pass over the 4x wider output). The layer norms run row by row as soon as
+    a row's sums are complete, interleaved with the next rows' product. GELU is the exact (erf) GELU by a quartic on
+    each of 32 intervals, within 1.2e-6 of it; the layer norms are two-pass in float32 (the shifted-data algorithm).
+    Built from the layer's modules where ``fits``, from a copy of their parameters (the weights in ``tile_layout``): the
+    layer as it was built, as the inference copies it is made for are (``models.copies``); the weights' other layout is
+    ``untiled(self.tiles[name])``. Each of torch's threads keeps its buffers from call to call: 256 x (12 x width + 2 x
+    inner width) bytes (2 MB for MiniLM, 5 MB for BERT-large).
 
         >>> linear, norm = lambda i, o: nn.Linear(i, o).bfloat16(), lambda: nn.LayerNorm(64).bfloat16()
         >>> kernel = AfterAttention(linear(64, 64), norm(), linear(64, 256), linear(256, 64), norm())

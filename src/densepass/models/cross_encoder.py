@@ -17,17 +17,14 @@ faster than float32: a GPU, or a CPU with AMX or AMD's AVX512-BF16, else fp32): 
 autocast (on the CPU, a BERT, RoBERTa or XLM-R classifier instead runs a bf16 copy whose encoder has fused layers,
 ``models.fused``, the last on the first position only: ``fused_first_position_logits``), with the one-logit output
 layer computing in float32 (``fp32_logit_layer``: a bf16 logit has 8 significant bits, so candidates with close
-scores tie: with a bf16 output layer, 393 and 381 of 500 SQuAD dev questions had ties
-in their reranked BM25 and bi-encoder top 20, docs/experiments.md); ``int8`` (CPU only), with a copy whose linear
+scores tie, and most SQuAD dev questions had ties in their reranked top 20 with a bf16 output layer:
+docs/history/experiments-log.md); ``int8`` (CPU only), with a copy whose linear
 layers are dynamically quantised (``models.quantize``: int8 weights with a scale per output channel, activations
 with one scale per batch, so it runs the full last layer), made once and reused until the weights change. As for the
 bi-encoder, the feed-forward output projections stay float32: quantising them too moves scores further from fp32
-(``experiments/rerank_int8.py``, docs/experiments.md: a MiniLM cross-encoder trained on debian-packages, 100 dev
-queries x 20 candidates, mean Spearman per query to fp32 0.90 with them quantised, 0.94 without, mean absolute
-difference 0.60 and 0.33 for a score spread (std) of 3.1; MiniLM with a new head, 40 x 20: 0.84 and 0.90). int8
-scores are close to fp32 but not equal, so near-ties swap: the top candidate stayed first in 83% of those queries,
-and MRR@10 was 0.721 against fp32's 0.743 (paired randomization p = 0.20; 100 queries do not settle whether int8
-costs MRR).
+(``experiments/rerank_int8.py`` measures both; docs/experiments.md, "int8 cross-encoder scores against fp32").
+int8 scores are close to fp32 but not equal, so near-ties swap and the order of close candidates changes; whether
+that costs MRR is not settled, so int8 is opt-in.
 ``benchmarks/bench_rerank.py --precision int8`` measures the agreement on its pairs with the timings.
 
 >>> from densepass.models.cross_encoder import CrossEncoder

@@ -1,12 +1,12 @@
 """Dropout on the CPU with masks drawn by NumPy's PCG64 generator instead of PyTorch's own.
 
 Why: PyTorch's CPU Bernoulli kernel draws with MKL's vectorised generator on Intel CPUs only; elsewhere (AMD, ARM)
-it draws one element at a time under a lock, about 6 ns per element on a 2-core AMD EPYC, so the dropout masks of
-a MiniLM training step (every hidden state, and every attention probability: 12 heads x L x L per text) took 17% of
-a bf16 step there (``benchmarks/bench_train.py --profile``, docs/benchmarks.md). NumPy's PCG64 draws 16-bit
-integers several times faster. The masks follow the same distribution up to 2^-16: each element is kept when its
-16-bit draw is below round((1 - p) 2^16), and kept elements are scaled by the inverse of that probability, so every
-output keeps its expectation; only the random stream differs from ``torch.nn.Dropout``'s.
+it draws one element at a time under a lock, and the dropout masks of a training step (every hidden state, and
+every attention probability: heads x L x L per text) become a large share of a bf16 step there
+(``benchmarks/bench_train.py --profile`` shows it; docs/history/benchmarks-log.md has the profile). NumPy's PCG64
+draws 16-bit integers several times faster. The masks follow the same distribution up to 2^-16: each element is kept
+when its 16-bit draw is below round((1 - p) 2^16), and kept elements are scaled by the inverse of that probability, so
+every output keeps its expectation; only the random stream differs from ``torch.nn.Dropout``'s.
 
 Each mask's generator is seeded by one draw from PyTorch's CPU generator, so the masks follow ``torch.manual_seed``,
 are saved and restored with its state in checkpoints (bit-exact resume), and repeat under ``device.RandomState``

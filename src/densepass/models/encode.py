@@ -5,20 +5,19 @@ background thread while the model encodes the previous chunk; inside a chunk, ro
 token count so each batch pads little, and padded batches are built with numpy. On GPU, inputs go
 through pinned memory, and embeddings stay on the device until one copy back at the end. On the CPU a batch
 runs in length-sorted pieces of 2,048 tokens (``models.batching.forward_in_pieces``): a batch of 256 passages
-x 128 tokens has activations of 200 MB, above glibc's mmap threshold, so each one was mapped and faulted in
-afresh; in pieces, MiniLM encodes debian-packages passages 1.4x faster in fp32 at the default batch size
-(docs/benchmarks.md); in bf16, pieces of 4,096 tokens. Results are float32 in the original order.
+x 128 tokens has activations of 200 MB, above glibc's mmap threshold, so each one would be mapped and faulted in
+afresh (``benchmarks/bench_encode.py`` measures the gain; docs/history/benchmarks-log.md); in bf16, pieces of 4,096
+tokens. Results are float32 in the original order.
 
 The model runs in one of three precisions (``densepass.device.resolve_precision``; ``auto`` is bf16
 on GPU and on a CPU with bf16 instructions, else fp32): ``fp32``; ``bf16``, a bfloat16 copy (weights cast once, pooling
 and normalisation in float32; on a CPU as fast as bf16 autocast, without a cast per operation, and a BERT, RoBERTa
-or XLM-R tower runs there with fused layers, ``models.fused``: 1.26-1.36x faster on a Xeon with AMX);
+or XLM-R tower runs there with fused layers, ``models.fused``, faster still: docs/benchmarks.md);
 ``int8``, a copy whose linear layers are dynamically quantised (``models.quantize``: int8 weights with a
 scale per output channel, activations with one scale per batch, so a text's int8 embedding depends slightly,
 about 1e-4, on the texts batched with it), except the feed-forward output projections, whose inputs (GELU
-activations with outliers) lose too much in int8 (mean cosine to fp32 0.98 with them, 0.99 without:
-MiniLM, debian-packages passages). A copy is made once per model and reused until its weights change
-(``models.copies``).
+activations with outliers) lose too much in int8 (docs/history/benchmarks-log.md, "Encoding precision"). A copy
+is made once per model and reused until its weights change (``models.copies``).
 """
 
 from __future__ import annotations

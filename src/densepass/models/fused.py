@@ -2,10 +2,8 @@
 
 On the CPU, ``transformers``' eager BERT layer in bf16 runs each linear layer as oneDNN's matrix product with the
 bias copied into the output first (one more pass), GELU as a pass of its own over the 1,536-wide feed-forward
-activations, and each residual add as another: in a profile of MiniLM encoding debian-packages passages on a
-2-core Xeon with AMX, the products took 47% of the time, SDPA 26%, GELU 7%, the copies 6%, the adds 4%
-(``benchmarks/bench_encode.py --unfused --profile``, docs/benchmarks.md). A fused layer computes the same thing in
-fewer passes:
+activations, and each residual add as another (``benchmarks/bench_encode.py --unfused --profile`` shows where the
+time goes; docs/history/benchmarks-log.md has a profile). A fused layer computes the same thing in fewer passes:
 
     qkv = x Wqkv^T + bqkv                       one product for the query, key and value projections
     a   = attention(q, k, v)                    scaled dot-product attention, per head
@@ -45,9 +43,9 @@ PAD_SHARE = 8
 cut from the output) where that adds at most 1 / ``PAD_SHARE`` of their length. SDPA's CPU flash kernel splits
 queries into blocks of 32 rows and runs its bf16 products on AMX tiles of 16: a ragged tail of queries or keys costs
 nearly a whole tile. A padded
-position costs the products as much as a token, so padding pays where it adds little: debian-packages passages
-encode 1.09x faster with it, while short queries padded from 9 to 16 tokens would encode slower (``bench_encode.py
---length-multiples 1``, docs/benchmarks.md "Inputs padded to whole tiles")."""
+position costs the products as much as a token, so padding pays where it adds little: passages gain, while short
+queries padded from 9 to 16 tokens would encode slower (``bench_encode.py --length-multiples 1`` measures it;
+docs/history/benchmarks-log.md, "Inputs padded to whole tiles")."""
 
 
 def fusable(encoder: nn.Module) -> bool:

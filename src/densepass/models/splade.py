@@ -65,9 +65,8 @@ class SpladeArchitecture:
 CPU_ENCODE_PIECE_TOKENS = 256
 """Tokens per piece of an encoding forward pass on the CPU (``models.batching.forward_in_pieces``). Fewer than
 the bi-encoder's 2,048: every token has vocabulary-sized logits (30,522 floats = 122 KB for BERT), and 256
-tokens keep them at 31 MB, under glibc's mmap threshold. 400 debian-packages passages, 128 tokens, batch 64,
-fp32 on 2 cores: 23.7 passages/s whole, 28.1 in pieces of 2,048, 30.3 in pieces of 256 (timed ad hoc with
-``encode``; ``benchmarks/bench_sparse_late.py`` compares the result with sentence-transformers)."""
+tokens keep them at 31 MB, under glibc's mmap threshold, where whole batches and 2,048-token pieces were slower
+(``benchmarks/bench_sparse_late.py`` compares the result with sentence-transformers: docs/benchmarks.md)."""
 
 
 def splade_weights(logits: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
