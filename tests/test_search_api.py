@@ -152,21 +152,109 @@ def test_an_ivfpq_index_of_too_few_passages_is_refused_before_encoding(model, co
     assert message in capsys.readouterr().err and not list(tmp_path.glob(".ivfpq.encoding/*.npy"))
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--rescore", "8"], "--rescore sets how many candidates --search-precision bf16 / int8 re-scores in fp32"),
-        (["--rerank-depth", "5"], "--rerank-depth applies to the second stage of --rerank, which is not given"),
-        (
-            ["--rerank-batch-size", "5"],
-            "--rerank-batch-size applies to the second stage of --rerank, which is not given",
-        ),
-        (["--hybrid", "rrf", "--fusion-weight", "0.3"], "--fusion-weight weighs the dense scores of --hybrid linear"),
-    ],
-)
-def test_search_options_that_would_be_ignored_are_refused_in_one_line(saved, flags, message, capsys):
-    assert cli.main(["search", str(saved["exact"]), "audio", *flags, "--device", "cpu"]) == 2
-    assert capsys.readouterr().err.strip() == f"densepass: error: {message}"
+@pytest.fixture(scope="module")
+def paths(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    """Models the refusals below name: the tiny BERT, and a ColBERT model saved from it."""
+    from densepass.models.colbert import ColBERT
+
+    colbert = tmp_path_factory.mktemp("colbert") / "colbert"
+    ColBERT.from_pretrained(str(tiny_model_dir)).save(colbert)
+    return {"MODEL": str(tiny_model_dir), "COLBERT": str(colbert)}
+
+
+NOT_GIVEN = "applies to the second stage of --rerank, which is not given"
+REFUSED = [  # (index kind, SearchPipeline.load's keywords, the same as `densepass search` flags, the one line)
+    (
+        "bm25",
+        {"precision": "bf16"},
+        ["--precision", "bf16"],
+        "--precision bf16 applies to model indexes; {} is a bm25 index",
+    ),
+    ("bm25", {"model": "MODEL"}, ["--model", "MODEL"], "--model is the model of a model index; {} is a bm25 index"),
+    ("exact", {"rerank_depth": 5}, ["--rerank-depth", "5"], f"--rerank-depth {NOT_GIVEN}"),
+    ("exact", {"rerank_batch_size": 5}, ["--rerank-batch-size", "5"], f"--rerank-batch-size {NOT_GIVEN}"),
+    ("exact", {"rerank_precision": "int8"}, ["--rerank-precision", "int8"], f"--rerank-precision int8 {NOT_GIVEN}"),
+    (
+        "exact",
+        {"rerank_depth": 5, "rerank_batch_size": 5},
+        ["--rerank-depth", "5", "--rerank-batch-size", "5"],
+        f"--rerank-depth, --rerank-batch-size {NOT_GIVEN}",
+    ),
+    (
+        "bm25",
+        {"reranker": "COLBERT", "rerank_precision": "int8"},
+        ["--rerank", "COLBERT", "--rerank-precision", "int8"],
+        "ColBERT models encode in fp32 or bf16 (or auto), not int8",
+    ),
+    (
+        "exact",
+        {"rescore": 8},
+        ["--rescore", "8"],
+        "--rescore sets how many candidates --search-precision bf16 / int8 re-scores in fp32",
+    ),
+    (
+        "exact",
+        {"fusion_weight": 0.3},
+        ["--fusion-weight", "0.3"],
+        "--fusion-weight weighs the dense scores of --hybrid linear",
+    ),
+    (
+        "exact",
+        {"hybrid": "rrf", "fusion_weight": 0.3},
+        ["--hybrid", "rrf", "--fusion-weight", "0.3"],
+        "--fusion-weight weighs the dense scores of --hybrid linear",
+    ),
+    (
+        "faiss-flat",
+        {"search_precision": "bf16"},
+        ["--search-precision", "bf16"],
+        "--search-precision is an option of exact indexes; {} is a faiss-flat index",
+    ),
+    (
+        "exact",
+        {"nprobe": 3},
+        ["--nprobe", "3"],
+        "--nprobe is an option of faiss-ivfpq-disk indexes; {} is a exact index",
+    ),
+    ("bm25", {"hybrid": "rrf"}, ["--hybrid", "rrf"], "--hybrid adds BM25 to a dense index; {} is a bm25 index"),
+]
+
+
+@pytest.mark.parametrize("kind, keywords, flags, message", REFUSED, ids=lambda v: str(v) if isinstance(v, dict) else "")
+def test_search_pipeline_load_refuses_what_the_command_line_refuses_before_loading_anything(
+    saved, paths, kind, keywords, flags, message, monkeypatch, capsys
+):
+    # the rules are SearchPipeline.load's: a Python caller gets the CLI's one line, before a model or index loads
+    from densepass.pipelines import search
+
+    def loads(*args, **kwargs):
+        raise AssertionError("loaded something before refusing")
+
+    for name in ("load_index", "load_model", "load_reranker"):
+        monkeypatch.setattr(search, name, loads)
+    expected = message.format(saved[kind])
+    with pytest.raises(ConfigError) as err:
+        SearchPipeline.load(saved[kind], device="cpu", **{key: paths.get(v, v) for key, v in keywords.items()})
+    assert str(err.value) == expected
+    flags = [paths.get(flag, flag) for flag in flags]
+    assert cli.main(["search", str(saved[kind]), "audio", *flags, "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"densepass: error: {expected}"
+
+
+def test_search_pipeline_load_takes_a_loaded_reranker_but_not_options_for_loading_one(saved):
+    class Length:
+        def score_pairs(self, queries, passages):
+            return np.array([len(p) for p in passages], dtype=float)
+
+        def describe(self):
+            return {"kind": "length"}
+
+    pipeline = SearchPipeline.load(saved["bm25"], Length(), device="cpu")
+    assert pipeline.rerank_depth == len(pipeline.index) and len(pipeline.search("audio", k=3)) == 3
+    with pytest.raises(
+        ConfigError, match="^--rerank-batch-size applies to the second stage of --rerank, which is loaded already$"
+    ):
+        SearchPipeline.load(saved["bm25"], Length(), rerank_batch_size=4)
 
 
 def test_run_then_index_search_and_evaluate_reproduce_the_runs_metrics(tiny_beir, tiny_model_dir, tmp_path, capsys):

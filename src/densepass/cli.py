@@ -18,8 +18,7 @@ from pathlib import Path
 from densepass.config import DEFAULT_METRICS, DEFAULT_MODEL, DENSE_INDEX_KINDS, FORMATS, ONDISK_INDEX_KIND, PRECISIONS
 from densepass.errors import DensepassError
 
-BIENCODER_KINDS = (*DENSE_INDEX_KINDS, ONDISK_INDEX_KIND)  # indexes of one bi-encoder's passage embeddings
-INDEX_KINDS = (*BIENCODER_KINDS, "bm25", "hybrid", "splade", "colbert", "phrase")
+INDEX_KINDS = (*DENSE_INDEX_KINDS, ONDISK_INDEX_KIND, "bm25", "hybrid", "splade", "colbert", "phrase")
 
 
 def positive_int(text: str) -> int:
@@ -106,17 +105,13 @@ def _phrase(args: argparse.Namespace) -> None:
 def _index(args: argparse.Namespace) -> None:
     from densepass import distributed
     from densepass.device import resolve_device
-    from densepass.errors import ConfigError
     from densepass.index.ondisk import IVFPQOptions
-    from densepass.io import move_aside
     from densepass.pipelines.indexing import IndexSettings, index_dataset
 
-    if args.kind == "bm25" and args.model is not None:
-        raise ConfigError("--kind bm25 indexes words, not a model's vectors: drop --model")
     nprobe = {} if args.nprobe is None else {"nprobe": args.nprobe}  # else each kind's own default
     settings = IndexSettings(
         args.kind,
-        args.model or DEFAULT_MODEL,
+        args.model,
         args.dense_kind,
         args.fusion,
         args.fusion_weight,
@@ -129,32 +124,10 @@ def _index(args: argparse.Namespace) -> None:
         precision=args.precision,
         ivf=IVFPQOptions(args.ivf_lists, args.pq_m, args.pq_bits, args.train_size, **nprobe),
     )
-    _check_output_apart(args.output, args.dataset, args.data_dir, [args.model, args.sparse_model])
-    if args.force and distributed.rank() == 0:
-        moved = move_aside(args.output)
-        if moved is not None:
-            print(f"moved what was at {args.output} to {moved}", file=sys.stderr)
     with distributed.process_group():  # under torchrun: one shard per process, rank 0 writes the index
-        index, name = index_dataset(args.dataset, args.data_dir, args.format, args.output, settings)
+        index, name = index_dataset(args.dataset, args.data_dir, args.format, args.output, settings, args.force)
     if index is not None:
         print(f"indexed {len(index):,} passages of {name} into {args.output} ({args.kind})")
-
-
-def _check_output_apart(output: str, dataset: str, data_dir: str | None, models: list[str | None]) -> None:
-    """A one-line error where ``--output`` is, holds or lies inside the dataset's or a model's folder: the index
-    would replace (or with --force move aside) what it reads."""
-    from densepass.data.paths import dataset_dir
-    from densepass.errors import ConfigError
-
-    target = Path(output).resolve()
-    inputs = [Path(m) for m in models if m and Path(m).is_dir()]
-    try:
-        inputs.append(dataset_dir(dataset, data_dir))
-    except Exception:  # a dataset that is not found: its own error comes when it is loaded
-        pass
-    for path in (p.resolve() for p in inputs):
-        if target == path or path in target.parents or target in path.parents:
-            raise ConfigError(f"--output {output} is, holds or lies inside {path}, which this command reads")
 
 
 def _retriever_options(args: argparse.Namespace):
@@ -169,134 +142,44 @@ def _retriever_options(args: argparse.Namespace):
 
 
 def _load_pipeline(args: argparse.Namespace):
-    from densepass.device import resolve_device, resolve_precision
-    from densepass.index.base import Index, load_index
-    from densepass.index.bm25 import BM25Index
-    from densepass.index.hybrid import HybridIndex
-    from densepass.models.copies import float_precision
-    from densepass.models.load import load_model
     from densepass.pipelines.search import SearchPipeline
 
-    device = resolve_device(args.device)
-    options = {"device": device}
-    from densepass.index.base import read_index_manifest
-
-    kind = read_index_manifest(Path(args.index))["kind"]
-    if kind in ("splade", "colbert"):
-        float_precision(args.precision, device, kind)
-        options["precision"] = args.precision
-    elif kind in (*BIENCODER_KINDS, "hybrid"):  # a hybrid index's first part is dense
-        resolve_precision(args.precision, device)
-        options["precision"] = args.precision
-    elif args.precision not in ("auto", "fp32"):
-        raise DensepassError(f"--precision {args.precision} applies to model indexes; {args.index} is a {kind} index")
-    if args.rerank:
-        _check_reranker_precision(args.rerank, args.rerank_precision, device)
-    else:
-        second_stage = [
-            ("--rerank-depth", args.rerank_depth is not None),
-            ("--rerank-batch-size", args.rerank_batch_size is not None),
-            (f"--rerank-precision {args.rerank_precision}", args.rerank_precision != "auto"),
-        ]
-        given = [flag for flag, set_ in second_stage if set_]
-        if given:
-            raise DensepassError(f"{', '.join(given)} applies to the second stage of --rerank, which is not given")
-    if args.rescore is not None and args.search_precision == "fp32":
-        raise DensepassError("--rescore sets how many candidates --search-precision bf16 / int8 re-scores in fp32")
-    if args.fusion_weight is not None and args.hybrid != "linear":
-        raise DensepassError("--fusion-weight weighs the dense scores of --hybrid linear")
-    if args.search_precision != "fp32":
-        if kind != "exact":
-            raise DensepassError(f"--search-precision is an option of exact indexes; {args.index} is a {kind} index")
-        options["search_precision"] = args.search_precision
-        if args.rescore is not None:
-            options["rescore"] = args.rescore
-    if args.nprobe is not None:
-        if kind != ONDISK_INDEX_KIND:
-            raise DensepassError(
-                f"--nprobe is an option of {ONDISK_INDEX_KIND} indexes; {args.index} is a {kind} index"
-            )
-        options["nprobe"] = args.nprobe
-    if args.model:  # a phrase index loads its own model; the others check the kind of the one given
-        options["model"] = args.model if kind == "phrase" else load_model(args.model)
-    index: Index = load_index(args.index, **(options if kind != "bm25" else {}))
-    if args.hybrid:
-        if kind not in BIENCODER_KINDS:
-            raise DensepassError(f"--hybrid adds BM25 to a dense index; {args.index} is a {kind} index")
-        weight = 0.5 if args.fusion_weight is None else args.fusion_weight
-        index = HybridIndex(index, BM25Index.build(index.passages), args.hybrid, weight)
-    reranker = (
-        _load_reranker(args.rerank, device, args.rerank_batch_size, args.rerank_precision) if args.rerank else None
+    return SearchPipeline.load(
+        args.index,
+        args.rerank,
+        args.rerank_depth,
+        model=args.model,
+        device=args.device,
+        precision=args.precision,
+        search_precision=args.search_precision,
+        rescore=args.rescore,
+        nprobe=args.nprobe,
+        hybrid=args.hybrid,
+        fusion_weight=args.fusion_weight,
+        rerank_batch_size=args.rerank_batch_size,
+        rerank_precision=args.rerank_precision,
     )
-    return SearchPipeline(index, reranker, args.rerank_depth or min(100, len(index)))
-
-
-def _check_reranker_precision(path: str, precision: str, device) -> None:
-    """A one-line error, before anything loads, where the reranker saved at ``path`` does not run ``precision``
-    (int8 on a GPU; int8 for ColBERT, which runs fp32 or bf16)."""
-    from densepass.device import resolve_precision
-    from densepass.models.biencoder import resolve_model_path
-    from densepass.models.copies import float_precision
-    from densepass.models.kinds import model_kind
-
-    if model_kind(resolve_model_path(path)) == "colbert":
-        float_precision(precision, device, "colbert")
-    else:
-        resolve_precision(precision, device)
-
-
-def _load_reranker(path: str, device, batch_size: int | None, precision: str):
-    """A second stage from a saved model: ColBERT (late interaction over the candidates) or a cross-encoder,
-    ``batch_size`` texts or pairs per forward pass (None: 64), scoring in ``precision``
-    (``_check_reranker_precision``)."""
-    from densepass.models.biencoder import resolve_model_path
-    from densepass.models.colbert import ColBERT, ColbertReranker
-    from densepass.models.cross_encoder import CrossEncoder
-    from densepass.models.kinds import model_kind
-
-    if model_kind(resolve_model_path(path)) == "colbert":
-        return ColbertReranker(ColBERT.from_pretrained(path), batch_size or 64, device, precision)
-    return CrossEncoder.from_pretrained(path, device=device, batch_size=batch_size or 64, precision=precision)
-
-
-def check_run_output(path: str) -> None:
-    """A one-line error when a run file to write is an existing directory, or a file that is not a TREC run
-    (densepass overwrites only its own output, ``io.check_output_file``)."""
-    from densepass.errors import ConfigError
-    from densepass.evaluation.metrics import is_trec_line
-    from densepass.io import check_output_file, every_line
-
-    if Path(path).is_dir():
-        raise ConfigError(f"--output {path} is a directory; give a run file path")
-    check_output_file(path, "TREC run", every_line(is_trec_line))
 
 
 def _rerank(args: argparse.Namespace) -> None:
-    import time
+    from densepass.pipelines.search import rerank_run_file
 
-    from densepass.data import load_dataset
-    from densepass.device import resolve_device
-    from densepass.errors import ConfigError
-    from densepass.evaluation.metrics import read_trec_run, write_trec_run
-    from densepass.pipelines.search import check_run_queries, rerank_run
-
-    check_run_output(args.output)
-    if Path(args.output).resolve() == Path(args.run).resolve():
-        raise ConfigError(f"--output {args.output} is the run being reranked; write the reranked run elsewhere")
-    device = resolve_device(args.device)
-    _check_reranker_precision(args.model, args.precision, device)  # a missing model or a bad precision: first
-    dataset = load_dataset(args.dataset, args.data_dir, args.format)
-    run = read_trec_run(args.run, dataset.corpus)
-    check_run_queries(run, dataset.queries)  # before the model loads
-    reranker = _load_reranker(args.model, device, args.batch_size, args.precision)
-    started = time.perf_counter()
-    reranked = rerank_run(run, dataset.queries, dataset.corpus, reranker, args.depth, args.k, args.fuse_weight)
-    seconds = time.perf_counter() - started
-    write_trec_run(reranked, args.output, tag=args.tag)
-    summary = {"queries": len(run), "depth": args.depth, "fuse_weight": args.fuse_weight, "device": str(device)}
-    summary["seconds"] = round(seconds, 2)
-    summary["ms_per_query"] = round(1000 * seconds / len(run), 2)
-    print(json.dumps({**summary, "reranker": reranker.describe(), "output": args.output}))
+    summary = rerank_run_file(
+        args.dataset,
+        args.run,
+        args.model,
+        args.output,
+        data_dir=args.data_dir,
+        format=args.format,
+        depth=args.depth,
+        k=args.k,
+        fuse_weight=args.fuse_weight,
+        device=args.device,
+        batch_size=args.batch_size,
+        precision=args.precision,
+        tag=args.tag,
+    )
+    print(json.dumps(summary))
 
 
 def _search(args: argparse.Namespace) -> None:
@@ -308,20 +191,18 @@ def _search(args: argparse.Namespace) -> None:
         raise ConfigError("--queries needs --output (a TREC run file)")
     if args.query is not None and args.output:
         raise ConfigError("--output writes the TREC run of --queries FILE; one QUERY's hits are printed")
-    if args.output:
-        check_run_output(args.output)
+    from densepass.evaluation.metrics import check_run_file, write_trec_run
     from densepass.pipelines.search import check_query, read_queries
 
-    if args.query is not None:
-        check_query(args.query, "the query")  # before the index and model load
+    if args.query is not None:  # before the index and model load
+        check_query(args.query, "the query")
     else:
+        check_run_file(args.output)
         ids, texts = read_queries(args.queries)
     pipeline = _load_pipeline(args)
     if args.query is not None:
         _print_hits(args.query, pipeline.search(args.query, args.k))
         return
-    from densepass.evaluation.metrics import write_trec_run
-
     run = pipeline.results(texts, args.k).as_run(ids)
     write_trec_run(run, args.output, tag=args.tag)
     print(f"{len(ids):,} queries searched, top {args.k} each -> {args.output}")
@@ -394,6 +275,7 @@ def _evaluate(args: argparse.Namespace) -> None:
 def _analyze_attention(args: argparse.Namespace) -> None:
     from densepass.analysis.attention import attention_entropy, entropy_table, plot_entropy, sample_passages
     from densepass.data import load_dataset
+    from densepass.data.paths import check_output_apart
     from densepass.device import resolve_device
     from densepass.errors import ConfigError
     from densepass.io import atomic_write_text, check_output_file
@@ -403,7 +285,7 @@ def _analyze_attention(args: argparse.Namespace) -> None:
         raise ConfigError(f"--labels gives {len(labels)} names for {len(args.models)} models")
     if Path(args.output).suffix.lower() != ".png":
         raise ConfigError(f"--output {args.output} is the plot's path: give it a .png name (the numbers go beside it)")
-    _check_output_apart(args.output, args.dataset, args.data_dir, list(args.models))
+    check_output_apart(args.output, args.dataset, args.data_dir, list(args.models))
     check_output_file(args.output, "attention plot", lambda path: path.read_bytes().startswith(b"\x89PNG"))
     check_output_file(Path(args.output).with_suffix(".json"), "attention result", _is_attention_result)
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
@@ -427,10 +309,11 @@ def _is_attention_result(path: Path) -> bool:
 
 def _validate_study(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
+    from densepass.data.paths import check_output_apart
     from densepass.io import locked_run_directory
     from densepass.pipelines.study import STUDY_ENTRIES, StudySettings, expand_checkpoints, run_study
 
-    _check_output_apart(args.output, args.dataset, args.data_dir, list(args.checkpoints))
+    check_output_apart(args.output, args.dataset, args.data_dir, list(args.checkpoints))
 
     settings = StudySettings(
         args.split, args.r, args.k, args.retriever, args.metric, args.max_queries, args.seed, args.corpus_fraction

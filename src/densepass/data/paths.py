@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
-from densepass.errors import DataError
+from densepass.errors import ConfigError, DataError
 
 ENV_VAR = "DENSEPASS_DATA"
 
@@ -37,6 +38,23 @@ def dataset_dir(name: str, data_dir: str | Path | None = None) -> Path:
             f"or download it with `densepass download {name}`)"
         )
     return path
+
+
+def check_output_apart(
+    output: str | Path, dataset: str, data_dir: str | Path | None, models: Sequence[str | Path | None]
+) -> None:
+    """A one-line ConfigError where ``output`` is, holds or lies inside the folder of ``dataset`` or of one of
+    ``models`` (those that are local folders): the command would replace, or with ``--force`` move aside, what it
+    reads. A dataset that is not found is left to the error its loading gives."""
+    target = Path(output).resolve()
+    inputs = [Path(m) for m in models if m and _is_dir(Path(m))]
+    try:
+        inputs.append(dataset_dir(dataset, data_dir))
+    except DataError:
+        pass
+    for path in (p.resolve() for p in inputs):
+        if target == path or path in target.parents or target in path.parents:
+            raise ConfigError(f"--output {output} is, holds or lies inside {path}, which this command reads")
 
 
 def _is_dir(path: Path) -> bool:

@@ -277,15 +277,28 @@ def is_trec_line(line: str) -> bool:
     return len(fields) == 6 and fields[1] == "Q0"
 
 
+def check_run_file(path: str | Path) -> None:
+    """A one-line error when a run file to write is an existing directory, or a file that is not a TREC run
+    (densepass overwrites only its own output, ``io.check_output_file``); ``write_trec_run`` checks it, and a
+    command checks it before its work."""
+    from densepass.io import check_output_file, every_line
+
+    if Path(path).is_dir():
+        raise ConfigError(f"--output {path} is a directory; give a run file path")
+    check_output_file(path, "TREC run", every_line(is_trec_line))
+
+
 def write_trec_run(run: Run, path: str | Path, tag: str = "densepass") -> None:
-    """TREC run format: ``qid Q0 pid rank score tag``, best first; written atomically."""
+    """TREC run format: ``qid Q0 pid rank score tag``, best first; written atomically, over nothing but a TREC run
+    (``check_run_file``); a run without hits is an empty file."""
     from densepass.io import atomic_write_text
 
+    check_run_file(path)
     lines = []
     for qid in run:
         ranked = sorted(run[qid].items(), key=lambda item: -item[1])
-        lines.extend(f"{qid} Q0 {pid} {rank} {score:.6f} {tag}" for rank, (pid, score) in enumerate(ranked, 1))
-    atomic_write_text(path, "\n".join(lines) + "\n")
+        lines.extend(f"{qid} Q0 {pid} {rank} {score:.6f} {tag}\n" for rank, (pid, score) in enumerate(ranked, 1))
+    atomic_write_text(path, "".join(lines))
 
 
 def read_trec_run(path: str | Path, corpus: Container[str] | None = None) -> Run:

@@ -22,15 +22,17 @@ import dataclasses
 import fnmatch
 import os
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from densepass import distributed
-from densepass.config import DENSE_INDEX_KINDS, ONDISK_INDEX_KIND, ModelConfig
+from densepass.config import DEFAULT_MODEL, DENSE_INDEX_KINDS, ONDISK_INDEX_KIND, ModelConfig
 from densepass.data import load_dataset, stream_passage_inputs
 from densepass.data.dataset import Corpus, LazyTexts
+from densepass.data.paths import check_output_apart
 from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.fingerprints import fingerprint_corpus
@@ -41,6 +43,7 @@ from densepass.index.faiss_index import check_trainable
 from densepass.index.hybrid import HybridIndex, part_precision
 from densepass.index.ondisk import IVFPQOptions, build_ondisk_ivfpq
 from densepass.index.sharded import DEFAULT_BLOCK, SHARDS_FILE, ShardedEmbeddings, encode_sharded
+from densepass.io import move_aside
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT
 from densepass.models.copies import float_precision
@@ -58,7 +61,7 @@ class IndexSettings:
     """How ``build_index`` indexes a corpus."""
 
     kind: str = "exact"  # one of INDEX_KINDS
-    model: str | None = None  # dense and hybrid kinds: the bi-encoder (a saved model or a name)
+    model: str | None = None  # the model of every kind but bm25, which takes none (None: DEFAULT_MODEL)
     dense_kind: str = "exact"  # hybrid: the dense part's kind
     fusion: str = "rrf"  # hybrid: rrf or linear
     fusion_weight: float = 0.5  # hybrid, linear: weight of the dense scores
@@ -84,6 +87,10 @@ class IndexSettings:
             raise ConfigError(f"unknown dense index kind {self.dense_kind!r} (known: {', '.join(DENSE_INDEX_KINDS)})")
         if self.batch_size < 1 or self.shard_size < 1:
             raise ConfigError("batch size and shard size must be >= 1")
+        if self.kind == "bm25" and self.model is not None:
+            raise ConfigError("--kind bm25 indexes words, not a model's vectors: drop --model")
+        if self.kind != "bm25" and self.model is None:
+            self.model = DEFAULT_MODEL
         if self.kind != "bm25" and not self.model:
             raise ConfigError(f"a {self.kind} index needs a model")
         if self.sparse_model and self.kind != "hybrid":
@@ -218,11 +225,23 @@ def _locked(work_dir: Path) -> Iterator[None]:
 
 
 def index_dataset(
-    name: str, data_dir: str | Path | None, format: str, output: str | Path, settings: IndexSettings
+    name: str,
+    data_dir: str | Path | None,
+    format: str,
+    output: str | Path,
+    settings: IndexSettings,
+    force: bool = False,
 ) -> tuple[Index | None, str]:
     """Index the corpus of dataset ``name`` into ``output``: ``build_index`` in one process; under torchrun,
     dense kinds only, each process encoding its shard. Returns (the index, on rank 0 (else None); the
-    dataset's name)."""
+    dataset's name). An ``output`` that is, holds or lies in the dataset's or a model's folder is refused
+    (``data.paths.check_output_apart``); ``force``: what is at ``output`` that densepass may not replace is moved
+    aside (``io.move_aside``, with a warning naming where) instead of refused."""
+    check_output_apart(output, name, data_dir, [settings.model, settings.sparse_model])
+    if force:
+        moved = distributed.on_rank_zero(lambda: move_aside(output))
+        if moved is not None and distributed.rank() == 0:
+            warnings.warn(f"moved what was at {output} to {moved}", stacklevel=2)
     if distributed.world_size() == 1:
         dataset = load_dataset(name, data_dir, format, passages_on_disk=True)
         return build_index(dataset.corpus, output, settings), dataset.name

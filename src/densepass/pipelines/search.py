@@ -21,14 +21,25 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
+from densepass.config import DENSE_INDEX_KINDS, ONDISK_INDEX_KIND
 from densepass.data.dataset import Corpus
 from densepass.data.texts import is_blank, surrogate_problem
-from densepass.device import default_device, resolve_precision
+from densepass.device import default_device, resolve_device, resolve_precision
 from densepass.errors import ConfigError, DataError
-from densepass.index.base import Index, SearchResults, check_k, load_index
-from densepass.models.biencoder import model_name
+from densepass.index.base import KINDS, Index, SearchResults, check_k, load_index, read_index_manifest
+from densepass.index.bm25 import BM25Index
+from densepass.index.hybrid import HybridIndex
+from densepass.models.biencoder import model_name, resolve_model_path
+from densepass.models.colbert import ColBERT, ColbertReranker
+from densepass.models.copies import float_precision
+from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.kinds import model_kind
+from densepass.models.load import load_model
 from densepass.phrase.index import PhraseIndex, PhraseSearchResults  # registers the phrase kind for load_index
+
+BIENCODER_KINDS = (*DENSE_INDEX_KINDS, ONDISK_INDEX_KIND)  # indexes of one bi-encoder's passage embeddings
 
 
 @dataclass
@@ -96,10 +107,92 @@ class SearchPipeline:
 
     @classmethod
     def load(
-        cls, directory: str | Path, reranker: Reranker | None = None, rerank_depth: int = 100, **index_options: Any
+        cls,
+        directory: str | Path,
+        reranker: Reranker | str | Path | None = None,
+        rerank_depth: int | None = None,
+        *,
+        model: Any = None,
+        device: str | torch.device | None = None,
+        precision: str = "auto",
+        search_precision: str = "fp32",
+        rescore: int | None = None,
+        nprobe: int | None = None,
+        hybrid: str | None = None,
+        fusion_weight: float | None = None,
+        rerank_batch_size: int | None = None,
+        rerank_precision: str = "auto",
+        **index_options: Any,
     ) -> SearchPipeline:
-        """A pipeline over the index saved in ``directory``."""
-        return cls(load_index(directory, **index_options), reranker, rerank_depth)
+        """A pipeline over the index saved in ``directory`` (what ``densepass search`` and ``serve`` run; each
+        keyword is the option of the same name there, ``--rerank`` being ``reranker``).
+
+        ``model``: the index's model (a saved path, or a loaded model) if it moved since indexing; ``device`` where
+        models run (default: ``default_device()``); ``precision`` how a model index encodes queries (fp32, bf16,
+        int8, auto); ``search_precision`` / ``rescore``: an exact index scores every passage in bf16 or int8, then
+        re-scores the best ``rescore`` x k in fp32; ``nprobe``: lists an on-disk IVF-PQ index probes per query;
+        ``hybrid`` (rrf or linear): fuse a bi-encoder index with BM25 over its passages, the dense scores weighing
+        ``fusion_weight`` (linear; default 0.5). ``reranker``: a second stage, loaded or the path of a saved
+        cross-encoder or ColBERT model (``load_reranker``: ``rerank_batch_size`` texts or pairs per pass, scoring in
+        ``rerank_precision``), re-scoring the top ``rerank_depth`` candidates (default: 100, or every passage of a
+        smaller index). Other ``index_options`` go to the index's kind (``index.base.load_index``).
+
+        An option that does not apply to the index or to the options given with it (a second-stage option without a
+        reranker, ``rescore`` without a reduced search precision, a model for BM25, a precision a model cannot run)
+        is a one-line ConfigError before any model or index is loaded, so that nothing asked for is silently
+        ignored."""
+        device = device if isinstance(device, torch.device) else resolve_device(device)
+        kind = read_index_manifest(Path(directory))["kind"]
+        options: dict[str, Any] = {} if kind == "bm25" else {"device": device}
+        if kind in ("splade", "colbert"):
+            float_precision(precision, device, kind)
+            options["precision"] = precision
+        elif kind in (*BIENCODER_KINDS, "hybrid"):  # a hybrid index's first part is dense
+            resolve_precision(precision, device)
+            options["precision"] = precision
+        elif precision not in ("auto", "fp32"):
+            raise ConfigError(f"--precision {precision} applies to model indexes; {directory} is a {kind} index")
+        if isinstance(reranker, str | Path):
+            check_reranker_precision(reranker, rerank_precision, device)
+        else:
+            second_stage = [
+                ("--rerank-depth", rerank_depth is not None and reranker is None),
+                ("--rerank-batch-size", rerank_batch_size is not None),
+                (f"--rerank-precision {rerank_precision}", rerank_precision != "auto"),
+            ]
+            given = [option for option, set_ in second_stage if set_]
+            if given:
+                what = "is not given" if reranker is None else "is loaded already"
+                raise ConfigError(f"{', '.join(given)} applies to the second stage of --rerank, which {what}")
+        if rescore is not None and search_precision == "fp32":
+            raise ConfigError("--rescore sets how many candidates --search-precision bf16 / int8 re-scores in fp32")
+        if fusion_weight is not None and hybrid != "linear":
+            raise ConfigError("--fusion-weight weighs the dense scores of --hybrid linear")
+        if search_precision != "fp32":
+            if kind != "exact":
+                raise ConfigError(f"--search-precision is an option of exact indexes; {directory} is a {kind} index")
+            options["search_precision"] = search_precision
+            if rescore is not None:
+                options["rescore"] = rescore
+        if nprobe is not None:
+            if kind != ONDISK_INDEX_KIND:
+                raise ConfigError(
+                    f"--nprobe is an option of {ONDISK_INDEX_KIND} indexes; {directory} is a {kind} index"
+                )
+            options["nprobe"] = nprobe
+        if hybrid is not None and kind not in BIENCODER_KINDS:
+            raise ConfigError(f"--hybrid adds BM25 to a dense index; {directory} is a {kind} index")
+        if model is not None and KINDS[kind].load_options is not None and "model" not in KINDS[kind].load_options:
+            raise ConfigError(f"--model is the model of a model index; {directory} is a {kind} index")
+        if model is not None:  # a phrase index loads its own model; the others check the kind of the one given
+            options["model"] = load_model(str(model)) if isinstance(model, str | Path) and kind != "phrase" else model
+        index = load_index(directory, **options, **index_options)
+        if hybrid is not None:
+            weight = 0.5 if fusion_weight is None else fusion_weight
+            index = HybridIndex(index, BM25Index.build(index.passages), hybrid, weight)
+        if isinstance(reranker, str | Path):
+            reranker = load_reranker(reranker, device, rerank_batch_size, rerank_precision)
+        return cls(index, reranker, rerank_depth or min(100, len(index)))
 
     def search(self, query: str, k: int = 10) -> list[Hit]:
         """The top-``k`` hits of one query (a blank one, or one holding a lone surrogate, is a one-line
@@ -158,6 +251,26 @@ class SearchPipeline:
             facts["reranker"] = self.reranker.describe()
             facts["rerank_depth"] = self.rerank_depth
         return facts
+
+
+def check_reranker_precision(path: str | Path, precision: str, device: torch.device) -> None:
+    """A one-line error, before anything loads, where the reranker saved at ``path`` does not run ``precision``
+    (int8 on a GPU; int8 for ColBERT, which runs fp32 or bf16)."""
+    if model_kind(resolve_model_path(str(path))) == "colbert":
+        float_precision(precision, device, "colbert")
+    else:
+        resolve_precision(precision, device)
+
+
+def load_reranker(path: str | Path, device: torch.device, batch_size: int | None = None, precision: str = "auto"):
+    """A second stage from a saved model: ColBERT (late interaction over the candidates) or a cross-encoder,
+    ``batch_size`` texts or pairs per forward pass (None: 64), scoring in ``precision`` (checked first:
+    ``check_reranker_precision``)."""
+    check_reranker_precision(path, precision, device)
+    path = str(path)
+    if model_kind(resolve_model_path(path)) == "colbert":
+        return ColbertReranker(ColBERT.from_pretrained(path), batch_size or 64, device, precision)
+    return CrossEncoder.from_pretrained(path, device=device, batch_size=batch_size or 64, precision=precision)
 
 
 def check_query(query: str, what: str) -> None:
@@ -275,6 +388,51 @@ def rerank_run(
         tail = {p: -1.0 - i for i, (p, _) in enumerate(ranked[depth:])}
         out[q] = dict(sorted({**fused.get(q, {}), **tail}.items(), key=lambda item: -item[1])[:k])
     return out
+
+
+def rerank_run_file(
+    dataset: str,
+    run: str | Path,
+    model: str | Path,
+    output: str | Path,
+    *,
+    data_dir: str | Path | None = None,
+    format: str = "beir",
+    depth: int = 100,
+    k: int | None = None,
+    fuse_weight: float | None = None,
+    device: str | torch.device | None = None,
+    batch_size: int = 64,
+    precision: str = "auto",
+    tag: str = "densepass-rerank",
+) -> dict:
+    """``densepass rerank``: the TREC run file ``run`` over dataset ``dataset`` (its queries and corpus) reranked by
+    the saved cross-encoder or ColBERT ``model`` (``rerank_run``) and written to the run file ``output``; returns
+    what was done (queries, depth, device, reranker, seconds). Before any work: ``output`` must be free for a run
+    (``check_run_file``) and not the run being read, and the reranker must run ``precision`` on the device; before
+    the model loads, every query of the run must have a text in the dataset."""
+    import time
+
+    from densepass.data import load_dataset
+    from densepass.evaluation.metrics import check_run_file, read_trec_run, write_trec_run
+
+    check_run_file(output)
+    if Path(output).resolve() == Path(run).resolve():
+        raise ConfigError(f"--output {output} is the run being reranked; write the reranked run elsewhere")
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    check_reranker_precision(model, precision, device)  # a missing model or a bad precision: first
+    data = load_dataset(dataset, data_dir, format)
+    first = read_trec_run(run, data.corpus)
+    check_run_queries(first, data.queries)  # before the model loads
+    reranker = load_reranker(model, device, batch_size, precision)
+    started = time.perf_counter()
+    reranked = rerank_run(first, data.queries, data.corpus, reranker, depth, k, fuse_weight)
+    seconds = time.perf_counter() - started
+    write_trec_run(reranked, output, tag=tag)
+    summary = {"queries": len(first), "depth": depth, "fuse_weight": fuse_weight, "device": str(device)}
+    summary["seconds"] = round(seconds, 2)
+    summary["ms_per_query"] = round(1000 * seconds / len(first), 2)
+    return {**summary, "reranker": reranker.describe(), "output": str(output)}
 
 
 def check_run_queries(run: Mapping[str, object], queries: Mapping[str, str]) -> None:

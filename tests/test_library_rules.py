@@ -1,0 +1,64 @@
+"""The rules ``densepass index`` and ``rerank`` apply live in the library: a Python caller of ``IndexSettings``,
+``index_dataset``, ``rerank_run_file`` and ``write_trec_run`` gets the command line's one-line refusals, before any
+work and with nothing written or moved. (``SearchPipeline.load``'s: tests/test_search_api.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from densepass.config import DEFAULT_MODEL
+from densepass.errors import ConfigError, DensepassError
+from densepass.evaluation.metrics import read_trec_run, write_trec_run
+from densepass.pipelines.indexing import IndexSettings, index_dataset
+from densepass.pipelines.search import rerank_run_file
+
+
+def test_index_settings_refuse_a_model_for_bm25_and_default_it_for_the_others():
+    with pytest.raises(ConfigError, match=r"^--kind bm25 indexes words, not a model's vectors: drop --model$"):
+        IndexSettings("bm25", "some-model")
+    assert IndexSettings("bm25").model is None
+    assert IndexSettings("exact").model == DEFAULT_MODEL
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
+def test_index_dataset_refuses_an_output_among_its_inputs_and_moves_nothing(tiny_beir, tiny_model_dir, force):
+    model_files = sorted(p.name for p in tiny_model_dir.iterdir())
+    data_files = sorted(p.name for p in tiny_beir.iterdir())
+    settings = IndexSettings("exact", str(tiny_model_dir))
+    for output in (tiny_model_dir, tiny_beir, tiny_beir / "idx", tiny_beir.parent):
+        with pytest.raises(ConfigError, match="is, holds or lies inside .*, which this command reads$"):
+            index_dataset(str(tiny_beir), None, "beir", output, settings, force=force)
+    assert sorted(p.name for p in tiny_model_dir.iterdir()) == model_files
+    assert sorted(p.name for p in tiny_beir.iterdir()) == data_files
+    assert not [p for p in tiny_beir.parent.iterdir() if ".replaced-" in p.name]
+
+
+def test_rerank_run_file_refuses_its_own_input_and_a_users_file_before_reading_anything(tiny_beir, tmp_path):
+    run = tmp_path / "first.trec"
+    run.write_text("q30 Q0 p30 1 1.0 densepass\n")
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my notes\n")
+    refused = [
+        (run, ConfigError, "is the run being reranked; write the reranked run elsewhere$"),
+        (mine, DensepassError, "is not a TREC run densepass wrote"),
+        (tmp_path, ConfigError, "is a directory; give a run file path$"),
+    ]
+    for output, error, message in refused:
+        with pytest.raises(error, match=message):  # "none" is no model: the output is refused before it is looked up
+            rerank_run_file(str(tiny_beir), run, "none", output, device="cpu")
+    assert run.read_text() == "q30 Q0 p30 1 1.0 densepass\n" and mine.read_text() == "my notes\n"
+
+
+def test_write_trec_run_writes_over_a_run_only(tmp_path):
+    path = tmp_path / "run.trec"
+    write_trec_run({}, path)
+    assert path.read_text() == ""  # a run without hits: an empty file, which the next write may replace
+    write_trec_run({"q": {"a": 2.0, "b": 1.0}}, path, tag="t")
+    assert path.read_text() == "q Q0 a 1 2.000000 t\nq Q0 b 2 1.000000 t\n"
+    write_trec_run({"q": {"b": 3.0}}, path)
+    assert read_trec_run(path) == {"q": {"b": 3.0}}
+    mine = tmp_path / "mine.txt"
+    mine.write_text("a line of my own\n")
+    with pytest.raises(DensepassError, match="is not a TREC run densepass wrote"):
+        write_trec_run({"q": {"a": 1.0}}, mine)
+    assert mine.read_text() == "a line of my own\n"
