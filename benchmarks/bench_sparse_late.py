@@ -270,11 +270,11 @@ def main() -> None:
 
     from densepass.device import resolve_precision
     from densepass.index.colbert import ColbertIndex
+    from densepass.losses.objectives import FLOPS, InfoNCE
     from densepass.models.biencoder import resolve_model_path
     from densepass.models.colbert import ColBERT, ColbertArchitecture
     from densepass.models.copies import float_precision
     from densepass.models.splade import SpladeArchitecture, SpladeEncoder
-    from densepass.training.splade import SpladeObjective
 
     device = pick_device(args.device)
     bf16 = device.type == "cuda" or args.cpu_bf16
@@ -298,7 +298,7 @@ def main() -> None:
     # 1-2. SPLADE: one starting checkpoint for both libraries
     start = work / "splade-start"
     SpladeEncoder.from_pretrained(path, config=SpladeArchitecture(temperature=1.0, **lengths)).save(start)
-    objective = SpladeObjective(lambda_q=args.lambda_q, lambda_d=args.lambda_d, warmup_steps=0)
+    objective = InfoNCE() + FLOPS(lambda_q=args.lambda_q, lambda_d=args.lambda_d, warmup_steps=0)
     examples = args.steps * args.batch_size
     if not args.no_train:
         splade = SpladeEncoder.from_pretrained(str(start))

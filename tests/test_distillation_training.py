@@ -12,9 +12,9 @@ from densepass.data import load_dataset
 from densepass.errors import ConfigError
 from densepass.losses.contrastive import info_nce
 from densepass.losses.listwise_kl import listwise_kl_loss
+from densepass.losses.objectives import Distillation, InfoNCE, own_candidates
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.training.batches import TrainingData
-from densepass.training.objectives import Contrastive, Distillation, own_candidates
 from densepass.training.step import batch_tensors, forward_backward
 from densepass.training.trainer import train
 
@@ -76,7 +76,7 @@ def test_the_combined_loss_is_contrastive_plus_weight_times_kl(tiny_model_dir, t
     with torch.no_grad():
         q = model(tensors.queries["input_ids"], tensors.queries["attention_mask"], "query")
         p = model(tensors.passages["input_ids"], tensors.passages["attention_mask"], "passage")
-        combined = Distillation("kl", 0.3, 2.0, Contrastive())(model, q, p, tensors)
+        combined = Distillation("kl", 0.3, 2.0, InfoNCE())(model, q, p, tensors)
         scores = q @ p.T / 0.1
         expected = info_nce(scores, tensors.positive_index, tensors.mask) + 0.3 * listwise_kl_loss(
             own_candidates(scores, tensors.positive_index), tensors.extras["teacher_scores"], 2.0
@@ -91,7 +91,7 @@ def test_grad_cache_gives_the_plain_gradient_of_the_distillation_loss(tiny_model
 
     def grads(chunk):
         model = _model(tiny_model_dir)
-        out = forward_backward(model, batch, CPU, Distillation(loss, 1.0, 1.0, Contrastive()), chunk_size=chunk)
+        out = forward_backward(model, batch, CPU, Distillation(loss, 1.0, 1.0, InfoNCE()), chunk_size=chunk)
         return out.loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     loss_full, full = grads(None)
@@ -116,7 +116,7 @@ def test_distillation_training_lowers_the_loss_and_resumes_exactly(tiny_model_di
 
     data, _ = make_data(tiny_beir)
     config = TrainConfig(epochs=2, batch_size=6, learning_rate=1e-3, warmup_ratio=0.0, checkpoint_every=3, log_every=1)
-    objective = Distillation("margin-mse", 0.5, 1.0, Contrastive())
+    objective = Distillation("margin-mse", 0.5, 1.0, InfoNCE())
     full = _model(tiny_model_dir)
     result = train(full, data, config, tmp_path / "full", CPU, objective=objective)
     losses = [float(line.split('"loss": ')[1].split(",")[0]) for line in result.log_path.read_text().splitlines()]

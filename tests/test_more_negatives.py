@@ -16,13 +16,14 @@ import torch.multiprocessing as mp
 from densepass.config import LossConfig, TrainConfig, load_config
 from densepass.data import load_dataset
 from densepass.errors import ConfigError
+from densepass.losses.batch import BatchTensors
 from densepass.losses.ltr import ltr_loss, ltr_scores
 from densepass.losses.memory import NegativeMemory, memory_mask
+from densepass.losses.objectives import InfoNCE
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.models.momentum import MomentumEncoder, passage_parameters
-from densepass.training.batches import BatchTensors, TrainingData
+from densepass.training.batches import TrainingData
 from densepass.training.more_negatives import MoCoQueue, MultiSource, PreBatch, ltr_head, objective_from_config
-from densepass.training.objectives import Contrastive
 from densepass.training.step import batch_tensors, forward_backward
 from densepass.training.trainer import train
 
@@ -120,7 +121,7 @@ def _random_step(seed=0, b=4, hard=1, dim=6):
 def test_every_lambda_one_without_memory_is_exactly_todays_contrastive_loss():
     q, p, batch = _random_step()
     for bidirectional in (False, True):
-        today = Contrastive(bidirectional)(Dot(), q, p, batch)
+        today = InfoNCE(bidirectional)(Dot(), q, p, batch)
         assert torch.equal(MultiSource(bidirectional=bidirectional)(Dot(), q, p, batch), today)
 
 
@@ -150,7 +151,7 @@ def test_the_memory_joins_the_negatives_from_the_second_step_on():
     objective = MultiSource(memory=PreBatch(1))
     q, p, batch = _random_step(0)
     first = objective(Dot(), q, p, batch)
-    assert torch.equal(first, Contrastive()(Dot(), q, p, batch))
+    assert torch.equal(first, InfoNCE()(Dot(), q, p, batch))
     objective.after_step(Dot(), q, p, _random_step(1)[2])  # other keys: nothing masked
     assert objective(Dot(), q, p, batch) > first  # more negatives, the same positives
 
@@ -369,7 +370,7 @@ def test_resuming_with_a_memory_from_a_checkpoint_without_one_is_a_one_line_erro
     tiny_model_dir, tiny_beir, tmp_path, monkeypatch
 ):
     data = make_data(tiny_beir)
-    _interrupt(tiny_model_dir, data, lambda model: Contrastive(), tmp_path, monkeypatch)
+    _interrupt(tiny_model_dir, data, lambda model: InfoNCE(), tmp_path, monkeypatch)
     for objective_of, what in ((OBJECTIVES["pre-batch"], "pre-batch memory"), (OBJECTIVES["moco"], "MoCo queue")):
         model = BiEncoder.from_pretrained(str(tiny_model_dir))
         with pytest.raises(ConfigError, match=f"no saved {what}") as error:
@@ -424,7 +425,7 @@ def test_bad_objective_arguments_are_one_line_errors(tiny_model_dir):
 
 def test_the_default_loss_config_builds_todays_objective(tiny_model_dir):
     model = tiny(tiny_model_dir)
-    assert objective_from_config(LossConfig(), TrainConfig(), model) == Contrastive(False)
+    assert objective_from_config(LossConfig(), TrainConfig(), model) == InfoNCE(False)
     built = objective_from_config(LossConfig(memory="moco", queue_size=32, lambda_memory=16), TrainConfig(), model)
     assert isinstance(built.memory, MoCoQueue) and built.weights == (1.0, 16.0, 1.0)
     assert "MoCo queue (K = 32" in built.describe()

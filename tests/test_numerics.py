@@ -19,12 +19,12 @@ from densepass.errors import DataError
 from densepass.index.base import load_index
 from densepass.index.dense import DenseIndex
 from densepass.io import MANIFEST, write_manifest
+from densepass.losses.objectives import InfoNCE
 from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.numerics import Diverged, DivergenceGuard, SkippedBatchWarning, first_nonfinite, nonfinite_row
 from densepass.training.batches import TrainingData
 from densepass.training.cross_encoder import train_cross_encoder
-from densepass.training.objectives import Contrastive
 from densepass.training.trainer import train
 
 CPU = torch.device("cpu")
@@ -105,7 +105,7 @@ def test_every_process_stops_or_skips_when_one_of_them_meets_a_nan(tmp_path):
 # ---- the bi-encoder loop -------------------------------------------------------------------------------
 
 
-class Poisoned(Contrastive):
+class Poisoned(InfoNCE):
     """The contrastive loss, NaN on the batches whose passage keys sum to a multiple of 3: the same batches in
     every run, whatever the process's history."""
 
@@ -185,7 +185,7 @@ def test_skip_nonfinite_skips_the_batches_finishes_and_resumes_to_the_same_weigh
 
 
 def test_more_skipped_batches_in_a_row_than_the_bound_stop_training(tiny_model_dir, tiny_beir, tmp_path):
-    class AlwaysNan(Contrastive):
+    class AlwaysNan(InfoNCE):
         def __call__(self, *args):
             return super().__call__(*args) * NAN
 

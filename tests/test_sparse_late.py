@@ -22,14 +22,14 @@ from densepass.errors import ConfigError, DataWarning
 from densepass.index.base import load_index
 from densepass.index.colbert import ColbertIndex, pack_bits, unpack_bits
 from densepass.index.splade import SpladeIndex
+from densepass.losses.batch import BatchTensors
 from densepass.losses.flops import flops, quadratic_warmup
+from densepass.losses.objectives import FLOPS, InfoNCE
 from densepass.models.batching import CPU_PIECE_TOKENS
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT, ColbertReranker, maxsim
 from densepass.models.splade import CPU_ENCODE_PIECE_TOKENS, SpladeEncoder, splade_weights
 from densepass.pipelines.experiment import run_experiment
-from densepass.training.batches import BatchTensors
-from densepass.training.splade import SpladeObjective
 from densepass.training.step import forward_backward
 
 CPU = torch.device("cpu")
@@ -100,13 +100,13 @@ def test_splade_weights_and_gradients_equal_the_literal_definition():
 def test_splade_objective_adds_the_warmed_up_flops_terms_and_resumes_its_clock(splade):
     q, p = torch.rand(2, 30), torch.rand(4, 30)
     batch = BatchTensors({}, {}, torch.tensor([0, 1]), torch.zeros(2, 4, dtype=torch.bool))
-    objective = SpladeObjective(lambda_q=0.1, lambda_d=0.2, warmup_steps=2)
+    objective = InfoNCE() + FLOPS(lambda_q=0.1, lambda_d=0.2, warmup_steps=2)
     from densepass.losses.contrastive import info_nce
 
     base = info_nce(q @ p.T / splade.config.temperature, batch.positive_index, batch.mask)
     assert float(objective(splade, q, p, batch)) == pytest.approx(float(base))  # step 0: lambda 0
     objective.after_step(splade, q, p, batch)
-    resumed = SpladeObjective(lambda_q=0.1, lambda_d=0.2, warmup_steps=2)
+    resumed = InfoNCE() + FLOPS(lambda_q=0.1, lambda_d=0.2, warmup_steps=2)
     resumed.load_state_dict(objective.state_dict())
     expected = base + 0.1 / 4 * flops(q) + 0.2 / 4 * flops(p)
     assert float(resumed(splade, q, p, batch)) == pytest.approx(float(expected), rel=1e-5)
@@ -137,7 +137,7 @@ def test_gradient_caching_equals_the_plain_step_for_splade_and_colbert(tiny_mode
     for make, objective in (
         (
             lambda: SpladeEncoder.from_pretrained(str(tiny_model_dir), head_bias=-0.35),
-            SpladeObjective(lambda_q=1e-2, lambda_d=1e-2, warmup_steps=0),
+            InfoNCE() + FLOPS(lambda_q=1e-2, lambda_d=1e-2, warmup_steps=0),
         ),
         (lambda: ColBERT.from_pretrained(str(tiny_model_dir)), None),
     ):
@@ -516,8 +516,8 @@ def test_the_experiment_script_runs_on_a_tiny_dataset(tiny_beir, tiny_model_dir,
 def test_splade_objective_adds_flops_to_any_base_objective(splade, tiny_beir):
     """FLOPS on top of distillation: the base's loss plus the warmed-up FLOPS terms, and its state kept."""
     from densepass.data import load_dataset
+    from densepass.losses.objectives import Distillation
     from densepass.training.batches import TrainingData
-    from densepass.training.objectives import Distillation
     from densepass.training.step import batch_tensors
 
     dataset = load_dataset(str(tiny_beir))
@@ -527,7 +527,7 @@ def test_splade_objective_adds_flops_to_any_base_objective(splade, tiny_beir):
     )
     batch = batch_tensors(splade, data.collate(list(range(4)), seed=(1, 0, 0)))
     base = Distillation("kl", 0.5)
-    objective = SpladeObjective(lambda_q=0.1, lambda_d=0.2, warmup_steps=2, base=base, step=1)
+    objective = base + FLOPS(lambda_q=0.1, lambda_d=0.2, warmup_steps=2, step=1)
     with torch.no_grad():
         queries = splade(batch.queries["input_ids"], batch.queries["attention_mask"], "query")
         passages = splade(batch.passages["input_ids"], batch.passages["attention_mask"], "passage")
@@ -536,7 +536,7 @@ def test_splade_objective_adds_flops_to_any_base_objective(splade, tiny_beir):
         expected = base(splade, queries, passages, batch) + 0.1 / 4 * flops_q + 0.2 / 4 * flops_d
         assert float(objective(splade, queries, passages, batch)) == pytest.approx(float(expected), rel=1e-6)
     assert objective.describe().startswith("distillation: 0.5 x listwise KL (T=1) + FLOPS")
-    assert objective.state_dict() == {"step": 1, "base": {}}
+    assert objective.state_dict() == {"terms": [{}, {"step": 1}]}
 
 
 def test_a_hybrid_of_a_dense_part_and_splade_builds_and_searches_in_int8(splade, tiny_beir, tiny_model_dir, tmp_path):

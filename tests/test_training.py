@@ -15,9 +15,9 @@ import torch.multiprocessing as mp
 from densepass.config import TrainConfig
 from densepass.data import load_dataset
 from densepass.errors import ConfigError, DataError
+from densepass.losses.objectives import InfoNCE
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.training.batches import TrainingData
-from densepass.training.objectives import Contrastive
 from densepass.training.step import forward_backward
 from densepass.training.trainer import train
 
@@ -37,7 +37,7 @@ def grads_of(model):
 def step_grads(model_dir, data, batch, chunk, bidirectional=True):
     model = BiEncoder.from_pretrained(str(model_dir), config=BiEncoderConfig(pooling="cls", temperature=0.1))
     b = data.collate(batch, seed=(1, 0, 0))
-    loss = forward_backward(model, b, CPU, Contrastive(bidirectional), chunk_size=chunk).loss
+    loss = forward_backward(model, b, CPU, InfoNCE(bidirectional), chunk_size=chunk).loss
     return loss, grads_of(model)
 
 
@@ -100,7 +100,7 @@ def _worker(rank, world, port, model_dir, beir_dir, batch, chunk, out_dir):
         data = make_data(beir_dir)
         model = BiEncoder.from_pretrained(str(model_dir), config=BiEncoderConfig(pooling="cls", temperature=0.1))
         b = data.collate(batch, seed=(1, 0, 0), rank=rank, world=world)
-        loss = forward_backward(model, b, CPU, Contrastive(bidirectional=True), chunk_size=chunk).loss
+        loss = forward_backward(model, b, CPU, InfoNCE(bidirectional=True), chunk_size=chunk).loss
         from densepass.training.distributed import sum_gradients
 
         sum_gradients(model.parameters())

@@ -1,7 +1,7 @@
 """The distillation stage of ``densepass run`` (neural-retrieval-lecture: Margin-MSE; training-inference-gap
 §2: distillation from a cross encoder): the teacher's scores of every training query's positives and
 pool candidates, computed once into a file (``training.teacher_scores``) and checked against the
-teacher, the queries and the pool, then the bi-encoder's objective (``training.objectives.Distillation``).
+teacher, the queries and the pool, then the bi-encoder's objective (``losses.objectives.Distillation``).
 
 An existing scores file is checked as soon as the pool is known, before the run writes anything: a
 file of other queries or another pool (or of another teacher, when the teacher is a fixed model) is a
@@ -15,12 +15,12 @@ from pathlib import Path
 
 from densepass.config import ExperimentConfig
 from densepass.data.dataset import RetrievalDataset
+from densepass.losses.objectives import Distillation, InfoNCE, Objective
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.load import Retriever
 from densepass.pipelines.reranking import automatic_precision
 from densepass.pipelines.retrievers import objective_for
 from densepass.training.more_negatives import objective_from_config
-from densepass.training.objectives import Contrastive, Distillation, Objective
 from densepass.training.teacher_scores import (
     Pairs,
     Scores,
@@ -42,7 +42,7 @@ def objective_of(config: ExperimentConfig, model: Retriever) -> Objective:
     if distill.loss == "none":
         base = objective_from_config(config.loss, config.train, model)
     else:
-        contrastive = Contrastive(config.train.bidirectional) if distill.contrastive else None
+        contrastive = InfoNCE(config.train.bidirectional) if distill.contrastive else None
         base = Distillation(distill.loss, distill.weight, distill.temperature, contrastive)
     return objective_for(config, base)
 

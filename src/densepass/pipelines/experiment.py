@@ -42,6 +42,7 @@ from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
 from densepass.io import atomic_write_text, locked_run_directory
+from densepass.losses.objectives import Objective
 from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.freeze import freeze_bottom
@@ -70,7 +71,6 @@ from densepass.pipelines.validation import Validator
 from densepass.training.batches import TrainingData
 from densepass.training.miner import prepare_miners
 from densepass.training.more_negatives import check_loss
-from densepass.training.objectives import Objective
 from densepass.training.planner import EpochPlanner, check_schedule
 from densepass.training.refresh import NegativeRefresher
 from densepass.training.teacher_scores import Pairs, Scores, distillation_pairs

@@ -22,12 +22,11 @@ from densepass.index.base import Index
 from densepass.index.colbert import ColbertIndex
 from densepass.index.dense import DenseIndex
 from densepass.index.splade import SpladeIndex
+from densepass.losses.objectives import FLOPS, Objective
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT, ColbertArchitecture, ColbertReranker
 from densepass.models.load import Retriever
 from densepass.models.splade import SpladeArchitecture, SpladeEncoder
-from densepass.training.objectives import Objective
-from densepass.training.splade import SpladeObjective
 
 
 def architecture(model: ModelConfig) -> SpladeArchitecture | ColbertArchitecture:
@@ -62,7 +61,7 @@ def objective_for(config: ExperimentConfig, base: Objective) -> Objective:
     if config.model.kind != "splade":
         return base
     splade = config.model.splade
-    return SpladeObjective(splade.lambda_q, splade.lambda_d, splade.warmup_steps, base=base)
+    return base + FLOPS(splade.lambda_q, splade.lambda_d, splade.warmup_steps)
 
 
 def check_kind(config: ExperimentConfig) -> None:

@@ -7,7 +7,7 @@ identically on every process from a seed of (epoch, step); each process tokenise
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,36 +41,6 @@ class TrainingBatch:
     passage_keys: torch.Tensor  # [P_global] content key of each passage column (data.keys.content_key)
     relevant_keys: list[set[int]]  # per global query: keys of every passage judged relevant to it, and its positive's
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-batch data of other objectives
-
-
-@dataclass
-class BatchTensors:
-    """A batch's tensors, ready to copy: tokens of each side, positive columns, false-negative mask,
-    passage content keys, the queries' relevant keys (host-side sets) and objective-specific extras."""
-
-    queries: dict[str, torch.Tensor]
-    passages: dict[str, torch.Tensor]
-    positive_index: torch.Tensor
-    mask: torch.Tensor
-    passage_keys: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    relevant_keys: list[set[int]] = field(default_factory=list)
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BatchTensors:
-        """The batch with ``fn`` applied to every tensor."""
-        return BatchTensors(
-            {k: fn(v) for k, v in self.queries.items()},
-            {k: fn(v) for k, v in self.passages.items()},
-            fn(self.positive_index),
-            fn(self.mask),
-            fn(self.passage_keys),
-            self.relevant_keys,
-            {k: fn(v) for k, v in self.extras.items()},
-        )
-
-    def to(self, device: torch.device) -> BatchTensors:
-        """The tensors on ``device`` (non-blocking from pinned memory)."""
-        return self.map(lambda t: t.to(device, non_blocking=t.is_pinned()))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ the memory is a constant of the loss, so the cached representation gradients sta
 
 The loss over the sources is training-inference-gap eq. 2 (``combine="unified"``: one softmax, source s
 weighted by λ_s) or eq. 1's form (``"separate"``: one softmax per source, summed with weights λ_s); with
-every λ = 1, no memory and the unified form it is exactly ``Contrastive``. ``ltr_head`` scores pairs with
+every λ = 1, no memory and the unified form it is exactly ``InfoNCE``. ``ltr_head`` scores pairs with
 abs-condenser-openqa eq. 14 instead of similarity / temperature. ``objective_from_config`` builds the
 objective a ``LossConfig`` describes.
 """
@@ -32,15 +32,15 @@ from torch import nn
 from densepass import distributed
 from densepass.config import LossConfig, TrainConfig
 from densepass.errors import ConfigError
+from densepass.losses.batch import BatchTensors
 from densepass.losses.contrastive import passage_to_query_loss
 from densepass.losses.ltr import ltr_scores
 from densepass.losses.memory import NegativeMemory, memory_mask
+from densepass.losses.objectives import InfoNCE, Objective
 from densepass.losses.unified import separate_terms_loss, unified_loss
 from densepass.models.biencoder import BiEncoder
 from densepass.models.momentum import MomentumEncoder
-from densepass.training.batches import BatchTensors
 from densepass.training.distributed import gather_with_local_grad
-from densepass.training.objectives import Contrastive, Objective
 
 IN_BATCH, MEMORY, HARD = 0, 1, 2  # the sources; λ is given in this order
 SOURCE_NAMES = ("in-batch", "memory", "hard")
@@ -282,12 +282,12 @@ def check_loss(loss: LossConfig, train: TrainConfig) -> None:
 
 
 def objective_from_config(loss: LossConfig, train: TrainConfig, model: BiEncoder) -> Objective:
-    """The objective ``loss`` describes for ``model``: today's ``Contrastive`` when nothing is asked for."""
+    """The objective ``loss`` describes for ``model``: today's ``InfoNCE`` when nothing is asked for."""
     check_loss(loss, train)
     weights = (loss.lambda_in_batch, loss.lambda_memory, loss.lambda_hard)
     plain = loss.kind == "contrastive" and loss.memory == "none" and loss.combine == "unified"
     if plain and weights == (1.0, 1.0, 1.0):
-        return Contrastive(train.bidirectional)
+        return InfoNCE(train.bidirectional)
     memory: Memory | None = None
     if loss.memory == "pre-batch":
         memory = PreBatch(loss.pre_batches)

@@ -1,5 +1,5 @@
 """One optimisation step's forward and backward, plain or with gradient caching; the loss is the
-objective's (``training.objectives``) on the global batch's representations.
+objective's (``losses.objectives``) on the global batch's representations.
 
 Gradient caching (gradcache): (1) embed the whole batch in chunks without a graph; (2) compute the
 contrastive loss on those embeddings and its gradient with respect to each embedding; (3) re-embed
@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from densepass.device import RandomState, autocast_context
+from densepass.losses.batch import BatchTensors
+from densepass.losses.objectives import InfoNCE, Objective
 from densepass.models.batching import forward_in_pieces, piece_tokens
 from densepass.models.biencoder import BiEncoder, Side
 from densepass.models.splade import SpladeEncoder
-from densepass.training.batches import BatchTensors, TrainingBatch
+from densepass.training.batches import TrainingBatch
 from densepass.training.distributed import gather_with_local_grad
-from densepass.training.objectives import Contrastive, Objective
 
 
 def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autocast) -> torch.Tensor:
@@ -91,12 +92,12 @@ def forward_backward(
     bf16: bool = False,
     tensors: BatchTensors | None = None,
 ) -> StepOutput:
-    """Accumulate into ``.grad`` the gradient of the objective on the batch (default: ``Contrastive()``);
+    """Accumulate into ``.grad`` the gradient of the objective on the batch (default: ``InfoNCE()``);
     return the loss (detached, on ``device``: reading it waits for the GPU, so the trainer reads it only
     when it logs) with the batch's representations.
     ``bf16``: autocast to bfloat16 (resolved for the device by ``uses_bf16``).
     ``tensors``: the batch already tokenised by ``batch_tensors`` (e.g. in a worker thread)."""
-    objective = objective or Contrastive()
+    objective = objective or InfoNCE()
     tensors = (tensors or batch_tensors(model, batch)).to(device)
     q_tokens, p_tokens = tensors.queries, tensors.passages
     autocast: Callable[[], contextlib.AbstractContextManager] = lambda: autocast_context(device, bf16)  # noqa: E731

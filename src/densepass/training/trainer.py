@@ -2,7 +2,7 @@
 
 Each step collates ``batch_size`` training queries with their positives and hard negatives
 (``training.batches``), tokenises them one step ahead in a worker thread and minimises the run's objective
-(``training.objectives``: InfoNCE, the unified λ loss, distillation, + FLOPS for SPLADE) with gradient caching
+(``losses.objectives``: InfoNCE, the unified λ loss, distillation, + FLOPS for SPLADE) with gradient caching
 when asked (``training.step``). Batches and negatives depend only on (seed, epoch, step), so the engine's exact
 resume holds; under torch.distributed every process embeds its share of the batch and the objective contrasts
 the whole gathered batch (``training.distributed``).
@@ -22,6 +22,7 @@ from typing_extensions import override
 from densepass import distributed
 from densepass.checkpoints import Checkpoints, training_identity
 from densepass.config import TrainConfig
+from densepass.losses.objectives import InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder
 from densepass.models.dropout import use_cpu_dropout
 from densepass.models.freeze import freeze_bottom
@@ -29,7 +30,6 @@ from densepass.models.token_cache import cached_tokenizer
 from densepass.scheduling.baselines import random_batches
 from densepass.training import engine
 from densepass.training.batches import TrainingData
-from densepass.training.objectives import Contrastive, Objective
 from densepass.training.step import batch_tensors, forward_backward
 
 
@@ -108,7 +108,7 @@ class BiEncoderTask(engine.Task):
     ) -> None:
         self.model, self.data, self.config, self.run_dir = model, data, config, run_dir
         self.planner = planner or RandomPlanner(len(data), config.batch_size, config.seed)
-        self.objective = objective or Contrastive(config.bidirectional)
+        self.objective = objective or InfoNCE(config.bidirectional)
         self.steps_per_epoch, self.epochs = self.planner.steps_per_epoch, config.epochs
 
     @override
@@ -199,7 +199,7 @@ def train(
 
     ``identity``: the caller's settings that define the run besides ``config`` (data, model, negatives,
     batch order); a checkpoint written with other settings is refused. ``objective``: what is minimised
-    (default: ``Contrastive(config.bidirectional)``); its state is checkpointed with the model.
+    (default: ``InfoNCE(config.bidirectional)``); its state is checkpointed with the model.
     ``on_step_end(step)`` runs on every process after each step, before that step's checkpoint (a callback
     that writes files writes them from rank 0); ``on_epoch_end(epoch)`` runs on rank 0 only."""
     task = BiEncoderTask(model, data, config, run_dir, planner, objective)

@@ -1,4 +1,7 @@
-"""What the trainer minimises: an objective turns the global batch's representations into a loss.
+"""What a retriever's training minimises: an objective turns the global batch's representations into a loss.
+
+Objectives compose with ``+``: ``InfoNCE() + FLOPS(lambda_q=5e-4, lambda_d=3e-4)`` is SPLADE's loss,
+``Distillation("kl") + FLOPS(...)`` distils into SPLADE; each term keeps its own state.
 
 ``forward_backward`` (``training.step``) embeds the batch (with gradient caching when asked), gathers the
 representations of every process (only this process's rows carry gradient) and calls the objective
@@ -12,14 +15,14 @@ in the trainer's checkpoints, so an interrupted run resumes to the same model. A
 trainable ``parameters`` of its own (optimised with the model's) and modules to move ``to`` the device.
 
 >>> import torch
->>> from densepass.training.batches import BatchTensors
+>>> from densepass.losses.batch import BatchTensors
 >>> class Dot(torch.nn.Module):
 ...     class config:
 ...         temperature = 1.0
 ...     def similarity(self, q, p):
 ...         return q @ p.T
 >>> batch = BatchTensors({}, {}, torch.tensor([0, 1]), torch.zeros(2, 2, dtype=torch.bool))
->>> round(float(Contrastive()(Dot(), torch.eye(2), torch.eye(2), batch)), 4)
+>>> round(float(InfoNCE()(Dot(), torch.eye(2), torch.eye(2), batch)), 4)
 0.3133
 """
 
@@ -32,10 +35,11 @@ import torch
 from torch import nn
 
 from densepass.errors import ConfigError
+from densepass.losses.batch import BatchTensors
 from densepass.losses.contrastive import info_nce
+from densepass.losses.flops import flops, quadratic_warmup
 from densepass.losses.listwise_kl import listwise_kl_loss
 from densepass.losses.margin_mse import margin_mse_loss
-from densepass.training.batches import BatchTensors
 
 
 class Objective:
@@ -69,24 +73,101 @@ class Objective:
         """One line for reports."""
         return type(self).__name__
 
+    def __add__(self, other: Objective) -> Sum:
+        """The sum of both objectives (each term keeps its own state and parameters)."""
+        if not isinstance(other, Objective):
+            return NotImplemented
+        terms = [*(self.terms if isinstance(self, Sum) else [self])]
+        return Sum([*terms, *(other.terms if isinstance(other, Sum) else [other])])
 
-@dataclass
-class Contrastive(Objective):
-    """InfoNCE over in-batch and shared hard negatives (negative-contrast eq. 1; with ``bidirectional``,
-    eq. 3), false negatives masked."""
 
-    bidirectional: bool = False
+class Sum(Objective):
+    """``terms[0] + terms[1] + ...`` (made by ``+``): the losses add up; ``after_step``, ``to``, the parameters and
+    the state are each term's."""
+
+    def __init__(self, terms: list[Objective]) -> None:
+        self.terms = terms
 
     def __call__(
         self, model: nn.Module, queries: torch.Tensor, passages: torch.Tensor, batch: BatchTensors
     ) -> torch.Tensor:
-        """InfoNCE of the batch's similarities over the model's temperature."""
-        scores = model.similarity(queries, passages) / model.config.temperature
+        """The sum of the terms' losses."""
+        return sum(
+            (term(model, queries, passages, batch) for term in self.terms[1:]),
+            self.terms[0](model, queries, passages, batch),
+        )
+
+    def after_step(self, model: nn.Module, queries: torch.Tensor, passages: torch.Tensor, batch: BatchTensors) -> None:
+        """Every term's ``after_step``."""
+        for term in self.terms:
+            term.after_step(model, queries, passages, batch)
+
+    def state_dict(self) -> dict:
+        """Every term's state, in order."""
+        return {"terms": [term.state_dict() for term in self.terms]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` output."""
+        if len(state.get("terms", ())) != len(self.terms):
+            raise ConfigError(
+                "the checkpoint's objective has other terms than this run's (an older densepass's SPLADE run?): "
+                "--restart to train from the start"
+            )
+        for term, saved in zip(self.terms, state["terms"]):
+            term.load_state_dict(saved)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every term's trainable parameters."""
+        return [p for term in self.terms for p in term.parameters()]
+
+    def to(self, device: torch.device) -> Sum:
+        """Every term on ``device``."""
+        self.terms = [term.to(device) for term in self.terms]
+        return self
+
+    def describe(self) -> str:
+        """The terms' lines joined by ``+``."""
+        return " + ".join(term.describe() for term in self.terms)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sum) and self.terms == other.terms
+
+
+@dataclass
+class InfoNCE(Objective):
+    """InfoNCE over in-batch and shared hard negatives (negative-contrast eq. 1; with ``bidirectional``,
+    eq. 3), false negatives masked: ``-log e^{s(q, p+)/τ} / Σ_p e^{s(q, p)/τ}`` over the batch's passages.
+    ``temperature`` τ: None for the model's own (``model.config.temperature``).
+
+    >>> InfoNCE(temperature=0.05).describe()
+    'contrastive (τ 0.05)'
+    """
+
+    bidirectional: bool = False
+    temperature: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature is not None and not self.temperature > 0:
+            raise ConfigError(f"InfoNCE temperature must be > 0, got {self.temperature}")
+
+    def __call__(
+        self, model: nn.Module, queries: torch.Tensor, passages: torch.Tensor, batch: BatchTensors
+    ) -> torch.Tensor:
+        """InfoNCE of the batch's similarities over the temperature."""
+        temperature = self.temperature if self.temperature is not None else model.config.temperature
+        scores = model.similarity(queries, passages) / temperature
         return info_nce(scores, batch.positive_index, batch.mask, self.bidirectional)
 
     def describe(self) -> str:
         """One line for reports."""
-        return "contrastive (bidirectional)" if self.bidirectional else "contrastive"
+        what = "contrastive (bidirectional)" if self.bidirectional else "contrastive"
+        return (
+            what
+            if self.temperature is None
+            else f"{what[:-1]}, τ {self.temperature:g})"
+            if self.bidirectional
+            else f"{what} (τ {self.temperature:g})"
+        )
 
 
 TEACHER_SCORES = "teacher_scores"  # BatchTensors.extras key: [B, 1 + h] teacher scores of each query's candidates
@@ -123,7 +204,7 @@ class Distillation(Objective):
     loss: Literal["margin-mse", "kl"] = "kl"
     weight: float = 1.0
     temperature: float = 1.0
-    contrastive: Contrastive | None = None
+    contrastive: InfoNCE | None = None
 
     def __post_init__(self) -> None:
         if self.loss not in ("margin-mse", "kl"):
@@ -151,3 +232,47 @@ class Distillation(Objective):
         what = "Margin-MSE" if self.loss == "margin-mse" else f"listwise KL (T={self.temperature:g})"
         extra = f" + {self.contrastive.describe()}" if self.contrastive else ""
         return f"distillation: {self.weight:g} x {what}{extra}"
+
+
+@dataclass
+class FLOPS(Objective):
+    """SPLADE's FLOPS regulariser (neural-retrieval-lecture): ``lambda_q FLOPS(queries) + lambda_d FLOPS(passages)``
+    over the global batch, each λ warmed up quadratically over ``warmup_steps`` optimiser steps
+    (``losses.flops``). Added to a base objective: ``InfoNCE() + FLOPS(...)``. The step count is its state, so a
+    resumed run continues the warm-up where it stopped.
+
+    >>> (InfoNCE() + FLOPS(lambda_q=5e-4, lambda_d=3e-4, warmup_steps=100)).describe()
+    'contrastive + FLOPS (lambda_q 0.0005, lambda_d 0.0003, quadratic warm-up over 100 steps)'
+    """
+
+    lambda_q: float = 5e-4
+    lambda_d: float = 3e-4
+    warmup_steps: int = 100
+    step: int = 0
+
+    def __call__(
+        self, model: nn.Module, queries: torch.Tensor, passages: torch.Tensor, batch: BatchTensors
+    ) -> torch.Tensor:
+        """The warmed-up FLOPS terms of both sides."""
+        lambda_q = quadratic_warmup(self.lambda_q, self.step, self.warmup_steps)
+        lambda_d = quadratic_warmup(self.lambda_d, self.step, self.warmup_steps)
+        return lambda_q * flops(queries) + lambda_d * flops(passages)
+
+    def after_step(self, model: nn.Module, queries: torch.Tensor, passages: torch.Tensor, batch: BatchTensors) -> None:
+        """Count the step (the warm-up's clock)."""
+        self.step += 1
+
+    def state_dict(self) -> dict:
+        """The warm-up's step."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the warm-up's step."""
+        self.step = int(state["step"])
+
+    def describe(self) -> str:
+        """One line for reports."""
+        return (
+            f"FLOPS (lambda_q {self.lambda_q:g}, lambda_d {self.lambda_d:g}, "
+            f"quadratic warm-up over {self.warmup_steps} steps)"
+        )
