@@ -1293,3 +1293,18 @@ def test_rerank_with_an_encoder_for_a_model_is_one_line_without_transformers_loa
             "it is an encoder, not a cross-encoder; train one first (reranker.train in a run config)"
         ]
     assert not (tmp_path / "second.trec").exists()
+
+
+def test_a_diverged_training_ends_stderr_with_its_one_line_and_no_progress_bar(tiny_beir, tiny_model_dir, tmp_path):
+    """The training bar is cleared before the divergence error: it was drawn again after the error, at exit, and
+    kept on the line before it."""
+    from conftest import run_densepass
+
+    sets = [f"data.name={tiny_beir}", f"model.name_or_path={tiny_model_dir}", f"output_dir={tmp_path}", "name=pt"]
+    sets += ["model.mode=mlm", "train.max_steps=4", "train.batch_size=2", "train.max_length=16"]
+    sets += ["train.learning_rate=1e308", "train.checkpoint_every=10"]
+    done = run_densepass("pretrain", *[a for s in sets for a in ("--set", s)], cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.rstrip("\n").split("\n")  # read as text: each of the bar's carriage returns is a newline
+    assert lines[-1].startswith("densepass: error: training diverged at step 2: the loss is nan"), lines[-3:]
+    assert lines[-2].strip() == "", lines[-3:]  # the bar's last state overwritten with blanks, not kept
