@@ -62,3 +62,23 @@ def test_write_trec_run_writes_over_a_run_only(tmp_path):
     with pytest.raises(DensepassError, match="is not a TREC run densepass wrote"):
         write_trec_run({"q": {"a": 1.0}}, mine)
     assert mine.read_text() == "a line of my own\n"
+
+
+def test_mine_training_negatives_checks_its_output_and_precision_before_any_work(tiny_beir, tmp_path):
+    from densepass.config import load_config
+    from densepass.pipelines.mining import mine_training_negatives
+
+    config = load_config(None, [f"data.name={tiny_beir}", "negatives.source=bm25", "device=cpu"])
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = out / "notes.txt"
+    mine.write_text("my notes\n")
+    refused = [
+        (out, None, ConfigError, "is a directory; give the path of the hard-negatives file to write$"),
+        (mine, None, DensepassError, "is not a hard-negatives file densepass wrote"),
+        (out / "n.jsonl", "bf16", ConfigError, "^--precision sets how a model encodes; the bm25 strategy mines"),
+    ]
+    for output, precision, error, message in refused:
+        with pytest.raises(error, match=message):
+            mine_training_negatives(config, output, precision)
+    assert mine.read_text() == "my notes\n" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]

@@ -328,10 +328,6 @@ def _validate_study(args: argparse.Namespace) -> None:
 def _mine(args: argparse.Namespace) -> None:
     from densepass import distributed
     from densepass.config import load_config
-    from densepass.errors import ConfigError
-    from densepass.io import check_output_file, every_line
-    from densepass.negatives.mine import mines_with_a_model, strategy_specs
-    from densepass.negatives.pool import is_pool_line
     from densepass.pipelines.mining import mine_training_negatives
 
     options = {
@@ -349,20 +345,13 @@ def _mine(args: argparse.Namespace) -> None:
         "data.data_dir": args.data_dir,
         "data.format": args.format,
         "data.max_train_queries": args.max_queries,
-        "eval.precision": args.precision,
         "device": args.device,
     }
     overrides = [f"{key}={json.dumps(value)}" for key, value in options.items() if value is not None]
     config = load_config(args.config, [*overrides, *args.set])
     output = Path(args.output)
-    if output.is_dir():
-        raise ConfigError(f"--output {output} is a directory; give the path of the hard-negatives file to write")
-    check_output_file(output, "hard-negatives file", every_line(is_pool_line))
-    negatives = config.negatives
-    if args.precision is not None and strategy_specs(negatives) and not mines_with_a_model(negatives):
-        raise ConfigError(f"--precision sets how a model encodes; the {negatives.source} strategy mines with no model")
     with distributed.process_group():  # under torchrun: dense mining in shards, rank 0 writes the file
-        result = mine_training_negatives(config, output)
+        result = mine_training_negatives(config, output, args.precision)
         main = distributed.rank() == 0
     if main:
         _print_mining_summary(result, output)

@@ -16,6 +16,7 @@ filters, so what a process holds grows with its shard's embeddings and the corpu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import shutil
@@ -28,15 +29,37 @@ from densepass import distributed
 from densepass.config import ExperimentConfig
 from densepass.data import load_dataset
 from densepass.device import resolve_device, resolve_precision
-from densepass.negatives.mine import MiningContext, MiningResult, dense_specs, mine_negatives
-from densepass.negatives.pool import save_pool
+from densepass.errors import ConfigError
+from densepass.io import check_output_file, every_line
+from densepass.negatives.mine import (
+    MiningContext,
+    MiningResult,
+    dense_specs,
+    mine_negatives,
+    mines_with_a_model,
+    strategy_specs,
+)
+from densepass.negatives.pool import is_pool_line, save_pool
 from densepass.pipelines.indexing import check_private_work_dir
 from densepass.training.miner import prepare_miners
 
 
-def mine_training_negatives(config: ExperimentConfig, output: str | Path) -> MiningResult:
-    """Mine ``config.negatives`` for the training queries of ``config.data`` and write them to ``output``."""
+def mine_training_negatives(config: ExperimentConfig, output: str | Path, precision: str | None = None) -> MiningResult:
+    """Mine ``config.negatives`` for the training queries of ``config.data`` and write them to ``output``;
+    ``precision`` (given: in place of ``config.eval.precision``) is how a model encodes, refused for strategies that
+    mine with no model. ``output`` is checked before any work: a file path densepass may write (missing, empty, or a
+    hard-negatives file it wrote: ``io.check_output_file``), in a place where a file can be made."""
     output = Path(output)
+    if output.is_dir():
+        raise ConfigError(f"--output {output} is a directory; give the path of the hard-negatives file to write")
+    check_output_file(output, "hard-negatives file", every_line(is_pool_line))
+    if precision is not None:
+        negatives = config.negatives
+        if strategy_specs(negatives) and not mines_with_a_model(negatives):
+            raise ConfigError(
+                f"--precision sets how a model encodes; the {negatives.source} strategy mines with no model"
+            )
+        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, precision=precision))
     check_writable(output)
     work_dir = output.with_name(output.name + ".miners") if dense_specs(config.negatives) else None
     if work_dir is not None:
