@@ -1308,3 +1308,22 @@ def test_a_diverged_training_ends_stderr_with_its_one_line_and_no_progress_bar(t
     lines = done.stderr.rstrip("\n").split("\n")  # read as text: each of the bar's carriage returns is a newline
     assert lines[-1].startswith("densepass: error: training diverged at step 2: the loss is nan"), lines[-3:]
     assert lines[-2].strip() == "", lines[-3:]  # the bar's last state overwritten with blanks, not kept
+
+
+def test_a_fifo_or_a_folder_given_as_a_config_or_queries_file_is_not_a_regular_file(tmp_path, capsys):
+    """A named pipe (which reading would wait on) or a folder is "not a regular file", not "not found"."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a named pipe"), (tmp_path, "a folder")):
+        not_regular = f"is not a regular file ({kind}): give the path of a file"
+        for command in (["run", str(path)], ["pretrain", str(path)], ["config", str(path)]):
+            assert main(command) == 2
+            assert error_lines(capsys) == [f"densepass: error: config file {path} {not_regular}"]
+        search = ["search", str(tmp_path / "idx"), "--queries", str(path), "--output", str(tmp_path / "run.trec")]
+        assert main(search) == 2
+        assert error_lines(capsys) == [f"densepass: error: queries file {path} {not_regular}"]
+    assert main(["run", str(tmp_path / "missing.yaml")]) == 2
+    assert error_lines(capsys) == [f"densepass: error: config file not found: {tmp_path / 'missing.yaml'}"]
+    assert not (tmp_path / "run.trec").exists()

@@ -22,6 +22,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 import yaml
 
 from densepass.errors import ConfigError
+from densepass.io import check_regular_file
 
 T = TypeVar("T")
 
@@ -654,8 +655,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, cls
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+        check_regular_file(path, "config file", ConfigError)  # a FIFO: not waited on, and not "not found"
         try:
             text = path.read_text(encoding="utf-8")
             if path.suffix == ".json":

@@ -26,6 +26,24 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         handle.write(text)
 
 
+def check_regular_file(path: str | Path, what: str, error: type[Exception] | None = None) -> None:
+    """A one-line ``error`` (DataError by default) unless ``path`` is a regular file (a link to one counts):
+    ``<what> not found: <path>`` where nothing is there, ``<what> <path> is not a regular file (a named pipe)``
+    where something else is, e.g. a FIFO, which reading would wait on, or a folder."""
+    if error is None:
+        from densepass.errors import DataError as error
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise error(f"{what} not found: {path}") from None
+    except OSError as err:  # a name too long, a folder on the way that may not be read
+        raise error(f"{what} {path} cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(mode):
+        kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+        kind = next((name for test, name in kinds if test(mode)), "a device")
+        raise error(f"{what} {path} is not a regular file ({kind}): give the path of a file")
+
+
 MANIFEST = "manifest.json"  # a verified directory's sizes and digests of its files (write_manifest)
 OWNED = ".densepass-owned"  # in a directory atomic_directory wrote: the files it wrote there, so it may replace them
 

@@ -31,6 +31,7 @@ from densepass.errors import ConfigError, DataError
 from densepass.index.base import KINDS, Index, SearchResults, check_k, load_index, read_index_manifest
 from densepass.index.bm25 import BM25Index
 from densepass.index.hybrid import HybridIndex
+from densepass.io import check_regular_file
 from densepass.models.biencoder import model_name, resolve_model_path
 from densepass.models.colbert import ColBERT, ColbertReranker
 from densepass.models.copies import float_precision
@@ -458,8 +459,7 @@ def read_queries(path: str | Path) -> tuple[list[str], list[str]]:
     from densepass.data.files import Tally
 
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"queries file not found: {path}")
+    check_regular_file(path, "queries file")  # a FIFO: not waited on, and not "not found"
     first: dict[str, tuple[str, int]] = {}  # query id -> (text, line)
     repeats = Tally(path, "repeated query ids with the same text, ignored")
     blank = Tally(path, "blank queries (empty, whitespace or zero-width characters only) skipped: nothing to search")
