@@ -147,8 +147,9 @@ def run_dataset(args: argparse.Namespace, dataset: str) -> dict:
         overrides = [*DATASETS[dataset], *extra, f"output_dir={out}", f"name={kind}", *data_dir, *args.set]
         config = load_config(args.config, overrides)
         device = check(config)
-        with run_directory(config, True, restart=False) as run_dir:
+        with run_directory(config, True, restart=False) as claim:
             exp = prepare(config, device, True)
+            run_dir = claim()  # the checks passed: the directory is the run's
             model = model_from_config(config)
             evaluate_baselines(exp, model)  # BM25 and zero-shot with the bi-encoder run
             for baseline, metrics in exp.results.items():

@@ -48,16 +48,28 @@ _WHERE = {
     "paired_significance": "densepass.evaluation.metrics",
     "read_trec_run": "densepass.evaluation.metrics",
     "write_trec_run": "densepass.evaluation.metrics",
+    # training (dp.losses: the loss objects)
+    "train": "densepass.pipelines.training",
+    "TrainOutput": "densepass.pipelines.training",
+    "TrainConfig": "densepass.config",
+    "NegativesConfig": "densepass.config",
+    "ScheduleConfig": "densepass.config",
     # experiments
     "ExperimentConfig": "densepass.config",
     "load_config": "densepass.config",
     "run_experiment": "densepass.pipelines.experiment",
 }
 
-__all__ = ["ConfigError", "DataError", "DataWarning", "DensepassError", "__version__", *_WHERE]
+_MODULES = ("losses",)  # subpackages reached as attributes: dp.losses.InfoNCE
+
+__all__ = ["ConfigError", "DataError", "DataWarning", "DensepassError", "__version__", *_WHERE, *_MODULES]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        module = importlib.import_module(f"densepass.{name}")
+        globals()[name] = module
+        return module
     if name in _WHERE:
         value = getattr(importlib.import_module(_WHERE[name]), name)
         globals()[name] = value

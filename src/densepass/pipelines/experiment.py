@@ -47,7 +47,7 @@ from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.freeze import freeze_bottom
 from densepass.models.interpolate import interpolate_weights, snapshot
-from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
+from densepass.negatives.mine import MiningContext, MiningResult
 from densepass.negatives.pool import passage_ids, save_pool
 from densepass.pipelines import retrievers
 from densepass.pipelines.distillation import (
@@ -67,14 +67,14 @@ from densepass.pipelines.reranking import (
     scoring_options,
     train_reranker,
 )
+from densepass.pipelines.training import batch_planner, fine_tune_model, mine_pool, training_queries
 from densepass.pipelines.validation import Validator
 from densepass.training.batches import TrainingData
-from densepass.training.miner import prepare_miners
 from densepass.training.more_negatives import check_loss
-from densepass.training.planner import EpochPlanner, check_schedule
+from densepass.training.planner import check_schedule
 from densepass.training.refresh import NegativeRefresher
 from densepass.training.teacher_scores import Pairs, Scores, distillation_pairs
-from densepass.training.trainer import planned_steps, resume_step, seed_everything, train
+from densepass.training.trainer import planned_steps, resume_step, seed_everything
 
 
 def model_from_config(config: ExperimentConfig) -> BiEncoder:
@@ -394,7 +394,7 @@ def mine_training_pool(exp: Experiment, model: BiEncoder) -> TrainingPool:
     config, dataset = exp.config, exp.dataset
     neg = config.negatives
     started = time.perf_counter()
-    train_qids = sorted(dataset.sample(config.data.train_split, config.data.max_train_queries, config.data.seed))
+    train_qids = training_queries(dataset, config.data.train_split, config.data.max_train_queries, config.data.seed)
     if not needs_pool(config):
         return TrainingPool(train_qids)
     context = MiningContext(
@@ -409,8 +409,7 @@ def mine_training_pool(exp: Experiment, model: BiEncoder) -> TrainingPool:
         show_progress=exp.main,
         precision=config.eval.precision,
     )
-    prepare_miners(dataset, train_qids, neg, context)
-    mined = mine_negatives(dataset, train_qids, neg, context, model.tokenizer.sep_token or " ")
+    mined = mine_pool(dataset, train_qids, neg, context, model.tokenizer.sep_token or " ")
     exp.notes.append(f"Hard negatives ({neg.source}): {mined.summary()}.")
     exp.timings["mining_s"] = time.perf_counter() - started
     return TrainingPool(train_qids, mined, context)
@@ -462,16 +461,7 @@ def fine_tune(
     config, run_dir = exp.config, exp.run_dir
     started = time.perf_counter()
     data = training_data(exp, model, pool, teacher)
-    planner = EpochPlanner(
-        config.schedule,
-        config.train.batch_size,
-        config.train.seed,
-        data,
-        model,
-        exp.device,
-        run_dir / "schedule_log.jsonl",
-        state_dir=run_dir / "schedule",
-    )
+    planner = batch_planner(model, data, config.train, config.schedule, run_dir, exp.device)
     identity = run_identity(config, exp.dataset)
     resumed_at = resume_step(run_dir, config.train, identity)
     eval_log = run_dir / "eval_log.jsonl"
@@ -505,21 +495,18 @@ def fine_tune(
         held_out = pool.query_ids if config.validation.split == config.data.train_split else ()
         validator = Validator(config.validation, exp.dataset, model, exp.device, run_dir, config.eval.metrics, held_out)
         callbacks.append(validator)
-    try:
-        result = train(
-            model,
-            data,
-            config.train,
-            run_dir,
-            exp.device,
-            planner,
-            identity=identity,
-            objective=objective,
-            on_epoch_end=evaluate_epoch if config.eval.each_epoch else None,
-            on_step_end=(lambda step: [callback(step) for callback in callbacks]) if callbacks else None,
-        )
-    finally:
-        planner.close()
+    result = fine_tune_model(
+        model,
+        data,
+        config.train,
+        planner,
+        run_dir,
+        exp.device,
+        identity,
+        objective,
+        on_epoch_end=evaluate_epoch if config.eval.each_epoch else None,
+        on_step_end=(lambda step: [callback(step) for callback in callbacks]) if callbacks else None,
+    )
     if not exp.main:
         return
     if validator is not None and config.validation.select:

@@ -1,0 +1,187 @@
+"""Fine-tuning a retriever from Python: ``densepass.train(model, dataset, loss=..., negatives=..., args=...)``.
+
+The same stages as ``densepass run``'s training, which goes through these functions too: sample the training
+queries (seeded), mine their hard-negative pool (``negatives``: BM25, a dense miner, a saved model, ...; the
+false-negative filters), draw negatives per step from it (``training.batches``), order the batches
+(``schedule``: random, clustered, ABS) and run the training engine on the bi-encoder task with the given loss
+object (``densepass.losses``: ``InfoNCE() + FLOPS(...)`` for SPLADE, ``Distillation``, ...). Everything is written
+under ``output_dir`` (checkpoints, the log, the mined pool, the trained model in ``model/``), which is locked and
+owned like a run directory: a run resumes there exactly after an interruption, and refuses a folder of
+someone else's.
+
+>>> import densepass as dp
+>>> dp.TrainConfig(epochs=1, batch_size=32).learning_rate
+2e-05
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from densepass.checkpoints import DATA_FILES
+from densepass.config import DEFAULT_MODEL, NegativesConfig, ScheduleConfig, TrainConfig
+from densepass.data import load_dataset
+from densepass.data.dataset import RetrievalDataset
+from densepass.device import resolve_device
+from densepass.errors import ConfigError
+from densepass.index.bm25 import BM25Index
+from densepass.io import owned_run_directory
+from densepass.losses.objectives import InfoNCE, Objective
+from densepass.models.biencoder import BiEncoder
+from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
+from densepass.negatives.pool import passage_ids
+from densepass.training.batches import TrainingData
+from densepass.training.miner import prepare_miners
+from densepass.training.planner import EpochPlanner
+from densepass.training.trainer import TrainResult
+from densepass.training.trainer import train as run_training
+
+# What ``train`` writes in ``output_dir``: all that ``restart`` removes; anything else there is kept.
+OUTPUT_ENTRIES = ("train_log.jsonl", "schedule_log.jsonl", "checkpoints", "model", "schedule/epoch-*", "negatives/*")
+
+
+@dataclass
+class TrainOutput:
+    """What ``train`` returns: the trained model (the one passed in, trained in place), where it was saved, the
+    steps, the last loss and the training log (one record per ``args.log_every`` steps)."""
+
+    model: BiEncoder
+    model_dir: Path
+    steps: int
+    final_loss: float
+    log: list[dict]
+
+
+def training_queries(dataset: RetrievalDataset, split: str, max_queries: int | None, seed: int) -> list[str]:
+    """The queries a run trains on: ``split``'s, or a seeded sample of ``max_queries`` of them."""
+    return sorted(dataset.sample(split, max_queries, seed))
+
+
+def needs_mining(negatives: NegativesConfig) -> bool:
+    """Whether the bi-encoder's training draws hard negatives from a mined pool."""
+    return negatives.source != "none" and negatives.per_query > 0
+
+
+def mine_pool(
+    dataset: RetrievalDataset, query_ids: list[str], negatives: NegativesConfig, context: MiningContext, sep: str
+) -> MiningResult:
+    """The hard-negative pool of ``query_ids`` (the miners a strategy trains first, in ``context.work_dir``)."""
+    prepare_miners(dataset, query_ids, negatives, context)
+    return mine_negatives(dataset, query_ids, negatives, context, sep)
+
+
+def batch_planner(
+    model: BiEncoder, data: TrainingData, args: TrainConfig, schedule: ScheduleConfig, run_dir: Path, device
+) -> EpochPlanner:
+    """The batch order of ``schedule`` (``training.planner``: random, clustered, ABS), its state under ``run_dir``."""
+    log = run_dir / "schedule_log.jsonl"
+    return EpochPlanner(schedule, args.batch_size, args.seed, data, model, device, log, state_dir=run_dir / "schedule")
+
+
+def fine_tune_model(
+    model: BiEncoder,
+    data: TrainingData,
+    args: TrainConfig,
+    planner: EpochPlanner,
+    run_dir: Path,
+    device: torch.device,
+    identity: dict,
+    objective: Objective,
+    on_epoch_end: Callable[[int], None] | None = None,
+    on_step_end: Callable[[int], None] | None = None,
+) -> TrainResult:
+    """Train ``model`` in place on ``data`` in ``planner``'s batch order (closed at the end); resumes from
+    ``run_dir``'s checkpoints of the same ``identity``."""
+    try:
+        return run_training(
+            model,
+            data,
+            args,
+            run_dir,
+            device,
+            planner,
+            identity=identity,
+            objective=objective,
+            on_epoch_end=on_epoch_end,
+            on_step_end=on_step_end,
+        )
+    finally:
+        planner.close()
+
+
+def train(
+    model: BiEncoder,
+    dataset: RetrievalDataset | str,
+    *,
+    output_dir: str | Path,
+    loss: Objective | None = None,
+    negatives: NegativesConfig | None = None,
+    args: TrainConfig | None = None,
+    schedule: ScheduleConfig | None = None,
+    split: str = "train",
+    max_queries: int | None = None,
+    seed: int = 13,
+    device: str = "auto",
+    on_step_end: Callable[[int], None] | None = None,
+    restart: bool = False,
+) -> TrainOutput:
+    """Fine-tune ``model`` (a ``BiEncoder``, ``SpladeEncoder`` or ``ColBERT``) in place on ``dataset``'s ``split``
+    (a dataset or its name / path, see ``densepass.load_dataset``) and save it to ``output_dir/model``.
+
+    ``loss``: a loss object of ``densepass.losses`` (default ``InfoNCE(args.bidirectional)``; SPLADE wants
+    ``+ FLOPS(...)``); ``negatives``: how the hard-negative pool is mined and how many negatives each query draws
+    per step (default: BM25's top 30, one per step; ``NegativesConfig(source="none")`` for in-batch negatives
+    only); ``args``: the optimisation (``TrainConfig``: epochs, batch size, learning rate, bf16, ...);
+    ``schedule``: the batch order (default random); ``max_queries`` / ``seed``: a seeded sample of the training
+    queries. ``on_step_end(step)`` runs after every step. With ``restart``, what an earlier call wrote in
+    ``output_dir`` is removed first; otherwise an interrupted call resumes from its checkpoints."""
+    args, negatives, schedule = args or TrainConfig(), negatives or NegativesConfig(), schedule or ScheduleConfig()
+    if negatives.refresh_every is not None:
+        raise ConfigError("negatives.refresh_every re-mines during training: use `densepass run` for it")
+    if isinstance(dataset, (str, Path)):
+        dataset = load_dataset(str(dataset))
+    objective = loss or InfoNCE(args.bidirectional)
+    torch_device = resolve_device(device)
+    query_ids = training_queries(dataset, split, max_queries, seed)
+    run_dir = Path(output_dir)
+    identity = {
+        "data": {"dataset": dataset.name, "split": split, "max_queries": max_queries, "seed": seed},
+        "model": asdict(model.config),
+        "negatives": asdict(negatives),
+        "schedule": {k: v for k, v in asdict(schedule).items() if k != "background"},
+        "loss": objective.describe(),
+        DATA_FILES: dataset.file_fingerprints(),
+    }
+    with owned_run_directory(run_dir, "training", OUTPUT_ENTRIES, restart, ("model",)):
+        sep = model.tokenizer.sep_token or " "
+        data = TrainingData(dataset, split, sep, query_ids=query_ids)
+        if needs_mining(negatives):
+            context = MiningContext(
+                split,
+                torch_device,
+                BM25Index.build(dataset.corpus.passage_inputs(" ")) if _uses_bm25(negatives) else None,
+                run_dir / "negatives",
+                base_model=getattr(model, "source", None) or DEFAULT_MODEL,  # where dense miners start from
+                architecture=model.config,
+                train_config=args,
+                seed=seed,
+            )
+            mined = mine_pool(dataset, query_ids, negatives, context, sep)
+            pool = passage_ids(mined.pool)
+            data = TrainingData(dataset, split, sep, pool, negatives.per_query, query_ids=query_ids)
+        planner = batch_planner(model, data, args, schedule, run_dir, torch_device)
+        result = fine_tune_model(
+            model, data, args, planner, run_dir, torch_device, identity, objective, None, on_step_end
+        )
+        model.save(run_dir / "model")
+    log = [json.loads(line) for line in result.log_path.read_text().splitlines() if line.strip()]
+    return TrainOutput(model, run_dir / "model", result.steps, result.final_loss, log)
+
+
+def _uses_bm25(negatives: NegativesConfig) -> bool:
+    return negatives.source == "bm25" or negatives.source == "mixed" and "bm25" in negatives.mix

@@ -1,0 +1,94 @@
+"""The Python training API (``densepass.train``): the same weights as the equivalent YAML run, loss objects that
+compose, the output folder owned and resumed like a run directory, bad input refused before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import densepass as dp
+from conftest import small_run_overrides
+from densepass.config import load_config
+from densepass.errors import ConfigError
+from densepass.models.biencoder import BiEncoder
+from densepass.pipelines.experiment import run_experiment
+
+SETTINGS = [
+    "train.epochs=2",
+    "train.batch_size=6",
+    "train.learning_rate=1e-3",
+    "train.cpu_bf16=false",
+    "train.checkpoint_every=3",
+    "train.log_every=1",
+    "data.max_train_queries=20",
+    "negatives.per_query=1",
+    "eval.each_epoch=false",
+]
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_python_training_gives_the_same_weights_as_the_yaml_run(tiny_model_dir, tiny_beir, tmp_path):
+    config = load_config(None, small_run_overrides(tiny_beir, tiny_model_dir, tmp_path, "yaml") + SETTINGS)
+    run_experiment(config)
+    from_yaml = _state(BiEncoder.from_pretrained(str(config.run_dir / "model")))
+
+    model = dp.BiEncoder.from_pretrained(str(tiny_model_dir), config=config.model.architecture())
+    out = dp.train(
+        model,
+        str(tiny_beir),
+        output_dir=tmp_path / "python",
+        loss=dp.losses.InfoNCE(),
+        negatives=dp.NegativesConfig(source="bm25", pool_depth=5, per_query=1),
+        args=dp.TrainConfig(
+            epochs=2, batch_size=6, learning_rate=1e-3, cpu_bf16=False, checkpoint_every=3, log_every=1
+        ),
+        max_queries=20,
+        device="cpu",
+    )
+    assert out.model is model and out.steps == 6 and len(out.log) == 6
+    saved = _state(BiEncoder.from_pretrained(str(out.model_dir)))
+    assert saved.keys() == from_yaml.keys()
+    assert all(torch.equal(saved[k], from_yaml[k]) for k in saved)
+    changed = dp.BiEncoder.from_pretrained(str(tiny_model_dir)).state_dict()
+    assert not all(torch.equal(saved[k], changed[k]) for k in saved)  # it trained
+
+
+def test_a_second_call_resumes_and_a_restart_trains_again(tiny_model_dir, tiny_beir, tmp_path):
+    def call(**kw):
+        model = dp.BiEncoder.from_pretrained(str(tiny_model_dir))
+        args = dp.TrainConfig(max_steps=2, batch_size=6, cpu_bf16=False, checkpoint_every=1)
+        return dp.train(model, str(tiny_beir), output_dir=tmp_path / "out", args=args, device="cpu", **kw)
+
+    first = call()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    again = call()  # every step is in the checkpoints: nothing trains again
+    assert again.steps == 2 and all(
+        torch.equal(a, b) for a, b in zip(first.model.state_dict().values(), again.model.state_dict().values())
+    )
+    with pytest.raises(ConfigError, match="other settings"):
+        call(loss=dp.losses.InfoNCE(temperature=0.5))
+    with pytest.warns(UserWarning, match="notes.txt"):
+        call(loss=dp.losses.InfoNCE(temperature=0.5), restart=True)
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"  # a user's file survives --restart
+
+
+def test_a_folder_of_someone_else_is_refused_before_any_work(tiny_model_dir, tiny_beir, tmp_path):
+    (tmp_path / "thesis").mkdir()
+    (tmp_path / "thesis" / "chapter1.tex").write_text("...")
+    with pytest.raises(ConfigError):
+        dp.train(dp.BiEncoder.from_pretrained(str(tiny_model_dir)), str(tiny_beir), output_dir=tmp_path / "thesis")
+    assert sorted(p.name for p in (tmp_path / "thesis").iterdir()) == ["chapter1.tex"]
+
+
+def test_loss_objects_compose_and_describe_themselves():
+    loss = dp.losses.InfoNCE(temperature=0.05) + dp.losses.FLOPS(lambda_q=1e-3, lambda_d=1e-3, warmup_steps=10)
+    assert (
+        loss.describe()
+        == "contrastive (τ 0.05) + FLOPS (lambda_q 0.001, lambda_d 0.001, quadratic warm-up over 10 steps)"
+    )
+    assert len((loss + dp.losses.InfoNCE()).terms) == 3
+    with pytest.raises(ConfigError, match="temperature"):
+        dp.losses.InfoNCE(temperature=0)
