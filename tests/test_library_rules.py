@@ -1,8 +1,12 @@
-"""The rules ``densepass index`` and ``rerank`` apply live in the library: a Python caller of ``IndexSettings``,
-``index_dataset``, ``rerank_run_file`` and ``write_trec_run`` gets the command line's one-line refusals, before any
-work and with nothing written or moved. (``SearchPipeline.load``'s: tests/test_search_api.py.)"""
+"""The rules of ``densepass index``, ``rerank``, ``mine``, ``ensemble``, ``analyze-attention`` and ``validate-study``
+live in the library: a Python caller of ``IndexSettings``, ``index_dataset``, ``rerank_run_file``,
+``write_trec_run``, ``mine_training_negatives``, ``save_ensemble_report``, ``analyze_attention`` and
+``validate_study`` gets the command line's one-line refusals, before any work and with nothing written or moved.
+(``SearchPipeline.load``'s: tests/test_search_api.py.)"""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -82,3 +86,54 @@ def test_mine_training_negatives_checks_its_output_and_precision_before_any_work
         with pytest.raises(error, match=message):
             mine_training_negatives(config, output, precision)
     assert mine.read_text() == "my notes\n" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_analyze_attention_refuses_bad_outputs_and_labels_before_any_work(
+    tiny_beir, tiny_model_dir, tmp_path, monkeypatch
+):
+    from densepass.analysis import attention
+
+    monkeypatch.setattr(attention, "load_dataset", lambda *a, **k: pytest.fail("loaded the dataset before refusing"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.png").write_text("my drawing")
+    (out / "theirs.json").write_text("my numbers")
+    models = [str(tiny_model_dir)]
+    refused = [
+        ({"labels": ["a", "b"]}, out / "p.png", "^--labels gives 2 names for 1 models$"),
+        ({}, out / "p.jpg", "is the plot's path: give it a .png name"),
+        ({}, tiny_beir / "p.png", "which this command reads$"),
+        ({}, out / "mine.png", "is not a attention plot densepass wrote"),
+        ({}, out / "theirs.png", "theirs.json exists and is not a attention result densepass wrote"),
+    ]
+    for keywords, output, message in refused:
+        with pytest.raises(DensepassError, match=message):
+            attention.analyze_attention(models, output, str(tiny_beir), **keywords)
+    assert sorted(p.name for p in out.iterdir()) == ["mine.png", "theirs.json"]
+    assert (out / "mine.png").read_text() == "my drawing" and not (tiny_beir / "p.png").exists()
+
+
+def test_validate_study_refuses_an_output_among_its_inputs_before_any_work(tiny_beir, tiny_model_dir, monkeypatch):
+    from densepass.pipelines import study
+
+    monkeypatch.setattr(study, "load_dataset", lambda *a, **k: pytest.fail("loaded the dataset before refusing"))
+    model_files = sorted(p.name for p in tiny_model_dir.iterdir())
+    for output in (tiny_model_dir, tiny_model_dir / "study", tiny_beir / "study"):
+        with pytest.raises(ConfigError, match="is, holds or lies inside .*, which this command reads$"):
+            study.validate_study(str(tiny_beir), [str(tiny_model_dir)], output)
+    assert sorted(p.name for p in tiny_model_dir.iterdir()) == model_files and not (tiny_beir / "study").exists()
+
+
+def test_an_ensemble_report_is_written_over_nothing_but_an_ensemble_report(tmp_path):
+    from densepass.pipelines.ensemble import save_ensemble_report
+
+    report = {"results": {"a": {"mrr@10": 0.5}}, "queries": 3}
+    path = tmp_path / "report.json"
+    save_ensemble_report(report, path)
+    save_ensemble_report({**report, "queries": 4}, path)  # its own report: replaced
+    assert json.loads(path.read_text())["queries"] == 4
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"results": {}, "queries": 1, "my notes": "keep"}')
+    with pytest.raises(DensepassError, match="is not a ensemble report densepass wrote"):
+        save_ensemble_report(report, mine)
+    assert "my notes" in mine.read_text()

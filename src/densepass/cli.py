@@ -273,56 +273,31 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 
 def _analyze_attention(args: argparse.Namespace) -> None:
-    from densepass.analysis.attention import attention_entropy, entropy_table, plot_entropy, sample_passages
-    from densepass.data import load_dataset
-    from densepass.data.paths import check_output_apart
-    from densepass.device import resolve_device
-    from densepass.errors import ConfigError
-    from densepass.io import atomic_write_text, check_output_file
+    from densepass.analysis.attention import analyze_attention, entropy_table
 
-    labels = args.labels or args.models
-    if len(labels) != len(args.models):
-        raise ConfigError(f"--labels gives {len(labels)} names for {len(args.models)} models")
-    if Path(args.output).suffix.lower() != ".png":
-        raise ConfigError(f"--output {args.output} is the plot's path: give it a .png name (the numbers go beside it)")
-    check_output_apart(args.output, args.dataset, args.data_dir, list(args.models))
-    check_output_file(args.output, "attention plot", lambda path: path.read_bytes().startswith(b"\x89PNG"))
-    check_output_file(Path(args.output).with_suffix(".json"), "attention result", _is_attention_result)
-    dataset = load_dataset(args.dataset, args.data_dir, args.format)
-    texts = sample_passages(dataset.corpus, args.samples, args.seed, "[SEP]")
-    device = resolve_device(args.device)
-    results = {
-        label: attention_entropy(model, texts, args.max_length, device=device)
-        for label, model in zip(labels, args.models)
-    }
-    plot_entropy(results, args.output, f"CLS attention entropy, {len(texts)} {dataset.name} passages")
-    atomic_write_text(Path(args.output).with_suffix(".json"), json.dumps(results, indent=2))
+    results = analyze_attention(
+        args.models,
+        args.output,
+        args.dataset,
+        labels=args.labels,
+        data_dir=args.data_dir,
+        format=args.format,
+        samples=args.samples,
+        max_length=args.max_length,
+        seed=args.seed,
+        device=args.device,
+    )
     print(entropy_table(results))
     print(f"plot: {args.output}")
 
 
-def _is_attention_result(path: Path) -> bool:
-    """Whether ``path`` holds what ``analyze-attention`` writes beside its plot: {label: [entropy per layer]}."""
-    values = json.loads(Path(path).read_text(encoding="utf-8"))
-    return isinstance(values, dict) and all(isinstance(v, list) for v in values.values())
-
-
 def _validate_study(args: argparse.Namespace) -> None:
-    from densepass.data import load_dataset
-    from densepass.data.paths import check_output_apart
-    from densepass.io import locked_run_directory
-    from densepass.pipelines.study import STUDY_ENTRIES, StudySettings, expand_checkpoints, run_study
-
-    check_output_apart(args.output, args.dataset, args.data_dir, list(args.checkpoints))
+    from densepass.pipelines.study import StudySettings, validate_study
 
     settings = StudySettings(
         args.split, args.r, args.k, args.retriever, args.metric, args.max_queries, args.seed, args.corpus_fraction
     )
-    checkpoints = expand_checkpoints(args.checkpoints)
-    dataset = load_dataset(args.dataset, args.data_dir, args.format)
-    # never a user's folder, and nothing written into it (not even the lock) when a check refuses the study
-    with locked_run_directory(args.output, "validation study", STUDY_ENTRIES, restart=False) as claim:
-        run_study(dataset, checkpoints, settings, Path(args.output), claim)
+    validate_study(args.dataset, args.checkpoints, args.output, settings, args.data_dir, args.format)
 
 
 def _mine(args: argparse.Namespace) -> None:
@@ -385,25 +360,18 @@ def _is_saved_config(path: Path, cls: type) -> bool:
     return isinstance(values, dict) and set(values) == {f.name for f in dataclasses.fields(cls)}
 
 
-def _is_ensemble_report(path: Path) -> bool:
-    """Whether ``path`` holds what ``densepass ensemble --output`` writes (its keys, no other)."""
-    values = json.loads(Path(path).read_text(encoding="utf-8"))
-    return isinstance(values, dict) and {"results", "queries"} <= set(values) <= {
-        "results",
-        "queries",
-        "weights",
-        "evaluations",
-    }
-
-
 def _ensemble(args: argparse.Namespace) -> None:
     from densepass.data import load_dataset
     from densepass.evaluation.tables import print_table
-    from densepass.io import atomic_write_text, check_output_file
-    from densepass.pipelines.ensemble import EnsembleSettings, evaluate_ensemble
+    from densepass.pipelines.ensemble import (
+        EnsembleSettings,
+        check_report_output,
+        evaluate_ensemble,
+        save_ensemble_report,
+    )
 
-    if args.output:  # before the work: densepass overwrites only its own JSON
-        check_output_file(args.output, "ensemble report", _is_ensemble_report)
+    if args.output:  # before the work: densepass overwrites only its own report
+        check_report_output(args.output)
 
     settings = EnsembleSettings(
         ["embedding", "rrf"] if args.method == "both" else [args.method],
@@ -420,7 +388,7 @@ def _ensemble(args: argparse.Namespace) -> None:
     if "weights" in out:
         print("embedding-fusion weights:", json.dumps(out["weights"]))
     if args.output:
-        atomic_write_text(args.output, json.dumps(out, indent=2))
+        save_ensemble_report(out, args.output)
 
 
 def _download(args: argparse.Namespace) -> None:

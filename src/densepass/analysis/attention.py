@@ -7,13 +7,19 @@ layer is the mean over its heads and over a sample of passages: high = broad att
 
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from densepass.data import load_dataset
 from densepass.data.dataset import Corpus
+from densepass.data.paths import check_output_apart
+from densepass.device import resolve_device
 from densepass.errors import ConfigError, DensepassError
+from densepass.io import atomic_write_text, check_output_file
 
 
 def cls_attention_entropy(attention: torch.Tensor) -> torch.Tensor:
@@ -111,3 +117,49 @@ def plot_entropy(
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=120)
     plt.close(fig)
+
+
+def is_attention_result(path: str | Path) -> bool:
+    """Whether ``path`` holds what ``analyze_attention`` writes beside its plot: {label: [entropy per layer]}."""
+    values = json.loads(Path(path).read_text(encoding="utf-8"))
+    return isinstance(values, dict) and all(isinstance(v, list) for v in values.values())
+
+
+def analyze_attention(
+    models: Sequence[str],
+    output: str | Path,
+    dataset: str,
+    *,
+    labels: Sequence[str] | None = None,
+    data_dir: str | Path | None = None,
+    format: str = "beir",
+    samples: int = 1000,
+    max_length: int = 128,
+    seed: int = 13,
+    device: str | torch.device | None = None,
+) -> dict[str, list[float]]:
+    """``densepass analyze-attention``: the CLS attention entropy per layer of each saved model (named by
+    ``labels``, default the models themselves) over ``samples`` passages of ``dataset``, plotted to the PNG
+    ``output`` with the numbers beside it (the same path with ``.json``); returns them.
+
+    Before any work, one-line errors for: labels that do not match the models one to one, an ``output`` without
+    a ``.png`` name, or among the inputs (``data.paths.check_output_apart``), and a plot or numbers file already
+    there that densepass did not write (``io.check_output_file``)."""
+    labels = list(labels or models)
+    if len(labels) != len(models):
+        raise ConfigError(f"--labels gives {len(labels)} names for {len(models)} models")
+    if Path(output).suffix.lower() != ".png":
+        raise ConfigError(f"--output {output} is the plot's path: give it a .png name (the numbers go beside it)")
+    check_output_apart(output, dataset, data_dir, list(models))
+    check_output_file(output, "attention plot", lambda path: path.read_bytes().startswith(b"\x89PNG"))
+    numbers = Path(output).with_suffix(".json")
+    check_output_file(numbers, "attention result", is_attention_result)
+    data = load_dataset(dataset, data_dir, format)
+    texts = sample_passages(data.corpus, samples, seed, "[SEP]")
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    results = {
+        label: attention_entropy(model, texts, max_length, device=device) for label, model in zip(labels, models)
+    }
+    plot_entropy(results, output, f"CLS attention entropy, {len(texts)} {data.name} passages")
+    atomic_write_text(numbers, json.dumps(results, indent=2))
+    return results

@@ -9,6 +9,7 @@ runs. Each single model is reported too.
 from __future__ import annotations
 
 import gc
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from densepass.errors import ConfigError
 from densepass.evaluation.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
 from densepass.evaluation.metrics import Run, evaluate_run, make_run
 from densepass.index.exact import exact_search
+from densepass.io import atomic_write_text, check_output_file
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
 
@@ -111,3 +113,25 @@ def evaluate_ensemble(
     if "rrf" in s.methods:
         results["ensemble (rank)"] = evaluate_run(qrels, reciprocal_rank_fusion(runs, s.rrf_k), metrics)
     return out
+
+
+REPORT_KEYS = {"results", "queries", "weights", "evaluations"}  # what ``evaluate_ensemble`` returns
+
+
+def is_ensemble_report(path: str | Path) -> bool:
+    """Whether ``path`` holds an ensemble report as ``save_ensemble_report`` writes it (its keys, no other)."""
+    values = json.loads(Path(path).read_text(encoding="utf-8"))
+    return isinstance(values, dict) and {"results", "queries"} <= set(values) <= REPORT_KEYS
+
+
+def check_report_output(path: str | Path) -> None:
+    """A one-line error unless ``path`` is free for an ensemble report: missing, empty, or a report densepass wrote
+    (``io.check_output_file``): a user's file of that name is never overwritten."""
+    check_output_file(path, "ensemble report", is_ensemble_report)
+
+
+def save_ensemble_report(report: dict, path: str | Path) -> None:
+    """Write what ``evaluate_ensemble`` returned to ``path`` as JSON, atomically, over nothing but an ensemble
+    report (``check_report_output``)."""
+    check_report_output(path)
+    atomic_write_text(path, json.dumps(report, indent=2))

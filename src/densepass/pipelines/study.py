@@ -26,14 +26,16 @@ import numpy as np
 from scipy.stats import kendalltau
 
 from densepass.config import DEFAULT_MODEL
+from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
+from densepass.data.paths import check_output_apart
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import evaluate_run, make_run
 from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.fingerprints import fingerprint_directory
 from densepass.index.dense import DenseIndex
 from densepass.index.exact import exact_search
-from densepass.io import atomic_write_text
+from densepass.io import atomic_write_text, locked_run_directory
 from densepass.models.biencoder import CONFIG_NAME, BiEncoder, resolve_model_path
 from densepass.models.encode import encode_texts
 from densepass.pipelines.validation import bm25_retriever, dense_retriever
@@ -182,6 +184,27 @@ def run_study(
     ]
     write_study(rows_out, checkpoints, metric, out_dir, direct_diff)
     return rows_out
+
+
+def validate_study(
+    dataset: str,
+    checkpoints: Sequence[str | Path],
+    output: str | Path,
+    settings: StudySettings | None = None,
+    data_dir: str | Path | None = None,
+    format: str = "beir",
+) -> list[StudyRow]:
+    """``densepass validate-study``: ``run_study`` of the saved models or run directories ``checkpoints``
+    (``expand_checkpoints``) on dataset ``dataset``, written to the folder ``output``. An ``output`` that is, holds
+    or lies in the dataset's folder or a checkpoint's is refused before any work (``data.paths.check_output_apart``);
+    the folder is made a study's (``io.locked_run_directory``) only once the study's own checks pass, so a folder
+    of the user's is never written into."""
+    check_output_apart(output, dataset, data_dir, list(checkpoints))
+    settings = settings or StudySettings()
+    paths = expand_checkpoints([str(path) for path in checkpoints])
+    data = load_dataset(dataset, data_dir, format)
+    with locked_run_directory(output, "validation study", STUDY_ENTRIES, restart=False) as claim:
+        return run_study(data, paths, settings, Path(output), claim)
 
 
 def _read_saved(path: Path) -> dict:
