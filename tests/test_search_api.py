@@ -241,6 +241,22 @@ def test_search_pipeline_load_refuses_what_the_command_line_refuses_before_loadi
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"densepass: error: {expected}"
 
 
+@pytest.mark.parametrize(
+    "kind, keywords, message",
+    [
+        ("bm25", {"reranker": "COLBERT", "rerank_depth": 0}, "^rerank depth must be >= 1, got 0$"),
+        ("bm25", {"reranker": "COLBERT", "rerank_batch_size": 0}, "^the reranker's batch size must be >= 1, got 0$"),
+        ("exact", {"search_precision": "bf16", "rescore": 0}, "^rescore must be >= 1, got 0$"),
+        ("exact", {"hybrid": "linear", "fusion_weight": 1.5}, r"^the fusion weight must be in \[0, 1\], got 1.5$"),
+    ],
+    ids=["rerank-depth", "rerank-batch-size", "rescore", "fusion-weight"],
+)
+def test_search_pipeline_load_refuses_values_out_of_range(saved, paths, kind, keywords, message):
+    # what argparse's types refuse on the command line (positive integers, a weight in [0, 1]): refused here too
+    with pytest.raises(ConfigError, match=message):
+        SearchPipeline.load(saved[kind], device="cpu", **{key: paths.get(v, v) for key, v in keywords.items()})
+
+
 def test_search_pipeline_load_takes_a_loaded_reranker_but_not_options_for_loading_one(saved):
     class Length:
         def score_pairs(self, queries, passages):

@@ -260,6 +260,8 @@ class ColbertReranker:
     def __init__(
         self, model: ColBERT, batch_size: int = 64, device: torch.device | None = None, precision: str = "auto"
     ) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"the reranker's batch size must be >= 1, got {batch_size}")
         self.model, self.batch_size, self.device, self.precision = model, batch_size, device, precision
 
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:

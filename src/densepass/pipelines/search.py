@@ -193,7 +193,7 @@ class SearchPipeline:
             index = HybridIndex(index, BM25Index.build(index.passages), hybrid, weight)
         if isinstance(reranker, str | Path):
             reranker = load_reranker(reranker, device, rerank_batch_size, rerank_precision)
-        return cls(index, reranker, rerank_depth or min(100, len(index)))
+        return cls(index, reranker, min(100, len(index)) if rerank_depth is None else rerank_depth)
 
     def search(self, query: str, k: int = 10) -> list[Hit]:
         """The top-``k`` hits of one query (a blank one, or one holding a lone surrogate, is a one-line
@@ -268,10 +268,10 @@ def load_reranker(path: str | Path, device: torch.device, batch_size: int | None
     ``batch_size`` texts or pairs per forward pass (None: 64), scoring in ``precision`` (checked first:
     ``check_reranker_precision``)."""
     check_reranker_precision(path, precision, device)
-    path = str(path)
+    path, batch_size = str(path), 64 if batch_size is None else batch_size
     if model_kind(resolve_model_path(path)) == "colbert":
-        return ColbertReranker(ColBERT.from_pretrained(path), batch_size or 64, device, precision)
-    return CrossEncoder.from_pretrained(path, device=device, batch_size=batch_size or 64, precision=precision)
+        return ColbertReranker(ColBERT.from_pretrained(path), batch_size, device, precision)
+    return CrossEncoder.from_pretrained(path, device=device, batch_size=batch_size, precision=precision)
 
 
 def check_query(query: str, what: str) -> None:
