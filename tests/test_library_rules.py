@@ -1,7 +1,7 @@
-"""The rules of ``densepass index``, ``rerank``, ``mine``, ``ensemble``, ``analyze-attention`` and ``validate-study``
-live in the library: a Python caller of ``IndexSettings``, ``index_dataset``, ``rerank_run_file``,
-``write_trec_run``, ``mine_training_negatives``, ``save_ensemble_report``, ``analyze_attention`` and
-``validate_study`` gets the command line's one-line refusals, before any work and with nothing written or moved.
+"""The rules of ``densepass index``, ``rerank``, ``mine``, ``ensemble``, ``analyze-attention``, ``validate-study`` and
+``config`` live in the library: a Python caller of ``IndexSettings``, ``index_dataset``, ``rerank_run_file``,
+``write_trec_run``, ``mine_training_negatives``, ``save_ensemble_report``, ``analyze_attention``, ``validate_study``
+and ``export_config`` gets the command line's one-line refusals, before any work and with nothing written or moved.
 (``SearchPipeline.load``'s: tests/test_search_api.py.)"""
 
 from __future__ import annotations
@@ -137,3 +137,18 @@ def test_an_ensemble_report_is_written_over_nothing_but_an_ensemble_report(tmp_p
     with pytest.raises(DensepassError, match="is not a ensemble report densepass wrote"):
         save_ensemble_report(report, mine)
     assert "my notes" in mine.read_text()
+
+
+def test_export_config_writes_over_nothing_but_a_config_it_wrote(tmp_path):
+    from densepass.config import ExperimentConfig, export_config, load_config
+
+    path = tmp_path / "config.yaml"
+    export_config(ExperimentConfig(), path)
+    export_config(load_config(None, ["train.batch_size=8"]), path)  # its own config: replaced
+    assert load_config(path).train.batch_size == 8
+    for text in ("# my notes\n" + path.read_text(), "train:\n  batch_size: 4\n"):  # comments; a partial config
+        mine = tmp_path / "mine.yaml"
+        mine.write_text(text)
+        with pytest.raises(DensepassError, match="is not a config densepass wrote"):
+            export_config(ExperimentConfig(), mine)
+        assert mine.read_text() == text

@@ -64,8 +64,7 @@ def _run(args: argparse.Namespace) -> None:
 def _config(args: argparse.Namespace) -> None:
     import yaml
 
-    from densepass.config import ExperimentConfig, explain, load_config, save_config, to_dict
-    from densepass.io import check_output_file
+    from densepass.config import ExperimentConfig, explain, export_config, load_config, to_dict
     from densepass.phrase.config import PhraseConfig
     from densepass.pretraining.config import PretrainConfig
 
@@ -76,8 +75,7 @@ def _config(args: argparse.Namespace) -> None:
         return
     config = load_config(args.config, args.set, cls)
     if args.output:
-        check_output_file(args.output, "config", lambda path: _is_saved_config(path, cls))
-        save_config(config, args.output)
+        export_config(config, args.output)
     else:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
 
@@ -345,19 +343,6 @@ def _print_mining_summary(result, output: Path) -> None:
         table.add_row(f"removed by {name}", str(count))
     Console().print(table)
     print(result.summary())
-
-
-def _is_saved_config(path: Path, cls: type) -> bool:
-    """Whether ``path`` holds a config as ``densepass config --output`` writes it: every key of ``cls``, no other."""
-    import dataclasses
-
-    import yaml
-
-    text = Path(path).read_text(encoding="utf-8")
-    if any(line.lstrip().startswith("#") for line in text.splitlines()):
-        return False  # densepass writes no comments: a user's own notes are in it
-    values = yaml.safe_load(text)
-    return isinstance(values, dict) and set(values) == {f.name for f in dataclasses.fields(cls)}
 
 
 def _ensemble(args: argparse.Namespace) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 import yaml
 
 from densepass.errors import ConfigError
-from densepass.io import check_regular_file
+from densepass.io import check_output_file, check_regular_file
 
 T = TypeVar("T")
 
@@ -693,6 +693,24 @@ def save_config(config: Any, path: str | Path) -> None:
     data = to_dict(config)
     text = json.dumps(data, indent=2) if str(path).endswith(".json") else yaml.safe_dump(data, sort_keys=False)
     atomic_write_text(path, text)
+
+
+def is_saved_config(path: str | Path, cls: type) -> bool:
+    """Whether ``path`` holds a ``cls`` config as ``export_config`` writes it: every key of ``cls``, no other, and no
+    comment (densepass writes none: a file with comments holds a user's own notes)."""
+    text = Path(path).read_text(encoding="utf-8")
+    if any(line.lstrip().startswith("#") for line in text.splitlines()):
+        return False
+    values = yaml.safe_load(text)
+    return isinstance(values, dict) and set(values) == {f.name for f in dataclasses.fields(cls)}
+
+
+def export_config(config: Any, path: str | Path) -> None:
+    """``densepass config --output``: write ``config`` to ``path`` for a user (``save_config``), over nothing but a
+    config of its kind that densepass wrote (``is_saved_config``, ``io.check_output_file``): a user's own file of
+    that name is never overwritten."""
+    check_output_file(path, "config", lambda existing: is_saved_config(existing, type(config)))
+    save_config(config, path)
 
 
 def explain(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
