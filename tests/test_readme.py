@@ -30,3 +30,59 @@ def test_the_readme_starts_with_the_two_commands():
     first = README.read_text().split("```bash", 1)[1].split("```", 1)[0]
     assert "bash scripts/setup.sh && python3 -m densepass run configs/main.yaml" in first
     assert "bash scripts/setup.sh && python3 -m pytest" in first
+
+
+def python_training_example() -> str:
+    section = README.read_text().split("## Train from Python", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_python_training_example_runs_and_gives_the_yaml_runs_weights(tmp_path):
+    """The README's ``dp.train`` example, run as written (MiniLM on debian-packages), and ``densepass run`` with the
+    settings the README names end with the same weights."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from densepass.data.paths import default_data_dir
+
+    env = {**os.environ, "DENSEPASS_DATA": str(default_data_dir().resolve())}  # the data beside the checkout
+    result = subprocess.run(
+        [sys.executable, "-c", python_training_example()],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["4", "1"]  # 4 steps, one log record (log_every 10, and the last step)
+    settings = [
+        "name=yaml",
+        f"output_dir={tmp_path}",
+        "data.name=debian-packages",
+        "data.max_train_queries=64",
+        "data.max_eval_queries=5",
+        "data.eval_subcorpus=true",
+        "data.eval_random=20",
+        "negatives.source=bm25",
+        "negatives.pool_depth=30",
+        "negatives.per_query=1",
+        "train.max_steps=4",
+        "train.batch_size=16",
+        "train.learning_rate=5e-5",
+        "model.temperature=0.05",
+        "eval.baselines=[]",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "densepass", "run", *[a for s in settings for a in ("--set", s)]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    python = load_file(str(tmp_path / "outputs" / "python-first" / "model" / "model.safetensors"))
+    yaml = load_file(str(tmp_path / "yaml" / "model" / "model.safetensors"))
+    assert python.keys() == yaml.keys() and all(python[k].equal(yaml[k]) for k in python)

@@ -126,7 +126,7 @@ def train(
     split: str = "train",
     max_queries: int | None = None,
     seed: int = 13,
-    device: str = "auto",
+    device: str | None = None,
     on_step_end: Callable[[int], None] | None = None,
     restart: bool = False,
 ) -> TrainOutput:
@@ -138,7 +138,8 @@ def train(
     per step (default: BM25's top 30, one per step; ``NegativesConfig(source="none")`` for in-batch negatives
     only); ``args``: the optimisation (``TrainConfig``: epochs, batch size, learning rate, bf16, ...);
     ``schedule``: the batch order (default random); ``max_queries`` / ``seed``: a seeded sample of the training
-    queries. ``on_step_end(step)`` runs after every step. With ``restart``, what an earlier call wrote in
+    queries; ``device``: cpu, cuda or cuda:N (None: cuda when available). ``on_step_end(step)`` runs after every
+    step. With ``restart``, what an earlier call wrote in
     ``output_dir`` is removed first; otherwise an interrupted call resumes from its checkpoints."""
     args, negatives, schedule = args or TrainConfig(), negatives or NegativesConfig(), schedule or ScheduleConfig()
     if negatives.refresh_every is not None:
