@@ -47,9 +47,9 @@ from densepass.models import copies as copies_module
 from densepass.models import cpu_kernels as kernels_module
 from densepass.models import encode as encode_module
 from densepass.models import fused as fused_module
-from densepass.models.batching import CPU_PIECE_TOKENS
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
 from densepass.models.encode import encode_texts
+from densepass.models.inputs import CPU_PIECE_TOKENS
 
 Encoder = Callable[[list[str]], np.ndarray]
 PLURAL = {"passage": "passages", "query": "queries"}

@@ -125,7 +125,7 @@ def densepass_mine_worker(args: argparse.Namespace) -> dict:
     """One torchrun process of ``densepass mine``."""
     from densepass import distributed
     from densepass.config import load_config
-    from densepass.pipelines.mining import mine_training_negatives
+    from densepass.pipelines.mine_command import mine_training_negatives
 
     overrides = {
         "data.name": args.data,

@@ -36,7 +36,7 @@ from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import save_pool
 from densepass.pipelines.ensemble import EnsembleSettings, evaluate_ensemble
 from densepass.pipelines.experiment import run_experiment
-from densepass.training.miner import prepare_miners
+from densepass.training.dense_miners import prepare_miners
 
 POOLS = {"coarse": "dense:25", "fine": "dense:512", "bm25": "bm25", "context": "context"}
 ROWS = {"Rnd": None, "+Coarse": "coarse", "+Fine": "fine", "+BM25": "bm25", "+Context": "context", "+Mixed": "mixed"}

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
 
 from densepass.errors import ConfigError, DataError
-from densepass.models.batching import forward_in_pieces
 from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.inputs import forward_in_pieces
 
 CPU = torch.device("cpu")
 QUERIES = ["audio editor", "kernel driver for printers", "x", "a long query " * 30]

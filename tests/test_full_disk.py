@@ -416,14 +416,14 @@ def test_an_output_where_nothing_can_be_made_is_one_line(commands, capsys, comma
 
 
 def test_mining_checks_its_output_before_it_loads_anything(tmp_path, monkeypatch):
-    import densepass.pipelines.mining as mining
+    import densepass.pipelines.mine_command as mine_command
     from densepass.config import load_config
 
-    monkeypatch.setattr(mining, "load_dataset", lambda *a, **k: pytest.fail("the dataset was loaded"))
+    monkeypatch.setattr(mine_command, "load_dataset", lambda *a, **k: pytest.fail("the dataset was loaded"))
     (tmp_path / "afile").write_text("")
     for out in (tmp_path / LONG, tmp_path / "afile" / "x.jsonl"):
         with pytest.raises(OSError) as raised:
-            mining.mine_training_negatives(load_config(None, ["negatives.source=bm25"]), out)
+            mine_command.mine_training_negatives(load_config(None, ["negatives.source=bm25"]), out)
         assert raised.value.filename == str(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # the probe is gone
 

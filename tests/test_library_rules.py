@@ -70,7 +70,7 @@ def test_write_trec_run_writes_over_a_run_only(tmp_path):
 
 def test_mine_training_negatives_checks_its_output_and_precision_before_any_work(tiny_beir, tmp_path):
     from densepass.config import load_config
-    from densepass.pipelines.mining import mine_training_negatives
+    from densepass.pipelines.mine_command import mine_training_negatives
 
     config = load_config(None, [f"data.name={tiny_beir}", "negatives.source=bm25", "device=cpu"])
     out = tmp_path / "out"

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from transformers import AutoModel
 
 from densepass.errors import ConfigError
-from densepass.models.batching import forward_in_pieces
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, token_pooling
 from densepass.models.encode import encode_texts
+from densepass.models.inputs import forward_in_pieces
 
 TEXTS = ["audio editor for the terminal", "a python library", "fonts [SEP] a collection of free fonts"]
 

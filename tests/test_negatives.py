@@ -23,7 +23,7 @@ from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.mixed import mix_pools
 from densepass.negatives.pool import Candidate, load_pool, passage_ids, save_pool
 from densepass.training.batches import TrainingData, draw_negatives
-from densepass.training.miner import prepare_miners
+from densepass.training.dense_miners import prepare_miners
 
 
 def small_dataset() -> RetrievalDataset:
@@ -143,7 +143,7 @@ def test_context_negatives_on_debian_packages():
 def test_coarse_miner_has_the_requested_dimension(tiny_beir, tiny_model_dir, tmp_path):
     from densepass.models.biencoder import BiEncoder
     from densepass.models.encode import encode_texts
-    from densepass.training.miner import train_miner
+    from densepass.training.dense_miners import train_miner
 
     dataset = load_dataset(str(tiny_beir))
     ctx = tiny_context(tmp_path, tiny_model_dir)
@@ -164,7 +164,7 @@ def test_coarse_miner_has_the_requested_dimension(tiny_beir, tiny_model_dir, tmp
 
 
 def test_a_dense_miner_is_reused_only_for_the_same_settings(tiny_beir, tiny_model_dir, tmp_path):
-    from densepass.training.miner import prepare_miners
+    from densepass.training.dense_miners import prepare_miners
 
     dataset = load_dataset(str(tiny_beir))
     qids = sorted(dataset.positives("train"))

@@ -158,7 +158,7 @@ def test_every_phrase_config_key_has_help_and_densepass_config_explains_them(cap
 def test_the_filter_is_validated_by_the_auc_pr_scikit_learn_gives_its_logits():
     from densepass.phrase.config import FilterConfig
     from densepass.phrase.encode import TokenVectors
-    from densepass.phrase.filter import filter_logits, fit_filter
+    from densepass.phrase.token_filter import filter_logits, fit_filter
 
     rng = np.random.default_rng(0)
 

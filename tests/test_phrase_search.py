@@ -20,7 +20,7 @@ from densepass.errors import ConfigError, DataError
 from densepass.index.base import load_index
 from densepass.phrase.config import PhraseModelConfig
 from densepass.phrase.model import PhraseEncoder, TokenFilter
-from densepass.phrase.spans import span_limits, top_passages, top_spans
+from densepass.phrase.span_search import span_limits, top_passages, top_spans
 from densepass.phrase.windows import char_span_to_tokens, token_span_to_chars, tokenize_passages
 from densepass.pipelines.search import SearchPipeline
 from densepass.serve.searcher import hit_to_json

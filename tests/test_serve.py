@@ -26,7 +26,7 @@ import densepass
 from densepass.errors import ConfigError
 from densepass.serve import ServeSettings, add_settings_arguments, create_app, hit_to_json, settings_from_args
 from densepass.serve.app import uvicorn_config
-from densepass.serve.batching import MicroBatcher, Unavailable
+from densepass.serve.microbatch import MicroBatcher, Unavailable
 from densepass.serve.settings import exposure_warning
 from serve_fake import PASSAGES, FakeSearcher
 

@@ -25,9 +25,9 @@ from densepass.index.splade import SpladeIndex
 from densepass.losses.batch import BatchTensors
 from densepass.losses.flops import flops, quadratic_warmup
 from densepass.losses.objectives import FLOPS, InfoNCE
-from densepass.models.batching import CPU_PIECE_TOKENS
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT, ColbertReranker, maxsim
+from densepass.models.inputs import CPU_PIECE_TOKENS
 from densepass.models.splade import CPU_ENCODE_PIECE_TOKENS, SpladeEncoder, splade_weights
 from densepass.pipelines.experiment import run_experiment
 from densepass.training.step import forward_backward

@@ -301,7 +301,7 @@ def _validate_study(args: argparse.Namespace) -> None:
 def _mine(args: argparse.Namespace) -> None:
     from densepass import distributed
     from densepass.config import load_config
-    from densepass.pipelines.mining import mine_training_negatives
+    from densepass.pipelines.mine_command import mine_training_negatives
 
     options = {
         "negatives.source": args.strategy,

@@ -2,8 +2,8 @@
 
 Every field read is type-checked, and bad input is a one-line :class:`DataError` naming the file and line:
 a non-string ``text`` or ``title``, a null or non-scalar ``_id``, an ``_id`` holding whitespace (a TREC run
-cannot represent it: ``io_utils.check_id``), a string holding a lone surrogate (``data.texts``), bad UTF-8, a
-truncated gzip file. What is
+cannot represent it: ``reader_helpers.check_id``), a string holding a lone surrogate (``data.texts``), bad UTF-8,
+a truncated gzip file. What is
 tolerated is counted and reported once per file as a :class:`DataWarning` (see each reader's docstring).
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from densepass.data.dataset import Corpus, LazyTexts, Qrels, RetrievalDataset, passage_input
 from densepass.data.files import Tally, open_text, reading, records_files
-from densepass.data.io_utils import (
+from densepass.data.reader_helpers import (
     WHITESPACE,
     CorpusBuilder,
     all_empty,
@@ -310,8 +310,8 @@ def read_qrels_tsv(path: Path) -> Qrels:
     (``1.0`` is read as 1; ``0.5`` is an error) within +-:data:`MAX_GRADE`. A (query, passage) pair judged
     twice with the same grade is skipped with one counted DataWarning; with different grades it is a DataError
     (silently keeping either one could drop a positive). An id holding whitespace (a tab-separated field can hold
-    spaces) is a DataError (``io_utils.check_id``). Fields are never quoted: a ``"`` is part of the id, as in a TREC
-    file. A line the csv module refuses (a field over its size limit) is a DataError too."""
+    spaces) is a DataError (``reader_helpers.check_id``). Fields are never quoted: a ``"`` is part of the id, as in
+    a TREC file. A line the csv module refuses (a field over its size limit) is a DataError too."""
     qrels: Qrels = {}
     repeats = Tally(path, "repeated (query, passage) rows with the same grade, ignored")
     first_row = True

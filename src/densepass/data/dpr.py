@@ -20,7 +20,7 @@ from typing import Any
 
 from densepass.data.dataset import Qrels, RetrievalDataset
 from densepass.data.files import records_files
-from densepass.data.io_utils import (
+from densepass.data.reader_helpers import (
     CorpusBuilder,
     check_id,
     get_field,

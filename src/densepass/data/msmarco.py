@@ -20,7 +20,7 @@ from pathlib import Path
 from densepass.data.beir import find_file, read_qrels_tsv
 from densepass.data.dataset import Corpus, Qrels, RetrievalDataset
 from densepass.data.files import Tally, read_lines, records_files
-from densepass.data.io_utils import CorpusBuilder, check_id, require_dir, split_files
+from densepass.data.reader_helpers import CorpusBuilder, check_id, require_dir, split_files
 from densepass.errors import DataError, DataWarning
 
 # First-column names that mark a header line rather than an id.

@@ -19,7 +19,15 @@ from typing import Any
 
 from densepass.data.dataset import Qrels, RetrievalDataset
 from densepass.data.files import Tally, records_files
-from densepass.data.io_utils import CorpusBuilder, check_id, get_field, read_json, require_dir, split_files, unique
+from densepass.data.reader_helpers import (
+    CorpusBuilder,
+    check_id,
+    get_field,
+    read_json,
+    require_dir,
+    split_files,
+    unique,
+)
 from densepass.errors import DataError
 
 

@@ -3,7 +3,7 @@
 A lone surrogate (U+D800 to U+DFFF) is not a Unicode character: a Python string holds one only from a JSON
 ``\\ud800``-style escape without its pair (or an argument decoded with ``surrogateescape``), it cannot be written
 as UTF-8, and a tokenizer fails on it deep inside (``TypeError: TextEncodeInput must be ...``). The readers refuse
-it with the file and line (``data.beir``, ``data.io_utils.read_json``), and texts given through the Python API are
+it with the file and line (``data.beir``, ``data.reader_helpers.read_json``), and texts given through the Python API are
 checked where they enter (encoding, searching).
 
 A blank text has no visible character: empty, whitespace, or only invisible characters such as the zero-width

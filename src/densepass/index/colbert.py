@@ -54,9 +54,9 @@ from densepass.index.base import (
     register,
 )
 from densepass.index.checks import model_for_index
-from densepass.models.batching import warn_long_queries
 from densepass.models.colbert import ColBERT
 from densepass.models.copies import float_precision
+from densepass.models.inputs import warn_long_queries
 
 Compression = Literal["fp16", "residual"]
 ARRAYS = ("offsets", "codes", "centroids", "vectors", "residuals", "bucket_cutoffs", "bucket_weights")

@@ -39,8 +39,8 @@ from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.fingerprints import fingerprint_weights
 from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, register
 from densepass.index.checks import model_for_index
-from densepass.models.batching import warn_long_queries
 from densepass.models.copies import float_precision
+from densepass.models.inputs import warn_long_queries
 from densepass.models.splade import SpladeEncoder
 
 POSTINGS = "postings.npz"

@@ -38,8 +38,8 @@ from densepass.io import (
     remove_stale_temporaries,
     write_manifest,
 )
-from densepass.models.batching import Side, SidedInputs
 from densepass.models.encode import encode_texts
+from densepass.models.inputs import Side, SidedInputs
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 from densepass.numerics import refuse_nonfinite_weights
 

@@ -38,7 +38,9 @@ from densepass.data.texts import check_texts
 from densepass.device import attention_kernels, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
-from densepass.models.batching import (
+from densepass.models.biencoder import Side, resolve_model_path
+from densepass.models.copies import encoder_in_precision, float_precision
+from densepass.models.inputs import (
     BF16_PIECE_TOKENS,
     CPU_PIECE_TOKENS,
     SidedInputs,
@@ -47,8 +49,6 @@ from densepass.models.batching import (
     piece_tokens,
     tokenize,
 )
-from densepass.models.biencoder import Side, resolve_model_path
-from densepass.models.copies import encoder_in_precision, float_precision
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 from densepass.numerics import refuse_nonfinite_weights
 

@@ -47,8 +47,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 from densepass.device import autocast_context, default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory
-from densepass.models.batching import check_position_limit, forward_in_pieces, piece_tokens, position_limit
 from densepass.models.copies import bf16_copy, fusable_base, reused_copy
+from densepass.models.inputs import check_position_limit, forward_in_pieces, piece_tokens, position_limit
 from densepass.models.kinds import loading_weights, quiet_loading
 from densepass.models.quantize import quantized_linear_copy
 from densepass.numerics import refuse_nonfinite_weights
@@ -303,7 +303,7 @@ class CrossEncoder:
         Pairs are tokenised a chunk at a time in one call (the fast tokenizer's threads share the work),
         in a worker thread one chunk ahead of the model; each chunk is cut into batches of equal token
         length, longest first, padded only to their own longest pair (on the CPU, a batch runs in pieces of
-        ``CPU_PIECE_TOKENS``: ``models.batching.forward_in_pieces``); in fp32 and bf16 the last layer runs on
+        ``CPU_PIECE_TOKENS``: ``models.inputs.forward_in_pieces``); in fp32 and bf16 the last layer runs on
         the first position only where the architecture allows (``first_position_logits``)."""
         if len(queries) != len(passages):
             raise ConfigError(f"{len(queries)} queries but {len(passages)} passages")

@@ -4,7 +4,7 @@ Texts are ordered by character length (known before tokenising) and tokenised in
 background thread while the model encodes the previous chunk; inside a chunk, rows are sorted by
 token count so each batch pads little, and padded batches are built with numpy. On GPU, inputs go
 through pinned memory, and embeddings stay on the device until one copy back at the end. On the CPU a batch
-runs in length-sorted pieces of 2,048 tokens (``models.batching.forward_in_pieces``): a batch of 256 passages
+runs in length-sorted pieces of 2,048 tokens (``models.inputs.forward_in_pieces``): a batch of 256 passages
 x 128 tokens has activations of 200 MB, above glibc's mmap threshold, so each one would be mapped and faulted in
 afresh (``benchmarks/bench_encode.py`` measures the gain; docs/history/benchmarks-log.md); in bf16, pieces of 4,096
 tokens. Results are float32 in the original order.
@@ -36,8 +36,8 @@ from transformers import PreTrainedTokenizerBase
 from densepass.data.texts import tokenizing
 from densepass.device import attention_kernels, default_device, resolve_precision
 from densepass.errors import DensepassError
-from densepass.models.batching import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS, Side, forward_in_pieces, piece_tokens
 from densepass.models.copies import bf16_copy, reused_copy
+from densepass.models.inputs import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS, Side, forward_in_pieces, piece_tokens
 from densepass.models.quantize import quantized_linear_copy
 from densepass.prefetch import prefetched
 

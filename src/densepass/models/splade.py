@@ -44,9 +44,9 @@ from densepass.data.texts import check_texts
 from densepass.device import attention_kernels, default_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
-from densepass.models.batching import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.copies import encoder_in_precision, float_precision
+from densepass.models.inputs import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 from densepass.numerics import refuse_nonfinite_weights
 
@@ -63,7 +63,7 @@ class SpladeArchitecture:
 
 
 CPU_ENCODE_PIECE_TOKENS = 256
-"""Tokens per piece of an encoding forward pass on the CPU (``models.batching.forward_in_pieces``). Fewer than
+"""Tokens per piece of an encoding forward pass on the CPU (``models.inputs.forward_in_pieces``). Fewer than
 the bi-encoder's 2,048: every token has vocabulary-sized logits (30,522 floats = 122 KB for BERT), and 256
 tokens keep them at 31 MB, under glibc's mmap threshold, where whole batches and 2,048-token pieces were slower
 (``benchmarks/bench_sparse_late.py`` compares the result with sentence-transformers: docs/benchmarks.md)."""

@@ -3,7 +3,7 @@
 The miner is any ``BiEncoder``: a saved checkpoint (the training-inference-gap paper's model-based
 negatives, §4.3.1), the model being trained (ANCE-style refresh), or a dual encoder trained on the
 training pairs with a projection of the chosen size (negative-contrast §4.2: 25-d for "coarse", 512-d
-for "fine"; ``densepass.training.miner`` trains those).
+for "fine"; ``densepass.training.dense_miners`` trains those).
 
 The corpus is encoded and searched in shards (``index.sharded``): under torchrun each process encodes and
 searches its shard and the top-k are merged, so the pool equals one process's and each process holds only

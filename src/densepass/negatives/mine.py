@@ -64,7 +64,7 @@ class MiningContext:
     seed: int = 13
     show_progress: bool = True
     model: BiEncoder | None = None  # for source=model: a model in memory (the one being trained) instead of a path
-    miners: dict[int, BiEncoder] = field(default_factory=dict)  # dense:DIM -> its trained miner (training.miner)
+    miners: dict[int, BiEncoder] = field(default_factory=dict)  # dense:DIM -> its trained miner (training.dense_miners)
     precision: str = "auto"  # encoding precision of the model and dense strategies (models.encode)
 
 
@@ -135,7 +135,7 @@ def raw_pool(
             if dim not in ctx.miners:
                 raise ConfigError(
                     f"{spec} mining needs a trained {dim}-d miner in the mining context "
-                    "(densepass.training.miner.prepare_miners trains it)"
+                    "(densepass.training.dense_miners.prepare_miners trains it)"
                 )
             model, source = ctx.miners[dim], f"dense-{dim}d"
         return mine_dense_negatives(

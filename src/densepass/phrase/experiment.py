@@ -32,11 +32,11 @@ from densepass.evaluation.subcorpus import gold_subcorpus
 from densepass.fingerprints import fingerprint_file
 from densepass.io import atomic_write_text, locked_run_directory
 from densepass.phrase.config import PhraseConfig
-from densepass.phrase.filter import train_token_filter
+from densepass.phrase.hard_negatives import mine_hard_negatives, read_negatives
 from densepass.phrase.index import PhraseIndex
-from densepass.phrase.mining import mine_hard_negatives, read_negatives
 from densepass.phrase.model import CONFIG_NAME, PhraseEncoder
 from densepass.phrase.query_tuning import gold_rows, tune_question_encoder
+from densepass.phrase.token_filter import train_token_filter
 from densepass.phrase.train import build_phrase_data, split_rows, train_phrases
 from densepass.phrase.validation import (
     evaluate_index,

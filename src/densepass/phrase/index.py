@@ -2,7 +2,7 @@
 
 ``search(questions, k)`` returns the top-k phrases: for each, its passage, the answer text, its character
 span in the passage text and its score (start score + end score, training-inference-gap §4.1), found by
-maximum inner product over the start and end vectors under the span constraint (``phrase.spans``).
+maximum inner product over the start and end vectors under the span constraint (``phrase.span_search``).
 ``search_passages`` ranks passages by their best phrase. A token filter threshold (§5) keeps only the
 start (end) vectors whose filter logit is above it; ``filtered(threshold)`` gives that smaller index
 without encoding again (the index-size / accuracy sweep of Figure 2).
@@ -40,7 +40,7 @@ from densepass.index.base import (
 )
 from densepass.phrase.encode import encode_corpus
 from densepass.phrase.model import PhraseEncoder
-from densepass.phrase.spans import span_limits, top_passages, top_spans
+from densepass.phrase.span_search import span_limits, top_passages, top_spans
 
 ROWS_PER_CHUNK = 1 << 15  # vectors turned into float32 at once when scoring
 QuestionVectors = tuple[np.ndarray, np.ndarray]  # start and end vectors [n, dim] of n questions

@@ -8,7 +8,7 @@ U_s q and an end vector U_e q. The score of the phrase from token i to token j i
     s(q, (i, j)) = <U_s q, W_s h_i> + <U_e q, W_e h_j>,  i <= j < i + max_answer_tokens.
 
 The four heads start as identities (the pre-trained geometry), so an untrained model already scores tokens
-by their similarity with the question. The token filter (``phrase.filter``) adds two linear logits, one on
+by their similarity with the question. The token filter (``phrase.token_filter``) adds two linear logits, one on
 the start vectors and one on the end vectors. Saved as ``phrase/`` and ``question/`` (each loadable by
 ``transformers.AutoModel``), ``heads.safetensors`` and ``phrase.json``.
 """
@@ -29,8 +29,8 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 from densepass.config import from_dict
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
-from densepass.models.batching import check_position_limit
 from densepass.models.biencoder import resolve_model_path, token_pooling
+from densepass.models.inputs import check_position_limit
 from densepass.models.kinds import loading_weights
 from densepass.numerics import refuse_nonfinite_weights
 from densepass.phrase.config import PhraseModelConfig

@@ -32,7 +32,7 @@ from densepass.phrase.config import QueryTuningConfig
 from densepass.phrase.index import PhraseIndex
 from densepass.phrase.metrics import exact_match
 from densepass.phrase.model import PhraseEncoder
-from densepass.phrase.spans import top_spans
+from densepass.phrase.span_search import top_spans
 from densepass.phrase.train import load_phrase_weights
 from densepass.phrase.windows import char_span_to_tokens
 from densepass.training import engine

@@ -61,8 +61,8 @@ def check_reranker_config(config: ExperimentConfig) -> None:
     if cfg.max_length is not None:  # the model's own limit, before any mining or training
         from transformers import AutoConfig
 
-        from densepass.models.batching import check_position_limit
         from densepass.models.biencoder import resolve_model_path
+        from densepass.models.inputs import check_position_limit
 
         model_config = AutoConfig.from_pretrained(resolve_model_path(cfg.name_or_path))
         check_position_limit(model_config, {"reranker.max_length": cfg.max_length}, cfg.name_or_path)

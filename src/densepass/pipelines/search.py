@@ -492,8 +492,8 @@ def read_queries(path: str | Path) -> tuple[list[str], list[str]]:
 def _query_lines(path: Path):
     """``(line number, id, text)`` of each query of a queries file (``read_queries``), fields checked."""
     from densepass.data.beir import read_jsonl
-    from densepass.data.io_utils import get_field, get_id
     from densepass.data.msmarco import read_id_text_tsv
+    from densepass.data.reader_helpers import get_field, get_id
 
     if not path.name.endswith((".jsonl", ".jsonl.gz", ".json")):
         yield from read_id_text_tsv(path)

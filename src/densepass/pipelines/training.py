@@ -36,7 +36,7 @@ from densepass.models.biencoder import BiEncoder
 from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
 from densepass.negatives.pool import passage_ids
 from densepass.training.batches import TrainingData
-from densepass.training.miner import prepare_miners
+from densepass.training.dense_miners import prepare_miners
 from densepass.training.planner import EpochPlanner
 from densepass.training.trainer import TrainResult
 from densepass.training.trainer import train as run_training

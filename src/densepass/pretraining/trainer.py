@@ -37,8 +37,8 @@ from densepass.data.dataset import RetrievalDataset
 from densepass.device import RandomState, autocast_context, resolve_device, resolved_cpu_bf16, uses_bf16
 from densepass.errors import ConfigError
 from densepass.io import locked_run_directory
-from densepass.models.batching import check_position_limit
 from densepass.models.dropout import use_cpu_dropout
+from densepass.models.inputs import check_position_limit
 from densepass.pretraining.condenser import Condenser, span_contrastive_loss
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.contriever import Contriever, contriever_forward_backward

@@ -1,6 +1,6 @@
 """The HTTP search service: a FastAPI app around a :class:`~densepass.serve.searcher.Searcher`.
 
-``POST /search`` (micro-batched, see :mod:`densepass.serve.batching`), ``GET /health``, the search page at
+``POST /search`` (micro-batched, see :mod:`densepass.serve.microbatch`), ``GET /health``, the search page at
 ``GET /`` and FastAPI's OpenAPI docs (``/docs``, ``/openapi.json``). Every error is a one-line JSON
 ``{"error": "..."}``: 4xx for bad requests (including input the searcher rejects with a ``DensepassError``),
 503 with Retry-After when the queue is full, 500 without a trace for anything unexpected (the trace goes
@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from densepass.errors import ConfigError, DensepassError
-from densepass.serve.batching import MicroBatcher, Unavailable
+from densepass.serve.microbatch import MicroBatcher, Unavailable
 from densepass.serve.searcher import Searcher
 from densepass.serve.settings import ServeSettings, check_address, host_name
 from densepass.version import __version__

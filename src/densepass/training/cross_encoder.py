@@ -26,9 +26,9 @@ from densepass.config import RerankerTrainConfig
 from densepass.device import autocast_context
 from densepass.errors import ConfigError
 from densepass.losses.localized_contrastive import localized_contrastive_loss, pointwise_bce_loss
-from densepass.models.batching import forward_in_pieces, piece_tokens
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.dropout import use_cpu_dropout
+from densepass.models.inputs import forward_in_pieces, piece_tokens
 from densepass.training import engine
 from densepass.training.batches import TrainingBatch, TrainingData
 from densepass.training.trainer import RandomPlanner, TrainResult, planned_steps

@@ -19,8 +19,8 @@ import torch
 from densepass.device import RandomState, autocast_context
 from densepass.losses.batch import BatchTensors
 from densepass.losses.objectives import InfoNCE, Objective
-from densepass.models.batching import forward_in_pieces, piece_tokens
 from densepass.models.biencoder import BiEncoder, Side
+from densepass.models.inputs import forward_in_pieces, piece_tokens
 from densepass.models.splade import SpladeEncoder
 from densepass.training.batches import TrainingBatch
 from densepass.training.distributed import gather_with_local_grad

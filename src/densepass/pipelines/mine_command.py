@@ -41,7 +41,7 @@ from densepass.negatives.mine import (
 )
 from densepass.negatives.pool import is_pool_line, save_pool
 from densepass.pipelines.indexing import check_private_work_dir
-from densepass.training.miner import prepare_miners
+from densepass.training.dense_miners import prepare_miners
 
 
 def mine_training_negatives(config: ExperimentConfig, output: str | Path, precision: str | None = None) -> MiningResult:

@@ -1,4 +1,4 @@
-"""Tokenisation and length-sorted batching shared by the encoders.
+"""The encoders' inputs: tokenisation, position limits, length-sorted batches and forward passes in pieces.
 
 Texts are encoded in batches of similar character length (few pad tokens), longest first, and the
 outputs are put back in the order of the input by the caller (``order`` says where each batch's rows go).
