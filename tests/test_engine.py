@@ -257,3 +257,27 @@ def _no_warning():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same_weights(tmp_path, tiny_beir):
+    from conftest import save_tiny_bert
+    from densepass.models.biencoder import BiEncoder
+    from densepass.training.trainer import train
+    from test_training import _fp32_config, make_data
+
+    model_dir = save_tiny_bert(tmp_path / "bert", seed=1, dropout=0.1)  # dropout: the replay must be exact
+    trained, forwards = {}, {}
+    for on in (False, True):
+        model = BiEncoder.from_pretrained(str(model_dir))
+        calls = forwards[on] = []
+        query = model.query_encoder.encoder.layer[0].attention.self.query
+        query.register_forward_hook(lambda *_, seen=calls: seen.append(1))
+        train(model, make_data(tiny_beir), _fp32_config(gradient_checkpointing=on), tmp_path / f"run-{on}", CPU)
+        trained[on] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert len(forwards[True]) == 2 * len(forwards[False])  # every layer ran again in the backward pass
+    torch.testing.assert_close(trained[True], trained[False], rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_checkpointing_without_a_transformer_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        fit(Regression(), tmp_path / "run", gradient_checkpointing=True)

@@ -64,7 +64,7 @@ def training_identity(config: Any) -> dict:
 
 # training options added after runs were already being written, with the value every earlier run trained
 # with: at that value they stay out of a run's identity, so those runs still resume
-LATER_OPTIONS = {"skip_nonfinite": False, "max_grad_norm": 1.0}
+LATER_OPTIONS = {"skip_nonfinite": False, "max_grad_norm": 1.0, "gradient_checkpointing": False}
 
 
 def without_later_defaults(identity: dict) -> dict:

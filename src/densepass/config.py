@@ -185,6 +185,11 @@ class OptimConfig:
     weight_decay: float = option(0.01, "AdamW weight decay", min=0)
     warmup_ratio: float = option(0.1, "share of the steps with a linear learning-rate warm-up", min=0, max=1)
     max_grad_norm: float = option(1.0, "gradients are clipped to this norm before every optimiser step", above=0)
+    gradient_checkpointing: bool = option(
+        False,
+        "recompute each transformer layer's activations in the backward pass instead of keeping them: much less"
+        " memory for long inputs and large models, for about a third more compute",
+    )
     checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the mean loss since the last record to train_log.jsonl every N steps", min=1)

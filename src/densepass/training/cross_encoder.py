@@ -78,6 +78,10 @@ class CrossEncoderTask(engine.Task):
         self.tokenizer = copy.deepcopy(self.model.tokenizer)  # batches are tokenised in a worker thread
 
     @override
+    def network(self) -> torch.nn.Module:
+        return self.net
+
+    @override
     def parameter_groups(self) -> list[dict]:
         return parameter_groups(self.model, self.config)
 

@@ -98,6 +98,10 @@ class Task:
     def setup(self, device: torch.device) -> None:
         """Move the model to ``device`` and into training mode (after the engine seeded the generators)."""
 
+    def network(self) -> torch.nn.Module:
+        """The module holding every network the task trains (where gradient checkpointing is switched on)."""
+        return self.model
+
     def parameter_groups(self) -> list[dict]:
         """AdamW's parameter groups: the trainable parameters (a group may set its own ``lr``)."""
         raise NotImplementedError
@@ -204,6 +208,22 @@ class Engine:
         self.guard.check_weights(self.step, self.task.named_weights())
 
 
+def enable_gradient_checkpointing(network: torch.nn.Module) -> int:
+    """Switch on activation recomputation in every Hugging Face transformer inside ``network`` (the random state
+    of each recomputed layer is replayed, so dropout stays exact); returns how many; none is a one-line error."""
+    from transformers import PreTrainedModel
+
+    found = [m for m in network.modules() if isinstance(m, PreTrainedModel) and m.supports_gradient_checkpointing]
+    if not found:
+        raise ConfigError("gradient_checkpointing: the model holds no transformer that supports it")
+    for model in found:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return len(found)
+
+
 def planned_steps(steps_per_epoch: int, epochs: int, max_steps: int | None) -> int:
     """Training steps of a run: every epoch's batches, capped by ``max_steps``."""
     total = steps_per_epoch * epochs
@@ -260,6 +280,8 @@ def fit(
     seed_everything(optim.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     task.setup(device)
+    if optim.gradient_checkpointing:
+        enable_gradient_checkpointing(task.network())
     if bf16 is None:
         bf16 = hasattr(optim, "cpu_bf16") and uses_bf16(device, optim.bf16, optim.cpu_bf16)
     groups = task.parameter_groups()
