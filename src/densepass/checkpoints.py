@@ -64,14 +64,22 @@ def training_identity(config: Any) -> dict:
 
 # training options added after runs were already being written, with the value every earlier run trained
 # with: at that value they stay out of a run's identity, so those runs still resume
-LATER_OPTIONS = {"skip_nonfinite": False, "max_grad_norm": 1.0, "gradient_checkpointing": False}
+LATER_OPTIONS = {
+    "skip_nonfinite": False,
+    "max_grad_norm": 1.0,
+    "gradient_checkpointing": False,
+    "lora_rank": 0,
+    "lora_alpha": 16.0,
+    "lora_dropout": 0.0,
+    "lora_targets": None,
+}
 
 
 def without_later_defaults(identity: dict) -> dict:
     """``identity`` without the ``LATER_OPTIONS`` at their earlier value (``skip_nonfinite: true`` skips batches,
     another ``max_grad_norm`` clips otherwise: those are kept, and resuming an earlier run across them is refused)."""
     for key, value in LATER_OPTIONS.items():
-        if key in identity and identity[key] == value and type(identity[key]) is type(value):
+        if key in identity and identity[key] == value and type(identity[key]) is type(value):  # never a bool for a number
             identity.pop(key)
     return identity
 

@@ -190,6 +190,17 @@ class OptimConfig:
         "recompute each transformer layer's activations in the backward pass instead of keeping them: much less"
         " memory for long inputs and large models, for about a third more compute",
     )
+    lora_rank: int = option(
+        0,
+        "LoRA: train rank-r adapters of the transformer's linear layers instead of its weights, merged into them when"
+        " training ends (0: train every weight)",
+        min=0,
+    )
+    lora_alpha: float = option(16.0, "LoRA: the adapters' scale alpha (the update is alpha / r x B A)", above=0)
+    lora_dropout: float = option(0.0, "LoRA: dropout on the adapters' input", min=0, max=0.9)
+    lora_targets: list[str] | None = option(
+        None, "LoRA: names of the linear layers given adapters (null: peft's default for the architecture)"
+    )
     checkpoint_every: int = option(500, "write a checkpoint every N steps (and at the end)", min=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept", min=1)
     log_every: int = option(10, "append the mean loss since the last record to train_log.jsonl every N steps", min=1)

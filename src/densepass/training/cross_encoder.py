@@ -146,6 +146,6 @@ def train_cross_encoder(
         total=planned_steps(task.steps_per_epoch, config),
         identity={"reranker": training_identity(config), **(identity or {})},
         bf16=bf16,
-        callbacks=[engine.Hooks(on_step_end)],
+        callbacks=[engine.Hooks(on_step_end)] if on_step_end is not None else [],
     )
     return TrainResult(result.steps, result.final_loss, result.per_second, result.log_path)

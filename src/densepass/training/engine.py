@@ -13,6 +13,8 @@ the same way for all of them:
   the task's and the callbacks' state, so that a run killed at any point resumes to the same weights, bit for
   bit, as one that never stopped; a checkpoint of other settings (the run's *identity*) is refused;
 - a JSONL log of the mean of every logged term since the previous record, and a progress bar;
+- gradient checkpointing (``gradient_checkpointing``) and LoRA adapters (``lora_rank``, ``training.adapters``) for
+  any task whose model holds a Hugging Face transformer;
 - torch.distributed: every process trains on rank 0's batch plan and gradients are summed across processes
   (for tasks whose step gathers what it contrasts across processes); rank 0 writes.
 
@@ -22,6 +24,7 @@ Tasks: ``training.trainer`` (bi-encoders: dense, SPLADE, ColBERT), ``training.cr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -43,6 +46,7 @@ from densepass.device import uses_bf16
 from densepass.errors import ConfigError
 from densepass.numerics import DivergenceGuard
 from densepass.prefetch import prefetched
+from densepass.training.adapters import Adapters
 from densepass.training.distributed import sum_gradients
 
 LOG_NAME = "train_log.jsonl"
@@ -282,9 +286,13 @@ def fit(
     task.setup(device)
     if optim.gradient_checkpointing:
         enable_gradient_checkpointing(task.network())
+    adapters = Adapters(task.network(), optim) if optim.lora_rank else None  # freezes what the adapters replace
+    plain = adapters.plain if adapters is not None else contextlib.nullcontext  # the model as the task wrote it
+    merged = adapters.merged if adapters is not None and callbacks else contextlib.nullcontext
     if bf16 is None:
         bf16 = hasattr(optim, "cpu_bf16") and uses_bf16(device, optim.bf16, optim.cpu_bf16)
-    groups = task.parameter_groups()
+    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in task.parameter_groups()]
+    groups = [g for g in groups if g["params"]]
     trainable = [p for group in groups for p in group["params"]]
     optimizer = torch.optim.AdamW(groups, lr=optim.learning_rate, weight_decay=optim.weight_decay, fused=True)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(optim.warmup_ratio * total), total)
@@ -294,7 +302,10 @@ def fit(
     interval = _Interval(device)
     resumed = checkpoints.latest()
     if resumed is not None:
-        task.load(resumed.path, device)
+        with plain():
+            task.load(resumed.path, device)
+        if adapters is not None:
+            adapters.load_state_dict(resumed.extra["lora"])
         optimizer.load_state_dict(resumed.optimizer)
         scheduler.load_state_dict(resumed.scheduler)
         restore_rng(resumed.rng)
@@ -314,9 +325,12 @@ def fit(
         engine.check_weights()  # every process: the same weights, the same verdict
         if rank == 0:
             extra: dict = {**interval.state(), "nonfinite": guard.state_dict(), **task.state_dict()}
+            if adapters is not None:
+                extra["lora"] = adapters.state_dict()
             for callback in callbacks:
                 extra.update(callback.state_dict())
-            checkpoints.save(engine.step, task.save, optimizer, scheduler, extra)
+            with plain():
+                checkpoints.save(engine.step, task.save, optimizer, scheduler, extra)
         distributed.barrier()
 
     def epoch_batches(epoch: int) -> Iterator[tuple[int, int, Any]]:
@@ -380,18 +394,22 @@ def fit(
                     if rank == 0:
                         with open(log_path, "a") as handle:
                             handle.write(json.dumps(record) + "\n")
-                for callback in callbacks:
-                    callback.on_step_end(engine)
+                with merged():  # callbacks see the trained model: adapters folded in
+                    for callback in callbacks:
+                        callback.on_step_end(engine)
                 if engine.step % optim.checkpoint_every == 0 or engine.step == total:
                     save_checkpoint()
             if rank == 0 and engine.step == min(total, (epoch + 1) * task.steps_per_epoch):
-                for callback in callbacks:
-                    callback.on_epoch_end(engine, epoch)
+                with merged():
+                    for callback in callbacks:
+                        callback.on_epoch_end(engine, epoch)
     except BaseException:
         progress.leave = False  # the error is the last line, not a progress bar
         progress.close()
         raise
     progress.close()
+    if adapters is not None:
+        adapters.merge()  # the trained model is a plain one of its architecture
     task.finish()
     elapsed = time.perf_counter() - started
     return FitResult(engine.step, loss.item(), seen / elapsed if elapsed > 0 else 0.0, elapsed, log_path)

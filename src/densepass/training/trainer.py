@@ -210,6 +210,6 @@ def train(
         device,
         total=planned_steps(task.steps_per_epoch, config),
         identity=run_identity(config, identity),
-        callbacks=[engine.Hooks(on_step_end, on_epoch_end)],
+        callbacks=[engine.Hooks(on_step_end, on_epoch_end)] if on_step_end or on_epoch_end else [],
     )
     return TrainResult(result.steps, result.final_loss, result.per_second, result.log_path)

@@ -1,0 +1,129 @@
+"""LoRA adapters for any training task (``peft``): train low-rank updates of a transformer's linear layers instead
+of its weights, then merge them in.
+
+LoRA (Hu et al. 2021) adds to a frozen weight ``W`` a trainable product ``(alpha / r) B A`` of rank ``r``; a few
+hundred thousand parameters train instead of the model's millions, which is what makes 0.5B+ embedders trainable
+on one machine. ``Adapters`` injects them (``peft.inject_adapter_in_model``) into the backbone of every Hugging Face
+transformer the task trains (``base_model``: the encoder of a ``...ForSequenceClassification``, whose head stays
+fully trained, as every head outside a transformer does), with peft's default target layers for the architecture
+unless ``lora_targets`` names them. The backbone's own weights are frozen.
+
+Callbacks (validation, re-mining, a best model saved) run on the merged model (``merged``), whose layers are plain
+again (so the fused inference kernels apply), with the frozen weights restored exactly after them.
+Checkpoints keep the model as it was before LoRA (the frozen weights, written by the task as usual: ``plain()``
+swaps each adapted layer back to its base layer while it is written or read) and the adapters' tensors beside it
+(``state_dict``), so a run resumes exactly. When training ends, ``merge`` folds each update into its weight and
+removes the adapters: the trained model is a plain model of its architecture, loadable anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from densepass.config import OptimConfig
+from densepass.errors import ConfigError
+
+
+def _backbones(network: nn.Module) -> list[nn.Module]:
+    """The backbone of every outermost Hugging Face transformer in ``network`` (a shared tower once)."""
+    from transformers import PreTrainedModel
+
+    found = [m for m in network.modules() if isinstance(m, PreTrainedModel)]
+    inner = {id(sub) for m in found for sub in m.modules() if sub is not m and isinstance(sub, PreTrainedModel)}
+    outer = list({id(m): m for m in found if id(m) not in inner}.values())
+    return list({id(m.base_model): m.base_model for m in outer}.values())
+
+
+class Adapters:
+    """LoRA adapters in ``network`` with ``optim``'s rank, alpha, dropout and target layers (see the module)."""
+
+    def __init__(self, network: nn.Module, optim: OptimConfig) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+        from peft.tuners.lora import LoraLayer
+
+        backbones = _backbones(network)
+        self.requires_grad = [(p, p.requires_grad) for p in network.parameters()]  # restored by merge
+        if not backbones:
+            raise ConfigError("lora_rank: the model holds no transformer to put adapters in")
+        for backbone in backbones:
+            config = LoraConfig(
+                r=optim.lora_rank,
+                lora_alpha=optim.lora_alpha,
+                lora_dropout=optim.lora_dropout,
+                target_modules=list(optim.lora_targets) if optim.lora_targets else None,
+            )
+            try:
+                inject_adapter_in_model(config, backbone)
+            except ValueError as err:  # no layer matches lora_targets, or no default for the architecture
+                first = (str(err).strip().splitlines() or ["no target layer"])[0]
+                raise ConfigError(f"lora_targets: {first}") from None
+            for name, parameter in backbone.named_parameters():
+                parameter.requires_grad_("lora_" in name)
+        self.network = network
+        # (parent module, attribute, adapted layer) of every layer that got an adapter
+        self.layers = [
+            (parent, child_name, child)
+            for parent in network.modules()
+            for child_name, child in parent.named_children()
+            if isinstance(child, LoraLayer)
+        ]
+
+    def trainable_count(self) -> int:
+        """Adapter parameters (what trains inside the backbones)."""
+        return sum(p.numel() for _, _, layer in self.layers for n, p in layer.named_parameters() if "lora_" in n)
+
+    @contextlib.contextmanager
+    def plain(self) -> Iterator[None]:
+        """The network as it was before LoRA for the block (each adapted layer swapped for its base layer)."""
+        for parent, name, layer in self.layers:
+            setattr(parent, name, layer.base_layer)
+        try:
+            yield
+        finally:
+            for parent, name, layer in self.layers:
+                setattr(parent, name, layer)
+
+    @contextlib.contextmanager
+    def merged(self) -> Iterator[None]:
+        """The network with every adapter folded into its weight, as plain layers, for the block (what callbacks
+        that encode, validate or save a model see); the frozen weights are restored exactly afterwards."""
+        kept = [layer.base_layer.weight.detach().clone() for _, _, layer in self.layers]
+        with torch.no_grad():
+            for parent, name, layer in self.layers:
+                layer.merge()
+                setattr(parent, name, layer.base_layer)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (parent, name, layer), weight in zip(self.layers, kept):
+                    layer.base_layer.weight.copy_(weight)  # exact: never W + BA - BA
+                    layer.merged_adapters.clear()
+                    setattr(parent, name, layer)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The adapters' tensors, by parameter name."""
+        return {n: p.detach().clone() for n, p in self.network.named_parameters() if "lora_" in n}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore ``state_dict()`` output."""
+        parameters = {n: p for n, p in self.network.named_parameters() if "lora_" in n}
+        if parameters.keys() != state.keys():
+            raise ConfigError("the checkpoint's LoRA adapters do not match this run's (other layers or rank)")
+        with torch.no_grad():
+            for name, value in state.items():
+                parameters[name].copy_(value)
+
+    def merge(self) -> None:
+        """Fold every adapter into its weight and remove the adapters; every weight trains (or not) as before."""
+        with torch.no_grad():
+            for parent, name, layer in self.layers:
+                layer.merge()
+                setattr(parent, name, layer.base_layer)
+        self.layers = []
+        for parameter, requires_grad in self.requires_grad:
+            parameter.requires_grad_(requires_grad)

@@ -1,0 +1,116 @@
+"""LoRA adapters in the training engine (``training.adapters``): only the adapters (and heads outside the
+transformer) train, the result is a plain model with the adapters merged in, runs resume exactly, and callbacks see
+the merged model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import save_tiny_bert
+from densepass.errors import ConfigError
+from densepass.models.biencoder import BiEncoder
+from densepass.training.trainer import train
+from test_training import _fp32_config, make_data
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def dropout_bert(tmp_path_factory):
+    return save_tiny_bert(tmp_path_factory.mktemp("bert"), seed=1, dropout=0.1)
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_lora_trains_only_the_adapted_layers_and_ends_with_a_plain_merged_model(dropout_bert, tiny_beir, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    model = BiEncoder.from_pretrained(str(dropout_bert))
+    start = _weights(model)
+    result = train(model, make_data(tiny_beir), _fp32_config(lora_rank=4, learning_rate=1e-2), tmp_path / "run", CPU)
+    assert result.steps == 10
+    assert not any(type(m).__module__.startswith("peft") for m in model.modules())  # merged and removed
+    after = _weights(model)
+    assert after.keys() == start.keys()
+    changed = {k for k in after if not torch.equal(after[k], start[k])}
+    assert changed and all(k.endswith(("query.weight", "value.weight")) for k in changed), (
+        changed
+    )  # peft's BERT default
+    model.save(tmp_path / "saved")
+    again = BiEncoder.from_pretrained(str(tmp_path / "saved"))
+    assert all(torch.equal(again.state_dict()[k], after[k]) for k in after)
+    texts = ["audio editor", "network terminal"]
+    st = SentenceTransformer(str(tmp_path / "saved"), device="cpu").encode(texts)
+    ours = again.encode_passages(texts, precision="fp32", show_progress=False)
+    torch.testing.assert_close(torch.from_numpy(st), torch.from_numpy(ours), atol=1e-5, rtol=0)
+
+
+def test_an_interrupted_lora_run_resumes_to_the_same_weights(dropout_bert, tiny_beir, tmp_path, monkeypatch):
+    import densepass.training.trainer as trainer_module
+
+    config = _fp32_config(lora_rank=4, learning_rate=1e-2)
+    straight = BiEncoder.from_pretrained(str(dropout_bert))
+    train(straight, make_data(tiny_beir), config, tmp_path / "a", CPU)
+    real, calls = trainer_module.forward_backward, []
+
+    def crashing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "forward_backward", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        train(BiEncoder.from_pretrained(str(dropout_bert)), make_data(tiny_beir), config, tmp_path / "b", CPU)
+    monkeypatch.setattr(trainer_module, "forward_backward", real)
+    resumed = BiEncoder.from_pretrained(str(dropout_bert))
+    train(resumed, make_data(tiny_beir), config, tmp_path / "b", CPU)
+    a, b = _weights(straight), _weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_callbacks_see_the_merged_model(dropout_bert, tiny_beir, tmp_path):
+    seen = []
+
+    def on_step_end(step):
+        seen.append(any(type(m).__module__.startswith("peft") for m in model.modules()))
+
+    model = BiEncoder.from_pretrained(str(dropout_bert))
+    train(
+        model,
+        make_data(tiny_beir),
+        _fp32_config(lora_rank=4, max_steps=2),
+        tmp_path / "run",
+        CPU,
+        on_step_end=on_step_end,
+    )
+    assert seen == [False, False]
+
+
+def test_a_cross_encoder_trains_its_head_and_the_adapters_only(tiny_model_dir, tiny_beir, tmp_path):
+    from densepass.models.cross_encoder import CrossEncoder
+    from densepass.training.cross_encoder import train_cross_encoder
+    from test_reranker_training import config
+    from test_reranker_training import make_data as ce_data
+
+    model = CrossEncoder.new(str(tiny_model_dir), seed=5, max_length=48, device=CPU)
+    start = _weights(model.model)
+    train_cross_encoder(model, ce_data(tiny_beir), config(epochs=1, lora_rank=2), tmp_path / "ce", CPU)
+    after = _weights(model.model)
+    changed = {k for k in after if not torch.equal(after[k], start[k])}
+    assert any(k.startswith("classifier") for k in changed)  # the head outside the transformer trains in full
+    assert all(k.startswith("classifier") or k.endswith(("query.weight", "value.weight")) for k in changed), changed
+
+
+def test_lora_needs_a_transformer_and_layers_that_exist(dropout_bert, tiny_beir, tmp_path):
+    with pytest.raises(ConfigError, match="lora_targets"):
+        train(
+            BiEncoder.from_pretrained(str(dropout_bert)),
+            make_data(tiny_beir),
+            _fp32_config(lora_rank=4, lora_targets=["no_such_layer"]),
+            tmp_path / "run",
+            CPU,
+        )
