@@ -72,6 +72,8 @@ LATER_OPTIONS = {
     "lora_alpha": 16.0,
     "lora_dropout": 0.0,
     "lora_targets": None,
+    "query_prompt": "",
+    "passage_prompt": "",
 }
 
 

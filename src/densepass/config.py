@@ -78,7 +78,11 @@ class BiEncoderConfig:
     stored as ``densepass.json`` beside the saved weights."""
 
     shared: bool = option(True, "one encoder for queries and passages (false: two towers)")
-    pooling: Literal["mean", "cls"] = option("mean", "token pooling: mean of the token vectors, or the CLS vector")
+    pooling: Literal["mean", "cls", "last"] = option(
+        "mean",
+        "token pooling: mean of the token vectors, the CLS vector, or the last token's (decoder-only embedders: the"
+        " EOS the tokenizer appends)",
+    )
     projection_dim: int | None = option(
         None, "a linear projection to this many dimensions (null: none)", min=1, max=65_536
     )
@@ -86,6 +90,8 @@ class BiEncoderConfig:
     temperature: float = option(0.05, "softmax temperature of the contrastive loss", above=0)
     query_max_length: int = option(32, "queries are cut to this many tokens", min=1)
     passage_max_length: int = option(128, "passages are cut to this many tokens", min=1)
+    query_prompt: str = option("", "text put before every query (E5's 'query: ', an instruction for LLM embedders)")
+    passage_prompt: str = option("", "text put before every passage (E5's 'passage: ')")
 
 
 @dataclass

@@ -106,15 +106,23 @@ def check_model_files(path: Path) -> None:
             )
 
 
+POOLINGS = ("mean", "cls", "last")
+
+
 def token_pooling(hidden: torch.Tensor, attention_mask: torch.Tensor, how: str) -> torch.Tensor:
-    """CLS vector, or the mean of the token vectors under the attention mask, in float32 (a model
-    run in bfloat16 still pools and projects at full precision)."""
+    """CLS vector, the mean of the token vectors under the attention mask, or the last token's vector (the last
+    position the mask keeps, padding on either side), in float32 (a model run in bfloat16 still pools and projects
+    at full precision)."""
     if how == "cls":
         return hidden[:, 0].float()
+    if how == "last":
+        positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+        last = (attention_mask.bool() * positions).argmax(1)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
     if how == "mean":  # zeroing by the mask is exact in any precision; the sum runs in float32
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(1, dtype=torch.float32) / mask.sum(1, dtype=torch.float32).clamp_min(1e-9)
-    raise ConfigError(f"unknown pooling {how!r} (use 'mean' or 'cls')")
+    raise ConfigError(f"unknown pooling {how!r} (use 'mean', 'cls' or 'last')")
 
 
 class BiEncoder(SidedInputs, nn.Module):
@@ -136,8 +144,12 @@ class BiEncoder(SidedInputs, nn.Module):
         projection: nn.Linear | None = None,
     ) -> None:
         super().__init__()
-        if config.pooling not in ("mean", "cls"):
-            raise ConfigError(f"unknown pooling {config.pooling!r} (use 'mean' or 'cls')")
+        if config.pooling not in POOLINGS:
+            raise ConfigError(f"unknown pooling {config.pooling!r} (use 'mean', 'cls' or 'last')")
+        if tokenizer.pad_token is None:  # decoder-only models: pad with the EOS (the mask leaves it out)
+            tokenizer.pad_token = tokenizer.eos_token
+        if config.pooling == "last":
+            append_eos(tokenizer)
         if config.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {config.temperature}")
         self.query_encoder = query_encoder
@@ -221,6 +233,7 @@ class BiEncoder(SidedInputs, nn.Module):
             raise ConfigError(f"convert_to must be 'numpy' or 'torch', got {convert_to!r}")
         texts = list(texts)
         check_texts(texts, f"{side} text")  # a lone surrogate: one line, not the tokenizer's TypeError
+        texts = self.prompted(texts, side)
         was_training = self.training
         out = encode_texts(self, texts, side, batch_size, device, precision=precision, show_progress=show_progress)
         self.train(was_training)
@@ -286,7 +299,13 @@ class BiEncoder(SidedInputs, nn.Module):
                 "pooling_mode_mean_tokens": self.config.pooling == "mean",
                 "pooling_mode_max_tokens": False,
                 "pooling_mode_mean_sqrt_len_tokens": False,
+                "pooling_mode_lasttoken": self.config.pooling == "last",
             },
+        )
+        prompts = {"query": self.config.query_prompt, "document": self.config.passage_prompt}
+        _write_json(  # sentence-transformers' encode_query / encode_document put them in front, as densepass does
+            path / "config_sentence_transformers.json",
+            {"prompts": {k: v for k, v in prompts.items() if v}, "default_prompt_name": None},
         )
         modules.append({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})
         if self.projection is not None:
@@ -315,6 +334,29 @@ class BiEncoder(SidedInputs, nn.Module):
                 }
             )
         _write_json(path / "modules.json", modules)
+
+
+def append_eos(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Make ``tokenizer`` end every text with its EOS token (what last-token pooling reads), where it does not
+    already end texts with its EOS or SEP: a fast tokenizer's post-processor gets the EOS after the text (after
+    its BOS, if it puts one first). Saved with the tokenizer, so sentence-transformers tokenises the same way."""
+    ids = tokenizer("a")["input_ids"]
+    ends = {tokenizer.eos_token_id, tokenizer.sep_token_id} - {None}
+    if ids and ids[-1] in ends:
+        return
+    if tokenizer.eos_token is None or not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(
+            "pooling: last needs a tokenizer with an EOS token (a fast tokenizer, to append it): this one has "
+            f"{'no EOS token' if tokenizer.eos_token is None else 'no fast version'}"
+        )
+    from tokenizers.processors import TemplateProcessing
+
+    eos, bos = tokenizer.eos_token, tokenizer.bos_token
+    first = f"{bos}:0 " if bos is not None and ids and ids[0] == tokenizer.bos_token_id else ""
+    special = [(eos, tokenizer.eos_token_id)] + ([(bos, tokenizer.bos_token_id)] if first else [])
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{first}$A:0 {eos}:0", pair=f"{first}$A:0 {eos}:0 $B:1 {eos}:1", special_tokens=special
+    )
 
 
 def _write_json(path: Path, data: object) -> None:

@@ -109,6 +109,11 @@ class SidedInputs:
         passage = (passage_encoder or query_encoder).config
         check_position_limit(passage, {"model.passage_max_length": self.config.passage_max_length})
 
+    def prompted(self, texts: list[str], side: Side) -> list[str]:
+        """``texts`` behind the side's prompt (``query_prompt`` / ``passage_prompt`` of the config, if it has them)."""
+        prompt = getattr(self.config, f"{side}_prompt", "")
+        return [prompt + text for text in texts] if prompt else texts
+
     def tokenize(
         self,
         texts: list[str],
@@ -117,9 +122,10 @@ class SidedInputs:
         tokenizer: PreTrainedTokenizerBase | None = None,
         max_length: int | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Padded tensors of one side's texts; ``tokenizer``: a private copy of ``self.tokenizer`` for a
-        worker thread (a fast tokenizer's truncation settings are shared state); ``max_length``: another token
-        limit than the side's (training's shorter passage crops)."""
+        """Padded tensors of one side's texts, behind its prompt; ``tokenizer``: a private copy of
+        ``self.tokenizer`` for a worker thread (a fast tokenizer's truncation settings are shared state);
+        ``max_length``: another token limit than the side's (training's shorter passage crops)."""
+        texts = self.prompted(texts, side)
         return tokenize(tokenizer or self.tokenizer, texts, max_length or self.max_length(side), padding)
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from densepass import distributed
-from densepass.checkpoints import DATA_FILES, differences, training_identity, trim_log
+from densepass.checkpoints import DATA_FILES, differences, training_identity, trim_log, without_later_defaults
 from densepass.config import ExperimentConfig, LossConfig, load_config, save_config
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
@@ -90,7 +90,7 @@ def run_identity(config: ExperimentConfig, dataset: RetrievalDataset | None = No
     data_files = {DATA_FILES: dataset.file_fingerprints()} if dataset is not None else {}
     return {
         "data": asdict(config.data),
-        "model": asdict(config.model),
+        "model": without_later_defaults(asdict(config.model)),
         "negatives": asdict(config.negatives),
         "schedule": schedule,
         **distillation_identity(config),
