@@ -17,14 +17,15 @@ import torch
 import torch.distributed as dist
 
 from densepass.errors import DensepassError
-from densepass.io import exclusive_lock
+from densepass.io import exclusive_lock, locked_run_directory
 
 T = TypeVar("T")
+_alone = False  # rank 0 inside ``rank_zero_alone``: a group of one for every helper here
 
 
 def is_distributed() -> bool:
-    """Whether this process is part of an initialised torch.distributed group."""
-    return dist.is_available() and dist.is_initialized()
+    """Whether this process is part of an initialised torch.distributed group (and not working alone in it)."""
+    return not _alone and dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
@@ -44,7 +45,7 @@ def launched_by_torchrun() -> bool:
 
 def init_from_environment() -> None:
     """Join the process group described by torchrun's environment variables, when there is one."""
-    if launched_by_torchrun() and not is_distributed():
+    if launched_by_torchrun() and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
         if torch.cuda.is_available():
@@ -54,13 +55,35 @@ def init_from_environment() -> None:
 @contextlib.contextmanager
 def process_group() -> Iterator[None]:
     """Under torchrun, torchrun's process group joined for the block and left after it; nothing otherwise."""
-    joined = launched_by_torchrun() and not is_distributed()
+    joined = launched_by_torchrun() and not dist.is_initialized()
     init_from_environment()
     try:
         yield
     finally:
         if joined:
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def rank_zero_alone() -> Iterator[bool]:
+    """For the stages of a command that are one process's work: once every process has come here, rank 0 runs the
+    block as a process of its own (every helper here sees a group of one, so the training engine trains a task
+    that is not distributed and waits for no one) and the block is given True; the other processes are given
+    False, to skip the block and end (they do not wait for rank 0). True outside torch.distributed."""
+    global _alone
+    if not is_distributed():
+        yield True
+        return
+    main = rank() == 0
+    barrier()
+    if not main:
+        yield False
+        return
+    _alone = True
+    try:
+        yield True
+    finally:
+        _alone = False
 
 
 def collective_device() -> torch.device:
@@ -118,3 +141,33 @@ def rank_zero_lock(directory: str | Path, what: str = "run") -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         on_rank_zero(lambda: stack.enter_context(exclusive_lock(directory, what)))
         yield
+
+
+@contextlib.contextmanager
+def rank_zero_run_directory(
+    directory: str | Path, what: str, entries: tuple[str, ...], restart: bool, saved: tuple[str, ...] = ()
+) -> Iterator[Callable[[], Path]]:
+    """``io.locked_run_directory`` for a group of processes: rank 0 locks the directory and claims it for the group.
+    A refusal of the lock is every process's one-line error; ``claim()`` waits until every process has passed the
+    checks before it (which read the directory), and returns on every process once rank 0's claim (and
+    ``restart``'s removal) is done. Outside torch.distributed, ``locked_run_directory`` itself."""
+    if not is_distributed():
+        with locked_run_directory(directory, what, entries, restart, saved) as claim:
+            yield claim
+        return
+    with contextlib.ExitStack() as stack:
+        held: list[Callable[[], Path]] = []
+
+        def lock() -> None:
+            held.append(stack.enter_context(locked_run_directory(directory, what, entries, restart, saved)))
+
+        def claim_on_rank_zero() -> None:
+            held[0]()
+
+        def claim() -> Path:
+            barrier()
+            on_rank_zero(claim_on_rank_zero)
+            return Path(directory)
+
+        on_rank_zero(lock)
+        yield claim
