@@ -1,16 +1,24 @@
 """Contriever-style pre-training: crops and the inverse cloze task, the MoCo loss against a literal one, exact
-gradient accumulation, exact resume with the queue and momentum encoder, a backbone that fine-tunes, and errors."""
+gradient accumulation, exact resume with the queue and momentum encoder, a backbone that fine-tunes, errors, and
+two gloo processes (and ``torchrun``) on shares of each batch ending with the weights of one process."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 import shutil
+import socket
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from transformers import AutoTokenizer
 
+from conftest import run_densepass
 from densepass.config import load_config
 from densepass.data import load_dataset
 from densepass.errors import ConfigError
@@ -270,3 +278,100 @@ def test_bad_contriever_settings_are_one_line_errors(tiny_beir, tiny_model_dir, 
     with pytest.raises(ConfigError) as error:
         pretrain(_config(tiny_beir, tiny_model_dir, tmp_path, "train.grad_accumulation=2", override))
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# ---- torch.distributed ---------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _step_gradients(model_dir, beir, negatives: str, accumulation: int, pairs: int) -> tuple[float, dict]:
+    """The loss of a second step (MoCo: its queue holds the first's keys) and the gradients it leaves, summed over
+    processes."""
+    from densepass.training.distributed import sum_gradients
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    model = _model(model_dir, negatives)
+    for batch in _batches(beir, tokenizer, n=2, pairs=pairs):
+        model.zero_grad()
+        loss = contriever_forward_backward(model, batch, accumulation, CPU, False)["loss"]
+        sum_gradients(model.encoder.parameters())
+    return loss, {n: p.grad.clone() for n, p in model.encoder.named_parameters() if p.grad is not None}
+
+
+def _pretrain_worker(rank, world, port, beir, model_dir, out_dir, extra, step):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        gradients = _step_gradients(model_dir, beir, *step)
+        torch.save(gradients, Path(out_dir) / f"step-rank{rank}.pt")
+        pretrain(_config(Path(beir), Path(model_dir), Path(out_dir), *extra))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("negatives", "documents", "accumulation"),
+    [
+        ("moco", 6, 2),  # 3 documents a process, in micro-batches of 2 and 1 (one process: the whole batch at once)
+        ("in-batch", 5, 1),  # shares of 3 and 2 documents
+    ],
+)
+def test_two_gloo_processes_end_with_the_weights_of_one_process_on_the_whole_batch(
+    tiny_beir, tiny_model_dir, tmp_path, negatives, documents, accumulation
+):
+    settings = [f"contriever.negatives={negatives}", f"train.batch_size={2 * documents}", "train.max_steps=4"]
+    common = [*settings, "train.cpu_bf16=false"]  # float32: bf16 rounding would blur the comparison
+    extra = [*common, f"train.grad_accumulation={accumulation}"]
+    (tmp_path / "dist").mkdir()
+    step = (negatives, accumulation, documents)
+    args = (2, _free_port(), str(tiny_beir), str(tiny_model_dir), str(tmp_path / "dist"), extra, step)
+    mp.spawn(_pretrain_worker, args=args, nprocs=2)
+    loss, grads = _step_gradients(tiny_model_dir, tiny_beir, negatives, 1, documents)
+    for rank in range(2):  # one step: the global batch's loss, and its gradient once (not once per process)
+        got_loss, got_grads = torch.load(tmp_path / "dist" / f"step-rank{rank}.pt")
+        assert got_loss == pytest.approx(loss, rel=1e-5) and got_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    single = pretrain(_config(tiny_beir, tiny_model_dir, tmp_path / "single", *common))
+    dist_run, single_run = tmp_path / "dist" / "ct", single.backbone_path.parent
+    got = BiEncoder.from_pretrained(str(dist_run / "backbone")).state_dict()
+    expected = BiEncoder.from_pretrained(str(single.backbone_path)).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+    def losses(run: Path) -> list[float]:
+        return [json.loads(line)["loss"] for line in (run / "train_log.jsonl").read_text().splitlines()]
+
+    assert len(losses(dist_run)) == 4  # written once, by rank 0, with the global batch's loss
+    assert losses(dist_run) == pytest.approx(losses(single_run), rel=1e-4)
+    assert (dist_run / "report.md").is_file() and (dist_run / "config.yaml").is_file()
+
+
+def test_densepass_pretrain_runs_contriever_under_torchrun(tiny_beir, tiny_model_dir, tmp_path):
+    settings = [
+        f"data.name={tiny_beir}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"output_dir={tmp_path}",
+        "name=ct",
+        "model.mode=contriever",
+        "contriever.queue_size=10",
+        "train.max_steps=3",
+        "train.batch_size=8",
+        "train.grad_accumulation=2",
+        "train.max_length=32",
+        "train.log_every=1",
+    ]
+    done = run_densepass("pretrain", *(arg for kv in settings for arg in ("--set", kv)), cwd=tmp_path, processes=2)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("backbone:") == 1  # printed by rank 0 alone
+    run = tmp_path / "ct"
+    assert len((run / "train_log.jsonl").read_text().splitlines()) == 3
+    assert "MoCo queue K=10" in (run / "report.md").read_text()
+    assert BiEncoder.from_pretrained(str(run / "backbone")).config.shared  # the trained encoder, saved once
+    assert not list(run.rglob("*.tmp"))  # no partial file of a second writer

@@ -1,5 +1,5 @@
-"""``densepass phrase``: every stage end to end on a tiny model and dataset, resuming, and the phrase index
-through ``densepass index`` / ``densepass search``; the token filter's AUC-PR against scikit-learn."""
+"""``densepass phrase``: every stage end to end on a tiny model and dataset, resuming, under ``torchrun``, and the
+phrase index through ``densepass index`` / ``densepass search``; the token filter's AUC-PR against scikit-learn."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.metrics import average_precision_score
 
+from conftest import run_densepass
 from densepass.cli import main
 from densepass.config import load_config
 from densepass.errors import ConfigError
@@ -90,6 +91,33 @@ def test_every_stage_runs_and_a_rerun_skips_them(tiny_run):
     }
     again = run_phrase(config, show_progress=False)
     assert again == metrics  # every stage was skipped
+
+
+def test_densepass_phrase_runs_every_stage_under_torchrun(tiny_run, tmp_path):
+    """Two processes train (rank 0 mines the hard negatives and validates), rank 0 alone runs the later stages
+    (the filter, the index, query tuning on the engine) and writes every file once."""
+    _, overrides = tiny_run
+    settings = [
+        *(kv for kv in overrides if not kv.startswith(("output_dir=", "name="))),
+        f"output_dir={tmp_path}",
+        "name=dist",
+        "train.loss=unified",
+        "train.hard_negatives=1",
+        "train.log_every=1",
+    ]
+    done = run_densepass("phrase", *(arg for kv in settings for arg in ("--set", kv)), cwd=tmp_path, processes=2)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("report:") == 1  # printed by rank 0 alone
+    run_dir = tmp_path / "dist"
+    stages = json.loads((run_dir / "stages.json").read_text())
+    assert list(stages) == ["hard_negatives", "train", "filter", "evaluate", "query_tuning"]
+    assert stages["train"]["steps"] == 3 and stages["train"]["best"]["step"] in (2, 3)
+    assert stages["query_tuning"]["steps"] > 0
+    assert [json.loads(line)["step"] for line in (run_dir / "train_log.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in (run_dir / "eval_log.jsonl").read_text().splitlines()] == [2, 3]
+    assert json.loads((run_dir / "index" / "manifest.json").read_text())["kind"] == "phrase"
+    assert (run_dir / "report.md").is_file() and (run_dir / "qsft-model").is_dir()
+    assert json.loads((run_dir / "metrics.json").read_text())["train"] == stages["train"]
 
 
 def test_the_saved_index_answers_densepass_search(tiny_run, capsys):

@@ -1,13 +1,20 @@
 """Phrase training: the losses over token columns against literal softmaxes (the reading-comprehension
-softmax, eq. 1 with gold tokens only, eq. 2 over every token), the pre-batch memory, and exact resume."""
+softmax, eq. 1 with gold tokens only, eq. 2 over every token), the pre-batch memory, exact resume, and two gloo
+processes on shares of each step ending with the weights of one process on the whole step."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import socket
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from densepass.data.squad import load_squad_spans
 from densepass.errors import ConfigError
@@ -16,7 +23,7 @@ from densepass.phrase.config import PhraseTrainConfig
 from densepass.phrase.memory import PrebatchMemory
 from densepass.phrase.model import PhraseEncoder
 from densepass.phrase.train import build_phrase_data, step_columns, step_loss, train_phrases
-from phrase_fixtures import tiny_phrase_model, write_phrase_squad
+from phrase_fixtures import SMALL, tiny_phrase_model, write_phrase_squad
 
 CPU = torch.device("cpu")
 
@@ -236,3 +243,102 @@ def test_an_interrupted_run_resumes_to_the_same_weights_memory_and_best_model(se
         train_phrases(
             again, phrase_data, dataclasses.replace(config, lambda_inb=2.0), tmp_path / "b", CPU, show_progress=False
         )
+
+
+# ---- torch.distributed ---------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _phrase_setup(root: Path, settings: dict):
+    """A fresh tiny model, the training data with hard negatives, and a float32 config (bf16 rounding would blur
+    the comparisons) of ``settings``."""
+    data = load_squad_spans(root / "squad")
+    model = PhraseEncoder.from_pretrained(str(root / "bert"), SMALL)
+    corpus = data.dataset.corpus
+    hard = {q: [r for r in range(len(corpus)) if corpus.ids[r].startswith("train")][:3] for q in data.spans}
+    config = PhraseTrainConfig(
+        **settings, epochs=1, max_steps=4, checkpoint_every=2, log_every=1, learning_rate=1e-3, cpu_bf16=False
+    )
+    return model, build_phrase_data(model, data, "train", hard=hard), config
+
+
+def _step_gradients(root: Path, settings: dict) -> tuple[float, dict]:
+    """The loss of the first step (the pre-batch memory holding the second's columns) and the gradients it leaves,
+    summed over processes."""
+    from densepass.training.distributed import sum_gradients
+
+    model, phrase_data, config = _phrase_setup(root, settings)
+    c = config
+    first, second = plan_epoch(phrase_data.examples, c.passages_per_batch, c.questions_per_passage, c.seed, 0)[:2]
+    memory = PrebatchMemory(config.prebatch)
+    with torch.no_grad():
+        memory.push(step_columns(model, phrase_data, phrase_data.step(config, 0, 1, second), CPU)[0])
+    loss, _ = step_loss(model, phrase_data, phrase_data.step(config, 0, 0, first), config, memory, True, CPU)
+    if loss.requires_grad:
+        loss.backward()
+    sum_gradients(model.parameters())
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _train_for_comparison(root: Path, run_dir: Path, settings: dict) -> dict:
+    """Phrase training of a fresh tiny model, validated every 2 steps by a deterministic function of the weights;
+    its final weights."""
+    model, phrase_data, config = _phrase_setup(root, settings)
+
+    def validate(model):
+        return {"em@1": float(model.start.weight.detach().sum())}
+
+    train_phrases(model, phrase_data, config, run_dir, CPU, validate=validate, validate_every=2, show_progress=False)
+    return weights(model)
+
+
+def _phrase_worker(rank, world, port, root, out_dir, settings):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        step = _step_gradients(Path(root), settings)
+        trained = _train_for_comparison(Path(root), Path(out_dir) / "dist", settings)
+        torch.save({"step": step, "trained": trained}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        # 3 groups and their hard negatives: windows and questions split unevenly over the two processes
+        dict(passages_per_batch=3, questions_per_passage=2, hard_negatives=1, prebatch=2),
+        # one window and one question a step: the second process encodes nothing
+        dict(passages_per_batch=1, questions_per_passage=1, hard_negatives=0, prebatch=1),
+    ],
+)
+def test_two_gloo_processes_end_with_the_weights_of_one_process_on_the_whole_step(setup, tmp_path, settings):
+    _, _, root, _ = setup
+    mp.spawn(_phrase_worker, args=(2, _free_port(), str(root), str(tmp_path), settings), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    loss, grads = _step_gradients(root, settings)
+    for got in ranks:  # one step: the global step's loss, and its gradient once (not once per process)
+        assert got["step"][0] == pytest.approx(loss, rel=1e-5)
+        assert got["step"][1].keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(got["step"][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    single = _train_for_comparison(root, tmp_path / "single", settings)
+    assert all(torch.equal(ranks[0]["trained"][k], ranks[1]["trained"][k]) for k in single)  # the same steps
+    for name, value in single.items():
+        torch.testing.assert_close(ranks[0]["trained"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+    def records(run: str, log: str) -> list[dict]:
+        return [json.loads(line) for line in (tmp_path / run / log).read_text().splitlines()]
+
+    for log in ("train_log.jsonl", "eval_log.jsonl"):  # written once (by rank 0), with the global step's loss
+        got, expected = records("dist", log), records("single", log)
+        assert [r["step"] for r in got] == [r["step"] for r in expected] == ([1, 2, 3, 4] if "train" in log else [2, 4])
+        for key in ("loss", "em@1"):
+            assert [r.get(key) for r in got] == pytest.approx([r.get(key) for r in expected], rel=1e-4)
+    assert (tmp_path / "dist" / "best-model").is_dir() and (tmp_path / "dist" / "best.json").is_file()

@@ -387,3 +387,16 @@ def test_pretrain_cli_and_config_errors(tiny_beir, tiny_model_dir, tmp_path, cap
     assert main([*args, "--set", "train.grad_accumulaton=2"]) == 2
     assert "grad_accumulation" in capsys.readouterr().err
     assert main([*args, "--set", "train.grad_accumulation=3"]) == 2
+
+
+@pytest.mark.parametrize("mode", ["mlm", "condenser", "cocondenser"])
+def test_condenser_modes_under_torchrun_are_refused_before_any_work(
+    tiny_beir, tiny_model_dir, tmp_path, monkeypatch, mode
+):
+    """Only Contriever's step shares a batch over processes: the others would train every process on the whole
+    batch and sum the gradients, so torchrun's environment is one line before anything is read or written."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as error:
+        pretrain(_config(tiny_beir, tiny_model_dir, tmp_path, f"model.mode={mode}"))
+    assert f"model.mode={mode} does not run under torchrun" in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "pt").exists()

@@ -81,23 +81,31 @@ def _config(args: argparse.Namespace) -> None:
 
 
 def _pretrain(args: argparse.Namespace) -> None:
+    from densepass import distributed
     from densepass.config import load_config
     from densepass.pretraining.config import PretrainConfig
     from densepass.pretraining.trainer import pretrain
 
     config = load_config(args.config, args.set, PretrainConfig)
-    result = pretrain(config, restart=args.restart)
-    print(f"backbone: {result.backbone_path}\nreport: {config.run_dir / 'report.md'}")
+    with distributed.process_group():  # under torchrun: every process trains, rank 0 writes
+        main = distributed.rank() == 0
+        result = pretrain(config, restart=args.restart)
+    if main:
+        print(f"backbone: {result.backbone_path}\nreport: {config.run_dir / 'report.md'}")
 
 
 def _phrase(args: argparse.Namespace) -> None:
+    from densepass import distributed
     from densepass.config import load_config
     from densepass.phrase.config import PhraseConfig
     from densepass.phrase.experiment import run_phrase
 
     config = load_config(args.config, args.set, PhraseConfig)
-    run_phrase(config, restart=args.restart)
-    print(f"report: {config.run_dir / 'report.md'}\nindex: {config.run_dir / 'index'}")
+    with distributed.process_group():  # under torchrun: every process trains, rank 0 writes and runs the rest
+        main = distributed.rank() == 0
+        run_phrase(config, restart=args.restart)
+    if main:
+        print(f"report: {config.run_dir / 'report.md'}\nindex: {config.run_dir / 'index'}")
 
 
 def _index(args: argparse.Namespace) -> None:

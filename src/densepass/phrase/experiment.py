@@ -11,10 +11,16 @@
 
 Everything lands in ``<output_dir>/<name>/``: ``config.yaml``, ``checkpoints/``, ``best-model/``, ``model/``,
 ``index/``, ``train_log.jsonl``, ``eval_log.jsonl`` (validation), ``metrics.json`` and ``report.md``.
+
+Under ``torchrun`` every process reads the data and trains (``phrase.train``: each encodes its share of every step);
+rank 0 locks and claims the run directory, mines the hard negatives while the others wait, and writes every file.
+After training rank 0 alone runs the later stages, which are one process's work (the filter, the index, query
+tuning: ``distributed.rank_zero_alone``); the others return an empty result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict
@@ -22,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from densepass import distributed
 from densepass.checkpoints import DATA_FILES, check_data_files
 from densepass.config import save_config
 from densepass.data.paths import dataset_dir
@@ -30,7 +37,7 @@ from densepass.device import resolve_device
 from densepass.errors import ConfigError
 from densepass.evaluation.subcorpus import gold_subcorpus
 from densepass.fingerprints import fingerprint_file
-from densepass.io import atomic_write_text, locked_run_directory
+from densepass.io import atomic_write_text
 from densepass.phrase.config import PhraseConfig
 from densepass.phrase.hard_negatives import mine_hard_negatives, read_negatives
 from densepass.phrase.index import PhraseIndex
@@ -69,7 +76,7 @@ RUN_ENTRIES = (
 
 
 class Stages:
-    """Results of finished stages, kept in ``stages.json`` so that a re-run skips them."""
+    """Results of finished stages, kept in ``stages.json`` so that a re-run skips them (written by rank 0)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / STAGES
@@ -81,7 +88,8 @@ class Stages:
             started = time.perf_counter()
             result = work()
             self.done[name] = {**result, "seconds": round(time.perf_counter() - started, 1)}
-            atomic_write_text(self.path, json.dumps(self.done, indent=2))
+            if distributed.rank() == 0:
+                atomic_write_text(self.path, json.dumps(self.done, indent=2))
         return self.done[name]
 
 
@@ -117,11 +125,21 @@ def check(config: PhraseConfig) -> torch.device:
 
 
 def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool = True) -> dict:
-    """Run every stage of ``config`` (resuming a run that stopped); returns the metrics."""
+    """Run every stage of ``config`` (resuming a run that stopped); returns the metrics (under torchrun: rank 0's;
+    the other processes return an empty dict)."""
     device = check(config)
+    with distributed.process_group():
+        return _run_phrase(config, device, restart, show_progress)
+
+
+def _run_phrase(config: PhraseConfig, device: torch.device, restart: bool, show_progress: bool) -> dict:
     run_dir = config.run_dir
+    main = distributed.rank() == 0
     data = load_data(config)
-    with locked_run_directory(run_dir, "phrase run", RUN_ENTRIES, restart) as claim:
+    with (
+        distributed.rank_zero_run_directory(run_dir, "phrase run", RUN_ENTRIES, restart) as claim,
+        contextlib.ExitStack() as later,
+    ):
         data_files = {DATA_FILES: data.dataset.file_fingerprints()}
         if not restart:  # finished stages are skipped: checked before any
             check_data_files(run_dir, data_files[DATA_FILES])
@@ -132,7 +150,8 @@ def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool 
         train_qids = [q for q in data.dataset.split(d.train_split) if q in data.spans]
         model = starting_model(config)
         claim()  # the checks above passed: only now is the directory marked and --restart's removal done
-        save_config(config, run_dir / "config.yaml")
+        if main:
+            save_config(config, run_dir / "config.yaml")
         stages = Stages(run_dir)
 
         hard, hard_key = None, None
@@ -145,13 +164,14 @@ def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool 
                 with_none = sum(1 for n in mined.negatives.values() if not n)
                 return {"retrieved": mined.retrieved, "removed": mined.removed, "questions_without": with_none}
 
-            if config.train.hard_negatives_file is None:
-                stages.run("hard_negatives", mine)
+            if config.train.hard_negatives_file is None:  # rank 0 mines; the others wait, and share its errors
+                distributed.on_rank_zero(lambda: stages.run("hard_negatives", mine))
             hard, hard_key = read_negatives(path, corpus).as_rows(corpus), fingerprint_file(path)
 
         valset = evaluation_set(data, d.eval_split, config.validation.max_questions, d.seed)
         sub = validation_subcorpus(corpus, valset, config.validation, d.seed)
-        sub.save(run_dir / "subcorpus.json")
+        if main:
+            sub.save(run_dir / "subcorpus.json")
         phrase_data = build_phrase_data(model, data, d.train_split, d.max_train_questions, d.seed, hard)
         validate = (
             phrase_validator(corpus, valset, sub, config.eval.ks, device, config.eval.batch_size)
@@ -178,7 +198,7 @@ def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool 
                 validate_every=config.validation.every_steps,
                 show_progress=show_progress,
             )
-            if validate is None:
+            if validate is None and main:
                 model.save(run_dir / "best-model")
             return {
                 "steps": result.steps,
@@ -190,6 +210,8 @@ def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool 
             }
 
         stages.run("train", train)
+        if not later.enter_context(distributed.rank_zero_alone()):  # the later stages are rank 0's alone
+            return {}
         best = PhraseEncoder.from_pretrained(str(run_dir / "best-model")).to(device)
 
         def token_filter() -> dict:

@@ -6,6 +6,12 @@ autocast where the run trains in bf16), takes every text token as a column, adds
 (``training.engine``) runs it; its checkpoints also hold the memory and the validation state, so an
 interrupted run resumes to the same weights. With a ``validate`` callback (``phrase.validation``: phrase
 accuracy on a subcorpus, §3) the best model so far is kept in ``best-model/``.
+
+Under torch.distributed every process prepares the whole step (rank 0's plan), encodes its share of the step's
+windows and of its questions (``training.distributed.shares``), and gathers the token columns and question vectors of
+every process (only its own carry gradient): each computes the loss of the global step, and the engine sums the
+gradients, so the update is that of one process on the whole step. The memory is pushed the gathered columns, the
+same on every process. Validation and its files are rank 0's.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import numpy as np
 import torch
 from typing_extensions import override
 
+from densepass import distributed
 from densepass.checkpoints import training_identity, trim_log
 from densepass.data.dataset import Corpus, sample_queries
 from densepass.data.squad import SquadSpans
@@ -33,6 +40,7 @@ from densepass.phrase.memory import PrebatchMemory
 from densepass.phrase.model import PhraseEncoder
 from densepass.phrase.windows import TokenizedPassage
 from densepass.training import engine
+from densepass.training.distributed import gather_rows, shares
 
 Validator = Callable[[PhraseEncoder], dict[str, float]]
 
@@ -111,22 +119,37 @@ def build_phrase_data(
     return PhraseData(examples, tokenized, corpus, rows, hard)
 
 
+def _share_of(batch: dict[str, torch.Tensor], rows: range, device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's rows of a batch padded as a whole (so each row is padded as in one process)."""
+    return {k: v[rows.start : rows.stop].to(device) for k, v in batch.items()}
+
+
 def step_columns(
     model: PhraseEncoder, data: PhraseData, step: Step, device: torch.device, bf16: bool = False
 ) -> tuple[Columns, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's token columns (float32; the encoder runs in bf16 when ``bf16``), each question's window id,
-    and its gold start / end columns."""
+    and its gold start / end columns. Under torch.distributed this process encodes its share of the windows and
+    the columns of every process are gathered (only its own carry gradient)."""
     windows = [data.tokenized[p].windows[w] for p, w in step.windows]
-    batch = {k: v.to(device) for k, v in model.collate_windows(windows).items()}
-    with autocast_context(device, bf16):
-        start, end = model.phrase_vectors(batch)
-    start, end = start.float(), end.float()
     window_of, position = [], []
     for w, window in enumerate(windows):
         window_of += [w] * window.length
         position += range(window.first, window.first + window.length)
     window_t = torch.tensor(window_of, dtype=torch.long, device=device)
     position_t = torch.tensor(position, dtype=torch.long, device=device)
+    parts = shares(len(windows))
+    mine, first_column = parts[distributed.rank()], np.cumsum([0] + [window.length for window in windows])
+    if len(mine):
+        with autocast_context(device, bf16):
+            start, end = model.phrase_vectors(_share_of(model.collate_windows(windows), mine, device))
+        start, end = start.float(), end.float()
+        columns_of_mine = slice(int(first_column[mine.start]), int(first_column[mine.stop]))
+        rows, positions = window_t[columns_of_mine] - mine.start, position_t[columns_of_mine]
+        start, end = start[rows, positions], end[rows, positions]
+    else:  # more processes than windows: this one encodes none
+        start = end = torch.zeros(0, model.dim, device=device)
+    counts = [int(first_column[part.stop] - first_column[part.start]) for part in parts]
+    start, end = gather_rows(start, counts), gather_rows(end, counts)
     column_of = {(w, p): c for c, (w, p) in enumerate(zip(window_of, position))}
     index_of = {key: w for w, key in enumerate(step.windows)}
     row_window = [index_of[(e.passage, e.window)] for e in step.examples]
@@ -138,15 +161,7 @@ def step_columns(
     gold_end[positive_end] = True
     passages = torch.tensor([p for p, _ in step.windows], dtype=torch.long, device=device)
     origin = torch.where(window_t < step.own_windows, 0, 2)
-    columns = Columns(
-        start[window_t, position_t],
-        end[window_t, position_t],
-        passages[window_t],
-        window_t,
-        origin,
-        gold_start,
-        gold_end,
-    )
+    columns = Columns(start, end, passages[window_t], window_t, origin, gold_start, gold_end)
 
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -164,12 +179,20 @@ def step_loss(
     device: torch.device,
     bf16: bool = False,
 ) -> tuple[torch.Tensor, Columns]:
-    """The step's loss (eq. 1 or 2) and its batch columns (for the memory)."""
+    """The step's loss (eq. 1 or 2) and its batch columns (for the memory): of the global step under
+    torch.distributed, this process encoding its share of the questions (``step_columns``: of the windows)."""
     columns, row_window, positive_start, positive_end = step_columns(model, data, step, device, bf16)
-    questions = {k: v.to(device) for k, v in model.tokenize_questions([e.question for e in step.examples]).items()}
-    with autocast_context(device, bf16):
-        q_start, q_end = model.question_vectors(questions)
-    q_start, q_end = q_start.float(), q_end.float()
+    parts = shares(len(step.examples))
+    mine = parts[distributed.rank()]
+    if len(mine):
+        questions = model.tokenize_questions([e.question for e in step.examples])
+        with autocast_context(device, bf16):
+            q_start, q_end = model.question_vectors(_share_of(questions, mine, device))
+        q_start, q_end = q_start.float(), q_end.float()
+    else:  # more processes than questions: this one encodes none
+        q_start = q_end = torch.zeros(0, model.dim, device=device)
+    counts = [len(part) for part in parts]
+    q_start, q_end = gather_rows(q_start, counts), gather_rows(q_end, counts)
     remembered = memory.columns(device) if use_memory else None
     all_columns = Columns.cat([columns, remembered]) if remembered is not None else columns
     row_passage = torch.tensor([e.passage for e in step.examples], dtype=torch.long, device=device)
@@ -201,6 +224,7 @@ class PhraseTask(engine.Task):
 
     description = "train phrases"
     throughput = None  # the log is the same, byte for byte, after a resume
+    distributed = True
 
     def __init__(self, model: PhraseEncoder, data: PhraseData, config: PhraseTrainConfig) -> None:
         if config.loss == "separate" and config.hard_negatives:
@@ -240,7 +264,8 @@ class PhraseTask(engine.Task):
         loss, columns = step_loss(
             self.model, self.data, batch, self.config, self.memory, use_memory, context.device, context.bf16
         )
-        loss.backward()
+        if loss.requires_grad:  # not when this process's shares of the windows and the questions were both empty
+            loss.backward()
         return engine.StepOutput(loss, size=len(batch.examples), outputs=columns)
 
     @override
@@ -266,7 +291,8 @@ class PhraseTask(engine.Task):
 
 class KeepBest(engine.Callback):
     """Validation every ``every`` steps and at the end of every epoch (``eval_log.jsonl``); the model with the
-    highest ``metric`` so far is saved to ``best-model/`` and its metrics to ``best.json``."""
+    highest ``metric`` so far is saved to ``best-model/`` and its metrics to ``best.json``. Under torch.distributed
+    rank 0 validates and writes (the others hold the same weights; they wait for it in the next step)."""
 
     def __init__(self, model: PhraseEncoder, validate: Validator, metric: str, every: int | None) -> None:
         self.model, self.validate, self.metric, self.every = model, validate, metric, every
@@ -274,13 +300,16 @@ class KeepBest(engine.Callback):
 
     @override
     def on_train_begin(self, engine: engine.Engine) -> None:
-        trim_log(engine.run_dir / "eval_log.jsonl", engine.step)
+        if distributed.rank() == 0:
+            trim_log(engine.run_dir / "eval_log.jsonl", engine.step)
 
     @override
     def on_step_end(self, engine: engine.Engine) -> None:
         if not (engine.epoch_end or (self.every and engine.step % self.every == 0)):
             return
         engine.check_weights()
+        if distributed.rank() != 0:
+            return
         metrics = self.validate(self.model)
         self.model.train()
         with open(engine.run_dir / "eval_log.jsonl", "a") as handle:
@@ -314,7 +343,9 @@ def train_phrases(
     """Train ``model`` in place; resumes from the newest intact checkpoint in ``run_dir``.
 
     ``validate(model)`` (when given) runs every ``validate_every`` steps and at the end of every epoch; the
-    model with the highest ``select_metric`` so far is saved to ``run_dir / "best-model"``."""
+    model with the highest ``select_metric`` so far is saved to ``run_dir / "best-model"``. Under torch.distributed
+    every process calls it with its own copy of the model and data; rank 0 validates and writes, and its result
+    alone holds ``best``."""
     task = PhraseTask(model, data, config)
     keep_best = KeepBest(model, validate, select_metric, validate_every) if validate is not None else None
     result = engine.fit(

@@ -14,6 +14,14 @@ batch's other key views (Contriever's in-batch mode; no accumulation, the pool i
 
 The loss is InfoNCE over similarities / temperature (Contriever: 0.05). The trained encoder is what is saved
 (``save_backbone``): a plain BiEncoder that fine-tuning, AutoModel and SentenceTransformer load.
+
+Under torch.distributed every process holds the step's whole batch (rank 0's), encodes its share of the documents'
+two views (``training.distributed.shares``) and gathers the query and key vectors of every process (only its own
+carry gradient): each computes the loss of the global batch and the training engine sums the gradients, so the
+update is that of one process on the whole batch. The keys are gathered before they join the queue and the momentum
+encoder follows weights every process shares, so the queue and the key encoder stay the same on every process. With
+gradient accumulation each process splits its share into micro-batches, the i-th micro-batch of every process
+gathered into one.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from densepass import distributed
 from densepass.device import autocast_context
 from densepass.errors import ConfigError
 from densepass.losses.contrastive import info_nce
@@ -32,6 +41,7 @@ from densepass.losses.memory import NegativeMemory, memory_mask
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.models.momentum import MomentumEncoder
 from densepass.pretraining.data import Batch
+from densepass.training.distributed import gather_rows, shares
 
 Negatives = Literal["moco", "in-batch"]
 
@@ -107,43 +117,57 @@ class Contriever(nn.Module):
         BiEncoder(self.encoder.query_encoder, self.encoder.query_encoder, self.tokenizer, config).save(path)
 
 
-def _views(batch: Batch, device: torch.device, which: int) -> dict[str, torch.Tensor]:
-    return {k: batch[k][which::2].to(device) for k in ("input_ids", "attention_mask")}
+def _views(batch: Batch, device: torch.device, which: int, rows: range) -> dict[str, torch.Tensor]:
+    """View ``which`` (0: queries, 1: keys) of the documents ``rows``."""
+    return {k: batch[k][which::2][rows.start : rows.stop].to(device) for k in ("input_ids", "attention_mask")}
 
 
 def contriever_forward_backward(
     model: Contriever, batch: Batch, accumulation: int, device: torch.device, bf16: bool
 ) -> dict[str, float]:
-    """Accumulate the gradient of one step's InfoNCE loss into ``.grad``; return the step's loss terms."""
+    """Accumulate the gradient of one step's InfoNCE loss into ``.grad``; return the step's loss terms (of the global
+    batch under torch.distributed, this process encoding its share of the documents)."""
     encoder, temperature = model.encoder, model.encoder.config.temperature
-    queries, keys_tokens = _views(batch, device, 0), _views(batch, device, 1)
     documents = batch["documents"].to(device)
     n = len(documents)
+    parts = shares(n)
+    mine = parts[distributed.rank()]
 
-    def embed(tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+    def embed(rows: range, which: int = 0) -> torch.Tensor:
+        """The trained encoder's vectors of view ``which`` of the documents ``rows`` (none when there are none)."""
+        if not len(rows):
+            return torch.zeros(0, encoder.dim, device=device)
+        tokens = _views(batch, device, which, rows)
         with autocast_context(device, bf16):
             return encoder(tokens["input_ids"], tokens["attention_mask"], side="passage").float()
 
     if model.key_encoder is None:
         if accumulation > 1:
             raise ConfigError("in-batch Contriever pre-training uses the whole batch as its pool: grad_accumulation 1")
-        loss = info_nce(embed(queries) @ embed(keys_tokens).T / temperature, torch.arange(n, device=device))
-        loss.backward()
+        counts = [len(part) for part in parts]
+        queries = gather_rows(embed(mine), counts)
+        keys = gather_rows(embed(mine, 1), counts)
+        loss = info_nce(queries @ keys.T / temperature, torch.arange(n, device=device))
+        if loss.requires_grad:  # not when this process holds no document
+            loss.backward()
         return {"loss": loss.item(), "contrastive": loss.item()}
     model.key_encoder.update(encoder)
-    keys = model.key_encoder.encode(keys_tokens)
+    keys = gather_rows(model.key_encoder.encode(_views(batch, device, 1, mine)), [len(part) for part in parts])
     entries, entry_documents = model.queue.entries(device, keys.shape[1])
     candidates = torch.cat([keys, entries])
     same_document = memory_mask(entry_documents, documents, [{int(d)} for d in documents])
     mask = torch.cat([torch.zeros(n, n, dtype=torch.bool, device=device), same_document], dim=1)
-    size = -(-n // accumulation)
+    share = len(parts[0])  # the largest share: every process takes as many micro-batches
+    size = -(-share // accumulation)
     total = 0.0
-    for start in range(0, n, size):
-        rows = slice(start, start + size)
-        part = {k: v[rows] for k, v in queries.items()}
-        target = torch.arange(start, min(start + size, n), device=device)
-        loss = info_nce(embed(part) @ candidates.T / temperature, target, mask[rows]) * len(target) / n
-        loss.backward()
+    for start in range(0, share, size):
+        micro = [range(part.start + start, min(part.start + start + size, part.stop)) for part in parts]
+        rows = [row for part in micro for row in part]
+        target = torch.tensor(rows, dtype=torch.long, device=device)  # each query's key is its document's
+        queries = gather_rows(embed(micro[distributed.rank()]), [len(part) for part in micro])
+        loss = info_nce(queries @ candidates.T / temperature, target, mask[target]) * len(target) / n
+        if loss.requires_grad:  # not when this process holds none of the micro-batch
+            loss.backward()
         total += loss.item()
     model.queue.push(keys, documents)
     return {"loss": total, "contrastive": total}

@@ -15,6 +15,10 @@ rounding; it costs one extra backbone forward per micro-batch.
 
 Data, masking and dropout depend only on (seed, step), so a run resumed from a checkpoint continues
 exactly as the uninterrupted run would have.
+
+Contriever pre-training runs under ``torchrun`` (``pretraining.contriever``: each process encodes its share of every
+step's documents; rank 0 locks the run directory and writes every file). Condenser, coCondenser and MLM do not yet:
+under torchrun they are refused before any work, since each process would train on the whole batch.
 """
 
 from __future__ import annotations
@@ -30,13 +34,13 @@ import torch
 from safetensors.torch import load_model, save_model
 from typing_extensions import override
 
+from densepass import distributed
 from densepass.checkpoints import BOOKKEEPING, DATA_FILES, Checkpoints, without_later_defaults
 from densepass.config import save_config
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import RandomState, autocast_context, resolve_device, resolved_cpu_bf16, uses_bf16
 from densepass.errors import ConfigError
-from densepass.io import locked_run_directory
 from densepass.models.dropout import use_cpu_dropout
 from densepass.models.inputs import check_position_limit
 from densepass.pretraining.condenser import Condenser, span_contrastive_loss
@@ -183,28 +187,36 @@ def check(config: PretrainConfig) -> torch.device:
         if config.contriever.negatives == "in-batch" and t.grad_accumulation > 1:
             raise ConfigError("contriever.negatives=in-batch uses the whole batch as its pool: grad_accumulation 1")
         crop_settings(config)  # the crop ratios' order
+    elif distributed.launched_by_torchrun() or distributed.world_size() > 1:
+        raise ConfigError(f"model.mode={config.model.mode} does not run under torchrun yet: run it in one process")
     return resolve_device(config.device)
 
 
 def pretrain(config: PretrainConfig, restart: bool = False) -> PretrainResult:
     """Run (or resume) the pre-training of ``config``; writes config, checkpoints, log, backbone, report.
     The run directory is locked while it runs; ``restart`` discards what an earlier run left there, but only once
-    the model, the data and the checkpoints have passed their checks (a refused run removes nothing)."""
+    the model, the data and the checkpoints have passed their checks (a refused run removes nothing). Under
+    torchrun (Contriever only) every process trains and rank 0 locks the directory and writes."""
     device = check(config)
-    with locked_run_directory(config.run_dir, "pre-training", RUN_ENTRIES, restart) as claim:
+    with (
+        distributed.process_group(),
+        distributed.rank_zero_run_directory(config.run_dir, "pre-training", RUN_ENTRIES, restart) as claim,
+    ):
         return _pretrain(config, device, claim, restart)
 
 
 class PretrainTask(engine.Task):
     """Condenser / coCondenser (MLM on a masked copy of each batch, + the span contrastive loss) or Contriever
     (InfoNCE over two views, with a MoCo queue) on the run's seeded stream of batches: one epoch of
-    ``max_steps`` steps. Masking and dropout are seeded by (seed, step)."""
+    ``max_steps`` steps. Masking and dropout are seeded by (seed, step). Contriever's step runs under
+    torch.distributed (``distributed``); the others' do not yet."""
 
     throughput = "tokens_per_s"
 
     def __init__(self, config: PretrainConfig, model: Condenser | Contriever, dataset: RetrievalDataset) -> None:
         self.config, self.model, self.dataset = config, model, dataset
         self.contriever = isinstance(model, Contriever)
+        self.distributed = self.contriever
         self.description = f"pretrain {config.model.mode}"
         self.steps_per_epoch, self.epochs = config.train.max_steps, 1
         self.masker = None
@@ -282,12 +294,16 @@ def _pretrain(config: PretrainConfig, device: torch.device, claim: Callable[[], 
     if not restart:
         Checkpoints(run_dir, t.keep_checkpoints, identity).latest()  # refuses another run's checkpoints
     claim()  # every check has passed: only now is the directory marked and --restart's removal done
-    save_config(config, run_dir / "config.yaml")
+    main = distributed.rank() == 0
+    if main:
+        save_config(config, run_dir / "config.yaml")
     task = PretrainTask(config, model, dataset)
     result = engine.fit(task, t, run_dir, device, total=t.max_steps, identity=identity)
     backbone_dir = run_dir / "backbone"
-    model.save_backbone(backbone_dir, config.model.save_pooling, t.max_length)
-    from densepass.pretraining.report import write_pretrain_report
+    if main:  # every process holds the same weights
+        model.save_backbone(backbone_dir, config.model.save_pooling, t.max_length)
+        from densepass.pretraining.report import write_pretrain_report
 
-    write_pretrain_report(config, result.log_path, device, uses_bf16(device, t.bf16, t.cpu_bf16))
+        write_pretrain_report(config, result.log_path, device, uses_bf16(device, t.bf16, t.cpu_bf16))
+    distributed.barrier()  # the backbone is on disk when pretrain returns, on every process
     return PretrainResult(result.steps, result.final_loss, result.per_second, backbone_dir)
