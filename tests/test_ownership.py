@@ -564,12 +564,11 @@ def test_a_run_refused_by_its_model_checks_removes_nothing_with_restart(tiny_bei
 
 def test_a_phrase_run_refused_by_its_model_checks_removes_nothing_with_restart(tiny_model_dir, tmp_path):
     """`phrase --restart`: the starting model is loaded (and refused) before the earlier run's files are removed."""
-    from phrase_fixtures import write_phrase_squad
-
     from densepass.config import load_config
     from densepass.phrase.config import PhraseConfig
     from densepass.phrase.experiment import RUN_ENTRIES as PHRASE_ENTRIES
     from densepass.phrase.experiment import run_phrase
+    from phrase_fixtures import write_phrase_squad
 
     run = tmp_path / "out" / "p"
     claim_run_directory(run, "phrase run", PHRASE_ENTRIES, restart=False)

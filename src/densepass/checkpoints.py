@@ -81,7 +81,8 @@ def without_later_defaults(identity: dict) -> dict:
     """``identity`` without the ``LATER_OPTIONS`` at their earlier value (``skip_nonfinite: true`` skips batches,
     another ``max_grad_norm`` clips otherwise: those are kept, and resuming an earlier run across them is refused)."""
     for key, value in LATER_OPTIONS.items():
-        if key in identity and identity[key] == value and type(identity[key]) is type(value):  # never a bool for a number
+        # the type too: a bool is never taken for a number
+        if key in identity and identity[key] == value and type(identity[key]) is type(value):
             identity.pop(key)
     return identity
 
