@@ -384,6 +384,14 @@ def _ensemble(args: argparse.Namespace) -> None:
         save_ensemble_report(out, args.output)
 
 
+def _export(args: argparse.Namespace) -> None:
+    from densepass.pipelines.export import export_model
+
+    result = export_model(args.model, args.to, args.target, private=args.private)
+    check = f" (ONNX Runtime vs PyTorch: max abs diff {result.max_abs_diff:.2e})" if args.to == "onnx" else ""
+    print(f"exported {args.model} to {result.target}{check}")
+
+
 def _download(args: argparse.Namespace) -> None:
     from densepass.data.download import download_dataset
     from densepass.data.paths import default_data_dir
@@ -695,6 +703,13 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--seed", type=int, default=13)
     study.add_argument("--output", required=True)
     study.set_defaults(func=_validate_study)
+
+    export = sub.add_parser("export", help="publish a saved model with a model card: a folder, ONNX, or the Hub")
+    export.add_argument("model", help="a saved model directory (e.g. a run's model/)")
+    export.add_argument("--to", required=True, choices=["dir", "onnx", "hub"], help="what to write")
+    export.add_argument("target", help="dir / onnx: a new folder (or one densepass wrote); hub: a repo id")
+    export.add_argument("--private", action="store_true", help="hub: create the repo private")
+    export.set_defaults(func=_export)
 
     download = sub.add_parser("download", help="download a public BEIR dataset or SQuAD (needs internet)")
     download.add_argument("name")

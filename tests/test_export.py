@@ -1,0 +1,113 @@
+"""``densepass export``: a model card from the run, ONNX with pooling and normalisation in the graph (checked
+against PyTorch with ONNX Runtime), the Hub upload through a monkeypatched API (never the network), and output
+paths owned as everywhere else."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import small_run_overrides
+from densepass.config import load_config
+from densepass.errors import ConfigError, DensepassError
+from densepass.models.biencoder import BiEncoder
+from densepass.pipelines.experiment import run_experiment
+from densepass.pipelines.export import export_model
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_model_dir, tmp_path_factory) -> Path:
+    from conftest import write_tiny_beir
+
+    root = tmp_path_factory.mktemp("export")
+    overrides = small_run_overrides(write_tiny_beir(root / "beir"), tiny_model_dir, root, "run")
+    run_experiment(load_config(None, [*overrides, "train.max_steps=2", "train.batch_size=6"]))
+    return root / "run"
+
+
+def test_a_folder_export_has_the_model_and_a_card_of_the_run(trained_run, tmp_path):
+    out = tmp_path / "published"
+    export_model(trained_run / "model", "dir", str(out))
+    card = (out / "README.md").read_text()
+    assert "library_name: sentence-transformers" in card and "## Results" in card and "| fine-tuned |" in card
+    assert "- data: `" in card and "Karpukhin" in card and "encode_query" in card
+    again = BiEncoder.from_pretrained(str(out))
+    texts = ["audio editor"]
+    np.testing.assert_array_equal(
+        again.encode_queries(texts, show_progress=False, precision="fp32"),
+        BiEncoder.from_pretrained(str(trained_run / "model")).encode_queries(
+            texts, show_progress=False, precision="fp32"
+        ),
+    )
+
+
+def test_onnx_holds_pooling_and_normalisation_and_matches_pytorch(trained_run, tmp_path):
+    import onnxruntime
+    from transformers import AutoTokenizer
+
+    result = export_model(trained_run / "model", "onnx", str(tmp_path / "onnx"))
+    assert result.min_cosine >= 0.9999 and result.max_abs_diff < 1e-4
+    session = onnxruntime.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "onnx"))
+    texts = ["a network terminal", "kernel driver for the printer", "x"]
+    tokens = tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="np")
+    ours = session.run(None, {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]})[0]
+    model = BiEncoder.from_pretrained(str(trained_run / "model"))
+    reference = model.encode_passages(texts, show_progress=False, precision="fp32")
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)  # normalised inside the graph
+    assert (ours * reference).sum(1).min() >= 0.9999
+
+
+def test_the_hub_upload_sends_the_exported_folder(trained_run, monkeypatch):
+    from huggingface_hub import HfApi
+
+    sent = {}
+
+    def create_repo(self, repo_id, private=False, exist_ok=False):
+        sent["repo"], sent["private"] = repo_id, private
+
+    def upload_folder(self, repo_id, folder_path, commit_message=None):
+        sent["files"] = sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())
+        sent["card"] = (Path(folder_path) / "README.md").read_text()
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    result = export_model(trained_run / "model", "hub", "some-org/tiny-retriever", private=True)
+    assert result.target == "https://huggingface.co/some-org/tiny-retriever"
+    assert sent["repo"] == "some-org/tiny-retriever" and sent["private"]
+    assert "model.safetensors" in sent["files"] and "README.md" in sent["files"] and "modules.json" in sent["files"]
+    assert not any(name.startswith(".densepass") for name in sent["files"])
+
+
+def test_an_export_never_writes_over_a_users_folder_and_bad_input_is_one_line(trained_run, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(DensepassError, match="densepass did not write"):
+        export_model(trained_run / "model", "dir", str(mine))
+    assert (mine / "notes.txt").read_text() == "keep"
+    with pytest.raises(ConfigError, match="not a saved model directory"):
+        export_model(tmp_path / "missing", "dir", str(tmp_path / "out"))
+    result = subprocess.run(
+        [sys.executable, "-m", "densepass", "export", str(trained_run / "model"), "--to", "dir", str(mine)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_command_line_exports_and_says_where(trained_run, tmp_path):
+    out = tmp_path / "cli-dir"
+    result = subprocess.run(
+        [sys.executable, "-m", "densepass", "export", str(trained_run / "model"), "--to", "dir", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == f"exported {trained_run / 'model'} to {out}"
+    assert json.loads((out / "densepass.json").read_text())["pooling"] == "mean"
