@@ -12,6 +12,9 @@
 Everything lands in ``<output_dir>/<name>/``: ``config.yaml``, ``checkpoints/``, ``best-model/``, ``model/``,
 ``index/``, ``train_log.jsonl``, ``eval_log.jsonl`` (validation), ``metrics.json`` and ``report.md``.
 
+As in ``pipelines.experiment``, each stage is a function of a :class:`PhraseRun` (what the stages share) and
+``run_phrase`` calls them in order.
+
 Under ``torchrun`` every process reads the data and trains (``phrase.train``: each encodes its share of every step);
 rank 0 locks and claims the run directory, mines the hard negatives while the others wait, and writes every file.
 After training rank 0 alone runs the later stages, which are one process's work (the filter, the index, query
@@ -23,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -31,21 +35,24 @@ import torch
 from densepass import distributed
 from densepass.checkpoints import DATA_FILES, check_data_files
 from densepass.config import save_config
+from densepass.data.dataset import Corpus
 from densepass.data.paths import dataset_dir
 from densepass.data.squad import SquadSpans, load_squad_spans
 from densepass.device import resolve_device
 from densepass.errors import ConfigError
-from densepass.evaluation.subcorpus import gold_subcorpus
+from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus
 from densepass.fingerprints import fingerprint_file
 from densepass.io import atomic_write_text
+from densepass.phrase.batches import PhraseExample
 from densepass.phrase.config import PhraseConfig
 from densepass.phrase.hard_negatives import mine_hard_negatives, read_negatives
 from densepass.phrase.index import PhraseIndex
 from densepass.phrase.model import CONFIG_NAME, PhraseEncoder
 from densepass.phrase.query_tuning import gold_rows, tune_question_encoder
 from densepass.phrase.token_filter import train_token_filter
-from densepass.phrase.train import build_phrase_data, split_rows, train_phrases
+from densepass.phrase.train import PhraseData, Validator, build_phrase_data, split_rows, train_phrases
 from densepass.phrase.validation import (
+    EvalSet,
     evaluate_index,
     evaluation_set,
     phrase_validator,
@@ -124,189 +131,291 @@ def check(config: PhraseConfig) -> torch.device:
     return device
 
 
+# ---- stage 1: data -------------------------------------------------------------------------------------
+
+
+@dataclass
+class PhraseRun:
+    """What the stages share."""
+
+    config: PhraseConfig
+    device: torch.device
+    main: bool  # rank 0 (or no torch.distributed): the process that writes
+    data: SquadSpans
+    data_files: dict[str, dict]  # {DATA_FILES: fingerprints}: part of what a checkpoint is of
+    evalset: EvalSet  # the evaluation questions (``data.max_eval_questions`` of them)
+    train_rows: list[int]  # corpus rows of the training split's passages
+    train_qids: list[str]  # the training questions that have answer spans
+    model: PhraseEncoder  # the starting model, trained in place
+    stages: Stages
+    show_progress: bool
+    index: PhraseIndex | None = None  # the corpus index, built by the first stage that needs it
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run writes: ``<output_dir>/<name>``."""
+        return self.config.run_dir
+
+    @property
+    def corpus(self) -> Corpus:
+        """The whole corpus."""
+        return self.data.dataset.corpus
+
+
+def prepare(
+    config: PhraseConfig,
+    device: torch.device,
+    data: SquadSpans,
+    restart: bool,
+    claim: Callable[[], Path],
+    show_progress: bool,
+) -> PhraseRun:
+    """Check that finished stages were computed from the same data files (not on ``restart``: what the directory
+    holds is then to be removed), pick the evaluation questions and the training rows, and load the starting model;
+    only then ``claim()`` the run directory (it is marked, and ``restart``'s removal done) and write
+    ``config.yaml``."""
+    run_dir = config.run_dir
+    data_files = {DATA_FILES: data.dataset.file_fingerprints()}
+    if not restart:  # finished stages are skipped: checked before any
+        check_data_files(run_dir, data_files[DATA_FILES])
+    d = config.data
+    evalset = evaluation_set(data, d.eval_split, d.max_eval_questions, d.seed)
+    train_rows = split_rows(data, d.train_split)
+    train_qids = [q for q in data.dataset.split(d.train_split) if q in data.spans]
+    model = starting_model(config)
+    claim()  # the checks above passed: only now is the directory marked and --restart's removal done
+    main = distributed.rank() == 0
+    if main:
+        save_config(config, run_dir / "config.yaml")
+    stages = Stages(run_dir)
+    return PhraseRun(
+        config, device, main, data, data_files, evalset, train_rows, train_qids, model, stages, show_progress
+    )
+
+
+# ---- stage 2: hard negatives ---------------------------------------------------------------------------
+
+
+def hard_negatives(run: PhraseRun) -> tuple[dict[str, list[int]] | None, str | None]:
+    """The training questions' hard negatives as corpus rows, and the fingerprint of their file (part of what a
+    checkpoint is of); (None, None) without hard negatives. They are read from ``train.hard_negatives_file``, or
+    mined once into ``hard_negatives.jsonl`` by rank 0 while the others wait (``mine_negatives``)."""
+    train = run.config.train
+    if not train.hard_negatives:
+        return None, None
+    path = Path(train.hard_negatives_file or run.run_dir / "hard_negatives.jsonl")
+    if train.hard_negatives_file is None:  # rank 0 mines; the others wait, and share its errors
+        distributed.on_rank_zero(lambda: run.stages.run("hard_negatives", lambda: mine_negatives(run, path)))
+    return read_negatives(path, run.corpus).as_rows(run.corpus), fingerprint_file(path)
+
+
+def mine_negatives(run: PhraseRun, path: Path) -> dict:
+    """The ``hard_negatives`` stage: the starting model's top phrases for each training question, whose passages
+    hold none of its answers (§4.3.1), saved to ``path``; returns what was retrieved and removed."""
+    train = run.config.train
+    mined = mine_hard_negatives(run.model, run.data, run.train_rows, run.train_qids, train.mine_depth, run.device)
+    mined.save(path)
+    with_none = sum(1 for n in mined.negatives.values() if not n)
+    return {"retrieved": mined.retrieved, "removed": mined.removed, "questions_without": with_none}
+
+
+# ---- stage 3: training ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainingInputs:
+    """What training reads; built on every run, since query tuning trains on the same examples."""
+
+    phrase_data: PhraseData
+    subcorpus: Subcorpus  # the validation subcorpus (saved to ``subcorpus.json``)
+    validate: Validator | None  # None: validation is off and the last model is the best
+    identity: dict  # what the checkpoints are of, besides the training settings
+
+
+def training_inputs(run: PhraseRun, hard: dict[str, list[int]] | None, hard_key: str | None) -> TrainingInputs:
+    """The validation subcorpus (written to ``subcorpus.json`` by rank 0) and its validator, the training examples
+    with their ``hard`` negatives, and the checkpoints' identity."""
+    config, d = run.config, run.config.data
+    valset = evaluation_set(run.data, d.eval_split, config.validation.max_questions, d.seed)
+    sub = validation_subcorpus(run.corpus, valset, config.validation, d.seed)
+    if run.main:
+        sub.save(run.run_dir / "subcorpus.json")
+    phrase_data = build_phrase_data(run.model, run.data, d.train_split, d.max_train_questions, d.seed, hard)
+    validate = (
+        phrase_validator(run.corpus, valset, sub, config.eval.ks, run.device, config.eval.batch_size)
+        if config.validation.enabled
+        else None
+    )
+    identity = {
+        "data": asdict(d),
+        "model": asdict(run.model.config),
+        "init": config.train.init,
+        "hard": hard_key,
+        **run.data_files,
+    }
+    return TrainingInputs(phrase_data, sub, validate, identity)
+
+
+def train(run: PhraseRun, inputs: TrainingInputs) -> dict:
+    """The ``train`` stage: both encoders (eq. 1 or eq. 2) with checkpoints, validated on the subcorpus; the best
+    model goes to ``best-model/`` (the last one when validation is off)."""
+    config = run.config
+    result = train_phrases(
+        run.model,
+        inputs.phrase_data,
+        config.train,
+        run.run_dir,
+        run.device,
+        inputs.identity,
+        inputs.validate,
+        validate_every=config.validation.every_steps,
+        show_progress=run.show_progress,
+    )
+    if inputs.validate is None and run.main:
+        run.model.save(run.run_dir / "best-model")
+    return {
+        "steps": result.steps,
+        "final_loss": result.final_loss,
+        "best": result.best,
+        "subcorpus": inputs.subcorpus.label,
+        "subcorpus_passages": len(inputs.subcorpus),
+        "examples": len(inputs.phrase_data.examples),
+    }
+
+
+# ---- stage 4: the token filter -------------------------------------------------------------------------
+
+
+def token_filter(run: PhraseRun, best: PhraseEncoder) -> dict:
+    """The ``filter`` stage: the token filter on the frozen ``best`` model (§5.2, when enabled), validated by AUC-PR
+    on the evaluation questions' gold passages; the model is saved to ``model/``."""
+    config = run.config
+    log = []
+    if config.filter.enabled:
+        eval_rows = subcorpus_rows(run.corpus, gold_subcorpus(run.corpus, run.evalset.qrels))
+        log = train_token_filter(
+            best,
+            run.data,
+            run.train_rows,
+            run.train_qids,
+            eval_rows,
+            run.evalset.qids,
+            config.filter,
+            run.device,
+            config.eval.batch_size,
+            config.data.seed,
+        )
+    best.save(run.run_dir / "model")
+    return {"epochs": log, "best_auc_pr": max((r["auc_pr"] for r in log), default=None)}
+
+
+# ---- stages 5 and 6: evaluation and query tuning -------------------------------------------------------
+
+
+def corpus_index(run: PhraseRun, final: PhraseEncoder) -> PhraseIndex:
+    """The phrase index of the whole corpus under the ``final`` model, built once per run (evaluation and query
+    tuning search the same one)."""
+    if run.index is None:
+        run.index = PhraseIndex.build(
+            final,
+            run.corpus,
+            device=run.device,
+            batch_size=run.config.eval.batch_size,
+            vector_dtype=run.config.eval.vector_dtype,
+            show_progress=run.show_progress,
+        )
+    return run.index
+
+
+def evaluate(run: PhraseRun, final: PhraseEncoder) -> dict:
+    """The ``evaluate`` stage: the corpus index's metrics unfiltered, at every threshold of the filter sweep, and at
+    ``filter.threshold``; the index (filtered at that threshold, if any) is saved to ``index/``."""
+    config, evalset = run.config, run.evalset
+    index = corpus_index(run, final)
+    vectors = index.question_vectors(evalset.questions)
+    out = {"unfiltered": evaluate_index(index, evalset, config.eval.ks, vectors), "sweep": []}
+    if final.filter is not None:
+        for threshold in config.filter.thresholds:
+            metrics = evaluate_index(index.filtered(threshold), evalset, config.eval.ks, vectors)
+            out["sweep"].append({"threshold": threshold, **metrics})
+    chosen = index.filtered(config.filter.threshold) if config.filter.threshold is not None else index
+    if config.filter.threshold is not None:
+        out["filtered"] = {
+            "threshold": config.filter.threshold,
+            **evaluate_index(chosen, evalset, config.eval.ks, vectors),
+        }
+    chosen.model_path = str(run.run_dir / "model")
+    chosen.save(run.run_dir / "index")
+    return out
+
+
+def query_tuning(run: PhraseRun, final: PhraseEncoder, examples: list[PhraseExample]) -> dict:
+    """The ``query_tuning`` stage: the question encoder of the saved model fine-tuned on the training ``examples``
+    against an index of the training passages (``qsft/``) and saved to ``qsft-model/``, then evaluated on the corpus
+    index."""
+    config, run_dir, evalset = run.config, run.run_dir, run.evalset
+    tuned = PhraseEncoder.from_pretrained(str(run_dir / "model")).to(run.device)
+    train_index = PhraseIndex.build(
+        tuned,
+        run.corpus.subset(run.train_rows),
+        device=run.device,
+        batch_size=config.eval.batch_size,
+        vector_dtype="float32",
+    )
+    gold = gold_rows(train_index, run.data, run.train_qids)
+    facts = tune_question_encoder(
+        tuned,
+        train_index,
+        examples,
+        gold,
+        config.query_tuning,
+        run_dir / "qsft",
+        run.device,
+        run.show_progress,
+        run.data_files,
+    )
+    tuned.save(run_dir / "qsft-model")
+    index = corpus_index(run, final)
+    vectors = tuned.encode_questions(evalset.questions, device=run.device)
+    out = {**facts, "unfiltered": evaluate_index(index, evalset, config.eval.ks, vectors)}
+    if config.filter.threshold is not None:
+        out["filtered"] = evaluate_index(index.filtered(config.filter.threshold), evalset, config.eval.ks, vectors)
+    return out
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+
+
+def finish(run: PhraseRun) -> dict:
+    """Every stage's results in ``metrics.json`` and ``report.md``; returns the metrics."""
+    metrics = {"name": run.config.name, "questions": len(run.evalset), "corpus": len(run.corpus), **run.stages.done}
+    atomic_write_text(run.run_dir / "metrics.json", json.dumps(metrics, indent=2))
+    atomic_write_text(run.run_dir / "report.md", report(run.config, metrics))
+    return metrics
+
+
 def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool = True) -> dict:
     """Run every stage of ``config`` (resuming a run that stopped); returns the metrics (under torchrun: rank 0's;
     the other processes return an empty dict)."""
     device = check(config)
     with distributed.process_group():
-        return _run_phrase(config, device, restart, show_progress)
-
-
-def _run_phrase(config: PhraseConfig, device: torch.device, restart: bool, show_progress: bool) -> dict:
-    run_dir = config.run_dir
-    main = distributed.rank() == 0
-    data = load_data(config)
-    with (
-        distributed.rank_zero_run_directory(run_dir, "phrase run", RUN_ENTRIES, restart) as claim,
-        contextlib.ExitStack() as later,
-    ):
-        data_files = {DATA_FILES: data.dataset.file_fingerprints()}
-        if not restart:  # finished stages are skipped: checked before any
-            check_data_files(run_dir, data_files[DATA_FILES])
-        corpus = data.dataset.corpus
-        d = config.data
-        evalset = evaluation_set(data, d.eval_split, d.max_eval_questions, d.seed)
-        train_rows = split_rows(data, d.train_split)
-        train_qids = [q for q in data.dataset.split(d.train_split) if q in data.spans]
-        model = starting_model(config)
-        claim()  # the checks above passed: only now is the directory marked and --restart's removal done
-        if main:
-            save_config(config, run_dir / "config.yaml")
-        stages = Stages(run_dir)
-
-        hard, hard_key = None, None
-        if config.train.hard_negatives:
-            path = Path(config.train.hard_negatives_file or run_dir / "hard_negatives.jsonl")
-
-            def mine() -> dict:
-                mined = mine_hard_negatives(model, data, train_rows, train_qids, config.train.mine_depth, device)
-                mined.save(path)
-                with_none = sum(1 for n in mined.negatives.values() if not n)
-                return {"retrieved": mined.retrieved, "removed": mined.removed, "questions_without": with_none}
-
-            if config.train.hard_negatives_file is None:  # rank 0 mines; the others wait, and share its errors
-                distributed.on_rank_zero(lambda: stages.run("hard_negatives", mine))
-            hard, hard_key = read_negatives(path, corpus).as_rows(corpus), fingerprint_file(path)
-
-        valset = evaluation_set(data, d.eval_split, config.validation.max_questions, d.seed)
-        sub = validation_subcorpus(corpus, valset, config.validation, d.seed)
-        if main:
-            sub.save(run_dir / "subcorpus.json")
-        phrase_data = build_phrase_data(model, data, d.train_split, d.max_train_questions, d.seed, hard)
-        validate = (
-            phrase_validator(corpus, valset, sub, config.eval.ks, device, config.eval.batch_size)
-            if config.validation.enabled
-            else None
-        )
-        identity = {
-            "data": asdict(d),
-            "model": asdict(model.config),
-            "init": config.train.init,
-            "hard": hard_key,
-            **data_files,
-        }
-
-        def train() -> dict:
-            result = train_phrases(
-                model,
-                phrase_data,
-                config.train,
-                run_dir,
-                device,
-                identity,
-                validate,
-                validate_every=config.validation.every_steps,
-                show_progress=show_progress,
-            )
-            if validate is None and main:
-                model.save(run_dir / "best-model")
-            return {
-                "steps": result.steps,
-                "final_loss": result.final_loss,
-                "best": result.best,
-                "subcorpus": sub.label,
-                "subcorpus_passages": len(sub),
-                "examples": len(phrase_data.examples),
-            }
-
-        stages.run("train", train)
-        if not later.enter_context(distributed.rank_zero_alone()):  # the later stages are rank 0's alone
-            return {}
-        best = PhraseEncoder.from_pretrained(str(run_dir / "best-model")).to(device)
-
-        def token_filter() -> dict:
-            log = []
-            if config.filter.enabled:
-                eval_rows = subcorpus_rows(corpus, gold_subcorpus(corpus, evalset.qrels))
-                log = train_token_filter(
-                    best,
-                    data,
-                    train_rows,
-                    train_qids,
-                    eval_rows,
-                    evalset.qids,
-                    config.filter,
-                    device,
-                    config.eval.batch_size,
-                    d.seed,
-                )
-            best.save(run_dir / "model")
-            return {"epochs": log, "best_auc_pr": max((r["auc_pr"] for r in log), default=None)}
-
-        stages.run("filter", token_filter)
-        final = PhraseEncoder.from_pretrained(str(run_dir / "model")).to(device)
-        index_holder: dict[str, PhraseIndex] = {}
-
-        def corpus_index() -> PhraseIndex:
-            if "index" not in index_holder:
-                index_holder["index"] = PhraseIndex.build(
-                    final,
-                    corpus,
-                    device=device,
-                    batch_size=config.eval.batch_size,
-                    vector_dtype=config.eval.vector_dtype,
-                    show_progress=show_progress,
-                )
-            return index_holder["index"]
-
-        def evaluate() -> dict:
-            index = corpus_index()
-            vectors = index.question_vectors(evalset.questions)
-            out = {"unfiltered": evaluate_index(index, evalset, config.eval.ks, vectors), "sweep": []}
-            if final.filter is not None:
-                for threshold in config.filter.thresholds:
-                    metrics = evaluate_index(index.filtered(threshold), evalset, config.eval.ks, vectors)
-                    out["sweep"].append({"threshold": threshold, **metrics})
-            chosen = index.filtered(config.filter.threshold) if config.filter.threshold is not None else index
-            if config.filter.threshold is not None:
-                out["filtered"] = {
-                    "threshold": config.filter.threshold,
-                    **evaluate_index(chosen, evalset, config.eval.ks, vectors),
-                }
-            chosen.model_path = str(run_dir / "model")
-            chosen.save(run_dir / "index")
-            return out
-
-        results = {"evaluate": stages.run("evaluate", evaluate)}
-
-        if config.query_tuning.enabled:
-
-            def query_tuning() -> dict:
-                tuned = PhraseEncoder.from_pretrained(str(run_dir / "model")).to(device)
-                train_index = PhraseIndex.build(
-                    tuned,
-                    corpus.subset(train_rows),
-                    device=device,
-                    batch_size=config.eval.batch_size,
-                    vector_dtype="float32",
-                )
-                gold = gold_rows(train_index, data, train_qids)
-                facts = tune_question_encoder(
-                    tuned,
-                    train_index,
-                    phrase_data.examples,
-                    gold,
-                    config.query_tuning,
-                    run_dir / "qsft",
-                    device,
-                    show_progress,
-                    data_files,
-                )
-                tuned.save(run_dir / "qsft-model")
-                index = corpus_index()
-                vectors = tuned.encode_questions(evalset.questions, device=device)
-                out = {**facts, "unfiltered": evaluate_index(index, evalset, config.eval.ks, vectors)}
-                if config.filter.threshold is not None:
-                    out["filtered"] = evaluate_index(
-                        index.filtered(config.filter.threshold), evalset, config.eval.ks, vectors
-                    )
-                return out
-
-            results["query_tuning"] = stages.run("query_tuning", query_tuning)
-        metrics = {"name": config.name, "questions": len(evalset), "corpus": len(corpus), **stages.done}
-        atomic_write_text(run_dir / "metrics.json", json.dumps(metrics, indent=2))
-        atomic_write_text(run_dir / "report.md", report(config, metrics))
-    return metrics
+        data = load_data(config)
+        with (
+            distributed.rank_zero_run_directory(config.run_dir, "phrase run", RUN_ENTRIES, restart) as claim,
+            contextlib.ExitStack() as later,
+        ):
+            run = prepare(config, device, data, restart, claim, show_progress)
+            training = training_inputs(run, *hard_negatives(run))
+            run.stages.run("train", lambda: train(run, training))
+            if not later.enter_context(distributed.rank_zero_alone()):  # the later stages are rank 0's alone
+                return {}
+            best = PhraseEncoder.from_pretrained(str(run.run_dir / "best-model")).to(device)
+            run.stages.run("filter", lambda: token_filter(run, best))
+            final = PhraseEncoder.from_pretrained(str(run.run_dir / "model")).to(device)
+            run.stages.run("evaluate", lambda: evaluate(run, final))
+            if config.query_tuning.enabled:
+                run.stages.run("query_tuning", lambda: query_tuning(run, final, training.phrase_data.examples))
+            return finish(run)
 
 
 def row_metrics(ks: list[int]) -> list[str]:
