@@ -56,12 +56,48 @@ def option(
 
 
 @dataclass
+class ColumnsConfig:
+    """``data.format: pairs``: which column of the training rows holds what (``densepass.data.pairs``); a null key
+    is found by its column's name."""
+
+    anchor: str | None = option(None, "the queries (null: the column named anchor, else query)")
+    positive: str | None = option(
+        None, "the positives, a text or a list of texts each (null: the column named positive, else pos)"
+    )
+    negatives: list[str] | None = option(
+        None,
+        "the negatives' columns in order, each a text, a list of texts or null (null: every column named negative,"
+        " negatives or neg, numbered or not: negative_1, neg2)",
+    )
+    scores: str | None = option(
+        None,
+        "teacher scores for distillation: a list of numbers per row, one for each positive then each negative"
+        " (null: the column named scores, when there is one)",
+    )
+
+
+@dataclass
 class DataConfig:
     """Which dataset to read and which part of it to use."""
 
-    name: str = option("debian-packages", "dataset: a folder under the data directory, or a path to one")
+    name: str = option(
+        "debian-packages",
+        "dataset: a folder under the data directory, or a path to one; format=pairs: a JSONL, CSV or Parquet file of"
+        " training rows, or a folder written by datasets' save_to_disk",
+    )
     data_dir: str | None = option(None, "data directory (null: $DENSEPASS_DATA, else shared/data beside the checkout)")
-    format: DatasetFormat = option("beir", "dataset layout: beir, msmarco, dpr or squad")
+    format: Literal["beir", "msmarco", "dpr", "squad", "pairs"] = option(
+        "beir",
+        "dataset layout: beir, msmarco, dpr or squad; pairs: sentence-transformers-style rows (anchor, positive,"
+        " negatives...), trained on as the train split (evaluated on data.eval_name)",
+    )
+    columns: ColumnsConfig = option(help="format=pairs: the rows' columns", factory=ColumnsConfig)
+    eval_name: str | None = option(
+        None,
+        "evaluate (and validate) on this dataset instead of data.name, e.g. a BEIR-layout folder beside training"
+        " rows (null: data.name)",
+    )
+    eval_format: DatasetFormat = option("beir", "eval_name's layout: beir, msmarco, dpr or squad")
     train_split: str = option("train", "split whose queries are trained on")
     eval_split: str = option("dev", "split whose queries are evaluated")
     max_train_queries: int | None = option(None, "a seeded sample of this many training queries (null: all)", min=1)
@@ -142,10 +178,11 @@ class ModelConfig(BiEncoderConfig):
 class NegativesConfig:
     """Hard negatives mined before training (densepass.negatives) and sampled per step."""
 
-    source: Literal["none", "bm25", "dense", "model", "context", "mixed", "file"] = option(
+    source: Literal["none", "bm25", "dense", "model", "context", "mixed", "file", "given"] = option(
         "bm25",
         "bm25 | dense (a miner with a dense_dim projection trained on the pairs) | model (a saved "
-        "model) | context (same-document passages) | mixed (round-robin over `mix`) | file | none",
+        "model) | context (same-document passages) | mixed (round-robin over `mix`) | file | given (the negatives"
+        " the rows of data.format=pairs give: nothing mined) | none",
     )
     pool_depth: int = option(30, "candidates kept per query (the pool negatives are drawn from)", min=1)
     per_query: int = option(1, "hard negatives drawn per query per step", min=0)

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from densepass.config import FORMATS
 from densepass.data.dataset import Corpus, LazyTexts, Qrels, RetrievalDataset, sample_queries
-from densepass.data.paths import dataset_dir, default_data_dir
+from densepass.data.paths import dataset_dir, default_data_dir, pairs_path
 from densepass.errors import DataError
 
 
 def load_dataset(
-    name: str, data_dir: str | Path | None = None, format: str = "beir", passages_on_disk: bool = False
+    name: str,
+    data_dir: str | Path | None = None,
+    format: str = "beir",
+    passages_on_disk: bool = False,
+    columns: Mapping[str, Any] | None = None,
 ) -> RetrievalDataset:
     """Read dataset ``name`` (a directory under the data dir, or a path) in the given layout.
     ``passages_on_disk``: a ``beir`` corpus keeps its titles and texts in ``corpus.jsonl``, read when asked for
-    (``data.beir.PassageFile``: memory for ids, not for text); other layouts are always loaded whole."""
+    (``data.beir.PassageFile``: memory for ids, not for text); other layouts are always loaded whole.
+    ``pairs``: ``name`` is a file of training rows or a ``save_to_disk`` folder (a path, or a name under the data
+    dir), its ``columns`` mapped as ``data.pairs.load_pairs`` says."""
+    if format == "pairs":
+        from densepass.data.pairs import load_pairs
+
+        return load_pairs(pairs_path(name, data_dir), columns)
     directory = dataset_dir(name, data_dir)
     if format == "beir":
         from densepass.data.beir import load_beir
@@ -33,7 +45,7 @@ def load_dataset(
         from densepass.data.squad import load_squad
 
         return load_squad(directory, Path(name).name)
-    raise DataError(f"unknown dataset format {format!r} (known: {', '.join(FORMATS)})")
+    raise DataError(f"unknown dataset format {format!r} (known: {', '.join(FORMATS)}, pairs)")
 
 
 def stream_passage_inputs(

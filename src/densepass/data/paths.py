@@ -40,6 +40,18 @@ def dataset_dir(name: str, data_dir: str | Path | None = None) -> Path:
     return path
 
 
+def pairs_path(name: str, data_dir: str | Path | None = None) -> Path:
+    """The file (or ``save_to_disk`` folder) of training rows ``name``: a path, else a name under the data
+    directory (a one-line DataError when neither exists)."""
+    path = Path(name)
+    if _exists(path) or path.is_absolute():
+        return path
+    root = Path(data_dir) if data_dir else default_data_dir()
+    if _exists(root / name):
+        return root / name
+    raise DataError(f"training rows {name!r} not found (neither a path nor a name in {root})")
+
+
 def check_output_apart(
     output: str | Path, dataset: str, data_dir: str | Path | None, models: Sequence[str | Path | None]
 ) -> None:
@@ -62,5 +74,13 @@ def _is_dir(path: Path) -> bool:
     that may not be read), which pathlib raises as an OSError."""
     try:
         return path.is_dir()
+    except OSError:
+        return False
+
+
+def _exists(path: Path) -> bool:
+    """``path.exists()``, False where the path cannot be looked up (as ``_is_dir``)."""
+    try:
+        return path.exists()
     except OSError:
         return False

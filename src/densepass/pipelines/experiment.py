@@ -32,7 +32,7 @@ import torch
 
 from densepass import distributed
 from densepass.checkpoints import DATA_FILES, differences, training_identity, trim_log, without_later_defaults
-from densepass.config import ExperimentConfig, LossConfig, load_config, save_config
+from densepass.config import ColumnsConfig, DataConfig, ExperimentConfig, LossConfig, load_config, save_config
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import resolve_device, resolve_precision
@@ -67,7 +67,7 @@ from densepass.pipelines.reranking import (
     scoring_options,
     train_reranker,
 )
-from densepass.pipelines.training import batch_planner, fine_tune_model, mine_pool, training_queries
+from densepass.pipelines.training import batch_planner, fine_tune_model, given_pool, mine_pool, training_queries
 from densepass.pipelines.validation import Validator
 from densepass.training.batches import TrainingData
 from densepass.training.more_negatives import check_loss
@@ -89,7 +89,7 @@ def run_identity(config: ExperimentConfig, dataset: RetrievalDataset | None = No
     loss = {"loss": asdict(config.loss)} if config.loss != LossConfig() else {}  # the default: earlier runs resume
     data_files = {DATA_FILES: dataset.file_fingerprints()} if dataset is not None else {}
     return {
-        "data": asdict(config.data),
+        "data": data_identity(config.data),
         "model": without_later_defaults(asdict(config.model)),
         "negatives": asdict(config.negatives),
         "schedule": schedule,
@@ -97,6 +97,15 @@ def run_identity(config: ExperimentConfig, dataset: RetrievalDataset | None = No
         **loss,
         **data_files,
     }
+
+
+# data keys added after runs were made: at their default they stay out of a run's identity (earlier runs resume)
+LATER_DATA_KEYS = {"columns": asdict(ColumnsConfig()), "eval_name": None, "eval_format": "beir"}
+
+
+def data_identity(data: DataConfig) -> dict:
+    """The ``data`` section as a run's identity: without the ``LATER_DATA_KEYS`` at their default."""
+    return {k: v for k, v in asdict(data).items() if k not in LATER_DATA_KEYS or LATER_DATA_KEYS[k] != v}
 
 
 def results_identity(config: ExperimentConfig) -> dict:
@@ -117,13 +126,20 @@ def check(config: ExperimentConfig) -> torch.device:
     retrievers.check_kind(config)
     check_metrics(config.eval.metrics)
     check_metrics([config.validation.metric])
+    if config.data.format == "pairs" and config.data.eval_name is None:
+        raise ConfigError(
+            "data.format: pairs gives training rows only: name the dataset to evaluate on in data.eval_name "
+            "(e.g. a BEIR-layout folder)"
+        )
+    if config.negatives.source == "given" and config.data.format != "pairs":
+        raise ConfigError("negatives.source: given takes the negatives of training rows: it needs data.format: pairs")
     neg = config.negatives
     if config.train.enabled:
         check_schedule(config.schedule)
         check_loss(config.loss, config.train)
         if neg.refresh_every is not None and (neg.source == "none" or neg.per_query == 0):
             raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
-        if neg.source != "none" and neg.per_query > neg.pool_depth:
+        if neg.source not in ("none", "given") and neg.per_query > neg.pool_depth:
             raise ConfigError(
                 f"negatives.per_query {neg.per_query} is more than negatives.pool_depth {neg.pool_depth}: a pool "
                 "holds at most pool_depth distinct negatives, so every draw would repeat some"
@@ -224,6 +240,7 @@ class Experiment:
     evalset: EvalSet
     full_bm25: BM25Index | None
     eval_bm25: BM25Index | None
+    eval_data: RetrievalDataset | None = None  # what is evaluated and validated (data.eval_name; None: dataset)
     reranker: CrossEncoder | None = None  # the cross-encoder (loaded in prepare, or trained)
     teacher: CrossEncoder | None = None  # the distillation teacher when known before training
     results: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -242,25 +259,32 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
     evaluation set and the BM25 indexes the run needs, and check that its checkpoints (if any) belong to this
     config (not on ``restart``: what the directory holds is then to be removed)."""
     started = time.perf_counter()
-    dataset = load_dataset(config.data.name, config.data.data_dir, config.data.format)  # a missing one: its error
+    data = config.data
+    # a missing dataset, or a bad row: its one-line error
+    dataset = load_dataset(data.name, data.data_dir, data.format, columns=asdict(data.columns))
+    eval_data = dataset if data.eval_name is None else load_dataset(data.eval_name, data.data_dir, data.eval_format)
     needs_answers = [m for m in config.eval.metrics if m.startswith("accuracy@")]
-    if needs_answers and not dataset.answers:
-        raise ConfigError(f"eval.metrics {needs_answers} need answer strings, which {dataset.name} does not have")
+    if needs_answers and not eval_data.answers:
+        raise ConfigError(f"eval.metrics {needs_answers} need answer strings, which {eval_data.name} does not have")
     if not restart:  # with --restart, what the directory holds is to be removed: nothing of it to check
         check_run_directory(config)
         if config.train.enabled:  # before any work: a changed data file is refused here
             resume_step(config.run_dir, config.train, run_identity(config, dataset))  # refuses another run's
     neg = config.negatives
     uses_bm25 = neg.source == "bm25" or neg.source == "mixed" and "bm25" in neg.mix
-    need_full_bm25 = uses_bm25 and neg.per_query > 0 and config.train.enabled or config.data.eval_hard_k > 0
+    subcorpus_bm25 = config.data.eval_hard_k > 0
+    need_full_bm25 = uses_bm25 and neg.per_query > 0 and config.train.enabled or subcorpus_bm25 and eval_data is dataset
     full_bm25 = BM25Index.build(dataset.corpus.passage_inputs(" ")) if need_full_bm25 else None
-    evalset = build_eval_set(dataset, config.data, full_bm25)
+    if eval_data is not dataset and subcorpus_bm25:  # the hard subcorpus of another dataset: its own BM25
+        evalset = build_eval_set(eval_data, config.data, BM25Index.build(eval_data.corpus.passage_inputs(" ")))
+    else:
+        evalset = build_eval_set(eval_data, config.data, full_bm25)
     eval_bm25 = None
     if "bm25" in config.eval.baselines or config.eval.mode == "rerank":
         eval_bm25 = BM25Index.build(evalset.corpus)  # the passages with their ids: its runs name them
     if config.eval.mode == "rerank":
         add_rerank_candidates(evalset, eval_bm25, config.eval.rerank_candidates)
-    experiment = Experiment(config, device, main, dataset, evalset, full_bm25, eval_bm25)
+    experiment = Experiment(config, device, main, dataset, evalset, full_bm25, eval_bm25, eval_data)
     experiment.reranker = load_fixed_reranker(config, device)  # a model without a usable head fails here
     if distilling(config):
         experiment.teacher = fixed_teacher(config, experiment.reranker, scoring_options(config, device))
@@ -397,6 +421,14 @@ def mine_training_pool(exp: Experiment, model: BiEncoder) -> TrainingPool:
     train_qids = training_queries(dataset, config.data.train_split, config.data.max_train_queries, config.data.seed)
     if not needs_pool(config):
         return TrainingPool(train_qids)
+    if neg.source == "given":
+        given = given_pool(dataset, train_qids)
+        total, empty = sum(map(len, given.pool.values())), sum(1 for c in given.pool.values() if not c)
+        exp.notes.append(
+            f"Hard negatives given by the training rows: {total} for {len(given.pool)} queries ({empty} with none); "
+            "nothing mined or filtered."
+        )
+        return TrainingPool(train_qids, given)
     context = MiningContext(
         config.data.train_split,
         exp.device,
@@ -492,8 +524,10 @@ def fine_tune(
     validator = None
     if config.validation.enabled and exp.main:
         # validating on the training split leaves out the queries trained on
-        held_out = pool.query_ids if config.validation.split == config.data.train_split else ()
-        validator = Validator(config.validation, exp.dataset, model, exp.device, run_dir, config.eval.metrics, held_out)
+        validated = exp.eval_data or exp.dataset
+        same = validated is exp.dataset and config.validation.split == config.data.train_split
+        held_out = pool.query_ids if same else ()
+        validator = Validator(config.validation, validated, model, exp.device, run_dir, config.eval.metrics, held_out)
         callbacks.append(validator)
     result = fine_tune_model(
         model,
@@ -543,6 +577,7 @@ def finish(exp: Experiment) -> None:
     config, metrics = exp.config, exp.config.eval.metrics
     payload = {
         "dataset": config.data.name,
+        "eval_dataset": config.data.eval_name or config.data.name,
         "eval": exp.evalset.description,
         "device": str(exp.device),
         "results": exp.results,
@@ -551,15 +586,17 @@ def finish(exp: Experiment) -> None:
         "config": asdict(config),
     }
     atomic_write_text(exp.run_dir / "metrics.json", json.dumps(payload, indent=2))
+    evaluated = config.data.eval_name or config.data.name
+    trained = f"Trained on `{config.data.name}`, evaluated on " if config.data.eval_name else ""
     write_report(
         exp.run_dir,
         f"densepass run: {config.name}",
-        f"Dataset `{config.data.name}`: {exp.evalset.description}.",
+        f"{trained or 'Dataset '}`{evaluated}`: {exp.evalset.description}.",
         exp.results,
         metrics,
         exp.notes,
     )
-    print_table(exp.results, metrics, f"{config.data.name}: {exp.evalset.description}")
+    print_table(exp.results, metrics, f"{evaluated}: {exp.evalset.description}")
 
 
 def prepare_cross_encoder(exp: Experiment, pool: TrainingPool, pairs: Pairs | None) -> Scores | None:

@@ -17,9 +17,10 @@ someone else's.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ from densepass.checkpoints import DATA_FILES
 from densepass.config import DEFAULT_MODEL, NegativesConfig, ScheduleConfig, TrainConfig
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
+from densepass.data.pairs import PairsDataset, is_pairs_source, load_pairs
 from densepass.device import resolve_device
 from densepass.errors import ConfigError
 from densepass.index.bm25 import BM25Index
@@ -34,7 +36,7 @@ from densepass.io import owned_run_directory
 from densepass.losses.objectives import InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder
 from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
-from densepass.negatives.pool import passage_ids
+from densepass.negatives.pool import Candidate, passage_ids
 from densepass.training.batches import TrainingData
 from densepass.training.dense_miners import prepare_miners
 from densepass.training.planner import EpochPlanner
@@ -64,7 +66,39 @@ def training_queries(dataset: RetrievalDataset, split: str, max_queries: int | N
 
 def needs_mining(negatives: NegativesConfig) -> bool:
     """Whether the bi-encoder's training draws hard negatives from a mined pool."""
-    return negatives.source != "none" and negatives.per_query > 0
+    return negatives.source not in ("none", "given") and negatives.per_query > 0
+
+
+def given_pool(dataset: RetrievalDataset, query_ids: list[str]) -> MiningResult:
+    """``negatives.source: given``: the pool is the negatives the training rows give (``data.pairs``), in the order
+    given, nothing mined or filtered (what is relevant to a query is still never drawn as its negative)."""
+    if not isinstance(dataset, PairsDataset):
+        raise ConfigError(
+            f"negatives.source: given takes the negatives of training rows (data.format: pairs); {dataset.name} "
+            "gives none: mine them (bm25, dense, ...)"
+        )
+    if not any(dataset.negatives.get(q) for q in query_ids):
+        raise ConfigError(
+            f"negatives.source: given, but the rows of {dataset.name} give no negatives: set negatives.source: none "
+            "(in-batch negatives only)"
+        )
+    pool = {q: [Candidate(p, "given", 0.0) for p in dataset.negatives.get(q, ())] for q in query_ids}
+    return MiningResult(pool, {}, 0.0)
+
+
+def as_dataset(
+    dataset: RetrievalDataset | str | Path | Any, columns: Mapping[str, Any] | None = None
+) -> RetrievalDataset:
+    """``dataset`` itself, or read: training rows (a JSONL, CSV or Parquet file, a ``save_to_disk`` folder or a
+    ``datasets`` dataset: ``data.pairs``, its ``columns`` mapped), else a dataset name or path in any layout
+    (``densepass.load_dataset``)."""
+    if isinstance(dataset, RetrievalDataset):
+        return dataset
+    if is_pairs_source(dataset):
+        return load_pairs(dataset, columns)
+    if columns:
+        raise ConfigError(f"columns map the columns of training rows; {dataset} is not a file of them")
+    return load_dataset(str(dataset))
 
 
 def mine_pool(
@@ -116,9 +150,10 @@ def fine_tune_model(
 
 def train(
     model: BiEncoder,
-    dataset: RetrievalDataset | str,
+    dataset: RetrievalDataset | str | Path | Any,
     *,
     output_dir: str | Path,
+    columns: Mapping[str, Any] | None = None,
     loss: Objective | None = None,
     negatives: NegativesConfig | None = None,
     args: TrainConfig | None = None,
@@ -131,24 +166,32 @@ def train(
     restart: bool = False,
 ) -> TrainOutput:
     """Fine-tune ``model`` (a ``BiEncoder``, ``SpladeEncoder`` or ``ColBERT``) in place on ``dataset``'s ``split``
-    (a dataset or its name / path, see ``densepass.load_dataset``) and save it to ``output_dir/model``.
+    (a dataset or its name / path, see ``densepass.load_dataset``; or training rows: a JSONL, CSV or Parquet file
+    of (anchor, positive[, negatives...]) rows, a folder written by ``datasets``' ``save_to_disk``, or a
+    ``datasets.Dataset``, with ``columns`` mapping their columns as ``densepass.data.pairs`` says) and save it to
+    ``output_dir/model``.
 
     ``loss``: a loss object of ``densepass.losses`` (default ``InfoNCE(args.bidirectional)``; SPLADE wants
     ``+ FLOPS(...)``); ``negatives``: how the hard-negative pool is mined and how many negatives each query draws
     per step (default: BM25's top 30, one per step; ``NegativesConfig(source="none")`` for in-batch negatives
-    only); ``args``: the optimisation (``TrainConfig``: epochs, batch size, learning rate, bf16, ...);
-    ``schedule``: the batch order (default random); ``max_queries`` / ``seed``: a seeded sample of the training
-    queries; ``device``: cpu, cuda or cuda:N (None: cuda when available). ``on_step_end(step)`` runs after every
-    step. With ``restart``, what an earlier call wrote in
-    ``output_dir`` is removed first; otherwise an interrupted call resumes from its checkpoints."""
+    only; training rows default to the negatives they give, ``source="given"``, or to in-batch negatives when they
+    give none; rows with teacher scores give them to a ``Distillation`` loss); ``args``: the optimisation
+    (``TrainConfig``: epochs, batch size, learning rate, bf16, ...); ``schedule``: the batch order (default
+    random); ``max_queries`` / ``seed``: a seeded sample of the training queries; ``device``: cpu, cuda or cuda:N
+    (None: cuda when available). ``on_step_end(step)`` runs after every step. With ``restart``, what an earlier call
+    wrote in ``output_dir`` is removed first; otherwise an interrupted call resumes from its checkpoints."""
+    dataset = as_dataset(dataset, columns)
+    if negatives is None and isinstance(dataset, PairsDataset):
+        negatives = NegativesConfig(source="given" if any(dataset.negatives.values()) else "none")
     args, negatives, schedule = args or TrainConfig(), negatives or NegativesConfig(), schedule or ScheduleConfig()
     if negatives.refresh_every is not None:
         raise ConfigError("negatives.refresh_every re-mines during training: use `densepass run` for it")
-    if isinstance(dataset, (str, Path)):
-        dataset = load_dataset(str(dataset))
     objective = loss or InfoNCE(args.bidirectional)
     torch_device = resolve_device(device)
     query_ids = training_queries(dataset, split, max_queries, seed)
+    given = None
+    if negatives.source == "given" and negatives.per_query > 0:  # its errors before anything is written
+        given = passage_ids(given_pool(dataset, query_ids).pool)
     run_dir = Path(output_dir)
     identity = {
         "data": {"dataset": dataset.name, "split": split, "max_queries": max_queries, "seed": seed},
@@ -173,8 +216,12 @@ def train(
                 seed=seed,
             )
             mined = mine_pool(dataset, query_ids, negatives, context, sep)
-            pool = passage_ids(mined.pool)
-            data = TrainingData(dataset, split, sep, pool, negatives.per_query, query_ids=query_ids)
+            data = TrainingData(dataset, split, sep, passage_ids(mined.pool), negatives.per_query, query_ids=query_ids)
+        elif given is not None:
+            teacher = getattr(dataset, "teacher_scores", None)
+            data = TrainingData(
+                dataset, split, sep, given, negatives.per_query, query_ids=query_ids, teacher_scores=teacher
+            )
         planner = batch_planner(model, data, args, schedule, run_dir, torch_device)
         result = fine_tune_model(
             model, data, args, planner, run_dir, torch_device, identity, objective, None, on_step_end
