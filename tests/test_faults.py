@@ -1,16 +1,19 @@
-"""Fault injection: real ``densepass`` processes killed (SIGKILL) part-way through training, indexing and
-mining, then run again, end exactly where an uninterrupted run ends; damaged saved files, planted
-pickles, concurrent runs and changed settings are handled as docs/reliability.md promises."""
+"""Fault injection: real ``densepass`` processes killed (SIGKILL) part-way through training (every task of the
+training engine), indexing and mining, then run again, end exactly where an uninterrupted run ends; damaged saved
+files, planted pickles, concurrent runs and changed settings are handled as docs/reliability.md promises."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import save_tiny_bert, write_tiny_beir
+from phrase_fixtures import write_phrase_squad
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -233,6 +237,185 @@ def test_a_second_run_into_the_same_directory_is_refused(tmp_path, tiny_beir, dr
     first.wait(timeout=600)
     assert first.returncode == 0
     assert second.returncode == 2 and "is in use by another densepass run" in second.stderr
+
+
+# ---- every other training task ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Task:
+    """A training task run as a densepass command and killed during one of its trainings.
+
+    ``settings``: the command's ``--set`` overrides (``{beir}``, ``{squad}`` and ``{model}`` name the inputs; the
+    cross-encoder's ``run`` adds them to ``train_config``'s file); ``checkpoints``: where the killed training writes
+    its checkpoints in the run directory, ``steps`` of them in all (checkpoint_every 1), the kill coming after
+    ``step-<kill_after>``; ``results``: the folders of the weights the command writes as its result; ``logs``: its
+    training (and validation) logs."""
+
+    command: str
+    settings: tuple[str, ...]
+    checkpoints: str
+    steps: int
+    kill_after: int
+    results: tuple[str, ...]
+    logs: tuple[str, ...]
+
+
+CROSS_ENCODER = (
+    "reranker.enabled=true",
+    "reranker.name_or_path={model}",
+    "reranker.max_length=48",
+    "reranker.depth=10",
+    "reranker.first_stages=[fine-tuned]",
+    "reranker.train.batch_size=5",
+    "reranker.train.negatives_per_query=3",
+    "reranker.train.epochs=3",  # 30 training queries: 18 steps
+    "reranker.train.checkpoint_every=1",
+    "reranker.train.log_every=1",
+    "reranker.train.learning_rate=1e-3",
+)
+PHRASE = (
+    "data.name={squad}",
+    "model.base={model}",
+    "model.max_length=40",
+    "model.stride=8",
+    "model.title_max_tokens=4",
+    "model.max_answer_tokens=5",
+    "train.epochs=2",  # 12 steps
+    "train.passages_per_batch=2",
+    "train.checkpoint_every=1",
+    "train.log_every=1",
+    "train.learning_rate=1e-3",
+    "validation.subcorpus=hard",
+    "validation.k=1",
+    "validation.every_steps=3",
+    "filter.epochs=1",
+    "filter.thresholds=[-100.0, 0.0]",
+    "filter.threshold=-100.0",
+    "query_tuning.enabled=true",
+    "query_tuning.epochs=2",  # 12 steps
+    "query_tuning.batch_size=4",
+    "query_tuning.top_k=5",
+    "query_tuning.checkpoint_every=1",
+    "query_tuning.learning_rate=1e-3",
+    "eval.ks=[1, 3]",
+)
+PRETRAIN = (
+    "data.name={beir}",
+    "model.name_or_path={model}",
+    "model.early_layers=1",
+    "train.max_steps=12",
+    "train.batch_size=8",
+    "train.grad_accumulation=2",
+    "train.max_length=32",
+    "train.checkpoint_every=1",
+    "train.log_every=1",
+    "train.learning_rate=1e-3",
+)
+CONTRIEVER = (
+    "model.mode=contriever",
+    "model.temperature=0.1",
+    "model.save_pooling=mean",
+    "contriever.queue_size=10",
+    "contriever.momentum=0.9",
+    "contriever.ict_probability=0.5",
+)
+PHRASE_RESULTS = ("best-model", "model", "qsft-model")
+PHRASE_LOGS = ("train_log.jsonl", "eval_log.jsonl", "qsft/train_log.jsonl")
+TASKS = {
+    "cross-encoder": Task(
+        "run",
+        CROSS_ENCODER,
+        "reranker/checkpoints",
+        18,
+        5,
+        ("model", "reranker/model"),
+        ("train_log.jsonl", "reranker/train_log.jsonl"),
+    ),
+    "phrase": Task("phrase", PHRASE, "checkpoints", 12, 4, PHRASE_RESULTS, PHRASE_LOGS),
+    "query-tuning": Task("phrase", PHRASE, "qsft/checkpoints", 12, 3, PHRASE_RESULTS, PHRASE_LOGS),
+    "condenser": Task("pretrain", PRETRAIN, "checkpoints", 12, 4, ("backbone",), ("train_log.jsonl",)),
+    "cocondenser": Task(
+        "pretrain", (*PRETRAIN, "model.mode=cocondenser"), "checkpoints", 12, 4, ("backbone",), ("train_log.jsonl",)
+    ),
+    "contriever": Task("pretrain", (*PRETRAIN, *CONTRIEVER), "checkpoints", 12, 4, ("backbone",), ("train_log.jsonl",)),
+}
+
+
+@pytest.fixture(scope="module")
+def task_inputs(tmp_path_factory, dropout_model) -> dict[str, Path]:
+    """The tasks' data and their model with dropout, shared by the module (no test here changes them)."""
+    root = tmp_path_factory.mktemp("task-inputs")
+    return {"beir": write_tiny_beir(root / "beir"), "squad": write_phrase_squad(root / "squad"), "model": dropout_model}
+
+
+def task_command(task: Task, root: Path, inputs: dict[str, Path]) -> list[str]:
+    """The arguments of ``task``'s command writing its run to ``root/run``."""
+    sets = [arg for setting in task.settings for arg in ("--set", setting.format(**inputs))]
+    if task.command == "run":  # the bi-encoder run of the tests above, with a cross-encoder that trains
+        return ["run", str(train_config(root, inputs["beir"], inputs["model"], epochs=1)), *sets]
+    return [task.command, "--set", f"output_dir={root}", "--set", "name=run", *sets]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, task_inputs):
+    """The run directory of a task's uninterrupted run, made once per command and settings (phrase training and
+    query tuning share one)."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def reference(task: Task) -> Path:
+        key = (task.command, *task.settings)
+        if key not in runs:
+            root = tmp_path_factory.mktemp("reference")
+            result = densepass(*task_command(task, root, task_inputs), cwd=root)
+            assert result.returncode == 0, result.stderr[-2000:]
+            runs[key] = root / "run"
+        return runs[key]
+
+    return reference
+
+
+def result_weights(run_dir: Path, folders: tuple[str, ...]) -> dict[str, Path]:
+    """Every weight file under ``folders`` of ``run_dir``, by its path there."""
+    return {
+        str(p.relative_to(run_dir)): p for folder in folders for p in sorted((run_dir / folder).rglob("*.safetensors"))
+    }
+
+
+def log_records(path: Path) -> list[dict]:
+    """The records of a JSONL log less their timings, which no two runs share."""
+    records = map(json.loads, path.read_text().splitlines())
+    return [{k: v for k, v in r.items() if not (k.endswith("_per_s") or k == "seconds")} for r in records]
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_every_training_task_killed_at_a_random_step_resumes_to_the_same_weights(
+    tmp_path, task_inputs, reference_run, name
+):
+    """The bi-encoder test above for every other task: a model with dropout, so that the resumed steps draw the same
+    masks only if the random states come back (pre-training draws its own from the seed and the step); the
+    resumed run starts at the newest checkpoint and ends with the weights and logs of the uninterrupted one."""
+    task = TASKS[name]
+    reference = reference_run(task)
+    assert (reference / task.checkpoints / f"step-{task.steps}").is_dir()  # the training has the steps said
+    args = task_command(task, tmp_path, task_inputs)
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / task.checkpoints
+    process = start(*args, cwd=tmp_path)
+    assert kill_when(process, (checkpoints / f"step-{task.kill_after}").is_dir, seed=zlib.crc32(name.encode()))
+    assert not (checkpoints / f"step-{task.steps}").exists()  # killed during the training, before its last step
+    newest = max(int(p.name[5:]) for p in checkpoints.glob("step-*"))
+    result = densepass(*args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    counts = re.findall(rf"\| *(\d+)/{task.steps} \[", result.stderr)  # the training's progress bar, as drawn
+    assert counts and int(counts[0]) == newest, counts  # resumed from its newest checkpoint, not started over
+    expected, resumed = result_weights(reference, task.results), result_weights(run_dir, task.results)
+    assert expected and resumed.keys() == expected.keys()
+    for file, path in expected.items():
+        if path.read_bytes() != resumed[file].read_bytes():
+            a, b = load_file(str(path)), load_file(str(resumed[file]))
+            pytest.fail(f"{file} differs: {[k for k in a if k not in b or not torch.equal(a[k], b[k])][:5]}")
+    for log in task.logs:
+        assert log_records(run_dir / log) == log_records(reference / log), log
 
 
 # ---- indexing -----------------------------------------------------------------------------------------
