@@ -33,7 +33,7 @@ from densepass.phrase.index import PhraseIndex
 from densepass.phrase.metrics import exact_match
 from densepass.phrase.model import PhraseEncoder
 from densepass.phrase.span_search import top_spans
-from densepass.phrase.train import load_phrase_weights
+from densepass.phrase.train import PhraseModelTask
 from densepass.phrase.windows import char_span_to_tokens
 from densepass.training import engine
 
@@ -61,7 +61,7 @@ def marginal_loss(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
     return (torch.logsumexp(scores, 1) - torch.logsumexp(scores.masked_fill(~positive, float("-inf")), 1)).mean()
 
 
-class QueryTuningTask(engine.Task):
+class QueryTuningTask(PhraseModelTask):
     """The question encoder of ``model`` trained against ``index`` (its phrase side frozen): each step retrieves
     the top-k phrases of its questions without gradient, then minimises the marginal loss over them and the gold
     phrase."""
@@ -101,10 +101,6 @@ class QueryTuningTask(engine.Task):
     @override
     def parameter_groups(self) -> list[dict]:
         return [{"params": [p for m in self.model.question_modules() for p in m.parameters()]}]
-
-    @override
-    def named_weights(self):
-        return self.model.named_parameters()
 
     @override
     def plan(self, epoch: int) -> list[list[PhraseExample]]:
@@ -148,14 +144,6 @@ class QueryTuningTask(engine.Task):
         loss = marginal_loss(scores.masked_fill(~valid.to(device), float("-inf")), positive.to(device))
         loss.backward()
         return engine.StepOutput(loss, size=len(batch), terms={"positives": positive.sum(1).float().mean()})
-
-    @override
-    def save(self, checkpoint: Path) -> None:
-        self.model.save(checkpoint / "model")
-
-    @override
-    def load(self, checkpoint: Path, device: torch.device) -> None:
-        load_phrase_weights(self.model, checkpoint, device)
 
     @override
     def finish(self) -> None:

@@ -212,14 +212,27 @@ def step_loss(
     return loss, columns
 
 
-def load_phrase_weights(model: PhraseEncoder, checkpoint: Path, device: torch.device) -> None:
-    """Load the phrase model a checkpoint holds (``model/``) into ``model``, in place, on ``device``."""
-    saved = PhraseEncoder.from_pretrained(str(checkpoint / "model"), model.config)
-    model.load_state_dict(saved.state_dict())
-    model.to(device)
+class PhraseModelTask(engine.Task):
+    """What every task training a phrase model shares: its weights, and how a checkpoint holds them (``model/``)."""
+
+    model: PhraseEncoder
+
+    @override
+    def named_weights(self):
+        return self.model.named_parameters()
+
+    @override
+    def save(self, checkpoint: Path) -> None:
+        self.model.save(checkpoint / "model")
+
+    @override
+    def load(self, checkpoint: Path, device: torch.device) -> None:
+        saved = PhraseEncoder.from_pretrained(str(checkpoint / "model"), self.model.config)
+        self.model.load_state_dict(saved.state_dict())
+        self.model.to(device)
 
 
-class PhraseTask(engine.Task):
+class PhraseTask(PhraseModelTask):
     """Both encoders of a phrase model trained on ``data`` (eq. 1 or 2), with the pre-batch memory."""
 
     description = "train phrases"
@@ -246,10 +259,6 @@ class PhraseTask(engine.Task):
         return [{"params": list(self.model.parameters())}]
 
     @override
-    def named_weights(self):
-        return self.model.named_parameters()
-
-    @override
     def plan(self, epoch: int) -> list[list[list[int]]]:
         c = self.config
         return plan_epoch(self.data.examples, c.passages_per_batch, c.questions_per_passage, c.seed, epoch)
@@ -271,14 +280,6 @@ class PhraseTask(engine.Task):
     @override
     def after_step(self, output: engine.StepOutput, batch: Step) -> None:
         self.memory.push(output.outputs)  # a skipped batch's columns may hold NaN: never pushed
-
-    @override
-    def save(self, checkpoint: Path) -> None:
-        self.model.save(checkpoint / "model")
-
-    @override
-    def load(self, checkpoint: Path, device: torch.device) -> None:
-        load_phrase_weights(self.model, checkpoint, device)
 
     @override
     def state_dict(self) -> dict:
