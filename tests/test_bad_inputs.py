@@ -1325,3 +1325,45 @@ def test_a_fifo_or_a_folder_given_as_a_config_or_queries_file_is_not_a_regular_f
     assert main(["run", str(tmp_path / "missing.yaml")]) == 2
     assert error_lines(capsys) == [f"densepass: error: config file not found: {tmp_path / 'missing.yaml'}"]
     assert not (tmp_path / "run.trec").exists()
+
+
+# ---------------------------------------------------------------- code of its own, anywhere in a model
+
+
+def _with_auto_map(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "evil.Model"}}))
+
+
+@pytest.mark.parametrize("sub", ["query", "phrase", "question", "reranker/model"])
+def test_a_model_holding_a_subfolder_that_asks_for_its_own_code_is_refused_before_transformers_reads_it(
+    tiny_model_dir, tmp_path, sub
+):
+    from densepass.models.biencoder import resolve_model_path
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    shutil.copytree(tiny_model_dir, model / sub)
+    _with_auto_map(model / sub)
+    with pytest.raises(ConfigError, match=f"{re.escape(str(model / sub))} needs code of its own"):
+        resolve_model_path(str(model))
+
+
+def test_the_cross_encoder_filter_checks_its_model_before_mining(tiny_model_dir, tmp_path):
+    from densepass.negatives.filters import cross_encoder_scorer
+
+    evil = tmp_path / "evil"
+    shutil.copytree(tiny_model_dir, evil)
+    _with_auto_map(evil)
+    with pytest.raises(ConfigError, match="needs code of its own"):
+        cross_encoder_scorer(str(evil))
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_model_dir, pickled)
+    for weights in pickled.glob("*.safetensors"):
+        weights.unlink()
+    (pickled / "pytorch_model.bin").write_bytes(b"not a torch archive at all")
+    from densepass.errors import DensepassError
+
+    with pytest.raises(DensepassError) as caught:
+        cross_encoder_scorer(str(pickled))
+    assert "\n" not in str(caught.value)

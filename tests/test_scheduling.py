@@ -281,3 +281,74 @@ def test_planner_delivers_each_instance_once(tiny_beir, tiny_model_dir, tmp_path
         log = [json.loads(line) for line in (tmp_path / "schedule.jsonl").read_text().splitlines()]
         assert [r["similarity"] for r in log] == ["bm25", "encoder"]
         assert all(r["mean_hardness"] >= r["random_mean_hardness"] for r in log), log
+
+
+# ---- the background scheduler's failures reach the trainer -------------------------------------------------
+
+
+def test_a_failing_epoch_in_the_scheduler_process_is_reported_not_waited_for(monkeypatch):
+    import queue as queue_module
+
+    from densepass.training import planner as planner_module
+
+    monkeypatch.setattr(planner_module, "die_with_parent", lambda pid: None)
+    rng = np.random.default_rng(0)
+    job = planner_module.ScheduleJob(
+        rng.normal(size=(2, 4)).astype(np.float32),
+        rng.normal(size=(2, 4)).astype(np.float32),
+        "cpu",
+        8,
+        None,
+        0,
+        1,
+        None,
+        None,
+        1,
+    )  # fmt: skip  (a batch of 8 from 2 instances: the scheduler refuses it)
+    jobs, results = queue_module.Queue(), queue_module.Queue()
+    jobs.put(job)
+    jobs.put(None)
+    planner_module._worker_loop(jobs, results, 0)
+    message = results.get_nowait()
+    assert "larger than the 2 instances" in message[planner_module.SCHEDULER_FAILED]
+
+
+def test_a_scheduler_process_that_died_is_one_line_not_a_hang():
+    import multiprocessing
+    import queue as queue_module
+
+    from densepass.errors import DensepassError
+    from densepass.training.planner import EpochPlanner
+
+    planner = EpochPlanner.__new__(EpochPlanner)
+    process = multiprocessing.get_context("spawn").Process(target=int)  # ends at once, sending nothing
+    process.start()
+    process.join()
+    planner._process = process
+    with pytest.raises(DensepassError, match="ended without a schedule"):
+        planner._next(queue_module.Queue())
+
+
+@pytest.mark.parametrize("damage", ["two rows", "object array", "missing key", "truncated"])
+def test_damaged_or_foreign_saved_scheduling_embeddings_are_one_line(tmp_path, damage):
+    from types import SimpleNamespace
+
+    from densepass.errors import DataError
+    from densepass.training.planner import EpochPlanner
+
+    saved = tmp_path / "epoch-0.npz"
+    vectors = np.zeros((5, 4), dtype=np.float32)
+    if damage == "two rows":
+        np.savez(saved, queries=vectors[:2], passages=vectors[:2])
+    elif damage == "object array":
+        np.savez(saved, queries=np.array([{"a": 1}] * 5, dtype=object), passages=vectors)
+    elif damage == "missing key":
+        np.savez(saved, queries=vectors)
+    else:
+        np.savez(saved, queries=vectors, passages=vectors)
+        saved.write_bytes(saved.read_bytes()[:40])
+    planner = EpochPlanner.__new__(EpochPlanner)
+    planner.data = SimpleNamespace(query_texts=["q"] * 5)
+    with pytest.raises(DataError, match="damaged or another run's") as caught:
+        planner._load_saved(saved)
+    assert "\n" not in str(caught.value)

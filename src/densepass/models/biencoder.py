@@ -88,8 +88,15 @@ def check_model_files(path: Path) -> None:
     otherwise ask at the terminal whether to."""
     import json
 
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        file = path / name
+    # the model's own files, and those of the models it holds in subfolders (a bi-encoder's query/ tower, a phrase
+    # model's phrase/ and question/ encoders, a run's reranker/model/)
+    folders = [path, *(d for d in sorted(path.glob("*")) if d.is_dir()), *sorted(path.glob("*/model"))]
+    files = [
+        (folder / name, name)
+        for folder in folders
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json")
+    ]
+    for file, name in files:
         if not file.is_file():
             continue
         try:
@@ -97,11 +104,13 @@ def check_model_files(path: Path) -> None:
         except (OSError, ValueError, RecursionError) as err:
             reason = (str(err).splitlines() or [type(err).__name__])[0]
             raise DataError(f"{file} does not load (truncated or damaged?): {reason}") from None
-        if name == "config.json" and not (isinstance(values, dict) and isinstance(values.get("model_type"), str)):
+        if file == path / "config.json" and not (
+            isinstance(values, dict) and isinstance(values.get("model_type"), str)
+        ):
             raise DataError(f"{file} is not a transformers model config (it names no model_type)")
         if isinstance(values, dict) and "auto_map" in values:
             raise ConfigError(
-                f"{path} needs code of its own ({name} has an auto_map); densepass never runs a model's code "
+                f"{file.parent} needs code of its own ({name} has an auto_map); densepass never runs a model's code "
                 "(trust_remote_code stays off): use a model that transformers supports as it is"
             )
 

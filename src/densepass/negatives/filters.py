@@ -112,10 +112,16 @@ def cross_encoder_scorer(path: str, batch_size: int = 64) -> Scorer:
     """A scorer from a saved sentence-transformers ``CrossEncoder`` (raw logits)."""
     from sentence_transformers import CrossEncoder
 
+    from densepass.models.biencoder import resolve_model_path
+
+    resolved = resolve_model_path(path)  # a missing model, one asking for code of its own: one line, before loading
     try:
-        model = CrossEncoder(path)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot load cross-encoder {path!r}: {err}") from None
+        model = CrossEncoder(resolved, trust_remote_code=False)
+    except Exception as err:  # transformers' and torch's loading errors (weights that are not plain tensors)
+        if not isinstance(err, (OSError, ValueError)) and type(err).__name__ != "UnpicklingError":
+            raise
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"cannot load cross-encoder {path!r}: {first}") from None
     return lambda query, passages: model.predict(
         [(query, p) for p in passages], batch_size=batch_size, show_progress_bar=False
     )

@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import queue
 import time
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 
 from densepass.config import ScheduleConfig
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataError, DensepassError
 from densepass.io import disk_errors
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
@@ -89,12 +91,20 @@ def _schedule_epoch(queue, job: ScheduleJob) -> None:
     )
 
 
+SCHEDULER_FAILED = "scheduler_error"  # the key of the message a failed epoch sends instead of its statistics
+
+
 def _worker_loop(jobs, results, parent_pid: int) -> None:
     """A scheduler process that lives across epochs (its start-up is paid once per run) and ends with the
-    training process, however that ends (on SIGKILL no ``None`` job ever comes)."""
+    training process, however that ends (on SIGKILL no ``None`` job ever comes). An epoch that fails sends its
+    error's one line instead of its statistics, so training stops with it instead of waiting."""
     die_with_parent(parent_pid)
     while (job := jobs.get()) is not None:
-        _schedule_epoch(results, job)
+        try:
+            _schedule_epoch(results, job)
+        except Exception as err:  # any failure: the trainer must hear of it
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            results.put({SCHEDULER_FAILED: first})
 
 
 def check_schedule(config: ScheduleConfig) -> None:
@@ -163,8 +173,7 @@ class EpochPlanner:
         """The encoder's embeddings of the training queries and their positives at the start of ``epoch``."""
         saved = self.state_dir / f"epoch-{epoch}.npz" if self.state_dir is not None else None
         if saved is not None and saved.is_file():
-            with np.load(saved, allow_pickle=False) as arrays:
-                return arrays["queries"], arrays["passages"]
+            return self._load_saved(saved)
         queries, passages = self._encode_now()
         if saved is not None:
             saved.parent.mkdir(parents=True, exist_ok=True)
@@ -176,6 +185,27 @@ class EpochPlanner:
             except BaseException:
                 partial.unlink(missing_ok=True)
                 raise
+        return queries, passages
+
+    def _load_saved(self, saved: Path) -> tuple[np.ndarray, np.ndarray]:
+        """The embeddings an interrupted run saved for this epoch, checked against the training data (one row per
+        training query, as many passage rows, float vectors): anything else is a one-line error."""
+        problem = None
+        try:
+            with np.load(saved, allow_pickle=False) as arrays:
+                queries, passages = arrays["queries"], arrays["passages"]
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+            problem = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        else:
+            n = len(self.data.query_texts)
+            shapes_ok = queries.ndim == passages.ndim == 2 and len(queries) == len(passages) == n
+            if not shapes_ok or queries.dtype.kind != "f" or passages.dtype.kind != "f":
+                problem = f"it holds {queries.shape} and {passages.shape} arrays, not {n} rows of vectors"
+        if problem is not None:
+            raise DataError(
+                f"{saved}, the scheduling embeddings an interrupted run saved, does not load ({problem}): it is "
+                "damaged or another run's; remove it (it is computed again) or run with --restart"
+            )
         return queries, passages
 
     def _encode_now(self) -> tuple[np.ndarray, np.ndarray]:
@@ -222,9 +252,11 @@ class EpochPlanner:
             try:
                 while True:
                     start = time.perf_counter()
-                    item = results.get()
+                    item = self._next(results)
                     waited += time.perf_counter() - start
                     if isinstance(item, dict):
+                        if SCHEDULER_FAILED in item:
+                            raise ConfigError(f"batch scheduling (ABS) failed: {item[SCHEDULER_FAILED]}")
                         stats = item
                         break
                     yield item
@@ -245,6 +277,19 @@ class EpochPlanner:
                 **stats,
             }
         )
+
+    def _next(self, results):
+        """The worker's next message; a one-line error if the worker process ended without sending one."""
+        while True:
+            try:
+                return results.get(timeout=1.0)
+            except queue.Empty:
+                if self._process is None or not self._process.is_alive():
+                    code = self._process.exitcode if self._process is not None else None
+                    self.close()
+                    raise DensepassError(
+                        f"the batch scheduler process ended without a schedule (exit {code})"
+                    ) from None
 
     def _worker(self):
         if self._process is None or not self._process.is_alive():
