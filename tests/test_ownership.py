@@ -139,7 +139,7 @@ def test_claim_refuses_a_foreign_folder_and_restart_keeps_foreign_files(tmp_path
     run = tmp_path / "run"
     assert claim_run_directory(run, "run", RUN_ENTRIES, restart=False) == []
     (run / "checkpoints" / "step-1").mkdir(parents=True)
-    (run / "report.md").write_text("old report")
+    (run / "report.md").write_text("# densepass run: run\n\nan earlier run's report\n")
     (run / "model").symlink_to(foreign)  # a link where the run writes: refused, never followed
     planted_in_run = plant(run)
     with pytest.raises(DensepassError, match=r"holds links where a run writes \(model\)"):
@@ -157,17 +157,29 @@ def test_claim_refuses_a_foreign_folder_and_restart_keeps_foreign_files(tmp_path
     (run / "meeting_log.jsonl").write_text("{}")
     (run / "subcorpus_ideas.json").write_text("{}")
     (run / "runs").mkdir()
-    (run / "runs" / "bm25.trec").write_text("q Q0 p 1 1.0 x\n")
+    (run / "runs" / "bm25.trec").write_text("q Q0 p 1 1.000000 densepass\n")  # a run's own
+    (run / "runs" / "my-bm25.trec").write_text("q Q0 p 1 1.0 anserini\n")  # a user's, named like one
     (run / "runs" / "draft.txt").write_text("mine")
+    (run / "negatives" / "miner-8d-abc").mkdir(parents=True)
+    (run / "negatives" / "miner-8d-abc" / "train_log.jsonl").write_text("{}")
+    (run / "negatives" / "refresh_log.jsonl").write_text("{}")
+    (run / "negatives" / "my-pool.jsonl").write_text("mine")
+    (run / "reranker" / "model").mkdir(parents=True)
+    (run / "reranker" / "train_log.jsonl").write_text("{}")
+    (run / "reranker" / "notes.txt").write_text("mine")
     kept = claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
     assert kept == [
         "best-model/my_notes.txt",
         "meeting_log.jsonl",
+        "negatives/my-pool.jsonl",
         "notes.txt",
+        "reranker/notes.txt",
         "runs/draft.txt",
+        "runs/my-bm25.trec",
         "sub",
         "subcorpus_ideas.json",
     ]
+    assert (run / "runs" / "my-bm25.trec").read_text() == "q Q0 p 1 1.0 anserini\n"
     assert (run / "best-model" / "my_notes.txt").read_text() == "mine"
     assert (run / "runs" / "draft.txt").read_text() == "mine"
     assert not (run / "checkpoints").exists() and not (run / "report.md").exists()
@@ -572,7 +584,7 @@ def test_a_phrase_run_refused_by_its_model_checks_removes_nothing_with_restart(t
 
     run = tmp_path / "out" / "p"
     claim_run_directory(run, "phrase run", PHRASE_ENTRIES, restart=False)
-    (run / "report.md").write_text("the earlier run's report\n")
+    (run / "report.md").write_text("# Phrase retrieval run `p`\n\nthe earlier run's report\n")
     (run / "train_log.jsonl").write_text("{}\n")
     before = _listing(run)
     sets = [f"data.name={write_phrase_squad(tmp_path / 'squad')}", f"output_dir={tmp_path / 'out'}", "name=p"]
@@ -603,10 +615,24 @@ def test_a_run_directory_of_an_older_version_gets_nothing_written_when_a_check_r
     old.mkdir()
     sets = [f"name={old.name}", f"output_dir={tmp_path}", f"data.name={tiny_beir}", "train.batch_size=8"]
     assert main(["config", "--output", str(old / "config.yaml"), *[a for s in sets for a in ("--set", s)]]) == 0
-    (old / "report.md").write_text("# the older version's report\n")
+    (old / "report.md").write_text("# densepass run: old\n\nthe older version's report\n")
     before = _listing(old)
     capsys.readouterr()
     assert main(run_args(tiny_beir, tiny_model_dir, tmp_path, "old")) == 2
     err = capsys.readouterr().err
     assert err.count("densepass: error:") == 1 and "holds another run" in err, err
     assert _listing(old) == before and not (old / RUN_MARKER).exists() and not (old / ".lock").exists()
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [("config.yaml", "# my experiment, with notes\nname: run\n"), ("report.md", "Draft of my report on this run\n")],
+)
+def test_a_users_file_where_the_run_writes_its_own_is_refused_before_anything_is_written(tmp_path, name, text):
+    run = tmp_path / "run"
+    claim_run_directory(run, "run", RUN_ENTRIES, restart=False)
+    (run / name).write_text(text)
+    for restart in (False, True):
+        with pytest.raises(DensepassError, match=f"{name} is not a file densepass wrote"):
+            claim_run_directory(run, "run", RUN_ENTRIES, restart=restart)
+        assert (run / name).read_text() == text

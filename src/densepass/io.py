@@ -259,6 +259,26 @@ def _entry_pattern(name: str, entries: tuple[str, ...]) -> str | None:
     return next((e for e in entries if fnmatch.fnmatchcase(name, e.split("/", 1)[0])), None)
 
 
+def written_by_densepass(path: Path) -> bool:
+    """Whether a file named as one of a run's outputs also reads as one, where a user's file could bear the name:
+    a TREC run densepass writes (every line ``qid Q0 pid rank score densepass``), a config it saves (YAML with no
+    comment: a file with comments holds a user's notes), a report (its title line). Other names: True (the name is
+    densepass's)."""
+    try:
+        if path.suffix == ".trec":
+            with open(path, encoding="utf-8") as handle:
+                return all(len(f := line.split()) == 6 and f[5] == "densepass" for line in handle if line.strip())
+        if path.name == "config.yaml":
+            with open(path, encoding="utf-8") as handle:
+                return not any(line.lstrip().startswith("#") for line in handle)
+        if path.name == "report.md":  # densepass's reports open with their title line
+            with open(path, encoding="utf-8") as handle:
+                return re.match(r"# (densepass \w+: |Phrase retrieval run `)", handle.readline()) is not None
+    except (OSError, UnicodeDecodeError):
+        return False
+    return True
+
+
 def _listed(directory: Path) -> set[str]:
     """The files (relative) ``atomic_directory`` wrote in ``directory`` (its ``OWNED`` list, or a verified
     manifest of an older version's save); empty where it wrote none."""
@@ -283,7 +303,8 @@ def _foreign_in(root: Path, inner: str | None) -> list[str]:
         if path.name == ".lock" or any(_TEMPORARY.fullmatch(part) for part in Path(name).parts):
             continue  # a lock, or in a temporary densepass makes while it writes (a killed save's)
         if inner is not None and any(fnmatch.fnmatchcase(name, pattern) for pattern in inner.split("|")):
-            continue
+            if not path.is_symlink() and written_by_densepass(path):  # densepass never writes a link
+                continue
         ancestors = [path.parents[i] for i in range(len(Path(name).parts))]  # its folder ... up to root
         for folder in ancestors:
             if folder not in listed:
@@ -332,14 +353,30 @@ def run_directory_problem(directory: str | Path, what: str, entries: tuple[str, 
         if links:
             shown = ", ".join(links)
             return f"{directory} holds links where a {what} writes ({shown}): densepass never writes through them"
-        return None
+        return _users_file_in_the_way(directory, what, entries)
     present = sorted(c.name for c in directory.iterdir() if c.name != ".lock")
     if not present or _legacy_run(directory, present, entries):
-        return None
+        return _users_file_in_the_way(directory, what, entries)
     shown = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
     return (
         f"{directory} is not a densepass {what} directory (it holds {shown}); densepass writes a run only into a "
         "new or empty directory or one of its own runs: choose another name or output_dir"
+    )
+
+
+def _users_file_in_the_way(directory: Path, what: str, entries: tuple[str, ...]) -> str | None:
+    """A user's file where the run writes one of its own (a commented config.yaml, a TREC file of theirs): the run
+    would replace it, so it is refused (``written_by_densepass``)."""
+    theirs = sorted(
+        c.name
+        for c in directory.iterdir()
+        if c.is_file() and not c.is_symlink() and run_entry(c.name, entries) and not written_by_densepass(c)
+    )
+    if not theirs:
+        return None
+    return (
+        f"{directory / theirs[0]} is not a file densepass wrote (a {what} would write its own there): move it "
+        "away, or choose another name or output_dir"
     )
 
 
@@ -365,7 +402,7 @@ def claim_run_directory(directory: str | Path, what: str, entries: tuple[str, ..
         if child.name in (".lock", RUN_MARKER):
             continue
         pattern = _entry_pattern(child.name, entries)
-        if pattern is None:
+        if pattern is None or child.is_file() and not child.is_symlink() and not written_by_densepass(child):
             kept.append(child.name)
         elif child.is_dir() and not child.is_symlink():
             foreign = _foreign_in(child, pattern.split("/", 1)[1] if "/" in pattern else None)

@@ -196,12 +196,12 @@ RUN_ENTRIES = (
     "best.json",
     "checkpoints",
     "schedule/epoch-*",
-    "negatives/*",  # the pools' miners and their work (a folder of densepass's alone)
+    "negatives/miner-*|refresh_log.jsonl|refresh-step-*.jsonl",  # the dense miners' runs, the refreshed pools
     "negatives.jsonl",
     "teacher_scores.jsonl",
     "teacher_scores.jsonl.partial",
     "token_cache",
-    "reranker/*",  # the cross-encoder's own run (a folder of densepass's alone)
+    "reranker/checkpoints/*|model/*|train_log.jsonl",  # the cross-encoder's own training
     "subcorpus.json",
     "subcorpus-*.json",
 )

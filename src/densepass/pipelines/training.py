@@ -44,7 +44,14 @@ from densepass.training.trainer import TrainResult
 from densepass.training.trainer import train as run_training
 
 # What ``train`` writes in ``output_dir``: all that ``restart`` removes; anything else there is kept.
-OUTPUT_ENTRIES = ("train_log.jsonl", "schedule_log.jsonl", "checkpoints", "model", "schedule/epoch-*", "negatives/*")
+OUTPUT_ENTRIES = (
+    "train_log.jsonl",
+    "schedule_log.jsonl",
+    "checkpoints",
+    "model",
+    "schedule/epoch-*",
+    "negatives/miner-*",
+)
 
 
 @dataclass
