@@ -496,6 +496,23 @@ def test_attention_and_study_outputs_never_write_over_a_users_files(tiny_beir, t
     for output in (user, tiny_model_dir / "config.png", tmp_path / "plot"):
         assert main([*attention, str(output)]) == 2
     assert user.read_text() == "my figure" and config.read_text() == before
+    # a real image of the user's (matplotlib's, not densepass's), and numbers of theirs of the same shape
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, _ = plt.subplots()
+    fig.savefig(tmp_path / "chart.png")
+    plt.close(fig)
+    picture = (tmp_path / "chart.png").read_bytes()
+    (tmp_path / "mine.json").write_text('{"my model": [1.0, 2.0]}')
+    assert main([*attention, str(tmp_path / "chart.png")]) == 2
+    assert main([*attention, str(tmp_path / "mine.png")]) == 2  # its numbers would go over mine.json
+    assert (tmp_path / "chart.png").read_bytes() == picture
+    assert (tmp_path / "mine.json").read_text() == '{"my model": [1.0, 2.0]}'
+    ours = tmp_path / "ours.png"
+    assert main([*attention, str(ours)]) == 0 and main([*attention, str(ours)]) == 0  # its own output: replaced
     notes = tmp_path / "study"
     notes.mkdir()
     (notes / "study.md").write_text("# my study notes\n")
@@ -504,7 +521,7 @@ def test_attention_and_study_outputs_never_write_over_a_users_files(tiny_beir, t
     assert main([*study, str(tiny_beir)]) == 2
     assert (notes / "study.md").read_text() == "# my study notes\n"
     err = capsys.readouterr().err
-    assert "Traceback" not in err and err.count("densepass: error:") == 5
+    assert "Traceback" not in err and err.count("densepass: error:") == 7
 
 
 def test_a_model_config_without_a_model_type_is_one_line(tiny_beir, tiny_model_dir, tmp_path, capsys):

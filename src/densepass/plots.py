@@ -16,6 +16,15 @@ def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+PNG_METADATA = {"Software": "densepass"}  # the tEXt chunk that tells densepass's own plots from a user's images
+
+
+def is_densepass_png(path: str | Path) -> bool:
+    """Whether ``path`` is a PNG densepass drew (its ``Software`` text chunk says so): the only images it replaces."""
+    data = Path(path).read_bytes()
+    return data.startswith(b"\x89PNG") and b"tEXtSoftware\x00densepass" in data
+
+
 @contextmanager
 def figure(out_path: Path, size: tuple[float, float] = (6, 3.5), xlabel: str = "", ylabel: str = "") -> Iterator[Any]:
     """Yield the axes of a new figure; on leaving, grid, labels, tight layout, save ``out_path`` (PNG), close."""
@@ -31,6 +40,6 @@ def figure(out_path: Path, size: tuple[float, float] = (6, 3.5), xlabel: str = "
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(out_path, dpi=120)
+        fig.savefig(out_path, dpi=120, metadata=PNG_METADATA)
     finally:
         plt.close(fig)

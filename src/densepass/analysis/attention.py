@@ -20,6 +20,7 @@ from densepass.data.paths import check_output_apart
 from densepass.device import resolve_device
 from densepass.errors import ConfigError, DensepassError
 from densepass.io import atomic_write_text, check_output_file
+from densepass.plots import PNG_METADATA, is_densepass_png
 
 
 def cls_attention_entropy(attention: torch.Tensor) -> torch.Tensor:
@@ -115,14 +116,20 @@ def plot_entropy(
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=120)
+    fig.savefig(out_path, dpi=120, metadata=PNG_METADATA)
     plt.close(fig)
 
 
+RESULT_KIND = "analyze-attention"  # what the numbers file says it is: a user's JSON of the same shape is not ours
+
+
 def is_attention_result(path: str | Path) -> bool:
-    """Whether ``path`` holds what ``analyze_attention`` writes beside its plot: {label: [entropy per layer]}."""
+    """Whether ``path`` holds what ``analyze_attention`` writes beside its plot:
+    ``{"densepass": "analyze-attention", "entropy": {label: [entropy per layer]}}``."""
     values = json.loads(Path(path).read_text(encoding="utf-8"))
-    return isinstance(values, dict) and all(isinstance(v, list) for v in values.values())
+    return (
+        isinstance(values, dict) and values.get("densepass") == RESULT_KIND and isinstance(values.get("entropy"), dict)
+    )
 
 
 def analyze_attention(
@@ -151,7 +158,7 @@ def analyze_attention(
     if Path(output).suffix.lower() != ".png":
         raise ConfigError(f"--output {output} is the plot's path: give it a .png name (the numbers go beside it)")
     check_output_apart(output, dataset, data_dir, list(models))
-    check_output_file(output, "attention plot", lambda path: path.read_bytes().startswith(b"\x89PNG"))
+    check_output_file(output, "attention plot", is_densepass_png)
     numbers = Path(output).with_suffix(".json")
     check_output_file(numbers, "attention result", is_attention_result)
     data = load_dataset(dataset, data_dir, format)
@@ -161,5 +168,5 @@ def analyze_attention(
         label: attention_entropy(model, texts, max_length, device=device) for label, model in zip(labels, models)
     }
     plot_entropy(results, output, f"CLS attention entropy, {len(texts)} {data.name} passages")
-    atomic_write_text(numbers, json.dumps(results, indent=2))
+    atomic_write_text(numbers, json.dumps({"densepass": RESULT_KIND, "entropy": results}, indent=2))
     return results
