@@ -119,3 +119,32 @@ def test_a_file_that_is_not_a_scores_file_or_is_damaged_is_a_one_line_error(setu
         load_teacher_scores(bad, pairs)
     with pytest.raises(DataError, match="not found"):
         load_teacher_scores(tmp_path / "missing.jsonl", pairs)
+
+
+def test_a_users_file_or_link_where_the_partial_scores_go_is_never_written_over(setup, tmp_path):
+    dataset, pairs, teacher = setup
+    path = tmp_path / "s.jsonl"
+    partial = tmp_path / "s.jsonl.partial"
+    partial.write_text("my notes on the teacher\n")
+    with pytest.raises(DataError, match="not a teacher-scores file densepass began"):
+        compute_teacher_scores(teacher, dataset, pairs, path, show_progress=False)
+    assert partial.read_text() == "my notes on the teacher\n"
+    partial.unlink()
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("mine")
+    partial.symlink_to(target)
+    with pytest.raises(DataError, match="is not a plain file"):
+        compute_teacher_scores(teacher, dataset, pairs, path, show_progress=False)
+    assert target.read_text() == "mine"
+
+
+def test_a_scores_file_that_is_a_folder_or_a_pipe_is_refused_before_scoring(setup, tmp_path):
+    import os
+
+    dataset, pairs, teacher = setup
+    (tmp_path / "folder.jsonl").mkdir()
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    for name in ("folder.jsonl", "pipe.jsonl"):
+        with pytest.raises(DataError, match="is not a teacher-scores file"):
+            compute_teacher_scores(teacher, dataset, pairs, tmp_path / name, show_progress=False)
+    assert (tmp_path / "folder.jsonl").is_dir() and (tmp_path / "pipe.jsonl").is_fifo()

@@ -156,16 +156,22 @@ def compute_teacher_scores(
     checked and read, not recomputed."""
     path = Path(path)
     identity = teacher_identity(teacher)
+    if path.is_symlink() or path.exists() and not path.is_file():
+        raise DataError(f"{path} exists and is not a teacher-scores file (a folder, a pipe or a link): choose another")
     if path.is_file():
         return load_teacher_scores(path, pairs, identity)
     header = _header(pairs, identity)
     partial = path.with_name(path.name + ".partial")
     done: Scores = {}
+    if partial.is_symlink() or partial.exists() and not partial.is_file():
+        raise DataError(f"{partial}, where teacher scores are written as they are computed, is not a plain file")
     if partial.is_file():
         try:
             old, done, good = _read(partial, complete=False)
-        except DataError:
-            old, good = None, 0
+        except DataError:  # not densepass's: a user's file bearing the name is never written over
+            raise DataError(
+                f"{partial} is not a teacher-scores file densepass began (no {FORMAT!r} header): move it away"
+            ) from None
         if old != header:
             warnings.warn(f"{partial} belongs to another teacher or pool; starting it over", DataWarning, stacklevel=2)
             done = {}
