@@ -152,3 +152,22 @@ def test_export_config_writes_over_nothing_but_a_config_it_wrote(tmp_path):
         with pytest.raises(DensepassError, match="is not a config densepass wrote"):
             export_config(ExperimentConfig(), mine)
         assert mine.read_text() == text
+
+
+def test_analyze_attention_refuses_a_model_with_non_finite_weights(tiny_model_dir, tiny_beir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from densepass.analysis.attention import analyze_attention
+    from densepass.errors import DensepassError
+
+    model = tmp_path / "nan-model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = load_file(str(model / "model.safetensors"))
+    name = next(k for k in weights if "word_embeddings" in k)
+    weights[name][0, 0] = float("nan")
+    save_file(weights, str(model / "model.safetensors"))
+    with pytest.raises(DensepassError, match="nan"):
+        analyze_attention([str(model)], tmp_path / "plot.png", str(tiny_beir), samples=2)
+    assert not (tmp_path / "plot.png").exists()

@@ -609,6 +609,13 @@ def test_a_phrase_run_refused_by_its_model_checks_removes_nothing_with_restart(t
     with pytest.raises(ConfigError, match="is not a saved phrase model"):
         run_phrase(config, restart=True, show_progress=False)
     assert _listing(run) == before
+    # a user's note inside the run's saved index: refused before --restart removes anything (not after training)
+    (run / "index").mkdir()
+    (run / "index" / "my-notes.txt").write_text("mine")
+    before = _listing(run)
+    with pytest.raises(DensepassError, match="my-notes.txt"):
+        run_phrase(load_config(None, sets, PhraseConfig), restart=True, show_progress=False)
+    assert _listing(run) == before
 
 
 def test_a_study_refused_by_its_checks_leaves_no_folder(tiny_beir, tiny_model_dir, tmp_path, capsys):

@@ -203,3 +203,15 @@ def test_the_filter_is_validated_by_the_auc_pr_scikit_learn_gives_its_logits():
     assert best["auc_pr_start"] == pytest.approx(average_precision_score(valid_labels[:, 0], start))
     assert best["auc_pr_end"] == pytest.approx(average_precision_score(valid_labels[:, 1], end))
     assert best["auc_pr"] > 0.2  # well above the 0.1 base rate: the filter learnt something
+
+
+def test_a_filter_threshold_without_a_filter_is_refused_before_any_work(tiny_run):
+    from densepass.config import load_config
+    from densepass.errors import ConfigError
+    from densepass.phrase.config import PhraseConfig
+    from densepass.phrase.experiment import check
+
+    root, overrides = tiny_run
+    config = load_config(None, [*overrides, "filter.enabled=false", "filter.threshold=-100.0"], PhraseConfig)
+    with pytest.raises(ConfigError, match="filter.threshold filters the index"):
+        check(config)

@@ -44,6 +44,7 @@ def attention_entropy(
 
     from densepass.models.biencoder import resolve_model_path
     from densepass.models.kinds import loading_weights
+    from densepass.numerics import refuse_nonfinite_weights
 
     if not texts:
         raise ConfigError("attention entropy needs at least one passage")
@@ -52,6 +53,7 @@ def attention_entropy(
     tokenizer = AutoTokenizer.from_pretrained(path)
     with loading_weights(path):
         model = AutoModel.from_pretrained(path, attn_implementation="eager").float().to(device).eval()
+    refuse_nonfinite_weights(model, model_path, saving=False)  # NaN attention rows would read as entropy 0
     totals: torch.Tensor | None = None
     for start in range(0, len(texts), batch_size):
         tokens = tokenizer(

@@ -80,6 +80,12 @@ RUN_ENTRIES = (
     "qsft/train_log.jsonl",  # query tuning's run: its log and checkpoints
     "qsft-model",
 )
+SAVED = (
+    "best-model",
+    "model",
+    "index",
+    "qsft-model",
+)  # what a run replaces: checked as densepass's own before --restart
 
 
 class Stages:
@@ -115,6 +121,11 @@ def load_data(config: PhraseConfig) -> SquadSpans:
     """The dataset with its answer spans (SQuAD layout only)."""
     if config.data.format != "squad":
         raise ConfigError(f"phrase retrieval needs answer offsets: data.format must be squad, not {config.data.format}")
+    if not config.filter.enabled and config.filter.threshold is not None:
+        raise ConfigError(
+            "filter.threshold filters the index by the token filter's logits, which filter.enabled=false does not "
+            "train: set filter.threshold: null, or filter.enabled: true"
+        )
     return load_squad_spans(dataset_dir(config.data.name, config.data.data_dir), config.data.name)
 
 
@@ -125,6 +136,11 @@ def check(config: PhraseConfig) -> torch.device:
         raise ConfigError("hard negatives need train.loss=unified (eq. 1 has no term for them)")
     if config.data.format != "squad":
         raise ConfigError(f"phrase retrieval needs answer offsets: data.format must be squad, not {config.data.format}")
+    if not config.filter.enabled and config.filter.threshold is not None:
+        raise ConfigError(
+            "filter.threshold filters the index by the token filter's logits, which filter.enabled=false does not "
+            "train: set filter.threshold: null, or filter.enabled: true"
+        )
     if not config.train.init:  # a saved phrase model brings its own windows
         m = config.model
         check_window_settings(m.max_length, m.stride, m.title_max_tokens)
@@ -401,7 +417,7 @@ def run_phrase(config: PhraseConfig, restart: bool = False, show_progress: bool 
     with distributed.process_group():
         data = load_data(config)
         with (
-            distributed.rank_zero_run_directory(config.run_dir, "phrase run", RUN_ENTRIES, restart) as claim,
+            distributed.rank_zero_run_directory(config.run_dir, "phrase run", RUN_ENTRIES, restart, SAVED) as claim,
             contextlib.ExitStack() as later,
         ):
             run = prepare(config, device, data, restart, claim, show_progress)
