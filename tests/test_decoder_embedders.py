@@ -116,3 +116,56 @@ def test_last_token_pooling_reads_bert_s_sep_and_an_unknown_pooling_is_one_line(
     assert tokens["input_ids"][0, int(tokens["attention_mask"][0].sum()) - 1] == tokenizer.sep_token_id
     with pytest.raises(ConfigError, match="unknown pooling"):
         BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(pooling="max"))
+
+
+def test_densepass_run_trains_a_decoder_with_lora_and_prompts_from_triplets_and_every_command_uses_it(tmp_path):
+    """Issue 51's end to end: a tiny random Qwen2 trained by ``densepass run`` with LoRA, last-token pooling and a
+    query prompt from a triplets JSONL file; sentence-transformers encodes with the saved model as densepass does
+    (100 texts, prompts applied), and ``index`` / ``search`` / ``serve`` take it as any other model."""
+    import json
+
+    from fastapi.testclient import TestClient
+    from sentence_transformers import SentenceTransformer
+
+    from conftest import run_densepass, write_tiny_beir
+    from densepass.pipelines.search import SearchPipeline
+    from densepass.serve.app import create_app
+
+    decoder = save_tiny_decoder(tmp_path / "qwen2")
+    rng = np.random.default_rng(0)
+    lines = []
+    for _ in range(24):
+        words = [WORDS[j] for j in rng.permutation(len(WORDS))]
+        lines.append(
+            {"anchor": f"{words[0]} {words[1]}", "positive": " ".join(words[:6]), "negative": " ".join(words[6:12])}
+        )
+    (tmp_path / "triplets.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    beir = write_tiny_beir(tmp_path / "beir")
+    settings = [
+        "data.format=pairs", f"data.name={tmp_path / 'triplets.jsonl'}", f"data.eval_name={beir}",
+        "negatives.source=given", f"model.name_or_path={decoder}", "model.pooling=last",
+        "model.query_prompt='query: '", "model.query_max_length=16", "model.passage_max_length=32",
+        "train.lora_rank=4", "train.batch_size=8", "train.cpu_bf16=false", "eval.metrics=[mrr@10]", "eval.depth=10",
+        "eval.baselines=[]", f"output_dir={tmp_path / 'out'}", "name=decoder",
+    ]  # fmt: skip
+    result = run_densepass("run", *[a for s in settings for a in ("--set", s)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = tmp_path / "out" / "decoder" / "model"
+    ours = BiEncoder.from_pretrained(str(saved))
+    assert ours.config.pooling == "last" and ours.config.query_prompt == "query: "
+    texts = [" ".join(WORDS[(i + k) % len(WORDS)] for k in range(1 + i % 5)) for i in range(100)]
+    st = SentenceTransformer(str(saved), device="cpu")
+    for theirs, side in ((st.encode_query(texts), "query"), (st.encode_document(texts), "passage")):
+        mine = ours._encode(texts, side, 32, False, "numpy", CPU, "fp32")
+        cosine = (theirs * mine).sum(1) / np.linalg.norm(theirs, axis=1) / np.linalg.norm(mine, axis=1)
+        assert cosine.min() >= 0.9999, (side, cosine.min())
+    index = tmp_path / "idx"
+    built = run_densepass(
+        "index", str(beir), "--model", str(saved), "--kind", "exact", "--output", str(index), cwd=tmp_path
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    found = run_densepass("search", str(index), "audio editor", "--k", "3", cwd=tmp_path)
+    assert found.returncode == 0 and found.stdout.strip(), found.stderr[-2000:]
+    with TestClient(create_app(SearchPipeline.load(str(index))), base_url="http://127.0.0.1") as client:
+        hits = client.post("/search", json={"query": "audio editor", "k": 3})
+    assert hits.status_code == 200 and len(hits.json()["results"][0]) == 3, hits.text
