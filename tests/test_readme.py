@@ -86,3 +86,16 @@ def test_the_python_training_example_runs_and_gives_the_yaml_runs_weights(tmp_pa
     python = load_file(str(tmp_path / "outputs" / "python-first" / "model" / "model.safetensors"))
     yaml = load_file(str(tmp_path / "yaml" / "model" / "model.safetensors"))
     assert python.keys() == yaml.keys() and all(python[k].equal(yaml[k]) for k in python)
+
+
+def test_the_bring_your_own_model_and_data_example_runs_as_written(tmp_path):
+    """The README's decoder + LoRA + prompts example on a triplets file, run as written."""
+    section = README.read_text().split("## Bring your own model and data", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["3", "runs/decoder/model"]
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(tmp_path / "runs" / "decoder" / "model"), device="cpu")
+    assert st.prompts["query"] == "Instruct: find the tool\nQuery: "
