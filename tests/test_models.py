@@ -155,3 +155,13 @@ def test_any_max_length_tokenises_not_only_multiples_of_eight(tiny_model_dir, le
     tokens = model.tokenize(["audio " * 50, "a font"], "query")
     assert tokens["input_ids"].shape == (2, length)
     assert tokens["attention_mask"][1].sum() < length
+
+
+def test_an_encoding_batch_size_below_one_is_one_line_not_a_hang(tiny_model_dir):
+    from densepass.errors import ConfigError
+    from densepass.models.biencoder import BiEncoder
+
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    for bad in (0, -1, False, 2.5):
+        with pytest.raises(ConfigError, match="batch_size must be a whole number"):
+            model.encode_passages(["audio editor"], batch_size=bad, show_progress=False)

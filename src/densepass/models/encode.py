@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 
 from densepass.data.texts import tokenizing
 from densepass.device import attention_kernels, default_device, resolve_precision
-from densepass.errors import DensepassError
+from densepass.errors import ConfigError, DensepassError
 from densepass.models.copies import bf16_copy, reused_copy
 from densepass.models.inputs import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS, Side, forward_in_pieces, piece_tokens
 from densepass.models.quantize import quantized_linear_copy
@@ -170,6 +170,8 @@ def encode_texts(
     precision = resolve_precision(precision, device)
     if len(texts) == 0:
         raise DensepassError(f"nothing to encode: the list of {side} texts is empty")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size must be a whole number >= 1, got {batch_size!r}")  # 0 would never end
     model.to(device).eval()
     runner = inference_runner(model, precision, device)
     order = np.argsort([-len(t) for t in texts], kind="stable")
