@@ -1367,3 +1367,56 @@ def test_the_cross_encoder_filter_checks_its_model_before_mining(tiny_model_dir,
     with pytest.raises(DensepassError) as caught:
         cross_encoder_scorer(str(pickled))
     assert "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------- the fourth probe's inputs
+
+
+def test_a_dataset_file_that_is_a_named_pipe_is_one_line_not_a_wait(tiny_beir):
+    import os
+
+    from densepass.errors import DataError
+
+    qrels = tiny_beir / "qrels" / "dev.tsv"
+    qrels.unlink()
+    os.mkfifo(qrels)
+    with pytest.raises(DataError, match="dev.tsv is a named pipe"):
+        load_dataset(str(tiny_beir))
+
+
+def test_a_byte_order_mark_before_a_queries_tsv_is_not_part_of_the_first_id(tmp_path):
+    from densepass.pipelines.search import read_queries
+
+    path = tmp_path / "queries.tsv"
+    path.write_text("\ufeffq1\taudio editor\nq2\tnetwork terminal\n", encoding="utf-8")
+    assert read_queries(path) == (["q1", "q2"], ["audio editor", "network terminal"])
+
+
+def test_a_damaged_line_in_a_training_log_is_left_out_of_the_plots(tmp_path):
+    from densepass.plots import read_log
+
+    log = tmp_path / "train_log.jsonl"
+    log.write_bytes(b'{"step": 1, "loss": 2.0}\n{"step": 2, "lo\xff\xfe\n[1, 2]\n{"step": 3, "loss": 1.5}\n')
+    assert [r["step"] for r in read_log(log)] == [1, 3]
+
+
+def test_a_model_folder_without_weights_or_with_a_damaged_densepass_json_is_one_line(tiny_model_dir, tmp_path):
+    from densepass.models.biencoder import BiEncoder
+
+    empty = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, empty)
+    (empty / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="holds no weights to load"):
+        BiEncoder.from_pretrained(str(empty))
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_model_dir, damaged)
+    (damaged / "densepass.json").write_text('{"pooling": "me')
+    with pytest.raises(DataError, match="densepass.json does not load"):
+        BiEncoder.from_pretrained(str(damaged))
+
+
+def test_analyze_attention_beyond_the_models_positions_is_one_line(tiny_model_dir, tiny_beir, tmp_path):
+    from densepass.analysis.attention import analyze_attention
+
+    with pytest.raises(ConfigError, match="--max-length 100000 exceeds"):
+        analyze_attention([str(tiny_model_dir)], tmp_path / "a.png", str(tiny_beir), samples=2, max_length=100000)

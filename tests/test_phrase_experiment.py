@@ -215,3 +215,14 @@ def test_a_filter_threshold_without_a_filter_is_refused_before_any_work(tiny_run
     config = load_config(None, [*overrides, "filter.enabled=false", "filter.threshold=-100.0"], PhraseConfig)
     with pytest.raises(ConfigError, match="filter.threshold filters the index"):
         check(config)
+
+
+def test_an_empty_eval_ks_is_refused_before_any_work(tiny_run):
+    from densepass.config import load_config
+    from densepass.errors import ConfigError
+    from densepass.phrase.config import PhraseConfig
+    from densepass.phrase.experiment import check
+
+    root, overrides = tiny_run
+    with pytest.raises(ConfigError, match="eval.ks is empty"):
+        check(load_config(None, [*overrides, "eval.ks=[]"], PhraseConfig))

@@ -10,10 +10,19 @@ from typing import Any
 
 
 def read_log(path: Path) -> list[dict]:
-    """The records of a JSONL log (empty when the file is missing or empty)."""
+    """The records of a JSONL log (empty when the file is missing or empty); a line that is not a JSON object
+    (cut short, or damaged bytes) is left out: a log only draws plots."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_bytes().splitlines():  # a line cut short or damaged (a crash mid-append): left out
+        try:
+            record = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 PNG_METADATA = {"Software": "densepass"}  # the tEXt chunk that tells densepass's own plots from a user's images

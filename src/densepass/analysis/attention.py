@@ -43,6 +43,7 @@ def attention_entropy(
     from transformers import AutoModel, AutoTokenizer
 
     from densepass.models.biencoder import resolve_model_path
+    from densepass.models.inputs import check_position_limit
     from densepass.models.kinds import loading_weights
     from densepass.numerics import refuse_nonfinite_weights
 
@@ -54,6 +55,7 @@ def attention_entropy(
     with loading_weights(path):
         model = AutoModel.from_pretrained(path, attn_implementation="eager").float().to(device).eval()
     refuse_nonfinite_weights(model, model_path, saving=False)  # NaN attention rows would read as entropy 0
+    check_position_limit(model.config, {"--max-length": max_length}, model_path)
     totals: torch.Tensor | None = None
     for start in range(0, len(texts), batch_size):
         tokens = tokenizer(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ def load_dataset(
 
         return load_pairs(pairs_path(name, data_dir), columns)
     directory = dataset_dir(name, data_dir)
+    check_plain_files(directory)
     if format == "beir":
         from densepass.data.beir import load_beir
 
@@ -72,3 +74,23 @@ __all__ = [
     "dataset_dir",
     "default_data_dir",
 ]
+
+
+def check_plain_files(directory: Path, depth: int = 2) -> None:
+    """A one-line error where a dataset folder (or a folder in it, ``qrels/``) holds a named pipe, a socket or a
+    device where its files are: reading one would wait forever, before any work."""
+    import stat
+
+    folders = [(Path(directory), 0)]
+    while folders:
+        folder, level = folders.pop()
+        for entry in os.scandir(folder):
+            mode = (
+                entry.stat(follow_symlinks=True).st_mode if not entry.is_symlink() or os.path.exists(entry.path) else 0
+            )
+            if stat.S_ISDIR(mode):
+                if level + 1 < depth:
+                    folders.append((Path(entry.path), level + 1))
+            elif mode and not stat.S_ISREG(mode):
+                kind = "a named pipe" if stat.S_ISFIFO(mode) else "not a regular file"
+                raise DataError(f"{entry.path} is {kind}: a dataset's files must be regular files")

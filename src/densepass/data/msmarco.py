@@ -35,6 +35,8 @@ def read_id_text_tsv(path: Path) -> Iterator[tuple[int, str, str]]:
     first = True
     for line_no, line in read_lines(path):
         line = line.rstrip("\r\n")
+        if line_no == 1:
+            line = line.removeprefix("\ufeff")  # a byte-order mark (files saved by Windows editors): not the id's
         if not line.strip():
             continue
         key, tab, text = line.partition("\t")

@@ -44,7 +44,14 @@ def saved_architecture(path: str | Path, kind: ModelKind, cls: type[Architecture
     if found not in (None, kind):
         raise ConfigError(f"{path} holds a {found} model, not {what}")
     saved = Path(path) / CONFIG_FILES[kind]
-    return from_dict(cls, json.loads(saved.read_text()), str(saved)) if saved.is_file() else None
+    if not saved.is_file():
+        return None
+    try:
+        values = json.loads(saved.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
+        reason = (str(err).splitlines() or [type(err).__name__])[0]
+        raise DataError(f"{saved} does not load (truncated or damaged?): {reason}") from None
+    return from_dict(cls, values, str(saved))
 
 
 PICKLED_WEIGHTS = "pytorch_model.bin"
@@ -59,12 +66,18 @@ def loading_weights(directory: str | Path, weights: str = "model.safetensors") -
     line: ``<directory>/model.safetensors does not load (truncated or damaged?): <reason>``. A directory with only
     ``pytorch_model.bin`` has it read by the weights-only loader, which refuses any pickled object: a damaged or
     foreign one (``UnpicklingError``, a truncated zip archive, an empty file) is the same line naming that file.
-    transformers' own errors (a missing weights file, an unknown architecture) pass through."""
+    A directory without any weights file is one line too; transformers' other errors (an unknown architecture)
+    pass through."""
     try:
         yield
     except Exception as err:
         if isinstance(err, OSError) and err.errno is None:
-            raise  # transformers' "no file named ..." and the like: not a damaged file
+            if "no file named" in str(err):  # an incomplete copy or download: no weights at all
+                raise ConfigError(
+                    f"{directory} holds no weights to load ({weights}, or a {PICKLED_WEIGHTS} of tensors): an "
+                    "incomplete copy or download?"
+                ) from None
+            raise  # transformers' other errors: not a damaged file
         pickled = _only_pickled_weights(Path(directory), weights)
         refused = type(err).__name__ == "UnpicklingError"  # by name: densepass imports no pickle module
         if not isinstance(err, (SafetensorError, OSError)) and not (

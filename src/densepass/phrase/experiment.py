@@ -121,11 +121,6 @@ def load_data(config: PhraseConfig) -> SquadSpans:
     """The dataset with its answer spans (SQuAD layout only)."""
     if config.data.format != "squad":
         raise ConfigError(f"phrase retrieval needs answer offsets: data.format must be squad, not {config.data.format}")
-    if not config.filter.enabled and config.filter.threshold is not None:
-        raise ConfigError(
-            "filter.threshold filters the index by the token filter's logits, which filter.enabled=false does not "
-            "train: set filter.threshold: null, or filter.enabled: true"
-        )
     return load_squad_spans(dataset_dir(config.data.name, config.data.data_dir), config.data.name)
 
 
@@ -136,6 +131,8 @@ def check(config: PhraseConfig) -> torch.device:
         raise ConfigError("hard negatives need train.loss=unified (eq. 1 has no term for them)")
     if config.data.format != "squad":
         raise ConfigError(f"phrase retrieval needs answer offsets: data.format must be squad, not {config.data.format}")
+    if not config.eval.ks:
+        raise ConfigError("eval.ks is empty: give at least one k of answer accuracy, e.g. [1, 5, 20]")
     if not config.filter.enabled and config.filter.threshold is not None:
         raise ConfigError(
             "filter.threshold filters the index by the token filter's logits, which filter.enabled=false does not "
