@@ -51,7 +51,9 @@ def test_a_family_trains_saves_and_encodes_as_sentence_transformers_does(family,
     assert result.steps == 2 and any(not torch.equal(v, start[k]) for k, v in model.state_dict().items())
     model.save(tmp_path / "saved")
     texts = ["audio editor", "a network terminal for unix shells", "kernel driver", "x"]
-    ours = BiEncoder.from_pretrained(str(tmp_path / "saved")).encode_passages(texts, show_progress=False, precision="fp32")
+    ours = BiEncoder.from_pretrained(str(tmp_path / "saved")).encode_passages(
+        texts, show_progress=False, precision="fp32"
+    )
     theirs = SentenceTransformer(str(tmp_path / "saved"), device="cpu").encode(texts)
     cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
     assert cosine.min() >= 0.9999
