@@ -1420,3 +1420,14 @@ def test_analyze_attention_beyond_the_models_positions_is_one_line(tiny_model_di
 
     with pytest.raises(ConfigError, match="--max-length 100000 exceeds"):
         analyze_attention([str(tiny_model_dir)], tmp_path / "a.png", str(tiny_beir), samples=2, max_length=100000)
+
+
+def test_a_saved_phrase_model_whose_tower_asks_for_its_own_code_is_refused(tmp_path):
+    from densepass.phrase.model import PhraseEncoder
+    from phrase_fixtures import tiny_phrase_model
+
+    model = tiny_phrase_model(tmp_path / "bert")
+    model.save(tmp_path / "pm")
+    _with_auto_map(tmp_path / "pm" / "question")
+    with pytest.raises(ConfigError, match="needs code of its own"):
+        PhraseEncoder.from_pretrained(str(tmp_path / "pm"))

@@ -660,3 +660,13 @@ def test_a_users_file_where_the_run_writes_its_own_is_refused_before_anything_is
         with pytest.raises(DensepassError, match=f"{name} is not a file densepass wrote"):
             claim_run_directory(run, "run", RUN_ENTRIES, restart=restart)
         assert (run / name).read_text() == text
+
+
+def test_a_runs_own_trec_files_are_its_own_and_a_users_is_not(tmp_path):
+    from densepass.io import written_by_densepass
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "fine-tuned.trec").write_text("q1 Q0 p1 1 0.500000 fine-tuned\n")  # what a run writes
+    (runs / "bm25.trec").write_text("q1 Q0 p1 1 0.500000 anserini\n")  # a user's, under a run's name
+    assert written_by_densepass(runs / "fine-tuned.trec") and not written_by_densepass(runs / "bm25.trec")

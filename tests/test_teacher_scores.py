@@ -148,3 +148,15 @@ def test_a_scores_file_that_is_a_folder_or_a_pipe_is_refused_before_scoring(setu
         with pytest.raises(DataError, match="is not a teacher-scores file"):
             compute_teacher_scores(teacher, dataset, pairs, tmp_path / name, show_progress=False)
     assert (tmp_path / "folder.jsonl").is_dir() and (tmp_path / "pipe.jsonl").is_fifo()
+
+
+def test_a_teacher_score_that_is_not_finite_is_refused(setup, tmp_path):
+    dataset, pairs, teacher = setup
+    path = tmp_path / "s.jsonl"
+    compute_teacher_scores(teacher, dataset, pairs, path, show_progress=False)
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[1])
+    record["scores"] = {p: float("nan") for p in record["scores"]}
+    path.write_text("\n".join([lines[0], json.dumps(record), *lines[2:]]) + "\n")
+    with pytest.raises(DataError, match="not a finite number"):
+        load_teacher_scores(path, pairs)

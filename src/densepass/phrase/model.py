@@ -29,7 +29,7 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 from densepass.config import from_dict
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
-from densepass.models.biencoder import resolve_model_path, token_pooling
+from densepass.models.biencoder import check_model_files, resolve_model_path, token_pooling
 from densepass.models.inputs import check_position_limit
 from densepass.models.kinds import loading_weights
 from densepass.numerics import refuse_nonfinite_weights
@@ -201,6 +201,8 @@ class PhraseEncoder(nn.Module):
         saved = Path(name_or_path) / CONFIG_NAME
         path = Path(name_or_path) if saved.is_file() else Path(resolve_model_path(name_or_path))
         if saved.is_file():
+            for tower in ("phrase", "question"):  # a tower asking for code of its own: refused before transformers
+                check_model_files(path / tower)
             stored = from_dict(PhraseModelConfig, json.loads(saved.read_text()), str(saved))
             with loading_weights(path / "phrase"):
                 phrase = AutoModel.from_pretrained(path / "phrase")

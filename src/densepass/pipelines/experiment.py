@@ -19,8 +19,8 @@ re-running the same command resumes an interrupted run exactly, ``restart=True``
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,7 +41,7 @@ from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write
 from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
-from densepass.io import atomic_write_text, locked_run_directory
+from densepass.io import atomic_write_text, locked_run_directory, written_by_densepass
 from densepass.losses.objectives import Objective
 from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
@@ -297,7 +297,10 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
 
 def score_run(exp: Experiment, run: Run, name: str) -> dict[str, float]:
     """Write the run as TREC and compute its metrics (plus top-k answer accuracy when answers exist)."""
-    write_trec_run(run, exp.run_dir / "runs" / f"{name}.trec", tag=name)
+    path = exp.run_dir / "runs" / f"{name}.trec"
+    if path.exists() and not written_by_densepass(path):  # a user's file bearing the name of one of the run's own
+        raise ConfigError(f"{path} is not a run densepass wrote (its lines are not tagged {name}): move it away")
+    write_trec_run(run, path, tag=name)
     exp.runs[name] = run
     evalset = exp.evalset
     metrics = list(exp.config.eval.metrics)
@@ -558,7 +561,10 @@ def fine_tune(
             f"{config.train.wise_ft:g} x the fine-tuned ones (those alone: model-fine-tuned/)."
         )
     model.save(run_dir / "model")
-    shutil.rmtree(run_dir / "schedule", ignore_errors=True)  # the epochs' scheduling embeddings: done with
+    for saved in (run_dir / "schedule").glob("epoch-*.npz"):  # the epochs' scheduling embeddings: done with
+        saved.unlink()
+    with contextlib.suppress(OSError):
+        (run_dir / "schedule").rmdir()  # only where nothing else (a user's file) is in it
     exp.timings["train_s"] = time.perf_counter() - started
     exp.notes.append(
         f"Fine-tuned on {len(data)} {config.data.train_split} queries: {result.steps} steps of batch "

@@ -18,6 +18,7 @@ another teacher, other queries or another pool is a one-line ``DataError`` namin
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -94,6 +95,8 @@ def _read(path: Path, complete: bool) -> tuple[dict, Scores, int]:
             if not isinstance(qid, str) or not isinstance(values, dict):
                 raise TypeError
             scores[qid] = {str(p): float(v) for p, v in values.items()}
+            if not all(math.isfinite(v) for v in scores[qid].values()):
+                raise DataError(f"{path}:{line_no}: a teacher score that is not a finite number (NaN or infinity)")
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
             if not complete and line_no == len(lines):
                 break  # the line being written when the run stopped
