@@ -67,14 +67,22 @@ from densepass.pipelines.reranking import (
     scoring_options,
     train_reranker,
 )
-from densepass.pipelines.training import batch_planner, fine_tune_model, given_pool, mine_pool, training_queries
+from densepass.pipelines.training import (
+    batch_planner,
+    fine_tune_model,
+    given_pool,
+    mine_pool,
+    training_queries,
+    uses_bm25,
+)
 from densepass.pipelines.validation import Validator
 from densepass.training.batches import TrainingData
+from densepass.training.engine import seed_everything
 from densepass.training.more_negatives import check_loss
 from densepass.training.planner import check_schedule
 from densepass.training.refresh import NegativeRefresher
 from densepass.training.teacher_scores import Pairs, Scores, distillation_pairs
-from densepass.training.trainer import planned_steps, resume_step, seed_everything
+from densepass.training.trainer import planned_steps, resume_step
 
 
 def model_from_config(config: ExperimentConfig) -> BiEncoder:
@@ -271,9 +279,10 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
         if config.train.enabled:  # before any work: a changed data file is refused here
             resume_step(config.run_dir, config.train, run_identity(config, dataset))  # refuses another run's
     neg = config.negatives
-    uses_bm25 = neg.source == "bm25" or neg.source == "mixed" and "bm25" in neg.mix
     subcorpus_bm25 = config.data.eval_hard_k > 0
-    need_full_bm25 = uses_bm25 and neg.per_query > 0 and config.train.enabled or subcorpus_bm25 and eval_data is dataset
+    need_full_bm25 = (
+        uses_bm25(neg) and neg.per_query > 0 and config.train.enabled or subcorpus_bm25 and eval_data is dataset
+    )
     full_bm25 = BM25Index.build(dataset.corpus.passage_inputs(" ")) if need_full_bm25 else None
     if eval_data is not dataset and subcorpus_bm25:  # the hard subcorpus of another dataset: its own BM25
         evalset = build_eval_set(eval_data, config.data, BM25Index.build(eval_data.corpus.passage_inputs(" ")))

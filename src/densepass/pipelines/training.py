@@ -215,7 +215,7 @@ def train(
             context = MiningContext(
                 split,
                 torch_device,
-                BM25Index.build(dataset.corpus.passage_inputs(" ")) if _uses_bm25(negatives) else None,
+                BM25Index.build(dataset.corpus.passage_inputs(" ")) if uses_bm25(negatives) else None,
                 run_dir / "negatives",
                 base_model=getattr(model, "source", None) or DEFAULT_MODEL,  # where dense miners start from
                 architecture=model.config,
@@ -238,5 +238,6 @@ def train(
     return TrainOutput(model, run_dir / "model", result.steps, result.final_loss, log)
 
 
-def _uses_bm25(negatives: NegativesConfig) -> bool:
+def uses_bm25(negatives: NegativesConfig) -> bool:
+    """Whether mining ``negatives`` reads BM25's ranking (its source, or one of a mixed source's strategies)."""
     return negatives.source == "bm25" or negatives.source == "mixed" and "bm25" in negatives.mix

@@ -65,9 +65,6 @@ class TrainResult:
     log_path: Path
 
 
-seed_everything = engine.seed_everything
-
-
 def planned_steps(steps_per_epoch: int, config: TrainConfig) -> int:
     """Training steps of a run: every epoch's batches, capped by ``max_steps``."""
     return engine.planned_steps(steps_per_epoch, config.epochs, config.max_steps)
