@@ -222,3 +222,42 @@ def test_densepass_run_trains_on_a_triplets_file_and_evaluates_on_a_beir_set(tmp
     refused = run_densepass(*command, *overrides, cwd=tmp_path)
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert f"{bad}:2: a negative is the row's positive" in refused.stderr
+
+
+def test_mine_given_writes_the_rows_negatives_as_a_hard_negatives_file_through_the_filters(tmp_path):
+    from densepass.negatives.pool import load_pool
+
+    records = [
+        {"anchor": "what is tar", "positive": "tar archives files", "negative": ["vlc plays video", "gimp edits"]},
+        {"anchor": "play a movie", "positive": "vlc plays video", "negative": ["tar archives files"]},
+        {"anchor": "what is tar", "positive": "gimp edits", "negative": None},  # gimp: a positive of 'what is tar'
+        {"anchor": "edit a photo", "positive": "gimp edits", "negative": None},
+    ]
+    rows_file = write_jsonl(tmp_path / "r.jsonl", records)
+    out = tmp_path / "given.jsonl"
+    args = ["mine", str(rows_file), "--format", "pairs", "--strategy", "given", "--output", str(out)]
+    result = run_densepass(*args, "--filters", "qrels", "duplicates", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = load_pairs(rows_file)
+    pool = load_pool(out, data)
+    q_tar, q_movie, q_photo = (text_id("q", t) for t in ("what is tar", "play a movie", "edit a photo"))
+    vlc, tar = text_id("p", "vlc plays video"), text_id("p", "tar archives files")
+    # the qrels filter removed 'gimp edits' (a positive the third row gives 'what is tar'); order as given
+    assert {q: [c.passage_id for c in cands] for q, cands in pool.items()} == {
+        q_tar: [vlc],
+        q_movie: [tar],
+        q_photo: [],
+    }
+    assert {c.source for cands in pool.values() for c in cands} == {"given"}
+    # rows without negatives: one line, exit 2, nothing written
+    bare = write_jsonl(tmp_path / "bare.jsonl", [{"anchor": "a b", "positive": "c d"}])
+    refused = run_densepass("mine", str(bare), "--format", "pairs", "--strategy", "given", "--output",
+                            str(tmp_path / "none.jsonl"), cwd=tmp_path)  # fmt: skip
+    assert refused.returncode == 2 and "give no negatives" in refused.stderr, refused.stderr[-2000:]
+    assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "none.jsonl").exists()
+    # not training rows: one line
+    beir = write_tiny_beir(tmp_path / "beir")
+    refused = run_densepass(
+        "mine", str(beir), "--strategy", "given", "--output", str(tmp_path / "b.jsonl"), cwd=tmp_path
+    )
+    assert refused.returncode == 2 and "data.format: pairs" in refused.stderr, refused.stderr[-2000:]

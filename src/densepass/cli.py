@@ -402,11 +402,11 @@ def _download(args: argparse.Namespace) -> None:
 # ---- the parser ----------------------------------------------------------------------------------
 
 
-def _dataset_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
+def _dataset_args(p: argparse.ArgumentParser, positional: bool = True, formats: tuple[str, ...] = FORMATS) -> None:
     if positional:
         p.add_argument("dataset", help="dataset name under the data dir, or a path")
     p.add_argument("--data-dir", default=None, help="data directory (default: $DENSEPASS_DATA or ../shared/data)")
-    p.add_argument("--format", default="beir", choices=FORMATS, help="dataset layout")
+    p.add_argument("--format", default="beir", choices=formats, help="dataset layout")
 
 
 def _device_arg(p: argparse.ArgumentParser) -> None:
@@ -634,10 +634,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(func=_evaluate)
 
     mine = sub.add_parser("mine", help="mine a hard-negatives file for the training queries")
-    _dataset_args(mine)
+    _dataset_args(mine, formats=(*FORMATS, "pairs"))  # pairs: training rows (their given negatives: --strategy given)
     mine.add_argument("--output", required=True, help="hard-negatives file to write (JSONL)")
     mine.add_argument("--config", default=None, help="experiment config (its data, model, negatives, train sections)")
-    mine.add_argument("--strategy", default=None, choices=["bm25", "dense", "model", "context", "mixed", "file"])
+    mine.add_argument(
+        "--strategy",
+        default=None,
+        choices=["bm25", "dense", "model", "context", "mixed", "file", "given"],
+        help="given: the negatives a pairs file gives (--format pairs), through --filters",
+    )
     mine.add_argument("--depth", type=positive_int, default=None, help="candidates kept per query (pool depth)")
     mine.add_argument("--model", default=None, help="saved model for --strategy model")
     mine.add_argument("--file", default=None, help="hard-negatives file for --strategy file (re-filter it)")

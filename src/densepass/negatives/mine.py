@@ -21,7 +21,7 @@ from densepass.errors import ConfigError
 from densepass.index.bm25 import BM25Index
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.filters import apply_filters, build_filters
-from densepass.negatives.pool import NegativePool, load_pool, source_counts, truncate
+from densepass.negatives.pool import Candidate, NegativePool, load_pool, source_counts, truncate
 
 
 @dataclass
@@ -104,11 +104,28 @@ def mines_with_a_model(config: NegativesConfig) -> bool:
     return any(s.partition(":")[0] in ("model", "dense") for s in strategy_specs(config))
 
 
+def given_candidates(dataset: RetrievalDataset, query_ids: Sequence[str], skip_top: int = 0) -> NegativePool:
+    """The ``given`` strategy's candidates: the negatives training rows give each query (``data.pairs``), in the
+    order given, score 0; a one-line ConfigError for a dataset that is not training rows, or rows that give the
+    queries no negatives (cheap: ``densepass mine`` calls it before any work)."""
+    from densepass.data.pairs import PairsDataset
+
+    if not isinstance(dataset, PairsDataset):
+        raise ConfigError(
+            f"the given strategy takes the negatives of training rows (data.format: pairs); {dataset.name} gives none"
+        )
+    if not any(dataset.negatives.get(q) for q in query_ids):
+        raise ConfigError(f"the given strategy: the rows of {dataset.name} give no negatives for these queries")
+    return {q: [Candidate(p, "given", 0.0) for p in dataset.negatives.get(q, ())][skip_top:] for q in query_ids}
+
+
 def raw_pool(
     spec: str, dataset: RetrievalDataset, query_ids: Sequence[str], config: NegativesConfig, ctx: MiningContext
 ) -> NegativePool:
     """Unfiltered candidates of one strategy: ``bm25``, ``context``, ``model``, ``dense[:DIM]``,
-    ``file:PATH``, ``file`` (config.file) or ``mixed`` (config.mix)."""
+    ``file:PATH``, ``file`` (config.file), ``given`` (the negatives training rows give: ``data.pairs``, in the
+    order given, score 0; nothing ranked, so the filters and ``pool_depth`` are all that changes them) or
+    ``mixed`` (config.mix)."""
     depth = fetch_depth(config.pool_depth)
     name, _, arg = spec.partition(":")
     if name == "bm25":
@@ -157,6 +174,8 @@ def raw_pool(
             raise ConfigError("negatives.source=file needs negatives.file (a hard-negatives file)")
         pool = load_pool(path, dataset)
         return {q: pool.get(q, [])[config.skip_top :] for q in query_ids}
+    if name == "given":
+        return given_candidates(dataset, query_ids, config.skip_top)
     if name == "mixed":
         from densepass.negatives.mixed import mix_pools
 
@@ -164,7 +183,7 @@ def raw_pool(
             raise ConfigError("negatives.mix must list the strategies to mix (and not 'mixed')")
         return mix_pools([raw_pool(s, dataset, query_ids, config, ctx) for s in config.mix], depth)
     raise ConfigError(
-        f"unknown negatives strategy {spec!r} (known: bm25, dense[:DIM], model, context, mixed, file[:PATH])"
+        f"unknown negatives strategy {spec!r} (known: bm25, dense[:DIM], model, context, mixed, file[:PATH], given)"
     )
 
 

@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 from densepass import distributed
@@ -35,6 +36,7 @@ from densepass.negatives.mine import (
     MiningContext,
     MiningResult,
     dense_specs,
+    given_candidates,
     mine_negatives,
     mines_with_a_model,
     strategy_specs,
@@ -67,8 +69,10 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path, precis
     device = resolve_device(config.device)
     resolve_precision(config.eval.precision, device)  # int8 on a GPU fails before the dataset loads
     data = config.data
-    dataset = load_dataset(data.name, data.data_dir, data.format, passages_on_disk=True)
+    dataset = load_dataset(data.name, data.data_dir, data.format, passages_on_disk=True, columns=asdict(data.columns))
     query_ids = sorted(dataset.sample(data.train_split, data.max_train_queries, data.seed))
+    if "given" in strategy_specs(config.negatives):
+        given_candidates(dataset, query_ids)  # rows that give no negatives: one line before any work
     ctx = MiningContext(
         data.train_split,
         device,
