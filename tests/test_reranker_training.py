@@ -117,3 +117,68 @@ def test_a_new_head_and_the_pooler_learn_at_the_head_rate_and_the_encoder_at_the
     assert not any(".encoder." in n or ".embeddings." in n for n in head_names)
     assert len(base["params"]) + len(head["params"]) == len(names)
     assert len(parameter_groups(model, config(head_learning_rate=None))) == 1
+
+
+# ---- torch.distributed ---------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _distributed_config():
+    # pointwise: under the listwise softmax the head's bias has no gradient but float noise, which Adam scales up to a
+    # full step in either run
+    return config(epochs=1, batch_size=5, checkpoint_every=3, loss="pointwise")  # groups split 3 + 2 over 2 processes
+
+
+def _cross_encoder_worker(rank, world, port, model_dir, beir_dir, out_dir):
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        model = new_model(model_dir)
+        train_cross_encoder(model, make_data(beir_dir), _distributed_config(), Path(out_dir) / "dist", CPU)
+        torch.save(_params(model), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_end_with_the_weights_of_one_process_on_the_whole_step(tiny_model_dir, tiny_beir, tmp_path):
+    """Each process scores its share of a step's groups (3 and 2 of 5) and the logits are gathered: the summed
+    gradient is that of the whole step, so the weights equal one process's up to float rounding (the two runs
+    differ only in the order of sums; one thread each, so no thread count changes it further); the log is written
+    once, with the global step's loss."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_cross_encoder_worker, args=(2, _free_port(), tiny_model_dir, tiny_beir, str(tmp_path)), nprocs=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = new_model(tiny_model_dir)
+        train_cross_encoder(single, make_data(tiny_beir), _distributed_config(), tmp_path / "single", CPU)
+    finally:
+        torch.set_num_threads(threads)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    assert torch.equal(ranks[0], ranks[1])  # the same updates on every process
+    assert not torch.equal(ranks[0], _params(new_model(tiny_model_dir)))  # it trained
+    torch.testing.assert_close(ranks[0], _params(single), rtol=1e-4, atol=1e-5)
+
+    def losses(run: str) -> list[float]:
+        return [json.loads(line)["loss"] for line in (tmp_path / run / "train_log.jsonl").read_text().splitlines()]
+
+    assert len(losses("dist")) == len(losses("single")) == 6
+    assert losses("dist") == pytest.approx(losses("single"), rel=1e-4)
+    steps = sorted(p.name for p in (tmp_path / "dist" / "checkpoints").iterdir())
+    assert steps == ["step-3", "step-6"]  # written by rank 0 alone: no partial directory of a second writer

@@ -618,14 +618,11 @@ def prepare_cross_encoder(exp: Experiment, pool: TrainingPool, pairs: Pairs | No
     """Train the run's cross-encoder when configured (its pool: the run's), then the teacher's scores of
     ``pairs`` when the bi-encoder is distilled (rank 0 computes them, every rank reads them)."""
     config = exp.config
-    if config.reranker.enabled and config.reranker.train.enabled:
-        if exp.main:
-            exp.reranker = train_reranker(
-                config, exp.dataset, pool.query_ids, pool.mined.pool, exp.device, exp.run_dir, exp.notes
-            )
+    if config.reranker.enabled and config.reranker.train.enabled:  # every process trains; rank 0 saves
+        exp.reranker = train_reranker(
+            config, exp.dataset, pool.query_ids, pool.mined.pool, exp.device, exp.run_dir, exp.notes
+        )
         distributed.barrier()
-        if not exp.main:
-            exp.reranker = CrossEncoder.from_pretrained(str(exp.run_dir / "reranker" / "model"))
     if pairs is None:
         return None
     teacher = exp.teacher or exp.reranker

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from densepass import distributed
 from densepass.checkpoints import DATA_FILES
 from densepass.config import ExperimentConfig, LossConfig
 from densepass.data.dataset import RetrievalDataset
@@ -118,7 +119,8 @@ def train_reranker(
     notes: list[str],
 ) -> CrossEncoder:
     """Fine-tune the run's cross-encoder on ``pool`` (resuming from ``<run>/reranker/checkpoints``) and save
-    it to ``<run>/reranker/model``."""
+    it to ``<run>/reranker/model``. Under torch.distributed every process trains (each scores its share of every
+    step) and rank 0 saves."""
     cfg = config.reranker
     bf16 = uses_bf16(device, config.train.bf16, config.train.cpu_bf16)  # training's autocast
     model = CrossEncoder.new(cfg.name_or_path, seed=cfg.train.seed, **scoring_options(config, device))
@@ -138,7 +140,8 @@ def train_reranker(
     }
     started = time.perf_counter()
     result = train_cross_encoder(model, data, cfg.train, run_dir / "reranker", device, bf16, identity)
-    model.save(run_dir / "reranker" / "model")
+    if distributed.rank() == 0:  # every process holds the same weights
+        model.save(run_dir / "reranker" / "model")
     notes.append(
         f"Cross-encoder ({cfg.name_or_path} + a new one-logit head) trained {cfg.train.loss} on {len(data)} queries: "
         f"{result.steps} steps of {cfg.train.batch_size} queries x (1 + {cfg.train.negatives_per_query}) pairs, "

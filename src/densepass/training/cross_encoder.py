@@ -9,6 +9,11 @@ pointwise (binary cross-entropy of every pair): ``losses.localized_contrastive``
 
 The training engine (``training.engine``) runs it: AdamW with linear warm-up, clipping, checkpoints (the
 model as a loadable cross-encoder) and exact resume. Pairs are tokenised one step ahead in a worker thread.
+
+Under torch.distributed every process collates the whole step (rank 0's plan), scores the pairs of its share of the
+groups (``training.distributed.shares``: contiguous groups, so a group's softmax never spans two processes' rows)
+and gathers every process's logits (only its own carry gradient): each computes the loss of the global step and the
+engine sums the gradients, so the update is that of one process on the whole step.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 from typing_extensions import override
 
+from densepass import distributed
 from densepass.checkpoints import training_identity
 from densepass.config import RerankerTrainConfig
 from densepass.device import autocast_context
@@ -31,6 +37,7 @@ from densepass.models.dropout import use_cpu_dropout
 from densepass.models.inputs import forward_in_pieces, piece_tokens
 from densepass.training import engine
 from densepass.training.batches import TrainingBatch, TrainingData
+from densepass.training.distributed import gather_rows, shares
 from densepass.training.trainer import RandomPlanner, TrainResult, planned_steps
 
 
@@ -57,11 +64,13 @@ def parameter_groups(model: CrossEncoder, config: RerankerTrainConfig) -> list[d
 
 class CrossEncoderTask(engine.Task):
     """A cross-encoder trained on the groups of ``data``: every (query, passage) pair of a step scored in one
-    forward pass (in pieces on the CPU), then the listwise or pointwise loss."""
+    forward pass (in pieces on the CPU), then the listwise or pointwise loss; under torch.distributed each process
+    scores its share of the groups (module docstring)."""
 
     section = "reranker.train"
     description = "train cross-encoder"
     prefetch = True
+    distributed = True
 
     def __init__(self, model: CrossEncoder, data: TrainingData, config: RerankerTrainConfig) -> None:
         n = config.negatives_per_query
@@ -94,20 +103,34 @@ class CrossEncoderTask(engine.Task):
         return (list(members) for members in self.planner(epoch))
 
     @override
-    def prepare(self, epoch: int, index: int, members: list[int]) -> tuple[int, dict[str, torch.Tensor]]:
+    def prepare(self, epoch: int, index: int, members: list[int]) -> tuple[int, list[int], dict[str, torch.Tensor]]:
+        """The step's size, the pairs each process scores, and this process's pairs tokenised (padded as the whole
+        step's, so that each pair is tokenised as in one process)."""
         batch = self.data.collate(members, seed=(self.config.seed, epoch, index))
         pairs = group_pairs(batch, self.config.negatives_per_query)
-        return len(members), self.model.tokenize(*pairs, tokenizer=self.tokenizer)
+        tokens = self.model.tokenize(*pairs, tokenizer=self.tokenizer)
+        group = self.config.negatives_per_query + 1
+        parts = shares(len(members))
+        mine = parts[distributed.rank()]
+        if len(parts) > 1:
+            tokens = {k: v[mine.start * group : mine.stop * group] for k, v in tokens.items()}
+        return len(members), [len(part) * group for part in parts], tokens
 
     @override
     def step(self, batch, context: engine.StepContext) -> engine.StepOutput:
-        size, tokens = batch
-        with autocast_context(context.device, context.bf16):
-            pieces = piece_tokens(context.device)
-            logits = forward_in_pieces(self.model.logits, tokens.to(context.device), pieces)
+        size, counts, tokens = batch
+        if counts[distributed.rank()]:
+            with autocast_context(context.device, context.bf16):
+                pieces = piece_tokens(context.device)
+                tokens = {k: v.to(context.device) for k, v in tokens.items()}
+                logits = forward_in_pieces(self.model.logits, tokens, pieces)
+        else:  # more processes than groups: this one scores none
+            logits = torch.zeros(0, device=context.device)
+        logits = gather_rows(logits, counts)
         loss = self.loss_fn(logits.view(size, self.config.negatives_per_query + 1))
-        loss.backward()
-        return engine.StepOutput(loss, size=size)
+        if loss.requires_grad:  # not when this process scored no pair
+            loss.backward()
+        return engine.StepOutput(loss.detach(), size=size)
 
     @override
     def save(self, checkpoint: Path) -> None:
