@@ -120,11 +120,47 @@ def test_a_run_name_is_one_folder_name(name):
 def test_run_entries_cover_densepass_temporaries_only():
     assert run_entry("checkpoints", RUN_ENTRIES)
     assert run_entry("train_log.jsonl", RUN_ENTRIES)
-    assert run_entry(".config.yaml.ab12_x9Z.tmp", RUN_ENTRIES)
-    assert run_entry(".best-model.k2j3h4.old", RUN_ENTRIES)
+    assert run_entry(".config.yaml.ab12_x9z.tmp", RUN_ENTRIES)  # tempfile's 8 characters of [a-z0-9_]
+    assert run_entry(".best-model.k2j3h4q_.old", RUN_ENTRIES)
     assert not run_entry("notes.txt", RUN_ENTRIES)
     assert not run_entry(".notes.txt.abc.tmp", RUN_ENTRIES)
     assert not run_entry("thesis", RUN_ENTRIES)
+    # a user's backups named like an entry, in a form densepass never writes
+    for name in (".report.md.2024_05.old", ".config.yaml.ABCDEFGH.tmp", ".model.backup12.old.tmp", ".model.encoding"):
+        assert not run_entry(name, RUN_ENTRIES), name
+
+
+def test_restart_keeps_a_users_backup_named_like_a_temporary_and_a_users_lock_file(tmp_path):
+    run = tmp_path / "run"
+    claim_run_directory(run, "run", RUN_ENTRIES, restart=False)
+    (run / "report.md").write_text("# densepass run: run\n")
+    (run / ".report.md.2024_05.old").write_text("my May report")  # not tempfile's form: a user's
+    (run / ".report.md.k2j3h4q_.old").write_text("a killed save's")  # densepass's own form: removed
+    (run / "checkpoints" / "step-1").mkdir(parents=True)
+    (run / "checkpoints" / ".lock").write_text("l")  # a user's file named like a lock
+    (run / "token_cache" / "query").mkdir(parents=True)
+    (run / "token_cache" / "query" / ".lock").write_text("pid 123")  # a lock densepass took there
+    kept = claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
+    assert kept == [".report.md.2024_05.old", "checkpoints/.lock"]
+    assert (run / ".report.md.2024_05.old").read_text() == "my May report"
+    assert (run / "checkpoints" / ".lock").read_text() == "l"
+    assert not (run / ".report.md.k2j3h4q_.old").exists() and not (run / "token_cache").exists()
+    assert not (run / "report.md").exists()
+
+
+def test_a_users_file_named_lock_is_neither_rewritten_nor_taken_for_a_lock(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / ".lock").write_text("my lock notes\n")
+    with pytest.raises(DensepassError, match=r"\.lock is not a lock file densepass wrote"):
+        with exclusive_lock(folder):
+            pass
+    assert (folder / ".lock").read_text() == "my lock notes\n"
+    assert foreign_files(folder) == [".lock"]  # an index would not replace this folder
+    (folder / ".lock").write_text("pid 42")
+    with exclusive_lock(folder):
+        assert (folder / ".lock").read_text() == f"pid {os.getpid()}"
+    assert foreign_files(folder) == []
 
 
 def test_claim_refuses_a_foreign_folder_and_restart_keeps_foreign_files(tmp_path):

@@ -66,7 +66,11 @@ def foreign_files(directory: str | Path) -> list[str]:
     if not directory.is_dir() or directory.is_symlink():
         return [] if not directory.exists() and not directory.is_symlink() else [directory.name]
     listed = _listed(directory)
-    return [name for name in _files_under(directory) if name not in (OWNED, ".lock") and name not in listed]
+    return [
+        name
+        for name in _files_under(directory)
+        if name != OWNED and name not in listed and not (name == LOCK and is_densepass_lock(directory / name))
+    ]
 
 
 def check_replaceable(path: str | Path, what: str = "output") -> None:
@@ -137,6 +141,24 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         raise
 
 
+LOCK = ".lock"  # the file exclusive_lock locks in its directory; it holds "pid <holder's pid>"
+_LOCK_TEXT = re.compile(r"(?:pid \d+)?\s*")
+
+
+def is_densepass_lock(path: str | Path) -> bool:
+    """Whether ``path`` is a lock file ``exclusive_lock`` wrote: a regular file (not a link) holding its holder's
+    ``pid N``, or nothing (made by a process that has not written it yet). A user's file named ``.lock`` holds
+    anything else: densepass neither removes nor rewrites it."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 64:
+            return False
+        with open(path, "rb") as handle:
+            return _LOCK_TEXT.fullmatch(handle.read().decode("ascii")) is not None
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 @contextlib.contextmanager
 def exclusive_lock(directory: str | Path, what: str = "run", wait: bool = False) -> Iterator[None]:
     """Hold an exclusive lock on ``directory`` (created if missing) for the block's duration.
@@ -153,8 +175,13 @@ def exclusive_lock(directory: str | Path, what: str = "run", wait: bool = False)
     directory = Path(directory)
     while True:
         directory.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(directory / LOCK) and not is_densepass_lock(directory / LOCK):
+            raise DensepassError(
+                f"{directory / LOCK} is not a lock file densepass wrote (densepass locks {directory} through it): "
+                "move it away, or choose another directory"
+            )
         try:
-            handle = open(directory / ".lock", "a+")
+            handle = open(directory / LOCK, "a+")
         except FileNotFoundError:  # removed by its holder between the two lines
             continue
         try:
@@ -242,7 +269,9 @@ def read_manifest(directory: str | Path, what: str = "directory") -> dict:
 
 
 RUN_MARKER = ".densepass-run"  # in a run directory densepass made: it may write there and --restart empty it
-_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?:[A-Za-z0-9_]+\.(?:tmp|old)|encoding|miners)")  # our siblings' names
+# the temporaries densepass makes beside what it writes (atomic_file / atomic_directory: ``tempfile`` adds 8 random
+# characters of [a-z0-9_] to the prefix ".<name>."; ".old" is a replaced directory on its way out); no other name
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.(?:tmp|old)")
 
 
 def run_entry(name: str, entries: tuple[str, ...]) -> bool:
@@ -301,8 +330,8 @@ def _foreign_in(root: Path, inner: str | None) -> list[str]:
     foreign = []
     for name in _files_under(root):
         path = root / name
-        if path.name == ".lock" or any(_TEMPORARY.fullmatch(part) for part in Path(name).parts):
-            continue  # a lock, or in a temporary densepass makes while it writes (a killed save's)
+        if path.name == LOCK and is_densepass_lock(path) or any(_TEMPORARY.fullmatch(p) for p in Path(name).parts):
+            continue  # a lock densepass took (a token cache's), or in a temporary it makes while it writes
         if inner is not None and any(fnmatch.fnmatchcase(name, pattern) for pattern in inner.split("|")):
             if not path.is_symlink() and written_by_densepass(path):  # densepass never writes a link
                 continue
