@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -52,6 +52,8 @@ from densepass.version import __version__
 
 PASSAGES = "passages.jsonl"
 FORMAT = "densepass-index"
+DELETED = "deleted.npy"  # tombstones: the rows deleted since the last compaction (int64, sorted)
+DELETED_ID = "\x00deleted:"  # a tombstoned row's id (+ its row): never a passage id, frees the id for an upsert
 Passages = Corpus | Sequence[str] | Sequence[dict]
 
 
@@ -191,9 +193,6 @@ class Index(ABC):
     None: the kind checks them itself (a hybrid, per part)."""
     passages: Corpus
 
-    def __len__(self) -> int:
-        return len(self.passages)
-
     @abstractmethod
     def add(self, passages: Passages) -> None:
         """Index more passages (their ids must be new)."""
@@ -203,11 +202,137 @@ class Index(ABC):
         """(scores [n, k'], rows [n, k']) of the top k' = min(k, len(self)) passages of each query."""
 
     def search(self, queries: Any, k: int = 10) -> SearchResults:
-        """The top-``k`` passages of each query (query texts; dense kinds also take query embeddings)."""
+        """The top-``k`` passages of each query (query texts; dense kinds also take query embeddings); deleted
+        passages never come back (``live_rows``)."""
         if len(self) == 0:
             raise ConfigError("the index is empty: add passages before searching")
-        scores, rows = self.search_rows(queries, check_k(k))
+        scores, rows = self.live_rows(self.search_rows, queries, check_k(k))
         return SearchResults(scores, rows, self.passages)
+
+    # ---- a living index: tombstones, upsert, compaction -----------------------------------------------
+
+    _deleted: np.ndarray | None = None  # one flag per row: deleted (a tombstone) since the last compaction
+
+    @property
+    def deleted(self) -> np.ndarray:
+        """One boolean per row of ``passages``: True where the passage was deleted (or replaced by an upsert)
+        and not yet compacted away. Searches leave those rows out."""
+        rows = len(self.passages)
+        if self._deleted is None or len(self._deleted) != rows:  # rows were added since
+            grown = np.zeros(rows, dtype=bool)
+            if self._deleted is not None:
+                grown[: min(rows, len(self._deleted))] = self._deleted[:rows]
+            self._deleted = grown
+        return self._deleted
+
+    def __len__(self) -> int:
+        """Passages searchable: the rows less the deleted ones."""
+        rows = len(self.passages)
+        return rows - int(self._deleted.sum()) if self._deleted is not None and self._deleted.any() else rows
+
+    def encode_for_search(self, queries: Any) -> Any:
+        """What ``search_rows`` takes, computed once per search (query embeddings for the kinds that encode):
+        a search that must look deeper past deleted rows (``live_rows``) does not encode its queries again."""
+        encode = getattr(self, "encode_queries", None)
+        return encode(queries) if encode is not None else check_queries(queries)
+
+    def live_rows(
+        self, search_rows: Callable[[Any, int], tuple[np.ndarray, np.ndarray]], queries: Any, k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows) of the top ``k`` live passages of each query, from ``search_rows`` (this kind's):
+        without tombstones its answer itself; with them the search over-fetches (2k, then 4 times deeper, at most
+        k + the number of deleted rows: where the kind is exact that depth holds the exact top k of the live
+        rows) until every query has k live rows or nothing more to find, and drops the deleted rows, order kept.
+        Rows -1 (scores 0) pad a query with fewer hits."""
+        deleted = self._deleted
+        if deleted is None or not deleted.any():
+            return search_rows(queries, k)
+        encoded = self.encode_for_search(queries)
+        rows_total, dead = len(self.passages), int(deleted.sum())
+        want = min(k, rows_total - dead)
+        depth = min(rows_total, 2 * k, k + dead)
+        while True:
+            scores, rows = search_rows(encoded, depth)
+            live = (rows >= 0) & ~deleted[np.clip(rows, 0, None)]
+            full = live.sum(axis=1) >= want
+            if full.all() or depth >= min(rows_total, k + dead):
+                break
+            depth = min(rows_total, k + dead, 4 * depth)
+        order = np.argsort(~live, axis=1, kind="stable")[:, :want]
+        kept = np.take_along_axis(live, order, axis=1)
+        out_rows = np.where(kept, np.take_along_axis(rows, order, axis=1), -1).astype(np.int64)
+        out_scores = np.where(kept, np.take_along_axis(scores, order, axis=1), 0).astype(np.float32)
+        return out_scores, out_rows
+
+    def live_position(self, pid: str) -> int | None:
+        """The row of live passage ``pid``, or None when the index holds none of that id."""
+        return self.passages.position(pid) if not pid.startswith(DELETED_ID) and pid in self.passages else None
+
+    def delete(self, ids: Sequence[str]) -> None:
+        """Delete the passages ``ids`` (tombstones: searches leave them out at once; ``compact`` removes their rows).
+        Every id must be in the index, once: otherwise a one-line error and nothing is deleted."""
+        ids = check_ids(ids, "delete")
+        unknown = [pid for pid in ids if self.live_position(pid) is None]
+        if unknown:
+            raise DataError(
+                f"{len(unknown)} of the {len(ids)} ids to delete are not in the index (the first: {unknown[0]!r})"
+            )
+        self._tombstone(np.array([self.passages.position(pid) for pid in ids], dtype=np.int64))
+
+    def upsert(self, passages: Passages) -> None:
+        """Index ``passages`` ({id, title, text} records or a Corpus: ids required, each once), replacing the
+        passages of the same ids (their old rows become tombstones) and adding the others. New passages are
+        encoded first (``encode_new``), so that a failure changes nothing."""
+        corpus = records_corpus(passages)
+        prepared = self.encode_new(corpus)
+        self.upsert_encoded(corpus, prepared)
+
+    def upsert_encoded(self, corpus: Corpus, prepared: Any) -> None:
+        """``upsert`` of passages already encoded (``encode_new``'s output, or embeddings / weights / token vectors
+        this index's model computed)."""
+        replaced = [row for row in map(self.live_position, corpus.ids) if row is not None]
+        if replaced:
+            self._tombstone(np.array(replaced, dtype=np.int64))
+        self.append_encoded(corpus, prepared)
+
+    def encode_new(self, corpus: Corpus) -> Any:
+        """What ``append_encoded`` needs to index ``corpus`` (its embeddings, for the kinds with a model); None
+        where the kind indexes texts."""
+        return None
+
+    def append_encoded(self, corpus: Corpus, prepared: Any) -> None:
+        """Index ``corpus`` (new ids), encoded by ``encode_new``."""
+        self.add(corpus)
+
+    def _tombstone(self, rows: np.ndarray) -> None:
+        """Mark ``rows`` deleted, and free their ids (a tombstoned row's id becomes ``DELETED_ID`` + its row)."""
+        deleted = self.deleted
+        deleted[rows] = True
+        ids = list(self.passages.ids)
+        for row in rows.tolist():
+            ids[row] = f"{DELETED_ID}{row}"
+        self._set_passages(Corpus(ids, self.passages.titles, self.passages.texts, self.passages.doc_ids))
+        self._deleted = deleted
+
+    def _set_passages(self, passages: Corpus) -> None:
+        """Replace the passages (same rows; ids changed by ``_tombstone``)."""
+        self.passages = passages
+
+    def compact(self) -> None:
+        """Remove the deleted rows for good: the passages and the kind's own arrays are rewritten without them
+        (``_compact``), so the index is as if built from the live passages (approximate kinds: rebuilt, or their
+        trained quantisers kept; see each kind). Nothing to do without tombstones."""
+        if self._deleted is None or not self._deleted.any():
+            return
+        live = np.flatnonzero(~self.deleted)
+        if len(live) == 0:
+            raise ConfigError("every passage of the index is deleted: compacting would leave an empty index")
+        self._compact(live)
+        self._deleted = None
+
+    def _compact(self, live: np.ndarray) -> None:
+        """Keep only rows ``live`` (sorted): the kind's arrays and ``passages``."""
+        raise ConfigError(f"a {self.kind} index cannot be compacted")
 
     # ---- persistence --------------------------------------------------------------------------------
 
@@ -227,18 +352,26 @@ class Index(ABC):
         remove_stale_temporaries(directory.parent, re.escape(directory.name))  # a killed save's
         with disk_errors(directory), hold_temporaries() as hold, atomic_directory(directory) as tmp:
             hold(tmp)
-            save_passages(self.passages, tmp / PASSAGES)
-            self._write(tmp)
-            write_manifest(
-                tmp,
-                format=FORMAT,
-                kind=self.kind,
-                densepass_version=__version__,
-                size=len(self),
-                corpus_fingerprint=fingerprint_corpus(self.passages),
-                **with_absolute_model_path(self.facts()),
-            )
+            self.write_into(tmp)
         return directory
+
+    def write_into(self, directory: Path) -> None:
+        """Write the passages, the tombstones (if any), the kind's files and the manifest (last) into ``directory``
+        (a temporary directory the caller renames into place)."""
+        save_passages(self.passages, directory / PASSAGES)
+        if self._deleted is not None and self._deleted.any():
+            np.save(directory / DELETED, np.flatnonzero(self._deleted).astype(np.int64))
+        self._write(directory)
+        write_manifest(
+            directory,
+            format=FORMAT,
+            kind=self.kind,
+            densepass_version=__version__,
+            size=len(self.passages),
+            deleted=len(self.passages) - len(self),
+            corpus_fingerprint=fingerprint_corpus(self.passages),
+            **with_absolute_model_path(self.facts()),
+        )
 
     @classmethod
     @abstractmethod
@@ -247,9 +380,9 @@ class Index(ABC):
 
     @classmethod
     def load(cls, directory: str | Path, **options) -> Index:
-        """Read a saved index of this kind (verified against its manifest)."""
-        directory = Path(directory)
-        manifest = read_index_manifest(directory)
+        """Read a saved index of this kind (verified against its manifest; an updated index: its current version,
+        ``index.living``)."""
+        directory, manifest = current_version(Path(directory))
         kinds = getattr(cls, "kinds", (cls.kind,))
         if manifest["kind"] not in kinds:
             raise DataError(f"{directory} holds a {manifest['kind']} index, not a {' or '.join(kinds)} index")
@@ -264,9 +397,15 @@ class Index(ABC):
         if len(passages) != manifest["size"]:
             raise DataError(f"{directory}: {len(passages)} passages but the manifest says {manifest['size']}")
         try:
-            return kind._read(directory, manifest, passages, **options)
+            index = kind._read(directory, manifest, passages, **options)
+            index._deleted = read_tombstones(directory, len(passages))
+            index.version = int(manifest.get("version", 0))
+            return index
         except (ValueError, EOFError) as err:  # NumPy, SciPy, JSON: files of another format under a matching manifest
             raise DataError(f"{directory} is not a usable densepass index: its files do not load ({err})") from None
+
+    version: int = 0
+    """Which saved version of its directory the index was loaded from (0: as built; ``index.living``)."""
 
 
 def with_absolute_model_path(facts: dict) -> dict:
@@ -294,6 +433,68 @@ def read_index_manifest(directory: Path) -> dict:
     if manifest.get("format") != FORMAT or manifest.get("kind") not in KINDS:
         raise DataError(f"{directory} is not a densepass index (manifest kind {manifest.get('kind')!r})")
     return manifest
+
+
+def current_version(directory: Path) -> tuple[Path, dict]:
+    """The folder holding the current version of the saved index ``directory`` and its verified manifest: the
+    directory itself, or for an updated index the version folder its manifest names (``index.living``), whose
+    own manifest's digest the top manifest records (and which verifies every file there)."""
+    manifest = read_index_manifest(directory)
+    current = manifest.get("current")
+    if current is None:
+        return directory, manifest
+    if not isinstance(current, str) or not re.fullmatch(r"v\d{6}", current):
+        raise DataError(f"{directory}: its manifest names no version folder ({current!r})")
+    inner = read_index_manifest(directory / current)
+    if inner.get("kind") != manifest["kind"]:
+        raise DataError(f"{directory}: version {current} holds a {inner.get('kind')} index, not {manifest['kind']}")
+    return directory / current, {**inner, "version": manifest.get("version", 0)}
+
+
+def read_tombstones(directory: Path, rows: int) -> np.ndarray | None:
+    """The deleted flags of a saved index's ``rows`` (None without tombstones); damaged ones are a one-line error."""
+    path = directory / DELETED
+    if not path.is_file():
+        return None
+    listed = np.load(path, allow_pickle=False)
+    in_range = len(listed) == 0 or 0 <= listed.min() <= listed.max() < rows
+    if listed.ndim != 1 or listed.dtype.kind not in "iu" or not in_range:
+        raise DataError(f"{directory}: {DELETED} does not list rows of its {rows} passages")
+    deleted = np.zeros(rows, dtype=bool)
+    deleted[listed] = True
+    return deleted
+
+
+def check_ids(ids: Sequence[str], what: str) -> list[str]:
+    """``ids`` as a non-empty list of distinct strings, or a one-line error."""
+    if isinstance(ids, str):
+        raise ConfigError(f"{what} takes a list of passage ids, not one string")
+    ids = [str(pid) if isinstance(pid, (int, np.integer)) and not isinstance(pid, bool) else pid for pid in ids]
+    if not ids:
+        raise ConfigError(f"no passage ids to {what}")
+    bad = next((pid for pid in ids if not isinstance(pid, str) or not pid), None)
+    if bad is not None:
+        raise ConfigError(f"passage ids to {what} must be non-empty strings, got {bad!r}")
+    if len(set(ids)) != len(ids):
+        seen: set[str] = set()
+        repeated = [pid for pid in ids if pid in seen or seen.add(pid)]
+        raise ConfigError(f"{len(repeated)} ids to {what} are repeated (the first: {repeated[0]!r})")
+    return ids
+
+
+def records_corpus(passages: Passages) -> Corpus:
+    """The passages of an upsert as a Corpus: records or a Corpus with their ids (texts alone have none), each id
+    once (a repeated one is a one-line error), none of them a tombstone's."""
+    if not isinstance(passages, Corpus) and not isinstance(passages, str):
+        passages = list(passages)
+        if passages and all(isinstance(p, str) for p in passages):
+            raise ConfigError("upsert takes {id, title, text} records (or a Corpus): the ids say what to replace")
+    corpus = as_corpus(passages)
+    check_ids(corpus.ids, "upsert")
+    bad = next((pid for pid in corpus.ids if pid.startswith(DELETED_ID)), None)
+    if bad is not None:
+        raise ConfigError(f"passage id {bad!r} starts with a NUL character, which densepass keeps for deleted rows")
+    return corpus
 
 
 def load_index(directory: str | Path, **options) -> Index:

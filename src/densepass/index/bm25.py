@@ -88,6 +88,17 @@ class BM25Index(Index):
         retriever.index(tokens, show_progress=self.show_progress)
         self.passages, self.retriever = corpus, retriever
 
+    def _compact(self, live: np.ndarray) -> None:
+        """Index the ``live`` passages again (bm25s indexes in one go): a deleted passage's terms count in the
+        document frequencies and the average length until then, as in Lucene until its segments merge."""
+        corpus = self.passages.subset(live.tolist())
+        self.passages = Corpus([], [], [], [])
+        try:
+            self.add(corpus)
+        except BaseException:
+            self.passages = corpus
+            raise
+
     def search_rows(self, queries: Sequence[str], k: int, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` (scores, rows) per query, best first, as ``bm25s`` ranks them with NumPy (the same ranking
         whether JAX is installed or not): when fewer than ``k`` passages share a term with a query, the rest are

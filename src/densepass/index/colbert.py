@@ -51,6 +51,7 @@ from densepass.index.base import (
     check_k,
     check_queries,
     concat_corpora,
+    records_corpus,
     register,
 )
 from densepass.index.checks import model_for_index
@@ -182,6 +183,36 @@ class ColbertIndex(Index):
             self.residuals = np.concatenate([self.residuals, pack_bits(bucket, self.residual_bits)])
         self._lists = None
 
+    def encode_new(self, corpus: Corpus) -> list[np.ndarray]:
+        """The token vectors of ``corpus`` (for ``upsert``), by the index's model."""
+        return self.model.encode_passages(
+            corpus, self.batch_size, device=self.device, show_progress=self.show_progress, precision=self.precision
+        )
+
+    def append_encoded(self, corpus: Corpus, prepared: list[np.ndarray]) -> None:
+        """Index ``corpus`` with its token vectors ``prepared``."""
+        self.add_vectors(corpus, prepared)
+
+    def upsert_vectors(self, passages: Passages, vectors: list[np.ndarray]) -> None:
+        """``upsert`` of passages whose token vectors were computed already (by this index's model)."""
+        corpus = records_corpus(passages)
+        if len(vectors) != len(corpus) or any(v.ndim != 2 or v.shape[1] != self.model.dim for v in vectors):
+            raise ConfigError(f"expected one [n_i, {self.model.dim}] array per passage for {len(corpus)} passages")
+        self.upsert_encoded(corpus, vectors)
+
+    def _compact(self, live: np.ndarray) -> None:
+        """Keep the ``live`` rows' passages and token vectors (codes, and fp16 vectors or residuals); the centroids
+        and residual buckets stay as trained."""
+        tokens, starts = self._gather(live)
+        self.passages = self.passages.subset(live.tolist())
+        self.offsets = starts.astype(np.int64)
+        self.codes = self.codes[tokens]
+        if self.compression == "fp16":
+            self.vectors = self.vectors[tokens]
+        else:
+            self.residuals = self.residuals[tokens]
+        self._lists = None
+
     def _train(self, flat: np.ndarray) -> None:
         """k-means centroids of the first vectors (and, for residual compression, the residual buckets)."""
         if len(flat) == 0:
@@ -285,7 +316,8 @@ class ColbertIndex(Index):
         """The top-``k`` passages of each query (see the module docstring; ``exhaustive``: no pruning)."""
         if len(self) == 0:
             raise ConfigError("the index is empty: add passages before searching")
-        return SearchResults(*self.search_rows(queries, check_k(k), exhaustive), self.passages)
+        search_rows = lambda encoded, depth: self.search_rows(encoded, depth, exhaustive)  # noqa: E731
+        return SearchResults(*self.live_rows(search_rows, queries, check_k(k)), self.passages)
 
     def _candidates(self, query: np.ndarray) -> np.ndarray:
         """Passages in the inverted lists of the query vectors' ``nprobe`` closest centroids, cut to the best

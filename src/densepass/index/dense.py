@@ -29,7 +29,7 @@ from densepass.data.dataset import Corpus
 from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_weights
-from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, register
+from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, records_corpus, register
 from densepass.index.checks import model_for_index
 from densepass.index.exact import SEARCH_PRECISIONS, ReducedPassages, exact_search, passages_on
 from densepass.index.faiss_index import (
@@ -139,6 +139,19 @@ class DenseIndex(Index):
         """Embedding dimension of the model."""
         return self.model.dim
 
+    def to_numpy(self) -> tuple[list[str], np.ndarray]:
+        """(passage ids, float32 embeddings [n, dim]) of the passages it searches, for another store
+        (``index.vectors``)."""
+        from densepass.index.vectors import live_embeddings
+
+        return live_embeddings(self)
+
+    def to_arrow(self, texts: bool = True):
+        """The passages it searches as a ``pyarrow.Table``: id, title, text and embedding (``index.vectors``)."""
+        from densepass.index.vectors import embeddings_table
+
+        return embeddings_table(self, texts)
+
     def add(self, passages: Passages) -> None:
         """Encode ``passages`` with the model and index them."""
         corpus = as_corpus(passages, first_id=len(self.passages))
@@ -175,6 +188,46 @@ class DenseIndex(Index):
     def encode_queries(self, queries: Any) -> np.ndarray:
         """Query embeddings: texts are encoded by the model, an array of embeddings is used as it is."""
         return query_embeddings(self.model, queries, self.batch_size, self.device, self.precision)
+
+    # ---- a living index (index.base: tombstones, upsert, compaction) ----------------------------------------
+
+    def encode_new(self, corpus: Corpus) -> np.ndarray:
+        """The passage embeddings of ``corpus`` (for ``upsert``), by the index's model."""
+        return self.model.encode_passages(
+            corpus,
+            batch_size=self.batch_size,
+            show_progress=self.show_progress,
+            device=self.device,
+            precision=self.precision,
+        )
+
+    def append_encoded(self, corpus: Corpus, prepared: np.ndarray) -> None:
+        """Index ``corpus`` with its embeddings ``prepared``."""
+        self.add_embeddings(corpus, prepared)
+
+    def upsert_embeddings(self, passages: Passages, embeddings: np.ndarray) -> None:
+        """``upsert`` of passages whose embeddings were computed already (by this index's model)."""
+        corpus = records_corpus(passages)
+        embeddings = np.asarray(embeddings, dtype=np.float32)
+        if embeddings.shape != (len(corpus), self.dim):
+            raise ConfigError(
+                f"embeddings of shape {embeddings.shape} for {len(corpus)} passages of a {self.dim}-dimensional model"
+            )
+        self.upsert_encoded(corpus, embeddings)
+
+    def _compact(self, live: np.ndarray) -> None:
+        """Keep the ``live`` rows' passages and embeddings; the FAISS index is made again from those: flat and HNSW
+        built anew (HNSW removes nothing from its graph), IVF-PQ refilled with its trained quantisers kept."""
+        self.passages = self.passages.subset(live.tolist())
+        self.embeddings = np.ascontiguousarray(self.embeddings[live], dtype=np.float32)
+        self._reduced = self._resident = None
+        if self.faiss is None:
+            return
+        if self.kind == "faiss-ivfpq":
+            self.faiss.reset()  # the lists emptied, the coarse and product quantisers kept
+            self.faiss.add(self.embeddings)
+        else:
+            self.faiss = build_faiss_index(self.embeddings, self.kind, **self.faiss_options)
 
     def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` (scores, rows) of each query (texts, or query embeddings)."""

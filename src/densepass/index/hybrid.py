@@ -15,6 +15,7 @@ Each index returns its top ``depth``; the fused score of a passage is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -23,7 +24,7 @@ import numpy as np
 from densepass.config import DENSE_INDEX_KINDS
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
-from densepass.index.base import KINDS, Index, Passages, check_queries, read_index_manifest, register
+from densepass.index.base import KINDS, Index, Passages, check_queries, read_index_manifest, records_corpus, register
 from densepass.models.splade import SpladeEncoder
 
 Fusion = Literal["rrf", "linear"]
@@ -94,6 +95,32 @@ class HybridIndex(Index):
         """Index more passages in both parts."""
         self.first.add(passages)
         self.second.add(passages)
+
+    def __len__(self) -> int:
+        """Passages searchable (both parts hold the same)."""
+        return len(self.first)
+
+    @property
+    def deleted(self) -> np.ndarray:
+        """The deleted rows (both parts delete the same)."""
+        return self.first.deleted
+
+    def delete(self, ids: Sequence[str]) -> None:
+        """Delete ``ids`` from both parts (checked against the first: unknown or repeated ids change nothing)."""
+        self.first.delete(ids)
+        self.second.delete(ids)
+
+    def upsert(self, passages: Passages) -> None:
+        """Upsert ``passages`` into both parts, each encoded first: a failure in either changes nothing."""
+        corpus = records_corpus(passages)
+        prepared = [self.first.encode_new(corpus), self.second.encode_new(corpus)]
+        self.first.upsert_encoded(corpus, prepared[0])
+        self.second.upsert_encoded(corpus, prepared[1])
+
+    def compact(self) -> None:
+        """Compact both parts (they delete the same rows, so they stay aligned)."""
+        self.first.compact()
+        self.second.compact()
 
     def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` of each query after fusing the two parts' top ``depth``."""

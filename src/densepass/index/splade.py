@@ -37,7 +37,7 @@ from densepass.data.dataset import Corpus
 from densepass.device import default_device
 from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.fingerprints import fingerprint_weights
-from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, register
+from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, records_corpus, register
 from densepass.index.checks import model_for_index
 from densepass.models.copies import float_precision
 from densepass.models.inputs import warn_long_queries
@@ -125,6 +125,37 @@ class SpladeIndex(Index):
             )
         self.passages = concat_corpora(self.passages, corpus) if len(self.passages) else corpus
         self.postings = sp.hstack([self.postings, weights.T.tocsr()], format="csr")
+        self.postings.sort_indices()
+
+    def encode_new(self, corpus: Corpus) -> sp.csr_matrix:
+        """The term weights of ``corpus`` (for ``upsert``), by the index's model."""
+        return self.model.encode_passages(
+            corpus,
+            self.batch_size,
+            device=self.device,
+            show_progress=self.show_progress,
+            top_terms=self.top_terms,
+            precision=self.precision,
+        )
+
+    def append_encoded(self, corpus: Corpus, prepared: sp.spmatrix) -> None:
+        """Index ``corpus`` with its term weights ``prepared``."""
+        self.add_weights(corpus, prepared)
+
+    def upsert_weights(self, passages: Passages, weights: sp.spmatrix) -> None:
+        """``upsert`` of passages whose term weights [n, |V|] were computed already (by this index's model)."""
+        corpus = records_corpus(passages)
+        weights = sp.csr_matrix(weights, dtype=np.float32)
+        if weights.shape != (len(corpus), self.model.dim):
+            raise ConfigError(
+                f"weights of shape {weights.shape} for {len(corpus)} passages of a {self.model.dim} vocabulary"
+            )
+        self.upsert_encoded(corpus, weights)
+
+    def _compact(self, live: np.ndarray) -> None:
+        """Keep the ``live`` rows' passages and postings (the columns of the term-major matrix)."""
+        self.passages = self.passages.subset(live.tolist())
+        self.postings = self.postings[:, live].tocsr()
         self.postings.sort_indices()
 
     def encode_queries(self, queries: Any) -> sp.csr_matrix:

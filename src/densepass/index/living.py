@@ -1,0 +1,175 @@
+"""A living index: a saved index updated in place (deletions, upserts, compaction) so that a crash at any moment
+leaves either the old or the new index, each loadable and verified by its manifest.
+
+An update never rewrites a file that the current version uses. ``save_version`` writes the whole new version
+into a version folder of the index directory (``v000001``, ``v000002``, ...; written under a temporary name and
+renamed into place, with its own manifest: ``Index.save``'s format), then swaps the directory's
+``manifest.json`` last (a temporary file renamed over it): the new manifest names the version folder and holds
+the size and digest of that folder's manifest, whose own list verifies every file there. Until that rename
+``load_index`` reads the old version, after it the new one; there is no moment without a complete manifest.
+The version before the current one stays on disk (a service may still be reading it), older ones are removed
+after the swap, only what densepass wrote (the files each folder's ``.densepass-owned`` lists).
+
+Deleted passages are tombstones (``Index.delete``: their rows are left out of every search, over-fetching so
+that k results still come back) until ``compact`` rewrites the index without them; an upsert tombstones the old
+rows of its ids and adds the new passages. Updates of one directory take its lock (``io.exclusive_lock``): a
+second updater gets a one-line error.
+
+>>> from densepass.index import BM25Index, load_index
+>>> import tempfile, pathlib
+>>> folder = pathlib.Path(tempfile.mkdtemp()) / "index"
+>>> _ = BM25Index.build(["the tar archiver", "a kernel driver", "an audio editor"]).save(folder)
+>>> index = update_index(folder, delete=["1"], upsert=[{"id": "3", "text": "a kernel module loader"}])
+>>> load_index(folder).search(["kernel"], k=2).ids(0), load_index(folder).version
+(['3'], 1)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from densepass.errors import ConfigError
+from densepass.fingerprints import fingerprint_file
+from densepass.index.base import (
+    Index,
+    Passages,
+    check_ids,
+    current_version,
+    load_index,
+    read_index_manifest,
+    records_corpus,
+)
+from densepass.io import (
+    MANIFEST,
+    OWNED,
+    atomic_directory,
+    atomic_write_text,
+    disk_errors,
+    exclusive_lock,
+    foreign_files,
+    hold_temporaries,
+    remove_stale_temporaries,
+)
+
+VERSION = re.compile(r"v\d{6}")
+
+
+def version_name(version: int) -> str:
+    """The folder of version ``version`` of an updated index."""
+    return f"v{version:06d}"
+
+
+def index_version(directory: str | Path) -> int:
+    """The version of the saved index ``directory`` (0: as built, never updated), from its verified manifest."""
+    return int(read_index_manifest(Path(directory)).get("version", 0))
+
+
+def update_index(
+    directory: str | Path,
+    delete: Sequence[str] | None = None,
+    upsert: Passages | None = None,
+    compact: bool = False,
+    **load_options,
+) -> Index:
+    """Load the saved index ``directory`` (``load_options`` as ``load_index`` takes them), delete the passages
+    ``delete``, upsert the passages ``upsert`` (records with ids; encoded by the index's model where it has one),
+    compact if asked, and save the result as the directory's next version (``save_version``); returns the updated
+    index. Every check comes before any work: ids to delete that the index does not hold, ids repeated, or named
+    both to delete and to upsert, are a one-line error and nothing changes."""
+    directory = Path(directory)
+    delete_ids = check_ids(delete, "delete") if delete is not None else []
+    corpus = records_corpus(upsert) if upsert is not None else None
+    if not delete_ids and corpus is None and not compact:
+        raise ConfigError("nothing to update: give passages to delete or to upsert, or compact")
+    both = sorted(set(delete_ids) & set(corpus.ids)) if corpus is not None else []
+    if both:
+        raise ConfigError(f"{len(both)} ids are both deleted and upserted (the first: {both[0]!r}): choose one")
+    with exclusive_lock(directory, "index update"):
+        index = load_index(directory, **load_options)
+        if delete_ids:
+            index.delete(delete_ids)
+        if corpus is not None:
+            index.upsert(corpus)
+        if compact:
+            index.compact()
+        save_version(index, directory)
+    return index
+
+
+def save_version(index: Index, directory: str | Path) -> int:
+    """Save ``index`` as the next version of the saved index ``directory`` (see the module docstring) and return
+    that version's number. The caller holds the directory's lock (``update_index`` does)."""
+    directory = Path(directory)
+    top = read_index_manifest(directory)  # the current version: verified, and left untouched
+    if top.get("kind") != index.kind:
+        raise ConfigError(f"{directory} holds a {top.get('kind')} index, not a {index.kind} index")
+    previous = top.get("current")
+    version = int(top.get("version", 0)) + 1
+    name = version_name(version)
+    remove_stale_temporaries(directory, r"v\d{6}", owned=True)  # a killed update's half-written version
+    _remove_version(directory / name)  # a killed update's complete version that its manifest never named
+    with disk_errors(directory / name), hold_temporaries() as hold, atomic_directory(directory / name) as tmp:
+        hold(tmp)
+        index.write_into(tmp)
+    inner = read_index_manifest(directory / name)
+    owned = _owned(directory, top) | {f"{name}/{file}" for file in _owned(directory / name, inner)}
+    atomic_write_text(directory / OWNED, json.dumps(sorted(owned), indent=0))  # before the swap: a superset
+    entry = directory / name / MANIFEST
+    pointer = {key: value for key, value in inner.items() if key != "files"}
+    pointer.update(
+        version=version,
+        current=name,
+        files={f"{name}/{MANIFEST}": {"bytes": entry.stat().st_size, "blake2b": fingerprint_file(entry)}},
+    )
+    atomic_write_text(directory / MANIFEST, json.dumps(pointer, indent=1))  # the swap
+    index.version = version
+    _remove_old_versions(directory, keep={name, previous})
+    return version
+
+
+def _owned(directory: Path, manifest: dict) -> set[str]:
+    """The files densepass wrote in ``directory``: its ``OWNED`` list, else (an older save) its manifest's files."""
+    try:
+        listed = json.loads((directory / OWNED).read_text(encoding="utf-8"))
+        if isinstance(listed, list):
+            return {str(name) for name in listed} | {OWNED, MANIFEST}
+    except (OSError, ValueError):
+        pass
+    return set(manifest.get("files", {})) | {MANIFEST}
+
+
+def _remove_version(folder: Path) -> None:
+    """Remove the version folder ``folder`` when densepass wrote everything in it (its own ``OWNED`` list)."""
+    if folder.is_dir() and not folder.is_symlink() and (folder / OWNED).is_file() and not foreign_files(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove_old_versions(directory: Path, keep: set[str | None]) -> None:
+    """After the swap: remove every version folder but ``keep`` (the current one and the previous), and the files
+    of the version the index was first saved as (at the top of ``directory``) unless it is the previous one; then
+    list in ``OWNED`` what is left."""
+    owned = _owned(directory, {})
+    for folder in sorted(directory.iterdir()):
+        if VERSION.fullmatch(folder.name) and folder.name not in keep:
+            _remove_version(folder)
+    if None not in keep:  # version 0 is neither current nor previous: its files go
+        for name in sorted(owned):
+            first = name.split("/", 1)[0]
+            if name in (OWNED, MANIFEST) or VERSION.fullmatch(first):
+                continue
+            path = directory / name
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+        folders = {(directory / name).parent for name in owned if not VERSION.fullmatch(name.split("/", 1)[0])}
+        for folder in sorted(folders - {directory}, key=lambda f: -len(f.parts)):  # a hybrid's parts: deepest first
+            if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+                folder.rmdir()
+    left = sorted(name for name in owned if (directory / name).is_file() or name in (OWNED, MANIFEST))
+    atomic_write_text(directory / OWNED, json.dumps(left, indent=0))
+
+
+__all__ = ["current_version", "index_version", "save_version", "update_index", "version_name"]
