@@ -74,6 +74,8 @@ LATER_OPTIONS = {
     "lora_targets": None,
     "query_prompt": "",
     "passage_prompt": "",
+    "matryoshka_dims": None,
+    "matryoshka_weights": None,
 }
 
 

@@ -128,6 +128,11 @@ class BiEncoderConfig:
     passage_max_length: int = option(128, "passages are cut to this many tokens", min=1)
     query_prompt: str = option("", "text put before every query (E5's 'query: ', an instruction for LLM embedders)")
     passage_prompt: str = option("", "text put before every passage (E5's 'passage: ')")
+    matryoshka_dims: list[int] | None = option(
+        None,
+        "the prefix dimensions the model was trained at with Matryoshka (recorded by training from"
+        " train.matryoshka_dims; null: none)",
+    )
 
 
 @dataclass
@@ -293,6 +298,14 @@ class TrainConfig(AutocastOptimConfig):
         " fine-tuned weights are kept in model-fine-tuned/); null: the fine-tuned weights",
         above=0,
         max=1,
+    )
+    matryoshka_dims: list[int] | None = option(
+        None,
+        "Matryoshka (MRL): the loss is the sum of the loss at each of these prefix dimensions (each prefix"
+        " normalised again), e.g. [384, 256, 128, 64]; recorded in the saved model (null: the full embedding only)",
+    )
+    matryoshka_weights: list[float] | None = option(
+        None, "Matryoshka: the weight of each of train.matryoshka_dims' losses, in their order (null: 1 each)"
     )
     token_cache: bool = option(
         False,

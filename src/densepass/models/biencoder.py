@@ -41,7 +41,7 @@ from densepass.io import (
 from densepass.models.encode import encode_texts
 from densepass.models.hub import fetch_model
 from densepass.models.inputs import Side, SidedInputs
-from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
+from densepass.models.kinds import CONFIG_FILES, check_config_and_weights, loading_weights, saved_architecture
 from densepass.numerics import refuse_nonfinite_weights
 
 CONFIG_NAME = CONFIG_FILES["bi-encoder"]
@@ -85,7 +85,8 @@ def check_model_files(path: Path) -> None:
     """One line, before transformers reads them, where a model directory's JSON files (``config.json``,
     ``tokenizer.json``, ``tokenizer_config.json``) do not parse, or where its config asks for code of its own
     (``auto_map``): densepass never runs a model's code (``trust_remote_code`` stays off), and transformers would
-    otherwise ask at the terminal whether to."""
+    otherwise ask at the terminal whether to; and where a config cannot build its model or the weights beside it do
+    not fit it (``kinds.check_config_and_weights``)."""
     import json
 
     # the model's own files, and those of the models it holds in subfolders (a bi-encoder's query/ tower, a phrase
@@ -96,6 +97,7 @@ def check_model_files(path: Path) -> None:
         for folder in folders
         for name in ("config.json", "tokenizer.json", "tokenizer_config.json")
     ]
+    models = []  # the folders holding a transformers config (not a sentence-transformers module's)
     for file, name in files:
         if not file.is_file():
             continue
@@ -108,11 +110,15 @@ def check_model_files(path: Path) -> None:
             isinstance(values, dict) and isinstance(values.get("model_type"), str)
         ):
             raise DataError(f"{file} is not a transformers model config (it names no model_type)")
+        if name == "config.json" and isinstance(values, dict) and isinstance(values.get("model_type"), str):
+            models.append(file.parent)
         if isinstance(values, dict) and "auto_map" in values:
             raise ConfigError(
                 f"{file.parent} needs code of its own ({name} has an auto_map); densepass never runs a model's code "
                 "(trust_remote_code stays off): use a model that transformers supports as it is"
             )
+    for folder in dict.fromkeys(models):  # after every auto_map check: AutoConfig must never read one asking for code
+        check_config_and_weights(folder)  # a config transformers cannot build, weights of other shapes: one line
 
 
 POOLINGS = ("mean", "cls", "last")
@@ -314,7 +320,13 @@ class BiEncoder(SidedInputs, nn.Module):
         prompts = {"query": self.config.query_prompt, "document": self.config.passage_prompt}
         _write_json(  # sentence-transformers' encode_query / encode_document put them in front, as densepass does
             path / "config_sentence_transformers.json",
-            {"prompts": {k: v for k, v in prompts.items() if v}, "default_prompt_name": None},
+            {
+                "prompts": {k: v for k, v in prompts.items() if v},
+                "default_prompt_name": None,
+                # the dimensions a Matryoshka-trained model's prefixes were trained at (a record: sentence-transformers
+                # reads it not; SentenceTransformer(path, truncate_dim=d) gives each prefix)
+                **({"matryoshka_dims": list(self.config.matryoshka_dims)} if self.config.matryoshka_dims else {}),
+            },
         )
         modules.append({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})
         if self.projection is not None:

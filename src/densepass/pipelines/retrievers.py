@@ -10,6 +10,7 @@ random schedules, gradient caching, checkpoints, validation) is shared: the trai
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,10 +23,12 @@ from densepass.index.base import Index
 from densepass.index.colbert import ColbertIndex
 from densepass.index.dense import DenseIndex
 from densepass.index.splade import SpladeIndex
-from densepass.losses.objectives import FLOPS, Objective
+from densepass.losses.matryoshka import Matryoshka
+from densepass.losses.objectives import FLOPS, InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT, ColbertArchitecture, ColbertReranker
 from densepass.models.load import Retriever
+from densepass.models.matryoshka import check_dims
 from densepass.models.splade import SpladeArchitecture, SpladeEncoder
 
 
@@ -52,12 +55,22 @@ def model_from_config(config: ExperimentConfig) -> Retriever:
         )
     if model.kind == "colbert":
         return ColBERT.from_pretrained(model.name_or_path, config=architecture(model))
-    return BiEncoder.from_pretrained(model.name_or_path, config=model.architecture())
+    shape = model.architecture()
+    dims = config.train.matryoshka_dims if config.train.enabled else None
+    if dims:  # the saved model records the dimensions it is trained at (densepass.json, sentence-transformers')
+        shape = dataclasses.replace(shape, matryoshka_dims=list(check_dims(dims)))
+    encoder = BiEncoder.from_pretrained(model.name_or_path, config=shape)
+    if dims:
+        check_dims(dims, encoder.dim)  # before any work: prefixes longer than the embedding
+    return encoder
 
 
 def objective_for(config: ExperimentConfig, base: Objective) -> Objective:
-    """What a run minimises, given its ``base`` objective (contrastive or distillation): SPLADE adds the FLOPS
+    """What a run minimises, given its ``base`` objective (contrastive or distillation): with
+    ``train.matryoshka_dims``, ``base`` at each prefix dimension (``losses.matryoshka``); SPLADE adds the FLOPS
     regulariser to it; the other kinds minimise ``base`` itself."""
+    if config.train.matryoshka_dims:
+        base = Matryoshka(base, config.train.matryoshka_dims, config.train.matryoshka_weights)
     if config.model.kind != "splade":
         return base
     splade = config.model.splade
@@ -67,9 +80,12 @@ def objective_for(config: ExperimentConfig, base: Objective) -> Objective:
 def check_kind(config: ExperimentConfig) -> None:
     """Run options that need a one-vector bi-encoder, refused for SPLADE and ColBERT before any work."""
     kind = config.model.kind
+    check_matryoshka(config)
     if kind == "bi-encoder":
         return
     model, schedule, neg = config.model, config.schedule, config.negatives
+    if config.train.matryoshka_dims:
+        raise ConfigError(f"train.matryoshka_dims trains prefixes of one embedding: model.kind={kind} has none")
     if config.loss != LossConfig():
         raise ConfigError(
             f"model.kind={kind} trains with the contrastive loss or reranker.distill: leave the loss section out"
@@ -90,6 +106,22 @@ def check_kind(config: ExperimentConfig) -> None:
         raise ConfigError(f"model.kind={kind}: negatives.refresh_every mines with a bi-encoder; leave it null")
     if neg.source == "model" and model.name_or_path == neg.model:
         raise ConfigError(f"model.kind={kind}: negatives.model must be a bi-encoder, not the model being trained")
+
+
+def check_matryoshka(config: ExperimentConfig) -> None:
+    """``train.matryoshka_dims`` / ``_weights`` that ``Matryoshka`` would refuse, refused before any work: bad
+    dimensions or weights, weights without dimensions, and a loss that keeps full-size vectors across steps."""
+    train = config.train
+    if not train.matryoshka_dims:
+        if train.matryoshka_weights is not None:
+            raise ConfigError("train.matryoshka_weights without train.matryoshka_dims: give the dimensions too")
+        return
+    if config.loss.memory != "none" or config.loss.kind == "ltr":
+        raise ConfigError(
+            "train.matryoshka_dims needs a loss that scores the batch's embeddings alone: loss.memory=none and "
+            "loss.kind=contrastive (a memory, a queue or an LTR head holds full-size vectors)"
+        )
+    Matryoshka(InfoNCE(), train.matryoshka_dims, train.matryoshka_weights)  # the dimensions' and weights' checks
 
 
 def index_for_model(

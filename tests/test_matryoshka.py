@@ -1,0 +1,224 @@
+"""Matryoshka training (MRL): the loss against a literal loop over prefix dimensions (values and gradients, over
+InfoNCE, the unified λ loss and distillation), its one-line errors, a tiny ``densepass run`` that records its
+dimensions in the saved model, and sentence-transformers' ``truncate_dim`` giving densepass's prefixes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from densepass.config import load_config
+from densepass.errors import ConfigError
+from densepass.losses.batch import BatchTensors
+from densepass.losses.contrastive import info_nce
+from densepass.losses.matryoshka import Matryoshka
+from densepass.losses.objectives import TEACHER_SCORES, Distillation, InfoNCE
+from densepass.losses.unified import unified_loss
+from densepass.models.matryoshka import check_index_dim, truncate
+from densepass.training.more_negatives import HARD, IN_BATCH, MultiSource, PreBatch
+
+
+class Dot(torch.nn.Module):
+    """The scoring part of a bi-encoder: dot products, a temperature, normalised or not."""
+
+    def __init__(self, normalize: bool) -> None:
+        super().__init__()
+        self.config = type("C", (), {"temperature": 0.1, "normalize": normalize})()
+
+    def similarity(self, q, p):
+        return q.float() @ p.float().T
+
+
+def batch_of(b: int, h: int, seed: int) -> BatchTensors:
+    """b queries, each with its positive (column i) and h hard negatives; teacher scores for distillation."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(b, b + b * h, dtype=torch.bool)
+    mask[0, -1] = b > 1  # one false negative masked
+    teacher = torch.randn(b, 1 + h, generator=g)
+    return BatchTensors({}, {}, torch.arange(b), mask, extras={TEACHER_SCORES: teacher})
+
+
+def reference(base_loss, queries, passages, dims, weights, normalize):
+    """Literally: for each dimension, cut every embedding to its first d numbers, normalise it again (when the
+    model normalises) one row at a time, and add the weighted base loss."""
+    total = 0.0
+    for d, w in zip(dims, weights):
+        q = torch.stack([row[:d] / row[:d].norm() if normalize else row[:d] for row in queries])
+        p = torch.stack([row[:d] / row[:d].norm() if normalize else row[:d] for row in passages])
+        total = total + w * base_loss(q, p)
+    return total
+
+
+def contrastive_ref(batch):
+    return lambda q, p: info_nce((q @ p.T) / 0.1, batch.positive_index, batch.mask, False)
+
+
+def unified_ref(batch, weights):
+    def loss(q, p):
+        sources = torch.full((len(p),), HARD, dtype=torch.long)
+        sources[batch.positive_index] = IN_BATCH
+        return unified_loss((q @ p.T) / 0.1, batch.positive_index, sources, weights, batch.mask)
+
+    return loss
+
+
+def kl_ref(batch, h):
+    def loss(q, p):
+        scores = (q @ p.T) / 0.1
+        b = len(q)
+        student = torch.stack(
+            [torch.cat([scores[i, i : i + 1], scores[i, b + i * h : b + (i + 1) * h]]) for i in range(b)]
+        )
+        teacher = batch.extras[TEACHER_SCORES]
+        return torch.nn.functional.kl_div(
+            student.log_softmax(1), teacher.log_softmax(1), log_target=True, reduction="batchmean"
+        )
+
+    return loss
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    b=st.integers(1, 5),
+    h=st.integers(1, 2),
+    seed=st.integers(0, 10_000),
+    normalize=st.booleans(),
+    dims=st.lists(st.integers(1, 12), min_size=1, max_size=4, unique=True),
+    base=st.sampled_from(["contrastive", "unified", "kl"]),
+    data=st.data(),
+)
+def test_the_loss_is_the_weighted_sum_of_the_base_loss_at_each_normalised_prefix(
+    b, h, seed, normalize, dims, base, data
+):
+    weights = data.draw(st.lists(st.floats(0.1, 3.0), min_size=len(dims), max_size=len(dims)))
+    g = torch.Generator().manual_seed(seed)
+    q0, p0 = torch.randn(b, 12, generator=g), torch.randn(b + b * h, 12, generator=g)
+    if normalize:
+        q0, p0 = torch.nn.functional.normalize(q0, dim=1), torch.nn.functional.normalize(p0, dim=1)
+    batch = batch_of(b, h, seed)
+    if base == "contrastive":
+        objective, ref = InfoNCE(), contrastive_ref(batch)
+    elif base == "unified":
+        lambdas = (1.0, 2.0, 0.5)
+        objective, ref = MultiSource(lambdas, "unified", None, None, False), unified_ref(batch, lambdas)
+    else:
+        objective, ref = Distillation("kl"), kl_ref(batch, h)
+    q1, p1 = q0.clone().requires_grad_(), p0.clone().requires_grad_()
+    got = Matryoshka(objective, dims, weights)(Dot(normalize), q1, p1, batch)
+    got.backward()
+    q2, p2 = q0.clone().requires_grad_(), p0.clone().requires_grad_()
+    want = reference(ref, q2, p2, dims, weights, normalize)
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q1.grad, q2.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_one_dimension_at_full_size_is_the_base_loss():
+    batch = batch_of(4, 1, 0)
+    q, p = (
+        torch.nn.functional.normalize(torch.randn(4, 8), dim=1),
+        torch.nn.functional.normalize(torch.randn(8, 8), dim=1),
+    )
+    assert torch.allclose(Matryoshka(InfoNCE(), [8])(Dot(True), q, p, batch), InfoNCE()(Dot(True), q, p, batch))
+
+
+def test_bad_dimensions_weights_and_bases_are_one_line_errors():
+    memory = MultiSource((1.0, 1.0, 1.0), "unified", PreBatch(2), None, False)
+    for args, match in [
+        (([],), "empty"),
+        (([8, 8],), "repeats"),
+        (([0, 4],), "positive"),
+        (([8, 4], [1.0]), "1 weights for 2"),
+        (([8, 4], [0.0, 0.0]), "not all 0"),
+        (([8, 4], [1.0, float("nan")]), ">= 0"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            Matryoshka(InfoNCE(), *args)
+    with pytest.raises(ConfigError, match="scores the embeddings alone"):
+        Matryoshka(memory, [8])
+    with pytest.raises(ConfigError, match="asks for 16 dimensions of 8"):
+        Matryoshka(InfoNCE(), [16, 4])(Dot(True), torch.randn(2, 8), torch.randn(2, 8), batch_of(2, 0, 0))
+
+
+def test_weights_follow_their_dimensions_whatever_the_order():
+    m = Matryoshka(InfoNCE(), [64, 256, 128], [0.5, 2.0, 1.0])
+    assert m.dims == (256, 128, 64) and m.weights == (2.0, 1.0, 0.5)
+    assert m.describe() == "Matryoshka (256, 128, 64; weights 2, 1, 0.5) of contrastive"
+
+
+def test_index_dimensions_are_checked_against_the_model_and_its_training():
+    with pytest.raises(ConfigError, match="above the model's 32"):
+        check_index_dim(64, 32, None)
+    with pytest.warns(UserWarning, match="not trained at 8 dimensions"):
+        check_index_dim(8, 32, [32, 16])
+    assert check_index_dim(16, 32, [32, 16]) == 16
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("train.matryoshka_weights=[1.0]", "without train.matryoshka_dims"),
+        ("train.matryoshka_dims=[64]", "64 dimensions of a 32-dimensional model"),
+        ("loss.memory=pre-batch", "loss.memory=none"),
+        ("model.kind=splade", "model.kind=splade has none"),
+    ],
+)
+def test_a_run_refuses_what_matryoshka_cannot_train_before_any_work(
+    tiny_beir, tiny_model_dir, tmp_path, override, match
+):
+    from densepass.pipelines.experiment import run_experiment
+
+    base = run_overrides(tiny_beir, tiny_model_dir, tmp_path)
+    if override.startswith("train.matryoshka"):
+        base = [o for o in base if not o.startswith("train.matryoshka")]
+    with pytest.raises(ConfigError, match=match):
+        run_experiment(load_config(None, [*base, override]))
+    assert not (tmp_path / "mrl" / "model").exists()
+
+
+def run_overrides(dataset, model_dir, output):
+    return [
+        f"data.name={dataset}",
+        f"model.name_or_path={model_dir}",
+        f"output_dir={output}",
+        "name=mrl",
+        "train.batch_size=8",
+        "train.max_steps=3",
+        "negatives.source=none",
+        "eval.baselines=[]",
+        "eval.metrics=[mrr@10]",
+        "eval.depth=10",
+        "train.matryoshka_dims=[32, 16, 8]",
+        "train.matryoshka_weights=[1.0, 1.0, 0.5]",
+    ]
+
+
+def test_a_tiny_run_trains_records_its_dimensions_and_sentence_transformers_truncates_alike(
+    tiny_beir, tiny_model_dir, tmp_path
+):
+    from sentence_transformers import SentenceTransformer
+
+    from densepass.models.biencoder import BiEncoder
+    from densepass.pipelines.experiment import run_experiment
+
+    run_experiment(load_config(None, run_overrides(tiny_beir, tiny_model_dir, tmp_path)))
+    run_dir = tmp_path / "mrl"
+    assert "Matryoshka (32, 16, 8; weights 1, 1, 0.5) of contrastive" in (run_dir / "report.md").read_text()
+    model_dir = run_dir / "model"
+    assert json.loads((model_dir / "densepass.json").read_text())["matryoshka_dims"] == [32, 16, 8]
+    st_config = json.loads((model_dir / "config_sentence_transformers.json").read_text())
+    assert st_config["matryoshka_dims"] == [32, 16, 8]
+    model = BiEncoder.from_pretrained(str(model_dir))
+    assert model.config.matryoshka_dims == [32, 16, 8]
+    texts = ["audio editor library", "kernel driver for printers", "python shell"]
+    ours = truncate(model.encode_passages(texts, show_progress=False, precision="fp32"), 16, normalize=True)
+    st_model = SentenceTransformer(str(model_dir), device="cpu", truncate_dim=16)
+    theirs = st_model.encode(texts, normalize_embeddings=True)
+    assert theirs.shape == (3, 16)
+    np.testing.assert_allclose(theirs, ours, atol=1e-5)
