@@ -347,3 +347,64 @@ def test_two_gloo_processes_end_with_the_weights_of_one_process_on_the_whole_ste
         for key in ("loss", "em@1"):
             assert [r.get(key) for r in got] == pytest.approx([r.get(key) for r in expected], rel=1e-4)
     assert (tmp_path / "dist" / "best-model").is_dir() and (tmp_path / "dist" / "best.json").is_file()
+
+
+# ---- query-side fine-tuning under torch.distributed ---------------------------------------------------------------
+
+
+def _query_tuning(root: Path, run_dir: Path) -> dict:
+    """Query-side fine-tuning of a fresh tiny model against an index of its training passages (5 questions a step,
+    so that two processes encode 3 and 2); its final weights."""
+    from densepass.phrase.config import QueryTuningConfig
+    from densepass.phrase.index import PhraseIndex
+    from densepass.phrase.query_tuning import gold_rows, tune_question_encoder
+    from densepass.phrase.train import split_rows
+
+    data = load_squad_spans(root / "squad")
+    model = PhraseEncoder.from_pretrained(str(root / "bert"), SMALL)
+    phrase_data = build_phrase_data(model, data, "train")
+    corpus = data.dataset.corpus
+    index = PhraseIndex.build(model, corpus.subset(split_rows(data, "train")), vector_dtype="float32")
+    gold = gold_rows(index, data, [e.qid for e in phrase_data.examples])
+    config = QueryTuningConfig(
+        enabled=True, epochs=1, batch_size=5, top_k=3, learning_rate=1e-3, checkpoint_every=2, cpu_bf16=False
+    )
+    tune_question_encoder(model, index, phrase_data.examples, gold, config, run_dir, CPU, show_progress=False)
+    return weights(model)
+
+
+def _query_tuning_worker(rank, world, port, root, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        torch.save(_query_tuning(Path(root), Path(out_dir) / "dist"), Path(out_dir) / f"qsft-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_query_tuning_on_two_gloo_processes_ends_with_the_weights_of_one_process(setup, tmp_path):
+    """Each process encodes its share of a step's questions and the vectors are gathered: every process retrieves
+    the same candidates and computes the global step's loss, and the summed gradient is the whole step's; the weights
+    equal one process's up to float rounding (one thread each, as in the reference: only the order of sums
+    differs)."""
+    _, _, root, _ = setup
+    mp.spawn(_query_tuning_worker, args=(2, _free_port(), str(root), str(tmp_path)), nprocs=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = _query_tuning(root, tmp_path / "single")
+    finally:
+        torch.set_num_threads(threads)
+    ranks = [torch.load(tmp_path / f"qsft-rank{rank}.pt") for rank in range(2)]
+    start = weights(PhraseEncoder.from_pretrained(str(root / "bert"), SMALL))
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in single)  # the same updates on every process
+    assert any(not torch.equal(single[k], start[k]) for k in single)  # it trained
+    for name, value in single.items():
+        torch.testing.assert_close(ranks[0][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+    def losses(run: str) -> list[float]:
+        return [json.loads(line)["loss"] for line in (tmp_path / run / "train_log.jsonl").read_text().splitlines()]
+
+    assert len(losses("dist")) == len(losses("single")) > 1  # written once, by rank 0, with the global step's loss
+    assert losses("dist") == pytest.approx(losses("single"), rel=1e-4)

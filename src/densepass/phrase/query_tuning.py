@@ -11,6 +11,11 @@ likelihood of the correct phrases among the retrieved ones):
     s(q, (i, j)) = <q_start, start_i> + <q_end, end_j>.
 
 The phrase side is frozen, so the index stays valid. The training engine (``training.engine``) runs it.
+
+Under torch.distributed every process holds the step's questions (rank 0's plan), encodes its share of them
+(``training.distributed.shares``) and gathers every process's question vectors (only its own carry gradient): each
+retrieves the candidates and computes the loss of the global step, and the engine sums the gradients, so the update
+is that of one process on the whole step.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 import torch
 from typing_extensions import override
 
+from densepass import distributed
 from densepass.checkpoints import training_identity
 from densepass.data.squad import SquadSpans
 from densepass.device import autocast_context
@@ -36,6 +42,7 @@ from densepass.phrase.span_search import top_spans
 from densepass.phrase.train import PhraseModelTask
 from densepass.phrase.windows import char_span_to_tokens
 from densepass.training import engine
+from densepass.training.distributed import gather_rows, shares
 
 
 def gold_rows(index: PhraseIndex, data: SquadSpans, qids: Sequence[str]) -> dict[str, tuple[int, int]]:
@@ -64,10 +71,11 @@ def marginal_loss(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
 class QueryTuningTask(PhraseModelTask):
     """The question encoder of ``model`` trained against ``index`` (its phrase side frozen): each step retrieves
     the top-k phrases of its questions without gradient, then minimises the marginal loss over them and the gold
-    phrase."""
+    phrase; under torch.distributed each process encodes its share of the questions (module docstring)."""
 
     section = "query_tuning"
     description = "query-side fine-tuning"
+    distributed = True
 
     def __init__(
         self,
@@ -131,10 +139,19 @@ class QueryTuningTask(PhraseModelTask):
     @override
     def step(self, batch: list[PhraseExample], context: engine.StepContext) -> engine.StepOutput:
         device = context.device
-        questions = self.model.tokenize_questions([e.question for e in batch])
-        with autocast_context(device, context.bf16):
-            q_start, q_end = self.model.question_vectors({k: v.to(device) for k, v in questions.items()})
-        q_start, q_end = q_start.float(), q_end.float()
+        parts = shares(len(batch))
+        mine = parts[distributed.rank()]
+        if len(mine):  # padded as the whole step's questions, so that each is encoded as in one process
+            questions = self.model.tokenize_questions([e.question for e in batch])
+            with autocast_context(device, context.bf16):
+                q_start, q_end = self.model.question_vectors(
+                    {k: v[mine.start : mine.stop].to(device) for k, v in questions.items()}
+                )
+            q_start, q_end = q_start.float(), q_end.float()
+        else:  # more processes than questions: this one encodes none
+            q_start = q_end = torch.zeros(0, self.model.dim, device=device)
+        counts = [len(part) for part in parts]
+        q_start, q_end = gather_rows(q_start, counts), gather_rows(q_end, counts)
         starts, ends, positive = self.candidates(batch, q_start, q_end)
         valid = starts >= 0
         safe_start, safe_end = starts.clamp_min(0).to(device), ends.clamp_min(0).to(device)
@@ -142,8 +159,10 @@ class QueryTuningTask(PhraseModelTask):
             q_end[:, None, :] * self.end_vectors[safe_end]
         ).sum(-1)
         loss = marginal_loss(scores.masked_fill(~valid.to(device), float("-inf")), positive.to(device))
-        loss.backward()
-        return engine.StepOutput(loss, size=len(batch), terms={"positives": positive.sum(1).float().mean()})
+        if loss.requires_grad:  # not when this process encoded no question
+            loss.backward()
+        terms = {"positives": positive.sum(1).float().mean()}
+        return engine.StepOutput(loss.detach(), size=len(batch), terms=terms)
 
     @override
     def finish(self) -> None:
