@@ -136,6 +136,17 @@ def _index(args: argparse.Namespace) -> None:
         print(f"indexed {len(index):,} passages of {name} into {args.output} ({args.kind})")
 
 
+def _index_update(args: argparse.Namespace) -> None:
+    from densepass.device import resolve_device
+    from densepass.index.living import update_saved_index
+
+    options = {"batch_size": args.batch_size, "precision": args.precision, "device": resolve_device(args.device)}
+    index = update_saved_index(args.index, args.delete, args.upsert, args.compact, **options)
+    tombstones = len(index.passages) - len(index)
+    waiting = f", {tombstones:,} deleted awaiting --compact" if tombstones else ""
+    print(f"updated {args.index} to version {index.version}: {len(index):,} passages{waiting}")
+
+
 def _retriever_options(args: argparse.Namespace):
     """SPLADE pruning and ColBERT storage / search options of ``densepass index``, as a model section."""
     from densepass.config import ColbertConfig, ModelConfig, SpladeConfig
@@ -568,6 +579,18 @@ def build_parser() -> argparse.ArgumentParser:
     _precision_arg(index)
     _device_arg(index)
     index.set_defaults(func=_index)
+
+    update = sub.add_parser(
+        "index-update", help="delete, upsert or compact passages of a saved index in place (atomic: a new version)"
+    )
+    update.add_argument("index", help="index directory (from densepass index)")
+    update.add_argument("--delete", default=None, help="file of passage ids to delete, one a line")
+    update.add_argument("--upsert", default=None, help="corpus.jsonl of passages to add or replace (by _id)")
+    update.add_argument("--compact", action="store_true", help="rewrite the index without its deleted passages")
+    update.add_argument("--batch-size", type=positive_int, default=256, help="encoding batch size")
+    _precision_arg(update)
+    _device_arg(update)
+    update.set_defaults(func=_index_update)
 
     search = sub.add_parser("search", help="search a saved index: one query (a table) or a file of queries (a run)")
     search.add_argument("index", help="index directory (from densepass index)")
