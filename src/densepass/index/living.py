@@ -32,9 +32,12 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from densepass.data.beir import read_corpus
+from densepass.data.files import reading
 from densepass.errors import ConfigError
 from densepass.fingerprints import fingerprint_file
 from densepass.index.base import (
+    KINDS,
     Index,
     Passages,
     check_ids,
@@ -48,6 +51,7 @@ from densepass.io import (
     OWNED,
     atomic_directory,
     atomic_write_text,
+    check_regular_file,
     disk_errors,
     exclusive_lock,
     foreign_files,
@@ -98,6 +102,34 @@ def update_index(
             index.compact()
         save_version(index, directory)
     return index
+
+
+def read_ids_file(path: str | Path) -> list[str]:
+    """Passage ids, one a line (blank lines and surrounding whitespace left out), from a text file: what
+    ``densepass index-update --delete`` reads. A repeated id is a one-line error (``check_ids``)."""
+    path = Path(path)
+    check_regular_file(path, "--delete")
+    with reading(path):
+        ids = [line.strip() for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    return check_ids(ids, f"delete (in {path})")
+
+
+def update_saved_index(
+    directory: str | Path, delete_file: str | Path | None, upsert_file: str | Path | None, compact: bool, **options
+) -> Index:
+    """``densepass index-update``: the ids of ``delete_file`` (``read_ids_file``) and the passages of
+    ``upsert_file`` (a BEIR ``corpus.jsonl``) read and checked first, then ``update_index``; of ``options``
+    (batch_size, device, precision) the index's kind gets those it takes."""
+    directory = Path(directory)
+    kind = read_index_manifest(directory)["kind"]  # not an index: one line before any file is read
+    ids = read_ids_file(delete_file) if delete_file is not None else None
+    passages = None
+    if upsert_file is not None:
+        check_regular_file(upsert_file, "--upsert")
+        passages = read_corpus(Path(upsert_file))
+    takes = KINDS[kind].load_options
+    options = {name: value for name, value in options.items() if takes is None or name in takes}
+    return update_index(directory, ids, passages, compact, **options)
 
 
 def save_version(index: Index, directory: str | Path) -> int:
@@ -172,4 +204,12 @@ def _remove_old_versions(directory: Path, keep: set[str | None]) -> None:
     atomic_write_text(directory / OWNED, json.dumps(left, indent=0))
 
 
-__all__ = ["current_version", "index_version", "save_version", "update_index", "version_name"]
+__all__ = [
+    "current_version",
+    "index_version",
+    "read_ids_file",
+    "save_version",
+    "update_index",
+    "update_saved_index",
+    "version_name",
+]
