@@ -389,14 +389,71 @@ def test_pretrain_cli_and_config_errors(tiny_beir, tiny_model_dir, tmp_path, cap
     assert main([*args, "--set", "train.grad_accumulation=3"]) == 2
 
 
-@pytest.mark.parametrize("mode", ["mlm", "condenser", "cocondenser"])
-def test_condenser_modes_under_torchrun_are_refused_before_any_work(
-    tiny_beir, tiny_model_dir, tmp_path, monkeypatch, mode
-):
-    """Only Contriever's step shares a batch over processes: the others would train every process on the whole
-    batch and sum the gradients, so torchrun's environment is one line before anything is read or written."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError) as error:
-        pretrain(_config(tiny_beir, tiny_model_dir, tmp_path, f"model.mode={mode}"))
-    assert f"model.mode={mode} does not run under torchrun" in str(error.value) and "\n" not in str(error.value)
-    assert not (tmp_path / "pt").exists()
+# two runs of two gloo processes: coCondenser with accumulation (shares of 3 spans in micro-batches of 2 and 1, the
+# contrastive pool gathered from both processes) and Condenser on shares of 3 and 2 sequences (uneven MLM weights)
+DISTRIBUTED_RUNS = {
+    "co": ("model.mode=cocondenser", "train.batch_size=6", "train.grad_accumulation=2"),
+    "cd": ("model.mode=condenser", "train.batch_size=5"),
+}
+
+
+def _distributed_config(tiny_beir, tiny_model_dir, out, extra) -> PretrainConfig:
+    return _config(tiny_beir, tiny_model_dir, out, *extra, "train.cpu_bf16=false")  # float32: no bf16 blur
+
+
+def _pretrain_worker(rank, world, port, beir, model_dir, out_dir):
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        for name, extra in DISTRIBUTED_RUNS.items():
+            pretrain(_distributed_config(Path(beir), Path(model_dir), Path(out_dir) / "dist" / name, extra))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_end_with_the_weights_of_one_process_on_the_whole_batch(tiny_beir, tiny_model_dir, tmp_path):
+    """Each process trains on its share of every step's sequences (the same masks: seeded by the step), its MLM
+    terms weighed by the global batch's masked tokens and coCondenser's contrastive loss on the CLS vectors of both
+    processes: the summed gradient is the whole batch's, so the backbone equals one process's up to float rounding
+    (one thread in every run: only the order of sums differs). Rank 0 alone writes the log, with the global loss."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_pretrain_worker, args=(2, port, str(tiny_beir), str(tiny_model_dir), str(tmp_path)), nprocs=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        singles = {
+            name: pretrain(_distributed_config(tiny_beir, tiny_model_dir, tmp_path / "single" / name, extra))
+            for name, extra in DISTRIBUTED_RUNS.items()
+        }
+    finally:
+        torch.set_num_threads(threads)
+    start = AutoModel.from_pretrained(tiny_model_dir).state_dict()
+    for name, single in singles.items():
+        dist_run, single_run = tmp_path / "dist" / name / "pt", single.backbone_path.parent
+        got = AutoModel.from_pretrained(dist_run / "backbone").state_dict()
+        expected = AutoModel.from_pretrained(single.backbone_path).state_dict()
+        assert any(not torch.equal(expected[k], start[k]) for k in expected)  # it trained
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+
+        def records(run):
+            return [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+
+        assert len(records(dist_run)) == len(records(single_run)) == 4
+        for key in ("loss", "late_mlm", "head_mlm", "contrastive"):
+            assert [r[key] for r in records(dist_run)] == pytest.approx([r[key] for r in records(single_run)], rel=1e-4)
+        assert records(single_run)[0]["head_mlm"] > 0 and (name == "cd" or records(single_run)[0]["contrastive"] > 0)
+        assert (dist_run / "report.md").is_file() and not list(dist_run.rglob("*.tmp"))

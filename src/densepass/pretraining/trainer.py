@@ -16,9 +16,13 @@ rounding; it costs one extra backbone forward per micro-batch.
 Data, masking and dropout depend only on (seed, step), so a run resumed from a checkpoint continues
 exactly as the uninterrupted run would have.
 
-Contriever pre-training runs under ``torchrun`` (``pretraining.contriever``: each process encodes its share of every
-step's documents; rank 0 locks the run directory and writes every file). Condenser, coCondenser and MLM do not yet:
-under torchrun they are refused before any work, since each process would train on the whole batch.
+Every mode runs under ``torchrun``; rank 0 locks the run directory and writes every file. Each process holds the
+step's whole batch (rank 0's), masked the same way (the masking generator is seeded by (seed, step)), and trains on
+its share of the sequences (``training.distributed.shares``): Contriever as ``pretraining.contriever`` says; the MLM
+terms weigh each micro-batch by its share of the *global* batch's masked tokens, so the gradients the engine sums
+over processes are the whole batch's; coCondenser's contrastive pool stays the whole batch through the gradient
+cache above, the late CLS vectors of every process gathered before the loss (under torchrun the cache is used even
+without accumulation: one more forward without a graph, and no collective that depends on a process's share).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from densepass.pretraining.crops import CropSettings, contriever_batches
 from densepass.pretraining.data import Batch, mlm_batches, span_batches, subset_corpus
 from densepass.pretraining.masking import Masker
 from densepass.training import engine
+from densepass.training.distributed import gather_rows, shares, summed
 
 LOG_NAME = engine.LOG_NAME
 # What a pre-training run writes in its directory: all that --restart removes; anything else there is kept.
@@ -116,14 +121,18 @@ def _split(batch: Batch, parts: int) -> list[Batch]:
 def forward_backward(
     model: Condenser, batch: Batch, accumulation: int, device: torch.device, bf16: bool
 ) -> dict[str, float]:
-    """Accumulate the gradient of one step's loss into ``.grad``; return the loss terms of the step."""
-    chunks = [{k: v.to(device) for k, v in c.items()} for c in _split(batch, accumulation)]
-    total_masked = max(int((batch["labels"] != -100).sum()), 1)
+    """Accumulate the gradient of one step's loss into ``.grad``; return the loss terms of the step (of the global
+    batch under torch.distributed, this process training on its share of the sequences)."""
+    parts = shares(batch["input_ids"].shape[0])
+    mine = parts[distributed.rank()]
+    local = {k: v[mine.start : mine.stop] for k, v in batch.items()}
+    chunks = [{k: v.to(device) for k, v in c.items()} for c in _split(local, accumulation)] if len(mine) else []
+    total_masked = max(int((batch["labels"] != -100).sum()), 1)  # the global batch's
     autocast = lambda: autocast_context(device, bf16)  # noqa: E731
     co_grads: list[torch.Tensor | None] = [None] * len(chunks)
     states: list[contextlib.AbstractContextManager] = [contextlib.nullcontext()] * len(chunks)
     terms = {"late_mlm": 0.0, "head_mlm": 0.0, "contrastive": 0.0}
-    cached = model.mode == "cocondenser" and len(chunks) > 1
+    cached = model.mode == "cocondenser" and (accumulation > 1 or distributed.world_size() > 1)
     if cached:  # gradient caching of the contrastive loss over the whole batch
         reps, replays = [], []
         with torch.no_grad():
@@ -131,10 +140,12 @@ def forward_backward(
                 replays.append(RandomState(device))
                 with autocast():
                     reps.append(model.encode(chunk["input_ids"], chunk["attention_mask"])[1][:, 0].float())
-        cls = torch.cat(reps).requires_grad_()
+        hidden = model.backbone.config.hidden_size
+        local_cls = torch.cat(reps) if reps else torch.zeros(0, hidden, device=device)
+        cls = gather_rows(local_cls, [len(part) for part in parts]).requires_grad_()  # every process's, rank order
         co = span_contrastive_loss(cls, model.temperature)
         co.backward()
-        co_grads = list(cls.grad.split([len(r) for r in reps]))
+        co_grads = list(cls.grad[mine.start : mine.stop].split([len(r) for r in reps])) if reps else []
         states = [state.replay() for state in replays]
         terms["contrastive"] = co.item()
     for chunk, grad, state in zip(chunks, co_grads, states):
@@ -151,6 +162,8 @@ def forward_backward(
         loss.backward()
         terms["late_mlm"] += out.late_mlm.item() * weight
         terms["head_mlm"] += out.head_mlm.item() * weight if out.head_mlm is not None else 0.0
+    if distributed.world_size() > 1:  # each process's MLM terms weigh its share: their sum is the global batch's
+        terms["late_mlm"], terms["head_mlm"] = summed([terms["late_mlm"], terms["head_mlm"]])
     terms["loss"] = terms["late_mlm"] + terms["head_mlm"] + terms["contrastive"]
     return terms
 
@@ -187,8 +200,6 @@ def check(config: PretrainConfig) -> torch.device:
         if config.contriever.negatives == "in-batch" and t.grad_accumulation > 1:
             raise ConfigError("contriever.negatives=in-batch uses the whole batch as its pool: grad_accumulation 1")
         crop_settings(config)  # the crop ratios' order
-    elif distributed.launched_by_torchrun() or distributed.world_size() > 1:
-        raise ConfigError(f"model.mode={config.model.mode} does not run under torchrun yet: run it in one process")
     return resolve_device(config.device)
 
 
@@ -196,7 +207,7 @@ def pretrain(config: PretrainConfig, restart: bool = False) -> PretrainResult:
     """Run (or resume) the pre-training of ``config``; writes config, checkpoints, log, backbone, report.
     The run directory is locked while it runs; ``restart`` discards what an earlier run left there, but only once
     the model, the data and the checkpoints have passed their checks (a refused run removes nothing). Under
-    torchrun (Contriever only) every process trains and rank 0 locks the directory and writes."""
+    torchrun every process trains and rank 0 locks the directory and writes."""
     device = check(config)
     with (
         distributed.process_group(),
@@ -208,15 +219,15 @@ def pretrain(config: PretrainConfig, restart: bool = False) -> PretrainResult:
 class PretrainTask(engine.Task):
     """Condenser / coCondenser (MLM on a masked copy of each batch, + the span contrastive loss) or Contriever
     (InfoNCE over two views, with a MoCo queue) on the run's seeded stream of batches: one epoch of
-    ``max_steps`` steps. Masking and dropout are seeded by (seed, step). Contriever's step runs under
-    torch.distributed (``distributed``); the others' do not yet."""
+    ``max_steps`` steps. Masking and dropout are seeded by (seed, step). Every mode's step runs under
+    torch.distributed, each process training on its share of every step's sequences (module docstring)."""
 
     throughput = "tokens_per_s"
+    distributed = True
 
     def __init__(self, config: PretrainConfig, model: Condenser | Contriever, dataset: RetrievalDataset) -> None:
         self.config, self.model, self.dataset = config, model, dataset
         self.contriever = isinstance(model, Contriever)
-        self.distributed = self.contriever
         self.description = f"pretrain {config.model.mode}"
         self.steps_per_epoch, self.epochs = config.train.max_steps, 1
         self.masker = None

@@ -68,3 +68,13 @@ def sum_gradients(parameters: Iterable[torch.Tensor]) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+def summed(values: Sequence[float]) -> list[float]:
+    """``values`` summed element-wise over processes (in float64, so that a logged sum does not depend on the
+    order of the processes' float32 additions); ``values`` themselves outside torch.distributed."""
+    if not is_distributed():
+        return list(values)
+    total = torch.tensor(list(values), dtype=torch.float64, device=collective_device())
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.tolist()
