@@ -415,6 +415,15 @@ def _download(args: argparse.Namespace) -> None:
 
 def _dataset_args(p: argparse.ArgumentParser, positional: bool = True, formats: tuple[str, ...] = FORMATS) -> None:
     if positional:
+    if args.to == "qdrant":
+        from densepass.pipelines.vector_export import export_to_qdrant
+
+        done = export_to_qdrant(
+            args.model, args.target, args.collection, args.api_key, args.force, args.batch_size, not args.no_text
+        )
+        print(f"exported {done.points} points ({done.dim}-d, {done.distance}) of {args.model} to collection "
+              f"{done.collection!r} at {done.target}")  # fmt: skip
+        return
         p.add_argument("dataset", help="dataset name under the data dir, or a path")
     p.add_argument("--data-dir", default=None, help="data directory (default: $DENSEPASS_DATA or ../shared/data)")
     p.add_argument("--format", default="beir", choices=formats, help="dataset layout")
@@ -732,10 +741,16 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--output", required=True)
     study.set_defaults(func=_validate_study)
 
-    export = sub.add_parser("export", help="publish a saved model with a model card: a folder, ONNX, or the Hub")
-    export.add_argument("model", help="a saved model directory (e.g. a run's model/)")
-    export.add_argument("--to", required=True, choices=["dir", "onnx", "hub"], help="what to write")
-    export.add_argument("target", help="dir / onnx: a new folder (or one densepass wrote); hub: a repo id")
+    export = sub.add_parser(
+        "export", help="publish a saved model with a model card (a folder, ONNX, the Hub), or an index to Qdrant"
+    )
+    export.add_argument("model", help="a saved model directory (e.g. a run's model/); qdrant: a dense index directory")
+    export.add_argument("--to", required=True, choices=["dir", "onnx", "hub", "qdrant"], help="what to write")
+    export.add_argument(
+        "target",
+        help="dir / onnx: a new folder (or one densepass wrote); hub: a repo id; qdrant: a server's http(s) URL, or a"
+        " folder for Qdrant's embedded mode",
+    )
     export.add_argument("--private", action="store_true", help="hub: create the repo private")
     export.set_defaults(func=_export)
 
@@ -764,6 +779,11 @@ def run_guarded(func: Callable[[], object], prog: str = "densepass") -> int:
         message = disk_failure(err)
         if message is None:
             raise
+    export.add_argument("--collection", default=None, help="qdrant: the collection (default: the index folder's name)")
+    export.add_argument("--api-key", default=None, help="qdrant: the server's API key (default: $QDRANT_API_KEY)")
+    export.add_argument("--force", action="store_true", help="qdrant: replace a collection of that name")
+    export.add_argument("--batch-size", type=positive_int, default=256, help="qdrant: points per upsert")
+    export.add_argument("--no-text", action="store_true", help="qdrant: payloads without titles and texts")
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
