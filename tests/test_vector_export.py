@@ -128,3 +128,15 @@ def test_the_command_replaces_a_collection_with_force(saved_index, tmp_path):
     done = run_densepass(*args, "--batch-size", "100", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "exported 300 points (32-d, Cosine)" in done.stdout and "collection 'p'" in done.stdout
+
+
+def test_deleted_passages_are_left_out(saved_index):
+    _, model, _ = saved_index
+    index = DenseIndex.build(model, passages(6), show_progress=False)
+    full = index.embeddings.copy()
+    index.delete(["doc-1", "doc-4"])
+    ids, vectors = index.to_numpy()
+    assert ids == ["doc-0", "doc-2", "doc-3", "doc-5"]
+    np.testing.assert_array_equal(vectors, full[[0, 2, 3, 5]])
+    table = index.to_arrow()
+    assert table.column("id").to_pylist() == ids and table.column("title").to_pylist() == ["t0", "t2", "t3", "t5"]
