@@ -1,7 +1,8 @@
 """The C++ CPU kernels of the fused layers (``models.cpu_kernels``): attention over packed sequences and layer norm
 against slow float64 references on random inputs, the fused encoder that runs them against ``transformers``, and
-how the kernels are built, cached, refused and turned off. The numeric tests run where the CPU has AMX (they skip
-elsewhere); the build tests wherever a C++ compiler is found."""
+how the kernels are built, cached, refused and turned off. The numeric tests run where the CPU has AMX or
+AVX512-BF16, on the build it runs (they skip elsewhere; tests/test_cpu_kernel_kinds.py runs each build the CPU has);
+the build tests wherever a C++ compiler is found."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from test_fused import random_encoder, right_padded
 
 BF16 = torch.bfloat16
 available = cpu_kernels.usable(torch.zeros(1, dtype=BF16), 32)
-needs_kernels = pytest.mark.skipif(not available, reason="the CPU kernels need AMX (models.cpu_kernels.REQUIRED)")
+needs_kernels = pytest.mark.skipif(not available, reason="the CPU kernels need AMX or AVX512-BF16")
 HEADS = {"heads": st.integers(1, 3), "size": st.sampled_from([32, 64])}  # 1-3 heads of the sizes the kernels take
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++")
 

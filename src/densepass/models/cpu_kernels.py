@@ -1,5 +1,5 @@
-"""bf16 kernels of the fused BERT layers on x86 CPUs with AMX: the query, key and value product with attention, and
-all that follows it, on AMX tiles, in C++.
+"""bf16 kernels of the fused BERT layers on x86 CPUs with AMX or AVX512-BF16: the query, key and value product with
+attention, and all that follows it, in C++ (on AMX tiles, or on AVX-512 registers with ``vdpbf16ps``).
 
 SDPA's CPU flash-attention kernel ran MiniLM's attention (12 heads of 32 dimensions over rows of about 90 tokens)
 at 61 G multiply-adds/s on a 2-core Xeon with AMX, against 0.5-1.6 T for the layer's products, and took a third of
@@ -9,6 +9,9 @@ a fused layer's time; torch's bf16 layer norm another 8% (``benchmarks/bench_lay
     S = Q K^T                 on AMX tiles (bf16 in, float32 out), 16 queries x 16 keys a tile
     P = exp(scale (S - max))  in float32 (AVX-512), per query row, rounded to bf16
     O = P V / sum(P)          on AMX tiles, divided and rounded to bf16
+
+(the AVX512-BF16 build: both products with ``vdpbf16ps``, 8 queries x 32 keys or dimensions at a time, from the
+same key and value layouts)
 
 as SDPA does in bf16 (float32 scores and softmax, bf16 probabilities for P V), over sequences packed one after the
 other without padding: a layer's products run on the tokens alone, and the kernel reads queries, keys and values
@@ -22,21 +25,29 @@ products' results come off the tiles. ``layer_norm_`` normalises bf16 rows in pl
 on the way (what the layers run where ``AfterAttention`` does not fit); ``embed`` computes the first layer's input
 vectors of packed tokens from their ids, positions and types (the lookups, sums and layer norm in one pass).
 
-The kernels (``csrc/cpu_kernels.cpp``) are built with the system's C++ compiler on first use, into a cache keyed
-by the source, the flags and the compiler (``$DENSEPASS_KERNEL_CACHE``, else ``~/.cache/densepass/kernels``), and
-loaded with ``ctypes``. Where the CPU has no AMX, no compiler is found or the build fails (a warning, once), the
-fused layers run SDPA and torch's layer norm on padded batches, as they do in float32. ``$DENSEPASS_CPU_KERNELS=0``
-turns the kernels off (to compare).
+One source (``csrc/cpu_kernels.cpp``), two builds (``KINDS``), chosen at run time by the CPU's flags, best first:
+``amx`` (Intel Sapphire Rapids and later: the products and attention's two products on AMX tiles) and
+``avx512_bf16`` (AMD Zen 4 and 5, Intel Cooper Lake, Ice Lake with BF16, or a Sapphire Rapids VM that hides AMX:
+the same kernels with the products on AVX-512 registers, ``vdpbf16ps`` on pairs of bf16 along the depth, 8 rows x
+32 columns of float32 accumulators at a time, the weights in the same ``tile_layout``, which is also the operand
+layout ``vdpbf16ps`` takes). Each kind is built without the other's instructions (no ``-mamx-*`` for
+``avx512_bf16``) under a library name of its own. They are built with the system's C++ compiler on first use, into
+a cache keyed by the source, the flags and the compiler (``$DENSEPASS_KERNEL_CACHE``, else
+``~/.cache/densepass/kernels``), and loaded with ``ctypes``. Where the CPU has neither, no compiler is found or the
+builds fail (a warning, once), the fused layers run SDPA and torch's layer norm on padded batches, as they do in
+float32 (and on AVX2-only CPUs). ``$DENSEPASS_CPU_KERNELS=0`` turns the kernels off (to compare);
+``$DENSEPASS_CPU_KERNEL_KIND`` (``amx`` or ``avx512_bf16``, read once per process) takes that kind alone, where the
+CPU has it (an AMX CPU runs the AVX512-BF16 kernels to compare them).
 
-densepass loads no native code it did not build for this user. The cache is private to its user: a directory
-(made 0700) that the user owns and group and others cannot write to, below directories only the user or root can
-change; a cache shared by several users is not supported. Each library (0700) has a manifest beside it
-(``cpu_kernels-<key>.json``: its size and sha256, the compiler's version, the flags, the source's digest), and is
-loaded only where both are the user's plain files (no link followed), the library's digest, taken from the
-descriptor it is then loaded through (``/proc/self/fd/N``), matching the manifest. A damaged entry of the user's is
-built again; where the cache directory or an entry in it is not the user's alone (another user's file, a link, a
-directory others can write to), nothing is loaded from it: a one-line warning, and the kernels are built for the
-process alone in a private temporary directory.
+densepass loads no native code it did not build for this user. The cache is private to its user: a directory (made 0700)
+that the user owns and group and others cannot write to, below directories only the user or root can change; a cache
+shared by several users is not supported. Each library (0700) has a manifest beside it (``cpu_kernels-<key>.json``,
+``cpu_kernels_avx512bf16-<key>.json``: its size and sha256, the compiler's version, the flags, the source's digest), and
+is loaded only where both are the user's plain files (no link followed), the library's digest, taken from the descriptor
+it is then loaded through (``/proc/self/fd/N``), matching the manifest. A damaged entry of the user's is built again;
+where the cache directory or an entry in it is not the user's alone (another user's file, a link, a directory others can
+write to), nothing is loaded from it: a one-line warning, and the kernels are built for the process alone in a private
+temporary directory.
 
     >>> import torch
     >>> qkv = torch.randn(8 + 5, 3 * 12 * 32).bfloat16()  # two sequences of 8 and 5 tokens, 12 heads of 32
@@ -68,6 +79,7 @@ import torch
 from torch import nn
 
 from densepass.device import cpuinfo_words, env_switch
+from densepass.errors import ConfigError
 from densepass.io import atomic_write_text
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
@@ -84,7 +96,38 @@ FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mav
 """Compiler flags: the instruction sets the kernels use, not ``-march=native`` (a cache shared by machines of
 other CPUs stays valid). OpenMP resolves to the ``libgomp`` torch has loaded, so the kernels share its threads."""
 REQUIRED = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl", "avx512dq"})
-"""The CPU flags (/proc/cpuinfo) the kernels need: Intel Sapphire Rapids and later."""
+"""The CPU flags (/proc/cpuinfo) the AMX kernels need: Intel Sapphire Rapids and later."""
+AVX512_FLAGS = tuple(flag for flag in FLAGS if not flag.startswith("-mamx"))
+"""Compiler flags of the AVX512-BF16 build: the AMX build's without AMX (the source takes the tile path where the
+compiler defines ``__AMX_TILE__``)."""
+AVX512_REQUIRED = frozenset({"avx512f", "avx512_bf16", "avx512bw", "avx512vl", "avx512dq", "fma"})
+"""The CPU flags the AVX512-BF16 kernels need: AMD Zen 4 and later, Intel Cooper Lake, Sapphire Rapids."""
+KINDS = ("amx", "avx512_bf16")
+"""The builds of the kernels, best first."""
+KIND_ENV = "DENSEPASS_CPU_KERNEL_KIND"
+"""Set to ``amx`` or ``avx512_bf16`` to take that build alone (where the CPU has it); unset: the best it has."""
+_LIBRARY_NAMES = {"amx": "cpu_kernels", "avx512_bf16": "cpu_kernels_avx512bf16"}
+_KIND_NUMBERS = {"amx": 1, "avx512_bf16": 2}  # what each build's densepass_kind() returns
+
+
+def kinds(words: frozenset[str] | None = None) -> list[str]:
+    """The builds of the kernels this CPU runs (``words``: its /proc/cpuinfo words, default this machine's), best
+    first: ``amx`` where it has ``REQUIRED``, ``avx512_bf16`` where it has ``AVX512_REQUIRED``; only the one
+    ``$DENSEPASS_CPU_KERNEL_KIND`` names where it is set (a one-line ``ConfigError`` for another value)."""
+    wanted = os.environ.get(KIND_ENV, "").strip()
+    if wanted not in ("", *KINDS):
+        raise ConfigError(f"${KIND_ENV} must be one of {', '.join(KINDS)}, got {wanted!r}")
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    words = cpuinfo_words() if words is None else words
+    runs = {"amx": REQUIRED <= words, "avx512_bf16": AVX512_REQUIRED <= words}
+    return [kind for kind in KINDS if runs[kind] and wanted in ("", kind)]
+
+
+def kind() -> str | None:
+    """The build of the kernels this process runs (``KINDS``), None where none runs."""
+    library = _library()
+    return None if library is None else library.kind
 
 
 def usable(x: torch.Tensor, size: int) -> bool:
@@ -260,7 +303,9 @@ def embed(embeddings: nn.Module, ids: torch.Tensor, positions: torch.Tensor, typ
 def tile_layout(weight: torch.Tensor) -> torch.Tensor:
     """A linear layer's weight [out, in] (both multiples of 32) in the order the products read it from memory:
     per 16 output columns, its tiles of 32 input depths one after the other, each 16 rows of the 16 columns' two
-    depths side by side ([out / 16, in / 32, 16, 16, 2]: AMX's layout for the right operand of a bf16 product)."""
+    depths side by side ([out / 16, in / 32, 16, 16, 2]: AMX's layout for the right operand of a bf16 product, and
+    the AVX512-BF16 build's: each 64-byte row is the 16 columns' pair that one ``vdpbf16ps`` multiplies with a
+    broadcast pair of an input row)."""
     if weight.dim() != 2 or weight.shape[0] % 32 or weight.shape[1] % 32:
         raise ValueError(f"tile_layout takes a weight [out, in] of multiples of 32, got {tuple(weight.shape)}")
     out, depth = weight.shape
@@ -378,40 +423,49 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The kernels, built and loaded once per process; None where this machine cannot run them."""
-    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    if not REQUIRED <= cpuinfo_words():
-        return None
+    """The kernels, built and loaded once per process: the first of ``kinds()`` that builds and loads (a warning for
+    each that does not); None where this machine runs none."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
+    candidates = kinds()
+    if compiler is None or not candidates:
         return None
-    try:
-        library = _loaded(compiler)
-    except (OSError, subprocess.SubprocessError, ValueError) as error:
-        lines = (getattr(error, "stderr", "") or str(error)).strip().splitlines() or [type(error).__name__]
-        warnings.warn(f"densepass's CPU kernels did not build, SDPA runs instead: {lines[-1]}", stacklevel=1)
-        return None
-    if library.densepass_request_amx() != 0:  # Linux refused the tile state (before 5.16)
-        return None
-    pointer, size, number = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    library.densepass_attention.argtypes = [*[pointer] * 4, *[size] * 3, number, ctypes.c_int]
-    library.densepass_layer_norm.argtypes = [*[pointer] * 4, *[size] * 2, number, ctypes.c_int]
-    library.densepass_after_attention.argtypes = [pointer, pointer, size, ctypes.POINTER(_LayerWeights), pointer,
-                                                  ctypes.c_int]  # fmt: skip
-    library.densepass_embed.argtypes = [*[pointer] * 3, size, *[pointer] * 5, number, size, pointer, ctypes.c_int]
-    library.densepass_qkv_attention.argtypes = [*[pointer] * 3, size, pointer, pointer, size, size, number, pointer,
-                                                ctypes.c_int]  # fmt: skip
-    library.densepass_gelu.argtypes, library.densepass_gelu.restype = [pointer, pointer, size], None
-    return library
+    for number, candidate in enumerate(candidates):
+        instead = "SDPA runs" if number + 1 == len(candidates) else f"the {candidates[number + 1]} kernels are tried"
+        try:
+            library = _loaded(compiler, candidate)
+        except (OSError, subprocess.SubprocessError, ValueError) as error:
+            lines = (getattr(error, "stderr", "") or str(error)).strip().splitlines() or [type(error).__name__]
+            warnings.warn(f"densepass's CPU kernels ({candidate}) did not build, {instead} instead: {lines[-1]}",
+                          stacklevel=1)  # fmt: skip
+            continue
+        if library.densepass_kind() != _KIND_NUMBERS[candidate]:
+            warnings.warn(f"densepass's CPU kernels ({candidate}) built as another kind, {instead} instead",
+                          stacklevel=1)  # fmt: skip
+            continue
+        if library.densepass_request_amx() != 0:  # Linux refused the tile state (before 5.16)
+            continue
+        library.kind = candidate
+        pointer, size, number_ = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        library.densepass_attention.argtypes = [*[pointer] * 4, *[size] * 3, number_, ctypes.c_int]
+        library.densepass_layer_norm.argtypes = [*[pointer] * 4, *[size] * 2, number_, ctypes.c_int]
+        library.densepass_after_attention.argtypes = [pointer, pointer, size, ctypes.POINTER(_LayerWeights),
+                                                      pointer, ctypes.c_int]  # fmt: skip
+        library.densepass_embed.argtypes = [*[pointer] * 3, size, *[pointer] * 5, number_, size, pointer,
+                                            ctypes.c_int]  # fmt: skip
+        library.densepass_qkv_attention.argtypes = [*[pointer] * 3, size, pointer, pointer, size, size, number_,
+                                                    pointer, ctypes.c_int]  # fmt: skip
+        library.densepass_gelu.argtypes, library.densepass_gelu.restype = [pointer, pointer, size], None
+        return library
+    return None
 
 
-def _loaded(compiler: str) -> ctypes.CDLL:
-    """The library built by ``compiler`` from the cache (``_cache_path``), verified and loaded (``_verified_load``),
-    compiled into it where it is missing or damaged. Where the cache directory or its entry is not this user's alone
-    (``_Refused``), nothing is loaded from it: a one-line warning, and the library is built for this process alone
-    in a private temporary directory (removed once it is loaded); where that fails too, the error."""
-    inputs = _inputs(compiler)
+def _loaded(compiler: str, kind: str = "amx") -> ctypes.CDLL:
+    """The library of ``kind`` (``KINDS``) built by ``compiler`` from the cache (``_cache_path``), verified and
+    loaded (``_verified_load``), compiled into it where it is missing or damaged. Where the cache directory or its
+    entry is not this user's alone (``_Refused``), nothing is loaded from it: a one-line warning, and the library is
+    built for this process alone in a private temporary directory (removed once it is loaded); where that fails too,
+    the error."""
+    inputs = _inputs(compiler, kind)
     try:
         return _load_from(_private_directory(_cache_path(), create=True), compiler, inputs)
     except _Refused as refused:
@@ -434,27 +488,31 @@ def _cache_path() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "densepass" / "kernels")
 
 
-def _inputs(compiler: str) -> dict:
-    """What a library is built from, as its manifest records it: the cache key (of the source, the flags and the
-    compiler's version), the compiler's version, the flags and the source's digest."""
+def _inputs(compiler: str, kind: str = "amx") -> dict:
+    """What a library of ``kind`` (``KINDS``) is built from, as its manifest records it: the kind, the cache key (of
+    the source, the flags and the compiler's version), the compiler's version, the flags (``FLAGS`` or
+    ``AVX512_FLAGS``) and the source's digest."""
+    if kind not in KINDS:
+        raise ValueError(f"no such build of the kernels: {kind!r}")
+    flags = FLAGS if kind == "amx" else AVX512_FLAGS
     run = functools.partial(subprocess.run, capture_output=True, text=True, errors="replace", check=True)
     version = run([compiler, "--version"]).stdout
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode()])).hexdigest()[:16]
     source_digest = hashlib.sha256(source).hexdigest()
-    return {"key": key, "compiler_version": version, "flags": list(FLAGS), "source_sha256": source_digest}
+    return {"kind": kind, "key": key, "compiler_version": version, "flags": list(flags), "source_sha256": source_digest}
 
 
 def _built(compiler: str, cache: Path | None = None, inputs: dict | None = None) -> Path:
     """The shared library built from ``SOURCE`` by ``compiler`` in ``cache`` (default: the private cache directory,
     ``_Refused`` where it is not private), where a verified one is there already (``_verified``), else compiled into
     it: under a lock on the directory (parallel builds build once), owner-only (0700), its manifest
-    ``cpu_kernels-<key>.json`` (the library's size and sha256, the build's inputs) written atomically before the
-    library is renamed to its final name. An entry that is not this user's plain file is ``_Refused``, never
-    replaced."""
+    ``cpu_kernels-<key>.json`` (``cpu_kernels_avx512bf16-<key>.json`` for that kind: the library's size and sha256,
+    the build's inputs) written atomically before the library is renamed to its final name. An entry that is not
+    this user's plain file is ``_Refused``, never replaced."""
     inputs = _inputs(compiler) if inputs is None else inputs
     cache = _private_directory(_cache_path(), create=True) if cache is None else cache
-    target = cache / f"cpu_kernels-{inputs['key']}.so"
+    target = cache / f"{_LIBRARY_NAMES[inputs['kind']]}-{inputs['key']}.so"
     with contextlib.suppress(_Damaged):
         os.close(_verified(target, inputs))
         return target
@@ -466,7 +524,7 @@ def _built(compiler: str, cache: Path | None = None, inputs: dict | None = None)
         handle, partial = tempfile.mkstemp(dir=cache, prefix=target.name, suffix=".tmp")
         os.close(handle)
         try:
-            run([compiler, *FLAGS, str(SOURCE), "-o", partial])
+            run([compiler, *inputs["flags"], str(SOURCE), "-o", partial])
             fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             try:  # the compiler's file (a linker writes a new one, its mode from the umask)
                 info = os.fstat(fd)

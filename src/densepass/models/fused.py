@@ -12,9 +12,9 @@ time goes; docs/history/benchmarks-log.md has a profile). A fused layer computes
     out = LayerNorm(h + f Wf^T + bf)            bias and residual fused
 
 with each weight reordered once into oneDNN's blocked layout (into AMX tiles on the kernels' path). Where
-``cpu_kernels`` runs (bf16 on a CPU with AMX, heads of 32 or 64), the layers take the tokens packed without padding:
-the products run on tokens alone, the query, key and value product and attention are one ``cpu_kernels`` kernel
-(``cpu_kernels.SelfAttention``: on AMX tiles, whole sequences at a time), and so is all that follows them
+``cpu_kernels`` runs (bf16 on a CPU with AMX or AVX512-BF16, heads of 32 or 64), the layers take the tokens packed
+without padding: the products run on tokens alone, the query, key and value product and attention are one
+``cpu_kernels`` kernel (``cpu_kernels.SelfAttention``: whole sequences at a time), and so is all that follows them
 (``cpu_kernels.AfterAttention``: the output product, the feed-forward and both layer norms, a block of tokens at a
 time); elsewhere (float32, other CPUs) they take padded batches, attention is SDPA, and the inputs are
 padded to a multiple of 16 tokens where that adds little (``LENGTH_MULTIPLE``). The maths is the eager layer's (same

@@ -1,8 +1,12 @@
-// bf16 kernels of the fused BERT layers on x86 CPUs with AMX: self-attention over sequences packed without padding
-// on AMX tiles (alone, or with the query, key and value product before it), all that follows attention in a layer
-// (output product, feed-forward, layer norms) as one kernel with its products on AMX tiles, the embeddings of packed
-// tokens, and layer norm in place (densepass/models/cpu_kernels.py says what they compute and why;
-// tests/test_cpu_kernels.py checks them against float64 and torch).
+// bf16 kernels of the fused BERT layers on x86 CPUs: self-attention over sequences packed without padding (alone, or
+// with the query, key and value product before it), all that follows attention in a layer (output product,
+// feed-forward, layer norms) as one kernel, the embeddings of packed tokens, and layer norm in place
+// (densepass/models/cpu_kernels.py says what they compute and why; tests/test_cpu_kernels.py checks them against
+// float64 and torch). One source, two builds, told apart by the compiler's flags: with -mamx-tile -mamx-bf16
+// (__AMX_TILE__, Intel Sapphire Rapids and later) the products and attention's two products run on AMX tiles;
+// without, on AVX-512 registers with vdpbf16ps (AVX512-BF16: AMD Zen 4 and 5, Intel Cooper Lake). Both read the
+// weights in the same layout (`tile_layout`: pairs of bf16 along the depth, 16 output columns a 64-byte row, what
+// a tile's right operand and vdpbf16ps's second operand both take) and share all the rest.
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -14,8 +18,15 @@
 #include <utility>
 #include <vector>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define DENSEPASS_TILES 1
+#else
+#define DENSEPASS_TILES 0
+#endif
+
 namespace {
 
+#if DENSEPASS_TILES
 struct TileConfig {
   uint8_t palette_id;
   uint8_t start_row;
@@ -35,6 +46,12 @@ void configure_tiles() {
   }
   _tile_loadconfig(&config);
 }
+
+void release_tiles() { _tile_release(); }
+#else
+void configure_tiles() {}  // AVX512-BF16: registers only, nothing to configure or release
+void release_tiles() {}
+#endif
 
 // A zero-filled scratch array aligned to a cache line (rows of 64 bytes never straddle two).
 template <typename T>
@@ -168,6 +185,7 @@ inline void normalize(const float* row, int64_t blocks, const uint16_t* weight, 
   }
 }
 
+#if DENSEPASS_TILES
 // a [32 x parts rows of `depth`, `stride` elements apart] W^T ([width, depth] in `tile_layout`), 32 rows x 32
 // columns at a time, on AMX tiles (accumulators 0-3, rows of a 4 and 5, columns of W 6 and 7): columns outer (a
 // slice of W read from memory once for all the rows), or with `rows_outer` each 32 rows finished one after the
@@ -219,6 +237,62 @@ inline void product(const uint16_t* a, int64_t stride, int64_t parts, int64_t de
     }
   finish(0, 32);
 }
+
+#else
+// One pair of bf16 values (along the depth) as the 32-bit lane vdpbf16ps multiplies with a pair of its other
+// operand, in all 16 lanes.
+inline __m512bh pair(const uint16_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+inline __m512bh load_pairs(const void* p) { return (__m512bh)_mm512_load_si512(p); }
+
+// c[8 x 32 floats, 32 apart] = a [8 rows of `depth`, `stride` elements apart] x the 32 columns of W whose
+// `tile_layout` panels (16 columns each) start at w0 and w1: 8 rows x 2 registers of accumulators, the depth a pair
+// at a time (each row's pair broadcast, 16 vdpbf16ps per pair: two loads of W's pairs serve 8 rows).
+inline void rows8x32(const uint16_t* a, int64_t stride, int64_t depth, const uint16_t* w0, const uint16_t* w1,
+                     float* c) {
+  __m512 acc[8][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < depth; k += 2) {
+    const __m512bh b0 = load_pairs(w0 + 16 * k), b1 = load_pairs(w1 + 16 * k);
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) {
+      const __m512bh x = pair(a + r * stride + k);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < 8; ++r) {
+    _mm512_store_ps(c + r * 32, acc[r][0]);
+    _mm512_store_ps(c + r * 32 + 16, acc[r][1]);
+  }
+}
+
+// What the tile version above computes, with its callbacks called in the same order, on AVX512-BF16: each block of
+// 32 rows x 32 columns as four blocks of 8 rows (rows8x32), its epilogue called once it is complete, background()
+// `depth / 32` times after it (as often as the tile version calls it).
+template <typename Prepare, typename Epilogue, typename Background>
+inline void product(const uint16_t* a, int64_t stride, int64_t parts, int64_t depth, const uint16_t* w,
+                    int64_t width, bool rows_outer, Prepare prepare, Epilogue epilogue, Background background) {
+  alignas(64) float c[32 * 32];
+  const int64_t columns = width / 32, steps = depth / 32;
+  for (int64_t outer = 0; outer < (rows_outer ? parts : columns); ++outer)
+    for (int64_t inner = 0; inner < (rows_outer ? columns : parts); ++inner) {
+      const int64_t part = rows_outer ? outer : inner, j = 32 * (rows_outer ? inner : outer);
+      const uint16_t* rows = a + part * 32 * stride;
+      const uint16_t* w0 = w + j * depth;
+      prepare(part);
+      for (int64_t r = 0; r < 32; r += 8) rows8x32(rows + r * stride, stride, depth, w0, w0 + 16 * depth, c + r * 32);
+      epilogue(part * 32, j, c, 0, 32);
+      for (int64_t k = 0; k < steps; ++k) background();
+    }
+}
+#endif
 
 // Layer norms of the rows of a float32 buffer, one row at a time as they become ready (their sums complete), so
 // that they can run in between tile instructions.
@@ -368,6 +442,7 @@ class HeadAttention {
       }
     for (int64_t qb = 0; qb * 16 < n; ++qb) {
       const int64_t rows = n - qb * 16 < 16 ? n - qb * 16 : 16;
+#if DENSEPASS_TILES
       if (rows == 16) {  // queries straight from qkv, or a partial block copied and padded with zeros
         _tile_loadd(4, base + qb * 16 * row, row * 2);
         if (steps == 2) _tile_loadd(5, base + qb * 16 * row + 32, row * 2);
@@ -400,6 +475,36 @@ class HeadAttention {
         _tile_stored(0, scores_.data + kb * 16, padded * 4);
         if (pair) _tile_stored(1, scores_.data + kb * 16 + 16, padded * 4);
       }
+#else
+      // scores, 8 queries x 32 keys at a time: each query's pair of dims broadcast against the keys' tiles (16 keys
+      // x a pair of dims a row: vdpbf16ps's layout too); a partial block's missing queries repeat its first one
+      // (their scores, never read, stay finite), and a last odd key block is paired with the zeros past it
+      for (int64_t i0 = 0; i0 < rows; i0 += 8) {
+        const uint16_t* q[8];
+        for (int i = 0; i < 8; ++i) q[i] = base + (qb * 16 + (i0 + i < rows ? i0 + i : 0)) * row;
+        for (int64_t kb = 0; kb < blocks16; kb += 2) {
+          const uint32_t* k = key_tiles_.data + kb * steps * 256;
+          __m512 acc[8][2];
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+          for (int64_t d = 0; d < size / 2; ++d) {
+            const uint32_t* kd = k + (d / 16) * 256 + (d % 16) * 16;
+            const __m512bh k0 = load_pairs(kd), k1 = load_pairs(kd + steps * 256);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i) {
+              const __m512bh x = pair(q[i] + 2 * d);
+              acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, k0);
+              acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, k1);
+            }
+          }
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) {
+            _mm512_store_ps(scores_.data + (i0 + i) * padded + kb * 16, acc[i][0]);
+            _mm512_store_ps(scores_.data + (i0 + i) * padded + kb * 16 + 16, acc[i][1]);
+          }
+        }
+      }
+#endif
       // softmax rows: per-row maxima and sums come out of one transpose each instead of 16 reductions
       __m512 lanes[16];
       for (int i = 0; i < 16; ++i) {
@@ -427,6 +532,7 @@ class HeadAttention {
       }
       alignas(64) float inverses[16];
       _mm512_store_ps(inverses, _mm512_div_ps(_mm512_set1_ps(1.0f), across(lanes, plus)));
+#if DENSEPASS_TILES
       // context = probabilities x values
       _tile_zero(0);
       _tile_zero(1);
@@ -454,6 +560,34 @@ class HeadAttention {
         _tile_stored(2, context_.data + 32, size * 4);
         _tile_stored(3, context_.data + 48, size * 4);
       }
+#else
+      // context = probabilities x values, 8 queries x 32 dims at a time: each query's probabilities of a pair of
+      // keys broadcast against the values' tiles (16 dims x a pair of keys a row)
+      for (int64_t i0 = 0; i0 < rows; i0 += 8)
+        for (int c = 0; c < columns; c += 2) {
+          __m512 acc[8][2];
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+          for (int64_t kb = 0; kb < blocks32; ++kb) {
+            const uint16_t* v = value_tiles_.data + (kb * columns + c) * 512;
+            const uint16_t* p = probs_.data + i0 * pstride + kb * 32;
+            for (int r = 0; r < 16; ++r) {
+              const __m512bh v0 = load_pairs(v + r * 32), v1 = load_pairs(v + 512 + r * 32);
+#pragma GCC unroll 8
+              for (int i = 0; i < 8; ++i) {
+                const __m512bh x = pair(p + i * pstride + 2 * r);
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, v0);
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, v1);
+              }
+            }
+          }
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) {
+            _mm512_store_ps(context_.data + (i0 + i) * size + c * 16, acc[i][0]);
+            _mm512_store_ps(context_.data + (i0 + i) * size + c * 16 + 16, acc[i][1]);
+          }
+        }
+#endif
       for (int64_t i = 0; i < rows; ++i) {
         const __m512 inverse = _mm512_set1_ps(inverses[i]);
         uint16_t* dst = out + (qb * 16 + i) * width;
@@ -508,8 +642,12 @@ struct LayerWeights {
 
 extern "C" {
 
-// Asks Linux (5.16 and later) for the AMX tile state; 0 when granted.
+// Which build this is: 1 on AMX tiles, 2 on AVX512-BF16 registers (cpu_kernels.py checks it is the one it built).
+int densepass_kind() { return DENSEPASS_TILES ? 1 : 2; }
+
+// Asks Linux (5.16 and later) for the AMX tile state; 0 when granted (and where the build uses no tiles).
 int densepass_request_amx() {
+  if (!DENSEPASS_TILES) return 0;
   return static_cast<int>(syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */));
 }
 
@@ -534,7 +672,7 @@ int densepass_attention(const uint16_t* qkv, const int64_t* offsets, const int64
       const int64_t m = keys[b] < n ? keys[b] : n;     // keys: the first m of them
       attend(qkv + offsets[b] * row + h * size, row, width, n, m, out + offsets[b] * width + h * size);
     }
-    _tile_release();
+    release_tiles();
   }
   return 0;
 }
@@ -586,7 +724,7 @@ int densepass_qkv_attention(const uint16_t* x, const int64_t* offsets, const int
           attend(qkv + (offsets[b] - r0) * row + h * size, row, width, n, m, out + offsets[b] * width + h * size);
       }
     }
-    _tile_release();
+    release_tiles();
   }
   return 0;
 }
@@ -708,7 +846,7 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
               add(layer->ffn_bias, h, &output_norm), [] {});
     }
     output_norm.until(kBlockRows);
-    _tile_release();
+    release_tiles();
   }
   return 0;
 }
