@@ -678,6 +678,45 @@ def test_cli_index_with_a_truncated_model_is_a_one_line_error(tiny_beir, tiny_mo
     assert line.startswith(f"densepass: error: {damaged / 'model.safetensors'} does not load (truncated or damaged?)")
 
 
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"vocab_size": 0}, "config.json describes no model transformers can build: index 0 is out of bounds"),
+        ({"num_attention_heads": 3}, "config.json describes no model transformers can build: The hidden size \\(32\\)"),
+        (
+            {"hidden_size": 64},
+            "model.safetensors does not fit .*config.json: .* is \\[32\\], the config makes it \\[64\\]",
+        ),
+        ({"model_type": "t5"}, "config.json is not a config transformers can load: Validation error for field"),
+    ],
+)
+def test_a_model_config_that_does_not_fit_its_weights_is_one_line_before_any_work(
+    tiny_beir, tiny_model_dir, tmp_path, capsys, change, says
+):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **change}))
+    output = tmp_path / "idx"
+    args = ["index", str(tiny_beir), "--model", str(model), "--output", str(output), "--device", "cpu"]
+    assert main(args) == 2
+    [line] = stderr_lines(capsys)
+    assert re.match(rf"densepass: error: {re.escape(str(model))}/{says}", line), line
+    assert not output.exists() and not (tmp_path / ".idx.encoding").exists()
+
+
+def test_a_saved_query_tower_whose_config_does_not_fit_its_weights_is_one_line(tiny_model_dir, tmp_path):
+    from densepass.models.biencoder import BiEncoder, BiEncoderConfig
+
+    saved = tmp_path / "two-towers"
+    BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(shared=False)).save(saved)
+    (saved / "manifest.json").unlink()  # edited by hand: no manifest to catch it
+    config = json.loads((saved / "query" / "config.json").read_text())
+    (saved / "query" / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    with pytest.raises(DataError, match=rf"^{re.escape(str(saved / 'query' / 'model.safetensors'))} does not fit"):
+        BiEncoder.from_pretrained(str(saved))
+
+
 # ---------------------------------------------------------------- token limits beyond the model's positions
 
 LONG_PASSAGE = " ".join(["archive"] * 400)

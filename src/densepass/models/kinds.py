@@ -54,6 +54,73 @@ def saved_architecture(path: str | Path, kind: ModelKind, cls: type[Architecture
     return from_dict(cls, values, str(saved))
 
 
+def check_config_and_weights(folder: str | Path) -> None:
+    """One line, before any work, where the model in ``folder`` cannot be built from its ``config.json`` or its
+    safetensors weights do not fit the model the config describes: transformers would fail later with a traceback
+    (a field of the wrong type for its ``model_type``, ``vocab_size: 0``, a hidden size no multiple of the heads)
+    or, for weights of another shape, print a table of mismatches and stop. The config is read with ``AutoConfig``
+    and its model built on the meta device (no memory, no weights read); then each tensor's shape in the
+    safetensors headers is compared with the model's, the weights under the model's name or its
+    ``base_model_prefix`` (a task model's backbone). A folder whose ``model_type`` has no plain ``AutoModel`` is
+    left to its own loader, and so are weights that do not open (``loading_weights`` names them)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModel
+
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    weights = sorted(folder.glob("*.safetensors"))
+    key = (str(folder.resolve()), *(_stamp(p) for p in (config_file, *weights)))
+    if key in _CHECKED:
+        return
+    with quiet_loading():
+        try:
+            config = AutoConfig.from_pretrained(str(folder))
+        except Exception as err:  # ValueError, KeyError, huggingface_hub's StrictDataclassFieldValidationError...
+            raise DataError(f"{config_file} is not a config transformers can load: {_reason(err)}") from None
+        try:
+            with torch.device("meta"):
+                model = AutoModel.from_config(config)
+        except ValueError as err:
+            if "Unrecognized configuration class" in str(err):
+                _CHECKED.add(key)
+                return
+            raise DataError(f"{config_file} describes no model transformers can build: {_reason(err)}") from None
+        except Exception as err:  # IndexError (vocab_size 0), ZeroDivisionError, TypeError...
+            raise DataError(f"{config_file} describes no model transformers can build: {_reason(err)}") from None
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
+    for file in weights:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
+        except (SafetensorError, OSError, ValueError):
+            continue  # damaged: the loader names the file (loading_weights)
+        for name, shape in shapes.items():
+            want = expected.get(name, expected.get(name.removeprefix(prefix)) if prefix else None)
+            if want is not None and want != shape:
+                raise DataError(
+                    f"{file} does not fit {config_file}: {name} is {list(shape)}, the config makes it {list(want)} "
+                    "(the config edited, or the weights of another model?)"
+                )
+    _CHECKED.add(key)
+
+
+_CHECKED: set[tuple] = set()  # folders check_config_and_weights passed, with the size and time of their files
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def _reason(err: BaseException) -> str:
+    """An exception's message on one line (its first two lines: huggingface_hub puts the cause on the second)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()][:2]
+    text = " ".join(lines) or type(err).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 PICKLED_WEIGHTS = "pytorch_model.bin"
 """Weights a Hugging Face model directory may hold instead of safetensors: transformers reads them with torch's
 weights-only loader (``weights_only=True``: tensors and plain containers, never an arbitrary object)."""
