@@ -1115,6 +1115,31 @@ def test_more_negatives_per_query_than_the_pool_depth_is_refused_before_any_work
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b'{"query_id": "q0", "negatives": []}\n\xff\n', r":2: not UTF-8 \(byte 0xff at column 1\)"),
+        (b"", r" holds no negatives \(no line\)"),
+        (b"\n  \n", r" holds no negatives \(no line\)"),
+        (b'{"query_id": "q0", "negatives": []}\n', r" holds no negatives \(1 queries, every one without a negative\)"),
+    ],
+)
+def test_a_negatives_file_not_utf8_or_without_negatives_is_one_line_before_any_work(
+    tiny_beir, tiny_model_dir, tmp_path, capsys, content, says
+):
+    from conftest import small_run_overrides
+
+    negatives = tmp_path / "neg.jsonl"
+    negatives.write_bytes(content)
+    runs = tmp_path / "runs"
+    overrides = small_run_overrides(tiny_beir, tiny_model_dir, runs, "r")
+    overrides += ["device=cpu", "negatives.source=file", f"negatives.file={negatives}"]
+    assert main(["run", *(arg for value in overrides for arg in ("--set", value))]) == 2
+    [line] = stderr_lines(capsys)
+    assert re.match(rf"densepass: error: (hard-negatives file )?{re.escape(str(negatives))}{says}", line), line
+    assert not runs.exists()  # refused before the run directory was made
+
+
 def test_pools_shorter_than_the_negatives_drawn_are_one_counted_warning(tiny_beir):
     from densepass.training.batches import TrainingData
 

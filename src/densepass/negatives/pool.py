@@ -6,7 +6,8 @@ first. On disk it is JSONL, one query a line::
     {"query_id": "q7", "negatives": [["p12", "bm25", 17.3], ["p9", "bm25", 15.1]]}
 
 written atomically (a crash never leaves half a file). ``load_pool`` reports a missing file, a bad
-line, an unknown query or an unknown passage as one ``DataError`` naming the line.
+line (not UTF-8, not JSON), an unknown query or an unknown passage as one ``DataError`` naming the line, and a
+file without a single negative as one ``DataError`` too (a run would otherwise draw random passages instead).
 """
 
 from __future__ import annotations
@@ -65,16 +66,25 @@ def _candidate(item: object, where: str) -> Candidate:
 
 
 def load_pool(path: str | Path, dataset: RetrievalDataset | None = None) -> NegativePool:
-    """Read a hard-negatives file; with ``dataset``, every query and passage id must exist in it."""
+    """Read a hard-negatives file; with ``dataset``, every query and passage id must exist in it. A file that
+    gives no negative at all (empty, blank, or every list empty) is refused: it is no pool to train from."""
+    from densepass.io import check_regular_file
+
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"hard-negatives file not found: {path}")
+    check_regular_file(path, "hard-negatives file")  # a FIFO is not waited on
     pool: NegativePool = {}
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
+    with open(path, "rb") as handle:
+        for line_no, raw in enumerate(handle, 1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{where}: not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); a hard-negatives "
+                    "file is UTF-8 JSONL"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
@@ -96,6 +106,9 @@ def load_pool(path: str | Path, dataset: RetrievalDataset | None = None) -> Nega
                 if bad is not None:
                     raise DataError(f"{where}: unknown passage id {bad!r} (query {qid!r})")
             pool[qid] = cands
+    if not any(pool.values()):
+        held = f"{len(pool)} queries, every one without a negative" if pool else "no line"
+        raise DataError(f"hard-negatives file {path} holds no negatives ({held}): mine one with densepass mine")
     return pool
 
 

@@ -142,6 +142,10 @@ def check(config: ExperimentConfig) -> torch.device:
     if config.negatives.source == "given" and config.data.format != "pairs":
         raise ConfigError("negatives.source: given takes the negatives of training rows: it needs data.format: pairs")
     neg = config.negatives
+    for spec in (neg.source, *(neg.mix if neg.source == "mixed" else ())) if config.train.enabled else ():
+        name, _, arg = spec.partition(":")
+        if name == "file" and (arg or neg.file):
+            load_pool(arg or neg.file)  # read once before any work: not UTF-8, not JSON, no negatives: one line
     if config.train.enabled:
         check_schedule(config.schedule)
         check_loss(config.loss, config.train)
@@ -296,7 +300,7 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
     experiment = Experiment(config, device, main, dataset, evalset, full_bm25, eval_bm25, eval_data)
     experiment.reranker = load_fixed_reranker(config, device)  # a model without a usable head fails here
     if distilling(config):
-        experiment.teacher = fixed_teacher(config, experiment.reranker, scoring_options(config, device))
+        experiment.teacher = fixed_teacher(config, experiment.reranker, scoring_options(config, device), dataset)
     experiment.timings["data_and_bm25_s"] = time.perf_counter() - started
     return experiment
 
