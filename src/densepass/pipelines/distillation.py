@@ -5,7 +5,8 @@ teacher, the queries and the pool, then the bi-encoder's objective (``losses.obj
 
 An existing scores file is checked as soon as the pool is known, before the run writes anything: a
 file of other queries or another pool (or of another teacher, when the teacher is a fixed model) is a
-one-line error.
+one-line error. With ``reranker.distill.source: rows`` the scores are those the training rows carry
+(``data.pairs``: a scores column), for their given negatives: no cross-encoder and no scores file.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from densepass.config import ExperimentConfig
 from densepass.data.dataset import RetrievalDataset
+from densepass.errors import ConfigError
 from densepass.losses.objectives import Distillation, InfoNCE, Objective
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.load import Retriever
@@ -35,6 +37,23 @@ def distilling(config: ExperimentConfig) -> bool:
     return config.train.enabled and config.reranker.distill.loss != "none"
 
 
+def from_rows(config: ExperimentConfig) -> bool:
+    """Whether the distilled scores are those the training rows carry (``reranker.distill.source: rows``)."""
+    return distilling(config) and config.reranker.distill.source == "rows"
+
+
+def row_scores(dataset: RetrievalDataset, pairs: Pairs) -> Scores:
+    """The training rows' teacher scores of ``pairs`` (``data.pairs``: one per positive and given negative of
+    every row); a one-line ConfigError when the rows carry none."""
+    scores = getattr(dataset, "teacher_scores", None)
+    if scores is None:
+        raise ConfigError(
+            f"reranker.distill.source: rows, but the rows of {dataset.name} carry no teacher scores (a column named "
+            "scores, or data.columns.scores)"
+        )
+    return {q: {p: scores[q][p] for p in pids if p in scores.get(q, {})} for q, pids in pairs.items()}
+
+
 def objective_of(config: ExperimentConfig, model: Retriever) -> Objective:
     """The run's objective: the ``loss`` section's (``training.more_negatives``), or distillation (alone or + the
     contrastive loss) when configured; SPLADE adds its FLOPS regulariser to either (``objective_for``)."""
@@ -52,6 +71,8 @@ def distillation_identity(config: ExperimentConfig) -> dict:
     if not distilling(config):
         return {}
     distill = {k: v for k, v in asdict(config.reranker.distill).items() if k != "scores_file"}
+    if distill.pop("source") == "rows":  # the rows' scores: the data's fingerprint covers them
+        return {"distill": {**distill, "teacher": "rows"}}
     teacher = distill["teacher"] or {
         "reranker": config.reranker.name_or_path,
         "max_length": config.reranker.max_length,
@@ -66,10 +87,17 @@ def scores_path(config: ExperimentConfig) -> Path:
     return Path(file) if file else config.run_dir / "teacher_scores.jsonl"
 
 
-def fixed_teacher(config: ExperimentConfig, reranker: CrossEncoder | None, options: dict) -> CrossEncoder | None:
+def fixed_teacher(
+    config: ExperimentConfig, reranker: CrossEncoder | None, options: dict, dataset: RetrievalDataset | None = None
+) -> CrossEncoder | None:
     """The teacher when it is known before training: ``distill.teacher``, or the run's reranker used as it is
-    (None when the run's reranker is still to be trained)."""
+    (None when the run's reranker is still to be trained, or the scores are the rows': then rows of ``dataset``
+    without scores are a one-line ConfigError, before any work)."""
     teacher = config.reranker.distill.teacher
+    if from_rows(config):
+        if dataset is not None:
+            row_scores(dataset, {})
+        return None
     if teacher is not None:
         return CrossEncoder.from_pretrained(teacher, **options)
     return reranker
@@ -77,18 +105,23 @@ def fixed_teacher(config: ExperimentConfig, reranker: CrossEncoder | None, optio
 
 def check_existing_scores(config: ExperimentConfig, pairs: Pairs, teacher: CrossEncoder | None) -> None:
     """A one-line DataError when a scores file exists and does not cover ``pairs`` (or, with a known teacher,
-    was scored by another one); nothing to check when there is no file yet."""
+    was scored by another one); nothing to check when there is no file yet (nor with the rows' scores)."""
+    if from_rows(config):
+        return
     path = scores_path(config)
     if path.is_file():
         load_teacher_scores(path, pairs, teacher_identity(teacher) if teacher is not None else None)
 
 
 def teacher_scores(
-    config: ExperimentConfig, dataset: RetrievalDataset, pairs: Pairs, teacher: CrossEncoder, show_progress: bool
+    config: ExperimentConfig, dataset: RetrievalDataset, pairs: Pairs, teacher: CrossEncoder | None, show_progress: bool
 ) -> Scores:
     """The teacher's scores of ``pairs``: read from the scores file (checked), or computed into it (resumable)
     in the run's automatic precision whatever ``reranker.precision`` says: they are the students' targets,
-    computed once (int8 would put its quantisation error into every distilled model)."""
+    computed once (int8 would put its quantisation error into every distilled model). With
+    ``reranker.distill.source: rows``, the rows' scores (``teacher`` unused: None)."""
+    if from_rows(config):
+        return row_scores(dataset, pairs)
     precision = automatic_precision(config, teacher.device)
     return compute_teacher_scores(
         teacher, dataset, pairs, scores_path(config), show_progress=show_progress, precision=precision

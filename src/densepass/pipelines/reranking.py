@@ -47,8 +47,13 @@ def check_reranker_config(config: ExperimentConfig) -> None:
     if distill.loss != "none":
         if not config.train.enabled:
             raise ConfigError("reranker.distill trains the bi-encoder: it needs train.enabled")
-        if not cfg.enabled and distill.teacher is None:
-            raise ConfigError("reranker.distill needs a teacher: reranker.enabled, or reranker.distill.teacher")
+        if distill.source == "rows":
+            check_rows_distillation(config)
+        elif not cfg.enabled and distill.teacher is None:
+            raise ConfigError(
+                "reranker.distill needs a teacher: reranker.enabled, or reranker.distill.teacher (or the scores of "
+                "training rows: reranker.distill.source: rows)"
+            )
         if neg.source == "none" or neg.per_query < 1:
             raise ConfigError("reranker.distill scores each query's hard negatives: set negatives.source and per_query")
         if neg.refresh_every is not None:
@@ -83,6 +88,23 @@ def check_reranker_config(config: ExperimentConfig) -> None:
     if cfg.first_stages and cfg.depth > limit:
         what = "eval.rerank_candidates" if config.eval.mode == "rerank" else "eval.depth"
         raise ConfigError(f"reranker.depth {cfg.depth} is larger than the {limit} candidates per query of {what}")
+
+
+def check_rows_distillation(config: ExperimentConfig) -> None:
+    """``reranker.distill.source: rows`` (one-line ConfigErrors): the scores are those of training rows
+    (``data.format: pairs``), for their given negatives (``negatives.source: given``), with no teacher to name."""
+    distill = config.reranker.distill
+    if config.data.format != "pairs":
+        raise ConfigError(
+            "reranker.distill.source: rows takes the teacher scores of training rows: set data.format: pairs"
+        )
+    if config.negatives.source != "given":
+        raise ConfigError(
+            "reranker.distill.source: rows: the rows score their own negatives only; set negatives.source: given"
+        )
+    if distill.teacher is not None or distill.scores_file is not None:
+        what = "teacher" if distill.teacher is not None else "scores_file"
+        raise ConfigError(f"reranker.distill.source: rows takes the rows' scores: leave reranker.distill.{what} out")
 
 
 def load_fixed_reranker(config: ExperimentConfig, device: torch.device) -> CrossEncoder | None:

@@ -33,7 +33,7 @@ from densepass.device import resolve_device
 from densepass.errors import ConfigError
 from densepass.index.bm25 import BM25Index
 from densepass.io import owned_run_directory
-from densepass.losses.objectives import InfoNCE, Objective
+from densepass.losses.objectives import Distillation, InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder
 from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
 from densepass.negatives.pool import Candidate, passage_ids
@@ -199,6 +199,16 @@ def train(
     given = None
     if negatives.source == "given" and negatives.per_query > 0:  # its errors before anything is written
         given = passage_ids(given_pool(dataset, query_ids).pool)
+    if distils(objective) and given is None:  # dp.train has no cross-encoder: the scores come with the rows
+        raise ConfigError(
+            f"{objective.describe()}: train distils the teacher scores of training rows over their given negatives "
+            "(rows with a scores column, negatives.source given)"
+        )
+    if distils(objective) and dataset.teacher_scores is None:
+        raise ConfigError(
+            f"{objective.describe()}: the rows of {dataset.name} carry no teacher scores (a column named scores, or "
+            "columns={'scores': ...})"
+        )
     run_dir = Path(output_dir)
     identity = {
         "data": {"dataset": dataset.name, "split": split, "max_queries": max_queries, "seed": seed},
@@ -236,6 +246,15 @@ def train(
         model.save(run_dir / "model")
     log = [json.loads(line) for line in result.log_path.read_text().splitlines() if line.strip()]
     return TrainOutput(model, run_dir / "model", result.steps, result.final_loss, log)
+
+
+def distils(objective: Objective) -> bool:
+    """Whether ``objective`` has a ``Distillation`` term (alone, in a sum, or wrapped: ``Matryoshka``)."""
+    if isinstance(objective, Distillation):
+        return True
+    return any(distils(part) for part in getattr(objective, "terms", ())) or (
+        isinstance(getattr(objective, "base", None), Objective) and distils(objective.base)
+    )
 
 
 def uses_bm25(negatives: NegativesConfig) -> bool:
