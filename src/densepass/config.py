@@ -426,7 +426,8 @@ class RerankerTrainConfig(OptimConfig):
 @dataclass
 class DistillConfig:
     """Distilling the cross-encoder (the teacher) into the retriever (neural-retrieval-lecture: Margin-MSE;
-    listwise KL), on each query's positive and the ``negatives.per_query`` negatives drawn from its pool."""
+    listwise KL), on each query's positive and the ``negatives.per_query`` negatives drawn from its pool; or
+    (``source: rows``) distilling the teacher scores training rows carry, computed elsewhere."""
 
     loss: Literal["none", "margin-mse", "kl"] = option(
         "none",
@@ -450,6 +451,11 @@ class RerankerConfig:
     stage over the evaluated systems' top candidates, and distilled into the retriever."""
 
     enabled: bool = option(False, "use a cross-encoder in this run (train it, rerank with it, distil it)")
+    source: Literal["teacher", "rows"] = option(
+        "teacher",
+        "where the teacher scores come from: teacher (a cross-encoder scores each query's positive and pool) or rows"
+        " (the scores of data.format=pairs training rows, their given negatives: no cross-encoder)",
+    )
     name_or_path: str = option(
         DEFAULT_MODEL,
         "train.enabled: the starting encoder (a fresh one-logit head unless it has one); else a trained cross-encoder",
