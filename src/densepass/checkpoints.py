@@ -76,6 +76,7 @@ LATER_OPTIONS = {
     "passage_prompt": "",
     "matryoshka_dims": None,
     "matryoshka_weights": None,
+    "packing": False,
 }
 
 

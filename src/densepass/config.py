@@ -312,6 +312,11 @@ class TrainConfig(AutocastOptimConfig):
         "tokenise the training texts once per run (cached under the run directory) instead of every step; off by"
         " default: no step-time gain measured on a 2-core CPU, where tokenising runs in a worker thread anyway",
     )
+    packing: bool = option(
+        False,
+        "padding-free training: each step's sequences packed back to back, attention kept to each sequence"
+        " (models.packing; BERT, RoBERTa, XLM-R and Qwen2 encoders)",
+    )
 
 
 @dataclass
@@ -420,6 +425,9 @@ class RerankerTrainConfig(OptimConfig):
     batch_size: int = option(16, "queries per step (each brings 1 + n pairs)", min=1)
     head_learning_rate: float | None = option(
         1e-3, "learning rate of a newly initialised head (null: learning_rate); a fresh head learns slowly", above=0
+    )
+    packing: bool = option(
+        False, "padding-free training: each step's pairs packed back to back (models.packing; BERT, RoBERTa, XLM-R)"
     )
 
 

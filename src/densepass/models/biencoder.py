@@ -42,6 +42,7 @@ from densepass.models.encode import encode_texts
 from densepass.models.hub import fetch_model
 from densepass.models.inputs import Side, SidedInputs
 from densepass.models.kinds import CONFIG_FILES, check_config_and_weights, loading_weights, saved_architecture
+from densepass.models.packing import packed_forward
 from densepass.numerics import refuse_nonfinite_weights
 
 CONFIG_NAME = CONFIG_FILES["bi-encoder"]
@@ -150,6 +151,14 @@ class BiEncoder(SidedInputs, nn.Module):
     ((1, 384), True)
     """
 
+    packing = False
+    """Padding-free training (``train.packing``; the trainer sets it): in training mode the towers run on each
+    batch's tokens packed back to back (``models.packing``); encoding is unchanged."""
+
+    def packed_encoders(self) -> dict[str, nn.Module]:
+        """The encoders a packed forward runs, by what to call them in a refusal (``packing.check_packable``)."""
+        return {"the query tower": self.query_encoder, "the passage tower": self.passage_encoder}
+
     def __init__(
         self,
         query_encoder: nn.Module,
@@ -193,13 +202,18 @@ class BiEncoder(SidedInputs, nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Embeddings of one side's tokenised batch; ``inputs_embeds``: its token vectors, already looked up by
-        ``token_embeddings`` (training on the CPU looks them up once for a batch's pieces: ``forward_in_pieces``)."""
+        ``token_embeddings`` (training on the CPU looks them up once for a batch's pieces: ``forward_in_pieces``).
+        Where ``packing`` is on and the model trains, the towers run on the tokens packed without padding."""
         encoder = self.query_encoder if side == "query" else self.passage_encoder
-        if inputs_embeds is None:
-            hidden = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if self.packing and self.training:  # padding-free training (models.packing)
+            hidden, packing = packed_forward(encoder, input_ids, attention_mask, inputs_embeds)
+            out = packing.pool(hidden.last_hidden_state[0], self.config.pooling)
         else:
-            hidden = encoder(inputs_embeds=inputs_embeds, attention_mask=attention_mask).last_hidden_state
-        out = token_pooling(hidden, attention_mask, self.config.pooling)
+            if inputs_embeds is None:
+                hidden = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            else:
+                hidden = encoder(inputs_embeds=inputs_embeds, attention_mask=attention_mask).last_hidden_state
+            out = token_pooling(hidden, attention_mask, self.config.pooling)
         if self.projection is not None:
             out = self.projection(out)
         if self.config.normalize:

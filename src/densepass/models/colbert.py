@@ -50,6 +50,7 @@ from densepass.models.inputs import (
     tokenize,
 )
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
+from densepass.models.packing import packed_forward
 from densepass.numerics import refuse_nonfinite_weights
 
 LINEAR_FILE = "colbert_linear.safetensors"
@@ -115,6 +116,14 @@ class ColBERT(SidedInputs, nn.Module):
             raise ConfigError("the tokenizer has no [unused0] / [unused1] tokens for markers: set markers to false")
         self.source: str | None = None
 
+    packing = False
+    """Padding-free training (``train.packing``; the trainer sets it): in training mode passages run on their tokens
+    packed back to back (``models.packing``); queries keep their [MASK] positions, whose outputs count."""
+
+    def packed_encoders(self) -> dict[str, nn.Module]:
+        """The encoders a packed forward runs, by what to call them in a refusal (``packing.check_packable``)."""
+        return {"the encoder": self.encoder}
+
     @property
     def dim(self) -> int:
         """Dimension of a token vector."""
@@ -149,6 +158,14 @@ class ColBERT(SidedInputs, nn.Module):
     ) -> torch.Tensor:
         """Token vectors [B, L, dim] (float32): L2-normalised, zero where a token is absent; passages are
         padded to ``passage_max_length`` tokens. ``encoder``: another copy of the encoder to run (a bf16 one)."""
+        if self.packing and self.training and encoder is None and side == "passage":  # padding-free training
+            # (models.packing): a passage's tokens alone, then padded back (queries keep every position anyway)
+            out, packing = packed_forward(self.encoder, input_ids, attention_mask)
+            vectors = nn.functional.normalize(self.linear(out.last_hidden_state[0].float()), dim=-1)
+            keep = ~torch.isin(packing.pack(input_ids), self.skiplist_ids)
+            vectors = packing.unpack(vectors * keep.unsqueeze(-1).to(vectors.dtype))
+            missing = self.config.passage_max_length - vectors.shape[1]
+            return nn.functional.pad(vectors, (0, 0, 0, missing)) if missing > 0 else vectors
         hidden = (encoder or self.encoder)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         vectors = nn.functional.normalize(self.linear(hidden.float()), dim=-1)
         if side == "query":

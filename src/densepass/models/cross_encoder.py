@@ -50,6 +50,7 @@ from densepass.io import atomic_directory
 from densepass.models.copies import bf16_copy, fusable_base, reused_copy
 from densepass.models.inputs import check_position_limit, forward_in_pieces, piece_tokens, position_limit
 from densepass.models.kinds import loading_weights, quiet_loading
+from densepass.models.packing import packable, packed_forward
 from densepass.models.quantize import quantized_linear_copy
 from densepass.numerics import refuse_nonfinite_weights
 from densepass.prefetch import prefetched
@@ -123,6 +124,27 @@ def fused_first_position_logits(model: torch.nn.Module, tokens: dict[str, torch.
     """``first_position_logits`` of a cross-encoder's bf16 copy for the CPU whose encoder runs fused layers, the
     last on the first position only (``models.copies.bf16_copy(model, fuse=True, first_position=True)``)."""
     return _head_logits(model, model.base_model(**tokens, first_position=True).last_hidden_state)
+
+
+def packed_logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``_logits(model, tokens)`` computed on the pairs' tokens packed back to back without padding
+    (``models.packing``; padding-free training): the encoder on the tokens alone, the head on each pair's first
+    position; for the classifiers ``packing_refusal`` accepts."""
+    out, packing = packed_forward(
+        model.base_model, tokens["input_ids"], tokens["attention_mask"], token_type_ids=tokens.get("token_type_ids")
+    )
+    return _head_logits(model, packing.first(out.last_hidden_state[0])[:, None])
+
+
+def packing_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``packed_logits`` cannot run ``model`` (None where it can): its head must read the first position
+    alone (``_FIRST_POSITION_HEADS``) and its encoder be one ``models.packing`` packs."""
+    if type(model).__name__ not in _FIRST_POSITION_HEADS or not packable(model.base_model):
+        return (
+            f"train.packing: the cross-encoder is a {type(model).__name__}; padding-free training runs BERT, "
+            "RoBERTa and XLM-R sequence classifiers (set reranker.train.packing: false)"
+        )
+    return None
 
 
 def _head_logits(model: torch.nn.Module, first: torch.Tensor) -> torch.Tensor:

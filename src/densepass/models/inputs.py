@@ -148,6 +148,7 @@ def forward_in_pieces(
     tokens: dict[str, torch.Tensor],
     max_tokens: int | None,
     embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    packed: bool = False,
 ) -> torch.Tensor:
     """``fn(tokens)`` (one output row per input row), computed on pieces of at most ``max_tokens`` tokens:
     rows sorted by length, each piece cut to its own longest row, the outputs put back in input order.
@@ -164,21 +165,30 @@ def forward_in_pieces(
     ``embed`` (training): the token-embedding lookup (``input_ids`` -> vectors), done once for every piece's ids
     together and handed to ``fn`` as each piece's ``inputs_embeds``. A lookup's backward writes a dense gradient
     of the whole vocabulary table (MiniLM: 30,522 x 384 floats, 47 MB, mapped afresh each time), so one lookup
-    per piece would cost a training step one such table per piece."""
+    per piece would cost a training step one such table per piece.
+
+    ``packed`` (``fn`` runs its piece packed without padding: ``models.packing``): a piece's size is its real
+    tokens, not rows x longest."""
     mask = tokens["attention_mask"]
     rows, width = mask.shape
     if max_tokens is not None and max_tokens < 1:
         raise ConfigError(f"piece size must be >= 1 token, got {max_tokens}")
-    if max_tokens is None or rows * width <= max_tokens:
+    if max_tokens is None or (int(mask.sum()) if packed else rows * width) <= max_tokens:
         order, pieces = None, [dict(tokens)]
     else:
         lengths = mask.sum(1)
         right_padded = bool(mask[:, 0].all())
         order = torch.argsort(lengths, descending=True, stable=True)
+        ends = lengths[order].cumsum(0)
         pieces, start = [], 0
         while start < rows:
             longest = int(lengths[order[start]]) if right_padded else width
-            index = order[start : start + max(1, max_tokens // max(longest, 1))]
+            if packed:  # the rows whose tokens fit, at least one
+                before = int(ends[start - 1]) if start else 0
+                count = int(torch.searchsorted(ends, before + max_tokens, right=True)) - start
+            else:
+                count = max_tokens // max(longest, 1)
+            index = order[start : start + max(1, count)]
             pieces.append({k: v[index, :longest] for k, v in tokens.items()})
             start += len(index)
     if embed is not None:

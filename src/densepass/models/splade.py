@@ -48,6 +48,7 @@ from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.copies import encoder_in_precision, float_precision
 from densepass.models.inputs import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
+from densepass.models.packing import packed_forward
 from densepass.numerics import refuse_nonfinite_weights
 
 FRESH_HEAD_BIAS = -6.0  # the vocabulary bias of a fresh MLM head (see the module docstring)
@@ -111,6 +112,14 @@ class SpladeEncoder(SidedInputs, nn.Module):
         self.source: str | None = None
         self.head_source = "checkpoint"  # or "tied embeddings + identity transform" when it was created
 
+    packing = False
+    """Padding-free training (``train.packing``; the trainer sets it): in training mode the encoder and its MLM head
+    run on each batch's tokens packed back to back (``models.packing``)."""
+
+    def packed_encoders(self) -> dict[str, nn.Module]:
+        """The encoders a packed forward runs, by what to call them in a refusal (``packing.check_packable``)."""
+        return {"the MLM encoder": self.mlm}
+
     @property
     def dim(self) -> int:
         """Size of the term-weight vectors (the vocabulary)."""
@@ -121,6 +130,10 @@ class SpladeEncoder(SidedInputs, nn.Module):
     ) -> torch.Tensor:
         """Term weights [B, |V|] (float32) of one side's tokenised batch (both sides share the encoder); ``mlm``:
         another copy of the model to run (a bf16 one)."""
+        if self.packing and self.training and mlm is None:  # padding-free training (models.packing): the MLM
+            # head's vocabulary-sized logits on the tokens alone, the max over each text's packed rows
+            out, packing = packed_forward(self.mlm, input_ids, attention_mask)
+            return torch.log1p(torch.relu(packing.max(out.logits[0]).float()))
         logits = (mlm or self.mlm)(input_ids=input_ids, attention_mask=attention_mask).logits
         return splade_weights(logits, attention_mask)
 

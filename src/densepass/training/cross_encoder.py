@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from densepass.config import RerankerTrainConfig
 from densepass.device import autocast_context
 from densepass.errors import ConfigError
 from densepass.losses.localized_contrastive import localized_contrastive_loss, pointwise_bce_loss
-from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.cross_encoder import CrossEncoder, packed_logits, packing_refusal
 from densepass.models.dropout import use_cpu_dropout
 from densepass.models.inputs import forward_in_pieces, piece_tokens
 from densepass.training import engine
@@ -80,6 +81,9 @@ class CrossEncoderTask(engine.Task):
         self.planner = RandomPlanner(len(data), config.batch_size, config.seed)
         self.steps_per_epoch, self.epochs = self.planner.steps_per_epoch, config.epochs
         self.loss_fn = localized_contrastive_loss if config.loss == "listwise" else pointwise_bce_loss
+        refusal = packing_refusal(model.model) if config.packing else None
+        if refusal:
+            raise ConfigError(refusal)
 
     @override
     def setup(self, device: torch.device) -> None:
@@ -123,7 +127,10 @@ class CrossEncoderTask(engine.Task):
             with autocast_context(context.device, context.bf16):
                 pieces = piece_tokens(context.device)
                 tokens = {k: v.to(context.device) for k, v in tokens.items()}
-                logits = forward_in_pieces(self.model.logits, tokens, pieces)
+                if self.config.packing:  # padding-free (models.packing)
+                    logits = forward_in_pieces(partial(packed_logits, self.net), tokens, pieces, packed=True)
+                else:
+                    logits = forward_in_pieces(self.model.logits, tokens, pieces)
         else:  # more processes than groups: this one scores none
             logits = torch.zeros(0, device=context.device)
         logits = gather_rows(logits, counts)

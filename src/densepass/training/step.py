@@ -38,7 +38,8 @@ def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autoca
     with autocast():
         if isinstance(model, BiEncoder | SpladeEncoder) or side == "passage":
             embed = model.token_embeddings(side) if isinstance(model, BiEncoder) else None  # one lookup, all pieces
-            return forward_in_pieces(run, tokens, piece_tokens(tokens["input_ids"].device), embed)
+            pieces = piece_tokens(tokens["input_ids"].device)
+            return forward_in_pieces(run, tokens, pieces, embed, packed=getattr(model, "packing", False))
         return run(tokens)
 
 

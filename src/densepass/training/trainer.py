@@ -26,6 +26,7 @@ from densepass.losses.objectives import InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder
 from densepass.models.dropout import use_cpu_dropout
 from densepass.models.freeze import freeze_bottom
+from densepass.models.packing import enable_packing
 from densepass.models.token_cache import cached_tokenizer
 from densepass.scheduling.baselines import random_batches
 from densepass.training import engine
@@ -104,6 +105,8 @@ class BiEncoderTask(engine.Task):
         objective: Objective | None = None,
     ) -> None:
         self.model, self.data, self.config, self.run_dir = model, data, config, run_dir
+        if config.packing:  # an encoder it cannot pack: one line before training
+            enable_packing(model)
         self.planner = planner or RandomPlanner(len(data), config.batch_size, config.seed)
         self.objective = objective or InfoNCE(config.bidirectional)
         self.steps_per_epoch, self.epochs = self.planner.steps_per_epoch, config.epochs

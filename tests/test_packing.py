@@ -1,0 +1,242 @@
+"""Padding-free (packed) training (issue 54, ``models.packing``): the packed forward of every model kind gives the
+padded forward's outputs and every parameter's gradient (float32 rounding; bf16 rounding under autocast), the packed
+attention equals a per-sequence float64 softmax attention, and a run trained packed ends at the padded run's
+weights. Tiny random models (2 layers, 32 wide), random lengths including 1."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+from densepass.config import BiEncoderConfig
+from densepass.errors import ConfigError
+from densepass.models.biencoder import BiEncoder, resolve_model_path, token_pooling
+from densepass.models.colbert import ColBERT
+from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.inputs import forward_in_pieces
+from densepass.models.packing import Packing, enable_packing, packed_attention, packed_forward
+from densepass.models.splade import SpladeEncoder
+from densepass.training.trainer import train
+from test_training import _fp32_config, make_data
+
+CPU = torch.device("cpu")
+LENGTHS = [5, 1, 12, 3, 12, 7]  # a text of one token, two of the longest
+TEXTS = [
+    "audio editor",
+    "x",
+    "a network terminal for unix shells with tabs and many profiles",
+    "kernel driver",
+    "python library for image viewer plugins and mail server backups",
+    "music player with playlists",
+]
+
+
+def _padded(lengths: list[int], vocab: int, pad: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths) + 2  # padding after the longest too
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(5, vocab, (len(lengths), width), generator=generator)
+    return ids * mask + pad * (1 - mask), mask
+
+
+def _tiny(family: str) -> torch.nn.Module:
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    extra = {"num_attention_heads": 4, "num_key_value_heads": 2} if family == "qwen2" else {}
+    config = AutoConfig.for_model(
+        family, vocab_size=120, max_position_embeddings=40, pad_token_id=1, **{**sizes, **extra}
+    )
+    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    return AutoModel.from_config(config).train()
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return grads
+
+
+def _assert_same_grads(packed: dict, padded: dict, atol: float, rtol: float) -> None:
+    assert packed.keys() == padded.keys() and len(padded) > 0
+    for name in padded:  # sums over thousands of tokens in another order: atol relative to the gradient's scale
+        scale = max(1.0, float(padded[name].abs().max()))
+        torch.testing.assert_close(packed[name], padded[name], atol=atol * scale, rtol=rtol, msg=name)
+
+
+def _reference_attention(q, k, v, lengths, causal):
+    """Per sequence, per head: softmax(q k^T / sqrt(d)) v in float64 (loops, no masks)."""
+    out, start = [], 0
+    for n in lengths:
+        qs, ks, vs = (x[start : start + n].double() for x in (q, k, v))  # [n, heads, size]
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(q.shape[-1])
+        if causal:
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_attention_is_per_sequence_softmax_attention_in_float64(causal):
+    torch.manual_seed(1)
+    tokens, heads, size = sum(LENGTHS), 2, 8
+    q, k, v = (torch.randn(tokens, heads, size, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = (torch.arange(max(LENGTHS))[None, :] < torch.tensor(LENGTHS)[:, None]).long()
+    module = torch.nn.Module()
+    module.is_causal = causal
+    out, _ = packed_attention(
+        module, *(x.transpose(0, 1)[None] for x in (q, k, v)), None, densepass_packing=Packing.of(mask)
+    )
+    reference = _reference_attention(q, k, v, LENGTHS, causal)
+    torch.testing.assert_close(out[0], reference, atol=1e-12, rtol=1e-12)
+    weights = torch.randn_like(reference)
+    packed_grads = torch.autograd.grad((out[0] * weights).sum(), (q, k, v))
+    reference_grads = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+    for ours, theirs in zip(packed_grads, reference_grads):
+        torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-12)
+
+
+def test_packing_pools_and_unpacks_as_the_padded_tensors_do():
+    hidden = torch.randn(len(LENGTHS), max(LENGTHS) + 2, 4)
+    _, mask = _padded(LENGTHS, 50, 0)
+    packing = Packing.of(mask)
+    assert packing.tokens == sum(LENGTHS)
+    packed = packing.pack(hidden)
+    for how in ("cls", "mean", "last"):
+        torch.testing.assert_close(packing.pool(packed, how), token_pooling(hidden, mask, how))
+    torch.testing.assert_close(packing.unpack(packed), hidden * mask[..., None])
+    expected = hidden.masked_fill(~mask.bool()[..., None], float("-inf")).amax(1)
+    torch.testing.assert_close(packing.max(packed), expected)
+    with pytest.raises(ValueError, match="at least one token"):
+        Packing.of(torch.tensor([[1, 1], [0, 0]]))
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "xlm-roberta", "qwen2"])
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_a_packed_encoder_gives_the_padded_outputs_and_gradients(family, pooling):
+    """Float32: outputs at every token and every parameter's gradient of a loss on the pooled vectors."""
+    model = _tiny(family)
+    ids, mask = _padded(LENGTHS, 120, 1)
+    weights = torch.randn(len(LENGTHS), 32)
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    (token_pooling(hidden, mask, pooling) * weights).sum().backward()
+    padded_grads = _grads(model)
+    out, packing = packed_forward(model, ids, mask)
+    packed = out.last_hidden_state[0]
+    torch.testing.assert_close(packing.unpack(packed), hidden * mask[..., None], atol=1e-5, rtol=1e-4)
+    (packing.pool(packed, pooling) * weights).sum().backward()
+    _assert_same_grads(_grads(model), padded_grads, atol=1e-5, rtol=1e-4)
+    assert model.config._attn_implementation != "densepass_packed"  # switched for the one call only
+
+
+@pytest.mark.parametrize("family", ["bert", "qwen2"])
+def test_a_packed_encoder_under_bf16_autocast_gives_the_padded_gradients_to_bf16_rounding(family):
+    model = _tiny(family)
+    ids, mask = _padded(LENGTHS, 120, 1)
+    weights = torch.randn(len(LENGTHS), 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        (token_pooling(hidden, mask, "mean") * weights).sum().backward()
+        padded_grads = _grads(model)
+        out, packing = packed_forward(model, ids, mask)
+        (packing.pool(out.last_hidden_state[0], "mean") * weights).sum().backward()
+    packed_grads = _grads(model)
+    for name, grad in padded_grads.items():  # bf16 rounding: within a few per cent of the gradient's scale
+        scale = grad.abs().max().clamp_min(1e-3)
+        assert (packed_grads[name] - grad).abs().max() <= 0.05 * scale, name
+
+
+def _encoded(model, texts: list[str], side: str) -> torch.Tensor:
+    tokens = model.tokenize(texts, side)
+    return model(tokens["input_ids"], tokens["attention_mask"], side=side)
+
+
+def _same_forward_and_grads(model, run, atol=1e-5, rtol=1e-4) -> None:
+    """``run()`` (a loss-shaped output) padded, then with ``model.packing`` on: same values, same gradients."""
+    model.train()
+    padded = run()
+    (padded * torch.linspace(-1, 1, padded.numel()).view_as(padded)).sum().backward()
+    padded_grads = _grads(model)
+    model.packing = True
+    packed = run()
+    model.packing = False
+    torch.testing.assert_close(packed, padded, atol=atol, rtol=rtol)
+    (packed * torch.linspace(-1, 1, packed.numel()).view_as(packed)).sum().backward()
+    _assert_same_grads(_grads(model), padded_grads, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("projection", [None, 8])
+def test_a_packed_bi_encoder_gives_the_padded_embeddings_and_gradients(tiny_model_dir, projection):
+    model = BiEncoder.from_pretrained(
+        str(tiny_model_dir), config=BiEncoderConfig(projection_dim=projection, shared=False)
+    )
+    tokens = model.tokenize(TEXTS, "passage")
+    embed = model.token_embeddings("passage")
+
+    def run():  # as a training step runs it: one lookup, pieces of 40 tokens
+        def piece(p):
+            return model(p["input_ids"], p["attention_mask"], "passage", inputs_embeds=p["inputs_embeds"])
+
+        return forward_in_pieces(piece, tokens, 40, embed, packed=model.packing)
+
+    _same_forward_and_grads(model, run)
+    _same_forward_and_grads(model, lambda: _encoded(model, TEXTS, "query"))
+
+
+def test_a_packed_splade_encoder_gives_the_padded_term_weights_and_gradients(tiny_model_dir):
+    model = SpladeEncoder.from_pretrained(str(tiny_model_dir), head_bias=0.0)
+    _same_forward_and_grads(model, lambda: _encoded(model, TEXTS, "passage"))
+
+
+def test_a_packed_colbert_gives_the_padded_token_vectors_and_gradients(tiny_model_dir):
+    model = ColBERT.from_pretrained(str(tiny_model_dir))
+    _same_forward_and_grads(model, lambda: _encoded(model, TEXTS, "passage"))
+    _same_forward_and_grads(model, lambda: _encoded(model, TEXTS, "query"))  # run padded
+
+
+def test_packed_cross_encoder_logits_are_the_padded_logits_with_the_same_gradients(tiny_model_dir):
+    from densepass.models.cross_encoder import packed_logits
+
+    scorer = CrossEncoder.new(str(tiny_model_dir), seed=3, max_length=48, device=CPU, precision="fp32")
+    model = scorer.model.train()
+    tokens = scorer.tokenize(TEXTS[:3] * 2, TEXTS[3:] + TEXTS[:3])
+    assert "token_type_ids" in tokens and int(tokens["attention_mask"].sum()) < tokens["attention_mask"].numel()
+    padded = scorer.logits(tokens)
+    padded.pow(2).sum().backward()
+    padded_grads = _grads(model)
+    packed = packed_logits(model, tokens)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-4)
+    packed.pow(2).sum().backward()
+    _assert_same_grads(_grads(model), padded_grads, atol=1e-5, rtol=1e-4)
+
+
+def test_a_packed_run_ends_at_the_padded_runs_weights(tiny_model_dir, tiny_beir, tmp_path):
+    """Three float32 steps of InfoNCE with a hard negative each: the same weights within float32 tolerance."""
+    data = make_data(tiny_beir)
+    padded = BiEncoder.from_pretrained(str(tiny_model_dir))
+    train(padded, data, _fp32_config(max_steps=3), tmp_path / "padded", CPU)
+    packed = BiEncoder.from_pretrained(str(tiny_model_dir))
+    train(packed, data, _fp32_config(max_steps=3, packing=True), tmp_path / "packed", CPU)
+    assert packed.packing and not padded.packing
+    start = BiEncoder.from_pretrained(str(tiny_model_dir)).state_dict()
+    ours, theirs = packed.state_dict(), padded.state_dict()
+    assert any(not torch.equal(theirs[k], start[k]) for k in theirs)  # training moved the weights
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packing_refuses_model_kinds_it_does_not_compute_in_one_line(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    config = AutoConfig.for_model("distilbert", vocab_size=len(tokenizer), dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    AutoModel.from_config(config).save_pretrained(tmp_path / "distilbert")
+    tokenizer.save_pretrained(tmp_path / "distilbert")
+    model = BiEncoder.from_pretrained(str(tmp_path / "distilbert"))
+    with pytest.raises(ConfigError, match=r"^train\.packing: the query tower is a distilbert model; .*\)$"):
+        enable_packing(model)
+    with pytest.raises(ConfigError, match=r"train\.packing: a Linear does not train packed"):
+        enable_packing(torch.nn.Linear(2, 2))
