@@ -222,3 +222,60 @@ def test_a_tiny_run_trains_records_its_dimensions_and_sentence_transformers_trun
     theirs = st_model.encode(texts, normalize_embeddings=True)
     assert theirs.shape == (3, 16)
     np.testing.assert_allclose(theirs, ours, atol=1e-5)
+
+
+def test_an_index_at_a_prefix_dimension_cuts_passages_and_queries_and_remembers_it(tiny_model_dir, tmp_path):
+    from densepass.index import load_index
+    from densepass.index.dense import DenseIndex
+    from densepass.models.biencoder import BiEncoder
+
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    model.save(tmp_path / "model")
+    model = BiEncoder.from_pretrained(str(tmp_path / "model"))
+    passages = [
+        f"{w} package for the {v}" for w in ("audio", "kernel", "python", "mail") for v in ("desktop", "server")
+    ]
+    queries = ["audio desktop", "python server", "mail"]
+    with pytest.warns(UserWarning, match="not trained at 16 dimensions"):
+        index = DenseIndex.build(model, passages, dim=16, show_progress=False, precision="fp32")
+    full = model.encode_passages(passages, show_progress=False, precision="fp32")
+    q_full = model.encode_queries(queries, show_progress=False, precision="fp32")
+    cut = full[:, :16] / np.linalg.norm(full[:, :16], axis=1, keepdims=True)  # the literal prefix, normalised
+    q_cut = q_full[:, :16] / np.linalg.norm(q_full[:, :16], axis=1, keepdims=True)
+    np.testing.assert_allclose(index.embeddings, cut, atol=1e-6)
+    scores, rows = index.search_rows(queries, 3)
+    brute = q_cut @ cut.T
+    np.testing.assert_array_equal(rows, np.argsort(-brute, axis=1, kind="stable")[:, :3])
+    np.testing.assert_allclose(scores, np.sort(brute, axis=1)[:, ::-1][:, :3], atol=1e-5)
+    assert index.search_rows(q_full, 3)[1].tolist() == rows.tolist()  # full query embeddings are cut too
+    index.save(tmp_path / "index")
+    manifest = json.loads((tmp_path / "index" / "manifest.json").read_text())
+    assert manifest["dim"] == 16 and manifest["truncate_dim"] == 16
+    loaded = load_index(tmp_path / "index")
+    assert loaded.dim == 16 and loaded.search_rows(queries, 3)[1].tolist() == rows.tolist()
+    with pytest.raises(ConfigError, match="above the model's 32"):
+        DenseIndex(model, dim=64)
+
+
+def test_densepass_index_dim_on_the_command_line(tiny_beir, tiny_model_dir, tmp_path):
+    from conftest import run_densepass
+    from densepass.pipelines.indexing import IndexSettings
+    from densepass.pipelines.search import SearchPipeline
+
+    out = tmp_path / "idx"
+    done = run_densepass(
+        "index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(out), "--dim", "8", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert "not trained at 8 dimensions" in done.stderr
+    assert json.loads((out / "manifest.json").read_text())["truncate_dim"] == 8
+    assert SearchPipeline.load(str(out)).search("audio editor", k=3)
+    bad = run_densepass(
+        "index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(tmp_path / "bad"), "--dim", "64",
+        cwd=tmp_path,
+    )  # fmt: skip
+    last = bad.stderr.strip().splitlines()[-1]  # (after transformers' progress bar of the weights)
+    assert bad.returncode == 2 and last == "densepass: error: --dim 64 is above the model's 32 dimensions", bad.stderr
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(ConfigError, match="a bm25 index has none to cut"):
+        IndexSettings(kind="bm25", dim=8)

@@ -129,11 +129,17 @@ def _index(args: argparse.Namespace) -> None:
         threshold=args.filter_threshold,
         precision=args.precision,
         ivf=IVFPQOptions(args.ivf_lists, args.pq_m, args.pq_bits, args.train_size, **nprobe),
+        dim=args.dim,
+        embedding_precision=args.embedding_precision,
+        rescore_with=args.rescore_with or "float",
+        rescore_multiplier=args.rescore_multiplier or 4,
     )
     with distributed.process_group():  # under torchrun: one shard per process, rank 0 writes the index
         index, name = index_dataset(args.dataset, args.data_dir, args.format, args.output, settings, args.force)
     if index is not None:
-        print(f"indexed {len(index):,} passages of {name} into {args.output} ({args.kind})")
+        memory = getattr(index, "memory_bytes", None)  # int8 / binary: what a loaded index holds in RAM
+        held = f"; {memory() / len(index):.1f} bytes per passage in RAM" if memory is not None and len(index) else ""
+        print(f"indexed {len(index):,} passages of {name} into {args.output} ({index.kind}{held})")
 
 
 def _index_update(args: argparse.Namespace) -> None:
@@ -175,6 +181,7 @@ def _load_pipeline(args: argparse.Namespace):
         fusion_weight=args.fusion_weight,
         rerank_batch_size=args.rerank_batch_size,
         rerank_precision=args.rerank_precision,
+        **{k: getattr(args, k) for k in ("rescore_with", "rescore_multiplier") if getattr(args, k) is not None},
     )
 
 
@@ -492,6 +499,7 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rescore", type=positive_int, default=None, help="--search-precision: candidates re-scored, x k (default 4)"
     )
+    _rescore_args(p, "default: the index's")
     p.add_argument(
         "--nprobe",
         type=positive_int,
@@ -499,6 +507,22 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
         help=f"{ONDISK_INDEX_KIND} index: inverted lists probed per query (default: the one it was built with)",
     )
     _device_arg(p)
+
+
+def _rescore_args(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument(
+        "--rescore-with",
+        choices=["float", "int8", "none"],
+        default=None,
+        help="int8 / binary index: re-score the candidates with the float32 or int8 embeddings on disk, or not"
+        f" ({default})",
+    )
+    p.add_argument(
+        "--rescore-multiplier",
+        type=positive_int,
+        default=None,
+        help=f"int8 / binary index: candidates re-scored per query, x k ({default})",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -582,6 +606,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     index.add_argument("--candidates", type=positive_int, default=256, help="colbert: candidates scored exactly")
     index.add_argument("--batch-size", type=positive_int, default=256, help="encoding batch size")
+    index.add_argument(
+        "--embedding-precision",
+        choices=["fp32", "int8", "binary"],
+        default="fp32",
+        help="dense kinds: what the index holds in memory: float32 embeddings, int8 codes (calibrated ranges) or sign"
+        " bits (FAISS binary flat, HNSW or IVF by --kind), the candidates re-scored from embeddings on disk",
+    )
+    _rescore_args(index, "default: float, 4")
+    index.add_argument(
+        "--dim",
+        type=positive_int,
+        default=None,
+        help="dense kinds: index the embeddings' first N dimensions, normalised again (a Matryoshka-trained model's;"
+        " searches cut queries alike)",
+    )
     index.add_argument(
         "--shard-size", type=positive_int, default=65_536, help="passages encoded between resumable save points"
     )

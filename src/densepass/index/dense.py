@@ -18,6 +18,7 @@ and loading it with another model is refused.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -40,6 +41,7 @@ from densepass.index.faiss_index import (
     save_faiss_index,
 )
 from densepass.models.biencoder import BiEncoder
+from densepass.models.matryoshka import check_index_dim, truncate
 from densepass.numerics import refuse_nonfinite_rows
 
 EMBEDDINGS = "embeddings.npy"
@@ -102,9 +104,13 @@ class DenseIndex(Index):
         precision: str = "auto",
         search_precision: str = "fp32",
         rescore: int = 4,
+        dim: int | None = None,
         **faiss_options: Any,
     ) -> None:
         resolve_precision(precision, device or default_device())  # a bad name fails before any work
+        if dim is not None:  # Matryoshka prefixes (models.matryoshka): above the model's size is refused
+            dim = check_index_dim(dim, model.dim, model.config.matryoshka_dims, model.source)
+        self.truncate_dim = None if dim == model.dim else dim
         if kind not in DENSE_INDEX_KINDS:
             raise ConfigError(f"unknown dense index kind {kind!r} (known: {', '.join(DENSE_INDEX_KINDS)})")
         if search_precision not in SEARCH_PRECISIONS:
@@ -122,7 +128,7 @@ class DenseIndex(Index):
         self._resident: torch.Tensor | None = None  # fp32 search: the passages on the device, from the first search
         self.model_path = model_path or model.source
         self.passages = Corpus([], [], [], [])
-        self.embeddings = np.zeros((0, model.dim), dtype=np.float32)
+        self.embeddings = np.zeros((0, self.dim), dtype=np.float32)
         self.faiss = None
         self.model_fingerprint: str | None = None  # of the model that encoded the passages (set when saved/loaded)
         self._weights_version: int | None = None  # the model's in-place update count when it encoded them
@@ -136,8 +142,16 @@ class DenseIndex(Index):
 
     @property
     def dim(self) -> int:
-        """Embedding dimension of the model."""
-        return self.model.dim
+        """Embedding dimension: the model's, or the prefix the index was built at (``dim=``)."""
+        return self.truncate_dim or self.model.dim
+
+    def cut(self, embeddings: np.ndarray) -> np.ndarray:
+        """The model's embeddings ``[n, model dim]`` cut to the index's dimension (normalised again where the model
+        normalises: ``models.matryoshka.truncate``); embeddings of the index's dimension as they are."""
+        embeddings = np.asarray(embeddings, dtype=np.float32)
+        if self.truncate_dim is None or embeddings.ndim != 2 or embeddings.shape[1] != self.model.dim:
+            return embeddings
+        return truncate(embeddings, self.truncate_dim, self.model.config.normalize)
 
     def to_numpy(self) -> tuple[list[str], np.ndarray]:
         """(passage ids, float32 embeddings [n, dim]) of the passages it searches, for another store
@@ -169,7 +183,7 @@ class DenseIndex(Index):
     def add_embeddings(self, passages: Passages, embeddings: np.ndarray) -> None:
         """Index passages whose embeddings were computed already (by this index's model)."""
         corpus = as_corpus(passages, first_id=len(self.passages))
-        embeddings = np.asarray(embeddings, dtype=np.float32)
+        embeddings = self.cut(embeddings)  # the model's full embeddings, cut to a prefix index's dimension
         if embeddings.shape != (len(corpus), self.dim):
             raise ConfigError(
                 f"embeddings of shape {embeddings.shape} for {len(corpus)} passages of a {self.dim}-dimensional model"
@@ -186,8 +200,12 @@ class DenseIndex(Index):
                 self.faiss.add(np.ascontiguousarray(embeddings))
 
     def encode_queries(self, queries: Any) -> np.ndarray:
-        """Query embeddings: texts are encoded by the model, an array of embeddings is used as it is."""
-        return query_embeddings(self.model, queries, self.batch_size, self.device, self.precision)
+        """Query embeddings: texts are encoded by the model, an array of embeddings is used as it is; an index built
+        at a prefix dimension cuts them to it (an array already of that dimension is used as it is)."""
+        if self.truncate_dim is not None and isinstance(queries, (np.ndarray, torch.Tensor)):
+            if queries.ndim == 2 and queries.shape[1] == self.dim:
+                return np.asarray(queries, dtype=np.float32)
+        return self.cut(query_embeddings(self.model, queries, self.batch_size, self.device, self.precision))
 
     # ---- a living index (index.base: tombstones, upsert, compaction) ----------------------------------------
 
@@ -255,6 +273,8 @@ class DenseIndex(Index):
             "model": {"path": self.model_path, "fingerprint": self.model_fingerprint},
             "dim": self.dim,
             "options": self.faiss_options,
+            # an index of Matryoshka prefixes: queries are cut to the same dimension when it is searched
+            **({"truncate_dim": self.truncate_dim} if self.truncate_dim is not None else {}),
         }
 
     def _write(self, directory: Path) -> None:
@@ -280,9 +300,17 @@ class DenseIndex(Index):
     ) -> DenseIndex:
         recorded = manifest["model"]
         model = model_for_index(directory, manifest["kind"], recorded, model, BiEncoder)
-        index = cls(
-            model, manifest["kind"], model_path=recorded["path"], show_progress=False, **options, **manifest["options"]
-        )
+        with warnings.catch_warnings():  # the prefix dimension was warned about when the index was built
+            warnings.simplefilter("ignore")
+            index = cls(
+                model,
+                manifest["kind"],
+                model_path=recorded["path"],
+                show_progress=False,
+                dim=manifest.get("truncate_dim"),
+                **options,
+                **manifest["options"],
+            )
         embeddings = np.load(directory / EMBEDDINGS, mmap_mode="r" if mmap else None, allow_pickle=False)
         if embeddings.shape != (len(passages), manifest["dim"]):
             raise DataError(f"{directory}: embeddings of shape {embeddings.shape} for {len(passages)} passages")

@@ -8,8 +8,8 @@ all cut the same way, so an index built at ``dim`` is searched with queries cut 
 gives the same vectors with ``SentenceTransformer(path, truncate_dim=dim).encode(..., normalize_embeddings=True)``.
 
 >>> import numpy as np
->>> truncate(np.array([[3.0, 4.0, 12.0]]), 2, normalize=True).round(3).tolist()
-[[0.6, 0.8]]
+>>> print(truncate(np.array([[3.0, 4.0, 12.0]]), 2, normalize=True))
+[[0.6 0.8]]
 """
 
 from __future__ import annotations

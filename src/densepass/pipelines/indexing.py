@@ -37,6 +37,7 @@ from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.fingerprints import fingerprint_corpus
 from densepass.index.base import Index, check_index_target
+from densepass.index.binary import CompactIndex, compact_kind
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
 from densepass.index.faiss_index import check_trainable
@@ -47,6 +48,7 @@ from densepass.io import move_aside
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT
 from densepass.models.copies import float_precision
+from densepass.models.matryoshka import check_index_dim
 from densepass.models.splade import SpladeEncoder
 from densepass.phrase.index import PhraseIndex
 from densepass.phrase.model import PhraseEncoder
@@ -74,6 +76,10 @@ class IndexSettings:
     threshold: float | None = None  # phrase: the token filter's threshold (None: keep every vector)
     precision: str = "auto"  # encoding precision: auto, fp32, bf16, int8 (bi-encoders only; models.encode)
     ivf: IVFPQOptions = dataclasses.field(default_factory=IVFPQOptions)  # faiss-ivfpq-disk: training, codes, nprobe
+    dim: int | None = None  # dense kinds: index the embeddings' first dim numbers (Matryoshka), normalised again
+    embedding_precision: str = "fp32"  # dense kinds: fp32, int8 or binary codes in memory (index.binary)
+    rescore_with: str = "float"  # int8 / binary: candidates re-scored with float32 or int8 embeddings, or none
+    rescore_multiplier: int = 4  # int8 / binary: candidates re-scored per query, x k
 
     @property
     def encoded_kind(self) -> str:
@@ -102,6 +108,20 @@ class IndexSettings:
             resolve_precision(self.precision, device)
         if self.precision not in ("auto", "fp32") and self.kind in ("bm25", "phrase"):
             raise ConfigError(f"precision {self.precision} applies to model indexes, not to a {self.kind} index")
+        if self.embedding_precision != "fp32" and self.kind not in DENSE_INDEX_KINDS:
+            raise ConfigError(
+                f"--embedding-precision {self.embedding_precision} stores a bi-encoder's embeddings: a {self.kind} "
+                "index has none"
+            )
+        compact_kind(self.embedding_precision, self.encoded_kind)  # a kind the precision has no index of: refused
+        if self.embedding_precision != "fp32":  # the search options, checked before any work
+            CompactIndex.check_search_options(self.rescore_with, self.rescore_multiplier)
+        elif (self.rescore_with, self.rescore_multiplier) != ("float", 4):
+            raise ConfigError("--rescore-with and --rescore-multiplier re-score an int8 or binary index's candidates")
+        if self.dim is not None and self.encoded_kind not in DENSE_INDEX_KINDS:
+            raise ConfigError(f"--dim cuts a bi-encoder's embeddings: a {self.kind} index has none to cut")
+        if self.dim is not None and (isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1):
+            raise ConfigError(f"--dim must be a positive integer, got {self.dim!r}")
 
 
 def encode_corpus(
@@ -113,6 +133,8 @@ def encode_corpus(
     Collective under torchrun."""
     if settings.kind == ONDISK_INDEX_KIND:
         settings.ivf.resolve(len(texts), model.dim)
+    if settings.dim is not None:  # above the model's size: refused before any passage is encoded
+        check_index_dim(settings.dim, model.dim, model.config.matryoshka_dims, settings.model)
     check_trainable(settings.encoded_kind, len(texts))
     return encode_sharded(
         model,
@@ -159,15 +181,22 @@ def _assembled_index(
     model: BiEncoder, corpus: Corpus, kind: str, shards: ShardedEmbeddings, work_dir: Path, settings: IndexSettings
 ) -> DenseIndex:
     """A dense index of ``corpus`` over every shard's embeddings (on rank 0)."""
-    index = DenseIndex(
-        model,
-        kind,
-        batch_size=settings.batch_size,
-        device=settings.device,
-        show_progress=False,
-        precision=settings.precision,
-    )
-    index.add_embeddings(corpus, shards.assemble(work_dir / "assembled.npy"))
+    with warnings.catch_warnings():  # a --dim the model was not trained at: warned before encoding (encode_corpus)
+        warnings.simplefilter("ignore")
+        options = dict(
+            batch_size=settings.batch_size,
+            device=settings.device,
+            show_progress=False,
+            precision=settings.precision,
+            dim=settings.dim,
+        )
+        if settings.embedding_precision == "fp32":
+            index: DenseIndex = DenseIndex(model, kind, **options)
+        else:  # binary or int8 codes in memory, re-scored from the embeddings on disk (index.binary)
+            compact = compact_kind(settings.embedding_precision, kind)
+            rescore = {"rescore_with": settings.rescore_with, "rescore_multiplier": settings.rescore_multiplier}
+            index = CompactIndex(model, compact, **rescore, **options)
+    index.add_embeddings(corpus, shards.assemble(work_dir / "assembled.npy"))  # cut to settings.dim there
     return index
 
 

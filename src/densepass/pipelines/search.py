@@ -29,6 +29,7 @@ from densepass.data.texts import is_blank, surrogate_problem
 from densepass.device import default_device, resolve_device, resolve_precision
 from densepass.errors import ConfigError, DataError
 from densepass.index.base import KINDS, Index, SearchResults, check_k, load_index, read_index_manifest
+from densepass.index.binary import COMPACT_KINDS
 from densepass.index.bm25 import BM25Index
 from densepass.index.hybrid import HybridIndex
 from densepass.io import check_regular_file
@@ -40,7 +41,7 @@ from densepass.models.kinds import model_kind
 from densepass.models.load import load_model
 from densepass.phrase.index import PhraseIndex, PhraseSearchResults  # registers the phrase kind for load_index
 
-BIENCODER_KINDS = (*DENSE_INDEX_KINDS, ONDISK_INDEX_KIND)  # indexes of one bi-encoder's passage embeddings
+BIENCODER_KINDS = (*DENSE_INDEX_KINDS, ONDISK_INDEX_KIND, *COMPACT_KINDS)  # indexes of one bi-encoder's embeddings
 
 
 @dataclass
