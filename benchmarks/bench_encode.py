@@ -318,7 +318,8 @@ def main() -> None:
     env = environment(device)
     print(
         f"device: {env['device']}; torch {env['torch']}, transformers {env['transformers']}, "
-        f"sentence-transformers {env['sentence_transformers']}"
+        f"sentence-transformers {env['sentence_transformers']}; {env['cpu_model']} ({' '.join(env['cpu_flags'])}), "
+        f"densepass's CPU kernels: {env['cpu_kernels'] or 'none'}, load average {env['load_average']}"
     )
     precisions = args.densepass_precisions or (
         ["bf16", "fp32"]

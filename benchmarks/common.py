@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -31,12 +32,30 @@ def environment(device: torch.device) -> dict:
         where = f"CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
     return {
         "device": where,
+        **cpu_facts(),
         "date": datetime.date.today().isoformat(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "sentence_transformers": sentence_transformers.__version__,
     }
+
+
+def cpu_facts() -> dict:
+    """The CPU's model name (/proc/cpuinfo), its flags that decide which bf16 path runs (AMX, AVX512-BF16, AVX2) and
+    the build of densepass's CPU kernels that runs (``models.cpu_kernels.kind``, None: torch's path), and the load
+    average when the benchmark started (other work on the machine slows every system alike only roughly)."""
+    from densepass.device import cpuinfo_words
+    from densepass.models import cpu_kernels
+
+    model = "unknown"
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), model)
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+    flags = [flag for flag in wanted if flag in cpuinfo_words()]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"cpu_model": model, "cpu_flags": flags, "cpu_kernels": cpu_kernels.kind(), "load_average": load}
 
 
 def sync(device: torch.device) -> None:
