@@ -9,6 +9,18 @@ per request, for one or more services side by side (e.g. micro-batched against b
         --start "batched=densepass serve IDX --port {port}" \
         --start "unbatched=densepass serve IDX --port {port} --max-batch-size 1"
 
+The OpenAI or TEI embedding route instead of /search: ``--route v1/embeddings`` (``{"input": [...], "model": M}``)
+or ``--route embed`` (``{"inputs": [...]}``), ``--texts-per-request N`` texts each (embeddings per second are
+then ``texts_per_s``), ``--api-key`` (or $DENSEPASS_API_KEY) sent as a bearer token. A peer service that speaks
+OpenAI's API is measured the same way by URL or command, e.g. infinity-emb (``--route embeddings``, its path; the
+service needs a GET /health that answers 200):
+
+    python benchmarks/bench_serve.py --queries queries.jsonl.gz --route v1/embeddings --texts-per-request 32 \
+        --start "densepass=densepass serve IDX --port {port}"
+    python benchmarks/bench_serve.py --queries queries.jsonl.gz --route embeddings --texts-per-request 32 \
+        --model sentence-transformers/all-MiniLM-L6-v2 \
+        --start "infinity=infinity_emb v2 --model-id sentence-transformers/all-MiniLM-L6-v2 --port {port}"
+
 Queries: a BEIR queries.jsonl(.gz) (its ``text`` fields) or a text file with one query per line, sent in
 order and cycled. Each concurrency level runs until --requests requests or --seconds seconds, whichever comes
 first, after --warmup requests that are not counted. Services given by URL are measured level by level in
@@ -127,14 +139,20 @@ async def load(
     seconds: float,
     k: int,
     timeout: float,
+    route: str = "search",
+    texts_per_request: int = 1,
+    model: str | None = None,
+    api_key: str | None = None,
 ) -> dict:
-    """Send one-query requests numbered ``first, first + step, ...`` below ``requests`` (or for ``seconds``) from
+    """Send one-query requests (``texts_per_request`` texts to an embedding ``route``) numbered ``first, first +
+    step, ...`` below ``requests`` (or for ``seconds``) from
     ``concurrency`` workers, once all of them are connected (connecting is not timed). Each worker has its own
     client and keep-alive connection: one shared pool of many connections costs the client time that grows with
     their number (httpcore scans the pool on every request)."""
     latencies: list[float] = []
     failures: Counter[str] = Counter()
     numbers = itertools.count(first, step)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
 
     async def worker(client: httpx.AsyncClient, deadline: float) -> None:
         for i in numbers:
@@ -142,7 +160,9 @@ async def load(
                 return
             sent = time.perf_counter()
             try:
-                response = await client.post(f"{url}/search", json={"query": queries[i % len(queries)], "k": k})
+                response = await client.post(
+                    f"{url}/{route}", json=body(route, queries, i, texts_per_request, k, model)
+                )
                 if response.status_code != 200:
                     failures[str(response.status_code)] += 1
                     continue
@@ -153,7 +173,7 @@ async def load(
 
     async with contextlib.AsyncExitStack() as stack:
         clients = [
-            await stack.enter_async_context(httpx.AsyncClient(timeout=timeout, trust_env=False))
+            await stack.enter_async_context(httpx.AsyncClient(timeout=timeout, trust_env=False, headers=headers))
             for _ in range(concurrency)
         ]
         await asyncio.gather(*(client.get(f"{url}/health") for client in clients))
@@ -161,6 +181,19 @@ async def load(
         await asyncio.gather(*(worker(client, started + seconds) for client in clients))
         wall = time.perf_counter() - started
     return {"latencies": latencies, "failures": failures, "seconds": wall, "cpu_s": time.process_time() - cpu}
+
+
+def body(route: str, queries: list[str], i: int, texts: int, k: int, model: str | None) -> dict:
+    """The JSON of request ``i``: one query to /search, or ``texts`` texts from the ``i``-th on to an OpenAI
+    (``.../embeddings``) or TEI (``embed``) route."""
+    if route.rstrip("/").endswith("embeddings"):
+        chosen = [queries[(i * texts + j) % len(queries)] for j in range(texts)]
+        return {"input": chosen, **({"model": model} if model else {})}
+    if route.rstrip("/").endswith("embed"):
+        return {"inputs": [queries[(i * texts + j) % len(queries)] for j in range(texts)]}
+    if texts > 1:
+        return {"queries": [queries[(i * texts + j) % len(queries)] for j in range(texts)], "k": k}
+    return {"query": queries[i % len(queries)], "k": k}
 
 
 def run_load(*args) -> dict:
@@ -191,6 +224,10 @@ def measure(
             args.seconds,
             args.k,
             args.timeout,
+            args.route,
+            args.texts_per_request,
+            args.model,
+            args.api_key,
         )
         for p in range(shares)
     ]
@@ -209,6 +246,7 @@ def measure(
         "error_kinds": dict(failures),
         "seconds": wall,
         "queries_per_s": len(latencies) / wall,
+        "texts_per_s": len(latencies) * args.texts_per_request / wall,
         "p50_ms": p50,
         "p95_ms": p95,
         "p99_ms": p99,
@@ -231,7 +269,10 @@ def run(services: list[Service], queries: list[str], args: argparse.Namespace) -
             if service.command:
                 start(service, client, args.startup_seconds)
             service.health = get_health(client, service.url)
-            run_load(service.url, queries, 0, 1, 1, args.warmup, args.seconds, args.k, args.timeout)
+            run_load(
+                service.url, queries, 0, 1, 1, args.warmup, args.seconds, args.k, args.timeout, args.route,
+                args.texts_per_request, args.model, args.api_key,
+            )  # fmt: skip
             print(
                 f"{service.name}: {service.url} {service.health.get('searcher')} "
                 f"batching {service.health.get('batching')}",
@@ -242,7 +283,8 @@ def run(services: list[Service], queries: list[str], args: argparse.Namespace) -
             r = measure(pool, client, service, queries, concurrency, args)
             results.append(r)
             print(
-                f"  {service.name} c={concurrency}: {rate(r['queries_per_s'])} queries/s, p50 {r['p50_ms']:.1f} ms"
+                f"  {service.name} c={concurrency}: {rate(r['queries_per_s'])} requests/s "
+                f"({rate(r['texts_per_s'])} texts/s), p50 {r['p50_ms']:.1f} ms"
                 f", {r['errors']} errors, client CPU {r['client_cpu']:.0%}",
                 flush=True,
             )
@@ -277,6 +319,7 @@ def tables(services: list[Service], results: list[dict], concurrency: list[int])
             r["requests"],
             r["errors"],
             rate(r["queries_per_s"]),
+            rate(r["texts_per_s"]),
             f"{r['p50_ms']:.1f}",
             f"{r['p95_ms']:.1f}",
             f"{r['p99_ms']:.1f}",
@@ -293,7 +336,8 @@ def tables(services: list[Service], results: list[dict], concurrency: list[int])
             "service",
             "requests",
             "errors",
-            "queries/s",
+            "requests/s",
+            "texts/s",
             "p50 ms",
             "p95 ms",
             "p99 ms",
@@ -357,6 +401,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="requests sent first to each service, not counted")
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument(
+        "--route",
+        default="search",
+        help="the path requests go to: search (densepass), v1/embeddings (OpenAI's API; a peer's path, e.g. "
+        "embeddings for infinity-emb), embed (TEI's)",
+    )
+    parser.add_argument("--texts-per-request", type=int, default=1, help="texts (queries) in each request")
+    parser.add_argument("--model", default=None, help="the model name sent to an OpenAI route (default: none)")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("DENSEPASS_API_KEY"), help="bearer token (default: $DENSEPASS_API_KEY)"
+    )
+    parser.add_argument(
         "--processes",
         type=int,
         default=1,
@@ -366,6 +421,9 @@ def main() -> None:
     parser.add_argument("--startup-seconds", type=float, default=300.0, help="how long a started service may load")
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
+    args.route = args.route.strip("/")
+    if args.texts_per_request < 1:
+        parser.error("--texts-per-request must be at least 1")
     if bool(args.url) == bool(args.start):
         parser.error("give the services either with --url or with --start")
     services = [Service(name, url=url.rstrip("/")) for name, url in (named(v, i) for i, v in enumerate(args.url, 1))]
@@ -392,6 +450,8 @@ def main() -> None:
             "queries_file": str(args.queries),
             "n_queries": len(queries),
             "k": args.k,
+            "route": args.route,
+            "texts_per_request": args.texts_per_request,
             "requests_per_level": args.requests,
             "seconds_per_level": args.seconds,
             "services": [{"name": s.name, "url": s.url, "command": s.command, "health": s.health} for s in services],

@@ -3,7 +3,8 @@
 Scores are word overlap (shared words / query words) with a handful of passages, ties broken by id; every
 ``search_batch`` call is logged. ``gate`` holds calls (queue-full and shutdown tests); the words "forbidden"
 and "explode" make a query raise a ``DataError`` and a ``RuntimeError``. Run as a script, it serves itself:
-``python3 tests/serve_fake.py --port 8000 [--max-batch-size 1] [--delay-ms 5]``.
+``python3 tests/serve_fake.py --port 8000 [--max-batch-size 1] [--delay-ms 5] [--embeddings]``; with
+``--embeddings`` (``FakeSearcher(embeddings=True)``) it also embeds (:class:`FakeEmbedder`, the embedding routes).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from densepass.errors import DataError
 
@@ -41,11 +44,38 @@ def words(text: str) -> set[str]:
     return set(re.findall(r"\w+", text.lower()))
 
 
-class FakeSearcher:
-    """Word-overlap searcher over :data:`PASSAGES` with a call log (``batches``: (queries, k) per call)."""
+class FakeEmbedder:
+    """Embeds a text as its normalised counts of the letters a-h (8 dimensions), one call logged per batch
+    (``batches``: (texts, side)); each call takes ``delay_s``."""
+
+    name, names, dim, prefix_dims = "fake", ("fake",), 8, []
 
     def __init__(self, delay_s: float = 0.0):
         self.delay_s = delay_s
+        self.batches: list[tuple[list[str], str]] = []
+
+    def embed(self, texts: list[str], side: str, truncate: bool = True) -> list[tuple[np.ndarray, int]]:
+        self.batches.append((list(texts), side))
+        time.sleep(self.delay_s)
+        return [(self.vector(text), len(text.split())) for text in texts]
+
+    @staticmethod
+    def vector(text: str) -> np.ndarray:
+        """The embedding of one text (the reference the service's answers are compared with)."""
+        counts = np.array([text.lower().count(c) for c in "abcdefgh"], dtype=np.float32) + 1e-3
+        return counts / np.linalg.norm(counts)
+
+    def describe(self) -> dict:
+        return {"model": self.name, "dim": self.dim}
+
+
+class FakeSearcher:
+    """Word-overlap searcher over :data:`PASSAGES` with a call log (``batches``: (queries, k) per call); with
+    ``embeddings``, a :class:`FakeEmbedder` taking as long per call (``embedder``)."""
+
+    def __init__(self, delay_s: float = 0.0, embeddings: bool = False):
+        self.delay_s = delay_s
+        self.embedder = FakeEmbedder(delay_s) if embeddings else None
         self.batches: list[tuple[list[str], int]] = []
         self.gate: threading.Event | None = None  # when set, each call waits until the event is set
         self.entered = threading.Event()  # set when a call starts
@@ -80,17 +110,38 @@ class FakeSearcher:
         return {"kind": "fake word overlap", "passages": len(PASSAGES)}
 
 
-if __name__ == "__main__":
-    from densepass.serve import ServeSettings, run_server
-
+def parser() -> argparse.ArgumentParser:
+    """The fake service's command line."""
     parser = argparse.ArgumentParser(description="serve the fake searcher")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--delay-ms", type=float, default=0.0, help="time each searcher call takes")
-    args = parser.parse_args()
-    run_server(
-        FakeSearcher(args.delay_ms / 1000),
-        port=args.port,
-        log_level="warning",
-        settings=ServeSettings(max_batch_size=args.max_batch_size),
-    )
+    parser.add_argument("--embeddings", action="store_true", help="serve the embedding routes too (FakeEmbedder)")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes behind the port")
+    return parser
+
+
+def worker_app():
+    """The app of one worker process of ``--workers N``."""
+    from densepass.serve import ServeSettings
+    from densepass.serve.app import worker_app, worker_argv
+
+    args = parser().parse_args(worker_argv())
+    searcher = FakeSearcher(args.delay_ms / 1000, args.embeddings)
+    return worker_app(searcher, ServeSettings(max_batch_size=args.max_batch_size), "127.0.0.1", None)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from densepass.serve import ServeSettings, run_server
+    from densepass.serve.app import run_workers
+
+    args = parser().parse_args()
+    settings = ServeSettings(max_batch_size=args.max_batch_size)
+    if args.workers > 1:
+        run_workers("serve_fake:worker_app", sys.argv[1:], args.workers, "127.0.0.1", args.port, settings, "warning")
+    else:
+        run_server(
+            FakeSearcher(args.delay_ms / 1000, args.embeddings), port=args.port, log_level="warning", settings=settings
+        )

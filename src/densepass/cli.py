@@ -250,17 +250,48 @@ def _print_hits(query: str, hits) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from densepass.serve import run_server, settings_from_args
-    from densepass.serve.settings import check_address, check_can_listen, exposure_warning
+    from densepass.serve.settings import (
+        check_access_log,
+        check_address,
+        check_can_listen,
+        exposure_warning,
+        serve_api_key,
+    )
 
     settings = settings_from_args(args)  # checked before the index is loaded, and so are the address and port
     check_address(args.host, args.port)
+    check_access_log(args.access_log)
     exposed = exposure_warning(args.host, args.port)
-    if exposed:
+    if exposed and serve_api_key(args.api_key) is None:
         print(f"densepass: warning: {exposed}", file=sys.stderr)
     check_can_listen(args.host, args.port)
+    key = serve_api_key(args.api_key)
+    access_log = None if args.access_log == "off" else args.access_log
+    if args.workers > 1:  # each worker loads the index; here only its manifest is checked
+        from densepass.index.base import read_index_manifest
+        from densepass.serve.app import run_workers
+
+        read_index_manifest(Path(args.index))
+        where = f"http://{args.host}:{args.port}"
+        print(f"densepass: serving {args.index} with {args.workers} worker processes on {where}", file=sys.stderr)
+        run_workers(
+            "densepass.cli:serve_worker_app", args.argv, args.workers, args.host, args.port, settings, api_key=key
+        )
+        return
     pipeline = _load_pipeline(args)
     print(f"densepass: serving {json.dumps(pipeline.describe())} on http://{args.host}:{args.port}", file=sys.stderr)
-    run_server(pipeline, args.host, args.port, settings)
+    run_server(pipeline, args.host, args.port, settings, api_key=key, access_log=access_log)
+
+
+def serve_worker_app():
+    """The app of one worker process of ``serve --workers N`` (uvicorn calls it in each process it starts): the
+    index and models loaded from the command's own arguments."""
+    from densepass.serve import settings_from_args
+    from densepass.serve.app import worker_app, worker_argv
+
+    args = build_parser().parse_args(worker_argv())
+    access_log = None if args.access_log == "off" else args.access_log
+    return worker_app(_load_pipeline(args), settings_from_args(args), args.host, access_log)
 
 
 def _evaluate(args: argparse.Namespace) -> None:
@@ -527,7 +558,7 @@ def _rescore_args(p: argparse.ArgumentParser, default: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``densepass`` argument parser with every subcommand."""
-    from densepass.serve.settings import add_settings_arguments
+    from densepass.serve.settings import add_operation_arguments, add_settings_arguments
 
     parser = argparse.ArgumentParser(
         prog="densepass", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -661,6 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on, 0 to 65535 (0: any free port)")
     _pipeline_args(serve)
     add_settings_arguments(serve)
+    add_operation_arguments(serve)
     serve.set_defaults(func=_serve)
 
     rerank = sub.add_parser(
@@ -883,6 +915,7 @@ def path_failure(err: OSError) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what serve --workers hands its workers
     return run_guarded(lambda: args.func(args))
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
-import re
+import os
 import time
-import unicodedata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -25,15 +25,20 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from densepass.errors import ConfigError, DensepassError
+from densepass.serve import compat
+from densepass.serve.backends import Embedder, PairScorer, find_embedder, find_reranker
+from densepass.serve.compat import ApiError, styled_error
 from densepass.serve.microbatch import MicroBatcher, Unavailable
+from densepass.serve.operations import BearerAuth, Metrics, Observe, access_log_handler
 from densepass.serve.searcher import Searcher
 from densepass.serve.settings import ServeSettings, check_address, host_name
+from densepass.serve.texts import query_problem
 from densepass.version import __version__
 
 logger = logging.getLogger("densepass.serve")
@@ -80,26 +85,6 @@ class ErrorResponse(BaseModel):
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """``{"error": message}`` (on one line) with HTTP ``status``."""
     return JSONResponse({"error": " ".join(str(message).split())}, status_code=status, headers=headers)
-
-
-INVISIBLE_CATEGORIES = {"Cc", "Cf", "Zs", "Zl", "Zp"}  # controls, format (zero-width) characters, separators
-SURROGATE = re.compile("[\ud800-\udfff]")  # only lone ones reach a str: JSON pairs decode to one character
-BLANK_LETTERS = {"\u115f", "\u1160", "\u3164", "\uffa0", "\u2800"}  # Hangul fillers and the blank Braille cell
-
-
-def query_problem(query: str) -> str | None:
-    """Why ``query`` cannot be searched (after "the query" / "query i"), or None: a lone surrogate (not
-    Unicode, which tokenizers reject with a TypeError), or nothing visible (empty, whitespace, control or
-    zero-width characters only)."""
-    surrogate = SURROGATE.search(query)
-    if surrogate:
-        return f"has a lone surrogate U+{ord(surrogate[0]):04X} at character {surrogate.start()}, not valid Unicode"
-    if not query.strip():
-        return "is empty or whitespace only"
-    if all(unicodedata.category(c) in INVISIBLE_CATEGORIES or c in BLANK_LETTERS or c.isspace() for c in query):
-        shown = " ".join(dict.fromkeys(f"U+{ord(c):04X}" for c in query if not c.isspace()))
-        return f"has no visible character, only whitespace, control or zero-width ones ({shown[:80]})"
-    return None
 
 
 def request_queries(body: SearchRequest, settings: ServeSettings) -> list[str]:
@@ -159,16 +144,16 @@ class RequestBody:
         too_large = f"request body larger than {self.max_bytes} bytes"
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_bytes:
-            return await error_response(
-                413 if length.isdigit() else 400, too_large if length.isdigit() else "bad Content-Length"
+            return await styled_error(
+                scope["path"], 413 if length.isdigit() else 400, too_large if length.isdigit() else "bad Content-Length"
             )(scope, receive, send)
         try:
             body = await asyncio.wait_for(self._read(receive), self.timeout_s)
         except asyncio.TimeoutError:
             message = f"the request body did not arrive within {self.timeout_s:g} s"
-            return await error_response(408, message, {"Connection": "close"})(scope, receive, send)
+            return await styled_error(scope["path"], 408, message, {"Connection": "close"})(scope, receive, send)
         except _BodyTooLarge:
-            return await error_response(413, too_large)(scope, receive, send)
+            return await styled_error(scope["path"], 413, too_large)(scope, receive, send)
         if body is None:  # the client disconnected
             return None
         replayed = False
@@ -239,16 +224,33 @@ class HostAllowList:
             message = "the request needs exactly one Host header"
         else:
             message = f"Host {header[:100]!r} is not allowed (the service's --allowed-hosts adds names)"
-        await error_response(400, message)(scope, receive, send)
+        await styled_error(scope["path"], 400, message)(scope, receive, send)
 
 
-def create_app(searcher: Searcher, settings: ServeSettings | None = None, host: str | None = None) -> FastAPI:
+def create_app(
+    searcher: Searcher,
+    settings: ServeSettings | None = None,
+    host: str | None = None,
+    *,
+    api_key: str | None = None,
+    embedder: Embedder | None = None,
+    reranker: PairScorer | None = None,
+) -> FastAPI:
     """The search service's FastAPI app over ``searcher`` (used read-only), with ``settings`` (default:
     :class:`ServeSettings`); ``host`` is the address it will listen on, accepted in the Host header when it is a
     specific one (see :meth:`ServeSettings.host_allow_list`). Its lifespan starts the batcher and, on shutdown,
-    searches what is still waiting before it stops."""
+    searches what is still waiting before it stops.
+
+    ``embedder`` (``POST /v1/embeddings``, ``/embed``) and ``reranker`` (``POST /rerank``) default to the
+    searcher's bi-encoder and second stage (``backends.find_embedder`` / ``find_reranker``); their work goes
+    through the same micro-batcher, its queue and its limits. ``api_key``: every route but ``/health`` then needs
+    ``Authorization: Bearer API_KEY`` (:class:`~densepass.serve.operations.BearerAuth`)."""
     settings = settings or ServeSettings()
+    embedder = embedder if embedder is not None else find_embedder(searcher)
+    reranker = reranker if reranker is not None else find_reranker(searcher)
     batcher = MicroBatcher(searcher, settings.max_batch_size, settings.max_wait_ms, settings.max_queue)
+    metrics = Metrics()
+    batcher.on_batch = lambda operation, items: metrics.batch_items.labels(operation.split(":")[0]).observe(items)
     page = resources.files("densepass.serve").joinpath("static/index.html").read_text(encoding="utf-8")
 
     @asynccontextmanager
@@ -264,49 +266,78 @@ def create_app(searcher: Searcher, settings: ServeSettings | None = None, host: 
         version=__version__,
         lifespan=lifespan,
         description='Search a densepass index: `POST /search` with `{"queries": [...], "k": 10}` or '
-        '`{"query": "...", "k": 10}`. Limits: at most '
-        f"{settings.max_queries_per_request} queries of at most {settings.max_query_chars} "
+        '`{"query": "...", "k": 10}`; embeddings through OpenAI\'s API (`POST /v1/embeddings`) and Text '
+        "Embeddings Inference's (`POST /embed`), reranking through TEI's `POST /rerank`. Limits: at most "
+        f"{settings.max_queries_per_request} queries (texts) of at most {settings.max_query_chars} "
         f"characters per request, k from 1 to {settings.max_k}, bodies of at most "
         f"{settings.max_body_bytes} bytes, sent within {settings.read_timeout_s:g} s. "
-        'Errors are `{"error": "..."}`.',
+        'Errors are `{"error": "..."}` (in OpenAI\'s and TEI\'s own shapes on their routes).',
     )
     app.state.batcher = batcher
     app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.embedder, app.state.reranker = embedder, reranker
+
+    def page_response(status: int = 200) -> HTMLResponse:
+        return HTMLResponse(page, status_code=status, headers=PAGE_SECURITY)
+
+    def unauthorized(path: str, message: str) -> JSONResponse:
+        return styled_error(path, 401, message, {"WWW-Authenticate": "Bearer"})
+
     app.add_middleware(RequestBody, max_bytes=settings.max_body_bytes, timeout_s=settings.read_timeout_s)
-    app.add_middleware(HostAllowList, allowed=settings.host_allow_list(host))  # the outermost: checked first
+    app.add_middleware(
+        BearerAuth, key=api_key, refuse=unauthorized, page=lambda: page_response(401)
+    )  # after the Host check: a request to a host not allowed learns nothing
+    app.add_middleware(HostAllowList, allowed=settings.host_allow_list(host))
+    app.add_middleware(  # the outermost: every answer is counted and logged, refusals too
+        Observe,
+        metrics=metrics,
+        routes=lambda: [route.path for route in app.routes],
+        queue_depth=lambda: batcher.waiting,
+    )
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
-        return error_response(*validation_message(err))
+        status, message = validation_message(err)
+        param = ".".join(str(part) for part in err.errors()[0].get("loc", ())[1:2]) or None
+        return styled_error(request.url.path, status, message, param=param)
+
+    @app.exception_handler(ApiError)
+    async def refused(request: Request, err: ApiError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if err.status == 503 else None
+        return styled_error(request.url.path, err.status, err.message, headers, err.param, err.code)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
-        return error_response(err.status_code, err.detail, getattr(err, "headers", None))
+        return styled_error(request.url.path, err.status_code, err.detail, getattr(err, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, err: Exception) -> JSONResponse:
-        return error_response(500, f"internal server error ({type(err).__name__}); see the server log")
+        logger.error("%s failed", request.url.path, exc_info=err)
+        message = f"internal server error ({type(err).__name__}); see the server log"
+        return styled_error(request.url.path, 500, message)
 
     errors = {
         status: {"model": ErrorResponse, "description": what}
         for status, what in [
             (400, "malformed JSON, input the searcher rejects, or a Host header not allowed"),
+            (401, "the service has an API key and the request did not send it"),
             (408, "the request body did not arrive in time (the connection is closed)"),
-            (413, "request body too large"),
-            (422, "wrong field types or values out of the limits"),
+            (413, "request body too large (TEI routes: a text longer than the model reads, without truncate)"),
+            (422, "wrong field types or values out of the limits (400 on OpenAI's routes)"),
             (503, "queue full or shutting down (Retry-After)"),
             (500, "unexpected failure (details in the server log)"),
         ]
     }
 
-    @app.post("/search", response_model=SearchResponse, responses=errors)
-    async def search(body: SearchRequest) -> Any:
+    async def search(body: SearchRequest, request: Request) -> Any:
         """Search: one ranked list of hits per query, best first, at most k each."""
         started = time.perf_counter()
         try:
             queries = request_queries(body, settings)
         except ValueError as err:
             return error_response(422, str(err))
+        request.state.items = len(queries)
         try:
             results = await batcher.search(queries, body.k)
         except Unavailable as err:
@@ -318,11 +349,11 @@ def create_app(searcher: Searcher, settings: ServeSettings | None = None, host: 
             return error_response(500, f"search failed ({type(err).__name__}); see the server log")
         return JSONResponse({"results": results, "took_ms": (time.perf_counter() - started) * 1000})
 
-    @app.get("/health")
     async def health() -> dict:
         """Status, the searcher's description, queue depth, batching settings and what was served so far."""
         return {
             "status": "shutting down" if batcher.closing else "ok",
+            "process": os.getpid(),  # which worker answered (--workers)
             "searcher": searcher.describe(),
             "queue_depth": batcher.waiting,
             "batching": {
@@ -343,12 +374,34 @@ def create_app(searcher: Searcher, settings: ServeSettings | None = None, host: 
                 "queries": batcher.queries,
                 "searcher_calls": batcher.searcher_calls,
             },
+            "api_key": api_key is not None,
+            "embeddings": embedder.describe() if embedder is not None else None,
+            "rerank": reranker.describe() if reranker is not None else None,
         }
 
-    @app.get("/", include_in_schema=False)
-    async def search_page() -> HTMLResponse:
-        return HTMLResponse(page, headers=PAGE_SECURITY)
+    async def prometheus() -> Response:
+        """Prometheus metrics: requests by route and status, latencies, micro-batch sizes, queue depth."""
+        metrics.queue_depth.set(batcher.waiting)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
 
+    async def search_page() -> HTMLResponse:
+        return page_response()
+
+    # every route, in one place: (method, path, handler, options of FastAPI's add_api_route)
+    routes: list[tuple[str, str, Any, dict[str, Any]]] = [
+        ("POST", "/search", search, {"response_model": SearchResponse, "responses": errors}),
+        ("GET", "/health", health, {}),
+        ("POST", "/v1/embeddings", compat.openai_embeddings(batcher, settings, embedder), {"responses": errors}),
+        ("GET", "/v1/models", compat.openai_models(embedder), {}),
+        ("GET", "/v1/models/{model}", compat.openai_model(embedder), {}),
+        ("POST", "/embed", compat.tei_embed(batcher, settings, embedder), {"responses": errors}),
+        ("POST", "/rerank", compat.tei_rerank(batcher, settings, reranker), {"responses": errors}),
+        ("GET", "/metrics", prometheus, {}),
+        ("GET", "/", search_page, {"include_in_schema": False}),
+    ]
+    for method, path, handler, options in routes:
+        app.add_api_route(path, handler, methods=[method], **options)
     return app
 
 
@@ -405,6 +458,26 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **op
     return uvicorn.Config(app, host=host, port=port, http=_timed_h11_protocol(settings.read_timeout_s), **options)
 
 
+def __getattr__(name: str) -> Any:
+    """``TimedH11Protocol``: the protocol of :func:`_timed_h11_protocol` with the read timeout of
+    ``$DENSEPASS_READ_TIMEOUT_S`` (default 10 s), for worker processes, which import it by name."""
+    if name == "TimedH11Protocol":
+        return _timed_h11_protocol(float(os.environ.get("DENSEPASS_READ_TIMEOUT_S", "10")))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def configure_access_log(target: str | None) -> None:
+    """Send the access log's JSON lines to stderr (``-``) or the file ``target``; None: nowhere."""
+    from densepass.serve.operations import access_logger
+
+    for handler in list(access_logger.handlers):
+        access_logger.removeHandler(handler)
+        handler.close()
+    if target is not None:
+        access_logger.addHandler(access_log_handler(target))
+        access_logger.setLevel(logging.INFO)
+
+
 def run_server(
     searcher: Searcher,
     host: str = "127.0.0.1",
@@ -412,16 +485,24 @@ def run_server(
     settings: ServeSettings | None = None,
     log_level: str = "info",
     shutdown_timeout_s: float = 30.0,
+    *,
+    api_key: str | None = None,
+    access_log: str | None = None,
 ) -> None:
-    """Serve ``searcher`` with uvicorn until Ctrl-C or SIGTERM; then requests in flight are finished (for at
-    most ``shutdown_timeout_s`` seconds) before the batcher stops. A ``port`` outside 0..65535 is a one-line
-    ``ConfigError``, and so is an address it cannot listen on (after uvicorn logged why). The service has no
-    authentication: with a ``host`` other than loopback, anyone who can reach it can search (the CLI warns)."""
+    """Serve ``searcher`` with uvicorn until Ctrl-C or SIGTERM; then the server takes no new connections, and the
+    requests in flight, those waiting in the micro-batcher included, are finished and answered (for at most
+    ``shutdown_timeout_s`` seconds) before the batcher stops. A ``port`` outside 0..65535 is a one-line
+    ``ConfigError``, and so is an address it cannot listen on (after uvicorn logged why). ``api_key``: every route
+    but ``/health`` needs it as a bearer token; without one, anyone who can reach a ``host`` other than loopback
+    can search (the CLI warns). ``access_log``: one JSON line per request to stderr (``-``) or a file."""
     import uvicorn
 
     check_address(host, port)
-    app = create_app(searcher, settings, host=host)
-    config = uvicorn_config(app, host, port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s)
+    app = create_app(searcher, settings, host=host, api_key=api_key)
+    configure_access_log(access_log)
+    config = uvicorn_config(
+        app, host, port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s, access_log=False
+    )
     server = uvicorn.Server(config)
     try:
         server.run()
@@ -430,5 +511,65 @@ def run_server(
     except SystemExit:  # uvicorn exits when it cannot bind (it logged why)
         if server.started:
             raise
+    finally:
+        configure_access_log(None)
     if not server.started:
         raise ConfigError(f"could not listen on {host}:{port} (see the log above)")
+
+
+def run_workers(
+    app_factory: str,
+    argv: list[str],
+    workers: int,
+    host: str,
+    port: int,
+    settings: ServeSettings,
+    log_level: str = "info",
+    shutdown_timeout_s: float = 30.0,
+    api_key: str | None = None,
+) -> None:
+    """Serve with ``workers`` processes behind one port (uvicorn's supervisor). Each process calls
+    ``app_factory`` (``module:function``, e.g. the CLI's ``densepass.cli:serve_worker_app``), which loads the
+    index and models itself from the ``densepass serve`` arguments ``argv`` (:func:`worker_argv`) and makes its
+    app with :func:`worker_app`; so memory grows with every worker. Their metrics are added up (prometheus-client's
+    multiprocess mode, in a temporary folder this function makes and removes). SIGTERM reaches every worker, and
+    each drains as one process does."""
+    import shutil
+    import tempfile
+
+    import uvicorn
+
+    check_address(host, port)
+    metrics_dir = tempfile.mkdtemp(prefix="densepass-metrics-")
+    os.environ["DENSEPASS_SERVE_ARGV"] = json.dumps(argv)
+    os.environ["DENSEPASS_READ_TIMEOUT_S"] = repr(settings.read_timeout_s)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    if api_key is not None:
+        os.environ["DENSEPASS_API_KEY"] = api_key
+    try:
+        uvicorn.run(
+            app_factory,
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            http="densepass.serve.app:TimedH11Protocol",
+            log_level=log_level,
+            timeout_graceful_shutdown=shutdown_timeout_s,
+            access_log=False,
+        )
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def worker_argv() -> list[str]:
+    """In a worker process of :func:`run_workers`: the ``densepass serve`` arguments it was started with."""
+    return json.loads(os.environ["DENSEPASS_SERVE_ARGV"])
+
+
+def worker_app(searcher: Searcher, settings: ServeSettings, host: str, access_log: str | None) -> FastAPI:
+    """In a worker process of :func:`run_workers`: the app over ``searcher``, with the key the parent was given,
+    and this process's access log lines (``-``: stderr; a file: each worker appends its own lines)."""
+    app = create_app(searcher, settings, host=host, api_key=os.environ.get("DENSEPASS_API_KEY") or None)
+    configure_access_log(access_log)
+    return app

@@ -6,6 +6,11 @@ first of them arrived, and runs the searcher in a worker thread so that the even
 batch at a time, so while a batch is searched the next one fills. The searcher is asked for the largest k of
 the batch and each request gets its own slice, cut to its own k. If a batch of several requests fails (say one
 query the model rejects), each request is searched alone, so that only the bad one gets the error.
+
+Other work shares the queue, its limit and the worker (:meth:`MicroBatcher.run`): embedding texts, scoring
+(query, text) pairs. A job names its operation (say ``embed:query``); a batch holds jobs of one operation only,
+those of the oldest waiting job's, in order (the others keep their places), and the operation's function gets
+their items together, one output per item.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +31,16 @@ class Unavailable(Exception):
     """The request cannot be taken now (the queue is full, or the service is shutting down): HTTP 503."""
 
 
+SEARCH = "search"
+
+
 @dataclass
 class _Job:
-    queries: list[str]
+    queries: list[Any]  # the items: queries to search, texts to embed, pairs to score...
     k: int
     future: asyncio.Future
+    operation: str = SEARCH
+    function: Callable[[list[Any]], list[Any]] | None = None  # the operation's (None: the searcher's search)
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -47,6 +58,7 @@ class MicroBatcher:
         self.waiting = 0  # queries in the queue, not yet taken into a batch
         self.batches = self.queries = self.searcher_calls = 0
         self.closing = False
+        self.on_batch: Callable[[str, int], None] | None = None  # called with (operation, items) per batch
         self._pending: deque[_Job] = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -72,15 +84,27 @@ class MicroBatcher:
 
         Raises :class:`Unavailable` when the queue is full or the service is closing, and whatever the
         searcher raised for this request."""
+        return await self._queue(list(queries), k, SEARCH, None)
+
+    async def run(self, operation: str, items: list[Any], function: Callable[[list[Any]], list[Any]]) -> list[Any]:
+        """``function(items)`` (one output per item), computed in a batch with the items of other requests of the
+        same ``operation``: jobs of one operation must give equivalent functions (its parameters belong in its
+        name). Counts against the queue like queries; raises :class:`Unavailable` and what ``function`` raised
+        for these items."""
+        if operation == SEARCH:
+            raise ValueError(f"operation {SEARCH!r} is the searcher's: use search()")
+        return await self._queue(list(items), 0, operation, function)
+
+    async def _queue(self, items: list[Any], k: int, operation: str, function: Callable | None) -> Any:
         if self.closing:
             raise Unavailable("the service is shutting down")
-        if self.waiting + len(queries) > self.max_queue:
+        if self.waiting + len(items) > self.max_queue:
             raise Unavailable(
                 f"the search queue is full ({self.waiting} queries waiting, at most {self.max_queue}); retry shortly"
             )
-        job = _Job(list(queries), k, asyncio.get_running_loop().create_future())
+        job = _Job(items, k, asyncio.get_running_loop().create_future(), operation, function)
         self._pending.append(job)
-        self.waiting += len(queries)
+        self.waiting += len(items)
         self._wakeup.set()
         return await job.future
 
@@ -112,30 +136,51 @@ class MicroBatcher:
             pass
 
     def _take_batch(self) -> list[_Job]:
+        """The oldest waiting jobs of the oldest job's operation, whole and in order, up to ``max_batch_size``
+        items (one job alone when it is larger); cancelled jobs are dropped, the others keep their places."""
         batch: list[_Job] = []
+        kept: deque[_Job] = deque()
         size = 0
-        while self._pending and (not batch or size + len(self._pending[0].queries) <= self.max_batch_size):
+        while self._pending:
             job = self._pending.popleft()
-            self.waiting -= len(job.queries)
-            if not job.future.done():
+            if job.future.done():  # its request was cancelled
+                self.waiting -= len(job.queries)
+            elif batch and (job.operation != batch[0].operation or size + len(job.queries) > self.max_batch_size):
+                kept.append(job)
+                if job.operation == batch[0].operation:  # full: a later, smaller job would overtake this one
+                    break
+            else:
+                self.waiting -= len(job.queries)
                 batch.append(job)
                 size += len(job.queries)
+        kept.extend(self._pending)
+        self._pending = kept
         return batch
 
-    def _search_jobs(self, jobs: list[_Job]) -> list[Results | Exception]:
-        """Runs in the worker thread: each job's results, or the exception its search raised."""
+    def _search_jobs(self, jobs: list[_Job]) -> list[Any]:
+        """Runs in the worker thread: each job's results, or the exception its search (or operation) raised."""
+        items = [q for job in jobs for q in job.queries]
         try:
-            results = self._search([q for job in jobs for q in job.queries], max(job.k for job in jobs))
+            if jobs[0].operation == SEARCH:
+                results: list[Any] = self._search(items, max(job.k for job in jobs))
+            else:
+                results = list(jobs[0].function(items))
+                if len(results) != len(items):
+                    raise RuntimeError(f"{jobs[0].operation} gave {len(results)} outputs for {len(items)} items")
         except Exception as err:  # noqa: BLE001 - handed to the request(s) that caused it
             if len(jobs) == 1:
                 return [err]
             return [outcome for job in jobs for outcome in self._search_jobs([job])]
-        self.batches += 1
-        self.queries += len(results)
-        outcomes: list[Results | Exception] = []
+        if jobs[0].operation == SEARCH:
+            self.batches += 1
+            self.queries += len(results)
+        if self.on_batch is not None:
+            self.on_batch(jobs[0].operation, len(items))
+        outcomes: list[Any] = []
         start = 0
         for job in jobs:
-            outcomes.append([hits[: job.k] for hits in results[start : start + len(job.queries)]])
+            part = results[start : start + len(job.queries)]
+            outcomes.append([hits[: job.k] for hits in part] if job.operation == SEARCH else part)
             start += len(job.queries)
         return outcomes
 

@@ -206,3 +206,64 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     if isinstance(hosts, str):
         values["allowed_hosts"] = tuple(h.strip() for h in hosts.split(",") if h.strip())
     return ServeSettings(**values)
+
+
+API_KEY_ENV = "DENSEPASS_API_KEY"
+
+
+def serve_api_key(flag: str | None) -> str | None:
+    """The service's API key: ``--api-key``, else ``$DENSEPASS_API_KEY``, else None (no key). A key that is
+    empty, has whitespace or is shorter than 16 characters is a one-line ``ConfigError``."""
+    import os
+
+    key = flag if flag is not None else (os.environ.get(API_KEY_ENV) or None)  # set but empty: no key
+    if key is None:
+        return None
+    source = "--api-key" if flag is not None else f"${API_KEY_ENV}"
+    if len(key) < 16 or any(c.isspace() for c in key) or not key.isprintable():
+        raise ConfigError(f"{source} must be at least 16 printable characters without spaces, got {len(key)}")
+    return key
+
+
+def check_access_log(target: str) -> None:
+    """One-line ``ConfigError`` for an ``--access-log`` that cannot be appended to (``-``: stderr; ``off``)."""
+    import os
+    from pathlib import Path
+
+    if target in ("-", "off"):
+        return
+    path = Path(target)
+    if path.is_dir() or (path.exists() and not path.is_file()):
+        raise ConfigError(f"--access-log {target}: not a regular file")
+    if not path.parent.is_dir() or not os.access(path.parent if not path.exists() else path, os.W_OK):
+        raise ConfigError(f"--access-log {target}: cannot write there")
+
+
+def add_operation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of how the service runs: ``--api-key``, ``--access-log``, ``--workers``."""
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"every route but /health needs 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set; the "
+        "variable keeps the key out of the process list)",
+    )
+    parser.add_argument(
+        "--access-log",
+        default="-",
+        metavar="FILE",
+        help="one JSON line per request (time, route, status, latency, batch size): '-' stderr (the default), a "
+        "file to append to, or 'off'",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        help="worker processes behind the one port, each with its own copy of the index and models (default 1)",
+    )
+
+
+def _workers(value: str) -> int:
+    if not value.isdigit() or not 1 <= int(value) <= 64:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 64, got {value!r}")
+    return int(value)

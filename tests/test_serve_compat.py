@@ -1,0 +1,445 @@
+"""The service through the APIs other stacks speak (issue 52): a real ``densepass serve`` process on 127.0.0.1
+over a tiny random bi-encoder's index with a cross-encoder second stage and an API key, called by the official
+``openai`` client, ``langchain-openai`` and TEI's request shapes; the key on every route; Prometheus metrics and
+the JSON access log; a SIGTERM under load that loses no accepted request; several worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+from starlette.routing import Route
+
+import densepass as dp
+from conftest import assert_same_ranking_up_to_ties
+from densepass.models.cross_encoder import CrossEncoder
+from densepass.serve import ServeSettings, create_app
+from serve_fake import FakeEmbedder, FakeSearcher
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TEXTS = [
+    "VLC media player: plays audio and video files",
+    "GNU Image Manipulation Program: edit photos",
+    "a mail transport agent",
+    "x",
+    "the tar archiving utility " * 15,  # longer than the 32 tokens of the model's passages: cut
+]
+CPU = torch.device("cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def subprocess_env() -> dict[str, str]:
+    src = str(Path(dp.__file__).parents[1])
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([src, str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "DENSEPASS_API_KEY": "",  # empty: no key (the server fixture sets one)
+    }
+
+
+def wait_for_health(url: str, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=5, trust_env=False) as http:
+        while True:
+            try:
+                if http.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None:
+                raise AssertionError(f"the server exited: {process.communicate()[1][-3000:]}")
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+
+
+def stop(process: subprocess.Popen) -> str:
+    """SIGTERM, then the stderr it wrote (killed if it does not stop within 30 s)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        return process.communicate(timeout=30)[1]
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.communicate()[1]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tmp_path_factory):
+    """A saved bi-encoder (a query prompt, 32-token passages, trained prefixes of 8 and 16), its exact index,
+    and a cross-encoder whose head is scaled up so that its scores of different texts are far apart."""
+    root = tmp_path_factory.mktemp("serve-compat")
+    config = dp.BiEncoderConfig(query_prompt="query: ", passage_max_length=32, matryoshka_dims=[8, 16])
+    model = dp.BiEncoder.from_pretrained(str(tiny_model_dir), config)
+    model.save(root / "tiny-bi")
+    model = dp.BiEncoder.from_pretrained(str(root / "tiny-bi"))
+    passages = [{"id": f"p{i}", "title": f"pkg{i}", "text": text} for i, text in enumerate(TEXTS * 3)]
+    dp.DenseIndex.build(model, passages, kind="exact", show_progress=False).save(root / "idx")
+    cross = CrossEncoder.new(str(tiny_model_dir), seed=3, max_length=48, device=CPU, precision="fp32")
+    with torch.no_grad():
+        cross.model.classifier.weight.mul_(300.0)
+    cross.save(root / "ce")
+    return root, model
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    """``densepass serve`` in a subprocess, with the cross-encoder, an API key (from the environment) and the
+    access log in a file; yields (url, root, the bi-encoder, the log path)."""
+    root, model = models
+    port, log = free_port(), root / "access.log"
+    command = [sys.executable, "-m", "densepass", "serve", str(root / "idx"), "--port", str(port)]
+    command += ["--rerank", str(root / "ce"), "--precision", "fp32", "--rerank-precision", "fp32"]
+    command += ["--access-log", str(log), "--max-wait-ms", "5"]
+    env = {**subprocess_env(), "DENSEPASS_API_KEY": KEY}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, process)
+        yield url, root, model, log
+    finally:
+        stderr = stop(process)
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
+def cosines(a, b) -> np.ndarray:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def vector(embedding) -> np.ndarray:
+    """An embedding as the openai client gives it: a list of floats, or (asked for base64) the string."""
+    if isinstance(embedding, str):
+        return np.frombuffer(base64.b64decode(embedding), dtype="<f4")
+    return np.asarray(embedding, dtype=np.float64)
+
+
+# float; base64 asked for (the client hands the string over); not given (the client asks for base64, decodes it)
+@pytest.mark.parametrize("encoding_format", ["float", "base64", None])
+def test_the_openai_client_gets_the_embeddings_of_biencoder_encode(server, encoding_format):
+    import openai
+
+    url, _, model, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    options = {} if encoding_format is None else {"encoding_format": encoding_format}
+    passages = client.embeddings.create(model="tiny-bi", input=TEXTS, **options)
+    queries = client.embeddings.create(model="tiny-bi", input=TEXTS[:3], extra_body={"input_type": "query"}, **options)
+    expected_p = model.encode_passages(TEXTS, show_progress=False, precision="fp32")
+    expected_q = model.encode_queries(TEXTS[:3], show_progress=False, precision="fp32")
+    got_p = [vector(item.embedding) for item in sorted(passages.data, key=lambda item: item.index)]
+    got_q = [vector(item.embedding) for item in queries.data]
+    if encoding_format == "base64":
+        assert all(isinstance(item.embedding, str) for item in passages.data)
+    assert cosines(got_p, expected_p).min() >= 0.9999 and cosines(got_q, expected_q).min() >= 0.9999
+    assert cosines(got_q, expected_p[:3]).min() < 0.9999  # the query prompt was applied
+    counts = [len(ids) for ids in model.tokenizer(TEXTS)["input_ids"]]
+    assert passages.usage.prompt_tokens == passages.usage.total_tokens == sum(min(c, 32) for c in counts)
+    assert passages.model == "tiny-bi" and [item.index for item in passages.data] == list(range(len(TEXTS)))
+
+    short = client.embeddings.create(model="tiny-bi", input="a mail transport agent", dimensions=8, **options)
+    cut = vector(short.data[0].embedding)
+    assert cut.shape == (8,) and abs(np.linalg.norm(cut) - 1) < 1e-5
+    assert cosines([cut], [expected_p[2][:8]])[0] >= 0.9999
+
+
+def test_langchain_openai_embeddings_equal_biencoder_encode(server):
+    from langchain_openai import OpenAIEmbeddings
+
+    url, _, model, _ = server
+    embeddings = OpenAIEmbeddings(
+        base_url=f"{url}/v1", api_key=KEY, model="tiny-bi", check_embedding_ctx_length=False, max_retries=0
+    )
+    expected = model.encode_passages(TEXTS, show_progress=False, precision="fp32")
+    assert cosines(embeddings.embed_documents(TEXTS), expected).min() >= 0.9999
+    assert cosines([embeddings.embed_query(TEXTS[0])], expected[:1])[0] >= 0.9999
+
+
+def test_openai_errors_come_in_openais_shape(server):
+    import openai
+
+    url, _, _, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="token ids") as err:
+        client.embeddings.create(model="tiny-bi", input=[[101, 2054, 102]])
+    assert err.value.body["type"] == "invalid_request_error" and err.value.body["param"] == "input"
+    with pytest.raises(openai.NotFoundError, match="tiny-bi") as err:
+        client.embeddings.create(model="text-embedding-3-small", input="x")
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="dimensions must be from 1 to 32"):
+        client.embeddings.create(model="tiny-bi", input="x", dimensions=33)
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong" * 4, max_retries=0).embeddings.create(
+            model="tiny-bi", input="x"
+        )
+    assert "tiny-bi" in [m.id for m in client.models.list().data]
+
+
+def test_tei_embed_and_rerank_give_densepass_own_vectors_and_order(server):
+    url, root, model, _ = server
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60, trust_env=False) as http:
+        vectors = http.post("/embed", json={"inputs": TEXTS[:4]}).json()
+        queries = http.post("/embed", json={"inputs": TEXTS[:2], "prompt_name": "query"}).json()
+        too_long = http.post("/embed", json={"inputs": TEXTS})
+        cut = http.post("/embed", json={"inputs": TEXTS, "truncate": True})
+        query, texts = "audio and video player", TEXTS[:4] + ["a video player for audio files"]
+        ranked = http.post("/rerank", json={"query": query, "texts": texts, "raw_scores": True, "return_text": True})
+        squashed = http.post("/rerank", json={"query": query, "texts": texts}).json()
+        refused = http.post("/rerank", json={"query": query, "texts": ["music " * 60]})
+    assert cosines(vectors, model.encode_passages(TEXTS[:4], show_progress=False, precision="fp32")).min() >= 0.9999
+    assert cosines(queries, model.encode_queries(TEXTS[:2], show_progress=False, precision="fp32")).min() >= 0.9999
+    assert too_long.status_code == 413 and too_long.json()["error_type"] == "Validation"
+    assert "input 4 has" in too_long.json()["error"] and cut.status_code == 200 and len(cut.json()) == len(TEXTS)
+
+    reference = CrossEncoder.from_pretrained(str(root / "ce"), device=CPU, precision="fp32")
+    expected = reference.score_pairs([query] * len(texts), texts)
+    answer = ranked.json()
+    assert ranked.status_code == 200 and sorted(a["index"] for a in answer) == list(range(len(texts)))
+    assert [a["text"] for a in answer] == [texts[a["index"]] for a in answer]
+    scores = np.array([a["score"] for a in answer])
+    np.testing.assert_allclose(scores, expected[[a["index"] for a in answer]], rtol=1e-4, atol=1e-4)
+    assert np.ptp(expected) > 50 * 1e-4  # the scaled head spreads the scores: the order below means something
+    assert_same_ranking_up_to_ties(
+        [a["index"] for a in answer], scores, np.argsort(-expected, kind="stable"), np.sort(expected)[::-1], 1e-4
+    )
+    assert [a["index"] for a in squashed] == [a["index"] for a in answer]
+    np.testing.assert_allclose([a["score"] for a in squashed], 1 / (1 + np.exp(-scores)), rtol=1e-6)
+    assert refused.status_code == 413 and refused.json()["error_type"] == "Validation"
+
+
+def test_metrics_parse_and_the_access_log_has_one_json_line_per_request(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, _, _, log = server
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+        for _ in range(3):
+            assert http.post("/embed", headers=AUTH, json={"inputs": ["a", "b", "c"]}).status_code == 200
+        assert http.post("/search", headers=AUTH, json={"query": "video", "k": 2}).status_code == 200
+        assert http.get("/metrics").status_code == 401
+        text = http.get("/metrics", headers=AUTH).text
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    assert {"densepass_requests", "densepass_request_seconds", "densepass_batch_items", "densepass_queue_depth"} <= set(
+        families
+    )
+    counts = {
+        (s.labels["route"], s.labels["status"]): s.value
+        for s in families["densepass_requests"].samples
+        if s.name == "densepass_requests_total"
+    }
+    assert counts[("/embed", "200")] >= 3 and counts[("/metrics", "401")] >= 1
+    batched = [s for s in families["densepass_batch_items"].samples if s.name == "densepass_batch_items_count"]
+    assert {s.labels["operation"] for s in batched} >= {"embed", "search"}
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    embeds = [line for line in lines if line["route"] == "/embed" and line["batch_size"] == 3]  # (no other test's)
+    assert len(embeds) == 3 and all(line["status"] == 200 and line["latency_ms"] > 0 for line in embeds)
+    assert {"time", "method", "route", "path", "status", "latency_ms", "batch_size"} <= set(lines[-1])
+
+
+def route_paths(app) -> list[tuple[str, str]]:
+    """(method, path) of every route of ``app``, path parameters filled in."""
+    out = []
+    for route in app.routes:
+        if isinstance(route, (APIRoute, Route)):
+            path = route.path.replace("{model}", "tiny-bi")
+            assert "{" not in path, f"fill in the parameter of {route.path}"
+            out.extend((method, path) for method in sorted(route.methods or ["GET"]) if method != "HEAD")
+    return out
+
+
+def test_with_a_key_every_route_but_health_answers_401_without_it():
+    app = create_app(FakeSearcher(), ServeSettings(), api_key=KEY)
+    routes = route_paths(app)
+    assert {path for _, path in routes} >= {"/search", "/v1/embeddings", "/embed", "/rerank", "/metrics", "/"}
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        for method, path in routes:
+            for headers in ({}, {"Authorization": "Bearer wrong-key-0123456789"}, {"Authorization": KEY}):
+                response = http.request(method, path, headers=headers, json={})
+                expected = 200 if path == "/health" else 401
+                assert response.status_code == expected, (method, path, headers, response.text[:200])
+            assert http.request(method, path, headers=AUTH, json={}).status_code != 401, (method, path)
+        page = http.get("/")  # the page still loads, asks for the key and sends it with its searches
+        assert page.status_code == 401 and 'id="key"' in page.text and "Authorization" in page.text
+        assert http.get("/health").json()["api_key"] is True
+        assert http.post("/search", headers=AUTH, json={"query": "video"}).status_code == 200
+
+
+def test_shorter_embeddings_only_from_a_model_trained_for_them(tiny_model_dir):
+    from densepass.serve.backends import Embedder
+
+    model = dp.BiEncoder.from_pretrained(str(tiny_model_dir))  # no Matryoshka dimensions
+    app = create_app(FakeSearcher(), ServeSettings(), embedder=Embedder(model, str(tiny_model_dir), CPU, "fp32"))
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        refused = http.post("/v1/embeddings", json={"input": "x", "dimensions": 8})
+        whole = http.post("/v1/embeddings", json={"input": "x", "dimensions": 32, "model": tiny_model_dir.name})
+    assert refused.status_code == 400 and "not trained for shorter embeddings" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "dimensions"
+    assert whole.status_code == 200 and len(whole.json()["data"][0]["embedding"]) == 32
+
+
+def test_without_an_embedding_model_or_a_reranker_the_routes_say_so():
+    app = create_app(FakeSearcher(), ServeSettings())
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        openai_error = http.post("/v1/embeddings", json={"input": "x"}).json()["error"]
+        tei = http.post("/rerank", json={"query": "a", "texts": ["b"]}).json()
+        limit = http.post("/embed", json={"inputs": ["x"] * 65}).json()
+    assert "no embedding model" in openai_error["message"] and openai_error["type"] == "invalid_request_error"
+    assert "--rerank MODEL" in tei["error"] and tei["error_type"] == "Validation"
+    assert "no embedding model" in limit["error"]
+
+
+def test_sigterm_under_load_answers_every_accepted_request():
+    port, n = free_port(), 12
+    fake = [sys.executable, str(ROOT / "tests" / "serve_fake.py"), "--port", str(port), "--embeddings"]
+    fake += ["--delay-ms", "300", "--max-batch-size", "1"]  # one item per call: the queue depth counts the rest
+    process = subprocess.Popen(fake, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def ask(http: httpx.AsyncClient, i: int):
+        if i % 2:
+            return http.post("/v1/embeddings", json={"input": f"video {i}", "model": "fake"})
+        return http.post("/search", json={"query": f"video {i}"})
+
+    async def load():
+        limits = httpx.Limits(max_connections=n + 2)
+        async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False, limits=limits) as http:
+            asking = [asyncio.create_task(ask(http, i)) for i in range(n)]
+            while (await http.get("/health")).json()["queue_depth"] < n - 1:  # every request taken, one at work
+                await asyncio.sleep(0.02)
+            process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            try:  # a new connection is refused now
+                async with httpx.AsyncClient(base_url=url, timeout=5, trust_env=False) as late_client:
+                    late = await late_client.get("/health")
+            except httpx.TransportError as err:
+                late = err
+            return await asyncio.gather(*asking), late
+
+    try:
+        wait_for_health(url, process)
+        answers, late = asyncio.run(load())
+    finally:
+        stderr = stop(process)
+    assert [r.status_code for r in answers] == [200] * n
+    for i, answer in enumerate(answers):
+        if i % 2:
+            expected = FakeEmbedder.vector(f"video {i}")
+            np.testing.assert_allclose(answer.json()["data"][0]["embedding"], expected, rtol=1e-6)
+        else:
+            assert answer.json()["results"][0][0]["id"] == "p0"
+    assert isinstance(late, httpx.TransportError), late
+    assert process.returncode in (0, -signal.SIGTERM) and "Traceback" not in stderr, stderr[-2000:]
+
+
+def test_jobs_of_different_operations_are_batched_apart_and_keep_their_order():
+    from densepass.serve.microbatch import MicroBatcher
+
+    calls = []
+
+    def operation(name):
+        def run(items):
+            calls.append((name, list(items)))
+            return [f"{name}:{item}" for item in items]
+
+        return run
+
+    async def main():
+        searcher = FakeSearcher()
+        batcher = MicroBatcher(searcher, max_batch_size=3, max_wait_ms=0, max_queue=100)
+        jobs = [
+            batcher.run("embed:query", ["a", "b"], operation("q")),
+            batcher.search(["video"], 1),
+            batcher.run("embed:passage", ["c"], operation("p")),
+            batcher.run("embed:query", ["d"], operation("q")),
+            batcher.run("embed:query", ["e"], operation("q")),  # the batch of "a", "b", "d" is full
+            batcher.run("embed:passage", ["f"], operation("p")),
+        ]
+        tasks = [asyncio.ensure_future(job) for job in jobs]
+        await asyncio.sleep(0)
+        batcher.start()
+        outcomes = await asyncio.gather(*tasks)
+        await batcher.close()
+        return outcomes, searcher
+
+    outcomes, searcher = asyncio.run(main())
+    assert calls == [("q", ["a", "b", "d"]), ("p", ["c", "f"]), ("q", ["e"])]
+    assert searcher.batches == [(["video"], 1)]
+    assert outcomes[0] == ["q:a", "q:b"] and outcomes[2] == ["p:c"] and outcomes[4] == ["q:e"]
+
+
+def test_the_load_test_drives_the_openai_route(tmp_path):
+    queries = tmp_path / "queries.txt"
+    queries.write_text("video player\nmail server\nimage photos\n")
+    out = tmp_path / "bench.json"
+    fake = f"{sys.executable} {ROOT / 'tests' / 'serve_fake.py'} --port {{port}} --embeddings --delay-ms 1"
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--queries", str(queries)]
+    command += ["--start", f"fake={fake}", "--route", "v1/embeddings", "--texts-per-request", "4", "--model", "fake"]
+    command += ["--concurrency", "1", "4", "--requests", "20", "--seconds", "20", "--warmup", "2", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["route"] == "v1/embeddings" and report["texts_per_request"] == 4
+    assert all(r["requests"] == 20 and r["errors"] == 0 for r in report["results"])
+    assert all(abs(r["texts_per_s"] - 4 * r["queries_per_s"]) < 1e-6 for r in report["results"])
+
+
+def test_several_workers_serve_one_port_add_up_their_metrics_and_stop_on_sigterm():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+    fake = [sys.executable, str(ROOT / "tests" / "serve_fake.py"), "--port", str(port), "--workers", "2"]
+    process = subprocess.Popen(fake, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, process)
+        processes = set()
+        for _ in range(20):  # a new connection each: the kernel spreads them over the workers
+            with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+                processes.add(http.get("/health").json()["process"])
+                assert http.post("/search", json={"query": "video"}).status_code == 200
+        with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+            text = http.get("/metrics").text
+    finally:
+        stderr = stop(process)
+    samples = [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "densepass_requests_total" and s.labels["route"] == "/search"
+    ]
+    assert sum(s.value for s in samples) == 20, (processes, text[:2000])  # whichever worker answered /metrics
+    assert process.pid not in processes and 1 <= len(processes) <= 2
+    assert process.returncode in (0, -signal.SIGTERM) and "Traceback" not in stderr, stderr[-3000:]
+
+
+def test_the_cli_worker_app_loads_the_index_from_the_serve_arguments(models, monkeypatch):
+    from densepass.cli import serve_worker_app
+
+    root, model = models
+    argv = ["serve", str(root / "idx"), "--precision", "fp32", "--access-log", "off", "--workers", "2"]
+    monkeypatch.setenv("DENSEPASS_SERVE_ARGV", json.dumps(argv))
+    monkeypatch.setenv("DENSEPASS_API_KEY", KEY)
+    with TestClient(serve_worker_app(), base_url="http://127.0.0.1") as http:
+        assert http.post("/embed", json={"inputs": TEXTS[:2]}).status_code == 401
+        vectors = http.post("/embed", headers=AUTH, json={"inputs": TEXTS[:2]}).json()
+    assert cosines(vectors, model.encode_passages(TEXTS[:2], show_progress=False, precision="fp32")).min() >= 0.9999
