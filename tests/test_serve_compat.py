@@ -443,3 +443,29 @@ def test_the_cli_worker_app_loads_the_index_from_the_serve_arguments(models, mon
         assert http.post("/embed", json={"inputs": TEXTS[:2]}).status_code == 401
         vectors = http.post("/embed", headers=AUTH, json={"inputs": TEXTS[:2]}).json()
     assert cosines(vectors, model.encode_passages(TEXTS[:2], show_progress=False, precision="fp32")).min() >= 0.9999
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--api-key", "short"], "--api-key must be at least 16 printable characters without spaces, got 5"),
+        (["--api-key", "sixteen chars with spaces"], "--api-key must be at least 16 printable characters"),
+        (["--access-log", "{tmp}"], "--access-log {tmp}: not a regular file"),
+        (["--access-log", "{tmp}/no/such/dir/log"], "--access-log {tmp}/no/such/dir/log: cannot write there"),
+    ],
+)
+def test_cli_serve_refuses_a_bad_key_or_access_log_in_one_line_before_the_index_loads(tmp_path, capsys, flags, message):
+    from densepass.cli import main
+
+    flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
+    assert main(["serve", str(tmp_path / "no-index"), "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("densepass: error: " + message.replace("{tmp}", str(tmp_path))) and "\n" not in err, err
+
+
+def test_cli_serve_with_a_key_on_a_public_host_is_not_warned_about_missing_authentication(tmp_path, capsys):
+    from densepass.cli import main
+
+    assert main(["serve", str(tmp_path / "no-index"), "--host", "192.0.2.7", "--port", "8123", "--api-key", KEY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "warning" not in err and len(err.splitlines()) == 1  # (cannot listen there, or then no index)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from densepass.errors import ConfigError
 
+API_KEY_ENV = "DENSEPASS_API_KEY"  # the service's key when --api-key is not given
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")  # always accepted in the Host header, with any port
 _NAME = re.compile(r"(\*\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 
@@ -173,13 +174,13 @@ def check_can_listen(host: str, port: int) -> None:
 
 
 def exposure_warning(host: str, port: int) -> str | None:
-    """The one-line warning for listening beyond this machine (``--host`` not loopback), else None."""
+    """The one-line warning for listening beyond this machine (``--host`` not loopback) without a key, else None."""
     if is_loopback(host):
         return None
     shown = f"[{host_name(host)}]" if ":" in host_name(host) else host
     return (
         f"--host {host}: the service has no authentication; anyone who can reach {shown}:{port} can search the index "
-        "(requests must also name an allowed Host: see --allowed-hosts)"
+        f"(give it a key: --api-key or ${API_KEY_ENV}; requests must also name an allowed Host: see --allowed-hosts)"
     )
 
 
@@ -206,9 +207,6 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     if isinstance(hosts, str):
         values["allowed_hosts"] = tuple(h.strip() for h in hosts.split(",") if h.strip())
     return ServeSettings(**values)
-
-
-API_KEY_ENV = "DENSEPASS_API_KEY"
 
 
 def serve_api_key(flag: str | None) -> str | None:
