@@ -244,9 +244,9 @@ class Index(ABC):
         k + the number of deleted rows: where the kind is exact that depth holds the exact top k of the live
         rows) until every query has k live rows or nothing more to find, and drops the deleted rows, order kept.
         Rows -1 (scores 0) pad a query with fewer hits."""
-        deleted = self._deleted
-        if deleted is None or not deleted.any():
+        if self._deleted is None or not self._deleted.any():
             return search_rows(queries, k)
+        deleted = self.deleted  # grown to the rows added since the last tombstone
         encoded = self.encode_for_search(queries)
         rows_total, dead = len(self.passages), int(deleted.sum())
         want = min(k, rows_total - dead)

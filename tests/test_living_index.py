@@ -1,0 +1,382 @@
+"""A living index (issue 53): random sequences of add / delete / upsert / search / compact / save-load, per index
+kind, against a brute-force reference over the live passages; deleted ids never come back; saved updates are
+versions whose manifest is swapped last (index.living)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from densepass.errors import DensepassError
+from densepass.index import BM25Index, ColbertIndex, DenseIndex, HybridIndex, SpladeIndex, load_index
+from densepass.index.base import DELETED_ID
+from densepass.index.living import index_version, save_version, update_index
+
+CPU = torch.device("cpu")
+WORDS = "audio video editor kernel driver printer music player browser database compiler shell backup".split()
+FAST = settings(
+    max_examples=6, stateful_step_count=8, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
+)
+
+
+@pytest.fixture(scope="module")
+def biencoder(tiny_model_dir):
+    from densepass.models.biencoder import BiEncoder
+
+    return BiEncoder.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def splade(tiny_model_dir):
+    from densepass.models.splade import SpladeEncoder
+
+    return SpladeEncoder.from_pretrained(str(tiny_model_dir), head_bias=-0.35)
+
+
+@pytest.fixture(scope="module")
+def colbert(tiny_model_dir):
+    from densepass.models.colbert import ColBERT
+
+    torch.manual_seed(0)
+    return ColBERT.from_pretrained(str(tiny_model_dir))
+
+
+texts = st.lists(st.sampled_from(WORDS), min_size=1, max_size=4).map(" ".join)
+
+
+# ---- vector kinds: ids + vectors, a brute-force inner product as the reference ----------------------------
+
+
+def brute_force(vectors: dict[str, np.ndarray], order: list[str], queries: np.ndarray, k: int) -> list[list[str]]:
+    """Top-k ids of each query by inner product over ``vectors`` (ties: earlier in ``order`` first)."""
+    matrix = np.stack([vectors[pid] for pid in order])
+    scores = queries @ matrix.T
+    return [[order[j] for j in np.lexsort((np.arange(len(order)), -row))[:k]] for row in scores]
+
+
+class VectorIndexMachine(RuleBasedStateMachine):
+    """A DenseIndex of one kind fed vectors (``add_embeddings`` / ``upsert_embeddings``), and the live vectors."""
+
+    def __init__(self, model, kind: str, directory: Path):
+        super().__init__()
+        self.model, self.kind, self.directory = model, kind, directory
+        self.rng = np.random.default_rng(0)
+        self.next_id = 0
+        self.live: dict[str, np.ndarray] = {}
+        self.order: list[str] = []  # live ids in row order (the index's tie-break)
+        self.deleted: set[str] = set()
+        self.saved = False
+
+    def vectors(self, n: int) -> np.ndarray:
+        x = self.rng.standard_normal((n, self.model.dim)).astype(np.float32)
+        return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+    def new_ids(self, n: int) -> list[str]:
+        ids = [f"p{self.next_id + i}" for i in range(n)]
+        self.next_id += n
+        return ids
+
+    @initialize(n=st.integers(20, 40))
+    def build(self, n):
+        n = 300 if self.kind == "faiss-ivfpq" else n  # its product quantiser trains 256 codes
+        ids, x = self.new_ids(n), self.vectors(n)
+        options = {"pq_m": 8, "ivf_lists": 1} if self.kind == "faiss-ivfpq" else {}
+        self.index = DenseIndex(self.model, self.kind, show_progress=False, device=CPU, **options)
+        self.index.add_embeddings([{"id": i, "text": i} for i in ids], x)
+        self.live.update(zip(ids, x))
+        self.order += ids
+
+    @rule(n=st.integers(1, 5))
+    def add(self, n):
+        ids, x = self.new_ids(n), self.vectors(n)
+        self.index.add_embeddings([{"id": i, "text": i} for i in ids], x)
+        self.live.update(zip(ids, x))
+        self.order += ids
+
+    @precondition(lambda self: len(self.live) > 3)
+    @rule(data=st.data())
+    def delete(self, data):
+        ids = data.draw(st.lists(st.sampled_from(self.order), min_size=1, max_size=len(self.order) - 2, unique=True))
+        self.index.delete(ids)
+        for pid in ids:
+            del self.live[pid]
+            self.order.remove(pid)
+        self.deleted |= set(ids)
+
+    @rule(data=st.data(), new=st.integers(0, 3))
+    def upsert(self, data, new):
+        old = data.draw(st.lists(st.sampled_from(self.order), max_size=3, unique=True))
+        ids = old + self.new_ids(new)
+        if not ids:
+            return
+        x = self.vectors(len(ids))
+        self.index.upsert_embeddings([{"id": i, "text": i} for i in ids], x)
+        for pid, vector in zip(ids, x):
+            if pid in self.live:
+                self.order.remove(pid)
+            self.live[pid] = vector
+            self.order.append(pid)
+            self.deleted.discard(pid)
+
+    @rule()
+    def compact(self):
+        self.index.compact()
+        assert not self.index.deleted.any() and len(self.index.passages) == len(self.live)
+
+    @rule()
+    def save_and_load(self):
+        if self.saved:
+            save_version(self.index, self.directory)
+        else:
+            self.index.save(self.directory)
+            self.saved = True
+        self.index = load_index(self.directory, model=self.model, device=CPU)
+
+    @invariant()
+    def searches_find_the_live_passages(self):
+        if not hasattr(self, "index"):
+            return
+        assert len(self.index) == len(self.live)
+        k = min(7, len(self.live) + 2)
+        queries = np.stack([self.live[pid] for pid in self.order[-2:]] + [self.vectors(1)[0]])
+        found = [self.index.search(queries, k=k).ids(i) for i in range(len(queries))]
+        for ids in found:
+            assert not set(ids) & self.deleted and set(ids) <= set(self.live)
+        expected = brute_force(self.live, self.order, queries, k)
+        if self.kind in ("exact", "faiss-flat"):
+            assert found == expected
+        else:  # approximate: the full count, and each of the last upserted passages finds itself
+            assert [len(ids) for ids in found] == [min(k, len(self.live))] * len(queries)
+            if self.kind == "faiss-hnsw":
+                assert [ids[0] for ids in found[:2]] == self.order[-2:]
+
+
+@pytest.mark.parametrize("kind", ["exact", "faiss-flat", "faiss-hnsw", "faiss-ivfpq"])
+def test_random_updates_of_a_vector_index_match_brute_force(biencoder, tmp_path_factory, kind):
+    run_state_machine_as_test(
+        lambda: VectorIndexMachine(biencoder, kind, tmp_path_factory.mktemp(kind) / "index"), settings=FAST
+    )
+
+
+# ---- text kinds: ids + texts encoded by the index (or BM25), a fresh index of the live passages as reference ---
+
+
+def fresh(kind: str, models: dict, records: list[dict]):
+    """A new index of ``kind`` over ``records`` (the reference: what a rebuild from the live passages gives)."""
+    if kind == "bm25":
+        return BM25Index.build(records)
+    if kind == "splade":
+        return SpladeIndex.build(models["splade"], records, device=CPU)
+    if kind == "colbert":
+        return ColbertIndex.build(models["colbert"], records, device=CPU, centroids=4)
+    if kind == "exact":
+        return DenseIndex.build(models["biencoder"], records, show_progress=False, device=CPU)
+    return HybridIndex(fresh("exact", models, records), fresh("bm25", models, records))
+
+
+def ids_of(index, queries: list[str], k: int, **options) -> list[list[str]]:
+    results = index.search(queries, k=k, **options)
+    return [results.ids(i) for i in range(len(queries))]
+
+
+def assert_top_k_up_to_near_ties(index, reference, queries: list[str], k: int, atol: float = 1e-5, **options):
+    """``index``'s top k of each query is a top k of ``reference`` (a fresh index of the live passages): each hit
+    has its reference score, and the scores are the reference's best k (near-ties, which another batch's float
+    rounding may order either way, may trade places)."""
+    found, full = index.search(queries, k=k, **options), reference.search(queries, k=len(reference), **options)
+    for i in range(len(queries)):
+        expected = dict(full.hits(i))
+        got = found.hits(i)
+        assert len(got) == min(k, len(expected))
+        np.testing.assert_allclose([s for _, s in got], [expected[pid] for pid, _ in got], rtol=0, atol=atol)
+        np.testing.assert_allclose([s for _, s in got], [s for _, s in full.hits(i)[: len(got)]], rtol=0, atol=atol)
+
+
+class TextIndexMachine(RuleBasedStateMachine):
+    """An index that encodes its passages (or BM25), fed records; the live records in row order."""
+
+    def __init__(self, kind: str, models: dict, directory: Path):
+        super().__init__()
+        self.kind, self.models, self.directory = kind, models, directory
+        self.next_id = 0
+        self.live: dict[str, str] = {}
+        self.deleted: set[str] = set()
+        self.saved = False
+        self.compacted = True  # no tombstone yet: BM25's statistics are those of a fresh index
+
+    def records(self, ids: list[str], words: list[str]) -> list[dict]:
+        return [{"id": pid, "text": text} for pid, text in zip(ids, words)]
+
+    def new_ids(self, n: int) -> list[str]:
+        ids = [f"p{self.next_id + i}" for i in range(n)]
+        self.next_id += n
+        return ids
+
+    @initialize(words=st.lists(texts, min_size=6, max_size=12))
+    def build(self, words):
+        ids = self.new_ids(len(words))
+        self.index = fresh(self.kind, self.models, self.records(ids, words))
+        self.live.update(zip(ids, words))
+
+    @rule(words=st.lists(texts, min_size=1, max_size=3))
+    def add(self, words):
+        ids = self.new_ids(len(words))
+        self.index.add(self.records(ids, words))
+        self.live.update(zip(ids, words))
+
+    @precondition(lambda self: len(self.live) > 3)
+    @rule(data=st.data())
+    def delete(self, data):
+        ids = data.draw(
+            st.lists(st.sampled_from(list(self.live)), min_size=1, max_size=len(self.live) - 2, unique=True)
+        )
+        self.index.delete(ids)
+        for pid in ids:
+            del self.live[pid]
+        self.deleted |= set(ids)
+        self.compacted = False
+
+    @rule(data=st.data(), words=st.lists(texts, min_size=1, max_size=3))
+    def upsert(self, data, words):
+        old = data.draw(st.lists(st.sampled_from(list(self.live)), max_size=len(words), unique=True))
+        ids = old + self.new_ids(len(words) - len(old))
+        self.index.upsert(self.records(ids, words))
+        for pid, text in zip(ids, words):
+            self.live.pop(pid, None)
+            self.live[pid] = text  # appended: the row order of the index
+            self.deleted.discard(pid)
+        self.compacted = self.compacted and not old
+
+    @rule()
+    def compact(self):
+        self.index.compact()
+        self.compacted = True
+
+    @rule()
+    def save_and_load(self):
+        if self.saved:
+            save_version(self.index, self.directory)
+        else:
+            self.index.save(self.directory)
+            self.saved = True
+        model = {"bm25": None, "splade": "splade", "colbert": "colbert"}.get(self.kind, "biencoder")
+        options = {} if model is None else {"device": CPU, "model": self.models[model]}
+        self.index = load_index(self.directory, **options)
+
+    @invariant()
+    def searches_find_the_live_passages(self):
+        if not hasattr(self, "index"):
+            return
+        assert len(self.index) == len(self.live)
+        assert [p for p in self.index.passages.ids if not p.startswith(DELETED_ID)] == list(self.live)
+        queries = [*list(self.live.values())[-2:], "kernel driver"]
+        k = min(5, len(self.live) + 1)
+        options = {"exhaustive": True} if self.kind == "colbert" else {}
+        found = ids_of(self.index, queries, k, **options)
+        for ids in found:
+            assert not set(ids) & self.deleted and set(ids) <= set(self.live)
+        if self.kind == "colbert":  # the pruned search too never returns a deleted passage
+            assert not {p for ids in ids_of(self.index, queries, k) for p in ids} & self.deleted
+        if self.kind in ("bm25", "hybrid") and not self.compacted:
+            return  # deleted passages' terms still count in BM25's statistics until compact (as in Lucene)
+        reference = fresh(self.kind, self.models, self.records(list(self.live), list(self.live.values())))
+        if self.kind == "hybrid":  # fused ranks: equal when the parts' rankings are (no near-ties in BM25 here)
+            assert found == ids_of(reference, queries, k)
+        else:
+            assert_top_k_up_to_near_ties(self.index, reference, queries, k, **options)
+
+
+@pytest.mark.parametrize("kind", ["bm25", "exact", "splade", "colbert", "hybrid"])
+def test_random_updates_of_a_text_index_match_a_fresh_index(biencoder, splade, colbert, tmp_path_factory, kind):
+    models = {"biencoder": biencoder, "splade": splade, "colbert": colbert}
+    run_state_machine_as_test(
+        lambda: TextIndexMachine(kind, models, tmp_path_factory.mktemp(kind) / "index"), settings=FAST
+    )
+
+
+# ---- saved updates ----------------------------------------------------------------------------------------------
+
+
+def bm25_folder(tmp_path: Path) -> Path:
+    records = [{"id": str(i), "text": t} for i, t in enumerate(["tar archiver", "kernel driver", "audio editor"])]
+    return BM25Index.build(records).save(tmp_path / "index")
+
+
+def test_an_update_is_a_new_version_named_by_the_manifest_and_old_versions_go(tmp_path):
+    folder = bm25_folder(tmp_path)
+    assert index_version(folder) == 0
+    update_index(folder, delete=["0"])
+    update_index(folder, upsert=[{"id": "0", "text": "tar again"}])
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["version"] == 2 and manifest["current"] == "v000002" and manifest["kind"] == "bm25"
+    assert list(manifest["files"]) == ["v000002/manifest.json"]
+    assert not (folder / "passages.jsonl").exists()  # version 0's files: neither current nor previous
+    assert (folder / "v000001").is_dir()  # the previous version stays (a service may still read it)
+    update_index(folder, compact=True)
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("v")) == ["v000002", "v000003"]
+    index = load_index(folder)
+    assert index.version == 3 and index.passages.ids == ["1", "2", "0"]
+    assert index.search(["tar"], k=3).ids(0) == ["0"]
+    BM25Index.build(["a new corpus"]).save(folder)  # an updated index is still replaced by a new one
+    assert load_index(folder).version == 0
+
+
+def test_bad_updates_are_one_line_errors_and_change_nothing(tmp_path):
+    folder = bm25_folder(tmp_path)
+    before = (folder / "manifest.json").read_bytes()
+    for bad, message in [
+        ({"delete": ["7", "0", "8"]}, "2 of the 3 ids to delete are not in the index"),
+        ({"delete": ["0", "0"]}, "1 ids to delete are repeated"),
+        ({"delete": ["0"], "upsert": [{"id": "0", "text": "x"}]}, "both deleted and upserted"),
+        ({"upsert": ["no ids"]}, "upsert takes {id, title, text} records"),
+        ({"upsert": [{"id": "5", "text": "a"}, {"id": "5", "text": "b"}]}, "duplicate passage id '5'"),
+        ({}, "nothing to update"),
+    ]:
+        with pytest.raises(DensepassError, match=message):
+            update_index(folder, **bad)
+    assert (folder / "manifest.json").read_bytes() == before
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [".densepass-owned", ".lock", "bm25s", "manifest.json", "passages.jsonl"]
+    )
+
+
+def test_a_tampered_version_is_refused_by_the_manifest(tmp_path):
+    folder = bm25_folder(tmp_path)
+    update_index(folder, delete=["1"])
+    with open(folder / "v000001" / "passages.jsonl", "a") as handle:
+        handle.write("\n")
+    with pytest.raises(DensepassError, match="not a usable densepass index: passages.jsonl has"):
+        load_index(folder)
+
+
+def test_the_cli_updates_an_index_and_refuses_bad_input_in_one_line(tmp_path):
+    from densepass.cli import main
+
+    folder = bm25_folder(tmp_path)
+    (tmp_path / "ids.txt").write_text("1\n\n2\n")
+    (tmp_path / "up.jsonl").write_text(json.dumps({"_id": "9", "text": "kernel nine"}) + "\n")
+    assert (
+        main(
+            ["index-update", str(folder), "--delete", str(tmp_path / "ids.txt"), "--upsert", str(tmp_path / "up.jsonl")]
+        )
+        == 0
+    )
+    assert load_index(folder).search(["kernel"], k=5).ids(0) == ["9"]
+    (tmp_path / "unknown.txt").write_text("0\n1\n")
+    assert main(["index-update", str(folder), "--delete", str(tmp_path / "unknown.txt")]) == 2
+    assert main(["index-update", str(folder), "--compact"]) == 0
+    assert len(load_index(folder).passages) == 2
