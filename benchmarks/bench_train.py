@@ -15,11 +15,28 @@ is inside the steps for both (sentence-transformers tokenises in its collator; d
 ahead in a worker thread). sentence-transformers has one max_seq_length, set to the passage length;
 queries are shorter than --query-max-length anyway (printed below). ``--profile`` prints, instead of the
 comparison, where densepass's step time goes (``torch.profiler``, ops by self CPU time).
+
+``--packing`` (issue 54) compares densepass padded, densepass packed (``train.packing``: padding-free,
+``models.packing``) and sentence-transformers, and adds per row the real (non-padding) tokens per second, the peak
+memory (GPU: allocated; CPU: the process's resident high-water mark, reset before each system through
+``/proc/self/clear_refs``) and the model FLOPs utilisation: real tokens/s x training FLOPs per token (6 x the
+encoder's non-embedding parameters + 12 x layers x width x mean sequence length, attention over real tokens only)
+/ the device's peak (``--peak-tflops``, else a table of GPUs, else an estimate for the CPU printed with its
+terms: threads x max clock x FLOPs per cycle per core). Real tokens per example are those of the run's triplets
+(query + positive + one negative, each truncated as the step truncates it); densepass draws its negatives from the
+same pools, so the figure is the same mean for both. ``--attention-variants`` instead times, forward and
+backward, the ways to run attention over packed sequences (``models.packing``'s choice):
+
+    python benchmarks/bench_train.py --packing --steps 10 --warmup 2 --batch-size 32 --data-dir ../shared/data \
+        --out outputs/bench/train-packing-cpu.json
+    python benchmarks/bench_train.py --attention-variants
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -39,17 +56,139 @@ from densepass.training.batches import TrainingData
 from densepass.training.trainer import train
 
 
-def peak_memory(device: torch.device, fn):
-    """(result of fn(), peak allocated GiB during it or None on CPU)."""
+def peak_memory(device: torch.device, fn, cpu: bool = False):
+    """(result of fn(), peak allocated GiB during it; on the CPU, with ``cpu``, the process's peak resident GiB
+    during it, else None)."""
     if device.type != "cuda":
-        return fn(), None
+        if not cpu:
+            return fn(), None
+        with contextlib.suppress(OSError):  # resets VmHWM, the resident high-water mark (Linux)
+            Path("/proc/self/clear_refs").write_text("5")
+        out = fn()
+        return out, _resident_peak_gib()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     out = fn()
     return out, torch.cuda.max_memory_allocated(device) / 2**30
 
 
-def run_densepass(path, data, args, device, grad_cache_chunk):
+def _resident_peak_gib() -> float:
+    """The process's resident high-water mark (VmHWM) in GiB; ``ru_maxrss`` where /proc is not there."""
+    with contextlib.suppress(OSError, StopIteration):
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+        return int(line.split()[1]) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0}
+"""Dense bf16 tensor-core peaks (the vendors' data sheets, without sparsity; SXM parts)."""
+
+
+def peak_tflops(args, device: torch.device, bf16: bool) -> tuple[float | None, str]:
+    """The device's peak (TFLOPS) that MFU divides by, and how it was had."""
+    if args.peak_tflops:
+        return args.peak_tflops, "--peak-tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return value, f"{key} dense bf16 data sheet"
+        return None, f"unknown GPU {name}: pass --peak-tflops"
+    from densepass.device import cpuinfo_words
+
+    words, ghz = cpuinfo_words(), None
+    with contextlib.suppress(OSError, ValueError):
+        ghz = int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()) / 1e6
+    if ghz is None:
+        with contextlib.suppress(OSError, StopIteration, ValueError):
+            lines = Path("/proc/cpuinfo").read_text().splitlines()
+            ghz = float(next(x for x in lines if x.startswith("cpu MHz")).split(":")[1]) / 1e3
+    if ghz is None:
+        return None, "no clock found: pass --peak-tflops"
+    # two FMA pipes of 256 bits (AVX2, and Zen 4's AVX-512): 32 float32 FLOPs a cycle; bf16 dot products
+    # (vdpbf16ps) twice that; AMX is far above either (pass --peak-tflops there)
+    per_cycle = 32 * (2 if bf16 and "avx512_bf16" in words else 1)
+    threads = torch.get_num_threads()
+    return threads * ghz * per_cycle / 1e3, f"estimate: {threads} threads x {ghz:.2f} GHz x {per_cycle} FLOPs/cycle"
+
+
+def training_flops_per_token(path: str, mean_length: float) -> float:
+    """Training FLOPs per real token: 6 x non-embedding parameters (forward 2, backward 4) + attention's products
+    12 x layers x width x ``mean_length`` (QK^T and PV, forward and backward)."""
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    weights = sum(p.numel() for n, p in model.named_parameters() if "embeddings" not in n and "pooler" not in n)
+    return 6 * weights + 12 * config.num_hidden_layers * config.hidden_size * mean_length
+
+
+def attention_variants(repeats: int = 5) -> None:
+    """Forward + backward of attention over 96 packed sequences of 8-128 tokens (MiniLM's 12 heads of 32, float32):
+    SDPA on the padded grid with a key mask (``models.packing``), per group of equal lengths, per sequence, and
+    with nested jagged tensors; the error against a float64 per-sequence reference."""
+    import torch.nn.functional as F
+
+    from densepass.models.packing import Packing
+
+    torch.manual_seed(0)
+    heads, size = 12, 32
+    lengths = torch.randint(8, 129, (96,))
+    mask = (torch.arange(128)[None, :] < lengths[:, None]).long()
+    packing, tokens = Packing.of(mask), int(lengths.sum())
+    q, k, v = (torch.randn(tokens, heads, size, requires_grad=True) for _ in range(3))
+    offsets = packing.offsets
+
+    def grid(q, k, v):
+        up = (packing.to_grid(x).transpose(1, 2) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(*up, attn_mask=packing.keep)
+        return out.transpose(1, 2).flatten(0, 1)[packing.grid]
+
+    def groups(q, k, v):
+        order = torch.argsort(lengths, stable=True)
+        values, counts = torch.unique_consecutive(lengths[order], return_counts=True)
+        outs, rows, start = [], [], 0
+        for n, c in zip(values.tolist(), counts.tolist()):
+            members = order[start : start + c]
+            start += c
+            index = (offsets[members][:, None] + torch.arange(n)).reshape(-1)
+            part = (x[index].view(c, n, heads, size).transpose(1, 2) for x in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(*part).transpose(1, 2).reshape(-1, heads, size))
+            rows.append(index)
+        return torch.zeros_like(q).index_copy(0, torch.cat(rows), torch.cat(outs))
+
+    def per_sequence(q, k, v, dtype=None):
+        outs = []
+        for b in range(len(lengths)):
+            part = (x[offsets[b] : offsets[b + 1]].transpose(0, 1)[None].to(dtype or x.dtype) for x in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(*part)[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    def nested(q, k, v):
+        jagged = (torch.nested.nested_tensor_from_jagged(x, offsets=offsets).transpose(1, 2) for x in (q, k, v))
+        return F.scaled_dot_product_attention(*jagged).transpose(1, 2).values()
+
+    reference = per_sequence(q, k, v, torch.float64)
+    rows = []
+    for name, fn in [("padded grid, key mask", grid), ("groups of equal length", groups),
+                     ("per sequence", per_sequence), ("nested jagged tensors", nested)]:  # fmt: skip
+        try:
+            out = fn(q, k, v)
+            error = float((out.detach().double() - reference.detach()).abs().max())
+            seconds = []
+            for _ in range(repeats + 1):
+                started = time.perf_counter()
+                fn(q, k, v).sum().backward()
+                seconds.append(time.perf_counter() - started)
+            rows.append([name, f"{1e3 * float(np.median(seconds[1:])):.0f}", f"{error:.1e}"])
+        except (RuntimeError, NotImplementedError) as err:
+            rows.append([name, f"fails: {str(err).splitlines()[0][:60]}", "-"])
+    print(f"{tokens:,} tokens in {len(lengths)} sequences, {heads} heads of {size}, {torch.get_num_threads()} threads")
+    print(markdown_table(["attention", "forward + backward, ms (median)", "max error vs float64"], rows))
+
+
+def run_densepass(path, data, args, device, grad_cache_chunk, packing: bool = False):
     config = BiEncoderConfig(query_max_length=args.query_max_length, passage_max_length=args.passage_max_length)
     model = BiEncoder.from_pretrained(path, config=config)
     total = args.warmup + args.steps + 1  # the last step (it writes the final checkpoint) is not timed
@@ -64,10 +203,12 @@ def run_densepass(path, data, args, device, grad_cache_chunk):
         checkpoint_every=10**9,
         log_every=10**9,
         seed=13,
+        packing=packing,
     )
     clock = StepClock(device, args.warmup, args.warmup + args.steps)
     with tempfile.TemporaryDirectory() as tmp:
-        _, peak = peak_memory(device, lambda: train(model, data, train_config, Path(tmp), device, on_step_end=clock))
+        run = lambda: train(model, data, train_config, Path(tmp), device, on_step_end=clock)  # noqa: E731
+        _, peak = peak_memory(device, run, cpu=args.packing)
     return clock.seconds, peak
 
 
@@ -119,8 +260,88 @@ def run_sentence_transformers(path, triplets, args, device, bf16):
             loss=MultipleNegativesRankingLoss(model, scale=20.0),
             callbacks=[Timing()],
         )
-        _, peak = peak_memory(device, trainer.train)
+        _, peak = peak_memory(device, trainer.train, cpu=args.packing)
     return clock.seconds, peak
+
+
+def real_tokens(path: str, triplets: dict, args) -> tuple[float, float]:
+    """(mean real tokens per example: query + positive + negative, each cut as a step cuts it; the tokens' mean
+    sequence length, sum(n^2) / sum(n), what attention's FLOPs per token grow with)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    lengths = []
+    for column, limit in (("anchor", args.query_max_length), ("positive", args.passage_max_length),
+                          ("negative", args.passage_max_length)):  # fmt: skip
+        lengths.append(
+            np.array([len(x) for x in tokenizer(triplets[column], truncation=True, max_length=limit)["input_ids"]])
+        )
+    every = np.concatenate(lengths)
+    return float(sum(x.mean() for x in lengths)), float((every**2).sum() / every.sum())
+
+
+def packing_comparison(path, data, triplets, args, device, bf16: bool, env: dict) -> None:
+    """densepass padded, densepass packed and sentence-transformers in one run: examples/s, real tokens/s, peak
+    memory, MFU (the module docstring)."""
+    per_example, mean_length = real_tokens(path, triplets, args)
+    flops = training_flops_per_token(path, mean_length)
+    peak, peak_how = peak_tflops(args, device, bf16)
+    print(
+        f"real tokens per example {per_example:.1f} (mean sequence length {mean_length:.1f}); "
+        f"{flops / 1e6:.1f} MFLOPs per token; peak {peak if peak is None else f'{peak:.2f}'} TFLOPS ({peak_how})"
+    )
+    results = []
+    for system, run in (
+        ("densepass train (padded)", lambda: run_densepass(path, data, args, device, None)),
+        ("densepass train --packing", lambda: run_densepass(path, data, args, device, None, packing=True)),
+        ("SentenceTransformerTrainer + MNRL", lambda: run_sentence_transformers(path, triplets, args, device, bf16)),
+    ):
+        seconds, memory = run()
+        examples = args.steps * args.batch_size / seconds
+        tokens = examples * per_example
+        mfu = tokens * flops / (peak * 1e12) if peak else None
+        results.append({"system": system, "seconds": seconds, "steps": args.steps, "examples_per_s": examples,
+                        "real_tokens_per_s": tokens, "mfu": mfu, "peak_gib": memory})  # fmt: skip
+        print(f"  {system}: {seconds:.2f}s, {examples:,.1f} examples/s, {tokens:,.0f} real tokens/s", flush=True)
+    packed = results[1]
+    rows = [
+        [
+            r["system"],
+            f"{r['seconds']:.2f}",
+            rate(r["examples_per_s"]),
+            rate(r["real_tokens_per_s"]),
+            "-" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%",
+            "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}",
+            f"{packed['examples_per_s'] / r['examples_per_s']:.2f}x",
+        ]
+        for r in results
+    ]
+    memory = "peak GPU GiB (allocated)" if device.type == "cuda" else "peak resident GiB"
+    print(
+        f"\nbatch {args.batch_size} queries + 1 BM25 hard negative each, query {args.query_max_length} / passage "
+        f"{args.passage_max_length} tokens, {args.steps} timed steps after {args.warmup}, "
+        f"{'bf16 autocast' if bf16 else 'fp32'}; MFU against {peak_how}"
+    )
+    headers = ["system", "seconds", "examples/s", "real tokens/s", "MFU", memory, "packed ÷ row"]
+    print(markdown_table(headers, rows))
+    write_json(
+        args.out,
+        {
+            "benchmark": "train-packing",
+            **env,
+            "model": args.model,
+            "dataset": args.dataset,
+            "batch_size": args.batch_size,
+            "cpu_bf16": args.cpu_bf16,
+            "query_max_length": args.query_max_length,
+            "passage_max_length": args.passage_max_length,
+            "real_tokens_per_example": per_example,
+            "flops_per_token": flops,
+            "peak_tflops": peak,
+            "peak_source": peak_how,
+            "results": results,
+        },
+    )
 
 
 def main() -> None:
@@ -145,8 +366,23 @@ def main() -> None:
         action="store_true",
         help="instead of the comparison: densepass's steps under torch.profiler, the ops by self CPU time",
     )
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="densepass padded, densepass packed (train.packing) and sentence-transformers, with real tokens/s, "
+        "peak memory and MFU (no GradCache row)",
+    )
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak for MFU (TFLOPS)")
+    parser.add_argument(
+        "--attention-variants",
+        action="store_true",
+        help="instead of the comparison: time the ways to run attention over packed sequences",
+    )
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
+    if args.attention_variants:
+        attention_variants()
+        return
     device = pick_device(args.device)
     bf16 = uses_bf16(device, True, args.cpu_bf16)  # both systems train in the same precision
     env = environment(device)
@@ -193,6 +429,9 @@ def main() -> None:
 
     if args.profile:
         profile_densepass(path, data, args, device)
+        return
+    if args.packing:
+        packing_comparison(path, data, triplets, args, device, bf16, env)
         return
     results = []
 

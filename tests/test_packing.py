@@ -116,6 +116,19 @@ def test_packing_pools_and_unpacks_as_the_padded_tensors_do():
         Packing.of(torch.tensor([[1, 1], [0, 0]]))
 
 
+def test_packed_pieces_are_cut_by_real_tokens_not_by_padded_rows():
+    ids, mask = _padded(LENGTHS, 50, 0)
+    seen = []
+
+    def first_id(piece):
+        seen.append(int(piece["attention_mask"].sum()))
+        return piece["input_ids"][:, :1].float()
+
+    out = forward_in_pieces(first_id, {"input_ids": ids, "attention_mask": mask}, 15, packed=True)
+    assert seen == [12, 12, 7 + 5 + 3, 1]  # longest first, as many whole texts as 15 tokens hold (one at least)
+    torch.testing.assert_close(out, ids[:, :1].float())  # back in input order
+
+
 @pytest.mark.parametrize("family", ["bert", "roberta", "xlm-roberta", "qwen2"])
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
 def test_a_packed_encoder_gives_the_padded_outputs_and_gradients(family, pooling):
@@ -240,3 +253,50 @@ def test_packing_refuses_model_kinds_it_does_not_compute_in_one_line(tmp_path):
         enable_packing(model)
     with pytest.raises(ConfigError, match=r"train\.packing: a Linear does not train packed"):
         enable_packing(torch.nn.Linear(2, 2))
+
+
+def test_a_packed_cross_encoder_run_ends_at_the_padded_runs_weights(tiny_model_dir, tiny_beir, tmp_path):
+    from densepass.training.cross_encoder import train_cross_encoder
+    from test_reranker_training import config, new_model
+    from test_reranker_training import make_data as pairs_data
+
+    data = pairs_data(tiny_beir)
+    weights = {}
+    for packing in (False, True):
+        model = new_model(tiny_model_dir)
+        run = config(epochs=1, max_steps=3, packing=packing, learning_rate=1e-3)
+        train_cross_encoder(model, data, run, tmp_path / f"packing-{packing}", CPU)
+        weights[packing] = model.model.state_dict()
+    start = new_model(tiny_model_dir).model.state_dict()
+    assert any(not torch.equal(weights[False][k], start[k]) for k in start)
+    for name in start:
+        torch.testing.assert_close(weights[True][name], weights[False][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_cross_encoder_whose_head_reads_more_than_the_first_position_is_refused():
+    from transformers import AutoModelForSequenceClassification
+
+    from densepass.models.cross_encoder import packing_refusal
+
+    sizes = dict(vocab_size=60, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    bert = AutoModelForSequenceClassification.from_config(AutoConfig.for_model("bert", num_labels=1, **sizes))
+    assert packing_refusal(bert) is None
+    electra = AutoModelForSequenceClassification.from_config(AutoConfig.for_model("electra", num_labels=1, **sizes))
+    assert packing_refusal(electra).startswith("train.packing: the cross-encoder is a ElectraForSequenceClassification")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (PyTorch's variable-length flash attention)")
+@pytest.mark.parametrize("family", ["bert", "qwen2"])
+def test_on_a_gpu_varlen_attention_gives_the_padded_gradients_in_bf16(family):
+    model = _tiny(family).cuda()
+    ids, mask = _padded(LENGTHS, 120, 1)
+    ids, mask = ids.cuda(), mask.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        token_pooling(hidden, mask, "mean").pow(2).sum().backward()
+        padded_grads = _grads(model)
+        out, packing = packed_forward(model, ids, mask)
+        packing.pool(out.last_hidden_state[0], "mean").pow(2).sum().backward()
+    packed_grads = _grads(model)
+    for name, grad in padded_grads.items():
+        assert (packed_grads[name] - grad).abs().max() <= 0.05 * grad.abs().max().clamp_min(1e-3), name

@@ -1,8 +1,9 @@
 """Padding-free (packed) forward passes for training: a batch's sequences back to back, no padding computed.
 
-A padded batch [batch, length] computes every layer's products on its padding too: debian-packages passages run
-from a dozen to 256 tokens, so a batch cut at 128 is a third padding or more. Packed, the batch is one sequence of
-its real tokens [1, tokens], each sequence's positions numbered from its own start (``position_ids``), and
+A padded batch [batch, length] computes every layer's products on its padding too: passages of very different
+lengths pad the short ones to the longest (on the CPU a training step runs in length-sorted pieces, which leaves less
+padding: ``models.inputs.forward_in_pieces``; on a GPU a step runs whole). Packed, the batch is one sequence of its
+real tokens [1, tokens], each sequence's positions numbered from its own start (``position_ids``), and
 
     embeddings, linear layers, layer norms, feed-forward    on the packed tokens alone (no padding FLOPs)
     attention                                               per sequence: each token attends to its own
@@ -15,14 +16,14 @@ densepass registers ``packed_attention`` under ``ATTENTION`` (with a mask functi
 ``packed_forward`` switches the model's ``config._attn_implementation`` to it for one call. Autograd gives the
 backward pass: every operation is torch's.
 
-Attention over packed sequences, measured on the CPU (``benchmarks/bench_train.py --packing``; 96 sequences of 8-128
-tokens, 12 heads of 32, forward and backward, one thread): SDPA over the sequences scattered into a padded grid
-[sequences, longest, ...] with a key mask was the fastest (its products are a small share of a layer's: about 5%
-at 128 tokens); SDPA per group of equal lengths took twice as long (one call per length), per sequence three
-times, and nested jagged tensors with SDPA five times. So attention alone pads (queries, keys and values are
-scattered into the grid and the output gathered back), the rest of the layer does not. On CUDA, with no attention
+Attention over packed sequences on the CPU: of the four ways ``benchmarks/bench_train.py --attention-variants``
+times (forward and backward; docs/benchmarks.md, "Padding-free training"), SDPA over the sequences scattered into a
+padded grid [sequences, longest, ...] with a key mask was the fastest, ahead of SDPA per group of equal lengths (one
+call per length), per sequence, and nested jagged tensors; attention's products are a small share of a layer's at
+these lengths, and one large call beats many small ones. So attention alone pads (queries, keys and values are
+scattered into the grid and the output gathered back); the rest of the layer does not. On CUDA, with no attention
 dropout, PyTorch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``) takes the packed
-tokens as they are where it is present.
+tokens as they are where this torch has it.
 
 Equal to the padded forward up to float rounding: outputs and every parameter's gradient are tested against it
 (float32, and bf16 under autocast; tests/test_packing.py). Dropout draws other masks than the padded pass (the
@@ -197,10 +198,11 @@ def packed_attention(
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [tokens, heads, size]
     varlen = _varlen_attention()
     if varlen is not None and q.is_cuda and dropout == 0.0 and q.dtype in (torch.float16, torch.bfloat16):
-        offsets = packing.offsets.to(torch.int32)
-        if groups > 1:
-            k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
-        out = varlen(q, k, v, offsets, offsets, packing.longest, packing.longest, is_causal=causal, scale=scaling)
+        offsets, window = packing.offsets.to(torch.int32), (-1, 0) if causal else (-1, -1)
+        out = varlen(
+            q, k, v, offsets, offsets, packing.longest, packing.longest, scale=scaling, window_size=window,
+            enable_gqa=groups > 1,
+        )  # fmt: skip
         return out[None], None
     qg, kg, vg = (packing.to_grid(x).transpose(1, 2) for x in (q, k, v))  # [batch, heads, longest, size]
     if groups > 1:
