@@ -177,3 +177,29 @@ def test_index_settings_refuse_what_has_no_compact_index_before_any_work():
     ]:
         with pytest.raises(ConfigError, match=match):
             IndexSettings(**options)
+
+
+def test_the_compact_benchmark_runs_on_a_tiny_dataset(tiny_beir, tiny_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import densepass
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_compact.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(densepass.__file__).parents[1])}
+    out = tmp_path / "compact.json"
+    done = subprocess.run(
+        [sys.executable, str(script), "--model", f"t={tiny_model_dir}", "--model", f"u={tiny_model_dir}",
+         "--dataset", str(tiny_beir), "--dims", "32", "16", "--latency-queries", "2", "--out", str(out)],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())
+    rows = {(r["model"], r["dim"], r["system"]): r for r in results["results"]}
+    assert rows[("t", 32, "fp32 (exact)")]["bytes_per_passage"] == 128
+    assert rows[("t", 16, "int8")]["bytes_per_passage"] == 16 and rows[("t", 16, "binary")]["bytes_per_passage"] == 2
+    assert rows[("t", 32, "binary + float re-scoring")]["mrr@10"] >= 0
+    assert ("u", 16, "sentence-transformers ubinary + rescore") in rows
+    assert [p["dim"] for p in results["paired"]] == [32, 16] and results["paired"][0]["p"] == 1.0  # the same model
