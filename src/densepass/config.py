@@ -446,6 +446,11 @@ class DistillConfig:
     weight: float = option(1.0, "weight of the distillation term", above=0)
     temperature: float = option(1.0, "kl: softmax temperature of teacher and student scores", above=0)
     teacher: str | None = option(None, "teacher cross-encoder (null: the run's reranker)")
+    source: Literal["teacher", "rows"] = option(
+        "teacher",
+        "where the teacher scores come from: teacher (a cross-encoder scores each query's positive and pool) or rows"
+        " (the scores of data.format=pairs training rows, their given negatives: no cross-encoder)",
+    )
     scores_file: str | None = option(
         None,
         "teacher scores of the training queries' positives and pools, computed once and resumable "
@@ -459,11 +464,6 @@ class RerankerConfig:
     stage over the evaluated systems' top candidates, and distilled into the retriever."""
 
     enabled: bool = option(False, "use a cross-encoder in this run (train it, rerank with it, distil it)")
-    source: Literal["teacher", "rows"] = option(
-        "teacher",
-        "where the teacher scores come from: teacher (a cross-encoder scores each query's positive and pool) or rows"
-        " (the scores of data.format=pairs training rows, their given negatives: no cross-encoder)",
-    )
     name_or_path: str = option(
         DEFAULT_MODEL,
         "train.enabled: the starting encoder (a fresh one-logit head unless it has one); else a trained cross-encoder",
