@@ -279,3 +279,26 @@ def test_densepass_index_dim_on_the_command_line(tiny_beir, tiny_model_dir, tmp_
     assert not (tmp_path / "bad").exists()
     with pytest.raises(ConfigError, match="a bm25 index has none to cut"):
         IndexSettings(kind="bm25", dim=8)
+
+
+def test_the_python_api_trains_matryoshka_from_its_args_or_its_loss_alike(tiny_beir, tiny_model_dir, tmp_path):
+    import densepass as dp
+
+    def call(name, **kw):
+        model = dp.BiEncoder.from_pretrained(str(tiny_model_dir))
+        negatives = dp.NegativesConfig(source="none")
+        return dp.train(model, str(tiny_beir), output_dir=tmp_path / name, negatives=negatives, device="cpu", **kw)
+
+    base = {"max_steps": 2, "batch_size": 6, "cpu_bf16": False, "learning_rate": 1e-3}
+    by_args = call("args", args=dp.TrainConfig(**base, matryoshka_dims=[16, 32]))
+    by_loss = call("loss", args=dp.TrainConfig(**base), loss=Matryoshka(InfoNCE(), [32, 16]))
+    for out in (by_args, by_loss):
+        assert json.loads((out.model_dir / "densepass.json").read_text())["matryoshka_dims"] == [32, 16]
+    for a, b in zip(by_args.model.state_dict().values(), by_loss.model.state_dict().values()):
+        assert torch.equal(a, b)
+    plain = call("plain", args=dp.TrainConfig(**base))
+    assert not all(
+        torch.equal(a, b) for a, b in zip(plain.model.state_dict().values(), by_loss.model.state_dict().values())
+    )
+    with pytest.raises(ConfigError, match="asks for 64 dimensions of a 32-dimensional"):
+        call("big", args=dp.TrainConfig(**base, matryoshka_dims=[64]))

@@ -91,3 +91,11 @@ def _stateless(objective: Objective) -> bool:
     if isinstance(objective, Sum):
         return all(_stateless(term) for term in objective.terms)
     return not objective.parameters() and not objective.state_dict()
+
+
+def trained_dims(objective: Objective) -> tuple[int, ...] | None:
+    """The prefix dimensions ``objective`` trains (a ``Matryoshka``, alone or a term of a sum), None when it trains
+    the full embedding only: what a saved model records."""
+    if isinstance(objective, Matryoshka):
+        return objective.dims
+    return next((dims for term in getattr(objective, "terms", ()) if (dims := trained_dims(term))), None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,10 @@ from densepass.device import resolve_device
 from densepass.errors import ConfigError
 from densepass.index.bm25 import BM25Index
 from densepass.io import owned_run_directory
+from densepass.losses.matryoshka import Matryoshka, trained_dims
 from densepass.losses.objectives import Distillation, InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder
+from densepass.models.matryoshka import check_dims
 from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
 from densepass.negatives.pool import Candidate, passage_ids
 from densepass.training.batches import TrainingData
@@ -194,6 +196,15 @@ def train(
     if negatives.refresh_every is not None:
         raise ConfigError("negatives.refresh_every re-mines during training: use `densepass run` for it")
     objective = loss or InfoNCE(args.bidirectional)
+    if args.matryoshka_dims and not trained_dims(objective):  # args' Matryoshka dimensions wrap the loss
+        objective = Matryoshka(objective, args.matryoshka_dims, args.matryoshka_weights)
+    if trained_dims(objective):  # the saved model records them (checked against its size before any work)
+        if not isinstance(model, BiEncoder):
+            raise ConfigError(
+                f"{objective.describe()} trains prefixes of one embedding: a {type(model).__name__} has none"
+            )
+        check_dims(trained_dims(objective), model.dim, "the Matryoshka dimensions")
+        model.config = replace(model.config, matryoshka_dims=list(trained_dims(objective)))
     torch_device = resolve_device(device)
     query_ids = training_queries(dataset, split, max_queries, seed)
     given = None
