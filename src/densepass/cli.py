@@ -434,6 +434,15 @@ def _ensemble(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
+    if args.to == "qdrant":
+        from densepass.pipelines.vector_export import export_to_qdrant
+
+        done = export_to_qdrant(
+            args.model, args.target, args.collection, args.api_key, args.force, args.batch_size, not args.no_text
+        )
+        print(f"exported {done.points} points ({done.dim}-d, {done.distance}) of {args.model} to collection "
+              f"{done.collection!r} at {done.target}")  # fmt: skip
+        return
     from densepass.pipelines.export import export_model
 
     result = export_model(args.model, args.to, args.target, private=args.private)
@@ -453,15 +462,6 @@ def _download(args: argparse.Namespace) -> None:
 
 def _dataset_args(p: argparse.ArgumentParser, positional: bool = True, formats: tuple[str, ...] = FORMATS) -> None:
     if positional:
-    if args.to == "qdrant":
-        from densepass.pipelines.vector_export import export_to_qdrant
-
-        done = export_to_qdrant(
-            args.model, args.target, args.collection, args.api_key, args.force, args.batch_size, not args.no_text
-        )
-        print(f"exported {done.points} points ({done.dim}-d, {done.distance}) of {args.model} to collection "
-              f"{done.collection!r} at {done.target}")  # fmt: skip
-        return
         p.add_argument("dataset", help="dataset name under the data dir, or a path")
     p.add_argument("--data-dir", default=None, help="data directory (default: $DENSEPASS_DATA or ../shared/data)")
     p.add_argument("--format", default="beir", choices=formats, help="dataset layout")
@@ -823,6 +823,11 @@ def build_parser() -> argparse.ArgumentParser:
         " folder for Qdrant's embedded mode",
     )
     export.add_argument("--private", action="store_true", help="hub: create the repo private")
+    export.add_argument("--collection", default=None, help="qdrant: the collection (default: the index folder's name)")
+    export.add_argument("--api-key", default=None, help="qdrant: the server's API key (default: $QDRANT_API_KEY)")
+    export.add_argument("--force", action="store_true", help="qdrant: replace a collection of that name")
+    export.add_argument("--batch-size", type=positive_int, default=256, help="qdrant: points per upsert")
+    export.add_argument("--no-text", action="store_true", help="qdrant: payloads without titles and texts")
     export.set_defaults(func=_export)
 
     download = sub.add_parser("download", help="download a public BEIR dataset or SQuAD (needs internet)")
@@ -850,11 +855,6 @@ def run_guarded(func: Callable[[], object], prog: str = "densepass") -> int:
         message = disk_failure(err)
         if message is None:
             raise
-    export.add_argument("--collection", default=None, help="qdrant: the collection (default: the index folder's name)")
-    export.add_argument("--api-key", default=None, help="qdrant: the server's API key (default: $QDRANT_API_KEY)")
-    export.add_argument("--force", action="store_true", help="qdrant: replace a collection of that name")
-    export.add_argument("--batch-size", type=positive_int, default=256, help="qdrant: points per upsert")
-    export.add_argument("--no-text", action="store_true", help="qdrant: payloads without titles and texts")
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
