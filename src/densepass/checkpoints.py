@@ -17,6 +17,7 @@ run would have: same batches, same dropout, same final weights.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -34,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from densepass import distributed
 from densepass.device import resolved_cpu_bf16
-from densepass.errors import ConfigError, DataWarning
+from densepass.errors import ConfigError, DataWarning, DensepassError
 from densepass.io import (
     atomic_directory,
     atomic_write_text,
@@ -72,6 +73,7 @@ LATER_OPTIONS = {
     "lora_alpha": 16.0,
     "lora_dropout": 0.0,
     "lora_targets": None,
+    "fsdp": False,
     "query_prompt": "",
     "passage_prompt": "",
     "matryoshka_dims": None,
@@ -222,18 +224,41 @@ class Checkpoints:
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         extra: dict | None = None,
+        write_shards: Callable[[Path], dict] | None = None,
     ) -> Path:
         """Write checkpoint ``step`` atomically: ``write_model(directory)`` first, then state and manifest. A full
         disk is a one-line error (``io.disk_errors``), the partial checkpoint removed; the run resumes from the
-        one before."""
+        one before.
+
+        ``write_shards(directory)``: what every process writes into the checkpoint being written (FSDP's shards,
+        ``training.sharding``; collective). With it every process calls ``save``: rank 0 makes the directory, every
+        process writes its shards into it, then rank 0 writes the rest and the manifest (of every process's files)
+        and renames it into place; the state file's optimiser state is what ``write_shards`` returns."""
         path = self.root / f"step-{step}"
-        with disk_errors(path), hold_temporaries() as hold, atomic_directory(path) as tmp:
+        if write_shards is not None and distributed.rank() != 0:
+            tmp = distributed.broadcast_object(None)  # rank 0's temporary directory
+            if tmp is None:
+                raise DensepassError(f"rank 0 could not start writing {path}")  # rank 0 raises the cause
+            write_shards(Path(tmp))
+            return path
+        with disk_errors(path), hold_temporaries() as hold, contextlib.ExitStack() as stack:
+            try:
+                tmp = stack.enter_context(atomic_directory(path))
+            except BaseException:
+                if write_shards is not None:
+                    distributed.broadcast_object(None)
+                raise
             hold(tmp)
+            if write_shards is not None:
+                distributed.broadcast_object(str(tmp))
+                optimizer_state = write_shards(tmp)
+            else:
+                optimizer_state = optimizer.state_dict()
             write_model(tmp)
             save_tree(
                 {
                     "step": step,
-                    "optimizer": optimizer.state_dict(),
+                    "optimizer": optimizer_state,
                     "scheduler": scheduler.state_dict(),
                     "rng": capture_rng(),
                     "extra": extra or {},

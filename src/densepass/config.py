@@ -83,7 +83,8 @@ class DataConfig:
     name: str = option(
         "debian-packages",
         "dataset: a folder under the data directory, or a path to one; format=pairs: a JSONL, CSV or Parquet file of"
-        " training rows, or a folder written by datasets' save_to_disk",
+        " training rows, a folder written by datasets' save_to_disk, or a Hugging Face dataset:"
+        " hf://datasets/org/name[@revision] (org/name where no such path exists)",
     )
     data_dir: str | None = option(None, "data directory (null: $DENSEPASS_DATA, else shared/data beside the checkout)")
     format: Literal["beir", "msmarco", "dpr", "squad", "pairs"] = option(
@@ -92,13 +93,21 @@ class DataConfig:
         " negatives...), trained on as the train split (evaluated on data.eval_name)",
     )
     columns: ColumnsConfig = option(help="format=pairs: the rows' columns", factory=ColumnsConfig)
+    subset: str | None = option(
+        None, "format=pairs from the Hugging Face Hub: the dataset's subset (config); its split is train_split"
+    )
+    revision: str | None = option(
+        None, "format=pairs from the Hugging Face Hub: the branch, tag or commit to read (or name@revision)"
+    )
     eval_name: str | None = option(
         None,
         "evaluate (and validate) on this dataset instead of data.name, e.g. a BEIR-layout folder beside training"
         " rows (null: data.name)",
     )
     eval_format: DatasetFormat = option("beir", "eval_name's layout: beir, msmarco, dpr or squad")
-    train_split: str = option("train", "split whose queries are trained on")
+    train_split: str = option(
+        "train", "split whose queries are trained on (format=pairs: the split of a saved or Hub dataset read)"
+    )
     eval_split: str = option("dev", "split whose queries are evaluated")
     max_train_queries: int | None = option(None, "a seeded sample of this many training queries (null: all)", min=1)
     max_eval_queries: int | None = option(None, "a seeded sample of this many evaluated queries (null: all)", min=1)
@@ -257,6 +266,11 @@ class OptimConfig:
         False,
         "a batch whose loss or gradient norm is NaN or infinite is skipped with a warning (no optimiser step), and"
         " more than 10 in a row stop training; false: the first one stops training with an error naming the step",
+    )
+    fsdp: bool = option(
+        False,
+        "under torchrun, shard the weights, gradients and AdamW state over the processes (FSDP2) instead of a whole"
+        " copy on each: for models whose training state does not fit one device",
     )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -130,11 +130,14 @@ class DivergenceGuard:
         optimizer: torch.optim.Optimizer,
         scheduler,
         max_norm: float = 1.0,
+        clip: Callable[[list[torch.Tensor], float], torch.Tensor] | None = None,
     ) -> tuple[bool, torch.Tensor]:
         """Clip the gradients of ``parameters`` to ``max_norm``; take the optimiser step unless the loss or the
         gradient norm is not finite (then skip it, or raise :class:`Diverged`); step the schedule; drop the
-        gradients. ``step``: the number of the step being taken (1 for the first). Returns (taken, norm)."""
-        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+        gradients. ``step``: the number of the step being taken (1 for the first). Returns (taken, norm).
+        ``clip``: what clips and returns the norm (default ``torch.nn.utils.clip_grad_norm_``; FSDP's sharded
+        gradients: ``training.sharding.clip_grad_norm``)."""
+        norm = (clip or torch.nn.utils.clip_grad_norm_)(list(parameters), max_norm)
         taken = self.check(step, loss, norm)
         if taken:
             optimizer.step()

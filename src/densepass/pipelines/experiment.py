@@ -33,7 +33,7 @@ import torch
 from densepass import distributed
 from densepass.checkpoints import DATA_FILES, differences, training_identity, trim_log, without_later_defaults
 from densepass.config import ColumnsConfig, DataConfig, ExperimentConfig, LossConfig, load_config, save_config
-from densepass.data import load_dataset
+from densepass.data import hub_options, load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import resolve_device, resolve_precision
 from densepass.errors import ConfigError
@@ -48,7 +48,7 @@ from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.freeze import freeze_bottom
 from densepass.models.interpolate import interpolate_weights, snapshot
 from densepass.negatives.mine import MiningContext, MiningResult
-from densepass.negatives.pool import passage_ids, save_pool
+from densepass.negatives.pool import load_pool, passage_ids, save_pool
 from densepass.pipelines import retrievers
 from densepass.pipelines.distillation import (
     check_existing_scores,
@@ -108,7 +108,13 @@ def run_identity(config: ExperimentConfig, dataset: RetrievalDataset | None = No
 
 
 # data keys added after runs were made: at their default they stay out of a run's identity (earlier runs resume)
-LATER_DATA_KEYS = {"columns": asdict(ColumnsConfig()), "eval_name": None, "eval_format": "beir"}
+LATER_DATA_KEYS = {
+    "columns": asdict(ColumnsConfig()),
+    "eval_name": None,
+    "eval_format": "beir",
+    "subset": None,
+    "revision": None,
+}
 
 
 def data_identity(data: DataConfig) -> dict:
@@ -164,10 +170,36 @@ def check(config: ExperimentConfig) -> torch.device:
             )
         if config.validation.select and not config.validation.enabled:
             raise ConfigError("validation.select needs validation.enabled: true (nothing is validated otherwise)")
+        check_fsdp(config)
     elif config.train.wise_ft is not None:
         raise ConfigError("train.wise_ft interpolates fine-tuned weights: it needs train.enabled: true")
     check_reranker_config(config)
     return device
+
+
+def check_fsdp(config: ExperimentConfig) -> None:
+    """``train.fsdp``'s one-line errors before any work (``training.sharding``; the engine checks them again): FSDP
+    shards a dense bi-encoder over torchrun's processes, and nothing may run the model on one process mid-training."""
+    t = config.train
+    if config.reranker.enabled and config.reranker.train.enabled and config.reranker.train.fsdp:
+        raise ConfigError("reranker.train.fsdp: the cross-encoder does not train with FSDP yet")
+    if not t.fsdp:
+        return
+    if not distributed.launched_by_torchrun():
+        raise ConfigError(
+            "train.fsdp shards the model over torchrun's processes: run under torchrun --nproc_per_node N"
+        )
+    if config.model.kind != "bi-encoder":
+        raise ConfigError(
+            f"train.fsdp trains dense bi-encoders (model.kind=bi-encoder), not model.kind={config.model.kind}"
+        )
+    if t.lora_rank or t.gradient_checkpointing:
+        raise ConfigError("train.fsdp does not combine with lora_rank or gradient_checkpointing yet")
+    if config.eval.each_epoch or config.negatives.refresh_every is not None or config.validation.enabled:
+        raise ConfigError(
+            "train.fsdp does not combine yet with what uses the model during training (eval.each_epoch, "
+            "negatives.refresh_every, validation.enabled)"
+        )
 
 
 def check_run_directory(config: ExperimentConfig) -> None:
@@ -273,7 +305,7 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
     started = time.perf_counter()
     data = config.data
     # a missing dataset, or a bad row: its one-line error
-    dataset = load_dataset(data.name, data.data_dir, data.format, columns=asdict(data.columns))
+    dataset = load_dataset(data.name, data.data_dir, data.format, columns=asdict(data.columns), **hub_options(data))
     eval_data = dataset if data.eval_name is None else load_dataset(data.eval_name, data.data_dir, data.eval_format)
     needs_answers = [m for m in config.eval.metrics if m.startswith("accuracy@")]
     if needs_answers and not eval_data.answers:

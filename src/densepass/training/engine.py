@@ -16,7 +16,10 @@ the same way for all of them:
 - gradient checkpointing (``gradient_checkpointing``) and LoRA adapters (``lora_rank``, ``training.adapters``) for
   any task whose model holds a Hugging Face transformer;
 - torch.distributed: every process trains on rank 0's batch plan and gradients are summed across processes
-  (for tasks whose step gathers what it contrasts across processes); rank 0 writes.
+  (every task's step gathers what it contrasts across processes, each process computing its share); rank 0 writes;
+- FSDP (``fsdp``, ``training.sharding``) for tasks that declare ``shardable``: the weights, gradients and AdamW
+  state sharded over the processes, checkpoints written by every process (its shards) with
+  torch.distributed.checkpoint, and the whole model gathered on every process at the end.
 
 Tasks: ``training.trainer`` (bi-encoders: dense, SPLADE, ColBERT), ``training.cross_encoder``, ``phrase.train``,
 ``phrase.query_tuning`` and ``pretraining.trainer`` (Condenser, coCondenser, Contriever).
@@ -46,6 +49,7 @@ from densepass.device import uses_bf16
 from densepass.errors import ConfigError
 from densepass.numerics import DivergenceGuard
 from densepass.prefetch import prefetched
+from densepass.training import sharding
 from densepass.training.adapters import Adapters
 from densepass.training.distributed import sum_gradients
 
@@ -89,13 +93,16 @@ class Task:
     label; ``throughput``: the log key of examples (or tokens) per second, None for no timing in the log (a log
     that must be byte-identical across a resume); ``prefetch``: ``prepare`` runs one batch ahead in a worker
     thread; ``distributed``: whether ``step`` is written for several processes (it gathers across them what it
-    contrasts, and the engine sums the gradients)."""
+    contrasts, and the engine sums the gradients); ``shardable``: whether it trains under FSDP (``network()``
+    holds Hugging Face transformers, every process runs a forward of each of them in every step, and nothing
+    reads the weights outside a forward)."""
 
     section = "train"
     description = "train"
     throughput: str | None = "examples_per_s"
     prefetch = False
     distributed = False
+    shardable = False
     steps_per_epoch: int
     epochs: int
 
@@ -203,13 +210,15 @@ class Engine:
     """The state of one run while it trains (what callbacks see): ``step`` (steps taken), ``epoch``, ``total``,
     ``epoch_end`` (the step just taken ended its epoch), ``task``, ``run_dir``, ``guard``."""
 
-    def __init__(self, task: Task, run_dir: Path, total: int, guard: DivergenceGuard) -> None:
-        self.task, self.run_dir, self.total, self.guard = task, run_dir, total, guard
+    def __init__(self, task: Task, run_dir: Path, total: int, guard: DivergenceGuard, sharded: bool = False) -> None:
+        self.task, self.run_dir, self.total, self.guard, self.sharded = task, run_dir, total, guard, sharded
         self.step, self.epoch, self.epoch_end = 0, 0, False
 
     def check_weights(self) -> None:
-        """A one-line ``Diverged`` error when a weight is not finite (before using or saving the model)."""
-        self.guard.check_weights(self.step, self.task.named_weights())
+        """A one-line ``Diverged`` error when a weight is not finite (before using or saving the model); under FSDP
+        every weight is gathered whole, so that every process reaches the same verdict."""
+        named = self.task.named_weights()
+        self.guard.check_weights(self.step, sharding.full_weights(named) if self.sharded else named)
 
 
 def enable_gradient_checkpointing(network: torch.nn.Module) -> int:
@@ -226,6 +235,25 @@ def enable_gradient_checkpointing(network: torch.nn.Module) -> int:
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return len(found)
+
+
+def check_sharding(task: Task, optim: OptimConfig, world: int, callbacks: Sequence[Callback] = ()) -> None:
+    """The one-line errors of ``fsdp: true`` that need no work: FSDP shards over the ``world`` processes of
+    torchrun, for a task that declares ``shardable``, without what it does not combine with yet."""
+    section = f"{task.section}.fsdp"
+    if world < 2:
+        raise ConfigError(
+            f"{section} shards the model over torchrun's processes: run under torchrun --nproc_per_node N"
+        )
+    if not task.shardable:
+        raise ConfigError(f"{section}: {task.description} does not train with FSDP yet")
+    if optim.lora_rank or optim.gradient_checkpointing:
+        raise ConfigError(f"{section} does not combine with lora_rank or gradient_checkpointing yet")
+    if callbacks:
+        raise ConfigError(
+            f"{section} does not combine yet with what uses the model during training (validation each epoch, "
+            "re-mining, step hooks)"
+        )
 
 
 def planned_steps(steps_per_epoch: int, epochs: int, max_steps: int | None) -> int:
@@ -281,12 +309,17 @@ def fit(
     world, rank = distributed.world_size(), distributed.rank()
     if world > 1 and not task.distributed:
         raise ConfigError(f"{task.description} does not run under torch.distributed yet: run it in one process")
+    sharded = bool(getattr(optim, "fsdp", False))
+    if sharded:
+        check_sharding(task, optim, world, callbacks)
     seed_everything(optim.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     task.setup(device)
     if optim.gradient_checkpointing:
         enable_gradient_checkpointing(task.network())
     adapters = Adapters(task.network(), optim) if optim.lora_rank else None  # freezes what the adapters replace
+    if sharded:  # before the parameter groups: their parameters are the shards from here on
+        sharding.shard(task.network(), device)
     plain = adapters.plain if adapters is not None else contextlib.nullcontext  # the model as the task wrote it
     merged = adapters.merged if adapters is not None and callbacks else contextlib.nullcontext
     if bf16 is None:
@@ -298,15 +331,18 @@ def fit(
     scheduler = get_linear_schedule_with_warmup(optimizer, int(optim.warmup_ratio * total), total)
     checkpoints = Checkpoints(run_dir, optim.keep_checkpoints, identity)
     guard = DivergenceGuard(optim.skip_nonfinite, task.section)
-    engine = Engine(task, run_dir, total, guard)
+    engine = Engine(task, run_dir, total, guard, sharded)
     interval = _Interval(device)
     resumed = checkpoints.latest()
     if resumed is not None:
-        with plain():
-            task.load(resumed.path, device)
+        if sharded:  # every process reads its shards of the weights and of the optimiser's state
+            sharding.load(task.network(), optimizer, resumed.path, resumed.optimizer)
+        else:
+            with plain():
+                task.load(resumed.path, device)
+            optimizer.load_state_dict(resumed.optimizer)
         if adapters is not None:
             adapters.load_state_dict(resumed.extra["lora"])
-        optimizer.load_state_dict(resumed.optimizer)
         scheduler.load_state_dict(resumed.scheduler)
         restore_rng(resumed.rng)
         task.load_state_dict(resumed.extra)
@@ -323,12 +359,19 @@ def fit(
 
     def save_checkpoint() -> None:
         engine.check_weights()  # every process: the same weights, the same verdict
-        if rank == 0:
+        if rank == 0 or sharded:
             extra: dict = {**interval.state(), "nonfinite": guard.state_dict(), **task.state_dict()}
             if adapters is not None:
                 extra["lora"] = adapters.state_dict()
             for callback in callbacks:
                 extra.update(callback.state_dict())
+        if sharded:  # every process writes its shards; rank 0 the rest
+
+            def write_shards(directory: Path) -> dict:
+                return sharding.save(task.network(), optimizer, directory)
+
+            checkpoints.save(engine.step, lambda _: None, optimizer, scheduler, extra, write_shards)
+        elif rank == 0:
             with plain():
                 checkpoints.save(engine.step, task.save, optimizer, scheduler, extra)
         distributed.barrier()
@@ -370,10 +413,11 @@ def fit(
             for _, index, batch in prepared(epoch):
                 context = StepContext(engine.step, epoch, index, device, bf16)
                 out = task.step(batch, context)
-                if world > 1:
-                    sum_gradients(trainable)
+                if world > 1:  # under FSDP its reduce-scatter summed the sharded ones in the backward pass
+                    sum_gradients(sharding.whole_parameters(trainable) if sharded else trainable)
+                clip = sharding.clip_grad_norm if sharded else None
                 taken, norm = guard.step(
-                    engine.step + 1, out.loss, trainable, optimizer, scheduler, optim.max_grad_norm
+                    engine.step + 1, out.loss, trainable, optimizer, scheduler, optim.max_grad_norm, clip
                 )
                 if taken:  # a skipped batch's outputs may hold NaN: kept out of the task's state and the log
                     loss = out.loss
@@ -408,6 +452,8 @@ def fit(
         progress.close()
         raise
     progress.close()
+    if sharded:
+        sharding.unshard(task.network())  # the whole trained model on every process, a plain module again
     if adapters is not None:
         adapters.merge()  # the trained model is a plain one of its architecture
     task.finish()

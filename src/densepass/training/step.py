@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from densepass.device import RandomState, autocast_context
 from densepass.losses.batch import BatchTensors
@@ -24,6 +25,11 @@ from densepass.models.inputs import forward_in_pieces, piece_tokens
 from densepass.models.splade import SpladeEncoder
 from densepass.training.batches import TrainingBatch
 from densepass.training.distributed import gather_with_local_grad
+
+
+def sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP shards ``model`` (``training.sharding``)."""
+    return isinstance(model, FSDPModule)
 
 
 def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autocast) -> torch.Tensor:
@@ -37,7 +43,8 @@ def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autoca
 
     with autocast():
         if isinstance(model, BiEncoder | SpladeEncoder) or side == "passage":
-            embed = model.token_embeddings(side) if isinstance(model, BiEncoder) else None  # one lookup, all pieces
+            # one lookup for all pieces; not under FSDP, whose weights are whole only inside a forward
+            embed = model.token_embeddings(side) if isinstance(model, BiEncoder) and not sharded(model) else None
             pieces = piece_tokens(tokens["input_ids"].device)
             return forward_in_pieces(run, tokens, pieces, embed, packed=getattr(model, "packing", False))
         return run(tokens)

@@ -105,6 +105,7 @@ class BiEncoderTask(engine.Task):
         objective: Objective | None = None,
     ) -> None:
         self.model, self.data, self.config, self.run_dir = model, data, config, run_dir
+        self.shardable = isinstance(model, BiEncoder)  # FSDP: dense bi-encoders (SPLADE ties its MLM head)
         if config.packing:  # an encoder it cannot pack: one line before training
             enable_packing(model)
         self.planner = planner or RandomPlanner(len(data), config.batch_size, config.seed)
