@@ -19,16 +19,34 @@ def load_dataset(
     format: str = "beir",
     passages_on_disk: bool = False,
     columns: Mapping[str, Any] | None = None,
+    subset: str | None = None,
+    revision: str | None = None,
+    split: str = "train",
 ) -> RetrievalDataset:
     """Read dataset ``name`` (a directory under the data dir, or a path) in the given layout.
     ``passages_on_disk``: a ``beir`` corpus keeps its titles and texts in ``corpus.jsonl``, read when asked for
     (``data.beir.PassageFile``: memory for ids, not for text); other layouts are always loaded whole.
     ``pairs``: ``name`` is a file of training rows or a ``save_to_disk`` folder (a path, or a name under the data
-    dir), its ``columns`` mapped as ``data.pairs.load_pairs`` says."""
+    dir; or a dataset on the Hugging Face Hub, ``hf://datasets/org/name[@revision]``, or ``org/name[@revision]``
+    where no such path exists: ``data.hub``, its ``subset`` at ``revision``), its ``columns`` mapped as
+    ``data.pairs.load_pairs`` says; the rows are read as (a saved ``DatasetDict``'s or the Hub dataset's) ``split``."""
     if format == "pairs":
+        from densepass.data.hub import hub_dataset, load_hub_rows
         from densepass.data.pairs import load_pairs
 
-        return load_pairs(pairs_path(name, data_dir), columns)
+        root = Path(data_dir) if data_dir else default_data_dir()
+        local = os.path.lexists(name) or os.path.lexists(root / name)
+        found = hub_dataset(name, local_exists=local)
+        if found is not None:
+            repo, pinned = found
+            if pinned and revision and pinned != revision:
+                raise DataError(f"{name} pins revision {pinned} and data.revision says {revision}: give one")
+            rows = load_hub_rows(repo, subset, split, pinned or revision)
+            label = f"{repo}{f'@{pinned or revision}' if pinned or revision else ''}"
+            return load_pairs(rows, columns, name=label + (f" ({subset})" if subset else ""), split=split)
+        if subset or revision:
+            raise DataError(f"data.subset and data.revision are for a dataset on the Hugging Face Hub; {name} is local")
+        return load_pairs(pairs_path(name, data_dir), columns, split=split)
     directory = dataset_dir(name, data_dir)
     check_plain_files(directory)
     if format == "beir":
@@ -48,6 +66,14 @@ def load_dataset(
 
         return load_squad(directory, Path(name).name)
     raise DataError(f"unknown dataset format {format!r} (known: {', '.join(FORMATS)}, pairs)")
+
+
+def hub_options(data: Any) -> dict[str, Any]:
+    """``load_dataset``'s options for training rows from a ``DataConfig`` (``data.subset``, ``data.revision``, and
+    ``data.train_split`` as the split read); none for the other layouts."""
+    if data.format != "pairs":
+        return {}
+    return {"subset": data.subset, "revision": data.revision, "split": data.train_split}
 
 
 def stream_passage_inputs(

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from densepass import distributed
 from densepass.config import ExperimentConfig
-from densepass.data import load_dataset
+from densepass.data import hub_options, load_dataset
 from densepass.device import resolve_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.io import check_output_file, every_line
@@ -69,7 +69,9 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path, precis
     device = resolve_device(config.device)
     resolve_precision(config.eval.precision, device)  # int8 on a GPU fails before the dataset loads
     data = config.data
-    dataset = load_dataset(data.name, data.data_dir, data.format, passages_on_disk=True, columns=asdict(data.columns))
+    dataset = load_dataset(
+        data.name, data.data_dir, data.format, passages_on_disk=True, columns=asdict(data.columns), **hub_options(data)
+    )
     query_ids = sorted(dataset.sample(data.train_split, data.max_train_queries, data.seed))
     if "given" in strategy_specs(config.negatives):
         given_candidates(dataset, query_ids)  # rows that give no negatives: one line before any work

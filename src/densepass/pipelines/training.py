@@ -96,15 +96,23 @@ def given_pool(dataset: RetrievalDataset, query_ids: list[str]) -> MiningResult:
 
 
 def as_dataset(
-    dataset: RetrievalDataset | str | Path | Any, columns: Mapping[str, Any] | None = None
+    dataset: RetrievalDataset | str | Path | Any,
+    columns: Mapping[str, Any] | None = None,
+    subset: str | None = None,
+    split: str = "train",
 ) -> RetrievalDataset:
-    """``dataset`` itself, or read: training rows (a JSONL, CSV or Parquet file, a ``save_to_disk`` folder or a
-    ``datasets`` dataset: ``data.pairs``, its ``columns`` mapped), else a dataset name or path in any layout
+    """``dataset`` itself, or read: training rows (a JSONL, CSV or Parquet file, a ``save_to_disk`` folder, a
+    ``datasets`` dataset, or a Hugging Face dataset ``hf://datasets/org/name[@revision]`` (its ``subset`` and
+    ``split``): ``data.pairs``, its ``columns`` mapped), else a dataset name or path in any layout
     (``densepass.load_dataset``)."""
     if isinstance(dataset, RetrievalDataset):
         return dataset
+    if isinstance(dataset, str) and dataset.startswith("hf://"):
+        return load_dataset(dataset, format="pairs", columns=columns, subset=subset, split=split)
+    if subset is not None:
+        raise ConfigError(f"subset names a subset of a Hugging Face dataset (hf://datasets/...); {dataset} is not one")
     if is_pairs_source(dataset):
-        return load_pairs(dataset, columns)
+        return load_pairs(dataset, columns, split=split)
     if columns:
         raise ConfigError(f"columns map the columns of training rows; {dataset} is not a file of them")
     return load_dataset(str(dataset))
@@ -163,6 +171,7 @@ def train(
     *,
     output_dir: str | Path,
     columns: Mapping[str, Any] | None = None,
+    subset: str | None = None,
     loss: Objective | None = None,
     negatives: NegativesConfig | None = None,
     args: TrainConfig | None = None,
@@ -177,7 +186,8 @@ def train(
     """Fine-tune ``model`` (a ``BiEncoder``, ``SpladeEncoder`` or ``ColBERT``) in place on ``dataset``'s ``split``
     (a dataset or its name / path, see ``densepass.load_dataset``; or training rows: a JSONL, CSV or Parquet file
     of (anchor, positive[, negatives...]) rows, a folder written by ``datasets``' ``save_to_disk``, or a
-    ``datasets.Dataset``, with ``columns`` mapping their columns as ``densepass.data.pairs`` says) and save it to
+    ``datasets.Dataset``, or a Hugging Face dataset ``hf://datasets/org/name[@revision]`` with its ``subset`` and
+    ``split``, with ``columns`` mapping their columns as ``densepass.data.pairs`` says) and save it to
     ``output_dir/model``.
 
     ``loss``: a loss object of ``densepass.losses`` (default ``InfoNCE(args.bidirectional)``; SPLADE wants
@@ -189,7 +199,7 @@ def train(
     random); ``max_queries`` / ``seed``: a seeded sample of the training queries; ``device``: cpu, cuda or cuda:N
     (None: cuda when available). ``on_step_end(step)`` runs after every step. With ``restart``, what an earlier call
     wrote in ``output_dir`` is removed first; otherwise an interrupted call resumes from its checkpoints."""
-    dataset = as_dataset(dataset, columns)
+    dataset = as_dataset(dataset, columns, subset, split)
     if negatives is None and isinstance(dataset, PairsDataset):
         negatives = NegativesConfig(source="given" if any(dataset.negatives.values()) else "none")
     args, negatives, schedule = args or TrainConfig(), negatives or NegativesConfig(), schedule or ScheduleConfig()
