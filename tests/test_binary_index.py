@@ -203,3 +203,18 @@ def test_the_compact_benchmark_runs_on_a_tiny_dataset(tiny_beir, tiny_model_dir,
     assert rows[("t", 32, "binary + float re-scoring")]["mrr@10"] >= 0
     assert ("u", 16, "sentence-transformers ubinary + rescore") in rows
     assert [p["dim"] for p in results["paired"]] == [32, 16] and results["paired"][0]["p"] == 1.0  # the same model
+
+
+def test_the_search_pipeline_loads_a_compact_index_with_its_rescoring_options(model, tmp_path):
+    from densepass.index.dense import DenseIndex
+    from densepass.pipelines.search import SearchPipeline
+
+    texts = [f"{w} tool for {v}" for w in ("audio", "kernel", "mail", "font") for v in ("desktops", "servers")]
+    CompactIndex.build(model, texts, "binary-flat", show_progress=False).save(tmp_path / "bin")
+    pipeline = SearchPipeline.load(tmp_path / "bin", rescore_with="int8", rescore_multiplier=2)  # as serve loads it
+    assert pipeline.index.rescore_with == "int8" and pipeline.index.rescore_multiplier == 2
+    ours = pipeline.search("mail servers", k=3)
+    assert len(ours) == 3
+    DenseIndex.build(model, texts, show_progress=False).save(tmp_path / "exact")
+    with pytest.raises(ConfigError, match="takes no load option rescore_multiplier, rescore_with"):
+        SearchPipeline.load(tmp_path / "exact", rescore_with="int8", rescore_multiplier=2)
