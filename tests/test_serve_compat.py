@@ -174,6 +174,16 @@ def test_langchain_openai_embeddings_equal_biencoder_encode(server):
     expected = model.encode_passages(TEXTS, show_progress=False, precision="fp32")
     assert cosines(embeddings.embed_documents(TEXTS), expected).min() >= 0.9999
     assert cosines([embeddings.embed_query(TEXTS[0])], expected[:1])[0] >= 0.9999
+    queries = OpenAIEmbeddings(  # the documented way to embed queries as queries
+        base_url=f"{url}/v1",
+        api_key=KEY,
+        model="tiny-bi",
+        check_embedding_ctx_length=False,
+        max_retries=0,
+        model_kwargs={"extra_body": {"input_type": "query"}},
+    )
+    expected_q = model.encode_queries(TEXTS[:1], show_progress=False, precision="fp32")
+    assert cosines([queries.embed_query(TEXTS[0])], expected_q)[0] >= 0.9999
 
 
 def test_openai_errors_come_in_openais_shape(server):
