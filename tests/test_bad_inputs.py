@@ -1218,6 +1218,46 @@ def test_an_object_array_in_a_saved_index_under_a_matching_manifest_is_one_data_
         load_index(index)
 
 
+@pytest.mark.parametrize("kind", ["faiss-hnsw", "faiss-flat"])  # IVF-PQ is read the same way (load_faiss_index)
+def test_a_faiss_file_damaged_under_a_matching_manifest_is_one_line(tiny_beir, tiny_model_dir, tmp_path, capsys, kind):
+    from densepass.index.base import load_index
+    from densepass.io import write_manifest
+
+    index = tmp_path / "idx"
+    built = ["index", str(tiny_beir), "--kind", kind, "--model", str(tiny_model_dir), "--output", str(index)]
+    assert main(built) == 0
+    from conftest import write_tiny_beir
+
+    other = tmp_path / "other"  # another index's faiss.index: 20 vectors, not 40
+    small = write_tiny_beir(tmp_path / "small", n_passages=20)
+    assert main([*built[:1], str(small), *built[2:-1], str(other)]) == 0
+    original = (index / "faiss.index").read_bytes()
+    facts = {k: v for k, v in json.loads((index / "manifest.json").read_text()).items() if k != "files"}
+    variants = {
+        "truncated": (original[: len(original) // 2], r"does not load as a FAISS index \(damaged\?\): .*read error"),
+        "header": (original[:8] + (2**40).to_bytes(8, "little") + original[16:], "does not load as a FAISS index"),
+    }
+    variants["another index's"] = ((other / "faiss.index").read_bytes(), "holds 20 vectors, the index 40")
+    if kind == "faiss-hnsw":  # neighbour ids past the vectors
+        links = bytearray(original)
+        for i in range(len(links) // 2, len(links) // 2 + 400, 4):
+            links[i : i + 4] = (0x7FFFFFF0).to_bytes(4, "little")
+        variants["neighbours"] = (bytes(links), r"out of range")
+    if kind == "faiss-flat":  # NaN vectors
+        nan = bytearray(original)
+        nan[len(nan) // 2 : len(nan) // 2 + 4] = (0x7FFFFFF0).to_bytes(4, "little")
+        variants["NaN"] = (bytes(nan), "holds vectors with NaN or infinity")
+    for variant, (data, says) in variants.items():
+        (index / "faiss.index").write_bytes(data)
+        write_manifest(index, **facts)  # the manifest rewritten to match: only reading the file can tell
+        capsys.readouterr()
+        assert main(["search", str(index), "audio editor"]) == 2, variant
+        [line] = error_lines(capsys)
+        assert re.match(rf"densepass: error: {re.escape(str(index / 'faiss.index'))} .*{says}", line), (variant, line)
+        with pytest.raises(DataError, match=says):
+            load_index(index)
+
+
 def test_a_dense_index_whose_embeddings_are_not_float32_is_one_data_error(tiny_beir, tiny_model_dir, tmp_path):
     import numpy as np
 

@@ -321,5 +321,5 @@ class DenseIndex(Index):
         index.model_fingerprint = recorded["fingerprint"]
         index._weights_version = weights_version(model)
         if manifest["kind"] != "exact":
-            index.faiss = load_faiss_index(directory / FAISS_FILE)
+            index.faiss = load_faiss_index(directory / FAISS_FILE, *embeddings.shape)  # its rows and dimension
         return index

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from densepass.errors import ConfigError, DensepassError
+from densepass.errors import ConfigError, DataError, DensepassError
 from densepass.io import atomic_file
 
 KINDS = ("faiss-flat", "faiss-hnsw", "faiss-ivfpq")
@@ -90,10 +90,40 @@ def save_faiss_index(index, path: str | Path) -> None:
         faiss.write_index(index, faiss.PyCallbackIOWriter(handle.write))
 
 
-def load_faiss_index(path: str | Path):
-    """Read a FAISS index file written by ``save_faiss_index``."""
+def load_faiss_index(path: str | Path, rows: int | None = None, dim: int | None = None, flags: int = 0):
+    """Read a FAISS index file written by ``save_faiss_index``. A file FAISS refuses (its reader checks sizes and
+    neighbour ids and raises ``RuntimeError``), or one that holds another number of vectors than ``rows`` or
+    vectors of another dimension than ``dim`` (what the index's manifest and embeddings say), is one ``DataError``
+    naming it: a file changed under a manifest rewritten to match it, a copy from another index. ``flags``: FAISS's
+    ``IO_FLAG_*`` (an on-disk index's)."""
     import faiss
 
     if not Path(path).is_file():
         raise DensepassError(f"index file not found: {path}")
-    return faiss.read_index(str(path))
+    try:
+        index = faiss.read_index(str(path), flags)
+    except (RuntimeError, MemoryError) as err:  # FAISS's own checks; a size in the header past the memory
+        said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        said = said.split("Error: ", 1)[-1]  # drop FAISS's "Error in <function> at <file>:<line>:" prefix
+        raise DataError(f"{path} does not load as a FAISS index (damaged?): {said[:300]}") from None
+    if rows is not None and index.ntotal != rows:
+        raise DataError(f"{path} holds {index.ntotal} vectors, the index {rows} (damaged, or another index's?)")
+    if dim is not None and index.d != dim:
+        raise DataError(f"{path} holds vectors of dimension {index.d}, the index {dim} (damaged, or another index's?)")
+    flat = _flat_vectors(index)
+    if flat is not None and not np.isfinite(flat).all():  # NaN scores for every query that meets them
+        raise DataError(f"{path} holds vectors with NaN or infinity (damaged?): build the index again")
+    return index
+
+
+def _flat_vectors(index) -> np.ndarray | None:
+    """The float32 vectors a flat index (or an HNSW index's flat storage) keeps as they are; None for other kinds
+    (their codes are integers)."""
+    import faiss
+
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexHNSW) and index.storage is not None:
+        index = faiss.downcast_index(index.storage)
+    if not isinstance(index, faiss.IndexFlat):
+        return None
+    return faiss.vector_to_array(index.codes).view(np.float32)

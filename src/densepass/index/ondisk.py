@@ -162,12 +162,19 @@ def open_ondisk(directory: Path):
     there (wherever the directory was when the index was written)."""
     import faiss
 
-    index = faiss.read_index(str(directory / INDEX_FILE), faiss.IO_FLAG_SKIP_IVF_DATA | faiss.IO_FLAG_READ_ONLY)
-    lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists)
+    index = load_faiss_index(directory / INDEX_FILE, flags=faiss.IO_FLAG_SKIP_IVF_DATA | faiss.IO_FLAG_READ_ONLY)
+    try:
+        lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists)
+    except RuntimeError:  # not an IVF index at all
+        lists = None
     if not isinstance(lists, faiss.OnDiskInvertedLists):
         raise DataError(f"{directory}: {INDEX_FILE} does not keep its inverted lists on disk")
     lists.filename = str(directory / LISTS_FILE)
-    lists.do_mmap()
+    try:
+        lists.do_mmap()
+    except RuntimeError as err:  # a lists file shorter than the index says
+        said = (str(err).strip().splitlines() or [type(err).__name__])[0].split("Error: ", 1)[-1]
+        raise DataError(f"{directory / LISTS_FILE} does not load (damaged?): {said[:300]}") from None
     if _quantisers_nonfinite(index):
         raise DataError(f"{directory} is not a usable index: its quantisers hold NaN or infinity; build it again")
     return index
