@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -312,6 +313,25 @@ def test_index_bm25_refuses_a_model(tiny_beir, tiny_model_dir, tmp_path, capsys)
     assert code == 2
     assert "drop --model" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_index_never_replaces_the_working_directory_or_a_folder_holding_it(tiny_beir, tmp_path, capsys, monkeypatch):
+    project = tmp_path / "project" / "work"
+    project.mkdir(parents=True)
+    planted = plant(project)
+    monkeypatch.chdir(project)
+    for output in (".", "./", "..", "sub/..", str(project), str(tmp_path), "/"):
+        for force in ([], ["--force"]):
+            assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", output, *force]) == 2, output
+            err = capsys.readouterr().err
+            assert "Traceback" not in err
+            [line] = err.strip().splitlines()
+            assert re.match(r"densepass: error: --output .* is (the working directory|a folder holding the work)", line)
+    assert_intact(project, planted)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["project", "tiny"]  # nothing moved aside, no work folder
+    assert sorted(p.name for p in project.iterdir()) == ["notes.txt", "sub"]
+    assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", "sub/../index"]) == 0  # a new folder here
+    assert (project / "index").is_dir()
 
 
 def run_args(tiny_beir, tiny_model_dir, output_dir, name, *extra):

@@ -253,6 +253,26 @@ def _locked(work_dir: Path) -> Iterator[None]:
             raise
 
 
+def check_not_the_working_directory(output: str | Path) -> Path:
+    """``output`` as a path with a name of its own (``.`` or ``x/..`` made absolute); a one-line ConfigError where
+    it is the working directory or a folder holding it: replacing it (``--force`` moves it aside) would pull the
+    folder the user works in from under them, and its name cannot make the work directory's."""
+    output = Path(output)
+    if output.name in ("", ".", ".."):
+        output = Path(os.path.abspath(output))  # lexically: a link at the end stays a link, as move_aside needs
+    try:
+        target, here = output.resolve(), Path.cwd().resolve()
+    except OSError:  # the working directory was removed: nothing of it to protect
+        return output
+    if target == here or target in here.parents:
+        where = "the working directory" if target == here else "a folder holding the working directory"
+        raise ConfigError(
+            f"--output {output} is {where} ({target}): densepass never replaces it; name a new folder for the index, "
+            "e.g. --output ./index"
+        )
+    return output
+
+
 def index_dataset(
     name: str,
     data_dir: str | Path | None,
@@ -265,7 +285,9 @@ def index_dataset(
     dense kinds only, each process encoding its shard. Returns (the index, on rank 0 (else None); the
     dataset's name). An ``output`` that is, holds or lies in the dataset's or a model's folder is refused
     (``data.paths.check_output_apart``); ``force``: what is at ``output`` that densepass may not replace is moved
-    aside (``io.move_aside``, with a warning naming where) instead of refused."""
+    aside (``io.move_aside``, with a warning naming where) instead of refused. The working directory, or a folder
+    holding it, is never an output (``check_not_the_working_directory``)."""
+    output = check_not_the_working_directory(output)
     check_output_apart(output, name, data_dir, [settings.model, settings.sparse_model])
     if force:
         moved = distributed.on_rank_zero(lambda: move_aside(output))
