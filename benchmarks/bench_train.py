@@ -25,11 +25,13 @@ encoder's non-embedding parameters + 12 x layers x width x mean sequence length,
 terms: threads x max clock x FLOPs per cycle per core). Real tokens per example are those of the run's triplets
 (query + positive + one negative, each truncated as the step truncates it); densepass draws its negatives from the
 same pools, so the figure is the same mean for both. ``--attention-variants`` instead times, forward and
-backward, the ways to run attention over packed sequences (``models.packing``'s choice):
+backward, the ways to run attention over packed sequences (``models.packing``'s choice); ``--padding-share``
+prints how many positions a step computes per real token, padded and in densepass's length-sorted CPU pieces:
 
     python benchmarks/bench_train.py --packing --steps 10 --warmup 2 --batch-size 32 --data-dir ../shared/data \
         --out outputs/bench/train-packing-cpu.json
     python benchmarks/bench_train.py --attention-variants
+    python benchmarks/bench_train.py --padding-share --batch-size 32 --steps 30 --data-dir ../shared/data
 """
 
 from __future__ import annotations
@@ -277,7 +279,32 @@ def real_tokens(path: str, triplets: dict, args) -> tuple[float, float]:
             np.array([len(x) for x in tokenizer(triplets[column], truncation=True, max_length=limit)["input_ids"]])
         )
     every = np.concatenate(lengths)
+    steps = len(lengths[0]) // args.batch_size
+    computed = {"real": 0, "padded (each side to its longest, x8)": 0, "length-sorted pieces of 2,048": 0}
+    for step in range(steps):
+        rows = slice(step * args.batch_size, (step + 1) * args.batch_size)
+        for side in (lengths[0][rows], np.concatenate([lengths[1][rows], lengths[2][rows]])):
+            for name, count in zip(computed, computed_tokens(side)):
+                computed[name] += count
+    shares = ", ".join(f"{name} {count / computed['real']:.2f}" for name, count in computed.items())
+    print(f"tokens computed per real token, {steps} batches of the triplets: {shares}")
     return float(sum(x.mean() for x in lengths)), float((every**2).sum() / every.sum())
+
+
+def computed_tokens(lengths: np.ndarray, piece: int = 2048) -> tuple[int, int, int]:
+    """Positions one side of a step computes: its real tokens (packed); padded to the longest, a multiple of 8
+    (``models.inputs.tokenize``; a GPU step, and sentence-transformers); in length-sorted pieces of ``piece``
+    tokens, each cut to its longest (``models.inputs.forward_in_pieces``, densepass's CPU step)."""
+    padded = len(lengths) * int(-(-lengths.max() // 8) * 8)
+    if padded <= piece:  # one piece: the batch as tokenised
+        return int(lengths.sum()), padded, padded
+    ordered = np.sort(lengths)[::-1]
+    pieces, start = 0, 0
+    while start < len(ordered):
+        rows = max(1, piece // int(ordered[start]))
+        pieces += int(ordered[start]) * len(ordered[start : start + rows])
+        start += rows
+    return int(lengths.sum()), padded, pieces
 
 
 def packing_comparison(path, data, triplets, args, device, bf16: bool, env: dict) -> None:
@@ -378,6 +405,12 @@ def main() -> None:
         action="store_true",
         help="instead of the comparison: time the ways to run attention over packed sequences",
     )
+    parser.add_argument(
+        "--padding-share",
+        action="store_true",
+        help="instead of the comparison: the positions a step computes per real token, padded, in densepass's "
+        "length-sorted pieces and packed (the most packing can gain)",
+    )
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
     if args.attention_variants:
@@ -429,6 +462,9 @@ def main() -> None:
 
     if args.profile:
         profile_densepass(path, data, args, device)
+        return
+    if args.padding_share:
+        real_tokens(path, triplets, args)
         return
     if args.packing:
         packing_comparison(path, data, triplets, args, device, bf16, env)

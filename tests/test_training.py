@@ -346,7 +346,8 @@ def test_forward_in_pieces_gives_the_whole_batch_gradient(tiny_model_dir, tiny_b
     calls, lookups = [], []
     real = step_module.forward_in_pieces
 
-    def spy(fn, tokens, max_tokens, embed=None):
+    def spy(fn, tokens, max_tokens, embed=None, packed=False):
+        assert not packed  # train.packing off
         calls.append(max_tokens)
         rows, width = tokens["input_ids"].shape
         assert rows * width > max_tokens  # more than one piece
@@ -355,7 +356,7 @@ def test_forward_in_pieces_gives_the_whole_batch_gradient(tiny_model_dir, tiny_b
             lookups.append(ids.shape)
             return embed(ids)
 
-        return real(fn, tokens, max_tokens, counted)
+        return real(fn, tokens, max_tokens, counted, packed)
 
     monkeypatch.setattr(step_module, "piece_tokens", lambda device: 40)
     monkeypatch.setattr(step_module, "forward_in_pieces", spy)
