@@ -442,6 +442,34 @@ def test_several_workers_serve_one_port_add_up_their_metrics_and_stop_on_sigterm
     assert process.returncode in (0, -signal.SIGTERM) and "Traceback" not in stderr, stderr[-3000:]
 
 
+def test_the_workers_end_when_their_parent_is_killed():
+    port = free_port()
+    fake = [sys.executable, str(ROOT / "tests" / "serve_fake.py"), "--port", str(port), "--workers", "2"]
+    process = subprocess.Popen(fake, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, process)
+        workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+        process.kill()
+        process.communicate(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{pid}").exists() and "zombie" not in process_state(pid) for pid in workers):
+            assert time.monotonic() < deadline, f"workers {workers} still run after their parent was killed"
+            time.sleep(0.1)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert len(workers) >= 2
+
+
+def process_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (FileNotFoundError, IndexError):
+        return "zombie"
+
+
 def test_the_cli_worker_app_loads_the_index_from_the_serve_arguments(models, monkeypatch):
     from densepass.cli import serve_worker_app
 

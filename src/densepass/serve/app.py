@@ -533,7 +533,7 @@ def run_workers(
     index and models itself from the ``densepass serve`` arguments ``argv`` (:func:`worker_argv`) and makes its
     app with :func:`worker_app`; so memory grows with every worker. Their metrics are added up (prometheus-client's
     multiprocess mode, in a temporary folder this function makes and removes). SIGTERM reaches every worker, and
-    each drains as one process does."""
+    each drains as one process does; a worker ends with the parent, even when the parent is killed."""
     import shutil
     import tempfile
 
@@ -544,6 +544,7 @@ def run_workers(
     os.environ["DENSEPASS_SERVE_ARGV"] = json.dumps(argv)
     os.environ["DENSEPASS_READ_TIMEOUT_S"] = repr(settings.read_timeout_s)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    os.environ["DENSEPASS_SERVE_PARENT"] = str(os.getpid())
     if api_key is not None:
         os.environ["DENSEPASS_API_KEY"] = api_key
     try:
@@ -569,7 +570,11 @@ def worker_argv() -> list[str]:
 
 def worker_app(searcher: Searcher, settings: ServeSettings, host: str, access_log: str | None) -> FastAPI:
     """In a worker process of :func:`run_workers`: the app over ``searcher``, with the key the parent was given,
-    and this process's access log lines (``-``: stderr; a file: each worker appends its own lines)."""
+    and this process's access log lines (``-``: stderr; a file: each worker appends its own lines). The worker
+    ends with its parent, even one killed by SIGKILL (``processes.die_with_parent``)."""
+    from densepass.processes import die_with_parent
+
+    die_with_parent(int(os.environ["DENSEPASS_SERVE_PARENT"]))
     app = create_app(searcher, settings, host=host, api_key=os.environ.get("DENSEPASS_API_KEY") or None)
     configure_access_log(access_log)
     return app
