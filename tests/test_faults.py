@@ -438,6 +438,54 @@ def test_indexing_killed_part_way_resumes_to_the_same_index(tmp_path, tiny_model
     assert not work.exists()
 
 
+def index_state(folder: Path) -> tuple[list[str], bytes]:
+    """What a saved index answers with: its live passage ids (in row order) and their embeddings' bytes."""
+    from densepass.index import load_index
+
+    index = load_index(folder)
+    live = np.flatnonzero(~index.deleted)
+    return [index.passages.ids[r] for r in live], np.ascontiguousarray(index.embeddings[live]).tobytes()
+
+
+def test_an_index_update_killed_at_a_random_moment_leaves_the_old_or_the_new_index(tmp_path, tiny_model_dir):
+    import shutil
+
+    from densepass.index import DenseIndex
+    from densepass.models.biencoder import BiEncoder
+
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    rng = np.random.default_rng(0)
+    records = [{"id": f"p{i}", "text": f"passage {i}"} for i in range(20_000)]  # big enough to take a while to write
+    original = DenseIndex(model, show_progress=False)
+    original.add_embeddings(records, rng.standard_normal((20_000, model.dim)))
+    original.save(tmp_path / "original")
+    (tmp_path / "ids.txt").write_text("".join(f"p{i}\n" for i in range(0, 20_000, 7)))
+    (tmp_path / "up.jsonl").write_text(
+        "".join(
+            json.dumps({"_id": f"p{i}", "text": f"new {i}"}) + "\n" for i in [*range(1, 300, 7), *range(20_000, 20_050)]
+        )
+    )
+    update = ["--delete", str(tmp_path / "ids.txt"), "--upsert", str(tmp_path / "up.jsonl"), "--compact"]
+    shutil.copytree(tmp_path / "original", tmp_path / "reference")
+    result = densepass("index-update", "reference", *update, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    states = {"old": index_state(tmp_path / "original"), "new": index_state(tmp_path / "reference")}
+    assert states["old"] != states["new"]
+    seen = set()
+    for seed in range(2):  # each kill and rerun starts two processes (seconds each on a busy CPU)
+        folder = tmp_path / f"killed-{seed}"
+        shutil.copytree(tmp_path / "original", folder)
+        process = start("index-update", folder.name, *update, cwd=tmp_path)
+        kill_when(process, lambda f=folder: any(p.name.startswith((".v000001", "v000001")) for p in f.iterdir()), seed)
+        state = index_state(folder)  # loadable, verified by its manifest
+        assert state in states.values(), f"seed {seed}: neither the old nor the new index"
+        seen.add(next(name for name, s in states.items() if s == state))
+        result = densepass("index-update", folder.name, "--compact", cwd=tmp_path)  # the lock and temporaries cleared
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert index_state(folder) == state
+    assert seen  # which of the two each kill left depends on the moment (both are fine)
+
+
 def test_reindexing_with_another_model_or_corpus_never_reuses_old_rows(tmp_path, tiny_model_dir, dropout_model):
     from densepass.index import load_index
 
