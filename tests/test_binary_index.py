@@ -63,6 +63,8 @@ def test_float_rescoring_of_every_passage_is_exact_search(model, kind):
     exact = q @ x.T
     np.testing.assert_array_equal(rows, np.argsort(-exact, axis=1, kind="stable")[:, :10])
     np.testing.assert_allclose(scores, np.take_along_axis(exact, rows, 1), atol=1e-5)
+    candidates = np.tile(np.arange(N), (len(q), 1))
+    np.testing.assert_array_equal(index._rescored(q, candidates, budget=100), index._rescored(q, candidates))  # blocks
 
 
 def test_int8_codes_are_sentence_transformers_with_the_corpus_ranges_and_rescore_by_them(model):

@@ -276,18 +276,24 @@ class CompactIndex(DenseIndex):
             best_scores, best_rows = scores[:, :depth], rows[:, :depth]
         return best_scores.numpy(), best_rows.numpy()
 
-    def _rescored(self, q: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    def _rescored(self, q: np.ndarray, rows: np.ndarray, budget: int = 1 << 24) -> np.ndarray:
         """Each candidate's score: the float query against its float32 embedding or dequantised int8 codes, read
-        from the memory maps in row order (each row once); -inf for the padding rows (-1)."""
-        valid = rows >= 0
-        unique, inverse = np.unique(np.where(valid, rows, 0), return_inverse=True)
+        from the memory maps in row order (each row once), a few queries at a time (at most ``budget`` gathered
+        numbers); -inf for the padding rows (-1)."""
+        out = np.empty(rows.shape, dtype=np.float32)
+        step = max(1, budget // max(1, rows.shape[1] * q.shape[1]))
         source = self.embeddings if self.rescore_with == "float" else self.codes
-        vectors = np.asarray(source[unique])
-        if self.rescore_with == "int8":
-            vectors = dequantize(vectors, self.ranges)
-        vectors = vectors.astype(np.float32)[inverse.reshape(rows.shape)]  # [queries, candidates, dim]
-        scores = np.einsum("qd,qcd->qc", q, vectors)
-        return np.where(valid, scores, -np.inf).astype(np.float32)
+        for start in range(0, len(q), step):
+            block = rows[start : start + step]
+            valid = block >= 0
+            unique, inverse = np.unique(np.where(valid, block, 0), return_inverse=True)
+            vectors = np.asarray(source[unique])
+            if self.rescore_with == "int8":
+                vectors = dequantize(vectors, self.ranges)
+            vectors = vectors.astype(np.float32)[inverse.reshape(block.shape)]  # [queries, candidates, dim]
+            scores = np.einsum("qd,qcd->qc", q[start : start + step], vectors)
+            out[start : start + step] = np.where(valid, scores, -np.inf)
+        return out
 
     # ---- persistence ----------------------------------------------------------------------------
 
