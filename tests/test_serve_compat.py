@@ -238,6 +238,18 @@ def test_tei_embed_and_rerank_give_densepass_own_vectors_and_order(server):
     assert refused.status_code == 413 and refused.json()["error_type"] == "Validation"
 
 
+def test_tei_rerank_with_colbert_orders_by_maxsim(tiny_model_dir):
+    from densepass.models.colbert import ColBERT, ColbertReranker
+
+    reranker = ColbertReranker(ColBERT.from_pretrained(str(tiny_model_dir)), device=CPU, precision="fp32")
+    query, texts = "audio and video player", TEXTS[:4] + ["a video player for audio files"]
+    expected = reranker.score_pairs([query] * len(texts), texts)
+    with TestClient(create_app(FakeSearcher(), reranker=reranker), base_url="http://127.0.0.1") as http:
+        answer = http.post("/rerank", json={"query": query, "texts": texts, "raw_scores": True}).json()
+    assert [a["index"] for a in answer] == np.argsort(-expected, kind="stable").tolist()
+    np.testing.assert_allclose([a["score"] for a in answer], np.sort(expected)[::-1], rtol=1e-5)
+
+
 def test_metrics_parse_and_the_access_log_has_one_json_line_per_request(server):
     from prometheus_client.parser import text_string_to_metric_families
 
