@@ -26,7 +26,7 @@ from densepass.data.dpr import load_dpr
 from densepass.data.msmarco import load_msmarco
 from densepass.data.squad import load_squad
 from densepass.device import resolve_device
-from densepass.errors import ConfigError, DataError, DataWarning
+from densepass.errors import ConfigError, DataError, DataWarning, DensepassError
 from densepass.evaluation.metrics import check_metrics, evaluate_run, read_trec_run
 from test_data_readers import (
     BEIR_CORPUS,
@@ -1471,6 +1471,34 @@ def test_the_cross_encoder_filter_checks_its_model_before_mining(tiny_model_dir,
     with pytest.raises(DensepassError) as caught:
         cross_encoder_scorer(str(pickled))
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"), [("auto_map", "needs code of its own"), ("hidden", "model.safetensors does not fit")]
+)
+def test_mine_checks_the_cross_encoder_of_its_filter_before_any_mining(
+    tiny_beir, tiny_model_dir, tmp_path, capsys, damage, says
+):
+    from densepass.pipelines.experiment import check
+
+    model = tmp_path / "ce"
+    shutil.copytree(tiny_model_dir, model)
+    if damage == "auto_map":
+        _with_auto_map(model)
+    else:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
+    output = tmp_path / "neg.jsonl"
+    args = ["mine", str(tiny_beir), "--output", str(output), "--filters", "cross-encoder", "--cross-encoder"]
+    assert main([*args, str(model), "--max-queries", "4", "--depth", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "mining" not in err and "bm25" not in err.lower()  # nothing mined first
+    [line] = err.strip().splitlines()
+    assert says in line, line
+    assert not output.exists()
+    sets = ["negatives.filters=[cross-encoder]", f"negatives.cross_encoder={model}", f"output_dir={tmp_path / 'r'}"]
+    with pytest.raises(DensepassError, match=says):  # a run checks it before any work too
+        check(load_config(None, sets))
 
 
 # ---------------------------------------------------------------- the fourth probe's inputs

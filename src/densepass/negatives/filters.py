@@ -108,6 +108,19 @@ class CrossEncoderFilter:
         return (scores <= self.threshold).tolist()
 
 
+def check_cross_encoder_filter(filters: Sequence[str], cross_encoder: str | None) -> None:
+    """Before any work: where ``filters`` name the cross-encoder filter, its model must be given and its files
+    pass ``check_model_files`` (no code of its own, a config that builds a model its weights fit), so that a model
+    that cannot load is one line before the dataset is read and mined, not after."""
+    if "cross-encoder" not in filters:
+        return
+    if cross_encoder is None:
+        raise ConfigError("the cross-encoder filter needs a cross-encoder (negatives.cross_encoder)")
+    from densepass.models.biencoder import resolve_model_path
+
+    resolve_model_path(cross_encoder)
+
+
 def cross_encoder_scorer(path: str, batch_size: int = 64) -> Scorer:
     """A scorer from a saved sentence-transformers ``CrossEncoder`` (raw logits)."""
     from sentence_transformers import CrossEncoder

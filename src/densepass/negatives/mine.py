@@ -204,8 +204,9 @@ def mine_negatives(
     if strategy == "none":
         raise ConfigError("negatives.source is 'none': nothing to mine")
     started = time.perf_counter()
-    raw = raw_pool(strategy, dataset, query_ids, config, ctx)
     names = ["qrels", *(f for f in config.filters if f != "qrels")]
+    # the filters first: a cross-encoder that does not load is one line before the mining, not after it
     filters = build_filters(names, dataset, ctx.split, sep_token, config.cross_encoder, config.cross_encoder_threshold)
+    raw = raw_pool(strategy, dataset, query_ids, config, ctx)
     pool, removed = apply_filters(raw, filters, show_progress=ctx.show_progress)
     return MiningResult(truncate(pool, config.pool_depth), removed, time.perf_counter() - started)

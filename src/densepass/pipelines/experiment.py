@@ -47,6 +47,7 @@ from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.freeze import freeze_bottom
 from densepass.models.interpolate import interpolate_weights, snapshot
+from densepass.negatives.filters import check_cross_encoder_filter
 from densepass.negatives.mine import MiningContext, MiningResult
 from densepass.negatives.pool import load_pool, passage_ids, save_pool
 from densepass.pipelines import retrievers
@@ -152,6 +153,8 @@ def check(config: ExperimentConfig) -> torch.device:
         name, _, arg = spec.partition(":")
         if name == "file" and (arg or neg.file):
             load_pool(arg or neg.file)  # read once before any work: not UTF-8, not JSON, no negatives: one line
+    if config.train.enabled and neg.source not in ("none", "given"):
+        check_cross_encoder_filter(neg.filters, neg.cross_encoder)  # its model's files, before any work
     if config.train.enabled:
         check_schedule(config.schedule)
         check_loss(config.loss, config.train)
