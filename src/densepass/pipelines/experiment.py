@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -181,23 +182,31 @@ def check(config: ExperimentConfig) -> torch.device:
 
 
 def check_fsdp(config: ExperimentConfig) -> None:
-    """``train.fsdp``'s one-line errors before any work (``training.sharding``; the engine checks them again): FSDP
-    shards a dense bi-encoder over torchrun's processes, and nothing may run the model on one process mid-training."""
-    t = config.train
-    if config.reranker.enabled and config.reranker.train.enabled and config.reranker.train.fsdp:
-        raise ConfigError("reranker.train.fsdp: the cross-encoder does not train with FSDP yet")
+    """``train.fsdp`` and ``reranker.train.fsdp``: their one-line errors before any work (``training.sharding``; the
+    engine checks them again). FSDP shards a dense bi-encoder or a cross-encoder over torchrun's processes, every
+    process scoring an equal share of every step, and nothing may run the model on one process mid-training."""
+    t, r = config.train, config.reranker.train
+    reranker = config.reranker.enabled and r.enabled and r.fsdp
+    for section, optim in [("train", t)] * t.fsdp + [("reranker.train", r)] * reranker:
+        if not distributed.launched_by_torchrun():
+            raise ConfigError(
+                f"{section}.fsdp shards the model over torchrun's processes: run under torchrun --nproc_per_node N"
+            )
+        if optim.lora_rank or optim.gradient_checkpointing or optim.packing:
+            raise ConfigError(f"{section}.fsdp does not combine with lora_rank, gradient_checkpointing or packing yet")
+    if reranker:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if r.batch_size % world:
+            raise ConfigError(
+                f"reranker.train.fsdp: reranker.train.batch_size {r.batch_size} must split evenly over the {world} "
+                "processes (each scores a share of every step)"
+            )
     if not t.fsdp:
         return
-    if not distributed.launched_by_torchrun():
-        raise ConfigError(
-            "train.fsdp shards the model over torchrun's processes: run under torchrun --nproc_per_node N"
-        )
     if config.model.kind != "bi-encoder":
         raise ConfigError(
             f"train.fsdp trains dense bi-encoders (model.kind=bi-encoder), not model.kind={config.model.kind}"
         )
-    if t.lora_rank or t.gradient_checkpointing:
-        raise ConfigError("train.fsdp does not combine with lora_rank or gradient_checkpointing yet")
     if config.eval.each_epoch or config.negatives.refresh_every is not None or config.validation.enabled:
         raise ConfigError(
             "train.fsdp does not combine yet with what uses the model during training (eval.each_epoch, "

@@ -72,11 +72,18 @@ class CrossEncoderTask(engine.Task):
     description = "train cross-encoder"
     prefetch = True
     distributed = True
+    shardable = True  # FSDP (training.sharding): with equal shares, so that every process runs every step's forward
 
     def __init__(self, model: CrossEncoder, data: TrainingData, config: RerankerTrainConfig) -> None:
         n = config.negatives_per_query
         if data.negatives_per_query != n:
             raise ConfigError(f"the training data draws {data.negatives_per_query} negatives per query, the config {n}")
+        world = distributed.world_size()
+        if config.fsdp and config.batch_size % world:
+            raise ConfigError(
+                f"reranker.train.fsdp: reranker.train.batch_size {config.batch_size} must split evenly over the "
+                f"{world} processes (each scores a share of every step)"
+            )
         self.model, self.data, self.config = model, data, config
         self.planner = RandomPlanner(len(data), config.batch_size, config.seed)
         self.steps_per_epoch, self.epochs = self.planner.steps_per_epoch, config.epochs

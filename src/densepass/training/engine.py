@@ -247,8 +247,8 @@ def check_sharding(task: Task, optim: OptimConfig, world: int, callbacks: Sequen
         )
     if not task.shardable:
         raise ConfigError(f"{section}: {task.description} does not train with FSDP yet")
-    if optim.lora_rank or optim.gradient_checkpointing:
-        raise ConfigError(f"{section} does not combine with lora_rank or gradient_checkpointing yet")
+    if optim.lora_rank or optim.gradient_checkpointing or getattr(optim, "packing", False):
+        raise ConfigError(f"{section} does not combine with lora_rank, gradient_checkpointing or packing yet")
     if callbacks:
         raise ConfigError(
             f"{section} does not combine yet with what uses the model during training (validation each epoch, "
