@@ -250,6 +250,7 @@ def _print_hits(query: str, hits) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from densepass.serve import run_server, settings_from_args
+    from densepass.serve.reload import check_reload_arguments
     from densepass.serve.settings import (
         check_access_log,
         check_address,
@@ -266,6 +267,7 @@ def _serve(args: argparse.Namespace) -> None:
         print(f"densepass: warning: {exposed}", file=sys.stderr)
     check_can_listen(args.host, args.port)
     key = serve_api_key(args.api_key)
+    token = check_reload_arguments(args)
     access_log = None if args.access_log == "off" else args.access_log
     if args.workers > 1:  # each worker loads the index; here only its manifest is checked
         from densepass.index.base import read_index_manifest
@@ -278,9 +280,21 @@ def _serve(args: argparse.Namespace) -> None:
             "densepass.cli:serve_worker_app", args.argv, args.workers, args.host, args.port, settings, api_key=key
         )
         return
-    pipeline = _load_pipeline(args)
+    pipeline = _serving_pipeline(args, reloads=token is not None or args.watch_index is not None)
     print(f"densepass: serving {json.dumps(pipeline.describe())} on http://{args.host}:{args.port}", file=sys.stderr)
-    run_server(pipeline, args.host, args.port, settings, api_key=key, access_log=access_log)
+    run_server(pipeline, args.host, args.port, settings, api_key=key, access_log=access_log, admin_token=token)
+
+
+def _serving_pipeline(args: argparse.Namespace, reloads: bool):
+    """The pipeline ``serve`` answers with: reloadable (``serve.reload``) with an admin token or ``--watch-index``."""
+    if not reloads:
+        return _load_pipeline(args)
+    from densepass.serve.reload import ReloadableSearcher
+
+    searcher = ReloadableSearcher(lambda: _load_pipeline(args), args.index)
+    if args.watch_index is not None:
+        searcher.watch(args.watch_index)
+    return searcher
 
 
 def serve_worker_app():
@@ -291,7 +305,8 @@ def serve_worker_app():
 
     args = build_parser().parse_args(worker_argv())
     access_log = None if args.access_log == "off" else args.access_log
-    return worker_app(_load_pipeline(args), settings_from_args(args), args.host, access_log)
+    pipeline = _serving_pipeline(args, reloads=args.watch_index is not None)
+    return worker_app(pipeline, settings_from_args(args), args.host, access_log)
 
 
 def _evaluate(args: argparse.Namespace) -> None:
@@ -558,6 +573,7 @@ def _rescore_args(p: argparse.ArgumentParser, default: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``densepass`` argument parser with every subcommand."""
+    from densepass.serve.reload import add_reload_arguments
     from densepass.serve.settings import add_operation_arguments, add_settings_arguments
 
     parser = argparse.ArgumentParser(
@@ -693,6 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
     _pipeline_args(serve)
     add_settings_arguments(serve)
     add_operation_arguments(serve)
+    add_reload_arguments(serve)
     serve.set_defaults(func=_serve)
 
     rerank = sub.add_parser(

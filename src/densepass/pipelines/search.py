@@ -241,7 +241,7 @@ class SearchPipeline:
     def describe(self) -> dict:
         """What the pipeline searches with (for ``/health`` and reports)."""
         manifest_model = getattr(self.index, "model_path", None)
-        facts = {"index": self.index.kind, "passages": len(self.index)}
+        facts = {"index": self.index.kind, "passages": len(self.index), "index_version": self.index.version}
         if manifest_model:
             facts["model"] = model_name(manifest_model)
         precision = getattr(self.index, "precision", None)  # how queries are encoded (auto: as resolved here)

@@ -36,6 +36,7 @@ from densepass.serve.backends import Embedder, PairScorer, find_embedder, find_r
 from densepass.serve.compat import ApiError, styled_error
 from densepass.serve.microbatch import MicroBatcher, Unavailable
 from densepass.serve.operations import BearerAuth, Metrics, Observe, access_log_handler
+from densepass.serve.reload import admin_reload_route
 from densepass.serve.searcher import Searcher
 from densepass.serve.settings import ServeSettings, check_address, host_name
 from densepass.serve.texts import query_problem
@@ -235,6 +236,7 @@ def create_app(
     api_key: str | None = None,
     embedder: Embedder | None = None,
     reranker: PairScorer | None = None,
+    admin_token: str | None = None,
 ) -> FastAPI:
     """The search service's FastAPI app over ``searcher`` (used read-only), with ``settings`` (default:
     :class:`ServeSettings`); ``host`` is the address it will listen on, accepted in the Host header when it is a
@@ -244,7 +246,8 @@ def create_app(
     ``embedder`` (``POST /v1/embeddings``, ``/embed``) and ``reranker`` (``POST /rerank``) default to the
     searcher's bi-encoder and second stage (``backends.find_embedder`` / ``find_reranker``); their work goes
     through the same micro-batcher, its queue and its limits. ``api_key``: every route but ``/health`` then needs
-    ``Authorization: Bearer API_KEY`` (:class:`~densepass.serve.operations.BearerAuth`)."""
+    ``Authorization: Bearer API_KEY`` (:class:`~densepass.serve.operations.BearerAuth`). ``admin_token``: ``POST
+    /admin/reload`` swaps in the index's current version (:mod:`densepass.serve.reload`); no route without it."""
     settings = settings or ServeSettings()
     embedder = embedder if embedder is not None else find_embedder(searcher)
     reranker = reranker if reranker is not None else find_reranker(searcher)
@@ -400,6 +403,9 @@ def create_app(
         ("GET", "/metrics", prometheus, {}),
         ("GET", "/", search_page, {"include_in_schema": False}),
     ]
+    if admin_token is not None:
+        reload = admin_reload_route(searcher, admin_token)
+        routes.append(("POST", "/admin/reload", reload, {"include_in_schema": False}))
     for method, path, handler, options in routes:
         app.add_api_route(path, handler, methods=[method], **options)
     return app
@@ -488,6 +494,7 @@ def run_server(
     *,
     api_key: str | None = None,
     access_log: str | None = None,
+    admin_token: str | None = None,
 ) -> None:
     """Serve ``searcher`` with uvicorn until Ctrl-C or SIGTERM; then the server takes no new connections, and the
     requests in flight, those waiting in the micro-batcher included, are finished and answered (for at most
@@ -498,7 +505,7 @@ def run_server(
     import uvicorn
 
     check_address(host, port)
-    app = create_app(searcher, settings, host=host, api_key=api_key)
+    app = create_app(searcher, settings, host=host, api_key=api_key, admin_token=admin_token)
     configure_access_log(access_log)
     config = uvicorn_config(
         app, host, port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s, access_log=False
