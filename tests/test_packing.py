@@ -255,6 +255,21 @@ def test_packing_refuses_model_kinds_it_does_not_compute_in_one_line(tmp_path):
         enable_packing(torch.nn.Linear(2, 2))
 
 
+def test_a_run_refuses_packing_a_model_it_cannot_pack_before_any_work(tmp_path, tiny_beir):
+    from conftest import small_run_overrides
+    from densepass.config import load_config
+    from densepass.pipelines.experiment import run_experiment
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    config = AutoConfig.for_model("distilbert", vocab_size=len(tokenizer), dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    AutoModel.from_config(config).save_pretrained(tmp_path / "distilbert")
+    tokenizer.save_pretrained(tmp_path / "distilbert")
+    overrides = [*small_run_overrides(tiny_beir, tmp_path / "distilbert", tmp_path, "p"), "train.packing=true"]
+    with pytest.raises(ConfigError, match="is a distilbert model"):
+        run_experiment(load_config(None, overrides))
+    assert not (tmp_path / "p" / "config.yaml").exists()  # refused before the run was recorded
+
+
 def test_a_packed_cross_encoder_run_ends_at_the_padded_runs_weights(tiny_model_dir, tiny_beir, tmp_path):
     from densepass.training.cross_encoder import train_cross_encoder
     from test_reranker_training import config, new_model

@@ -48,6 +48,7 @@ from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.freeze import freeze_bottom
 from densepass.models.interpolate import interpolate_weights, snapshot
+from densepass.models.packing import enable_packing
 from densepass.negatives.filters import check_cross_encoder_filter
 from densepass.negatives.mine import MiningContext, MiningResult
 from densepass.negatives.pool import load_pool, passage_ids, save_pool
@@ -717,6 +718,8 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
         model = model_from_config(config)
         if config.train.enabled and config.train.freeze_layers is not None:  # its error before any mining
             freeze_bottom(model, config.train.freeze_layers)
+        if config.train.enabled and config.train.packing:  # an encoder it cannot pack: one line before any mining
+            enable_packing(model)
         run_dir = claim()  # the checks above passed: only now is the directory marked and --restart's removal done
         pool = mine_training_pool(exp, model)
         pairs = distillation_inputs(exp, pool)  # an existing teacher-scores file is checked before any write
