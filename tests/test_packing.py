@@ -228,13 +228,23 @@ def test_packed_cross_encoder_logits_are_the_padded_logits_with_the_same_gradien
     _assert_same_grads(_grads(model), padded_grads, atol=1e-5, rtol=1e-4)
 
 
-def test_a_packed_run_ends_at_the_padded_runs_weights(tiny_model_dir, tiny_beir, tmp_path):
-    """Three float32 steps of InfoNCE with a hard negative each: the same weights within float32 tolerance."""
+def test_a_packed_decoder_embedder_gives_the_padded_embeddings_and_gradients(tmp_path):
+    """A Qwen2 embedder (causal attention, rotary positions, grouped keys and values) with last-token pooling."""
+    from test_decoder_embedders import CONFIG, save_tiny_decoder
+
+    model = BiEncoder.from_pretrained(str(save_tiny_decoder(tmp_path / "qwen2")), config=CONFIG)
+    _same_forward_and_grads(model, lambda: _encoded(model, TEXTS, "passage"))
+
+
+@pytest.mark.parametrize("options", [{}, {"lora_rank": 4, "learning_rate": 1e-2}])
+def test_a_packed_run_ends_at_the_padded_runs_weights(tiny_model_dir, tiny_beir, tmp_path, options):
+    """Three float32 steps of InfoNCE with a hard negative each (full fine-tuning, and LoRA): the same weights
+    within float32 tolerance."""
     data = make_data(tiny_beir)
     padded = BiEncoder.from_pretrained(str(tiny_model_dir))
-    train(padded, data, _fp32_config(max_steps=3), tmp_path / "padded", CPU)
+    train(padded, data, _fp32_config(max_steps=3, **options), tmp_path / "padded", CPU)
     packed = BiEncoder.from_pretrained(str(tiny_model_dir))
-    train(packed, data, _fp32_config(max_steps=3, packing=True), tmp_path / "packed", CPU)
+    train(packed, data, _fp32_config(max_steps=3, packing=True, **options), tmp_path / "packed", CPU)
     assert packed.packing and not padded.packing
     start = BiEncoder.from_pretrained(str(tiny_model_dir)).state_dict()
     ours, theirs = packed.state_dict(), padded.state_dict()
