@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import run_densepass, small_run_overrides
 from densepass.config import RerankerTrainConfig, TrainConfig
 from densepass.data import load_dataset
 from densepass.errors import ConfigError
@@ -228,3 +229,34 @@ def test_a_run_with_fsdp_it_cannot_do_is_refused_before_any_work(tmp_path, monke
     with pytest.raises(ConfigError) as error:
         check(load_config(None, [*settings, *overrides], ExperimentConfig))
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_densepass_run_under_torchrun_trains_both_models_with_fsdp(tiny_model_dir, tiny_beir, tmp_path):
+    """``torchrun -m densepass run`` with ``train.fsdp`` and ``reranker.train.fsdp``: every process trains the
+    cross-encoder (rank 0 saves it) and then the bi-encoder, each sharded; the checkpoints hold both processes' shards
+    and the saved models are whole, loadable ones."""
+    settings = [
+        *small_run_overrides(tiny_beir, tiny_model_dir, tmp_path / "out", "f"),
+        "train.batch_size=8",
+        "train.max_steps=2",
+        "train.fsdp=true",
+        "negatives.per_query=1",
+        "reranker.enabled=true",
+        f"reranker.name_or_path={tiny_model_dir}",
+        "reranker.max_length=48",
+        "reranker.depth=10",
+        "reranker.first_stages=[fine-tuned]",
+        "reranker.train.batch_size=4",
+        "reranker.train.negatives_per_query=3",
+        "reranker.train.fsdp=true",
+    ]
+    done = run_densepass("run", *(a for s in settings for a in ("--set", s)), cwd=tmp_path, processes=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "out" / "f"
+    for checkpoints in (run / "checkpoints", run / "reranker" / "checkpoints"):
+        newest = sorted(checkpoints.glob("step-*"), key=lambda p: int(p.name[5:]))[-1]
+        assert len(list((newest / "sharded").glob("*.safetensors"))) == 2
+    assert BiEncoder.from_pretrained(str(run / "model")).config.shared
+    CrossEncoder.from_pretrained(str(run / "reranker" / "model"))
+    assert "fine-tuned → cross-encoder@10" in json.loads((run / "metrics.json").read_text())["results"]
+    assert not list(run.rglob("*.tmp"))  # no partial file of a second writer
