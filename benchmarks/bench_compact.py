@@ -9,17 +9,24 @@ The corpus and the queries are encoded once per model at its full dimension (fp3
 (``models.matryoshka.truncate``) as ``densepass index --dim`` does. Everything else runs on those embeddings.
 
     # a smoke run: 200 dev queries over their gold passages + 2,000 others
-    python benchmarks/bench_compact.py --model zero-shot=all-MiniLM-L6-v2 --max-queries 200 --max-passages 2000 \
+    python3 benchmarks/bench_compact.py --model zero-shot=all-MiniLM-L6-v2 --max-queries 200 --max-passages 2000 \
         --out outputs/compact/smoke.json
     # the issue's measurement: MiniLM fine-tuned with and without Matryoshka (configs/matryoshka.yaml), every dev
     # query over the full corpus (60,240 passages)
-    python benchmarks/bench_compact.py --model mrl=outputs/matryoshka/model --model base=outputs/matryoshka-base/model \
-        --out outputs/compact/full.json
+    python3 benchmarks/bench_compact.py --model mrl=outputs/matryoshka/model \
+        --model base=outputs/matryoshka-base/model --out outputs/compact/full.json
+
+``--synthetic N`` measures size instead of quality: N random unit vectors of the first model's dimension, indexed as
+float32 FAISS HNSW and as binary HNSW re-scored with float32 embeddings memory-mapped from the saved index; bytes
+per passage in RAM, one-query latency and recall@10 against exact search of 1,000 random queries.
+
+    python3 benchmarks/bench_compact.py --synthetic 1000000 --out outputs/compact/synthetic-1m.json
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import time
 import warnings
 
@@ -111,6 +118,51 @@ def sentence_transformers_recipe(precision: str, passages: np.ndarray, queries: 
     return (scores, rows), lambda q: search(q, index), corpus.nbytes / len(passages)
 
 
+def synthetic(model: BiEncoder, args: argparse.Namespace) -> None:
+    """Float32 HNSW against binary HNSW + float re-scoring from disk on ``args.synthetic`` random unit vectors."""
+    import tempfile
+
+    import faiss
+
+    from densepass.index import load_index
+    from densepass.index.dense import DenseIndex
+
+    rng = np.random.default_rng(args.seed)
+    n, dim = args.synthetic, model.dim
+    passages = rng.standard_normal((n, dim), dtype=np.float32)
+    passages /= np.linalg.norm(passages, axis=1, keepdims=True)
+    queries = rng.standard_normal((1000, dim), dtype=np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    truth = exact_search(queries, passages, DEPTH)[1]
+    texts = [str(i) for i in range(n)]
+    rows = []
+    with tempfile.TemporaryDirectory(dir=".") as work:
+        for name, index in [
+            ("float32 HNSW", DenseIndex(model, "faiss-hnsw", show_progress=False)),
+            ("binary HNSW + float re-scoring", CompactIndex(model, "binary-hnsw", show_progress=False)),
+        ]:
+            started = time.perf_counter()
+            index.add_embeddings(texts, passages)
+            built = time.perf_counter() - started
+            index.save(f"{work}/index")
+            loaded = load_index(f"{work}/index", model=model)  # the re-scoring embeddings memory-mapped
+            compact = isinstance(loaded, CompactIndex)
+            in_ram = loaded.memory_bytes() if compact else int(faiss.serialize_index(loaded.faiss).nbytes)
+            found = loaded.search_rows(queries, DEPTH)[1]
+            recall = float(np.mean([len(set(a) & set(b)) / DEPTH for a, b in zip(found, truth)]))
+            median, p99 = latency_ms(lambda x, i=loaded: i.search_rows(x, DEPTH), queries, args.latency_queries)
+            rows.append({"index": name, "bytes_per_passage": in_ram / n, "recall@10": recall, "build_s": built,
+                         "latency_ms_median": median, "latency_ms_p99": p99})  # fmt: skip
+            shutil.rmtree(f"{work}/index")
+    table = markdown_table(
+        ["index", "bytes / passage (RAM)", "recall@10 vs exact", "build s", "latency ms (median)", "p99"],
+        [[r["index"], f"{r['bytes_per_passage']:.1f}", f"{r['recall@10']:.4f}", f"{r['build_s']:.0f}",
+          f"{r['latency_ms_median']:.2f}", f"{r['latency_ms_p99']:.2f}"] for r in rows],
+    )  # fmt: skip
+    print(f"{n:,} random unit vectors of {dim} dimensions\n{table}")
+    write_json(args.out, {"environment": environment(torch.device("cpu")), "passages": n, "dim": dim, "rows": rows})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -128,9 +180,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default=None, help="JSON results (the markdown table goes beside it, .md)")
+    parser.add_argument("--synthetic", type=int, default=None, help="N random vectors: memory and latency only")
     args = parser.parse_args()
     models = [m.split("=", 1) if "=" in m else (m, m) for m in (args.model or ["zero-shot=all-MiniLM-L6-v2"])]
     device = pick_device(args.device)
+    if args.synthetic:
+        synthetic(BiEncoder.from_pretrained(models[0][1]), args)
+        return
 
     dataset = load_dataset(args.dataset, args.data_dir)
     data = DataConfig(eval_split=args.split, max_eval_queries=args.max_queries, seed=args.seed)
