@@ -34,6 +34,7 @@ _WHERE = {
     "Index": "densepass.index.base",
     "SearchResults": "densepass.index.base",
     "DenseIndex": "densepass.index.dense",
+    "CompactIndex": "densepass.index.binary",
     "BM25Index": "densepass.index.bm25",
     "HybridIndex": "densepass.index.hybrid",
     "SpladeIndex": "densepass.index.splade",
