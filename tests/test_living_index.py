@@ -380,3 +380,45 @@ def test_the_cli_updates_an_index_and_refuses_bad_input_in_one_line(tmp_path):
     assert main(["index-update", str(folder), "--delete", str(tmp_path / "unknown.txt")]) == 2
     assert main(["index-update", str(folder), "--compact"]) == 0
     assert len(load_index(folder).passages) == 2
+
+
+def test_an_ondisk_ivfpq_index_takes_deletes_upserts_and_compaction_like_a_fresh_fill(biencoder, tmp_path):
+    from densepass.index.base import as_corpus, records_corpus
+    from densepass.index.faiss_index import load_faiss_index
+    from densepass.index.ondisk import TRAINED_FILE, IVFPQOptions, build_ondisk_ivfpq
+    from densepass.index.sharded import ShardedEmbeddings
+
+    rng = np.random.default_rng(0)
+
+    def unit(n: int) -> np.ndarray:
+        x = rng.standard_normal((n, biencoder.dim)).astype(np.float32)
+        return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+    vectors = unit(600)
+    options = IVFPQOptions(lists=8, pq_m=8, train_size=600, nprobe=8)
+    corpus = as_corpus([{"id": f"p{i}", "text": f"passage {i}"} for i in range(600)])
+    shards = ShardedEmbeddings.whole(vectors, block=200)
+    build_ondisk_ivfpq(biencoder, shards, corpus, tmp_path / "work", options, device=CPU).save(tmp_path / "index")
+    index = load_index(tmp_path / "index", model=biencoder)
+    gone = [f"p{i}" for i in range(0, 600, 5)]
+    index.delete(gone)
+    replaced = [f"p{i}" for i in range(1, 100, 10)]
+    new = unit(len(replaced) + 5)
+    index.upsert_encoded(records_corpus([{"id": p, "text": "new"} for p in [*replaced, *"abcde"]]), new)
+    queries = np.concatenate([new[:3], unit(5)])
+    for ids in (index.search(queries, k=10).ids(i) for i in range(len(queries))):
+        assert len(ids) == 10 and not set(ids) & set(gone)
+    assert [index.search(new[:3], k=1).ids(i)[0] for i in range(3)] == replaced[:3]
+    index.compact()
+    save_version(index, tmp_path / "index")
+    loaded = load_index(tmp_path / "index", model=biencoder)
+    live = [i for i in range(600) if f"p{i}" not in gone and f"p{i}" not in replaced]
+    assert loaded.version == 1 and loaded.passages.ids == [f"p{i}" for i in live] + [*replaced, *"abcde"]
+    reference = load_faiss_index(tmp_path / "work" / TRAINED_FILE)  # the same quantisers, filled in one go
+    reference.add(np.concatenate([vectors[live], new]))
+    reference.nprobe = 8
+    ref_scores, ref_rows = reference.search(queries, 10)
+    for searched in (loaded, index):  # the saved version, and the index that wrote it (now reading it)
+        results = searched.search(queries, k=10)
+        np.testing.assert_array_equal(results.rows, ref_rows)
+        np.testing.assert_allclose(results.scores, ref_scores, rtol=0, atol=1e-6)

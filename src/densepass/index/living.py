@@ -159,6 +159,9 @@ def save_version(index: Index, directory: str | Path) -> int:
     )
     atomic_write_text(directory / MANIFEST, json.dumps(pointer, indent=1))  # the swap
     index.version = version
+    reopen = getattr(index, "reopen", None)  # a kind that searches files of its directory reads the new version's
+    if reopen is not None:
+        reopen(directory / name)
     _remove_old_versions(directory, keep={name, previous})
     return version
 

@@ -42,7 +42,7 @@ from densepass.data.dataset import Corpus
 from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_corpus, fingerprint_weights
-from densepass.index.base import Index, Passages, register
+from densepass.index.base import Index, Passages, concat_corpora, register
 from densepass.index.checks import model_for_index
 from densepass.index.dense import query_embeddings, require_model_path
 from densepass.index.faiss_index import default_pq_m, faiss_search, load_faiss_index, new_ivfpq, save_faiss_index
@@ -223,6 +223,9 @@ class OnDiskIVFPQIndex(Index):
         self.pending: tuple[Path, list[Path]] | None = None  # before the first save: trained index, filled parts
         self.model_fingerprint: str | None = None  # weights of the model that encoded the passages
         self.encoder_fingerprint: str | None = None  # and its architecture and precision (index.sharded)
+        self.delta = None  # upserted passages since the last save: an in-memory IVF-PQ with the same quantisers
+        self._compact_pending = False  # compact(): the lists are written without the deleted rows at the next save
+        self._lists_written = False
 
     @property
     def dim(self) -> int:
@@ -239,20 +242,124 @@ class OnDiskIVFPQIndex(Index):
         self.options = dataclasses.replace(self.options, nprobe=value)
 
     def add(self, passages: Passages) -> None:
-        """Not supported: the index is built from a whole corpus's shards."""
+        """Not supported: the index is built from a whole corpus's shards (``upsert`` adds to a saved one)."""
         raise ConfigError(
-            f"a {self.kind} index takes no more passages: build it again over the whole corpus "
-            f"(densepass index --kind {self.kind})"
+            f"a {self.kind} index takes no more passages through add: upsert them into the saved index "
+            f"(densepass index-update) or build it again over the whole corpus (densepass index --kind {self.kind})"
         )
+
+    # ---- a living index (index.base, index.living) ------------------------------------------------------------
+
+    def encode_new(self, corpus: Corpus) -> np.ndarray:
+        """The passage embeddings of ``corpus`` (for ``upsert``), by the index's model."""
+        return self.model.encode_passages(
+            corpus, batch_size=self.batch_size, show_progress=False, device=self.device, precision=self.precision
+        )
+
+    def append_encoded(self, corpus: Corpus, prepared: np.ndarray) -> None:
+        """Add ``corpus`` with its embeddings to an in-memory IVF-PQ with the saved index's trained quantisers (ids:
+        their rows), searched beside the lists on disk; the next save writes both into one lists file."""
+        import faiss
+
+        if self.faiss is None:
+            raise ConfigError("save the index first: passages are upserted into a saved index")
+        embeddings = np.ascontiguousarray(prepared, dtype=np.float32)
+        if embeddings.shape != (len(corpus), self.dim):
+            raise ConfigError(f"embeddings of shape {embeddings.shape} for {len(corpus)} passages of dim {self.dim}")
+        bad = nonfinite_row(embeddings)
+        if bad is not None:
+            raise DataError(f"the embedding of passage {corpus.ids[bad]!r} holds NaN or infinity: encode again")
+        if self.delta is None:
+            self.delta = faiss.read_index(str(self.directory / INDEX_FILE), faiss.IO_FLAG_SKIP_IVF_DATA)
+            ivf = faiss.extract_index_ivf(self.delta)
+            lists = faiss.ArrayInvertedLists(ivf.nlist, ivf.code_size)
+            lists.this.disown()  # the index owns and frees it (else Python would free it under the index)
+            ivf.replace_invlists(lists, True)
+            self.delta.ntotal = 0
+        rows = np.arange(len(self.passages), len(self.passages) + len(corpus), dtype=np.int64)
+        self.delta.add_with_ids(embeddings, rows)
+        self.passages = concat_corpora(self.passages, corpus)
+
+    def compact(self) -> None:
+        """Remove the deleted rows when the index is next saved (its lists are rewritten on disk then, without
+        them; until then the tombstones keep them out of searches)."""
+        if self._deleted is not None and self._deleted.any():
+            if self._deleted.all():
+                raise ConfigError("every passage of the index is deleted: compacting would leave an empty index")
+            self._compact_pending = True
+
+    def write_into(self, directory: Path) -> None:
+        """``Index.write_into``, the lists file written anew where passages were upserted or compaction is due:
+        the saved lists then the upserted ones, list by list, rows renumbered without the deleted ones."""
+        if self.faiss is not None and (self.delta is not None or self._compact_pending):
+            keep = ~self.deleted if self._compact_pending else np.ones(len(self.passages), dtype=bool)
+            remap = np.where(keep, np.cumsum(keep) - 1, -1)
+            self._write_lists(directory, remap)
+            if self._compact_pending:
+                self.passages = self.passages.subset(np.flatnonzero(keep).tolist())
+                self._deleted = None
+            self._lists_written = True
+        try:
+            super().write_into(directory)
+        finally:
+            self._lists_written = False
+
+    def _write_lists(self, directory: Path, remap: np.ndarray) -> None:
+        """Write ``directory``'s lists file and index file: every list's entries of the saved lists and of the
+        upserted passages, ids mapped through ``remap`` (old row -> new row, -1: left out)."""
+        import faiss
+
+        index = faiss.read_index(str(self.directory / INDEX_FILE), faiss.IO_FLAG_SKIP_IVF_DATA)
+        ivf = faiss.extract_index_ivf(index)
+        lists = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(directory / LISTS_FILE))
+        sources = [faiss.extract_index_ivf(self.faiss).invlists]
+        if self.delta is not None:
+            sources.append(faiss.extract_index_ivf(self.delta).invlists)
+        total = 0
+        for number in range(ivf.nlist):
+            for source in sources:
+                size = source.list_size(number)
+                if not size:
+                    continue
+                ids = faiss.rev_swig_ptr(source.get_ids(number), size).copy()
+                codes = faiss.rev_swig_ptr(source.get_codes(number), size * ivf.code_size).copy()
+                new = remap[ids]
+                kept = new >= 0
+                if kept.any():
+                    new_ids = np.ascontiguousarray(new[kept], dtype=np.int64)
+                    new_codes = np.ascontiguousarray(codes.reshape(size, ivf.code_size)[kept])
+                    lists.add_entries(number, len(new_ids), faiss.swig_ptr(new_ids), faiss.swig_ptr(new_codes))
+                    total += len(new_ids)
+        lists.this.disown()  # the index owns and frees it
+        ivf.replace_invlists(lists, True)
+        index.ntotal = total
+        save_faiss_index(index, directory / INDEX_FILE)
+
+    def reopen(self, directory: Path) -> None:
+        """Search from ``directory`` (where the index was just saved, e.g. a new version): its lists hold the upserted
+        passages, and compaction is done."""
+        self._open(directory)
+        self.delta, self._compact_pending = None, False
 
     def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` (scores, rows) of each query (texts, or query embeddings) among the passages of its
         ``nprobe`` closest lists (rows -1 where those hold fewer than ``k``)."""
         if self.faiss is None:
             raise ConfigError("save the index first: its shards' inverted lists are merged on disk when it is saved")
-        query_emb = query_embeddings(self.model, queries, self.batch_size, self.device, self.precision)
+        query_emb = self.encode_queries(queries)
         self.faiss.nprobe = min(self.nprobe, self.options.lists)
-        return faiss_search(self.faiss, query_emb, k)
+        scores, rows = faiss_search(self.faiss, query_emb, k)
+        if self.delta is None or self.delta.ntotal == 0:
+            return scores, rows
+        self.delta.nprobe = self.faiss.nprobe  # the upserted passages: merged by score (ties: the saved ones first)
+        more_scores, more_rows = faiss_search(self.delta, query_emb, k)
+        scores, rows = np.concatenate([scores, more_scores], 1), np.concatenate([rows, more_rows], 1)
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        return np.take_along_axis(scores, order, 1), np.take_along_axis(rows, order, 1)
+
+    def encode_queries(self, queries: Any) -> np.ndarray:
+        """Query embeddings: texts are encoded by the model, an array of embeddings is used as it is."""
+        return query_embeddings(self.model, queries, self.batch_size, self.device, self.precision)
 
     # ---- persistence ----------------------------------------------------------------------------
 
@@ -268,6 +375,8 @@ class OnDiskIVFPQIndex(Index):
         }
 
     def _write(self, directory: Path) -> None:
+        if self._lists_written:  # write_into wrote them (upserts, compaction)
+            return
         if self.pending is not None:
             merge_parts(*self.pending, directory)
         elif self.directory is not None:
@@ -280,7 +389,7 @@ class OnDiskIVFPQIndex(Index):
         """Write the index atomically (merging the shards' lists on the first save), then search from there."""
         require_model_path(self.model_path)
         directory = super().save(directory)
-        self._open(directory)
+        self.reopen(directory)
         self.pending = None
         return directory
 
