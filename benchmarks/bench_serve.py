@@ -9,6 +9,14 @@ per request, for one or more services side by side (e.g. micro-batched against b
         --start "batched=densepass serve IDX --port {port}" \
         --start "unbatched=densepass serve IDX --port {port} --max-batch-size 1"
 
+Under change: ``--during COMMAND`` runs a shell command while each level is measured (``{url}`` becomes the
+service's URL), e.g. index updates swapped in by a reload, so that the errors and p99 of a level say what a reload
+costs (docs/guide/living-index.md):
+
+    python benchmarks/bench_serve.py --queries queries.jsonl.gz --concurrency 8 --seconds 60 \
+        --start "live=densepass serve IDX --port {port} --watch-index 1" \
+        --during "for i in 1 2 3; do densepass index-update IDX --upsert new.jsonl; sleep 10; done"
+
 The OpenAI or TEI embedding route instead of /search: ``--route v1/embeddings`` (``{"input": [...], "model": M}``)
 or ``--route embed`` (``{"inputs": [...]}``), ``--texts-per-request N`` texts each (embeddings per second are
 then ``texts_per_s``), ``--api-key`` (or $DENSEPASS_API_KEY) sent as a bearer token. A peer service that speaks
@@ -231,7 +239,11 @@ def measure(
         )
         for p in range(shares)
     ]
-    parts = list(pool.map(run_load, *zip(*jobs))) if pool else [run_load(*jobs[0])]
+    during = subprocess.Popen(args.during.replace("{url}", service.url), shell=True) if args.during else None
+    try:
+        parts = list(pool.map(run_load, *zip(*jobs))) if pool else [run_load(*jobs[0])]
+    finally:
+        during_rc = during.wait() if during is not None else None  # the level's numbers cover the whole command
     wall = max(part["seconds"] for part in parts)
     after = get_health(client, service.url).get("served", {})
     latencies = np.array([x for part in parts for x in part["latencies"]]) * 1000
@@ -252,6 +264,7 @@ def measure(
         "p99_ms": p99,
         "mean_batch": (after["queries"] - before["queries"]) / batches if batches else None,
         "client_cpu": sum(part["cpu_s"] / part["seconds"] for part in parts) / shares,
+        "during": None if during is None else {"command": args.during, "returncode": during_rc},
     }
 
 
@@ -416,6 +429,13 @@ def main() -> None:
         type=int,
         default=1,
         help="client processes the concurrent workers are spread over (when one is not enough)",
+    )
+    parser.add_argument(
+        "--during",
+        default=None,
+        metavar="COMMAND",
+        help="a shell command run while each level is measured ({url}: the service's), e.g. index updates and "
+        "reloads; the level waits for it to end and records its exit status",
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take")
     parser.add_argument("--startup-seconds", type=float, default=300.0, help="how long a started service may load")
