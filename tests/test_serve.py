@@ -50,10 +50,10 @@ def reference(searcher: FakeSearcher, query: str, k: int) -> list[dict]:
 
 
 @contextlib.contextmanager
-def serving(searcher: FakeSearcher, settings: ServeSettings | None = None):
-    """Serve ``create_app(searcher, settings)`` with uvicorn in a thread on a free 127.0.0.1 port; yields
-    ``(base_url, server, app)`` and stops the server (graceful shutdown) at the end."""
-    app = create_app(searcher, settings)
+def serving(searcher: FakeSearcher, settings: ServeSettings | None = None, **app_options):
+    """Serve ``create_app(searcher, settings, **app_options)`` with uvicorn in a thread on a free 127.0.0.1 port;
+    yields ``(base_url, server, app)`` and stops the server (graceful shutdown) at the end."""
+    app = create_app(searcher, settings, **app_options)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn_config(app, log_config=None, log_level="warning", access_log=False))

@@ -319,6 +319,30 @@ def test_shorter_embeddings_only_from_a_model_trained_for_them(tiny_model_dir):
     assert whole.status_code == 200 and len(whole.json()["data"][0]["embedding"]) == 32
 
 
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="no Chromium (scripts/setup.sh installs it)")
+def test_with_a_key_the_search_page_loads_asks_for_the_key_and_searches_with_it():
+    from playwright.sync_api import expect, sync_playwright
+
+    from test_serve import CHROMIUM, CHROMIUM_ARGS, serving
+
+    with serving(FakeSearcher(), api_key=KEY) as (url, _, _), sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            assert page.goto(url + "/").status == 401  # the page itself, which holds no data
+            expect(page.locator("#about")).to_contain_text("word overlap")
+            expect(page.locator("#key")).to_be_visible()
+            page.fill("#query", "video player")
+            page.click("#submit")
+            expect(page.locator("#error")).to_contain_text("API key")
+            page.fill("#key", KEY)
+            page.click("#submit")
+            expect(page.locator("#results li .title")).to_have_text(["vlc", "mpv"])
+            expect(page.locator("#error")).to_be_hidden()
+        finally:
+            browser.close()
+
+
 def test_without_an_embedding_model_or_a_reranker_the_routes_say_so():
     app = create_app(FakeSearcher(), ServeSettings())
     with TestClient(app, base_url="http://127.0.0.1") as http:
