@@ -236,7 +236,7 @@ def test_a_packed_decoder_embedder_gives_the_padded_embeddings_and_gradients(tmp
     _same_forward_and_grads(model, lambda: _encoded(model, TEXTS, "passage"))
 
 
-@pytest.mark.parametrize("options", [{}, {"lora_rank": 4, "learning_rate": 1e-2}])
+@pytest.mark.parametrize("options", [{}, {"lora_rank": 4, "learning_rate": 1e-2}, {"gradient_checkpointing": True}])
 def test_a_packed_run_ends_at_the_padded_runs_weights(tiny_model_dir, tiny_beir, tmp_path, options):
     """Three float32 steps of InfoNCE with a hard negative each (full fine-tuning, and LoRA): the same weights
     within float32 tolerance."""
@@ -251,6 +251,15 @@ def test_a_packed_run_ends_at_the_padded_runs_weights(tiny_model_dir, tiny_beir,
     assert any(not torch.equal(theirs[k], start[k]) for k in theirs)  # training moved the weights
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_model_switched_to_packed_attention_encodes_padded_batches_as_before(tiny_model_dir):
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    before = model.encode_passages(TEXTS, show_progress=False, precision="fp32")
+    enable_packing(model)
+    assert model.passage_encoder.config._attn_implementation == "densepass_packed"
+    after = model.encode_passages(TEXTS, show_progress=False, precision="fp32")
+    assert (before == after).all()
 
 
 def test_packing_refuses_model_kinds_it_does_not_compute_in_one_line(tmp_path):

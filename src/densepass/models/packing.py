@@ -12,9 +12,11 @@ real tokens [1, tokens], each sequence's positions numbered from its own start (
 The model is the ``transformers`` model as it is, with its own modules and weights: ``transformers`` 5 lets a model
 that dispatches attention through its ``AttentionInterface`` (``_supports_attention_backend``: BERT, RoBERTa, XLM-R,
 Qwen2 ...) run any registered attention function, with keyword arguments passed from the model's call down to it.
-densepass registers ``packed_attention`` under ``ATTENTION`` (with a mask function that builds no mask), and
-``packed_forward`` switches the model's ``config._attn_implementation`` to it for one call. Autograd gives the
-backward pass: every operation is torch's.
+densepass registers ``packed_attention`` under ``ATTENTION``, and ``packed_forward`` passes the packing down to it
+(the model's ``config._attn_implementation`` switched to it: for good by ``use_packed_attention`` when training
+packed, so that gradient checkpointing's second forward attends the same way; on padded batches it attends as before).
+Autograd gives the backward pass: every operation is torch's. On the CPU attention dropout draws its masks as
+``models.dropout`` does.
 
 Attention over packed sequences on the CPU: of the four ways ``benchmarks/bench_train.py --attention-variants``
 times (forward and backward; docs/benchmarks.md, "Padding-free training"), SDPA over the sequences scattered into a
@@ -184,34 +186,29 @@ def packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """``transformers``' attention-function interface over packed sequences: ``query``, ``key``, ``value`` [1,
     heads, tokens, size], each token attending to its own sequence's (``densepass_packing``; causally where the
-    module is causal) -> [1, tokens, heads, size]. Without a packing (a call not from ``packed_forward``), SDPA as
-    ``transformers`` runs it."""
+    module is causal) -> [1, tokens, heads, size]. Without a packing (a padded forward: evaluation, encoding), the
+    attention the model ran before (SDPA; on the CPU, with ``models.dropout``'s masks while training)."""
+    from densepass.models.dropout import _attention
+
     if densepass_packing is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    causal = bool(getattr(module, "is_causal", False))
+        return _attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     packing = densepass_packing
+    causal = bool(getattr(module, "is_causal", False))
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [tokens, heads, size]
     varlen = _varlen_attention()
     if varlen is not None and q.is_cuda and dropout == 0.0 and q.dtype in (torch.float16, torch.bfloat16):
         offsets, window = packing.offsets.to(torch.int32), (-1, 0) if causal else (-1, -1)
         out = varlen(
             q, k, v, offsets, offsets, packing.longest, packing.longest, scale=scaling, window_size=window,
-            enable_gqa=groups > 1,
+            enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
         )  # fmt: skip
         return out[None], None
-    qg, kg, vg = (packing.to_grid(x).transpose(1, 2) for x in (q, k, v))  # [batch, heads, longest, size]
-    if groups > 1:
-        kg, vg = repeat_kv(kg, groups), repeat_kv(vg, groups)
+    grid = (packing.to_grid(x).transpose(1, 2) for x in (q, k, v))  # [batch, heads, longest, size]
     mask = packing.keep
     if causal:
         mask = mask & torch.ones(packing.longest, packing.longest, dtype=torch.bool, device=mask.device).tril()
-    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    return out.transpose(1, 2).flatten(0, 1)[packing.grid][None], None
+    out, _ = _attention(module, *grid, mask, dropout, scaling)  # [batch, longest, heads, size]
+    return out.flatten(0, 1)[packing.grid][None], None
 
 
 def _varlen_attention():
@@ -223,23 +220,32 @@ def _varlen_attention():
     return varlen_attn
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """The mask function of ``ATTENTION``: no mask (``packed_attention`` keeps each sequence to itself)."""
-    return None
-
-
 def register() -> None:
-    """Register ``packed_attention`` (and its mask function) with ``transformers`` under ``ATTENTION``."""
+    """Register ``packed_attention`` with ``transformers`` under ``ATTENTION``, with SDPA's masks (a packed forward
+    passes no attention mask, so it gets none)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTENTION, packed_attention)
-    AttentionMaskInterface.register(ATTENTION, _no_mask)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def use_packed_attention(model: nn.Module) -> None:
+    """Make ``model``'s ``transformers`` models attend through ``ATTENTION`` from now on: SDPA as before on padded
+    batches, per sequence on packed ones. For good, not for one call: gradient checkpointing runs a layer's
+    forward again in the backward pass, where a switch for one call would be over. Not saved (``transformers``
+    does not write the attention implementation into a model's config)."""
+    register()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if hasattr(config, "_attn_implementation") and config._attn_implementation != ATTENTION:
+            config._attn_implementation = ATTENTION
 
 
 @contextlib.contextmanager
 def _attention_of(model: nn.Module) -> Iterator[None]:
-    """``model`` (and its sub-models' configs) dispatching attention to ``ATTENTION`` inside the block."""
+    """``model`` (and its sub-models' configs) dispatching attention to ``ATTENTION`` inside the block (for good
+    where ``use_packed_attention`` switched it)."""
     register()
     configs = {
         id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")
@@ -285,4 +291,6 @@ def enable_packing(model: nn.Module) -> None:
         raise ConfigError(f"train.packing: a {type(model).__name__} does not train packed (set train.packing: false)")
     for what, encoder in encoders().items():
         check_packable(encoder, what)
+    for encoder in encoders().values():
+        use_packed_attention(encoder)
     model.packing = True

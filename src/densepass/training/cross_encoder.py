@@ -36,6 +36,7 @@ from densepass.losses.localized_contrastive import localized_contrastive_loss, p
 from densepass.models.cross_encoder import CrossEncoder, packed_logits, packing_refusal
 from densepass.models.dropout import use_cpu_dropout
 from densepass.models.inputs import forward_in_pieces, piece_tokens
+from densepass.models.packing import use_packed_attention
 from densepass.training import engine
 from densepass.training.batches import TrainingBatch, TrainingData
 from densepass.training.distributed import gather_rows, shares
@@ -91,6 +92,8 @@ class CrossEncoderTask(engine.Task):
         refusal = packing_refusal(model.model) if config.packing else None
         if refusal:
             raise ConfigError(refusal)
+        if config.packing:
+            use_packed_attention(model.model)
 
     @override
     def setup(self, device: torch.device) -> None:
