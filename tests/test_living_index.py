@@ -24,6 +24,7 @@ from hypothesis.stateful import (
 from densepass.errors import DensepassError
 from densepass.index import BM25Index, ColbertIndex, DenseIndex, HybridIndex, SpladeIndex, load_index
 from densepass.index.base import DELETED_ID
+from densepass.index.binary import COMPACT_KINDS, CompactIndex
 from densepass.index.living import index_version, save_version, update_index
 
 CPU = torch.device("cpu")
@@ -95,7 +96,10 @@ class VectorIndexMachine(RuleBasedStateMachine):
         n = 300 if self.kind == "faiss-ivfpq" else n  # its product quantiser trains 256 codes
         ids, x = self.new_ids(n), self.vectors(n)
         options = {"pq_m": 8, "ivf_lists": 1} if self.kind == "faiss-ivfpq" else {}
-        self.index = DenseIndex(self.model, self.kind, show_progress=False, device=CPU, **options)
+        if self.kind in COMPACT_KINDS:  # every passage's code a candidate, re-scored in float: exact
+            self.index = CompactIndex(self.model, self.kind, "float", 1000, show_progress=False, device=CPU)
+        else:
+            self.index = DenseIndex(self.model, self.kind, show_progress=False, device=CPU, **options)
         self.index.add_embeddings([{"id": i, "text": i} for i in ids], x)
         self.live.update(zip(ids, x))
         self.order += ids
@@ -157,7 +161,7 @@ class VectorIndexMachine(RuleBasedStateMachine):
         for ids in found:
             assert not set(ids) & self.deleted and set(ids) <= set(self.live)
         expected = brute_force(self.live, self.order, queries, k)
-        if self.kind in ("exact", "faiss-flat"):
+        if self.kind in ("exact", "faiss-flat", "binary-flat", "int8-flat"):
             assert found == expected
         else:  # approximate: the full count, and each of the last upserted passages finds itself
             assert [len(ids) for ids in found] == [min(k, len(self.live))] * len(queries)
@@ -165,7 +169,9 @@ class VectorIndexMachine(RuleBasedStateMachine):
                 assert [ids[0] for ids in found[:2]] == self.order[-2:]
 
 
-@pytest.mark.parametrize("kind", ["exact", "faiss-flat", "faiss-hnsw", "faiss-ivfpq"])
+@pytest.mark.parametrize(
+    "kind", ["exact", "faiss-flat", "faiss-hnsw", "faiss-ivfpq", "binary-flat", "binary-hnsw", "int8-flat"]
+)
 def test_random_updates_of_a_vector_index_match_brute_force(biencoder, tmp_path_factory, kind):
     run_state_machine_as_test(
         lambda: VectorIndexMachine(biencoder, kind, tmp_path_factory.mktemp(kind) / "index"), settings=FAST
