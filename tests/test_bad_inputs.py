@@ -414,10 +414,46 @@ def test_known_metric_names_pass_the_check():
             "r-precision",
             "accuracy@5",
             "accuracy@20",
+            "f1",
+            "f1@5",
         ]
     )
     with pytest.raises(ConfigError, match="non-empty list"):
         check_metrics([])
+
+
+def test_every_metric_the_error_message_lists_is_accepted_and_computed():
+    from densepass.evaluation.metrics import RANX_METRICS
+
+    with pytest.raises(ConfigError) as refused:
+        check_metrics(["nope"])
+    listed = re.search(r"known: (.*?), each with", str(refused.value)).group(1).split(", ")
+    assert listed == list(RANX_METRICS)
+    names = [*listed, *(f"{name}@5" for name in listed)]
+    check_metrics(names)
+    got = evaluate_run({"q1": {"p1": 1}}, {"q1": {"p2": 0.9, "p1": 0.8}}, ["f1", "f1@5"])  # the one with a digit
+    assert got == {"f1": pytest.approx(2 / 3), "f1@5": pytest.approx(1 / 3)}  # precision@5 is 1/5
+
+
+def test_ranx_compile_warnings_are_not_printed_as_garbled_lines(capsys):
+    # numba warns "unsafe cast from uint64 to int64" in terminal escapes when it compiles ranx's map on first use
+    # (a fresh NUMBA_CACHE_DIR shows it; compiling takes minutes, so the warning is raised here by hand)
+    import warnings
+
+    from numba.core.errors import NumbaTypeSafetyWarning
+
+    import densepass.evaluation.metrics as metrics
+    from densepass.cli import run_guarded
+
+    real = metrics.quiet_numba
+
+    def compile_now(*args, **kwargs):
+        with real():  # inside: silenced
+            warnings.warn("\x1b[1munsafe cast from uint64 to int64\x1b[0m", NumbaTypeSafetyWarning, stacklevel=1)
+        warnings.warn("\x1b[1mcoloured\x1b[0m warning", DataWarning, stacklevel=1)  # outside: escapes dropped
+
+    assert run_guarded(compile_now) == 0
+    assert capsys.readouterr().err == "densepass: warning: coloured warning\n"
 
 
 def test_evaluate_run_computes_answer_accuracy_or_refuses_without_answers():

@@ -112,10 +112,23 @@ def test_a_directory_saved_before_ownership_lists_counts_through_its_manifest(tm
     assert foreign_files(legacy) == ["notes.txt"]
 
 
-@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../../etc", "/tmp/abs", " padded", "tab\there"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        *["", ".", "..", "a/b", "../../etc", "/tmp/abs", " padded", "tab\there"],
+        *["r\u202egpj.exe", "zero\u200bwidth", "line\u2028sep", "para\u2029sep", "bom\ufeff", "del\x7f", "c1\x85"],
+    ],
+)
 def test_a_run_name_is_one_folder_name(name):
+    # a bidi override (U+202E) shows the name reversed in a listing, format characters not at all (categories Cc,
+    # Cf, Zl, Zp)
     with pytest.raises(ConfigError, match="must be one folder name"):
         ExperimentConfig(name=name)
+
+
+@pytest.mark.parametrize("name", ["run-1", "élan", "数据", "exp_2024.05", "a b"])
+def test_a_run_name_of_visible_characters_is_accepted(name):
+    assert ExperimentConfig(name=name).name == name
 
 
 def test_run_entries_cover_densepass_temporaries_only():
@@ -304,6 +317,24 @@ def test_index_never_replaces_a_folder_it_did_not_write(tiny_beir, tiny_model_di
     assert len(moved) == 1 and (moved[0] / "notes.txt").read_text() == "mine"
     assert (out / "manifest.json").is_file() and not (out / "notes.txt").exists()
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("threshold", ["nan", "0.5"])
+def test_index_refuses_the_phrase_filter_threshold_for_other_kinds(tiny_beir, tmp_path, capsys, threshold):
+    output = tmp_path / "i"
+    args = ["index", str(tiny_beir), "--kind", "bm25", "--output", str(output), "--filter-threshold", threshold]
+    assert main(args) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == "densepass: error: --filter-threshold is the phrase index's token filter; a bm25 index has none"
+    assert not output.exists()
+
+
+def test_a_phrase_filter_threshold_that_is_not_finite_is_refused():
+    from densepass.pipelines.indexing import IndexSettings
+
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="--filter-threshold must be a finite number"):
+            IndexSettings("phrase", "m", threshold=value)
 
 
 def test_index_bm25_refuses_a_model(tiny_beir, tiny_model_dir, tmp_path, capsys):

@@ -859,7 +859,10 @@ def run_guarded(func: Callable[[], object], prog: str = "densepass") -> int:
     warnings print as one line each."""
 
     def one_line(message, category, filename, lineno, file=None, line=None) -> None:
-        print(f"{prog}: warning: {message}", file=sys.stderr)
+        import re
+
+        text = re.sub(r"\x1b\[[0-?]*[ -/]*[@-~]", "", str(message))  # a library's terminal escapes (colours)
+        print(f"{prog}: warning: {text}", file=sys.stderr)
 
     previous = warnings.showwarning
     warnings.showwarning = one_line

@@ -501,18 +501,22 @@ class RerankerConfig:
 
 def check_run_name(name: str) -> None:
     """A run's ``name`` is one path component (its directory is ``<output_dir>/<name>``, never elsewhere): a
-    one-line ConfigError for '', '.', '..', a path or a control character."""
+    one-line ConfigError for '', '.', '..', a path, or a character that is not shown as itself: a control character,
+    a format character (a bidi override such as U+202E shows the name reversed in a listing, U+200B nothing), a line
+    or paragraph separator, a lone surrogate (Unicode categories Cc, Cf, Zl, Zp, Cs)."""
+    import unicodedata
+
     if (
         not isinstance(name, str)
         or name in ("", ".", "..")
         or "/" in name
         or "\\" in name
         or name != name.strip()
-        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+        or any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp", "Cs") for c in name)
     ):
         raise ConfigError(
-            f"name {name!r} must be one folder name (no '/', not '.' or '..', not empty, no surrounding spaces): "
-            "the run is written to <output_dir>/<name>"
+            f"name {name!r} must be one folder name (no '/', not '.' or '..', not empty, no surrounding spaces, no "
+            "control or invisible characters): the run is written to <output_dir>/<name>"
         )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from densepass.errors import ConfigError
-from densepass.evaluation.metrics import Run
+from densepass.evaluation.metrics import Run, quiet_numba
 
 
 def fuse_embeddings(embeddings: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
@@ -87,5 +87,6 @@ def _ranx_fuse(runs: Sequence[Run], norm: str | None, method: str, params: dict)
         raise ConfigError("rank fusion needs at least two runs")
     queries = sorted(set().union(*runs))
     ranx_runs = [RanxRun({q: (run.get(q) or {"__none__": -1e9}) for q in queries}) for run in runs]
-    fused = fuse(ranx_runs, norm=norm, method=method, params=params).to_dict()
+    with quiet_numba():  # ranx's numba compile warnings are not the user's concern
+        fused = fuse(ranx_runs, norm=norm, method=method, params=params).to_dict()
     return {q: {p: float(s) for p, s in fused[q].items() if p != "__none__"} for q in queries}

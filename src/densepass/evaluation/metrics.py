@@ -7,10 +7,11 @@ any work.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import warnings
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,7 @@ RANX_METRICS = (
     "bpref",
 )
 ACCURACY = "accuracy"  # DPR top-k answer accuracy: always with a cutoff, accuracy@k
-_METRIC = re.compile(r"(?P<name>[a-z_-]+)(?:@(?P<k>[0-9]+))?")
+_METRIC = re.compile(r"(?P<name>[a-z][a-z0-9_-]*)(?:@(?P<k>[0-9]+))?")  # f1 has a digit
 MAX_CUTOFF = 10**9  # ranx overflows past 2**63, and Python parses no integer of more than 4300 digits
 
 
@@ -49,6 +50,21 @@ def _cutoff_ok(k: str | None) -> bool:
         return True
     digits = k.lstrip("0")
     return 0 < len(digits) <= len(str(MAX_CUTOFF)) and int(digits) <= MAX_CUTOFF
+
+
+@contextlib.contextmanager
+def quiet_numba() -> Iterator[None]:
+    """numba's warnings silenced for the block: ranx compiles its metrics with numba, whose type-safety warnings
+    (``unsafe cast from uint64 to int64``, wrapped in terminal escapes) are about ranx's code on first compile, not
+    about anything the user gave, and would print as a garbled line."""
+    with warnings.catch_warnings():
+        try:
+            from numba.core.errors import NumbaWarning
+        except ImportError:  # no numba: nothing to silence
+            pass
+        else:
+            warnings.simplefilter("ignore", NumbaWarning)
+        yield
 
 
 def check_metrics(names: Sequence[str]) -> None:
@@ -159,7 +175,8 @@ def evaluate_run(
         return results
     ranx_qrels, ranx_run = _ranx_inputs(qrels, run)
     try:
-        result = evaluate(ranx_qrels, ranx_run, ranx_metrics, make_comparable=True)
+        with quiet_numba():
+            result = evaluate(ranx_qrels, ranx_run, ranx_metrics, make_comparable=True)
     except (ValueError, KeyError) as err:
         raise DensepassError(f"cannot compute metrics {ranx_metrics}: {err}") from None
     if isinstance(result, float):
@@ -229,9 +246,9 @@ def per_query_scores(qrels: Qrels, run: Run, metric: str) -> np.ndarray:
     check_metrics([metric])
     ranx_qrels, ranx_run = _ranx_inputs(qrels, run)
     try:
-        return np.asarray(
-            evaluate(ranx_qrels, ranx_run, metric, return_mean=False, make_comparable=True), dtype=np.float64
-        )
+        with quiet_numba():
+            scores = evaluate(ranx_qrels, ranx_run, metric, return_mean=False, make_comparable=True)
+        return np.asarray(scores, dtype=np.float64)
     except (ValueError, KeyError) as err:
         raise DensepassError(f"cannot compute {metric}: {err}") from None
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import math
 import os
 import shutil
 import warnings
@@ -101,6 +102,10 @@ class IndexSettings:
             raise ConfigError(f"a {self.kind} index needs a model")
         if self.sparse_model and self.kind != "hybrid":
             raise ConfigError(f"--sparse-model is the SPLADE part of a hybrid index; a {self.kind} index has none")
+        if self.threshold is not None and self.kind != "phrase":
+            raise ConfigError(f"--filter-threshold is the phrase index's token filter; a {self.kind} index has none")
+        if self.threshold is not None and not math.isfinite(self.threshold):
+            raise ConfigError(f"--filter-threshold must be a finite number, got {self.threshold}")
         device = self.device or default_device()
         if self.kind in ("splade", "colbert"):
             float_precision(self.precision, device, self.kind)
