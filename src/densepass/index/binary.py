@@ -15,13 +15,17 @@ Kinds (``densepass index --embedding-precision binary|int8``):
   their bucket's middle).
 
 Re-scoring (``rescore_with``): ``float`` scores each candidate with the float query against its float32 embedding
-(the exact score); ``int8`` against its dequantised int8 codes; ``none`` keeps the first pass. The query stays in
-float32 throughout, as in sentence-transformers' rescoring recipe (which re-scores a binary first pass with the
-float query against the unpacked bits; densepass re-scores with int8 or float32 embeddings instead, the two compared
-side by side in ``benchmarks/bench_compact.py``). The re-scoring embeddings (``embeddings.npy``, float32;
-``int8.npy``) are read from disk through memory maps (``np.load(mmap_mode="r")``), one query batch's candidates at
-a time: what a loaded index holds in RAM is its codes (``memory_bytes``). When the multiplier covers the corpus,
-float re-scoring gives exact search's top k.
+(the exact score); ``int8`` against its dequantised int8 codes (for ``int8-flat``, its first pass already); ``none``
+keeps the first pass. The query stays in float32 throughout, as in sentence-transformers' rescoring recipe (which
+re-scores a binary first pass with the float query against the unpacked bits; densepass re-scores with int8 or
+float32 embeddings instead, the two compared side by side in ``benchmarks/bench_compact.py``). The re-scoring
+embeddings (``embeddings.npy``, float32; ``int8.npy``) are read from disk through memory maps
+(``np.load(mmap_mode="r")``), a few queries' candidates at a time: what a loaded index holds in RAM is its codes
+(``memory_bytes``). When the multiplier covers the corpus, float re-scoring gives exact search's top k.
+
+Memory: binary-flat holds dim / 8 bytes a passage (32x less than float32); an HNSW graph adds its links
+(``hnsw_m`` = 32: about 256 bytes a passage at the base level, more than 384 dimensions' bits), an IVF index an
+8-byte id a passage.
 """
 
 from __future__ import annotations
