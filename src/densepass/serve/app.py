@@ -581,7 +581,9 @@ def worker_app(searcher: Searcher, settings: ServeSettings, host: str, access_lo
     ends with its parent, even one killed by SIGKILL (``processes.die_with_parent``)."""
     from densepass.processes import die_with_parent
 
-    die_with_parent(int(os.environ["DENSEPASS_SERVE_PARENT"]))
+    parent = os.environ.get("DENSEPASS_SERVE_PARENT")  # set by run_workers (absent: an app made in-process)
+    if parent:
+        die_with_parent(int(parent))
     app = create_app(searcher, settings, host=host, api_key=os.environ.get("DENSEPASS_API_KEY") or None)
     configure_access_log(access_log)
     return app
