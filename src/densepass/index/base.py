@@ -348,6 +348,8 @@ class Index(ABC):
         """Write the index atomically to ``directory`` (replacing what is there only once complete); a full disk is
         a one-line error, with nothing left behind (``io.disk_errors``)."""
         directory = Path(directory)
+        if (directory / MANIFEST).is_file() and not directory.is_symlink():  # a killed update's half-written version
+            remove_stale_temporaries(directory, r"v\d{6}")  # (index.living): densepass's own, else it blocks the save
         check_index_target(directory)
         remove_stale_temporaries(directory.parent, re.escape(directory.name))  # a killed save's
         with disk_errors(directory), hold_temporaries() as hold, atomic_directory(directory) as tmp:
