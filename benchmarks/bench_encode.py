@@ -25,7 +25,8 @@ batch the texts as sentence-transformers does). Each system first encodes a smal
 the systems encode the texts in turn, ``--repeats`` rounds (a drift in the machine's speed reaches each alike),
 and each one's fastest time is reported, with the ratio of densepass's fastest setting to the fastest other system
 round by round (the two times of one round are closest in time). Agreement = mean cosine to sentence-transformers'
-float32 embeddings.
+float32 embeddings. ``--cpu-time`` times each system by the process's CPU seconds instead (run it with
+``OMP_NUM_THREADS=1``): on a machine other jobs share, the work each system does, whoever holds the cores.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -247,6 +249,13 @@ def main() -> None:
     parser.add_argument("--warm-up", type=int, default=512, help="texts each system encodes before it is timed")
     parser.add_argument("--repeats", type=int, default=1, help="timed encodings per system; the fastest is reported")
     parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="CPU: time each system by the process's CPU seconds (all its threads) instead of the clock: on a machine "
+        "other jobs share, with OMP_NUM_THREADS=1, the work each system does whoever holds the cores (not a "
+        "wall-clock claim)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="instead of timing: each densepass setting's encoding under torch.profiler, the ops by self CPU time",
@@ -391,7 +400,9 @@ def main() -> None:
             system, dtype = label.split("|")
             exported = system.startswith(("ONNX", "OpenVINO"))
             systems.append((system, dtype, args.export_batch_size if exported else 32, encoder))
-        results, embeddings = measure_in_turn(systems, warm, texts, device, args.repeats, PLURAL[args.side])
+        results, embeddings = measure_in_turn(
+            systems, warm, texts, device, args.repeats, PLURAL[args.side], args.cpu_time and not gpu
+        )
     if args.save_embeddings:
         out_dir = Path(args.save_embeddings)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -409,20 +420,25 @@ def measure_in_turn(
     device: torch.device,
     repeats: int,
     unit: str,
+    cpu_time: bool = False,
 ) -> tuple[list[dict], dict[str, np.ndarray]]:
     """Each system encodes ``warm`` (untimed), then ``texts`` ``repeats`` times, the systems in turn (a drift in
     the machine's speed reaches each of them alike); each one's fastest time and every round's. Returns the
     result rows and each system's embeddings (key ``system|precision|batch``); ``unit``: what the texts are, for
-    the printout."""
+    the printout; ``cpu_time``: the process's CPU seconds instead of the clock's (``--cpu-time``)."""
     for _, _, _, encode in systems:
         encode(warm)
     rounds, embeddings = [[] for _ in systems], {}
     for _ in range(repeats):
         for i, (system, dtype, batch, encode) in enumerate(systems):
+            started = time.process_time()
             with timer(device) as took:
                 embeddings[f"{system}|{dtype}|{batch}"] = np.asarray(encode(texts), dtype=np.float32)
-            rounds[i].append(took())
-            print(f"  {system} {dtype} batch {batch}: {took():.2f}s, {len(texts) / took():,.0f} {unit}/s", flush=True)
+            seconds = time.process_time() - started if cpu_time else took()
+            rounds[i].append(seconds)
+            clock = "CPU s" if cpu_time else "s"
+            rate_ = f"{len(texts) / seconds:,.0f} {unit}/{clock}"
+            print(f"  {system} {dtype} batch {batch}: {seconds:.2f} {clock}, {rate_}", flush=True)
     results = [
         {
             "system": system, "dtype": dtype, "batch_size": batch, "seconds": min(times),
@@ -463,8 +479,8 @@ def report(args, env: dict, n: int, results: list[dict], embeddings: dict[str, n
                 "system",
                 "dtype",
                 "batch",
-                "seconds",
-                f"{PLURAL[args.side]}/s",
+                "CPU seconds" if args.cpu_time else "seconds",
+                f"{PLURAL[args.side]}/{'CPU s' if args.cpu_time else 's'}",
                 "densepass first row ÷ row",
                 "cosine to ST fp32",
             ],
@@ -499,6 +515,7 @@ def report(args, env: dict, n: int, results: list[dict], embeddings: dict[str, n
             "side": args.side,
             "n_texts": n,
             "max_length": args.max_length,
+            "timed_by": "process CPU seconds" if args.cpu_time else "wall-clock seconds",
             "results": results,
             "speedups": speedups,
             "not_run": skipped,
