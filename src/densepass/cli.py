@@ -545,7 +545,7 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rescore", type=positive_int, default=None, help="--search-precision: candidates re-scored, x k (default 4)"
     )
-    _rescore_args(p, "default: the index's")
+    _rescore_args(p, "default: the index's", "default: the index's")
     p.add_argument(
         "--nprobe",
         type=positive_int,
@@ -555,7 +555,7 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
     _device_arg(p)
 
 
-def _rescore_args(p: argparse.ArgumentParser, default: str) -> None:
+def _rescore_args(p: argparse.ArgumentParser, default: str, multiplier_default: str) -> None:
     p.add_argument(
         "--rescore-with",
         choices=["float", "int8", "none"],
@@ -567,7 +567,7 @@ def _rescore_args(p: argparse.ArgumentParser, default: str) -> None:
         "--rescore-multiplier",
         type=positive_int,
         default=None,
-        help=f"int8 / binary index: candidates re-scored per query, x k ({default})",
+        help=f"int8 / binary index: candidates re-scored per query, x k ({multiplier_default})",
     )
 
 
@@ -660,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="dense kinds: what the index holds in memory: float32 embeddings, int8 codes (calibrated ranges) or sign"
         " bits (FAISS binary flat, HNSW or IVF by --kind), the candidates re-scored from embeddings on disk",
     )
-    _rescore_args(index, "default: float, 4")
+    _rescore_args(index, "default: float", "default: 4")
     index.add_argument(
         "--dim",
         type=positive_int,
