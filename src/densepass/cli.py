@@ -269,11 +269,11 @@ def _serve(args: argparse.Namespace) -> None:
     key = serve_api_key(args.api_key)
     token = check_reload_arguments(args)
     access_log = None if args.access_log == "off" else args.access_log
-    if args.workers > 1:  # each worker loads the index; here only its manifest is checked
-        from densepass.index.base import read_index_manifest
+    if args.workers > 1:  # each worker loads the index; here only its manifest is checked (without torch)
+        from densepass.io import read_manifest
         from densepass.serve.app import run_workers
 
-        read_index_manifest(Path(args.index))
+        read_manifest(Path(args.index), "densepass index")
         where = f"http://{args.host}:{args.port}"
         print(f"densepass: serving {args.index} with {args.workers} worker processes on {where}", file=sys.stderr)
         run_workers(
