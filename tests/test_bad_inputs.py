@@ -1568,6 +1568,15 @@ def test_a_damaged_line_in_a_training_log_is_left_out_of_the_plots(tmp_path):
     assert [r["step"] for r in read_log(log)] == [1, 3]
 
 
+def test_bytes_that_are_not_utf8_in_a_training_log_are_dropped_when_a_run_resumes(tmp_path):
+    from densepass.checkpoints import trim_log
+
+    log = tmp_path / "log.jsonl"
+    log.write_bytes(b'{"step": 1}\n\xff\xfe\n{"step": 2, "note": "\xc3\xa9"}\n{"step": 3}\n')
+    trim_log(log, 2)  # as a resumed (or finished, run again) run trims its log: the damaged line goes as a cut one
+    assert log.read_bytes() == b'{"step": 1}\n{"step": 2, "note": "\xc3\xa9"}\n'
+
+
 def test_a_model_folder_without_weights_or_with_a_damaged_densepass_json_is_one_line(tiny_model_dir, tmp_path):
     from densepass.models.biencoder import BiEncoder
 

@@ -381,14 +381,17 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 
 def trim_log(path: Path, step: int) -> None:
-    """Drop the records of a JSONL log written after ``step`` (steps that are being trained again)."""
+    """Drop the records of a JSONL log written after ``step`` (steps that are being trained again), and the lines
+    that are no record: cut short by an interruption, or damaged bytes that are not even UTF-8 (as ``plots.read_log``
+    leaves them out of the plots)."""
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for raw in path.read_bytes().splitlines():
         try:
+            line = raw.decode("utf-8")
             if line.strip() and json.loads(line)["step"] <= step:
                 kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue  # a record cut short by the interruption
+        except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError
+            continue  # a record cut short by the interruption, or damaged
     atomic_write_text(path, "".join(f"{line}\n" for line in kept))

@@ -16,7 +16,6 @@ someone else's.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -39,6 +38,7 @@ from densepass.models.biencoder import BiEncoder
 from densepass.models.matryoshka import check_dims
 from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
 from densepass.negatives.pool import Candidate, passage_ids
+from densepass.plots import read_log
 from densepass.training.batches import TrainingData
 from densepass.training.dense_miners import prepare_miners
 from densepass.training.planner import EpochPlanner
@@ -265,7 +265,7 @@ def train(
             model, data, args, planner, run_dir, torch_device, identity, objective, None, on_step_end
         )
         model.save(run_dir / "model")
-    log = [json.loads(line) for line in result.log_path.read_text().splitlines() if line.strip()]
+    log = read_log(result.log_path)  # a damaged line is left out (trim_log dropped those it found already)
     return TrainOutput(model, run_dir / "model", result.steps, result.final_loss, log)
 
 

@@ -102,6 +102,7 @@ class NegativeRefresher:
                 "removed": mined.removed,
                 "negatives": sum(len(c) for c in mined.pool.values()),
             }
-            logged = self.log_path.read_text() if self.log_path.is_file() else ""
+            # damaged bytes stay a damaged line (replaced, never a UnicodeDecodeError); readers leave it out
+            logged = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
             atomic_write_text(self.log_path, logged + json.dumps(record) + "\n")
         distributed.barrier()  # the pool is on disk before any process trains on with it
