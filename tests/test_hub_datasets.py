@@ -210,3 +210,17 @@ def test_densepass_run_offline_with_an_uncached_hub_dataset_is_one_line(tmp_path
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "dataset some-org/not-cached is not in the Hugging Face cache" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_card_without_subsets_reads_the_splits_from_the_file_names(cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    files = tmp_path / "plain"
+    (files / "data").mkdir(parents=True)
+    (files / "README.md").write_text("# rows without a configs section\n")
+    datasets.Dataset.from_list(triplets(5, "x")).to_json(str(files / "data" / "train.jsonl"))
+    datasets.Dataset.from_list(triplets(3, "y")).to_json(str(files / "data" / "test.jsonl"))
+    lay_out(cache, "some-org/plain", files, patterns=["README.md", "data/*"])
+    rows = load_dataset("some-org/plain", format="pairs")
+    assert len(rows.queries) == 5 and len(load_dataset("some-org/plain", format="pairs", split="test").queries) == 3
+    with pytest.raises(DataError, match="has no subsets"):
+        load_dataset("some-org/plain", format="pairs", subset="triplet")
