@@ -334,3 +334,30 @@ def test_on_a_gpu_varlen_attention_gives_the_padded_gradients_in_bf16(family):
     packed_grads = _grads(model)
     for name, grad in padded_grads.items():
         assert (packed_grads[name] - grad).abs().max() <= 0.05 * grad.abs().max().clamp_min(1e-3), name
+
+
+def test_packed_training_with_dropout_repeats_itself_and_drops_attention_out_on_the_cpu(tmp_path, tiny_beir):
+    """With dropout (hidden and attention probabilities, ``models.dropout``'s masks on the CPU), two packed runs of
+    the same seed end at the same weights, and attention dropout acts on the packed path."""
+    from conftest import save_tiny_bert
+
+    model_dir = save_tiny_bert(tmp_path / "dropout", dropout=0.1)
+    data = make_data(tiny_beir)
+    runs = []
+    for name in ("a", "b"):
+        model = BiEncoder.from_pretrained(str(model_dir))
+        train(model, data, _fp32_config(max_steps=2, packing=True), tmp_path / name, CPU)
+        runs.append(model.state_dict())
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    model = BiEncoder.from_pretrained(str(model_dir)).train()
+    enable_packing(model)
+    tokens = model.tokenize(TEXTS, "passage")
+    for name, module in model.named_modules():  # attention dropout alone
+        if isinstance(module, torch.nn.Dropout) and not name.endswith("attention.self.dropout"):
+            module.p = 0.0
+    dropped = model(tokens["input_ids"], tokens["attention_mask"], "passage")
+    for layer in model.passage_encoder.encoder.layer:
+        layer.attention.self.dropout.p = 0.0
+    kept = model(tokens["input_ids"], tokens["attention_mask"], "passage")
+    torch.testing.assert_close(kept, model.eval()(tokens["input_ids"], tokens["attention_mask"], "passage"))
+    assert not torch.allclose(dropped, kept)
