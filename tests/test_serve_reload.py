@@ -126,3 +126,40 @@ def test_the_watch_reloads_when_an_update_swaps_the_manifest(tmp_path):
         assert [hit.id for hit in searcher.search_batch(["audio editor"], 5)[0]] == []
     finally:
         searcher.stop()
+
+
+def test_densepass_serve_with_a_watch_and_a_token_reloads_an_updated_index(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    folder = saved_index(tmp_path)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "DENSEPASS_ADMIN_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+    command = ["serve", str(folder), "--port", str(port), "--watch-index", "0.2", "--access-log", "off"]
+    process = subprocess.Popen([sys.executable, "-m", "densepass", *command], env=env, stderr=subprocess.DEVNULL)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, trust_env=False) as http:
+            deadline = time.monotonic() + 120
+            while True:
+                assert process.poll() is None and time.monotonic() < deadline, "the service did not start"
+                with contextlib.suppress(httpx.TransportError):
+                    if http.get("/health").status_code == 200:
+                        break
+                time.sleep(0.2)
+            assert http.get("/health").json()["searcher"]["index_version"] == 0
+            update_index(folder, delete=["0"])  # the watch swaps it in
+            deadline = time.monotonic() + 30
+            while http.get("/health").json()["searcher"]["index_version"] != 1:
+                assert time.monotonic() < deadline, "the watch did not reload"
+                time.sleep(0.1)
+            update_index(folder, delete=["2"])
+            reloaded = http.post("/admin/reload", headers={"X-Admin-Token": TOKEN})  # the token, from the environment
+            assert reloaded.status_code == 200 and reloaded.json()["searcher"]["index_version"] == 2
+            assert http.post("/search", json={"query": "tar audio", "k": 5}).json()["results"][0] == []
+    finally:
+        process.terminate()
+        process.wait(30)
