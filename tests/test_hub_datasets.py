@@ -224,3 +224,17 @@ def test_a_card_without_subsets_reads_the_splits_from_the_file_names(cache, tmp_
     assert len(rows.queries) == 5 and len(load_dataset("some-org/plain", format="pairs", split="test").queries) == 3
     with pytest.raises(DataError, match="has no subsets"):
         load_dataset("some-org/plain", format="pairs", subset="triplet")
+
+
+def test_a_subset_or_revision_of_another_layout_is_one_line():
+    from densepass.config import DataConfig
+    from densepass.data import hub_options
+
+    assert hub_options(DataConfig(format="pairs", subset="s", train_split="dev")) == {
+        "subset": "s",
+        "revision": None,
+        "split": "dev",
+    }
+    assert hub_options(DataConfig()) == {}
+    with pytest.raises(DataError, match="need data.format: pairs"):
+        hub_options(DataConfig(revision="v1"))

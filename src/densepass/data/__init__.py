@@ -70,8 +70,14 @@ def load_dataset(
 
 def hub_options(data: Any) -> dict[str, Any]:
     """``load_dataset``'s options for training rows from a ``DataConfig`` (``data.subset``, ``data.revision``, and
-    ``data.train_split`` as the split read); none for the other layouts."""
+    ``data.train_split`` as the split read); none for the other layouts, where a subset or revision is a one-line
+    error (they name a part of a Hub dataset of training rows)."""
     if data.format != "pairs":
+        if data.subset is not None or data.revision is not None:
+            raise DataError(
+                "data.subset and data.revision name a part of a Hugging Face dataset of training rows: they need "
+                f"data.format: pairs (not {data.format})"
+            )
         return {}
     return {"subset": data.subset, "revision": data.revision, "split": data.train_split}
 
