@@ -287,6 +287,12 @@ def test_a_run_refuses_packing_a_model_it_cannot_pack_before_any_work(tmp_path, 
     with pytest.raises(ConfigError, match="is a distilbert model"):
         run_experiment(load_config(None, overrides))
     assert not (tmp_path / "p" / "config.yaml").exists()  # refused before the run was recorded
+    reranker = ["reranker.enabled=true", f"reranker.name_or_path={tmp_path / 'distilbert'}"]
+    reranker.append("reranker.train.packing=true")
+    overrides = [*small_run_overrides(tiny_beir, resolve_model_path("all-MiniLM-L6-v2"), tmp_path, "r"), *reranker]
+    with pytest.raises(ConfigError, match="^reranker.train.packing: the cross-encoder is a distilbert model"):
+        run_experiment(load_config(None, overrides))
+    assert not (tmp_path / "r" / "config.yaml").exists()
 
 
 def test_a_packed_cross_encoder_run_ends_at_the_padded_runs_weights(tiny_model_dir, tiny_beir, tmp_path):

@@ -72,6 +72,17 @@ def check_reranker_config(config: ExperimentConfig) -> None:
 
         model_config = AutoConfig.from_pretrained(resolve_model_path(cfg.name_or_path))
         check_position_limit(model_config, {"reranker.max_length": cfg.max_length}, cfg.name_or_path)
+    if cfg.train.enabled and cfg.train.packing:  # the model's kind, before any mining or training
+        from transformers import AutoConfig
+
+        from densepass.models.biencoder import resolve_model_path
+
+        kind = AutoConfig.from_pretrained(resolve_model_path(cfg.name_or_path)).model_type
+        if kind not in ("bert", "roberta", "xlm-roberta"):  # models.cross_encoder.packing_refusal, by its config
+            raise ConfigError(
+                f"reranker.train.packing: the cross-encoder is a {kind} model; padding-free training runs BERT, "
+                "RoBERTa and XLM-R classifiers (set reranker.train.packing: false)"
+            )
     if cfg.train.enabled and neg.source == "none":
         raise ConfigError("reranker.train draws hard negatives from the run's pool: set negatives.source")
     if cfg.train.enabled and cfg.train.negatives_per_query > neg.pool_depth:
