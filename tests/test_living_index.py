@@ -360,6 +360,17 @@ def test_bad_updates_are_one_line_errors_and_change_nothing(tmp_path):
     )
 
 
+def test_a_kind_whose_search_knows_no_tombstones_refuses_updates_before_loading(tmp_path, monkeypatch):
+    from densepass.phrase.index import PhraseIndex
+
+    assert not PhraseIndex.updatable  # its phrase search would return deleted passages
+    folder = bm25_folder(tmp_path)
+    monkeypatch.setattr(BM25Index, "updatable", False)
+    monkeypatch.setattr(BM25Index, "load", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(DensepassError, match="a bm25 index cannot delete or upsert passages"):
+        update_index(folder, delete=["0"])
+
+
 def test_a_tampered_version_is_refused_by_the_manifest(tmp_path):
     folder = bm25_folder(tmp_path)
     update_index(folder, delete=["1"])

@@ -212,6 +212,13 @@ class Index(ABC):
     # ---- a living index: tombstones, upsert, compaction -----------------------------------------------
 
     _deleted: np.ndarray | None = None  # one flag per row: deleted (a tombstone) since the last compaction
+    updatable: ClassVar[bool] = True
+    """Whether the kind takes ``delete`` / ``upsert`` / ``compact`` (its searches leave tombstones out)."""
+
+    def check_updatable(self) -> None:
+        """A one-line error where the kind cannot be updated (``updatable``)."""
+        if not self.updatable:
+            raise ConfigError(f"a {self.kind} index cannot delete or upsert passages: build it again")
 
     @property
     def deleted(self) -> np.ndarray:
@@ -271,6 +278,7 @@ class Index(ABC):
     def delete(self, ids: Sequence[str]) -> None:
         """Delete the passages ``ids`` (tombstones: searches leave them out at once; ``compact`` removes their rows).
         Every id must be in the index, once: otherwise a one-line error and nothing is deleted."""
+        self.check_updatable()
         ids = check_ids(ids, "delete")
         unknown = [pid for pid in ids if self.live_position(pid) is None]
         if unknown:
@@ -283,6 +291,7 @@ class Index(ABC):
         """Index ``passages`` ({id, title, text} records or a Corpus: ids required, each once), replacing the
         passages of the same ids (their old rows become tombstones) and adding the others. New passages are
         encoded first (``encode_new``), so that a failure changes nothing."""
+        self.check_updatable()
         corpus = records_corpus(passages)
         prepared = self.encode_new(corpus)
         self.upsert_encoded(corpus, prepared)

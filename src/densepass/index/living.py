@@ -92,6 +92,9 @@ def update_index(
     both = sorted(set(delete_ids) & set(corpus.ids)) if corpus is not None else []
     if both:
         raise ConfigError(f"{len(both)} ids are both deleted and upserted (the first: {both[0]!r}): choose one")
+    kind = read_index_manifest(directory)["kind"]
+    if not KINDS[kind].updatable:
+        raise ConfigError(f"a {kind} index cannot delete or upsert passages: build it again")
     with exclusive_lock(directory, "index update"):
         index = load_index(directory, **load_options)
         if delete_ids:

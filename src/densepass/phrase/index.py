@@ -89,6 +89,7 @@ class PhraseIndex(Index):
 
     kind: ClassVar[str] = "phrase"
     load_options: ClassVar[tuple[str, ...]] = ("model", "batch_size", "device", "max_answer_tokens", "show_progress")
+    updatable: ClassVar[bool] = False  # its phrase search knows no tombstones: build it again instead
 
     def __init__(
         self,
