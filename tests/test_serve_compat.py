@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from starlette.routing import Route
 
 import densepass as dp
-from conftest import assert_same_ranking_up_to_ties
+from conftest import assert_same_ranking_up_to_ties, save_tiny_bert
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.serve import ServeSettings, create_app
 from serve_fake import FakeEmbedder, FakeSearcher
@@ -341,6 +341,25 @@ def test_with_a_key_the_search_page_loads_asks_for_the_key_and_searches_with_it(
             expect(page.locator("#error")).to_be_hidden()
         finally:
             browser.close()
+
+
+def test_after_a_reload_the_embedding_routes_use_the_new_index_model(models, tmp_path):
+    from densepass.serve.reload import ReloadableSearcher
+    from serve_fake import PASSAGES
+
+    root, first = models
+    second = dp.BiEncoder.from_pretrained(str(save_tiny_bert(tmp_path / "other", seed=7)))
+    pipelines = iter(
+        dp.SearchPipeline(dp.DenseIndex.build(m, [t for _, _, t in PASSAGES], kind="exact", show_progress=False))
+        for m in (first, second)
+    )
+    searcher = ReloadableSearcher(lambda: next(pipelines), root / "idx")
+    with TestClient(create_app(searcher), base_url="http://127.0.0.1") as http:
+        before = http.post("/embed", json={"inputs": TEXTS[:2]}).json()
+        searcher.reload()
+        after = http.post("/embed", json={"inputs": TEXTS[:2]}).json()
+    assert cosines(before, first.encode_passages(TEXTS[:2], show_progress=False)).min() >= 0.9999
+    assert cosines(after, second.encode_passages(TEXTS[:2], show_progress=False)).min() >= 0.9999
 
 
 def test_without_an_embedding_model_or_a_reranker_the_routes_say_so():

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from densepass.errors import ConfigError, DensepassError
 from densepass.serve import compat
-from densepass.serve.backends import Embedder, PairScorer, find_embedder, find_reranker
+from densepass.serve.backends import Current, Embedder, PairScorer
 from densepass.serve.compat import ApiError, styled_error
 from densepass.serve.microbatch import MicroBatcher, Unavailable
 from densepass.serve.operations import BearerAuth, Metrics, Observe, access_log_handler
@@ -244,13 +244,12 @@ def create_app(
     searches what is still waiting before it stops.
 
     ``embedder`` (``POST /v1/embeddings``, ``/embed``) and ``reranker`` (``POST /rerank``) default to the
-    searcher's bi-encoder and second stage (``backends.find_embedder`` / ``find_reranker``); their work goes
-    through the same micro-batcher, its queue and its limits. ``api_key``: every route but ``/health`` then needs
+    searcher's current bi-encoder and second stage (``backends.Current``: found again after a reload); their work
+    goes through the same micro-batcher, its queue and its limits. ``api_key``: every route but ``/health`` then needs
     ``Authorization: Bearer API_KEY`` (:class:`~densepass.serve.operations.BearerAuth`). ``admin_token``: ``POST
     /admin/reload`` swaps in the index's current version (:mod:`densepass.serve.reload`); no route without it."""
     settings = settings or ServeSettings()
-    embedder = embedder if embedder is not None else find_embedder(searcher)
-    reranker = reranker if reranker is not None else find_reranker(searcher)
+    current = Current(searcher, embedder, reranker)  # found again after a reload swapped the index
     batcher = MicroBatcher(searcher, settings.max_batch_size, settings.max_wait_ms, settings.max_queue)
     metrics = Metrics()
     batcher.on_batch = lambda operation, items: metrics.batch_items.labels(operation.split(":")[0]).observe(items)
@@ -279,7 +278,7 @@ def create_app(
     app.state.batcher = batcher
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.embedder, app.state.reranker = embedder, reranker
+    app.state.current = current
 
     def page_response(status: int = 200) -> HTMLResponse:
         return HTMLResponse(page, status_code=status, headers=PAGE_SECURITY)
@@ -378,8 +377,8 @@ def create_app(
                 "searcher_calls": batcher.searcher_calls,
             },
             "api_key": api_key is not None,
-            "embeddings": embedder.describe() if embedder is not None else None,
-            "rerank": reranker.describe() if reranker is not None else None,
+            "embeddings": described(current.embedder()),
+            "rerank": described(current.reranker()),
         }
 
     async def prometheus() -> Response:
@@ -391,15 +390,16 @@ def create_app(
     async def search_page() -> HTMLResponse:
         return page_response()
 
+    with_errors = {"responses": errors}
     # every route, in one place: (method, path, handler, options of FastAPI's add_api_route)
     routes: list[tuple[str, str, Any, dict[str, Any]]] = [
         ("POST", "/search", search, {"response_model": SearchResponse, "responses": errors}),
         ("GET", "/health", health, {}),
-        ("POST", "/v1/embeddings", compat.openai_embeddings(batcher, settings, embedder), {"responses": errors}),
-        ("GET", "/v1/models", compat.openai_models(embedder), {}),
-        ("GET", "/v1/models/{model}", compat.openai_model(embedder), {}),
-        ("POST", "/embed", compat.tei_embed(batcher, settings, embedder), {"responses": errors}),
-        ("POST", "/rerank", compat.tei_rerank(batcher, settings, reranker), {"responses": errors}),
+        ("POST", "/v1/embeddings", compat.openai_embeddings(batcher, settings, current.embedder), with_errors),
+        ("GET", "/v1/models", compat.openai_models(current.embedder), {}),
+        ("GET", "/v1/models/{model}", compat.openai_model(current.embedder), {}),
+        ("POST", "/embed", compat.tei_embed(batcher, settings, current.embedder), with_errors),
+        ("POST", "/rerank", compat.tei_rerank(batcher, settings, current.reranker), with_errors),
         ("GET", "/metrics", prometheus, {}),
         ("GET", "/", search_page, {"include_in_schema": False}),
     ]
@@ -482,6 +482,11 @@ def configure_access_log(target: str | None) -> None:
     if target is not None:
         access_logger.addHandler(access_log_handler(target))
         access_logger.setLevel(logging.INFO)
+
+
+def described(thing: Any) -> dict | None:
+    """``thing.describe()``, or None for no thing."""
+    return thing.describe() if thing is not None else None
 
 
 def run_server(

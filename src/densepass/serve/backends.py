@@ -165,3 +165,26 @@ def find_reranker(searcher: Any) -> PairScorer | None:
     """The second stage of a search pipeline (``--rerank``), or None."""
     reranker = getattr(searcher, "reranker", None)
     return reranker if reranker is not None and hasattr(reranker, "score_pairs") else None
+
+
+class Current:
+    """The embedder and the reranker of the searcher's current pipeline, found again when a reload
+    (``serve.reload``) swapped its index or its reranker, so that the embedding and rerank routes compute with
+    what ``/search`` searches with. ``embedder`` / ``reranker`` given: those, always."""
+
+    def __init__(self, searcher: Any, embedder: Embedder | None = None, reranker: PairScorer | None = None) -> None:
+        self.searcher, self.fixed_embedder, self.fixed_reranker = searcher, embedder, reranker
+        self._embedder: tuple[int, Embedder | None] | None = None  # (id of the index it was found in, it)
+
+    def embedder(self) -> Embedder | None:
+        """The embedder over the current index's bi-encoder (made once per index), or the one given."""
+        if self.fixed_embedder is not None:
+            return self.fixed_embedder
+        index = getattr(self.searcher, "index", None)
+        if self._embedder is None or self._embedder[0] != id(index):
+            self._embedder = (id(index), find_embedder(self.searcher))
+        return self._embedder[1]
+
+    def reranker(self) -> PairScorer | None:
+        """The current pipeline's second stage, or the one given."""
+        return self.fixed_reranker if self.fixed_reranker is not None else find_reranker(self.searcher)

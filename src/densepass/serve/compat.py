@@ -146,7 +146,7 @@ class EmbeddingsRequest(BaseModel):
     )
 
 
-def check_model(embedder: Embedder | None, model: str | None, path: str = "/v1/embeddings") -> Embedder:
+def check_model(embedder: Embedder | None, model: str | None) -> Embedder:
     """The embedder, if the service has one and ``model`` is None or one of its names; else an :class:`ApiError`."""
     if embedder is None:
         raise ApiError(
@@ -160,12 +160,14 @@ def check_model(embedder: Embedder | None, model: str | None, path: str = "/v1/e
     return embedder
 
 
-def openai_embeddings(batcher: MicroBatcher, settings: ServeSettings, embedder: Embedder | None) -> Callable:
-    """The handler of ``POST /v1/embeddings``."""
+def openai_embeddings(
+    batcher: MicroBatcher, settings: ServeSettings, embedder: Callable[[], Embedder | None]
+) -> Callable:
+    """The handler of ``POST /v1/embeddings``; ``embedder()`` gives the current embedder (``backends.Current``)."""
 
     async def embeddings(body: EmbeddingsRequest, request: Request) -> Any:
         """OpenAI's embeddings API: one embedding per input text, in order, with the tokens the model read."""
-        served = check_model(embedder, body.model)
+        served = check_model(embedder(), body.model)
         texts = check_texts(body.input, settings, "input")
         if body.dimensions is not None and body.dimensions != served.dim:
             if not served.prefix_dims:
@@ -203,26 +205,27 @@ def openai_embeddings(batcher: MicroBatcher, settings: ServeSettings, embedder: 
     return embeddings
 
 
-def openai_models(embedder: Embedder | None) -> Callable:
+def openai_models(embedder: Callable[[], Embedder | None]) -> Callable:
     """The handler of ``GET /v1/models``."""
 
     async def models() -> Any:
         """The served model under each name it answers to (none when the index has no bi-encoder)."""
+        served = embedder()
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "densepass"}
-            for name in (embedder.names if embedder is not None else ())
+            for name in (served.names if served is not None else ())
         ]
         return JSONResponse({"object": "list", "data": data})
 
     return models
 
 
-def openai_model(embedder: Embedder | None) -> Callable:
+def openai_model(embedder: Callable[[], Embedder | None]) -> Callable:
     """The handler of ``GET /v1/models/{model}``."""
 
     async def model(model: str) -> Any:
         """One served model, or 404."""
-        check_model(embedder, model, f"/v1/models/{model}")
+        check_model(embedder(), model)
         return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": "densepass"})
 
     return model
@@ -244,12 +247,12 @@ class EmbedRequest(BaseModel):
     prompt_name: str | None = Field(None, description="'query', or 'passage' / 'document' (the default)")
 
 
-def tei_embed(batcher: MicroBatcher, settings: ServeSettings, embedder: Embedder | None) -> Callable:
+def tei_embed(batcher: MicroBatcher, settings: ServeSettings, embedder: Callable[[], Embedder | None]) -> Callable:
     """The handler of ``POST /embed``."""
 
     async def embed(body: EmbedRequest, request: Request) -> Any:
         """TEI's embed: one vector per input, in order."""
-        served = check_model(embedder, None)
+        served = check_model(embedder(), None)
         if body.prompt_name not in PROMPT_SIDES:
             raise ApiError(422, f"prompt_name must be 'query', 'passage' or 'document', got {body.prompt_name!r}")
         texts = check_texts(body.inputs, settings, "inputs")
@@ -290,11 +293,14 @@ def pair_scores(reranker: PairScorer, pairs: list[tuple[str, str]], truncate: bo
     return [float(s) for s in np.asarray(reranker.score_pairs(queries, texts), dtype=np.float64)]
 
 
-def tei_rerank(batcher: MicroBatcher, settings: ServeSettings, reranker: PairScorer | None) -> Callable:
+def tei_rerank(
+    batcher: MicroBatcher, settings: ServeSettings, current_reranker: Callable[[], PairScorer | None]
+) -> Callable:
     """The handler of ``POST /rerank``."""
 
     async def rerank(body: RerankRequest, request: Request) -> Any:
         """TEI's rerank: each text's score against the query, best first."""
+        reranker = current_reranker()
         if reranker is None:
             message = "this service has no reranker: start it with --rerank MODEL (a cross-encoder or ColBERT)"
             raise ApiError(400, message)
