@@ -1,4 +1,5 @@
-"""One interface for every index: build, add, search, save, load.
+"""One interface for every index: build, add, search, save, load; and delete, upsert, compact (a living index:
+tombstones left out of every search, then compaction; saved updates are versions, ``index.living``).
 
 An index holds the passages it was given (ids, titles, texts, document ids: a ``Corpus``; a loaded index, or one
 built from a BEIR ``corpus.jsonl`` by ``densepass index``, reads titles and texts from that file when a search
