@@ -174,15 +174,15 @@ class Current:
 
     def __init__(self, searcher: Any, embedder: Embedder | None = None, reranker: PairScorer | None = None) -> None:
         self.searcher, self.fixed_embedder, self.fixed_reranker = searcher, embedder, reranker
-        self._embedder: tuple[int, Embedder | None] | None = None  # (id of the index it was found in, it)
+        self._embedder: tuple[Any, Embedder | None] | None = None  # (the index it was found in, it)
 
     def embedder(self) -> Embedder | None:
         """The embedder over the current index's bi-encoder (made once per index), or the one given."""
         if self.fixed_embedder is not None:
             return self.fixed_embedder
         index = getattr(self.searcher, "index", None)
-        if self._embedder is None or self._embedder[0] != id(index):
-            self._embedder = (id(index), find_embedder(self.searcher))
+        if self._embedder is None or self._embedder[0] is not index:  # (an id could be reused after a swap)
+            self._embedder = (index, find_embedder(self.searcher))
         return self._embedder[1]
 
     def reranker(self) -> PairScorer | None:
