@@ -163,3 +163,32 @@ def test_densepass_serve_with_a_watch_and_a_token_reloads_an_updated_index(tmp_p
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_the_watch_outlives_a_reload_that_fails_with_an_unexpected_error(tmp_path):
+    folder = saved_index(tmp_path)
+    calls = []
+
+    def flaky() -> SearchPipeline:  # the first reload fails as a read of a version removed meanwhile would
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("No such file or directory: v000001/passages.jsonl")
+        return SearchPipeline.load(folder)
+
+    searcher = ReloadableSearcher(flaky, folder)
+    thread = searcher.watch(0.05)
+    try:
+        update_index(folder, delete=["2"])
+        deadline = time.monotonic() + 20
+        while len(calls) < 2 or searcher.describe().get("last_reload_error") is None:
+            assert time.monotonic() < deadline, "the watch did not try to reload"
+            time.sleep(0.05)
+        assert "OSError" in searcher.describe()["last_reload_error"]
+        assert thread.is_alive()
+        update_index(folder, delete=["3"])  # the next change is reloaded
+        while searcher.describe()["index_version"] != 2:
+            assert time.monotonic() < deadline, "the watch stopped after the failure"
+            time.sleep(0.05)
+        assert thread.is_alive() and "last_reload_error" not in searcher.describe()
+    finally:
+        searcher.stop()

@@ -98,7 +98,9 @@ class ReloadableSearcher:
 
     def watch(self, interval_s: float) -> threading.Thread:
         """Poll the manifest every ``interval_s`` seconds in a daemon thread and reload when it changed (a failed
-        reload is logged, the old index kept, and tried again at the next change)."""
+        reload is logged, the old index kept, and tried again at the next change). Any failure, not only a
+        ``DensepassError`` (say an ``OSError`` when a later update removed the version being read), leaves the
+        watch running: an exception out of the thread would end the watching for good, unnoticed."""
 
         def poll() -> None:
             while not self._stop.wait(interval_s):
@@ -107,9 +109,11 @@ class ReloadableSearcher:
                     continue
                 try:
                     self.reload()
-                except DensepassError as err:
+                except Exception as err:  # noqa: BLE001 - logged; the watch goes on
                     self.stamp = stamp
-                    logger.error("reloading %s failed, the old index is kept: %s", self.directory, err)
+                    if not isinstance(err, DensepassError):
+                        self.last_error = f"{type(err).__name__}: {err}"
+                    logger.error("reloading %s failed, the old index is kept: %s", self.directory, self.last_error)
 
         thread = threading.Thread(target=poll, name="densepass-watch-index", daemon=True)
         thread.start()
