@@ -10,14 +10,21 @@ exactly as the index does. ``densepass export INDEX --to qdrant`` (``pipelines.v
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from densepass.index.dense import DenseIndex
+
+class DenseIndex(Protocol):
+    """What these functions read of a dense index (``index.dense.DenseIndex``; named here without importing
+    it, which imports this module): its passages, their float32 embeddings and their dimension."""
+
+    passages: Any
+    embeddings: np.ndarray
+    dim: int
 
 
 def live_rows(index: DenseIndex) -> np.ndarray:
