@@ -439,3 +439,18 @@ def test_an_ondisk_ivfpq_index_takes_deletes_upserts_and_compaction_like_a_fresh
         results = searched.search(queries, k=10)
         np.testing.assert_array_equal(results.rows, ref_rows)
         np.testing.assert_allclose(results.scores, ref_scores, rtol=0, atol=1e-6)
+
+
+def test_search_with_hybrid_over_an_updated_dense_index_leaves_the_deleted_passages_out(biencoder, tmp_path):
+    """``--hybrid`` builds BM25 over the dense index's rows at load time: the tombstoned ones too, which its BM25
+    part must leave out as the dense part does (they came back, under their tombstone ids)."""
+    from densepass.pipelines.search import SearchPipeline
+
+    words = ["tar archiver", "kernel driver", "audio editor", "kernel module", "music player"]
+    index = DenseIndex(biencoder, "exact", show_progress=False, device=CPU)
+    index.add([{"id": str(i), "text": t} for i, t in enumerate(words)])
+    folder = index.save(tmp_path / "index")
+    update_index(folder, delete=["1", "3"])
+    for method in ("rrf", "linear"):
+        hits = SearchPipeline.load(folder, hybrid=method).search("kernel", k=5)
+        assert sorted(hit.id for hit in hits) == ["0", "2", "4"], method

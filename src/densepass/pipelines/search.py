@@ -191,7 +191,10 @@ class SearchPipeline:
         index = load_index(directory, **options, **index_options)
         if hybrid is not None:
             weight = 0.5 if fusion_weight is None else fusion_weight
-            index = HybridIndex(index, BM25Index.build(index.passages), hybrid, weight)
+            bm25 = BM25Index.build(index.passages)
+            if len(index) < len(index.passages):  # an updated index's tombstones: BM25 leaves the same rows out
+                bm25._deleted = index.deleted.copy()
+            index = HybridIndex(index, bm25, hybrid, weight)
         if isinstance(reranker, str | Path):
             reranker = load_reranker(reranker, device, rerank_batch_size, rerank_precision)
         return cls(index, reranker, min(100, len(index)) if rerank_depth is None else rerank_depth)
