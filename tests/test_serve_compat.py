@@ -562,3 +562,26 @@ def test_cli_serve_with_a_key_on_a_public_host_is_not_warned_about_missing_authe
     assert main(["serve", str(tmp_path / "no-index"), "--host", "192.0.2.7", "--port", "8123", "--api-key", KEY]) == 2
     err = capsys.readouterr().err.strip()
     assert "warning" not in err and len(err.splitlines()) == 1  # (cannot listen there, or then no index)
+
+
+def test_serve_with_workers_whose_load_fails_stops_in_one_line_instead_of_restarting_them(tmp_path):
+    """Each worker loads the index and models itself; one that cannot (here: a --rerank model that does not exist)
+    stops the service with the reason in one line and exit status 2, where uvicorn's supervisor started it again
+    and again, a traceback each time, and never exited."""
+    dp.BM25Index.build(["tar archiver", "kernel driver"]).save(tmp_path / "idx")
+    argv = [sys.executable, "-m", "densepass", "serve", str(tmp_path / "idx"), "--port", str(free_port())]
+    argv += ["--workers", "2", "--rerank", str(tmp_path / "no-such-model")]
+    done = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("densepass: error: model not found: ") and "no-such-model" in last, last
+
+
+def test_a_worker_load_failure_outside_a_supervisor_is_the_callers_error(monkeypatch):
+    from densepass.errors import ConfigError
+    from densepass.serve.app import WORKER_ERROR_ENV, worker_failed
+
+    monkeypatch.delenv(WORKER_ERROR_ENV, raising=False)
+    with pytest.raises(ConfigError, match="bad model"):
+        worker_failed(ConfigError("bad model"))

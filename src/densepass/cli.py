@@ -300,12 +300,16 @@ def _serving_pipeline(args: argparse.Namespace, reloads: bool):
 def serve_worker_app():
     """The app of one worker process of ``serve --workers N`` (uvicorn calls it in each process it starts): the
     index and models loaded from the command's own arguments."""
+    from densepass.errors import DensepassError
     from densepass.serve import settings_from_args
-    from densepass.serve.app import worker_app, worker_argv
+    from densepass.serve.app import worker_app, worker_argv, worker_failed
 
     args = build_parser().parse_args(worker_argv())
     access_log = None if args.access_log == "off" else args.access_log
-    pipeline = _serving_pipeline(args, reloads=args.watch_index is not None)
+    try:  # a model or index that does not load stops the service in one line (not a worker restarted forever)
+        pipeline = _serving_pipeline(args, reloads=args.watch_index is not None)
+    except DensepassError as err:
+        worker_failed(err)
     return worker_app(pipeline, settings_from_args(args), args.host, access_log)
 
 

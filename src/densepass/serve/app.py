@@ -21,7 +21,8 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib import resources
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -553,6 +554,8 @@ def run_workers(
 
     check_address(host, port)
     metrics_dir = tempfile.mkdtemp(prefix="densepass-metrics-")
+    failed = Path(metrics_dir) / WORKER_ERROR_FILE  # where a worker whose load failed writes why (worker_failed)
+    os.environ[WORKER_ERROR_ENV] = str(failed)
     os.environ["DENSEPASS_SERVE_ARGV"] = json.dumps(argv)
     os.environ["DENSEPASS_READ_TIMEOUT_S"] = repr(settings.read_timeout_s)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
@@ -571,8 +574,32 @@ def run_workers(
             timeout_graceful_shutdown=shutdown_timeout_s,
             access_log=False,
         )
+        reason = failed.read_text(encoding="utf-8", errors="replace").strip() if failed.is_file() else ""
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
+    if reason:
+        raise ConfigError(reason)
+
+
+WORKER_ERROR_ENV = "DENSEPASS_SERVE_ERROR_FILE"
+WORKER_ERROR_FILE = "worker-error.txt"
+
+
+def worker_failed(err: DensepassError) -> NoReturn:
+    """In a worker process of :func:`run_workers` whose index or models did not load (bad input: every worker
+    would fail alike, and uvicorn's supervisor would start it again forever, a traceback each time): the one-line
+    reason goes to the file ``run_workers`` reads, the supervisor gets SIGTERM (it stops the other workers and
+    ``run_workers`` raises the reason as a one-line ``ConfigError``), and this process ends."""
+    import signal
+
+    target, parent = os.environ.get(WORKER_ERROR_ENV), os.environ.get("DENSEPASS_SERVE_PARENT")
+    if not target or not parent:  # not started by run_workers: the caller's error
+        raise err
+    with contextlib.suppress(OSError):
+        Path(target).write_text(" ".join(str(err).split()) + "\n", encoding="utf-8")
+    with contextlib.suppress(OSError):
+        os.kill(int(parent), signal.SIGTERM)
+    os._exit(2)
 
 
 def worker_argv() -> list[str]:
