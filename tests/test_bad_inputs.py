@@ -741,6 +741,31 @@ def test_a_model_config_that_does_not_fit_its_weights_is_one_line_before_any_wor
     assert not output.exists() and not (tmp_path / ".idx.encoding").exists()
 
 
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("model.safetensors", "holds no weights to load"),  # never opened: a FIFO would wait for a writer
+        ("tokenizer.json", r"tokenizer\.json is not a regular file \(a named pipe\)"),
+    ],
+)
+def test_a_named_pipe_in_a_model_folder_is_one_line_not_a_wait(tiny_model_dir, tmp_path, name, says):
+    import os
+    import signal
+
+    from densepass.models.biencoder import BiEncoder
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    (model / name).unlink()
+    os.mkfifo(model / name)
+    signal.alarm(60)  # a wait on the pipe fails the test instead of hanging it
+    try:
+        with pytest.raises((ConfigError, DataError), match=says):
+            BiEncoder.from_pretrained(str(model))
+    finally:
+        signal.alarm(0)
+
+
 def test_a_saved_query_tower_whose_config_does_not_fit_its_weights_is_one_line(tiny_model_dir, tmp_path):
     from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 

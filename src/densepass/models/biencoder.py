@@ -32,6 +32,7 @@ from densepass.io import (
     MANIFEST,
     atomic_directory,
     atomic_write_text,
+    check_regular_file,
     disk_errors,
     hold_temporaries,
     read_manifest,
@@ -101,6 +102,8 @@ def check_model_files(path: Path) -> None:
     models = []  # the folders holding a transformers config (not a sentence-transformers module's)
     for file, name in files:
         if not file.is_file():
+            if file.is_symlink() or file.exists():  # a folder, a FIFO (reading it would wait), a dangling link
+                check_regular_file(file, f"the model's {name}", DataError)
             continue
         try:
             values = json.loads(file.read_text(encoding="utf-8"))

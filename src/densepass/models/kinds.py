@@ -69,7 +69,7 @@ def check_config_and_weights(folder: str | Path) -> None:
 
     folder = Path(folder)
     config_file = folder / "config.json"
-    weights = sorted(folder.glob("*.safetensors"))
+    weights = sorted(p for p in folder.glob("*.safetensors") if p.is_file())  # a FIFO is never opened (a wait)
     key = (str(folder.resolve()), *(_stamp(p) for p in (config_file, *weights)))
     if key in _CHECKED:
         return
