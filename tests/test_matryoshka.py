@@ -253,6 +253,8 @@ def test_an_index_at_a_prefix_dimension_cuts_passages_and_queries_and_remembers_
     assert manifest["dim"] == 16 and manifest["truncate_dim"] == 16
     loaded = load_index(tmp_path / "index")
     assert loaded.dim == 16 and loaded.search_rows(queries, 3)[1].tolist() == rows.tolist()
+    loaded.upsert_embeddings([{"id": "0", "text": passages[0]}], full[:1])  # the model's embeddings, cut as add's
+    np.testing.assert_allclose(loaded.embeddings[-1], cut[0], atol=1e-6)
     with pytest.raises(ConfigError, match="above the model's 32"):
         DenseIndex(model, dim=64)
 

@@ -224,12 +224,13 @@ class DenseIndex(Index):
         self.add_embeddings(corpus, prepared)
 
     def upsert_embeddings(self, passages: Passages, embeddings: np.ndarray) -> None:
-        """``upsert`` of passages whose embeddings were computed already (by this index's model)."""
+        """``upsert`` of passages whose embeddings were computed already (by this index's model; full size or cut,
+        as ``add_embeddings`` takes them)."""
         corpus = records_corpus(passages)
-        embeddings = np.asarray(embeddings, dtype=np.float32)
+        embeddings = self.cut(embeddings)  # the model's full embeddings, cut to a prefix index's dimension
         if embeddings.shape != (len(corpus), self.dim):
             raise ConfigError(
-                f"embeddings of shape {embeddings.shape} for {len(corpus)} passages of a {self.dim}-dimensional model"
+                f"embeddings of shape {embeddings.shape} for {len(corpus)} passages of a {self.dim}-dimensional index"
             )
         self.upsert_encoded(corpus, embeddings)
 
