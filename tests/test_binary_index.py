@@ -220,3 +220,20 @@ def test_the_search_pipeline_loads_a_compact_index_with_its_rescoring_options(mo
     DenseIndex.build(model, texts, show_progress=False).save(tmp_path / "exact")
     with pytest.raises(ConfigError, match="takes no load option rescore_multiplier, rescore_with"):
         SearchPipeline.load(tmp_path / "exact", rescore_with="int8", rescore_multiplier=2)
+
+
+def test_a_binary_index_at_a_dimension_not_a_multiple_of_8_is_refused_before_any_passage_is_encoded(
+    tiny_beir, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    import densepass.pipelines.indexing as indexing
+    from densepass.cli import main
+
+    def encode(*args, **kwargs):
+        raise AssertionError("the corpus was encoded before the refusal")
+
+    monkeypatch.setattr(indexing, "encode_sharded", encode)
+    argv = ["index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(tmp_path / "bin")]
+    assert main([*argv, "--embedding-precision", "binary", "--dim", "12"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "densepass: error: binary codes pack 8 dimensions to a byte: 12 is not a multiple of 8 (--dim)"
+    assert not (tmp_path / "bin").exists()

@@ -140,6 +140,9 @@ def encode_corpus(
         settings.ivf.resolve(len(texts), model.dim)
     if settings.dim is not None:  # above the model's size: refused before any passage is encoded
         check_index_dim(settings.dim, model.dim, model.config.matryoshka_dims, settings.model)
+    dim = settings.dim or model.dim
+    if settings.embedding_precision == "binary" and dim % 8:  # CompactIndex's own check, before the encoding
+        raise ConfigError(f"binary codes pack 8 dimensions to a byte: {dim} is not a multiple of 8 (--dim)")
     check_trainable(settings.encoded_kind, len(texts))
     return encode_sharded(
         model,
