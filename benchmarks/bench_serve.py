@@ -29,6 +29,13 @@ service needs a GET /health that answers 200):
         --model sentence-transformers/all-MiniLM-L6-v2 \
         --start "infinity=infinity_emb v2 --model-id sentence-transformers/all-MiniLM-L6-v2 --port {port}"
 
+densepass against infinity-emb serving the same model files, side by side in one run (both started, pinned to the
+same cores with the same threads, measured in turn round after round; texts per request x concurrent clients; the
+embeddings checked to agree first; see serve_peer.py):
+
+    python benchmarks/bench_serve.py --peer infinity --peer-python /path/to/infinity-venv/bin/python \
+        --index IDX --passages corpus.jsonl.gz --out runs/bench/serve-infinity.json
+
 Queries: a BEIR queries.jsonl(.gz) (its ``text`` fields) or a text file with one query per line, sent in
 order and cycled. Each concurrency level runs until --requests requests or --seconds seconds, whichever comes
 first, after --warmup requests that are not counted. Services given by URL are measured level by level in
@@ -76,6 +83,9 @@ class Service:
     command: str | None = None
     process: subprocess.Popen | None = field(default=None, repr=False)
     health: dict = field(default_factory=dict)
+    route: str | None = None  # its own path (--peer: each server's embeddings route), else --route
+    model: str | None = None  # the model name sent to it (--peer), else --model
+    env: dict | None = field(default=None, repr=False)  # extra environment of its command
 
 
 def named(value: str, index: int) -> tuple[str, str]:
@@ -110,7 +120,9 @@ def start(service: Service, client: httpx.Client, startup_s: float) -> None:
     port = free_port()
     service.url = f"http://127.0.0.1:{port}"
     service.process = subprocess.Popen(
-        shlex.split(service.command.replace("{port}", str(port))), start_new_session=True
+        shlex.split(service.command.replace("{port}", str(port))),
+        start_new_session=True,
+        env={**os.environ, **service.env} if service.env else None,
     )
     deadline = time.monotonic() + startup_s
     while time.monotonic() < deadline:
@@ -232,9 +244,9 @@ def measure(
             args.seconds,
             args.k,
             args.timeout,
-            args.route,
+            service.route or args.route,
             args.texts_per_request,
-            args.model,
+            service.model or args.model,
             args.api_key,
         )
         for p in range(shares)
@@ -253,6 +265,7 @@ def measure(
     return {
         "service": service.name,
         "concurrency": concurrency,
+        "texts_per_request": args.texts_per_request,
         "requests": len(latencies) + sum(failures.values()),
         "errors": sum(failures.values()),
         "error_kinds": dict(failures),
@@ -321,6 +334,57 @@ def run(services: list[Service], queries: list[str], args: argparse.Namespace) -
             if pool:
                 pool.shutdown()
     return results
+
+
+def run_peer(services: list[Service], texts: list[str], args: argparse.Namespace) -> dict:
+    """``--peer``: start every server (all stay up; see serve_peer's doc), warm each up, check that their
+    embeddings agree on a sample, then ``--rounds`` rounds of every texts-per-request x concurrency cell measured on
+    each server in turn (the order rotated each round); every server is stopped after."""
+    from serve_peer import cosines, embeddings
+
+    results: list[dict] = []
+    agreement: dict[str, dict] = {}
+    with httpx.Client(timeout=args.timeout, trust_env=False) as client:
+        try:
+            for service in services:
+                start(service, client, args.startup_seconds)
+                service.health = get_health(client, service.url)
+                print(f"{service.name}: {service.url} ({service.command})", flush=True)
+            for service in services:
+                run_load(
+                    service.url, texts, 0, 1, 1, args.warmup, args.seconds, args.k, args.timeout, service.route,
+                    max(args.texts_per_request), None, args.api_key,
+                )  # fmt: skip
+            sample = texts[: args.check_texts]
+            reference = embeddings(client, services[0].url, services[0].route, sample)
+            for service in services[1:]:
+                cos = cosines(reference, embeddings(client, service.url, service.route, sample))
+                agreement[service.name] = {"versus": services[0].name, "texts": len(sample), "min_cosine": cos.min()}
+                print(f"{service.name} against {services[0].name}: min cosine {cos.min():.6f} over {len(sample)} texts")
+                if cos.min() < args.min_cosine:
+                    raise SystemExit(
+                        f"bench_serve: {service.name}'s embeddings differ from {services[0].name}'s (min cosine "
+                        f"{cos.min():.6f} < {args.min_cosine}): the servers do not compute the same thing"
+                    )
+            for round_ in range(args.rounds):
+                order = services[round_ % len(services) :] + services[: round_ % len(services)]
+                for per_request in args.texts_per_request:
+                    cell_args = argparse.Namespace(**{**vars(args), "texts_per_request": per_request})
+                    for concurrency in args.concurrency:
+                        for service in order:
+                            r = measure(None, client, service, texts, concurrency, cell_args)
+                            r["round"] = round_
+                            results.append(r)
+                            print(
+                                f"  round {round_} {per_request} texts x {concurrency} clients {service.name}: "
+                                f"{rate(r['texts_per_s'])} texts/s, p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f}"
+                                f" ms, {r['errors']} errors, client CPU {r['client_cpu']:.0%}",
+                                flush=True,
+                            )
+        finally:
+            for service in services:
+                stop(service)
+    return {"results": results, "agreement": agreement}
 
 
 def tables(services: list[Service], results: list[dict], concurrency: list[int]) -> tuple[str, list[dict]]:
@@ -405,9 +469,28 @@ def main() -> None:
         metavar="NAME=COMMAND",
         help="a command that serves on {port} (started, measured, then stopped with Ctrl-C)",
     )
-    parser.add_argument(
-        "--queries", required=True, type=Path, help="BEIR queries.jsonl(.gz) or a text file with one query per line"
+    parser.add_argument("--queries", type=Path, help="BEIR queries.jsonl(.gz) or a text file with one query per line")
+    peer = parser.add_argument_group("--peer: densepass against another embedding server, started side by side")
+    peer.add_argument("--peer", choices=("infinity",), default=None, help="the other server (infinity-emb)")
+    peer.add_argument("--index", type=Path, help="--peer: the densepass index whose bi-encoder serves embeddings")
+    peer.add_argument("--passages", type=Path, help="--peer: a BEIR corpus.jsonl(.gz) whose passages are sent")
+    peer.add_argument(
+        "--model-path", default=None, help="--peer: the model folder infinity loads (default: all-MiniLM-L6-v2's)"
     )
+    peer.add_argument("--peer-python", default=None, help="--peer: the python of infinity-emb's environment")
+    peer.add_argument(
+        "--peer-command", default=None, help="--peer: the command before 'v2 ...' (default: infinity_emb)"
+    )
+    peer.add_argument("--peer-engines", nargs="+", default=["torch"], help="--peer: infinity engines (torch, optimum)")
+    peer.add_argument("--peer-batch-size", type=int, default=32, help="--peer: infinity's --batch-size (its default)")
+    peer.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], help="--peer: densepass's --precision")
+    peer.add_argument("--cores", default="0,1", help="--peer: taskset -c CPU list every server is pinned to")
+    peer.add_argument("--threads", type=int, default=2, help="--peer: OMP/MKL/RAYON threads of every server")
+    peer.add_argument("--rounds", type=int, default=3, help="--peer: rounds; each cell is the median over them")
+    peer.add_argument("--max-tokens", type=int, default=128, help="--peer: longest passage sent, in tokens")
+    peer.add_argument("--n-passages", type=int, default=5000, help="--peer: passages read and cycled")
+    peer.add_argument("--check-texts", type=int, default=64, help="--peer: texts whose embeddings are compared")
+    peer.add_argument("--min-cosine", type=float, default=0.999, help="--peer: least cosine between the servers")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--requests", type=int, default=2000, help="at most this many requests per level")
     parser.add_argument("--seconds", type=float, default=30.0, help="at most this long per level")
@@ -419,7 +502,13 @@ def main() -> None:
         help="the path requests go to: search (densepass), v1/embeddings (OpenAI's API; a peer's path, e.g. "
         "embeddings for infinity-emb), embed (TEI's)",
     )
-    parser.add_argument("--texts-per-request", type=int, default=1, help="texts (queries) in each request")
+    parser.add_argument(
+        "--texts-per-request",
+        type=int,
+        nargs="+",
+        default=None,
+        help="texts (queries) in each request (default 1; --peer: 1 32, and several values measure each)",
+    )
     parser.add_argument("--model", default=None, help="the model name sent to an OpenAI route (default: none)")
     parser.add_argument(
         "--api-key", default=os.environ.get("DENSEPASS_API_KEY"), help="bearer token (default: $DENSEPASS_API_KEY)"
@@ -442,8 +531,17 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
     args.route = args.route.strip("/")
-    if args.texts_per_request < 1:
+    args.texts_per_request = args.texts_per_request or ([1, 32] if args.peer else [1])
+    if min(args.texts_per_request) < 1:
         parser.error("--texts-per-request must be at least 1")
+    if args.peer:
+        peer_main(parser, args)
+        return
+    if len(args.texts_per_request) > 1:
+        parser.error("several --texts-per-request values are for --peer only")
+    args.texts_per_request = args.texts_per_request[0]
+    if args.queries is None:
+        parser.error("--queries is required (without --peer)")
     if bool(args.url) == bool(args.start):
         parser.error("give the services either with --url or with --start")
     services = [Service(name, url=url.rstrip("/")) for name, url in (named(v, i) for i, v in enumerate(args.url, 1))]
@@ -477,6 +575,80 @@ def main() -> None:
             "services": [{"name": s.name, "url": s.url, "command": s.command, "health": s.health} for s in services],
             "results": results,
             "ratios": ratios,
+        },
+    )
+
+
+def peer_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--peer``: check the arguments (before starting anything), read the passages, run, write the tables."""
+    from serve_peer import peer_services, peer_tables, ratios, read_passages, summarise
+
+    if args.url or args.start or args.queries or args.during:
+        parser.error("--peer starts its own servers: no --url, --start, --queries or --during with it")
+    if args.index is None or args.passages is None:
+        parser.error("--peer needs --index (a densepass index of the model) and --passages (a BEIR corpus)")
+    if not args.index.is_dir():
+        parser.error(f"--index {args.index}: not a densepass index folder")
+    if not args.passages.is_file():
+        parser.error(f"--passages {args.passages}: no such file")
+    if args.peer_python and not Path(args.peer_python).is_file():
+        parser.error(f"--peer-python {args.peer_python}: no such file")
+    if args.rounds < 1 or args.threads < 1 or args.check_texts < 1:
+        parser.error("--rounds, --threads and --check-texts must be at least 1")
+    if args.processes != 1:
+        parser.error("--peer measures with one client process (its CPU use is reported)")
+    if args.model_path is None:
+        from serve_peer import default_model_path
+
+        args.model_path = default_model_path()
+    texts = read_passages(args.passages, args.model_path, args.max_tokens, args.n_passages)
+    if len(texts) < args.check_texts:
+        parser.error(f"--passages: only {len(texts)} passages of at most {args.max_tokens} tokens")
+    services = peer_services(args, Service)
+    print(
+        f"{len(texts):,} passages of at most {args.max_tokens} tokens from {args.passages}; "
+        f"texts per request {args.texts_per_request}; clients {args.concurrency}; {args.rounds} rounds of at most "
+        f"{args.requests} requests or {args.seconds:g}s per cell; servers pinned to cores {args.cores}, "
+        f"{args.threads} threads each\n",
+        flush=True,
+    )
+    from common import cpu_facts
+
+    machine = cpu_facts()
+    measured = run_peer(services, texts, args)
+    summary = summarise(measured["results"])
+    compared = ratios(summary)
+    text = peer_tables(summary, compared)
+    print()
+    print(text)
+    if args.out:
+        Path(args.out).with_suffix(".md").write_text(text + "\n")
+    write_json(
+        args.out,
+        {
+            "benchmark": "serve-peer",
+            "peer": args.peer,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+            "machine": machine,
+            "client": f"one process, asyncio + httpx {httpx.__version__}, python {platform.python_version()}, "
+            "not pinned",
+            "cores": args.cores,
+            "threads": args.threads,
+            "passages_file": str(args.passages),
+            "n_passages": len(texts),
+            "max_tokens": args.max_tokens,
+            "model_path": args.model_path,
+            "index": str(args.index),
+            "texts_per_request": args.texts_per_request,
+            "concurrency": args.concurrency,
+            "rounds": args.rounds,
+            "requests_per_cell": args.requests,
+            "seconds_per_cell": args.seconds,
+            "services": [{"name": s.name, "command": s.command, "env": s.env, "health": s.health} for s in services],
+            "agreement": measured["agreement"],
+            "summary": summary,
+            "ratios": compared,
+            "results": measured["results"],
         },
     )
 
