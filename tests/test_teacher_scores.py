@@ -160,3 +160,7 @@ def test_a_teacher_score_that_is_not_finite_is_refused(setup, tmp_path):
     path.write_text("\n".join([lines[0], json.dumps(record), *lines[2:]]) + "\n")
     with pytest.raises(DataError, match="not a finite number"):
         load_teacher_scores(path, pairs)
+    record["scores"] = {p: 1e308 for p in record["scores"]}  # finite in Python, infinite in float32: margins dropped
+    path.write_text("\n".join([lines[0], json.dumps(record), *lines[2:]]) + "\n")
+    with pytest.raises(DataError, match=r"s\.jsonl:2: a teacher score beyond \+-1\.7e38"):
+        load_teacher_scores(path, pairs)

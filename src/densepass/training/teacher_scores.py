@@ -40,6 +40,9 @@ Pairs = dict[str, list[str]]  # query id -> passage ids to score
 Scores = dict[str, dict[str, float]]  # query id -> passage id -> teacher score
 
 
+SCORE_LIMIT = 3.4028234663852886e38 / 2  # half the largest float32: two scores' margin stays finite in training
+
+
 def teacher_identity(teacher: CrossEncoder) -> dict:
     """What a teacher is: its path, the fingerprint of its weights and its truncation length."""
     return {"path": teacher.source, "weights": fingerprint_weights(teacher.model), "max_length": teacher.max_length}
@@ -97,6 +100,10 @@ def _read(path: Path, complete: bool) -> tuple[dict, Scores, int]:
             scores[qid] = {str(p): float(v) for p, v in values.items()}
             if not all(math.isfinite(v) for v in scores[qid].values()):
                 raise DataError(f"{path}:{line_no}: a teacher score that is not a finite number (NaN or infinity)")
+            if not all(abs(v) <= SCORE_LIMIT for v in scores[qid].values()):  # float32 margins: infinite
+                raise DataError(
+                    f"{path}:{line_no}: a teacher score beyond +-1.7e38, whose margins are infinite in float32"
+                )
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
             if not complete and line_no == len(lines):
                 break  # the line being written when the run stopped
