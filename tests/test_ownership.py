@@ -207,8 +207,9 @@ def test_claim_refuses_a_foreign_folder_and_restart_keeps_foreign_files(tmp_path
     (run / "meeting_log.jsonl").write_text("{}")
     (run / "subcorpus_ideas.json").write_text("{}")
     (run / "runs").mkdir()
-    (run / "runs" / "bm25.trec").write_text("q Q0 p 1 1.000000 densepass\n")  # a run's own
+    (run / "runs" / "bm25.trec").write_text("q Q0 p 1 1.000000 bm25\n")  # a run's own: tagged with its system
     (run / "runs" / "my-bm25.trec").write_text("q Q0 p 1 1.0 anserini\n")  # a user's, named like one
+    (run / "runs" / "copy.trec").write_text("q Q0 p 1 1.0 densepass\n")  # a user's copy of densepass search's output
     (run / "runs" / "draft.txt").write_text("mine")
     (run / "negatives" / "miner-8d-abc").mkdir(parents=True)
     (run / "negatives" / "miner-8d-abc" / "train_log.jsonl").write_text("{}")
@@ -224,12 +225,14 @@ def test_claim_refuses_a_foreign_folder_and_restart_keeps_foreign_files(tmp_path
         "negatives/my-pool.jsonl",
         "notes.txt",
         "reranker/notes.txt",
+        "runs/copy.trec",
         "runs/draft.txt",
         "runs/my-bm25.trec",
         "sub",
         "subcorpus_ideas.json",
     ]
     assert (run / "runs" / "my-bm25.trec").read_text() == "q Q0 p 1 1.0 anserini\n"
+    assert (run / "runs" / "copy.trec").read_text() == "q Q0 p 1 1.0 densepass\n"
     assert (run / "best-model" / "my_notes.txt").read_text() == "mine"
     assert (run / "runs" / "draft.txt").read_text() == "mine"
     assert not (run / "checkpoints").exists() and not (run / "report.md").exists()

@@ -290,14 +290,14 @@ def _entry_pattern(name: str, entries: tuple[str, ...]) -> str | None:
 
 def written_by_densepass(path: Path) -> bool:
     """Whether a file named as one of a run's outputs also reads as one, where a user's file could bear the name:
-    a TREC run densepass writes (every line ``qid Q0 pid rank score TAG``, TAG ``densepass`` or the file's stem), a
+    a TREC run a run writes (every line ``qid Q0 pid rank score TAG``, TAG the file's stem: a run tags each of its
+    runs with its system's name; a copy of ``densepass search``'s output, tagged ``densepass``, is a user's file), a
     config it saves (YAML with no comment: a file with comments holds a user's notes), a report (its title line).
     Other names: True (the name is densepass's)."""
     try:
         if path.suffix == ".trec":
             with open(path, encoding="utf-8") as handle:
-                tags = ("densepass", path.stem)  # a run tags each of its runs with the system's name, its file's stem
-                return all(len(f := line.split()) == 6 and f[5] in tags for line in handle if line.strip())
+                return all(len(f := line.split()) == 6 and f[5] == path.stem for line in handle if line.strip())
         if path.name == "config.yaml":
             with open(path, encoding="utf-8") as handle:
                 return not any(line.lstrip().startswith("#") for line in handle)
