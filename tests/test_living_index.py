@@ -454,3 +454,17 @@ def test_search_with_hybrid_over_an_updated_dense_index_leaves_the_deleted_passa
     for method in ("rrf", "linear"):
         hits = SearchPipeline.load(folder, hybrid=method).search("kernel", k=5)
         assert sorted(hit.id for hit in hits) == ["0", "2", "4"], method
+
+
+@pytest.mark.parametrize("listed", [np.int64(1), np.array([[1]]), np.array([1.0]), np.array([3]), np.array([-1])])
+def test_damaged_tombstones_are_one_line(tmp_path, listed):
+    """A ``deleted.npy`` that lists no rows of the index (under a manifest rewritten to match it): one line, also a
+    0-d array (it has no length)."""
+    from densepass.errors import DataError
+    from densepass.index.base import read_tombstones
+
+    np.save(tmp_path / "deleted.npy", listed)
+    with pytest.raises(DataError, match="deleted.npy does not list rows of its 3 passages"):
+        read_tombstones(tmp_path, 3)
+    np.save(tmp_path / "deleted.npy", np.array([2, 0]))
+    assert read_tombstones(tmp_path, 3).tolist() == [True, False, True]

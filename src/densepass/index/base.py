@@ -469,8 +469,8 @@ def read_tombstones(directory: Path, rows: int) -> np.ndarray | None:
     if not path.is_file():
         return None
     listed = np.load(path, allow_pickle=False)
-    in_range = len(listed) == 0 or 0 <= listed.min() <= listed.max() < rows
-    if listed.ndim != 1 or listed.dtype.kind not in "iu" or not in_range:
+    shaped = listed.ndim == 1 and listed.dtype.kind in "iu"  # first: a 0-d array has no len()
+    if not shaped or len(listed) and not 0 <= listed.min() <= listed.max() < rows:
         raise DataError(f"{directory}: {DELETED} does not list rows of its {rows} passages")
     deleted = np.zeros(rows, dtype=bool)
     deleted[listed] = True
