@@ -192,3 +192,13 @@ def test_the_watch_outlives_a_reload_that_fails_with_an_unexpected_error(tmp_pat
         assert thread.is_alive() and "last_reload_error" not in searcher.describe()
     finally:
         searcher.stop()
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", "nan", "inf", "1e12"])
+def test_a_watch_interval_that_is_not_a_positive_number_of_seconds_up_to_a_day_is_one_line(tmp_path, capsys, seconds):
+    """An infinite or huge interval ended the watch thread at once (OverflowError in its wait)."""
+    from densepass.cli import main
+
+    assert main(["serve", str(tmp_path / "no-index"), "--port", "0", "--watch-index", seconds]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("densepass: error: --watch-index takes a number of seconds above 0") and "\n" not in err

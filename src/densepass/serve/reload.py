@@ -36,6 +36,7 @@ logger = logging.getLogger("densepass.serve")
 ADMIN_TOKEN_ENV = "DENSEPASS_ADMIN_TOKEN"
 ADMIN_HEADER = "x-admin-token"
 MIN_TOKEN_CHARS = 16
+MAX_WATCH_S = 86_400  # --watch-index's largest interval
 
 
 def manifest_stamp(directory: Path) -> tuple[int, int, int] | None:
@@ -178,8 +179,10 @@ def check_reload_arguments(args: argparse.Namespace) -> str | None:
     """The admin token of ``args`` (``admin_token``), after the checks: a positive ``--watch-index``, and no
     admin route with several workers (it would reload one of them)."""
     token = admin_token(args.admin_token)
-    if args.watch_index is not None and not args.watch_index > 0:
-        raise ConfigError(f"--watch-index takes a number of seconds above 0, got {args.watch_index}")
+    if args.watch_index is not None and not 0 < args.watch_index <= MAX_WATCH_S:  # NaN too; inf: an OverflowError
+        raise ConfigError(  # in the watch thread, which would end it at once
+            f"--watch-index takes a number of seconds above 0 and at most {MAX_WATCH_S} (a day), got {args.watch_index}"
+        )
     if token is not None and getattr(args, "workers", 1) > 1:
         raise ConfigError("POST /admin/reload would reach one worker of --workers: use --watch-index instead")
     return token
