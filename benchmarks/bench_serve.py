@@ -349,6 +349,8 @@ def run_peer(services: list[Service], texts: list[str], args: argparse.Namespace
             for service in services:
                 start(service, client, args.startup_seconds)
                 service.health = get_health(client, service.url)
+                models = client.get(f"{service.url}/{service.route.removesuffix('embeddings')}models")
+                service.health["models"] = models.json() if models.status_code == 200 else None  # infinity: batch size
                 print(f"{service.name}: {service.url} ({service.command})", flush=True)
             for service in services:
                 run_load(

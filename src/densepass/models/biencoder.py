@@ -268,7 +268,8 @@ class BiEncoder(SidedInputs, nn.Module):
         texts = self.prompted(texts, side)
         was_training = self.training
         out = encode_texts(self, texts, side, batch_size, device, precision=precision, show_progress=show_progress)
-        self.train(was_training)
+        if was_training:  # (train(False) walks every module: a serving call's fixed cost)
+            self.train(True)
         return torch.from_numpy(out) if convert_to == "torch" else out
 
     # ---- construction and persistence -------------------------------------------------------

@@ -151,6 +151,16 @@ def padded_batches(
     return batches
 
 
+def placed_for_inference(model: torch.nn.Module, device: torch.device) -> None:
+    """``model.to(device).eval()``, walking the modules only where something changes: each walk sets every parameter
+    and module again, a fixed cost per call that a service, which encodes a few texts per call, would pay on every
+    request (docs/benchmarks.md, the embedding service against infinity-emb)."""
+    if any(t.device != device for t in itertools.chain(model.parameters(), model.buffers())):
+        model.to(device)
+    if any(module.training for module in model.modules()):
+        model.eval()
+
+
 def encode_texts(
     model: TwoTowers,
     texts: Sequence[str],
@@ -172,7 +182,7 @@ def encode_texts(
         raise DensepassError(f"nothing to encode: the list of {side} texts is empty")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be a whole number >= 1, got {batch_size!r}")  # 0 would never end
-    model.to(device).eval()
+    placed_for_inference(model, device)
     runner = inference_runner(model, precision, device)
     order = np.argsort([-len(t) for t in texts], kind="stable")
     chunks = [order[s : s + TOKENIZE_CHUNK] for s in range(0, len(order), TOKENIZE_CHUNK)]

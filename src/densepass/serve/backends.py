@@ -57,6 +57,9 @@ class Embedder:
         extra_names: Sequence[str] = (),
     ) -> None:
         self.model, self.device, self.precision, self.batch_size = model, device, precision, batch_size
+        # a served model is never trained: in eval mode once here, each call skips the two walks over its modules
+        # that encoding a model in training mode costs (eval, then train again after)
+        model.eval()
         from densepass.models.biencoder import model_name
 
         source = source or model.source or "densepass"
