@@ -81,11 +81,14 @@ def peer_services(args: argparse.Namespace, service_type: type) -> list:
         "INFINITY_ANONYMOUS_USAGE_STATS": "0",
         "DO_NOT_TRACK": "1",
     }
+    # densepass answers 503 beyond --max-queue texts waiting (1,024 by default; 64 clients x 32 texts are 2,048):
+    # room for every text in flight, as infinity-emb queues without a bound
+    queue = max(1024, max(args.concurrency) * max(args.texts_per_request))
     services = [
         service_type(
             f"densepass-{precision}",
             command=f"{pin}{sys.executable} -m densepass serve {args.index} --port {{port}} --device cpu "
-            f"--precision {precision} --access-log off",
+            f"--precision {precision} --access-log off --max-queue {queue}",
             route="v1/embeddings",
             env=env,
         )
