@@ -441,6 +441,47 @@ def test_an_ondisk_ivfpq_index_takes_deletes_upserts_and_compaction_like_a_fresh
         np.testing.assert_allclose(results.scores, ref_scores, rtol=0, atol=1e-6)
 
 
+def test_an_ondisk_ivfpq_save_that_fails_midway_leaves_the_index_in_memory_answering_as_before(
+    biencoder, tmp_path, monkeypatch
+):
+    """A compacting save that fails after the lists were written (a full disk at the manifest) leaves the index in
+    memory with its passages and tombstones, matching the lists it searches; a later save then compacts."""
+    import errno
+
+    from densepass.index import base
+    from densepass.index.base import as_corpus
+    from densepass.index.ondisk import IVFPQOptions, build_ondisk_ivfpq
+    from densepass.index.sharded import ShardedEmbeddings
+
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((300, biencoder.dim)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    corpus = as_corpus([{"id": f"p{i}", "text": f"passage {i}"} for i in range(300)])
+    options = IVFPQOptions(lists=2, pq_m=8, pq_bits=4, train_size=300, nprobe=2)
+    shards = ShardedEmbeddings.whole(vectors, block=300)
+    build_ondisk_ivfpq(biencoder, shards, corpus, tmp_path / "work", options, device=CPU).save(tmp_path / "index")
+    index = load_index(tmp_path / "index", model=biencoder)
+    index.delete([f"p{i}" for i in range(0, 300, 3)])
+    index.compact()
+    queries = vectors[1:6]
+    before = [index.search(queries, k=5).ids(i) for i in range(len(queries))]
+    ids, length = list(index.passages.ids), len(index)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(base, "write_manifest", full)
+        with pytest.raises(DensepassError, match="no space left"):
+            save_version(index, tmp_path / "index")
+    assert list(index.passages.ids) == ids and len(index) == length and index.deleted.sum() == 100
+    assert [index.search(queries, k=5).ids(i) for i in range(len(queries))] == before
+    save_version(index, tmp_path / "index")  # with space again: the compaction is done
+    assert len(index.passages) == 200 and not index.deleted.any()
+    assert [index.search(queries, k=5).ids(i) for i in range(len(queries))] == before
+    assert load_index(tmp_path / "index", model=biencoder).passages.ids == index.passages.ids
+
+
 def test_search_with_hybrid_over_an_updated_dense_index_leaves_the_deleted_passages_out(biencoder, tmp_path):
     """``--hybrid`` builds BM25 over the dense index's rows at load time: the tombstoned ones too, which its BM25
     part must leave out as the dense part does (they came back, under their tombstone ids)."""

@@ -226,6 +226,7 @@ class OnDiskIVFPQIndex(Index):
         self.delta = None  # upserted passages since the last save: an in-memory IVF-PQ with the same quantisers
         self._compact_pending = False  # compact(): the lists are written without the deleted rows at the next save
         self._lists_written = False
+        self._compacted: Corpus | None = None  # the passages a compacting save wrote, taken on by reopen
 
     @property
     def dim(self) -> int:
@@ -290,19 +291,26 @@ class OnDiskIVFPQIndex(Index):
 
     def write_into(self, directory: Path) -> None:
         """``Index.write_into``, the lists file written anew where passages were upserted or compaction is due:
-        the saved lists then the upserted ones, list by list, rows renumbered without the deleted ones."""
+        the saved lists then the upserted ones, list by list, rows renumbered without the deleted ones. The index in
+        memory is left as it was (its passages and tombstones match the lists it searches) until ``reopen`` reads
+        the written version: a save that fails midway (a full disk) leaves it answering as before."""
+        self._compacted = None
+        passages, deleted = self.passages, self._deleted
         if self.faiss is not None and (self.delta is not None or self._compact_pending):
             keep = ~self.deleted if self._compact_pending else np.ones(len(self.passages), dtype=bool)
             remap = np.where(keep, np.cumsum(keep) - 1, -1)
             self._write_lists(directory, remap)
-            if self._compact_pending:
+            if self._compact_pending:  # written without the deleted rows; taken on in memory by reopen
                 self.passages = self.passages.subset(np.flatnonzero(keep).tolist())
                 self._deleted = None
             self._lists_written = True
         try:
             super().write_into(directory)
+            if self._compact_pending and self._lists_written:
+                self._compacted = self.passages
         finally:
             self._lists_written = False
+            self.passages, self._deleted = passages, deleted
 
     def _write_lists(self, directory: Path, remap: np.ndarray) -> None:
         """Write ``directory``'s lists file and index file: every list's entries of the saved lists and of the
@@ -338,6 +346,8 @@ class OnDiskIVFPQIndex(Index):
     def reopen(self, directory: Path) -> None:
         """Search from ``directory`` (where the index was just saved, e.g. a new version): its lists hold the upserted
         passages, and compaction is done."""
+        if self._compacted is not None:  # the passages that version holds (write_into)
+            self.passages, self._deleted, self._compacted = self._compacted, None, None
         self._open(directory)
         self.delta, self._compact_pending = None, False
 
