@@ -319,6 +319,30 @@ def test_shorter_embeddings_only_from_a_model_trained_for_them(tiny_model_dir):
     assert whole.status_code == 200 and len(whole.json()["data"][0]["embedding"]) == 32
 
 
+def test_an_index_at_a_matryoshka_prefix_serves_embeddings_of_its_dimension(models):
+    """An index built at ``--dim 16``: ``/v1/embeddings`` and ``/embed`` give 16-dimension vectors, those the index
+    holds (cut and normalised again), not the model's 32; ``dimensions`` may still ask for the trained 8."""
+    _, model = models
+    passages = [{"id": f"p{i}", "title": "", "text": text} for i, text in enumerate(TEXTS)]
+    index = dp.DenseIndex.build(
+        model, passages, kind="exact", dim=16, show_progress=False, device=CPU, precision="fp32"
+    )
+    _, stored = index.to_numpy()
+    app = create_app(dp.SearchPipeline(index), ServeSettings())
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        openai = http.post("/v1/embeddings", json={"input": TEXTS, "input_type": "passage"})
+        tei = http.post("/embed", json={"inputs": TEXTS[:2]})
+        short = http.post("/v1/embeddings", json={"input": TEXTS[2], "dimensions": 8})
+        wider = http.post("/v1/embeddings", json={"input": "x", "dimensions": 32})
+    served = np.array([row["embedding"] for row in openai.json()["data"]])
+    assert served.shape == (len(TEXTS), 16)
+    np.testing.assert_allclose(served, stored, atol=1e-5)
+    np.testing.assert_allclose(np.array(tei.json()), stored[:2], atol=1e-5)
+    expected = stored[2, :8] / np.linalg.norm(stored[2, :8])
+    np.testing.assert_allclose(short.json()["data"][0]["embedding"], expected, atol=1e-5)
+    assert wider.status_code == 400 and "from 1 to 16" in wider.json()["error"]["message"]
+
+
 @pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="no Chromium (scripts/setup.sh installs it)")
 def test_with_a_key_the_search_page_loads_asks_for_the_key_and_searches_with_it():
     from playwright.sync_api import expect, sync_playwright

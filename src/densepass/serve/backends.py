@@ -45,6 +45,9 @@ class Embedder:
     model read for each text (for OpenAI's ``usage``).
 
     ``names``: the model names a request may give (the name the index recorded, its path, and ``extra_names``).
+    ``dim``: the dimension served, the index's where it holds a Matryoshka prefix (``densepass index --dim N``): the
+    model's embeddings cut to it and normalised again as ``DenseIndex`` cuts them, so that a client stores vectors
+    of the size the index holds beside them; None: the model's.
     """
 
     def __init__(
@@ -55,8 +58,10 @@ class Embedder:
         precision: str = "auto",
         batch_size: int = 64,
         extra_names: Sequence[str] = (),
+        dim: int | None = None,
     ) -> None:
         self.model, self.device, self.precision, self.batch_size = model, device, precision, batch_size
+        self.cut = None if dim is None or dim == model.dim else dim
         # a served model is never trained: in eval mode once here, each call skips the two walks over its modules
         # that encoding a model in training mode costs (eval, then train again after)
         model.eval()
@@ -68,14 +73,15 @@ class Embedder:
 
     @property
     def dim(self) -> int:
-        """Embedding dimension."""
-        return self.model.dim
+        """Embedding dimension served: the index's (a Matryoshka prefix), else the model's."""
+        return self.cut or self.model.dim
 
     @property
     def prefix_dims(self) -> list[int]:
         """The prefix dimensions the model was trained at (Matryoshka, ``matryoshka_dims`` of its config), empty
-        when it was not: only then are shorter embeddings (OpenAI's ``dimensions``) served."""
-        return list(getattr(self.model.config, "matryoshka_dims", None) or [])
+        when it was not: only then are shorter embeddings (OpenAI's ``dimensions``) served. Those above the served
+        dimension are left out."""
+        return [d for d in getattr(self.model.config, "matryoshka_dims", None) or [] if d <= self.dim]
 
     @property
     def normalized(self) -> bool:
@@ -110,6 +116,10 @@ class Embedder:
         vectors = encode(
             texts, batch_size=self.batch_size, show_progress=False, device=self.device, precision=self.precision
         )
+        if self.cut is not None:
+            from densepass.models.matryoshka import truncate
+
+            vectors = truncate(np.asarray(vectors, dtype=np.float32), self.cut, self.normalized)
         return [(np.asarray(v, dtype=np.float32), min(c, limit)) for v, c in zip(vectors, counts)]
 
     def describe(self) -> dict:
@@ -161,6 +171,7 @@ def find_embedder(searcher: Any) -> Embedder | None:
         getattr(index, "device", None),
         getattr(index, "precision", "auto") or "auto",
         getattr(index, "batch_size", 64) or 64,
+        dim=getattr(index, "truncate_dim", None),  # a Matryoshka prefix index: its dimension
     )
 
 
