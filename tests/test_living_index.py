@@ -341,6 +341,25 @@ def test_an_update_is_a_new_version_named_by_the_manifest_and_old_versions_go(tm
     assert load_index(folder).version == 0
 
 
+def test_compacting_an_index_without_tombstones_writes_no_version(tmp_path, capsys, monkeypatch):
+    from densepass import cli
+    from densepass.index import living
+
+    folder = bm25_folder(tmp_path)
+    files = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    monkeypatch.setattr(living, "load_index", lambda *a, **k: pytest.fail("the index was loaded"))
+    assert cli.main(["index-update", str(folder), "--compact"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("nothing to compact in ") and out.count("\n") == 1
+    monkeypatch.undo()
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == files and index_version(folder) == 0
+    assert update_index(folder, compact=True).version == 0 and index_version(folder) == 0  # the Python API
+    update_index(folder, delete=["0"])
+    update_index(folder, upsert=[{"id": "3", "text": "music player"}])  # version 2, one tombstone
+    assert update_index(folder, compact=True).version == 3  # tombstones: compacted into a new version
+    assert cli.main(["index-update", str(folder), "--compact"]) == 0 and index_version(folder) == 3
+
+
 def test_bad_updates_are_one_line_errors_and_change_nothing(tmp_path):
     folder = bm25_folder(tmp_path)
     before = (folder / "manifest.json").read_bytes()

@@ -148,6 +148,9 @@ def _index_update(args: argparse.Namespace) -> None:
 
     options = {"batch_size": args.batch_size, "precision": args.precision, "device": resolve_device(args.device)}
     index = update_saved_index(args.index, args.delete, args.upsert, args.compact, **options)
+    if index is None:
+        print(f"nothing to compact in {args.index}: it holds no deleted passages (no new version written)")
+        return
     tombstones = len(index.passages) - len(index)
     waiting = f", {tombstones:,} deleted awaiting --compact" if tombstones else ""
     print(f"updated {args.index} to version {index.version}: {len(index):,} passages{waiting}")

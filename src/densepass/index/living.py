@@ -83,7 +83,8 @@ def update_index(
     ``delete``, upsert the passages ``upsert`` (records with ids; encoded by the index's model where it has one),
     compact if asked, and save the result as the directory's next version (``save_version``); returns the updated
     index. Every check comes before any work: ids to delete that the index does not hold, ids repeated, or named
-    both to delete and to upsert, are a one-line error and nothing changes."""
+    both to delete and to upsert, are a one-line error and nothing changes. Compaction alone of an index without
+    tombstones writes nothing (a new version would be a copy of the current one)."""
     directory = Path(directory)
     delete_ids = check_ids(delete, "delete") if delete is not None else []
     corpus = records_corpus(upsert) if upsert is not None else None
@@ -101,10 +102,18 @@ def update_index(
             index.delete(delete_ids)
         if corpus is not None:
             index.upsert(corpus)
+        if compact and not delete_ids and corpus is None and not index.deleted.any():
+            return index  # nothing to compact: no new version
         if compact:
             index.compact()
         save_version(index, directory)
     return index
+
+
+def nothing_to_compact(directory: str | Path) -> bool:
+    """Whether the saved index ``directory`` holds no deleted passages, by its verified manifest's count of them
+    (a manifest without that count: False, the index must be loaded to know)."""
+    return read_index_manifest(Path(directory)).get("deleted") == 0
 
 
 def read_ids_file(path: str | Path) -> list[str]:
@@ -119,12 +128,15 @@ def read_ids_file(path: str | Path) -> list[str]:
 
 def update_saved_index(
     directory: str | Path, delete_file: str | Path | None, upsert_file: str | Path | None, compact: bool, **options
-) -> Index:
+) -> Index | None:
     """``densepass index-update``: the ids of ``delete_file`` (``read_ids_file``) and the passages of
     ``upsert_file`` (a BEIR ``corpus.jsonl``) read and checked first, then ``update_index``; of ``options``
-    (batch_size, device, precision) the index's kind gets those it takes."""
+    (batch_size, device, precision) the index's kind gets those it takes. None: ``compact`` alone over an index
+    without deleted passages, nothing to do (nothing loaded, no version written)."""
     directory = Path(directory)
     kind = read_index_manifest(directory)["kind"]  # not an index: one line before any file is read
+    if compact and delete_file is None and upsert_file is None and nothing_to_compact(directory):
+        return None
     ids = read_ids_file(delete_file) if delete_file is not None else None
     passages = None
     if upsert_file is not None:
@@ -216,6 +228,7 @@ __all__ = [
     "read_ids_file",
     "save_version",
     "update_index",
+    "nothing_to_compact",
     "update_saved_index",
     "version_name",
 ]
