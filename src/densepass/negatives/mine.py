@@ -105,17 +105,22 @@ def mines_with_a_model(config: NegativesConfig) -> bool:
 
 
 def given_candidates(dataset: RetrievalDataset, query_ids: Sequence[str], skip_top: int = 0) -> NegativePool:
-    """The ``given`` strategy's candidates: the negatives training rows give each query (``data.pairs``), in the
-    order given, score 0; a one-line ConfigError for a dataset that is not training rows, or rows that give the
-    queries no negatives (cheap: ``densepass mine`` calls it before any work)."""
+    """The ``given`` strategy's candidates (``negatives.source: given``, ``densepass mine --strategy given``): the
+    negatives training rows give each query (``data.pairs``), in the order given, score 0; a one-line ConfigError
+    for a dataset that is not training rows, or rows that give the queries no negatives (cheap: ``densepass mine``
+    calls it before any work). Training's pool of given negatives is this too (``pipelines.training.given_pool``)."""
     from densepass.data.pairs import PairsDataset
 
     if not isinstance(dataset, PairsDataset):
         raise ConfigError(
-            f"the given strategy takes the negatives of training rows (data.format: pairs); {dataset.name} gives none"
+            f"negatives.source: given takes the negatives of training rows (data.format: pairs); {dataset.name} "
+            "gives none: mine them (bm25, dense, ...)"
         )
     if not any(dataset.negatives.get(q) for q in query_ids):
-        raise ConfigError(f"the given strategy: the rows of {dataset.name} give no negatives for these queries")
+        raise ConfigError(
+            f"negatives.source: given, but the rows of {dataset.name} give no negatives: set negatives.source: "
+            "none (in-batch negatives only)"
+        )
     return {q: [Candidate(p, "given", 0.0) for p in dataset.negatives.get(q, ())][skip_top:] for q in query_ids}
 
 

@@ -36,8 +36,8 @@ from densepass.losses.matryoshka import Matryoshka, trained_dims
 from densepass.losses.objectives import Distillation, InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder
 from densepass.models.matryoshka import check_dims
-from densepass.negatives.mine import MiningContext, MiningResult, mine_negatives
-from densepass.negatives.pool import Candidate, passage_ids
+from densepass.negatives.mine import MiningContext, MiningResult, given_candidates, mine_negatives
+from densepass.negatives.pool import passage_ids
 from densepass.plots import read_log
 from densepass.training.batches import TrainingData
 from densepass.training.dense_miners import prepare_miners
@@ -80,19 +80,9 @@ def needs_mining(negatives: NegativesConfig) -> bool:
 
 def given_pool(dataset: RetrievalDataset, query_ids: list[str]) -> MiningResult:
     """``negatives.source: given``: the pool is the negatives the training rows give (``data.pairs``), in the order
-    given, nothing mined or filtered (what is relevant to a query is still never drawn as its negative)."""
-    if not isinstance(dataset, PairsDataset):
-        raise ConfigError(
-            f"negatives.source: given takes the negatives of training rows (data.format: pairs); {dataset.name} "
-            "gives none: mine them (bm25, dense, ...)"
-        )
-    if not any(dataset.negatives.get(q) for q in query_ids):
-        raise ConfigError(
-            f"negatives.source: given, but the rows of {dataset.name} give no negatives: set negatives.source: none "
-            "(in-batch negatives only)"
-        )
-    pool = {q: [Candidate(p, "given", 0.0) for p in dataset.negatives.get(q, ())] for q in query_ids}
-    return MiningResult(pool, {}, 0.0)
+    given, nothing mined or filtered (what is relevant to a query is still never drawn as its negative); its
+    checks are ``negatives.mine.given_candidates``'s, as ``densepass mine --strategy given`` makes them."""
+    return MiningResult(given_candidates(dataset, query_ids), {}, 0.0)
 
 
 def as_dataset(
