@@ -108,6 +108,37 @@ def test_passages_on_disk_read_the_same_corpus_as_the_loaded_one(tmp_path):
         on_disk.texts[4]
 
 
+def test_passages_on_disk_close_their_file_when_the_corpus_is_dropped(tmp_path):
+    import gc
+    import warnings
+
+    corpus = load_beir(write_beir(tmp_path / "beir"), passages_on_disk=True).corpus
+    assert corpus.texts[0] == "alpha text"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del corpus
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+
+
+def test_an_index_command_refused_after_reading_the_corpus_prints_one_line(tmp_path, tiny_beir, tiny_model_dir):
+    """``densepass index`` over 40 passages as faiss-ivfpq (which needs 256) fails after the corpus was read: one
+    line on stderr, not that line and an "unclosed file ... corpus.jsonl" warning (shown under -W default)."""
+    import os
+    import subprocess
+    import sys
+
+    import densepass
+
+    env = {**os.environ, "PYTHONPATH": str(Path(densepass.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    env.update(PYTHONWARNINGS="default", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    command = [sys.executable, "-m", "densepass", "index", str(tiny_beir), "--model", str(tiny_model_dir)]
+    command += ["--kind", "faiss-ivfpq", "--output", str(tmp_path / "idx")]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("densepass: error: a faiss-ivfpq index"), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
 def test_passages_on_disk_of_a_gzipped_corpus_are_loaded_whole(tmp_path):
     corpus = load_beir(write_beir(tmp_path / "beir", gz=True), passages_on_disk=True).corpus
     assert corpus.texts == [r["text"] for r in BEIR_CORPUS]  # a gzip stream cannot be read at an offset

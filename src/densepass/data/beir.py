@@ -14,6 +14,7 @@ import csv
 import itertools
 import json
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -132,15 +133,22 @@ class PassageFile:
 
     def __init__(self, path: Path, ids: list[str], spans: np.ndarray, id_key: str = "_id") -> None:
         self.path, self.ids, self.spans, self.id_key = path, ids, spans, id_key
-        self._handle: BinaryIO = open(path, "rb")  # closed with the corpus
+        self._handle: BinaryIO = self._open_handle()
         self._last: tuple[int, int, list[tuple[str, str]]] = (0, 0, [])
+
+    def _open_handle(self) -> BinaryIO:
+        """The file, open for reading, closed when this object (the corpus) is dropped, on any path (an error
+        that ends a command with it included): never left to the garbage collector's "unclosed file" warning."""
+        handle = open(self.path, "rb")
+        weakref.finalize(self, handle.close)
+        return handle
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("_handle", "_last")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._handle, self._last = open(self.path, "rb"), (0, 0, [])
+        self._handle, self._last = self._open_handle(), (0, 0, [])
 
     @classmethod
     def open(cls, path: Path, id_key: str = "_id") -> Corpus:
