@@ -132,10 +132,13 @@ def update_saved_index(
     """``densepass index-update``: the ids of ``delete_file`` (``read_ids_file``) and the passages of
     ``upsert_file`` (a BEIR ``corpus.jsonl``) read and checked first, then ``update_index``; of ``options``
     (batch_size, device, precision) the index's kind gets those it takes. None: ``compact`` alone over an index
-    without deleted passages, nothing to do (nothing loaded, no version written)."""
+    without deleted passages, nothing to do (nothing loaded, no version written; a killed update's leftovers
+    removed)."""
     directory = Path(directory)
     kind = read_index_manifest(directory)["kind"]  # not an index: one line before any file is read
     if compact and delete_file is None and upsert_file is None and nothing_to_compact(directory):
+        with exclusive_lock(directory, "index update"):  # what a killed update left still goes
+            clear_killed_update(directory, version_name(index_version(directory) + 1))
         return None
     ids = read_ids_file(delete_file) if delete_file is not None else None
     passages = None
@@ -157,8 +160,7 @@ def save_version(index: Index, directory: str | Path) -> int:
     previous = top.get("current")
     version = int(top.get("version", 0)) + 1
     name = version_name(version)
-    remove_stale_temporaries(directory, r"v\d{6}", owned=True)  # a killed update's half-written version
-    _remove_version(directory / name)  # a killed update's complete version that its manifest never named
+    clear_killed_update(directory, name)
     with disk_errors(directory / name), hold_temporaries() as hold, atomic_directory(directory / name) as tmp:
         hold(tmp)
         index.write_into(tmp)
@@ -179,6 +181,13 @@ def save_version(index: Index, directory: str | Path) -> int:
         reopen(directory / name)
     _remove_old_versions(directory, keep={name, previous})
     return version
+
+
+def clear_killed_update(directory: Path, name: str) -> None:
+    """Remove what a killed update of ``directory`` left: its half-written version (densepass's temporaries) and
+    a complete version ``name`` (the next one) that the manifest never named. The caller holds the lock."""
+    remove_stale_temporaries(directory, r"v\d{6}", owned=True)
+    _remove_version(directory / name)
 
 
 def _owned(directory: Path, manifest: dict) -> set[str]:
