@@ -237,3 +237,24 @@ def test_a_binary_index_at_a_dimension_not_a_multiple_of_8_is_refused_before_any
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == "densepass: error: binary codes pack 8 dimensions to a byte: 12 is not a multiple of 8 (--dim)"
     assert not (tmp_path / "bin").exists()
+
+
+def test_a_binary_index_file_damaged_under_a_matching_manifest_is_one_line(model, tmp_path):
+    from densepass.io import write_manifest
+
+    index = built(model, "binary-flat", vectors(N, 13))
+    index.save(tmp_path / "idx")
+    bits = tmp_path / "idx" / "binary.index"
+    original = bits.read_bytes()
+    facts = {k: v for k, v in json.loads((tmp_path / "idx" / "manifest.json").read_text()).items() if k != "files"}
+    variants = {
+        "truncated": original[: len(original) // 2],
+        "empty": b"",
+        "header": original[:8] + (2**40).to_bytes(8, "little") + original[16:],
+        "garbage": bytes(range(256)) * (len(original) // 256 + 1),
+    }
+    for data in variants.values():
+        bits.write_bytes(data)
+        write_manifest(tmp_path / "idx", **facts)  # the manifest rewritten to match: only reading the file can tell
+        with pytest.raises(DataError, match=r"binary\.index does not load as a FAISS binary index \(damaged\?\)"):
+            load_index(tmp_path / "idx")

@@ -352,7 +352,14 @@ class CompactIndex(DenseIndex):
         if manifest["kind"] in BINARY_KINDS:
             import faiss
 
-            index.bits = faiss.deserialize_index_binary(np.fromfile(directory / BITS, dtype=np.uint8))
+            try:  # FAISS's reader checks sizes and raises RuntimeError: a file changed under a rewritten manifest
+                index.bits = faiss.deserialize_index_binary(np.fromfile(directory / BITS, dtype=np.uint8))
+            except (RuntimeError, MemoryError) as err:  # MemoryError: a size in the header past the memory
+                said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                said = said.split("Error: ", 1)[-1]  # drop FAISS's "Error in <function> at <file>:<line>:" prefix
+                raise DataError(
+                    f"{directory / BITS} does not load as a FAISS binary index (damaged?): {said[:300]}"
+                ) from None
             if index.bits.ntotal != rows or index.bits.d != dim:
                 raise DataError(f"{directory}: {BITS} holds {index.bits.ntotal} codes of {index.bits.d} bits")
         return index
