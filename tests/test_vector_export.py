@@ -106,6 +106,13 @@ def test_bad_targets_and_indexes_are_one_line_before_anything_is_written(saved_i
     with pytest.raises(ConfigError, match="not a Qdrant storage folder"):
         export_to_qdrant(root / "index", str(mine), show_progress=False)
     assert [p.name for p in mine.iterdir()] == ["todo.txt"]
+    for meta in ('{"user": "my own meta"}', "[]", "not json", '{"collections": {"c": 1}}'):  # a user's meta.json
+        (mine / "meta.json").write_text(meta)
+        with pytest.raises(ConfigError, match="holds a meta.json that is not Qdrant's"):
+            export_to_qdrant(root / "index", str(mine), force=True, show_progress=False)
+        assert sorted(p.name for p in mine.iterdir()) == ["meta.json", "todo.txt"]
+        assert (mine / "meta.json").read_text() == meta
+    (mine / "meta.json").unlink()
     with pytest.raises(ConfigError, match="inside the index"):
         export_to_qdrant(root / "index", str(root / "index" / "q"), show_progress=False)
     with pytest.raises(ConfigError, match="--api-key is for a Qdrant server"):

@@ -16,6 +16,7 @@ is replaced only with ``force``. Every refusal is one line, and comes before any
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import uuid
@@ -133,9 +134,22 @@ def check_storage_folder(path: Path, index_dir: Path) -> None:
         raise ConfigError(f"{path} is not a folder: give a folder for Qdrant's embedded mode (or a server's URL)")
     if path.is_dir() and any(path.iterdir()) and not (path / "meta.json").is_file():
         raise ConfigError(f"{path} holds files that are not a Qdrant storage folder: choose another folder")
+    if path.is_dir() and (path / "meta.json").is_file() and not _qdrant_meta(path / "meta.json"):
+        raise ConfigError(f"{path} holds a meta.json that is not Qdrant's (no collections): choose another folder")
     resolved = path.resolve()
     if resolved == index_dir.resolve() or index_dir.resolve() in resolved.parents:
         raise ConfigError(f"the Qdrant folder {path} would be inside the index it exports: choose another folder")
+
+
+def _qdrant_meta(path: Path) -> bool:
+    """Whether ``path`` reads as the ``meta.json`` of Qdrant's embedded mode: a JSON object whose ``collections``
+    maps names to objects (what ``QdrantClient(path=...)`` reads; a user's own meta.json stops it with a KeyError)."""
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    collections = meta.get("collections") if isinstance(meta, dict) else None
+    return isinstance(collections, dict) and all(isinstance(config, dict) for config in collections.values())
 
 
 def _upsert(client, models, name: str, index: DenseIndex, batch_size: int, texts: bool, show_progress: bool, target):
