@@ -397,6 +397,18 @@ def test_without_an_embedding_model_or_a_reranker_the_routes_say_so():
     assert "no embedding model" in limit["error"]
 
 
+def test_tei_bodies_take_booleans_only_as_json_booleans():
+    app = create_app(FakeSearcher(), ServeSettings())
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        for route, body in [
+            ("/embed", {"inputs": "a", "truncate": "yes"}),
+            ("/embed", {"inputs": "a", "normalize": 1}),
+            ("/rerank", {"query": "a", "texts": ["b"], "raw_scores": "true"}),
+            ("/rerank", {"query": "a", "texts": ["b"], "return_text": "on"}),
+        ]:
+            assert http.post(route, json=body).status_code == 422, (route, body)
+
+
 def test_sigterm_under_load_answers_every_accepted_request():
     port, n = free_port(), 12
     fake = [sys.executable, str(ROOT / "tests" / "serve_fake.py"), "--port", str(port), "--embeddings"]

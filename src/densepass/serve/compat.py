@@ -237,9 +237,10 @@ PROMPT_SIDES = {None: "passage", "query": "query", "passage": "passage", "docume
 
 
 class EmbedRequest(BaseModel):
-    """Body of ``POST /embed`` (TEI's schema)."""
+    """Body of ``POST /embed`` (TEI's schema; strict types as TEI's own parser: ``"truncate": "yes"`` is a 422,
+    not a true)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     inputs: Any = Field(..., description="a string or a list of strings")
     normalize: bool = Field(True, description="L2-normalise (false: the model's own output)")
     truncate: bool = Field(False, description="cut texts longer than the model reads (false: refuse them, 413)")
@@ -266,9 +267,9 @@ def tei_embed(batcher: MicroBatcher, settings: ServeSettings, embedder: Callable
 
 
 class RerankRequest(BaseModel):
-    """Body of ``POST /rerank`` (TEI's schema)."""
+    """Body of ``POST /rerank`` (TEI's schema; strict types, as ``EmbedRequest``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     query: str = Field(..., description="the query")
     texts: list[str] = Field(..., description="the texts to score against it")
     raw_scores: bool = Field(False, description="the reranker's raw scores (false: a sigmoid of them)")
