@@ -133,3 +133,23 @@ def assert_same_ranking_up_to_ties(rows, scores, ref_rows, ref_scores, atol: flo
         where = np.flatnonzero(ref_rows[q] == rows[q, j])
         partner = ref_scores[q, where[0]] if len(where) else ref_scores[q, -1]
         assert abs(partner - ref_scores[q, j]) <= atol, f"query {q}, rank {j}: row {rows[q, j]} is not a near-tie"
+
+
+def hub_cache_without_network(tmp_path: Path, monkeypatch) -> Path:
+    """An empty hub cache (returned) for huggingface_hub, the Hub online as far as densepass can tell, and no
+    network connection possible: any attempt fails the test."""
+    import socket
+
+    from huggingface_hub import constants
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a network connection was attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    root = tmp_path / "hub"
+    root.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    return root

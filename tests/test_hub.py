@@ -5,7 +5,6 @@ download; every failure is one line; only configs, tokenizer files and safetenso
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import hub_cache_without_network
 from densepass.errors import ConfigError
 from densepass.models import hub
 from densepass.models.biencoder import BiEncoder, resolve_model_path
@@ -21,19 +21,7 @@ from densepass.models.biencoder import BiEncoder, resolve_model_path
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     """An empty hub cache, the Hub online as far as densepass can tell, and no connection possible."""
-    from huggingface_hub import constants
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a network connection was attempted")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "getaddrinfo", refuse)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    root = tmp_path / "hub"
-    root.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
-    return root
+    return hub_cache_without_network(tmp_path, monkeypatch)
 
 
 def lay_out(cache: Path, repo: str, source: Path, revision: str = "main", commit: str = "0123abcd") -> Path:

@@ -6,7 +6,6 @@ as the local file; every failure one line."""
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
 import datasets
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 import densepass as dp
-from conftest import run_densepass
+from conftest import hub_cache_without_network, run_densepass
 from densepass.data import hub, load_dataset
 from densepass.data.pairs import load_pairs
 from densepass.errors import ConfigError, DataError
@@ -62,20 +61,9 @@ def repo_files(tmp_path) -> Path:
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     """An empty hub cache and datasets cache, the Hub online as far as densepass can tell, no connection possible."""
-    from huggingface_hub import constants
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a network connection was attempted")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "getaddrinfo", refuse)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    root = hub_cache_without_network(tmp_path, monkeypatch)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # datasets reads the local snapshot only
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
-    root = tmp_path / "hub"
-    root.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
     return root
 
 
