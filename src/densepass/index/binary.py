@@ -31,7 +31,6 @@ Memory: binary-flat holds dim / 8 bytes a passage (32x less than float32); an HN
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -41,7 +40,6 @@ import torch
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
 from densepass.index.base import Passages, as_corpus, concat_corpora, register
-from densepass.index.checks import model_for_index
 from densepass.index.dense import EMBEDDINGS, DenseIndex, weights_version
 from densepass.index.exact import sort_by_score_then_row, top_k_by_score_then_row
 from densepass.io import atomic_file
@@ -321,18 +319,7 @@ class CompactIndex(DenseIndex):
     def _read(
         cls, directory: Path, manifest: dict, passages: Corpus, model: BiEncoder | None = None, **options: Any
     ) -> CompactIndex:
-        recorded = manifest["model"]
-        model = model_for_index(directory, manifest["kind"], recorded, model, BiEncoder)
-        with warnings.catch_warnings():  # the prefix dimension was warned about when the index was built
-            warnings.simplefilter("ignore")
-            index = cls(
-                model,
-                manifest["kind"],
-                model_path=recorded["path"],
-                show_progress=False,
-                dim=manifest.get("truncate_dim"),
-                **{**manifest["options"], **options},
-            )
+        index = cls._from_manifest(directory, manifest, model, {**manifest["options"], **options})
         rows, dim = len(passages), manifest["dim"]
         embeddings = np.load(directory / EMBEDDINGS, mmap_mode="r", allow_pickle=False)
         codes = np.load(directory / CODES, mmap_mode="r", allow_pickle=False)
@@ -347,8 +334,7 @@ class CompactIndex(DenseIndex):
         refuse_nonfinite_rows(embeddings, passages.ids, str(directory), saving=False)
         index.passages, index.embeddings, index.ranges = passages, embeddings, ranges
         index.codes = np.array(codes) if manifest["kind"] == "int8-flat" else codes  # int8-flat scans them: in RAM
-        index.model_fingerprint = recorded["fingerprint"]
-        index._weights_version = weights_version(model)
+        index._weights_version = weights_version(index.model)
         if manifest["kind"] in BINARY_KINDS:
             import faiss
 

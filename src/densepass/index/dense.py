@@ -290,15 +290,9 @@ class DenseIndex(Index):
         return super().save(directory)
 
     @classmethod
-    def _read(
-        cls,
-        directory: Path,
-        manifest: dict,
-        passages: Corpus,
-        model: BiEncoder | None = None,
-        mmap: bool = True,
-        **options: Any,
-    ) -> DenseIndex:
+    def _from_manifest(cls, directory: Path, manifest: dict, model: BiEncoder | None, settings: dict) -> DenseIndex:
+        """An empty index of the kind, model (the recorded one loaded and checked, or ``model``), prefix dimension
+        and ``settings`` a saved manifest describes, for ``_read`` to fill with the saved rows."""
         recorded = manifest["model"]
         model = model_for_index(directory, manifest["kind"], recorded, model, BiEncoder)
         with warnings.catch_warnings():  # the prefix dimension was warned about when the index was built
@@ -309,9 +303,22 @@ class DenseIndex(Index):
                 model_path=recorded["path"],
                 show_progress=False,
                 dim=manifest.get("truncate_dim"),
-                **options,
-                **manifest["options"],
+                **settings,
             )
+        index.model_fingerprint = recorded["fingerprint"]
+        return index
+
+    @classmethod
+    def _read(
+        cls,
+        directory: Path,
+        manifest: dict,
+        passages: Corpus,
+        model: BiEncoder | None = None,
+        mmap: bool = True,
+        **options: Any,
+    ) -> DenseIndex:
+        index = cls._from_manifest(directory, manifest, model, dict(**options, **manifest["options"]))
         embeddings = np.load(directory / EMBEDDINGS, mmap_mode="r" if mmap else None, allow_pickle=False)
         if embeddings.shape != (len(passages), manifest["dim"]):
             raise DataError(f"{directory}: embeddings of shape {embeddings.shape} for {len(passages)} passages")
@@ -319,8 +326,7 @@ class DenseIndex(Index):
             raise DataError(f"{directory}: {EMBEDDINGS} holds {embeddings.dtype} numbers, not float32 (damaged?)")
         refuse_nonfinite_rows(embeddings, passages.ids, str(directory), saving=False)  # a memory map: in blocks
         index.passages, index.embeddings = passages, embeddings
-        index.model_fingerprint = recorded["fingerprint"]
-        index._weights_version = weights_version(model)
+        index._weights_version = weights_version(index.model)
         if manifest["kind"] != "exact":
             index.faiss = load_faiss_index(directory / FAISS_FILE, *embeddings.shape)  # its rows and dimension
         return index
