@@ -79,6 +79,8 @@ LATER_OPTIONS = {
     "matryoshka_dims": None,
     "matryoshka_weights": None,
     "packing": False,
+    "l2sp": None,
+    "l2sp_scope": "encoder",
 }
 
 

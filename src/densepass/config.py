@@ -272,6 +272,17 @@ class OptimConfig:
         "under torchrun, shard the weights, gradients and AdamW state over the processes (FSDP2) instead of a whole"
         " copy on each: for models whose training state does not fit one device",
     )
+    l2sp: float | None = option(
+        None,
+        "L2-SP (l2-sp): add alpha/2 x |w - w0|^2, a pull toward the starting weights w0, with this alpha (a forgetting"
+        " guard; weight_decay still decays toward 0: set it to 0 for the paper's setting); null: none",
+        above=0,
+    )
+    l2sp_scope: Literal["encoder", "all"] = option(
+        "encoder",
+        "l2sp: encoder (the transformer's weights; a new head such as a projection trains freely) or all trainable"
+        " weights",
+    )
 
 
 @dataclass

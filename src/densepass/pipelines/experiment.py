@@ -81,6 +81,7 @@ from densepass.pipelines.training import (
 from densepass.pipelines.validation import Validator
 from densepass.training.batches import TrainingData
 from densepass.training.engine import seed_everything
+from densepass.training.l2sp import check_l2sp
 from densepass.training.more_negatives import check_loss
 from densepass.training.planner import check_schedule
 from densepass.training.refresh import NegativeRefresher
@@ -176,6 +177,7 @@ def check(config: ExperimentConfig) -> torch.device:
         if config.validation.select and not config.validation.enabled:
             raise ConfigError("validation.select needs validation.enabled: true (nothing is validated otherwise)")
         check_fsdp(config)
+        check_l2sp(config.train)
     elif config.train.wise_ft is not None:
         raise ConfigError("train.wise_ft interpolates fine-tuned weights: it needs train.enabled: true")
     check_reranker_config(config)

@@ -13,6 +13,8 @@ the same way for all of them:
   the task's and the callbacks' state, so that a run killed at any point resumes to the same weights, bit for
   bit, as one that never stopped; a checkpoint of other settings (the run's *identity*) is refused;
 - a JSONL log of the mean of every logged term since the previous record, and a progress bar;
+- L2-SP (``l2sp``, ``training.l2sp``): a penalty toward the starting weights, its gradient added after each
+  backward pass, its value logged as ``l2sp``, its w₀ in every checkpoint;
 - gradient checkpointing (``gradient_checkpointing``) and LoRA adapters (``lora_rank``, ``training.adapters``) for
   any task whose model holds a Hugging Face transformer;
 - torch.distributed: every process trains on rank 0's batch plan and gradients are summed across processes
@@ -52,6 +54,7 @@ from densepass.prefetch import prefetched
 from densepass.training import sharding
 from densepass.training.adapters import Adapters
 from densepass.training.distributed import sum_gradients
+from densepass.training.l2sp import L2SP, anchored_parameters, check_l2sp
 
 LOG_NAME = "train_log.jsonl"
 
@@ -312,6 +315,7 @@ def fit(
     sharded = bool(getattr(optim, "fsdp", False))
     if sharded:
         check_sharding(task, optim, world, callbacks)
+    check_l2sp(optim, task.section)
     seed_everything(optim.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     task.setup(device)
@@ -320,6 +324,9 @@ def fit(
     adapters = Adapters(task.network(), optim) if optim.lora_rank else None  # freezes what the adapters replace
     if sharded:  # before the parameter groups: their parameters are the shards from here on
         sharding.shard(task.network(), device)
+    l2sp = None
+    if getattr(optim, "l2sp", None):  # w₀: the weights as the task set them up (a checkpoint's replace them below)
+        l2sp = L2SP(optim.l2sp, anchored_parameters(task.network(), optim.l2sp_scope))
     plain = adapters.plain if adapters is not None else contextlib.nullcontext  # the model as the task wrote it
     merged = adapters.merged if adapters is not None and callbacks else contextlib.nullcontext
     if bf16 is None:
@@ -349,6 +356,8 @@ def fit(
         for callback in callbacks:
             callback.load_state_dict(resumed.extra)
         guard.load_state_dict(resumed.extra.get("nonfinite"))
+        if l2sp is not None:
+            l2sp.load_state_dict(resumed.extra)
         interval.restore(resumed.extra)
         engine.step = resumed.step
     log_path = run_dir / LOG_NAME
@@ -363,6 +372,8 @@ def fit(
             extra: dict = {**interval.state(), "nonfinite": guard.state_dict(), **task.state_dict()}
             if adapters is not None:
                 extra["lora"] = adapters.state_dict()
+            if l2sp is not None:
+                extra.update(l2sp.state_dict())
             for callback in callbacks:
                 extra.update(callback.state_dict())
         if sharded:  # every process writes its shards; rank 0 the rest
@@ -413,6 +424,8 @@ def fit(
             for _, index, batch in prepared(epoch):
                 context = StepContext(engine.step, epoch, index, device, bf16)
                 out = task.step(batch, context)
+                if l2sp is not None:  # its gradient once: the processes' gradients are summed next
+                    out.terms = {**out.terms, "l2sp": l2sp.add_gradient(apply=rank == 0)}
                 if world > 1:  # under FSDP its reduce-scatter summed the sharded ones in the backward pass
                     sum_gradients(sharding.whole_parameters(trainable) if sharded else trainable)
                 clip = sharding.clip_grad_norm if sharded else None
