@@ -129,7 +129,13 @@ def _ranx_inputs(qrels: Qrels, run: Run):
         )
     # ranx needs every judged query in the run; an empty ranking scores zero.
     full_run = {q: (run.get(q) or {"__none__": 0.0}) for q in judged}
-    return RanxQrels(judged), RanxRun(full_run)
+    ranx_qrels, ranx_run = RanxQrels(judged), RanxRun(full_run)
+    # The same queries on both sides, so ranx's make_comparable would add or drop nothing; what it does do, sort
+    # the run again, is repeated here, and both are handed to ranx as the typed lists it evaluates. Its Qrels and
+    # Run objects would be read key by key from Python, which numba compiles afresh in every process (seconds)
+    # where these calls load ranx's cached compiled functions.
+    ranx_run.sort()
+    return ranx_qrels.to_typed_list(), ranx_run.to_typed_list()
 
 
 def answered_qrels(qrels: Qrels, runs: Sequence[Run], all_queries: bool = False) -> Qrels:
@@ -176,7 +182,7 @@ def evaluate_run(
     ranx_qrels, ranx_run = _ranx_inputs(qrels, run)
     try:
         with quiet_numba():
-            result = evaluate(ranx_qrels, ranx_run, ranx_metrics, make_comparable=True)
+            result = evaluate(ranx_qrels, ranx_run, ranx_metrics)
     except (ValueError, KeyError) as err:
         raise DensepassError(f"cannot compute metrics {ranx_metrics}: {err}") from None
     if isinstance(result, float):
@@ -247,7 +253,9 @@ def per_query_scores(qrels: Qrels, run: Run, metric: str) -> np.ndarray:
     ranx_qrels, ranx_run = _ranx_inputs(qrels, run)
     try:
         with quiet_numba():
-            scores = evaluate(ranx_qrels, ranx_run, metric, return_mean=False, make_comparable=True)
+            # asked twice: for one metric of typed lists, ranx's evaluate looks its per-query scores up under the
+            # metric's short name ("mrr" for "mrr@10") and fails; for a list it returns them all by full name
+            scores = evaluate(ranx_qrels, ranx_run, [metric, metric], return_mean=False)[metric]
         return np.asarray(scores, dtype=np.float64)
     except (ValueError, KeyError) as err:
         raise DensepassError(f"cannot compute {metric}: {err}") from None
