@@ -110,7 +110,21 @@ class DataConfig:
     )
     eval_split: str = option("dev", "split whose queries are evaluated")
     max_train_queries: int | None = option(None, "a seeded sample of this many training queries (null: all)", min=1)
-    max_eval_queries: int | None = option(None, "a seeded sample of this many evaluated queries (null: all)", min=1)
+    max_eval_queries: int | None = option(
+        None, "a seeded sample of this many evaluated queries (null: all), drawn from data.eval_part", min=1
+    )
+    eval_part: Literal["all", "tune", "report"] = option(
+        "all",
+        "which part of the eval split's queries is evaluated: all, or the tuning or reporting part of a seeded split by"
+        " group (the document of each query's first relevant passage; by query where the corpus has no documents):"
+        " choose settings on tune, report on report (data.parts)",
+    )
+    eval_part_fraction: float = option(
+        0.5, "eval_part: the share of the eval split's queries in the tuning part (strictly below 1)", above=0, max=1
+    )
+    eval_part_seed: int = option(
+        13, "eval_part: seed of the split into tuning and reporting parts", min=0, max=SEED_MAX
+    )
     eval_subcorpus: bool = option(False, "search a subcorpus (gold + BM25 top-k + random) instead of the full corpus")
     eval_hard_k: int = option(0, "subcorpus: the BM25 top-k of every evaluated query", min=0)
     eval_random: int = option(0, "subcorpus: this many random passages", min=0)
@@ -390,6 +404,11 @@ class EvalConfig:
 
 @dataclass
 class ValidationConfig:
+    ignore_identical_ids: bool = option(
+        False,
+        "drop a retrieved passage whose id is the query's own (BEIR's and MTEB's rule for ArguAna, where every query"
+        " is itself a corpus document); each query still gets eval.depth passages",
+    )
     """Validation during training on a subcorpus (training-inference-gap §3), keeping the best model."""
 
     enabled: bool = option(False, "validate during training and keep the best model in best-model/")

@@ -9,6 +9,7 @@ import numpy as np
 
 from densepass.config import DataConfig
 from densepass.data.dataset import Corpus, Qrels, RetrievalDataset
+from densepass.data.parts import QueryParts, split_query_parts
 from densepass.errors import ConfigError
 from densepass.evaluation.subcorpus import gold_subcorpus, hard_subcorpus
 from densepass.index.bm25 import BM25Index
@@ -25,6 +26,29 @@ class EvalSet:
     description: str
     answers: dict[str, list[str]] = field(default_factory=dict)
     candidates: dict[str, list[str]] | None = None  # per query, for re-ranking evaluation
+    part: dict | None = None  # data.eval_part other than all: which part, its size and how it was made
+
+
+def query_parts(dataset: RetrievalDataset, config: DataConfig) -> QueryParts | None:
+    """The tuning and reporting parts of the eval split's queries (``data.parts``) when ``data.eval_part`` is
+    not ``all``; None otherwise."""
+    if config.eval_part == "all":
+        return None
+    where = f"{dataset.name}: qrels/{config.eval_split}"
+    return split_query_parts(
+        dataset.split(config.eval_split), dataset.corpus, config.eval_part_fraction, config.eval_part_seed, where
+    )
+
+
+def eval_qrels(dataset: RetrievalDataset, config: DataConfig) -> tuple[Qrels, dict | None]:
+    """The evaluated queries' qrels: the ``data.eval_part`` of the eval split (all of it by default), then a
+    seeded sample of ``data.max_eval_queries`` of those; and what the run records of the part (None for all)."""
+    parts = query_parts(dataset, config)
+    if parts is None:
+        return dataset.sample(config.eval_split, config.max_eval_queries, config.seed), None
+    other = set(dataset.split(config.eval_split)) - set(parts.part(config.eval_part))
+    qrels = dataset.sample(config.eval_split, config.max_eval_queries, config.seed, exclude=other)
+    return qrels, {**parts.describe(config.eval_part), "queries": len(qrels)}
 
 
 def add_rerank_candidates(evalset: EvalSet, bm25: BM25Index, size: int) -> EvalSet:
@@ -48,15 +72,20 @@ def add_rerank_candidates(evalset: EvalSet, bm25: BM25Index, size: int) -> EvalS
 
 def build_eval_set(dataset: RetrievalDataset, config: DataConfig, bm25: BM25Index | None) -> EvalSet:
     """The evaluation set a ``DataConfig`` describes: a sample of the eval split, in the full corpus or a subcorpus."""
-    qrels = dataset.sample(config.eval_split, config.max_eval_queries, config.seed)
+    qrels, part = eval_qrels(dataset, config)
     query_ids = sorted(qrels)
     texts = [dataset.queries[q] for q in query_ids]
     answers = {q: dataset.answers[q] for q in query_ids if q in dataset.answers}
     corpus = dataset.corpus
+    of = (
+        f" of the {part['part']} part ({part['part_queries']} of {part['split_queries']} queries, split by"
+        f" {part['by']}, seed {part['seed']})"
+        if part
+        else ""
+    )
     if not config.eval_subcorpus:
-        return EvalSet(
-            query_ids, texts, qrels, corpus, f"{len(query_ids)} queries, full corpus ({len(corpus)} passages)", answers
-        )
+        description = f"{len(query_ids)} queries{of}, full corpus ({len(corpus)} passages)"
+        return EvalSet(query_ids, texts, qrels, corpus, description, answers, part=part)
     if config.eval_hard_k < 0 or config.eval_random < 0:
         raise ConfigError("data.eval_hard_k and data.eval_random must be >= 0")
     n_gold = len(gold_subcorpus(corpus, qrels))
@@ -74,8 +103,8 @@ def build_eval_set(dataset: RetrievalDataset, config: DataConfig, bm25: BM25Inde
         keep.update(int(r) for r in rng.choice(rest, size=min(config.eval_random, len(rest)), replace=False))
     positions = sorted(keep)
     description = (
-        f"{len(query_ids)} {config.eval_split} queries; subcorpus of {len(positions)} passages "
+        f"{len(query_ids)} {config.eval_split} queries{of}; subcorpus of {len(positions)} passages "
         f"({n_gold} gold + {n_hard} more from BM25 top-{config.eval_hard_k} + "
         f"{len(positions) - n_gold - n_hard} random)"
     )
-    return EvalSet(query_ids, texts, qrels, corpus.subset(positions), description, answers)
+    return EvalSet(query_ids, texts, qrels, corpus.subset(positions), description, answers, part=part)

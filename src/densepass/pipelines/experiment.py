@@ -61,7 +61,7 @@ from densepass.pipelines.distillation import (
     objective_of,
     teacher_scores,
 )
-from densepass.pipelines.evalset import EvalSet, add_rerank_candidates, build_eval_set
+from densepass.pipelines.evalset import EvalSet, add_rerank_candidates, build_eval_set, query_parts
 from densepass.pipelines.report import write_report
 from densepass.pipelines.reranking import (
     check_reranker_config,
@@ -118,6 +118,9 @@ LATER_DATA_KEYS = {
     "eval_format": "beir",
     "subset": None,
     "revision": None,
+    "eval_part": "all",
+    "eval_part_fraction": 0.5,
+    "eval_part_seed": 13,
 }
 
 
@@ -149,6 +152,7 @@ def check(config: ExperimentConfig) -> torch.device:
             "data.format: pairs gives training rows only: name the dataset to evaluate on in data.eval_name "
             "(e.g. a BEIR-layout folder)"
         )
+    check_eval_part(config)
     if config.negatives.source == "given" and config.data.format != "pairs":
         raise ConfigError("negatives.source: given takes the negatives of training rows: it needs data.format: pairs")
     neg = config.negatives
@@ -182,6 +186,23 @@ def check(config: ExperimentConfig) -> torch.device:
         raise ConfigError("train.wise_ft interpolates fine-tuned weights: it needs train.enabled: true")
     check_reranker_config(config)
     return device
+
+
+def check_eval_part(config: ExperimentConfig) -> None:
+    """``data.eval_part``'s settings: a tuning fraction below 1 (both parts hold queries), and no fraction or seed
+    of a split that is not made (``eval_part: all``), which would change nothing."""
+    data = config.data
+    if data.eval_part == "all":
+        if data.eval_part_fraction != 0.5 or data.eval_part_seed != 13:
+            raise ConfigError(
+                "data.eval_part_fraction and data.eval_part_seed shape the split into tuning and reporting parts: "
+                "they need data.eval_part: tune or report (all evaluates every query)"
+            )
+    elif data.eval_part_fraction >= 1:
+        raise ConfigError(
+            "data.eval_part_fraction must be below 1 (the reporting part holds the rest), got "
+            f"{data.eval_part_fraction:g}"
+        )
 
 
 def check_fsdp(config: ExperimentConfig) -> None:
@@ -355,8 +376,27 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
 # ---- evaluation ----------------------------------------------------------------------------------------
 
 
+def search_depth(exp: Experiment) -> int:
+    """Passages searched per query: ``eval.depth``, and one more where the query's own id is dropped
+    (``without_identical_ids``), so that every query still keeps ``eval.depth``."""
+    return exp.config.eval.depth + exp.config.eval.ignore_identical_ids
+
+
+def without_identical_ids(run: Run, depth: int) -> Run:
+    """``run`` without any passage whose id is its query's (BEIR's ``ignore_identical_ids``: on ArguAna every
+    query is a corpus document, which would otherwise be its own best hit), each query cut to its ``depth`` best."""
+    out = {}
+    for qid, ranking in run.items():
+        kept = sorted(((pid, score) for pid, score in ranking.items() if pid != qid), key=lambda item: -item[1])
+        out[qid] = dict(kept[:depth])
+    return out
+
+
 def score_run(exp: Experiment, run: Run, name: str) -> dict[str, float]:
-    """Write the run as TREC and compute its metrics (plus top-k answer accuracy when answers exist)."""
+    """Write the run as TREC and compute its metrics (plus top-k answer accuracy when answers exist); with
+    ``eval.ignore_identical_ids``, of the run without the queries' own ids (what is written is what is scored)."""
+    if exp.config.eval.ignore_identical_ids:
+        run = without_identical_ids(run, exp.config.eval.depth)
     path = exp.run_dir / "runs" / f"{name}.trec"
     if path.exists() and not written_by_densepass(path):  # a user's file bearing the name of one of the run's own
         raise ConfigError(f"{path} is not a run densepass wrote (its lines are not tagged {name}): move it away")
@@ -394,7 +434,7 @@ def evaluate_dense(exp: Experiment, model: BiEncoder, name: str) -> dict[str, fl
             device=exp.device,
             precision=settings.precision,
         )
-        results = index.search(evalset.query_texts, settings.depth)
+        results = index.search(evalset.query_texts, search_depth(exp))
         return score_run(exp, results.as_run(evalset.query_ids), name)
     corpus = evalset.corpus
     flat = [pid for q in evalset.query_ids for pid in evalset.candidates[q]]
@@ -414,7 +454,7 @@ def evaluate_retriever(exp: Experiment, model, name: str) -> dict[str, float]:
         index = retrievers.index_for_model(
             model, evalset.corpus, exp.config.model, device=exp.device, precision=settings.precision
         )
-        results = index.search(evalset.query_texts, settings.depth)
+        results = index.search(evalset.query_texts, search_depth(exp))
         exp.notes.append(f"{name}: {retrievers.describe_index(index, evalset.query_texts)}")
         return score_run(exp, results.as_run(evalset.query_ids), name)
     corpus = evalset.corpus
@@ -438,7 +478,7 @@ def evaluate_bm25(exp: Experiment) -> dict[str, float]:
             ),
             "bm25",
         )
-    results = index.search(evalset.query_texts, exp.config.eval.depth)
+    results = index.search(evalset.query_texts, search_depth(exp))
     return score_run(exp, results.as_run(evalset.query_ids), "bm25")
 
 
@@ -481,6 +521,8 @@ def mine_training_pool(exp: Experiment, model: BiEncoder) -> TrainingPool:
     config, dataset = exp.config, exp.dataset
     neg = config.negatives
     started = time.perf_counter()
+    if not (config.train.enabled or needs_pool(config)):  # evaluation only: a dataset with no train split will do
+        return TrainingPool([])
     train_qids = training_queries(dataset, config.data.train_split, config.data.max_train_queries, config.data.seed)
     if not needs_pool(config):
         return TrainingPool(train_qids)
@@ -590,6 +632,9 @@ def fine_tune(
         validated = exp.eval_data or exp.dataset
         same = validated is exp.dataset and config.validation.split == config.data.train_split
         held_out = pool.query_ids if same else ()
+        if config.data.eval_part == "report" and config.validation.split == config.data.eval_split:
+            parts = query_parts(validated, config.data)  # choosing a checkpoint is tuning: on the tuning part only
+            held_out = parts.report if parts else ()
         validator = Validator(config.validation, validated, model, exp.device, run_dir, config.eval.metrics, held_out)
         callbacks.append(validator)
     result = fine_tune_model(
@@ -645,6 +690,7 @@ def finish(exp: Experiment) -> None:
         "dataset": config.data.name,
         "eval_dataset": config.data.eval_name or config.data.name,
         "eval": exp.evalset.description,
+        **({"eval_part": exp.evalset.part} if exp.evalset.part else {}),
         "device": str(exp.device),
         "results": exp.results,
         "timings": exp.timings,
