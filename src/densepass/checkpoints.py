@@ -81,6 +81,8 @@ LATER_OPTIONS = {
     "packing": False,
     "l2sp": None,
     "l2sp_scope": "encoder",
+    "relative_margin": 0.95,  # negatives
+    "relative_teacher": "cross-encoder",
 }
 
 

@@ -215,8 +215,9 @@ class NegativesConfig:
     pool_depth: int = option(30, "candidates kept per query (the pool negatives are drawn from)", min=1)
     per_query: int = option(1, "hard negatives drawn per query per step", min=0)
     skip_top: int = option(0, "drop each query's first k candidates (often unlabeled positives)", min=0)
-    filters: list[Literal["qrels", "answers", "duplicates", "cross-encoder"]] = option(
-        help="false-negative filters in order (qrels always runs first)", factory=lambda: ["qrels", "answers"]
+    filters: list[Literal["qrels", "answers", "duplicates", "cross-encoder", "relative-margin"]] = option(
+        help="false-negative filters in order (qrels always runs first); what each drops is counted in the run's notes",
+        factory=lambda: ["qrels", "answers"],
     )
     file: str | None = option(None, "source=file: a hard-negatives file (JSONL from `densepass mine`)")
     model: str | None = option(None, "source=model: a saved model that mines")
@@ -230,6 +231,18 @@ class NegativesConfig:
     )
     cross_encoder: str | None = option(None, "cross-encoder filter: a sentence-transformers CrossEncoder")
     cross_encoder_threshold: float = option(0.0, "cross-encoder filter: candidates scored above it are dropped")
+    relative_margin: float = option(
+        0.95,
+        "relative-margin filter (nv-retriever): a candidate stays only if the teacher scores it below this times the"
+        " query's (weakest) positive",
+        above=0,
+        max=1,
+    )
+    relative_teacher: Literal["cross-encoder", "bi-encoder"] = option(
+        "cross-encoder",
+        "relative-margin filter's teacher: cross-encoder (negatives.cross_encoder, scores through a sigmoid) or"
+        " bi-encoder (negatives.model, else model.name_or_path: its cosine)",
+    )
     batch_size: int = option(256, "encoding batch size of dense mining", min=1)
     shard_block: int = option(
         65_536, "dense mining: passages encoded and searched together (under torchrun, shards are runs of them)", min=1

@@ -9,6 +9,15 @@
 - ``cross-encoder``: RocketQA-style denoising; candidates a cross-encoder scores above a threshold
   are likely unlabeled positives. The scorer is any ``(query, [passage, ...]) -> scores`` callable,
   e.g. ``cross_encoder_scorer(path)`` for a sentence-transformers CrossEncoder.
+- ``relative-margin``: NV-Retriever's denoising (nv-retriever §3, "TopK-PercPos"); a candidate stays only if a
+  teacher scores it below ``margin`` times the query's positive (0.95: within 5% of the positive is taken for an
+  unlabelled positive). The teacher is a cross-encoder, its logits through a sigmoid so that scores are
+  positive probabilities a ratio is meaningful for (raw logits may be negative), or a bi-encoder (its
+  similarity: cosine for a normalised model, NV-Retriever's own setting). With several positives the weakest
+  judged one sets the bar: a candidate scored near any passage judged relevant is dropped.
+
+``apply_filters`` counts what each filter drops, by name, so the absolute threshold (``cross-encoder``) and the
+relative rule (``relative-margin``) are counted apart when both run (the second counts only what the first kept).
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from densepass.evaluation.answers import has_answer, normalize_answer
 from densepass.negatives.pool import Candidate, NegativePool
 
 Scorer = Callable[[str, list[str]], Sequence[float]]
-FILTERS = ("qrels", "answers", "duplicates", "cross-encoder")
+FILTERS = ("qrels", "answers", "duplicates", "cross-encoder", "relative-margin")
+TEACHERS = ("cross-encoder", "bi-encoder")  # the relative-margin filter's teacher kinds
 
 
 @dataclass
@@ -108,21 +118,75 @@ class CrossEncoderFilter:
         return (scores <= self.threshold).tolist()
 
 
-def check_cross_encoder_filter(filters: Sequence[str], cross_encoder: str | None) -> None:
+def relative_margin_keep(
+    candidate_scores: Sequence[float], positive_scores: Sequence[float], margin: float
+) -> list[bool]:
+    """NV-Retriever's rule: for each candidate, whether its teacher score is below ``margin`` x the weakest
+    positive's (no positive scored: every candidate stays)."""
+    if len(positive_scores) == 0:
+        return [True] * len(candidate_scores)
+    bar = margin * float(np.min(np.asarray(positive_scores, dtype=np.float64)))
+    return (np.asarray(candidate_scores, dtype=np.float64) < bar).tolist()
+
+
+@dataclass
+class RelativeMarginFilter:
+    """Drops candidates a teacher scores at or above ``margin`` x the query's positive (nv-retriever)."""
+
+    dataset: RetrievalDataset
+    scorer: Scorer
+    margin: float
+    split: str = "train"
+    name: str = "relative-margin"
+    sep_token: str = "[SEP]"
+
+    def __post_init__(self) -> None:
+        self.positives = self.dataset.positives(self.split)
+
+    def keep(self, qid: str, cands: list[Candidate]) -> list[bool]:
+        """For each candidate, whether it stays (one teacher call scores the positives and the candidates)."""
+        if not cands:
+            return []
+        positives = [p for p in self.positives.get(qid, ()) if p in self.dataset.corpus]
+        ids = [*positives, *(c.passage_id for c in cands)]
+        texts = [passage_input(self.dataset.corpus, pid, self.sep_token) for pid in ids]
+        scores = np.asarray(self.scorer(self.dataset.queries[qid], texts), dtype=np.float64)
+        return relative_margin_keep(scores[len(positives) :], scores[: len(positives)], self.margin)
+
+
+def check_denoising(config, base_model: str) -> None:
+    """Before any work: the cross-encoder filter's model, and the relative-margin filter's teacher (a cross-encoder:
+    ``negatives.cross_encoder``; a bi-encoder: ``negatives.model``, else ``base_model``, the starting model)."""
+    check_cross_encoder_filter(config.filters, config.cross_encoder)
+    if "relative-margin" not in config.filters:
+        return
+    if config.relative_teacher == "cross-encoder":
+        check_cross_encoder_filter(["cross-encoder"], config.cross_encoder, "the relative-margin filter")
+    else:
+        from densepass.models.biencoder import resolve_model_path
+
+        resolve_model_path(config.model or base_model)
+
+
+def check_cross_encoder_filter(
+    filters: Sequence[str], cross_encoder: str | None, what: str = "the cross-encoder filter"
+) -> None:
     """Before any work: where ``filters`` name the cross-encoder filter, its model must be given and its files
     pass ``check_model_files`` (no code of its own, a config that builds a model its weights fit), so that a model
     that cannot load is one line before the dataset is read and mined, not after."""
     if "cross-encoder" not in filters:
         return
     if cross_encoder is None:
-        raise ConfigError("the cross-encoder filter needs a cross-encoder (negatives.cross_encoder)")
+        raise ConfigError(f"{what} needs a cross-encoder (negatives.cross_encoder)")
     from densepass.models.biencoder import resolve_model_path
 
     resolve_model_path(cross_encoder)
 
 
-def cross_encoder_scorer(path: str, batch_size: int = 64) -> Scorer:
-    """A scorer from a saved sentence-transformers ``CrossEncoder`` (raw logits)."""
+def cross_encoder_scorer(path: str, batch_size: int = 64, sigmoid: bool = False) -> Scorer:
+    """A scorer from a saved sentence-transformers ``CrossEncoder`` (its own activation, the identity or a sigmoid
+    as the model was saved with; ``sigmoid``: probabilities through a sigmoid of the logits whatever it was saved
+    with)."""
     from sentence_transformers import CrossEncoder
 
     from densepass.models.biencoder import resolve_model_path
@@ -135,9 +199,27 @@ def cross_encoder_scorer(path: str, batch_size: int = 64) -> Scorer:
             raise
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ConfigError(f"cannot load cross-encoder {path!r}: {first}") from None
+    import torch
+
+    activation = torch.nn.Sigmoid() if sigmoid else None
     return lambda query, passages: model.predict(
-        [(query, p) for p in passages], batch_size=batch_size, show_progress_bar=False
+        [(query, p) for p in passages], batch_size=batch_size, show_progress_bar=False, activation_fn=activation
     )
+
+
+def bi_encoder_scorer(path: str, batch_size: int = 64, device=None) -> Scorer:
+    """A scorer from a bi-encoder: the similarity of the query's embedding and each passage's (cosine for a
+    normalised model)."""
+    from densepass.models.biencoder import BiEncoder
+
+    model = BiEncoder.from_pretrained(path)
+    options = {"show_progress": False, "device": device}
+
+    def score(query: str, passages: list[str]) -> np.ndarray:
+        q = model.encode_queries([query], batch_size, **options)
+        return model.encode_passages(passages, batch_size, **options) @ q[0]
+
+    return score
 
 
 def build_filters(
@@ -147,8 +229,11 @@ def build_filters(
     sep_token: str = "[SEP]",
     cross_encoder: str | Scorer | None = None,
     threshold: float = 0.0,
+    relative_margin: float = 0.95,
+    relative_teacher: str | Scorer | None = None,
 ) -> list:
-    """Filters by name, in the given order."""
+    """Filters by name, in the given order; ``relative_teacher``: the relative-margin filter's scorer, or the path of
+    a cross-encoder (scored through a sigmoid)."""
     out = []
     for name in names:
         if name == "qrels":
@@ -162,6 +247,12 @@ def build_filters(
                 raise ConfigError("the cross-encoder filter needs a cross-encoder (negatives.cross_encoder)")
             scorer = cross_encoder_scorer(cross_encoder) if isinstance(cross_encoder, str) else cross_encoder
             out.append(CrossEncoderFilter(dataset, scorer, threshold, sep_token=sep_token))
+        elif name == "relative-margin":
+            if relative_teacher is None:
+                raise ConfigError("the relative-margin filter needs a teacher (negatives.relative_teacher)")
+            if isinstance(relative_teacher, str):
+                relative_teacher = cross_encoder_scorer(relative_teacher, sigmoid=True)
+            out.append(RelativeMarginFilter(dataset, relative_teacher, relative_margin, split, sep_token=sep_token))
         else:
             raise ConfigError(f"unknown negatives filter {name!r} (known: {', '.join(FILTERS)})")
     return out

@@ -20,7 +20,7 @@ from densepass.data.dataset import RetrievalDataset
 from densepass.errors import ConfigError
 from densepass.index.bm25 import BM25Index
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
-from densepass.negatives.filters import apply_filters, build_filters
+from densepass.negatives.filters import Scorer, apply_filters, bi_encoder_scorer, build_filters
 from densepass.negatives.pool import Candidate, NegativePool, load_pool, source_counts, truncate
 
 
@@ -192,6 +192,15 @@ def raw_pool(
     )
 
 
+def relative_teacher(config: NegativesConfig, ctx: MiningContext) -> str | Scorer | None:
+    """The relative-margin filter's teacher: the cross-encoder's path (``negatives.cross_encoder``), or a bi-encoder's
+    scorer (``negatives.model``, else the run's starting model ``ctx.base_model``; fixed: never the model being
+    trained, so a refresh denoises by the same teacher)."""
+    if config.relative_teacher == "cross-encoder":
+        return config.cross_encoder
+    return bi_encoder_scorer(config.model or ctx.base_model, config.batch_size, ctx.device)
+
+
 def mine_negatives(
     dataset: RetrievalDataset,
     query_ids: Sequence[str],
@@ -211,7 +220,16 @@ def mine_negatives(
     started = time.perf_counter()
     names = ["qrels", *(f for f in config.filters if f != "qrels")]
     # the filters first: a cross-encoder that does not load is one line before the mining, not after it
-    filters = build_filters(names, dataset, ctx.split, sep_token, config.cross_encoder, config.cross_encoder_threshold)
+    filters = build_filters(
+        names,
+        dataset,
+        ctx.split,
+        sep_token,
+        config.cross_encoder,
+        config.cross_encoder_threshold,
+        config.relative_margin,
+        relative_teacher(config, ctx) if "relative-margin" in names else None,
+    )
     raw = raw_pool(strategy, dataset, query_ids, config, ctx)
     pool, removed = apply_filters(raw, filters, show_progress=ctx.show_progress)
     return MiningResult(truncate(pool, config.pool_depth), removed, time.perf_counter() - started)

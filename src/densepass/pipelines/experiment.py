@@ -49,7 +49,7 @@ from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.freeze import freeze_bottom
 from densepass.models.interpolate import interpolate_weights, snapshot
 from densepass.models.packing import enable_packing
-from densepass.negatives.filters import check_cross_encoder_filter
+from densepass.negatives.filters import check_denoising
 from densepass.negatives.mine import MiningContext, MiningResult
 from densepass.negatives.pool import load_pool, passage_ids, save_pool
 from densepass.pipelines import retrievers
@@ -103,7 +103,7 @@ def run_identity(config: ExperimentConfig, dataset: RetrievalDataset | None = No
     return {
         "data": data_identity(config.data),
         "model": without_later_defaults(asdict(config.model)),
-        "negatives": asdict(config.negatives),
+        "negatives": without_later_defaults(asdict(config.negatives)),
         "schedule": schedule,
         **distillation_identity(config),
         **loss,
@@ -161,7 +161,7 @@ def check(config: ExperimentConfig) -> torch.device:
         if name == "file" and (arg or neg.file):
             load_pool(arg or neg.file)  # read once before any work: not UTF-8, not JSON, no negatives: one line
     if config.train.enabled and neg.source not in ("none", "given"):
-        check_cross_encoder_filter(neg.filters, neg.cross_encoder)  # its model's files, before any work
+        check_denoising(neg, config.model.name_or_path)  # its models' files, before any work
     if config.train.enabled:
         check_schedule(config.schedule)
         check_loss(config.loss, config.train)

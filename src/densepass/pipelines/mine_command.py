@@ -32,7 +32,7 @@ from densepass.data import hub_options, load_dataset
 from densepass.device import resolve_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.io import check_output_file, every_line
-from densepass.negatives.filters import check_cross_encoder_filter
+from densepass.negatives.filters import check_denoising
 from densepass.negatives.mine import (
     MiningContext,
     MiningResult,
@@ -64,7 +64,7 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path, precis
             )
         config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, precision=precision))
     check_writable(output)
-    check_cross_encoder_filter(config.negatives.filters, config.negatives.cross_encoder)  # before the dataset loads
+    check_denoising(config.negatives, config.model.name_or_path)  # before the dataset loads
     work_dir = output.with_name(output.name + ".miners") if dense_specs(config.negatives) else None
     if work_dir is not None:
         check_private_work_dir(work_dir, f"where the miners of {output} are kept")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from densepass import distributed
-from densepass.checkpoints import DATA_FILES
+from densepass.checkpoints import DATA_FILES, without_later_defaults
 from densepass.config import ExperimentConfig, LossConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import uses_bf16
@@ -167,7 +167,7 @@ def train_reranker(
     )
     identity = {
         "data": asdict(config.data),
-        "negatives": asdict(config.negatives),
+        "negatives": without_later_defaults(asdict(config.negatives)),
         "cross_encoder": {"name_or_path": cfg.name_or_path, "max_length": cfg.max_length, "bf16": bf16},
         DATA_FILES: dataset.file_fingerprints(),  # a changed data file: the checkpoints are refused
     }

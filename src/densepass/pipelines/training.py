@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from densepass.checkpoints import DATA_FILES
+from densepass.checkpoints import DATA_FILES, without_later_defaults
 from densepass.config import DEFAULT_MODEL, NegativesConfig, ScheduleConfig, TrainConfig
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
@@ -224,7 +224,7 @@ def train(
     identity = {
         "data": {"dataset": dataset.name, "split": split, "max_queries": max_queries, "seed": seed},
         "model": asdict(model.config),
-        "negatives": asdict(negatives),
+        "negatives": without_later_defaults(asdict(negatives)),
         "schedule": {k: v for k, v in asdict(schedule).items() if k != "background"},
         "loss": objective.describe(),
         DATA_FILES: dataset.file_fingerprints(),

@@ -1,0 +1,114 @@
+"""Relative-margin denoising (negatives.filters: relative-margin, nv-retriever): the rule on a hand-worked example
+and against a brute-force reference on random scores, the filter inside mining (its drops counted apart from the
+absolute cross-encoder threshold's), its teacher checked before any work, and a bi-encoder as the teacher."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from densepass.config import NegativesConfig
+from densepass.data import load_dataset
+from densepass.data.keys import passage_input
+from densepass.errors import ConfigError
+from densepass.negatives.filters import apply_filters, build_filters, check_denoising, relative_margin_keep
+from densepass.negatives.mine import MiningContext, mine_negatives
+
+
+def test_the_rule_on_a_hand_worked_example():
+    # positive 0.8, margin 0.95: the bar is 0.76; a candidate at the bar is dropped (strictly below stays)
+    assert relative_margin_keep([0.9, 0.76, 0.7599, 0.2], [0.8], 0.95) == [False, False, True, True]
+    # two positives: the weaker (0.5) sets the bar, 0.475
+    assert relative_margin_keep([0.6, 0.48, 0.47], [0.9, 0.5], 0.95) == [False, False, True]
+    assert relative_margin_keep([0.3, 5.0], [], 0.95) == [True, True]  # nothing to compare with: kept
+
+
+scores = st.floats(min_value=-10, max_value=10, allow_nan=False, width=32)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(scores, max_size=12), st.lists(scores, min_size=1, max_size=3), st.floats(min_value=0.01, max_value=1))
+def test_the_rule_equals_a_brute_force_reference(candidates, positives, margin):
+    expected = [all(c < margin * p for p in positives) for c in candidates]
+    assert relative_margin_keep(candidates, positives, margin) == expected
+
+
+def _fake_teacher(query: str, passages: list[str]) -> list[float]:
+    """A deterministic teacher: a score in [0, 1) from a hash of the (query, passage) pair."""
+    return [int(hashlib.sha256(f"{query}|{p}".encode()).hexdigest()[:8], 16) / 2**32 for p in passages]
+
+
+def test_mining_drops_by_each_rule_and_counts_them_apart(tiny_beir):
+    dataset = load_dataset(str(tiny_beir))
+    queries = sorted(dataset.positives("train"))[:12]
+    config = NegativesConfig(pool_depth=8, filters=["qrels"])
+    raw = mine_negatives(dataset, queries, config, MiningContext(show_progress=False)).pool
+    threshold, margin = 0.8, 0.9
+    filters = build_filters(
+        ["cross-encoder", "relative-margin"],
+        dataset,
+        cross_encoder=_fake_teacher,
+        threshold=threshold,
+        relative_margin=margin,
+        relative_teacher=_fake_teacher,
+    )
+    pool, removed = apply_filters(raw, filters)
+    # brute force: the absolute rule first, then the relative one on what it kept
+    expected_abs = expected_rel = 0
+    for qid, cands in raw.items():
+        query = dataset.queries[qid]
+        score = {
+            c.passage_id: _fake_teacher(query, [passage_input(dataset.corpus, c.passage_id, "[SEP]")])[0] for c in cands
+        }
+        kept = [c for c in cands if score[c.passage_id] <= threshold]
+        expected_abs += len(cands) - len(kept)
+        positives = [
+            _fake_teacher(query, [passage_input(dataset.corpus, p, "[SEP]")])[0]
+            for p in dataset.positives("train")[qid]
+        ]
+        survivors = [c for c in kept if all(score[c.passage_id] < margin * p for p in positives)]
+        expected_rel += len(kept) - len(survivors)
+        assert [c.passage_id for c in pool[qid]] == [c.passage_id for c in survivors]
+    assert removed == {"cross-encoder": expected_abs, "relative-margin": expected_rel}
+    assert expected_abs > 0 and expected_rel > 0  # the example exercises both rules
+
+
+def test_the_teacher_is_checked_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match="the relative-margin filter needs a cross-encoder"):
+        check_denoising(NegativesConfig(filters=["qrels", "relative-margin"]), "all-MiniLM-L6-v2")
+    with pytest.raises(ConfigError, match="not-a-model"):
+        check_denoising(
+            NegativesConfig(
+                filters=["relative-margin"], relative_teacher="bi-encoder", model=str(tmp_path / "not-a-model")
+            ),
+            "all-MiniLM-L6-v2",
+        )
+    check_denoising(NegativesConfig(filters=["relative-margin"], relative_teacher="bi-encoder"), "all-MiniLM-L6-v2")
+
+
+def test_a_bi_encoder_teaches_through_mining(tiny_beir, tiny_model_dir):
+    from densepass.models.biencoder import BiEncoder
+
+    dataset = load_dataset(str(tiny_beir))
+    queries = sorted(dataset.positives("train"))[:6]
+    context = MiningContext(show_progress=False, base_model=str(tiny_model_dir))
+    unfiltered = mine_negatives(dataset, queries, NegativesConfig(pool_depth=50, filters=["qrels"]), context).pool
+    config = NegativesConfig(
+        pool_depth=50, filters=["qrels", "relative-margin"], relative_teacher="bi-encoder", relative_margin=0.9
+    )
+    result = mine_negatives(dataset, queries, config, context)
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    expected = 0
+    for qid in queries:  # by hand: cosine similarities of the starting model, the weakest positive's bar
+        q = model.encode_queries([dataset.queries[qid]], show_progress=False, precision="fp32")[0]
+        ids = [*dataset.positives("train")[qid], *(c.passage_id for c in unfiltered[qid])]
+        texts = [passage_input(dataset.corpus, pid, "[SEP]") for pid in ids]
+        sims = dict(zip(ids, model.encode_passages(texts, show_progress=False, precision="fp32") @ q))
+        bar = 0.9 * min(sims[p] for p in dataset.positives("train")[qid])
+        kept = [c.passage_id for c in unfiltered[qid] if sims[c.passage_id] < bar]
+        assert [c.passage_id for c in result.pool[qid]] == kept
+        expected += len(unfiltered[qid]) - len(kept)
+    assert result.removed["relative-margin"] == expected > 0
