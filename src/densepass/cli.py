@@ -780,7 +780,9 @@ def build_parser() -> argparse.ArgumentParser:
     mine.add_argument(
         "--mix", nargs="+", default=None, help="strategies for --strategy mixed, e.g. bm25 context dense:25"
     )
-    mine.add_argument("--filters", nargs="+", default=None, help="qrels answers duplicates cross-encoder relative-margin")
+    mine.add_argument(
+        "--filters", nargs="+", default=None, help="qrels answers duplicates cross-encoder relative-margin"
+    )
     mine.add_argument("--cross-encoder", default=None, help="sentence-transformers CrossEncoder for that filter")
     mine.add_argument("--cross-encoder-threshold", type=float, default=None)
     mine.add_argument("--max-queries", type=positive_int, default=None, help="a seeded subset of the training queries")
