@@ -77,6 +77,25 @@ class ColumnsConfig:
 
 
 @dataclass
+class MixConfig:
+    """``data.mix``: another dataset's training pairs mixed into every batch (``training.batches``), a forgetting
+    guard: the model keeps seeing general-domain questions while it learns the main data's domain."""
+
+    name: str = option(
+        "squad-v1.1-dev-split", "dataset whose pairs are mixed in: a folder under the data directory, or a path"
+    )
+    format: DatasetFormat = option("squad", "its layout: beir, msmarco, dpr or squad")
+    split: str = option("train", "its split whose queries and positives are mixed in")
+    fraction: float = option(
+        0.1,
+        "share of every batch's train.batch_size queries that are its pairs (round(fraction x batch_size), at least"
+        " one); the main data's share is planned by schedule.method",
+        above=0,
+        max=0.9,
+    )
+
+
+@dataclass
 class DataConfig:
     """Which dataset to read and which part of it to use."""
 
@@ -129,6 +148,12 @@ class DataConfig:
     eval_hard_k: int = option(0, "subcorpus: the BM25 top-k of every evaluated query", min=0)
     eval_random: int = option(0, "subcorpus: this many random passages", min=0)
     seed: int = option(13, "seed of the query samples and the subcorpus", min=0, max=SEED_MAX)
+    mix: list[MixConfig] = option(
+        help="general-domain pairs mixed into every training batch, e.g. [{name: squad-v1.1-dev-split, format: squad,"
+        " split: train, fraction: 0.1}]: in-batch negatives (plus random mixed positives as hard negatives), nothing"
+        " mined or filtered for them, drawn in a seeded order (train.seed) by step",
+        factory=list,
+    )
 
 
 @dataclass

@@ -71,10 +71,14 @@ from densepass.pipelines.reranking import (
     train_reranker,
 )
 from densepass.pipelines.training import (
+    add_mix,
     batch_planner,
+    check_mix,
     fine_tune_model,
     given_pool,
+    load_mix,
     mine_pool,
+    mix_summary,
     training_queries,
     uses_bm25,
 )
@@ -121,6 +125,7 @@ LATER_DATA_KEYS = {
     "eval_part": "all",
     "eval_part_fraction": 0.5,
     "eval_part_seed": 13,
+    "mix": [],
 }
 
 
@@ -182,6 +187,7 @@ def check(config: ExperimentConfig) -> torch.device:
             raise ConfigError("validation.select needs validation.enabled: true (nothing is validated otherwise)")
         check_fsdp(config)
         check_l2sp(config.train)
+        check_mix(config.data.mix, config.train, config.schedule, distilling(config))
     elif config.train.wise_ft is not None:
         raise ConfigError("train.wise_ft interpolates fine-tuned weights: it needs train.enabled: true")
     check_reranker_config(config)
@@ -323,6 +329,7 @@ class Experiment:
     eval_data: RetrievalDataset | None = None  # what is evaluated and validated (data.eval_name; None: dataset)
     reranker: CrossEncoder | None = None  # the cross-encoder (loaded in prepare, or trained)
     teacher: CrossEncoder | None = None  # the distillation teacher when known before training
+    mix: list[RetrievalDataset] = field(default_factory=list)  # data.mix's datasets
     results: dict[str, dict[str, float]] = field(default_factory=dict)
     runs: dict[str, Run] = field(default_factory=dict)  # every scored run by name (first stages for reranking)
     timings: dict[str, float] = field(default_factory=dict)
@@ -366,6 +373,7 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
     if config.eval.mode == "rerank":
         add_rerank_candidates(evalset, eval_bm25, config.eval.rerank_candidates)
     experiment = Experiment(config, device, main, dataset, evalset, full_bm25, eval_bm25, eval_data)
+    experiment.mix = load_mix(data.mix, data.data_dir) if config.train.enabled else []
     experiment.reranker = load_fixed_reranker(config, device)  # a model without a usable head fails here
     if distilling(config):
         experiment.teacher = fixed_teacher(config, experiment.reranker, scoring_options(config, device), dataset)
@@ -598,6 +606,7 @@ def fine_tune(
     config, run_dir = exp.config, exp.run_dir
     started = time.perf_counter()
     data = training_data(exp, model, pool, teacher)
+    add_mix(data, exp.mix, config.data.mix, config.train.batch_size, config.train.seed)
     planner = batch_planner(model, data, config.train, config.schedule, run_dir, exp.device)
     identity = run_identity(config, exp.dataset)
     resumed_at = resume_step(run_dir, config.train, identity)
@@ -678,6 +687,8 @@ def fine_tune(
         f"final loss {result.final_loss:.4f}; "
         f"{result.examples_per_second:.1f} examples/s on {exp.device.type}."
     )
+    if data.mix:
+        exp.notes.append(mix_summary(data, config.train.batch_size, result.steps))
 
 
 # ---- stage 5: results ----------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def train_reranker(
         query_ids=query_ids,
     )
     identity = {
-        "data": asdict(config.data),
+        "data": {k: v for k, v in asdict(config.data).items() if k != "mix"},  # the bi-encoder's batches only
         "negatives": without_later_defaults(asdict(config.negatives)),
         "cross_encoder": {"name_or_path": cfg.name_or_path, "max_length": cfg.max_length, "bf16": bf16},
         DATA_FILES: dataset.file_fingerprints(),  # a changed data file: the checkpoints are refused

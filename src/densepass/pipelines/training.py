@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from densepass.checkpoints import DATA_FILES, without_later_defaults
-from densepass.config import DEFAULT_MODEL, NegativesConfig, ScheduleConfig, TrainConfig
+from densepass.config import DEFAULT_MODEL, MixConfig, NegativesConfig, ScheduleConfig, TrainConfig
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.data.pairs import PairsDataset, is_pairs_source, load_pairs
@@ -116,12 +116,78 @@ def mine_pool(
     return mine_negatives(dataset, query_ids, negatives, context, sep)
 
 
+MIX_SCHEDULES = ("random", "sequential")  # batch orders that plan the main queries alone, whatever joins them
+
+
+def mixed_counts(mix: list[MixConfig], batch_size: int) -> list[int]:
+    """Queries of each ``data.mix`` entry in every batch: round(fraction x batch size), at least one."""
+    return [max(1, round(entry.fraction * batch_size)) for entry in mix]
+
+
+def check_mix(mix: list[MixConfig], args: TrainConfig, schedule: ScheduleConfig, distils: bool) -> None:
+    """``data.mix``'s one-line errors before any work: the main data keeps at least one query of every batch, the
+    batch order is one that plans the main queries alone (ABS and clustered batches group queries by similarity:
+    appended pairs of another domain would undo what they choose), and no distillation (the mixed pairs have no
+    teacher scores)."""
+    if not mix:
+        return
+    counts = mixed_counts(mix, args.batch_size)
+    if sum(counts) >= args.batch_size:
+        raise ConfigError(
+            f"data.mix takes {sum(counts)} of every batch's {args.batch_size} queries: lower the fractions (or raise "
+            "train.batch_size) so that the main data keeps some"
+        )
+    if schedule.method not in MIX_SCHEDULES:
+        raise ConfigError(
+            f"data.mix does not combine with schedule.method {schedule.method}: its batches are chosen by similarity"
+            f" among the main queries; use {' or '.join(MIX_SCHEDULES)}"
+        )
+    if distils:
+        raise ConfigError("data.mix does not combine with distillation: the mixed-in pairs have no teacher scores")
+
+
+def load_mix(mix: list[MixConfig], data_dir: str | None) -> list[RetrievalDataset]:
+    """The ``data.mix`` datasets, each with queries in its split (a missing one: one line, before any work)."""
+    datasets = []
+    for entry in mix:
+        dataset = load_dataset(entry.name, data_dir, entry.format)
+        if not dataset.positives(entry.split):
+            raise ConfigError(f"data.mix: {entry.name} has no queries with a positive in its {entry.split!r} split")
+        datasets.append(dataset)
+    return datasets
+
+
+def add_mix(
+    data: TrainingData, datasets: list[RetrievalDataset], mix: list[MixConfig], batch_size: int, seed: int
+) -> None:
+    """Mix ``datasets``' pairs into every batch of ``data`` (``TrainingData.add_mix``), seeded by ``seed``."""
+    for dataset, entry, count in zip(datasets, mix, mixed_counts(mix, batch_size)):
+        data.add_mix(dataset, entry.split, count, seed)
+
+
+def mix_summary(data: TrainingData, batch_size: int, steps: int) -> str:
+    """What ``data.mix`` put into a run's ``steps`` batches, for its notes ("" without it)."""
+    if not data.mix:
+        return ""
+    parts = [
+        f"{s.per_batch} from {s.name} ({steps * s.per_batch} pairs over the run, "
+        f"{min(len(s.query_texts), steps * s.per_batch)} of its {len(s.query_texts)} queries)"
+        for s in data.mix
+    ]
+    return (
+        f"Mixed into each batch of {batch_size} queries: {'; '.join(parts)}; in-batch and random mixed-positive "
+        "negatives only, nothing mined or filtered for them."
+    )
+
+
 def batch_planner(
     model: BiEncoder, data: TrainingData, args: TrainConfig, schedule: ScheduleConfig, run_dir: Path, device
 ) -> EpochPlanner:
-    """The batch order of ``schedule`` (``training.planner``: random, clustered, ABS), its state under ``run_dir``."""
+    """The batch order of ``schedule`` (``training.planner``: random, clustered, ABS), its state under ``run_dir``;
+    it plans the main queries' share of each batch (the rest: ``data.mixed_per_batch`` mixed-in pairs)."""
     log = run_dir / "schedule_log.jsonl"
-    return EpochPlanner(schedule, args.batch_size, args.seed, data, model, device, log, state_dir=run_dir / "schedule")
+    size = args.batch_size - data.mixed_per_batch
+    return EpochPlanner(schedule, size, args.seed, data, model, device, log, state_dir=run_dir / "schedule")
 
 
 def fine_tune_model(

@@ -2,6 +2,15 @@
 
 The metadata of the *global* batch (ids, sampled negatives, false-negative mask) is computed
 identically on every process from a seed of (epoch, step); each process tokenises only its slice.
+
+Mixed-in pairs (``data.mix``, a forgetting guard): ``TrainingData.add_mix`` adds another dataset's (query, positive)
+pairs, and every batch then ends with ``per_batch`` of them besides the planned queries of the main data: a share of
+each batch rather than whole steps of their own, so that every step's gradient keeps both domains and the batch
+order (planned over the main queries only) and the contrast size stay as they are. They are drawn by global step
+from a seeded permutation of the mixed queries, each once per pass over them, so a resumed run draws the same. Their
+passages are not in the main corpus, so nothing is mined or filtered for them: their negatives are the batch's other
+passages, plus (where queries draw hard negatives) random passages among the mixed positives, their own and any
+passage judged relevant to them masked out by content as for every query.
 """
 
 from __future__ import annotations
@@ -41,6 +50,29 @@ class TrainingBatch:
     passage_keys: torch.Tensor  # [P_global] content key of each passage column (data.keys.content_key)
     relevant_keys: list[set[int]]  # per global query: keys of every passage judged relevant to it, and its positive's
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-batch data of other objectives
+
+
+@dataclass
+class MixSource:
+    """One dataset's pairs mixed into every batch (``TrainingData.add_mix``): its queries, the rows of their
+    positives (appended after the main passages), the content keys of what is relevant to each, how many join each
+    batch, and the seed of their order."""
+
+    name: str
+    query_texts: list[str]
+    positive_rows: np.ndarray
+    relevant_keys: list[set[int]]
+    per_batch: int
+    seed: int
+
+    def members(self, step: int) -> list[int]:
+        """The indices of the queries mixed into global step ``step``: the next ``per_batch`` of a sequence of
+        seeded permutations (each query once per pass over them)."""
+        n, out = len(self.query_texts), []
+        for position in range(step * self.per_batch, (step + 1) * self.per_batch):
+            permutation = np.random.default_rng([self.seed, 0x6D6978, position // n]).permutation(n)
+            out.append(int(permutation[position % n]))
+        return out
 
 
 @dataclass(frozen=True)
@@ -128,6 +160,7 @@ class TrainingData:
             self.pool_sizes = PoolSizes.of(self.negative_rows, negatives_per_query)
             self.pool_sizes.warn()  # a pool shorter than negatives_per_query repeats negatives: never silently
         self._refreshed: list[tuple[int, list[np.ndarray]]] = []  # (first step, pools), by first step
+        self.mix: list[MixSource] = []
         self.teacher: list[dict[int, float]] | None = None
         if teacher_scores is not None:
             rows = [{self._row(p): float(v) for p, v in teacher_scores.get(q, {}).items()} for q in self.query_ids]
@@ -137,14 +170,57 @@ class TrainingData:
     def __len__(self) -> int:
         return len(self.query_ids)
 
+    @property
+    def mixed_per_batch(self) -> int:
+        """Queries of ``add_mix``'s datasets that join every batch (the planner plans the rest of it)."""
+        return sum(source.per_batch for source in self.mix)
+
+    def add_mix(self, dataset: RetrievalDataset, split: str, per_batch: int, seed: int) -> MixSource:
+        """Mix ``per_batch`` (query, positive) pairs of ``dataset``'s ``split`` into every batch (module docstring);
+        its positives' passages are appended after the main ones."""
+        if self.teacher is not None:
+            raise ConfigError("mixed-in pairs have no teacher scores: data.mix does not combine with distillation")
+        positives = dataset.positives(split)
+        if not positives:
+            raise DataError(f"data.mix: {dataset.name} has no queries with a positive in its {split} split")
+        query_ids = sorted(positives)
+        rows: dict[str, int] = {}
+        for qid in query_ids:
+            pid = positives[qid][0]
+            if pid not in rows:
+                rows[pid] = len(self.passage_inputs)
+                self.passage_inputs.append(passage_input(dataset.corpus, pid, self.sep_token))
+        self._add_extra_keys()
+        relevant = dataset.relevant_sets()
+
+        def key(pid: str) -> int:
+            return (
+                int(self.keys[rows[pid]])
+                if pid in rows
+                else content_key(passage_input(dataset.corpus, pid, self.sep_token))
+            )
+
+        source = MixSource(
+            f"{dataset.name} ({split})",
+            [dataset.queries[q] for q in query_ids],
+            np.asarray([rows[positives[q][0]] for q in query_ids], dtype=np.int64),
+            [{key(p) for p in relevant.get(q, ()) if p in dataset.corpus} for q in query_ids],
+            per_batch,
+            seed + 1_000_003 * (len(self.mix) + 1),
+        )
+        self.mix.append(source)
+        return source
+
     def texts_in_use(self) -> dict[str, list[str]]:
         """The texts batches draw, per side (what the trainer's token cache holds): every training query, and
         every passage that is a positive or in a negative pool (an empty pool's random fallback and a later
         refresh may draw others)."""
         rows = {r for positives in self.positive_rows for r in positives}
+        rows.update(int(r) for source in self.mix for r in source.positive_rows)
         for pools in [self.negative_rows or [], *(pools for _, pools in self._refreshed)]:
             rows.update(int(r) for pool in pools for r in pool)
-        return {"query": list(self.query_texts), "passage": [self.passage_inputs[r] for r in sorted(rows)]}
+        queries = [*self.query_texts, *(q for source in self.mix for q in source.query_texts)]
+        return {"query": queries, "passage": [self.passage_inputs[r] for r in sorted(rows)]}
 
     def _row(self, pid: str) -> int | None:
         """The row of passage ``pid``; synthetic passages (context halves, ``<pid>#half0``) get rows appended
@@ -195,38 +271,41 @@ class TrainingData:
         self, batch: Sequence[int], seed: Sequence[int], rank: int = 0, world: int = 1, step: int | None = None
     ) -> TrainingBatch:
         """Build the global batch ``batch`` (instance indices) of global step ``step`` and return this
-        process's share."""
-        if len(batch) % world:
-            raise ConfigError(f"global batch of {len(batch)} does not split over {world} processes")
+        process's share; with ``add_mix``'s datasets, their queries of ``step`` follow ``batch``'s."""
+        mixed = [(source, i) for source in self.mix for i in source.members(step or 0)]
+        n = len(batch) + len(mixed)
+        if n % world:
+            raise ConfigError(f"global batch of {n} does not split over {world} processes")
         rng = np.random.default_rng(list(seed))
         pos_rows = [int(self.positive_rows[i][0]) for i in batch]
+        pos_rows += [int(source.positive_rows[i]) for source, i in mixed]
+        relevant = [self.relevant_keys[i] for i in batch] + [source.relevant_keys[i] for source, i in mixed]
         h = self.negatives_per_query
         neg_rows: list[int] = []
         if h:
             pools = self.negative_rows_at(step)
             for i in batch:
                 neg_rows.extend(draw_negatives(pools[i], h, rng, len(self.passage_inputs)))
+            for source, _ in mixed:  # random passages among the mixed positives (none mined for these queries)
+                neg_rows.extend(draw_negatives(source.positive_rows, h, rng, len(self.passage_inputs)))
         all_rows = pos_rows + neg_rows
         keys = [int(self.keys[r]) for r in all_rows]
-        n = len(batch)
         mask = false_negative_mask(
-            positive_keys=keys[:n],
-            passage_keys=keys,
-            relevant_keys=[self.relevant_keys[i] for i in batch],
-            positive_index=list(range(n)),
+            positive_keys=keys[:n], passage_keys=keys, relevant_keys=relevant, positive_index=list(range(n))
         )
+        query_texts = [self.query_texts[i] for i in batch] + [source.query_texts[i] for source, i in mixed]
         b = n // world
         local = slice(rank * b, (rank + 1) * b)
         local_neg = neg_rows[rank * b * h : (rank + 1) * b * h]
         extras = {} if self.teacher is None else {"teacher_scores": self._teacher_scores(batch, pos_rows, neg_rows)}
         return TrainingBatch(
-            query_texts=[self.query_texts[i] for i in batch[local]],
+            query_texts=query_texts[local],
             passage_texts=[self.passage_inputs[r] for r in pos_rows[local] + local_neg],
             n_local_queries=b,
             positive_index=torch.arange(n),
             mask=mask,
             passage_keys=torch.tensor(keys, dtype=torch.long),
-            relevant_keys=[self.relevant_keys[i] | {keys[j]} for j, i in enumerate(batch)],
+            relevant_keys=[keys_of | {keys[j]} for j, keys_of in enumerate(relevant)],
             extras=extras,
         )
 

@@ -108,7 +108,8 @@ class BiEncoderTask(engine.Task):
         self.shardable = isinstance(model, BiEncoder)  # FSDP: dense bi-encoders (SPLADE ties its MLM head)
         if config.packing:  # an encoder it cannot pack: one line before training
             enable_packing(model)
-        self.planner = planner or RandomPlanner(len(data), config.batch_size, config.seed)
+        # mixed-in pairs (data.mix) fill the rest of every batch: the planner plans the main queries' share
+        self.planner = planner or RandomPlanner(len(data), config.batch_size - data.mixed_per_batch, config.seed)
         self.objective = objective or InfoNCE(config.bidirectional)
         self.steps_per_epoch, self.epochs = self.planner.steps_per_epoch, config.epochs
 
@@ -158,7 +159,8 @@ class BiEncoderTask(engine.Task):
         out = forward_backward(
             self.model, batch, context.device, self.objective, self.config.grad_cache_chunk, context.bf16, tensors
         )
-        return engine.StepOutput(out.loss, size=len(members), outputs=out)
+        terms = {"mixed_queries": float(self.data.mixed_per_batch)} if self.data.mix else {}
+        return engine.StepOutput(out.loss, size=len(members) + self.data.mixed_per_batch, terms=terms, outputs=out)
 
     @override
     def after_step(self, output: engine.StepOutput, prepared) -> None:
