@@ -17,7 +17,8 @@ The corpus and the queries are encoded once per model at its full dimension (fp3
         --model base=outputs/matryoshka-base/model --out outputs/compact/full.json
 
 ``--synthetic N`` measures size instead of quality: N random unit vectors of the first model's dimension, indexed as
-float32 FAISS HNSW and as binary HNSW re-scored with float32 embeddings memory-mapped from the saved index; bytes
+float32 FAISS HNSW and as binary HNSW and binary flat (a Hamming scan of every passage's bits), both re-scored with
+float32 embeddings memory-mapped from the saved index; bytes
 per passage in RAM, one-query latency and recall@10 against exact search of 1,000 random queries.
 
     python3 benchmarks/bench_compact.py --synthetic 1000000 --out outputs/compact/synthetic-1m.json
@@ -119,7 +120,8 @@ def sentence_transformers_recipe(precision: str, passages: np.ndarray, queries: 
 
 
 def synthetic(model: BiEncoder, args: argparse.Namespace) -> None:
-    """Float32 HNSW against binary HNSW + float re-scoring from disk on ``args.synthetic`` random unit vectors."""
+    """Float32 HNSW against binary HNSW and binary flat, each + float re-scoring from disk, on ``args.synthetic``
+    random unit vectors."""
     import tempfile
 
     import faiss
@@ -140,6 +142,7 @@ def synthetic(model: BiEncoder, args: argparse.Namespace) -> None:
         for name, index in [
             ("float32 HNSW", DenseIndex(model, "faiss-hnsw", show_progress=False)),
             ("binary HNSW + float re-scoring", CompactIndex(model, "binary-hnsw", show_progress=False)),
+            ("binary flat + float re-scoring", CompactIndex(model, "binary-flat", show_progress=False)),
         ]:
             started = time.perf_counter()
             index.add_embeddings(texts, passages)
