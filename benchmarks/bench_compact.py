@@ -5,7 +5,8 @@ on the same embeddings; the bytes per passage each holds in RAM, and the median 
 (its embedding given: encoding is the same for every row). With two models, a paired randomization test
 (``evaluation.metrics.randomization_p``) of the first against the second at each dimension, fp32.
 
-The corpus and the queries are encoded once per model at its full dimension (fp32); each dimension cuts them
+The corpus and the queries are encoded once per model at its full dimension (``--encode-precision``: fp32 by default;
+bf16 is about 2.5x faster on a CPU with bf16 kernels, at cosine 0.9999 to fp32); each dimension cuts them
 (``models.matryoshka.truncate``) as ``densepass index --dim`` does. Everything else runs on those embeddings.
 
     # a smoke run: 200 dev queries over their gold passages + 2,000 others
@@ -182,6 +183,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--encode-precision",
+        default="fp32",
+        choices=("fp32", "bf16", "auto"),
+        help="precision the corpus and queries are encoded in (every row's index is built from those embeddings)",
+    )
     parser.add_argument("--out", default=None, help="JSON results (the markdown table goes beside it, .md)")
     parser.add_argument("--synthetic", type=int, default=None, help="N random vectors: memory and latency only")
     args = parser.parse_args()
@@ -214,11 +221,14 @@ def main() -> None:
 
     for label, path in models:
         model = BiEncoder.from_pretrained(path)
-        options = {"batch_size": args.batch_size, "device": device, "precision": "fp32", "show_progress": False}
+        options = {"batch_size": args.batch_size, "device": device, "precision": args.encode_precision}
         started = time.perf_counter()
         passages = model.encode_passages(evalset.corpus, **options)  # with the model's prompts, as an index does
         queries = model.encode_queries(evalset.query_texts, **options)
-        print(f"{label}: encoded in {time.perf_counter() - started:.0f} s; trained dims {model.config.matryoshka_dims}")
+        print(
+            f"{label}: encoded ({args.encode_precision}) in {time.perf_counter() - started:.0f} s; "
+            f"trained dims {model.config.matryoshka_dims}"
+        )
         for dim in args.dims:
             if dim > model.dim:
                 continue
@@ -269,6 +279,7 @@ def main() -> None:
         "dataset": args.dataset,
         "evalset": evalset.description,
         "rescore_multiplier": args.rescore_multiplier,
+        "encode_precision": args.encode_precision,
         "results": results,
         "paired": paired,
     }
