@@ -135,3 +135,39 @@ def test_lora_and_fsdp_are_refused_in_one_line(tiny_model_dir, tiny_beir, tmp_pa
             CPU,
         )
     assert not (tmp_path / "lora" / "checkpoints").exists()
+
+
+def test_a_run_refuses_l2sp_with_lora_before_any_work_and_logs_the_penalty(tiny_model_dir, tiny_beir, tmp_path):
+    from conftest import small_run_overrides
+    from densepass.config import load_config
+    from densepass.pipelines.experiment import run_experiment
+
+    overrides = small_run_overrides(tiny_beir, tiny_model_dir, tmp_path / "out", "l2sp")
+    overrides += [
+        "train.batch_size=6",
+        "train.max_steps=2",
+        "train.log_every=1",
+        "negatives.source=none",
+        "train.l2sp=0.1",
+    ]
+    with pytest.raises(ConfigError, match="train.l2sp does not combine with lora_rank"):
+        run_experiment(load_config(None, [*overrides, "train.lora_rank=2"]))
+    with pytest.raises(ConfigError, match="reranker.train.l2sp does not combine with lora_rank"):
+        run_experiment(
+            load_config(
+                None,
+                [
+                    *overrides,
+                    "reranker.enabled=true",
+                    "negatives.source=bm25",
+                    "reranker.train.negatives_per_query=2",
+                    "reranker.first_stages=[]",
+                    "reranker.train.l2sp=1.0",
+                    "reranker.train.lora_rank=2",
+                ],
+            )
+        )
+    assert not (tmp_path / "out" / "l2sp").exists()
+    run_experiment(load_config(None, overrides))
+    records = [json.loads(line) for line in (tmp_path / "out" / "l2sp" / "train_log.jsonl").read_text().splitlines()]
+    assert records[0]["l2sp"] == 0.0 and records[1]["l2sp"] > 0

@@ -112,3 +112,19 @@ def test_a_bi_encoder_teaches_through_mining(tiny_beir, tiny_model_dir):
         assert [c.passage_id for c in result.pool[qid]] == kept
         expected += len(unfiltered[qid]) - len(kept)
     assert result.removed["relative-margin"] == expected > 0
+
+
+def test_a_run_counts_what_the_relative_margin_filter_drops(tiny_model_dir, tiny_beir, tmp_path):
+    import json
+
+    from conftest import small_run_overrides
+    from densepass.config import load_config
+    from densepass.pipelines.experiment import run_experiment
+
+    overrides = small_run_overrides(tiny_beir, tiny_model_dir, tmp_path / "out", "denoised")
+    overrides += ["train.batch_size=6", "train.max_steps=1", "negatives.relative_teacher=bi-encoder"]
+    overrides += ["negatives.relative_margin=0.9", "negatives.filters=[qrels, relative-margin]"]
+    run_experiment(load_config(None, overrides))
+    notes = json.loads((tmp_path / "out" / "denoised" / "metrics.json").read_text())["notes"]
+    mined = next(n for n in notes if n.startswith("Hard negatives (bm25)"))
+    assert "removed by filter: qrels: " in mined and ", relative-margin: " in mined, mined

@@ -191,6 +191,8 @@ def check(config: ExperimentConfig) -> torch.device:
     elif config.train.wise_ft is not None:
         raise ConfigError("train.wise_ft interpolates fine-tuned weights: it needs train.enabled: true")
     check_reranker_config(config)
+    if config.reranker.enabled and config.reranker.train.enabled:
+        check_l2sp(config.reranker.train, "reranker.train")
     return device
 
 
