@@ -7,14 +7,25 @@ sentence-transformers' own recipe, and what each costs out of domain.
     python experiments/recipe.py --stage wise-ft --wise-ft-row "README recipe" --alphas 0.25 0.5 0.75
     python experiments/recipe.py --stage variant --variant-row "+ 3 hard negatives" --variants "lr 2e-5"
     python experiments/recipe.py --stage report
+    python experiments/recipe.py --out outputs/recipe --eval-part report --stage report   # chosen on one half of dev
 
 **Rows are cumulative**: each keeps every ingredient of the row above and adds one (``ROWS``), and is
 compared with the row above by a paired randomization test (fisher-test) on the same dev queries. Every row
 fine-tunes all-MiniLM-L6-v2 on the same seeded sample of ``--train-queries`` debian-packages train queries
 (configs/recipe.yaml: batch 32, lr 5e-5, one BM25 hard negative in the first row) and is evaluated on a
 seeded sample of dev queries over the **full corpus** (60,240 passages), then zero-shot **out of domain** on
-the squad split's 760 dev questions (configs/recipe_ood.yaml: nDCG@10 and top-k answer accuracy) next to
-the zero-shot MiniLM it started from.
+the squad split's 760 dev questions (configs/recipe_ood.yaml: nDCG@10 and top-k answer accuracy) and on ArguAna's
+1,406 test queries (configs/recipe_ood_arguana.yaml: nDCG@10 and R@100, the query's own argument dropped from its
+hits) next to the zero-shot MiniLM it started from.
+
+**Honest model selection** (``--eval-part report``): the dev queries are split once, seeded and by source package
+(``data.eval_part``, ``densepass.data.parts``), into a tuning and a reporting part. Every model (row, variant,
+wise-ft point, sentence-transformers' recipe; BM25 and the zero-shot MiniLM) is then also evaluated on each part
+(``<out>/parts/{tune,report}/<row>``, evaluation only: the training runs are the same as without the option, so
+rows trained before are reused), every choice is made on the tuning part (the best row, each row's wise-ft α among
+its interpolations and the row itself, the dense weight of the linear BM25 fusions), and every number and paired
+test of the report is on the reporting part. Without it (the default) the report is what it always was: choices
+and numbers on the same seeded dev sample.
 
 Beside the rows:
 
@@ -37,7 +48,9 @@ Beside the rows:
   passages cut to 96 and kept at 0.75).
 
 Every run is an ordinary ``densepass run`` directory under ``<out>/runs`` (resumable; a finished one is
-skipped). The report (<out>/report.md, report.json) gives each row's metrics, the paired tests, the
+skipped); ``--stage report`` first runs whatever evaluation of a finished model is missing (out of domain, e.g. the
+ArguAna one added after the model was trained, and the parts of dev), never training again. The report
+(<out>/report.md, report.json) gives each row's metrics, the paired tests, the
 out-of-domain numbers and each row's cost: mining + training seconds as the run measured them; the README
 row, the best row and the best model of all are also fused with BM25 (RRF and 2-fold cross-validated linear).
 
@@ -52,6 +65,7 @@ the first stage.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -59,12 +73,13 @@ import time
 from pathlib import Path
 
 from densepass.cli import run_guarded
-from densepass.config import ExperimentConfig, load_config
+from densepass.config import ExperimentConfig, from_dict, load_config
 from densepass.data import load_dataset
 from densepass.errors import ConfigError
 from densepass.evaluation.fusion import linear_fusion, reciprocal_rank_fusion
 from densepass.evaluation.metrics import Run, evaluate_run, paired_significance, read_trec_run, write_trec_run
 from densepass.io import atomic_write_text
+from densepass.pipelines.evalset import eval_qrels
 from densepass.pipelines.experiment import run_experiment
 
 README = "README recipe"
@@ -122,6 +137,8 @@ VARIANTS: dict[str, list[str]] = {
 IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]
 RERANK_DEPTH = 100  # candidates of the best model (alone, + BM25) that the cross-encoder re-scores
 OUT_OF_DOMAIN = ["ndcg@10", "accuracy@1", "accuracy@5", "accuracy@20"]
+ARGUANA = ["ndcg@10", "recall@100"]  # the second out-of-domain set (configs/recipe_ood_arguana.yaml)
+BASELINES = "baselines"  # --eval-part report: BM25 and the zero-shot MiniLM on each part (<out>/parts/<part>/baselines)
 
 
 def slug(name: str) -> str:
@@ -148,12 +165,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--set", action="append", default=[], help="extra config overrides for every row")
     parser.add_argument("--ood-set", action="append", default=[], help="overrides of the out-of-domain config")
+    parser.add_argument("--arguana-config", default="configs/recipe_ood_arguana.yaml")
+    parser.add_argument("--arguana-set", action="append", default=[], help="overrides of the ArguAna config")
+    parser.add_argument(
+        "--eval-part",
+        choices=["all", "report"],
+        default="all",
+        help="report: every model is also evaluated on the tuning and the reporting part of the dev queries "
+        "(data.eval_part); the choices (best row, wise-ft α, fusion weights) are made on the tuning part and "
+        "every number and test of the report is on the reporting part",
+    )
+    parser.add_argument("--eval-part-seed", type=int, default=13, help="seed of the split into the two parts")
+    parser.add_argument("--eval-part-fraction", type=float, default=0.5, help="share of the tuning part")
     args = parser.parse_args()
     for name, value in (("--train-queries", args.train_queries), ("--eval-queries", args.eval_queries)):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
     if any(not 0 < a <= 1 for a in args.alphas):
         parser.error(f"--alphas must lie in (0, 1], got {args.alphas}")
+    if not 0 < args.eval_part_fraction < 1:
+        parser.error(f"--eval-part-fraction must lie strictly between 0 and 1, got {args.eval_part_fraction}")
+    if args.eval_part == "all" and (args.eval_part_seed != 13 or args.eval_part_fraction != 0.5):
+        parser.error("--eval-part-seed and --eval-part-fraction shape the parts of --eval-part report")
     return args
 
 
@@ -219,6 +252,36 @@ def ood_config(args: argparse.Namespace, name: str, model_path: str) -> Experime
     )
 
 
+def arguana_config(args: argparse.Namespace, name: str, model_path: str) -> ExperimentConfig:
+    """A saved model (or MiniLM) evaluated zero-shot on ArguAna (its own id dropped from its hits)."""
+    return load_config(
+        args.arguana_config,
+        [
+            f"name={slug(name)}",
+            f"output_dir={Path(args.out) / 'ood-arguana'}",
+            f"model.name_or_path={model_path}",
+            *([f"data.data_dir={args.data_dir}"] if args.data_dir else []),
+            *args.arguana_set,
+        ],
+    )
+
+
+def part_config(args: argparse.Namespace, trained: ExperimentConfig, name: str, model_path: str, part: str):
+    """A saved model evaluated in domain on one part (``tune`` or ``report``) of the dev queries, read as the run
+    that trained it reads (``trained``: its model settings, the passage length among them), no training; the
+    starting model of the README row, with BM25 beside it, under the name ``BASELINES``."""
+    values = dataclasses.asdict(trained)
+    values.update(name=slug(name), output_dir=str(Path(args.out) / "parts" / part))
+    values["model"]["name_or_path"] = model_path
+    values["train"].update(enabled=False, wise_ft=None)
+    values["negatives"]["source"] = "none"
+    values["eval"]["baselines"] = ["bm25", "zero-shot"] if name == BASELINES else ["zero-shot"]
+    values["data"].update(
+        eval_part=part, eval_part_seed=args.eval_part_seed, eval_part_fraction=args.eval_part_fraction
+    )
+    return from_dict(ExperimentConfig, values)
+
+
 def run_once(config: ExperimentConfig) -> None:
     """``run_experiment`` unless the run directory already holds its metrics."""
     if (config.run_dir / "metrics.json").is_file():
@@ -228,7 +291,23 @@ def run_once(config: ExperimentConfig) -> None:
 
 
 def evaluate_out_of_domain(args: argparse.Namespace, name: str, model_path: str) -> None:
+    """The model zero-shot on the squad split and on ArguAna (each run once)."""
     run_once(ood_config(args, name, model_path))
+    run_once(arguana_config(args, name, model_path))
+
+
+def evaluate_parts(args: argparse.Namespace, trained: ExperimentConfig, name: str, model_path: str) -> None:
+    """With ``--eval-part report``: the model on the tuning and on the reporting part of the dev queries."""
+    if args.eval_part == "report":
+        for part in ("tune", "report"):
+            run_once(part_config(args, trained, name, model_path, part))
+
+
+def evaluate_model(args: argparse.Namespace, trained: ExperimentConfig, name: str, model_path: Path | str) -> None:
+    """Everything the report reads of a saved model besides its training run: out of domain, and the parts of the
+    dev queries; each evaluation that is already on disk is not run again."""
+    evaluate_out_of_domain(args, name, str(model_path))
+    evaluate_parts(args, trained, name, str(model_path))
 
 
 def run_variants(args: argparse.Namespace) -> None:
@@ -237,16 +316,23 @@ def run_variants(args: argparse.Namespace) -> None:
         config = row_config(args, args.variant_row, variant)
         print(f"== {variant_name(args.variant_row, variant)}: {' '.join(VARIANTS[variant])}", flush=True)
         run_once(config)
-        evaluate_out_of_domain(args, variant_name(args.variant_row, variant), str(config.run_dir / "model"))
+        evaluate_model(args, config, variant_name(args.variant_row, variant), config.run_dir / "model")
+
+
+def evaluate_start(args: argparse.Namespace) -> None:
+    """The zero-shot MiniLM out of domain, and (``--eval-part report``) BM25 and it on each part of the dev queries."""
+    readme = row_config(args, README)
+    evaluate_out_of_domain(args, "zero-shot MiniLM", readme.model.name_or_path)
+    evaluate_parts(args, readme, BASELINES, readme.model.name_or_path)
 
 
 def run_rows(args: argparse.Namespace) -> None:
-    evaluate_out_of_domain(args, "zero-shot MiniLM", row_config(args, README).model.name_or_path)
+    evaluate_start(args)
     for name in args.only or ROWS:
         config = row_config(args, name)
         print(f"== {name}: {' '.join(ROWS[name]) or 'configs/recipe.yaml'}", flush=True)
         run_once(config)
-        evaluate_out_of_domain(args, name, str(config.run_dir / "model"))
+        evaluate_model(args, config, name, config.run_dir / "model")
 
 
 def train_sentence_transformers(args: argparse.Namespace) -> None:
@@ -315,7 +401,7 @@ def train_sentence_transformers(args: argparse.Namespace) -> None:
             json.dumps({"mining_s": mining_s, "train_s": training_s, "steps": trainer.state.global_step}, indent=2),
         )
     run_once(evaluation_config(args, ST, model_dir))
-    evaluate_out_of_domain(args, ST, str(model_dir))
+    evaluate_model(args, config, ST, model_dir)
 
 
 def mine_hard_negatives_st(pairs, model, corpus: list[str], per_query: int, batch_size: int):
@@ -370,7 +456,7 @@ def run_wise_ft(args: argparse.Namespace) -> None:
             interpolate_weights(model, start, alpha).save(model_dir)
         if not (model_dir / WISE_FT_MARK).is_file():  # what the report reads back
             atomic_write_text(model_dir / WISE_FT_MARK, json.dumps({"row": args.wise_ft_row, "alpha": alpha}))
-        evaluate_out_of_domain(args, name, str(model_dir))
+        evaluate_model(args, config, name, model_dir)
         run_once(evaluation_config(args, name, model_dir))
 
 
@@ -383,27 +469,71 @@ def load_result(run_dir: Path, system: str) -> tuple[dict, dict] | None:
     return stored["results"][system], stored["timings"]
 
 
-def report(args: argparse.Namespace) -> None:
+def models_on_disk(args: argparse.Namespace) -> list[tuple[str, ExperimentConfig, Path]]:
+    """(name, the config of the run that trained it, its directory) of every finished model of the study: the rows
+    and variants whose run wrote its metrics, sentence-transformers' recipe, the wise-ft interpolations."""
     out = Path(args.out)
-    rows: dict[str, dict] = {}  # name -> {"in": metrics, "ood": metrics, "cost_s": ..., "run": trec path}
-    ood_dir = out / "ood"
-    baseline_ood = load_result(ood_dir / slug("zero-shot MiniLM"), "zero-shot")
+    found = []
+    for row in ROWS:
+        configs = [(row, row_config(args, row))]
+        configs += [(variant_name(row, variant), row_config(args, row, variant)) for variant in VARIANTS]
+        found += [(name, c, c.run_dir / "model") for name, c in configs if (c.run_dir / "metrics.json").is_file()]
+    if (out / "st-timings.json").is_file():
+        found.append((ST, row_config(args, README), out / "st-model"))
+    for row, alpha in wise_ft_runs(out):
+        name = wise_ft_name(row, alpha)
+        found.append((name, row_config(args, row), out / "wise-ft" / slug(name)))
+    return found
+
+
+def part_dir(args: argparse.Namespace, name: str, part: str) -> Path:
+    """Where ``part_config`` evaluates model ``name`` on ``part``."""
+    return Path(args.out) / "parts" / part / slug(name)
+
+
+def report(args: argparse.Namespace) -> None:
+    """The report of every finished model on disk; evaluations it needs that are missing (out of domain; with
+    ``--eval-part report``, on each part of the dev queries) are run first, none is trained again."""
+    out = Path(args.out)
+    models = models_on_disk(args)
+    if models:
+        evaluate_start(args)
+    for name, trained, model_dir in models:
+        evaluate_model(args, trained, name, model_dir)
+    honest = args.eval_part == "report"
+    rows: dict[str, dict] = {}  # name -> {"in": metrics, "ood", "arguana", "tune"?, "cost_s", "steps", "trec"}
+
+    def zero_shot(name: str, where: str) -> dict | None:
+        found = load_result(out / where / slug(name), "zero-shot")
+        return found[0] if found else None
 
     def add(name: str, run_dir: Path, system: str, cost_s: float | None, steps: int | None = None) -> None:
-        found = load_result(run_dir, system)
+        source = (part_dir(args, name, "report"), "zero-shot") if honest else (run_dir, system)
+        found = load_result(*source)
         if found is None:
             return
-        ood = load_result(ood_dir / slug(name), "zero-shot")
         rows[name] = {
             "in": found[0],
-            "ood": ood[0] if ood else None,
+            "ood": zero_shot(name, "ood"),
+            "arguana": zero_shot(name, "ood-arguana"),
             "cost_s": cost_s,
             "steps": steps,
-            "trec": str(run_dir / "runs" / f"{system}.trec"),
+            "trec": str(source[0] / "runs" / f"{source[1]}.trec"),
         }
+        if honest:
+            tuned = load_result(part_dir(args, name, "tune"), "zero-shot")
+            rows[name]["tune"] = tuned[0] if tuned else None
 
     readme = row_config(args, README)
-    baselines = load_result(readme.run_dir, "BM25"), load_result(readme.run_dir, "zero-shot")
+    start = readme.model.name_or_path
+    baseline_dir = part_dir(args, BASELINES, "report") if honest else readme.run_dir
+    baselines = load_result(baseline_dir, "BM25"), load_result(baseline_dir, "zero-shot")
+    if honest:  # their MRR@10 on the tuning part, beside the models'
+        for found, system in zip(baselines, ("BM25", "zero-shot")):
+            tuned = load_result(part_dir(args, BASELINES, "tune"), system)
+            if found is not None and tuned is not None:
+                found[0]["tune mrr@10"] = tuned[0]["mrr@10"]
+    baseline_ood = zero_shot("zero-shot MiniLM", "ood"), zero_shot("zero-shot MiniLM", "ood-arguana")
 
     def add_trained(name: str, config: ExperimentConfig) -> bool:
         """A finished training run as a row, costed by its mining + training seconds."""
@@ -426,15 +556,29 @@ def report(args: argparse.Namespace) -> None:
         stored = json.loads(st_timings.read_text())
         cost = stored["mining_s"] + stored["train_s"]
         add(ST, evaluation_config(args, ST, out).run_dir, "zero-shot", cost, stored["steps"])
-    wise_ft = {wise_ft_name(row, alpha): row for row, alpha in wise_ft_runs(out)}
+    alphas = {wise_ft_name(row, alpha): (row, alpha) for row, alpha in wise_ft_runs(out)}
+    wise_ft = {name: row for name, (row, _) in alphas.items()}
     for name in wise_ft:
         add(name, evaluation_config(args, name, out).run_dir, "zero-shot", None)
-    data = readme.data
-    qrels = load_dataset(data.name, data.data_dir, data.format).sample(
-        data.eval_split, data.max_eval_queries, data.seed
-    )
+    dataset = load_dataset(readme.data.name, readme.data.data_dir, readme.data.format)
+    part = None
+    if honest:
+        qrels, part = eval_qrels(dataset, part_config(args, readme, BASELINES, start, "report").data)
+        tune_qrels = eval_qrels(dataset, part_config(args, readme, BASELINES, start, "tune").data)[0]
+    else:
+        qrels = dataset.sample(readme.data.eval_split, readme.data.max_eval_queries, readme.data.seed)
     runs = {name: read_trec_run(row["trec"]) for name, row in rows.items()}
     tests = {}
+
+    def chooser(name: str) -> float:
+        """What every choice maximises: MRR@10 on the tuning part (--eval-part report), else on the dev queries."""
+        if not honest:
+            return rows[name]["in"]["mrr@10"]
+        return rows[name]["tune"]["mrr@10"] if rows[name].get("tune") else float("-inf")
+
+    def tuning_runs(name: str) -> Run | None:
+        path = part_dir(args, name, "tune") / "runs" / ("bm25.trec" if name == BASELINES else "zero-shot.trec")
+        return read_trec_run(path) if honest and path.is_file() else None
 
     def add_run(name: str, against: str, run: Run) -> None:
         """A row that is a run built here (fused or reranked), tested against the row it came from."""
@@ -443,7 +587,7 @@ def report(args: argparse.Namespace) -> None:
         tests[name] = {"against": against, **_test(qrels, runs, against, name)}
 
     order = [n for n in ROWS if n in rows]
-    best = max(order, key=lambda n: rows[n]["in"]["mrr@10"]) if order else None
+    best = max(order, key=chooser) if order else None
     for above, name in zip(order, order[1:]):
         tests[name] = {"against": above, **_test(qrels, runs, above, name)}
     if ST in rows and README in rows:
@@ -453,14 +597,23 @@ def report(args: argparse.Namespace) -> None:
     for name, row in {**variants, **wise_ft}.items():
         if name in rows and row in rows:
             tests[name] = {"against": row, **_test(qrels, runs, row, name)}
-    best_model = max((n for n in rows if n != ST), key=lambda n: rows[n]["in"]["mrr@10"], default=None)
-    bm25_path = readme.run_dir / "runs" / "bm25.trec"
+    choices = {}  # --eval-part report: each row's wise-ft α, chosen on the tuning part (the row itself is α = 1)
+    for row in order if honest else ():
+        points = {row: 1.0, **{name: alpha for name, (of, alpha) in alphas.items() if of == row and name in rows}}
+        if len(points) > 1:
+            chosen = max(points, key=chooser)
+            choices[f"wise-ft α of {row}"] = {"chosen": chosen, "alpha": points[chosen], "tune mrr@10": chooser(chosen)}
+    best_model = max((n for n in rows if n != ST), key=chooser, default=None)
+    bm25_path = baseline_dir / "runs" / "bm25.trec"
     first_stages = {}  # what a cross-encoder reranks: BM25, the best model alone and fused with BM25 (linear)
     if bm25_path.is_file():
         runs["BM25"] = read_trec_run(bm25_path)
         first_stages["bm25"] = "BM25"
+    tune_bm25 = tuning_runs(BASELINES)
     for base in dict.fromkeys([README, best, best_model]) if best and bm25_path.is_file() else []:
-        for label, run in hybrid_runs(qrels, runs[base], runs["BM25"], data.seed).items():
+        tune_base = tuning_runs(base)
+        tuning = (tune_qrels, tune_base, tune_bm25) if tune_base is not None and tune_bm25 is not None else None
+        for label, run in hybrid_runs(qrels, runs[base], runs["BM25"], readme.data.seed, tuning).items():
             name = f"{base} + BM25 ({label})"
             add_run(name, base, run)
             if base == best_model and label != "RRF":
@@ -469,16 +622,17 @@ def report(args: argparse.Namespace) -> None:
         write_trec_run(top(runs[base], RERANK_DEPTH), out / "first-stages" / f"{stage}.trec")
         reranked = out / "reranked" / f"{stage}.trec"  # `densepass rerank` of that file (docs/experiments.md)
         for depth in (RERANK_DEPTH, 10) if reranked.is_file() else ():
-            alone, fused, weights = reranked_runs(qrels, runs[base], read_trec_run(reranked), depth, data.seed)
+            alone, fused, weights = reranked_runs(qrels, runs[base], read_trec_run(reranked), depth, readme.data.seed)
             add_run(f"{base} → cross-encoder@{depth}", base, alone)
             add_run(
                 f"{base} → cross-encoder@{depth}, fused with its first stage (weight {weights} by 2-fold CV)",
                 base,
                 fused,
             )
-    text = render(args, readme.train.batch_size, rows, tests, baselines, baseline_ood)
+    text = render(args, readme.train.batch_size, rows, tests, baselines, baseline_ood, choices, part)
     atomic_write_text(out / "report.md", text)
-    atomic_write_text(out / "report.json", json.dumps({"rows": rows, "tests": tests}, indent=2))
+    summary = {"rows": rows, "tests": tests, **({"eval_part": part, "choices": choices} if honest else {})}
+    atomic_write_text(out / "report.json", json.dumps(summary, indent=2))
     print(text)
 
 
@@ -488,28 +642,46 @@ def steps_of(config: ExperimentConfig) -> int:
     return json.loads(log[-1])["step"]
 
 
-def hybrid_runs(qrels: dict, dense: Run, bm25: Run, seed: int) -> dict[str, Run]:
-    """The dense run fused with BM25's: RRF (k = 60), and ``cv_linear_fusion``."""
-    linear, weights = cv_linear_fusion(qrels, dense, bm25, seed)
-    return {"RRF": reciprocal_rank_fusion([dense, bm25]), f"linear, dense weight {weights} by 2-fold CV": linear}
+def hybrid_runs(
+    qrels: dict, dense: Run, bm25: Run, seed: int, tuning: tuple[dict, Run, Run] | None = None
+) -> dict[str, Run]:
+    """The dense run fused with BM25's: RRF (k = 60), and ``cv_linear_fusion`` (its weight chosen on the
+    ``tuning`` part's qrels and runs when given)."""
+    linear, weights = cv_linear_fusion(qrels, dense, bm25, seed, tuning)
+    how = "chosen on the tuning part" if tuning else "by 2-fold CV"
+    return {"RRF": reciprocal_rank_fusion([dense, bm25]), f"linear, dense weight {weights} {how}": linear}
 
 
-def cv_linear_fusion(qrels: dict, a: Run, b: Run, seed: int) -> tuple[Run, str]:
+def best_weight(qrels: dict, a: Run, b: Run) -> float:
+    """The weight of ``a`` (grid 0.05 ... 0.95) whose linear fusion with ``b`` has the best MRR@10 on ``qrels``."""
+
+    def mrr(weight: float) -> float:
+        fused = linear_fusion([_subset(a, list(qrels)), _subset(b, list(qrels))], [weight, 1 - weight])
+        return evaluate_run(qrels, fused, ["mrr@10"])["mrr@10"]
+
+    return max((i / 20 for i in range(1, 20)), key=mrr)
+
+
+def cv_linear_fusion(
+    qrels: dict, a: Run, b: Run, seed: int, tuning: tuple[dict, Run, Run] | None = None
+) -> tuple[Run, str]:
     """A linear fusion of min-max normalised scores whose weight of ``a`` is tuned by two-fold
     cross-validation (chosen on one half of the queries for the other half, grid 0.05 ... 0.95 on MRR@10), so
-    that no query is scored with a weight tuned on it; and the two weights chosen ("0.65 / 0.60")."""
+    that no query is scored with a weight tuned on it; and the two weights chosen ("0.65 / 0.60"). Given a
+    ``tuning`` part (its qrels and its runs of ``a`` and ``b``: other queries), the weight is chosen there once
+    and applied to every query of ``qrels`` ("0.65")."""
+    if tuning is not None:
+        weight = best_weight(*tuning)
+        return linear_fusion(
+            [_subset(a, sorted(qrels)), _subset(b, sorted(qrels))], [weight, 1 - weight]
+        ), f"{weight:.2f}"
     queries = sorted(qrels)
     random.Random(seed).shuffle(queries)
     folds = [queries[::2], queries[1::2]]
     linear: Run = {}
     weights = []
-    for held_out, tuning in (folds, folds[::-1]):
-
-        def mrr(weight: float, names: list[str] = tuning) -> float:
-            fused = linear_fusion([_subset(a, names), _subset(b, names)], [weight, 1 - weight])
-            return evaluate_run({q: qrels[q] for q in names}, fused, ["mrr@10"])["mrr@10"]
-
-        weight = max((i / 20 for i in range(1, 20)), key=mrr)
+    for held_out, tuning_queries in (folds, folds[::-1]):
+        weight = best_weight({q: qrels[q] for q in tuning_queries}, a, b)
         weights.append(f"{weight:.2f}")
         linear.update(linear_fusion([_subset(a, held_out), _subset(b, held_out)], [weight, 1 - weight]))
     return linear, " / ".join(weights)
@@ -550,24 +722,49 @@ def _test(qrels, runs, baseline: str, name: str) -> dict:
     return paired_significance(qrels, {baseline: runs[baseline], name: runs[name]}, baseline, "mrr@10")[name]
 
 
-def render(args, batch_size: int, rows: dict, tests: dict, baselines, baseline_ood) -> str:
-    head = "| row | " + " | ".join(IN_DOMAIN) + " | Δ MRR@10 (vs) | p | squad " + " | squad ".join(OUT_OF_DOMAIN)
-    lines = [head + " | steps | mining + training s |", "|---|" + "---:|" * (len(IN_DOMAIN) + len(OUT_OF_DOMAIN) + 4)]
+def render(
+    args, batch_size: int, rows: dict, tests: dict, baselines, baseline_ood, choices: dict, part: dict | None
+) -> str:
+    honest = part is not None
+    head = (
+        "| row | "
+        + " | ".join(IN_DOMAIN)
+        + " | Δ MRR@10 (vs) | p | squad "
+        + " | squad ".join(OUT_OF_DOMAIN)
+        + " | ArguAna "
+        + " | ArguAna ".join(ARGUANA)
+        + (" | tuning MRR@10" if honest else "")
+    )
+    columns = len(IN_DOMAIN) + len(OUT_OF_DOMAIN) + len(ARGUANA) + honest + 4
+    lines = [head + " | steps | mining + training s |", "|---|" + "---:|" * columns]
 
     def cells(values: dict | None, names: list[str]) -> str:
         return " | ".join(f"{values[m]:.4f}" if values else "" for m in names)
 
-    for label, found, ood in (("BM25", baselines[0], None), ("zero-shot MiniLM", baselines[1], baseline_ood)):
+    def tuned(values: dict | None) -> str:
+        return (f" {values['mrr@10']:.4f} |" if values else " |") if honest else ""
+
+    empty_ood = f"{cells(None, OUT_OF_DOMAIN)} | {cells(None, ARGUANA)}"
+    for label, found, ood in (("BM25", baselines[0], (None, None)), ("zero-shot MiniLM", baselines[1], baseline_ood)):
         if found:
-            lines.append(f"| {label} | {cells(found[0], IN_DOMAIN)} | | | {cells(ood and ood[0], OUT_OF_DOMAIN)} | | |")
+            tune = {"mrr@10": found[0]["tune mrr@10"]} if "tune mrr@10" in found[0] else None
+            lines.append(
+                f"| {label} | {cells(found[0], IN_DOMAIN)} | | | {cells(ood[0], OUT_OF_DOMAIN)} | "
+                f"{cells(ood[1], ARGUANA)} |{tuned(tune)} | |"
+            )
     for name, row in rows.items():
         test = tests.get(name)
         delta = f"{test['delta']:+.4f} ({test['against']})" if test else ""
         p = f"{test['p']:.4f}" if test else ""
         cost = f"{row['cost_s']:.0f}" if row["cost_s"] is not None else ""
         steps = row["steps"] if row["steps"] is not None else ""
+        ood = (
+            f"{cells(row['ood'], OUT_OF_DOMAIN)} | {cells(row.get('arguana'), ARGUANA)}"
+            if "arguana" in row
+            else empty_ood
+        )
         lines.append(
-            f"| {name} | {cells(row['in'], IN_DOMAIN)} | {delta} | {p} | {cells(row['ood'], OUT_OF_DOMAIN)} | {steps} "
+            f"| {name} | {cells(row['in'], IN_DOMAIN)} | {delta} | {p} | {ood} |{tuned(row.get('tune'))} {steps} "
             f"| {cost} |"
         )
     extra = [
@@ -575,15 +772,29 @@ def render(args, batch_size: int, rows: dict, tests: dict, baselines, baseline_o
         for n, t in tests.items()
         if " vs " in n
     ]
+    if honest:
+        dev = (
+            f"dev: {args.eval_queries} seeded queries of the **reporting part** ({part['part_queries']} of the "
+            f"{part['split_queries']} dev queries, split by {part['by']}, seed {part['seed']}) over the full corpus; "
+            "every choice (the best row, each row's wise-ft α, the weights of the BM25 fusions) was made on the "
+            "tuning part (its MRR@10 in the column before steps), every number and paired test here is on the "
+            "reporting part"
+        )
+    else:
+        dev = f"dev: {args.eval_queries} seeded queries over the full corpus"
     parts = [
-        f"{args.train_queries} training queries per row, batch {batch_size}; "
-        f"dev: {args.eval_queries} seeded queries over the "
-        "full corpus; out of domain: the squad split's dev questions, zero-shot.",
+        f"{args.train_queries} training queries per row, batch {batch_size}; {dev}; out of domain, zero-shot: the "
+        "squad split's dev questions and ArguAna's test queries (a hit that is the query itself dropped).",
         "",
         *lines,
     ]
     if extra:
         parts += ["", "| comparison | Δ MRR@10 | wins / ties / losses | p |", "|---|---:|---|---:|", *extra]
+    if choices:
+        parts += ["", "| choice on the tuning part | chosen | α | tuning MRR@10 |", "|---|---|---:|---:|"]
+        parts += [
+            f"| {what} | {c['chosen']} | {c['alpha']:g} | {c['tune mrr@10']:.4f} |" for what, c in choices.items()
+        ]
     return "\n".join(parts) + "\n"
 
 

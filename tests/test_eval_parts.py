@@ -3,9 +3,12 @@ own id (eval.ignore_identical_ids, BEIR's rule for ArguAna)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ from densepass.errors import ConfigError, DataError
 from densepass.evaluation.metrics import evaluate_run
 from densepass.pipelines.evalset import eval_qrels
 from densepass.pipelines.experiment import check, run_experiment, without_identical_ids
+from phrase_fixtures import write_phrase_squad
 
 
 def grouped(n_docs: int = 60, seed: int = 0) -> tuple[Corpus, dict]:
@@ -191,3 +195,90 @@ def test_a_run_without_identical_ids_keeps_its_depth(tiny_model_dir, tmp_path):
     assert not any(q == p for q, _, p, *_ in runs[True])
     assert len(runs[True]) == len(runs[False]) == 6 * 3  # still eval.depth hits per query
     assert runs[False, "mrr"] < runs[True, "mrr"]
+
+
+RECIPE = Path(__file__).parent.parent / "experiments" / "recipe.py"
+
+
+def load_recipe():
+    """experiments/recipe.py as a module (run in this process: no interpreter start per stage)."""
+    spec = importlib.util.spec_from_file_location("recipe_parts_driver", RECIPE)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    return driver
+
+
+def test_the_recipe_study_chooses_on_the_tuning_part_and_reports_arguana(
+    tiny_beir, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """experiments/recipe.py --eval-part report on tiny data: one row and one wise-ft point, each evaluated on both
+    parts of dev and on ArguAna; the α and the fusion weight are chosen on the tuning part; an ArguAna evaluation
+    that is missing is run by the next report, without training again."""
+    arguana = write_self_retrieval(tmp_path / "arguana")
+    squad = write_phrase_squad(tmp_path / "squad")
+    out = tmp_path / "out"
+    sets = [f"data.name={tiny_beir}", f"model.name_or_path={tiny_model_dir}", "model.passage_max_length=32"]
+    sets += ["train.batch_size=8", "negatives.pool_depth=5", "eval.depth=20"]
+    common = ["--out", str(out), "--train-queries", "16", "--eval-queries", "12", "--eval-part", "report"]
+    common += [a for s in sets for a in ("--set", s)]
+    common += ["--ood-set", f"data.name={squad}", "--ood-set", "model.passage_max_length=32"]
+    common += ["--arguana-set", f"data.name={arguana}", "--arguana-set", "eval.depth=3"]
+    common += ["--arguana-set", "model.query_max_length=32", "--arguana-set", "model.passage_max_length=32"]
+    driver = load_recipe()
+
+    def recipe(*args: str) -> None:
+        monkeypatch.setattr(sys, "argv", [str(RECIPE), *args, *common])
+        driver.main()
+
+    recipe("--stage", "train", "--only", "README recipe")
+    recipe("--stage", "wise-ft", "--alphas", "0.5")
+    trained = (out / "runs" / "readme-recipe" / "metrics.json").stat().st_mtime_ns
+    shutil.rmtree(out / "ood-arguana" / "readme-recipe")  # as if the row were trained before ArguAna was added
+    capsys.readouterr()
+    recipe("--stage", "report")
+    assert (out / "runs" / "readme-recipe" / "metrics.json").stat().st_mtime_ns == trained  # not trained again
+    assert (out / "ood-arguana" / "readme-recipe" / "metrics.json").is_file()
+    report = json.loads((out / "report.json").read_text())
+    dataset = load_dataset(str(tiny_beir))
+    parts = split_query_parts(dataset.split("dev"), dataset.corpus, 0.5, 13)
+    assert report["eval_part"]["part"] == "report" and report["eval_part"]["queries"] == len(parts.report)
+    row, wise = "README recipe", "README recipe, wise-ft α=0.5"
+    for name in (row, wise):
+        found = report["rows"][name]
+        assert found["trec"] == str(out / "parts" / "report" / slug_of(name) / "runs" / "zero-shot.trec")
+        ran = {line.split()[0] for line in Path(found["trec"]).read_text().splitlines()}
+        assert ran == set(parts.report)  # reported on the reporting part only
+        stored = json.loads((out / "parts" / "tune" / slug_of(name) / "metrics.json").read_text())
+        assert stored["eval_part"]["part"] == "tune" and found["tune"] == stored["results"]["zero-shot"]
+        assert 0 <= found["arguana"]["ndcg@10"] <= 1 and 0 <= found["ood"]["accuracy@5"] <= 1
+    arguana_run = (out / "ood-arguana" / "readme-recipe" / "runs" / "zero-shot.trec").read_text().splitlines()
+    assert arguana_run and not any(line.split()[0] == line.split()[2] for line in arguana_run)
+    choice = report["choices"]["wise-ft α of README recipe"]
+    tuning = {name: report["rows"][name]["tune"]["mrr@10"] for name in (row, wise)}
+    assert choice["chosen"] == max(tuning, key=tuning.get) and choice["tune mrr@10"] == max(tuning.values())
+    fused = [name for name in report["rows"] if "linear, dense weight" in name]
+    assert fused and all("chosen on the tuning part" in name for name in fused)
+    assert report["tests"][wise]["against"] == row
+    text = (out / "report.md").read_text()
+    assert "ArguAna ndcg@10" in text and "tuning MRR@10" in text and "| choice on the tuning part |" in text
+    assert "**reporting part**" in text
+
+
+def slug_of(name: str) -> str:
+    text = "".join(c if c.isascii() and c.isalnum() else "-" for c in name.lower())
+    while "--" in text:
+        text = text.replace("--", "-")
+    return text.strip("-")
+
+
+def test_the_recipe_drivers_part_options_are_checked(monkeypatch, capsys):
+    driver = load_recipe()
+    for args, message in (
+        (["--eval-part", "report", "--eval-part-fraction", "1"], "--eval-part-fraction must lie strictly between"),
+        (["--eval-part-seed", "5"], "shape the parts of --eval-part report"),
+        (["--eval-part", "tune"], "invalid choice: 'tune'"),
+    ):
+        monkeypatch.setattr(sys, "argv", [str(RECIPE), *args])
+        with pytest.raises(SystemExit) as exit:
+            driver.parse_args()
+        assert exit.value.code == 2 and message in capsys.readouterr().err, args
