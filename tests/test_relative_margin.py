@@ -94,7 +94,7 @@ def test_a_bi_encoder_teaches_through_mining(tiny_beir, tiny_model_dir):
 
     dataset = load_dataset(str(tiny_beir))
     queries = sorted(dataset.positives("train"))[:6]
-    context = MiningContext(show_progress=False, base_model=str(tiny_model_dir))
+    context = MiningContext(show_progress=False, base_model=str(tiny_model_dir), precision="fp32")
     unfiltered = mine_negatives(dataset, queries, NegativesConfig(pool_depth=50, filters=["qrels"]), context).pool
     config = NegativesConfig(
         pool_depth=50, filters=["qrels", "relative-margin"], relative_teacher="bi-encoder", relative_margin=0.9

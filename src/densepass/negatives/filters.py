@@ -207,13 +207,13 @@ def cross_encoder_scorer(path: str, batch_size: int = 64, sigmoid: bool = False)
     )
 
 
-def bi_encoder_scorer(path: str, batch_size: int = 64, device=None) -> Scorer:
+def bi_encoder_scorer(path: str, batch_size: int = 64, device=None, precision: str = "auto") -> Scorer:
     """A scorer from a bi-encoder: the similarity of the query's embedding and each passage's (cosine for a
-    normalised model)."""
+    normalised model), encoded at ``precision`` (``models.encode``)."""
     from densepass.models.biencoder import BiEncoder
 
     model = BiEncoder.from_pretrained(path)
-    options = {"show_progress": False, "device": device}
+    options = {"show_progress": False, "device": device, "precision": precision}
 
     def score(query: str, passages: list[str]) -> np.ndarray:
         q = model.encode_queries([query], batch_size, **options)

@@ -198,7 +198,7 @@ def relative_teacher(config: NegativesConfig, ctx: MiningContext) -> str | Score
     trained, so a refresh denoises by the same teacher)."""
     if config.relative_teacher == "cross-encoder":
         return config.cross_encoder
-    return bi_encoder_scorer(config.model or ctx.base_model, config.batch_size, ctx.device)
+    return bi_encoder_scorer(config.model or ctx.base_model, config.batch_size, ctx.device, ctx.precision)
 
 
 def mine_negatives(
