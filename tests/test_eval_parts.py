@@ -282,3 +282,17 @@ def test_the_recipe_drivers_part_options_are_checked(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exit:
             driver.parse_args()
         assert exit.value.code == 2 and message in capsys.readouterr().err, args
+
+
+def test_a_run_reported_on_report_validates_on_the_tuning_part(tiny_beir, tiny_model_dir, tmp_path):
+    """Choosing a checkpoint is tuning: validation on the eval split of a run evaluated on ``report`` sees the
+    tuning part's queries only (here: C0, the gold passages of exactly those queries)."""
+    sets = small_run_overrides(tiny_beir, tiny_model_dir, tmp_path, "validated")
+    sets += ["data.eval_part=report", "data.max_train_queries=8", "train.batch_size=4", "train.max_steps=1"]
+    sets += ["validation.enabled=true", "validation.split=dev", "validation.subcorpus=gold"]
+    run_experiment(load_config(None, sets))
+    dataset = load_dataset(str(tiny_beir))
+    parts = split_query_parts(dataset.split("dev"), dataset.corpus, 0.5, 13)
+    gold = sorted({p for q in parts.tune for p in dataset.split("dev")[q]}, key=dataset.corpus.position)
+    validated = json.loads((tmp_path / "validated" / "subcorpus-C0.json").read_text())
+    assert validated["ids"] == gold and validated["provenance"]["queries"] == len(parts.tune)
