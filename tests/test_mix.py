@@ -133,6 +133,8 @@ def test_a_run_mixes_counts_and_refuses_a_missing_dataset_before_writing(tiny_mo
     with pytest.raises(DensepassError, match="nowhere"):
         run_experiment(load_config(None, [*overrides, mix.replace(str(squad), str(tmp_path / "nowhere"))]))
     assert not (tmp_path / "out" / "mixed").exists()
+    with pytest.raises(ConfigError, match="data.mix mixes pairs into the training batches: it needs train.enabled"):
+        run_experiment(load_config(None, [*overrides, mix, "train.enabled=false"]))
     with pytest.raises(ConfigError, match="data.mix does not combine with schedule.method clustered"):
         run_experiment(load_config(None, [*overrides, mix, "schedule.method=clustered"]))
     run_experiment(load_config(None, [*overrides, mix]))

@@ -190,6 +190,8 @@ def check(config: ExperimentConfig) -> torch.device:
         check_mix(config.data.mix, config.train, config.schedule, distilling(config))
     elif config.train.wise_ft is not None:
         raise ConfigError("train.wise_ft interpolates fine-tuned weights: it needs train.enabled: true")
+    if config.data.mix and not config.train.enabled:
+        raise ConfigError("data.mix mixes pairs into the training batches: it needs train.enabled: true")
     check_reranker_config(config)
     if config.reranker.enabled and config.reranker.train.enabled:
         check_l2sp(config.reranker.train, "reranker.train")
