@@ -49,6 +49,16 @@ def test_the_penalty_and_its_gradient_equal_a_float64_reference(tiny_model_dir):
     anchored = anchored_parameters(model, "encoder")
     assert anchored and not any(name.startswith("projection") for name in anchored)  # the new head trains freely
     assert any(name.startswith("projection") for name in anchored_parameters(model, "all"))
+    from transformers import BertForSequenceClassification
+
+    from conftest import tiny_bert_config
+
+    cross = BertForSequenceClassification(tiny_bert_config(100))  # a cross-encoder: its classifier may be new
+    assert not any("classifier" in name for name in anchored_parameters(cross, "encoder"))
+    assert {n for n in anchored_parameters(cross, "all") if "classifier" in n} == {
+        "classifier.weight",
+        "classifier.bias",
+    }
     start = {name: p.detach().double().clone() for name, p in anchored.items()}
     l2sp = L2SP(0.37, anchored)
     torch.manual_seed(0)

@@ -332,8 +332,8 @@ class OptimConfig:
     )
     l2sp_scope: Literal["encoder", "all"] = option(
         "encoder",
-        "l2sp: encoder (the transformer's weights; a new head such as a projection trains freely) or all trainable"
-        " weights",
+        "l2sp: encoder (the transformer's backbone; heads, often new, such as a projection or a cross-encoder's"
+        " classifier, train freely) or all trainable weights",
     )
 
 

@@ -3,9 +3,10 @@
 The objective gains α/2 · ‖w − w₀‖² over the anchored weights w, where w₀ are their values when training
 started; its gradient α (w − w₀) is added to theirs after each step's backward pass, before clipping, so the
 optimiser sees the regularised objective (Li et al. replace plain L2 decay toward 0, which forgets, by decay
-toward the starting point). What is anchored (``l2sp_scope``): ``encoder``, the weights of the Hugging Face
-transformers the task trains, its new heads (a projection, a loss's own head) left to plain weight decay, as
-the paper treats the new classifier; or ``all`` of the task network's trainable weights.
+toward the starting point). What is anchored (``l2sp_scope``): ``encoder``, the weights of the backbones of the
+Hugging Face transformers the task trains, its heads (a projection, a cross-encoder's classifier, a loss's own
+head), often new, left to plain weight decay, as the paper treats the new classifier; or ``all`` of the task
+network's trainable weights.
 
 w₀ is a float32 copy: the weights train in float32 (autocast only computes in bf16), so the penalty and its
 gradient are exactly zero at step 0 and pull toward the weights as they were, not toward a bf16 rounding of
@@ -24,8 +25,9 @@ STATE_KEY = "l2sp_anchor"
 
 
 def anchored_parameters(network: torch.nn.Module, scope: str) -> dict[str, torch.nn.Parameter]:
-    """The trainable parameters of ``network`` that L2-SP anchors, by name: those inside its Hugging Face
-    transformers (``scope='encoder'``) or all of them (``'all'``); a tied weight once."""
+    """The trainable parameters of ``network`` that L2-SP anchors, by name: those of its Hugging Face transformers'
+    backbones (``scope='encoder'``: not a projection, nor a task head such as a cross-encoder's classifier, which
+    may be new) or all of them (``'all'``); a tied weight once."""
     from transformers import PreTrainedModel
 
     if scope == "all":
@@ -33,8 +35,8 @@ def anchored_parameters(network: torch.nn.Module, scope: str) -> dict[str, torch
     else:
         inside: set[int] = set()
         for module in network.modules():
-            if isinstance(module, PreTrainedModel):
-                inside.update(id(p) for p in module.parameters())
+            if isinstance(module, PreTrainedModel):  # its backbone: a task head on top of it is left out
+                inside.update(id(p) for p in module.base_model.parameters())
         named = {name: p for name, p in network.named_parameters() if id(p) in inside}
     return {name: p for name, p in named.items() if p.requires_grad}
 
