@@ -36,6 +36,10 @@ embeddings checked to agree first; see serve_peer.py):
     python benchmarks/bench_serve.py --peer infinity --peer-python /path/to/infinity-venv/bin/python \
         --index IDX --passages corpus.jsonl.gz --out runs/bench/serve-infinity.json
 
+with infinity's bf16 and ONNX Runtime settings beside (``--peer-dtypes float32 bfloat16 --peer-engines torch optimum
+--peer-onnx ONNX_DIR``), or the same for a cross-encoder's ``/rerank`` (``--route rerank --reranker CE``: one query
+with N passages per request, raw scores checked to agree first; see serve_peer.py and docs/benchmarks.md).
+
 Queries: a BEIR queries.jsonl(.gz) (its ``text`` fields) or a text file with one query per line, sent in
 order and cycled. Each concurrency level runs until --requests requests or --seconds seconds, whichever comes
 first, after --warmup requests that are not counted. Services given by URL are measured level by level in
@@ -58,9 +62,11 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -86,6 +92,8 @@ class Service:
     route: str | None = None  # its own path (--peer: each server's embeddings route), else --route
     model: str | None = None  # the model name sent to it (--peer), else --model
     env: dict | None = field(default=None, repr=False)  # extra environment of its command
+    api: str | None = None  # --peer: its request shapes (openai; /rerank: tei for densepass, cohere for infinity)
+    cwd: str | None = None  # the folder its command runs in (default: this one)
 
 
 def named(value: str, index: int) -> tuple[str, str]:
@@ -123,6 +131,7 @@ def start(service: Service, client: httpx.Client, startup_s: float) -> None:
         shlex.split(service.command.replace("{port}", str(port))),
         start_new_session=True,
         env={**os.environ, **service.env} if service.env else None,
+        cwd=service.cwd,
     )
     deadline = time.monotonic() + startup_s
     while time.monotonic() < deadline:
@@ -163,6 +172,8 @@ async def load(
     texts_per_request: int = 1,
     model: str | None = None,
     api_key: str | None = None,
+    api: str | None = None,
+    rerank_queries: list[str] | None = None,
 ) -> dict:
     """Send one-query requests (``texts_per_request`` texts to an embedding ``route``) numbered ``first, first +
     step, ...`` below ``requests`` (or for ``seconds``) from
@@ -181,7 +192,7 @@ async def load(
             sent = time.perf_counter()
             try:
                 response = await client.post(
-                    f"{url}/{route}", json=body(route, queries, i, texts_per_request, k, model)
+                    f"{url}/{route}", json=body(route, queries, i, texts_per_request, k, model, api, rerank_queries)
                 )
                 if response.status_code != 200:
                     failures[str(response.status_code)] += 1
@@ -203,9 +214,23 @@ async def load(
     return {"latencies": latencies, "failures": failures, "seconds": wall, "cpu_s": time.process_time() - cpu}
 
 
-def body(route: str, queries: list[str], i: int, texts: int, k: int, model: str | None) -> dict:
+def body(
+    route: str,
+    queries: list[str],
+    i: int,
+    texts: int,
+    k: int,
+    model: str | None,
+    api: str | None = None,
+    rerank_queries: list[str] | None = None,
+) -> dict:
     """The JSON of request ``i``: one query to /search, or ``texts`` texts from the ``i``-th on to an OpenAI
-    (``.../embeddings``) or TEI (``embed``) route."""
+    (``.../embeddings``) or TEI (``embed``) route, or (``rerank``) the ``i``-th of ``rerank_queries`` with ``texts``
+    of ``queries`` (passages) as TEI's ``texts`` or, ``api`` cohere (infinity-emb), as Cohere's ``documents``."""
+    if route.rstrip("/").endswith("rerank"):
+        documents = [queries[(i * texts + j) % len(queries)] for j in range(texts)]
+        field = "documents" if api == "cohere" else "texts"
+        return {"query": rerank_queries[i % len(rerank_queries)], field: documents}
     if route.rstrip("/").endswith("embeddings"):
         chosen = [queries[(i * texts + j) % len(queries)] for j in range(texts)]
         return {"input": chosen, **({"model": model} if model else {})}
@@ -248,6 +273,8 @@ def measure(
             args.texts_per_request,
             service.model or args.model,
             args.api_key,
+            service.api,
+            getattr(args, "rerank_queries", None),
         )
         for p in range(shares)
     ]
@@ -338,36 +365,30 @@ def run(services: list[Service], queries: list[str], args: argparse.Namespace) -
 
 def run_peer(services: list[Service], texts: list[str], args: argparse.Namespace) -> dict:
     """``--peer``: start every server (all stay up; see serve_peer's doc), warm each up, check that their
-    embeddings agree on a sample, then ``--rounds`` rounds of every texts-per-request x concurrency cell measured on
-    each server in turn (the order rotated each round); every server is stopped after."""
-    from serve_peer import cosines, embeddings
-
+    embeddings (``--route rerank``: raw scores) agree on a sample, then ``--rounds`` rounds of every
+    texts-per-request x concurrency cell measured on each server in turn (the order rotated each round); every
+    server is stopped after."""
     results: list[dict] = []
-    agreement: dict[str, dict] = {}
     with httpx.Client(timeout=args.timeout, trust_env=False) as client:
         try:
             for service in services:
                 start(service, client, args.startup_seconds)
                 service.health = get_health(client, service.url)
-                models = client.get(f"{service.url}/{service.route.removesuffix('embeddings')}models")
+                models = client.get(f"{service.url}/{'v1/' if service.name.startswith('densepass') else ''}models")
                 service.health["models"] = models.json() if models.status_code == 200 else None  # infinity: batch size
                 print(f"{service.name}: {service.url} ({service.command})", flush=True)
             for service in services:
                 run_load(
                     service.url, texts, 0, 1, 1, args.warmup, args.seconds, args.k, args.timeout, service.route,
-                    max(args.texts_per_request), None, args.api_key,
+                    max(args.texts_per_request), None, args.api_key, service.api, args.rerank_queries,
                 )  # fmt: skip
-            sample = texts[: args.check_texts]
-            reference = embeddings(client, services[0].url, services[0].route, sample)
-            for service in services[1:]:
-                cos = cosines(reference, embeddings(client, service.url, service.route, sample))
-                agreement[service.name] = {"versus": services[0].name, "texts": len(sample), "min_cosine": cos.min()}
-                print(f"{service.name} against {services[0].name}: min cosine {cos.min():.6f} over {len(sample)} texts")
-                if cos.min() < args.min_cosine:
-                    raise SystemExit(
-                        f"bench_serve: {service.name}'s embeddings differ from {services[0].name}'s (min cosine "
-                        f"{cos.min():.6f} < {args.min_cosine}): the servers do not compute the same thing"
-                    )
+            check = rerank_agreement if args.route == "rerank" else embedding_agreement
+            try:
+                agreement = check(client, services, texts, args)
+            except httpx.HTTPStatusError as err:
+                answer = f"{err.request.url} answered {err.response.status_code}: {err.response.text[:200]!r}"
+                raise SystemExit(f"bench_serve: the agreement check: {answer}") from None
+            unit = "documents" if args.route == "rerank" else "texts"
             for round_ in range(args.rounds):
                 order = services[round_ % len(services) :] + services[: round_ % len(services)]
                 for per_request in args.texts_per_request:
@@ -378,15 +399,67 @@ def run_peer(services: list[Service], texts: list[str], args: argparse.Namespace
                             r["round"] = round_
                             results.append(r)
                             print(
-                                f"  round {round_} {per_request} texts x {concurrency} clients {service.name}: "
-                                f"{rate(r['texts_per_s'])} texts/s, p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f}"
-                                f" ms, {r['errors']} errors, client CPU {r['client_cpu']:.0%}",
+                                f"  round {round_} {per_request} {unit} x {concurrency} clients {service.name}: "
+                                f"{rate(r['texts_per_s'])} {unit}/s, p50 {r['p50_ms']:.1f} ms, p99 "
+                                f"{r['p99_ms']:.1f} ms, {r['errors']} errors, client CPU {r['client_cpu']:.0%}",
                                 flush=True,
                             )
         finally:
             for service in services:
                 stop(service)
     return {"results": results, "agreement": agreement}
+
+
+def embedding_agreement(client: httpx.Client, services: list[Service], texts: list[str], args) -> dict[str, dict]:
+    """Each server's embeddings of the first ``--check-texts`` texts against the first server's: the least cosine,
+    at least ``--min-cosine`` (else a one-line exit)."""
+    from serve_peer import cosines, embeddings
+
+    agreement: dict[str, dict] = {}
+    sample = texts[: args.check_texts]
+    reference = embeddings(client, services[0].url, services[0].route, sample)
+    for service in services[1:]:
+        cos = cosines(reference, embeddings(client, service.url, service.route, sample))
+        agreement[service.name] = {"versus": services[0].name, "texts": len(sample), "min_cosine": cos.min()}
+        print(f"{service.name} against {services[0].name}: min cosine {cos.min():.6f} over {len(sample)} texts")
+        if cos.min() < args.min_cosine:
+            raise SystemExit(
+                f"bench_serve: {service.name}'s embeddings differ from {services[0].name}'s (min cosine "
+                f"{cos.min():.6f} < {args.min_cosine}): the servers do not compute the same thing"
+            )
+    return agreement
+
+
+CHECK_DOCUMENTS = 8  # --route rerank: documents per query in the agreement check
+
+
+def rerank_agreement(client: httpx.Client, services: list[Service], texts: list[str], args) -> dict[str, dict]:
+    """Each server's raw scores (``raw_scores``: the logits, no sigmoid) of ``--check-texts`` pairs (queries with
+    ``CHECK_DOCUMENTS`` passages each) against the first server's: the largest absolute difference, at most
+    ``--max-score-diff`` (else a one-line exit), and the share of queries ranked in the same order."""
+    from serve_peer import rerank_scores, score_agreement
+
+    n = -(-args.check_texts // CHECK_DOCUMENTS)
+    sample = [
+        (args.rerank_queries[j % len(args.rerank_queries)], texts[j * CHECK_DOCUMENTS : (j + 1) * CHECK_DOCUMENTS])
+        for j in range(n)
+    ]
+    first = services[0]
+    reference = [rerank_scores(client, first.url, first.api, q, docs) for q, docs in sample]
+    agreement: dict[str, dict] = {}
+    for service in services[1:]:
+        found = score_agreement(reference, [rerank_scores(client, service.url, service.api, q, d) for q, d in sample])
+        agreement[service.name] = {"versus": first.name, **found}
+        print(
+            f"{service.name} against {first.name}: raw scores differ by at most {found['max_abs_diff']:.2e} over "
+            f"{found['pairs']} pairs; {found['same_order']:.0%} of {found['queries']} queries in the same order"
+        )
+        if found["max_abs_diff"] > args.max_score_diff:
+            raise SystemExit(
+                f"bench_serve: {service.name}'s raw scores differ from {first.name}'s by {found['max_abs_diff']:.3g} "
+                f"(> --max-score-diff {args.max_score_diff}): the servers do not compute the same thing"
+            )
+    return agreement
 
 
 def tables(services: list[Service], results: list[dict], concurrency: list[int]) -> tuple[str, list[dict]]:
@@ -471,7 +544,12 @@ def main() -> None:
         metavar="NAME=COMMAND",
         help="a command that serves on {port} (started, measured, then stopped with Ctrl-C)",
     )
-    parser.add_argument("--queries", type=Path, help="BEIR queries.jsonl(.gz) or a text file with one query per line")
+    parser.add_argument(
+        "--queries",
+        type=Path,
+        help="BEIR queries.jsonl(.gz) or a text file with one query per line (--peer --route rerank: the queries "
+        "sent with the passages; default: the queries.jsonl(.gz) beside --passages)",
+    )
     peer = parser.add_argument_group("--peer: densepass against another embedding server, started side by side")
     peer.add_argument("--peer", choices=("infinity",), default=None, help="the other server (infinity-emb)")
     peer.add_argument("--index", type=Path, help="--peer: the densepass index whose bi-encoder serves embeddings")
@@ -483,7 +561,28 @@ def main() -> None:
     peer.add_argument(
         "--peer-command", default=None, help="--peer: the command before 'v2 ...' (default: infinity_emb)"
     )
-    peer.add_argument("--peer-engines", nargs="+", default=["torch"], help="--peer: infinity engines (torch, optimum)")
+    peer.add_argument(
+        "--peer-engines", nargs="+", default=["torch"], choices=("torch", "optimum"), help="--peer: infinity engines"
+    )
+    peer.add_argument(
+        "--peer-dtypes",
+        nargs="+",
+        default=["float32"],
+        choices=("float32", "bfloat16"),
+        help="--peer: infinity's --dtype, each with each engine (optimum ignores it: started once)",
+    )
+    peer.add_argument(
+        "--peer-onnx", default=None, help="--peer-engines optimum: a folder with an ONNX export of the same model"
+    )
+    peer.add_argument(
+        "--reranker", type=Path, default=None, help="--route rerank: the cross-encoder folder both servers load"
+    )
+    peer.add_argument(
+        "--max-score-diff",
+        type=float,
+        default=0.05,
+        help="--route rerank: largest difference between the servers' raw scores of a pair",
+    )
     peer.add_argument("--peer-batch-size", type=int, default=32, help="--peer: infinity's --batch-size (its default)")
     peer.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], help="--peer: densepass's --precision")
     peer.add_argument("--cores", default="0,1", help="--peer: taskset -c CPU list every server is pinned to")
@@ -502,7 +601,7 @@ def main() -> None:
         "--route",
         default="search",
         help="the path requests go to: search (densepass), v1/embeddings (OpenAI's API; a peer's path, e.g. "
-        "embeddings for infinity-emb), embed (TEI's)",
+        "embeddings for infinity-emb), embed (TEI's); --peer: rerank (each server's /rerank), else embeddings",
     )
     parser.add_argument(
         "--texts-per-request",
@@ -541,6 +640,8 @@ def main() -> None:
         return
     if len(args.texts_per_request) > 1:
         parser.error("several --texts-per-request values are for --peer only")
+    if args.route == "rerank":
+        parser.error("--route rerank is for --peer (it sends queries with passages)")
     args.texts_per_request = args.texts_per_request[0]
     if args.queries is None:
         parser.error("--queries is required (without --peer)")
@@ -582,11 +683,18 @@ def main() -> None:
 
 
 def peer_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--peer``: check the arguments (before starting anything), read the passages, run, write the tables."""
-    from serve_peer import peer_services, peer_tables, ratios, read_passages, summarise
+    """``--peer``: check the arguments (before starting anything), read the passages (and, ``--route rerank``, the
+    queries), run, write the tables."""
+    from serve_peer import MAX_QUERY_TOKENS, onnx_refusal, read_passages, reads_tokens, texts_within
 
-    if args.url or args.start or args.queries or args.during:
-        parser.error("--peer starts its own servers: no --url, --start, --queries or --during with it")
+    if args.url or args.start or args.during:
+        parser.error("--peer starts its own servers: no --url, --start or --during with it")
+    if args.route not in ("search", "embeddings", "v1/embeddings", "rerank"):
+        parser.error(f"--peer --route {args.route}: embeddings or rerank")
+    args.route = "rerank" if args.route == "rerank" else "embeddings"
+    rerank = args.route == "rerank"
+    if args.queries and not rerank:
+        parser.error("--peer sends passages to the embedding routes: --queries is for --route rerank")
     if args.index is None or args.passages is None:
         parser.error("--peer needs --index (a densepass index of the model) and --passages (a BEIR corpus)")
     if not args.index.is_dir():
@@ -599,17 +707,64 @@ def peer_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--rounds, --threads and --check-texts must be at least 1")
     if args.processes != 1:
         parser.error("--peer measures with one client process (its CPU use is reported)")
+    if rerank:
+        if args.reranker is None or not (args.reranker / "config.json").is_file():
+            parser.error(f"--peer --route rerank needs --reranker, a saved cross-encoder folder (got {args.reranker})")
+        if args.model_path is not None:
+            parser.error("--route rerank: both servers load --reranker (no --model-path)")
+        args.model_path = str(args.reranker)
+        if args.queries is None:
+            beside = [args.passages.parent / f"queries.jsonl{gz}" for gz in (".gz", "")]
+            args.queries = next((path for path in beside if path.is_file()), None)
+            if args.queries is None:
+                parser.error(f"--route rerank: no queries.jsonl(.gz) beside {args.passages}: give --queries")
+        elif not args.queries.is_file():
+            parser.error(f"--queries {args.queries}: no such file")
+    elif args.reranker is not None:
+        parser.error("--reranker is for --route rerank")
+    if "optimum" in args.peer_engines:
+        refusal = onnx_refusal(args.peer_onnx, args.peer_python)
+        if refusal:
+            parser.error(refusal)
+    elif args.peer_onnx:
+        parser.error("--peer-onnx is for --peer-engines optimum")
     if args.model_path is None:
         from serve_peer import default_model_path
 
         args.model_path = default_model_path()
+    args.rerank_queries = None
+    if rerank:
+        limit = reads_tokens(args.model_path)
+        if limit is not None and MAX_QUERY_TOKENS + args.max_tokens - 1 > limit:
+            parser.error(
+                f"--max-tokens {args.max_tokens}: a pair of a {MAX_QUERY_TOKENS}-token query and such a passage is "
+                f"longer than the {limit} tokens the cross-encoder reads"
+            )
+        first = read_query_texts(args.queries)[: args.n_passages]  # as many as passages are read, at most
+        args.rerank_queries = texts_within(first, args.model_path, MAX_QUERY_TOKENS)
+        if not args.rerank_queries:
+            parser.error(f"--queries {args.queries}: no query of at most {MAX_QUERY_TOKENS} tokens")
     texts = read_passages(args.passages, args.model_path, args.max_tokens, args.n_passages)
     if len(texts) < args.check_texts:
         parser.error(f"--passages: only {len(texts)} passages of at most {args.max_tokens} tokens")
-    services = peer_services(args, Service)
+    onnx_cache = tempfile.mkdtemp(prefix="bench-serve-onnx-cache-") if "optimum" in args.peer_engines else None
+    try:
+        peer_run(args, texts, onnx_cache)
+    finally:
+        if onnx_cache:
+            shutil.rmtree(onnx_cache, ignore_errors=True)
+
+
+def peer_run(args: argparse.Namespace, texts: list[str], onnx_cache: str | None) -> None:
+    """``--peer`` once the arguments are checked: start, measure and stop the servers, write the tables."""
+    from serve_peer import peer_services, peer_tables, ratios, summarise
+
+    services = peer_services(args, Service, onnx_cache)
+    unit = "documents" if args.route == "rerank" else "texts"
+    queries = f"{len(args.rerank_queries):,} queries from {args.queries}; " if args.rerank_queries else ""
     print(
-        f"{len(texts):,} passages of at most {args.max_tokens} tokens from {args.passages}; "
-        f"texts per request {args.texts_per_request}; clients {args.concurrency}; {args.rounds} rounds of at most "
+        f"{len(texts):,} passages of at most {args.max_tokens} tokens from {args.passages}; {queries}"
+        f"{unit} per request {args.texts_per_request}; clients {args.concurrency}; {args.rounds} rounds of at most "
         f"{args.requests} requests or {args.seconds:g}s per cell; servers pinned to cores {args.cores}, "
         f"{args.threads} threads each\n",
         flush=True,
@@ -620,7 +775,7 @@ def peer_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     measured = run_peer(services, texts, args)
     summary = summarise(measured["results"])
     compared = ratios(summary)
-    text = peer_tables(summary, compared)
+    text = peer_tables(summary, compared, unit)
     print()
     print(text)
     if args.out:
@@ -630,6 +785,7 @@ def peer_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         {
             "benchmark": "serve-peer",
             "peer": args.peer,
+            "route": args.route,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "machine": machine,
             "client": f"one process, asyncio + httpx {httpx.__version__}, python {platform.python_version()}, "
@@ -640,13 +796,18 @@ def peer_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
             "n_passages": len(texts),
             "max_tokens": args.max_tokens,
             "model_path": args.model_path,
+            "onnx_path": args.peer_onnx,
+            "queries_file": str(args.queries) if args.rerank_queries else None,
+            "n_queries": len(args.rerank_queries) if args.rerank_queries else None,
             "index": str(args.index),
             "texts_per_request": args.texts_per_request,
             "concurrency": args.concurrency,
             "rounds": args.rounds,
             "requests_per_cell": args.requests,
             "seconds_per_cell": args.seconds,
-            "services": [{"name": s.name, "command": s.command, "env": s.env, "health": s.health} for s in services],
+            "services": [
+                {"name": s.name, "command": s.command, "cwd": s.cwd, "env": s.env, "health": s.health} for s in services
+            ],
             "agreement": measured["agreement"],
             "summary": summary,
             "ratios": compared,
