@@ -123,6 +123,31 @@ def run_densepass(*args: str, cwd: Path, processes: int = 1) -> subprocess.Compl
     )
 
 
+def densepass_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``densepass ARGS`` run from ``cwd`` in this process, on one torch thread as :func:`run_densepass`'s processes:
+    its exit code and what it printed. For the runs of a test whose point is not a process of their own (a killed
+    one, a real exit, torchrun): it saves each the imports of a new Python process (seconds on a 2-core CPU)."""
+    import contextlib
+    import io
+
+    from densepass.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    threads, where = torch.get_num_threads(), os.getcwd()
+    torch.set_num_threads(1)
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = main(list(args))
+            except SystemExit as exit:  # argparse's usage errors
+                code = exit.code
+    finally:
+        os.chdir(where)
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
+
+
 def assert_same_ranking_up_to_ties(rows, scores, ref_rows, ref_scores, atol: float) -> None:
     """Top-k ``rows`` with ``scores`` equal the reference's, except that rows whose reference scores are within
     ``atol`` of each other (near-ties, which float rounding in another matrix-product blocking may swap) may

@@ -1,6 +1,9 @@
 """Fault injection: real ``densepass`` processes killed (SIGKILL) part-way through training (every task of the
 training engine), indexing and mining, then run again, end exactly where an uninterrupted run ends; damaged saved
-files, planted pickles, concurrent runs and changed settings are handled as docs/reliability.md promises."""
+files, planted pickles, concurrent runs and changed settings are handled as docs/reliability.md promises. The
+bi-encoder training tests run in this process (``densepass_here``, on one torch thread as the killed processes) every
+run but the one they kill: the references, the resumptions and the refusals prove the same there without a new
+process's imports."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import save_tiny_bert, write_tiny_beir
+from conftest import densepass_here, save_tiny_bert, write_tiny_beir
 from phrase_fixtures import write_phrase_squad
 
 pytestmark = pytest.mark.timeout(900)
@@ -37,9 +40,11 @@ def densepass(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def start(*args: str, cwd: Path) -> subprocess.Popen:
+    """``python -m densepass ARGS`` started in a process of its own (to be killed), on one torch thread."""
     return subprocess.Popen(
         [sys.executable, "-m", "densepass", *args],
         cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -128,13 +133,13 @@ def test_training_killed_at_a_random_step_resumes_to_the_same_weights(tmp_path, 
         else ["schedule:", "  method: abs-greedy", "  similarity: bm25-then-encoder", "  background: false"]
     )
     reference = train_config(tmp_path / "reference", tiny_beir, dropout_model, *extra)
-    assert densepass("run", str(reference), cwd=tmp_path).returncode == 0
+    assert densepass_here("run", str(reference), cwd=tmp_path).returncode == 0
     interrupted = train_config(tmp_path / "interrupted", tiny_beir, dropout_model, *extra)
     run_dir = tmp_path / "interrupted" / "run"
     process = start("run", str(interrupted), cwd=tmp_path)
     assert kill_when(process, lambda: (run_dir / "checkpoints" / "step-5").is_dir(), seed=len(schedule))
     assert not (run_dir / "model").exists()  # interrupted in the middle: 18 steps in all
-    result = densepass("run", str(interrupted), cwd=tmp_path)
+    result = densepass_here("run", str(interrupted), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert_same_weights(tmp_path / "reference" / "run" / "model", run_dir / "model")
     assert losses(run_dir) == losses(tmp_path / "reference" / "run")  # the resumed steps logged the same losses
@@ -142,14 +147,14 @@ def test_training_killed_at_a_random_step_resumes_to_the_same_weights(tmp_path, 
 
 def test_a_damaged_newest_checkpoint_falls_back_and_still_ends_exactly(tmp_path, tiny_beir, dropout_model):
     config = train_config(tmp_path / "a", tiny_beir, dropout_model)
-    assert densepass("run", str(config), cwd=tmp_path).returncode == 0
+    assert densepass_here("run", str(config), cwd=tmp_path).returncode == 0
     run_dir = tmp_path / "a" / "run"
     reference = weights(run_dir / "model")
     newest = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))[-1]
     state = newest / "state.safetensors"
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # truncated, as by a full disk
     (run_dir / "model" / "model.safetensors").unlink()
-    result = densepass("run", str(config), cwd=tmp_path)
+    result = densepass_here("run", str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"{newest} is damaged" in result.stderr and "Traceback" not in result.stderr
     again = weights(run_dir / "model")
@@ -171,7 +176,7 @@ def test_a_planted_pickle_in_a_checkpoint_is_never_executed(tmp_path, tiny_beir,
     payload = __import__("pickle").dumps(Exploit())
     for name in ("trainer_state.pt", "state.safetensors", "state.json", "model.pt"):
         (planted / name).write_bytes(payload)
-    result = densepass("run", str(config), cwd=tmp_path)
+    result = densepass_here("run", str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert not marker.exists()
     assert "step-99 is damaged" in result.stderr
@@ -179,14 +184,14 @@ def test_a_planted_pickle_in_a_checkpoint_is_never_executed(tmp_path, tiny_beir,
 
 def test_resuming_with_other_settings_is_refused_and_keeps_the_config(tmp_path, tiny_beir, dropout_model):
     config = train_config(tmp_path / "a", tiny_beir, dropout_model)
-    assert densepass("run", str(config), cwd=tmp_path).returncode == 0
+    assert densepass_here("run", str(config), cwd=tmp_path).returncode == 0
     saved = (tmp_path / "a" / "run" / "config.yaml").read_text()
-    changed = densepass("run", str(config), "--set", "train.batch_size=4", cwd=tmp_path)
+    changed = densepass_here("run", str(config), "--set", "train.batch_size=4", cwd=tmp_path)
     assert changed.returncode == 2 and "train.batch_size differ" in changed.stderr and "--restart" in changed.stderr
-    typo = densepass("run", str(config), "--set", "data.name=no-such-dataset", cwd=tmp_path)
+    typo = densepass_here("run", str(config), "--set", "data.name=no-such-dataset", cwd=tmp_path)
     assert typo.returncode == 2 and "not found" in typo.stderr
     assert (tmp_path / "a" / "run" / "config.yaml").read_text() == saved  # neither failed run wrote it
-    restarted = densepass("run", str(config), "--set", "train.batch_size=4", "--restart", cwd=tmp_path)
+    restarted = densepass_here("run", str(config), "--set", "train.batch_size=4", "--restart", cwd=tmp_path)
     assert restarted.returncode == 0, restarted.stderr[-2000:]
     assert "batch_size: 4" in (tmp_path / "a" / "run" / "config.yaml").read_text()
 
@@ -194,7 +199,7 @@ def test_resuming_with_other_settings_is_refused_and_keeps_the_config(tmp_path, 
 def test_a_diverging_run_stops_with_one_line_naming_the_step_and_writes_no_model(tmp_path, tiny_beir, dropout_model):
     config = train_config(tmp_path / "a", tiny_beir, dropout_model, epochs=1)
     for every, expected in (("100", "at step 2: the loss is nan"), ("1", "at step 1: its optimiser step left nan")):
-        result = densepass(
+        result = densepass_here(
             "run", str(config), "--set", "train.learning_rate=1e308", "--set", f"train.checkpoint_every={every}",
             cwd=tmp_path,
         )  # fmt: skip
@@ -210,19 +215,19 @@ def test_resuming_on_a_changed_data_file_is_refused_naming_it_and_restart_trains
     tmp_path, tiny_beir, dropout_model
 ):
     config = train_config(tmp_path / "a", tiny_beir, dropout_model, epochs=1)  # tiny_beir: this test's own copy
-    assert densepass("run", str(config), cwd=tmp_path).returncode == 0  # its checkpoints are kept
+    assert densepass_here("run", str(config), cwd=tmp_path).returncode == 0  # its checkpoints are kept
     corpus = tiny_beir / "corpus.jsonl"
     first, *rest = corpus.read_text().splitlines()
     corpus.write_text("\n".join([json.dumps({**json.loads(first), "text": "a changed text"}), *rest]) + "\n")
     saved = (tmp_path / "a" / "run" / "config.yaml").read_text()
-    changed = densepass("run", str(config), cwd=tmp_path)
+    changed = densepass_here("run", str(config), cwd=tmp_path)
     errors = [line for line in changed.stderr.replace("\r", "\n").splitlines() if "densepass: error:" in line]
     assert changed.returncode == 2 and len(errors) == 1 and "Traceback" not in changed.stderr
     assert "tiny/corpus.jsonl changed since its checkpoint step-" in errors[0] and "--restart" in errors[0]
     assert (tmp_path / "a" / "run" / "config.yaml").read_text() == saved
-    restarted = densepass("run", str(config), "--restart", cwd=tmp_path)
+    restarted = densepass_here("run", str(config), "--restart", cwd=tmp_path)
     assert restarted.returncode == 0, restarted.stderr[-2000:]
-    again = densepass("run", str(config), cwd=tmp_path)  # the same data: the finished run is taken up again
+    again = densepass_here("run", str(config), cwd=tmp_path)  # the same data: the finished run is taken up again
     assert again.returncode == 0, again.stderr[-2000:]
 
 
