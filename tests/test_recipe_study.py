@@ -3,8 +3,11 @@ interpolation and the report), so that the study cannot drift from the pipeline 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -14,6 +17,7 @@ import torch
 import yaml
 
 from densepass import cli
+from densepass.cli import run_guarded
 from densepass.config import load_config
 from densepass.models.cross_encoder import CrossEncoder
 from phrase_fixtures import write_phrase_squad
@@ -21,8 +25,35 @@ from phrase_fixtures import write_phrase_squad
 SCRIPT = Path(__file__).parent.parent / "experiments" / "recipe.py"
 
 
-def recipe(*args: str) -> subprocess.CompletedProcess:
+def recipe_program(*args: str) -> subprocess.CompletedProcess:
+    """``python experiments/recipe.py ARGS`` in a process of its own."""
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True)
+
+
+@functools.cache
+def driver_module():
+    """experiments/recipe.py loaded as a module, once."""
+    spec = importlib.util.spec_from_file_location("recipe_study_driver", SCRIPT)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    return driver
+
+
+def recipe(*args: str) -> subprocess.CompletedProcess:
+    """experiments/recipe.py ARGS run in this process as the script runs itself (``run_guarded(main)``): its exit code
+    and what it printed. Its stages call the pipeline's functions; a process of its own for each would only pay the
+    imports again (:func:`recipe_program` runs it as a program where that is the point)."""
+    stdout, stderr, argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = [str(SCRIPT), *args]
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = run_guarded(driver_module().main, SCRIPT.name)
+            except SystemExit as exit:  # argparse's usage errors
+                code = exit.code
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
 def test_rows_out_of_domain_wise_ft_and_report(tiny_beir, tiny_model_dir, tmp_path):
@@ -102,7 +133,7 @@ def test_rows_out_of_domain_wise_ft_and_report(tiny_beir, tiny_model_dir, tmp_pa
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
-    done = recipe("--train-queries", "0")
+    done = recipe_program("--train-queries", "0")  # the script as a program: its exit code and one line
     assert done.returncode == 2 and "--train-queries must be >= 1, got 0" in done.stderr
     done = recipe("--stage", "report", "--set", "train.batch_szie=3")
     assert done.returncode == 2
