@@ -146,10 +146,10 @@ def test_bad_options_are_one_line_errors(model, make, match):
 
 
 def test_densepass_index_and_search_binary_on_the_command_line(tiny_beir, tiny_model_dir, tmp_path):
-    from conftest import run_densepass
+    from conftest import densepass_here, run_densepass
 
     out = tmp_path / "bin"
-    done = run_densepass(
+    done = densepass_here(  # the command line's parsing and work in this process; the refusal as a program
         "index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(out), "--kind", "faiss-hnsw",
         "--embedding-precision", "binary", "--rescore-with", "int8", "--rescore-multiplier", "8", cwd=tmp_path,
     )  # fmt: skip
@@ -157,7 +157,7 @@ def test_densepass_index_and_search_binary_on_the_command_line(tiny_beir, tiny_m
     assert "(binary-hnsw; " in done.stdout and "bytes per passage in RAM" in done.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["kind"] == "binary-hnsw" and manifest["options"]["rescore_with"] == "int8"
-    found = run_densepass("search", str(out), "audio editor", "--rescore-with", "float", cwd=tmp_path)
+    found = densepass_here("search", str(out), "audio editor", "--rescore-with", "float", cwd=tmp_path)
     assert found.returncode == 0 and "p" in found.stdout, found.stderr
     bad = run_densepass(
         "index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(tmp_path / "bad"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import densepass as dp
-from conftest import WORDS, run_densepass, write_tiny_beir
+from conftest import WORDS, densepass_here, run_densepass, write_tiny_beir
 from densepass.data import load_dataset
 from densepass.data.pairs import PairsDataset, load_pairs, text_id
 from densepass.errors import ConfigError, DataError
@@ -202,7 +202,7 @@ def test_densepass_run_trains_on_a_triplets_file_and_evaluates_on_a_beir_set(tmp
         "--set", "eval.baselines=[]",
         "--set", "train.batch_size=8",
     ]  # fmt: skip
-    result = run_densepass(*command, cwd=tmp_path)
+    result = densepass_here(*command, cwd=tmp_path)  # the runs in this process, the refusals as a program
     assert result.returncode == 0, result.stderr[-3000:]
     report = (tmp_path / "out" / "triplets" / "report.md").read_text()
     assert f"evaluated on `{beir}`: 10 queries, full corpus (40 passages)" in report
@@ -210,7 +210,7 @@ def test_densepass_run_trains_on_a_triplets_file_and_evaluates_on_a_beir_set(tmp
     metrics = json.loads((tmp_path / "out" / "triplets" / "metrics.json").read_text())
     assert set(metrics["results"]) == {"fine-tuned"}
     # the same command again: the finished run is recognised as the same run (its identity is stable)
-    again = run_densepass(*command, cwd=tmp_path)
+    again = densepass_here(*command, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     # without an evaluation set: one line, exit 2, before any work
     refused = run_densepass(*command, "--set", "data.eval_name=null", "--set", "name=other", cwd=tmp_path)
@@ -236,7 +236,7 @@ def test_mine_given_writes_the_rows_negatives_as_a_hard_negatives_file_through_t
     rows_file = write_jsonl(tmp_path / "r.jsonl", records)
     out = tmp_path / "given.jsonl"
     args = ["mine", str(rows_file), "--format", "pairs", "--strategy", "given", "--output", str(out)]
-    result = run_densepass(*args, "--filters", "qrels", "duplicates", cwd=tmp_path)
+    result = densepass_here(*args, "--filters", "qrels", "duplicates", cwd=tmp_path)  # the refusals as a program
     assert result.returncode == 0, result.stderr[-3000:]
     data = load_pairs(rows_file)
     pool = load_pool(out, data)
