@@ -127,7 +127,7 @@ def test_densepass_run_trains_a_decoder_with_lora_and_prompts_from_triplets_and_
     from fastapi.testclient import TestClient
     from sentence_transformers import SentenceTransformer
 
-    from conftest import run_densepass, write_tiny_beir
+    from conftest import densepass_here, write_tiny_beir
     from densepass.pipelines.search import SearchPipeline
     from densepass.serve.app import create_app
 
@@ -148,7 +148,7 @@ def test_densepass_run_trains_a_decoder_with_lora_and_prompts_from_triplets_and_
         "train.lora_rank=4", "train.batch_size=8", "train.cpu_bf16=false", "eval.metrics=[mrr@10]", "eval.depth=10",
         "eval.baselines=[]", f"output_dir={tmp_path / 'out'}", "name=decoder",
     ]  # fmt: skip
-    result = run_densepass("run", *[a for s in settings for a in ("--set", s)], cwd=tmp_path)
+    result = densepass_here("run", *[a for s in settings for a in ("--set", s)], cwd=tmp_path)  # in this process
     assert result.returncode == 0, result.stderr[-3000:]
     saved = tmp_path / "out" / "decoder" / "model"
     ours = BiEncoder.from_pretrained(str(saved))
@@ -160,11 +160,11 @@ def test_densepass_run_trains_a_decoder_with_lora_and_prompts_from_triplets_and_
         cosine = (theirs * mine).sum(1) / np.linalg.norm(theirs, axis=1) / np.linalg.norm(mine, axis=1)
         assert cosine.min() >= 0.9999, (side, cosine.min())
     index = tmp_path / "idx"
-    built = run_densepass(
+    built = densepass_here(
         "index", str(beir), "--model", str(saved), "--kind", "exact", "--output", str(index), cwd=tmp_path
     )
     assert built.returncode == 0, built.stderr[-2000:]
-    found = run_densepass("search", str(index), "audio editor", "--k", "3", cwd=tmp_path)
+    found = densepass_here("search", str(index), "audio editor", "--k", "3", cwd=tmp_path)
     assert found.returncode == 0 and found.stdout.strip(), found.stderr[-2000:]
     with TestClient(create_app(SearchPipeline.load(str(index))), base_url="http://127.0.0.1") as client:
         hits = client.post("/search", json={"query": "audio editor", "k": 3})

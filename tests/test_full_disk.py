@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_densepass, small_run_overrides, write_tiny_beir
+from conftest import densepass_here, run_densepass, small_run_overrides, write_tiny_beir
 from densepass.errors import DensepassError
 
 pytestmark = pytest.mark.timeout(600)
@@ -94,7 +94,7 @@ def test_a_dense_index_larger_than_the_disk_is_one_line_before_encoding(tmp_path
 def test_a_dense_index_whose_save_fails_resumes_once_space_is_freed(tmp_path, tiny_model_dir, small_disk):
     data = write_tiny_beir(tmp_path / "data", 3000, seed=1)
     args = ["index", str(data), "--model", str(tiny_model_dir)]
-    assert run_densepass(*args, "--output", str(tmp_path / "reference"), cwd=tmp_path).returncode == 0
+    assert densepass_here(*args, "--output", str(tmp_path / "reference"), cwd=tmp_path).returncode == 0
     disk = small_disk("440k")  # the encoding fits, the saved index beside it does not
     result = run_densepass(*args, "--output", "idx", cwd=disk)
     assert_one_line(result)
@@ -102,7 +102,7 @@ def test_a_dense_index_whose_save_fails_resumes_once_space_is_freed(tmp_path, ti
     assert not (disk / "idx").exists() and temporaries(disk) == []
     assert list((disk / ".idx.encoding").glob("rows-*.npy"))  # the encoding is kept: a re-run resumes from it
     subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
-    again = run_densepass(*args, "--output", "idx", cwd=disk)
+    again = densepass_here(*args, "--output", "idx", cwd=disk)  # the failed run is a program, these need not be
     assert again.returncode == 0, again.stderr
     assert "encode passages" not in again.stderr  # nothing encoded again
     for name in ("embeddings.npy", "passages.jsonl"):
