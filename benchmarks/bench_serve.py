@@ -436,7 +436,8 @@ CHECK_DOCUMENTS = 8  # --route rerank: documents per query in the agreement chec
 def rerank_agreement(client: httpx.Client, services: list[Service], texts: list[str], args) -> dict[str, dict]:
     """Each server's raw scores (``raw_scores``: the logits, no sigmoid) of ``--check-texts`` pairs (queries with
     ``CHECK_DOCUMENTS`` passages each) against the first server's: the largest absolute difference, at most
-    ``--max-score-diff`` (else a one-line exit), and the share of queries ranked in the same order."""
+    ``--max-score-diff`` of the spread of the first server's scores (else a one-line exit), and the share of queries
+    ranked in the same order."""
     from serve_peer import rerank_scores, score_agreement
 
     n = -(-args.check_texts // CHECK_DOCUMENTS)
@@ -451,13 +452,15 @@ def rerank_agreement(client: httpx.Client, services: list[Service], texts: list[
         found = score_agreement(reference, [rerank_scores(client, service.url, service.api, q, d) for q, d in sample])
         agreement[service.name] = {"versus": first.name, **found}
         print(
-            f"{service.name} against {first.name}: raw scores differ by at most {found['max_abs_diff']:.2e} over "
-            f"{found['pairs']} pairs; {found['same_order']:.0%} of {found['queries']} queries in the same order"
+            f"{service.name} against {first.name}: raw scores differ by at most {found['max_abs_diff']:.2e} "
+            f"({found['relative_diff']:.2%} of their spread {found['spread']:.3g}) over {found['pairs']} pairs; "
+            f"{found['same_order']:.0%} of {found['queries']} queries in the same order"
         )
-        if found["max_abs_diff"] > args.max_score_diff:
+        if not found["relative_diff"] <= args.max_score_diff:
             raise SystemExit(
-                f"bench_serve: {service.name}'s raw scores differ from {first.name}'s by {found['max_abs_diff']:.3g} "
-                f"(> --max-score-diff {args.max_score_diff}): the servers do not compute the same thing"
+                f"bench_serve: {service.name}'s raw scores differ from {first.name}'s by {found['max_abs_diff']:.3g}, "
+                f"{found['relative_diff']:.2%} of their spread (> --max-score-diff {args.max_score_diff:.0%}): the "
+                "servers do not compute the same thing"
             )
     return agreement
 
@@ -580,8 +583,9 @@ def main() -> None:
     peer.add_argument(
         "--max-score-diff",
         type=float,
-        default=0.05,
-        help="--route rerank: largest difference between the servers' raw scores of a pair",
+        default=0.02,
+        help="--route rerank: largest difference between the servers' raw scores of a pair, as a share of the "
+        "spread of the first server's scores over the sample",
     )
     peer.add_argument("--peer-batch-size", type=int, default=32, help="--peer: infinity's --batch-size (its default)")
     peer.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], help="--peer: densepass's --precision")

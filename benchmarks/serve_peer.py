@@ -23,8 +23,9 @@ N passages (``--texts-per-request``: documents per request), so a pair is at mos
 ``--max-tokens`` tokens, within what the cross-encoder reads (densepass refuses longer pairs unless asked to cut, and
 infinity cuts them). The load sends each server's default request (both answer a sigmoid of the logits); the
 agreement check asks both for ``raw_scores`` and compares the raw logits of the same pairs: the largest absolute
-difference must stay within ``--max-score-diff``, and the share of sample queries whose documents come back in the
-same order is reported beside it.
+difference, as a share of the spread of the first server's scores over the sample, must stay within
+``--max-score-diff``, and the share of sample queries whose documents come back in the same order is reported beside
+it.
 
 infinity's settings: ``--peer-dtypes`` (its ``--dtype``: float32, bfloat16; the torch engine loads the weights in it)
 times ``--peer-engines`` (torch; optimum: ONNX Runtime). The optimum engine loads an ONNX file, which a
@@ -75,7 +76,7 @@ def read_passages(path: Path, tokenizer_path: str, max_tokens: int, limit: int) 
     with opener(path, "rt", encoding="utf-8") as handle:
         for chunk in iter(lambda: list(itertools.islice(handle, 1024)), []):
             texts = [t for t in (json.loads(line).get("text", "").strip() for line in chunk if line.strip()) if t]
-            lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+            lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]]
             kept += [t for t, n in zip(texts, lengths) if n <= max_tokens]
             if len(kept) >= limit:
                 break
@@ -89,7 +90,7 @@ def texts_within(texts: list[str], tokenizer_path: str, max_tokens: int) -> list
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     texts = [t.strip() for t in texts if t.strip()]
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]]
     return [t for t, n in zip(texts, lengths) if n <= max_tokens]
 
 
@@ -152,7 +153,9 @@ def peer_services(args: argparse.Namespace, service_type: type, onnx_cache: str 
     """The servers compared: densepass at each ``--precisions`` (fp32 first: the reference of the agreement check)
     and infinity-emb with each ``--peer-engines`` engine at each ``--peer-dtypes`` dtype (optimum once, in a
     ``--peer-onnx`` folder with ``onnx_cache`` as its Hugging Face cache), all pinned to ``--cores`` with
-    ``--threads`` threads; ``--route rerank``: the cross-encoder ``--reranker`` on each one's ``/rerank``."""
+    ``--threads`` threads; ``--route rerank``: the cross-encoder ``--reranker`` on each one's ``/rerank``. Neither
+    logs each request (densepass ``--access-log off``, infinity ``--log-level warning``: uvicorn's access log is at
+    info)."""
     pin = f"taskset -c {args.cores} " if args.cores else ""
     threads = str(args.threads)
     env = {
@@ -194,7 +197,7 @@ def peer_services(args: argparse.Namespace, service_type: type, onnx_cache: str 
             service_type(
                 name,
                 command=f"{pin}{peer_command(args)} v2 --model-id {model} --port {{port}} --engine {engine} "
-                f"--device cpu --batch-size {args.peer_batch_size} --dtype {dtype}{extra}",
+                f"--device cpu --batch-size {args.peer_batch_size} --dtype {dtype}{extra} --log-level warning",
                 route="rerank" if rerank else "embeddings",
                 env=own_env,
                 api="cohere" if rerank else "openai",
@@ -233,10 +236,13 @@ def rerank_scores(client: httpx.Client, url: str, api: str, query: str, document
 
 
 def score_agreement(reference: list[np.ndarray], other: list[np.ndarray]) -> dict:
-    """How two servers' raw scores of the same pairs agree, query by query: the largest absolute difference, and
-    the share of queries whose documents they put in the same order (ties broken by position, as both servers do
-    up to float rounding)."""
+    """How two servers' raw scores of the same pairs agree, query by query: the largest absolute difference, that
+    difference as a share of the spread of the reference's scores over the sample (max - min: a scale-free bound,
+    since a bf16 server's error grows with the logits' size), and the share of queries whose documents they put in
+    the same order (ties broken by position, as both servers do up to float rounding)."""
     diffs = [np.abs(a - b).max() for a, b in zip(reference, other)]
+    everything = np.concatenate(reference)
+    spread = float(everything.max() - everything.min())
     same = [
         np.array_equal(np.lexsort((np.arange(len(a)), -a)), np.lexsort((np.arange(len(b)), -b)))
         for a, b in zip(reference, other)
@@ -245,6 +251,8 @@ def score_agreement(reference: list[np.ndarray], other: list[np.ndarray]) -> dic
         "queries": len(reference),
         "pairs": sum(len(a) for a in reference),
         "max_abs_diff": float(max(diffs)),
+        "spread": spread,
+        "relative_diff": float(max(diffs)) / spread if spread > 0 else float("inf"),
         "same_order": float(np.mean(same)),
     }
 

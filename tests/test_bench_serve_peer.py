@@ -119,7 +119,14 @@ def test_rerank_agreement_reports_the_largest_difference_and_the_orders_kept(pee
     reference = [np.array([3.0, 1.0, 2.0]), np.array([0.5, 0.4])]
     same_order = [np.array([3.01, 0.99, 2.0]), np.array([0.5, 0.4])]
     found = peer.score_agreement(reference, same_order)
-    assert found == {"queries": 2, "pairs": 5, "max_abs_diff": pytest.approx(0.01), "same_order": 1.0}
+    assert found == {
+        "queries": 2,
+        "pairs": 5,
+        "max_abs_diff": pytest.approx(0.01),
+        "spread": pytest.approx(2.6),  # 3.0 - 0.4
+        "relative_diff": pytest.approx(0.01 / 2.6),
+        "same_order": 1.0,
+    }
     swapped = peer.score_agreement(reference, [np.array([3.0, 1.0, 2.0]), np.array([0.4, 0.5])])
     assert swapped["same_order"] == 0.5 and swapped["max_abs_diff"] == pytest.approx(0.1)
 
@@ -180,7 +187,7 @@ def test_the_rerank_peer_runs_end_to_end_against_a_stand_in(rerank_setup, tmp_pa
     assert result["route"] == "rerank" and result["queries_file"] == str(data / "queries.jsonl")
     (agreement,) = result["agreement"].values()
     assert agreement["versus"] == "densepass-fp32" and agreement["pairs"] == 16 and agreement["same_order"] == 1.0
-    assert agreement["max_abs_diff"] < 1e-3
+    assert agreement["max_abs_diff"] < 1e-3 and agreement["relative_diff"] < 1e-3
     cells = {(r["texts_per_request"], r["concurrency"], r["service"]): r for r in result["summary"]}
     assert set(cells) == {(n, c, s) for n in (1, 3) for c in (1, 4) for s in ("densepass-fp32", "infinity-torch-fp32")}
     assert all(r["errors"] == 0 and r["texts_per_s"] > 0 for r in cells.values())
