@@ -37,26 +37,20 @@ def python_training_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_the_python_training_example_runs_and_gives_the_yaml_runs_weights(tmp_path):
+def test_the_python_training_example_runs_and_gives_the_yaml_runs_weights(tmp_path, monkeypatch, capsys):
     """The README's ``dp.train`` example, run as written (MiniLM on debian-packages), and ``densepass run`` with the
-    settings the README names end with the same weights."""
-    import os
-
+    settings the README names end with the same weights. Both run in this process (from ``tmp_path``): what they
+    check is the code and the settings, which a process of their own would only import again."""
     from safetensors.torch import load_file
 
+    from densepass.cli import main
     from densepass.data.paths import default_data_dir
 
-    env = {**os.environ, "DENSEPASS_DATA": str(default_data_dir().resolve())}  # the data beside the checkout
-    result = subprocess.run(
-        [sys.executable, "-c", python_training_example()],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["4", "1"]  # 4 steps, one log record (log_every 10, and the last step)
+    monkeypatch.setenv("DENSEPASS_DATA", str(default_data_dir().resolve()))  # the data beside the checkout
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    exec(compile(python_training_example(), "README.md", "exec"), {"__name__": "__main__"})
+    assert capsys.readouterr().out.split() == ["4", "1"]  # 4 steps, one log record (log_every 10, and the last step)
     settings = [
         "name=yaml",
         f"output_dir={tmp_path}",
@@ -74,15 +68,7 @@ def test_the_python_training_example_runs_and_gives_the_yaml_runs_weights(tmp_pa
         "model.temperature=0.05",
         "eval.baselines=[]",
     ]
-    run = subprocess.run(
-        [sys.executable, "-m", "densepass", "run", *[a for s in settings for a in ("--set", s)]],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    assert main(["run", *[a for s in settings for a in ("--set", s)]]) == 0, capsys.readouterr().err[-2000:]
     python = load_file(str(tmp_path / "outputs" / "python-first" / "model" / "model.safetensors"))
     yaml = load_file(str(tmp_path / "yaml" / "model" / "model.safetensors"))
     assert python.keys() == yaml.keys() and all(python[k].equal(yaml[k]) for k in python)
