@@ -547,3 +547,76 @@ def test_refresh_during_training_is_saved_filtered_and_resumable(tiny_beir, tiny
         run_experiment(config(tmp_path / "c", "negatives.source=none", "negatives.per_query=0"))
     with pytest.raises(ConfigError, match="refresh_every: must be >= 1"):
         run_experiment(config(tmp_path / "d", "negatives.refresh_every=0"))
+
+
+@pytest.fixture(scope="module")
+def sigmoid_config_cross_encoder(tiny_model_dir, tmp_path_factory):
+    """A one-logit cross-encoder saved as most hub cross-encoders are, without densepass's note of the identity
+    activation, so sentence-transformers' ``predict`` puts its logits through a sigmoid; its head is rescaled so
+    that q0's candidates get logits on both sides of 0 (-2 to 2). Returns its path and q0's texts."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from densepass.data.keys import passage_input
+    from densepass.models.cross_encoder import CrossEncoder
+
+    path = tmp_path_factory.mktemp("sigmoid-ce") / "model"
+    CrossEncoder.new(str(tiny_model_dir), seed=3, device=torch.device("cpu"), precision="fp32").save(path)
+    model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    del model.config.sentence_transformers
+    dataset = small_dataset()
+    passages = [passage_input(dataset.corpus, p, "[SEP]") for p in dataset.corpus.ids]
+    tokens = AutoTokenizer.from_pretrained(str(path))(
+        [dataset.queries["q0"]] * len(passages), passages, truncation=True, padding=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        z = model(**tokens).logits.squeeze(-1) - model.classifier.bias
+        scale = 4.0 / float(z.max() - z.min())
+        model.classifier.weight.mul_(scale)
+        model.classifier.bias.fill_(-scale * float(z.max() + z.min()) / 2)
+    model.save_pretrained(path)
+    return path, dataset.queries["q0"], passages
+
+
+def _float64_logits(path, query: str, passages: list[str]) -> np.ndarray:
+    """The reference: transformers' sequence classifier in float64, one pair at a time."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(path)).double().eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    with torch.no_grad():
+        return np.array([float(model(**tokenizer(query, p, return_tensors="pt")).logits) for p in passages])
+
+
+def test_the_cross_encoder_filter_thresholds_logits_whatever_activation_the_model_names(sigmoid_config_cross_encoder):
+    from scipy.special import expit
+    from sentence_transformers import CrossEncoder as STCrossEncoder
+
+    from densepass.negatives.filters import RelativeMarginFilter, build_filters, relative_margin_keep
+
+    path, query, passages = sigmoid_config_cross_encoder
+    logits = _float64_logits(path, query, passages)
+    # the premise: sentence-transformers scores this model through a sigmoid (every candidate above 0.0)
+    st_scores = STCrossEncoder(str(path), device="cpu").predict([(query, p) for p in passages])
+    np.testing.assert_allclose(st_scores, expit(logits), atol=1e-4)
+    dataset = small_dataset()
+    ids = dataset.corpus.ids
+    low, high = {p for p, x in zip(ids, logits) if x < -0.1}, {p for p, x in zip(ids, logits) if x > 0.1}
+    assert low and high and len(low) + len(high) == len(ids), logits  # planted: clear of the threshold
+    candidates = [p for p in ids if p != "p0"]  # p0: q0's positive
+    [absolute, relative] = build_filters(
+        ["cross-encoder", "relative-margin"],
+        dataset,
+        cross_encoder=str(path),
+        threshold=0.0,
+        relative_margin=0.95,
+        relative_teacher=str(path),
+    )
+    assert absolute.keep("q0", _pool(candidates)) == [p in low for p in candidates]
+    # the relative-margin teacher: the same logits through a sigmoid, against q0's positive p0
+    assert isinstance(relative, RelativeMarginFilter)
+    by_id = dict(zip(ids, expit(logits)))
+    np.testing.assert_allclose(relative.scorer(query, passages), expit(logits), atol=1e-4)
+    expected = relative_margin_keep([by_id[p] for p in candidates], [by_id["p0"]], 0.95)
+    assert relative.keep("q0", _pool(candidates)) == expected

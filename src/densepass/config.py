@@ -255,7 +255,9 @@ class NegativesConfig:
         factory=lambda: ["bm25", "context"],
     )
     cross_encoder: str | None = option(None, "cross-encoder filter: a sentence-transformers CrossEncoder")
-    cross_encoder_threshold: float = option(0.0, "cross-encoder filter: candidates scored above it are dropped")
+    cross_encoder_threshold: float = option(
+        0.0, "cross-encoder filter: candidates whose raw logit (before any sigmoid) is above it are dropped"
+    )
     relative_margin: float = option(
         0.95,
         "relative-margin filter (nv-retriever): a candidate stays only if the teacher scores it below this times the"

@@ -8,7 +8,7 @@
   (debian-packages: two packages with the same synopsis).
 - ``cross-encoder``: RocketQA-style denoising; candidates a cross-encoder scores above a threshold
   are likely unlabeled positives. The scorer is any ``(query, [passage, ...]) -> scores`` callable,
-  e.g. ``cross_encoder_scorer(path)`` for a sentence-transformers CrossEncoder.
+  e.g. ``cross_encoder_scorer(path)``: a saved cross-encoder's raw logits (rocketqa thresholds logits).
 - ``relative-margin``: NV-Retriever's denoising (nv-retriever §3, "TopK-PercPos"); a candidate stays only if a
   teacher scores it below ``margin`` times the query's positive (0.95: within 5% of the positive is taken for an
   unlabelled positive). The teacher is a cross-encoder, its logits through a sigmoid so that scores are
@@ -184,27 +184,23 @@ def check_cross_encoder_filter(
 
 
 def cross_encoder_scorer(path: str, batch_size: int = 64, sigmoid: bool = False) -> Scorer:
-    """A scorer from a saved sentence-transformers ``CrossEncoder`` (its own activation, the identity or a sigmoid
-    as the model was saved with; ``sigmoid``: probabilities through a sigmoid of the logits whatever it was saved
-    with)."""
-    from sentence_transformers import CrossEncoder
+    """A scorer from a saved cross-encoder (``models.cross_encoder.CrossEncoder``, scored in fp32): its raw logits,
+    whatever activation the model's config names for sentence-transformers (whose ``CrossEncoder.predict`` puts a
+    one-label model's logits through a sigmoid unless the config says otherwise, so that the cross-encoder filter's
+    threshold, a logit as in rocketqa, would mean another thing per model); ``sigmoid``: probabilities, a sigmoid
+    of the logits (the relative-margin filter's teacher, whose ratios need positive scores)."""
+    from scipy.special import expit
 
-    from densepass.models.biencoder import resolve_model_path
+    from densepass.models.cross_encoder import CrossEncoder
 
-    resolved = resolve_model_path(path)  # a missing model, one asking for code of its own: one line, before loading
-    try:
-        model = CrossEncoder(resolved, trust_remote_code=False)
-    except Exception as err:  # transformers' and torch's loading errors (weights that are not plain tensors)
-        if not isinstance(err, (OSError, ValueError)) and type(err).__name__ != "UnpicklingError":
-            raise
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ConfigError(f"cannot load cross-encoder {path!r}: {first}") from None
-    import torch
+    # a missing model, one asking for code of its own, weights that are not plain tensors: one line, before scoring
+    model = CrossEncoder.from_pretrained(path, batch_size=batch_size, precision="fp32")
 
-    activation = torch.nn.Sigmoid() if sigmoid else None
-    return lambda query, passages: model.predict(
-        [(query, p) for p in passages], batch_size=batch_size, show_progress_bar=False, activation_fn=activation
-    )
+    def score(query: str, passages: list[str]) -> np.ndarray:
+        logits = model.score_pairs([query] * len(passages), passages).astype(np.float64)
+        return expit(logits) if sigmoid else logits
+
+    return score
 
 
 def bi_encoder_scorer(path: str, batch_size: int = 64, device=None, precision: str = "auto") -> Scorer:
