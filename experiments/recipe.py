@@ -15,7 +15,7 @@ fine-tunes all-MiniLM-L6-v2 on the same seeded sample of ``--train-queries`` deb
 (configs/recipe.yaml: batch 32, lr 5e-5, one BM25 hard negative in the first row) and is evaluated on a
 seeded sample of dev queries over the **full corpus** (60,240 passages), then zero-shot **out of domain** on
 the squad split's 760 dev questions (configs/recipe_ood.yaml: nDCG@10 and top-k answer accuracy) and on ArguAna's
-1,406 test queries (configs/recipe_ood_arguana.yaml: nDCG@10 and R@100, the query's own argument dropped from its
+1,401 judged test queries (configs/recipe_ood_arguana.yaml: nDCG@10 and R@100, the query's own argument dropped from its
 hits) next to the zero-shot MiniLM it started from.
 
 **Honest model selection** (``--eval-part report``): the dev queries are split once, seeded and by source package
