@@ -159,3 +159,24 @@ def test_trim_log_drops_records_after_the_step_and_a_cut_line(tmp_path):
     log.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4')
     trim_log(log, 2)
     assert log.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_the_rerankers_data_identity_leaves_out_the_evaluation_part_but_not_training_keys(tmp_path):
+    """Reranker runs written before ``data.eval_part*`` existed (a data identity without them) resume, and so does a
+    run resumed with another evaluation part (it never changes the cross-encoder's weights); a training key does
+    not."""
+    from dataclasses import asdict, replace
+
+    from densepass.config import DataConfig
+    from densepass.pipelines.reranking import reranker_data_identity
+
+    data = DataConfig()
+    before = {k: v for k, v in asdict(data).items() if k not in ("mix", "eval_part", "eval_part_fraction")}
+    before.pop("eval_part_seed")
+    assert reranker_data_identity(data) == before  # written before the new keys: the same identity
+    _save(Checkpoints(tmp_path, keep=2, identity={"data": before}), 1)
+    tuned = replace(data, eval_part="report", eval_part_fraction=0.3, eval_part_seed=7)
+    assert Checkpoints(tmp_path, keep=2, identity={"data": reranker_data_identity(tuned)}).latest().step == 1
+    trained_on_fewer = replace(data, max_train_queries=5)
+    with pytest.raises(ConfigError, match=r"data\.max_train_queries differ"):
+        Checkpoints(tmp_path, keep=2, identity={"data": reranker_data_identity(trained_on_fewer)}).latest()

@@ -19,7 +19,7 @@ import torch
 
 from densepass import distributed
 from densepass.checkpoints import DATA_FILES, without_later_defaults
-from densepass.config import ExperimentConfig, LossConfig
+from densepass.config import DataConfig, ExperimentConfig, LossConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import uses_bf16
 from densepass.errors import ConfigError
@@ -142,6 +142,20 @@ def scoring_options(config: ExperimentConfig, device: torch.device) -> dict:
     return {"max_length": cfg.max_length, "batch_size": cfg.batch_size, "device": device, "precision": precision}
 
 
+# data keys a reranker's checkpoints never held (its identity held every other data key in full): ``mix`` (the
+# bi-encoder's batches only) and the evaluation part (``data.eval_part*``: which dev queries are evaluated, never the
+# cross-encoder's weights), at any value, so runs written before them resume, and a run resumed with another
+# evaluation part trains to the same weights. A data key added later that changes training joins them at its default.
+RERANKER_LATER_DATA_KEYS = {"mix": None, "eval_part": None, "eval_part_fraction": None, "eval_part_seed": None}
+
+
+def reranker_data_identity(data: DataConfig) -> dict:
+    """The ``data`` section as the reranker's checkpoint identity: without ``RERANKER_LATER_DATA_KEYS`` (those
+    mapped to None at any value, the others at their default)."""
+    later = RERANKER_LATER_DATA_KEYS
+    return {k: v for k, v in asdict(data).items() if k not in later or (later[k] is not None and later[k] != v)}
+
+
 def train_reranker(
     config: ExperimentConfig,
     dataset: RetrievalDataset,
@@ -166,7 +180,7 @@ def train_reranker(
         query_ids=query_ids,
     )
     identity = {
-        "data": {k: v for k, v in asdict(config.data).items() if k != "mix"},  # the bi-encoder's batches only
+        "data": reranker_data_identity(config.data),
         "negatives": without_later_defaults(asdict(config.negatives)),
         "cross_encoder": {"name_or_path": cfg.name_or_path, "max_length": cfg.max_length, "bf16": bf16},
         DATA_FILES: dataset.file_fingerprints(),  # a changed data file: the checkpoints are refused
