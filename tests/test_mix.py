@@ -142,3 +142,11 @@ def test_a_run_mixes_counts_and_refuses_a_missing_dataset_before_writing(tiny_mo
     note = next(n for n in metrics["notes"] if n.startswith("Mixed into each batch of 6"))
     assert "2 from squad (train) (6 pairs over the run" in note, note
     assert load_mix([], None) == []
+    # a changed mix dataset file: the run's checkpoints are refused in one line naming it, before any work
+    train_file = squad / "train-v1.1.json"
+    rows = json.loads(train_file.read_text())
+    rows["version"] = "changed"
+    train_file.write_text(json.dumps(rows))
+    with pytest.raises(ConfigError, match=r"squad/train-v1\.1\.json changed since its checkpoint step-") as refused:
+        run_experiment(load_config(None, [*overrides, mix]))
+    assert "\n" not in str(refused.value)

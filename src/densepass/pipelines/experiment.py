@@ -23,7 +23,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -98,12 +98,18 @@ def model_from_config(config: ExperimentConfig) -> BiEncoder:
     return retrievers.model_from_config(config)
 
 
-def run_identity(config: ExperimentConfig, dataset: RetrievalDataset | None = None) -> dict:
-    """The settings besides ``train`` that change the fine-tuned model, and (given the ``dataset``) the content
-    fingerprint of every data file it was read from: resuming across a change is refused."""
+def run_identity(
+    config: ExperimentConfig, dataset: RetrievalDataset | None = None, mix: Sequence[RetrievalDataset] = ()
+) -> dict:
+    """The settings besides ``train`` that change the fine-tuned model, and (given the ``dataset``, and the ``mix``
+    datasets of ``data.mix``) the content fingerprint of every data file they were read from: resuming across a
+    change is refused."""
     schedule = {k: v for k, v in asdict(config.schedule).items() if k != "background"}
     loss = {"loss": asdict(config.loss)} if config.loss != LossConfig() else {}  # the default: earlier runs resume
-    data_files = {DATA_FILES: dataset.file_fingerprints()} if dataset is not None else {}
+    fingerprints = {
+        k: v for d in ([dataset] if dataset is not None else []) + list(mix) for k, v in d.file_fingerprints().items()
+    }
+    data_files = {DATA_FILES: fingerprints} if dataset is not None else {}
     return {
         "data": data_identity(config.data),
         "model": without_later_defaults(asdict(config.model)),
@@ -357,10 +363,11 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
     needs_answers = [m for m in config.eval.metrics if m.startswith("accuracy@")]
     if needs_answers and not eval_data.answers:
         raise ConfigError(f"eval.metrics {needs_answers} need answer strings, which {eval_data.name} does not have")
+    mix = load_mix(data.mix, data.data_dir) if config.train.enabled else []
     if not restart:  # with --restart, what the directory holds is to be removed: nothing of it to check
         check_run_directory(config)
-        if config.train.enabled:  # before any work: a changed data file is refused here
-            resume_step(config.run_dir, config.train, run_identity(config, dataset))  # refuses another run's
+        if config.train.enabled:  # before any work: a changed data file (or data.mix file) is refused here
+            resume_step(config.run_dir, config.train, run_identity(config, dataset, mix))  # refuses another run's
     neg = config.negatives
     subcorpus_bm25 = config.data.eval_hard_k > 0
     need_full_bm25 = (
@@ -377,7 +384,7 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
     if config.eval.mode == "rerank":
         add_rerank_candidates(evalset, eval_bm25, config.eval.rerank_candidates)
     experiment = Experiment(config, device, main, dataset, evalset, full_bm25, eval_bm25, eval_data)
-    experiment.mix = load_mix(data.mix, data.data_dir) if config.train.enabled else []
+    experiment.mix = mix
     experiment.reranker = load_fixed_reranker(config, device)  # a model without a usable head fails here
     if distilling(config):
         experiment.teacher = fixed_teacher(config, experiment.reranker, scoring_options(config, device), dataset)
@@ -612,7 +619,7 @@ def fine_tune(
     data = training_data(exp, model, pool, teacher)
     add_mix(data, exp.mix, config.data.mix, config.train.batch_size, config.train.seed)
     planner = batch_planner(model, data, config.train, config.schedule, run_dir, exp.device)
-    identity = run_identity(config, exp.dataset)
+    identity = run_identity(config, exp.dataset, exp.mix)
     resumed_at = resume_step(run_dir, config.train, identity)
     eval_log = run_dir / "eval_log.jsonl"
     trim_log(eval_log, resumed_at)
