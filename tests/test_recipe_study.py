@@ -70,6 +70,9 @@ def test_rows_out_of_domain_wise_ft_and_report(tiny_beir, tiny_model_dir, tmp_pa
     ood = [f"data.name={squad}", "model.passage_max_length=32"]
     common = ["--out", str(out), "--train-queries", "24", "--eval-queries", "12"]
     common += [a for s in sets for a in ("--set", s)] + [a for s in ood for a in ("--ood-set", s)]
+    arguana = [f"data.name={tiny_beir}", "data.eval_split=dev", "model.query_max_length=32"]
+    arguana += ["model.passage_max_length=32"]
+    common += [a for s in arguana for a in ("--arguana-set", s)]  # the tiny data stands in for ArguAna
     rows = ["README recipe", "+ 3 hard negatives"]
     done = recipe("--stage", "train", "--only", *rows, *common)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -101,9 +104,6 @@ def test_rows_out_of_domain_wise_ft_and_report(tiny_beir, tiny_model_dir, tmp_pa
     assert report["tests"][wise]["against"] == "README recipe"
     # The interpolated model sits between the start and the fine-tuned model (its own directory).
     assert (out / "wise-ft" / "readme-recipe-wise-ft-0-5" / "model.safetensors").is_file()
-    arguana = [f"data.name={tiny_beir}", "data.eval_split=dev", "model.query_max_length=32"]
-    arguana += ["model.passage_max_length=32"]
-    common += [a for s in arguana for a in ("--arguana-set", s)]  # the tiny data stands in for ArguAna
     text = (out / "report.md").read_text()
     assert "| BM25 |" in text and "| zero-shot MiniLM |" in text and "| + 3 hard negatives |" in text
     # The best model's first stages are written for a cross-encoder; its reranked runs become rows.

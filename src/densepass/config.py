@@ -431,6 +431,11 @@ class EvalConfig:
     )
     rerank_candidates: int = option(100, "mode=rerank: candidates per query (ABS paper: 1 positive + 99)", min=2)
     each_epoch: bool = option(False, "also evaluate after every training epoch")
+    ignore_identical_ids: bool = option(
+        False,
+        "drop a retrieved passage whose id is the query's own (BEIR's and MTEB's rule for ArguAna, where every query"
+        " is itself a corpus document); each query still gets eval.depth passages",
+    )
     batch_size: int = option(256, "encoding batch size", min=1)
     precision: Precision = option(
         "auto",
@@ -444,11 +449,6 @@ class EvalConfig:
 
 @dataclass
 class ValidationConfig:
-    ignore_identical_ids: bool = option(
-        False,
-        "drop a retrieved passage whose id is the query's own (BEIR's and MTEB's rule for ArguAna, where every query"
-        " is itself a corpus document); each query still gets eval.depth passages",
-    )
     """Validation during training on a subcorpus (training-inference-gap §3), keeping the best model."""
 
     enabled: bool = option(False, "validate during training and keep the best model in best-model/")
