@@ -12,7 +12,10 @@ Kinds (``densepass index --embedding-precision binary|int8``):
 - ``int8-flat``: int8 codes with calibrated per-dimension ranges (sentence-transformers' ``quantize_embeddings(...,
   "int8", ranges=...)``: 256 buckets between each dimension's minimum and maximum over the passages first added,
   stored with the index in ``int8_ranges.npy``), scored exactly against the float query (the codes dequantised to
-  their bucket's middle).
+  their bucket's middle). The scan is FAISS's ``IndexScalarQuantizer`` with ``QT_8bit``, whose decoding of a uint8
+  code ``c``, ``vmin + (c + 0.5) / 255 x vdiff``, is ``dequantize`` of the int8 code ``c - 128`` with ``vmin`` the
+  range's minimum and ``vdiff`` 255 steps (``int8_flat_index``): the stored codes go in as they are (+ 128), never
+  re-encoded, and FAISS decodes and scores them in SIMD registers instead of a float32 copy per search.
 
 Re-scoring (``rescore_with``): ``float`` scores each candidate with the float query against its float32 embedding
 (the exact score); ``int8`` against its dequantised int8 codes (for ``int8-flat``, its first pass already); ``none``
@@ -25,7 +28,7 @@ embeddings (``embeddings.npy``, float32; ``int8.npy``) are read from disk throug
 
 Memory: binary-flat holds dim / 8 bytes a passage (32x less than float32); an HNSW graph adds its links
 (``hnsw_m`` = 32: about 256 bytes a passage at the base level, more than 384 dimensions' bits), an IVF index an
-8-byte id a passage.
+8-byte id a passage; int8-flat dim bytes a passage, held once, by its FAISS index (``int8.npy`` stays on disk).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
 from densepass.index.base import Passages, as_corpus, concat_corpora, register
 from densepass.index.dense import EMBEDDINGS, DenseIndex, weights_version
-from densepass.index.exact import sort_by_score_then_row, top_k_by_score_then_row
+from densepass.index.exact import sort_by_score_then_row
 from densepass.io import atomic_file
 from densepass.models.biencoder import BiEncoder
 from densepass.numerics import refuse_nonfinite_rows
@@ -101,6 +104,39 @@ def dequantize(codes: np.ndarray, ranges: np.ndarray) -> np.ndarray:
 def _affine(ranges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     steps = (ranges[1] - ranges[0]) / 255
     return ranges[0].astype(np.float32), np.where(steps == 0, 1, steps).astype(np.float32)
+
+
+def int8_flat_index(ranges: np.ndarray):
+    """An empty FAISS ``IndexScalarQuantizer`` (``QT_8bit``, inner product) whose decoding is ``dequantize`` with
+    ``ranges``: trained with ``vmin`` = each dimension's minimum and ``vdiff`` = 255 steps (``_affine``), so that a
+    code ``c + 128`` decodes to ``min + (c + 128.5) x step``. Fill it with ``add_int8_codes``."""
+    import faiss
+
+    start, steps = _affine(ranges)
+    index = faiss.IndexScalarQuantizer(len(start), faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+    faiss.copy_array_to_vector(np.concatenate([start, steps * np.float32(255)]).astype(np.float32), index.sq.trained)
+    index.is_trained = True
+    return index
+
+
+def add_int8_codes(index, codes: np.ndarray, chunk: int = 65_536) -> None:
+    """Append int8 ``codes`` (an array or a memory map) to ``int8_flat_index``'s FAISS index as its uint8 codes
+    ``code + 128`` (the sign bit flipped), ``chunk`` rows at a time: no second full copy in memory."""
+    for start in range(0, len(codes), chunk):
+        part = np.ascontiguousarray(codes[start : start + chunk], dtype=np.int8)
+        index.add_sa_codes(part.view(np.uint8) ^ np.uint8(0x80))
+
+
+def int8_codes_of(index, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Rows ``start:stop`` of ``int8_flat_index``'s codes back as the int8 codes (a copy: ``code + 128`` with the
+    sign bit flipped again)."""
+    import faiss
+
+    stop = index.ntotal if stop is None else min(stop, index.ntotal)
+    if stop <= start:
+        return np.zeros((0, index.d), dtype=np.int8)
+    held = faiss.rev_swig_ptr(index.codes.data(), index.ntotal * index.code_size)  # a view, read at once
+    return (held[start * index.code_size : stop * index.code_size] ^ np.uint8(0x80)).view(np.int8).reshape(-1, index.d)
 
 
 def build_binary_index(
@@ -183,8 +219,17 @@ class CompactIndex(DenseIndex):
             raise ConfigError(f"binary codes pack 8 dimensions to a byte: {self.dim} is not a multiple of 8 (--dim)")
         self.kind, self.rescore_with, self.rescore_multiplier = kind, rescore_with, rescore_multiplier
         self.ranges: np.ndarray | None = None  # int8 calibration [2, dim], from the first passages added
-        self.codes = np.zeros((0, self.dim), dtype=np.int8)  # on disk (memory-mapped) once saved and loaded
+        self._codes = np.zeros((0, self.dim), dtype=np.int8)  # binary kinds: on disk (memory-mapped) once loaded
         self.bits = None  # the FAISS binary index (binary kinds)
+        self.int8_index = None  # int8-flat: the FAISS scalar quantiser index holding the codes (int8_flat_index)
+
+    @property
+    def codes(self) -> np.ndarray:
+        """The passages' int8 codes [rows, dim]: for int8-flat a copy out of its FAISS index (which holds the only
+        one in memory), for the binary kinds the array (memory-mapped from disk once saved and loaded)."""
+        if self.kind == "int8-flat":
+            return int8_codes_of(self.int8_index) if self.int8_index is not None else self._codes
+        return self._codes
 
     @staticmethod
     def check_search_options(rescore_with: str, rescore_multiplier: int) -> None:
@@ -199,7 +244,7 @@ class CompactIndex(DenseIndex):
         HNSW graph or the IVF lists' ids), or the int8 codes; the re-scoring embeddings are memory-mapped files
         (page cache the system may drop), not counted. Passage ids and texts are not counted either."""
         if self.kind == "int8-flat":
-            return int(self.codes.nbytes)
+            return int(self.int8_index.ntotal * self.int8_index.code_size) if self.int8_index is not None else 0
         if self.bits is None:
             return 0
         if self.kind == "binary-flat":
@@ -229,13 +274,22 @@ class CompactIndex(DenseIndex):
                 self.bits.add(np.ascontiguousarray(bits))
         self.passages = concat_corpora(self.passages, corpus) if len(self.passages) else corpus
         self.embeddings = np.concatenate([self.embeddings, embeddings]) if len(self.embeddings) else embeddings
-        self.codes = np.concatenate([self.codes, codes]) if len(self.codes) else codes
+        if self.kind == "int8-flat":
+            if self.int8_index is None:
+                self.int8_index = int8_flat_index(self.ranges)
+            add_int8_codes(self.int8_index, codes)
+        else:
+            self._codes = np.concatenate([self._codes, codes]) if len(self._codes) else codes
 
     def _compact(self, live: np.ndarray) -> None:
-        """Keep the ``live`` rows: embeddings and codes copied, the binary index built again (the int8 ranges kept)."""
+        """Keep the ``live`` rows: embeddings and codes copied (int8-flat: the other rows removed from its FAISS index
+        in place, order kept), the binary index built again (the int8 ranges kept)."""
         self.passages = self.passages.subset(live.tolist())
         self.embeddings = np.ascontiguousarray(self.embeddings[live], dtype=np.float32)
-        self.codes = np.ascontiguousarray(self.codes[live])
+        if self.kind == "int8-flat":
+            self.int8_index.remove_ids(np.setdiff1d(np.arange(self.int8_index.ntotal), live).astype(np.int64))
+        else:
+            self._codes = np.ascontiguousarray(self._codes[live])
         if self.kind in BINARY_KINDS:
             self.bits = build_binary_index(_quantize(self.embeddings, "ubinary"), self.kind, **self.faiss_options)
 
@@ -260,23 +314,22 @@ class CompactIndex(DenseIndex):
         missing = ~np.isfinite(scores)
         return np.where(missing, 0, scores).astype(np.float32), np.where(missing, -1, order)
 
-    def _int8_scan(self, q: np.ndarray, depth: int, chunk: int = 65_536) -> tuple[np.ndarray, np.ndarray]:
-        """The top ``depth`` rows of every query by its float dot product with the dequantised int8 codes: with
-        ``x = start + (code + 128.5) step``, ``q . x = (q * step) . (code + 128.5) + q . start``."""
-        start, steps = _affine(self.ranges)
-        scaled = torch.from_numpy(q * steps)
-        offset = torch.from_numpy(q @ start)[:, None]
-        best_scores, best_rows = None, None
-        for s in range(0, len(self.codes), chunk):
-            codes = torch.from_numpy(np.asarray(self.codes[s : s + chunk], dtype=np.float32)) + 128.5
-            scores, rows = top_k_by_score_then_row(scaled @ codes.T + offset, depth)
-            rows = rows + s
-            if best_scores is not None:
-                scores, rows = sort_by_score_then_row(
-                    torch.cat([best_scores, scores], 1), torch.cat([best_rows, rows], 1)
-                )
-            best_scores, best_rows = scores[:, :depth], rows[:, :depth]
-        return best_scores.numpy(), best_rows.numpy()
+    def _int8_scan(self, q: np.ndarray, depth: int, margin: int = 8) -> tuple[np.ndarray, np.ndarray]:
+        """The top ``depth`` rows of every query by its float dot product with the dequantised int8 codes, equal
+        scores by row: FAISS's scalar quantiser scan (module docstring) for ``depth + margin`` rows, sorted by
+        (score, row). FAISS keeps any of the rows tied at its last score: where that score is also the
+        ``depth``-th's, the tie may reach past what came back, and the scan is redone twice as deep (to every row
+        at most), so that ties at the boundary go to the lowest rows, as ``top_k_by_score_then_row`` has them."""
+        rows_total = self.int8_index.ntotal if self.int8_index is not None else 0
+        if rows_total == 0 or depth == 0:
+            return np.zeros((len(q), 0), dtype=np.float32), np.zeros((len(q), 0), dtype=np.int64)
+        fetch = min(rows_total, depth + margin)
+        while True:
+            scores, rows = self.int8_index.search(q, fetch)
+            scores, rows = sort_by_score_then_row(torch.from_numpy(scores), torch.from_numpy(rows))
+            if fetch == rows_total or not (scores[:, fetch - 1] == scores[:, depth - 1]).any():
+                return scores[:, :depth].numpy(), rows[:, :depth].numpy()
+            fetch = min(rows_total, 2 * fetch)
 
     def _rescored(self, q: np.ndarray, rows: np.ndarray, budget: int = 1 << 24) -> np.ndarray:
         """Each candidate's score: the float query against its float32 embedding or dequantised int8 codes, read
@@ -307,13 +360,26 @@ class CompactIndex(DenseIndex):
 
     def _write(self, directory: Path) -> None:
         np.save(directory / EMBEDDINGS, self.embeddings)
-        np.save(directory / CODES, np.asarray(self.codes))
+        if self.kind == "int8-flat" and self.int8_index is not None:
+            self._write_int8_codes(directory / CODES)
+        else:
+            np.save(directory / CODES, np.asarray(self._codes))
         np.save(directory / RANGES, self.ranges)
         if self.bits is not None:
             import faiss
 
             with atomic_file(directory / BITS, "wb") as handle:
                 handle.write(faiss.serialize_index_binary(self.bits).tobytes())
+
+    def _write_int8_codes(self, path: Path, chunk: int = 65_536) -> None:
+        """``int8.npy`` (what ``np.save`` writes) from int8-flat's FAISS index, ``chunk`` rows at a time: no second
+        full copy of the codes in memory."""
+        rows = self.int8_index.ntotal
+        with open(path, "wb") as handle:
+            header = {"descr": np.dtype(np.int8).str, "fortran_order": False, "shape": (rows, self.dim)}
+            np.lib.format.write_array_header_1_0(handle, header)
+            for start in range(0, rows, chunk):
+                handle.write(int8_codes_of(self.int8_index, start, start + chunk).tobytes())
 
     @classmethod
     def _read(
@@ -333,7 +399,11 @@ class CompactIndex(DenseIndex):
                 raise DataError(f"{directory}: {name} holds {array.dtype} {list(array.shape)}, not {shape} (damaged?)")
         refuse_nonfinite_rows(embeddings, passages.ids, str(directory), saving=False)
         index.passages, index.embeddings, index.ranges = passages, embeddings, ranges
-        index.codes = np.array(codes) if manifest["kind"] == "int8-flat" else codes  # int8-flat scans them: in RAM
+        if manifest["kind"] == "int8-flat":  # scanned in RAM: copied into the FAISS index, from the map in chunks
+            index.int8_index = int8_flat_index(ranges)
+            add_int8_codes(index.int8_index, codes)
+        else:
+            index._codes = codes
         index._weights_version = weights_version(index.model)
         if manifest["kind"] in BINARY_KINDS:
             import faiss
