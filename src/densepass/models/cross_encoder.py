@@ -331,7 +331,8 @@ class CrossEncoder:
             raise ConfigError(f"{len(queries)} queries but {len(passages)} passages")
         precision = self.precision if precision is None else resolve_precision(precision, self.device)
         was_training = self.model.training
-        self.model.eval()
+        if was_training:  # (eval() walks every module: a serving call's fixed cost)
+            self.model.eval()
         shortcut = reads_first_position(self.model)
         fused = precision == "bf16" and self.device.type == "cpu" and shortcut and fusable_base(self.model) is not None
         if precision == "int8":  # one activation scale per batch: the shortcut's smaller batches round differently
@@ -341,8 +342,11 @@ class CrossEncoder:
         else:
             forward = partial(first_position_logits if shortcut else _logits, self.model)
         out = np.empty(len(queries), dtype=np.float32)
-        tokenizer = copy.deepcopy(self.tokenizer)
         chunks = [range(s, min(s + TOKENIZE_CHUNK, len(queries))) for s in range(0, len(queries), TOKENIZE_CHUNK)]
+        # a worker thread tokenises while this one scores. With several chunks it gets its own tokenizer (a fast
+        # tokenizer's truncation settings are shared state); with one, this thread just waits, and a copy would be
+        # most of a small call's cost (a one-document /rerank request).
+        tokenizer = self.tokenizer if len(chunks) == 1 else copy.deepcopy(self.tokenizer)
 
         def prepare(chunk: range) -> list[tuple[np.ndarray, dict[str, torch.Tensor]]]:
             encoded = tokenizer(
@@ -355,7 +359,8 @@ class CrossEncoder:
                 tokens = {k: v.to(self.device, non_blocking=v.is_pinned()) for k, v in tokens.items()}
                 with autocast_context(self.device, precision == "bf16" and not fused):  # a fused copy is bf16
                     out[rows] = forward_in_pieces(forward, tokens, piece_tokens(self.device)).cpu().numpy()
-        self.model.train(was_training)
+        if was_training:
+            self.model.train()
         return out
 
     def describe(self) -> dict:
