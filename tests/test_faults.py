@@ -34,8 +34,15 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def densepass(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m densepass ARGS`` run to its end in a process of its own, on one torch thread as :func:`start`'s
+    (a killed run's steps and the steps of the run that resumes it must add up in the same order as a reference's)."""
     return subprocess.run(
-        [sys.executable, "-m", "densepass", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "densepass", *args],
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
@@ -232,15 +239,18 @@ def test_resuming_on_a_changed_data_file_is_refused_naming_it_and_restart_trains
 
 
 def test_a_second_run_into_the_same_directory_is_refused(tmp_path, tiny_beir, dropout_model):
-    config = train_config(tmp_path / "a", tiny_beir, dropout_model)
+    config = train_config(tmp_path / "a", tiny_beir, dropout_model, epochs=200)  # outlasts the second run's start
     first = start("run", str(config), cwd=tmp_path)
     lock = tmp_path / "a" / "run" / ".lock"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while not (lock.is_file() and lock.read_text().startswith("pid")) and time.monotonic() < deadline:
+        assert first.poll() is None, first.stderr.read()[-2000:]
         time.sleep(0.05)
-    second = densepass("run", str(config), cwd=tmp_path)
-    first.wait(timeout=600)
-    assert first.returncode == 0
+    second = densepass_here("run", str(config), cwd=tmp_path)
+    running = first.poll() is None  # the first run still held the directory when the second was refused
+    first.kill()
+    first.wait(timeout=60)
+    assert running
     assert second.returncode == 2 and "is in use by another densepass run" in second.stderr
 
 
