@@ -3,10 +3,12 @@ line run in a subprocess (under torchrun for several processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +148,32 @@ def densepass_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         os.chdir(where)
         torch.set_num_threads(threads)
     return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
+
+
+@contextlib.contextmanager
+def interrupted_at_step(n: int) -> Iterator[None]:
+    """Training in the block is killed during its step ``n``, for the tests that resume an interrupted run: the
+    trainer's ``forward_backward`` (called once a step) raises ``KeyboardInterrupt`` on its ``n``-th call, so the
+    run directory holds what the steps before it wrote (their checkpoints, their log) as after a Ctrl-C or a kill,
+    and resuming it must end with an uninterrupted run's weights. The block must end in this interruption (no
+    interruption, or another error, fails the test); the real step is restored whatever happens."""
+    import densepass.training.trainer as trainer_module
+
+    real_step, calls = trainer_module.forward_backward, []
+    message = f"simulated interruption during step {n}"
+
+    def crashing_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt(message)
+        return real_step(*args, **kwargs)
+
+    trainer_module.forward_backward = crashing_step
+    try:
+        with pytest.raises(KeyboardInterrupt, match=message):
+            yield
+    finally:
+        trainer_module.forward_backward = real_step
 
 
 def assert_same_ranking_up_to_ties(rows, scores, ref_rows, ref_scores, atol: float) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import interrupted_at_step
 from densepass.config import TrainConfig
 from densepass.data import load_dataset
 from densepass.errors import ConfigError
@@ -112,8 +113,6 @@ def _params(model):
 
 
 def test_distillation_training_lowers_the_loss_and_resumes_exactly(tiny_model_dir, tiny_beir, tmp_path):
-    import densepass.training.trainer as trainer_module
-
     data, _ = make_data(tiny_beir)
     config = TrainConfig(epochs=2, batch_size=6, learning_rate=1e-3, warmup_ratio=0.0, checkpoint_every=3, log_every=1)
     objective = Distillation("margin-mse", 0.5, 1.0, InfoNCE())
@@ -122,20 +121,8 @@ def test_distillation_training_lowers_the_loss_and_resumes_exactly(tiny_model_di
     losses = [float(line.split('"loss": ')[1].split(",")[0]) for line in result.log_path.read_text().splitlines()]
     assert sum(losses[-3:]) < sum(losses[:3])
 
-    real_step, calls = trainer_module.forward_backward, []
-
-    def crashing_step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    trainer_module.forward_backward = crashing_step
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train(_model(tiny_model_dir), data, config, tmp_path / "resumed", CPU, objective=objective)
-    finally:
-        trainer_module.forward_backward = real_step
+    with interrupted_at_step(5):
+        train(_model(tiny_model_dir), data, config, tmp_path / "resumed", CPU, objective=objective)
     resumed = _model(tiny_model_dir)
     train(resumed, data, config, tmp_path / "resumed", CPU, objective=objective)
     torch.testing.assert_close(_params(resumed), _params(full), rtol=1e-5, atol=1e-6)

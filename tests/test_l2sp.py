@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from conftest import interrupted_at_step
 from densepass.config import TrainConfig
 from densepass.data import load_dataset
 from densepass.errors import ConfigError
@@ -102,22 +103,8 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tiny_model_dir, tiny_beir, tm
     full = BiEncoder.from_pretrained(str(tiny_model_dir))
     train(full, data, config, tmp_path / "full", CPU)
 
-    import densepass.training.trainer as trainer_module
-
-    real_step, calls = trainer_module.forward_backward, []
-
-    def crashing_step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    trainer_module.forward_backward = crashing_step
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train(BiEncoder.from_pretrained(str(tiny_model_dir)), data, config, tmp_path / "resumed", CPU)
-    finally:
-        trainer_module.forward_backward = real_step
+    with interrupted_at_step(4):
+        train(BiEncoder.from_pretrained(str(tiny_model_dir)), data, config, tmp_path / "resumed", CPU)
     # the resumed run starts from other weights: w0 must come from the checkpoint, not from the model given
     other = BiEncoder.from_pretrained(str(tiny_model_dir))
     with torch.no_grad():

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import small_run_overrides
+from conftest import interrupted_at_step, small_run_overrides
 from densepass.config import MixConfig, ScheduleConfig, TrainConfig, load_config
 from densepass.data import load_dataset
 from densepass.errors import ConfigError, DensepassError
@@ -92,22 +92,8 @@ def test_a_run_with_mixed_pairs_logs_them_and_resumes_exactly(tiny_model_dir, ti
     records = [json.loads(line) for line in result.log_path.read_text().splitlines()]
     assert all(r["mixed_queries"] == 2.0 for r in records)
 
-    import densepass.training.trainer as trainer_module
-
-    real_step, calls = trainer_module.forward_backward, []
-
-    def crashing_step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    trainer_module.forward_backward = crashing_step
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train(BiEncoder.from_pretrained(str(tiny_model_dir)), data, _config(), tmp_path / "resumed", CPU)
-    finally:
-        trainer_module.forward_backward = real_step
+    with interrupted_at_step(4):
+        train(BiEncoder.from_pretrained(str(tiny_model_dir)), data, _config(), tmp_path / "resumed", CPU)
     resumed = BiEncoder.from_pretrained(str(tiny_model_dir))
     train(resumed, data, _config(), tmp_path / "resumed", CPU)
     params = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import interrupted_at_step
 from densepass.config import LossConfig, TrainConfig, load_config
 from densepass.data import load_dataset
 from densepass.errors import ConfigError
@@ -316,27 +317,15 @@ def test_two_gloo_processes_with_a_memory_train_like_one_process(tiny_model_dir,
 # ---- checkpoints and resume --------------------------------------------------------------------------------
 
 
-def _interrupt(model_dir, data, objective_of, run_dir, monkeypatch, crash_at=5):
+def _interrupt(model_dir, data, objective_of, run_dir, crash_at=5):
     """Train until step ``crash_at`` fails (the last checkpoint is step 3)."""
-    import densepass.training.trainer as trainer_module
-
-    real_step, calls = trainer_module.forward_backward, []
-
-    def crashing_step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == crash_at:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(trainer_module, "forward_backward", crashing_step)
-        with pytest.raises(KeyboardInterrupt):
-            model = BiEncoder.from_pretrained(str(model_dir))
-            train(model, data, _config(), run_dir, CPU, objective=objective_of(model))
+    with interrupted_at_step(crash_at):
+        model = BiEncoder.from_pretrained(str(model_dir))
+        train(model, data, _config(), run_dir, CPU, objective=objective_of(model))
 
 
-def _interrupted_then_resumed(model_dir, data, objective_of, run_dir, monkeypatch):
-    _interrupt(model_dir, data, objective_of, run_dir, monkeypatch)
+def _interrupted_then_resumed(model_dir, data, objective_of, run_dir):
+    _interrupt(model_dir, data, objective_of, run_dir)
     model = BiEncoder.from_pretrained(str(model_dir))
     objective = objective_of(model)
     train(model, data, _config(), run_dir, CPU, objective=objective)
@@ -344,16 +333,12 @@ def _interrupted_then_resumed(model_dir, data, objective_of, run_dir, monkeypatc
 
 
 @pytest.mark.parametrize("name", list(OBJECTIVES))
-def test_an_interrupted_run_resumes_to_bitwise_equal_weights_and_memory(
-    tiny_model_dir, tiny_beir, tmp_path, monkeypatch, name
-):
+def test_an_interrupted_run_resumes_to_bitwise_equal_weights_and_memory(tiny_model_dir, tiny_beir, tmp_path, name):
     data = make_data(tiny_beir)
     full = BiEncoder.from_pretrained(str(tiny_model_dir))
     full_objective = OBJECTIVES[name](full)
     train(full, data, _config(), tmp_path / "full", CPU, objective=full_objective)
-    resumed, objective = _interrupted_then_resumed(
-        tiny_model_dir, data, OBJECTIVES[name], tmp_path / "resumed", monkeypatch
-    )
+    resumed, objective = _interrupted_then_resumed(tiny_model_dir, data, OBJECTIVES[name], tmp_path / "resumed")
     assert torch.equal(_params(resumed), _params(full))
     saved, expected = objective.state_dict(), full_objective.state_dict()
     assert torch.equal(saved["memory"]["memory"]["reps"], expected["memory"]["memory"]["reps"])
@@ -366,11 +351,9 @@ def test_an_interrupted_run_resumes_to_bitwise_equal_weights_and_memory(
         assert not torch.equal(objective.head.weight, _seeded_head(full.dim).weight)  # the head was trained
 
 
-def test_resuming_with_a_memory_from_a_checkpoint_without_one_is_a_one_line_error(
-    tiny_model_dir, tiny_beir, tmp_path, monkeypatch
-):
+def test_resuming_with_a_memory_from_a_checkpoint_without_one_is_a_one_line_error(tiny_model_dir, tiny_beir, tmp_path):
     data = make_data(tiny_beir)
-    _interrupt(tiny_model_dir, data, lambda model: InfoNCE(), tmp_path, monkeypatch)
+    _interrupt(tiny_model_dir, data, lambda model: InfoNCE(), tmp_path)
     for objective_of, what in ((OBJECTIVES["pre-batch"], "pre-batch memory"), (OBJECTIVES["moco"], "MoCo queue")):
         model = BiEncoder.from_pretrained(str(tiny_model_dir))
         with pytest.raises(ConfigError, match=f"no saved {what}") as error:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import interrupted_at_step
 from densepass.config import RerankerTrainConfig, TrainConfig, load_config
 from densepass.data import load_dataset
 from densepass.errors import DataError
@@ -141,9 +142,7 @@ def test_a_nonfinite_loss_stops_training_naming_the_step_and_writes_no_checkpoin
     assert not list((tmp_path / "checkpoints").glob("step-*"))
 
 
-def test_skip_nonfinite_skips_the_batches_finishes_and_resumes_to_the_same_weights(
-    tiny_model_dir, tiny_beir, tmp_path, monkeypatch
-):
+def test_skip_nonfinite_skips_the_batches_finishes_and_resumes_to_the_same_weights(tiny_model_dir, tiny_beir, tmp_path):
     data, config = _data(tiny_beir), _config(skip_nonfinite=True)
     full = BiEncoder.from_pretrained(str(tiny_model_dir))
     with pytest.warns(SkippedBatchWarning) as warned:
@@ -154,18 +153,7 @@ def test_skip_nonfinite_skips_the_batches_finishes_and_resumes_to_the_same_weigh
     assert max(r.get("skipped", 0) for r in _records(tmp_path / "full")) > 0
     assert len(warned) == len(skipped)  # nothing else: torch's warning of a first step skipped is silenced
 
-    import densepass.training.trainer as trainer_module
-
-    real_step, calls = trainer_module.forward_backward, []
-
-    def crashing_step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 8:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer_module, "forward_backward", crashing_step)
-    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+    with warnings.catch_warnings(), interrupted_at_step(8):
         warnings.simplefilter("ignore", SkippedBatchWarning)
         train(
             BiEncoder.from_pretrained(str(tiny_model_dir)),
@@ -175,7 +163,6 @@ def test_skip_nonfinite_skips_the_batches_finishes_and_resumes_to_the_same_weigh
             CPU,
             objective=Poisoned(),
         )
-    monkeypatch.setattr(trainer_module, "forward_backward", real_step)
     resumed = BiEncoder.from_pretrained(str(tiny_model_dir))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SkippedBatchWarning)

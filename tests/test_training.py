@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import interrupted_at_step
 from densepass.config import TrainConfig
 from densepass.data import load_dataset
 from densepass.errors import ConfigError, DataError
@@ -184,22 +185,8 @@ def test_training_lowers_loss_and_resume_is_exact(tiny_model_dir, tiny_beir, tmp
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
 
     # Interrupted during step 5 (last checkpoint at step 3), then resumed: identical final weights.
-    import densepass.training.trainer as trainer_module
-
-    real_step, calls = trainer_module.forward_backward, []
-
-    def crashing_step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    trainer_module.forward_backward = crashing_step
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train(BiEncoder.from_pretrained(str(tiny_model_dir)), data, _config(), tmp_path / "resumed", CPU)
-    finally:
-        trainer_module.forward_backward = real_step
+    with interrupted_at_step(5):
+        train(BiEncoder.from_pretrained(str(tiny_model_dir)), data, _config(), tmp_path / "resumed", CPU)
     ckpts = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir() if not p.name.startswith("."))
     assert ckpts == ["step-3"]
     resumed = BiEncoder.from_pretrained(str(tiny_model_dir))
