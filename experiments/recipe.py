@@ -71,6 +71,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from densepass.cli import run_guarded
 from densepass.config import ExperimentConfig, from_dict, load_config
@@ -238,30 +239,33 @@ def evaluation_config(args: argparse.Namespace, name: str, model_path: Path) -> 
     )
 
 
-def ood_config(args: argparse.Namespace, name: str, model_path: str) -> ExperimentConfig:
-    """A saved model (or MiniLM) evaluated zero-shot on the squad split."""
-    return load_config(
-        args.ood_config,
-        [
-            f"name={slug(name)}",
-            f"output_dir={Path(args.out) / 'ood'}",
-            f"model.name_or_path={model_path}",
-            *([f"data.data_dir={args.data_dir}"] if args.data_dir else []),
-            *args.ood_set,
-        ],
-    )
+class ZeroShot(NamedTuple):
+    """An out-of-domain collection every model is evaluated on zero-shot: the arguments that name its config file
+    and its overrides, and the folder under ``--out`` that holds its runs (where the report reads them)."""
+
+    config: str
+    overrides: str
+    folder: str
 
 
-def arguana_config(args: argparse.Namespace, name: str, model_path: str) -> ExperimentConfig:
-    """A saved model (or MiniLM) evaluated zero-shot on ArguAna (its own id dropped from its hits)."""
+ZERO_SHOT = {
+    "squad": ZeroShot("ood_config", "ood_set", "ood"),  # --ood-config, --ood-set
+    "arguana": ZeroShot("arguana_config", "arguana_set", "ood-arguana"),  # --arguana-config, --arguana-set
+}
+
+
+def zero_shot_config(args: argparse.Namespace, which: str, name: str, model_path: str) -> ExperimentConfig:
+    """A saved model (or MiniLM) evaluated zero-shot on the ``ZERO_SHOT`` collection ``which``: the squad split, or
+    ArguAna (its config drops each query's own argument from its hits)."""
+    collection = ZERO_SHOT[which]
     return load_config(
-        args.arguana_config,
+        getattr(args, collection.config),
         [
             f"name={slug(name)}",
-            f"output_dir={Path(args.out) / 'ood-arguana'}",
+            f"output_dir={Path(args.out) / collection.folder}",
             f"model.name_or_path={model_path}",
             *([f"data.data_dir={args.data_dir}"] if args.data_dir else []),
-            *args.arguana_set,
+            *getattr(args, collection.overrides),
         ],
     )
 
@@ -292,8 +296,8 @@ def run_once(config: ExperimentConfig) -> None:
 
 def evaluate_out_of_domain(args: argparse.Namespace, name: str, model_path: str) -> None:
     """The model zero-shot on the squad split and on ArguAna (each run once)."""
-    run_once(ood_config(args, name, model_path))
-    run_once(arguana_config(args, name, model_path))
+    for which in ZERO_SHOT:
+        run_once(zero_shot_config(args, which, name, model_path))
 
 
 def evaluate_parts(args: argparse.Namespace, trained: ExperimentConfig, name: str, model_path: str) -> None:
@@ -514,8 +518,8 @@ def report(args: argparse.Namespace) -> None:
             return
         rows[name] = {
             "in": found[0],
-            "ood": zero_shot(name, "ood"),
-            "arguana": zero_shot(name, "ood-arguana"),
+            "ood": zero_shot(name, ZERO_SHOT["squad"].folder),
+            "arguana": zero_shot(name, ZERO_SHOT["arguana"].folder),
             "cost_s": cost_s,
             "steps": steps,
             "trec": str(source[0] / "runs" / f"{source[1]}.trec"),
@@ -533,7 +537,7 @@ def report(args: argparse.Namespace) -> None:
             tuned = load_result(part_dir(args, BASELINES, "tune"), system)
             if found is not None and tuned is not None:
                 found[0]["tune mrr@10"] = tuned[0]["mrr@10"]
-    baseline_ood = zero_shot("zero-shot MiniLM", "ood"), zero_shot("zero-shot MiniLM", "ood-arguana")
+    baseline_ood = tuple(zero_shot("zero-shot MiniLM", ZERO_SHOT[which].folder) for which in ("squad", "arguana"))
 
     def add_trained(name: str, config: ExperimentConfig) -> bool:
         """A finished training run as a row, costed by its mining + training seconds."""
