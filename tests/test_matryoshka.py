@@ -19,7 +19,7 @@ from densepass.losses.contrastive import info_nce
 from densepass.losses.matryoshka import Matryoshka
 from densepass.losses.objectives import TEACHER_SCORES, Distillation, InfoNCE
 from densepass.losses.unified import unified_loss
-from densepass.models.matryoshka import check_index_dim, truncate
+from densepass.models.matryoshka import check_index_dim, principal_rotation, truncate
 from densepass.training.more_negatives import HARD, IN_BATCH, MultiSource, PreBatch
 
 
@@ -164,6 +164,7 @@ def test_index_dimensions_are_checked_against_the_model_and_its_training():
     "override, match",
     [
         ("train.matryoshka_weights=[1.0]", "without train.matryoshka_dims"),
+        ("train.matryoshka_init=pca", "matryoshka_init without train.matryoshka_dims"),
         ("train.matryoshka_dims=[64]", "64 dimensions of a 32-dimensional model"),
         ("loss.memory=pre-batch", "loss.memory=none"),
         ("model.kind=splade", "model.kind=splade has none"),
@@ -304,3 +305,70 @@ def test_the_python_api_trains_matryoshka_from_its_args_or_its_loss_alike(tiny_b
     )
     with pytest.raises(ConfigError, match="asks for 64 dimensions of a 32-dimensional"):
         call("big", args=dp.TrainConfig(**base, matryoshka_dims=[64]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(3, 40), d=st.integers(2, 12), seed=st.integers(0, 10_000))
+def test_principal_rotation_is_orthogonal_and_its_prefixes_are_the_pca_projection(n, d, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)) * rng.uniform(0.1, 3.0, size=d)  # unequal variances along the axes
+    r = principal_rotation(x)
+    np.testing.assert_allclose(r @ r.T, np.eye(d), atol=1e-10)
+    assert np.all(r[np.arange(d), np.abs(r).argmax(axis=1)] > 0)  # each axis signed by its largest entry
+    centred = x - x.mean(axis=0)
+    variances = ((centred @ r.T) ** 2).sum(axis=0)
+    assert np.all(np.diff(variances) <= 1e-9 * max(variances.max(), 1.0))  # largest variance first
+    # the reference: the top right singular vectors of the centred rows span the same k-dimensional subspace
+    _, sv, vt = np.linalg.svd(centred, full_matrices=False)
+    for k in range(1, min(n - 1, d)):
+        if sv[k - 1] - sv[k] < 1e-6 * sv[0]:  # a tie: the subspace is not unique
+            continue
+        np.testing.assert_allclose(r[:k].T @ r[:k], vt[:k].T @ vt[:k], atol=1e-6)
+
+
+def test_rotating_the_output_keeps_every_cosine_and_composes_with_a_projection(tiny_model_dir):
+    from densepass.models.biencoder import BiEncoder
+
+    texts = ["audio editor library", "kernel driver for printers", "python shell", "mail server daemon"]
+    for projection_dim in (None, 24):
+        model = BiEncoder.from_pretrained(str(tiny_model_dir))
+        if projection_dim is not None:
+            torch.manual_seed(0)
+            model = BiEncoder(
+                model.query_encoder,
+                model.passage_encoder,
+                model.tokenizer,
+                model.config.__class__(**{**model.config.__dict__, "projection_dim": projection_dim}),
+            )
+        before = model.encode_passages(texts, show_progress=False, precision="fp32")
+        rotation = principal_rotation(np.random.default_rng(1).normal(size=(50, model.dim)))
+        model.rotate_output(torch.from_numpy(rotation))
+        after = model.encode_passages(texts, show_progress=False, precision="fp32")
+        assert model.config.projection_dim == model.dim == before.shape[1]
+        np.testing.assert_allclose(after, before @ rotation.T, atol=1e-5)
+        np.testing.assert_allclose(after @ after.T, before @ before.T, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"is \[24, 24\], got \[3, 3\]"):
+        model.rotate_output(torch.eye(3))
+
+
+def test_a_run_can_start_matryoshka_at_the_principal_axes_and_saves_the_rotation(tiny_beir, tiny_model_dir, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    from densepass.models.biencoder import BiEncoder
+    from densepass.pipelines.experiment import run_experiment
+
+    overrides = [*run_overrides(tiny_beir, tiny_model_dir, tmp_path), "train.matryoshka_init=pca", "train.max_steps=1"]
+    overrides += ["train.learning_rate=1e-12", "train.warmup_ratio=0"]  # one step that barely moves: the start itself
+    run_experiment(load_config(None, overrides))
+    run_dir = tmp_path / "mrl"
+    assert "rotated to its principal axes (PCA of 40 corpus passages" in (run_dir / "report.md").read_text()
+    model_dir = run_dir / "model"
+    assert json.loads((model_dir / "densepass.json").read_text())["projection_dim"] == 32
+    rotated, start = BiEncoder.from_pretrained(str(model_dir)), BiEncoder.from_pretrained(str(tiny_model_dir))
+    texts = ["audio editor library", "kernel driver for printers", "python shell"]
+    ours = rotated.encode_passages(texts, show_progress=False, precision="fp32")
+    plain = start.encode_passages(texts, show_progress=False, precision="fp32")
+    np.testing.assert_allclose(ours @ ours.T, plain @ plain.T, atol=1e-4)  # the same cosines as the start
+    assert not np.allclose(ours, plain, atol=1e-3)  # in other coordinates
+    theirs = SentenceTransformer(str(model_dir), device="cpu", truncate_dim=16).encode(texts, normalize_embeddings=True)
+    np.testing.assert_allclose(theirs, truncate(ours, 16, normalize=True), atol=1e-5)

@@ -386,6 +386,12 @@ class TrainConfig(AutocastOptimConfig):
     matryoshka_weights: list[float] | None = option(
         None, "Matryoshka: the weight of each of train.matryoshka_dims' losses, in their order (null: 1 each)"
     )
+    matryoshka_init: Literal["none", "pca"] = option(
+        "none",
+        "Matryoshka: pca starts from the model's embedding rotated to its principal axes (PCA of its passage"
+        " embeddings over a seeded sample of 4,096 corpus passages; a projection layer that changes no cosine), so"
+        " each prefix starts as the best linear summary of its size; none: the model's own coordinates",
+    )
     token_cache: bool = option(
         False,
         "tokenise the training texts once per run (cached under the run directory) instead of every step; off by"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Literal
 
@@ -222,6 +222,28 @@ class BiEncoder(SidedInputs, nn.Module):
         if self.config.normalize:
             out = nn.functional.normalize(out.float(), dim=-1)
         return out
+
+    def rotate_output(self, rotation: torch.Tensor) -> None:
+        """Compose an orthogonal ``rotation`` [dim, dim] after the embedding (``models.matryoshka
+        .principal_rotation``): the projection W, b becomes R W, R b, or, for a model without one, a new projection
+        R (bias 0). Cosines and dot products stay as they were; the saved model carries it (``2_Dense``)."""
+        rotation = torch.as_tensor(rotation, dtype=torch.float32)
+        if rotation.shape != (self.dim, self.dim):
+            raise ConfigError(
+                f"a rotation of {self.dim}-dimensional embeddings is [{self.dim}, {self.dim}], "
+                f"got {list(rotation.shape)}"
+            )
+        if self.projection is None:
+            hidden = self.query_encoder.config.hidden_size
+            weights = next(self.query_encoder.parameters())
+            self.projection = nn.Linear(hidden, hidden).to(device=weights.device, dtype=weights.dtype)
+            weight, bias = torch.eye(hidden), torch.zeros(hidden)
+        else:
+            weight, bias = self.projection.weight.detach().float().cpu(), self.projection.bias.detach().float().cpu()
+        with torch.no_grad():
+            self.projection.weight.copy_((rotation.double() @ weight.double()).float())
+            self.projection.bias.copy_((rotation.double() @ bias.double()).float())
+        self.config = replace(self.config, projection_dim=self.dim)
 
     def token_embeddings(self, side: Side) -> nn.Module:
         """The token-embedding lookup of one side's encoder (its ``get_input_embeddings()``)."""

@@ -7,6 +7,12 @@ Training (``losses.matryoshka``), indexing (``DenseIndex(dim=...)``, ``densepass
 all cut the same way, so an index built at ``dim`` is searched with queries cut at ``dim``. sentence-transformers
 gives the same vectors with ``SentenceTransformer(path, truncate_dim=dim).encode(..., normalize_embeddings=True)``.
 
+A model trained without Matryoshka can start its Matryoshka training at its principal axes
+(``principal_rotation``, ``train.matryoshka_init: pca``): its embedding rotated so that the first k numbers are the
+best k-dimensional linear summary of its passage embeddings (PCA). A rotation changes no cosine, so the full
+embedding ranks exactly as before, while every prefix starts as PCA's instead of as k arbitrary coordinates; the
+Matryoshka loss then trains from there (MRL §3 trains from scratch, where no such start exists).
+
 >>> import numpy as np
 >>> print(truncate(np.array([[3.0, 4.0, 12.0]]), 2, normalize=True))
 [[0.6 0.8]]
@@ -39,6 +45,21 @@ def truncate(embeddings: Rows, dim: int, normalize: bool) -> Rows:
     prefix = np.asarray(prefix, dtype=np.float32)
     norms = np.linalg.norm(prefix, axis=-1, keepdims=True)
     return prefix / np.maximum(norms, 1e-12)
+
+
+def principal_rotation(embeddings: np.ndarray) -> np.ndarray:
+    """The orthogonal matrix R [d, d] whose rows are the principal axes of ``embeddings`` [n, d]: the eigenvectors
+    of their covariance, largest variance first, each signed so that its largest entry is positive (the same R for
+    the same embeddings on any machine's LAPACK). ``x @ R.T`` keeps every dot product and cosine of ``x``; its first
+    k numbers are the rows' PCA projection on k axes. Computed in float64."""
+    x = np.asarray(embeddings, dtype=np.float64)
+    if x.ndim != 2 or len(x) < 2:
+        raise ConfigError(f"principal axes need at least 2 embeddings as [n, d], got shape {x.shape}")
+    x = x - x.mean(axis=0)
+    values, vectors = np.linalg.eigh(x.T @ x / (len(x) - 1))
+    axes = vectors[:, np.argsort(values, kind="stable")[::-1]].T
+    signs = np.sign(axes[np.arange(len(axes)), np.abs(axes).argmax(axis=1)])
+    return axes * signs[:, None]
 
 
 def check_dims(

@@ -79,6 +79,7 @@ from densepass.pipelines.training import (
     load_mix,
     mine_pool,
     mix_summary,
+    start_at_principal_axes,
     training_queries,
     uses_bm25,
 )
@@ -791,6 +792,8 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
         if config.train.enabled and config.train.packing:  # an encoder it cannot pack: one line before any mining
             enable_packing(model)
         run_dir = claim()  # the checks above passed: only now is the directory marked and --restart's removal done
+        if config.train.enabled and config.train.matryoshka_init == "pca":  # before the start wise-ft keeps
+            exp.notes.append(start_at_principal_axes(model, exp.dataset.corpus, config.train.seed, device))
         pool = mine_training_pool(exp, model)
         pairs = distillation_inputs(exp, pool)  # an existing teacher-scores file is checked before any write
         if main:

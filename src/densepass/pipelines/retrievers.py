@@ -115,6 +115,8 @@ def check_matryoshka(config: ExperimentConfig) -> None:
     if not train.matryoshka_dims:
         if train.matryoshka_weights is not None:
             raise ConfigError("train.matryoshka_weights without train.matryoshka_dims: give the dimensions too")
+        if train.matryoshka_init != "none":
+            raise ConfigError("train.matryoshka_init without train.matryoshka_dims: give the dimensions too")
         return
     if config.loss.memory != "none" or config.loss.kind == "ltr":
         raise ConfigError(

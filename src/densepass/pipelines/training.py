@@ -21,12 +21,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from densepass.checkpoints import DATA_FILES, without_later_defaults
 from densepass.config import DEFAULT_MODEL, MixConfig, NegativesConfig, ScheduleConfig, TrainConfig
 from densepass.data import load_dataset
-from densepass.data.dataset import RetrievalDataset
+from densepass.data.dataset import Corpus, RetrievalDataset
 from densepass.data.pairs import PairsDataset, is_pairs_source, load_pairs
 from densepass.device import resolve_device
 from densepass.errors import ConfigError
@@ -35,7 +36,7 @@ from densepass.io import owned_run_directory
 from densepass.losses.matryoshka import Matryoshka, trained_dims
 from densepass.losses.objectives import Distillation, InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder
-from densepass.models.matryoshka import check_dims
+from densepass.models.matryoshka import check_dims, principal_rotation
 from densepass.negatives.mine import MiningContext, MiningResult, given_candidates, mine_negatives
 from densepass.negatives.pool import passage_ids
 from densepass.plots import read_log
@@ -54,6 +55,28 @@ OUTPUT_ENTRIES = (
     "schedule/epoch-*",
     "negatives/miner-*",
 )
+
+
+# How many corpus passages (a seeded sample) give train.matryoshka_init=pca its principal axes: plenty for the
+# covariance of a few hundred dimensions, and a minute of encoding on a small CPU.
+PCA_PASSAGES = 4096
+
+
+def start_at_principal_axes(model: BiEncoder, corpus: Corpus, seed: int, device: torch.device | None) -> str:
+    """``train.matryoshka_init=pca``: rotate ``model``'s embedding (``BiEncoder.rotate_output``) to the principal
+    axes of its own float32 embeddings of ``PCA_PASSAGES`` passages of ``corpus`` drawn with ``seed``
+    (``models.matryoshka.principal_rotation``), before training. The full embedding ranks as before; each prefix
+    starts as PCA's. Returns a line for the run's notes."""
+    size = min(PCA_PASSAGES, len(corpus))
+    rows = np.sort(np.random.default_rng(seed).choice(len(corpus), size=size, replace=False))
+    was_training = model.training
+    embeddings = model.encode_passages(corpus.subset(rows.tolist()), device=device, precision="fp32")
+    model.train(was_training)
+    model.rotate_output(torch.from_numpy(principal_rotation(embeddings)))
+    return (
+        f"Matryoshka start: the embedding rotated to its principal axes (PCA of {size} corpus passages' embeddings, "
+        "seeded), a projection layer that changes no cosine."
+    )
 
 
 @dataclass
@@ -271,6 +294,8 @@ def train(
             )
         check_dims(trained_dims(objective), model.dim, "the Matryoshka dimensions")
         model.config = replace(model.config, matryoshka_dims=list(trained_dims(objective)))
+    elif args.matryoshka_init != "none":
+        raise ConfigError("args.matryoshka_init starts Matryoshka training: give args.matryoshka_dims too")
     torch_device = resolve_device(device)
     query_ids = training_queries(dataset, split, max_queries, seed)
     given = None
@@ -296,6 +321,8 @@ def train(
         DATA_FILES: dataset.file_fingerprints(),
     }
     with owned_run_directory(run_dir, "training", OUTPUT_ENTRIES, restart, ("model",)):
+        if args.matryoshka_init == "pca":
+            start_at_principal_axes(model, dataset.corpus, seed, torch_device)
         sep = model.tokenizer.sep_token or " "
         data = TrainingData(dataset, split, sep, query_ids=query_ids)
         if needs_mining(negatives):
