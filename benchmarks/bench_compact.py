@@ -3,7 +3,10 @@ r"""Compact embeddings side by side (issue 53): for each model, MRR@10 and nDCG@
 sentence-transformers' ``quantize_embeddings`` + ``semantic_search_faiss`` rescoring recipe (ubinary and uint8)
 on the same embeddings; the bytes per passage each holds in RAM, and the median / p99 latency of one query's search
 (its embedding given: encoding is the same for every row). With two models, a paired randomization test
-(``evaluation.metrics.randomization_p``) of the first against the second at each dimension, fp32.
+(``evaluation.metrics.randomization_p``) of the first against each other at each dimension, fp32.
+``--principal-axes`` adds, for each model without a projection, the same model rotated to its principal axes after
+the fact (``LABEL+pca``: what ``train.matryoshka_init: pca`` starts from), so a Matryoshka model can be set against
+PCA of a model trained without it.
 
 The corpus and the queries are encoded once per model at its full dimension (``--encode-precision``: fp32 by default;
 bf16 is about 2.5x faster on a CPU with bf16 kernels, at cosine 0.9999 to fp32); each dimension cuts them
@@ -42,8 +45,9 @@ from densepass.evaluation.metrics import evaluate_run, per_query_scores, randomi
 from densepass.index.binary import CompactIndex
 from densepass.index.exact import exact_search
 from densepass.models.biencoder import BiEncoder
-from densepass.models.matryoshka import truncate
+from densepass.models.matryoshka import principal_rotation, truncate
 from densepass.pipelines.evalset import EvalSet, build_eval_set
+from densepass.pipelines.training import PCA_PASSAGES
 
 METRICS = ["mrr@10", "ndcg@10"]
 DEPTH = 10
@@ -189,6 +193,12 @@ def main() -> None:
         choices=("fp32", "bf16", "auto"),
         help="precision the corpus and queries are encoded in (every row's index is built from those embeddings)",
     )
+    parser.add_argument(
+        "--principal-axes",
+        action="store_true",
+        help="also measure each model trained without train.matryoshka_init=pca rotated to its principal axes after"
+        " the fact (PCA of a seeded sample of its passage embeddings, as that option does before training): LABEL+pca",
+    )
     parser.add_argument("--out", default=None, help="JSON results (the markdown table goes beside it, .md)")
     parser.add_argument("--synthetic", type=int, default=None, help="N random vectors: memory and latency only")
     args = parser.parse_args()
@@ -219,16 +229,8 @@ def main() -> None:
             + [f"{median:.2f}", f"{p99:.2f}"]
         )
 
-    for label, path in models:
-        model = BiEncoder.from_pretrained(path)
-        options = {"batch_size": args.batch_size, "device": device, "precision": args.encode_precision}
-        started = time.perf_counter()
-        passages = model.encode_passages(evalset.corpus, **options)  # with the model's prompts, as an index does
-        queries = model.encode_queries(evalset.query_texts, **options)
-        print(
-            f"{label}: encoded ({args.encode_precision}) in {time.perf_counter() - started:.0f} s; "
-            f"trained dims {model.config.matryoshka_dims}"
-        )
+    def measure(model: BiEncoder, label: str, passages: np.ndarray, queries: np.ndarray) -> None:
+        """Every row of one model's embeddings: each dimension, precision and re-scoring."""
         for dim in args.dims:
             if dim > model.dim:
                 continue
@@ -256,9 +258,29 @@ def main() -> None:
                 found, search, per_passage = sentence_transformers_recipe(precision, p, q, args.rescore_multiplier)
                 record(where, f"sentence-transformers {precision} + rescore", *found, per_passage, search)
 
-    paired = []
-    if len(models) >= 2:
-        first, second = models[0][0], models[1][0]
+    labels = []  # every measured model, rotated ones included, in order
+    for label, path in models:
+        model = BiEncoder.from_pretrained(path)
+        options = {"batch_size": args.batch_size, "device": device, "precision": args.encode_precision}
+        started = time.perf_counter()
+        passages = model.encode_passages(evalset.corpus, **options)  # with the model's prompts, as an index does
+        queries = model.encode_queries(evalset.query_texts, **options)
+        print(
+            f"{label}: encoded ({args.encode_precision}) in {time.perf_counter() - started:.0f} s; "
+            f"trained dims {model.config.matryoshka_dims}"
+        )
+        variants = [(label, passages, queries)]
+        if args.principal_axes and model.projection is None:  # a rotated model has its projection (2_Dense)
+            rows = np.random.default_rng(args.seed).choice(len(passages), min(PCA_PASSAGES, len(passages)), False)
+            rotation = principal_rotation(passages[np.sort(rows)]).astype(np.float32)
+            variants.append((f"{label}+pca", passages @ rotation.T, queries @ rotation.T))
+        for name, embedded, asked in variants:
+            measure(model, name, embedded, asked)
+            labels.append(name)
+
+    paired = []  # the first model against each other one, at each dimension
+    first = labels[0]
+    for second in labels[1:]:
         for dim in args.dims:
             a, b = runs.get((first, dim, "fp32 (exact)")), runs.get((second, dim, "fp32 (exact)"))
             if a is None or b is None:

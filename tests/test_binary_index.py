@@ -194,7 +194,8 @@ def test_the_compact_benchmark_runs_on_a_tiny_dataset(tiny_beir, tiny_model_dir,
     out = tmp_path / "compact.json"
     done = subprocess.run(
         [sys.executable, str(script), "--model", f"t={tiny_model_dir}", "--model", f"u={tiny_model_dir}",
-         "--dataset", str(tiny_beir), "--dims", "32", "16", "--latency-queries", "2", "--out", str(out)],
+         "--dataset", str(tiny_beir), "--dims", "32", "16", "--latency-queries", "2", "--principal-axes",
+         "--out", str(out)],
         env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -204,7 +205,11 @@ def test_the_compact_benchmark_runs_on_a_tiny_dataset(tiny_beir, tiny_model_dir,
     assert rows[("t", 16, "int8")]["bytes_per_passage"] == 16 and rows[("t", 16, "binary")]["bytes_per_passage"] == 2
     assert rows[("t", 32, "binary + float re-scoring")]["mrr@10"] >= 0
     assert ("u", 16, "sentence-transformers ubinary + rescore") in rows
-    assert [p["dim"] for p in results["paired"]] == [32, 16] and results["paired"][0]["p"] == 1.0  # the same model
+    paired = {(p["b"], p["dim"]): p for p in results["paired"]}  # t against each other model, at each dimension
+    assert sorted(paired) == [(b, d) for b in ("t+pca", "u", "u+pca") for d in (16, 32)]
+    assert paired[("u", 32)]["p"] == 1.0 and paired[("u", 16)]["p"] == 1.0  # the same model
+    assert abs(paired[("t+pca", 32)]["delta_mrr@10"]) < 1e-3  # a rotation keeps the full embedding's ranking
+    assert rows[("t+pca", 16, "fp32 (exact)")]["bytes_per_passage"] == 64  # its prefixes are PCA's
 
 
 def test_the_search_pipeline_loads_a_compact_index_with_its_rescoring_options(model, tmp_path):

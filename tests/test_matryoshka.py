@@ -305,6 +305,11 @@ def test_the_python_api_trains_matryoshka_from_its_args_or_its_loss_alike(tiny_b
     )
     with pytest.raises(ConfigError, match="asks for 64 dimensions of a 32-dimensional"):
         call("big", args=dp.TrainConfig(**base, matryoshka_dims=[64]))
+    with pytest.raises(ConfigError, match="matryoshka_init starts Matryoshka training"):
+        call("init-alone", args=dp.TrainConfig(**base, matryoshka_init="pca"))
+    rotated = call("pca", args=dp.TrainConfig(**base, matryoshka_dims=[32, 16], matryoshka_init="pca"))
+    assert json.loads((rotated.model_dir / "densepass.json").read_text())["projection_dim"] == 32
+    assert rotated.model.projection is not None and by_args.model.projection is None
 
 
 @settings(max_examples=30, deadline=None)
