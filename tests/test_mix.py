@@ -136,3 +136,25 @@ def test_a_run_mixes_counts_and_refuses_a_missing_dataset_before_writing(tiny_mo
     with pytest.raises(ConfigError, match=r"squad/train-v1\.1\.json changed since its checkpoint step-") as refused:
         run_experiment(load_config(None, [*overrides, mix]))
     assert "\n" not in str(refused.value)
+
+
+def test_the_python_api_mixes_pairs_like_a_run_and_its_identity_names_them(tiny_model_dir, tiny_beir, squad, tmp_path):
+    import densepass as dp
+
+    def call(mix, **kw):
+        model = dp.BiEncoder.from_pretrained(str(tiny_model_dir))
+        args = dp.TrainConfig(batch_size=6, max_steps=2, cpu_bf16=False)
+        negatives = dp.NegativesConfig(source="none")
+        return dp.train(
+            model, str(tiny_beir), output_dir=tmp_path / "api", negatives=negatives, args=args, mix=mix, **kw
+        )
+
+    mix = [dp.MixConfig(name=str(squad), format="squad", fraction=0.34)]
+    out = call(mix)
+    assert out.log and all(r["mixed_queries"] == 2.0 for r in out.log)
+    with pytest.raises(ConfigError, match="takes 10 of every batch's 6"):  # before anything is written
+        call([MixConfig(name=str(squad), format="squad", fraction=0.9)] * 2, restart=True)
+    other = [MixConfig(name=str(squad), format="squad", fraction=0.17)]
+    with pytest.raises(DensepassError, match="another"):  # the same folder, other mixed pairs: not resumed
+        call(other)
+    assert all(r["mixed_queries"] == 1.0 for r in call(other, restart=True).log)

@@ -55,6 +55,7 @@ _WHERE = {
     "TrainConfig": "densepass.config",
     "NegativesConfig": "densepass.config",
     "ScheduleConfig": "densepass.config",
+    "MixConfig": "densepass.config",
     # experiments
     "ExperimentConfig": "densepass.config",
     "load_config": "densepass.config",

@@ -16,7 +16,7 @@ someone else's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -261,6 +261,8 @@ def train(
     device: str | None = None,
     on_step_end: Callable[[int], None] | None = None,
     restart: bool = False,
+    mix: Sequence[MixConfig] = (),
+    data_dir: str | Path | None = None,
 ) -> TrainOutput:
     """Fine-tune ``model`` (a ``BiEncoder``, ``SpladeEncoder`` or ``ColBERT``) in place on ``dataset``'s ``split``
     (a dataset or its name / path, see ``densepass.load_dataset``; or training rows: a JSONL, CSV or Parquet file
@@ -277,7 +279,9 @@ def train(
     (``TrainConfig``: epochs, batch size, learning rate, bf16, ...); ``schedule``: the batch order (default
     random); ``max_queries`` / ``seed``: a seeded sample of the training queries; ``device``: cpu, cuda or cuda:N
     (None: cuda when available). ``on_step_end(step)`` runs after every step. With ``restart``, what an earlier call
-    wrote in ``output_dir`` is removed first; otherwise an interrupted call resumes from its checkpoints."""
+    wrote in ``output_dir`` is removed first; otherwise an interrupted call resumes from its checkpoints. ``mix``:
+    other datasets' pairs mixed into every batch (``MixConfig``: name, format, split, fraction; ``data.mix`` of a
+    run, a forgetting guard), their names read under ``data_dir`` like ``densepass.load_dataset``'s."""
     dataset = as_dataset(dataset, columns, subset, split)
     if negatives is None and isinstance(dataset, PairsDataset):
         negatives = NegativesConfig(source="given" if any(dataset.negatives.values()) else "none")
@@ -296,6 +300,9 @@ def train(
         model.config = replace(model.config, matryoshka_dims=list(trained_dims(objective)))
     elif args.matryoshka_init != "none":
         raise ConfigError("args.matryoshka_init starts Matryoshka training: give args.matryoshka_dims too")
+    mix = list(mix)
+    check_mix(mix, args, schedule, distils(objective))
+    mixed = load_mix(mix, None if data_dir is None else str(data_dir))
     torch_device = resolve_device(device)
     query_ids = training_queries(dataset, split, max_queries, seed)
     given = None
@@ -318,7 +325,8 @@ def train(
         "negatives": without_later_defaults(asdict(negatives)),
         "schedule": {k: v for k, v in asdict(schedule).items() if k != "background"},
         "loss": objective.describe(),
-        DATA_FILES: dataset.file_fingerprints(),
+        DATA_FILES: {k: v for d in [dataset, *mixed] for k, v in d.file_fingerprints().items()},
+        **({"mix": [asdict(entry) for entry in mix]} if mix else {}),
     }
     with owned_run_directory(run_dir, "training", OUTPUT_ENTRIES, restart, ("model",)):
         if args.matryoshka_init == "pca":
@@ -343,6 +351,7 @@ def train(
             data = TrainingData(
                 dataset, split, sep, given, negatives.per_query, query_ids=query_ids, teacher_scores=teacher
             )
+        add_mix(data, mixed, mix, args.batch_size, args.seed)
         planner = batch_planner(model, data, args, schedule, run_dir, torch_device)
         result = fine_tune_model(
             model, data, args, planner, run_dir, torch_device, identity, objective, None, on_step_end
