@@ -154,6 +154,22 @@ def test_a_run_with_cpu_bf16_auto_never_resumes_in_another_precision(tmp_path, m
         Checkpoints(tmp_path, keep=2, identity={"train": training_identity(config)}).latest()
 
 
+def test_a_new_training_option_at_its_default_leaves_earlier_runs_resumable(tmp_path):
+    """The identity of the default ``TrainConfig`` holds only the options runs were written with before options
+    were added (each later one, at its default, is left out: ``LATER_OPTIONS``), so a run written then resumes; the
+    same option set otherwise (here ``matryoshka_init``) is refused. A new option missing from ``LATER_OPTIONS``
+    fails the first assertion."""
+    earlier = ["batch_size", "bf16", "bidirectional", "cpu_bf16", "enabled", "epochs", "freeze_layers"]
+    earlier += ["grad_cache_chunk", "learning_rate", "max_steps", "passage_max_length", "seed", "warmup_ratio"]
+    earlier += ["weight_decay", "wise_ft"]
+    assert sorted(training_identity(TrainConfig())) == sorted(earlier)
+    _save(Checkpoints(tmp_path, keep=2, identity={"train": training_identity(TrainConfig())}), 1)
+    assert Checkpoints(tmp_path, keep=2, identity={"train": training_identity(TrainConfig())}).latest().step == 1
+    pca = TrainConfig(matryoshka_dims=[16], matryoshka_init="pca")
+    with pytest.raises(ConfigError, match=r"train\.matryoshka_init"):
+        Checkpoints(tmp_path, keep=2, identity={"train": training_identity(pca)}).latest()
+
+
 def test_trim_log_drops_records_after_the_step_and_a_cut_line(tmp_path):
     log = tmp_path / "log.jsonl"
     log.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4')

@@ -78,6 +78,7 @@ LATER_OPTIONS = {
     "passage_prompt": "",
     "matryoshka_dims": None,
     "matryoshka_weights": None,
+    "matryoshka_init": "none",
     "packing": False,
     "l2sp": None,
     "l2sp_scope": "encoder",
