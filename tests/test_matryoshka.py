@@ -377,3 +377,56 @@ def test_a_run_can_start_matryoshka_at_the_principal_axes_and_saves_the_rotation
     assert not np.allclose(ours, plain, atol=1e-3)  # in other coordinates
     theirs = SentenceTransformer(str(model_dir), device="cpu", truncate_dim=16).encode(texts, normalize_embeddings=True)
     np.testing.assert_allclose(theirs, truncate(ours, 16, normalize=True), atol=1e-5)
+
+
+def _rotation_worker(rank: int, port: int, model_dir: str, beir: str, out: str) -> None:
+    """One of two gloo processes starting at the principal axes; rank 1's encoder differs a little, as another
+    GPU's last bits would. Saves the projection it ends with."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from densepass.data import load_dataset
+    from densepass.models.biencoder import BiEncoder
+    from densepass.pipelines.training import start_at_principal_axes
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    try:
+        model = BiEncoder.from_pretrained(model_dir)
+        if rank == 1:
+            with torch.no_grad():
+                for param in model.query_encoder.encoder.parameters():
+                    param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(5)) * 1e-2)
+        start_at_principal_axes(model, load_dataset(beir).corpus, 3, torch.device("cpu"))
+        save_file(model.projection.state_dict(), f"{out}/rank{rank}.safetensors")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_process_starts_at_rank_zeros_principal_axes(tiny_model_dir, tiny_beir, tmp_path):
+    """Under torch.distributed the processes' rotations are rank 0's, even where their own embeddings differ (the
+    processes would otherwise train from other weights), and they are the rotation one process computes."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    from densepass.data import load_dataset
+    from densepass.models.biencoder import BiEncoder
+    from densepass.pipelines.training import start_at_principal_axes
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = (port, str(tiny_model_dir), str(tiny_beir), str(tmp_path))
+    mp.start_processes(_rotation_worker, args=args, nprocs=2, start_method="fork")  # no new imports: seconds
+    alone = BiEncoder.from_pretrained(str(tiny_model_dir))
+    start_at_principal_axes(alone, load_dataset(str(tiny_beir)).corpus, 3, torch.device("cpu"))
+    for rank in (0, 1):
+        saved = load_file(tmp_path / f"rank{rank}.safetensors")
+        assert torch.equal(saved["weight"], alone.projection.weight)
+        assert torch.equal(saved["bias"], alone.projection.bias)

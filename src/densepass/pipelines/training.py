@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from densepass import distributed
 from densepass.checkpoints import DATA_FILES, without_later_defaults
 from densepass.config import DEFAULT_MODEL, MixConfig, NegativesConfig, ScheduleConfig, TrainConfig
 from densepass.data import load_dataset
@@ -66,13 +67,19 @@ def start_at_principal_axes(model: BiEncoder, corpus: Corpus, seed: int, device:
     """``train.matryoshka_init=pca``: rotate ``model``'s embedding (``BiEncoder.rotate_output``) to the principal
     axes of its own float32 embeddings of ``PCA_PASSAGES`` passages of ``corpus`` drawn with ``seed``
     (``models.matryoshka.principal_rotation``), before training. The full embedding ranks as before; each prefix
-    starts as PCA's. Returns a line for the run's notes."""
+    starts as PCA's. Under torch.distributed every process takes rank 0's rotation: its own could differ (embeddings
+    that differ in the last bits, as on another GPU, turn the axes of near-equal variances), and processes that
+    start from other weights never meet again. Returns a line for the run's notes."""
     size = min(PCA_PASSAGES, len(corpus))
-    rows = np.sort(np.random.default_rng(seed).choice(len(corpus), size=size, replace=False))
-    was_training = model.training
-    embeddings = model.encode_passages(corpus.subset(rows.tolist()), device=device, precision="fp32")
-    model.train(was_training)
-    model.rotate_output(torch.from_numpy(principal_rotation(embeddings)))
+
+    def rotation() -> np.ndarray:
+        rows = np.sort(np.random.default_rng(seed).choice(len(corpus), size=size, replace=False))
+        was_training = model.training
+        embeddings = model.encode_passages(corpus.subset(rows.tolist()), device=device, precision="fp32")
+        model.train(was_training)
+        return principal_rotation(embeddings)
+
+    model.rotate_output(torch.from_numpy(distributed.on_rank_zero(rotation)))
     return (
         f"Matryoshka start: the embedding rotated to its principal axes (PCA of {size} corpus passages' embeddings, "
         "seeded), a projection layer that changes no cosine."
