@@ -424,8 +424,13 @@ def test_every_process_starts_at_rank_zeros_principal_axes(tiny_model_dir, tiny_
         port = s.getsockname()[1]
     args = (port, str(tiny_model_dir), str(tiny_beir), str(tmp_path))
     mp.start_processes(_rotation_worker, args=args, nprocs=2, start_method="fork")  # no new imports: seconds
-    alone = BiEncoder.from_pretrained(str(tiny_model_dir))
-    start_at_principal_axes(alone, load_dataset(str(tiny_beir)).corpus, 3, torch.device("cpu"))
+    alone, corpus = BiEncoder.from_pretrained(str(tiny_model_dir)), load_dataset(str(tiny_beir)).corpus
+    start_at_principal_axes(alone, corpus, 3, torch.device("cpu"))
+    # the 40 passages are the whole sample: in the rotated coordinates their covariance is diagonal, largest first
+    rotated = alone.encode_passages(corpus, show_progress=False, precision="fp32").astype(np.float64)
+    covariance = np.cov(rotated, rowvar=False)
+    np.testing.assert_allclose(covariance - np.diag(np.diag(covariance)), 0, atol=1e-4 * covariance.max())
+    assert np.all(np.diff(np.diag(covariance)) <= 1e-4 * covariance.max())
     for rank in (0, 1):
         saved = load_file(tmp_path / f"rank{rank}.safetensors")
         assert torch.equal(saved["weight"], alone.projection.weight)
