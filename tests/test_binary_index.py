@@ -209,7 +209,7 @@ def test_the_compact_benchmark_runs_on_a_tiny_dataset(tiny_beir, tiny_model_dir,
     assert sorted(paired) == [(b, d) for b in ("t+pca", "u", "u+pca") for d in (16, 32)]
     assert paired[("u", 32)]["p"] == 1.0 and paired[("u", 16)]["p"] == 1.0  # the same model
     assert abs(paired[("t+pca", 32)]["delta_mrr@10"]) < 1e-3  # a rotation keeps the full embedding's ranking
-    assert rows[("t+pca", 16, "fp32 (exact)")]["bytes_per_passage"] == 64  # its prefixes are PCA's
+    assert rows[("t+pca", 16, "fp32 (exact)")]["bytes_per_passage"] == 64  # measured at every prefix
 
 
 def test_the_search_pipeline_loads_a_compact_index_with_its_rescoring_options(model, tmp_path):

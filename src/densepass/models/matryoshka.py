@@ -51,7 +51,8 @@ def principal_rotation(embeddings: np.ndarray) -> np.ndarray:
     """The orthogonal matrix R [d, d] whose rows are the principal axes of ``embeddings`` [n, d]: the eigenvectors
     of their covariance, largest variance first, each signed so that its largest entry is positive (the same R for
     the same embeddings on any machine's LAPACK). ``x @ R.T`` keeps every dot product and cosine of ``x``; its first
-    k numbers are the rows' PCA projection on k axes. Computed in float64."""
+    k numbers are the rows' coordinates on the k axes of largest variance (PCA's, without the centring: a rotation
+    keeps the origin). Computed in float64."""
     x = np.asarray(embeddings, dtype=np.float64)
     if x.ndim != 2 or len(x) < 2:
         raise ConfigError(f"principal axes need at least 2 embeddings as [n, d], got shape {x.shape}")

@@ -337,7 +337,7 @@ def train(
     }
     with owned_run_directory(run_dir, "training", OUTPUT_ENTRIES, restart, ("model",)):
         if args.matryoshka_init == "pca":
-            start_at_principal_axes(model, dataset.corpus, seed, torch_device)
+            start_at_principal_axes(model, dataset.corpus, args.seed, torch_device)  # as a run: train.seed
         sep = model.tokenizer.sep_token or " "
         data = TrainingData(dataset, split, sep, query_ids=query_ids)
         if needs_mining(negatives):
