@@ -792,8 +792,6 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
         if config.train.enabled and config.train.packing:  # an encoder it cannot pack: one line before any mining
             enable_packing(model)
         run_dir = claim()  # the checks above passed: only now is the directory marked and --restart's removal done
-        if config.train.enabled and config.train.matryoshka_init == "pca":  # before the start wise-ft keeps
-            exp.notes.append(start_at_principal_axes(model, exp.dataset.corpus, config.train.seed, device))
         pool = mine_training_pool(exp, model)
         pairs = distillation_inputs(exp, pool)  # an existing teacher-scores file is checked before any write
         if main:
@@ -803,6 +801,8 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
         evaluate_baselines(exp, model)
         teacher = prepare_cross_encoder(exp, pool, pairs)
         if config.train.enabled:
+            if config.train.matryoshka_init == "pca":  # after the zero-shot row, before wise-ft's start
+                exp.notes.append(start_at_principal_axes(model, exp.dataset.corpus, config.train.seed, device))
             start = snapshot(model) if config.train.wise_ft is not None else None
             fine_tune(exp, model, pool, objective_of(config, model), teacher, start)
             if main:
