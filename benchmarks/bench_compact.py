@@ -96,7 +96,18 @@ def latency_ms(search, queries: np.ndarray, n: int) -> tuple[float, float]:
 def sentence_transformers_recipe(precision: str, passages: np.ndarray, queries: np.ndarray, multiplier: int):
     """sentence-transformers' recipe: ``quantize_embeddings`` of the corpus (ubinary, or uint8 with ranges from the
     corpus), an exact FAISS index, ``semantic_search_faiss`` with rescoring by the float queries; returns
-    (scores, rows) and a one-query search function."""
+    (scores, rows) and a one-query search function.
+
+    uint8 is used as their FAISS benchmark does (examples/.../embedding-quantization/semantic_search_faiss_benchmark.py:
+    the corpus quantised with the corpus as calibration; ``ranges`` here gives the same codes). Its first pass is
+    weak by construction, increasingly so as the dimension falls: ``semantic_search_faiss`` puts the uint8 codes,
+    ``floor((x - min) / step)`` in 0..255 with no centring (util/quantization.py, ``quantize_embeddings``), into a
+    float ``IndexFlatIP`` and searches it with the query's uint8 codes, so candidates are ranked by
+    ``(q - min) . p`` (each dimension weighted by ``1 / step^2``): the query plus one fixed vector ``-min``, every
+    dimension's corpus minimum, which outweighs it and is the same for every query; its share of the passages'
+    spread grows as fewer dimensions are kept. Re-scoring only reorders those ``top_k x rescore_multiplier``
+    candidates. Their int8 codes (centred, for usearch) and densepass's int8 (the float query against decoded codes)
+    have no such offset."""
     from sentence_transformers.util.quantization import quantize_embeddings, semantic_search_faiss
 
     ranges = np.stack([passages.min(0), passages.max(0)]) if precision == "uint8" else None
