@@ -1,7 +1,8 @@
 r"""Compact embeddings side by side (issue 53): for each model, MRR@10 and nDCG@10 at each prefix dimension (Matryoshka,
 ``--dims``) in fp32, int8 and binary, each with and without re-scoring (``index.binary.CompactIndex``), against
-sentence-transformers' ``quantize_embeddings`` + ``semantic_search_faiss`` rescoring recipe (ubinary and uint8)
-on the same embeddings; the bytes per passage each holds in RAM, and the median / p99 latency of one query's search
+sentence-transformers' ``quantize_embeddings`` + rescoring recipe (ubinary and uint8 through
+``semantic_search_faiss``; int8 through ``semantic_search_usearch`` where usearch installs) on the same embeddings;
+the bytes per passage each holds in RAM, and the median / p99 latency of one query's search
 (its embedding given: encoding is the same for every row). With two models, a paired randomization test
 (``evaluation.metrics.randomization_p``) of the first against each other at each dimension, fp32.
 ``--principal-axes`` adds, for each model without a projection, the same model rotated to its principal axes after
@@ -31,6 +32,7 @@ per passage in RAM, one-query latency and recall@10 against exact search of 1,00
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
 import time
 import warnings
@@ -50,6 +52,7 @@ from densepass.pipelines.evalset import EvalSet, build_eval_set
 from densepass.pipelines.training import PCA_PASSAGES
 
 METRICS = ["mrr@10", "ndcg@10"]
+HAS_USEARCH = importlib.util.find_spec("usearch") is not None  # sentence-transformers' int8 path (pip install usearch)
 DEPTH = 10
 
 
@@ -106,16 +109,23 @@ def sentence_transformers_recipe(precision: str, passages: np.ndarray, queries: 
     ``(q - min) . p`` (each dimension weighted by ``1 / step^2``): the query plus one fixed vector ``-min``, every
     dimension's corpus minimum, which outweighs it and is the same for every query; its share of the passages'
     spread grows as fewer dimensions are kept. Re-scoring only reorders those ``top_k x rescore_multiplier``
-    candidates. Their int8 codes (centred, for usearch) and densepass's int8 (the float query against decoded codes)
-    have no such offset."""
-    from sentence_transformers.util.quantization import quantize_embeddings, semantic_search_faiss
+    candidates. Their int8 codes (centred) have no such offset: ``int8`` runs their recommended scalar path,
+    ``semantic_search_usearch`` (usearch's int8 HNSW index, inner product, then the same re-scoring; bytes per
+    passage include its graph), where usearch installs. densepass's int8 scores the float query against decoded
+    codes."""
+    from sentence_transformers.util.quantization import (
+        quantize_embeddings,
+        semantic_search_faiss,
+        semantic_search_usearch,
+    )
 
-    ranges = np.stack([passages.min(0), passages.max(0)]) if precision == "uint8" else None
+    ranges = np.stack([passages.min(0), passages.max(0)]) if precision in ("uint8", "int8") else None
     corpus = quantize_embeddings(passages, precision, ranges=ranges)
+    engine = semantic_search_usearch if precision == "int8" else semantic_search_faiss  # int8: their usearch path
 
     def search(q: np.ndarray, index=None):
         options = {"corpus_index": index} if index is not None else {"corpus_embeddings": corpus}
-        hits, _, built = semantic_search_faiss(
+        hits, _, built = engine(
             q,
             corpus_precision=precision,
             top_k=DEPTH,
@@ -132,7 +142,8 @@ def sentence_transformers_recipe(precision: str, passages: np.ndarray, queries: 
     for i, row in enumerate(hits):
         for j, hit in enumerate(row):
             scores[i, j], rows[i, j] = hit["score"], hit["corpus_id"]
-    return (scores, rows), lambda q: search(q, index), corpus.nbytes / len(passages)
+    held = index.memory_usage if precision == "int8" else corpus.nbytes  # usearch's HNSW graph included
+    return (scores, rows), lambda q: search(q, index), held / len(passages)
 
 
 def synthetic(model: BiEncoder, args: argparse.Namespace) -> None:
@@ -263,8 +274,8 @@ def main() -> None:
                     name = f"{kind.split('-')[0]} + {rescore} re-scoring" if rescore != "none" else kind.split("-")[0]
                     search = lambda x, index=index: index.search_rows(x, DEPTH)  # noqa: E731
                     record(where, name, *search(q), per_passage, search)
-            for precision in ("ubinary", "uint8"):
-                if precision == "ubinary" and dim % 8:
+            for precision in ("ubinary", "uint8", "int8"):
+                if precision == "ubinary" and dim % 8 or precision == "int8" and not HAS_USEARCH:
                     continue
                 found, search, per_passage = sentence_transformers_recipe(precision, p, q, args.rescore_multiplier)
                 record(where, f"sentence-transformers {precision} + rescore", *found, per_passage, search)

@@ -205,6 +205,7 @@ def test_the_compact_benchmark_runs_on_a_tiny_dataset(tiny_beir, tiny_model_dir,
     assert rows[("t", 16, "int8")]["bytes_per_passage"] == 16 and rows[("t", 16, "binary")]["bytes_per_passage"] == 2
     assert rows[("t", 32, "binary + float re-scoring")]["mrr@10"] >= 0
     assert ("u", 16, "sentence-transformers ubinary + rescore") in rows
+    assert rows[("u", 32, "sentence-transformers int8 + rescore")]["mrr@10"] >= 0  # their usearch path (test extra)
     paired = {(p["b"], p["dim"]): p for p in results["paired"]}  # t against each other model, at each dimension
     assert sorted(paired) == [(b, d) for b in ("t+pca", "u", "u+pca") for d in (16, 32)]
     assert paired[("u", 32)]["p"] == 1.0 and paired[("u", 16)]["p"] == 1.0  # the same model
