@@ -152,9 +152,11 @@ def test_the_python_api_mixes_pairs_like_a_run_and_its_identity_names_them(tiny_
     mix = [dp.MixConfig(name=str(squad), format="squad", fraction=0.34)]
     out = call(mix)
     assert out.log and all(r["mixed_queries"] == 2.0 for r in out.log)
-    with pytest.raises(ConfigError, match="takes 10 of every batch's 6"):  # before anything is written
+    written = sorted(p.relative_to(tmp_path) for p in (tmp_path / "api").rglob("*"))
+    with pytest.raises(ConfigError, match="takes 10 of every batch's 6"):  # before restart removes anything
         call([MixConfig(name=str(squad), format="squad", fraction=0.9)] * 2, restart=True)
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "api").rglob("*")) == written
     other = [MixConfig(name=str(squad), format="squad", fraction=0.17)]
-    with pytest.raises(DensepassError, match="another"):  # the same folder, other mixed pairs: not resumed
+    with pytest.raises(DensepassError, match="holds a run with other settings .*mix"):  # other mixed pairs: not resumed
         call(other)
     assert all(r["mixed_queries"] == 1.0 for r in call(other, restart=True).log)
