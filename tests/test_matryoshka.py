@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import write_tiny_beir
 from densepass.config import load_config
 from densepass.errors import ConfigError
 from densepass.losses.batch import BatchTensors
@@ -310,6 +311,22 @@ def test_the_python_api_trains_matryoshka_from_its_args_or_its_loss_alike(tiny_b
     rotated = call("pca", args=dp.TrainConfig(**base, matryoshka_dims=[32, 16], matryoshka_init="pca"))
     assert json.loads((rotated.model_dir / "densepass.json").read_text())["projection_dim"] == 32
     assert rotated.model.projection is not None and by_args.model.projection is None
+
+
+def test_a_one_passage_corpus_cannot_give_principal_axes_and_is_refused_before_any_work(tiny_model_dir, tmp_path):
+    import densepass as dp
+    from densepass.pipelines.experiment import run_experiment
+
+    one = write_tiny_beir(tmp_path / "one", n_passages=1)
+    refusal = "matryoshka_init=pca finds the principal axes .* needs at least 2 passages, the corpus has 1"
+    model = dp.BiEncoder.from_pretrained(str(tiny_model_dir))
+    args = dp.TrainConfig(max_steps=1, batch_size=2, matryoshka_dims=[32, 16], matryoshka_init="pca")
+    with pytest.raises(ConfigError, match=refusal):
+        dp.train(model, str(one), output_dir=tmp_path / "api", args=args, negatives=dp.NegativesConfig(source="none"))
+    overrides = [*run_overrides(one, tiny_model_dir, tmp_path / "runs"), "train.matryoshka_init=pca"]
+    with pytest.raises(ConfigError, match=refusal):
+        run_experiment(load_config(None, overrides))
+    assert not (tmp_path / "api").exists() and not (tmp_path / "runs" / "mrl").exists()
 
 
 @settings(max_examples=30, deadline=None)

@@ -74,6 +74,8 @@ from densepass.pipelines.training import (
     add_mix,
     batch_planner,
     check_mix,
+    check_principal_axes,
+    data_fingerprints,
     fine_tune_model,
     given_pool,
     load_mix,
@@ -107,10 +109,7 @@ def run_identity(
     change is refused."""
     schedule = {k: v for k, v in asdict(config.schedule).items() if k != "background"}
     loss = {"loss": asdict(config.loss)} if config.loss != LossConfig() else {}  # the default: earlier runs resume
-    fingerprints = {
-        k: v for d in ([dataset] if dataset is not None else []) + list(mix) for k, v in d.file_fingerprints().items()
-    }
-    data_files = {DATA_FILES: fingerprints} if dataset is not None else {}
+    data_files = {DATA_FILES: data_fingerprints([dataset, *mix])} if dataset is not None else {}
     return {
         "data": data_identity(config.data),
         "model": without_later_defaults(asdict(config.model)),
@@ -365,6 +364,8 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
     if needs_answers and not eval_data.answers:
         raise ConfigError(f"eval.metrics {needs_answers} need answer strings, which {eval_data.name} does not have")
     mix = load_mix(data.mix, data.data_dir) if config.train.enabled else []
+    if config.train.enabled and config.train.matryoshka_init == "pca":
+        check_principal_axes(dataset.corpus)
     if not restart:  # with --restart, what the directory holds is to be removed: nothing of it to check
         check_run_directory(config)
         if config.train.enabled:  # before any work: a changed data file (or data.mix file) is refused here

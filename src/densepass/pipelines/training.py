@@ -63,6 +63,21 @@ OUTPUT_ENTRIES = (
 PCA_PASSAGES = 4096
 
 
+def data_fingerprints(datasets: Sequence[RetrievalDataset]) -> dict[str, str]:
+    """The content fingerprint of every data file ``datasets`` were read from (the training dataset and the
+    ``data.mix`` ones), for a run's identity: resuming after any of them changed is refused."""
+    return {k: v for d in datasets for k, v in d.file_fingerprints().items()}
+
+
+def check_principal_axes(corpus: Corpus) -> None:
+    """``matryoshka_init=pca`` needs at least two passages to find axes in: refused before any work."""
+    if len(corpus) < 2:
+        raise ConfigError(
+            f"matryoshka_init=pca finds the principal axes of the corpus' embeddings: it needs at least 2 passages, "
+            f"the corpus has {len(corpus)}"
+        )
+
+
 def start_at_principal_axes(model: BiEncoder, corpus: Corpus, seed: int, device: torch.device | None) -> str:
     """``train.matryoshka_init=pca``: rotate ``model``'s embedding (``BiEncoder.rotate_output``) to the principal
     axes of its own float32 embeddings of ``PCA_PASSAGES`` passages of ``corpus`` drawn with ``seed``
@@ -307,6 +322,8 @@ def train(
         model.config = replace(model.config, matryoshka_dims=list(trained_dims(objective)))
     elif args.matryoshka_init != "none":
         raise ConfigError("args.matryoshka_init starts Matryoshka training: give args.matryoshka_dims too")
+    if args.matryoshka_init == "pca":
+        check_principal_axes(dataset.corpus)
     mix = list(mix)
     check_mix(mix, args, schedule, distils(objective))
     mixed = load_mix(mix, None if data_dir is None else str(data_dir))
@@ -332,7 +349,7 @@ def train(
         "negatives": without_later_defaults(asdict(negatives)),
         "schedule": {k: v for k, v in asdict(schedule).items() if k != "background"},
         "loss": objective.describe(),
-        DATA_FILES: {k: v for d in [dataset, *mixed] for k, v in d.file_fingerprints().items()},
+        DATA_FILES: data_fingerprints([dataset, *mixed]),
         **({"mix": [asdict(entry) for entry in mix]} if mix else {}),
     }
     with owned_run_directory(run_dir, "training", OUTPUT_ENTRIES, restart, ("model",)):
