@@ -16,6 +16,12 @@ ahead in a worker thread). sentence-transformers has one max_seq_length, set to 
 queries are shorter than --query-max-length anyway (printed below). ``--profile`` prints, instead of the
 comparison, where densepass's step time goes (``torch.profiler``, ops by self CPU time).
 
+``--processes N`` (CPU) adds both systems again as N processes of one thread each (``torch.distributed.run``,
+gloo) at the same global batch: densepass splits each step's queries over the processes, every query seeing the
+whole batch as in-batch negatives; sentence-transformers runs ``per_device_train_batch_size`` = batch / N with MNRL's
+``gather_across_devices=True``, the same loss. On a small CPU one thread per process can beat every thread in one
+process, whose matrix products are too small to keep the threads busy; the rows show by how much, for both systems.
+
 ``--packing`` (issue 54) compares densepass padded, densepass packed (``train.packing``: padding-free,
 ``models.packing``) and sentence-transformers, and adds per row the real (non-padding) tokens per second, the peak
 memory (GPU: allocated; CPU: the process's resident high-water mark, reset before each system through
@@ -38,7 +44,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -230,6 +240,7 @@ def run_sentence_transformers(path, triplets, args, device, bf16):
     from sentence_transformers.losses import MultipleNegativesRankingLoss
     from transformers import TrainerCallback
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torch.distributed.run (--processes): a share each
     model = SentenceTransformer(path, device=str(device)).float()
     model.max_seq_length = args.passage_max_length
     clock = StepClock(device, args.warmup, args.warmup + args.steps)
@@ -242,7 +253,7 @@ def run_sentence_transformers(path, triplets, args, device, bf16):
     with tempfile.TemporaryDirectory() as tmp:
         training_args = SentenceTransformerTrainingArguments(
             output_dir=tmp,
-            per_device_train_batch_size=args.batch_size,
+            per_device_train_batch_size=args.batch_size // world,
             max_steps=total,
             learning_rate=2e-5,
             warmup_steps=int(0.1 * total),
@@ -254,16 +265,56 @@ def run_sentence_transformers(path, triplets, args, device, bf16):
             dataloader_drop_last=True,
             seed=13,
             disable_tqdm=True,
+            **({"ddp_backend": "gloo"} if world > 1 else {}),
         )
         trainer = SentenceTransformerTrainer(
             model=model,
             args=training_args,
             train_dataset=Dataset.from_dict(triplets),
-            loss=MultipleNegativesRankingLoss(model, scale=20.0),
+            loss=MultipleNegativesRankingLoss(model, scale=20.0, gather_across_devices=world > 1),
             callbacks=[Timing()],
         )
         _, peak = peak_memory(device, trainer.train, cpu=args.packing)
     return clock.seconds, peak
+
+
+def in_processes(args, system: str) -> tuple[float | None, None]:
+    """``system`` (densepass or sentence-transformers) trained by ``args.processes`` processes of one thread each
+    under ``torch.distributed.run`` (this script again, as ``--worker SYSTEM``): rank 0's clock, since every step
+    ends with the processes' gradients summed. None where the run failed (its output is printed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "seconds.json"
+        argv = sys.argv[1:]
+        drop = {"--out", "--processes"}
+        argv = [
+            a
+            for i, a in enumerate(argv)
+            if a not in drop and a.split("=")[0] not in drop and (i == 0 or argv[i - 1] not in drop)
+        ]
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.processes}",
+            str(Path(__file__).resolve()), *argv, "--worker", system, "--worker-out", str(out),
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            print(f"  {system} in {args.processes} processes failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+            return None, None
+        return json.loads(out.read_text())["seconds"], None
+
+
+def worker(path, data, triplets, args, device, bf16) -> None:
+    """One process of ``in_processes``: its share of every step, rank 0 writing the timed seconds."""
+    from densepass import distributed
+
+    torch.set_num_threads(1)
+    if args.worker == "densepass":
+        distributed.init_from_environment()
+        seconds, _ = run_densepass(path, data, args, device, None)
+    else:  # the Trainer joins the process group itself (ddp_backend gloo)
+        seconds, _ = run_sentence_transformers(path, triplets, args, device, bf16)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.worker_out).write_text(json.dumps({"seconds": seconds}))
 
 
 def real_tokens(path: str, triplets: dict, args) -> tuple[float, float]:
@@ -411,8 +462,21 @@ def main() -> None:
         help="instead of the comparison: the positions a step computes per real token, padded, in densepass's "
         "length-sorted pieces and packed (the most packing can gain)",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="CPU: also both systems as this many processes of one thread each (torch.distributed.run, gloo), same "
+        "global batch",
+    )
+    parser.add_argument("--worker", choices=["densepass", "sentence-transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
+    if args.processes is not None and (args.processes < 2 or args.batch_size % args.processes):
+        parser.error("--processes must be at least 2 and divide --batch-size")
+    if args.processes and (args.packing or args.profile or args.padding_share or args.attention_variants):
+        parser.error("--processes adds rows to the plain comparison: run it without --packing, --profile, ...")
     if args.attention_variants:
         attention_variants()
         return
@@ -460,6 +524,9 @@ def main() -> None:
         f"{np.mean(np.array(query_lengths) > args.query_max_length):.2%} above {args.query_max_length}\n"
     )
 
+    if args.worker:
+        worker(path, data, triplets, args, device, bf16)
+        return
     if args.profile:
         profile_densepass(path, data, args, device)
         return
@@ -494,6 +561,14 @@ def main() -> None:
         f"densepass train, GradCache chunk {args.grad_cache_chunk}",
         *run_densepass(path, data, args, device, args.grad_cache_chunk),
     )
+    if args.processes:
+        for system, name in (
+            ("densepass", "densepass train"),
+            ("sentence-transformers", "SentenceTransformerTrainer + MNRL"),
+        ):
+            seconds, peak = in_processes(args, system)
+            if seconds is not None:
+                record(f"{name}, {args.processes} processes x 1 thread", seconds, peak)
 
     ours, st = results[0], results[1]
     rows = [
@@ -513,6 +588,12 @@ def main() -> None:
     )
     print(markdown_table(["system", "seconds", "examples/s", "densepass ÷ row", "peak GPU GiB"], rows))
     print(f"\ndensepass / sentence-transformers: {ours['examples_per_s'] / st['examples_per_s']:.2f}x")
+    fastest = {
+        key: max((r for r in results if r["system"].startswith(prefix)), key=lambda r: r["examples_per_s"])
+        for key, prefix in (("densepass", "densepass"), ("st", "SentenceTransformer"))
+    }
+    best_ratio = fastest["densepass"]["examples_per_s"] / fastest["st"]["examples_per_s"]
+    print(f"fastest against fastest ({fastest['densepass']['system']} / {fastest['st']['system']}): {best_ratio:.2f}x")
     write_json(
         args.out,
         {
@@ -528,6 +609,8 @@ def main() -> None:
             "passage_max_length": args.passage_max_length,
             "results": results,
             "speedup_vs_st": ours["examples_per_s"] / st["examples_per_s"],
+            "processes": args.processes,
+            "fastest_vs_fastest": best_ratio,
         },
     )
 
