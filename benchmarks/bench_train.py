@@ -19,8 +19,8 @@ comparison, where densepass's step time goes (``torch.profiler``, ops by self CP
 ``--processes N`` (CPU) adds both systems again as N processes of one thread each (``torch.distributed.run``,
 gloo) at the same global batch: densepass splits each step's queries over the processes, every query seeing the
 whole batch as in-batch negatives; sentence-transformers runs ``per_device_train_batch_size`` = batch / N with MNRL's
-``gather_across_devices=True``, the same loss. On a small CPU one thread per process can beat every thread in one
-process, whose matrix products are too small to keep the threads busy; the rows show by how much, for both systems.
+``gather_across_devices=True``, the same loss. The rows tell whether, on a small CPU, one thread per process beats
+every thread in one process (whose matrix products may be too small to keep the threads busy), for both systems.
 
 ``--packing`` (issue 54) compares densepass padded, densepass packed (``train.packing``: padding-free,
 ``models.packing``) and sentence-transformers, and adds per row the real (non-padding) tokens per second, the peak
