@@ -27,6 +27,9 @@ and each one's fastest time is reported, with the ratio of densepass's fastest s
 round by round (the two times of one round are closest in time). Agreement = mean cosine to sentence-transformers'
 float32 embeddings. ``--cpu-time`` times each system by the process's CPU seconds instead (run it with
 ``OMP_NUM_THREADS=1``): on a machine other jobs share, the work each system does, whoever holds the cores.
+On the CPU each row has its model FLOPs utilisation: texts/s x the texts' mean real tokens x forward FLOPs per
+token (``common.encoder_flops_per_token``) / the CPU's measured bf16 peak (``cpu_peak.py``; float32 without
+AVX512-BF16), one peak for every row, so each system's distance to the hardware limit shows.
 """
 
 from __future__ import annotations
@@ -42,7 +45,16 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from common import environment, markdown_table, pick_device, print_profile, rate, timer, write_json
+from common import (
+    encoder_flops_per_token,
+    environment,
+    markdown_table,
+    pick_device,
+    print_profile,
+    rate,
+    timer,
+    write_json,
+)
 from densepass.data import load_dataset
 from densepass.device import cpu_has_fast_bf16, resolve_precision
 from densepass.models import copies as copies_module
@@ -410,7 +422,23 @@ def main() -> None:
         queries = encode_texts(model, dev, "query", device=device, precision=precisions[0], show_progress=False)
         np.save(out_dir / "queries.npy", queries)
         print(f"  saved {len(texts):,} passage and {len(dev):,} dev query embeddings in {out_dir}")
+    env["utilisation"] = utilisation(path, model.tokenizer, texts, args.max_length, gpu)
     report(args, env, len(texts), results, embeddings, skipped)
+
+
+def utilisation(path: str, tokenizer, texts: list[str], max_length: int, gpu: bool) -> dict:
+    """What MFU divides: the texts' mean real tokens (truncated at ``max_length``, special tokens included), the
+    forward FLOPs per token (``common.encoder_flops_per_token``) and, on the CPU, its measured bf16 peak
+    (``cpu_peak.py``; float32 where the CPU has no AVX512-BF16). No peak on a GPU (None)."""
+    import cpu_peak
+
+    lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
+    mean_length = float(np.mean(lengths))
+    peak, how = (None, "GPU: not measured") if gpu else cpu_peak.peak_tflops(bf16=True)
+    if peak is None and not gpu:
+        peak, how = cpu_peak.peak_tflops(bf16=False)
+    flops = encoder_flops_per_token(path, mean_length)
+    return {"mean_tokens": mean_length, "flops_per_token": flops, "peak_tflops": peak, "peak_source": how}
 
 
 def measure_in_turn(
@@ -458,8 +486,11 @@ def report(args, env: dict, n: int, results: list[dict], embeddings: dict[str, n
     )
     reference = embeddings[f"{st_default['system']}|{st_default['dtype']}|{st_default['batch_size']}"]
     agreement = {key: float(np.mean(np.sum(v * reference, axis=1))) for key, v in embeddings.items()}
+    used = env["utilisation"]
     for r in results:
         r["mean_cosine_vs_st_fp32"] = agreement[f"{r['system']}|{r['dtype']}|{r['batch_size']}"]
+        tflops = r["texts_per_s"] * used["mean_tokens"] * used["flops_per_token"] / 1e12
+        r["mfu"] = tflops / used["peak_tflops"] if used["peak_tflops"] else None
     rows = [
         [
             r["system"] + (" **(densepass)**" if r is ours else ""),
@@ -469,6 +500,7 @@ def report(args, env: dict, n: int, results: list[dict], embeddings: dict[str, n
             rate(r["texts_per_s"]),
             f"{ours['texts_per_s'] / r['texts_per_s']:.2f}x",
             f"{r['mean_cosine_vs_st_fp32']:.5f}",
+            "-" if r["mfu"] is None else f"{100 * r['mfu']:.0f}%",
         ]
         for r in results
     ]
@@ -483,10 +515,16 @@ def report(args, env: dict, n: int, results: list[dict], embeddings: dict[str, n
                 f"{PLURAL[args.side]}/{'CPU s' if args.cpu_time else 's'}",
                 "densepass first row ÷ row",
                 "cosine to ST fp32",
+                "MFU",
             ],
             rows,
         )
     )
+    if used["peak_tflops"]:
+        print(
+            f"MFU: {used['mean_tokens']:.1f} real tokens a text x {used['flops_per_token'] / 1e6:.1f} MFLOPs a token "
+            f"x texts/s / {used['peak_tflops']:.3f} TFLOPS ({used['peak_source']})"
+        )
     best_ours = max((r for r in results if r["system"].startswith("densepass")), key=lambda r: r["texts_per_s"])
     best_st = max(st_rows, key=lambda r: r["texts_per_s"])
     per_round = [other / mine for mine, other in zip(best_ours["rounds_seconds"], best_st["rounds_seconds"])]

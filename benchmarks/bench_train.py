@@ -27,8 +27,9 @@ every thread in one process (whose matrix products may be too small to keep the 
 memory (GPU: allocated; CPU: the process's resident high-water mark, reset before each system through
 ``/proc/self/clear_refs``) and the model FLOPs utilisation: real tokens/s x training FLOPs per token (6 x the
 encoder's non-embedding parameters + 12 x layers x width x mean sequence length, attention over real tokens only)
-/ the device's peak (``--peak-tflops``, else a table of GPUs, else an estimate for the CPU printed with its
-terms: threads x max clock x FLOPs per cycle per core). Real tokens per example are those of the run's triplets
+/ the device's peak (``--peak-tflops``, else a table of GPUs, else on the CPU the rate of a loop of bf16 or float32
+multiply-adds on torch's threads, measured by ``cpu_peak.py``; where that loop does not build, an estimate printed
+with its terms: threads x clock x FLOPs per cycle per core). Real tokens per example are those of the run's triplets
 (query + positive + one negative, each truncated as the step truncates it); densepass draws its negatives from the
 same pools, so the figure is the same mean for both. ``--attention-variants`` instead times, forward and
 backward, the ways to run attention over packed sequences (``models.packing``'s choice); ``--padding-share``
@@ -56,7 +57,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import StepClock, environment, markdown_table, pick_device, print_profile, rate, write_json
+from common import (
+    StepClock,
+    encoder_flops_per_token,
+    environment,
+    markdown_table,
+    pick_device,
+    print_profile,
+    rate,
+    write_json,
+)
 from densepass.config import TrainConfig
 from densepass.data import load_dataset
 from densepass.device import uses_bf16
@@ -106,6 +116,11 @@ def peak_tflops(args, device: torch.device, bf16: bool) -> tuple[float | None, s
             if key in name:
                 return value, f"{key} dense bf16 data sheet"
         return None, f"unknown GPU {name}: pass --peak-tflops"
+    import cpu_peak
+
+    measured = cpu_peak.peak_tflops(bf16)
+    if measured[0] is not None:
+        return measured
     from densepass.device import cpuinfo_words
 
     words, ghz = cpuinfo_words(), None
@@ -117,23 +132,17 @@ def peak_tflops(args, device: torch.device, bf16: bool) -> tuple[float | None, s
             ghz = float(next(x for x in lines if x.startswith("cpu MHz")).split(":")[1]) / 1e3
     if ghz is None:
         return None, "no clock found: pass --peak-tflops"
-    # two FMA pipes of 256 bits (AVX2, and Zen 4's AVX-512): 32 float32 FLOPs a cycle; bf16 dot products
-    # (vdpbf16ps) twice that; AMX is far above either (pass --peak-tflops there)
+    # where the loop of cpu_peak.py does not build: two FMA pipes of 256 bits (AVX2, and Zen 4's AVX-512): 32
+    # float32 FLOPs a cycle; bf16 dot products (vdpbf16ps) twice that; AMX is far above either (pass --peak-tflops
+    # there). /proc/cpuinfo's clock is not the boosted one under load, so this overstates MFU
     per_cycle = 32 * (2 if bf16 and "avx512_bf16" in words else 1)
     threads = torch.get_num_threads()
     return threads * ghz * per_cycle / 1e3, f"estimate: {threads} threads x {ghz:.2f} GHz x {per_cycle} FLOPs/cycle"
 
 
 def training_flops_per_token(path: str, mean_length: float) -> float:
-    """Training FLOPs per real token: 6 x non-embedding parameters (forward 2, backward 4) + attention's products
-    12 x layers x width x ``mean_length`` (QK^T and PV, forward and backward)."""
-    from transformers import AutoConfig, AutoModel
-
-    config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = AutoModel.from_config(config)
-    weights = sum(p.numel() for n, p in model.named_parameters() if "embeddings" not in n and "pooler" not in n)
-    return 6 * weights + 12 * config.num_hidden_layers * config.hidden_size * mean_length
+    """Training FLOPs per real token (``common.encoder_flops_per_token``, forward and backward)."""
+    return encoder_flops_per_token(path, mean_length, backward=True)
 
 
 def attention_variants(repeats: int = 5) -> None:

@@ -58,6 +58,20 @@ def cpu_facts() -> dict:
     return {"cpu_model": model, "cpu_flags": flags, "cpu_kernels": cpu_kernels.kind(), "load_average": load}
 
 
+def encoder_flops_per_token(path: str, mean_length: float, backward: bool = False) -> float:
+    """FLOPs per real token of a transformer encoder's forward pass (``backward``: forward and backward, three
+    times as many): 2 x its non-embedding parameters + attention's two products (QK^T and PV) over ``mean_length``
+    tokens, 4 x layers x width x ``mean_length``."""
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    weights = sum(p.numel() for n, p in model.named_parameters() if "embeddings" not in n and "pooler" not in n)
+    forward = 2 * weights + 4 * config.num_hidden_layers * config.hidden_size * mean_length
+    return 3 * forward if backward else forward
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -1,0 +1,166 @@
+r"""The CPU's measured peak for model FLOPs utilisation: how many multiply-adds a second its vector units retire when
+nothing but independent multiply-adds run, on as many threads as torch uses.
+
+A clock-based estimate (cores x GHz x FLOPs a cycle) needs the clock a core runs at under load, which
+``/proc/cpuinfo`` does not give (on the AMD EPYC of these benchmarks it reads 2.6 GHz; the cores boost to about
+3.6): MFU against it is overstated. This script compiles a loop of independent multiply-adds with the system's C++
+compiler (16 accumulators, more than the instructions' latency x throughput) into a temporary directory, runs it on
+``threads`` OpenMP threads, and reports the rate of each kind the CPU has:
+
+    fp32   vfmadd231ps on 512-bit registers (256-bit where the CPU lacks AVX-512)   1 multiply-add a lane
+    bf16   vdpbf16ps (AVX512-BF16)                                                  2 multiply-adds a float32 lane
+    int8   vpdpbusd (AVX512-VNNI), u8 x s8 into int32                               4 multiply-adds an int32 lane
+
+AMX tiles are not measured (pass ``--peak-tflops`` to ``bench_train.py`` there). The bf16 rate is the ceiling of a
+bf16 model on a CPU without AMX; the int8 rate that of int8 products.
+
+    PYTHONPATH=src:benchmarks python benchmarks/cpu_peak.py --out outputs/bench/cpu-peak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from common import cpu_facts, markdown_table, write_json
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <omp.h>
+
+// One thread's loop: 16 independent accumulators, each updated ITERS times; returns a value that depends on them all
+// (so the compiler keeps the work). The operand passes through an empty asm once an iteration, so it is not hoisted.
+#define LOOP(Acc, zero, operand, step)                                                                        \
+    {                                                                                                         \
+        Acc acc[16];                                                                                          \
+        for (int i = 0; i < 16; i++) acc[i] = zero;                                                           \
+        for (long t = 0; t < iters; t++) {                                                                    \
+            _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) acc[i] = step;                              \
+            asm volatile("" : "+v"(operand));                                                                 \
+        }                                                                                                     \
+        for (int i = 0; i < 16; i++) { float f[sizeof(Acc) / 4]; std::memcpy(f, &acc[i], sizeof f); sink += f[0]; } \
+    }
+
+int main(int argc, char **argv) {
+    const char *kind = argv[1];
+    int threads = std::atoi(argv[2]);
+    long iters = std::atol(argv[3]);
+    omp_set_num_threads(threads);
+    double sink = 0, best = 0;
+    for (int round = 0; round < 3; round++) {
+        auto start = std::chrono::steady_clock::now();
+#pragma omp parallel reduction(+ : sink)
+        {
+#if defined(__AVX512F__)
+            __m512 a = _mm512_set1_ps(1e-9f), one = _mm512_set1_ps(1.0f);
+            if (!std::strcmp(kind, "fp32"))
+                LOOP(__m512, _mm512_setzero_ps(), a, _mm512_fmadd_ps(a, one, acc[i]));
+#else
+            __m256 a = _mm256_set1_ps(1e-9f), one = _mm256_set1_ps(1.0f);
+            if (!std::strcmp(kind, "fp32"))
+                LOOP(__m256, _mm256_setzero_ps(), a, _mm256_fmadd_ps(a, one, acc[i]));
+#endif
+#if defined(__AVX512BF16__)
+            __m512bh b = (__m512bh)_mm512_set1_epi16(0x3f80);
+            if (!std::strcmp(kind, "bf16"))
+                LOOP(__m512, _mm512_setzero_ps(), b, _mm512_dpbf16_ps(acc[i], b, b));
+#endif
+#if defined(__AVX512VNNI__)
+            __m512i u = _mm512_set1_epi8(1);
+            if (!std::strcmp(kind, "int8"))
+                LOOP(__m512i, _mm512_setzero_si512(), u, _mm512_dpbusd_epi32(acc[i], u, u));
+#endif
+        }
+        double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (round == 0 || seconds < best) best = seconds;
+    }
+    std::printf("%.6f %g\n", best, sink);
+    return 0;
+}
+"""
+
+KINDS = {
+    # kind: (CPU flags needed, compiler flags, multiply-adds per instruction)
+    "fp32": (frozenset({"avx2", "fma"}), ["-mavx2", "-mfma"], None),
+    "bf16": (frozenset({"avx512_bf16", "avx512bw"}), ["-mavx512f", "-mavx512bw", "-mavx512bf16"], 32),
+    "int8": (frozenset({"avx512_vnni", "avx512bw"}), ["-mavx512f", "-mavx512bw", "-mavx512vnni"], 64),
+}
+
+
+@functools.cache
+def _binary(kind: str, avx512: bool) -> Path | None:
+    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        return None
+    work = Path(tempfile.mkdtemp(prefix="densepass-cpu-peak-"))
+    (work / "peak.cpp").write_text(SOURCE)
+    flags = KINDS[kind][1] + (["-mavx512f"] if avx512 and kind == "fp32" else [])
+    done = subprocess.run(
+        [compiler, "-O2", "-fopenmp", *flags, str(work / "peak.cpp"), "-o", str(work / "peak")],
+        capture_output=True,
+        text=True,
+    )
+    return work / "peak" if done.returncode == 0 else None
+
+
+def peak_gmacs(kind: str, threads: int | None = None, iters: int = 20_000_000) -> float | None:
+    """Multiply-adds a second (G) of ``kind`` (``KINDS``) on ``threads`` (default torch's) threads, the fastest of
+    three rounds; None where the CPU lacks the instructions or no compiler builds the loop."""
+    from densepass.device import cpuinfo_words
+
+    words = cpuinfo_words()
+    if not KINDS[kind][0] <= words:
+        return None
+    avx512 = "avx512f" in words
+    binary = _binary(kind, avx512)
+    if binary is None:
+        return None
+    threads = threads or torch.get_num_threads()
+    out = subprocess.run([str(binary), kind, str(threads), str(iters)], capture_output=True, text=True, check=True)
+    seconds = float(out.stdout.split()[0])
+    per_instruction = KINDS[kind][2] or (16 if avx512 else 8)
+    return threads * iters * 16 * per_instruction / seconds / 1e9
+
+
+def peak_tflops(bf16: bool, threads: int | None = None) -> tuple[float | None, str]:
+    """The peak MFU divides by (TFLOPS, 2 FLOPs a multiply-add) for a model in bf16 (``vdpbf16ps``) or float32,
+    and how it was had."""
+    kind = "bf16" if bf16 else "fp32"
+    gmacs = peak_gmacs(kind, threads)
+    if gmacs is None:
+        return None, f"no {kind} peak measured on this CPU"
+    threads = threads or torch.get_num_threads()
+    return 2 * gmacs / 1e3, f"measured: a loop of {kind} multiply-adds on {threads} threads (cpu_peak.py)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1 and torch's threads")
+    parser.add_argument("--out", default=None, help="JSON results")
+    args = parser.parse_args()
+    threads = args.threads or sorted({1, torch.get_num_threads()})
+    rows, results = [], []
+    for kind in KINDS:
+        for n in threads:
+            gmacs = peak_gmacs(kind, n)
+            results.append({"kind": kind, "threads": n, "gmacs": gmacs})
+            shown = ["-", "-"] if gmacs is None else [f"{gmacs:.1f}", f"{2 * gmacs / 1e3:.3f}"]
+            rows.append([kind, n, *shown])
+    facts = cpu_facts()
+    print(f"{facts}")
+    print(markdown_table(["kind", "threads", "G multiply-adds/s", "TFLOPS"], rows))
+    write_json(args.out, {"cpu": facts, "results": results})
+
+
+if __name__ == "__main__":
+    main()
