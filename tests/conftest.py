@@ -18,6 +18,9 @@ import transformers
 
 transformers.logging.set_verbosity_error()
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: the cores shared among the workers, none oversubscribed
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 

@@ -29,7 +29,7 @@ def test_the_quickstart_is_about_ten_lines_and_runs(tmp_path):
 def test_the_readme_starts_with_the_two_commands():
     first = README.read_text().split("```bash", 1)[1].split("```", 1)[0]
     assert "bash scripts/setup.sh && python3 -m densepass run configs/main.yaml" in first
-    assert "bash scripts/setup.sh && python3 -m pytest" in first
+    assert "bash scripts/setup.sh && python3 -m pytest -n 2" in first
 
 
 def python_training_example() -> str:
