@@ -16,6 +16,10 @@ centroid pruning); the cosines are those of the passages' term-weight vectors (S
     # every dev query in the full corpus (60,240 passages: ~14 minutes of fp32 MiniLM per precision on 2 cores)
     python benchmarks/encode_quality.py --out outputs/quality/encode-full.json
 
+``--precisions int8-token int8-token-ffn-out-float`` (bi-encoders) simulate in float32 what int8 products with a
+scale per token would keep (``SIMULATED``): the precision an int8 kernel on AVX512-VNNI would need, measured before
+it is written.
+
 Timings are printed for orientation only (measure speed with bench_encode.py on a quiet machine). bf16 is
 slower than fp32 on a CPU without fast bf16 (AMX, or AVX512-BF16 on AMD: ``device.cpu_has_fast_bf16``).
 """
@@ -23,6 +27,7 @@ slower than fp32 on a CPU without fast bf16 (AMX, or AVX512-BF16 on AMD: ``devic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
@@ -60,6 +65,37 @@ def row_cosines(a: np.ndarray | sp.spmatrix, b: np.ndarray | sp.spmatrix) -> np.
     return dots / np.maximum(norms, 1e-30)
 
 
+SIMULATED = {"int8-token": (), "int8-token-ffn-out-float": ("output.dense",)}
+"""``--precisions`` names that simulate int8 products in float32 (``int8_products``): each linear layer's input
+rounded to int8 with a scale per token (row), its weight with a scale per output channel, the product of the
+integers rescaled, the bias added; what an int8 kernel on AVX512-VNNI (``vpdpbusd``) would compute. The second keeps
+the layers whose names end in the listed suffixes (the feed-forward output product, whose input is GELU's) in
+float32."""
+
+
+def _fake_int8(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` rounded to 255 levels, symmetric, with one scale per slice along ``dim`` (max |x| / 127)."""
+    scale = x.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12) / 127
+    return torch.round(x / scale).clamp_(-127, 127) * scale
+
+
+@contextlib.contextmanager
+def int8_products(model: torch.nn.Module, keep: tuple[str, ...]):
+    """``SIMULATED``: ``model``'s linear layers (but those whose names end in ``keep``) compute int8 products with
+    per-token and per-channel scales, in float32, while the context lasts."""
+    originals = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith(keep):
+            weight = _fake_int8(module.weight.detach(), dim=1)
+            originals[module] = module.forward
+            module.forward = lambda x, m=module, w=weight: torch.nn.functional.linear(_fake_int8(x, dim=-1), w, m.bias)
+    try:
+        yield
+    finally:
+        for module, forward in originals.items():
+            module.forward = forward
+
+
 def encoded_run(model, evalset, precision: str, batch_size: int, device: torch.device):
     """The top-100 run of ``evalset``'s queries with ``model`` encoding in ``precision``, and the passages' and
     queries' representations (rows to compare across precisions)."""
@@ -70,9 +106,12 @@ def encoded_run(model, evalset, precision: str, batch_size: int, device: torch.d
         if isinstance(model, SpladeEncoder):
             return run, index.postings.T.tocsr(), index.encode_queries(queries)
         return run, index.vectors.astype(np.float32), index.encode_queries(queries).reshape(-1, model.dim)
+    simulated = int8_products(model, SIMULATED[precision]) if precision in SIMULATED else contextlib.nullcontext()
+    precision = "fp32" if precision in SIMULATED else precision
     options = {"batch_size": batch_size, "device": device, "precision": precision, "show_progress": False}
-    p = encode_texts(model, evalset.corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage", **options)
-    q = encode_texts(model, queries, "query", **options)
+    with simulated:
+        p = encode_texts(model, evalset.corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage", **options)
+        q = encode_texts(model, queries, "query", **options)
     scores, rows = exact_search(q, p, 100, device=device)
     ids = evalset.corpus.ids
     run = {
@@ -103,7 +142,7 @@ def main() -> None:
     kind = model_kind(resolve_model_path(args.model)) or "bi-encoder"
     for precision in precisions:  # a bad name, int8 on a GPU or for SPLADE / ColBERT fails before any work
         if kind == "bi-encoder":
-            resolve_precision(precision, device)
+            resolve_precision(precision if precision not in SIMULATED else "fp32", device)
         else:
             float_precision(precision, device, kind)
 
