@@ -109,6 +109,37 @@ def test_concurrent_scheduler(n, batch, dim, slots, seed, sparse):
     assert conflict_free(many, conflicts)
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(6, 60),
+    batch=st.integers(2, 6),
+    slots=st.integers(1, 5),
+    seed=st.integers(0, 1000),
+    sparse=st.booleans(),
+    with_conflicts=st.booleans(),
+)
+def test_when_the_pool_is_compacted_changes_no_schedule(n, batch, slots, seed, sparse, with_conflicts):
+    """``greedy.COMPACT_BELOW`` decides only how often the products' matrix is rebuilt from U's rows (never: 0;
+    after every batch: 1): the batches, sequential and concurrent, are the same whatever it is."""
+    from densepass.scheduling import greedy
+
+    rng = np.random.default_rng(seed)
+    sim = BilinearSimilarity(*random_instances(rng, n, 3, sparse), dtype=torch.float64)
+    batch = min(batch, n)
+    conflicts = random_conflicts(rng, n, n // 4) if with_conflicts else None
+    schedules = []
+    for share in (0.0, 0.5, 7 / 8, 1.0):
+        greedy.COMPACT_BELOW, before = share, greedy.COMPACT_BELOW
+        try:
+            sequential = schedule_batches(sim, batch, conflicts=conflicts, seed=seed)
+            concurrent = list(iter_concurrent_batches(sim, batch, slots, conflicts=conflicts, seed=seed))
+        finally:
+            greedy.COMPACT_BELOW = before
+        schedules.append((sequential, concurrent))
+    assert all(schedule == schedules[0] for schedule in schedules)
+    assert covers_once(schedules[0][1], n)
+
+
 def test_concurrent_batches_keep_the_hardness():
     """On topic-clustered data, 8 batches grown at once are about as hard as one at a time."""
     sim = topic_similarity()

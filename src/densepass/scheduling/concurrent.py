@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from densepass.errors import ConfigError
+from densepass.scheduling import greedy
 from densepass.scheduling.greedy import ActiveRows, check_schedule_args
 from densepass.scheduling.similarity import BilinearSimilarity
 from densepass.scheduling.unscheduled import Unscheduled, pack_remainder
@@ -40,6 +41,7 @@ class _ConflictCounts:
         self.start = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)]).to(device)
         self.flat = torch.tensor([j for c in conflicts for j in c], dtype=torch.long, device=device)
         self.counts = torch.zeros((slots, n), dtype=torch.int32, device=device)
+        self.any = len(self.flat) > 0  # without conflicts every count stays 0
 
     def add(self, slots: torch.Tensor, instances: torch.Tensor, sign: int) -> None:
         """counts[s, x] += sign for every (s, i) pair and every x in conflicts[i]."""
@@ -107,7 +109,7 @@ def iter_concurrent_batches(
         if unassigned > batch_size:
             open_batch(slot)
     while open_slots:
-        if unscheduled.remaining < len(active.ids) // 2:
+        if unscheduled.remaining < len(active.ids) * greedy.COMPACT_BELOW:
             active = ActiveRows(sim, unscheduled.ids())
         finished = [s for s in open_slots if swaps[s] >= max_swaps]
         rows = [s for s in open_slots if swaps[s] < max_swaps]
@@ -122,7 +124,9 @@ def iter_concurrent_batches(
             reduced = sums[slot_t] - sim.dense_rows(removed)
             gains = sim.cross(reduced.T, matrix=active.matrix)  # [|U|, k]: eq. 4 for B_p - r_p
             blocked.add(slot_t, removed, -1)  # instances blocked only by r_p become allowed
-            allowed = available[active.ids][:, None] & (blocked.counts[slot_t][:, active.ids].T == 0)
+            allowed = available[active.ids][:, None]
+            if blocked.any:  # the k open batches' conflict counts over U alone (not over all N)
+                allowed = allowed & (blocked.counts[slot_t[None, :], active.ids[:, None]] == 0)
             gains = torch.where(allowed, gains, -inf)
             addition_pos = torch.argmax(gains, 0)  # first on ties
             best = gains.gather(0, addition_pos[None]).squeeze(0)

@@ -32,10 +32,16 @@ from densepass.errors import ConfigError
 from densepass.scheduling.similarity import BilinearSimilarity
 from densepass.scheduling.unscheduled import Unscheduled, pack_remainder
 
+COMPACT_BELOW = 7 / 8
+"""``ActiveRows`` is rebuilt once the unscheduled instances fall below this share of its rows. A product's cost is the
+matrix's rows, so compacting sooner cuts an epoch's reads from about 2/3 of N per product on average (rebuilt at
+half) toward 1/2, for a rebuild (one gather of U's rows, about one product's reads) every eighth of U scheduled."""
+
 
 class ActiveRows:
-    """The rows of U as a compact matrix, rebuilt when half of it has been scheduled, so each
-    product runs over the instances still in U rather than all N."""
+    """The rows of U as a compact matrix, in ascending id order (so first-on-ties choices are those over all N),
+    rebuilt once U is below ``COMPACT_BELOW`` of its rows, so each product runs over the instances still in U
+    rather than all N."""
 
     def __init__(self, sim: BilinearSimilarity, ids: np.ndarray) -> None:
         self.ids = torch.as_tensor(ids, dtype=torch.long, device=sim.device)
@@ -107,7 +113,7 @@ def iter_batches(
         return int(candidates[k]), gains[k]
 
     while unscheduled.remaining > batch_size:
-        if unscheduled.remaining < len(active.ids) // 2:
+        if unscheduled.remaining < len(active.ids) * COMPACT_BELOW:
             active = ActiveRows(sim, unscheduled.ids())
         members = unscheduled.seed_batch(batch_size, conflicts)
         for m in members:
