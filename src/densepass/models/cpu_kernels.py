@@ -25,6 +25,10 @@ products' results come off the tiles. ``layer_norm_`` normalises bf16 rows in pl
 on the way (what the layers run where ``AfterAttention`` does not fit); ``embed`` computes the first layer's input
 vectors of packed tokens from their ids, positions and types (the lookups, sums and layer norm in one pass).
 
+``Int8Linear`` computes a linear layer through int8 products on AVX512-VNNI (a scale per token and per weight row,
+``vpdpbusd``), twice the bf16 products' rate on a CPU without AMX (``benchmarks/bench_int8_products.py``): the
+building block of int8 layers, which do not run on it yet.
+
 One source (``csrc/cpu_kernels.cpp``), two builds (``KINDS``), chosen at run time by the CPU's flags, best first:
 ``amx`` (Intel Sapphire Rapids and later: the products and attention's two products on AMX tiles) and
 ``avx512_bf16`` (AMD Zen 4 and 5, Intel Cooper Lake, Ice Lake with BF16, or a Sapphire Rapids VM that hides AMX:
@@ -92,15 +96,15 @@ ENV = "DENSEPASS_CPU_KERNELS"
 where they run."""
 CACHE_ENV = "DENSEPASS_KERNEL_CACHE"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512dq", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16")  # fmt: skip
+         "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mamx-tile", "-mamx-bf16")  # fmt: skip
 """Compiler flags: the instruction sets the kernels use, not ``-march=native`` (a cache shared by machines of
 other CPUs stays valid). OpenMP resolves to the ``libgomp`` torch has loaded, so the kernels share its threads."""
-REQUIRED = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl", "avx512dq"})
+REQUIRED = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl", "avx512dq"})
 """The CPU flags (/proc/cpuinfo) the AMX kernels need: Intel Sapphire Rapids and later."""
 AVX512_FLAGS = tuple(flag for flag in FLAGS if not flag.startswith("-mamx"))
 """Compiler flags of the AVX512-BF16 build: the AMX build's without AMX (the source takes the tile path where the
 compiler defines ``__AMX_TILE__``)."""
-AVX512_REQUIRED = frozenset({"avx512f", "avx512_bf16", "avx512bw", "avx512vl", "avx512dq", "fma"})
+AVX512_REQUIRED = frozenset({"avx512f", "avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl", "avx512dq", "fma"})
 """The CPU flags the AVX512-BF16 kernels need: AMD Zen 4 and later, Intel Cooper Lake, Sapphire Rapids."""
 KINDS = ("amx", "avx512_bf16")
 """The builds of the kernels, best first."""
@@ -410,6 +414,68 @@ class AfterAttention:
         return out
 
 
+def vnni_layout(weight: torch.Tensor) -> torch.Tensor:
+    """An int8 weight [out, in] (``out`` a multiple of 32, ``in`` of 16) in the order ``Int8Linear``'s products read
+    it: per 16 output columns, the depth four at a time, each 64-byte row the 16 columns' four bytes ([out / 16,
+    in / 4, 16, 4]: what one ``vpdpbusd`` multiplies with an input row's four bytes, broadcast)."""
+    if weight.dtype != torch.int8 or weight.dim() != 2 or weight.shape[0] % 32 or weight.shape[1] % 16:
+        raise ValueError(f"vnni_layout takes an int8 weight [out, in] (multiples of 32, 16), got {tuple(weight.shape)}")
+    out, depth = weight.shape
+    return weight.reshape(out // 16, 16, depth // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def quantized_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear layer's weight [out, in] as int8 with a scale per output row (max |w| / 127; 1 for a row of
+    zeros): (int8 weight, float32 scales)."""
+    w = weight.detach().float()
+    top = w.abs().amax(dim=1)
+    scale = torch.where(top > 0, top / 127, torch.ones_like(top))
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+class Int8Linear:
+    """A linear layer through int8 products on AVX512-VNNI (``vpdpbusd``), for bf16 inputs:
+
+        q_i = round(x_i / s_i), s_i = max_k |x_ik| / 127        each input row (token) with a scale of its own
+        y_ij = s_i t_j sum_k q_ik W_jk + b_j                     W int8 with a scale t_j per output column
+
+    the integer sums exact (int32), rounded once to bf16. A scale per token keeps what dynamic int8 with one scale
+    for a whole batch loses (``benchmarks/encode_quality.py --precisions int8-token`` simulates it; docs/benchmarks.md).
+    The weights are quantised once, from a copy (``quantized_weight``), in ``vnni_layout``. Call where ``usable``.
+
+        >>> layer = Int8Linear(nn.Linear(64, 96))
+        >>> x = torch.randn(5, 64).bfloat16()
+        >>> layer(x).shape if usable(x, 32) else torch.Size([5, 96])
+        torch.Size([5, 96])
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        out, depth = linear.weight.shape
+        if out % 32 or depth % 16:
+            raise ValueError(f"Int8Linear takes layers of multiples of 32 outputs and 16 inputs, got {depth} -> {out}")
+        weight, self.scale = quantized_weight(linear.weight)
+        self.weight = weight  # [out, in] int8, for references
+        self.sums = weight.sum(dim=1, dtype=torch.int32)
+        self.layout = vnni_layout(weight)
+        self.bias = None if linear.bias is None else linear.bias.detach().bfloat16().clone()
+        self.shape = (out, depth)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [rows, in] bf16 through the layer: [rows, out] bf16."""
+        out, depth = self.shape
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != depth:
+            raise ValueError(f"Int8Linear takes bf16 [rows, {depth}], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], out, dtype=torch.bfloat16)
+        bias = 0 if self.bias is None else self.bias.data_ptr()
+        status = _library().densepass_int8_linear(x.data_ptr(), x.shape[0], depth, self.layout.data_ptr(),
+                                                  self.scale.data_ptr(), self.sums.data_ptr(), bias, out,
+                                                  y.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"the int8 product refused its input (status {status})")
+        return y
+
+
 def gelu(x: torch.Tensor) -> torch.Tensor:
     """GELU as ``AfterAttention`` computes it, of float32 ``x`` (its count a multiple of 16; for tests). Call where
     ``usable``."""
@@ -455,6 +521,7 @@ def _library() -> ctypes.CDLL | None:
         library.densepass_qkv_attention.argtypes = [*[pointer] * 3, size, pointer, pointer, size, size, number_,
                                                     pointer, ctypes.c_int]  # fmt: skip
         library.densepass_gelu.argtypes, library.densepass_gelu.restype = [pointer, pointer, size], None
+        library.densepass_int8_linear.argtypes = [pointer, size, size, *[pointer] * 4, size, pointer, ctypes.c_int]
         return library
     return None
 
