@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import types
 
 import torch
 from torch import nn
@@ -23,6 +24,40 @@ from common import cpu_facts, markdown_table, write_json
 from densepass.models import cpu_kernels
 
 SHAPES = {"query, key, value": (384, 1152), "output": (384, 384), "inner": (384, 1536), "ffn output": (1536, 384)}
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], dtype=weight.dtype)
+    linear.weight.data, linear.bias.data = weight, bias
+    return linear
+
+
+def _int8_packed_tokens(layer, x: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``FusedBertLayer.packed_tokens`` on int8 products: the four products by ``Int8Linear`` (biases included),
+    attention by ``cpu_kernels.self_attention``, the residuals and layer norms by ``cpu_kernels.layer_norm_`` and
+    GELU by torch (exact, erf)."""
+    products = layer.int8_products
+    context = cpu_kernels.self_attention(products["qkv"](x), offsets, layer.heads, keys)
+    h = cpu_kernels.layer_norm_(products["out"](context), layer.attention_norm, x)
+    f = F.gelu(products["inner"](h))
+    return cpu_kernels.layer_norm_(products["ffn"](f), layer.output_norm, h)
+
+
+def use_int8_products(encoder) -> None:
+    """Switch a ``models.fused.FusedBertEncoder`` (a bf16 inference copy on the kernels' path) to int8 products in
+    every layer, weights quantised from the copy's bf16 ones: what int8 layers would compute and cost, measured
+    before densepass runs them (``bench_encode.py --int8-products``, ``encode_quality.py --precisions int8-kernel``)."""
+    for layer in encoder.layers:
+        weights = {
+            "qkv": cpu_kernels.untiled(layer.attention.tiles),
+            "out": cpu_kernels.untiled(layer.after.tiles["out"]),
+        }
+        weights.update({name: cpu_kernels.untiled(layer.after.tiles[name]) for name in ("inner", "ffn")})
+        biases = {"qkv": layer.qkv_bias, "out": layer.out_bias, "inner": layer.inner_bias, "ffn": layer.ffn_bias}
+        layer.int8_products = {
+            name: cpu_kernels.Int8Linear(_linear(weight, biases[name].detach())) for name, weight in weights.items()
+        }
+        layer.packed_tokens = types.MethodType(_int8_packed_tokens, layer)
 
 
 def fastest(fn, repeats: int) -> float:

@@ -18,7 +18,8 @@ centroid pruning); the cosines are those of the passages' term-weight vectors (S
 
 ``--precisions int8-token int8-token-ffn-out-float`` (bi-encoders) simulate in float32 what int8 products with a
 scale per token would keep (``SIMULATED``): the precision an int8 kernel on AVX512-VNNI would need, measured before
-it is written.
+it is written; ``int8-kernel`` runs it (``bench_int8_products.use_int8_products``: the bf16 copy's fused layers on
+int8 products, experimental).
 
 Timings are printed for orientation only (measure speed with bench_encode.py on a quiet machine). bf16 is
 slower than fp32 on a CPU without fast bf16 (AMX, or AVX512-BF16 on AMD: ``device.cpu_has_fast_bf16``).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import time
 from pathlib import Path
 
@@ -45,7 +47,7 @@ from densepass.index.exact import exact_search
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder, resolve_model_path
 from densepass.models.copies import float_precision
-from densepass.models.encode import encode_texts
+from densepass.models.encode import encode_texts, inference_runner
 from densepass.models.kinds import model_kind
 from densepass.models.load import load_model
 from densepass.models.splade import SpladeEncoder
@@ -107,7 +109,14 @@ def encoded_run(model, evalset, precision: str, batch_size: int, device: torch.d
             return run, index.postings.T.tocsr(), index.encode_queries(queries)
         return run, index.vectors.astype(np.float32), index.encode_queries(queries).reshape(-1, model.dim)
     simulated = int8_products(model, SIMULATED[precision]) if precision in SIMULATED else contextlib.nullcontext()
-    precision = "fp32" if precision in SIMULATED else precision
+    if precision == "int8-kernel":  # the bf16 copy's fused layers on int8 products (experimental)
+        from bench_int8_products import use_int8_products
+
+        model = copy.deepcopy(model)  # its own bf16 copy (copies are cached per model)
+        runner = inference_runner(model, "bf16", device)
+        for tower in {id(t): t for t in (runner.passage_encoder, runner.query_encoder)}.values():
+            use_int8_products(tower)
+    precision = "fp32" if precision in SIMULATED else "bf16" if precision == "int8-kernel" else precision
     options = {"batch_size": batch_size, "device": device, "precision": precision, "show_progress": False}
     with simulated:
         p = encode_texts(model, evalset.corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage", **options)
@@ -142,7 +151,7 @@ def main() -> None:
     kind = model_kind(resolve_model_path(args.model)) or "bi-encoder"
     for precision in precisions:  # a bad name, int8 on a GPU or for SPLADE / ColBERT fails before any work
         if kind == "bi-encoder":
-            resolve_precision(precision if precision not in SIMULATED else "fp32", device)
+            resolve_precision(precision if precision not in (*SIMULATED, "int8-kernel") else "fp32", device)
         else:
             float_precision(precision, device, kind)
 

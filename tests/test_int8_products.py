@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn import functional as F
 
 from densepass.models import cpu_kernels
 
@@ -77,3 +78,32 @@ def test_shapes_the_kernel_does_not_take_are_refused():
     layer = cpu_kernels.Int8Linear(nn.Linear(32, 32))
     with pytest.raises(ValueError, match=r"bf16 \[rows, 32\]"):
         layer(torch.zeros(3, 32))
+
+
+@runs
+def test_fused_layers_switched_to_int8_products_stay_close_to_bf16(monkeypatch):
+    """``bench_int8_products.use_int8_products`` (what bench_encode and encode_quality measure): every layer's
+    products through ``Int8Linear``, the layer's output within int8's rounding of the bf16 kernels'."""
+    from pathlib import Path
+
+    from transformers import BertConfig, BertModel
+
+    from densepass.models.fused import FusedBertEncoder
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_int8_products import use_int8_products
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=64)  # fmt: skip
+    bert = BertModel(config, add_pooling_layer=False).bfloat16().eval()
+    ids = torch.randint(5, 100, (3, 20))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    bf16 = FusedBertEncoder(bert)(ids, mask).last_hidden_state.float()
+    switched = FusedBertEncoder(bert)
+    use_int8_products(switched)
+    int8 = switched(ids, mask).last_hidden_state.float()
+    kept = mask.bool()
+    cosine = F.cosine_similarity(int8[kept], bf16[kept], dim=-1)
+    assert cosine.min() > 0.99 and not torch.equal(int8, bf16)  # int8's rounding, and nothing else
