@@ -27,8 +27,9 @@ and each one's fastest time is reported, with the ratio of densepass's fastest s
 round by round (the two times of one round are closest in time). Agreement = mean cosine to sentence-transformers'
 float32 embeddings. ``--cpu-time`` times each system by the process's CPU seconds instead (run it with
 ``OMP_NUM_THREADS=1``): on a machine other jobs share, the work each system does, whoever holds the cores.
-``--int8-products`` adds densepass with its fused layers on int8 products with a scale per token
-(``bench_int8_products.use_int8_products``): experimental, not a precision of densepass yet.
+``--int8-products none ffn`` adds densepass with its fused layers on int8 products with a scale per token
+(``bench_int8_products.use_int8_products``), every product or all but the feed-forward output: experimental, not a
+precision of densepass yet.
 On the CPU each row has its model FLOPs utilisation: texts/s x the texts' mean real tokens x forward FLOPs per
 token (``common.encoder_flops_per_token``) / the CPU's measured bf16 peak (``cpu_peak.py``; float32 without
 AVX512-BF16), one peak for every row, so each system's distance to the hardware limit shows.
@@ -321,8 +322,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--int8-products",
-        action="store_true",
-        help="CPU: also densepass with its fused layers on int8 products (bench_int8_products.use_int8_products)",
+        nargs="*",
+        default=None,
+        metavar="KEEP",
+        help="CPU: also densepass with its fused layers on int8 products (bench_int8_products.use_int8_products), a "
+        "row for each KEEP: none (every product in int8) or the products left in bf16 (e.g. ffn; qkv,out,inner,ffn)",
     )
     parser.add_argument("--ort", action="store_true", help="CPU: also ONNX Runtime on a torch.onnx export")
     parser.add_argument(
@@ -382,17 +386,16 @@ def main() -> None:
         encode = under(fused_module, {"LENGTH_MULTIPLE": multiple}, densepass_encoder(model, bf16_options))
         label = f"densepass encode_texts, lengths padded to a multiple of {multiple}"
         systems.append((label, "bf16", args.batch_size, encode))
-    if args.int8_products and not gpu:
+    for keep in (args.int8_products or []) if not gpu else []:
         # a model of its own: its bf16 copy's fused layers switched to int8 products (experimental)
         int8_model = BiEncoder.from_pretrained(path, config=lengths)
         runner = inference_runner(int8_model, "bf16", device)
-        for tower in {
-            id(runner.passage_encoder): runner.passage_encoder,
-            id(runner.query_encoder): runner.query_encoder,
-        }.values():
-            use_int8_products(tower)
+        kept = () if keep == "none" else tuple(keep.split(","))
+        for tower in {id(t): t for t in (runner.passage_encoder, runner.query_encoder)}.values():
+            use_int8_products(tower, kept)
         encode = densepass_encoder(int8_model, bf16_options)
-        systems.append(("densepass encode_texts, int8 products (experimental)", "int8", args.batch_size, encode))
+        label = "densepass encode_texts, int8 products (experimental)" + (f", {keep} in bf16" if kept else "")
+        systems.append((label, "int8", args.batch_size, encode))
     if args.sdpa and not gpu:
         encode = under(kernels_module, {"usable": lambda qkv, size: False}, densepass_encoder(model, bf16_options))
         systems.append(("densepass encode_texts, SDPA attention", "bf16", args.batch_size, encode))

@@ -43,10 +43,17 @@ def _int8_packed_tokens(layer, x: torch.Tensor, offsets: torch.Tensor, keys: tor
     return cpu_kernels.layer_norm_(products["ffn"](f), layer.output_norm, h)
 
 
-def use_int8_products(encoder) -> None:
+def _bf16_product(layer, name: str, bias: torch.Tensor):
+    """The layer's product ``name`` as the fused layers run it in bf16 (oneDNN, its blocked weight)."""
+    weight = layer.products(name)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def use_int8_products(encoder, keep: tuple[str, ...] = ()) -> None:
     """Switch a ``models.fused.FusedBertEncoder`` (a bf16 inference copy on the kernels' path) to int8 products in
     every layer, weights quantised from the copy's bf16 ones: what int8 layers would compute and cost, measured
-    before densepass runs them (``bench_encode.py --int8-products``, ``encode_quality.py --precisions int8-kernel``)."""
+    before densepass runs them (``bench_encode.py --int8-products``, ``encode_quality.py --precisions int8-kernel``).
+    ``keep``: products (``qkv``, ``out``, ``inner``, ``ffn``) left in bf16."""
     for layer in encoder.layers:
         weights = {
             "qkv": cpu_kernels.untiled(layer.attention.tiles),
@@ -55,7 +62,10 @@ def use_int8_products(encoder) -> None:
         weights.update({name: cpu_kernels.untiled(layer.after.tiles[name]) for name in ("inner", "ffn")})
         biases = {"qkv": layer.qkv_bias, "out": layer.out_bias, "inner": layer.inner_bias, "ffn": layer.ffn_bias}
         layer.int8_products = {
-            name: cpu_kernels.Int8Linear(_linear(weight, biases[name].detach())) for name, weight in weights.items()
+            name: _bf16_product(layer, name, biases[name].detach())
+            if name in keep
+            else cpu_kernels.Int8Linear(_linear(weight, biases[name].detach()))
+            for name, weight in weights.items()
         }
         layer.packed_tokens = types.MethodType(_int8_packed_tokens, layer)
 

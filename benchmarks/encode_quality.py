@@ -18,7 +18,7 @@ centroid pruning); the cosines are those of the passages' term-weight vectors (S
 
 ``--precisions int8-token int8-token-ffn-out-float`` (bi-encoders) simulate in float32 what int8 products with a
 scale per token would keep (``SIMULATED``): the precision an int8 kernel on AVX512-VNNI would need, measured before
-it is written; ``int8-kernel`` runs it (``bench_int8_products.use_int8_products``: the bf16 copy's fused layers on
+it is written; ``int8-kernel`` and ``int8-kernel-ffn-bf16`` run it (``KERNEL``: the bf16 copy's fused layers on
 int8 products, experimental).
 
 Timings are printed for orientation only (measure speed with bench_encode.py on a quiet machine). bf16 is
@@ -75,6 +75,11 @@ the layers whose names end in the listed suffixes (the feed-forward output produ
 float32."""
 
 
+KERNEL = {"int8-kernel": (), "int8-kernel-ffn-bf16": ("ffn",)}
+"""``--precisions`` names that run the bf16 copy's fused layers on ``cpu_kernels.Int8Linear`` products (every
+product, or all but the feed-forward output, left in bf16): ``bench_int8_products.use_int8_products``."""
+
+
 def _fake_int8(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``x`` rounded to 255 levels, symmetric, with one scale per slice along ``dim`` (max |x| / 127)."""
     scale = x.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12) / 127
@@ -109,14 +114,14 @@ def encoded_run(model, evalset, precision: str, batch_size: int, device: torch.d
             return run, index.postings.T.tocsr(), index.encode_queries(queries)
         return run, index.vectors.astype(np.float32), index.encode_queries(queries).reshape(-1, model.dim)
     simulated = int8_products(model, SIMULATED[precision]) if precision in SIMULATED else contextlib.nullcontext()
-    if precision == "int8-kernel":  # the bf16 copy's fused layers on int8 products (experimental)
+    if precision in KERNEL:  # the bf16 copy's fused layers on int8 products (experimental)
         from bench_int8_products import use_int8_products
 
         model = copy.deepcopy(model)  # its own bf16 copy (copies are cached per model)
         runner = inference_runner(model, "bf16", device)
         for tower in {id(t): t for t in (runner.passage_encoder, runner.query_encoder)}.values():
-            use_int8_products(tower)
-    precision = "fp32" if precision in SIMULATED else "bf16" if precision == "int8-kernel" else precision
+            use_int8_products(tower, KERNEL[precision])
+    precision = "fp32" if precision in SIMULATED else "bf16" if precision in KERNEL else precision
     options = {"batch_size": batch_size, "device": device, "precision": precision, "show_progress": False}
     with simulated:
         p = encode_texts(model, evalset.corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage", **options)
@@ -151,7 +156,7 @@ def main() -> None:
     kind = model_kind(resolve_model_path(args.model)) or "bi-encoder"
     for precision in precisions:  # a bad name, int8 on a GPU or for SPLADE / ColBERT fails before any work
         if kind == "bi-encoder":
-            resolve_precision(precision if precision not in (*SIMULATED, "int8-kernel") else "fp32", device)
+            resolve_precision(precision if precision not in (*SIMULATED, *KERNEL) else "fp32", device)
         else:
             float_precision(precision, device, kind)
 
