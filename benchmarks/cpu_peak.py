@@ -20,6 +20,7 @@ bf16 model on a CPU without AMX; the int8 rate that of int8 products.
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import shutil
 import subprocess
@@ -98,11 +99,20 @@ KINDS = {
 
 
 @functools.cache
+def _work() -> Path:
+    """The process's own temporary directory for the loops it builds, removed when the process exits."""
+    directory = tempfile.TemporaryDirectory(prefix="densepass-cpu-peak-")
+    atexit.register(directory.cleanup)
+    return Path(directory.name)
+
+
+@functools.cache
 def _binary(kind: str, avx512: bool) -> Path | None:
     compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
         return None
-    work = Path(tempfile.mkdtemp(prefix="densepass-cpu-peak-"))
+    work = _work() / kind
+    work.mkdir()
     (work / "peak.cpp").write_text(SOURCE)
     flags = KINDS[kind][1] + (["-mavx512f"] if avx512 and kind == "fp32" else [])
     done = subprocess.run(
@@ -126,6 +136,8 @@ def peak_gmacs(kind: str, threads: int | None = None, iters: int = 20_000_000) -
     if binary is None:
         return None
     threads = threads or torch.get_num_threads()
+    if threads < 1 or iters < 1:
+        raise ValueError(f"threads and iterations must be >= 1, got {threads} and {iters}")
     out = subprocess.run([str(binary), kind, str(threads), str(iters)], capture_output=True, text=True, check=True)
     seconds = float(out.stdout.split()[0])
     per_instruction = KINDS[kind][2] or (16 if avx512 else 8)
@@ -148,6 +160,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1 and torch's threads")
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
+    if args.threads and min(args.threads) < 1:
+        parser.error("--threads must be >= 1")
     threads = args.threads or sorted({1, torch.get_num_threads()})
     rows, results = [], []
     for kind in KINDS:
