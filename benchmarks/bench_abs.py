@@ -180,6 +180,8 @@ def main() -> None:
     parser.add_argument("--bm25", action="store_true", help="also schedule debian-packages train with BM25")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
+    if args.compact_below and not all(0 <= share <= 1 for share in args.compact_below):
+        parser.error("--compact-below takes shares from 0 (never rebuild) to 1 (after every batch)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     where = (
         torch.cuda.get_device_name()

@@ -101,6 +101,11 @@ def load_st(path: str, device: torch.device, max_length: int, dtype=torch.float3
     return model
 
 
+def cpu_kernels_usable() -> bool:
+    """Whether densepass's CPU kernels run here (what ``--int8-products`` switches the fused layers onto)."""
+    return kernels_module.usable(torch.zeros(1, dtype=torch.bfloat16), 32)
+
+
 def densepass_encoder(model: BiEncoder, options: dict) -> Encoder:
     """densepass ``encode_texts`` with ``options`` (side, batch size, device, precision, ...) as an encoder."""
     return lambda items: encode_texts(model, items, **options)
@@ -344,6 +349,12 @@ def main() -> None:
     sizes = [args.repeats, args.export_batch_size, *args.bf16_piece_tokens, *args.length_multiples]
     if any(size < 1 for size in sizes) or (args.n is not None and args.n < 1):
         parser.error("--n, --repeats, --export-batch-size, --bf16-piece-tokens and --length-multiples must be >= 1")
+    products = {"qkv", "out", "inner", "ffn"}
+    for keep in args.int8_products or []:
+        if keep != "none" and not set(keep.split(",")) <= products:
+            parser.error(f"--int8-products takes none or products among {', '.join(sorted(products))}, got {keep!r}")
+    if args.int8_products and not cpu_kernels_usable():
+        parser.error("--int8-products needs densepass's CPU kernels (AVX512-BF16 and AVX512-VNNI), absent here")
     if args.save_embeddings and args.side != "passage":
         parser.error("--save-embeddings saves passage embeddings: run it with --side passage")
     device = pick_device(args.device)

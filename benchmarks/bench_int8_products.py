@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.tokens < 1 or args.repeats < 1:
+        parser.error("--tokens and --repeats must be >= 1")
     x_probe = torch.zeros(1, dtype=torch.bfloat16)
     if not cpu_kernels.usable(x_probe, 32):
         raise SystemExit("densepass's CPU kernels do not run on this CPU (AVX512-BF16 and AVX512-VNNI needed)")

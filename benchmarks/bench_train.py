@@ -140,11 +140,6 @@ def peak_tflops(args, device: torch.device, bf16: bool) -> tuple[float | None, s
     return threads * ghz * per_cycle / 1e3, f"estimate: {threads} threads x {ghz:.2f} GHz x {per_cycle} FLOPs/cycle"
 
 
-def training_flops_per_token(path: str, mean_length: float) -> float:
-    """Training FLOPs per real token (``common.encoder_flops_per_token``, forward and backward)."""
-    return encoder_flops_per_token(path, mean_length, backward=True)
-
-
 def attention_variants(repeats: int = 5) -> None:
     """Forward + backward of attention over 96 packed sequences of 8-128 tokens (MiniLM's 12 heads of 32, float32):
     SDPA on the padded grid with a key mask (``models.packing``), per group of equal lengths, per sequence, and
@@ -371,7 +366,7 @@ def packing_comparison(path, data, triplets, args, device, bf16: bool, env: dict
     """densepass padded, densepass packed and sentence-transformers in one run: examples/s, real tokens/s, peak
     memory, MFU (the module docstring)."""
     per_example, mean_length = real_tokens(path, triplets, args)
-    flops = training_flops_per_token(path, mean_length)
+    flops = encoder_flops_per_token(path, mean_length, backward=True)
     peak, peak_how = peak_tflops(args, device, bf16)
     print(
         f"real tokens per example {per_example:.1f} (mean sequence length {mean_length:.1f}); "

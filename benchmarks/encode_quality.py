@@ -45,6 +45,7 @@ from densepass.evaluation.metrics import evaluate_run
 from densepass.index.bm25 import BM25Index
 from densepass.index.exact import exact_search
 from densepass.io import atomic_write_text
+from densepass.models import cpu_kernels
 from densepass.models.biencoder import BiEncoder, resolve_model_path
 from densepass.models.copies import float_precision
 from densepass.models.encode import encode_texts, inference_runner
@@ -159,6 +160,9 @@ def main() -> None:
             resolve_precision(precision if precision not in (*SIMULATED, *KERNEL) else "fp32", device)
         else:
             float_precision(precision, device, kind)
+    kernel = torch.zeros(1, dtype=torch.bfloat16)
+    if set(precisions) & set(KERNEL) and not (kind == "bi-encoder" and cpu_kernels.usable(kernel, 32)):
+        parser.error(f"{', '.join(KERNEL)} run a bi-encoder on densepass's CPU kernels (AVX512-BF16 and -VNNI)")
 
     dataset = load_dataset(args.dataset, args.data_dir)
     data = DataConfig(
