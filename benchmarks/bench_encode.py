@@ -7,7 +7,8 @@ its dev queries), same maximum length, in one run.
         --save-embeddings outputs/bench/emb --out outputs/bench/encode-h100.json                   # H100
 
 densepass runs in fp32, bf16 (a bfloat16 copy; on CPU only where bf16 is fast, or with
-``--densepass-precisions``; on CPU with fused BERT layers, ``models.fused``) and, on CPU, int8 (dynamic
+``--densepass-precisions``; on CPU with fused BERT layers, ``models.fused``) and, on CPU, int8
+(``models.encode``: with densepass's CPU kernels, the fused layers on int8 products; elsewhere dynamic
 quantisation). ``--unfused`` adds densepass bf16 as it ran before the fused layers (transformers' layers, pieces of
 2,048 tokens), ``--bf16-piece-tokens`` other piece sizes, ``--length-multiples`` other paddings of the fused
 layers' inputs (1: none), ``--sdpa`` SDPA in the fused layers instead of the AMX attention kernel
@@ -27,9 +28,6 @@ and each one's fastest time is reported, with the ratio of densepass's fastest s
 round by round (the two times of one round are closest in time). Agreement = mean cosine to sentence-transformers'
 float32 embeddings. ``--cpu-time`` times each system by the process's CPU seconds instead (run it with
 ``OMP_NUM_THREADS=1``): on a machine other jobs share, the work each system does, whoever holds the cores.
-``--int8-products none ffn`` adds densepass with its fused layers on int8 products with a scale per token
-(``bench_int8_products.use_int8_products``), every product or all but the feed-forward output: experimental, not a
-precision of densepass yet.
 On the CPU each row has its model FLOPs utilisation: texts/s x the texts' mean real tokens x forward FLOPs per
 token (``common.encoder_flops_per_token``) / the CPU's measured bf16 peak (``cpu_peak.py``; float32 without
 AVX512-BF16), one peak for every row, so each system's distance to the hardware limit shows.
@@ -48,7 +46,6 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from bench_int8_products import use_int8_products
 from common import (
     encoder_flops_per_token,
     environment,
@@ -66,7 +63,7 @@ from densepass.models import cpu_kernels as kernels_module
 from densepass.models import encode as encode_module
 from densepass.models import fused as fused_module
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
-from densepass.models.encode import encode_texts, inference_runner
+from densepass.models.encode import encode_texts
 from densepass.models.inputs import CPU_PIECE_TOKENS
 
 Encoder = Callable[[list[str]], np.ndarray]
@@ -99,11 +96,6 @@ def load_st(path: str, device: torch.device, max_length: int, dtype=torch.float3
         model = model.to(dtype)
     model.max_seq_length = max_length
     return model
-
-
-def cpu_kernels_usable() -> bool:
-    """Whether densepass's CPU kernels run here (what ``--int8-products`` switches the fused layers onto)."""
-    return kernels_module.usable(torch.zeros(1, dtype=torch.bfloat16), 32)
 
 
 def densepass_encoder(model: BiEncoder, options: dict) -> Encoder:
@@ -325,14 +317,6 @@ def main() -> None:
         default=["onnx", "openvino"],
         help="CPU: sentence-transformers backends besides torch, where they install (run at batch 32)",
     )
-    parser.add_argument(
-        "--int8-products",
-        nargs="*",
-        default=None,
-        metavar="KEEP",
-        help="CPU: also densepass with its fused layers on int8 products (bench_int8_products.use_int8_products), a "
-        "row for each KEEP: none (every product in int8) or the products left in bf16 (e.g. ffn; qkv,out,inner,ffn)",
-    )
     parser.add_argument("--ort", action="store_true", help="CPU: also ONNX Runtime on a torch.onnx export")
     parser.add_argument(
         "--openvino", action="store_true", help="CPU: also OpenVINO on the model converted by openvino.convert_model"
@@ -349,12 +333,6 @@ def main() -> None:
     sizes = [args.repeats, args.export_batch_size, *args.bf16_piece_tokens, *args.length_multiples]
     if any(size < 1 for size in sizes) or (args.n is not None and args.n < 1):
         parser.error("--n, --repeats, --export-batch-size, --bf16-piece-tokens and --length-multiples must be >= 1")
-    products = {"qkv", "out", "inner", "ffn"}
-    for keep in args.int8_products or []:
-        if keep != "none" and not set(keep.split(",")) <= products:
-            parser.error(f"--int8-products takes none or products among {', '.join(sorted(products))}, got {keep!r}")
-    if args.int8_products and not cpu_kernels_usable():
-        parser.error("--int8-products needs densepass's CPU kernels (AVX512-BF16 and AVX512-VNNI), absent here")
     if args.save_embeddings and args.side != "passage":
         parser.error("--save-embeddings saves passage embeddings: run it with --side passage")
     device = pick_device(args.device)
@@ -397,16 +375,6 @@ def main() -> None:
         encode = under(fused_module, {"LENGTH_MULTIPLE": multiple}, densepass_encoder(model, bf16_options))
         label = f"densepass encode_texts, lengths padded to a multiple of {multiple}"
         systems.append((label, "bf16", args.batch_size, encode))
-    for keep in (args.int8_products or []) if not gpu else []:
-        # a model of its own: its bf16 copy's fused layers switched to int8 products (experimental)
-        int8_model = BiEncoder.from_pretrained(path, config=lengths)
-        runner = inference_runner(int8_model, "bf16", device)
-        kept = () if keep == "none" else tuple(keep.split(","))
-        for tower in {id(t): t for t in (runner.passage_encoder, runner.query_encoder)}.values():
-            use_int8_products(tower, kept)
-        encode = densepass_encoder(int8_model, bf16_options)
-        label = "densepass encode_texts, int8 products (experimental)" + (f", {keep} in bf16" if kept else "")
-        systems.append((label, "int8", args.batch_size, encode))
     if args.sdpa and not gpu:
         encode = under(kernels_module, {"usable": lambda qkv, size: False}, densepass_encoder(model, bf16_options))
         systems.append(("densepass encode_texts, SDPA attention", "bf16", args.batch_size, encode))

@@ -1,9 +1,9 @@
-r"""int8 products with a scale per token (``cpu_kernels.Int8Linear``, ``vpdpbusd``) against the bf16 products the
-fused layers run now (oneDNN's ``F.linear`` on bf16, which runs at 87-93% of the bf16 peak on an AMD EPYC), at a
-BERT layer's four shapes (MiniLM: 384 -> 1152 for the query, key and value, 384 -> 384, 384 -> 1536, 1536 -> 384),
-on ``--tokens`` rows of random bf16 values. Each product runs ``--repeats`` times in turn with the other, the
-fastest of each reported, as multiply-adds per second and as a share of the CPU's measured peak (``cpu_peak.py``:
-bf16 and int8 each against their own).
+r"""int8 products with a scale and an offset per token (``cpu_kernels.Int8Linear``, ``vpdpbusd``: what the
+``int8`` precision's fused layers run) against the bf16 products of the bf16 fused layers (oneDNN's ``F.linear``
+on bf16), at a BERT layer's four shapes (MiniLM: 384 -> 1152 for the query, key and value, 384 -> 384, 384 ->
+1536, 1536 -> 384), on ``--tokens`` rows of random bf16 values. Each product runs ``--repeats`` times in turn with
+the other, the fastest of each reported, as multiply-adds per second and as a share of the CPU's measured peak
+(``cpu_peak.py``: bf16 and int8 each against their own).
 
     PYTHONPATH=src:benchmarks python benchmarks/bench_int8_products.py --tokens 8192 --repeats 20 \
         --out outputs/bench/int8-products.json
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import time
-import types
 
 import torch
 from torch import nn
@@ -24,50 +23,6 @@ from common import cpu_facts, markdown_table, write_json
 from densepass.models import cpu_kernels
 
 SHAPES = {"query, key, value": (384, 1152), "output": (384, 384), "inner": (384, 1536), "ffn output": (1536, 384)}
-
-
-def _linear(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
-    linear = nn.Linear(weight.shape[1], weight.shape[0], dtype=weight.dtype)
-    linear.weight.data, linear.bias.data = weight, bias
-    return linear
-
-
-def _int8_packed_tokens(layer, x: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``FusedBertLayer.packed_tokens`` on int8 products: the four products by ``Int8Linear`` (biases included),
-    attention by ``cpu_kernels.self_attention``, the residuals and layer norms by ``cpu_kernels.layer_norm_`` and
-    GELU by torch (exact, erf)."""
-    products = layer.int8_products
-    context = cpu_kernels.self_attention(products["qkv"](x), offsets, layer.heads, keys)
-    h = cpu_kernels.layer_norm_(products["out"](context), layer.attention_norm, x)
-    f = F.gelu(products["inner"](h))
-    return cpu_kernels.layer_norm_(products["ffn"](f), layer.output_norm, h)
-
-
-def _bf16_product(layer, name: str, bias: torch.Tensor):
-    """The layer's product ``name`` as the fused layers run it in bf16 (oneDNN, its blocked weight)."""
-    weight = layer.products(name)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-def use_int8_products(encoder, keep: tuple[str, ...] = ()) -> None:
-    """Switch a ``models.fused.FusedBertEncoder`` (a bf16 inference copy on the kernels' path) to int8 products in
-    every layer, weights quantised from the copy's bf16 ones: what int8 layers would compute and cost, measured
-    before densepass runs them (``bench_encode.py --int8-products``, ``encode_quality.py --precisions int8-kernel``).
-    ``keep``: products (``qkv``, ``out``, ``inner``, ``ffn``) left in bf16."""
-    for layer in encoder.layers:
-        weights = {
-            "qkv": cpu_kernels.untiled(layer.attention.tiles),
-            "out": cpu_kernels.untiled(layer.after.tiles["out"]),
-        }
-        weights.update({name: cpu_kernels.untiled(layer.after.tiles[name]) for name in ("inner", "ffn")})
-        biases = {"qkv": layer.qkv_bias, "out": layer.out_bias, "inner": layer.inner_bias, "ffn": layer.ffn_bias}
-        layer.int8_products = {
-            name: _bf16_product(layer, name, biases[name].detach())
-            if name in keep
-            else cpu_kernels.Int8Linear(_linear(weight, biases[name].detach()))
-            for name, weight in weights.items()
-        }
-        layer.packed_tokens = types.MethodType(_int8_packed_tokens, layer)
 
 
 def fastest(fn, repeats: int) -> float:

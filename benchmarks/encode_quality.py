@@ -16,10 +16,9 @@ centroid pruning); the cosines are those of the passages' term-weight vectors (S
     # every dev query in the full corpus (60,240 passages: ~14 minutes of fp32 MiniLM per precision on 2 cores)
     python benchmarks/encode_quality.py --out outputs/quality/encode-full.json
 
-``--precisions int8-token int8-token-ffn-out-float`` (bi-encoders) simulate in float32 what int8 products with a
-scale per token would keep (``SIMULATED``): the precision an int8 kernel on AVX512-VNNI would need, measured before
-it is written; ``int8-kernel`` and ``int8-kernel-ffn-bf16`` run it (``KERNEL``: the bf16 copy's fused layers on
-int8 products, experimental).
+``--precisions int8-token int8-token-ffn-out-float int8-token-range`` (bi-encoders) simulate in float32 what int8
+products with a scale per token would keep (``SIMULATED``): how an int8 kernel should quantise, measured before it
+is written. ``int8`` itself is densepass's: on a CPU with its kernels, the fused layers on int8 products.
 
 Timings are printed for orientation only (measure speed with bench_encode.py on a quiet machine). bf16 is
 slower than fp32 on a CPU without fast bf16 (AMX, or AVX512-BF16 on AMD: ``device.cpu_has_fast_bf16``).
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import time
 from pathlib import Path
 
@@ -41,14 +39,13 @@ from common import markdown_table, pick_device, write_json
 from densepass.config import DataConfig
 from densepass.data import load_dataset
 from densepass.device import resolve_precision
-from densepass.evaluation.metrics import evaluate_run
+from densepass.evaluation.metrics import evaluate_run, per_query_scores, randomization_p
 from densepass.index.bm25 import BM25Index
 from densepass.index.exact import exact_search
 from densepass.io import atomic_write_text
-from densepass.models import cpu_kernels
 from densepass.models.biencoder import BiEncoder, resolve_model_path
 from densepass.models.copies import float_precision
-from densepass.models.encode import encode_texts, inference_runner
+from densepass.models.encode import encode_texts
 from densepass.models.kinds import model_kind
 from densepass.models.load import load_model
 from densepass.models.splade import SpladeEncoder
@@ -68,35 +65,43 @@ def row_cosines(a: np.ndarray | sp.spmatrix, b: np.ndarray | sp.spmatrix) -> np.
     return dots / np.maximum(norms, 1e-30)
 
 
-SIMULATED = {"int8-token": (), "int8-token-ffn-out-float": ("output.dense",)}
-"""``--precisions`` names that simulate int8 products in float32 (``int8_products``): each linear layer's input
-rounded to int8 with a scale per token (row), its weight with a scale per output channel, the product of the
-integers rescaled, the bias added; what an int8 kernel on AVX512-VNNI (``vpdpbusd``) would compute. The second keeps
-the layers whose names end in the listed suffixes (the feed-forward output product, whose input is GELU's) in
-float32."""
-
-
-KERNEL = {"int8-kernel": (), "int8-kernel-ffn-bf16": ("ffn",)}
-"""``--precisions`` names that run the bf16 copy's fused layers on ``cpu_kernels.Int8Linear`` products (every
-product, or all but the feed-forward output, left in bf16): ``bench_int8_products.use_int8_products``."""
-
-
-def _fake_int8(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _symmetric(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``x`` rounded to 255 levels, symmetric, with one scale per slice along ``dim`` (max |x| / 127)."""
     scale = x.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12) / 127
     return torch.round(x / scale).clamp_(-127, 127) * scale
 
 
+def _over_range(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` rounded to 256 levels over each slice's range along ``dim`` (its minimum, (max - min) / 255)."""
+    low = x.amin(dim=dim, keepdim=True)
+    scale = (x.amax(dim=dim, keepdim=True) - low).clamp_min(1e-12) / 255
+    return torch.round((x - low) / scale).clamp_(0, 255) * scale + low
+
+
+SIMULATED = {
+    "int8-token": (_symmetric, ()),
+    "int8-token-ffn-out-float": (_symmetric, ("output.dense",)),
+    "int8-token-range": (_over_range, ()),
+}
+"""``--precisions`` names that simulate int8 products in float32 (``int8_products``): each linear layer's input
+rounded to int8 per token (row), its weight with a symmetric scale per output channel, the product of the integers
+rescaled, the bias added. ``int8-token``: a symmetric scale per token (max |x| / 127); ``int8-token-ffn-out-float``
+the same, the feed-forward output product (whose input is GELU's) left in float32; ``int8-token-range``: each token
+over its own range (minimum and (max - min) / 255), what densepass's ``int8`` computes on its CPU kernels
+(``cpu_kernels.Int8Linear``) but in float32 throughout."""
+
+
 @contextlib.contextmanager
-def int8_products(model: torch.nn.Module, keep: tuple[str, ...]):
-    """``SIMULATED``: ``model``'s linear layers (but those whose names end in ``keep``) compute int8 products with
-    per-token and per-channel scales, in float32, while the context lasts."""
+def int8_products(model: torch.nn.Module, rounding, keep: tuple[str, ...]):
+    """``SIMULATED``: ``model``'s linear layers (but those whose names end in ``keep``) compute int8 products, their
+    inputs rounded per token by ``rounding`` and their weights per output channel (symmetric), in float32, while
+    the context lasts."""
     originals = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not name.endswith(keep):
-            weight = _fake_int8(module.weight.detach(), dim=1)
+            weight = _symmetric(module.weight.detach(), dim=1)
             originals[module] = module.forward
-            module.forward = lambda x, m=module, w=weight: torch.nn.functional.linear(_fake_int8(x, dim=-1), w, m.bias)
+            module.forward = lambda x, m=module, w=weight: torch.nn.functional.linear(rounding(x, -1), w, m.bias)
     try:
         yield
     finally:
@@ -114,15 +119,8 @@ def encoded_run(model, evalset, precision: str, batch_size: int, device: torch.d
         if isinstance(model, SpladeEncoder):
             return run, index.postings.T.tocsr(), index.encode_queries(queries)
         return run, index.vectors.astype(np.float32), index.encode_queries(queries).reshape(-1, model.dim)
-    simulated = int8_products(model, SIMULATED[precision]) if precision in SIMULATED else contextlib.nullcontext()
-    if precision in KERNEL:  # the bf16 copy's fused layers on int8 products (experimental)
-        from bench_int8_products import use_int8_products
-
-        model = copy.deepcopy(model)  # its own bf16 copy (copies are cached per model)
-        runner = inference_runner(model, "bf16", device)
-        for tower in {id(t): t for t in (runner.passage_encoder, runner.query_encoder)}.values():
-            use_int8_products(tower, KERNEL[precision])
-    precision = "fp32" if precision in SIMULATED else "bf16" if precision in KERNEL else precision
+    simulated = int8_products(model, *SIMULATED[precision]) if precision in SIMULATED else contextlib.nullcontext()
+    precision = "fp32" if precision in SIMULATED else precision
     options = {"batch_size": batch_size, "device": device, "precision": precision, "show_progress": False}
     with simulated:
         p = encode_texts(model, evalset.corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage", **options)
@@ -134,6 +132,16 @@ def encoded_run(model, evalset, precision: str, batch_size: int, device: torch.d
         for qid, row_s, row_r in zip(evalset.query_ids, scores.tolist(), rows.tolist())
     }
     return run, p, q
+
+
+def paired(scores: np.ndarray, fp32: np.ndarray) -> dict:
+    """A precision's per-query MRR@10 against fp32's on the same queries: the 95% confidence interval of the mean
+    difference (normal approximation of the paired differences) and the two-sided p of Fisher's randomization test
+    (``evaluation.metrics.randomization_p``)."""
+    differences = scores - fp32
+    half = 1.96 * differences.std(ddof=1) / np.sqrt(len(differences)) if len(differences) > 1 else 0.0
+    mean = float(differences.mean())
+    return {"mrr@10_ci95": [mean - half, mean + half], "mrr@10_p": randomization_p(scores, fp32)}
 
 
 def main() -> None:
@@ -157,12 +165,9 @@ def main() -> None:
     kind = model_kind(resolve_model_path(args.model)) or "bi-encoder"
     for precision in precisions:  # a bad name, int8 on a GPU or for SPLADE / ColBERT fails before any work
         if kind == "bi-encoder":
-            resolve_precision(precision if precision not in (*SIMULATED, *KERNEL) else "fp32", device)
+            resolve_precision(precision if precision not in SIMULATED else "fp32", device)
         else:
             float_precision(precision, device, kind)
-    kernel = torch.zeros(1, dtype=torch.bfloat16)
-    if set(precisions) & set(KERNEL) and not (kind == "bi-encoder" and cpu_kernels.usable(kernel, 32)):
-        parser.error(f"{', '.join(KERNEL)} run a bi-encoder on densepass's CPU kernels (AVX512-BF16 and -VNNI)")
 
     dataset = load_dataset(args.dataset, args.data_dir)
     data = DataConfig(
@@ -178,7 +183,7 @@ def main() -> None:
     model = load_model(resolve_model_path(args.model))
     print(f"{args.model} on {args.dataset}: {evalset.description}; device {device}, {torch.get_num_threads()} threads")
 
-    reference, results = {}, []
+    reference, results, fp32_scores = {}, [], None
     for precision in precisions:
         started = time.perf_counter()
         run, p, q = encoded_run(model, evalset, precision, args.batch_size, device)
@@ -186,6 +191,8 @@ def main() -> None:
         reference = reference or {"p": p, "q": q}
         metrics = evaluate_run(evalset.qrels, run, METRICS)
         passage_cos, query_cos = row_cosines(p, reference["p"]), row_cosines(q, reference["q"])
+        scores = per_query_scores(evalset.qrels, run, "mrr@10")
+        fp32_scores = scores if fp32_scores is None else fp32_scores
         results.append(
             {
                 "precision": precision,
@@ -194,6 +201,7 @@ def main() -> None:
                 "query_cosine_mean": float(query_cos.mean()),
                 "index_s": seconds,
                 **metrics,
+                **paired(scores, fp32_scores),
             }
         )
         print(f"  {precision}: {metrics}, passage cosine {passage_cos.mean():.5f}, {seconds:.0f}s", flush=True)
@@ -207,11 +215,23 @@ def main() -> None:
             f"{r['query_cosine_mean']:.5f}",
             *(f"{r[m]:.4f}" for m in METRICS),
             f"{r['mrr@10'] - fp32['mrr@10']:+.4f}",
+            f"[{r['mrr@10_ci95'][0]:+.4f}, {r['mrr@10_ci95'][1]:+.4f}]",
+            f"{r['mrr@10_p']:.3f}",
             f"{r['index_s']:.0f}",
         ]
         for r in results
     ]
-    headers = ["precision", "passage cos (mean)", "(min)", "query cos", *METRICS, "Δ MRR@10", "encode + search s"]
+    headers = [
+        "precision",
+        "passage cos (mean)",
+        "(min)",
+        "query cos",
+        *METRICS,
+        "Δ MRR@10",
+        "95% CI",
+        "p",
+        "encode + search s",
+    ]
     table = markdown_table(headers, rows)
     print(f"\n{evalset.description}\n\n{table}")
     payload = {

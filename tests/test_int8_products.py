@@ -19,17 +19,19 @@ runs = pytest.mark.skipif(
 
 
 def reference(layer: cpu_kernels.Int8Linear, x: torch.Tensor) -> torch.Tensor:
-    """What ``Int8Linear`` computes, slowly: each row quantised as the kernel does (in float32), the integer sums
-    in float64 (exact), rescaled in float32."""
+    """What ``Int8Linear`` computes, slowly: each row quantised over its range as the kernel does (in float32), the
+    integer sums in float64 (exact), rescaled in float32, then GELU (exact, erf) where the layer has it."""
     xf = x.float()
-    top = xf.abs().amax(dim=1).numpy()
+    low = xf.amin(dim=1)
+    span = (xf.amax(dim=1) - low).numpy()
     with np.errstate(divide="ignore"):  # IEEE division, as the kernel's (torch's scalar division multiplies by
-        inverse = torch.from_numpy(np.where(top > 0, np.float32(127) / top, 0).astype(np.float32))  # a reciprocal)
-    q = torch.round(xf * inverse[:, None]).clamp(-127, 127)
-    scale = torch.from_numpy((top / np.float32(127)).astype(np.float32))
+        inverse = torch.from_numpy(np.where(span > 0, np.float32(255) / span, 0).astype(np.float32))  # a reciprocal)
+    q = torch.round((xf - low[:, None]) * inverse[:, None]).clamp(0, 255)
+    scale = torch.from_numpy((span / np.float32(255)).astype(np.float32))
     sums = (q.double() @ layer.weight.double().T).float()  # exact: |sum| < 2^24 at these depths
-    y = sums * scale[:, None] * layer.scale[None, :]
-    return y + (0 if layer.bias is None else layer.bias.float())
+    y = (sums * scale[:, None] + low[:, None] * layer.sums[None, :]) * layer.scale[None, :]
+    y = y + (0 if layer.bias is None else layer.bias.float())
+    return F.gelu(y) if layer.gelu else y
 
 
 @runs
@@ -39,22 +41,26 @@ def reference(layer: cpu_kernels.Int8Linear, x: torch.Tensor) -> torch.Tensor:
     depth=st.sampled_from([16, 32, 48, 384]),
     width=st.sampled_from([32, 64, 96]),
     bias=st.booleans(),
-    zero_rows=st.integers(0, 2),
+    gelu=st.booleans(),
+    constant_rows=st.integers(0, 2),
+    skew=st.floats(-3, 3),
     seed=st.integers(0, 10_000),
 )
-def test_the_kernel_computes_the_quantised_product(rows, depth, width, bias, zero_rows, seed):
+def test_the_kernel_computes_the_quantised_product(rows, depth, width, bias, gelu, constant_rows, skew, seed):
     torch.manual_seed(seed)
     linear = nn.Linear(depth, width, bias=bias)
-    layer = cpu_kernels.Int8Linear(linear)
-    x = (torch.randn(rows, depth) * torch.rand(rows, 1) * 4).bfloat16()
-    x[: min(zero_rows, rows)] = 0  # a row of zeros has scale 0: its output is the bias
+    layer = cpu_kernels.Int8Linear(linear, gelu=gelu)
+    x = ((torch.randn(rows, depth) + skew) * torch.rand(rows, 1) * 4).bfloat16()
+    x[: min(constant_rows, rows)] = skew  # a constant row has scale 0: its output is its value times the sums
     got = layer(x).float()
     expected = reference(layer, x)
-    # the same integer sums, rescaled in float32, then rounded to bf16 (half of its 2^-7 spacing)
-    torch.testing.assert_close(got, expected, rtol=2**-8, atol=1e-6 * float(expected.abs().max() + 1e-3))
-    # and close to the float layer: a scale per token keeps the product within a few percent of its scale
-    error = (got - linear(x.float()).detach()).abs().max()
-    assert error <= 0.05 * float(linear(x.float()).detach().abs().max() + 1e-3)
+    # the same integer sums, rescaled in float32, then rounded to bf16 (half of its 2^-7 spacing); GELU within
+    # its polynomial's error
+    torch.testing.assert_close(got, expected, rtol=2**-8, atol=1e-5 * float(expected.abs().max() + 1e-3))
+    # and close to the float layer: a range per token keeps the product within a few percent of its scale
+    exact = linear(x.float()).detach()
+    exact = F.gelu(exact) if gelu else exact
+    assert (got - exact).abs().max() <= 0.03 * float(exact.abs().max() + 1e-3)
 
 
 def test_the_weights_are_int8_with_a_scale_per_row_and_laid_out_for_vpdpbusd():
@@ -80,30 +86,92 @@ def test_shapes_the_kernel_does_not_take_are_refused():
         layer(torch.zeros(3, 32))
 
 
-@runs
-def test_fused_layers_switched_to_int8_products_stay_close_to_bf16(monkeypatch):
-    """``bench_int8_products.use_int8_products`` (what bench_encode and encode_quality measure): every layer's
-    products through ``Int8Linear``, the layer's output within int8's rounding of the bf16 kernels'."""
-    from pathlib import Path
-
+def tiny_bert(seed: int = 0):
     from transformers import BertConfig, BertModel
 
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=128)  # fmt: skip
+    return BertModel(config, add_pooling_layer=False).eval()
+
+
+@runs
+def test_int8_layers_stay_close_to_the_bf16_layers_and_skip_the_padding():
+    """``FusedBertEncoder(int8=True)``: every product through ``Int8Linear``, the output within int8's rounding of
+    the bf16 layers', zeros at the padding (its hidden states are not computed)."""
     from densepass.models.fused import FusedBertEncoder
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bench_int8_products import use_int8_products
-
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=128, max_position_embeddings=64)  # fmt: skip
-    bert = BertModel(config, add_pooling_layer=False).bfloat16().eval()
+    bert = tiny_bert().bfloat16()
     ids = torch.randint(5, 100, (3, 20))
     mask = torch.ones_like(ids)
     mask[1, 12:] = 0
-    bf16 = FusedBertEncoder(bert)(ids, mask).last_hidden_state.float()
-    switched = FusedBertEncoder(bert)
-    use_int8_products(switched)
-    int8 = switched(ids, mask).last_hidden_state.float()
+    bf16 = FusedBertEncoder(bert, padding_outputs=False)(ids, mask).last_hidden_state.float()
+    int8 = FusedBertEncoder(bert, padding_outputs=False, int8=True)(ids, mask).last_hidden_state.float()
     kept = mask.bool()
     cosine = F.cosine_similarity(int8[kept], bf16[kept], dim=-1)
     assert cosine.min() > 0.99 and not torch.equal(int8, bf16)  # int8's rounding, and nothing else
+    assert (int8[~kept] == 0).all()
+
+
+@runs
+def test_int8_layers_reuse_their_buffers_without_changing_a_value():
+    """The layers write their products into one workspace, the output over the input: the same values as each
+    layer with buffers of its own, and a text's hidden states do not depend on the texts packed with it."""
+    from densepass.models.fused import FusedBertEncoder
+
+    encoder = FusedBertEncoder(tiny_bert().bfloat16(), padding_outputs=False, int8=True)
+    ids = torch.randint(5, 100, (4, 24))
+    mask = torch.ones_like(ids)
+    mask[2, 9:] = 0
+    together = encoder(ids, mask).last_hidden_state
+    alone = encoder(ids[2:3, :9], mask[2:3, :9]).last_hidden_state
+    assert torch.equal(together[2, :9], alone[0])
+    kept = mask.bool()
+    counts = kept.sum(1)
+    x = cpu_kernels.embed(
+        encoder.embeddings, ids[kept], torch.arange(24).expand_as(ids)[kept], torch.zeros_like(ids)[kept]
+    )
+    offsets = F.pad(counts.cumsum(0), (1, 0))
+    for layer in encoder.layers:
+        x = layer.packed_tokens(x, offsets, counts)  # fresh buffers for each layer
+    assert torch.equal(together[kept], x)
+
+
+def test_int8_layers_are_refused_where_they_cannot_run(monkeypatch):
+    from densepass.models.fused import FusedBertEncoder
+
+    bert = tiny_bert().bfloat16()
+    with pytest.raises(ValueError, match="int8 layers run bf16 encoders on densepass's CPU kernels"):
+        FusedBertEncoder(bert, first_position=True, int8=True)
+    with pytest.raises(ValueError, match="int8 layers run bf16 encoders"):
+        FusedBertEncoder(tiny_bert(), int8=True)  # float32
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    with pytest.raises(ValueError, match="int8 layers run bf16 encoders"):
+        FusedBertEncoder(bert, int8=True)
+
+
+@runs
+def test_int8_encoding_runs_the_int8_layers_where_the_kernels_run_and_dynamic_quantisation_elsewhere(
+    monkeypatch, tmp_path
+):
+    """``precision="int8"`` (``models.encode.quantized_copy``): a BERT tower on the kernels as int8 fused layers,
+    close to fp32; with the kernels switched off, torch's dynamic quantisation, as on other CPUs."""
+    from transformers import AutoTokenizer
+
+    from densepass.models.biencoder import BiEncoder, resolve_model_path
+    from densepass.models.encode import encode_texts, quantized_copy
+    from densepass.models.fused import FusedBertEncoder
+
+    tiny_bert().save_pretrained(tmp_path)  # heads of 32, which the kernels take
+    AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2")).save_pretrained(tmp_path)
+    model = BiEncoder.from_pretrained(str(tmp_path))
+    assert isinstance(quantized_copy(model).passage_encoder, FusedBertEncoder)
+    words = "audio video editor library game network terminal python font image mail server kernel".split()
+    texts = [" ".join(words[(7 * i + j) % len(words)] for j in range(3 + i % 17)) for i in range(40)]
+    options = {"side": "passage", "device": torch.device("cpu"), "show_progress": False, "batch_size": 16}
+    fp32 = encode_texts(model, texts, precision="fp32", **options)
+    int8 = encode_texts(model, texts, precision="int8", **options)
+    cosine = (fp32 * int8).sum(1) / np.linalg.norm(fp32, axis=1) / np.linalg.norm(int8, axis=1)
+    assert cosine.min() > 0.99
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    assert not isinstance(quantized_copy(model).passage_encoder, FusedBertEncoder)

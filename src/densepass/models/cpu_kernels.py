@@ -436,12 +436,16 @@ def quantized_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear:
     """A linear layer through int8 products on AVX512-VNNI (``vpdpbusd``), for bf16 inputs:
 
-        q_i = round(x_i / s_i), s_i = max_k |x_ik| / 127        each input row (token) with a scale of its own
-        y_ij = s_i t_j sum_k q_ik W_jk + b_j                     W int8 with a scale t_j per output column
+        q_i = round((x_i - l_i) / s_i)     each input row (token) over its own range: l_i = min_k x_ik,
+                                           s_i = (max_k x_ik - l_i) / 255, q_i in [0, 255]
+        y_ij = t_j (s_i sum_k q_ik W_jk + l_i sum_k W_jk) + b_j     W int8 with a scale t_j per output row
 
-    the integer sums exact (int32), rounded once to bf16. A scale per token keeps what dynamic int8 with one scale
-    for a whole batch loses (``benchmarks/encode_quality.py --precisions int8-token`` simulates it; docs/benchmarks.md).
-    The weights are quantised once, from a copy (``quantized_weight``), in ``vnni_layout``. Call where ``usable``.
+    the integer sums exact (int32), rounded once to bf16 (after GELU, ``gelu=True``: the feed-forward's first
+    product). A scale per token keeps what dynamic int8 with one scale for a whole batch loses, and the offset per
+    token (all 256 levels over the row's range, however skewed: hidden states of BERT-style models have a few large
+    features of one sign) halves the error left by a symmetric scale (``benchmarks/encode_quality.py``;
+    docs/benchmarks.md). The weights are quantised once (``quantized_weight``), in ``vnni_layout``. Call where
+    ``usable``.
 
         >>> layer = Int8Linear(nn.Linear(64, 96))
         >>> x = torch.randn(5, 64).bfloat16()
@@ -449,28 +453,36 @@ class Int8Linear:
         torch.Size([5, 96])
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, gelu: bool = False) -> None:
         out, depth = linear.weight.shape
         if out % 32 or depth % 16:
             raise ValueError(f"Int8Linear takes layers of multiples of 32 outputs and 16 inputs, got {depth} -> {out}")
         weight, self.scale = quantized_weight(linear.weight)
         self.weight = weight  # [out, in] int8, for references
-        self.sums = weight.sum(dim=1, dtype=torch.int32)
+        self.sums = weight.sum(dim=1, dtype=torch.int32).float()  # exact: |sum| <= 127 x depth < 2^24
         self.layout = vnni_layout(weight)
         self.bias = None if linear.bias is None else linear.bias.detach().bfloat16().clone()
+        self.gelu = gelu
         self.shape = (out, depth)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [rows, in] bf16 through the layer: [rows, out] bf16."""
-        out, depth = self.shape
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [rows, in] bf16 through the layer: [rows, out] bf16, written into ``out`` where given (a
+        contiguous bf16 tensor of at least that many values: a buffer reused across calls, which spares a large
+        output the page faults of fresh memory)."""
+        width, depth = self.shape
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != depth:
             raise ValueError(f"Int8Linear takes bf16 [rows, {depth}], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
-        y = torch.empty(x.shape[0], out, dtype=torch.bfloat16)
+        if out is None:
+            y = torch.empty(x.shape[0], width, dtype=torch.bfloat16)
+        elif out.dtype != torch.bfloat16 or not out.is_contiguous() or out.numel() < x.shape[0] * width:
+            raise ValueError(f"Int8Linear writes into a contiguous bf16 buffer of >= {x.shape[0] * width} values")
+        else:
+            y = out.view(-1)[: x.shape[0] * width].view(x.shape[0], width)
         bias = 0 if self.bias is None else self.bias.data_ptr()
         status = _library().densepass_int8_linear(x.data_ptr(), x.shape[0], depth, self.layout.data_ptr(),
-                                                  self.scale.data_ptr(), self.sums.data_ptr(), bias, out,
-                                                  y.data_ptr(), torch.get_num_threads())  # fmt: skip
+                                                  self.scale.data_ptr(), self.sums.data_ptr(), bias, width,
+                                                  int(self.gelu), y.data_ptr(), torch.get_num_threads())  # fmt: skip
         if status != 0:
             raise RuntimeError(f"the int8 product refused its input (status {status})")
         return y
@@ -521,7 +533,16 @@ def _library() -> ctypes.CDLL | None:
         library.densepass_qkv_attention.argtypes = [*[pointer] * 3, size, pointer, pointer, size, size, number_,
                                                     pointer, ctypes.c_int]  # fmt: skip
         library.densepass_gelu.argtypes, library.densepass_gelu.restype = [pointer, pointer, size], None
-        library.densepass_int8_linear.argtypes = [pointer, size, size, *[pointer] * 4, size, pointer, ctypes.c_int]
+        library.densepass_int8_linear.argtypes = [
+            pointer,
+            size,
+            size,
+            *[pointer] * 4,
+            size,
+            ctypes.c_int,
+            pointer,
+            ctypes.c_int,
+        ]
         return library
     return None
 

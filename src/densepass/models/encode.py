@@ -13,10 +13,14 @@ The model runs in one of three precisions (``densepass.device.resolve_precision`
 on GPU and on a CPU with bf16 instructions, else fp32): ``fp32``; ``bf16``, a bfloat16 copy (weights cast once, pooling
 and normalisation in float32; on a CPU as fast as bf16 autocast, without a cast per operation, and a BERT, RoBERTa
 or XLM-R tower runs there with fused layers, ``models.fused``, faster still: docs/benchmarks.md);
-``int8``, a copy whose linear layers are dynamically quantised (``models.quantize``: int8 weights with a
-scale per output channel, activations with one scale per batch, so a text's int8 embedding depends slightly,
-about 1e-4, on the texts batched with it), except the feed-forward output projections, whose inputs (GELU
-activations with outliers) lose too much in int8 (docs/history/benchmarks-log.md, "Encoding precision"). A copy
+``int8``, a copy whose linear layers' products run on int8: with densepass's CPU kernels (AVX512-BF16 and
+AVX512-VNNI) a BERT, RoBERTa or XLM-R tower runs ``models.fused``'s layers on int8 products, each token quantised
+over its own range (so a text's embedding does not depend on the texts batched with it), faster than bf16 where
+the CPU's int8 peak is twice its bf16 one (AVX-512 without AMX), MRR@10 a little below fp32 (docs/benchmarks.md);
+any other tower or CPU gets dynamic quantisation (``models.quantize``: int8 weights with a scale per output
+channel, activations with one scale per batch, so a text's int8 embedding depends slightly, about 1e-4, on the
+texts batched with it), except the feed-forward output projections, whose inputs (GELU activations with outliers)
+lose too much with one scale per batch (docs/history/benchmarks-log.md, "Encoding precision"). A copy
 is made once per model and reused until its weights change (``models.copies``).
 """
 
@@ -37,6 +41,7 @@ from densepass.data.texts import tokenizing
 from densepass.device import attention_kernels, default_device, resolve_precision
 from densepass.errors import ConfigError, DensepassError
 from densepass.models.copies import bf16_copy, reused_copy
+from densepass.models.fused import FusedBertEncoder, int8_runs
 from densepass.models.inputs import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS, Side, forward_in_pieces, piece_tokens
 from densepass.models.quantize import quantized_linear_copy
 from densepass.prefetch import prefetched
@@ -87,9 +92,20 @@ def inference_copy(model: Model, fuse: bool = False) -> Model:
 
 
 def quantized_copy(model: Model) -> Model:
-    """A copy of ``model`` for CPU inference whose transformer linear layers are dynamically quantised to int8
-    (per-channel weights), all but the feed-forward output projections; the projection stays float32."""
-    return _copy_towers(model, quantized_linear_copy)
+    """A copy of ``model`` for CPU inference whose towers' products run on int8: a BERT, RoBERTa or XLM-R tower
+    on densepass's CPU kernels as fused layers on int8 products (``models.fused``, ``int8_runs``: each token
+    quantised over its own range, the padding skipped), any other tower dynamically quantised (``models.quantize``:
+    per-channel weights, one scale per batch, all but the feed-forward output projections); the projection stays
+    float32."""
+    return _copy_towers(model, _int8_tower)
+
+
+def _int8_tower(tower: nn.Module) -> nn.Module:
+    """``quantized_copy``'s copy of one tower."""
+    if not int8_runs(tower):
+        return quantized_linear_copy(tower)
+    half = copy.deepcopy(tower).to(torch.bfloat16).eval().requires_grad_(False)
+    return FusedBertEncoder(half, padding_outputs=False, int8=True)
 
 
 def _copy_towers(model: Model, copy_tower) -> Model:

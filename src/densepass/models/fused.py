@@ -22,6 +22,12 @@ attention scale, same GELU): in bf16 the two agree to bf16 rounding, in float32 
 the bf16 inference copies on the CPU (``models.copies.bf16_copy``): a bi-encoder's towers, ColBERT's encoder and
 SPLADE's MLM encoder (the model under its head); BERT, RoBERTa and XLM-R encoders only (``fusable``: MiniLM, BERT,
 BGE / E5 / GTE, multilingual E5), everything else runs the ``transformers`` model as it is.
+
+With ``int8`` (the ``int8`` precision of bi-encoder towers where ``cpu_kernels`` runs), the four products of each
+layer run on int8 (``cpu_kernels.Int8Linear``: each token quantised over its own range, the weights with a scale
+per output row; GELU in the feed-forward product's epilogue), attention and the layer norms on bf16 as above:
+faster than the bf16 layers on a CPU whose int8 peak is twice its bf16 one (AVX512-VNNI beside AVX512-BF16,
+without AMX), at a small, measured loss of ranking quality (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -69,22 +75,59 @@ def fusable(encoder: nn.Module) -> bool:
     )
 
 
+def int8_runs(encoder: nn.Module) -> bool:
+    """Whether the fused layers can run ``encoder`` (``fusable``; in bf16, as a copy of it) on int8 products:
+    ``cpu_kernels`` runs its heads on this CPU, and its widths suit ``cpu_kernels.Int8Linear`` (multiples of 32)."""
+    if not fusable(encoder):
+        return False
+    config = encoder.config
+    probe = torch.zeros(1, dtype=torch.bfloat16)
+    return (
+        cpu_kernels.usable(probe, config.hidden_size // config.num_attention_heads)
+        and config.hidden_size % 32 == 0
+        and config.intermediate_size % 32 == 0
+    )
+
+
 def packed(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ([out, in]) reordered once into oneDNN's blocked layout for ``_linear_pointwise``."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
+def int8_products(layer: nn.Module) -> dict[str, cpu_kernels.Int8Linear]:
+    """A BERT layer's four products on int8 (``cpu_kernels.Int8Linear``): the query, key and value projections as
+    one (``qkv``), the attention output (``out``), the feed-forward's first with its GELU (``inner``) and its
+    second (``ffn``)."""
+    attention = layer.attention.self
+    qkv = (attention.query, attention.key, attention.value)
+    joined = nn.Linear(qkv[0].in_features, sum(linear.out_features for linear in qkv), dtype=qkv[0].weight.dtype)
+    joined.weight.data = torch.cat([linear.weight.detach() for linear in qkv])
+    joined.bias.data = torch.cat([linear.bias.detach() for linear in qkv])
+    return {
+        "qkv": cpu_kernels.Int8Linear(joined),
+        "out": cpu_kernels.Int8Linear(layer.attention.output.dense),
+        "inner": cpu_kernels.Int8Linear(layer.intermediate.dense, gelu=True),
+        "ffn": cpu_kernels.Int8Linear(layer.output.dense),
+    }
+
+
 class FusedBertLayer(nn.Module):
     """One BERT layer (``transformers``' ``BertLayer``, or RoBERTa's and XLM-R's copies of it, in eval mode) as
     four fused products and attention: SDPA on padded batches (``forward``), ``cpu_kernels`` on packed tokens
-    (``packed_tokens``)."""
+    (``packed_tokens``); ``int8``: on packed tokens only, its products on int8 (``cpu_kernels.Int8Linear``)."""
 
-    def __init__(self, layer: nn.Module, first_position: bool = False) -> None:
+    def __init__(self, layer: nn.Module, first_position: bool = False, int8: bool = False) -> None:
         super().__init__()
         attention = layer.attention.self
         self.heads = attention.num_attention_heads
         qkv = (attention.query, attention.key, attention.value)
         self.qkv_bias = torch.cat([linear.bias for linear in qkv]).detach()
+        self.int8 = int8_products(layer) if int8 else None
+        if int8:  # nothing else runs: no bf16 copies of the weights are kept
+            self.attention = self.after = self.kv = self.query = None
+            self.attention_norm, self.output_norm = layer.attention.output.LayerNorm, layer.output.LayerNorm
+            self._products = {}
+            return
         # ``first_position`` needs the keys and values on their own, the query as it is (last layers only)
         self.kv = packed(torch.cat([attention.key.weight, attention.value.weight])) if first_position else None
         self.query = attention.query if first_position else None
@@ -121,16 +164,40 @@ class FusedBertLayer(nn.Module):
         q, k, v = qkv.view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
         return self._after_attention(q, k, v, keep, x).view(batch, length, width)
 
-    def packed_tokens(self, x: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def packed_tokens(
+        self, x: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, workspace: dict | None = None
+    ) -> torch.Tensor:
         """The layer over sequences packed one after the other (``cpu_kernels.SelfAttention``): ``x`` [tokens,
         width], sequence ``b`` in rows ``offsets[b]`` to ``offsets[b + 1]``, its first ``keys[b]`` the tokens
-        attended to; returns the same shape."""
+        attended to; returns the same shape. ``workspace``: buffers for int8 layers (``int8_packed_tokens``)."""
+        if self.int8 is not None:
+            return self.int8_packed_tokens(x, offsets, keys, {} if workspace is None else workspace)
         if self.attention is not None:
             context = self.attention(x, offsets, keys)
         else:
             qkv = torch.ops.mkldnn._linear_pointwise(x, self.products("qkv"), self.qkv_bias, "none", [], "")
             context = cpu_kernels.self_attention(qkv, offsets, self.heads, keys)
         return self._after_context(context, x, kernels=True)
+
+    def int8_packed_tokens(
+        self, x: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, workspace: dict
+    ) -> torch.Tensor:
+        """``packed_tokens`` on int8 products: each product's output in a buffer of ``workspace`` (by the product's
+        name: made at first use, reused by the layers after; fresh memory the size of a piece's activations costs
+        its page faults at every write, a third of the layer's time), the layer's output in ``workspace["ffn"]``
+        (where the input may be: it is read before)."""
+
+        def into(name: str) -> torch.Tensor:
+            size = len(x) * self.int8[name].shape[0]
+            if name not in workspace or workspace[name].numel() < size:
+                workspace[name] = torch.empty(size, dtype=torch.bfloat16)
+            return workspace[name]
+
+        products = self.int8
+        context = cpu_kernels.self_attention(products["qkv"](x, into("qkv")), offsets, self.heads, keys)
+        h = cpu_kernels.layer_norm_(products["out"](context, into("out")), self.attention_norm, x)
+        y = products["ffn"](products["inner"](h, into("inner")), into("ffn"))
+        return cpu_kernels.layer_norm_(y, self.output_norm, h)
 
     def first_position(self, hidden: torch.Tensor, keep: torch.Tensor, kernels: bool = False) -> torch.Tensor:
         """The layer's output at the first position only, [batch, 1, width]: keys and values of every position,
@@ -187,7 +254,8 @@ class FusedBertEncoder(nn.Module):
     It keeps the model's embeddings and layer norms; the products' weights are packed copies. ``padding_outputs``:
     hidden states at the padding positions too, as ``transformers`` computes them (ColBERT reads its queries'
     [MASK] padding); False, where only the tokens' are read (a bi-encoder's pooling), zeros there, and the
-    ``cpu_kernels`` path runs the layers on the tokens alone.
+    ``cpu_kernels`` path runs the layers on the tokens alone. ``int8``: the layers' products on int8
+    (``FusedBertLayer``), where ``cpu_kernels`` runs (``int8_runs``), without ``first_position``.
 
         >>> from transformers import AutoModel, AutoTokenizer
         >>> from densepass.models.biencoder import resolve_model_path
@@ -199,17 +267,23 @@ class FusedBertEncoder(nn.Module):
         torch.Size([2, 8, 384])
     """
 
-    def __init__(self, encoder: nn.Module, first_position: bool = False, padding_outputs: bool = True) -> None:
+    def __init__(
+        self, encoder: nn.Module, first_position: bool = False, padding_outputs: bool = True, int8: bool = False
+    ) -> None:
         super().__init__()
         if not fusable(encoder):
             raise ValueError(f"not a BERT encoder the fused layers compute: {type(encoder).__name__}")
+        bf16 = encoder.embeddings.word_embeddings.weight.dtype == torch.bfloat16
+        if int8 and (first_position or not bf16 or not int8_runs(encoder)):
+            raise ValueError("int8 layers run bf16 encoders on densepass's CPU kernels, without first_position")
         self.config = encoder.config
         self.head_size = encoder.config.hidden_size // encoder.config.num_attention_heads
         self.padding_outputs = padding_outputs
+        self.int8 = int8
         self.embeddings = encoder.embeddings
         last = len(encoder.encoder.layer) - 1
         self.layers = nn.ModuleList(
-            FusedBertLayer(layer, first_position and i == last) for i, layer in enumerate(encoder.encoder.layer)
+            FusedBertLayer(layer, first_position and i == last, int8) for i, layer in enumerate(encoder.encoder.layer)
         )
         self.pooler = getattr(encoder, "pooler", None)  # what a BERT classifier's head reads (not run here)
         self.eval().requires_grad_(False)
@@ -230,9 +304,9 @@ class FusedBertEncoder(nn.Module):
         rows = (order + torch.arange(batch)[:, None] * length)[wanted.gather(1, order)]
         offsets = F.pad(wanted.sum(1).cumsum(0), (1, 0))
         in_place = len(rows) == batch * length and bool((rows == torch.arange(len(rows))).all())
-        x = inputs(rows)
+        x, workspace = inputs(rows), {}
         for layer in self.layers[:-1] if first_position else self.layers:
-            x = layer.packed_tokens(x, offsets, counts)
+            x = layer.packed_tokens(x, offsets, counts, workspace)
         out = x if in_place else x.new_zeros(batch * length, width).index_copy_(0, rows, x)
         out = out.view(batch, length, width)
         return self.layers[-1].first_position(out, kept[:, None, None, :], kernels=True) if first_position else out
@@ -289,6 +363,8 @@ class FusedBertEncoder(nn.Module):
                 return cpu_kernels.embed(self.embeddings, *(index[rows] for index in flat))
 
             return BaseModelOutput(last_hidden_state=self._packed(inputs, kept, first_position))
+        if self.int8:
+            raise ValueError(f"int8 layers run on densepass's CPU kernels, which are off here ({cpu_kernels.ENV}=0)")
         extra = -length % LENGTH_MULTIPLE
         if 0 < extra * PAD_SHARE <= length and length + extra <= self.config.max_position_embeddings:
             pad_id = self.config.pad_token_id or 0  # RoBERTa numbers its positions from the non-pad tokens

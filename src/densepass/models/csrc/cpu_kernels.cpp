@@ -296,27 +296,33 @@ inline void product(const uint16_t* a, int64_t stride, int64_t parts, int64_t de
 #endif
 
 // int8 products on AVX512-VNNI (vpdpbusd: unsigned bytes x signed bytes, four pairs summed into each int32 lane).
-// An input row is quantised with a scale of its own, s = max |x| / 127: q = round(x / s), in [-127, 127], stored
-// as q + 128 (unsigned); the weights are int8 with a scale per output column, in `vnni_layout` (per 16 columns,
-// the depth four at a time: each 64-byte row the 16 columns' four bytes). The shift of 128 is taken back through
-// each column's sum of weights: sum_k (q_k + 128) w_k - 128 sum_k w_k = sum_k q_k w_k, exactly.
+// An input row is quantised with a scale and an offset of its own, over its range [lo, hi]: s = (hi - lo) / 255,
+// q = round((x - lo) / s), in [0, 255] (unsigned bytes, all 256 levels used whatever the row's skew); the weights
+// are int8 with a scale per output column, in `vnni_layout` (per 16 columns, the depth four at a time: each 64-byte
+// row the 16 columns' four bytes). The offset is taken back through each column's sum of weights:
+// sum_k x_k w_k ~ s sum_k q_k w_k + lo sum_k w_k.
 
-// Quantises `rows` rows of `depth` bf16 values (`depth` a multiple of 16) into q (rows of `depth` bytes) and
-// scale (one per row; 0 for a row of zeros, whose bytes are then all 128).
-inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t depth, uint8_t* q, float* scale) {
-  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127), shift = _mm512_set1_epi32(128);
+// Quantises `rows` rows of `depth` bf16 values (`depth` a multiple of 16) into q (rows of `depth` bytes), scale
+// and low (one each per row; a constant row has scale 0, its bytes all 0, and low its value).
+inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t depth, uint8_t* q, float* scale, float* low) {
+  const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(255);
   for (int64_t i = 0; i < rows; ++i) {
     const uint16_t* row = x + i * depth;
-    __m512 largest = _mm512_setzero_ps();
-    for (int64_t k = 0; k < depth; k += 16) largest = _mm512_max_ps(largest, _mm512_and_ps(load_bf16(row + k), sign));
-    const float top = _mm512_reduce_max_ps(largest);
-    const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
-    scale[i] = top > 0.0f ? top / 127.0f : 0.0f;
-    const __m512 by = _mm512_set1_ps(inverse);
+    __m512 smallest = load_bf16(row), largest = smallest;
+    for (int64_t k = 16; k < depth; k += 16) {
+      const __m512 v = load_bf16(row + k);
+      smallest = _mm512_min_ps(smallest, v);
+      largest = _mm512_max_ps(largest, v);
+    }
+    const float lo = _mm512_reduce_min_ps(smallest), range = _mm512_reduce_max_ps(largest) - lo;
+    const float inverse = range > 0.0f ? 255.0f / range : 0.0f;
+    scale[i] = range > 0.0f ? range / 255.0f : 0.0f;
+    low[i] = lo;
+    const __m512 by = _mm512_set1_ps(inverse), offset = _mm512_set1_ps(lo);
     for (int64_t k = 0; k < depth; k += 16) {
-      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16(row + k), by));  // to nearest, ties to even
-      v = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(v, low), high), shift);
+      // to nearest, ties to even
+      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(load_bf16(row + k), offset), by));
+      v = _mm512_min_epi32(_mm512_max_epi32(v, zero), top);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * depth + k), _mm512_cvtepi32_epi8(v));
     }
   }
@@ -905,39 +911,47 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
   return 0;
 }
 
-// out = x W^T + bias through int8 products (the helpers above): x [rows, depth] bf16, W in `vnni_layout` int8
-// with w_scale and w_sum (its columns' sums) per output column, bias [width] bf16 (or null), out [rows, width]
-// bf16; depth a multiple of 16, width of 32. Each thread quantises and multiplies 32 rows at a time through all
-// the columns (the weights stay in its caches). Returns 0, or -1 for shapes it does not take.
+// out = x W^T + bias through int8 products (the helpers above), then GELU where `gelu` is nonzero: x [rows,
+// depth] bf16, W in `vnni_layout` int8 with w_scale and w_sum (its columns' sums, as float32) per output column,
+// bias [width] bf16 (or null), out [rows, width] bf16; depth a multiple of 16, width of 32. Each thread quantises
+// and multiplies 32 rows at a time through all the columns (the weights stay in its caches). Returns 0, or -1 for
+// shapes it does not take.
 int densepass_int8_linear(const uint16_t* x, int64_t rows, int64_t depth, const int8_t* w, const float* w_scale,
-                          const int32_t* w_sum, const uint16_t* bias, int64_t width, uint16_t* out, int threads) {
+                          const float* w_sum, const uint16_t* bias, int64_t width, int gelu, uint16_t* out,
+                          int threads) {
   if (depth % 16 != 0 || depth <= 0 || width % 32 != 0 || width <= 0) return -1;
+  const Gelu activation;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<uint8_t> q_buffer(32 * depth + 64);
     uint8_t* q = q_buffer.data();
-    alignas(64) float scale[32];
+    alignas(64) float scale[32], low[32];
     alignas(64) int32_t acc[32 * 32];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
       const int64_t valid = rows - r0 < 32 ? rows - r0 : 32, whole = (valid + 7) / 8 * 8;
-      quantize_rows(x + r0 * depth, valid, depth, q, scale);
-      std::memset(q + valid * depth, 128, (whole - valid) * depth);  // rows beyond the last: zeros, not stored
+      quantize_rows(x + r0 * depth, valid, depth, q, scale, low);
+      std::memset(q + valid * depth, 0, (whole - valid) * depth);  // rows beyond the last: computed, not stored
       for (int64_t j = 0; j < width; j += 32) {
         for (int64_t r = 0; r < whole; r += 8)
           rows8x32_int8(q + r * depth, depth, depth, w + j * depth, w + (j + 16) * depth, acc + r * 32);
-        const __m512i shift0 = _mm512_mullo_epi32(_mm512_set1_epi32(128), _mm512_loadu_si512(w_sum + j));
-        const __m512i shift1 = _mm512_mullo_epi32(_mm512_set1_epi32(128), _mm512_loadu_si512(w_sum + j + 16));
+        const __m512 sum0 = _mm512_loadu_ps(w_sum + j), sum1 = _mm512_loadu_ps(w_sum + j + 16);
         const __m512 ws0 = _mm512_loadu_ps(w_scale + j), ws1 = _mm512_loadu_ps(w_scale + j + 16);
         const __m512 b0 = bias ? load_bf16(bias + j) : _mm512_setzero_ps();
         const __m512 b1 = bias ? load_bf16(bias + j + 16) : _mm512_setzero_ps();
         for (int64_t i = 0; i < valid; ++i) {
-          const __m512 s = _mm512_set1_ps(scale[i]);
-          const __m512 v0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(acc + i * 32), shift0));
-          const __m512 v1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(acc + i * 32 + 16), shift1));
+          const __m512 s = _mm512_set1_ps(scale[i]), lo = _mm512_set1_ps(low[i]);
+          const __m512 v0 = _mm512_cvtepi32_ps(_mm512_load_si512(acc + i * 32));
+          const __m512 v1 = _mm512_cvtepi32_ps(_mm512_load_si512(acc + i * 32 + 16));
+          __m512 y0 = _mm512_fmadd_ps(_mm512_fmadd_ps(v0, s, _mm512_mul_ps(lo, sum0)), ws0, b0);
+          __m512 y1 = _mm512_fmadd_ps(_mm512_fmadd_ps(v1, s, _mm512_mul_ps(lo, sum1)), ws1, b1);
+          if (gelu) {
+            y0 = activation(y0);
+            y1 = activation(y1);
+          }
           uint16_t* dst = out + (r0 + i) * width + j;
-          store_bf16(dst, _mm512_fmadd_ps(_mm512_mul_ps(v0, s), ws0, b0));
-          store_bf16(dst + 16, _mm512_fmadd_ps(_mm512_mul_ps(v1, s), ws1, b1));
+          store_bf16(dst, y0);
+          store_bf16(dst + 16, y1);
         }
       }
     }
