@@ -27,7 +27,7 @@ With ``int8`` (the ``int8`` precision of bi-encoder towers where ``cpu_kernels``
 layer run on int8 (``cpu_kernels.Int8Linear``: each token quantised over its own range, the weights with a scale
 per output row; GELU in the feed-forward product's epilogue), attention and the layer norms on bf16 as above:
 faster than the bf16 layers on a CPU whose int8 peak is twice its bf16 one (AVX512-VNNI beside AVX512-BF16,
-without AMX), at a small, measured loss of ranking quality (docs/benchmarks.md).
+without AMX), ranking as fp32 does within int8's rounding (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -183,9 +183,9 @@ class FusedBertLayer(nn.Module):
         self, x: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, workspace: dict
     ) -> torch.Tensor:
         """``packed_tokens`` on int8 products: each product's output in a buffer of ``workspace`` (by the product's
-        name: made at first use, reused by the layers after; fresh memory the size of a piece's activations costs
-        its page faults at every write, a third of the layer's time), the layer's output in ``workspace["ffn"]``
-        (where the input may be: it is read before)."""
+        name: made at first use, reused by the layers after, as fresh memory the size of a piece's activations
+        costs page faults at every write: docs/benchmarks.md), the layer's output in ``workspace["ffn"]`` (where
+        the input may be: it is read before)."""
 
         def into(name: str) -> torch.Tensor:
             size = len(x) * self.int8[name].shape[0]
