@@ -63,6 +63,19 @@ def test_the_kernel_computes_the_quantised_product(rows, depth, width, bias, gel
     assert (got - exact).abs().max() <= 0.03 * float(exact.abs().max() + 1e-3)
 
 
+@runs
+def test_a_row_with_a_nan_or_an_infinity_gives_nan_as_a_float_product_would():
+    layer = cpu_kernels.Int8Linear(nn.Linear(64, 32))
+    x = torch.randn(6, 64).bfloat16()
+    for row, (position, value) in enumerate(
+        [(0, "nan"), (5, "nan"), (17, "nan"), (63, "nan"), (3, "inf"), (40, "-inf")]
+    ):
+        x[row, position] = float(value)
+    clean = torch.randn(2, 64).bfloat16()
+    out = layer(torch.cat([x, clean]))
+    assert out[:6].isnan().all() and out[6:].isfinite().all()
+
+
 def test_the_weights_are_int8_with_a_scale_per_row_and_laid_out_for_vpdpbusd():
     torch.manual_seed(0)
     weight = torch.randn(32, 16)
@@ -175,3 +188,5 @@ def test_int8_encoding_runs_the_int8_layers_where_the_kernels_run_and_dynamic_qu
     assert cosine.min() > 0.99
     monkeypatch.setenv(cpu_kernels.ENV, "0")
     assert not isinstance(quantized_copy(model).passage_encoder, FusedBertEncoder)
+    dynamic = encode_texts(model, texts, precision="int8", **options)  # not the fused copy cached above
+    assert np.isfinite(dynamic).all() and not np.array_equal(dynamic, int8)

@@ -446,7 +446,9 @@ class EvalConfig:
     precision: Precision = option(
         "auto",
         "encoding precision of evaluation and of mining (densepass mine): fp32; bf16 (a bfloat16 copy); int8 "
-        "(dynamic quantisation, CPU only); auto: bf16 on GPU and on a CPU with bf16 instructions, else fp32",
+        "(CPU only: BERT-style towers on int8 products with a scale per token where AVX512-BF16 and -VNNI run "
+        "densepass's kernels, dynamic quantisation otherwise); auto: bf16 on GPU and on a CPU with bf16 "
+        "instructions, else fp32",
     )
     baselines: list[Literal["bm25", "zero-shot"]] = option(
         help="systems evaluated beside the fine-tuned model", factory=lambda: ["bm25", "zero-shot"]

@@ -151,13 +151,13 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     """The precision encoding and scoring on ``device`` run in for a ``precision`` setting: ``fp32``, ``bf16``
     or ``int8`` (``auto``: bf16 where it is faster than fp32, ``fast_bf16``: a GPU, or a CPU with AMX or AMD's
     AVX512-BF16, where MiniLM's bf16 embeddings keep the fp32 ranking (docs/benchmarks.md); else fp32). int8
-    (dynamic quantisation) runs on the CPU only."""
+    runs on the CPU only."""
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
     if precision == "auto":
         return "bf16" if fast_bf16(device) else "fp32"
     if precision == "int8" and device.type != "cpu":
-        raise ConfigError(f"precision int8 (dynamic quantisation) runs on the CPU only; use bf16 on {device.type}")
+        raise ConfigError(f"precision int8 (int8 products) runs on the CPU only; use bf16 on {device.type}")
     if precision == "bf16" and device.type == "cpu" and not cpu_has_fast_bf16():
         warnings.warn(f"precision bf16: {SLOW_BF16}", stacklevel=1)  # one place: shown once per process
     return precision

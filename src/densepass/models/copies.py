@@ -2,11 +2,11 @@
 
 Encoding in bf16 or int8 runs a copy of the model, never the model itself (which may still train, in float32): a
 bfloat16 copy (``bf16_copy``; on the CPU with ``models.fused``'s layers where the encoder is BERT-layered) or an int8
-one (``models.quantize``). A copy takes a deep copy, a cast and, fused, a reordering of every weight, so a server
-encoding one query at a time must not make one per call (making it cost more than the query's encoding itself:
-docs/benchmarks.md, "Search service"): ``reused_copy`` keeps one copy per
-model, keyed by the precision, the device and ``models.quantize.weights_key`` (a training step or a load makes a new
-one).
+one (``models.encode.quantized_copy``: ``models.fused``'s int8 layers, or ``models.quantize``). A copy takes a deep
+copy, a cast and, fused, a reordering of every weight, so a server encoding one query at a time must not make one
+per call (making it cost more than the query's encoding itself: docs/benchmarks.md, "Search service"):
+``reused_copy`` keeps one copy per model, keyed by the precision, the device and ``models.quantize.weights_key`` (a
+training step or a load makes a new one).
 
 >>> from transformers import AutoModel
 >>> from densepass.models.biencoder import resolve_model_path
@@ -81,7 +81,7 @@ KIND_NAMES = {"splade": "SPLADE", "colbert": "ColBERT"}  # model kinds (``models
 
 def float_precision(precision: str, device: torch.device, kind: str) -> str:
     """fp32 or bf16: a ``precision`` setting as ``device.resolve_precision`` reads it (``auto``: bf16 where it is
-    fast), for a ``kind`` model (``splade``, ``colbert``) that runs no int8 (dynamic quantisation); a one-line error
+    fast), for a ``kind`` model (``splade``, ``colbert``) that runs no int8; a one-line error
     otherwise."""
     resolved = resolve_precision(precision, device)
     if resolved not in ("fp32", "bf16"):

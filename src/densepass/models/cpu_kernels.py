@@ -25,9 +25,9 @@ products' results come off the tiles. ``layer_norm_`` normalises bf16 rows in pl
 on the way (what the layers run where ``AfterAttention`` does not fit); ``embed`` computes the first layer's input
 vectors of packed tokens from their ids, positions and types (the lookups, sums and layer norm in one pass).
 
-``Int8Linear`` computes a linear layer through int8 products on AVX512-VNNI (a scale per token and per weight row,
-``vpdpbusd``), twice the bf16 products' rate on a CPU without AMX (``benchmarks/bench_int8_products.py``): the
-building block of int8 layers, which do not run on it yet.
+``Int8Linear`` computes a linear layer through int8 products on AVX512-VNNI (``vpdpbusd``: each token quantised
+over its own range, a scale per weight row), about twice the bf16 products' rate on a CPU without AMX
+(``benchmarks/bench_int8_products.py``): what ``models.fused``'s int8 layers run (the ``int8`` precision).
 
 One source (``csrc/cpu_kernels.cpp``), two builds (``KINDS``), chosen at run time by the CPU's flags, best first:
 ``amx`` (Intel Sapphire Rapids and later: the products and attention's two products on AMX tiles) and
@@ -458,12 +458,17 @@ class Int8Linear:
         if out % 32 or depth % 16:
             raise ValueError(f"Int8Linear takes layers of multiples of 32 outputs and 16 inputs, got {depth} -> {out}")
         weight, self.scale = quantized_weight(linear.weight)
-        self.weight = weight  # [out, in] int8, for references
         self.sums = weight.sum(dim=1, dtype=torch.int32).float()  # exact: |sum| <= 127 x depth < 2^24
         self.layout = vnni_layout(weight)
         self.bias = None if linear.bias is None else linear.bias.detach().bfloat16().clone()
         self.gelu = gelu
         self.shape = (out, depth)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 weight [out, in] (read back from ``layout``, for references)."""
+        out, depth = self.shape
+        return self.layout.permute(0, 2, 1, 3).reshape(out, depth)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [rows, in] bf16 through the layer: [rows, out] bf16, written into ``out`` where given (a

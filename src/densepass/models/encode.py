@@ -126,7 +126,8 @@ def inference_runner(model: Model, precision: str, device: torch.device) -> Mode
         return model
     if precision == "bf16":
         return reused_copy(model, (precision, device), lambda: inference_copy(model, fuse=device.type == "cpu"))
-    return reused_copy(model, (precision, device), lambda: quantized_copy(model))
+    fused = tuple(int8_runs(tower) for tower in (model.query_encoder, model.passage_encoder))  # kernels switched on
+    return reused_copy(model, (precision, device, fused), lambda: quantized_copy(model))
 
 
 def padded_batches(

@@ -121,13 +121,13 @@ class FusedBertLayer(nn.Module):
         attention = layer.attention.self
         self.heads = attention.num_attention_heads
         qkv = (attention.query, attention.key, attention.value)
-        self.qkv_bias = torch.cat([linear.bias for linear in qkv]).detach()
         self.int8 = int8_products(layer) if int8 else None
         if int8:  # nothing else runs: no bf16 copies of the weights are kept
-            self.attention = self.after = self.kv = self.query = None
+            self.qkv_bias = self.attention = self.after = self.kv = self.query = None
             self.attention_norm, self.output_norm = layer.attention.output.LayerNorm, layer.output.LayerNorm
             self._products = {}
             return
+        self.qkv_bias = torch.cat([linear.bias for linear in qkv]).detach()
         # ``first_position`` needs the keys and values on their own, the query as it is (last layers only)
         self.kv = packed(torch.cat([attention.key.weight, attention.value.weight])) if first_position else None
         self.query = attention.query if first_position else None

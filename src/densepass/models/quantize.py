@@ -1,5 +1,6 @@
-"""Dynamic int8 quantisation of a transformer's linear layers, for CPU inference (the ``int8`` precision of
-bi-encoder encoding, ``models.encode``, and of cross-encoder scoring, ``models.cross_encoder``).
+"""Dynamic int8 quantisation of a transformer's linear layers, for CPU inference: the ``int8`` precision of
+cross-encoder scoring (``models.cross_encoder``), and of bi-encoder encoding (``models.encode``) for the towers and
+CPUs that ``models.fused``'s int8 layers do not run.
 
 ``torch.ao.quantization.quantize_dynamic`` replaces each chosen ``nn.Linear`` by an int8 one: weights
 quantised once with a scale per output channel, activations quantised on the fly with one scale per batch.

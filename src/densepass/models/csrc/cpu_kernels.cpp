@@ -303,20 +303,24 @@ inline void product(const uint16_t* a, int64_t stride, int64_t parts, int64_t de
 // sum_k x_k w_k ~ s sum_k q_k w_k + lo sum_k w_k.
 
 // Quantises `rows` rows of `depth` bf16 values (`depth` a multiple of 16) into q (rows of `depth` bytes), scale
-// and low (one each per row; a constant row has scale 0, its bytes all 0, and low its value).
+// and low (one each per row; a constant row has scale 0, its bytes all 0, and low its value; a row with a NaN or an
+// infinity has scale and low NaN, so that its outputs are NaN, as a float product's would be).
 inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t depth, uint8_t* q, float* scale, float* low) {
   const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(255);
   for (int64_t i = 0; i < rows; ++i) {
     const uint16_t* row = x + i * depth;
     __m512 smallest = load_bf16(row), largest = smallest;
+    __mmask16 unordered = _mm512_cmp_ps_mask(smallest, smallest, _CMP_UNORD_Q);
     for (int64_t k = 16; k < depth; k += 16) {
       const __m512 v = load_bf16(row + k);
       smallest = _mm512_min_ps(smallest, v);
       largest = _mm512_max_ps(largest, v);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);  // NaN: min and max would drop it
     }
-    const float lo = _mm512_reduce_min_ps(smallest), range = _mm512_reduce_max_ps(largest) - lo;
+    float lo = _mm512_reduce_min_ps(smallest), range = _mm512_reduce_max_ps(largest) - lo;
+    if (unordered || !std::isfinite(lo) || !std::isfinite(range)) lo = range = std::nanf("");
     const float inverse = range > 0.0f ? 255.0f / range : 0.0f;
-    scale[i] = range > 0.0f ? range / 255.0f : 0.0f;
+    scale[i] = range > 0.0f || std::isnan(range) ? range / 255.0f : 0.0f;
     low[i] = lo;
     const __m512 by = _mm512_set1_ps(inverse), offset = _mm512_set1_ps(lo);
     for (int64_t k = 0; k < depth; k += 16) {
