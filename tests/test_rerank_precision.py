@@ -51,6 +51,26 @@ def test_int8_scores_follow_fp32_on_minilm_but_are_not_fp32():
     assert np.mean(np.abs(low - full)) > 1e-4  # not fp32 (batching changes fp32 scores by 1e-6 at most)
 
 
+def test_int8_runs_the_fused_int8_layers_where_the_kernels_run(monkeypatch):
+    """Where densepass's CPU kernels run MiniLM's heads, int8 scoring runs a bf16 copy whose encoder is
+    ``models.fused``'s int8 layers: a pair's score does not depend on the pairs batched with it (a scale per token;
+    one per batch moves scores by about 1e-3 of their size); with the kernels off, dynamic quantisation."""
+    from densepass.models import cpu_kernels
+    from densepass.models.fused import FusedBertEncoder
+
+    model = CrossEncoder.new("all-MiniLM-L6-v2", seed=13, max_length=64, device=CPU, precision="int8")
+    if not model.int8_fuses():
+        pytest.skip("densepass's CPU kernels do not run here")
+    assert isinstance(model.quantized_model().bert, FusedBertEncoder)
+    together = model.score_pairs(PAIR_QUERIES, PAIR_PASSAGES)
+    alone = np.array([model.score_pairs([q], [p])[0] for q, p in zip(PAIR_QUERIES[:8], PAIR_PASSAGES[:8])])
+    np.testing.assert_allclose(together[:8], alone, rtol=1e-5, atol=1e-8)  # the head's float32 rounding alone
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    assert not model.int8_fuses() and not isinstance(model.quantized_model().bert, FusedBertEncoder)
+    dynamic = model.score_pairs(PAIR_QUERIES, PAIR_PASSAGES)
+    assert np.isfinite(dynamic).all() and not np.array_equal(dynamic, together)
+
+
 def test_int8_quantises_every_linear_layer_but_the_feed_forward_outputs(tiny):
     from torch.ao.nn.quantized.dynamic import Linear as QuantizedLinear
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from densepass.device import resolve_precision
 from densepass.errors import ConfigError
-from densepass.models.fused import FusedBertEncoder, fusable
+from densepass.models.fused import FusedBertEncoder, fusable, int8_runs
 from densepass.models.quantize import weights_key
 
 M = TypeVar("M", bound=nn.Module)
@@ -65,6 +65,19 @@ def bf16_copy(model: nn.Module, fuse: bool, first_position: bool = False, paddin
     base = fusable_base(half)
     if base is not None:
         setattr(half, half.base_model_prefix, FusedBertEncoder(base, first_position, padding_outputs))
+    return half
+
+
+def int8_classifier_copy(model: nn.Module) -> nn.Module:
+    """A bf16 copy of a ``transformers`` classifier whose BERT-layered encoder (``fusable_base``, where
+    ``models.fused.int8_runs``) runs ``FusedBertEncoder``'s int8 layers on its tokens alone (the padding's hidden
+    states zero: a head that reads the first position alone is what it serves), the head as it is, in bf16;
+    ``model`` is left untouched."""
+    half = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
+    base = fusable_base(half)
+    if base is None or not int8_runs(base):
+        raise ValueError(f"the int8 layers do not run the encoder of a {type(model).__name__} here")
+    setattr(half, half.base_model_prefix, FusedBertEncoder(base, padding_outputs=False, int8=True))
     return half
 
 

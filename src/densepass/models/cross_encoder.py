@@ -18,11 +18,14 @@ autocast (on the CPU, a BERT, RoBERTa or XLM-R classifier instead runs a bf16 co
 ``models.fused``, the last on the first position only: ``fused_first_position_logits``), with the one-logit output
 layer computing in float32 (``fp32_logit_layer``: a bf16 logit has 8 significant bits, so candidates with close
 scores tie, and most SQuAD dev questions had ties in their reranked top 20 with a bf16 output layer:
-docs/history/experiments-log.md); ``int8`` (CPU only), with a copy whose linear
-layers are dynamically quantised (``models.quantize``: int8 weights with a scale per output channel, activations
-with one scale per batch, so it runs the full last layer), made once and reused until the weights change. As for the
-bi-encoder, the feed-forward output projections stay float32: quantising them too moves scores further from fp32
-(``experiments/rerank_int8.py`` measures both; docs/experiments.md, "int8 cross-encoder scores against fp32").
+docs/history/experiments-log.md); ``int8`` (CPU only): where densepass's CPU kernels run a BERT, RoBERTa or XLM-R
+classifier's encoder (``models.fused.int8_runs``), a bf16 copy whose encoder runs ``models.fused``'s int8 layers
+(each token quantised over its own range, the padding skipped, every layer on every token), the head on the first
+position (``fused_int8_logits``); elsewhere a copy whose linear layers are dynamically quantised
+(``models.quantize``: int8 weights with a scale per output channel, activations with one scale per batch, so it runs
+the full last layer), as for the bi-encoder with the feed-forward output projections in float32 (quantising them
+too moves scores further from fp32: ``experiments/rerank_int8.py``; docs/experiments.md, "int8 cross-encoder scores
+against fp32"). Either copy is made once and reused until the weights change.
 int8 scores are close to fp32 but not equal, so near-ties swap and the order of close candidates changes; whether
 that costs MRR is not settled, so int8 is opt-in.
 ``benchmarks/bench_rerank.py --precision int8`` measures the agreement on its pairs with the timings.
@@ -47,7 +50,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 from densepass.device import autocast_context, default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory
-from densepass.models.copies import bf16_copy, fusable_base, reused_copy
+from densepass.models.copies import bf16_copy, fusable_base, int8_classifier_copy, reused_copy
+from densepass.models.fused import int8_runs
 from densepass.models.inputs import check_position_limit, forward_in_pieces, piece_tokens, position_limit
 from densepass.models.kinds import loading_weights, quiet_loading
 from densepass.models.packing import packable, packed_forward
@@ -124,6 +128,12 @@ def fused_first_position_logits(model: torch.nn.Module, tokens: dict[str, torch.
     """``first_position_logits`` of a cross-encoder's bf16 copy for the CPU whose encoder runs fused layers, the
     last on the first position only (``models.copies.bf16_copy(model, fuse=True, first_position=True)``)."""
     return _head_logits(model, model.base_model(**tokens, first_position=True).last_hidden_state)
+
+
+def fused_int8_logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits of a cross-encoder's int8 copy (``models.copies.int8_classifier_copy``): its encoder's int8
+    layers on every token (they have no first-position shortcut), the head on the first position."""
+    return _head_logits(model, model.base_model(**tokens).last_hidden_state[:, :1])
 
 
 def packed_logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -307,10 +317,20 @@ class CrossEncoder:
         """One logit per tokenised pair, float32 [n] (with the graph when the model trains)."""
         return _logits(self.model, tokens)
 
+    def int8_fuses(self) -> bool:
+        """Whether int8 scoring runs ``models.fused``'s int8 layers (module docstring): on the CPU, for a classifier
+        whose head reads the first position alone and whose encoder they run (``models.fused.int8_runs``)."""
+        base = fusable_base(self.model)
+        fits = self.device.type == "cpu" and reads_first_position(self.model)
+        return fits and base is not None and int8_runs(base)
+
     def quantized_model(self) -> torch.nn.Module:
-        """The int8 copy of ``model`` that int8 scoring runs (module docstring): made at the first call and
-        reused while the model's weights stay the same (a training step or a load makes a new one)."""
-        return reused_copy(self.model, "int8", lambda: quantized_linear_copy(self.model))
+        """The int8 copy of ``model`` that int8 scoring runs (module docstring: ``int8_fuses``, a bf16 copy whose
+        encoder runs the int8 layers, else dynamic quantisation): made at the first call and reused while the
+        model's weights stay the same (a training step or a load makes a new one)."""
+        fuses = self.int8_fuses()
+        make = partial(int8_classifier_copy if fuses else quantized_linear_copy, self.model)
+        return reused_copy(self.model, ("int8", fuses), make)
 
     def fused_model(self) -> torch.nn.Module:
         """The bf16 copy of ``model`` that bf16 scoring runs on the CPU (module docstring): its encoder with fused
@@ -335,7 +355,9 @@ class CrossEncoder:
             self.model.eval()
         shortcut = reads_first_position(self.model)
         fused = precision == "bf16" and self.device.type == "cpu" and shortcut and fusable_base(self.model) is not None
-        if precision == "int8":  # one activation scale per batch: the shortcut's smaller batches round differently
+        if precision == "int8" and self.int8_fuses():
+            forward = partial(fused_int8_logits, self.quantized_model())
+        elif precision == "int8":  # one activation scale per batch: the shortcut's smaller batches round differently
             forward = partial(_logits, self.quantized_model())
         elif fused:
             forward = partial(fused_first_position_logits, self.fused_model())
