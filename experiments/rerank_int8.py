@@ -6,9 +6,11 @@
 Reranks a seeded sample of dev queries' candidates (each query's positives, up to 3, then BM25's top passages,
 ``--depth`` in all, as ``eval.mode: rerank`` does) with the cross-encoder in fp32 and in two int8 variants
 (``models.quantize``): every linear layer quantised, and every one but the feed-forward output projections
-(what ``CrossEncoder`` ships). Per variant: the agreement with fp32 (``evaluation.agreement``) and MRR@10
-against fp32's, with the paired randomization test (``evaluation.metrics.paired_significance``). Writes
-``int8.json`` and ``int8.md`` into ``--out``. A quality experiment: the seconds it prints are not benchmarks.
+(what ``CrossEncoder`` runs where densepass's CPU kernels do not); where they do, also ``precision="int8"`` as it
+runs there (``models.fused``'s int8 layers, each token quantised over its own range). Per variant: the agreement
+with fp32 (``evaluation.agreement``) and MRR@10 against fp32's, with the paired randomization test
+(``evaluation.metrics.paired_significance``). Writes ``int8.json`` and ``int8.md`` into ``--out``. A quality
+experiment: the seconds it prints are not benchmarks.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from densepass.training.teacher_scores import PASSAGE_SEP
 
 VARIANTS = {
     "int8, every linear layer": lambda name: False,
-    "int8, feed-forward outputs in fp32 (shipped)": feed_forward_output,
+    "int8, feed-forward outputs in fp32 (shipped without the kernels)": feed_forward_output,
 }
+FUSED = "int8, a scale and an offset per token (shipped with the kernels)"  # ``CrossEncoder.int8_fuses``
 
 
 def candidates(dataset, query_ids: list[str], depth: int) -> list[list[int]]:
@@ -78,6 +81,9 @@ def main() -> None:
         scores[name] = scorer.score_pairs(queries, passages)
         print(f"{name}: {time.perf_counter() - started:.0f}s", flush=True)
     scorer.model = fp32_model
+    if scorer.int8_fuses():
+        scores[FUSED] = scorer.score_pairs(queries, passages, precision="int8")
+        print(f"{FUSED}: {time.perf_counter() - started:.0f}s", flush=True)
 
     ids = dataset.corpus.ids
     qrels = {q: dataset.split("dev")[q] for q in query_ids}
