@@ -68,16 +68,19 @@ def bf16_copy(model: nn.Module, fuse: bool, first_position: bool = False, paddin
     return half
 
 
-def int8_classifier_copy(model: nn.Module) -> nn.Module:
-    """A bf16 copy of a ``transformers`` classifier whose BERT-layered encoder (``fusable_base``, where
-    ``models.fused.int8_runs``) runs ``FusedBertEncoder``'s int8 layers on its tokens alone (the padding's hidden
-    states zero: a head that reads the first position alone is what it serves), the head as it is, in bf16;
-    ``model`` is left untouched."""
+def int8_copy(model: nn.Module) -> nn.Module:
+    """A bf16 copy of a BERT-layered ``transformers`` encoder, or of a model with a head on one (``fusable_base``:
+    a classifier), whose encoder runs ``FusedBertEncoder``'s int8 layers on its tokens alone (the padding's hidden
+    states zero: for a bi-encoder's pooling and a head that reads the first position), a head as it is, in bf16;
+    where ``models.fused.int8_runs`` the encoder (a one-line error otherwise). ``model`` is left untouched."""
     half = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
-    base = fusable_base(half)
+    base = half if fusable(half) else fusable_base(half)
     if base is None or not int8_runs(base):
         raise ValueError(f"the int8 layers do not run the encoder of a {type(model).__name__} here")
-    setattr(half, half.base_model_prefix, FusedBertEncoder(base, padding_outputs=False, int8=True))
+    fused = FusedBertEncoder(base, padding_outputs=False, int8=True)
+    if base is half:
+        return fused
+    setattr(half, half.base_model_prefix, fused)
     return half
 
 

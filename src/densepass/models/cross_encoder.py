@@ -26,8 +26,9 @@ position (``fused_int8_logits``); elsewhere a copy whose linear layers are dynam
 the full last layer), as for the bi-encoder with the feed-forward output projections in float32 (quantising them
 too moves scores further from fp32: ``experiments/rerank_int8.py``; docs/experiments.md, "int8 cross-encoder scores
 against fp32"). Either copy is made once and reused until the weights change.
-int8 scores are close to fp32 but not equal, so near-ties swap and the order of close candidates changes; whether
-that costs MRR is not settled, so int8 is opt-in.
+int8 scores are close to fp32 but not equal, so near-ties swap and the order of close candidates changes; the int8
+layers kept fp32's MRR@10 within noise where dynamic int8 lost significantly (docs/experiments.md), and int8 is
+opt-in.
 ``benchmarks/bench_rerank.py --precision int8`` measures the agreement on its pairs with the timings.
 
 >>> from densepass.models.cross_encoder import CrossEncoder
@@ -50,7 +51,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 from densepass.device import autocast_context, default_device, resolve_precision
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory
-from densepass.models.copies import bf16_copy, fusable_base, int8_classifier_copy, reused_copy
+from densepass.models.copies import bf16_copy, fusable_base, int8_copy, reused_copy
 from densepass.models.fused import int8_runs
 from densepass.models.inputs import check_position_limit, forward_in_pieces, piece_tokens, position_limit
 from densepass.models.kinds import loading_weights, quiet_loading
@@ -131,7 +132,7 @@ def fused_first_position_logits(model: torch.nn.Module, tokens: dict[str, torch.
 
 
 def fused_int8_logits(model: torch.nn.Module, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The logits of a cross-encoder's int8 copy (``models.copies.int8_classifier_copy``): its encoder's int8
+    """The logits of a cross-encoder's int8 copy (``models.copies.int8_copy``): its encoder's int8
     layers on every token (they have no first-position shortcut), the head on the first position."""
     return _head_logits(model, model.base_model(**tokens).last_hidden_state[:, :1])
 
@@ -329,7 +330,7 @@ class CrossEncoder:
         encoder runs the int8 layers, else dynamic quantisation): made at the first call and reused while the
         model's weights stay the same (a training step or a load makes a new one)."""
         fuses = self.int8_fuses()
-        make = partial(int8_classifier_copy if fuses else quantized_linear_copy, self.model)
+        make = partial(int8_copy if fuses else quantized_linear_copy, self.model)
         return reused_copy(self.model, ("int8", fuses), make)
 
     def fused_model(self) -> torch.nn.Module:

@@ -40,8 +40,8 @@ from transformers import PreTrainedTokenizerBase
 from densepass.data.texts import tokenizing
 from densepass.device import attention_kernels, default_device, resolve_precision
 from densepass.errors import ConfigError, DensepassError
-from densepass.models.copies import bf16_copy, reused_copy
-from densepass.models.fused import FusedBertEncoder, int8_runs
+from densepass.models.copies import bf16_copy, int8_copy, reused_copy
+from densepass.models.fused import int8_runs
 from densepass.models.inputs import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS, Side, forward_in_pieces, piece_tokens
 from densepass.models.quantize import quantized_linear_copy
 from densepass.prefetch import prefetched
@@ -102,10 +102,7 @@ def quantized_copy(model: Model) -> Model:
 
 def _int8_tower(tower: nn.Module) -> nn.Module:
     """``quantized_copy``'s copy of one tower."""
-    if not int8_runs(tower):
-        return quantized_linear_copy(tower)
-    half = copy.deepcopy(tower).to(torch.bfloat16).eval().requires_grad_(False)
-    return FusedBertEncoder(half, padding_outputs=False, int8=True)
+    return int8_copy(tower) if int8_runs(tower) else quantized_linear_copy(tower)
 
 
 def _copy_towers(model: Model, copy_tower) -> Model:
