@@ -1,21 +1,60 @@
-"""CPU dropout with NumPy masks (models.dropout): the distribution and scale of the masks, the same mask forwards
-and backwards, masks that follow torch's seed (and replay), attention that equals SDPA's when nothing is dropped,
-and a switch that changes neither what a model computes in evaluation nor what it saves."""
+"""CPU dropout with counter-based masks (models.dropout): the draws against SplitMix64 computed one word at a time,
+the distribution and scale of the masks, the same mask forwards and backwards, masks that follow torch's seed (and
+replay), attention that equals SDPA's when nothing is dropped, and a switch that changes neither what a model
+computes in evaluation nor what it saves. Where the CPU kernels run: their draws and dropout equal NumPy's, and the
+fused attention probabilities (forward and backward) against float64 and against the unfused path."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import BertModel
 
 import densepass.models.dropout as dropout_module
 from conftest import tiny_bert_config
 from densepass.device import RandomState
-from densepass.models.dropout import ATTENTION, BITS, CpuDropout, cpu_dropout, dropout_mask, use_cpu_dropout
+from densepass.models import cpu_kernels
+from densepass.models.dropout import (
+    ATTENTION,
+    BITS,
+    CpuDropout,
+    _attention,
+    cpu_dropout,
+    draws,
+    dropout_mask,
+    keep_threshold,
+    use_cpu_dropout,
+)
 
 CPU = torch.device("cpu")
+needs_kernels = pytest.mark.skipif(not cpu_kernels.trains(), reason="the CPU kernels need AMX or AVX512-BF16")
+
+
+def splitmix64_word(seed: int, word: int) -> int:
+    """SplitMix64's output for counter ``word + 1`` under ``seed``, in Python integers (Steele, Lea & Flood 2014)."""
+    mask = 2**64 - 1
+    z = (seed + (word + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+@given(st.integers(0, 2**62), st.integers(0, 10**9), st.integers(0, 70))
+@settings(max_examples=50, deadline=None)
+def test_the_draws_are_splitmix64_words_cut_into_four(seed, first, count):
+    expected = [(splitmix64_word(seed, e // 4) >> (16 * (e % 4))) & 0xFFFF for e in range(first, first + count)]
+    assert draws(seed, count, first).tolist() == expected
+
+
+def test_numpy_draws_across_chunks_equal_the_draws_of_their_parts():
+    whole = draws(3, 300_000, 5)
+    assert np.array_equal(whole[131_070:131_090], draws(3, 20, 5 + 131_070))
+    assert np.array_equal(whole[-7:], draws(3, 7, 5 + 300_000 - 7))
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
@@ -82,11 +121,11 @@ def test_attention_with_nothing_dropped_equals_sdpa_attention(monkeypatch):
     assert model.config._attn_implementation == ATTENTION
     calls = []
 
-    def keep_all(shape, p):
+    def keep_all(p):
         calls.append(p)
-        return torch.ones(shape, dtype=torch.bool), 1.0
+        return 1 << BITS, 1.0  # every draw is below 2^16
 
-    monkeypatch.setattr(dropout_module, "dropout_mask", keep_all)
+    monkeypatch.setattr(dropout_module, "keep_threshold", keep_all)
     got = model.train()(input_ids=IDS, attention_mask=MASK).last_hidden_state
     assert calls == [0.5, 0.5]  # one attention dropout per layer
     valid = MASK.bool()  # padded positions' outputs are not compared (they attend like any other row)
@@ -126,3 +165,109 @@ def test_nothing_changes_off_the_cpu():
     use_cpu_dropout(model, torch.device("cuda"))  # nothing is moved or run: only the switch is skipped
     assert model.config._attn_implementation == "sdpa"
     assert any(type(m) is torch.nn.Dropout for m in model.modules())
+
+
+@needs_kernels
+@given(st.integers(0, 2**62), st.integers(0, 10**9), st.integers(1, 200))
+@settings(max_examples=40, deadline=None)
+def test_the_kernels_draw_what_numpy_draws(seed, first, count):
+    assert cpu_kernels.dropout_draws(seed, count, first).tolist() == draws(seed, count, first).tolist()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@given(n=st.integers(1, 9000), p=st.sampled_from([0.1, 0.5, 0.97, 1.0]), seed=st.integers(0, 2**62))
+@settings(max_examples=25, deadline=None)
+def test_kernel_dropout_equals_numpy_dropout(dtype, n, p, seed):
+    x = torch.randn(n).to(dtype)
+    threshold, scale = keep_threshold(p)
+    keep = torch.from_numpy(draws(seed, n) < threshold)
+    expected = torch.where(keep, x, 0).mul_(scale)  # torch's own product, rounded as torch rounds bf16
+    assert torch.equal(cpu_kernels.dropout(x, seed, threshold, scale), expected)
+
+
+def _reference_probs(scores, mask, scale, seed, p):
+    """float64 dropout(softmax(scale scores)) over the kept keys, as torch computes it: the probabilities, the
+    dropped-out probabilities, and the keep mask; a row without keys gets uniform probabilities."""
+    s = scores.double() * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    empty = torch.isinf(s).all(-1, keepdim=True)
+    probs = torch.where(empty, 1.0 / s.shape[-1], torch.softmax(s.masked_fill(empty, 0.0), -1))
+    threshold, keep_scale = keep_threshold(p)
+    keep = torch.from_numpy(draws(seed, scores.numel()) < threshold).view(scores.shape)
+    return probs, probs * keep * keep_scale, keep
+
+
+@needs_kernels
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    queries=st.integers(1, 20),
+    keys=st.integers(1, 40),
+    mask_kind=st.sampled_from(["none", "keys", "full"]),
+    p=st.sampled_from([0.1, 0.5]),
+    seed=st.integers(0, 2**62),
+)
+@settings(max_examples=40, deadline=None)
+def test_softmax_dropout_forward_and_backward_against_float64(batch, heads, queries, keys, mask_kind, p, seed):
+    generator = torch.Generator().manual_seed(seed % 2**31)
+    scores = (torch.randn(batch, heads, queries, keys, generator=generator) * 3).to(torch.bfloat16)
+    mask = None
+    if mask_kind == "keys":  # key padding, broadcast over heads and queries, one row without keys at most
+        mask = torch.rand(batch, 1, 1, keys, generator=generator) > 0.3
+    elif mask_kind == "full":
+        mask = torch.rand(batch, 1, queries, keys, generator=generator) > 0.3
+    scale = 0.35
+    threshold, keep_scale = keep_threshold(p)
+    out, probs = cpu_kernels.softmax_dropout(scores, mask, scale, seed, threshold, keep_scale)
+    expected_probs, expected_out, keep = _reference_probs(scores, mask, scale, seed, p)
+    empty = (torch.zeros_like(expected_probs, dtype=torch.bool) if mask is None
+             else ~mask.expand_as(expected_probs).any(-1, keepdim=True).expand_as(expected_probs))  # fmt: skip
+    torch.testing.assert_close(out.double(), expected_out, rtol=1e-2, atol=2e-3)
+    torch.testing.assert_close(probs.double(), expected_probs.masked_fill(empty, 0.0), rtol=1e-2, atol=2e-3)
+
+    grad = torch.randn(scores.shape, generator=generator).to(torch.bfloat16)
+    reference = scores.double().requires_grad_()
+    s = reference * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, torch.finfo(torch.float64).min)  # the unfused path's fill: zero gradient there
+    (torch.softmax(s, -1) * keep * keep_scale * grad.double()).sum().backward()
+    got = cpu_kernels.softmax_dropout_backward(grad, probs, scale, seed, threshold, keep_scale)
+    # the probabilities are kept in bf16 (2^-9 relative), so each row's sum c = sum_j dP_j P_j carries an error of
+    # about 2^-9 max |P dP|, as large as bf16's rounding of dP itself: the tolerance is on that scale
+    scale_of_terms = float((expected_probs * (grad.double() * keep * keep_scale).abs()).max())
+    torch.testing.assert_close(got.double(), reference.grad, rtol=2e-2, atol=1e-2 * scale_of_terms * scale + 1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_attention_equals_the_unfused_path_under_autocast(monkeypatch, masked):
+    """The same seed gives the same masks on both paths, so the fused kernel's attention output and the gradients
+    of queries, keys and values equal the torch operations' (DENSEPASS_CPU_KERNELS=0) to bf16 rounding."""
+
+    class Module:
+        is_causal = False
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 37, 32, generator=generator).requires_grad_() for _ in range(3))
+    mask = None
+    if masked:
+        mask = torch.ones(3, 1, 37, 37, dtype=torch.bool)
+        mask[0, ..., 30:] = mask[2, ..., 5:] = False
+
+    def run() -> tuple[torch.Tensor, ...]:
+        for x in (q, k, v):
+            x.grad = None
+        torch.manual_seed(7)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = _attention(Module(), q, k, v, mask, 0.2)
+        out.float().pow(2).sum().backward()
+        return out.detach().float(), q.grad, k.grad, v.grad
+
+    fused = run()
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    unfused = run()
+    for got, expected in zip(fused, unfused):
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-2 * float(expected.abs().max()))

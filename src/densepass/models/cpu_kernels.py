@@ -493,6 +493,76 @@ class Int8Linear:
         return y
 
 
+def trains() -> bool:
+    """Whether dropout and attention's probabilities run through these kernels while training on the CPU
+    (``dropout``, ``softmax_dropout``): the kernels not turned off (``ENV``), and built and loaded on this CPU."""
+    return env_switch(ENV) is not False and _library() is not None
+
+
+def dropout(x: torch.Tensor, seed: int, threshold: int, scale: float) -> torch.Tensor:
+    """``x`` (float32 or bf16, CPU) times ``scale`` where dropout's draws under ``seed`` keep an element (its 16-bit
+    draw below ``threshold``; ``models.dropout`` defines the draws), else 0, as a new tensor. The backward pass
+    calls it on the gradient with the same seed: the mask is drawn again, never kept. Call where ``trains``."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise ValueError(f"dropout takes float32 or bf16 CPU tensors, got {x.dtype} on {x.device}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _library().densepass_dropout(x.data_ptr(), out.data_ptr(), x.numel(), int(x.dtype == torch.bfloat16), seed,
+                                 threshold, scale, torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def softmax_dropout(
+    scores: torch.Tensor, mask: torch.Tensor | None, scale: float, seed: int, threshold: int, keep_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention's probabilities with dropout in one pass: ``scores`` [batch, heads, queries, keys] bf16 ->
+    (out, probs), both bf16 of that shape: probs = softmax(scale x scores) over the keys ``mask`` keeps (bool,
+    broadcastable to ``scores``; None: all), in float32, kept for the backward pass; out = probs x ``keep_scale``
+    where dropout's draws (``dropout``'s, element by element of ``scores``) keep an element, else 0. A row
+    without keys: uniform out, zero probs (a zero gradient, as ``masked_fill``'s). Call where ``trains``."""
+    if scores.dtype != torch.bfloat16 or scores.dim() != 4 or scores.device.type != "cpu":
+        raise ValueError(f"softmax_dropout takes bf16 [batch, heads, queries, keys] CPU scores, got {scores.dtype} "
+                         f"{tuple(scores.shape)}")  # fmt: skip
+    scores = scores.contiguous()
+    batch, heads, queries, keys = scores.shape
+    strides, pointer = (0, 0, 0), 0
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise ValueError(f"softmax_dropout takes a bool mask, got {mask.dtype}")
+        mask = mask.expand(batch, heads, queries, keys)
+        if mask.stride(3) != 1:
+            mask = mask.contiguous()
+        strides, pointer = mask.stride()[:3], mask.data_ptr()
+    out, probs = torch.empty_like(scores), torch.empty_like(scores)
+    _library().densepass_softmax_dropout(scores.data_ptr(), pointer, *strides, batch, heads, queries, keys, scale,
+                                         seed, threshold, keep_scale, probs.data_ptr(), out.data_ptr(),
+                                         torch.get_num_threads())  # fmt: skip
+    return out, probs
+
+
+def softmax_dropout_backward(
+    grad: torch.Tensor, probs: torch.Tensor, scale: float, seed: int, threshold: int, keep_scale: float
+) -> torch.Tensor:
+    """``softmax_dropout``'s backward pass: the gradient of its out (``grad``) -> the gradient of its scores (bf16),
+    scale x P (dP - sum_j dP_j P_j) with dP = ``grad`` x ``keep_scale`` where the same draws keep an element, else
+    0, per row of keys in float32. Call where ``trains``."""
+    grad = grad.to(torch.bfloat16).contiguous()
+    out = torch.empty_like(probs)
+    keys = probs.shape[-1]
+    _library().densepass_softmax_dropout_backward(grad.data_ptr(), probs.data_ptr(), probs.numel() // keys, keys,
+                                                  scale, seed, threshold, keep_scale, out.data_ptr(),
+                                                  torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def dropout_draws(seed: int, count: int, first: int = 0) -> torch.Tensor:
+    """The kernels' dropout draws of elements ``first`` .. ``first + count - 1`` under ``seed`` (uint16, as int32:
+    for tests, which check them against ``models.dropout.draws``). Call where ``trains``."""
+    out = torch.empty(count, dtype=torch.int16)
+    _library().densepass_dropout_draws(seed, first, count, out.data_ptr())
+    return out.to(torch.int32) & 0xFFFF
+
+
 def gelu(x: torch.Tensor) -> torch.Tensor:
     """GELU as ``AfterAttention`` computes it, of float32 ``x`` (its count a multiple of 16; for tests). Call where
     ``usable``."""
@@ -538,6 +608,15 @@ def _library() -> ctypes.CDLL | None:
         library.densepass_qkv_attention.argtypes = [*[pointer] * 3, size, pointer, pointer, size, size, number_,
                                                     pointer, ctypes.c_int]  # fmt: skip
         library.densepass_gelu.argtypes, library.densepass_gelu.restype = [pointer, pointer, size], None
+        seed, count = ctypes.c_uint64, ctypes.c_uint32
+        library.densepass_dropout.argtypes = [pointer, pointer, size, ctypes.c_int, seed, count, number_,
+                                              ctypes.c_int]  # fmt: skip
+        library.densepass_softmax_dropout.argtypes = [pointer, pointer, *[size] * 7, number_, seed, count, number_,
+                                                      pointer, pointer, ctypes.c_int]  # fmt: skip
+        library.densepass_softmax_dropout_backward.argtypes = [pointer, pointer, size, size, number_, seed, count,
+                                                               number_, pointer, ctypes.c_int]  # fmt: skip
+        library.densepass_dropout_draws.argtypes = [seed, size, size, pointer]
+        library.densepass_dropout_draws.restype = None
         library.densepass_int8_linear.argtypes = [
             pointer,
             size,

@@ -1,16 +1,24 @@
-"""Dropout on the CPU with masks drawn by NumPy's PCG64 generator instead of PyTorch's own.
+"""Dropout on the CPU with counter-based masks instead of PyTorch's own, drawn again in the backward pass.
 
 Why: PyTorch's CPU Bernoulli kernel draws with MKL's vectorised generator on Intel CPUs only; elsewhere (AMD, ARM)
 it draws one element at a time under a lock, and the dropout masks of a training step (every hidden state, and
 every attention probability: heads x L x L per text) become a large share of a bf16 step there
-(``benchmarks/bench_train.py --profile`` shows it; docs/history/benchmarks-log.md has the profile). NumPy's PCG64
-draws 16-bit integers several times faster. The masks follow the same distribution up to 2^-16: each element is kept
-when its 16-bit draw is below round((1 - p) 2^16), and kept elements are scaled by the inverse of that probability, so
-every output keeps its expectation; only the random stream differs from ``torch.nn.Dropout``'s.
+(``benchmarks/bench_train.py --profile`` shows it; docs/history/benchmarks-log.md has the profile).
 
-Each mask's generator is seeded by one draw from PyTorch's CPU generator, so the masks follow ``torch.manual_seed``,
-are saved and restored with its state in checkpoints (bit-exact resume), and repeat under ``device.RandomState``
-(gradient caching replays a forward pass).
+**The draws.** A call draws one seed from PyTorch's CPU generator; element ``e`` of its tensor (flat, row-major)
+gets the 16-bit part ``e % 4`` of word ``e // 4``, word ``w`` being SplitMix64's output for the counter ``w + 1``
+(``seed + (w + 1) golden``, then SplitMix64's finaliser; ``draws``). An element is kept when its draw is below
+``round((1 - p) 2^16)`` and kept elements are scaled by the inverse of that probability, so the masks follow
+``torch.nn.Dropout``'s distribution to 2^-16 and every output keeps its expectation; only the random stream
+differs. An element's draw depends on its index alone, so the backward pass draws its forward pass's mask again
+instead of keeping it (no mask in memory between the passes), and threads draw their parts independently.
+
+**Where they run.** Where densepass's CPU kernels load (``models.cpu_kernels.trains``), dropout runs there, and the
+attention of a bf16 step (autocast) computes softmax(scale QK^T + mask), its dropout and its backward pass in one
+kernel a row at a time (``softmax_dropout``) instead of a chain of torch operations over the whole score tensor;
+elsewhere NumPy draws the same masks (the same stream, tested) and torch applies them. The seeds follow
+``torch.manual_seed``, are saved and restored with its state in checkpoints (bit-exact resume), and repeat under
+``device.RandomState`` (gradient caching replays a forward pass).
 
 ``use_cpu_dropout(model, device)`` switches a model that trains on the CPU: its ``nn.Dropout`` modules, and the
 attention-probability dropout of Hugging Face models that attend through SDPA (an attention function registered
@@ -35,42 +43,94 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from densepass.models import cpu_kernels
+
 BITS = 16  # each element's draw: a 16-bit integer
 ATTENTION = "densepass-cpu-dropout"  # the attention implementation ``cpu_dropout`` switches SDPA models to
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_CHUNK = 1 << 15  # words NumPy draws at a time (its temporaries stay in cache)
+
+
+def draws(seed: int, count: int, first: int = 0) -> np.ndarray:
+    """The 16-bit draws (uint16) of elements ``first`` .. ``first + count - 1`` of a call seeded by ``seed``
+    (module docstring): SplitMix64 over word counters, each word cut into four draws, in NumPy's wrapping uint64
+    arithmetic, a chunk at a time."""
+    start, stop = first // 4, (first + count + 3) // 4
+    words = np.empty(stop - start, dtype=np.uint64)
+    steps = np.arange(1, _CHUNK + 1, dtype=np.uint64) * _GOLDEN
+    shifted = np.empty(_CHUNK, dtype=np.uint64)
+    for at in range(0, len(words), _CHUNK):
+        z, t = words[at : at + _CHUNK], shifted[: min(_CHUNK, len(words) - at)]
+        np.add(steps[: len(z)], np.uint64((seed + (start + at) * int(_GOLDEN)) % 2**64), out=z)
+        for shift, multiplier in ((30, _MIX1), (27, _MIX2)):
+            np.right_shift(z, np.uint64(shift), out=t)
+            z ^= t
+            z *= multiplier
+        np.right_shift(z, np.uint64(31), out=t)
+        z ^= t
+    return words.view(np.uint16)[first % 4 : first % 4 + count]
+
+
+def keep_threshold(p: float) -> tuple[int, float]:
+    """Dropout with probability ``p``: the threshold a draw must be below to keep its element, and the scale of
+    kept elements (the inverse of the keep probability; 0 where nothing is kept)."""
+    threshold = round((1.0 - p) * (1 << BITS))
+    return threshold, (1 << BITS) / threshold if threshold else 0.0
+
+
+def _seed() -> int:
+    """One draw from PyTorch's CPU generator: the seed of one dropout call."""
+    return int(torch.randint(0, 2**62, (1,)))
 
 
 def dropout_mask(shape: torch.Size, p: float) -> tuple[torch.Tensor, float]:
     """A boolean keep-mask of ``shape`` (each element kept with probability 1 - ``p``, to 2^-16) and the scale of
-    the kept elements (the inverse of that probability), from a PCG64 generator seeded by PyTorch's CPU generator."""
-    threshold = round((1.0 - p) * (1 << BITS))
-    seed = int(torch.randint(0, 2**62, (1,)))
-    n = shape.numel()
-    # the generator's raw 64-bit outputs cut into four 16-bit draws each: half the time of ``integers``
-    draws = np.random.PCG64(seed).random_raw(-(-n // 4)).view(np.uint16)[:n]
-    keep = torch.from_numpy(draws < threshold).view(shape)
-    return keep, (1 << BITS) / threshold if threshold else 0.0
+    the kept elements, from a new seed: what ``cpu_dropout`` applies."""
+    threshold, scale = keep_threshold(p)
+    return torch.from_numpy(draws(_seed(), shape.numel()) < threshold).view(shape), scale
+
+
+def _dropped(x: torch.Tensor, seed: int, threshold: int, scale: float) -> torch.Tensor:
+    """``x`` times ``scale`` where the draws under ``seed`` keep an element, else 0: in the kernels where they run,
+    else with NumPy's draws (the same mask). A select, not a product, on the NumPy path: multiplying by a boolean
+    tensor first converts the whole mask to ``x``'s dtype."""
+    if x.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.trains():
+        return cpu_kernels.dropout(x, seed, threshold, scale)
+    keep = torch.from_numpy(draws(seed, x.numel()) < threshold).view(x.shape)
+    return torch.where(keep, x, 0).mul_(scale)
 
 
 class _MaskedScale(torch.autograd.Function):
-    """x * keep * scale, with the same mask on the way back."""
+    """x * keep * scale, with the same mask drawn again on the way back."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
-        keep, scale = dropout_mask(x.shape, p)
-        ctx.save_for_backward(keep)
-        ctx.scale = scale
-        return _apply(x, keep, scale)
+        ctx.seed, (ctx.threshold, ctx.scale) = _seed(), keep_threshold(p)
+        return _dropped(x, ctx.seed, ctx.threshold, ctx.scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (keep,) = ctx.saved_tensors
-        return _apply(grad, keep, ctx.scale), None
+        return _dropped(grad, ctx.seed, ctx.threshold, ctx.scale), None
 
 
-def _apply(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x * keep * scale`` by a select, not a product: multiplying by a boolean tensor first converts the whole
-    mask to ``x``'s dtype."""
-    return torch.where(keep, x, 0).mul_(scale)
+class _SoftmaxDropout(torch.autograd.Function):
+    """dropout(softmax(scale x scores + mask)) of bf16 attention scores, forward and backward each in one kernel
+    (``cpu_kernels.softmax_dropout``): the probabilities are kept in bf16 for the backward pass, the mask drawn
+    again."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, mask: torch.Tensor | None, scale: float, p: float) -> torch.Tensor:
+        ctx.seed, (ctx.threshold, ctx.keep_scale), ctx.scale = _seed(), keep_threshold(p), scale
+        out, probs = cpu_kernels.softmax_dropout(scores, mask, scale, ctx.seed, ctx.threshold, ctx.keep_scale)
+        ctx.save_for_backward(probs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (probs,) = ctx.saved_tensors
+        grad_scores = cpu_kernels.softmax_dropout_backward(grad, probs, ctx.scale, ctx.seed, ctx.threshold,
+                                                           ctx.keep_scale)  # fmt: skip
+        return grad_scores, None, None, None
 
 
 def cpu_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
@@ -82,7 +142,7 @@ def cpu_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tenso
 
 
 class CpuDropout(torch.nn.Dropout):
-    """``torch.nn.Dropout`` whose masks come from ``dropout_mask`` on the CPU."""
+    """``torch.nn.Dropout`` whose masks come from ``draws`` on the CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` dropped out: by ``cpu_dropout`` on the CPU, by ``torch.nn.Dropout`` elsewhere or in place."""
@@ -106,7 +166,13 @@ def _attention(
     plain = getattr(module, "is_causal", False) or getattr(module, "num_key_value_groups", 1) > 1
     if dropout == 0.0 or query.device.type != "cpu" or plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    scores = torch.matmul(query, key.transpose(-1, -2)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(-1, -2))
+    fused = attention_mask is None or attention_mask.dtype == torch.bool
+    if fused and scores.dtype == torch.bfloat16 and scores.dim() == 4 and cpu_kernels.trains():
+        probs = _SoftmaxDropout.apply(scores, attention_mask, scale, dropout)
+        return torch.matmul(probs, value.to(probs.dtype)).transpose(1, 2).contiguous(), None
+    scores = scores * scale
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)

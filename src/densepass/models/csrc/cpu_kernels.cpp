@@ -697,6 +697,46 @@ inline int64_t longest_of(const int64_t* offsets, int64_t sequences) {
 
 // A BERT layer's weights after its attention, bf16, for densepass_after_attention (cpu_kernels._LayerWeights):
 // the products' weights in `tile_layout`, [width, width], [inner, width] and [width, inner].
+// Dropout's draws (densepass/models/dropout.py): element e of a call seeded by s is kept where the 16-bit part
+// e % 4 of word e / 4 is below a threshold, word w being SplitMix64's output for the counter w + 1 under s
+// (s + (w + 1) golden, then SplitMix64's finaliser). Any element's draw is computed from its index alone, so a
+// backward pass draws its forward pass's mask again instead of keeping it, and every thread draws its own part.
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+
+inline __m512i splitmix8(uint64_t seed, int64_t word) {  // the draws of words word .. word + 7
+  const __m512i counters = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(word + 1)),
+                                            _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
+  __m512i z = _mm512_add_epi64(_mm512_mullo_epi64(counters, _mm512_set1_epi64(static_cast<long long>(kGolden))),
+                               _mm512_set1_epi64(static_cast<long long>(seed)));
+  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)),
+                         _mm512_set1_epi64(static_cast<long long>(0xBF58476D1CE4E5B9ull)));
+  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)),
+                         _mm512_set1_epi64(static_cast<long long>(0x94D049BB133111EBull)));
+  return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+}
+
+// draws[0 .. count) = the 16-bit draws of elements first .. first + count - 1 (draws: count + 32 writable).
+inline void draws_of(uint64_t seed, int64_t first, int64_t count, uint16_t* draws) {
+  const int64_t word = first / 4, skip = first % 4;
+  alignas(64) uint16_t block[32];
+  int64_t done = 0;
+  for (int64_t w = word; done < count; w += 8) {
+    _mm512_store_si512(block, splitmix8(seed, w));
+    const int64_t from = w == word ? skip : 0, take = 32 - from;
+    std::memcpy(draws + done, block + from, static_cast<size_t>(take) * 2);
+    done += take;
+  }
+}
+
+// Which of 16 elements are kept: lane i where draws[i] < threshold (all of them from a threshold of 2^16).
+inline __mmask16 kept16(const uint16_t* draws, uint32_t threshold) {
+  if (threshold >= 65536u) return 0xffff;
+  return _mm256_cmplt_epu16_mask(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(draws)),
+                                 _mm256_set1_epi16(static_cast<short>(threshold)));
+}
+
+constexpr int64_t kDropoutChunk = 4096;  // elements a thread takes at a time
+
 struct LayerWeights {
   const uint16_t *out, *out_bias, *norm1_weight, *norm1_bias;
   const uint16_t *inner, *inner_bias, *ffn, *ffn_bias, *norm2_weight, *norm2_bias;
@@ -961,6 +1001,157 @@ int densepass_int8_linear(const uint16_t* x, int64_t rows, int64_t depth, const 
     }
   }
   return 0;
+}
+
+// out[e] = x[e] x scale where element e is kept (dropout's draws under `seed`, threshold: see above), else 0, for
+// e < n; x and out float32 (bf16: 0) or bf16 (1), the product in float32 rounded to bf16 (as torch rounds it).
+// Forward and backward pass alike: the backward pass calls it on the gradient with the same seed. Returns 0.
+int densepass_dropout(const void* x, void* out, int64_t n, int bf16, uint64_t seed, uint32_t threshold, float scale,
+                      int threads) {
+  const int64_t chunks = (n + kDropoutChunk - 1) / kDropoutChunk;
+  const __m512 s = _mm512_set1_ps(scale);
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) uint16_t draws[kDropoutChunk + 32];
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t first = c * kDropoutChunk, count = n - first < kDropoutChunk ? n - first : kDropoutChunk;
+      draws_of(seed, first, count, draws);
+      for (int64_t i = 0; i < count; i += 16) {
+        const __mmask16 valid = block_mask(count - i), keep = kept16(draws + i, threshold) & valid;
+        const int64_t e = first + i;
+        if (bf16) {
+          const uint16_t* src = static_cast<const uint16_t*>(x) + e;
+          const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, src)), 16));
+          _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + e, valid,
+                                   (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mul_ps(keep, v, s)));
+        } else {
+          const __m512 v = _mm512_maskz_loadu_ps(valid, static_cast<const float*>(x) + e);
+          _mm512_mask_storeu_ps(static_cast<float*>(out) + e, valid, _mm512_maskz_mul_ps(keep, v, s));
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+// Attention probabilities with dropout, a row of `keys` scores at a time (rows = batch x heads x queries, row r
+// at scores + r keys): P = softmax(scale x scores) over the keys `mask` keeps, computed in float32 and kept
+// (probs, bf16) for the backward pass, and out = P x keep_scale where dropout's draws keep an element (element
+// r keys + j of the call, as densepass_dropout numbers them), else 0, rounded to bf16. mask: bytes (nonzero: a
+// key that is attended to), key j of row r = b heads queries + h queries + i at mask[b mb + h mh + i mq + j], or
+// null for every key. A row without keys gets uniform probabilities out and zeros in probs (so that its
+// gradient is zero, as masked_fill's is). Returns 0.
+int densepass_softmax_dropout(const uint16_t* scores, const uint8_t* mask, int64_t mb, int64_t mh, int64_t mq,
+                              int64_t batch, int64_t heads, int64_t queries, int64_t keys, float scale,
+                              uint64_t seed, uint32_t threshold, float keep_scale, uint16_t* probs, uint16_t* out,
+                              int threads) {
+  const int64_t rows = batch * heads * queries;
+  const float log2e = 1.4426950408889634f;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> buffer(static_cast<size_t>(keys + 16));
+    std::vector<uint16_t> draws(static_cast<size_t>(keys + 48));
+    float* e = buffer.data();
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t b = r / (heads * queries), h = (r / queries) % heads, i = r % queries;
+      const uint16_t* row = scores + r * keys;
+      const uint8_t* m = mask == nullptr ? nullptr : mask + b * mb + h * mh + i * mq;
+      __m512 most = _mm512_set1_ps(-INFINITY);
+      bool any = false;
+      for (int64_t j = 0; j < keys; j += 16) {
+        __mmask16 valid = block_mask(keys - j);
+        if (m != nullptr) valid &= _mm_test_epi8_mask(_mm_maskz_loadu_epi8(valid, m + j), _mm_set1_epi8(-1));
+        any |= valid != 0;
+        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, row + j)), 16));
+        most = _mm512_mask_max_ps(most, valid, most, v);
+        _mm512_storeu_ps(e + j, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), v));
+      }
+      draws_of(seed, r * keys, keys, draws.data());
+      uint16_t* p_row = probs + r * keys;
+      uint16_t* o_row = out + r * keys;
+      if (!any) {  // uniform out, zero kept
+        const __m512 u = _mm512_set1_ps(keep_scale / static_cast<float>(keys));
+        for (int64_t j = 0; j < keys; j += 16) {
+          const __mmask16 valid = block_mask(keys - j), keep = kept16(draws.data() + j, threshold) & valid;
+          _mm256_mask_storeu_epi16(p_row + j, valid, _mm256_setzero_si256());
+          _mm256_mask_storeu_epi16(o_row + j, valid, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(keep, u)));
+        }
+        continue;
+      }
+      const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(most));
+      const __m512 factor = _mm512_set1_ps(scale * log2e);
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t j = 0; j < keys; j += 16) {  // exp(scale (s - max)); -inf (masked) gives 0
+        const __mmask16 valid = block_mask(keys - j);
+        const __m512 v = _mm512_maskz_loadu_ps(valid, e + j);
+        const __mmask16 live = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & valid;
+        const __m512 x = _mm512_maskz_mov_ps(live, exp2_nonpositive(_mm512_mul_ps(_mm512_sub_ps(v, shift), factor)));
+        total = _mm512_add_ps(total, x);
+        _mm512_storeu_ps(e + j, x);
+      }
+      const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+      const __m512 kept_scale = _mm512_set1_ps(keep_scale);
+      for (int64_t j = 0; j < keys; j += 16) {
+        const __mmask16 valid = block_mask(keys - j), keep = kept16(draws.data() + j, threshold) & valid;
+        const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(e + j), inverse);
+        _mm256_mask_storeu_epi16(p_row + j, valid, (__m256i)_mm512_cvtneps_pbh(p));
+        _mm256_mask_storeu_epi16(o_row + j, valid, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mul_ps(keep, p, kept_scale)));
+      }
+    }
+  }
+  return 0;
+}
+
+// densepass_softmax_dropout's backward pass over `rows` rows of `keys`: grad (bf16, the gradient of its out) ->
+// grad_scores (bf16): dP = grad x keep_scale where the same draws kept an element, else 0, and
+// grad_scores = scale x P (dP - sum_j dP_j P_j), in float32, rounded to bf16. Returns 0.
+int densepass_softmax_dropout_backward(const uint16_t* grad, const uint16_t* probs, int64_t rows, int64_t keys,
+                                       float scale, uint64_t seed, uint32_t threshold, float keep_scale,
+                                       uint16_t* grad_scores, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> buffer(static_cast<size_t>(keys + 16));
+    std::vector<uint16_t> draws(static_cast<size_t>(keys + 48));
+    float* d = buffer.data();
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* g_row = grad + r * keys;
+      const uint16_t* p_row = probs + r * keys;
+      draws_of(seed, r * keys, keys, draws.data());
+      __m512 dot = _mm512_setzero_ps();
+      const __m512 kept_scale = _mm512_set1_ps(keep_scale);
+      for (int64_t j = 0; j < keys; j += 16) {
+        const __mmask16 valid = block_mask(keys - j), keep = kept16(draws.data() + j, threshold) & valid;
+        const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, g_row + j)), 16));
+        const __m512 p = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, p_row + j)), 16));
+        const __m512 dp = _mm512_mul_ps(g, kept_scale);
+        dot = _mm512_fmadd_ps(dp, p, dot);
+        _mm512_storeu_ps(d + j, dp);
+      }
+      const __m512 c = _mm512_set1_ps(_mm512_reduce_add_ps(dot)), s = _mm512_set1_ps(scale);
+      for (int64_t j = 0; j < keys; j += 16) {
+        const __mmask16 valid = block_mask(keys - j);
+        const __m512 p = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, p_row + j)), 16));
+        const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(d + j), c)), s);
+        _mm256_mask_storeu_epi16(grad_scores + r * keys + j, valid, (__m256i)_mm512_cvtneps_pbh(ds));
+      }
+    }
+  }
+  return 0;
+}
+
+// The dropout draws of elements first .. first + count - 1 under `seed` (for tests: the NumPy draws must equal them).
+void densepass_dropout_draws(uint64_t seed, int64_t first, int64_t count, uint16_t* out) {
+  std::vector<uint16_t> draws(static_cast<size_t>(count + 32));
+  draws_of(seed, first, count, draws.data());
+  std::memcpy(out, draws.data(), static_cast<size_t>(count) * 2);
 }
 
 // out[i] = GELU(x[i]) for i < n (a multiple of 16), as densepass_after_attention computes it (for tests).
