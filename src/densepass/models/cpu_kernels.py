@@ -29,6 +29,11 @@ vectors of packed tokens from their ids, positions and types (the lookups, sums 
 over its own range, a scale per weight row), about twice the bf16 products' rate on a CPU without AMX
 (``benchmarks/bench_int8_products.py``): what ``models.fused``'s int8 layers run (the ``int8`` precision).
 
+For training (``trains``): ``dropout`` applies dropout with counter-based masks (``models.dropout`` defines the
+draws; the backward pass draws the mask again), and ``softmax_dropout`` computes attention's probabilities with
+their dropout from bf16 scores a row at a time, with its backward pass (``softmax_dropout_backward``): what a bf16
+training step on the CPU runs instead of torch's chain of operations over the whole score tensor.
+
 One source (``csrc/cpu_kernels.cpp``), two builds (``KINDS``), chosen at run time by the CPU's flags, best first:
 ``amx`` (Intel Sapphire Rapids and later: the products and attention's two products on AMX tiles) and
 ``avx512_bf16`` (AMD Zen 4 and 5, Intel Cooper Lake, Ice Lake with BF16, or a Sapphire Rapids VM that hides AMX:
@@ -548,7 +553,7 @@ def softmax_dropout_backward(
     0, per row of keys in float32. Call where ``trains``."""
     grad = grad.to(torch.bfloat16).contiguous()
     out = torch.empty_like(probs)
-    keys = probs.shape[-1]
+    keys = max(probs.shape[-1], 1)  # no keys: no rows to compute either
     _library().densepass_softmax_dropout_backward(grad.data_ptr(), probs.data_ptr(), probs.numel() // keys, keys,
                                                   scale, seed, threshold, keep_scale, out.data_ptr(),
                                                   torch.get_num_threads())  # fmt: skip

@@ -7,7 +7,9 @@
 // without, on AVX-512 registers with vdpbf16ps (AVX512-BF16: AMD Zen 4 and 5, Intel Cooper Lake). Both read the
 // weights in the same layout (`tile_layout`: pairs of bf16 along the depth, 16 output columns a 64-byte row, what
 // a tile's right operand and vdpbf16ps's second operand both take) and share all the rest. Both also hold
-// densepass_int8_linear, a linear layer through int8 products on AVX512-VNNI (vpdpbusd) with a scale per token.
+// densepass_int8_linear, a linear layer through int8 products on AVX512-VNNI (vpdpbusd) with a scale per token,
+// and, for training, dropout with counter-based masks and attention's softmax with its dropout, forward and
+// backward (tests/test_dropout.py checks them against NumPy's masks and float64).
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
