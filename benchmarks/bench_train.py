@@ -489,6 +489,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.processes is not None and (args.processes < 2 or args.batch_size % args.processes):
         parser.error("--processes must be at least 2 and divide --batch-size")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rounds > 1 and (args.packing or args.profile or args.padding_share or args.attention_variants):
+        parser.error("--rounds repeats the plain comparison: run it without --packing, --profile, ...")
     if args.processes and (args.packing or args.profile or args.padding_share or args.attention_variants):
         parser.error("--processes adds rows to the plain comparison: run it without --packing, --profile, ...")
     if args.attention_variants:

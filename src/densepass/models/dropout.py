@@ -83,11 +83,17 @@ def _seed() -> int:
     return int(torch.randint(0, 2**62, (1,)))
 
 
+def keep_mask(seed: int, shape: torch.Size, threshold: int) -> torch.Tensor:
+    """The boolean keep-mask of a call seeded by ``seed`` over a tensor of ``shape``: its elements whose draws
+    (``draws``) are below ``threshold``."""
+    return torch.from_numpy(draws(seed, shape.numel()) < threshold).view(shape)
+
+
 def dropout_mask(shape: torch.Size, p: float) -> tuple[torch.Tensor, float]:
     """A boolean keep-mask of ``shape`` (each element kept with probability 1 - ``p``, to 2^-16) and the scale of
     the kept elements, from a new seed: what ``cpu_dropout`` applies."""
     threshold, scale = keep_threshold(p)
-    return torch.from_numpy(draws(_seed(), shape.numel()) < threshold).view(shape), scale
+    return keep_mask(_seed(), shape, threshold), scale
 
 
 def _dropped(x: torch.Tensor, seed: int, threshold: int, scale: float) -> torch.Tensor:
@@ -96,8 +102,7 @@ def _dropped(x: torch.Tensor, seed: int, threshold: int, scale: float) -> torch.
     tensor first converts the whole mask to ``x``'s dtype."""
     if x.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.trains():
         return cpu_kernels.dropout(x, seed, threshold, scale)
-    keep = torch.from_numpy(draws(seed, x.numel()) < threshold).view(x.shape)
-    return torch.where(keep, x, 0).mul_(scale)
+    return torch.where(keep_mask(seed, x.shape, threshold), x, 0).mul_(scale)
 
 
 class _MaskedScale(torch.autograd.Function):

@@ -126,6 +126,14 @@ inline void store_bf16(uint16_t* p, __m512 v) {  // rounded to nearest even
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+inline __m512 load_bf16(const uint16_t* p, __mmask16 lanes) {  // the lanes given, widened; 0 in the others
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+}
+
+inline void store_bf16(uint16_t* p, __m512 v, __mmask16 lanes) {  // the lanes given, rounded to nearest even
+  _mm256_mask_storeu_epi16(p, lanes, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 inline uint16_t block_mask(int64_t remaining) {
   return remaining >= 16 ? 0xffff : static_cast<uint16_t>((1u << remaining) - 1);
 }
@@ -1023,11 +1031,8 @@ int densepass_dropout(const void* x, void* out, int64_t n, int bf16, uint64_t se
         const __mmask16 valid = block_mask(count - i), keep = kept16(draws + i, threshold) & valid;
         const int64_t e = first + i;
         if (bf16) {
-          const uint16_t* src = static_cast<const uint16_t*>(x) + e;
-          const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, src)), 16));
-          _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + e, valid,
-                                   (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mul_ps(keep, v, s)));
+          const __m512 v = load_bf16(static_cast<const uint16_t*>(x) + e, valid);
+          store_bf16(static_cast<uint16_t*>(out) + e, _mm512_maskz_mul_ps(keep, v, s), valid);
         } else {
           const __m512 v = _mm512_maskz_loadu_ps(valid, static_cast<const float*>(x) + e);
           _mm512_mask_storeu_ps(static_cast<float*>(out) + e, valid, _mm512_maskz_mul_ps(keep, v, s));
@@ -1053,9 +1058,9 @@ int densepass_softmax_dropout(const uint16_t* scores, const uint8_t* mask, int64
   const float log2e = 1.4426950408889634f;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> buffer(static_cast<size_t>(keys + 16));
-    std::vector<uint16_t> draws(static_cast<size_t>(keys + 48));
-    float* e = buffer.data();
+    static thread_local Workspace workspace;  // a row's values and draws, kept from call to call
+    float* e = workspace.floats(0, keys + 16);
+    uint16_t* draws = workspace.halves(1, keys + 48);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t b = r / (heads * queries), h = (r / queries) % heads, i = r % queries;
@@ -1067,20 +1072,19 @@ int densepass_softmax_dropout(const uint16_t* scores, const uint8_t* mask, int64
         __mmask16 valid = block_mask(keys - j);
         if (m != nullptr) valid &= _mm_test_epi8_mask(_mm_maskz_loadu_epi8(valid, m + j), _mm_set1_epi8(-1));
         any |= valid != 0;
-        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, row + j)), 16));
+        const __m512 v = load_bf16(row + j, valid);
         most = _mm512_mask_max_ps(most, valid, most, v);
         _mm512_storeu_ps(e + j, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), v));
       }
-      draws_of(seed, r * keys, keys, draws.data());
+      draws_of(seed, r * keys, keys, draws);
       uint16_t* p_row = probs + r * keys;
       uint16_t* o_row = out + r * keys;
       if (!any) {  // uniform out, zero kept
         const __m512 u = _mm512_set1_ps(keep_scale / static_cast<float>(keys));
         for (int64_t j = 0; j < keys; j += 16) {
-          const __mmask16 valid = block_mask(keys - j), keep = kept16(draws.data() + j, threshold) & valid;
-          _mm256_mask_storeu_epi16(p_row + j, valid, _mm256_setzero_si256());
-          _mm256_mask_storeu_epi16(o_row + j, valid, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(keep, u)));
+          const __mmask16 valid = block_mask(keys - j), keep = kept16(draws + j, threshold) & valid;
+          store_bf16(p_row + j, _mm512_setzero_ps(), valid);
+          store_bf16(o_row + j, _mm512_maskz_mov_ps(keep, u), valid);
         }
         continue;
       }
@@ -1098,10 +1102,10 @@ int densepass_softmax_dropout(const uint16_t* scores, const uint8_t* mask, int64
       const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
       const __m512 kept_scale = _mm512_set1_ps(keep_scale);
       for (int64_t j = 0; j < keys; j += 16) {
-        const __mmask16 valid = block_mask(keys - j), keep = kept16(draws.data() + j, threshold) & valid;
+        const __mmask16 valid = block_mask(keys - j), keep = kept16(draws + j, threshold) & valid;
         const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(e + j), inverse);
-        _mm256_mask_storeu_epi16(p_row + j, valid, (__m256i)_mm512_cvtneps_pbh(p));
-        _mm256_mask_storeu_epi16(o_row + j, valid, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mul_ps(keep, p, kept_scale)));
+        store_bf16(p_row + j, p, valid);
+        store_bf16(o_row + j, _mm512_maskz_mul_ps(keep, p, kept_scale), valid);
       }
     }
   }
@@ -1116,22 +1120,19 @@ int densepass_softmax_dropout_backward(const uint16_t* grad, const uint16_t* pro
                                        uint16_t* grad_scores, int threads) {
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> buffer(static_cast<size_t>(keys + 16));
-    std::vector<uint16_t> draws(static_cast<size_t>(keys + 48));
-    float* d = buffer.data();
+    static thread_local Workspace workspace;  // a row's values and draws, kept from call to call
+    float* d = workspace.floats(0, keys + 16);
+    uint16_t* draws = workspace.halves(1, keys + 48);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       const uint16_t* g_row = grad + r * keys;
       const uint16_t* p_row = probs + r * keys;
-      draws_of(seed, r * keys, keys, draws.data());
+      draws_of(seed, r * keys, keys, draws);
       __m512 dot = _mm512_setzero_ps();
       const __m512 kept_scale = _mm512_set1_ps(keep_scale);
       for (int64_t j = 0; j < keys; j += 16) {
-        const __mmask16 valid = block_mask(keys - j), keep = kept16(draws.data() + j, threshold) & valid;
-        const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, g_row + j)), 16));
-        const __m512 p = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, p_row + j)), 16));
+        const __mmask16 valid = block_mask(keys - j), keep = kept16(draws + j, threshold) & valid;
+        const __m512 g = load_bf16(g_row + j, keep), p = load_bf16(p_row + j, valid);
         const __m512 dp = _mm512_mul_ps(g, kept_scale);
         dot = _mm512_fmadd_ps(dp, p, dot);
         _mm512_storeu_ps(d + j, dp);
@@ -1139,10 +1140,9 @@ int densepass_softmax_dropout_backward(const uint16_t* grad, const uint16_t* pro
       const __m512 c = _mm512_set1_ps(_mm512_reduce_add_ps(dot)), s = _mm512_set1_ps(scale);
       for (int64_t j = 0; j < keys; j += 16) {
         const __mmask16 valid = block_mask(keys - j);
-        const __m512 p = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, p_row + j)), 16));
+        const __m512 p = load_bf16(p_row + j, valid);
         const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(d + j), c)), s);
-        _mm256_mask_storeu_epi16(grad_scores + r * keys + j, valid, (__m256i)_mm512_cvtneps_pbh(ds));
+        store_bf16(grad_scores + r * keys + j, ds, valid);
       }
     }
   }
