@@ -116,6 +116,21 @@ def test_packing_pools_and_unpacks_as_the_padded_tensors_do():
         Packing.of(torch.tensor([[1, 1], [0, 0]]))
 
 
+def test_the_attention_grid_holds_each_sequence_from_its_start_and_both_ways_have_exact_gradients():
+    _, mask = _padded(LENGTHS, 50, 0)
+    packing = Packing.of(mask)
+    packed = torch.randn(packing.tokens, 3, 2, dtype=torch.float64, requires_grad=True)
+    grid = packing.to_grid(packed)
+    assert grid.shape == (len(LENGTHS), max(LENGTHS), 3, 2)
+    for b, (start, length) in enumerate(zip(packing.offsets[:-1].tolist(), LENGTHS)):
+        torch.testing.assert_close(grid[b, :length], packed[start : start + length], rtol=0, atol=0)
+        assert not grid[b, length:].any()
+    torch.testing.assert_close(packing.from_grid(grid), packed, rtol=0, atol=0)
+    torch.autograd.gradcheck(packing.to_grid, (packed,))
+    on_grid = torch.randn(len(LENGTHS), max(LENGTHS), 3, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(packing.from_grid, (on_grid,))
+
+
 def test_packed_pieces_are_cut_by_real_tokens_not_by_padded_rows():
     ids, mask = _padded(LENGTHS, 50, 0)
     seen = []

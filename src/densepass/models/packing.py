@@ -106,8 +106,12 @@ class Packing:
 
     def to_grid(self, packed: torch.Tensor) -> torch.Tensor:
         """[tokens, ...] -> [batch, longest, ...], each sequence from its first row, zero after its end."""
-        grid = packed.new_zeros(self.shape[0] * self.longest, *packed.shape[1:])
-        return grid.index_copy(0, self.grid, packed).view(self.shape[0], self.longest, *packed.shape[1:])
+        grid = _Scatter.apply(packed, self.grid, self.shape[0] * self.longest)
+        return grid.view(self.shape[0], self.longest, *packed.shape[1:])
+
+    def from_grid(self, grid: torch.Tensor) -> torch.Tensor:
+        """[batch, longest, ...] -> [tokens, ...]: ``to_grid`` undone (the grid's rows after each end left out)."""
+        return _Gather.apply(grid.flatten(0, 1), self.grid)
 
     def first(self, packed: torch.Tensor) -> torch.Tensor:
         """[tokens, ...] -> [batch, ...]: each sequence's first token's row (a CLS vector)."""
@@ -138,6 +142,37 @@ class Packing:
         if how == "mean":
             return self.mean(packed)
         raise ConfigError(f"unknown pooling {how!r} (use 'mean', 'cls' or 'last')")
+
+
+class _Scatter(torch.autograd.Function):
+    """[tokens, ...] -> [rows, ...]: row ``index[i]`` is ``source[i]``, the others zero. ``index`` holds distinct
+    rows, so the backward pass is a gather (``Tensor.index_copy``'s own writes a copy of the zeros first)."""
+
+    @staticmethod
+    def forward(ctx, source: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        return source.new_zeros(rows, *source.shape[1:]).index_copy_(0, index, source)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
+class _Gather(torch.autograd.Function):
+    """[rows, ...] -> [tokens, ...]: ``source[index]`` for distinct rows ``index``, whose backward pass writes each
+    gradient row to its place (indexing's own accumulates, for indices that might repeat, several times slower)."""
+
+    @staticmethod
+    def forward(ctx, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = source.shape[0]
+        return source.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, index, grad), None
 
 
 def packable(model: nn.Module) -> bool:
@@ -208,7 +243,7 @@ def packed_attention(
     if causal:
         mask = mask & torch.ones(packing.longest, packing.longest, dtype=torch.bool, device=mask.device).tril()
     out, _ = _attention(module, *grid, mask, dropout, scaling)  # [batch, longest, heads, size]
-    return out.flatten(0, 1)[packing.grid][None], None
+    return packing.from_grid(out)[None], None
 
 
 def _varlen_attention():
