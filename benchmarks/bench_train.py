@@ -17,7 +17,8 @@ queries are shorter than --query-max-length anyway (printed below). ``--profile`
 comparison, where densepass's step time goes (``torch.profiler``, ops by self CPU time). ``--rounds N`` runs
 densepass and sentence-transformers alternately N times and prints each round's ratio, the table showing the
 median round (a shared or virtual machine's speed drifts from minute to minute; one run of each can land on either
-side of a goal).
+side of a goal); with ``--fresh`` each of those runs starts in a process of its own, as a user's run does (runs one
+after another in one process inherit the state earlier ones left: its heap, oneDNN's kernel cache).
 
 ``--processes N`` (CPU) adds both systems again as N processes of one thread each (``torch.distributed.run``,
 gloo) at the same global batch: densepass splits each step's queries over the processes, every query seeing the
@@ -233,8 +234,9 @@ def run_densepass(path, data, args, device, grad_cache_chunk, packing: bool = Fa
 
 def profile_densepass(path, data, args, device, rows: int = 15) -> None:
     """densepass's warm-up and timed steps under ``torch.profiler``: the ``rows`` ops with the most self CPU time
-    (where a step's time goes: matrix products, dropout's random masks, copies, ...)."""
-    print_profile(lambda: run_densepass(path, data, args, device, None), device, rows)
+    (where a step's time goes: matrix products, dropout's random masks, copies, ...); packed steps with
+    ``--packing``."""
+    print_profile(lambda: run_densepass(path, data, args, device, None, packing=args.packing), device, rows)
 
 
 def run_sentence_transformers(path, triplets, args, device, bf16):
@@ -291,13 +293,7 @@ def in_processes(args, system: str) -> tuple[float | None, None]:
     ends with the processes' gradients summed. None where the run failed (its output is printed)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "seconds.json"
-        argv = sys.argv[1:]
-        drop = {"--out", "--processes"}
-        argv = [
-            a
-            for i, a in enumerate(argv)
-            if a not in drop and a.split("=")[0] not in drop and (i == 0 or argv[i - 1] not in drop)
-        ]
+        argv = _worker_argv({"--out", "--processes", "--rounds"})
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.processes}",
             str(Path(__file__).resolve()), *argv, "--worker", system, "--worker-out", str(out),
@@ -310,18 +306,46 @@ def in_processes(args, system: str) -> tuple[float | None, None]:
         return json.loads(out.read_text())["seconds"], None
 
 
+def _worker_argv(drop: set[str]) -> list[str]:
+    """This run's arguments without the options in ``drop`` (those that take one, with their value) and
+    without ``--fresh``."""
+    argv = sys.argv[1:]
+    return [
+        a
+        for i, a in enumerate(argv)
+        if a != "--fresh" and a not in drop and a.split("=")[0] not in drop and (i == 0 or argv[i - 1] not in drop)
+    ]
+
+
+def in_fresh_process(system: str) -> tuple[float, float | None]:
+    """(seconds, peak) of ``system`` (``densepass``, ``densepass-packed`` or ``sentence-transformers``) trained in
+    a process of its own (this script again, as ``--worker SYSTEM``), as a user starts a run: with ``--fresh``, each
+    run of ``--rounds`` starts from a new process instead of the state earlier runs left in this one."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "seconds.json"
+        argv = _worker_argv({"--out", "--rounds"})
+        command = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", system, "--worker-out", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            raise SystemExit(f"{system} in a fresh process failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+        result = json.loads(out.read_text())
+        return result["seconds"], result["peak"]
+
+
 def worker(path, data, triplets, args, device, bf16) -> None:
-    """One process of ``in_processes``: its share of every step, rank 0 writing the timed seconds."""
+    """One process of ``in_processes`` (its share of every step, rank 0 writing the timed seconds), or of
+    ``in_fresh_process`` (the whole run, on torch's threads)."""
     from densepass import distributed
 
-    torch.set_num_threads(1)
-    if args.worker == "densepass":
+    if "WORLD_SIZE" in os.environ:  # one of --processes' one-thread processes
+        torch.set_num_threads(1)
+    if args.worker.startswith("densepass"):
         distributed.init_from_environment()
-        seconds, _ = run_densepass(path, data, args, device, None)
+        seconds, peak = run_densepass(path, data, args, device, None, packing=args.worker == "densepass-packed")
     else:  # the Trainer joins the process group itself (ddp_backend gloo)
-        seconds, _ = run_sentence_transformers(path, triplets, args, device, bf16)
+        seconds, peak = run_sentence_transformers(path, triplets, args, device, bf16)
     if int(os.environ.get("RANK", "0")) == 0:
-        Path(args.worker_out).write_text(json.dumps({"seconds": seconds}))
+        Path(args.worker_out).write_text(json.dumps({"seconds": seconds, "peak": peak}))
 
 
 def real_tokens(path: str, triplets: dict, args) -> tuple[float, float]:
@@ -375,19 +399,34 @@ def packing_comparison(path, data, triplets, args, device, bf16: bool, env: dict
         f"real tokens per example {per_example:.1f} (mean sequence length {mean_length:.1f}); "
         f"{flops / 1e6:.1f} MFLOPs per token; peak {peak if peak is None else f'{peak:.2f}'} TFLOPS ({peak_how})"
     )
-    results = []
-    for system, run in (
+    systems = (
         ("densepass train (padded)", lambda: run_densepass(path, data, args, device, None)),
         ("densepass train --packing", lambda: run_densepass(path, data, args, device, None, packing=True)),
         ("SentenceTransformerTrainer + MNRL", lambda: run_sentence_transformers(path, triplets, args, device, bf16)),
-    ):
-        seconds, memory = run()
-        examples = args.steps * args.batch_size / seconds
-        tokens = examples * per_example
-        mfu = tokens * flops / (peak * 1e12) if peak else None
-        results.append({"system": system, "seconds": seconds, "steps": args.steps, "examples_per_s": examples,
-                        "real_tokens_per_s": tokens, "mfu": mfu, "peak_gib": memory})  # fmt: skip
-        print(f"  {system}: {seconds:.2f}s, {examples:,.1f} examples/s, {tokens:,.0f} real tokens/s", flush=True)
+    )
+    if args.fresh:
+        systems = tuple(
+            (name, lambda worker=worker: in_fresh_process(worker))
+            for (name, _), worker in zip(systems, ("densepass", "densepass-packed", "sentence-transformers"))
+        )
+    rounds = []  # the three systems in turn, --rounds times
+    for number in range(args.rounds):
+        results = []
+        for system, run in systems:
+            seconds, memory = run()
+            examples = args.steps * args.batch_size / seconds
+            tokens = examples * per_example
+            mfu = tokens * flops / (peak * 1e12) if peak else None
+            results.append({"system": system, "seconds": seconds, "steps": args.steps, "examples_per_s": examples,
+                            "real_tokens_per_s": tokens, "mfu": mfu, "peak_gib": memory})  # fmt: skip
+            print(f"  {system}: {seconds:.2f}s, {examples:,.1f} examples/s, {tokens:,.0f} real tokens/s", flush=True)
+        rounds.append(results)
+        if args.rounds > 1:
+            padded, packed, st = (r["seconds"] for r in results)
+            print(f"  round {number + 1}: packed / padded {padded / packed:.2f}x, padded / sentence-transformers "
+                  f"{st / padded:.2f}x, packed / sentence-transformers {st / packed:.2f}x", flush=True)  # fmt: skip
+    by_ratio = sorted(rounds, key=lambda r: r[2]["seconds"] / r[1]["seconds"])
+    results = by_ratio[(len(rounds) - 1) // 2]  # the median round by packed / sentence-transformers (lower middle)
     packed = results[1]
     rows = [
         [
@@ -409,6 +448,9 @@ def packing_comparison(path, data, triplets, args, device, bf16: bool, env: dict
     )
     headers = ["system", "seconds", "examples/s", "real tokens/s", "MFU", memory, "packed ÷ row"]
     print(markdown_table(headers, rows))
+    if args.rounds > 1:
+        each = ", ".join(f"{r[2]['seconds'] / r[1]['seconds']:.2f}x" for r in rounds)
+        print(f"each round's packed / sentence-transformers: {each} (the table: the median round)")
     write_json(
         args.out,
         {
@@ -425,6 +467,8 @@ def packing_comparison(path, data, triplets, args, device, bf16: bool, env: dict
             "peak_tflops": peak,
             "peak_source": peak_how,
             "results": results,
+            "rounds": rounds,
+            "fresh_processes": args.fresh,
         },
     )
 
@@ -449,7 +493,8 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="instead of the comparison: densepass's steps under torch.profiler, the ops by self CPU time",
+        help="instead of the comparison: densepass's steps under torch.profiler, the ops by self CPU time (its "
+        "packed steps with --packing)",
     )
     parser.add_argument(
         "--packing",
@@ -483,7 +528,15 @@ def main() -> None:
         help="run densepass and sentence-transformers alternately this many times (the GradCache row once): each "
         "round's ratio, and the table from the median round",
     )
-    parser.add_argument("--worker", choices=["densepass", "sentence-transformers"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="run each system of each round in a process of its own (as a user starts a run), not one after another "
+        "in this one",
+    )
+    parser.add_argument(
+        "--worker", choices=["densepass", "densepass-packed", "sentence-transformers"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
@@ -491,8 +544,10 @@ def main() -> None:
         parser.error("--processes must be at least 2 and divide --batch-size")
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    if args.rounds > 1 and (args.packing or args.profile or args.padding_share or args.attention_variants):
-        parser.error("--rounds repeats the plain comparison: run it without --packing, --profile, ...")
+    if args.warmup < 1 or args.steps < 1:  # the clock starts at the end of the last warm-up step
+        parser.error(f"--warmup and --steps must be at least 1, got {args.warmup} and {args.steps}")
+    if args.rounds > 1 and (args.profile or args.padding_share or args.attention_variants):
+        parser.error("--rounds repeats a comparison (the plain one, or --packing): run it without --profile, ...")
     if args.processes and (args.packing or args.profile or args.padding_share or args.attention_variants):
         parser.error("--processes adds rows to the plain comparison: run it without --packing, --profile, ...")
     if args.attention_variants:
@@ -575,8 +630,11 @@ def main() -> None:
 
     rounds = []  # densepass and sentence-transformers alternately, --rounds times
     for number in range(args.rounds):
-        ours_run = run_densepass(path, data, args, device, None)
-        st_run = run_sentence_transformers(path, triplets, args, device, bf16)
+        if args.fresh:
+            ours_run, st_run = in_fresh_process("densepass"), in_fresh_process("sentence-transformers")
+        else:
+            ours_run = run_densepass(path, data, args, device, None)
+            st_run = run_sentence_transformers(path, triplets, args, device, bf16)
         rounds.append({"densepass": ours_run, "st": st_run, "ratio": st_run[0] / ours_run[0]})
         if args.rounds > 1:
             print(f"  round {number + 1}: densepass {ours_run[0]:.2f}s, sentence-transformers {st_run[0]:.2f}s: "
@@ -642,6 +700,7 @@ def main() -> None:
             "processes": args.processes,
             "fastest_vs_fastest": best_ratio,
             "round_ratios": [r["ratio"] for r in rounds],
+            "fresh_processes": args.fresh,
         },
     )
 

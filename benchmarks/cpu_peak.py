@@ -123,9 +123,12 @@ def _binary(kind: str, avx512: bool) -> Path | None:
     return work / "peak" if done.returncode == 0 else None
 
 
-def peak_gmacs(kind: str, threads: int | None = None, iters: int = 20_000_000) -> float | None:
+def peak_gmacs(kind: str, threads: int | None = None, iters: int = 100_000_000) -> float | None:
     """Multiply-adds a second (G) of ``kind`` (``KINDS``) on ``threads`` (default torch's) threads, the fastest of
-    three rounds; None where the CPU lacks the instructions or no compiler builds the loop."""
+    three rounds; None where the CPU lacks the instructions or no compiler builds the loop. A round is ``iters`` x
+    16 instructions a thread, about half a second at 3.6 GHz, so that a short disturbance (another thread still
+    busy with the caller's last work) cannot spoil all three rounds: with rounds of a tenth of a second,
+    ``bench_train.py`` twice measured half the bf16 peak, which it did not reproduce."""
     from densepass.device import cpuinfo_words
 
     words = cpuinfo_words()
