@@ -5,6 +5,7 @@ weights. Tiny random models (2 layers, 32 wide), random lengths including 1."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -129,6 +130,26 @@ def test_the_attention_grid_holds_each_sequence_from_its_start_and_both_ways_hav
     torch.autograd.gradcheck(packing.to_grid, (packed,))
     on_grid = torch.randn(len(LENGTHS), max(LENGTHS), 3, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(packing.from_grid, (on_grid,))
+
+
+def test_packed_bf16_steps_on_the_cpu_take_the_larger_bf16_pieces(tiny_model_dir, monkeypatch):
+    from densepass.models.inputs import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS
+    from densepass.training import step
+
+    seen = []
+
+    def record(fn, tokens, pieces, embed, packed):
+        seen.append((pieces, packed))
+        return torch.zeros(1)
+
+    monkeypatch.setattr(step, "forward_in_pieces", record)
+    model = BiEncoder.from_pretrained(tiny_model_dir)
+    tokens = model.tokenize(["a b c", "d"], "passage")
+    for packing in (False, True):
+        model.packing = packing
+        for autocast in (contextlib.nullcontext, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+            step._embed(model, tokens, "passage", autocast)
+    assert seen == [(CPU_PIECE_TOKENS, False)] * 2 + [(CPU_PIECE_TOKENS, True), (BF16_PIECE_TOKENS, True)]
 
 
 def test_packed_pieces_are_cut_by_real_tokens_not_by_padded_rows():

@@ -21,7 +21,7 @@ from densepass.device import RandomState, autocast_context
 from densepass.losses.batch import BatchTensors
 from densepass.losses.objectives import InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder, Side
-from densepass.models.inputs import forward_in_pieces, piece_tokens
+from densepass.models.inputs import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS, forward_in_pieces, piece_tokens
 from densepass.models.splade import SpladeEncoder
 from densepass.training.batches import TrainingBatch
 from densepass.training.distributed import gather_with_local_grad
@@ -35,7 +35,9 @@ def sharded(model: torch.nn.Module) -> bool:
 def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autocast) -> torch.Tensor:
     """The representations of one side (float32), in length-sorted pieces on the CPU (``forward_in_pieces``):
     pooled encoders (one vector per text: bi-encoder, SPLADE) and ColBERT's passages (padded back to their fixed
-    width); ColBERT's queries run whole, since every position of a query counts, its [MASK] padding too."""
+    width); ColBERT's queries run whole, since every position of a query counts, its [MASK] padding too. Packed
+    bf16 pieces hold ``BF16_PIECE_TOKENS`` real tokens: they are no longer padded, and their activations take half
+    the bytes of float32 ones (docs/benchmarks.md: faster, and less memory, than pieces of ``CPU_PIECE_TOKENS``)."""
 
     def run(piece: dict[str, torch.Tensor]) -> torch.Tensor:
         embedded = {"inputs_embeds": piece["inputs_embeds"]} if "inputs_embeds" in piece else {}
@@ -45,8 +47,10 @@ def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autoca
         if isinstance(model, BiEncoder | SpladeEncoder) or side == "passage":
             # one lookup for all pieces; not under FSDP, whose weights are whole only inside a forward
             embed = model.token_embeddings(side) if isinstance(model, BiEncoder) and not sharded(model) else None
-            pieces = piece_tokens(tokens["input_ids"].device)
-            return forward_in_pieces(run, tokens, pieces, embed, packed=getattr(model, "packing", False))
+            device, packed = tokens["input_ids"].device, getattr(model, "packing", False)
+            bf16 = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == torch.bfloat16
+            pieces = piece_tokens(device, BF16_PIECE_TOKENS if packed and bf16 else CPU_PIECE_TOKENS)
+            return forward_in_pieces(run, tokens, pieces, embed, packed=packed)
         return run(tokens)
 
 
