@@ -318,9 +318,10 @@ def _worker_argv(drop: set[str]) -> list[str]:
 
 
 def in_fresh_process(system: str) -> tuple[float, float | None]:
-    """(seconds, peak) of ``system`` (``densepass``, ``densepass-packed`` or ``sentence-transformers``) trained in
-    a process of its own (this script again, as ``--worker SYSTEM``), as a user starts a run: with ``--fresh``, each
-    run of ``--rounds`` starts from a new process instead of the state earlier runs left in this one."""
+    """(seconds, peak) of ``system`` (``densepass``, ``densepass-packed``, ``densepass-gradcache`` or
+    ``sentence-transformers``) trained in a process of its own (this script again, as ``--worker SYSTEM``), as a
+    user starts a run: with ``--fresh``, each run of ``--rounds`` starts from a new process instead of the state
+    earlier runs left in this one. Its peak resident memory counts the data the process prepares before the run."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "seconds.json"
         argv = _worker_argv({"--out", "--rounds"})
@@ -341,7 +342,8 @@ def worker(path, data, triplets, args, device, bf16) -> None:
         torch.set_num_threads(1)
     if args.worker.startswith("densepass"):
         distributed.init_from_environment()
-        seconds, peak = run_densepass(path, data, args, device, None, packing=args.worker == "densepass-packed")
+        chunk = args.grad_cache_chunk if args.worker == "densepass-gradcache" else None
+        seconds, peak = run_densepass(path, data, args, device, chunk, packing=args.worker == "densepass-packed")
     else:  # the Trainer joins the process group itself (ddp_backend gloo)
         seconds, peak = run_sentence_transformers(path, triplets, args, device, bf16)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -474,7 +476,9 @@ def packing_comparison(path, data, triplets, args, device, bf16: bool, env: dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--model", default="all-MiniLM-L6-v2")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--dataset", default="debian-packages")
@@ -525,8 +529,9 @@ def main() -> None:
         "--rounds",
         type=int,
         default=1,
-        help="run densepass and sentence-transformers alternately this many times (the GradCache row once): each "
-        "round's ratio, and the table from the median round",
+        help="run the comparison's systems in turn this many times (densepass and sentence-transformers, the GradCache "
+        "row once; with --packing, padded, packed and sentence-transformers): each round's ratios, and the table from "
+        "the median round",
     )
     parser.add_argument(
         "--fresh",
@@ -535,7 +540,9 @@ def main() -> None:
         "in this one",
     )
     parser.add_argument(
-        "--worker", choices=["densepass", "densepass-packed", "sentence-transformers"], help=argparse.SUPPRESS
+        "--worker",
+        choices=["densepass", "densepass-packed", "densepass-gradcache", "sentence-transformers"],
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="JSON results")
@@ -644,7 +651,11 @@ def main() -> None:
     record("SentenceTransformerTrainer + MNRL", *middle["st"])
     record(
         f"densepass train, GradCache chunk {args.grad_cache_chunk}",
-        *run_densepass(path, data, args, device, args.grad_cache_chunk),
+        *(
+            in_fresh_process("densepass-gradcache")
+            if args.fresh
+            else run_densepass(path, data, args, device, args.grad_cache_chunk)
+        ),
     )
     if args.processes:
         for system, name in (
