@@ -97,12 +97,11 @@ class Packing:
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """[batch, length, ...] -> [tokens, ...]: the tokens of a padded tensor, packed."""
-        return padded.flatten(0, 1)[self.rows]
+        return _Gather.apply(padded.flatten(0, 1), self.rows)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """[tokens, ...] -> [batch, length, ...]: the padded tensor, zero at padding."""
-        grid = packed.new_zeros(self.shape[0] * self.shape[1], *packed.shape[1:])
-        return grid.index_copy(0, self.rows, packed).view(*self.shape, *packed.shape[1:])
+        return _Scatter.apply(packed, self.rows, self.shape[0] * self.shape[1]).view(*self.shape, *packed.shape[1:])
 
     def to_grid(self, packed: torch.Tensor) -> torch.Tensor:
         """[tokens, ...] -> [batch, longest, ...], each sequence from its first row, zero after its end."""
