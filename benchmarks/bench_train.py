@@ -56,7 +56,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -287,34 +289,35 @@ def run_sentence_transformers(path, triplets, args, device, bf16):
     return clock.seconds, peak
 
 
-def in_processes(args, system: str) -> tuple[float | None, None]:
-    """``system`` (densepass or sentence-transformers) trained by ``args.processes`` processes of one thread each
-    under ``torch.distributed.run`` (this script again, as ``--worker SYSTEM``): rank 0's clock, since every step
-    ends with the processes' gradients summed. None where the run failed (its output is printed)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "seconds.json"
-        argv = _worker_argv({"--out", "--processes", "--rounds"})
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.processes}",
-            str(Path(__file__).resolve()), *argv, "--worker", system, "--worker-out", str(out),
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode != 0 or not out.exists():
-            print(f"  {system} in {args.processes} processes failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
-            return None, None
-        return json.loads(out.read_text())["seconds"], None
-
-
-def _worker_argv(drop: set[str]) -> list[str]:
-    """This run's arguments without the options in ``drop`` (those that take one, with their value) and
-    without ``--fresh``."""
+def _in_worker(system: str, drop: set[str], launcher: tuple[str, ...] = (), env: dict | None = None) -> dict | None:
+    """This script run again as ``--worker SYSTEM`` (after ``launcher``'s arguments to Python, ``env`` its
+    environment), without the options in ``drop`` and ``--fresh``: the JSON its rank 0 wrote, or None where it
+    failed (its output printed)."""
     argv = sys.argv[1:]
-    return [
+    argv = [
         a
         for i, a in enumerate(argv)
         if a != "--fresh" and a not in drop and a.split("=")[0] not in drop and (i == 0 or argv[i - 1] not in drop)
     ]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, *launcher, str(Path(__file__).resolve()), *argv, "--worker", system,
+                   "--worker-out", str(out)]  # fmt: skip
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            print(f"  {system} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+            return None
+        return json.loads(out.read_text())
+
+
+def in_processes(args, system: str) -> tuple[float | None, None]:
+    """``system`` (densepass or sentence-transformers) trained by ``args.processes`` processes of one thread each
+    under ``torch.distributed.run`` (this script again, as ``--worker SYSTEM``): rank 0's clock, since every step
+    ends with the processes' gradients summed. None where the run failed (its output is printed)."""
+    launcher = ("-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.processes}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    result = _in_worker(system, {"--out", "--processes", "--rounds"}, launcher, env)
+    return (None if result is None else result["seconds"]), None
 
 
 def in_fresh_process(system: str) -> tuple[float, float | None]:
@@ -322,15 +325,18 @@ def in_fresh_process(system: str) -> tuple[float, float | None]:
     ``sentence-transformers``) trained in a process of its own (this script again, as ``--worker SYSTEM``), as a
     user starts a run: with ``--fresh``, each run of ``--rounds`` starts from a new process instead of the state
     earlier runs left in this one. Its peak resident memory counts the data the process prepares before the run."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "seconds.json"
-        argv = _worker_argv({"--out", "--rounds"})
-        command = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", system, "--worker-out", str(out)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0 or not out.exists():
-            raise SystemExit(f"{system} in a fresh process failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
-        result = json.loads(out.read_text())
-        return result["seconds"], result["peak"]
+    result = _in_worker(system, {"--out", "--rounds"})
+    if result is None:
+        raise SystemExit(f"{system} in a fresh process failed (its output above)")
+    return result["seconds"], result["peak"]
+
+
+Round = TypeVar("Round")
+
+
+def median_round(rounds: list[Round], ratio: Callable[[Round], float]) -> Round:
+    """The median of ``rounds`` by ``ratio(round)`` (the lower middle of an even count): the round a table shows."""
+    return sorted(rounds, key=ratio)[(len(rounds) - 1) // 2]
 
 
 def worker(path, data, triplets, args, device, bf16) -> None:
@@ -427,8 +433,7 @@ def packing_comparison(path, data, triplets, args, device, bf16: bool, env: dict
             padded, packed, st = (r["seconds"] for r in results)
             print(f"  round {number + 1}: packed / padded {padded / packed:.2f}x, padded / sentence-transformers "
                   f"{st / padded:.2f}x, packed / sentence-transformers {st / packed:.2f}x", flush=True)  # fmt: skip
-    by_ratio = sorted(rounds, key=lambda r: r[2]["seconds"] / r[1]["seconds"])
-    results = by_ratio[(len(rounds) - 1) // 2]  # the median round by packed / sentence-transformers (lower middle)
+    results = median_round(rounds, lambda r: r[2]["seconds"] / r[1]["seconds"])  # by packed / sentence-transformers
     packed = results[1]
     rows = [
         [
@@ -646,7 +651,7 @@ def main() -> None:
         if args.rounds > 1:
             print(f"  round {number + 1}: densepass {ours_run[0]:.2f}s, sentence-transformers {st_run[0]:.2f}s: "
                   f"{rounds[-1]['ratio']:.2f}x", flush=True)  # fmt: skip
-    middle = sorted(rounds, key=lambda r: r["ratio"])[(len(rounds) - 1) // 2]  # the median round (lower middle)
+    middle = median_round(rounds, lambda r: r["ratio"])
     record("densepass train", *middle["densepass"])
     record("SentenceTransformerTrainer + MNRL", *middle["st"])
     record(
