@@ -232,7 +232,7 @@ def check_fsdp(config: ExperimentConfig) -> None:
             raise ConfigError(
                 f"{section}.fsdp shards the model over torchrun's processes: run under torchrun --nproc_per_node N"
             )
-        if optim.lora_rank or optim.gradient_checkpointing or optim.packing:
+        if optim.lora_rank or optim.gradient_checkpointing or optim.packing is True:  # auto: padded under FSDP
             raise ConfigError(f"{section}.fsdp does not combine with lora_rank, gradient_checkpointing or packing yet")
     if reranker:
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -790,7 +790,7 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
         model = model_from_config(config)
         if config.train.enabled and config.train.freeze_layers is not None:  # its error before any mining
             freeze_bottom(model, config.train.freeze_layers)
-        if config.train.enabled and config.train.packing:  # an encoder it cannot pack: one line before any mining
+        if config.train.enabled and config.train.packing is True:  # an encoder it cannot pack: one line before mining
             enable_packing(model)
         run_dir = claim()  # the checks above passed: only now is the directory marked and --restart's removal done
         pool = mine_training_pool(exp, model)
