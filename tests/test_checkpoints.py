@@ -158,14 +158,11 @@ def test_a_new_training_option_at_its_default_leaves_earlier_runs_resumable(tmp_
     """The identity of the default ``TrainConfig`` holds only the options runs were written with before options
     were added (each later one, at its default, is left out: ``LATER_OPTIONS``), so a run written then resumes; the
     same option set otherwise (here ``matryoshka_init``) is refused. A new option missing from ``LATER_OPTIONS``
-    fails the first assertion. ``packing`` is the exception: its default (``auto``) packs where runs written
-    before it did not, so the identity holds it, and such a run resumes with ``packing: false``
-    (tests/test_packing.py)."""
+    fails the first assertion."""
     earlier = ["batch_size", "bf16", "bidirectional", "cpu_bf16", "enabled", "epochs", "freeze_layers"]
     earlier += ["grad_cache_chunk", "learning_rate", "max_steps", "passage_max_length", "seed", "warmup_ratio"]
     earlier += ["weight_decay", "wise_ft"]
-    assert sorted(training_identity(TrainConfig())) == sorted([*earlier, "packing"])
-    assert sorted(training_identity(TrainConfig(packing=False))) == sorted(earlier)
+    assert sorted(training_identity(TrainConfig())) == sorted(earlier)
     _save(Checkpoints(tmp_path, keep=2, identity={"train": training_identity(TrainConfig())}), 1)
     assert Checkpoints(tmp_path, keep=2, identity={"train": training_identity(TrainConfig())}).latest().step == 1
     pca = TrainConfig(matryoshka_dims=[16], matryoshka_init="pca")

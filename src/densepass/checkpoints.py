@@ -34,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from densepass import distributed
-from densepass.device import resolved_cpu_bf16, resolved_packing
+from densepass.device import resolved_cpu_bf16
 from densepass.errors import ConfigError, DataWarning, DensepassError
 from densepass.io import (
     atomic_directory,
@@ -56,11 +56,8 @@ STATE_TENSORS = "state.safetensors"
 
 def training_identity(config: Any) -> dict:
     """The settings of a training config dataclass that change what is trained (every field but the
-    ``BOOKKEEPING`` ones, with ``cpu_bf16: auto`` resolved for this CPU and ``packing: auto`` for these settings:
-    ``device``): resuming across a change is refused."""
+    ``BOOKKEEPING`` ones, with ``cpu_bf16: auto`` resolved for this CPU): resuming across a change is refused."""
     identity = {k: v for k, v in dataclasses.asdict(config).items() if k not in BOOKKEEPING}
-    if identity.get("packing") == "auto":
-        identity["packing"] = resolved_packing(config)
     if "cpu_bf16" in identity:
         identity["cpu_bf16"] = resolved_cpu_bf16(identity["cpu_bf16"])
     return without_later_defaults(identity)
@@ -320,12 +317,10 @@ class Checkpoints:
         data = data_change(saved, self.identity, path.name)
         if data is not None:
             raise _other_data(self.root.parent, data)
-        changed = differences(saved, self.identity)
-        padded = "packing" in changed and not saved.get("train", {}).get("packing", False)
         raise ConfigError(
-            f"{self.root.parent} holds a run with other settings ({changed} differ from {path.name}); "
-            + ("a run written padded resumes with train.packing: false; " if padded else "")
-            + "use another name or output_dir, or --restart to discard it and start over"
+            f"{self.root.parent} holds a run with other settings ({differences(saved, self.identity)} differ "
+            f"from {path.name}); "
+            "use another name or output_dir, or --restart to discard it and start over"
         )
 
 

@@ -147,17 +147,6 @@ def resolved_cpu_bf16(cpu_bf16: bool | str) -> bool:
     return cpu_has_fast_bf16() if cpu_bf16 == "auto" else bool(cpu_bf16)
 
 
-def resolved_packing(config) -> bool:
-    """Whether a training config's ``packing`` asks for packed steps (a ``TrainConfig``: true or false as set).
-    ``"auto"`` (the default) asks for them where they are measured faster than padded ones (docs/benchmarks.md,
-    "Padding-free training"): steps without LoRA, gradient checkpointing, gradient caching or FSDP, whose packed
-    steps are not measured; the trainer then packs a dense bi-encoder whose encoders can pack, on the CPU
-    (``training.trainer.packs``). Part of a run's identity, so that a run never resumes with the other steps."""
-    if config.packing != "auto":
-        return bool(config.packing)
-    return not (config.lora_rank or config.gradient_checkpointing or config.grad_cache_chunk or config.fsdp)
-
-
 def resolve_precision(precision: str, device: torch.device) -> str:
     """The precision encoding and scoring on ``device`` run in for a ``precision`` setting: ``fp32``, ``bf16``
     or ``int8`` (``auto``: bf16 where it is faster than fp32, ``fast_bf16``: a GPU, or a CPU with AMX or AMD's

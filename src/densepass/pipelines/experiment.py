@@ -36,7 +36,7 @@ from densepass.checkpoints import DATA_FILES, differences, training_identity, tr
 from densepass.config import ColumnsConfig, DataConfig, ExperimentConfig, LossConfig, load_config, save_config
 from densepass.data import hub_options, load_dataset
 from densepass.data.dataset import RetrievalDataset
-from densepass.device import resolve_device, resolve_precision
+from densepass.device import resolve_device, resolve_precision, uses_bf16
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write_trec_run
 from densepass.evaluation.tables import print_table
@@ -232,7 +232,7 @@ def check_fsdp(config: ExperimentConfig) -> None:
             raise ConfigError(
                 f"{section}.fsdp shards the model over torchrun's processes: run under torchrun --nproc_per_node N"
             )
-        if optim.lora_rank or optim.gradient_checkpointing or optim.packing is True:  # auto: padded under FSDP
+        if optim.lora_rank or optim.gradient_checkpointing or optim.packing:
             raise ConfigError(f"{section}.fsdp does not combine with lora_rank, gradient_checkpointing or packing yet")
     if reranker:
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -698,7 +698,7 @@ def fine_tune(
         f"{config.train.batch_size} with {data.negatives_per_query} {config.negatives.source} hard negative(s) "
         f"per query, batches by {config.schedule.method}, loss: {objective.describe()}; "
         f"final loss {result.final_loss:.4f}; "
-        f"{result.examples_per_second:.1f} examples/s on {exp.device.type}."
+        f"{result.examples_per_second:.1f} examples/s on {exp.device.type} ({step_kind(model, config, exp.device)})."
     )
     if data.mix:
         exp.notes.append(mix_summary(data, config.train.batch_size, result.steps))
@@ -779,6 +779,14 @@ def evaluate_reranked(exp: Experiment) -> None:
     )
 
 
+def step_kind(model, config: ExperimentConfig, device: torch.device) -> str:
+    """How the training steps ran, for the report: their precision and whether they were packed
+    (``train.packing``)."""
+    t = config.train
+    precision = "bf16 autocast" if uses_bf16(device, t.bf16, t.cpu_bf16) else "float32"
+    return f"{precision}, {'packed' if getattr(model, 'packing', False) else 'padded'} steps"
+
+
 def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str, dict[str, float]]:
     """Run every stage of ``config`` and return {system: {metric: value}} (empty on ranks other than 0)."""
     device = check(config)
@@ -790,7 +798,7 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
         model = model_from_config(config)
         if config.train.enabled and config.train.freeze_layers is not None:  # its error before any mining
             freeze_bottom(model, config.train.freeze_layers)
-        if config.train.enabled and config.train.packing is True:  # an encoder it cannot pack: one line before mining
+        if config.train.enabled and config.train.packing:  # an encoder it cannot pack: one line before any mining
             enable_packing(model)
         run_dir = claim()  # the checks above passed: only now is the directory marked and --restart's removal done
         pool = mine_training_pool(exp, model)

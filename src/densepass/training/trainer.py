@@ -17,18 +17,16 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from torch import nn
 from typing_extensions import override
 
 from densepass import distributed
 from densepass.checkpoints import Checkpoints, training_identity
 from densepass.config import TrainConfig
-from densepass.device import resolved_packing
 from densepass.losses.objectives import InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder
 from densepass.models.dropout import use_cpu_dropout
 from densepass.models.freeze import freeze_bottom
-from densepass.models.packing import can_pack, enable_packing
+from densepass.models.packing import enable_packing
 from densepass.models.token_cache import cached_tokenizer
 from densepass.scheduling.baselines import random_batches
 from densepass.training import engine
@@ -90,15 +88,6 @@ def resume_step(run_dir: Path, config: TrainConfig, identity: dict | None = None
     return resumed.step if resumed else 0
 
 
-def packs(model: nn.Module, config: TrainConfig, device: torch.device) -> bool:
-    """Whether ``model`` trains packed (``train.packing``, ``models.packing``): as set where true or false; where
-    ``auto``, a dense bi-encoder whose encoders can pack, on the CPU, where ``device.resolved_packing`` asks for it:
-    the case measured faster (on a GPU, and for SPLADE and ColBERT, packed steps are tested equal, not yet timed)."""
-    if config.packing != "auto":
-        return bool(config.packing)
-    return device.type == "cpu" and isinstance(model, BiEncoder) and resolved_packing(config) and can_pack(model)
-
-
 class BiEncoderTask(engine.Task):
     """A bi-encoder (any retriever kind: dense, SPLADE, ColBERT) trained on ``data`` with ``objective``; the
     objective may train a head of its own and keep state across steps (a MoCo queue, pre-batch memory)."""
@@ -117,8 +106,10 @@ class BiEncoderTask(engine.Task):
     ) -> None:
         self.model, self.data, self.config, self.run_dir = model, data, config, run_dir
         self.shardable = isinstance(model, BiEncoder)  # FSDP: dense bi-encoders (SPLADE ties its MLM head)
-        if config.packing is True:  # an encoder it cannot pack: one line before training
+        if config.packing:  # an encoder it cannot pack: one line before training
             enable_packing(model)
+        elif hasattr(model, "packing"):  # padded, whatever an earlier run of this model object did
+            model.packing = False
         # mixed-in pairs (data.mix) fill the rest of every batch: the planner plans the main queries' share
         self.planner = planner or RandomPlanner(len(data), config.batch_size - data.mixed_per_batch, config.seed)
         self.objective = objective or InfoNCE(config.bidirectional)
@@ -127,10 +118,6 @@ class BiEncoderTask(engine.Task):
     @override
     def setup(self, device: torch.device) -> None:
         self.device = device
-        if packs(self.model, self.config, device):
-            enable_packing(self.model)
-        elif hasattr(self.model, "packing"):  # padded, whatever an earlier run of this model object did
-            self.model.packing = False
         use_cpu_dropout(self.model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
         self.objective.to(device)
         if self.config.freeze_layers is not None:
