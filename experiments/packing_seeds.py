@@ -10,10 +10,10 @@ packed model against the padded one (``evaluation.metrics.paired_significance``)
 packing changes what training gives: a packed step draws other dropout masks than a padded one (its tensors have
 other shapes), so the packed and padded runs of one seed differ as two seeds' runs do, and a per-query test of two
 runs measures that difference too. So the seeds' MRR@10 of the packed runs are compared with the padded runs' by
-an exact two-sample permutation test (every split of the 2 x seeds values into two groups; the statistic: the
-difference of the groups' means), with the seed-to-seed standard deviation of each kind beside it, and, since the
-two runs of a seed share its batches and negative draws, by Fisher's randomization test on the per-seed
-differences (their signs flipped: ``randomization_p``, exact for up to 13 seeds). Writes
+a two-sample permutation test (the splits of the 2 x seeds values into two groups, every one of them or 10,000 seeded
+ones; the statistic: the difference of the groups' means), with the seed-to-seed standard deviation of each kind
+beside it, and, since the two runs of a seed share its batches and negative draws, by Fisher's randomization test on
+the per-seed differences (their signs flipped: ``randomization_p``, exact for up to 13 seeds). Writes
 ``packing_seeds.json`` and ``packing_seeds.md`` into ``--out``. The wall times it prints are not benchmarks
 (``benchmarks/bench_train.py --packing`` times the steps).
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import subprocess
 import sys
 import time
@@ -62,18 +63,26 @@ def run_main_job(out: Path, kind: str, seed: int, data_dir: str | None) -> float
     return seconds
 
 
-def permutation_p(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sided p of the exact two-sample permutation test: the share of the splits of ``a`` and ``b``'s values
-    into groups of their sizes whose means differ at least as much as ``a``'s and ``b``'s (the observed split
-    included; equal up to rounding counts)."""
+def permutation_p(a: np.ndarray, b: np.ndarray, n_permutations: int = 10_000, seed: int = 42) -> float:
+    """Two-sided p of the two-sample permutation test: the share of the splits of ``a`` and ``b``'s values into
+    groups of their sizes whose means differ at least as much as ``a``'s and ``b``'s (equal up to rounding counts).
+    Exact (every split) where there are at most ``n_permutations`` of them; otherwise ``n_permutations`` seeded
+    random splits plus the observed one, so the same values always give the same p."""
     values, n = np.concatenate([a, b]), len(a)
-    observed = abs(a.mean() - b.mean())
-    splits = [list(group) for group in itertools.combinations(range(len(values)), n)]
-    inside = np.zeros((len(splits), len(values)), dtype=bool)
-    for row, group in enumerate(splits):
-        inside[row, group] = True
-    gaps = np.abs(np.where(inside, values, 0).sum(1) / n - np.where(~inside, values, 0).sum(1) / len(b))
-    return float(np.mean(gaps >= observed - 1e-12))
+    observed = abs(a.mean() - b.mean()) - 1e-12
+    if math.comb(len(values), n) <= n_permutations:
+        splits = np.zeros((math.comb(len(values), n), len(values)), dtype=bool)
+        for row, group in enumerate(itertools.combinations(range(len(values)), n)):
+            splits[row, list(group)] = True
+        extra = 0
+    else:
+        rng = np.random.default_rng(seed)
+        order = np.argsort(rng.random((n_permutations, len(values))), axis=1)
+        splits = np.zeros((n_permutations, len(values)), dtype=bool)
+        np.put_along_axis(splits, order[:, :n], True, axis=1)
+        extra = 1  # the observed split
+    gaps = np.abs((splits * values).sum(1) / n - (~splits * values).sum(1) / len(b))
+    return float((np.count_nonzero(gaps >= observed) + extra) / (len(splits) + extra))
 
 
 def main() -> None:
