@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from densepass.data import load_dataset
+from densepass.errors import DensepassError
 from densepass.evaluation.metrics import (
     answered_qrels,
     paired_significance,
@@ -39,7 +40,7 @@ from densepass.evaluation.metrics import (
     randomization_p,
     read_trec_run,
 )
-from densepass.io import atomic_write_text
+from densepass.io import atomic_write_text, check_output_file
 
 KINDS = {"packed": "true", "padded": "false"}
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,8 +92,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("outputs/packing-seeds"))
     parser.add_argument("--data-dir", default=None, help="where debian-packages is (default: densepass's search)")
     args = parser.parse_args()
-    if len(set(args.seeds)) != len(args.seeds):
-        parser.error("--seeds: each seed once")
+    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        parser.error(f"--seeds: each seed once, none below 0, got {args.seeds}")
+    try:  # a user's file of one of these names in --out is never overwritten
+        check_output_file(
+            args.out / "packing_seeds.json", "seeds' table", lambda p: "over_seeds" in json.loads(p.read_text())
+        )
+        check_output_file(args.out / "packing_seeds.md", "seeds' table", lambda p: p.read_text().startswith("| seed |"))
+    except DensepassError as err:
+        parser.error(str(err))
     seconds = {f"{k}-{s}": run_main_job(args.out, k, s, args.data_dir) for s in args.seeds for k in KINDS}
 
     dataset = load_dataset("debian-packages", args.data_dir)
