@@ -143,11 +143,11 @@ def test_resuming_a_run_with_other_settings_is_refused(tmp_path):
 def test_a_run_with_cpu_bf16_auto_never_resumes_in_another_precision(tmp_path, monkeypatch):
     """``cpu_bf16: auto`` is bf16 on a CPU with bf16 instructions and fp32 elsewhere: the identity holds what it
     resolved to, so a run moved to a CPU where auto means the other precision is refused, not silently changed."""
-    config = TrainConfig()  # cpu_bf16: auto
+    config = TrainConfig(packing=False)  # cpu_bf16: auto
     monkeypatch.setenv("DENSEPASS_FAST_BF16", "1")
     _save(Checkpoints(tmp_path, keep=2, identity={"train": training_identity(config)}), 1)
     assert Checkpoints(tmp_path, keep=2, identity={"train": training_identity(config)}).latest().step == 1
-    forced = {"train": training_identity(TrainConfig(cpu_bf16=True))}
+    forced = {"train": training_identity(TrainConfig(cpu_bf16=True, packing=False))}
     assert Checkpoints(tmp_path, keep=2, identity=forced).latest().step == 1  # the same precision, said outright
     monkeypatch.setenv("DENSEPASS_FAST_BF16", "0")
     with pytest.raises(ConfigError, match=r"train\.cpu_bf16 differ"):
@@ -158,16 +158,22 @@ def test_a_new_training_option_at_its_default_leaves_earlier_runs_resumable(tmp_
     """The identity of the default ``TrainConfig`` holds only the options runs were written with before options
     were added (each later one, at its default, is left out: ``LATER_OPTIONS``), so a run written then resumes; the
     same option set otherwise (here ``matryoshka_init``) is refused. A new option missing from ``LATER_OPTIONS``
-    fails the first assertion."""
+    fails the first assertion. ``packing`` is the exception: its default (``auto``) packs where runs written
+    before it did not, so the identity holds what it resolved to (the caller's ``packing``) where that is packed,
+    and such a run resumes with ``packing: false`` (tests/test_packing.py)."""
     earlier = ["batch_size", "bf16", "bidirectional", "cpu_bf16", "enabled", "epochs", "freeze_layers"]
     earlier += ["grad_cache_chunk", "learning_rate", "max_steps", "passage_max_length", "seed", "warmup_ratio"]
     earlier += ["weight_decay", "wise_ft"]
-    assert sorted(training_identity(TrainConfig())) == sorted(earlier)
-    _save(Checkpoints(tmp_path, keep=2, identity={"train": training_identity(TrainConfig())}), 1)
-    assert Checkpoints(tmp_path, keep=2, identity={"train": training_identity(TrainConfig())}).latest().step == 1
+    assert sorted(training_identity(TrainConfig(), packing=False)) == sorted(earlier)
+    assert sorted(training_identity(TrainConfig(packing=False))) == sorted(earlier)
+    assert training_identity(TrainConfig(), packing=True)["packing"] is True
+    with pytest.raises(ValueError, match="packing: auto needs"):
+        training_identity(TrainConfig())  # auto, unresolved: no identity
+    _save(Checkpoints(tmp_path, keep=2, identity={"train": training_identity(TrainConfig(), False)}), 1)
+    assert Checkpoints(tmp_path, keep=2, identity={"train": training_identity(TrainConfig(), False)}).latest().step == 1
     pca = TrainConfig(matryoshka_dims=[16], matryoshka_init="pca")
     with pytest.raises(ConfigError, match=r"train\.matryoshka_init"):
-        Checkpoints(tmp_path, keep=2, identity={"train": training_identity(pca)}).latest()
+        Checkpoints(tmp_path, keep=2, identity={"train": training_identity(pca, False)}).latest()
 
 
 def test_trim_log_drops_records_after_the_step_and_a_cut_line(tmp_path):

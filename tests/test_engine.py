@@ -272,7 +272,13 @@ def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same_weight
         calls = forwards[on] = []
         query = model.query_encoder.encoder.layer[0].attention.self.query
         query.register_forward_hook(lambda *_, seen=calls: seen.append(1))
-        train(model, make_data(tiny_beir), _fp32_config(gradient_checkpointing=on), tmp_path / f"run-{on}", CPU)
+        train(
+            model,
+            make_data(tiny_beir),
+            _fp32_config(gradient_checkpointing=on, packing=False),
+            tmp_path / f"run-{on}",
+            CPU,
+        )
         trained[on] = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert len(forwards[True]) == 2 * len(forwards[False])  # every layer ran again in the backward pass
     torch.testing.assert_close(trained[True], trained[False], rtol=1e-5, atol=1e-6)

@@ -21,7 +21,7 @@ from densepass.models.inputs import forward_in_pieces
 from densepass.models.packing import Packing, enable_packing, packed_attention, packed_forward
 from densepass.models.splade import SpladeEncoder
 from densepass.training.trainer import train
-from test_training import _fp32_config, make_data
+from test_training import _config, _fp32_config, make_data
 
 CPU = torch.device("cpu")
 LENGTHS = [5, 1, 12, 3, 12, 7]  # a text of one token, two of the longest
@@ -278,7 +278,7 @@ def test_a_packed_run_ends_at_the_padded_runs_weights(tiny_model_dir, tiny_beir,
     within float32 tolerance."""
     data = make_data(tiny_beir)
     padded = BiEncoder.from_pretrained(str(tiny_model_dir))
-    train(padded, data, _fp32_config(max_steps=3, **options), tmp_path / "padded", CPU)
+    train(padded, data, _fp32_config(max_steps=3, packing=False, **options), tmp_path / "padded", CPU)
     packed = BiEncoder.from_pretrained(str(tiny_model_dir))
     train(packed, data, _fp32_config(max_steps=3, packing=True, **options), tmp_path / "packed", CPU)
     assert packed.packing and not padded.packing
@@ -411,11 +411,11 @@ def test_a_model_trained_packed_trains_padded_when_told_to(tiny_model_dir, tiny_
     model = BiEncoder.from_pretrained(str(tiny_model_dir))
     train(model, data, _fp32_config(max_steps=1, packing=True), tmp_path / "packed", CPU)
     assert model.packing is True
-    train(model, data, _fp32_config(max_steps=1), tmp_path / "padded", CPU)
+    train(model, data, _fp32_config(max_steps=1, packing=False), tmp_path / "padded", CPU)
     assert model.packing is False
 
 
-@pytest.mark.parametrize("setting", ["true", "false"])
+@pytest.mark.parametrize("setting", ["true", "false", "auto"])
 def test_a_runs_report_says_how_its_steps_ran(tiny_model_dir, tiny_beir, tmp_path, setting):
     from conftest import small_run_overrides
     from densepass.config import load_config
@@ -425,5 +425,91 @@ def test_a_runs_report_says_how_its_steps_ran(tiny_model_dir, tiny_beir, tmp_pat
     overrides += ["train.batch_size=8", "train.cpu_bf16=false", f"train.packing={setting}"]
     run_experiment(load_config(None, overrides))
     report = (tmp_path / "r" / "report.md").read_text()
-    said = "float32, packed steps" if setting == "true" else "float32, padded steps"
+    said = "float32, padded steps" if setting == "false" else "float32, packed steps"  # auto: packed on the CPU
     assert f"examples/s on cpu ({said})." in report
+
+
+def test_packing_auto_packs_a_dense_bi_encoder_on_the_cpu(tiny_model_dir, tmp_path, monkeypatch):
+    """``train.packing: auto`` (the default) packs the measured case only: a dense bi-encoder whose encoders pack,
+    its steps on the CPU (bf16 or float32), without LoRA, gradient checkpointing, gradient caching or FSDP; padded
+    (without an error) everywhere else. True and false are obeyed as set."""
+    from densepass.config import TrainConfig
+    from densepass.device import resolved_packing
+    from densepass.training.trainer import packs
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    config = AutoConfig.for_model("distilbert", vocab_size=len(tokenizer), dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    AutoModel.from_config(config).save_pretrained(tmp_path / "distilbert")
+    tokenizer.save_pretrained(tmp_path / "distilbert")
+    dense, auto = BiEncoder.from_pretrained(str(tiny_model_dir)), TrainConfig()
+    assert auto.packing == "auto" and resolved_packing(auto, CPU, dense=True) and packs(dense, auto, CPU)
+    for fast in ("1", "0"):  # steps in bf16 autocast, and in float32
+        monkeypatch.setenv("DENSEPASS_FAST_BF16", fast)
+        assert packs(dense, auto, CPU) and packs(dense, TrainConfig(cpu_bf16=False), CPU)
+    cuda = torch.device("cuda")
+    assert not packs(dense, auto, cuda) and not resolved_packing(auto, cuda, dense=True)  # GPU: not timed there yet
+    assert packs(dense, TrainConfig(packing=True), cuda)
+    for unmeasured in ({"lora_rank": 4}, {"gradient_checkpointing": True}, {"grad_cache_chunk": 4}, {"fsdp": True}):
+        assert not resolved_packing(TrainConfig(**unmeasured), CPU, dense=True), unmeasured
+        assert not packs(dense, TrainConfig(**unmeasured), CPU), unmeasured
+        assert packs(dense, TrainConfig(packing=True, **unmeasured), CPU), unmeasured
+    for other in (SpladeEncoder.from_pretrained(str(tiny_model_dir)), ColBERT.from_pretrained(str(tiny_model_dir))):
+        assert not packs(other, auto, CPU) and packs(other, TrainConfig(packing=True), CPU)
+    assert not resolved_packing(auto, CPU, dense=False)
+    assert not packs(BiEncoder.from_pretrained(str(tmp_path / "distilbert")), auto, CPU)  # cannot pack: padded
+    assert not packs(dense, TrainConfig(packing=False), CPU)
+    assert not resolved_packing(TrainConfig(packing=False), CPU, dense=True)
+
+
+def test_a_default_run_trains_packed_and_a_padded_run_resumes_only_padded(tiny_model_dir, tiny_beir, tmp_path):
+    """A run with the default settings trains packed on the CPU, and its checkpoints record it: a run written padded
+    (``packing: false``, the default before ``auto``) is refused by a default run, with the setting that resumes it
+    in the error, and resumes with it."""
+    data = make_data(tiny_beir)
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    train(model, data, _config(max_steps=2, checkpoint_every=1), tmp_path / "packed", CPU)
+    assert model.packing is True
+    padded = BiEncoder.from_pretrained(str(tiny_model_dir))
+    first = train(padded, data, _config(max_steps=2, checkpoint_every=1, packing=False), tmp_path / "padded", CPU)
+    assert padded.packing is False
+    again = BiEncoder.from_pretrained(str(tiny_model_dir))
+    with pytest.raises(ConfigError, match=r"train\.packing differ .*resumes with train\.packing: false; use"):
+        train(again, data, _config(max_steps=2, checkpoint_every=1), tmp_path / "padded", CPU)
+    said = _config(max_steps=2, checkpoint_every=1, packing=False)
+    assert train(again, data, said, tmp_path / "padded", CPU).steps == first.steps
+    assert again.packing is False
+
+
+@pytest.mark.parametrize("kind", ["bi-encoder", "splade", "colbert"])
+def test_a_runs_identity_resolves_packing_auto_as_its_trainer_does(tiny_model_dir, tiny_beir, tmp_path, kind):
+    """``densepass run`` checks a run's checkpoints before it builds the model (``experiment.packing_of``, from the
+    config's model kind); the trainer writes them from the model (``trainer.asks_packing``): both resolve
+    ``packing: auto`` alike, so a run always resumes its own checkpoints."""
+    from conftest import small_run_overrides
+    from densepass.config import load_config
+    from densepass.pipelines.experiment import model_from_config, packing_of
+    from densepass.training.trainer import asks_packing
+
+    config = load_config(None, [*small_run_overrides(tiny_beir, tiny_model_dir, tmp_path, "r"), f"model.kind={kind}"])
+    assert config.train.packing == "auto"
+    model = model_from_config(config)
+    assert packing_of(config, CPU) == asks_packing(model, config.train, CPU) == (kind == "bi-encoder")
+    cuda = torch.device("cuda")
+    assert packing_of(config, cuda) is asks_packing(model, config.train, cuda) is False
+
+
+def test_a_run_directory_written_padded_is_refused_by_a_default_run_with_the_setting_that_resumes_it(
+    tiny_model_dir, tiny_beir, tmp_path
+):
+    """A run directory whose run trained padded (``train.packing: false``, the default before ``auto``) holds
+    another run for the default settings, which pack on the CPU: refused before any work, naming the setting."""
+    from conftest import small_run_overrides
+    from densepass.config import load_config
+    from densepass.pipelines.experiment import run_experiment
+
+    overrides = [*small_run_overrides(tiny_beir, tiny_model_dir, tmp_path, "r"), "train.max_steps=1"]
+    overrides += ["train.batch_size=8", "train.cpu_bf16=false"]
+    run_experiment(load_config(None, [*overrides, "train.packing=false"]))
+    with pytest.raises(ConfigError, match=r"train\.packing differ .*resumes with train\.packing: false; use"):
+        run_experiment(load_config(None, overrides))
+    run_experiment(load_config(None, [*overrides, "train.packing=false"]))  # said so: the same run, evaluated again

@@ -25,7 +25,7 @@ from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import Candidate, load_pool, passage_ids, save_pool
 from densepass.training.batches import TrainingData
 from densepass.training.refresh import NegativeRefresher
-from densepass.training.trainer import resume_step, train
+from densepass.training.trainer import asks_packing, resume_step, train
 
 CPU = torch.device("cpu")
 BLOCK = 8  # 60 passages in 8 blocks: rank 0 encodes the first 4 (32 passages), rank 1 the other 28
@@ -95,7 +95,7 @@ def _train_worker(rank: int, port: int, model_dir: str, beir: str, run_dir: str,
     try:
         model = BiEncoder.from_pretrained(model_dir)
         data, refresher = _refresher(model, Path(beir), Path(run_dir) / "negatives")
-        refresher.restore(resume_step(Path(run_dir), TRAIN))
+        refresher.restore(resume_step(Path(run_dir), TRAIN, packing=asks_packing(model, TRAIN, CPU)))
         train(model, data, TRAIN, Path(run_dir), CPU, on_step_end=refresher)
         params = torch.cat([p.detach().flatten() for p in model.parameters()])
         torch.save({"params": params, "pools": _pools(data), "encoded": encoded}, Path(out) / f"rank{rank}.pt")

@@ -54,10 +54,16 @@ STATE_JSON = "state.json"
 STATE_TENSORS = "state.safetensors"
 
 
-def training_identity(config: Any) -> dict:
+def training_identity(config: Any, packing: bool | None = None) -> dict:
     """The settings of a training config dataclass that change what is trained (every field but the
-    ``BOOKKEEPING`` ones, with ``cpu_bf16: auto`` resolved for this CPU): resuming across a change is refused."""
+    ``BOOKKEEPING`` ones, with ``cpu_bf16: auto`` resolved for this CPU, and ``packing: auto`` as ``packing``, the
+    caller's resolution of it for its model and device: ``device.resolved_packing``): resuming across a change is
+    refused."""
     identity = {k: v for k, v in dataclasses.asdict(config).items() if k not in BOOKKEEPING}
+    if identity.get("packing") == "auto":
+        if packing is None:
+            raise ValueError("training_identity: packing: auto needs the packing it resolved to")
+        identity["packing"] = bool(packing)
     if "cpu_bf16" in identity:
         identity["cpu_bf16"] = resolved_cpu_bf16(identity["cpu_bf16"])
     return without_later_defaults(identity)
@@ -319,9 +325,19 @@ class Checkpoints:
             raise _other_data(self.root.parent, data)
         raise ConfigError(
             f"{self.root.parent} holds a run with other settings ({differences(saved, self.identity)} differ "
-            f"from {path.name}); "
+            f"from {path.name}); {padded_hint(saved, self.identity)}"
             "use another name or output_dir, or --restart to discard it and start over"
         )
+
+
+def padded_hint(saved: dict, current: dict) -> str:
+    """The setting that resumes a run written with padded steps (before ``packing: auto`` was the default, or on
+    another device) where the current settings resolve to packed ones and that is a difference."""
+    for key in _differences(saved, current):
+        section, _, name = key.rpartition(".")
+        if name == "packing" and current.get(section, {}).get("packing") is True:
+            return f"a run written padded resumes with {section}.packing: false; "
+    return ""
 
 
 DATA_FILES = "data_files"  # the identity's {file: content digest} of the data a run reads

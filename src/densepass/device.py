@@ -147,6 +147,19 @@ def resolved_cpu_bf16(cpu_bf16: bool | str) -> bool:
     return cpu_has_fast_bf16() if cpu_bf16 == "auto" else bool(cpu_bf16)
 
 
+def resolved_packing(config, device: torch.device, dense: bool) -> bool:
+    """Whether a training config's ``packing`` (a ``TrainConfig``) asks for packed steps of a model trained on
+    ``device``, ``dense`` when a dense bi-encoder: true or false as set. ``"auto"`` (the default) asks for them where
+    they are measured faster than padded ones at the same model quality (docs/benchmarks.md, "Padding-free
+    training"): a dense bi-encoder's steps on the CPU without LoRA, gradient checkpointing, gradient caching or FSDP.
+    On a GPU, and for SPLADE and ColBERT, packed steps are tested equal but not yet timed. Part of a run's identity,
+    so that a run never resumes with the other steps."""
+    if config.packing != "auto":
+        return bool(config.packing)
+    plain = not (config.lora_rank or config.gradient_checkpointing or config.grad_cache_chunk or config.fsdp)
+    return device.type == "cpu" and dense and plain
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
     """The precision encoding and scoring on ``device`` run in for a ``precision`` setting: ``fp32``, ``bf16``
     or ``int8`` (``auto``: bf16 where it is faster than fp32, ``fast_bf16``: a GPU, or a CPU with AMX or AMD's

@@ -317,6 +317,12 @@ def packed_forward(
     return out, packing
 
 
+def can_pack(model: nn.Module) -> bool:
+    """Whether ``enable_packing`` takes ``model`` (a retriever whose encoders are all ``packable``)."""
+    encoders = getattr(model, "packed_encoders", None)
+    return encoders is not None and all(packable(encoder) for encoder in encoders().values())
+
+
 def enable_packing(model: nn.Module) -> None:
     """Turn padding-free training on for a retriever (``train.packing``): a bi-encoder, SPLADE or ColBERT whose
     encoders are all ``packable``; one line otherwise, before any training."""

@@ -32,11 +32,18 @@ import numpy as np
 import torch
 
 from densepass import distributed
-from densepass.checkpoints import DATA_FILES, differences, training_identity, trim_log, without_later_defaults
+from densepass.checkpoints import (
+    DATA_FILES,
+    differences,
+    padded_hint,
+    training_identity,
+    trim_log,
+    without_later_defaults,
+)
 from densepass.config import ColumnsConfig, DataConfig, ExperimentConfig, LossConfig, load_config, save_config
 from densepass.data import hub_options, load_dataset
 from densepass.data.dataset import RetrievalDataset
-from densepass.device import resolve_device, resolve_precision, uses_bf16
+from densepass.device import resolve_device, resolve_precision, resolved_packing, uses_bf16
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write_trec_run
 from densepass.evaluation.tables import print_table
@@ -140,10 +147,18 @@ def data_identity(data: DataConfig) -> dict:
     return {k: v for k, v in asdict(data).items() if k not in LATER_DATA_KEYS or LATER_DATA_KEYS[k] != v}
 
 
+def packing_of(config: ExperimentConfig, device: torch.device) -> bool:
+    """What ``train.packing`` resolves to in a run's identity on ``device`` (``device.resolved_packing``: ``auto``
+    packs a dense bi-encoder's CPU steps; the trainer then packs them where its encoders can pack)."""
+    return resolved_packing(config.train, device, config.model.kind == "bi-encoder")
+
+
 def results_identity(config: ExperimentConfig) -> dict:
     """What a run directory's results are of: ``run_identity`` and, for a run that trains, its training settings
     (those that change what is trained), as JSON values."""
-    train = training_identity(config.train) if config.train.enabled else {"enabled": False}
+    train = {"enabled": False}
+    if config.train.enabled:
+        train = training_identity(config.train, packing_of(config, resolve_device(config.device)))
     return json.loads(json.dumps({**run_identity(config), "train": train}))
 
 
@@ -232,7 +247,7 @@ def check_fsdp(config: ExperimentConfig) -> None:
             raise ConfigError(
                 f"{section}.fsdp shards the model over torchrun's processes: run under torchrun --nproc_per_node N"
             )
-        if optim.lora_rank or optim.gradient_checkpointing or optim.packing:
+        if optim.lora_rank or optim.gradient_checkpointing or optim.packing is True:  # auto: padded under FSDP
             raise ConfigError(f"{section}.fsdp does not combine with lora_rank, gradient_checkpointing or packing yet")
     if reranker:
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -267,7 +282,9 @@ def check_run_directory(config: ExperimentConfig) -> None:
         raise ConfigError(f"{config.run_dir} holds a config.yaml that does not load ({err}); {hint}") from err
     changed = differences(earlier, results_identity(config))
     if changed:
-        raise ConfigError(f"{config.run_dir} holds another run ({changed} differ from its config.yaml); {hint}")
+        resumes = padded_hint(earlier, results_identity(config))  # a run written padded: the setting that resumes it
+        said = f"{config.run_dir} holds another run ({changed} differ from its config.yaml)"
+        raise ConfigError(f"{said}; {resumes}{hint}")
 
 
 # What a run writes in its directory (glob patterns; "runs/*.trec": the folder and what it may hold): all that
@@ -369,7 +386,8 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
     if not restart:  # with --restart, what the directory holds is to be removed: nothing of it to check
         check_run_directory(config)
         if config.train.enabled:  # before any work: a changed data file (or data.mix file) is refused here
-            resume_step(config.run_dir, config.train, run_identity(config, dataset, mix))  # refuses another run's
+            identity = run_identity(config, dataset, mix)  # refuses another run's checkpoints:
+            resume_step(config.run_dir, config.train, identity, packing_of(config, device))
     neg = config.negatives
     subcorpus_bm25 = config.data.eval_hard_k > 0
     need_full_bm25 = (
@@ -622,7 +640,7 @@ def fine_tune(
     add_mix(data, exp.mix, config.data.mix, config.train.batch_size, config.train.seed)
     planner = batch_planner(model, data, config.train, config.schedule, run_dir, exp.device)
     identity = run_identity(config, exp.dataset, exp.mix)
-    resumed_at = resume_step(run_dir, config.train, identity)
+    resumed_at = resume_step(run_dir, config.train, identity, packing_of(config, exp.device))
     eval_log = run_dir / "eval_log.jsonl"
     trim_log(eval_log, resumed_at)
 
@@ -798,7 +816,7 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
         model = model_from_config(config)
         if config.train.enabled and config.train.freeze_layers is not None:  # its error before any mining
             freeze_bottom(model, config.train.freeze_layers)
-        if config.train.enabled and config.train.packing:  # an encoder it cannot pack: one line before any mining
+        if config.train.enabled and config.train.packing is True:  # an encoder it cannot pack: one line first
             enable_packing(model)
         run_dir = claim()  # the checks above passed: only now is the directory marked and --restart's removal done
         pool = mine_training_pool(exp, model)

@@ -250,7 +250,7 @@ def check_sharding(task: Task, optim: OptimConfig, world: int, callbacks: Sequen
         )
     if not task.shardable:
         raise ConfigError(f"{section}: {task.description} does not train with FSDP yet")
-    if optim.lora_rank or optim.gradient_checkpointing or getattr(optim, "packing", False):
+    if optim.lora_rank or optim.gradient_checkpointing or getattr(optim, "packing", False) is True:  # auto: padded
         raise ConfigError(f"{section} does not combine with lora_rank, gradient_checkpointing or packing yet")
     if callbacks:
         raise ConfigError(

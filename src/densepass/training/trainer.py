@@ -17,16 +17,18 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from torch import nn
 from typing_extensions import override
 
 from densepass import distributed
 from densepass.checkpoints import Checkpoints, training_identity
 from densepass.config import TrainConfig
+from densepass.device import resolved_packing
 from densepass.losses.objectives import InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder
 from densepass.models.dropout import use_cpu_dropout
 from densepass.models.freeze import freeze_bottom
-from densepass.models.packing import enable_packing
+from densepass.models.packing import can_pack, enable_packing
 from densepass.models.token_cache import cached_tokenizer
 from densepass.scheduling.baselines import random_batches
 from densepass.training import engine
@@ -71,20 +73,35 @@ def planned_steps(steps_per_epoch: int, config: TrainConfig) -> int:
     return engine.planned_steps(steps_per_epoch, config.epochs, config.max_steps)
 
 
-def run_identity(config: TrainConfig, identity: dict | None = None) -> dict:
-    """What a fine-tuning run's checkpoints must match: ``config``'s training settings and the caller's (data,
-    model, negatives, batch order)."""
-    return {"train": training_identity(config), **(identity or {})}
+def asks_packing(model: nn.Module, config: TrainConfig, device: torch.device) -> bool:
+    """What ``train.packing`` resolves to for ``model`` trained on ``device`` (``device.resolved_packing``): the
+    value a run's identity holds."""
+    return resolved_packing(config, device, isinstance(model, BiEncoder))
 
 
-def checkpoints_of(run_dir: Path, config: TrainConfig, identity: dict | None = None) -> Checkpoints:
+def packs(model: nn.Module, config: TrainConfig, device: torch.device) -> bool:
+    """Whether ``model`` trains packed on ``device`` (``train.packing``, ``models.packing``): as set where true or
+    false; where ``auto``, when ``asks_packing`` and the model's encoders can pack (padded otherwise, without an
+    error; a model's architecture is part of a run's identity, so its resolution is the same on resuming)."""
+    return asks_packing(model, config, device) and (config.packing is True or can_pack(model))
+
+
+def run_identity(config: TrainConfig, identity: dict | None = None, packing: bool | None = None) -> dict:
+    """What a fine-tuning run's checkpoints must match: ``config``'s training settings (``packing: auto`` as
+    ``packing``, what ``asks_packing`` resolved it to) and the caller's (data, model, negatives, batch order)."""
+    return {"train": training_identity(config, packing), **(identity or {})}
+
+
+def checkpoints_of(
+    run_dir: Path, config: TrainConfig, identity: dict | None = None, packing: bool | None = None
+) -> Checkpoints:
     """The checkpoints of a fine-tuning run; ``identity`` adds the caller's settings (data, model, ...)."""
-    return Checkpoints(run_dir, config.keep_checkpoints, run_identity(config, identity))
+    return Checkpoints(run_dir, config.keep_checkpoints, run_identity(config, identity, packing))
 
 
-def resume_step(run_dir: Path, config: TrainConfig, identity: dict | None = None) -> int:
-    """The step ``train`` will resume from in ``run_dir`` (0 for a fresh run)."""
-    resumed = checkpoints_of(run_dir, config, identity).latest()
+def resume_step(run_dir: Path, config: TrainConfig, identity: dict | None = None, packing: bool | None = None) -> int:
+    """The step ``train`` will resume from in ``run_dir`` (0 for a fresh run); ``packing`` as in ``run_identity``."""
+    resumed = checkpoints_of(run_dir, config, identity, packing).latest()
     return resumed.step if resumed else 0
 
 
@@ -106,10 +123,8 @@ class BiEncoderTask(engine.Task):
     ) -> None:
         self.model, self.data, self.config, self.run_dir = model, data, config, run_dir
         self.shardable = isinstance(model, BiEncoder)  # FSDP: dense bi-encoders (SPLADE ties its MLM head)
-        if config.packing:  # an encoder it cannot pack: one line before training
+        if config.packing is True:  # an encoder it cannot pack: one line before training
             enable_packing(model)
-        elif hasattr(model, "packing"):  # padded, whatever an earlier run of this model object did
-            model.packing = False
         # mixed-in pairs (data.mix) fill the rest of every batch: the planner plans the main queries' share
         self.planner = planner or RandomPlanner(len(data), config.batch_size - data.mixed_per_batch, config.seed)
         self.objective = objective or InfoNCE(config.bidirectional)
@@ -118,6 +133,10 @@ class BiEncoderTask(engine.Task):
     @override
     def setup(self, device: torch.device) -> None:
         self.device = device
+        if packs(self.model, self.config, device):
+            enable_packing(self.model)
+        elif hasattr(self.model, "packing"):  # padded, whatever an earlier run of this model object did
+            self.model.packing = False
         use_cpu_dropout(self.model.to(device).train(), device)  # on the CPU, faster dropout masks (models.dropout)
         self.objective.to(device)
         if self.config.freeze_layers is not None:
@@ -214,7 +233,7 @@ def train(
         run_dir,
         device,
         total=planned_steps(task.steps_per_epoch, config),
-        identity=run_identity(config, identity),
+        identity=run_identity(config, identity, asks_packing(model, config, device)),
         callbacks=[engine.Hooks(on_step_end, on_epoch_end)] if on_step_end or on_epoch_end else [],
     )
     return TrainResult(result.steps, result.final_loss, result.per_second, result.log_path)
