@@ -104,6 +104,12 @@ FIVE_NEGATIVES = "recommended, 5 hard negatives per query"
 TWO_EPOCHS = "recommended, 2 epochs"
 TWO_EPOCHS_07 = "recommended: 2 epochs, wise-ft 0.7"  # recommended until 2026-11-27
 RECOMMENDED = "recommended: 1 epoch, re-mined half-way, wise-ft 0.85"
+# issue 55's levers, one change each to the recommended recipe: a forgetting guard that mixes general-domain pairs
+# (the squad split's train questions, 3 of each batch of 32: its dev questions are then no longer zero-shot, ArguAna
+# still is), one that pulls toward the starting weights (L2-SP), and all the training queries
+MIX_SQUAD = "recommended + squad train questions, 3 of each batch of 32"
+L2SP = "recommended + L2-SP, alpha 0.01"
+ALL_QUERIES = "recommended on all 47,732 train queries, re-mined every half epoch"
 LONGER = ["data.max_train_queries=16384", "model.passage_max_length=256"]  # the 16,384-query variants
 CROPS_128 = [*LONGER, "train.passage_max_length=128"]  # the recommended recipe's data and crops, in every form
 ONE_EPOCH_KEYS = [*CROPS_128, "train.wise_ft=0.85"]
@@ -134,6 +140,13 @@ VARIANTS: dict[str, list[str]] = {
     TWO_EPOCHS: [*ONE_EPOCH_KEYS, "train.epochs=2"],
     TWO_EPOCHS_07: [*CROPS_128, "train.epochs=2", "train.wise_ft=0.7"],
     RECOMMENDED: [*ONE_EPOCH_KEYS, "negatives.refresh_every=HALF_EPOCH"],
+    MIX_SQUAD: [
+        *ONE_EPOCH_KEYS,
+        "negatives.refresh_every=HALF_EPOCH",
+        "data.mix=[{name: squad-v1.1-dev-split, format: squad, split: train, fraction: 0.1}]",
+    ],
+    L2SP: [*ONE_EPOCH_KEYS, "negatives.refresh_every=HALF_EPOCH", "train.l2sp=0.01"],
+    ALL_QUERIES: [*ONE_EPOCH_KEYS, "data.max_train_queries=47732", "negatives.refresh_every=HALF_EPOCH"],
 }
 IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]
 RERANK_DEPTH = 100  # candidates of the best model (alone, + BM25) that the cross-encoder re-scores

@@ -181,3 +181,26 @@ def test_each_ingredient_changes_only_its_own_keys(monkeypatch):
         assert changed, variant
     remine = driver.row_config(args, driver.DENSE, "re-mining every half epoch with the model being trained")
     assert remine.negatives.refresh_every == half_epoch == 128
+
+
+def test_issue_55_levers_are_one_change_each_to_the_recommended_recipe(monkeypatch):
+    """The levers of issue 55 (squad pairs mixed in, L2-SP, all training queries) differ from the recommended
+    variant in their own setting only; all the queries re-mine every half of their longer epoch."""
+    driver = load_driver(monkeypatch)
+    args = driver.parse_args()
+    recommended = dataclasses.asdict(driver.row_config(args, driver.DENSE, driver.RECOMMENDED))
+
+    def changes(variant: str) -> dict[str, object]:
+        config = dataclasses.asdict(driver.row_config(args, driver.DENSE, variant))
+        return {
+            f"{section}.{key}": value
+            for section, values in config.items()
+            if isinstance(values, dict)
+            for key, value in values.items()
+            if value != recommended[section][key]
+        }
+
+    mix = {"name": "squad-v1.1-dev-split", "format": "squad", "split": "train", "fraction": 0.1}
+    assert changes(driver.MIX_SQUAD) == {"data.mix": [mix]}
+    assert changes(driver.L2SP) == {"train.l2sp": 0.01}
+    assert changes(driver.ALL_QUERIES) == {"data.max_train_queries": 47732, "negatives.refresh_every": 745}
