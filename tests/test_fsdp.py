@@ -37,9 +37,10 @@ def _data(beir_dir) -> TrainingData:
 
 
 def _config(**kw) -> TrainConfig:
-    """4 steps of 6 queries (3 a process), float32 (bf16 rounding would blur the comparisons), a checkpoint every 2."""
+    """4 steps of 6 queries (3 a process), float32 (bf16 rounding would blur the comparisons), padded, a checkpoint
+    every 2."""
     base = dict(epochs=1, max_steps=4, batch_size=6, learning_rate=1e-3, warmup_ratio=0.0, seed=3, cpu_bf16=False)
-    base.update(checkpoint_every=2, log_every=1, keep_checkpoints=5)
+    base.update(checkpoint_every=2, log_every=1, keep_checkpoints=5, packing=False)  # padded, as FSDP's steps
     base.update(kw)
     return TrainConfig(**base)
 

@@ -459,6 +459,8 @@ def test_packing_auto_packs_a_dense_bi_encoder_on_the_cpu(tiny_model_dir, tmp_pa
     assert not packs(BiEncoder.from_pretrained(str(tmp_path / "distilbert")), auto, CPU)  # cannot pack: padded
     assert not packs(dense, TrainConfig(packing=False), CPU)
     assert not resolved_packing(TrainConfig(packing=False), CPU, dense=True)
+    with pytest.raises(ConfigError, match="'false' is not true, false or auto"):  # a string from Python code
+        resolved_packing(TrainConfig(packing="false"), CPU, dense=True)
 
 
 def test_a_default_run_trains_packed_and_a_padded_run_resumes_only_padded(tiny_model_dir, tiny_beir, tmp_path):
@@ -510,6 +512,61 @@ def test_a_run_directory_written_padded_is_refused_by_a_default_run_with_the_set
     overrides = [*small_run_overrides(tiny_beir, tiny_model_dir, tmp_path, "r"), "train.max_steps=1"]
     overrides += ["train.batch_size=8", "train.cpu_bf16=false"]
     run_experiment(load_config(None, [*overrides, "train.packing=false"]))
-    with pytest.raises(ConfigError, match=r"train\.packing differ .*resumes with train\.packing: false; use"):
+    said = r"train\.packing differ from its config\.yaml\); a run written padded resumes with train\.packing: false"
+    with pytest.raises(ConfigError, match=said + "; use"):  # the run directory's refusal, before its checkpoints
         run_experiment(load_config(None, overrides))
     run_experiment(load_config(None, [*overrides, "train.packing=false"]))  # said so: the same run, evaluated again
+
+
+def test_a_run_directory_written_on_a_gpu_is_checked_on_a_machine_without_one(tiny_model_dir, tiny_beir, tmp_path):
+    """A run directory's saved ``device: cuda`` is read for what it meant (``packing: auto`` padded there) on a
+    machine without a GPU: a CPU run of the same settings, which packs, is refused naming the setting that resumes
+    it, and with it the run directory is this run's (the device is not part of a run's identity)."""
+    from conftest import small_run_overrides
+    from densepass.config import load_config, save_config
+    from densepass.pipelines.experiment import check_run_directory
+
+    overrides = small_run_overrides(tiny_beir, tiny_model_dir, tmp_path, "r")
+    gpu = load_config(None, [*overrides, "device=cuda"])
+    gpu.run_dir.mkdir(parents=True)
+    save_config(gpu, gpu.run_dir / "config.yaml")
+    said = r"train\.packing differ from its config\.yaml\); a run written padded resumes with train\.packing: false"
+    with pytest.raises(ConfigError, match=said):
+        check_run_directory(load_config(None, [*overrides, "device=cpu"]))
+    check_run_directory(load_config(None, [*overrides, "device=cpu", "train.packing=false"]))
+
+
+def test_a_model_that_cannot_pack_resumes_its_own_run_under_auto(tiny_beir, tmp_path):
+    """Under ``packing: auto`` an encoder that cannot pack (DistilBERT) trains padded, and its checkpoints hold what
+    ``auto`` asked for (``trainer.asks_packing``), the value ``densepass run`` checks them with before it builds the
+    model (``experiment.packing_of``): the run resumes its own checkpoints."""
+    from conftest import small_run_overrides
+    from densepass.config import load_config
+    from densepass.pipelines.experiment import model_from_config, packing_of
+    from densepass.training.trainer import resume_step
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    config = AutoConfig.for_model("distilbert", vocab_size=len(tokenizer), dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    AutoModel.from_config(config).save_pretrained(tmp_path / "distilbert")
+    tokenizer.save_pretrained(tmp_path / "distilbert")
+    overrides = [*small_run_overrides(tiny_beir, tmp_path / "distilbert", tmp_path, "r"), "train.cpu_bf16=false"]
+    config = load_config(None, [*overrides, "train.max_steps=1", "train.checkpoint_every=1", "train.batch_size=4"])
+    model = model_from_config(config)
+    train(model, make_data(tiny_beir), config.train, config.run_dir, CPU)
+    assert not model.packing  # padded: DistilBERT does not pack
+    assert resume_step(config.run_dir, config.train, None, packing_of(config, CPU)) == 1
+
+
+def test_the_refusal_names_the_packing_that_resumes_a_run():
+    """A run written padded resumes with ``packing: false``, one written packed (on the CPU, resumed where ``auto``
+    pads) with ``true``; a cross-encoder's setting is ``reranker.train.packing``."""
+    from densepass.checkpoints import packing_hint
+
+    assert packing_hint({"train": {"lr": 1}}, {"train": {"lr": 1, "packing": True}}) == (
+        "a run written padded resumes with train.packing: false; "
+    )
+    assert packing_hint({"train": {"packing": True}}, {"train": {}}) == (
+        "a run written packed resumes with train.packing: true; "
+    )
+    assert packing_hint({"reranker": {}}, {"reranker": {"packing": True}}).endswith("reranker.train.packing: false; ")
+    assert packing_hint({"train": {"lr": 1}}, {"train": {"lr": 2}}) == ""

@@ -325,19 +325,25 @@ class Checkpoints:
             raise _other_data(self.root.parent, data)
         raise ConfigError(
             f"{self.root.parent} holds a run with other settings ({differences(saved, self.identity)} differ "
-            f"from {path.name}); {padded_hint(saved, self.identity)}"
+            f"from {path.name}); {packing_hint(saved, self.identity)}"
             "use another name or output_dir, or --restart to discard it and start over"
         )
 
 
-def padded_hint(saved: dict, current: dict) -> str:
-    """The setting that resumes a run written with padded steps (before ``packing: auto`` was the default, or on
-    another device) where the current settings resolve to packed ones and that is a difference."""
+def packing_hint(saved: dict, current: dict) -> str:
+    """The setting that resumes a run whose steps were packed otherwise than the current settings resolve them
+    (``packing: auto`` on another device, or a run written padded before ``auto`` was the default), where that is a
+    difference between the identities ``saved`` and ``current``."""
     for key in _differences(saved, current):
         section, _, name = key.rpartition(".")
-        if name == "packing" and current.get(section, {}).get("packing") is True:
-            return f"a run written padded resumes with {section}.packing: false; "
+        if name == "packing" and section in saved:
+            was = bool(saved[section].get("packing", False))  # left out of an identity: false (LATER_OPTIONS)
+            setting = SECTION_SETTINGS.get(section, section)
+            return f"a run written {'packed' if was else 'padded'} resumes with {setting}.packing: {str(was).lower()}; "
     return ""
+
+
+SECTION_SETTINGS = {"reranker": "reranker.train"}  # identity sections named otherwise than their config section
 
 
 DATA_FILES = "data_files"  # the identity's {file: content digest} of the data a run reads

@@ -50,6 +50,18 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def device_named(name: str | None) -> torch.device:
+    """The device ``name`` names (None: ``default_device()``) without checking that this machine has it: what the
+    saved settings of a run made elsewhere meant (a run directory's identity), where ``resolve_device`` would refuse
+    a GPU this machine lacks."""
+    if name is None:
+        return default_device()
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device {name!r} is not a torch device (use cpu, cuda or cuda:N)") from None
+
+
 class RandomState:
     """Captures the CPU and CUDA random states so a forward pass can be replayed exactly."""
 
@@ -154,6 +166,8 @@ def resolved_packing(config, device: torch.device, dense: bool) -> bool:
     training"): a dense bi-encoder's steps on the CPU without LoRA, gradient checkpointing, gradient caching or FSDP.
     On a GPU, and for SPLADE and ColBERT, packed steps are tested equal but not yet timed. Part of a run's identity,
     so that a run never resumes with the other steps."""
+    if config.packing not in (True, False, "auto"):  # the Python API: yaml and --set are checked on loading
+        raise ConfigError(f"train.packing: {config.packing!r} is not true, false or auto")
     if config.packing != "auto":
         return bool(config.packing)
     plain = not (config.lora_rank or config.gradient_checkpointing or config.grad_cache_chunk or config.fsdp)

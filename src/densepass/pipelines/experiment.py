@@ -35,7 +35,7 @@ from densepass import distributed
 from densepass.checkpoints import (
     DATA_FILES,
     differences,
-    padded_hint,
+    packing_hint,
     training_identity,
     trim_log,
     without_later_defaults,
@@ -43,7 +43,7 @@ from densepass.checkpoints import (
 from densepass.config import ColumnsConfig, DataConfig, ExperimentConfig, LossConfig, load_config, save_config
 from densepass.data import hub_options, load_dataset
 from densepass.data.dataset import RetrievalDataset
-from densepass.device import resolve_device, resolve_precision, resolved_packing, uses_bf16
+from densepass.device import device_named, resolve_device, resolve_precision, resolved_packing, uses_bf16
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write_trec_run
 from densepass.evaluation.tables import print_table
@@ -158,7 +158,7 @@ def results_identity(config: ExperimentConfig) -> dict:
     (those that change what is trained), as JSON values."""
     train = {"enabled": False}
     if config.train.enabled:
-        train = training_identity(config.train, packing_of(config, resolve_device(config.device)))
+        train = training_identity(config.train, packing_of(config, device_named(config.device)))
     return json.loads(json.dumps({**run_identity(config), "train": train}))
 
 
@@ -282,7 +282,7 @@ def check_run_directory(config: ExperimentConfig) -> None:
         raise ConfigError(f"{config.run_dir} holds a config.yaml that does not load ({err}); {hint}") from err
     changed = differences(earlier, results_identity(config))
     if changed:
-        resumes = padded_hint(earlier, results_identity(config))  # a run written padded: the setting that resumes it
+        resumes = packing_hint(earlier, results_identity(config))  # steps packed otherwise: the setting that resumes
         said = f"{config.run_dir} holds another run ({changed} differ from its config.yaml)"
         raise ConfigError(f"{said}; {resumes}{hint}")
 
