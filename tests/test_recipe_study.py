@@ -202,5 +202,5 @@ def test_issue_55_levers_are_one_change_each_to_the_recommended_recipe(monkeypat
 
     mix = {"name": "squad-v1.1-dev-split", "format": "squad", "split": "train", "fraction": 0.1}
     assert changes(driver.MIX_SQUAD) == {"data.mix": [mix]}
-    assert changes(driver.L2SP) == {"train.l2sp": 0.01}
+    assert changes(driver.L2SP) == {"train.l2sp": 0.5}
     assert changes(driver.ALL_QUERIES) == {"data.max_train_queries": 47732, "negatives.refresh_every": 745}
