@@ -30,12 +30,9 @@ def resolve_device(name: str | None) -> torch.device:
     """The device called ``name`` (None: ``default_device()``), checked to exist before any work starts: a CUDA
     index beyond this machine's GPUs and a CPU index other than 0 (``cpu:7``, which torch accepts) are one-line
     ConfigErrors."""
+    device = device_named(name)
     if name is None:
-        return default_device()
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"device {name!r} is not a torch device (use cpu, cuda or cuda:N)") from None
+        return device
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device {name!r} asked for, but this machine has no CUDA GPU (use cpu)")

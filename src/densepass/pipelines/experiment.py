@@ -280,9 +280,10 @@ def check_run_directory(config: ExperimentConfig) -> None:
         earlier = results_identity(load_config(saved))
     except ConfigError as err:
         raise ConfigError(f"{config.run_dir} holds a config.yaml that does not load ({err}); {hint}") from err
-    changed = differences(earlier, results_identity(config))
+    current = results_identity(config)
+    changed = differences(earlier, current)
     if changed:
-        resumes = packing_hint(earlier, results_identity(config))  # steps packed otherwise: the setting that resumes
+        resumes = packing_hint(earlier, current)  # steps packed otherwise: the setting that resumes the run
         said = f"{config.run_dir} holds another run ({changed} differ from its config.yaml)"
         raise ConfigError(f"{said}; {resumes}{hint}")
 
