@@ -292,6 +292,7 @@ def part_config(args: argparse.Namespace, trained: ExperimentConfig, name: str, 
     values["model"]["name_or_path"] = model_path
     values["train"].update(enabled=False, wise_ft=None)
     values["negatives"]["source"] = "none"
+    values["data"]["mix"] = []  # training batches only
     values["eval"]["baselines"] = ["bm25", "zero-shot"] if name == BASELINES else ["zero-shot"]
     values["data"].update(
         eval_part=part, eval_part_seed=args.eval_part_seed, eval_part_fraction=args.eval_part_fraction

@@ -204,3 +204,18 @@ def test_issue_55_levers_are_one_change_each_to_the_recommended_recipe(monkeypat
     assert changes(driver.MIX_SQUAD) == {"data.mix": [mix]}
     assert changes(driver.L2SP) == {"train.l2sp": 0.5}
     assert changes(driver.ALL_QUERIES) == {"data.max_train_queries": 47732, "negatives.refresh_every": 745}
+
+
+def test_every_variant_evaluates_on_the_parts_of_dev(monkeypatch):
+    """The evaluation-only config of each variant's model on a part of dev passes the pipeline's checks: settings
+    that only shape training (squad pairs mixed in, L2-SP) do not stop its evaluation."""
+    from densepass.pipelines.experiment import check
+
+    driver = load_driver(monkeypatch)
+    args = driver.parse_args()
+    for variant in driver.VARIANTS:
+        trained = driver.row_config(args, driver.DENSE, variant)
+        for part in ("tune", "report"):
+            config = driver.part_config(args, trained, variant, "some/model", part)
+            assert not config.train.enabled and not config.data.mix
+            check(config)
