@@ -184,3 +184,29 @@ def test_mining_and_indexing_under_torchrun_equal_one_process(tiny_model_dir, be
     for name in ("embeddings.npy", "passages.jsonl"):
         assert (tmp_path / "index1" / name).read_bytes() == (tmp_path / "index2" / name).read_bytes()
     assert not list(tmp_path.glob(".index*.encoding"))
+
+
+def test_every_encoding_path_reads_a_prompted_models_prompts(tiny_model_dir, tiny_beir):
+    """Sharded encoding (index builds) and dense mining read passages and queries behind the model's prompts, as
+    ``encode_passages`` / ``encode_queries`` and training do: the reference is the same weights without prompts,
+    given the prompted texts."""
+    from densepass.models.biencoder import BiEncoderConfig
+    from densepass.negatives.dense import mine_dense_negatives
+
+    prompts = BiEncoderConfig(query_prompt="query: ", passage_prompt="passage: ")
+    model = BiEncoder.from_pretrained(str(tiny_model_dir), config=prompts)
+    plain = BiEncoder.from_pretrained(str(tiny_model_dir))
+    dataset = load_dataset(str(tiny_beir))
+    sep = model.tokenizer.sep_token
+    options = dict(device=CPU, precision="fp32", show_progress=False)
+    texts = dataset.corpus.passage_inputs(sep)
+    passages = plain.encode_passages(["passage: " + t for t in texts], **options)
+    assert not np.allclose(passages, plain.encode_passages(texts, **options), atol=1e-3)  # the prompt matters
+    np.testing.assert_allclose(model.encode_passages(texts, **options), passages, atol=1e-6)
+    sharded = encode_sharded(model, dataset.corpus.lazy_inputs(sep), block=BLOCK, **options)
+    np.testing.assert_allclose(sharded.local, passages, atol=1e-6)
+    qids = sorted(dataset.queries)[:6]
+    queries = plain.encode_queries(["query: " + dataset.queries[q] for q in qids], **options)
+    _, rows = exact_search(queries, passages, 5)
+    mined = mine_dense_negatives(model, dataset, qids, 5, **options)
+    assert [[c.passage_id for c in mined[q]] for q in qids] == [[dataset.corpus.ids[r] for r in row] for row in rows]

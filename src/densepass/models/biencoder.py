@@ -287,7 +287,6 @@ class BiEncoder(SidedInputs, nn.Module):
             raise ConfigError(f"convert_to must be 'numpy' or 'torch', got {convert_to!r}")
         texts = list(texts)
         check_texts(texts, f"{side} text")  # a lone surrogate: one line, not the tokenizer's TypeError
-        texts = self.prompted(texts, side)
         was_training = self.training
         out = encode_texts(self, texts, side, batch_size, device, precision=precision, show_progress=show_progress)
         if was_training:  # (train(False) walks every module: a serving call's fixed cost)

@@ -70,6 +70,9 @@ class TwoTowers(Protocol):
     def max_length(self, side: Side) -> int:
         """The truncation length of one side's texts."""
 
+    def prompted(self, texts: list[str], side: Side) -> list[str]:
+        """One side's texts behind its prompt (as they are encoded, in training and here alike)."""
+
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, side: Side) -> torch.Tensor:
         """Embeddings [batch, dim] of one side's tokenised batch."""
 
@@ -185,7 +188,8 @@ def encode_texts(
     show_progress: bool = True,
     max_tokens: int | None = None,
 ) -> np.ndarray:
-    """Embeddings [len(texts), dim] as float32, in the order of ``texts``.
+    """Embeddings [len(texts), dim] as float32, in the order of ``texts``, each read behind the side's prompt (the
+    model's ``query_prompt`` / ``passage_prompt``), as training reads it.
 
     ``precision``: auto, fp32, bf16 or int8 (module docstring; ``auto``: bf16 where the device has it natively).
     ``max_tokens`` (optional) caps padded tokens per batch, so batches of short texts are larger.
@@ -196,6 +200,7 @@ def encode_texts(
         raise DensepassError(f"nothing to encode: the list of {side} texts is empty")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be a whole number >= 1, got {batch_size!r}")  # 0 would never end
+    texts = model.prompted(list(texts), side)  # every encoding reads a side's texts behind its prompt, if any
     placed_for_inference(model, device)
     runner = inference_runner(model, precision, device)
     order = np.argsort([-len(t) for t in texts], kind="stable")
