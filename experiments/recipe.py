@@ -49,7 +49,9 @@ Beside the rows:
 
 Every run is an ordinary ``densepass run`` directory under ``<out>/runs`` (resumable; a finished one is
 skipped); ``--stage report`` first runs whatever evaluation of a finished model is missing (out of domain, e.g. the
-ArguAna one added after the model was trained, and the parts of dev), never training again. The report
+ArguAna one added after the model was trained, and the parts of dev), never training again. Corpus encodings are
+kept in ``<out>/cache`` (``cache_dir``, keyed by content): the zero-shot MiniLM's, which every row mines with, is made
+once, and each model's full-corpus encoding serves its own evaluation and both parts of dev. The report
 (<out>/report.md, report.json) gives each row's metrics, the paired tests, the
 out-of-domain numbers and each row's cost: mining + training seconds as the run measured them; the README
 row, the best row and the best model of all are also fused with BM25 (RRF and 2-fold cross-validated linear).
@@ -207,6 +209,7 @@ def parse_args() -> argparse.Namespace:
 def common_overrides(args: argparse.Namespace) -> list[str]:
     return [
         f"output_dir={Path(args.out) / 'runs'}",
+        f"cache_dir={Path(args.out) / 'cache'}",  # MiniLM's and each model's corpus encodings, made once
         f"data.max_train_queries={args.train_queries}",
         f"data.max_eval_queries={args.eval_queries}",
         *([f"data.data_dir={args.data_dir}"] if args.data_dir else []),
@@ -276,6 +279,7 @@ def zero_shot_config(args: argparse.Namespace, which: str, name: str, model_path
         [
             f"name={slug(name)}",
             f"output_dir={Path(args.out) / collection.folder}",
+            f"cache_dir={Path(args.out) / 'cache'}",
             f"model.name_or_path={model_path}",
             *([f"data.data_dir={args.data_dir}"] if args.data_dir else []),
             *getattr(args, collection.overrides),

@@ -157,7 +157,7 @@ def test_the_recommended_config_is_the_studys_recommended_run(monkeypatch):
     driver = load_driver(monkeypatch)
     study = driver.row_config(driver.parse_args(), driver.DENSE, driver.RECOMMENDED)
     shipped = load_config(str(SCRIPT.parent.parent / "configs" / "recommended.yaml"))
-    where = {"name": "recommended", "output_dir": "outputs"}
+    where = {"name": "recommended", "output_dir": "outputs", "cache_dir": None}
     assert dataclasses.asdict(dataclasses.replace(study, **where)) == dataclasses.asdict(shipped)
 
 

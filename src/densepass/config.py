@@ -631,6 +631,12 @@ class ExperimentConfig(RunConfig):
     eval: EvalConfig = option(help="evaluation", factory=EvalConfig)
     reranker: RerankerConfig = option(help="cross-encoder reranker and distillation", factory=RerankerConfig)
     loss: LossConfig = option(help="negatives from earlier steps, λ per source, LTR", factory=LossConfig)
+    cache_dir: str | None = option(
+        None,
+        "folder of passage encodings shared between runs, keyed by content (model weights, tokenizer, precision, "
+        "batch and corpus): the zero-shot and fine-tuned evaluations and mining with a fixed model read an encoding "
+        "made before instead of encoding the corpus again (one-process runs; null: no cache)",
+    )
 
 
 # ---- loading ------------------------------------------------------------------------------------

@@ -54,6 +54,19 @@ def fingerprint_weights(module: nn.Module) -> str:
     return h.hexdigest()
 
 
+def fingerprint_tokenizer(tokenizer) -> str:
+    """Digest of what a tokenizer turns text into: a fast tokenizer's whole definition (vocabulary, normaliser,
+    pre-tokeniser, post-processor; not its truncation and padding state, which each call sets), else its class and
+    vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        definition = json.loads(backend.to_str())
+        definition.pop("truncation", None), definition.pop("padding", None)
+        return fingerprint_strings([type(tokenizer).__name__, json.dumps(definition, sort_keys=True)])
+    vocab = sorted(tokenizer.get_vocab().items())
+    return fingerprint_strings([type(tokenizer).__name__, *(f"{token}\t{row}" for token, row in vocab)])
+
+
 def fingerprint_file(path, chunk: int = 1 << 22) -> str:
     """Digest of a file's bytes."""
     h = _hasher()

@@ -37,10 +37,10 @@ import numpy as np
 import torch
 
 from densepass import distributed
-from densepass.data.dataset import LazyTexts
+from densepass.data.dataset import Corpus, LazyTexts
 from densepass.device import default_device, resolve_precision
 from densepass.errors import DataError, DataWarning, DensepassError
-from densepass.fingerprints import fingerprint_json, fingerprint_weights
+from densepass.fingerprints import fingerprint_corpus, fingerprint_json, fingerprint_tokenizer, fingerprint_weights
 from densepass.index.embeddings import create_memmap, encode_in_blocks, encode_to_memmap
 from densepass.index.exact import exact_search, score_block_queries, sort_by_score_then_row
 from densepass.io import atomic_write_text
@@ -49,6 +49,7 @@ from densepass.models.biencoder import BiEncoder
 DEFAULT_BLOCK = 65_536  # rows encoded (and searched) together; a search chunk's scores are 4096 x block floats
 SHARDS_FILE = "shards.json"
 FORMAT = 1
+CACHE_FOLDER = "passage-embeddings"  # under a run's cache_dir: a folder of shards per encoding (encode_cached)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +206,51 @@ def encode_sharded(
         local = encode_to_memmap(model, texts.window(start, end), "passage", path, shard_size=block, **options)
     distributed.barrier()  # every shard is complete before anyone reads another's
     return ShardedEmbeddings(plan, rank, _or_empty(local, model.dim), directory, content)
+
+
+def cache_key(
+    model: BiEncoder, corpus_fingerprint: str, precision: str, batch_size: int, block: int, device: torch.device
+) -> str:
+    """The fingerprint of everything that determines a corpus's passage embeddings: the model's weights and
+    architecture (pooling, prompts, lengths), its tokenizer, the precision, batch and block it is encoded in, the
+    kind of device, and the corpus."""
+    return fingerprint_json(
+        {
+            "encoder": encoder_fingerprint(model, precision),
+            "tokenizer": fingerprint_tokenizer(model.tokenizer),
+            "corpus": corpus_fingerprint,
+            "batch_size": batch_size,
+            "block": block,
+            "device": device.type,
+            "format": FORMAT,
+        }
+    )[:32]
+
+
+def encode_cached(
+    model: BiEncoder,
+    corpus: Corpus,
+    cache_dir: str | Path,
+    block: int = DEFAULT_BLOCK,
+    batch_size: int = 256,
+    device: torch.device | None = None,
+    show_progress: bool = True,
+    precision: str = "auto",
+) -> ShardedEmbeddings:
+    """The passage embeddings of ``corpus`` from the content-keyed cache ``cache_dir`` (one process): encoded into
+    ``<cache_dir>/passage-embeddings/<cache_key>`` the first time (resumably, block by block), read from there by
+    every later call with the same model, tokenizer, settings and corpus, in this run or another. Any change to
+    any of them is another key, so a stale encoding is never read; nothing in the folder is ever deleted (an
+    entry holds 4 x passages x dim bytes)."""
+    if distributed.world_size() > 1:
+        raise DensepassError("encode_cached encodes in one process: under torchrun, use encode_sharded")
+    device = device or default_device()
+    precision = resolve_precision(precision, device)
+    fingerprint = fingerprint_corpus(corpus)
+    directory = Path(cache_dir) / CACHE_FOLDER / cache_key(model, fingerprint, precision, batch_size, block, device)
+    texts = corpus.lazy_inputs(model.tokenizer.sep_token or " ")
+    options = dict(block=block, batch_size=batch_size, device=device, show_progress=show_progress, precision=precision)
+    return encode_sharded(model, texts, directory, fingerprint, **options)
 
 
 def _or_empty(local: np.ndarray | None, dim: int) -> np.ndarray:

@@ -14,13 +14,14 @@ its shard's embeddings (and one block of passage inputs at a time). Every proces
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from densepass import distributed
 from densepass.data.dataset import RetrievalDataset
-from densepass.index.sharded import DEFAULT_BLOCK, ShardedEmbeddings, encode_sharded
+from densepass.index.sharded import DEFAULT_BLOCK, ShardedEmbeddings, encode_cached, encode_sharded
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
 from densepass.negatives.pool import Candidate, NegativePool
@@ -39,14 +40,27 @@ def mine_dense_negatives(
     show_progress: bool = True,
     block: int = DEFAULT_BLOCK,
     precision: str = "auto",
+    cache_dir: str | Path | None = None,
 ) -> NegativePool:
     """Query id -> the top ``depth`` passages by dot product (after dropping ``skip_top``), best first, equal
     scores by corpus row. ``passage_embeddings``: the whole corpus's, already encoded (searched in one process);
     ``block``: passages encoded and searched together (``index.sharded``); texts encoded in ``precision``
-    (``models.encode``)."""
+    (``models.encode``); ``cache_dir``: the corpus's embeddings read from (or encoded once into) that content-keyed
+    cache in a one-process run (``index.sharded.encode_cached``)."""
     sep = model.tokenizer.sep_token or " "
     show_progress = show_progress and distributed.rank() == 0
-    if passage_embeddings is None:
+    if passage_embeddings is None and cache_dir is not None and distributed.world_size() == 1:
+        shards = encode_cached(
+            model,
+            dataset.corpus,
+            cache_dir,
+            block=block,
+            batch_size=batch_size,
+            device=device,
+            show_progress=show_progress,
+            precision=precision,
+        )
+    elif passage_embeddings is None:
         shards = encode_sharded(
             model,
             dataset.corpus.lazy_inputs(sep),

@@ -66,6 +66,7 @@ class MiningContext:
     model: BiEncoder | None = None  # for source=model: a model in memory (the one being trained) instead of a path
     miners: dict[int, BiEncoder] = field(default_factory=dict)  # dense:DIM -> its trained miner (training.dense_miners)
     precision: str = "auto"  # encoding precision of the model and dense strategies (models.encode)
+    cache_dir: Path | str | None = None  # fixed models' corpus encodings, by content (index.sharded.encode_cached)
 
 
 def fetch_depth(depth: int) -> int:
@@ -172,6 +173,7 @@ def raw_pool(
             show_progress=ctx.show_progress,
             block=config.shard_block,
             precision=ctx.precision,
+            cache_dir=None if model is ctx.model else ctx.cache_dir,  # not the model being trained: it changes
         )
     if name == "file":
         path = arg or config.file

@@ -49,6 +49,7 @@ from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write
 from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
+from densepass.index.sharded import encode_cached
 from densepass.io import atomic_write_text, locked_run_directory, written_by_densepass
 from densepass.losses.objectives import Objective
 from densepass.models.biencoder import BiEncoder
@@ -459,21 +460,22 @@ def _candidate_run(evalset: EvalSet, scores_of: Callable[[int, list[str]], np.nd
     }
 
 
-def evaluate_dense(exp: Experiment, model: BiEncoder, name: str) -> dict[str, float]:
+def evaluate_dense(exp: Experiment, model: BiEncoder, name: str, cached: bool = False) -> dict[str, float]:
     """The model over the evaluation set: searched through a ``DenseIndex`` of the evaluation corpus (what
-    ``densepass index`` + ``densepass search`` do), or scoring each query's candidates in rerank mode."""
+    ``densepass index`` + ``densepass search`` do), or scoring each query's candidates in rerank mode. ``cached``:
+    the corpus's embeddings come from ``cache_dir`` when the run has one (``index.sharded.encode_cached``; a model
+    evaluated once, not one that is still training)."""
     evalset, settings = exp.evalset, exp.config.eval
     if not isinstance(model, BiEncoder):
         return evaluate_retriever(exp, model, name)
     if evalset.candidates is None:
-        index = DenseIndex.build(
-            model,
-            evalset.corpus,
-            settings.index,
-            batch_size=settings.batch_size,
-            device=exp.device,
-            precision=settings.precision,
-        )
+        options = dict(batch_size=settings.batch_size, device=exp.device, precision=settings.precision)
+        if cached and exp.config.cache_dir and distributed.world_size() == 1:
+            index = DenseIndex(model, settings.index, **options)
+            shards = encode_cached(model, evalset.corpus, exp.config.cache_dir, show_progress=exp.main, **options)
+            index.add_embeddings(evalset.corpus, np.asarray(shards.local))
+        else:
+            index = DenseIndex.build(model, evalset.corpus, settings.index, **options)
         results = index.search(evalset.query_texts, search_depth(exp))
         return score_run(exp, results.as_run(evalset.query_ids), name)
     corpus = evalset.corpus
@@ -533,7 +535,7 @@ def evaluate_baselines(exp: Experiment, model: BiEncoder) -> None:
         exp.results["BM25"] = evaluate_bm25(exp)
     if "zero-shot" in exp.config.eval.baselines:
         started = time.perf_counter()
-        exp.results["zero-shot"] = evaluate_dense(exp, model, "zero-shot")
+        exp.results["zero-shot"] = evaluate_dense(exp, model, "zero-shot", cached=True)
         exp.timings["zero_shot_eval_s"] = time.perf_counter() - started
 
 
@@ -585,6 +587,7 @@ def mine_training_pool(exp: Experiment, model: BiEncoder) -> TrainingPool:
         config.data.seed,
         show_progress=exp.main,
         precision=config.eval.precision,
+        cache_dir=config.cache_dir or None,
     )
     mined = mine_pool(dataset, train_qids, neg, context, model.tokenizer.sep_token or " ")
     exp.notes.append(f"Hard negatives ({neg.source}): {mined.summary()}.")
@@ -835,7 +838,7 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
             fine_tune(exp, model, pool, objective_of(config, model), teacher, start)
             if main:
                 started = time.perf_counter()
-                exp.results["fine-tuned"] = evaluate_dense(exp, model, "fine-tuned")
+                exp.results["fine-tuned"] = evaluate_dense(exp, model, "fine-tuned", cached=True)
                 exp.timings["fine_tuned_eval_s"] = time.perf_counter() - started
         if not main:
             return {}
