@@ -5,6 +5,8 @@ another entry; results equal the uncached run's."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +15,10 @@ import torch
 from conftest import small_run_overrides
 from densepass.config import load_config
 from densepass.data import load_dataset
+from densepass.fingerprints import fingerprint_corpus
 from densepass.index import embeddings as embeddings_module
-from densepass.index.sharded import CACHE_FOLDER, encode_cached, encode_sharded
+from densepass.index.sharded import CACHE_FOLDER, cache_key, encode_cached, encode_sharded
+from densepass.io import exclusive_lock
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.pipelines.experiment import run_experiment
 
@@ -104,3 +108,33 @@ def test_a_run_without_a_cache_writes_none(tiny_model_dir, tiny_beir, tmp_path):
     settings = small_run_overrides(tiny_beir, tiny_model_dir, tmp_path / "runs", "plain")
     run_experiment(load_config(None, [*settings, "train.enabled=false", "eval.baselines=[zero-shot]"]))
     assert not list(tmp_path.rglob(CACHE_FOLDER))
+
+
+def test_runs_asking_for_the_same_encoding_take_turns(tiny_model_dir, tiny_beir, tmp_path):
+    """While one process holds an entry (encoding it), another waits for it, then reads what it finished."""
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    corpus = load_dataset(str(tiny_beir)).corpus
+    options = dict(device=CPU, precision="fp32", show_progress=False, batch_size=16)
+    key = cache_key(model, fingerprint_corpus(corpus), "fp32", 16, 65_536, CPU)
+    result = {}
+    with exclusive_lock(tmp_path / CACHE_FOLDER / key, "encoding"):
+        waiting = threading.Thread(target=lambda: result.update(out=encode_cached(model, corpus, tmp_path, **options)))
+        waiting.start()
+        time.sleep(1.0)
+        assert waiting.is_alive() and not list((tmp_path / CACHE_FOLDER / key).glob("rows-*"))
+    waiting.join(60)
+    assert not waiting.is_alive() and result["out"].local.shape == (len(corpus), model.dim)
+
+
+def test_the_key_names_the_cpu_code_path_that_encodes(tiny_model_dir, monkeypatch):
+    """bf16 on a CPU with densepass's kernels and without them are other code paths (other embeddings): other
+    keys. fp32 runs no kernels: one key either way."""
+    from densepass.models import cpu_kernels
+
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    keys = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(cpu_kernels.ENV, switch)
+        keys[switch] = {p: cache_key(model, "corpus", p, 16, 64, CPU) for p in ("fp32", "bf16")}
+    assert keys["1"]["fp32"] == keys["0"]["fp32"]
+    assert (keys["1"]["bf16"] != keys["0"]["bf16"]) == (cpu_kernels.kind() is not None)

@@ -38,12 +38,13 @@ import torch
 
 from densepass import distributed
 from densepass.data.dataset import Corpus, LazyTexts
-from densepass.device import default_device, resolve_precision
+from densepass.device import default_device, env_switch, resolve_precision
 from densepass.errors import DataError, DataWarning, DensepassError
 from densepass.fingerprints import fingerprint_corpus, fingerprint_json, fingerprint_tokenizer, fingerprint_weights
 from densepass.index.embeddings import create_memmap, encode_in_blocks, encode_to_memmap
 from densepass.index.exact import exact_search, score_block_queries, sort_by_score_then_row
-from densepass.io import atomic_write_text
+from densepass.io import atomic_write_text, exclusive_lock
+from densepass.models import cpu_kernels
 from densepass.models.biencoder import BiEncoder
 
 DEFAULT_BLOCK = 65_536  # rows encoded (and searched) together; a search chunk's scores are 4096 x block floats
@@ -71,14 +72,21 @@ class ShardPlan:
         return min(first * self.block, self.rows), min(last * self.block, self.rows)
 
 
+PROMPTED_ENCODING = 2
+"""The version of a prompted model's encodings: before it, index builds and mining left the prompts out (unprompted
+models' encodings did not change, and keep their fingerprint)."""
+
+
 def encoder_fingerprint(model: BiEncoder, precision: str) -> str:
     """Fingerprint of what determines a passage's embedding: the model's weights and architecture, and the
     precision it runs in (``resolve_precision``'s answer)."""
+    prompted = model.config.query_prompt or model.config.passage_prompt
     return fingerprint_json(
         {
             "weights": fingerprint_weights(model),
             "architecture": dataclasses.asdict(model.config),
             "precision": precision,
+            **({"prompted_encoding": PROMPTED_ENCODING} if prompted else {}),
         }
     )
 
@@ -212,19 +220,37 @@ def cache_key(
     model: BiEncoder, corpus_fingerprint: str, precision: str, batch_size: int, block: int, device: torch.device
 ) -> str:
     """The fingerprint of everything that determines a corpus's passage embeddings: the model's weights and
-    architecture (pooling, prompts, lengths), its tokenizer, the precision, batch and block it is encoded in, the
-    kind of device, and the corpus."""
+    architecture (pooling, prompts, lengths, the tower's own config), its tokenizer (with the separator that joins
+    titles to texts and the side it truncates), the precision, batch and block it is encoded in, the kind of device
+    and, on a CPU in bf16 or int8, which build of densepass's kernels runs (or none: another code path), torch's
+    version, and the corpus."""
+    tokenizer = model.tokenizer
+    kernels = None
+    if device.type == "cpu" and precision != "fp32" and env_switch(cpu_kernels.ENV) is not False:
+        kernels = cpu_kernels.kind()
     return fingerprint_json(
         {
             "encoder": encoder_fingerprint(model, precision),
-            "tokenizer": fingerprint_tokenizer(model.tokenizer),
+            "tower": tower_config(model),
+            "tokenizer": fingerprint_tokenizer(tokenizer),
+            "separator": tokenizer.sep_token,
+            "truncation_side": getattr(tokenizer, "truncation_side", "right"),
             "corpus": corpus_fingerprint,
             "batch_size": batch_size,
             "block": block,
             "device": device.type,
+            "kernels": kernels,
+            "torch": torch.__version__,
             "format": FORMAT,
         }
     )[:32]
+
+
+def tower_config(model: BiEncoder) -> dict:
+    """The passage tower's ``transformers`` config, without where it was loaded from and the version that saved it
+    (a model saved and loaded again is the same model)."""
+    config = model.passage_encoder.config.to_dict()
+    return {k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"}
 
 
 def encode_cached(
@@ -240,8 +266,9 @@ def encode_cached(
     """The passage embeddings of ``corpus`` from the content-keyed cache ``cache_dir`` (one process): encoded into
     ``<cache_dir>/passage-embeddings/<cache_key>`` the first time (resumably, block by block), read from there by
     every later call with the same model, tokenizer, settings and corpus, in this run or another. Any change to
-    any of them is another key, so a stale encoding is never read; nothing in the folder is ever deleted (an
-    entry holds 4 x passages x dim bytes)."""
+    any of them is another key, so a stale encoding is never read; no entry is ever removed (one holds 4 x passages x
+    dim bytes), only an entry's own damaged or unfinished files are encoded again. Runs that ask for the same entry
+    at once take turns (``io.exclusive_lock`` on it): the first encodes, the others then read what it wrote."""
     if distributed.world_size() > 1:
         raise DensepassError("encode_cached encodes in one process: under torchrun, use encode_sharded")
     device = device or default_device()
@@ -250,7 +277,8 @@ def encode_cached(
     directory = Path(cache_dir) / CACHE_FOLDER / cache_key(model, fingerprint, precision, batch_size, block, device)
     texts = corpus.lazy_inputs(model.tokenizer.sep_token or " ")
     options = dict(block=block, batch_size=batch_size, device=device, show_progress=show_progress, precision=precision)
-    return encode_sharded(model, texts, directory, fingerprint, **options)
+    with exclusive_lock(directory, "encoding", wait=True):
+        return encode_sharded(model, texts, directory, fingerprint, **options)
 
 
 def _or_empty(local: np.ndarray | None, dim: int) -> np.ndarray:

@@ -472,7 +472,9 @@ def evaluate_dense(exp: Experiment, model: BiEncoder, name: str, cached: bool = 
         options = dict(batch_size=settings.batch_size, device=exp.device, precision=settings.precision)
         if cached and exp.config.cache_dir and distributed.world_size() == 1:
             index = DenseIndex(model, settings.index, **options)
-            shards = encode_cached(model, evalset.corpus, exp.config.cache_dir, show_progress=exp.main, **options)
+            block = max(1, len(evalset.corpus))  # one encode_texts call, as DenseIndex.build makes
+            cache = exp.config.cache_dir
+            shards = encode_cached(model, evalset.corpus, cache, block, show_progress=exp.main, **options)
             index.add_embeddings(evalset.corpus, np.asarray(shards.local))
         else:
             index = DenseIndex.build(model, evalset.corpus, settings.index, **options)
