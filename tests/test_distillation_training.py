@@ -58,6 +58,27 @@ def test_unscored_candidates_arrive_as_nan(tiny_beir):
     assert teacher[:, 0].tolist() == [1.0, 1.0] and torch.isnan(teacher[:, 1:]).all()
 
 
+def test_a_refreshed_pools_unscored_pairs_are_named_and_added_keeping_earlier_scores(tiny_beir):
+    """``unscored`` names exactly the pool's pairs the teacher lacks; ``add_teacher_scores`` fills them, and a
+    pair scored before keeps its first score."""
+    dataset = load_dataset(str(tiny_beir))
+    positives = dataset.positives("train")
+    negatives = {q: list(dataset.corpus.ids[::3]) for q in dataset.queries}
+    first = {q: {p: 1.0 for p in [*positives[q], *negatives[q][:2]]} for q in positives}
+    data = TrainingData(dataset, "train", "[SEP]", negatives, 2, teacher_scores=first)
+    new_pool = {q: list(dataset.corpus.ids[1::3]) + negatives[q][:2] for q in data.query_ids}
+    missing = data.unscored(new_pool)
+    assert missing == {q: [p for p in dataset.corpus.ids[1::3] if p not in first[q]] for q in data.query_ids}
+    data.add_teacher_scores({q: {p: 2.0 for p in new_pool[q]} for q in data.query_ids})
+    assert data.unscored(new_pool) == {}
+    data.replace_negatives(new_pool, from_step=0)
+    teacher = data.collate(list(range(len(data))), seed=(1, 0, 0), step=0).extras["teacher_scores"]
+    assert not torch.isnan(teacher).any()
+    q0 = data.query_ids[0]
+    row = data._row(negatives[q0][0])
+    assert data.teacher[0][row] == 1.0  # scored by the first pool: kept
+
+
 def test_own_candidates_picks_each_querys_positive_then_its_negatives():
     scores = torch.arange(2 * 6, dtype=torch.float32).view(2, 6)  # 2 queries, 2 positives + 2 x 2 negatives
     assert own_candidates(scores, torch.tensor([0, 1])).tolist() == [[0, 2, 3], [7, 10, 11]]

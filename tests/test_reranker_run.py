@@ -110,7 +110,10 @@ def test_a_reranker_without_a_usable_head_is_refused_before_anything_is_written(
         (["reranker.depth=30"], "reranker.depth 30 is larger than the 20 candidates per query of eval.depth"),
         (["eval.baselines=[zero-shot]"], "reranker.first_stages names 'bm25', which this run does not evaluate"),
         (["reranker.distill.loss=kl", "negatives.per_query=0"], "scores each query's hard negatives"),
-        (["reranker.distill.loss=kl", "negatives.refresh_every=2"], "cannot follow negatives.refresh_every"),
+        (
+            ["reranker.distill.loss=kl", "reranker.distill.source=rows", "negatives.refresh_every=2"],
+            "scores the rows' own negatives: it cannot follow negatives.refresh_every",
+        ),
         (["reranker.enabled=false", "reranker.distill.loss=kl"], "reranker.distill needs a teacher"),
         (["reranker.distill.loss=kl", "loss.memory=pre-batch"], "adds to the plain contrastive loss"),
         (["reranker.train.loss=lce"], "'lce' is not one of 'listwise', 'pointwise'"),
@@ -161,3 +164,51 @@ def test_splade_and_colbert_runs_distil_the_reranker_and_resume(tiny_beir, tiny_
     assert (tmp_path / "t" / "teacher_scores.jsonl").exists()
     again = run_experiment(config)  # resumes from the final checkpoint: the same numbers
     assert again["fine-tuned"] == pytest.approx(results["fine-tuned"])
+
+
+def test_a_distilled_run_that_refreshes_its_pool_has_the_teacher_score_every_new_candidate(
+    tiny_beir, tiny_model_dir, tmp_path, monkeypatch
+):
+    """Re-mining with the model being trained brings candidates the teacher has not scored: each refresh scores
+    them (refresh-teacher-step-N.jsonl) before any batch draws them, so no batch carries an unscored pair; a run
+    interrupted after the first refresh reads its scores again and ends with the uninterrupted run's model."""
+    from densepass.training.batches import TrainingData
+
+    collate, drawn = TrainingData.collate, []
+
+    def checked(self, *args, **kwargs):
+        batch = collate(self, *args, **kwargs)
+        scores = batch.extras.get("teacher_scores")  # the bi-encoder's batches (the cross-encoder trains on others)
+        assert scores is None or not scores.isnan().any(), "a batch drew a pair the teacher never scored"
+        drawn.append(scores is not None)
+        return batch
+
+    monkeypatch.setattr(TrainingData, "collate", checked)
+    settings = [
+        "reranker.distill.loss=kl",
+        "reranker.distill.contrastive=true",
+        "reranker.first_stages=[bm25]",
+        "negatives.source=bm25",
+        "negatives.refresh_every=2",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=10",
+    ]
+    first = run_experiment(config_with(tiny_beir, tiny_model_dir, tmp_path / "a", *settings))["fine-tuned"]
+    assert sum(drawn) >= 6  # every step of the bi-encoder was checked
+    work = tmp_path / "a" / "t" / "negatives"
+    log = [json.loads(line) for line in (work / "refresh_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4] and all(r["teacher_scored"] > 0 for r in log)
+    files = sorted(p.name for p in work.glob("refresh-teacher-step-*.jsonl"))
+    assert files == ["refresh-teacher-step-2.jsonl", "refresh-teacher-step-4.jsonl"]
+
+    # interrupted after step 2: the refresh of step 4 (pool and scores) is made again by the resumed run
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    run = tmp_path / "b" / "t"
+    shutil.rmtree(run / "model")
+    for step in (4, 6):
+        shutil.rmtree(run / "checkpoints" / f"step-{step}", ignore_errors=True)
+    (run / "negatives" / "refresh-teacher-step-4.jsonl").unlink()
+    resumed = run_experiment(config_with(tiny_beir, tiny_model_dir, tmp_path / "b", *settings))["fine-tuned"]
+    assert resumed == pytest.approx(first)
+    again = (run / "negatives" / "refresh-teacher-step-4.jsonl").read_text()
+    assert again == (work / "refresh-teacher-step-4.jsonl").read_text()

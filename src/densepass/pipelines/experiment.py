@@ -66,12 +66,14 @@ from densepass.pipelines.distillation import (
     distillation_identity,
     distilling,
     fixed_teacher,
+    from_rows,
     objective_of,
     teacher_scores,
 )
 from densepass.pipelines.evalset import EvalSet, add_rerank_candidates, build_eval_set, query_parts
 from densepass.pipelines.report import write_report
 from densepass.pipelines.reranking import (
+    automatic_precision,
     check_reranker_config,
     load_fixed_reranker,
     rerank_rows,
@@ -100,7 +102,7 @@ from densepass.training.l2sp import check_l2sp
 from densepass.training.more_negatives import check_loss
 from densepass.training.planner import check_schedule
 from densepass.training.refresh import NegativeRefresher
-from densepass.training.teacher_scores import Pairs, Scores, distillation_pairs
+from densepass.training.teacher_scores import Pairs, PairScorer, Scores, distillation_pairs
 from densepass.training.trainer import planned_steps, resume_step
 
 
@@ -630,6 +632,15 @@ def training_data(exp: Experiment, model: BiEncoder, pool: TrainingPool, teacher
     return data
 
 
+def refresh_scorer(exp: Experiment) -> PairScorer | None:
+    """The distilled run's teacher scoring each refreshed pool's new candidates, in the precision of the first
+    pool's scores (``pipelines.distillation.teacher_scores``); None when the scores are the training rows'."""
+    if from_rows(exp.config):
+        return None
+    teacher = exp.teacher or exp.reranker
+    return PairScorer(teacher, exp.dataset, automatic_precision(exp.config, teacher.device), show_progress=exp.main)
+
+
 def fine_tune(
     exp: Experiment,
     model: BiEncoder,
@@ -669,6 +680,7 @@ def fine_tune(
             pool.context,
             run_dir / "negatives",
             planned_steps(planner.steps_per_epoch, config.train),
+            refresh_scorer(exp) if teacher is not None else None,
         )
         refresher.restore(resumed_at)
         callbacks.append(refresher)

@@ -48,6 +48,11 @@ def check_reranker_config(config: ExperimentConfig) -> None:
         if not config.train.enabled:
             raise ConfigError("reranker.distill trains the bi-encoder: it needs train.enabled")
         if distill.source == "rows":
+            if neg.refresh_every is not None:
+                raise ConfigError(
+                    "reranker.distill.source: rows scores the rows' own negatives: it cannot follow "
+                    "negatives.refresh_every"
+                )
             check_rows_distillation(config)
         elif not cfg.enabled and distill.teacher is None:
             raise ConfigError(
@@ -56,10 +61,6 @@ def check_reranker_config(config: ExperimentConfig) -> None:
             )
         if neg.source == "none" or neg.per_query < 1:
             raise ConfigError("reranker.distill scores each query's hard negatives: set negatives.source and per_query")
-        if neg.refresh_every is not None:
-            raise ConfigError(
-                "reranker.distill cannot follow negatives.refresh_every (the teacher scored the first pool)"
-            )
         if config.loss != LossConfig():
             raise ConfigError("reranker.distill adds to the plain contrastive loss: leave the loss section out")
     if not cfg.enabled:

@@ -250,6 +250,41 @@ class TrainingData:
             for i, rows in enumerate(pools)
         ]
 
+    def unscored(self, negatives: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+        """Per training query, the passages of the pool ``negatives`` that its teacher scores lack (a refreshed
+        pool's new candidates, for the teacher to score before any batch draws them); empty without teacher
+        scores."""
+        if self.teacher is None:
+            return {}
+        out = {}
+        for i, qid in enumerate(self.query_ids):
+            rows = {pid: self._row(pid) for pid in negatives.get(qid, ())}
+            missing = [pid for pid, row in rows.items() if row is not None and row not in self.teacher[i]]
+            if missing:
+                out[qid] = missing
+        self._add_extra_keys()
+        return out
+
+    def add_teacher_scores(self, scores: Mapping[str, Mapping[str, float]]) -> None:
+        """Add the teacher's scores of more (query, passage) pairs, a refreshed pool's; a pair scored before keeps
+        its first score (its batches drew it with that one)."""
+        if self.teacher is None:
+            raise ConfigError("this training data has no teacher scores to add to (it is not distilled)")
+        position = {qid: i for i, qid in enumerate(self.query_ids)}
+        teacher = list(self.teacher)
+        for qid, values in scores.items():
+            i = position.get(qid)
+            if i is None:
+                continue
+            merged = dict(teacher[i])
+            for pid, value in values.items():
+                row = self._row(pid)
+                if row is not None and row not in merged:
+                    merged[row] = float(value)
+            teacher[i] = merged
+        self._add_extra_keys()
+        self.teacher = teacher  # a new list, swapped in at once: the trainer's prefetch thread may be reading
+
     def replace_negatives(self, negatives: dict[str, list[str]], from_step: int) -> None:
         """Use a new pool (query id -> passage ids) for the batches of step ``from_step`` on (a refresh)."""
         if not self.negatives_per_query:

@@ -7,7 +7,9 @@ refreshes asynchronously from a stale checkpoint; here the refresh is synchronou
 in the training time. The trainer prepares one batch ahead (``densepass.prefetch``): the pool mined
 after N steps serves the batches from the (N + 2)-th on, the (N + 1)-th having been prepared meanwhile.
 Each pool is saved as ``refresh-step-N.jsonl``: a resumed run reloads the pools mined before its
-checkpoint, so it samples the same negatives as an uninterrupted one.
+checkpoint, so it samples the same negatives as an uninterrupted one. A distilled run's teacher (``PairScorer``)
+scores each new pool's candidates it has not scored before, into ``refresh-teacher-step-N.jsonl``, before any
+batch draws them (RocketQA and TAS-B score every negative they train on), and a resumed run reads those again.
 
 Under torchrun every process takes part in each refresh: each encodes and searches its shard of the corpus
 (``negatives.dense``, ``index.sharded``) and all receive the merged pool, the one a single process would mine
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from densepass.models.biencoder import BiEncoder
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import load_pool, passage_ids, save_pool
 from densepass.training.batches import TrainingData
+from densepass.training.teacher_scores import PairScorer, Scores
 
 PREPARED_AHEAD = 1  # batches the trainer has prepared when a step ends (densepass.prefetch)
 
@@ -51,6 +55,7 @@ class NegativeRefresher:
         context: MiningContext,
         work_dir: Path,
         last_step: int,
+        teacher: PairScorer | None = None,
     ) -> None:
         if every < 1:
             raise ConfigError(f"negatives.refresh_every must be >= 1, got {every}")
@@ -61,26 +66,38 @@ class NegativeRefresher:
         self.query_ids, self.config, self.work_dir = list(query_ids), config, Path(work_dir)
         self.context = dataclasses.replace(context, model=model, show_progress=False)
         self.log_path = self.work_dir / "refresh_log.jsonl"
+        self.teacher = teacher
 
     def _path(self, step: int) -> Path:
         return self.work_dir / f"refresh-step-{step}.jsonl"
+
+    def _teacher_path(self, step: int) -> Path:
+        return self.work_dir / f"refresh-teacher-step-{step}.jsonl"
 
     def restore(self, resume_step: int) -> None:
         """Reload the pools mined up to ``resume_step`` (rank 0's) on every process; rank 0 drops later ones
         and their log records (their model is being retrained)."""
 
-        def read() -> list[tuple[int, dict[str, list[str]]]]:
-            pools = []
+        def read() -> tuple[list[tuple[int, dict[str, list[str]]]], list[Scores]]:
+            pools, scores = [], []
             for path in self.work_dir.glob("refresh-step-*.jsonl"):
                 step = int(path.stem.rsplit("-", 1)[1])
                 if step <= resume_step:
                     pools.append((step, passage_ids(load_pool(path, self.dataset))))
                 else:
                     path.unlink()
+            for path in self.work_dir.glob("refresh-teacher-step-*.jsonl"):  # the teacher's scores of each refresh
+                if int(path.stem.rsplit("-", 1)[1]) > resume_step:
+                    path.unlink()
+                elif self.teacher is not None:
+                    scores.append(self.teacher.read(path))
             trim_log(self.log_path, resume_step)
-            return pools
+            return pools, scores
 
-        for step, pool in distributed.on_rank_zero(read):
+        pools, scores = distributed.on_rank_zero(read)
+        for scored in scores:  # which refresh scored a pair first does not matter: each pair is scored once
+            self.data.add_teacher_scores(scored)
+        for step, pool in pools:
             self.data.replace_negatives(pool, step + PREPARED_AHEAD)
 
     def __call__(self, step: int) -> None:
@@ -93,6 +110,12 @@ class NegativeRefresher:
             self.dataset, self.query_ids, self.config, self.context, self.data.sep_token, strategy="model"
         )
         self.model.train(was_training)
+        scored, started = 0, time.perf_counter()
+        if self.teacher is not None:  # distilling: the teacher scores the new candidates before a batch draws them
+            pairs = self.data.unscored(passage_ids(mined.pool))
+            self.data.add_teacher_scores(self.teacher.score(pairs, self._teacher_path(step)))
+            scored = sum(map(len, pairs.values()))
+        teacher_seconds = time.perf_counter() - started
         self.data.replace_negatives(passage_ids(mined.pool), step + PREPARED_AHEAD)
         if distributed.rank() == 0:
             save_pool(mined.pool, self._path(step))
@@ -101,6 +124,7 @@ class NegativeRefresher:
                 "seconds": mined.seconds,
                 "removed": mined.removed,
                 "negatives": sum(len(c) for c in mined.pool.values()),
+                **({"teacher_scored": scored, "teacher_seconds": teacher_seconds} if self.teacher else {}),
             }
             # damaged bytes stay a damaged line (replaced, never a UnicodeDecodeError); readers leave it out
             logged = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""

@@ -17,6 +17,7 @@ another teacher, other queries or another pool is a one-line ``DataError`` namin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from densepass import distributed
 from densepass.data.dataset import RetrievalDataset
 from densepass.data.keys import passage_input
 from densepass.errors import DataError, DataWarning
@@ -127,14 +129,17 @@ def _check_teacher(path: Path, header: dict, teacher: Mapping | None) -> None:
     )
 
 
-def load_teacher_scores(path: str | Path, pairs: Pairs, teacher: Mapping | None = None) -> Scores:
-    """The scores of ``pairs`` read from a finished file; a file of another teacher (when ``teacher`` is
-    given), or one missing a query or a pair of ``pairs`` (other queries, another pool), is a DataError."""
+def load_teacher_scores(path: str | Path, pairs: Pairs | None, teacher: Mapping | None = None) -> Scores:
+    """The scores of ``pairs`` read from a finished file (None: every score it holds); a file of another teacher
+    (when ``teacher`` is given), or one missing a query or a pair of ``pairs`` (other queries, another pool), is a
+    DataError."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"teacher-scores file not found: {path}")
     header, scores, _ = _read(path, complete=True)
     _check_teacher(path, header, teacher)
+    if pairs is None:
+        return scores
     if header.get("pairs") == pairs_fingerprint(pairs) and len(scores) == len(pairs):
         return scores
     for qid, pids in pairs.items():
@@ -210,3 +215,30 @@ def compute_teacher_scores(
     progress.close()
     os.replace(partial, path)
     return {q: done.get(q, {}) for q in pairs}
+
+
+@dataclasses.dataclass
+class PairScorer:
+    """A teacher scoring the new candidates of a refreshed pool (``training.refresh``) into files of their own:
+    ``score`` computes them on rank 0 (resumably, as ``compute_teacher_scores``) while the other processes wait,
+    then every process reads them; ``read`` reads a finished file again (a resumed run), checked against the
+    teacher."""
+
+    teacher: CrossEncoder
+    dataset: RetrievalDataset
+    precision: str | None = None
+    show_progress: bool = True
+
+    def score(self, pairs: Pairs, path: Path) -> Scores:
+        """The teacher's scores of ``pairs``, computed into ``path`` (or read from it when finished)."""
+        scores = None
+        if distributed.rank() == 0:
+            progress = self.show_progress
+            scores = compute_teacher_scores(self.teacher, self.dataset, pairs, path, show_progress=progress,
+                                            precision=self.precision)  # fmt: skip
+        distributed.barrier()  # the file is finished before the other processes read it
+        return scores if scores is not None else load_teacher_scores(path, pairs, teacher_identity(self.teacher))
+
+    def read(self, path: Path) -> Scores:
+        """Every score of a finished file this teacher wrote."""
+        return load_teacher_scores(path, None, teacher_identity(self.teacher))
