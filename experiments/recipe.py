@@ -45,7 +45,9 @@ Beside the rows:
   and the recommended recipe's (``RECOMMENDED``, configs/recommended.yaml: twice the queries, passages read
   at 256 tokens but cut to 128 in training batches, one epoch with the pool re-mined half-way, wise-ft 0.85; its
   earlier forms: ``TWO_EPOCHS_07``, two epochs kept at 0.7, ``ONE_EPOCH`` without re-mining, and ``CROPS_96``,
-  passages cut to 96 and kept at 0.75).
+  passages cut to 96 and kept at 0.75), and issue 55's levers, one change each to the recommended recipe
+  (``MIX_SQUAD``, ``L2SP``, ``ALL_QUERIES``; ``DISTILL_KL`` and ``DISTILL_MARGIN_MSE`` distil the teacher that
+  ``configs/recipe_teacher.yaml`` trains into ``<out>/runs/recipe-teacher``, which must exist first).
 
 Every run is an ordinary ``densepass run`` directory under ``<out>/runs`` (resumable; a finished one is
 skipped); ``--stage report`` first runs whatever evaluation of a finished model is missing (out of domain, e.g. the
@@ -112,6 +114,18 @@ RECOMMENDED = "recommended: 1 epoch, re-mined half-way, wise-ft 0.85"
 MIX_SQUAD = "recommended + squad train questions, 3 of each batch of 32"
 L2SP = "recommended + L2-SP, alpha 0.5"  # its pull a fifth of the loss gradient at the end (docs/experiments.md)
 ALL_QUERIES = "recommended on all 47,732 train queries, re-mined every half epoch"
+# distillation from the teacher configs/recipe_teacher.yaml trains (<out>/runs/recipe-teacher/reranker/model): its
+# scores of each query's positives and pool candidates (and of each refreshed pool's new ones) as KL (listwise, plus
+# the contrastive loss) or Margin-MSE targets
+DISTILL_KL = "recommended + distilled from the teacher, listwise KL + contrastive"
+DISTILL_MARGIN_MSE = "recommended + distilled from the teacher, Margin-MSE"
+TEACHER_RUN = "recipe-teacher"  # configs/recipe_teacher.yaml's run name
+TEACHER_KEYS = [
+    "reranker.enabled=true",
+    "reranker.name_or_path=TEACHER",
+    "reranker.train.enabled=false",
+    "reranker.first_stages=[]",
+]
 LONGER = ["data.max_train_queries=16384", "model.passage_max_length=256"]  # the 16,384-query variants
 CROPS_128 = [*LONGER, "train.passage_max_length=128"]  # the recommended recipe's data and crops, in every form
 ONE_EPOCH_KEYS = [*CROPS_128, "train.wise_ft=0.85"]
@@ -149,6 +163,19 @@ VARIANTS: dict[str, list[str]] = {
     ],
     L2SP: [*ONE_EPOCH_KEYS, "negatives.refresh_every=HALF_EPOCH", "train.l2sp=0.5"],
     ALL_QUERIES: [*ONE_EPOCH_KEYS, "data.max_train_queries=47732", "negatives.refresh_every=HALF_EPOCH"],
+    DISTILL_KL: [
+        *ONE_EPOCH_KEYS,
+        "negatives.refresh_every=HALF_EPOCH",
+        *TEACHER_KEYS,
+        "reranker.distill.loss=kl",
+        "reranker.distill.contrastive=true",
+    ],
+    DISTILL_MARGIN_MSE: [
+        *ONE_EPOCH_KEYS,
+        "negatives.refresh_every=HALF_EPOCH",
+        *TEACHER_KEYS,
+        "reranker.distill.loss=margin-mse",
+    ],
 }
 IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]
 RERANK_DEPTH = 100  # candidates of the best model (alone, + BM25) that the cross-encoder re-scores
@@ -236,7 +263,9 @@ def row_config(args: argparse.Namespace, name: str, variant: str | None = None) 
         args.config, [key.split("=")[0] + "=1" if key.endswith("=HALF_EPOCH") else key for key in overrides]
     )
     half_epoch = str(max(1, shape.data.max_train_queries // shape.train.batch_size // 2))  # e.g. re-mining
-    return load_config(args.config, [key.replace("HALF_EPOCH", half_epoch) for key in overrides])
+    teacher = str(Path(args.out) / "runs" / TEACHER_RUN / "reranker" / "model")
+    resolved = [key.replace("HALF_EPOCH", half_epoch).replace("=TEACHER", f"={teacher}") for key in overrides]
+    return load_config(args.config, resolved)
 
 
 def evaluation_config(args: argparse.Namespace, name: str, model_path: Path) -> ExperimentConfig:
@@ -297,6 +326,8 @@ def part_config(args: argparse.Namespace, trained: ExperimentConfig, name: str, 
     values["train"].update(enabled=False, wise_ft=None)
     values["negatives"]["source"] = "none"
     values["data"]["mix"] = []  # training batches only
+    values["reranker"].update(enabled=False, first_stages=[])  # the teacher of a distilled model: not reranking
+    values["reranker"]["distill"]["loss"] = "none"
     values["eval"]["baselines"] = ["bm25", "zero-shot"] if name == BASELINES else ["zero-shot"]
     values["data"].update(
         eval_part=part, eval_part_seed=args.eval_part_seed, eval_part_fraction=args.eval_part_fraction

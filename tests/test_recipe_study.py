@@ -161,22 +161,27 @@ def test_the_recommended_config_is_the_studys_recommended_run(monkeypatch):
     assert dataclasses.asdict(dataclasses.replace(study, **where)) == dataclasses.asdict(shipped)
 
 
+def flat(values: dict, prefix: str = "") -> dict[str, object]:
+    """A config as dotted keys (``reranker.distill.loss``) and their values."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def test_each_ingredient_changes_only_its_own_keys(monkeypatch):
     """Every variant of the dense row loads (no key typo reaches a 20-minute run) and differs from the row in
     the settings it names, the half epoch resolved to steps."""
     driver = load_driver(monkeypatch)
     args = driver.parse_args()
-    row = dataclasses.asdict(driver.row_config(args, driver.DENSE))
-    half_epoch = row["data"]["max_train_queries"] // row["train"]["batch_size"] // 2
+    row = flat(dataclasses.asdict(driver.row_config(args, driver.DENSE)))
+    half_epoch = row["data.max_train_queries"] // row["train.batch_size"] // 2
     for variant, keys in driver.VARIANTS.items():
-        config = dataclasses.asdict(driver.row_config(args, driver.DENSE, variant))
-        changed = {
-            f"{section}.{key}"
-            for section, values in config.items()
-            if isinstance(values, dict)
-            for key, value in values.items()
-            if value != row[section][key]
-        }
+        config = flat(dataclasses.asdict(driver.row_config(args, driver.DENSE, variant)))
+        changed = {key for key, value in config.items() if "." in key and value != row[key]}  # not the run's name
         assert changed <= {key.split("=")[0] for key in keys}, variant
         assert changed, variant
     remine = driver.row_config(args, driver.DENSE, "re-mining every half epoch with the model being trained")
@@ -188,22 +193,25 @@ def test_issue_55_levers_are_one_change_each_to_the_recommended_recipe(monkeypat
     variant in their own setting only; all the queries re-mine every half of their longer epoch."""
     driver = load_driver(monkeypatch)
     args = driver.parse_args()
-    recommended = dataclasses.asdict(driver.row_config(args, driver.DENSE, driver.RECOMMENDED))
+    recommended = flat(dataclasses.asdict(driver.row_config(args, driver.DENSE, driver.RECOMMENDED)))
 
     def changes(variant: str) -> dict[str, object]:
-        config = dataclasses.asdict(driver.row_config(args, driver.DENSE, variant))
-        return {
-            f"{section}.{key}": value
-            for section, values in config.items()
-            if isinstance(values, dict)
-            for key, value in values.items()
-            if value != recommended[section][key]
-        }
+        config = flat(dataclasses.asdict(driver.row_config(args, driver.DENSE, variant)))
+        return {key: value for key, value in config.items() if "." in key and value != recommended[key]}
 
     mix = {"name": "squad-v1.1-dev-split", "format": "squad", "split": "train", "fraction": 0.1}
     assert changes(driver.MIX_SQUAD) == {"data.mix": [mix]}
     assert changes(driver.L2SP) == {"train.l2sp": 0.5}
     assert changes(driver.ALL_QUERIES) == {"data.max_train_queries": 47732, "negatives.refresh_every": 745}
+    teacher = {
+        "reranker.enabled": True,
+        "reranker.name_or_path": "outputs/recipe/runs/recipe-teacher/reranker/model",
+        "reranker.train.enabled": False,
+        "reranker.first_stages": [],
+    }
+    kl = {"reranker.distill.loss": "kl", "reranker.distill.contrastive": True}
+    assert changes(driver.DISTILL_KL) == {**teacher, **kl}
+    assert changes(driver.DISTILL_MARGIN_MSE) == {**teacher, "reranker.distill.loss": "margin-mse"}
 
 
 def test_every_variant_evaluates_on_the_parts_of_dev(monkeypatch):
