@@ -60,8 +60,8 @@ from densepass.data import load_dataset
 from densepass.device import cpu_has_fast_bf16, resolve_precision
 from densepass.models import copies as copies_module
 from densepass.models import cpu_kernels as kernels_module
-from densepass.models import encode as encode_module
 from densepass.models import fused as fused_module
+from densepass.models import inputs as inputs_module
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
 from densepass.models.encode import encode_texts
 from densepass.models.inputs import CPU_PIECE_TOKENS
@@ -369,7 +369,7 @@ def main() -> None:
         systems.append(("densepass encode_texts", precision, args.batch_size, encode))
     bf16_options = {**options, "precision": "bf16"}
     for tokens in args.bf16_piece_tokens if not gpu else []:
-        encode = under(encode_module, {"BF16_PIECE_TOKENS": tokens}, densepass_encoder(model, bf16_options))
+        encode = under(inputs_module, {"BF16_PIECE_TOKENS": tokens}, densepass_encoder(model, bf16_options))
         systems.append((f"densepass encode_texts, pieces of {tokens:,} tokens", "bf16", args.batch_size, encode))
     for multiple in args.length_multiples if not gpu else []:
         encode = under(fused_module, {"LENGTH_MULTIPLE": multiple}, densepass_encoder(model, bf16_options))
@@ -382,7 +382,7 @@ def main() -> None:
         # a model of its own: its bf16 copy is made while fusion is off (copies are cached per model)
         unfused = BiEncoder.from_pretrained(path, config=lengths)
         encode = densepass_encoder(unfused, bf16_options)
-        encode = under(encode_module, {"BF16_PIECE_TOKENS": CPU_PIECE_TOKENS}, encode)
+        encode = under(inputs_module, {"BF16_PIECE_TOKENS": CPU_PIECE_TOKENS}, encode)
         encode = under(copies_module, {"fusable": lambda tower: False}, encode)
         systems.append(
             ("densepass encode_texts, transformers' layers, pieces of 2,048", "bf16", args.batch_size, encode)

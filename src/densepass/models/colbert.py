@@ -40,15 +40,7 @@ from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.copies import encoder_in_precision, float_precision
-from densepass.models.inputs import (
-    BF16_PIECE_TOKENS,
-    CPU_PIECE_TOKENS,
-    SidedInputs,
-    forward_in_pieces,
-    length_sorted_batches,
-    piece_tokens,
-    tokenize,
-)
+from densepass.models.inputs import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens, tokenize
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 from densepass.models.packing import packed_forward
 from densepass.numerics import refuse_nonfinite_weights
@@ -205,7 +197,7 @@ class ColBERT(SidedInputs, nn.Module):
             return self(tokens["input_ids"], tokens["attention_mask"], side, encoder)
 
         # passages in pieces on the CPU (as the bi-encoder); a query keeps every position, its [MASK] padding too
-        pieces = piece_tokens(device, BF16_PIECE_TOKENS if precision == "bf16" else CPU_PIECE_TOKENS)
+        pieces = piece_tokens(device, bf16=precision == "bf16")
         pieces = pieces if side == "passage" else None
 
         progress = tqdm(total=len(texts), desc=f"encode {side}s", disable=not show_progress, dynamic_ncols=True)

@@ -42,7 +42,7 @@ from densepass.device import attention_kernels, default_device, resolve_precisio
 from densepass.errors import ConfigError, DensepassError
 from densepass.models.copies import bf16_copy, int8_copy, reused_copy
 from densepass.models.fused import int8_runs
-from densepass.models.inputs import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS, Side, forward_in_pieces, piece_tokens
+from densepass.models.inputs import Side, forward_in_pieces, piece_tokens
 from densepass.models.quantize import quantized_linear_copy
 from densepass.prefetch import prefetched
 
@@ -210,7 +210,7 @@ def encode_texts(
     tokenizer = model.tokenizer if len(chunks) == 1 else copy.deepcopy(model.tokenizer)
     pin = device.type == "cuda"
     # on the CPU a batch runs in pieces of 2,048 tokens, 4,096 in bf16 (module docstring)
-    pieces = piece_tokens(device, BF16_PIECE_TOKENS if precision == "bf16" else CPU_PIECE_TOKENS)
+    pieces = piece_tokens(device, bf16=precision == "bf16")
 
     def forward(tokens: dict[str, torch.Tensor]) -> torch.Tensor:
         return runner(tokens["input_ids"], tokens["attention_mask"], side=side)

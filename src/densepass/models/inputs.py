@@ -138,9 +138,12 @@ twice ``CPU_PIECE_TOKENS`` stays under glibc's mmap threshold, and larger produc
 2,048 and 8,192 tokens were measured against it: docs/history/benchmarks-log.md, "Fused BERT layers")."""
 
 
-def piece_tokens(device: torch.device, cpu_tokens: int = CPU_PIECE_TOKENS) -> int | None:
-    """The piece size of a forward pass on ``device``: ``cpu_tokens`` on the CPU, else None (whole)."""
-    return cpu_tokens if device.type == "cpu" else None
+def piece_tokens(device: torch.device, bf16: bool = False, cpu_tokens: int = CPU_PIECE_TOKENS) -> int | None:
+    """The piece size of a forward pass on ``device``: ``cpu_tokens`` on the CPU, scaled as ``BF16_PIECE_TOKENS``
+    is to ``CPU_PIECE_TOKENS`` for ``bf16`` activations (half the bytes each); None (whole) elsewhere."""
+    if device.type != "cpu":
+        return None
+    return cpu_tokens * BF16_PIECE_TOKENS // CPU_PIECE_TOKENS if bf16 else cpu_tokens
 
 
 def forward_in_pieces(

@@ -171,7 +171,7 @@ class SpladeEncoder(SidedInputs, nn.Module):
             return self(tokens["input_ids"], tokens["attention_mask"], side, mlm)
 
         # bf16 logits take half the bytes: twice the tokens per piece for the same memory
-        pieces = piece_tokens(device, CPU_ENCODE_PIECE_TOKENS * (2 if precision == "bf16" else 1))
+        pieces = piece_tokens(device, precision == "bf16", CPU_ENCODE_PIECE_TOKENS)
         progress = tqdm(total=len(texts), desc=f"encode {side}s", disable=not show_progress, dynamic_ncols=True)
         with torch.inference_mode(), attention_kernels(device):
             for rows in length_sorted_batches(texts, batch_size):

@@ -21,7 +21,7 @@ from densepass.device import RandomState, autocast_context
 from densepass.losses.batch import BatchTensors
 from densepass.losses.objectives import InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder, Side
-from densepass.models.inputs import BF16_PIECE_TOKENS, CPU_PIECE_TOKENS, forward_in_pieces, piece_tokens
+from densepass.models.inputs import forward_in_pieces, piece_tokens
 from densepass.models.splade import SpladeEncoder
 from densepass.training.batches import TrainingBatch
 from densepass.training.distributed import gather_with_local_grad
@@ -49,7 +49,7 @@ def _embed(model: BiEncoder, tokens: dict[str, torch.Tensor], side: Side, autoca
             embed = model.token_embeddings(side) if isinstance(model, BiEncoder) and not sharded(model) else None
             device, packed = tokens["input_ids"].device, getattr(model, "packing", False)
             bf16 = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == torch.bfloat16
-            pieces = piece_tokens(device, BF16_PIECE_TOKENS if packed and bf16 else CPU_PIECE_TOKENS)
+            pieces = piece_tokens(device, bf16=packed and bf16)
             return forward_in_pieces(run, tokens, pieces, embed, packed=packed)
         return run(tokens)
 
