@@ -328,7 +328,7 @@ def test_forward_in_pieces_gives_the_whole_batch_gradient(tiny_model_dir, tiny_b
 
     data = make_data(tiny_beir, per_query=2)
     batch = list(range(10))
-    monkeypatch.setattr(step_module, "piece_tokens", lambda device, cpu_tokens=None: None)
+    monkeypatch.setattr(step_module, "piece_tokens", lambda device, **options: None)
     loss_whole, grads_whole = step_grads(tiny_model_dir, data, batch, None)
     calls, lookups = [], []
     real = step_module.forward_in_pieces
@@ -345,7 +345,7 @@ def test_forward_in_pieces_gives_the_whole_batch_gradient(tiny_model_dir, tiny_b
 
         return real(fn, tokens, max_tokens, counted, packed)
 
-    monkeypatch.setattr(step_module, "piece_tokens", lambda device, cpu_tokens=None: 40)
+    monkeypatch.setattr(step_module, "piece_tokens", lambda device, **options: 40)
     monkeypatch.setattr(step_module, "forward_in_pieces", spy)
     loss_pieces, grads_pieces = step_grads(tiny_model_dir, data, batch, None)
     assert calls == [40, 40]
