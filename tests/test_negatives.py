@@ -620,3 +620,44 @@ def test_the_cross_encoder_filter_thresholds_logits_whatever_activation_the_mode
     np.testing.assert_allclose(relative.scorer(query, passages), expit(logits), atol=1e-4)
     expected = relative_margin_keep([by_id[p] for p in candidates], [by_id["p0"]], 0.95)
     assert relative.keep("q0", _pool(candidates)) == expected
+
+
+def test_teacher_filters_score_every_querys_pairs_together_and_keep_what_one_query_at_a_time_keeps(
+    sigmoid_config_cross_encoder, monkeypatch
+):
+    """``apply_filters`` has a cross-encoder score the pairs of every query in one ``score_pairs`` call (batches of
+    similar length across queries) and keeps exactly what each filter's per-query ``keep`` keeps."""
+    from densepass.negatives import filters as filters_module
+    from densepass.negatives.filters import CrossEncoderScorer, build_filters
+
+    path = sigmoid_config_cross_encoder[0]
+    dataset = small_dataset()
+    pool = {
+        q: _pool([p for p in dataset.corpus.ids if p not in dataset.relevant_sets().get(q, ())])
+        for q in ("q0", "q1", "q2")
+    }
+    pool["q3"] = []
+    built = build_filters(
+        ["cross-encoder", "relative-margin"],
+        dataset,
+        cross_encoder=str(path),
+        threshold=0.0,
+        relative_margin=0.95,
+        relative_teacher=str(path),
+    )
+    calls = []
+    for f in built:
+        assert isinstance(f.scorer, CrossEncoderScorer)
+        score_pairs = f.scorer.score_pairs
+        monkeypatch.setattr(
+            f.scorer, "score_pairs", lambda q, p, score=score_pairs: calls.append(len(q)) or score(q, p)
+        )
+    monkeypatch.setattr(filters_module, "BATCH_PAIRS", 7)
+    for f in built:
+        one_at_a_time = {qid: f.keep(qid, cands) for qid, cands in pool.items()}
+        calls.clear()
+        assert f.keep_all(pool) == one_at_a_time
+        assert calls and max(calls) == 7 and len(calls) == -(-sum(calls) // 7)  # chunks of 7 pairs, across queries
+    out, removed = apply_filters(pool, built)
+    assert set(out) == set(pool) and out["q3"] == []
+    assert sum(removed.values()) == sum(map(len, pool.values())) - sum(map(len, out.values()))

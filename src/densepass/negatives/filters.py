@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -117,6 +118,11 @@ class CrossEncoderFilter:
         scores = np.asarray(self.scorer(self.dataset.queries[qid], texts), dtype=np.float64)
         return (scores <= self.threshold).tolist()
 
+    def keep_all(self, pool: NegativePool, show_progress: bool = False) -> dict[str, list[bool]]:
+        """``keep`` of every query of ``pool``, its pairs scored together (``scored_in_batches``)."""
+        scored = scored_in_batches(self.scorer, self.dataset, pool_pairs(pool), self.sep_token, show_progress)
+        return {qid: (scored[qid] <= self.threshold).tolist() if qid in scored else [] for qid in pool}
+
 
 def relative_margin_keep(
     candidate_scores: Sequence[float], positive_scores: Sequence[float], margin: float
@@ -152,6 +158,60 @@ class RelativeMarginFilter:
         texts = [passage_input(self.dataset.corpus, pid, self.sep_token) for pid in ids]
         scores = np.asarray(self.scorer(self.dataset.queries[qid], texts), dtype=np.float64)
         return relative_margin_keep(scores[len(positives) :], scores[: len(positives)], self.margin)
+
+    def _positives(self, qid: str) -> list[str]:
+        return [p for p in self.positives.get(qid, ()) if p in self.dataset.corpus]
+
+    def keep_all(self, pool: NegativePool, show_progress: bool = False) -> dict[str, list[bool]]:
+        """``keep`` of every query of ``pool``: each query's positives and candidates scored together with every other
+        query's (``scored_in_batches``)."""
+        pairs = {qid: [*self._positives(qid), *(c.passage_id for c in cands)] for qid, cands in pool.items() if cands}
+        scored = scored_in_batches(self.scorer, self.dataset, pairs, self.sep_token, show_progress)
+        out = {}
+        for qid, cands in pool.items():
+            if not cands:
+                out[qid] = []
+                continue
+            n = len(self._positives(qid))
+            out[qid] = relative_margin_keep(scored[qid][n:], scored[qid][:n], self.margin)
+        return out
+
+
+def pool_pairs(pool: NegativePool) -> dict[str, list[str]]:
+    """Query id -> the passage ids of its candidates (queries without any left out)."""
+    return {qid: [c.passage_id for c in cands] for qid, cands in pool.items() if cands}
+
+
+BATCH_PAIRS = 16_384  # pairs a batched scorer scores per call (a progress step, and a bound on its memory)
+
+
+def scored_in_batches(
+    scorer: Scorer, dataset: RetrievalDataset, pairs: dict[str, list[str]], sep_token: str, show_progress: bool
+) -> dict[str, np.ndarray]:
+    """Query id -> the scores of its passages ``pairs[qid]``: through the scorer's ``score_pairs`` (a cross-encoder's:
+    many queries' pairs per call, sorted by length there, so little padding) where it has one, else a query at a
+    time."""
+    from tqdm.auto import tqdm
+
+    if not hasattr(scorer, "score_pairs"):
+        return {
+            qid: np.asarray(scorer(dataset.queries[qid], [passage_input(dataset.corpus, p, sep_token) for p in pids]))
+            for qid, pids in pairs.items()
+        }
+    flat = [(qid, pid) for qid, pids in pairs.items() for pid in pids]
+    scores = np.empty(len(flat), dtype=np.float64)
+    with tqdm(total=len(flat), desc="teacher scores (filter)", disable=not show_progress, dynamic_ncols=True) as bar:
+        for start in range(0, len(flat), BATCH_PAIRS):
+            chunk = flat[start : start + BATCH_PAIRS]
+            queries = [dataset.queries[qid] for qid, _ in chunk]
+            texts = [passage_input(dataset.corpus, pid, sep_token) for _, pid in chunk]
+            scores[start : start + len(chunk)] = scorer.score_pairs(queries, texts)
+            bar.update(len(chunk))
+    out, start = {}, 0
+    for qid, pids in pairs.items():
+        out[qid] = scores[start : start + len(pids)]
+        start += len(pids)
+    return out
 
 
 def check_denoising(config, base_model: str) -> None:
@@ -195,12 +255,26 @@ def cross_encoder_scorer(path: str, batch_size: int = 64, sigmoid: bool = False)
 
     # a missing model, one asking for code of its own, weights that are not plain tensors: one line, before scoring
     model = CrossEncoder.from_pretrained(path, batch_size=batch_size, precision="fp32")
+    return CrossEncoderScorer(model, expit if sigmoid else None)
 
-    def score(query: str, passages: list[str]) -> np.ndarray:
-        logits = model.score_pairs([query] * len(passages), passages).astype(np.float64)
-        return expit(logits) if sigmoid else logits
 
-    return score
+@dataclass
+class CrossEncoderScorer:
+    """A cross-encoder as a filter's scorer: one query's passages (``Scorer``), or many queries' pairs at once
+    (``score_pairs``: what ``apply_filters`` calls, so batches gather pairs of similar length across queries);
+    ``activation``: applied to the logits (None: the logits)."""
+
+    model: Any
+    activation: Callable[[np.ndarray], np.ndarray] | None = None
+
+    def score_pairs(self, queries: list[str], passages: list[str]) -> np.ndarray:
+        """The score of each pair ``(queries[i], passages[i])``, float64."""
+        logits = self.model.score_pairs(queries, passages).astype(np.float64)
+        return self.activation(logits) if self.activation is not None else logits
+
+    def __call__(self, query: str, passages: list[str]) -> np.ndarray:
+        """The scores of one query's passages."""
+        return self.score_pairs([query] * len(passages), passages)
 
 
 def bi_encoder_scorer(path: str, batch_size: int = 64, device=None, precision: str = "auto") -> Scorer:
@@ -261,12 +335,16 @@ def apply_filters(
     from tqdm.auto import tqdm
 
     removed = {f.name: 0 for f in filters}
-    out: NegativePool = {}
-    for qid, cands in tqdm(pool.items(), total=len(pool), desc="filter", disable=not show_progress, dynamic_ncols=True):
-        for f in filters:
-            flags = f.keep(qid, cands)
-            kept = [c for c, ok in zip(cands, flags) if ok]
+    out: NegativePool = dict(pool)
+    for f in filters:  # each filter over every query's survivors of the filters before it
+        if hasattr(f, "keep_all"):  # a teacher's: every query's pairs scored together
+            flags = f.keep_all(out, show_progress)
+        else:
+            items = tqdm(out.items(), total=len(out), desc=f"filter ({f.name})", disable=not show_progress,
+                         dynamic_ncols=True)  # fmt: skip
+            flags = {qid: f.keep(qid, cands) for qid, cands in items}
+        for qid, cands in out.items():
+            kept = [c for c, ok in zip(cands, flags[qid]) if ok]
             removed[f.name] += len(cands) - len(kept)
-            cands = kept
-        out[qid] = cands
+            out[qid] = kept
     return out, removed
