@@ -47,7 +47,8 @@ Beside the rows:
   earlier forms: ``TWO_EPOCHS_07``, two epochs kept at 0.7, ``ONE_EPOCH`` without re-mining, and ``CROPS_96``,
   passages cut to 96 and kept at 0.75), and issue 55's levers, one change each to the recommended recipe
   (``MIX_SQUAD``, ``L2SP``, ``ALL_QUERIES``; ``DISTILL_KL`` and ``DISTILL_MARGIN_MSE`` distil the teacher that
-  ``configs/recipe_teacher.yaml`` trains into ``<out>/runs/recipe-teacher``, which must exist first).
+  ``configs/recipe_teacher.yaml`` trains into ``<out>/runs/recipe-teacher``, which must exist first, and ``DENOISED``
+  drops the mined candidates it takes for unlabelled positives).
 
 Every run is an ordinary ``densepass run`` directory under ``<out>/runs`` (resumable; a finished one is
 skipped); ``--stage report`` first runs whatever evaluation of a finished model is missing (out of domain, e.g. the
@@ -119,6 +120,9 @@ ALL_QUERIES = "recommended on all 47,732 train queries, re-mined every half epoc
 # the contrastive loss) or Margin-MSE targets
 DISTILL_KL = "recommended + distilled from the teacher, listwise KL + contrastive"
 DISTILL_MARGIN_MSE = "recommended + distilled from the teacher, Margin-MSE"
+# denoising (NV-Retriever's relative margin, RocketQA's idea): mined candidates the teacher scores at 0.95 x the
+# positive or above are taken for unlabelled positives and dropped, in the first pool and at the re-mining
+DENOISED = "recommended + negatives denoised by the teacher (relative margin 0.95)"
 TEACHER_RUN = "recipe-teacher"  # configs/recipe_teacher.yaml's run name
 TEACHER_KEYS = [
     "reranker.enabled=true",
@@ -175,6 +179,12 @@ VARIANTS: dict[str, list[str]] = {
         "negatives.refresh_every=HALF_EPOCH",
         *TEACHER_KEYS,
         "reranker.distill.loss=margin-mse",
+    ],
+    DENOISED: [
+        *ONE_EPOCH_KEYS,
+        "negatives.refresh_every=HALF_EPOCH",
+        "negatives.filters=[qrels, answers, relative-margin]",
+        "negatives.cross_encoder=TEACHER",
     ],
 }
 IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]

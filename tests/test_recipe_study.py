@@ -212,6 +212,10 @@ def test_issue_55_levers_are_one_change_each_to_the_recommended_recipe(monkeypat
     kl = {"reranker.distill.loss": "kl", "reranker.distill.contrastive": True}
     assert changes(driver.DISTILL_KL) == {**teacher, **kl}
     assert changes(driver.DISTILL_MARGIN_MSE) == {**teacher, "reranker.distill.loss": "margin-mse"}
+    assert changes(driver.DENOISED) == {
+        "negatives.filters": ["qrels", "answers", "relative-margin"],
+        "negatives.cross_encoder": teacher["reranker.name_or_path"],
+    }
 
 
 def test_every_variant_evaluates_on_the_parts_of_dev(monkeypatch):
