@@ -185,6 +185,7 @@ VARIANTS: dict[str, list[str]] = {
         "negatives.refresh_every=HALF_EPOCH",
         "negatives.filters=[qrels, answers, relative-margin]",
         "negatives.cross_encoder=TEACHER",
+        "negatives.filter_precision=auto",
     ],
 }
 IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]

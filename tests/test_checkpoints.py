@@ -202,3 +202,15 @@ def test_the_rerankers_data_identity_leaves_out_the_evaluation_part_but_not_trai
     trained_on_fewer = replace(data, max_train_queries=5)
     with pytest.raises(ConfigError, match=r"data\.max_train_queries differ"):
         Checkpoints(tmp_path, keep=2, identity={"data": reranker_data_identity(trained_on_fewer)}).latest()
+
+
+def test_the_negatives_filter_precision_at_its_default_leaves_earlier_runs_resumable():
+    """``negatives.filter_precision`` came after runs were written: at its default (fp32, what the filters scored in
+    before) it is not part of a run's identity, so those runs resume; another value is."""
+    from dataclasses import asdict
+
+    from densepass.checkpoints import without_later_defaults
+    from densepass.config import NegativesConfig
+
+    assert "filter_precision" not in without_later_defaults(asdict(NegativesConfig()))
+    assert without_later_defaults(asdict(NegativesConfig(filter_precision="auto")))["filter_precision"] == "auto"

@@ -661,3 +661,14 @@ def test_teacher_filters_score_every_querys_pairs_together_and_keep_what_one_que
     out, removed = apply_filters(pool, built)
     assert set(out) == set(pool) and out["q3"] == []
     assert sum(removed.values()) == sum(map(len, pool.values())) - sum(map(len, out.values()))
+
+
+def test_the_filters_cross_encoder_scores_in_the_precision_asked_for(sigmoid_config_cross_encoder):
+    """``negatives.filter_precision``: fp32 by default (a threshold is the same logit everywhere), else as asked."""
+    from densepass.negatives.filters import build_filters
+
+    path = sigmoid_config_cross_encoder[0]
+    for precision in ("fp32", "bf16"):
+        built = build_filters(["cross-encoder", "relative-margin"], small_dataset(), cross_encoder=str(path),
+                              relative_teacher=str(path), precision=precision)  # fmt: skip
+        assert [f.scorer.model.precision for f in built] == [precision, precision]

@@ -215,6 +215,7 @@ def test_issue_55_levers_are_one_change_each_to_the_recommended_recipe(monkeypat
     assert changes(driver.DENOISED) == {
         "negatives.filters": ["qrels", "answers", "relative-margin"],
         "negatives.cross_encoder": teacher["reranker.name_or_path"],
+        "negatives.filter_precision": "auto",
     }
 
 

@@ -90,6 +90,7 @@ LATER_OPTIONS = {
     "l2sp_scope": "encoder",
     "relative_margin": 0.95,  # negatives
     "relative_teacher": "cross-encoder",
+    "filter_precision": "fp32",
 }
 
 

@@ -243,18 +243,18 @@ def check_cross_encoder_filter(
     resolve_model_path(cross_encoder)
 
 
-def cross_encoder_scorer(path: str, batch_size: int = 64, sigmoid: bool = False) -> Scorer:
-    """A scorer from a saved cross-encoder (``models.cross_encoder.CrossEncoder``, scored in fp32): its raw logits,
-    whatever activation the model's config names for sentence-transformers (whose ``CrossEncoder.predict`` puts a
-    one-label model's logits through a sigmoid unless the config says otherwise, so that the cross-encoder filter's
-    threshold, a logit as in rocketqa, would mean another thing per model); ``sigmoid``: probabilities, a sigmoid
-    of the logits (the relative-margin filter's teacher, whose ratios need positive scores)."""
+def cross_encoder_scorer(path: str, batch_size: int = 64, sigmoid: bool = False, precision: str = "fp32") -> Scorer:
+    """A scorer from a saved cross-encoder (``models.cross_encoder.CrossEncoder``, scored in ``precision``): its raw
+    logits, whatever activation the model's config names for sentence-transformers (whose ``CrossEncoder.predict``
+    puts a one-label model's logits through a sigmoid unless the config says otherwise, so that the cross-encoder
+    filter's threshold, a logit as in rocketqa, would mean another thing per model); ``sigmoid``: probabilities, a
+    sigmoid of the logits (the relative-margin filter's teacher, whose ratios need positive scores)."""
     from scipy.special import expit
 
     from densepass.models.cross_encoder import CrossEncoder
 
     # a missing model, one asking for code of its own, weights that are not plain tensors: one line, before scoring
-    model = CrossEncoder.from_pretrained(path, batch_size=batch_size, precision="fp32")
+    model = CrossEncoder.from_pretrained(path, batch_size=batch_size, precision=precision)
     return CrossEncoderScorer(model, expit if sigmoid else None)
 
 
@@ -301,9 +301,10 @@ def build_filters(
     threshold: float = 0.0,
     relative_margin: float = 0.95,
     relative_teacher: str | Scorer | None = None,
+    precision: str = "fp32",
 ) -> list:
     """Filters by name, in the given order; ``relative_teacher``: the relative-margin filter's scorer, or the path of
-    a cross-encoder (scored through a sigmoid)."""
+    a cross-encoder (scored through a sigmoid); ``precision``: what a cross-encoder given by its path scores in."""
     out = []
     for name in names:
         if name == "qrels":
@@ -315,13 +316,17 @@ def build_filters(
         elif name == "cross-encoder":
             if cross_encoder is None:
                 raise ConfigError("the cross-encoder filter needs a cross-encoder (negatives.cross_encoder)")
-            scorer = cross_encoder_scorer(cross_encoder) if isinstance(cross_encoder, str) else cross_encoder
+            scorer = (
+                cross_encoder_scorer(cross_encoder, precision=precision)
+                if isinstance(cross_encoder, str)
+                else cross_encoder
+            )
             out.append(CrossEncoderFilter(dataset, scorer, threshold, sep_token=sep_token))
         elif name == "relative-margin":
             if relative_teacher is None:
                 raise ConfigError("the relative-margin filter needs a teacher (negatives.relative_teacher)")
             if isinstance(relative_teacher, str):
-                relative_teacher = cross_encoder_scorer(relative_teacher, sigmoid=True)
+                relative_teacher = cross_encoder_scorer(relative_teacher, sigmoid=True, precision=precision)
             out.append(RelativeMarginFilter(dataset, relative_teacher, relative_margin, split, sep_token=sep_token))
         else:
             raise ConfigError(f"unknown negatives filter {name!r} (known: {', '.join(FILTERS)})")
