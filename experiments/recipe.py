@@ -121,7 +121,8 @@ ALL_QUERIES = "recommended on all 47,732 train queries, re-mined every half epoc
 DISTILL_KL = "recommended + distilled from the teacher, listwise KL + contrastive"
 DISTILL_MARGIN_MSE = "recommended + distilled from the teacher, Margin-MSE"
 # denoising (NV-Retriever's relative margin, RocketQA's idea): mined candidates the teacher scores at 0.95 x the
-# positive or above are taken for unlabelled positives and dropped, in the first pool and at the re-mining
+# positive or above (its logits' exponents: within 0.05 of the positive's logit) are taken for unlabelled positives
+# and dropped, in the first pool and at the re-mining
 DENOISED = "recommended + negatives denoised by the teacher (relative margin 0.95)"
 TEACHER_RUN = "recipe-teacher"  # configs/recipe_teacher.yaml's run name
 TEACHER_KEYS = [
@@ -186,6 +187,7 @@ VARIANTS: dict[str, list[str]] = {
         "negatives.filters=[qrels, answers, relative-margin]",
         "negatives.cross_encoder=TEACHER",
         "negatives.filter_precision=auto",
+        "negatives.relative_activation=exp",  # the teacher trains listwise: its logits' offset means nothing
     ],
 }
 IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]
@@ -375,9 +377,18 @@ def evaluate_model(args: argparse.Namespace, trained: ExperimentConfig, name: st
 
 
 def run_variants(args: argparse.Namespace) -> None:
-    """``--variants`` of ``--variant-row``, each trained and evaluated like a row."""
+    """``--variants`` of ``--variant-row``, each trained and evaluated like a row; a variant that needs the teacher
+    when it has not been trained is a one-line error before any of them runs."""
+    configs = {variant: row_config(args, args.variant_row, variant) for variant in args.variants}
+    teacher = Path(args.out) / "runs" / TEACHER_RUN / "reranker" / "model"
+    needing = [v for v in args.variants if any(key.endswith("=TEACHER") for key in VARIANTS[v])]
+    if needing and not (teacher / "config.json").is_file():
+        raise ConfigError(
+            f"{needing[0]!r} needs the teacher in {teacher}: train it first (python3 -m densepass run "
+            f"configs/recipe_teacher.yaml --set output_dir={Path(args.out) / 'runs'})"
+        )
     for variant in args.variants:
-        config = row_config(args, args.variant_row, variant)
+        config = configs[variant]
         print(f"== {variant_name(args.variant_row, variant)}: {' '.join(VARIANTS[variant])}", flush=True)
         run_once(config)
         evaluate_model(args, config, variant_name(args.variant_row, variant), config.run_dir / "model")

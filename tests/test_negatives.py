@@ -672,3 +672,21 @@ def test_the_filters_cross_encoder_scores_in_the_precision_asked_for(sigmoid_con
         built = build_filters(["cross-encoder", "relative-margin"], small_dataset(), cross_encoder=str(path),
                               relative_teacher=str(path), precision=precision)  # fmt: skip
         assert [f.scorer.model.precision for f in built] == [precision, precision]
+
+
+def test_the_relative_margin_of_a_listwise_teacher_is_a_ratio_of_exponents(sigmoid_config_cross_encoder):
+    """``negatives.relative_activation: exp``: a candidate stays only if exp(its logit) < margin x exp(the positive's),
+    i.e. its logit is below the positive's + ln(margin), whatever offset the logits share."""
+    import math
+
+    from densepass.negatives.filters import build_filters
+
+    path, query, passages = sigmoid_config_cross_encoder
+    logits = _float64_logits(path, query, passages)
+    dataset = small_dataset()
+    candidates = [p for p in dataset.corpus.ids if p != "p0"]
+    [relative] = build_filters(["relative-margin"], dataset, relative_teacher=str(path), relative_activation="exp")
+    np.testing.assert_allclose(relative.scorer(query, passages), np.exp(logits), rtol=1e-3)  # fp32 logits
+    by_id = dict(zip(dataset.corpus.ids, logits))
+    expected = [by_id[p] < by_id["p0"] + math.log(0.95) for p in candidates]
+    assert relative.keep("q0", _pool(candidates)) == expected

@@ -216,6 +216,7 @@ def test_issue_55_levers_are_one_change_each_to_the_recommended_recipe(monkeypat
         "negatives.filters": ["qrels", "answers", "relative-margin"],
         "negatives.cross_encoder": teacher["reranker.name_or_path"],
         "negatives.filter_precision": "auto",
+        "negatives.relative_activation": "exp",
     }
 
 
@@ -232,3 +233,10 @@ def test_every_variant_evaluates_on_the_parts_of_dev(monkeypatch):
             config = driver.part_config(args, trained, variant, "some/model", part)
             assert not config.train.enabled and not config.data.mix
             check(config)
+
+
+def test_a_variant_that_needs_the_teacher_before_it_is_trained_is_one_line(tmp_path):
+    result = recipe("--out", str(tmp_path), "--stage", "variant", "--variants", "lr 2e-5",
+                    "recommended + distilled from the teacher, Margin-MSE")  # fmt: skip
+    assert result.returncode == 2 and "needs the teacher in" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()

@@ -208,7 +208,33 @@ def test_a_distilled_run_that_refreshes_its_pool_has_the_teacher_score_every_new
     for step in (4, 6):
         shutil.rmtree(run / "checkpoints" / f"step-{step}", ignore_errors=True)
     (run / "negatives" / "refresh-teacher-step-4.jsonl").unlink()
+    users = [run / "negatives" / name for name in ("refresh-step-9-old.jsonl", "refresh-teacher-step-9.jsonl.bak")]
+    for path in users:  # a user's copies, named like the refresh's files: neither read nor removed
+        path.write_text("mine\n")
     resumed = run_experiment(config_with(tiny_beir, tiny_model_dir, tmp_path / "b", *settings))["fine-tuned"]
     assert resumed == pytest.approx(first)
     again = (run / "negatives" / "refresh-teacher-step-4.jsonl").read_text()
     assert again == (work / "refresh-teacher-step-4.jsonl").read_text()
+    assert all(path.read_text() == "mine\n" for path in users)
+
+    # a refresh's pool kept without its teacher's scores: refused, not trained on with unscored pairs
+    shutil.rmtree(run / "model")
+    for step in (4, 6):
+        shutil.rmtree(run / "checkpoints" / f"step-{step}", ignore_errors=True)
+    (run / "negatives" / "refresh-teacher-step-2.jsonl").unlink()
+    with pytest.raises(DataError, match="lack the teacher's scores"):
+        run_experiment(config_with(tiny_beir, tiny_model_dir, tmp_path / "b", *settings))
+
+
+def test_a_teacher_score_that_is_not_finite_stops_the_scoring(tiny_beir, tiny_model_dir, tmp_path, monkeypatch):
+    """A diverged teacher's NaN would be a file every later read refuses: it is refused as it is computed."""
+    from densepass.data import load_dataset
+    from densepass.models.cross_encoder import CrossEncoder
+    from densepass.training.teacher_scores import compute_teacher_scores
+
+    teacher = CrossEncoder.new(str(tiny_model_dir), max_length=32)
+    monkeypatch.setattr(teacher, "score_pairs", lambda q, p, precision=None: np.full(len(q), np.nan, np.float32))
+    dataset = load_dataset(str(tiny_beir))
+    qid = sorted(dataset.queries)[0]
+    with pytest.raises(DataError, match="not a finite number"):
+        compute_teacher_scores(teacher, dataset, {qid: dataset.corpus.ids[:2]}, tmp_path / "scores.jsonl")

@@ -91,6 +91,7 @@ LATER_OPTIONS = {
     "relative_margin": 0.95,  # negatives
     "relative_teacher": "cross-encoder",
     "filter_precision": "fp32",
+    "relative_activation": "sigmoid",
 }
 
 

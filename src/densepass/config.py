@@ -265,10 +265,16 @@ class NegativesConfig:
         above=0,
         max=1,
     )
-    filter_precision: Precision = option(
+    filter_precision: Literal["fp32", "bf16", "auto"] = option(
         "fp32",
         "precision the cross-encoder of the cross-encoder and relative-margin filters scores in: fp32 (a threshold is"
         " the same logit on every machine), or auto / bf16 (several times faster on CPUs with fast bf16)",
+    )
+    relative_activation: Literal["sigmoid", "exp"] = option(
+        "sigmoid",
+        "relative-margin filter, cross-encoder teacher: the ratio of its logits' sigmoids (a pointwise-trained"
+        " cross-encoder's probabilities) or of their exponents (exp: a listwise-trained one, whose logits carry no"
+        " learned offset; the rule is then: dropped within ln(1 / margin) of the positive's logit)",
     )
     relative_teacher: Literal["cross-encoder", "bi-encoder"] = option(
         "cross-encoder",

@@ -243,19 +243,28 @@ def check_cross_encoder_filter(
     resolve_model_path(cross_encoder)
 
 
-def cross_encoder_scorer(path: str, batch_size: int = 64, sigmoid: bool = False, precision: str = "fp32") -> Scorer:
+ACTIVATIONS = {"sigmoid": "expit", "exp": "exp"}  # what the relative-margin filter takes a ratio of (scipy / numpy)
+
+
+def cross_encoder_scorer(
+    path: str, batch_size: int = 64, activation: str | None = None, precision: str = "fp32"
+) -> Scorer:
     """A scorer from a saved cross-encoder (``models.cross_encoder.CrossEncoder``, scored in ``precision``): its raw
     logits, whatever activation the model's config names for sentence-transformers (whose ``CrossEncoder.predict``
     puts a one-label model's logits through a sigmoid unless the config says otherwise, so that the cross-encoder
-    filter's threshold, a logit as in rocketqa, would mean another thing per model); ``sigmoid``: probabilities, a
-    sigmoid of the logits (the relative-margin filter's teacher, whose ratios need positive scores)."""
+    filter's threshold, a logit as in rocketqa, would mean another thing per model); ``activation``: positive scores
+    for the relative-margin filter's ratios, ``sigmoid`` (a pointwise-trained cross-encoder's probabilities) or
+    ``exp`` (a listwise-trained one's: its softmax over a query's passages ignores any offset shared by their logits,
+    so it never learned one; a ratio of exponents does not depend on it)."""
     from scipy.special import expit
 
     from densepass.models.cross_encoder import CrossEncoder
 
     # a missing model, one asking for code of its own, weights that are not plain tensors: one line, before scoring
     model = CrossEncoder.from_pretrained(path, batch_size=batch_size, precision=precision)
-    return CrossEncoderScorer(model, expit if sigmoid else None)
+    if activation not in (None, *ACTIVATIONS):
+        raise ConfigError(f"unknown activation {activation!r} of a cross-encoder's scores (known: sigmoid, exp)")
+    return CrossEncoderScorer(model, {None: None, "sigmoid": expit, "exp": np.exp}[activation])
 
 
 @dataclass
@@ -302,9 +311,11 @@ def build_filters(
     relative_margin: float = 0.95,
     relative_teacher: str | Scorer | None = None,
     precision: str = "fp32",
+    relative_activation: str = "sigmoid",
 ) -> list:
     """Filters by name, in the given order; ``relative_teacher``: the relative-margin filter's scorer, or the path of
-    a cross-encoder (scored through a sigmoid); ``precision``: what a cross-encoder given by its path scores in."""
+    a cross-encoder (its logits through ``relative_activation``); ``precision``: what a cross-encoder given by its
+    path scores in."""
     out = []
     for name in names:
         if name == "qrels":
@@ -326,7 +337,7 @@ def build_filters(
             if relative_teacher is None:
                 raise ConfigError("the relative-margin filter needs a teacher (negatives.relative_teacher)")
             if isinstance(relative_teacher, str):
-                relative_teacher = cross_encoder_scorer(relative_teacher, sigmoid=True, precision=precision)
+                relative_teacher = cross_encoder_scorer(relative_teacher, 64, relative_activation, precision)
             out.append(RelativeMarginFilter(dataset, relative_teacher, relative_margin, split, sep_token=sep_token))
         else:
             raise ConfigError(f"unknown negatives filter {name!r} (known: {', '.join(FILTERS)})")

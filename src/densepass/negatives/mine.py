@@ -232,6 +232,7 @@ def mine_negatives(
         config.relative_margin,
         relative_teacher(config, ctx) if "relative-margin" in names else None,
         config.filter_precision,
+        config.relative_activation,
     )
     raw = raw_pool(strategy, dataset, query_ids, config, ctx)
     pool, removed = apply_filters(raw, filters, show_progress=ctx.show_progress)

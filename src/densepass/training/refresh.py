@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,15 +30,32 @@ from densepass import distributed
 from densepass.checkpoints import trim_log
 from densepass.config import NegativesConfig
 from densepass.data.dataset import RetrievalDataset
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataError
 from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import load_pool, passage_ids, save_pool
 from densepass.training.batches import TrainingData
-from densepass.training.teacher_scores import PairScorer, Scores
+from densepass.training.teacher_scores import PairScorer, Scores, is_teacher_scores_file
 
 PREPARED_AHEAD = 1  # batches the trainer has prepared when a step ends (densepass.prefetch)
+
+
+POOL_FILE = "refresh-step-{step}.jsonl"  # the pool mined after step N
+TEACHER_FILE = "refresh-teacher-step-{step}.jsonl"  # the teacher's scores of its new candidates (distilling)
+
+
+def refresh_files(directory: Path, pattern: str) -> list[tuple[int, Path]]:
+    """(step, path) of the regular files in ``directory`` named exactly as ``pattern`` names them, by step: a file of
+    any other name (a user's copy, ``refresh-step-4-old.jsonl``) is neither read nor removed."""
+    head, tail = pattern.split("{step}")
+    shape = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))
+    found = []
+    for path in directory.glob(head + "*"):
+        match = shape.fullmatch(path.name)
+        if match and path.is_file() and not path.is_symlink():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
 
 
 class NegativeRefresher:
@@ -69,10 +87,10 @@ class NegativeRefresher:
         self.teacher = teacher
 
     def _path(self, step: int) -> Path:
-        return self.work_dir / f"refresh-step-{step}.jsonl"
+        return self.work_dir / POOL_FILE.format(step=step)
 
     def _teacher_path(self, step: int) -> Path:
-        return self.work_dir / f"refresh-teacher-step-{step}.jsonl"
+        return self.work_dir / TEACHER_FILE.format(step=step)
 
     def restore(self, resume_step: int) -> None:
         """Reload the pools mined up to ``resume_step`` (rank 0's) on every process; rank 0 drops later ones
@@ -80,17 +98,19 @@ class NegativeRefresher:
 
         def read() -> tuple[list[tuple[int, dict[str, list[str]]]], list[Scores]]:
             pools, scores = [], []
-            for path in self.work_dir.glob("refresh-step-*.jsonl"):
-                step = int(path.stem.rsplit("-", 1)[1])
+            for step, path in refresh_files(self.work_dir, POOL_FILE):
                 if step <= resume_step:
                     pools.append((step, passage_ids(load_pool(path, self.dataset))))
                 else:
                     path.unlink()
-            for path in self.work_dir.glob("refresh-teacher-step-*.jsonl"):  # the teacher's scores of each refresh
-                if int(path.stem.rsplit("-", 1)[1]) > resume_step:
+            for step, path in refresh_files(self.work_dir, TEACHER_FILE):  # the teacher's scores of each refresh
+                if step > resume_step:
                     path.unlink()
                 elif self.teacher is not None:
                     scores.append(self.teacher.read(path))
+            for step, path in refresh_files(self.work_dir, TEACHER_FILE + ".partial"):  # scored in part, retrained
+                if step > resume_step and is_teacher_scores_file(path):
+                    path.unlink()
             trim_log(self.log_path, resume_step)
             return pools, scores
 
@@ -98,6 +118,11 @@ class NegativeRefresher:
         for scored in scores:  # which refresh scored a pair first does not matter: each pair is scored once
             self.data.add_teacher_scores(scored)
         for step, pool in pools:
+            if self.teacher is not None and self.data.unscored(pool):
+                raise DataError(
+                    f"{self._path(step)}'s candidates lack the teacher's scores ({self._teacher_path(step).name} is "
+                    "missing or short): resume from an earlier checkpoint, or start over with --restart"
+                )
             self.data.replace_negatives(pool, step + PREPARED_AHEAD)
 
     def __call__(self, step: int) -> None:

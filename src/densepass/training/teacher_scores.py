@@ -58,6 +58,15 @@ def distillation_pairs(dataset: RetrievalDataset, split: str, query_ids: Sequenc
     }
 
 
+def is_teacher_scores_file(path: Path) -> bool:
+    """Whether ``path`` begins with a teacher-scores header (densepass wrote it: it may remove it)."""
+    try:
+        with open(path, "rb") as handle:
+            return json.loads(handle.readline()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def pairs_fingerprint(pairs: Pairs) -> str:
     """Fingerprint of the (query, passages) lists, in query order."""
     return fingerprint_strings(f"{q}\t" + "\t".join(pids) for q, pids in pairs.items())
@@ -207,6 +216,11 @@ def compute_teacher_scores(
                 precision,
             )
             for (q, p), value in zip(flat, values.tolist()):
+                if not math.isfinite(value) or abs(value) > SCORE_LIMIT:  # a file every later read would refuse
+                    raise DataError(
+                        f"the teacher {teacher.source} scores query {q!r} and passage {p!r} {value}: not a finite "
+                        "number a student could learn from (a diverged teacher?)"
+                    )
                 done.setdefault(q, {})[p] = value
             handle.write("".join(json.dumps({"query_id": q, "scores": done.get(q, {})}) + "\n" for q in queries))
             handle.flush()
@@ -230,15 +244,18 @@ class PairScorer:
     show_progress: bool = True
 
     def score(self, pairs: Pairs, path: Path) -> Scores:
-        """The teacher's scores of ``pairs``, computed into ``path`` (or read from it when finished)."""
-        scores = None
-        if distributed.rank() == 0:
-            progress = self.show_progress
-            scores = compute_teacher_scores(self.teacher, self.dataset, pairs, path, show_progress=progress,
-                                            precision=self.precision)  # fmt: skip
-        distributed.barrier()  # the file is finished before the other processes read it
-        return scores if scores is not None else load_teacher_scores(path, pairs, teacher_identity(self.teacher))
+        """The teacher's scores of ``pairs``, computed into ``path`` by rank 0 (or read from it when finished) and
+        given to every process (whose run directory may be its own); an error there stops every process."""
+        options = dict(show_progress=self.show_progress, precision=self.precision)
+        return distributed.on_rank_zero(
+            lambda: compute_teacher_scores(self.teacher, self.dataset, pairs, path, **options)
+        )
 
     def read(self, path: Path) -> Scores:
-        """Every score of a finished file this teacher wrote."""
-        return load_teacher_scores(path, None, teacher_identity(self.teacher))
+        """Every score of a finished file this teacher wrote (as many pairs as its header says)."""
+        scores = load_teacher_scores(path, None, teacher_identity(self.teacher))
+        header = _read(path, complete=True)[0]
+        if sum(map(len, scores.values())) != header.get("pair_count"):
+            raise DataError(f"{path} holds {sum(map(len, scores.values()))} teacher scores, its header says "
+                            f"{header.get('pair_count')}: score the refresh again (delete the file)")  # fmt: skip
+        return scores
