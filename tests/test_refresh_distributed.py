@@ -212,3 +212,38 @@ def test_densepass_run_under_torchrun_refreshes_and_writes_each_pool_once(tiny_m
     steps = [2, 4, 6, 8]  # 10 steps of 2 x 5 batches
     assert sorted(p.name for p in work.glob("refresh-step-*")) == [f"refresh-step-{s}.jsonl" for s in steps]
     assert [json.loads(line)["step"] for line in (work / "refresh_log.jsonl").read_text().splitlines()] == steps
+
+
+def test_a_distilled_run_under_torchrun_scores_each_refresh_once_for_every_process(tiny_model_dir, tmp_path):
+    """Distillation with refreshes under torchrun: rank 0 has the teacher score each refresh's new candidates and
+    gives them to the other process (no shared run directory needed); both train on."""
+    beir = write_tiny_beir(tmp_path / "beir", n_passages=60)
+    settings = [
+        f"data.name={beir}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"output_dir={tmp_path / 'out'}",
+        "name=d",
+        "train.batch_size=8",
+        "train.epochs=1",
+        "negatives.pool_depth=5",
+        "negatives.refresh_every=2",
+        f"negatives.shard_block={BLOCK}",
+        "reranker.enabled=true",
+        f"reranker.name_or_path={tiny_model_dir}",
+        "reranker.max_length=48",
+        "reranker.train.batch_size=4",
+        "reranker.train.negatives_per_query=3",
+        "reranker.first_stages=[]",
+        "reranker.distill.loss=kl",
+        "reranker.distill.contrastive=true",
+        "eval.baselines=[]",
+        "eval.metrics=[mrr@10]",
+        "model.passage_max_length=32",
+    ]
+    done = run_densepass("run", *(arg for kv in settings for arg in ("--set", kv)), cwd=tmp_path, processes=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    work = tmp_path / "out" / "d" / "negatives"
+    log = [json.loads(line) for line in (work / "refresh_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4] and all(r["teacher_scored"] > 0 for r in log)
+    teacher_files = sorted(p.name for p in work.glob("refresh-teacher-step-*"))
+    assert teacher_files == ["refresh-teacher-step-2.jsonl", "refresh-teacher-step-4.jsonl"]
