@@ -190,23 +190,28 @@ def test_restoring_gives_every_process_rank_zeros_pools_and_only_rank_zero_drops
     assert (work / "refresh_log.jsonl").read_text() == '{"step": 2}\n'  # the later record trimmed, once
 
 
-def test_densepass_run_under_torchrun_refreshes_and_writes_each_pool_once(tiny_model_dir, tmp_path):
+def torchrun_refreshing(tmp_path: Path, model_dir: Path, name: str, *extra: str):
+    """``densepass run`` under torchrun (two gloo processes) on 60 passages, re-mining every 2 steps."""
     beir = write_tiny_beir(tmp_path / "beir", n_passages=60)
     settings = [
         f"data.name={beir}",
-        f"model.name_or_path={tiny_model_dir}",
+        f"model.name_or_path={model_dir}",
         f"output_dir={tmp_path / 'out'}",
-        "name=r",
+        f"name={name}",
         "train.batch_size=8",
-        "train.epochs=2",
         "negatives.pool_depth=5",
         "negatives.refresh_every=2",
         f"negatives.shard_block={BLOCK}",
         "eval.baselines=[]",
         "eval.metrics=[mrr@10]",
         "model.passage_max_length=32",
+        *extra,
     ]
-    done = run_densepass("run", *(arg for kv in settings for arg in ("--set", kv)), cwd=tmp_path, processes=2)
+    return run_densepass("run", *(arg for kv in settings for arg in ("--set", kv)), cwd=tmp_path, processes=2)
+
+
+def test_densepass_run_under_torchrun_refreshes_and_writes_each_pool_once(tiny_model_dir, tmp_path):
+    done = torchrun_refreshing(tmp_path, tiny_model_dir, "r", "train.epochs=2")
     assert done.returncode == 0, done.stderr
     work = tmp_path / "out" / "r" / "negatives"
     steps = [2, 4, 6, 8]  # 10 steps of 2 x 5 batches
@@ -217,17 +222,11 @@ def test_densepass_run_under_torchrun_refreshes_and_writes_each_pool_once(tiny_m
 def test_a_distilled_run_under_torchrun_scores_each_refresh_once_for_every_process(tiny_model_dir, tmp_path):
     """Distillation with refreshes under torchrun: rank 0 has the teacher score each refresh's new candidates and
     gives them to the other process (no shared run directory needed); both train on."""
-    beir = write_tiny_beir(tmp_path / "beir", n_passages=60)
-    settings = [
-        f"data.name={beir}",
-        f"model.name_or_path={tiny_model_dir}",
-        f"output_dir={tmp_path / 'out'}",
-        "name=d",
-        "train.batch_size=8",
+    done = torchrun_refreshing(
+        tmp_path,
+        tiny_model_dir,
+        "d",
         "train.epochs=1",
-        "negatives.pool_depth=5",
-        "negatives.refresh_every=2",
-        f"negatives.shard_block={BLOCK}",
         "reranker.enabled=true",
         f"reranker.name_or_path={tiny_model_dir}",
         "reranker.max_length=48",
@@ -236,11 +235,7 @@ def test_a_distilled_run_under_torchrun_scores_each_refresh_once_for_every_proce
         "reranker.first_stages=[]",
         "reranker.distill.loss=kl",
         "reranker.distill.contrastive=true",
-        "eval.baselines=[]",
-        "eval.metrics=[mrr@10]",
-        "model.passage_max_length=32",
-    ]
-    done = run_densepass("run", *(arg for kv in settings for arg in ("--set", kv)), cwd=tmp_path, processes=2)
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     work = tmp_path / "out" / "d" / "negatives"
     log = [json.loads(line) for line in (work / "refresh_log.jsonl").read_text().splitlines()]
