@@ -589,11 +589,26 @@ def _float64_logits(path, query: str, passages: list[str]) -> np.ndarray:
         return np.array([float(model(**tokenizer(query, p, return_tensors="pt")).logits) for p in passages])
 
 
+def teacher_filters(dataset, path) -> list:
+    """The cross-encoder filter (threshold: logit 0) and the relative-margin filter (0.95), both of the model at
+    ``path``."""
+    from densepass.negatives.filters import build_filters
+
+    return build_filters(
+        ["cross-encoder", "relative-margin"],
+        dataset,
+        cross_encoder=str(path),
+        threshold=0.0,
+        relative_margin=0.95,
+        relative_teacher=str(path),
+    )
+
+
 def test_the_cross_encoder_filter_thresholds_logits_whatever_activation_the_model_names(sigmoid_config_cross_encoder):
     from scipy.special import expit
     from sentence_transformers import CrossEncoder as STCrossEncoder
 
-    from densepass.negatives.filters import RelativeMarginFilter, build_filters, relative_margin_keep
+    from densepass.negatives.filters import RelativeMarginFilter, relative_margin_keep
 
     path, query, passages = sigmoid_config_cross_encoder
     logits = _float64_logits(path, query, passages)
@@ -605,14 +620,7 @@ def test_the_cross_encoder_filter_thresholds_logits_whatever_activation_the_mode
     low, high = {p for p, x in zip(ids, logits) if x < -0.1}, {p for p, x in zip(ids, logits) if x > 0.1}
     assert low and high and len(low) + len(high) == len(ids), logits  # planted: clear of the threshold
     candidates = [p for p in ids if p != "p0"]  # p0: q0's positive
-    [absolute, relative] = build_filters(
-        ["cross-encoder", "relative-margin"],
-        dataset,
-        cross_encoder=str(path),
-        threshold=0.0,
-        relative_margin=0.95,
-        relative_teacher=str(path),
-    )
+    [absolute, relative] = teacher_filters(dataset, path)
     assert absolute.keep("q0", _pool(candidates)) == [p in low for p in candidates]
     # the relative-margin teacher: the same logits through a sigmoid, against q0's positive p0
     assert isinstance(relative, RelativeMarginFilter)
@@ -628,7 +636,7 @@ def test_teacher_filters_score_every_querys_pairs_together_and_keep_what_one_que
     """``apply_filters`` has a cross-encoder score the pairs of every query in one ``score_pairs`` call (batches of
     similar length across queries) and keeps exactly what each filter's per-query ``keep`` keeps."""
     from densepass.negatives import filters as filters_module
-    from densepass.negatives.filters import CrossEncoderScorer, build_filters
+    from densepass.negatives.filters import CrossEncoderScorer
 
     path = sigmoid_config_cross_encoder[0]
     dataset = small_dataset()
@@ -637,14 +645,7 @@ def test_teacher_filters_score_every_querys_pairs_together_and_keep_what_one_que
         for q in ("q0", "q1", "q2")
     }
     pool["q3"] = []
-    built = build_filters(
-        ["cross-encoder", "relative-margin"],
-        dataset,
-        cross_encoder=str(path),
-        threshold=0.0,
-        relative_margin=0.95,
-        relative_teacher=str(path),
-    )
+    built = teacher_filters(dataset, path)
     calls = []
     for f in built:
         assert isinstance(f.scorer, CrossEncoderScorer)

@@ -112,15 +112,12 @@ class CrossEncoderFilter:
 
     def keep(self, qid: str, cands: list[Candidate]) -> list[bool]:
         """For each candidate, whether it stays."""
-        if not cands:
-            return []
-        texts = [passage_input(self.dataset.corpus, c.passage_id, self.sep_token) for c in cands]
-        scores = np.asarray(self.scorer(self.dataset.queries[qid], texts), dtype=np.float64)
-        return (scores <= self.threshold).tolist()
+        return self.keep_all({qid: cands})[qid]
 
     def keep_all(self, pool: NegativePool, show_progress: bool = False) -> dict[str, list[bool]]:
         """``keep`` of every query of ``pool``, its pairs scored together (``scored_in_batches``)."""
-        scored = scored_in_batches(self.scorer, self.dataset, pool_pairs(pool), self.sep_token, show_progress)
+        pairs = {qid: [c.passage_id for c in cands] for qid, cands in pool.items() if cands}
+        scored = scored_in_batches(self.scorer, self.dataset, pairs, self.sep_token, show_progress)
         return {qid: (scored[qid] <= self.threshold).tolist() if qid in scored else [] for qid in pool}
 
 
@@ -151,35 +148,19 @@ class RelativeMarginFilter:
 
     def keep(self, qid: str, cands: list[Candidate]) -> list[bool]:
         """For each candidate, whether it stays (one teacher call scores the positives and the candidates)."""
-        if not cands:
-            return []
-        positives = [p for p in self.positives.get(qid, ()) if p in self.dataset.corpus]
-        ids = [*positives, *(c.passage_id for c in cands)]
-        texts = [passage_input(self.dataset.corpus, pid, self.sep_token) for pid in ids]
-        scores = np.asarray(self.scorer(self.dataset.queries[qid], texts), dtype=np.float64)
-        return relative_margin_keep(scores[len(positives) :], scores[: len(positives)], self.margin)
-
-    def _positives(self, qid: str) -> list[str]:
-        return [p for p in self.positives.get(qid, ()) if p in self.dataset.corpus]
+        return self.keep_all({qid: cands})[qid]
 
     def keep_all(self, pool: NegativePool, show_progress: bool = False) -> dict[str, list[bool]]:
         """``keep`` of every query of ``pool``: each query's positives and candidates scored together with every other
         query's (``scored_in_batches``)."""
-        pairs = {qid: [*self._positives(qid), *(c.passage_id for c in cands)] for qid, cands in pool.items() if cands}
+        positives = {qid: [p for p in self.positives.get(qid, ()) if p in self.dataset.corpus] for qid in pool}
+        pairs = {qid: [*positives[qid], *(c.passage_id for c in cands)] for qid, cands in pool.items() if cands}
         scored = scored_in_batches(self.scorer, self.dataset, pairs, self.sep_token, show_progress)
         out = {}
-        for qid, cands in pool.items():
-            if not cands:
-                out[qid] = []
-                continue
-            n = len(self._positives(qid))
-            out[qid] = relative_margin_keep(scored[qid][n:], scored[qid][:n], self.margin)
+        for qid in pool:
+            n = len(positives[qid])
+            out[qid] = relative_margin_keep(scored[qid][n:], scored[qid][:n], self.margin) if qid in scored else []
         return out
-
-
-def pool_pairs(pool: NegativePool) -> dict[str, list[str]]:
-    """Query id -> the passage ids of its candidates (queries without any left out)."""
-    return {qid: [c.passage_id for c in cands] for qid, cands in pool.items() if cands}
 
 
 BATCH_PAIRS = 16_384  # pairs a batched scorer scores per call (a progress step, and a bound on its memory)
@@ -195,7 +176,10 @@ def scored_in_batches(
 
     if not hasattr(scorer, "score_pairs"):
         return {
-            qid: np.asarray(scorer(dataset.queries[qid], [passage_input(dataset.corpus, p, sep_token) for p in pids]))
+            qid: np.asarray(
+                scorer(dataset.queries[qid], [passage_input(dataset.corpus, p, sep_token) for p in pids]),
+                dtype=np.float64,
+            )
             for qid, pids in pairs.items()
         }
     flat = [(qid, pid) for qid, pids in pairs.items() for pid in pids]
@@ -243,9 +227,6 @@ def check_cross_encoder_filter(
     resolve_model_path(cross_encoder)
 
 
-ACTIVATIONS = {"sigmoid": "expit", "exp": "exp"}  # what the relative-margin filter takes a ratio of (scipy / numpy)
-
-
 def cross_encoder_scorer(
     path: str, batch_size: int = 64, activation: str | None = None, precision: str = "fp32"
 ) -> Scorer:
@@ -262,9 +243,10 @@ def cross_encoder_scorer(
 
     # a missing model, one asking for code of its own, weights that are not plain tensors: one line, before scoring
     model = CrossEncoder.from_pretrained(path, batch_size=batch_size, precision=precision)
-    if activation not in (None, *ACTIVATIONS):
+    activations = {None: None, "sigmoid": expit, "exp": np.exp}
+    if activation not in activations:
         raise ConfigError(f"unknown activation {activation!r} of a cross-encoder's scores (known: sigmoid, exp)")
-    return CrossEncoderScorer(model, {None: None, "sigmoid": expit, "exp": np.exp}[activation])
+    return CrossEncoderScorer(model, activations[activation])
 
 
 @dataclass
@@ -337,7 +319,9 @@ def build_filters(
             if relative_teacher is None:
                 raise ConfigError("the relative-margin filter needs a teacher (negatives.relative_teacher)")
             if isinstance(relative_teacher, str):
-                relative_teacher = cross_encoder_scorer(relative_teacher, 64, relative_activation, precision)
+                relative_teacher = cross_encoder_scorer(
+                    relative_teacher, activation=relative_activation, precision=precision
+                )
             out.append(RelativeMarginFilter(dataset, relative_teacher, relative_margin, split, sep_token=sep_token))
         else:
             raise ConfigError(f"unknown negatives filter {name!r} (known: {', '.join(FILTERS)})")

@@ -138,17 +138,14 @@ def _check_teacher(path: Path, header: dict, teacher: Mapping | None) -> None:
     )
 
 
-def load_teacher_scores(path: str | Path, pairs: Pairs | None, teacher: Mapping | None = None) -> Scores:
-    """The scores of ``pairs`` read from a finished file (None: every score it holds); a file of another teacher
-    (when ``teacher`` is given), or one missing a query or a pair of ``pairs`` (other queries, another pool), is a
-    DataError."""
+def load_teacher_scores(path: str | Path, pairs: Pairs, teacher: Mapping | None = None) -> Scores:
+    """The scores of ``pairs`` read from a finished file; a file of another teacher (when ``teacher`` is
+    given), or one missing a query or a pair of ``pairs`` (other queries, another pool), is a DataError."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"teacher-scores file not found: {path}")
     header, scores, _ = _read(path, complete=True)
     _check_teacher(path, header, teacher)
-    if pairs is None:
-        return scores
     if header.get("pairs") == pairs_fingerprint(pairs) and len(scores) == len(pairs):
         return scores
     for qid, pids in pairs.items():
@@ -253,8 +250,8 @@ class PairScorer:
 
     def read(self, path: Path) -> Scores:
         """Every score of a finished file this teacher wrote (as many pairs as its header says)."""
-        scores = load_teacher_scores(path, None, teacher_identity(self.teacher))
-        header = _read(path, complete=True)[0]
+        header, scores, _ = _read(path, complete=True)  # read once: header and scores
+        _check_teacher(path, header, teacher_identity(self.teacher))
         if sum(map(len, scores.values())) != header.get("pair_count"):
             raise DataError(f"{path} holds {sum(map(len, scores.values()))} teacher scores, its header says "
                             f"{header.get('pair_count')}: score the refresh again (delete the file)")  # fmt: skip
