@@ -189,12 +189,14 @@ def encode_sharded(
     show_progress: bool = True,
     precision: str = "auto",
     replace_other: bool = False,
+    encoder: str | None = None,
 ) -> ShardedEmbeddings:
     """Encode this process's shard of the passage encoder inputs ``texts`` (every process passes a view of the
     same corpus), block by block: into ``directory`` (resumable, with a manifest; ``corpus_fingerprint``
     required) or in memory, in ``precision`` (``models.encode``; part of the manifest's model fingerprint).
     Shards in ``directory`` of another model or corpus are refused, or removed with ``replace_other`` (a
-    directory private to one build). Collective: every process of the group must call it."""
+    directory private to one build); ``encoder``: the model's ``encoder_fingerprint`` where the caller has it.
+    Collective: every process of the group must call it."""
     rank = distributed.rank()
     precision = resolve_precision(precision, device or default_device())
     plan = ShardPlan(len(texts), distributed.world_size(), block)
@@ -206,7 +208,7 @@ def encode_sharded(
     if corpus_fingerprint is None:
         raise DensepassError("encoding shards into a directory needs the corpus fingerprint for its manifest")
     directory = Path(directory)
-    content = {"model": encoder_fingerprint(model, precision), "corpus": corpus_fingerprint}
+    content = {"model": encoder or encoder_fingerprint(model, precision), "corpus": corpus_fingerprint}
     _prepare_directory(directory, plan, content, model.dim, replace_other)
     local = None
     if end > start:
@@ -217,20 +219,26 @@ def encode_sharded(
 
 
 def cache_key(
-    model: BiEncoder, corpus_fingerprint: str, precision: str, batch_size: int, block: int, device: torch.device
+    model: BiEncoder,
+    corpus_fingerprint: str,
+    precision: str,
+    batch_size: int,
+    block: int,
+    device: torch.device,
+    encoder: str | None = None,
 ) -> str:
     """The fingerprint of everything that determines a corpus's passage embeddings: the model's weights and
     architecture (pooling, prompts, lengths, the tower's own config), its tokenizer (with the separator that joins
     titles to texts and the side it truncates), the precision, batch and block it is encoded in, the kind of device
     and, on a CPU in bf16 or int8, which build of densepass's kernels runs (or none: another code path), torch's
-    version, and the corpus."""
+    version, and the corpus (``encoder``: the model's ``encoder_fingerprint`` where the caller has it)."""
     tokenizer = model.tokenizer
     kernels = None
     if device.type == "cpu" and precision != "fp32" and env_switch(cpu_kernels.ENV) is not False:
         kernels = cpu_kernels.kind()
     return fingerprint_json(
         {
-            "encoder": encoder_fingerprint(model, precision),
+            "encoder": encoder or encoder_fingerprint(model, precision),
             "tower": tower_config(model),
             "tokenizer": fingerprint_tokenizer(tokenizer),
             "separator": tokenizer.sep_token,
@@ -274,11 +282,13 @@ def encode_cached(
     device = device or default_device()
     precision = resolve_precision(precision, device)
     fingerprint = fingerprint_corpus(corpus)
-    directory = Path(cache_dir) / CACHE_FOLDER / cache_key(model, fingerprint, precision, batch_size, block, device)
+    encoder = encoder_fingerprint(model, precision)  # once: every weight is hashed (seconds for a large model)
+    key = cache_key(model, fingerprint, precision, batch_size, block, device, encoder)
+    directory = Path(cache_dir) / CACHE_FOLDER / key
     texts = corpus.lazy_inputs(model.tokenizer.sep_token or " ")
     options = dict(block=block, batch_size=batch_size, device=device, show_progress=show_progress, precision=precision)
     with exclusive_lock(directory, "encoding", wait=True):
-        return encode_sharded(model, texts, directory, fingerprint, **options)
+        return encode_sharded(model, texts, directory, fingerprint, encoder=encoder, **options)
 
 
 def _or_empty(local: np.ndarray | None, dim: int) -> np.ndarray:
