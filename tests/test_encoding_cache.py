@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from conftest import small_run_overrides
@@ -138,3 +139,14 @@ def test_the_key_names_the_cpu_code_path_that_encodes(tiny_model_dir, monkeypatc
         keys[switch] = {p: cache_key(model, "corpus", p, 16, 64, CPU) for p in ("fp32", "bf16")}
     assert keys["1"]["fp32"] == keys["0"]["fp32"]
     assert (keys["1"]["bf16"] != keys["0"]["bf16"]) == (cpu_kernels.kind() is not None)
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line_before_any_work(tiny_model_dir, tiny_beir, tmp_path):
+    from densepass.errors import ConfigError
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    settings = small_run_overrides(tiny_beir, tiny_model_dir, tmp_path / "runs", "c")
+    with pytest.raises(ConfigError, match="exists and is not a folder"):
+        run_experiment(load_config(None, [*settings, f"cache_dir={notes}"]))
+    assert notes.read_text() == "mine\n" and not (tmp_path / "runs").exists()

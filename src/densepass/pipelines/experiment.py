@@ -182,6 +182,7 @@ def check(config: ExperimentConfig) -> torch.device:
             "(e.g. a BEIR-layout folder)"
         )
     check_eval_part(config)
+    check_cache_dir(config.cache_dir)
     if config.negatives.source == "given" and config.data.format != "pairs":
         raise ConfigError("negatives.source: given takes the negatives of training rows: it needs data.format: pairs")
     neg = config.negatives
@@ -220,6 +221,19 @@ def check(config: ExperimentConfig) -> torch.device:
     if config.reranker.enabled and config.reranker.train.enabled:
         check_l2sp(config.reranker.train, "reranker.train")
     return device
+
+
+def check_cache_dir(cache_dir: str | None) -> None:
+    """``cache_dir``, before any work: a folder (made when missing) where this user may write; a file of that name, or
+    a folder out of reach, is one line now rather than an error after training."""
+    if not cache_dir:
+        return
+    path = Path(cache_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"cache_dir {cache_dir} exists and is not a folder: name a folder for the encodings")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"cache_dir {cache_dir}: {existing} is not writable, so no encoding could be kept there")
 
 
 def check_eval_part(config: ExperimentConfig) -> None:
