@@ -149,4 +149,6 @@ def test_a_cache_dir_that_is_a_file_is_one_line_before_any_work(tiny_model_dir, 
     settings = small_run_overrides(tiny_beir, tiny_model_dir, tmp_path / "runs", "c")
     with pytest.raises(ConfigError, match="exists and is not a folder"):
         run_experiment(load_config(None, [*settings, f"cache_dir={notes}"]))
+    with pytest.raises(ConfigError, match="File name too long"):  # what the file system refuses: one line too
+        run_experiment(load_config(None, [*settings, f"cache_dir={tmp_path / ('x' * 5000)}"]))
     assert notes.read_text() == "mine\n" and not (tmp_path / "runs").exists()

@@ -229,9 +229,12 @@ def check_cache_dir(cache_dir: str | None) -> None:
     if not cache_dir:
         return
     path = Path(cache_dir)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"cache_dir {cache_dir} exists and is not a folder: name a folder for the encodings")
-    existing = next(p for p in (path, *path.parents) if p.exists())
+    try:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"cache_dir {cache_dir} exists and is not a folder: name a folder for the encodings")
+        existing = next(p for p in (path, *path.parents) if p.exists())
+    except OSError as err:  # a name too long, a part that is a file: what the file system says, in one line
+        raise ConfigError(f"cache_dir {cache_dir[:200]}: {err.strerror or err}") from None
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"cache_dir {cache_dir}: {existing} is not writable, so no encoding could be kept there")
 
