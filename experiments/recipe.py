@@ -48,7 +48,8 @@ Beside the rows:
   passages cut to 96 and kept at 0.75), and issue 55's levers, one change each to the recommended recipe
   (``MIX_SQUAD``, ``L2SP``, ``ALL_QUERIES``; ``DISTILL_KL`` and ``DISTILL_MARGIN_MSE`` distil the teacher that
   ``configs/recipe_teacher.yaml`` trains into ``<out>/runs/recipe-teacher``, which must exist first, and ``DENOISED``
-  drops the mined candidates it takes for unlabelled positives).
+  drops the mined candidates it takes for unlabelled positives; ``PRETRAINED`` starts from the MiniLM that
+  ``configs/pretrain_recipe.yaml`` continues on the corpus into ``<out>/runs/recipe-pretrain``: see ``MADE_FIRST``).
 
 Every run is an ordinary ``densepass run`` directory under ``<out>/runs`` (resumable; a finished one is
 skipped); ``--stage report`` first runs whatever evaluation of a finished model is missing (out of domain, e.g. the
@@ -124,7 +125,27 @@ DISTILL_MARGIN_MSE = "recommended + distilled from the teacher, Margin-MSE"
 # positive or above (its logits' exponents: within 0.05 of the positive's logit) are taken for unlabelled positives
 # and dropped, in the first pool and at the re-mining
 DENOISED = "recommended + negatives denoised by the teacher (relative margin 0.95)"
-TEACHER_RUN = "recipe-teacher"  # configs/recipe_teacher.yaml's run name
+# corpus-adapted pre-training: the recommended recipe from all-MiniLM-L6-v2 continued on the debian corpus with
+# Contriever's crops (configs/pretrain_recipe.yaml); its wise-ft interpolates toward that start, it mines with MiniLM
+PRETRAINED = "recommended from MiniLM pre-trained on the corpus (Contriever crops, 2,000 steps)"
+
+
+class MadeFirst(NamedTuple):
+    """A model some variants need that another run makes first: the run's name under ``<out>/runs``, the model's
+    folder inside it, and the command that makes it."""
+
+    run: str
+    folder: str
+    command: str
+
+
+# a placeholder value in VARIANTS ("=TEACHER") -> the model it stands for, resolved under --out
+MADE_FIRST = {
+    "TEACHER": MadeFirst("recipe-teacher", "reranker/model", "python3 -m densepass run configs/recipe_teacher.yaml"),
+    "PRETRAINED": MadeFirst(
+        "recipe-pretrain", "backbone", "python3 -m densepass pretrain configs/pretrain_recipe.yaml"
+    ),
+}
 TEACHER_KEYS = [
     "reranker.enabled=true",
     "reranker.name_or_path=TEACHER",
@@ -189,6 +210,7 @@ VARIANTS: dict[str, list[str]] = {
         "negatives.filter_precision=auto",
         "negatives.relative_activation=exp",  # the teacher trains listwise: its logits' offset means nothing
     ],
+    PRETRAINED: [*ONE_EPOCH_KEYS, "negatives.refresh_every=HALF_EPOCH", "model.name_or_path=PRETRAINED"],
 }
 IN_DOMAIN = ["mrr@10", "ndcg@10", "recall@100"]
 RERANK_DEPTH = 100  # candidates of the best model (alone, + BM25) that the cross-encoder re-scores
@@ -276,9 +298,17 @@ def row_config(args: argparse.Namespace, name: str, variant: str | None = None) 
         args.config, [key.split("=")[0] + "=1" if key.endswith("=HALF_EPOCH") else key for key in overrides]
     )
     half_epoch = str(max(1, shape.data.max_train_queries // shape.train.batch_size // 2))  # e.g. re-mining
-    teacher = str(Path(args.out) / "runs" / TEACHER_RUN / "reranker" / "model")
-    resolved = [key.replace("HALF_EPOCH", half_epoch).replace("=TEACHER", f"={teacher}") for key in overrides]
+    resolved = [key.replace("HALF_EPOCH", half_epoch) for key in overrides]
+    for placeholder in MADE_FIRST:
+        model = str(made_first(args, placeholder))
+        resolved = [key.replace(f"={placeholder}", f"={model}") for key in resolved]
     return load_config(args.config, resolved)
+
+
+def made_first(args: argparse.Namespace, placeholder: str) -> Path:
+    """Where the model that ``MADE_FIRST[placeholder]`` names is (or will be) under ``--out``."""
+    made = MADE_FIRST[placeholder]
+    return Path(args.out) / "runs" / made.run / made.folder
 
 
 def evaluation_config(args: argparse.Namespace, name: str, model_path: Path) -> ExperimentConfig:
@@ -377,16 +407,19 @@ def evaluate_model(args: argparse.Namespace, trained: ExperimentConfig, name: st
 
 
 def run_variants(args: argparse.Namespace) -> None:
-    """``--variants`` of ``--variant-row``, each trained and evaluated like a row; a variant that needs the teacher
-    when it has not been trained is a one-line error before any of them runs."""
+    """``--variants`` of ``--variant-row``, each trained and evaluated like a row; a variant that needs a model made
+    first (``MADE_FIRST``: the teacher, the pre-trained MiniLM) before it is made is a one-line error before any of
+    them runs."""
     configs = {variant: row_config(args, args.variant_row, variant) for variant in args.variants}
-    teacher = Path(args.out) / "runs" / TEACHER_RUN / "reranker" / "model"
-    needing = [v for v in args.variants if any(key.endswith("=TEACHER") for key in VARIANTS[v])]
-    if needing and not (teacher / "config.json").is_file():
-        raise ConfigError(
-            f"{needing[0]!r} needs the teacher in {teacher}: train it first (python3 -m densepass run "
-            f"configs/recipe_teacher.yaml --set output_dir={Path(args.out) / 'runs'})"
-        )
+    for variant in args.variants:
+        for placeholder, made in MADE_FIRST.items():
+            model = made_first(args, placeholder)
+            needed = any(key.endswith(f"={placeholder}") for key in VARIANTS[variant])
+            if needed and not (model / "config.json").is_file():
+                raise ConfigError(
+                    f"{variant!r} needs the {placeholder.lower()} model in {model}: make it first ({made.command} "
+                    f"--set output_dir={Path(args.out) / 'runs'})"
+                )
     for variant in args.variants:
         config = configs[variant]
         print(f"== {variant_name(args.variant_row, variant)}: {' '.join(VARIANTS[variant])}", flush=True)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -218,6 +219,7 @@ def test_issue_55_levers_are_one_change_each_to_the_recommended_recipe(monkeypat
         "negatives.filter_precision": "auto",
         "negatives.relative_activation": "exp",
     }
+    assert changes(driver.PRETRAINED) == {"model.name_or_path": "outputs/recipe/runs/recipe-pretrain/backbone"}
 
 
 def test_every_variant_evaluates_on_the_parts_of_dev(monkeypatch):
@@ -235,8 +237,17 @@ def test_every_variant_evaluates_on_the_parts_of_dev(monkeypatch):
             check(config)
 
 
-def test_a_variant_that_needs_the_teacher_before_it_is_trained_is_one_line(tmp_path):
-    result = recipe("--out", str(tmp_path), "--stage", "variant", "--variants", "lr 2e-5",
-                    "recommended + distilled from the teacher, Margin-MSE")  # fmt: skip
-    assert result.returncode == 2 and "needs the teacher in" in result.stderr
+@pytest.mark.parametrize(
+    ("variant", "needs"),
+    [
+        ("recommended + distilled from the teacher, Margin-MSE", "the teacher model in"),
+        (
+            "recommended from MiniLM pre-trained on the corpus (Contriever crops, 2,000 steps)",
+            "the pretrained model in",
+        ),
+    ],
+)
+def test_a_variant_that_needs_a_model_before_it_is_made_is_one_line(tmp_path, variant, needs):
+    result = recipe("--out", str(tmp_path), "--stage", "variant", "--variants", "lr 2e-5", variant)
+    assert result.returncode == 2 and needs in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
