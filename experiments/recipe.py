@@ -46,10 +46,11 @@ Beside the rows:
   at 256 tokens but cut to 128 in training batches, one epoch with the pool re-mined half-way, wise-ft 0.85; its
   earlier forms: ``TWO_EPOCHS_07``, two epochs kept at 0.7, ``ONE_EPOCH`` without re-mining, and ``CROPS_96``,
   passages cut to 96 and kept at 0.75), and issue 55's levers, one change each to the recommended recipe
-  (``MIX_SQUAD``, ``L2SP``, ``ALL_QUERIES``; ``DISTILL_KL`` and ``DISTILL_MARGIN_MSE`` distil the teacher that
-  ``configs/recipe_teacher.yaml`` trains into ``<out>/runs/recipe-teacher``, which must exist first, and ``DENOISED``
-  drops the mined candidates it takes for unlabelled positives; ``PRETRAINED`` starts from the MiniLM that
-  ``configs/pretrain_recipe.yaml`` continues on the corpus into ``<out>/runs/recipe-pretrain``: see ``MADE_FIRST``).
+  (``MIX_SQUAD``, ``L2SP``, ``ALL_QUERIES`` and ``ALL_QUERIES_TWO_EPOCHS``; ``DISTILL_KL`` and
+  ``DISTILL_MARGIN_MSE`` distil the teacher that ``configs/recipe_teacher.yaml`` trains into
+  ``<out>/runs/recipe-teacher``, which must exist first, and ``DENOISED`` drops the mined candidates it takes for
+  unlabelled positives; ``PRETRAINED`` starts from the MiniLM that ``configs/pretrain_recipe.yaml`` continues on the
+  corpus into ``<out>/runs/recipe-pretrain``: see ``MADE_FIRST``).
 
 Every run is an ordinary ``densepass run`` directory under ``<out>/runs`` (resumable; a finished one is
 skipped); ``--stage report`` first runs whatever evaluation of a finished model is missing (out of domain, e.g. the
@@ -116,6 +117,7 @@ RECOMMENDED = "recommended: 1 epoch, re-mined half-way, wise-ft 0.85"
 MIX_SQUAD = "recommended + squad train questions, 3 of each batch of 32"
 L2SP = "recommended + L2-SP, alpha 0.5"  # its pull a fifth of the loss gradient at the end (docs/experiments.md)
 ALL_QUERIES = "recommended on all 47,732 train queries, re-mined every half epoch"
+ALL_QUERIES_TWO_EPOCHS = "recommended on all 47,732 train queries, 2 epochs, re-mined every half epoch"
 # distillation from the teacher configs/recipe_teacher.yaml trains (<out>/runs/recipe-teacher/reranker/model): its
 # scores of each query's positives and pool candidates (and of each refreshed pool's new ones) as KL (listwise, plus
 # the contrastive loss) or Margin-MSE targets
@@ -189,6 +191,12 @@ VARIANTS: dict[str, list[str]] = {
     ],
     L2SP: [*ONE_EPOCH_KEYS, "negatives.refresh_every=HALF_EPOCH", "train.l2sp=0.5"],
     ALL_QUERIES: [*ONE_EPOCH_KEYS, "data.max_train_queries=47732", "negatives.refresh_every=HALF_EPOCH"],
+    ALL_QUERIES_TWO_EPOCHS: [
+        *ONE_EPOCH_KEYS,
+        "data.max_train_queries=47732",
+        "train.epochs=2",
+        "negatives.refresh_every=HALF_EPOCH",
+    ],
     DISTILL_KL: [
         *ONE_EPOCH_KEYS,
         "negatives.refresh_every=HALF_EPOCH",

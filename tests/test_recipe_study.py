@@ -204,6 +204,11 @@ def test_issue_55_levers_are_one_change_each_to_the_recommended_recipe(monkeypat
     assert changes(driver.MIX_SQUAD) == {"data.mix": [mix]}
     assert changes(driver.L2SP) == {"train.l2sp": 0.5}
     assert changes(driver.ALL_QUERIES) == {"data.max_train_queries": 47732, "negatives.refresh_every": 745}
+    assert changes(driver.ALL_QUERIES_TWO_EPOCHS) == {
+        "data.max_train_queries": 47732,
+        "train.epochs": 2,
+        "negatives.refresh_every": 745,
+    }
     teacher = {
         "reranker.enabled": True,
         "reranker.name_or_path": "outputs/recipe/runs/recipe-teacher/reranker/model",
