@@ -547,6 +547,12 @@ def test_refresh_during_training_is_saved_filtered_and_resumable(tiny_beir, tiny
         run_experiment(config(tmp_path / "c", "negatives.source=none", "negatives.per_query=0"))
     with pytest.raises(ConfigError, match="refresh_every: must be >= 1"):
         run_experiment(config(tmp_path / "d", "negatives.refresh_every=0"))
+    # One epoch of 3 steps: a refresh after step 2 would serve from step 4 on, so none is made, and the run is the
+    # run without refreshes (the re-encoding of the corpus that no batch draws from is not paid for).
+    once = run_experiment(config(tmp_path / "e", "train.epochs=1"))["fine-tuned"]
+    assert not list((tmp_path / "e" / "r").glob("negatives/refresh-step-*"))
+    without = run_experiment(config(tmp_path / "f", "train.epochs=1", "negatives.refresh_every=null"))
+    assert once == without["fine-tuned"]
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,9 @@ def refresh_files(directory: Path, pattern: str) -> list[tuple[int, Path]]:
 
 class NegativeRefresher:
     """An ``on_step_end`` callback of the trainer that re-mines ``data``'s negative pool with ``model``
-    after every ``every`` steps, up to (not at) ``last_step``."""
+    after every ``every`` steps, while some batch is still to draw from it: the batch after a step is prepared
+    when it ends (``PREPARED_AHEAD``), so a refresh after step ``last_step - 1`` (or later) would re-encode the
+    corpus for no batch, and is skipped."""
 
     def __init__(
         self,
@@ -80,7 +82,7 @@ class NegativeRefresher:
         if not data.negatives_per_query:
             raise ConfigError("negatives.refresh_every needs hard negatives (negatives.per_query > 0)")
         self.every, self.model, self.data, self.dataset = every, model, data, dataset
-        self.last_step = last_step  # no refresh after the final step: no batch would use it
+        self.last_step = last_step
         self.query_ids, self.config, self.work_dir = list(query_ids), config, Path(work_dir)
         self.context = dataclasses.replace(context, model=model, show_progress=False)
         self.log_path = self.work_dir / "refresh_log.jsonl"
@@ -127,7 +129,7 @@ class NegativeRefresher:
 
     def __call__(self, step: int) -> None:
         """Re-mine the pool after step ``step`` when a refresh is due (every process of the group calls it)."""
-        if step % self.every or step >= self.last_step:
+        if step % self.every or step + PREPARED_AHEAD >= self.last_step:  # its first batch: step + PREPARED_AHEAD
             return
         was_training = self.model.training
         self.model.eval()
