@@ -21,6 +21,29 @@ from densepass.config import PRECISIONS
 from densepass.errors import ConfigError
 
 
+@functools.cache
+def _glibc():
+    """The C library when it is glibc (whose ``malloc_trim`` releases freed heap memory), else None."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to release this way
+        return None
+    return libc
+
+
+def release_freed_memory() -> bool:
+    """Give the memory this process has freed back to the system (glibc's ``malloc_trim``); False where the C
+    library cannot. CPU training steps of varying shapes (padding-free ones above all: every step a new token
+    count) leave glibc's heaps fragmented, and it keeps the freed memory: a process's resident size grows by tens
+    of megabytes a step, to gigabytes within an hour, though it holds no more tensors (docs/reliability.md)."""
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
+
+
 def default_device() -> torch.device:
     """CUDA when available, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
