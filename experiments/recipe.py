@@ -190,7 +190,8 @@ VARIANTS: dict[str, list[str]] = {
         "data.mix=[{name: squad-v1.1-dev-split, format: squad, split: train, fraction: 0.1}]",
     ],
     L2SP: [*ONE_EPOCH_KEYS, "negatives.refresh_every=HALF_EPOCH", "train.l2sp=0.5"],
-    # measured before HALF_EPOCH rounded up: it re-mines at step 745 and at 1,490, the second for its last step
+    # started before HALF_EPOCH rounded up (745 is in its run's identity); after step 1,490 no batch is left to draw
+    # from a new pool, so it re-mines once
     ALL_QUERIES: [*ONE_EPOCH_KEYS, "data.max_train_queries=47732", "negatives.refresh_every=745"],
     ALL_QUERIES_TWO_EPOCHS: [
         *ONE_EPOCH_KEYS,
@@ -306,9 +307,8 @@ def row_config(args: argparse.Namespace, name: str, variant: str | None = None) 
     shape = load_config(
         args.config, [key.split("=")[0] + "=1" if key.endswith("=HALF_EPOCH") else key for key in overrides]
     )
-    # re-mining every half epoch: rounded up, so that no refresh falls on an epoch's last step (1,491 steps of
-    # 47,732 queries re-mine at 746 and, over two epochs, at 1,492 and 2,238, where 745 would re-mine the whole
-    # corpus at 1,490 and 2,980 for one or two steps)
+    # re-mining every half epoch: rounded up, so that no refresh falls on an epoch's last steps (two epochs of 1,491
+    # steps re-mine at 746, 1,492 and 2,238, where 745 would also re-mine the whole corpus at 2,980 for the last step)
     half_epoch = str(max(1, -(-(shape.data.max_train_queries // shape.train.batch_size) // 2)))
     resolved = [key.replace("HALF_EPOCH", half_epoch) for key in overrides]
     for placeholder in MADE_FIRST:

@@ -25,10 +25,9 @@ from densepass.errors import ConfigError
 def _glibc():
     """The C library when it is glibc (whose ``malloc_trim`` releases freed heap memory), else None."""
     import ctypes
-    import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the C library this process runs on: no search, no subprocess
         libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to release this way
         return None
