@@ -18,36 +18,12 @@ import torch
 from densepass.config import DEFAULT_MODEL, NegativesConfig, TrainConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.errors import ConfigError
+from densepass.fingerprints import fingerprint_file, fingerprint_weights
 from densepass.index.bm25 import BM25Index
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.filters import Scorer, apply_filters, bi_encoder_scorer, build_filters
-from densepass.negatives.pool import Candidate, NegativePool, load_pool, source_counts, truncate
-
-
-@dataclass
-class MiningResult:
-    """A mined pool, what each filter removed, and how long it took."""
-
-    pool: NegativePool
-    removed: dict[str, int]  # filter name -> candidates removed
-    seconds: float
-
-    @property
-    def source_counts(self) -> dict[str, int]:
-        """Candidates per strategy in the pool."""
-        return source_counts(self.pool)
-
-    def summary(self) -> str:
-        """One line describing the pool (sizes, sources, removals, time)."""
-        n = len(self.pool)
-        total = sum(len(c) for c in self.pool.values())
-        empty = sum(1 for c in self.pool.values() if not c)
-        sources = ", ".join(f"{s}: {k}" for s, k in self.source_counts.items()) or "none"
-        removed = ", ".join(f"{f}: {k}" for f, k in self.removed.items())
-        return (
-            f"{total} negatives for {n} queries ({total / max(n, 1):.1f} per query, {empty} with none) in "
-            f"{self.seconds:.1f}s; by source: {sources}; removed by filter: {removed}"
-        )
+from densepass.negatives.pool import Candidate, MiningResult, NegativePool, load_pool, truncate
+from densepass.negatives.pool_cache import cached_mining, keeps_pools, model_files, pool_key
 
 
 @dataclass
@@ -66,7 +42,8 @@ class MiningContext:
     model: BiEncoder | None = None  # for source=model: a model in memory (the one being trained) instead of a path
     miners: dict[int, BiEncoder] = field(default_factory=dict)  # dense:DIM -> its trained miner (training.dense_miners)
     precision: str = "auto"  # encoding precision of the model and dense strategies (models.encode)
-    cache_dir: Path | str | None = None  # fixed models' corpus encodings, by content (index.sharded.encode_cached)
+    # content-keyed cache: fixed models' corpus encodings (index.sharded.encode_cached), pools (negatives.pool_cache)
+    cache_dir: Path | str | None = None
 
 
 def fetch_depth(depth: int) -> int:
@@ -194,6 +171,28 @@ def raw_pool(
     )
 
 
+def model_digests(config: NegativesConfig, ctx: MiningContext, strategy: str) -> dict[str, str] | None:
+    """The digest of every model mining ``strategy`` and its filters use, by what it is for (``pool_cache``'s key),
+    or None when one is the model being trained (a refresh's pool is never kept)."""
+    digests: dict[str, str] = {}
+    for spec in strategy_specs(config, strategy):
+        name, _, arg = spec.partition(":")
+        if name == "model" and ctx.model is not None:
+            return None
+        if name == "model" and config.model:
+            digests[spec] = model_files(config.model)
+        elif name == "dense" and dense_dim(spec, config) in ctx.miners:
+            digests[spec] = fingerprint_weights(ctx.miners[dense_dim(spec, config)])
+        elif name == "file" and Path(arg or config.file or "").is_file():
+            digests[spec] = fingerprint_file(arg or config.file)
+    if "cross-encoder" in config.filters and config.cross_encoder:
+        digests["cross-encoder filter"] = model_files(config.cross_encoder)
+    if "relative-margin" in config.filters:
+        teacher = config.cross_encoder if config.relative_teacher == "cross-encoder" else config.model or ctx.base_model
+        digests["relative-margin teacher"] = model_files(teacher) if teacher else ""
+    return digests
+
+
 def relative_teacher(config: NegativesConfig, ctx: MiningContext) -> str | Scorer | None:
     """The relative-margin filter's teacher: the cross-encoder's path (``negatives.cross_encoder``), or a bi-encoder's
     scorer (``negatives.model``, else the run's starting model ``ctx.base_model``; fixed: never the model being
@@ -212,7 +211,8 @@ def mine_negatives(
     strategy: str | None = None,
 ) -> MiningResult:
     """The filtered pool of ``config.source`` (or of ``strategy``, any ``raw_pool`` spec such as
-    ``dense:25``) for ``query_ids``, ``config.pool_depth`` per query."""
+    ``dense:25``) for ``query_ids``, ``config.pool_depth`` per query; with ``ctx.cache_dir``, a pool of fixed
+    models is read from (or kept in) its content-keyed cache (``negatives.pool_cache``)."""
     ctx = ctx or MiningContext()
     strategy = strategy or config.source
     if config.pool_depth < 1:
@@ -234,6 +234,12 @@ def mine_negatives(
         config.filter_precision,
         config.relative_activation,
     )
-    raw = raw_pool(strategy, dataset, query_ids, config, ctx)
-    pool, removed = apply_filters(raw, filters, show_progress=ctx.show_progress)
-    return MiningResult(truncate(pool, config.pool_depth), removed, time.perf_counter() - started)
+
+    def mine() -> MiningResult:
+        raw = raw_pool(strategy, dataset, query_ids, config, ctx)
+        pool, removed = apply_filters(raw, filters, show_progress=ctx.show_progress)
+        return MiningResult(truncate(pool, config.pool_depth), removed, time.perf_counter() - started)
+
+    models = model_digests(config, ctx, strategy) if keeps_pools(ctx) else None
+    key = None if models is None else pool_key(dataset, query_ids, config, ctx, sep_token, strategy, models)
+    return mine() if key is None else cached_mining(ctx.cache_dir, key, dataset, query_ids, mine)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,6 +33,37 @@ class Candidate(NamedTuple):
 
 
 NegativePool = dict[str, list[Candidate]]
+
+
+@dataclass
+class MiningResult:
+    """A mined pool, what each filter removed, and how long it took."""
+
+    pool: NegativePool
+    removed: dict[str, int]  # filter name -> candidates removed
+    seconds: float  # mining's, also when read back from the cache
+    read_from: Path | None = None  # the cache entry it was read from (negatives.pool_cache), None when mined now
+    read_seconds: float = 0.0  # how long reading it back took
+
+    @property
+    def source_counts(self) -> dict[str, int]:
+        """Candidates per strategy in the pool."""
+        return source_counts(self.pool)
+
+    def summary(self) -> str:
+        """One line describing the pool (sizes, sources, removals, time)."""
+        n = len(self.pool)
+        total = sum(len(c) for c in self.pool.values())
+        empty = sum(1 for c in self.pool.values() if not c)
+        sources = ", ".join(f"{s}: {k}" for s, k in self.source_counts.items()) or "none"
+        removed = ", ".join(f"{f}: {k}" for f, k in self.removed.items())
+        took = f"in {self.seconds:.1f}s"
+        if self.read_from is not None:
+            took = f"read in {self.read_seconds:.1f}s from the cache {self.read_from} (mined {took})"
+        return (
+            f"{total} negatives for {n} queries ({total / max(n, 1):.1f} per query, {empty} with none) {took}; "
+            f"by source: {sources}; removed by filter: {removed}"
+        )
 
 
 def is_pool_line(line: str) -> bool:
