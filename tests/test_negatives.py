@@ -93,6 +93,16 @@ def test_no_relevant_passage_is_ever_a_negative(tiny_beir, tiny_model_dir, tmp_p
         assert all(len(cands) == 40 - len(relevant[q]) for q, cands in result.pool.items())
 
 
+def test_mining_gives_its_freed_memory_back(tiny_beir, monkeypatch):
+    from densepass.negatives import mine as mine_module
+
+    calls = []
+    monkeypatch.setattr(mine_module, "release_freed_memory", lambda: calls.append(1) or True)
+    dataset = load_dataset(str(tiny_beir))
+    result = mine_negatives(dataset, sorted(dataset.positives("train")), NegativesConfig(source="bm25", pool_depth=3))
+    assert calls == [1] and any(result.pool.values())
+
+
 def test_bm25_drops_answer_passages_and_positives():
     dataset = small_dataset()
     config = NegativesConfig(source="bm25", pool_depth=5)

@@ -17,6 +17,7 @@ import torch
 
 from densepass.config import DEFAULT_MODEL, NegativesConfig, TrainConfig
 from densepass.data.dataset import RetrievalDataset
+from densepass.device import release_freed_memory
 from densepass.errors import ConfigError
 from densepass.fingerprints import fingerprint_file, fingerprint_weights
 from densepass.index.bm25 import BM25Index
@@ -242,4 +243,6 @@ def mine_negatives(
 
     models = model_digests(config, ctx, strategy) if keeps_pools(ctx) else None
     key = None if models is None else pool_key(dataset, query_ids, config, ctx, sep_token, strategy, models)
-    return mine() if key is None else cached_mining(ctx.cache_dir, key, dataset, query_ids, mine)
+    result = mine() if key is None else cached_mining(ctx.cache_dir, key, dataset, query_ids, mine)
+    release_freed_memory()  # mining's peak (encodings, rankings) is freed by now: give it back before training
+    return result

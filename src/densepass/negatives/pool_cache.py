@@ -8,8 +8,9 @@ filters removed. The key digests everything the pool depends on: the dataset's c
 qrels, answers, given negatives), the queries mined for, the negatives settings that choose candidates (all
 of them but ``per_query`` and ``refresh_every``, which only say how training draws from the pool), the
 strategy, the split and seed, the separator, each model's files or weights (the ``model`` strategy's, the
-trained ``dense:DIM`` miners', the filters' cross-encoder or teacher), the encoding precision and device kind,
-BM25's parameters and ``MINING_VERSION``. Any change is another key, so a stale pool is never read. A pool mined
+trained ``dense:DIM`` miners' and their architecture, the filters' cross-encoder or teacher), the encoding precision
+and device kind, BM25's parameters, the versions of densepass, bm25s, torch and transformers, and
+``MINING_VERSION``. Any change is another key, so a stale pool is never read. A pool mined
 with the model being trained (``training.refresh``) changes with every step and is never kept.
 
 Runs that ask for the same pool at once take turns (``io.exclusive_lock``): the first mines, the others read
@@ -63,6 +64,22 @@ def model_files(name_or_path: str) -> str:
     return fingerprint_directory(resolve_model_path(name_or_path))
 
 
+def library_versions() -> dict[str, str]:
+    """The versions of the code a pool comes out of: densepass's own, and the libraries that rank (an upgrade of
+    one may change a ranking, so a pool of the old one is not read)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from densepass.version import __version__
+
+    versions = {"densepass": __version__}
+    for package in ("bm25s", "torch", "transformers"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = "absent"
+    return versions
+
+
 def pool_key(
     dataset: RetrievalDataset,
     query_ids: Sequence[str],
@@ -93,6 +110,8 @@ def pool_key(
             "precision": resolve_precision(ctx.precision, device),
             "device": device.type,
             "bm25": [bm25.k1, bm25.b] if bm25 is not None else "default",
+            "miners": dataclasses.asdict(ctx.architecture) if ctx.architecture is not None else None,
+            "libraries": library_versions(),
         }
     )
 
