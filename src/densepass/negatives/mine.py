@@ -17,10 +17,11 @@ import torch
 
 from densepass.config import DEFAULT_MODEL, NegativesConfig, TrainConfig
 from densepass.data.dataset import RetrievalDataset
-from densepass.device import release_freed_memory
+from densepass.device import default_device, release_freed_memory, resolve_precision
 from densepass.errors import ConfigError
-from densepass.fingerprints import fingerprint_file, fingerprint_weights
-from densepass.index.bm25 import BM25Index
+from densepass.fingerprints import fingerprint_file, fingerprint_strings, fingerprint_tokenizer, fingerprint_weights
+from densepass.index.base import as_corpus
+from densepass.index.bm25 import BM25Index, bm25_texts
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.filters import Scorer, apply_filters, bi_encoder_scorer, build_filters
 from densepass.negatives.pool import Candidate, MiningResult, NegativePool, load_pool, truncate
@@ -116,7 +117,7 @@ def raw_pool(
         from densepass.negatives.bm25 import mine_bm25_negatives
 
         if ctx.bm25_index is None:
-            ctx.bm25_index = BM25Index.build(dataset.corpus.passage_inputs(" "), show_progress=ctx.show_progress)
+            ctx.bm25_index = BM25Index.build(bm25_corpus(dataset), show_progress=ctx.show_progress)
         return mine_bm25_negatives(dataset, ctx.bm25_index, query_ids, depth, config.skip_top)
     if name == "context":
         from densepass.negatives.context import mine_context_negatives
@@ -172,26 +173,58 @@ def raw_pool(
     )
 
 
-def model_digests(config: NegativesConfig, ctx: MiningContext, strategy: str) -> dict[str, str] | None:
-    """The digest of every model mining ``strategy`` and its filters use, by what it is for (``pool_cache``'s key),
-    or None when one is the model being trained (a refresh's pool is never kept)."""
-    digests: dict[str, str] = {}
+def bm25_corpus(dataset: RetrievalDataset) -> list[str]:
+    """What the ``bm25`` strategy indexes when the mining context has no index: each passage's title and text."""
+    return dataset.corpus.passage_inputs(" ")
+
+
+def mining_inputs(dataset: RetrievalDataset, config: NegativesConfig, ctx: MiningContext, strategy: str) -> dict | None:
+    """What mining ``strategy`` and its filters read besides the dataset, the queries and the negatives settings,
+    for ``pool_cache``'s key: each model's files or weights, the settings each strategy reads (BM25's parameters and
+    passages, the context strategy's split and seed, the encoders' precision and device); None when a strategy
+    mines with the model being trained (a refresh's pool is never kept)."""
+    device = ctx.device or default_device()
+    encoding = {"precision": resolve_precision(ctx.precision, device), "device": device.type}
+    inputs: dict = {}
     for spec in strategy_specs(config, strategy):
         name, _, arg = spec.partition(":")
         if name == "model" and ctx.model is not None:
             return None
         if name == "model" and config.model:
-            digests[spec] = model_files(config.model)
+            inputs[spec] = {"model": model_files(config.model), **encoding}
         elif name == "dense" and dense_dim(spec, config) in ctx.miners:
-            digests[spec] = fingerprint_weights(ctx.miners[dense_dim(spec, config)])
+            miner = ctx.miners[dense_dim(spec, config)]
+            inputs[spec] = {
+                "weights": fingerprint_weights(miner),
+                "tokenizer": fingerprint_tokenizer(miner.tokenizer),
+                "architecture": dataclasses.asdict(miner.config),
+                **encoding,
+            }
         elif name == "file" and Path(arg or config.file or "").is_file():
-            digests[spec] = fingerprint_file(arg or config.file)
+            inputs[spec] = fingerprint_file(arg or config.file)
+        elif name == "bm25":  # without an index, raw_pool builds one with the defaults over the whole corpus
+            index = ctx.bm25_index or BM25Index()
+            texts = bm25_texts(index.passages if ctx.bm25_index is not None else as_corpus(bm25_corpus(dataset)))
+            inputs[spec] = {"k1": index.k1, "b": index.b, "passages": fingerprint_strings(texts)}
+        elif name == "context":
+            inputs[spec] = {"split": ctx.split, "seed": ctx.seed}
     if "cross-encoder" in config.filters and config.cross_encoder:
-        digests["cross-encoder filter"] = model_files(config.cross_encoder)
+        scored = {
+            "precision": resolve_precision(config.filter_precision, default_device()),
+            "device": default_device().type,
+        }
+        inputs["cross-encoder filter"] = {"model": model_files(config.cross_encoder), **scored}
     if "relative-margin" in config.filters:
-        teacher = config.cross_encoder if config.relative_teacher == "cross-encoder" else config.model or ctx.base_model
-        digests["relative-margin teacher"] = model_files(teacher) if teacher else ""
-    return digests
+        if config.relative_teacher == "cross-encoder":
+            precision = resolve_precision(config.filter_precision, default_device())
+            scored = {"precision": precision, "device": default_device().type}
+            teacher = config.cross_encoder
+        else:
+            scored, teacher = encoding, config.model or ctx.base_model
+        inputs["relative-margin teacher"] = {"model": model_files(teacher) if teacher else "", **scored}
+    if "duplicates" in config.filters:
+        inputs["duplicates filter"] = {"split": ctx.split}
+    return inputs
 
 
 def relative_teacher(config: NegativesConfig, ctx: MiningContext) -> str | Scorer | None:
@@ -241,8 +274,8 @@ def mine_negatives(
         pool, removed = apply_filters(raw, filters, show_progress=ctx.show_progress)
         return MiningResult(truncate(pool, config.pool_depth), removed, time.perf_counter() - started)
 
-    models = model_digests(config, ctx, strategy) if keeps_pools(ctx) else None
-    key = None if models is None else pool_key(dataset, query_ids, config, ctx, sep_token, strategy, models)
+    inputs = mining_inputs(dataset, config, ctx, strategy) if keeps_pools(ctx) else None
+    key = None if inputs is None else pool_key(dataset, query_ids, config, sep_token, strategy, inputs)
     result = mine() if key is None else cached_mining(ctx.cache_dir, key, dataset, query_ids, mine)
     release_freed_memory()  # mining's peak (encodings, rankings) is freed by now: give it back before training
     return result

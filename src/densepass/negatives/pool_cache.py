@@ -1,22 +1,22 @@
 """Mined pools kept by content: a pool mined once is read back by every later mining of the same content.
 
-Mining a pool is minutes of work (BM25 and a model over every training query, then the filters) that a
-run does again whenever it resumes, and that every run of a study with the same negatives does again. When a
-run has a cache directory (``cache_dir``), ``mine_negatives`` keeps each pool it mines with fixed models in
+Mining a pool is minutes of work (BM25 and a model over every training query, then the filters) that a run does
+again whenever it resumes, and that every run of a study with the same negatives does again. When a run has a cache
+directory (``cache_dir``), ``mine_negatives`` keeps each pool it mines with fixed models in
 ``<cache_dir>/negative-pools/<key>/``: the pool (the hard-negatives JSONL of ``negatives.pool``) and what the
-filters removed. The key digests everything the pool depends on: the dataset's content (corpus, queries,
-qrels, answers, given negatives), the queries mined for, the negatives settings that choose candidates (all
-of them but ``per_query`` and ``refresh_every``, which only say how training draws from the pool), the
-strategy, the split and seed, the separator, each model's files or weights (the ``model`` strategy's, the
-trained ``dense:DIM`` miners' and their architecture, the filters' cross-encoder or teacher), the encoding precision
-and device kind, BM25's parameters, the versions of densepass, bm25s, torch and transformers, and
-``MINING_VERSION``. Any change is another key, so a stale pool is never read. A pool mined
-with the model being trained (``training.refresh``) changes with every step and is never kept.
+filters removed. The key digests everything the pool depends on: the dataset's content (corpus, queries, qrels in
+their order, answers, given negatives), the queries mined for, the negatives settings (all of them but ``per_query``
+and ``refresh_every``, which only say how training draws from the pool), the strategy and the separator, what each
+strategy and filter reads besides (``negatives.mine.mining_inputs``: each model's files or weights, tokenizer and
+architecture, the precision and device kind it encodes or scores in, BM25's parameters and passages, the context
+strategy's split and seed), the versions of densepass and of the libraries that rank, and ``MINING_VERSION``. Any
+change is another key, so a stale pool is never read; the split, seed, precision and BM25 parameters are keyed only
+where a strategy reads them (a BM25 pool is the same whatever precision a run encodes in). A pool mined with the
+model being trained (``training.refresh``) changes with every step and is never kept.
 
-Runs that ask for the same pool at once take turns (``io.exclusive_lock``): the first mines, the others read
-what it wrote. An entry is complete once ``mining.json`` is written (after the pool); an entry that does not
-read back whole (a crash between the two files, a damaged line) is mined again and overwritten. No entry is
-ever removed.
+Runs that ask for the same pool at once take turns (``io.exclusive_lock``): the first mines, the others read what it
+wrote. An entry is complete once ``mining.json`` is written (after the pool); an entry that does not read back whole
+(a crash between the two files, a damaged line) is mined again and overwritten. No entry is ever removed.
 """
 
 from __future__ import annotations
@@ -50,7 +50,10 @@ def fingerprint_dataset(dataset: RetrievalDataset) -> str:
         {
             "corpus": fingerprint_corpus(dataset.corpus),
             "queries": dataset.queries,
-            "qrels": dataset.qrels,
+            # in order: a query's positives keep it among equal grades, and the context strategy reads the first
+            "qrels": {
+                split: [[q, list(rels.items())] for q, rels in qrels.items()] for split, qrels in dataset.qrels.items()
+            },
             "answers": dataset.answers,
             "given": given if isinstance(given, dict) else None,
         }
@@ -72,7 +75,7 @@ def library_versions() -> dict[str, str]:
     from densepass.version import __version__
 
     versions = {"densepass": __version__}
-    for package in ("bm25s", "torch", "transformers"):
+    for package in ("bm25s", "PyStemmer", "numpy", "torch", "transformers", "tokenizers"):
         try:
             versions[package] = version(package)
         except PackageNotFoundError:
@@ -84,18 +87,12 @@ def pool_key(
     dataset: RetrievalDataset,
     query_ids: Sequence[str],
     config: NegativesConfig,
-    ctx,
     sep_token: str,
     strategy: str,
-    models: dict[str, str],
+    inputs: dict,
 ) -> str:
-    """The content key of the pool ``mine_negatives`` mines for ``query_ids`` with ``strategy`` in the mining
-    context ``ctx`` (its split, seed, precision, device, BM25 index); ``models``: the digest of each model it uses
-    (``negatives.mine.model_digests``)."""
-    from densepass.device import default_device, resolve_precision
-
-    device = ctx.device or default_device()
-    bm25 = ctx.bm25_index
+    """The content key of the pool ``mine_negatives`` mines for ``query_ids`` with ``strategy``; ``inputs``: what
+    its strategies and filters read besides (``negatives.mine.mining_inputs``: models, their precision, ...)."""
     return fingerprint_json(
         {
             "version": MINING_VERSION,
@@ -103,14 +100,8 @@ def pool_key(
             "queries": list(query_ids),
             "negatives": {k: v for k, v in dataclasses.asdict(config).items() if k not in DRAW_ONLY},
             "strategy": strategy,
-            "split": ctx.split,
-            "seed": ctx.seed,
             "sep": sep_token,
-            "models": models,
-            "precision": resolve_precision(ctx.precision, device),
-            "device": device.type,
-            "bm25": [bm25.k1, bm25.b] if bm25 is not None else "default",
-            "miners": dataclasses.asdict(ctx.architecture) if ctx.architecture is not None else None,
+            "inputs": inputs,
             "libraries": library_versions(),
         }
     )
@@ -120,15 +111,14 @@ def read_entry(directory: Path, dataset: RetrievalDataset, query_ids: Sequence[s
     """The ``MiningResult`` an entry holds, or None when it is incomplete or does not read back whole."""
     try:
         result = json.loads((directory / RESULT_FILE).read_text())
+        removed = {str(k): int(v) for k, v in result["removed"].items()}
+        seconds = float(result["seconds"])
         pool = load_pool(directory / POOL_FILE, dataset)
-    except (OSError, ValueError, DataError):
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, DataError):
         return None
-    if not isinstance(result, dict) or len(pool) != len(query_ids) or set(pool) != set(query_ids):
+    if len(pool) != len(query_ids) or set(pool) != set(query_ids):
         return None
-    removed, seconds = result.get("removed"), result.get("seconds")
-    if not isinstance(removed, dict) or not isinstance(seconds, (int, float)):
-        return None
-    return MiningResult(pool, {str(k): int(v) for k, v in removed.items()}, float(seconds), read_from=directory)
+    return MiningResult(pool, removed, seconds, read_from=directory)
 
 
 def cached_mining(
