@@ -292,6 +292,25 @@ def test_a_lock_whose_directory_its_holder_removed_is_not_a_lock(tmp_path):
     assert "in use by another densepass index build" in result["third"]
 
 
+def test_a_process_waiting_for_a_lock_says_once_what_it_waits_for(tmp_path, capsys):
+    entry = tmp_path / "negative-pools" / "k"
+    acquired = threading.Event()
+    with exclusive_lock(entry, "mining"):
+        thread = threading.Thread(target=lambda: _hold_then_signal(entry, acquired))
+        thread.start()
+        time.sleep(0.3)  # the waiter blocks on the lock
+        assert not acquired.is_set()
+    thread.join(timeout=30)
+    assert acquired.is_set()
+    err = capsys.readouterr().err
+    assert err.count("waiting for another densepass mining in") == 1 and f"(pid {os.getpid()})" in err
+
+
+def _hold_then_signal(directory, event) -> None:
+    with exclusive_lock(directory, "mining", wait=True):
+        event.set()
+
+
 # ---- the commands --------------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -164,7 +165,8 @@ def exclusive_lock(directory: str | Path, what: str = "run", wait: bool = False)
     """Hold an exclusive lock on ``directory`` (created if missing) for the block's duration.
 
     A second densepass process that asks for the same directory gets a one-line error instead of
-    interleaving its writes with the first one's (``wait``: it waits for the lock instead). The lock is
+    interleaving its writes with the first one's (``wait``: it waits for the lock instead, saying so in one line on
+    stderr). The lock is
     released when the process ends, however it ends (``fcntl.flock`` on ``<directory>/.lock``). The holder may
     remove ``directory`` before it lets go (a work directory): a process that locked the removed file tries again.
     """
@@ -173,6 +175,7 @@ def exclusive_lock(directory: str | Path, what: str = "run", wait: bool = False)
     from densepass.errors import DensepassError
 
     directory = Path(directory)
+    said = False
     while True:
         directory.mkdir(parents=True, exist_ok=True)
         if os.path.lexists(directory / LOCK) and not is_densepass_lock(directory / LOCK):
@@ -185,15 +188,20 @@ def exclusive_lock(directory: str | Path, what: str = "run", wait: bool = False)
         except FileNotFoundError:  # removed by its holder between the two lines
             continue
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
-            handle.close()
-            raise DensepassError(
-                f"{directory} is in use by another densepass {what} ({holder}); "
-                "wait for it to finish or choose another directory"
-            ) from None
+            if not wait:
+                handle.close()
+                raise DensepassError(
+                    f"{directory} is in use by another densepass {what} ({holder}); "
+                    "wait for it to finish or choose another directory"
+                ) from None
+            if not said:  # once: a run that seems stuck says what it waits for
+                print(f"waiting for another densepass {what} in {directory} ({holder}) to finish", file=sys.stderr)
+                said = True
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             current = os.stat(directory / ".lock").st_ino
         except FileNotFoundError:
