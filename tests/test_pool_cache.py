@@ -206,3 +206,22 @@ def test_processes_mining_together_keep_nothing(tiny_beir, tmp_path, monkeypatch
     qids = sorted(dataset.positives("train"))
     result = mine_negatives(dataset, qids, NegativesConfig(source="bm25"), context(tmp_path))
     assert result.read_from is None and entries(tmp_path) == []
+
+
+def test_without_a_cache_dir_a_run_keeps_its_pool_in_its_own_folder_until_restart(tiny_beir, tiny_model_dir, tmp_path):
+    from densepass.pipelines.experiment import run_experiment
+
+    overrides = small_run_overrides(tiny_beir, tiny_model_dir, tmp_path / "runs", "own")
+    extra = ["negatives.source=bm25", "negatives.per_query=1", "train.batch_size=8", "train.max_steps=2"]
+    config = load_config(None, [*overrides, *extra])
+    run = tmp_path / "runs" / "own"
+    first = run_experiment(config)["fine-tuned"]
+    [entry] = entries(run / "negatives")
+    assert "from the cache" not in (run / "report.md").read_text()
+    shutil.rmtree(run / "model")  # interrupted at the end: it resumes, reading the pool back
+    assert run_experiment(config)["fine-tuned"] == first
+    assert f"from the cache {entry}" in (run / "report.md").read_text()
+    (entry / POOL_FILE).write_text((entry / POOL_FILE).read_text().replace('"bm25"', '"planted"'))
+    run_experiment(config, restart=True)  # starting over removes the run's pools with its other files
+    assert "from the cache" not in (run / "report.md").read_text()
+    assert "planted" not in (entries(run / "negatives")[0] / POOL_FILE).read_text()

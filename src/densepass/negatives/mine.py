@@ -25,7 +25,7 @@ from densepass.index.bm25 import BM25Index, bm25_texts
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.filters import Scorer, apply_filters, bi_encoder_scorer, build_filters
 from densepass.negatives.pool import Candidate, MiningResult, NegativePool, load_pool, truncate
-from densepass.negatives.pool_cache import cached_mining, keeps_pools, model_files, pool_key
+from densepass.negatives.pool_cache import cached_mining, model_files, pool_key, pools_folder
 
 
 @dataclass
@@ -46,6 +46,7 @@ class MiningContext:
     precision: str = "auto"  # encoding precision of the model and dense strategies (models.encode)
     # content-keyed cache: fixed models' corpus encodings (index.sharded.encode_cached), pools (negatives.pool_cache)
     cache_dir: Path | str | None = None
+    pools_dir: Path | str | None = None  # where pools are kept without a cache_dir: a run's own, read back on resume
 
 
 def fetch_depth(depth: int) -> int:
@@ -245,8 +246,9 @@ def mine_negatives(
     strategy: str | None = None,
 ) -> MiningResult:
     """The filtered pool of ``config.source`` (or of ``strategy``, any ``raw_pool`` spec such as
-    ``dense:25``) for ``query_ids``, ``config.pool_depth`` per query; with ``ctx.cache_dir``, a pool of fixed
-    models is read from (or kept in) its content-keyed cache (``negatives.pool_cache``)."""
+    ``dense:25``) for ``query_ids``, ``config.pool_depth`` per query; with ``ctx.cache_dir`` (else
+    ``ctx.pools_dir``), a pool of fixed models is read from (or kept in) its content-keyed cache
+    (``negatives.pool_cache``)."""
     ctx = ctx or MiningContext()
     strategy = strategy or config.source
     if config.pool_depth < 1:
@@ -274,8 +276,9 @@ def mine_negatives(
         pool, removed = apply_filters(raw, filters, show_progress=ctx.show_progress)
         return MiningResult(truncate(pool, config.pool_depth), removed, time.perf_counter() - started)
 
-    inputs = mining_inputs(dataset, config, ctx, strategy) if keeps_pools(ctx) else None
+    folder = pools_folder(ctx)
+    inputs = mining_inputs(dataset, config, ctx, strategy) if folder is not None else None
     key = None if inputs is None else pool_key(dataset, query_ids, config, sep_token, strategy, inputs)
-    result = mine() if key is None else cached_mining(ctx.cache_dir, key, dataset, query_ids, mine)
+    result = mine() if key is None else cached_mining(folder, key, dataset, query_ids, mine)
     release_freed_memory()  # mining's peak (encodings, rankings) is freed by now: give it back before training
     return result

@@ -1,18 +1,20 @@
 """Mined pools kept by content: a pool mined once is read back by every later mining of the same content.
 
 Mining a pool is minutes of work (BM25 and a model over every training query, then the filters) that a run does
-again whenever it resumes, and that every run of a study with the same negatives does again. When a run has a cache
-directory (``cache_dir``), ``mine_negatives`` keeps each pool it mines with fixed models in
-``<cache_dir>/negative-pools/<key>/``: the pool (the hard-negatives JSONL of ``negatives.pool``) and what the
-filters removed. The key digests everything the pool depends on: the dataset's content (corpus, queries, qrels in
-their order, answers, given negatives), the queries mined for, the negatives settings (all of them but ``per_query``
-and ``refresh_every``, which only say how training draws from the pool), the strategy and the separator, what each
-strategy and filter reads besides (``negatives.mine.mining_inputs``: each model's files or weights, tokenizer and
-architecture, the precision and device kind it encodes or scores in, BM25's parameters and passages, the context
-strategy's split and seed), the versions of densepass and of the libraries that rank, and ``MINING_VERSION``. Any
-change is another key, so a stale pool is never read; the split, seed, precision and BM25 parameters are keyed only
-where a strategy reads them (a BM25 pool is the same whatever precision a run encodes in). A pool mined with the
-model being trained (``training.refresh``) changes with every step and is never kept.
+again whenever it resumes, and that every run of a study with the same negatives does again. ``mine_negatives``
+keeps each pool it mines with fixed models in ``<folder>/negative-pools/<key>/``, the folder being the cache
+directory shared between runs (``cache_dir``), else the run's own ``negatives/`` folder (a resumed run reads its
+pool back; ``--restart`` removes it with the run's other files): the pool (the hard-negatives JSONL of
+``negatives.pool``) and what the filters removed. The key digests everything the pool depends on: the dataset's
+content (corpus, queries, qrels in their order, answers, given negatives), the queries mined for, the negatives
+settings (all of them but ``per_query`` and ``refresh_every``, which only say how training draws from the pool), the
+strategy and the separator, what each strategy and filter reads besides (``negatives.mine.mining_inputs``: each
+model's files or weights, tokenizer and architecture, the precision and device kind it encodes or scores in, BM25's
+parameters and passages, the context strategy's split and seed), the versions of densepass and of the libraries that
+rank, and ``MINING_VERSION``. Any change is another key, so a stale pool is never read; the split, seed, precision
+and BM25 parameters are keyed only where a strategy reads them (a BM25 pool is the same whatever precision a run
+encodes in). A pool mined with the model being trained (``training.refresh``) changes with every step and is never
+kept.
 
 Runs that ask for the same pool at once take turns (``io.exclusive_lock``): the first mines, the others read what it
 wrote. An entry is complete once ``mining.json`` is written (after the pool); an entry that does not read back whole
@@ -145,7 +147,10 @@ def cached_mining(
         return result
 
 
-def keeps_pools(ctx) -> bool:
-    """Whether mining in ``ctx`` keeps its pools: a cache directory is set and one process mines (under torchrun
-    the processes mine together, each a shard, and none may wait for a lock another holds)."""
-    return ctx.cache_dir is not None and distributed.world_size() == 1
+def pools_folder(ctx) -> str | Path | None:
+    """Where mining in ``ctx`` keeps its pools: the cache directory shared between runs (``ctx.cache_dir``), else
+    the run's own folder (``ctx.pools_dir``: a resumed run reads its pool back); None without either, or when
+    processes mine together (under torchrun each mines a shard, and none may wait for a lock another holds)."""
+    if distributed.world_size() > 1:
+        return None
+    return ctx.cache_dir if ctx.cache_dir is not None else ctx.pools_dir

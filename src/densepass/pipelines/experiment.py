@@ -330,7 +330,8 @@ RUN_ENTRIES = (
     "best.json",
     "checkpoints",
     "schedule/epoch-*",
-    "negatives/miner-*|refresh_log.jsonl|refresh-step-*.jsonl",  # the dense miners' runs, the refreshed pools
+    # the dense miners' runs, the refreshed pools, the mined ones (negatives.pool_cache)
+    "negatives/miner-*|refresh_log.jsonl|refresh-step-*.jsonl|negative-pools/*",
     "negatives.jsonl",
     "teacher_scores.jsonl",
     "teacher_scores.jsonl.partial",
@@ -609,6 +610,7 @@ def mine_training_pool(exp: Experiment, model: BiEncoder) -> TrainingPool:
         show_progress=exp.main,
         precision=config.eval.precision,
         cache_dir=config.cache_dir or None,
+        pools_dir=exp.run_dir / "negatives",  # without a cache_dir: a resumed run reads its pool back
     )
     mined = mine_pool(dataset, train_qids, neg, context, model.tokenizer.sep_token or " ")
     exp.notes.append(f"Hard negatives ({neg.source}): {mined.summary()}.")

@@ -54,7 +54,7 @@ OUTPUT_ENTRIES = (
     "checkpoints",
     "model",
     "schedule/epoch-*",
-    "negatives/miner-*",
+    "negatives/miner-*|negative-pools/*",  # the dense miners, the mined pools (negatives.pool_cache)
 )
 
 
@@ -367,6 +367,7 @@ def train(
                 architecture=model.config,
                 train_config=args,
                 seed=seed,
+                pools_dir=run_dir / "negatives",  # a resumed run reads its pool back
             )
             mined = mine_pool(dataset, query_ids, negatives, context, sep)
             data = TrainingData(dataset, split, sep, passage_ids(mined.pool), negatives.per_query, query_ids=query_ids)
