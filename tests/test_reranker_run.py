@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,10 +92,11 @@ def test_a_teacher_file_of_another_pool_is_refused_before_anything_is_written(ti
     )
     with pytest.raises(DataError, match="computed for another hard-negative pool"):
         run_experiment(other)
-    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == [
-        ".densepass-run",
-        ".lock",
-    ]  # the run directory's marker and lock alone
+    # the run directory's marker and lock, and the pool it mined (kept for the run that follows a fix: it reads it)
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == [".densepass-run", ".lock", "negatives"]
+    kept = sorted(str(p.relative_to(tmp_path / "other")) for p in (tmp_path / "other" / "negatives").rglob("*.json*"))
+    assert [Path(p).parts[:2] for p in kept] == [("negatives", "negative-pools")] * 2
+    assert sorted(Path(p).name for p in kept) == ["mining.json", "pool.jsonl"]
 
 
 def test_a_reranker_without_a_usable_head_is_refused_before_anything_is_written(tiny_beir, tiny_model_dir, tmp_path):
