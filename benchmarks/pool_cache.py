@@ -53,7 +53,7 @@ def main() -> None:
         result = mine_negatives(dataset, queries, config.negatives, context, sep)
         return result, time.perf_counter() - started
 
-    first, first_s = mine()
+    first, _ = mine()
     read, read_s = mine()  # read back, timed alone (the first call may have waited for a run mining it)
     assert read.read_from is not None, "the second mining did not read the kept pool"
     result = {

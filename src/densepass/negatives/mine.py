@@ -209,17 +209,14 @@ def mining_inputs(dataset: RetrievalDataset, config: NegativesConfig, ctx: Minin
             inputs[spec] = {"k1": index.k1, "b": index.b, "passages": fingerprint_strings(texts)}
         elif name == "context":
             inputs[spec] = {"split": ctx.split, "seed": ctx.seed}
+    # a filter's cross-encoder scores on the default device, in negatives.filter_precision (filters.build_filters)
+    scorer = default_device()
+    cross_scoring = {"precision": resolve_precision(config.filter_precision, scorer), "device": scorer.type}
     if "cross-encoder" in config.filters and config.cross_encoder:
-        scored = {
-            "precision": resolve_precision(config.filter_precision, default_device()),
-            "device": default_device().type,
-        }
-        inputs["cross-encoder filter"] = {"model": model_files(config.cross_encoder), **scored}
+        inputs["cross-encoder filter"] = {"model": model_files(config.cross_encoder), **cross_scoring}
     if "relative-margin" in config.filters:
         if config.relative_teacher == "cross-encoder":
-            precision = resolve_precision(config.filter_precision, default_device())
-            scored = {"precision": precision, "device": default_device().type}
-            teacher = config.cross_encoder
+            scored, teacher = cross_scoring, config.cross_encoder
         else:
             scored, teacher = encoding, config.model or ctx.base_model
         inputs["relative-margin teacher"] = {"model": model_files(teacher) if teacher else "", **scored}
