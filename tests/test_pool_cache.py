@@ -225,3 +225,7 @@ def test_without_a_cache_dir_a_run_keeps_its_pool_in_its_own_folder_until_restar
     run_experiment(config, restart=True)  # starting over removes the run's pools with its other files
     assert "from the cache" not in (run / "report.md").read_text()
     assert "planted" not in (entries(run / "negatives")[0] / POOL_FILE).read_text()
+    notes = entries(run / "negatives")[0] / "my-notes.txt"  # a user's file in the way: kept, and the folder with it
+    notes.write_text("mine")
+    run_experiment(config, restart=True)
+    assert notes.read_text() == "mine"

@@ -331,7 +331,7 @@ RUN_ENTRIES = (
     "checkpoints",
     "schedule/epoch-*",
     # the dense miners' runs, the refreshed pools, the mined ones (negatives.pool_cache)
-    "negatives/miner-*|refresh_log.jsonl|refresh-step-*.jsonl|negative-pools/*",
+    "negatives/miner-*|refresh_log.jsonl|refresh-step-*.jsonl|negative-pools/*/pool.jsonl|negative-pools/*/mining.json",
     "negatives.jsonl",
     "teacher_scores.jsonl",
     "teacher_scores.jsonl.partial",

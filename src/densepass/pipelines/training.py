@@ -54,7 +54,8 @@ OUTPUT_ENTRIES = (
     "checkpoints",
     "model",
     "schedule/epoch-*",
-    "negatives/miner-*|negative-pools/*",  # the dense miners, the mined pools (negatives.pool_cache)
+    # the dense miners, the mined pools (negatives.pool_cache; another file under them is a user's and stays)
+    "negatives/miner-*|negative-pools/*/pool.jsonl|negative-pools/*/mining.json",
 )
 
 
