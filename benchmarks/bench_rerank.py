@@ -47,12 +47,11 @@ from densepass.device import autocast_context, resolve_precision, uses_bf16
 from densepass.evaluation.agreement import score_agreement
 from densepass.index.bm25 import BM25Index
 from densepass.models.biencoder import resolve_model_path
-from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.cross_encoder import PASSAGE_SEP, CrossEncoder
 from densepass.negatives.bm25 import mine_bm25_negatives
 from densepass.negatives.pool import passage_ids
 from densepass.training.batches import TrainingData
 from densepass.training.cross_encoder import group_pairs, train_cross_encoder
-from densepass.training.teacher_scores import PASSAGE_SEP
 
 
 def train_densepass(path: str, data: TrainingData, args, device: torch.device, bf16: bool) -> float:

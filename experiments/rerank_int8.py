@@ -27,9 +27,8 @@ from densepass.evaluation.agreement import score_agreement
 from densepass.evaluation.metrics import evaluate_run, paired_significance
 from densepass.index.bm25 import BM25Index
 from densepass.io import atomic_write_text
-from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.cross_encoder import PASSAGE_SEP, CrossEncoder
 from densepass.models.quantize import feed_forward_output, quantized_linear_copy
-from densepass.training.teacher_scores import PASSAGE_SEP
 
 VARIANTS = {
     "int8, every linear layer": lambda name: False,

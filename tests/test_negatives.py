@@ -574,14 +574,14 @@ def sigmoid_config_cross_encoder(tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from densepass.data.keys import passage_input
-    from densepass.models.cross_encoder import CrossEncoder
+    from densepass.models.cross_encoder import PASSAGE_SEP, CrossEncoder
 
     path = tmp_path_factory.mktemp("sigmoid-ce") / "model"
-    CrossEncoder.new(str(tiny_model_dir), seed=3, device=torch.device("cpu"), precision="fp32").save(path)
+    CrossEncoder.new(str(tiny_model_dir), seed=7, device=torch.device("cpu"), precision="fp32").save(path)
     model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
     del model.config.sentence_transformers
     dataset = small_dataset()
-    passages = [passage_input(dataset.corpus, p, "[SEP]") for p in dataset.corpus.ids]
+    passages = [passage_input(dataset.corpus, p, PASSAGE_SEP) for p in dataset.corpus.ids]  # as cross-encoders read
     tokens = AutoTokenizer.from_pretrained(str(path))(
         [dataset.queries["q0"]] * len(passages), passages, truncation=True, padding=True, return_tensors="pt"
     )
@@ -678,6 +678,39 @@ def test_teacher_filters_score_every_querys_pairs_together_and_keep_what_one_que
     out, removed = apply_filters(pool, built)
     assert set(out) == set(pool) and out["q3"] == []
     assert sum(removed.values()) == sum(map(len, pool.values())) - sum(map(len, out.values()))
+
+
+def test_a_filters_cross_encoder_reads_passages_as_it_trained_and_a_bi_encoder_as_the_pool_was_mined(
+    sigmoid_config_cross_encoder,
+):
+    """A cross-encoder reads a titled passage as "title text" wherever it meets one (training, reranking, teacher
+    scores); the filters give it the same, not the bi-encoder's "title [SEP] text" the pool was mined with (a
+    teacher scoring a format it never trained on would denoise by other scores than it distils with). A scorer
+    that is not a cross-encoder (a bi-encoder teacher) reads the mining's format."""
+    from densepass.data.keys import passage_input
+    from densepass.models.cross_encoder import PASSAGE_SEP
+    from densepass.negatives.filters import build_filters
+
+    path = sigmoid_config_cross_encoder[0]
+    dataset = small_dataset()
+    seen = []
+
+    def bi_encoder(query, passages):
+        seen.extend(passages)
+        return [0.0] * len(passages)
+
+    built = build_filters(["cross-encoder", "relative-margin"], dataset, sep_token="[SEP]", cross_encoder=str(path),
+                          relative_teacher=str(path))  # fmt: skip
+    for f in built:
+        read = []
+        score_pairs = f.scorer.model.score_pairs
+        f.scorer.model.score_pairs = lambda q, p, score=score_pairs, read=read: read.extend(p) or score(q, p)
+        f.keep_all({"q1": _pool(["p0", "p4"])})
+        assert read == [passage_input(dataset.corpus, p, PASSAGE_SEP) for p in ("p3", "p0", "p4")][-len(read) :]
+        assert read[-1].split() == ["C", "one", "two", "three", "four", "five", "six"]  # no [SEP] inside
+    [relative] = build_filters(["relative-margin"], dataset, sep_token="[SEP]", relative_teacher=bi_encoder)
+    relative.keep_all({"q1": _pool(["p0"])})
+    assert seen == ["B [SEP] alpha beta gamma delta", "A [SEP] audio editor for linux"]  # q1's positive p3, then p0
 
 
 def test_the_filters_cross_encoder_scores_in_the_precision_asked_for(sigmoid_config_cross_encoder):

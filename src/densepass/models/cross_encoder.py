@@ -61,6 +61,9 @@ from densepass.numerics import refuse_nonfinite_weights
 from densepass.prefetch import prefetched
 
 DEFAULT_MAX_LENGTH = 256
+# how a cross-encoder reads a titled passage, "title text", wherever it meets one: in training, reranking, teacher
+# scores for distillation and the negatives filters (a teacher scoring a format it never trained on scores less well)
+PASSAGE_SEP = " "
 TOKENIZE_CHUNK = 8192  # pairs tokenised per call when scoring
 IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation: keep the raw logits
 

@@ -283,6 +283,14 @@ def bi_encoder_scorer(path: str, batch_size: int = 64, device=None, precision: s
     return score
 
 
+def passage_sep(scorer: Scorer, sep_token: str) -> str:
+    """What a filter's scorer reads between a passage's title and text: a cross-encoder's own ``PASSAGE_SEP`` (as
+    it trained and reranks), else ``sep_token`` (a bi-encoder's, as the pool was mined)."""
+    from densepass.models.cross_encoder import PASSAGE_SEP
+
+    return PASSAGE_SEP if isinstance(scorer, CrossEncoderScorer) else sep_token
+
+
 def build_filters(
     names: Sequence[str],
     dataset: RetrievalDataset,
@@ -297,7 +305,8 @@ def build_filters(
 ) -> list:
     """Filters by name, in the given order; ``relative_teacher``: the relative-margin filter's scorer, or the path of
     a cross-encoder (its logits through ``relative_activation``); ``precision``: what a cross-encoder given by its
-    path scores in."""
+    path scores in; ``sep_token``: what the duplicates filter and a bi-encoder scorer read between a passage's
+    title and text (a cross-encoder reads its own, ``passage_sep``)."""
     out = []
     for name in names:
         if name == "qrels":
@@ -314,7 +323,7 @@ def build_filters(
                 if isinstance(cross_encoder, str)
                 else cross_encoder
             )
-            out.append(CrossEncoderFilter(dataset, scorer, threshold, sep_token=sep_token))
+            out.append(CrossEncoderFilter(dataset, scorer, threshold, sep_token=passage_sep(scorer, sep_token)))
         elif name == "relative-margin":
             if relative_teacher is None:
                 raise ConfigError("the relative-margin filter needs a teacher (negatives.relative_teacher)")
@@ -322,7 +331,8 @@ def build_filters(
                 relative_teacher = cross_encoder_scorer(
                     relative_teacher, activation=relative_activation, precision=precision
                 )
-            out.append(RelativeMarginFilter(dataset, relative_teacher, relative_margin, split, sep_token=sep_token))
+            sep = passage_sep(relative_teacher, sep_token)
+            out.append(RelativeMarginFilter(dataset, relative_teacher, relative_margin, split, sep_token=sep))
         else:
             raise ConfigError(f"unknown negatives filter {name!r} (known: {', '.join(FILTERS)})")
     return out

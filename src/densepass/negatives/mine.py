@@ -23,6 +23,7 @@ from densepass.fingerprints import fingerprint_file, fingerprint_strings, finger
 from densepass.index.base import as_corpus
 from densepass.index.bm25 import BM25Index, bm25_texts
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
+from densepass.models.cross_encoder import PASSAGE_SEP
 from densepass.negatives.filters import Scorer, apply_filters, bi_encoder_scorer, build_filters
 from densepass.negatives.pool import Candidate, MiningResult, NegativePool, load_pool, truncate
 from densepass.negatives.pool_cache import cached_mining, model_files, pool_key, pools_folder
@@ -209,9 +210,14 @@ def mining_inputs(dataset: RetrievalDataset, config: NegativesConfig, ctx: Minin
             inputs[spec] = {"k1": index.k1, "b": index.b, "passages": fingerprint_strings(texts)}
         elif name == "context":
             inputs[spec] = {"split": ctx.split, "seed": ctx.seed}
-    # a filter's cross-encoder scores on the default device, in negatives.filter_precision (filters.build_filters)
+    # a filter's cross-encoder scores on the default device, in negatives.filter_precision, passages read as it reads
+    # them (filters.build_filters)
     scorer = default_device()
-    cross_scoring = {"precision": resolve_precision(config.filter_precision, scorer), "device": scorer.type}
+    cross_scoring = {
+        "precision": resolve_precision(config.filter_precision, scorer),
+        "device": scorer.type,
+        "passage sep": PASSAGE_SEP,
+    }
     if "cross-encoder" in config.filters and config.cross_encoder:
         inputs["cross-encoder filter"] = {"model": model_files(config.cross_encoder), **cross_scoring}
     if "relative-margin" in config.filters:

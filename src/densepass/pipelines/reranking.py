@@ -24,13 +24,12 @@ from densepass.data.dataset import RetrievalDataset
 from densepass.device import uses_bf16
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import Run
-from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.cross_encoder import PASSAGE_SEP, CrossEncoder
 from densepass.negatives.pool import NegativePool, passage_ids
 from densepass.pipelines.evalset import EvalSet
 from densepass.pipelines.search import CachedScores, rerank, results_from_run
 from densepass.training.batches import TrainingData
 from densepass.training.cross_encoder import train_cross_encoder
-from densepass.training.teacher_scores import PASSAGE_SEP
 
 SYSTEMS = {"bm25": "BM25", "zero-shot": "zero-shot", "fine-tuned": "fine-tuned"}  # first stage -> its row
 

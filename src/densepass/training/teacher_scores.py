@@ -32,12 +32,11 @@ from densepass.data.dataset import RetrievalDataset
 from densepass.data.keys import passage_input
 from densepass.errors import DataError, DataWarning
 from densepass.fingerprints import fingerprint_strings, fingerprint_weights
-from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.cross_encoder import PASSAGE_SEP, CrossEncoder
 from densepass.negatives.pool import NegativePool
 
 FORMAT = "densepass-teacher-scores"
 VERSION = 1
-PASSAGE_SEP = " "  # cross-encoder passage input: "title text" (as the search pipeline's reranking)
 Pairs = dict[str, list[str]]  # query id -> passage ids to score
 Scores = dict[str, dict[str, float]]  # query id -> passage id -> teacher score
 
