@@ -240,3 +240,35 @@ def test_a_teacher_score_that_is_not_finite_stops_the_scoring(tiny_beir, tiny_mo
     qid = sorted(dataset.queries)[0]
     with pytest.raises(DataError, match="not a finite number"):
         compute_teacher_scores(teacher, dataset, {qid: dataset.corpus.ids[:2]}, tmp_path / "scores.jsonl")
+
+
+def test_students_of_one_fixed_teacher_with_a_cache_dir_have_it_score_each_pair_once(
+    tiny_beir, tiny_model_dir, tmp_path, monkeypatch
+):
+    """Two distilled runs of one saved teacher over the same pool (KL, then Margin-MSE) with one ``cache_dir``: the
+    second run's targets are read from the cache (``models.score_cache``), not scored again, and its scores file is
+    the first run's."""
+    import torch
+
+    from densepass.models.cross_encoder import CrossEncoder
+
+    teacher = tmp_path / "teacher"
+    CrossEncoder.new(str(tiny_model_dir), seed=4, max_length=48, device=torch.device("cpu")).save(teacher)
+    scored = []
+    score_pairs = CrossEncoder.score_pairs
+    monkeypatch.setattr(
+        CrossEncoder,
+        "score_pairs",
+        lambda self, q, p, precision=None: scored.append(len(q)) or score_pairs(self, q, p, precision),
+    )
+    fixed = [f"reranker.name_or_path={teacher}", "reranker.train.enabled=false", "reranker.first_stages=[]"]
+    shared = [*fixed, f"cache_dir={tmp_path / 'cache'}", "train.epochs=1"]
+    run_experiment(tiny_config(tiny_beir, tiny_model_dir, tmp_path, *RERANKER, *shared, "reranker.distill.loss=kl"))
+    assert sum(scored) > 0
+    scored.clear()
+    other = [*shared, "name=margin", "reranker.distill.loss=margin-mse"]
+    run_experiment(tiny_config(tiny_beir, tiny_model_dir, tmp_path, *RERANKER, *other))
+    assert scored == []
+    assert (tmp_path / "margin" / "teacher_scores.jsonl").read_text() == (
+        tmp_path / "t" / "teacher_scores.jsonl"
+    ).read_text()

@@ -644,11 +644,12 @@ class ExperimentConfig(RunConfig):
     loss: LossConfig = option(help="negatives from earlier steps, λ per source, LTR", factory=LossConfig)
     cache_dir: str | None = option(
         None,
-        "folder of passage encodings and mined pools shared between runs, keyed by content (model weights, "
-        "tokenizer, precision, batch and corpus; a pool: also the data, queries and negatives settings): the "
-        "zero-shot and fine-tuned evaluations and mining with a fixed model read an encoding made before instead of "
-        "encoding the corpus again, and a resumed run, or another one mining the same pool, reads the pool instead "
-        "of mining it again (one-process runs; null: no cache)",
+        "folder of passage encodings, mined pools and cross-encoder scores shared between runs, keyed by content "
+        "(model weights, tokenizer, precision, batch and corpus; a pool: also the data, queries and negatives "
+        "settings; a score: the pair's texts): the zero-shot and fine-tuned evaluations and mining with a fixed model "
+        "read an encoding made before instead of encoding the corpus again, a resumed run, or another one mining the "
+        "same pool, reads the pool instead of mining it again, and a teacher's distillation targets and filter "
+        "scores are computed once per pair (encodings and pools: one-process runs; null: no cache)",
     )
 
 

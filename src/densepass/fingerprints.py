@@ -107,3 +107,19 @@ def fingerprint_directory(path) -> str:
         h.update(str(file.relative_to(root)).encode() + b"\x00")
         h.update(bytes.fromhex(fingerprint_file(file)))
     return h.hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    """The versions of the code a cached result comes out of: densepass's own, and the libraries that rank, encode
+    or score (an upgrade of one may change a result, so a result of the old one is not read)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from densepass.version import __version__
+
+    versions = {"densepass": __version__}
+    for package in ("bm25s", "PyStemmer", "numpy", "torch", "transformers", "tokenizers"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = "absent"
+    return versions

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from densepass.data.keys import content_key, passage_input, passage_text
 from densepass.errors import ConfigError
 from densepass.evaluation.answers import has_answer, normalize_answer
 from densepass.negatives.pool import Candidate, NegativePool
+
+if TYPE_CHECKING:
+    from densepass.models.score_cache import CachedPairScores
 
 Scorer = Callable[[str, list[str]], Sequence[float]]
 FILTERS = ("qrels", "answers", "duplicates", "cross-encoder", "relative-margin")
@@ -228,7 +232,11 @@ def check_cross_encoder_filter(
 
 
 def cross_encoder_scorer(
-    path: str, batch_size: int = 64, activation: str | None = None, precision: str = "fp32"
+    path: str,
+    batch_size: int = 64,
+    activation: str | None = None,
+    precision: str = "fp32",
+    cache_dir: str | Path | None = None,
 ) -> Scorer:
     """A scorer from a saved cross-encoder (``models.cross_encoder.CrossEncoder``, scored in ``precision``): its raw
     logits, whatever activation the model's config names for sentence-transformers (whose ``CrossEncoder.predict``
@@ -236,31 +244,36 @@ def cross_encoder_scorer(
     filter's threshold, a logit as in rocketqa, would mean another thing per model); ``activation``: positive scores
     for the relative-margin filter's ratios, ``sigmoid`` (a pointwise-trained cross-encoder's probabilities) or
     ``exp`` (a listwise-trained one's: its softmax over a query's passages ignores any offset shared by their logits,
-    so it never learned one; a ratio of exponents does not depend on it)."""
+    so it never learned one; a ratio of exponents does not depend on it); ``cache_dir``: logits of pairs it scored
+    before in that precision (for distillation, another run's filter) are read from its content-keyed cache
+    (``models.score_cache``), the others kept there."""
     from scipy.special import expit
 
     from densepass.models.cross_encoder import CrossEncoder
+    from densepass.models.score_cache import CachedPairScores
 
     # a missing model, one asking for code of its own, weights that are not plain tensors: one line, before scoring
     model = CrossEncoder.from_pretrained(path, batch_size=batch_size, precision=precision)
     activations = {None: None, "sigmoid": expit, "exp": np.exp}
     if activation not in activations:
         raise ConfigError(f"unknown activation {activation!r} of a cross-encoder's scores (known: sigmoid, exp)")
-    return CrossEncoderScorer(model, activations[activation])
+    cached = CachedPairScores(model, cache_dir) if cache_dir is not None else None
+    return CrossEncoderScorer(model, activations[activation], cached)
 
 
 @dataclass
 class CrossEncoderScorer:
     """A cross-encoder as a filter's scorer: one query's passages (``Scorer``), or many queries' pairs at once
     (``score_pairs``: what ``apply_filters`` calls, so batches gather pairs of similar length across queries);
-    ``activation``: applied to the logits (None: the logits)."""
+    ``activation``: applied to the logits (None: the logits); ``cached``: the model through a score cache."""
 
     model: Any
     activation: Callable[[np.ndarray], np.ndarray] | None = None
+    cached: CachedPairScores | None = None
 
     def score_pairs(self, queries: list[str], passages: list[str]) -> np.ndarray:
         """The score of each pair ``(queries[i], passages[i])``, float64."""
-        logits = self.model.score_pairs(queries, passages).astype(np.float64)
+        logits = (self.cached or self.model).score_pairs(queries, passages).astype(np.float64)
         return self.activation(logits) if self.activation is not None else logits
 
     def __call__(self, query: str, passages: list[str]) -> np.ndarray:
@@ -302,11 +315,12 @@ def build_filters(
     relative_teacher: str | Scorer | None = None,
     precision: str = "fp32",
     relative_activation: str = "sigmoid",
+    cache_dir: str | Path | None = None,
 ) -> list:
     """Filters by name, in the given order; ``relative_teacher``: the relative-margin filter's scorer, or the path of
     a cross-encoder (its logits through ``relative_activation``); ``precision``: what a cross-encoder given by its
-    path scores in; ``sep_token``: what the duplicates filter and a bi-encoder scorer read between a passage's
-    title and text (a cross-encoder reads its own, ``passage_sep``)."""
+    path scores in (through the score cache in ``cache_dir``, when given); ``sep_token``: what the duplicates filter
+    and a bi-encoder scorer read between a passage's title and text (a cross-encoder reads its own, ``passage_sep``)."""
     out = []
     for name in names:
         if name == "qrels":
@@ -319,7 +333,7 @@ def build_filters(
             if cross_encoder is None:
                 raise ConfigError("the cross-encoder filter needs a cross-encoder (negatives.cross_encoder)")
             scorer = (
-                cross_encoder_scorer(cross_encoder, precision=precision)
+                cross_encoder_scorer(cross_encoder, precision=precision, cache_dir=cache_dir)
                 if isinstance(cross_encoder, str)
                 else cross_encoder
             )
@@ -329,7 +343,7 @@ def build_filters(
                 raise ConfigError("the relative-margin filter needs a teacher (negatives.relative_teacher)")
             if isinstance(relative_teacher, str):
                 relative_teacher = cross_encoder_scorer(
-                    relative_teacher, activation=relative_activation, precision=precision
+                    relative_teacher, activation=relative_activation, precision=precision, cache_dir=cache_dir
                 )
             sep = passage_sep(relative_teacher, sep_token)
             out.append(RelativeMarginFilter(dataset, relative_teacher, relative_margin, split, sep_token=sep))

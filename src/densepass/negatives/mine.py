@@ -272,6 +272,7 @@ def mine_negatives(
         relative_teacher(config, ctx) if "relative-margin" in names else None,
         config.filter_precision,
         config.relative_activation,
+        ctx.cache_dir,
     )
 
     def mine() -> MiningResult:

@@ -33,7 +33,7 @@ from densepass import distributed
 from densepass.config import NegativesConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.errors import DataError
-from densepass.fingerprints import fingerprint_corpus, fingerprint_directory, fingerprint_json
+from densepass.fingerprints import fingerprint_corpus, fingerprint_directory, fingerprint_json, library_versions
 from densepass.io import atomic_write_text, exclusive_lock
 from densepass.negatives.pool import MiningResult, load_pool, save_pool
 
@@ -67,22 +67,6 @@ def model_files(name_or_path: str) -> str:
     from densepass.models.biencoder import resolve_model_path
 
     return fingerprint_directory(resolve_model_path(name_or_path))
-
-
-def library_versions() -> dict[str, str]:
-    """The versions of the code a pool comes out of: densepass's own, and the libraries that rank (an upgrade of
-    one may change a ranking, so a pool of the old one is not read)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from densepass.version import __version__
-
-    versions = {"densepass": __version__}
-    for package in ("bm25s", "PyStemmer", "numpy", "torch", "transformers", "tokenizers"):
-        try:
-            versions[package] = version(package)
-        except PackageNotFoundError:
-            versions[package] = "absent"
-    return versions
 
 
 def pool_key(

@@ -124,5 +124,11 @@ def teacher_scores(
         return row_scores(dataset, pairs)
     precision = automatic_precision(config, teacher.device)
     return compute_teacher_scores(
-        teacher, dataset, pairs, scores_path(config), show_progress=show_progress, precision=precision
+        teacher,
+        dataset,
+        pairs,
+        scores_path(config),
+        show_progress=show_progress,
+        precision=precision,
+        cache_dir=config.cache_dir,
     )

@@ -657,7 +657,8 @@ def refresh_scorer(exp: Experiment) -> PairScorer | None:
     if from_rows(exp.config):
         return None
     teacher = exp.teacher or exp.reranker
-    return PairScorer(teacher, exp.dataset, automatic_precision(exp.config, teacher.device), show_progress=exp.main)
+    precision = automatic_precision(exp.config, teacher.device)
+    return PairScorer(teacher, exp.dataset, precision, show_progress=exp.main, cache_dir=exp.config.cache_dir)
 
 
 def fine_tune(

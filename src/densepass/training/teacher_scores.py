@@ -33,6 +33,7 @@ from densepass.data.keys import passage_input
 from densepass.errors import DataError, DataWarning
 from densepass.fingerprints import fingerprint_strings, fingerprint_weights
 from densepass.models.cross_encoder import PASSAGE_SEP, CrossEncoder
+from densepass.models.score_cache import CachedPairScores
 from densepass.negatives.pool import NegativePool
 
 FORMAT = "densepass-teacher-scores"
@@ -170,10 +171,12 @@ def compute_teacher_scores(
     chunk: int = 256,
     show_progress: bool = True,
     precision: str | None = None,
+    cache_dir: str | Path | None = None,
 ) -> Scores:
     """Score every (query, passage) pair of ``pairs`` with ``teacher`` (in ``precision``; None: the teacher's
     own) into ``path`` (resuming a partial file of the same teacher and pairs); an existing finished file is
-    checked and read, not recomputed."""
+    checked and read, not recomputed. With ``cache_dir``, pairs the same teacher scored before in that precision
+    (for another run) are read from its content-keyed cache (``models.score_cache``), the others kept there."""
     path = Path(path)
     identity = teacher_identity(teacher)
     if path.is_symlink() or path.exists() and not path.is_file():
@@ -201,12 +204,13 @@ def compute_teacher_scores(
         path.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(header) + "\n")
     todo = [q for q in pairs if q not in done]
+    scorer = CachedPairScores(teacher, cache_dir) if cache_dir is not None else teacher
     progress = tqdm(total=len(pairs), initial=len(pairs) - len(todo), desc="teacher scores", disable=not show_progress)
     with open(partial, "a", encoding="utf-8") as handle:
         for start in range(0, len(todo), chunk):
             queries = todo[start : start + chunk]
             flat = [(q, p) for q in queries for p in pairs[q]]
-            values = teacher.score_pairs(
+            values = scorer.score_pairs(
                 [dataset.queries[q] for q, _ in flat],
                 [passage_input(dataset.corpus, p, PASSAGE_SEP) for _, p in flat],
                 precision,
@@ -238,11 +242,12 @@ class PairScorer:
     dataset: RetrievalDataset
     precision: str | None = None
     show_progress: bool = True
+    cache_dir: str | Path | None = None
 
     def score(self, pairs: Pairs, path: Path) -> Scores:
         """The teacher's scores of ``pairs``, computed into ``path`` by rank 0 (or read from it when finished) and
         given to every process (whose run directory may be its own); an error there stops every process."""
-        options = dict(show_progress=self.show_progress, precision=self.precision)
+        options = dict(show_progress=self.show_progress, precision=self.precision, cache_dir=self.cache_dir)
         return distributed.on_rank_zero(
             lambda: compute_teacher_scores(self.teacher, self.dataset, pairs, path, **options)
         )

@@ -1,0 +1,148 @@
+"""A cross-encoder's scores kept by content (``cache_dir``), so that every run scoring the same (query, passage)
+pairs with the same model in the same precision scores each pair once: the distillation targets of several
+students of one teacher, that teacher's denoising filter over the same pool, a run started again.
+
+An entry is ``<cache_dir>/pair-scores/<key>/``, ``key`` the digest of what a score depends on besides the pair
+(``scorer_identity``): the model's weights and tokenizer, its truncation length, the precision and the kind of
+device it scores in, and the versions of densepass and of the libraries that compute it (``scorer.json`` holds
+them in words). Its ``scores.sqlite`` has a row per pair: a 16-byte digest of the query's and the passage's texts
+(``pair_key``) and the model's float32 logit (exact in SQLite's REAL). The identity is taken at every call, so a
+model trained between two calls scores into another entry. Rows are added one call per transaction (an
+interruption loses that call's pairs only); processes share an entry through SQLite's locking. Nothing in an
+entry is code, or pickled. An entry that cannot be read is passed over with a warning: the pairs are scored.
+
+Usage::
+
+    teacher = CrossEncoder.from_pretrained("outputs/teacher/reranker/model", precision="bf16")
+    scores = CachedPairScores(teacher, "outputs/cache").score_pairs(queries, passages)  # float32 logits
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import warnings
+from collections.abc import Sequence
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from densepass.device import resolve_precision
+from densepass.errors import ConfigError, DataWarning
+from densepass.fingerprints import fingerprint_json, fingerprint_tokenizer, fingerprint_weights, library_versions
+from densepass.io import atomic_write_text
+
+CACHE_FOLDER = "pair-scores"
+DATABASE = "scores.sqlite"
+IDENTITY_FILE = "scorer.json"
+SCORES_VERSION = 1  # how a score is computed and kept; a change that alters either bumps it
+LOOKUP_BATCH = 500  # keys per SELECT: under the 999 parameters of SQLite builds before 3.32
+LOCK_TIMEOUT_S = 600.0  # how long a call waits for another process's transaction on the same entry
+
+
+def pair_key(query: str, passage: str) -> bytes:
+    """The 16-byte digest a pair is kept under (each text length-prefixed: no two pairs share one by concatenation)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for text in (query, passage):
+        data = text.encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.digest()
+
+
+def scorer_identity(model: Any, precision: str) -> dict:
+    """What a cross-encoder's score of a pair depends on besides the pair: its weights, tokenizer and truncation
+    length, the precision and the kind of device it scores in, and the code's versions."""
+    return {
+        "version": SCORES_VERSION,
+        "weights": fingerprint_weights(model.model),
+        "tokenizer": fingerprint_tokenizer(model.tokenizer),
+        "max_length": model.max_length,
+        "precision": precision,
+        "device": model.device.type,
+        "libraries": library_versions(),
+    }
+
+
+class CachedPairScores:
+    """``model.score_pairs`` (a ``models.cross_encoder.CrossEncoder``'s) through the cache in ``cache_dir``: the pairs
+    found there are read, the others scored in one call and added. ``scored`` counts the pairs the model was asked
+    for, ``found`` those read from the cache."""
+
+    def __init__(self, model: Any, cache_dir: str | Path) -> None:
+        self.model, self.cache_dir = model, Path(cache_dir)
+        self.scored = self.found = 0
+        self._warned = False
+
+    def score_pairs(self, queries: Sequence[str], passages: Sequence[str], precision: str | None = None) -> np.ndarray:
+        """One float32 logit per pair ``(queries[i], passages[i])``, as ``model.score_pairs`` gives it in
+        ``precision`` (None: the model's own)."""
+        if len(queries) != len(passages):
+            raise ConfigError(f"{len(queries)} queries but {len(passages)} passages")
+        precision = self.model.precision if precision is None else resolve_precision(precision, self.model.device)
+        keys = [pair_key(q, p) for q, p in zip(queries, passages)]
+        database = self._database(precision)
+        known = self._read(database, keys) if database is not None else {}
+        todo, seen = [], set(known)  # the first place of each pair not found, in the order given
+        for i, key in enumerate(keys):
+            if key not in seen:
+                seen.add(key)
+                todo.append(i)
+        if todo:
+            values = self.model.score_pairs([queries[i] for i in todo], [passages[i] for i in todo], precision)
+            new = dict(zip((keys[i] for i in todo), np.asarray(values, dtype=np.float32).tolist()))
+            if database is not None:
+                self._write(database, new)
+            known.update(new)
+        self.scored += len(todo)
+        self.found += len(set(keys)) - len(todo)
+        return np.asarray([known[key] for key in keys], dtype=np.float32)
+
+    def _database(self, precision: str) -> Path | None:
+        """The entry's database for the model as it is now (made when new), or None (warned) when it cannot be used."""
+        identity = scorer_identity(self.model, precision)
+        directory = self.cache_dir / CACHE_FOLDER / fingerprint_json(identity)
+        database = directory / DATABASE
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if not (directory / IDENTITY_FILE).is_file():
+                atomic_write_text(directory / IDENTITY_FILE, json.dumps({"source": str(self.model.source), **identity}))
+            if database.is_symlink() or database.exists() and not database.is_file():
+                raise OSError(f"{database} is not a plain file")
+            with closing(sqlite3.connect(database, timeout=LOCK_TIMEOUT_S)) as connection, connection:
+                connection.execute("CREATE TABLE IF NOT EXISTS scores (pair BLOB PRIMARY KEY, score REAL NOT NULL)")
+        except (OSError, sqlite3.Error) as err:
+            return self._pass_over(database, err)
+        return database
+
+    def _read(self, database: Path, keys: list[bytes]) -> dict[bytes, float]:
+        wanted, found = list(dict.fromkeys(keys)), {}
+        try:
+            with closing(sqlite3.connect(database, timeout=LOCK_TIMEOUT_S)) as connection:
+                for start in range(0, len(wanted), LOOKUP_BATCH):
+                    batch = wanted[start : start + LOOKUP_BATCH]
+                    marks = ",".join("?" * len(batch))
+                    rows = connection.execute(f"SELECT pair, score FROM scores WHERE pair IN ({marks})", batch)
+                    found.update((bytes(pair), float(score)) for pair, score in rows)
+        except sqlite3.Error as err:
+            self._pass_over(database, err)
+            return {}
+        return found
+
+    def _write(self, database: Path, scores: dict[bytes, float]) -> None:
+        try:
+            with closing(sqlite3.connect(database, timeout=LOCK_TIMEOUT_S)) as connection, connection:
+                connection.executemany("INSERT OR IGNORE INTO scores VALUES (?, ?)", scores.items())
+        except sqlite3.Error as err:
+            self._pass_over(database, err)
+
+    def _pass_over(self, database: Path, err: Exception) -> None:
+        if not self._warned:
+            warnings.warn(
+                f"the pair-score cache {database} cannot be used ({err}): scoring without it", DataWarning, stacklevel=3
+            )
+            self._warned = True
+        return None

@@ -1,0 +1,142 @@
+"""The cross-encoder score cache (``models.score_cache``): a pair is scored once per model, precision and code
+version, whichever run asks (distillation targets, a denoising filter), its cached score is the model's own, and
+an entry that cannot be read is passed over with a warning, never trusted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from densepass.data import load_dataset
+from densepass.errors import DataWarning
+from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.score_cache import CACHE_FOLDER, DATABASE, CachedPairScores, pair_key
+from densepass.negatives.pool import Candidate
+from densepass.training.teacher_scores import compute_teacher_scores, distillation_pairs
+
+CPU = torch.device("cpu")
+QUERIES = ["audio editor", "greek letters", "audio editor", "counting words"]
+PASSAGES = ["A   audio editor for linux", "B   alpha beta", "A   audio editor for linux", "C   one two three"]
+
+
+@pytest.fixture
+def model(tiny_model_dir):
+    return CrossEncoder.new(str(tiny_model_dir), seed=2, max_length=32, batch_size=2, device=CPU, precision="fp32")
+
+
+class Counting:
+    """A model whose ``score_pairs`` calls are counted (pairs asked for)."""
+
+    def __init__(self, model):
+        self.inner, self.asked = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def score_pairs(self, queries, passages, precision=None):
+        self.asked.append(len(queries))
+        return self.inner.score_pairs(queries, passages, precision)
+
+
+def test_cached_scores_are_the_models_own_and_a_second_reader_scores_nothing(model, tmp_path):
+    first = Counting(model)
+    cache = CachedPairScores(first, tmp_path)
+    scores = cache.score_pairs(QUERIES, PASSAGES)
+    # the model's scores (to float32 rounding: a batch of 3 pairs instead of 4 sums in another order)
+    np.testing.assert_allclose(scores, model.score_pairs(QUERIES, PASSAGES), rtol=1e-5)
+    assert scores[0] == scores[2] and first.asked == [3] and cache.scored == 3 and cache.found == 0  # scored once
+    again = Counting(model)  # another run: another object, the same model
+    reader = CachedPairScores(again, tmp_path)
+    np.testing.assert_array_equal(reader.score_pairs(QUERIES[::-1], PASSAGES[::-1]), scores[::-1])  # bit for bit
+    assert again.asked == [] and reader.found == 3
+    # one new pair among known ones: only it is scored
+    more = reader.score_pairs([*QUERIES, "video"], [*PASSAGES, "A   video editor"])
+    np.testing.assert_array_equal(more[:4], scores)
+    assert again.asked == [1]
+    assert more[4] == model.score_pairs(["video"], ["A   video editor"])[0]
+
+
+def test_a_pair_is_kept_under_both_texts_whole(model):
+    assert pair_key("ab", "c") != pair_key("a", "bc") and pair_key("q", "p") == pair_key("q", "p")
+    assert len(pair_key("q", "p")) == 16
+
+
+def test_another_precision_or_other_weights_score_into_another_entry(model, tmp_path):
+    CachedPairScores(model, tmp_path).score_pairs(QUERIES, PASSAGES)
+    counted = Counting(model)
+    bf16 = CachedPairScores(counted, tmp_path)
+    bf16.score_pairs(QUERIES, PASSAGES, "bf16")
+    assert counted.asked == [3]
+    with torch.no_grad():
+        model.model.classifier.weight.add_(0.5)  # a model trained since: its old scores are not its scores now
+    changed = Counting(model)
+    fresh = CachedPairScores(changed, tmp_path).score_pairs(QUERIES, PASSAGES)
+    assert changed.asked == [3]
+    np.testing.assert_allclose(fresh, model.score_pairs(QUERIES, PASSAGES), rtol=1e-5)
+    assert len(list((tmp_path / CACHE_FOLDER).iterdir())) == 3
+
+
+def test_a_damaged_entry_is_passed_over_with_a_warning_and_the_pairs_scored(model, tmp_path):
+    CachedPairScores(model, tmp_path).score_pairs(QUERIES, PASSAGES)
+    [entry] = (tmp_path / CACHE_FOLDER).iterdir()
+    (entry / DATABASE).write_bytes(b"not a database, " * 100)
+    counted = Counting(model)
+    with pytest.warns(DataWarning, match="cannot be used"):
+        scores = CachedPairScores(counted, tmp_path).score_pairs(QUERIES, PASSAGES)
+    np.testing.assert_allclose(scores, model.score_pairs(QUERIES, PASSAGES), rtol=1e-5)
+    assert counted.asked == [3] and (entry / DATABASE).read_bytes().startswith(b"not a database")  # left as it is
+
+
+def test_a_link_where_the_database_goes_is_not_followed(model, tmp_path):
+    CachedPairScores(model, tmp_path / "first").score_pairs(QUERIES, PASSAGES)
+    [entry] = (tmp_path / "first" / CACHE_FOLDER).iterdir()
+    target = tmp_path / "users-file.sqlite"
+    target.write_bytes(b"mine")
+    (entry / DATABASE).unlink()
+    (entry / DATABASE).symlink_to(target)
+    with pytest.warns(DataWarning, match="not a plain file"):
+        CachedPairScores(model, tmp_path / "first").score_pairs(QUERIES, PASSAGES)
+    assert target.read_bytes() == b"mine"
+
+
+@pytest.fixture
+def setup(tiny_beir, tiny_model_dir):
+    dataset = load_dataset(str(tiny_beir))
+    qids = sorted(dataset.positives("train"))[:6]
+    pool = {q: [Candidate(f"p{(i * 7 + j) % 40}", "bm25", 1.0) for j in range(3)] for i, q in enumerate(qids)}
+    pool = {q: [c for c in cands if c.passage_id not in dataset.relevant_sets()[q]] for q, cands in pool.items()}
+    return dataset, distillation_pairs(dataset, "train", qids, pool), pool
+
+
+def test_two_students_of_one_teacher_score_its_targets_once(setup, tiny_model_dir, tmp_path):
+    """Distillation targets computed for a second run (another scores file) with the same ``cache_dir`` are read from
+    the first run's, and equal the scores computed without a cache."""
+    dataset, pairs, _ = setup
+    teacher = CrossEncoder.new(str(tiny_model_dir), seed=1, max_length=32, batch_size=4, device=CPU)
+    plain = compute_teacher_scores(teacher, dataset, pairs, tmp_path / "plain.jsonl", show_progress=False)
+    compute_teacher_scores(teacher, dataset, pairs, tmp_path / "a.jsonl", show_progress=False, cache_dir=tmp_path)
+    counted = Counting(teacher)
+    second = compute_teacher_scores(
+        counted, dataset, pairs, tmp_path / "b.jsonl", show_progress=False, cache_dir=tmp_path / "."
+    )
+    assert counted.asked == [] and second == plain
+
+
+def test_a_denoising_filter_and_distillation_of_one_teacher_share_its_scores(setup, tiny_model_dir, tmp_path):
+    """The relative-margin filter scores each query's positives and candidates as distillation does ("title text",
+    the teacher's precision): with one ``cache_dir``, distilling after denoising scores nothing new."""
+    from densepass.negatives.filters import build_filters
+
+    dataset, pairs, pool = setup
+    path = tmp_path / "teacher"
+    CrossEncoder.new(str(tiny_model_dir), seed=1, max_length=32, batch_size=4, device=CPU, precision="fp32").save(path)
+    [relative] = build_filters(
+        ["relative-margin"], dataset, relative_teacher=str(path), relative_activation="exp", cache_dir=tmp_path
+    )
+    relative.keep_all(pool)
+    teacher = Counting(CrossEncoder.from_pretrained(str(path), device=CPU, precision="fp32"))
+    scores = compute_teacher_scores(
+        teacher, dataset, pairs, tmp_path / "s.jsonl", show_progress=False, precision="fp32", cache_dir=tmp_path
+    )
+    assert teacher.asked == [] and len(scores) == len(pairs)
