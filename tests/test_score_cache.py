@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from densepass.data import load_dataset
-from densepass.errors import DataWarning
+from densepass.errors import ConfigError, DataWarning
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.score_cache import CACHE_FOLDER, DATABASE, CachedPairScores, pair_key
 from densepass.negatives.pool import Candidate
@@ -75,6 +75,56 @@ def test_another_precision_or_other_weights_score_into_another_entry(model, tmp_
     assert changed.asked == [3]
     np.testing.assert_allclose(fresh, model.score_pairs(QUERIES, PASSAGES), rtol=1e-5)
     assert len(list((tmp_path / CACHE_FOLDER).iterdir())) == 3
+
+
+@pytest.mark.parametrize("change", ["config", "truncation side"])
+def test_a_setting_that_changes_scores_without_changing_weights_is_another_entry(model, tmp_path, change):
+    """The key follows what the forward pass reads besides the weights: the model's configuration (here its
+    layer-norm epsilon) and the tokenizer's truncation side."""
+    passages = [p + " extra words" * 20 for p in PASSAGES]  # past max_length 32: truncation matters
+    before = CachedPairScores(model, tmp_path).score_pairs(QUERIES, passages)
+    if change == "config":
+        model.model.config.layer_norm_eps = 0.5
+        for module in model.model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.eps = 0.5
+    else:
+        model.tokenizer.truncation_side = "left"
+    counted = Counting(model)
+    after = CachedPairScores(counted, tmp_path).score_pairs(QUERIES, passages)
+    assert counted.asked == [3] and not np.allclose(before, after)
+    np.testing.assert_allclose(after, model.score_pairs(QUERIES, passages), rtol=1e-5)
+
+
+def test_int8_scores_and_empty_calls_are_not_kept_and_an_empty_folder_is_refused(model, tmp_path):
+    counted = Counting(model)
+    cache = CachedPairScores(counted, tmp_path)
+    assert cache.score_pairs([], []).shape == (0,)
+    cache.score_pairs(QUERIES, PASSAGES, "int8")  # one activation scale per batch: a score depends on its batch
+    cache.score_pairs(QUERIES, PASSAGES, "int8")
+    assert counted.asked == [0, 4, 4] and not (tmp_path / CACHE_FOLDER).exists()
+    with pytest.raises(ConfigError, match="empty path"):
+        CachedPairScores(model, "")
+
+
+def test_an_entry_locked_by_another_process_is_waited_for_once_then_passed_over(model, tmp_path, monkeypatch):
+    import sqlite3
+
+    from densepass.models import score_cache
+
+    CachedPairScores(model, tmp_path).score_pairs(QUERIES[:1], PASSAGES[:1])
+    [entry] = (tmp_path / CACHE_FOLDER).iterdir()
+    holder = sqlite3.connect(entry / DATABASE)
+    holder.execute("BEGIN EXCLUSIVE")  # a process stopped inside its transaction
+    monkeypatch.setattr(score_cache, "LOCK_TIMEOUT_S", 0.2)
+    counted = Counting(model)
+    cache = CachedPairScores(counted, tmp_path)
+    with pytest.warns(DataWarning, match="cannot be used"):
+        cache.score_pairs(QUERIES, PASSAGES)
+    cache.score_pairs(QUERIES, PASSAGES)  # the cache is off now: no second wait, no warning
+    holder.rollback()
+    holder.close()
+    assert counted.asked == [3, 3]
 
 
 def test_a_damaged_entry_is_passed_over_with_a_warning_and_the_pairs_scored(model, tmp_path):

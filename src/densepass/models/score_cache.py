@@ -3,13 +3,18 @@ pairs with the same model in the same precision scores each pair once: the disti
 students of one teacher, that teacher's denoising filter over the same pool, a run started again.
 
 An entry is ``<cache_dir>/pair-scores/<key>/``, ``key`` the digest of what a score depends on besides the pair
-(``scorer_identity``): the model's weights and tokenizer, its truncation length, the precision and the kind of
-device it scores in, and the versions of densepass and of the libraries that compute it (``scorer.json`` holds
-them in words). Its ``scores.sqlite`` has a row per pair: a 16-byte digest of the query's and the passage's texts
-(``pair_key``) and the model's float32 logit (exact in SQLite's REAL). The identity is taken at every call, so a
-model trained between two calls scores into another entry. Rows are added one call per transaction (an
-interruption loses that call's pairs only); processes share an entry through SQLite's locking. Nothing in an
-entry is code, or pickled. An entry that cannot be read is passed over with a warning: the pairs are scored.
+(``scorer_identity``): the model's weights and configuration, its tokenizer (and the side it truncates and pads),
+its truncation length, the precision and the kind of device it scores in, and the versions of densepass and of the
+libraries that compute it (``scorer.json`` holds them in words). Its ``scores.sqlite`` has a row per pair: a
+16-byte digest of the query's and the passage's texts (``pair_key``) and the model's float32 logit (exact in
+SQLite's REAL). The identity follows the weights (``models.quantize.weights_key``), so a model trained between two
+calls scores into another entry. A kept score is the one the model gave in the batch it was first scored in: equal
+to a fresh one up to float rounding (fp32 and bf16 sum a pair's products in an order that depends on its batch's
+padded width); int8 scores, whose activation scale is set per batch, are never kept. Rows are added one call per
+transaction (an interruption loses that call's pairs only); processes share an entry through SQLite's locking (a
+local disk: network filesystems' locks are not reliable). Nothing in an entry is code, or pickled. An entry that
+cannot be used (damaged, a link, locked past ``LOCK_TIMEOUT_S``) is passed over with a warning, never written, and
+the cache is off for the rest of that scorer's calls: the pairs are scored.
 
 Usage::
 
@@ -34,13 +39,15 @@ from densepass.device import resolve_precision
 from densepass.errors import ConfigError, DataWarning
 from densepass.fingerprints import fingerprint_json, fingerprint_tokenizer, fingerprint_weights, library_versions
 from densepass.io import atomic_write_text
+from densepass.models.quantize import weights_key
 
 CACHE_FOLDER = "pair-scores"
 DATABASE = "scores.sqlite"
 IDENTITY_FILE = "scorer.json"
-SCORES_VERSION = 1  # how a score is computed and kept; a change that alters either bumps it
+SCORES_VERSION = 2  # how a score is computed and kept; a change that alters either bumps it
 LOOKUP_BATCH = 500  # keys per SELECT: under the 999 parameters of SQLite builds before 3.32
-LOCK_TIMEOUT_S = 600.0  # how long a call waits for another process's transaction on the same entry
+LOCK_TIMEOUT_S = 60.0  # how long a call waits for another process's transaction on the same entry (its
+# transactions only read or add rows: seconds)
 
 
 def pair_key(query: str, passage: str) -> bytes:
@@ -54,12 +61,16 @@ def pair_key(query: str, passage: str) -> bytes:
 
 
 def scorer_identity(model: Any, precision: str) -> dict:
-    """What a cross-encoder's score of a pair depends on besides the pair: its weights, tokenizer and truncation
-    length, the precision and the kind of device it scores in, and the code's versions."""
+    """What a cross-encoder's score of a pair depends on besides the pair: its weights and configuration (heads,
+    activation, epsilon, ...), its tokenizer, the sides it truncates and pads, its truncation length, the precision
+    and the kind of device it scores in, and the code's versions."""
+    tokenizer = model.tokenizer
     return {
         "version": SCORES_VERSION,
         "weights": fingerprint_weights(model.model),
-        "tokenizer": fingerprint_tokenizer(model.tokenizer),
+        "config": fingerprint_json(model.model.config.to_dict()),
+        "tokenizer": fingerprint_tokenizer(tokenizer),
+        "sides": [getattr(tokenizer, "truncation_side", None), getattr(tokenizer, "padding_side", None)],
         "max_length": model.max_length,
         "precision": precision,
         "device": model.device.type,
@@ -73,9 +84,12 @@ class CachedPairScores:
     for, ``found`` those read from the cache."""
 
     def __init__(self, model: Any, cache_dir: str | Path) -> None:
+        if not str(cache_dir).strip():
+            raise ConfigError("the score cache needs a folder (cache_dir), got an empty path")
         self.model, self.cache_dir = model, Path(cache_dir)
         self.scored = self.found = 0
-        self._warned = False
+        self._off = False  # set when an entry could not be used: the rest of the calls score without the cache
+        self._entries: dict[tuple, Path] = {}  # (weights_key, precision) -> the entry's database
 
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str], precision: str | None = None) -> np.ndarray:
         """One float32 logit per pair ``(queries[i], passages[i])``, as ``model.score_pairs`` gives it in
@@ -83,9 +97,13 @@ class CachedPairScores:
         if len(queries) != len(passages):
             raise ConfigError(f"{len(queries)} queries but {len(passages)} passages")
         precision = self.model.precision if precision is None else resolve_precision(precision, self.model.device)
+        if not queries or precision == "int8":  # nothing to score; int8: a score depends on its batch, never kept
+            return self.model.score_pairs(queries, passages, precision)
         keys = [pair_key(q, p) for q, p in zip(queries, passages)]
         database = self._database(precision)
-        known = self._read(database, keys) if database is not None else {}
+        known = self._read(database, keys) if database is not None else None
+        if known is None:  # no entry, or one that could not be read: not written either
+            database, known = None, {}
         todo, seen = [], set(known)  # the first place of each pair not found, in the order given
         for i, key in enumerate(keys):
             if key not in seen:
@@ -102,7 +120,12 @@ class CachedPairScores:
         return np.asarray([known[key] for key in keys], dtype=np.float32)
 
     def _database(self, precision: str) -> Path | None:
-        """The entry's database for the model as it is now (made when new), or None (warned) when it cannot be used."""
+        """The entry's database for the model as it is now (made when new), or None when the cache is off (warned)."""
+        if self._off:
+            return None
+        current = (weights_key(self.model.model), precision)
+        if current in self._entries:
+            return self._entries[current]
         identity = scorer_identity(self.model, precision)
         directory = self.cache_dir / CACHE_FOLDER / fingerprint_json(identity)
         database = directory / DATABASE
@@ -116,9 +139,10 @@ class CachedPairScores:
                 connection.execute("CREATE TABLE IF NOT EXISTS scores (pair BLOB PRIMARY KEY, score REAL NOT NULL)")
         except (OSError, sqlite3.Error) as err:
             return self._pass_over(database, err)
+        self._entries[current] = database
         return database
 
-    def _read(self, database: Path, keys: list[bytes]) -> dict[bytes, float]:
+    def _read(self, database: Path, keys: list[bytes]) -> dict[bytes, float] | None:
         wanted, found = list(dict.fromkeys(keys)), {}
         try:
             with closing(sqlite3.connect(database, timeout=LOCK_TIMEOUT_S)) as connection:
@@ -128,8 +152,7 @@ class CachedPairScores:
                     rows = connection.execute(f"SELECT pair, score FROM scores WHERE pair IN ({marks})", batch)
                     found.update((bytes(pair), float(score)) for pair, score in rows)
         except sqlite3.Error as err:
-            self._pass_over(database, err)
-            return {}
+            return self._pass_over(database, err)
         return found
 
     def _write(self, database: Path, scores: dict[bytes, float]) -> None:
@@ -140,9 +163,11 @@ class CachedPairScores:
             self._pass_over(database, err)
 
     def _pass_over(self, database: Path, err: Exception) -> None:
-        if not self._warned:
+        """Warn once and turn the cache off for this scorer (a locked or damaged entry stays so: no call waits on it
+        again)."""
+        if not self._off:
             warnings.warn(
                 f"the pair-score cache {database} cannot be used ({err}): scoring without it", DataWarning, stacklevel=3
             )
-            self._warned = True
+        self._off = True
         return None

@@ -130,5 +130,5 @@ def teacher_scores(
         scores_path(config),
         show_progress=show_progress,
         precision=precision,
-        cache_dir=config.cache_dir,
+        cache_dir=config.cache_dir or None,
     )

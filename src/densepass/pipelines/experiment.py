@@ -658,7 +658,7 @@ def refresh_scorer(exp: Experiment) -> PairScorer | None:
         return None
     teacher = exp.teacher or exp.reranker
     precision = automatic_precision(exp.config, teacher.device)
-    return PairScorer(teacher, exp.dataset, precision, show_progress=exp.main, cache_dir=exp.config.cache_dir)
+    return PairScorer(teacher, exp.dataset, precision, show_progress=exp.main, cache_dir=exp.config.cache_dir or None)
 
 
 def fine_tune(

@@ -36,7 +36,7 @@ from densepass.io import check_regular_file
 from densepass.models.biencoder import model_name, resolve_model_path
 from densepass.models.colbert import ColBERT, ColbertReranker
 from densepass.models.copies import float_precision
-from densepass.models.cross_encoder import CrossEncoder
+from densepass.models.cross_encoder import PASSAGE_SEP, CrossEncoder
 from densepass.models.kinds import model_kind
 from densepass.models.load import load_model
 from densepass.phrase.index import PhraseIndex, PhraseSearchResults  # registers the phrase kind for load_index
@@ -307,7 +307,7 @@ def rerank(
     if len(queries) != len(first):
         raise ConfigError(f"{len(queries)} queries for {len(first)} first-stage result lists")
     k = width if k is None else min(check_k(k), width)
-    texts = first.passages.passage_inputs(" ")
+    texts = first.passages.passage_inputs(PASSAGE_SEP)  # "title text", as a cross-encoder trains (ColBERT too)
     head = first.rows[:, :depth]
     where = np.nonzero(head >= 0)
     scores = np.full(head.shape, -np.inf, dtype=np.float32)
