@@ -100,6 +100,23 @@ def tiny_beir(tmp_path) -> Path:
     return write_tiny_beir(tmp_path / "tiny")
 
 
+@pytest.fixture
+def distillation_setup(tiny_beir, tiny_model_dir):
+    """Six training queries of the tiny dataset, their distillation pairs (positives, then three pool candidates
+    each) and a random tiny teacher: (dataset, pairs, teacher)."""
+    from densepass.data import load_dataset
+    from densepass.models.cross_encoder import CrossEncoder
+    from densepass.negatives.pool import Candidate
+    from densepass.training.teacher_scores import distillation_pairs
+
+    dataset = load_dataset(str(tiny_beir))
+    qids = sorted(dataset.positives("train"))[:6]
+    pool = {q: [Candidate(f"p{(i * 7 + j) % 40}", "bm25", 1.0) for j in range(3)] for i, q in enumerate(qids)}
+    pool = {q: [c for c in cands if c.passage_id not in dataset.relevant_sets()[q]] for q, cands in pool.items()}
+    teacher = CrossEncoder.new(str(tiny_model_dir), seed=1, max_length=32, batch_size=4, device=torch.device("cpu"))
+    return dataset, distillation_pairs(dataset, "train", qids, pool), teacher
+
+
 def small_run_overrides(dataset: Path, model_dir: Path, output_dir: Path, name: str) -> list[str]:
     """Config overrides of a quick ``run_experiment`` on the tiny dataset: small pools and passages, no
     baselines, MRR@10 of the top 10 (each test adds the settings it exercises)."""

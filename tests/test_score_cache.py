@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from densepass.data import load_dataset
 from densepass.errors import ConfigError, DataWarning
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.score_cache import CACHE_FOLDER, DATABASE, CachedPairScores, pair_key
 from densepass.negatives.pool import Candidate
-from densepass.training.teacher_scores import compute_teacher_scores, distillation_pairs
+from densepass.training.teacher_scores import compute_teacher_scores
 
 CPU = torch.device("cpu")
 QUERIES = ["audio editor", "greek letters", "audio editor", "counting words"]
@@ -150,20 +149,10 @@ def test_a_link_where_the_database_goes_is_not_followed(model, tmp_path):
     assert target.read_bytes() == b"mine"
 
 
-@pytest.fixture
-def setup(tiny_beir, tiny_model_dir):
-    dataset = load_dataset(str(tiny_beir))
-    qids = sorted(dataset.positives("train"))[:6]
-    pool = {q: [Candidate(f"p{(i * 7 + j) % 40}", "bm25", 1.0) for j in range(3)] for i, q in enumerate(qids)}
-    pool = {q: [c for c in cands if c.passage_id not in dataset.relevant_sets()[q]] for q, cands in pool.items()}
-    return dataset, distillation_pairs(dataset, "train", qids, pool), pool
-
-
-def test_two_students_of_one_teacher_score_its_targets_once(setup, tiny_model_dir, tmp_path):
+def test_two_students_of_one_teacher_score_its_targets_once(distillation_setup, tmp_path):
     """Distillation targets computed for a second run (another scores file) with the same ``cache_dir`` are read from
     the first run's, and equal the scores computed without a cache."""
-    dataset, pairs, _ = setup
-    teacher = CrossEncoder.new(str(tiny_model_dir), seed=1, max_length=32, batch_size=4, device=CPU)
+    dataset, pairs, teacher = distillation_setup
     plain = compute_teacher_scores(teacher, dataset, pairs, tmp_path / "plain.jsonl", show_progress=False)
     compute_teacher_scores(teacher, dataset, pairs, tmp_path / "a.jsonl", show_progress=False, cache_dir=tmp_path)
     counted = Counting(teacher)
@@ -173,12 +162,16 @@ def test_two_students_of_one_teacher_score_its_targets_once(setup, tiny_model_di
     assert counted.asked == [] and second == plain
 
 
-def test_a_denoising_filter_and_distillation_of_one_teacher_share_its_scores(setup, tiny_model_dir, tmp_path):
+def test_a_denoising_filter_and_distillation_of_one_teacher_share_its_scores(
+    distillation_setup, tiny_model_dir, tmp_path
+):
     """The relative-margin filter scores each query's positives and candidates as distillation does ("title text",
     the teacher's precision): with one ``cache_dir``, distilling after denoising scores nothing new."""
     from densepass.negatives.filters import build_filters
 
-    dataset, pairs, pool = setup
+    dataset, pairs, _ = distillation_setup
+    positives = dataset.positives("train")
+    pool = {q: [Candidate(p, "bm25", 1.0) for p in pids if p not in positives[q]] for q, pids in pairs.items()}
     path = tmp_path / "teacher"
     CrossEncoder.new(str(tiny_model_dir), seed=1, max_length=32, batch_size=4, device=CPU, precision="fp32").save(path)
     [relative] = build_filters(

@@ -9,16 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from densepass.data import load_dataset
 from densepass.errors import DataError
 from densepass.models.cross_encoder import CrossEncoder
-from densepass.negatives.pool import Candidate
-from densepass.training.teacher_scores import (
-    compute_teacher_scores,
-    distillation_pairs,
-    load_teacher_scores,
-    teacher_identity,
-)
+from densepass.training.teacher_scores import compute_teacher_scores, load_teacher_scores, teacher_identity
 
 CPU = torch.device("cpu")
 
@@ -28,13 +21,8 @@ def flat(scores):
 
 
 @pytest.fixture
-def setup(tiny_beir, tiny_model_dir):
-    dataset = load_dataset(str(tiny_beir))
-    qids = sorted(dataset.positives("train"))[:6]
-    pool = {q: [Candidate(f"p{(i * 7 + j) % 40}", "bm25", 1.0) for j in range(3)] for i, q in enumerate(qids)}
-    pool = {q: [c for c in cands if c.passage_id not in dataset.relevant_sets()[q]] for q, cands in pool.items()}
-    teacher = CrossEncoder.new(str(tiny_model_dir), seed=1, max_length=32, batch_size=4, device=CPU)
-    return dataset, distillation_pairs(dataset, "train", qids, pool), teacher
+def setup(distillation_setup):
+    return distillation_setup
 
 
 def test_scores_are_the_teachers_logits_of_every_positive_and_candidate(setup, tmp_path):
