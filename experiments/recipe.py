@@ -5,6 +5,7 @@ sentence-transformers' own recipe, and what each costs out of domain.
     python experiments/recipe.py --only "README recipe" "+ 3 hard negatives"  # some rows
     PYTHONPATH=src venv-bench/bin/python experiments/recipe.py --stage st    # sentence-transformers' recipe
     python experiments/recipe.py --stage wise-ft --wise-ft-row "README recipe" --alphas 0.25 0.5 0.75
+    python experiments/recipe.py --stage wise-ft --variant-row ROW --wise-ft-variant VARIANT --alphas 0.7 1.0
     python experiments/recipe.py --stage variant --variant-row "+ 3 hard negatives" --variants "lr 2e-5"
     python experiments/recipe.py --stage report
     python experiments/recipe.py --out outputs/recipe --eval-part report --stage report   # chosen on one half of dev
@@ -36,8 +37,11 @@ Beside the rows:
   temperature 0.05) and its no-duplicates batch sampler; the model it saves is evaluated by the same code.
   Needs the ``datasets`` package (the benchmarks' environment).
 - ``--stage wise-ft``: wise-ft interpolations of one row's model with the starting weights
-  (``densepass.models.interpolate``), each evaluated in and out of domain like a row.
-- ``--stage variant``: changes to one row (``VARIANTS``), each its own run, tested against that row: the
+  (``densepass.models.interpolate``), each evaluated in and out of domain like a row; with ``--wise-ft-variant``,
+  of a variant's fine-tuned weights (``model-fine-tuned/`` where the variant saved a wise-ft model of its own, whose
+  α then joins the choice on the tuning part).
+- ``--stage variant``: changes to one row (``VARIANTS``), each its own run, tested against that row (issue 55's
+  ``LEVERS``: against the recommended variant they each change once): the
   training ingredients after the negatives (re-mining with the model being trained, ABS batches, the best
   checkpoint on H_10, MoCo and pre-batch negatives, batch 128, two epochs), one change each to the dense row
   (``DENSE``; docs/experiments.md runs them on its pool with ``--set negatives.source=file``), the
@@ -130,6 +134,8 @@ DENOISED = "recommended + negatives denoised by the teacher (relative margin 0.9
 # corpus-adapted pre-training: the recommended recipe from all-MiniLM-L6-v2 continued on the debian corpus with
 # Contriever's crops (configs/pretrain_recipe.yaml); its wise-ft interpolates toward that start, it mines with MiniLM
 PRETRAINED = "recommended from MiniLM pre-trained on the corpus (Contriever crops, 2,000 steps)"
+# issue 55's levers: each one change to the recommended recipe, so each is tested against it (the report)
+LEVERS = (MIX_SQUAD, L2SP, ALL_QUERIES, ALL_QUERIES_TWO_EPOCHS, DISTILL_KL, DISTILL_MARGIN_MSE, DENOISED, PRETRAINED)
 
 
 class MadeFirst(NamedTuple):
@@ -247,6 +253,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--train-queries", type=int, default=8192, help="training queries of every row")
     parser.add_argument("--eval-queries", type=int, default=2000, help="dev queries (seeded sample), full corpus")
     parser.add_argument("--wise-ft-row", default=README, choices=list(ROWS), metavar="ROW")
+    parser.add_argument(
+        "--wise-ft-variant",
+        default=None,
+        choices=list(VARIANTS),
+        metavar="VARIANT",
+        help="--stage wise-ft: interpolate this variant of --variant-row (its fine-tuned weights) instead of a row",
+    )
     parser.add_argument("--alphas", nargs="*", type=float, default=[0.5])
     parser.add_argument("--variant-row", default=README, choices=list(ROWS), metavar="ROW")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT")
@@ -290,6 +303,12 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
 
 def variant_name(row: str, variant: str) -> str:
     return f"{row}, {variant}"
+
+
+def tested_against(row: str, variant: str) -> str:
+    """The model a variant is tested against: issue 55's levers, the recommended recipe each changes once; any other
+    variant, its row."""
+    return variant_name(row, RECOMMENDED) if variant in LEVERS else row
 
 
 def row_config(args: argparse.Namespace, name: str, variant: str | None = None) -> ExperimentConfig:
@@ -549,33 +568,47 @@ WISE_FT_MARK = "wise-ft.json"
 
 
 def wise_ft_runs(out: Path) -> list[tuple[str, float]]:
-    """The (row, alpha) of every wise-ft model under <out>/wise-ft, ordered by row then alpha."""
+    """The (row or variant, alpha) of every wise-ft model under <out>/wise-ft, ordered by rows, then variants, then
+    alpha."""
     found = [json.loads(p.read_text()) for p in (out / "wise-ft").glob(f"*/{WISE_FT_MARK}")]
-    order = list(ROWS)
-    return sorted(((f["row"], f["alpha"]) for f in found if f["row"] in ROWS), key=lambda r: (order.index(r[0]), r[1]))
+    order = [*ROWS, *(variant_name(row, variant) for row in ROWS for variant in VARIANTS)]
+    return sorted(((f["row"], f["alpha"]) for f in found if f["row"] in order), key=lambda r: (order.index(r[0]), r[1]))
 
 
 def wise_ft_name(row: str, alpha: float) -> str:
     return f"{row}, wise-ft α={alpha:g}"
 
 
+def wise_ft_source(args: argparse.Namespace) -> tuple[str, ExperimentConfig, Path]:
+    """What ``--stage wise-ft`` interpolates: its name, the config of the run that trained it, and its fine-tuned
+    weights (a variant that saved a wise-ft model of its own: the weights before it, ``model-fine-tuned/``)."""
+    if args.wise_ft_variant is None:
+        config = row_config(args, args.wise_ft_row)
+        return args.wise_ft_row, config, config.run_dir / "model"
+    config = row_config(args, args.variant_row, args.wise_ft_variant)
+    tuned = "model-fine-tuned" if config.train.wise_ft is not None else "model"
+    return variant_name(args.variant_row, args.wise_ft_variant), config, config.run_dir / tuned
+
+
 def run_wise_ft(args: argparse.Namespace) -> None:
-    """Interpolations of ``--wise-ft-row``'s model with the starting weights, evaluated like rows."""
+    """Interpolations of ``--wise-ft-row``'s model (or ``--wise-ft-variant``'s) with the weights it started from,
+    evaluated like rows."""
     from densepass.models.biencoder import BiEncoder
     from densepass.models.interpolate import interpolate_weights, snapshot
 
-    config = row_config(args, args.wise_ft_row)
-    if not (config.run_dir / "model").is_dir():
-        raise ConfigError(f"row {args.wise_ft_row!r} has no model yet: run --stage train --only it first")
+    base, config, tuned = wise_ft_source(args)
+    if not (config.run_dir / "metrics.json").is_file() or not tuned.is_dir():
+        stage = "--stage train --only" if args.wise_ft_variant is None else "--stage variant --variants"
+        raise ConfigError(f"row {base!r} has no model yet: run {stage} it first")
     start = snapshot(BiEncoder.from_pretrained(config.model.name_or_path))
     for alpha in args.alphas:
-        name = wise_ft_name(args.wise_ft_row, alpha)
+        name = wise_ft_name(base, alpha)
         model_dir = Path(args.out) / "wise-ft" / slug(name)
         if not (model_dir / "densepass.json").is_file():
-            model = BiEncoder.from_pretrained(str(config.run_dir / "model"))
+            model = BiEncoder.from_pretrained(str(tuned))
             interpolate_weights(model, start, alpha).save(model_dir)
         if not (model_dir / WISE_FT_MARK).is_file():  # what the report reads back
-            atomic_write_text(model_dir / WISE_FT_MARK, json.dumps({"row": args.wise_ft_row, "alpha": alpha}))
+            atomic_write_text(model_dir / WISE_FT_MARK, json.dumps({"row": base, "alpha": alpha}))
         evaluate_model(args, config, name, model_dir)
         run_once(evaluation_config(args, name, model_dir))
 
@@ -665,12 +698,15 @@ def report(args: argparse.Namespace) -> None:
 
     for name in ROWS:
         add_trained(name, row_config(args, name))
-    variants = {}  # a variant's name -> its row
+    variants = {}  # a variant's name -> what it is tested against (its row, or the recommended recipe)
+    saved_alpha = {name: row_config(args, name).train.wise_ft or 1.0 for name in ROWS}  # a model's own wise-ft α
     for row in ROWS:
         for variant in VARIANTS:
             name = variant_name(row, variant)
-            if add_trained(name, row_config(args, row, variant)):
-                variants[name] = row
+            config = row_config(args, row, variant)
+            if add_trained(name, config):
+                variants[name] = tested_against(row, variant)
+                saved_alpha[name] = config.train.wise_ft or 1.0
     st_timings = out / "st-timings.json"
     if st_timings.is_file():
         stored = json.loads(st_timings.read_text())
@@ -717,9 +753,10 @@ def report(args: argparse.Namespace) -> None:
     for name, row in {**variants, **wise_ft}.items():
         if name in rows and row in rows:
             tests[name] = {"against": row, **_test(qrels, runs, row, name)}
-    choices = {}  # --eval-part report: each row's wise-ft α, chosen on the tuning part (the row itself is α = 1)
-    for row in order if honest else ():
-        points = {row: 1.0, **{name: alpha for name, (of, alpha) in alphas.items() if of == row and name in rows}}
+    choices = {}  # --eval-part report: each row's (and variant's) wise-ft α, chosen on the tuning part
+    for row in [*order, *variants] if honest else ():
+        points = {name: alpha for name, (of, alpha) in alphas.items() if of == row and name in rows}
+        points = {row: saved_alpha[row], **points}
         if len(points) > 1:
             chosen = max(points, key=chooser)
             choices[f"wise-ft α of {row}"] = {"chosen": chosen, "alpha": points[chosen], "tune mrr@10": chooser(chosen)}
@@ -730,7 +767,8 @@ def report(args: argparse.Namespace) -> None:
         runs["BM25"] = read_trec_run(bm25_path)
         first_stages["bm25"] = "BM25"
     tune_bm25 = tuning_runs(BASELINES)
-    for base in dict.fromkeys([README, best, best_model]) if best and bm25_path.is_file() else []:
+    bases = [base for base in dict.fromkeys([README, best, best_model]) if base in runs]  # those on disk
+    for base in bases if bm25_path.is_file() else []:
         tune_base = tuning_runs(base)
         tuning = (tune_qrels, tune_base, tune_bm25) if tune_base is not None and tune_bm25 is not None else None
         for label, run in hybrid_runs(qrels, runs[base], runs["BM25"], readme.data.seed, tuning).items():

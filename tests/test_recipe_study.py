@@ -256,3 +256,50 @@ def test_a_variant_that_needs_a_model_before_it_is_made_is_one_line(tmp_path, va
     result = recipe("--out", str(tmp_path), "--stage", "variant", "--variants", "lr 2e-5", variant)
     assert result.returncode == 2 and needs in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
+def test_levers_are_tested_against_the_recommended_recipe_and_a_variant_gets_wise_ft_points(
+    tiny_beir, tiny_model_dir, tmp_path
+):
+    """With ``--eval-part report``: an issue-55 lever is tested against the recommended variant (not its row, absent
+    here); ``--wise-ft-variant`` interpolates a variant's fine-tuned weights, its α chosen on the tuning part among
+    its points and the variant's own wise-ft; the best model's first stages are written though no row is on disk."""
+    driver = driver_module()
+    assert set(driver.LEVERS) <= set(driver.VARIANTS) and driver.RECOMMENDED not in driver.LEVERS
+    assert driver.tested_against(driver.DENSE, "2 epochs") == driver.DENSE
+    squad = write_phrase_squad(tmp_path / "squad")
+    out = tmp_path / "out"
+    sets = [f"data.name={tiny_beir}", f"model.name_or_path={tiny_model_dir}", f"negatives.model={tiny_model_dir}"]
+    sets += ["model.passage_max_length=32", "train.passage_max_length=24", "train.batch_size=8"]
+    sets += ["negatives.pool_depth=5", "eval.depth=20", "data.max_train_queries=24"]
+    ood = [f"data.name={squad}", "model.passage_max_length=32"]
+    arguana = [f"data.name={tiny_beir}", "data.eval_split=dev", "model.query_max_length=32"]
+    arguana += ["model.passage_max_length=32"]
+    common = ["--out", str(out), "--train-queries", "24", "--eval-queries", "12", "--eval-part", "report"]
+    common += [a for s in sets for a in ("--set", s)] + [a for s in ood for a in ("--ood-set", s)]
+    common += [a for s in arguana for a in ("--arguana-set", s)]
+    common += ["--variant-row", driver.DENSE]
+    lever = driver.ALL_QUERIES
+    done = recipe("--stage", "variant", "--variants", driver.RECOMMENDED, lever, *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = recipe("--stage", "wise-ft", "--wise-ft-variant", lever, "--alphas", "0.5", "1.0", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = recipe("--stage", "report", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    recommended, tried = (driver.variant_name(driver.DENSE, v) for v in (driver.RECOMMENDED, lever))
+    assert report["tests"][tried]["against"] == recommended
+    for alpha in ("0.5", "1"):
+        assert report["tests"][f"{tried}, wise-ft α={alpha}"]["against"] == tried
+    choice = report["choices"][f"wise-ft α of {tried}"]
+    assert choice["alpha"] in (0.5, 0.85, 1.0)  # the lever's own model is its wise-ft 0.85
+    assert choice["tune mrr@10"] == max(
+        report["rows"][name]["tune"]["mrr@10"] for name in (tried, f"{tried}, wise-ft α=0.5", f"{tried}, wise-ft α=1")
+    )
+    # α = 1 is the weights the lever saved before its own wise-ft
+    from densepass.models.biencoder import BiEncoder
+
+    tuned = BiEncoder.from_pretrained(str(out / "runs" / driver.slug(tried) / "model-fine-tuned")).state_dict()
+    one = BiEncoder.from_pretrained(str(out / "wise-ft" / driver.slug(f"{tried}, wise-ft α=1"))).state_dict()
+    assert all(torch.equal(tuned[k], one[k]) for k in tuned)
+    assert sorted(p.name for p in (out / "first-stages").iterdir()) == ["bm25.trec", "dense.trec", "pipeline.trec"]
