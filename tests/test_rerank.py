@@ -152,6 +152,54 @@ def test_the_rerank_command_reorders_a_trec_runs_top_depth_by_the_cross_encoder(
     assert "have no text in the dataset" in err and "'nosuchquery'" in err and len(err.splitlines()) == 1
 
 
+def test_reranking_a_second_first_stage_with_a_cache_dir_scores_only_its_new_pairs(
+    tiny_beir, tiny_model_dir, tmp_path, capsys
+):
+    """``densepass rerank --cache-dir``: a second first stage of the same queries, sharing most candidates with the
+    first, scores only the pairs the first did not have, and its run is the one reranking it without a cache
+    writes; a ColBERT model, whose scores are not kept, is refused in one line."""
+    import json
+
+    from densepass import cli
+    from densepass.data import load_dataset
+    from densepass.evaluation.metrics import read_trec_run
+    from densepass.models.cross_encoder import CrossEncoder
+
+    CrossEncoder.new(str(tiny_model_dir), seed=5, max_length=48, device=torch.device("cpu")).save(tmp_path / "ce")
+    dev = sorted(load_dataset(str(tiny_beir)).split("dev"))
+    for name, ids in (("a", range(6)), ("b", range(2, 8))):  # four candidates of b's six are a's too
+        (tmp_path / f"{name}.trec").write_text(
+            "".join(f"{q} Q0 p{i} {r + 1} {10 - r} bm25\n" for q in dev for r, i in enumerate(ids))
+        )
+    model = [str(tiny_beir), "--model", str(tmp_path / "ce"), "--device", "cpu", "--precision", "fp32"]
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    summaries = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}-reranked.trec"
+        assert (
+            cli.main(["rerank", *model[:1], str(tmp_path / f"{name}.trec"), *model[1:], *cache, "--output", str(out)])
+            == 0
+        )
+        summaries.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert [(s["pairs_scored"], s["pairs_from_cache"]) for s in summaries] == [
+        (6 * len(dev), 0),
+        (2 * len(dev), 4 * len(dev)),
+    ]
+    plain = tmp_path / "b-plain.trec"
+    assert cli.main(["rerank", *model[:1], str(tmp_path / "b.trec"), *model[1:], "--output", str(plain)]) == 0
+    cached, fresh = read_trec_run(tmp_path / "b-reranked.trec"), read_trec_run(plain)
+    assert all(list(cached[q]) == list(fresh[q]) and cached[q] == pytest.approx(fresh[q], rel=1e-5) for q in dev)
+    from densepass.models.colbert import ColBERT
+
+    ColBERT.from_pretrained(str(tiny_model_dir)).save(tmp_path / "colbert")
+    capsys.readouterr()
+    late = [str(tiny_beir), str(tmp_path / "a.trec"), "--model", str(tmp_path / "colbert"), "--device", "cpu", *cache]
+    assert cli.main(["rerank", *late, "--output", str(tmp_path / "late.trec")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "keeps a cross-encoder's scores" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "late.trec").exists()
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     scores=st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=len(TEXTS), max_size=len(TEXTS), unique=True),

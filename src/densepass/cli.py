@@ -205,6 +205,7 @@ def _rerank(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         precision=args.precision,
         tag=args.tag,
+        cache_dir=args.cache_dir,
     )
     print(json.dumps(summary))
 
@@ -741,6 +742,12 @@ def build_parser() -> argparse.ArgumentParser:
     rerank.add_argument("--batch-size", type=positive_int, default=64, help="texts or pairs per reranker pass")
     rerank.add_argument("--precision", default="auto", choices=PRECISIONS, help=RERANK_PRECISION_HELP)
     rerank.add_argument("--tag", default="densepass-rerank", help="run tag (last column of the TREC file)")
+    rerank.add_argument(
+        "--cache-dir",
+        default=None,
+        help="keep a cross-encoder's scores in this folder, by content (the model, its precision, each pair's "
+        "texts): reranking other first stages of the same queries scores only the pairs not met before",
+    )
     _device_arg(rerank)
     rerank.set_defaults(func=_rerank)
 

@@ -39,6 +39,7 @@ from densepass.models.copies import float_precision
 from densepass.models.cross_encoder import PASSAGE_SEP, CrossEncoder
 from densepass.models.kinds import model_kind
 from densepass.models.load import load_model
+from densepass.models.score_cache import CachedPairScores
 from densepass.phrase.index import PhraseIndex, PhraseSearchResults  # registers the phrase kind for load_index
 
 BIENCODER_KINDS = (*DENSE_INDEX_KINDS, ONDISK_INDEX_KIND, *COMPACT_KINDS)  # indexes of one bi-encoder's embeddings
@@ -410,33 +411,43 @@ def rerank_run_file(
     batch_size: int = 64,
     precision: str = "auto",
     tag: str = "densepass-rerank",
+    cache_dir: str | Path | None = None,
 ) -> dict:
     """``densepass rerank``: the TREC run file ``run`` over dataset ``dataset`` (its queries and corpus) reranked by
     the saved cross-encoder or ColBERT ``model`` (``rerank_run``) and written to the run file ``output``; returns
     what was done (queries, depth, device, reranker, seconds). Before any work: ``output`` must be free for a run
     (``check_run_file``) and not the run being read, and the reranker must run ``precision`` on the device; before
-    the model loads, every query of the run must have a text in the dataset."""
+    the model loads, every query of the run must have a text in the dataset. ``cache_dir``: a cross-encoder's
+    scores are kept there by content (``models.score_cache``), so reranking another first stage of the same
+    queries scores only the pairs it has not met (the summary counts both)."""
     import time
 
     from densepass.data import load_dataset
     from densepass.evaluation.metrics import check_run_file, read_trec_run, write_trec_run
 
     check_run_file(output)
+    if cache_dir is not None and not str(cache_dir).strip():
+        raise ConfigError("--cache-dir is empty: name the folder where the reranker's scores are kept")
     if Path(output).resolve() == Path(run).resolve():
         raise ConfigError(f"--output {output} is the run being reranked; write the reranked run elsewhere")
     device = device if isinstance(device, torch.device) else resolve_device(device)
     check_reranker_precision(model, precision, device)  # a missing model or a bad precision: first
+    if cache_dir is not None and model_kind(resolve_model_path(str(model))) == "colbert":
+        raise ConfigError(f"--cache-dir keeps a cross-encoder's scores; {model} is a ColBERT model: rerank without it")
     data = load_dataset(dataset, data_dir, format)
     first = read_trec_run(run, data.corpus)
     check_run_queries(first, data.queries)  # before the model loads
     reranker = load_reranker(model, device, batch_size, precision)
+    scorer = CachedPairScores(reranker, cache_dir) if cache_dir is not None else reranker
     started = time.perf_counter()
-    reranked = rerank_run(first, data.queries, data.corpus, reranker, depth, k, fuse_weight)
+    reranked = rerank_run(first, data.queries, data.corpus, scorer, depth, k, fuse_weight)
     seconds = time.perf_counter() - started
     write_trec_run(reranked, output, tag=tag)
     summary = {"queries": len(first), "depth": depth, "fuse_weight": fuse_weight, "device": str(device)}
     summary["seconds"] = round(seconds, 2)
     summary["ms_per_query"] = round(1000 * seconds / len(first), 2)
+    if scorer is not reranker:
+        summary.update(pairs_scored=scorer.scored, pairs_from_cache=scorer.found)
     return {**summary, "reranker": reranker.describe(), "output": str(output)}
 
 
