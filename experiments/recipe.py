@@ -68,9 +68,9 @@ row, the best row and the best model of all are also fused with BM25 (RRF and 2-
 **Reranking** (neural-retrieval-lecture: cross-encoder re-ranking): the report writes the top 100 of BM25, of the
 best model and of its linear fusion with BM25 to ``<out>/first-stages/{bm25,dense,pipeline}.trec``; a cross-encoder
 (configs/recipe_reranker.yaml trains one) reranks them with ``densepass rerank ... --cache-dir <out>/cache --output
-<out>/reranked/<stage>.trec`` (the stages share most candidates: each is scored once), and the next report adds, for each reranked file, rows at depth 100 and 10: the
-cross-encoder's order alone, and fused with the first stage's scores (``cv_linear_fusion``), each tested against
-the first stage.
+<out>/reranked/<stage>.trec`` (the stages share most candidates: each is scored once), and the next report adds,
+for each reranked file, rows at depth 100 and 10: the cross-encoder's order alone, and fused with the first
+stage's scores (``cv_linear_fusion``), each tested against the first stage.
 """
 
 from __future__ import annotations
