@@ -610,7 +610,8 @@ def run_wise_ft(args: argparse.Namespace) -> None:
         if not (model_dir / WISE_FT_MARK).is_file():  # what the report reads back
             atomic_write_text(model_dir / WISE_FT_MARK, json.dumps({"row": base, "alpha": alpha}))
         evaluate_model(args, config, name, model_dir)
-        run_once(evaluation_config(args, name, model_dir))
+        if args.eval_part != "report":  # the report's numbers: the parts' (evaluate_model), else the dev sample's
+            run_once(evaluation_config(args, name, model_dir))
 
 
 def load_result(run_dir: Path, system: str) -> tuple[dict, dict] | None:
