@@ -23,10 +23,10 @@ hits) next to the zero-shot MiniLM it started from.
 (``data.eval_part``, ``densepass.data.parts``), into a tuning and a reporting part. Every model (row, variant,
 wise-ft point, sentence-transformers' recipe; BM25 and the zero-shot MiniLM) is then also evaluated on each part
 (``<out>/parts/{tune,report}/<row>``, evaluation only: the training runs are the same as without the option, so
-rows trained before are reused), every choice is made on the tuning part (the best row, each row's wise-ft α among
-its interpolations and the row itself, the dense weight of the linear BM25 fusions), and every number and paired
-test of the report is on the reporting part. Without it (the default) the report is what it always was: choices
-and numbers on the same seeded dev sample.
+rows trained before are reused), every choice is made on the tuning part (the best row, each row's and variant's
+wise-ft α among its interpolations and its own, the dense weight of the linear BM25 fusions), and every number and
+paired test of the report is on the reporting part. Without it (the default) the report is what it always was:
+choices and numbers on the same seeded dev sample.
 
 Beside the rows:
 
@@ -41,7 +41,7 @@ Beside the rows:
   of a variant's fine-tuned weights (``model-fine-tuned/`` where the variant saved a wise-ft model of its own, whose
   α then joins the choice on the tuning part).
 - ``--stage variant``: changes to one row (``VARIANTS``), each its own run, tested against that row (issue 55's
-  ``LEVERS``: against the recommended variant they each change once): the
+  ``LEVERS``, each one change to the recommended variant: against it, when it is on disk): the
   training ingredients after the negatives (re-mining with the model being trained, ABS batches, the best
   checkpoint on H_10, MoCo and pre-batch negatives, batch 128, two epochs), one change each to the dense row
   (``DENSE``; docs/experiments.md runs them on its pool with ``--set negatives.source=file``), the
@@ -286,6 +286,10 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--alphas must lie in (0, 1], got {args.alphas}")
     if not 0 < args.eval_part_fraction < 1:
         parser.error(f"--eval-part-fraction must lie strictly between 0 and 1, got {args.eval_part_fraction}")
+    if args.wise_ft_variant is not None and args.eval_part != "report":
+        parser.error(
+            "--wise-ft-variant's points are evaluated as the variant is, on the parts of dev: add --eval-part report"
+        )
     if args.eval_part == "all" and (args.eval_part_seed != 13 or args.eval_part_fraction != 0.5):
         parser.error("--eval-part-seed and --eval-part-fraction shape the parts of --eval-part report")
     return args
@@ -303,6 +307,17 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
 
 def variant_name(row: str, variant: str) -> str:
     return f"{row}, {variant}"
+
+
+def base_config(args: argparse.Namespace, name: str) -> ExperimentConfig:
+    """The config of the run that trained model ``name``: a row, or a variant of one (``variant_name``)."""
+    if name in ROWS:
+        return row_config(args, name)
+    for row in ROWS:
+        for variant in VARIANTS:
+            if variant_name(row, variant) == name:
+                return row_config(args, row, variant)
+    raise ConfigError(f"{name!r} is neither a row nor a variant of the study")
 
 
 def tested_against(row: str, variant: str) -> str:
@@ -599,7 +614,8 @@ def run_wise_ft(args: argparse.Namespace) -> None:
     base, config, tuned = wise_ft_source(args)
     if not (config.run_dir / "metrics.json").is_file() or not tuned.is_dir():
         stage = "--stage train --only" if args.wise_ft_variant is None else "--stage variant --variants"
-        raise ConfigError(f"row {base!r} has no model yet: run {stage} it first")
+        kind = "row" if args.wise_ft_variant is None else "variant"
+        raise ConfigError(f"{kind} {base!r} has no model yet: run {stage} it first")
     start = snapshot(BiEncoder.from_pretrained(config.model.name_or_path))
     for alpha in args.alphas:
         name = wise_ft_name(base, alpha)
@@ -610,7 +626,7 @@ def run_wise_ft(args: argparse.Namespace) -> None:
         if not (model_dir / WISE_FT_MARK).is_file():  # what the report reads back
             atomic_write_text(model_dir / WISE_FT_MARK, json.dumps({"row": base, "alpha": alpha}))
         evaluate_model(args, config, name, model_dir)
-        if args.eval_part != "report":  # the report's numbers: the parts' (evaluate_model), else the dev sample's
+        if args.eval_part != "report":  # (a row's) the report's numbers: the parts' (evaluate_model), else these
             run_once(evaluation_config(args, name, model_dir))
 
 
@@ -634,9 +650,9 @@ def models_on_disk(args: argparse.Namespace) -> list[tuple[str, ExperimentConfig
         found += [(name, c, c.run_dir / "model") for name, c in configs if (c.run_dir / "metrics.json").is_file()]
     if (out / "st-timings.json").is_file():
         found.append((ST, row_config(args, README), out / "st-model"))
-    for row, alpha in wise_ft_runs(out):
-        name = wise_ft_name(row, alpha)
-        found.append((name, row_config(args, row), out / "wise-ft" / slug(name)))
+    for base, alpha in wise_ft_runs(out):
+        name = wise_ft_name(base, alpha)
+        found.append((name, base_config(args, base), out / "wise-ft" / slug(name)))
     return found
 
 
@@ -699,14 +715,15 @@ def report(args: argparse.Namespace) -> None:
 
     for name in ROWS:
         add_trained(name, row_config(args, name))
-    variants = {}  # a variant's name -> what it is tested against (its row, or the recommended recipe)
+    variants = {}  # a variant's name -> its row
+    against = {}  # a variant's name -> what it is tested against: the recommended recipe (a lever), else its row
     saved_alpha = {name: row_config(args, name).train.wise_ft or 1.0 for name in ROWS}  # a model's own wise-ft α
     for row in ROWS:
         for variant in VARIANTS:
             name = variant_name(row, variant)
             config = row_config(args, row, variant)
             if add_trained(name, config):
-                variants[name] = tested_against(row, variant)
+                variants[name], against[name] = row, tested_against(row, variant)
                 saved_alpha[name] = config.train.wise_ft or 1.0
     st_timings = out / "st-timings.json"
     if st_timings.is_file():
@@ -752,10 +769,11 @@ def report(args: argparse.Namespace) -> None:
         for rival in dict.fromkeys([README, best, *best_variants]):
             tests[f"{rival} vs {ST}"] = {"against": ST, **_test(qrels, runs, ST, rival)}
     for name, row in {**variants, **wise_ft}.items():
-        if name in rows and row in rows:
-            tests[name] = {"against": row, **_test(qrels, runs, row, name)}
+        target = against.get(name, row) if against.get(name, row) in rows else row  # no recommended run: its row
+        if name in rows and target in rows:
+            tests[name] = {"against": target, **_test(qrels, runs, target, name)}
     choices = {}  # --eval-part report: each row's (and variant's) wise-ft α, chosen on the tuning part
-    for row in [*order, *variants] if honest else ():
+    for row in [*order, *(v for v in variants if v in rows)] if honest else ():
         points = {name: alpha for name, (of, alpha) in alphas.items() if of == row and name in rows}
         points = {row: saved_alpha[row], **points}
         if len(points) > 1:
@@ -935,9 +953,9 @@ def render(
         dev = (
             f"dev: {args.eval_queries} seeded queries of the **reporting part** ({part['part_queries']} of the "
             f"{part['split_queries']} dev queries, split by {part['by']}, seed {part['seed']}) over the full corpus; "
-            "every choice (the best row, each row's wise-ft α, the weights of the BM25 fusions) was made on the "
-            "tuning part (its MRR@10 in the column before steps), every number and paired test here is on the "
-            "reporting part"
+            "every choice (the best row, each row's and variant's wise-ft α, the weights of the BM25 fusions) was "
+            "made on the tuning part (its MRR@10 in the column before steps), every number and paired test here is "
+            "on the reporting part"
         )
     else:
         dev = f"dev: {args.eval_queries} seeded queries over the full corpus"

@@ -434,6 +434,8 @@ def rerank_run_file(
     check_reranker_precision(model, precision, device)  # a missing model or a bad precision: first
     if cache_dir is not None and model_kind(resolve_model_path(str(model))) == "colbert":
         raise ConfigError(f"--cache-dir keeps a cross-encoder's scores; {model} is a ColBERT model: rerank without it")
+    if cache_dir is not None and precision == "int8":
+        raise ConfigError("--cache-dir keeps fp32 and bf16 scores: an int8 score depends on its batch (one scale each)")
     data = load_dataset(dataset, data_dir, format)
     first = read_trec_run(run, data.corpus)
     check_run_queries(first, data.queries)  # before the model loads
