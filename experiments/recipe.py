@@ -713,11 +713,13 @@ def report(args: argparse.Namespace) -> None:
             add(name, config.run_dir, "fine-tuned", cost, steps_of(config))
         return found is not None
 
+    saved_alpha = {}  # a model's own wise-ft α
     for name in ROWS:
-        add_trained(name, row_config(args, name))
+        config = row_config(args, name)
+        add_trained(name, config)
+        saved_alpha[name] = config.train.wise_ft or 1.0
     variants = {}  # a variant's name -> its row
     against = {}  # a variant's name -> what it is tested against: the recommended recipe (a lever), else its row
-    saved_alpha = {name: row_config(args, name).train.wise_ft or 1.0 for name in ROWS}  # a model's own wise-ft α
     for row in ROWS:
         for variant in VARIANTS:
             name = variant_name(row, variant)
@@ -769,7 +771,9 @@ def report(args: argparse.Namespace) -> None:
         for rival in dict.fromkeys([README, best, *best_variants]):
             tests[f"{rival} vs {ST}"] = {"against": ST, **_test(qrels, runs, ST, rival)}
     for name, row in {**variants, **wise_ft}.items():
-        target = against.get(name, row) if against.get(name, row) in rows else row  # no recommended run: its row
+        target = against.get(name, row)
+        if target not in rows:  # a lever whose recommended run is not on disk: against its row
+            target = row
         if name in rows and target in rows:
             tests[name] = {"against": target, **_test(qrels, runs, target, name)}
     choices = {}  # --eval-part report: each row's (and variant's) wise-ft α, chosen on the tuning part
