@@ -204,7 +204,21 @@ def test_reranking_a_second_first_stage_with_a_cache_dir_scores_only_its_new_pai
     assert cli.main(["rerank", *int8]) != 0
     err = capsys.readouterr().err.strip()
     assert "an int8 score depends on its batch" in err and len(err.splitlines()) == 1
-    assert not (tmp_path / "late.trec").exists() and not (tmp_path / "q.trec").exists()
+    notes = tmp_path / "my-notes.txt"  # a user's file where the cache folder was named: refused, left as it is
+    notes.write_text("mine\n")
+    named = [
+        *model[:1],
+        str(tmp_path / "a.trec"),
+        *model[1:],
+        "--cache-dir",
+        str(notes),
+        "--output",
+        str(tmp_path / "n.trec"),
+    ]
+    assert cli.main(["rerank", *named]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "exists and is not a folder" in err and len(err.splitlines()) == 1 and notes.read_text() == "mine\n"
+    assert not any((tmp_path / name).exists() for name in ("late.trec", "q.trec", "n.trec"))
 
 
 # scores of a ranker: normal floats (ranx min-max normalises a range of subnormal ones, 1e-39, to noise)

@@ -45,6 +45,24 @@ def check_regular_file(path: str | Path, what: str, error: type[Exception] | Non
         raise error(f"{what} {path} is not a regular file ({kind}): give the path of a file")
 
 
+def check_cache_dir(cache_dir: str | Path | None, what: str = "cache_dir") -> None:
+    """``cache_dir``, before any work: a folder (made when missing) where this user may write; a file of that name, or
+    a folder out of reach, is one line now rather than an error (or a cache silently unused) after the work."""
+    from densepass.errors import ConfigError
+
+    if not cache_dir:
+        return
+    path = Path(cache_dir)
+    try:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{what} {cache_dir} exists and is not a folder: name a folder for the cache")
+        existing = next(p for p in (path, *path.parents) if p.exists())
+    except OSError as err:  # a name too long, a part that is a file: what the file system says, in one line
+        raise ConfigError(f"{what} {str(cache_dir)[:200]}: {err.strerror or err}") from None
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {cache_dir}: {existing} is not writable, so nothing could be kept there")
+
+
 MANIFEST = "manifest.json"  # a verified directory's sizes and digests of its files (write_manifest)
 OWNED = ".densepass-owned"  # in a directory atomic_directory wrote: the files it wrote there, so it may replace them
 

@@ -50,7 +50,7 @@ from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
 from densepass.index.sharded import encode_cached
-from densepass.io import atomic_write_text, locked_run_directory, written_by_densepass
+from densepass.io import atomic_write_text, check_cache_dir, locked_run_directory, written_by_densepass
 from densepass.losses.objectives import Objective
 from densepass.models.biencoder import BiEncoder
 from densepass.models.cross_encoder import CrossEncoder
@@ -221,22 +221,6 @@ def check(config: ExperimentConfig) -> torch.device:
     if config.reranker.enabled and config.reranker.train.enabled:
         check_l2sp(config.reranker.train, "reranker.train")
     return device
-
-
-def check_cache_dir(cache_dir: str | None) -> None:
-    """``cache_dir``, before any work: a folder (made when missing) where this user may write; a file of that name, or
-    a folder out of reach, is one line now rather than an error after training."""
-    if not cache_dir:
-        return
-    path = Path(cache_dir)
-    try:
-        if path.exists() and not path.is_dir():
-            raise ConfigError(f"cache_dir {cache_dir} exists and is not a folder: name a folder for the encodings")
-        existing = next(p for p in (path, *path.parents) if p.exists())
-    except OSError as err:  # a name too long, a part that is a file: what the file system says, in one line
-        raise ConfigError(f"cache_dir {cache_dir[:200]}: {err.strerror or err}") from None
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"cache_dir {cache_dir}: {existing} is not writable, so no encoding could be kept there")
 
 
 def check_eval_part(config: ExperimentConfig) -> None:

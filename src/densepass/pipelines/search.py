@@ -32,7 +32,7 @@ from densepass.index.base import KINDS, Index, SearchResults, check_k, load_inde
 from densepass.index.binary import COMPACT_KINDS
 from densepass.index.bm25 import BM25Index
 from densepass.index.hybrid import HybridIndex
-from densepass.io import check_regular_file
+from densepass.io import check_cache_dir, check_regular_file
 from densepass.models.biencoder import model_name, resolve_model_path
 from densepass.models.colbert import ColBERT, ColbertReranker
 from densepass.models.copies import float_precision
@@ -428,6 +428,7 @@ def rerank_run_file(
     check_run_file(output)
     if cache_dir is not None and not str(cache_dir).strip():
         raise ConfigError("--cache-dir is empty: name the folder where the reranker's scores are kept")
+    check_cache_dir(cache_dir, "--cache-dir")
     if Path(output).resolve() == Path(run).resolve():
         raise ConfigError(f"--output {output} is the run being reranked; write the reranked run elsewhere")
     device = device if isinstance(device, torch.device) else resolve_device(device)
