@@ -724,6 +724,28 @@ def test_the_filters_cross_encoder_scores_in_the_precision_asked_for(sigmoid_con
         assert [f.scorer.model.precision for f in built] == [precision, precision]
 
 
+def test_both_filters_of_one_cross_encoder_load_it_once(sigmoid_config_cross_encoder, monkeypatch, tmp_path):
+    """The cross-encoder and relative-margin filters of the same model share one loaded model (and its score cache),
+    each with its own activation: raw logits for the threshold, exponents for the ratio."""
+    from densepass.models.cross_encoder import CrossEncoder
+    from densepass.negatives.filters import build_filters
+
+    path, query, passages = sigmoid_config_cross_encoder
+    loads = []
+    load = CrossEncoder.from_pretrained.__func__
+    monkeypatch.setattr(
+        CrossEncoder, "from_pretrained", classmethod(lambda cls, *a, **k: loads.append(a) or load(cls, *a, **k))
+    )
+    names = ["cross-encoder", "relative-margin"]
+    threshold, relative = build_filters(
+        names, small_dataset(), cross_encoder=str(path), relative_teacher=str(path), relative_activation="exp",
+        cache_dir=tmp_path,
+    )  # fmt: skip
+    assert len(loads) == 1
+    assert threshold.scorer.model is relative.scorer.model and threshold.scorer.cached is relative.scorer.cached
+    np.testing.assert_allclose(relative.scorer(query, passages), np.exp(threshold.scorer(query, passages)), rtol=1e-6)
+
+
 def test_the_relative_margin_of_a_listwise_teacher_is_a_ratio_of_exponents(sigmoid_config_cross_encoder):
     """``negatives.relative_activation: exp``: a candidate stays only if exp(its logit) < margin x exp(the positive's),
     i.e. its logit is below the positive's + ln(margin), whatever offset the logits share."""

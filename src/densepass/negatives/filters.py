@@ -23,7 +23,7 @@ relative rule (``relative-margin``) are counted apart when both run (the second 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -247,18 +247,25 @@ def cross_encoder_scorer(
     so it never learned one; a ratio of exponents does not depend on it); ``cache_dir``: logits of pairs it scored
     before in that precision (for distillation, another run's filter) are read from its content-keyed cache
     (``models.score_cache``), the others kept there."""
-    from scipy.special import expit
-
     from densepass.models.cross_encoder import CrossEncoder
     from densepass.models.score_cache import CachedPairScores
 
+    applied = score_activation(activation)
     # a missing model, one asking for code of its own, weights that are not plain tensors: one line, before scoring
     model = CrossEncoder.from_pretrained(path, batch_size=batch_size, precision=precision)
-    activations = {None: None, "sigmoid": expit, "exp": np.exp}
-    if activation not in activations:
-        raise ConfigError(f"unknown activation {activation!r} of a cross-encoder's scores (known: sigmoid, exp)")
     cached = CachedPairScores(model, cache_dir) if cache_dir is not None else None
-    return CrossEncoderScorer(model, activations[activation], cached)
+    return CrossEncoderScorer(model, applied, cached)
+
+
+def score_activation(name: str | None) -> Callable[[np.ndarray], np.ndarray] | None:
+    """The function a cross-encoder's logits go through for a filter (``cross_encoder_scorer``): none, ``sigmoid``
+    or ``exp``."""
+    from scipy.special import expit
+
+    activations = {None: None, "sigmoid": expit, "exp": np.exp}
+    if name not in activations:
+        raise ConfigError(f"unknown activation {name!r} of a cross-encoder's scores (known: sigmoid, exp)")
+    return activations[name]
 
 
 @dataclass
@@ -322,6 +329,14 @@ def build_filters(
     path scores in (through the score cache in ``cache_dir``, when given); ``sep_token``: what the duplicates filter
     and a bi-encoder scorer read between a passage's title and text (a cross-encoder reads its own, ``passage_sep``)."""
     out = []
+    loaded: dict[str, CrossEncoderScorer] = {}  # a path's scorer: both filters of one cross-encoder load it once
+
+    def from_path(path: str, activation: str | None) -> CrossEncoderScorer:
+        applied = score_activation(activation)
+        if path not in loaded:
+            loaded[path] = cross_encoder_scorer(path, precision=precision, cache_dir=cache_dir)
+        return replace(loaded[path], activation=applied)
+
     for name in names:
         if name == "qrels":
             out.append(QrelsFilter(dataset))
@@ -332,19 +347,13 @@ def build_filters(
         elif name == "cross-encoder":
             if cross_encoder is None:
                 raise ConfigError("the cross-encoder filter needs a cross-encoder (negatives.cross_encoder)")
-            scorer = (
-                cross_encoder_scorer(cross_encoder, precision=precision, cache_dir=cache_dir)
-                if isinstance(cross_encoder, str)
-                else cross_encoder
-            )
+            scorer = from_path(cross_encoder, None) if isinstance(cross_encoder, str) else cross_encoder
             out.append(CrossEncoderFilter(dataset, scorer, threshold, sep_token=passage_sep(scorer, sep_token)))
         elif name == "relative-margin":
             if relative_teacher is None:
                 raise ConfigError("the relative-margin filter needs a teacher (negatives.relative_teacher)")
             if isinstance(relative_teacher, str):
-                relative_teacher = cross_encoder_scorer(
-                    relative_teacher, activation=relative_activation, precision=precision, cache_dir=cache_dir
-                )
+                relative_teacher = from_path(relative_teacher, relative_activation)
             sep = passage_sep(relative_teacher, sep_token)
             out.append(RelativeMarginFilter(dataset, relative_teacher, relative_margin, split, sep_token=sep))
         else:
