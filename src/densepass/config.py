@@ -105,7 +105,9 @@ class DataConfig:
         " training rows, a folder written by datasets' save_to_disk, or a Hugging Face dataset:"
         " hf://datasets/org/name[@revision] (org/name where no such path exists)",
     )
-    data_dir: str | None = option(None, "data directory (null: $DENSEPASS_DATA, else shared/data beside the checkout)")
+    data_dir: str | None = option(
+        None, "data directory (null: $DENSEPASS_DATA, else shared/data beside or above the working directory)"
+    )
     format: Literal["beir", "msmarco", "dpr", "squad", "pairs"] = option(
         "beir",
         "dataset layout: beir, msmarco, dpr or squad; pairs: sentence-transformers-style rows (anchor, positive,"

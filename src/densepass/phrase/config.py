@@ -27,7 +27,9 @@ class PhraseDataConfig:
     """Questions with answer spans (SQuAD layout) and which of them to use."""
 
     name: str = option("squad-v1.1-dev-split", "dataset: a folder under the data directory, or a path to one")
-    data_dir: str | None = option(None, "data directory (null: $DENSEPASS_DATA, else shared/data beside the checkout)")
+    data_dir: str | None = option(
+        None, "data directory (null: $DENSEPASS_DATA, else shared/data beside or above the working directory)"
+    )
     format: DatasetFormat = option("squad", "dataset layout (phrase retrieval needs answer offsets: squad)")
     train_split: str = option("train", "split whose questions are trained on (its passages are the training corpus)")
     eval_split: str = option("dev", "split whose questions validate and are evaluated")

@@ -24,7 +24,9 @@ class PretrainDataConfig:
     """The corpus whose passages are pre-trained on (any densepass dataset layout)."""
 
     name: str = option("debian-packages", "dataset: a folder under the data directory, or a path to one")
-    data_dir: str | None = option(None, "data directory (null: $DENSEPASS_DATA, else shared/data beside the checkout)")
+    data_dir: str | None = option(
+        None, "data directory (null: $DENSEPASS_DATA, else shared/data beside or above the working directory)"
+    )
     format: DatasetFormat = option("beir", "dataset layout: beir, msmarco, dpr or squad")
     max_passages: int | None = option(None, "a seeded subset of this many passages (null: the whole corpus)", min=1)
     seed: int = option(13, "seed of the subset", min=0, max=SEED_MAX)
