@@ -46,11 +46,13 @@ Beside the rows:
   checkpoint on H_10, MoCo and pre-batch negatives, batch 128, two epochs), one change each to the dense row
   (``DENSE``; docs/experiments.md runs them on its pool with ``--set negatives.source=file``), the
   forgetting study's (freezing the embeddings and the lowest layers, a lower learning rate, half the steps)
-  and the recommended recipe's (``RECOMMENDED``, configs/recommended.yaml: twice the queries, passages read
-  at 256 tokens but cut to 128 in training batches, one epoch with the pool re-mined half-way, wise-ft 0.85; its
+  and the recommended recipe's (``RECOMMENDED``, configs/recommended.yaml until 2026-11-30: twice the queries,
+  passages read at 256 tokens but cut to 128 in training batches, one epoch with the pool re-mined half-way, wise-ft
+  0.85; its
   earlier forms: ``TWO_EPOCHS_07``, two epochs kept at 0.7, ``ONE_EPOCH`` without re-mining, and ``CROPS_96``,
   passages cut to 96 and kept at 0.75), and issue 55's levers, one change each to the recommended recipe
-  (``MIX_SQUAD``, ``L2SP``, ``ALL_QUERIES`` and ``ALL_QUERIES_TWO_EPOCHS``; ``DISTILL_KL`` and
+  (``MIX_SQUAD``, ``L2SP``, ``ALL_QUERIES``, configs/recommended.yaml since, and ``ALL_QUERIES_TWO_EPOCHS``;
+  ``DISTILL_KL`` and
   ``DISTILL_MARGIN_MSE`` distil the teacher that ``configs/recipe_teacher.yaml`` trains into
   ``<out>/runs/recipe-teacher``, which must exist first, and ``DENOISED`` drops the mined candidates it takes for
   unlabelled positives; ``PRETRAINED`` starts from the MiniLM that ``configs/pretrain_recipe.yaml`` continues on the
@@ -105,10 +107,11 @@ ROWS: dict[str, list[str]] = {
 }
 # Changes to a row (--stage variant), each compared with that row in and out of domain: the training ingredients
 # beyond the negatives (one change each to DENSE), the forgetting study's one-change runs, and the recommended
-# recipe (configs/recommended.yaml): twice the queries, passages read at 256 tokens by mining and evaluation but cut
-# to 128 in training batches, one epoch, the pool re-mined half-way with the model being trained, wise-ft 0.85 (and
-# its earlier forms: two epochs at wise-ft 0.7, one epoch at wise-ft 0.85 without re-mining, and 96-token crops at
-# wise-ft 0.75; and tries with five hard negatives per query instead of three, and two epochs at wise-ft 0.85).
+# recipe (configs/recommended.yaml until 2026-11-30): twice the queries, passages read at 256 tokens by mining and
+# evaluation but cut to 128 in training batches, one epoch, the pool re-mined half-way with the model being
+# trained, wise-ft 0.85 (and its earlier forms: two epochs at wise-ft 0.7, one epoch at wise-ft 0.85 without
+# re-mining, and 96-token crops at wise-ft 0.75; and tries with five hard negatives per query instead of three, and
+# two epochs at wise-ft 0.85).
 CROPS_96 = "16,384 queries, 96-token crops of 256, wise-ft 0.75"
 ONE_EPOCH = "recommended: 16,384 queries, 128-token crops of 256, wise-ft 0.85"  # recommended until 2026-11-26
 FIVE_NEGATIVES = "recommended, 5 hard negatives per query"
@@ -120,7 +123,7 @@ RECOMMENDED = "recommended: 1 epoch, re-mined half-way, wise-ft 0.85"
 # still is), one that pulls toward the starting weights (L2-SP), and all the training queries
 MIX_SQUAD = "recommended + squad train questions, 3 of each batch of 32"
 L2SP = "recommended + L2-SP, alpha 0.5"  # its pull a fifth of the loss gradient at the end (docs/experiments.md)
-ALL_QUERIES = "recommended on all 47,732 train queries, re-mined every half epoch"
+ALL_QUERIES = "recommended on all 47,732 train queries, re-mined every half epoch"  # configs/recommended.yaml
 ALL_QUERIES_TWO_EPOCHS = "recommended on all 47,732 train queries, 2 epochs, re-mined every half epoch"
 # distillation from the teacher configs/recipe_teacher.yaml trains (<out>/runs/recipe-teacher/reranker/model): its
 # scores of each query's positives and pool candidates (and of each refreshed pool's new ones) as KL (listwise, plus
