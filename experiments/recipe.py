@@ -47,12 +47,11 @@ Beside the rows:
   (``DENSE``; docs/experiments.md runs them on its pool with ``--set negatives.source=file``), the
   forgetting study's (freezing the embeddings and the lowest layers, a lower learning rate, half the steps)
   and the recommended recipe's (``RECOMMENDED``, configs/recommended.yaml until 2026-11-30: twice the queries,
-  passages read at 256 tokens but cut to 128 in training batches, one epoch with the pool re-mined half-way, wise-ft
-  0.85; its
-  earlier forms: ``TWO_EPOCHS_07``, two epochs kept at 0.7, ``ONE_EPOCH`` without re-mining, and ``CROPS_96``,
-  passages cut to 96 and kept at 0.75), and issue 55's levers, one change each to the recommended recipe
-  (``MIX_SQUAD``, ``L2SP``, ``ALL_QUERIES``, configs/recommended.yaml since, and ``ALL_QUERIES_TWO_EPOCHS``;
-  ``DISTILL_KL`` and
+  passages read at 256 tokens but cut to 128 in training batches, one epoch with the pool re-mined half-way,
+  wise-ft 0.85; its earlier forms: ``TWO_EPOCHS_07``, two epochs kept at 0.7, ``ONE_EPOCH`` without re-mining,
+  and ``CROPS_96``, passages cut to 96 and kept at 0.75), and issue 55's levers, one change each to the
+  recommended recipe (``MIX_SQUAD``, ``L2SP``, ``ALL_QUERIES``, configs/recommended.yaml since, and
+  ``ALL_QUERIES_TWO_EPOCHS``; ``DISTILL_KL`` and
   ``DISTILL_MARGIN_MSE`` distil the teacher that ``configs/recipe_teacher.yaml`` trains into
   ``<out>/runs/recipe-teacher``, which must exist first, and ``DENOISED`` drops the mined candidates it takes for
   unlabelled positives; ``PRETRAINED`` starts from the MiniLM that ``configs/pretrain_recipe.yaml`` continues on the
