@@ -214,3 +214,31 @@ def test_the_negatives_filter_precision_at_its_default_leaves_earlier_runs_resum
 
     assert "filter_precision" not in without_later_defaults(asdict(NegativesConfig()))
     assert without_later_defaults(asdict(NegativesConfig(filter_precision="auto")))["filter_precision"] == "auto"
+
+
+def test_a_run_resumed_past_a_damaged_checkpoint_keeps_the_one_it_writes(tmp_path):
+    """Resumed from step 5 because step 10 is damaged, the run's next save (step 6) is kept with keep=1, and the
+    next resume starts from it: pruning by position alone deleted step 6 and step 5 and kept the damaged step 10."""
+    checkpoints = Checkpoints(tmp_path, keep=1, identity={})
+    _save(checkpoints, 5)
+    damaged = _save(checkpoints, 10)
+    (damaged / "state.safetensors").write_bytes(b"broken")
+    # keep=1 pruned step 5 when step 10 was written: put it back as a run with keep=2 would have left it
+    checkpoints_two = Checkpoints(tmp_path, keep=2, identity={})
+    _save(checkpoints_two, 5)
+    with pytest.warns(DataWarning, match="step-10 is damaged"):
+        assert checkpoints.latest().step == 5
+    _save(checkpoints, 6)
+    assert [p.name for p in checkpoints.paths()] == ["step-6", "step-10"]
+    with pytest.warns(DataWarning, match="step-10 is damaged"):
+        assert checkpoints.latest().step == 6
+    _save(checkpoints, 10)  # the run reaches step 10 again: the damaged one is replaced, the older one pruned
+    assert [p.name for p in checkpoints.paths()] == ["step-10"]
+    assert checkpoints.latest().step == 10
+
+
+def test_pruning_keeps_the_newest_older_checkpoints(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep=3, identity={})
+    for step in (1, 2, 3, 4, 5):
+        _save(checkpoints, step)
+    assert [p.name for p in checkpoints.paths()] == ["step-3", "step-4", "step-5"]

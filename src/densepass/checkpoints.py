@@ -280,7 +280,11 @@ class Checkpoints:
                 tmp,
             )
             write_manifest(tmp)
-        for old in self.paths()[: -self.keep]:
+        # Prune among the checkpoints older than this one: never the one just written, nor a newer one (left by a
+        # run resumed from an earlier checkpoint because the newer one was damaged; it is replaced when the run
+        # gets there again). Pruning by position alone deleted the checkpoint just written and kept the damaged one.
+        older = [p for p in self.paths() if step_of(p) < step]
+        for old in older[: max(len(older) - (self.keep - 1), 0)]:
             foreign = foreign_files(old)
             if foreign:  # a file of the user's put into an old checkpoint: the checkpoint is kept, not deleted
                 warnings.warn(
