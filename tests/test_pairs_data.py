@@ -117,6 +117,16 @@ def test_a_column_mapping_lists_and_teacher_scores(tmp_path):
             r"r.jsonl:2: the score 2 of a passage differs from the 1",
         ),
         ([], None, r"r.jsonl: no rows"),
+        (  # scores from the second row on: refused as in the other order, not silently dropped
+            [{"anchor": "a", "positive": "p"}, {"anchor": "b", "positive": "q", "scores": [1.0]}],
+            None,
+            r"1 of its 2 rows have teacher scores: give all or none",
+        ),
+        (
+            [{"anchor": "b", "positive": "q", "scores": [1.0]}, {"anchor": "a", "positive": "p"}],
+            None,
+            r"1 of its 2 rows have teacher scores: give all or none",
+        ),
     ],
 )
 def test_a_bad_row_is_one_line_naming_its_line(tmp_path, records, columns, message):

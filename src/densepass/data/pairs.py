@@ -403,8 +403,12 @@ def _build(
 
 def _resolve_row(keys: tuple[str, ...], mapping: dict[str, Any], first: dict[str, Any], where: str) -> dict[str, Any]:
     """The columns of a JSONL record after the first: the first record's anchor, positive and scores columns
-    (a record without one gives the row's own error), its negatives found by name unless the mapping names them."""
+    (a record without one gives the row's own error; a ``scores`` key the first record lacked is read, so rows
+    that give scores after a first that gives none are refused, as in any other order), its negatives found by
+    name unless the mapping names them."""
     columns = dict(first)
+    if columns["scores"] is None and mapping["scores"] is None and SCORES_NAME in keys:
+        columns["scores"] = SCORES_NAME  # scores only from a later record on: counted, so "give all or none" says so
     if mapping["negatives"] is None:
         columns["negatives"] = [
             c for c in keys if NEGATIVE_NAME.match(c) and c not in (columns["anchor"], columns["positive"])
