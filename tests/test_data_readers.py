@@ -442,6 +442,13 @@ def test_qrels_with_unknown_query(tmp_path):
         load_beir(root)
 
 
+def test_two_qrels_files_of_one_split_are_one_line(tmp_path):
+    root = write_beir(tmp_path / "beir", qrels={"test": "q1\tp1\t1\n", "test.v2": "q2\tp3\t1\n"})
+    with pytest.raises(DataError, match=r"qrels: two files for split 'test': test.tsv and test.v2.tsv") as caught:
+        load_beir(root)
+    assert "\n" not in str(caught.value)
+
+
 def test_qrels_with_unknown_passage(tmp_path):
     root = write_beir(tmp_path / "beir", qrels={"dev": "q1\tp1\t1\nq2\tp9\t1\n"})
     with pytest.raises(DataError, match=r"qrels/dev names passage 'p9' \(query 'q2'\), which is not in the corpus"):

@@ -33,6 +33,7 @@ from densepass.data.reader_helpers import (
     get_strings,
     has_words,
     json_limit,
+    split_files,
 )
 from densepass.data.texts import might_hold_surrogates, surrogate_in
 from densepass.errors import DataError
@@ -375,11 +376,7 @@ def load_beir(directory: str | Path, name: str | None = None, passages_on_disk: 
     qrels_dir = directory / "qrels"
     if not qrels_dir.is_dir():
         raise DataError(f"missing directory: {qrels_dir}")
-    qrels = {}
-    for path in sorted(qrels_dir.iterdir()):
-        split = path.name.split(".")[0]
-        if path.name.endswith((".tsv", ".tsv.gz")):
-            qrels[split] = read_qrels_tsv(path)
-    if not qrels:
-        raise DataError(f"{qrels_dir}: no qrels/<split>.tsv file")
+    # two files of one split (test.tsv and test.v2.tsv) are one line, not the last one read silently
+    files = split_files(qrels_dir, ".tsv", lambda stem: stem.split(".")[0], "qrels/<split>.tsv")
+    qrels = {split: read_qrels_tsv(path) for split, path in files.items()}
     return RetrievalDataset(name or directory.name, corpus, queries, qrels, answers)
