@@ -5,6 +5,7 @@ files load without pickle, and training with it ends with the same weights as tr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -66,6 +67,22 @@ def test_cached_batches_equal_the_models_tokenize(tiny_model_dir, tmp_path, kind
     assert len(cached.stores) == 2  # both sides are served from the cache
     for side, texts in TEXTS.items():
         for batch in _batches(texts):
+            _equal(model.tokenize(batch, side, tokenizer=cached), model.tokenize(batch, side))
+
+
+def test_a_model_with_prompts_is_served_from_the_cache(tiny_model_dir, tmp_path, monkeypatch):
+    """The cache holds the texts behind their side's prompt, as ``model.tokenize`` asks for them: every lookup of
+    a text it was built for hits (it held the bare texts, so with prompts none did)."""
+    model = _bi_encoder(tiny_model_dir)
+    model.config = dataclasses.replace(model.config, query_prompt="query: ", passage_prompt="passage: ")
+    cached = cached_tokenizer(model, TEXTS, tmp_path / "cache")
+
+    def missed(texts, max_length):
+        raise AssertionError(f"not served from the cache: {texts}")
+
+    monkeypatch.setattr(cached, "_fresh_rows", missed)
+    for side, texts in TEXTS.items():
+        for batch in [[t] for t in texts] + [texts]:
             _equal(model.tokenize(batch, side, tokenizer=cached), model.tokenize(batch, side))
 
 

@@ -352,10 +352,12 @@ def cached_tokenizer(
     tokenizer = tokenizer if tokenizer is not None else copy.deepcopy(model.tokenizer)
     digest = tokenizer_fingerprint(tokenizer)
     plans = []
+    prompted = getattr(model, "prompted", lambda texts, side: texts)
     for side, side_texts in texts.items():
         max_length = requested_length(model, side, tokenizer, (max_lengths or {}).get(side))
         if max_length is not None:
-            unique = list(dict.fromkeys(side_texts))
+            # the texts as model.tokenize hands them to the tokenizer: behind the side's prompt (else no lookup hits)
+            unique = list(dict.fromkeys(prompted(list(side_texts), side)))
             plans.append((directory / side, unique, max_length, side, store_key(digest, side, max_length, unique)))
 
     def ensure_all() -> list[bool]:
