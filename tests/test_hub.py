@@ -55,6 +55,31 @@ def test_a_hub_model_is_downloaded_once_then_read_from_the_cache_and_loads(fake_
     assert model.encode_queries(["audio editor"]).shape[0] == 1
 
 
+def test_a_snapshot_not_downloaded_in_full_is_completed_online_and_read_as_it_is_offline(
+    cache, tiny_model_dir, tmp_path, monkeypatch
+):
+    """An interrupted first download leaves part of the files: online, the next run downloads again (the Hub
+    fetches what is missing) instead of reading the part; offline the cache is all there is."""
+    partial = tmp_path / "partial"
+    shutil.copytree(tiny_model_dir, partial)
+    (partial / "model.safetensors").unlink()
+    snapshot = lay_out(cache, "some-org/tiny", partial, commit="c0")
+    calls = []
+
+    def download(repo, revision):  # the Hub completes the snapshot it already has
+        calls.append(repo)
+        shutil.copy(tiny_model_dir / "model.safetensors", snapshot / "model.safetensors")
+        return str(snapshot)
+
+    monkeypatch.setattr(hub, "_download", download)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="has no safetensors weights"):  # offline: the part is what there is
+        resolve_model_path("some-org/tiny")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert resolve_model_path("some-org/tiny") == str(snapshot) and calls == ["some-org/tiny"]
+    assert resolve_model_path("some-org/tiny") == str(snapshot) and len(calls) == 1  # now complete: the cache
+
+
 def test_a_revision_pins_what_is_fetched_and_read(fake_hub):
     pinned = resolve_model_path("some-org/tiny@v1.0")
     assert fake_hub == [("some-org/tiny", "v1.0")]
@@ -96,6 +121,7 @@ def test_hub_failures_are_one_line(cache, monkeypatch, error, message):
 
 
 def test_pickled_weights_only_and_code_of_its_own_are_refused(cache, tiny_model_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the snapshots laid out below are what the cache holds
     pickled = tmp_path / "pickled"
     shutil.copytree(tiny_model_dir, pickled)
     for weights in pickled.glob("*.safetensors"):

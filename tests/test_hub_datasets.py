@@ -123,6 +123,27 @@ def test_a_download_fetches_the_card_then_the_subsets_files_once(fake_hub, cache
     assert again.digest == rows.digest and len(fake_hub) == 2  # the cache, not a second download
 
 
+def test_a_partial_snapshot_is_completed_by_the_next_online_run(cache, repo_files, tmp_path, monkeypatch):
+    """A first download stopped after one of two shards: the next online run downloads again (the Hub fetches
+    what is missing) and reads both shards, where it read one shard as the whole split."""
+    (repo_files / "triplet" / "train-00001.parquet").write_bytes(
+        (repo_files / "triplet" / "train-00000.parquet").read_bytes()
+    )
+    datasets.Dataset.from_list(triplets(5, "s")).to_parquet(str(repo_files / "triplet" / "train-00001.parquet"))
+    lay_out(cache, "some-org/rows", repo_files, commit="c0", patterns=["README.md", "triplet/train-00000.parquet"])
+    calls = []
+
+    def download(repo, **kwargs):
+        calls.append(kwargs["allow_patterns"])
+        return str(lay_out(cache, repo, repo_files, "main", "c0", kwargs["allow_patterns"]))
+
+    monkeypatch.setattr(hub, "_download", download)
+    rows = load_dataset("some-org/rows", format="pairs", subset="triplet")
+    assert len(rows.queries) == 16 + 5 and calls  # both shards
+    again = load_dataset("some-org/rows", format="pairs", subset="triplet")
+    assert again.digest == rows.digest and len(calls) == 2  # card and files downloaded in full once: the cache now
+
+
 def _http_error(kind, status):
     response = httpx.Response(status, request=httpx.Request("GET", "https://huggingface.co/api/datasets/x"))
     return kind("refused", response=response)

@@ -4,7 +4,8 @@
 The dataset's card is fetched with ``huggingface_hub`` into its cache, then the data files of the split asked for:
 those the card's ``configs`` give the subset (``data.subset``; none: the card's default) and split, or, where the
 card names no subsets, every data file (``datasets`` then tells the splits from the files' names). Each is fetched
-once and read from the cache afterwards (``HF_HUB_OFFLINE=1``: the cache only); the token comes from ``HF_TOKEN``
+once and read from the cache afterwards (a download that did not complete is completed by the next online run:
+``hub_snapshots``; ``HF_HUB_OFFLINE=1``: the cache only); the token comes from ``HF_TOKEN``
 or ``huggingface-cli login``; the downloads show huggingface_hub's progress bars. The files (Parquet, JSON Lines,
 JSON, CSV or Arrow) are read by ``datasets``' own readers; a loading script is never fetched or run (densepass runs
 no code of a dataset's). Every failure is one line: offline and not cached, not found, gated, a revision, subset
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from densepass.errors import DataError
+from densepass.hub_snapshots import is_complete, mark_complete
 
 PREFIX = "hf://datasets/"
 DATA_PATTERNS = ["*.parquet", "*.jsonl", "*.jsonl.gz", "*.json", "*.json.gz", "*.csv", "*.csv.gz", "*.arrow"]
@@ -150,14 +152,17 @@ def _snapshot(repo: str, revision: str | None, patterns: list[str], at: str, req
     )
 
     kwargs = {"repo_type": "dataset", "revision": revision, "allow_patterns": patterns}
+    offline = constants.HF_HUB_OFFLINE or _true(os.environ.get("HF_HUB_OFFLINE"))
     try:
         cached = Path(snapshot_download(repo, local_files_only=True, **kwargs))
         wanted = [p for p in patterns if p != CARD] or patterns
-        if _holds(cached, wanted):  # the snapshot may hold the card alone, or another subset's files
+        # the snapshot may hold the card alone, or another subset's files; online, one densepass did not see
+        # downloaded in full may hold part of the files (an interrupted download): the download below completes it
+        if _holds(cached, wanted) and (offline or is_complete(cached, patterns)):
             return cached
     except (LocalEntryNotFoundError, FileNotFoundError):
         pass
-    if constants.HF_HUB_OFFLINE or _true(os.environ.get("HF_HUB_OFFLINE")):
+    if offline:
         if not required:
             return None
         raise DataError(
@@ -165,7 +170,7 @@ def _snapshot(repo: str, revision: str | None, patterns: list[str], at: str, req
             "it once with the Hub online, or give a local file or folder"
         )
     try:
-        return Path(_download(repo, **kwargs))
+        folder = Path(_download(repo, **kwargs))
     except GatedRepoError:
         raise DataError(
             f"dataset {repo} is gated on the Hugging Face Hub: accept its terms on its page, then set HF_TOKEN"
@@ -180,6 +185,8 @@ def _snapshot(repo: str, revision: str | None, patterns: list[str], at: str, req
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DataError(f"dataset {repo}{at} could not be downloaded: {first}") from None
+    mark_complete(folder, patterns)
+    return folder
 
 
 def _holds(folder: Path, patterns: list[str]) -> bool:

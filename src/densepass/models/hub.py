@@ -1,5 +1,6 @@
 """Models from the Hugging Face Hub: a hub id (``org/name``, optionally ``org/name@revision``) becomes a local
-directory, from the Hub's cache when it holds the model, else downloaded once into it.
+directory, from the Hub's cache when it holds the model, else downloaded once into it (a download that did not
+complete is completed by the next online run: ``hub_snapshots``).
 
 What is fetched is what densepass loads and nothing else: configs, tokenizer files and ``*.safetensors`` weights
 (never pickled ``*.bin`` / ``*.pt`` weights, which densepass does not load, nor ONNX / TF / Flax copies). The cache
@@ -17,6 +18,7 @@ import re
 from pathlib import Path
 
 from densepass.errors import ConfigError
+from densepass.hub_snapshots import is_complete, mark_complete
 
 # what a model directory needs: configs (also the sentence-transformers modules'), tokenizer files, weights
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "tokenizer*", "*.tiktoken", "merges.txt"]
@@ -59,8 +61,12 @@ def fetch_model(name: str) -> Path:
     repo, revision = found
     at = f" at revision {revision}" if revision else ""
     path = _cached(repo, revision)
+    from huggingface_hub import constants
+
+    offline = constants.HF_HUB_OFFLINE or _true(os.environ.get("HF_HUB_OFFLINE"))
+    if path is not None and not offline and not is_complete(path, ALLOW_PATTERNS):
+        path = None  # a snapshot densepass did not see downloaded in full (an interrupted download): completed below
     if path is None:
-        from huggingface_hub import constants
         from huggingface_hub.errors import (
             GatedRepoError,
             HfHubHTTPError,
@@ -69,7 +75,7 @@ def fetch_model(name: str) -> Path:
             RevisionNotFoundError,
         )
 
-        if constants.HF_HUB_OFFLINE or _true(os.environ.get("HF_HUB_OFFLINE")):
+        if offline:
             raise ConfigError(
                 f"model {repo}{at} is not in the Hugging Face cache and the Hub is offline (HF_HUB_OFFLINE=1): "
                 "download it once with the Hub online, or give a local model directory"
@@ -90,6 +96,7 @@ def fetch_model(name: str) -> Path:
             raise ConfigError(f"model {repo}{at} could not be downloaded: {_first_line(err)}") from None
         except (HfHubHTTPError, OSError) as err:
             raise ConfigError(f"model {repo}{at} could not be downloaded: {_first_line(err)}") from None
+        mark_complete(path, ALLOW_PATTERNS)
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"hub model {repo}{at} has no config.json: it is not a transformers model")

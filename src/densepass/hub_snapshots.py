@@ -1,0 +1,54 @@
+"""Which Hugging Face cache snapshots densepass downloaded in full, so that a partial one is never read as whole.
+
+``huggingface_hub``'s cache lookup (``snapshot_download(local_files_only=True)``) returns a snapshot folder
+whatever it holds: after a first download stopped half-way (Ctrl-C, a lost connection) it holds some of a
+dataset's shards or a model's files, and reading it as the whole would train on part of a dataset without a word.
+So after each download densepass completes (``models.hub``, ``data.hub``) it records the snapshot and the file
+patterns it asked for in a marker, ``<HF_HUB_CACHE>/.densepass-complete/<key>.json``, listing the files the
+snapshot then held. A cached snapshot is read without the network only when a marker says it was downloaded in
+full for those patterns and its files are all still there; otherwise, with the Hub online, the download runs
+again (``huggingface_hub`` fetches only what is missing). Offline (``HF_HUB_OFFLINE=1``) the cache is all there is,
+and a snapshot another tool downloaded (``huggingface-cli download``) is read as it is. A cache densepass may not
+write to (a shared, read-only one) gets no marker: each online run then asks the Hub what is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from densepass.io import atomic_write_text
+
+MARKERS = ".densepass-complete"
+
+
+def _marker(snapshot: Path, patterns: Sequence[str]) -> Path:
+    from huggingface_hub import constants
+
+    key = json.dumps([str(Path(snapshot).resolve()), sorted(patterns)])
+    return Path(constants.HF_HUB_CACHE) / MARKERS / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def mark_complete(snapshot: str | Path, patterns: Sequence[str]) -> None:
+    """Record that ``snapshot`` was downloaded in full for ``patterns`` (a cache that may not be written: nothing)."""
+    snapshot = Path(snapshot)
+    files = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
+    marker = _marker(snapshot, patterns)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(marker, json.dumps({"snapshot": str(snapshot), "patterns": sorted(patterns), "files": files}))
+    except OSError:
+        pass
+
+
+def is_complete(snapshot: str | Path, patterns: Sequence[str]) -> bool:
+    """Whether a marker says ``snapshot`` was downloaded in full for ``patterns`` and its files are all there."""
+    snapshot = Path(snapshot)
+    try:
+        record = json.loads(_marker(snapshot, patterns).read_text(encoding="utf-8"))
+        files = record["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return isinstance(files, list) and all(isinstance(f, str) and (snapshot / f).is_file() for f in files)
