@@ -73,6 +73,8 @@ class FakeSearcher:
     """Word-overlap searcher over :data:`PASSAGES` with a call log (``batches``: (queries, k) per call); with
     ``embeddings``, a :class:`FakeEmbedder` taking as long per call (``embedder``)."""
 
+    nested_top_k = True  # its ranking (score, then id) for a larger k starts with a smaller k's: any k share a batch
+
     def __init__(self, delay_s: float = 0.0, embeddings: bool = False):
         self.delay_s = delay_s
         self.embedder = FakeEmbedder(delay_s) if embeddings else None
@@ -108,6 +110,28 @@ class FakeSearcher:
 
     def describe(self) -> dict:
         return {"kind": "fake word overlap", "passages": len(PASSAGES)}
+
+
+class DepthSearcher(FakeSearcher):
+    """Ranks as an index whose results depend on k (a binary index rescores k x its multiplier candidates): the
+    fake's best 2k, re-ranked by the length of their text (shortest first, ties by id), cut to k; it declares
+    nothing, and has no index kind, so each k is batched apart."""
+
+    nested_top_k = None
+
+    def search_one(self, query: str, k: int) -> list[FakeHit]:
+        candidates = super().search_one(query, 2 * k)
+        return sorted(candidates, key=lambda hit: (len(hit.text), hit.id))[:k]
+
+
+class FakeReranker:
+    """A reranker scoring each (query, text) pair as the number its text spells (``"40"``: 40.0)."""
+
+    def score_pairs(self, queries: list[str], passages: list[str]) -> np.ndarray:
+        return np.array([float(text) for text in passages], dtype=np.float64)
+
+    def describe(self) -> dict:
+        return {"kind": "fake: the text's number"}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -17,18 +17,20 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import uvicorn
+from fastapi.testclient import TestClient
 
 import densepass
 from densepass.errors import ConfigError
 from densepass.serve import ServeSettings, add_settings_arguments, create_app, hit_to_json, settings_from_args
 from densepass.serve.app import uvicorn_config
-from densepass.serve.microbatch import MicroBatcher, Unavailable
+from densepass.serve.microbatch import BatchFailed, MicroBatcher, Unavailable
 from densepass.serve.settings import exposure_warning
-from serve_fake import PASSAGES, FakeSearcher
+from serve_fake import PASSAGES, DepthSearcher, FakeSearcher
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -141,6 +143,97 @@ def test_a_bad_query_in_a_batch_fails_only_its_own_request():
     assert outcomes[0] == [reference(searcher, "video", 2)] and outcomes[2] == [reference(searcher, "mail", 2)]
     assert "forbidden" in str(outcomes[1]) and isinstance(outcomes[3], RuntimeError)
     assert searcher.calls == 5  # the failed batch, then each request alone
+
+
+def test_requests_of_different_k_are_batched_apart_when_the_ranking_depends_on_k():
+    searcher = DepthSearcher()
+    query = "video mail image"
+    assert reference(searcher, query, 1) != reference(searcher, query, 3)[:1]  # its top hit depends on k
+    outcomes = run_batcher(searcher, [([query], 1), ([query], 3), (["mail server"], 1)])
+    assert outcomes == [[reference(searcher, q, k)] for q, k in [(query, 1), (query, 3), ("mail server", 1)]]
+    assert searcher.batches == [([query, "mail server"], 1), ([query], 3)]  # the k=3 request keeps its turn
+
+
+def test_only_index_kinds_whose_top_k_is_nested_share_batches_across_k():
+    together = {}
+    for kind, options in [
+        ("exact", {"search_precision": "fp32"}),
+        ("splade", {}),
+        ("exact", {"search_precision": "int8"}),  # a first pass of rescore x k candidates
+        ("binary-flat", {}),
+        ("faiss-hnsw", {}),
+        ("hybrid", {}),
+        ("faiss-flat", {}),  # FAISS breaks ties at the k-th score differently for different k
+    ]:
+        searcher = FakeSearcher()
+        searcher.nested_top_k = None  # not declared: the index's kind decides
+        searcher.index = SimpleNamespace(kind=kind, **options)
+        run_batcher(searcher, [(["video"], 1), (["mail"], 3)])
+        together[kind, options.get("search_precision")] = len(searcher.batches) == 1
+    assert together == {
+        ("exact", "fp32"): True,
+        ("splade", None): True,
+        ("exact", "int8"): False,
+        ("binary-flat", None): False,
+        ("faiss-hnsw", None): False,
+        ("hybrid", None): False,
+        ("faiss-flat", None): False,
+    }
+
+
+def test_a_failure_in_the_worker_fails_its_batch_and_later_requests_are_served(caplog):
+    async def main():
+        searcher = FakeSearcher()
+        batcher = MicroBatcher(searcher, max_batch_size=64, max_wait_ms=0, max_queue=100)
+        failures = [OSError("the metrics folder is gone")]
+
+        def on_batch(operation: str, items: int) -> None:
+            if failures:
+                raise failures.pop()
+
+        batcher.on_batch = on_batch
+        first = [asyncio.create_task(batcher.search([q], 1)) for q in ["video", "mail"]]
+        await asyncio.sleep(0)  # both in the first batch
+        batcher.start()
+        failed = await asyncio.wait_for(asyncio.gather(*first, return_exceptions=True), 10)
+        later = await asyncio.wait_for(batcher.search(["mail"], 1), 10)
+        await batcher.close()
+        return failed, later, searcher
+
+    with caplog.at_level(logging.ERROR, logger="densepass.serve"):
+        failed, later, searcher = asyncio.run(main())
+    assert all(isinstance(err, BatchFailed) for err in failed), failed
+    assert "micro-batch failed (OSError: the metrics folder is gone)" in str(failed[0])
+    assert later == [reference(searcher, "mail", 1)]
+    assert any(record.exc_info and "metrics folder" in str(record.exc_info[1]) for record in caplog.records)
+
+
+def test_a_worker_that_stopped_is_reported_by_health_and_refuses_requests():
+    app = create_app(FakeSearcher(), ServeSettings())
+
+    async def kill_the_worker():
+        task = app.state.batcher._task
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        http.portal.call(kill_the_worker)
+        health = http.get("/health")  # first: before the fix a search would wait forever
+        assert health.status_code == 503 and health.json()["status"] == "worker stopped"
+        refused = http.post("/search", json={"query": "video"})
+    assert refused.status_code == 503 and "worker has stopped" in refused.json()["error"]
+
+
+def test_a_request_without_k_gets_at_most_max_k_hits():
+    searcher = FakeSearcher()
+    query = "video player mail image python web"  # matches every passage
+    with TestClient(create_app(searcher, ServeSettings(max_k=2)), base_url="http://127.0.0.1") as http:
+        answer = http.post("/search", json={"query": query})
+        too_many = http.post("/search", json={"query": query, "k": 3})
+    assert answer.status_code == 200 and answer.json()["results"] == [reference(searcher, query, 2)]
+    assert too_many.status_code == 422 and "between 1 and 2, got 3" in too_many.json()["error"]
+    assert searcher.batches == [([query], 2)]
 
 
 def test_closing_the_batcher_searches_the_waiting_requests_then_refuses_new_ones():

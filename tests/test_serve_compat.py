@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -28,7 +29,7 @@ import densepass as dp
 from conftest import assert_same_ranking_up_to_ties, save_tiny_bert
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.serve import ServeSettings, create_app
-from serve_fake import FakeEmbedder, FakeSearcher
+from serve_fake import FakeEmbedder, FakeReranker, FakeSearcher
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-0123456789abcdef"
@@ -283,7 +284,7 @@ def route_paths(app) -> list[tuple[str, str]]:
     out = []
     for route in app.routes:
         if isinstance(route, (APIRoute, Route)):
-            path = route.path.replace("{model}", "tiny-bi")
+            path = route.path.replace("{model:path}", "org/tiny-bi")
             assert "{" not in path, f"fill in the parameter of {route.path}"
             out.extend((method, path) for method in sorted(route.methods or ["GET"]) if method != "HEAD")
     return out
@@ -407,6 +408,65 @@ def test_tei_bodies_take_booleans_only_as_json_booleans():
             ("/rerank", {"query": "a", "texts": ["b"], "return_text": "on"}),
         ]:
             assert http.post(route, json=body).status_code == 422, (route, body)
+
+
+def test_openai_model_ids_holding_a_slash_are_found():
+    searcher = FakeSearcher(embeddings=True)
+    searcher.embedder.name, searcher.embedder.names = "BAAI/bge-small-en-v1.5", ("BAAI/bge-small-en-v1.5",)
+    with TestClient(create_app(searcher, ServeSettings()), base_url="http://127.0.0.1") as http:
+        found = http.get("/v1/models/BAAI/bge-small-en-v1.5")
+        missing = http.get("/v1/models/BAAI/bge-large-en-v1.5")
+        metrics = http.get("/metrics").text
+    assert found.status_code == 200 and found.json()["id"] == "BAAI/bge-small-en-v1.5"
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert 'route="/v1/models/{model:path}"' in metrics  # counted under its route, not as "other"
+
+
+def test_openai_models_lists_no_server_path_but_accepts_it():
+    from densepass.serve.backends import Embedder
+    from densepass.serve.compat import check_model
+
+    path = "/srv/private/models/tiny-bi"
+    embedder = Embedder(SimpleNamespace(eval=lambda: None, source=None), path, extra_names=["alias"])
+    with TestClient(create_app(FakeSearcher(), embedder=embedder), base_url="http://127.0.0.1") as http:
+        listed = [model["id"] for model in http.get("/v1/models").json()["data"]]
+        missing = http.post("/v1/embeddings", json={"input": "x", "model": "other"}).json()["error"]
+    assert listed == ["tiny-bi", "alias"]
+    assert "'tiny-bi', 'alias'" in missing["message"] and "/srv" not in missing["message"]
+    assert check_model(embedder, path) is embedder  # a client that sends the path still gets the model
+
+
+def test_openai_embeddings_take_strict_types_and_a_null_encoding_format():
+    app = create_app(FakeSearcher(embeddings=True), ServeSettings())
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        refused = [
+            http.post("/v1/embeddings", json={"input": "abc", "dimensions": value}) for value in ["8", True, 8.0]
+        ]
+        unset = http.post("/v1/embeddings", json={"input": "abc", "encoding_format": None})
+    for answer in refused:
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["param"] == "dimensions" and "integer" in error["message"], error
+    assert unset.status_code == 200
+    np.testing.assert_allclose(unset.json()["data"][0]["embedding"], FakeEmbedder.vector("abc"), rtol=1e-6)
+
+
+def test_malformed_json_on_openai_routes_names_no_param():
+    with TestClient(create_app(FakeSearcher(embeddings=True)), base_url="http://127.0.0.1") as http:
+        malformed = http.post("/v1/embeddings", content=b'{"input": ', headers={"Content-Type": "application/json"})
+    error = malformed.json()["error"]  # the character offset of the fault is in the message, not in param
+    assert malformed.status_code == 400 and "malformed JSON at character" in error["message"], error
+    assert error["param"] is None and error["type"] == "invalid_request_error"
+
+
+def test_tei_rerank_orders_by_the_raw_scores_where_the_sigmoid_saturates():
+    app = create_app(FakeSearcher(), ServeSettings(), reranker=FakeReranker())
+    texts = ["40", "50", "45", "-3"]  # the sigmoid of 40, 45 and 50 is 1.0 in float64
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        squashed = http.post("/rerank", json={"query": "q", "texts": texts}).json()
+        raw = http.post("/rerank", json={"query": "q", "texts": texts, "raw_scores": True}).json()
+    assert [hit["index"] for hit in squashed] == [1, 2, 0, 3] == [hit["index"] for hit in raw]
+    assert [hit["score"] for hit in squashed][:3] == [1.0, 1.0, 1.0] and squashed[3]["score"] < 0.05
+    assert [hit["score"] for hit in raw] == [50.0, 45.0, 40.0, -3.0]
 
 
 def test_sigterm_under_load_answers_every_accepted_request():

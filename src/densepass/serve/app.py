@@ -52,13 +52,16 @@ PAGE_SECURITY = {
 }
 
 
+DEFAULT_K = 10  # hits per query of a request without k (at most --max-k)
+
+
 class SearchRequest(BaseModel):
     """Body of ``POST /search``: ``queries`` (a list of strings) or ``query`` (one string), and ``k``."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     queries: list[str] | None = Field(None, description="queries, answered in this order")
     query: str | None = Field(None, description="one query, instead of `queries`")
-    k: int = Field(10, description="hits per query, at least 1")
+    k: int = Field(DEFAULT_K, description=f"hits per query, at least 1 (default {DEFAULT_K}, or --max-k if smaller)")
 
 
 class Hit(BaseModel):
@@ -90,7 +93,11 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 
 
 def request_queries(body: SearchRequest, settings: ServeSettings) -> list[str]:
-    """The queries of a request, checked against ``settings``; raises ``ValueError`` with a one-line reason."""
+    """The queries of a request, checked against ``settings``; raises ``ValueError`` with a one-line reason. A
+    request without ``k`` gets ``DEFAULT_K`` hits, or ``max_k`` where that is smaller (set in ``body``): a service
+    started with ``--max-k 5`` answers it instead of refusing a k it was not sent."""
+    if "k" not in body.model_fields_set:
+        body.k = min(DEFAULT_K, settings.max_k)
     if (body.query is None) == (body.queries is None):
         raise ValueError("give either 'query' (a string) or 'queries' (a list of strings)")
     queries = [body.query] if body.query is not None else body.queries
@@ -302,7 +309,9 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
         status, message = validation_message(err)
-        param = ".".join(str(part) for part in err.errors()[0].get("loc", ())[1:2]) or None
+        first = err.errors()[0]  # OpenAI's param: the field at fault; malformed JSON has none (its loc is an offset)
+        field = () if first.get("type") == "json_invalid" else first.get("loc", ())[1:2]
+        param = ".".join(str(part) for part in field) or None
         return styled_error(request.url.path, status, message, param=param)
 
     @app.exception_handler(ApiError)
@@ -352,10 +361,12 @@ def create_app(
             return error_response(500, f"search failed ({type(err).__name__}); see the server log")
         return JSONResponse({"results": results, "took_ms": (time.perf_counter() - started) * 1000})
 
-    async def health() -> dict:
-        """Status, the searcher's description, queue depth, batching settings and what was served so far."""
-        return {
-            "status": "shutting down" if batcher.closing else "ok",
+    async def health() -> Any:
+        """Status, the searcher's description, queue depth, batching settings and what was served so far; 503
+        when the batcher's worker has stopped without a shutdown (no request would be answered)."""
+        dead = batcher.stopped and not batcher.closing
+        facts = {
+            "status": "shutting down" if batcher.closing else "worker stopped" if dead else "ok",
             "process": os.getpid(),  # which worker answered (--workers)
             "searcher": searcher.describe(),
             "queue_depth": batcher.waiting,
@@ -381,6 +392,7 @@ def create_app(
             "embeddings": described(current.embedder()),
             "rerank": described(current.reranker()),
         }
+        return JSONResponse(facts, status_code=503) if dead else facts
 
     async def prometheus() -> Response:
         """Prometheus metrics: requests by route and status, latencies, micro-batch sizes, queue depth."""
@@ -398,7 +410,7 @@ def create_app(
         ("GET", "/health", health, {}),
         ("POST", "/v1/embeddings", compat.openai_embeddings(batcher, settings, current.embedder), with_errors),
         ("GET", "/v1/models", compat.openai_models(current.embedder), {}),
-        ("GET", "/v1/models/{model}", compat.openai_model(current.embedder), {}),
+        ("GET", "/v1/models/{model:path}", compat.openai_model(current.embedder), {}),  # org/name ids hold "/"
         ("POST", "/embed", compat.tei_embed(batcher, settings, current.embedder), with_errors),
         ("POST", "/rerank", compat.tei_rerank(batcher, settings, current.reranker), with_errors),
         ("GET", "/metrics", prometheus, {}),

@@ -44,7 +44,9 @@ class Embedder:
     from the model's config, its token limit, the index's precision and device), with the number of tokens the
     model read for each text (for OpenAI's ``usage``).
 
-    ``names``: the model names a request may give (the name the index recorded, its path, and ``extra_names``).
+    ``names``: the model names a request may give (the name the index recorded, its path, and ``extra_names``);
+    ``public_names``: those shown to clients (``GET /v1/models``): all but the model's path on the server, for which
+    ``name`` (its folder's name, or ``org/name``) stands.
     ``dim``: the dimension served, the index's where it holds a Matryoshka prefix (``densepass index --dim N``): the
     model's embeddings cut to it and normalised again as ``DenseIndex`` cuts them, so that a client stores vectors
     of the size the index holds beside them; None: the model's.
@@ -70,6 +72,7 @@ class Embedder:
         source = source or model.source or "densepass"
         self.name = short_name(source)
         self.names = tuple(dict.fromkeys([self.name, model_name(source), source, *extra_names]))
+        self.public_names = tuple(n for n in self.names if n != source or n == self.name)
 
     @property
     def dim(self) -> int:

@@ -127,13 +127,15 @@ async def batched(batcher: MicroBatcher, operation: str, items: list[Any], funct
 
 
 class EmbeddingsRequest(BaseModel):
-    """Body of ``POST /v1/embeddings`` (OpenAI's schema, plus densepass's ``input_type``)."""
+    """Body of ``POST /v1/embeddings`` (OpenAI's schema, plus densepass's ``input_type``); strict types, as OpenAI
+    checks them (``"dimensions": "8"`` or ``true`` is a 400, not an 8 or a 1); a null ``encoding_format`` is
+    unset (float), as OpenAI takes it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     input: Any = Field(..., description="a string or a list of strings (token-id arrays are refused)")
     model: str | None = Field(None, description="the served model's name (GET /v1/models lists the names accepted)")
-    encoding_format: Literal["float", "base64"] = Field(
-        "float", description="float: lists of numbers; base64: little-endian float32 bytes, base64-encoded"
+    encoding_format: Literal["float", "base64"] | None = Field(
+        "float", description="float (or null): lists of numbers; base64: little-endian float32 bytes, base64-encoded"
     )
     dimensions: int | None = Field(
         None,
@@ -146,8 +148,15 @@ class EmbeddingsRequest(BaseModel):
     )
 
 
+def listed_names(embedder: Embedder) -> tuple[str, ...]:
+    """The names of ``embedder`` shown to clients (``GET /v1/models``, the error for an unknown model): its
+    ``public_names`` (an :class:`Embedder`'s leave out the model's path on the server), else all its names."""
+    return tuple(getattr(embedder, "public_names", embedder.names))
+
+
 def check_model(embedder: Embedder | None, model: str | None) -> Embedder:
-    """The embedder, if the service has one and ``model`` is None or one of its names; else an :class:`ApiError`."""
+    """The embedder, if the service has one and ``model`` is None or one of its names; else an :class:`ApiError`
+    (which lists only the names a client is shown: :func:`listed_names`)."""
     if embedder is None:
         raise ApiError(
             400,
@@ -155,7 +164,7 @@ def check_model(embedder: Embedder | None, model: str | None) -> Embedder:
             "model",
         )
     if model is not None and model not in embedder.names:
-        names = ", ".join(repr(n) for n in embedder.names)
+        names = ", ".join(repr(n) for n in listed_names(embedder))
         raise ApiError(404, f"the model {model!r} is not served here; use one of {names}", "model", "model_not_found")
     return embedder
 
@@ -209,11 +218,12 @@ def openai_models(embedder: Callable[[], Embedder | None]) -> Callable:
     """The handler of ``GET /v1/models``."""
 
     async def models() -> Any:
-        """The served model under each name it answers to (none when the index has no bi-encoder)."""
+        """The served model under each name it answers to but its path on the server (:func:`listed_names`;
+        none when the index has no bi-encoder)."""
         served = embedder()
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "densepass"}
-            for name in (served.names if served is not None else ())
+            for name in (listed_names(served) if served is not None else ())
         ]
         return JSONResponse({"object": "list", "data": data})
 
@@ -311,9 +321,10 @@ def tei_rerank(
         operation = f"rerank:{'cut' if body.truncate else 'refuse'}"
         pairs = [(query, text) for text in texts]
         scores = await batched(batcher, operation, pairs, partial(pair_scores, reranker, truncate=body.truncate))
+        # ordered by the raw scores: the sigmoid saturates (1.0 above ~36.7), which would tie large scores
+        order = sorted(range(len(texts)), key=lambda i: (-scores[i], i))
         if not body.raw_scores:
             scores = [1 / (1 + math.exp(-s)) if s > -700 else 0.0 for s in scores]
-        order = sorted(range(len(texts)), key=lambda i: (-scores[i], i))
         return JSONResponse(
             [{"index": i, "score": scores[i], **({"text": texts[i]} if body.return_text else {})} for i in order]
         )

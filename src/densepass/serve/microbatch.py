@@ -3,9 +3,14 @@
 Requests wait in a bounded FIFO queue (counted in queries). One worker task takes waiting requests whole, in
 order, up to ``max_batch_size`` queries, as soon as the batch is full or ``max_wait_ms`` has passed since the
 first of them arrived, and runs the searcher in a worker thread so that the event loop keeps answering; one
-batch at a time, so while a batch is searched the next one fills. The searcher is asked for the largest k of
-the batch and each request gets its own slice, cut to its own k. If a batch of several requests fails (say one
-query the model rejects), each request is searched alone, so that only the bad one gets the error.
+batch at a time, so while a batch is searched the next one fills. A batch holds requests of one k, so that each
+gets what a search alone gives: many kinds rank deeper for a larger k (a binary index rescores k x its
+multiplier candidates, HNSW searches max(efSearch, k), a hybrid fuses max(k, depth)), and their top hits for k=1
+need not be the first of k=50. Where a larger k's hits always start with a smaller k's (:func:`nested_top_k`),
+requests of any k share a batch: the searcher is asked for the largest and each request gets its own slice, cut
+to its own k. If a batch of several requests fails (say one query the model rejects), each request is searched
+alone, so that only the bad one gets the error; a failure outside every request's own work (say the metrics
+callback) fails that batch's requests with :class:`BatchFailed`, and the worker goes on with the next batch.
 
 Other work shares the queue, its limit and the worker (:meth:`MicroBatcher.run`): embedding texts, scoring
 (query, text) pairs. A job names its operation (say ``embed:query``); a batch holds jobs of one operation only,
@@ -16,6 +21,7 @@ their items together, one output per item.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,9 +32,21 @@ from densepass.serve.searcher import Searcher, hit_to_json
 
 Results = list[list[dict[str, Any]]]
 
+logger = logging.getLogger("densepass.serve")
+
+# index kinds whose top k is always the start of a larger k's: every passage scored exactly, equal scores by row
+# (exact, with fp32 scoring only: a bf16 / int8 first pass keeps rescore x k candidates; SPLADE); FAISS's flat
+# search and bm25s break ties differently for different k, so they are not here
+NESTED_KINDS = ("exact", "splade")
+
 
 class Unavailable(Exception):
     """The request cannot be taken now (the queue is full, or the service is shutting down): HTTP 503."""
+
+
+class BatchFailed(RuntimeError):
+    """The worker failed on a batch outside every request's own work (say ``on_batch``): each request of that
+    batch gets this error (HTTP 500; the cause goes to the server log), and the worker serves the next batch."""
 
 
 SEARCH = "search"
@@ -42,6 +60,18 @@ class _Job:
     operation: str = SEARCH
     function: Callable[[list[Any]], list[Any]] | None = None  # the operation's (None: the searcher's search)
     arrived: float = field(default_factory=time.monotonic)
+
+
+def nested_top_k(searcher: Any) -> bool:
+    """Whether the searcher's top ``k`` hits are always the first ``k`` of its hits for any larger k, so that
+    searches of different k may share a batch: what the searcher declares as ``nested_top_k`` (a bool), else
+    whether its index (a search pipeline's ``index``, a reranker over it keeping the property) is of
+    :data:`NESTED_KINDS`. Unknown: False (each k batched apart)."""
+    declared = getattr(searcher, "nested_top_k", None)
+    if isinstance(declared, bool):
+        return declared
+    index = getattr(searcher, "index", None)
+    return getattr(index, "kind", None) in NESTED_KINDS and getattr(index, "search_precision", "fp32") == "fp32"
 
 
 class MicroBatcher:
@@ -71,12 +101,13 @@ class MicroBatcher:
         """Take no more requests, search the ones waiting (without waiting for more), and stop the worker."""
         self.closing = True
         self._wakeup.set()
-        if self._task is not None:
+        if self._task is not None and not self._task.done():  # (a worker killed earlier: nothing to wait for)
             await self._task
 
     @property
     def stopped(self) -> bool:
-        """Whether the worker task was started and has ended (after :meth:`close`)."""
+        """Whether the worker task was started and has ended (after :meth:`close`, or killed: then new requests get
+        :class:`Unavailable` and ``/health`` says so)."""
         return self._task is not None and self._task.done()
 
     async def search(self, queries: list[str], k: int) -> Results:
@@ -98,6 +129,8 @@ class MicroBatcher:
     async def _queue(self, items: list[Any], k: int, operation: str, function: Callable | None) -> Any:
         if self.closing:
             raise Unavailable("the service is shutting down")
+        if self.stopped:  # the worker ended without close(): nothing would ever answer this request
+            raise Unavailable("the search worker has stopped; see the server log")
         if self.waiting + len(items) > self.max_queue:
             raise Unavailable(
                 f"the search queue is full ({self.waiting} queries waiting, at most {self.max_queue}); retry shortly"
@@ -119,7 +152,12 @@ class MicroBatcher:
                 await self._wait_for_wakeup(deadline - time.monotonic())
             batch = self._take_batch()
             if batch:
-                outcomes = await asyncio.to_thread(self._search_jobs, batch)
+                try:
+                    outcomes = await asyncio.to_thread(self._search_jobs, batch)
+                except Exception as err:  # noqa: BLE001 - the batch's requests fail; the worker keeps serving
+                    logger.error("a batch of %d %s requests failed", len(batch), batch[0].operation, exc_info=err)
+                    reason = " ".join(f"{type(err).__name__}: {err}".split())
+                    outcomes = [BatchFailed(f"the micro-batch failed ({reason})") for _ in batch]
                 for job, outcome in zip(batch, outcomes):
                     if job.future.done():  # its request was cancelled meanwhile
                         continue
@@ -136,18 +174,24 @@ class MicroBatcher:
             pass
 
     def _take_batch(self) -> list[_Job]:
-        """The oldest waiting jobs of the oldest job's operation, whole and in order, up to ``max_batch_size``
-        items (one job alone when it is larger); cancelled jobs are dropped, the others keep their places."""
+        """The oldest waiting jobs of the oldest job's operation (and k, unless the searcher's results are
+        nested: :func:`nested_top_k`), whole and in order, up to ``max_batch_size`` items (one job alone when it
+        is larger); cancelled jobs are dropped, the others keep their places."""
         batch: list[_Job] = []
         kept: deque[_Job] = deque()
         size = 0
+        any_k = nested_top_k(self.searcher)
+
+        def key(job: _Job) -> tuple[str, int]:
+            return job.operation, 0 if any_k or job.operation != SEARCH else job.k
+
         while self._pending:
             job = self._pending.popleft()
             if job.future.done():  # its request was cancelled
                 self.waiting -= len(job.queries)
-            elif batch and (job.operation != batch[0].operation or size + len(job.queries) > self.max_batch_size):
+            elif batch and (key(job) != key(batch[0]) or size + len(job.queries) > self.max_batch_size):
                 kept.append(job)
-                if job.operation == batch[0].operation:  # full: a later, smaller job would overtake this one
+                if key(job) == key(batch[0]):  # full: a later, smaller job would overtake this one
                     break
             else:
                 self.waiting -= len(job.queries)

@@ -117,7 +117,11 @@ class Observe:
         """The route template ``path`` belongs to (bounded label values), or ``other``."""
         for template in self.routes():
             if "{" in template:
-                if path.startswith(template.split("{", 1)[0]) and path.count("/") == template.count("/"):
+                prefix = template.split("{", 1)[0]
+                if template.endswith(":path}"):  # the rest of the path, "/" included (``/v1/models/org/name``)
+                    if path.startswith(prefix) and len(path) > len(prefix):
+                        return template
+                elif path.startswith(prefix) and path.count("/") == template.count("/"):
                     return template
             elif path == template:
                 return template

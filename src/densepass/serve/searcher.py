@@ -10,7 +10,10 @@ from typing import Any, Protocol, runtime_checkable
 class Searcher(Protocol):
     """Anything the service can search with, e.g. ``densepass.pipelines.search.SearchPipeline``.
 
-    It is used read-only, from one worker thread at a time (``describe`` may be called meanwhile).
+    It is used read-only, from one worker thread at a time (``describe`` may be called meanwhile). It may declare
+    ``nested_top_k`` (a bool): True when its hits for a k are always the first k of its hits for any larger k, so
+    that requests of different k can share a batch (``microbatch.nested_top_k``; undeclared, its index's kind
+    decides).
     """
 
     def search_batch(self, queries: list[str], k: int) -> list[list[Any]]:
