@@ -111,3 +111,19 @@ def test_the_command_line_exports_and_says_where(trained_run, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == f"exported {trained_run / 'model'} to {out}"
     assert json.loads((out / "densepass.json").read_text())["pooling"] == "mean"
+
+
+def test_the_cards_usage_says_how_sentence_transformers_loads_each_model(tiny_model_dir, tmp_path):
+    """Two towers: sentence-transformers loads the query tower from ``query/``; one tower: its one token limit is
+    the passages', said where queries are cut shorter; SPLADE and ColBERT: densepass's loader only."""
+    from densepass.config import BiEncoderConfig
+    from densepass.models.splade import SpladeEncoder
+    from densepass.pipelines.export import model_card
+
+    shared = model_card(tmp_path / "m", BiEncoder.from_pretrained(str(tiny_model_dir)))
+    assert "encode_query" in shared and "cuts every text at 128 tokens: queries longer than 32" in shared
+    assert 'dp.load_model("PATH_OR_REPO")' in shared
+    towers = model_card(tmp_path / "m", BiEncoder.from_pretrained(str(tiny_model_dir), BiEncoderConfig(shared=False)))
+    assert 'SentenceTransformer("PATH/query")' in towers and "cuts every text" not in towers
+    splade = model_card(tmp_path / "m", SpladeEncoder.from_pretrained(str(tiny_model_dir)))
+    assert 'dp.load_model("PATH_OR_REPO")' in splade and "SentenceTransformer(" not in splade

@@ -100,12 +100,34 @@ def model_card(model_dir: Path, model) -> str:
         lines += ["| system | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
         for system, row in metrics["results"].items():
             lines.append(f"| {system} | " + " | ".join(f"{row[m]:.4f}" if m in row else "" for m in names) + " |")
-    lines += ["", "## Use", "", "```python", "from sentence_transformers import SentenceTransformer", ""]
-    lines += ['model = SentenceTransformer("PATH_OR_REPO")', 'queries = model.encode_query(["a question"])']
-    lines += ['passages = model.encode_document(["a passage"])', "```", "", "```python", "import densepass as dp", ""]
-    lines += ['model = dp.BiEncoder.from_pretrained("PATH_OR_REPO")', "```", "", "## Cite", ""]
+    lines += ["", "## Use", ""] + _usage(model, kind) + ["", "## Cite", ""]
     lines += [f"- {REFERENCES[key]}" for key in dict.fromkeys(cited)]
     return "\n".join(lines) + "\n"
+
+
+def _usage(model, kind: str) -> list[str]:
+    """The card's usage lines: densepass for every kind; sentence-transformers for a bi-encoder, as it loads the
+    export (two towers: the query tower is its own model under ``query/``; one tower: one token limit, the
+    passages', where densepass cuts queries at theirs)."""
+    lines = ["```python", "import densepass as dp", "", 'model = dp.load_model("PATH_OR_REPO")']
+    lines += ['queries = model.encode_queries(["a question"])', 'passages = model.encode_passages(["a passage"])', "```"]
+    if not isinstance(model, BiEncoder):
+        return lines
+    config = model.config
+    lines += ["", "In sentence-transformers:", "", "```python", "from sentence_transformers import SentenceTransformer", ""]
+    if config.shared:
+        lines += ['model = SentenceTransformer("PATH_OR_REPO")', 'queries = model.encode_query(["a question"])']
+    else:
+        lines += ['query_model = SentenceTransformer("PATH/query")  # the query tower (of a local copy)']
+        lines += ['queries = query_model.encode_query(["a question"])', 'model = SentenceTransformer("PATH_OR_REPO")']
+    lines += ['passages = model.encode_document(["a passage"])', "```"]
+    if config.shared and config.query_max_length < config.passage_max_length:
+        lines += [
+            "",
+            f"sentence-transformers cuts every text at {config.passage_max_length} tokens: queries longer than "
+            f"{config.query_max_length} tokens, which densepass cuts there, embed differently.",
+        ]
+    return lines
 
 
 def export_model(model_path: str | Path, to: str, target: str, private: bool = False) -> ExportResult:
