@@ -264,3 +264,27 @@ def test_a_binary_index_file_damaged_under_a_matching_manifest_is_one_line(model
         write_manifest(tmp_path / "idx", **facts)  # the manifest rewritten to match: only reading the file can tell
         with pytest.raises(DataError, match=r"binary\.index does not load as a FAISS binary index \(damaged\?\)"):
             load_index(tmp_path / "idx")
+
+
+@pytest.mark.parametrize("kind", ["binary-flat", "binary-hnsw", "int8-flat"])
+def test_an_add_that_fails_leaves_a_compact_index_as_it_was(model, kind):
+    """A repeated id or a NaN embedding is refused before the binary index, the codes or the passages change: the
+    binary index used to take the new bits first, leaving its rows one past the passages for good."""
+    x, more = vectors(20, 21), vectors(3, 22)
+    index = built(model, kind, x, rescore_multiplier=100)  # float re-scoring of every passage: exact search
+    bad = more.copy()
+    bad[1, 3] = np.nan
+    for records, embeddings, message in [
+        ([{"id": "3", "text": "again"}, {"id": "new", "text": "new"}], more[:2], "duplicate passage id '3'"),
+        ([{"id": f"n{i}", "text": "n"} for i in range(3)], bad, "the embedding of passage 'n1' holds NaN or infinity"),
+    ]:
+        with pytest.raises(DataError, match=message):
+            index.add_embeddings(records, embeddings)
+        assert len(index.passages) == len(index.embeddings) == len(index.codes) == 20
+        assert index.bits is None or index.bits.ntotal == 20
+    index.add_embeddings([{"id": f"n{i}", "text": "n"} for i in range(3)], more)
+    assert len(index.codes) == 23 and (index.bits is None or index.bits.ntotal == 23)
+    queries = np.concatenate([more, x[:2]])
+    every = np.concatenate([x, more])
+    want = np.argsort(-(queries @ every.T), axis=1, kind="stable")[:, :5]
+    np.testing.assert_array_equal(index.search(queries, k=5).rows, want)

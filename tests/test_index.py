@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -416,3 +417,106 @@ def test_an_installed_jax_neither_takes_the_gpu_nor_ranks_bm25(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
     assert "PREALLOCATE=false" in out
     assert "TOP=1,2" in out
+
+
+# ---- dense indexes: bad input refused before any change ------------------------------------------------
+
+
+def dense_records(n: int, start: int = 0) -> list[dict]:
+    return [{"id": f"p{i}", "text": f"{TEXTS[i % len(TEXTS)]} {i}"} for i in range(start, start + n)]
+
+
+def unit_rows(n: int, dim: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_dense_index_options_are_checked_against_the_kind_before_any_passage_is_encoded(tiny_model, monkeypatch):
+    """An option the kind does not take (a typo, or one of another kind) and a value FAISS cannot use are one line
+    at construction: they were written into the manifest unused, or failed with a raw TypeError after encoding."""
+    from densepass.errors import ConfigError
+    from densepass.index.dense import DenseIndex
+
+    monkeypatch.setattr(tiny_model, "encode_passages", lambda *a, **k: pytest.fail("encoded before the refusal"))
+    for kind, options, message in [
+        ("exact", {"hnsw_m": 8, "rescor": 2}, "an exact index takes no option hnsw_m, rescor (it takes: none)"),
+        ("faiss-flat", {"ivf_lists": 4}, "a faiss-flat index takes no option ivf_lists (it takes: none)"),
+        ("faiss-hnsw", {"hnswm": 8}, "a faiss-hnsw index takes no option hnswm (it takes: hnsw_m)"),
+        ("faiss-hnsw", {"hnsw_m": 1}, "hnsw_m must be an integer >= 2, got 1"),
+        ("faiss-ivfpq", {"ivf_lists": 0}, "ivf_lists must be a positive integer, got 0"),
+        ("faiss-ivfpq", {"ivf_lists": -3}, "ivf_lists must be a positive integer, got -3"),
+        ("faiss-ivfpq", {"pq_m": 0}, "pq_m must be a positive integer, got 0"),
+        ("faiss-ivfpq", {"pq_m": True}, "pq_m must be a positive integer, got True"),
+        ("faiss-ivfpq", {"pq_m": 5}, "pq_m=5 must divide the embedding dimension 32"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            DenseIndex.build(tiny_model, dense_records(300), kind, show_progress=False, **options)
+    assert DenseIndex(tiny_model, "faiss-ivfpq", ivf_lists=None, pq_m=8).faiss_options == {"ivf_lists": None, "pq_m": 8}
+
+
+@pytest.mark.parametrize("kind", ["exact", "faiss-flat"])
+def test_a_dense_index_refuses_nan_or_inf_embeddings_and_queries_and_changes_nothing(tiny_model, kind):
+    from densepass.errors import DataError
+    from densepass.index.dense import DenseIndex
+
+    dim = tiny_model.dim
+    index = DenseIndex(tiny_model, kind, show_progress=False, device=CPU)
+    x = unit_rows(10, dim, 0)
+    index.add_embeddings(dense_records(10), x)
+    before = index.search(x[:3], k=4)
+    bad = unit_rows(3, dim, 1)
+    bad[1, 4] = np.nan
+    with pytest.raises(DataError, match="the embedding of passage 'p11' holds NaN or infinity"):
+        index.add_embeddings(dense_records(3, start=10), bad)
+    assert len(index.passages) == len(index.embeddings) == 10
+    bad[1, 4] = np.inf
+    with pytest.raises(DataError, match="the embedding of passage 'p1' holds NaN or infinity"):
+        index.upsert_embeddings(dense_records(3), bad)
+    assert index.live_position("p1") == 1 and not index.deleted.any() and len(index.passages) == 10
+    queries = x[:3].copy()
+    queries[2, 0] = np.nan
+    with pytest.raises(DataError, match="the embedding of query 2 holds NaN or infinity"):
+        index.search(queries, k=4)
+    after = index.search(x[:3], k=4)
+    np.testing.assert_array_equal(after.rows, before.rows)
+    if kind == "faiss-flat":
+        assert index.faiss.ntotal == 10
+
+
+def test_a_dense_add_refuses_a_repeated_id_before_encoding_and_a_failed_add_changes_nothing(tiny_model, monkeypatch):
+    from densepass.errors import ConfigError, DataError
+    from densepass.index.dense import DenseIndex
+
+    index = DenseIndex.build(tiny_model, dense_records(5), show_progress=False, device=CPU)
+    calls = []
+    encode = tiny_model.encode_passages
+    monkeypatch.setattr(tiny_model, "encode_passages", lambda *a, **k: calls.append(1) or encode(*a, **k))
+    with pytest.raises(DataError, match="duplicate passage id 'p3'"):
+        index.add([{"id": "p3", "text": "again"}, {"id": "new", "text": "new"}])
+    assert not calls and len(index.passages) == len(index.embeddings) == 5
+    ivfpq = DenseIndex(tiny_model, "faiss-ivfpq", show_progress=False, device=CPU)
+    with pytest.raises(ConfigError, match="needs at least 256 passages, got 100"):
+        ivfpq.add_embeddings(dense_records(100), unit_rows(100, tiny_model.dim, 2))
+    assert len(ivfpq.passages) == len(ivfpq.embeddings) == 0 and ivfpq.faiss is None
+
+
+def test_a_manifest_lacking_a_fact_its_kind_reads_is_one_line(tiny_model, tmp_path):
+    """A manifest whose file digests match but that lacks the options, dimension, model or size (written by hand,
+    or by another tool): a one-line DataError, not a KeyError."""
+    import json
+
+    from densepass.errors import DataError
+    from densepass.index import load_index
+    from densepass.index.dense import DenseIndex
+
+    BM25Index.build(BM25_TEXTS).save(tmp_path / "bm25")
+    DenseIndex.build(tiny_model, dense_records(5), show_progress=False, device=CPU).save(tmp_path / "dense")
+    for name, missing in [("bm25", "options"), ("bm25", "size"), ("dense", "options"), ("dense", "dim"),
+                          ("dense", "model")]:  # fmt: skip
+        path = tmp_path / name / "manifest.json"
+        original = path.read_text()
+        path.write_text(json.dumps({k: v for k, v in json.loads(original).items() if k != missing}))
+        with pytest.raises(DataError, match=f"{name} is not a usable densepass index: its manifest has no '{missing}'"):
+            load_index(tmp_path / name)
+        path.write_text(original)
+        assert len(load_index(tmp_path / name)) == (5 if name == "dense" else len(BM25_TEXTS))

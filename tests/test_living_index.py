@@ -534,3 +534,58 @@ def test_damaged_tombstones_are_one_line(tmp_path, listed):
         read_tombstones(tmp_path, 3)
     np.save(tmp_path / "deleted.npy", np.array([2, 0]))
     assert read_tombstones(tmp_path, 3).tolist() == [True, False, True]
+
+
+def test_a_version_folder_is_refused_as_an_update_or_save_target_and_its_index_still_loads(tmp_path):
+    """``DIR/v000002`` holds an index manifest of its own: updating or saving over it rewrote the manifest whose
+    digest the parent's records (the parent no longer loaded), and a second update removed the parent's files."""
+    from densepass.index.base import check_index_target
+    from densepass.index.living import update_saved_index
+
+    folder = bm25_folder(tmp_path)
+    update_index(folder, delete=["1"])
+    update_index(folder, delete=["2"])
+    version = folder / "v000002"
+    files = {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    for attempt in (
+        lambda: update_index(version, delete=["0"]),
+        lambda: update_index(folder / "v000002" / ".." / "v000002", delete=["0"]),
+        lambda: update_saved_index(version, None, None, compact=True),
+        lambda: save_version(load_index(folder), version),
+        lambda: BM25Index.build(["a new corpus"]).save(version),
+        lambda: check_index_target(version),
+    ):
+        with pytest.raises(DensepassError, match="is version v000002 of the updated index .*: update or replace"):
+            attempt()
+    assert {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()} == files
+    assert load_index(folder).version == 2 and len(load_index(folder)) == 1
+    update_index(folder, delete=["0"], upsert=[{"id": "5", "text": "kernel five"}])  # the parent itself: as before
+    assert load_index(folder).search(["kernel"], k=1).ids(0) == ["5"]
+
+
+def test_a_hybrid_add_that_fails_in_either_part_changes_neither(biencoder, monkeypatch):
+    """Both parts encode the new passages before either takes them: a failure in the second part used to leave the
+    first one a passage longer, and the fused rows of two different corpora."""
+    from densepass.errors import DataError
+
+    records = [{"id": str(i), "text": t} for i, t in enumerate(["tar archiver", "kernel driver", "audio editor"])]
+    hybrid = HybridIndex(
+        BM25Index.build(records), DenseIndex.build(biencoder, records, show_progress=False, device=CPU)
+    )
+    with pytest.raises(DataError, match="lone surrogate"):
+        hybrid.add([{"id": "x", "text": "kernel bad \ud800 text"}])
+    with pytest.raises(DataError, match="lone surrogate"):  # BM25 alone too (the save failed on it, not in one line)
+        hybrid.first.add([{"id": "x", "text": "kernel bad \ud800 text"}])
+    assert hybrid.first.passages.ids == hybrid.second.passages.ids == ["0", "1", "2"]
+
+    def broken(*args, **kwargs):
+        raise DataError("the encoder failed")
+
+    monkeypatch.setattr(biencoder, "encode_passages", broken)
+    with pytest.raises(DataError, match="the encoder failed"):
+        hybrid.add([{"id": "x", "text": "kernel module"}])
+    assert hybrid.first.passages.ids == hybrid.second.passages.ids == ["0", "1", "2"]
+    monkeypatch.undo()
+    hybrid.add([{"id": "x", "text": "kernel module"}])
+    assert hybrid.first.passages.ids == hybrid.second.passages.ids == ["0", "1", "2", "x"]
+    assert len(hybrid.second.embeddings) == 4 and set(hybrid.search(["kernel"], k=2).ids(0)) == {"1", "x"}

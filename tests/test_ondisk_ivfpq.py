@@ -232,3 +232,23 @@ def test_an_index_built_under_torchrun_equals_one_process_build(tiny_model_dir, 
     assert main(["index", str(beir), "--kind", "bm25", "--output", "bm25"]) == 0
     assert main(["search", "bm25", queries[0], "--nprobe", "2"]) == 2
     assert "--nprobe is an option of faiss-ivfpq-disk indexes; bm25 is a bm25 index" in capsys.readouterr().err
+
+
+def test_an_upsert_whose_append_fails_keeps_the_passage_it_would_replace(tiny_model, tmp_path):
+    """``upsert_encoded`` tombstoned the old row before the append ran: an append that failed ("save the index
+    first", a NaN embedding) left the index without the old passage and without the new one."""
+    from densepass.index.base import records_corpus
+
+    index = _build(tiny_model, tmp_path)
+    replace = records_corpus([{"id": "7", "text": "passage 7, again"}])
+    with pytest.raises(ConfigError, match="save the index first"):
+        index.upsert_encoded(replace, unit_vectors(1, 5))
+    assert index.live_position("7") == 7 and not index.deleted.any() and len(index) == ROWS
+    index.save(tmp_path / "index")
+    bad = unit_vectors(1, 5)
+    bad[0, 2] = np.nan
+    with pytest.raises(DataError, match="the embedding of passage '7' holds NaN or infinity"):
+        index.upsert_encoded(replace, bad)
+    assert index.live_position("7") == 7 and not index.deleted.any() and len(index) == ROWS
+    index.upsert_encoded(replace, unit_vectors(1, 5))
+    assert index.live_position("7") == ROWS and index.deleted.sum() == 1 and len(index) == ROWS

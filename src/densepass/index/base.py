@@ -37,10 +37,12 @@ import numpy as np
 
 from densepass.data.beir import PassageFile
 from densepass.data.dataset import Corpus
+from densepass.data.texts import check_texts
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_corpus
 from densepass.io import (
     MANIFEST,
+    OWNED,
     atomic_directory,
     check_replaceable,
     disk_errors,
@@ -60,7 +62,9 @@ Passages = Corpus | Sequence[str] | Sequence[dict]
 
 def as_corpus(passages: Passages, first_id: int = 0) -> Corpus:
     """A ``Corpus`` from a Corpus, from texts (ids ``"0"``, ``"1"``, ... from ``first_id``), or from dicts
-    with ``id`` (or ``_id``), ``text`` and optional ``title`` / ``doc_id``."""
+    with ``id`` (or ``_id``), ``text`` and optional ``title`` / ``doc_id``. In texts or records, a string holding a
+    lone surrogate is a one-line error (``checked_texts``): no file can hold it, so the index could not be saved (a
+    Corpus comes from a reader, which checked its file)."""
     if isinstance(passages, Corpus):
         return passages
     if isinstance(passages, str):
@@ -70,7 +74,7 @@ def as_corpus(passages: Passages, first_id: int = 0) -> Corpus:
         raise ConfigError("no passages to index")
     if all(isinstance(p, str) for p in items):
         ids = [str(first_id + i) for i in range(len(items))]
-        return Corpus(ids, [""] * len(items), items, ids)
+        return checked_texts(Corpus(ids, [""] * len(items), items, ids))
     ids, titles, texts, docs = [], [], [], []
     for i, record in enumerate(items):
         if not isinstance(record, dict):
@@ -88,7 +92,24 @@ def as_corpus(passages: Passages, first_id: int = 0) -> Corpus:
         titles.append(title)
         texts.append(text)
         docs.append(str(record.get("doc_id") or pid))
-    return Corpus(ids, titles, texts, docs)
+    return checked_texts(Corpus(ids, titles, texts, docs))
+
+
+def checked_texts(corpus: Corpus) -> Corpus:
+    """``corpus`` (of texts or records given through the Python API), or a one-line DataError where one of its ids,
+    titles, texts or document ids holds a lone surrogate (``data.texts.check_texts``)."""
+    for column, what in [(corpus.ids, "passage id"), (corpus.titles, "passage title"), (corpus.texts, "passage text"),
+                         (corpus.doc_ids, "passage doc_id")]:  # fmt: skip
+        check_texts(column, what)
+    return corpus
+
+
+def check_new_ids(passages: Corpus, new: Corpus) -> None:
+    """The one-line error ``concat_corpora`` raises where an id of ``new`` is already one of ``passages``, before
+    anything is encoded or changed."""
+    repeated = next((pid for pid in new.ids if pid in passages), None)
+    if repeated is not None:
+        raise DataError(f"corpus has duplicate passage id {repeated!r}")
 
 
 def concat_corpora(first: Corpus, second: Corpus) -> Corpus:
@@ -104,8 +125,10 @@ def concat_corpora(first: Corpus, second: Corpus) -> Corpus:
 
 def check_index_target(directory: str | Path) -> None:
     """A one-line error where ``directory`` holds something densepass saved that is not an index (a model, a
-    checkpoint): an index replaces only an index (``io.atomic_directory`` checks that densepass wrote it)."""
+    checkpoint), or is a version folder of an updated index (``check_not_a_version``): an index replaces only an
+    index (``io.atomic_directory`` checks that densepass wrote it)."""
     directory = Path(directory)
+    check_not_a_version(directory, "--output")
     check_replaceable(directory, "--output")
     if not directory.is_dir() or directory.is_symlink() or not any(directory.iterdir()):
         return
@@ -117,6 +140,32 @@ def check_index_target(directory: str | Path) -> None:
         raise DataError(
             f"--output {directory} holds something that is not a densepass index (a model or a checkpoint?); an "
             "index replaces only an index: choose another path"
+        )
+
+
+def check_not_a_version(directory: str | Path, what: str) -> None:
+    """A one-line error where ``directory`` is a version folder (``v000002``) of an updated index (``index.living``):
+    its parent's manifest records the digest of the folder's manifest (rewriting it breaks the parent), and an update
+    of the folder would remove the files of the parent's current version as old ones. The folder is one when its
+    parent's manifest names a current version, or its parent's ``OWNED`` list holds its files."""
+    directory = Path(directory).resolve()
+    if not re.fullmatch(r"v\d{6}", directory.name):
+        return
+    parent, name = directory.parent, directory.name
+    try:
+        manifest = json.loads((parent / MANIFEST).read_text(encoding="utf-8"))
+        living = isinstance(manifest, dict) and manifest.get("format") == FORMAT and "current" in manifest
+    except (OSError, ValueError):
+        living = False
+    try:
+        owned = json.loads((parent / OWNED).read_text(encoding="utf-8"))
+        listed = isinstance(owned, list) and any(str(entry).startswith(f"{name}/") for entry in owned)
+    except (OSError, ValueError):
+        listed = False
+    if living or listed:
+        raise ConfigError(
+            f"{what} {directory} is version {name} of the updated index {parent}: update or replace {parent} itself "
+            "(changing one of its versions breaks it)"
         )
 
 
@@ -299,11 +348,20 @@ class Index(ABC):
 
     def upsert_encoded(self, corpus: Corpus, prepared: Any) -> None:
         """``upsert`` of passages already encoded (``encode_new``'s output, or embeddings / weights / token vectors
-        this index's model computed)."""
+        this index's model computed). The old rows are tombstoned first (their ids freed for the new passages); an
+        append that fails (it checks before it changes anything) brings them back, so that nothing changes."""
         replaced = [row for row in map(self.live_position, corpus.ids) if row is not None]
-        if replaced:
-            self._tombstone(np.array(replaced, dtype=np.int64))
-        self.append_encoded(corpus, prepared)
+        if not replaced:
+            self.append_encoded(corpus, prepared)
+            return
+        passages, deleted = self.passages, None if self._deleted is None else self._deleted.copy()
+        self._tombstone(np.array(replaced, dtype=np.int64))
+        try:
+            self.append_encoded(corpus, prepared)
+        except BaseException:
+            self._set_passages(passages)
+            self._deleted = deleted
+            raise
 
     def encode_new(self, corpus: Corpus) -> Any:
         """What ``append_encoded`` needs to index ``corpus`` (its embeddings, for the kinds with a model); None
@@ -358,6 +416,7 @@ class Index(ABC):
         """Write the index atomically to ``directory`` (replacing what is there only once complete); a full disk is
         a one-line error, with nothing left behind (``io.disk_errors``)."""
         directory = Path(directory)
+        check_not_a_version(directory, "--output")  # before anything in it is touched
         if (directory / MANIFEST).is_file() and not directory.is_symlink():  # a killed update's half-written version
             remove_stale_temporaries(directory, r"v\d{6}")  # (index.living): densepass's own, else it blocks the save
         check_index_target(directory)
@@ -406,15 +465,17 @@ class Index(ABC):
                 f"a {manifest['kind']} index takes no load option {', '.join(unknown)} (it takes: {takes})"
             )
         passages = load_passages(directory / PASSAGES)
-        if len(passages) != manifest["size"]:
-            raise DataError(f"{directory}: {len(passages)} passages but the manifest says {manifest['size']}")
         try:
+            if len(passages) != manifest["size"]:
+                raise DataError(f"{directory}: {len(passages)} passages but the manifest says {manifest['size']}")
             index = kind._read(directory, manifest, passages, **options)
             index._deleted = read_tombstones(directory, len(passages))
             index.version = int(manifest.get("version", 0))
             return index
         except (ValueError, EOFError) as err:  # NumPy, SciPy, JSON: files of another format under a matching manifest
             raise DataError(f"{directory} is not a usable densepass index: its files do not load ({err})") from None
+        except KeyError as err:  # a manifest whose files match but that lacks what the kind reads (written by hand?)
+            raise DataError(f"{directory} is not a usable densepass index: its manifest has no {err} entry") from None
 
     version: int = 0
     """Which saved version of its directory the index was loaded from (0: as built; ``index.living``)."""

@@ -43,7 +43,7 @@ import torch
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
 from densepass.index.base import Passages, as_corpus, concat_corpora, register
-from densepass.index.dense import EMBEDDINGS, DenseIndex, weights_version
+from densepass.index.dense import EMBEDDINGS, DenseIndex, finite_rows, weights_version
 from densepass.index.exact import sort_by_score_then_row
 from densepass.io import atomic_file
 from densepass.models.biencoder import BiEncoder
@@ -212,9 +212,8 @@ class CompactIndex(DenseIndex):
         unknown = sorted(set(binary_options) - {"hnsw_m", "ivf_lists", "nprobe"})
         if unknown:
             raise ConfigError(f"a {kind} index takes no option {', '.join(unknown)}")
-        super().__init__(
-            model, "exact", batch_size, device, show_progress, model_path, precision, dim=dim, **binary_options
-        )
+        super().__init__(model, "exact", batch_size, device, show_progress, model_path, precision, dim=dim)
+        self.faiss_options = binary_options  # checked above: the binary index's, not the dense kinds' (FAISS_OPTIONS)
         if kind in BINARY_KINDS and self.dim % 8:
             raise ConfigError(f"binary codes pack 8 dimensions to a byte: {self.dim} is not a multiple of 8 (--dim)")
         self.kind, self.rescore_with, self.rescore_multiplier = kind, rescore_with, rescore_multiplier
@@ -254,25 +253,31 @@ class CompactIndex(DenseIndex):
         return int(faiss.serialize_index_binary(self.bits).nbytes)  # codes, graph or lists (and a small header)
 
     def add_embeddings(self, passages: Passages, embeddings: np.ndarray) -> None:
-        """Index passages whose embeddings were computed already (by this index's model; full size or cut)."""
+        """Index passages whose embeddings were computed already (by this index's model; full size or cut). The new
+        passages, codes and bits are all made (a repeated id, NaN or infinity refused) before the index changes: the
+        binary index, the codes and the passages keep one row per passage."""
         corpus = as_corpus(passages, first_id=len(self.passages))
         embeddings = self.cut(embeddings)
         if embeddings.shape != (len(corpus), self.dim):
             raise ConfigError(
                 f"embeddings of shape {embeddings.shape} for {len(corpus)} passages of a {self.dim}-dimensional index"
             )
+        finite_rows(embeddings, corpus.ids, "passage")
+        merged = concat_corpora(self.passages, corpus) if len(self.passages) else corpus
+        ranges = self.ranges if self.ranges is not None else int8_ranges(embeddings)
+        codes = _quantize(embeddings, "int8", ranges)
+        bits = _quantize(embeddings, "ubinary") if self.kind in BINARY_KINDS else None
+        built = None
+        if bits is not None and self.bits is None:
+            built = build_binary_index(bits, self.kind, **self.faiss_options)
         if self._weights_version is None:
             self._weights_version = weights_version(self.model)
-        if self.ranges is None:
-            self.ranges = int8_ranges(embeddings)
-        codes = _quantize(embeddings, "int8", self.ranges)
-        if self.kind in BINARY_KINDS:
-            bits = _quantize(embeddings, "ubinary")
-            if self.bits is None:
-                self.bits = build_binary_index(bits, self.kind, **self.faiss_options)
-            else:
-                self.bits.add(np.ascontiguousarray(bits))
-        self.passages = concat_corpora(self.passages, corpus) if len(self.passages) else corpus
+        self.ranges = ranges
+        if built is not None:
+            self.bits = built
+        elif bits is not None:
+            self.bits.add(np.ascontiguousarray(bits))
+        self.passages = merged
         self.embeddings = np.concatenate([self.embeddings, embeddings]) if len(self.embeddings) else embeddings
         if self.kind == "int8-flat":
             if self.int8_index is None:

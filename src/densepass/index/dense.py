@@ -30,7 +30,16 @@ from densepass.data.dataset import Corpus
 from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_weights
-from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, records_corpus, register
+from densepass.index.base import (
+    Index,
+    Passages,
+    as_corpus,
+    check_new_ids,
+    check_queries,
+    concat_corpora,
+    records_corpus,
+    register,
+)
 from densepass.index.checks import model_for_index
 from densepass.index.exact import SEARCH_PRECISIONS, ReducedPassages, exact_search, passages_on
 from densepass.index.faiss_index import (
@@ -42,10 +51,46 @@ from densepass.index.faiss_index import (
 )
 from densepass.models.biencoder import BiEncoder
 from densepass.models.matryoshka import check_index_dim, truncate
-from densepass.numerics import refuse_nonfinite_rows
+from densepass.numerics import nonfinite_row, refuse_nonfinite_rows
 
 EMBEDDINGS = "embeddings.npy"
 FAISS_FILE = "faiss.index"
+FAISS_OPTIONS = {"exact": (), "faiss-flat": (), "faiss-hnsw": ("hnsw_m",), "faiss-ivfpq": ("ivf_lists", "pq_m", "seed")}
+"""The options each dense kind takes (``faiss_index.build_faiss_index``'s); any other would be saved unused."""
+
+
+def check_faiss_options(kind: str, options: dict, dim: int) -> None:
+    """A one-line ConfigError, before any passage is encoded, for an option the ``kind`` does not take (a typo, or
+    another kind's) or a value FAISS cannot use: an HNSW graph links each node to ``hnsw_m`` >= 2 others; inverted
+    lists and sub-vectors are positive integers (None: the default), ``pq_m`` dividing the dimension; the seed an
+    integer >= 0."""
+    takes = FAISS_OPTIONS[kind]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        article = "an" if kind == "exact" else "a"
+        raise ConfigError(
+            f"{article} {kind} index takes no option {', '.join(unknown)} (it takes: {', '.join(takes) or 'none'})"
+        )
+    for name, value in options.items():
+        if value is None and name in ("ivf_lists", "pq_m"):
+            continue
+        least = {"hnsw_m": 2, "seed": 0}.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            wanted = "a positive integer" if least == 1 else f"an integer >= {least}"
+            raise ConfigError(f"{name} must be {wanted}, got {value!r}")
+    if options.get("pq_m") is not None and dim % options["pq_m"]:
+        raise ConfigError(f"pq_m={options['pq_m']} must divide the embedding dimension {dim}")
+
+
+def finite_rows(embeddings: np.ndarray, ids: Any, what: str) -> np.ndarray:
+    """``embeddings``, or a one-line DataError naming the first row (``what`` and its id, or its number without
+    ``ids``) that holds NaN or infinity: torch's top-k ranks NaN first, so such a passage would come back first for
+    every query, and such a query would get arbitrary passages, all scored NaN."""
+    row = nonfinite_row(embeddings)
+    if row is not None:
+        name = repr(ids[row]) if ids is not None else row
+        raise DataError(f"the embedding of {what} {name} holds NaN or infinity: encode it again")
+    return embeddings
 
 
 def weights_version(model: BiEncoder) -> int:
@@ -57,15 +102,17 @@ def weights_version(model: BiEncoder) -> int:
 def query_embeddings(
     model: BiEncoder, queries: Any, batch_size: int, device: torch.device | None, precision: str
 ) -> np.ndarray:
-    """Query embeddings for a dense index: texts are encoded by ``model``, an array of embeddings is used as it is."""
+    """Query embeddings for a dense index: texts are encoded by ``model``, an array of embeddings is used as it is;
+    one holding NaN or infinity is a one-line error (``finite_rows``)."""
     if isinstance(queries, (np.ndarray, torch.Tensor)):
         queries = np.asarray(queries, dtype=np.float32)
         if queries.ndim != 2 or queries.shape[1] != model.dim:
             raise ConfigError(f"query embeddings must be [n, {model.dim}], got {list(queries.shape)}")
-        return queries
-    return model.encode_queries(
+        return finite_rows(queries, None, "query")
+    encoded = model.encode_queries(
         check_queries(queries), batch_size=batch_size, show_progress=False, device=device, precision=precision
     )
+    return finite_rows(encoded, None, "query")
 
 
 def require_model_path(model_path: str | None) -> None:
@@ -121,6 +168,7 @@ class DenseIndex(Index):
             raise ConfigError(f"rescore must be >= 1, got {rescore}")
         if batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+        check_faiss_options(kind, faiss_options, self.truncate_dim or model.dim)
         self.model, self.kind, self.batch_size, self.device = model, kind, batch_size, device
         self.show_progress, self.faiss_options, self.precision = show_progress, faiss_options, precision
         self.search_precision, self.rescore = search_precision, rescore
@@ -167,8 +215,9 @@ class DenseIndex(Index):
         return embeddings_table(self, texts)
 
     def add(self, passages: Passages) -> None:
-        """Encode ``passages`` with the model and index them."""
+        """Encode ``passages`` with the model and index them (their ids checked first: new, each once)."""
         corpus = as_corpus(passages, first_id=len(self.passages))
+        check_new_ids(self.passages, corpus)
         if self.faiss is None:  # trained on the first passages added
             check_trainable(self.kind, len(self.passages) + len(corpus))
         embeddings = self.model.encode_passages(
@@ -181,43 +230,53 @@ class DenseIndex(Index):
         self.add_embeddings(corpus, embeddings)
 
     def add_embeddings(self, passages: Passages, embeddings: np.ndarray) -> None:
-        """Index passages whose embeddings were computed already (by this index's model)."""
+        """Index passages whose embeddings were computed already (by this index's model). Everything that can fail
+        (the shape, NaN or infinity, a repeated id, the FAISS index's training) comes before the index changes."""
         corpus = as_corpus(passages, first_id=len(self.passages))
         embeddings = self.cut(embeddings)  # the model's full embeddings, cut to a prefix index's dimension
         if embeddings.shape != (len(corpus), self.dim):
             raise ConfigError(
                 f"embeddings of shape {embeddings.shape} for {len(corpus)} passages of a {self.dim}-dimensional model"
             )
+        finite_rows(embeddings, corpus.ids, "passage")
+        merged = concat_corpora(self.passages, corpus) if len(self.passages) else corpus
+        every = np.concatenate([self.embeddings, embeddings]) if len(self.embeddings) else embeddings
+        built = None
+        if self.kind != "exact" and self.faiss is None:
+            built = build_faiss_index(every, self.kind, **self.faiss_options)
         if self._weights_version is None:
             self._weights_version = weights_version(self.model)
-        self.passages = concat_corpora(self.passages, corpus) if len(self.passages) else corpus
-        self.embeddings = np.concatenate([self.embeddings, embeddings]) if len(self.embeddings) else embeddings
+        self.passages, self.embeddings = merged, every
         self._reduced = self._resident = None
-        if self.kind != "exact":
-            if self.faiss is None:
-                self.faiss = build_faiss_index(self.embeddings, self.kind, **self.faiss_options)
-            else:
-                self.faiss.add(np.ascontiguousarray(embeddings))
+        if built is not None:
+            self.faiss = built
+        elif self.kind != "exact":
+            self.faiss.add(np.ascontiguousarray(embeddings))
 
     def encode_queries(self, queries: Any) -> np.ndarray:
         """Query embeddings: texts are encoded by the model, an array of embeddings is used as it is; an index built
         at a prefix dimension cuts them to it (an array already of that dimension is used as it is)."""
         if self.truncate_dim is not None and isinstance(queries, (np.ndarray, torch.Tensor)):
             if queries.ndim == 2 and queries.shape[1] == self.dim:
-                return np.asarray(queries, dtype=np.float32)
+                return finite_rows(np.asarray(queries, dtype=np.float32), None, "query")
         return self.cut(query_embeddings(self.model, queries, self.batch_size, self.device, self.precision))
 
     # ---- a living index (index.base: tombstones, upsert, compaction) ----------------------------------------
 
     def encode_new(self, corpus: Corpus) -> np.ndarray:
-        """The passage embeddings of ``corpus`` (for ``upsert``), by the index's model."""
-        return self.model.encode_passages(
+        """The passage embeddings of ``corpus`` (for ``upsert``, and a hybrid's ``add``), by the index's model: one
+        holding NaN or infinity is refused here, before any part of a hybrid takes the passages (as is a first fill
+        too small to train the FAISS index on)."""
+        if self.faiss is None:
+            check_trainable(self.kind, len(self.passages) + len(corpus))
+        embeddings = self.model.encode_passages(
             corpus,
             batch_size=self.batch_size,
             show_progress=self.show_progress,
             device=self.device,
             precision=self.precision,
         )
+        return finite_rows(embeddings, corpus.ids, "passage")
 
     def append_encoded(self, corpus: Corpus, prepared: np.ndarray) -> None:
         """Index ``corpus`` with its embeddings ``prepared``."""
@@ -232,7 +291,7 @@ class DenseIndex(Index):
             raise ConfigError(
                 f"embeddings of shape {embeddings.shape} for {len(corpus)} passages of a {self.dim}-dimensional index"
             )
-        self.upsert_encoded(corpus, embeddings)
+        self.upsert_encoded(corpus, finite_rows(embeddings, corpus.ids, "passage"))  # before the old rows go
 
     def _compact(self, live: np.ndarray) -> None:
         """Keep the ``live`` rows' passages and embeddings; the FAISS index is made again from those: flat and HNSW
@@ -318,7 +377,8 @@ class DenseIndex(Index):
         mmap: bool = True,
         **options: Any,
     ) -> DenseIndex:
-        index = cls._from_manifest(directory, manifest, model, dict(**options, **manifest["options"]))
+        saved = {name: value for name, value in manifest["options"].items() if name in FAISS_OPTIONS[manifest["kind"]]}
+        index = cls._from_manifest(directory, manifest, model, dict(**options, **saved))  # (others: saved unused)
         embeddings = np.load(directory / EMBEDDINGS, mmap_mode="r" if mmap else None, allow_pickle=False)
         if embeddings.shape != (len(passages), manifest["dim"]):
             raise DataError(f"{directory}: embeddings of shape {embeddings.shape} for {len(passages)} passages")

@@ -24,7 +24,17 @@ import numpy as np
 from densepass.config import DENSE_INDEX_KINDS
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
-from densepass.index.base import KINDS, Index, Passages, check_queries, read_index_manifest, records_corpus, register
+from densepass.index.base import (
+    KINDS,
+    Index,
+    Passages,
+    as_corpus,
+    check_new_ids,
+    check_queries,
+    read_index_manifest,
+    records_corpus,
+    register,
+)
 from densepass.models.splade import SpladeEncoder
 
 Fusion = Literal["rrf", "linear"]
@@ -92,9 +102,14 @@ class HybridIndex(Index):
         return self.first.passages
 
     def add(self, passages: Passages) -> None:
-        """Index more passages in both parts."""
-        self.first.add(passages)
-        self.second.add(passages)
+        """Index more passages in both parts, as ``upsert`` does: the ids checked and both parts' encodings made
+        (``encode_new``) before either part takes the passages, so that a failure in either changes nothing (the
+        parts would otherwise hold different passages, and their rows be fused across two corpora)."""
+        corpus = as_corpus(passages, first_id=len(self.passages))
+        check_new_ids(self.passages, corpus)
+        prepared = [self.first.encode_new(corpus), self.second.encode_new(corpus)]
+        self.first.append_encoded(corpus, prepared[0])
+        self.second.append_encoded(corpus, prepared[1])
 
     def __len__(self) -> int:
         """Passages searchable (both parts hold the same)."""

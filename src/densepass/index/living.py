@@ -41,6 +41,7 @@ from densepass.index.base import (
     Index,
     Passages,
     check_ids,
+    check_not_a_version,
     current_version,
     load_index,
     read_index_manifest,
@@ -84,8 +85,10 @@ def update_index(
     compact if asked, and save the result as the directory's next version (``save_version``); returns the updated
     index. Every check comes before any work: ids to delete that the index does not hold, ids repeated, or named
     both to delete and to upsert, are a one-line error and nothing changes. Compaction alone of an index without
-    tombstones writes nothing (a new version would be a copy of the current one)."""
+    tombstones writes nothing (a new version would be a copy of the current one). A version folder of an updated
+    index (``DIR/v000002``) is refused: update ``DIR`` itself (``base.check_not_a_version``)."""
     directory = Path(directory)
+    check_not_a_version(directory, "the index")
     delete_ids = check_ids(delete, "delete") if delete is not None else []
     corpus = records_corpus(upsert) if upsert is not None else None
     if not delete_ids and corpus is None and not compact:
@@ -135,6 +138,7 @@ def update_saved_index(
     without deleted passages, nothing to do (nothing loaded, no version written; a killed update's leftovers
     removed)."""
     directory = Path(directory)
+    check_not_a_version(directory, "the index")  # before its lock or a killed update's leftovers are touched
     kind = read_index_manifest(directory)["kind"]  # not an index: one line before any file is read
     if compact and delete_file is None and upsert_file is None and nothing_to_compact(directory):
         with exclusive_lock(directory, "index update"):  # what a killed update left still goes
@@ -152,8 +156,10 @@ def update_saved_index(
 
 def save_version(index: Index, directory: str | Path) -> int:
     """Save ``index`` as the next version of the saved index ``directory`` (see the module docstring) and return
-    that version's number. The caller holds the directory's lock (``update_index`` does)."""
+    that version's number. The caller holds the directory's lock (``update_index`` does). A version folder of an
+    updated index is refused (``base.check_not_a_version``)."""
     directory = Path(directory)
+    check_not_a_version(directory, "the index")
     top = read_index_manifest(directory)  # the current version: verified, and left untouched
     if top.get("kind") != index.kind:
         raise ConfigError(f"{directory} holds a {top.get('kind')} index, not a {index.kind} index")
