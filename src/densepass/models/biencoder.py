@@ -44,6 +44,7 @@ from densepass.models.hub import fetch_model
 from densepass.models.inputs import Side, SidedInputs
 from densepass.models.kinds import CONFIG_FILES, check_config_and_weights, loading_weights, saved_architecture
 from densepass.models.packing import packed_forward
+from densepass.models.st_layout import dense_folder, sentence_transformers_architecture
 from densepass.numerics import refuse_nonfinite_weights
 
 CONFIG_NAME = CONFIG_FILES["bi-encoder"]
@@ -301,8 +302,7 @@ class BiEncoder(SidedInputs, nn.Module):
         path = resolve_model_path(name_or_path)
         if (Path(path) / MANIFEST).is_file():
             read_manifest(path, "densepass model")  # a truncated or corrupted saved model: one line, not a trace
-        stored = saved_architecture(path, "bi-encoder", BiEncoderConfig, "a bi-encoder")
-        config = config or stored or BiEncoderConfig()
+        config = config or stored_architecture(path) or BiEncoderConfig()
         tokenizer = AutoTokenizer.from_pretrained(path)
         with loading_weights(path):
             passage_encoder = AutoModel.from_pretrained(path, **model_kwargs)
@@ -424,16 +424,30 @@ def _write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data, indent=2))
 
 
+def stored_architecture(path: str | Path) -> BiEncoderConfig | None:
+    """The architecture saved with the model in ``path``: densepass's ``densepass.json``, else what a
+    sentence-transformers model's modules say (``models.st_layout``: pooling, Dense, Normalize, prompts), else None
+    (a plain Hugging Face model, which starts with the defaults)."""
+    saved = saved_architecture(path, "bi-encoder", BiEncoderConfig, "a bi-encoder")
+    return saved if saved is not None else sentence_transformers_architecture(path)
+
+
 def _load_projection(path: Path, config: BiEncoderConfig) -> nn.Linear | None:
-    """The saved projection when present; None lets the constructor create a fresh one if configured."""
-    weights = path / "2_Dense" / "model.safetensors"
-    if config.projection_dim is None or not weights.is_file():
+    """The saved projection when present; None lets the constructor create a fresh one if configured. A saved
+    projection of another size than ``config.projection_dim`` is a one-line ConfigError: replacing trained weights
+    with new random ones is never what a user asked for."""
+    folder = dense_folder(path)
+    weights = folder / "model.safetensors" if folder is not None else None
+    if config.projection_dim is None or weights is None or not weights.is_file():
         return None
     with loading_weights(weights.parent):
         state = load_file(str(weights))
     out_dim, in_dim = state["linear.weight"].shape
     if out_dim != config.projection_dim:
-        return None
+        raise ConfigError(
+            f"{path} was saved with a projection to {out_dim} dimensions, not model.projection_dim "
+            f"{config.projection_dim}: leave projection_dim unset (or {out_dim}) to load it"
+        )
     layer = nn.Linear(in_dim, out_dim)
     layer.load_state_dict({k.removeprefix("linear."): v for k, v in state.items()})
     return layer

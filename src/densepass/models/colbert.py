@@ -243,9 +243,13 @@ class ColBERT(SidedInputs, nn.Module):
         if weights.is_file():
             with loading_weights(path, LINEAR_FILE):
                 state = load_file(str(weights))
-            if state["weight"].shape[0] == config.dim:
-                linear = nn.Linear(state["weight"].shape[1], config.dim, bias=False)
-                linear.load_state_dict(state)
+            if state["weight"].shape[0] != config.dim:  # trained weights never silently replaced by random ones
+                raise ConfigError(
+                    f"{path} was saved with {state['weight'].shape[0]}-dimensional token vectors, not "
+                    f"model.colbert.dim {config.dim}: leave it unset (or {state['weight'].shape[0]}) to load it"
+                )
+            linear = nn.Linear(state["weight"].shape[1], config.dim, bias=False)
+            linear.load_state_dict(state)
         model = cls(encoder, AutoTokenizer.from_pretrained(path), config, linear)
         refuse_nonfinite_weights(model, path, saving=False)
         model.source = path

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from densepass.config import ExperimentConfig, LossConfig, ModelConfig
+from densepass.config import BiEncoderConfig, ColbertConfig, ExperimentConfig, LossConfig, ModelConfig
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.index.base import Index
@@ -25,8 +25,9 @@ from densepass.index.dense import DenseIndex
 from densepass.index.splade import SpladeIndex
 from densepass.losses.matryoshka import Matryoshka
 from densepass.losses.objectives import FLOPS, InfoNCE, Objective
-from densepass.models.biencoder import BiEncoder
+from densepass.models.biencoder import BiEncoder, resolve_model_path, stored_architecture
 from densepass.models.colbert import ColBERT, ColbertArchitecture, ColbertReranker
+from densepass.models.kinds import saved_architecture
 from densepass.models.load import Retriever
 from densepass.models.matryoshka import check_dims
 from densepass.models.splade import SpladeArchitecture, SpladeEncoder
@@ -43,6 +44,52 @@ def architecture(model: ModelConfig) -> SpladeArchitecture | ColbertArchitecture
         return SpladeArchitecture(**shared)
     colbert = model.colbert
     return ColbertArchitecture(dim=colbert.dim, skiplist=colbert.skiplist, markers=colbert.markers, **shared)
+
+
+def _default(cls: type, name: str) -> object:
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
+def with_saved_architecture(config: ExperimentConfig) -> ExperimentConfig:
+    """``config`` with its model section completed from the model it starts from: every architecture field the
+    config leaves at its default takes the value saved with the model (``densepass.json`` and the SPLADE / ColBERT
+    files; for a sentence-transformers model, its pooling, Dense, Normalize and prompts: ``models.st_layout``), so a
+    run from ``outputs/x/model`` runs the model saved there and records its settings in its ``config.yaml``. A value
+    the config sets that would replace saved weights with new ones (another projection size) is a one-line
+    ConfigError; other set values (lengths, prompts, the temperature, a pooling) are the user's choice and kept."""
+    model = config.model
+    path = resolve_model_path(model.name_or_path)
+    if model.kind == "bi-encoder":
+        stored = stored_architecture(path)
+        if stored is None:
+            return config
+        saved = {f.name: getattr(stored, f.name) for f in dataclasses.fields(BiEncoderConfig)}
+        top, section = saved, {}
+    else:
+        cls = SpladeArchitecture if model.kind == "splade" else ColbertArchitecture
+        stored = saved_architecture(path, model.kind, cls, f"a {model.kind} model")
+        if stored is None:
+            return config
+        saved = dataclasses.asdict(stored)
+        top = {k: v for k, v in saved.items() if k in ("query_max_length", "passage_max_length", "temperature")}
+        section = {k: v for k, v in saved.items() if k not in top}
+    where = f"{model.name_or_path} was saved with"
+    if model.projection_dim is not None and saved.get("projection_dim") not in (None, model.projection_dim):
+        raise ConfigError(
+            f"{where} projection_dim {saved['projection_dim']}, not the {model.projection_dim} the config sets: its "
+            "trained projection would be replaced by a new one (leave model.projection_dim unset)"
+        )
+    if section and model.colbert.dim != _default(ColbertConfig, "dim") and model.colbert.dim != section["dim"]:
+        raise ConfigError(
+            f"{where} colbert.dim {section['dim']}, not the {model.colbert.dim} the config sets: its trained "
+            "projection would be replaced by a new one (leave model.colbert.dim unset)"
+        )
+    filled = {k: v for k, v in top.items() if getattr(model, k) == _default(ModelConfig, k)}
+    if section:
+        colbert = {k: v for k, v in section.items() if getattr(model.colbert, k) == _default(ColbertConfig, k)}
+        filled["colbert"] = dataclasses.replace(model.colbert, **colbert)
+    return dataclasses.replace(config, model=dataclasses.replace(model, **filled))
 
 
 def model_from_config(config: ExperimentConfig) -> Retriever:

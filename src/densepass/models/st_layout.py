@@ -1,0 +1,130 @@
+"""What a sentence-transformers model directory says about its architecture, read as a ``BiEncoderConfig``.
+
+A sentence-transformers model is a transformer followed by modules listed in ``modules.json``: Pooling (which
+token vectors make the embedding), an optional Dense layer (a projection), an optional Normalize; its
+``config_sentence_transformers.json`` may name prompts for queries and documents. Loading such a model as a plain
+Hugging Face model with densepass's defaults (mean pooling, normalised, no projection, no prompts) would give
+other embeddings than the model's authors' (a CLS-pooled BGE, a model with a Dense layer): ``BiEncoder``
+starts from what these files say instead. A module densepass cannot reproduce (max pooling, a Dense layer with an
+activation, a router, a custom module) is a one-line ConfigError, not a model that silently embeds otherwise.
+
+densepass's own saved models carry these files too (``BiEncoder.save``), but their ``densepass.json`` is read first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from densepass.config import BiEncoderConfig
+from densepass.errors import ConfigError, DataError
+
+MODULES = "modules.json"
+POOLING_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}  # sentence-transformers' names: densepass's
+LEGACY_MODES = {"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max", "mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                "weightedmean_tokens": "weightedmean", "lasttoken": "lasttoken"}  # pooling_mode_<key>: true before v5
+IDENTITY = ("torch.nn.modules.linear.Identity", "torch.nn.Identity")
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
+        reason = (str(err).splitlines() or [type(err).__name__])[0]
+        raise DataError(f"{path} does not load (truncated or damaged?): {reason}") from None
+
+
+def _modules(path: Path) -> list[dict] | None:
+    """The module list of ``modules.json`` (None where there is none), each checked to have a type and a path."""
+    file = path / MODULES
+    if not file.is_file():
+        return None
+    modules = _read_json(file)
+    if not isinstance(modules, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("type"), str) and isinstance(m.get("path", ""), str) for m in modules
+    ):
+        raise DataError(f"{file} is not a sentence-transformers module list (entries with a type and a path)")
+    return modules
+
+
+def _kind(module: dict) -> str:
+    return module["type"].rsplit(".", 1)[-1]
+
+
+def dense_folder(path: str | Path) -> Path | None:
+    """The folder of the Dense layer ``modules.json`` lists (None without one); ``2_Dense`` without a module list."""
+    path = Path(path)
+    modules = _modules(path)
+    if modules is None:
+        return path / "2_Dense" if (path / "2_Dense").is_dir() else None
+    found = [m for m in modules if _kind(m) == "Dense"]
+    return path / found[0]["path"] if found else None
+
+
+def sentence_transformers_architecture(path: str | Path) -> BiEncoderConfig | None:
+    """The architecture a sentence-transformers model directory describes (None without ``modules.json``): its
+    pooling, its Dense layer's output size as ``projection_dim``, whether it normalises, and its query and document
+    prompts. The other fields keep their defaults (its ``max_seq_length`` is not taken: a run's lengths are its own).
+    A module densepass cannot reproduce is a one-line ConfigError naming it."""
+    path = Path(path)
+    modules = _modules(path)
+    if modules is None:
+        return None
+    kinds = [_kind(m) for m in modules]
+    where = f"{path} is a sentence-transformers model"
+    if not kinds or kinds[0] != "Transformer" or modules[0].get("path", "") != "":
+        raise ConfigError(f"{where} whose first module is not a transformer at its root: densepass cannot load it")
+    expected = ["Transformer", "Pooling", "Dense", "Normalize"]
+    order = [k for k in expected if k in kinds]
+    if kinds != order or kinds.count("Pooling") != 1:
+        unknown = sorted(set(kinds) - set(expected))
+        what = f"modules densepass does not have ({', '.join(unknown)})" if unknown else f"modules {kinds}"
+        raise ConfigError(f"{where} with {what}: densepass reads Transformer, Pooling, [Dense], [Normalize] in order")
+    pooling_dir = path / modules[kinds.index("Pooling")]["path"]
+    pooling_config = _read_json(pooling_dir / "config.json") if (pooling_dir / "config.json").is_file() else {}
+    if not isinstance(pooling_config, dict):
+        raise DataError(f"{pooling_dir / 'config.json'} is not a JSON object")
+    mode = pooling_config.get("pooling_mode")
+    if isinstance(mode, str):
+        modes = [mode]
+    elif isinstance(mode, list):
+        modes = [str(m) for m in mode]
+    else:
+        legacy = [k.removeprefix("pooling_mode_") for k, v in pooling_config.items() if k.startswith("pooling_mode_") and v]
+        modes = [LEGACY_MODES.get(k, k) for k in legacy] or ["mean"]  # sentence-transformers' default
+    if len(modes) != 1 or modes[0] not in POOLING_MODES:
+        raise ConfigError(
+            f"{where} pooled by {' + '.join(modes) or 'nothing'}: densepass pools by one of cls, mean tokens, last token"
+        )
+    if pooling_config.get("include_prompt", True) is False:
+        raise ConfigError(f"{where} whose pooling leaves out the prompt's tokens: densepass pools over them too")
+    projection_dim = None
+    if "Dense" in kinds:
+        dense_dir = path / modules[kinds.index("Dense")]["path"]
+        dense = _read_json(dense_dir / "config.json") if (dense_dir / "config.json").is_file() else None
+        if not isinstance(dense, dict) or not isinstance(dense.get("out_features"), int):
+            raise DataError(f"{dense_dir} has no readable Dense config (config.json with out_features)")
+        # sentence-transformers' Dense applies tanh when no activation is named
+        activation = dense.get("activation_function", "torch.nn.modules.activation.Tanh")
+        if activation not in IDENTITY or dense.get("bias", True) is not True:
+            raise ConfigError(
+                f"{where} whose Dense layer has {'no bias' if dense.get('bias', True) is not True else activation}: "
+                "densepass's projection is linear with a bias"
+            )
+        if not (dense_dir / "model.safetensors").is_file():
+            raise ConfigError(f"{where} whose Dense layer's weights are not in {dense_dir}/model.safetensors")
+        projection_dim = dense["out_features"]
+    prompts = {}
+    settings = path / "config_sentence_transformers.json"
+    if settings.is_file():
+        values = _read_json(settings)
+        prompts = values.get("prompts") if isinstance(values, dict) else None
+        if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+            prompts = {}
+    return BiEncoderConfig(
+        pooling=POOLING_MODES[modes[0]],  # type: ignore[arg-type]
+        projection_dim=projection_dim,
+        normalize="Normalize" in kinds,
+        query_prompt=prompts.get("query", ""),
+        passage_prompt=prompts.get("document", prompts.get("passage", "")),
+    )

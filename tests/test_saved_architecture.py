@@ -1,0 +1,127 @@
+"""A model loads as it was saved: a sentence-transformers model's pooling, Dense, Normalize and prompts are read
+(``models.st_layout``), and a run from a saved model takes the saved settings its config leaves at their defaults
+(``pipelines.retrievers.with_saved_architecture``) instead of silently running another model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import save_tiny_bert
+
+from densepass.config import BiEncoderConfig, ExperimentConfig, load_config
+from densepass.errors import ConfigError
+from densepass.models.biencoder import BiEncoder
+from densepass.models.encode import encode_texts
+from densepass.pipelines.retrievers import model_from_config, with_saved_architecture
+
+TEXTS = ["a terminal emulator for the desktop", "kernel driver for network printers", "mail server"]
+
+
+def _st_model(tmp_path, tiny_model_dir, pooling="cls", dense=True, normalize=False, activation=None):
+    from sentence_transformers import SentenceTransformer, models
+
+    torch.manual_seed(3)
+    modules = [models.Transformer(str(tiny_model_dir), max_seq_length=64), models.Pooling(32, pooling_mode=pooling)]
+    if dense:
+        modules.append(models.Dense(32, 8, activation_function=activation or torch.nn.Identity()))
+    if normalize:
+        modules.append(models.Normalize())
+    st = SentenceTransformer(modules=modules, device="cpu", prompts={"query": "q: ", "document": "d: "})
+    st.save(str(tmp_path / "st"))
+    return tmp_path / "st", st
+
+
+@pytest.mark.parametrize("pooling,dense,normalize", [("cls", True, False), ("mean", False, True), ("lasttoken", True, True)])
+def test_a_sentence_transformers_model_embeds_as_sentence_transformers_does(
+    tmp_path, tiny_model_dir, pooling, dense, normalize
+):
+    path, st = _st_model(tmp_path, tiny_model_dir, pooling, dense, normalize)
+    model = BiEncoder.from_pretrained(str(path))
+    assert model.config.pooling == {"lasttoken": "last"}.get(pooling, pooling)
+    assert model.config.projection_dim == (8 if dense else None) and model.config.normalize is normalize
+    assert (model.config.query_prompt, model.config.passage_prompt) == ("q: ", "d: ")
+    if pooling == "lasttoken":
+        return  # densepass appends an EOS for last-token pooling (its tokenizer's), sentence-transformers does not
+    for side, prompt in (("query", "query"), ("passage", "document")):
+        ours = encode_texts(model, TEXTS, side, precision="fp32", show_progress=False)
+        theirs = st.encode(TEXTS, prompt_name=prompt, convert_to_numpy=True)
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ("max", "pooled by max"),
+        ("tanh", "Dense layer has torch.nn.modules.activation.Tanh"),
+        ("module", "modules densepass does not have"),
+        ("weights", "weights are not in"),
+    ],
+)
+def test_a_sentence_transformers_model_densepass_cannot_reproduce_is_one_line(tmp_path, tiny_model_dir, change, message):
+    path, _ = _st_model(
+        tmp_path, tiny_model_dir, pooling="max" if change == "max" else "cls", activation=torch.nn.Tanh() if change == "tanh" else None
+    )
+    if change == "module":
+        modules = json.loads((path / "modules.json").read_text())
+        modules.append({"idx": 3, "name": "3", "path": "3_LayerNorm", "type": "sentence_transformers.models.LayerNorm"})
+        (path / "modules.json").write_text(json.dumps(modules))
+    if change == "weights":
+        (path / "2_Dense" / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=message) as err:
+        BiEncoder.from_pretrained(str(path))
+    assert "\n" not in str(err.value)
+
+
+def _run_config(path, tmp_path, *overrides):
+    return load_config(
+        None, [f"model.name_or_path={path}", f"output_dir={tmp_path / 'runs'}", "name=x", *overrides], ExperimentConfig
+    )
+
+
+def test_a_run_from_a_saved_model_runs_the_model_saved_there(tmp_path, tiny_model_dir):
+    config = BiEncoderConfig(
+        shared=False, pooling="cls", projection_dim=8, normalize=False, query_prompt="query: ", passage_max_length=64
+    )
+    saved = BiEncoder.from_pretrained(str(tiny_model_dir), config=config)
+    with torch.no_grad():
+        next(saved.query_encoder.parameters()).add_(0.5)  # a trained query tower, not a copy of the passage one
+    saved.save(tmp_path / "m")
+    merged = with_saved_architecture(_run_config(tmp_path / "m", tmp_path))
+    assert merged.model.architecture() == config
+    model = model_from_config(merged)
+    for side in ("query", "passage"):
+        np.testing.assert_allclose(
+            encode_texts(model, TEXTS, side, precision="fp32", show_progress=False),
+            encode_texts(saved, TEXTS, side, precision="fp32", show_progress=False),
+            atol=1e-6,
+        )
+    # a length the config sets is the run's choice and kept; a projection of another size is refused in one line
+    assert with_saved_architecture(_run_config(tmp_path / "m", tmp_path, "model.passage_max_length=48")).model.passage_max_length == 48
+    with pytest.raises(ConfigError, match="saved with projection_dim 8, not the 16"):
+        with_saved_architecture(_run_config(tmp_path / "m", tmp_path, "model.projection_dim=16"))
+    with pytest.raises(ConfigError, match="saved with a projection to 8 dimensions"):
+        BiEncoder.from_pretrained(str(tmp_path / "m"), config=BiEncoderConfig(projection_dim=16))
+
+
+def test_a_plain_hugging_face_model_keeps_the_configs_settings(tmp_path, tiny_model_dir):
+    config = _run_config(tiny_model_dir, tmp_path, "model.pooling=cls")
+    assert with_saved_architecture(config) is config
+
+
+def test_a_colbert_run_takes_the_saved_dimension_and_refuses_another(tmp_path):
+    from densepass.models.colbert import ColBERT, ColbertArchitecture
+
+    base = save_tiny_bert(tmp_path / "bert")
+    torch.manual_seed(0)
+    ColBERT.from_pretrained(str(base), config=ColbertArchitecture(dim=16, markers=False)).save(tmp_path / "c")
+    merged = with_saved_architecture(_run_config(tmp_path / "c", tmp_path, "model.kind=colbert"))
+    assert (merged.model.colbert.dim, merged.model.colbert.markers) == (16, False)
+    with pytest.raises(ConfigError, match="colbert.dim 16, not the 32"):
+        with_saved_architecture(_run_config(tmp_path / "c", tmp_path, "model.kind=colbert", "model.colbert.dim=32"))
+    with pytest.raises(ConfigError, match="16-dimensional token vectors"):
+        ColBERT.from_pretrained(str(tmp_path / "c"), config=ColbertArchitecture(dim=32))
+    shutil.rmtree(tmp_path / "c")
