@@ -66,6 +66,40 @@ def test_atomic_directory_replaces_only_a_directory_it_wrote(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary left
 
 
+@pytest.mark.parametrize("exchange", [True, False])
+def test_replacing_a_directory_never_leaves_it_missing(tmp_path, monkeypatch, exchange):
+    """The swap is one step where the system has one (renameat2's exchange): the target is the old directory or
+    the new one at every moment. Without it (two renames), a save killed between them left the target missing and
+    the old directory hidden: the next save puts it back first."""
+    import densepass.io as io
+
+    target = tmp_path / "out"
+    with atomic_directory(target) as tmp:
+        (tmp / "v").write_text("1")
+    if not exchange:
+        monkeypatch.setattr(io, "_exchange", lambda a, b: False)
+    renames = []
+    real_replace = os.replace
+
+    def replace(source, destination):
+        renames.append((Path(source).name, Path(destination).name))
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(io.os, "replace", replace)
+    with atomic_directory(target) as tmp:
+        (tmp / "v").write_text("2")
+    assert (target / "v").read_text() == "2" and [p.name for p in tmp_path.iterdir()] == ["out"]
+    moved = [r for r in renames if r[1] == "out" or r[0] == "out"]
+    assert len(moved) == (0 if exchange else 2)  # the exchange renames nothing: it swaps
+    # a save killed between the two renames: the old directory hidden as .out.<random>.old, the target missing
+    hidden = tmp_path / ".out.abcd1234.old"
+    real_replace(target, hidden)
+    with pytest.raises(RuntimeError):
+        with atomic_directory(target):
+            raise RuntimeError("this save fails too")
+    assert (target / "v").read_text() == "2" and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
 def test_atomic_directory_refuses_a_foreign_directory_and_accepts_an_empty_one(tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()

@@ -136,11 +136,14 @@ def move_aside(path: str | Path) -> Path | None:
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield a temporary directory that replaces ``path`` only when the block finishes without error.
 
-    An interrupted save leaves the previous ``path`` (if any) untouched. ``path`` must be missing, empty, or a
+    An interrupted save leaves the previous ``path`` (if any) untouched: the new directory's files are synced to the
+    disk, then swapped with the old one in one step where the system can (``_exchange``), so that a crash or a power
+    loss leaves the old directory or the whole new one. ``path`` must be missing, empty, or a
     directory this function wrote with nothing added since (``check_replaceable``: checked before the block runs
     and again before the swap); the new directory lists the files it holds in ``OWNED``.
     """
     path = Path(path)
+    _restore_replaced(path)
     check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
@@ -148,16 +151,83 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         yield tmp
         atomic_write_text(tmp / OWNED, json.dumps(_files_under(tmp), indent=0))
         check_replaceable(path)
-        if path.exists():
+        _sync_tree(tmp)  # on the disk before the swap: after a power loss the new directory is whole or absent
+        if path.exists() and _exchange(tmp, path):  # one step: ``path`` is the old or the new directory, never none
+            shutil.rmtree(tmp, ignore_errors=True)  # (the old one, now under the temporary name)
+        elif path.exists():  # no exchange here (not Linux, or a file system without it): two renames
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
             os.replace(path, old)  # an empty folder of our own is replaced by the old directory
-            os.replace(tmp, path)
+            os.replace(tmp, path)  # (killed in between: the next save restores the old one, _restore_replaced)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+        _sync_directory(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths in one step (Linux's ``renameat2(RENAME_EXCHANGE)``, from the C library); False where the
+    system or the file system has no such call."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    if renameat2(at_cwd, os.fsencode(first), at_cwd, os.fsencode(second), exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
+def _restore_replaced(path: Path) -> None:
+    """Where ``path`` is missing and a save that replaced it by two renames was killed between them, put the old
+    directory (``.<name>.<random>.old``) back; a newer complete temporary is left to ``remove_stale_temporaries``."""
+    if path.exists() or path.is_symlink() or not path.parent.is_dir():
+        return
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.old")
+    olds = [p for p in path.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
+    if len(olds) == 1 and any(olds[0].iterdir()):
+        os.replace(olds[0], path)
+
+
+def _sync_tree(directory: Path) -> None:
+    """``fsync`` every file under ``directory`` and the folders themselves (their entries)."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            if not os.path.islink(os.path.join(root, name)):
+                _sync_file(os.path.join(root, name))
+        _sync_directory(Path(root))
+
+
+def _sync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_directory(directory: Path) -> None:
+    """``fsync`` a folder (its entries: a rename into it survives a power loss); nothing where that is refused."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 LOCK = ".lock"  # the file exclusive_lock locks in its directory; it holds "pid <holder's pid>"
@@ -726,7 +796,10 @@ def atomic_file(path: str | Path, mode: str = "w", needs: int | None = None) -> 
             with os.fdopen(fd, mode) as handle:
                 _hold(handle.fileno())
                 yield handle
+                handle.flush()
+                os.fsync(handle.fileno())  # the data on the disk before the rename makes it ``path``
             os.replace(tmp, path)
+            _sync_directory(path.parent)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
