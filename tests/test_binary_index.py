@@ -85,6 +85,19 @@ def test_int8_codes_are_sentence_transformers_with_the_corpus_ranges_and_rescore
     np.testing.assert_allclose(flat.search_rows(q, 10)[0], scores, atol=1e-5)
 
 
+def test_passages_added_later_outside_the_calibrated_range_are_clipped_not_wrapped(model):
+    """Codes of vectors beyond the first passages' ranges are the nearest end bucket (-128 or 127), as the current
+    sentence-transformers computes them; its releases before that wrapped them around int8."""
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    x = vectors(N, 7)
+    index = built(model, "int8-flat", x, rescore_with="none")
+    beyond = np.stack([x.max(0) * 3 + 1, x.min(0) * 3 - 1]).astype(np.float32)
+    index.add_embeddings([{"id": "hi", "text": "h"}, {"id": "lo", "text": "l"}], beyond)
+    assert (index.codes[-2] == 127).all() and (index.codes[-1] == -128).all()
+    np.testing.assert_array_equal(index.codes[-2:], quantize_embeddings(beyond, "int8", ranges=index.ranges))
+
+
 def test_save_and_load_keep_results_and_map_the_rescoring_embeddings_from_disk(model, tmp_path):
     x, q = vectors(N, 9), vectors(4, 10)
     for kind in ("binary-hnsw", "int8-flat"):

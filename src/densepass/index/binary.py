@@ -9,9 +9,9 @@ Kinds (``densepass index --embedding-precision binary|int8``):
   (exact / faiss-flat, faiss-hnsw, faiss-ivfpq: inverted lists of the bits themselves). The first pass ranks by
   Hamming distance between the query's sign bits and each passage's, that is by the dot product of the ±1 sign
   vectors (``dim - 2 x hamming``, the score shown when nothing re-scores). The dimension must be a multiple of 8.
-- ``int8-flat``: int8 codes with calibrated per-dimension ranges (sentence-transformers' ``quantize_embeddings(...,
-  "int8", ranges=...)``: 256 buckets between each dimension's minimum and maximum over the passages first added,
-  stored with the index in ``int8_ranges.npy``), scored exactly against the float query (the codes dequantised to
+- ``int8-flat``: int8 codes with calibrated per-dimension ranges (the codes of sentence-transformers'
+  ``quantize_embeddings(..., "int8", ranges=...)``, computed by densepass: 256 buckets between each dimension's
+  minimum and maximum over the passages first added, stored with the index in ``int8_ranges.npy``), scored exactly against the float query (the codes dequantised to
   their bucket's middle). The scan is FAISS's ``IndexScalarQuantizer`` with ``QT_8bit``, whose decoding of a uint8
   code ``c``, ``vmin + (c + 0.5) / 255 x vdiff``, is ``dequantize`` of the int8 code ``c - 128`` with ``vmin`` the
   range's minimum and ``vdiff`` 255 steps (``int8_flat_index``): the stored codes go in as they are (+ 128), never
@@ -76,15 +76,16 @@ def compact_kind(precision: str, kind: str) -> str:
 
 
 def _quantize(embeddings: np.ndarray, precision: str, ranges: np.ndarray | None = None) -> np.ndarray:
-    """sentence-transformers' ``quantize_embeddings`` (int8 with ``ranges``; ubinary: packed sign bits)."""
-    try:
-        from sentence_transformers.util.quantization import quantize_embeddings
-    except ImportError:  # sentence-transformers before 5
-        from sentence_transformers.quantization import quantize_embeddings
-    if len(embeddings) == 0:
-        width = embeddings.shape[1] // 8 if precision == "ubinary" else embeddings.shape[1]
-        return np.zeros((0, width), dtype=np.uint8 if precision == "ubinary" else np.int8)
-    return quantize_embeddings(np.ascontiguousarray(embeddings, dtype=np.float32), precision, ranges=ranges)
+    """The codes of sentence-transformers' ``quantize_embeddings`` (its current rule, computed here so that codes
+    never depend on the installed version: releases before it neither floored nor clipped, and values outside the
+    calibrated range, which passages added later can have, wrapped around int8). int8 with ``ranges``: each value's
+    bucket of 256 between its dimension's minimum and maximum, ``clip(floor((x - min) / step), 0, 255) - 128``;
+    ubinary: the sign bits, packed eight to a byte."""
+    embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+    if precision == "ubinary":
+        return np.packbits(embeddings > 0, axis=-1)
+    start, steps = _affine(ranges)
+    return (np.clip(np.floor((embeddings - start) / steps), 0, 255) - 128).astype(np.int8)
 
 
 def int8_ranges(embeddings: np.ndarray) -> np.ndarray:
