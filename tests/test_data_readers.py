@@ -6,6 +6,7 @@ import copy
 import gzip
 import io
 import json
+import re
 import zipfile
 from pathlib import Path
 from urllib.error import URLError
@@ -604,3 +605,21 @@ def test_real_debian_packages():
     assert len(set(ds.corpus.doc_ids)) < len(ds.corpus)  # passages are grouped into source-package documents
     assert all(pid in ds.corpus for rels in dev.values() for pid, grade in rels.items() if grade > 0)
     assert all(qid in ds.queries for qid in dev)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"split": "dev"}, "split is an option of format='pairs'"),
+        ({"columns": {"anchor": "question"}}, "columns is an option of format='pairs'"),
+        ({"subset": "a", "revision": "v1"}, "subset, revision are options of format='pairs'"),
+    ],
+)
+def test_options_of_training_rows_given_for_another_layout_are_one_line(tmp_path, options, message):
+    """``dp.load_dataset`` took them and read the whole layout as if they were not there."""
+    from densepass.data import load_dataset
+
+    root = write_beir(tmp_path / "beir")
+    with pytest.raises(DataError, match=re.escape(message)):
+        load_dataset(str(root), format="beir", **options)
+    assert load_dataset(str(root), format="beir", columns={"anchor": None}).qrels.keys() == {"train", "dev"}

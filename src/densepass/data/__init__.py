@@ -47,6 +47,13 @@ def load_dataset(
         if subset or revision:
             raise DataError(f"data.subset and data.revision are for a dataset on the Hugging Face Hub; {name} is local")
         return load_pairs(pairs_path(name, data_dir), columns, split=split)
+    mapped = columns is not None and any(v is not None for v in columns.values())  # (a run passes its empty mapping)
+    given = [k for k, v in (("columns", mapped), ("subset", subset), ("revision", revision)) if v] + (
+        ["split"] if split != "train" else []
+    )
+    if given:  # options of training rows: a retrieval layout has all its splits and no columns to map
+        raise DataError(f"{', '.join(given)} {'is an option' if len(given) == 1 else 'are options'} of "
+                        f"format='pairs' (training rows), not of format={format!r}")  # fmt: skip
     directory = dataset_dir(name, data_dir)
     check_plain_files(directory)
     if format == "beir":
