@@ -617,8 +617,6 @@ def test_real_debian_packages():
 )
 def test_options_of_training_rows_given_for_another_layout_are_one_line(tmp_path, options, message):
     """``dp.load_dataset`` took them and read the whole layout as if they were not there."""
-    from densepass.data import load_dataset
-
     root = write_beir(tmp_path / "beir")
     with pytest.raises(DataError, match=re.escape(message)):
         load_dataset(str(root), format="beir", **options)
