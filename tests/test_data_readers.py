@@ -621,3 +621,16 @@ def test_options_of_training_rows_given_for_another_layout_are_one_line(tmp_path
     with pytest.raises(DataError, match=re.escape(message)):
         load_dataset(str(root), format="beir", **options)
     assert load_dataset(str(root), format="beir", columns={"anchor": None}).qrels.keys() == {"train", "dev"}
+
+
+def test_a_sample_of_k_queries_has_k_queries_with_a_relevant_passage(tmp_path):
+    """Queries judged only irrelevant are left out before the seeded draw, not after it (which gave fewer)."""
+    from densepass.data.dataset import Corpus, RetrievalDataset
+
+    ids = [f"p{i}" for i in range(4)]
+    qrels = {f"q{i}": {"p0": 1 if i % 2 else 0} for i in range(40)}  # half of them judged only irrelevant
+    dataset = RetrievalDataset("d", Corpus(ids, [""] * 4, ids, ids), {q: q for q in qrels}, {"dev": qrels})
+    for seed in range(5):
+        sample = dataset.sample("dev", 10, seed)
+        assert len(sample) == 10 and all(v == {"p0": 1} for v in sample.values())
+    assert len(dataset.sample("dev", None)) == 20

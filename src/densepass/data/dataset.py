@@ -180,12 +180,13 @@ class RetrievalDataset:
         return out
 
     def sample(self, split: str, limit: int | None = None, seed: int = 13, exclude: Collection[str] = ()) -> Qrels:
-        """The qrels of a seeded sample of ``limit`` queries of ``split`` (all when None), keeping those with
-        at least one relevant passage: the queries a run trains on or evaluates. Queries in ``exclude`` are
+        """The qrels of a seeded sample of ``limit`` queries of ``split`` (all when None) among those with at least
+        one relevant passage: the queries a run trains on or evaluates (queries judged only irrelevant are left out
+        before sampling, so that a sample has ``limit`` queries where there are as many). Queries in ``exclude`` are
         removed before sampling (validation on the training split, without the queries trained on)."""
         excluded = set(exclude)
-        qrels = sample_queries({q: r for q, r in self.split(split).items() if q not in excluded}, limit, seed)
-        return {q: rels for q, rels in qrels.items() if any(g > 0 for g in rels.values())}
+        judged = {q: r for q, r in self.split(split).items() if q not in excluded and any(g > 0 for g in r.values())}
+        return sample_queries(judged, limit, seed)
 
     def relevant_sets(self) -> dict[str, set[str]]:
         """Query id -> every passage judged relevant in any split (used to mask false negatives)."""
