@@ -45,6 +45,22 @@ def test_batched_length_sorted_scores_equal_one_pair_at_a_time(saved_cross_encod
     np.testing.assert_allclose(batched, single, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_a_decoder_cross_encoder_scores_a_batch_as_one_pair_at_a_time(tmp_path, padding_side):
+    """A decoder's head scores each pair at its last token that is not padding: its tokenizer (no pad token) pads
+    with its EOS and the head knows that id, where batches of more than one pair were refused with a traceback."""
+    from test_decoder_embedders import save_tiny_decoder
+
+    model = CrossEncoder.new(str(save_tiny_decoder(tmp_path / "qwen2")), seed=3, device=CPU, precision="fp32")
+    assert model.tokenizer.pad_token_id == model.tokenizer.eos_token_id == model.model.config.pad_token_id
+    model.tokenizer.padding_side = padding_side
+    queries, passages = [*QUERIES[:2], QUERIES[3]], [*PASSAGES[:2], PASSAGES[3]]  # (its tiny vocabulary lacks "x")
+    model.batch_size = 3
+    batched = model.score_pairs(queries, passages)
+    model.batch_size = 1
+    np.testing.assert_allclose(batched, model.score_pairs(queries, passages), rtol=1e-5, atol=1e-5)
+
+
 def test_a_saved_cross_encoder_scores_the_same_in_transformers_and_sentence_transformers(saved_cross_encoder):
     from sentence_transformers import CrossEncoder as STCrossEncoder
 

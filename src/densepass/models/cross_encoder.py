@@ -198,6 +198,19 @@ def _load(path: str, name: str, **kwargs):
         raise ConfigError(f"cannot load cross-encoder {name!r}: {str(err).strip().splitlines()[0]}") from None
 
 
+def _pad_like_the_head(model, tokenizer: PreTrainedTokenizerBase, source: str | None) -> None:
+    """Make the tokenizer pad with the id the model's head knows as padding. A decoder's sequence-classification
+    head (Llama, Qwen2, ...) scores each pair at its last token that is not ``config.pad_token_id``: with no pad
+    token it refuses batches of more than one pair, and with another id than the batches are padded with it would
+    score a padding position. A tokenizer without a pad token pads with its EOS (as decoder rerankers do)."""
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"{source or 'this model'}'s tokenizer has neither a padding token nor an EOS to pad with")
+        tokenizer.pad_token = tokenizer.eos_token
+    if getattr(model.config, "pad_token_id", None) != tokenizer.pad_token_id:
+        model.config.pad_token_id = tokenizer.pad_token_id
+
+
 def length_sorted_batches(encoded, scorer: CrossEncoder) -> list[tuple[np.ndarray, dict[str, torch.Tensor]]]:
     """``(rows, tensors)`` batches of ``scorer.batch_size`` unpadded encodings, longest first, each padded to its
     longest member (a multiple of 8 on GPU, for tensor cores), in pinned memory on GPU."""
@@ -206,7 +219,7 @@ def length_sorted_batches(encoded, scorer: CrossEncoder) -> list[tuple[np.ndarra
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     order = np.argsort(-lengths, kind="stable")
     cuda = scorer.device.type == "cuda"
-    pad, left = scorer.tokenizer.pad_token_id or 0, scorer.tokenizer.padding_side == "left"
+    pad, left = scorer.tokenizer.pad_token_id, scorer.tokenizer.padding_side == "left"  # set: _pad_like_the_head
     batches = []
     for start in range(0, len(order), scorer.batch_size):
         rows = order[start : start + scorer.batch_size]
@@ -253,6 +266,7 @@ class CrossEncoder:
                 f"cross-encoder max_length must be >= 8 and batch_size >= 1, got {max_length}, {batch_size}"
             )
         check_position_limit(model.config, {"cross-encoder max_length": max_length}, "the model")
+        _pad_like_the_head(model, tokenizer, source)
         self.model, self.tokenizer = fp32_logit_layer(model.float()), tokenizer
         self.max_length, self.batch_size, self.source = max_length, batch_size, source
         self.device = device or default_device()
