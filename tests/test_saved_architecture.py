@@ -10,8 +10,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import save_tiny_bert
 
+from conftest import save_tiny_bert
 from densepass.config import BiEncoderConfig, ExperimentConfig, load_config
 from densepass.errors import ConfigError
 from densepass.models.biencoder import BiEncoder
@@ -35,7 +35,9 @@ def _st_model(tmp_path, tiny_model_dir, pooling="cls", dense=True, normalize=Fal
     return tmp_path / "st", st
 
 
-@pytest.mark.parametrize("pooling,dense,normalize", [("cls", True, False), ("mean", False, True), ("lasttoken", True, True)])
+@pytest.mark.parametrize(
+    "pooling,dense,normalize", [("cls", True, False), ("mean", False, True), ("lasttoken", True, True)]
+)
 def test_a_sentence_transformers_model_embeds_as_sentence_transformers_does(
     tmp_path, tiny_model_dir, pooling, dense, normalize
 ):
@@ -61,9 +63,14 @@ def test_a_sentence_transformers_model_embeds_as_sentence_transformers_does(
         ("weights", "weights are not in"),
     ],
 )
-def test_a_sentence_transformers_model_densepass_cannot_reproduce_is_one_line(tmp_path, tiny_model_dir, change, message):
+def test_a_sentence_transformers_model_densepass_cannot_reproduce_is_one_line(
+    tmp_path, tiny_model_dir, change, message
+):
     path, _ = _st_model(
-        tmp_path, tiny_model_dir, pooling="max" if change == "max" else "cls", activation=torch.nn.Tanh() if change == "tanh" else None
+        tmp_path,
+        tiny_model_dir,
+        pooling="max" if change == "max" else "cls",
+        activation=torch.nn.Tanh() if change == "tanh" else None,
     )
     if change == "module":
         modules = json.loads((path / "modules.json").read_text())
@@ -100,7 +107,12 @@ def test_a_run_from_a_saved_model_runs_the_model_saved_there(tmp_path, tiny_mode
             atol=1e-6,
         )
     # a length the config sets is the run's choice and kept; a projection of another size is refused in one line
-    assert with_saved_architecture(_run_config(tmp_path / "m", tmp_path, "model.passage_max_length=48")).model.passage_max_length == 48
+    assert (
+        with_saved_architecture(
+            _run_config(tmp_path / "m", tmp_path, "model.passage_max_length=48")
+        ).model.passage_max_length
+        == 48
+    )
     with pytest.raises(ConfigError, match="saved with projection_dim 8, not the 16"):
         with_saved_architecture(_run_config(tmp_path / "m", tmp_path, "model.projection_dim=16"))
     with pytest.raises(ConfigError, match="saved with a projection to 8 dimensions"):

@@ -11,11 +11,12 @@ Kinds (``densepass index --embedding-precision binary|int8``):
   vectors (``dim - 2 x hamming``, the score shown when nothing re-scores). The dimension must be a multiple of 8.
 - ``int8-flat``: int8 codes with calibrated per-dimension ranges (the codes of sentence-transformers'
   ``quantize_embeddings(..., "int8", ranges=...)``, computed by densepass: 256 buckets between each dimension's
-  minimum and maximum over the passages first added, stored with the index in ``int8_ranges.npy``), scored exactly against the float query (the codes dequantised to
-  their bucket's middle). The scan is FAISS's ``IndexScalarQuantizer`` with ``QT_8bit``, whose decoding of a uint8
-  code ``c``, ``vmin + (c + 0.5) / 255 x vdiff``, is ``dequantize`` of the int8 code ``c - 128`` with ``vmin`` the
-  range's minimum and ``vdiff`` 255 steps (``int8_flat_index``): the stored codes go in as they are (+ 128), never
-  re-encoded, and FAISS decodes and scores them in SIMD registers instead of a float32 copy per search.
+  minimum and maximum over the passages first added, stored with the index in ``int8_ranges.npy``), scored exactly
+  against the float query (the codes dequantised to their bucket's middle). The scan is FAISS's
+  ``IndexScalarQuantizer`` with ``QT_8bit``, whose decoding of a uint8 code ``c``, ``vmin + (c + 0.5) / 255 x
+  vdiff``, is ``dequantize`` of the int8 code ``c - 128`` with ``vmin`` the range's minimum and ``vdiff`` 255 steps
+  (``int8_flat_index``): the stored codes go in as they are (+ 128), never re-encoded, and FAISS decodes and scores
+  them in SIMD registers instead of a float32 copy per search.
 
 Re-scoring (``rescore_with``): ``float`` scores each candidate with the float query against its float32 embedding
 (the exact score); ``int8`` against its dequantised int8 codes (for ``int8-flat``, its first pass already); ``none``

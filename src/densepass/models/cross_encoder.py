@@ -205,7 +205,9 @@ def _pad_like_the_head(model, tokenizer: PreTrainedTokenizerBase, source: str | 
     score a padding position. A tokenizer without a pad token pads with its EOS (as decoder rerankers do)."""
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
-            raise ConfigError(f"{source or 'this model'}'s tokenizer has neither a padding token nor an EOS to pad with")
+            raise ConfigError(
+                f"{source or 'this model'}'s tokenizer has neither a padding token nor an EOS to pad with"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     if getattr(model.config, "pad_token_id", None) != tokenizer.pad_token_id:
         model.config.pad_token_id = tokenizer.pad_token_id

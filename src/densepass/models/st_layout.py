@@ -21,8 +21,14 @@ from densepass.errors import ConfigError, DataError
 
 MODULES = "modules.json"
 POOLING_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}  # sentence-transformers' names: densepass's
-LEGACY_MODES = {"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max", "mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-                "weightedmean_tokens": "weightedmean", "lasttoken": "lasttoken"}  # pooling_mode_<key>: true before v5
+LEGACY_MODES = {
+    "cls_token": "cls",
+    "mean_tokens": "mean",
+    "max_tokens": "max",
+    "mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "weightedmean_tokens": "weightedmean",
+    "lasttoken": "lasttoken",
+}  # pooling_mode_<key>: true before v5
 IDENTITY = ("torch.nn.modules.linear.Identity", "torch.nn.Identity")
 
 
@@ -90,11 +96,13 @@ def sentence_transformers_architecture(path: str | Path) -> BiEncoderConfig | No
     elif isinstance(mode, list):
         modes = [str(m) for m in mode]
     else:
-        legacy = [k.removeprefix("pooling_mode_") for k, v in pooling_config.items() if k.startswith("pooling_mode_") and v]
+        legacy = [
+            k.removeprefix("pooling_mode_") for k, v in pooling_config.items() if k.startswith("pooling_mode_") and v
+        ]
         modes = [LEGACY_MODES.get(k, k) for k in legacy] or ["mean"]  # sentence-transformers' default
     if len(modes) != 1 or modes[0] not in POOLING_MODES:
         raise ConfigError(
-            f"{where} pooled by {' + '.join(modes) or 'nothing'}: densepass pools by one of cls, mean tokens, last token"
+            f"{where} pooled by {' + '.join(modes) or 'nothing'}: densepass pools by cls, mean tokens or last token"
         )
     if pooling_config.get("include_prompt", True) is False:
         raise ConfigError(f"{where} whose pooling leaves out the prompt's tokens: densepass pools over them too")

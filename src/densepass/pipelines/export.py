@@ -110,11 +110,22 @@ def _usage(model, kind: str) -> list[str]:
     export (two towers: the query tower is its own model under ``query/``; one tower: one token limit, the
     passages', where densepass cuts queries at theirs)."""
     lines = ["```python", "import densepass as dp", "", 'model = dp.load_model("PATH_OR_REPO")']
-    lines += ['queries = model.encode_queries(["a question"])', 'passages = model.encode_passages(["a passage"])', "```"]
+    lines += [
+        'queries = model.encode_queries(["a question"])',
+        'passages = model.encode_passages(["a passage"])',
+        "```",
+    ]
     if not isinstance(model, BiEncoder):
         return lines
     config = model.config
-    lines += ["", "In sentence-transformers:", "", "```python", "from sentence_transformers import SentenceTransformer", ""]
+    lines += [
+        "",
+        "In sentence-transformers:",
+        "",
+        "```python",
+        "from sentence_transformers import SentenceTransformer",
+        "",
+    ]
     if config.shared:
         lines += ['model = SentenceTransformer("PATH_OR_REPO")', 'queries = model.encode_query(["a question"])']
     else:
