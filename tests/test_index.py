@@ -520,3 +520,22 @@ def test_a_manifest_lacking_a_fact_its_kind_reads_is_one_line(tiny_model, tmp_pa
             load_index(tmp_path / name)
         path.write_text(original)
         assert len(load_index(tmp_path / name)) == (5 if name == "dense" else len(BM25_TEXTS))
+
+
+def test_an_index_refuses_its_weights_loaded_with_other_settings(tiny_model_dir, tmp_path):
+    """The same weights pooled, normalised or prompted otherwise embed queries apart from the indexed passages: a
+    model given to a saved index must match its recorded settings as well as its weights' fingerprint."""
+    from densepass.config import BiEncoderConfig
+    from densepass.errors import ConfigError
+    from densepass.index import load_index
+    from densepass.index.dense import DenseIndex
+    from densepass.models.biencoder import BiEncoder
+
+    model = BiEncoder.from_pretrained(str(tiny_model_dir), BiEncoderConfig(pooling="cls", query_prompt="q: "))
+    model.save(tmp_path / "model")
+    saved = BiEncoder.from_pretrained(str(tmp_path / "model"))
+    DenseIndex.build(saved, dense_records(5), show_progress=False, device=CPU).save(tmp_path / "index")
+    assert len(load_index(tmp_path / "index", model=saved)) == 5
+    other = BiEncoder.from_pretrained(str(tmp_path / "model"), BiEncoderConfig(pooling="mean", query_prompt="q: "))
+    with pytest.raises(ConfigError, match=r"same weights but other settings: pooling 'mean' \(the index's: 'cls'\)"):
+        load_index(tmp_path / "index", model=other)

@@ -9,10 +9,21 @@ from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_weights
 from densepass.models.kinds import model_kind
 
+# the settings of a model that change its embeddings beside its weights (bi-encoder; ColBERT's dim, skiplist, markers)
+SETTINGS = ("shared", "pooling", "normalize", "projection_dim", "query_prompt", "passage_prompt", "dim", "skiplist",
+            "markers")  # fmt: skip
+
+
+def model_settings(model: Any) -> dict:
+    """What an index records of its model besides the weights' fingerprint: the :data:`SETTINGS` its config has."""
+    config = getattr(model, "config", None)
+    return {key: getattr(config, key) for key in SETTINGS if hasattr(config, key)}
+
 
 def model_for_index(directory: Path, kind: str, recorded: dict, model: Any, cls: type) -> Any:
     """The model a saved index of ``kind`` encodes queries with: ``model`` if given (it must be of the right
-    class and have the recorded weights), else the one at the recorded path."""
+    class and have the recorded weights and settings: the same weights pooled or prompted otherwise embed queries
+    apart from the passages), else the one at the recorded path."""
     if model is None:
         if not recorded["path"] or not Path(recorded["path"]).exists():
             raise DataError(f"{directory}: its model {recorded['path']!r} is not there any more; pass the model")
@@ -25,5 +36,13 @@ def model_for_index(directory: Path, kind: str, recorded: dict, model: Any, cls:
         raise ConfigError(
             f"{directory} was built with another model (weights {recorded['fingerprint'][:12]}, "
             f"from {recorded['path']}): encode queries with that model or index again"
+        )
+    saved, given = recorded.get("settings"), model_settings(model)  # (indexes saved before it: weights only)
+    changed = [key for key in saved or {} if key in given and given[key] != saved[key]]
+    if changed:
+        shown = ", ".join(f"{key} {given[key]!r} (the index's: {saved[key]!r})" for key in changed)
+        raise ConfigError(
+            f"{directory} was built with the same weights but other settings: {shown}; load the model as it was "
+            "saved or index again"
         )
     return model

@@ -54,7 +54,7 @@ from densepass.index.base import (
     records_corpus,
     register,
 )
-from densepass.index.checks import model_for_index
+from densepass.index.checks import model_for_index, model_settings
 from densepass.models.colbert import ColBERT
 from densepass.models.copies import float_precision
 from densepass.models.inputs import warn_long_queries
@@ -350,7 +350,11 @@ class ColbertIndex(Index):
         if self.model_fingerprint is None:
             self.model_fingerprint = fingerprint_weights(self.model)
         return {
-            "model": {"path": self.model_path, "fingerprint": self.model_fingerprint},
+            "model": {
+                "path": self.model_path,
+                "fingerprint": self.model_fingerprint,
+                "settings": model_settings(self.model),  # what else shapes its embeddings (index.checks)
+            },
             "dim": self.model.dim,
             "options": {
                 "compression": self.compression,

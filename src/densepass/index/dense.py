@@ -40,7 +40,7 @@ from densepass.index.base import (
     records_corpus,
     register,
 )
-from densepass.index.checks import model_for_index
+from densepass.index.checks import model_for_index, model_settings
 from densepass.index.exact import SEARCH_PRECISIONS, ReducedPassages, exact_search, passages_on
 from densepass.index.faiss_index import (
     build_faiss_index,
@@ -330,7 +330,11 @@ class DenseIndex(Index):
         if self.model_fingerprint is None:
             self.model_fingerprint = fingerprint_weights(self.model)
         return {
-            "model": {"path": self.model_path, "fingerprint": self.model_fingerprint},
+            "model": {
+                "path": self.model_path,
+                "fingerprint": self.model_fingerprint,
+                "settings": model_settings(self.model),  # what else shapes its embeddings (index.checks)
+            },
             "dim": self.dim,
             "options": self.faiss_options,
             # an index of Matryoshka prefixes: queries are cut to the same dimension when it is searched

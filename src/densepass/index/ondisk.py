@@ -43,7 +43,7 @@ from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_corpus, fingerprint_weights
 from densepass.index.base import Index, Passages, concat_corpora, register
-from densepass.index.checks import model_for_index
+from densepass.index.checks import model_for_index, model_settings
 from densepass.index.dense import query_embeddings, require_model_path
 from densepass.index.faiss_index import default_pq_m, faiss_search, load_faiss_index, new_ivfpq, save_faiss_index
 from densepass.index.sharded import ShardedEmbeddings, ShardPlan, encoder_fingerprint, shard_path
@@ -378,7 +378,11 @@ class OnDiskIVFPQIndex(Index):
         if self.model_fingerprint is None:
             self.model_fingerprint = fingerprint_weights(self.model)
         return {
-            "model": {"path": self.model_path, "fingerprint": self.model_fingerprint},
+            "model": {
+                "path": self.model_path,
+                "fingerprint": self.model_fingerprint,
+                "settings": model_settings(self.model),  # what else shapes its embeddings (index.checks)
+            },
             "encoder_fingerprint": self.encoder_fingerprint,
             "dim": self.dim,
             "options": dataclasses.asdict(self.options),

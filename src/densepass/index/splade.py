@@ -38,7 +38,7 @@ from densepass.device import default_device
 from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.fingerprints import fingerprint_weights
 from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, records_corpus, register
-from densepass.index.checks import model_for_index
+from densepass.index.checks import model_for_index, model_settings
 from densepass.models.copies import float_precision
 from densepass.models.inputs import warn_long_queries
 from densepass.models.splade import SpladeEncoder
@@ -216,7 +216,11 @@ class SpladeIndex(Index):
         if self.model_fingerprint is None:
             self.model_fingerprint = fingerprint_weights(self.model)
         return {
-            "model": {"path": self.model_path, "fingerprint": self.model_fingerprint},
+            "model": {
+                "path": self.model_path,
+                "fingerprint": self.model_fingerprint,
+                "settings": model_settings(self.model),  # what else shapes its embeddings (index.checks)
+            },
             "dim": self.model.dim,
             "options": {"top_terms": self.top_terms},
             "stats": self.stats(),
