@@ -247,3 +247,20 @@ def test_a_subset_or_revision_of_another_layout_is_one_line():
     assert hub_options(DataConfig()) == {}
     with pytest.raises(DataError, match="need data.format: pairs"):
         hub_options(DataConfig(revision="v1"))
+
+
+def test_a_cards_top_level_file_is_not_another_subsets_file_of_the_same_name(cache, tmp_path, monkeypatch):
+    """A card's ``train.jsonl`` names the file at the repo's root: ``nested/train.jsonl`` of another subset, in
+    the same cached snapshot, is not read with it (a file's name alone matched)."""
+    import json
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "repo"
+    (repo / "nested").mkdir(parents=True)
+    card = "---\nconfigs:\n- config_name: top\n  data_files: train.jsonl\n- config_name: nested\n  data_files: "
+    (repo / "README.md").write_text(card + "nested/train.jsonl\n---\n")
+    for path, rows in ((repo / "train.jsonl", triplets(3, "a")), (repo / "nested" / "train.jsonl", triplets(5, "b"))):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lay_out(cache, "some-org/two", repo)
+    assert len(load_dataset("some-org/two", format="pairs", subset="top").queries) == 3
+    assert len(load_dataset("some-org/two", format="pairs", subset="nested").queries) == 5

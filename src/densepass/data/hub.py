@@ -137,7 +137,10 @@ def _card_splits(card: Path | None, subset: str | None, label: str) -> dict[str,
 
 
 def _matches(path: str, patterns: list[str]) -> bool:
-    return any(fnmatch(path, pattern) or fnmatch(path.rsplit("/", 1)[-1], pattern) for pattern in patterns)
+    """Whether ``path`` (relative to the repo's root) matches a pattern, itself relative to the root as the Hub's
+    ``allow_patterns`` and a card's ``data_files`` are (``*`` crosses folders, as ``fnmatch``'s does): a file's
+    name alone is not matched, or a card's ``train.jsonl`` would take another subset's ``other/train.jsonl``."""
+    return any(fnmatch(path, pattern) for pattern in patterns)
 
 
 def _snapshot(repo: str, revision: str | None, patterns: list[str], at: str, required: bool) -> Path | None:
