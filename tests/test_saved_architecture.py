@@ -119,6 +119,19 @@ def test_a_run_from_a_saved_model_runs_the_model_saved_there(tmp_path, tiny_mode
         BiEncoder.from_pretrained(str(tmp_path / "m"), config=BiEncoderConfig(projection_dim=16))
 
 
+def test_a_value_the_config_sets_is_kept_even_where_it_is_the_default(tmp_path, tiny_model_dir):
+    """The saved settings fill only what the file and overrides leave out: a default set on purpose (passages at
+    128 tokens for a model saved at 64) is the user's choice; a config built in Python, with no record of what
+    was set, takes the saved value wherever it holds the default."""
+    BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(passage_max_length=64)).save(tmp_path / "m")
+    merged = with_saved_architecture(_run_config(tmp_path / "m", tmp_path, "model.passage_max_length=128"))
+    assert merged.model.passage_max_length == 128
+    assert with_saved_architecture(_run_config(tmp_path / "m", tmp_path)).model.passage_max_length == 64
+    built = ExperimentConfig(name="x", output_dir=str(tmp_path / "runs"))
+    built.model.name_or_path = str(tmp_path / "m")
+    assert with_saved_architecture(built).model.passage_max_length == 64
+
+
 def test_a_plain_hugging_face_model_keeps_the_configs_settings(tmp_path, tiny_model_dir):
     config = _run_config(tiny_model_dir, tmp_path, "model.pooling=cls")
     assert with_saved_architecture(config) is config

@@ -779,7 +779,19 @@ def from_dict(cls: type[T], values: dict[str, Any], where: str = "config") -> T:
             raise ConfigError(f"{where}: unknown key {_short(key)}{hint}")
         kwargs[key] = _convert(value, hints[key], f"{where}.{key}")
         _check_range(kwargs[key], fields[key].metadata, f"{where}.{key}")
-    return cls(**kwargs)
+    out = cls(**kwargs)
+    out.__dict__[GIVEN] = frozenset(kwargs)  # the keys the mapping set (given_keys), beside the fields
+    return out
+
+
+GIVEN = "_given_keys"
+
+
+def given_keys(section: Any) -> frozenset[str] | None:
+    """The keys a config section's file or overrides set, when it was read by ``load_config`` / ``from_dict``
+    (None for a section built in Python, or copied by ``dataclasses.replace``): what the user chose, told apart
+    from a default of the same value."""
+    return getattr(section, "__dict__", {}).get(GIVEN)
 
 
 def to_dict(config: Any) -> dict[str, Any]:

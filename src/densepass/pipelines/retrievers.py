@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from densepass.config import BiEncoderConfig, ColbertConfig, ExperimentConfig, LossConfig, ModelConfig
+from densepass.config import BiEncoderConfig, ColbertConfig, ExperimentConfig, LossConfig, ModelConfig, given_keys
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError
 from densepass.index.base import Index
@@ -53,7 +53,8 @@ def _default(cls: type, name: str) -> object:
 
 def with_saved_architecture(config: ExperimentConfig) -> ExperimentConfig:
     """``config`` with its model section completed from the model it starts from: every architecture field the
-    config leaves at its default takes the value saved with the model (``densepass.json`` and the SPLADE / ColBERT
+    config does not set (in its file or overrides: ``config.given_keys``; for a config built in Python, a field left
+    at its default) takes the value saved with the model (``densepass.json`` and the SPLADE / ColBERT
     files; for a sentence-transformers model, its pooling, Dense, Normalize and prompts: ``models.st_layout``), so a
     run from ``outputs/x/model`` runs the model saved there and records its settings in its ``config.yaml``. A value
     the config sets that would replace saved weights with new ones (another projection size) is a one-line
@@ -75,19 +76,25 @@ def with_saved_architecture(config: ExperimentConfig) -> ExperimentConfig:
         top = {k: v for k, v in saved.items() if k in ("query_max_length", "passage_max_length", "temperature")}
         section = {k: v for k, v in saved.items() if k not in top}
     where = f"{model.name_or_path} was saved with"
+
+    def unset(section: object, cls: type, key: str) -> bool:  # not in the file or overrides (else: left at default)
+        given = given_keys(section)
+        return key not in given if given is not None else getattr(section, key) == _default(cls, key)
+
     if model.projection_dim is not None and saved.get("projection_dim") not in (None, model.projection_dim):
+        # (a projection_dim the config sets, or the saved one: None, the default, cannot drop saved weights)
         raise ConfigError(
             f"{where} projection_dim {saved['projection_dim']}, not the {model.projection_dim} the config sets: its "
             "trained projection would be replaced by a new one (leave model.projection_dim unset)"
         )
-    if section and model.colbert.dim != _default(ColbertConfig, "dim") and model.colbert.dim != section["dim"]:
+    if section and not unset(model.colbert, ColbertConfig, "dim") and model.colbert.dim != section["dim"]:
         raise ConfigError(
             f"{where} colbert.dim {section['dim']}, not the {model.colbert.dim} the config sets: its trained "
             "projection would be replaced by a new one (leave model.colbert.dim unset)"
         )
-    filled = {k: v for k, v in top.items() if getattr(model, k) == _default(ModelConfig, k)}
+    filled = {k: v for k, v in top.items() if unset(model, ModelConfig, k)}
     if section:
-        colbert = {k: v for k, v in section.items() if getattr(model.colbert, k) == _default(ColbertConfig, k)}
+        colbert = {k: v for k, v in section.items() if unset(model.colbert, ColbertConfig, k)}
         filled["colbert"] = dataclasses.replace(model.colbert, **colbert)
     return dataclasses.replace(config, model=dataclasses.replace(model, **filled))
 
