@@ -264,10 +264,13 @@ def test_no_false_negatives_share_a_batch_on_real_data(debian_subset, tiny_model
     )
     batches = list(planner(0))
     assert covers_once(batches, len(data))
+    assert all(len(b) == 32 for b in batches[: planner.steps_per_epoch])  # every trained batch is full
+    # conflicts only in the batches merged from ABS's short ones, the queries it could not keep apart
+    full = {tuple(b) for b in planner._abs(0) if len(b) == 32}
     relevant = dataset.relevant_sets()
     corpus = dataset.corpus
     shared_positive_pairs = 0
-    for batch in batches:
+    for batch in (b for b in batches if tuple(b) in full):
         for i in batch:
             for j in batch:
                 if i == j:
@@ -383,3 +386,13 @@ def test_damaged_or_foreign_saved_scheduling_embeddings_are_one_line(tmp_path, d
     with pytest.raises(DataError, match="damaged or another run's") as caught:
         planner._load_saved(saved)
     assert "\n" not in str(caught.value)
+
+
+def test_short_batches_are_merged_into_full_ones_and_the_remainder_comes_last():
+    """ABS leaves an epoch's last batches short where the queries left share a positive; the planner trains full
+    batches only: the short ones' members fill batches in order, fewer than a batch come last (not trained)."""
+    from densepass.training.planner import full_batches
+
+    raw = [[0, 1, 2, 3], [4, 5, 6], [7], [8, 9, 10, 11], [12, 13], [14]]
+    assert list(full_batches(iter(raw), 4)) == [[0, 1, 2, 3], [8, 9, 10, 11], [4, 5, 6, 7], [12, 13, 14]]
+    assert list(full_batches(iter([[0, 1], [2, 3]]), 2)) == [[0, 1], [2, 3]]

@@ -118,6 +118,27 @@ def check_schedule(config: ScheduleConfig) -> None:
         )
 
 
+def full_batches(batches: Iterator[list[int]], size: int) -> Iterator[list[int]]:
+    """``batches`` with the short ones merged into full ones: a batch of ``size`` passes as it is; the members of
+    shorter ones wait until they fill a batch, in their order, and what is left at the end (fewer than ``size``)
+    comes last, as the other methods' remainder does (past ``steps_per_epoch``, n // size: not trained). ABS leaves an epoch's
+    last batches short where the queries left conflict (they share a positive): trained as they were, a step had
+    fewer in-batch negatives than configured, and under torchrun a batch that does not split over the processes
+    stopped the run. A merged batch may hold queries of one positive: the loss masks each one's positive out of
+    the others' negatives (``losses.contrastive.false_negative_mask``)."""
+    waiting: list[int] = []
+    for batch in batches:
+        if len(batch) >= size:
+            yield batch
+            continue
+        waiting += batch
+        while len(waiting) >= size:
+            yield waiting[:size]
+            waiting = waiting[size:]
+    if waiting:
+        yield waiting
+
+
 class EpochPlanner:
     """Callable epoch -> batches, with ``steps_per_epoch`` for the learning-rate schedule.
 
@@ -162,7 +183,7 @@ class EpochPlanner:
             queries, _ = self._encode(epoch)
             yield from clustered_batches(queries, self.batch_size, self.config.clusters, self.seed, epoch)
         else:
-            yield from self._abs(epoch)
+            yield from full_batches(self._abs(epoch), self.batch_size)
 
     def similarity_source(self, epoch: int) -> str:
         """Which similarity ABS uses in ``epoch``: bm25 or encoder."""
