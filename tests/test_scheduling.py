@@ -394,5 +394,5 @@ def test_short_batches_are_merged_into_full_ones_and_the_remainder_comes_last():
     from densepass.training.planner import full_batches
 
     raw = [[0, 1, 2, 3], [4, 5, 6], [7], [8, 9, 10, 11], [12, 13], [14]]
-    assert list(full_batches(iter(raw), 4)) == [[0, 1, 2, 3], [8, 9, 10, 11], [4, 5, 6, 7], [12, 13, 14]]
+    assert list(full_batches(iter(raw), 4)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14]]
     assert list(full_batches(iter([[0, 1], [2, 3]]), 2)) == [[0, 1], [2, 3]]
