@@ -87,6 +87,29 @@ def test_the_loss_of_a_batch_is_the_reference_computed_from_the_rows_numbers(tmp
     assert got == pytest.approx(sum(terms) / len(terms), rel=1e-5)
 
 
+def test_the_contrastive_term_of_a_distillation_runs_at_its_own_temperature(tmp_path, tiny_model_dir):
+    """``Distillation(contrastive=InfoNCE(temperature=τ))`` adds InfoNCE at τ, not at the model's temperature (the
+    student's distillation scores stay at the model's); bad weights and temperatures are refused when built."""
+    from densepass.losses.objectives import InfoNCE
+
+    dataset = load_pairs(write_rows(tmp_path / "r.jsonl", scored_rows(8)))
+    query_ids = sorted(dataset.queries)
+    pool = passage_ids(given_pool(dataset, query_ids).pool)
+    data = TrainingData(dataset, "train", " ", pool, 2, query_ids=query_ids, teacher_scores=dataset.teacher_scores)
+    model = dp.BiEncoder.from_pretrained(str(tiny_model_dir), dp.BiEncoderConfig(temperature=0.5))
+    tensors = batch_tensors(model, data.collate(list(range(8)), seed=(3, 0, 0)))
+    with torch.no_grad():
+        q = model(tensors.queries["input_ids"], tensors.queries["attention_mask"], "query")
+        p = model(tensors.passages["input_ids"], tensors.passages["attention_mask"], "passage")
+        for tau in (None, 0.05):
+            contrastive = InfoNCE(temperature=tau)
+            both = float(Distillation("kl", 0.0, 2.0, contrastive=contrastive)(model, q, p, tensors))
+            assert both == pytest.approx(float(contrastive(model, q, p, tensors)), rel=1e-6)
+    for bad in ({"weight": -1.0}, {"temperature": 0.0}, {"weight": float("nan")}):
+        with pytest.raises(ConfigError, match="distillation weight must be >= 0 and temperature > 0"):
+            Distillation("kl", **bad)
+
+
 def test_densepass_run_distils_the_rows_scores_without_a_cross_encoder(tmp_path, tiny_model_dir):
     rows_file = write_rows(tmp_path / "r.jsonl", scored_rows(16))
     beir = write_tiny_beir(tmp_path / "beir")

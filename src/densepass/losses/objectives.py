@@ -209,6 +209,10 @@ class Distillation(Objective):
     def __post_init__(self) -> None:
         if self.loss not in ("margin-mse", "kl"):
             raise ConfigError(f"unknown distillation loss {self.loss!r} (use margin-mse or kl)")
+        if not self.weight >= 0 or not self.temperature > 0:  # (NaN fails both)
+            raise ConfigError(
+                f"distillation weight must be >= 0 and temperature > 0, got {self.weight} and {self.temperature}"
+            )
 
     def __call__(
         self, model: nn.Module, queries: torch.Tensor, passages: torch.Tensor, batch: BatchTensors
@@ -225,7 +229,8 @@ class Distillation(Objective):
             term = listwise_kl_loss(student, teacher, self.temperature)
         if self.contrastive is None:
             return self.weight * term
-        return info_nce(scores, batch.positive_index, batch.mask, self.contrastive.bidirectional) + self.weight * term
+        # the contrastive term at its own temperature (None: the model's, where it reuses these scores' values)
+        return self.contrastive(model, queries, passages, batch) + self.weight * term
 
     def describe(self) -> str:
         """One line for reports."""
@@ -249,6 +254,12 @@ class FLOPS(Objective):
     lambda_d: float = 3e-4
     warmup_steps: int = 100
     step: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.lambda_q >= 0 and self.lambda_d >= 0) or self.warmup_steps < 0:
+            raise ConfigError(
+                f"FLOPS lambdas and warmup_steps must be >= 0, got {self.lambda_q}, {self.lambda_d}, {self.warmup_steps}"
+            )
 
     def __call__(
         self, model: nn.Module, queries: torch.Tensor, passages: torch.Tensor, batch: BatchTensors
