@@ -257,9 +257,8 @@ class FLOPS(Objective):
 
     def __post_init__(self) -> None:
         if not (self.lambda_q >= 0 and self.lambda_d >= 0) or self.warmup_steps < 0:
-            raise ConfigError(
-                f"FLOPS lambdas and warmup_steps must be >= 0, got {self.lambda_q}, {self.lambda_d}, {self.warmup_steps}"
-            )
+            got = f"{self.lambda_q}, {self.lambda_d}, {self.warmup_steps}"
+            raise ConfigError(f"FLOPS lambdas and warmup_steps must be >= 0, got {got}")
 
     def __call__(
         self, model: nn.Module, queries: torch.Tensor, passages: torch.Tensor, batch: BatchTensors
