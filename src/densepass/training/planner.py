@@ -121,10 +121,10 @@ def check_schedule(config: ScheduleConfig) -> None:
 def full_batches(batches: Iterator[list[int]], size: int) -> Iterator[list[int]]:
     """``batches`` with the short ones merged into full ones: a batch of ``size`` passes as it is; the members of
     shorter ones wait until they fill a batch, in their order, and what is left at the end (fewer than ``size``)
-    comes last, as the other methods' remainder does (past ``steps_per_epoch``, n // size: not trained). ABS leaves an epoch's
-    last batches short where the queries left conflict (they share a positive): trained as they were, a step had
-    fewer in-batch negatives than configured, and under torchrun a batch that does not split over the processes
-    stopped the run. A merged batch may hold queries of one positive: the loss masks each one's positive out of
+    comes last, as the other methods' remainder does (past ``steps_per_epoch``, n // size: not trained). ABS leaves
+    an epoch's last batches short where the queries left conflict (they share a positive): trained as they were, a
+    step had fewer in-batch negatives than configured, and under torchrun a batch that does not split over the
+    processes stopped the run. A merged batch may hold queries of one positive: the loss masks each one's positive out of
     the others' negatives (``losses.contrastive.false_negative_mask``)."""
     waiting: list[int] = []
     for batch in batches:
