@@ -124,8 +124,8 @@ def full_batches(batches: Iterator[list[int]], size: int) -> Iterator[list[int]]
     comes last, as the other methods' remainder does (past ``steps_per_epoch``, n // size: not trained). ABS leaves
     an epoch's last batches short where the queries left conflict (they share a positive): trained as they were, a
     step had fewer in-batch negatives than configured, and under torchrun a batch that does not split over the
-    processes stopped the run. A merged batch may hold queries of one positive: the loss masks each one's positive out of
-    the others' negatives (``losses.contrastive.false_negative_mask``)."""
+    processes stopped the run. A merged batch may hold queries of one positive: the loss masks each one's positive
+    out of the others' negatives (``losses.contrastive.false_negative_mask``)."""
     waiting: list[int] = []
     for batch in batches:
         if len(batch) >= size:
