@@ -177,6 +177,23 @@ def test_max_steps_ends_inside_an_epoch(tmp_path):
     assert fit(task, tmp_path / "run", max_steps=5).steps == 5 and task.seen == 25
 
 
+def test_an_epoch_ends_once_and_only_after_steps_of_it(tmp_path):
+    """max_steps ending training in epoch 1 of 3: epoch 1's end comes once, at the last step, and the untrained
+    epoch 2 has none; a resume of the finished run calls none again (each called it at step 5 before)."""
+    record = Record()
+    fit(Regression(), tmp_path / "run", [record], max_steps=5)
+    assert [e for e in record.events if e[0] == "epoch"] == [("epoch", 0), ("epoch", 1)]
+    again = Record()
+    fit(Regression(), tmp_path / "run", [again], max_steps=5)
+    assert [e for e in again.events if e[0] == "epoch"] == []
+
+
+def test_a_run_whose_every_step_was_skipped_is_a_failure(tmp_path):
+    """skip_nonfinite: a run that skipped every batch trained nothing; it ended as if trained."""
+    with pytest.warns(UserWarning), pytest.raises(Diverged, match="every one of its 4 steps .* was skipped"):
+        fit(Regression(epochs=1, nan_at={1, 2, 3, 4}), tmp_path / "run", skip_nonfinite=True)
+
+
 def test_a_non_finite_loss_stops_the_run_naming_the_step_or_is_skipped(tmp_path):
     with pytest.raises(Diverged, match="training diverged at step 3"):
         fit(Regression(nan_at={3}), tmp_path / "a")

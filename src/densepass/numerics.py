@@ -176,6 +176,16 @@ class DivergenceGuard:
         )
         return False
 
+    def finish(self, steps: int) -> None:
+        """At the end of a run of ``steps`` steps: a :class:`Diverged` error when every one of them was skipped (no
+        batch trained: the model is the one it started from, which would otherwise be saved and reported as
+        trained)."""
+        if steps > 0 and self.skipped >= steps:
+            raise Diverged(
+                f"training diverged: every one of its {steps} steps had a non-finite loss or gradient and was "
+                f"skipped ({self.section}.skip_nonfinite); nothing was trained; lower {self.section}.learning_rate"
+            )
+
     def check_weights(self, step: int, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A :class:`Diverged` error when a weight is not finite after step ``step`` (before a checkpoint)."""
         found = first_nonfinite(named)

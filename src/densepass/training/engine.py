@@ -422,7 +422,9 @@ def fit(
     try:
         for epoch in range(engine.step // task.steps_per_epoch, task.epochs):
             engine.epoch = epoch
+            trained = False  # a step of this epoch taken here (max_steps may end training epochs early)
             for _, index, batch in prepared(epoch):
+                trained = True
                 context = StepContext(engine.step, epoch, index, device, bf16)
                 out = task.step(batch, context)
                 if l2sp is not None:  # its gradient once: the processes' gradients are summed next
@@ -459,7 +461,9 @@ def fit(
                         callback.on_step_end(engine)
                 if engine.step % optim.checkpoint_every == 0 or engine.step == total:
                     save_checkpoint()
-            if rank == 0 and engine.step == min(total, (epoch + 1) * task.steps_per_epoch):
+            # an epoch's end once, after its last step (or the run's last, under max_steps): not again for the
+            # epochs max_steps left untrained, nor on a resume of a finished run
+            if rank == 0 and trained and engine.step == min(total, (epoch + 1) * task.steps_per_epoch):
                 with merged():
                     for callback in callbacks:
                         callback.on_epoch_end(engine, epoch)
@@ -473,5 +477,6 @@ def fit(
     if adapters is not None:
         adapters.merge()  # the trained model is a plain one of its architecture
     task.finish()
+    guard.finish(engine.step)
     elapsed = time.perf_counter() - started
     return FitResult(engine.step, loss.item(), seen / elapsed if elapsed > 0 else 0.0, elapsed, log_path)
