@@ -48,6 +48,17 @@ def test_lora_trains_only_the_adapted_layers_and_ends_with_a_plain_merged_model(
     torch.testing.assert_close(torch.from_numpy(st), torch.from_numpy(ours), atol=1e-5, rtol=0)
 
 
+def test_lora_leaves_the_layers_freeze_layers_froze_as_they_were(dropout_bert, tiny_beir, tmp_path):
+    """train.freeze_layers with lora_rank: the adapters in the frozen bottom layers stay frozen, so after the merge
+    those layers are the starting ones (they were trained, and changed, before)."""
+    model = BiEncoder.from_pretrained(str(dropout_bert))
+    start = _weights(model)
+    config = _fp32_config(lora_rank=4, learning_rate=1e-2, freeze_layers=1)
+    train(model, make_data(tiny_beir), config, tmp_path / "run", CPU)
+    changed = {k for k, v in _weights(model).items() if not torch.equal(v, start[k])}
+    assert changed and not any(".layer.0." in k for k in changed) and any(".layer.1." in k for k in changed), changed
+
+
 def test_an_interrupted_lora_run_resumes_to_the_same_weights(dropout_bert, tiny_beir, tmp_path, monkeypatch):
     import densepass.training.trainer as trainer_module
 

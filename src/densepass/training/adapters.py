@@ -50,6 +50,8 @@ class Adapters:
         if not backbones:
             raise ConfigError("lora_rank: the model holds no transformer to put adapters in")
         for backbone in backbones:
+            # the layers frozen before (train.freeze_layers): their adapters stay frozen too, or they would change
+            frozen = {name.rsplit(".", 1)[0] for name, p in backbone.named_parameters() if not p.requires_grad}
             config = LoraConfig(
                 r=optim.lora_rank,
                 lora_alpha=optim.lora_alpha,
@@ -62,7 +64,7 @@ class Adapters:
                 first = (str(err).strip().splitlines() or ["no target layer"])[0]
                 raise ConfigError(f"lora_targets: {first}") from None
             for name, parameter in backbone.named_parameters():
-                parameter.requires_grad_("lora_" in name)
+                parameter.requires_grad_("lora_" in name and name.split(".lora_")[0] not in frozen)
         self.network = network
         # (parent module, attribute, adapted layer) of every layer that got an adapter
         self.layers = [
