@@ -383,6 +383,7 @@ def test_tied_scores_are_ordered_by_the_rank_column_with_one_warning(tmp_path):
     expected = f"{path}: 2 of 2 queries have tied scores (first: query 'q1'); their ties are ordered by the rank column"
     assert data_warnings(record) == [expected]
     assert sorted(run["q2"], key=run["q2"].get, reverse=True) == ["top", "a", "b", "rel"]
+    assert list(run["q2"].items()) == [("top", 0.9), ("a", 0.5), ("b", 0.5), ("rel", 0.5)]  # its scores, in order
     got = evaluate_run({"q1": {"rel": 1}, "q2": {"rel": 1}}, run, ["mrr@10"])
     assert got["mrr@10"] == pytest.approx((1 / 1 + 1 / 4) / 2)
 

@@ -58,7 +58,7 @@ def test_write_trec_run_writes_over_a_run_only(tmp_path):
     write_trec_run({}, path)
     assert path.read_text() == ""  # a run without hits: an empty file, which the next write may replace
     write_trec_run({"q": {"a": 2.0, "b": 1.0}}, path, tag="t")
-    assert path.read_text() == "q Q0 a 1 2.000000 t\nq Q0 b 2 1.000000 t\n"
+    assert path.read_text() == "q Q0 a 1 2.0 t\nq Q0 b 2 1.0 t\n"
     write_trec_run({"q": {"b": 3.0}}, path)
     assert read_trec_run(path) == {"q": {"b": 3.0}}
     mine = tmp_path / "mine.txt"

@@ -226,7 +226,7 @@ def test_trec_run_round_trip(tmp_path):
     assert read_trec_run(path) == run
     lines = path.read_text().splitlines()
     # best first, ranks from 1, six columns with the tag
-    assert lines[0].split() == ["q1", "Q0", "p2", "1", "1.500000", "mytag"]
+    assert lines[0].split() == ["q1", "Q0", "p2", "1", "1.5", "mytag"]
     assert [line.split()[2] for line in lines[:3]] == ["p2", "p1", "p3"]
     assert [line.split()[3] for line in lines[:3]] == ["1", "2", "3"]
     assert [p.name for p in path.parent.iterdir()] == ["run.trec"]  # no temporary file left
@@ -338,3 +338,26 @@ def test_randomization_p_is_seeded_and_close_to_exact_when_sampled():
     sampled = randomization_p(a, b, n_permutations=20_000, seed=1)
     assert sampled == randomization_p(a, b, n_permutations=20_000, seed=1)
     assert sampled == pytest.approx(exact, abs=0.02)
+
+
+@pytest.mark.parametrize("size", [10, 100, 2000])
+@pytest.mark.parametrize("where", [0, 5, 9])
+def test_tied_scores_rank_in_the_runs_order_at_any_length(size, where):
+    """All scores tied: the relevant passage ranks where the run lists it (ranx's unstable sort kept short lists
+    in order and scrambled long ones, so a metric depended on the ranking's length)."""
+    ranking = {f"p{i}": 0.5 for i in range(size) if i != where}
+    items = list(ranking.items())
+    items.insert(where, ("rel", 0.5))
+    got = evaluate_run({"q": {"rel": 1}}, {"q": dict(items)}, ["mrr@10"])
+    assert got["mrr@10"] == pytest.approx(1 / (where + 1))
+
+
+def test_a_run_written_and_read_back_scores_and_ranks_as_it_was(tmp_path):
+    """Every digit of a score is written: scores six decimals would tie keep their order and value."""
+    run = {"q": {"a": 0.8000000012, "b": 0.8000000011, "rel": 0.8000000013, "c": 0.1}}
+    path = tmp_path / "run.trec"
+    write_trec_run(run, path)
+    back = read_trec_run(path)
+    assert back == run and list(back["q"]) == ["rel", "a", "b", "c"]
+    qrels = {"q": {"b": 1}}
+    assert evaluate_run(qrels, back, ["mrr@10"]) == evaluate_run(qrels, run, ["mrr@10"]) == {"mrr@10": 1 / 3}

@@ -127,8 +127,10 @@ def _ranx_inputs(qrels: Qrels, run: Run):
             DataWarning,
             stacklevel=3,
         )
-    # ranx needs every judged query in the run; an empty ranking scores zero.
-    full_run = {q: (run.get(q) or {"__none__": 0.0}) for q in judged}
+    # ranx needs every judged query in the run; an empty ranking scores zero. Tied scores are ranked in the run's
+    # order (its insertion order: an index's row order, a run file's rank column), made strict here: ranx orders a
+    # ranking with an unstable sort, which kept ties in order for short lists and scrambled them for long ones.
+    full_run = {q: _strict(run.get(q) or {"__none__": 0.0}) for q in judged}
     ranx_qrels, ranx_run = RanxQrels(judged), RanxRun(full_run)
     # The same queries on both sides, so ranx's make_comparable would add or drop nothing; what it does do, sort
     # the run again, is repeated here, and both are handed to ranx as the typed lists it evaluates. Its Qrels and
@@ -136,6 +138,15 @@ def _ranx_inputs(qrels: Qrels, run: Run):
     # where these calls load ranx's cached compiled functions.
     ranx_run.sort()
     return ranx_qrels.to_typed_list(), ranx_run.to_typed_list()
+
+
+def _strict(ranking: dict[str, float]) -> dict[str, float]:
+    """``ranking`` itself where its scores are distinct, else scores n, ..., 1 in the order (score desc, then its
+    own order): the metrics depend on the order only."""
+    if len(set(ranking.values())) == len(ranking):
+        return ranking
+    ordered = sorted(ranking.items(), key=lambda item: -item[1])  # stable: ties keep the ranking's order
+    return {pid: float(len(ordered) - n) for n, (pid, _) in enumerate(ordered)}
 
 
 def answered_qrels(qrels: Qrels, runs: Sequence[Run], all_queries: bool = False) -> Qrels:
@@ -322,7 +333,9 @@ def write_trec_run(run: Run, path: str | Path, tag: str = "densepass") -> None:
     lines = []
     for qid in run:
         ranked = sorted(run[qid].items(), key=lambda item: -item[1])
-        lines.extend(f"{qid} Q0 {pid} {rank} {score:.6f} {tag}\n" for rank, (pid, score) in enumerate(ranked, 1))
+        # every digit of the score (repr: the shortest text that reads back as the same float): six decimals tied
+        # scores that differ, and a run read back ranked those ties otherwise than the run written
+        lines.extend(f"{qid} Q0 {pid} {rank} {float(score)!r} {tag}\n" for rank, (pid, score) in enumerate(ranked, 1))
     atomic_write_text(path, "".join(lines))
 
 
@@ -332,9 +345,9 @@ def read_trec_run(path: str | Path, corpus: Container[str] | None = None) -> Run
     One-line DataErrors name the file and line of: a line without 6 columns, a score that is not a finite
     number, a rank that is not an integer, a (query, passage) pair given twice, bad UTF-8; an empty file is
     an error too, and so are, with their count and an example, passages not in ``corpus`` (when given).
-    Tied scores within a query are ordered by the rank column (then by the file's order): the scores of
-    such queries are replaced by ``n, n-1, ..., 1`` in that order (metrics depend on the order only), with
-    one counted DataWarning for the file."""
+    Tied scores within a query are ordered by the rank column (then by the file's order): such a query's passages
+    are kept in that order, their scores as the file gives them (a run's ties are ranked by that order:
+    ``_ranx_inputs``; a fusion reads the scores), with one counted DataWarning for the file."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"run file not found: {path}")
@@ -376,12 +389,13 @@ def read_trec_run(path: str | Path, corpus: Container[str] | None = None) -> Run
 
 
 def _break_ties(path: Path, run: Run, ranks: dict[str, list[int]]) -> None:
-    """Re-score, in place, the queries whose scores tie, in the order of (score desc, rank, file order)."""
+    """Put, in place, the passages of the queries whose scores tie in the order (score desc, rank, file order),
+    their scores unchanged (they were replaced by n, ..., 1, which a fusion then read as scores)."""
     tied = [qid for qid, ranking in run.items() if len(set(ranking.values())) < len(ranking)]
     for qid in tied:
         items, rank = list(run[qid].items()), ranks[qid]
         order = sorted(range(len(items)), key=lambda i: (-items[i][1], rank[i]))
-        run[qid] = {items[i][0]: float(len(order) - n) for n, i in enumerate(order)}
+        run[qid] = {items[i][0]: items[i][1] for i in order}
     if tied:
         warnings.warn(
             f"{path}: {len(tied)} of {len(run)} queries have tied scores (first: query {tied[0]!r}); "

@@ -64,7 +64,9 @@ def add_rerank_candidates(evalset: EvalSet, bm25: BM25Index, size: int) -> EvalS
                 break
             if evalset.corpus.ids[r] not in chosen:
                 chosen.append(evalset.corpus.ids[r])
-        candidates[qid] = chosen
+        # in corpus order, not positives first: a tie between a positive and another candidate (a duplicate
+        # passage) is ranked in the candidates' order, which would otherwise favour the positive
+        candidates[qid] = sorted(chosen, key=evalset.corpus.position)
     evalset.candidates = candidates
     evalset.description += f"; re-ranking {size} candidates per query (positives + BM25)"
     return evalset
