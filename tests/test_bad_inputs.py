@@ -625,6 +625,26 @@ def test_a_device_this_machine_lacks_is_a_one_line_error_before_any_work(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["train.batch_size=32"], "3", "train.batch_size 32 does not split over the 3 processes"),
+        (["loss.memory=moco", "train.lora_rank=4"], "1", "loss.memory=moco does not combine with train.lora_rank"),
+    ],
+)
+def test_training_settings_that_fail_only_at_a_step_are_refused_before_any_work(
+    tmp_path, monkeypatch, overrides, world, message
+):
+    """Under torchrun a batch that does not split over the processes, and a MoCo queue with LoRA, stopped a run at
+    its first batch or step, after mining and scoring."""
+    from densepass.pipelines.experiment import check
+
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(ConfigError, match=message):
+        check(load_config(None, [*overrides, f"output_dir={tmp_path}"]))
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["cpu:7", "cpu:1"])
 def test_a_cpu_device_index_is_a_one_line_error(tmp_path, name):
     from densepass.pipelines.experiment import check

@@ -211,6 +211,12 @@ def check(config: ExperimentConfig) -> torch.device:
         if config.validation.select and not config.validation.enabled:
             raise ConfigError("validation.select needs validation.enabled: true (nothing is validated otherwise)")
         check_fsdp(config)
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # under torchrun, before any mining or scoring
+        if world > 1 and config.train.batch_size % world:
+            raise ConfigError(
+                f"train.batch_size {config.train.batch_size} does not split over the {world} processes: make it a "
+                f"multiple of {world}"
+            )
         check_l2sp(config.train)
         check_mix(config.data.mix, config.train, config.schedule, distilling(config))
     elif config.train.wise_ft is not None:

@@ -279,6 +279,11 @@ def check_loss(loss: LossConfig, train: TrainConfig) -> None:
     """What ``objective_from_config`` would refuse, checked before any work starts."""
     if loss.kind == "ltr" and train.bidirectional:
         raise ConfigError("loss.kind=ltr has no passage-to-query term: set train.bidirectional=false")
+    if loss.memory == "moco" and train.lora_rank:  # its key encoder copies the weights LoRA leaves frozen
+        raise ConfigError(
+            "loss.memory=moco does not combine with train.lora_rank: the momentum encoder would follow the frozen "
+            "weights, not the adapted model"
+        )
 
 
 def objective_from_config(loss: LossConfig, train: TrainConfig, model: BiEncoder) -> Objective:
