@@ -361,3 +361,21 @@ def test_a_run_written_and_read_back_scores_and_ranks_as_it_was(tmp_path):
     assert back == run and list(back["q"]) == ["rel", "a", "b", "c"]
     qrels = {"q": {"b": 1}}
     assert evaluate_run(qrels, back, ["mrr@10"]) == evaluate_run(qrels, run, ["mrr@10"]) == {"mrr@10": 1 / 3}
+
+
+def test_a_passage_listed_twice_in_results_keeps_its_best_score_in_the_run():
+    """A phrase index's hits are phrases, so a passage can come twice: its run keeps the first, best score (it kept
+    the last, worst one, and ranked the passage below others)."""
+    from densepass.data.dataset import Corpus
+    from densepass.index.base import SearchResults
+
+    ids = ["p0", "p1"]
+    results = SearchResults(np.array([[5.0, 4.0, 3.0]]), np.array([[0, 1, 0]]), Corpus(ids, ["", ""], ids, ids))
+    run = results.as_run(["q"])
+    assert run == {"q": {"p0": 5.0, "p1": 4.0}} and list(run["q"]) == ["p0", "p1"]
+
+
+def test_bpref_is_not_offered():
+    """bpref needs judged non-relevant passages, which the evaluation leaves out: it was NaN for every run."""
+    with pytest.raises(DensepassError, match="bpref"):
+        evaluate_run({"q": {"a": 1, "b": 0}}, {"q": {"b": 2.0, "a": 1.0}}, ["bpref"])

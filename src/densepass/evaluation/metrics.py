@@ -23,7 +23,8 @@ from densepass.evaluation.answers import top_k_accuracy
 
 Run = dict[str, dict[str, float]]  # query id -> passage id -> score
 
-# The metrics of ranx (``ranx.metrics.metric_switch``), each with an optional cutoff ``@k``.
+# The metrics of ranx (``ranx.metrics.metric_switch``), each with an optional cutoff ``@k``; not bpref, which needs
+# the judged non-relevant passages that ``_ranx_inputs`` leaves out (it was NaN for every run).
 RANX_METRICS = (
     "mrr",
     "ndcg",
@@ -37,7 +38,6 @@ RANX_METRICS = (
     "map",
     "hits",
     "hit_rate",
-    "bpref",
 )
 ACCURACY = "accuracy"  # DPR top-k answer accuracy: always with a cutoff, accuracy@k
 _METRIC = re.compile(r"(?P<name>[a-z][a-z0-9_-]*)(?:@(?P<k>[0-9]+))?")  # f1 has a digit

@@ -205,10 +205,17 @@ class SearchResults:
         return [pid for pid, _ in self.hits(i)]
 
     def as_run(self, query_ids: Sequence[str]) -> dict[str, dict[str, float]]:
-        """``{query id: {passage id: score}}`` (a TREC run in memory, as ``evaluation.metrics`` reads it)."""
+        """``{query id: {passage id: score}}`` (a TREC run in memory, as ``evaluation.metrics`` reads it); a passage
+        listed twice (a phrase index's hits are phrases) keeps its first, best score."""
         if len(query_ids) != len(self):
             raise ConfigError(f"{len(query_ids)} query ids for {len(self)} result lists")
-        return {qid: dict(self.hits(i)) for i, qid in enumerate(query_ids)}
+        run = {}
+        for i, qid in enumerate(query_ids):
+            ranking: dict[str, float] = {}
+            for pid, score in self.hits(i):
+                ranking.setdefault(pid, score)
+            run[qid] = ranking
+        return run
 
     def __iter__(self) -> Iterator[list[tuple[str, float]]]:
         return (self.hits(i) for i in range(len(self)))
