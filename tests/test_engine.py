@@ -188,6 +188,18 @@ def test_an_epoch_ends_once_and_only_after_steps_of_it(tmp_path):
     assert [e for e in again.events if e[0] == "epoch"] == []
 
 
+def test_the_log_records_the_learning_rate_of_the_steps_it_logs(tmp_path):
+    """Linear warm-up over int(0.2 x 12) = 2 steps, then decay to 0 at step 12: the update of step n (from 1) uses
+    lr x min((n - 1) / 2, (12 - (n - 1)) / 10); each record's lr is its step's (it was the next step's)."""
+    import json
+
+    result = fit(Regression(), tmp_path / "run")
+    records = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    for record in records:
+        n = record["step"]
+        assert record["lr"] == pytest.approx(0.05 * min((n - 1) / 2, (12 - (n - 1)) / 10)), record
+
+
 def test_a_run_whose_every_step_was_skipped_is_a_failure(tmp_path):
     """skip_nonfinite: a run that skipped every batch trained nothing; it ended as if trained."""
     with pytest.warns(UserWarning), pytest.raises(Diverged, match="every one of its 4 steps .* was skipped"):

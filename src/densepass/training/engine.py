@@ -432,6 +432,7 @@ def fit(
                 if world > 1:  # under FSDP its reduce-scatter summed the sharded ones in the backward pass
                     sum_gradients(sharding.whole_parameters(trainable) if sharded else trainable)
                 clip = sharding.clip_grad_norm if sharded else None
+                step_lr = scheduler.get_last_lr()[0]  # the rate this step's update uses (the scheduler steps after)
                 taken, norm = guard.step(
                     engine.step + 1, out.loss, trainable, optimizer, scheduler, optim.max_grad_norm, clip
                 )
@@ -447,7 +448,7 @@ def fit(
                     release_freed_memory()  # glibc keeps what varying shapes fragment (device.release_freed_memory)
                 if (engine.step % optim.log_every == 0 or engine.step == total) and interval.steps:
                     record = {"step": engine.step, "epoch": epoch, **interval.means()}
-                    record["lr"] = scheduler.get_last_lr()[0]
+                    record["lr"] = step_lr  # the logged step's (it was the next step's)
                     if task.throughput:
                         record[task.throughput] = seen / (time.perf_counter() - started)
                     if guard.skipped:
