@@ -762,3 +762,12 @@ def test_the_relative_margin_of_a_listwise_teacher_is_a_ratio_of_exponents(sigmo
     by_id = dict(zip(dataset.corpus.ids, logits))
     expected = [by_id[p] < by_id["p0"] + math.log(0.95) for p in candidates]
     assert relative.keep("q0", _pool(candidates)) == expected
+
+
+def test_an_empty_pools_random_negatives_leave_out_the_querys_relevant_passages():
+    """The fallback for an empty pool draws random passages: never one relevant to the query (by content key), which
+    a cross-encoder, masking nothing, would learn as a negative (about 3 draws in 10 on a 10-passage corpus)."""
+    keys = np.arange(100, 110)
+    rng = np.random.default_rng(0)
+    drawn = [r for _ in range(300) for r in draw_negatives(np.array([], dtype=np.int64), 3, rng, 10, keys, {103, 107})]
+    assert len(drawn) == 900 and not {3, 7} & set(drawn) and set(drawn) == set(range(10)) - {3, 7}

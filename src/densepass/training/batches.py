@@ -28,13 +28,24 @@ from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.losses.contrastive import false_negative_mask
 
 
-def draw_negatives(pool: np.ndarray, h: int, rng: np.random.Generator, n_passages: int) -> list[int]:
+def draw_negatives(
+    pool: np.ndarray,
+    h: int,
+    rng: np.random.Generator,
+    n_passages: int,
+    keys: np.ndarray | None = None,
+    relevant: set[int] | None = None,
+) -> list[int]:
     """``h`` rows drawn uniformly from ``pool`` (distinct when the pool has >= h rows; a shorter pool repeats some,
     which ``TrainingData`` warns about and reports: ``PoolSizes``), the paper's "randomly select negatives from the
     pool for each question" (negative-contrast §4.3); an empty pool falls back to random passages
-    (training-inference-gap §4.3.2, footnote 6)."""
+    (training-inference-gap §4.3.2, footnote 6), those whose content key (``keys``) is ``relevant`` to the query
+    left out: a cross-encoder, which masks nothing, would learn its own positive as a negative."""
     if len(pool) == 0:
         pool = rng.integers(0, n_passages, size=4 * h)
+        if relevant and keys is not None:
+            kept = np.array([r for r in pool.tolist() if int(keys[r]) not in relevant], dtype=pool.dtype)
+            pool = kept if len(kept) else pool  # (a corpus of nothing but the query's relevant passages)
     return [int(r) for r in rng.choice(pool, size=h, replace=len(pool) < h)]
 
 
@@ -320,7 +331,9 @@ class TrainingData:
         if h:
             pools = self.negative_rows_at(step)
             for i in batch:
-                neg_rows.extend(draw_negatives(pools[i], h, rng, len(self.passage_inputs)))
+                neg_rows.extend(
+                    draw_negatives(pools[i], h, rng, len(self.passage_inputs), self.keys, self.relevant_keys[i])
+                )
             for source, _ in mixed:  # random passages among the mixed positives (none mined for these queries)
                 neg_rows.extend(draw_negatives(source.positive_rows, h, rng, len(self.passage_inputs)))
         all_rows = pos_rows + neg_rows
