@@ -645,6 +645,37 @@ def test_training_settings_that_fail_only_at_a_step_are_refused_before_any_work(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "mix, message",
+    [
+        ("[bm25, contxt]", "unknown negatives strategy 'contxt'"),
+        ("['dense:abc']", "the dimension after 'dense:' must be a number"),
+        ("[]", "negatives.mix must list the strategies to mix"),
+        ("[bm25, mixed]", "negatives.mix must list the strategies to mix"),
+    ],
+)
+def test_a_mix_of_strategies_that_cannot_mine_is_refused_before_any_work(tmp_path, mix, message):
+    """They failed only after --restart had removed the earlier outputs, the BM25 index was built and a dense
+    miner trained."""
+    from densepass.pipelines.experiment import check
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check(load_config(None, ["negatives.source=mixed", f"negatives.mix={mix}", f"output_dir={tmp_path}"]))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mining_into_the_pool_it_reads_is_refused(tmp_path):
+    from densepass.config import ExperimentConfig
+    from densepass.pipelines.mine_command import mine_training_negatives
+
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text('{"query_id": "q1", "negatives": ["p1"]}\n')
+    config = load_config(None, ["negatives.source=file", f"negatives.file={pool}"], ExperimentConfig)
+    with pytest.raises(ConfigError, match="is the pool this mining reads"):
+        mine_training_negatives(config, pool)
+    assert pool.read_text() == '{"query_id": "q1", "negatives": ["p1"]}\n'
+
+
 @pytest.mark.parametrize("name", ["cpu:7", "cpu:1"])
 def test_a_cpu_device_index_is_a_one_line_error(tmp_path, name):
     from densepass.pipelines.experiment import check

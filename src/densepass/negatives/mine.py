@@ -76,6 +76,27 @@ def strategy_specs(config: NegativesConfig, strategy: str | None = None) -> list
     return config.mix if strategy == "mixed" else [strategy]
 
 
+KNOWN = ("bm25", "dense", "model", "context", "mixed", "file", "given")
+
+
+def check_strategies(config: NegativesConfig, strategy: str | None = None) -> None:
+    """A one-line ConfigError, before any work, for what ``raw_pool`` would refuse only once it got there (after a
+    BM25 index was built or a dense miner trained): an unknown strategy, a ``dense:DIM`` out of range, an empty
+    ``mix`` or one that holds ``mixed``."""
+    strategy = strategy or config.source
+    if strategy == "mixed" and (not config.mix or "mixed" in config.mix):
+        raise ConfigError("negatives.mix must list the strategies to mix (and not 'mixed')")
+    for spec in strategy_specs(config, strategy):
+        name = spec.partition(":")[0]
+        if name not in KNOWN or name in ("given", "context", "bm25", "model") and ":" in spec:
+            raise ConfigError(
+                f"unknown negatives strategy {spec!r} (known: bm25, dense[:DIM], model, context, mixed, file[:PATH], "
+                "given)"
+            )
+        if name == "dense":
+            dense_dim(spec, config)
+
+
 def dense_specs(config: NegativesConfig, strategy: str | None = None) -> list[str]:
     """The ``dense[:DIM]`` strategies that mining ``strategy`` (default: ``config.source``) will run."""
     return [s for s in strategy_specs(config, strategy) if s.partition(":")[0] == "dense"]

@@ -58,7 +58,7 @@ from densepass.models.freeze import freeze_bottom
 from densepass.models.interpolate import interpolate_weights, snapshot
 from densepass.models.packing import enable_packing
 from densepass.negatives.filters import check_denoising
-from densepass.negatives.mine import MiningContext, MiningResult
+from densepass.negatives.mine import MiningContext, MiningResult, check_strategies
 from densepass.negatives.pool import load_pool, passage_ids, save_pool
 from densepass.pipelines import retrievers
 from densepass.pipelines.distillation import (
@@ -186,6 +186,8 @@ def check(config: ExperimentConfig) -> torch.device:
     if config.negatives.source == "given" and config.data.format != "pairs":
         raise ConfigError("negatives.source: given takes the negatives of training rows: it needs data.format: pairs")
     neg = config.negatives
+    if config.train.enabled and neg.source not in ("none",):
+        check_strategies(neg)  # an unknown or malformed strategy: before --restart removes anything, before mining
     for spec in (neg.source, *(neg.mix if neg.source == "mixed" else ())) if config.train.enabled else ():
         name, _, arg = spec.partition(":")
         if name == "file" and (arg or neg.file):

@@ -36,6 +36,7 @@ from densepass.negatives.filters import check_denoising
 from densepass.negatives.mine import (
     MiningContext,
     MiningResult,
+    check_strategies,
     dense_specs,
     given_candidates,
     mine_negatives,
@@ -53,8 +54,14 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path, precis
     mine with no model. ``output`` is checked before any work: a file path densepass may write (missing, empty, or a
     hard-negatives file it wrote: ``io.check_output_file``), in a place where a file can be made."""
     output = Path(output)
+    check_strategies(config.negatives)
     if output.is_dir():
         raise ConfigError(f"--output {output} is a directory; give the path of the hard-negatives file to write")
+    inputs = [
+        s.partition(":")[2] or config.negatives.file for s in strategy_specs(config.negatives) if s.startswith("file")
+    ]
+    if any(path and Path(path).resolve() == output.resolve() for path in inputs):
+        raise ConfigError(f"--output {output} is the pool this mining reads: write the new pool to another file")
     check_output_file(output, "hard-negatives file", every_line(is_pool_line))
     if precision is not None:
         negatives = config.negatives
