@@ -94,6 +94,19 @@ def test_best_checkpoint_is_the_argmax(data, tiny_model_dir, tmp_path, monkeypat
     assert [r["step"] for r in log] == [2, 4, 6, 8] and log[0]["subcorpus"] == "R_0.5"
 
 
+def test_validation_logs_the_ranking_metrics_of_the_evaluation_as_deep_as_their_cutoffs(data, tiny_model_dir, tmp_path):
+    """eval.metrics with accuracy@k stopped a run at its first validation (validation reads no answers); a cutoff
+    past the top 100 (recall@1000) was computed on the top 100; validation.metric accuracy@k is one line."""
+    dataset, _ = data
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    config = ValidationConfig(enabled=True, subcorpus="random", r=0.5, every_steps=2, metric="mrr@10")
+    validator = Validator(config, dataset, model, model.query_encoder.device, tmp_path, ["accuracy@20", "recall@1000"])
+    assert validator.depth == 1000 and set(validator.evaluate()) == {"recall@1000", "mrr@10"}
+    with pytest.raises(ConfigError, match="validation has no answer strings"):
+        Validator(ValidationConfig(enabled=True, metric="accuracy@5"), dataset, model, model.query_encoder.device,
+                  tmp_path, ["mrr@10"])  # fmt: skip
+
+
 def test_the_last_step_is_validated_for_selection_and_excluded_queries_never_validate(
     data, tiny_model_dir, tmp_path, monkeypatch
 ):

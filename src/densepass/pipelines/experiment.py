@@ -210,6 +210,10 @@ def check(config: ExperimentConfig) -> torch.device:
                 f"train.passage_max_length={crop} is longer than model.passage_max_length="
                 f"{config.model.passage_max_length}: training crops passages, it cannot read more than the model"
             )
+        if config.validation.enabled and config.validation.metric.startswith("accuracy@"):
+            raise ConfigError(
+                f"validation.metric {config.validation.metric}: validation has no answer strings; use a ranking metric"
+            )
         if config.validation.select and not config.validation.enabled:
             raise ConfigError("validation.select needs validation.enabled: true (nothing is validated otherwise)")
         check_fsdp(config)

@@ -78,9 +78,18 @@ class Validator:
     ) -> None:
         if config.every_steps < 1:
             raise ConfigError(f"validation.every_steps must be >= 1, got {config.every_steps}")
+        if config.metric.startswith("accuracy@"):
+            raise ConfigError(
+                f"validation.metric {config.metric}: validation has no answer strings; use a ranking metric"
+            )
+        # accuracy@k needs answer strings, which validation does not read: its evaluation's other metrics are logged
+        metrics = [m for m in metrics if not m.startswith("accuracy@")]
         if config.metric not in metrics:
             metrics = [*metrics, config.metric]
         self.config, self.model, self.device, self.run_dir, self.metrics = config, model, device, run_dir, metrics
+        # deep enough for every cutoff (recall@1000 of a top 100 was recall@100), and at least the top 100
+        cutoffs = [int(m.rpartition("@")[2]) for m in metrics if m.rpartition("@")[2].isdigit()]
+        self.depth = max([100, *cutoffs])
         self.subcorpus, self.qrels, self.query_texts = build_subcorpus(dataset, config, exclude)
         corpus = dataset.corpus
         self.passages = corpus.subset([corpus.position(p) for p in self.subcorpus.ids])
@@ -90,9 +99,10 @@ class Validator:
         self.best = json.loads(best.read_text())["score"] if best.is_file() else float("-inf")
 
     def evaluate(self) -> dict[str, float]:
-        """The metrics of the model as it is now, on the subcorpus (its top 100 per query)."""
+        """The metrics of the model as it is now, on the subcorpus (its top 100 per query, or as deep as the
+        deepest cutoff)."""
         index = index_for_model(self.model, self.passages, device=self.device)  # any retriever kind
-        run = index.search(self.query_texts, 100).as_run(list(self.qrels))
+        run = index.search(self.query_texts, min(self.depth, len(self.passages))).as_run(list(self.qrels))
         return evaluate_run(self.qrels, run, self.metrics)
 
     def __call__(self, step: int) -> None:
