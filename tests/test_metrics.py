@@ -96,6 +96,10 @@ def test_run_files_are_evaluated_on_the_queries_they_answer_as_trec_eval_does():
     assert evaluate_run(qrels, run, ["mrr@10"])["mrr@10"] == pytest.approx(1 / 2 / 3)
     with pytest.warns(DataWarning, match="answers 2 of the 3"):
         assert set(answered_qrels(qrels, [run, {"q2": {"b": 1.0}}])) == {"q1", "q2"}
+    # a run of a sample against a run of the whole split: the comparison says it counts the others as zero
+    whole = {q: {p: 1.0} for q, rels in qrels.items() for p in rels}
+    with pytest.warns(DataWarning, match=r"answer different queries \(1 and 3 of the 3 evaluated\)"):
+        assert answered_qrels(qrels, [run, whole]) == qrels
     with pytest.raises(DataError, match="answers none of the 3 queries"):
         answered_qrels(qrels, [{"q9": {"a": 1.0}}])
 

@@ -153,11 +153,24 @@ def answered_qrels(qrels: Qrels, runs: Sequence[Run], all_queries: bool = False)
     """The qrels that TREC run files are evaluated on: as trec_eval does, those of the queries the runs answer
     (a DataWarning says how many judged queries they leave out, e.g. a run over a sample of a split), or with
     ``all_queries`` (trec_eval's -c) every judged query, a missing one scoring zero. Runs that answer no query
-    of the qrels are a DataError (a run of another split or dataset)."""
+    of the qrels are a DataError (a run of another split or dataset). Runs compared (several) are evaluated on the
+    same queries, those any of them answers; where they answer different ones, a DataWarning says so: a query one of
+    them leaves out scores zero for it (a system that found nothing, or a run of a sample against a whole split,
+    whose comparison would then measure the sample)."""
     answered = set().union(*runs)
     kept = {q: rels for q, rels in qrels.items() if q in answered}
     if not kept:
         raise DataError(f"the run answers none of the {len(qrels):,} queries of the qrels (another split or dataset?)")
+    if len(runs) > 1:
+        scope = set(qrels) if all_queries else set(kept)
+        counts = [len(scope & set(run)) for run in runs]
+        if len(set(counts)) > 1 or any(scope - set(run) for run in runs):
+            warnings.warn(
+                f"the runs compared answer different queries ({' and '.join(f'{c:,}' for c in counts)} of the "
+                f"{len(scope):,} evaluated): a query a run leaves out scores zero for it",
+                DataWarning,
+                stacklevel=2,
+            )
     if all_queries or len(kept) == len(qrels):
         return qrels
     warnings.warn(
