@@ -121,13 +121,18 @@ def barrier() -> None:
 def on_rank_zero(func: Callable[[], T]) -> T:
     """``func()`` computed on rank 0 and given to every process; a :class:`DensepassError` it raises is
     raised on every process (so a bad input stops them all with the same one-line error instead of leaving
-    the others waiting in a collective)."""
+    the others waiting in a collective). Any other error stops them all too: rank 0 raises it as it is, the others
+    a DensepassError naming it (they waited in the broadcast until the backend's timeout, without a word)."""
     result, error = None, None
     if rank() == 0:
         try:
             result = func()
         except DensepassError as err:
             error = (type(err), str(err))
+        except BaseException as err:
+            if is_distributed():  # the others learn of it; this process raises the error itself
+                broadcast_object((None, (DensepassError, f"rank 0 failed: {type(err).__name__}: {err}")))
+            raise
     result, error = broadcast_object((result, error))
     if error is not None:
         raise error[0](error[1])
