@@ -44,7 +44,7 @@ def test_rerank_run_file_refuses_its_own_input_and_a_users_file_before_reading_a
     mine.write_text("my notes\n")
     refused = [
         (run, ConfigError, "is the run being reranked; write the reranked run elsewhere$"),
-        (mine, DensepassError, "is not a TREC run densepass wrote"),
+        (mine, DensepassError, r"is not a TREC run \(tag densepass-rerank\) densepass wrote"),
         (tmp_path, ConfigError, "is a directory; give a run file path$"),
     ]
     for output, error, message in refused:
@@ -53,17 +53,29 @@ def test_rerank_run_file_refuses_its_own_input_and_a_users_file_before_reading_a
     assert run.read_text() == "q30 Q0 p30 1 1.0 densepass\n" and mine.read_text() == "my notes\n"
 
 
+def test_a_run_of_another_tag_is_not_written_over(tmp_path):
+    """A run another system wrote (an official BM25 run) is not replaced by a densepass run of another tag; a run of
+    the same tag, densepass's own output of an earlier call, is."""
+    official = tmp_path / "bm25.trec"
+    official.write_text("q Q0 a 1 18.8 Anserini\n")
+    with pytest.raises(DensepassError, match=r"is not a TREC run \(tag densepass\) densepass wrote"):
+        write_trec_run({"q": {"b": 1.0}}, official)
+    assert official.read_text() == "q Q0 a 1 18.8 Anserini\n"
+    write_trec_run({"q": {"b": 1.0}}, official, tag="Anserini")  # (the same tag: replaced)
+    assert read_trec_run(official) == {"q": {"b": 1.0}}
+
+
 def test_write_trec_run_writes_over_a_run_only(tmp_path):
     path = tmp_path / "run.trec"
     write_trec_run({}, path)
     assert path.read_text() == ""  # a run without hits: an empty file, which the next write may replace
     write_trec_run({"q": {"a": 2.0, "b": 1.0}}, path, tag="t")
     assert path.read_text() == "q Q0 a 1 2.0 t\nq Q0 b 2 1.0 t\n"
-    write_trec_run({"q": {"b": 3.0}}, path)
+    write_trec_run({"q": {"b": 3.0}}, path, tag="t")
     assert read_trec_run(path) == {"q": {"b": 3.0}}
     mine = tmp_path / "mine.txt"
     mine.write_text("a line of my own\n")
-    with pytest.raises(DensepassError, match="is not a TREC run densepass wrote"):
+    with pytest.raises(DensepassError, match=r"is not a TREC run \(tag densepass\) densepass wrote"):
         write_trec_run({"q": {"a": 1.0}}, mine)
     assert mine.read_text() == "a line of my own\n"
 

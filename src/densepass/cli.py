@@ -225,7 +225,7 @@ def _search(args: argparse.Namespace) -> None:
     if args.query is not None:  # before the index and model load
         check_query(args.query, "the query")
     else:
-        check_run_file(args.output)
+        check_run_file(args.output, args.tag)
         ids, texts = read_queries(args.queries)
     pipeline = _load_pipeline(args)
     if args.query is not None:

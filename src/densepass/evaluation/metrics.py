@@ -326,15 +326,20 @@ def is_trec_line(line: str) -> bool:
     return len(fields) == 6 and fields[1] == "Q0"
 
 
-def check_run_file(path: str | Path) -> None:
+def check_run_file(path: str | Path, tag: str | None = None) -> None:
     """A one-line error when a run file to write is an existing directory, or a file that is not a TREC run
-    (densepass overwrites only its own output, ``io.check_output_file``); ``write_trec_run`` checks it, and a
-    command checks it before its work."""
+    (densepass overwrites only its own output, ``io.check_output_file``), or, with ``tag``, a run of another tag
+    (a run another system wrote, such as an official BM25 run, is not replaced by this one's);
+    ``write_trec_run`` checks it, and a command checks it before its work."""
     from densepass.io import check_output_file, every_line
 
     if Path(path).is_dir():
         raise ConfigError(f"--output {path} is a directory; give a run file path")
-    check_output_file(path, "TREC run", every_line(is_trec_line))
+
+    def ours(line: str) -> bool:
+        return is_trec_line(line) and (tag is None or line.split()[5] == tag)
+
+    check_output_file(path, f"TREC run{f' (tag {tag})' if tag is not None else ''}", every_line(ours))
 
 
 def write_trec_run(run: Run, path: str | Path, tag: str = "densepass") -> None:
@@ -342,7 +347,7 @@ def write_trec_run(run: Run, path: str | Path, tag: str = "densepass") -> None:
     (``check_run_file``); a run without hits is an empty file."""
     from densepass.io import atomic_write_text
 
-    check_run_file(path)
+    check_run_file(path, tag)
     lines = []
     for qid in run:
         ranked = sorted(run[qid].items(), key=lambda item: -item[1])

@@ -425,12 +425,12 @@ def rerank_run_file(
     from densepass.data import load_dataset
     from densepass.evaluation.metrics import check_run_file, read_trec_run, write_trec_run
 
-    check_run_file(output)
+    if Path(output).resolve() == Path(run).resolve():
+        raise ConfigError(f"--output {output} is the run being reranked; write the reranked run elsewhere")
+    check_run_file(output, tag)
     if cache_dir is not None and not str(cache_dir).strip():
         raise ConfigError("--cache-dir is empty: name the folder where the reranker's scores are kept")
     check_cache_dir(cache_dir, "--cache-dir")
-    if Path(output).resolve() == Path(run).resolve():
-        raise ConfigError(f"--output {output} is the run being reranked; write the reranked run elsewhere")
     device = device if isinstance(device, torch.device) else resolve_device(device)
     check_reranker_precision(model, precision, device)  # a missing model or a bad precision: first
     if cache_dir is not None and model_kind(resolve_model_path(str(model))) == "colbert":
