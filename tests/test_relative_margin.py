@@ -24,6 +24,9 @@ def test_the_rule_on_a_hand_worked_example():
     # two positives: the weaker (0.5) sets the bar, 0.475
     assert relative_margin_keep([0.6, 0.48, 0.47], [0.9, 0.5], 0.95) == [False, False, True]
     assert relative_margin_keep([0.3, 5.0], [], 0.95) == [True, True]  # nothing to compare with: kept
+    # a negative positive score (a bi-encoder teacher's cosine, -0.4): the bar is as far below it, -0.42 (0.95 x
+    # -0.4 = -0.38 lies above it, and kept a candidate scored -0.39, above the positive)
+    assert relative_margin_keep([-0.39, -0.41, -0.43], [-0.4], 0.95) == [False, False, True]
 
 
 scores = st.floats(min_value=-10, max_value=10, allow_nan=False, width=32)
@@ -32,7 +35,7 @@ scores = st.floats(min_value=-10, max_value=10, allow_nan=False, width=32)
 @settings(max_examples=200, deadline=None)
 @given(st.lists(scores, max_size=12), st.lists(scores, min_size=1, max_size=3), st.floats(min_value=0.01, max_value=1))
 def test_the_rule_equals_a_brute_force_reference(candidates, positives, margin):
-    expected = [all(c < margin * p for p in positives) for c in candidates]
+    expected = [all(c < p - (1 - margin) * abs(p) for p in positives) for c in candidates]
     assert relative_margin_keep(candidates, positives, margin) == expected
 
 

@@ -129,10 +129,13 @@ def relative_margin_keep(
     candidate_scores: Sequence[float], positive_scores: Sequence[float], margin: float
 ) -> list[bool]:
     """NV-Retriever's rule: for each candidate, whether its teacher score is below ``margin`` x the weakest
-    positive's (no positive scored: every candidate stays)."""
+    positive's (no positive scored: every candidate stays). The bar is ``weakest - (1 - margin) x |weakest|``, that
+    product where the score is positive (as the rule's teachers' are) and as far below a negative one (a bi-encoder
+    teacher's cosine: ``margin x`` a negative score lies above it, and kept candidates scored above the positive)."""
     if len(positive_scores) == 0:
         return [True] * len(candidate_scores)
-    bar = margin * float(np.min(np.asarray(positive_scores, dtype=np.float64)))
+    weakest = float(np.min(np.asarray(positive_scores, dtype=np.float64)))
+    bar = weakest - (1 - margin) * abs(weakest)
     return (np.asarray(candidate_scores, dtype=np.float64) < bar).tolist()
 
 
