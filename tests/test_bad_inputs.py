@@ -1685,3 +1685,19 @@ def test_a_saved_phrase_model_whose_tower_asks_for_its_own_code_is_refused(tmp_p
     _with_auto_map(tmp_path / "pm" / "question")
     with pytest.raises(ConfigError, match="needs code of its own"):
         PhraseEncoder.from_pretrained(str(tmp_path / "pm"))
+
+
+def test_the_ensemble_and_the_study_check_their_metric_names_before_any_encoding():
+    """A misspelt metric failed only after every model had encoded the corpus (ensemble) or a checkpoint had
+    (validate-study); accuracy@k, which neither can compute without answers, is refused too."""
+    from densepass.pipelines.ensemble import EnsembleSettings
+    from densepass.pipelines.study import StudySettings
+
+    with pytest.raises(ConfigError, match="MRR@10"):
+        EnsembleSettings(metrics=["MRR@10"])
+    with pytest.raises(ConfigError, match="mrr@0"):
+        EnsembleSettings(tune_metric="mrr@0")
+    with pytest.raises(ConfigError, match="ndcg10"):
+        StudySettings(metric="ndcg10")
+    with pytest.raises(ConfigError, match="needs answer strings"):
+        StudySettings(metric="accuracy@20")

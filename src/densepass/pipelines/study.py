@@ -30,7 +30,7 @@ from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.data.paths import check_output_apart
 from densepass.errors import ConfigError
-from densepass.evaluation.metrics import evaluate_run, make_run
+from densepass.evaluation.metrics import check_metrics, evaluate_run, make_run
 from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.fingerprints import fingerprint_directory
 from densepass.index.dense import DenseIndex
@@ -123,6 +123,9 @@ class StudySettings:
             raise ConfigError(f"corpus fraction must be in (0, 1], got {self.corpus_fraction}")
         if self.max_queries is not None and self.max_queries < 1:
             raise ConfigError(f"max queries must be >= 1, got {self.max_queries}")
+        check_metrics([self.metric])  # a typo: one line before any checkpoint is encoded
+        if self.metric.startswith("accuracy@"):
+            raise ConfigError(f"the study's metric {self.metric} needs answer strings: use a ranking metric")
 
 
 # What a study writes in its output folder: the folder is made a study's (``io.locked_run_directory``) before any
