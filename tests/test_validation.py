@@ -88,10 +88,23 @@ def test_best_checkpoint_is_the_argmax(data, tiny_model_dir, tmp_path, monkeypat
     monkeypatch.setattr(BiEncoder, "save", lambda self, path: saved_at.append(step))
     for step in range(1, 9):
         validator(step)
-    assert json.loads((tmp_path / "best.json").read_text()) == {"step": 4, "metric": "mrr@10", "score": 0.5}
+    best = {"step": 4, "metric": "mrr@10", "score": 0.5, "subcorpus": "R_0.5"}
+    assert json.loads((tmp_path / "best.json").read_text()) == best
     assert saved_at == [2, 4]
     log = [json.loads(line) for line in (tmp_path / "validation_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [2, 4, 6, 8] and log[0]["subcorpus"] == "R_0.5"
+
+
+def test_a_resumed_validation_keeps_its_best_only_for_the_same_metric_and_subcorpus(data, tiny_model_dir, tmp_path):
+    """best.json of another validation metric (recall@100's 0.9) was kept on a resume: mrr@10 never beat it, and
+    the model it chose was the one restored."""
+    dataset, _ = data
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    (tmp_path / "best.json").write_text(json.dumps({"step": 2, "metric": "recall@100", "score": 0.9}))
+    config = ValidationConfig(enabled=True, subcorpus="random", r=0.5, every_steps=2, metric="mrr@10")
+    assert Validator(config, dataset, model, model.query_encoder.device, tmp_path, ["mrr@10"]).best == float("-inf")
+    (tmp_path / "best.json").write_text(json.dumps({"step": 2, "metric": "mrr@10", "score": 0.3, "subcorpus": "R_0.5"}))
+    assert Validator(config, dataset, model, model.query_encoder.device, tmp_path, ["mrr@10"]).best == 0.3
 
 
 def test_validation_logs_the_ranking_metrics_of_the_evaluation_as_deep_as_their_cutoffs(data, tiny_model_dir, tmp_path):
@@ -121,8 +134,9 @@ def test_the_last_step_is_validated_for_selection_and_excluded_queries_never_val
     monkeypatch.setattr(BiEncoder, "save", lambda self, path: None)
     for step in range(1, 7):
         validator(step)
-    assert validator.best_after(6) == {"step": 6, "metric": "mrr@10", "score": 0.6}  # step 6 was not due
-    assert validator.best_after(8) == {"step": 6, "metric": "mrr@10", "score": 0.6}  # due at 8: not validated again
+    best = {"step": 6, "metric": "mrr@10", "score": 0.6, "subcorpus": validator.subcorpus.label}
+    assert validator.best_after(6) == best  # step 6 was not due
+    assert validator.best_after(8) == best  # due at 8: not validated again
     assert [json.loads(x)["step"] for x in (tmp_path / "validation_log.jsonl").read_text().splitlines()] == [4, 6]
 
 
@@ -147,7 +161,7 @@ def test_a_run_with_selection_evaluates_and_saves_the_best_validated_weights(
     best = json.loads((run_dir / "best.json").read_text())
     log = [json.loads(x) for x in (run_dir / "validation_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [4, 6]  # every 4 steps, and the last (6) for the selection
-    assert best == {"step": 4, "metric": "mrr@10", "score": 0.9}
+    assert best == {"step": 4, "metric": "mrr@10", "score": 0.9, "subcorpus": "C0"}
     chosen = BiEncoder.from_pretrained(str(run_dir / "model")).state_dict()
     kept = BiEncoder.from_pretrained(str(run_dir / "best-model")).state_dict()
     last = BiEncoder.from_pretrained(str(run_dir / "checkpoints" / "step-6" / "model")).state_dict()

@@ -96,7 +96,15 @@ class Validator:
         self.subcorpus.save(run_dir / f"subcorpus-{self.subcorpus.label}.json")
         self.log_path = run_dir / "validation_log.jsonl"
         best = run_dir / "best.json"
-        self.best = json.loads(best.read_text())["score"] if best.is_file() else float("-inf")
+        kept = json.loads(best.read_text()) if best.is_file() else None
+        # a resumed run's best so far, if it was chosen by the same metric on the same subcorpus (a score of another
+        # metric, recall@100's 0.9, would never be beaten by mrr@10's, and its model would be restored)
+        same = (
+            kept is not None
+            and kept.get("metric") == config.metric
+            and kept.get("subcorpus") in (None, self.subcorpus.label)
+        )
+        self.best = float(kept["score"]) if same else float("-inf")
 
     def evaluate(self) -> dict[str, float]:
         """The metrics of the model as it is now, on the subcorpus (its top 100 per query, or as deep as the
@@ -135,5 +143,8 @@ class Validator:
             self.best = score
             self.model.save(self.run_dir / "best-model")
             atomic_write_text(
-                self.run_dir / "best.json", json.dumps({"step": step, "metric": self.config.metric, "score": score})
+                self.run_dir / "best.json",
+                json.dumps(
+                    {"step": step, "metric": self.config.metric, "score": score, "subcorpus": self.subcorpus.label}
+                ),
             )
