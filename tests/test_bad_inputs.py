@@ -1701,3 +1701,17 @@ def test_the_ensemble_and_the_study_check_their_metric_names_before_any_encoding
         StudySettings(metric="ndcg10")
     with pytest.raises(ConfigError, match="needs answer strings"):
         StudySettings(metric="accuracy@20")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--kind", "bm25", "--fusion", "linear"], "--fusion: options of --kind hybrid, not of --kind bm25"),
+        (["--kind", "bm25", "--dense-kind", "faiss-flat"], "--dense-kind: options of --kind hybrid"),
+        (["--kind", "hybrid", "--fusion-weight", "0.3"], "--fusion-weight weighs --fusion linear"),
+    ],
+)
+def test_index_refuses_hybrid_options_it_would_ignore(tiny_beir, tmp_path, capsys, flags, message):
+    assert main(["index", str(tiny_beir), *flags, "--output", str(tmp_path / "idx")]) == 2
+    [line] = stderr_lines(capsys)
+    assert message in line and not (tmp_path / "idx").exists()

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from densepass.config import DEFAULT_METRICS, DEFAULT_MODEL, DENSE_INDEX_KINDS, FORMATS, ONDISK_INDEX_KIND, PRECISIONS
-from densepass.errors import DensepassError
+from densepass.errors import ConfigError, DensepassError
 
 INDEX_KINDS = (*DENSE_INDEX_KINDS, ONDISK_INDEX_KIND, "bm25", "hybrid", "splade", "colbert", "phrase")
 
@@ -115,12 +115,18 @@ def _index(args: argparse.Namespace) -> None:
     from densepass.pipelines.indexing import IndexSettings, index_dataset
 
     nprobe = {} if args.nprobe is None else {"nprobe": args.nprobe}  # else each kind's own default
+    hybrid_flags = {"--dense-kind": args.dense_kind, "--fusion": args.fusion, "--fusion-weight": args.fusion_weight}
+    given = [flag for flag, value in hybrid_flags.items() if value is not None]
+    if given and args.kind != "hybrid":  # (they were ignored)
+        raise ConfigError(f"{', '.join(given)}: options of --kind hybrid, not of --kind {args.kind}")
+    if args.fusion_weight is not None and (args.fusion or "rrf") == "rrf":
+        raise ConfigError("--fusion-weight weighs --fusion linear; rrf fuses ranks, without a weight")
     settings = IndexSettings(
         args.kind,
         args.model,
-        args.dense_kind,
-        args.fusion,
-        args.fusion_weight,
+        args.dense_kind or "exact",
+        args.fusion or "rrf",
+        0.5 if args.fusion_weight is None else args.fusion_weight,
         args.batch_size,
         args.shard_size,
         resolve_device(args.device),
@@ -632,9 +638,15 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument(
         "--filter-threshold", type=float, default=None, help="phrase: keep tokens above this filter logit"
     )
-    index.add_argument("--dense-kind", default="exact", choices=DENSE_INDEX_KINDS, help="hybrid: the dense part")
-    index.add_argument("--fusion", default="rrf", choices=["rrf", "linear"], help="hybrid: how scores are fused")
-    index.add_argument("--fusion-weight", type=fraction, default=0.5, help="hybrid linear: weight of the dense scores")
+    index.add_argument(
+        "--dense-kind", default=None, choices=DENSE_INDEX_KINDS, help="hybrid: the dense part (default exact)"
+    )
+    index.add_argument(
+        "--fusion", default=None, choices=["rrf", "linear"], help="hybrid: how scores are fused (default rrf)"
+    )
+    index.add_argument(
+        "--fusion-weight", type=fraction, default=None, help="hybrid linear: weight of the dense scores (default 0.5)"
+    )
     index.add_argument("--sparse-model", default=None, help="hybrid: fuse with this SPLADE model instead of BM25")
     index.add_argument("--top-terms", type=positive_int, default=None, help="splade: keep each passage's top N terms")
     index.add_argument("--compression", default="fp16", choices=["fp16", "residual"], help="colbert: vector storage")
