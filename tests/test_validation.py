@@ -276,3 +276,26 @@ def test_a_study_recomputes_a_checkpoint_saved_again_at_the_same_path(tiny_beir,
     direct = run_study(dataset, expand_checkpoints(paths), settings, tmp_path / "fresh")
     assert [r.scores for r in again] == [r.scores for r in direct]
     assert [r.scores[0] for r in again] != [r.scores[0] for r in first]
+
+
+def test_a_study_recomputes_when_the_passages_change_under_the_same_ids(tiny_model_dir, tmp_path):
+    """Saved checkpoint scores are keyed by the study's content: other passage texts under the same ids are
+    another study (its saved scores were reused)."""
+    from conftest import write_tiny_beir
+
+    settings = StudySettings(rs=[0.5], ks=[], seed=0)
+    other = BiEncoder.from_pretrained(str(tiny_model_dir))
+    with torch.no_grad():
+        torch.manual_seed(5)
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    other.save(tmp_path / "m1")
+    paths = expand_checkpoints([str(tiny_model_dir), str(tmp_path / "m1")])
+    first = run_study(load_dataset(str(write_tiny_beir(tmp_path / "a", seed=0))), paths, settings, tmp_path / "s")
+    changed = write_tiny_beir(tmp_path / "b", seed=0)
+    records = [json.loads(line) for line in (changed / "corpus.jsonl").read_text().splitlines()]
+    shuffled = [{**r, "text": records[(i + 7) % len(records)]["text"]} for i, r in enumerate(records)]
+    (changed / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shuffled))
+    again = run_study(load_dataset(str(changed)), paths, settings, tmp_path / "s")
+    fresh = run_study(load_dataset(str(changed)), paths, settings, tmp_path / "fresh")
+    assert [r.scores for r in again] == [r.scores for r in fresh] != [r.scores for r in first]

@@ -32,7 +32,7 @@ from densepass.data.paths import check_output_apart
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import check_metrics, evaluate_run, make_run
 from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
-from densepass.fingerprints import fingerprint_directory
+from densepass.fingerprints import fingerprint_corpus, fingerprint_directory, fingerprint_json, fingerprint_strings
 from densepass.index.dense import DenseIndex
 from densepass.index.exact import exact_search
 from densepass.io import atomic_write_text, locked_run_directory
@@ -164,7 +164,10 @@ def run_study(
     for sub in subcorpora:
         sub.save(out_dir / f"subcorpus-{sub.label}.json")
     positions = [np.array([corpus.position(p) for p in sub.ids]) for sub in subcorpora]
-    key = hashlib.sha1(json.dumps([metric, list(qrels), [sub.ids for sub in subcorpora]]).encode()).hexdigest()
+    # the study's content, not only its ids: passages, query texts and grades changed under the same ids are
+    # another study (their checkpoints' saved scores are not reused)
+    content = [fingerprint_corpus(corpus), fingerprint_json(qrels), fingerprint_strings(texts)]
+    key = hashlib.sha1(json.dumps([metric, list(qrels), [sub.ids for sub in subcorpora], content]).encode()).hexdigest()
     results, fingerprints = [], [fingerprint_directory(path) for path in checkpoints]
     for j, path in enumerate(checkpoints):  # one result file per checkpoint: an interrupted study resumes
         cache = out_dir / "checkpoints" / f"{j:02d}-{checkpoint_name(path)}.json"
