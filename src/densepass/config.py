@@ -508,7 +508,8 @@ class LossConfig:
     momentum: float = option(0.999, "memory=moco: m of the key encoder's update θ_k <- m θ_k + (1 - m) θ", min=0, max=1)
     combine: Literal["unified", "separate"] = option(
         "unified",
-        "unified: one softmax, each source's terms times its λ (eq. 2); separate: a softmax per source (eq. 1)",
+        "unified: one softmax, each source's terms times its λ (eq. 2); separate: a softmax per source, each times its"
+        " λ (after eq. 1, whose in-batch and pre-batch negatives share one term)",
     )
     lambda_in_batch: float = option(1.0, "λ of the other queries' positives (every λ = 1: the plain loss)", above=0)
     lambda_memory: float = option(1.0, "λ of the pre-batch / queue entries", above=0)

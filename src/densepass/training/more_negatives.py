@@ -15,7 +15,9 @@ gathered global batch, so every process holds the same memory of global batches.
 the memory is a constant of the loss, so the cached representation gradients stay exact.
 
 The loss over the sources is training-inference-gap eq. 2 (``combine="unified"``: one softmax, source s
-weighted by λ_s) or eq. 1's form (``"separate"``: one softmax per source, summed with weights λ_s); with
+weighted by λ_s) or separate terms after eq. 1 (``"separate"``: one softmax per source, in-batch, memory and hard
+negatives each, summed with weights λ_s; eq. 1 itself has two terms, in-passage negatives, and in-batch with
+pre-batch negatives together under one λ); with
 every λ = 1, no memory and the unified form it is exactly ``InfoNCE``. ``ltr_head`` scores pairs with
 abs-condenser-openqa eq. 14 instead of similarity / temperature. ``objective_from_config`` builds the
 objective a ``LossConfig`` describes.
