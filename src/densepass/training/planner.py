@@ -127,16 +127,21 @@ def full_batches(batches: Iterator[list[int]], size: int) -> Iterator[list[int]]
     processes stopped the run. A merged batch may hold queries of one positive: the loss masks each one's positive
     out of the others' negatives (``losses.contrastive.false_negative_mask``)."""
     waiting: list[int] = []
-    for batch in batches:
-        if len(batch) >= size:
-            yield batch
-            continue
-        waiting += batch
-        while len(waiting) >= size:
-            yield waiting[:size]
-            waiting = waiting[size:]
-    if waiting:
-        yield waiting
+    try:
+        for batch in batches:
+            if len(batch) >= size:
+                yield batch
+                continue
+            waiting += batch
+            while len(waiting) >= size:
+                yield waiting[:size]
+                waiting = waiting[size:]
+        if waiting:
+            yield waiting
+    finally:  # stopped early (max_steps): the schedule's generator ends too (ABS's background worker with it)
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
 
 
 class EpochPlanner:
