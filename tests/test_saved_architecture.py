@@ -150,3 +150,48 @@ def test_a_colbert_run_takes_the_saved_dimension_and_refuses_another(tmp_path):
     with pytest.raises(ConfigError, match="16-dimensional token vectors"):
         ColBERT.from_pretrained(str(tmp_path / "c"), config=ColbertArchitecture(dim=32))
     shutil.rmtree(tmp_path / "c")
+
+
+def test_a_saved_projection_is_never_dropped(tmp_path, tiny_model_dir):
+    """A config without a projection (null set on purpose, or a BiEncoderConfig built without one) would load the
+    model without its trained projection: both are one-line errors."""
+    BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(projection_dim=8)).save(tmp_path / "m")
+    with pytest.raises(ConfigError, match="saved with projection_dim 8, not the None"):
+        with_saved_architecture(_run_config(tmp_path / "m", tmp_path, "model.projection_dim=null"))
+    with pytest.raises(ConfigError, match="saved with a projection .* would drop it"):
+        BiEncoder.from_pretrained(str(tmp_path / "m"), config=BiEncoderConfig())
+
+
+def test_a_runs_checks_see_the_saved_settings(tmp_path, tiny_model_dir):
+    """A crop longer than the saved model's passages is refused (the checks ran on the config's default 128)."""
+    from densepass.pipelines.experiment import run_experiment
+
+    BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(passage_max_length=64)).save(tmp_path / "m")
+    config = _run_config(tmp_path / "m", tmp_path, "train.passage_max_length=100")
+    with pytest.raises(ConfigError, match="train.passage_max_length=100 is longer than model.passage_max_length=64"):
+        run_experiment(config)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_index_saved_before_settings_were_recorded_refuses_a_model_that_now_loads_otherwise(
+    tmp_path, tiny_model_dir
+):
+    """An index built before densepass read sentence-transformers modules embedded a CLS-pooled model's passages
+    with mean pooling: its queries would now be CLS-pooled. Such an index is refused (index again)."""
+    import json
+
+    from densepass.index import load_index
+    from densepass.index.dense import DenseIndex
+    from densepass.io import write_manifest
+
+    path, _ = _st_model(tmp_path, tiny_model_dir, pooling="cls", dense=False, normalize=True)
+    model = BiEncoder.from_pretrained(str(path))
+    DenseIndex.build(model, ["a terminal emulator", "a mail server"], show_progress=False).save(tmp_path / "idx")
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    assert manifest["model"]["settings"]["pooling"] == "cls"
+    assert len(load_index(tmp_path / "idx", model=model)) == 2
+    # the manifest as an index of before: no settings (its digest rewritten, as the save writes it)
+    del manifest["model"]["settings"]
+    write_manifest(tmp_path / "idx", **{k: v for k, v in manifest.items() if k != "files"})
+    with pytest.raises(ConfigError, match=r"other settings: pooling 'cls' \(the index's: 'mean'\)"):
+        load_index(tmp_path / "idx", model=model)

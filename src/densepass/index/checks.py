@@ -16,8 +16,33 @@ SETTINGS = ("shared", "pooling", "normalize", "projection_dim", "query_prompt", 
 
 def model_settings(model: Any) -> dict:
     """What an index records of its model besides the weights' fingerprint: the :data:`SETTINGS` its config has."""
-    config = getattr(model, "config", None)
+    return config_settings(getattr(model, "config", None))
+
+
+def config_settings(config: Any) -> dict:
+    """The :data:`SETTINGS` a model config has."""
     return {key: getattr(config, key) for key in SETTINGS if hasattr(config, key)}
+
+
+def _settings_before_they_were_recorded(model: Any) -> dict | None:
+    """What an index saved before it recorded settings was built with, where that differs from how the model loads
+    now: a sentence-transformers model without ``densepass.json`` loaded then with densepass's defaults (mean
+    pooling, normalised, no projection, no prompts) and now with its own modules' (``models.st_layout``); None
+    where nothing changed (a model densepass saved: its ``densepass.json`` was read then too)."""
+    from densepass.config import BiEncoderConfig
+    from densepass.models.kinds import CONFIG_FILES
+
+    source = getattr(model, "source", None)
+    if (
+        not isinstance(source, str)
+        or not Path(source).is_dir()
+        or (Path(source) / CONFIG_FILES["bi-encoder"]).is_file()
+    ):
+        return None
+    if not isinstance(getattr(model, "config", None), BiEncoderConfig):
+        return None
+    defaults = config_settings(BiEncoderConfig())
+    return defaults if model_settings(model) != defaults else None
 
 
 def model_for_index(directory: Path, kind: str, recorded: dict, model: Any, cls: type) -> Any:
@@ -38,6 +63,8 @@ def model_for_index(directory: Path, kind: str, recorded: dict, model: Any, cls:
             f"from {recorded['path']}): encode queries with that model or index again"
         )
     saved, given = recorded.get("settings"), model_settings(model)  # (indexes saved before it: weights only)
+    if saved is None:
+        saved = _settings_before_they_were_recorded(model)
     changed = [key for key in saved or {} if key in given and given[key] != saved[key]]
     if changed:
         shown = ", ".join(f"{key} {given[key]!r} (the index's: {saved[key]!r})" for key in changed)

@@ -434,12 +434,17 @@ def stored_architecture(path: str | Path) -> BiEncoderConfig | None:
 
 def _load_projection(path: Path, config: BiEncoderConfig) -> nn.Linear | None:
     """The saved projection when present; None lets the constructor create a fresh one if configured. A saved
-    projection of another size than ``config.projection_dim`` is a one-line ConfigError: replacing trained weights
-    with new random ones is never what a user asked for."""
+    projection that ``config`` lacks, or of another size than its ``projection_dim``, is a one-line ConfigError:
+    dropping trained weights, or replacing them with new random ones, is never what a user asked for."""
     folder = dense_folder(path)
     weights = folder / "model.safetensors" if folder is not None else None
-    if config.projection_dim is None or weights is None or not weights.is_file():
+    if weights is None or not weights.is_file():
         return None
+    if config.projection_dim is None:
+        raise ConfigError(
+            f"{path} was saved with a projection (its Dense layer); a config without projection_dim would drop it: "
+            "set projection_dim to its size, or load the model with its saved settings"
+        )
     with loading_weights(weights.parent):
         state = load_file(str(weights))
     out_dim, in_dim = state["linear.weight"].shape

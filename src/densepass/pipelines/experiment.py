@@ -841,8 +841,8 @@ def step_kind(model, config: ExperimentConfig, device: torch.device) -> str:
 
 def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str, dict[str, float]]:
     """Run every stage of ``config`` and return {system: {metric: value}} (empty on ranks other than 0)."""
-    device = check(config)
-    config = retrievers.with_saved_architecture(config)  # a saved model's settings where the config leaves defaults
+    config = retrievers.with_saved_architecture(config)  # a saved model's settings where the config sets none
+    device = check(config)  # (the model's checks see the settings it runs with)
     distributed.init_from_environment()  # under torchrun: one process per GPU, global in-batch negatives
     main = distributed.rank() == 0
     with run_directory(config, main, restart) as claim:

@@ -81,8 +81,11 @@ def with_saved_architecture(config: ExperimentConfig) -> ExperimentConfig:
         given = given_keys(section)
         return key not in given if given is not None else getattr(section, key) == _default(cls, key)
 
-    if model.projection_dim is not None and saved.get("projection_dim") not in (None, model.projection_dim):
-        # (a projection_dim the config sets, or the saved one: None, the default, cannot drop saved weights)
+    if not unset(model, ModelConfig, "projection_dim") and saved.get("projection_dim") not in (
+        None,
+        model.projection_dim,
+    ):
+        # (a projection_dim the config sets, null included: a saved projection is never dropped or replaced)
         raise ConfigError(
             f"{where} projection_dim {saved['projection_dim']}, not the {model.projection_dim} the config sets: its "
             "trained projection would be replaced by a new one (leave model.projection_dim unset)"
