@@ -45,6 +45,7 @@ from densepass.negatives.mine import (
 )
 from densepass.negatives.pool import is_pool_line, save_pool
 from densepass.pipelines.indexing import check_private_work_dir
+from densepass.pipelines.retrievers import with_saved_architecture
 from densepass.training.dense_miners import prepare_miners
 
 
@@ -55,6 +56,8 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path, precis
     hard-negatives file it wrote: ``io.check_output_file``), in a place where a file can be made."""
     output = Path(output)
     check_strategies(config.negatives)
+    if dense_specs(config.negatives):  # its miners start from the model as densepass run would (its saved settings)
+        config = with_saved_architecture(config)
     if output.is_dir():
         raise ConfigError(f"--output {output} is a directory; give the path of the hard-negatives file to write")
     inputs = [
