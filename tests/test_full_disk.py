@@ -255,7 +255,7 @@ def test_a_run_file_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_pa
     real = os.fdopen
     monkeypatch.setattr(io.os, "fdopen", lambda fd, mode: FullDiskHandle(real(fd, mode)))
     with pytest.raises(DensepassError, match=r"no space left on device writing \S+run.trec \(needs ~"):
-        write_trec_run({"q1": {"p1": 1.0}}, path)
+        write_trec_run({"q1": {"p1": 1.0}}, path, tag="old")  # (a run of its tag: replaceable)
     assert path.read_text() == "q0 Q0 p0 1 1.0 old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["run.trec"]
 
 
