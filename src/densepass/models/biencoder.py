@@ -42,7 +42,13 @@ from densepass.io import (
 from densepass.models.encode import encode_texts
 from densepass.models.hub import fetch_model
 from densepass.models.inputs import Side, SidedInputs
-from densepass.models.kinds import CONFIG_FILES, check_config_and_weights, loading_weights, saved_architecture
+from densepass.models.kinds import (
+    CONFIG_FILES,
+    check_config_and_weights,
+    loading_weights,
+    read_model_json,
+    saved_architecture,
+)
 from densepass.models.packing import packed_forward
 from densepass.models.st_layout import dense_folder, sentence_transformers_architecture
 from densepass.numerics import refuse_nonfinite_weights
@@ -90,7 +96,6 @@ def check_model_files(path: Path) -> None:
     (``auto_map``): densepass never runs a model's code (``trust_remote_code`` stays off), and transformers would
     otherwise ask at the terminal whether to; and where a config cannot build its model or the weights beside it do
     not fit it (``kinds.check_config_and_weights``)."""
-    import json
 
     # the model's own files, and those of the models it holds in subfolders (a bi-encoder's query/ tower, a phrase
     # model's phrase/ and question/ encoders, a run's reranker/model/)
@@ -106,11 +111,7 @@ def check_model_files(path: Path) -> None:
             if file.is_symlink() or file.exists():  # a folder, a FIFO (reading it would wait), a dangling link
                 check_regular_file(file, f"the model's {name}", DataError)
             continue
-        try:
-            values = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError) as err:
-            reason = (str(err).splitlines() or [type(err).__name__])[0]
-            raise DataError(f"{file} does not load (truncated or damaged?): {reason}") from None
+        values = read_model_json(file)
         if file == path / "config.json" and not (
             isinstance(values, dict) and isinstance(values.get("model_type"), str)
         ):

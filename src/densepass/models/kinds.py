@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from safetensors import SafetensorError
 
@@ -46,12 +46,17 @@ def saved_architecture(path: str | Path, kind: ModelKind, cls: type[Architecture
     saved = Path(path) / CONFIG_FILES[kind]
     if not saved.is_file():
         return None
+    return from_dict(cls, read_model_json(saved), str(saved))
+
+
+def read_model_json(file: Path) -> Any:
+    """The JSON of a model's file (its configs, densepass's and sentence-transformers'), or a one-line DataError
+    naming it: ``<file> does not load (truncated or damaged?): <reason>``."""
     try:
-        values = json.loads(saved.read_text(encoding="utf-8"))
+        return json.loads(Path(file).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as err:
         reason = (str(err).splitlines() or [type(err).__name__])[0]
-        raise DataError(f"{saved} does not load (truncated or damaged?): {reason}") from None
-    return from_dict(cls, values, str(saved))
+        raise DataError(f"{file} does not load (truncated or damaged?): {reason}") from None
 
 
 def check_config_and_weights(folder: str | Path) -> None:

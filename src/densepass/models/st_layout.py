@@ -13,11 +13,11 @@ densepass's own saved models carry these files too (``BiEncoder.save``), but the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from densepass.config import BiEncoderConfig
 from densepass.errors import ConfigError, DataError
+from densepass.models.kinds import read_model_json
 
 MODULES = "modules.json"
 POOLING_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}  # sentence-transformers' names: densepass's
@@ -32,20 +32,12 @@ LEGACY_MODES = {
 IDENTITY = ("torch.nn.modules.linear.Identity", "torch.nn.Identity")
 
 
-def _read_json(path: Path) -> object:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as err:
-        reason = (str(err).splitlines() or [type(err).__name__])[0]
-        raise DataError(f"{path} does not load (truncated or damaged?): {reason}") from None
-
-
 def _modules(path: Path) -> list[dict] | None:
     """The module list of ``modules.json`` (None where there is none), each checked to have a type and a path."""
     file = path / MODULES
     if not file.is_file():
         return None
-    modules = _read_json(file)
+    modules = read_model_json(file)
     if not isinstance(modules, list) or not all(
         isinstance(m, dict) and isinstance(m.get("type"), str) and isinstance(m.get("path", ""), str) for m in modules
     ):
@@ -87,7 +79,7 @@ def sentence_transformers_architecture(path: str | Path) -> BiEncoderConfig | No
         what = f"modules densepass does not have ({', '.join(unknown)})" if unknown else f"modules {kinds}"
         raise ConfigError(f"{where} with {what}: densepass reads Transformer, Pooling, [Dense], [Normalize] in order")
     pooling_dir = path / modules[kinds.index("Pooling")]["path"]
-    pooling_config = _read_json(pooling_dir / "config.json") if (pooling_dir / "config.json").is_file() else {}
+    pooling_config = read_model_json(pooling_dir / "config.json") if (pooling_dir / "config.json").is_file() else {}
     if not isinstance(pooling_config, dict):
         raise DataError(f"{pooling_dir / 'config.json'} is not a JSON object")
     mode = pooling_config.get("pooling_mode")
@@ -109,7 +101,7 @@ def sentence_transformers_architecture(path: str | Path) -> BiEncoderConfig | No
     projection_dim = None
     if "Dense" in kinds:
         dense_dir = path / modules[kinds.index("Dense")]["path"]
-        dense = _read_json(dense_dir / "config.json") if (dense_dir / "config.json").is_file() else None
+        dense = read_model_json(dense_dir / "config.json") if (dense_dir / "config.json").is_file() else None
         if not isinstance(dense, dict) or not isinstance(dense.get("out_features"), int):
             raise DataError(f"{dense_dir} has no readable Dense config (config.json with out_features)")
         # sentence-transformers' Dense applies tanh when no activation is named
@@ -125,7 +117,7 @@ def sentence_transformers_architecture(path: str | Path) -> BiEncoderConfig | No
     prompts = {}
     settings = path / "config_sentence_transformers.json"
     if settings.is_file():
-        values = _read_json(settings)
+        values = read_model_json(settings)
         prompts = values.get("prompts") if isinstance(values, dict) else None
         if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
             prompts = {}
