@@ -80,9 +80,9 @@ KNOWN = ("bm25", "dense", "model", "context", "mixed", "file", "given")
 
 
 def check_strategies(config: NegativesConfig, strategy: str | None = None) -> None:
-    """A one-line ConfigError, before any work, for what ``raw_pool`` would refuse only once it got there (after a
-    BM25 index was built or a dense miner trained): an unknown strategy, a ``dense:DIM`` out of range, an empty
-    ``mix`` or one that holds ``mixed``."""
+    """A one-line ConfigError for an unknown strategy, a ``dense:DIM`` out of range, an empty ``mix`` or one that
+    holds ``mixed``: called by ``raw_pool`` and, before any work (a BM25 index built, a dense miner trained), by
+    the run's and ``densepass mine``'s checks."""
     strategy = strategy or config.source
     if strategy == "mixed" and (not config.mix or "mixed" in config.mix):
         raise ConfigError("negatives.mix must list the strategies to mix (and not 'mixed')")
@@ -134,6 +134,7 @@ def raw_pool(
     ``file:PATH``, ``file`` (config.file), ``given`` (the negatives training rows give: ``data.pairs``, in the
     order given, score 0; nothing ranked, so the filters and ``pool_depth`` are all that changes them) or
     ``mixed`` (config.mix)."""
+    check_strategies(config, spec)  # an unknown or malformed spec, an empty mix: refused here, one line
     depth = fetch_depth(config.pool_depth)
     name, _, arg = spec.partition(":")
     if name == "bm25":
@@ -188,12 +189,8 @@ def raw_pool(
     if name == "mixed":
         from densepass.negatives.mixed import mix_pools
 
-        if not config.mix or "mixed" in config.mix:
-            raise ConfigError("negatives.mix must list the strategies to mix (and not 'mixed')")
         return mix_pools([raw_pool(s, dataset, query_ids, config, ctx) for s in config.mix], depth)
-    raise ConfigError(
-        f"unknown negatives strategy {spec!r} (known: bm25, dense[:DIM], model, context, mixed, file[:PATH], given)"
-    )
+    raise AssertionError(f"check_strategies let through {spec!r}")  # every name it accepts has a branch above
 
 
 def bm25_corpus(dataset: RetrievalDataset) -> list[str]:
