@@ -1,0 +1,119 @@
+r"""Issue 55's pipeline with a given cross-encoder: dense + BM25 (linear fusion), then the cross-encoder over the
+fusion's top candidates, alone and fused with the fusion's scores; each row with a paired test against the dense
+model alone and against the dense + BM25 fusion.
+
+    python3 experiments/teacher_pipeline.py --config configs/recommended.yaml \
+        --dense outputs/recommended/runs/fine-tuned.trec --bm25 outputs/teacher-h200/bm25-report/runs/bm25.trec \
+        --cross-encoder outputs/teacher-h200/teacher-fp16 --dense-weight 0.75 --depth 10 \
+        --out outputs/teacher-h200/pipeline
+
+The queries are those of the dense run (the config's evaluated part: ``data.eval_part``, ``data.max_eval_queries``),
+judged with the config's qrels. ``--dense-weight`` is the dense side's weight in the linear fusion, chosen
+elsewhere (the recipe study chose 0.75 on the tuning part: docs/experiments.md); without it, it is 2-fold
+cross-validated on these queries. The cross-encoder's own fusion weight is always 2-fold cross-validated (chosen on
+one half of the queries for the other: no query is scored with a weight chosen on it), as in
+``experiments/recipe.py``. Reranking runs ``densepass rerank`` (its scores kept in ``<out>/cache`` by content, so a
+second depth or a re-run scores only new pairs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from densepass.cli import run_guarded  # noqa: E402
+from densepass.config import load_config  # noqa: E402
+from densepass.data import load_dataset  # noqa: E402
+from densepass.errors import DataError, DensepassError  # noqa: E402
+from densepass.evaluation.fusion import linear_fusion  # noqa: E402
+from densepass.evaluation.metrics import evaluate_run, paired_significance, read_trec_run, write_trec_run  # noqa: E402
+from densepass.io import atomic_write_text  # noqa: E402
+from densepass.pipelines.evalset import eval_qrels  # noqa: E402
+from recipe import RERANK_DEPTH, cv_linear_fusion, reranked_runs, top  # noqa: E402
+
+METRICS = ["mrr@10", "ndcg@10", "recall@100"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/recommended.yaml", help="the dataset and evaluated part")
+    parser.add_argument("--dense", required=True, help="the dense model's TREC run over the evaluated queries")
+    parser.add_argument("--bm25", required=True, help="BM25's TREC run over the same queries")
+    parser.add_argument("--cross-encoder", required=True, help="a saved cross-encoder (densepass rerank --model)")
+    parser.add_argument("--dense-weight", type=float, default=None, help="dense weight of the linear fusion")
+    parser.add_argument("--depth", type=int, nargs="+", default=[10], help="candidates the cross-encoder re-scores")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args()
+    if args.dense_weight is not None and not 0 < args.dense_weight < 1:
+        parser.error(f"--dense-weight must be between 0 and 1, got {args.dense_weight}")
+    if any(not 1 <= d <= RERANK_DEPTH for d in args.depth):
+        parser.error(f"--depth must be from 1 to {RERANK_DEPTH}")
+    config = load_config(args.config)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    dataset = load_dataset(config.data.name, config.data.data_dir, config.data.format)
+    qrels, _ = eval_qrels(dataset, config.data)
+    dense, bm25 = read_trec_run(args.dense), read_trec_run(args.bm25)
+    for name, run in (("--dense", dense), ("--bm25", bm25)):
+        if set(run) != set(qrels):
+            raise DataError(f"{name} holds {len(run)} queries, not the {len(qrels)} the config evaluates")
+    seed = config.data.seed
+    if args.dense_weight is None:
+        hybrid, weight = cv_linear_fusion(qrels, dense, bm25, seed)
+    else:
+        hybrid = linear_fusion([dense, bm25], [args.dense_weight, 1 - args.dense_weight])
+        weight = f"{args.dense_weight:.2f}"
+    runs = {"dense": dense, f"dense + BM25, linear (dense weight {weight})": hybrid}
+    first = out / "first-stage.trec"
+    write_trec_run(top(hybrid, RERANK_DEPTH), first)
+    for depth in args.depth:
+        reranked = out / f"reranked-{depth}.trec"
+        command = [
+            sys.executable, "-m", "densepass", "rerank", config.data.name, str(first), "--model", args.cross_encoder,
+            "--depth", str(depth), "--output", str(reranked), "--cache-dir", str(out / "cache"),
+            *(["--data-dir", config.data.data_dir] if config.data.data_dir else []),
+            *(["--device", args.device] if args.device else []),
+        ]  # fmt: skip
+        if not reranked.is_file() and subprocess.run(command).returncode != 0:
+            raise DensepassError(f"densepass rerank failed: {' '.join(command)}")
+        alone, fused, weights = reranked_runs(qrels, hybrid, read_trec_run(reranked), depth, seed)
+        runs[f"→ cross-encoder@{depth}"] = alone
+        runs[f"→ cross-encoder@{depth}, fused with the first stage (weight {weights} by 2-fold CV)"] = fused
+
+    names = list(runs)
+    lines = [
+        f"{len(qrels)} queries; cross-encoder {args.cross_encoder}",
+        "",
+        "| row | " + " | ".join(METRICS) + " | Δ MRR@10 vs dense (wins / losses, p) | Δ vs dense + BM25 (p) |",
+        "|---|" + "---:|" * len(METRICS) + "---|---|",
+    ]
+    results = {}
+    for name in names:
+        values = evaluate_run(qrels, runs[name], METRICS)
+        tests = {
+            against: paired_significance(qrels, {against: runs[against], name: runs[name]}, against, "mrr@10")[name]
+            for against in names[:2]
+            if against != name
+        }
+        results[name] = {"metrics": values, "tests": tests}
+        cells = [f"{values[m]:.4f}" for m in METRICS]
+        test_cells = []
+        for against in names[:2]:
+            t = tests.get(against)
+            test_cells.append("" if t is None else f"{t['delta']:+.4f} ({t['wins']} / {t['losses']}, p = {t['p']:.4f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(test_cells) + " |")
+    text = "\n".join(lines) + "\n"
+    atomic_write_text(out / "report.md", text)
+    atomic_write_text(out / "report.json", json.dumps(results, indent=2))
+    print(text)
+
+
+if __name__ == "__main__":
+    sys.exit(run_guarded(main, Path(__file__).name))

@@ -1,0 +1,67 @@
+"""experiments/teacher_pipeline.py on tiny data: dense + BM25 fused, a cross-encoder over the fusion's top, each row
+tested; its numbers are those of the library's fusion and of ``densepass rerank``'s run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parent.parent / "experiments" / "teacher_pipeline.py"
+
+
+def write_run(path: Path, queries, score) -> None:
+    path.write_text("".join(f"{q} Q0 p{i} {i + 1} {score(q, i)} x\n" for q in queries for i in range(12)))
+
+
+def test_the_pipeline_fuses_reranks_and_tests_each_row(tiny_beir, tiny_model_dir, tmp_path):
+    from densepass.config import load_config
+    from densepass.data import load_dataset
+    from densepass.evaluation.fusion import linear_fusion
+    from densepass.evaluation.metrics import evaluate_run, read_trec_run
+    from densepass.models.cross_encoder import CrossEncoder
+    from densepass.pipelines.evalset import eval_qrels
+
+    ce = CrossEncoder.new(str(tiny_model_dir), seed=5, max_length=48, device=torch.device("cpu"), precision="fp32")
+    with torch.no_grad():  # scores spread wide enough that no two tie in a TREC file's 6 decimals
+        ce.model.classifier.weight.mul_(1e4)
+    ce.save(tmp_path / "ce")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"name: t\ndata:\n  name: {tiny_beir}\n  max_eval_queries: null\n")
+    qrels, _ = eval_qrels(load_dataset(str(tiny_beir)), load_config(config).data)
+    queries = sorted(qrels)
+    write_run(tmp_path / "dense.trec", queries, lambda q, i: round(1 - i / 20 + (hash(q) % 7) / 100, 4))
+    write_run(tmp_path / "bm25.trec", queries, lambda q, i: 30 - ((i * 5) % 12))
+    out = tmp_path / "out"
+    args = [sys.executable, str(SCRIPT), "--config", str(config), "--dense", str(tmp_path / "dense.trec")]
+    args += ["--bm25", str(tmp_path / "bm25.trec"), "--cross-encoder", str(tmp_path / "ce"), "--dense-weight", "0.6"]
+    done = subprocess.run([*args, "--depth", "4", "--out", str(out), "--device", "cpu"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+    report = json.loads((out / "report.json").read_text())
+    names = list(report)
+    assert names[:2] == ["dense", "dense + BM25, linear (dense weight 0.60)"] and len(names) == 4
+    dense, bm25 = read_trec_run(tmp_path / "dense.trec"), read_trec_run(tmp_path / "bm25.trec")
+    hybrid = linear_fusion([dense, bm25], [0.6, 0.4])
+    metrics = ["mrr@10", "ndcg@10", "recall@100"]
+    assert report[names[1]]["metrics"] == pytest.approx(evaluate_run(qrels, hybrid, metrics))
+    reranked = read_trec_run(out / "reranked-4.trec")
+    alone = report["→ cross-encoder@4"]
+    for q in queries:  # the fusion's top 4 reordered by the cross-encoder's scores
+        top4 = sorted(hybrid[q], key=lambda p: -hybrid[q][p])[:4]
+        assert sorted(top4, key=lambda p: -reranked[q][p]) == sorted(reranked[q], key=lambda p: -reranked[q][p])[:4]
+    assert set(alone["tests"]) == {"dense", names[1]}
+    for test in alone["tests"].values():
+        assert 0 <= test["p"] <= 1 and test["wins"] + test["ties"] + test["losses"] == len(queries)
+
+    write_run(tmp_path / "bm25.trec", queries[:-1], lambda q, i: 30 - i)  # a query short: one line, exit code 2
+    done = subprocess.run([*args, "--out", str(tmp_path / "out2")], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"teacher_pipeline.py: error: --bm25 holds {len(queries) - 1} queries, not the {len(queries)} the config "
+        "evaluates"
+    )
