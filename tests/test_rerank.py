@@ -253,3 +253,26 @@ def test_fusing_the_reranker_with_the_first_stage_matches_a_hand_computed_interp
         assert out[p] == pytest.approx(expected[p], abs=1e-6)
     assert all(out[a] >= out[b] for a, b in zip(order, order[1:]))
     assert len(rerank_run(run, {"q": "x"}, CORPUS, TableReranker(table), depth, k=3, fuse_weight=weight)["q"]) == 3
+
+
+def test_reranking_under_a_progress_bar_scores_in_the_cross_encoders_own_batches(
+    tiny_beir, tiny_model_dir, monkeypatch, capsys
+):
+    """``rerank(show_progress=True)`` scores in calls of ``PROGRESS_PAIRS`` pairs, cut where the cross-encoder cuts
+    its tokenising chunks: its batches are the same, so even int8 scores (one activation scale per batch) equal
+    those of one call."""
+    from densepass.data import load_dataset
+    from densepass.models import cross_encoder
+    from densepass.models.cross_encoder import CrossEncoder
+    from densepass.pipelines import search
+
+    dataset = load_dataset(str(tiny_beir))
+    ce = CrossEncoder.new(str(tiny_model_dir), seed=5, max_length=48, device=torch.device("cpu"), precision="int8")
+    monkeypatch.setattr(cross_encoder, "TOKENIZE_CHUNK", 4)
+    monkeypatch.setattr(search, "PROGRESS_PAIRS", 8)
+    qids = sorted(dataset.split("dev"))
+    run = {q: {f"p{i}": 10.0 - i for i in range(7)} for q in qids}  # 7 pairs a query: calls cut inside queries
+    whole = search.rerank_run(run, dataset.queries, dataset.corpus, ce, depth=7)
+    shown = search.rerank_run(run, dataset.queries, dataset.corpus, ce, depth=7, show_progress=True)
+    assert shown == whole
+    assert "rerank" in capsys.readouterr().err  # the bar

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from densepass.config import DENSE_INDEX_KINDS, ONDISK_INDEX_KIND
 from densepass.data.dataset import Corpus
@@ -36,11 +37,14 @@ from densepass.io import check_cache_dir, check_regular_file
 from densepass.models.biencoder import model_name, resolve_model_path
 from densepass.models.colbert import ColBERT, ColbertReranker
 from densepass.models.copies import float_precision
-from densepass.models.cross_encoder import PASSAGE_SEP, CrossEncoder
+from densepass.models.cross_encoder import PASSAGE_SEP, TOKENIZE_CHUNK, CrossEncoder
 from densepass.models.kinds import model_kind
 from densepass.models.load import load_model
 from densepass.models.score_cache import CachedPairScores
 from densepass.phrase.index import PhraseIndex, PhraseSearchResults  # registers the phrase kind for load_index
+
+PROGRESS_PAIRS = 4 * TOKENIZE_CHUNK
+"""Pairs per reranker call under ``rerank``'s progress bar: a multiple of a cross-encoder's tokenising chunk."""
 
 BIENCODER_KINDS = (*DENSE_INDEX_KINDS, ONDISK_INDEX_KIND, *COMPACT_KINDS)  # indexes of one bi-encoder's embeddings
 
@@ -295,13 +299,20 @@ def check_query(query: str, what: str) -> None:
 
 
 def rerank(
-    first: SearchResults, queries: Sequence[str], reranker: Reranker, depth: int, k: int | None = None
+    first: SearchResults,
+    queries: Sequence[str],
+    reranker: Reranker,
+    depth: int,
+    k: int | None = None,
+    show_progress: bool = False,
 ) -> SearchResults:
     """Re-score the top ``depth`` candidates of each query with ``reranker`` and order them by that score;
     candidates past ``depth`` follow in their first-stage order, scored below every re-scored one, so the
     reranked list holds every first-stage candidate (its top ``k`` when given). Every query's candidates
-    are scored in one call (the reranker batches and sorts them by length). A ``depth`` larger than the
-    first stage's candidate lists is a one-line ConfigError."""
+    are scored in one call (the reranker batches and sorts them by length); with ``show_progress``, in calls of
+    ``PROGRESS_PAIRS`` pairs under a progress bar, cut where a cross-encoder cuts its own tokenising chunks, so
+    its batches, and so its scores, are the same. A ``depth`` larger than the first stage's candidate lists is a
+    one-line ConfigError."""
     width = first.rows.shape[1]
     if depth < 1 or depth > width:
         raise ConfigError(f"rerank depth {depth} is outside the first stage's {width} candidates per query")
@@ -313,9 +324,15 @@ def rerank(
     where = np.nonzero(head >= 0)
     scores = np.full(head.shape, -np.inf, dtype=np.float32)
     if len(where[0]):
-        values = np.asarray(
-            reranker.score_pairs([queries[i] for i in where[0]], [texts[r] for r in head[where]]), dtype=np.float32
-        )
+        pair_queries, pair_texts = [queries[i] for i in where[0]], [texts[r] for r in head[where]]
+        step = PROGRESS_PAIRS if show_progress else len(pair_queries)
+        parts = []
+        with tqdm(total=len(pair_queries), desc="rerank", unit="pairs", disable=not show_progress) as bar:
+            for start in range(0, len(pair_queries), step):
+                end = start + step
+                parts.append(np.asarray(reranker.score_pairs(pair_queries[start:end], pair_texts[start:end])))
+                bar.update(len(parts[-1]))
+        values = np.concatenate(parts).astype(np.float32, copy=False)
         if values.shape != (len(where[0]),) or not np.isfinite(values).all():
             raise ConfigError(f"the reranker returned {values.shape} scores (finite?) for {len(where[0])} pairs")
         scores[where] = values
@@ -361,6 +378,7 @@ def rerank_run(
     depth: int,
     k: int | None = None,
     fuse_weight: float | None = None,
+    show_progress: bool = False,
 ) -> dict[str, dict[str, float]]:
     """A run (e.g. a TREC file of any first stage) with each query's top ``depth`` re-scored by ``reranker``
     (``rerank``: the rest follow in their first-stage order), its top ``k`` per query when given. ``queries``
@@ -381,7 +399,8 @@ def rerank_run(
         raise ConfigError(f"the fusion weight of the reranker lies in [0, 1], got {fuse_weight}")
     query_ids = list(run)
     first = results_from_run(run, query_ids, corpus, width=depth)
-    reranked = rerank(first, [queries[q] for q in query_ids], reranker, depth, k if fuse_weight is None else None)
+    texts = [queries[q] for q in query_ids]
+    reranked = rerank(first, texts, reranker, depth, k if fuse_weight is None else None, show_progress)
     if fuse_weight is None:
         return reranked.as_run(query_ids)
     from densepass.evaluation.fusion import linear_fusion
@@ -443,7 +462,7 @@ def rerank_run_file(
     reranker = load_reranker(model, device, batch_size, precision)
     scorer = CachedPairScores(reranker, cache_dir) if cache_dir is not None else reranker
     started = time.perf_counter()
-    reranked = rerank_run(first, data.queries, data.corpus, scorer, depth, k, fuse_weight)
+    reranked = rerank_run(first, data.queries, data.corpus, scorer, depth, k, fuse_weight, show_progress=True)
     seconds = time.perf_counter() - started
     write_trec_run(reranked, output, tag=tag)
     summary = {"queries": len(first), "depth": depth, "fuse_weight": fuse_weight, "device": str(device)}
