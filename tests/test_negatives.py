@@ -335,6 +335,16 @@ def test_reciprocal_rank_fusion_hand_computed():
     assert sorted(fused, key=fused.get, reverse=True) == ["d1", "d3", "d2"]
 
 
+def test_reciprocal_rank_fusion_ranks_tied_scores_in_each_runs_own_order():
+    """A run read from a TREC file keeps its tied scores in its rank order; RRF ranks them so, by hand: the
+    first of 60 tied passages of both runs is first (ranx's unstable sort put the 32nd first)."""
+    tied = {"q": {f"p{i}": 1.0 for i in range(60)}}
+    other = {"q": {f"p{i}": 60.0 - i for i in range(60)}}  # the same order, strict
+    fused = reciprocal_rank_fusion([tied, tied], k=60)["q"]
+    assert fused == pytest.approx({f"p{i}": 2 / (61 + i) for i in range(60)})
+    assert fused == pytest.approx(reciprocal_rank_fusion([other, other], k=60)["q"])
+
+
 def naive_linear_fusion(runs, weights):
     """Per query: each run's scores min-max normalised over its own passages (one passage: 0), weighted, summed."""
     fused = {}

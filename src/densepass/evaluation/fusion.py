@@ -67,8 +67,13 @@ def tune_weights(
 
 
 def reciprocal_rank_fusion(runs: Sequence[Run], k: int = 60) -> Run:
-    """RRF of runs over the same queries, via ranx (a query missing from a run counts as empty there)."""
-    return _ranx_fuse(runs, norm=None, method="rrf", params={"k": k})
+    """RRF of runs over the same queries, via ranx (a query missing from a run counts as empty there). Tied scores
+    are ranked in each run's own order (a run file's rank column, an index's row order): ranx ranks a list with an
+    unstable sort, which scrambles long runs of ties."""
+    from densepass.evaluation.metrics import _strict
+
+    strict = [{q: _strict(ranking) for q, ranking in run.items()} for run in runs]
+    return _ranx_fuse(strict, norm=None, method="rrf", params={"k": k})
 
 
 def linear_fusion(runs: Sequence[Run], weights: Sequence[float]) -> Run:
