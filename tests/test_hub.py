@@ -168,3 +168,37 @@ def test_densepass_run_offline_with_an_uncached_model_exits_2_with_one_line(tmp_
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "some-org/not-cached" in lines[0] and "offline" in lines[0], result.stderr
+
+
+def test_a_partial_snapshot_is_never_marked_whole_when_the_hub_cannot_be_reached_or_leaves_files_out(
+    cache, tiny_model_dir, tmp_path, monkeypatch
+):
+    """Where the Hub cannot be reached, ``snapshot_download`` returns the cached snapshot whatever it holds: the
+    download is checked against the repo's file list, so a partial snapshot is a one-line error, never marked
+    complete (which would have it read as whole from then on), and a whole one is read."""
+    import huggingface_hub
+
+    from densepass.hub_snapshots import is_complete
+
+    partial = tmp_path / "partial"
+    shutil.copytree(tiny_model_dir, partial)
+    (partial / "tokenizer.json").unlink()  # an interrupted first download: the weights came, a tokenizer file did not
+    snapshot = lay_out(cache, "some-org/tiny", partial, commit="c0")
+    listed = sorted(p.relative_to(tiny_model_dir).as_posix() for p in tiny_model_dir.rglob("*") if p.is_file())
+
+    def unreachable(repo, **kwargs):
+        raise httpx.ConnectError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", unreachable)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kwargs: str(snapshot))
+    with pytest.raises(ConfigError, match="could not be downloaded: the Hugging Face Hub could not be reached") as err:
+        resolve_model_path("some-org/tiny")
+    assert "\n" not in str(err.value) and not is_complete(snapshot, hub.ALLOW_PATTERNS)
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo, **kwargs: [*listed, "README.md"])
+    with pytest.raises(ConfigError, match=r"holds \d+ of the repo's \d+ files \(missing: tokenizer.json\); run again"):
+        resolve_model_path("some-org/tiny")  # the fallback to the cache again, now seen against the list
+    assert not is_complete(snapshot, hub.ALLOW_PATTERNS)
+
+    shutil.copy(tiny_model_dir / "tokenizer.json", snapshot / "tokenizer.json")  # the Hub completes it
+    assert resolve_model_path("some-org/tiny") == str(snapshot) and is_complete(snapshot, hub.ALLOW_PATTERNS)

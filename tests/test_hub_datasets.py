@@ -144,6 +144,21 @@ def test_a_partial_snapshot_is_completed_by_the_next_online_run(cache, repo_file
     assert again.digest == rows.digest and len(calls) == 2  # card and files downloaded in full once: the cache now
 
 
+def test_a_partial_snapshot_is_refused_not_read_whole_where_the_hub_cannot_be_reached(cache, repo_files, monkeypatch):
+    """One of two shards cached, the Hub out of reach: ``snapshot_download`` would hand back the cached part, so
+    the download is checked against the repo's list, a one-line error instead of training on one shard."""
+    import huggingface_hub
+
+    datasets.Dataset.from_list(triplets(5, "s")).to_parquet(str(repo_files / "triplet" / "train-00001.parquet"))
+    snapshot = lay_out(cache, "some-org/rows", repo_files, commit="c0", patterns=["README.md", "triplet/*-00000.*"])
+    listed = sorted(p.relative_to(repo_files).as_posix() for p in repo_files.rglob("*") if p.is_file())
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo, **kwargs: listed)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kwargs: str(snapshot))
+    with pytest.raises(DataError, match=r"could not be downloaded: .*\(missing: triplet/train-00001.parquet\)") as err:
+        load_dataset("some-org/rows", format="pairs", subset="triplet")
+    assert "\n" not in str(err.value)
+
+
 def _http_error(kind, status):
     response = httpx.Response(status, request=httpx.Request("GET", "https://huggingface.co/api/datasets/x"))
     return kind("refused", response=response)

@@ -7,7 +7,9 @@ So after each download densepass completes (``models.hub``, ``data.hub``) it rec
 patterns it asked for in a marker, ``<HF_HUB_CACHE>/.densepass-complete/<key>.json``, listing the files the
 snapshot then held. A cached snapshot is read without the network only when a marker says it was downloaded in
 full for those patterns and its files are all still there; otherwise, with the Hub online, the download runs
-again (``huggingface_hub`` fetches only what is missing). Offline (``HF_HUB_OFFLINE=1``) the cache is all there is,
+again (``huggingface_hub`` fetches only what is missing), and its result is checked against the repo's own file
+list (``download_in_full``): where the Hub cannot be reached, ``snapshot_download`` returns the cached snapshot
+whatever it holds, which would otherwise be marked whole. Offline (``HF_HUB_OFFLINE=1``) the cache is all there is,
 and a snapshot another tool downloaded (``huggingface-cli download``) is read as it is. A cache densepass may not
 write to (a shared, read-only one) gets no marker: each online run then asks the Hub what is missing.
 """
@@ -18,6 +20,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from densepass.io import atomic_write_text
 
@@ -52,3 +55,28 @@ def is_complete(snapshot: str | Path, patterns: Sequence[str]) -> bool:
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return isinstance(files, list) and all(isinstance(f, str) and (snapshot / f).is_file() for f in files)
+
+
+def download_in_full(repo: str, patterns: Sequence[str], **kwargs: Any) -> str:
+    """``snapshot_download`` of ``repo``'s files matching ``patterns`` (``kwargs``: its ``revision``,
+    ``repo_type``), checked against the Hub's list of the repo's files: an OSError (one line) where the Hub cannot
+    be reached or the snapshot lacks one of them. ``snapshot_download`` alone cannot tell: without a connection it
+    returns the cached snapshot, complete or not."""
+    import httpx
+    from huggingface_hub import list_repo_files, snapshot_download
+    from huggingface_hub.utils import filter_repo_objects
+
+    options = {k: kwargs[k] for k in ("revision", "repo_type") if k in kwargs}
+    try:
+        listed = list_repo_files(repo, **options)
+    except httpx.HTTPError as err:  # no connection (an HTTP status is huggingface_hub's own error: the caller's)
+        raise OSError(f"the Hugging Face Hub could not be reached ({type(err).__name__}: {err})") from None
+    folder = snapshot_download(repo, allow_patterns=list(patterns), **kwargs)
+    wanted = list(filter_repo_objects(listed, allow_patterns=list(patterns)))
+    missing = [name for name in wanted if not (Path(folder) / name).is_file()]
+    if missing:
+        raise OSError(
+            f"the download holds {len(wanted) - len(missing)} of the repo's {len(wanted)} files (missing: "
+            f"{missing[0]}{' ...' if len(missing) > 1 else ''}); run again"
+        )
+    return folder

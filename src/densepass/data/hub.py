@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from densepass.errors import DataError
-from densepass.hub_snapshots import is_complete, mark_complete
+from densepass.hub_snapshots import download_in_full, is_complete, mark_complete
 
 PREFIX = "hf://datasets/"
 DATA_PATTERNS = ["*.parquet", "*.jsonl", "*.jsonl.gz", "*.json", "*.json.gz", "*.csv", "*.csv.gz", "*.arrow"]
@@ -199,9 +199,8 @@ def _holds(folder: Path, patterns: list[str]) -> bool:
 
 def _download(repo: str, **kwargs: Any) -> str:
     """Fetch files of the dataset repo into the cache (the network; replaced by a fake in the tests)."""
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(repo, **kwargs)
+    options = dict(kwargs)
+    return download_in_full(repo, options.pop("allow_patterns"), **options)
 
 
 def _true(value: str | None) -> bool:

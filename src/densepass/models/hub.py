@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from densepass.errors import ConfigError
-from densepass.hub_snapshots import is_complete, mark_complete
+from densepass.hub_snapshots import download_in_full, is_complete, mark_complete
 
 # what a model directory needs: configs (also the sentence-transformers modules'), tokenizer files, weights
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "tokenizer*", "*.tiktoken", "merges.txt"]
@@ -36,9 +36,7 @@ def hub_id(name: str) -> tuple[str, str | None] | None:
 
 def _download(repo: str, revision: str | None) -> str:
     """Fetch ``repo`` at ``revision`` into the cache (the network; replaced by a fake in the tests)."""
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(repo, revision=revision, allow_patterns=ALLOW_PATTERNS)
+    return download_in_full(repo, ALLOW_PATTERNS, revision=revision)
 
 
 def _cached(repo: str, revision: str | None) -> str | None:
