@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from densepass.errors import ConfigError
-from densepass.evaluation.metrics import Run, quiet_numba
+from densepass.evaluation.metrics import Run, quiet_numba, strict_order
 
 
 def fuse_embeddings(embeddings: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
@@ -70,9 +70,7 @@ def reciprocal_rank_fusion(runs: Sequence[Run], k: int = 60) -> Run:
     """RRF of runs over the same queries, via ranx (a query missing from a run counts as empty there). Tied scores
     are ranked in each run's own order (a run file's rank column, an index's row order): ranx ranks a list with an
     unstable sort, which scrambles long runs of ties."""
-    from densepass.evaluation.metrics import _strict
-
-    strict = [{q: _strict(ranking) for q, ranking in run.items()} for run in runs]
+    strict = [{q: strict_order(ranking) for q, ranking in run.items()} for run in runs]
     return _ranx_fuse(strict, norm=None, method="rrf", params={"k": k})
 
 

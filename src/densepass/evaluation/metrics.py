@@ -130,7 +130,7 @@ def _ranx_inputs(qrels: Qrels, run: Run):
     # ranx needs every judged query in the run; an empty ranking scores zero. Tied scores are ranked in the run's
     # order (its insertion order: an index's row order, a run file's rank column), made strict here: ranx orders a
     # ranking with an unstable sort, which kept ties in order for short lists and scrambled them for long ones.
-    full_run = {q: _strict(run.get(q) or {"__none__": 0.0}) for q in judged}
+    full_run = {q: strict_order(run.get(q) or {"__none__": 0.0}) for q in judged}
     ranx_qrels, ranx_run = RanxQrels(judged), RanxRun(full_run)
     # The same queries on both sides, so ranx's make_comparable would add or drop nothing; what it does do, sort
     # the run again, is repeated here, and both are handed to ranx as the typed lists it evaluates. Its Qrels and
@@ -140,9 +140,9 @@ def _ranx_inputs(qrels: Qrels, run: Run):
     return ranx_qrels.to_typed_list(), ranx_run.to_typed_list()
 
 
-def _strict(ranking: dict[str, float]) -> dict[str, float]:
+def strict_order(ranking: dict[str, float]) -> dict[str, float]:
     """``ranking`` itself where its scores are distinct, else scores n, ..., 1 in the order (score desc, then its
-    own order): the metrics depend on the order only."""
+    own order), for what depends on the order only (the metrics, rank fusion)."""
     if len(set(ranking.values())) == len(ranking):
         return ranking
     ordered = sorted(ranking.items(), key=lambda item: -item[1])  # stable: ties keep the ranking's order
