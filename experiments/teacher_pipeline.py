@@ -12,15 +12,14 @@ judged with the config's qrels. ``--dense-weight`` is the dense side's weight in
 elsewhere (the recipe study chose 0.75 on the tuning part: docs/experiments.md); without it, it is 2-fold
 cross-validated on these queries. The cross-encoder's own fusion weight is always 2-fold cross-validated (chosen on
 one half of the queries for the other: no query is scored with a weight chosen on it), as in
-``experiments/recipe.py``. Reranking runs ``densepass rerank`` (its scores kept in ``<out>/cache`` by content, so a
-second depth or a re-run scores only new pairs).
+``experiments/recipe.py``. Reranking is ``densepass rerank``'s (``rerank_run_file``; its scores kept in ``<out>/cache``
+by content, so a second depth or a re-run scores only new pairs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,11 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from densepass.cli import run_guarded  # noqa: E402
 from densepass.config import load_config  # noqa: E402
 from densepass.data import load_dataset  # noqa: E402
-from densepass.errors import DataError, DensepassError  # noqa: E402
+from densepass.errors import DataError  # noqa: E402
 from densepass.evaluation.fusion import linear_fusion  # noqa: E402
 from densepass.evaluation.metrics import evaluate_run, paired_significance, read_trec_run, write_trec_run  # noqa: E402
 from densepass.io import atomic_write_text  # noqa: E402
 from densepass.pipelines.evalset import eval_qrels  # noqa: E402
+from densepass.pipelines.search import rerank_run_file  # noqa: E402
 from recipe import RERANK_DEPTH, cv_linear_fusion, reranked_runs, top  # noqa: E402
 
 METRICS = ["mrr@10", "ndcg@10", "recall@100"]
@@ -75,14 +75,11 @@ def main() -> None:
     write_trec_run(top(hybrid, RERANK_DEPTH), first)
     for depth in args.depth:
         reranked = out / f"reranked-{depth}.trec"
-        command = [
-            sys.executable, "-m", "densepass", "rerank", config.data.name, str(first), "--model", args.cross_encoder,
-            "--depth", str(depth), "--output", str(reranked), "--cache-dir", str(out / "cache"),
-            *(["--data-dir", config.data.data_dir] if config.data.data_dir else []),
-            *(["--device", args.device] if args.device else []),
-        ]  # fmt: skip
-        if not reranked.is_file() and subprocess.run(command).returncode != 0:
-            raise DensepassError(f"densepass rerank failed: {' '.join(command)}")
+        if not reranked.is_file():
+            rerank_run_file(
+                config.data.name, first, args.cross_encoder, reranked, data_dir=config.data.data_dir,
+                format=config.data.format, depth=depth, device=args.device, cache_dir=out / "cache",
+            )  # fmt: skip
         alone, fused, weights = reranked_runs(qrels, hybrid, read_trec_run(reranked), depth, seed)
         runs[f"→ cross-encoder@{depth}"] = alone
         runs[f"→ cross-encoder@{depth}, fused with the first stage (weight {weights} by 2-fold CV)"] = fused
