@@ -28,15 +28,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from densepass.cli import run_guarded  # noqa: E402
 from densepass.config import load_config  # noqa: E402
 from densepass.data import load_dataset  # noqa: E402
-from densepass.errors import DataError  # noqa: E402
+from densepass.device import resolve_device  # noqa: E402
+from densepass.errors import ConfigError, DataError  # noqa: E402
 from densepass.evaluation.fusion import linear_fusion  # noqa: E402
-from densepass.evaluation.metrics import evaluate_run, paired_significance, read_trec_run, write_trec_run  # noqa: E402
-from densepass.io import atomic_write_text  # noqa: E402
+from densepass.evaluation.metrics import (  # noqa: E402
+    check_run_file,
+    evaluate_run,
+    paired_significance,
+    read_trec_run,
+    write_trec_run,
+)
+from densepass.io import atomic_write_text, check_output_file  # noqa: E402
 from densepass.pipelines.evalset import eval_qrels  # noqa: E402
-from densepass.pipelines.search import rerank_run_file  # noqa: E402
+from densepass.pipelines.search import check_reranker_precision, rerank_run_file  # noqa: E402
 from recipe import RERANK_DEPTH, cv_linear_fusion, reranked_runs, top  # noqa: E402
 
 METRICS = ["mrr@10", "ndcg@10", "recall@100"]
+TITLE = "# densepass pipeline: dense + BM25, then the cross-encoder "
+RERANK_TAG = "densepass-rerank"  # rerank_run_file's runs
+
+
+def check_outputs(out: Path, depths: list[int]) -> None:
+    """A one-line error, before any work, where ``out`` holds under this script's names files it did not write
+    (its report opens with ``TITLE``; its runs are TREC runs of its tags): a folder of one's own notes is left as
+    it is, and no run of another system is read as the cross-encoder's."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder")
+    check_run_file(out / "first-stage.trec", "densepass")
+    for depth in depths:
+        check_run_file(out / f"reranked-{depth}.trec", RERANK_TAG)
+    check_output_file(out / "report.md", "pipeline report", lambda path: path.read_text().startswith(TITLE))
+    check_output_file(out / "report.json", "pipeline report", lambda path: _is_report(json.loads(path.read_text())))
+
+
+def _is_report(values) -> bool:
+    return isinstance(values, dict) and all(
+        isinstance(v, dict) and set(v) == {"metrics", "tests"} for v in values.values()
+    )
 
 
 def main() -> None:
@@ -56,6 +84,8 @@ def main() -> None:
         parser.error(f"--depth must be from 1 to {RERANK_DEPTH}")
     config = load_config(args.config)
     out = Path(args.out)
+    check_outputs(out, args.depth)  # before any work: densepass replaces only what it wrote
+    check_reranker_precision(args.cross_encoder, "auto", resolve_device(args.device))  # a missing model: one line
     out.mkdir(parents=True, exist_ok=True)
 
     dataset = load_dataset(config.data.name, config.data.data_dir, config.data.format)
@@ -75,7 +105,7 @@ def main() -> None:
     write_trec_run(top(hybrid, RERANK_DEPTH), first)
     for depth in args.depth:
         reranked = out / f"reranked-{depth}.trec"
-        if not reranked.is_file():
+        if not reranked.is_file() or reranked.stat().st_size == 0:  # (one there is this script's: check_outputs)
             rerank_run_file(
                 config.data.name, first, args.cross_encoder, reranked, data_dir=config.data.data_dir,
                 format=config.data.format, depth=depth, device=args.device, cache_dir=out / "cache",
@@ -86,7 +116,9 @@ def main() -> None:
 
     names = list(runs)
     lines = [
-        f"{len(qrels)} queries; cross-encoder {args.cross_encoder}",
+        f"{TITLE}{args.cross_encoder}",
+        "",
+        f"{len(qrels)} queries",
         "",
         "| row | " + " | ".join(METRICS) + " | Δ MRR@10 vs dense (wins / losses, p) | Δ vs dense + BM25 (p) |",
         "|---|" + "---:|" * len(METRICS) + "---|---|",

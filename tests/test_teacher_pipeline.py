@@ -65,3 +65,29 @@ def test_the_pipeline_fuses_reranks_and_tests_each_row(tiny_beir, tiny_model_dir
         f"teacher_pipeline.py: error: --bm25 holds {len(queries) - 1} queries, not the {len(queries)} the config "
         "evaluates"
     )
+
+
+def test_the_pipeline_leaves_a_folder_of_ones_own_files_and_a_missing_model_as_one_line(tiny_beir, tmp_path):
+    """Before any work: files of the script's names that it did not write (notes, another system's run) stop it in
+    one line, untouched and nothing written beside them; so does a cross-encoder that is not there."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"name: t\ndata:\n  name: {tiny_beir}\n  max_eval_queries: null\n")
+    (tmp_path / "run.trec").write_text("q1 Q0 p0 1 1.0 x\n")
+    base = [sys.executable, str(SCRIPT), "--config", str(config), "--dense", str(tmp_path / "run.trec")]
+    base += ["--bm25", str(tmp_path / "run.trec"), "--device", "cpu"]
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for name, text in (("report.md", "# my notes\n"), ("reranked-10.trec", "q1 Q0 p0 1 9.0 official-bm25\n")):
+        (notes / name).write_text(text)
+        done = subprocess.run(
+            [*base, "--cross-encoder", str(tmp_path), "--out", str(notes)], capture_output=True, text=True
+        )
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert f"--output {notes / name} exists and is not a" in done.stderr
+        assert (notes / name).read_text() == text and not (notes / "first-stage.trec").exists()
+        (notes / name).unlink()
+    done = subprocess.run(
+        [*base, "--cross-encoder", str(tmp_path / "no-model"), "--out", str(notes)], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "no-model" in done.stderr
+    assert list(notes.iterdir()) == []
