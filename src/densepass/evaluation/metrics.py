@@ -52,6 +52,14 @@ def _cutoff_ok(k: str | None) -> bool:
     return 0 < len(digits) <= len(str(MAX_CUTOFF)) and int(digits) <= MAX_CUTOFF
 
 
+def refuse_answer_metrics(names: Sequence[str], reader: str) -> None:
+    """A one-line ConfigError where ``names`` hold ``accuracy@k``, which needs the answer strings that ``reader``
+    (validation, the ensemble, a study) does not read: before any work, where it would fail at its first evaluation."""
+    needing = next((name for name in names if name.startswith(f"{ACCURACY}@")), None)
+    if needing is not None:
+        raise ConfigError(f"{needing} needs answer strings, and {reader} has no answer strings: use a ranking metric")
+
+
 @contextlib.contextmanager
 def quiet_numba() -> Iterator[None]:
     """numba's warnings silenced for the block: ranx compiles its metrics with numba, whose type-safety warnings

@@ -21,7 +21,7 @@ from densepass.data.dataset import RetrievalDataset
 from densepass.device import default_device
 from densepass.errors import ConfigError
 from densepass.evaluation.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
-from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, make_run
+from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, make_run, refuse_answer_metrics
 from densepass.index.exact import exact_search
 from densepass.io import atomic_write_text, check_output_file
 from densepass.models.biencoder import BiEncoder
@@ -66,8 +66,7 @@ class EnsembleSettings:
         if self.depth < 1 or self.rrf_k < 1 or self.batch_size < 1:
             raise ConfigError("ensemble depth, rrf_k and batch size must be >= 1")
         check_metrics([*self.metrics, self.tune_metric])  # a typo: one line before any model encodes the corpus
-        if any(m.startswith("accuracy@") for m in [*self.metrics, self.tune_metric]):
-            raise ConfigError("ensemble metrics: accuracy@k needs answer strings, which the ensemble does not read")
+        refuse_answer_metrics([*self.metrics, self.tune_metric], "the ensemble")
 
 
 def evaluate_ensemble(

@@ -45,7 +45,7 @@ from densepass.data import hub_options, load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import device_named, resolve_device, resolve_precision, resolved_packing, uses_bf16
 from densepass.errors import ConfigError
-from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, write_trec_run
+from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, refuse_answer_metrics, write_trec_run
 from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
@@ -210,10 +210,8 @@ def check(config: ExperimentConfig) -> torch.device:
                 f"train.passage_max_length={crop} is longer than model.passage_max_length="
                 f"{config.model.passage_max_length}: training crops passages, it cannot read more than the model"
             )
-        if config.validation.enabled and config.validation.metric.startswith("accuracy@"):
-            raise ConfigError(
-                f"validation.metric {config.validation.metric}: validation has no answer strings; use a ranking metric"
-            )
+        if config.validation.enabled:
+            refuse_answer_metrics([config.validation.metric], "validation")
         if config.validation.select and not config.validation.enabled:
             raise ConfigError("validation.select needs validation.enabled: true (nothing is validated otherwise)")
         check_fsdp(config)

@@ -30,7 +30,7 @@ from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.data.paths import check_output_apart
 from densepass.errors import ConfigError
-from densepass.evaluation.metrics import check_metrics, evaluate_run, make_run
+from densepass.evaluation.metrics import check_metrics, evaluate_run, make_run, refuse_answer_metrics
 from densepass.evaluation.subcorpus import Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.fingerprints import fingerprint_corpus, fingerprint_directory, fingerprint_json, fingerprint_strings
 from densepass.index.dense import DenseIndex
@@ -124,8 +124,7 @@ class StudySettings:
         if self.max_queries is not None and self.max_queries < 1:
             raise ConfigError(f"max queries must be >= 1, got {self.max_queries}")
         check_metrics([self.metric])  # a typo: one line before any checkpoint is encoded
-        if self.metric.startswith("accuracy@"):
-            raise ConfigError(f"the study's metric {self.metric} needs answer strings: use a ranking metric")
+        refuse_answer_metrics([self.metric], "a study")
 
 
 # What a study writes in its output folder: the folder is made a study's (``io.locked_run_directory``) before any

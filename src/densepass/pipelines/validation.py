@@ -17,7 +17,7 @@ import torch
 from densepass.config import ValidationConfig
 from densepass.data.dataset import Corpus, RetrievalDataset
 from densepass.errors import ConfigError
-from densepass.evaluation.metrics import evaluate_run
+from densepass.evaluation.metrics import evaluate_run, refuse_answer_metrics
 from densepass.evaluation.subcorpus import Retriever, Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.index.bm25 import BM25Index
 from densepass.index.exact import exact_search
@@ -78,10 +78,7 @@ class Validator:
     ) -> None:
         if config.every_steps < 1:
             raise ConfigError(f"validation.every_steps must be >= 1, got {config.every_steps}")
-        if config.metric.startswith("accuracy@"):
-            raise ConfigError(
-                f"validation.metric {config.metric}: validation has no answer strings; use a ranking metric"
-            )
+        refuse_answer_metrics([config.metric], "validation")
         # accuracy@k needs answer strings, which validation does not read: its evaluation's other metrics are logged
         metrics = [m for m in metrics if not m.startswith("accuracy@")]
         if config.metric not in metrics:
