@@ -186,7 +186,7 @@ def check(config: ExperimentConfig) -> torch.device:
     if config.negatives.source == "given" and config.data.format != "pairs":
         raise ConfigError("negatives.source: given takes the negatives of training rows: it needs data.format: pairs")
     neg = config.negatives
-    if config.train.enabled and neg.source not in ("none",):
+    if config.train.enabled and neg.source != "none":
         check_strategies(neg)  # an unknown or malformed strategy: before --restart removes anything, before mining
     for spec in (neg.source, *(neg.mix if neg.source == "mixed" else ())) if config.train.enabled else ():
         name, _, arg = spec.partition(":")

@@ -399,8 +399,8 @@ def rerank_run(
         raise ConfigError(f"the fusion weight of the reranker lies in [0, 1], got {fuse_weight}")
     query_ids = list(run)
     first = results_from_run(run, query_ids, corpus, width=depth)
-    texts = [queries[q] for q in query_ids]
-    reranked = rerank(first, texts, reranker, depth, k if fuse_weight is None else None, show_progress)
+    query_texts = [queries[q] for q in query_ids]
+    reranked = rerank(first, query_texts, reranker, depth, k if fuse_weight is None else None, show_progress)
     if fuse_weight is None:
         return reranked.as_run(query_ids)
     from densepass.evaluation.fusion import linear_fusion
