@@ -86,7 +86,6 @@ def main() -> None:
     out = Path(args.out)
     check_outputs(out, args.depth)  # before any work: densepass replaces only what it wrote
     check_reranker_precision(args.cross_encoder, "auto", resolve_device(args.device))  # a missing model: one line
-    out.mkdir(parents=True, exist_ok=True)
 
     dataset = load_dataset(config.data.name, config.data.data_dir, config.data.format)
     qrels, _ = eval_qrels(dataset, config.data)
@@ -94,6 +93,7 @@ def main() -> None:
     for name, run in (("--dense", dense), ("--bm25", bm25)):
         if set(run) != set(qrels):
             raise DataError(f"{name} holds {len(run)} queries, not the {len(qrels)} the config evaluates")
+    out.mkdir(parents=True, exist_ok=True)  # (the inputs read: a bad one leaves no folder behind)
     seed = config.data.seed
     if args.dense_weight is None:
         hybrid, weight = cv_linear_fusion(qrels, dense, bm25, seed)

@@ -67,9 +67,12 @@ def test_the_pipeline_fuses_reranks_and_tests_each_row(tiny_beir, tiny_model_dir
     )
 
 
-def test_the_pipeline_leaves_a_folder_of_ones_own_files_and_a_missing_model_as_one_line(tiny_beir, tmp_path):
+def test_the_pipeline_leaves_a_folder_of_ones_own_files_and_a_missing_model_as_one_line(
+    tiny_beir, tiny_model_dir, tmp_path
+):
     """Before any work: files of the script's names that it did not write (notes, another system's run) stop it in
-    one line, untouched and nothing written beside them; so does a cross-encoder that is not there."""
+    one line, untouched and nothing written beside them; so does a cross-encoder that is not there, and a missing
+    input run leaves no output folder behind."""
     config = tmp_path / "config.yaml"
     config.write_text(f"name: t\ndata:\n  name: {tiny_beir}\n  max_eval_queries: null\n")
     (tmp_path / "run.trec").write_text("q1 Q0 p0 1 1.0 x\n")
@@ -91,3 +94,6 @@ def test_the_pipeline_leaves_a_folder_of_ones_own_files_and_a_missing_model_as_o
     )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "no-model" in done.stderr
     assert list(notes.iterdir()) == []
+    missing = [*base[:5], str(tmp_path / "none.trec"), *base[6:], "--cross-encoder", str(tiny_model_dir), "--out"]
+    done = subprocess.run([*missing, str(tmp_path / "new")], capture_output=True, text=True)
+    assert done.returncode == 2 and "none.trec" in done.stderr and not (tmp_path / "new").exists()
