@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from densepass.config import BiEncoderConfig
@@ -115,6 +116,44 @@ def test_packing_pools_and_unpacks_as_the_padded_tensors_do():
     torch.testing.assert_close(packing.max(packed), expected)
     with pytest.raises(ValueError, match="at least one token"):
         Packing.of(torch.tensor([[1, 1], [0, 0]]))
+
+
+class _GpuWaits(TorchDispatchMode):
+    """The ops that, on a GPU, each wait for it to bring a device value to the host: a scalar read, ``nonzero``
+    and boolean indexing (a result sized by the data), ``repeat_interleave`` without its output size."""
+
+    WAITING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        sized_by_data = (name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None) or (
+            name == "aten.index.Tensor" and any(i is not None and i.dtype == torch.bool for i in args[1])
+        )
+        if name in self.WAITING or sized_by_data:
+            self.seen.append(name)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["bert", "qwen2"])
+def test_a_packed_forward_and_backward_read_device_values_on_the_host_once(family, monkeypatch):
+    """On a GPU each such read waits for the device: the packing reads its lengths once (``Packing.of``), and
+    nothing else in the packed forward and backward of the model waits (counted on the CPU by the ops a GPU
+    would wait on, and by ``Tensor.tolist`` calls)."""
+    model = _tiny(family)
+    ids, mask = _padded(LENGTHS, 120, 1)
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.shape) or tolist(self))
+    with _GpuWaits() as waits:
+        out, packing = packed_forward(model, ids, mask)
+        packing.pool(out.last_hidden_state[0], "mean").sum().backward()
+    assert waits.seen == [] and reads == [torch.Size([3])]
+    assert packing.tokens == sum(LENGTHS) and packing.longest == max(LENGTHS)
 
 
 def test_the_attention_grid_holds_each_sequence_from_its_start_and_both_ways_have_exact_gradients():

@@ -35,6 +35,7 @@ tensors have other shapes), so a run with dropout trains on other random masks, 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -75,20 +76,31 @@ class Packing:
     @classmethod
     def of(cls, attention_mask: torch.Tensor) -> Packing:
         """The packing of a padded batch whose ``attention_mask`` [batch, length] is 1 at tokens (padding on
-        either side); a sequence without tokens is refused (nothing to pool)."""
+        either side); a sequence without tokens is refused (nothing to pool).
+
+        One read of device values on the host (the shortest and longest length, the token count: the packed
+        tensors' shapes depend on them), where data-dependent ops would each wait for a GPU on their own
+        (``nonzero``, ``repeat_interleave`` without its output size, ``int()`` of a length)."""
         kept = attention_mask.bool()
         batch, length = kept.shape
         lengths = kept.sum(1)
-        if batch and int(lengths.min()) == 0:
+        shortest, longest, tokens = (
+            torch.stack([lengths.min(), lengths.max(), lengths.sum()]).tolist() if batch else (1, 0, 0)
+        )
+        if shortest == 0:
             raise ValueError("a packed batch needs at least one token in every sequence")
-        rows = kept.flatten().nonzero().squeeze(1)
+        rows = torch.nonzero_static(kept.flatten(), size=tokens).squeeze(1)
         offsets = F.pad(lengths.cumsum(0), (1, 0))
-        sequence = torch.repeat_interleave(torch.arange(batch, device=kept.device), lengths)
-        position = torch.arange(len(rows), device=kept.device) - offsets[sequence]
-        longest = int(lengths.max()) if batch else 0
+        sequence = torch.repeat_interleave(torch.arange(batch, device=kept.device), lengths, output_size=tokens)
+        position = torch.arange(tokens, device=kept.device) - offsets[sequence]
         grid = sequence * longest + position
         keep = (torch.arange(longest, device=kept.device) < lengths[:, None])[:, None, None, :]
         return cls(rows, lengths, offsets, sequence, position, grid, keep, longest, (batch, length))
+
+    @functools.cached_property
+    def offsets_int32(self) -> torch.Tensor:
+        """``offsets`` as int32, variable-length attention's cumulative lengths: cast once a forward, not a layer."""
+        return self.offsets.to(torch.int32)
 
     @property
     def tokens(self) -> int:
@@ -231,7 +243,7 @@ def packed_attention(
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [tokens, heads, size]
     varlen = _varlen_attention()
     if varlen is not None and q.is_cuda and dropout == 0.0 and q.dtype in (torch.float16, torch.bfloat16):
-        offsets, window = packing.offsets.to(torch.int32), (-1, 0) if causal else (-1, -1)
+        offsets, window = packing.offsets_int32, (-1, 0) if causal else (-1, -1)
         out = varlen(
             q, k, v, offsets, offsets, packing.longest, packing.longest, scale=scaling, window_size=window,
             enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
