@@ -14,7 +14,8 @@ both ends), so model loading, dataset preparation and the final checkpoint are e
 is inside the steps for both (sentence-transformers tokenises in its collator; densepass one step
 ahead in a worker thread). sentence-transformers has one max_seq_length, set to the passage length;
 queries are shorter than --query-max-length anyway (printed below). ``--profile`` prints, instead of the
-comparison, where densepass's step time goes (``torch.profiler``, ops by self CPU time). ``--rounds N`` runs
+comparison, where densepass's step time goes (``torch.profiler``, ops by self CPU time; on a GPU also by the call
+sites that launch them, and where the host waited for the device: ``common.print_profile``). ``--rounds N`` runs
 densepass and sentence-transformers alternately N times and prints each round's ratio, the table showing the
 median round (a shared or virtual machine's speed drifts from minute to minute; one run of each can land on either
 side of a goal); with ``--fresh`` each of those runs starts in a process of its own, as a user's run does (runs one
@@ -502,8 +503,8 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="instead of the comparison: densepass's steps under torch.profiler, the ops by self CPU time (its "
-        "packed steps with --packing)",
+        help="instead of the comparison: densepass's steps under torch.profiler, the ops by self CPU time (on a GPU "
+        "also by call site, and the host's waits for it; its packed steps with --packing)",
     )
     parser.add_argument(
         "--packing",

@@ -109,13 +109,35 @@ def timer(device: torch.device):
 
 
 def print_profile(fn, device: torch.device, rows: int = 15) -> None:
-    """``fn()`` under ``torch.profiler``; prints the ``rows`` ops with the most self CPU time (where the time goes)."""
+    """``fn()`` under ``torch.profiler``; prints the ``rows`` ops with the most self CPU time (where the time goes).
+    On a GPU also the ops by self GPU time grouped by their Python call sites (which code launches the kernels that
+    fill the device), and each place where the host waited for the device (``torch.cuda.set_sync_debug_mode``:
+    one warning per call site, with its stack)."""
+    import warnings
+
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        fn()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40))
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, with_stack=cuda) as prof, warnings.catch_warnings(record=True) as waits:
+        if cuda:
+            warnings.simplefilter("default")  # once per call site
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40))
+    if not cuda:
+        return
+    by_site = prof.key_averages(group_by_stack_n=4)
+    print(by_site.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=40))
+    synchronising = [w for w in waits if "synchroniz" in str(w.message)]
+    print(f"{len(synchronising)} call sites where the host waited for the device:")
+    for w in synchronising:
+        print(f"  {w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}")
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
