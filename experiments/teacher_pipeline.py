@@ -7,11 +7,12 @@ model alone and against the dense + BM25 fusion.
         --cross-encoder outputs/teacher-h200/teacher-fp16 --dense-weight 0.75 --depth 10 \
         --out outputs/teacher-h200/pipeline
 
-The queries are those of the dense run (the config's evaluated part: ``data.eval_part``, ``data.max_eval_queries``),
-judged with the config's qrels. ``--dense-weight`` is the dense side's weight in the linear fusion, chosen
-elsewhere (the recipe study chose 0.75 on the tuning part: docs/experiments.md); without it, it is 2-fold
-cross-validated on these queries. The cross-encoder's own fusion weight is always 2-fold cross-validated (chosen on
-one half of the queries for the other: no query is scored with a weight chosen on it), as in
+The queries are those of the dense run (the config's evaluated part: ``data.eval_part``, ``data.max_eval_queries``;
+``--set data.eval_part=tune`` for the tuning part), judged with the config's qrels. ``--dense-weight`` is the dense
+side's weight in the linear fusion, chosen elsewhere (the recipe study chose 0.75 on the tuning part:
+docs/experiments.md); without it, it is 2-fold cross-validated on these queries. The cross-encoder's own fusion
+weight is always 2-fold cross-validated (chosen on one half of the queries for the other: no query is scored with a
+weight chosen on it), as in
 ``experiments/recipe.py``. Reranking is ``densepass rerank``'s (``rerank_run_file``; its scores kept in ``<out>/cache``
 by content, so a second depth or a re-run scores only new pairs).
 """
@@ -70,6 +71,9 @@ def _is_report(values) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/recommended.yaml", help="the dataset and evaluated part")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (data.eval_part=tune)"
+    )
     parser.add_argument("--dense", required=True, help="the dense model's TREC run over the evaluated queries")
     parser.add_argument("--bm25", required=True, help="BM25's TREC run over the same queries")
     parser.add_argument("--cross-encoder", required=True, help="a saved cross-encoder (densepass rerank --model)")
@@ -82,7 +86,7 @@ def main() -> None:
         parser.error(f"--dense-weight must be between 0 and 1, got {args.dense_weight}")
     if any(not 1 <= d <= RERANK_DEPTH for d in args.depth):
         parser.error(f"--depth must be from 1 to {RERANK_DEPTH}")
-    config = load_config(args.config)
+    config = load_config(args.config, args.set)
     out = Path(args.out)
     check_outputs(out, args.depth)  # before any work: densepass replaces only what it wrote
     check_reranker_precision(args.cross_encoder, "auto", resolve_device(args.device))  # a missing model: one line

@@ -58,6 +58,10 @@ def test_the_pipeline_fuses_reranks_and_tests_each_row(tiny_beir, tiny_model_dir
     for test in alone["tests"].values():
         assert 0 <= test["p"] <= 1 and test["wins"] + test["ties"] + test["losses"] == len(queries)
 
+    # --set overrides the config: the runs then hold more queries than it evaluates
+    done = subprocess.run([*args, "--out", str(tmp_path / "out3"), "--set", "data.max_eval_queries=2"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and f"holds {len(queries)} queries, not the 2 the config" in done.stderr
     write_run(tmp_path / "bm25.trec", queries[:-1], lambda q, i: 30 - i)  # a query short: one line, exit code 2
     done = subprocess.run([*args, "--out", str(tmp_path / "out2")], capture_output=True, text=True)
     assert done.returncode == 2
