@@ -3,6 +3,7 @@ twice the batch, checkpoints resume exactly, and training lowers the loss."""
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 from pathlib import Path
@@ -279,6 +280,39 @@ def test_fast_bf16_detection_can_be_overridden_by_the_environment(monkeypatch):
     with pytest.raises(ConfigError, match="must be 0 or 1") as err:
         cpu_has_fast_bf16()
     assert "\n" not in str(err.value)
+
+
+def test_a_bf16_step_casts_each_weight_once_for_both_sides(tiny_model_dir, tiny_beir):
+    """The query and passage towers share weights: one autocast region over both casts each weight to bf16 once
+    a step (autocast's cache), and its gradient back once, not once a side (on a GPU each cast is a kernel)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    data = make_data(tiny_beir)
+    batch = data.collate(list(range(8)), seed=(1, 0, 0))
+    model = BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(temperature=0.1))
+    weights = {p.data_ptr(): n for n, p in model.named_parameters() if p.dim() == 2 and "embeddings" not in n}
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.forward = collections.Counter()
+            self.backward = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if str(func) == "aten._to_copy.default" and args[0].dim() == 2:
+                if args[0].data_ptr() in weights and out.dtype == torch.bfloat16:
+                    self.forward[weights[args[0].data_ptr()]] += 1
+                elif args[0].dtype == torch.bfloat16 and out.dtype == torch.float32 and args[0].shape in shapes:
+                    self.backward += 1
+            return out
+
+    shapes = {p.shape for n, p in model.named_parameters() if n in weights.values()}
+    with Casts() as casts:
+        forward_backward(model, batch, CPU, bf16=True)
+    assert set(casts.forward) == set(weights.values()) and set(casts.forward.values()) == {1}
+    trained = [n for n, p in model.named_parameters() if n in weights.values() and p.grad is not None]
+    assert casts.backward == len(trained) > 0  # (BERT's pooler runs, but nothing reads its output)
 
 
 def test_cpu_bf16_step_autocasts_and_stays_close_to_float32(tiny_model_dir, tiny_beir):

@@ -115,7 +115,13 @@ def forward_backward(
     autocast: Callable[[], contextlib.AbstractContextManager] = lambda: autocast_context(device, bf16)  # noqa: E731
     b = batch.n_local_queries
     if chunk_size is None:
-        q, p = gather_batch(_embed(model, q_tokens, "query", autocast), _embed(model, p_tokens, "passage", autocast), b)
+        # both sides in one autocast region: autocast casts each weight to bf16 once a region (its cache), so once a
+        # step, and the backward pass casts its gradient back once; not under FSDP, whose weights are whole only
+        # inside a forward
+        with autocast() if not sharded(model) else contextlib.nullcontext():
+            q_reps = _embed(model, q_tokens, "query", autocast)
+            p_reps = _embed(model, p_tokens, "passage", autocast)
+        q, p = gather_batch(q_reps, p_reps, b)
         loss = objective(model, q, p, tensors)
         loss.backward()
         return StepOutput(loss.detach(), q.detach(), p.detach(), tensors)
