@@ -870,17 +870,22 @@ def cv_linear_fusion(
     return linear, " / ".join(weights)
 
 
-def reranked_runs(qrels: dict, first: Run, scores: Run, depth: int, seed: int) -> tuple[Run, Run, str]:
+def reranked_runs(
+    qrels: dict, first: Run, scores: Run, depth: int, seed: int, tuning: tuple[dict, Run, Run] | None = None
+) -> tuple[Run, Run, str]:
     """The first stage's top ``depth`` ordered by the cross-encoder's ``scores`` (of its top RERANK_DEPTH), and
     ordered by their linear fusion with the first stage's scores (``cv_linear_fusion``, over the top ``depth``),
-    each followed by the rest of the first stage's top RERANK_DEPTH in its order; and the fusion's weights."""
+    each followed by the rest of the first stage's top RERANK_DEPTH in its order; and the fusion's weights.
+    ``tuning``: other queries' qrels, first stage and cross-encoder scores, where the fusion's weight is chosen
+    once for every query here (else 2-fold cross-validation on these)."""
+    head, alone = _reranked_heads(first, scores, depth)
+    tuned = None
+    if tuning is not None:
+        tuning_qrels, tuning_first, tuning_scores = tuning
+        tuning_head, tuning_alone = _reranked_heads(tuning_first, tuning_scores, depth)
+        tuned = (tuning_qrels, tuning_alone, tuning_head)
+    fused, weights = cv_linear_fusion(qrels, alone, head, seed, tuned)
     ranked = {q: sorted(first[q], key=lambda p: -first[q][p])[:RERANK_DEPTH] for q in first}
-    head = {q: {p: first[q][p] for p in pids[:depth]} for q, pids in ranked.items()}
-    missing = next(((q, p) for q, pids in head.items() for p in pids if p not in scores.get(q, {})), None)
-    if missing:
-        raise ConfigError(f"the reranked run has no score for {missing[1]!r} of query {missing[0]!r} (its top {depth})")
-    alone = {q: {p: scores[q][p] for p in pids} for q, pids in head.items()}
-    fused, weights = cv_linear_fusion(qrels, alone, head, seed)
 
     def then_the_rest(run: Run) -> Run:
         out = {}
@@ -890,6 +895,16 @@ def reranked_runs(qrels: dict, first: Run, scores: Run, depth: int, seed: int) -
         return out
 
     return then_the_rest(alone), then_the_rest({q: fused.get(q, {}) for q in ranked}), weights
+
+
+def _reranked_heads(first: Run, scores: Run, depth: int) -> tuple[Run, Run]:
+    """The first stage's top ``depth`` of each query with its scores, and with the cross-encoder's ``scores``."""
+    ranked = {q: sorted(first[q], key=lambda p: -first[q][p])[:depth] for q in first}
+    head = {q: {p: first[q][p] for p in pids} for q, pids in ranked.items()}
+    missing = next(((q, p) for q, pids in head.items() for p in pids if p not in scores.get(q, {})), None)
+    if missing:
+        raise ConfigError(f"the reranked run has no score for {missing[1]!r} of query {missing[0]!r} (its top {depth})")
+    return head, {q: {p: scores[q][p] for p in pids} for q, pids in head.items()}
 
 
 def top(run: Run, k: int) -> Run:

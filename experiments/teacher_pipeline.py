@@ -11,10 +11,11 @@ The queries are those of the dense run (the config's evaluated part: ``data.eval
 ``--set data.eval_part=tune`` for the tuning part), judged with the config's qrels. ``--dense-weight`` is the dense
 side's weight in the linear fusion, chosen elsewhere (the recipe study chose 0.75 on the tuning part:
 docs/experiments.md); without it, it is 2-fold cross-validated on these queries. The cross-encoder's own fusion
-weight is always 2-fold cross-validated (chosen on one half of the queries for the other: no query is scored with a
-weight chosen on it), as in
-``experiments/recipe.py``. Reranking is ``densepass rerank``'s (``rerank_run_file``; its scores kept in ``<out>/cache``
-by content, so a second depth or a re-run scores only new pairs).
+weight is 2-fold cross-validated (chosen on one half of the queries for the other: no query is scored with a weight
+chosen on it), as in ``experiments/recipe.py``; with ``--weights-from DIR`` (this script's folder for the tuning
+part, at the same depths) each depth's weight is chosen once on all of that folder's queries and applied to these,
+as a user applies one ``densepass rerank --fuse-weight``. Reranking is ``densepass rerank``'s (``rerank_run_file``;
+its scores kept in ``<out>/cache`` by content, so a second depth or a re-run scores only new pairs).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from densepass.device import resolve_device  # noqa: E402
 from densepass.errors import ConfigError, DataError  # noqa: E402
 from densepass.evaluation.fusion import linear_fusion  # noqa: E402
 from densepass.evaluation.metrics import (  # noqa: E402
+    Run,
     check_run_file,
     evaluate_run,
     paired_significance,
@@ -62,6 +64,24 @@ def check_outputs(out: Path, depths: list[int]) -> None:
     check_output_file(out / "report.json", "pipeline report", lambda path: _is_report(json.loads(path.read_text())))
 
 
+def tuning_runs(folder: Path, depths: list[int], split_qrels: dict, qrels: dict) -> tuple[dict, Run, dict[int, Run]]:
+    """What ``--weights-from`` chooses the cross-encoder's weights on: that folder's queries' qrels (of the eval
+    split), its first stage and its cross-encoder's run at each depth; one line, before any work, where a run is
+    missing or the folder shares queries with the evaluated ones (a weight chosen on a query it then scores)."""
+    first_path = folder / "first-stage.trec"
+    for path in [first_path, *(folder / f"reranked-{depth}.trec" for depth in depths)]:
+        if not path.is_file():
+            raise DataError(f"--weights-from {folder} has no {path.name} (run this script there at the same depths)")
+    first = read_trec_run(first_path)
+    shared = set(first) & set(qrels)
+    if shared:
+        raise DataError(f"--weights-from {folder} holds {len(shared)} of the evaluated queries: choose on other ones")
+    judged = {q: split_qrels[q] for q in first if q in split_qrels}
+    if not judged:
+        raise DataError(f"--weights-from {folder}: none of its queries is judged in the eval split")
+    return judged, first, {depth: read_trec_run(folder / f"reranked-{depth}.trec") for depth in depths}
+
+
 def _is_report(values) -> bool:
     return isinstance(values, dict) and all(
         isinstance(v, dict) and set(v) == {"metrics", "tests"} for v in values.values()
@@ -79,6 +99,13 @@ def main() -> None:
     parser.add_argument("--cross-encoder", required=True, help="a saved cross-encoder (densepass rerank --model)")
     parser.add_argument("--dense-weight", type=float, default=None, help="dense weight of the linear fusion")
     parser.add_argument("--depth", type=int, nargs="+", default=[10], help="candidates the cross-encoder re-scores")
+    parser.add_argument(
+        "--weights-from",
+        default=None,
+        metavar="DIR",
+        help="this script's folder for other queries (the tuning part): each depth's cross-encoder weight is chosen"
+        " there, on all its queries, and applied here (default: 2-fold cross-validation on these queries)",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
@@ -97,6 +124,9 @@ def main() -> None:
     for name, run in (("--dense", dense), ("--bm25", bm25)):
         if set(run) != set(qrels):
             raise DataError(f"{name} holds {len(run)} queries, not the {len(qrels)} the config evaluates")
+    tuning = tuning_runs(Path(args.weights_from), args.depth, dataset.split(config.data.eval_split), qrels) if (
+        args.weights_from
+    ) else None  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)  # (the inputs read: a bad one leaves no folder behind)
     seed = config.data.seed
     if args.dense_weight is None:
@@ -114,9 +144,11 @@ def main() -> None:
                 config.data.name, first, args.cross_encoder, reranked, data_dir=config.data.data_dir,
                 format=config.data.format, depth=depth, device=args.device, cache_dir=out / "cache",
             )  # fmt: skip
-        alone, fused, weights = reranked_runs(qrels, hybrid, read_trec_run(reranked), depth, seed)
+        chosen = (tuning[0], tuning[1], tuning[2][depth]) if tuning else None
+        alone, fused, weights = reranked_runs(qrels, hybrid, read_trec_run(reranked), depth, seed, chosen)
+        how = "chosen on the --weights-from queries" if tuning else "by 2-fold CV"
         runs[f"→ cross-encoder@{depth}"] = alone
-        runs[f"→ cross-encoder@{depth}, fused with the first stage (weight {weights} by 2-fold CV)"] = fused
+        runs[f"→ cross-encoder@{depth}, fused with the first stage (weight {weights} {how})"] = fused
 
     names = list(runs)
     lines = [

@@ -101,3 +101,53 @@ def test_the_pipeline_leaves_a_folder_of_ones_own_files_and_a_missing_model_as_o
     missing = [*base[:5], str(tmp_path / "none.trec"), *base[6:], "--cross-encoder", str(tiny_model_dir), "--out"]
     done = subprocess.run([*missing, str(tmp_path / "new")], capture_output=True, text=True)
     assert done.returncode == 2 and "none.trec" in done.stderr and not (tmp_path / "new").exists()
+
+
+def test_weights_from_the_tuning_part_are_chosen_there_and_applied_to_the_reported_queries(
+    tiny_beir, tiny_model_dir, tmp_path
+):
+    """--weights-from: the cross-encoder's weight is the one ``best_weight`` picks on the tuning folder's queries
+    (not 2-fold CV on the reported ones); a folder sharing the reported queries is refused in one line."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from densepass.config import load_config
+    from densepass.data import load_dataset
+    from densepass.evaluation.metrics import read_trec_run
+    from densepass.models.cross_encoder import CrossEncoder
+    from densepass.pipelines.evalset import eval_qrels
+    from recipe import _reranked_heads, best_weight
+
+    ce = CrossEncoder.new(str(tiny_model_dir), seed=5, max_length=48, device=torch.device("cpu"), precision="fp32")
+    with torch.no_grad():
+        ce.model.classifier.weight.mul_(1e4)
+    ce.save(tmp_path / "ce")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"name: t\ndata:\n  name: {tiny_beir}\n  max_eval_queries: null\n")
+    dataset = load_dataset(str(tiny_beir))
+    outs = {}
+    for part in ("tune", "report"):
+        qrels, _ = eval_qrels(dataset, load_config(config, [f"data.eval_part={part}"]).data)
+        queries = sorted(qrels)
+        write_run(tmp_path / f"dense-{part}.trec", queries, lambda q, i: round(1 - i / 20 + (hash(q) % 7) / 100, 4))
+        write_run(tmp_path / f"bm25-{part}.trec", queries, lambda q, i: 30 - ((i * 5) % 12))
+        outs[part] = (tmp_path / f"out-{part}", qrels)
+        args = [sys.executable, str(SCRIPT), "--config", str(config), "--set", f"data.eval_part={part}"]
+        args += ["--dense", str(tmp_path / f"dense-{part}.trec"), "--bm25", str(tmp_path / f"bm25-{part}.trec")]
+        args += ["--cross-encoder", str(tmp_path / "ce"), "--dense-weight", "0.6", "--depth", "4", "--device", "cpu"]
+        extra = ["--weights-from", str(outs["tune"][0])] if part == "report" else []
+        done = subprocess.run([*args, *extra, "--out", str(outs[part][0])], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    tune_dir, tune_qrels = outs["tune"]
+    head, alone = _reranked_heads(
+        read_trec_run(tune_dir / "first-stage.trec"), read_trec_run(tune_dir / "reranked-4.trec"), 4
+    )
+    weight = best_weight(tune_qrels, alone, head)
+    report = json.loads((outs["report"][0] / "report.json").read_text())
+    assert (
+        f"→ cross-encoder@4, fused with the first stage (weight {weight:.2f} chosen on the --weights-from queries)"
+        in report
+    )
+
+    done = subprocess.run([*args, "--weights-from", str(outs["report"][0]), "--out", str(tmp_path / "again")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and "holds" in done.stderr and "of the evaluated queries" in done.stderr
+    assert not (tmp_path / "again").exists()
