@@ -119,24 +119,28 @@ def print_profile(fn, device: torch.device, rows: int = 15) -> None:
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, with_stack=cuda) as prof, warnings.catch_warnings(record=True) as waits:
+    before = torch.cuda.get_sync_debug_mode() if cuda else 0
+    with profile(activities=activities, with_stack=cuda) as prof, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # once per call site
         if cuda:
-            warnings.simplefilter("default")  # once per call site
             torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             if cuda:
-                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.set_sync_debug_mode(before)
+    waits = [w for w in caught if "synchroniz" in str(w.message)]
+    for w in caught:  # the others, as they would have been shown
+        if w not in waits:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     averages = prof.key_averages()
     print(averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40))
     if not cuda:
         return
     by_site = prof.key_averages(group_by_stack_n=4)
     print(by_site.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=40))
-    synchronising = [w for w in waits if "synchroniz" in str(w.message)]
-    print(f"{len(synchronising)} call sites where the host waited for the device:")
-    for w in synchronising:
+    print(f"{len(waits)} call sites where the host waited for the device:")
+    for w in waits:
         print(f"  {w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}")
 
 

@@ -878,11 +878,11 @@ def reranked_runs(
     each followed by the rest of the first stage's top RERANK_DEPTH in its order; and the fusion's weights.
     ``tuning``: other queries' qrels, first stage and cross-encoder scores, where the fusion's weight is chosen
     once for every query here (else 2-fold cross-validation on these)."""
-    head, alone = _reranked_heads(first, scores, depth)
+    head, alone = reranked_heads(first, scores, depth)
     tuned = None
     if tuning is not None:
         tuning_qrels, tuning_first, tuning_scores = tuning
-        tuning_head, tuning_alone = _reranked_heads(tuning_first, tuning_scores, depth)
+        tuning_head, tuning_alone = reranked_heads(tuning_first, tuning_scores, depth)
         tuned = (tuning_qrels, tuning_alone, tuning_head)
     fused, weights = cv_linear_fusion(qrels, alone, head, seed, tuned)
     ranked = {q: sorted(first[q], key=lambda p: -first[q][p])[:RERANK_DEPTH] for q in first}
@@ -897,7 +897,7 @@ def reranked_runs(
     return then_the_rest(alone), then_the_rest({q: fused.get(q, {}) for q in ranked}), weights
 
 
-def _reranked_heads(first: Run, scores: Run, depth: int) -> tuple[Run, Run]:
+def reranked_heads(first: Run, scores: Run, depth: int) -> tuple[Run, Run]:
     """The first stage's top ``depth`` of each query with its scores, and with the cross-encoder's ``scores``."""
     ranked = {q: sorted(first[q], key=lambda p: -first[q][p])[:depth] for q in first}
     head = {q: {p: first[q][p] for p in pids} for q, pids in ranked.items()}

@@ -5,8 +5,9 @@ two fine-tuned models (two recipes of issue 55's study), as one model with one m
     python3 experiments/soup.py outputs/recommended/model \
         outputs/recipe/runs/<the corpus-pretrained variant>/model --alpha 0.5 --out outputs/soup/model-ab
 
-Both models must share an architecture (the same weight names and shapes: a one-line error otherwise, before
-anything is written); the soup is saved as A's kind of model (its pooling, normalisation and tokenizer). Evaluate
+Both models must share an architecture (the same weight names and shapes) and what their weights mean (one tower or
+two, pooling, normalisation, projection, prompts): a one-line error otherwise, before anything is written; the soup
+is saved as A's kind of model (its settings and tokenizer). Evaluate
 it as any saved model: ``densepass run configs/recommended.yaml --set model.name_or_path=<out> --set
 train.enabled=false --set "eval.baselines=[zero-shot]" ...`` (docs/experiments.md gives the full command).
 """
@@ -30,12 +31,16 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.5, help="B's weight (A's is 1 - alpha)")
     parser.add_argument("--out", required=True, help="a new folder for the soup")
     args = parser.parse_args()
+    if not 0 <= args.alpha <= 1:  # (NaN too)
+        parser.error(f"--alpha must be from 0 to 1, got {args.alpha}")
     out = Path(args.out)
     if out.exists():
         raise ConfigError(f"--out {out} exists; give a new folder (densepass writes over nothing it did not make)")
     first, second = BiEncoder.from_pretrained(args.a), BiEncoder.from_pretrained(args.b)
-    if first.config.pooling != second.config.pooling or first.config.normalize != second.config.normalize:
-        raise ConfigError(f"{args.a} and {args.b} pool or normalise differently: their weights mean other things")
+    meaning = ("shared", "pooling", "normalize", "projection_dim", "query_prompt", "passage_prompt")
+    differ = [key for key in meaning if getattr(first.config, key) != getattr(second.config, key)]
+    if differ:  # (a shared model and two towers have the same weight names: B's passage tower would be dropped)
+        raise ConfigError(f"{args.a} and {args.b} differ in {', '.join(differ)}: their weights mean other things")
     soup = interpolate_weights(first, snapshot(second), 1 - args.alpha)  # (1 - alpha) A + alpha B
     soup.save(out)
     print(f"{out}: {1 - args.alpha:g} x {args.a} + {args.alpha:g} x {args.b}")

@@ -44,7 +44,7 @@ from densepass.evaluation.metrics import (  # noqa: E402
 from densepass.io import atomic_write_text, check_output_file  # noqa: E402
 from densepass.pipelines.evalset import eval_qrels  # noqa: E402
 from densepass.pipelines.search import check_reranker_precision, rerank_run_file  # noqa: E402
-from recipe import RERANK_DEPTH, cv_linear_fusion, reranked_runs, top  # noqa: E402
+from recipe import RERANK_DEPTH, cv_linear_fusion, reranked_heads, reranked_runs, top  # noqa: E402
 
 METRICS = ["mrr@10", "ndcg@10", "recall@100"]
 TITLE = "# densepass pipeline: dense + BM25, then the cross-encoder "
@@ -79,7 +79,10 @@ def tuning_runs(folder: Path, depths: list[int], split_qrels: dict, qrels: dict)
     judged = {q: split_qrels[q] for q in first if q in split_qrels}
     if not judged:
         raise DataError(f"--weights-from {folder}: none of its queries is judged in the eval split")
-    return judged, first, {depth: read_trec_run(folder / f"reranked-{depth}.trec") for depth in depths}
+    reranked = {depth: read_trec_run(folder / f"reranked-{depth}.trec") for depth in depths}
+    for depth, run in reranked.items():  # each scores its first stage's top (a ConfigError in one line otherwise)
+        reranked_heads(first, run, depth)
+    return judged, first, reranked
 
 
 def _is_report(values) -> bool:
@@ -115,6 +118,8 @@ def main() -> None:
         parser.error(f"--depth must be from 1 to {RERANK_DEPTH}")
     config = load_config(args.config, args.set)
     out = Path(args.out)
+    if args.weights_from and Path(args.weights_from).resolve() == out.resolve():
+        parser.error("--weights-from is the tuning part's folder: give --out another one")
     check_outputs(out, args.depth)  # before any work: densepass replaces only what it wrote
     check_reranker_precision(args.cross_encoder, "auto", resolve_device(args.device))  # a missing model: one line
 
@@ -138,12 +143,13 @@ def main() -> None:
     first = out / "first-stage.trec"
     write_trec_run(top(hybrid, RERANK_DEPTH), first)
     for depth in args.depth:
-        reranked = out / f"reranked-{depth}.trec"
-        if not reranked.is_file() or reranked.stat().st_size == 0:  # (one there is this script's: check_outputs)
-            rerank_run_file(
-                config.data.name, first, args.cross_encoder, reranked, data_dir=config.data.data_dir,
-                format=config.data.format, depth=depth, device=args.device, cache_dir=out / "cache",
-            )  # fmt: skip
+        reranked = out / f"reranked-{depth}.trec"  # (one there is this script's: check_outputs)
+        # always made again from this first stage (one made from another would score other passages); the pairs
+        # scored before are read from the cache, so a re-run costs no scoring
+        rerank_run_file(
+            config.data.name, first, args.cross_encoder, reranked, data_dir=config.data.data_dir,
+            format=config.data.format, depth=depth, device=args.device, cache_dir=out / "cache",
+        )  # fmt: skip
         chosen = (tuning[0], tuning[1], tuning[2][depth]) if tuning else None
         alone, fused, weights = reranked_runs(qrels, hybrid, read_trec_run(reranked), depth, seed, chosen)
         how = "chosen on the --weights-from queries" if tuning else "by 2-fold CV"

@@ -57,3 +57,18 @@ def test_models_of_other_shapes_are_one_line_before_anything_is_written(tiny_mod
     last = done.stderr.strip().splitlines()[-1]  # (loading progress bars before it)
     assert done.returncode == 2 and last.startswith("soup.py: error: ") and "layer.1" in last, done.stderr
     assert done.stderr.count("error") == 1 and not (tmp_path / "soup").exists()
+
+
+def test_a_shared_model_and_two_towers_or_a_bad_alpha_are_refused_before_anything_is_written(tiny_model_dir, tmp_path):
+    """Their weights have the same names, but a two-tower model's passage tower would be dropped."""
+    from densepass.config import BiEncoderConfig
+
+    _perturbed(tiny_model_dir, tmp_path / "a", 1)
+    BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(shared=False)).save(tmp_path / "b")
+    run = [sys.executable, str(SCRIPT), str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "soup")]
+    done = subprocess.run(run, capture_output=True, text=True)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "differ in shared" in last, done.stderr
+    done = subprocess.run([*run, "--alpha", "1.5"], capture_output=True, text=True)
+    assert done.returncode == 2 and "--alpha must be from 0 to 1, got 1.5" in done.stderr
+    assert not (tmp_path / "soup").exists()

@@ -104,17 +104,19 @@ def test_the_pipeline_leaves_a_folder_of_ones_own_files_and_a_missing_model_as_o
 
 
 def test_weights_from_the_tuning_part_are_chosen_there_and_applied_to_the_reported_queries(
-    tiny_beir, tiny_model_dir, tmp_path
+    tiny_beir, tiny_model_dir, tmp_path, monkeypatch
 ):
     """--weights-from: the cross-encoder's weight is the one ``best_weight`` picks on the tuning folder's queries
-    (not 2-fold CV on the reported ones); a folder sharing the reported queries is refused in one line."""
-    sys.path.insert(0, str(SCRIPT.parent))
+    (not 2-fold CV on the reported ones), and the fused row is that fusion; a folder sharing the reported queries,
+    or the tuning folder as --out, is refused in one line."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
     from densepass.config import load_config
     from densepass.data import load_dataset
-    from densepass.evaluation.metrics import read_trec_run
+    from densepass.evaluation.fusion import linear_fusion
+    from densepass.evaluation.metrics import evaluate_run, read_trec_run
     from densepass.models.cross_encoder import CrossEncoder
     from densepass.pipelines.evalset import eval_qrels
-    from recipe import _reranked_heads, best_weight
+    from recipe import best_weight, reranked_heads, reranked_runs
 
     ce = CrossEncoder.new(str(tiny_model_dir), seed=5, max_length=48, device=torch.device("cpu"), precision="fp32")
     with torch.no_grad():
@@ -137,11 +139,19 @@ def test_weights_from_the_tuning_part_are_chosen_there_and_applied_to_the_report
         done = subprocess.run([*args, *extra, "--out", str(outs[part][0])], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
     tune_dir, tune_qrels = outs["tune"]
-    head, alone = _reranked_heads(
+    head, alone = reranked_heads(
         read_trec_run(tune_dir / "first-stage.trec"), read_trec_run(tune_dir / "reranked-4.trec"), 4
     )
     weight = best_weight(tune_qrels, alone, head)
     report = json.loads((outs["report"][0] / "report.json").read_text())
+    report_dir, report_qrels = outs["report"]
+    dense, bm25 = read_trec_run(tmp_path / "dense-report.trec"), read_trec_run(tmp_path / "bm25-report.trec")
+    tuning = (tune_qrels, read_trec_run(tune_dir / "first-stage.trec"), read_trec_run(tune_dir / "reranked-4.trec"))
+    hybrid = linear_fusion([dense, bm25], [0.6, 0.4])
+    _, fused, weights = reranked_runs(report_qrels, hybrid, read_trec_run(report_dir / "reranked-4.trec"), 4, 0, tuning)
+    assert weights == f"{weight:.2f}"
+    row = f"→ cross-encoder@4, fused with the first stage (weight {weight:.2f} chosen on the --weights-from queries)"
+    assert report[row]["metrics"] == pytest.approx(evaluate_run(report_qrels, fused, list(report[row]["metrics"])))
     assert (
         f"→ cross-encoder@4, fused with the first stage (weight {weight:.2f} chosen on the --weights-from queries)"
         in report
@@ -151,3 +161,7 @@ def test_weights_from_the_tuning_part_are_chosen_there_and_applied_to_the_report
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 2 and "holds" in done.stderr and "of the evaluated queries" in done.stderr
     assert not (tmp_path / "again").exists()
+    done = subprocess.run(
+        [*args, "--weights-from", str(tune_dir), "--out", str(tune_dir)], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "--weights-from is the tuning part's folder" in done.stderr

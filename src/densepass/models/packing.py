@@ -89,7 +89,10 @@ class Packing:
         )
         if shortest == 0:
             raise ValueError("a packed batch needs at least one token in every sequence")
-        rows = torch.nonzero_static(kept.flatten(), size=tokens).squeeze(1)
+        try:
+            rows = torch.nonzero_static(kept.flatten(), size=tokens).squeeze(1)
+        except NotImplementedError:  # a torch without it on this device: one more wait, same rows
+            rows = kept.flatten().nonzero().squeeze(1)
         offsets = F.pad(lengths.cumsum(0), (1, 0))
         sequence = torch.repeat_interleave(torch.arange(batch, device=kept.device), lengths, output_size=tokens)
         position = torch.arange(tokens, device=kept.device) - offsets[sequence]
