@@ -199,7 +199,9 @@ def test_a_distilled_run_that_refreshes_its_pool_has_the_teacher_score_every_new
     assert sum(drawn) >= 6  # every step of the bi-encoder was checked
     work = tmp_path / "a" / "t" / "negatives"
     log = [json.loads(line) for line in (work / "refresh_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [2, 4] and all(r["teacher_scored"] > 0 for r in log)
+    # the first refresh mines with the model where the pool came from BM25: new candidates, scored then; the second
+    # mines with the same model two steps on, and may find none the teacher has not scored (tiny data)
+    assert [r["step"] for r in log] == [2, 4] and log[0]["teacher_scored"] > 0
     files = sorted(p.name for p in work.glob("refresh-teacher-step-*.jsonl"))
     assert files == ["refresh-teacher-step-2.jsonl", "refresh-teacher-step-4.jsonl"]
 
