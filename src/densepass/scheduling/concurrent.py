@@ -5,11 +5,11 @@ of U for one matrix-vector product: memory-bound, with ~N/b x swaps passes over 
 epoch. Here P batches ("slots") grow together. Each round, for every open batch p with running sums
 s_p = [sum Q, sum P] (``similarity.py``):
 
-    G = [Q | P] [sum P; sum Q]_p  over U                  c_p(d) = G[d, p] - 2 Q_d.P_d
+    c_p(d) = [Q_d | P_d] [sum P; sum Q]_p - 2 Q_d.P_d  for d in B_p   (its members' rows only)
     r_p = argmin_{d in B_p} c_p(d)                        (eq. 3: the member whose removal hurts least)
-    G' = the same product with the sums of B_p - r_p      a_p = argmax_{allowed a} G'[a, p]   (eq. 4)
+    G' = [sum P; sum Q] of B_p - r_p, times [Q | P] over U    a_p = argmax_{allowed a} G'[p, a]   (eq. 4)
 
-that is, two matrix products over U with P columns (compute-bound, not memory-bound). Every batch
+that is, one matrix product over U with P columns (compute-bound, not memory-bound). Every batch
 whose best swap raises h(B_p) makes it, except that an instance wanted by several batches goes to the
 one it raises most (ties: the lowest slot); the others retry next round without it. A batch that
 stops improving (or reaches ``max_swaps``) is emitted and its slot is seeded again from the unscheduled.
@@ -78,7 +78,10 @@ def iter_concurrent_batches(
     members = torch.zeros((slots, batch_size), dtype=torch.long, device=device)
     valid = torch.zeros((slots, batch_size), dtype=torch.bool, device=device)  # a seed may be short (conflicts)
     sums = torch.zeros((slots, 2 * sim.dim), dtype=sim.dtype, device=device)
+    # the members' rows, kept (dense instances) so eq. 3 reads them without a gather from the pool each round
+    rows_of = None if sim.sparse else torch.zeros((slots, batch_size, 2 * sim.dim), dtype=sim.dtype, device=device)
     swaps = [0] * slots
+    every_slot = list(range(slots))
     open_slots: list[int] = []
     unassigned = n  # instances of U in no open batch
     inf = torch.tensor(float("inf"), dtype=sim.dtype, device=device)
@@ -91,6 +94,8 @@ def iter_concurrent_batches(
         members[slot].zero_()
         valid[slot] = False
         members[slot, : len(ids)], valid[slot, : len(ids)] = ids, True
+        if rows_of is not None:
+            rows_of[slot, : len(ids)] = sim.stacked[ids]
         sums[slot] = sim.sums(seed_ids)
         available[ids] = False
         blocked.add(torch.full_like(ids, slot), ids, +1)
@@ -112,24 +117,24 @@ def iter_concurrent_batches(
         if unscheduled.remaining < len(active.ids) * greedy.COMPACT_BELOW:
             active = ActiveRows(sim, unscheduled.ids())
         finished = [s for s in open_slots if swaps[s] >= max_swaps]
-        rows = [s for s in open_slots if swaps[s] < max_swaps]
+        rows = sorted(s for s in open_slots if swaps[s] < max_swaps)
         if rows:
             slot_t = torch.as_tensor(rows, device=device)
             batch = members[slot_t]
-            full = sim.cross(sums[slot_t].T, matrix=active.matrix)  # [|U|, k]
-            contrib = full.T.gather(1, active.position[batch].clamp(min=0)) - 2 * sim.self_sim[batch]
+            kept = None if rows_of is None else (rows_of if rows == every_slot else rows_of[slot_t])
+            contrib = sim.cross_own(sums[slot_t], batch, kept) - 2 * sim.self_sim[batch]  # c_p(d): members' rows
             contrib = torch.where(valid[slot_t], contrib, inf)
             removal_pos = torch.argmin(contrib, 1)  # eq. 3 (first on ties)
             removed = batch.gather(1, removal_pos[:, None]).squeeze(1)
             reduced = sums[slot_t] - sim.dense_rows(removed)
-            gains = sim.cross(reduced.T, matrix=active.matrix)  # [|U|, k]: eq. 4 for B_p - r_p
+            gains = sim.cross_each(reduced, active.matrix)  # [k, |U|]: eq. 4 for B_p - r_p
             blocked.add(slot_t, removed, -1)  # instances blocked only by r_p become allowed
-            allowed = available[active.ids][:, None]
+            allowed = available[active.ids][None, :]
             if blocked.any:  # the k open batches' conflict counts over U alone (not over all N)
-                allowed = allowed & (blocked.counts[slot_t[None, :], active.ids[:, None]] == 0)
-            gains = torch.where(allowed, gains, -inf)
-            addition_pos = torch.argmax(gains, 0)  # first on ties
-            best = gains.gather(0, addition_pos[None]).squeeze(0)
+                allowed = allowed & (blocked.counts[slot_t][:, active.ids] == 0)
+            gains.masked_fill_(~allowed, -inf)
+            addition_pos = torch.argmax(gains, 1)  # first on ties
+            best = gains.gather(1, addition_pos[:, None]).squeeze(1)
             addition = active.ids[addition_pos]
             delta = best - contrib.gather(1, removal_pos[:, None]).squeeze(1)
             wants = torch.isfinite(best) & (delta > 0)
@@ -144,6 +149,8 @@ def iter_concurrent_batches(
             if wins.any():
                 won = slot_t[wins]
                 members[won, removal_pos[wins]] = addition[wins]
+                if rows_of is not None:
+                    rows_of[won, removal_pos[wins]] = sim.stacked[addition[wins]]
                 sums[won] = reduced[wins] + sim.dense_rows(addition[wins])
                 available[removed[wins]] = True
                 available[addition[wins]] = False

@@ -79,6 +79,27 @@ class BilinearSimilarity:
             return (matrix @ swapped.unsqueeze(1)).squeeze(1)
         return matrix @ swapped
 
+    def cross_own(self, sums: torch.Tensor, members: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """For k batches at once, each member d's ``cross`` with its own batch's sums: [k, b] from ``sums`` [k, 2D]
+        and ``members`` [k, b]. This is c(d) + 2 Q_d.P_d of eq. 3 for every member, read from the members' rows
+        alone instead of a product over all of U. ``rows``: the members' stacked rows [k, b, 2D] when the caller
+        keeps them (dense instances), which spares gathering them."""
+        swapped = torch.cat([sums[:, self.dim :], sums[:, : self.dim]], 1)  # [k, 2D]: [sum P, sum Q]
+        if not self.sparse:
+            rows = self.stacked[members] if rows is None else rows
+            return torch.bmm(rows, swapped.unsqueeze(2)).squeeze(2)
+        k, b = members.shape  # sparse rows: every batch's sums against all k*b members, then each batch's own
+        every = self.rows_matrix(members.reshape(-1)) @ swapped.T  # [k*b, k]
+        return every.view(k, b, k)[torch.arange(k, device=self.device), :, torch.arange(k, device=self.device)]
+
+    def cross_each(self, sums: torch.Tensor, matrix) -> torch.Tensor:
+        """``cross`` for k batches at once laid out one row per batch: [k, M] from ``sums`` [k, 2D] and ``matrix``
+        = ``rows_matrix`` of M instances, so each batch's arg-max over the instances reads contiguous memory."""
+        swapped = torch.cat([sums[:, self.dim :], sums[:, : self.dim]], 1)  # [k, 2D]
+        if self.sparse:
+            return (matrix @ swapped.T).T
+        return swapped @ matrix.T
+
     def rows_matrix(self, rows: torch.Tensor):
         """The stacked [Q | P] rows of some instances, in the form ``cross`` multiplies."""
         if self.sparse:

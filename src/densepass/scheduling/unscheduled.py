@@ -4,7 +4,7 @@ instances into conflict-free batches."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -30,10 +30,9 @@ class Unscheduled:
         """Up to ``size`` random members of U, no two in conflict (drawn in random order); ``exclude``
         (a boolean mask over all instances) leaves out members of batches still being built."""
         ids = self.ids() if exclude is None else np.flatnonzero(self.alive & ~exclude)
-        order = ids[self.rng.permutation(len(ids))]
         chosen: list[int] = []
         blocked: set[int] = set()
-        for i in order.tolist():
+        for i in self._random_order(ids, 2 * size):
             if i in blocked:
                 continue
             chosen.append(i)
@@ -41,6 +40,17 @@ class Unscheduled:
             if len(chosen) == size:
                 break
         return chosen
+
+    def _random_order(self, ids: np.ndarray, first: int) -> Iterator[int]:
+        """``ids`` in a uniformly random order, drawn lazily: a random ordered sample of ``first`` of them (what
+        a seed batch usually needs), then the rest shuffled only if the walk gets that far. A full shuffle of U for
+        every batch is host work that grows with U, while the device waits for the seed."""
+        head = self.rng.choice(len(ids), size=min(first, len(ids)), replace=False)
+        yield from ids[head].tolist()
+        if len(head) < len(ids):
+            rest = np.ones(len(ids), dtype=bool)
+            rest[head] = False
+            yield from ids[np.flatnonzero(rest)[self.rng.permutation(len(ids) - len(head))]].tolist()
 
 
 def pack_remainder(ids: Sequence[int], size: int, conflicts: Sequence[Sequence[int]]) -> list[list[int]]:
