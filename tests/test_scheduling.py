@@ -3,6 +3,8 @@ never batches false negatives together, and the background process delivers each
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -197,6 +199,8 @@ def test_each_batch_scores_its_own_members_as_a_product_over_all_rows_would(n, b
     sums = torch.stack([sim.sums(rng.choice(n, size=min(n, batch), replace=False).tolist()) for _ in range(slots)])
     over_all = sim.cross(sums.T)  # [N, slots]
     assert torch.equal(sim.cross_own(sums, members), over_all.T.gather(1, members))
+    if not sparse:  # the members' rows as a caller keeps them
+        assert torch.equal(sim.cross_own(sums, members, sim.stacked[members]), over_all.T.gather(1, members))
 
 
 def test_a_seed_batch_draws_every_order_of_the_unscheduled_alike():
@@ -211,6 +215,13 @@ def test_a_seed_batch_draws_every_order_of_the_unscheduled_alike():
         assert sorted(order) == list(range(n))
         counts[order, np.arange(n)] += 1
     assert np.abs(counts - draws / n).max() < 150  # 1,000 expected in each cell, standard deviation 29
+    # a large U, where the first sample is drawn without touching the rest: the first four places, by id decile
+    large, draws = 20_000, 4000
+    deciles = np.zeros((4, 10))
+    for _ in range(draws):
+        head = list(itertools.islice(unscheduled._random_order(np.arange(large), first=4), 4))
+        deciles[np.arange(4), np.asarray(head) * 10 // large] += 1
+    assert np.abs(deciles - draws / 10).max() < 100  # 400 expected in each cell, standard deviation 19
     everyone_conflicts = [[j for j in range(n) if j != i] for i in range(n)]
     assert len(unscheduled.seed_batch(3, everyone_conflicts)) == 1
     assert sorted(unscheduled.seed_batch(n, [[] for _ in range(n)])) == list(range(n))

@@ -131,7 +131,7 @@ def iter_concurrent_batches(
             blocked.add(slot_t, removed, -1)  # instances blocked only by r_p become allowed
             allowed = available[active.ids][None, :]
             if blocked.any:  # the k open batches' conflict counts over U alone (not over all N)
-                allowed = allowed & (blocked.counts[slot_t][:, active.ids] == 0)
+                allowed = allowed & (blocked.counts[slot_t[:, None], active.ids[None, :]] == 0)
             gains.masked_fill_(~allowed, -inf)
             addition_pos = torch.argmax(gains, 1)  # first on ties
             best = gains.gather(1, addition_pos[:, None]).squeeze(1)

@@ -90,11 +90,12 @@ class BilinearSimilarity:
             return torch.bmm(rows, swapped.unsqueeze(2)).squeeze(2)
         k, b = members.shape  # sparse rows: every batch's sums against all k*b members, then each batch's own
         every = self.rows_matrix(members.reshape(-1)) @ swapped.T  # [k*b, k]
-        return every.view(k, b, k)[torch.arange(k, device=self.device), :, torch.arange(k, device=self.device)]
+        return every.reshape(k, b, k)[torch.arange(k, device=self.device), :, torch.arange(k, device=self.device)]
 
     def cross_each(self, sums: torch.Tensor, matrix) -> torch.Tensor:
         """``cross`` for k batches at once laid out one row per batch: [k, M] from ``sums`` [k, 2D] and ``matrix``
-        = ``rows_matrix`` of M instances, so each batch's arg-max over the instances reads contiguous memory."""
+        = ``rows_matrix`` of M instances, so each batch's arg-max over the instances reads contiguous memory
+        (dense instances; for sparse ones it is a transposed view of the sparse product)."""
         swapped = torch.cat([sums[:, self.dim :], sums[:, : self.dim]], 1)  # [k, 2D]
         if self.sparse:
             return (matrix @ swapped.T).T
