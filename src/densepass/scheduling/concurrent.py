@@ -45,6 +45,8 @@ class _ConflictCounts:
 
     def add(self, slots: torch.Tensor, instances: torch.Tensor, sign: int) -> None:
         """counts[s, x] += sign for every (s, i) pair and every x in conflicts[i]."""
+        if not self.any:  # no conflict lists: nothing to count, and no wait for the device to say so
+            return
         sizes = self.start[instances + 1] - self.start[instances]
         total = int(sizes.sum())
         if total == 0:
