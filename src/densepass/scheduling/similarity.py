@@ -84,7 +84,7 @@ class BilinearSimilarity:
         and ``members`` [k, b]. This is c(d) + 2 Q_d.P_d of eq. 3 for every member, read from the members' rows
         alone instead of a product over all of U. ``rows``: the members' stacked rows [k, b, 2D] when the caller
         keeps them (dense instances), which spares gathering them."""
-        swapped = torch.cat([sums[:, self.dim :], sums[:, : self.dim]], 1)  # [k, 2D]: [sum P, sum Q]
+        swapped = self._swapped_rows(sums)
         if not self.sparse:
             rows = self.stacked[members] if rows is None else rows
             return torch.bmm(rows, swapped.unsqueeze(2)).squeeze(2)
@@ -96,10 +96,14 @@ class BilinearSimilarity:
         """``cross`` for k batches at once laid out one row per batch: [k, M] from ``sums`` [k, 2D] and ``matrix``
         = ``rows_matrix`` of M instances, so each batch's arg-max over the instances reads contiguous memory
         (dense instances; for sparse ones it is a transposed view of the sparse product)."""
-        swapped = torch.cat([sums[:, self.dim :], sums[:, : self.dim]], 1)  # [k, 2D]
+        swapped = self._swapped_rows(sums)
         if self.sparse:
             return (matrix @ swapped.T).T
         return swapped @ matrix.T
+
+    def _swapped_rows(self, sums: torch.Tensor) -> torch.Tensor:
+        """[sum P, sum Q] for each row of ``sums`` [k, 2D] = [sum Q, sum P]: what a row of [Q | P] is multiplied by."""
+        return torch.cat([sums[:, self.dim :], sums[:, : self.dim]], 1)
 
     def rows_matrix(self, rows: torch.Tensor):
         """The stacked [Q | P] rows of some instances, in the form ``cross`` multiplies."""
