@@ -5,13 +5,14 @@ bf16 autocast handed to the step, one optimiser for the whole package, and every
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from densepass.checkpoints import training_identity
+from densepass.checkpoints import Checkpoints, training_identity
 from densepass.config import OptimConfig
 from densepass.errors import ConfigError
 from densepass.numerics import Diverged
@@ -149,6 +150,25 @@ def test_a_run_interrupted_at_any_step_resumes_to_the_same_weights_state_and_log
     assert torch.equal(weights(straight), weights(again))
     assert again.seen == straight.seen and rec_again.count == rec.count
     assert (tmp_path / "a" / "train_log.jsonl").read_text() == (tmp_path / "b" / "train_log.jsonl").read_text()
+
+
+@pytest.mark.parametrize("fail_at", [3, 11, None])
+def test_a_run_trained_in_pieces_reports_its_last_loss_and_its_whole_throughput(tmp_path, fail_at):
+    """The result of a resumed run (and of a resume that finds nothing left, fail_at None) names the loss of the
+    run's last step, whichever piece took it, and its units over all pieces, not NaN and 0 units a second."""
+    straight = fit(Regression(), tmp_path / "a")
+    if fail_at is None:
+        fit(Regression(), tmp_path / "b")
+    else:
+        with pytest.raises(Interrupt):
+            fit(Regression(fail_at=fail_at), tmp_path / "b")
+    again = fit(Regression(), tmp_path / "b")
+    assert again.final_loss == straight.final_loss and not math.isnan(again.final_loss)
+    assert again.per_second > 0
+    config = optim()
+    last = Checkpoints(tmp_path / "b", config.keep_checkpoints, {"optim": training_identity(config)}).latest()
+    assert last.step == 12 and last.extra["totals"]["units"] == 12 * 5  # each step counted once over the pieces
+    assert last.extra["totals"]["loss"] == straight.final_loss
 
 
 def test_cpu_steps_give_freed_memory_back_every_few_steps(tmp_path, monkeypatch):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -201,7 +202,11 @@ class Hooks(Callback):
 
 @dataclass
 class FitResult:
-    """What a run ends with: steps, the last taken step's loss, throughput (the task's unit), wall time."""
+    """What a run ends with: steps, the last taken step's loss, throughput (the task's unit), wall time.
+
+    A run trained in pieces (resumed from its checkpoints) reports its whole: the loss of its last step, whichever
+    piece took it (also on a resume that finds nothing left to train), and its units over the pieces' training time
+    up to each one's last checkpoint; ``seconds`` is this piece's."""
 
     steps: int
     final_loss: float
@@ -341,6 +346,8 @@ def fit(
     guard = DivergenceGuard(optim.skip_nonfinite, task.section)
     engine = Engine(task, run_dir, total, guard, sharded)
     interval = _Interval(device)
+    # the pieces' before this one (a resume): their last step's loss, units seen and training seconds
+    earlier = {"loss": float("nan"), "units": 0, "seconds": 0.0}
     resumed = checkpoints.latest()
     if resumed is not None:
         if sharded:  # every process reads its shards of the weights and of the optimiser's state
@@ -360,6 +367,7 @@ def fit(
         if l2sp is not None:
             l2sp.load_state_dict(resumed.extra)
         interval.restore(resumed.extra)
+        earlier = resumed.extra.get("totals", earlier)
         engine.step = resumed.step
     log_path = run_dir / LOG_NAME
     if rank == 0:
@@ -371,6 +379,7 @@ def fit(
         engine.check_weights()  # every process: the same weights, the same verdict
         if rank == 0 or sharded:
             extra: dict = {**interval.state(), "nonfinite": guard.state_dict(), **task.state_dict()}
+            extra["totals"] = totals()
             if adapters is not None:
                 extra["lora"] = adapters.state_dict()
             if l2sp is not None:
@@ -387,6 +396,15 @@ def fit(
             with plain():
                 checkpoints.save(engine.step, task.save, optimizer, scheduler, extra)
         distributed.barrier()
+
+    def totals() -> dict:
+        """The run's so far, over its pieces: its last step's loss, units seen, training seconds."""
+        last = loss.item()  # NaN until this piece takes a step (a skipped step's loss is never kept)
+        return {
+            "loss": earlier["loss"] if math.isnan(last) else last,
+            "units": earlier["units"] + seen,
+            "seconds": earlier["seconds"] + time.perf_counter() - started,
+        }
 
     def epoch_batches(epoch: int) -> Iterator[tuple[int, int, Any]]:
         """(epoch, index, item) of the batches still to train on in ``epoch``."""
@@ -479,5 +497,6 @@ def fit(
         adapters.merge()  # the trained model is a plain one of its architecture
     task.finish()
     guard.finish(engine.step)
-    elapsed = time.perf_counter() - started
-    return FitResult(engine.step, loss.item(), seen / elapsed if elapsed > 0 else 0.0, elapsed, log_path)
+    elapsed, whole = time.perf_counter() - started, totals()
+    per_second = whole["units"] / whole["seconds"] if whole["seconds"] > 0 else 0.0
+    return FitResult(engine.step, whole["loss"], per_second, elapsed, log_path)
