@@ -70,9 +70,17 @@ def test_a_run_trains_the_reranker_distils_it_with_abs_batches_and_resumes(tiny_
     pairs = [("audio editor", "pkg3 audio video"), ("kernel", "a font viewer")]
     ours = CrossEncoder.from_pretrained(str(run_dir / "reranker" / "model"), precision="fp32").score_pairs(*zip(*pairs))
     np.testing.assert_allclose(STCrossEncoder(str(run_dir / "reranker" / "model")).predict(pairs), ours, rtol=1e-5)
+    assert f"Cross-encoder ({tiny_model_dir} + a new one-logit head)" in (run_dir / "report.md").read_text()
     again = run_experiment(config)  # resumes from the final checkpoints: the same numbers
     for row in results:
         assert again[row] == pytest.approx(results[row])
+    trained = run_dir / "reranker" / "model"  # a second run continues that cross-encoder, head and all
+    more = tiny_config(tiny_beir, tiny_model_dir, tmp_path / "more", f"reranker.name_or_path={trained}", *RERANKER)
+    run_experiment(more)
+    assert (
+        f"Cross-encoder ({trained} + its own trained head, continued)"
+        in (tmp_path / "more" / "t" / "report.md").read_text()
+    )
 
 
 def test_a_teacher_file_of_another_pool_is_refused_before_anything_is_written(tiny_beir, tiny_model_dir, tmp_path):

@@ -189,8 +189,9 @@ def train_reranker(
     result = train_cross_encoder(model, data, cfg.train, run_dir / "reranker", device, bf16, identity)
     if distributed.rank() == 0:  # every process holds the same weights
         model.save(run_dir / "reranker" / "model")
+    head = "a new one-logit head" if model.new_parameters else "its own trained head, continued"
     notes.append(
-        f"Cross-encoder ({cfg.name_or_path} + a new one-logit head) trained {cfg.train.loss} on {len(data)} queries: "
+        f"Cross-encoder ({cfg.name_or_path} + {head}) trained {cfg.train.loss} on {len(data)} queries: "
         f"{result.steps} steps of {cfg.train.batch_size} queries x (1 + {cfg.train.negatives_per_query}) pairs, "
         f"final loss {result.final_loss:.4f}, {time.perf_counter() - started:.0f} s; saved in reranker/model."
     )
