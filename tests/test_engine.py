@@ -164,7 +164,7 @@ def test_a_run_trained_in_pieces_reports_its_last_loss_and_its_whole_throughput(
             fit(Regression(fail_at=fail_at), tmp_path / "b")
     again = fit(Regression(), tmp_path / "b")
     assert again.final_loss == straight.final_loss and not math.isnan(again.final_loss)
-    assert again.per_second > 0
+    assert again.per_second > 0 and again.earlier_seconds > 0 and straight.earlier_seconds == 0
     config = optim()
     last = Checkpoints(tmp_path / "b", config.keep_checkpoints, {"optim": training_identity(config)}).latest()
     assert last.step == 12 and last.extra["totals"]["units"] == 12 * 5  # each step counted once over the pieces

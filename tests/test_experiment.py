@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -51,9 +52,16 @@ def test_run_directory_contents_and_resume(tiny_beir, tiny_model_dir, tmp_path):
     assert stored["results"] == results
     assert len((run_dir / "eval_log.jsonl").read_text().splitlines()) == 2
     assert "| fine-tuned |" in (run_dir / "report.md").read_text()
-    # Re-running resumes from the final checkpoint: no more training, the same numbers.
+    # Re-running resumes from the final checkpoint: no more training, the same numbers, and a report that still
+    # names the run's last loss and its whole training time (not NaN and the few seconds of the resume).
+    report = (run_dir / "report.md").read_text()
     again = run_experiment(config)
     assert again["fine-tuned"] == pytest.approx(results["fine-tuned"])
+    resumed = (run_dir / "report.md").read_text()
+    assert re.search(r"final loss (\d\.\d+)", resumed)[1] == re.search(r"final loss (\d\.\d+)", report)[1]
+    assert "resumed: " in resumed and "resumed: " not in report
+    stored_again = json.loads((run_dir / "metrics.json").read_text())
+    assert stored_again["timings"]["train_s"] >= 0.5 * stored["timings"]["train_s"]
 
 
 def test_a_run_directory_holding_another_run_is_refused_before_any_work(tiny_beir, tiny_model_dir, tmp_path):

@@ -103,7 +103,7 @@ from densepass.training.more_negatives import check_loss
 from densepass.training.planner import check_schedule
 from densepass.training.refresh import NegativeRefresher
 from densepass.training.teacher_scores import Pairs, PairScorer, Scores, distillation_pairs
-from densepass.training.trainer import planned_steps, resume_step
+from densepass.training.trainer import planned_steps, resume_step, resumed_note
 
 
 def model_from_config(config: ExperimentConfig) -> BiEncoder:
@@ -742,13 +742,15 @@ def fine_tune(
         saved.unlink()
     with contextlib.suppress(OSError):
         (run_dir / "schedule").rmdir()  # only where nothing else (a user's file) is in it
-    exp.timings["train_s"] = time.perf_counter() - started
+    # a resumed run's time is its whole: the pieces before this one trained up to its checkpoint
+    exp.timings["train_s"] = time.perf_counter() - started + result.earlier_seconds
     exp.notes.append(
         f"Fine-tuned on {len(data)} {config.data.train_split} queries: {result.steps} steps of batch "
         f"{config.train.batch_size} with {data.negatives_per_query} {config.negatives.source} hard negative(s) "
         f"per query, batches by {config.schedule.method}, loss: {objective.describe()}; "
         f"final loss {result.final_loss:.4f}; "
-        f"{result.examples_per_second:.1f} examples/s on {exp.device.type} ({step_kind(model, config, exp.device)})."
+        f"{result.examples_per_second:.1f} examples/s on {exp.device.type} ({step_kind(model, config, exp.device)})"
+        f"{resumed_note(result.earlier_seconds)}."
     )
     if data.mix:
         exp.notes.append(mix_summary(data, config.train.batch_size, result.steps))

@@ -30,6 +30,7 @@ from densepass.pipelines.evalset import EvalSet
 from densepass.pipelines.search import CachedScores, rerank, results_from_run
 from densepass.training.batches import TrainingData
 from densepass.training.cross_encoder import train_cross_encoder
+from densepass.training.trainer import resumed_note
 
 SYSTEMS = {"bm25": "BM25", "zero-shot": "zero-shot", "fine-tuned": "fine-tuned"}  # first stage -> its row
 
@@ -193,7 +194,8 @@ def train_reranker(
     notes.append(
         f"Cross-encoder ({cfg.name_or_path} + {head}) trained {cfg.train.loss} on {len(data)} queries: "
         f"{result.steps} steps of {cfg.train.batch_size} queries x (1 + {cfg.train.negatives_per_query}) pairs, "
-        f"final loss {result.final_loss:.4f}, {time.perf_counter() - started:.0f} s; saved in reranker/model."
+        f"final loss {result.final_loss:.4f}, {time.perf_counter() - started + result.earlier_seconds:.0f} s"
+        f"{resumed_note(result.earlier_seconds)}; saved in reranker/model."
     )
     notes.append(f"Cross-encoder negatives: {data.pool_sizes.summary()}")
     return model

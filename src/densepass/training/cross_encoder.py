@@ -188,4 +188,4 @@ def train_cross_encoder(
         bf16=bf16,
         callbacks=[engine.Hooks(on_step_end)] if on_step_end is not None else [],
     )
-    return TrainResult(result.steps, result.final_loss, result.per_second, result.log_path)
+    return TrainResult(result.steps, result.final_loss, result.per_second, result.log_path, result.earlier_seconds)

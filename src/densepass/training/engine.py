@@ -206,13 +206,14 @@ class FitResult:
 
     A run trained in pieces (resumed from its checkpoints) reports its whole: the loss of its last step, whichever
     piece took it (also on a resume that finds nothing left to train), and its units over the pieces' training time
-    up to each one's last checkpoint; ``seconds`` is this piece's."""
+    up to each one's last checkpoint; ``seconds`` is this piece's, ``earlier_seconds`` the pieces' before it."""
 
     steps: int
     final_loss: float
     per_second: float
     seconds: float
     log_path: Path
+    earlier_seconds: float = 0.0
 
 
 class Engine:
@@ -499,4 +500,4 @@ def fit(
     guard.finish(engine.step)
     elapsed, whole = time.perf_counter() - started, totals()
     per_second = whole["units"] / whole["seconds"] if whole["seconds"] > 0 else 0.0
-    return FitResult(engine.step, whole["loss"], per_second, elapsed, log_path)
+    return FitResult(engine.step, whole["loss"], per_second, elapsed, log_path, earlier["seconds"])

@@ -58,14 +58,21 @@ class RandomPlanner:
         return random_batches(self.n, self.batch_size, self.seed, epoch)
 
 
+def resumed_note(earlier_seconds: float) -> str:
+    """A report's words for a run that resumed: how much of its training time earlier pieces spent."""
+    return f" (resumed: {earlier_seconds:.0f} s of training in earlier pieces)" if earlier_seconds > 0 else ""
+
+
 @dataclass
 class TrainResult:
-    """What a fine-tuning run ends with."""
+    """What a fine-tuning run ends with (over all its pieces where it resumed: ``engine.FitResult``);
+    ``earlier_seconds``: the training time of the pieces before this one."""
 
     steps: int
     final_loss: float
     examples_per_second: float
     log_path: Path
+    earlier_seconds: float = 0.0
 
 
 def planned_steps(steps_per_epoch: int, config: TrainConfig) -> int:
@@ -236,4 +243,4 @@ def train(
         identity=run_identity(config, identity, asks_packing(model, config, device)),
         callbacks=[engine.Hooks(on_step_end, on_epoch_end)] if on_step_end or on_epoch_end else [],
     )
-    return TrainResult(result.steps, result.final_loss, result.per_second, result.log_path)
+    return TrainResult(result.steps, result.final_loss, result.per_second, result.log_path, result.earlier_seconds)
