@@ -14,7 +14,8 @@ docs/experiments.md); without it, it is 2-fold cross-validated on these queries.
 weight is 2-fold cross-validated (chosen on one half of the queries for the other: no query is scored with a weight
 chosen on it), as in ``experiments/recipe.py``; with ``--weights-from DIR`` (this script's folder for the tuning
 part, at the same depths) each depth's weight is chosen once on all of that folder's queries and applied to these,
-as a user applies one ``densepass rerank --fuse-weight``. Reranking is ``densepass rerank``'s (``rerank_run_file``;
+as a user applies one ``densepass rerank --fuse-weight``, and the report names the depth whose fusion scores best
+there. Reranking is ``densepass rerank``'s (``rerank_run_file``;
 its scores kept in ``<out>/cache`` by content, so a second depth or a re-run scores only new pairs).
 """
 
@@ -85,6 +86,14 @@ def tuning_runs(folder: Path, depths: list[int], split_qrels: dict, qrels: dict)
     return judged, first, reranked
 
 
+def tuning_score(tuning: tuple[dict, Run, Run], depth: int, weight: float) -> float:
+    """MRR@10 on the --weights-from queries of their first stage's top ``depth`` fused with the cross-encoder's
+    scores at ``weight`` (the one chosen there): what a choice of depth compares."""
+    judged, first, scores = tuning
+    head, alone = reranked_heads(first, scores, depth)
+    return evaluate_run(judged, linear_fusion([alone, head], [weight, 1 - weight]), ["mrr@10"])["mrr@10"]
+
+
 def _is_report(values) -> bool:
     return isinstance(values, dict) and all(
         isinstance(v, dict) and set(v) == {"metrics", "tests"} for v in values.values()
@@ -140,6 +149,7 @@ def main() -> None:
         hybrid = linear_fusion([dense, bm25], [args.dense_weight, 1 - args.dense_weight])
         weight = f"{args.dense_weight:.2f}"
     runs = {"dense": dense, f"dense + BM25, linear (dense weight {weight})": hybrid}
+    there: dict[int, float] = {}  # each depth's fused MRR@10 on the --weights-from queries, at the weight chosen there
     first = out / "first-stage.trec"
     write_trec_run(top(hybrid, RERANK_DEPTH), first)
     for depth in args.depth:
@@ -152,7 +162,10 @@ def main() -> None:
         )  # fmt: skip
         chosen = (tuning[0], tuning[1], tuning[2][depth]) if tuning else None
         alone, fused, weights = reranked_runs(qrels, hybrid, read_trec_run(reranked), depth, seed, chosen)
-        how = "chosen on the --weights-from queries" if tuning else "by 2-fold CV"
+        how = "by 2-fold CV"
+        if chosen is not None:
+            there[depth] = tuning_score(chosen, depth, float(weights))
+            how = f"chosen on the --weights-from queries, MRR@10 {there[depth]:.4f} there"
         runs[f"→ cross-encoder@{depth}"] = alone
         runs[f"→ cross-encoder@{depth}, fused with the first stage (weight {weights} {how})"] = fused
 
@@ -180,6 +193,9 @@ def main() -> None:
             t = tests.get(against)
             test_cells.append("" if t is None else f"{t['delta']:+.4f} ({t['wins']} / {t['losses']}, p = {t['p']:.4f})")
         lines.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(test_cells) + " |")
+    if there:
+        best = max(there, key=lambda depth: there[depth])  # the first of equals: the shallower, cheaper depth
+        lines += ["", f"The depth the --weights-from queries choose (their best fused MRR@10): {best}."]
     text = "\n".join(lines) + "\n"
     atomic_write_text(out / "report.md", text)
     atomic_write_text(out / "report.json", json.dumps(results, indent=2))

@@ -74,8 +74,12 @@ def test_a_run_trains_the_reranker_distils_it_with_abs_batches_and_resumes(tiny_
     again = run_experiment(config)  # resumes from the final checkpoints: the same numbers
     for row in results:
         assert again[row] == pytest.approx(results[row])
+    assert "s of training in earlier pieces; saved in reranker/model." in (run_dir / "report.md").read_text()
     trained = run_dir / "reranker" / "model"  # a second run continues that cross-encoder, head and all
-    more = tiny_config(tiny_beir, tiny_model_dir, tmp_path / "more", f"reranker.name_or_path={trained}", *RERANKER)
+    more = tiny_config(
+        tiny_beir, tiny_model_dir, tmp_path / "more", f"reranker.name_or_path={trained}", *RERANKER[:-1],
+        "reranker.first_stages=[bm25]", "train.enabled=false",
+    )  # fmt: skip
     run_experiment(more)
     assert (
         f"Cross-encoder ({trained} + its own trained head, continued)"

@@ -150,12 +150,20 @@ def test_weights_from_the_tuning_part_are_chosen_there_and_applied_to_the_report
     hybrid = linear_fusion([dense, bm25], [0.6, 0.4])
     _, fused, weights = reranked_runs(report_qrels, hybrid, read_trec_run(report_dir / "reranked-4.trec"), 4, 0, tuning)
     assert weights == f"{weight:.2f}"
-    row = f"→ cross-encoder@4, fused with the first stage (weight {weight:.2f} chosen on the --weights-from queries)"
-    assert report[row]["metrics"] == pytest.approx(evaluate_run(report_qrels, fused, list(report[row]["metrics"])))
-    assert (
-        f"→ cross-encoder@4, fused with the first stage (weight {weight:.2f} chosen on the --weights-from queries)"
-        in report
+
+    def tuned(w):  # the fused MRR@10 on the tuning queries at weight w
+        return evaluate_run(tune_qrels, linear_fusion([alone, head], [w, 1 - w]), ["mrr@10"])["mrr@10"]
+
+    there = tuned(weight)
+    assert there == max(tuned(i / 20) for i in range(1, 20))  # the row names the best the tuning queries reach
+    row = (
+        f"→ cross-encoder@4, fused with the first stage (weight {weight:.2f} chosen on the --weights-from queries, "
+        f"MRR@10 {there:.4f} there)"
     )
+    assert row in report
+    assert report[row]["metrics"] == pytest.approx(evaluate_run(report_qrels, fused, list(report[row]["metrics"])))
+    text = (outs["report"][0] / "report.md").read_text()
+    assert text.endswith("The depth the --weights-from queries choose (their best fused MRR@10): 4.\n")
 
     done = subprocess.run([*args, "--weights-from", str(outs["report"][0]), "--out", str(tmp_path / "again")],
                           capture_output=True, text=True)  # fmt: skip

@@ -60,7 +60,7 @@ class RandomPlanner:
 
 def resumed_note(earlier_seconds: float) -> str:
     """A report's words for a run that resumed: how much of its training time earlier pieces spent."""
-    return f" (resumed: {earlier_seconds:.0f} s of training in earlier pieces)" if earlier_seconds > 0 else ""
+    return f"; resumed: {earlier_seconds:,.1f} s of training in earlier pieces" if earlier_seconds > 0 else ""
 
 
 @dataclass
