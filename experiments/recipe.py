@@ -835,14 +835,15 @@ def hybrid_runs(
     return {"RRF": reciprocal_rank_fusion([dense, bm25]), f"linear, dense weight {weights} {how}": linear}
 
 
+def fused_mrr(qrels: dict, a: Run, b: Run, weight: float) -> float:
+    """MRR@10 on ``qrels`` of the linear fusion of ``a`` (weight ``weight``) and ``b``."""
+    fused = linear_fusion([_subset(a, list(qrels)), _subset(b, list(qrels))], [weight, 1 - weight])
+    return evaluate_run(qrels, fused, ["mrr@10"])["mrr@10"]
+
+
 def best_weight(qrels: dict, a: Run, b: Run) -> float:
     """The weight of ``a`` (grid 0.05 ... 0.95) whose linear fusion with ``b`` has the best MRR@10 on ``qrels``."""
-
-    def mrr(weight: float) -> float:
-        fused = linear_fusion([_subset(a, list(qrels)), _subset(b, list(qrels))], [weight, 1 - weight])
-        return evaluate_run(qrels, fused, ["mrr@10"])["mrr@10"]
-
-    return max((i / 20 for i in range(1, 20)), key=mrr)
+    return max((i / 20 for i in range(1, 20)), key=lambda weight: fused_mrr(qrels, a, b, weight))
 
 
 def cv_linear_fusion(

@@ -45,7 +45,7 @@ from densepass.evaluation.metrics import (  # noqa: E402
 from densepass.io import atomic_write_text, check_output_file  # noqa: E402
 from densepass.pipelines.evalset import eval_qrels  # noqa: E402
 from densepass.pipelines.search import check_reranker_precision, rerank_run_file  # noqa: E402
-from recipe import RERANK_DEPTH, cv_linear_fusion, reranked_heads, reranked_runs, top  # noqa: E402
+from recipe import RERANK_DEPTH, cv_linear_fusion, fused_mrr, reranked_heads, reranked_runs, top  # noqa: E402
 
 METRICS = ["mrr@10", "ndcg@10", "recall@100"]
 TITLE = "# densepass pipeline: dense + BM25, then the cross-encoder "
@@ -91,7 +91,7 @@ def tuning_score(tuning: tuple[dict, Run, Run], depth: int, weight: float) -> fl
     scores at ``weight`` (the one chosen there): what a choice of depth compares."""
     judged, first, scores = tuning
     head, alone = reranked_heads(first, scores, depth)
-    return evaluate_run(judged, linear_fusion([alone, head], [weight, 1 - weight]), ["mrr@10"])["mrr@10"]
+    return fused_mrr(judged, alone, head, weight)  # as best_weight scored it when it chose the weight
 
 
 def _is_report(values) -> bool:
