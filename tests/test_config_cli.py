@@ -139,11 +139,26 @@ def test_overrides(tmp_path):
         ("train.batch_size=eight", r"config\.train\.batch_size: expected an integer"),
         ("train.batch_size", r"must look like section\.key=value"),
         ("name.sub=1", r"config\.name: expected a string"),
+        # YAML reads an unquoted `query: ` as a mapping: the error says what to type instead
+        ("model.query_prompt=query: ", r"""for the text 'query: ', quote it.*--set 'model.query_prompt="query: "'"""),
+        ("model.query_prompt=Instruct: a\\nQuery: ", r"""not valid YAML .*quoted: --set 'model.query_prompt="..."'"""),
+        # and drops an unquoted ' #' and what follows as a comment: an error, not a shorter value
+        ("model.query_prompt=find #1", r"what follows ' #' as a comment"),
+        ("eval.metrics=[mrr@10] # ndcg", r"what follows ' #' as a comment"),
     ],
 )
 def test_bad_overrides(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_quoted_override_strings_keep_colons_hashes_and_escapes():
+    config = load_config(
+        None, ['model.query_prompt="Instruct: find it\\nQuery: "', "model.passage_prompt='passage #1: '", "name=a#b"]
+    )
+    assert config.model.query_prompt == "Instruct: find it\nQuery: "  # YAML's double quotes read \n as a newline
+    assert config.model.passage_prompt == "passage #1: "
+    assert config.name == "a#b"  # a '#' not after a space is no comment
 
 
 def test_override_below_a_plain_value_is_rejected():

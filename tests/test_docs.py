@@ -139,3 +139,77 @@ def test_the_guide_page_runs(page, fixtures, tmp_path):
         command = ["bash", "-e", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
         result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"{page.name}, block {n + 1} ({lang}):\n{code}\n{result.stderr[-3000:]}"
+
+
+# Where the docs name a `densepass` command line (README.md, docs/*.md, docs/guide/*.md; not docs/history/, whose
+# commands are of their day): fenced blocks and inline code, with backslash continuations joined.
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *PAGES]
+COMMAND = re.compile(r"python3? -m densepass (.*)")
+INLINE = re.compile(r"`([^`]+)`")
+SHELL_OPERATORS = {"&&", "||", "|", ";", "&", ">", ">>", "2>", ")", "("}
+PLACEHOLDER = re.compile(r"[<\[{]|\.\.\.|^[A-Z_]+(\.\w+)?$")  # <variant>, [--set ...], {port}, CONFIG.yaml, ...
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """Each documented `densepass` command line as (page, argv), shell operators and comments cut off; lines
+    holding a placeholder are left out (they are templates, not commands)."""
+    import shlex
+
+    found = []
+    for page in DOC_PAGES:
+        text = page.read_text()
+        fenced = [code for _, code in BLOCK.findall(text)]
+        chunks = fenced + [" ".join(code.split()) for code in INLINE.findall(BLOCK.sub("", text))]
+        for chunk in chunks:
+            for line in re.sub(r"\\\n\s*", " ", chunk).splitlines():
+                for match in COMMAND.finditer(line):
+                    start = match.start()
+                    if start and line[start - 1] in "=\"'":  # a command another tool's option quotes
+                        continue
+                    lexer = shlex.shlex(match.group(1), posix=True, punctuation_chars=";&|<>()")
+                    lexer.whitespace_split = True
+                    try:
+                        tokens = list(lexer)
+                    except ValueError:  # a quote closed after a shell operator: cut there first
+                        lexer = shlex.shlex(re.split(r"[;&|]", match.group(1))[0], posix=True)
+                        lexer.whitespace_split = True
+                        tokens = list(lexer)
+                    argv = []
+                    for token in tokens:
+                        if token in SHELL_OPERATORS or token.startswith(("#", ">", "2>")):
+                            break
+                        argv.append(token)
+                    if argv and not any(PLACEHOLDER.search(token) for token in argv):
+                        found.append((page.name, argv))
+    return found
+
+
+def test_every_documented_command_line_parses_and_its_config_overrides_load():
+    """A command the docs give is one a user can paste: its options exist (the CLI's own parser), and a config
+    command's file and ``--set`` overrides load (keys that exist, values of their types)."""
+    from densepass.cli import build_parser
+    from densepass.config import ExperimentConfig, load_config
+    from densepass.phrase.config import PhraseConfig
+    from densepass.pretraining.config import PretrainConfig
+
+    schemas = {"run": ExperimentConfig, "config": ExperimentConfig, "pretrain": PretrainConfig, "phrase": PhraseConfig}
+    commands = documented_commands()
+    assert len(commands) >= 60, f"only {len(commands)} documented commands found: the extraction broke"
+    failures = []
+    for page, argv in commands:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exit:
+            if exit.code:  # `densepass --help` exits 0
+                failures.append(f"{page}: densepass {' '.join(argv)}: the CLI rejects it")
+            continue
+        config = getattr(args, "config", None)
+        if argv[0] in schemas and config and (ROOT / config).is_file():
+            schema = schemas[argv[0]]
+            if argv[0] == "config":  # its --pretrain / --phrase say which kind of config
+                schema = PretrainConfig if args.pretrain else PhraseConfig if args.phrase else schema
+            try:
+                load_config(ROOT / config, args.set, schema)
+            except Exception as err:  # noqa: BLE001 - every failure is reported, by page
+                failures.append(f"{page}: densepass {' '.join(argv)}: {err}")
+    assert not failures, "\n".join(failures)

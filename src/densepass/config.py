@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -712,7 +713,7 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {_short(value)}")
+            raise ConfigError(f"{where}: expected a string, got {_short(value)}{_colon_hint(where, value)}")
         if "\x00" in value:
             raise ConfigError(f"{where}: {_short(value)} holds a NUL character (no name or path can)")
         if _has_surrogate(value):
@@ -800,6 +801,27 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+def _colon_hint(where: str, value: Any) -> str:
+    """Where a string field got a one-key mapping of text (YAML reads ``query: `` as ``{query: None}``), what the
+    user most likely meant and how to quote it; else nothing."""
+    if not (isinstance(value, dict) and len(value) == 1):
+        return ""
+    ((key, rest),) = value.items()
+    if not isinstance(key, str) or not (rest is None or isinstance(rest, str)):
+        return ""
+    text = f"{key}: {rest or ''}"
+    override = where.removeprefix("config.")
+    return f""" (for the text {text!r}, quote it: {text!r} in a file, --set '{override}="{text}"' in an override)"""
+
+
+def _loads_as(text: str, value: Any) -> bool:
+    """Whether ``text`` is YAML for ``value`` (False where it is not YAML at all)."""
+    try:
+        return _load_yaml(text, "<unicode string>") == value
+    except (_YamlProblem, ConfigError):
+        return False
+
+
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``section.key=value`` overrides (value parsed as YAML) to a nested mapping."""
     for item in overrides:
@@ -812,10 +834,14 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        quote = f"""a string holding ': ' or ' #' is quoted: --set '{path}="..."'"""
         try:
             node[leaf] = _load_yaml(raw, "<unicode string>")
         except _YamlProblem as err:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from None
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err}); {quote}") from None
+        before_comment = re.split(r"\s#", raw, maxsplit=1)[0]
+        if before_comment != raw and _loads_as(before_comment, node[leaf]):  # YAML dropped the rest as a comment
+            raise ConfigError(f"override {item!r}: YAML reads what follows ' #' as a comment and drops it; {quote}")
     return values
 
 
