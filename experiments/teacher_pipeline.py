@@ -16,7 +16,8 @@ chosen on it), as in ``experiments/recipe.py``; with ``--weights-from DIR`` (thi
 part, at the same depths) each depth's weight is chosen once on all of that folder's queries and applied to these,
 as a user applies one ``densepass rerank --fuse-weight``, and the report names the depth whose fusion scores best
 there. Reranking is ``densepass rerank``'s (``rerank_run_file``;
-its scores kept in ``<out>/cache`` by content, so a second depth or a re-run scores only new pairs).
+its scores kept in ``<out>/cache`` by content, so a second depth or a re-run scores only new pairs; ``--cache-dir``
+shares one cache between pipelines of other first stages over the same queries).
 """
 
 from __future__ import annotations
@@ -119,6 +120,12 @@ def main() -> None:
         " there, on all its queries, and applied here (default: 2-fold cross-validation on these queries)",
     )
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="the cross-encoder's scores, by content (default: <out>/cache); pipelines of other first stages over "
+        "the same queries that share one score only the pairs not met before",
+    )
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     if args.dense_weight is not None and not 0 < args.dense_weight < 1:
@@ -149,6 +156,7 @@ def main() -> None:
         hybrid = linear_fusion([dense, bm25], [args.dense_weight, 1 - args.dense_weight])
         weight = f"{args.dense_weight:.2f}"
     runs = {"dense": dense, f"dense + BM25, linear (dense weight {weight})": hybrid}
+    cache_dir = Path(args.cache_dir) if args.cache_dir else out / "cache"
     there: dict[int, float] = {}  # each depth's fused MRR@10 on the --weights-from queries, at the weight chosen there
     first = out / "first-stage.trec"
     write_trec_run(top(hybrid, RERANK_DEPTH), first)
@@ -158,7 +166,7 @@ def main() -> None:
         # scored before are read from the cache, so a re-run costs no scoring
         rerank_run_file(
             config.data.name, first, args.cross_encoder, reranked, data_dir=config.data.data_dir,
-            format=config.data.format, depth=depth, device=args.device, cache_dir=out / "cache",
+            format=config.data.format, depth=depth, device=args.device, cache_dir=cache_dir,
         )  # fmt: skip
         chosen = (tuning[0], tuning[1], tuning[2][depth]) if tuning else None
         alone, fused, weights = reranked_runs(qrels, hybrid, read_trec_run(reranked), depth, seed, chosen)

@@ -58,6 +58,17 @@ def test_the_pipeline_fuses_reranks_and_tests_each_row(tiny_beir, tiny_model_dir
     for test in alone["tests"].values():
         assert 0 <= test["p"] <= 1 and test["wins"] + test["ties"] + test["losses"] == len(queries)
 
+    # --cache-dir: another pipeline over the same queries reads the scores the first kept, and keeps none of its own
+    cached = {path: path.read_bytes() for path in (out / "cache").rglob("*") if path.is_file()}
+    assert cached
+    shared = [*args, "--depth", "4", "--out", str(tmp_path / "out4"), "--device", "cpu"]
+    shared += ["--cache-dir", str(out / "cache")]
+    done = subprocess.run(shared, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "out4" / "cache").exists()
+    assert {path: path.read_bytes() for path in (out / "cache").rglob("*") if path.is_file()} == cached  # none new
+    assert read_trec_run(tmp_path / "out4" / "reranked-4.trec") == reranked
+
     # --set overrides the config: the runs then hold more queries than it evaluates
     done = subprocess.run([*args, "--out", str(tmp_path / "out3"), "--set", "data.max_eval_queries=2"],
                           capture_output=True, text=True)  # fmt: skip
