@@ -810,6 +810,8 @@ def _colon_hint(where: str, value: Any) -> str:
     if not isinstance(key, str) or not (rest is None or isinstance(rest, str)):
         return ""
     text = f"{key}: {rest or ''}"
+    if not text.isprintable():  # the hint quotes the text itself: one line, or none
+        return ""
     override = where.removeprefix("config.")
     return f""" (for the text {text!r}, quote it: {text!r} in a file, --set '{override}="{text}"' in an override)"""
 
