@@ -33,8 +33,9 @@ def positive_int(text: str) -> int:
 
 
 RERANK_PRECISION_HELP = (
-    "reranker precision: fp32, bf16, int8 (cross-encoders: dynamic quantisation, CPU only) or auto (bf16 where the "
-    "device computes it natively, else fp32)"
+    "reranker precision: fp32, bf16, int8 (cross-encoders, CPU only: BERT-style encoders on int8 products with a "
+    "scale per token where AVX512-BF16 and -VNNI run densepass's kernels, dynamic quantisation otherwise) or auto "
+    "(bf16 where the device computes it natively, else fp32)"
 )
 
 

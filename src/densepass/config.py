@@ -581,9 +581,10 @@ class RerankerConfig:
     batch_size: int = option(64, "pairs per forward pass when scoring", min=1)
     precision: Precision = option(
         "auto",
-        "reranking precision: fp32, bf16, int8 (dynamic quantisation, CPU only) or auto (the run's training "
-        "precision: bf16 where train.bf16 on GPU or train.cpu_bf16 on the CPU say so, else fp32); teacher scores "
-        "for distillation stay auto",
+        "reranking precision: fp32, bf16, int8 (CPU only: BERT-style encoders on int8 products with a scale per "
+        "token where AVX512-BF16 and -VNNI run densepass's kernels, dynamic quantisation otherwise) or auto (the "
+        "run's training precision: bf16 where train.bf16 on GPU or train.cpu_bf16 on the CPU say so, else fp32); "
+        "teacher scores for distillation stay auto",
     )
     depth: int = option(100, "first-stage candidates re-scored per query", min=1)
     first_stages: list[Literal["bm25", "zero-shot", "fine-tuned"]] = option(
