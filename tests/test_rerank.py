@@ -19,6 +19,10 @@ TEXTS = [f"passage {i} about {w}" for i, w in enumerate("audio video kernel prin
 CORPUS = Corpus([f"p{i}" for i in range(len(TEXTS))], [""] * len(TEXTS), TEXTS, [f"p{i}" for i in range(len(TEXTS))])
 
 
+# scores of a ranker: normal floats (ranx min-max normalises a range of subnormal ones, 1e-39, to noise)
+SCORES = st.floats(-5, 5, allow_nan=False, allow_subnormal=False, width=32)
+
+
 class TableReranker:
     """Scores a pair by a fixed table of passage scores (and counts the pairs it was asked for)."""
 
@@ -69,6 +73,41 @@ def test_the_pipeline_returns_k_hits_when_k_is_deeper_than_the_reranking():
     assert len(hits) == 6 and sorted(hits) == sorted(first)
     assert hits[:2] == sorted(first[:2], key=lambda p: -int(p[1:])) and hits[2:] == first[2:]
     assert reranker.pairs == 2  # only the top `depth` candidates were re-scored
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    table=st.lists(SCORES, min_size=len(TEXTS), max_size=len(TEXTS), unique=True),
+    depth=st.integers(2, 8),
+    weight=st.sampled_from([0.0, 0.25, 0.55, 1.0]),
+)
+def test_a_pipeline_fusing_its_reranker_orders_and_scores_as_reranking_its_first_stage_run(table, depth, weight):
+    """``SearchPipeline(..., rerank_fuse_weight=w)`` (what ``densepass search/serve --rerank-fuse-weight`` run) gives
+    the hits ``rerank_run(..., fuse_weight=w)`` (``densepass rerank --fuse-weight``) gives on its first stage's run,
+    whose fusion is checked against a hand-computed interpolation below."""
+    from densepass.pipelines.search import rerank_run
+
+    index, query = BM25Index.build(CORPUS), "passage about audio video"
+    first = SearchPipeline(index).search(query, k=len(TEXTS))
+    pipeline = SearchPipeline(index, TableReranker(table), rerank_depth=depth, rerank_fuse_weight=weight)
+    hits = pipeline.search(query, k=len(TEXTS))
+    run = {"q": {hit.id: hit.score for hit in first}}
+    expected = rerank_run(run, {"q": query}, CORPUS, TableReranker(table), depth, fuse_weight=weight)["q"]
+    assert [hit.id for hit in hits] == list(expected)
+    assert [hit.score for hit in hits] == pytest.approx(list(expected.values()), abs=1e-6)
+    assert pipeline.describe()["rerank_fuse_weight"] == weight
+    assert all(0 <= hit.score <= 1 for hit in hits[:depth]) and all(hit.score < 0 for hit in hits[depth:])
+
+
+def test_a_rerank_fusion_weight_needs_a_reranker_and_lies_in_0_1():
+    index, reranker = BM25Index.build(CORPUS), TableReranker([0.0] * len(TEXTS))
+    with pytest.raises(ConfigError, match=r"^the fusion weight of the reranker lies in \[0, 1\], got 1.5$"):
+        SearchPipeline(index, reranker, rerank_depth=2, rerank_fuse_weight=1.5)
+    with pytest.raises(ConfigError, match="weighs a reranker's scores, and there is no reranker"):
+        SearchPipeline(index, rerank_fuse_weight=0.5)
+    first = SearchResults(np.zeros((1, 3), dtype=np.float32), np.array([[0, 1, 2]]), CORPUS)
+    with pytest.raises(ConfigError, match=r"lies in \[0, 1\], got -0.1"):
+        rerank(first, ["q"], reranker, 2, fuse_weight=-0.1)
 
 
 def test_a_depth_larger_than_the_candidate_list_is_a_one_line_error():
@@ -219,10 +258,6 @@ def test_reranking_a_second_first_stage_with_a_cache_dir_scores_only_its_new_pai
     err = capsys.readouterr().err.strip()
     assert "exists and is not a folder" in err and len(err.splitlines()) == 1 and notes.read_text() == "mine\n"
     assert not any((tmp_path / name).exists() for name in ("late.trec", "q.trec", "n.trec"))
-
-
-# scores of a ranker: normal floats (ranx min-max normalises a range of subnormal ones, 1e-39, to noise)
-SCORES = st.floats(-5, 5, allow_nan=False, allow_subnormal=False, width=32)
 
 
 @settings(max_examples=40, deadline=None)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from densepass.cli import main
 from densepass.errors import ConfigError, DataError
@@ -155,6 +156,42 @@ def test_search_with_a_rerank_depth_beyond_the_index_is_a_one_line_error(tiny_be
     assert "'audio': 8 hits" in capsys.readouterr().out
     assert main([*args, "--k", "50"]) == 0  # the default depth: 100, or every passage of a smaller index
     assert "'audio': 16 hits" in capsys.readouterr().out  # BM25 matches 16 of the 40 passages
+
+
+@pytest.mark.filterwarnings("ignore:.*have tied scores")  # BM25 ties on the tiny corpus; ties keep the rank order
+def test_search_with_a_fused_rerank_writes_the_run_that_rerank_fuse_weight_writes_from_its_first_stage(
+    tiny_beir, tiny_model_dir, tmp_path, capsys
+):
+    """One command for the pipeline the README gives in two: ``search --rerank M --rerank-depth d
+    --rerank-fuse-weight w`` ranks as ``search`` then ``rerank --depth d --fuse-weight w`` of its run."""
+    from densepass.evaluation.metrics import read_trec_run
+    from densepass.models.cross_encoder import CrossEncoder
+
+    ce = CrossEncoder.new(str(tiny_model_dir), seed=3, max_length=32, device=torch.device("cpu"), precision="fp32")
+    with torch.no_grad():  # scores spread wide enough that no two tie in a TREC file's 6 decimals
+        ce.model.classifier.weight.mul_(1e4)
+    ce.save(tmp_path / "ce")
+    assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", str(tmp_path / "idx")]) == 0
+    search = ["search", str(tmp_path / "idx"), "--queries", str(tiny_beir / "queries.jsonl"), "--k", "10"]
+    assert main([*search, "--output", str(tmp_path / "first.trec")]) == 0
+    second = ["--rerank", str(tmp_path / "ce"), "--rerank-depth", "6", "--rerank-precision", "fp32"]
+    assert main([*search, *second, "--rerank-fuse-weight", "0.4", "--output", str(tmp_path / "one.trec")]) == 0
+    rerank = ["rerank", str(tiny_beir), str(tmp_path / "first.trec"), "--model", str(tmp_path / "ce"), "--depth", "6"]
+    assert main([*rerank, "--precision", "fp32", "--fuse-weight", "0.4", "--output", str(tmp_path / "two.trec")]) == 0
+    capsys.readouterr()
+    one, two = read_trec_run(tmp_path / "one.trec"), read_trec_run(tmp_path / "two.trec")
+    assert one.keys() == two.keys() and len(one) > 3
+    alone = read_trec_run(tmp_path / "first.trec")
+    for q in one:
+        assert sorted(one[q], key=lambda p: -one[q][p]) == sorted(two[q], key=lambda p: -two[q][p])
+        assert one[q] == pytest.approx(two[q], abs=1e-5)
+    assert any(  # and the fusion changed something: neither the first stage's order nor the reranker's alone
+        sorted(one[q], key=lambda p: -one[q][p]) != sorted(alone[q], key=lambda p: -alone[q][p]) for q in one
+    )
+    assert main([*search, "--rerank-fuse-weight", "0.4", "--output", str(tmp_path / "x.trec")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "densepass: error: --rerank-fuse-weight applies to the second stage of --rerank, which is not given"
+    )
 
 
 @pytest.mark.parametrize("kind", ["splade", "colbert"])

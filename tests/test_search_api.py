@@ -217,6 +217,7 @@ REFUSED = [  # (index kind, SearchPipeline.load's keywords, the same as `densepa
         "--nprobe is an option of faiss-ivfpq-disk indexes; {} is a exact index",
     ),
     ("bm25", {"hybrid": "rrf"}, ["--hybrid", "rrf"], "--hybrid adds BM25 to a dense index; {} is a bm25 index"),
+    ("bm25", {"rerank_fuse_weight": 0.5}, ["--rerank-fuse-weight", "0.5"], f"--rerank-fuse-weight {NOT_GIVEN}"),
 ]
 
 
@@ -248,8 +249,13 @@ def test_search_pipeline_load_refuses_what_the_command_line_refuses_before_loadi
         ("bm25", {"reranker": "COLBERT", "rerank_batch_size": 0}, "^the reranker's batch size must be >= 1, got 0$"),
         ("exact", {"search_precision": "bf16", "rescore": 0}, "^rescore must be >= 1, got 0$"),
         ("exact", {"hybrid": "linear", "fusion_weight": 1.5}, r"^the fusion weight must be in \[0, 1\], got 1.5$"),
+        (
+            "bm25",
+            {"reranker": "COLBERT", "rerank_fuse_weight": 1.5},
+            r"^the fusion weight of the reranker lies in \[0, 1\], got 1.5$",
+        ),
     ],
-    ids=["rerank-depth", "rerank-batch-size", "rescore", "fusion-weight"],
+    ids=["rerank-depth", "rerank-batch-size", "rescore", "fusion-weight", "rerank-fuse-weight"],
 )
 def test_search_pipeline_load_refuses_values_out_of_range(saved, paths, kind, keywords, message):
     # what argparse's types refuse on the command line (positive integers, a weight in [0, 1]): refused here too

@@ -191,6 +191,7 @@ def _load_pipeline(args: argparse.Namespace):
         fusion_weight=args.fusion_weight,
         rerank_batch_size=args.rerank_batch_size,
         rerank_precision=args.rerank_precision,
+        rerank_fuse_weight=args.rerank_fuse_weight,
         **{k: getattr(args, k) for k in ("rescore_with", "rescore_multiplier") if getattr(args, k) is not None},
     )
 
@@ -552,6 +553,14 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
         "--rerank-batch-size", type=positive_int, default=None, help="texts or pairs per reranker pass (default 64)"
     )
     p.add_argument("--rerank-precision", default="auto", choices=PRECISIONS, help=RERANK_PRECISION_HELP)
+    p.add_argument(
+        "--rerank-fuse-weight",
+        type=fraction,
+        default=None,
+        metavar="W",
+        help="order the top --rerank-depth by W x the reranker's + (1 - W) x the first stage's scores, each min-max "
+        "normalised per query (default: the reranker's alone)",
+    )
     _precision_arg(p)
     p.add_argument(
         "--search-precision",

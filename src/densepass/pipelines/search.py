@@ -101,16 +101,27 @@ class CachedScores:
 
 
 class SearchPipeline:
-    """First stage ``index``, then (optionally) ``reranker`` over its top ``rerank_depth`` candidates."""
+    """First stage ``index``, then (optionally) ``reranker`` over its top ``rerank_depth`` candidates, ordered by
+    its scores or, with ``rerank_fuse_weight`` w, by w x its scores + (1 - w) x the first stage's (``rerank``)."""
 
-    def __init__(self, index: Index, reranker: Reranker | None = None, rerank_depth: int = 100) -> None:
+    def __init__(
+        self,
+        index: Index,
+        reranker: Reranker | None = None,
+        rerank_depth: int = 100,
+        rerank_fuse_weight: float | None = None,
+    ) -> None:
         if rerank_depth < 1:
             raise ConfigError(f"rerank depth must be >= 1, got {rerank_depth}")
+        check_fuse_weight(rerank_fuse_weight)
+        if rerank_fuse_weight is not None and reranker is None:
+            raise ConfigError("the rerank fusion weight weighs a reranker's scores, and there is no reranker")
         if reranker is not None and rerank_depth > len(index):
             raise ConfigError(f"rerank depth {rerank_depth} is larger than the index's {len(index)} passages")
         if reranker is not None and isinstance(index, PhraseIndex):
             raise ConfigError("a phrase index returns phrases: rerank passages with a passage index instead")
         self.index, self.reranker, self.rerank_depth = index, reranker, rerank_depth
+        self.rerank_fuse_weight = rerank_fuse_weight
 
     @classmethod
     def load(
@@ -129,6 +140,7 @@ class SearchPipeline:
         fusion_weight: float | None = None,
         rerank_batch_size: int | None = None,
         rerank_precision: str = "auto",
+        rerank_fuse_weight: float | None = None,
         **index_options: Any,
     ) -> SearchPipeline:
         """A pipeline over the index saved in ``directory`` (what ``densepass search`` and ``serve`` run; each
@@ -142,7 +154,8 @@ class SearchPipeline:
         ``fusion_weight`` (linear; default 0.5). ``reranker``: a second stage, loaded or the path of a saved
         cross-encoder or ColBERT model (``load_reranker``: ``rerank_batch_size`` texts or pairs per pass, scoring in
         ``rerank_precision``), re-scoring the top ``rerank_depth`` candidates (default: 100, or every passage of a
-        smaller index). Other ``index_options`` go to the index's kind (``index.base.load_index``).
+        smaller index), ordered by its scores or, with ``rerank_fuse_weight``, by their interpolation with the first
+        stage's (``rerank``). Other ``index_options`` go to the index's kind (``index.base.load_index``).
 
         An option that does not apply to the index or to the options given with it (a second-stage option without a
         reranker, ``rescore`` without a reduced search precision, a model for BM25, a precision a model cannot run)
@@ -159,11 +172,13 @@ class SearchPipeline:
             options["precision"] = precision
         elif precision not in ("auto", "fp32"):
             raise ConfigError(f"--precision {precision} applies to model indexes; {directory} is a {kind} index")
+        check_fuse_weight(rerank_fuse_weight)
         if isinstance(reranker, str | Path):
             check_reranker_precision(reranker, rerank_precision, device)
         else:
             second_stage = [
                 ("--rerank-depth", rerank_depth is not None and reranker is None),
+                ("--rerank-fuse-weight", rerank_fuse_weight is not None and reranker is None),
                 ("--rerank-batch-size", rerank_batch_size is not None),
                 (f"--rerank-precision {rerank_precision}", rerank_precision != "auto"),
             ]
@@ -202,7 +217,8 @@ class SearchPipeline:
             index = HybridIndex(index, bm25, hybrid, weight)
         if isinstance(reranker, str | Path):
             reranker = load_reranker(reranker, device, rerank_batch_size, rerank_precision)
-        return cls(index, reranker, min(100, len(index)) if rerank_depth is None else rerank_depth)
+        depth = min(100, len(index)) if rerank_depth is None else rerank_depth
+        return cls(index, reranker, depth, rerank_fuse_weight)
 
     def search(self, query: str, k: int = 10) -> list[Hit]:
         """The top-``k`` hits of one query (a blank one, or one holding a lone surrogate, is a one-line
@@ -227,7 +243,7 @@ class SearchPipeline:
         if self.reranker is None:
             return self.index.search(queries, k)
         first = self.index.search(queries, max(k, self.rerank_depth))
-        return rerank(first, list(queries), self.reranker, self.rerank_depth, k)
+        return rerank(first, list(queries), self.reranker, self.rerank_depth, k, fuse_weight=self.rerank_fuse_weight)
 
     def hits(self, results: SearchResults) -> list[list[Hit]]:
         """``Hit``s (with title and text) of search results."""
@@ -260,7 +276,17 @@ class SearchPipeline:
         if self.reranker is not None:
             facts["reranker"] = self.reranker.describe()
             facts["rerank_depth"] = self.rerank_depth
+            if self.rerank_fuse_weight is not None:
+                facts["rerank_fuse_weight"] = self.rerank_fuse_weight
         return facts
+
+
+def check_fuse_weight(weight: float | None) -> None:
+    """A one-line ConfigError unless the reranker's fusion weight is None or a number in [0, 1]."""
+    if weight is None:
+        return
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight <= 1:
+        raise ConfigError(f"the fusion weight of the reranker lies in [0, 1], got {weight!r}")
 
 
 def check_reranker_precision(path: str | Path, precision: str, device: torch.device) -> None:
@@ -305,6 +331,7 @@ def rerank(
     depth: int,
     k: int | None = None,
     show_progress: bool = False,
+    fuse_weight: float | None = None,
 ) -> SearchResults:
     """Re-score the top ``depth`` candidates of each query with ``reranker`` and order them by that score;
     candidates past ``depth`` follow in their first-stage order, scored below every re-scored one, so the
@@ -312,7 +339,12 @@ def rerank(
     are scored in one call (the reranker batches and sorts them by length); with ``show_progress``, in calls of
     ``PROGRESS_PAIRS`` pairs under a progress bar, cut where a cross-encoder cuts its own tokenising chunks, so
     its batches, and so its scores, are the same. A ``depth`` larger than the first stage's candidate lists is a
-    one-line ConfigError."""
+    one-line ConfigError.
+
+    ``fuse_weight`` w: the top ``depth`` are ordered, and scored, by w x the reranker's score + (1 - w) x the first
+    stage's, each min-max normalised over the query's top ``depth`` (``interpolate``, as
+    ``evaluation.fusion.linear_fusion`` normalises): interpolating with the first stage keeps what it knew that the
+    reranker does not."""
     width = first.rows.shape[1]
     if depth < 1 or depth > width:
         raise ConfigError(f"rerank depth {depth} is outside the first stage's {width} candidates per query")
@@ -336,6 +368,9 @@ def rerank(
         if values.shape != (len(where[0]),) or not np.isfinite(values).all():
             raise ConfigError(f"the reranker returned {values.shape} scores (finite?) for {len(where[0])} pairs")
         scores[where] = values
+    check_fuse_weight(fuse_weight)
+    if fuse_weight is not None:
+        scores = interpolate(scores, first.scores[:, :depth], head >= 0, fuse_weight)
     order = np.argsort(-scores, axis=1, kind="stable")
     rows = np.concatenate([np.take_along_axis(head, order, axis=1), first.rows[:, depth:]], axis=1)
     reranked = np.take_along_axis(scores, order, axis=1)
@@ -349,6 +384,25 @@ def rerank(
     rows, out = np.take_along_axis(rows, order, axis=1), np.take_along_axis(out, order, axis=1)
     rows[rows < 0], out[rows < 0] = -1, 0.0
     return SearchResults(out[:, :k], rows[:, :k], first.passages)
+
+
+def interpolate(reranker: np.ndarray, first: np.ndarray, valid: np.ndarray, weight: float) -> np.ndarray:
+    """Per row, ``weight`` x the reranker's scores + (1 - weight) x the first stage's, each min-max normalised over
+    the row's ``valid`` entries (a row of equal scores normalises to 0, as ranx's min-max does); -inf elsewhere.
+
+    >>> interpolate(np.array([[2.0, 0.0, 1.0]]), np.array([[3.0, 2.0, 1.0]]), np.array([[True] * 3]), 0.5).tolist()
+    [[1.0, 0.25, 0.25]]
+    """
+
+    def normalised(values: np.ndarray) -> np.ndarray:
+        values = values.astype(np.float64)
+        low = np.where(valid, values, np.inf).min(axis=1, keepdims=True)
+        high = np.where(valid, values, -np.inf).max(axis=1, keepdims=True)
+        span = np.maximum(np.where(np.isfinite(high - low), high - low, 0.0), 1e-9)
+        return np.where(valid, (values - np.where(np.isfinite(low), low, 0.0)) / span, 0.0)
+
+    fused = weight * normalised(reranker) + (1 - weight) * normalised(first)
+    return np.where(valid, fused, -np.inf).astype(np.float32)
 
 
 def results_from_run(
@@ -385,8 +439,7 @@ def rerank_run(
     maps the run's query ids to their texts; an id without one is a one-line DataError.
 
     ``fuse_weight`` w: the top ``depth`` are ordered by w x the reranker's score + (1 - w) x the first stage's,
-    each min-max normalised over the query's top ``depth`` (``evaluation.fusion.linear_fusion``), instead of by
-    the reranker's alone: interpolating with the first stage keeps what it knew that the reranker does not.
+    each min-max normalised over the query's top ``depth`` (``rerank``), instead of by the reranker's alone.
 
     >>> class Length:  # a toy reranker: longer passages first
     ...     def score_pairs(self, queries, passages): return np.array([len(p) for p in passages], dtype=float)
@@ -395,24 +448,11 @@ def rerank_run(
     {'b': 18.0, 'a': 3.0}
     """
     check_run_queries(run, queries)
-    if fuse_weight is not None and not 0 <= fuse_weight <= 1:
-        raise ConfigError(f"the fusion weight of the reranker lies in [0, 1], got {fuse_weight}")
+    check_fuse_weight(fuse_weight)
     query_ids = list(run)
     first = results_from_run(run, query_ids, corpus, width=depth)
     query_texts = [queries[q] for q in query_ids]
-    reranked = rerank(first, query_texts, reranker, depth, k if fuse_weight is None else None, show_progress)
-    if fuse_weight is None:
-        return reranked.as_run(query_ids)
-    from densepass.evaluation.fusion import linear_fusion
-
-    head = {q: dict(ranked[:depth]) for q, ranked in zip(query_ids, first)}
-    scored = {q: {p: s for p, s in ranked if p in head[q]} for q, ranked in zip(query_ids, reranked)}
-    fused = linear_fusion([scored, head], [fuse_weight, 1 - fuse_weight])
-    out = {}
-    for q, ranked in zip(query_ids, first):  # the fused top depth (in [0, 1]), then the rest below it, in order
-        tail = {p: -1.0 - i for i, (p, _) in enumerate(ranked[depth:])}
-        out[q] = dict(sorted({**fused.get(q, {}), **tail}.items(), key=lambda item: -item[1])[:k])
-    return out
+    return rerank(first, query_texts, reranker, depth, k, show_progress, fuse_weight).as_run(query_ids)
 
 
 def rerank_run_file(
