@@ -156,7 +156,7 @@ def main() -> None:
         hybrid = linear_fusion([dense, bm25], [args.dense_weight, 1 - args.dense_weight])
         weight = f"{args.dense_weight:.2f}"
     runs = {"dense": dense, f"dense + BM25, linear (dense weight {weight})": hybrid}
-    cache_dir = Path(args.cache_dir) if args.cache_dir else out / "cache"
+    cache_dir = Path(args.cache_dir) if args.cache_dir is not None else out / "cache"
     there: dict[int, float] = {}  # each depth's fused MRR@10 on the --weights-from queries, at the weight chosen there
     first = out / "first-stage.trec"
     write_trec_run(top(hybrid, RERANK_DEPTH), first)

@@ -226,3 +226,23 @@ def hub_cache_without_network(tmp_path: Path, monkeypatch) -> Path:
     root.mkdir()
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
     return root
+
+
+def http_client_connection_errors() -> list[BaseException]:
+    """A connection failure ('name or service not known') of each HTTP client huggingface_hub may talk through
+    (``hub_snapshots.HTTP_CLIENT_ERRORS``) that is installed here: what reaches densepass when the Hub's host does
+    not resolve."""
+    import importlib
+
+    from densepass.hub_snapshots import HTTP_CLIENT_ERRORS
+
+    errors = []
+    for module, _ in HTTP_CLIENT_ERRORS:
+        try:
+            client = importlib.import_module(module)
+        except ImportError:
+            continue
+        connect = getattr(client, "ConnectError", None) or client.ConnectionError
+        errors.append(connect("[Errno -2] Name or service not known"))
+    assert errors, "no HTTP client of huggingface_hub's is installed"
+    return errors

@@ -140,16 +140,27 @@ def test_overrides(tmp_path):
         ("train.batch_size", r"must look like section\.key=value"),
         ("name.sub=1", r"config\.name: expected a string"),
         # YAML reads an unquoted `query: ` as a mapping: the error says what to type instead
-        ("model.query_prompt=query: ", r"""for the text 'query: ', quote it.*--set 'model.query_prompt="query: "'"""),
-        ("model.query_prompt=Instruct: a\\nQuery: ", r"""not valid YAML .*quoted: --set 'model.query_prompt="..."'"""),
-        # and drops an unquoted ' #' and what follows as a comment: an error, not a shorter value
-        ("model.query_prompt=find #1", r"what follows ' #' as a comment"),
-        ("eval.metrics=[mrr@10] # ndcg", r"what follows ' #' as a comment"),
+        ("model.query_prompt=query: ", r"""for the text "query: ", quote it.*--set 'model.query_prompt="query: "'"""),
+        ("model.query_prompt=Instruct: a\\nQuery: ", r"""not valid YAML .*quote text holding ': ' or '#' \(--set"""),
+        # and drops an unquoted '#' (first, or after a space) and what follows as a comment: an error, not a shorter
+        # value (or a default, where nothing is left)
+        ("model.query_prompt=find #1", r"what follows '#' as a comment"),
+        ("eval.metrics=[mrr@10] # ndcg", r"what follows '#' as a comment"),
+        ("data.data_dir=#cache", r"what follows '#' as a comment"),
+        ('name="a #b" #c', r"what follows '#' as a comment"),
     ],
 )
 def test_bad_overrides(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("text", ["query: ", 'say "hi": ', "a\\b: x", "passage: ünïcode"])
+def test_the_quoting_hint_is_an_override_that_loads_the_text_meant(text):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"model.query_prompt={text}"])
+    [hint] = re.findall(r"--set '([^']*)' in an override", str(err.value))
+    assert load_config(None, [hint]).model.query_prompt == text
 
 
 def test_quoted_override_strings_keep_colons_hashes_and_escapes():

@@ -147,12 +147,13 @@ DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *PAGES]
 COMMAND = re.compile(r"python3? -m densepass (.*)")
 INLINE = re.compile(r"`([^`]+)`")
 SHELL_OPERATORS = {"&&", "||", "|", ";", "&", ">", ">>", "2>", ")", "("}
-PLACEHOLDER = re.compile(r"[<\[{]|\.\.\.|^[A-Z_]+(\.\w+)?$")  # <variant>, [--set ...], {port}, CONFIG.yaml, ...
+PLACEHOLDER = re.compile(r"[<\[{]|\.\.\.")  # <variant>, [--set ...], {port}, ...: templates, not commands
+NAMED = re.compile(r"^[A-Z][A-Z_]*(\.\w+)?$")  # QUERIES.jsonl, CROSS_ENCODER: a name the reader fills in
 
 
 def documented_commands() -> list[tuple[str, list[str]]]:
-    """Each documented `densepass` command line as (page, argv), shell operators and comments cut off; lines
-    holding a placeholder are left out (they are templates, not commands)."""
+    """Each documented `densepass` command line as (page, argv), shell operators and comments cut off, a name the
+    reader fills in (``QUERIES.jsonl``) read as one; lines holding a template's placeholder are left out."""
     import shlex
 
     found = []
@@ -179,6 +180,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                         if token in SHELL_OPERATORS or token.startswith(("#", ">", "2>")):
                             break
                         argv.append(token)
+                    argv = [NAMED.sub(lambda m: "named" + (m.group(1) or ""), token) for token in argv]
                     if argv and not any(PLACEHOLDER.search(token) for token in argv):
                         found.append((page.name, argv))
     return found

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import small_run_overrides
+from conftest import http_client_connection_errors, small_run_overrides
 from densepass.config import load_config
 from densepass.errors import ConfigError, DensepassError
 from densepass.models.biencoder import BiEncoder
@@ -82,6 +82,21 @@ def test_the_hub_upload_sends_the_exported_folder(trained_run, monkeypatch):
     assert sent["repo"] == "some-org/tiny-retriever" and sent["private"]
     assert "model.safetensors" in sent["files"] and "README.md" in sent["files"] and "modules.json" in sent["files"]
     assert not any(name.startswith(".densepass") for name in sent["files"])
+
+
+@pytest.mark.parametrize("error", http_client_connection_errors(), ids=lambda e: type(e).__module__.split(".")[0])
+def test_an_upload_to_a_hub_that_cannot_be_reached_is_one_line(trained_run, monkeypatch, error):
+    from huggingface_hub import HfApi
+
+    def unreachable(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(HfApi, "create_repo", unreachable)
+    with pytest.raises(ConfigError) as caught:
+        export_model(trained_run / "model", "hub", "some-org/tiny-retriever")
+    assert str(caught.value) == (
+        "could not upload to the Hugging Face Hub repo some-org/tiny-retriever: [Errno -2] Name or service not known"
+    )
 
 
 def test_an_export_never_writes_over_a_users_folder_and_bad_input_is_one_line(trained_run, tmp_path):

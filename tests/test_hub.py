@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import hub_cache_without_network
+from conftest import http_client_connection_errors, hub_cache_without_network
 from densepass.errors import ConfigError
 from densepass.models import hub
 from densepass.models.biencoder import BiEncoder, resolve_model_path
@@ -118,6 +118,34 @@ def test_hub_failures_are_one_line(cache, monkeypatch, error, message):
     with pytest.raises(ConfigError, match=message) as caught:
         resolve_model_path("some-org/tiny@v9" if error == "RevisionNotFoundError" else "some-org/tiny")
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("error", http_client_connection_errors(), ids=lambda e: type(e).__module__.split(".")[0])
+def test_a_hub_that_cannot_be_reached_is_one_line_naming_the_model(cache, monkeypatch, error):
+    """huggingface_hub lets its HTTP client's connection errors through unwrapped (httpx2's, under 2.x): where the
+    Hub's host does not resolve, the first request (the repo's file list) fails with one; and where a later one
+    fails, the download's."""
+    import huggingface_hub
+
+    def unreachable(repo, **kwargs):
+        raise error
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", unreachable)
+    with pytest.raises(ConfigError) as caught:
+        resolve_model_path("some-org/tiny")
+    assert str(caught.value) == (
+        "model some-org/tiny is no local model directory and could not be downloaded: the Hugging Face Hub could not "
+        f"be reached ({type(error).__name__}: [Errno -2] Name or service not known)"
+    )
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def download(repo, local_files_only=False, **kwargs):
+        raise LocalEntryNotFoundError("not in the cache") if local_files_only else error
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo, **kwargs: ["config.json"])
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    with pytest.raises(ConfigError, match=r"could not be downloaded: \[Errno -2\] Name or service not known$"):
+        resolve_model_path("some-org/tiny")
 
 
 def test_pickled_weights_only_and_code_of_its_own_are_refused(cache, tiny_model_dir, monkeypatch, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import densepass as dp
-from conftest import hub_cache_without_network, run_densepass
+from conftest import http_client_connection_errors, hub_cache_without_network, run_densepass
 from densepass.data import hub, load_dataset
 from densepass.data.pairs import load_pairs
 from densepass.errors import ConfigError, DataError
@@ -162,6 +162,22 @@ def test_a_partial_snapshot_is_refused_not_read_whole_where_the_hub_cannot_be_re
 def _http_error(kind, status):
     response = httpx.Response(status, request=httpx.Request("GET", "https://huggingface.co/api/datasets/x"))
     return kind("refused", response=response)
+
+
+@pytest.mark.parametrize("error", http_client_connection_errors(), ids=lambda e: type(e).__module__.split(".")[0])
+def test_a_hub_that_cannot_be_reached_is_one_line_naming_the_dataset(cache, monkeypatch, error):
+    import huggingface_hub
+
+    def unreachable(repo, **kwargs):
+        raise error
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", unreachable)
+    with pytest.raises(DataError) as caught:
+        load_dataset("some-org/rows", format="pairs")
+    assert str(caught.value) == (
+        "dataset some-org/rows could not be downloaded: the Hugging Face Hub could not be reached "
+        f"({type(error).__name__}: [Errno -2] Name or service not known)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -99,6 +99,48 @@ def test_a_pipeline_fusing_its_reranker_orders_and_scores_as_reranking_its_first
     assert all(0 <= hit.score <= 1 for hit in hits[:depth]) and all(hit.score < 0 for hit in hits[depth:])
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.lists(st.integers(0, len(TEXTS) - 1), min_size=0, max_size=6, unique=True), min_size=1, max_size=4
+    ),
+    first_scores=st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.5, -1.0]), min_size=6, max_size=6),  # ties, often
+    table=st.lists(st.sampled_from([0.0, 1.0, 3.0, -2.0]), min_size=len(TEXTS), max_size=len(TEXTS)),
+    depth=st.integers(1, 6),
+    weight=st.sampled_from([0.0, 0.3, 0.55, 1.0]),
+)
+def test_fused_reranking_scores_are_the_evaluations_linear_fusion_on_padded_and_tied_lists(
+    rows, first_scores, table, depth, weight
+):
+    """``rerank(..., fuse_weight=w)`` over lists padded with -1 rows (fewer candidates than the width, or none), with
+    tied scores and single candidates: each head candidate scores what ``evaluation.fusion.linear_fusion`` (ranx's
+    min-max ``wsum``, the reference) gives it, the head in that order, then the rest in first-stage order below it."""
+    from densepass.evaluation.fusion import linear_fusion
+
+    width = 6
+    padded = np.full((len(rows), width), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    ordered = sorted(first_scores, reverse=True)  # a first stage's scores run best first
+    first = SearchResults(np.array([ordered] * len(rows), dtype=np.float32), padded, CORPUS)
+    out = rerank(first, ["q"] * len(rows), TableReranker(table), depth, fuse_weight=weight)
+    for i, r in enumerate(rows):
+        head, tail = r[:depth], r[depth:]
+        got = out.hits(i)
+        assert sorted(p for p, _ in got) == sorted(f"p{x}" for x in r)  # nothing lost, nothing added
+        if not head:
+            continue
+        run_first = {"q": {f"p{x}": float(ordered[j]) for j, x in enumerate(head)}}
+        run_ce = {"q": {f"p{x}": table[x] for x in head}}
+        expected = linear_fusion([run_ce, run_first], [weight, 1 - weight])["q"]
+        scored = dict(got[: len(head)])
+        assert scored == pytest.approx(expected, abs=1e-6)
+        values = [s for _, s in got]
+        assert values[: len(head)] == sorted(values[: len(head)], reverse=True)
+        assert [p for p, _ in got[len(head) :]] == [f"p{x}" for x in tail]  # the tail in first-stage order, below
+        assert all(s < min(values[: len(head)]) for s in values[len(head) :])
+
+
 def test_a_rerank_fusion_weight_needs_a_reranker_and_lies_in_0_1():
     index, reranker = BM25Index.build(CORPUS), TableReranker([0.0] * len(TEXTS))
     with pytest.raises(ConfigError, match=r"^the fusion weight of the reranker lies in \[0, 1\], got 1.5$"):
@@ -286,7 +328,7 @@ def test_fusing_the_reranker_with_the_first_stage_matches_a_hand_computed_interp
     assert order[depth:] == tail and set(order[:depth]) == set(head)
     for p in head:
         assert out[p] == pytest.approx(expected[p], abs=1e-6)
-    assert all(out[a] >= out[b] for a, b in zip(order, order[1:]))
+    assert list(out) == order  # the run lists its passages best first
     assert len(rerank_run(run, {"q": "x"}, CORPUS, TableReranker(table), depth, k=3, fuse_weight=weight)["q"]) == 3
 
 

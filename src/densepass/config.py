@@ -804,17 +804,19 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 def _colon_hint(where: str, value: Any) -> str:
     """Where a string field got a one-key mapping of text (YAML reads ``query: `` as ``{query: None}``), what the
-    user most likely meant and how to quote it; else nothing."""
-    if not (isinstance(value, dict) and len(value) == 1):
+    user most likely meant and how to quote it; else nothing (a list item, whose override is the whole list, or text
+    that would not survive the quoting shown)."""
+    if not (isinstance(value, dict) and len(value) == 1) or "[" in where:
         return ""
     ((key, rest),) = value.items()
     if not isinstance(key, str) or not (rest is None or isinstance(rest, str)):
         return ""
     text = f"{key}: {rest or ''}"
-    if not text.isprintable():  # the hint quotes the text itself: one line, or none
+    if not text.isprintable() or "'" in text:  # the hint shows the text in one line, inside the shell's '...'
         return ""
+    quoted = json.dumps(text, ensure_ascii=False)  # a JSON string is a YAML double-quoted one
     override = where.removeprefix("config.")
-    return f""" (for the text {text!r}, quote it: {text!r} in a file, --set '{override}="{text}"' in an override)"""
+    return f" (for the text {quoted}, quote it: {quoted} in a file, --set '{override}={quoted}' in an override)"
 
 
 def _loads_as(text: str, value: Any) -> bool:
@@ -837,14 +839,14 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        quote = f"""a string holding ': ' or ' #' is quoted: --set '{path}="..."'"""
+        quote = f"""quote text holding ': ' or '#' (--set '{path}="a: b"', or ["a #b"] in a list)"""
         try:
             node[leaf] = _load_yaml(raw, "<unicode string>")
         except _YamlProblem as err:
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({err}); {quote}") from None
-        before_comment = re.split(r"\s#", raw, maxsplit=1)[0]
-        if before_comment != raw and _loads_as(before_comment, node[leaf]):  # YAML dropped the rest as a comment
-            raise ConfigError(f"override {item!r}: YAML reads what follows ' #' as a comment and drops it; {quote}")
+        for comment in re.finditer(r"(?:^|\s)#", raw):  # YAML drops a '#' after a space or first, and what follows
+            if _loads_as(raw[: comment.start()], node[leaf]):
+                raise ConfigError(f"override {item!r}: YAML reads what follows '#' as a comment and drops it; {quote}")
     return values
 
 

@@ -17,6 +17,7 @@ write to (a shared, read-only one) gets no marker: each online run then asks the
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,14 +63,16 @@ def download_in_full(repo: str, patterns: Sequence[str], **kwargs: Any) -> str:
     ``repo_type``), checked against the Hub's list of the repo's files: an OSError (one line) where the Hub cannot
     be reached or the snapshot lacks one of them. ``snapshot_download`` alone cannot tell: without a connection it
     returns the cached snapshot, complete or not."""
-    import httpx
     from huggingface_hub import list_repo_files, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.utils import filter_repo_objects
 
     options = {k: kwargs[k] for k in ("revision", "repo_type") if k in kwargs}
     try:
         listed = list_repo_files(repo, **options)
-    except httpx.HTTPError as err:  # no connection (an HTTP status is huggingface_hub's own error: the caller's)
+    except HfHubHTTPError:  # an HTTP status (not found, gated, ...): the caller's one line (it is a client error too)
+        raise
+    except http_client_errors() as err:  # no connection
         raise OSError(f"the Hugging Face Hub could not be reached ({type(err).__name__}: {err})") from None
     folder = snapshot_download(repo, allow_patterns=list(patterns), **kwargs)
     wanted = list(filter_repo_objects(listed, allow_patterns=list(patterns)))
@@ -80,3 +83,30 @@ def download_in_full(repo: str, patterns: Sequence[str], **kwargs: Any) -> str:
             f"{missing[0]}{' ...' if len(missing) > 1 else ''}); run again"
         )
     return folder
+
+
+# the HTTP clients huggingface_hub has talked through (2.x: httpx2, 1.x: httpx, earlier: requests), and the base of
+# their errors: a connection that fails reaches the caller as one of these, not wrapped in huggingface_hub's own
+HTTP_CLIENT_ERRORS = (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException"))
+
+
+def http_client_errors() -> tuple[type[BaseException], ...]:
+    """The base error classes of the HTTP clients in ``HTTP_CLIENT_ERRORS`` that are installed (huggingface_hub's
+    ``HfHubHTTPError``, an HTTP status, derives from its client's: catch it first where it means something else)."""
+    found = []
+    for module, name in HTTP_CLIENT_ERRORS:
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+def network_errors() -> tuple[type[BaseException], ...]:
+    """The errors of a Hub call that fails on the network or at the Hub (no connection, a name that does not resolve,
+    a timeout, an HTTP error): huggingface_hub's ``HfHubHTTPError`` and ``LocalEntryNotFoundError``, ``OSError``,
+    and the HTTP client's own, so that each becomes the caller's one-line error (``except network_errors()``, after
+    the errors it tells apart: not found, gated, no such revision)."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    return (HfHubHTTPError, LocalEntryNotFoundError, OSError, *http_client_errors())

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from densepass.errors import DataError
-from densepass.hub_snapshots import download_in_full, is_complete, mark_complete
+from densepass.hub_snapshots import download_in_full, is_complete, mark_complete, network_errors
 
 PREFIX = "hf://datasets/"
 DATA_PATTERNS = ["*.parquet", "*.jsonl", "*.jsonl.gz", "*.json", "*.json.gz", "*.csv", "*.csv.gz", "*.arrow"]
@@ -148,7 +148,6 @@ def _snapshot(repo: str, revision: str | None, patterns: list[str], at: str, req
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
-        HfHubHTTPError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -185,7 +184,7 @@ def _snapshot(repo: str, revision: str | None, patterns: list[str], at: str, req
             f"dataset not found on the Hugging Face Hub: {repo}, nor a local file or folder of that name (a typo? a "
             "private dataset needs HF_TOKEN)"
         ) from None
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as err:
+    except network_errors() as err:  # the Hub could not be reached, or answered with an error
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DataError(f"dataset {repo}{at} could not be downloaded: {first}") from None
     mark_complete(folder, patterns)

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from densepass.errors import ConfigError
-from densepass.hub_snapshots import download_in_full, is_complete, mark_complete
+from densepass.hub_snapshots import download_in_full, is_complete, mark_complete, network_errors
 
 # what a model directory needs: configs (also the sentence-transformers modules'), tokenizer files, weights
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "tokenizer*", "*.tiktoken", "merges.txt"]
@@ -65,13 +65,7 @@ def fetch_model(name: str) -> Path:
     if path is not None and not offline and not is_complete(path, ALLOW_PATTERNS):
         path = None  # a snapshot densepass did not see downloaded in full (an interrupted download): completed below
     if path is None:
-        from huggingface_hub.errors import (
-            GatedRepoError,
-            HfHubHTTPError,
-            LocalEntryNotFoundError,
-            RepositoryNotFoundError,
-            RevisionNotFoundError,
-        )
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
         if offline:
             raise ConfigError(
@@ -90,10 +84,10 @@ def fetch_model(name: str) -> Path:
             raise ConfigError(
                 f"model not found on the Hugging Face Hub: {repo} (a typo? a private model needs HF_TOKEN)"
             ) from None
-        except LocalEntryNotFoundError as err:  # the Hub could not be reached
-            raise ConfigError(f"model {repo}{at} could not be downloaded: {_first_line(err)}") from None
-        except (HfHubHTTPError, OSError) as err:
-            raise ConfigError(f"model {repo}{at} could not be downloaded: {_first_line(err)}") from None
+        except network_errors() as err:  # the Hub could not be reached, or answered with an error
+            raise ConfigError(
+                f"model {repo}{at} is no local model directory and could not be downloaded: {_first_line(err)}"
+            ) from None
         mark_complete(path, ALLOW_PATTERNS)
     path = Path(path)
     if not (path / "config.json").is_file():

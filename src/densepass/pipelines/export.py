@@ -223,7 +223,8 @@ def _to_onnx(model: BiEncoder, out: Path, target: str) -> ExportResult:
 
 def _to_hub(model_dir: Path, model, repo: str, private: bool) -> ExportResult:
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
+
+    from densepass.hub_snapshots import network_errors
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "export"
@@ -234,7 +235,7 @@ def _to_hub(model_dir: Path, model, repo: str, private: bool) -> ExportResult:
         try:
             api.create_repo(repo, private=private, exist_ok=True)
             api.upload_folder(repo_id=repo, folder_path=str(folder), commit_message="densepass export")
-        except (HfHubHTTPError, OSError) as err:
+        except network_errors() as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ConfigError(f"could not upload to the Hugging Face Hub repo {repo}: {first}") from None
     return ExportResult(f"https://huggingface.co/{repo}")

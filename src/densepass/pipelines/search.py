@@ -15,6 +15,7 @@ the reranker, the rest after them in their first-stage order; nothing is lost.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -285,7 +286,7 @@ def check_fuse_weight(weight: float | None) -> None:
     """A one-line ConfigError unless the reranker's fusion weight is None or a number in [0, 1]."""
     if weight is None:
         return
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight <= 1:
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not 0 <= weight <= 1:
         raise ConfigError(f"the fusion weight of the reranker lies in [0, 1], got {weight!r}")
 
 
@@ -348,11 +349,14 @@ def rerank(
     width = first.rows.shape[1]
     if depth < 1 or depth > width:
         raise ConfigError(f"rerank depth {depth} is outside the first stage's {width} candidates per query")
+    check_fuse_weight(fuse_weight)
+    head = first.rows[:, :depth]
+    if fuse_weight is not None and not np.isfinite(first.scores[:, :depth][head >= 0]).all():
+        raise ConfigError("the first stage's scores of the candidates to fuse with the reranker's must be finite")
     if len(queries) != len(first):
         raise ConfigError(f"{len(queries)} queries for {len(first)} first-stage result lists")
     k = width if k is None else min(check_k(k), width)
     texts = first.passages.passage_inputs(PASSAGE_SEP)  # "title text", as a cross-encoder trains (ColBERT too)
-    head = first.rows[:, :depth]
     where = np.nonzero(head >= 0)
     scores = np.full(head.shape, -np.inf, dtype=np.float32)
     if len(where[0]):
@@ -368,7 +372,6 @@ def rerank(
         if values.shape != (len(where[0]),) or not np.isfinite(values).all():
             raise ConfigError(f"the reranker returned {values.shape} scores (finite?) for {len(where[0])} pairs")
         scores[where] = values
-    check_fuse_weight(fuse_weight)
     if fuse_weight is not None:
         scores = interpolate(scores, first.scores[:, :depth], head >= 0, fuse_weight)
     order = np.argsort(-scores, axis=1, kind="stable")
