@@ -1,9 +1,9 @@
-r"""int8 products with a scale and an offset per token (``cpu_kernels.Int8Linear``, ``vpdpbusd``: what the
-``int8`` precision's fused layers run) against the bf16 products of the bf16 fused layers (oneDNN's ``F.linear``
-on bf16), at a BERT layer's four shapes (MiniLM: 384 -> 1152 for the query, key and value, 384 -> 384, 384 ->
-1536, 1536 -> 384), on ``--tokens`` rows of random bf16 values. Each product runs ``--repeats`` times in turn with
-the other, the fastest of each reported, as multiply-adds per second and as a share of the CPU's measured peak
-(``cpu_peak.py``: bf16 and int8 each against their own).
+r"""int8 products with a scale and an offset per token (``cpu_kernels.Int8Linear``: ``vpdpbusd``, or AMX tiles'
+``tdpbusd`` where the AMX kernels run; what the ``int8`` precision's fused layers run) against bf16 products
+(oneDNN's ``F.linear`` on bf16), at a BERT layer's four shapes (MiniLM: 384 -> 1152 for the query, key and value,
+384 -> 384, 384 -> 1536, 1536 -> 384), on ``--tokens`` rows of random bf16 values. Each product runs ``--repeats``
+times in turn with the other, the fastest of each reported, as multiply-adds per second and as a share of the CPU's
+measured peak (``cpu_peak.py``: bf16 and int8 each against their own, the AMX tiles' where the AMX kernels run).
 
     PYTHONPATH=src:benchmarks python benchmarks/bench_int8_products.py --tokens 8192 --repeats 20 \
         --out outputs/bench/int8-products.json
@@ -47,7 +47,9 @@ def main() -> None:
     x_probe = torch.zeros(1, dtype=torch.bfloat16)
     if not cpu_kernels.usable(x_probe, 32):
         raise SystemExit("densepass's CPU kernels do not run on this CPU (AVX512-BF16 and AVX512-VNNI needed)")
-    peaks = {kind: cpu_peak.peak_gmacs(kind) for kind in ("bf16", "int8")}
+    tiles = cpu_kernels.kind() == "amx"  # the products on AMX tiles: the tiles' peaks
+    kinds = {"bf16": "amx_bf16" if tiles else "bf16", "int8": "amx_int8" if tiles else "int8"}
+    peaks = {precision: cpu_peak.peak_gmacs(kind) for precision, kind in kinds.items()}
     torch.manual_seed(0)
     rows, results = [], []
     for name, (depth, width) in SHAPES.items():
@@ -75,10 +77,11 @@ def main() -> None:
     facts = cpu_facts()
     flags = " ".join(facts["cpu_flags"])
     print(f"{facts['cpu_model']} ({flags}), {torch.get_num_threads()} threads, {args.tokens} tokens")
-    print(f"peaks (G multiply-adds/s): bf16 {peaks['bf16']:.0f}, int8 {peaks['int8']:.0f}\n")
+    print(f"peaks (G multiply-adds/s): {kinds['bf16']} {peaks['bf16']:.0f}, {kinds['int8']} {peaks['int8']:.0f}\n")
     headers = ["product", "bf16 ms", "bf16 G MAC/s (of peak)", "int8 ms", "int8 G MAC/s (of peak)", "int8 ÷ bf16"]
     print(markdown_table(headers, rows))
-    write_json(args.out, {"cpu": facts, "tokens": args.tokens, "peaks_gmacs": peaks, "results": results})
+    write_json(args.out, {"cpu": facts, "tokens": args.tokens, "peaks_gmacs": peaks, "peak_kinds": kinds,
+                          "results": results})  # fmt: skip
 
 
 if __name__ == "__main__":

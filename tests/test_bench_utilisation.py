@@ -46,10 +46,28 @@ def test_the_measured_peak_is_a_rate_the_hardware_can_have(benchmarks):
     assert tflops > 0 and source.startswith("measured")
 
 
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
+def test_the_tiles_peak_is_a_rate_amx_can_have_and_is_the_bf16_ceiling_there(benchmarks):
+    import cpu_peak
+    from densepass.device import cpuinfo_words
+
+    if not {"amx_tile", "amx_bf16", "amx_int8"} <= cpuinfo_words():
+        pytest.skip("the CPU has no AMX")
+    bf16 = cpu_peak.peak_gmacs("amx_bf16", threads=1, iters=600_000)
+    int8 = cpu_peak.peak_gmacs("amx_int8", threads=1, iters=600_000)
+    # a core's tiles retire at most 512 bf16 and 1,024 int8 multiply-adds a cycle (one 16 x 16 x 32 or x 64 tile
+    # product each 16 cycles), below 6 GHz; above the vector units' 32 a cycle at 1 GHz
+    assert bf16 is not None and 32.0 < bf16 < 512 * 6.0
+    assert int8 is not None and 32.0 < int8 < 1024 * 6.0
+    tflops, source = cpu_peak.peak_tflops(bf16=True, threads=1)
+    assert tflops > 2 * 32 * 1.0 / 1e3 and "amx_bf16" in source
+
+
 def test_no_peak_is_measured_for_instructions_the_cpu_lacks(benchmarks, monkeypatch):
     import cpu_peak
     from densepass import device
 
     monkeypatch.setattr(device, "cpuinfo_words", lambda: frozenset({"avx2", "fma"}))
     assert cpu_peak.peak_gmacs("bf16") is None and cpu_peak.peak_gmacs("int8") is None
+    assert cpu_peak.peak_gmacs("amx_bf16") is None and cpu_peak.peak_gmacs("amx_int8") is None
     assert cpu_peak.peak_tflops(bf16=True) == (None, "no bf16 peak measured on this CPU")

@@ -38,7 +38,7 @@ def reference(layer: cpu_kernels.Int8Linear, x: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.integers(1, 70),
-    depth=st.sampled_from([16, 32, 48, 384]),
+    depth=st.sampled_from([16, 32, 48, 64, 192, 384]),  # multiples of 64 on AMX tiles where they run
     width=st.sampled_from([32, 64, 96]),
     bias=st.booleans(),
     gelu=st.booleans(),
@@ -74,6 +74,47 @@ def test_a_row_with_a_nan_or_an_infinity_gives_nan_as_a_float_product_would():
     clean = torch.randn(2, 64).bfloat16()
     out = layer(torch.cat([x, clean]))
     assert out[:6].isnan().all() and out[6:].isfinite().all()
+
+
+@pytest.mark.skipif(cpu_kernels.kinds()[:1] != ["amx"], reason="the AMX build does not run here")
+@pytest.mark.parametrize("gelu", [False, True])
+def test_the_tiles_write_what_vpdpbusd_writes_bit_for_bit(gelu, tmp_path):
+    """In the AMX build, depths of multiples of 64 run on tiles (``tdpbusd``): the same exact integer sums and the
+    same epilogue as the AVX512-BF16 build's ``vpdpbusd``, so the same bits (the other build run in a process of
+    its own, ``$DENSEPASS_CPU_KERNEL_KIND``)."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(1)
+    linear = nn.Linear(384, 96)
+    x = (torch.randn(77, 384) * torch.rand(77, 1) * 3 + 0.5).bfloat16()
+    script = (
+        "import sys\n"
+        "from safetensors.torch import load_file, save_file\n"
+        "from torch import nn\n"
+        "from densepass.models import cpu_kernels\n"
+        "assert cpu_kernels.kind() == sys.argv[2], cpu_kernels.kind()\n"
+        "state = load_file(sys.argv[1])\n"
+        "linear = nn.Linear(384, 96)\n"
+        "linear.load_state_dict({'weight': state['weight'], 'bias': state['bias']})\n"
+        "out = cpu_kernels.Int8Linear(linear, gelu=bool(state['gelu']))(state['x'])\n"
+        "save_file({'out': out}, sys.argv[3])\n"
+    )
+    inputs = tmp_path / "inputs.safetensors"
+    tensors = {"weight": linear.weight.detach(), "bias": linear.bias.detach(), "x": x, "gelu": torch.tensor(gelu)}
+    save_file(tensors, inputs)
+    outs = {}
+    for kind in ("amx", "avx512_bf16"):
+        env = {**os.environ, cpu_kernels.KIND_ENV: kind, "OMP_NUM_THREADS": "1"}
+        out = tmp_path / f"{kind}.safetensors"
+        subprocess.run([sys.executable, "-c", script, str(inputs), kind, str(out)], env=env, check=True,
+                       capture_output=True, text=True)  # fmt: skip
+        outs[kind] = load_file(out)["out"]
+    assert torch.equal(outs["amx"].view(torch.int16), outs["avx512_bf16"].view(torch.int16))
+    assert outs["amx"].isfinite().all() and outs["amx"].abs().max() > 0
 
 
 def test_the_weights_are_int8_with_a_scale_per_row_and_laid_out_for_vpdpbusd():

@@ -25,8 +25,9 @@ products' results come off the tiles. ``layer_norm_`` normalises bf16 rows in pl
 on the way (what the layers run where ``AfterAttention`` does not fit); ``embed`` computes the first layer's input
 vectors of packed tokens from their ids, positions and types (the lookups, sums and layer norm in one pass).
 
-``Int8Linear`` computes a linear layer through int8 products on AVX512-VNNI (``vpdpbusd``: each token quantised
-over its own range, a scale per weight row), about twice the bf16 products' rate on a CPU without AMX
+``Int8Linear`` computes a linear layer through int8 products (each token quantised over its own range, a scale
+per weight row): on AVX512-VNNI (``vpdpbusd``), about twice the bf16 products' rate on a CPU without AMX, and in
+the ``amx`` build on AMX tiles (``tdpbusd``) where the depth is a multiple of 64
 (``benchmarks/bench_int8_products.py``): what ``models.fused``'s int8 layers run (the ``int8`` precision).
 
 For training (``trains``): ``dropout`` applies dropout with counter-based masks (``models.dropout`` defines the
@@ -101,10 +102,12 @@ ENV = "DENSEPASS_CPU_KERNELS"
 where they run."""
 CACHE_ENV = "DENSEPASS_KERNEL_CACHE"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mamx-tile", "-mamx-bf16")  # fmt: skip
+         "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mamx-tile", "-mamx-bf16", "-mamx-int8")  # fmt: skip
 """Compiler flags: the instruction sets the kernels use, not ``-march=native`` (a cache shared by machines of
 other CPUs stays valid). OpenMP resolves to the ``libgomp`` torch has loaded, so the kernels share its threads."""
-REQUIRED = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl", "avx512dq"})
+REQUIRED = frozenset(
+    {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl", "avx512dq"}
+)
 """The CPU flags (/proc/cpuinfo) the AMX kernels need: Intel Sapphire Rapids and later."""
 AVX512_FLAGS = tuple(flag for flag in FLAGS if not flag.startswith("-mamx"))
 """Compiler flags of the AVX512-BF16 build: the AMX build's without AMX (the source takes the tile path where the
@@ -439,7 +442,8 @@ def quantized_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear:
-    """A linear layer through int8 products on AVX512-VNNI (``vpdpbusd``), for bf16 inputs:
+    """A linear layer through int8 products (``vpdpbusd`` on AVX512-VNNI; AMX tiles' ``tdpbusd`` in the ``amx``
+    build where ``in`` is a multiple of 64: the same exact integer sums), for bf16 inputs:
 
         q_i = round((x_i - l_i) / s_i)     each input row (token) over its own range: l_i = min_k x_ik,
                                            s_i = (max_k x_ik - l_i) / 255, q_i in [0, 255]

@@ -3,13 +3,14 @@
 // feed-forward, layer norms) as one kernel, the embeddings of packed tokens, and layer norm in place
 // (densepass/models/cpu_kernels.py says what they compute and why; tests/test_cpu_kernels.py checks them against
 // float64 and torch). One source, two builds, told apart by the compiler's flags: with -mamx-tile -mamx-bf16
-// (__AMX_TILE__, Intel Sapphire Rapids and later) the products and attention's two products run on AMX tiles;
+// -mamx-int8 (Intel Sapphire Rapids and later) the products and attention's two products run on AMX tiles;
 // without, on AVX-512 registers with vdpbf16ps (AVX512-BF16: AMD Zen 4 and 5, Intel Cooper Lake). Both read the
 // weights in the same layout (`tile_layout`: pairs of bf16 along the depth, 16 output columns a 64-byte row, what
 // a tile's right operand and vdpbf16ps's second operand both take) and share all the rest. Both also hold
-// densepass_int8_linear, a linear layer through int8 products on AVX512-VNNI (vpdpbusd) with a scale per token,
-// and, for training, dropout with counter-based masks and attention's softmax with its dropout, forward and
-// backward (tests/test_dropout.py checks them against NumPy's masks and float64).
+// densepass_int8_linear, a linear layer through int8 products with a scale per token (AMX tiles' tdpbusd in the
+// AMX build, AVX512-VNNI's vpdpbusd in the other), and, for training, dropout with counter-based masks and
+// attention's softmax with its dropout, forward and backward (tests/test_dropout.py checks them against NumPy's
+// masks and float64).
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -21,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
 #define DENSEPASS_TILES 1
 #else
 #define DENSEPASS_TILES 0
@@ -969,7 +970,11 @@ int densepass_after_attention(const uint16_t* context, const uint16_t* x, int64_
 // depth] bf16, W in `vnni_layout` int8 with w_scale and w_sum (its columns' sums, as float32) per output column,
 // bias [width] bf16 (or null), out [rows, width] bf16; depth a multiple of 16, width of 32. Each thread quantises
 // and multiplies 32 rows at a time through all the columns (the weights stay in its caches). Returns 0, or -1 for
-// shapes it does not take.
+// shapes it does not take. In the AMX build, where `depth` is a multiple of 64, the products run on AMX tiles
+// (tdpbusd: the same unsigned x signed bytes, 64 along the depth a step; a 64-deep slice of a `vnni_layout` panel
+// is 16 of its 64-byte rows, a tile's right operand as it is), each 32 x 32 block's epilogue (rescaling, bias,
+// GELU, bf16) computed a few rows at a time in between the next block's tile instructions, as `product` does;
+// elsewhere on vpdpbusd. The sums are exact integers either way, so both write the same output.
 int densepass_int8_linear(const uint16_t* x, int64_t rows, int64_t depth, const int8_t* w, const float* w_scale,
                           const float* w_sum, const uint16_t* bias, int64_t width, int gelu, uint16_t* out,
                           int threads) {
@@ -981,19 +986,20 @@ int densepass_int8_linear(const uint16_t* x, int64_t rows, int64_t depth, const 
     uint8_t* q = q_buffer.data();
     alignas(64) float scale[32], low[32];
     alignas(64) int32_t acc[32 * 32];
+    const bool tiles = DENSEPASS_TILES && depth % 64 == 0;
+    if (tiles) configure_tiles();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
-      const int64_t valid = rows - r0 < 32 ? rows - r0 : 32, whole = (valid + 7) / 8 * 8;
+      const int64_t valid = rows - r0 < 32 ? rows - r0 : 32, whole = tiles ? 32 : (valid + 7) / 8 * 8;
       quantize_rows(x + r0 * depth, valid, depth, q, scale, low);
       std::memset(q + valid * depth, 0, (whole - valid) * depth);  // rows beyond the last: computed, not stored
-      for (int64_t j = 0; j < width; j += 32) {
-        for (int64_t r = 0; r < whole; r += 8)
-          rows8x32_int8(q + r * depth, depth, depth, w + j * depth, w + (j + 16) * depth, acc + r * 32);
+      // rows [from, to) of the block of columns j .. j + 31 in acc, rescaled, biased (and GELU) into out
+      const auto epilogue = [&](int64_t j, int64_t from, int64_t to) {
         const __m512 sum0 = _mm512_loadu_ps(w_sum + j), sum1 = _mm512_loadu_ps(w_sum + j + 16);
         const __m512 ws0 = _mm512_loadu_ps(w_scale + j), ws1 = _mm512_loadu_ps(w_scale + j + 16);
         const __m512 b0 = bias ? load_bf16(bias + j) : _mm512_setzero_ps();
         const __m512 b1 = bias ? load_bf16(bias + j + 16) : _mm512_setzero_ps();
-        for (int64_t i = 0; i < valid; ++i) {
+        for (int64_t i = from; i < (to < valid ? to : valid); ++i) {
           const __m512 s = _mm512_set1_ps(scale[i]), lo = _mm512_set1_ps(low[i]);
           const __m512 v0 = _mm512_cvtepi32_ps(_mm512_load_si512(acc + i * 32));
           const __m512 v1 = _mm512_cvtepi32_ps(_mm512_load_si512(acc + i * 32 + 16));
@@ -1007,8 +1013,47 @@ int densepass_int8_linear(const uint16_t* x, int64_t rows, int64_t depth, const 
           store_bf16(dst, y0);
           store_bf16(dst + 16, y1);
         }
+      };
+#if DENSEPASS_TILES
+      if (tiles) {
+        const int64_t steps = depth / 64, slice = (32 + steps - 1) / steps;  // epilogue rows a step
+        int64_t pending = -1;  // the columns whose block acc holds, its epilogue not yet done (-1: none)
+        for (int64_t j = 0; j < width; j += 32) {
+          const int8_t* w0 = w + j * depth;
+          const int8_t* w1 = w0 + 16 * depth;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t k = 0; k < steps; ++k) {
+            _tile_loadd(4, q + 64 * k, depth);
+            _tile_loadd(6, w0 + 1024 * k, 64);
+            _tile_dpbusd(0, 4, 6);
+            _tile_loadd(7, w1 + 1024 * k, 64);
+            _tile_dpbusd(1, 4, 7);
+            _tile_loadd(5, q + 16 * depth + 64 * k, depth);
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbusd(3, 5, 7);
+            if (pending >= 0) epilogue(pending, k * slice, (k + 1) * slice);
+          }
+          if (pending >= 0) epilogue(pending, steps * slice, 32);  // acc is free
+          _tile_stored(0, acc, 128);
+          _tile_stored(1, acc + 16, 128);
+          _tile_stored(2, acc + 512, 128);
+          _tile_stored(3, acc + 528, 128);
+          pending = j;
+        }
+        epilogue(pending, 0, 32);
+        continue;
+      }
+#endif
+      for (int64_t j = 0; j < width; j += 32) {
+        for (int64_t r = 0; r < whole; r += 8)
+          rows8x32_int8(q + r * depth, depth, depth, w + j * depth, w + (j + 16) * depth, acc + r * 32);
+        epilogue(j, 0, 32);
       }
     }
+    if (tiles) release_tiles();
   }
   return 0;
 }
