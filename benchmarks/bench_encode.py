@@ -29,8 +29,9 @@ round by round (the two times of one round are closest in time). Agreement = mea
 float32 embeddings. ``--cpu-time`` times each system by the process's CPU seconds instead (run it with
 ``OMP_NUM_THREADS=1``): on a machine other jobs share, the work each system does, whoever holds the cores.
 On the CPU each row has its model FLOPs utilisation: texts/s x the texts' mean real tokens x forward FLOPs per
-token (``common.encoder_flops_per_token``) / the CPU's measured bf16 peak (``cpu_peak.py``; float32 without
-AVX512-BF16), one peak for every row, so each system's distance to the hardware limit shows.
+token (``common.encoder_flops_per_token``) / the CPU's measured bf16 peak (``cpu_peak.py``: AMX tiles' where the
+CPU has them; float32 without AVX512-BF16), one peak for every row, so each system's distance to the hardware limit
+shows.
 """
 
 from __future__ import annotations

@@ -32,8 +32,9 @@ every thread in one process (whose matrix products may be too small to keep the 
 memory (GPU: allocated; CPU: the process's resident high-water mark, reset before each system through
 ``/proc/self/clear_refs``) and the model FLOPs utilisation: real tokens/s x training FLOPs per token (6 x the
 encoder's non-embedding parameters + 12 x layers x width x mean sequence length, attention over real tokens only)
-/ the device's peak (``--peak-tflops``, else a table of GPUs, else on the CPU the rate of a loop of bf16 or float32
-multiply-adds on torch's threads, measured by ``cpu_peak.py``; where that loop does not build, an estimate printed
+/ the device's peak (``--peak-tflops``, else a table of GPUs, else on the CPU the rate of a loop of bf16 (on AMX
+tiles where the CPU has them) or float32 multiply-adds on torch's threads, measured by ``cpu_peak.py``; where that
+loop does not build, an estimate printed
 with its terms: threads x clock x FLOPs per cycle per core). Real tokens per example are those of the run's triplets
 (query + positive + one negative, each truncated as the step truncates it); densepass draws its negatives from the
 same pools, so the figure is the same mean for both. ``--attention-variants`` instead times, forward and
@@ -140,8 +141,8 @@ def peak_tflops(args, device: torch.device, bf16: bool) -> tuple[float | None, s
     if ghz is None:
         return None, "no clock found: pass --peak-tflops"
     # where the loop of cpu_peak.py does not build: two FMA pipes of 256 bits (AVX2, and Zen 4's AVX-512): 32
-    # float32 FLOPs a cycle; bf16 dot products (vdpbf16ps) twice that; AMX is far above either (pass --peak-tflops
-    # there). /proc/cpuinfo's clock is not the boosted one under load, so this overstates MFU
+    # float32 FLOPs a cycle; bf16 dot products (vdpbf16ps) twice that; AMX, far above either, is measured by the
+    # loop where it builds. /proc/cpuinfo's clock is not the boosted one under load, so this overstates MFU
     per_cycle = 32 * (2 if bf16 and "avx512_bf16" in words else 1)
     threads = torch.get_num_threads()
     return threads * ghz * per_cycle / 1e3, f"estimate: {threads} threads x {ghz:.2f} GHz x {per_cycle} FLOPs/cycle"
