@@ -188,7 +188,7 @@ def test_each_build_has_its_flags_its_library_name_and_its_manifest(tmp_path, mo
     cache = tmp_path / "cache"
     monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(cache))
     assert not any(flag.startswith("-mamx") for flag in cpu_kernels.AVX512_FLAGS)
-    assert set(cpu_kernels.FLAGS) - set(cpu_kernels.AVX512_FLAGS) == {"-mamx-tile", "-mamx-bf16"}
+    assert set(cpu_kernels.FLAGS) - set(cpu_kernels.AVX512_FLAGS) == {"-mamx-tile", "-mamx-bf16", "-mamx-int8"}
     built = {}
     for kind in cpu_kernels.KINDS:
         inputs = cpu_kernels._inputs(compiler, kind)
