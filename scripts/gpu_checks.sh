@@ -41,18 +41,20 @@ teacher() {
         --set data.data_dir="$DATA" --set model.name_or_path="$MODEL" --set negatives.model="$MODEL" \
         --set reranker.name_or_path="$MODEL" --set device=$device "${size[@]}" 2>&1 | tail -n 60 > "$OUT/teacher.log"
     cp "$run/recipe-teacher/report.md" "$OUT/teacher-report.md"
-    # the model in fp16 (the config and tokenizer beside it), tarred and cut into parts that come back
-    python3 - "$run/recipe-teacher/reranker/model" "$run/teacher-fp16" <<'PY'
+    # the model in fp16 (the config and tokenizer beside it) in a fresh temporary folder, tarred and cut into parts
+    local fp16
+    fp16=$(mktemp -d)
+    python3 - "$run/recipe-teacher/reranker/model" "$fp16/model" <<'PY'
 import shutil, sys
 from pathlib import Path
 from safetensors.torch import load_file, save_file
 source, target = Path(sys.argv[1]), Path(sys.argv[2])
-shutil.rmtree(target, ignore_errors=True)
 shutil.copytree(source, target)
 weights = target / "model.safetensors"
 save_file({k: v.half().contiguous() for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
 PY
-    tar -C "$run/teacher-fp16" -cf - . | split -b 15M - "$OUT/teacher.tar.part-"
+    tar -C "$fp16/model" -cf - . | split -b 15M - "$OUT/teacher.tar.part-"
+    rm -rf "$fp16"
 }
 
 train() {
@@ -72,11 +74,14 @@ abs() {
         > "$OUT/abs.log" 2>&1
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt" 2>/dev/null || lscpu > "$OUT/machine.txt"
-for part in "${parts[@]}"; do
+for part in "${parts[@]}"; do  # every part checked before any runs
     case $part in
-        teacher | train | abs) echo "== $part $(date -u +%T)"; "$part"; echo "== $part done $(date -u +%T)" ;;
+        teacher | train | abs) ;;
         *) echo "no such part: $part (teacher, train, abs)" >&2; exit 2 ;;
     esac
+done
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt" 2>/dev/null || lscpu > "$OUT/machine.txt"
+for part in "${parts[@]}"; do
+    echo "== $part $(date -u +%T)"; "$part"; echo "== $part done $(date -u +%T)"
 done
 ls -la "$OUT"
