@@ -226,6 +226,10 @@ def test_issue_55_levers_are_one_change_each_to_the_recommended_recipe(monkeypat
         "negatives.filter_precision": "auto",
         "negatives.relative_activation": "exp",
     }
+    assert changes(driver.DENOISED_BI) == {
+        "negatives.filters": ["qrels", "answers", "relative-margin"],
+        "negatives.relative_teacher": "bi-encoder",
+    }
     assert changes(driver.PRETRAINED) == {"model.name_or_path": "outputs/recipe/runs/recipe-pretrain/backbone"}
 
 

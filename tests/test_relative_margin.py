@@ -131,3 +131,35 @@ def test_a_run_counts_what_the_relative_margin_filter_drops(tiny_model_dir, tiny
     notes = json.loads((tmp_path / "out" / "denoised" / "metrics.json").read_text())["notes"]
     mined = next(n for n in notes if n.startswith("Hard negatives (bm25)"))
     assert "removed by filter: qrels: " in mined and ", relative-margin: " in mined, mined
+
+
+def test_a_bi_encoder_teacher_encodes_each_text_once_and_scores_as_one_query_at_a_time(tiny_model_dir):
+    """The teacher's batched scoring (many queries' pairs per call, each distinct text encoded once and kept for the
+    next call) gives the similarities of encoding one query and its passages at a time."""
+    from densepass.models.biencoder import BiEncoder
+    from densepass.negatives.filters import bi_encoder_scorer
+
+    scorer = bi_encoder_scorer(str(tiny_model_dir), batch_size=4, precision="fp32")
+    encoded: list[str] = []
+
+    def spy(real):
+        def encode(texts, *args, **kwargs):
+            encoded.extend(texts)
+            return real(texts, *args, **kwargs)
+
+        return encode
+
+    for side in ("encode_queries", "encode_passages"):
+        setattr(scorer.model, side, spy(getattr(scorer.model, side)))
+    queries = ["apt package manager", "text editor", "apt package manager", "web server"]
+    passages = ["apt - command-line package manager", "vim - vi improved", "vim - vi improved", "nginx http server"]
+    got = scorer.score_pairs(queries, passages)
+    second = (["apt package manager", "text editor"], ["nginx http server", "apt - command-line package manager"])
+    again = scorer.score_pairs(*second)
+    assert sorted(encoded) == sorted(set(queries) | set(passages))  # the second call encoded nothing new
+    reference = BiEncoder.from_pretrained(str(tiny_model_dir))
+    for q, p, score in [*zip(queries, passages, got), *zip(*second, again)]:
+        qv = reference.encode_queries([q], show_progress=False, precision="fp32")[0]
+        pv = reference.encode_passages([p], show_progress=False, precision="fp32")[0]
+        assert abs(score - float(qv @ pv)) < 1e-5
+    assert scorer("text editor", ["vim - vi improved"]) == pytest.approx([got[1]], abs=1e-9)

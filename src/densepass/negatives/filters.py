@@ -291,19 +291,48 @@ class CrossEncoderScorer:
         return self.score_pairs([query] * len(passages), passages)
 
 
-def bi_encoder_scorer(path: str, batch_size: int = 64, device=None, precision: str = "auto") -> Scorer:
-    """A scorer from a bi-encoder: the similarity of the query's embedding and each passage's (cosine for a
-    normalised model), encoded at ``precision`` (``models.encode``)."""
+@dataclass
+class BiEncoderScorer:
+    """A bi-encoder as a filter's teacher: the similarity of a query's embedding and each passage's (cosine for a
+    normalised model), encoded at ``precision`` (``models.encode``). ``score_pairs`` (what ``apply_filters`` calls)
+    encodes each distinct text once, in length-sorted batches across queries, and keeps the embeddings: a pool's
+    passages recur across queries and across re-minings, and a mixed pool names most of the corpus at most once."""
+
+    model: Any
+    batch_size: int = 64
+    device: Any = None
+    precision: str = "auto"
+
+    def __post_init__(self) -> None:
+        self._passages: dict[str, np.ndarray] = {}
+        self._queries: dict[str, np.ndarray] = {}
+
+    def _embed(self, texts: list[str], memo: dict[str, np.ndarray], side: str) -> np.ndarray:
+        new = list(dict.fromkeys(t for t in texts if t not in memo))
+        if new:
+            encode = self.model.encode_queries if side == "query" else self.model.encode_passages
+            options = {"show_progress": False, "device": self.device, "precision": self.precision}
+            memo.update(zip(new, encode(new, self.batch_size, **options)))
+        return np.stack([memo[t] for t in texts]) if texts else np.zeros((0, 0), dtype=np.float32)
+
+    def score_pairs(self, queries: list[str], passages: list[str]) -> np.ndarray:
+        """The similarity of each pair ``(queries[i], passages[i])``, float64."""
+        if not queries:
+            return np.zeros(0, dtype=np.float64)
+        q = self._embed(queries, self._queries, "query")
+        p = self._embed(passages, self._passages, "passage")
+        return np.einsum("ij,ij->i", q.astype(np.float64), p.astype(np.float64))
+
+    def __call__(self, query: str, passages: list[str]) -> np.ndarray:
+        """The similarities of one query's passages."""
+        return self.score_pairs([query] * len(passages), passages)
+
+
+def bi_encoder_scorer(path: str, batch_size: int = 64, device=None, precision: str = "auto") -> BiEncoderScorer:
+    """The saved bi-encoder at ``path`` as a filter's teacher (``BiEncoderScorer``)."""
     from densepass.models.biencoder import BiEncoder
 
-    model = BiEncoder.from_pretrained(path)
-    options = {"show_progress": False, "device": device, "precision": precision}
-
-    def score(query: str, passages: list[str]) -> np.ndarray:
-        q = model.encode_queries([query], batch_size, **options)
-        return model.encode_passages(passages, batch_size, **options) @ q[0]
-
-    return score
+    return BiEncoderScorer(BiEncoder.from_pretrained(path), batch_size, device, precision)
 
 
 def passage_sep(scorer: Scorer, sep_token: str) -> str:
