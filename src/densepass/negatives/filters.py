@@ -295,8 +295,9 @@ class CrossEncoderScorer:
 class BiEncoderScorer:
     """A bi-encoder as a filter's teacher: the similarity of a query's embedding and each passage's (cosine for a
     normalised model), encoded at ``precision`` (``models.encode``). ``score_pairs`` (what ``apply_filters`` calls)
-    encodes each distinct text once, in length-sorted batches across queries, and keeps the embeddings: a pool's
-    passages recur across queries and across re-minings, and a mixed pool names most of the corpus at most once."""
+    encodes each distinct text once, in length-sorted batches across queries, and keeps the embeddings for the
+    scorer's later calls: a pool's passages recur across its queries. Each mining (the first pool, each re-mining)
+    builds its own scorer (``negatives.mine.relative_teacher``), so nothing is kept from one pool to the next."""
 
     model: Any
     batch_size: int = 64
@@ -313,7 +314,7 @@ class BiEncoderScorer:
             encode = self.model.encode_queries if side == "query" else self.model.encode_passages
             options = {"show_progress": False, "device": self.device, "precision": self.precision}
             memo.update(zip(new, encode(new, self.batch_size, **options)))
-        return np.stack([memo[t] for t in texts]) if texts else np.zeros((0, 0), dtype=np.float32)
+        return np.stack([memo[t] for t in texts])
 
     def score_pairs(self, queries: list[str], passages: list[str]) -> np.ndarray:
         """The similarity of each pair ``(queries[i], passages[i])``, float64."""
