@@ -18,6 +18,7 @@ from densepass.evaluation.metrics import (
     evaluate_run,
     make_run,
     paired_significance,
+    passage_codes,
     randomization_p,
     read_trec_run,
     write_trec_run,
@@ -164,6 +165,36 @@ def qrels_and_run(draw):
 def test_ranx_mrr_equals_naive_reference(case):
     qrels, run = case
     assert evaluate_run(qrels, run, ["mrr@10"])["mrr@10"] == pytest.approx(naive_mrr(qrels, run, 10))
+
+
+NAMES = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(qrels_and_run(), st.lists(NAMES | st.sampled_from(["-", "__none__"]), min_size=15, max_size=15, unique=True))
+def test_passage_ids_of_any_length_or_name_score_as_the_ids_they_stand_for(case, names):
+    """ranx is handed codes of one width (``passage_codes``), not the ids: ids renamed to strings of any length, the
+    empty-ranking placeholder's name included, give the naive reference's MRR@10 and the original ids' metrics."""
+    qrels, run = case
+    rename = dict(zip(DOCS, names))
+    renamed_qrels = {q: {rename[p]: g for p, g in rels.items()} for q, rels in qrels.items()}
+    renamed_run = {q: {rename[p]: s for p, s in ranking.items()} for q, ranking in run.items()}
+    metrics = ["mrr@10", "ndcg@10", "recall@5"]
+    got = evaluate_run(renamed_qrels, renamed_run, metrics)
+    assert got["mrr@10"] == pytest.approx(naive_mrr(qrels, run, 10))
+    assert got == pytest.approx(evaluate_run(qrels, run, metrics))
+
+
+def test_passage_codes_have_one_width_whatever_the_ids():
+    codes = passage_codes(["a", "a" * 300], {"é": 1, "-": 2}, ["a"])
+    assert list(codes) == ["a", "a" * 300, "é", "-"]  # each id once, in order of first appearance
+    assert len(set(codes.values())) == 4 and {len(c) for c in codes.values()} == {8}
+
+
+@pytest.mark.parametrize("name", ["-", "__none__"])
+def test_a_query_missing_from_the_run_scores_zero_whatever_its_passage_is_called(name):
+    qrels = {"q1": {name: 1}, "q2": {"b": 1}}
+    assert evaluate_run(qrels, {"q2": {"b": 1.0}}, ["mrr@10"])["mrr@10"] == pytest.approx(0.5)
 
 
 # ---- TREC run files ---------------------------------------------------------------------------

@@ -365,7 +365,8 @@ def naive_linear_fusion(runs, weights):
 @given(
     scores=st.lists(
         st.dictionaries(
-            st.sampled_from([f"d{i}" for i in range(6)]),
+            # ids of several lengths, the names of ranx's empty-ranking placeholders among them
+            st.sampled_from(["d0", "d1", "-", "__none__", "a-longer-passage-id-" * 3, "é"]),
             st.integers(-5000, 5000).map(lambda x: x / 100),  # retrieval scores, not subnormal gaps
             max_size=6,
         ),

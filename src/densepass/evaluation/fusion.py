@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from densepass.errors import ConfigError
-from densepass.evaluation.metrics import Run, quiet_numba, strict_order
+from densepass.evaluation.metrics import NO_PASSAGE, Run, passage_codes, quiet_numba, strict_order
 
 
 def fuse_embeddings(embeddings: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
@@ -89,7 +89,10 @@ def _ranx_fuse(runs: Sequence[Run], norm: str | None, method: str, params: dict)
     if len(runs) < 2:
         raise ConfigError("rank fusion needs at least two runs")
     queries = sorted(set().union(*runs))
-    ranx_runs = [RanxRun({q: (run.get(q) or {"__none__": -1e9}) for q in queries}) for run in runs]
+    codes = passage_codes(*(ranking for run in runs for ranking in run.values()))  # one width for ranx: compiled once
+    ids = dict(zip(codes.values(), codes))
+    coded = [{q: {codes[p]: s for p, s in run[q].items()} if run.get(q) else {NO_PASSAGE: -1e9} for q in queries}
+             for run in runs]  # fmt: skip
     with quiet_numba():  # ranx's numba compile warnings are not the user's concern
-        fused = fuse(ranx_runs, norm=norm, method=method, params=params).to_dict()
-    return {q: {p: float(s) for p, s in fused[q].items() if p != "__none__"} for q in queries}
+        fused = fuse([RanxRun(run) for run in coded], norm=norm, method=method, params=params).to_dict()
+    return {q: {ids[p]: float(s) for p, s in fused[q].items() if p != NO_PASSAGE} for q in queries}

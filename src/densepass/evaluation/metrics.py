@@ -119,8 +119,25 @@ def make_run(
     return run
 
 
+# ranx keeps each query's passage ids in a NumPy array of fixed-width strings, as wide as the longest id it is given,
+# and numba compiles its functions for that width: each new width compiles them again (seconds in a process, more than
+# twenty the first time on a machine). Passage ids reach ranx as codes of one width instead (hexadecimal, in order of
+# first appearance: the metrics compare ids for equality only), so a process compiles once whatever the ids.
+CODE_DIGITS = 8
+NO_PASSAGE = "-"  # the placeholder ranking of a judged query the run leaves out: no code, so never relevant
+
+
+def passage_codes(*id_lists: Iterator[str]) -> dict[str, str]:
+    """Each distinct passage id of ``id_lists`` -> a code of ``CODE_DIGITS`` hexadecimal digits (more only past
+    16^8 ids), in order of first appearance."""
+    ids = dict.fromkeys(p for ids in id_lists for p in ids)
+    digits = max(CODE_DIGITS, len(f"{len(ids):x}"))
+    return {pid: f"{n:0{digits}x}" for n, pid in enumerate(ids)}
+
+
 def _ranx_inputs(qrels: Qrels, run: Run):
-    """ranx Qrels/Run of the judged queries; a judged query missing from the run gets an empty ranking."""
+    """ranx Qrels/Run of the judged queries, passage ids coded (``passage_codes``); a judged query missing from the
+    run gets an empty ranking."""
     from ranx import Qrels as RanxQrels
     from ranx import Run as RanxRun
 
@@ -138,8 +155,13 @@ def _ranx_inputs(qrels: Qrels, run: Run):
     # ranx needs every judged query in the run; an empty ranking scores zero. Tied scores are ranked in the run's
     # order (its insertion order: an index's row order, a run file's rank column), made strict here: ranx orders a
     # ranking with an unstable sort, which kept ties in order for short lists and scrambled them for long ones.
-    full_run = {q: strict_order(run.get(q) or {"__none__": 0.0}) for q in judged}
-    ranx_qrels, ranx_run = RanxQrels(judged), RanxRun(full_run)
+    full_run = {q: strict_order(run[q]) for q in judged if run.get(q)}
+    codes = passage_codes(*judged.values(), *full_run.values())
+    coded_qrels = {q: {codes[p]: g for p, g in rels.items()} for q, rels in judged.items()}
+    coded_run = {
+        q: {codes[p]: s for p, s in full_run[q].items()} if q in full_run else {NO_PASSAGE: 0.0} for q in judged
+    }
+    ranx_qrels, ranx_run = RanxQrels(coded_qrels), RanxRun(coded_run)
     # The same queries on both sides, so ranx's make_comparable would add or drop nothing; what it does do, sort
     # the run again, is repeated here, and both are handed to ranx as the typed lists it evaluates. Its Qrels and
     # Run objects would be read key by key from Python, which numba compiles afresh in every process (seconds)
