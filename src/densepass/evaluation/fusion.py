@@ -91,8 +91,11 @@ def _ranx_fuse(runs: Sequence[Run], norm: str | None, method: str, params: dict)
     queries = sorted(set().union(*runs))
     codes = passage_codes(*(ranking for run in runs for ranking in run.values()))  # one width for ranx: compiled once
     ids = dict(zip(codes.values(), codes))
-    coded = [{q: {codes[p]: s for p, s in run[q].items()} if run.get(q) else {NO_PASSAGE: -1e9} for q in queries}
-             for run in runs]  # fmt: skip
+
+    def coded(run: Run, q: str) -> dict[str, float]:
+        return {codes[p]: s for p, s in run[q].items()} if run.get(q) else {NO_PASSAGE: -1e9}
+
+    ranx_runs = [RanxRun({q: coded(run, q) for q in queries}) for run in runs]
     with quiet_numba():  # ranx's numba compile warnings are not the user's concern
-        fused = fuse([RanxRun(run) for run in coded], norm=norm, method=method, params=params).to_dict()
+        fused = fuse(ranx_runs, norm=norm, method=method, params=params).to_dict()
     return {q: {ids[p]: float(s) for p, s in fused[q].items() if p != NO_PASSAGE} for q in queries}

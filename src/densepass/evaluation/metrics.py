@@ -11,7 +11,7 @@ import contextlib
 import math
 import re
 import warnings
-from collections.abc import Container, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -127,7 +127,7 @@ CODE_DIGITS = 8
 NO_PASSAGE = "-"  # the placeholder ranking of a judged query the run leaves out: no code, so never relevant
 
 
-def passage_codes(*id_lists: Iterator[str]) -> dict[str, str]:
+def passage_codes(*id_lists: Iterable[str]) -> dict[str, str]:
     """Each distinct passage id of ``id_lists`` -> a code of ``CODE_DIGITS`` hexadecimal digits (more only past
     16^8 ids), in order of first appearance."""
     ids = dict.fromkeys(p for ids in id_lists for p in ids)
