@@ -15,6 +15,8 @@ the same way for all of them:
 - a JSONL log of the mean of every logged term since the previous record, and a progress bar;
 - L2-SP (``l2sp``, ``training.l2sp``): a penalty toward the starting weights, its gradient added after each
   backward pass, its value logged as ``l2sp``, its w₀ in every checkpoint;
+- on the CPU, vocabulary tables' gradients added row by row into a buffer kept across steps
+  (``training.embedding_grads``) instead of a zero-filled copy of the table per backward pass;
 - gradient checkpointing (``gradient_checkpointing``) and LoRA adapters (``lora_rank``, ``training.adapters``) for
   any task whose model holds a Hugging Face transformer;
 - torch.distributed: every process trains on rank 0's batch plan and gradients are summed across processes
@@ -55,6 +57,7 @@ from densepass.prefetch import prefetched
 from densepass.training import sharding
 from densepass.training.adapters import Adapters
 from densepass.training.distributed import sum_gradients
+from densepass.training.embedding_grads import SparseEmbeddingGradients
 from densepass.training.l2sp import L2SP, anchored_parameters, check_l2sp
 
 LOG_NAME = "train_log.jsonl"
@@ -331,6 +334,8 @@ def fit(
     adapters = Adapters(task.network(), optim) if optim.lora_rank else None  # freezes what the adapters replace
     if sharded:  # before the parameter groups: their parameters are the shards from here on
         sharding.shard(task.network(), device)
+    # on the CPU, vocabulary tables' gradients row by row instead of a zero-filled table per backward pass
+    tables = SparseEmbeddingGradients(task.network()) if device.type == "cpu" and not sharded else None
     l2sp = None
     if getattr(optim, "l2sp", None):  # w₀: the weights as the task set them up (a checkpoint's replace them below)
         l2sp = L2SP(optim.l2sp, anchored_parameters(task.network(), optim.l2sp_scope))
@@ -491,6 +496,9 @@ def fit(
         progress.leave = False  # the error is the last line, not a progress bar
         progress.close()
         raise
+    finally:
+        if tables is not None:
+            tables.remove()
     progress.close()
     if sharded:
         sharding.unshard(task.network())  # the whole trained model on every process, a plain module again
