@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import save_tiny_bert, write_tiny_beir
 
@@ -103,7 +104,8 @@ def write_fixtures(root: Path) -> Path:
 
 def guide_env(fixtures: Path) -> dict[str, str]:
     """The environment of the guide's blocks: the fixtures' data directory and default model, this checkout's
-    package, this interpreter first on ``PATH``, two threads."""
+    package, this interpreter first on ``PATH``, and this process's share of the cores (``pytest -n 2`` on 2 cores:
+    one thread each, none oversubscribed)."""
     import densepass
 
     path = [str(fixtures / "packages"), str(Path(densepass.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
@@ -112,7 +114,7 @@ def guide_env(fixtures: Path) -> dict[str, str]:
         "DENSEPASS_DATA": str(fixtures / "data"),
         "PYTHONPATH": os.pathsep.join(path),
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
-        "OMP_NUM_THREADS": "2",
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
         "TOKENIZERS_PARALLELISM": "false",
     }
 
