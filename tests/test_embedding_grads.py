@@ -126,3 +126,73 @@ def test_engine_runs_on_the_cpu_train_the_same_weights_with_row_by_row_gradients
     # the run switched the tiny BERT's vocabulary table (MiniLM's 30,522 rows), not its positions, then back
     assert len(switched) == 1 and switched[0].switched == 1 and not switched[0].handles
     torch.testing.assert_close(trained["row by row"], trained["dense"], rtol=1e-5, atol=1e-6)
+
+
+class _Lookup(engine.Task):
+    """A vocabulary table and a linear head on fixed random ids; ``fail_at``: the step that raises."""
+
+    throughput = None
+    steps_per_epoch, epochs = 3, 1
+
+    def __init__(self, fail_at=None):
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Embedding(MIN_ROWS, 4), nn.Flatten(), nn.Linear(12, 1))
+        self.ids = torch.randint(0, MIN_ROWS, (6, 3), generator=torch.Generator().manual_seed(0))
+        self.fail_at, self.sparse_seen = fail_at, []
+
+    def setup(self, device):
+        self.model.train()
+
+    def parameter_groups(self):
+        return [{"params": list(self.model.parameters())}]
+
+    def named_weights(self):
+        return self.model.named_parameters()
+
+    def plan(self, epoch):
+        return [[0, 1], [2, 3], [4, 5]]
+
+    def step(self, rows, context):
+        if context.step + 1 == self.fail_at:
+            raise KeyboardInterrupt
+        self.sparse_seen.append(self.model[0].sparse)
+        loss = self.model(self.ids[rows]).pow(2).mean()
+        loss.backward()
+        assert not self.model[0].weight.grad.is_sparse  # what the optimiser steps on
+        return engine.StepOutput(loss, size=len(rows))
+
+    def save(self, checkpoint):
+        pass
+
+    def load(self, checkpoint, device):
+        pass
+
+
+class _FailsToBegin(engine.Callback):
+    def on_train_begin(self, state):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("fail_at", [None, 2, "begin"])
+def test_a_run_hands_its_model_back_switched_off_however_it_ends(tmp_path, fail_at):
+    from densepass.checkpoints import training_identity
+    from densepass.config import OptimConfig
+
+    task = _Lookup(fail_at)
+    config = OptimConfig(learning_rate=0.01, checkpoint_every=100)
+    callbacks = [_FailsToBegin()] if fail_at == "begin" else []
+    run = lambda: engine.fit(  # noqa: E731
+        task, config, tmp_path, CPU, total=3, identity={"optim": training_identity(config)}, callbacks=callbacks,
+        show_progress=False,
+    )  # fmt: skip
+    if fail_at is None:
+        run()
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            run()
+    assert all(task.sparse_seen) and len(task.sparse_seen) == {None: 3, 2: 1, "begin": 0}[fail_at]
+    table = task.model[0]
+    assert not table.sparse and not table.weight._backward_hooks  # and back, with its hook gone
+    table.weight.grad = None
+    table(task.ids).sum().backward()
+    assert not table.weight.grad.is_sparse

@@ -334,8 +334,6 @@ def fit(
     adapters = Adapters(task.network(), optim) if optim.lora_rank else None  # freezes what the adapters replace
     if sharded:  # before the parameter groups: their parameters are the shards from here on
         sharding.shard(task.network(), device)
-    # on the CPU, vocabulary tables' gradients row by row instead of a zero-filled table per backward pass
-    tables = SparseEmbeddingGradients(task.network()) if device.type == "cpu" and not sharded else None
     l2sp = None
     if getattr(optim, "l2sp", None):  # w₀: the weights as the task set them up (a checkpoint's replace them below)
         l2sp = L2SP(optim.l2sp, anchored_parameters(task.network(), optim.l2sp_scope))
@@ -443,6 +441,9 @@ def fit(
         dynamic_ncols=True,
     )
     loss, seen, started = torch.tensor(float("nan")), 0, time.perf_counter()
+    # on the CPU, vocabulary tables' gradients row by row instead of a zero-filled table per backward pass; switched
+    # back in the ``finally`` below, whatever ends the steps
+    tables = SparseEmbeddingGradients(task.network()) if device.type == "cpu" and not sharded else None
     try:
         for epoch in range(engine.step // task.steps_per_epoch, task.epochs):
             engine.epoch = epoch
