@@ -23,7 +23,7 @@ import time
 import torch
 from torch import nn
 
-from common import environment, markdown_table, pick_device, write_json
+from common import environment, markdown_table, median_round, pick_device, write_json
 from densepass.training.embedding_grads import SparseEmbeddingGradients
 
 TABLES = {
@@ -40,7 +40,7 @@ def steps(table: nn.Embedding, ids: list[tuple[torch.Tensor, torch.Tensor]], gra
     started = time.perf_counter()
     for n, (queries, passages) in enumerate(ids):
         q, p = table(queries), table(passages)
-        torch.autograd.backward([q, p], [grads[0], grads[1]])
+        torch.autograd.backward([q, p], list(grads))
         if n < len(ids) - 1:
             table.weight.grad = None
     return time.perf_counter() - started
@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if min(args.query_tokens, args.passage_tokens, args.steps, args.rounds) < 1 or args.warmup < 0:
+        parser.error("--query-tokens, --passage-tokens, --steps and --rounds must be at least 1, --warmup at least 0")
     device = pick_device("cpu")
     env = environment(device)
     print(f"device: {env['device']}; torch {env['torch']}")
@@ -67,8 +69,8 @@ def main() -> None:
         sparse.load_state_dict(dense.state_dict())
         SparseEmbeddingGradients(sparse)
         ids = [
-            (torch.randint(0, vocabulary, (1, n_q), generator=g), torch.randint(0, vocabulary, (1, n_p), generator=g))
-            for n_q, n_p in [(args.query_tokens, args.passage_tokens)] * (args.warmup + args.steps)
+            tuple(torch.randint(0, vocabulary, (1, n), generator=g) for n in (args.query_tokens, args.passage_tokens))
+            for _ in range(args.warmup + args.steps)
         ]
         grads = (torch.randn(1, args.query_tokens, width), torch.randn(1, args.passage_tokens, width))
         times: dict[str, list[float]] = {"dense": [], "row by row": []}
@@ -80,8 +82,7 @@ def main() -> None:
                 times[side].append(steps(table, ids[args.warmup :], grads) / args.steps)
             torch.testing.assert_close(sparse.weight.grad, dense.weight.grad, rtol=1e-5, atol=1e-6)
         ratios = [d / s for d, s in zip(times["dense"], times["row by row"])]
-        order = sorted(range(args.rounds), key=lambda i: ratios[i])
-        mid = order[(args.rounds - 1) // 2]
+        mid = median_round(list(range(args.rounds)), ratios.__getitem__)
         dense_ms, sparse_ms = times["dense"][mid] * 1e3, times["row by row"][mid] * 1e3
         megabytes = vocabulary * width * 4 / 1e6
         rows.append([name, f"{vocabulary:,} x {width:,}", f"{megabytes:,.0f}", f"{dense_ms:.1f}", f"{sparse_ms:.1f}",

@@ -58,9 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -70,6 +68,7 @@ from common import (
     encoder_flops_per_token,
     environment,
     markdown_table,
+    median_round,
     pick_device,
     print_profile,
     rate,
@@ -331,14 +330,6 @@ def in_fresh_process(system: str) -> tuple[float, float | None]:
     if result is None:
         raise SystemExit(f"{system} in a fresh process failed (its output above)")
     return result["seconds"], result["peak"]
-
-
-Round = TypeVar("Round")
-
-
-def median_round(rounds: list[Round], ratio: Callable[[Round], float]) -> Round:
-    """The median of ``rounds`` by ``ratio(round)`` (the lower middle of an even count): the round a table shows."""
-    return sorted(rounds, key=ratio)[(len(rounds) - 1) // 2]
 
 
 def worker(path, data, triplets, args, device, bf16) -> None:

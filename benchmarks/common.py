@@ -8,8 +8,10 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -142,6 +144,14 @@ def print_profile(fn, device: torch.device, rows: int = 15) -> None:
     print(f"{len(waits)} call sites where the host waited for the device:")
     for w in waits:
         print(f"  {w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}")
+
+
+Round = TypeVar("Round")
+
+
+def median_round(rounds: list[Round], ratio: Callable[[Round], float]) -> Round:
+    """The median of ``rounds`` by ``ratio(round)`` (the lower middle of an even count): the round a table shows."""
+    return sorted(rounds, key=ratio)[(len(rounds) - 1) // 2]
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
