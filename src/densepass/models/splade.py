@@ -16,9 +16,9 @@ contextual state to that token's own embedding) and the fresh transform is initi
 (dense = I, bias 0, then GELU and LayerNorm as in BERT's head) instead of at random: a random transform
 scrambles the states and starts from weights unrelated to the text, while the identity gives a passage's
 own words and near-synonyms the top weights from the first step ("audio editor" -> audio, sound, editor,
-music). The vocabulary bias starts at ``FRESH_HEAD_BIAS`` = -6: with MiniLM, a bias of 0 makes nearly every
-term positive (about 30,000 non-zeros per passage), -6 about 125, so training starts sparse and the
-FLOPS regulariser has less to undo.
+music). The vocabulary bias starts at ``FRESH_HEAD_BIAS`` = -6: a bias of 0 makes nearly every term of the
+vocabulary positive, -6 a few in a thousand (``benchmarks/splade_head_bias.py``; docs/benchmarks.md), so training
+starts sparse and the FLOPS regulariser has less to undo.
 The saved model is a ``BertForMaskedLM``-style checkpoint (loadable by ``AutoModelForMaskedLM``) with
 sentence-transformers' SparseEncoder module files (MLMTransformer + SpladePooling(max, relu)).
 """
