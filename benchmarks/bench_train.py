@@ -239,7 +239,8 @@ def profile_densepass(path, data, args, device, rows: int = 15) -> None:
     """densepass's warm-up and timed steps under ``torch.profiler``: the ``rows`` ops with the most self CPU time
     (where a step's time goes: matrix products, dropout's random masks, copies, ...); packed steps with
     ``--packing``."""
-    print_profile(lambda: run_densepass(path, data, args, device, None, packing=args.packing), device, rows)
+    run = lambda: run_densepass(path, data, args, device, None, packing=args.packing)  # noqa: E731
+    print_profile(run, device, rows, shapes=args.profile_shapes)
 
 
 def run_sentence_transformers(path, triplets, args, device, bf16):
@@ -499,6 +500,11 @@ def main() -> None:
         "also by call site, and the host's waits for it; its packed steps with --packing)",
     )
     parser.add_argument(
+        "--profile-shapes",
+        action="store_true",
+        help="with --profile: also the ops grouped by their input shapes (which tensors the time goes to)",
+    )
+    parser.add_argument(
         "--packing",
         action="store_true",
         help="densepass padded, densepass packed (train.packing) and sentence-transformers, with real tokens/s, "
@@ -551,6 +557,8 @@ def main() -> None:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.warmup < 1 or args.steps < 1:  # the clock starts at the end of the last warm-up step
         parser.error(f"--warmup and --steps must be at least 1, got {args.warmup} and {args.steps}")
+    if args.profile_shapes and not args.profile:
+        parser.error("--profile-shapes adds a table to --profile: give both")
     if args.rounds > 1 and (args.profile or args.padding_share or args.attention_variants):
         parser.error("--rounds repeats a comparison (the plain one, or --packing): run it without --profile, ...")
     if args.processes and (args.packing or args.profile or args.padding_share or args.attention_variants):

@@ -110,11 +110,13 @@ def timer(device: torch.device):
         box["s"] = time.perf_counter() - started
 
 
-def print_profile(fn, device: torch.device, rows: int = 15) -> None:
+def print_profile(fn, device: torch.device, rows: int = 15, shapes: bool = False) -> None:
     """``fn()`` under ``torch.profiler``; prints the ``rows`` ops with the most self CPU time (where the time goes).
-    On a GPU also the ops by self GPU time grouped by their Python call sites (which code launches the kernels that
-    fill the device), and each place where the host waited for the device (``torch.cuda.set_sync_debug_mode``:
-    one warning per call site, with its stack)."""
+    ``shapes``: then also the ``rows`` (op, input shapes) pairs with the most (``record_shapes``): which tensors an
+    op's time goes to, e.g. a fill of a whole vocabulary table or the casts of one activation. On a GPU also the
+    ops by self GPU time grouped by their Python call sites (which code launches the kernels that fill the device),
+    and each place where the host waited for the device (``torch.cuda.set_sync_debug_mode``: one warning per call
+    site, with its stack)."""
     import warnings
 
     from torch.profiler import ProfilerActivity, profile
@@ -122,7 +124,10 @@ def print_profile(fn, device: torch.device, rows: int = 15) -> None:
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     before = torch.cuda.get_sync_debug_mode() if cuda else 0
-    with profile(activities=activities, with_stack=cuda) as prof, warnings.catch_warnings(record=True) as caught:
+    with (
+        profile(activities=activities, with_stack=cuda, record_shapes=shapes) as prof,
+        warnings.catch_warnings(record=True) as caught,
+    ):
         warnings.simplefilter("default")  # once per call site
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
@@ -137,6 +142,10 @@ def print_profile(fn, device: torch.device, rows: int = 15) -> None:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     averages = prof.key_averages()
     print(averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40))
+    if shapes:
+        by_shape = prof.key_averages(group_by_input_shape=True)
+        print(by_shape.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=30,
+                             max_shapes_column_width=70))  # fmt: skip
     if not cuda:
         return
     by_site = prof.key_averages(group_by_stack_n=4)
