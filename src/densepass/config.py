@@ -271,7 +271,7 @@ class NegativesConfig:
     filter_precision: Literal["fp32", "bf16", "auto"] = option(
         "fp32",
         "precision the cross-encoder of the cross-encoder and relative-margin filters scores in: fp32 (a threshold is"
-        " the same logit on every machine), or auto / bf16 (several times faster on CPUs with fast bf16)",
+        " the same logit on every machine), or auto / bf16 (faster on CPUs with fast bf16: docs/benchmarks.md)",
     )
     relative_activation: Literal["sigmoid", "exp"] = option(
         "sigmoid",

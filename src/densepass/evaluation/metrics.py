@@ -120,9 +120,10 @@ def make_run(
 
 
 # ranx keeps each query's passage ids in a NumPy array of fixed-width strings, as wide as the longest id it is given,
-# and numba compiles its functions for that width: each new width compiles them again (seconds in a process, more than
-# twenty the first time on a machine). Passage ids reach ranx as codes of one width instead (hexadecimal, in order of
-# first appearance: the metrics compare ids for equality only), so a process compiles once whatever the ids.
+# and numba compiles its functions for that width: each new width compiles them again (a cost per process, larger
+# on a machine's first run: docs/benchmarks.md's main-job table times runs with and without numba's cache). Passage
+# ids reach ranx as codes of one width instead (hexadecimal, in order of first appearance: the metrics compare ids
+# for equality only), so a process compiles once whatever the ids.
 CODE_DIGITS = 8
 NO_PASSAGE = "-"  # the placeholder ranking of a judged query the run leaves out: no code, so never relevant
 

@@ -1,8 +1,8 @@
 """BM25 through ``bm25s`` (Lucene scoring, English stop words, Snowball stemming when available).
 
-The text indexed for a passage is ``title text``. ``bm25s`` builds its sparse score matrix in one go,
-so ``add`` re-indexes every passage (seconds for 100k passages); saved with ``bm25s``' own files
-(NumPy arrays without pickle, JSON vocabulary and parameters) beside the passages.
+The text indexed for a passage is ``title text``. ``bm25s`` builds its sparse score matrix in one go, so ``add``
+re-indexes every passage (its cost grows with the whole corpus, not with what is added); saved with ``bm25s``' own
+files (NumPy arrays without pickle, JSON vocabulary and parameters) beside the passages.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """bf16 kernels of the fused BERT layers on x86 CPUs with AMX or AVX512-BF16: the query, key and value product with
 attention, and all that follows it, in C++ (on AMX tiles, or on AVX-512 registers with ``vdpbf16ps``).
 
-SDPA's CPU flash-attention kernel ran MiniLM's attention (12 heads of 32 dimensions over rows of about 90 tokens)
-at 61 G multiply-adds/s on a 2-core Xeon with AMX, against 0.5-1.6 T for the layer's products, and took a third of
-a fused layer's time; torch's bf16 layer norm another 8% (``benchmarks/bench_layer_parts.py``, docs/benchmarks.md).
+SDPA's CPU flash-attention kernel ran MiniLM's attention (12 heads of 32 dimensions over rows of under a hundred
+tokens) far below the rate of the layer's products, and was the largest single part of a fused layer's time, with
+torch's bf16 layer norm next (``benchmarks/bench_layer_parts.py``; the measurement: docs/history/benchmarks-log.md,
+"A 2-core Intel Xeon with AMX (2026-11-26)").
 ``self_attention`` computes, per sequence and head,
 
     S = Q K^T                 on AMX tiles (bf16 in, float32 out), 16 queries x 16 keys a tile
@@ -26,7 +27,7 @@ on the way (what the layers run where ``AfterAttention`` does not fit); ``embed`
 vectors of packed tokens from their ids, positions and types (the lookups, sums and layer norm in one pass).
 
 ``Int8Linear`` computes a linear layer through int8 products (each token quantised over its own range, a scale
-per weight row): on AVX512-VNNI (``vpdpbusd``), about twice the bf16 products' rate on a CPU without AMX, and in
+per weight row): on AVX512-VNNI (``vpdpbusd``: twice the multiply-adds per instruction of ``vdpbf16ps``), and in
 the ``amx`` build on AMX tiles (``tdpbusd``) where the depth is a multiple of 64
 (``benchmarks/bench_int8_products.py``): what ``models.fused``'s int8 layers run (the ``int8`` precision).
 
@@ -452,9 +453,9 @@ class Int8Linear:
     the integer sums exact (int32), rounded once to bf16 (after GELU, ``gelu=True``: the feed-forward's first
     product). A scale per token keeps what dynamic int8 with one scale for a whole batch loses, and the offset per
     token (all 256 levels over the row's range, however skewed: hidden states of BERT-style models have a few large
-    features of one sign) halves the error left by a symmetric scale (``benchmarks/encode_quality.py``;
-    docs/benchmarks.md). The weights are quantised once (``quantized_weight``), in ``vnni_layout``. Call where
-    ``usable``.
+    features of one sign) leaves less error than a symmetric scale (``benchmarks/encode_quality.py`` measures it:
+    docs/benchmarks.md, "int8 encoding on an AMD EPYC"). The weights are quantised once (``quantized_weight``), in
+    ``vnni_layout``. Call where ``usable``.
 
         >>> layer = Int8Linear(nn.Linear(64, 96))
         >>> x = torch.randn(5, 64).bfloat16()

@@ -17,8 +17,8 @@ faster than float32: a GPU, or a CPU with AMX or AMD's AVX512-BF16, else fp32): 
 autocast (on the CPU, a BERT, RoBERTa or XLM-R classifier instead runs a bf16 copy whose encoder has fused layers,
 ``models.fused``, the last on the first position only: ``fused_first_position_logits``), with the one-logit output
 layer computing in float32 (``fp32_logit_layer``: a bf16 logit has 8 significant bits, so candidates with close
-scores tie, and most SQuAD dev questions had ties in their reranked top 20 with a bf16 output layer:
-docs/history/experiments-log.md); ``int8`` (CPU only): where densepass's CPU kernels run a BERT, RoBERTa or XLM-R
+scores tie; docs/history/experiments-log.md counts the ties on SQuAD, "SQuAD: the same rows with a 192-step
+teacher"); ``int8`` (CPU only): where densepass's CPU kernels run a BERT, RoBERTa or XLM-R
 classifier's encoder (``models.fused.int8_runs``), a bf16 copy whose encoder runs ``models.fused``'s int8 layers
 (each token quantised over its own range, the padding skipped, every layer on every token), the head on the first
 position (``fused_int8_logits``); elsewhere a copy whose linear layers are dynamically quantised
@@ -387,7 +387,8 @@ class CrossEncoder:
         chunks = [range(s, min(s + TOKENIZE_CHUNK, len(queries))) for s in range(0, len(queries), TOKENIZE_CHUNK)]
         # a worker thread tokenises while this one scores. With several chunks it gets its own tokenizer (a fast
         # tokenizer's truncation settings are shared state); with one, this thread just waits, and a copy would be
-        # most of a small call's cost (a one-document /rerank request).
+        # a large fixed cost of a small call (a one-document /rerank request: docs/benchmarks.md, "/rerank against
+        # infinity-emb").
         tokenizer = self.tokenizer if len(chunks) == 1 else copy.deepcopy(self.tokenizer)
 
         def prepare(chunk: range) -> list[tuple[np.ndarray, dict[str, torch.Tensor]]]:

@@ -18,8 +18,8 @@ AVX512-VNNI) a BERT, RoBERTa or XLM-R tower runs ``models.fused``'s layers on in
 over its own range (so a text's embedding does not depend on the texts batched with it), faster than bf16 where
 the CPU's int8 peak is twice its bf16 one (AVX-512 without AMX), MRR@10 a little below fp32 (docs/benchmarks.md);
 any other tower or CPU gets dynamic quantisation (``models.quantize``: int8 weights with a scale per output
-channel, activations with one scale per batch, so a text's int8 embedding depends slightly, about 1e-4, on the
-texts batched with it), except the feed-forward output projections, whose inputs (GELU activations with outliers)
+channel, activations with one scale per batch, so a text's int8 embedding depends slightly on the texts batched
+with it), except the feed-forward output projections, whose inputs (GELU activations with outliers)
 lose too much with one scale per batch (docs/history/benchmarks-log.md, "Encoding precision"). A copy
 is made once per model and reused until its weights change (``models.copies``).
 """

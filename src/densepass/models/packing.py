@@ -175,7 +175,7 @@ class _Scatter(torch.autograd.Function):
 
 class _Gather(torch.autograd.Function):
     """[rows, ...] -> [tokens, ...]: ``source[index]`` for distinct rows ``index``, whose backward pass writes each
-    gradient row to its place (indexing's own accumulates, for indices that might repeat, several times slower)."""
+    gradient row to its place (indexing's own accumulates, for indices that might repeat, which costs more)."""
 
     @staticmethod
     def forward(ctx, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

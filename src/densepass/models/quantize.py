@@ -4,11 +4,10 @@ CPUs that ``models.fused``'s int8 layers do not run.
 
 ``torch.ao.quantization.quantize_dynamic`` replaces each chosen ``nn.Linear`` by an int8 one: weights
 quantised once with a scale per output channel, activations quantised on the fly with one scale per batch.
-The feed-forward output projections (``layer.N.output.dense``) stay float32: their inputs are GELU
-activations with outliers that one scale per batch resolves poorly (bi-encoder: mean cosine to fp32
-0.98 with them quantised, 0.99 without, MiniLM on debian-packages passages; the cross-encoder's
-measurements are in ``models.cross_encoder``). A quantised copy is worth making once and reusing:
-``weights_key`` tells when the weights it was made from have changed.
+The feed-forward output projections (``layer.N.output.dense``) stay float32: their inputs are GELU activations with
+outliers that one scale per batch resolves poorly, and quantising them moves embeddings further from fp32's
+(measured in docs/history/benchmarks-log.md, "Encoding precision"). A quantised copy is worth making once and
+reusing: ``weights_key`` tells when the weights it was made from have changed.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ contextual state to that token's own embedding) and the fresh transform is initi
 (dense = I, bias 0, then GELU and LayerNorm as in BERT's head) instead of at random: a random transform
 scrambles the states and starts from weights unrelated to the text, while the identity gives a passage's
 own words and near-synonyms the top weights from the first step ("audio editor" -> audio, sound, editor,
-music). The vocabulary bias starts at ``FRESH_HEAD_BIAS`` = -6: a bias of 0 makes nearly every term of the
-vocabulary positive, -6 a few in a thousand (``benchmarks/splade_head_bias.py``; docs/benchmarks.md), so training
-starts sparse and the FLOPS regulariser has less to undo.
+music). The vocabulary bias starts at ``FRESH_HEAD_BIAS`` = -6, so that a fresh model starts sparse and the FLOPS
+regulariser has less to undo (``benchmarks/splade_head_bias.py`` counts the positive terms per bias:
+docs/benchmarks.md, "How sparse a fresh SPLADE model starts").
 The saved model is a ``BertForMaskedLM``-style checkpoint (loadable by ``AutoModelForMaskedLM``) with
 sentence-transformers' SparseEncoder module files (MLMTransformer + SpladePooling(max, relu)).
 """
@@ -66,8 +66,9 @@ class SpladeArchitecture:
 CPU_ENCODE_PIECE_TOKENS = 256
 """Tokens per piece of an encoding forward pass on the CPU (``models.inputs.forward_in_pieces``). Fewer than
 the bi-encoder's 2,048: every token has vocabulary-sized logits (30,522 floats = 122 KB for BERT), and 256
-tokens keep them at 31 MB, under glibc's mmap threshold, where whole batches and 2,048-token pieces were slower
-(``benchmarks/bench_sparse_late.py`` compares the result with sentence-transformers: docs/benchmarks.md)."""
+tokens keep them at 31 MB, under glibc's mmap threshold, so that their memory is reused rather than mapped afresh
+(whole batches against these pieces: docs/history/benchmarks-log.md, "SPLADE and ColBERT";
+``benchmarks/bench_sparse_late.py`` compares the result with sentence-transformers: docs/benchmarks.md)."""
 
 
 def splade_weights(logits: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

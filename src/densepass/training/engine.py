@@ -61,7 +61,8 @@ from densepass.training.embedding_grads import SparseEmbeddingGradients
 from densepass.training.l2sp import L2SP, anchored_parameters, check_l2sp
 
 LOG_NAME = "train_log.jsonl"
-RELEASE_EVERY = 8  # CPU steps between two releases of freed heap memory (a release: about 1% of a MiniLM step)
+RELEASE_EVERY = 8  # CPU steps between two releases of freed heap memory (what a release costs, and why every 8
+# steps: docs/benchmarks.md, "Resident memory of CPU training")
 
 
 def seed_everything(seed: int) -> None:

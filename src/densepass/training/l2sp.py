@@ -85,8 +85,8 @@ class L2SP:
             return self._value(diffs)
 
     def _value(self, diffs: list[torch.Tensor]) -> torch.Tensor:
-        """α/2 · Σ‖w − w₀‖², each sum of squares accumulated in float64 (float32 loses about 1e-5 over a
-        million-weight embedding matrix), returned as float32."""
+        """α/2 · Σ‖w − w₀‖², each sum of squares accumulated in float64 (a float32 sum over a
+        million-weight embedding matrix loses precision), returned as float32."""
         norms = torch._foreach_norm(diffs, dtype=torch.float64)
         return (0.5 * self.alpha * torch.stack(norms).square().sum()).float()
 
