@@ -31,15 +31,21 @@ def main() -> None:
         parser.error("--n must be >= 1")
 
     from densepass.data import load_dataset
+    from densepass.errors import DensepassError
     from densepass.models.splade import FRESH_HEAD_BIAS, SpladeEncoder
 
-    texts = load_dataset(args.dataset, args.data_dir).corpus.passage_inputs(" ")
+    try:
+        texts = load_dataset(args.dataset, args.data_dir).corpus.passage_inputs(" ")
+    except DensepassError as err:
+        parser.error(str(err))
     if args.n > len(texts):
         parser.error(f"--n {args.n} is more than the corpus's {len(texts)} passages")
     sample = [texts[i] for i in np.random.default_rng(0).choice(len(texts), args.n, replace=False)]
     rows = []
     for bias in args.biases:
         model = SpladeEncoder.from_pretrained(args.model, head_bias=bias)
+        if model.head_source == "checkpoint":  # its own head: the bias would not be used, every row the same
+            parser.error(f"--model {args.model} has an MLM head of its own: give a model without one (a fresh head)")
         nonzero = np.diff(model.encode_passages(sample).indptr)
         rows.append({"bias": bias, "mean": float(nonzero.mean()), "median": float(np.median(nonzero)),
                      "vocabulary": model.dim, "default": bias == FRESH_HEAD_BIAS})  # fmt: skip
