@@ -9,10 +9,10 @@ merged gives the same ids, scores and order as one process.
 a first pass in reduced precision; ``exact_search(..., reduced=...)`` then re-scores each query's best
 ``rescore x k`` candidates of that pass in float32 from the full passages, so the top k and their scores are
 fp32's unless a true top-k passage falls outside the candidates (a score error larger than the gap between
-the k-th and the (rescore x k)-th passage; on unit vectors of the order of bf16's relative step, 2^-8, or
-int8's, 1/127). The copy is
-half (bf16) or a quarter (int8) of the float32 corpus; it is faster where the device multiplies bf16
-fast (GPUs, CPUs with AMX or AMD's AVX512-BF16: ``device.cpu_has_fast_bf16``), and slower than float32 elsewhere.
+the k-th and the (rescore x k)-th passage; on unit vectors such errors are of the order of bf16's relative step,
+2^-8, or int8's, 1/127). The copy is half (bf16) or a quarter (int8) of the float32 corpus; it is faster where the
+device multiplies bf16 fast (GPUs, CPUs with AMX or AMD's AVX512-BF16: ``device.cpu_has_fast_bf16``), and slower
+than float32 elsewhere.
 """
 
 from __future__ import annotations
