@@ -246,3 +246,9 @@ def http_client_connection_errors() -> list[BaseException]:
         errors.append(connect("[Errno -2] Name or service not known"))
     assert errors, "no HTTP client of huggingface_hub's is installed"
     return errors
+
+
+ONEDNN_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+"""Whether this CPU runs oneDNN's bf16 products (AVX-512 or AVX-NE-CONVERT): the fused layers run bf16 encoders there
+only (``models.fused.fusable``); an AVX2-only CPU runs bf16 models as ``transformers`` computes them."""
+needs_onednn_bf16 = pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN has no bf16 products on this CPU (AVX2 only)")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
 
+from conftest import needs_onednn_bf16
 from densepass.errors import ConfigError, DataError
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.models.inputs import forward_in_pieces
@@ -230,6 +231,7 @@ def test_fused_layers_with_the_last_on_the_first_position_give_the_full_forwards
             FusedBertEncoder(model.base_model)(**tokens, first_position=True)
 
 
+@needs_onednn_bf16
 def test_bf16_scoring_on_the_cpu_runs_a_fused_copy_near_fp32_and_near_autocast(saved_cross_encoder):
     """bf16 on the CPU scores with a fused bf16 copy (reused while the weights stay), close to fp32 and to the
     bf16 autocast of the model itself; the model stays float32."""

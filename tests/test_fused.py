@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModel
 
-from conftest import tiny_bert_config
+from conftest import needs_onednn_bf16, tiny_bert_config
 from densepass.models import copies as copies_module
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts, inference_runner
@@ -64,6 +64,7 @@ def test_fused_layers_compute_the_encoder_in_float32(seed, lengths, kind):
     torch.testing.assert_close(got[keep], expected[keep], atol=2e-5, rtol=2e-5)
 
 
+@needs_onednn_bf16
 def test_fused_layers_in_bf16_agree_with_bert_in_bf16_to_its_rounding():
     bert = random_encoder(1, torch.bfloat16)
     ids, mask = right_padded(1, [40, 33, 7, 1])
@@ -109,6 +110,7 @@ def test_fused_layers_read_token_types_and_refuse_what_they_do_not_compute():
             fused(input_ids=ids, attention_mask=mask, **refused)
 
 
+@needs_onednn_bf16
 def test_a_model_with_a_head_gets_the_encoder_under_its_head_fused():
     """SPLADE's MLM: ``bf16_copy`` fuses its ``bert`` and keeps the head; the logits agree with the model's own in
     bf16 to bf16 rounding, and the model is left in float32."""
@@ -179,6 +181,21 @@ def test_the_fused_layers_are_for_x86_64_only(monkeypatch):
     assert not fusable(random_encoder(4))
 
 
+def test_bf16_layers_are_fused_only_where_onednn_runs_bf16(tiny_model_dir, monkeypatch):
+    """On a CPU where oneDNN has no bf16 products (AVX2 only: its fused linear kernels refuse bf16), float32
+    encoders still fuse, bf16 ones run as ``transformers`` models, and bf16 encoding works there."""
+    import densepass.models.fused as fused_module
+
+    monkeypatch.setattr(fused_module, "_onednn_bf16", lambda: False)
+    assert fusable(random_encoder(4)) and not fusable(random_encoder(4, torch.bfloat16))
+    model = BiEncoder.from_pretrained(str(tiny_model_dir))
+    assert not isinstance(inference_runner(model, "bf16", CPU).query_encoder, FusedBertEncoder)
+    embeddings = encode_texts(model, ["tar archiving utility", "X11 window manager"], "passage", device=CPU,
+                              precision="bf16", show_progress=False)  # fmt: skip
+    assert embeddings.shape[0] == 2 and np.isfinite(embeddings).all()
+
+
+@needs_onednn_bf16
 def test_bf16_encoding_on_the_cpu_runs_the_fused_layers_and_agrees_with_the_unfused_copy(tiny_model_dir, monkeypatch):
     model = BiEncoder.from_pretrained(str(tiny_model_dir))
     runner = inference_runner(model, "bf16", CPU)

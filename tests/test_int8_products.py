@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
+from conftest import needs_onednn_bf16
 from densepass.models import cpu_kernels
 
 runs = pytest.mark.skipif(
@@ -191,6 +192,7 @@ def test_int8_layers_reuse_their_buffers_without_changing_a_value():
     assert torch.equal(together[kept], x)
 
 
+@needs_onednn_bf16
 def test_int8_layers_are_refused_where_they_cannot_run(monkeypatch):
     from densepass.models.fused import FusedBertEncoder
 

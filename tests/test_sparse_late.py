@@ -16,6 +16,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 
+from conftest import needs_onednn_bf16
 from densepass.cli import main
 from densepass.config import load_config
 from densepass.errors import ConfigError, DataWarning
@@ -215,6 +216,7 @@ def test_splade_and_colbert_in_bf16_agree_with_fp32(splade, colbert):
     assert {p.dtype for p in splade.parameters()} == {p.dtype for p in colbert.parameters()} == {torch.float32}
 
 
+@needs_onednn_bf16
 @pytest.mark.filterwarnings("ignore:precision bf16:UserWarning")
 def test_bf16_encoding_runs_a_fused_copy_made_once_per_weights(tiny_model_dir):
     """SPLADE's copy fuses the encoder under its MLM head, ColBERT's the encoder; both are reused until the

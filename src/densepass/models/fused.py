@@ -32,6 +32,7 @@ without AMX), ranking as fp32 does within int8's rounding (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import functools
 import platform
 from collections.abc import Callable
 
@@ -58,13 +59,15 @@ def fusable(encoder: nn.Module) -> bool:
     """Whether ``encoder`` is a ``transformers`` BERT, RoBERTa or XLM-R encoder (``FUSABLE_TYPES``) that the fused
     layers compute exactly (absolute positions, exact GELU, no cross-attention), on an x86-64 CPU whose torch has
     oneDNN's fused linear kernels (Arm builds route oneDNN through the Arm Compute Library, which TorchInductor does
-    not fuse into either)."""
+    not fuse into either); in bf16, only where oneDNN runs bf16 products on this CPU (AVX-512 or AVX-NE-CONVERT:
+    not on AVX2-only CPUs, where the ``transformers`` model runs in bf16 as it is)."""
     config = getattr(encoder, "config", None)
     return (
         config is not None
         and hasattr(encoder, "embeddings")  # the encoder itself, not a model with a head on it
         and hasattr(getattr(encoder, "encoder", None), "layer")
         and getattr(config, "model_type", None) in FUSABLE_TYPES
+        and (encoder.embeddings.word_embeddings.weight.dtype != torch.bfloat16 or _onednn_bf16())
         and config.hidden_act == "gelu"
         and getattr(config, "position_embedding_type", "absolute") == "absolute"
         and not config.is_decoder
@@ -73,6 +76,12 @@ def fusable(encoder: nn.Module) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether this torch's oneDNN runs bf16 products on this CPU (its fused linear kernels refuse bf16 elsewhere)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def int8_runs(encoder: nn.Module) -> bool:
@@ -260,7 +269,7 @@ class FusedBertEncoder(nn.Module):
         >>> from transformers import AutoModel, AutoTokenizer
         >>> from densepass.models.biencoder import resolve_model_path
         >>> path = resolve_model_path("all-MiniLM-L6-v2")
-        >>> bert = AutoModel.from_pretrained(path).to(torch.bfloat16).eval()
+        >>> bert = AutoModel.from_pretrained(path).eval()  # float32 here; bf16 where oneDNN runs bf16
         >>> tokens = AutoTokenizer.from_pretrained(path)(["audio editor", "a tar archiver for tapes"], padding=True,
         ...                                            return_tensors="pt")
         >>> FusedBertEncoder(bert)(tokens["input_ids"], tokens["attention_mask"]).last_hidden_state.shape
