@@ -1,13 +1,15 @@
-"""The two builds of the C++ CPU kernels (``models.cpu_kernels.KINDS``: AMX tiles, AVX512-BF16 registers): which one a
-CPU runs (faked CPU flags, faked libraries: any machine), how each is built and named, and each one's every kernel,
-a whole fused layer and a whole fused encoder against float64 references at odd lengths (1, 7, 33, 129 tokens) and
-the widths of MiniLM (384 in 12 heads of 32, inner 1,536) and of a tiny model (64 in 2 heads of 32, or 128 in 2 of
-64). The numeric tests run each build the CPU has (``kind``: both on an AMX CPU, the AVX512-BF16 one on AMD Zen 4
-and 5) and skip elsewhere."""
+"""The builds of the C++ CPU kernels (``models.cpu_kernels.KINDS``: the layers on AMX tiles or AVX512-BF16 registers,
+the training kernels alone on AVX2): which one a CPU runs (faked CPU flags, faked libraries: any machine), how each is
+built and named, and each layer build's every kernel, a whole fused layer and a whole fused encoder against float64
+references at odd lengths (1, 7, 33, 129 tokens) and the widths of MiniLM (384 in 12 heads of 32, inner 1,536) and
+of a tiny model (64 in 2 heads of 32, or 128 in 2 of 64). The numeric tests run each layer build the CPU has
+(``kind``: both on an AMX CPU, the AVX512-BF16 one on AMD Zen 4 and 5) and skip elsewhere; tests/test_dropout.py
+runs the training kernels of every build the CPU has."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import re
@@ -42,10 +44,11 @@ ZEN4_CPU = cpu_kernels.AVX512_REQUIRED | {"AuthenticAMD", "avx2", "avx512_vnni"}
 AVX2_CPU = frozenset({"AuthenticAMD", "avx", "avx2", "fma", "f16c"})
 
 
-@pytest.fixture(params=cpu_kernels.KINDS)
+@pytest.fixture(params=cpu_kernels.LAYER_KINDS)
 def kind(request, monkeypatch):
-    """Each build of the kernels in turn, loaded alone (``$DENSEPASS_CPU_KERNEL_KIND``); skipped where the CPU has
-    not its flags or no C++ compiler is found. The build the process runs otherwise is loaded again afterwards."""
+    """Each build of the layers' kernels in turn, loaded alone (``$DENSEPASS_CPU_KERNEL_KIND``); skipped where the
+    CPU has not its flags or no C++ compiler is found. The build the process runs otherwise is loaded again
+    afterwards."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
     if request.param not in cpu_kernels.kinds():
@@ -85,20 +88,26 @@ def random_model(seed: int, layers: int, sizes: dict) -> torch.nn.Module:
 
 
 def test_the_best_build_the_cpu_has_comes_first(monkeypatch):
-    """AMX before AVX512-BF16 where the CPU has both, AVX512-BF16 alone on AMD Zen 4 (or Intel without AMX), none on
-    an AVX2-only CPU (torch's path); ``$DENSEPASS_CPU_KERNEL_KIND`` takes one build alone where the CPU has it, and
-    another value is one line."""
+    """AMX before AVX512-BF16 where the CPU has both, AVX512-BF16 alone on AMD Zen 4 (or Intel without AMX), the
+    training kernels alone (``avx2``) last, and alone on an AVX2-only CPU; none without AVX2, FMA and F16C (torch's
+    path); ``$DENSEPASS_CPU_KERNEL_KIND`` takes one build alone where the CPU has it, and another value is one
+    line."""
     monkeypatch.delenv(cpu_kernels.KIND_ENV, raising=False)
     assert cpu_kernels.kinds(AMX_CPU) == ["amx", "avx512_bf16"]
+    assert cpu_kernels.kinds(AMX_CPU | AVX2_CPU) == ["amx", "avx512_bf16", "avx2"]
     assert cpu_kernels.kinds(ZEN4_CPU) == ["avx512_bf16"]
-    assert cpu_kernels.kinds(AVX2_CPU) == []
+    assert cpu_kernels.kinds(AVX2_CPU) == ["avx2"]
+    assert cpu_kernels.kinds(AVX2_CPU - {"f16c"}) == []
     assert cpu_kernels.kinds(ZEN4_CPU - {"avx512_bf16"}) == []  # AVX-512 without its bf16 dot products
     monkeypatch.setenv(cpu_kernels.KIND_ENV, "avx512_bf16")
     assert cpu_kernels.kinds(AMX_CPU) == ["avx512_bf16"]
     monkeypatch.setenv(cpu_kernels.KIND_ENV, "amx")
     assert cpu_kernels.kinds(AMX_CPU) == ["amx"] and cpu_kernels.kinds(ZEN4_CPU) == []
     monkeypatch.setenv(cpu_kernels.KIND_ENV, "avx2")
-    with pytest.raises(ConfigError, match=r"^\$DENSEPASS_CPU_KERNEL_KIND must be one of amx, avx512_bf16, got 'avx2'$"):
+    assert cpu_kernels.kinds(AMX_CPU | AVX2_CPU) == ["avx2"] and cpu_kernels.kinds(ZEN4_CPU) == []
+    monkeypatch.setenv(cpu_kernels.KIND_ENV, "sse4")
+    with pytest.raises(ConfigError, match=r"^\$DENSEPASS_CPU_KERNEL_KIND must be one of amx, avx512_bf16, avx2, got "
+                                          r"'sse4'$"):  # fmt: skip
         cpu_kernels.kinds(ZEN4_CPU)
     monkeypatch.delenv(cpu_kernels.KIND_ENV)
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "aarch64")
@@ -176,29 +185,36 @@ def test_a_build_that_does_not_run_hands_over_to_the_next(monkeypatch, amx, warn
 
 
 def test_each_build_has_its_flags_its_library_name_and_its_manifest(tmp_path, monkeypatch):
-    """The AVX512-BF16 build is compiled without AMX (no ``-mamx-*``: its code has no tile instructions) under a
-    name of its own, so the two never take each other's library: a cache holding both holds two libraries and two
-    manifests, each recording its kind and flags; an unknown kind is refused."""
+    """The AVX512-BF16 build is compiled without AMX (no ``-mamx-*``: its code has no tile instructions) and the
+    AVX2 build from its own source without AVX-512, each under a name of its own, so no build takes another's
+    library: a cache holding all three holds three libraries and three manifests, each recording its kind, flags
+    and source; an unknown kind is refused."""
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         pytest.skip("no C++ compiler")
     source = tmp_path / "tiny.cpp"
     source.write_text('extern "C" int densepass_tiny() { return 7; }\n')
+    train_source = tmp_path / "tiny_train.cpp"
+    train_source.write_text('extern "C" int densepass_tiny() { return 3; }\n')
     monkeypatch.setattr(cpu_kernels, "SOURCE", source)
+    monkeypatch.setattr(cpu_kernels, "TRAIN_SOURCE", train_source)
     cache = tmp_path / "cache"
     monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(cache))
     assert not any(flag.startswith("-mamx") for flag in cpu_kernels.AVX512_FLAGS)
     assert set(cpu_kernels.FLAGS) - set(cpu_kernels.AVX512_FLAGS) == {"-mamx-tile", "-mamx-bf16", "-mamx-int8"}
+    assert not any(flag.startswith(("-mamx", "-mavx512")) for flag in cpu_kernels.AVX2_FLAGS)
     built = {}
     for kind in cpu_kernels.KINDS:
         inputs = cpu_kernels._inputs(compiler, kind)
         built[kind] = cpu_kernels._built(compiler, None, inputs)
         manifest = json.loads(built[kind].with_suffix(".json").read_text())
         assert manifest["kind"] == kind and manifest["flags"] == list(inputs["flags"])
+        assert manifest["source_sha256"] == hashlib.sha256(cpu_kernels._source(kind).read_bytes()).hexdigest()
     assert built["amx"].name.startswith("cpu_kernels-") and built["avx512_bf16"].name.startswith(
         "cpu_kernels_avx512bf16-"
     )
-    assert cpu_kernels._inputs(compiler, "amx")["key"] != cpu_kernels._inputs(compiler, "avx512_bf16")["key"]
+    assert built["avx2"].name.startswith("cpu_train_kernels_avx2-")
+    assert len({cpu_kernels._inputs(compiler, kind)["key"] for kind in cpu_kernels.KINDS}) == 3
     assert sorted(p.name for p in cache.iterdir()) == sorted(
         name for path in built.values() for name in (path.name, path.with_suffix(".json").name)
     )

@@ -1,12 +1,14 @@
 """CPU dropout with counter-based masks (models.dropout): the draws against SplitMix64 computed one word at a time,
 the distribution and scale of the masks, the same mask forwards and backwards, masks that follow torch's seed (and
 replay), attention that equals SDPA's when nothing is dropped, and a switch that changes neither what a model
-computes in evaluation nor what it saves. Where the CPU kernels run: their draws and dropout equal NumPy's, and the
-fused attention probabilities (forward and backward) against float64 and against the unfused path."""
+computes in evaluation nor what it saves. For each build of the CPU kernels this CPU runs (``build``: AMX,
+AVX512-BF16, AVX2): their draws and dropout equal NumPy's, and the fused attention probabilities (forward and
+backward) against float64 and against the unfused path."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -32,7 +34,28 @@ from densepass.models.dropout import (
 )
 
 CPU = torch.device("cpu")
-needs_kernels = pytest.mark.skipif(not cpu_kernels.trains(), reason="the CPU kernels need AMX or AVX512-BF16")
+
+
+@pytest.fixture(scope="module", params=cpu_kernels.KINDS)
+def build(request):
+    """Each build of the kernels this CPU runs, loaded alone (``$DENSEPASS_CPU_KERNEL_KIND``) for the module's tests
+    that take it (module-scoped: hypothesis runs many examples per test); skipped where the CPU has not its flags
+    or it does not load. The build the process runs otherwise is loaded again afterwards."""
+    if request.param not in cpu_kernels.kinds():
+        pytest.skip(f"the CPU cannot run the {request.param} kernels")
+    before = os.environ.get(cpu_kernels.KIND_ENV)
+    os.environ[cpu_kernels.KIND_ENV] = request.param
+    cpu_kernels._library.cache_clear()
+    try:
+        if not cpu_kernels.trains() or cpu_kernels.kind() != request.param:
+            pytest.skip(f"the {request.param} kernels did not load")
+        yield request.param
+    finally:
+        if before is None:
+            os.environ.pop(cpu_kernels.KIND_ENV, None)
+        else:
+            os.environ[cpu_kernels.KIND_ENV] = before
+        cpu_kernels._library.cache_clear()
 
 
 def splitmix64_word(seed: int, word: int) -> int:
@@ -167,18 +190,16 @@ def test_nothing_changes_off_the_cpu():
     assert any(type(m) is torch.nn.Dropout for m in model.modules())
 
 
-@needs_kernels
 @given(st.integers(0, 2**62), st.integers(0, 10**9), st.integers(1, 200))
 @settings(max_examples=40, deadline=None)
-def test_the_kernels_draw_what_numpy_draws(seed, first, count):
+def test_the_kernels_draw_what_numpy_draws(build, seed, first, count):
     assert cpu_kernels.dropout_draws(seed, count, first).tolist() == draws(seed, count, first).tolist()
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @given(n=st.integers(1, 9000), p=st.sampled_from([0.1, 0.5, 0.97, 1.0]), seed=st.integers(0, 2**62))
 @settings(max_examples=25, deadline=None)
-def test_kernel_dropout_equals_numpy_dropout(dtype, n, p, seed):
+def test_kernel_dropout_equals_numpy_dropout(build, dtype, n, p, seed):
     x = torch.randn(n).to(dtype)
     threshold, scale = keep_threshold(p)
     keep = torch.from_numpy(draws(seed, n) < threshold)
@@ -199,18 +220,17 @@ def _reference_probs(scores, mask, scale, seed, p):
     return probs, probs * keep * keep_scale, keep
 
 
-@needs_kernels
 @given(
     batch=st.integers(1, 3),
     heads=st.integers(1, 3),
     queries=st.integers(1, 20),
-    keys=st.integers(1, 40),
+    keys=st.integers(1, 150),
     mask_kind=st.sampled_from(["none", "keys", "full"]),
     p=st.sampled_from([0.1, 0.5]),
     seed=st.integers(0, 2**62),
 )
 @settings(max_examples=40, deadline=None)
-def test_softmax_dropout_forward_and_backward_against_float64(batch, heads, queries, keys, mask_kind, p, seed):
+def test_softmax_dropout_forward_and_backward_against_float64(build, batch, heads, queries, keys, mask_kind, p, seed):
     generator = torch.Generator().manual_seed(seed % 2**31)
     scores = (torch.randn(batch, heads, queries, keys, generator=generator) * 3).to(torch.bfloat16)
     mask = None
@@ -240,9 +260,8 @@ def test_softmax_dropout_forward_and_backward_against_float64(batch, heads, quer
     torch.testing.assert_close(got.double(), reference.grad, rtol=2e-2, atol=1e-2 * scale_of_terms * scale + 1e-6)
 
 
-@needs_kernels
 @pytest.mark.parametrize("masked", [False, True])
-def test_fused_attention_equals_the_unfused_path_under_autocast(monkeypatch, masked):
+def test_fused_attention_equals_the_unfused_path_under_autocast(build, monkeypatch, masked):
     """The same seed gives the same masks on both paths, so the fused kernel's attention output and the gradients
     of queries, keys and values equal the torch operations' (DENSEPASS_CPU_KERNELS=0) to bf16 rounding."""
 

@@ -138,7 +138,7 @@ def test_the_key_names_the_cpu_code_path_that_encodes(tiny_model_dir, monkeypatc
         monkeypatch.setenv(cpu_kernels.ENV, switch)
         keys[switch] = {p: cache_key(model, "corpus", p, 16, 64, CPU) for p in ("fp32", "bf16")}
     assert keys["1"]["fp32"] == keys["0"]["fp32"]
-    assert (keys["1"]["bf16"] != keys["0"]["bf16"]) == (cpu_kernels.kind() is not None)
+    assert (keys["1"]["bf16"] != keys["0"]["bf16"]) == (cpu_kernels.layer_kind() is not None)
 
 
 def test_a_cache_dir_that_is_a_file_is_one_line_before_any_work(tiny_model_dir, tiny_beir, tmp_path):

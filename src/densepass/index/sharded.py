@@ -235,7 +235,7 @@ def cache_key(
     tokenizer = model.tokenizer
     kernels = None
     if device.type == "cpu" and precision != "fp32" and env_switch(cpu_kernels.ENV) is not False:
-        kernels = cpu_kernels.kind()
+        kernels = cpu_kernels.layer_kind()
     return fingerprint_json(
         {
             "encoder": encoder or encoder_fingerprint(model, precision),

@@ -1,5 +1,6 @@
 """bf16 kernels of the fused BERT layers on x86 CPUs with AMX or AVX512-BF16: the query, key and value product with
-attention, and all that follows it, in C++ (on AMX tiles, or on AVX-512 registers with ``vdpbf16ps``).
+attention, and all that follows it, in C++ (on AMX tiles, or on AVX-512 registers with ``vdpbf16ps``); and the
+training kernels (dropout, attention's softmax with its dropout) on those CPUs and on AVX2-only ones.
 
 SDPA's CPU flash-attention kernel ran MiniLM's attention (12 heads of 32 dimensions over rows of under a hundred
 tokens) far below the rate of the layer's products, and was the largest single part of a fused layer's time, with
@@ -36,24 +37,30 @@ draws; the backward pass draws the mask again), and ``softmax_dropout`` computes
 their dropout from bf16 scores a row at a time, with its backward pass (``softmax_dropout_backward``): what a bf16
 training step on the CPU runs instead of torch's chain of operations over the whole score tensor.
 
-One source (``csrc/cpu_kernels.cpp``), two builds (``KINDS``), chosen at run time by the CPU's flags, best first:
+Three builds (``KINDS``), chosen at run time by the CPU's flags, best first; two from one source
+(``csrc/cpu_kernels.cpp``), the layers' kernels and the training kernels:
 ``amx`` (Intel Sapphire Rapids and later: the products and attention's two products on AMX tiles) and
 ``avx512_bf16`` (AMD Zen 4 and 5, Intel Cooper Lake, Ice Lake with BF16, or a Sapphire Rapids VM that hides AMX:
 the same kernels with the products on AVX-512 registers, ``vdpbf16ps`` on pairs of bf16 along the depth, 8 rows x
 32 columns of float32 accumulators at a time, the weights in the same ``tile_layout``, which is also the operand
 layout ``vdpbf16ps`` takes). Each kind is built without the other's instructions (no ``-mamx-*`` for
-``avx512_bf16``) under a library name of its own. They are built with the system's C++ compiler on first use, into
-a cache keyed by the source, the flags and the compiler (``$DENSEPASS_KERNEL_CACHE``, else
-``~/.cache/densepass/kernels``), and loaded with ``ctypes``. Where the CPU has neither, no compiler is found or the
-builds fail (a warning, once), the fused layers run SDPA and torch's layer norm on padded batches, as they do in
-float32 (and on AVX2-only CPUs). ``$DENSEPASS_CPU_KERNELS=0`` turns the kernels off (to compare);
-``$DENSEPASS_CPU_KERNEL_KIND`` (``amx`` or ``avx512_bf16``, read once per process) takes that kind alone, where the
-CPU has it (an AMX CPU runs the AVX512-BF16 kernels to compare them).
+``avx512_bf16``) under a library name of its own. The third, ``avx2`` (AMD Zen 2 and 3, Intel Haswell to Ice Lake
+client parts: CPUs without AVX-512), holds the training kernels alone, from a source of their own in plain C++
+(``csrc/cpu_train_kernels.cpp``, vectorised by the compiler for AVX2, FMA and F16C): the same draws and results, so
+that an fp32 step there draws its dropout masks in parallel C++ instead of in NumPy on one thread. The builds are
+made with the system's C++ compiler on first use, into a cache keyed by the source, the flags and the compiler
+(``$DENSEPASS_KERNEL_CACHE``, else ``~/.cache/densepass/kernels``), and loaded with ``ctypes``. Where no build of
+``LAYER_KINDS`` runs (``usable``, ``layer_kind``: an AVX2-only CPU, no compiler found, or the builds failed, with a
+warning once), the fused layers run SDPA and torch's layer norm on padded batches, as they do in float32; where none
+runs at all, dropout draws its masks in NumPy. ``$DENSEPASS_CPU_KERNELS=0`` turns the kernels off (to compare);
+``$DENSEPASS_CPU_KERNEL_KIND`` (one of ``KINDS``, read once per process) takes that kind alone, where the CPU has it
+(an AMX CPU runs the AVX512-BF16 kernels to compare them).
 
 densepass loads no native code it did not build for this user. The cache is private to its user: a directory (made 0700)
 that the user owns and group and others cannot write to, below directories only the user or root can change; a cache
 shared by several users is not supported. Each library (0700) has a manifest beside it (``cpu_kernels-<key>.json``,
-``cpu_kernels_avx512bf16-<key>.json``: its size and sha256, the compiler's version, the flags, the source's digest), and
+``cpu_kernels_avx512bf16-<key>.json``, ``cpu_train_kernels_avx2-<key>.json``: its size and sha256, the compiler's
+version, the flags, the source's digest), and
 is loaded only where both are the user's plain files (no link followed), the library's digest, taken from the descriptor
 it is then loaded through (``/proc/self/fd/N``), matching the manifest. A damaged entry of the user's is built again;
 where the cache directory or an entry in it is not the user's alone (another user's file, a link, a directory others can
@@ -94,6 +101,8 @@ from densepass.errors import ConfigError
 from densepass.io import atomic_write_text
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+TRAIN_SOURCE = Path(__file__).with_name("csrc") / "cpu_train_kernels.cpp"
+"""The ``avx2`` build's source: the training kernels alone, in plain C++ that the compiler vectorises."""
 SIZES = (32, 64)
 """Head sizes ``self_attention`` takes (one or two 32-deep tile steps)."""
 MAX_NORM_WIDTH = 2048
@@ -115,12 +124,21 @@ AVX512_FLAGS = tuple(flag for flag in FLAGS if not flag.startswith("-mamx"))
 compiler defines ``__AMX_TILE__``)."""
 AVX512_REQUIRED = frozenset({"avx512f", "avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl", "avx512dq", "fma"})
 """The CPU flags the AVX512-BF16 kernels need: AMD Zen 4 and later, Intel Cooper Lake, Sapphire Rapids."""
-KINDS = ("amx", "avx512_bf16")
+AVX2_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-trapping-math", "-mavx2", "-mfma", "-mf16c")
+"""Compiler flags of the ``avx2`` build (``TRAIN_SOURCE``): ``-fno-trapping-math`` lets the compiler compute both
+sides of a select (dropout's kept and dropped elements) and so vectorise its loops; no ``-ffast-math``, whose
+finite-only arithmetic would break the masked keys' -inf."""
+AVX2_REQUIRED = frozenset({"avx2", "fma", "f16c"})
+"""The CPU flags the ``avx2`` build needs: x86-64 server CPUs since Intel Haswell and AMD Zen."""
+KINDS = ("amx", "avx512_bf16", "avx2")
 """The builds of the kernels, best first."""
+LAYER_KINDS = ("amx", "avx512_bf16")
+"""The builds that hold the fused layers' kernels (``usable``); ``avx2`` holds the training kernels alone."""
 KIND_ENV = "DENSEPASS_CPU_KERNEL_KIND"
-"""Set to ``amx`` or ``avx512_bf16`` to take that build alone (where the CPU has it); unset: the best it has."""
-_LIBRARY_NAMES = {"amx": "cpu_kernels", "avx512_bf16": "cpu_kernels_avx512bf16"}
-_KIND_NUMBERS = {"amx": 1, "avx512_bf16": 2}  # what each build's densepass_kind() returns
+"""Set to one of ``KINDS`` to take that build alone (where the CPU has it); unset: the best it has."""
+_LIBRARY_NAMES = {"amx": "cpu_kernels", "avx512_bf16": "cpu_kernels_avx512bf16", "avx2": "cpu_train_kernels_avx2"}
+_KIND_NUMBERS = {"amx": 1, "avx512_bf16": 2, "avx2": 3}  # what each build's densepass_kind() returns
+_FLAGS = {"amx": FLAGS, "avx512_bf16": AVX512_FLAGS, "avx2": AVX2_FLAGS}
 
 
 def kinds(words: frozenset[str] | None = None) -> list[str]:
@@ -133,7 +151,7 @@ def kinds(words: frozenset[str] | None = None) -> list[str]:
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return []
     words = cpuinfo_words() if words is None else words
-    runs = {"amx": REQUIRED <= words, "avx512_bf16": AVX512_REQUIRED <= words}
+    runs = {"amx": REQUIRED <= words, "avx512_bf16": AVX512_REQUIRED <= words, "avx2": AVX2_REQUIRED <= words}
     return [kind for kind in KINDS if runs[kind] and wanted in ("", kind)]
 
 
@@ -143,16 +161,23 @@ def kind() -> str | None:
     return None if library is None else library.kind
 
 
+def layer_kind() -> str | None:
+    """The build that runs the fused layers' kernels in this process (``kind`` where it is one of
+    ``LAYER_KINDS``), None where torch's operations run them (no build, or ``avx2``'s training kernels alone)."""
+    built = kind()
+    return built if built in LAYER_KINDS else None
+
+
 def usable(x: torch.Tensor, size: int) -> bool:
     """Whether the kernels run the layers of ``x`` (bf16 on the CPU) with heads of ``size``: a head size in
-    ``SIZES``, the kernels not turned off (``ENV``), and built and loaded on this CPU."""
+    ``SIZES``, the kernels not turned off (``ENV``), and a build of ``LAYER_KINDS`` loaded on this CPU."""
     switched_off = env_switch(ENV) is False  # a value other than 0 or 1 fails on any input
     return (
         x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and size in SIZES
         and not switched_off
-        and _library() is not None
+        and layer_kind() is not None
     )
 
 
@@ -609,15 +634,6 @@ def _library() -> ctypes.CDLL | None:
             continue
         library.kind = candidate
         pointer, size, number_ = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        library.densepass_attention.argtypes = [*[pointer] * 4, *[size] * 3, number_, ctypes.c_int]
-        library.densepass_layer_norm.argtypes = [*[pointer] * 4, *[size] * 2, number_, ctypes.c_int]
-        library.densepass_after_attention.argtypes = [pointer, pointer, size, ctypes.POINTER(_LayerWeights),
-                                                      pointer, ctypes.c_int]  # fmt: skip
-        library.densepass_embed.argtypes = [*[pointer] * 3, size, *[pointer] * 5, number_, size, pointer,
-                                            ctypes.c_int]  # fmt: skip
-        library.densepass_qkv_attention.argtypes = [*[pointer] * 3, size, pointer, pointer, size, size, number_,
-                                                    pointer, ctypes.c_int]  # fmt: skip
-        library.densepass_gelu.argtypes, library.densepass_gelu.restype = [pointer, pointer, size], None
         seed, count = ctypes.c_uint64, ctypes.c_uint32
         library.densepass_dropout.argtypes = [pointer, pointer, size, ctypes.c_int, seed, count, number_,
                                               ctypes.c_int]  # fmt: skip
@@ -627,6 +643,17 @@ def _library() -> ctypes.CDLL | None:
                                                                number_, pointer, ctypes.c_int]  # fmt: skip
         library.densepass_dropout_draws.argtypes = [seed, size, size, pointer]
         library.densepass_dropout_draws.restype = None
+        if candidate not in LAYER_KINDS:  # the training kernels alone
+            return library
+        library.densepass_attention.argtypes = [*[pointer] * 4, *[size] * 3, number_, ctypes.c_int]
+        library.densepass_layer_norm.argtypes = [*[pointer] * 4, *[size] * 2, number_, ctypes.c_int]
+        library.densepass_after_attention.argtypes = [pointer, pointer, size, ctypes.POINTER(_LayerWeights),
+                                                      pointer, ctypes.c_int]  # fmt: skip
+        library.densepass_embed.argtypes = [*[pointer] * 3, size, *[pointer] * 5, number_, size, pointer,
+                                            ctypes.c_int]  # fmt: skip
+        library.densepass_qkv_attention.argtypes = [*[pointer] * 3, size, pointer, pointer, size, size, number_,
+                                                    pointer, ctypes.c_int]  # fmt: skip
+        library.densepass_gelu.argtypes, library.densepass_gelu.restype = [pointer, pointer, size], None
         library.densepass_int8_linear.argtypes = [
             pointer,
             size,
@@ -672,25 +699,30 @@ def _cache_path() -> Path:
 
 def _inputs(compiler: str, kind: str = "amx") -> dict:
     """What a library of ``kind`` (``KINDS``) is built from, as its manifest records it: the kind, the cache key (of
-    the source, the flags and the compiler's version), the compiler's version, the flags (``FLAGS`` or
-    ``AVX512_FLAGS``) and the source's digest."""
+    the source, the flags and the compiler's version), the compiler's version, the flags (``FLAGS``,
+    ``AVX512_FLAGS`` or ``AVX2_FLAGS``) and the source's digest."""
     if kind not in KINDS:
         raise ValueError(f"no such build of the kernels: {kind!r}")
-    flags = FLAGS if kind == "amx" else AVX512_FLAGS
+    flags = _FLAGS[kind]
     run = functools.partial(subprocess.run, capture_output=True, text=True, errors="replace", check=True)
     version = run([compiler, "--version"]).stdout
-    source = SOURCE.read_bytes()
+    source = _source(kind).read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode()])).hexdigest()[:16]
     source_digest = hashlib.sha256(source).hexdigest()
     return {"kind": kind, "key": key, "compiler_version": version, "flags": list(flags), "source_sha256": source_digest}
 
 
+def _source(kind: str) -> Path:
+    """The source a build of ``kind`` compiles: ``TRAIN_SOURCE`` for ``avx2``, else ``SOURCE``."""
+    return TRAIN_SOURCE if kind == "avx2" else SOURCE
+
+
 def _built(compiler: str, cache: Path | None = None, inputs: dict | None = None) -> Path:
-    """The shared library built from ``SOURCE`` by ``compiler`` in ``cache`` (default: the private cache directory,
-    ``_Refused`` where it is not private), where a verified one is there already (``_verified``), else compiled into
-    it: under a lock on the directory (parallel builds build once), owner-only (0700), its manifest
-    ``cpu_kernels-<key>.json`` (``cpu_kernels_avx512bf16-<key>.json`` for that kind: the library's size and sha256,
-    the build's inputs) written atomically before the library is renamed to its final name. An entry that is not
+    """The shared library built from its kind's source (``SOURCE``; ``TRAIN_SOURCE`` for ``avx2``) by ``compiler``
+    in ``cache`` (default: the private cache directory, ``_Refused`` where it is not private), where a verified one
+    is there already (``_verified``), else compiled into it: under a lock on the directory (parallel builds build
+    once), owner-only (0700), its manifest ``<library name>-<key>.json`` (the library's size and sha256, the build's
+    inputs) written atomically before the library is renamed to its final name. An entry that is not
     this user's plain file is ``_Refused``, never replaced."""
     inputs = _inputs(compiler) if inputs is None else inputs
     cache = _private_directory(_cache_path(), create=True) if cache is None else cache
@@ -706,7 +738,7 @@ def _built(compiler: str, cache: Path | None = None, inputs: dict | None = None)
         handle, partial = tempfile.mkstemp(dir=cache, prefix=target.name, suffix=".tmp")
         os.close(handle)
         try:
-            run([compiler, *inputs["flags"], str(SOURCE), "-o", partial])
+            run([compiler, *inputs["flags"], str(_source(inputs["kind"])), "-o", partial])
             fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             try:  # the compiler's file (a linker writes a new one, its mode from the umask)
                 info = os.fstat(fd)
