@@ -220,6 +220,7 @@ def _reference_probs(scores, mask, scale, seed, p):
     return probs, probs * keep * keep_scale, keep
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @given(
     batch=st.integers(1, 3),
     heads=st.integers(1, 3),
@@ -230,9 +231,13 @@ def _reference_probs(scores, mask, scale, seed, p):
     seed=st.integers(0, 2**62),
 )
 @settings(max_examples=40, deadline=None)
-def test_softmax_dropout_forward_and_backward_against_float64(build, batch, heads, queries, keys, mask_kind, p, seed):
+def test_softmax_dropout_forward_and_backward_against_float64(
+    build, dtype, batch, heads, queries, keys, mask_kind, p, seed
+):
+    """bf16 within bf16's rounding (and the probabilities it keeps in bf16), float32 within float32's."""
     generator = torch.Generator().manual_seed(seed % 2**31)
-    scores = (torch.randn(batch, heads, queries, keys, generator=generator) * 3).to(torch.bfloat16)
+    scores = (torch.randn(batch, heads, queries, keys, generator=generator) * 3).to(dtype)
+    tolerance = {"rtol": 1e-2, "atol": 2e-3} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-6}
     mask = None
     if mask_kind == "keys":  # key padding, broadcast over heads and queries, one row without keys at most
         mask = torch.rand(batch, 1, 1, keys, generator=generator) > 0.3
@@ -244,10 +249,11 @@ def test_softmax_dropout_forward_and_backward_against_float64(build, batch, head
     expected_probs, expected_out, keep = _reference_probs(scores, mask, scale, seed, p)
     empty = (torch.zeros_like(expected_probs, dtype=torch.bool) if mask is None
              else ~mask.expand_as(expected_probs).any(-1, keepdim=True).expand_as(expected_probs))  # fmt: skip
-    torch.testing.assert_close(out.double(), expected_out, rtol=1e-2, atol=2e-3)
-    torch.testing.assert_close(probs.double(), expected_probs.masked_fill(empty, 0.0), rtol=1e-2, atol=2e-3)
+    assert out.dtype == probs.dtype == dtype
+    torch.testing.assert_close(out.double(), expected_out, **tolerance)
+    torch.testing.assert_close(probs.double(), expected_probs.masked_fill(empty, 0.0), **tolerance)
 
-    grad = torch.randn(scores.shape, generator=generator).to(torch.bfloat16)
+    grad = torch.randn(scores.shape, generator=generator).to(dtype)
     reference = scores.double().requires_grad_()
     s = reference * scale
     if mask is not None:
@@ -257,13 +263,19 @@ def test_softmax_dropout_forward_and_backward_against_float64(build, batch, head
     # the probabilities are kept in bf16 (2^-9 relative), so each row's sum c = sum_j dP_j P_j carries an error of
     # about 2^-9 max |P dP|, as large as bf16's rounding of dP itself: the tolerance is on that scale
     scale_of_terms = float((expected_probs * (grad.double() * keep * keep_scale).abs()).max())
-    torch.testing.assert_close(got.double(), reference.grad, rtol=2e-2, atol=1e-2 * scale_of_terms * scale + 1e-6)
+    assert got.dtype == dtype
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got.double(), reference.grad, rtol=2e-2, atol=1e-2 * scale_of_terms * scale + 1e-6)
+    else:
+        torch.testing.assert_close(got.double(), reference.grad, rtol=1e-4, atol=1e-5 * scale_of_terms * scale + 1e-7)
 
 
+@pytest.mark.parametrize("autocast", [True, False])
 @pytest.mark.parametrize("masked", [False, True])
-def test_fused_attention_equals_the_unfused_path_under_autocast(build, monkeypatch, masked):
+def test_fused_attention_equals_the_unfused_path(build, monkeypatch, masked, autocast):
     """The same seed gives the same masks on both paths, so the fused kernel's attention output and the gradients
-    of queries, keys and values equal the torch operations' (DENSEPASS_CPU_KERNELS=0) to bf16 rounding."""
+    of queries, keys and values equal the torch operations' (DENSEPASS_CPU_KERNELS=0): to bf16 rounding under
+    autocast, to float32 rounding in float32."""
 
     class Module:
         is_causal = False
@@ -279,7 +291,7 @@ def test_fused_attention_equals_the_unfused_path_under_autocast(build, monkeypat
         for x in (q, k, v):
             x.grad = None
         torch.manual_seed(7)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out, _ = _attention(Module(), q, k, v, mask, 0.2)
         out.float().pow(2).sum().backward()
         return out.detach().float(), q.grad, k.grad, v.grad
@@ -287,6 +299,7 @@ def test_fused_attention_equals_the_unfused_path_under_autocast(build, monkeypat
     fused = run()
     monkeypatch.setenv(cpu_kernels.ENV, "0")
     unfused = run()
+    relative = 3e-2 if autocast else 1e-5
     for got, expected in zip(fused, unfused):
         assert got.abs().sum() > 0
-        torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-2 * float(expected.abs().max()))
+        torch.testing.assert_close(got, expected, rtol=relative, atol=relative * float(expected.abs().max()))

@@ -550,14 +550,14 @@ def dropout(x: torch.Tensor, seed: int, threshold: int, scale: float) -> torch.T
 def softmax_dropout(
     scores: torch.Tensor, mask: torch.Tensor | None, scale: float, seed: int, threshold: int, keep_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention's probabilities with dropout in one pass: ``scores`` [batch, heads, queries, keys] bf16 ->
-    (out, probs), both bf16 of that shape: probs = softmax(scale x scores) over the keys ``mask`` keeps (bool,
+    """Attention's probabilities with dropout in one pass: ``scores`` [batch, heads, queries, keys] bf16 or float32
+    -> (out, probs), both of that dtype and shape: probs = softmax(scale x scores) over the keys ``mask`` keeps (bool,
     broadcastable to ``scores``; None: all), in float32, kept for the backward pass; out = probs x ``keep_scale``
     where dropout's draws (``dropout``'s, element by element of ``scores``) keep an element, else 0. A row
     without keys: uniform out, zero probs (a zero gradient, as ``masked_fill``'s). Call where ``trains``."""
-    if scores.dtype != torch.bfloat16 or scores.dim() != 4 or scores.device.type != "cpu":
-        raise ValueError(f"softmax_dropout takes bf16 [batch, heads, queries, keys] CPU scores, got {scores.dtype} "
-                         f"{tuple(scores.shape)}")  # fmt: skip
+    if scores.dtype not in (torch.bfloat16, torch.float32) or scores.dim() != 4 or scores.device.type != "cpu":
+        raise ValueError(f"softmax_dropout takes bf16 or float32 [batch, heads, queries, keys] CPU scores, got "
+                         f"{scores.dtype} {tuple(scores.shape)}")  # fmt: skip
     scores = scores.contiguous()
     batch, heads, queries, keys = scores.shape
     strides, pointer = (0, 0, 0), 0
@@ -571,21 +571,22 @@ def softmax_dropout(
     out, probs = torch.empty_like(scores), torch.empty_like(scores)
     _library().densepass_softmax_dropout(scores.data_ptr(), pointer, *strides, batch, heads, queries, keys, scale,
                                          seed, threshold, keep_scale, probs.data_ptr(), out.data_ptr(),
-                                         torch.get_num_threads())  # fmt: skip
+                                         int(scores.dtype == torch.bfloat16), torch.get_num_threads())  # fmt: skip
     return out, probs
 
 
 def softmax_dropout_backward(
     grad: torch.Tensor, probs: torch.Tensor, scale: float, seed: int, threshold: int, keep_scale: float
 ) -> torch.Tensor:
-    """``softmax_dropout``'s backward pass: the gradient of its out (``grad``) -> the gradient of its scores (bf16),
-    scale x P (dP - sum_j dP_j P_j) with dP = ``grad`` x ``keep_scale`` where the same draws keep an element, else
-    0, per row of keys in float32. Call where ``trains``."""
-    grad = grad.to(torch.bfloat16).contiguous()
+    """``softmax_dropout``'s backward pass: the gradient of its out (``grad``) -> the gradient of its scores (of
+    ``probs``' dtype), scale x P (dP - sum_j dP_j P_j) with dP = ``grad`` x ``keep_scale`` where the same draws keep
+    an element, else 0, per row of keys in float32. Call where ``trains``."""
+    grad = grad.to(probs.dtype).contiguous()
     out = torch.empty_like(probs)
     keys = max(probs.shape[-1], 1)  # no keys: no rows to compute either
+    bf16 = int(probs.dtype == torch.bfloat16)
     _library().densepass_softmax_dropout_backward(grad.data_ptr(), probs.data_ptr(), probs.numel() // keys, keys,
-                                                  scale, seed, threshold, keep_scale, out.data_ptr(),
+                                                  scale, seed, threshold, keep_scale, out.data_ptr(), bf16,
                                                   torch.get_num_threads())  # fmt: skip
     return out
 
@@ -638,9 +639,9 @@ def _library() -> ctypes.CDLL | None:
         library.densepass_dropout.argtypes = [pointer, pointer, size, ctypes.c_int, seed, count, number_,
                                               ctypes.c_int]  # fmt: skip
         library.densepass_softmax_dropout.argtypes = [pointer, pointer, *[size] * 7, number_, seed, count, number_,
-                                                      pointer, pointer, ctypes.c_int]  # fmt: skip
+                                                      pointer, pointer, ctypes.c_int, ctypes.c_int]  # fmt: skip
         library.densepass_softmax_dropout_backward.argtypes = [pointer, pointer, size, size, number_, seed, count,
-                                                               number_, pointer, ctypes.c_int]  # fmt: skip
+                                                               number_, pointer, *[ctypes.c_int] * 2]  # fmt: skip
         library.densepass_dropout_draws.argtypes = [seed, size, size, pointer]
         library.densepass_dropout_draws.restype = None
         if candidate not in LAYER_KINDS:  # the training kernels alone

@@ -14,8 +14,9 @@ differs. An element's draw depends on its index alone, so the backward pass draw
 instead of keeping it (no mask in memory between the passes), and threads draw their parts independently.
 
 **Where they run.** Where densepass's CPU kernels load (``models.cpu_kernels.trains``), dropout runs there, and the
-attention of a bf16 step (autocast) computes softmax(scale QK^T + mask), its dropout and its backward pass in one
-kernel a row at a time (``softmax_dropout``) instead of a chain of torch operations over the whole score tensor;
+attention of a step (bf16 under autocast, or float32) computes softmax(scale QK^T + mask), its dropout and its
+backward pass in one kernel a row at a time (``softmax_dropout``) instead of a chain of torch operations over the
+whole score tensor (scale, mask, softmax, dropout, and each one's backward pass);
 elsewhere NumPy draws the same masks (the same stream, tested) and torch applies them. The seeds follow
 ``torch.manual_seed``, are saved and restored with its state in checkpoints (bit-exact resume), and repeat under
 ``device.RandomState`` (gradient caching replays a forward pass).
@@ -119,9 +120,9 @@ class _MaskedScale(torch.autograd.Function):
 
 
 class _SoftmaxDropout(torch.autograd.Function):
-    """dropout(softmax(scale x scores + mask)) of bf16 attention scores, forward and backward each in one kernel
-    (``cpu_kernels.softmax_dropout``): the probabilities are kept in bf16 for the backward pass, the mask drawn
-    again."""
+    """dropout(softmax(scale x scores + mask)) of bf16 or float32 attention scores, forward and backward each in one
+    kernel (``cpu_kernels.softmax_dropout``): the probabilities are kept (in the scores' dtype) for the backward
+    pass, the mask drawn again."""
 
     @staticmethod
     def forward(ctx, scores: torch.Tensor, mask: torch.Tensor | None, scale: float, p: float) -> torch.Tensor:
@@ -174,7 +175,7 @@ def _attention(
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     scores = torch.matmul(query, key.transpose(-1, -2))
     fused = attention_mask is None or attention_mask.dtype == torch.bool
-    if fused and scores.dtype == torch.bfloat16 and scores.dim() == 4 and cpu_kernels.trains():
+    if fused and scores.dtype in (torch.bfloat16, torch.float32) and scores.dim() == 4 and cpu_kernels.trains():
         probs = _SoftmaxDropout.apply(scores, attention_mask, scale, dropout)
         return torch.matmul(probs, value.to(probs.dtype)).transpose(1, 2).contiguous(), None
     scores = scores * scale

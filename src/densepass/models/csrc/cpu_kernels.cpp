@@ -83,6 +83,19 @@ inline __m512 exp2_nonpositive(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 2^t for t <= 0 to float32's precision (float32 softmax in training): the same split, 2^f by its Taylor polynomial
+// of degree 7 (relative error 7e-9 for |f| <= 1/2).
+inline __m512 exp2_nonpositive_exact(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.525273380e-05f);
+  for (const float c : {1.540353039e-04f, 1.333355815e-03f, 9.618129108e-03f, 5.550410866e-02f, 2.402265070e-01f,
+                        6.931471806e-01f, 1.0f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
 // r[j] (16 rows of 16 dwords) transposed in place: afterwards lane i of r[j] is what lane j of r[i] was.
 inline void transpose16(__m512i (&r)[16]) {
   __m512i t[16];
@@ -755,6 +768,115 @@ struct LayerWeights {
   int64_t width, inner_width;
 };
 
+namespace {
+
+// A block's lanes of bf16 (uint16_t) or float32 values, widened to float32; and stored back, rounded to bf16.
+inline __m512 load_lanes(const uint16_t* p, __mmask16 lanes) { return load_bf16(p, lanes); }
+inline __m512 load_lanes(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+inline void store_lanes(uint16_t* p, __m512 v, __mmask16 lanes) { store_bf16(p, v, lanes); }
+inline void store_lanes(float* p, __m512 v, __mmask16 lanes) { _mm512_mask_storeu_ps(p, lanes, v); }
+// exp2 as softmax of T takes it: to bf16's precision for bf16 scores, to float32's for float32 ones.
+inline __m512 exp2_lanes(const uint16_t*, __m512 t) { return exp2_nonpositive(t); }
+inline __m512 exp2_lanes(const float*, __m512 t) { return exp2_nonpositive_exact(t); }
+
+// densepass_softmax_dropout over scores, probs and out of type T (bf16 as uint16_t, or float).
+template <typename T>
+void softmax_dropout(const T* scores, const uint8_t* mask, int64_t mb, int64_t mh, int64_t mq, int64_t batch,
+                     int64_t heads, int64_t queries, int64_t keys, float scale, uint64_t seed, uint32_t threshold,
+                     float keep_scale, T* probs, T* out, int threads) {
+  const int64_t rows = batch * heads * queries;
+  const float log2e = 1.4426950408889634f;
+#pragma omp parallel num_threads(threads)
+  {
+    static thread_local Workspace workspace;  // a row's values and draws, kept from call to call
+    float* e = workspace.floats(0, keys + 16);
+    uint16_t* draws = workspace.halves(1, keys + 48);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t b = r / (heads * queries), h = (r / queries) % heads, i = r % queries;
+      const T* row = scores + r * keys;
+      const uint8_t* m = mask == nullptr ? nullptr : mask + b * mb + h * mh + i * mq;
+      __m512 most = _mm512_set1_ps(-INFINITY);
+      bool any = false;
+      for (int64_t j = 0; j < keys; j += 16) {
+        __mmask16 valid = block_mask(keys - j);
+        if (m != nullptr) valid &= _mm_test_epi8_mask(_mm_maskz_loadu_epi8(valid, m + j), _mm_set1_epi8(-1));
+        any |= valid != 0;
+        const __m512 v = load_lanes(row + j, valid);
+        most = _mm512_mask_max_ps(most, valid, most, v);
+        _mm512_storeu_ps(e + j, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), v));
+      }
+      draws_of(seed, r * keys, keys, draws);
+      T* p_row = probs + r * keys;
+      T* o_row = out + r * keys;
+      if (!any) {  // uniform out, zero kept
+        const __m512 u = _mm512_set1_ps(keep_scale / static_cast<float>(keys));
+        for (int64_t j = 0; j < keys; j += 16) {
+          const __mmask16 valid = block_mask(keys - j), keep = kept16(draws + j, threshold) & valid;
+          store_lanes(p_row + j, _mm512_setzero_ps(), valid);
+          store_lanes(o_row + j, _mm512_maskz_mov_ps(keep, u), valid);
+        }
+        continue;
+      }
+      const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(most));
+      const __m512 factor = _mm512_set1_ps(scale * log2e);
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t j = 0; j < keys; j += 16) {  // exp(scale (s - max)); -inf (masked) gives 0
+        const __mmask16 valid = block_mask(keys - j);
+        const __m512 v = _mm512_maskz_loadu_ps(valid, e + j);
+        const __mmask16 live = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & valid;
+        const __m512 x = _mm512_maskz_mov_ps(live, exp2_lanes(scores, _mm512_mul_ps(_mm512_sub_ps(v, shift), factor)));
+        total = _mm512_add_ps(total, x);
+        _mm512_storeu_ps(e + j, x);
+      }
+      const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+      const __m512 kept_scale = _mm512_set1_ps(keep_scale);
+      for (int64_t j = 0; j < keys; j += 16) {
+        const __mmask16 valid = block_mask(keys - j), keep = kept16(draws + j, threshold) & valid;
+        const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(e + j), inverse);
+        store_lanes(p_row + j, p, valid);
+        store_lanes(o_row + j, _mm512_maskz_mul_ps(keep, p, kept_scale), valid);
+      }
+    }
+  }
+}
+
+// densepass_softmax_dropout_backward over grad, probs and grad_scores of type T.
+template <typename T>
+void softmax_dropout_backward(const T* grad, const T* probs, int64_t rows, int64_t keys, float scale, uint64_t seed,
+                              uint32_t threshold, float keep_scale, T* grad_scores, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    static thread_local Workspace workspace;  // a row's values and draws, kept from call to call
+    float* d = workspace.floats(0, keys + 16);
+    uint16_t* draws = workspace.halves(1, keys + 48);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* g_row = grad + r * keys;
+      const T* p_row = probs + r * keys;
+      draws_of(seed, r * keys, keys, draws);
+      __m512 dot = _mm512_setzero_ps();
+      const __m512 kept_scale = _mm512_set1_ps(keep_scale);
+      for (int64_t j = 0; j < keys; j += 16) {
+        const __mmask16 valid = block_mask(keys - j), keep = kept16(draws + j, threshold) & valid;
+        const __m512 g = load_lanes(g_row + j, keep), p = load_lanes(p_row + j, valid);
+        const __m512 dp = _mm512_mul_ps(g, kept_scale);
+        dot = _mm512_fmadd_ps(dp, p, dot);
+        _mm512_storeu_ps(d + j, dp);
+      }
+      const __m512 c = _mm512_set1_ps(_mm512_reduce_add_ps(dot)), s = _mm512_set1_ps(scale);
+      for (int64_t j = 0; j < keys; j += 16) {
+        const __mmask16 valid = block_mask(keys - j);
+        const __m512 p = load_lanes(p_row + j, valid);
+        const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(d + j), c)), s);
+        store_lanes(grad_scores + r * keys + j, ds, valid);
+      }
+    }
+  }
+}
+
+}  // namespace
+
 extern "C" {
 
 // Which build this is: 1 on AMX tiles, 2 on AVX512-BF16 registers (cpu_kernels.py checks it is the one it built).
@@ -1090,107 +1212,36 @@ int densepass_dropout(const void* x, void* out, int64_t n, int bf16, uint64_t se
 
 // Attention probabilities with dropout, a row of `keys` scores at a time (rows = batch x heads x queries, row r
 // at scores + r keys): P = softmax(scale x scores) over the keys `mask` keeps, computed in float32 and kept
-// (probs, bf16) for the backward pass, and out = P x keep_scale where dropout's draws keep an element (element
-// r keys + j of the call, as densepass_dropout numbers them), else 0, rounded to bf16. mask: bytes (nonzero: a
-// key that is attended to), key j of row r = b heads queries + h queries + i at mask[b mb + h mh + i mq + j], or
-// null for every key. A row without keys gets uniform probabilities out and zeros in probs (so that its
-// gradient is zero, as masked_fill's is). Returns 0.
-int densepass_softmax_dropout(const uint16_t* scores, const uint8_t* mask, int64_t mb, int64_t mh, int64_t mq,
+// (probs) for the backward pass, and out = P x keep_scale where dropout's draws keep an element (element r keys + j
+// of the call, as densepass_dropout numbers them), else 0; scores, probs and out bf16 (bf16: 1, rounded to nearest
+// even) or float32 (0). mask: bytes (nonzero: a key that is attended to), key j of row r = b heads queries +
+// h queries + i at mask[b mb + h mh + i mq + j], or null for every key. A row without keys gets uniform
+// probabilities out and zeros in probs (so that its gradient is zero, as masked_fill's is). Returns 0.
+int densepass_softmax_dropout(const void* scores, const uint8_t* mask, int64_t mb, int64_t mh, int64_t mq,
                               int64_t batch, int64_t heads, int64_t queries, int64_t keys, float scale,
-                              uint64_t seed, uint32_t threshold, float keep_scale, uint16_t* probs, uint16_t* out,
+                              uint64_t seed, uint32_t threshold, float keep_scale, void* probs, void* out, int bf16,
                               int threads) {
-  const int64_t rows = batch * heads * queries;
-  const float log2e = 1.4426950408889634f;
-#pragma omp parallel num_threads(threads)
-  {
-    static thread_local Workspace workspace;  // a row's values and draws, kept from call to call
-    float* e = workspace.floats(0, keys + 16);
-    uint16_t* draws = workspace.halves(1, keys + 48);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t b = r / (heads * queries), h = (r / queries) % heads, i = r % queries;
-      const uint16_t* row = scores + r * keys;
-      const uint8_t* m = mask == nullptr ? nullptr : mask + b * mb + h * mh + i * mq;
-      __m512 most = _mm512_set1_ps(-INFINITY);
-      bool any = false;
-      for (int64_t j = 0; j < keys; j += 16) {
-        __mmask16 valid = block_mask(keys - j);
-        if (m != nullptr) valid &= _mm_test_epi8_mask(_mm_maskz_loadu_epi8(valid, m + j), _mm_set1_epi8(-1));
-        any |= valid != 0;
-        const __m512 v = load_bf16(row + j, valid);
-        most = _mm512_mask_max_ps(most, valid, most, v);
-        _mm512_storeu_ps(e + j, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), v));
-      }
-      draws_of(seed, r * keys, keys, draws);
-      uint16_t* p_row = probs + r * keys;
-      uint16_t* o_row = out + r * keys;
-      if (!any) {  // uniform out, zero kept
-        const __m512 u = _mm512_set1_ps(keep_scale / static_cast<float>(keys));
-        for (int64_t j = 0; j < keys; j += 16) {
-          const __mmask16 valid = block_mask(keys - j), keep = kept16(draws + j, threshold) & valid;
-          store_bf16(p_row + j, _mm512_setzero_ps(), valid);
-          store_bf16(o_row + j, _mm512_maskz_mov_ps(keep, u), valid);
-        }
-        continue;
-      }
-      const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(most));
-      const __m512 factor = _mm512_set1_ps(scale * log2e);
-      __m512 total = _mm512_setzero_ps();
-      for (int64_t j = 0; j < keys; j += 16) {  // exp(scale (s - max)); -inf (masked) gives 0
-        const __mmask16 valid = block_mask(keys - j);
-        const __m512 v = _mm512_maskz_loadu_ps(valid, e + j);
-        const __mmask16 live = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & valid;
-        const __m512 x = _mm512_maskz_mov_ps(live, exp2_nonpositive(_mm512_mul_ps(_mm512_sub_ps(v, shift), factor)));
-        total = _mm512_add_ps(total, x);
-        _mm512_storeu_ps(e + j, x);
-      }
-      const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-      const __m512 kept_scale = _mm512_set1_ps(keep_scale);
-      for (int64_t j = 0; j < keys; j += 16) {
-        const __mmask16 valid = block_mask(keys - j), keep = kept16(draws + j, threshold) & valid;
-        const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(e + j), inverse);
-        store_bf16(p_row + j, p, valid);
-        store_bf16(o_row + j, _mm512_maskz_mul_ps(keep, p, kept_scale), valid);
-      }
-    }
-  }
+  if (bf16)
+    softmax_dropout(static_cast<const uint16_t*>(scores), mask, mb, mh, mq, batch, heads, queries, keys, scale, seed,
+                    threshold, keep_scale, static_cast<uint16_t*>(probs), static_cast<uint16_t*>(out), threads);
+  else
+    softmax_dropout(static_cast<const float*>(scores), mask, mb, mh, mq, batch, heads, queries, keys, scale, seed,
+                    threshold, keep_scale, static_cast<float*>(probs), static_cast<float*>(out), threads);
   return 0;
 }
 
-// densepass_softmax_dropout's backward pass over `rows` rows of `keys`: grad (bf16, the gradient of its out) ->
-// grad_scores (bf16): dP = grad x keep_scale where the same draws kept an element, else 0, and
-// grad_scores = scale x P (dP - sum_j dP_j P_j), in float32, rounded to bf16. Returns 0.
-int densepass_softmax_dropout_backward(const uint16_t* grad, const uint16_t* probs, int64_t rows, int64_t keys,
-                                       float scale, uint64_t seed, uint32_t threshold, float keep_scale,
-                                       uint16_t* grad_scores, int threads) {
-#pragma omp parallel num_threads(threads)
-  {
-    static thread_local Workspace workspace;  // a row's values and draws, kept from call to call
-    float* d = workspace.floats(0, keys + 16);
-    uint16_t* draws = workspace.halves(1, keys + 48);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint16_t* g_row = grad + r * keys;
-      const uint16_t* p_row = probs + r * keys;
-      draws_of(seed, r * keys, keys, draws);
-      __m512 dot = _mm512_setzero_ps();
-      const __m512 kept_scale = _mm512_set1_ps(keep_scale);
-      for (int64_t j = 0; j < keys; j += 16) {
-        const __mmask16 valid = block_mask(keys - j), keep = kept16(draws + j, threshold) & valid;
-        const __m512 g = load_bf16(g_row + j, keep), p = load_bf16(p_row + j, valid);
-        const __m512 dp = _mm512_mul_ps(g, kept_scale);
-        dot = _mm512_fmadd_ps(dp, p, dot);
-        _mm512_storeu_ps(d + j, dp);
-      }
-      const __m512 c = _mm512_set1_ps(_mm512_reduce_add_ps(dot)), s = _mm512_set1_ps(scale);
-      for (int64_t j = 0; j < keys; j += 16) {
-        const __mmask16 valid = block_mask(keys - j);
-        const __m512 p = load_bf16(p_row + j, valid);
-        const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(d + j), c)), s);
-        store_bf16(grad_scores + r * keys + j, ds, valid);
-      }
-    }
-  }
+// densepass_softmax_dropout's backward pass over `rows` rows of `keys`: grad (the gradient of its out) ->
+// grad_scores, both of probs' type (bf16: 1, or float32): dP = grad x keep_scale where the same draws kept an
+// element, else 0, and grad_scores = scale x P (dP - sum_j dP_j P_j), in float32 (rounded to bf16). Returns 0.
+int densepass_softmax_dropout_backward(const void* grad, const void* probs, int64_t rows, int64_t keys, float scale,
+                                       uint64_t seed, uint32_t threshold, float keep_scale, void* grad_scores,
+                                       int bf16, int threads) {
+  if (bf16)
+    softmax_dropout_backward(static_cast<const uint16_t*>(grad), static_cast<const uint16_t*>(probs), rows, keys,
+                             scale, seed, threshold, keep_scale, static_cast<uint16_t*>(grad_scores), threads);
+  else
+    softmax_dropout_backward(static_cast<const float*>(grad), static_cast<const float*>(probs), rows, keys, scale,
+                             seed, threshold, keep_scale, static_cast<float*>(grad_scores), threads);
   return 0;
 }
 

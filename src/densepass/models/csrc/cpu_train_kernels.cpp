@@ -61,6 +61,22 @@ inline float exp2_nonpositive(float t) {
   return p * float_of(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
 }
 
+// 2^t for t <= 0 to float32's precision (the float32 path's softmax): the same split, 2^f by its Taylor polynomial
+// of degree 7 (relative error 7e-9 for |f| <= 1/2).
+inline float exp2_nonpositive_exact(float t) {
+  t = t < -126.0f ? -126.0f : t;
+  const float n = std::rint(t), f = t - n;
+  float p = 1.525273380e-05f;
+  p = p * f + 1.540353039e-04f;
+  p = p * f + 1.333355815e-03f;
+  p = p * f + 9.618129108e-03f;
+  p = p * f + 5.550410866e-02f;
+  p = p * f + 2.402265070e-01f;
+  p = p * f + 6.931471806e-01f;
+  p = p * f + 1.0f;
+  return p * float_of(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+}
+
 // Per-thread scratch rows, grown on demand and kept from call to call.
 struct Workspace {
   std::vector<float> floats;
@@ -84,6 +100,113 @@ struct Workspace {
     return halves.data();
   }
 };
+
+inline float to_float(uint16_t h) { return widened(h); }
+inline float to_float(float x) { return x; }
+template <typename T>
+T from_float(float x);
+template <>
+inline uint16_t from_float<uint16_t>(float x) {
+  return rounded(x);
+}
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+// exp2 as softmax of T takes it: to bf16's precision for bf16 scores, to float32's for float32 ones.
+template <typename T>
+inline float exp2_of(float t) {
+  return exp2_nonpositive(t);
+}
+template <>
+inline float exp2_of<float>(float t) {
+  return exp2_nonpositive_exact(t);
+}
+
+// densepass_softmax_dropout over scores, probs and out of type T (bf16 as uint16_t, or float).
+template <typename T>
+void softmax_dropout(const T* scores, const uint8_t* mask, int64_t mb, int64_t mh, int64_t mq, int64_t batch,
+                     int64_t heads, int64_t queries, int64_t keys, float scale, uint64_t seed, uint32_t threshold,
+                     float keep_scale, T* probs, T* out, int threads) {
+  const int64_t rows = batch * heads * queries;
+  const float factor = scale * 1.4426950408889634f;
+#pragma omp parallel num_threads(threads)
+  {
+    static thread_local Workspace workspace;
+    float* e = workspace.row(keys);
+    uint64_t* words = workspace.words(keys / 4 + 2);
+    uint16_t* draws = workspace.draws(keys);
+    const uint8_t* every = workspace.ones(keys);  // the mask of a call without one
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t b = r / (heads * queries), h = (r / queries) % heads, i = r % queries;
+      const T* row = scores + r * keys;
+      const uint8_t* m = mask == nullptr ? every : mask + b * mb + h * mh + i * mq;
+      float most = -INFINITY;
+      int64_t live = 0;
+#pragma omp simd reduction(max : most) reduction(+ : live)
+      for (int64_t j = 0; j < keys; ++j) {
+        const float v = m[j] != 0 ? to_float(row[j]) : -INFINITY;
+        e[j] = v;
+        most = v > most ? v : most;
+        live += m[j] != 0;
+      }
+      draws_of(seed, r * keys, keys, words, draws);
+      T* p_row = probs + r * keys;
+      T* o_row = out + r * keys;
+      if (live == 0) {  // uniform out, zero kept
+        const T uniform = from_float<T>(keep_scale / static_cast<float>(keys));
+        for (int64_t j = 0; j < keys; ++j) {
+          p_row[j] = T(0);
+          o_row[j] = draws[j] < threshold ? uniform : T(0);
+        }
+        continue;
+      }
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < keys; ++j) {  // exp(scale (s - max)); -inf (masked) gives 0
+        const float x = exp2_of<T>((e[j] - most) * factor);  // -inf - most: 2^-126, selected away
+        e[j] = e[j] == -INFINITY ? 0.0f : x;
+        total += e[j];
+      }
+      const float inverse = 1.0f / total;
+      for (int64_t j = 0; j < keys; ++j) {
+        const float p = e[j] * inverse;
+        p_row[j] = from_float<T>(p);
+        const T kept = from_float<T>(p * keep_scale);
+        o_row[j] = draws[j] < threshold ? kept : T(0);
+      }
+    }
+  }
+}
+
+// densepass_softmax_dropout_backward over grad, probs and grad_scores of type T.
+template <typename T>
+void softmax_dropout_backward(const T* grad, const T* probs, int64_t rows, int64_t keys, float scale, uint64_t seed,
+                              uint32_t threshold, float keep_scale, T* grad_scores, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    static thread_local Workspace workspace;
+    float* d = workspace.row(keys);
+    uint64_t* words = workspace.words(keys / 4 + 2);
+    uint16_t* draws = workspace.draws(keys);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* g_row = grad + r * keys;
+      const T* p_row = probs + r * keys;
+      draws_of(seed, r * keys, keys, words, draws);
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < keys; ++j) {
+        const float g = to_float(g_row[j]) * keep_scale;
+        d[j] = draws[j] < threshold ? g : 0.0f;
+        dot += d[j] * to_float(p_row[j]);
+      }
+      for (int64_t j = 0; j < keys; ++j)
+        grad_scores[r * keys + j] = from_float<T>(to_float(p_row[j]) * (d[j] - dot) * scale);
+    }
+  }
+}
 
 }  // namespace
 
@@ -128,95 +251,35 @@ int densepass_dropout(const void* x, void* out, int64_t n, int bf16, uint64_t se
   return 0;
 }
 
-// Attention probabilities with dropout, a row of `keys` bf16 scores at a time (csrc/cpu_kernels.cpp's
-// densepass_softmax_dropout says what each argument is): probs = softmax(scale x scores) over the keys `mask`
-// keeps, in float32, rounded to bf16; out = probs x keep_scale where dropout's draws keep an element, else 0. A
-// row without keys: uniform out, zero probs. Returns 0.
-int densepass_softmax_dropout(const uint16_t* scores, const uint8_t* mask, int64_t mb, int64_t mh, int64_t mq,
+// Attention probabilities with dropout, a row of `keys` scores at a time (csrc/cpu_kernels.cpp's
+// densepass_softmax_dropout says what each argument is), scores, probs and out bf16 (bf16: 1) or float32 (0):
+// probs = softmax(scale x scores) over the keys `mask` keeps, in float32; out = probs x keep_scale where dropout's
+// draws keep an element, else 0. A row without keys: uniform out, zero probs. Returns 0.
+int densepass_softmax_dropout(const void* scores, const uint8_t* mask, int64_t mb, int64_t mh, int64_t mq,
                               int64_t batch, int64_t heads, int64_t queries, int64_t keys, float scale,
-                              uint64_t seed, uint32_t threshold, float keep_scale, uint16_t* probs, uint16_t* out,
+                              uint64_t seed, uint32_t threshold, float keep_scale, void* probs, void* out, int bf16,
                               int threads) {
-  const int64_t rows = batch * heads * queries;
-  const float factor = scale * 1.4426950408889634f;
-#pragma omp parallel num_threads(threads)
-  {
-    static thread_local Workspace workspace;
-    float* e = workspace.row(keys);
-    uint64_t* words = workspace.words(keys / 4 + 2);
-    uint16_t* draws = workspace.draws(keys);
-    const uint8_t* every = workspace.ones(keys);  // the mask of a call without one
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t b = r / (heads * queries), h = (r / queries) % heads, i = r % queries;
-      const uint16_t* row = scores + r * keys;
-      const uint8_t* m = mask == nullptr ? every : mask + b * mb + h * mh + i * mq;
-      float most = -INFINITY;
-      int64_t live = 0;
-#pragma omp simd reduction(max : most) reduction(+ : live)
-      for (int64_t j = 0; j < keys; ++j) {
-        const float v = m[j] != 0 ? widened(row[j]) : -INFINITY;
-        e[j] = v;
-        most = v > most ? v : most;
-        live += m[j] != 0;
-      }
-      draws_of(seed, r * keys, keys, words, draws);
-      uint16_t* p_row = probs + r * keys;
-      uint16_t* o_row = out + r * keys;
-      if (live == 0) {  // uniform out, zero kept
-        const uint16_t uniform = rounded(keep_scale / static_cast<float>(keys));
-        for (int64_t j = 0; j < keys; ++j) {
-          p_row[j] = 0;
-          o_row[j] = draws[j] < threshold ? uniform : 0;
-        }
-        continue;
-      }
-      float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-      for (int64_t j = 0; j < keys; ++j) {  // exp(scale (s - max)); -inf (masked) gives 0
-        const float x = exp2_nonpositive((e[j] - most) * factor);  // -inf - most: 2^-126, selected away
-        e[j] = e[j] == -INFINITY ? 0.0f : x;
-        total += e[j];
-      }
-      const float inverse = 1.0f / total;
-      for (int64_t j = 0; j < keys; ++j) {
-        const float p = e[j] * inverse;
-        p_row[j] = rounded(p);
-        const uint16_t kept = rounded(p * keep_scale);
-        o_row[j] = draws[j] < threshold ? kept : 0;
-      }
-    }
-  }
+  if (bf16)
+    softmax_dropout(static_cast<const uint16_t*>(scores), mask, mb, mh, mq, batch, heads, queries, keys, scale, seed,
+                    threshold, keep_scale, static_cast<uint16_t*>(probs), static_cast<uint16_t*>(out), threads);
+  else
+    softmax_dropout(static_cast<const float*>(scores), mask, mb, mh, mq, batch, heads, queries, keys, scale, seed,
+                    threshold, keep_scale, static_cast<float*>(probs), static_cast<float*>(out), threads);
   return 0;
 }
 
-// densepass_softmax_dropout's backward pass over `rows` rows of `keys`: dP = grad x keep_scale where the same
-// draws kept an element, else 0, and grad_scores = scale x P (dP - sum_j dP_j P_j), in float32, rounded to bf16.
-// Returns 0.
-int densepass_softmax_dropout_backward(const uint16_t* grad, const uint16_t* probs, int64_t rows, int64_t keys,
-                                       float scale, uint64_t seed, uint32_t threshold, float keep_scale,
-                                       uint16_t* grad_scores, int threads) {
-#pragma omp parallel num_threads(threads)
-  {
-    static thread_local Workspace workspace;
-    float* d = workspace.row(keys);
-    uint64_t* words = workspace.words(keys / 4 + 2);
-    uint16_t* draws = workspace.draws(keys);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint16_t* g_row = grad + r * keys;
-      const uint16_t* p_row = probs + r * keys;
-      draws_of(seed, r * keys, keys, words, draws);
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t j = 0; j < keys; ++j) {
-        const float g = widened(g_row[j]) * keep_scale;
-        d[j] = draws[j] < threshold ? g : 0.0f;
-        dot += d[j] * widened(p_row[j]);
-      }
-      for (int64_t j = 0; j < keys; ++j)
-        grad_scores[r * keys + j] = rounded(widened(p_row[j]) * (d[j] - dot) * scale);
-    }
-  }
+// densepass_softmax_dropout's backward pass over `rows` rows of `keys` (grad, probs and grad_scores bf16, or
+// float32 where bf16 is 0): dP = grad x keep_scale where the same draws kept an element, else 0, and
+// grad_scores = scale x P (dP - sum_j dP_j P_j), in float32. Returns 0.
+int densepass_softmax_dropout_backward(const void* grad, const void* probs, int64_t rows, int64_t keys, float scale,
+                                       uint64_t seed, uint32_t threshold, float keep_scale, void* grad_scores,
+                                       int bf16, int threads) {
+  if (bf16)
+    softmax_dropout_backward(static_cast<const uint16_t*>(grad), static_cast<const uint16_t*>(probs), rows, keys,
+                             scale, seed, threshold, keep_scale, static_cast<uint16_t*>(grad_scores), threads);
+  else
+    softmax_dropout_backward(static_cast<const float*>(grad), static_cast<const float*>(probs), rows, keys, scale,
+                             seed, threshold, keep_scale, static_cast<float*>(grad_scores), threads);
   return 0;
 }
 
