@@ -44,10 +44,11 @@ Three builds (``KINDS``), chosen at run time by the CPU's flags, best first; two
 the same kernels with the products on AVX-512 registers, ``vdpbf16ps`` on pairs of bf16 along the depth, 8 rows x
 32 columns of float32 accumulators at a time, the weights in the same ``tile_layout``, which is also the operand
 layout ``vdpbf16ps`` takes). Each kind is built without the other's instructions (no ``-mamx-*`` for
-``avx512_bf16``) under a library name of its own. The third, ``avx2`` (AMD Zen 2 and 3, Intel Haswell to Ice Lake
-client parts: CPUs without AVX-512), holds the training kernels alone, from a source of their own in plain C++
-(``csrc/cpu_train_kernels.cpp``, vectorised by the compiler for AVX2, FMA and F16C): the same draws and results, so
-that an fp32 step there draws its dropout masks in parallel C++ instead of in NumPy on one thread. The builds are
+``avx512_bf16``) under a library name of its own. The third, ``avx2`` (CPUs without AVX512-BF16: AMD Zen 2 and 3,
+Intel Skylake and Cascade Lake Xeons, Intel client parts), holds the training kernels alone, from a source of their
+own in plain C++ (``csrc/cpu_train_kernels.cpp``, vectorised by the compiler for AVX2, FMA and F16C): the same draws
+and results, so that a float32 step there draws its dropout masks in parallel C++ instead of in NumPy on one thread,
+and attends through the fused softmax and dropout. The builds are
 made with the system's C++ compiler on first use, into a cache keyed by the source, the flags and the compiler
 (``$DENSEPASS_KERNEL_CACHE``, else ``~/.cache/densepass/kernels``), and loaded with ``ctypes``. Where no build of
 ``LAYER_KINDS`` runs (``usable``, ``layer_kind``: an AVX2-only CPU, no compiler found, or the builds failed, with a
@@ -129,7 +130,7 @@ AVX2_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-trappin
 sides of a select (dropout's kept and dropped elements) and so vectorise its loops; no ``-ffast-math``, whose
 finite-only arithmetic would break the masked keys' -inf."""
 AVX2_REQUIRED = frozenset({"avx2", "fma", "f16c"})
-"""The CPU flags the ``avx2`` build needs: x86-64 server CPUs since Intel Haswell and AMD Zen."""
+"""The CPU flags the ``avx2`` build needs: x86-64 CPUs since Intel Haswell and AMD Zen."""
 KINDS = ("amx", "avx512_bf16", "avx2")
 """The builds of the kernels, best first."""
 LAYER_KINDS = ("amx", "avx512_bf16")

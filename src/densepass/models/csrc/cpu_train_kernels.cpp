@@ -1,9 +1,10 @@
-// The training kernels of densepass/models/cpu_kernels.py for x86 CPUs without AVX-512 (AMD Zen 2 and 3, Intel
-// Haswell to Ice Lake client parts): dropout with counter-based masks, and attention's softmax with its dropout,
-// forward and backward, with the same C interface, draws and results as csrc/cpu_kernels.cpp's (which holds them on
-// AVX-512 beside the bf16 layers). Plain C++ loops over short blocks that the compiler vectorises for the flags it
-// is given (cpu_kernels.AVX2_FLAGS: AVX2, FMA, F16C): no intrinsics, so the build is as portable as those flags.
-// tests/test_dropout.py checks it against NumPy's masks and float64, as it checks the AVX-512 builds.
+// The training kernels of densepass/models/cpu_kernels.py for x86 CPUs without AVX512-BF16 (AMD Zen 2 and 3, Intel
+// Skylake and Cascade Lake Xeons, Intel client parts): dropout with counter-based masks, and attention's softmax
+// with its dropout (bf16 or float32 scores), forward and backward, with the same C interface, draws and results as
+// csrc/cpu_kernels.cpp's (which holds them on AVX-512 beside the bf16 layers). Plain C++ loops that the compiler
+// vectorises for the flags it is given (cpu_kernels.AVX2_FLAGS: AVX2, FMA, F16C): no intrinsics, so the build is as
+// portable as those flags. tests/test_dropout.py checks it against NumPy's masks and float64, as it checks the
+// AVX-512 builds.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
