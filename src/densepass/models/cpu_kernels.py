@@ -34,8 +34,8 @@ the ``amx`` build on AMX tiles (``tdpbusd``) where the depth is a multiple of 64
 
 For training (``trains``): ``dropout`` applies dropout with counter-based masks (``models.dropout`` defines the
 draws; the backward pass draws the mask again), and ``softmax_dropout`` computes attention's probabilities with
-their dropout from bf16 scores a row at a time, with its backward pass (``softmax_dropout_backward``): what a bf16
-training step on the CPU runs instead of torch's chain of operations over the whole score tensor.
+their dropout from bf16 or float32 scores a row at a time, with its backward pass (``softmax_dropout_backward``):
+what a training step on the CPU runs instead of torch's chain of operations over the whole score tensor.
 
 Three builds (``KINDS``), chosen at run time by the CPU's flags, best first; two from one source
 (``csrc/cpu_kernels.cpp``), the layers' kernels and the training kernels:
@@ -48,9 +48,9 @@ layout ``vdpbf16ps`` takes). Each kind is built without the other's instructions
 Intel Skylake and Cascade Lake Xeons, Intel client parts), holds the training kernels alone, from a source of their
 own in plain C++ (``csrc/cpu_train_kernels.cpp``, vectorised by the compiler for AVX2, FMA and F16C): the same draws
 and results, so that a float32 step there draws its dropout masks in parallel C++ instead of in NumPy on one thread,
-and attends through the fused softmax and dropout. The builds are
-made with the system's C++ compiler on first use, into a cache keyed by the source, the flags and the compiler
-(``$DENSEPASS_KERNEL_CACHE``, else ``~/.cache/densepass/kernels``), and loaded with ``ctypes``. Where no build of
+and attends through the fused softmax and dropout. The builds are made with the system's C++ compiler on first use,
+into a cache keyed by the source, the flags and the compiler (``$DENSEPASS_KERNEL_CACHE``, else
+``~/.cache/densepass/kernels``), and loaded with ``ctypes``. Where no build of
 ``LAYER_KINDS`` runs (``usable``, ``layer_kind``: an AVX2-only CPU, no compiler found, or the builds failed, with a
 warning once), the fused layers run SDPA and torch's layer norm on padded batches, as they do in float32; where none
 runs at all, dropout draws its masks in NumPy. ``$DENSEPASS_CPU_KERNELS=0`` turns the kernels off (to compare);
