@@ -4,6 +4,8 @@ line run in a subprocess (under torchrun for several processes)."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import io
 import json
 import os
 import subprocess
@@ -149,9 +151,6 @@ def densepass_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """``densepass ARGS`` run from ``cwd`` in this process, on one torch thread as :func:`run_densepass`'s processes:
     its exit code and what it printed. For the runs of a test whose point is not a process of their own (a killed
     one, a real exit, torchrun): it saves each the imports of a new Python process (seconds on a 2-core CPU)."""
-    import contextlib
-    import io
-
     from densepass.cli import main
 
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -168,6 +167,37 @@ def densepass_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         os.chdir(where)
         torch.set_num_threads(threads)
     return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
+
+
+@functools.cache
+def script_module(script: Path):
+    """A script of ``experiments/`` (or ``benchmarks/``) loaded as a module, once a process: its ``main`` then runs
+    in this process (:func:`script_here`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"script_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def script_here(script: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` run in this process as the script runs itself (``run_guarded(main)``, ``main`` reading
+    ``sys.argv``): its exit code and what it printed. For the tests whose point is not a process of their own: a new
+    process pays the imports again (ranx's fusion alone compiles for seconds in each)."""
+    from densepass.cli import run_guarded
+
+    stdout, stderr, argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = [str(script), *args]
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = run_guarded(script_module(script).main, script.name)
+            except SystemExit as exit:  # argparse's usage errors
+                code = exit.code
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess([str(script), *args], code, stdout.getvalue(), stderr.getvalue())
 
 
 @contextlib.contextmanager

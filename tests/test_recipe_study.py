@@ -3,11 +3,8 @@ interpolation and the report), so that the study cannot drift from the pipeline 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import importlib.util
-import io
 import json
 import subprocess
 import sys
@@ -17,8 +14,8 @@ import pytest
 import torch
 import yaml
 
+from conftest import script_here, script_module
 from densepass import cli
-from densepass.cli import run_guarded
 from densepass.config import load_config
 from densepass.models.cross_encoder import CrossEncoder
 from phrase_fixtures import write_phrase_squad
@@ -31,30 +28,11 @@ def recipe_program(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True)
 
 
-@functools.cache
-def driver_module():
-    """experiments/recipe.py loaded as a module, once."""
-    spec = importlib.util.spec_from_file_location("recipe_study_driver", SCRIPT)
-    driver = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(driver)
-    return driver
-
-
 def recipe(*args: str) -> subprocess.CompletedProcess:
-    """experiments/recipe.py ARGS run in this process as the script runs itself (``run_guarded(main)``): its exit code
-    and what it printed. Its stages call the pipeline's functions; a process of its own for each would only pay the
-    imports again (:func:`recipe_program` runs it as a program where that is the point)."""
-    stdout, stderr, argv = io.StringIO(), io.StringIO(), sys.argv
-    sys.argv = [str(SCRIPT), *args]
-    try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            try:
-                code = run_guarded(driver_module().main, SCRIPT.name)
-            except SystemExit as exit:  # argparse's usage errors
-                code = exit.code
-    finally:
-        sys.argv = argv
-    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
+    """experiments/recipe.py ARGS run in this process (``conftest.script_here``). Its stages call the pipeline's
+    functions; a process of its own for each would only pay the imports again (:func:`recipe_program` runs it as a
+    program where that is the point)."""
+    return script_here(SCRIPT, *args)
 
 
 def test_rows_out_of_domain_wise_ft_and_report(tiny_beir, tiny_model_dir, tmp_path):
@@ -270,7 +248,7 @@ def test_levers_are_tested_against_the_recommended_recipe_and_a_variant_gets_wis
     """With ``--eval-part report``: an issue-55 lever is tested against the recommended variant (not its row, absent
     here); ``--wise-ft-variant`` interpolates a variant's fine-tuned weights, its α chosen on the tuning part among
     its points and the variant's own wise-ft; the best model's first stages are written though no row is on disk."""
-    driver = driver_module()
+    driver = script_module(SCRIPT)
     assert set(driver.LEVERS) <= set(driver.VARIANTS) and driver.RECOMMENDED not in driver.LEVERS
     assert driver.tested_against(driver.DENSE, "2 epochs") == driver.DENSE
     squad = write_phrase_squad(tmp_path / "squad")

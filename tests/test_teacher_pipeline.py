@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import script_here
+
 SCRIPT = Path(__file__).parent.parent / "experiments" / "teacher_pipeline.py"
+
+
+def pipeline(*args: str) -> subprocess.CompletedProcess:
+    """``python experiments/teacher_pipeline.py ARGS``, run in this process (``conftest.script_here``)."""
+    return script_here(SCRIPT, *args)
 
 
 def write_run(path: Path, queries, score) -> None:
@@ -37,9 +43,9 @@ def test_the_pipeline_fuses_reranks_and_tests_each_row(tiny_beir, tiny_model_dir
     write_run(tmp_path / "dense.trec", queries, lambda q, i: round(1 - i / 20 + (hash(q) % 7) / 100, 4))
     write_run(tmp_path / "bm25.trec", queries, lambda q, i: 30 - ((i * 5) % 12))
     out = tmp_path / "out"
-    args = [sys.executable, str(SCRIPT), "--config", str(config), "--dense", str(tmp_path / "dense.trec")]
+    args = ["--config", str(config), "--dense", str(tmp_path / "dense.trec")]
     args += ["--bm25", str(tmp_path / "bm25.trec"), "--cross-encoder", str(tmp_path / "ce"), "--dense-weight", "0.6"]
-    done = subprocess.run([*args, "--depth", "4", "--out", str(out), "--device", "cpu"], capture_output=True, text=True)
+    done = pipeline(*args, "--depth", "4", "--out", str(out), "--device", "cpu")
     assert done.returncode == 0, done.stderr
 
     report = json.loads((out / "report.json").read_text())
@@ -63,18 +69,17 @@ def test_the_pipeline_fuses_reranks_and_tests_each_row(tiny_beir, tiny_model_dir
     assert cached
     shared = [*args, "--depth", "4", "--out", str(tmp_path / "out4"), "--device", "cpu"]
     shared += ["--cache-dir", str(out / "cache")]
-    done = subprocess.run(shared, capture_output=True, text=True)
+    done = pipeline(*shared)
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / "out4" / "cache").exists()
     assert {path: path.read_bytes() for path in (out / "cache").rglob("*") if path.is_file()} == cached  # none new
     assert read_trec_run(tmp_path / "out4" / "reranked-4.trec") == reranked
 
     # --set overrides the config: the runs then hold more queries than it evaluates
-    done = subprocess.run([*args, "--out", str(tmp_path / "out3"), "--set", "data.max_eval_queries=2"],
-                          capture_output=True, text=True)  # fmt: skip
+    done = pipeline(*args, "--out", str(tmp_path / "out3"), "--set", "data.max_eval_queries=2")
     assert done.returncode == 2 and f"holds {len(queries)} queries, not the 2 the config" in done.stderr
     write_run(tmp_path / "bm25.trec", queries[:-1], lambda q, i: 30 - i)  # a query short: one line, exit code 2
-    done = subprocess.run([*args, "--out", str(tmp_path / "out2")], capture_output=True, text=True)
+    done = pipeline(*args, "--out", str(tmp_path / "out2"))
     assert done.returncode == 2
     assert done.stderr.strip() == (
         f"teacher_pipeline.py: error: --bm25 holds {len(queries) - 1} queries, not the {len(queries)} the config "
@@ -91,26 +96,22 @@ def test_the_pipeline_leaves_a_folder_of_ones_own_files_and_a_missing_model_as_o
     config = tmp_path / "config.yaml"
     config.write_text(f"name: t\ndata:\n  name: {tiny_beir}\n  max_eval_queries: null\n")
     (tmp_path / "run.trec").write_text("q1 Q0 p0 1 1.0 x\n")
-    base = [sys.executable, str(SCRIPT), "--config", str(config), "--dense", str(tmp_path / "run.trec")]
+    base = ["--config", str(config), "--dense", str(tmp_path / "run.trec")]
     base += ["--bm25", str(tmp_path / "run.trec"), "--device", "cpu"]
     notes = tmp_path / "notes"
     notes.mkdir()
     for name, text in (("report.md", "# my notes\n"), ("reranked-10.trec", "q1 Q0 p0 1 9.0 official-bm25\n")):
         (notes / name).write_text(text)
-        done = subprocess.run(
-            [*base, "--cross-encoder", str(tmp_path), "--out", str(notes)], capture_output=True, text=True
-        )
+        done = pipeline(*base, "--cross-encoder", str(tmp_path), "--out", str(notes))
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert f"--output {notes / name} exists and is not a" in done.stderr
         assert (notes / name).read_text() == text and not (notes / "first-stage.trec").exists()
         (notes / name).unlink()
-    done = subprocess.run(
-        [*base, "--cross-encoder", str(tmp_path / "no-model"), "--out", str(notes)], capture_output=True, text=True
-    )
+    done = pipeline(*base, "--cross-encoder", str(tmp_path / "no-model"), "--out", str(notes))
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "no-model" in done.stderr
     assert list(notes.iterdir()) == []
-    missing = [*base[:5], str(tmp_path / "none.trec"), *base[6:], "--cross-encoder", str(tiny_model_dir), "--out"]
-    done = subprocess.run([*missing, str(tmp_path / "new")], capture_output=True, text=True)
+    missing = [*base[:3], str(tmp_path / "none.trec"), *base[4:], "--cross-encoder", str(tiny_model_dir), "--out"]
+    done = pipeline(*missing, str(tmp_path / "new"))
     assert done.returncode == 2 and "none.trec" in done.stderr and not (tmp_path / "new").exists()
 
 
@@ -143,11 +144,11 @@ def test_weights_from_the_tuning_part_are_chosen_there_and_applied_to_the_report
         write_run(tmp_path / f"dense-{part}.trec", queries, lambda q, i: round(1 - i / 20 + (hash(q) % 7) / 100, 4))
         write_run(tmp_path / f"bm25-{part}.trec", queries, lambda q, i: 30 - ((i * 5) % 12))
         outs[part] = (tmp_path / f"out-{part}", qrels)
-        args = [sys.executable, str(SCRIPT), "--config", str(config), "--set", f"data.eval_part={part}"]
+        args = ["--config", str(config), "--set", f"data.eval_part={part}"]
         args += ["--dense", str(tmp_path / f"dense-{part}.trec"), "--bm25", str(tmp_path / f"bm25-{part}.trec")]
         args += ["--cross-encoder", str(tmp_path / "ce"), "--dense-weight", "0.6", "--depth", "4", "--device", "cpu"]
         extra = ["--weights-from", str(outs["tune"][0])] if part == "report" else []
-        done = subprocess.run([*args, *extra, "--out", str(outs[part][0])], capture_output=True, text=True)
+        done = pipeline(*args, *extra, "--out", str(outs[part][0]))
         assert done.returncode == 0, done.stderr
     tune_dir, tune_qrels = outs["tune"]
     head, alone = reranked_heads(
@@ -176,11 +177,8 @@ def test_weights_from_the_tuning_part_are_chosen_there_and_applied_to_the_report
     text = (outs["report"][0] / "report.md").read_text()
     assert text.endswith("The depth the --weights-from queries choose (their best fused MRR@10): 4.\n")
 
-    done = subprocess.run([*args, "--weights-from", str(outs["report"][0]), "--out", str(tmp_path / "again")],
-                          capture_output=True, text=True)  # fmt: skip
+    done = pipeline(*args, "--weights-from", str(outs["report"][0]), "--out", str(tmp_path / "again"))
     assert done.returncode == 2 and "holds" in done.stderr and "of the evaluated queries" in done.stderr
     assert not (tmp_path / "again").exists()
-    done = subprocess.run(
-        [*args, "--weights-from", str(tune_dir), "--out", str(tune_dir)], capture_output=True, text=True
-    )
+    done = pipeline(*args, "--weights-from", str(tune_dir), "--out", str(tune_dir))
     assert done.returncode == 2 and "--weights-from is the tuning part's folder" in done.stderr
