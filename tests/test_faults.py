@@ -1,8 +1,8 @@
 """Fault injection: real ``densepass`` processes killed (SIGKILL) part-way through training (every task of the
 training engine), indexing and mining, then run again, end exactly where an uninterrupted run ends; damaged saved
 files, planted pickles, concurrent runs and changed settings are handled as docs/reliability.md promises. The
-bi-encoder training tests run in this process (``densepass_here``, on one torch thread as the killed processes) every
-run but the one they kill: the references, the resumptions and the refusals prove the same there without a new
+training tests (every task) run in this process (``densepass_here``, on one torch thread as the killed processes)
+every run but the one they kill: the references, the resumptions and the refusals prove the same there without a new
 process's imports."""
 
 from __future__ import annotations
@@ -33,21 +33,10 @@ pytestmark = pytest.mark.timeout(900)
 # ---- helpers ----------------------------------------------------------------------------------------
 
 
-def densepass(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``python -m densepass ARGS`` run to its end in a process of its own, on one torch thread as :func:`start`'s
-    (a killed run's steps and the steps of the run that resumes it must add up in the same order as a reference's)."""
-    return subprocess.run(
-        [sys.executable, "-m", "densepass", *args],
-        cwd=cwd,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def start(*args: str, cwd: Path) -> subprocess.Popen:
-    """``python -m densepass ARGS`` started in a process of its own (to be killed), on one torch thread."""
+    """``python -m densepass ARGS`` started in a process of its own (to be killed), on one torch thread, as
+    ``densepass_here`` runs the others (a killed run's steps and the steps of the run that resumes it must add up in
+    the same order as a reference's)."""
     return subprocess.Popen(
         [sys.executable, "-m", "densepass", *args],
         cwd=cwd,
@@ -382,7 +371,7 @@ def reference_run(tmp_path_factory, task_inputs):
         key = (task.command, *task.settings)
         if key not in runs:
             root = tmp_path_factory.mktemp("reference")
-            result = densepass(*task_command(task, root, task_inputs), cwd=root)
+            result = densepass_here(*task_command(task, root, task_inputs), cwd=root)
             assert result.returncode == 0, result.stderr[-2000:]
             runs[key] = root / "run"
         return runs[key]
@@ -419,7 +408,7 @@ def test_every_training_task_killed_at_a_random_step_resumes_to_the_same_weights
     assert kill_when(process, (checkpoints / f"step-{task.kill_after}").is_dir, seed=zlib.crc32(name.encode()))
     assert not (checkpoints / f"step-{task.steps}").exists()  # killed during the training, before its last step
     newest = max(int(p.name[5:]) for p in checkpoints.glob("step-*"))
-    result = densepass(*args, cwd=tmp_path)
+    result = densepass_here(*args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     counts = re.findall(rf"\| *(\d+)/{task.steps} \[", result.stderr)  # the training's progress bar, as drawn
     assert counts and int(counts[0]) == newest, counts  # resumed from its newest checkpoint, not started over
@@ -439,7 +428,7 @@ def test_every_training_task_killed_at_a_random_step_resumes_to_the_same_weights
 def test_indexing_killed_part_way_resumes_to_the_same_index(tmp_path, tiny_model_dir):
     data = write_tiny_beir(tmp_path / "corpus", n_passages=3000, seed=1)
     args = ["index", str(data), "--model", str(tiny_model_dir), "--shard-size", "300", "--batch-size", "64"]
-    assert densepass(*args, "--output", "reference", cwd=tmp_path).returncode == 0
+    assert densepass_here(*args, "--output", "reference", cwd=tmp_path).returncode == 0
     work = tmp_path / ".interrupted.encoding"
 
     def two_shards_done() -> bool:
@@ -447,7 +436,7 @@ def test_indexing_killed_part_way_resumes_to_the_same_index(tmp_path, tiny_model
 
     assert kill_when(start(*args, "--output", "interrupted", cwd=tmp_path), two_shards_done, seed=3)
     assert not (tmp_path / "interrupted").exists()  # nothing half-written where the index goes
-    assert densepass(*args, "--output", "interrupted", cwd=tmp_path).returncode == 0
+    assert densepass_here(*args, "--output", "interrupted", cwd=tmp_path).returncode == 0
     for name in ("embeddings.npy", "passages.jsonl"):
         assert (tmp_path / "interrupted" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
     assert not work.exists()
@@ -482,7 +471,7 @@ def test_an_index_update_killed_at_a_random_moment_leaves_the_old_or_the_new_ind
     )
     update = ["--delete", str(tmp_path / "ids.txt"), "--upsert", str(tmp_path / "up.jsonl"), "--compact"]
     shutil.copytree(tmp_path / "original", tmp_path / "reference")
-    result = densepass("index-update", "reference", *update, cwd=tmp_path)
+    result = densepass_here("index-update", "reference", *update, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     states = {"old": index_state(tmp_path / "original"), "new": index_state(tmp_path / "reference")}
     assert states["old"] != states["new"]
@@ -495,7 +484,8 @@ def test_an_index_update_killed_at_a_random_moment_leaves_the_old_or_the_new_ind
         state = index_state(folder)  # loadable, verified by its manifest
         assert state in states.values(), f"seed {seed}: neither the old nor the new index"
         seen.add(next(name for name, s in states.items() if s == state))
-        result = densepass("index-update", folder.name, "--compact", cwd=tmp_path)  # the lock and temporaries cleared
+        # the lock and temporaries cleared
+        result = densepass_here("index-update", folder.name, "--compact", cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-2000:]
         assert index_state(folder) == state
     assert seen  # which of the two each kill left depends on the moment (both are fine)
@@ -505,15 +495,14 @@ def test_reindexing_with_another_model_or_corpus_never_reuses_old_rows(tmp_path,
     from densepass.index import load_index
 
     big, small = write_tiny_beir(tmp_path / "big", 260), write_tiny_beir(tmp_path / "small", 60, seed=2)
-    assert densepass("index", str(big), "--model", str(tiny_model_dir), "--output", "idx", cwd=tmp_path).returncode == 0
-    result = densepass("index", str(small), "--model", str(tiny_model_dir), "--output", "idx", cwd=tmp_path)
+    to_idx = ["index", "--output", "idx"]
+    assert densepass_here(*to_idx, str(big), "--model", str(tiny_model_dir), cwd=tmp_path).returncode == 0
+    result = densepass_here(*to_idx, str(small), "--model", str(tiny_model_dir), cwd=tmp_path)
     assert result.returncode == 0 and "indexed 60 passages" in result.stdout
     index = load_index(tmp_path / "idx")
     assert len(index) == 60 and index.search(["audio"], k=100).rows.max() < 60
     before = np.load(tmp_path / "idx" / "embeddings.npy")
-    assert (
-        densepass("index", str(small), "--model", str(dropout_model), "--output", "idx", cwd=tmp_path).returncode == 0
-    )
+    assert densepass_here(*to_idx, str(small), "--model", str(dropout_model), cwd=tmp_path).returncode == 0
     assert not np.array_equal(np.load(tmp_path / "idx" / "embeddings.npy"), before)
 
 
@@ -522,12 +511,12 @@ def test_a_damaged_saved_index_is_a_one_line_error(tmp_path, tiny_model_dir, vic
     data = write_tiny_beir(tmp_path / "data", 40)
     model = [] if victim == "bm25s" else ["--model", str(tiny_model_dir)]  # bm25 takes no model
     kind = "bm25" if victim == "bm25s" else "exact"
-    assert densepass("index", str(data), "--kind", kind, *model, "--output", "idx", cwd=tmp_path).returncode == 0
+    assert densepass_here("index", str(data), "--kind", kind, *model, "--output", "idx", cwd=tmp_path).returncode == 0
     target = tmp_path / "idx" / victim
     if target.is_dir():
         target = sorted(p for p in target.iterdir() if p.is_file())[0]
     target.write_bytes(target.read_bytes()[: max(1, target.stat().st_size // 2)])
-    result = densepass("search", "idx", "audio editor", cwd=tmp_path)
+    result = densepass_here("search", "idx", "audio editor", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "not a usable densepass index" in result.stderr
 
@@ -553,11 +542,11 @@ def test_mining_killed_part_way_writes_nothing_and_resumes_to_the_same_file(tmp_
         "--set",
         "train.batch_size=8",
     ]
-    assert densepass(*args, "--output", "reference.jsonl", cwd=tmp_path).returncode == 0
+    assert densepass_here(*args, "--output", "reference.jsonl", cwd=tmp_path).returncode == 0
     process = start(*args, "--output", "out.jsonl", cwd=tmp_path)
     # killed while its miner trains (its work folder exists; the output is written only at the very end): a kill
     # at a fixed time could land after the output's atomic rename, while the process is still exiting
     assert kill_when(process, (tmp_path / "out.jsonl.miners").exists, seed=5), "mining ended before the kill"
     assert not (tmp_path / "out.jsonl").exists()  # written atomically, only once complete
-    assert densepass(*args, "--output", "out.jsonl", cwd=tmp_path).returncode == 0
+    assert densepass_here(*args, "--output", "out.jsonl", cwd=tmp_path).returncode == 0
     assert (tmp_path / "out.jsonl").read_text() == (tmp_path / "reference.jsonl").read_text()
