@@ -2,8 +2,10 @@
 docstrings; any warning is an error), and every ```python and ```bash block of the user guide (docs/guide/),
 run on the tiny fixtures.
 
-How the guide's blocks run: each page in a fresh working directory, its blocks in order, each in its own
-process (``bash -e`` for bash; ``python3 -c`` for python), so a page may build on what its earlier blocks wrote.
+How the guide's blocks run: each page in a fresh working directory, its blocks in order, so a page may build on
+what its earlier blocks wrote: each bash block in a process of its own (``bash -e``), the python blocks in one
+Python process a page, as a reader pastes them into one session, each in a fresh namespace (a block that uses a
+name only an earlier block defined fails; the imports are paid once a page, not once a block).
 A block right after an HTML comment ``<!-- not run: REASON -->`` is not run (installs, GPU jobs, servers that
 never exit). The fixtures are the names the guide uses, made small: ``$DENSEPASS_DATA`` holds an 80-passage
 ``debian-packages`` in the BEIR layout (``conftest.write_tiny_beir``), the working directory a copy of the
@@ -16,6 +18,7 @@ guide the slowest part of CI, and the real model is tested elsewhere (tests/test
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -129,18 +132,87 @@ def fixtures(tmp_path_factory) -> Path:
     return root
 
 
+# The page's Python process: reads one block at a time (a JSON string a line) on stdin, runs it in a fresh
+# namespace as ``python3 -c`` would (``__name__`` "__main__", ``sys.argv`` ["-c"]), and answers on the file
+# descriptor its argument names with a JSON line: whether it ended well, and its stderr or traceback if not. Its own
+# stdout and stderr, which the blocks' subprocesses inherit, go to a file: nothing they print reads as an answer.
+BLOCK_RUNNER = """
+import contextlib, io, json, os, sys, traceback
+answers = os.fdopen(int(sys.argv.pop()), "w")
+for line in sys.stdin:
+    code, stderr, ok = json.loads(line), io.StringIO(), True
+    try:
+        with contextlib.redirect_stderr(stderr):
+            exec(compile(code, "<block>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as exit:
+        ok = exit.code in (None, 0)
+    except BaseException:
+        ok = False
+        stderr.write(traceback.format_exc())
+    sys.stdout.flush()
+    answers.write(json.dumps({"ok": ok, "stderr": stderr.getvalue()[-3000:]}) + "\\n")
+    answers.flush()
+"""
+
+
+class PythonSession:
+    """One Python process running a page's python blocks in turn (``BLOCK_RUNNER``)."""
+
+    def __init__(self, cwd: Path, env: dict[str, str], log: Path):
+        answers, answer_end = os.pipe()
+        self.log = log.open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", BLOCK_RUNNER, str(answer_end)],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            pass_fds=(answer_end,),
+        )
+        os.close(answer_end)
+        self.answers = os.fdopen(answers)
+
+    def run(self, code: str) -> tuple[bool, str]:
+        """Run ``code``: whether it ended well, and its stderr (what the process printed, if it died)."""
+        self.process.stdin.write(json.dumps(code) + "\n")
+        self.process.stdin.flush()
+        line = self.answers.readline()
+        if not line:  # the process died (a crash, os._exit)
+            self.log.flush()
+            return False, Path(self.log.name).read_text()[-3000:]
+        answer = json.loads(line)
+        return answer["ok"], answer["stderr"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.answers.close()
+        self.log.close()
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
 def test_the_guide_page_runs(page, fixtures, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     shutil.copytree(fixtures / "configs", work / "configs")
     env = guide_env(fixtures)
-    for n, (lang, code, reason) in enumerate(blocks(page)):
-        if lang not in RUNNABLE or reason is not None:
-            continue
-        command = ["bash", "-e", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
-        result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, f"{page.name}, block {n + 1} ({lang}):\n{code}\n{result.stderr[-3000:]}"
+    python = PythonSession(work, env, tmp_path / "python.log")
+    try:
+        for n, (lang, code, reason) in enumerate(blocks(page)):
+            if lang not in RUNNABLE or reason is not None:
+                continue
+            if lang == "python":
+                ok, stderr = python.run(code)
+            else:
+                result = subprocess.run(
+                    ["bash", "-e", "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=300
+                )
+                ok, stderr = result.returncode == 0, result.stderr[-3000:]
+            assert ok, f"{page.name}, block {n + 1} ({lang}):\n{code}\n{stderr}"
+    finally:
+        python.close()
 
 
 # Where the docs name a `densepass` command line (README.md, docs/*.md, docs/guide/*.md; not docs/history/, whose
