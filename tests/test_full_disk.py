@@ -121,7 +121,7 @@ def test_a_bm25_index_on_a_full_disk_is_one_line(tmp_path, small_disk):
 
 def test_a_run_file_on_a_full_disk_is_one_line(tmp_path, small_disk):
     data = write_tiny_beir(tmp_path / "data", 40)
-    assert run_densepass("index", str(data), "--kind", "bm25", "--output", "idx", cwd=tmp_path).returncode == 0
+    assert densepass_here("index", str(data), "--kind", "bm25", "--output", "idx", cwd=tmp_path).returncode == 0
     disk = small_disk("64k")
     fill(disk)
     queries = data / "queries.jsonl"
@@ -336,7 +336,7 @@ def test_an_index_build_removes_a_killed_save_of_the_same_output(tmp_path):
     stale = plant(tmp_path / ".idx.abcd1234.tmp", True, age_s=600)
     other = plant(tmp_path / ".other.abcd1234.tmp", True, age_s=600)  # another output's: not this build's to remove
     mine = plant(tmp_path / ".idx.notes.tmp", age_s=600)
-    assert run_densepass("index", str(data), "--kind", "bm25", "--output", "idx", cwd=tmp_path).returncode == 0
+    assert densepass_here("index", str(data), "--kind", "bm25", "--output", "idx", cwd=tmp_path).returncode == 0
     assert not stale.exists() and other.exists() and mine.exists()
     assert (tmp_path / "idx" / "manifest.json").is_file()
 

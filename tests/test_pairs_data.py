@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import densepass as dp
-from conftest import WORDS, densepass_here, run_densepass, write_tiny_beir
+from conftest import WORDS, densepass_here, write_tiny_beir
 from densepass.data import load_dataset
 from densepass.data.pairs import PairsDataset, load_pairs, text_id
 from densepass.errors import ConfigError, DataError
@@ -223,13 +223,13 @@ def test_densepass_run_trains_on_a_triplets_file_and_evaluates_on_a_beir_set(tmp
     again = densepass_here(*command, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     # without an evaluation set: one line, exit 2, before any work
-    refused = run_densepass(*command, "--set", "data.eval_name=null", "--set", "name=other", cwd=tmp_path)
+    refused = densepass_here(*command, "--set", "data.eval_name=null", "--set", "name=other", cwd=tmp_path)
     assert refused.returncode == 2 and "data.eval_name" in refused.stderr, refused.stderr[-2000:]
     assert len(refused.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out" / "other").exists()
     bad = write_jsonl(tmp_path / "bad.jsonl", [records[0], {"anchor": "a", "positive": "p", "negative_1": "p"}])
     overrides = ["--set", f"data.name={bad}", "--set", "data.columns.negatives=null", "--set", "name=bad"]
-    refused = run_densepass(*command, *overrides, cwd=tmp_path)
+    refused = densepass_here(*command, *overrides, cwd=tmp_path)
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert f"{bad}:2: a negative is the row's positive" in refused.stderr
 
@@ -261,13 +261,13 @@ def test_mine_given_writes_the_rows_negatives_as_a_hard_negatives_file_through_t
     assert {c.source for cands in pool.values() for c in cands} == {"given"}
     # rows without negatives: one line, exit 2, nothing written
     bare = write_jsonl(tmp_path / "bare.jsonl", [{"anchor": "a b", "positive": "c d"}])
-    refused = run_densepass("mine", str(bare), "--format", "pairs", "--strategy", "given", "--output",
+    refused = densepass_here("mine", str(bare), "--format", "pairs", "--strategy", "given", "--output",
                             str(tmp_path / "none.jsonl"), cwd=tmp_path)  # fmt: skip
     assert refused.returncode == 2 and "give no negatives" in refused.stderr, refused.stderr[-2000:]
     assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "none.jsonl").exists()
     # not training rows: one line
     beir = write_tiny_beir(tmp_path / "beir")
-    refused = run_densepass(
+    refused = densepass_here(
         "mine", str(beir), "--strategy", "given", "--output", str(tmp_path / "b.jsonl"), cwd=tmp_path
     )
     assert refused.returncode == 2 and "data.format: pairs" in refused.stderr, refused.stderr[-2000:]

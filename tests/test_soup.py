@@ -1,14 +1,13 @@
 """experiments/soup.py: the soup's weights are (1 - alpha) A + alpha B, exactly, and a folder in the way or models
-of other shapes are one line before anything is written."""
+of other shapes are one line before anything is written (the script run in this process: ``conftest.script_here``)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
+from conftest import script_here
 from densepass.models.biencoder import BiEncoder
 
 SCRIPT = Path(__file__).parent.parent / "experiments" / "soup.py"
@@ -26,8 +25,8 @@ def _perturbed(tiny_model_dir, path: Path, seed: int) -> dict[str, torch.Tensor]
 
 def test_the_soup_is_the_weighted_mean_of_the_two_models(tiny_model_dir, tmp_path):
     a, b = _perturbed(tiny_model_dir, tmp_path / "a", 1), _perturbed(tiny_model_dir, tmp_path / "b", 2)
-    run = [sys.executable, str(SCRIPT), str(tmp_path / "a"), str(tmp_path / "b"), "--alpha", "0.25"]
-    done = subprocess.run([*run, "--out", str(tmp_path / "soup")], capture_output=True, text=True)
+    run = [str(tmp_path / "a"), str(tmp_path / "b"), "--alpha", "0.25"]
+    done = script_here(SCRIPT, *run, "--out", str(tmp_path / "soup"))
     assert done.returncode == 0, done.stderr
     soup = BiEncoder.from_pretrained(str(tmp_path / "soup")).state_dict()
     assert soup.keys() == a.keys()
@@ -39,7 +38,7 @@ def test_the_soup_is_the_weighted_mean_of_the_two_models(tiny_model_dir, tmp_pat
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "mine.txt").write_text("keep")
-    done = subprocess.run([*run, "--out", str(notes)], capture_output=True, text=True)
+    done = script_here(SCRIPT, *run, "--out", str(notes))
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "exists" in done.stderr
     assert sorted(p.name for p in notes.iterdir()) == ["mine.txt"]
 
@@ -52,8 +51,8 @@ def test_models_of_other_shapes_are_one_line_before_anything_is_written(tiny_mod
     config.num_hidden_layers = 1
     BertModel(config).save_pretrained(tmp_path / "b")
     AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(tmp_path / "b")
-    run = [sys.executable, str(SCRIPT), str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "soup")]
-    done = subprocess.run(run, capture_output=True, text=True)
+    run = [str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "soup")]
+    done = script_here(SCRIPT, *run)
     last = done.stderr.strip().splitlines()[-1]  # (loading progress bars before it)
     assert done.returncode == 2 and last.startswith("soup.py: error: ") and "layer.1" in last, done.stderr
     assert done.stderr.count("error") == 1 and not (tmp_path / "soup").exists()
@@ -65,10 +64,10 @@ def test_a_shared_model_and_two_towers_or_a_bad_alpha_are_refused_before_anythin
 
     _perturbed(tiny_model_dir, tmp_path / "a", 1)
     BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(shared=False)).save(tmp_path / "b")
-    run = [sys.executable, str(SCRIPT), str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "soup")]
-    done = subprocess.run(run, capture_output=True, text=True)
+    run = [str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "soup")]
+    done = script_here(SCRIPT, *run)
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and "differ in shared" in last, done.stderr
-    done = subprocess.run([*run, "--alpha", "1.5"], capture_output=True, text=True)
+    done = script_here(SCRIPT, *run, "--alpha", "1.5")
     assert done.returncode == 2 and "--alpha must be from 0 to 1, got 1.5" in done.stderr
     assert not (tmp_path / "soup").exists()
