@@ -153,19 +153,25 @@ def densepass_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     one, a real exit, torchrun): it saves each the imports of a new Python process (seconds on a 2-core CPU)."""
     from densepass.cli import main
 
-    stdout, stderr = io.StringIO(), io.StringIO()
     threads, where = torch.get_num_threads(), os.getcwd()
     torch.set_num_threads(1)
     os.chdir(cwd)
     try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            try:
-                code = main(list(args))
-            except SystemExit as exit:  # argparse's usage errors
-                code = exit.code
+        return _captured(args, lambda: main(list(args)))
     finally:
         os.chdir(where)
         torch.set_num_threads(threads)
+
+
+def _captured(args, call) -> subprocess.CompletedProcess:
+    """``call()`` in this process as a program's run: its exit code (argparse's usage errors' too) and what it
+    printed, as a ``CompletedProcess`` of ``args``."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = call()
+        except SystemExit as exit:  # argparse's usage errors
+            code = exit.code
     return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
@@ -187,17 +193,12 @@ def script_here(script: Path, *args: str) -> subprocess.CompletedProcess:
     process pays the imports again (ranx's fusion alone compiles for seconds in each)."""
     from densepass.cli import run_guarded
 
-    stdout, stderr, argv = io.StringIO(), io.StringIO(), sys.argv
+    argv = sys.argv
     sys.argv = [str(script), *args]
     try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            try:
-                code = run_guarded(script_module(script).main, script.name)
-            except SystemExit as exit:  # argparse's usage errors
-                code = exit.code
+        return _captured(sys.argv, lambda: run_guarded(script_module(script).main, script.name))
     finally:
         sys.argv = argv
-    return subprocess.CompletedProcess([str(script), *args], code, stdout.getvalue(), stderr.getvalue())
 
 
 @contextlib.contextmanager

@@ -3,7 +3,6 @@ own id (eval.ignore_identical_ids, BEIR's rule for ArguAna)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import small_run_overrides
+from conftest import script_module, small_run_overrides
 from densepass import cli
 from densepass.config import load_config
 from densepass.data import load_dataset
@@ -202,10 +201,7 @@ RECIPE = Path(__file__).parent.parent / "experiments" / "recipe.py"
 
 def load_recipe():
     """experiments/recipe.py as a module (run in this process: no interpreter start per stage)."""
-    spec = importlib.util.spec_from_file_location("recipe_parts_driver", RECIPE)
-    driver = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(driver)
-    return driver
+    return script_module(RECIPE)
 
 
 def test_the_recipe_study_chooses_on_the_tuning_part_and_reports_arguana(

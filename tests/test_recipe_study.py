@@ -4,7 +4,6 @@ interpolation and the report), so that the study cannot drift from the pipeline 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import subprocess
 import sys
@@ -124,11 +123,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
 
 
 def load_driver(monkeypatch):
-    spec = importlib.util.spec_from_file_location("recipe_driver", SCRIPT)
-    driver = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(driver)
     monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
-    return driver
+    return script_module(SCRIPT)
 
 
 def test_the_recommended_config_is_the_studys_recommended_run(monkeypatch):
