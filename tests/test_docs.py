@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,7 @@ PAGES = sorted(GUIDE.glob("*.md"))
 BLOCK = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```\s*$", re.S | re.M)
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->\s*$", re.S)
 RUNNABLE = ("python", "bash")
+BLOCK_TIMEOUT = 300  # seconds a block may run
 
 
 def blocks(page: Path) -> list[tuple[str, str, str | None]]:
@@ -174,10 +176,14 @@ class PythonSession:
         os.close(answer_end)
         self.answers = os.fdopen(answers)
 
-    def run(self, code: str) -> tuple[bool, str]:
-        """Run ``code``: whether it ended well, and its stderr (what the process printed, if it died)."""
+    def run(self, code: str, timeout: float = BLOCK_TIMEOUT) -> tuple[bool, str]:
+        """Run ``code``: whether it ended well within ``timeout`` seconds, and its stderr (what the process
+        printed, if it died)."""
         self.process.stdin.write(json.dumps(code) + "\n")
         self.process.stdin.flush()
+        if not select.select([self.answers], [], [], timeout)[0]:  # one answer a block: nothing buffered ahead
+            self.process.kill()
+            return False, f"timed out after {timeout:.0f} s"
         line = self.answers.readline()
         if not line:  # the process died (a crash, os._exit)
             self.log.flush()
@@ -207,7 +213,7 @@ def test_the_guide_page_runs(page, fixtures, tmp_path):
                 ok, stderr = python.run(code)
             else:
                 result = subprocess.run(
-                    ["bash", "-e", "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=300
+                    ["bash", "-e", "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT
                 )
                 ok, stderr = result.returncode == 0, result.stderr[-3000:]
             assert ok, f"{page.name}, block {n + 1} ({lang}):\n{code}\n{stderr}"
