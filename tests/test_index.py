@@ -11,10 +11,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from densepass.errors import DensepassError
 from densepass.index import embeddings as embeddings_module
-from densepass.index.bm25 import BM25Index
+from densepass.index.bm25 import BM25Index, top_k
 from densepass.index.embeddings import encode_to_memmap
 from densepass.index.exact import exact_search
 from densepass.index.faiss_index import build_faiss_index, faiss_search, load_faiss_index, save_faiss_index
@@ -191,6 +193,33 @@ def test_bm25_k_is_clamped_to_corpus_size():
     scores, rows = index.search_rows(["python"], k=100)
     assert rows.shape == (1, len(BM25_TEXTS))
     assert sorted(rows[0].tolist()) == list(range(len(BM25_TEXTS)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=60),  # few distinct values: ties everywhere
+    st.integers(0, 70),
+)
+def test_top_k_is_the_best_k_with_ties_in_row_order(levels, k):
+    scores = np.asarray(levels, dtype=np.float32) * np.float32(0.37)
+    reference = sorted(range(len(scores)), key=lambda r: (-float(scores[r]), r))[:k]
+    values, rows = top_k(scores, k)
+    assert rows.tolist() == reference
+    assert values.tolist() == scores[reference].tolist()
+
+
+def test_bm25_ranks_tied_passages_in_row_order():
+    # copies of one passage score alike wherever they are: which of them enter the top k must not depend on the CPU
+    # (NumPy's SIMD argpartition / argsort kernels, which bm25s ranks with, break such ties differently per CPU)
+    texts = ["audio player"] * 40 + ["audio editor"] * 40 + BM25_TEXTS
+    rng = np.random.default_rng(0)
+    texts = [texts[i] for i in rng.permutation(len(texts))]
+    index = BM25Index.build(texts)
+    for query, k in (("audio", 50), ("audio player", 45), ("printer", 10)):
+        scores, rows = index.search_rows([query], k=k)
+        every = index.score_all(query)
+        assert rows[0].tolist() == sorted(range(len(texts)), key=lambda r: (-float(every[r]), r))[:k], query
+        assert scores[0].tolist() == every[rows[0]].tolist()
 
 
 def test_bm25_save_load_round_trip(tmp_path):

@@ -153,6 +153,30 @@ def test_gradient_caching_equals_the_plain_step_for_splade_and_colbert(tiny_mode
             torch.testing.assert_close(grads[1][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_training_steps_on_one_batch_lower_its_loss_for_splade_and_colbert(tiny_model_dir, tiny_beir):
+    # learning, measured on the same batch: the end-to-end run below logs losses of different (ABS) batches, whose
+    # spread on the tiny data is larger than what six steps of a random tiny model learn
+    from densepass.data import load_dataset
+    from densepass.training.batches import TrainingData
+
+    dataset = load_dataset(str(tiny_beir))
+    data = TrainingData(dataset, "train", "[SEP]", {q: dataset.corpus.ids[::3] for q in dataset.queries}, 1)
+    batch = data.collate(list(range(8)), seed=(1, 0, 0))
+    for make, objective in (
+        (lambda: SpladeEncoder.from_pretrained(str(tiny_model_dir), head_bias=-0.35), InfoNCE() + FLOPS()),
+        (lambda: ColBERT.from_pretrained(str(tiny_model_dir)), None),
+    ):
+        torch.manual_seed(0)
+        model = make()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(6):
+            optimizer.zero_grad()
+            losses.append(float(forward_backward(model, batch, CPU, objective).loss))
+            optimizer.step()
+        assert losses[-1] < losses[0] - 0.05, (type(model).__name__, losses)
+
+
 def test_saved_splade_loads_in_sentence_transformers_with_the_same_weights(splade, tmp_path):
     from sentence_transformers import SparseEncoder
 
@@ -384,8 +408,8 @@ def test_both_train_end_to_end_with_abs_batches_validation_resume_and_reload(tin
     config = load_config(None, overrides)
     results = run_experiment(config)
     log = [json.loads(line) for line in (tmp_path / "t" / "train_log.jsonl").read_text().splitlines()]
-    epoch_loss = [np.mean([r["loss"] for r in log if r["epoch"] == e]) for e in (0, 1)]
-    assert epoch_loss[1] < epoch_loss[0]  # the second pass over the same queries has a lower loss
+    assert [r["epoch"] for r in log] == [0] * (len(log) // 2) + [1] * (len(log) // 2)  # learning: the test above
+    assert all(np.isfinite(r["loss"]) for r in log)
     assert (tmp_path / "t" / "best-model").is_dir()
     report = (tmp_path / "t" / "report.md").read_text()
     assert ("non-zeros per passage" if kind == "splade" else "token vectors per passage") in report

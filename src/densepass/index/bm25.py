@@ -14,7 +14,7 @@ from typing import ClassVar
 
 # bm25s imports JAX where it is installed and runs a top-k with it at import time: on a GPU machine JAX then
 # takes 75% of the GPU's memory (its default preallocation) and the encoders' own CUDA allocations fail. Unless
-# the user chose otherwise, JAX allocates on demand; retrieval itself ranks with NumPy (``search_rows``).
+# the user chose otherwise, JAX allocates on demand; retrieval itself ranks with NumPy (``top_k``).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import bm25s  # noqa: E402
 import numpy as np  # noqa: E402
@@ -39,6 +39,27 @@ def english_stemmer():
 def bm25_texts(corpus: Corpus) -> list[str]:
     """What BM25 indexes for each passage: ``title text``."""
     return corpus.passage_inputs(" ")
+
+
+def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` highest of one query's ``scores`` and their rows, best first, tied scores in row order.
+
+    Ties are common in BM25 (duplicate and near-duplicate passages score alike), and who wins them decides which
+    passages enter a top-k: hard negatives, an evaluation subcorpus, a reranker's candidates. NumPy's
+    ``argpartition`` and quicksort ``argsort`` (what ``bm25s`` ranks with) run SIMD kernels chosen by the CPU, which
+    break ties differently on AVX2 and AVX-512 machines; the k-th score and a stable sort are the same everywhere.
+    """
+    n = len(scores)
+    if k <= 0:
+        rows = np.empty(0, dtype=np.int64)
+    elif k >= n:
+        rows = np.argsort(-scores, kind="stable")
+    else:
+        kth = np.partition(scores, n - k)[n - k]  # the k-th highest value: one value, whatever the algorithm
+        above = np.flatnonzero(scores > kth)
+        tied = np.flatnonzero(scores == kth)[: k - len(above)]
+        rows = np.concatenate([above[np.argsort(-scores[above], kind="stable")], tied])
+    return scores[rows], rows
 
 
 @register
@@ -99,17 +120,17 @@ class BM25Index(Index):
             self.passages = corpus
             raise
 
-    def search_rows(self, queries: Sequence[str], k: int, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """Top-``k`` (scores, rows) per query, best first, as ``bm25s`` ranks them with NumPy (the same ranking
-        whether JAX is installed or not): when fewer than ``k`` passages share a term with a query, the rest are
-        zero-score passages in index order."""
+    def search_rows(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` (scores, rows) per query, best first, tied scores in row order (``top_k``): when fewer than
+        ``k`` passages share a term with a query, the rest are zero-score passages in index order."""
         queries = check_queries(queries)
         k = min(k, len(self.passages))
-        tokens = bm25s.tokenize(queries, stopwords="en", stemmer=self.stemmer, show_progress=False)
-        rows, scores = self.retriever.retrieve(
-            tokens, k=k, show_progress=False, n_threads=n_threads, backend_selection="numpy"
-        )
-        return scores.astype(np.float32), rows.astype(np.int64)
+        tokens = bm25s.tokenize(queries, stopwords="en", stemmer=self.stemmer, show_progress=False, return_ids=False)
+        scores = np.empty((len(queries), k), dtype=np.float32)
+        rows = np.empty((len(queries), k), dtype=np.int64)
+        for i, words in enumerate(tokens):
+            scores[i], rows[i] = top_k(self._scores(words), k)
+        return scores, rows
 
     def search(self, queries: Sequence[str], k: int = 10) -> SearchResults:
         """The top-``k`` passages of each query that share at least one term with it."""
@@ -119,10 +140,14 @@ class BM25Index(Index):
 
     def score_all(self, query: str) -> np.ndarray:
         """BM25 score of one query against every indexed passage."""
-        tokens = bm25s.tokenize([query], stopwords="en", stemmer=self.stemmer, show_progress=False, return_ids=False)[0]
-        if not tokens:
+        words = bm25s.tokenize([query], stopwords="en", stemmer=self.stemmer, show_progress=False, return_ids=False)
+        return self._scores(words[0])
+
+    def _scores(self, words: list[str]) -> np.ndarray:
+        """BM25 scores of one tokenized query against every passage (float32)."""
+        if not words:
             return np.zeros(len(self.passages), dtype=np.float32)
-        return np.asarray(self.retriever.get_scores(tokens), dtype=np.float32)
+        return np.asarray(self.retriever.get_scores(words), dtype=np.float32)
 
     def facts(self) -> dict:
         """The BM25 parameters, for the manifest."""
