@@ -13,10 +13,10 @@ import hashlib
 import itertools
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 DIGEST_BYTES = 16
 
@@ -42,15 +42,17 @@ def fingerprint_json(value: Any) -> str:
     return fingerprint_strings([json.dumps(value, sort_keys=True, default=str)])
 
 
-@torch.no_grad()
 def fingerprint_weights(module: nn.Module) -> str:
     """Digest of every tensor in ``module.state_dict()`` (names, dtypes, shapes and bytes), wherever it lives."""
+    import torch  # here, not at the top: reading data and evaluating runs need this module, not torch
+
     h = _hasher()
-    for name, tensor in sorted(module.state_dict().items()):
-        t = tensor.detach().to("cpu").contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    with torch.no_grad():
+        for name, tensor in sorted(module.state_dict().items()):
+            t = tensor.detach().to("cpu").contiguous()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
