@@ -202,3 +202,24 @@ def test_a_watch_interval_that_is_not_a_positive_number_of_seconds_up_to_a_day_i
     assert main(["serve", str(tmp_path / "no-index"), "--port", "0", "--watch-index", seconds]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("densepass: error: --watch-index takes a number of seconds above 0") and "\n" not in err
+
+
+def test_a_reader_that_sees_the_new_version_never_sees_the_error_it_replaced(tmp_path):
+    """Readers (``/health``) take no lock: at the moment the new pipeline becomes visible, the last failure must
+    already be cleared, or a reader scheduled between the two stores reports the new version with the old error."""
+    folder = saved_index(tmp_path)
+    seen = []
+
+    class Probed(ReloadableSearcher):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name == "current" and hasattr(self, "last_error"):
+                seen.append(self.describe())  # what a reader would see right after the swap
+
+    searcher = Probed(lambda: SearchPipeline.load(folder), folder)
+    searcher.last_error = (
+        "OSError: No such file or directory: v000001/passages.jsonl"  # a failed reload, as the watch records it
+    )
+    update_index(folder, delete=["2"])
+    searcher.reload()
+    assert seen[-1]["index_version"] == 1 and "last_reload_error" not in seen[-1]

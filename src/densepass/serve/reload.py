@@ -75,8 +75,9 @@ class ReloadableSearcher:
 
     def describe(self) -> dict:
         """The current pipeline's description, with the index version and the reloads done."""
-        facts = dict(self.current.describe())
-        facts["index_version"] = getattr(getattr(self.current, "index", None), "version", 0)
+        current = self.current  # read once: a reload may swap it meanwhile
+        facts = dict(current.describe())
+        facts["index_version"] = getattr(getattr(current, "index", None), "version", 0)
         facts["reloads"] = self.reloads
         if self.last_error is not None:
             facts["last_reload_error"] = self.last_error
@@ -92,7 +93,10 @@ class ReloadableSearcher:
             except DensepassError as err:
                 self.last_error = str(err)
                 raise
-            self.current, self.stamp, self.last_error = fresh, stamp, None
+            # the error is cleared before the new pipeline is seen: a reader that sees the new version never
+            # sees the failure it replaced
+            self.last_error, self.stamp = None, stamp
+            self.current = fresh
             self.reloads += 1
             logger.info("reloaded %s: index version %s", self.directory, self.describe()["index_version"])
         return self.describe()
