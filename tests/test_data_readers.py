@@ -13,7 +13,7 @@ from urllib.error import URLError
 
 import pytest
 
-from densepass.data import load_dataset
+from densepass.data import load_corpus, load_dataset
 from densepass.data.beir import load_beir
 from densepass.data.dpr import dpr_hard_negatives, load_dpr
 from densepass.data.msmarco import load_msmarco
@@ -186,6 +186,51 @@ def write_msmarco(root: Path, gz: bool = False) -> Path:
     write(root / "qrels.train.tsv", "10\t0\t0\t1\n11\t0\t1\t1\n", gz)  # tab separated
     write(root / "qrels.dev.tsv", "20 0 2 1\n", gz)  # whitespace separated
     return root
+
+
+# ---------------------------------------------------------------- the corpus alone
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_load_corpus_reads_the_passages_of_a_folder_or_a_file_without_queries_or_judgements(tmp_path, gz):
+    full = load_dataset(str(write_beir(tmp_path / "beir", gz)))
+    write(tmp_path / "only" / "corpus.jsonl", jsonl(BEIR_CORPUS), gz)  # no queries, no qrels
+    file = write(tmp_path / "loose" / "my-passages.jsonl", jsonl(BEIR_CORPUS), gz)
+    for name, label in ((tmp_path / "only", "only"), (file, "my-passages"), (tmp_path / "beir", "beir")):
+        corpus, got = load_corpus(str(name))
+        assert got == label and fingerprint_corpus(corpus) == fingerprint_corpus(full.corpus)
+    corpus, label = load_corpus(file.name, data_dir=file.parent)  # a file's name under the data directory
+    assert label == "my-passages" and corpus.ids == full.corpus.ids
+    collection = write_msmarco(tmp_path / "marco", gz)
+    dataset = load_dataset(str(collection), format="msmarco")
+    corpus, label = load_corpus(str(collection), format="msmarco")
+    assert label == "marco" and fingerprint_corpus(corpus) == fingerprint_corpus(dataset.corpus)
+    tsv = next((tmp_path / "marco").glob("collection.tsv*"))
+    corpus, label = load_corpus(str(tsv))  # the file's name says its layout, whatever the format
+    assert label == "marco" and corpus.ids == dataset.corpus.ids
+
+
+def test_load_corpus_of_a_file_neither_layout_names_is_one_line(tmp_path):
+    write(tmp_path / "passages.txt", "a passage\n")
+    with pytest.raises(DataError, match=r"passages.txt: a corpus file is BEIR passages \(.jsonl\) or an MS MARCO"):
+        load_corpus(str(tmp_path / "passages.txt"))
+    write(tmp_path / "empty" / "queries.jsonl", jsonl(BEIR_QUERIES))
+    with pytest.raises(DataError, match=r"missing file: .*corpus.jsonl"):
+        load_corpus(str(tmp_path / "empty"))
+
+
+def test_the_index_command_indexes_a_corpus_file_and_keeps_its_folder_apart(tmp_path):
+    from conftest import densepass_here
+
+    file = write(tmp_path / "data" / "passages.jsonl", jsonl(BEIR_CORPUS))
+    done = densepass_here("index", str(file), "--kind", "bm25", "--output", str(tmp_path / "idx"), cwd=tmp_path)
+    assert done.returncode == 0 and "indexed 3 passages of passages" in done.stdout
+    for output in (file, file.parent):  # the file itself, or the folder holding it, even with --force
+        refused = densepass_here("index", str(file), "--kind", "bm25", "--output", str(output), "--force", cwd=tmp_path)
+        assert refused.returncode == 2 and "which this command reads" in refused.stderr
+    assert file.read_text(encoding="utf-8") == jsonl(BEIR_CORPUS) and sorted(p.name for p in file.parent.iterdir()) == [
+        "passages.jsonl"
+    ]
 
 
 @pytest.mark.parametrize("gz", [False, True])

@@ -30,6 +30,7 @@ _WHERE = {
     "Corpus": "densepass.data.dataset",
     "RetrievalDataset": "densepass.data.dataset",
     "load_dataset": "densepass.data",
+    "load_corpus": "densepass.data",
     # indexes and search
     "Index": "densepass.index.base",
     "SearchResults": "densepass.index.base",

@@ -631,7 +631,10 @@ def build_parser() -> argparse.ArgumentParser:
     phrase.set_defaults(func=_phrase)
 
     index = sub.add_parser("index", help="index a dataset's corpus (resumable encoding) into a saved index")
-    _dataset_args(index)
+    index.add_argument(
+        "dataset", help="dataset name under the data dir, a path, or a corpus file (BEIR .jsonl, MS MARCO .tsv)"
+    )
+    _dataset_args(index, positional=False)
     index.add_argument("--output", required=True, help="index directory to write")
     index.add_argument("--kind", default="exact", choices=INDEX_KINDS, help="index kind")
     index.add_argument(

@@ -9,7 +9,7 @@ from typing import Any
 
 from densepass.config import FORMATS
 from densepass.data.dataset import Corpus, LazyTexts, Qrels, RetrievalDataset, sample_queries
-from densepass.data.paths import dataset_dir, default_data_dir, pairs_path
+from densepass.data.paths import dataset_dir, dataset_file, default_data_dir, pairs_path
 from densepass.errors import DataError
 
 
@@ -89,24 +89,79 @@ def hub_options(data: Any) -> dict[str, Any]:
     return {"subset": data.subset, "revision": data.revision, "split": data.train_split}
 
 
+CORPUS_FILES = {"beir": "corpus.jsonl", "msmarco": "collection.tsv"}
+"""The file holding a layout's passages; the other layouts (dpr, squad) take theirs from their records."""
+
+
+def corpus_file(name: str, data_dir: str | Path | None = None, format: str = "beir") -> Path | None:
+    """The file of dataset ``name``'s passages: ``name`` itself where it is a file (a BEIR ``*.jsonl`` or an MS
+    MARCO ``*.tsv``, gzipped or not: the name says which, whatever ``format``), else the layout's corpus file in the
+    dataset's folder (``CORPUS_FILES``); None for the layouts without one (a one-line DataError where none is
+    found, or a file's name says neither layout)."""
+    path = dataset_file(name, data_dir)
+    if path is not None:
+        if _file_layout(path) is None:
+            raise DataError(
+                f"{name}: a corpus file is BEIR passages (.jsonl) or an MS MARCO collection (.tsv), gzipped or not"
+            )
+        return path
+    if format not in CORPUS_FILES:
+        return None
+    from densepass.data.beir import find_file
+
+    directory = dataset_dir(name, data_dir)
+    check_plain_files(directory)
+    return find_file(directory, CORPUS_FILES[format])
+
+
+def _file_layout(path: Path) -> str | None:
+    suffixes = path.name.lower().removesuffix(".gz")
+    return next((layout for layout, file in CORPUS_FILES.items() if suffixes.endswith(Path(file).suffix)), None)
+
+
+def load_corpus(
+    name: str, data_dir: str | Path | None = None, format: str = "beir", passages_on_disk: bool = False
+) -> tuple[Corpus, str]:
+    """The passages of dataset ``name`` and its name, without its queries and judgements: what an index needs.
+    ``name`` is a corpus file (``corpus_file``: named after its folder where it is the layout's own file, such as
+    ``scifact/corpus.jsonl``, else after itself), or a dataset as ``load_dataset`` takes it, whose layout's corpus
+    file alone is read (dpr and squad, whose passages come from their records, are loaded whole).
+    ``passages_on_disk`` as ``load_dataset`` has it."""
+    path = corpus_file(name, data_dir, format)
+    if path is None:
+        dataset = load_dataset(name, data_dir, format)
+        return dataset.corpus, dataset.name
+    layout = _file_layout(path)
+    own_file = path.name.removesuffix(".gz") == CORPUS_FILES[layout] and path.parent.name
+    label = path.parent.name if own_file else path.name.removesuffix(".gz").rsplit(".", 1)[0]
+    if layout == "beir":
+        from densepass.data.beir import read_corpus
+
+        return read_corpus(path, passages_on_disk), label
+    from densepass.data.msmarco import read_collection
+
+    return read_collection(path), label
+
+
 def stream_passage_inputs(
     name: str, data_dir: str | Path | None, format: str, sep_token: str, length: int
 ) -> LazyTexts | None:
     """The ``length`` passage encoder inputs of dataset ``name``, read from its corpus file on demand (a process
     that reads a shard holds only that shard as strings); None for layouts that can only be loaded whole
-    (every one but ``beir``)."""
-    if format != "beir":
+    (every one but BEIR's passages: ``corpus_file``)."""
+    path = corpus_file(name, data_dir, format)
+    if path is None or _file_layout(path) != "beir":
         return None
-    from densepass.data.beir import find_file
     from densepass.data.beir import stream_passage_inputs as stream_beir
 
-    return stream_beir(find_file(dataset_dir(name, data_dir), "corpus.jsonl"), sep_token, length)
+    return stream_beir(path, sep_token, length)
 
 
 __all__ = [
     "Corpus",
     "Qrels",
     "RetrievalDataset",
+    "load_corpus",
     "load_dataset",
     "stream_passage_inputs",
     "sample_queries",

@@ -40,6 +40,13 @@ def dataset_dir(name: str, data_dir: str | Path | None = None) -> Path:
     return path
 
 
+def dataset_file(name: str, data_dir: str | Path | None = None) -> Path | None:
+    """``name`` as a file (a corpus file given where a dataset is asked for): a path, else a name under the data
+    directory; None where neither is a file."""
+    root = Path(data_dir) if data_dir else default_data_dir()
+    return next((path for path in (Path(name), root / name) if _is_file(path)), None)
+
+
 def pairs_path(name: str, data_dir: str | Path | None = None) -> Path:
     """The file (or ``save_to_disk`` folder) of training rows ``name``: a path, else a name under the data
     directory (a one-line DataError when neither exists)."""
@@ -55,15 +62,17 @@ def pairs_path(name: str, data_dir: str | Path | None = None) -> Path:
 def check_output_apart(
     output: str | Path, dataset: str, data_dir: str | Path | None, models: Sequence[str | Path | None]
 ) -> None:
-    """A one-line ConfigError where ``output`` is, holds or lies inside the folder of ``dataset`` or of one of
-    ``models`` (those that are local folders): the command would replace, or with ``--force`` move aside, what it
-    reads. A dataset that is not found is left to the error its loading gives."""
+    """A one-line ConfigError where ``output`` is, holds or lies inside the folder of ``dataset`` (or is or holds
+    its file, where the dataset is one: a corpus file) or of one of ``models`` (those that are local folders): the
+    command would replace, or with ``--force`` move aside, what it reads. A dataset that is not found is left to the
+    error its loading gives."""
     target = Path(output).resolve()
     inputs = [Path(m) for m in models if m and _is_dir(Path(m))]
     try:
         inputs.append(dataset_dir(dataset, data_dir))
     except DataError:
-        pass
+        file = dataset_file(dataset, data_dir)
+        inputs += [file] if file is not None else []
     for path in (p.resolve() for p in inputs):
         if target == path or path in target.parents or target in path.parents:
             raise ConfigError(f"--output {output} is, holds or lies inside {path}, which this command reads")
@@ -74,6 +83,14 @@ def _is_dir(path: Path) -> bool:
     that may not be read), which pathlib raises as an OSError."""
     try:
         return path.is_dir()
+    except OSError:
+        return False
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False where the path cannot be looked up (as ``_is_dir``)."""
+    try:
+        return path.is_file()
     except OSError:
         return False
 

@@ -31,7 +31,7 @@ import torch
 
 from densepass import distributed
 from densepass.config import DEFAULT_MODEL, DENSE_INDEX_KINDS, ONDISK_INDEX_KIND, ModelConfig
-from densepass.data import load_dataset, stream_passage_inputs
+from densepass.data import load_corpus, stream_passage_inputs
 from densepass.data.dataset import Corpus, LazyTexts
 from densepass.data.paths import check_output_apart
 from densepass.device import default_device, resolve_precision
@@ -289,7 +289,8 @@ def index_dataset(
     settings: IndexSettings,
     force: bool = False,
 ) -> tuple[Index | None, str]:
-    """Index the corpus of dataset ``name`` into ``output``: ``build_index`` in one process; under torchrun,
+    """Index the passages of dataset ``name`` (a corpus file will do: ``data.load_corpus`` reads the passages alone,
+    without queries or judgements) into ``output``: ``build_index`` in one process; under torchrun,
     dense kinds only, each process encoding its shard. Returns (the index, on rank 0 (else None); the
     dataset's name). An ``output`` that is, holds or lies in the dataset's or a model's folder is refused
     (``data.paths.check_output_apart``); ``force``: what is at ``output`` that densepass may not replace is moved
@@ -302,8 +303,8 @@ def index_dataset(
         if moved is not None and distributed.rank() == 0:
             warnings.warn(f"moved what was at {output} to {moved}", stacklevel=2)
     if distributed.world_size() == 1:
-        dataset = load_dataset(name, data_dir, format, passages_on_disk=True)
-        return build_index(dataset.corpus, output, settings), dataset.name
+        corpus, dataset_name = load_corpus(name, data_dir, format, passages_on_disk=True)
+        return build_index(corpus, output, settings), dataset_name
     if settings.kind not in SHARDED_KINDS:
         raise ConfigError(
             f"under torchrun only dense kinds ({', '.join(SHARDED_KINDS)}) are indexed in shards; "
@@ -315,19 +316,18 @@ def index_dataset(
     loaded: dict = {}
 
     def load() -> tuple[int, str, str]:
-        loaded["dataset"] = load_dataset(name, data_dir, format, passages_on_disk=True)
-        corpus = loaded["dataset"].corpus
-        return len(corpus), fingerprint_corpus(corpus), loaded["dataset"].name
+        loaded["corpus"], dataset_name = load_corpus(name, data_dir, format, passages_on_disk=True)
+        return len(loaded["corpus"]), fingerprint_corpus(loaded["corpus"]), dataset_name
 
     with _locked(work_dir):
         rows, corpus_fingerprint, dataset_name = distributed.on_rank_zero(load)
-        if "dataset" in loaded:
-            texts = loaded["dataset"].corpus.lazy_inputs(sep)
+        if "corpus" in loaded:
+            texts = loaded["corpus"].lazy_inputs(sep)
         else:
             texts = stream_passage_inputs(name, data_dir, format, sep, rows)
-            texts = texts if texts is not None else load_dataset(name, data_dir, format).corpus.lazy_inputs(sep)
+            texts = texts if texts is not None else load_corpus(name, data_dir, format)[0].lazy_inputs(sep)
         shards = encode_corpus(model, texts, corpus_fingerprint, work_dir, settings)
-        corpus = loaded["dataset"].corpus if "dataset" in loaded else None
+        corpus = loaded.get("corpus")
         index = _index_of_shards(model, corpus, corpus_fingerprint, settings.kind, shards, work_dir, settings)
         if index is None:
             return None, dataset_name
