@@ -233,6 +233,47 @@ def test_the_rerank_command_reorders_a_trec_runs_top_depth_by_the_cross_encoder(
     assert "have no text in the dataset" in err and "'nosuchquery'" in err and len(err.splitlines()) == 1
 
 
+def test_the_rerank_command_takes_a_queries_file_and_a_corpus_file_instead_of_a_dataset(
+    tiny_beir, tiny_model_dir, tmp_path, capsys
+):
+    """``--queries FILE``: the queries' texts from the file, the passages alone from the dataset (a corpus file, no
+    judgements needed): the same run as reranking over the whole dataset; a run's query the file lacks is refused
+    in one line naming the file, before the model loads."""
+    import json
+
+    from densepass import cli
+    from densepass.data import load_dataset
+    from densepass.evaluation.metrics import read_trec_run
+    from densepass.models.cross_encoder import CrossEncoder
+
+    model = CrossEncoder.new(str(tiny_model_dir), seed=5, max_length=48, device=torch.device("cpu"), precision="fp32")
+    with torch.no_grad():  # scores spread wide enough that no two tie in a TREC file's 6 decimals
+        model.model.classifier.weight.mul_(1e4)
+    model.save(tmp_path / "ce")
+    dataset = load_dataset(str(tiny_beir))
+    dev = sorted(dataset.split("dev"))
+    first = tmp_path / "first.trec"
+    first.write_text("".join(f"{q} Q0 p{i} {i + 1} {10 - i} bm25\n" for q in dev for i in range(6)))
+    queries = tmp_path / "queries.tsv"
+    queries.write_text("".join(f"{q}\t{dataset.queries[q]}\n" for q in dev))
+    corpus = tmp_path / "apart" / "passages.jsonl"  # the corpus alone, away from the dataset's queries and qrels
+    corpus.parent.mkdir()
+    corpus.write_bytes((tiny_beir / "corpus.jsonl").read_bytes())
+    common = [str(first), "--model", str(tmp_path / "ce"), "--device", "cpu", "--precision", "fp32", "--depth", "4"]
+    assert cli.main(["rerank", str(tiny_beir), *common, "--output", str(tmp_path / "whole.trec")]) == 0
+    assert (
+        cli.main(["rerank", str(corpus), *common, "--queries", str(queries), "--output", str(tmp_path / "q.trec")]) == 0
+    )
+    whole, apart = read_trec_run(tmp_path / "whole.trec"), read_trec_run(tmp_path / "q.trec")
+    assert all(list(apart[q]) == list(whole[q]) and apart[q] == pytest.approx(whole[q], rel=1e-5) for q in dev)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["queries"] == len(dev)
+    queries.write_text("".join(f"{q}\t{dataset.queries[q]}\n" for q in dev[1:]))
+    out = tmp_path / "refused.trec"
+    assert cli.main(["rerank", str(corpus), *common, "--queries", str(queries), "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"1 of the run's queries have no text in {queries}" in err and "\n" not in err and not out.exists()
+
+
 def test_reranking_a_second_first_stage_with_a_cache_dir_scores_only_its_new_pairs(
     tiny_beir, tiny_model_dir, tmp_path, capsys
 ):

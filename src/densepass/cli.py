@@ -214,6 +214,7 @@ def _rerank(args: argparse.Namespace) -> None:
         precision=args.precision,
         tag=args.tag,
         cache_dir=args.cache_dir,
+        queries=args.queries,
     )
     print(json.dumps(summary))
 
@@ -750,8 +751,18 @@ def build_parser() -> argparse.ArgumentParser:
     rerank = sub.add_parser(
         "rerank", help="re-score the top candidates of a TREC run (any first stage) with a cross-encoder or ColBERT"
     )
-    _dataset_args(rerank)
+    rerank.add_argument(
+        "dataset", help="dataset name under the data dir, or a path; with --queries, a corpus file will do"
+    )
+    _dataset_args(rerank, positional=False)
     rerank.add_argument("run", help="first-stage TREC run file (.gz too) over the dataset's corpus and queries")
+    rerank.add_argument(
+        "--queries",
+        default=None,
+        metavar="FILE",
+        help="the queries' texts from FILE (BEIR queries.jsonl or id<TAB>text lines) instead of the dataset's, "
+        "which then needs its passages alone",
+    )
     rerank.add_argument("--model", required=True, help="saved cross-encoder or ColBERT model")
     rerank.add_argument("--output", required=True, help="TREC run file to write")
     rerank.add_argument("--depth", type=positive_int, default=100, help="candidates re-scored per query")

@@ -474,8 +474,11 @@ def rerank_run_file(
     precision: str = "auto",
     tag: str = "densepass-rerank",
     cache_dir: str | Path | None = None,
+    queries: str | Path | None = None,
 ) -> dict:
-    """``densepass rerank``: the TREC run file ``run`` over dataset ``dataset`` (its queries and corpus) reranked by
+    """``densepass rerank``: the TREC run file ``run`` over dataset ``dataset`` (its queries and corpus; with
+    ``queries``, a queries file as ``read_queries`` reads it, the dataset's passages alone: ``data.load_corpus``,
+    so a corpus file will do) reranked by
     the saved cross-encoder or ColBERT ``model`` (``rerank_run``) and written to the run file ``output``; returns
     what was done (queries, depth, device, reranker, seconds). Before any work: ``output`` must be free for a run
     (``check_run_file``) and not the run being read, and the reranker must run ``precision`` on the device; before
@@ -484,7 +487,7 @@ def rerank_run_file(
     queries scores only the pairs it has not met (the summary counts both)."""
     import time
 
-    from densepass.data import load_dataset
+    from densepass.data import load_corpus, load_dataset
     from densepass.evaluation.metrics import check_run_file, read_trec_run, write_trec_run
 
     if Path(output).resolve() == Path(run).resolve():
@@ -499,13 +502,18 @@ def rerank_run_file(
         raise ConfigError(f"--cache-dir keeps a cross-encoder's scores; {model} is a ColBERT model: rerank without it")
     if cache_dir is not None and precision == "int8":
         raise ConfigError("--cache-dir keeps fp32 and bf16 scores: an int8 score depends on its batch (one scale each)")
-    data = load_dataset(dataset, data_dir, format)
-    first = read_trec_run(run, data.corpus)
-    check_run_queries(first, data.queries)  # before the model loads
+    if queries is None:
+        data = load_dataset(dataset, data_dir, format)
+        corpus, texts, where = data.corpus, data.queries, "the dataset"
+    else:
+        texts, where = dict(zip(*read_queries(queries))), str(queries)
+        corpus = load_corpus(dataset, data_dir, format)[0]
+    first = read_trec_run(run, corpus)
+    check_run_queries(first, texts, where)  # before the model loads
     reranker = load_reranker(model, device, batch_size, precision)
     scorer = CachedPairScores(reranker, cache_dir) if cache_dir is not None else reranker
     started = time.perf_counter()
-    reranked = rerank_run(first, data.queries, data.corpus, scorer, depth, k, fuse_weight, show_progress=True)
+    reranked = rerank_run(first, texts, corpus, scorer, depth, k, fuse_weight, show_progress=True)
     seconds = time.perf_counter() - started
     write_trec_run(reranked, output, tag=tag)
     summary = {"queries": len(first), "depth": depth, "fuse_weight": fuse_weight, "device": str(device)}
@@ -516,13 +524,13 @@ def rerank_run_file(
     return {**summary, "reranker": reranker.describe(), "output": str(output)}
 
 
-def check_run_queries(run: Mapping[str, object], queries: Mapping[str, str]) -> None:
-    """A one-line DataError unless every query of ``run`` has a text in ``queries``."""
+def check_run_queries(run: Mapping[str, object], queries: Mapping[str, str], where: str = "the dataset") -> None:
+    """A one-line DataError unless every query of ``run`` has a text in ``queries`` (read from ``where``)."""
     from densepass.errors import DataError
 
     missing = [q for q in run if q not in queries]
     if missing:
-        raise DataError(f"{len(missing)} of the run's queries have no text in the dataset (e.g. {missing[0]!r})")
+        raise DataError(f"{len(missing)} of the run's queries have no text in {where} (e.g. {missing[0]!r})")
 
 
 def read_queries(path: str | Path) -> tuple[list[str], list[str]]:
