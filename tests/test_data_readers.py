@@ -175,6 +175,15 @@ def test_passages_on_disk_check_the_file_as_the_loaded_corpus_does(tmp_path, lin
         load_beir(root, passages_on_disk=True)
 
 
+def test_passages_on_disk_refuse_the_raw_bytes_of_a_lone_surrogate_as_the_loaded_corpus_does(tmp_path):
+    """UTF-8 has no lone surrogates; ``json.loads`` of bytes decodes them anyway (``surrogatepass``)."""
+    root = write_beir(tmp_path / "beir")
+    (root / "corpus.jsonl").write_bytes(b'{"_id": "p1", "text": "a"}\n{"_id": "p2", "text": "b \xed\xa0\x80"}\n')
+    for on_disk in (False, True):
+        with pytest.raises(DataError, match=r"corpus\.jsonl:2: not valid UTF-8 \(byte 0xed"):
+            load_beir(root, passages_on_disk=on_disk)
+
+
 # ---------------------------------------------------------------- MS MARCO
 
 

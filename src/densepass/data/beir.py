@@ -48,7 +48,11 @@ def find_file(directory: Path, stem: str) -> Path:
 
 
 def _record(line: str | bytes, path: Path, line_no: int) -> dict | None:
-    """The JSON object on one line of a JSON-lines file; None for a blank line."""
+    """The JSON object on one line of a JSON-lines file; None for a blank line. Bytes are decoded as strict UTF-8
+    first (a UnicodeDecodeError, which ``files.reading`` names by line): ``json.loads`` would let the bytes of a lone
+    surrogate through."""
+    if isinstance(line, bytes):
+        line = line.decode("utf-8")
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
