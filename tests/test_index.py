@@ -568,3 +568,23 @@ def test_an_index_refuses_its_weights_loaded_with_other_settings(tiny_model_dir,
     other = BiEncoder.from_pretrained(str(tmp_path / "model"), BiEncoderConfig(pooling="mean", query_prompt="q: "))
     with pytest.raises(ConfigError, match=r"same weights but other settings: pooling 'mean' \(the index's: 'cls'\)"):
         load_index(tmp_path / "index", model=other)
+
+
+@pytest.mark.parametrize("bad", ["release notes", "tab\there", "line\u2028separator", ""])
+def test_a_passage_id_no_saved_index_could_hold_is_refused_before_anything_is_written(tmp_path, bad):
+    """The readers of a saved index's passages (and TREC runs) refuse an empty id or one with whitespace: an index
+    built or updated with one through the API would save, then never load again."""
+    from densepass.data.dataset import Corpus
+    from densepass.index import load_index
+    from densepass.index.living import update_index
+
+    records = [{"id": "p0", "text": "audio editor"}, {"id": bad, "text": "kernel driver"}]
+    corpus = Corpus(["p0", bad], ["", ""], ["audio editor", "kernel driver"], ["p0", "d1"])
+    for passages in (records, corpus):
+        with pytest.raises(DensepassError, match=r"^passage 1: (its 'id' is empty|id .* holds whitespace)"):
+            BM25Index.build(passages)
+    BM25Index.build(records[:1] + [{"id": "p1", "text": "tar archiver"}]).save(tmp_path / "index")
+    with pytest.raises(DensepassError, match=r"^passage 0: "):
+        update_index(tmp_path / "index", upsert=[{"id": bad, "text": "video player"}])
+    index = load_index(tmp_path / "index")  # untouched, and still loads
+    assert index.version == 0 and index.passages.ids == ["p0", "p1"]

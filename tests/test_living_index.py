@@ -589,3 +589,26 @@ def test_a_hybrid_add_that_fails_in_either_part_changes_neither(biencoder, monke
     hybrid.add([{"id": "x", "text": "kernel module"}])
     assert hybrid.first.passages.ids == hybrid.second.passages.ids == ["0", "1", "2", "x"]
     assert len(hybrid.second.embeddings) == 4 and set(hybrid.search(["kernel"], k=2).ids(0)) == {"1", "x"}
+
+
+def test_a_compaction_bm25_refuses_leaves_the_index_and_a_hybrid_holding_it_as_they_were(biencoder):
+    """BM25 refuses to index passages without a word; the refused compaction used to leave the live passages
+    beside the old tombstones and retriever (len() then failed), and a hybrid's dense part already compacted."""
+    from densepass.errors import DataError
+
+    records = [{"id": "a", "text": "audio editor"}, {"id": "b", "text": "the"}, {"id": "c", "text": "kernel driver"}]
+    bm25 = BM25Index.build(records)
+    hybrid = HybridIndex(
+        DenseIndex.build(biencoder, records, show_progress=False, device=CPU), BM25Index.build(records)
+    )
+    for index in (bm25, hybrid):
+        before = index.search(["kernel driver"], k=3)
+        index.delete(["a", "c"])
+        with pytest.raises(DataError, match="BM25 has nothing to index"):
+            index.compact()
+        parts = [index] if index is bm25 else [index.first, index.second]
+        for part in parts:
+            assert part.passages.ids[1] == "b" and part.deleted.tolist() == [True, False, True]
+        assert len(index) == 1 and set(index.search(["kernel driver"], k=3).ids(0)) <= {"b"}
+        index.upsert(records[::2])  # the deleted ids come back, and the index searches as before
+        assert index.search(["kernel driver"], k=3).ids(0)[0] == before.ids(0)[0]

@@ -37,6 +37,7 @@ import numpy as np
 
 from densepass.data.beir import PassageFile
 from densepass.data.dataset import Corpus
+from densepass.data.reader_helpers import WHITESPACE, check_id
 from densepass.data.texts import check_texts
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_corpus
@@ -64,9 +65,10 @@ def as_corpus(passages: Passages, first_id: int = 0) -> Corpus:
     """A ``Corpus`` from a Corpus, from texts (ids ``"0"``, ``"1"``, ... from ``first_id``), or from dicts
     with ``id`` (or ``_id``), ``text`` and optional ``title`` / ``doc_id``. In texts or records, a string holding a
     lone surrogate is a one-line error (``checked_texts``): no file can hold it, so the index could not be saved (a
-    Corpus comes from a reader, which checked its file)."""
+    Corpus comes from a reader, which checked its file). An id that is empty or holds whitespace is one too: the
+    saved passages and a TREC run could not hold it, so the index could not be loaded back (``check_corpus_ids``)."""
     if isinstance(passages, Corpus):
-        return passages
+        return check_corpus_ids(passages)
     if isinstance(passages, str):
         raise ConfigError("index passages must be a list (of texts or of {id, title, text} records), not one string")
     items = list(passages)
@@ -85,6 +87,9 @@ def as_corpus(passages: Passages, first_id: int = 0) -> Corpus:
         text = record.get("text")
         if not isinstance(pid, (str, int)) or isinstance(pid, bool) or not isinstance(text, str):
             raise ConfigError(f"passage {i}: a record needs a string or integer 'id' and a string 'text'")
+        if pid == "":
+            raise ConfigError(f"passage {i}: its 'id' is empty")
+        check_id(str(pid), "id", f"passage {i}")  # a TREC run (or the saved passages) could not hold it
         title = record.get("title") or ""
         if not isinstance(title, str):
             raise ConfigError(f"passage {i}: 'title' must be a string")
@@ -93,6 +98,17 @@ def as_corpus(passages: Passages, first_id: int = 0) -> Corpus:
         texts.append(text)
         docs.append(str(record.get("doc_id") or pid))
     return checked_texts(Corpus(ids, titles, texts, docs))
+
+
+def check_corpus_ids(corpus: Corpus) -> Corpus:
+    """``corpus``, or a one-line error naming the first passage whose id is empty or holds whitespace (as the
+    dataset readers refuse: ``data.reader_helpers.check_id``); one scan of the ids joined, the common case."""
+    if "" in corpus:
+        raise ConfigError(f"passage {corpus.position('')}: its 'id' is empty")
+    if WHITESPACE.search("".join(corpus.ids)) is not None:
+        row = next(i for i, pid in enumerate(corpus.ids) if WHITESPACE.search(pid))
+        check_id(corpus.ids[row], "id", f"passage {row}")
+    return corpus
 
 
 def checked_texts(corpus: Corpus) -> Corpus:

@@ -112,12 +112,12 @@ class BM25Index(Index):
     def _compact(self, live: np.ndarray) -> None:
         """Index the ``live`` passages again (bm25s indexes in one go): a deleted passage's terms count in the
         document frequencies and the average length until then, as in Lucene until its segments merge."""
-        corpus = self.passages.subset(live.tolist())
+        before = self.passages
         self.passages = Corpus([], [], [], [])
         try:
-            self.add(corpus)
-        except BaseException:
-            self.passages = corpus
+            self.add(before.subset(live.tolist()))
+        except BaseException:  # (say no live passage has a word left) the index stays as it was
+            self.passages = before
             raise
 
     def search_rows(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
