@@ -75,6 +75,16 @@ def test_empty_file_and_none_give_defaults(tmp_path):
     assert load_config(None) == ExperimentConfig()
 
 
+@pytest.mark.parametrize("top", ["[]", "0", "false", "''", "[1]", "x"])
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_top_level_that_is_not_a_mapping_is_refused_even_when_empty_or_false(tmp_path, top, suffix):
+    """An empty list, 0 or false used to be taken for an empty file (every default: a long run started)."""
+    path = tmp_path / f"exp{suffix}"
+    path.write_text(top if suffix == ".yaml" else {"''": '""', "x": '"x"'}.get(top, top))
+    with pytest.raises(ConfigError, match=r"the top level must be a mapping, got (list|int|bool|str)$"):
+        load_config(path)
+
+
 def test_unknown_key_suggests_close_name(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text("train:\n  batch_szie: 3\n")

@@ -918,9 +918,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, cls
             raise ConfigError(f"{path}: not valid JSON: nested too deeply") from None
         except (ValueError, _YamlProblem) as err:  # ValueError: a JSONDecodeError, or an integer of 4300+ digits
             raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
-        values = values or {}
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
+        values = {} if values is None else values  # an empty file (or comments only): every default
+        if not isinstance(values, dict):  # [] and 0 too: not taken for an empty file
+            raise ConfigError(f"{path}: the top level must be a mapping, got {type(values).__name__}")
     values = apply_overrides(values, overrides or [])
     return from_dict(cls, values)
 
