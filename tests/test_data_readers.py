@@ -688,3 +688,26 @@ def test_a_sample_of_k_queries_has_k_queries_with_a_relevant_passage(tmp_path):
         sample = dataset.sample("dev", 10, seed)
         assert len(sample) == 10 and all(v == {"p0": 1} for v in sample.values())
     assert len(dataset.sample("dev", None)) == 20
+
+
+@pytest.mark.parametrize(
+    "text, qrels",
+    [
+        ("query-id\tcorpus-id\tscore\nq1\tp1\t1\n", {"q1": {"p1": 1}}),  # BEIR's header
+        ("qid\tpid\tlabel\nq1\tp1\t2\n", {"q1": {"p1": 2}}),
+        ("query_id\tdoc_id\trel\nq1\tp1\t1\n", {"q1": {"p1": 1}}),
+        ("q1 0 p1 1.0\n", {"q1": {"p1": 1}}),  # TREC, no header
+    ],
+)
+def test_a_qrels_header_is_a_row_that_names_its_columns(tmp_path, text, qrels):
+    assert load_beir(write_beir(tmp_path / "beir", qrels={"dev": text})).qrels["dev"] == qrels
+
+
+@pytest.mark.parametrize("grade", ["", "yes", "1_0", "\u0661", "0x1", "1.5"])
+@pytest.mark.parametrize("line", [1, 2])
+def test_a_judgement_whose_grade_is_not_an_integer_is_refused_even_on_the_first_line(tmp_path, grade, line):
+    """A first row with an empty or misspelt grade used to be skipped as a header, in silence: one query lost."""
+    rows = [f"q1\tp1\t{grade}", "q2\tp3\t1"]
+    root = write_beir(tmp_path / "beir", qrels={"dev": "\n".join(rows if line == 1 else rows[::-1]) + "\n"})
+    with pytest.raises(DataError, match=rf"dev\.tsv:{line}: relevance '{grade}' is not an integer"):
+        load_beir(root)

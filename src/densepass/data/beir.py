@@ -14,6 +14,7 @@ import csv
 import itertools
 import json
 import os
+import re
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 from densepass.data.dataset import Corpus, LazyTexts, Qrels, RetrievalDataset, passage_input
 from densepass.data.files import Tally, open_text, reading, records_files
 from densepass.data.reader_helpers import (
+    HEADER_KEYS,
     WHITESPACE,
     CorpusBuilder,
     all_empty,
@@ -285,23 +287,30 @@ def read_queries(path: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
     return queries, answers
 
 
+INTEGER = re.compile(r"[+-]?[0-9]+")
+DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+"""How a grade is written: ASCII digits (Python's ``int`` and ``float`` would also take ``1_0`` and other
+scripts' digits)."""
+
+HEADER_GRADES = frozenset({"score", "relevance", "rel", "label", "grade", "judgement", "judgment"})
+"""The names a qrels header gives its grade column (BEIR's is ``query-id corpus-id score``)."""
+
+
 def _grade(text: str, where: str) -> int:
-    """A relevance grade that is not written as an integer: an integral float (``1.0``) is accepted."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value.is_integer():
+    """A relevance grade: an integer, or a decimal of integral value (``1.0``); else a one-line DataError."""
+    if INTEGER.fullmatch(text):
+        return int(text)
+    if not DECIMAL.fullmatch(text) or not float(text).is_integer():
         raise DataError(f"{where}: relevance {text!r} is not an integer")
-    return int(value)
+    return int(float(text))
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+def _is_header(row: list[str]) -> bool:
+    """Whether a qrels file's first row names its columns: its grade column is a name (``HEADER_GRADES``), or its
+    first column is (``reader_helpers.HEADER_KEYS``, ``query``, ``topic``). Another first row that is not a judgement
+    (an empty or misspelt grade) is an error, not a header skipped in silence."""
+    first, grade = row[0].strip().lower(), row[-1].strip().lower()
+    return grade in HEADER_GRADES or (not DECIMAL.fullmatch(grade) and first in (*HEADER_KEYS, "query", "topic"))
 
 
 MAX_GRADE = 2**31 - 1  # the largest relevance grade a qrels file may give (and the lowest, negated)
@@ -319,8 +328,9 @@ def _csv_rows(reader: Iterator[list[str]], path: Path) -> Iterator[list[str]]:
 def read_qrels_tsv(path: Path) -> Qrels:
     """``query-id<TAB>corpus-id<TAB>score`` (BEIR) or TREC ``qid 0 pid grade`` (tabs or spaces).
 
-    The first row is a header, and skipped, when its grade column is not a number. Grades are integers
-    (``1.0`` is read as 1; ``0.5`` is an error) within +-:data:`MAX_GRADE`. A (query, passage) pair judged
+    The first row is a header, and skipped, when it names its columns (``_is_header``). Grades are integers in
+    ASCII digits (``1.0`` is read as 1; ``0.5``, ``1_0`` or an empty grade is an error) within
+    +-:data:`MAX_GRADE`. A (query, passage) pair judged
     twice with the same grade is skipped with one counted DataWarning; with different grades it is a DataError
     (silently keeping either one could drop a positive). An id holding whitespace (a tab-separated field can hold
     spaces) is a DataError (``reader_helpers.check_id``). Fields are never quoted: a ``"`` is part of the id, as in
@@ -338,8 +348,8 @@ def read_qrels_tsv(path: Path) -> Qrels:
                 row = row[0].split()
             if first_row:
                 first_row = False
-                if row and not _is_number(row[-1].strip()):
-                    continue  # header
+                if _is_header(row):
+                    continue
             if len(row) == 4:
                 row = [row[0], row[2], row[3]]
             if len(row) != 3:
@@ -347,10 +357,7 @@ def read_qrels_tsv(path: Path) -> Qrels:
             qid, pid, grade_text = (c.strip() for c in row)
             check_id(qid, "query id", f"{path}:{line_no}")
             check_id(pid, "passage id", f"{path}:{line_no}")
-            try:
-                grade = int(grade_text)
-            except ValueError:
-                grade = _grade(grade_text, f"{path}:{line_no}")
+            grade = _grade(grade_text, f"{path}:{line_no}")
             if abs(grade) > MAX_GRADE:  # ranx overflows on 2**63; no judgement scale comes near
                 raise DataError(f"{path}:{line_no}: relevance {grade_text[:40]!r} is beyond +-{MAX_GRADE}")
             rels = qrels.setdefault(qid, {})

@@ -20,13 +20,8 @@ from pathlib import Path
 from densepass.data.beir import find_file, read_qrels_tsv
 from densepass.data.dataset import Corpus, Qrels, RetrievalDataset
 from densepass.data.files import Tally, read_lines, records_files
-from densepass.data.reader_helpers import CorpusBuilder, check_id, require_dir, split_files
+from densepass.data.reader_helpers import HEADER_KEYS, CorpusBuilder, check_id, require_dir, split_files
 from densepass.errors import DataError, DataWarning
-
-# First-column names that mark a header line rather than an id.
-HEADER_KEYS = frozenset(
-    {"id", "_id", "pid", "qid", "docid", "doc_id", "passage_id", "query_id", "query-id", "corpus-id"}
-)
 
 
 def read_id_text_tsv(path: Path) -> Iterator[tuple[int, str, str]]:
