@@ -271,3 +271,23 @@ def test_mine_given_writes_the_rows_negatives_as_a_hard_negatives_file_through_t
         "mine", str(beir), "--strategy", "given", "--output", str(tmp_path / "b.jsonl"), cwd=tmp_path
     )
     assert refused.returncode == 2 and "data.format: pairs" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_a_column_or_key_given_twice_is_refused_instead_of_dropping_one(tmp_path):
+    """A row is a dict: of two columns (or JSON keys) named alike it kept the last, so a negative was lost."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "rows.csv").write_text("anchor,positive,negative,negative\nfast audio editor,audacity,sox,mpg123\n")
+    (tmp_path / "rows.jsonl").write_text('{"anchor": "a", "positive": "b", "negative": "c", "negative": "d"}\n')
+    columns = [pa.array([text]) for text in ("a", "b", "c", "d")]
+    pq.write_table(pa.table(columns, names=["anchor", "positive", "negative", "negative"]), tmp_path / "rows.parquet")
+    for name, error in (
+        ("rows.csv", r"rows\.csv: column 'negative' appears twice"),
+        ("rows.parquet", r"rows\.parquet: column 'negative' appears twice"),
+        ("rows.jsonl", r"rows\.jsonl:1: key 'negative' appears twice in one object"),
+    ):
+        with pytest.raises(dp.DataError, match=error):
+            load_dataset(str(tmp_path / name), format="pairs")
+    (tmp_path / "ok.csv").write_text("anchor,positive,negative_1,negative_2\nfast audio editor,audacity,sox,mpg123\n")
+    assert sorted(load_dataset(str(tmp_path / "ok.csv"), format="pairs").corpus.texts) == ["audacity", "mpg123", "sox"]

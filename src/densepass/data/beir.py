@@ -49,14 +49,15 @@ def find_file(directory: Path, stem: str) -> Path:
     raise DataError(f"missing file: {directory / stem} (or .gz)")
 
 
-def _record(line: str | bytes, path: Path, line_no: int) -> dict | None:
+def _record(line: str | bytes, path: Path, line_no: int, unique_keys: bool = False) -> dict | None:
     """The JSON object on one line of a JSON-lines file; None for a blank line. Bytes are decoded as strict UTF-8
     first (a UnicodeDecodeError, which ``files.reading`` names by line): ``json.loads`` would let the bytes of a lone
-    surrogate through."""
+    surrogate through. ``unique_keys``: an object that gives a key twice is a DataError (``json`` keeps the last
+    value in silence), at the cost of a Python call per object."""
     if isinstance(line, bytes):
         line = line.decode("utf-8")
     try:
-        record = json.loads(line)
+        record = json.loads(line, object_pairs_hook=_unique_keys(path, line_no) if unique_keys else None)
     except json.JSONDecodeError as err:
         if not line.strip():
             return None
@@ -72,11 +73,24 @@ def _record(line: str | bytes, path: Path, line_no: int) -> dict | None:
     return record
 
 
-def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """``(line number, record)`` for each non-blank line of a JSON-lines file; each must be a JSON object."""
+def _unique_keys(path: Path, line_no: int):
+    def hook(pairs: list[tuple[str, object]]) -> dict:
+        record = dict(pairs)
+        if len(record) != len(pairs):
+            keys = [key for key, _ in pairs]
+            repeated = next(key for key in keys if keys.count(key) > 1)
+            raise DataError(f"{path}:{line_no}: key {repeated!r} appears twice in one object (json keeps the last)")
+        return record
+
+    return hook
+
+
+def read_jsonl(path: Path, unique_keys: bool = False) -> Iterator[tuple[int, dict]]:
+    """``(line number, record)`` for each non-blank line of a JSON-lines file; each must be a JSON object
+    (``unique_keys``: without a key given twice, see ``_record``)."""
     with reading(path), open_text(path) as handle:
         for line_no, line in enumerate(handle, 1):
-            record = _record(line, path, line_no)
+            record = _record(line, path, line_no, unique_keys)
             if record is not None:
                 yield line_no, record
 

@@ -142,7 +142,7 @@ def _file_rows(path: Path) -> tuple[Iterator[tuple[str, dict]], list[str] | None
     if name.endswith((".jsonl", ".json")):
         from densepass.data.beir import read_jsonl
 
-        return ((f"{path}:{line_no}", record) for line_no, record in read_jsonl(path)), None
+        return ((f"{path}:{line_no}", record) for line_no, record in read_jsonl(path, unique_keys=True)), None
     import pyarrow as pa
 
     try:
@@ -163,6 +163,9 @@ def _file_rows(path: Path) -> tuple[Iterator[tuple[str, dict]], list[str] | None
             batches = pacsv.open_csv(path, convert_options=convert)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path}: not a readable {name.rsplit('.', 1)[-1].upper()} file ({_one_line(err)})") from None
+    repeated = next((column for column in known if known.count(column) > 1), None)
+    if repeated is not None:  # a row (a dict) would keep one of them
+        raise DataError(f"{path}: column {repeated!r} appears twice; give each column its own name (negative_1, ...)")
     return _arrow_rows(batches, str(path)), known
 
 
