@@ -136,3 +136,29 @@ def test_the_bm25_row_of_a_run_names_the_datasets_passage_ids(tiny_beir, tiny_mo
     run_experiment(tiny_config(tiny_beir, tiny_model_dir, tmp_path, "train.enabled=false", "eval.baselines=[bm25]"))
     lines = (tmp_path / "t" / "runs" / "bm25.trec").read_text().split("\n")
     assert lines[0].split()[2].startswith("p")  # a corpus id, not the index's row number
+
+
+@pytest.mark.parametrize(
+    "extra, where",
+    [
+        (["data.train_split=dev"], "data.train_split"),
+        (["data.mix=[{name: NAME, format: beir, split: dev, fraction: 0.5}]"], r"data.mix\[0\]"),
+        (["data.mix=[{name: PATH, format: beir, split: dev, fraction: 0.5}]"], r"data.mix\[0\]"),  # same folder
+        (["data.train_split=dev", "train.enabled=false", "negatives.source=none"], None),  # nothing trained
+        (["data.eval_split=train", "data.train_split=dev"], None),  # two splits
+    ],
+)
+def test_a_run_that_would_train_on_the_queries_it_evaluates_is_refused_before_any_work(
+    tiny_beir, tiny_model_dir, tmp_path, extra, where
+):
+    extra = [e.replace("NAME", tiny_beir.name).replace("PATH", str(tiny_beir)) for e in extra]
+    config = tiny_config(tiny_beir, tiny_model_dir, tmp_path, f"data.data_dir={tiny_beir.parent}", *extra)
+    config.data.name = tiny_beir.name
+    if where is None:
+        from densepass.pipelines.experiment import check
+
+        check(config)  # the checks before any work pass
+        return
+    with pytest.raises(ConfigError, match=rf"^{where} trains on the 'dev' queries of .*, the split evaluated"):
+        run_experiment(config)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -41,10 +41,10 @@ from densepass.checkpoints import (
     without_later_defaults,
 )
 from densepass.config import ColumnsConfig, DataConfig, ExperimentConfig, LossConfig, load_config, save_config
-from densepass.data import hub_options, load_dataset
+from densepass.data import dataset_dir, hub_options, load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import device_named, resolve_device, resolve_precision, resolved_packing, uses_bf16
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataError
 from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, refuse_answer_metrics, write_trec_run
 from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
@@ -168,6 +168,30 @@ def results_identity(config: ExperimentConfig) -> dict:
 # ---- stage 1: checks before any work -------------------------------------------------------------------
 
 
+def check_not_trained_on_the_evaluated_queries(config: ExperimentConfig) -> None:
+    """A one-line ConfigError where a run would train on the split it evaluates (``data.train_split`` of the
+    evaluated dataset, or a ``data.mix`` entry of it): its numbers would measure memory, not retrieval. Datasets are
+    compared by name, and by folder where both names are found."""
+    evaluated = (config.data.eval_name or config.data.name, config.data.eval_split)
+    trained = [] if config.data.format == "pairs" else [(config.data.name, config.data.train_split, "data.train_split")]
+    trained += [(mix.name, mix.split, f"data.mix[{i}]") for i, mix in enumerate(config.data.mix)]
+    for name, split, where in trained:
+        if split == evaluated[1] and _same_dataset(name, evaluated[0], config.data.data_dir):
+            raise ConfigError(
+                f"{where} trains on the {split!r} queries of {name}, the split evaluated (data.eval_split): the "
+                "scores would be of queries the model was trained on; evaluate another split"
+            )
+
+
+def _same_dataset(a: str, b: str, data_dir: str | None) -> bool:
+    if a == b:
+        return True
+    try:
+        return dataset_dir(a, data_dir).resolve() == dataset_dir(b, data_dir).resolve()
+    except DataError:
+        return False
+
+
 def check(config: ExperimentConfig) -> torch.device:
     """Everything about ``config`` that can be checked without data; returns the device to run on."""
     device = resolve_device(config.device)
@@ -182,6 +206,8 @@ def check(config: ExperimentConfig) -> torch.device:
             "(e.g. a BEIR-layout folder)"
         )
     check_eval_part(config)
+    if config.train.enabled:
+        check_not_trained_on_the_evaluated_queries(config)
     check_cache_dir(config.cache_dir)
     if config.negatives.source == "given" and config.data.format != "pairs":
         raise ConfigError("negatives.source: given takes the negatives of training rows: it needs data.format: pairs")
