@@ -454,6 +454,9 @@ def test_mine_cli_writes_a_file_that_training_reads(tiny_beir, tmp_path, capsys)
     config = NegativesConfig(source="file", file=str(out), pool_depth=3, filters=[])
     again = mine_negatives(dataset, sorted(pool), config, MiningContext(show_progress=False))
     assert passage_ids(again.pool) == {q: [c.passage_id for c in cands[:3]] for q, cands in pool.items()}
+    others = sorted(dataset.positives("dev"))  # a file mined for the train split covers none of these
+    with pytest.raises(ConfigError, match=rf"neg\.jsonl has negatives for none of the {len(others)} queries trained"):
+        mine_negatives(dataset, others, config, MiningContext(show_progress=False))
     assert main(["mine", str(tiny_beir), "--strategy", "file", "--output", str(out)]) == 2
     assert "needs negatives.file" in capsys.readouterr().err
     assert main(["mine", str(tiny_beir), "--output", str(tmp_path)]) == 2

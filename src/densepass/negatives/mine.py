@@ -183,6 +183,11 @@ def raw_pool(
         if not path:
             raise ConfigError("negatives.source=file needs negatives.file (a hard-negatives file)")
         pool = load_pool(path, dataset)
+        if query_ids and not any(q in pool for q in query_ids):  # mined for other queries: training had no pool
+            raise ConfigError(
+                f"hard-negatives file {path} has negatives for none of the {len(query_ids)} queries trained on (its "
+                f"queries: {next(iter(pool))!r}, ...): was it mined for another split or dataset?"
+            )
         return {q: pool.get(q, [])[config.skip_top :] for q in query_ids}
     if name == "given":
         return given_candidates(dataset, query_ids, config.skip_top)
