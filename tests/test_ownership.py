@@ -557,9 +557,29 @@ def test_an_index_replaces_only_an_index(tiny_beir, tiny_model_dir, tmp_path, ca
     model = tmp_path / "fine-tuned"
     BiEncoder.from_pretrained(str(tiny_model_dir)).save(model)
     before = sorted(p.name for p in model.iterdir())
-    assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", str(model)]) == 2
-    assert "not a densepass index" in capsys.readouterr().err
-    assert sorted(p.name for p in model.iterdir()) == before
+    for force in ([], ["--force"]):  # --force moves a user's files aside, never a model densepass saved
+        assert main(["index", str(tiny_beir), "--kind", "bm25", "--output", str(model), *force]) == 2
+        assert "not a densepass index" in capsys.readouterr().err
+        assert sorted(p.name for p in model.iterdir()) == before
+
+
+def test_index_force_moves_nothing_aside_when_the_command_fails_before_the_index_is_ready(tmp_path, capsys):
+    """``--force`` used to move the output aside first: a corpus that does not read (or a model that does not
+    load) then left the user's folder renamed, and no index in its place."""
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "mine.txt").write_text("mine")
+    bad = tmp_path / "corpus.jsonl"
+    bad.write_text('{"_id": "a", "title": "x"}\n')  # no text
+    assert main(["index", str(bad), "--kind", "bm25", "--output", str(out), "--force"]) == 2
+    assert "missing field 'text'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "notes"]
+    assert (out / "mine.txt").read_text() == "mine"
+    bad.write_text('{"_id": "a", "text": "an audio editor"}\n')
+    assert main(["index", str(bad), "--kind", "bm25", "--output", str(out), "--force"]) == 0
+    assert f"moved what was at {out} to {out}.replaced-" in capsys.readouterr().err
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("notes.replaced-")]
+    assert len(moved) == 1 and (moved[0] / "mine.txt").read_text() == "mine" and (out / "manifest.json").is_file()
 
 
 def test_checkpoint_rotation_keeps_a_checkpoint_holding_a_users_file(tmp_path):
@@ -813,3 +833,25 @@ def test_a_runs_own_trec_files_are_its_own_and_a_users_is_not(tmp_path):
     (runs / "fine-tuned.trec").write_text("q1 Q0 p1 1 0.500000 fine-tuned\n")  # what a run writes
     (runs / "bm25.trec").write_text("q1 Q0 p1 1 0.500000 anserini\n")  # a user's, under a run's name
     assert written_by_densepass(runs / "fine-tuned.trec") and not written_by_densepass(runs / "bm25.trec")
+
+
+def test_a_file_output_that_could_not_be_written_is_refused_before_any_work(tiny_beir, tmp_path, capsys):
+    """An output under a file used to fail after the search or the reranking, at the write (``io.check_writable``:
+    a probe file made and removed where the output would go)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine\n")
+    queries = tmp_path / "queries.tsv"
+    queries.write_text("a\taudio editor\n")
+    for output in (blocker / "run.trec", blocker / "sub" / "run.trec"):
+        for command in (
+            ["search", str(tmp_path / "no-index"), "--queries", str(queries), "--output", str(output)],
+            ["rerank", str(tiny_beir), str(queries), "--model", str(tmp_path / "no-model"), "--output", str(output)],
+            ["mine", str(tiny_beir), "--strategy", "bm25", "--output", str(output)],
+        ):
+            assert main(command) == 2
+            assert (
+                f"cannot write {output}: Not a directory ({blocker} is a file, not a folder)" in capsys.readouterr().err
+            )
+    assert blocker.read_text() == "mine\n" and not [
+        p.name for p in tmp_path.iterdir() if p.name.startswith(".")
+    ]  # no probe left

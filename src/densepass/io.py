@@ -833,6 +833,7 @@ def check_output_file(path: str | Path, what: str, ours: Callable[[Path], bool])
     path = Path(path)
     if path.is_symlink() or path.exists() and not path.is_file():
         raise DensepassError(f"--output {path} exists and is not a file; give the path of the {what} to write")
+    check_writable(path)
     if not path.exists() or path.stat().st_size == 0:
         return
     try:
@@ -844,6 +845,24 @@ def check_output_file(path: str | Path, what: str, ours: Callable[[Path], bool])
             f"--output {path} exists and is not a {what} densepass wrote; densepass overwrites only its own files: "
             "choose another path, or move that file away yourself"
         )
+
+
+def check_writable(output: Path) -> None:
+    """Fail before any work where the file ``output`` cannot be written: a name longer than the file system takes,
+    a file where a folder should be, a place where nothing can be made (``/proc``, a read-only mount). A file is
+    made and removed at once in the nearest existing folder; the ``OSError`` names ``output`` (the CLI prints it in
+    one line)."""
+    try:
+        if any(len(os.fsencode(part)) > 255 for part in output.parts):
+            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
+        folder = next(p for p in output.absolute().parents if os.path.lexists(p))
+        if not folder.is_dir():
+            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=f".{output.name}.", suffix=".tmp")
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(output)) from None
+    os.close(handle)
+    os.unlink(probe)
 
 
 def every_line(test: Callable[[str], bool]) -> Callable[[Path], bool]:

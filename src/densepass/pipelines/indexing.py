@@ -35,7 +35,7 @@ from densepass.data import load_corpus, stream_passage_inputs
 from densepass.data.dataset import Corpus, LazyTexts
 from densepass.data.paths import check_output_apart
 from densepass.device import default_device, resolve_precision
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DensepassError
 from densepass.fingerprints import fingerprint_corpus
 from densepass.index.base import Index, check_index_target
 from densepass.index.binary import CompactIndex, compact_kind
@@ -45,7 +45,7 @@ from densepass.index.faiss_index import check_trainable
 from densepass.index.hybrid import HybridIndex, part_precision
 from densepass.index.ondisk import IVFPQOptions, build_ondisk_ivfpq
 from densepass.index.sharded import DEFAULT_BLOCK, SHARDS_FILE, ShardedEmbeddings, encode_sharded
-from densepass.io import move_aside
+from densepass.io import check_replaceable, move_aside
 from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT
 from densepass.models.copies import float_precision
@@ -228,13 +228,15 @@ def check_private_work_dir(work_dir: Path, role: str) -> None:
         )
 
 
-def _work_dir(output: str | Path) -> tuple[Path, Path]:
-    """The output directory (checked: missing, empty, or an index densepass wrote with nothing added since,
-    ``io.check_replaceable``) and the private directory its encoding is built in."""
+def _work_dir(output: str | Path, force: bool = False) -> tuple[Path, Path]:
+    """The output directory (checked, unless ``force`` moves it aside at the save: missing, empty, or an index
+    densepass wrote with nothing added since, ``io.check_replaceable``) and the private directory its encoding is
+    built in."""
     output = Path(output)
-    if output.exists() and not output.is_dir():
+    if output.exists() and not output.is_dir() and not force:
         raise ConfigError(f"--output {output} exists and is not a directory")
-    check_index_target(output)  # densepass's own index alone, before any work
+    if not force or not _foreign(output):  # (--force moves foreign files aside at the save, and nothing else)
+        check_index_target(output)  # densepass's own index alone, before any work
     work_dir = output.with_name(f".{output.name}.encoding")
     check_private_work_dir(work_dir, f"where the encoding of {output} resumes")
     if work_dir.is_dir():  # it is removed whole once the index is saved: it must hold nothing but densepass's work
@@ -245,6 +247,15 @@ def _work_dir(output: str | Path) -> tuple[Path, Path]:
                 f"({', '.join(sorted(foreign)[:3])}); move them away or choose another --output"
             )
     return output, work_dir
+
+
+def _foreign(output: Path) -> bool:
+    """Whether ``output`` holds what densepass did not write (``io.check_replaceable``): what ``--force`` moves."""
+    try:
+        check_replaceable(output)
+    except DensepassError:
+        return True
+    return False
 
 
 @contextlib.contextmanager
@@ -298,19 +309,15 @@ def index_dataset(
     holding it, is never an output (``check_not_the_working_directory``)."""
     output = check_not_the_working_directory(output)
     check_output_apart(output, name, data_dir, [settings.model, settings.sparse_model])
-    if force:
-        moved = distributed.on_rank_zero(lambda: move_aside(output))
-        if moved is not None and distributed.rank() == 0:
-            warnings.warn(f"moved what was at {output} to {moved}", stacklevel=2)
     if distributed.world_size() == 1:
         corpus, dataset_name = load_corpus(name, data_dir, format, passages_on_disk=True)
-        return build_index(corpus, output, settings), dataset_name
+        return build_index(corpus, output, settings, force), dataset_name
     if settings.kind not in SHARDED_KINDS:
         raise ConfigError(
             f"under torchrun only dense kinds ({', '.join(SHARDED_KINDS)}) are indexed in shards; "
             f"build a {settings.kind} index in one process"
         )
-    output, work_dir = _work_dir(output)
+    output, work_dir = _work_dir(output, force)
     model = BiEncoder.from_pretrained(settings.model)
     sep = model.tokenizer.sep_token or " "
     loaded: dict = {}
@@ -331,14 +338,26 @@ def index_dataset(
         index = _index_of_shards(model, corpus, corpus_fingerprint, settings.kind, shards, work_dir, settings)
         if index is None:
             return None, dataset_name
-        index.save(output)
+        _save(index, output, force)
         shutil.rmtree(work_dir, ignore_errors=True)  # while locked: a process waiting for it starts afresh
     return index, dataset_name
 
 
-def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> Index:
-    """Index ``corpus`` as ``settings`` say and save it atomically to ``output``."""
-    output, work_dir = _work_dir(output)
+def _save(index: Index, output: Path, force: bool) -> None:
+    """Save the built ``index`` to ``output``; ``force``: what is there that densepass may not replace is moved
+    aside first (``io.move_aside``, with a warning naming where), now that the index is ready: a command that fails
+    on its input or model before that moves nothing."""
+    if force:
+        moved = move_aside(output)
+        if moved is not None:
+            warnings.warn(f"moved what was at {output} to {moved}", stacklevel=3)
+    index.save(output)
+
+
+def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings, force: bool = False) -> Index:
+    """Index ``corpus`` as ``settings`` say and save it atomically to ``output`` (``force``: as ``index_dataset``
+    has it)."""
+    output, work_dir = _work_dir(output, force)
     with _locked(work_dir):
         if settings.kind == "bm25":
             index: Index = BM25Index.build(corpus, show_progress=settings.show_progress)
@@ -375,6 +394,6 @@ def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings) -> 
                     else BM25Index.build(corpus, show_progress=settings.show_progress)
                 )
                 index = HybridIndex(index, second, settings.fusion, settings.fusion_weight)
-        index.save(output)
+        _save(index, output, force)
         shutil.rmtree(work_dir, ignore_errors=True)  # while locked: a process waiting for it starts afresh
     return index

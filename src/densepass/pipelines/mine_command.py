@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -73,7 +71,6 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path, precis
                 f"--precision sets how a model encodes; the {negatives.source} strategy mines with no model"
             )
         config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, precision=precision))
-    check_writable(output)
     check_denoising(config.negatives, config.model.name_or_path)  # before the dataset loads
     work_dir = output.with_name(output.name + ".miners") if dense_specs(config.negatives) else None
     if work_dir is not None:
@@ -112,23 +109,6 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path, precis
         if main:
             save_pool(result.pool, output)
     return result
-
-
-def check_writable(output: Path) -> None:
-    """Fail before any mining where ``output`` cannot be written: a name longer than the file system takes, a file
-    where a folder should be, a place where nothing can be made (``/proc``, a read-only mount). A file is made and
-    removed at once in the nearest existing folder; the ``OSError`` names ``output`` (the CLI prints it in one line)."""
-    try:
-        if any(len(os.fsencode(part)) > 255 for part in output.parts):
-            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
-        folder = next(p for p in output.absolute().parents if os.path.lexists(p))
-        if not folder.is_dir():
-            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        handle, probe = tempfile.mkstemp(dir=folder, prefix=f".{output.name}.", suffix=".tmp")
-    except OSError as err:
-        raise OSError(err.errno, err.strerror, str(output)) from None
-    os.close(handle)
-    os.unlink(probe)
 
 
 @contextlib.contextmanager
