@@ -208,6 +208,25 @@ def test_top_k_is_the_best_k_with_ties_in_row_order(levels, k):
     assert values.tolist() == scores[reference].tolist()
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=40),  # a passage is one of four vectors: ties everywhere
+    st.integers(1, 45),
+)
+def test_faiss_flat_returns_the_best_k_with_ties_in_row_order_as_exact_search_does(levels, k):
+    """FAISS keeps an arbitrary few of the passages tied at the k-th score, in its heap's order: which duplicates
+    came back changed with k (and with a tombstone's deeper search)."""
+    basis = np.eye(4, dtype=np.float32)
+    passages = basis[levels] * np.float32(0.5)
+    queries = np.asarray([[1.0, 0.6, 0.3, 0.0], [0.0, 0.0, 0.0, 1.0]], dtype=np.float32)
+    scores, rows = faiss_search(build_faiss_index(passages, "faiss-flat"), queries, k)
+    every = queries @ passages.T
+    for line in range(len(queries)):
+        reference = sorted(range(len(levels)), key=lambda r: (-float(every[line, r]), r))[:k]
+        assert rows[line].tolist() == reference
+        assert scores[line].tolist() == pytest.approx(every[line, reference].tolist())
+
+
 def test_bm25_ranks_tied_passages_in_row_order():
     # copies of one passage score alike wherever they are: which of them enter the top k must not depend on the CPU
     # (NumPy's SIMD argpartition / argsort kernels, which bm25s ranks with, break such ties differently per CPU)

@@ -75,9 +75,36 @@ def new_ivfpq(dim: int, lists: int, pq_m: int, pq_bits: int = 8):
 
 
 def faiss_search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-``k`` (scores, rows) of each query from a FAISS index (rows -1 past its size)."""
-    scores, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), min(k, index.ntotal))
-    return scores, ids
+    """Top-``k`` (scores, rows) of each query from a FAISS index (rows -1 past what it found), best first, equal
+    scores by row, as ``exact.top_k_by_score_then_row`` has them.
+
+    FAISS orders tied scores as its heap leaves them, and keeps an arbitrary few of the passages tied at the k-th
+    score: which duplicates come back then changed with ``k`` (and with a tombstone's deeper search). One result more
+    than ``k`` shows a tie across the cut; such queries are searched deeper until the tie ends, and the lowest rows
+    of it kept."""
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    total = index.ntotal
+    k = min(k, total)
+    fetch = min(k + 1, total)
+    scores, ids = index.search(queries, fetch)
+    if k < fetch:
+        for line in np.flatnonzero((scores[:, k - 1] == scores[:, k]) & (ids[:, k] >= 0)).tolist():
+            depth, deep_scores, deep_ids = fetch, scores[line : line + 1], ids[line : line + 1]
+            while depth < total:
+                depth = min(2 * depth, total)
+                deep_scores, deep_ids = index.search(queries[line : line + 1], depth)
+                if deep_ids[0, -1] < 0 or deep_scores[0, -1] < deep_scores[0, k - 1]:
+                    break
+            top_scores, top_ids = _by_score_then_row(deep_scores, deep_ids)
+            scores[line, :k], ids[line, :k] = top_scores[0, :k], top_ids[0, :k]
+    return _by_score_then_row(scores[:, :k], ids[:, :k])
+
+
+def _by_score_then_row(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each line sorted by score, best first, equal scores by row; rows -1 (nothing found) last."""
+    missing = ids < 0
+    order = np.lexsort((np.where(missing, np.iinfo(np.int64).max, ids), np.where(missing, np.inf, -scores)), axis=-1)
+    return np.take_along_axis(scores, order, -1), np.take_along_axis(ids, order, -1)
 
 
 def save_faiss_index(index, path: str | Path) -> None:

@@ -35,9 +35,9 @@ Results = list[list[dict[str, Any]]]
 logger = logging.getLogger("densepass.serve")
 
 # index kinds whose top k is always the start of a larger k's: every passage scored exactly, equal scores by row
-# (exact, with fp32 scoring only: a bf16 / int8 first pass keeps rescore x k candidates; SPLADE); FAISS's flat
-# search and bm25s break ties differently for different k, so they are not here
-NESTED_KINDS = ("exact", "splade")
+# (exact, with fp32 scoring only: a bf16 / int8 first pass keeps rescore x k candidates; SPLADE; FAISS's flat
+# search and BM25, whose ties densepass orders by row: faiss_index.faiss_search, bm25.top_k)
+NESTED_KINDS = ("exact", "splade", "faiss-flat", "bm25")
 
 
 class Unavailable(Exception):
