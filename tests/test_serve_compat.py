@@ -681,3 +681,21 @@ def test_a_worker_load_failure_outside_a_supervisor_is_the_callers_error(monkeyp
     monkeypatch.delenv(WORKER_ERROR_ENV, raising=False)
     with pytest.raises(ConfigError, match="bad model"):
         worker_failed(ConfigError("bad model"))
+
+
+def test_health_names_the_models_without_their_paths_on_the_server(models):
+    """``/health`` answers without the API key: the index's model, the reranker and the embeddings route's names
+    are shown as a client gives them (the folder's name), as ``/v1/models`` shows them, never as server paths."""
+    from densepass.pipelines.search import SearchPipeline
+
+    root, _ = models
+    pipeline = SearchPipeline.load(root / "idx", root / "ce", device="cpu", precision="fp32", rerank_precision="fp32")
+    app = create_app(pipeline, ServeSettings(), api_key=KEY)
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        health = http.get("/health")
+    assert health.status_code == 200
+    text = health.text
+    assert str(root) not in text and str(root).replace("/", "\\/") not in text, text
+    facts = health.json()
+    assert facts["searcher"]["model"] == "tiny-bi" and facts["searcher"]["reranker"]["model"] == "ce"
+    assert "tiny-bi" in facts["embeddings"]["names"]

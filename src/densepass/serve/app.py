@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from densepass.errors import ConfigError, DensepassError
 from densepass.serve import compat
-from densepass.serve.backends import Current, Embedder, PairScorer
+from densepass.serve.backends import Current, Embedder, PairScorer, short_name
 from densepass.serve.compat import ApiError, styled_error
 from densepass.serve.microbatch import MicroBatcher, Unavailable
 from densepass.serve.operations import BearerAuth, Metrics, Observe, access_log_handler
@@ -368,7 +368,7 @@ def create_app(
         facts = {
             "status": "shutting down" if batcher.closing else "worker stopped" if dead else "ok",
             "process": os.getpid(),  # which worker answered (--workers)
-            "searcher": searcher.describe(),
+            "searcher": public(searcher.describe()),
             "queue_depth": batcher.waiting,
             "batching": {
                 "enabled": settings.batching,
@@ -389,8 +389,8 @@ def create_app(
                 "searcher_calls": batcher.searcher_calls,
             },
             "api_key": api_key is not None,
-            "embeddings": described(current.embedder()),
-            "rerank": described(current.reranker()),
+            "embeddings": public(described(current.embedder())),
+            "rerank": public(described(current.reranker())),
         }
         return JSONResponse(facts, status_code=503) if dead else facts
 
@@ -495,6 +495,20 @@ def configure_access_log(target: str | None) -> None:
     if target is not None:
         access_logger.addHandler(access_log_handler(target))
         access_logger.setLevel(logging.INFO)
+
+
+def public(facts: Any) -> Any:
+    """``facts`` as ``/health`` (open without the API key) shows them: a ``model`` saved on the server named as a
+    client names it (``backends.short_name``: the folder's name, ``org/name``), never by its path there."""
+    if isinstance(facts, dict):
+        return {k: _public_model(v) if k == "model" else public(v) for k, v in facts.items()}
+    if isinstance(facts, list):
+        return [public(v) for v in facts]
+    return facts
+
+
+def _public_model(value: Any) -> Any:
+    return short_name(value) if isinstance(value, str) and os.path.exists(value) else value
 
 
 def described(thing: Any) -> dict | None:

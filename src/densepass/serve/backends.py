@@ -127,7 +127,8 @@ class Embedder:
 
     def describe(self) -> dict:
         """What embeds (for ``/health`` and ``/v1/models``)."""
-        return {"model": self.name, "dim": self.dim, "names": list(self.names), "matryoshka_dims": self.prefix_dims}
+        names = list(self.public_names)  # not the model's path on the server
+        return {"model": self.name, "dim": self.dim, "names": names, "matryoshka_dims": self.prefix_dims}
 
 
 def short_name(source: str) -> str:
