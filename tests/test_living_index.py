@@ -612,3 +612,31 @@ def test_a_compaction_bm25_refuses_leaves_the_index_and_a_hybrid_holding_it_as_t
         assert len(index) == 1 and set(index.search(["kernel driver"], k=3).ids(0)) <= {"b"}
         index.upsert(records[::2])  # the deleted ids come back, and the index searches as before
         assert index.search(["kernel driver"], k=3).ids(0)[0] == before.ids(0)[0]
+
+
+def test_index_update_takes_the_model_of_an_index_whose_model_moved(tiny_model_dir, tmp_path, capsys):
+    """The error said "pass the model", and index-update had no --model (search and serve have one)."""
+    import shutil
+
+    from densepass.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    records = [{"id": f"p{i}", "text": text} for i, text in enumerate(["tar archiver", "kernel driver", "audio"])]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"_id": r["id"], **r}) + "\n" for r in records))
+    assert (
+        main(["index", str(tmp_path / "corpus.jsonl"), "--model", str(model), "--output", str(tmp_path / "idx")]) == 0
+    )
+    model.rename(tmp_path / "moved")
+    (tmp_path / "delete.txt").write_text("p1\n")
+    update = ["index-update", str(tmp_path / "idx"), "--delete", str(tmp_path / "delete.txt"), "--device", "cpu"]
+    capsys.readouterr()
+    assert main(update) == 2
+    assert "is not there any more; pass the model (--model)" in capsys.readouterr().err
+    assert main([*update, "--model", str(tmp_path / "moved")]) == 0
+    from densepass.models.load import load_model
+
+    assert len(load_index(tmp_path / "idx", model=load_model(str(tmp_path / "moved")))) == 2
+    BM25Index.build(records).save(tmp_path / "bm25")
+    assert main(["index-update", str(tmp_path / "bm25"), "--compact", "--model", str(tmp_path / "moved")]) == 2
+    assert "--model is the model of a model index" in capsys.readouterr().err

@@ -362,7 +362,9 @@ def test_the_service_answers_like_the_pipeline_and_shuts_down_cleanly_on_sigterm
             server.kill()
             server.wait()
     pipeline = SearchPipeline.load(saved["exact"], model=model)
-    assert health.status_code == 200 and health.json()["searcher"] == pipeline.describe()
+    from densepass.serve.app import public  # the models' folder names, not their paths on the server
+
+    assert health.status_code == 200 and health.json()["searcher"] == public(pipeline.describe())
     assert health.json()["searcher"]["precision"] in ("fp32", "bf16")  # auto, as resolved on this machine
     assert health.json()["searcher"]["search_precision"] == "fp32"
     assert answer.status_code == 200, answer.text

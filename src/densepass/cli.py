@@ -154,7 +154,7 @@ def _index_update(args: argparse.Namespace) -> None:
     from densepass.index.living import update_saved_index
 
     options = {"batch_size": args.batch_size, "precision": args.precision, "device": resolve_device(args.device)}
-    index = update_saved_index(args.index, args.delete, args.upsert, args.compact, **options)
+    index = update_saved_index(args.index, args.delete, args.upsert, args.compact, model=args.model, **options)
     if index is None:
         print(f"nothing to compact in {args.index}: it holds no deleted passages (no new version written)")
         return
@@ -719,6 +719,9 @@ def build_parser() -> argparse.ArgumentParser:
     update.add_argument("--upsert", default=None, help="corpus.jsonl of passages to add or replace (by _id)")
     update.add_argument("--compact", action="store_true", help="rewrite the index without its deleted passages")
     update.add_argument("--batch-size", type=positive_int, default=256, help="encoding batch size")
+    update.add_argument(
+        "--model", default=None, help="the index's model, where it moved since indexing (as search --model)"
+    )
     _precision_arg(update)
     _device_arg(update)
     update.set_defaults(func=_index_update)

@@ -51,7 +51,8 @@ def model_for_index(directory: Path, kind: str, recorded: dict, model: Any, cls:
     apart from the passages), else the one at the recorded path."""
     if model is None:
         if not recorded["path"] or not Path(recorded["path"]).exists():
-            raise DataError(f"{directory}: its model {recorded['path']!r} is not there any more; pass the model")
+            missing = f"{directory}: its model {recorded['path']!r} is not there any more"
+            raise DataError(f"{missing}; pass the model (--model)")
         model = cls.from_pretrained(recorded["path"])
     if not isinstance(model, cls):
         source = getattr(model, "source", None) or type(model).__name__

@@ -134,12 +134,16 @@ def update_saved_index(
 ) -> Index | None:
     """``densepass index-update``: the ids of ``delete_file`` (``read_ids_file``) and the passages of
     ``upsert_file`` (a BEIR ``corpus.jsonl``) read and checked first, then ``update_index``; of ``options``
-    (batch_size, device, precision) the index's kind gets those it takes. None: ``compact`` alone over an index
+    (batch_size, device, precision; ``model``: the index's model where it moved since indexing, a path or a loaded
+    model, refused for a kind without one) the index's kind gets those it takes. None: ``compact`` alone over an index
     without deleted passages, nothing to do (nothing loaded, no version written; a killed update's leftovers
     removed)."""
     directory = Path(directory)
     check_not_a_version(directory, "the index")  # before its lock or a killed update's leftovers are touched
     kind = read_index_manifest(directory)["kind"]  # not an index: one line before any file is read
+    takes = KINDS[kind].load_options
+    if options.get("model") is not None and takes is not None and "model" not in takes:
+        raise ConfigError(f"--model is the model of a model index; {directory} is a {kind} index")
     if compact and delete_file is None and upsert_file is None and nothing_to_compact(directory):
         with exclusive_lock(directory, "index update"):  # what a killed update left still goes
             clear_killed_update(directory, version_name(index_version(directory) + 1))
@@ -149,7 +153,11 @@ def update_saved_index(
     if upsert_file is not None:
         check_regular_file(upsert_file, "--upsert")
         passages = read_corpus(Path(upsert_file))
-    takes = KINDS[kind].load_options
+    model = options.pop("model", None)
+    if model is not None:  # the index's model moved since indexing: the one given (checked as search checks it)
+        from densepass.models.load import load_model
+
+        options["model"] = load_model(str(model)) if isinstance(model, str | Path) else model
     options = {name: value for name, value in options.items() if takes is None or name in takes}
     return update_index(directory, ids, passages, compact, **options)
 
