@@ -711,3 +711,13 @@ def test_a_judgement_whose_grade_is_not_an_integer_is_refused_even_on_the_first_
     root = write_beir(tmp_path / "beir", qrels={"dev": "\n".join(rows if line == 1 else rows[::-1]) + "\n"})
     with pytest.raises(DataError, match=rf"dev\.tsv:{line}: relevance '{grade}' is not an integer"):
         load_beir(root)
+
+
+@pytest.mark.parametrize("twin", ["corpus.jsonl", "queries.jsonl", "qrels/dev.tsv"])
+def test_a_file_beside_its_gzipped_copy_is_refused_instead_of_one_read_in_silence(tmp_path, twin):
+    root = write_beir(tmp_path / "beir")
+    plain = root / twin
+    with gzip.open(plain.with_name(plain.name + ".gz"), "wt", encoding="utf-8") as handle:
+        handle.write(plain.read_text(encoding="utf-8"))
+    with pytest.raises(DataError, match=rf"both {plain.name} and {plain.name}\.gz: keep one of them"):
+        load_beir(root)

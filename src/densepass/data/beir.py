@@ -30,6 +30,7 @@ from densepass.data.reader_helpers import (
     CorpusBuilder,
     all_empty,
     check_id,
+    check_one_of,
     get_field,
     get_id,
     get_strings,
@@ -42,8 +43,12 @@ from densepass.errors import DataError
 
 
 def find_file(directory: Path, stem: str) -> Path:
-    """``stem`` or ``stem.gz`` inside ``directory``, with a clear error when neither exists."""
-    for candidate in (directory / stem, directory / f"{stem}.gz"):
+    """``stem`` or ``stem.gz`` inside ``directory``, with a clear error when neither exists, or both
+    (``reader_helpers.check_one_of``)."""
+    plain, gzipped = directory / stem, directory / f"{stem}.gz"
+    if plain.is_file() and gzipped.is_file():
+        check_one_of(plain, gzipped)
+    for candidate in (plain, gzipped):
         if candidate.is_file():
             return candidate
     raise DataError(f"missing file: {directory / stem} (or .gz)")

@@ -25,15 +25,23 @@ def require_dir(directory: str | Path) -> Path:
 
 
 def data_files(directory: Path, suffix: str) -> dict[str, Path]:
-    """Files in ``directory`` named ``<stem><suffix>`` or ``<stem><suffix>.gz``, by stem (plain file preferred)."""
+    """Files in ``directory`` named ``<stem><suffix>`` or ``<stem><suffix>.gz``, by stem; both of one stem is a
+    one-line DataError (``check_one_of``)."""
     found: dict[str, Path] = {}
     for path in sorted(p for p in directory.iterdir() if p.is_file()):
         for ending in (suffix, f"{suffix}.gz"):
             if path.name.endswith(ending) and len(path.name) > len(ending):
                 stem = path.name[: -len(ending)]
-                if stem not in found or ending == suffix:
-                    found[stem] = path
+                if stem in found:
+                    check_one_of(found[stem], path)
+                found[stem] = path
     return found
+
+
+def check_one_of(plain: Path, gzipped: Path) -> None:
+    """A one-line DataError for a file beside its gzipped copy (``qrels/dev.tsv`` and ``qrels/dev.tsv.gz``):
+    which one holds the data meant is unknowable (they may differ), so neither is read in silence."""
+    raise DataError(f"{plain.parent}: both {plain.name} and {gzipped.name}: keep one of them")
 
 
 def split_files(directory: Path, suffix: str, split_of: Callable[[str], str | None], expected: str) -> dict[str, Path]:
