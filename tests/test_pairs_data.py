@@ -291,3 +291,18 @@ def test_a_column_or_key_given_twice_is_refused_instead_of_dropping_one(tmp_path
             load_dataset(str(tmp_path / name), format="pairs")
     (tmp_path / "ok.csv").write_text("anchor,positive,negative_1,negative_2\nfast audio editor,audacity,sox,mpg123\n")
     assert sorted(load_dataset(str(tmp_path / "ok.csv"), format="pairs").corpus.texts) == ["audacity", "mpg123", "sox"]
+
+
+def test_an_in_memory_dataset_dict_gives_its_split_as_a_saved_one_does():
+    """It used to be read as one dataset, whose columns were its split names: "no anchor column (its columns:
+    'train')"."""
+    both = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"anchor": ["fast audio editor"], "positive": ["audacity"]}),
+            "dev": datasets.Dataset.from_dict({"anchor": ["tar archiver"], "positive": ["gnu tar"]}),
+        }
+    )
+    assert load_pairs(both).corpus.texts == ["audacity"]
+    assert load_pairs(both, split="dev").corpus.texts == ["gnu tar"]
+    with pytest.raises(dp.DataError, match=r"the DatasetDict has no split 'test' \(available: dev, train\)"):
+        load_pairs(both, split="test")

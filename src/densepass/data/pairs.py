@@ -102,9 +102,14 @@ def load_pairs(
     """The :class:`PairsDataset` of ``source`` (a file path, a ``save_to_disk`` folder, or a ``datasets``
     dataset), its columns mapped by ``columns`` ({"anchor", "positive", "negatives", "scores"}: a column name
     each, a list of names for ``negatives``; a missing or null key: found by name as the module says). ``split``
-    names the split of a saved ``DatasetDict`` to read, and the split the rows become."""
+    names the split of a ``DatasetDict`` (saved or in memory) to read, and the split the rows become."""
     mapping = _check_mapping(columns or {})
     files: dict[str, Path] = {}
+    if _is_hf_dataset(source) and isinstance(source.column_names, dict):  # a DatasetDict: its ``split``
+        if split not in source:
+            available = ", ".join(sorted(source)) or "none"
+            raise DataError(f"the DatasetDict has no split {split!r} (available: {available})")
+        source = source[split]
     if _is_hf_dataset(source):
         label = name or getattr(source, "info", None) and source.info.dataset_name or "dataset"
         rows, known = _dataset_rows(source, str(label)), list(source.column_names or [])
