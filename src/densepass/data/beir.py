@@ -318,6 +318,8 @@ HEADER_GRADES = frozenset({"score", "relevance", "rel", "label", "grade", "judge
 def _grade(text: str, where: str) -> int:
     """A relevance grade: an integer, or a decimal of integral value (``1.0``); else a one-line DataError."""
     if INTEGER.fullmatch(text):
+        if len(text) > 20:  # no grade comes near; int() refuses 4,300 digits and more
+            raise DataError(f"{where}: relevance {text[:40]!r} is beyond +-{MAX_GRADE}")
         return int(text)
     if not DECIMAL.fullmatch(text) or not float(text).is_integer():
         raise DataError(f"{where}: relevance {text!r} is not an integer")
