@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -103,6 +104,16 @@ def test_run_files_are_evaluated_on_the_queries_they_answer_as_trec_eval_does():
         assert answered_qrels(qrels, [run, whole]) == qrels
     with pytest.raises(DataError, match="answers none of the 3 queries"):
         answered_qrels(qrels, [{"q9": {"a": 1.0}}])
+    with warnings.catch_warnings():  # two runs of the same queries, with every judged query (trec_eval -c): level
+        warnings.simplefilter("error")
+        assert answered_qrels(qrels, [run, dict(run)], all_queries=True) == qrels
+
+
+def test_a_run_made_from_rows_keeps_the_best_score_of_a_passage_listed_twice():
+    from densepass.evaluation.metrics import make_run
+
+    run = make_run(["q"], ["a", "b"], np.array([[0.9, 0.8, 0.7]]), np.array([[0, 1, 0]]))
+    assert run == {"q": {"a": 0.9, "b": 0.8}}
 
 
 def test_queries_without_relevant_passages_are_not_averaged():

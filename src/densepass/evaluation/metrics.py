@@ -107,14 +107,15 @@ def make_run(
     rows: np.ndarray,
     drop_nonpositive: bool = False,
 ) -> Run:
-    """A run from top-k (scores, rows) arrays; ``rows`` index ``passage_ids``."""
+    """A run from top-k (scores, rows) arrays, best first; ``rows`` index ``passage_ids``. A passage listed twice
+    keeps its first (best) score, as ``SearchResults.as_run`` has it."""
     run: Run = {}
     for qid, row_scores, row_ids in zip(query_ids, scores, rows):
         ranking = {}
         for score, r in zip(row_scores.tolist(), row_ids.tolist()):
             if r < 0 or (drop_nonpositive and score <= 0):
                 continue
-            ranking[passage_ids[r]] = score
+            ranking.setdefault(passage_ids[r], score)
         run[qid] = ranking
     return run
 
@@ -194,8 +195,9 @@ def answered_qrels(qrels: Qrels, runs: Sequence[Run], all_queries: bool = False)
         raise DataError(f"the run answers none of the {len(qrels):,} queries of the qrels (another split or dataset?)")
     if len(runs) > 1:
         scope = set(qrels) if all_queries else set(kept)
-        counts = [len(scope & set(run)) for run in runs]
-        if len(set(counts)) > 1 or any(scope - set(run) for run in runs):
+        judged = [scope & set(run) for run in runs]
+        counts = [len(queries) for queries in judged]
+        if any(queries != judged[0] for queries in judged):  # (not the queries none of them answers: --all-queries)
             warnings.warn(
                 f"the runs compared answer different queries ({' and '.join(f'{c:,}' for c in counts)} of the "
                 f"{len(scope):,} evaluated): a query a run leaves out scores zero for it",
