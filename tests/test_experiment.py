@@ -162,3 +162,17 @@ def test_a_run_that_would_train_on_the_queries_it_evaluates_is_refused_before_an
     with pytest.raises(ConfigError, match=rf"^{where} trains on the 'dev' queries of .*, the split evaluated"):
         run_experiment(config)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_metrics_cut_deeper_than_the_evaluation_retrieves_are_warned_about(tiny_beir, tiny_model_dir, tmp_path):
+    """A recall@1000 of a top 10 was reported as recall@1000 without a word."""
+    import warnings
+
+    from densepass.pipelines.experiment import check
+
+    config = tiny_config(tiny_beir, tiny_model_dir, tmp_path, "eval.depth=10", "eval.metrics=[mrr@10, recall@1000]")
+    with pytest.warns(UserWarning, match=r"^eval.metrics cut at 1000 and eval.depth retrieves 10 passages a query"):
+        check(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check(tiny_config(tiny_beir, tiny_model_dir, tmp_path, "eval.depth=10", "eval.metrics=[mrr@10, map]"))

@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -199,6 +200,13 @@ def check(config: ExperimentConfig) -> torch.device:
     resolve_precision(config.reranker.precision, device)  # the reranker's too
     retrievers.check_kind(config)
     check_metrics(config.eval.metrics)
+    deepest = max((int(name.rpartition("@")[2]) for name in config.eval.metrics if "@" in name), default=0)
+    if deepest > config.eval.depth:  # a recall@1000 of a top 10 is reported under its name: said, once
+        warnings.warn(
+            f"eval.metrics cut at {deepest} and eval.depth retrieves {config.eval.depth} passages a query: the "
+            f"metrics are of the top {config.eval.depth} (raise eval.depth to {deepest} for what they name)",
+            stacklevel=2,
+        )
     check_metrics([config.validation.metric])
     if config.data.format == "pairs" and config.data.eval_name is None:
         raise ConfigError(
