@@ -75,6 +75,22 @@ def test_a_second_call_resumes_and_a_restart_trains_again(tiny_model_dir, tiny_b
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"  # a user's file survives --restart
 
 
+def test_another_model_of_the_same_settings_does_not_resume_a_runs_checkpoints(tiny_model_dir, tiny_beir, tmp_path):
+    """The run's identity named the model's settings only: another base model (same config) resumed the first
+    one's checkpoints in silence and came back holding its weights."""
+    from conftest import save_tiny_bert
+
+    other = save_tiny_bert(tmp_path / "other-bert", seed=1)
+    args = dp.TrainConfig(max_steps=2, batch_size=6, cpu_bf16=False, checkpoint_every=1)
+    for path in (tiny_model_dir, other):
+        model = dp.BiEncoder.from_pretrained(str(path))
+        if path == other:
+            with pytest.raises(ConfigError, match="other settings"):
+                dp.train(model, str(tiny_beir), output_dir=tmp_path / "out", args=args, device="cpu")
+        else:
+            dp.train(model, str(tiny_beir), output_dir=tmp_path / "out", args=args, device="cpu")
+
+
 def test_a_folder_of_someone_else_is_refused_before_any_work(tiny_model_dir, tiny_beir, tmp_path):
     (tmp_path / "thesis").mkdir()
     (tmp_path / "thesis" / "chapter1.tex").write_text("...")
@@ -92,3 +108,31 @@ def test_loss_objects_compose_and_describe_themselves():
     assert len((loss + dp.losses.InfoNCE()).terms) == 3
     with pytest.raises(ConfigError, match="temperature"):
         dp.losses.InfoNCE(temperature=0)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"args": dp.TrainConfig(batch_size=0)}, r"^args.batch_size: must be >= 1, got 0"),
+        ({"args": dp.TrainConfig(warmup_ratio=2)}, r"^args.warmup_ratio: must be <= 1"),
+        ({"negatives": dp.NegativesConfig(per_query=-1)}, r"^negatives.per_query: must be >= 0"),
+        ({"negatives": dp.NegativesConfig(per_query=5, pool_depth=2)}, r"per_query 5 is more than .*pool_depth 2"),
+        ({"args": dp.TrainConfig(wise_ft=0.5)}, r"^args.wise_ft: an option of `densepass run`"),
+        ({"args": dp.TrainConfig(enabled=False)}, r"^args.enabled: an option of `densepass run`"),
+        ({"args": dp.TrainConfig(matryoshka_weights=[1, 0.5])}, r"give the dimensions too"),
+        (
+            {"args": dp.TrainConfig(matryoshka_dims=[8]), "loss": dp.losses.Matryoshka(dp.losses.InfoNCE(), [32, 16])},
+            r"args.matryoshka_dims \[8\] and the loss's \[32, 16\]: give them once",
+        ),
+        ({"args": dp.TrainConfig(passage_max_length=1000)}, r"longer than the model's passage_max_length"),
+    ],
+)
+def test_settings_a_run_refuses_or_applies_are_not_ignored_by_dp_train(
+    tiny_model_dir, tiny_beir, tmp_path, options, message
+):
+    """Configs built in Python skipped the ranges YAML is held to (a ZeroDivisionError after mining), and options of
+    a run's other stages (wise-ft) were ignored in silence."""
+    model = dp.BiEncoder.from_pretrained(str(tiny_model_dir))
+    with pytest.raises(ConfigError, match=message):
+        dp.train(model, str(tiny_beir), output_dir=tmp_path / "out", device="cpu", **options)
+    assert not (tmp_path / "out").exists()  # before any work

@@ -26,7 +26,7 @@ import torch
 
 from densepass import distributed
 from densepass.checkpoints import DATA_FILES, without_later_defaults
-from densepass.config import DEFAULT_MODEL, MixConfig, NegativesConfig, ScheduleConfig, TrainConfig
+from densepass.config import DEFAULT_MODEL, MixConfig, NegativesConfig, ScheduleConfig, TrainConfig, from_dict
 from densepass.data import load_dataset
 from densepass.data.dataset import Corpus, RetrievalDataset
 from densepass.data.pairs import PairsDataset, is_pairs_source, load_pairs
@@ -309,8 +309,37 @@ def train(
     if negatives is None and isinstance(dataset, PairsDataset):
         negatives = NegativesConfig(source="given" if any(dataset.negatives.values()) else "none")
     args, negatives, schedule = args or TrainConfig(), negatives or NegativesConfig(), schedule or ScheduleConfig()
+    for name, given in (("args", args), ("negatives", negatives), ("schedule", schedule)):
+        from_dict(type(given), asdict(given), name)  # the ranges a YAML config is held to: before any work
     if negatives.refresh_every is not None:
         raise ConfigError("negatives.refresh_every re-mines during training: use `densepass run` for it")
+    ignored = [
+        f"args.{key}" for key, on in (("wise_ft", args.wise_ft is not None), ("enabled", not args.enabled)) if on
+    ]
+    if ignored:  # options of a run's stages around training
+        raise ConfigError(f"{', '.join(ignored)}: an option of `densepass run`, which dp.train does not apply")
+    if args.matryoshka_weights and not args.matryoshka_dims:
+        raise ConfigError("args.matryoshka_weights weigh args.matryoshka_dims: give the dimensions too")
+    if negatives.source not in ("none", "given") and negatives.per_query > negatives.pool_depth:
+        raise ConfigError(
+            f"negatives.per_query {negatives.per_query} is more than negatives.pool_depth {negatives.pool_depth}: "
+            "a pool holds at most pool_depth distinct negatives, so every draw would repeat some"
+        )
+    if (
+        args.matryoshka_dims
+        and loss is not None
+        and trained_dims(loss)
+        and (list(trained_dims(loss)) != list(args.matryoshka_dims))
+    ):
+        raise ConfigError(
+            f"args.matryoshka_dims {args.matryoshka_dims} and the loss's {list(trained_dims(loss))}: give them once"
+        )
+    longest = getattr(getattr(model, "config", None), "passage_max_length", None)
+    if args.passage_max_length is not None and longest is not None and args.passage_max_length > longest:
+        raise ConfigError(
+            f"args.passage_max_length={args.passage_max_length} is longer than the model's passage_max_length="
+            f"{longest}: training crops passages, it cannot read more than the model"
+        )
     objective = loss or InfoNCE(args.bidirectional)
     if args.matryoshka_dims and not trained_dims(objective):  # args' Matryoshka dimensions wrap the loss
         objective = Matryoshka(objective, args.matryoshka_dims, args.matryoshka_weights)
@@ -347,6 +376,8 @@ def train(
     identity = {
         "data": {"dataset": dataset.name, "split": split, "max_queries": max_queries, "seed": seed},
         "model": asdict(model.config),
+        # where its weights come from: another model of the same settings would resume this run's checkpoints
+        "model_source": getattr(model, "source", None),
         "negatives": without_later_defaults(asdict(negatives)),
         "schedule": {k: v for k, v in asdict(schedule).items() if k != "background"},
         "loss": objective.describe(),
