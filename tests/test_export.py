@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -77,11 +78,34 @@ def test_the_hub_upload_sends_the_exported_folder(trained_run, monkeypatch):
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(HfApi, "repo_info", lambda self, repo_id: SimpleNamespace(private=sent["private"]))
     result = export_model(trained_run / "model", "hub", "some-org/tiny-retriever", private=True)
     assert result.target == "https://huggingface.co/some-org/tiny-retriever"
     assert sent["repo"] == "some-org/tiny-retriever" and sent["private"]
     assert "model.safetensors" in sent["files"] and "README.md" in sent["files"] and "modules.json" in sent["files"]
     assert not any(name.startswith(".densepass") for name in sent["files"])
+
+
+def test_a_private_export_never_uploads_into_an_existing_public_repo(trained_run, monkeypatch):
+    """``create_repo(private=True, exist_ok=True)`` leaves an existing repo as it is: the export was published."""
+    from huggingface_hub import HfApi
+
+    uploads = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, private=False, exist_ok=False: None)
+    monkeypatch.setattr(HfApi, "repo_info", lambda self, repo_id: SimpleNamespace(private=False))
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kwargs: uploads.append(kwargs))
+    with pytest.raises(ConfigError, match=r"repo me/model exists and is public: --private would upload into it"):
+        export_model(trained_run / "model", "hub", "me/model", private=True)
+    assert uploads == []
+
+
+@pytest.mark.parametrize("repo", ["bad repo name!", "a/b/c", "", "org/"])
+def test_a_repo_id_the_hub_does_not_take_is_one_line_before_the_model_loads(trained_run, monkeypatch, repo):
+    import densepass.pipelines.export as export
+
+    monkeypatch.setattr(export, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    with pytest.raises(ConfigError, match=r"^--to hub takes a repo id, org/name: .* is not one"):
+        export_model(trained_run / "model", "hub", repo)
 
 
 @pytest.mark.parametrize("error", http_client_connection_errors(), ids=lambda e: type(e).__module__.split(".")[0])

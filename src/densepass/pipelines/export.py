@@ -153,6 +153,8 @@ def export_model(model_path: str | Path, to: str, target: str, private: bool = F
         if out == model_dir.resolve() or model_dir.resolve() in out.parents:
             raise ConfigError(f"the export {target} would be inside the model it exports; choose another path")
         check_replaceable(target, "the export")  # a folder of the user's: refused before the model loads
+    if to == "hub":
+        check_repo_id(target)
     model = load_model(str(model_dir))
     if to == "onnx" and not isinstance(model, BiEncoder) or to == "onnx" and not model.config.shared:
         raise ConfigError("--to onnx exports bi-encoders with one shared tower (pooling inside the graph)")
@@ -221,6 +223,18 @@ def _to_onnx(model: BiEncoder, out: Path, target: str) -> ExportResult:
     return result
 
 
+def check_repo_id(repo: str) -> None:
+    """A one-line ConfigError, before the model loads, for what the Hub does not take as a repo id (``name`` or
+    ``org/name``: letters, digits, ``-``, ``_``, ``.``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as err:
+        first = (str(err).strip().splitlines() or ["not a repo id"])[0]
+        raise ConfigError(f"--to hub takes a repo id, org/name: {repo!r} is not one ({first})") from None
+
+
 def _to_hub(model_dir: Path, model, repo: str, private: bool) -> ExportResult:
     from huggingface_hub import HfApi
 
@@ -234,6 +248,12 @@ def _to_hub(model_dir: Path, model, repo: str, private: bool) -> ExportResult:
         api = HfApi()
         try:
             api.create_repo(repo, private=private, exist_ok=True)
+            # an existing repo keeps its visibility (create_repo ignores private=): never publish a private export
+            if private and not api.repo_info(repo).private:
+                raise ConfigError(
+                    f"the Hugging Face Hub repo {repo} exists and is public: --private would upload into it; make it "
+                    "private first, or export to another repo"
+                )
             api.upload_folder(repo_id=repo, folder_path=str(folder), commit_message="densepass export")
         except network_errors() as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
