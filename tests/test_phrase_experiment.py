@@ -35,6 +35,9 @@ def test_squad_exact_match_and_f1_follow_the_official_normalisation():
     assert exact_match("The  Broncos!", ["Denver Broncos", "broncos"]) == 1.0
     assert exact_match("Denver", ["Denver Broncos"]) == 0.0
     assert f1_score("the Denver Broncos team", ["Denver Broncos"]) == pytest.approx(0.8)
+    # punctuation is removed, not read as a space (SQuAD v1.1's evaluate-v1.1.py): U.S. is us, 1,000 is 1000
+    assert [exact_match(p, [a]) for p, a in [("U.S.", "US"), ("1,000", "1000"), ("o'neil", "oneil")]] == [1.0] * 3
+    assert exact_match("Denver-Broncos", ["Denver Broncos"]) == 0.0 and f1_score("U.S.", ["US"]) == 1.0
     metrics = phrase_metrics([["Paris", "France"], ["x", "y", "Rome"], []], [["france"], ["Rome"], ["z"]], [1, 2, 3])
     assert metrics["em@1"] == 0.0 and metrics["accuracy@2"] == pytest.approx(100 / 3)
     assert metrics["accuracy@3"] == pytest.approx(200 / 3)

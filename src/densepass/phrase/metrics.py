@@ -5,33 +5,47 @@ token filter's AUC-PR (§5.2).
 
 >>> exact_match("the Denver Broncos", ["Denver Broncos"]), round(f1_score("Denver", ["Denver Broncos"]), 3)
 (1.0, 0.667)
+>>> exact_match("U.S.", ["US"]), exact_match("Denver-Broncos", ["Denver Broncos"])
+(1.0, 0.0)
 >>> average_precision([0.9, 0.8, 0.3, 0.1], [1, 0, 1, 0])
 0.8333333333333333
 """
 
 from __future__ import annotations
 
+import re
+import string
 from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 
-from densepass.evaluation.answers import has_answer, normalize_answer
+from densepass.evaluation.answers import has_answer
 from densepass.index.base import SearchResults
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def squad_normalize(text: str) -> str:
+    """SQuAD v1.1's answer normalisation, as its evaluation script has it: lower case, punctuation removed (``U.S.``
+    is ``us``), articles removed, whitespace collapsed. (``evaluation.answers.normalize_answer``, DPR's, reads
+    punctuation as a space instead: right for finding an answer inside a passage, not for EM and F1.)"""
+    return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split())
 
 
 def exact_match(prediction: str, answers: Sequence[str]) -> float:
-    """1.0 when the normalised prediction equals a normalised answer."""
-    norm = normalize_answer(prediction)
-    return float(any(norm == normalize_answer(a) for a in answers))
+    """1.0 when the normalised prediction equals a normalised answer (``squad_normalize``)."""
+    norm = squad_normalize(prediction)
+    return float(any(norm == squad_normalize(a) for a in answers))
 
 
 def f1_score(prediction: str, answers: Sequence[str]) -> float:
     """The best token-overlap F1 of the prediction against any answer (SQuAD v1.1's evaluation)."""
     best = 0.0
-    predicted = normalize_answer(prediction).split()
+    predicted = squad_normalize(prediction).split()
     for answer in answers:
-        truth = normalize_answer(answer).split()
+        truth = squad_normalize(answer).split()
         common = sum((Counter(predicted) & Counter(truth)).values())
         if common:
             precision, recall = common / len(predicted), common / len(truth)
