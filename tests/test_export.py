@@ -55,6 +55,9 @@ def test_onnx_holds_pooling_and_normalisation_and_matches_pytorch(trained_run, t
     assert result.min_cosine >= 0.9999 and result.max_abs_diff < 1e-4
     session = onnxruntime.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "onnx"))
+    long = tokenizer(["word " * 600], truncation=True, return_tensors="np")  # truncated at the graph's limit
+    assert tokenizer.model_max_length == 32 and long["input_ids"].shape[1] == 32
+    session.run(None, {"input_ids": long["input_ids"], "attention_mask": long["attention_mask"]})
     texts = ["a network terminal", "kernel driver for the printer", "x"]
     tokens = tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="np")
     ours = session.run(None, {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]})[0]

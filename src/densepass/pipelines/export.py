@@ -210,7 +210,13 @@ def _to_onnx(model: BiEncoder, out: Path, target: str) -> ExportResult:
             dynamic_shapes=shapes,
             dynamo=True,
         )
-    model.tokenizer.save_pretrained(out)
+    # the graph takes at most the passages' token limit: a tokenizer saved with its own (512) would make inputs
+    # the graph refuses ("invalid expand shape") out of any text truncated by default
+    limit, model.tokenizer.model_max_length = model.tokenizer.model_max_length, model.max_length("passage")
+    try:
+        model.tokenizer.save_pretrained(out)
+    finally:
+        model.tokenizer.model_max_length = limit
     session = onnxruntime.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     tokens = model.tokenize(CHECK_TEXTS, "passage")
     ours = session.run(None, {k: tokens[k].numpy() for k in ("input_ids", "attention_mask")})[0]
