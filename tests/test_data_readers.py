@@ -697,6 +697,9 @@ def test_a_sample_of_k_queries_has_k_queries_with_a_relevant_passage(tmp_path):
         ("qid\tpid\tlabel\nq1\tp1\t2\n", {"q1": {"p1": 2}}),
         ("query_id\tdoc_id\trel\nq1\tp1\t1\n", {"q1": {"p1": 1}}),
         ("q1 0 p1 1.0\n", {"q1": {"p1": 1}}),  # TREC, no header
+        ("topic_id\tdoc_id\trelevant\nq1\tp1\t1\n", {"q1": {"p1": 1}}),
+        ("queryid\tdocid\trelevant\nq1\tp1\t1\n", {"q1": {"p1": 1}}),
+        ("q1\tp1\t0000000000000000000000001\n", {"q1": {"p1": 1}}),  # zero-padded: a small grade
     ],
 )
 def test_a_qrels_header_is_a_row_that_names_its_columns(tmp_path, text, qrels):
@@ -721,3 +724,8 @@ def test_a_file_beside_its_gzipped_copy_is_refused_instead_of_one_read_in_silenc
         handle.write(plain.read_text(encoding="utf-8"))
     with pytest.raises(DataError, match=rf"both {plain.name} and {plain.name}\.gz: keep one of them"):
         load_beir(root)
+
+
+def test_load_corpus_refuses_training_rows():
+    with pytest.raises(DataError, match="format='pairs' is training rows, which hold no corpus to index"):
+        load_corpus("rows.jsonl", format="pairs")

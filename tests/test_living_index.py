@@ -598,10 +598,12 @@ def test_a_compaction_bm25_refuses_leaves_the_index_and_a_hybrid_holding_it_as_t
 
     records = [{"id": "a", "text": "audio editor"}, {"id": "b", "text": "the"}, {"id": "c", "text": "kernel driver"}]
     bm25 = BM25Index.build(records)
-    hybrid = HybridIndex(
-        DenseIndex.build(biencoder, records, show_progress=False, device=CPU), BM25Index.build(records)
+    dense = DenseIndex.build(biencoder, records, show_progress=False, device=CPU)
+    hybrid = HybridIndex(dense, BM25Index.build(records))
+    bm25_first = HybridIndex(
+        BM25Index.build(records), DenseIndex.build(biencoder, records, show_progress=False, device=CPU)
     )
-    for index in (bm25, hybrid):
+    for index in (bm25, hybrid, bm25_first):
         before = index.search(["kernel driver"], k=3)
         index.delete(["a", "c"])
         with pytest.raises(DataError, match="BM25 has nothing to index"):

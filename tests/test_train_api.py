@@ -136,3 +136,25 @@ def test_settings_a_run_refuses_or_applies_are_not_ignored_by_dp_train(
     with pytest.raises(ConfigError, match=message):
         dp.train(model, str(tiny_beir), output_dir=tmp_path / "out", device="cpu", **options)
     assert not (tmp_path / "out").exists()  # before any work
+
+
+def test_list_settings_given_as_tuples_are_taken(tiny_model_dir, tiny_beir, tmp_path):
+    """YAML's type checks want lists; a tuple in Python is the same setting."""
+    model = dp.BiEncoder.from_pretrained(str(tiny_model_dir))
+    args = dp.TrainConfig(max_steps=1, batch_size=6, cpu_bf16=False, matryoshka_dims=(16, 8))
+    assert dp.train(model, str(tiny_beir), output_dir=tmp_path / "out", args=args, device="cpu").steps == 1
+
+
+def test_a_checkpoint_written_before_the_model_source_was_recorded_resumes(tmp_path, monkeypatch):
+    from densepass.checkpoints import Checkpoints
+    from densepass.pipelines.training import model_source
+
+    identity = {"model": {"pooling": "mean"}, "model_source": "/models/a"}
+    checkpoints = Checkpoints(tmp_path, 1, identity)
+    checkpoints._check_identity(tmp_path / "step-1", {"model": {"pooling": "mean"}})  # an older run: resumes
+    with pytest.raises(ConfigError, match="model_source differ"):
+        checkpoints._check_identity(tmp_path / "step-1", {**identity, "model_source": "/models/b"})
+    (tmp_path / "m").mkdir()
+    monkeypatch.chdir(tmp_path)
+    sources = {model_source(type("M", (), {"source": name})()) for name in ("m", "./m", str(tmp_path / "m"))}
+    assert sources == {str((tmp_path / "m").resolve())}  # one local folder, however it is named

@@ -324,6 +324,8 @@ class Checkpoints:
         return None
 
     def _check_identity(self, path: Path, saved: dict) -> None:
+        if "model_source" in self.identity and "model_source" not in saved:  # written before it was recorded
+            saved = {**saved, "model_source": self.identity["model_source"]}
         if saved == self.identity:
             return
         data = data_change(saved, self.identity, path.name)

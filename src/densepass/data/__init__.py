@@ -98,6 +98,8 @@ def corpus_file(name: str, data_dir: str | Path | None = None, format: str = "be
     MARCO ``*.tsv``, gzipped or not: the name says which, whatever ``format``), else the layout's corpus file in the
     dataset's folder (``CORPUS_FILES``); None for the layouts without one (a one-line DataError where none is
     found, or a file's name says neither layout)."""
+    if format == "pairs":
+        raise DataError("format='pairs' is training rows, which hold no corpus to index: give a retrieval dataset")
     path = dataset_file(name, data_dir)
     if path is not None:
         if _file_layout(path) is None:

@@ -311,14 +311,17 @@ DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 """How a grade is written: ASCII digits (Python's ``int`` and ``float`` would also take ``1_0`` and other
 scripts' digits)."""
 
-HEADER_GRADES = frozenset({"score", "relevance", "rel", "label", "grade", "judgement", "judgment"})
+HEADER_GRADES = frozenset(
+    {"score", "relevance", "rel", "relevant", "is_relevant", "relevance_score", "label", "grade", "target",
+     "judgement", "judgment", "qrel", "qrels"}
+)  # fmt: skip
 """The names a qrels header gives its grade column (BEIR's is ``query-id corpus-id score``)."""
 
 
 def _grade(text: str, where: str) -> int:
     """A relevance grade: an integer, or a decimal of integral value (``1.0``); else a one-line DataError."""
     if INTEGER.fullmatch(text):
-        if len(text) > 20:  # no grade comes near; int() refuses 4,300 digits and more
+        if len(text.lstrip("+-0")) > 20:  # no grade comes near; int() refuses 4,300 digits and more
             raise DataError(f"{where}: relevance {text[:40]!r} is beyond +-{MAX_GRADE}")
         return int(text)
     if not DECIMAL.fullmatch(text) or not float(text).is_integer():
@@ -331,7 +334,8 @@ def _is_header(row: list[str]) -> bool:
     first column is (``reader_helpers.HEADER_KEYS``, ``query``, ``topic``). Another first row that is not a judgement
     (an empty or misspelt grade) is an error, not a header skipped in silence."""
     first, grade = row[0].strip().lower(), row[-1].strip().lower()
-    return grade in HEADER_GRADES or (not DECIMAL.fullmatch(grade) and first in (*HEADER_KEYS, "query", "topic"))
+    named = first in (*HEADER_KEYS, "query", "queryid", "topic", "topic_id", "topicid", "qry_id")
+    return grade in HEADER_GRADES or (not DECIMAL.fullmatch(grade) and named)
 
 
 MAX_GRADE = 2**31 - 1  # the largest relevance grade a qrels file may give (and the lowest, negated)

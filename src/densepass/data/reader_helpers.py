@@ -111,12 +111,12 @@ def get_field(record: Any, key: str, kind: type | tuple[type, ...], where: str, 
 
 
 WHITESPACE = re.compile(r"\s")
+"""Any whitespace character (what ``str.split()`` splits at, and so every reader of TREC run and qrels lines)."""
 
 HEADER_KEYS = frozenset(
     {"id", "_id", "pid", "qid", "docid", "doc_id", "passage_id", "query_id", "query-id", "corpus-id"}
 )
 """First-column names that mark a header line rather than an id (an MS MARCO TSV file's, a qrels file's)."""
-"""Any whitespace character (what ``str.split()`` splits at, and so every reader of TREC run and qrels lines)."""
 
 
 def check_id(value: str, what: str, where: str) -> str:

@@ -81,11 +81,14 @@ def faiss_search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.nda
     FAISS orders tied scores as its heap leaves them, and keeps an arbitrary few of the passages tied at the k-th
     score: which duplicates come back then changed with ``k`` (and with a tombstone's deeper search). One result more
     than ``k`` shows a tie across the cut; such queries are searched deeper until the tie ends, and the lowest rows
-    of it kept."""
+    of it kept (a flat index only: an approximate one's results are only re-sorted)."""
+    import faiss
+
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     total = index.ntotal
     k = min(k, total)
-    fetch = min(k + 1, total)
+    exact = isinstance(index, faiss.IndexFlat)  # approximate kinds: their order is re-sorted, not searched deeper
+    fetch = min(k + 1, total) if exact else k
     scores, ids = index.search(queries, fetch)
     if k < fetch:
         for line in np.flatnonzero((scores[:, k - 1] == scores[:, k]) & (ids[:, k] >= 0)).tolist():

@@ -133,10 +133,10 @@ class HybridIndex(Index):
         self.second.upsert_encoded(corpus, prepared[1])
 
     def compact(self) -> None:
-        """Compact both parts (they delete the same rows, so they stay aligned): the second first, since BM25 may
-        refuse (no live passage has a word left), and a refusal then leaves both parts as they were."""
-        self.second.compact()
-        self.first.compact()
+        """Compact both parts (they delete the same rows, so they stay aligned): a BM25 part first, wherever it is,
+        since BM25 may refuse (no live passage has a word left), and a refusal then leaves both parts as they were."""
+        for part in sorted((self.first, self.second), key=lambda part: part.kind != "bm25"):
+            part.compact()
 
     def search_rows(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` of each query after fusing the two parts' top ``depth``."""

@@ -16,6 +16,7 @@ someone else's.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -36,7 +37,7 @@ from densepass.index.bm25 import BM25Index
 from densepass.io import owned_run_directory
 from densepass.losses.matryoshka import Matryoshka, trained_dims
 from densepass.losses.objectives import Distillation, InfoNCE, Objective
-from densepass.models.biencoder import BiEncoder
+from densepass.models.biencoder import BiEncoder, model_name
 from densepass.models.matryoshka import check_dims, principal_rotation
 from densepass.negatives.mine import MiningContext, MiningResult, given_candidates, mine_negatives
 from densepass.negatives.pool import passage_ids
@@ -267,6 +268,16 @@ def fine_tune_model(
         planner.close()
 
 
+def model_source(model: Any) -> str | None:
+    """Where ``model``'s starting weights come from, as a run's identity records it: the bundled model's name, a
+    local folder's absolute path (so ``m``, ``./m`` and ``/abs/m`` are one source), or a Hub id as given."""
+    source = getattr(model, "source", None)
+    if not isinstance(source, str):
+        return None
+    path = Path(source)
+    return model_name(str(path.resolve())) if path.exists() else source
+
+
 def train(
     model: BiEncoder,
     dataset: RetrievalDataset | str | Path | Any,
@@ -310,7 +321,8 @@ def train(
         negatives = NegativesConfig(source="given" if any(dataset.negatives.values()) else "none")
     args, negatives, schedule = args or TrainConfig(), negatives or NegativesConfig(), schedule or ScheduleConfig()
     for name, given in (("args", args), ("negatives", negatives), ("schedule", schedule)):
-        from_dict(type(given), asdict(given), name)  # the ranges a YAML config is held to: before any work
+        as_json = json.loads(json.dumps(asdict(given)))  # tuples as lists, as a YAML file gives them
+        from_dict(type(given), as_json, name)  # the ranges a YAML config is held to: before any work
     if negatives.refresh_every is not None:
         raise ConfigError("negatives.refresh_every re-mines during training: use `densepass run` for it")
     ignored = [
@@ -377,7 +389,7 @@ def train(
         "data": {"dataset": dataset.name, "split": split, "max_queries": max_queries, "seed": seed},
         "model": asdict(model.config),
         # where its weights come from: another model of the same settings would resume this run's checkpoints
-        "model_source": getattr(model, "source", None),
+        "model_source": model_source(model),
         "negatives": without_later_defaults(asdict(negatives)),
         "schedule": {k: v for k, v in asdict(schedule).items() if k != "background"},
         "loss": objective.describe(),

@@ -508,7 +508,8 @@ def public(facts: Any) -> Any:
 
 
 def _public_model(value: Any) -> Any:
-    return short_name(value) if isinstance(value, str) and os.path.exists(value) else value
+    # a local folder, or an absolute path (one moved since it loaded too); a Hub id (org/name) stays as it is
+    return short_name(value) if isinstance(value, str) and (os.path.isabs(value) or os.path.exists(value)) else value
 
 
 def described(thing: Any) -> dict | None:
