@@ -79,6 +79,15 @@ def strategy_specs(config: NegativesConfig, strategy: str | None = None) -> list
 KNOWN = ("bm25", "dense", "model", "context", "mixed", "file", "given")
 
 
+def check_draws(config: NegativesConfig) -> None:
+    """A one-line ConfigError where a step would draw more negatives per query than a mined pool holds."""
+    if config.source not in ("none", "given") and config.per_query > config.pool_depth:
+        raise ConfigError(
+            f"negatives.per_query {config.per_query} is more than negatives.pool_depth {config.pool_depth}: a pool "
+            "holds at most pool_depth distinct negatives, so every draw would repeat some"
+        )
+
+
 def check_strategies(config: NegativesConfig, strategy: str | None = None) -> None:
     """A one-line ConfigError for an unknown strategy, a ``dense:DIM`` out of range, an empty ``mix`` or one that
     holds ``mixed``: called by ``raw_pool`` and, before any work (a BM25 index built, a dense miner trained), by

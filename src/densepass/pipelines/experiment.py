@@ -59,7 +59,7 @@ from densepass.models.freeze import freeze_bottom
 from densepass.models.interpolate import interpolate_weights, snapshot
 from densepass.models.packing import enable_packing
 from densepass.negatives.filters import check_denoising
-from densepass.negatives.mine import MiningContext, MiningResult, check_strategies
+from densepass.negatives.mine import MiningContext, MiningResult, check_draws, check_strategies
 from densepass.negatives.pool import load_pool, passage_ids, save_pool
 from densepass.pipelines import retrievers
 from densepass.pipelines.distillation import (
@@ -233,11 +233,7 @@ def check(config: ExperimentConfig) -> torch.device:
         check_loss(config.loss, config.train)
         if neg.refresh_every is not None and (neg.source == "none" or neg.per_query == 0):
             raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
-        if neg.source not in ("none", "given") and neg.per_query > neg.pool_depth:
-            raise ConfigError(
-                f"negatives.per_query {neg.per_query} is more than negatives.pool_depth {neg.pool_depth}: a pool "
-                "holds at most pool_depth distinct negatives, so every draw would repeat some"
-            )
+        check_draws(neg)
         crop = config.train.passage_max_length
         if crop is not None and crop > config.model.passage_max_length:
             raise ConfigError(

@@ -39,7 +39,7 @@ from densepass.losses.matryoshka import Matryoshka, trained_dims
 from densepass.losses.objectives import Distillation, InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder, model_name
 from densepass.models.matryoshka import check_dims, principal_rotation
-from densepass.negatives.mine import MiningContext, MiningResult, given_candidates, mine_negatives
+from densepass.negatives.mine import MiningContext, MiningResult, check_draws, given_candidates, mine_negatives
 from densepass.negatives.pool import passage_ids
 from densepass.plots import read_log
 from densepass.training.batches import TrainingData
@@ -332,11 +332,7 @@ def train(
         raise ConfigError(f"{', '.join(ignored)}: an option of `densepass run`, which dp.train does not apply")
     if args.matryoshka_weights and not args.matryoshka_dims:
         raise ConfigError("args.matryoshka_weights weigh args.matryoshka_dims: give the dimensions too")
-    if negatives.source not in ("none", "given") and negatives.per_query > negatives.pool_depth:
-        raise ConfigError(
-            f"negatives.per_query {negatives.per_query} is more than negatives.pool_depth {negatives.pool_depth}: "
-            "a pool holds at most pool_depth distinct negatives, so every draw would repeat some"
-        )
+    check_draws(negatives)
     if (
         args.matryoshka_dims
         and loss is not None
