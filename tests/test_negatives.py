@@ -390,6 +390,31 @@ def test_linear_fusion_matches_a_naive_min_max_weighted_sum(scores, weight):
             assert fused[q][d] == pytest.approx(value, abs=1e-6)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    lists=st.lists(
+        st.dictionaries(st.integers(0, 7), st.sampled_from([-1.5, 0.0, 0.25, 2.0, 7.0]), max_size=5),
+        min_size=2,
+        max_size=2,
+    ),
+    weight=st.floats(0.05, 0.95),
+)
+def test_the_hybrid_index_fuses_linearly_as_the_evaluation_does(lists, weight):
+    """``HybridIndex``'s linear fusion (at search time) scores every passage as ``linear_fusion`` (ranx, used to tune
+    the weight) does, tied and single-entry lists included: an all-equal list adds 0, not 1."""
+    from densepass.index.hybrid import linear_scores
+
+    if not any(lists):
+        return
+    fused = linear_scores([(list(d), list(d.values())) for d in lists], [weight, 1 - weight])
+    runs = [{"q": {str(row): s for row, s in d.items()}} if d else {} for d in lists]
+    expected = naive_linear_fusion(runs, [weight, 1 - weight])["q"]
+    assert {str(row): s for row, s in fused.items()} == pytest.approx(expected, abs=1e-9)
+    if all(runs):
+        ranx = linear_fusion(runs, [weight, 1 - weight])["q"]
+        assert {str(row): s for row, s in fused.items()} == pytest.approx(ranx, abs=1e-6)
+
+
 def test_linear_fusion_bad_weights_are_one_line_errors():
     run = {"q": {"d": 1.0}}
     for weights in ([1.0], [0.0, 0.0], [-0.5, 1.5]):

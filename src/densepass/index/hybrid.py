@@ -4,7 +4,9 @@ Each index returns its top ``depth``; the fused score of a passage is
 
 - ``rrf``: reciprocal rank fusion (rrf), sum over the indexes of 1 / (rrf_k + rank);
 - ``linear``: normalised score combination, w * s1 + (1 - w) * s2, each system's scores min-max
-  normalised over its top ``depth`` for that query (a passage missing from a list counts 0 there).
+  normalised over its top ``depth`` for that query (a passage missing from a list counts 0 there, and so does the
+  lowest-scored one: a list whose scores are all equal adds nothing), the same fusion as
+  ``evaluation.fusion.linear_fusion`` (ranx ``wsum`` with ``min-max``), so weights tuned there carry over.
 
 >>> from densepass.index import BM25Index
 >>> texts = ["audio editor for linux", "kernel driver", "audio player"]
@@ -50,14 +52,14 @@ def rrf_scores(ranked: list[list[int]], rrf_k: int) -> dict[int, float]:
 
 
 def linear_scores(lists: list[tuple[list[int], list[float]]], weights: list[float]) -> dict[int, float]:
-    """Weighted sum of min-max normalised scores (each list over its own entries; missing = 0)."""
+    """Weighted sum of min-max normalised scores (each list over its own entries; missing or all equal = 0, as ranx)."""
     fused: dict[int, float] = {}
     for (rows, scores), weight in zip(lists, weights):
         if not rows:
             continue
         low, high = min(scores), max(scores)
         for row, score in zip(rows, scores):
-            normalised = (score - low) / (high - low) if high > low else 1.0
+            normalised = (score - low) / (high - low) if high > low else 0.0
             fused[row] = fused.get(row, 0.0) + weight * normalised
     return fused
 
