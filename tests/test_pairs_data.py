@@ -58,6 +58,21 @@ def test_rows_become_a_corpus_queries_qrels_and_negatives(tmp_path):
     assert data.teacher_scores is None
 
 
+def test_a_negative_another_row_gives_as_the_anchors_positive_leaves_its_pool():
+    """Rows of one anchor: a negative that another row gives as a positive (exactly, or up to whitespace) is not in
+    the anchor's hard-negative pool; a false negative would push the positive away."""
+    data = load_pairs(
+        datasets.Dataset.from_list(
+            [
+                {"anchor": "what is tar", "positive": "tar archives  files", "negative": "vlc plays video"},
+                {"anchor": "what is tar", "positive": "gnu tar", "negative": " tar archives files\n"},
+                {"anchor": "what is tar", "positive": "gnu tar", "negative": "tar archives  files"},
+            ]
+        )
+    )
+    assert data.negatives == {text_id("q", "what is tar"): [text_id("p", "vlc plays video")]}
+
+
 def test_every_source_reads_the_same_dataset(tmp_path):
     records = rows(6)
     table = datasets.Dataset.from_list(records)
@@ -105,6 +120,11 @@ def test_a_column_mapping_lists_and_teacher_scores(tmp_path):
         ([{"anchor": "a", "positive": "p"}, {"anchor": " ", "positive": "p"}], None, r"r.jsonl:2: the anchor .* empty"),
         ([{"anchor": "a", "positive": "p", "negative": ""}], None, r"r.jsonl:1: the negative .* is empty"),
         ([{"anchor": "a", "positive": "p", "neg_1": "p"}], None, r"r.jsonl:1: a negative is the row's positive"),
+        (
+            [{"anchor": "a", "positive": ["x", "apt  get\n"], "neg_1": " apt get"}],
+            None,
+            r"r.jsonl:1: a negative is the row's positive \(' apt get'\)",
+        ),
         ([{"anchor": "a", "positive": 7}], None, r"r.jsonl:1: the positive .* should be a string, got int"),
         ([{"anchor": "a", "positive": "p"}], {"anchor": "question"}, r"r.jsonl:1: data.columns.anchor names column "),
         ([{"anchor": "a", "positive": "p"}], {"negatives": ["hard"]}, r"names column 'hard', which it does not have"),

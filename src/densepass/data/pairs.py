@@ -27,8 +27,9 @@ positive (as for every dataset); its other positives are never drawn as its nega
 
 Every row is checked, and bad input is a one-line :class:`DataError` naming the file and the line (JSONL) or row
 (the others): a column named in the mapping that the data does not have, a row without an anchor or a positive,
-an empty (or whitespace-only) text, a text that is not a string, a negative equal to one of the row's positives,
-scores of the wrong length or not finite, two rows giving the same (anchor, passage) pair different scores.
+an empty (or whitespace-only) text, a text that is not a string, a negative equal to one of the row's positives
+(up to whitespace: "a b" and " a  b" are one text to a tokenizer), scores of the wrong length or not finite, two
+rows giving the same (anchor, passage) pair different scores.
 """
 
 from __future__ import annotations
@@ -324,6 +325,11 @@ class _Builder:
             raise DataError(f"{where}: two different anchors have the same id {qid!r} (a hash collision)")
         return qid
 
+    def pool(self, qid: str) -> list[str]:
+        """An anchor's negatives less any that another of its rows gives as a positive (up to whitespace)."""
+        spaced = {" ".join(self.texts[self.rows[p]].split()) for p in self.positives[qid]}
+        return [p for p in self.negatives[qid] if " ".join(self.texts[self.rows[p]].split()) not in spaced]
+
     def digest(self, *parts: Any) -> None:
         data = json.dumps(parts, ensure_ascii=False).encode("utf-8", "surrogatepass")
         self.hasher.update(len(data).to_bytes(8, "little"))
@@ -383,7 +389,8 @@ def _build(
         if not positives:
             raise DataError(f"{where}: no positive (column {columns['positive']!r})")
         negatives = [t for c in columns["negatives"] for t in _texts(record.get(c), f"negative (column {c!r})", where)]
-        same = next((t for t in negatives if t in positives), None)
+        spaced = {" ".join(t.split()) for t in positives}
+        same = next((t for t in negatives if " ".join(t.split()) in spaced), None)
         if same is not None:
             raise DataError(f"{where}: a negative is the row's positive ({same[:40]!r})")
         scores = None
@@ -402,7 +409,7 @@ def _build(
         queries=builder.queries,
         qrels={split: builder.positives},
         files=files,
-        negatives={q: list(pool) for q, pool in builder.negatives.items()},
+        negatives={q: builder.pool(q) for q in builder.negatives},
         teacher_scores=builder.scores if scored_rows else None,
         digest=builder.hasher.hexdigest(),
     )
