@@ -58,3 +58,20 @@ def test_bad_values_are_one_line_errors_before_any_work(tiny_beir, tiny_model_di
     with pytest.raises(ConfigError, match="but the encoder has"):
         run_experiment(load_config(None, overrides))
     assert not (tmp_path / "g" / "config.yaml").exists()  # refused before the run was recorded
+
+
+@pytest.mark.parametrize("kind", ["SpladeEncoder", "ColBERT"])
+def test_splade_and_colbert_freeze_the_bottom_of_their_encoder(tiny_model_dir, tiny_beir, tmp_path, kind):
+    """train.freeze_layers on the other model kinds (an AttributeError traceback before: it looked for a
+    bi-encoder's towers); and dp.train refuses too many layers before it writes or mines anything."""
+    import densepass as dp
+
+    model = getattr(dp, kind).from_pretrained(str(tiny_model_dir))
+    encoder = model.mlm.bert if kind == "SpladeEncoder" else model.encoder
+    expected = {id(p) for module in (encoder.embeddings, encoder.encoder.layer[0]) for p in module.parameters()}
+    assert freeze_bottom(model, 1) == sum(p.numel() for p in encoder.parameters() if id(p) in expected)
+    assert {id(p) for p in model.parameters() if not p.requires_grad} == expected
+    layers = len(encoder.encoder.layer)
+    with pytest.raises(ConfigError, match=f"^freeze_layers={layers + 1} but the encoder has {layers} layers$"):
+        dp.train(model, str(tiny_beir), args=TrainConfig(freeze_layers=layers + 1), output_dir=tmp_path / "t")
+    assert not (tmp_path / "t").exists()

@@ -32,7 +32,7 @@ def test_lora_trains_only_the_adapted_layers_and_ends_with_a_plain_merged_model(
     start = _weights(model)
     result = train(model, make_data(tiny_beir), _fp32_config(lora_rank=4, learning_rate=1e-2), tmp_path / "run", CPU)
     assert result.steps == 10
-    assert not any(type(m).__module__.startswith("peft") for m in model.modules())  # merged and removed
+    assert not any(type(m).__module__.startswith("peft") or hasattr(m, "peft_config") for m in model.modules())
     after = _weights(model)
     assert after.keys() == start.keys()
     changed = {k for k in after if not torch.equal(after[k], start[k])}
@@ -125,3 +125,76 @@ def test_lora_needs_a_transformer_and_layers_that_exist(dropout_bert, tiny_beir,
             tmp_path / "run",
             CPU,
         )
+
+
+def test_an_interrupted_lora_run_leaves_the_callers_model_plain_and_it_resumes(dropout_bert, tiny_beir, tmp_path):
+    """Training stopped mid-way (Ctrl-C in a notebook): the model object it was given is as it was, without
+    adapters (a second call put its adapters on top of the first's, which no checkpoint matched), and training that
+    same object again resumes to the weights of an uninterrupted run."""
+    import densepass.training.trainer as trainer_module
+
+    config = _fp32_config(lora_rank=4, learning_rate=1e-2)
+    straight = BiEncoder.from_pretrained(str(dropout_bert))
+    train(straight, make_data(tiny_beir), config, tmp_path / "a", CPU)
+    real, calls = trainer_module.forward_backward, []
+
+    def crashing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    model = BiEncoder.from_pretrained(str(dropout_bert))
+    start = _weights(model)
+    trainer_module.forward_backward = crashing
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(model, make_data(tiny_beir), config, tmp_path / "b", CPU)
+    finally:
+        trainer_module.forward_backward = real
+    assert not any(type(m).__module__.startswith("peft") or hasattr(m, "peft_config") for m in model.modules())
+    assert all(p.requires_grad for p in model.parameters())
+    assert _weights(model).keys() == start.keys() and all(torch.equal(_weights(model)[k], start[k]) for k in start)
+    train(model, make_data(tiny_beir), config, tmp_path / "b", CPU)
+    a, b = _weights(straight), _weights(model)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_targets_no_layer_matches_are_refused_before_any_mining(tiny_beir, tmp_path, monkeypatch):
+    """``densepass run``, dp.train and a reranker's training: lora_targets naming no layer of the model is one
+    line before the pool is mined (it came when training started, after mining and the baselines)."""
+    import densepass as dp
+    from conftest import save_tiny_bert, small_run_overrides
+    from densepass.config import TrainConfig, load_config
+    from densepass.negatives import mine
+    from densepass.pipelines.experiment import check, run_experiment
+
+    model_dir = save_tiny_bert(tmp_path / "m", seed=1)
+
+    def no_mining(*args, **kwargs):
+        raise AssertionError("mined before the adapters were checked")
+
+    monkeypatch.setattr(mine, "mine_negatives", no_mining)
+    monkeypatch.setattr("densepass.pipelines.training.mine_negatives", no_mining)
+    overrides = [*small_run_overrides(tiny_beir, model_dir, tmp_path, "r"), "train.lora_rank=4"]
+    with pytest.raises(ConfigError, match="^lora_targets: .*no_such_layer"):
+        run_experiment(load_config(None, [*overrides, "train.lora_targets=[no_such_layer]"]))
+    assert not (tmp_path / "r").exists()
+    model = BiEncoder.from_pretrained(str(model_dir))
+    with pytest.raises(ConfigError, match="^lora_targets: .*no_such_layer"):
+        dp.train(model, str(tiny_beir), args=TrainConfig(lora_rank=4, lora_targets=["no_such_layer"]),
+                 output_dir=tmp_path / "t")  # fmt: skip
+    assert not (tmp_path / "t").exists()
+    assert not any(type(m).__module__.startswith("peft") for m in model.modules())  # the check changed nothing
+    reranker = [
+        "reranker.enabled=true",
+        f"reranker.name_or_path={model_dir}",
+        "reranker.max_length=64",
+        "reranker.train.lora_rank=2",
+        "reranker.train.lora_targets=[no_such_layer]",
+        f"output_dir={tmp_path / 'c'}",
+    ]
+    with pytest.raises(ConfigError, match="^lora_targets: .*no_such_layer"):
+        check(load_config(None, reranker))
+    check(load_config(None, [*reranker[:-2], "reranker.train.lora_targets=[query]", f"output_dir={tmp_path / 'c'}"]))
+    assert not (tmp_path / "c").exists()

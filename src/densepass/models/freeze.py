@@ -20,13 +20,24 @@ from torch import nn
 from densepass.errors import ConfigError
 
 
-def freeze_bottom(model: nn.Module, layers: int) -> int:
-    """Stop gradients to the embeddings and the ``layers`` lowest transformer layers of each tower of
-    ``model`` (a ``BiEncoder``); returns the number of weights frozen. Idempotent. A tower that is not
-    BERT-like (``embeddings`` + ``encoder.layer``) or has fewer layers is a one-line error, before any change."""
+def backbones(network: nn.Module) -> list[nn.Module]:
+    """The backbone of every outermost Hugging Face transformer in ``network`` (a shared tower once): a
+    bi-encoder's towers, a SPLADE model's or a cross-encoder's encoder under its head, ColBERT's encoder."""
+    from transformers import PreTrainedModel
+
+    found = [m for m in network.modules() if isinstance(m, PreTrainedModel)]
+    inner = {id(sub) for m in found for sub in m.modules() if sub is not m and isinstance(sub, PreTrainedModel)}
+    outer = list({id(m): m for m in found if id(m) not in inner}.values())
+    return list({id(m.base_model): m.base_model for m in outer}.values())
+
+
+def check_freeze(model: nn.Module, layers: int) -> list[nn.Module]:
+    """``freeze_bottom``'s one-line errors, changing nothing; returns the encoders it would freeze."""
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
         raise ConfigError(f"freeze_layers must be a whole number >= 0, got {layers!r}")
-    towers = list({id(t): t for t in (model.query_encoder, model.passage_encoder)}.values())
+    towers = backbones(model)
+    if not towers:
+        raise ConfigError(f"freeze_layers: a {type(model).__name__} holds no transformer to freeze layers of")
     for tower in towers:
         stack = getattr(getattr(tower, "encoder", None), "layer", None)
         if getattr(tower, "embeddings", None) is None or not isinstance(stack, nn.ModuleList):
@@ -35,8 +46,16 @@ def freeze_bottom(model: nn.Module, layers: int) -> int:
             )
         if layers > len(stack):
             raise ConfigError(f"freeze_layers={layers} but the encoder has {len(stack)} layers")
+    return towers
+
+
+def freeze_bottom(model: nn.Module, layers: int) -> int:
+    """Stop gradients to the embeddings and the ``layers`` lowest transformer layers of each tower of
+    ``model`` (a ``BiEncoder``'s towers, the encoder of a ``SpladeEncoder`` or ``ColBERT``); returns the number of
+    weights frozen. Idempotent. An encoder that is not BERT-like (``embeddings`` + ``encoder.layer``) or has fewer
+    layers is a one-line error, before any change (``check_freeze``)."""
     frozen = {}
-    for tower in towers:
+    for tower in check_freeze(model, layers):
         for module in [tower.embeddings, *tower.encoder.layer[:layers]]:
             for param in module.parameters():
                 param.requires_grad_(False)

@@ -97,6 +97,7 @@ from densepass.pipelines.training import (
     uses_bm25,
 )
 from densepass.pipelines.validation import Validator
+from densepass.training.adapters import check_adapters
 from densepass.training.batches import TrainingData
 from densepass.training.engine import seed_everything
 from densepass.training.l2sp import check_l2sp
@@ -881,6 +882,8 @@ def run_experiment(config: ExperimentConfig, restart: bool = False) -> dict[str,
         model = model_from_config(config)
         if config.train.enabled and config.train.freeze_layers is not None:  # its error before any mining
             freeze_bottom(model, config.train.freeze_layers)
+        if config.train.enabled and config.train.lora_rank:  # targets no layer: one line before any mining too
+            check_adapters(model, config.train)
         if config.train.enabled and config.train.packing is True:  # an encoder it cannot pack: one line first
             enable_packing(model)
         run_dir = claim()  # the checks above passed: only now is the directory marked and --restart's removal done

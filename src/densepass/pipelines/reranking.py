@@ -84,6 +84,11 @@ def check_reranker_config(config: ExperimentConfig) -> None:
                 f"reranker.train.packing: the cross-encoder is a {kind} model; padding-free training runs BERT, "
                 "RoBERTa and XLM-R classifiers (set reranker.train.packing: false)"
             )
+    if cfg.train.enabled and cfg.train.lora_rank:  # lora_targets that match no layer: before any mining or training
+        from densepass.models.biencoder import resolve_model_path
+        from densepass.training.adapters import check_adapters_of
+
+        check_adapters_of(resolve_model_path(cfg.name_or_path), cfg.train)
     if cfg.train.enabled and neg.source == "none":
         raise ConfigError("reranker.train draws hard negatives from the run's pool: set negatives.source")
     if cfg.train.enabled and cfg.train.negatives_per_query > neg.pool_depth:

@@ -38,10 +38,12 @@ from densepass.io import owned_run_directory
 from densepass.losses.matryoshka import Matryoshka, trained_dims
 from densepass.losses.objectives import Distillation, InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder, model_name
+from densepass.models.freeze import check_freeze
 from densepass.models.matryoshka import check_dims, principal_rotation
 from densepass.negatives.mine import MiningContext, MiningResult, check_draws, given_candidates, mine_negatives
 from densepass.negatives.pool import passage_ids
 from densepass.plots import read_log
+from densepass.training.adapters import check_adapters
 from densepass.training.batches import TrainingData
 from densepass.training.dense_miners import prepare_miners
 from densepass.training.planner import EpochPlanner
@@ -348,6 +350,10 @@ def train(
             f"args.passage_max_length={args.passage_max_length} is longer than the model's passage_max_length="
             f"{longest}: training crops passages, it cannot read more than the model"
         )
+    if args.freeze_layers is not None:  # the layers the model has, and lora_targets it has: before any mining
+        check_freeze(model, args.freeze_layers)
+    if args.lora_rank:
+        check_adapters(model, args)
     objective = loss or InfoNCE(args.bidirectional)
     if args.matryoshka_dims and not trained_dims(objective):  # args' Matryoshka dimensions wrap the loss
         objective = Matryoshka(objective, args.matryoshka_dims, args.matryoshka_weights)

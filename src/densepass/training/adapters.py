@@ -26,43 +26,67 @@ from torch import nn
 
 from densepass.config import OptimConfig
 from densepass.errors import ConfigError
+from densepass.models.freeze import backbones
 
 
-def _backbones(network: nn.Module) -> list[nn.Module]:
-    """The backbone of every outermost Hugging Face transformer in ``network`` (a shared tower once)."""
-    from transformers import PreTrainedModel
+def _inject(backbone: nn.Module, optim: OptimConfig) -> None:
+    """peft's LoRA layers in ``backbone`` (its default targets for the architecture unless ``lora_targets``)."""
+    from peft import LoraConfig, inject_adapter_in_model
 
-    found = [m for m in network.modules() if isinstance(m, PreTrainedModel)]
-    inner = {id(sub) for m in found for sub in m.modules() if sub is not m and isinstance(sub, PreTrainedModel)}
-    outer = list({id(m): m for m in found if id(m) not in inner}.values())
-    return list({id(m.base_model): m.base_model for m in outer}.values())
+    config = LoraConfig(
+        r=optim.lora_rank,
+        lora_alpha=optim.lora_alpha,
+        lora_dropout=optim.lora_dropout,
+        target_modules=list(optim.lora_targets) if optim.lora_targets else None,
+    )
+    try:
+        inject_adapter_in_model(config, backbone)
+    except ValueError as err:  # no layer matches lora_targets, or no default for the architecture
+        first = (str(err).strip().splitlines() or ["no target layer"])[0]
+        raise ConfigError(f"lora_targets: {first}") from None
+
+
+def check_adapters(network: nn.Module, optim: OptimConfig) -> None:
+    """``Adapters``' one-line errors (no transformer, ``lora_targets`` matching no layer, an architecture peft has
+    no default targets for) without touching ``network``: the adapters go into a copy of each backbone built on
+    the meta device (no memory, no weights), so a run refuses them before mining rather than when training starts."""
+    found = backbones(network)
+    if not found:
+        raise ConfigError("lora_rank: the model holds no transformer to put adapters in")
+    for backbone in found:
+        with torch.device("meta"):
+            skeleton = type(backbone)(backbone.config)
+        _inject(skeleton, optim)
+
+
+def check_adapters_of(folder: str, optim: OptimConfig) -> None:
+    """``check_adapters`` for the transformer saved in ``folder`` (its config alone is read)."""
+    from transformers import AutoConfig, AutoModel
+
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModel.from_config(AutoConfig.from_pretrained(folder))
+    except ValueError:  # a model_type without a plain AutoModel: left to the adapters when training starts
+        return
+    _inject(skeleton, optim)
 
 
 class Adapters:
     """LoRA adapters in ``network`` with ``optim``'s rank, alpha, dropout and target layers (see the module)."""
 
     def __init__(self, network: nn.Module, optim: OptimConfig) -> None:
-        from peft import LoraConfig, inject_adapter_in_model
         from peft.tuners.lora import LoraLayer
 
-        backbones = _backbones(network)
+        found = backbones(network)
         self.requires_grad = [(p, p.requires_grad) for p in network.parameters()]  # restored by merge
-        if not backbones:
+        if not found:
             raise ConfigError("lora_rank: the model holds no transformer to put adapters in")
-        for backbone in backbones:
+        # peft records its config on each backbone it adapts: taken off again with the adapters
+        self.configured = [b for b in found if not hasattr(b, "peft_config")]
+        for backbone in found:
             # the layers frozen before (train.freeze_layers): their adapters stay frozen too, or they would change
             frozen = {name.rsplit(".", 1)[0] for name, p in backbone.named_parameters() if not p.requires_grad}
-            config = LoraConfig(
-                r=optim.lora_rank,
-                lora_alpha=optim.lora_alpha,
-                lora_dropout=optim.lora_dropout,
-                target_modules=list(optim.lora_targets) if optim.lora_targets else None,
-            )
-            try:
-                inject_adapter_in_model(config, backbone)
-            except ValueError as err:  # no layer matches lora_targets, or no default for the architecture
-                first = (str(err).strip().splitlines() or ["no target layer"])[0]
-                raise ConfigError(f"lora_targets: {first}") from None
+            _inject(backbone, optim)
             for name, parameter in backbone.named_parameters():
                 parameter.requires_grad_("lora_" in name and name.split(".lora_")[0] not in frozen)
         self.network = network
@@ -120,12 +144,26 @@ class Adapters:
             for name, value in state.items():
                 parameters[name].copy_(value)
 
+    def remove(self) -> None:
+        """Take the adapters out unmerged (training stopped before it ended): each adapted layer is its base layer
+        again, with its weight as before, and every weight trains (or not) as before."""
+        for parent, name, layer in self.layers:
+            setattr(parent, name, layer.base_layer)
+        self._finish()
+
+    def _finish(self) -> None:
+        """The network without adapters from here on: peft's config off its backbones, every weight trainable or
+        not as before."""
+        self.layers = []
+        for backbone in self.configured:
+            vars(backbone).pop("peft_config", None)
+        for parameter, requires_grad in self.requires_grad:
+            parameter.requires_grad_(requires_grad)
+
     def merge(self) -> None:
         """Fold every adapter into its weight and remove the adapters; every weight trains (or not) as before."""
         with torch.no_grad():
             for parent, name, layer in self.layers:
                 layer.merge()
                 setattr(parent, name, layer.base_layer)
-        self.layers = []
-        for parameter, requires_grad in self.requires_grad:
-            parameter.requires_grad_(requires_grad)
+        self._finish()

@@ -320,7 +320,7 @@ def fit(
 
     ``bf16``: whether steps autocast to bfloat16 (None: from ``optim``'s ``bf16`` / ``cpu_bf16`` where it has
     them, else float32)."""
-    world, rank = distributed.world_size(), distributed.rank()
+    world = distributed.world_size()
     if world > 1 and not task.distributed:
         raise ConfigError(f"{task.description} does not run under torch.distributed yet: run it in one process")
     sharded = bool(getattr(optim, "fsdp", False))
@@ -333,6 +333,29 @@ def fit(
     if optim.gradient_checkpointing:
         enable_gradient_checkpointing(task.network())
     adapters = Adapters(task.network(), optim) if optim.lora_rank else None  # freezes what the adapters replace
+    try:
+        return _train(task, optim, run_dir, device, total, identity, bf16, callbacks, show_progress, adapters)
+    except BaseException:
+        if adapters is not None:  # the caller's model as it was: a rerun's adapters go into it, not on top of these
+            adapters.remove()
+        raise
+
+
+def _train(
+    task: Task,
+    optim: OptimConfig,
+    run_dir: Path,
+    device: torch.device,
+    total: int,
+    identity: dict,
+    bf16: bool | None,
+    callbacks: Sequence[Callback],
+    show_progress: bool,
+    adapters: Adapters | None,
+) -> FitResult:
+    """``fit``'s steps, once the task is set up and its adapters are in."""
+    world, rank = distributed.world_size(), distributed.rank()
+    sharded = bool(getattr(optim, "fsdp", False))
     if sharded:  # before the parameter groups: their parameters are the shards from here on
         sharding.shard(task.network(), device)
     l2sp = None
