@@ -123,19 +123,25 @@ def on_rank_zero(func: Callable[[], T]) -> T:
     raised on every process (so a bad input stops them all with the same one-line error instead of leaving
     the others waiting in a collective). Any other error stops them all too: rank 0 raises it as it is, the others
     a DensepassError naming it (they waited in the broadcast until the backend's timeout, without a word)."""
-    result, error = None, None
+    result, error, raised = None, None, None
     if rank() == 0:
         try:
             result = func()
         except DensepassError as err:
-            error = (type(err), str(err))
+            error, raised = (type(err), str(err)), err
         except BaseException as err:
             if is_distributed():  # the others learn of it; this process raises the error itself
                 broadcast_object((None, (DensepassError, f"rank 0 failed: {type(err).__name__}: {err}")))
             raise
     result, error = broadcast_object((result, error))
+    if raised is not None:  # rank 0: the error itself (a DiskError keeps its errno and the space it needed)
+        raise raised
     if error is not None:
-        raise error[0](error[1])
+        try:
+            again = error[0](error[1])
+        except TypeError:  # a class that takes more than its message (DiskError's errno): its message, one line
+            again = DensepassError(error[1])
+        raise again
     return result
 
 
