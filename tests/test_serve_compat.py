@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 import densepass as dp
 from conftest import assert_same_ranking_up_to_ties, save_tiny_bert
+from densepass.errors import ConfigError
 from densepass.models.cross_encoder import CrossEncoder
 from densepass.serve import ServeSettings, create_app
 from serve_fake import FakeEmbedder, FakeReranker, FakeSearcher
@@ -305,6 +306,27 @@ def test_with_a_key_every_route_but_health_answers_401_without_it():
         assert page.status_code == 401 and 'id="key"' in page.text and "Authorization" in page.text
         assert http.get("/health").json()["api_key"] is True
         assert http.post("/search", headers=AUTH, json={"query": "video"}).status_code == 200
+
+
+@pytest.mark.parametrize("key", ["", "short", "has a space in it 0123", 12345678901234567])
+def test_create_app_refuses_a_key_that_would_leave_it_open_or_guessable(key):
+    """``api_key=""`` (``os.environ.get("KEY", "")``) turned authentication off while /health said a key was set;
+    the library is held to the CLI's rules."""
+    with pytest.raises(ConfigError, match="^api_key must be at least 16 printable characters without spaces"):
+        create_app(FakeSearcher(), ServeSettings(), api_key=key)
+
+
+def test_a_made_up_http_method_adds_no_time_series_to_the_metrics():
+    """Every request is counted by method, also one refused for want of the key: made-up methods are "other"."""
+    app = create_app(FakeSearcher(), ServeSettings(), api_key=KEY)
+    with TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False) as http:
+        for i in range(20):
+            http.request(f"X{i:04d}", "/search")
+        http.post("/search", headers=AUTH, json={"query": "video"})
+        body = http.get("/metrics", headers=AUTH).text
+    series = [line for line in body.splitlines() if line.startswith("densepass_requests_total{")]
+    methods = {line.split('method="')[1].split('"')[0] for line in series}
+    assert methods == {"other", "POST"} and len(series) == 2, series
 
 
 def test_shorter_embeddings_only_from_a_model_trained_for_them(tiny_model_dir):
@@ -675,7 +697,6 @@ def test_serve_with_workers_whose_load_fails_stops_in_one_line_instead_of_restar
 
 
 def test_a_worker_load_failure_outside_a_supervisor_is_the_callers_error(monkeypatch):
-    from densepass.errors import ConfigError
     from densepass.serve.app import WORKER_ERROR_ENV, worker_failed
 
     monkeypatch.delenv(WORKER_ERROR_ENV, raising=False)

@@ -39,7 +39,7 @@ from densepass.serve.microbatch import MicroBatcher, Unavailable
 from densepass.serve.operations import BearerAuth, Metrics, Observe, access_log_handler
 from densepass.serve.reload import admin_reload_route
 from densepass.serve.searcher import Searcher
-from densepass.serve.settings import ServeSettings, check_address, host_name
+from densepass.serve.settings import ServeSettings, check_address, check_api_key, host_name
 from densepass.serve.texts import query_problem
 from densepass.version import __version__
 
@@ -257,6 +257,8 @@ def create_app(
     ``Authorization: Bearer API_KEY`` (:class:`~densepass.serve.operations.BearerAuth`). ``admin_token``: ``POST
     /admin/reload`` swaps in the index's current version (:mod:`densepass.serve.reload`); no route without it."""
     settings = settings or ServeSettings()
+    if api_key is not None:  # "" would be no key at all, while /health said one was set
+        check_api_key(api_key)
     current = Current(searcher, embedder, reranker)  # found again after a reload swapped the index
     batcher = MicroBatcher(searcher, settings.max_batch_size, settings.max_wait_ms, settings.max_queue)
     metrics = Metrics()

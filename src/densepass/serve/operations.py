@@ -73,6 +73,11 @@ class Metrics:
         return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
+# the methods counted under their own name in densepass_requests_total; a client's made-up one is "other", so that a
+# request (even one refused for want of the key) cannot add a time series
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
+
+
 class BearerAuth:
     """ASGI middleware: with a ``key``, every request but ``/health`` must send ``Authorization: Bearer KEY``
     (compared in constant time, ``hmac.compare_digest``), else 401 in the route's error shape. ``GET /`` without
@@ -145,7 +150,8 @@ class Observe:
         finally:
             took = time.perf_counter() - started
             route = self.route(scope["path"])
-            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"  # a bounded label set
+            self.metrics.requests.labels(route, method, str(status)).inc()
             self.metrics.latency.labels(route).observe(took)
             self.metrics.queue_depth.set(self.queue_depth())
             if access_logger.handlers:

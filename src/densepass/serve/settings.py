@@ -217,9 +217,15 @@ def serve_api_key(flag: str | None) -> str | None:
     key = flag if flag is not None else (os.environ.get(API_KEY_ENV) or None)  # set but empty: no key
     if key is None:
         return None
-    source = "--api-key" if flag is not None else f"${API_KEY_ENV}"
-    if len(key) < 16 or any(c.isspace() for c in key) or not key.isprintable():
-        raise ConfigError(f"{source} must be at least 16 printable characters without spaces, got {len(key)}")
+    return check_api_key(key, "--api-key" if flag is not None else f"${API_KEY_ENV}")
+
+
+def check_api_key(key: str, source: str = "api_key") -> str:
+    """``key`` if it can be an API key (16 printable characters or more, no whitespace), else a one-line
+    ``ConfigError`` naming ``source``: an empty key would otherwise mean no key, an open service."""
+    if not isinstance(key, str) or len(key) < 16 or any(c.isspace() for c in key) or not key.isprintable():
+        size = len(key) if isinstance(key, str) else type(key).__name__
+        raise ConfigError(f"{source} must be at least 16 printable characters without spaces, got {size}")
     return key
 
 
