@@ -563,6 +563,32 @@ def test_a_version_folder_is_refused_as_an_update_or_save_target_and_its_index_s
     assert load_index(folder).search(["kernel"], k=1).ids(0) == ["5"]
 
 
+def test_a_part_of_a_hybrid_index_is_not_updated_or_replaced_on_its_own(biencoder, tmp_path):
+    """``HY/first`` and ``HY/second`` (and ``HY/v000001/first`` once HY is updated) hold index manifests of their
+    own: ``densepass index-update HY/first`` or ``index --output HY/second`` used to be accepted and break HY
+    (its manifest holds the digests of its parts' files)."""
+    from densepass.index.base import check_index_target
+
+    records = [{"id": str(i), "text": t} for i, t in enumerate(["tar archiver", "kernel driver", "audio editor"])]
+    folder = HybridIndex(
+        DenseIndex.build(biencoder, records, show_progress=False, device=CPU), BM25Index.build(records)
+    ).save(tmp_path / "hy")
+    parts = [folder / "first", folder / "second"]
+    update_index(folder, delete=["1"])
+    parts += [folder / "v000001" / "first", folder / "v000001" / "second"]
+    files = {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    for part in parts:
+        for attempt in (
+            lambda: update_index(part, delete=["0"]),
+            lambda: BM25Index.build(["a new corpus"]).save(part),
+            lambda: check_index_target(part),
+        ):
+            with pytest.raises(DensepassError, match=r"is part (v000001/)?(first|second) of the index .*: update or"):
+                attempt()
+    assert {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()} == files
+    assert len(load_index(folder, model=biencoder)) == 2
+
+
 def test_a_hybrid_add_that_fails_in_either_part_changes_neither(biencoder, monkeypatch):
     """Both parts encode the new passages before either takes them: a failure in the second part used to leave the
     first one a passage longer, and the fused rows of two different corpora."""

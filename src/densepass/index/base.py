@@ -141,10 +141,10 @@ def concat_corpora(first: Corpus, second: Corpus) -> Corpus:
 
 def check_index_target(directory: str | Path) -> None:
     """A one-line error where ``directory`` holds something densepass saved that is not an index (a model, a
-    checkpoint), or is a version folder of an updated index (``check_not_a_version``): an index replaces only an
-    index (``io.atomic_directory`` checks that densepass wrote it)."""
+    checkpoint), or is part of a larger index, a version folder or a hybrid's part (``check_not_a_part``): an index
+    replaces only an index (``io.atomic_directory`` checks that densepass wrote it)."""
     directory = Path(directory)
-    check_not_a_version(directory, "--output")
+    check_not_a_part(directory, "--output")
     check_replaceable(directory, "--output")
     if not directory.is_dir() or directory.is_symlink() or not any(directory.iterdir()):
         return
@@ -159,30 +159,38 @@ def check_index_target(directory: str | Path) -> None:
         )
 
 
-def check_not_a_version(directory: str | Path, what: str) -> None:
-    """A one-line error where ``directory`` is a version folder (``v000002``) of an updated index (``index.living``):
-    its parent's manifest records the digest of the folder's manifest (rewriting it breaks the parent), and an update
-    of the folder would remove the files of the parent's current version as old ones. The folder is one when its
-    parent's manifest names a current version, or its parent's ``OWNED`` list holds its files."""
+def check_not_a_part(directory: str | Path, what: str) -> None:
+    """A one-line error where ``directory`` is part of a larger saved index: a version folder (``v000002``) of an
+    updated index (``index.living``), or a part (``first/``, ``second/``) of a hybrid index, at any depth
+    (``HY/v000002/first``). The larger index's manifest records the digests of the part's files (rewriting them
+    breaks it), and an update of a version folder would remove the files of the parent's current version as old
+    ones. A folder is a part when an enclosing folder's ``OWNED`` list holds its files, or when its parent's manifest
+    names a current version and the folder is named as versions are."""
     directory = Path(directory).resolve()
-    if not re.fullmatch(r"v\d{6}", directory.name):
-        return
     parent, name = directory.parent, directory.name
-    try:
-        manifest = json.loads((parent / MANIFEST).read_text(encoding="utf-8"))
-        living = isinstance(manifest, dict) and manifest.get("format") == FORMAT and "current" in manifest
-    except (OSError, ValueError):
-        living = False
-    try:
-        owned = json.loads((parent / OWNED).read_text(encoding="utf-8"))
-        listed = isinstance(owned, list) and any(str(entry).startswith(f"{name}/") for entry in owned)
-    except (OSError, ValueError):
-        listed = False
-    if living or listed:
-        raise ConfigError(
-            f"{what} {directory} is version {name} of the updated index {parent}: update or replace {parent} itself "
-            "(changing one of its versions breaks it)"
-        )
+    if re.fullmatch(r"v\d{6}", name):
+        try:
+            manifest = json.loads((parent / MANIFEST).read_text(encoding="utf-8"))
+            living = isinstance(manifest, dict) and manifest.get("format") == FORMAT and "current" in manifest
+        except (OSError, ValueError):
+            living = False
+        if living:
+            raise ConfigError(
+                f"{what} {directory} is version {name} of the updated index {parent}: update or replace {parent} "
+                "itself (changing one of its versions breaks it)"
+            )
+    for enclosing in directory.parents:
+        inside = directory.relative_to(enclosing).as_posix()
+        try:
+            owned = json.loads((enclosing / OWNED).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(owned, list) and any(str(entry).startswith(f"{inside}/") for entry in owned):
+            kind = f"version {inside}" if re.fullmatch(r"v\d{6}", inside) else f"part {inside}"
+            raise ConfigError(
+                f"{what} {directory} is {kind} of the index {enclosing}: update or replace {enclosing} itself "
+                "(changing one of its parts breaks it)"
+            )
 
 
 def save_passages(corpus: Corpus, path: Path) -> None:
@@ -439,7 +447,7 @@ class Index(ABC):
         """Write the index atomically to ``directory`` (replacing what is there only once complete); a full disk is
         a one-line error, with nothing left behind (``io.disk_errors``)."""
         directory = Path(directory)
-        check_not_a_version(directory, "--output")  # before anything in it is touched
+        check_not_a_part(directory, "--output")  # before anything in it is touched
         if (directory / MANIFEST).is_file() and not directory.is_symlink():  # a killed update's half-written version
             remove_stale_temporaries(directory, r"v\d{6}")  # (index.living): densepass's own, else it blocks the save
         check_index_target(directory)

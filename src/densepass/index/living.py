@@ -41,7 +41,7 @@ from densepass.index.base import (
     Index,
     Passages,
     check_ids,
-    check_not_a_version,
+    check_not_a_part,
     current_version,
     load_index,
     read_index_manifest,
@@ -86,9 +86,9 @@ def update_index(
     index. Every check comes before any work: ids to delete that the index does not hold, ids repeated, or named
     both to delete and to upsert, are a one-line error and nothing changes. Compaction alone of an index without
     tombstones writes nothing (a new version would be a copy of the current one). A version folder of an updated
-    index (``DIR/v000002``) is refused: update ``DIR`` itself (``base.check_not_a_version``)."""
+    index (``DIR/v000002``) is refused: update ``DIR`` itself (``base.check_not_a_part``)."""
     directory = Path(directory)
-    check_not_a_version(directory, "the index")
+    check_not_a_part(directory, "the index")
     delete_ids = check_ids(delete, "delete") if delete is not None else []
     corpus = records_corpus(upsert) if upsert is not None else None
     if not delete_ids and corpus is None and not compact:
@@ -139,7 +139,7 @@ def update_saved_index(
     without deleted passages, nothing to do (nothing loaded, no version written; a killed update's leftovers
     removed)."""
     directory = Path(directory)
-    check_not_a_version(directory, "the index")  # before its lock or a killed update's leftovers are touched
+    check_not_a_part(directory, "the index")  # before its lock or a killed update's leftovers are touched
     kind = read_index_manifest(directory)["kind"]  # not an index: one line before any file is read
     takes = KINDS[kind].load_options
     if options.get("model") is not None and takes is not None and "model" not in takes:
@@ -165,9 +165,9 @@ def update_saved_index(
 def save_version(index: Index, directory: str | Path) -> int:
     """Save ``index`` as the next version of the saved index ``directory`` (see the module docstring) and return
     that version's number. The caller holds the directory's lock (``update_index`` does). A version folder of an
-    updated index is refused (``base.check_not_a_version``)."""
+    updated index is refused (``base.check_not_a_part``)."""
     directory = Path(directory)
-    check_not_a_version(directory, "the index")
+    check_not_a_part(directory, "the index")
     top = read_index_manifest(directory)  # the current version: verified, and left untouched
     if top.get("kind") != index.kind:
         raise ConfigError(f"{directory} holds a {top.get('kind')} index, not a {index.kind} index")
