@@ -579,9 +579,9 @@ def test_a_part_of_a_hybrid_index_is_not_updated_or_replaced_on_its_own(biencode
     files = {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
     for part in parts:
         for attempt in (
-            lambda: update_index(part, delete=["0"]),
-            lambda: BM25Index.build(["a new corpus"]).save(part),
-            lambda: check_index_target(part),
+            lambda part=part: update_index(part, delete=["0"]),
+            lambda part=part: BM25Index.build(["a new corpus"]).save(part),
+            lambda part=part: check_index_target(part),
         ):
             with pytest.raises(DensepassError, match=r"is part (v000001/)?(first|second) of the index .*: update or"):
                 attempt()
