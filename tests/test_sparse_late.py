@@ -372,6 +372,22 @@ def test_save_load_search_round_trips(splade, colbert, tmp_path, kind):
     assert manifest["kind"] == kind.split("-")[0] and manifest["stats"]["bytes"] > 0
 
 
+def test_a_colbert_without_a_saved_projection_is_not_indexed(tiny_model_dir, tiny_beir, tmp_path, capsys):
+    """A ColBERT started from a plain encoder has a new, random projection: its index recorded the encoder's path,
+    whose next load drew another projection, so every search and update of it was refused. The CLI refuses before
+    encoding; the model once saved is its saved folder's (its source), which an index records."""
+    assert main(["index", str(tiny_beir), "--output", str(tmp_path / "cb"), "--kind", "colbert",
+                 "--model", str(tiny_model_dir)]) == 2  # fmt: skip
+    assert "has no ColBERT projection (colbert_linear.safetensors): a new one is random" in capsys.readouterr().err
+    assert not (tmp_path / "cb").exists()
+    colbert = ColBERT.from_pretrained(str(tiny_model_dir))
+    with pytest.raises(ConfigError, match="has no ColBERT projection"):
+        colbert.check_projection_saved()
+    colbert.save(tmp_path / "model")  # the saved folder is its source from here on
+    ColbertIndex.build(colbert, texts(5), device=CPU, centroids=2).save(tmp_path / "api")
+    assert load_index(tmp_path / "api", device=CPU).search(["audio editor"], k=2).ids(0)
+
+
 # ---- training end to end ----------------------------------------------------------------------------------
 
 

@@ -98,6 +98,7 @@ class ColBERT(SidedInputs, nn.Module):
         self.encoder, self.tokenizer, self.config = encoder, tokenizer, config
         self.check_positions(encoder)
         self.linear = linear or nn.Linear(encoder.config.hidden_size, config.dim, bias=False)
+        self.new_projection = linear is None  # random, from torch's generator: saved nowhere yet
         if self.linear.out_features != config.dim:
             raise ConfigError(f"the saved projection has {self.linear.out_features} dimensions, not {config.dim}")
         skip = [tokenizer.convert_tokens_to_ids(c) for c in string.punctuation] if config.skiplist else []
@@ -255,15 +256,27 @@ class ColBERT(SidedInputs, nn.Module):
         model.source = path
         return model
 
+    def check_projection_saved(self) -> None:
+        """A one-line error where the projection is new (the model started from an encoder without one): it is
+        random, so an index that records where the model is would find another projection there when loaded."""
+        if self.new_projection:
+            raise ConfigError(
+                f"{self.source or 'the model'} has no ColBERT projection ({LINEAR_FILE}): a new one is random, so an "
+                "index of it could never be searched again; train a ColBERT from it (model.kind: colbert) or save "
+                "it (ColBERT.save) and index the saved model"
+            )
+
     def save(self, path: str | Path) -> None:
         """Write the model atomically: encoder, tokenizer, projection and our config (weights holding NaN or
-        infinity are refused)."""
+        infinity are refused). The saved folder becomes the model's ``source``: where an index of it records the
+        model to load (its projection is there now)."""
         refuse_nonfinite_weights(self, str(path), saving=True)
         with atomic_directory(path) as tmp:
             self.encoder.save_pretrained(tmp, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
             save_file({"weight": self.linear.weight.detach().cpu().contiguous()}, str(tmp / LINEAR_FILE))
             atomic_write_text(tmp / CONFIG_FILES["colbert"], json.dumps(asdict(self.config), indent=2))
+        self.source, self.new_projection = str(path), False
 
 
 class ColbertReranker:

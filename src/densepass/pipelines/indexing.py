@@ -363,6 +363,8 @@ def build_index(corpus: Corpus, output: str | Path, settings: IndexSettings, for
             index: Index = BM25Index.build(corpus, show_progress=settings.show_progress)
         elif settings.kind in ("splade", "colbert"):
             model = (SpladeEncoder if settings.kind == "splade" else ColBERT).from_pretrained(settings.model)
+            if isinstance(model, ColBERT):  # before the corpus is encoded
+                model.check_projection_saved()
             index = index_for_model(
                 model, corpus, settings.retriever, settings.batch_size, settings.device, precision=settings.precision
             )
