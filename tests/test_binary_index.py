@@ -258,6 +258,19 @@ def test_a_binary_index_at_a_dimension_not_a_multiple_of_8_is_refused_before_any
     assert not (tmp_path / "bin").exists()
 
 
+@pytest.mark.filterwarnings("ignore:.*not trained at")
+def test_a_binary_ivf_index_of_a_small_corpus_is_built_on_the_command_line(tiny_beir, tiny_model_dir, tmp_path):
+    """``--embedding-precision binary --kind faiss-ivfpq`` (binary-ivf) has no product quantiser: 40 passages were
+    refused with the IVF-PQ's "needs at least 256 passages", which the Python API builds."""
+    from densepass.cli import main
+
+    out = tmp_path / "bin"
+    argv = ["index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(out)]
+    assert main([*argv, "--embedding-precision", "binary", "--kind", "faiss-ivfpq"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["kind"] == "binary-ivf"
+    assert main([*argv[:-1], str(tmp_path / "pq"), "--kind", "faiss-ivfpq"]) == 2  # float IVF-PQ: still refused
+
+
 def test_a_binary_index_file_damaged_under_a_matching_manifest_is_one_line(model, tmp_path):
     from densepass.io import write_manifest
 

@@ -143,7 +143,8 @@ def encode_corpus(
     dim = settings.dim or model.dim
     if settings.embedding_precision == "binary" and dim % 8:  # CompactIndex's own check, before the encoding
         raise ConfigError(f"binary codes pack 8 dimensions to a byte: {dim} is not a multiple of 8 (--dim)")
-    check_trainable(settings.encoded_kind, len(texts))
+    if settings.embedding_precision == "fp32":  # binary-ivf has no product quantiser to train
+        check_trainable(settings.encoded_kind, len(texts))
     return encode_sharded(
         model,
         texts,
