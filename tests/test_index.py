@@ -607,3 +607,21 @@ def test_a_passage_id_no_saved_index_could_hold_is_refused_before_anything_is_wr
         update_index(tmp_path / "index", upsert=[{"id": bad, "text": "video player"}])
     index = load_index(tmp_path / "index")  # untouched, and still loads
     assert index.version == 0 and index.passages.ids == ["p0", "p1"]
+
+
+def test_an_empty_index_is_not_saved_and_leaves_a_saved_one_in_place(tiny_model, tmp_path):
+    """``BM25Index().save`` was an AttributeError traceback, and an empty dense index was saved (over a good one
+    too) as a folder no load accepted ("the corpus is empty")."""
+    from densepass.errors import ConfigError
+    from densepass.index import load_index
+    from densepass.index.dense import DenseIndex
+
+    with pytest.raises(ConfigError, match="^the index is empty: add passages before saving$"):
+        BM25Index().save(tmp_path / "bm25")
+    assert not (tmp_path / "bm25").exists()
+    DenseIndex.build(tiny_model, dense_records(5), show_progress=False, device=CPU).save(tmp_path / "dense")
+    files = {p: p.read_bytes() for p in (tmp_path / "dense").rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match="^the index is empty"):
+        DenseIndex(tiny_model, show_progress=False, device=CPU).save(tmp_path / "dense")
+    assert {p: p.read_bytes() for p in (tmp_path / "dense").rglob("*") if p.is_file()} == files
+    assert len(load_index(tmp_path / "dense", model=tiny_model)) == 5

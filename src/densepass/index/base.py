@@ -447,6 +447,8 @@ class Index(ABC):
         """Write the index atomically to ``directory`` (replacing what is there only once complete); a full disk is
         a one-line error, with nothing left behind (``io.disk_errors``)."""
         directory = Path(directory)
+        if not len(self.passages):  # no index could load it (and it would replace one that loads)
+            raise ConfigError("the index is empty: add passages before saving")
         check_not_a_part(directory, "--output")  # before anything in it is touched
         if (directory / MANIFEST).is_file() and not directory.is_symlink():  # a killed update's half-written version
             remove_stale_temporaries(directory, r"v\d{6}")  # (index.living): densepass's own, else it blocks the save
