@@ -668,3 +668,16 @@ def test_index_update_takes_the_model_of_an_index_whose_model_moved(tiny_model_d
     BM25Index.build(records).save(tmp_path / "bm25")
     assert main(["index-update", str(tmp_path / "bm25"), "--compact", "--model", str(tmp_path / "moved")]) == 2
     assert "--model is the model of a model index" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["bm25", "exact", "splade", "colbert", "hybrid"])
+def test_texts_added_after_a_compaction_get_ids_no_passage_holds(biencoder, splade, colbert, kind):
+    """Ids of added texts started at the index's length: after deleting "0" and compacting, "1" and "2" are left and
+    the next text was named "2" (refused as a duplicate; a delete of the last id then reused it silently)."""
+    models = {"biencoder": biencoder, "splade": splade, "colbert": colbert}
+    index = fresh(kind, models, ["tar archiver", "kernel driver", "audio editor"])
+    index.delete(["0"])
+    index.compact()
+    index.add(["video player", "music player"])
+    assert index.passages.ids == ["1", "2", "3", "4"]
+    assert ids_of(index, ["video player"], 1, **({"exhaustive": True} if kind == "colbert" else {})) == [["3"]]

@@ -61,6 +61,13 @@ DELETED_ID = "\x00deleted:"  # a tombstoned row's id (+ its row): never a passag
 Passages = Corpus | Sequence[str] | Sequence[dict]
 
 
+def next_free_id(corpus: Corpus) -> int:
+    """The first id ``as_corpus`` gives texts added to an index holding ``corpus``: past every numeric id in use
+    (a compacted index is shorter than its highest id, so its length would name a passage it holds)."""
+    numeric = [int(pid) for pid in corpus.ids if pid.isascii() and pid.isdigit()]
+    return max(len(corpus.ids), max(numeric, default=-1) + 1)
+
+
 def as_corpus(passages: Passages, first_id: int = 0) -> Corpus:
     """A ``Corpus`` from a Corpus, from texts (ids ``"0"``, ``"1"``, ... from ``first_id``), or from dicts
     with ``id`` (or ``_id``), ``text`` and optional ``title`` / ``doc_id``. In texts or records, a string holding a

@@ -43,7 +43,7 @@ import torch
 
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
-from densepass.index.base import Passages, as_corpus, concat_corpora, register
+from densepass.index.base import Passages, as_corpus, concat_corpora, next_free_id, register
 from densepass.index.dense import EMBEDDINGS, DenseIndex, finite_rows, weights_version
 from densepass.index.exact import sort_by_score_then_row
 from densepass.io import atomic_file
@@ -258,7 +258,7 @@ class CompactIndex(DenseIndex):
         """Index passages whose embeddings were computed already (by this index's model; full size or cut). The new
         passages, codes and bits are all made (a repeated id, NaN or infinity refused) before the index changes: the
         binary index, the codes and the passages keep one row per passage."""
-        corpus = as_corpus(passages, first_id=len(self.passages))
+        corpus = as_corpus(passages, first_id=next_free_id(self.passages))
         embeddings = self.cut(embeddings)
         if embeddings.shape != (len(corpus), self.dim):
             raise ConfigError(

@@ -21,7 +21,16 @@ import numpy as np  # noqa: E402
 
 from densepass.data.dataset import Corpus
 from densepass.errors import ConfigError, DataError
-from densepass.index.base import Index, Passages, SearchResults, as_corpus, check_queries, concat_corpora, register
+from densepass.index.base import (
+    Index,
+    Passages,
+    SearchResults,
+    as_corpus,
+    check_queries,
+    concat_corpora,
+    next_free_id,
+    register,
+)
 
 BM25_DIR = "bm25s"
 
@@ -95,7 +104,7 @@ class BM25Index(Index):
 
     def add(self, passages: Passages) -> None:
         """Index more passages; bm25s indexes in one go, so every passage is indexed again."""
-        new = as_corpus(passages, first_id=len(self.passages))
+        new = as_corpus(passages, first_id=next_free_id(self.passages))
         corpus = concat_corpora(self.passages, new) if len(self.passages) else new
         tokens = bm25s.tokenize(
             bm25_texts(corpus), stopwords="en", stemmer=self.stemmer, show_progress=self.show_progress

@@ -51,6 +51,7 @@ from densepass.index.base import (
     check_k,
     check_queries,
     concat_corpora,
+    next_free_id,
     records_corpus,
     register,
 )
@@ -156,7 +157,7 @@ class ColbertIndex(Index):
 
     def add(self, passages: Passages) -> None:
         """Encode ``passages`` and append their token vectors (the first call trains the centroids)."""
-        corpus = as_corpus(passages, first_id=len(self.passages))
+        corpus = as_corpus(passages, first_id=next_free_id(self.passages))
         vectors = self.model.encode_passages(
             corpus, self.batch_size, device=self.device, show_progress=self.show_progress, precision=self.precision
         )
@@ -164,7 +165,7 @@ class ColbertIndex(Index):
 
     def add_vectors(self, passages: Passages, vectors: list[np.ndarray]) -> None:
         """Index passages whose token vectors were computed already (by this index's model)."""
-        corpus = as_corpus(passages, first_id=len(self.passages))
+        corpus = as_corpus(passages, first_id=next_free_id(self.passages))
         if len(vectors) != len(corpus) or any(v.ndim != 2 or v.shape[1] != self.model.dim for v in vectors):
             raise ConfigError(f"expected one [n_i, {self.model.dim}] array per passage for {len(corpus)} passages")
         flat = np.concatenate(vectors).astype(np.float32) if vectors else np.zeros((0, self.model.dim), np.float32)

@@ -37,6 +37,7 @@ from densepass.index.base import (
     check_new_ids,
     check_queries,
     concat_corpora,
+    next_free_id,
     records_corpus,
     register,
 )
@@ -216,7 +217,7 @@ class DenseIndex(Index):
 
     def add(self, passages: Passages) -> None:
         """Encode ``passages`` with the model and index them (their ids checked first: new, each once)."""
-        corpus = as_corpus(passages, first_id=len(self.passages))
+        corpus = as_corpus(passages, first_id=next_free_id(self.passages))
         check_new_ids(self.passages, corpus)
         if self.faiss is None:  # trained on the first passages added
             check_trainable(self.kind, len(self.passages) + len(corpus))
@@ -232,7 +233,7 @@ class DenseIndex(Index):
     def add_embeddings(self, passages: Passages, embeddings: np.ndarray) -> None:
         """Index passages whose embeddings were computed already (by this index's model). Everything that can fail
         (the shape, NaN or infinity, a repeated id, the FAISS index's training) comes before the index changes."""
-        corpus = as_corpus(passages, first_id=len(self.passages))
+        corpus = as_corpus(passages, first_id=next_free_id(self.passages))
         embeddings = self.cut(embeddings)  # the model's full embeddings, cut to a prefix index's dimension
         if embeddings.shape != (len(corpus), self.dim):
             raise ConfigError(

@@ -33,6 +33,7 @@ from densepass.index.base import (
     as_corpus,
     check_new_ids,
     check_queries,
+    next_free_id,
     read_index_manifest,
     records_corpus,
     register,
@@ -107,7 +108,7 @@ class HybridIndex(Index):
         """Index more passages in both parts, as ``upsert`` does: the ids checked and both parts' encodings made
         (``encode_new``) before either part takes the passages, so that a failure in either changes nothing (the
         parts would otherwise hold different passages, and their rows be fused across two corpora)."""
-        corpus = as_corpus(passages, first_id=len(self.passages))
+        corpus = as_corpus(passages, first_id=next_free_id(self.passages))
         check_new_ids(self.passages, corpus)
         prepared = [self.first.encode_new(corpus), self.second.encode_new(corpus)]
         self.first.append_encoded(corpus, prepared[0])

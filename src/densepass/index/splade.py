@@ -37,7 +37,16 @@ from densepass.data.dataset import Corpus
 from densepass.device import default_device
 from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.fingerprints import fingerprint_weights
-from densepass.index.base import Index, Passages, as_corpus, check_queries, concat_corpora, records_corpus, register
+from densepass.index.base import (
+    Index,
+    Passages,
+    as_corpus,
+    check_queries,
+    concat_corpora,
+    next_free_id,
+    records_corpus,
+    register,
+)
 from densepass.index.checks import model_for_index, model_settings
 from densepass.models.copies import float_precision
 from densepass.models.inputs import warn_long_queries
@@ -104,7 +113,7 @@ class SpladeIndex(Index):
 
     def add(self, passages: Passages) -> None:
         """Encode ``passages`` and append their postings."""
-        corpus = as_corpus(passages, first_id=len(self.passages))
+        corpus = as_corpus(passages, first_id=next_free_id(self.passages))
         weights = self.model.encode_passages(
             corpus,
             self.batch_size,
@@ -117,7 +126,7 @@ class SpladeIndex(Index):
 
     def add_weights(self, passages: Passages, weights: sp.spmatrix) -> None:
         """Index passages whose term weights [n, |V|] were computed already (by this index's model)."""
-        corpus = as_corpus(passages, first_id=len(self.passages))
+        corpus = as_corpus(passages, first_id=next_free_id(self.passages))
         weights = sp.csr_matrix(weights, dtype=np.float32)
         if weights.shape != (len(corpus), self.model.dim):
             raise ConfigError(

@@ -36,6 +36,7 @@ from densepass.index.base import (
     check_k,
     check_queries,
     concat_corpora,
+    next_free_id,
     register,
 )
 from densepass.phrase.encode import encode_corpus
@@ -142,7 +143,7 @@ class PhraseIndex(Index):
 
     def add(self, passages: Passages) -> None:
         """Encode and index more passages (their ids must be new); an empty passage gets no phrase."""
-        new = as_corpus(passages, first_id=len(self.passages))
+        new = as_corpus(passages, first_id=next_free_id(self.passages))
         corpus = concat_corpora(self.passages, new) if len(self.passages) else new
         added = encode_corpus(
             self.model, new, self.batch_size, self.device, self.vector_dtype, show_progress=self.show_progress
