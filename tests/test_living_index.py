@@ -681,3 +681,14 @@ def test_texts_added_after_a_compaction_get_ids_no_passage_holds(biencoder, spla
     index.add(["video player", "music player"])
     assert index.passages.ids == ["1", "2", "3", "4"]
     assert ids_of(index, ["video player"], 1, **({"exhaustive": True} if kind == "colbert" else {})) == [["3"]]
+
+
+@pytest.mark.parametrize("kind", ["bm25", "exact", "splade", "colbert", "hybrid"])
+def test_an_array_of_query_texts_searches_as_a_list_does(biencoder, splade, colbert, kind):
+    """``df["query"].values`` (a NumPy array of strings) was taken for query vectors by the dense, SPLADE and ColBERT
+    kinds: "could not convert string to float"."""
+    models = {"biencoder": biencoder, "splade": splade, "colbert": colbert}
+    index = fresh(kind, models, ["tar archiver", "kernel driver", "audio editor"])
+    queries = ["kernel", "audio editor"]
+    for texts in (np.array(queries), np.array(queries, dtype=object)):
+        assert ids_of(index, texts, 2) == ids_of(index, queries, 2)

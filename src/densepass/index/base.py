@@ -259,6 +259,14 @@ def check_k(k: int) -> int:
     return int(k)
 
 
+def is_vectors(queries: Any) -> bool:
+    """Whether ``queries`` are query vectors (a tensor, or an array of numbers) rather than texts: an array of
+    strings (``df["query"].values``) holds texts."""
+    import torch
+
+    return isinstance(queries, torch.Tensor) or (isinstance(queries, np.ndarray) and queries.dtype.kind in "biuf")
+
+
 def check_queries(queries: Sequence[str]) -> list[str]:
     """``queries`` as a non-empty list of strings, or a one-line error."""
     if isinstance(queries, str):

@@ -51,6 +51,7 @@ from densepass.index.base import (
     check_k,
     check_queries,
     concat_corpora,
+    is_vectors,
     next_free_id,
     records_corpus,
     register,
@@ -288,7 +289,7 @@ class ColbertIndex(Index):
     def encode_queries(self, queries: Any) -> np.ndarray:
         """Query vectors [n, Lq, dim]: texts are encoded by the model (too long ones cut, with a warning),
         an array is used as it is."""
-        if isinstance(queries, (np.ndarray, torch.Tensor)):
+        if is_vectors(queries):
             queries = np.asarray(queries, dtype=np.float32)
             if queries.ndim != 3 or queries.shape[2] != self.model.dim:
                 raise ConfigError(f"query vectors must be [n, length, {self.model.dim}], got {list(queries.shape)}")

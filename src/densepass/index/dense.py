@@ -37,6 +37,7 @@ from densepass.index.base import (
     check_new_ids,
     check_queries,
     concat_corpora,
+    is_vectors,
     next_free_id,
     records_corpus,
     register,
@@ -105,7 +106,7 @@ def query_embeddings(
 ) -> np.ndarray:
     """Query embeddings for a dense index: texts are encoded by ``model``, an array of embeddings is used as it is;
     one holding NaN or infinity is a one-line error (``finite_rows``)."""
-    if isinstance(queries, (np.ndarray, torch.Tensor)):
+    if is_vectors(queries):
         queries = np.asarray(queries, dtype=np.float32)
         if queries.ndim != 2 or queries.shape[1] != model.dim:
             raise ConfigError(f"query embeddings must be [n, {model.dim}], got {list(queries.shape)}")
@@ -257,7 +258,7 @@ class DenseIndex(Index):
     def encode_queries(self, queries: Any) -> np.ndarray:
         """Query embeddings: texts are encoded by the model, an array of embeddings is used as it is; an index built
         at a prefix dimension cuts them to it (an array already of that dimension is used as it is)."""
-        if self.truncate_dim is not None and isinstance(queries, (np.ndarray, torch.Tensor)):
+        if self.truncate_dim is not None and is_vectors(queries):
             if queries.ndim == 2 and queries.shape[1] == self.dim:
                 return finite_rows(np.asarray(queries, dtype=np.float32), None, "query")
         return self.cut(query_embeddings(self.model, queries, self.batch_size, self.device, self.precision))

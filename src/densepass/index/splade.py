@@ -43,6 +43,7 @@ from densepass.index.base import (
     as_corpus,
     check_queries,
     concat_corpora,
+    is_vectors,
     next_free_id,
     records_corpus,
     register,
@@ -169,7 +170,7 @@ class SpladeIndex(Index):
 
     def encode_queries(self, queries: Any) -> sp.csr_matrix:
         """Query term weights: texts are encoded by the model, a sparse or dense [n, |V|] matrix is used as it is."""
-        if sp.issparse(queries) or isinstance(queries, (np.ndarray, torch.Tensor)):
+        if sp.issparse(queries) or is_vectors(queries):
             matrix = sp.csr_matrix(
                 np.asarray(queries) if isinstance(queries, torch.Tensor) else queries, dtype=np.float32
             )
