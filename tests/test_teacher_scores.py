@@ -69,6 +69,22 @@ def test_an_interrupted_computation_resumes_after_its_last_complete_line(setup, 
     assert flat(load_teacher_scores(path, pairs)) == pytest.approx(flat(full))
 
 
+@pytest.mark.parametrize("cut", ["a record's newline", "the header's newline"])
+def test_a_partial_file_that_lost_only_a_newline_resumes_into_a_valid_file(setup, tmp_path, cut):
+    """Killed just before a line's newline: the line parses, and was kept without it, so the next record was
+    appended to the same line and the finished file did not load (`s.jsonl:2: expected ...`)."""
+    dataset, pairs, teacher = setup
+    full = compute_teacher_scores(teacher, dataset, pairs, tmp_path / "full.jsonl", chunk=2, show_progress=False)
+    lines = (tmp_path / "full.jsonl").read_bytes().split(b"\n")
+    kept = lines[0] + b"\n" + lines[1] if cut == "a record's newline" else lines[0]
+    (tmp_path / "s.jsonl.partial").write_bytes(kept)
+    path = tmp_path / "s.jsonl"
+    resumed = compute_teacher_scores(teacher, dataset, pairs, path, chunk=2, show_progress=False)
+    assert flat(resumed) == pytest.approx(flat(full))
+    assert flat(load_teacher_scores(path, pairs)) == pytest.approx(flat(full))
+    assert len(path.read_text().splitlines()) == 1 + len(pairs)
+
+
 def test_a_file_of_another_teacher_is_refused(setup, tmp_path, tiny_model_dir):
     dataset, pairs, teacher = setup
     path = tmp_path / "s.jsonl"

@@ -100,6 +100,8 @@ def _read(path: Path, complete: bool) -> tuple[dict, Scores, int]:
     scores: Scores = {}
     good = len(lines[0]) + 1
     for line_no, line in enumerate(lines[1:], 2):
+        if not complete and line_no == len(lines) and line:
+            break  # no newline after it: the line being written when the run stopped, even where it parses
         if not line.strip():
             good += len(line) + 1
             continue
