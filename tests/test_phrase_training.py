@@ -408,3 +408,28 @@ def test_query_tuning_on_two_gloo_processes_ends_with_the_weights_of_one_process
 
     assert len(losses("dist")) == len(losses("single")) > 1  # written once, by rank 0, with the global step's loss
     assert losses("dist") == pytest.approx(losses("single"), rel=1e-4)
+
+
+def test_query_tuning_counts_a_retrieved_gold_phrase_once(setup):
+    """The candidates are the top-k phrases plus the gold one: a gold phrase also retrieved was a second positive
+    column, doubling its weight in the marginal likelihood."""
+    from densepass.phrase.config import QueryTuningConfig
+    from densepass.phrase.index import PhraseIndex
+    from densepass.phrase.query_tuning import QueryTuningTask, gold_rows
+    from densepass.phrase.train import split_rows
+
+    data, model, _, _ = setup
+    phrase_data = build_phrase_data(model, data, "train")
+    index = PhraseIndex.build(model, data.dataset.corpus.subset(split_rows(data, "train")), vector_dtype="float32")
+    gold = gold_rows(index, data, [e.qid for e in phrase_data.examples])
+    task = QueryTuningTask(model, index, phrase_data.examples, gold, QueryTuningConfig(top_k=3000, batch_size=8))
+    task.setup(CPU)
+    batch = phrase_data.examples[:8]
+    with torch.no_grad():
+        q_start, q_end = model.question_vectors(model.tokenize_questions([e.question for e in batch]))
+    starts, ends, positive = task.candidates(batch, q_start, q_end)
+    for i, example in enumerate(batch):
+        spans = [(int(s), int(t)) for s, t in zip(starts[i], ends[i]) if s >= 0]
+        assert spans[0] == gold[example.qid] and len(spans) == len(set(spans)), example.qid
+    assert bool(positive[:, 0].all())
+    task.finish()

@@ -123,8 +123,11 @@ class QueryTuningTask(PhraseModelTask):
         with torch.no_grad():
             a, b = (q_start.detach() @ self.start_vectors.T).cpu(), (q_end.detach() @ self.end_vectors.T).cpu()
             _, starts, ends = top_spans(a, b, index.limit, self.config.top_k)
-        starts = torch.cat([torch.tensor([[self.gold[e.qid][0]] for e in batch]), starts], 1)
-        ends = torch.cat([torch.tensor([[self.gold[e.qid][1]] for e in batch]), ends], 1)
+        gold_starts = torch.tensor([[self.gold[e.qid][0]] for e in batch], dtype=starts.dtype)
+        gold_ends = torch.tensor([[self.gold[e.qid][1]] for e in batch], dtype=ends.dtype)
+        again = (starts == gold_starts) & (ends == gold_ends)  # the gold retrieved too: a candidate once, not twice
+        starts, ends = starts.masked_fill(again, -1), ends.masked_fill(again, -1)
+        starts, ends = torch.cat([gold_starts, starts], 1), torch.cat([gold_ends, ends], 1)
         positive = torch.zeros(starts.shape, dtype=torch.bool)
         positive[:, 0] = True
         texts = index.passages.texts
