@@ -229,3 +229,27 @@ def test_an_empty_eval_ks_is_refused_before_any_work(tiny_run):
     root, overrides = tiny_run
     with pytest.raises(ConfigError, match="eval.ks is empty"):
         check(load_config(None, [*overrides, "eval.ks=[]"], PhraseConfig))
+
+
+def test_a_hard_negatives_file_naming_a_passage_outside_the_training_split_is_one_line(tiny_run, tmp_path):
+    """A dev passage in ``train.hard_negatives_file`` was accepted (and would leak an evaluation passage into
+    training), then failed at the first step with a ``KeyError`` traceback."""
+    import json
+
+    from densepass.config import load_config
+    from densepass.data.squad import load_squad_spans
+    from densepass.errors import DataError
+    from densepass.phrase.config import PhraseConfig
+    from densepass.phrase.experiment import run_phrase
+    from densepass.phrase.train import split_rows
+
+    root, overrides = tiny_run
+    data = load_squad_spans(root / "squad")
+    corpus = data.dataset.corpus
+    dev, train = corpus.ids[split_rows(data, "dev")[0]], corpus.ids[split_rows(data, "train")[0]]
+    qid = next(q for q in data.dataset.split("train") if q in data.spans)
+    path = tmp_path / "negatives.jsonl"
+    path.write_text(json.dumps({"qid": qid, "negatives": [train, dev]}) + "\n")
+    extra = [f"train.hard_negatives_file={path}", "train.hard_negatives=1", "name=hard", f"output_dir={tmp_path}"]
+    with pytest.raises(DataError, match=rf"negatives.jsonl:1: passage '{dev}' is not a passage of the training split"):
+        run_phrase(load_config(None, [*overrides, *extra], PhraseConfig))

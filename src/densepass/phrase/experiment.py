@@ -219,7 +219,8 @@ def hard_negatives(run: PhraseRun) -> tuple[dict[str, list[int]] | None, str | N
     path = Path(train.hard_negatives_file or run.run_dir / "hard_negatives.jsonl")
     if train.hard_negatives_file is None:  # rank 0 mines; the others wait, and share its errors
         distributed.on_rank_zero(lambda: run.stages.run("hard_negatives", lambda: mine_negatives(run, path)))
-    return read_negatives(path, run.corpus).as_rows(run.corpus), fingerprint_file(path)
+    training = {run.corpus.ids[row] for row in run.train_rows}
+    return read_negatives(path, run.corpus, training).as_rows(run.corpus), fingerprint_file(path)
 
 
 def mine_negatives(run: PhraseRun, path: Path) -> dict:

@@ -9,7 +9,7 @@ with the number of retrieved passages removed because they contain an answer.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +42,10 @@ class MinedNegatives:
         return {q: [corpus.position(p) for p in ids] for q, ids in self.negatives.items()}
 
 
-def read_negatives(path: str | Path, corpus: Corpus) -> MinedNegatives:
-    """Read a hard-negatives JSONL file; a passage id not in the corpus is an error."""
+def read_negatives(path: str | Path, corpus: Corpus, training: Collection[str] | None = None) -> MinedNegatives:
+    """Read a hard-negatives JSONL file; a passage id not in the corpus is an error, and so is one outside
+    ``training`` (the ids of the training split's passages, where given): training on an evaluation passage would
+    leak it, and the training batches hold only the training passages."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"hard-negatives file not found: {path}")
@@ -59,6 +61,9 @@ def read_negatives(path: str | Path, corpus: Corpus) -> MinedNegatives:
         missing = next((p for p in ids if p not in corpus), None)
         if missing is not None:
             raise DataError(f"{path}:{number}: passage {missing!r} is not in the corpus")
+        outside = next((p for p in ids if p not in training), None) if training is not None else None
+        if outside is not None:
+            raise DataError(f"{path}:{number}: passage {outside!r} is not a passage of the training split")
         negatives[qid] = ids
     return MinedNegatives(negatives, 0, 0)
 
