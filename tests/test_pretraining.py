@@ -389,6 +389,29 @@ def test_pretrain_cli_and_config_errors(tiny_beir, tiny_model_dir, tmp_path, cap
     assert main([*args, "--set", "train.grad_accumulation=3"]) == 2
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["masking.probability=1.0"], r"^masking probability must be in \(0, 1\), got 1.0$"),
+        (["model.mode=cocondenser", "train.span_min_tokens=40"], r"exceeds the longest span that fits .* \(30\)$"),
+        (["model.mode=cocondenser", "train.batch_size=5"], r"^coCondenser needs an even batch size >= 4"),
+        (["model.mode=cocondenser", "train.batch_size=200"], r"documents cannot fill a batch of 100 span pairs$"),
+    ],
+)
+def test_a_restart_refused_by_the_masking_or_the_batches_removes_nothing(tiny_beir, tiny_model_dir, tmp_path, extra,
+                                                                          message):  # fmt: skip
+    """``pretrain --restart`` with settings the masker or the batch stream refuse: their checks came after the
+    restart's removal, so the earlier run's backbone, checkpoints and log were gone."""
+    from densepass.errors import DensepassError
+
+    run = _config(tiny_beir, tiny_model_dir, tmp_path, "train.max_steps=1").run_dir
+    pretrain(_config(tiny_beir, tiny_model_dir, tmp_path, "train.max_steps=1"))
+    before = sorted(p.relative_to(run) for p in run.rglob("*") if ".lock" not in p.name)
+    with pytest.raises(DensepassError, match=message):
+        pretrain(_config(tiny_beir, tiny_model_dir, tmp_path, "train.max_steps=1", *extra), restart=True)
+    assert sorted(p.relative_to(run) for p in run.rglob("*") if ".lock" not in p.name) == before
+
+
 # two runs of two gloo processes: coCondenser with accumulation (shares of 3 spans in micro-batches of 2 and 1, the
 # contrastive pool gathered from both processes) and Condenser on shares of 3 and 2 sequences (uneven MLM weights)
 DISTRIBUTED_RUNS = {

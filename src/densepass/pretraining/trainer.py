@@ -304,11 +304,12 @@ def _pretrain(config: PretrainConfig, device: torch.device, claim: Callable[[], 
     identity = {**pretraining_identity(config), **data_files}
     if not restart:
         Checkpoints(run_dir, t.keep_checkpoints, identity).latest()  # refuses another run's checkpoints
+    task = PretrainTask(config, model, dataset)  # the masking's own checks
+    next(iter(task.plan(0)), None)  # the batch stream's (spans that fit, enough documents), on a stream of its own
     claim()  # every check has passed: only now is the directory marked and --restart's removal done
     main = distributed.rank() == 0
     if main:
         save_config(config, run_dir / "config.yaml")
-    task = PretrainTask(config, model, dataset)
     result = engine.fit(task, t, run_dir, device, total=t.max_steps, identity=identity)
     backbone_dir = run_dir / "backbone"
     if main:  # every process holds the same weights
