@@ -84,6 +84,7 @@ from densepass.pipelines.reranking import (
 from densepass.pipelines.training import (
     add_mix,
     batch_planner,
+    check_crop,
     check_mix,
     check_principal_axes,
     data_fingerprints,
@@ -235,12 +236,12 @@ def check(config: ExperimentConfig) -> torch.device:
         if neg.refresh_every is not None and (neg.source == "none" or neg.per_query == 0):
             raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
         check_draws(neg)
-        crop = config.train.passage_max_length
-        if crop is not None and crop > config.model.passage_max_length:
-            raise ConfigError(
-                f"train.passage_max_length={crop} is longer than model.passage_max_length="
-                f"{config.model.passage_max_length}: training crops passages, it cannot read more than the model"
-            )
+        check_crop(
+            config.train.passage_max_length,
+            config.model.passage_max_length,
+            "train.passage_max_length",
+            "model.passage_max_length",
+        )
         if config.validation.enabled:
             refuse_answer_metrics([config.validation.metric], "validation")
         if config.validation.select and not config.validation.enabled:

@@ -173,6 +173,16 @@ def mixed_counts(mix: list[MixConfig], batch_size: int) -> list[int]:
     return [max(1, round(entry.fraction * batch_size)) for entry in mix]
 
 
+def check_crop(crop: int | None, longest: int | None, key: str, limit: str) -> None:
+    """A one-line error where training would crop passages (``key``: ``crop`` tokens) longer than the model reads
+    them (``limit``: ``longest``); None: nothing to compare."""
+    if crop is not None and longest is not None and crop > longest:
+        raise ConfigError(
+            f"{key}={crop} is longer than {limit}={longest}: training crops passages, it cannot read more than the "
+            "model"
+        )
+
+
 def check_mix(mix: list[MixConfig], args: TrainConfig, schedule: ScheduleConfig, distils: bool) -> None:
     """``data.mix``'s one-line errors before any work: the main data keeps at least one query of every batch, the
     batch order is one that plans the main queries alone (ABS and clustered batches group queries by similarity:
@@ -345,11 +355,7 @@ def train(
             f"args.matryoshka_dims {args.matryoshka_dims} and the loss's {list(trained_dims(loss))}: give them once"
         )
     longest = getattr(getattr(model, "config", None), "passage_max_length", None)
-    if args.passage_max_length is not None and longest is not None and args.passage_max_length > longest:
-        raise ConfigError(
-            f"args.passage_max_length={args.passage_max_length} is longer than the model's passage_max_length="
-            f"{longest}: training crops passages, it cannot read more than the model"
-        )
+    check_crop(args.passage_max_length, longest, "args.passage_max_length", "the model's passage_max_length")
     if args.freeze_layers is not None:  # the layers the model has, and lora_targets it has: before any mining
         check_freeze(model, args.freeze_layers)
     if args.lora_rank:
