@@ -695,6 +695,23 @@ def test_a_built_library_is_loaded_from_the_cache_without_compiling_again(tiny):
     assert sorted(p.name for p in tiny.cache.iterdir()) == [tiny.manifest.name, tiny.target.name]
 
 
+def test_under_umask_002_the_library_is_built_into_private_folders_and_loaded(tiny, tmp_path, monkeypatch):
+    """umask 002 (many distributions' default for users): the manifest came out group-writable, so the library
+    the build had just made was refused as damaged, every time; and the default cache's missing parents came out
+    0775, so the cache itself was refused. Every folder made, and the manifest, are this user's alone."""
+    cache = tmp_path / "home" / ".cache" / "densepass"
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(cache))
+    old = os.umask(0o002)
+    try:
+        library = cpu_kernels._loaded(tiny.compiler)
+    finally:
+        os.umask(old)
+    assert library.densepass_tiny() == 7 and tiny.builds() == 1
+    made = [tmp_path / "home", tmp_path / "home" / ".cache", cache]
+    assert [stat.S_IMODE(p.stat().st_mode) for p in made] == [0o700] * 3
+    assert [stat.S_IMODE(p.stat().st_mode) for p in cache.glob("*.json")] == [0o600]
+
+
 def test_a_library_planted_under_the_cache_name_is_built_over_not_loaded(tiny):
     """This user's file under the library's name without a manifest (or with one of another library): built
     again."""

@@ -754,6 +754,7 @@ def _built(compiler: str, cache: Path | None = None, inputs: dict | None = None)
                 os.close(fd)
             manifest = {"library": target.name, "size": size, "sha256": digest, "compiler": compiler, **inputs}
             atomic_write_text(_manifest_path(target), json.dumps(manifest, indent=1) + "\n")
+            os.chmod(_manifest_path(target), 0o600)  # its mode came from the umask (group-writable under 002)
             os.replace(partial, target)
         finally:
             Path(partial).unlink(missing_ok=True)
@@ -859,9 +860,10 @@ def _private_directory(path: Path, create: bool = False) -> Path:
     (mode 0700). ``_Refused`` (naming the problem) otherwise; an existing directory's mode is not changed."""
     if create and not os.path.lexists(path):
         try:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path, 0o700)
+            for folder in [*reversed(Path(path).parents), Path(path)]:  # each one made 0700, whatever the umask
+                if not os.path.lexists(folder):
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(folder, 0o700)
         except OSError as error:
             raise _Refused(f"{path} cannot be made ({error.strerror})") from error
     real, uid = Path(os.path.realpath(path)), os.getuid()
