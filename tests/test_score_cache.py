@@ -76,23 +76,28 @@ def test_another_precision_or_other_weights_score_into_another_entry(model, tmp_
     assert len(list((tmp_path / CACHE_FOLDER).iterdir())) == 3
 
 
-@pytest.mark.parametrize("change", ["config", "truncation side"])
+@pytest.mark.parametrize("change", ["config", "truncation side", "max_length"])
 def test_a_setting_that_changes_scores_without_changing_weights_is_another_entry(model, tmp_path, change):
     """The key follows what the forward pass reads besides the weights: the model's configuration (here its
     layer-norm epsilon) and the tokenizer's truncation side."""
     passages = [p + " extra words" * 20 for p in PASSAGES]  # past max_length 32: truncation matters
+    reused = CachedPairScores(model, tmp_path / "reused")  # one cache object kept across the change
     before = CachedPairScores(model, tmp_path).score_pairs(QUERIES, passages)
+    np.testing.assert_array_equal(reused.score_pairs(QUERIES, passages), before)
     if change == "config":
         model.model.config.layer_norm_eps = 0.5
         for module in model.model.modules():
             if isinstance(module, torch.nn.LayerNorm):
                 module.eps = 0.5
+    elif change == "max_length":
+        model.max_length = 16
     else:
         model.tokenizer.truncation_side = "left"
     counted = Counting(model)
     after = CachedPairScores(counted, tmp_path).score_pairs(QUERIES, passages)
     assert counted.asked == [3] and not np.allclose(before, after)
     np.testing.assert_allclose(after, model.score_pairs(QUERIES, passages), rtol=1e-5)
+    np.testing.assert_allclose(reused.score_pairs(QUERIES, passages), after, rtol=1e-5)  # not its first entry's
 
 
 def test_int8_scores_and_empty_calls_are_not_kept_and_an_empty_folder_is_refused(model, tmp_path):

@@ -123,7 +123,17 @@ class CachedPairScores:
         """The entry's database for the model as it is now (made when new), or None when the cache is off (warned)."""
         if self._off:
             return None
-        current = (weights_key(self.model.model), precision)
+        tokenizer = self.model.tokenizer  # besides the weights, what a score depends on that may change in place
+        current = (
+            weights_key(self.model.model),
+            precision,
+            self.model.max_length,
+            self.model.device.type,
+            id(tokenizer),
+            getattr(tokenizer, "truncation_side", None),
+            getattr(tokenizer, "padding_side", None),
+            fingerprint_json(self.model.model.config.to_dict()),
+        )
         if current in self._entries:
             return self._entries[current]
         identity = scorer_identity(self.model, precision)
