@@ -636,3 +636,28 @@ def test_a_colbert_reranker_scores_in_the_precision_asked_for(colbert, tiny_beir
     assert main(["rerank", str(tiny_beir), missing_run, "--model", str(tmp_path / "colbert"), "--output", out,
                  "--precision", "int8", "--device", "cpu"]) == 2  # fmt: skip
     assert capsys.readouterr().err.strip().splitlines()[-1] == refused
+
+
+def test_one_string_or_a_text_that_is_no_string_is_one_line_for_every_model_kind(splade, colbert, tiny_model_dir):
+    """SPLADE, ColBERT's passages and the cross-encoders encoded one string a character a row (12 rows for "audio
+    editor"); ``None`` among the texts was a TypeError deep in the encoding; ``device="cpu"`` an AttributeError."""
+    from densepass.models.cross_encoder import CrossEncoder
+
+    cross = CrossEncoder.new(str(tiny_model_dir), max_length=32, device=CPU, precision="fp32")
+    bi = BiEncoder.from_pretrained(str(tiny_model_dir))
+    for call, message in [
+        (lambda: splade.encode_queries("audio editor"), "^encode_queries takes a list of texts, not one string$"),
+        (lambda: splade.encode_passages("audio editor"), "^encode_passages takes a list of texts"),
+        (lambda: colbert.encode_passages("audio editor"), "^encode_passages takes a list of texts"),
+        (lambda: cross.score_pairs("audio", "music"), r"^score_pairs \(queries\) takes a list of texts"),
+        (lambda: ColbertReranker(colbert).score_pairs(["a"], "b"), r"^score_pairs \(passages\) takes a list"),
+        (lambda: bi.encode_queries(["audio", None]), "^encode_queries: text 1 is NoneType, not a string$"),
+        (lambda: splade.encode_passages(["audio", 3]), "^encode_passages: text 1 is int, not a string$"),
+        (lambda: cross.score_pairs(["audio"], [None]), r"^score_pairs \(passages\): text 0 is NoneType"),
+        (lambda: bi.encode_queries(["audio"], device="gpu"), "^device 'gpu' is not a torch device"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            call()
+    assert bi.encode_queries(["audio"], device="cpu", show_progress=False).shape == (1, bi.dim)
+    assert splade.encode_queries(["audio"], device="cpu").shape[0] == 1
+    assert colbert.encode_queries(["audio"], device="cpu").shape[0] == 1

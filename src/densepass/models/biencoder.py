@@ -41,7 +41,7 @@ from densepass.io import (
 )
 from densepass.models.encode import encode_texts
 from densepass.models.hub import fetch_model
-from densepass.models.inputs import Side, SidedInputs
+from densepass.models.inputs import Side, SidedInputs, text_list
 from densepass.models.kinds import (
     CONFIG_FILES,
     check_config_and_weights,
@@ -283,11 +283,9 @@ class BiEncoder(SidedInputs, nn.Module):
         return self._encode(passages, "passage", batch_size, show_progress, convert_to, device, precision)
 
     def _encode(self, texts, side: Side, batch_size: int, show_progress: bool, convert_to: str, device, precision: str):
-        if isinstance(texts, str):
-            raise ConfigError(f"encode_{side}s takes a list of texts, not one string")
+        texts = text_list(texts, "encode_queries" if side == "query" else "encode_passages")
         if convert_to not in ("numpy", "torch"):
             raise ConfigError(f"convert_to must be 'numpy' or 'torch', got {convert_to!r}")
-        texts = list(texts)
         check_texts(texts, f"{side} text")  # a lone surrogate: one line, not the tokenizer's TypeError
         was_training = self.training
         out = encode_texts(self, texts, side, batch_size, device, precision=precision, show_progress=show_progress)

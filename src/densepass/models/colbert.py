@@ -35,12 +35,19 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 from densepass.config import option
 from densepass.data.dataset import Corpus
 from densepass.data.texts import check_texts
-from densepass.device import attention_kernels, default_device
+from densepass.device import attention_kernels, resolve_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.copies import encoder_in_precision, float_precision
-from densepass.models.inputs import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens, tokenize
+from densepass.models.inputs import (
+    SidedInputs,
+    forward_in_pieces,
+    length_sorted_batches,
+    piece_tokens,
+    text_list,
+    tokenize,
+)
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 from densepass.models.packing import packed_forward
 from densepass.numerics import refuse_nonfinite_weights
@@ -187,7 +194,7 @@ class ColBERT(SidedInputs, nn.Module):
         ``precision``: fp32, bf16 (a bfloat16 copy of the encoder, with fused layers on the CPU:
         ``models.copies``; the projection and normalisation stay float32) or auto (bf16 where it is fast)."""
         check_texts(texts, f"{side} text")
-        device = device or default_device()
+        device = device if isinstance(device, torch.device) else resolve_device(device)
         precision = float_precision(precision, device, "colbert")
         was_training = self.training
         self.to(device).eval()
@@ -217,16 +224,14 @@ class ColBERT(SidedInputs, nn.Module):
 
     def encode_queries(self, texts: Sequence[str], batch_size: int = 64, **options) -> np.ndarray:
         """Query token vectors [n, query_max_length, dim]."""
-        if isinstance(texts, str):
-            raise ConfigError("encode_queries takes a list of texts, not one string")
-        vectors = self.encode(list(texts), "query", batch_size, **options)
+        vectors = self.encode(text_list(texts, "encode_queries"), "query", batch_size, **options)
         return np.stack(vectors) if vectors else np.zeros((0, self.config.query_max_length, self.dim), np.float32)
 
     def encode_passages(self, passages: Sequence[str] | Corpus, batch_size: int = 64, **options) -> list[np.ndarray]:
         """Per passage (strings, or a ``Corpus`` as ``title [SEP] text``), its token vectors [n_i, dim]."""
         if isinstance(passages, Corpus):
             passages = passages.passage_inputs(self.tokenizer.sep_token or " ")
-        return self.encode(list(passages), "passage", batch_size, **options)
+        return self.encode(text_list(passages, "encode_passages"), "passage", batch_size, **options)
 
     # ---- construction and persistence -------------------------------------------------------------------
 
@@ -292,6 +297,7 @@ class ColbertReranker:
 
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:
         """MaxSim of each pair ``(queries[i], passages[i])`` (each distinct text encoded once)."""
+        queries, passages = text_list(queries, "score_pairs (queries)"), text_list(passages, "score_pairs (passages)")
         if len(queries) != len(passages):
             raise ConfigError(f"{len(queries)} queries for {len(passages)} passages")
         unique_q, unique_p = list(dict.fromkeys(queries)), list(dict.fromkeys(passages))

@@ -53,7 +53,7 @@ from densepass.errors import ConfigError
 from densepass.io import atomic_directory
 from densepass.models.copies import bf16_copy, fusable_base, int8_copy, reused_copy
 from densepass.models.fused import int8_runs
-from densepass.models.inputs import check_position_limit, forward_in_pieces, piece_tokens, position_limit
+from densepass.models.inputs import check_position_limit, forward_in_pieces, piece_tokens, position_limit, text_list
 from densepass.models.kinds import loading_weights, quiet_loading
 from densepass.models.packing import packable, packed_forward
 from densepass.models.quantize import quantized_linear_copy
@@ -367,6 +367,7 @@ class CrossEncoder:
         length, longest first, padded only to their own longest pair (on the CPU, a batch runs in pieces of
         ``CPU_PIECE_TOKENS``: ``models.inputs.forward_in_pieces``); in fp32 and bf16 the last layer runs on
         the first position only where the architecture allows (``first_position_logits``)."""
+        queries, passages = text_list(queries, "score_pairs (queries)"), text_list(passages, "score_pairs (passages)")
         if len(queries) != len(passages):
             raise ConfigError(f"{len(queries)} queries but {len(passages)} passages")
         precision = self.precision if precision is None else resolve_precision(precision, self.device)

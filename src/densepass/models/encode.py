@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from densepass.data.texts import tokenizing
-from densepass.device import attention_kernels, default_device, resolve_precision
+from densepass.device import attention_kernels, resolve_device, resolve_precision
 from densepass.errors import ConfigError, DensepassError
 from densepass.models.copies import bf16_copy, int8_copy, reused_copy
 from densepass.models.fused import int8_runs
@@ -194,7 +194,7 @@ def encode_texts(
     ``precision``: auto, fp32, bf16 or int8 (module docstring; ``auto``: bf16 where the device has it natively).
     ``max_tokens`` (optional) caps padded tokens per batch, so batches of short texts are larger.
     """
-    device = device or default_device()
+    device = device if isinstance(device, torch.device) else resolve_device(device)  # "cpu" too
     precision = resolve_precision(precision, device)
     if len(texts) == 0:
         raise DensepassError(f"nothing to encode: the list of {side} texts is empty")

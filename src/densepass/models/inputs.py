@@ -207,6 +207,18 @@ def forward_in_pieces(
     return torch.cat(outputs)[inverse]
 
 
+def text_list(texts: Sequence[str], what: str) -> list[str]:
+    """``texts`` as a list of strings; one string (it would be encoded a character a row) or an item that is not a
+    string is a one-line ``ConfigError`` naming ``what`` (the call) and the item's place."""
+    if isinstance(texts, str):
+        raise ConfigError(f"{what} takes a list of texts, not one string")
+    texts = list(texts)
+    bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
+    if bad is not None:
+        raise ConfigError(f"{what}: text {bad} is {type(texts[bad]).__name__}, not a string")
+    return texts
+
+
 def length_sorted_batches(texts: Sequence[str], batch_size: int) -> Iterator[np.ndarray]:
     """Row indices of ``texts`` in batches of ``batch_size``, longest texts first."""
     if isinstance(texts, str):

@@ -41,12 +41,12 @@ from transformers.utils import logging as hf_logging
 from densepass.config import option
 from densepass.data.dataset import Corpus
 from densepass.data.texts import check_texts
-from densepass.device import attention_kernels, default_device
+from densepass.device import attention_kernels, resolve_device
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.copies import encoder_in_precision, float_precision
-from densepass.models.inputs import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens
+from densepass.models.inputs import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens, text_list
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 from densepass.models.packing import packed_forward
 from densepass.numerics import refuse_nonfinite_weights
@@ -161,7 +161,7 @@ class SpladeEncoder(SidedInputs, nn.Module):
         if top_terms is not None and top_terms < 1:
             raise ConfigError(f"top_terms must be >= 1, got {top_terms}")
         check_texts(texts, f"{side} text")
-        device = device or default_device()
+        device = device if isinstance(device, torch.device) else resolve_device(device)
         precision = float_precision(precision, device, "splade")
         was_training = self.training
         self.to(device).eval()
@@ -195,13 +195,13 @@ class SpladeEncoder(SidedInputs, nn.Module):
 
     def encode_queries(self, texts: Sequence[str], batch_size: int = 64, **options) -> sp.csr_matrix:
         """Sparse query term weights (see ``encode``)."""
-        return self.encode(list(texts), "query", batch_size, **options)
+        return self.encode(text_list(texts, "encode_queries"), "query", batch_size, **options)
 
     def encode_passages(self, passages: Sequence[str] | Corpus, batch_size: int = 64, **options) -> sp.csr_matrix:
         """Sparse passage term weights of strings, or of a ``Corpus`` as ``title [SEP] text``."""
         if isinstance(passages, Corpus):
             passages = passages.passage_inputs(self.tokenizer.sep_token or " ")
-        return self.encode(list(passages), "passage", batch_size, **options)
+        return self.encode(text_list(passages, "encode_passages"), "passage", batch_size, **options)
 
     def vocabulary(self) -> list[str]:
         """The token of every column of the term weights."""
