@@ -181,7 +181,8 @@ def test_what_is_fetched_is_configs_tokenizers_and_safetensors_only():
 
 
 def test_a_path_that_is_not_there_is_not_taken_for_a_hub_id(cache):
-    for name in ("./missing-model", "/no/such/model", "a/b/c"):
+    # the last three pass a simple pattern but not the Hub's rules (an HFValidationError traceback before)
+    for name in ("./missing-model", "/no/such/model", "a/b/c", "org/run--final", "org/name.git", "org/" + "a" * 100):
         with pytest.raises(ConfigError, match="neither a local model directory nor a Hugging Face hub id"):
             resolve_model_path(name)
 

@@ -28,8 +28,15 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 def hub_id(name: str) -> tuple[str, str | None] | None:
     """(repo id, revision) when ``name`` is written as a hub id (``org/name`` or ``name``, ``@revision``
     optional), else None (a path)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
     repo, _, revision = name.partition("@")
     if not _HUB_ID.match(repo) or repo.endswith((".", "-")) or ".." in repo:
+        return None
+    try:
+        validate_repo_id(repo)  # the Hub's own rules ("--", ".git", 96 characters at most)
+    except HFValidationError:
         return None
     return repo, revision or None
 
