@@ -252,6 +252,19 @@ def test_restricted_candidates():
     assert mean_hardness(sim, restricted) > mean_hardness(sim, random_batches(60, 6, 3, 0))
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_restricted_candidates_leave_a_batch_of_one_as_it_is(seed):
+    """A seed batch of one member (everything left conflicts with it, or batches of one): the restricted scheduler
+    had no neighbours to draw from and raised an IndexError from argmax; it emits the batch, as the exact one does."""
+    rng = np.random.default_rng(0)
+    q, p = rng.normal(size=(8, 4)), rng.normal(size=(8, 4))
+    sim = BilinearSimilarity(q, p, dtype=torch.float64)
+    conflicts = build_conflicts([7, 7, 7, 7, 7, 1, 2, 3], [set() for _ in range(8)])  # 0-4 share a positive
+    restricted = schedule_batches(sim, 2, conflicts=conflicts, seed=seed, neighbours=neighbour_lists(sim, 3))
+    assert covers_once(restricted, 8) and all(len(set(b) & {0, 1, 2, 3, 4}) <= 1 for b in restricted)
+    assert covers_once(schedule_batches(sim, 1, seed=seed, neighbours=neighbour_lists(sim, 3)), 8)
+
+
 def test_bm25_similarity_is_bilinear_and_exact():
     import bm25s
 

@@ -92,6 +92,8 @@ def iter_batches(
         (``gains_over_u``: the gains over U, when already computed)."""
         if neighbour_t is not None:
             candidates = torch.unique(neighbour_t[[m for m in members if m != removed]].flatten())
+            if not len(candidates):  # a batch of one: no member left whose neighbours could join
+                return None
             gains = sim.cross(reduced, candidates)
         else:
             candidates = active.ids
