@@ -309,6 +309,9 @@ def test_bad_configurations():
         (ScheduleConfig(method="random", concurrent_batches=4), "the baselines"),
         (ScheduleConfig(method="abs-beam", beam_width=1), "beam_width must be >= 2"),
         (ScheduleConfig(method="abs-greedy", concurrent_batches=4, restrict_top_k=100), "restrict_top_k"),
+        # the default similarity (BM25 in epoch 1) refused the restriction only when epoch 1 was planned
+        (ScheduleConfig(method="abs-greedy", restrict_top_k=10), "restrict_top_k .* needs schedule.similarity: enc"),
+        (ScheduleConfig(method="abs-beam", similarity="bm25", restrict_top_k=10), "needs schedule.similarity"),
     ]:
         with pytest.raises(ConfigError, match=match):
             check_schedule(bad)

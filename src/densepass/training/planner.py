@@ -116,6 +116,11 @@ def check_schedule(config: ScheduleConfig) -> None:
             "schedule.concurrent_batches > 1 is for abs-greedy over the whole pool "
             "(not abs-beam, the baselines or restrict_top_k)"
         )
+    if config.restrict_top_k is not None and config.method.startswith("abs") and config.similarity != "encoder":
+        raise ConfigError(
+            f"schedule.restrict_top_k restricts candidates by dense similarities: it needs schedule.similarity: "
+            f"encoder (with {config.similarity}, BM25's epoch 1 would refuse it)"
+        )
 
 
 def full_batches(batches: Iterator[list[int]], size: int) -> Iterator[list[int]]:
