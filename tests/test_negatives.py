@@ -187,6 +187,31 @@ def test_a_dense_miner_is_reused_only_for_the_same_settings(tiny_beir, tiny_mode
     assert len(trained[2]) == 2
 
 
+def test_a_dense_miner_is_trained_again_when_the_passages_or_judgements_change(tiny_beir, tiny_model_dir, tmp_path):
+    """The miner's key named the positives by id only: rewriting every passage (or another split's judgements,
+    which set the training masks) reused the miner trained on the old ones (``densepass mine`` keeps miners)."""
+    import json
+
+    from densepass.training.dense_miners import prepare_miners
+
+    def miners() -> list[str]:
+        dataset = load_dataset(str(tiny_beir))
+        ctx = tiny_context(tmp_path, tiny_model_dir)
+        prepare_miners(dataset, sorted(dataset.positives("train")), NegativesConfig(source="dense", dense_dim=8,
+                       miner_steps=2), ctx)  # fmt: skip
+        return sorted(p.name for p in (tmp_path / "miners").glob("miner-8d-*"))
+
+    first = miners()
+    corpus = tiny_beir / "corpus.jsonl"
+    records = [json.loads(line) for line in corpus.read_text().splitlines()]
+    corpus.write_text("".join(json.dumps({**r, "text": "other words " + r["text"]}) + "\n" for r in records))
+    second = miners()
+    assert len(first) == 1 and len(second) == 2
+    (dev,) = tiny_beir.glob("qrels/dev.tsv")
+    dev.write_text(dev.read_text() + "q30\tp3\t1\n")
+    assert len(miners()) == 3
+
+
 def test_dense_mining_without_its_miner_is_a_one_line_error(tiny_beir):
     dataset = load_dataset(str(tiny_beir))
     config = NegativesConfig(source="mixed", mix=["bm25", "dense:25"])

@@ -21,7 +21,7 @@ from densepass import distributed
 from densepass.config import DEFAULT_MODEL, NegativesConfig, TrainConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.errors import ConfigError, DataError, DataWarning
-from densepass.fingerprints import fingerprint_json, fingerprint_weights
+from densepass.fingerprints import fingerprint_corpus, fingerprint_json, fingerprint_tokenizer, fingerprint_weights
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.mine import MiningContext, dense_dim, dense_specs
 from densepass.training.batches import TrainingData
@@ -40,7 +40,8 @@ def train_miner(
     split: str = "train",
 ) -> BiEncoder:
     """A dual encoder with a ``projection_dim`` projection trained on the (query, positive) pairs of
-    ``query_ids``; reused from ``work_dir`` when one with the same content key was trained before."""
+    ``query_ids``; reused from ``work_dir`` when one with the same content key was trained before (the starting
+    weights and tokenizer, the settings, the pairs, the corpus and every split's judgements)."""
     arch = dataclasses.replace(architecture or BiEncoderConfig(), projection_dim=projection_dim)
     torch.manual_seed(train_config.seed)  # the new projection's initial weights
     model = BiEncoder.from_pretrained(base_model, config=arch)
@@ -50,8 +51,15 @@ def train_miner(
             "base_weights": fingerprint_weights(model),
             "architecture": dataclasses.asdict(arch),
             "train": dataclasses.asdict(train_config),
+            "tokenizer": fingerprint_tokenizer(model.tokenizer),
             "split": split,
             "pairs": [[q, dataset.queries[q], positives.get(q, [])] for q in query_ids],
+            # what training reads besides the pairs: the passages (positives' texts, random draws) and every
+            # split's judgements (which passages are masked as relevant)
+            "corpus": fingerprint_corpus(dataset.corpus),
+            "qrels": {
+                name: [[q, list(rels.items())] for q, rels in qrels.items()] for name, qrels in dataset.qrels.items()
+            },
         }
     )[:16]
     run_dir = Path(work_dir) / f"miner-{projection_dim}d-{key}"
