@@ -132,6 +132,12 @@ def test_the_key_changes_with_everything_the_pool_depends_on(tiny_beir, tiny_mod
     index = BM25Index.build(mine_module.bm25_corpus(dataset))  # what mining builds without one
     alike = context(tmp_path, precision="bf16", seed=5, bm25_index=index)
     assert key(negatives=bm25, strategy="bm25") == key(negatives=bm25, strategy="bm25", ctx=alike)
+    # the relative-margin filter's bar is the positive of the split mined for: dev's pool is not train's
+    margin = NegativesConfig(source="bm25", filters=["qrels", "relative-margin"], model=str(tiny_model_dir))
+    assert key(negatives=margin, strategy="bm25") != key(negatives=margin, strategy="bm25", ctx=context(tmp_path,
+               split="dev"))  # fmt: skip
+    assert key(negatives=bm25, strategy="bm25") == key(negatives=bm25, strategy="bm25", ctx=context(tmp_path,
+               split="dev"))  # fmt: skip
 
 
 def test_a_pool_of_the_model_being_trained_is_never_kept(tiny_beir, tiny_model_dir, tmp_path):

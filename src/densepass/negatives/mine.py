@@ -257,7 +257,12 @@ def mining_inputs(dataset: RetrievalDataset, config: NegativesConfig, ctx: Minin
             scored, teacher = cross_scoring, config.cross_encoder
         else:
             scored, teacher = encoding, config.model or ctx.base_model
-        inputs["relative-margin teacher"] = {"model": model_files(teacher) if teacher else "", **scored}
+        # its bar is the query's positive in the split mined for
+        inputs["relative-margin teacher"] = {
+            "model": model_files(teacher) if teacher else "",
+            "split": ctx.split,
+            **scored,
+        }
     if "duplicates" in config.filters:
         inputs["duplicates filter"] = {"split": ctx.split}
     return inputs
