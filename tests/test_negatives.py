@@ -515,6 +515,11 @@ def test_mine_cli_writes_a_file_that_training_reads(tiny_beir, tmp_path, capsys)
         assert main(["mine", str(tiny_beir), "--strategy", strategy, "--precision", "bf16", "--output", str(out)]) == 2
         message = f"--precision sets how a model encodes; the {strategy} strategy mines with no model"
         assert capsys.readouterr().err.strip() == f"densepass: error: {message}"
+    # every candidate skipped: a file of empty lists, which densepass refuses to read, is not written
+    empty = tmp_path / "empty.jsonl"
+    skip_all = ["--depth", "2", "--set", "negatives.skip_top=100"]
+    assert main(["mine", str(tiny_beir), *skip_all, "--output", str(empty)]) == 2
+    assert "no negative is left for any of the " in capsys.readouterr().err and not empty.exists()
 
 
 def test_ensemble_of_two_models(tiny_beir, tiny_model_dir, tmp_path):

@@ -28,7 +28,7 @@ from densepass import distributed
 from densepass.config import ExperimentConfig
 from densepass.data import hub_options, load_dataset
 from densepass.device import resolve_device, resolve_precision
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataError
 from densepass.io import check_output_file, every_line
 from densepass.negatives.filters import check_denoising
 from densepass.negatives.mine import (
@@ -106,6 +106,11 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path, precis
     with _miners_dir(work_dir, output) if work_dir is not None else contextlib.nullcontext():
         prepare_miners(dataset, query_ids, config.negatives, ctx)
         result = mine_negatives(dataset, query_ids, config.negatives, ctx)
+        if not any(result.pool.values()):  # a file no run could read (load_pool refuses it): nothing written
+            raise DataError(
+                f"no negative is left for any of the {len(result.pool)} queries (skip_top, depth and filters "
+                f"removed every candidate): nothing written to {output}"
+            )
         if main:
             save_pool(result.pool, output)
     return result
