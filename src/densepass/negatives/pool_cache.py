@@ -44,6 +44,12 @@ MINING_VERSION = 2  # raise it when mining changes what a key's pool is (2: BM25
 DRAW_ONLY = ("per_query", "refresh_every")  # settings of how training draws from a pool, not of the pool
 
 
+def qrels_in_order(dataset: RetrievalDataset) -> dict[str, list]:
+    """Every split's judgements as JSON-ready lists, in their order: a query's positives keep it among equal grades,
+    and the context strategy reads the first."""
+    return {split: [[q, list(rels.items())] for q, rels in qrels.items()] for split, qrels in dataset.qrels.items()}
+
+
 def fingerprint_dataset(dataset: RetrievalDataset) -> str:
     """Digest of what mining reads of a dataset: its corpus, queries, qrels of every split, answers and (training
     rows) given negatives."""
@@ -52,10 +58,7 @@ def fingerprint_dataset(dataset: RetrievalDataset) -> str:
         {
             "corpus": fingerprint_corpus(dataset.corpus),
             "queries": dataset.queries,
-            # in order: a query's positives keep it among equal grades, and the context strategy reads the first
-            "qrels": {
-                split: [[q, list(rels.items())] for q, rels in qrels.items()] for split, qrels in dataset.qrels.items()
-            },
+            "qrels": qrels_in_order(dataset),
             "answers": dataset.answers,
             "given": given if isinstance(given, dict) else None,
         }

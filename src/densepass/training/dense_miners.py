@@ -24,6 +24,7 @@ from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.fingerprints import fingerprint_corpus, fingerprint_json, fingerprint_tokenizer, fingerprint_weights
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig
 from densepass.negatives.mine import MiningContext, dense_dim, dense_specs
+from densepass.negatives.pool_cache import qrels_in_order
 from densepass.training.batches import TrainingData
 from densepass.training.trainer import train
 
@@ -57,9 +58,7 @@ def train_miner(
             # what training reads besides the pairs: the passages (positives' texts, random draws) and every
             # split's judgements (which passages are masked as relevant)
             "corpus": fingerprint_corpus(dataset.corpus),
-            "qrels": {
-                name: [[q, list(rels.items())] for q, rels in qrels.items()] for name, qrels in dataset.qrels.items()
-            },
+            "qrels": qrels_in_order(dataset),
         }
     )[:16]
     run_dir = Path(work_dir) / f"miner-{projection_dim}d-{key}"
