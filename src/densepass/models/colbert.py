@@ -105,7 +105,6 @@ class ColBERT(SidedInputs, nn.Module):
         self.encoder, self.tokenizer, self.config = encoder, tokenizer, config
         self.check_positions(encoder)
         self.linear = linear or nn.Linear(encoder.config.hidden_size, config.dim, bias=False)
-        self.new_projection = linear is None  # random, from torch's generator: saved nowhere yet
         if self.linear.out_features != config.dim:
             raise ConfigError(f"the saved projection has {self.linear.out_features} dimensions, not {config.dim}")
         skip = [tokenizer.convert_tokens_to_ids(c) for c in string.punctuation] if config.skiplist else []
@@ -262,9 +261,10 @@ class ColBERT(SidedInputs, nn.Module):
         return model
 
     def check_projection_saved(self) -> None:
-        """A one-line error where the projection is new (the model started from an encoder without one): it is
-        random, so an index that records where the model is would find another projection there when loaded."""
-        if self.new_projection:
+        """A one-line error where the model's ``source`` holds no projection (it started from an encoder without
+        one, and was not saved since): the projection is random, so an index that records where the model is would
+        find another projection there when loaded."""
+        if self.source is None or not (Path(self.source) / LINEAR_FILE).is_file():
             raise ConfigError(
                 f"{self.source or 'the model'} has no ColBERT projection ({LINEAR_FILE}): a new one is random, so an "
                 "index of it could never be searched again; train a ColBERT from it (model.kind: colbert) or save "
@@ -281,7 +281,7 @@ class ColBERT(SidedInputs, nn.Module):
             self.tokenizer.save_pretrained(tmp)
             save_file({"weight": self.linear.weight.detach().cpu().contiguous()}, str(tmp / LINEAR_FILE))
             atomic_write_text(tmp / CONFIG_FILES["colbert"], json.dumps(asdict(self.config), indent=2))
-        self.source, self.new_projection = str(path), False
+        self.source = str(path)
 
 
 class ColbertReranker:
