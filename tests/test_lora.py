@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import save_tiny_bert
+from conftest import interrupted_at_step, save_tiny_bert
 from densepass.errors import ConfigError
 from densepass.models.biencoder import BiEncoder
 from densepass.training.trainer import train
@@ -59,24 +59,12 @@ def test_lora_leaves_the_layers_freeze_layers_froze_as_they_were(dropout_bert, t
     assert changed and not any(".layer.0." in k for k in changed) and any(".layer.1." in k for k in changed), changed
 
 
-def test_an_interrupted_lora_run_resumes_to_the_same_weights(dropout_bert, tiny_beir, tmp_path, monkeypatch):
-    import densepass.training.trainer as trainer_module
-
+def test_an_interrupted_lora_run_resumes_to_the_same_weights(dropout_bert, tiny_beir, tmp_path):
     config = _fp32_config(lora_rank=4, learning_rate=1e-2)
     straight = BiEncoder.from_pretrained(str(dropout_bert))
     train(straight, make_data(tiny_beir), config, tmp_path / "a", CPU)
-    real, calls = trainer_module.forward_backward, []
-
-    def crashing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(trainer_module, "forward_backward", crashing)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at_step(5):
         train(BiEncoder.from_pretrained(str(dropout_bert)), make_data(tiny_beir), config, tmp_path / "b", CPU)
-    monkeypatch.setattr(trainer_module, "forward_backward", real)
     resumed = BiEncoder.from_pretrained(str(dropout_bert))
     train(resumed, make_data(tiny_beir), config, tmp_path / "b", CPU)
     a, b = _weights(straight), _weights(resumed)
@@ -131,27 +119,13 @@ def test_an_interrupted_lora_run_leaves_the_callers_model_plain_and_it_resumes(d
     """Training stopped mid-way (Ctrl-C in a notebook): the model object it was given is as it was, without
     adapters (a second call put its adapters on top of the first's, which no checkpoint matched), and training that
     same object again resumes to the weights of an uninterrupted run."""
-    import densepass.training.trainer as trainer_module
-
     config = _fp32_config(lora_rank=4, learning_rate=1e-2)
     straight = BiEncoder.from_pretrained(str(dropout_bert))
     train(straight, make_data(tiny_beir), config, tmp_path / "a", CPU)
-    real, calls = trainer_module.forward_backward, []
-
-    def crashing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
     model = BiEncoder.from_pretrained(str(dropout_bert))
     start = _weights(model)
-    trainer_module.forward_backward = crashing
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train(model, make_data(tiny_beir), config, tmp_path / "b", CPU)
-    finally:
-        trainer_module.forward_backward = real
+    with interrupted_at_step(5):
+        train(model, make_data(tiny_beir), config, tmp_path / "b", CPU)
     assert not any(type(m).__module__.startswith("peft") or hasattr(m, "peft_config") for m in model.modules())
     assert all(p.requires_grad for p in model.parameters())
     assert _weights(model).keys() == start.keys() and all(torch.equal(_weights(model)[k], start[k]) for k in start)
