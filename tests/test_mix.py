@@ -69,6 +69,20 @@ def test_each_batch_ends_with_its_share_of_mixed_pairs_each_drawn_once_per_pass(
             assert key in batch.relevant_keys[j] or key in batch.passage_keys[:col].tolist()
 
 
+def test_a_mixed_querys_negatives_are_never_its_own_positive(tiny_beir, squad):
+    """Mixed queries draw their negatives among the mixed positives: never one relevant to the query by content (a
+    cross-encoder, masking nothing, would learn its positive as a negative; with 4 mixed pairs a draw hit it 1 in 4)."""
+    data, _ = _data(tiny_beir, squad, per_query=2, per_batch=2)
+    source = data.mix[0]
+    for step in range(40):
+        batch = data.collate([0, 1], seed=(3, 0, step), step=step)
+        n = len(batch.query_texts)
+        negatives = batch.passage_keys[n:].tolist()
+        for j, i in enumerate(source.members(step), start=2):
+            own = negatives[2 * j : 2 * j + 2]
+            assert not set(own) & source.relevant_keys[i]
+
+
 def test_the_batch_splits_over_processes_with_the_mixed_pairs(tiny_beir, squad):
     data, _ = _data(tiny_beir, squad, per_batch=2)
     whole = data.collate([0, 1, 2, 3], seed=(1, 0, 0), step=0)

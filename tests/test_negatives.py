@@ -840,3 +840,11 @@ def test_an_empty_pools_random_negatives_leave_out_the_querys_relevant_passages(
     rng = np.random.default_rng(0)
     drawn = [r for _ in range(300) for r in draw_negatives(np.array([], dtype=np.int64), 3, rng, 10, keys, {103, 107})]
     assert len(drawn) == 900 and not {3, 7} & set(drawn) and set(drawn) == set(range(10)) - {3, 7}
+
+
+def test_an_empty_pools_random_negatives_are_distinct_passages():
+    """The fallback draws ``h`` distinct passages when the corpus has that many (it drew 4h with replacement, then
+    h of those, so one row could come twice in a query's negatives)."""
+    for seed in range(300):
+        drawn = draw_negatives(np.array([], dtype=np.int64), 4, np.random.default_rng(seed), 6)
+        assert len(drawn) == 4 and len(set(drawn)) == 4

@@ -38,14 +38,15 @@ def draw_negatives(
 ) -> list[int]:
     """``h`` rows drawn uniformly from ``pool`` (distinct when the pool has >= h rows; a shorter pool repeats some,
     which ``TrainingData`` warns about and reports: ``PoolSizes``), the paper's "randomly select negatives from the
-    pool for each question" (negative-contrast §4.3); an empty pool falls back to random passages
-    (training-inference-gap §4.3.2, footnote 6), those whose content key (``keys``) is ``relevant`` to the query
-    left out: a cross-encoder, which masks nothing, would learn its own positive as a negative."""
+    pool for each question" (negative-contrast §4.3); an empty pool falls back to distinct random passages
+    (training-inference-gap §4.3.2, footnote 6). Rows whose content key (``keys``) is ``relevant`` to the query are
+    left out of either: a cross-encoder, which masks nothing, would learn its own positive as a negative."""
+    pool = np.asarray(pool, dtype=np.int64)
     if len(pool) == 0:
-        pool = rng.integers(0, n_passages, size=4 * h)
-        if relevant and keys is not None:
-            kept = np.array([r for r in pool.tolist() if int(keys[r]) not in relevant], dtype=pool.dtype)
-            pool = kept if len(kept) else pool  # (a corpus of nothing but the query's relevant passages)
+        pool = rng.choice(n_passages, size=min(4 * h, n_passages), replace=False)
+    if relevant and keys is not None:
+        kept = pool[~np.isin(keys[pool], list(relevant))]
+        pool = kept if len(kept) else pool  # (a corpus of nothing but the query's relevant passages)
     return [int(r) for r in rng.choice(pool, size=h, replace=len(pool) < h)]
 
 
@@ -334,8 +335,12 @@ class TrainingData:
                 neg_rows.extend(
                     draw_negatives(pools[i], h, rng, len(self.passage_inputs), self.keys, self.relevant_keys[i])
                 )
-            for source, _ in mixed:  # random passages among the mixed positives (none mined for these queries)
-                neg_rows.extend(draw_negatives(source.positive_rows, h, rng, len(self.passage_inputs)))
+            for source, i in mixed:  # random passages among the mixed positives (none mined for these queries)
+                neg_rows.extend(
+                    draw_negatives(
+                        source.positive_rows, h, rng, len(self.passage_inputs), self.keys, source.relevant_keys[i]
+                    )
+                )
         all_rows = pos_rows + neg_rows
         keys = [int(self.keys[r]) for r in all_rows]
         mask = false_negative_mask(
