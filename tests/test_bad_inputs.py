@@ -311,7 +311,7 @@ def test_a_dpr_passage_id_repeated_with_the_same_text_is_fine(tmp_path):
 def test_a_header_line_in_collection_tsv_is_skipped_with_a_warning(tmp_path, header):
     root = write_msmarco(tmp_path / "marco")
     write(root / "collection.tsv", f"{header}\n0\tfirst passage\n1\tsecond\n2\tthird\n")
-    with pytest.warns(DataWarning, match=rf"collection\.tsv:1: skipped a header line '{header.split()[0]}"):
+    with pytest.warns(DataWarning, match=r"collection\.tsv: 1 header lines skipped \(first: line 1\)"):
         ds = load_msmarco(root)
     assert ds.corpus.ids == ["0", "1", "2"]
 
@@ -918,7 +918,8 @@ def test_a_beir_corpus_whose_passages_are_all_empty_is_one_data_error(tmp_path, 
     ):
         load_beir(root, passages_on_disk=on_disk)
     write(root / "corpus.jsonl", jsonl([*empty[:2], {"_id": "p3", "title": "a title alone", "text": ""}]))
-    assert len(no_data_warnings(lambda: load_beir(root, passages_on_disk=on_disk)).corpus) == 3  # one passage reads
+    with pytest.warns(DataWarning, match=r"2 passages with an empty title and text, kept"):
+        assert len(load_beir(root, passages_on_disk=on_disk).corpus) == 3  # one passage reads
 
 
 def test_an_msmarco_collection_of_empty_passages_is_one_data_error(tmp_path):

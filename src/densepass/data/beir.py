@@ -23,8 +23,9 @@ from typing import BinaryIO
 import numpy as np
 
 from densepass.data.dataset import Corpus, LazyTexts, Qrels, RetrievalDataset, passage_input
-from densepass.data.files import Tally, open_text, reading, records_files
+from densepass.data.files import Tally, is_gzip_name, open_text, reading, records_files
 from densepass.data.reader_helpers import (
+    EMPTY_PASSAGES,
     HEADER_KEYS,
     WHITESPACE,
     CorpusBuilder,
@@ -54,13 +55,22 @@ def find_file(directory: Path, stem: str) -> Path:
     raise DataError(f"missing file: {directory / stem} (or .gz)")
 
 
+FIELDS = ('"_id"', '"title"', '"text"', '"doc_id"', '"answers"', '"metadata"')
+"""The JSON-lines fields readers take, quoted as keys are: one given twice in an object is an error, not the last
+value kept in silence."""
+
+
 def _record(line: str | bytes, path: Path, line_no: int, unique_keys: bool = False) -> dict | None:
     """The JSON object on one line of a JSON-lines file; None for a blank line. Bytes are decoded as strict UTF-8
     first (a UnicodeDecodeError, which ``files.reading`` names by line): ``json.loads`` would let the bytes of a lone
     surrogate through. ``unique_keys``: an object that gives a key twice is a DataError (``json`` keeps the last
-    value in silence), at the cost of a Python call per object."""
+    value in silence), at the cost of a Python call per object; without it, a line naming one of the fields a
+    reader takes (:data:`FIELDS`) twice is checked so too (a cheap count first: a text cannot hold ``"text"``
+    unescaped, so only such lines, or a rare text ending in an escaped quote, pay for the check)."""
     if isinstance(line, bytes):
         line = line.decode("utf-8")
+    if not unique_keys and any(line.count(field) > 1 for field in FIELDS):
+        unique_keys = True
     try:
         record = json.loads(line, object_pairs_hook=_unique_keys(path, line_no) if unique_keys else None)
     except json.JSONDecodeError as err:
@@ -135,7 +145,7 @@ def read_corpus(path: Path, on_disk: bool = False) -> Corpus:
     ``title`` a string or null, ``doc_id`` a string, integer or null (then the passage is its own document).
     A repeated ``_id`` is an error. ``on_disk``: titles and texts stay in the file and are read on demand
     (:class:`PassageFile`; an uncompressed file only, a gzipped one is loaded whole)."""
-    if on_disk and path.suffix != ".gz":
+    if on_disk and not is_gzip_name(path):
         return PassageFile.open(path)
     corpus = CorpusBuilder()
     for line_no, pid, title, text, doc_id in iter_passages(path):
@@ -183,16 +193,17 @@ class PassageFile:
         doc_ids: list[str] = []
         spans = array.array("q")
         seen: set[str] = set()
-        words = False  # whether any passage has a title or text that is not empty
+        empty = Tally(path, EMPTY_PASSAGES)
         with reading(path), open(path, "rb") as handle:
             end = 0
             for line_no, line in enumerate(handle, 1):
                 start, end = end, end + len(line)
-                record = _record(line, path, line_no)
+                record = _record(line.removeprefix(BOM) if start == 0 else line, path, line_no)
                 if record is None:
                     continue
                 pid, title, text, doc_id = _checked_passage(record, path, line_no, id_key)
-                words = words or has_words(title, text)
+                if not has_words(title, text):
+                    empty.add(line_no)
                 if pid in seen:
                     raise DataError(f"{path}:{line_no}: duplicate passage id {pid!r}")
                 seen.add(pid)
@@ -201,8 +212,9 @@ class PassageFile:
                 spans.extend((start, end))
         if not ids:
             raise DataError(f"{path}: the corpus is empty")
-        if not words:
+        if empty.count == len(ids):
             raise DataError(all_empty(path, len(ids)))
+        empty.warn()
         del seen
         file = cls(path, ids, np.frombuffer(spans, dtype=np.int64).reshape(-1, 2), id_key)
         return Corpus(ids, LazyTexts(file.titles, len(ids)), LazyTexts(file.texts, len(ids)), doc_ids)
@@ -216,11 +228,12 @@ class PassageFile:
         offset = int(self.spans[start, 0])
         with reading(self.path):
             data = os.pread(self._handle.fileno(), int(self.spans[end - 1, 1]) - offset, offset)
-            lines = [line for line in data.split(b"\n") if line.strip()]
-            if len(lines) != end - start:
-                raise self._changed(start)
             out = []
-            for row, line in zip(range(start, end), lines):
+            for row in range(start, end):  # each row's own line, as loading found it (the lines between: blank)
+                a, b = int(self.spans[row, 0]), int(self.spans[row, 1])
+                line = data[a - offset : b - offset]
+                if a == 0:
+                    line = line.removeprefix(BOM)
                 try:
                     record = json.loads(line)
                 except (ValueError, RecursionError):  # a JSONDecodeError, or json_limit's
@@ -338,6 +351,8 @@ def _is_header(row: list[str]) -> bool:
     return grade in HEADER_GRADES or (not DECIMAL.fullmatch(grade) and named)
 
 
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which Windows editors put first in a file
+
 MAX_GRADE = 2**31 - 1  # the largest relevance grade a qrels file may give (and the lowest, negated)
 
 
@@ -353,7 +368,8 @@ def _csv_rows(reader: Iterator[list[str]], path: Path) -> Iterator[list[str]]:
 def read_qrels_tsv(path: Path) -> Qrels:
     """``query-id<TAB>corpus-id<TAB>score`` (BEIR) or TREC ``qid 0 pid grade`` (tabs or spaces).
 
-    The first row is a header, and skipped, when it names its columns (``_is_header``). Grades are integers in
+    A row that names its columns (``_is_header``) is a header, skipped: the first row, or, counted in a
+    DataWarning, a later one (files concatenated). Grades are integers in
     ASCII digits (``1.0`` is read as 1; ``0.5``, ``1_0`` or an empty grade is an error) within
     +-:data:`MAX_GRADE`. A (query, passage) pair judged
     twice with the same grade is skipped with one counted DataWarning; with different grades it is a DataError
@@ -362,6 +378,7 @@ def read_qrels_tsv(path: Path) -> Qrels:
     a TREC file. A line the csv module refuses (a field over its size limit) is a DataError too."""
     qrels: Qrels = {}
     repeats = Tally(path, "repeated (query, passage) rows with the same grade, ignored")
+    headers = Tally(path, "header rows after the first line (concatenated files?), skipped")
     first_row = True
     with reading(path), open_text(path) as handle:
         reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)  # ids as written: '"q1' is an id
@@ -371,10 +388,12 @@ def read_qrels_tsv(path: Path) -> Qrels:
             line_no = reader.line_num
             if len(row) == 1:
                 row = row[0].split()
-            if first_row:
+            if _is_header(row):
+                if not first_row:
+                    headers.add(line_no)
                 first_row = False
-                if _is_header(row):
-                    continue
+                continue
+            first_row = False
             if len(row) == 4:
                 row = [row[0], row[2], row[3]]
             if len(row) != 3:
@@ -397,6 +416,7 @@ def read_qrels_tsv(path: Path) -> Qrels:
                 continue
             rels[pid] = grade
     repeats.warn()
+    headers.warn()
     return qrels
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from densepass.data.files import Tally
 from densepass.data.texts import is_blank
 from densepass.errors import DataError
-from densepass.fingerprints import fingerprint_file_cached
+from densepass.fingerprints import fingerprint_corpus, fingerprint_file_cached, fingerprint_json, fingerprint_strings
 
 Qrels = dict[str, dict[str, int]]  # query id -> passage id -> relevance grade
 
@@ -157,8 +157,16 @@ class RetrievalDataset:
     def file_fingerprints(self) -> dict[str, str]:
         """{``<dataset name>/<file>``: content digest} of every file the reader read (corpus, queries, qrels, ...):
         a run's identity, so that a run is never resumed on data that changed (each file is hashed once per
-        process while its size and modification time stay the same)."""
+        process while its size and modification time stay the same). A dataset built in Python, read from no file,
+        gives the digest of its content instead (``<dataset name>/content``): its name alone says nothing of it."""
+        if not self.files:
+            return {f"{self.name}/content": self.content_fingerprint()}
         return {f"{self.name}/{name}": fingerprint_file_cached(path) for name, path in self.files.items()}
+
+    def content_fingerprint(self) -> str:
+        """Digest of the passages, queries, judgements and answers (every split), whatever they were read from."""
+        content = {"queries": self.queries, "qrels": self.qrels, "answers": self.answers}
+        return fingerprint_strings([fingerprint_corpus(self.corpus), fingerprint_json(content)])
 
     def split(self, name: str) -> Qrels:
         """Qrels of one split, with a clear error for a missing or empty split."""

@@ -23,15 +23,23 @@ L = TypeVar("L", bound=Callable)
 _RECORDERS: ContextVar[tuple[list[Path], ...]] = ContextVar("densepass_files_read", default=())
 
 
+def is_gzip_name(path: Path) -> bool:
+    """Whether ``path``'s name ends in ``.gz``, in any case (``DATA.JSONL.GZ`` too: names are matched so)."""
+    return path.suffix.lower() == ".gz"
+
+
 def open_text(path: Path) -> io.TextIOBase:
-    """``path`` opened for reading as UTF-8 text, through gzip when its name ends in ``.gz``."""
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+    """``path`` opened for reading as UTF-8 text, through gzip when its name ends in ``.gz``; a byte-order mark at
+    its start (files saved by Windows editors) is not part of its first line."""
+    if is_gzip_name(path):
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
 
 
 def _bad_utf8(path: Path) -> DataError:
     """The error for a file that is not UTF-8, naming the first line that does not decode."""
     try:
-        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as handle:
+        with gzip.open(path, "rb") if is_gzip_name(path) else open(path, "rb") as handle:
             for line_no, raw in enumerate(handle, 1):
                 try:
                     raw.decode("utf-8")

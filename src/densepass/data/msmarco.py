@@ -6,14 +6,13 @@ have no title and each passage is its own document.
 
 Bad input is a one-line :class:`DataError` naming the file and line: a line without a tab, a repeated
 passage id, a query id given two different texts (in one file or across split files), bad UTF-8. A header
-line (``id<TAB>text``, ``pid<TAB>passage``, ``qid<TAB>query``, ...) first in a file is skipped with a
-:class:`DataWarning`, and so are, counted, query ids repeated with the same text within one file (the same
+line (``id<TAB>text``, ``pid<TAB>passage``, ``qid<TAB>query``, ...), first in a file or repeated in it, is skipped
+with a counted :class:`DataWarning`, and so are query ids repeated with the same text within one file (the same
 query in two split files, e.g. ``queries.dev.tsv`` and its subset ``queries.dev.small.tsv``, is normal).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,17 +20,16 @@ from densepass.data.beir import find_file, read_qrels_tsv
 from densepass.data.dataset import Corpus, Qrels, RetrievalDataset
 from densepass.data.files import Tally, read_lines, records_files
 from densepass.data.reader_helpers import HEADER_KEYS, CorpusBuilder, check_id, require_dir, split_files
-from densepass.errors import DataError, DataWarning
+from densepass.errors import DataError
 
 
 def read_id_text_tsv(path: Path) -> Iterator[tuple[int, str, str]]:
-    """``(line number, id, text)`` for each non-blank ``id<TAB>text`` line of ``path``; a header line
-    (first column one of :data:`HEADER_KEYS`) first in the file is skipped with a DataWarning."""
-    first = True
+    """``(line number, id, text)`` for each non-blank ``id<TAB>text`` line of ``path``; header lines (first column
+    one of :data:`HEADER_KEYS`: first in the file, or again where files were concatenated) are skipped with one
+    counted DataWarning."""
+    headers = Tally(path, "header lines skipped")
     for line_no, line in read_lines(path):
         line = line.rstrip("\r\n")
-        if line_no == 1:
-            line = line.removeprefix("\ufeff")  # a byte-order mark (files saved by Windows editors): not the id's
         if not line.strip():
             continue
         key, tab, text = line.partition("\t")
@@ -39,12 +37,11 @@ def read_id_text_tsv(path: Path) -> Iterator[tuple[int, str, str]]:
         if not tab or not key:
             raise DataError(f"{path}:{line_no}: expected 'id<TAB>text', got {line[:60]!r}")
         check_id(key, "id", f"{path}:{line_no}")
-        if first:
-            first = False
-            if key.lower() in HEADER_KEYS:
-                warnings.warn(f"{path}:{line_no}: skipped a header line {line[:60]!r}", DataWarning, stacklevel=2)
-                continue
+        if key.lower() in HEADER_KEYS:
+            headers.add(line_no)
+            continue
         yield line_no, key, text
+    headers.warn()
 
 
 def read_collection(path: Path) -> Corpus:

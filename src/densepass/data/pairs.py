@@ -113,7 +113,8 @@ def load_pairs(
         source = source[split]
     if _is_hf_dataset(source):
         label = name or getattr(source, "info", None) and source.info.dataset_name or "dataset"
-        rows, known = _dataset_rows(source, str(label)), list(source.column_names or [])
+        columns = source.column_names  # None: an IterableDataset without declared features (each row has its own)
+        rows, known = _dataset_rows(source, str(label)), None if columns is None else list(columns)
     else:
         path = Path(source)
         label = name or path.name

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from densepass.data.dataset import Corpus
-from densepass.data.files import read_text
+from densepass.data.files import Tally, read_text
 from densepass.data.texts import lone_escape_line, might_hold_surrogates, surrogate_in
 from densepass.errors import DataError
 
@@ -26,9 +26,10 @@ def require_dir(directory: str | Path) -> Path:
 
 def data_files(directory: Path, suffix: str) -> dict[str, Path]:
     """Files in ``directory`` named ``<stem><suffix>`` or ``<stem><suffix>.gz``, by stem; both of one stem is a
-    one-line DataError (``check_one_of``)."""
+    one-line DataError (``check_one_of``). Hidden files (``._train.tsv``: the resource forks macOS leaves on other
+    file systems) are not data."""
     found: dict[str, Path] = {}
-    for path in sorted(p for p in directory.iterdir() if p.is_file()):
+    for path in sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")):
         for ending in (suffix, f"{suffix}.gz"):
             if path.name.endswith(ending) and len(path.name) > len(ending):
                 stem = path.name[: -len(ending)]
@@ -199,9 +200,18 @@ class CorpusBuilder:
         one whose every passage has an empty (or whitespace) title and text (nothing to index or search)."""
         if not self.ids:
             raise DataError(f"{source}: the corpus is empty")
-        if not any(map(has_words, self.titles, self.texts)):
+        empty = Tally(source, EMPTY_PASSAGES)
+        for pid, title, text in zip(self.ids, self.titles, self.texts):
+            if not has_words(title, text):
+                empty.add(f"passage {pid!r}")
+        if empty.count == len(self.ids):
             raise DataError(all_empty(source, len(self.ids)))
+        empty.warn()
         return Corpus(self.ids, self.titles, self.texts, self.doc_ids)
+
+
+EMPTY_PASSAGES = "passages with an empty title and text, kept (no query can match them)"
+"""What a corpus reader's counted warning says of its passages without a word (a whole corpus of them: an error)."""
 
 
 def has_words(title: str, text: str) -> bool:

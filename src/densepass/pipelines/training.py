@@ -69,8 +69,13 @@ PCA_PASSAGES = 4096
 
 def data_fingerprints(datasets: Sequence[RetrievalDataset]) -> dict[str, str]:
     """The content fingerprint of every data file ``datasets`` were read from (the training dataset and the
-    ``data.mix`` ones), for a run's identity: resuming after any of them changed is refused."""
-    return {k: v for d in datasets for k, v in d.file_fingerprints().items()}
+    ``data.mix`` ones), for a run's identity: resuming after any of them changed is refused. Two datasets of the
+    same name (``x/tiny`` and ``y/tiny``) keep a key each: the later one's under its position in ``datasets``."""
+    fingerprints: dict[str, str] = {}
+    for i, dataset in enumerate(datasets):
+        for key, value in dataset.file_fingerprints().items():
+            fingerprints[key if key not in fingerprints else f"{i}:{key}"] = value
+    return fingerprints
 
 
 def check_principal_axes(corpus: Corpus) -> None:
