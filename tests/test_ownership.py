@@ -855,3 +855,73 @@ def test_a_file_output_that_could_not_be_written_is_refused_before_any_work(tiny
     assert blocker.read_text() == "mine\n" and not [
         p.name for p in tmp_path.iterdir() if p.name.startswith(".")
     ]  # no probe left
+
+
+def _run_with_marker(run: Path) -> Path:
+    run.mkdir()
+    (run / RUN_MARKER).write_text(json.dumps({"densepass": "run"}) + "\n")
+    return run
+
+
+def test_restart_keeps_a_users_file_put_inside_a_folder_an_entry_pattern_names(tmp_path):
+    """A pattern's ``*`` matched across folders (``miner-*`` took ``miner-8d-abc/model/my_notes.txt``; ``model/*`` of
+    the reranker took its model's notes): the notes were deleted. A pattern names files, folder by folder."""
+    run = _run_with_marker(tmp_path / "run")
+    for folder in ("negatives/miner-8d-abc/model", "reranker/model", "reranker/checkpoints/step-2", "best-model"):
+        with atomic_directory(run / folder) as tmp:
+            (tmp / "model.safetensors").write_text("w")
+        (run / folder / "my_notes.txt").write_text("mine")
+    (run / "negatives" / "miner-8d-abc" / "train_log.jsonl").write_text("{}\n")
+    (run / "reranker" / "train_log.jsonl").write_text("{}\n")
+    kept = claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
+    notes = [
+        "best-model/my_notes.txt",
+        "negatives/miner-8d-abc/model/my_notes.txt",
+        "reranker/checkpoints/step-2/my_notes.txt",
+        "reranker/model/my_notes.txt",
+    ]
+    assert sorted(kept) == notes and all((run / n).read_text() == "mine" for n in notes)
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and p.name != RUN_MARKER)
+    assert left == notes  # densepass's own files around them are gone: the models, the logs
+
+
+def test_restart_removes_the_old_checkpoints_beside_a_users_file(tmp_path):
+    """An entry holding a user's file was kept whole, its checkpoints with it: a --restart then resumed the old run
+    (or refused it for other settings after removing its outputs). Now densepass's files go and the user's stays."""
+    run = _run_with_marker(tmp_path / "run")
+    for step in (2, 3):
+        with atomic_directory(run / "checkpoints" / f"step-{step}") as tmp:
+            (tmp / "state.json").write_text("{}")
+    (run / "checkpoints" / "notes.txt").write_text("mine")
+    (run / "schedule").mkdir()
+    (run / "schedule" / "epoch-1.npz").write_bytes(b"old")
+    (run / "schedule" / ".epoch-2.npz.k3j5x9q2.tmp").write_bytes(b"killed save")  # atomic_file's temporary
+    (run / "schedule" / "ideas.txt").write_text("mine")
+    kept = claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
+    assert sorted(kept) == ["checkpoints/notes.txt", "schedule/ideas.txt"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in (run / "schedule").iterdir()) == ["ideas.txt"]
+
+
+def test_the_scheduling_embeddings_are_saved_under_densepass_temporary_name(tmp_path, monkeypatch):
+    """A killed save left ``.epoch-N.npz.partial.npz``, which --restart took for a user's file (keeping the folder
+    and the stale embeddings beside it); the save now writes through ``atomic_file``, as every other output."""
+    import numpy as np
+
+    from densepass.io import _TEMPORARY
+    from densepass.training import planner
+
+    names = []
+    real = np.savez
+
+    def savez(file, **arrays):
+        names.extend(p.name for p in (tmp_path / "schedule").iterdir())  # what a kill now would leave
+        return real(file, **arrays)
+
+    monkeypatch.setattr(planner.np, "savez", savez)
+    plan = planner.EpochPlanner.__new__(planner.EpochPlanner)
+    plan.state_dir = tmp_path / "schedule"
+    plan._encode_now = lambda: (np.ones((2, 3), np.float32), np.ones((2, 3), np.float32))
+    queries, _ = plan._encode(4)
+    assert queries.shape == (2, 3) and (tmp_path / "schedule" / "epoch-4.npz").is_file()
+    assert len(names) == 1 and _TEMPORARY.fullmatch(names[0]) and names[0].startswith(".epoch-4.npz.")

@@ -419,16 +419,23 @@ def _listed(directory: Path) -> set[str]:
     return set()
 
 
+def _names(name: str, pattern: str) -> bool:
+    """Whether ``pattern`` (``"miner-*/train_log.jsonl"``) names the file ``name``, folder by folder: a ``*`` never
+    reaches into a folder, so a pattern names a file, never what a user put inside a folder it matches."""
+    parts, wanted = Path(name).parts, pattern.split("/")
+    return len(parts) == len(wanted) and all(map(fnmatch.fnmatchcase, parts, wanted))
+
+
 def _foreign_in(root: Path, inner: str | None) -> list[str]:
     """The files under the run entry ``root`` densepass did not write: those no directory on their way lists
-    (``_listed``) and the entry's pattern ``inner`` (``"*.trec"`` of ``"runs/*.trec"``) does not name."""
+    (``_listed``) and the entry's pattern ``inner`` (``"*.trec"`` of ``"runs/*.trec"``) does not name (``_names``)."""
     listed: dict[Path, set[str]] = {}
     foreign = []
     for name in _files_under(root):
         path = root / name
         if path.name == LOCK and is_densepass_lock(path) or any(_TEMPORARY.fullmatch(p) for p in Path(name).parts):
             continue  # a lock densepass took (a token cache's), or in a temporary it makes while it writes
-        if inner is not None and any(fnmatch.fnmatchcase(name, pattern) for pattern in inner.split("|")):
+        if inner is not None and any(_names(name, pattern) for pattern in inner.split("|")):
             if not path.is_symlink() and written_by_densepass(path):  # densepass never writes a link
                 continue
         ancestors = [path.parents[i] for i in range(len(Path(name).parts))]  # its folder ... up to root
@@ -510,8 +517,8 @@ def claim_run_directory(directory: str | Path, what: str, entries: tuple[str, ..
     """Make ``directory`` a ``what``'s run directory (call it holding the directory's ``exclusive_lock``): a
     one-line error where ``run_directory_problem`` says it is someone else's; marked with ``RUN_MARKER``. With
     ``restart``, what an earlier run wrote there (``entries``) is removed and everything else kept: returns what
-    was kept (files densepass did not write; an entry holding any is kept whole). A symlink is removed as a
-    link, never followed."""
+    was kept (files densepass did not write: in an entry holding any, densepass's own files go and theirs stay, in
+    their folders). A symlink is removed as a link, never followed."""
     from densepass.errors import DensepassError
 
     directory = Path(directory)
@@ -534,11 +541,25 @@ def claim_run_directory(directory: str | Path, what: str, entries: tuple[str, ..
             foreign = _foreign_in(child, pattern.split("/", 1)[1] if "/" in pattern else None)
             if foreign:
                 kept += foreign
+                _remove_all_but(child, {name.split("/", 1)[1] for name in foreign})
             else:
                 shutil.rmtree(child)
         else:
             child.unlink()
     return kept
+
+
+def _remove_all_but(root: Path, keep: set[str]) -> None:
+    """Remove every file and link under ``root`` but those ``keep`` names (relative), then the folders left empty:
+    a restarted run's own files go (its checkpoints too: a kept one would be resumed), a user's stay where they
+    were. Links are removed as links, never followed."""
+    for name in _files_under(root):
+        if name not in keep:
+            (root / name).unlink()
+    for folder, _, _ in sorted(os.walk(root), key=lambda walked: -len(Path(walked[0]).parts)):  # deepest first
+        with contextlib.suppress(OSError):  # not empty: it holds a kept file
+            if Path(folder) != root:
+                os.rmdir(folder)
 
 
 @contextlib.contextmanager

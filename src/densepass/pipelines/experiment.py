@@ -356,13 +356,15 @@ RUN_ENTRIES = (
     "best.json",
     "checkpoints",
     "schedule/epoch-*",
-    # the dense miners' runs, the refreshed pools, the mined ones (negatives.pool_cache)
-    "negatives/miner-*|refresh_log.jsonl|refresh-step-*.jsonl|negative-pools/*/pool.jsonl|negative-pools/*/mining.json",
+    # the dense miners' logs (their model/ and checkpoints/ list their own files), the refreshed pools, the mined
+    # ones (negatives.pool_cache)
+    "negatives/miner-*/train_log.jsonl|refresh_log.jsonl|refresh-step-*.jsonl|negative-pools/*/pool.jsonl"
+    "|negative-pools/*/mining.json",
     "negatives.jsonl",
     "teacher_scores.jsonl",
     "teacher_scores.jsonl.partial",
     "token_cache",
-    "reranker/checkpoints/*|model/*|train_log.jsonl",  # the cross-encoder's own training
+    "reranker/train_log.jsonl",  # the cross-encoder's own training (its model/ and checkpoints/ list their files)
     "subcorpus.json",
     "subcorpus-*.json",
 )

@@ -57,8 +57,9 @@ OUTPUT_ENTRIES = (
     "checkpoints",
     "model",
     "schedule/epoch-*",
-    # the dense miners, the mined pools (negatives.pool_cache; another file under them is a user's and stays)
-    "negatives/miner-*|negative-pools/*/pool.jsonl|negative-pools/*/mining.json",
+    # the dense miners' logs (their model/ and checkpoints/ list their own files), the mined pools
+    # (negatives.pool_cache; another file under them is a user's and stays)
+    "negatives/miner-*/train_log.jsonl|negative-pools/*/pool.jsonl|negative-pools/*/mining.json",
 )
 
 

@@ -26,7 +26,7 @@ import torch
 
 from densepass.config import ScheduleConfig
 from densepass.errors import ConfigError, DataError, DensepassError
-from densepass.io import disk_errors
+from densepass.io import atomic_file
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
 from densepass.processes import die_with_parent
@@ -206,16 +206,9 @@ class EpochPlanner:
         if saved is not None and saved.is_file():
             return self._load_saved(saved)
         queries, passages = self._encode_now()
-        if saved is not None:
-            saved.parent.mkdir(parents=True, exist_ok=True)
-            partial = saved.with_name(f".{saved.name}.partial.npz")
-            try:
-                with disk_errors(saved, needs=queries.nbytes + passages.nbytes):
-                    np.savez(partial, queries=queries, passages=passages)
-                partial.replace(saved)
-            except BaseException:
-                partial.unlink(missing_ok=True)
-                raise
+        if saved is not None:  # atomically, under densepass's temporary name (a killed save's is its own to remove)
+            with atomic_file(saved, "wb", needs=queries.nbytes + passages.nbytes) as handle:
+                np.savez(handle, queries=queries, passages=passages)
         return queries, passages
 
     def _load_saved(self, saved: Path) -> tuple[np.ndarray, np.ndarray]:
