@@ -111,6 +111,9 @@ def test_unknown_key_without_close_name_lists_known_keys(tmp_path):
         ("model:\n  normalize: 'yes'\n", r"config\.model\.normalize: expected true/false"),
         ("eval:\n  metrics: mrr@10\n", r"config\.eval\.metrics: expected a list"),
         ("eval:\n  metrics: [mrr@10, 5]\n", r"config\.eval\.metrics\[1\]: expected a string"),
+        # of the literal's own type: 2.0 == 2 and True == 1 in Python (a float crashed the ColBERT index late)
+        ("model:\n  colbert:\n    residual_bits: 2.0\n", r"config\.model\.colbert\.residual_bits: 2\.0 is not one of"),
+        ("model:\n  colbert:\n    residual_bits: true\n", r"residual_bits: True is not one of 1, 2, 4, 8"),
         ("train: 3\n", r"config\.train: expected a mapping"),
         ("- a\n- b\n", r"top level must be a mapping"),
         ("train: [unclosed\n", r"not valid YAML"),

@@ -683,8 +683,8 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
         if not errors:
             raise ConfigError(f"{where}: invalid value {_short(value)}")
         raise ConfigError(f"{where}: " + " / ".join(e.removeprefix(f"{where}: ") for e in errors))
-    if origin is Literal:
-        if value not in args:
+    if origin is Literal:  # of its own type: True == 1 and 2.0 == 2 in Python, but neither is the literal
+        if not any(type(value) is type(arg) and value == arg for arg in args):
             raise ConfigError(f"{where}: {_short(value)} is not one of {', '.join(map(repr, args))}")
         return value
     if origin is list:

@@ -121,7 +121,7 @@ class ColbertIndex(Index):
         float_precision(precision, device or default_device(), "colbert")  # a bad setting fails before any work
         if compression not in ("fp16", "residual"):
             raise ConfigError(f"unknown compression {compression!r} (use 'fp16' or 'residual')")
-        if residual_bits not in (1, 2, 4, 8) or (model.dim * residual_bits) % 8:
+        if type(residual_bits) is not int or residual_bits not in (1, 2, 4, 8) or (model.dim * residual_bits) % 8:
             raise ConfigError(
                 f"residual_bits must be 1, 2, 4 or 8 with dim x bits a multiple of 8, got {residual_bits}"
             )
