@@ -609,3 +609,28 @@ def test_the_refusal_names_the_packing_that_resumes_a_run():
     )
     assert packing_hint({"reranker": {}}, {"reranker": {"packing": True}}).endswith("reranker.train.packing: false; ")
     assert packing_hint({"train": {"lr": 1}}, {"train": {"lr": 2}}) == ""
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_a_tokenizer_that_pads_on_the_left_trains_on_what_encoding_reads(tmp_path, pooling):
+    """Encoding pads on the right whatever the tokenizer says; training padded as the tokenizer did, so a BERT whose
+    tokenizer pads on the left trained on positions counted from its padding, and CLS pooling read a pad. Every
+    retriever now pads on the right: the padded and the packed training forward give encoding's embeddings."""
+    from conftest import save_tiny_bert
+
+    path = save_tiny_bert(tmp_path / "m")
+    left = AutoTokenizer.from_pretrained(path)
+    left.padding_side = "left"
+    left.save_pretrained(path)
+    model = BiEncoder.from_pretrained(str(path), config=BiEncoderConfig(pooling=pooling, normalize=False))
+    assert model.tokenizer.padding_side == "right"
+    texts = ["a short one", "a much longer passage about tar archives and the tapes they were made for"]
+    tokens = model.tokenize(texts, "passage")
+    assert tokens["attention_mask"][:, 0].all()  # column 0 is every text's [CLS]
+    encoded = torch.from_numpy(model.encode_passages(texts, precision="fp32", show_progress=False))
+    padded = model(tokens["input_ids"], tokens["attention_mask"], "passage")
+    torch.testing.assert_close(padded, encoded, atol=1e-5, rtol=1e-5)
+    model.packing = True
+    model.train()
+    packed = model(tokens["input_ids"], tokens["attention_mask"], "passage")
+    torch.testing.assert_close(packed, encoded, atol=1e-5, rtol=1e-5)

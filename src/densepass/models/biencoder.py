@@ -41,7 +41,7 @@ from densepass.io import (
 )
 from densepass.models.encode import encode_texts
 from densepass.models.hub import fetch_model
-from densepass.models.inputs import Side, SidedInputs, text_list
+from densepass.models.inputs import Side, SidedInputs, pad_on_the_right, text_list
 from densepass.models.kinds import (
     CONFIG_FILES,
     check_config_and_weights,
@@ -177,6 +177,7 @@ class BiEncoder(SidedInputs, nn.Module):
             raise ConfigError(f"unknown pooling {config.pooling!r} (use 'mean', 'cls' or 'last')")
         if tokenizer.pad_token is None:  # decoder-only models: pad with the EOS (the mask leaves it out)
             tokenizer.pad_token = tokenizer.eos_token
+        pad_on_the_right(tokenizer)
         if config.pooling == "last":
             append_eos(tokenizer)
         if config.temperature <= 0:

@@ -44,6 +44,7 @@ from densepass.models.inputs import (
     SidedInputs,
     forward_in_pieces,
     length_sorted_batches,
+    pad_on_the_right,
     piece_tokens,
     text_list,
     tokenize,
@@ -102,6 +103,7 @@ class ColBERT(SidedInputs, nn.Module):
             raise ConfigError(f"temperature must be positive, got {config.temperature}")
         if tokenizer.mask_token_id is None or tokenizer.pad_token_id is None:
             raise ConfigError("ColBERT needs a tokenizer with [MASK] and [PAD] tokens (query augmentation)")
+        pad_on_the_right(tokenizer)
         self.encoder, self.tokenizer, self.config = encoder, tokenizer, config
         self.check_positions(encoder)
         self.linear = linear or nn.Linear(encoder.config.hidden_size, config.dim, bias=False)

@@ -91,6 +91,14 @@ def check_position_limit(model_config: Any, lengths: dict[str, int | None], name
             raise ConfigError(f"{key} {value} exceeds {name}'s {limit} positions{how}: set it to {limit} or less")
 
 
+def pad_on_the_right(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Set ``tokenizer`` to pad after the text, as densepass's encoding always does (``encode.padded_batches``), so
+    that training and evaluation read the same columns: one set to pad on the left (an LLM's, often) numbered an
+    absolute-position model's tokens from the padding in training only, and put padding in column 0, where CLS
+    pooling and ColBERT's markers read."""
+    tokenizer.padding_side = "right"
+
+
 class SidedInputs:
     """Token limits and tokenisation of a retriever with a query side and a passage side: a ``config`` with
     ``query_max_length`` and ``passage_max_length``, and a ``tokenizer`` (the bi-encoder, SPLADE, ColBERT)."""

@@ -215,8 +215,9 @@ def check_packable(model: nn.Module, what: str) -> None:
 
 
 def position_ids(model: nn.Module, packing: Packing) -> torch.Tensor:
-    """[1, tokens]: each packed token's position as the padded forward numbers it: from 0 (BERT, Qwen2), or
-    after the padding id (RoBERTa and XLM-R: ``models.inputs.PADDING_OFFSET_MODELS``)."""
+    """[1, tokens]: each packed token's position as the padded forward numbers it on densepass's right-padded
+    batches (``models.inputs.pad_on_the_right``): from 0 (BERT, Qwen2), or after the padding id (RoBERTa and XLM-R:
+    ``models.inputs.PADDING_OFFSET_MODELS``)."""
     config = model.config
     offset = (config.pad_token_id or 0) + 1 if config.model_type in PADDING_OFFSET_MODELS else 0
     return (packing.position + offset)[None]

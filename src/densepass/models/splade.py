@@ -46,7 +46,14 @@ from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text
 from densepass.models.biencoder import Side, resolve_model_path
 from densepass.models.copies import encoder_in_precision, float_precision
-from densepass.models.inputs import SidedInputs, forward_in_pieces, length_sorted_batches, piece_tokens, text_list
+from densepass.models.inputs import (
+    SidedInputs,
+    forward_in_pieces,
+    length_sorted_batches,
+    pad_on_the_right,
+    piece_tokens,
+    text_list,
+)
 from densepass.models.kinds import CONFIG_FILES, loading_weights, saved_architecture
 from densepass.models.packing import packed_forward
 from densepass.numerics import refuse_nonfinite_weights
@@ -108,6 +115,7 @@ class SpladeEncoder(SidedInputs, nn.Module):
         super().__init__()
         if config.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {config.temperature}")
+        pad_on_the_right(tokenizer)
         self.mlm, self.tokenizer, self.config = mlm, tokenizer, config
         self.check_positions(mlm)
         self.source: str | None = None
