@@ -59,3 +59,33 @@ def test_the_service_embedder_puts_its_model_in_eval_mode_once(tiny_model_dir, m
     calls = counting(monkeypatch)
     (vector, tokens), *_ = embedder.embed(TEXTS, "passage")
     assert calls == {"to": 0, "train": 0} and vector.shape == (model.dim,) and tokens > 0
+
+
+def test_a_position_table_that_is_not_a_multiple_of_8_encodes_texts_cut_at_its_length(tmp_path, monkeypatch):
+    """Batches were padded to a multiple of 8 past ``max_length``: a BERT with 100 positions met a 104-token batch
+    (a RuntimeError). A text cut at 100 tokens encodes as it trains; the fp32 path, and bf16 without the kernels."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from densepass.models.biencoder import BiEncoderConfig, resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=100,
+    )
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(tmp_path / "m100")
+    tokenizer.save_pretrained(tmp_path / "m100")
+    model = dp.BiEncoder.from_pretrained(
+        str(tmp_path / "m100"), config=BiEncoderConfig(query_max_length=32, passage_max_length=100)
+    )
+    texts = ["word " * 300, "short"]
+    monkeypatch.setenv("DENSEPASS_CPU_KERNELS", "0")
+    alone = model.encode_passages(texts[:1], precision="fp32", show_progress=False)
+    both = model.encode_passages(texts, precision="fp32", show_progress=False)
+    assert both.shape == (2, 32) and np.allclose(both[0], alone[0], atol=1e-5)
+    assert model.encode_passages(texts, precision="bf16", show_progress=False).shape == (2, 32)

@@ -154,7 +154,9 @@ def padded_batches(
     by_length = np.argsort(-lengths, kind="stable")
     batches, start = [], 0
     while start < len(by_length):
-        longest = -(-int(lengths[by_length[start]]) // PAD_MULTIPLE) * PAD_MULTIPLE  # fewer distinct shapes
+        n = int(lengths[by_length[start]])
+        # rounded up for fewer distinct shapes, never past max_length (a position table of 100 has no 104th row)
+        longest = max(n, min(-(-n // PAD_MULTIPLE) * PAD_MULTIPLE, max_length))
         size = batch_size if max_tokens is None else max(batch_size, max_tokens // max(longest, 1))
         members = by_length[start : start + size]
         columns = np.arange(longest)
