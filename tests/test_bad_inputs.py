@@ -1704,6 +1704,21 @@ def test_the_ensemble_and_the_study_check_their_metric_names_before_any_encoding
         StudySettings(metric="accuracy@20")
 
 
+def test_a_cutoff_on_r_precision_is_refused_and_metrics_deeper_than_the_ensembles_depth_are_said():
+    """ranx ignores an @k on r-precision (it cuts at each query's count of relevant passages): r-precision@1 was
+    r-precision under another name. The ensemble reported recall@1000 of its top 100 without a word."""
+    from densepass.pipelines.ensemble import EnsembleSettings
+
+    with pytest.raises(ConfigError, match=r"r-precision@1: r-precision takes no cutoff"):
+        check_metrics(["mrr@10", "r-precision@1"])
+    check_metrics(["r-precision"])
+    with pytest.warns(UserWarning, match=r"metrics cut at 1000 and the ensemble's depth \(--depth\) retrieves 100"):
+        EnsembleSettings(metrics=["mrr@10", "recall@1000"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EnsembleSettings(metrics=["mrr@10", "recall@100"])
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

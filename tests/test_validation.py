@@ -299,3 +299,17 @@ def test_a_study_recomputes_when_the_passages_change_under_the_same_ids(tiny_mod
     again = run_study(load_dataset(str(changed)), paths, settings, tmp_path / "s")
     fresh = run_study(load_dataset(str(changed)), paths, settings, tmp_path / "fresh")
     assert [r.scores for r in again] == [r.scores for r in fresh] != [r.scores for r in first]
+
+
+def test_a_study_metric_deeper_than_100_is_of_a_ranking_that_deep(tmp_path, tiny_model_dir):
+    """The study searched every subcorpus for its top 100 whatever the metric: recall@300 of a 300-passage corpus,
+    where every passage is retrieved, came out 0.1-0.3."""
+    from conftest import save_tiny_bert, write_tiny_beir
+    from densepass.pipelines.study import validate_study
+
+    data = write_tiny_beir(tmp_path / "data", n_passages=300)
+    other = save_tiny_bert(tmp_path / "other", seed=1)
+    settings = StudySettings(rs=(0.5,), ks=(), metric="recall@300", max_queries=10)
+    rows = validate_study(str(data), [tiny_model_dir, other], tmp_path / "out", settings)
+    full = [row for row in rows if len(row.subcorpus) == 300]
+    assert full and all(score == 1.0 for row in full for score in row.scores)

@@ -40,6 +40,7 @@ RANX_METRICS = (
     "hit_rate",
 )
 ACCURACY = "accuracy"  # DPR top-k answer accuracy: always with a cutoff, accuracy@k
+UNCUT_METRICS = ("r-precision",)  # ranx metrics whose cutoff is their own: an @k is refused, not ignored
 _METRIC = re.compile(r"(?P<name>[a-z][a-z0-9_-]*)(?:@(?P<k>[0-9]+))?")  # f1 has a digit
 MAX_CUTOFF = 10**9  # ranx overflows past 2**63, and Python parses no integer of more than 4300 digits
 
@@ -87,11 +88,35 @@ def check_metrics(names: Sequence[str]) -> None:
             and _cutoff_ok(match["k"])
             and (match["name"] in RANX_METRICS or (match["name"] == ACCURACY and match["k"] is not None))
         )
+        if ok and match["name"] in UNCUT_METRICS and match["k"] is not None:  # ranx would ignore the cutoff
+            raise ConfigError(
+                f"{name}: {match['name']} takes no cutoff (it cuts each ranking at its query's count of "
+                "relevant passages)"
+            )
         if not ok:
             raise ConfigError(
                 f"unknown metric {name!r} (known: {', '.join(RANX_METRICS)}, each with an optional "
                 f"cutoff @k, 1 <= k <= {MAX_CUTOFF}; and {ACCURACY}@k)"
             )
+
+
+def depth_for(names: Sequence[str], least: int = 100) -> int:
+    """How many passages a query's ranking needs for ``names`` to mean what they say: their deepest cutoff, and at
+    least ``least`` (a metric without one, mrr or map, reads the whole ranking: ``least`` is where it stops)."""
+    return max([least, *(int(k) for name in names if (k := name.rpartition("@")[2]).isdigit())])
+
+
+def warn_if_shallow(names: Sequence[str], depth: int, setting: str, listed: str = "metrics") -> None:
+    """One warning where a metric of ``names`` cuts deeper than the ``depth`` passages a query retrieves (the
+    ``setting`` that says so; ``listed``: the setting that lists them): a recall@1000 of a top 10 is reported under its
+    name, but is a recall@10."""
+    deepest = depth_for(names, least=0)
+    if deepest > depth:
+        warnings.warn(
+            f"{listed} cut at {deepest} and {setting} retrieves {depth} passages a query: the metrics are of the top "
+            f"{depth} (raise {setting} to {deepest} for what they name)",
+            stacklevel=3,
+        )
 
 
 def split_metrics(names: Sequence[str]) -> tuple[list[str], list[int]]:

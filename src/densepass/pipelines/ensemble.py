@@ -21,7 +21,14 @@ from densepass.data.dataset import RetrievalDataset
 from densepass.device import default_device
 from densepass.errors import ConfigError
 from densepass.evaluation.fusion import fuse_embeddings, reciprocal_rank_fusion, tune_weights
-from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, make_run, refuse_answer_metrics
+from densepass.evaluation.metrics import (
+    Run,
+    check_metrics,
+    evaluate_run,
+    make_run,
+    refuse_answer_metrics,
+    warn_if_shallow,
+)
 from densepass.index.exact import exact_search
 from densepass.io import atomic_write_text, check_output_file
 from densepass.models.biencoder import BiEncoder
@@ -67,6 +74,7 @@ class EnsembleSettings:
             raise ConfigError("ensemble depth, rrf_k and batch size must be >= 1")
         check_metrics([*self.metrics, self.tune_metric])  # a typo: one line before any model encodes the corpus
         refuse_answer_metrics([*self.metrics, self.tune_metric], "the ensemble")
+        warn_if_shallow([*self.metrics, self.tune_metric], self.depth, "the ensemble's depth (--depth)")
 
 
 def evaluate_ensemble(

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -46,7 +45,14 @@ from densepass.data import dataset_dir, hub_options, load_dataset
 from densepass.data.dataset import RetrievalDataset
 from densepass.device import device_named, resolve_device, resolve_precision, resolved_packing, uses_bf16
 from densepass.errors import ConfigError, DataError
-from densepass.evaluation.metrics import Run, check_metrics, evaluate_run, refuse_answer_metrics, write_trec_run
+from densepass.evaluation.metrics import (
+    Run,
+    check_metrics,
+    evaluate_run,
+    refuse_answer_metrics,
+    warn_if_shallow,
+    write_trec_run,
+)
 from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
@@ -202,13 +208,7 @@ def check(config: ExperimentConfig) -> torch.device:
     resolve_precision(config.reranker.precision, device)  # the reranker's too
     retrievers.check_kind(config)
     check_metrics(config.eval.metrics)
-    deepest = max((int(name.rpartition("@")[2]) for name in config.eval.metrics if "@" in name), default=0)
-    if deepest > config.eval.depth:  # a recall@1000 of a top 10 is reported under its name: said, once
-        warnings.warn(
-            f"eval.metrics cut at {deepest} and eval.depth retrieves {config.eval.depth} passages a query: the "
-            f"metrics are of the top {config.eval.depth} (raise eval.depth to {deepest} for what they name)",
-            stacklevel=2,
-        )
+    warn_if_shallow(config.eval.metrics, config.eval.depth, "eval.depth", "eval.metrics")
     check_metrics([config.validation.metric])
     if config.data.format == "pairs" and config.data.eval_name is None:
         raise ConfigError(

@@ -17,7 +17,7 @@ import torch
 from densepass.config import ValidationConfig
 from densepass.data.dataset import Corpus, RetrievalDataset
 from densepass.errors import ConfigError
-from densepass.evaluation.metrics import evaluate_run, refuse_answer_metrics
+from densepass.evaluation.metrics import depth_for, evaluate_run, refuse_answer_metrics
 from densepass.evaluation.subcorpus import Retriever, Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.index.bm25 import BM25Index
 from densepass.index.exact import exact_search
@@ -85,8 +85,7 @@ class Validator:
             metrics = [*metrics, config.metric]
         self.config, self.model, self.device, self.run_dir, self.metrics = config, model, device, run_dir, metrics
         # deep enough for every cutoff (recall@1000 of a top 100 was recall@100), and at least the top 100
-        cutoffs = [int(m.rpartition("@")[2]) for m in metrics if m.rpartition("@")[2].isdigit()]
-        self.depth = max([100, *cutoffs])
+        self.depth = depth_for(metrics)
         self.subcorpus, self.qrels, self.query_texts = build_subcorpus(dataset, config, exclude)
         corpus = dataset.corpus
         self.passages = corpus.subset([corpus.position(p) for p in self.subcorpus.ids])
