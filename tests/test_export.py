@@ -67,6 +67,22 @@ def test_onnx_holds_pooling_and_normalisation_and_matches_pytorch(trained_run, t
     assert (ours * reference).sum(1).min() >= 0.9999
 
 
+def test_the_onnx_cards_usage_runs_and_gives_the_models_embeddings(trained_run, tmp_path):
+    """The ONNX folder's card showed dp.load_model and SentenceTransformer, which load neither (no config.json, no
+    modules.json): it shows onnxruntime, queries with their prompt and token limit; its code is run here."""
+    export_model(trained_run / "model", "onnx", str(tmp_path / "onnx"))
+    card = (tmp_path / "onnx" / "README.md").read_text()
+    assert "library_name: onnx" in card and "SentenceTransformer" not in card and "dp.load_model" not in card
+    code = card.split("```python\n", 1)[1].split("```", 1)[0].replace("PATH", str(tmp_path / "onnx"))
+    namespace: dict = {}
+    exec(code, namespace)  # noqa: S102 - the card's own example, on the folder it describes
+    model = BiEncoder.from_pretrained(str(trained_run / "model"))
+    queries = model.encode_queries(["a question"], show_progress=False, precision="fp32")
+    passages = model.encode_passages(["a passage"], show_progress=False, precision="fp32")
+    np.testing.assert_allclose(namespace["queries"], queries, atol=1e-4)
+    np.testing.assert_allclose(namespace["passages"], passages, atol=1e-4)
+
+
 def test_the_hub_upload_sends_the_exported_folder(trained_run, monkeypatch):
     from huggingface_hub import HfApi
 

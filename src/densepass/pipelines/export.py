@@ -59,15 +59,17 @@ class ExportResult:
     min_cosine: float | None = None
 
 
-def model_card(model_dir: Path, model) -> str:
-    """The README.md of an exported model (see the module docstring)."""
+def model_card(model_dir: Path, model, onnx: bool = False) -> str:
+    """The README.md of an exported model (see the module docstring); ``onnx``: of the ONNX export, which neither
+    densepass nor sentence-transformers loads, so its usage is onnxruntime's."""
     kind = kind_of(model)
     config = model.config
     run = model_dir.parent
     run_config = _read_yaml(run / "config.yaml") if (run / "config.yaml").is_file() else None
     metrics = _read_json(run / "metrics.json") if (run / "metrics.json").is_file() else None
     base = (run_config or {}).get("model", {}).get("name_or_path") or getattr(model, "source", None) or "unknown"
-    lines = ["---", "library_name: sentence-transformers", "tags: [densepass, sentence-transformers, retrieval]"]
+    library = "onnx" if onnx else "sentence-transformers"
+    lines = ["---", f"library_name: {library}", f"tags: [densepass, {library}, retrieval]"]
     lines += ["pipeline_tag: sentence-similarity", "---", "", f"# {model_dir.name}", ""]
     lines.append(f"A {kind} retriever trained with densepass from `{base}`.")
     lines += ["", "## Model", "", "| | |", "|---|---|", f"| kind | {kind} |"]
@@ -100,9 +102,36 @@ def model_card(model_dir: Path, model) -> str:
         lines += ["| system | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
         for system, row in metrics["results"].items():
             lines.append(f"| {system} | " + " | ".join(f"{row[m]:.4f}" if m in row else "" for m in names) + " |")
-    lines += ["", "## Use", ""] + _usage(model, kind) + ["", "## Cite", ""]
+    lines += ["", "## Use", ""] + (_onnx_usage(model) if onnx else _usage(model, kind)) + ["", "## Cite", ""]
     lines += [f"- {REFERENCES[key]}" for key in dict.fromkeys(cited)]
     return "\n".join(lines) + "\n"
+
+
+def _onnx_usage(model: BiEncoder) -> list[str]:
+    """The ONNX export's usage: its graph is the passage side (tokens in, the pooled, projected, normalised vector
+    out), so a query is given its prompt and cut at its own token limit before it goes in."""
+    config = model.config
+    query_prompt, passage_prompt = config.query_prompt or "", config.passage_prompt or ""
+    return [
+        "```python",
+        "import onnxruntime",
+        "from transformers import AutoTokenizer",
+        "",
+        'tokenizer = AutoTokenizer.from_pretrained("PATH")',
+        'session = onnxruntime.InferenceSession("PATH/model.onnx")',
+        "",
+        "def embed(texts, max_length):",
+        '    tokens = tokenizer(texts, truncation=True, max_length=max_length, padding=True, return_tensors="np")',
+        '    feed = {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}',
+        "    return session.run(None, feed)[0]  # sentence_embedding: one row a text",
+        "",
+        f'queries = embed([{query_prompt!r} + "a question"], max_length={config.query_max_length})',
+        f'passages = embed([{passage_prompt!r} + "a passage"], max_length={config.passage_max_length})',
+        "```",
+        "",
+        "The graph holds the passage side of the model (one shared tower); queries run through it with their own "
+        "prompt and token limit, as above.",
+    ]
 
 
 def _usage(model, kind: str) -> list[str]:
@@ -166,7 +195,7 @@ def export_model(model_path: str | Path, to: str, target: str, private: bool = F
             result = ExportResult(str(target))
         else:
             result = _to_onnx(model, tmp, str(target))
-        atomic_write_text(tmp / "README.md", model_card(model_dir, model))
+        atomic_write_text(tmp / "README.md", model_card(model_dir, model, onnx=to == "onnx"))
     return result
 
 
