@@ -720,3 +720,53 @@ def test_health_names_the_models_without_their_paths_on_the_server(models):
     facts = health.json()
     assert facts["searcher"]["model"] == "tiny-bi" and facts["searcher"]["reranker"]["model"] == "ce"
     assert "tiny-bi" in facts["embeddings"]["names"]
+
+
+def test_a_client_that_leaves_before_its_body_is_counted_499_not_a_server_error():
+    """The app answers nothing to a client gone mid-body; the count said 500, so dashboards alerting on 5xx fired
+    whenever a client timed out or cancelled an upload."""
+    app = create_app(FakeSearcher(), ServeSettings())
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/search",
+        "raw_path": b"/search",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"), (b"content-length", b"50")],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 80),
+    }
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        messages = [{"type": "http.request", "body": b"{", "more_body": True}]
+        sent = []
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(app(scope, receive, send))
+        body = http.get("/metrics").text
+    assert not [m for m in sent if m["type"] == "http.response.start"]
+    counted = [line for line in body.splitlines() if line.startswith("densepass_requests_total{") and "/search" in line]
+    assert counted and all('status="499"' in line for line in counted), counted
+
+
+def test_health_says_a_reload_failed_without_the_paths_its_message_names():
+    """/health is open without the key: a failed reload's message named the model's and the index's paths on the
+    server there. It shows ``last_reload_failed``; the message stays in the log and the operator's 409."""
+
+    class Failed(FakeSearcher):
+        def describe(self):
+            return {"kind": "fake", "last_reload_error": "/srv/idx/v000004: its model '/home/op/models/bi' is gone"}
+
+    app = create_app(Failed(), ServeSettings(), api_key=KEY)
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        health = http.get("/health")
+    assert health.status_code == 200
+    assert health.json()["searcher"]["last_reload_failed"] is True and "/srv" not in health.text

@@ -37,7 +37,7 @@ from densepass.serve.backends import Current, Embedder, PairScorer, short_name
 from densepass.serve.compat import ApiError, styled_error
 from densepass.serve.microbatch import MicroBatcher, Unavailable
 from densepass.serve.operations import BearerAuth, Metrics, Observe, access_log_handler
-from densepass.serve.reload import admin_reload_route
+from densepass.serve.reload import RELOAD_ERROR, admin_reload_route
 from densepass.serve.searcher import Searcher
 from densepass.serve.settings import ServeSettings, check_address, check_api_key, host_name
 from densepass.serve.texts import query_problem
@@ -501,9 +501,12 @@ def configure_access_log(target: str | None) -> None:
 
 def public(facts: Any) -> Any:
     """``facts`` as ``/health`` (open without the API key) shows them: a ``model`` saved on the server named as a
-    client names it (``backends.short_name``: the folder's name, ``org/name``), never by its path there."""
+    client names it (``backends.short_name``: the folder's name, ``org/name``), never by its path there; a failed
+    reload's message, which names paths on the server, only as ``last_reload_failed`` (the message is in the
+    server's log and in the 409 answer to the operator's ``POST /admin/reload``)."""
     if isinstance(facts, dict):
-        return {k: _public_model(v) if k == "model" else public(v) for k, v in facts.items()}
+        shown = {k: _public_model(v) if k == "model" else public(v) for k, v in facts.items() if k != RELOAD_ERROR}
+        return {**shown, "last_reload_failed": True} if RELOAD_ERROR in facts else shown
     if isinstance(facts, list):
         return [public(v) for v in facts]
     return facts

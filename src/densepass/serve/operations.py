@@ -76,6 +76,9 @@ class Metrics:
 # the methods counted under their own name in densepass_requests_total; a client's made-up one is "other", so that a
 # request (even one refused for want of the key) cannot add a time series
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
+# the status counted for a request the client left before any answer started (nginx's "client closed request"):
+# a timed-out or cancelled upload is not a server error on the dashboards
+CLIENT_CLOSED = 499
 
 
 class BearerAuth:
@@ -136,7 +139,7 @@ class Observe:
         """Serve the request, then count it and log it."""
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started, status = time.perf_counter(), 500
+        started, status = time.perf_counter(), CLIENT_CLOSED  # no answer started: the client left first
         scope.setdefault("state", {})
 
         async def sending(message: Message) -> None:
@@ -147,6 +150,10 @@ class Observe:
 
         try:
             await self.app(scope, receive, sending)
+        except BaseException:
+            if status == CLIENT_CLOSED:  # the app failed before answering: a server error, as uvicorn answers it
+                status = 500
+            raise
         finally:
             took = time.perf_counter() - started
             route = self.route(scope["path"])

@@ -37,6 +37,7 @@ ADMIN_TOKEN_ENV = "DENSEPASS_ADMIN_TOKEN"
 ADMIN_HEADER = "x-admin-token"
 MIN_TOKEN_CHARS = 16
 MAX_WATCH_S = 86_400  # --watch-index's largest interval
+RELOAD_ERROR = "last_reload_error"  # describe()'s key for why the last reload failed (not shown on /health)
 
 
 def manifest_stamp(directory: Path) -> tuple[int, int, int] | None:
@@ -80,7 +81,7 @@ class ReloadableSearcher:
         facts["index_version"] = getattr(getattr(current, "index", None), "version", 0)
         facts["reloads"] = self.reloads
         if self.last_error is not None:
-            facts["last_reload_error"] = self.last_error
+            facts[RELOAD_ERROR] = self.last_error
         return facts
 
     def reload(self) -> dict:
