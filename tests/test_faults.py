@@ -550,3 +550,79 @@ def test_mining_killed_part_way_writes_nothing_and_resumes_to_the_same_file(tmp_
     assert not (tmp_path / "out.jsonl").exists()  # written atomically, only once complete
     assert densepass_here(*args, "--output", "out.jsonl", cwd=tmp_path).returncode == 0
     assert (tmp_path / "out.jsonl").read_text() == (tmp_path / "reference.jsonl").read_text()
+
+
+def _small_run(tiny_beir, tiny_model_dir, out, name):
+    from conftest import small_run_overrides
+    from densepass.config import load_config
+    from densepass.pipelines.experiment import run_experiment
+
+    extra = ["train.batch_size=8", "train.epochs=2", "train.checkpoint_every=2"]
+    return run_experiment(load_config(None, [*small_run_overrides(tiny_beir, tiny_model_dir, out, name), *extra]))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda s: s["rng"].update(numpy="oops"),
+        lambda s: s["optimizer"].update(param_groups=[]),
+        lambda s: s.update(scheduler=7),
+        lambda s: s.update(step=1000),
+    ],
+    ids=["rng", "optimizer", "scheduler", "step"],
+)
+def test_a_checkpoint_state_edited_by_hand_under_a_matching_manifest_is_one_line(
+    tiny_beir, tiny_model_dir, tmp_path, edit
+):
+    """The manifest verified, then the restore raised a TypeError traceback, or (a step past the run's end) trained
+    nothing and saved an earlier step's weights as the model."""
+    from densepass.errors import DataError
+    from densepass.io import write_manifest
+
+    _small_run(tiny_beir, tiny_model_dir, tmp_path, "r")
+    run = tmp_path / "r"
+    steps = sorted((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    for later in steps[1:]:
+        for f in sorted(later.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        later.rmdir()
+    state_path = steps[0] / "state.json"
+    state = json.loads(state_path.read_text())
+    edit(state)
+    state_path.write_text(json.dumps(state))
+    write_manifest(steps[0])
+    with pytest.raises(DataError, match=rf"checkpoint .*{steps[0].name} (does not restore|is of step 1000)"):
+        _small_run(tiny_beir, tiny_model_dir, tmp_path, "r")
+
+
+def test_a_log_replaced_by_a_link_is_refused_not_written_through(tmp_path):
+    """trim_log read a linked log's target into the run (a user's records), or, dangling, let the run append its
+    log outside the run directory."""
+    from densepass.checkpoints import trim_log
+    from densepass.errors import DensepassError
+
+    theirs = tmp_path / "user_notes.jsonl"
+    theirs.write_text('{"step": 1, "note": "mine"}\n')
+    for target in (theirs, tmp_path / "elsewhere.jsonl"):
+        log = tmp_path / "reranker" / "train_log.jsonl"
+        log.parent.mkdir(exist_ok=True)
+        log.unlink(missing_ok=True)
+        log.symlink_to(target)
+        with pytest.raises(DensepassError, match="train_log.jsonl is a link"):
+            trim_log(log, 2)
+    assert theirs.read_text() == '{"step": 1, "note": "mine"}\n' and not (tmp_path / "elsewhere.jsonl").exists()
+
+
+def test_an_epoch_planned_again_after_a_resume_has_one_record_in_the_schedule_log(tmp_path):
+    """A run resumed inside an epoch plans it again: its record was appended a second time (hardness.png drew both)."""
+    from densepass.training.planner import EpochPlanner
+
+    planner = EpochPlanner.__new__(EpochPlanner)
+    planner.log_path = tmp_path / "schedule_log.jsonl"
+    planner._log({"epoch": 0, "hardness": 1.0})
+    planner._log({"epoch": 1, "hardness": 2.0})
+    with open(planner.log_path, "a") as handle:
+        handle.write('{"epoch": 2, "hard')  # cut short by the interruption
+    planner._log({"epoch": 1, "hardness": 2.0})
+    records = [json.loads(line) for line in planner.log_path.read_text().splitlines()]
+    assert records == [{"epoch": 0, "hardness": 1.0}, {"epoch": 1, "hardness": 2.0}]

@@ -313,3 +313,29 @@ def test_a_study_metric_deeper_than_100_is_of_a_ranking_that_deep(tmp_path, tiny
     rows = validate_study(str(data), [tiny_model_dir, other], tmp_path / "out", settings)
     full = [row for row in rows if len(row.subcorpus) == 300]
     assert full and all(score == 1.0 for row in full for score in row.scores)
+
+
+@pytest.mark.parametrize("every", [1, 3])  # the run has 4 steps: 3 validates its last step apart
+def test_a_resumed_run_validates_each_step_once_in_its_log(tiny_beir, tiny_model_dir, tmp_path, every):
+    """validation_log.jsonl was never trimmed: the steps trained again after a resume were logged twice, and every
+    re-run of a finished run validated its last step again."""
+    from conftest import interrupted_at_step
+
+    def run(name):
+        extra = ["validation.enabled=true", f"validation.every_steps={every}", "validation.split=dev"]
+        extra += ["train.batch_size=8"]
+        extra += ["train.epochs=2", "train.checkpoint_every=2", "validation.subcorpus=full"]
+        config = load_config(None, [*small_run_overrides(tiny_beir, tiny_model_dir, tmp_path, name), *extra])
+        return run_experiment(config)
+
+    run("straight")
+    with interrupted_at_step(4):
+        run("resumed")
+    run("resumed")
+    run("resumed")  # finished: nothing trained, nothing validated again
+
+    def steps(name):
+        lines = (tmp_path / name / "validation_log.jsonl").read_text().splitlines()
+        return [json.loads(line)["step"] for line in lines]
+
+    assert steps("resumed") == steps("straight") and len(set(steps("straight"))) == len(steps("straight"))

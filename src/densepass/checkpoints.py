@@ -418,7 +418,10 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
 def trim_log(path: Path, step: int) -> None:
     """Drop the records of a JSONL log written after ``step`` (steps that are being trained again), and the lines
     that are no record: cut short by an interruption, or damaged bytes that are not even UTF-8 (as ``plots.read_log``
-    leaves them out of the plots)."""
+    leaves them out of the plots). A link there is refused: densepass never writes through one (it would copy the
+    target's records into the run, or, dangling, write the log outside it)."""
+    if path.is_symlink():
+        raise DensepassError(f"{path} is a link: densepass writes its logs only as files of its own; remove it")
     if not path.is_file():
         return
     kept = []

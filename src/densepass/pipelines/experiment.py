@@ -708,6 +708,7 @@ def fine_tune(
     resumed_at = resume_step(run_dir, config.train, identity, packing_of(config, exp.device))
     eval_log = run_dir / "eval_log.jsonl"
     trim_log(eval_log, resumed_at)
+    trim_log(run_dir / "validation_log.jsonl", resumed_at)  # the steps trained again are validated again
 
     def evaluate_epoch(epoch: int) -> None:
         metrics = evaluate_dense(exp, model, f"epoch-{epoch + 1}")

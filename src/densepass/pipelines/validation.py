@@ -115,10 +115,23 @@ class Validator:
             self.validate(step)
 
     def best_after(self, last_step: int) -> dict:
-        """Validate the last step unless that was due anyway, then return ``best.json`` (step, metric, score)."""
-        if last_step % self.config.every_steps:
+        """Validate the last step unless that was due anyway or is in the log already (a finished run run again),
+        then return ``best.json`` (step, metric, score)."""
+        if last_step % self.config.every_steps and last_step not in self.logged_steps():
             self.validate(last_step)
         return json.loads((self.run_dir / "best.json").read_text())
+
+    def logged_steps(self) -> set[int]:
+        """The steps ``validation_log.jsonl`` has a record of."""
+        if not self.log_path.is_file():
+            return set()
+        steps = set()
+        for line in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                steps.add(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return steps
 
     def validate(self, step: int) -> None:
         """Validate the model as it is after step ``step``; keep it when it is the best so far."""

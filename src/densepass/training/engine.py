@@ -51,7 +51,7 @@ from densepass import distributed
 from densepass.checkpoints import Checkpoints, restore_rng, trim_log
 from densepass.config import OptimConfig
 from densepass.device import release_freed_memory, uses_bf16
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataError
 from densepass.numerics import DivergenceGuard
 from densepass.prefetch import prefetched
 from densepass.training import sharding
@@ -378,25 +378,39 @@ def _train(
     earlier = {"loss": float("nan"), "units": 0, "seconds": 0.0}
     resumed = checkpoints.latest()
     if resumed is not None:
-        if sharded:  # every process reads its shards of the weights and of the optimiser's state
-            sharding.load(task.network(), optimizer, resumed.path, resumed.optimizer)
-        else:
-            with plain():
-                task.load(resumed.path, device)
-            optimizer.load_state_dict(resumed.optimizer)
-        if adapters is not None:
-            adapters.load_state_dict(resumed.extra["lora"])
-        scheduler.load_state_dict(resumed.scheduler)
-        restore_rng(resumed.rng)
-        task.load_state_dict(resumed.extra)
-        for callback in callbacks:
-            callback.load_state_dict(resumed.extra)
-        guard.load_state_dict(resumed.extra.get("nonfinite"))
-        if l2sp is not None:
-            l2sp.load_state_dict(resumed.extra)
-        interval.restore(resumed.extra)
-        earlier = resumed.extra.get("totals", earlier)
-        engine.step = resumed.step
+        if not 0 < resumed.step <= total:
+            raise DataError(
+                f"checkpoint {resumed.path} is of step {resumed.step}, outside this run's 1-{total}: remove it, or "
+                "run with --restart"
+            )
+        try:  # a state that verifies but was edited by hand (under a manifest rewritten to match): one line
+            if sharded:  # every process reads its shards of the weights and of the optimiser's state
+                sharding.load(task.network(), optimizer, resumed.path, resumed.optimizer)
+            else:
+                with plain():
+                    task.load(resumed.path, device)
+                optimizer.load_state_dict(resumed.optimizer)
+            if adapters is not None:
+                adapters.load_state_dict(resumed.extra["lora"])
+            scheduler.load_state_dict(resumed.scheduler)
+            restore_rng(resumed.rng)
+            task.load_state_dict(resumed.extra)
+            for callback in callbacks:
+                callback.load_state_dict(resumed.extra)
+            guard.load_state_dict(resumed.extra.get("nonfinite"))
+            if l2sp is not None:
+                l2sp.load_state_dict(resumed.extra)
+            interval.restore(resumed.extra)
+            earlier = resumed.extra.get("totals", earlier)
+            engine.step = resumed.step
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as err:
+            if isinstance(err, torch.OutOfMemoryError):  # the device's, not the checkpoint's
+                raise
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise DataError(
+                f"checkpoint {resumed.path} does not restore ({type(err).__name__}: {first}): remove it, or run with "
+                "--restart"
+            ) from None
     log_path = run_dir / LOG_NAME
     if rank == 0:
         trim_log(log_path, engine.step)

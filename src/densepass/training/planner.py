@@ -26,7 +26,7 @@ import torch
 
 from densepass.config import ScheduleConfig
 from densepass.errors import ConfigError, DataError, DensepassError
-from densepass.io import atomic_file
+from densepass.io import atomic_file, atomic_write_text
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
 from densepass.processes import die_with_parent
@@ -333,9 +333,19 @@ class EpochPlanner:
             self._process = None
 
     def _log(self, record: dict) -> None:
-        if self.log_path is not None:
-            with open(self.log_path, "a") as handle:
-                handle.write(json.dumps(record) + "\n")
+        """Write ``record`` (an epoch's) to the schedule log in place of any earlier record of the same epoch: a run
+        resumed inside an epoch plans it again, and one record an epoch is what ``hardness.png`` draws."""
+        if self.log_path is None:
+            return
+        kept = []
+        if self.log_path.is_file() and not self.log_path.is_symlink():
+            for line in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    if json.loads(line)["epoch"] != record["epoch"]:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    continue  # cut short by an interruption
+        atomic_write_text(self.log_path, "".join(f"{line}\n" for line in [*kept, json.dumps(record)]))
 
 
 class _ListQueue:
