@@ -339,3 +339,22 @@ def test_a_resumed_run_validates_each_step_once_in_its_log(tiny_beir, tiny_model
         return [json.loads(line)["step"] for line in lines]
 
     assert steps("resumed") == steps("straight") and len(set(steps("straight"))) == len(steps("straight"))
+
+
+def test_resuming_a_selecting_run_with_other_validation_settings_is_refused(tiny_beir, tiny_model_dir, tmp_path):
+    """validation.select picks the saved model, yet its settings were not in the run's identity: a resume with
+    another query sample mixed two samples' scores and saved another step's model."""
+    from conftest import interrupted_at_step
+
+    def run(seed, restart=False):
+        extra = ["validation.enabled=true", "validation.select=true", "validation.every_steps=1", "train.batch_size=8"]
+        extra += ["validation.split=dev", "validation.max_queries=2", f"validation.seed={seed}", "train.epochs=2"]
+        extra += ["train.checkpoint_every=2", "validation.subcorpus=full"]
+        config = load_config(None, [*small_run_overrides(tiny_beir, tiny_model_dir, tmp_path, "r"), *extra])
+        return run_experiment(config, restart=restart)
+
+    with interrupted_at_step(4):
+        run(seed=2)
+    with pytest.raises(ConfigError, match=r"validation\.seed"):
+        run(seed=1)
+    run(seed=2)  # the same settings resume

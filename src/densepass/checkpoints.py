@@ -324,8 +324,9 @@ class Checkpoints:
         return None
 
     def _check_identity(self, path: Path, saved: dict) -> None:
-        if "model_source" in self.identity and "model_source" not in saved:  # written before it was recorded
-            saved = {**saved, "model_source": self.identity["model_source"]}
+        for key in RECORDED_LATER:  # written before it was recorded: taken as this run's
+            if key in self.identity and key not in saved:
+                saved = {**saved, key: self.identity[key]}
         if saved == self.identity:
             return
         data = data_change(saved, self.identity, path.name)
@@ -351,6 +352,8 @@ def packing_hint(saved: dict, current: dict) -> str:
     return ""
 
 
+# identity sections added after runs were made, taken as the resuming run's where a checkpoint has none
+RECORDED_LATER = ("model_source", "validation")
 SECTION_SETTINGS = {"reranker": "reranker.train"}  # identity sections named otherwise than their config section
 
 

@@ -129,6 +129,9 @@ def run_identity(
     schedule = {k: v for k, v in asdict(config.schedule).items() if k != "background"}
     loss = {"loss": asdict(config.loss)} if config.loss != LossConfig() else {}  # the default: earlier runs resume
     data_files = {DATA_FILES: data_fingerprints([dataset, *mix])} if dataset is not None else {}
+    # validation that selects the saved model decides what the run gives: its settings too (its query sample, its
+    # subcorpus, when it validates); validation that only logs does not
+    selects = config.validation.enabled and config.validation.select
     return {
         "data": data_identity(config.data),
         "model": without_later_defaults(asdict(config.model)),
@@ -137,6 +140,7 @@ def run_identity(
         **distillation_identity(config),
         **loss,
         **data_files,
+        **({"validation": asdict(config.validation)} if selects else {}),
     }
 
 
