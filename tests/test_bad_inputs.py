@@ -1731,3 +1731,62 @@ def test_index_refuses_hybrid_options_it_would_ignore(tiny_beir, tmp_path, capsy
     assert main(["index", str(tiny_beir), *flags, "--output", str(tmp_path / "idx")]) == 2
     [line] = stderr_lines(capsys)
     assert message in line and not (tmp_path / "idx").exists()
+
+
+# ---------------------------------------------------------------- the command line, fourth hunt
+
+
+def test_a_run_tag_with_a_space_or_empty_is_refused_before_the_search(bm25_index, tmp_path, capsys):
+    """It was written (``... 0.9 my tag``: seven columns) and then refused by evaluate, and by the same command."""
+    queries = tmp_path / "q.tsv"
+    queries.write_text("qa\tvideo player\nqb\tmail agent\n")
+    for tag in ("my tag", ""):
+        out = tmp_path / "r.trec"
+        args = ["search", str(bm25_index), "--queries", str(queries), "--output", str(out), "--tag", tag]
+        assert main(args) == 2 and not out.exists()
+        assert "a TREC run's tag is one word" in capsys.readouterr().err
+    out = tmp_path / "deep.trec"
+    assert main(["search", str(bm25_index), "--queries", str(queries), "--output", str(out), "--k", "1000000"]) == 0
+    deepest = max(sum(1 for line in out.read_text().splitlines() if line.startswith(q + " ")) for q in ("qa", "qb"))
+    assert f"top {deepest} each" in capsys.readouterr().out  # what it wrote, not the --k asked for
+
+
+def test_index_update_refuses_a_precision_for_a_bm25_index(bm25_index, tmp_path, capsys):
+    import shutil
+
+    live = tmp_path / "live"
+    shutil.copytree(bm25_index, live)
+    upsert = tmp_path / "new.jsonl"
+    upsert.write_text(json.dumps({"_id": "n1", "text": "a new passage"}) + "\n")
+    assert main(["index-update", str(live), "--precision", "bf16", "--upsert", str(upsert)]) == 2
+    assert "--precision bf16 applies to model indexes" in capsys.readouterr().err
+    assert not (live / "v000001").exists()
+
+
+def test_a_corpus_file_given_as_a_dataset_says_a_dataset_is_a_folder(tiny_beir, tmp_path, capsys):
+    run = tmp_path / "run.trec"
+    run.write_text("q1 Q0 p1 1 1.0 x\n")
+    assert main(["evaluate", str(tiny_beir / "corpus.jsonl"), str(run)]) == 2
+    assert "corpus.jsonl is a file: a dataset with queries and judgements is a folder" in capsys.readouterr().err
+
+
+def test_a_cross_encoder_is_refused_as_an_index_model_and_as_a_retriever_to_export(
+    tiny_beir, tiny_model_dir, tmp_path, capsys
+):
+    """It was indexed with its bare encoder, and exported (to ONNX too) as "a bi-encoder retriever", head dropped."""
+    from densepass.models.cross_encoder import CrossEncoder
+
+    CrossEncoder.new(str(tiny_model_dir), max_length=32).save(tmp_path / "ce")
+    assert main(["index", str(tiny_beir), "--model", str(tmp_path / "ce"), "--output", str(tmp_path / "idx")]) == 2
+    assert "holds a cross-encoder" in capsys.readouterr().err and not (tmp_path / "idx").exists()
+    for to in ("onnx", "dir"):
+        assert main(["export", str(tmp_path / "ce"), "--to", to, str(tmp_path / f"out-{to}")]) == 2
+        assert "holds a cross-encoder" in capsys.readouterr().err
+
+
+def test_a_relative_checkpoint_named_model_is_labelled_by_its_folder(tmp_path, monkeypatch):
+    from densepass.pipelines.study import checkpoint_name
+
+    (tmp_path / "run-a" / "model").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "run-a")
+    assert checkpoint_name(Path("model")) == "run-a"

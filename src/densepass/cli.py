@@ -242,7 +242,8 @@ def _search(args: argparse.Namespace) -> None:
         return
     run = pipeline.results(texts, args.k).as_run(ids)
     write_trec_run(run, args.output, tag=args.tag)
-    print(f"{len(ids):,} queries searched, top {args.k} each -> {args.output}")
+    deepest = max((len(hits) for hits in run.values()), default=0)  # the index may hold fewer than --k
+    print(f"{len(ids):,} queries searched, top {min(args.k, deepest) if run else args.k} each -> {args.output}")
 
 
 def _print_hits(query: str, hits) -> None:

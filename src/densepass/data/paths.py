@@ -32,6 +32,11 @@ def dataset_dir(name: str, data_dir: str | Path | None = None) -> Path:
         return Path(name)
     root = Path(data_dir) if data_dir else default_data_dir()
     path = root / name
+    if not _is_dir(path) and Path(name).is_file():
+        raise DataError(
+            f"{name} is a file: a dataset with queries and judgements is a folder (BEIR, MS MARCO, ...); give the "
+            "folder, or, where the command takes them, the queries with --queries"
+        )
     if not _is_dir(path):
         raise DataError(
             f"dataset {name!r} not found in {root} (set --data-dir or ${ENV_VAR}, "

@@ -391,6 +391,8 @@ def check_run_file(path: str | Path, tag: str | None = None) -> None:
     ``write_trec_run`` checks it, and a command checks it before its work."""
     from densepass.io import check_output_file, every_line
 
+    if tag is not None and (not tag or any(c.isspace() for c in tag)):
+        raise ConfigError(f"--tag {tag!r}: a TREC run's tag is one word (no spaces), the sixth column of every line")
     if Path(path).is_dir():
         raise ConfigError(f"--output {path} is a directory; give a run file path")
 

@@ -144,6 +144,9 @@ def update_saved_index(
     takes = KINDS[kind].load_options
     if options.get("model") is not None and takes is not None and "model" not in takes:
         raise ConfigError(f"--model is the model of a model index; {directory} is a {kind} index")
+    precision = options.get("precision")
+    if precision not in (None, "auto", "fp32") and takes is not None and "precision" not in takes:
+        raise ConfigError(f"--precision {precision} applies to model indexes; {directory} is a {kind} index")
     if compact and delete_file is None and upsert_file is None and nothing_to_compact(directory):
         with exclusive_lock(directory, "index update"):  # what a killed update left still goes
             clear_killed_update(directory, version_name(index_version(directory) + 1))

@@ -37,6 +37,25 @@ def model_kind(path: str | Path) -> ModelKind | None:
     return None
 
 
+def refuse_cross_encoder(path: str | Path, what: str) -> None:
+    """A one-line ConfigError where ``path`` holds a cross-encoder (a sequence-classification model with one
+    label, as ``CrossEncoder.save`` and sentence-transformers write them): it scores (query, passage) pairs and
+    embeds nothing, so ``what`` (an index, an export as a retriever) would run its bare encoder, head dropped."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if not isinstance(config, dict) or model_kind(path) is not None:
+        return
+    classifier = any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ())
+    labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)
+    if classifier and labels == 1:
+        raise ConfigError(
+            f"{path} holds a cross-encoder, which scores (query, passage) pairs and embeds nothing: {what} needs a "
+            "retriever; rerank with it instead (densepass rerank --model, or --rerank at search time)"
+        )
+
+
 def saved_architecture(path: str | Path, kind: ModelKind, cls: type[Architecture], what: str) -> Architecture | None:
     """The ``cls`` architecture saved in ``path`` by a ``kind`` model (None for a plain Hugging Face model);
     a directory holding another kind is a one-line ConfigError ("... holds a splade model, not ``what``")."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from densepass.models.biencoder import BiEncoder, resolve_model_path
 from densepass.models.colbert import ColBERT
-from densepass.models.kinds import model_kind
+from densepass.models.kinds import model_kind, refuse_cross_encoder
 from densepass.models.splade import SpladeEncoder
 
 Retriever = BiEncoder | SpladeEncoder | ColBERT
@@ -15,7 +15,9 @@ CLASSES: dict[str, type] = {"bi-encoder": BiEncoder, "splade": SpladeEncoder, "c
 
 def load_model(name_or_path: str) -> Retriever:
     """The model saved in ``name_or_path`` as its own kind; a plain Hugging Face model loads as a bi-encoder."""
-    kind = model_kind(resolve_model_path(name_or_path)) or "bi-encoder"
+    path = resolve_model_path(name_or_path)
+    refuse_cross_encoder(path, "a retriever's load")
+    kind = model_kind(path) or "bi-encoder"
     return CLASSES[kind].from_pretrained(name_or_path)
 
 

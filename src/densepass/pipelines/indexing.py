@@ -46,9 +46,10 @@ from densepass.index.hybrid import HybridIndex, part_precision
 from densepass.index.ondisk import IVFPQOptions, build_ondisk_ivfpq
 from densepass.index.sharded import DEFAULT_BLOCK, SHARDS_FILE, ShardedEmbeddings, encode_sharded
 from densepass.io import check_replaceable, move_aside
-from densepass.models.biencoder import BiEncoder
+from densepass.models.biencoder import BiEncoder, resolve_model_path
 from densepass.models.colbert import ColBERT
 from densepass.models.copies import float_precision
+from densepass.models.kinds import refuse_cross_encoder
 from densepass.models.matryoshka import check_index_dim
 from densepass.models.splade import SpladeEncoder
 from densepass.phrase.index import PhraseIndex
@@ -100,6 +101,8 @@ class IndexSettings:
             self.model = DEFAULT_MODEL
         if self.kind != "bm25" and not self.model:
             raise ConfigError(f"a {self.kind} index needs a model")
+        if self.kind != "bm25" and isinstance(self.model, str | Path):
+            refuse_cross_encoder(resolve_model_path(str(self.model)), f"a {self.kind} index")
         if self.sparse_model and self.kind != "hybrid":
             raise ConfigError(f"--sparse-model is the SPLADE part of a hybrid index; a {self.kind} index has none")
         if self.threshold is not None and self.kind != "phrase":
