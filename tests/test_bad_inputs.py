@@ -1790,3 +1790,22 @@ def test_a_relative_checkpoint_named_model_is_labelled_by_its_folder(tmp_path, m
     (tmp_path / "run-a" / "model").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "run-a")
     assert checkpoint_name(Path("model")) == "run-a"
+
+
+def test_export_and_config_refuse_the_options_they_would_ignore(tiny_model_dir, tmp_path, capsys):
+    """`export --to dir --force --collection ...` and `config --explain CONFIG --set ... --output F` exited 0 and
+    ignored what they were given (nothing written to --output); --pretrain --phrase picked one in silence."""
+    out = tmp_path / "pub"
+    for extra, message in (
+        (["--force", "--collection", "foo"], "--collection, --force: options of --to qdrant"),
+        (["--batch-size", "3"], "--batch-size: options of --to qdrant"),
+        (["--private"], "--private: an option of --to hub"),
+    ):
+        assert main(["export", str(tiny_model_dir), "--to", "dir", str(out), *extra]) == 2
+        assert message in capsys.readouterr().err and not out.exists()
+    assert main(["config", "--explain", "--output", str(tmp_path / "keys.txt")]) == 2
+    assert "--explain lists the keys" in capsys.readouterr().err and not (tmp_path / "keys.txt").exists()
+    assert main(["config", "--explain", "--set", "train.batch_size=abc"]) == 2
+    assert main(["config", "--pretrain", "--phrase", "--explain"]) == 2
+    assert "give one" in capsys.readouterr().err
+    assert main(["config", "--explain"]) == 0

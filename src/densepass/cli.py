@@ -69,7 +69,12 @@ def _config(args: argparse.Namespace) -> None:
     from densepass.phrase.config import PhraseConfig
     from densepass.pretraining.config import PretrainConfig
 
+    if args.pretrain and args.phrase:
+        raise ConfigError("--pretrain and --phrase name two kinds of config: give one")
     cls = PretrainConfig if args.pretrain else PhraseConfig if args.phrase else ExperimentConfig
+    given = [flag for flag, value in (("CONFIG", args.config), ("--set", args.set), ("--output", args.output)) if value]
+    if args.explain and given:  # --explain lists every key of the kind: it reads and writes nothing
+        raise ConfigError(f"--explain lists the keys of a kind of config; drop {', '.join(given)}")
     if args.explain:
         for key, kind, default, meaning in explain(cls):
             print(f"{key}  ({kind}; default {default})\n    {meaning}")
@@ -467,11 +472,18 @@ def _ensemble(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
+    qdrant = {"--collection": args.collection, "--api-key": args.api_key, "--force": args.force,
+              "--batch-size": args.batch_size, "--no-text": args.no_text}  # fmt: skip
+    given = [flag for flag, value in qdrant.items() if value not in (None, False)]
+    if args.to != "qdrant" and given:  # they would be ignored in silence
+        raise ConfigError(f"{', '.join(given)}: options of --to qdrant, not of --to {args.to}")
+    if args.private and args.to != "hub":
+        raise ConfigError(f"--private: an option of --to hub (a repo's visibility), not of --to {args.to}")
     if args.to == "qdrant":
         from densepass.pipelines.vector_export import export_to_qdrant
 
         done = export_to_qdrant(
-            args.model, args.target, args.collection, args.api_key, args.force, args.batch_size, not args.no_text
+            args.model, args.target, args.collection, args.api_key, args.force, args.batch_size or 256, not args.no_text
         )
         print(f"exported {done.points} points ({done.dim}-d, {done.distance}) of {args.model} to collection "
               f"{done.collection!r} at {done.target}")  # fmt: skip
@@ -901,7 +913,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--collection", default=None, help="qdrant: the collection (default: the index folder's name)")
     export.add_argument("--api-key", default=None, help="qdrant: the server's API key (default: $QDRANT_API_KEY)")
     export.add_argument("--force", action="store_true", help="qdrant: replace a collection of that name")
-    export.add_argument("--batch-size", type=positive_int, default=256, help="qdrant: points per upsert")
+    export.add_argument("--batch-size", type=positive_int, default=None, help="qdrant: points per upsert (256)")
     export.add_argument("--no-text", action="store_true", help="qdrant: payloads without titles and texts")
     export.set_defaults(func=_export)
 
