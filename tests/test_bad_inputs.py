@@ -1809,3 +1809,20 @@ def test_export_and_config_refuse_the_options_they_would_ignore(tiny_model_dir, 
     assert main(["config", "--pretrain", "--phrase", "--explain"]) == 2
     assert "give one" in capsys.readouterr().err
     assert main(["config", "--explain"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "message"),
+    [
+        ("bm25", ["--top-terms", "5"], "--top-terms: an option of --kind splade, not of --kind bm25"),
+        ("bm25", ["--compression", "residual"], "--compression: an option of --kind colbert"),
+        ("bm25", ["--nprobe", "3"], "--nprobe: an option of --kind colbert and the dense kinds"),
+        ("bm25", ["--pq-bits", "4"], "--pq-bits: an option of the dense kinds, not of --kind bm25"),
+        ("colbert", ["--residual-bits", "4"], "--residual-bits sets --compression residual's bits"),
+    ],
+)
+def test_index_refuses_the_options_of_other_kinds(tiny_beir, tmp_path, capsys, kind, extra, message):
+    """They were accepted and ignored: `--kind bm25 --top-terms 5` exited 0, `--residual-bits 4` with fp16 vectors
+    stored a setting nothing used."""
+    assert main(["index", str(tiny_beir), "--kind", kind, "--output", str(tmp_path / "idx"), *extra]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "idx").exists()

@@ -127,6 +127,7 @@ def _index(args: argparse.Namespace) -> None:
         raise ConfigError(f"{', '.join(given)}: options of --kind hybrid, not of --kind {args.kind}")
     if args.fusion_weight is not None and (args.fusion or "rrf") == "rrf":
         raise ConfigError("--fusion-weight weighs --fusion linear; rrf fuses ranks, without a weight")
+    check_kind_options(args)
     settings = IndexSettings(
         args.kind,
         args.model,
@@ -140,7 +141,7 @@ def _index(args: argparse.Namespace) -> None:
         retriever=_retriever_options(args),
         threshold=args.filter_threshold,
         precision=args.precision,
-        ivf=IVFPQOptions(args.ivf_lists, args.pq_m, args.pq_bits, args.train_size, **nprobe),
+        ivf=IVFPQOptions(args.ivf_lists, args.pq_m, args.pq_bits or 8, args.train_size, **nprobe),
         dim=args.dim,
         embedding_precision=args.embedding_precision,
         rescore_with=args.rescore_with or "float",
@@ -168,13 +169,40 @@ def _index_update(args: argparse.Namespace) -> None:
     print(f"updated {args.index} to version {index.version}: {len(index):,} passages{waiting}")
 
 
+def check_kind_options(args: argparse.Namespace) -> None:
+    """``densepass index``'s options of one kind, refused for another (they were ignored in silence): SPLADE's
+    pruning, ColBERT's storage and search, the inverted lists of an IVF-PQ index."""
+    ivf = {"--ivf-lists": args.ivf_lists, "--pq-m": args.pq_m, "--pq-bits": args.pq_bits}
+    ivf["--train-size"] = args.train_size
+    owners = {
+        "--top-terms": (args.top_terms, ("splade", "hybrid"), "--kind splade"),
+        "--compression": (args.compression, ("colbert",), "--kind colbert"),
+        "--residual-bits": (args.residual_bits, ("colbert",), "--kind colbert"),
+        "--candidates": (args.candidates, ("colbert",), "--kind colbert"),
+        **{flag: (value, INDEX_KINDS_WITH_LISTS, "the dense kinds") for flag, value in ivf.items()},
+        "--nprobe": (args.nprobe, ("colbert", *INDEX_KINDS_WITH_LISTS), "--kind colbert and the dense kinds"),
+    }
+    for flag, (value, kinds, whose) in owners.items():
+        if value is not None and args.kind not in kinds:
+            raise ConfigError(f"{flag}: an option of {whose}, not of --kind {args.kind}")
+    if args.residual_bits is not None and args.compression != "residual":
+        raise ConfigError("--residual-bits sets --compression residual's bits; give --compression residual")
+
+
+# the kinds that may hold inverted lists (an IVF-PQ index, or a hybrid's dense part): not BM25, SPLADE, ColBERT, phrase
+INDEX_KINDS_WITH_LISTS = tuple(k for k in INDEX_KINDS if k not in ("bm25", "splade", "colbert", "phrase"))
+
+
 def _retriever_options(args: argparse.Namespace):
     """SPLADE pruning and ColBERT storage / search options of ``densepass index``, as a model section."""
     from densepass.config import ColbertConfig, ModelConfig, SpladeConfig
 
     nprobe = {} if args.nprobe is None else {"nprobe": args.nprobe}
     colbert = ColbertConfig(
-        compression=args.compression, residual_bits=args.residual_bits, candidates=args.candidates, **nprobe
+        compression=args.compression or "fp16",
+        residual_bits=args.residual_bits or 2,
+        candidates=args.candidates or 256,
+        **nprobe,
     )
     return ModelConfig(splade=SpladeConfig(index_top_terms=args.top_terms), colbert=colbert)
 
@@ -676,8 +704,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     index.add_argument("--sparse-model", default=None, help="hybrid: fuse with this SPLADE model instead of BM25")
     index.add_argument("--top-terms", type=positive_int, default=None, help="splade: keep each passage's top N terms")
-    index.add_argument("--compression", default="fp16", choices=["fp16", "residual"], help="colbert: vector storage")
-    index.add_argument("--residual-bits", type=int, default=2, choices=[1, 2, 4, 8], help="colbert residual: bits/dim")
+    index.add_argument(
+        "--compression", default=None, choices=["fp16", "residual"], help="colbert: vector storage (fp16)"
+    )
+    index.add_argument(
+        "--residual-bits", type=int, default=None, choices=[1, 2, 4, 8], help="colbert residual: bits/dim (2)"
+    )
     index.add_argument(
         "--nprobe",
         type=positive_int,
@@ -693,14 +725,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"{ONDISK_INDEX_KIND}: sub-vectors per passage code (default dim/4)",
     )
-    index.add_argument("--pq-bits", type=positive_int, default=8, help=f"{ONDISK_INDEX_KIND}: bits per sub-vector")
+    index.add_argument(
+        "--pq-bits", type=positive_int, default=None, help=f"{ONDISK_INDEX_KIND}: bits per sub-vector (8)"
+    )
     index.add_argument(
         "--train-size",
         type=positive_int,
         default=None,
         help=f"{ONDISK_INDEX_KIND}: passages sampled to train on (default 64 per list, at least 10,000)",
     )
-    index.add_argument("--candidates", type=positive_int, default=256, help="colbert: candidates scored exactly")
+    index.add_argument("--candidates", type=positive_int, default=None, help="colbert: candidates scored exactly (256)")
     index.add_argument("--batch-size", type=positive_int, default=256, help="encoding batch size")
     index.add_argument(
         "--embedding-precision",

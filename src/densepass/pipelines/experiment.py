@@ -490,10 +490,11 @@ def score_run(exp: Experiment, run: Run, name: str) -> dict[str, float]:
     ``eval.ignore_identical_ids``, of the run without the queries' own ids (what is written is what is scored)."""
     if exp.config.eval.ignore_identical_ids:
         run = without_identical_ids(run, exp.config.eval.depth)
-    path = exp.run_dir / "runs" / f"{name}.trec"
+    tag = "-".join(name.split())  # a TREC tag is one word: "ColBERT exhaustive" is written ColBERT-exhaustive
+    path = exp.run_dir / "runs" / f"{tag}.trec"
     if path.exists() and not written_by_densepass(path):  # a user's file bearing the name of one of the run's own
-        raise ConfigError(f"{path} is not a run densepass wrote (its lines are not tagged {name}): move it away")
-    write_trec_run(run, path, tag=name)
+        raise ConfigError(f"{path} is not a run densepass wrote (its lines are not tagged {tag}): move it away")
+    write_trec_run(run, path, tag=tag)
     exp.runs[name] = run
     evalset = exp.evalset
     metrics = list(exp.config.eval.metrics)
