@@ -64,19 +64,14 @@ def test_the_service_embedder_puts_its_model_in_eval_mode_once(tiny_model_dir, m
 def test_a_position_table_that_is_not_a_multiple_of_8_encodes_texts_cut_at_its_length(tmp_path, monkeypatch):
     """Batches were padded to a multiple of 8 past ``max_length``: a BERT with 100 positions met a 104-token batch
     (a RuntimeError). A text cut at 100 tokens encodes as it trains; the fp32 path, and bf16 without the kernels."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
+    from transformers import AutoTokenizer, BertModel
 
+    from conftest import tiny_bert_config
     from densepass.models.biencoder import BiEncoderConfig, resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=100,
-    )
+    config = tiny_bert_config(tokenizer.vocab_size)
+    config.max_position_embeddings = 100  # not a multiple of 8
     torch.manual_seed(0)
     BertModel(config).save_pretrained(tmp_path / "m100")
     tokenizer.save_pretrained(tmp_path / "m100")
