@@ -152,3 +152,12 @@ def test_the_data_fingerprint_tells_apart_same_named_datasets_and_datasets_built
     one, other = _dataset("mine", "first passage"), _dataset("mine", "other passage")
     assert data_fingerprints([one]) != data_fingerprints([other])
     assert data_fingerprints([one]) == data_fingerprints([_dataset("mine", "first passage")])
+
+
+def test_a_passage_whose_id_is_a_header_word_is_kept_inside_a_file(tmp_path):
+    """Only the first line is a header by its id alone; further on a header names both columns (``pid<TAB>passage``):
+    a string-id collection's passage ``id`` is a passage."""
+    marco = write_msmarco(tmp_path / "marco")
+    write(marco / "collection.tsv", "0\tfirst passage\n1\tsecond\nid\ta passage whose id is a word\n2\tthird\n")
+    ds, said = data_warnings(lambda: load_msmarco(marco))
+    assert ds.corpus.ids == ["0", "1", "id", "2"] and not [w for w in said if "header" in w]

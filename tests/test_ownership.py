@@ -234,10 +234,15 @@ def test_claim_refuses_a_foreign_folder_and_restart_keeps_foreign_files(tmp_path
         claim_run_directory(run, "pre-training", ("checkpoints", "report.md"), restart=True)
     kept = claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
     assert kept == ["notes.txt", "sub"]
-    # inside the run's own entries too: a user's file in a saved model, or named like a log, is kept
+    # inside the run's own entries too: a user's file named like a log is kept; one in a saved model stops the
+    # restart before anything goes (the new run could not save that model)
     with atomic_directory(run / "best-model") as tmp:
         (tmp / "weights.bin").write_text("w")
     (run / "best-model" / "my_notes.txt").write_text("mine")
+    with pytest.raises(DensepassError, match=r"best-model/my_notes.txt is not densepass's, inside .*best-model"):
+        claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
+    assert (run / "best-model" / "weights.bin").is_file()
+    (run / "best-model" / "my_notes.txt").rename(run / "best-model-notes.txt")
     (run / "meeting_log.jsonl").write_text("{}")
     (run / "subcorpus_ideas.json").write_text("{}")
     (run / "runs").mkdir()
@@ -254,7 +259,7 @@ def test_claim_refuses_a_foreign_folder_and_restart_keeps_foreign_files(tmp_path
     (run / "reranker" / "notes.txt").write_text("mine")
     kept = claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
     assert kept == [
-        "best-model/my_notes.txt",
+        "best-model-notes.txt",
         "meeting_log.jsonl",
         "negatives/my-pool.jsonl",
         "notes.txt",
@@ -267,7 +272,7 @@ def test_claim_refuses_a_foreign_folder_and_restart_keeps_foreign_files(tmp_path
     ]
     assert (run / "runs" / "my-bm25.trec").read_text() == "q Q0 p 1 1.0 anserini\n"
     assert (run / "runs" / "copy.trec").read_text() == "q Q0 p 1 1.0 densepass\n"
-    assert (run / "best-model" / "my_notes.txt").read_text() == "mine"
+    assert (run / "best-model-notes.txt").read_text() == "mine"
     assert (run / "runs" / "draft.txt").read_text() == "mine"
     assert not (run / "checkpoints").exists() and not (run / "report.md").exists()
     assert not (run / "model").is_symlink()
@@ -863,26 +868,26 @@ def _run_with_marker(run: Path) -> Path:
     return run
 
 
-def test_restart_keeps_a_users_file_put_inside_a_folder_an_entry_pattern_names(tmp_path):
+def test_restart_never_deletes_a_users_file_put_inside_a_folder_an_entry_pattern_names(tmp_path):
     """A pattern's ``*`` matched across folders (``miner-*`` took ``miner-8d-abc/model/my_notes.txt``; ``model/*`` of
-    the reranker took its model's notes): the notes were deleted. A pattern names files, folder by folder."""
+    the reranker took its model's notes): the notes were deleted. A pattern names files, folder by folder; a user's
+    file in a folder densepass saves whole stops the restart before anything goes (the run could not save there)."""
     run = _run_with_marker(tmp_path / "run")
-    for folder in ("negatives/miner-8d-abc/model", "reranker/model", "reranker/checkpoints/step-2", "best-model"):
+    folders = ("negatives/miner-8d-abc/model", "reranker/model", "reranker/checkpoints/step-2")
+    for folder in folders:
         with atomic_directory(run / folder) as tmp:
             (tmp / "model.safetensors").write_text("w")
-        (run / folder / "my_notes.txt").write_text("mine")
     (run / "negatives" / "miner-8d-abc" / "train_log.jsonl").write_text("{}\n")
     (run / "reranker" / "train_log.jsonl").write_text("{}\n")
-    kept = claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
-    notes = [
-        "best-model/my_notes.txt",
-        "negatives/miner-8d-abc/model/my_notes.txt",
-        "reranker/checkpoints/step-2/my_notes.txt",
-        "reranker/model/my_notes.txt",
-    ]
-    assert sorted(kept) == notes and all((run / n).read_text() == "mine" for n in notes)
-    left = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and p.name != RUN_MARKER)
-    assert left == notes  # densepass's own files around them are gone: the models, the logs
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file())
+    for folder in folders:
+        (run / folder / "my_notes.txt").write_text("mine")
+        with pytest.raises(DensepassError, match=rf"{folder}/my_notes.txt is not densepass's, inside .*{folder}"):
+            claim_run_directory(run, "run", RUN_ENTRIES, restart=True)
+        (run / folder / "my_notes.txt").unlink()
+        assert sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file()) == before  # nothing removed
+    assert claim_run_directory(run, "run", RUN_ENTRIES, restart=True) == []
+    assert sorted(p.name for p in run.iterdir()) == [RUN_MARKER]  # the miner's and the reranker's files all went
 
 
 def test_restart_removes_the_old_checkpoints_beside_a_users_file(tmp_path):

@@ -171,26 +171,27 @@ def _index_update(args: argparse.Namespace) -> None:
 
 def check_kind_options(args: argparse.Namespace) -> None:
     """``densepass index``'s options of one kind, refused for another (they were ignored in silence): SPLADE's
-    pruning, ColBERT's storage and search, the inverted lists of an IVF-PQ index."""
+    pruning, ColBERT's storage and search, the inverted lists of the on-disk IVF-PQ (a hybrid's dense part too)."""
+    encoded = (args.dense_kind or "exact") if args.kind == "hybrid" else args.kind
     ivf = {"--ivf-lists": args.ivf_lists, "--pq-m": args.pq_m, "--pq-bits": args.pq_bits}
     ivf["--train-size"] = args.train_size
     owners = {
-        "--top-terms": (args.top_terms, ("splade", "hybrid"), "--kind splade"),
-        "--compression": (args.compression, ("colbert",), "--kind colbert"),
-        "--residual-bits": (args.residual_bits, ("colbert",), "--kind colbert"),
-        "--candidates": (args.candidates, ("colbert",), "--kind colbert"),
-        **{flag: (value, INDEX_KINDS_WITH_LISTS, "the dense kinds") for flag, value in ivf.items()},
-        "--nprobe": (args.nprobe, ("colbert", *INDEX_KINDS_WITH_LISTS), "--kind colbert and the dense kinds"),
+        "--top-terms": (args.top_terms, args.kind in ("splade", "hybrid"), "--kind splade"),
+        "--compression": (args.compression, args.kind == "colbert", "--kind colbert"),
+        "--residual-bits": (args.residual_bits, args.kind == "colbert", "--kind colbert"),
+        "--candidates": (args.candidates, args.kind == "colbert", "--kind colbert"),
+        **{flag: (value, encoded == ONDISK_INDEX_KIND, f"--kind {ONDISK_INDEX_KIND}") for flag, value in ivf.items()},
+        "--nprobe": (
+            args.nprobe,
+            args.kind == "colbert" or encoded == ONDISK_INDEX_KIND,
+            f"--kind colbert and --kind {ONDISK_INDEX_KIND}",
+        ),
     }
-    for flag, (value, kinds, whose) in owners.items():
-        if value is not None and args.kind not in kinds:
+    for flag, (value, applies, whose) in owners.items():
+        if value is not None and not applies:
             raise ConfigError(f"{flag}: an option of {whose}, not of --kind {args.kind}")
     if args.residual_bits is not None and args.compression != "residual":
         raise ConfigError("--residual-bits sets --compression residual's bits; give --compression residual")
-
-
-# the kinds that may hold inverted lists (an IVF-PQ index, or a hybrid's dense part): not BM25, SPLADE, ColBERT, phrase
-INDEX_KINDS_WITH_LISTS = tuple(k for k in INDEX_KINDS if k not in ("bm25", "splade", "colbert", "phrase"))
 
 
 def _retriever_options(args: argparse.Namespace):

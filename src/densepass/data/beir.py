@@ -55,7 +55,7 @@ def find_file(directory: Path, stem: str) -> Path:
     raise DataError(f"missing file: {directory / stem} (or .gz)")
 
 
-FIELDS = ('"_id"', '"title"', '"text"', '"doc_id"', '"answers"', '"metadata"')
+FIELDS = re.compile(r'"(?:_id|title|text|doc_id|answers|metadata)"')
 """The JSON-lines fields readers take, quoted as keys are: one given twice in an object is an error, not the last
 value kept in silence."""
 
@@ -69,8 +69,9 @@ def _record(line: str | bytes, path: Path, line_no: int, unique_keys: bool = Fal
     unescaped, so only such lines, or a rare text ending in an escaped quote, pay for the check)."""
     if isinstance(line, bytes):
         line = line.decode("utf-8")
-    if not unique_keys and any(line.count(field) > 1 for field in FIELDS):
-        unique_keys = True
+    if not unique_keys:
+        named = FIELDS.findall(line)  # one scan in C: a third of json.loads' time on a typical passage
+        unique_keys = len(named) > len(set(named))
     try:
         record = json.loads(line, object_pairs_hook=_unique_keys(path, line_no) if unique_keys else None)
     except json.JSONDecodeError as err:

@@ -22,22 +22,28 @@ from densepass.data.files import Tally, read_lines, records_files
 from densepass.data.reader_helpers import HEADER_KEYS, CorpusBuilder, check_id, require_dir, split_files
 from densepass.errors import DataError
 
+HEADER_TEXTS = frozenset({"text", "passage", "query", "title", "contents", "body", "question"})
+"""Second-column names of a header line (``pid<TAB>passage``): a header repeated inside a file names both columns."""
+
 
 def read_id_text_tsv(path: Path) -> Iterator[tuple[int, str, str]]:
-    """``(line number, id, text)`` for each non-blank ``id<TAB>text`` line of ``path``; header lines (first column
-    one of :data:`HEADER_KEYS`: first in the file, or again where files were concatenated) are skipped with one
-    counted DataWarning."""
+    """``(line number, id, text)`` for each non-blank ``id<TAB>text`` line of ``path``; header lines are skipped with
+    one counted DataWarning: first in the file, one whose first column is one of :data:`HEADER_KEYS`; further on
+    (files concatenated), one whose second column is a header name too (:data:`HEADER_TEXTS`)."""
     headers = Tally(path, "header lines skipped")
+    first = None  # the first line that is not blank
     for line_no, line in read_lines(path):
         line = line.rstrip("\r\n")
         if not line.strip():
             continue
+        first = first or line_no
         key, tab, text = line.partition("\t")
         key = key.strip()
         if not tab or not key:
             raise DataError(f"{path}:{line_no}: expected 'id<TAB>text', got {line[:60]!r}")
         check_id(key, "id", f"{path}:{line_no}")
-        if key.lower() in HEADER_KEYS:
+        # first in the file, a header by its id column alone; further on, by both columns (a passage may be "id")
+        if key.lower() in HEADER_KEYS and (line_no == first or text.strip().lower() in HEADER_TEXTS):
             headers.add(line_no)
             continue
         yield line_no, key, text

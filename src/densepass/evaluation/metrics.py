@@ -96,7 +96,7 @@ def check_metrics(names: Sequence[str]) -> None:
         if not ok:
             raise ConfigError(
                 f"unknown metric {name!r} (known: {', '.join(RANX_METRICS)}, each with an optional "
-                f"cutoff @k, 1 <= k <= {MAX_CUTOFF}; and {ACCURACY}@k)"
+                f"cutoff @k but {', '.join(UNCUT_METRICS)}, 1 <= k <= {MAX_CUTOFF}; and {ACCURACY}@k)"
             )
 
 

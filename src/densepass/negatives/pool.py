@@ -108,6 +108,8 @@ def load_pool(path: str | Path, dataset: RetrievalDataset | None = None) -> Nega
     with open(path, "rb") as handle:
         for line_no, raw in enumerate(handle, 1):
             where = f"{path}:{line_no}"
+            if line_no == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark (a file saved by a Windows editor)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:

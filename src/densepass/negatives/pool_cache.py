@@ -40,7 +40,7 @@ from densepass.negatives.pool import MiningResult, load_pool, save_pool
 CACHE_FOLDER = "negative-pools"
 POOL_FILE = "pool.jsonl"
 RESULT_FILE = "mining.json"  # written last: the entry is complete
-MINING_VERSION = 2  # raise it when mining changes what a key's pool is (2: BM25 breaks ties by row)
+MINING_VERSION = 3  # raise it when mining changes what a key's pool is (2: BM25 breaks ties by row; 3: DPR has_answer)
 DRAW_ONLY = ("per_query", "refresh_every")  # settings of how training draws from a pool, not of the pool
 
 

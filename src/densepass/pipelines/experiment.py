@@ -362,8 +362,8 @@ RUN_ENTRIES = (
     "schedule/epoch-*",
     # the dense miners' logs (their model/ and checkpoints/ list their own files), the refreshed pools, the mined
     # ones (negatives.pool_cache)
-    "negatives/miner-*/train_log.jsonl|refresh_log.jsonl|refresh-step-*.jsonl|negative-pools/*/pool.jsonl"
-    "|negative-pools/*/mining.json",
+    "negatives/miner-*/train_log.jsonl|refresh_log.jsonl|refresh-step-*.jsonl|refresh-teacher-step-*.jsonl"
+    "|refresh-teacher-step-*.jsonl.partial|negative-pools/*/pool.jsonl|negative-pools/*/mining.json",
     "negatives.jsonl",
     "teacher_scores.jsonl",
     "teacher_scores.jsonl.partial",

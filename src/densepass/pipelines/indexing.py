@@ -46,7 +46,7 @@ from densepass.index.hybrid import HybridIndex, part_precision
 from densepass.index.ondisk import IVFPQOptions, build_ondisk_ivfpq
 from densepass.index.sharded import DEFAULT_BLOCK, SHARDS_FILE, ShardedEmbeddings, encode_sharded
 from densepass.io import check_replaceable, move_aside
-from densepass.models.biencoder import BiEncoder, resolve_model_path
+from densepass.models.biencoder import BiEncoder
 from densepass.models.colbert import ColBERT
 from densepass.models.copies import float_precision
 from densepass.models.kinds import refuse_cross_encoder
@@ -101,8 +101,6 @@ class IndexSettings:
             self.model = DEFAULT_MODEL
         if self.kind != "bm25" and not self.model:
             raise ConfigError(f"a {self.kind} index needs a model")
-        if self.kind != "bm25" and isinstance(self.model, str | Path):
-            refuse_cross_encoder(resolve_model_path(str(self.model)), f"a {self.kind} index")
         if self.sparse_model and self.kind != "hybrid":
             raise ConfigError(f"--sparse-model is the SPLADE part of a hybrid index; a {self.kind} index has none")
         if self.threshold is not None and self.kind != "phrase":
@@ -130,6 +128,9 @@ class IndexSettings:
             raise ConfigError(f"--dim cuts a bi-encoder's embeddings: a {self.kind} index has none to cut")
         if self.dim is not None and (isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1):
             raise ConfigError(f"--dim must be a positive integer, got {self.dim!r}")
+        # a local cross-encoder's folder (a Hub id is not fetched here, ahead of the checks above)
+        if self.kind not in ("bm25", "phrase") and isinstance(self.model, str | Path) and Path(self.model).is_dir():
+            refuse_cross_encoder(Path(self.model), f"a {self.kind} index")
 
 
 def encode_corpus(

@@ -80,7 +80,7 @@ def checkpoint_name(path: Path) -> str:
     """``run`` for a run's final model, ``run@step`` for one of its checkpoints, else the directory name."""
     if path.name != "model":
         return path.name
-    path = path.resolve()  # a relative ``model`` has no parent name to show
+    path = path.absolute()  # a relative ``model`` has no parent name to show (a link keeps its own name)
     if path.parent.name.startswith("step-") and path.parent.parent.name == "checkpoints":
         return f"{path.parent.parent.parent.name}@{path.parent.name[5:]}"
     return path.parent.name or path.name

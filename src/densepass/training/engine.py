@@ -341,6 +341,15 @@ def fit(
         raise
 
 
+def device_faults() -> tuple[type[BaseException], ...]:
+    """The RuntimeErrors of a device or a process group (out of memory, a CUDA fault, a collective that failed):
+    never blamed on a checkpoint being restored."""
+    faults: list[type[BaseException]] = [torch.OutOfMemoryError]
+    faults += [cls for cls in (getattr(torch, "AcceleratorError", None),) if cls is not None]
+    faults += [cls for cls in (getattr(torch.distributed, "DistError", None),) if cls is not None]
+    return tuple(faults)
+
+
 def _train(
     task: Task,
     optim: OptimConfig,
@@ -404,16 +413,15 @@ def _train(
             earlier = resumed.extra.get("totals", earlier)
             engine.step = resumed.step
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as err:
-            if isinstance(err, torch.OutOfMemoryError):  # the device's, not the checkpoint's
+            if isinstance(err, device_faults()):  # the device's or the process group's, not the checkpoint's
                 raise
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise DataError(
-                f"checkpoint {resumed.path} does not restore ({type(err).__name__}: {first}): remove it, or run with "
-                "--restart"
-            ) from None
+                f"checkpoint {resumed.path} does not restore ({type(err).__name__}: {first}): it may be damaged; "
+                "remove it, or run with --restart"
+            ) from err
     log_path = run_dir / LOG_NAME
-    if rank == 0:
-        trim_log(log_path, engine.step)
+    distributed.on_rank_zero(lambda: trim_log(log_path, engine.step))  # its refusal reaches every process
     for callback in callbacks:
         callback.on_train_begin(engine)
 
