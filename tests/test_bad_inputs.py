@@ -498,8 +498,8 @@ def test_cli_evaluate_rejects_an_unknown_metric_before_any_work(tmp_path, capsys
     [line] = stderr_lines(capsys)
     assert line == (
         "densepass: error: unknown metric 'foo@10' (known: mrr, ndcg, ndcg_burges, dcg, dcg_burges, "
-        "recall, precision, r-precision, f1, map, hits, hit_rate, each with an optional cutoff @k, "
-        "1 <= k <= 1000000000; and accuracy@k)"
+        "recall, precision, r-precision, f1, map, hits, hit_rate, each with an optional cutoff @k but "
+        "r-precision, 1 <= k <= 1000000000; and accuracy@k)"
     )
 
 

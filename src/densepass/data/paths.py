@@ -32,7 +32,7 @@ def dataset_dir(name: str, data_dir: str | Path | None = None) -> Path:
         return Path(name)
     root = Path(data_dir) if data_dir else default_data_dir()
     path = root / name
-    if not _is_dir(path) and Path(name).is_file():
+    if not _is_dir(path) and _is_file(Path(name)):
         raise DataError(
             f"{name} is a file: a dataset with queries and judgements is a folder (BEIR, MS MARCO, ...); give the "
             "folder, or, where the command takes them, the queries with --queries"

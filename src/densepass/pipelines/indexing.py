@@ -129,8 +129,10 @@ class IndexSettings:
         if self.dim is not None and (isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1):
             raise ConfigError(f"--dim must be a positive integer, got {self.dim!r}")
         # a local cross-encoder's folder (a Hub id is not fetched here, ahead of the checks above)
-        if self.kind not in ("bm25", "phrase") and isinstance(self.model, str | Path) and Path(self.model).is_dir():
-            refuse_cross_encoder(Path(self.model), f"a {self.kind} index")
+        if self.kind not in ("bm25", "phrase") and isinstance(self.model, str | Path):
+            with contextlib.suppress(OSError):  # a name too long to look up: its loader says so
+                if Path(self.model).is_dir():
+                    refuse_cross_encoder(Path(self.model), f"a {self.kind} index")
 
 
 def encode_corpus(
