@@ -530,45 +530,45 @@ def claim_run_directory(directory: str | Path, what: str, entries: tuple[str, ..
         atomic_write_text(directory / RUN_MARKER, json.dumps({"densepass": what}) + "\n")
     if not restart:
         return []
-    check_nothing_foreign_in_saved_folders(directory, entries)
-    kept = []
+    found = []  # (entry, its pattern, the user's files under it: None where it is no folder of the run's)
     for child in sorted(directory.iterdir()):
         if child.name in (".lock", RUN_MARKER):
             continue
         pattern = _entry_pattern(child.name, entries)
+        folder = pattern is not None and child.is_dir() and not child.is_symlink()
+        foreign = _foreign_in(child, pattern.split("/", 1)[1] if "/" in pattern else None) if folder else None
+        found.append((child, pattern, foreign))
+    check_nothing_foreign_in_saved_folders(directory, [name for *_, foreign in found for name in foreign or ()])
+    kept = []
+    for child, pattern, foreign in found:
         if pattern is None or child.is_file() and not child.is_symlink() and not written_by_densepass(child):
             kept.append(child.name)
-        elif child.is_dir() and not child.is_symlink():
-            foreign = _foreign_in(child, pattern.split("/", 1)[1] if "/" in pattern else None)
-            if foreign:
-                kept += foreign
-                _remove_all_but(child, {name.split("/", 1)[1] for name in foreign})
-            else:
-                shutil.rmtree(child)
+        elif foreign:
+            kept += foreign
+            _remove_all_but(child, {name.split("/", 1)[1] for name in foreign})
+        elif foreign is not None:
+            shutil.rmtree(child)
         else:
             child.unlink()
     return kept
 
 
-def check_nothing_foreign_in_saved_folders(directory: Path, entries: tuple[str, ...]) -> None:
-    """Refuse ``--restart``, before anything is removed, where a user's file lies inside a folder densepass saves
-    whole (one with its ``OWNED`` list: a model, a checkpoint): the run's own files around it would go, and the
-    run's next save there would then refuse the folder (``check_replaceable``), after training."""
+def check_nothing_foreign_in_saved_folders(directory: Path, foreign: list[str]) -> None:
+    """Refuse ``--restart``, before anything is removed, where a user's file (``foreign``: names relative to
+    ``directory``) lies inside a folder densepass saves whole (one with its ``OWNED`` list: a model, a checkpoint):
+    the run's own files around it would go, and the run's next save there would then refuse the folder
+    (``check_replaceable``), after training."""
     from densepass.errors import DensepassError
 
-    for child in sorted(directory.iterdir()):
-        pattern = _entry_pattern(child.name, entries)
-        if pattern is None or not child.is_dir() or child.is_symlink():
-            continue
-        for name in _foreign_in(child, pattern.split("/", 1)[1] if "/" in pattern else None):
-            path = directory / name
-            inside = path.parents[: len(Path(name).parts) - 1]  # its folders below ``directory``, nearest first
-            saved = next((folder for folder in inside if _listed(folder)), None)
-            if saved is not None:
-                raise DensepassError(
-                    f"--restart: {path} is not densepass's, inside {saved}, a folder densepass saves whole (the "
-                    "new run could not save there): move it out first"
-                )
+    for name in foreign:
+        path = directory / name
+        inside = path.parents[: len(Path(name).parts) - 1]  # its folders below ``directory``, nearest first
+        saved = next((folder for folder in inside if _listed(folder)), None)
+        if saved is not None:
+            raise DensepassError(
+                f"--restart: {path} is not densepass's, inside {saved}, a folder densepass saves whole (the new run "
+                "could not save there): move it out first"
+            )
 
 
 def _remove_all_but(root: Path, keep: set[str]) -> None:

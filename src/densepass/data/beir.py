@@ -10,6 +10,7 @@ tolerated is counted and reported once per file as a :class:`DataWarning` (see e
 from __future__ import annotations
 
 import array
+import codecs
 import csv
 import itertools
 import json
@@ -199,7 +200,7 @@ class PassageFile:
             end = 0
             for line_no, line in enumerate(handle, 1):
                 start, end = end, end + len(line)
-                record = _record(line.removeprefix(BOM) if start == 0 else line, path, line_no)
+                record = _record(line.removeprefix(codecs.BOM_UTF8) if start == 0 else line, path, line_no)
                 if record is None:
                     continue
                 pid, title, text, doc_id = _checked_passage(record, path, line_no, id_key)
@@ -234,7 +235,7 @@ class PassageFile:
                 a, b = int(self.spans[row, 0]), int(self.spans[row, 1])
                 line = data[a - offset : b - offset]
                 if a == 0:
-                    line = line.removeprefix(BOM)
+                    line = line.removeprefix(codecs.BOM_UTF8)
                 try:
                     record = json.loads(line)
                 except (ValueError, RecursionError):  # a JSONDecodeError, or json_limit's
@@ -351,8 +352,6 @@ def _is_header(row: list[str]) -> bool:
     named = first in (*HEADER_KEYS, "query", "queryid", "topic", "topic_id", "topicid", "qry_id")
     return grade in HEADER_GRADES or (not DECIMAL.fullmatch(grade) and named)
 
-
-BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which Windows editors put first in a file
 
 MAX_GRADE = 2**31 - 1  # the largest relevance grade a qrels file may give (and the lowest, negated)
 

@@ -12,6 +12,7 @@ file without a single negative as one ``DataError`` too (a run would otherwise d
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ def load_pool(path: str | Path, dataset: RetrievalDataset | None = None) -> Nega
         for line_no, raw in enumerate(handle, 1):
             where = f"{path}:{line_no}"
             if line_no == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark (a file saved by a Windows editor)
+                raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark (a file saved by a Windows editor)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:

@@ -25,6 +25,7 @@ from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
 from densepass.pipelines.retrievers import index_for_model
+from densepass.plots import read_log
 
 
 def bm25_retriever(corpus: Corpus) -> Retriever:
@@ -123,15 +124,7 @@ class Validator:
 
     def logged_steps(self) -> set[int]:
         """The steps ``validation_log.jsonl`` has a record of."""
-        if not self.log_path.is_file():
-            return set()
-        steps = set()
-        for line in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                steps.add(int(json.loads(line)["step"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-        return steps
+        return {record["step"] for record in read_log(self.log_path) if isinstance(record.get("step"), int)}
 
     def validate(self, step: int) -> None:
         """Validate the model as it is after step ``step``; keep it when it is the best so far."""

@@ -29,6 +29,7 @@ from densepass.errors import ConfigError, DataError, DensepassError
 from densepass.io import atomic_file, atomic_write_text
 from densepass.models.biencoder import BiEncoder
 from densepass.models.encode import encode_texts
+from densepass.plots import read_log
 from densepass.processes import die_with_parent
 from densepass.scheduling.baselines import clustered_batches, random_batches, sequential_batches
 from densepass.scheduling.concurrent import iter_concurrent_batches
@@ -337,15 +338,9 @@ class EpochPlanner:
         resumed inside an epoch plans it again, and one record an epoch is what ``hardness.png`` draws."""
         if self.log_path is None:
             return
-        kept = []
-        if self.log_path.is_file() and not self.log_path.is_symlink():
-            for line in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines():
-                try:
-                    if json.loads(line)["epoch"] != record["epoch"]:
-                        kept.append(line)
-                except (ValueError, KeyError, TypeError):
-                    continue  # cut short by an interruption
-        atomic_write_text(self.log_path, "".join(f"{line}\n" for line in [*kept, json.dumps(record)]))
+        earlier = [] if self.log_path.is_symlink() else read_log(self.log_path)  # a line cut short: left out
+        kept = [r for r in earlier if "epoch" in r and r["epoch"] != record["epoch"]]
+        atomic_write_text(self.log_path, "".join(f"{json.dumps(r)}\n" for r in [*kept, record]))
 
 
 class _ListQueue:
