@@ -1704,6 +1704,23 @@ def test_the_ensemble_and_the_study_check_their_metric_names_before_any_encoding
         StudySettings(metric="accuracy@20")
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--method", "rrf", "--tune-metric", "ndcg@10"], "--tune-metric: an option of --method embedding (or both)"),
+        (["--method", "embedding", "--rrf-k", "10"], "--rrf-k: an option of --method rrf (or both), not of --method"),
+    ],
+)
+def test_the_ensemble_refuses_an_option_of_the_method_it_does_not_run(tiny_beir, tmp_path, capsys, flags, message):
+    """``--method rrf --tune-metric`` tuned nothing (RRF has no weights) and ``--method embedding --rrf-k`` fused
+    nothing by rank: both were accepted in silence; now one line before any model loads."""
+    from densepass.cli import main
+
+    models = ["--models", str(tmp_path / "no-model-a"), str(tmp_path / "no-model-b")]
+    assert main(["ensemble", str(tiny_beir), *models, *flags]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"densepass: error: {message}")
+
+
 def test_a_cutoff_on_r_precision_is_refused_and_metrics_deeper_than_the_ensembles_depth_are_said():
     """ranx ignores an @k on r-precision (it cuts at each query's count of relevant passages): r-precision@1 was
     r-precision under another name. The ensemble reported recall@1000 of its top 100 without a word."""

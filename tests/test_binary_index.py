@@ -172,6 +172,22 @@ def test_densepass_index_and_search_binary_on_the_command_line(tiny_beir, tiny_m
     assert manifest["kind"] == "binary-hnsw" and manifest["options"]["rescore_with"] == "int8"
     found = densepass_here("search", str(out), "audio editor", "--rescore-with", "float", cwd=tmp_path)
     assert found.returncode == 0 and "p" in found.stdout, found.stderr
+    # a multiplier where nothing is re-scored had no effect: refused, at search and at indexing, before any work
+    unused = densepass_here(
+        "search", str(out), "audio", "--rescore-with", "none", "--rescore-multiplier", "8", cwd=tmp_path
+    )
+    assert (
+        unused.returncode == 2
+        and "--rescore-multiplier: this binary-hnsw index with --rescore-with none" in unused.stderr
+    )
+    int8 = ["--embedding-precision", "int8", "--rescore-with", "int8", "--rescore-multiplier", "8"]
+    unused = densepass_here(
+        "index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(tmp_path / "i8"), *int8, cwd=tmp_path
+    )
+    assert (
+        unused.returncode == 2 and "the int8-flat index built with --rescore-with int8 re-scores none" in unused.stderr
+    )
+    assert not (tmp_path / "i8").exists()
     bad = run_densepass(
         "index", str(tiny_beir), "--model", str(tiny_model_dir), "--output", str(tmp_path / "bad"),
         "--embedding-precision", "int8", "--kind", "faiss-hnsw", cwd=tmp_path,

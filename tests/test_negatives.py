@@ -522,6 +522,49 @@ def test_mine_cli_writes_a_file_that_training_reads(tiny_beir, tmp_path, capsys)
     assert "no negative is left for any of the " in capsys.readouterr().err and not empty.exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--strategy", "bm25", "--model", "m"], "--model"),
+        (["--strategy", "mixed", "--mix", "bm25", "context", "--model", "m"], "--model"),
+        (["--strategy", "bm25", "--mix", "bm25", "context"], "--mix"),
+        (["--strategy", "context", "--file", "f.jsonl"], "--file"),
+        (["--strategy", "model", "--model", "m", "--dense-dim", "25"], "--dense-dim"),
+        (["--strategy", "mixed", "--mix", "bm25", "dense:25", "--dense-dim", "64"], "--dense-dim"),
+        (["--strategy", "bm25", "--miner-steps", "3"], "--miner-steps"),
+        (["--strategy", "bm25", "--cross-encoder", "ce"], "--cross-encoder"),
+        (["--filters", "relative-margin", "--cross-encoder-threshold", "0.5"], "--cross-encoder-threshold"),
+        (["--set", "negatives.source=context", "--depth", "3", "--model", "m"], "--model"),
+    ],
+)
+def test_mine_refuses_options_its_strategy_does_not_use(tiny_beir, tmp_path, capsys, args, flag):
+    """An option of another strategy or filter was ignored in silence; it is one line before any work."""
+    from densepass.cli import main
+
+    out = tmp_path / "neg.jsonl"
+    assert main(["mine", str(tiny_beir), *args, "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"densepass: error: {flag}: an option of ") and "unused by this mining" in err
+    assert not out.exists()
+
+
+def test_mine_takes_the_options_its_strategy_uses(tiny_beir, tiny_model_dir, tmp_path):
+    """The same check lets through a mixed pool's model, a dense miner's steps and a bi-encoder teacher."""
+    from densepass.cli import build_parser, check_mine_options
+    from densepass.config import load_config
+
+    parser = build_parser()
+    for args, overrides in [
+        (["--mix", "bm25", "model", "--model", "m"], ["negatives.source=mixed", 'negatives.mix=["bm25","model"]']),
+        (["--dense-dim", "25", "--miner-steps", "2"], ["negatives.source=mixed", 'negatives.mix=["dense","bm25"]']),
+        (["--miner-steps", "2"], ["negatives.source=mixed", 'negatives.mix=["dense:25"]']),
+        (["--model", "m"], ['negatives.filters=["relative-margin"]', "negatives.relative_teacher=bi-encoder"]),
+        (["--cross-encoder", "ce"], ['negatives.filters=["relative-margin"]']),
+    ]:
+        parsed = parser.parse_args(["mine", str(tiny_beir), "--output", str(tmp_path / "o.jsonl"), *args])
+        check_mine_options(parsed, load_config(None, overrides).negatives)
+
+
 def test_ensemble_of_two_models(tiny_beir, tiny_model_dir, tmp_path):
     from densepass.models.biencoder import BiEncoder, BiEncoderConfig
     from densepass.pipelines.ensemble import EnsembleSettings, evaluate_ensemble

@@ -128,6 +128,17 @@ def _index(args: argparse.Namespace) -> None:
     if args.fusion_weight is not None and (args.fusion or "rrf") == "rrf":
         raise ConfigError("--fusion-weight weighs --fusion linear; rrf fuses ranks, without a weight")
     check_kind_options(args)
+    if args.rescore_multiplier is not None and args.embedding_precision != "fp32":
+        from densepass.index.binary import CompactIndex, compact_kind
+
+        compact = compact_kind(
+            args.embedding_precision, args.dense_kind or "exact" if args.kind == "hybrid" else args.kind
+        )
+        if not CompactIndex.rescores(compact, args.rescore_with or "float"):
+            raise ConfigError(
+                f"--rescore-multiplier: the {compact} index built with --rescore-with {args.rescore_with}"
+                " re-scores none"
+            )
     settings = IndexSettings(
         args.kind,
         args.model,
@@ -422,6 +433,38 @@ def _validate_study(args: argparse.Namespace) -> None:
     validate_study(args.dataset, args.checkpoints, args.output, settings, args.data_dir, args.format)
 
 
+def check_mine_options(args: argparse.Namespace, negatives) -> None:
+    """``densepass mine``'s options of one strategy or filter, refused where the strategy mined (``--strategy``,
+    else the config's ``negatives.source``) or the filters run do not use them: they were ignored in silence."""
+    from densepass.negatives.mine import dense_specs, strategy_specs
+
+    specs = {s.partition(":")[0] for s in strategy_specs(negatives)}
+    filters = set(negatives.filters)
+    margin = "relative-margin" in filters
+    bi_encoder_teacher = margin and negatives.relative_teacher == "bi-encoder"
+    owners = {
+        "--model": (args.model, "model" in specs or bi_encoder_teacher, "--strategy model (or mixed with model)"),
+        "--file": (args.file, negatives.source == "file", "--strategy file"),
+        "--mix": (args.mix, negatives.source == "mixed", "--strategy mixed"),
+        "--dense-dim": (args.dense_dim, "dense" in dense_specs(negatives), "--strategy dense (or mixed with dense)"),
+        "--miner-steps": (args.miner_steps, bool(dense_specs(negatives)), "--strategy dense (or mixed with dense)"),
+        "--cross-encoder": (
+            args.cross_encoder,
+            "cross-encoder" in filters or (margin and not bi_encoder_teacher),
+            "--filters cross-encoder (or relative-margin)",
+        ),
+        "--cross-encoder-threshold": (
+            args.cross_encoder_threshold,
+            "cross-encoder" in filters,
+            "--filters cross-encoder",
+        ),
+    }
+    for flag, (value, applies, whose) in owners.items():
+        if value is not None and not applies:
+            used = f"--strategy {negatives.source}, --filters {' '.join(negatives.filters) or '(none)'}"
+            raise ConfigError(f"{flag}: an option of {whose}, unused by this mining ({used})")
+
+
 def _mine(args: argparse.Namespace) -> None:
     from densepass import distributed
     from densepass.config import load_config
@@ -446,6 +489,7 @@ def _mine(args: argparse.Namespace) -> None:
     }
     overrides = [f"{key}={json.dumps(value)}" for key, value in options.items() if value is not None]
     config = load_config(args.config, [*overrides, *args.set])
+    check_mine_options(args, config.negatives)
     output = Path(args.output)
     with distributed.process_group():  # under torchrun: dense mining in shards, rank 0 writes the file
         result = mine_training_negatives(config, output, args.precision)
@@ -479,6 +523,9 @@ def _ensemble(args: argparse.Namespace) -> None:
         save_ensemble_report,
     )
 
+    for flag, value, method in [("--tune-metric", args.tune_metric, "embedding"), ("--rrf-k", args.rrf_k, "rrf")]:
+        if value is not None and args.method not in (method, "both"):  # (it was ignored)
+            raise ConfigError(f"{flag}: an option of --method {method} (or both), not of --method {args.method}")
     if args.output:  # before the work: densepass overwrites only its own report
         check_report_output(args.output)
 
@@ -488,8 +535,8 @@ def _ensemble(args: argparse.Namespace) -> None:
         args.metrics,
         args.depth,
         args.max_queries,
-        tune_metric=args.tune_metric,
-        rrf_k=args.rrf_k,
+        tune_metric=args.tune_metric or "mrr@10",
+        rrf_k=args.rrf_k or 60,
     )
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     out = evaluate_ensemble(dataset, args.models, settings)
@@ -897,8 +944,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ensemble.add_argument("--depth", type=positive_int, default=100)
     ensemble.add_argument("--max-queries", type=positive_int, default=None)
-    ensemble.add_argument("--tune-metric", default="mrr@10", help="metric the fusion weights maximise")
-    ensemble.add_argument("--rrf-k", type=positive_int, default=60)
+    ensemble.add_argument(
+        "--tune-metric", default=None, help="metric the embedding fusion's weights maximise (default: mrr@10)"
+    )
+    ensemble.add_argument("--rrf-k", type=positive_int, default=None, help="RRF's k (default: 60)")
     ensemble.add_argument("--output", default=None, help="write the results as JSON here")
     ensemble.set_defaults(func=_ensemble)
 

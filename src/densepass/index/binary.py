@@ -240,6 +240,12 @@ class CompactIndex(DenseIndex):
         if isinstance(rescore_multiplier, bool) or not isinstance(rescore_multiplier, int) or rescore_multiplier < 1:
             raise ConfigError(f"the re-scoring multiplier must be an integer >= 1, got {rescore_multiplier!r}")
 
+    @staticmethod
+    def rescores(kind: str, rescore_with: str) -> bool:
+        """Whether a ``kind`` index re-scores its first pass's candidates with ``rescore_with`` (an int8-flat index's
+        first pass is its int8 scores already: re-scoring with int8 is none)."""
+        return rescore_with != "none" and not (kind == "int8-flat" and rescore_with == "int8")
+
     def memory_bytes(self) -> int:
         """Bytes the index holds in RAM for its passages' vectors once loaded: the FAISS binary index (codes, and the
         HNSW graph or the IVF lists' ids), or the int8 codes; the re-scoring embeddings are memory-mapped files
@@ -304,7 +310,7 @@ class CompactIndex(DenseIndex):
         """Top-``k`` (scores, rows): the first pass over the codes, then the re-scoring (module docstring)."""
         q = np.ascontiguousarray(self.encode_queries(queries), dtype=np.float32)
         n = len(self.passages)
-        rescoring = self.rescore_with != "none" and not (self.kind == "int8-flat" and self.rescore_with == "int8")
+        rescoring = self.rescores(self.kind, self.rescore_with)
         depth = min(n, k * self.rescore_multiplier if rescoring else k)
         if self.kind == "int8-flat":
             first, rows = self._int8_scan(q, depth)

@@ -31,7 +31,7 @@ from densepass.data.texts import is_blank, surrogate_problem
 from densepass.device import default_device, resolve_device, resolve_precision
 from densepass.errors import ConfigError, DataError
 from densepass.index.base import KINDS, Index, SearchResults, check_k, load_index, read_index_manifest
-from densepass.index.binary import COMPACT_KINDS
+from densepass.index.binary import COMPACT_KINDS, CompactIndex
 from densepass.index.bm25 import BM25Index
 from densepass.index.hybrid import HybridIndex
 from densepass.io import check_cache_dir, check_regular_file
@@ -163,8 +163,15 @@ class SearchPipeline:
         is a one-line ConfigError before any model or index is loaded, so that nothing asked for is silently
         ignored."""
         device = device if isinstance(device, torch.device) else resolve_device(device)
-        kind = read_index_manifest(Path(directory))["kind"]
+        manifest = read_index_manifest(Path(directory))
+        kind = manifest["kind"]
         options: dict[str, Any] = {} if kind == "bm25" else {"device": device}
+        if "rescore_multiplier" in index_options and kind in COMPACT_KINDS:
+            rescore_with = index_options.get("rescore_with", manifest.get("options", {}).get("rescore_with", "float"))
+            if not CompactIndex.rescores(kind, rescore_with):
+                raise ConfigError(
+                    f"--rescore-multiplier: this {kind} index with --rescore-with {rescore_with} re-scores none"
+                )
         if kind in ("splade", "colbert"):
             float_precision(precision, device, kind)
             options["precision"] = precision
