@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import warnings
 from pathlib import Path
@@ -138,6 +139,29 @@ def test_resuming_a_run_with_other_settings_is_refused(tmp_path):
     _save(Checkpoints(tmp_path, keep=2, identity={"train": {"batch_size": 8, "lr": 1e-3}}), 1)
     with pytest.raises(ConfigError, match=r"train\.batch_size differ.*--restart"):
         Checkpoints(tmp_path, keep=2, identity={"train": {"batch_size": 16, "lr": 1e-3}}).latest()
+
+
+def test_a_distilling_run_resumes_across_its_teachers_bookkeeping_also_when_written_with_it(tmp_path):
+    """The identity of a run distilling its own reranker held ``reranker.train`` whole, so changing how often the
+    teacher logs or checkpoints refused the student's resume; now its bookkeeping is left out, and dropped from
+    the identity of runs written with it; what the teacher trains on still counts."""
+    from densepass.config import load_config
+    from densepass.pipelines.distillation import distillation_identity
+
+    base = ["reranker.enabled=true", "reranker.train.enabled=true", "reranker.distill.loss=margin-mse"]
+    identity = distillation_identity(load_config(None, base))
+    assert "log_every" not in identity["distill"]["teacher"]["train"]
+    changed = distillation_identity(
+        load_config(None, [*base, "reranker.train.log_every=3", "reranker.train.keep_checkpoints=7"])
+    )
+    assert changed == identity
+    written = json.loads(json.dumps(identity))  # as a run written before: the teacher's bookkeeping in its identity
+    written["distill"]["teacher"]["train"].update(log_every=50, keep_checkpoints=2, checkpoint_every=500)
+    _save(Checkpoints(tmp_path, keep=2, identity=written), 1)
+    assert Checkpoints(tmp_path, keep=2, identity=identity).latest().step == 1
+    other = distillation_identity(load_config(None, [*base, "reranker.train.epochs=3"]))
+    with pytest.raises(ConfigError, match=r"distill\.teacher\.train\.epochs differ"):
+        Checkpoints(tmp_path, keep=2, identity=other).latest()
 
 
 def test_a_run_with_cpu_bf16_auto_never_resumes_in_another_precision(tmp_path, monkeypatch):

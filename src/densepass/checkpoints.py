@@ -54,6 +54,13 @@ STATE_JSON = "state.json"
 STATE_TENSORS = "state.safetensors"
 
 
+def teacher_training_identity(settings: dict) -> dict:
+    """A distilling run's record of how its teacher (the run's own reranker) trains: ``settings`` without the
+    ``BOOKKEEPING`` keys, which change what is written, not the teacher (runs written before this left them in:
+    ``Checkpoints`` drops them from those too, so changing them never refuses a resume)."""
+    return {k: v for k, v in settings.items() if k not in BOOKKEEPING}
+
+
 def training_identity(config: Any, packing: bool | None = None) -> dict:
     """The settings of a training config dataclass that change what is trained (every field but the
     ``BOOKKEEPING`` ones, with ``cpu_bf16: auto`` resolved for this CPU, and ``packing: auto`` as ``packing``, the
@@ -327,6 +334,10 @@ class Checkpoints:
         for key in RECORDED_LATER:  # written before it was recorded: taken as this run's
             if key in self.identity and key not in saved:
                 saved = {**saved, key: self.identity[key]}
+        teacher = saved.get("distill", {}).get("teacher") if isinstance(saved.get("distill"), dict) else None
+        if isinstance(teacher, dict) and isinstance(teacher.get("train"), dict):  # written with its bookkeeping
+            teacher = {**teacher, "train": teacher_training_identity(teacher["train"])}
+            saved = {**saved, "distill": {**saved["distill"], "teacher": teacher}}
         if saved == self.identity:
             return
         data = data_change(saved, self.identity, path.name)

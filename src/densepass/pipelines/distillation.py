@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from densepass.checkpoints import teacher_training_identity
 from densepass.config import ExperimentConfig
 from densepass.data.dataset import RetrievalDataset
 from densepass.errors import ConfigError
@@ -76,7 +77,7 @@ def distillation_identity(config: ExperimentConfig) -> dict:
     teacher = distill["teacher"] or {
         "reranker": config.reranker.name_or_path,
         "max_length": config.reranker.max_length,
-        "train": asdict(config.reranker.train) if config.reranker.train.enabled else None,
+        "train": teacher_training_identity(asdict(config.reranker.train)) if config.reranker.train.enabled else None,
     }
     return {"distill": {**distill, "teacher": teacher}}
 
