@@ -158,3 +158,32 @@ def test_a_checkpoint_written_before_the_model_source_was_recorded_resumes(tmp_p
     monkeypatch.chdir(tmp_path)
     sources = {model_source(type("M", (), {"source": name})()) for name in ("m", "./m", str(tmp_path / "m"))}
     assert sources == {str((tmp_path / "m").resolve())}  # one local folder, however it is named
+
+
+def test_a_loss_setting_past_its_description_s_rounding_still_refuses_a_resume(tiny_model_dir, tiny_beir, tmp_path):
+    """The identity held the loss by its description, whose numbers are rounded to six digits: τ 0.05 and
+    0.05000001 read the same, and a resume across them went on in silence. A checkpoint written before the exact
+    settings were recorded still resumes."""
+    from densepass.checkpoints import Checkpoints
+
+    near = [dp.losses.InfoNCE(temperature=0.05), dp.losses.InfoNCE(temperature=0.05000001)]
+    assert near[0].describe() == near[1].describe() and near[0].identity() != near[1].identity()
+    args = dp.TrainConfig(max_steps=1, batch_size=6, cpu_bf16=False, checkpoint_every=1)
+
+    def call(loss):
+        model = dp.BiEncoder.from_pretrained(str(tiny_model_dir))
+        return dp.train(model, str(tiny_beir), output_dir=tmp_path / "out", args=args, loss=loss, device="cpu")
+
+    call(near[0])
+    with pytest.raises(ConfigError, match="objective.temperature differ"):
+        call(near[1])
+    sum_ = dp.losses.InfoNCE() + dp.losses.FLOPS(lambda_q=1e-3, lambda_d=2e-3, warmup_steps=4)
+    assert sum_.identity() == {
+        "objective": "Sum",
+        "terms": [
+            {"objective": "InfoNCE", "bidirectional": False, "temperature": None},
+            {"objective": "FLOPS", "lambda_q": 1e-3, "lambda_d": 2e-3, "warmup": 4},
+        ],
+    }
+    identity = {"loss": near[0].describe(), "objective": near[0].identity()}
+    Checkpoints(tmp_path, 1, identity)._check_identity(tmp_path / "step-1", {"loss": near[0].describe()})  # older

@@ -364,7 +364,7 @@ def packing_hint(saved: dict, current: dict) -> str:
 
 
 # identity sections added after runs were made, taken as the resuming run's where a checkpoint has none
-RECORDED_LATER = ("model_source", "validation")
+RECORDED_LATER = ("model_source", "validation", "objective")
 SECTION_SETTINGS = {"reranker": "reranker.train"}  # identity sections named otherwise than their config section
 
 

@@ -78,6 +78,15 @@ class Matryoshka(Objective):
         weights = ", ".join(f"{w:g}" for w in self.weights)
         return f"Matryoshka ({dims}; weights {weights}) of {self.base.describe()}"
 
+    def identity(self) -> dict:
+        """Its dimensions and weights, and the base objective's."""
+        return {
+            "objective": "Matryoshka",
+            "dims": list(self.dims),
+            "weights": list(self.weights),
+            "base": self.base.identity(),
+        }
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Matryoshka) and (self.base, self.dims, self.weights) == (
             other.base,

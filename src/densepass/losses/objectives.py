@@ -73,6 +73,12 @@ class Objective:
         """One line for reports."""
         return type(self).__name__
 
+    def identity(self) -> dict:
+        """What a resumed run must train with again: the objective's kind and exact settings, as JSON (``describe``
+        rounds numbers for reading). An objective with settings of its own says them here; the default is its
+        kind and description."""
+        return {"objective": type(self).__name__, "describe": self.describe()}
+
     def __add__(self, other: Objective) -> Sum:
         """The sum of both objectives (each term keeps its own state and parameters)."""
         if not isinstance(other, Objective):
@@ -129,6 +135,10 @@ class Sum(Objective):
         """The terms' lines joined by ``+``."""
         return " + ".join(term.describe() for term in self.terms)
 
+    def identity(self) -> dict:
+        """Every term's, in order."""
+        return {"objective": "Sum", "terms": [term.identity() for term in self.terms]}
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sum) and self.terms == other.terms
 
@@ -157,6 +167,10 @@ class InfoNCE(Objective):
         temperature = self.temperature if self.temperature is not None else model.config.temperature
         scores = model.similarity(queries, passages) / temperature
         return info_nce(scores, batch.positive_index, batch.mask, self.bidirectional)
+
+    def identity(self) -> dict:
+        """Its direction and temperature."""
+        return {"objective": "InfoNCE", "bidirectional": self.bidirectional, "temperature": self.temperature}
 
     def describe(self) -> str:
         """One line for reports."""
@@ -238,6 +252,12 @@ class Distillation(Objective):
         extra = f" + {self.contrastive.describe()}" if self.contrastive else ""
         return f"distillation: {self.weight:g} x {what}{extra}"
 
+    def identity(self) -> dict:
+        """Its loss, weight and temperature, and the contrastive term's."""
+        contrastive = self.contrastive.identity() if self.contrastive is not None else None
+        settings = {"loss": self.loss, "weight": self.weight, "temperature": self.temperature}
+        return {"objective": "Distillation", **settings, "contrastive": contrastive}
+
 
 @dataclass
 class FLOPS(Objective):
@@ -286,3 +306,7 @@ class FLOPS(Objective):
             f"FLOPS (lambda_q {self.lambda_q:g}, lambda_d {self.lambda_d:g}, "
             f"quadratic warm-up over {self.warmup_steps} steps)"
         )
+
+    def identity(self) -> dict:
+        """Its weights and warm-up (the step reached is state, not a setting)."""
+        return {"objective": "FLOPS", "lambda_q": self.lambda_q, "lambda_d": self.lambda_d, "warmup": self.warmup_steps}

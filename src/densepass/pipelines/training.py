@@ -407,6 +407,7 @@ def train(
         "negatives": without_later_defaults(asdict(negatives)),
         "schedule": {k: v for k, v in asdict(schedule).items() if k != "background"},
         "loss": objective.describe(),
+        "objective": objective.identity(),  # the exact settings (describe rounds numbers)
         DATA_FILES: data_fingerprints([dataset, *mixed]),
         **({"mix": [asdict(entry) for entry in mix]} if mix else {}),
     }

@@ -276,6 +276,13 @@ class MultiSource(Objective):
             parts.append("bidirectional")
         return "; ".join(parts)
 
+    def identity(self) -> dict:
+        """Its λ, their combination, its direction, the LTR head's presence and the memory (whose description holds
+        its sizes and momentum exactly)."""
+        memory = self.memory.describe() if self.memory is not None else None
+        settings = {"weights": list(self.weights), "combine": self.combine, "bidirectional": self.bidirectional}
+        return {"objective": "MultiSource", **settings, "ltr": self.head is not None, "memory": memory}
+
 
 def check_loss(loss: LossConfig, train: TrainConfig) -> None:
     """What ``objective_from_config`` would refuse, checked before any work starts."""
