@@ -172,3 +172,21 @@ def test_lora_targets_no_layer_matches_are_refused_before_any_mining(tiny_beir, 
         check(load_config(None, reranker))
     check(load_config(None, [*reranker[:-2], "reranker.train.lora_targets=[query]", f"output_dir={tmp_path / 'c'}"]))
     assert not (tmp_path / "c").exists()
+
+
+def test_an_adapter_on_a_weight_another_module_shares_is_refused_and_taken_out(tiny_model_dir):
+    """SPLADE's MLM decoder is tied to the word embeddings: an adapter there changed the lookup alone while
+    training and both once merged (the saved model was not the trained one). Refused in one line; the network is
+    left as it was."""
+    from densepass.config import OptimConfig
+    from densepass.models.splade import SpladeEncoder
+    from densepass.training.adapters import Adapters
+
+    model = SpladeEncoder.from_pretrained(str(tiny_model_dir))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ConfigError, match=r"word_embeddings's weight is tied to another module's .*leave it out"):
+        Adapters(model, OptimConfig(lora_rank=2, lora_targets=["word_embeddings"]))
+    assert not any("lora_" in n for n, _ in model.named_parameters())
+    after = dict(model.named_parameters())
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    Adapters(model, OptimConfig(lora_rank=2, lora_targets=["query", "value"])).merge()  # untied layers: fine

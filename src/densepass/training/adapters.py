@@ -97,6 +97,25 @@ class Adapters:
             for child_name, child in parent.named_children()
             if isinstance(child, LoraLayer)
         ]
+        self._refuse_tied_targets()
+
+    def _refuse_tied_targets(self) -> None:
+        """A one-line ConfigError (the adapters taken out again) for a target layer whose weight another module
+        shares (SPLADE's MLM decoder is tied to the word embeddings): the adapter would change the layer alone
+        while training, and merging it would change the other module too, so the saved model would not be the
+        trained one."""
+        owners: dict[int, list[str]] = {}  # a weight's modules (a tower shared by both sides is one module)
+        for module_name, module in self.network.named_modules():
+            for parameter in module.parameters(recurse=False):
+                owners.setdefault(id(parameter), []).append(module_name)
+        for _, child_name, layer in self.layers:
+            shared = owners.get(id(getattr(layer.base_layer, "weight", None)), [])
+            if len(shared) > 1:
+                self.remove()
+                raise ConfigError(
+                    f"lora_targets: {child_name}'s weight is tied to another module's ({', '.join(shared)}); an"
+                    " adapter on it would be merged into both: leave it out of lora_targets"
+                )
 
     def trainable_count(self) -> int:
         """Adapter parameters (what trains inside the backbones)."""
