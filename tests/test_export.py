@@ -36,7 +36,9 @@ def test_a_folder_export_has_the_model_and_a_card_of_the_run(trained_run, tmp_pa
     export_model(trained_run / "model", "dir", str(out))
     card = (out / "README.md").read_text()
     assert "library_name: sentence-transformers" in card and "## Results" in card and "| fine-tuned |" in card
-    assert "- data: `" in card and "Karpukhin" in card and "encode_query" in card
+    assert "- data: a local dataset (split `train`)" in card and "Karpukhin" in card and "encode_query" in card
+    # the run's model and data are folders of this machine: the card names neither (it may be published)
+    assert str(trained_run.parent) not in card and "A bi-encoder retriever.\n" in card
     again = BiEncoder.from_pretrained(str(out))
     texts = ["audio editor"]
     np.testing.assert_array_equal(
@@ -185,3 +187,26 @@ def test_the_cards_usage_says_how_sentence_transformers_loads_each_model(tiny_mo
     assert 'SentenceTransformer("PATH/query")' in towers and "cuts every text" not in towers
     splade = model_card(tmp_path / "m", SpladeEncoder.from_pretrained(str(tiny_model_dir)))
     assert 'dp.load_model("PATH_OR_REPO")' in splade and "SentenceTransformer(" not in splade
+
+
+def test_a_card_names_hub_models_and_data_but_no_local_path_and_quotes_prompts_in_their_cells(tmp_path, monkeypatch):
+    """A card published a local path as the base model (without a run, the exported folder itself) and a prompt
+    with a newline or a ``|`` broke its table."""
+    from densepass.config import BiEncoderConfig
+    from densepass.pipelines.export import code_cell, model_card, public_name
+
+    assert public_name("BAAI/bge-small-en-v1.5") == "BAAI/bge-small-en-v1.5" and public_name("debian-packages")
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for local in (str(tmp_path), "/home/me/model", "~/models/m", "runs", None, 3):
+        assert public_name(local) is None
+    assert code_cell("Instruct: find it\nQuery: ") == '`"Instruct: find it\\nQuery: "`'
+    assert code_cell("a|b `c`") == '``"a\\|b `c`"``'
+    config = BiEncoderConfig(query_prompt="Instruct: find the package\nQuery: ", passage_prompt="a | b")
+    model = BiEncoder.from_pretrained("all-MiniLM-L6-v2", config)
+    card = model_card(tmp_path / "exported", model)
+    assert "A bi-encoder retriever.\n" in card and str(tmp_path) not in card
+    rows = [
+        line for line in card.splitlines() if line.startswith("| query_prompt") or line.startswith("| passage_prompt")
+    ]
+    assert rows == ['| query_prompt | `"Instruct: find the package\\nQuery: "` |', '| passage_prompt | `"a \\| b"` |']

@@ -15,6 +15,7 @@ it in sentence-transformers and densepass, and what to cite (the references of t
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import yaml
 from densepass.errors import ConfigError
 from densepass.io import atomic_directory, atomic_write_text, check_replaceable
 from densepass.models.biencoder import BiEncoder
+from densepass.models.hub import hub_id
 from densepass.models.load import kind_of, load_model
 
 TARGETS = ("dir", "onnx", "hub")
@@ -67,24 +69,26 @@ def model_card(model_dir: Path, model, onnx: bool = False) -> str:
     run = model_dir.parent
     run_config = _read_yaml(run / "config.yaml") if (run / "config.yaml").is_file() else None
     metrics = _read_json(run / "metrics.json") if (run / "metrics.json").is_file() else None
-    base = (run_config or {}).get("model", {}).get("name_or_path") or getattr(model, "source", None) or "unknown"
+    base = public_name((run_config or {}).get("model", {}).get("name_or_path"))
     library = "onnx" if onnx else "sentence-transformers"
     lines = ["---", f"library_name: {library}", f"tags: [densepass, {library}, retrieval]"]
     lines += ["pipeline_tag: sentence-similarity", "---", "", f"# {model_dir.name}", ""]
-    lines.append(f"A {kind} retriever trained with densepass from `{base}`.")
+    lines.append(f"A {kind} retriever trained with densepass from `{base}`." if base else f"A {kind} retriever.")
     lines += ["", "## Model", "", "| | |", "|---|---|", f"| kind | {kind} |"]
     for key in ("pooling", "normalize", "projection_dim", "query_max_length", "passage_max_length"):
         if hasattr(config, key):
             lines.append(f"| {key} | {getattr(config, key)} |")
     for key in ("query_prompt", "passage_prompt"):
         if getattr(config, key, ""):
-            lines.append(f"| {key} | `{getattr(config, key)}` |")
+            lines.append(f"| {key} | {code_cell(getattr(config, key))} |")
     if isinstance(model, BiEncoder):
         lines.append(f"| dimensions | {model.dim} |")
     cited = ["dpr"]
     if run_config is not None:
         train, data, neg = run_config.get("train", {}), run_config.get("data", {}), run_config.get("negatives", {})
-        lines += ["", "## Training", "", f"- data: `{data.get('name')}` (split `{data.get('train_split', 'train')}`)"]
+        dataset = public_name(data.get("name"))
+        dataset = f"`{dataset}`" if dataset else "a local dataset"
+        lines += ["", "## Training", "", f"- data: {dataset} (split `{data.get('train_split', 'train')}`)"]
         pool = f"pool {neg.get('pool_depth')}, {neg.get('per_query')} a step"
         lines.append(f"- hard negatives: {neg.get('source')} ({pool})")
         keys = ("epochs", "max_steps", "batch_size", "learning_rate", "warmup_ratio", "lora_rank", "wise_ft")
@@ -98,13 +102,31 @@ def model_card(model_dir: Path, model, onnx: bool = False) -> str:
     cited += [k for k in ("splade", "colbert") if k == kind]
     if metrics and isinstance(metrics.get("results"), dict):
         names = sorted({m for row in metrics["results"].values() for m in row})
-        lines += ["", "## Results", "", f"On `{metrics.get('dataset')}` ({metrics.get('eval', 'dev')}):", ""]
+        evaluated = public_name(metrics.get("dataset"))
+        evaluated = f"`{evaluated}`" if evaluated else "a local dataset"
+        lines += ["", "## Results", "", f"On {evaluated} ({metrics.get('eval', 'dev')}):", ""]
         lines += ["| system | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
         for system, row in metrics["results"].items():
             lines.append(f"| {system} | " + " | ".join(f"{row[m]:.4f}" if m in row else "" for m in names) + " |")
     lines += ["", "## Use", ""] + (_onnx_usage(model) if onnx else _usage(model, kind)) + ["", "## Cite", ""]
     lines += [f"- {REFERENCES[key]}" for key in dict.fromkeys(cited)]
     return "\n".join(lines) + "\n"
+
+
+def public_name(name: object) -> str | None:
+    """``name`` (a model or dataset a run started from) where it is written as a Hub id and is no folder here:
+    a card never publishes a path of the machine the model was trained on."""
+    if not isinstance(name, str) or hub_id(name) is None or Path(name).expanduser().exists():
+        return None
+    return name
+
+
+def code_cell(text: str) -> str:
+    """``text`` as a code span of a Markdown table cell: quoted as JSON (a newline written ``\\n``, trailing
+    spaces seen), ``|`` escaped, fenced by one backtick more than its longest run of them."""
+    quoted = json.dumps(text, ensure_ascii=False).replace("|", "\\|")
+    fence = "`" * (max((len(run) for run in re.findall("`+", quoted)), default=0) + 1)
+    return f"{fence}{quoted}{fence}"
 
 
 def _onnx_usage(model: BiEncoder) -> list[str]:
