@@ -83,6 +83,29 @@ def test_a_sentence_transformers_model_densepass_cannot_reproduce_is_one_line(
     assert "\n" not in str(err.value)
 
 
+def test_lower_casing_only_sentence_transformers_does_is_refused_and_a_module_without_a_path_is_the_root(
+    tmp_path, tiny_model_dir
+):
+    """``do_lower_case`` in sentence_bert_config.json has sentence-transformers lower-case the texts itself: with
+    a cased tokenizer densepass embedded other tokens ("Audio" as [UNK]) in silence. An uncased tokenizer lowers
+    them anyway (MiniLM's: accepted). A module listed without a path was a KeyError."""
+    path, _ = _st_model(tmp_path, tiny_model_dir)
+    settings = json.loads((path / "sentence_bert_config.json").read_text())
+    (path / "sentence_bert_config.json").write_text(json.dumps({**settings, "do_lower_case": True}))
+    BiEncoder.from_pretrained(str(path))  # MiniLM's tokenizer lower-cases: the same tokens
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    assert tokenizer["normalizer"]["type"] == "BertNormalizer"
+    tokenizer["normalizer"]["lowercase"] = False
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ConfigError, match=r"lower-cases the texts \(do_lower_case\) where its tokenizer does not"):
+        BiEncoder.from_pretrained(str(path))
+    (path / "sentence_bert_config.json").write_text(json.dumps(settings))
+    modules = json.loads((path / "modules.json").read_text())
+    del modules[0]["path"]
+    (path / "modules.json").write_text(json.dumps(modules))
+    assert BiEncoder.from_pretrained(str(path)).config.projection_dim == 8
+
+
 def _run_config(path, tmp_path, *overrides):
     return load_config(
         None, [f"model.name_or_path={path}", f"output_dir={tmp_path / 'runs'}", "name=x", *overrides], ExperimentConfig

@@ -42,11 +42,39 @@ def _modules(path: Path) -> list[dict] | None:
         isinstance(m, dict) and isinstance(m.get("type"), str) and isinstance(m.get("path", ""), str) for m in modules
     ):
         raise DataError(f"{file} is not a sentence-transformers module list (entries with a type and a path)")
-    return modules
+    return [{**m, "path": m.get("path", "")} for m in modules]  # no path: the model's root, as for the transformer
 
 
 def _kind(module: dict) -> str:
     return module["type"].rsplit(".", 1)[-1]
+
+
+def _lower_cases_alone(path: Path) -> bool:
+    """Whether the transformer module's ``sentence_bert_config.json`` has sentence-transformers lower-case the
+    texts (``do_lower_case``) and the tokenizer would not: its normaliser (``tokenizer.json``) has no lower-casing
+    step, or, without one, its ``tokenizer_config.json`` no ``do_lower_case``."""
+    settings = path / "sentence_bert_config.json"
+    values = read_model_json(settings) if settings.is_file() else {}
+    if not isinstance(values, dict) or values.get("do_lower_case") is not True:
+        return False
+    tokenizer = path / "tokenizer.json"
+    if tokenizer.is_file():
+        found = read_model_json(tokenizer)
+        return not (isinstance(found, dict) and _lower_casing(found.get("normalizer")))
+    config = path / "tokenizer_config.json"
+    values = read_model_json(config) if config.is_file() else {}
+    return not (isinstance(values, dict) and values.get("do_lower_case") is True)
+
+
+def _lower_casing(normalizer: object) -> bool:
+    """Whether a ``tokenizers`` normaliser (as JSON) lower-cases: a Lowercase step, a BertNormalizer with
+    lowercase, or a Sequence holding one."""
+    if not isinstance(normalizer, dict):
+        return False
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return any(_lower_casing(step) for step in normalizer.get("normalizers") or [])
+    return kind == "Lowercase" or (kind == "BertNormalizer" and normalizer.get("lowercase") is True)
 
 
 def dense_folder(path: str | Path) -> Path | None:
@@ -95,6 +123,11 @@ def sentence_transformers_architecture(path: str | Path) -> BiEncoderConfig | No
     if len(modes) != 1 or modes[0] not in POOLING_MODES:
         raise ConfigError(
             f"{where} pooled by {' + '.join(modes) or 'nothing'}: densepass pools by cls, mean tokens or last token"
+        )
+    if _lower_cases_alone(path):
+        raise ConfigError(
+            f"{where} whose sentence_bert_config.json lower-cases the texts (do_lower_case) where its tokenizer does"
+            " not: densepass tokenises the texts as given"
         )
     if pooling_config.get("include_prompt", True) is False:
         raise ConfigError(f"{where} whose pooling leaves out the prompt's tokens: densepass pools over them too")
