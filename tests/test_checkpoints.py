@@ -266,3 +266,19 @@ def test_pruning_keeps_the_newest_older_checkpoints(tmp_path):
     for step in (1, 2, 3, 4, 5):
         _save(checkpoints, step)
     assert [p.name for p in checkpoints.paths()] == ["step-3", "step-4", "step-5"]
+
+
+def test_each_process_resumes_its_own_random_states_and_another_count_of_processes_is_warned():
+    from densepass.checkpoints import Resumed
+
+    states = [{"torch": i} for i in range(3)]
+    resumed = Resumed(Path("step-4"), 4, {}, {}, states[0], {}, states)
+    assert [resumed.rng_of(rank, 3) for rank in range(3)] == states
+    with pytest.warns(DataWarning, match="written by 3 and resumes in 2: .* not resume bit-exactly"):
+        assert resumed.rng_of(1, 2) is states[0]
+    older = Resumed(Path("step-4"), 4, {}, {}, states[0], {})  # one process, or a densepass before this
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert older.rng_of(0, 1) is states[0]
+    with pytest.warns(DataWarning, match="written by one process"):
+        older.rng_of(1, 2)

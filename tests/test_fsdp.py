@@ -261,3 +261,74 @@ def test_densepass_run_under_torchrun_trains_both_models_with_fsdp(tiny_model_di
     CrossEncoder.from_pretrained(str(run / "reranker" / "model"))
     assert "fine-tuned → cross-encoder@10" in json.loads((run / "metrics.json").read_text())["results"]
     assert not list(run.rglob("*.tmp"))  # no partial file of a second writer
+
+
+def _ragged_beir(root: Path) -> Path:
+    """96 passages of 3 or 100 words: each process's share of a batch splits into its own number of CPU pieces,
+    so the processes draw their dropout seeds a different number of times."""
+    import random
+
+    rng = random.Random(0)
+    words = "audio video editor library game network terminal python font image mail server kernel driver".split()
+    (root / "qrels").mkdir(parents=True)
+    texts = [" ".join(rng.choice(words) for _ in range(rng.choice([3, 100]))) for _ in range(96)]
+    passages = [{"_id": f"p{i}", "title": f"t{i}", "text": text} for i, text in enumerate(texts)]
+    (root / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in passages))
+    queries = [{"_id": f"q{i}", "text": " ".join(rng.choice(words) for _ in range(3))} for i in range(96)]
+    (root / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
+    (root / "qrels" / "train.tsv").write_text(
+        "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\tp{i}\t1\n" for i in range(96))
+    )
+    return root
+
+
+def _dropout_worker(rank, world, port, model_dir, beir_dir, out_dir):
+    from densepass.models.biencoder import BiEncoderConfig
+    from densepass.training import trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    config = _config(max_steps=None, epochs=2, batch_size=32, packing=True)
+    try:
+        model = lambda: BiEncoder.from_pretrained(str(model_dir), config=BiEncoderConfig(passage_max_length=128))  # noqa: E731
+        full = model()
+        train(full, _data(beir_dir), config, out / "full", CPU)
+        real, calls = trainer.forward_backward, []
+
+        def stop_in_fourth_step(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 4:
+                raise Stop
+            return real(*args, **kwargs)
+
+        trainer.forward_backward = stop_in_fourth_step
+        try:
+            train(model(), _data(beir_dir), config, out / "stopped", CPU)
+        except Stop:
+            pass
+        finally:
+            trainer.forward_backward = real
+        resumed = model()
+        train(resumed, _data(beir_dir), config, out / "stopped", CPU)
+        torch.save({"full": _weights(full), "resumed": _weights(resumed)}, out / f"dropout-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_run_of_two_processes_with_dropout_resumes_each_process_s_random_draws(tmp_path):
+    """Only rank 0's random states were checkpointed and every process resumed with them: rank 1 then drew other
+    dropout masks than the uninterrupted run's, and the resumed weights differed (by 1e-3). Each process's are
+    saved now, and the resumed run ends with the uninterrupted run's weights exactly."""
+    from conftest import save_tiny_bert
+
+    model_dir = save_tiny_bert(tmp_path / "dropout-bert", dropout=0.1)
+    beir = _ragged_beir(tmp_path / "ragged")
+    mp.spawn(_dropout_worker, args=(2, _free_port(), model_dir, beir, tmp_path), nprocs=2)
+    state = torch.load(tmp_path / "dropout-rank0.pt")
+    assert all(torch.equal(state["full"][k], state["resumed"][k]) for k in state["full"])
+    checkpoint = sorted((tmp_path / "stopped" / "checkpoints").glob("step-*"))[0]
+    from densepass.checkpoints import load_tree
+
+    assert len(load_tree(checkpoint)["rngs"]) == 2

@@ -215,6 +215,23 @@ class Resumed:
     scheduler: dict
     rng: dict
     extra: dict
+    rngs: list[dict] | None = None  # every process's random states, in rank order (a run of several processes)
+
+    def rng_of(self, rank: int, world_size: int) -> dict:
+        """The random states process ``rank`` of ``world_size`` resumes with: its own where the run was written
+        by as many processes (each drew its dropout masks from its own generator), else the writer's, with a
+        warning (the run goes on, not bit-exactly)."""
+        if self.rngs is not None and len(self.rngs) == world_size:
+            return self.rngs[rank]
+        if world_size > 1 or self.rngs is not None:
+            written = len(self.rngs) if self.rngs is not None else "one process (or an older densepass)"
+            warnings.warn(
+                f"{self.path} was written by {written} and resumes in {world_size}: each process starts from the"
+                " first one's random states, so the run does not resume bit-exactly",
+                DataWarning,
+                stacklevel=2,
+            )
+        return self.rng
 
 
 class Checkpoints:
@@ -245,6 +262,7 @@ class Checkpoints:
         scheduler: Any,
         extra: dict | None = None,
         write_shards: Callable[[Path], dict] | None = None,
+        rngs: list[dict] | None = None,
     ) -> Path:
         """Write checkpoint ``step`` atomically: ``write_model(directory)`` first, then state and manifest. A full
         disk is a one-line error (``io.disk_errors``), the partial checkpoint removed; the run resumes from the
@@ -253,7 +271,10 @@ class Checkpoints:
         ``write_shards(directory)``: what every process writes into the checkpoint being written (FSDP's shards,
         ``training.sharding``; collective). With it every process calls ``save``: rank 0 makes the directory, every
         process writes its shards into it, then rank 0 writes the rest and the manifest (of every process's files)
-        and renames it into place; the state file's optimiser state is what ``write_shards`` returns."""
+        and renames it into place; the state file's optimiser state is what ``write_shards`` returns.
+
+        ``rngs``: every process's random states (``capture_rng``, gathered in rank order), for a run of several
+        processes; the writer's alone are saved either way."""
         path = self.root / f"step-{step}"
         if write_shards is not None and distributed.rank() != 0:
             tmp = distributed.broadcast_object(None)  # rank 0's temporary directory
@@ -281,6 +302,7 @@ class Checkpoints:
                     "optimizer": optimizer_state,
                     "scheduler": scheduler.state_dict(),
                     "rng": capture_rng(),
+                    **({"rngs": rngs} if rngs is not None else {}),
                     "extra": extra or {},
                     "identity": self.identity,
                 },
@@ -315,7 +337,13 @@ class Checkpoints:
                 try:
                     tree = load_tree(path)
                     resumed = Resumed(
-                        path, int(tree["step"]), tree["optimizer"], tree["scheduler"], tree["rng"], tree["extra"]
+                        path,
+                        int(tree["step"]),
+                        tree["optimizer"],
+                        tree["scheduler"],
+                        tree["rng"],
+                        tree["extra"],
+                        tree.get("rngs"),
                     )
                     identity = tree["identity"]
                 # files of another format under a manifest that matches them (rewritten by hand): not a checkpoint

@@ -112,6 +112,15 @@ def broadcast_object(value):
     return box[0]
 
 
+def all_gather_objects(value) -> list:
+    """Every process's ``value`` (picklable, in memory between this run's own processes), in rank order."""
+    if not is_distributed():
+        return [value]
+    found = [None] * world_size()
+    dist.all_gather_object(found, value)
+    return found
+
+
 def barrier() -> None:
     """Wait for every process (nothing outside torch.distributed)."""
     if is_distributed():

@@ -48,7 +48,7 @@ from transformers import get_linear_schedule_with_warmup
 from typing_extensions import override
 
 from densepass import distributed
-from densepass.checkpoints import Checkpoints, restore_rng, trim_log
+from densepass.checkpoints import Checkpoints, capture_rng, restore_rng, trim_log
 from densepass.config import OptimConfig
 from densepass.device import release_freed_memory, uses_bf16
 from densepass.errors import ConfigError, DataError
@@ -402,7 +402,7 @@ def _train(
             if adapters is not None:
                 adapters.load_state_dict(resumed.extra["lora"])
             scheduler.load_state_dict(resumed.scheduler)
-            restore_rng(resumed.rng)
+            restore_rng(resumed.rng_of(rank, distributed.world_size()))
             task.load_state_dict(resumed.extra)
             for callback in callbacks:
                 callback.load_state_dict(resumed.extra)
@@ -427,6 +427,8 @@ def _train(
 
     def save_checkpoint() -> None:
         engine.check_weights()  # every process: the same weights, the same verdict
+        # each process's own random states (its dropout masks are its own): a resumed run draws what it would have
+        rngs = distributed.all_gather_objects(capture_rng()) if distributed.world_size() > 1 else None
         if rank == 0 or sharded:
             extra: dict = {**interval.state(), "nonfinite": guard.state_dict(), **task.state_dict()}
             extra["totals"] = totals()
@@ -441,10 +443,10 @@ def _train(
             def write_shards(directory: Path) -> dict:
                 return sharding.save(task.network(), optimizer, directory)
 
-            checkpoints.save(engine.step, lambda _: None, optimizer, scheduler, extra, write_shards)
+            checkpoints.save(engine.step, lambda _: None, optimizer, scheduler, extra, write_shards, rngs)
         elif rank == 0:
             with plain():
-                checkpoints.save(engine.step, task.save, optimizer, scheduler, extra)
+                checkpoints.save(engine.step, task.save, optimizer, scheduler, extra, rngs=rngs)
         distributed.barrier()
 
     def totals() -> dict:
