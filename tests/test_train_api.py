@@ -125,6 +125,16 @@ def test_loss_objects_compose_and_describe_themselves():
             r"args.matryoshka_dims \[8\] and the loss's \[32, 16\]: give them once",
         ),
         ({"args": dp.TrainConfig(passage_max_length=1000)}, r"longer than the model's passage_max_length"),
+        # checked after the pool was mined and the directory claimed, as they were
+        ({"schedule": dp.ScheduleConfig(method="abs-beam", beam_width=1)}, r"beam_width must be >= 2"),
+        ({"args": dp.TrainConfig(fsdp=True)}, r"^args.fsdp shards the model over torchrun's processes"),
+        ({"args": dp.TrainConfig(batch_size=1000), "max_queries": 8}, r"^batch size 1000 is larger than the 8 train"),
+        # of other types: a TypeError or AttributeError deep inside
+        ({"args": {"batch_size": 8}}, r"^args: a dp.TrainConfig, not a dict$"),
+        ({"negatives": {"source": "none"}}, r"^negatives: a dp.NegativesConfig, not a dict$"),
+        ({"loss": torch.nn.CrossEntropyLoss()}, r"^loss: a loss object of dp.losses, not a CrossEntropyLoss$"),
+        ({"max_queries": "8"}, r"^max_queries: an integer >= 1, got '8'$"),
+        ({"seed": -1}, r"^seed: an integer >= 0, got -1$"),
     ],
 )
 def test_settings_a_run_refuses_or_applies_are_not_ignored_by_dp_train(
@@ -187,3 +197,47 @@ def test_a_loss_setting_past_its_description_s_rounding_still_refuses_a_resume(t
     }
     identity = {"loss": near[0].describe(), "objective": near[0].identity()}
     Checkpoints(tmp_path, 1, identity)._check_identity(tmp_path / "step-1", {"loss": near[0].describe()})  # older
+
+
+TORCHRUN_SCRIPT = """
+import sys
+import torch
+import densepass as dp
+from densepass import distributed
+
+model_dir, data, out = sys.argv[1:4]
+with distributed.process_group():
+    model = dp.BiEncoder.from_pretrained(model_dir)
+    args = dp.TrainConfig(max_steps=3, batch_size=6, cpu_bf16=False, checkpoint_every=1, learning_rate=1e-3)
+    done = dp.train(model, data, output_dir=out, args=args, device="cpu", max_queries=18)
+    print("steps", done.steps, "rank", distributed.rank())
+"""
+
+
+def test_dp_train_under_torchrun_trains_as_one_process_does(tiny_model_dir, tiny_beir, tmp_path):
+    """Every process took the run directory's lock (the second died "in use by another densepass training") and
+    every one saved the model: now rank 0 claims the folder and saves, and two processes end with one process's
+    weights (up to float rounding: the gradients are summed over them)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(dp.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    results = {}
+    for processes in (1, 2):
+        out = tmp_path / f"out{processes}"
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+        done = subprocess.run(
+            [sys.executable, *launcher, str(script), str(tiny_model_dir), str(tiny_beir), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("steps 3") == processes
+        results[processes] = dp.BiEncoder.from_pretrained(str(out / "model")).state_dict()
+    for key, value in results[1].items():
+        torch.testing.assert_close(results[2][key], value, rtol=1e-4, atol=1e-5)

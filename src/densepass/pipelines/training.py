@@ -17,6 +17,7 @@ someone else's.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -34,7 +35,6 @@ from densepass.data.pairs import PairsDataset, is_pairs_source, load_pairs
 from densepass.device import resolve_device
 from densepass.errors import ConfigError
 from densepass.index.bm25 import BM25Index
-from densepass.io import owned_run_directory
 from densepass.losses.matryoshka import Matryoshka, trained_dims
 from densepass.losses.objectives import Distillation, InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder, model_name
@@ -46,7 +46,7 @@ from densepass.plots import read_log
 from densepass.training.adapters import check_adapters
 from densepass.training.batches import TrainingData
 from densepass.training.dense_miners import prepare_miners
-from densepass.training.planner import EpochPlanner
+from densepass.training.planner import EpochPlanner, check_schedule
 from densepass.training.trainer import TrainResult
 from densepass.training.trainer import train as run_training
 
@@ -334,6 +334,17 @@ def train(
     wrote in ``output_dir`` is removed first; otherwise an interrupted call resumes from its checkpoints. ``mix``:
     other datasets' pairs mixed into every batch (``MixConfig``: name, format, split, fraction; ``data.mix`` of a
     run, a forgetting guard), their names read under ``data_dir`` like ``densepass.load_dataset``'s."""
+    for name, given, kind, shown in [
+        ("args", args, TrainConfig, "dp.TrainConfig"),
+        ("negatives", negatives, NegativesConfig, "dp.NegativesConfig"),
+        ("schedule", schedule, ScheduleConfig, "dp.ScheduleConfig"),
+        ("loss", loss, Objective, "loss object of dp.losses"),
+    ]:
+        if given is not None and not isinstance(given, kind):
+            raise ConfigError(f"{name}: a {shown}, not a {type(given).__name__}")
+    for name, number, least in (("max_queries", max_queries, 1), ("seed", seed, 0)):
+        if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < least):
+            raise ConfigError(f"{name}: an integer >= {least}, got {number!r}")
     dataset = as_dataset(dataset, columns, subset, split)
     if negatives is None and isinstance(dataset, PairsDataset):
         negatives = NegativesConfig(source="given" if any(dataset.negatives.values()) else "none")
@@ -382,9 +393,14 @@ def train(
         check_principal_axes(dataset.corpus)
     mix = list(mix)
     check_mix(mix, args, schedule, distils(objective))
+    check_schedule(schedule)
+    check_processes(args, on_step_end is not None)
     mixed = load_mix(mix, None if data_dir is None else str(data_dir))
     torch_device = resolve_device(device)
     query_ids = training_queries(dataset, split, max_queries, seed)
+    planned = args.batch_size - sum(mixed_counts(mix, args.batch_size))
+    if planned > len(query_ids):  # (the planner's check, after the pool was mined)
+        raise ConfigError(f"batch size {args.batch_size} is larger than the {len(query_ids)} training queries")
     given = None
     if negatives.source == "given" and negatives.per_query > 0:  # its errors before anything is written
         given = passage_ids(given_pool(dataset, query_ids).pool)
@@ -411,7 +427,9 @@ def train(
         DATA_FILES: data_fingerprints([dataset, *mixed]),
         **({"mix": [asdict(entry) for entry in mix]} if mix else {}),
     }
-    with owned_run_directory(run_dir, "training", OUTPUT_ENTRIES, restart, ("model",)):
+    main = distributed.rank() == 0
+    with distributed.rank_zero_run_directory(run_dir, "training", OUTPUT_ENTRIES, restart, ("model",)) as claim:
+        claim()  # under torchrun: every process goes on once rank 0 has claimed the directory
         if args.matryoshka_init == "pca":
             start_at_principal_axes(model, dataset.corpus, args.seed, torch_device)  # as a run: train.seed
         sep = model.tokenizer.sep_token or " "
@@ -440,9 +458,29 @@ def train(
         result = fine_tune_model(
             model, data, args, planner, run_dir, torch_device, identity, objective, None, on_step_end
         )
-        model.save(run_dir / "model")
+        if main:
+            model.save(run_dir / "model")
+        distributed.barrier()
     log = read_log(result.log_path)  # a damaged line is left out (trim_log dropped those it found already)
     return TrainOutput(model, run_dir / "model", result.steps, result.final_loss, log)
+
+
+def check_processes(args: TrainConfig, hooked: bool) -> None:
+    """``dp.train`` under torchrun, before any work: the batch splits evenly over the processes, and FSDP has
+    torchrun's processes and nothing it does not combine with (``on_step_end`` uses the model mid-training)."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if distributed.launched_by_torchrun() else 1
+    if args.batch_size % world:
+        raise ConfigError(
+            f"args.batch_size {args.batch_size} must split evenly over the {world} processes (each encodes a share)"
+        )
+    if not args.fsdp:
+        return
+    if world < 2:
+        raise ConfigError("args.fsdp shards the model over torchrun's processes: run under torchrun --nproc_per_node N")
+    if args.lora_rank or args.gradient_checkpointing or args.packing is True:  # auto: padded under FSDP
+        raise ConfigError("args.fsdp does not combine with lora_rank, gradient_checkpointing or packing yet")
+    if hooked:
+        raise ConfigError("args.fsdp does not combine yet with on_step_end (it would use the model mid-training)")
 
 
 def distils(objective: Objective) -> bool:
