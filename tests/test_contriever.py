@@ -97,6 +97,30 @@ def test_document_sentences_split_passages_and_keep_every_word(tiny_beir, tokeni
     assert text.count("[SEP]") == 3  # title [SEP] text, twice, joined by [SEP]
 
 
+@pytest.mark.parametrize(
+    ("texts", "expected"),
+    [
+        (["", ""], [["[UNK]"]]),  # a document of empty passages: an IndexError
+        (["", "a b. c d"], [["a", "b", "."], ["c", "d"]]),  # a [SEP] was put after the document's last sentence
+        (["x.", "", "y."], [["x", ".", "[SEP]"], ["y", "."]]),  # two [SEP]s after x.
+    ],
+)
+def test_empty_passages_of_a_document_end_no_sentence(tmp_path, tokenizer, texts, expected):
+
+    root = tmp_path / "beir"
+    root.mkdir()
+    rows = [{"_id": f"p{i}", "title": "", "text": text, "doc_id": "d0"} for i, text in enumerate(texts)]
+    rows.append({"_id": "other", "title": "", "text": "another document", "doc_id": "d1"})
+    (root / "corpus.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (root / "queries.jsonl").write_text(json.dumps({"_id": "q", "text": "a"}) + "\n")
+    (root / "qrels").mkdir()
+    (root / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq\tother\t1\n")
+    corpus = load_dataset(str(root)).corpus
+    doc = next(d for d in group_documents(corpus) if corpus.ids[d[0]] == "p0")
+    sentences = document_sentences(corpus, doc, tokenizer)
+    assert [tokenizer.convert_ids_to_tokens(s) for s in sentences] == expected
+
+
 def test_batches_pair_two_views_of_one_document_and_depend_only_on_the_seed(tiny_beir, tokenizer):
     corpus = load_dataset(str(tiny_beir)).corpus
     settings = CropSettings(ratio_min=1.0, ratio_max=1.0, deletion=0.0)

@@ -118,8 +118,9 @@ def document_sentences(corpus: Corpus, positions: list[int], tokenizer: PreTrain
     bounds = []
     for text in corpus.passage_inputs(tokenizer.sep_token or " ", positions):
         parts = [p for p in SENTENCE_END.split(text) if p.strip()]
-        sentences.extend(parts)
-        bounds.append(len(sentences))
+        if parts:  # an empty passage ends no sentence: no [SEP] of its own (a doubled one, or one at the end)
+            sentences.extend(parts)
+            bounds.append(len(sentences))
     ids = (
         tokenizer(sentences, add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
         if sentences
