@@ -253,3 +253,40 @@ def test_a_hard_negatives_file_naming_a_passage_outside_the_training_split_is_on
     extra = [f"train.hard_negatives_file={path}", "train.hard_negatives=1", "name=hard", f"output_dir={tmp_path}"]
     with pytest.raises(DataError, match=rf"negatives.jsonl:1: passage '{dev}' is not a passage of the training split"):
         run_phrase(load_config(None, [*overrides, *extra], PhraseConfig))
+
+
+def test_a_rerun_with_other_settings_is_refused_and_a_refused_restart_removes_nothing(tiny_run, tmp_path):
+    """A re-run with another learning rate skipped every finished stage, reported the old results as the new
+    settings' and replaced config.yaml; a --restart whose hard-negatives file was missing removed the earlier run
+    and only then failed."""
+    import shutil
+
+    from densepass.errors import DataError
+
+    root, overrides = tiny_run
+    run_phrase(load_config(None, overrides, PhraseConfig), show_progress=False)
+    shutil.copytree(root / "outputs" / "tiny", tmp_path / "tiny")
+    here = [*overrides, f"output_dir={tmp_path}"]
+    saved = (tmp_path / "tiny" / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"holds a phrase run of other settings \(train.learning_rate differ"):
+        run_phrase(load_config(None, [*here, "train.learning_rate=0.1"], PhraseConfig), show_progress=False)
+    assert (tmp_path / "tiny" / "config.yaml").read_text() == saved
+    again = run_phrase(load_config(None, [*here, "train.log_every=7"], PhraseConfig), show_progress=False)
+    assert again["train"]["steps"] == 3  # how often it logs is no setting of the results: the stages are kept
+    files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    missing = [*here, "train.hard_negatives=1", f"train.hard_negatives_file={tmp_path / 'none.jsonl'}"]
+    with pytest.raises(DataError, match="hard-negatives file not found"):
+        run_phrase(load_config(None, missing, PhraseConfig), restart=True, show_progress=False)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == files
+
+
+def test_a_filter_threshold_with_a_model_without_a_filter_is_refused_before_encoding(tiny_run, capsys):
+    root, overrides = tiny_run
+    run_phrase(load_config(None, overrides, PhraseConfig), show_progress=False)
+    best = root / "outputs" / "tiny" / "best-model"  # saved before the token filter was trained
+    out = root / "idx-no-filter"
+    args = ["index", str(root / "squad"), "--format", "squad", "--kind", "phrase", "--model", str(best)]
+    assert main([*args, "--filter-threshold", "-3", "--output", str(out), "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert "a filter threshold needs a model with a trained token filter" in captured.err
+    assert "encode" not in captured.err + captured.out and not out.exists()

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from densepass import distributed
-from densepass.checkpoints import DATA_FILES, check_data_files
-from densepass.config import save_config
+from densepass.checkpoints import BOOKKEEPING, DATA_FILES, check_data_files, differences
+from densepass.config import load_config, save_config
 from densepass.data.dataset import Corpus
 from densepass.data.paths import dataset_dir
 from densepass.data.squad import SquadSpans, load_squad_spans
@@ -191,10 +191,14 @@ def prepare(
     data_files = {DATA_FILES: data.dataset.file_fingerprints()}
     if not restart:  # finished stages are skipped: checked before any
         check_data_files(run_dir, data_files[DATA_FILES])
+        check_same_settings(config)
     d = config.data
     evalset = evaluation_set(data, d.eval_split, d.max_eval_questions, d.seed)
     train_rows = split_rows(data, d.train_split)
     train_qids = [q for q in data.dataset.split(d.train_split) if q in data.spans]
+    if config.train.hard_negatives and config.train.hard_negatives_file:  # a file given: read once before the claim
+        training = {data.dataset.corpus.ids[row] for row in train_rows}
+        read_negatives(config.train.hard_negatives_file, data.dataset.corpus, training)
     model = starting_model(config)
     claim()  # the checks above passed: only now is the directory marked and --restart's removal done
     main = distributed.rank() == 0
@@ -204,6 +208,35 @@ def prepare(
     return PhraseRun(
         config, device, main, data, data_files, evalset, train_rows, train_qids, model, stages, show_progress
     )
+
+
+def settings_identity(config: PhraseConfig) -> dict:
+    """What a phrase run's stages are of: every setting but where it is written, its device and the bookkeeping of
+    its training sections (``checkpoints.BOOKKEEPING``: how often it logs and checkpoints), as JSON values."""
+    values = json.loads(json.dumps(asdict(config)))
+    for key in ("name", "output_dir", "device"):
+        values.pop(key)
+    for section in ("train", "query_tuning"):
+        values[section] = {k: v for k, v in values[section].items() if k not in BOOKKEEPING}
+    return values
+
+
+def check_same_settings(config: PhraseConfig) -> None:
+    """Refuse to go on with a run directory whose finished stages were computed with other settings: they would
+    be skipped and their results reported as this config's (and its ``config.yaml`` replaced by this one)."""
+    saved, stages = config.run_dir / "config.yaml", config.run_dir / STAGES
+    if not (saved.is_file() and stages.is_file()):
+        return
+    hint = "use another name or output_dir, or --restart to discard it"
+    try:
+        earlier = settings_identity(load_config(saved, None, PhraseConfig))
+    except ConfigError as err:
+        raise ConfigError(f"{config.run_dir} holds a config.yaml that does not load ({err}); {hint}") from err
+    changed = differences(earlier, settings_identity(config))
+    if changed:
+        raise ConfigError(
+            f"{config.run_dir} holds a phrase run of other settings ({changed} differ from its config.yaml); {hint}"
+        )
 
 
 # ---- stage 2: hard negatives ---------------------------------------------------------------------------
