@@ -119,6 +119,31 @@ def test_mlm_mode_is_bert_for_masked_lm_and_projection_is_shared(tiny_model_dir)
     assert sum(isinstance(m, type(condenser.mlm_head)) for m in condenser.modules()) == 1
 
 
+def test_a_checkpoint_with_an_mlm_head_starts_with_it(tmp_path, tiny_model_dir):
+    """Condenser §3.4 starts everything but the head from BERT: a BertForMaskedLM's trained prediction head was
+    dropped for a random one (another loss from the first step). Now the MLM loss is the checkpoint's own."""
+    from conftest import tiny_bert_config
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    torch.manual_seed(0)
+    reference = BertForMaskedLM(tiny_bert_config(tokenizer.vocab_size)).eval()
+    with torch.no_grad():
+        reference.cls.predictions.transform.dense.weight.normal_()
+        reference.cls.predictions.bias.normal_()
+    reference.save_pretrained(tmp_path / "mlm")
+    tokenizer.save_pretrained(tmp_path / "mlm")
+    for mode in ("mlm", "condenser"):
+        model = Condenser.from_pretrained(str(tmp_path / "mlm"), mode=mode, early_layers=1).eval()
+        head = model.mlm_head.predictions
+        assert torch.equal(head.transform.dense.weight, reference.cls.predictions.transform.dense.weight)
+        assert (
+            head.decoder.weight is model.backbone.embeddings.word_embeddings.weight and head.decoder.bias is head.bias
+        )
+    ids, mask, labels = masked_batch(model)
+    expected = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert model(ids, mask, labels).late_mlm.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
 def test_bad_configuration_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ConfigError, match="early_layers"):
         Condenser.from_pretrained(str(tiny_model_dir), "condenser", early_layers=2)

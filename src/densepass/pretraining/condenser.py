@@ -19,6 +19,10 @@ Each MLM term is the mean cross-entropy over the batch's masked tokens (as ``Ber
 reference Condenser code compute it) rather than a mean of per-span sums; the contrastive term is the
 mean over the 2n spans. After pre-training the head is dropped: ``save_backbone`` writes a plain
 BertModel.
+
+Everything starts from the checkpoint but the head (condenser §3.4): the MLM prediction head too, where the
+checkpoint has one (a ``BertForMaskedLM``'s ``cls.predictions``); a checkpoint without one (a plain encoder such as
+all-MiniLM-L6-v2) starts it at random.
 """
 
 from __future__ import annotations
@@ -40,6 +44,30 @@ from densepass.pretraining.config import Mode
 from densepass.pretraining.masking import IGNORE
 
 MODES = ("mlm", "condenser", "cocondenser")
+
+
+MLM_HEAD_KEYS = (  # a BertForMaskedLM's prediction head (``cls.``), but the decoder's weight (the embeddings)
+    "predictions.bias",
+    "predictions.transform.dense.weight",
+    "predictions.transform.dense.bias",
+    "predictions.transform.LayerNorm.weight",
+    "predictions.transform.LayerNorm.bias",
+)
+
+
+def checkpoint_mlm_head(path: Path) -> dict[str, torch.Tensor] | None:
+    """The MLM prediction head of the checkpoint in ``path`` (its ``cls.predictions`` tensors in its safetensors
+    files, as ``BertOnlyMLMHead`` names them), or None where it has none, or only part of one."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle is no dict)
+                name = key.removeprefix("cls.")
+                if key.startswith("cls.") and name in MLM_HEAD_KEYS:
+                    found[name] = handle.get_tensor(key).float()
+    return found if set(found) == set(MLM_HEAD_KEYS) else None
 
 
 @dataclass
@@ -131,7 +159,8 @@ class Condenser(nn.Module):
         head_layers: int = 2,
         temperature: float = 1.0,
     ) -> Condenser:
-        """Backbone (and tokenizer) from a pre-trained model, head and MLM transform at random."""
+        """Backbone (and tokenizer) from a pre-trained model, the MLM prediction head from it too where it has one
+        (else at random), the head at random."""
         from transformers import AutoTokenizer
 
         from densepass.models.biencoder import resolve_model_path
@@ -140,7 +169,16 @@ class Condenser(nn.Module):
         path = resolve_model_path(name_or_path)
         with loading_weights(path):
             backbone = AutoModel.from_pretrained(path).float()
-        return cls(backbone, AutoTokenizer.from_pretrained(path), mode, early_layers, head_layers, temperature)
+        model = cls(backbone, AutoTokenizer.from_pretrained(path), mode, early_layers, head_layers, temperature)
+        head = checkpoint_mlm_head(Path(path))
+        if head is not None:
+            try:
+                model.mlm_head.load_state_dict(head, strict=False)  # the decoder's weight: the tied embeddings
+            except RuntimeError as err:
+                raise ConfigError(
+                    f"{path}: its MLM head does not fit its encoder ({str(err).splitlines()[-1]})"
+                ) from None
+        return model
 
     def _mask(self, hidden: torch.Tensor, attention_mask: torch.Tensor):
         return create_bidirectional_mask(
