@@ -197,6 +197,8 @@ def test_index_search_is_the_brute_force_best_span_of_its_token_vectors(model):
             text = index.passages.texts[index.passages.position(pid)]
             assert answer == text[start:end] == text[index.offsets[i, 0] : index.offsets[j, 1]]
             assert int(np.searchsorted(index.bounds, i, side="right") - 1) == index.passages.position(pid)
+    with pytest.raises(ConfigError, match=r"^k must be a positive integer, got -1$"):  # (it failed inside torch)
+        index.search_passages(QUESTIONS, k=-1)
 
 
 def test_a_threshold_keeps_only_the_vectors_whose_filter_logit_is_above_it(model):

@@ -106,6 +106,28 @@ def test_lower_casing_only_sentence_transformers_does_is_refused_and_a_module_wi
     assert BiEncoder.from_pretrained(str(path)).config.projection_dim == 8
 
 
+@pytest.mark.parametrize(
+    ("file", "change", "message"),
+    [
+        ("1_Pooling/config.json", {"pooling_mode": 5}, "pooling_mode 5 is not a pooling name"),
+        ("2_Dense/config.json", {"out_features": True}, "no readable Dense config"),
+        ("config_sentence_transformers.json", {"prompts": {"query": 3}}, "its prompts are not names with texts"),
+    ],
+)
+def test_a_malformed_sentence_transformers_config_is_one_line_not_a_default(
+    tmp_path, tiny_model_dir, file, change, message
+):
+    """A pooling mode of another type was read as mean pooling, ``out_features: true`` as a 1-dimensional
+    projection, and prompts of another type were all dropped: each embedded otherwise in silence."""
+    from densepass.errors import DataError
+
+    path, _ = _st_model(tmp_path, tiny_model_dir)
+    values = json.loads((path / file).read_text())
+    (path / file).write_text(json.dumps({**values, **change}))
+    with pytest.raises(DataError, match=message):
+        BiEncoder.from_pretrained(str(path))
+
+
 def _run_config(path, tmp_path, *overrides):
     return load_config(
         None, [f"model.name_or_path={path}", f"output_dir={tmp_path / 'runs'}", "name=x", *overrides], ExperimentConfig

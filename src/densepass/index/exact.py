@@ -3,7 +3,9 @@ when one is present. Exact like FAISS ``IndexFlatIP``, without copying the corpu
 
 Ties are broken by passage row (equal scores: the lower row first), so the result is one well-defined
 list whatever the chunking: a corpus searched in shards by several processes (``index.sharded``) and
-merged gives the same ids, scores and order as one process.
+merged gives the same ids, scores and order as one process. (Equal up to float rounding only: the matrix
+product of two chunkings may round two copies of one vector a unit in the last place apart, and they then
+come in score order, not row order.)
 
 ``ReducedPassages`` holds a bf16 or int8 copy of the passages (int8: symmetric, one scale per passage) for
 a first pass in reduced precision; ``exact_search(..., reduced=...)`` then re-scores each query's best

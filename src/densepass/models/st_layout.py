@@ -113,8 +113,10 @@ def sentence_transformers_architecture(path: str | Path) -> BiEncoderConfig | No
     mode = pooling_config.get("pooling_mode")
     if isinstance(mode, str):
         modes = [mode]
-    elif isinstance(mode, list):
-        modes = [str(m) for m in mode]
+    elif isinstance(mode, list) and all(isinstance(m, str) for m in mode):
+        modes = list(mode)
+    elif mode is not None:  # (a number was read as the default, mean)
+        raise DataError(f"{pooling_dir / 'config.json'}: pooling_mode {mode!r} is not a pooling name")
     else:
         legacy = [
             k.removeprefix("pooling_mode_") for k, v in pooling_config.items() if k.startswith("pooling_mode_") and v
@@ -135,7 +137,8 @@ def sentence_transformers_architecture(path: str | Path) -> BiEncoderConfig | No
     if "Dense" in kinds:
         dense_dir = path / modules[kinds.index("Dense")]["path"]
         dense = read_model_json(dense_dir / "config.json") if (dense_dir / "config.json").is_file() else None
-        if not isinstance(dense, dict) or not isinstance(dense.get("out_features"), int):
+        out_features = dense.get("out_features") if isinstance(dense, dict) else None
+        if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 1:
             raise DataError(f"{dense_dir} has no readable Dense config (config.json with out_features)")
         # sentence-transformers' Dense applies tanh when no activation is named
         activation = dense.get("activation_function", "torch.nn.modules.activation.Tanh")
@@ -151,9 +154,9 @@ def sentence_transformers_architecture(path: str | Path) -> BiEncoderConfig | No
     settings = path / "config_sentence_transformers.json"
     if settings.is_file():
         values = read_model_json(settings)
-        prompts = values.get("prompts") if isinstance(values, dict) else None
+        prompts = (values.get("prompts") if isinstance(values, dict) else None) or {}
         if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
-            prompts = {}
+            raise DataError(f"{settings}: its prompts are not names with texts ({prompts!r:.80})")
     return BiEncoderConfig(
         pooling=POOLING_MODES[modes[0]],  # type: ignore[arg-type]
         projection_dim=projection_dim,

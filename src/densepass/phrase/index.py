@@ -239,6 +239,7 @@ class PhraseIndex(Index):
 
     def search_passages(self, queries: Sequence[str] | QuestionVectors, k: int = 10) -> SearchResults:
         """The top-``k`` passages of each question, scored by their best phrase."""
+        k = check_k(k)
         if len(self) == 0:
             raise ConfigError("the index is empty: add passages before searching")
         a, b = self.token_scores(queries)

@@ -30,7 +30,7 @@ from densepass.data.dataset import Corpus
 from densepass.data.texts import is_blank, surrogate_problem
 from densepass.device import default_device, resolve_device, resolve_precision
 from densepass.errors import ConfigError, DataError
-from densepass.index.base import KINDS, Index, SearchResults, check_k, load_index, read_index_manifest
+from densepass.index.base import KINDS, Index, SearchResults, check_k, current_version, load_index, read_index_manifest
 from densepass.index.binary import COMPACT_KINDS, CompactIndex
 from densepass.index.bm25 import BM25Index
 from densepass.index.hybrid import HybridIndex
@@ -46,6 +46,20 @@ from densepass.phrase.index import PhraseIndex, PhraseSearchResults  # registers
 
 PROGRESS_PAIRS = 4 * TOKENIZE_CHUNK
 """Pairs per reranker call under ``rerank``'s progress bar: a multiple of a cross-encoder's tokenising chunk."""
+
+
+def compact_part(directory: Path) -> tuple[str, dict] | None:
+    """(kind, manifest) of the int8 or binary index saved in ``directory`` (its current version): itself, or a
+    hybrid's dense part; None without one."""
+    folder, manifest = current_version(directory)
+    if manifest["kind"] in COMPACT_KINDS:
+        return manifest["kind"], manifest
+    if manifest["kind"] == "hybrid":
+        first = read_index_manifest(folder / "first")
+        if first["kind"] in COMPACT_KINDS:
+            return first["kind"], first
+    return None
+
 
 BIENCODER_KINDS = (*DENSE_INDEX_KINDS, ONDISK_INDEX_KIND, *COMPACT_KINDS)  # indexes of one bi-encoder's embeddings
 
@@ -166,11 +180,18 @@ class SearchPipeline:
         manifest = read_index_manifest(Path(directory))
         kind = manifest["kind"]
         options: dict[str, Any] = {} if kind == "bm25" else {"device": device}
-        if "rescore_multiplier" in index_options and kind in COMPACT_KINDS:
-            rescore_with = index_options.get("rescore_with", manifest.get("options", {}).get("rescore_with", "float"))
-            if not CompactIndex.rescores(kind, rescore_with):
+        given = [f"--{key.replace('_', '-')}" for key in ("rescore_with", "rescore_multiplier") if key in index_options]
+        if given:  # (the index's own errors named the Python options, or none: a multiplier with nothing re-scored)
+            compact = compact_part(Path(directory))
+            if compact is None:
                 raise ConfigError(
-                    f"--rescore-multiplier: this {kind} index with --rescore-with {rescore_with} re-scores none"
+                    f"{', '.join(given)}: options of an int8 or binary index; {directory} is an index of kind {kind}"
+                )
+            part, saved = compact
+            rescore_with = index_options.get("rescore_with", saved.get("options", {}).get("rescore_with", "float"))
+            if "rescore_multiplier" in index_options and not CompactIndex.rescores(part, rescore_with):
+                raise ConfigError(
+                    f"--rescore-multiplier: this {part} index with --rescore-with {rescore_with} re-scores none"
                 )
         if kind in ("splade", "colbert"):
             float_precision(precision, device, kind)
