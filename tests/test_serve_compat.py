@@ -770,3 +770,38 @@ def test_health_says_a_reload_failed_without_the_paths_its_message_names():
         health = http.get("/health")
     assert health.status_code == 200
     assert health.json()["searcher"]["last_reload_failed"] is True and "/srv" not in health.text
+
+
+def test_tei_routes_answer_a_full_queue_and_too_much_input_with_teis_statuses():
+    """TEI's router answers an overloaded queue 429 and a batch or an input too large 413; densepass's TEI routes
+    answered 503 and 400, which TEI's clients do not retry or report as TEI does. The other routes keep theirs."""
+    from densepass.serve.compat import ApiError, batched, check_texts, styled_error
+    from densepass.serve.microbatch import QueueFull, Unavailable
+
+    def answer(path, status, reason=None, headers=None):
+        response = styled_error(path, status, "refused", headers, reason=reason)
+        return response.status_code, json.loads(response.body)
+
+    full = answer("/embed", 503, "queue_full", {"Retry-After": "1"})
+    assert full == (429, {"error": "refused", "error_type": "Overloaded"})
+    assert styled_error("/rerank", 503, "x", {"Retry-After": "1"}, reason="queue_full").headers["retry-after"] == "1"
+    assert answer("/rerank", 400, "too_large") == (413, {"error": "refused", "error_type": "Validation"})
+    assert answer("/embed", 503) == (503, {"error": "refused", "error_type": "Unhealthy"})  # shutting down
+    assert answer("/search", 503, "queue_full")[0] == 503 and answer("/v1/embeddings", 400, "too_large")[0] == 400
+
+    class Refusing:
+        def __init__(self, error):
+            self.error = error
+
+        async def run(self, *args):
+            raise self.error
+
+    for error, reason in [(QueueFull("the queue is full"), "queue_full"), (Unavailable("closing"), None)]:
+        with pytest.raises(ApiError) as refused:
+            asyncio.run(batched(Refusing(error), "embed", ["x"], None))
+        assert (refused.value.status, refused.value.reason) == (503, reason)
+    settings = ServeSettings(max_queries_per_request=2, max_query_chars=5)
+    for texts in (["a", "b", "c"], ["abcdefg"]):
+        with pytest.raises(ApiError) as refused:
+            check_texts(texts, settings, "inputs")
+        assert (refused.value.status, refused.value.reason) == (400, "too_large")

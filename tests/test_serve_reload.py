@@ -223,3 +223,23 @@ def test_a_reader_that_sees_the_new_version_never_sees_the_error_it_replaced(tmp
     update_index(folder, delete=["2"])
     searcher.reload()
     assert seen[-1]["index_version"] == 1 and "last_reload_error" not in seen[-1]
+
+
+def test_the_reload_answer_shows_the_searcher_as_health_does(tmp_path):
+    """The operator's reload answered the searcher's facts raw: a model's absolute path on the server."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from densepass.serve.app import public
+    from densepass.serve.reload import admin_reload_route
+
+    class Reloading:
+        def reload(self):
+            return {"index": "exact", "model": str(tmp_path / "models" / "mine"), "index_version": 3}
+
+    app = FastAPI()
+    app.add_api_route("/admin/reload", admin_reload_route(Reloading(), TOKEN, public), methods=["POST"])
+    with TestClient(app) as http:
+        answer = http.post("/admin/reload", headers={"X-Admin-Token": TOKEN})
+    assert answer.status_code == 200 and str(tmp_path) not in answer.text
+    assert answer.json() == {"reloaded": True, "searcher": public(Reloading().reload())}

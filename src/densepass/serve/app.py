@@ -319,7 +319,7 @@ def create_app(
     @app.exception_handler(ApiError)
     async def refused(request: Request, err: ApiError) -> JSONResponse:
         headers = {"Retry-After": "1"} if err.status == 503 else None
-        return styled_error(request.url.path, err.status, err.message, headers, err.param, err.code)
+        return styled_error(request.url.path, err.status, err.message, headers, err.param, err.code, err.reason)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
@@ -419,7 +419,7 @@ def create_app(
         ("GET", "/", search_page, {"include_in_schema": False}),
     ]
     if admin_token is not None:
-        reload = admin_reload_route(searcher, admin_token)
+        reload = admin_reload_route(searcher, admin_token, public)
         routes.append(("POST", "/admin/reload", reload, {"include_in_schema": False}))
     for method, path, handler, options in routes:
         app.add_api_route(path, handler, methods=[method], **options)

@@ -27,23 +27,35 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from densepass.errors import DensepassError
 from densepass.serve.backends import Embedder, PairScorer, TooManyTokens
-from densepass.serve.microbatch import MicroBatcher, Unavailable
+from densepass.serve.microbatch import MicroBatcher, QueueFull, Unavailable
 from densepass.serve.settings import ServeSettings
 from densepass.serve.texts import query_problem
 
 TEI_PATHS = ("/embed", "/rerank")
 
 OPENAI_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 503: "server_error", 500: "server_error"}
-TEI_TYPES = {401: "Unauthorized", 503: "Overloaded", 500: "Backend", 501: "Backend"}
+TEI_TYPES = {
+    401: "Unauthorized",
+    429: "Overloaded",
+    413: "Validation",
+    503: "Unhealthy",
+    500: "Backend",
+    501: "Backend",
+}
+# how TEI answers what densepass's own API answers otherwise (its router: an overloaded queue is a 429, a batch or
+# an input too large a 413), by the refusal's reason
+TEI_STATUS = {"queue_full": 429, "too_large": 413}
 
 
 class ApiError(Exception):
     """A request a route refuses: HTTP ``status``, a one-line ``message``; ``param`` and ``code`` for OpenAI's
-    error shape."""
+    error shape; ``reason`` (``TEI_STATUS``) where TEI's routes answer it with another status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, reason: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.reason = status, message, param, code, reason
 
 
 def styled_error(
@@ -53,9 +65,11 @@ def styled_error(
     headers: dict[str, str] | None = None,
     param: str | None = None,
     code: str | None = None,
+    reason: str | None = None,
 ) -> JSONResponse:
     """An error answer in the shape the clients of ``path`` read: OpenAI's under ``/v1/`` (where 422 is 400, as
-    OpenAI answers invalid parameters), TEI's on its routes, ``{"error": message}`` elsewhere; always one line."""
+    OpenAI answers invalid parameters), TEI's on its routes (with TEI's status for the ``reason``: a full queue a
+    429, too many or too long texts a 413), ``{"error": message}`` elsewhere; always one line."""
     message = " ".join(str(message).split())
     if path.startswith("/v1/"):
         status = 400 if status == 422 else status
@@ -63,6 +77,7 @@ def styled_error(
         code = code or ("invalid_api_key" if status == 401 else None)
         body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     elif path in TEI_PATHS:
+        status = TEI_STATUS.get(reason or "", status)
         body = {"error": message, "error_type": TEI_TYPES.get(status, "Validation")}
     else:
         body = {"error": message}
@@ -89,12 +104,16 @@ def check_texts(texts: Any, settings: ServeSettings, field: str, what: str = "in
         raise ApiError(400, f"'{field}' must be a string or a list of strings", field)
     if len(texts) > settings.max_queries_per_request:
         raise ApiError(
-            400, f"too many texts in '{field}': {len(texts)} (at most {settings.max_queries_per_request})", field
+            400,
+            f"too many texts in '{field}': {len(texts)} (at most {settings.max_queries_per_request})",
+            field,
+            reason="too_large",
         )
     for i, text in enumerate(texts):
         where = f"{what} {i}" if len(texts) > 1 else what
         if len(text) > settings.max_query_chars:
-            raise ApiError(400, f"{where} has {len(text)} characters (at most {settings.max_query_chars})", field)
+            message = f"{where} has {len(text)} characters (at most {settings.max_query_chars})"
+            raise ApiError(400, message, field, reason="too_large")
         problem = query_problem(text)
         if problem:
             raise ApiError(400, f"{where} {problem}", field)
@@ -116,9 +135,9 @@ async def batched(batcher: MicroBatcher, operation: str, items: list[Any], funct
     try:
         return await batcher.run(operation, items, function)
     except Unavailable as err:
-        raise ApiError(503, str(err)) from None
+        raise ApiError(503, str(err), reason="queue_full" if isinstance(err, QueueFull) else None) from None
     except TooManyTokens as err:
-        raise ApiError(413, str(err)) from None
+        raise ApiError(413, str(err), reason="too_large") from None
     except DensepassError as err:
         raise ApiError(400, str(err)) from None
 

@@ -44,6 +44,10 @@ class Unavailable(Exception):
     """The request cannot be taken now (the queue is full, or the service is shutting down): HTTP 503."""
 
 
+class QueueFull(Unavailable):
+    """The queue holds as many queries as it may: a client may retry shortly (TEI's routes answer 429)."""
+
+
 class BatchFailed(RuntimeError):
     """The worker failed on a batch outside every request's own work (say ``on_batch``): each request of that
     batch gets this error (HTTP 500; the cause goes to the server log), and the worker serves the next batch."""
@@ -132,7 +136,7 @@ class MicroBatcher:
         if self.stopped:  # the worker ended without close(): nothing would ever answer this request
             raise Unavailable("the search worker has stopped; see the server log")
         if self.waiting + len(items) > self.max_queue:
-            raise Unavailable(
+            raise QueueFull(
                 f"the search queue is full ({self.waiting} queries waiting, at most {self.max_queue}); retry shortly"
             )
         job = _Job(items, k, asyncio.get_running_loop().create_future(), operation, function)

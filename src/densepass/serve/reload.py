@@ -139,9 +139,10 @@ def admin_token(value: str | None) -> str | None:
     return token
 
 
-def admin_reload_route(searcher: Any, token: str) -> Callable:
+def admin_reload_route(searcher: Any, token: str, shown: Callable[[Any], Any] = lambda facts: facts) -> Callable:
     """The handler of ``POST /admin/reload``: 401 without ``X-Admin-Token: TOKEN``; else the reload, in a worker
-    thread (the event loop keeps answering), answered with ``/health``'s searcher facts, or 409 with the reason
+    thread (the event loop keeps answering), answered with ``/health``'s searcher facts (``shown``: as ``/health``
+    shows them, without the server's paths), or 409 with the reason
     when the new version does not load (the old one keeps serving). (No ``from __future__ import annotations`` in
     this module: FastAPI reads the handler's ``Request`` annotation, imported here, as a class.)"""
     from fastapi import Request
@@ -157,7 +158,7 @@ def admin_reload_route(searcher: Any, token: str) -> Callable:
             facts = await asyncio.to_thread(searcher.reload)
         except DensepassError as err:
             return JSONResponse({"error": " ".join(f"reload failed, the old index serves: {err}".split())}, 409)
-        return JSONResponse({"reloaded": True, "searcher": facts})
+        return JSONResponse({"reloaded": True, "searcher": shown(facts)})
 
     return reload
 
