@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from densepass import distributed
 from densepass.config import ScheduleConfig
 from densepass.errors import ConfigError, DataError, DensepassError
 from densepass.io import atomic_file, atomic_write_text
@@ -207,7 +208,8 @@ class EpochPlanner:
         if saved is not None and saved.is_file():
             return self._load_saved(saved)
         queries, passages = self._encode_now()
-        if saved is not None:  # atomically, under densepass's temporary name (a killed save's is its own to remove)
+        if saved is not None and distributed.rank() == 0:  # atomically, under densepass's temporary name (a killed
+            # save's is its own to remove); under torchrun every process plans, rank 0 writes
             with atomic_file(saved, "wb", needs=queries.nbytes + passages.nbytes) as handle:
                 np.savez(handle, queries=queries, passages=passages)
         return queries, passages
@@ -336,7 +338,7 @@ class EpochPlanner:
     def _log(self, record: dict) -> None:
         """Write ``record`` (an epoch's) to the schedule log in place of any earlier record of the same epoch: a run
         resumed inside an epoch plans it again, and one record an epoch is what ``hardness.png`` draws."""
-        if self.log_path is None:
+        if self.log_path is None or distributed.rank() != 0:  # (under torchrun every process plans)
             return
         earlier = [] if self.log_path.is_symlink() else read_log(self.log_path)  # a line cut short: left out
         kept = [r for r in earlier if "epoch" in r and r["epoch"] != record["epoch"]]
