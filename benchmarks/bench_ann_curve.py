@@ -19,6 +19,7 @@ case of a server; ``--threads`` sets FAISS's and torch's threads for everything.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -26,10 +27,10 @@ import faiss
 import numpy as np
 import torch
 
-from common import environment, markdown_table, pick_device, write_json
+from common import environment, markdown_table, output_file, output_with_table, pick_device, write_json, write_table
+from densepass.cli import positive_int, run_guarded
 from densepass.index.exact import ReducedPassages, exact_search
 from densepass.index.faiss_index import build_faiss_index, faiss_search
-from densepass.io import atomic_write_text
 
 KS = (10, 100)
 
@@ -80,18 +81,29 @@ def latency_ms(search, queries: np.ndarray, n: int) -> float:
     return 1000 * float(np.median(times))
 
 
+def curve_folder(value: str) -> str:
+    """argparse type of ``--out``: a folder whose curve files, where there are any, an earlier run wrote (its JSON
+    a benchmark's, its table marked; the plot is the JSON's), checked before any work."""
+    out = Path(value)
+    output_file(str(out / "curve.json"))
+    output_with_table(str(out / "curve.json"))  # curve.md
+    if (out / "curve.png").exists() and not (out / "curve.json").is_file():
+        raise argparse.ArgumentTypeError(f"{out / 'curve.png'} exists and no curve.json of a run beside it: not ours")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--index", help="a saved dense index directory (densepass index)")
     source.add_argument("--embeddings", help="passage embeddings .npy (with --query-embeddings)")
-    source.add_argument("--random", type=int, help="this many random unit vectors (smoke test)")
+    source.add_argument("--random", type=positive_int, help="this many random unit vectors (smoke test)")
     parser.add_argument("--query-embeddings", help="query embeddings .npy (with --embeddings)")
     parser.add_argument("--dataset", default="debian-packages", help="--index: the dataset whose queries are encoded")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--split", default="dev")
-    parser.add_argument("--max-queries", type=int, default=None, help="a seeded sample of the queries")
-    parser.add_argument("--dim", type=int, default=384, help="--random: dimension")
+    parser.add_argument("--max-queries", type=positive_int, default=None, help="a seeded sample of the queries")
+    parser.add_argument("--dim", type=positive_int, default=384, help="--random: dimension")
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--hnsw-m", type=int, default=32)
     parser.add_argument("--ef-construction", type=int, default=None, help="HNSW (default: densepass's, FAISS's 40)")
@@ -101,10 +113,12 @@ def main() -> None:
     parser.add_argument("--nprobe", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--reduced", nargs="*", default=["bf16", "int8"], help="exact search precisions to add")
     parser.add_argument("--rescore", type=int, default=4, help="reduced precision: candidates re-scored, x k")
-    parser.add_argument("--latency-queries", type=int, default=200, help="queries timed one at a time")
+    parser.add_argument("--latency-queries", type=positive_int, default=200, help="queries timed one at a time")
     parser.add_argument("--threads", type=int, default=None, help="FAISS and torch threads (default: theirs)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", required=True, help="directory for curve.md, curve.png and curve.json")
+    parser.add_argument(
+        "--out", type=curve_folder, required=True, help="directory for curve.md, curve.png and curve.json"
+    )
     args = parser.parse_args()
     if args.embeddings and not args.query_embeddings:
         parser.error("--embeddings needs --query-embeddings")
@@ -191,7 +205,7 @@ def write_outputs(out: Path, points: list[dict], description: str, n: int, nq: i
     ]
     title = f"{description}: {n:,} passages, {nq:,} queries, {dim}-d"
     table = markdown_table(headers, rows)
-    atomic_write_text(out / "curve.md", f"{title}\n\n{table}\n")
+    write_table(out / "curve.md", f"{title}\n\n{table}\n")
     print(f"\n{title}\n\n{table}")
     plot(points, title, out / "curve.png")
     write_json(out / "curve.json", {"benchmark": "ann_curve", **environment(device), "title": title, "points": points})
@@ -229,4 +243,4 @@ def plot(points: list[dict], title: str, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_guarded(main, Path(__file__).name))

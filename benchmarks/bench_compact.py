@@ -40,7 +40,7 @@ import warnings
 import numpy as np
 import torch
 
-from common import environment, markdown_table, pick_device, write_json
+from common import environment, markdown_table, output_with_table, pick_device, write_json, write_table
 from densepass.config import DataConfig
 from densepass.data import load_dataset
 from densepass.evaluation.metrics import evaluate_run, per_query_scores, randomization_p
@@ -221,7 +221,9 @@ def main() -> None:
         help="also measure each model trained without train.matryoshka_init=pca rotated to its principal axes after"
         " the fact (PCA of a seeded sample of its passage embeddings, as that option does before training): LABEL+pca",
     )
-    parser.add_argument("--out", default=None, help="JSON results (the markdown table goes beside it, .md)")
+    parser.add_argument(
+        "--out", type=output_with_table, default=None, help="JSON results (the markdown table goes beside it, .md)"
+    )
     parser.add_argument("--synthetic", type=int, default=None, help="N random vectors: memory and latency only")
     args = parser.parse_args()
     models = [m.split("=", 1) if "=" in m else (m, m) for m in (args.model or ["zero-shot=all-MiniLM-L6-v2"])]
@@ -331,9 +333,7 @@ def main() -> None:
     if args.out:
         from pathlib import Path
 
-        from densepass.io import atomic_write_text
-
-        atomic_write_text(Path(args.out).with_suffix(".md"), table + "\n")
+        write_table(Path(args.out).with_suffix(".md"), table + "\n")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 import torch
 from torch import nn
 
-from common import environment, markdown_table, median_round, pick_device, write_json
+from common import environment, markdown_table, median_round, output_file, pick_device, write_json
 from densepass.training.embedding_grads import SparseEmbeddingGradients
 
 TABLES = {
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=output_file, default=None)
     args = parser.parse_args()
     if min(args.query_tokens, args.passage_tokens, args.steps, args.rounds) < 1 or args.warmup < 0:
         parser.error("--query-tokens, --passage-tokens, --steps and --rounds must be at least 1, --warmup at least 0")

@@ -51,6 +51,7 @@ from common import (
     encoder_flops_per_token,
     environment,
     markdown_table,
+    output_file,
     pick_device,
     print_profile,
     rate,
@@ -246,6 +247,21 @@ def openvino_encoders(path: str, args) -> dict[str, Encoder | str]:
     return out
 
 
+EMBEDDINGS_MARK = ".bench-encode-embeddings"  # in a folder whose passages.npy and queries.npy this script wrote
+
+
+def embeddings_folder(value: str) -> str:
+    """argparse type of ``--save-embeddings``: a folder where the .npy files this script writes are missing, or its
+    own (the folder holds ``EMBEDDINGS_MARK``), checked before any work."""
+    folder = Path(value)
+    taken = [name for name in ("passages.npy", "queries.npy") if (folder / name).exists()]
+    if taken and not (folder / EMBEDDINGS_MARK).is_file():
+        raise argparse.ArgumentTypeError(
+            f"{folder} holds {', '.join(taken)} that this script did not write; it overwrites only its own"
+        )
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="all-MiniLM-L6-v2")
@@ -326,10 +342,11 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument(
         "--save-embeddings",
+        type=embeddings_folder,
         default=None,
         help="directory for densepass's passages.npy and dev queries.npy (for bench_search.py)",
     )
-    parser.add_argument("--out", default=None, help="JSON results")
+    parser.add_argument("--out", type=output_file, default=None, help="JSON results")
     args = parser.parse_args()
     sizes = [args.repeats, args.export_batch_size, *args.bf16_piece_tokens, *args.length_multiples]
     if any(size < 1 for size in sizes) or (args.n is not None and args.n < 1):
@@ -420,6 +437,7 @@ def main() -> None:
     if args.save_embeddings:
         out_dir = Path(args.save_embeddings)
         out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / EMBEDDINGS_MARK).write_text("")
         np.save(out_dir / "passages.npy", embeddings[f"densepass encode_texts|{precisions[0]}|{args.batch_size}"])
         queries = encode_texts(model, dev, "query", device=device, precision=precisions[0], show_progress=False)
         np.save(out_dir / "queries.npy", queries)

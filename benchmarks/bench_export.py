@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import environment, markdown_table, rate, timer, write_json
+from common import environment, markdown_table, output_file, rate, timer, write_json
 from densepass.data import load_dataset
 from densepass.models.biencoder import BiEncoder
 from densepass.pipelines.export import export_model
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1000, help="passages encoded")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None, help="a JSON file for the results")
+    parser.add_argument("--out", type=output_file, default=None, help="a JSON file for the results")
     args = parser.parse_args()
 
     import onnxruntime

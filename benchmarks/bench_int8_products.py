@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import cpu_peak
-from common import cpu_facts, markdown_table, write_json
+from common import cpu_facts, markdown_table, output_file, write_json
 from densepass.models import cpu_kernels
 
 SHAPES = {"query, key, value": (384, 1152), "output": (384, 384), "inner": (384, 1536), "ffn output": (1536, 384)}
@@ -40,7 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=output_file, default=None)
     args = parser.parse_args()
     if args.tokens < 1 or args.repeats < 1:
         parser.error("--tokens and --repeats must be >= 1")

@@ -42,7 +42,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from common import environment, markdown_table, write_json
+from common import environment, markdown_table, output_file, write_json
 from densepass.data import load_dataset
 from densepass.models import cpu_kernels
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2000, help="debian-packages passages")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=7, help="rounds; each part's fastest is reported")
-    parser.add_argument("--out", default=None, help="JSON results")
+    parser.add_argument("--out", type=output_file, default=None, help="JSON results")
     args = parser.parse_args()
     if min(args.n, args.repeats, args.max_length) < 1:
         parser.error("--n, --repeats and --max-length must be >= 1")

@@ -18,12 +18,16 @@ import argparse
 import json
 import platform
 import random
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from common import output_file
+from densepass.cli import positive_int, run_guarded
 from densepass.config import NegativesConfig
 from densepass.data import load_dataset
 from densepass.data.dataset import RetrievalDataset
@@ -110,14 +114,14 @@ def main() -> None:
     parser.add_argument("--model", default="all-MiniLM-L6-v2")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--dataset", default="debian-packages")
-    parser.add_argument("--n", type=int, default=None, help="train queries (default: all)")
-    parser.add_argument("--corpus-n", type=int, default=None, help="corpus passages (default: all)")
-    parser.add_argument("--depth", type=int, default=100)
-    parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--n", type=positive_int, default=None, help="train queries (default: all)")
+    parser.add_argument("--corpus-n", type=positive_int, default=None, help="corpus passages (default: all)")
+    parser.add_argument("--depth", type=positive_int, default=100)
+    parser.add_argument("--max-length", type=positive_int, default=128)
+    parser.add_argument("--batch-size", type=positive_int, default=256)
     parser.add_argument("--skip-st", action="store_true")
     parser.add_argument("--seed", type=int, default=13)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=output_file, default=None)
     args = parser.parse_args()
 
     device = default_device()
@@ -146,7 +150,8 @@ def main() -> None:
     saved = tempfile.mkdtemp(prefix="bench-mine-model-")
     model.save(saved)  # with our config (max lengths), for source=model
     config.source, config.model = "model", saved
-    ctx = MiningContext(device=device, show_progress=False)
+    precision = "bf16" if device.type == "cuda" else "fp32"  # sentence-transformers' dtype below (time_st)
+    ctx = MiningContext(device=device, show_progress=False, precision=precision)
     mine_negatives(dataset, query_ids[:64], config, ctx)  # warm-up
     _sync(device)
     started = time.perf_counter()
@@ -178,7 +183,7 @@ def main() -> None:
 
     title = (
         f"{args.dataset}: {len(query_ids)} train queries, {len(dataset.corpus)} passages, top-{args.depth}, "
-        f"max length {args.max_length}, {device.type}"
+        f"max length {args.max_length}, {device.type}, {precision} on both sides"
     )
     lines = [
         f"**{title}**",
@@ -204,6 +209,7 @@ def main() -> None:
             "passages": len(dataset.corpus),
             "depth": args.depth,
             "device": str(device),
+            "precision": precision,
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
             "cpu": platform.processor() or platform.machine(),
             "bm25_summary": bm25.summary(),
@@ -213,4 +219,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_guarded(main, Path(__file__).name))

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common import StepClock, environment, markdown_table, pick_device, write_json
+from common import StepClock, environment, markdown_table, output_file, pick_device, write_json
 from densepass.config import LossConfig, TrainConfig
 from densepass.data import load_dataset
 from densepass.models.biencoder import BiEncoder, BiEncoderConfig, resolve_model_path
@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--cpu-bf16", action="store_true", help="bf16 autocast on CPU too")
     parser.add_argument("--only", nargs="*", default=None, choices=list(VARIANTS), metavar="VARIANT")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one variant, JSON on stdout
-    parser.add_argument("--out", default=None, help="JSON results")
+    parser.add_argument("--out", type=output_file, default=None, help="JSON results")
     args = parser.parse_args()
     device = pick_device(args.device)
     names = args.only or list(VARIANTS)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import BertForMaskedLM
 
+from common import output_file
 from densepass.data import load_dataset
 from densepass.device import autocast_context, default_device, uses_bf16
 from densepass.models.biencoder import resolve_model_path
@@ -104,7 +105,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out", default="outputs/bench_pretrain.json")
+    parser.add_argument("--out", type=output_file, default="outputs/bench_pretrain.json")
     parser.add_argument("--cpu-bf16", action="store_true", help="bf16 autocast on CPU too (all systems)")
     args = parser.parse_args()
     device = default_device()

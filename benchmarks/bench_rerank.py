@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import StepClock, environment, markdown_table, pick_device, rate, timer, write_json
+from common import StepClock, environment, markdown_table, output_file, pick_device, rate, timer, write_json
 from densepass.config import RerankerTrainConfig
 from densepass.data import load_dataset
 from densepass.device import autocast_context, resolve_precision, uses_bf16
@@ -204,7 +204,7 @@ def main() -> None:
         help="a trained cross-encoder to rerank with (default: --model with a new seeded head, whose near-zero "
         "scores make --precision's agreement look worse than a trained model's)",
     )
-    parser.add_argument("--out", default=None, help="JSON results")
+    parser.add_argument("--out", type=output_file, default=None, help="JSON results")
     args = parser.parse_args()
     device = pick_device(args.device)
     bf16 = uses_bf16(device, True, args.cpu_bf16)  # both systems in the same precision

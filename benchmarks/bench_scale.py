@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import environment, markdown_table, rate, write_json  # noqa: E402
+from common import environment, markdown_table, output_file, rate, write_json  # noqa: E402
+from densepass.cli import positive_int  # noqa: E402
 from densepass.data import load_dataset  # noqa: E402
 from densepass.io import atomic_write_text  # noqa: E402
 
@@ -64,7 +65,11 @@ def peak_rss_mib(who: int = resource.RUSAGE_SELF) -> float:
 
 def build_corpus(source: str, data_dir: str | None, n: int, queries: int, out: Path, seed: int) -> Path:
     """A BEIR directory of ``n`` passages (debian-packages repeated) and ``queries`` train queries."""
-    done, recipe = out / "done.json", {"source": source, "n": n, "queries": queries, "seed": seed}
+    source_dir = str(Path(data_dir).resolve()) if data_dir else None  # another folder's data: built again
+    done, recipe = (
+        out / "done.json",
+        {"source": source, "data_dir": source_dir, "n": n, "queries": queries, "seed": seed},
+    )
     if done.is_file() and json.loads(done.read_text()) == recipe:
         return out
     dataset = load_dataset(source, data_dir)
@@ -203,14 +208,34 @@ def run_worker(args: argparse.Namespace) -> None:
 # ---- the driver ----------------------------------------------------------------------------------------
 
 
+RUN_MARK = ".bench-scale-run"  # in every run folder this script makes: the folders it may remove again
+
+
+def run_folder(args: argparse.Namespace, worker: str, processes: int) -> Path:
+    return Path(args.work_dir) / f"{worker}-{args.n}-p{processes}"
+
+
+def check_run_folders(args: argparse.Namespace) -> None:
+    """Before any work: every run folder this run will replace is one this script made (it holds ``RUN_MARK``)."""
+    for worker in args.systems:
+        for processes in args.processes:
+            folder = run_folder(args, worker, processes)
+            if folder.exists() and not (folder / RUN_MARK).is_file():
+                raise SystemExit(
+                    f"bench_scale.py: error: {folder} exists and was not made by this script: it removes only its own"
+                    " run folders; choose another --work-dir, or move that folder away yourself"
+                )
+
+
 def measure(worker: str, processes: int, args: argparse.Namespace, data: Path, model_path: str) -> dict:
     """Run ``worker`` with ``processes`` processes (torchrun for densepass) and collect its reports."""
-    run_dir = Path(args.work_dir) / f"{worker}-{args.n}-p{processes}"
-    if run_dir.exists():
+    run_dir = run_folder(args, worker, processes)
+    if (run_dir / RUN_MARK).is_file():  # an earlier run's (check_run_folders refused any other)
         import shutil
 
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
+    (run_dir / RUN_MARK).write_text("")
     report = run_dir / "report.jsonl"
     threads = max(1, args.threads // processes)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -285,10 +310,12 @@ def saved_model(args: argparse.Namespace) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=100_000, help="passages in the synthetic corpus")
-    parser.add_argument("--queries", type=int, default=10_000, help="train queries mined")
-    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads in all (split per process)")
+    parser.add_argument("--n", type=positive_int, default=100_000, help="passages in the synthetic corpus")
+    parser.add_argument("--queries", type=positive_int, default=10_000, help="train queries mined (at most)")
+    parser.add_argument("--processes", type=positive_int, nargs="+", default=[1, 2, 4])
+    parser.add_argument(
+        "--threads", type=positive_int, default=os.cpu_count(), help="torch threads in all (split per process)"
+    )
     parser.add_argument("--model", default="all-MiniLM-L6-v2", help="a model name or directory")
     parser.add_argument(
         "--random-model", default=None, metavar="LAYERSxHIDDEN", help="instead of --model: a random BERT, e.g. 1x64"
@@ -308,7 +335,7 @@ def main() -> None:
     )
     parser.add_argument("--systems", nargs="+", default=["encode", "st-encode", "mine", "st-mine"])
     parser.add_argument("--seed", type=int, default=13)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=output_file, default=None)
     # worker mode (the driver runs this script again for each measurement)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     for hidden in ("--data", "--model-path", "--shards", "--report"):
@@ -323,7 +350,13 @@ def main() -> None:
         raise SystemExit(f"--st-faiss-batch-size must be >= 1, got {args.st_faiss_batch_size}")
     if args.random_model:
         args.model = random_model(args.random_model, args.work_dir)
+    unknown = sorted(set(args.systems) - {"encode", "st-encode", "mine", "st-mine"})
+    if unknown:
+        parser.error(f"unknown --systems {', '.join(unknown)} (encode, st-encode, mine, st-mine)")
+    check_run_folders(args)
     data = build_corpus(args.dataset, args.data_dir, args.n, args.queries, Path(args.work_dir) / f"data-{args.n}", 13)
+    with open(data / "queries.jsonl") as handle:
+        queries = sum(1 for line in handle if line.strip())  # those with a positive among the n passages
     model_path = saved_model(args)
     names = {
         "encode": "densepass encode_sharded (torchrun)",
@@ -337,7 +370,7 @@ def main() -> None:
             got = measure(system, processes, args, data, model_path)
             results.append({"system": names[system], **got})
             print(json.dumps(results[-1]), flush=True)
-            per_second = args.n if "encode" in system else args.queries
+            per_second = args.n if "encode" in system else queries
             if "error" in got:
                 rows.append([names[system], processes, got["error"], "-", "-", "-"])
                 continue
@@ -346,9 +379,12 @@ def main() -> None:
                 + [f"{got['rss_mib']:,.0f}", _mib(got["workers_rss_mib"])]
             )
     headers = ["system", "processes", "seconds", "per second", "peak RSS MiB (main)", "peak RSS MiB (workers)"]
-    print(f"\n**{args.n:,} passages, {args.queries:,} queries, {args.threads} threads in all, CPU**\n")
+    print(f"\n**{args.n:,} passages, {queries:,} queries, {args.threads} threads in all, CPU**\n")
     print(markdown_table(headers, rows))
-    write_json(args.out, {"args": vars(args), "environment": environment(torch.device("cpu")), "results": results})
+    write_json(
+        args.out,
+        {"args": vars(args), "queries": queries, "environment": environment(torch.device("cpu")), "results": results},
+    )
 
 
 def _mib(value: float | None) -> str:

@@ -76,7 +76,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from common import markdown_table, rate, write_json
+from common import markdown_table, output_with_table, rate, write_json, write_table
 from densepass.data.beir import open_text, read_queries
 
 
@@ -633,7 +633,7 @@ def main() -> None:
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take")
     parser.add_argument("--startup-seconds", type=float, default=300.0, help="how long a started service may load")
-    parser.add_argument("--out", default=None, help="JSON results")
+    parser.add_argument("--out", type=output_with_table, default=None, help="JSON results")
     args = parser.parse_args()
     args.route = args.route.strip("/")
     args.texts_per_request = args.texts_per_request or ([1, 32] if args.peer else [1])
@@ -783,7 +783,7 @@ def peer_run(args: argparse.Namespace, texts: list[str], onnx_cache: str | None)
     print()
     print(text)
     if args.out:
-        Path(args.out).with_suffix(".md").write_text(text + "\n")
+        write_table(Path(args.out).with_suffix(".md"), text + "\n")
     write_json(
         args.out,
         {

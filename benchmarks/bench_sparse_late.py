@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import StepClock, environment, markdown_table, pick_device, rate, sync, write_json
+from common import StepClock, environment, markdown_table, output_file, pick_device, rate, sync, write_json
 
 FIELDS = ("anchor", "positive", "negative")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -257,7 +257,7 @@ def main() -> None:
         "--other-bf16", action="store_true", help="SparseEncoder and PyLate also encode with their model in bf16"
     )
     parser.add_argument("--repeats", type=int, default=1, help="encoding rounds (systems in turn); the fastest")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=output_file, default=None)
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")

@@ -69,6 +69,7 @@ from common import (
     environment,
     markdown_table,
     median_round,
+    output_file,
     pick_device,
     print_profile,
     rate,
@@ -549,7 +550,7 @@ def main() -> None:
         help=argparse.SUPPRESS,
     )
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help="JSON results")
+    parser.add_argument("--out", type=output_file, default=None, help="JSON results")
     args = parser.parse_args()
     if args.processes is not None and (args.processes < 2 or args.batch_size % args.processes):
         parser.error("--processes must be at least 2 and divide --batch-size")

@@ -172,6 +172,49 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+TABLE_MARK = "<!-- written by a densepass benchmark -->"  # the first line of a table file a benchmark writes
+
+
+def _json_object(path: Path) -> bool:
+    return isinstance(json.loads(path.read_text(encoding="utf-8")), dict)
+
+
+def _our_table(path: Path) -> bool:
+    return path.read_text(encoding="utf-8").startswith(TABLE_MARK)
+
+
+def _checked(path: Path, what: str, ours: Callable[[Path], bool]) -> None:
+    """``io.check_output_file`` for a benchmark's ``--out``, as an argparse error (a usage line, before any work)."""
+    import argparse
+
+    from densepass.errors import DensepassError
+    from densepass.io import check_output_file
+
+    try:
+        check_output_file(path, what, ours)
+    except DensepassError as err:
+        raise argparse.ArgumentTypeError(str(err).replace("--output ", "", 1)) from None
+
+
+def output_file(value: str) -> str:
+    """argparse type of a benchmark's ``--out`` JSON: a path it may write (missing, empty, or a JSON object a run
+    wrote), checked before any work: a benchmark overwrites only its own results."""
+    _checked(Path(value), "benchmark's JSON results", _json_object)
+    return value
+
+
+def output_with_table(value: str) -> str:
+    """``output_file`` for a benchmark that writes its markdown table beside the JSON (``.md``): that one too."""
+    output_file(value)
+    _checked(Path(value).with_suffix(".md"), "benchmark's table", _our_table)
+    return value
+
+
+def write_table(path: str | Path, text: str) -> None:
+    """A benchmark's markdown table (first line ``TABLE_MARK``, so that a run may replace it), atomically."""
+    atomic_write_text(Path(path), f"{TABLE_MARK}\n{text}")
+
+
 def write_json(path: str | Path | None, payload: dict) -> None:
     if path:
         atomic_write_text(Path(path), json.dumps(payload, indent=2))

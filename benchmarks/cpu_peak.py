@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from common import cpu_facts, markdown_table, write_json
+from common import cpu_facts, markdown_table, output_file, write_json
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -212,7 +212,7 @@ def peak_tflops(bf16: bool, threads: int | None = None) -> tuple[float | None, s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1 and torch's threads")
-    parser.add_argument("--out", default=None, help="JSON results")
+    parser.add_argument("--out", type=output_file, default=None, help="JSON results")
     args = parser.parse_args()
     if args.threads and min(args.threads) < 1:
         parser.error("--threads must be >= 1")

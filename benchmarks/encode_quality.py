@@ -35,14 +35,13 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from common import markdown_table, pick_device, write_json
+from common import markdown_table, output_with_table, pick_device, write_json, write_table
 from densepass.config import DataConfig
 from densepass.data import load_dataset
 from densepass.device import resolve_precision
 from densepass.evaluation.metrics import evaluate_run, per_query_scores, randomization_p
 from densepass.index.bm25 import BM25Index
 from densepass.index.exact import exact_search
-from densepass.io import atomic_write_text
 from densepass.models.biencoder import BiEncoder, resolve_model_path
 from densepass.models.copies import float_precision
 from densepass.models.encode import encode_texts
@@ -158,7 +157,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=13, help="seed of the query sample and the random passages")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--out", default=None, help="JSON results (the markdown table goes beside it, .md)")
+    parser.add_argument(
+        "--out", type=output_with_table, default=None, help="JSON results (the markdown table goes beside it, .md)"
+    )
     args = parser.parse_args()
     device = pick_device(args.device)
     precisions = ["fp32", *(p for p in args.precisions if p != "fp32")]
@@ -246,7 +247,7 @@ def main() -> None:
     }
     write_json(args.out, payload)
     if args.out:
-        atomic_write_text(Path(args.out).with_suffix(".md"), f"{evalset.description}\n\n{table}\n")
+        write_table(Path(args.out).with_suffix(".md"), f"{evalset.description}\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import cpu_facts, write_json
+from common import cpu_facts, output_file, write_json
 from densepass.config import load_config
 from densepass.data import load_dataset
 from densepass.device import default_device
@@ -26,7 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="a run's YAML config (its data, negatives and cache_dir)")
     parser.add_argument("--cache-dir", default=None, help="the cache (default: the config's cache_dir)")
-    parser.add_argument("--out", default=None, help="write the result as JSON here too")
+    parser.add_argument("--out", type=output_file, default=None, help="write the result as JSON here too")
     args = parser.parse_args()
     config = load_config(args.config, [])
     cache = args.cache_dir or config.cache_dir

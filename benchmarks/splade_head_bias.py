@@ -15,7 +15,7 @@ import argparse
 
 import numpy as np
 
-from common import markdown_table, write_json
+from common import markdown_table, output_file, write_json
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--n", type=int, default=500, help="passages in the seeded sample")
     parser.add_argument("--biases", type=float, nargs="+", default=[0.0, -3.0, -6.0, -9.0])
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--out", type=output_file, default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     if args.n < 1:
         parser.error("--n must be >= 1")
