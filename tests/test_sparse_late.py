@@ -334,6 +334,27 @@ def test_colbert_exhaustive_search_is_exact_maxsim_and_full_probing_matches_it(c
     np.testing.assert_allclose(reranked, exact[0, :3], rtol=1e-3)
 
 
+def test_reranking_by_colbert_reads_passages_as_its_index_does(colbert):
+    """The search pipeline gave every reranker "title text", as a cross-encoder trains; ColBERT trains and indexes
+    "title [SEP] text", so `--rerank` with ColBERT scored other inputs (and another order) than its own index."""
+    from densepass.pipelines.search import CachedScores, rerank
+
+    passages = [
+        {"id": "a", "title": "Audacity", "text": "audio editor"},
+        {"id": "b", "title": "Mutt", "text": "mail client"},
+        {"id": "c", "title": "GIMP", "text": "image editor"},
+    ]
+    index = ColbertIndex.build(colbert, passages, device=CPU, precision="fp32")
+    first = index.search(["audio editor"], k=3, exhaustive=True)
+    for reranker in (
+        ColbertReranker(colbert, device=CPU, precision="fp32"),
+        CachedScores(ColbertReranker(colbert, precision="fp32")),
+    ):
+        again = rerank(first, ["audio editor"], reranker, depth=3)
+        np.testing.assert_array_equal(again.rows, first.rows)
+        np.testing.assert_allclose(again.scores, first.scores, rtol=1e-3)
+
+
 def test_residual_codes_pack_and_unpack_and_decompress_close_to_the_vectors(colbert):
     codes = np.random.default_rng(0).integers(0, 4, size=(5, 128))
     np.testing.assert_array_equal(unpack_bits(pack_bits(codes, 2), 2), codes)

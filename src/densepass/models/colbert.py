@@ -296,6 +296,8 @@ class ColbertReranker:
         if batch_size < 1:
             raise ConfigError(f"the reranker's batch size must be >= 1, got {batch_size}")
         self.model, self.batch_size, self.device, self.precision = model, batch_size, device, precision
+        # a passage's title and text joined as ColBERT trains and indexes them (a cross-encoder's: a space)
+        self.passage_sep = model.tokenizer.sep_token or " "
 
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:
         """MaxSim of each pair ``(queries[i], passages[i])`` (each distinct text encoded once)."""

@@ -114,6 +114,11 @@ class CachedScores:
         """The wrapped reranker's description."""
         return self.reranker.describe()
 
+    @property
+    def passage_sep(self) -> str:
+        """How the wrapped reranker joins a passage's title and text."""
+        return getattr(self.reranker, "passage_sep", PASSAGE_SEP)
+
 
 class SearchPipeline:
     """First stage ``index``, then (optionally) ``reranker`` over its top ``rerank_depth`` candidates, ordered by
@@ -384,7 +389,8 @@ def rerank(
     if len(queries) != len(first):
         raise ConfigError(f"{len(queries)} queries for {len(first)} first-stage result lists")
     k = width if k is None else min(check_k(k), width)
-    texts = first.passages.passage_inputs(PASSAGE_SEP)  # "title text", as a cross-encoder trains (ColBERT too)
+    # "title text", as a cross-encoder trains; a reranker that joins them otherwise says how (ColBERT: [SEP])
+    texts = first.passages.passage_inputs(getattr(reranker, "passage_sep", PASSAGE_SEP))
     where = np.nonzero(head >= 0)
     scores = np.full(head.shape, -np.inf, dtype=np.float32)
     if len(where[0]):
