@@ -17,7 +17,7 @@ from densepass.config import load_config
 from densepass.errors import ConfigError
 from densepass.losses.batch import BatchTensors
 from densepass.losses.contrastive import info_nce
-from densepass.losses.matryoshka import Matryoshka
+from densepass.losses.matryoshka import Matryoshka, trained_dims
 from densepass.losses.objectives import TEACHER_SCORES, Distillation, InfoNCE
 from densepass.losses.unified import unified_loss
 from densepass.models.matryoshka import check_index_dim, principal_rotation, truncate
@@ -151,6 +151,8 @@ def test_weights_follow_their_dimensions_whatever_the_order():
     m = Matryoshka(InfoNCE(), [64, 256, 128], [0.5, 2.0, 1.0])
     assert m.dims == (256, 128, 64) and m.weights == (2.0, 1.0, 0.5)
     assert m.describe() == "Matryoshka (256, 128, 64; weights 2, 1, 0.5) of contrastive"
+    # a dimension of weight 0 trains nothing: not recorded as trained (an index there would not warn)
+    assert trained_dims(Matryoshka(InfoNCE(), [32, 16, 8], [1, 1, 0])) == (32, 16)
 
 
 def test_index_dimensions_are_checked_against_the_model_and_its_training():
@@ -323,6 +325,7 @@ def test_a_one_passage_corpus_cannot_give_principal_axes_and_is_refused_before_a
     args = dp.TrainConfig(max_steps=1, batch_size=2, matryoshka_dims=[32, 16], matryoshka_init="pca")
     with pytest.raises(ConfigError, match=refusal):
         dp.train(model, str(one), output_dir=tmp_path / "api", args=args, negatives=dp.NegativesConfig(source="none"))
+    assert model.config.matryoshka_dims is None  # a refused call leaves the model untrained at any prefix
     overrides = [*run_overrides(one, tiny_model_dir, tmp_path / "runs"), "train.matryoshka_init=pca"]
     with pytest.raises(ConfigError, match=refusal):
         run_experiment(load_config(None, overrides))

@@ -103,8 +103,8 @@ def _stateless(objective: Objective) -> bool:
 
 
 def trained_dims(objective: Objective) -> tuple[int, ...] | None:
-    """The prefix dimensions ``objective`` trains (a ``Matryoshka``, alone or a term of a sum), None when it trains
-    the full embedding only: what a saved model records."""
+    """The prefix dimensions ``objective`` trains (a ``Matryoshka``, alone or a term of a sum; a dimension of
+    weight 0 is not trained), None when it trains the full embedding only: what a saved model records."""
     if isinstance(objective, Matryoshka):
-        return objective.dims
+        return tuple(d for d, w in zip(objective.dims, objective.weights) if w > 0) or None
     return next((dims for term in getattr(objective, "terms", ()) if (dims := trained_dims(term))), None)

@@ -115,7 +115,9 @@ def model_from_config(config: ExperimentConfig) -> Retriever:
     shape = model.architecture()
     dims = config.train.matryoshka_dims if config.train.enabled else None
     if dims:  # the saved model records the dimensions it is trained at (densepass.json, sentence-transformers')
-        shape = dataclasses.replace(shape, matryoshka_dims=list(check_dims(dims)))
+        weights = config.train.matryoshka_weights or [1.0] * len(dims)
+        trained = [d for d, w in zip(dims, weights) if w > 0] or list(dims)  # (all 0: Matryoshka refuses it)
+        shape = dataclasses.replace(shape, matryoshka_dims=list(check_dims(trained)))
     encoder = BiEncoder.from_pretrained(model.name_or_path, config=shape)
     if dims:
         check_dims(dims, encoder.dim)  # before any work: prefixes longer than the embedding

@@ -386,7 +386,6 @@ def train(
                 f"{objective.describe()} trains prefixes of one embedding: a {type(model).__name__} has none"
             )
         check_dims(trained_dims(objective), model.dim, "the Matryoshka dimensions")
-        model.config = replace(model.config, matryoshka_dims=list(trained_dims(objective)))
     elif args.matryoshka_init != "none":
         raise ConfigError("args.matryoshka_init starts Matryoshka training: give args.matryoshka_dims too")
     if args.matryoshka_init == "pca":
@@ -414,6 +413,8 @@ def train(
             f"{objective.describe()}: the rows of {dataset.name} carry no teacher scores (a column named scores, or "
             "columns={'scores': ...})"
         )
+    if trained_dims(objective):  # the saved model records them: set once every check has passed
+        model.config = replace(model.config, matryoshka_dims=list(trained_dims(objective)))
     run_dir = Path(output_dir)
     identity = {
         "data": {"dataset": dataset.name, "split": split, "max_queries": max_queries, "seed": seed},
