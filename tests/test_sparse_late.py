@@ -682,3 +682,26 @@ def test_one_string_or_a_text_that_is_no_string_is_one_line_for_every_model_kind
     assert bi.encode_queries(["audio"], device="cpu", show_progress=False).shape == (1, bi.dim)
     assert splade.encode_queries(["audio"], device="cpu").shape[0] == 1
     assert colbert.encode_queries(["audio"], device="cpu").shape[0] == 1
+
+
+def test_index_settings_of_another_type_and_a_model_of_another_kind_are_one_line(splade, colbert, tmp_path):
+    """``nprobe=2.5``, ``candidates=1.5`` and ``top_terms=2.5`` failed inside numpy or torch after the corpus was
+    encoded; ``centroids=0`` was taken as the default; a saved ColBERT loaded as SPLADE when given a config."""
+    from densepass.models.splade import SpladeArchitecture
+
+    passages = texts(6)
+    for options, said in [
+        ({"nprobe": 2.5}, r"^nprobe must be a positive integer, got 2.5$"),
+        ({"candidates": 1.5}, r"^candidates must be a positive integer, got 1.5$"),
+        ({"centroids": 0}, r"^centroids must be a positive integer, got 0$"),
+        ({"seed": "x"}, r"^seed must be an integer, got 'x'$"),
+    ]:
+        with pytest.raises(ConfigError, match=said):
+            ColbertIndex.build(colbert, passages, device=CPU, **options)
+    with pytest.raises(ConfigError, match=r"^top_terms must be a positive integer, got 2.5$"):
+        SpladeIndex.build(splade, passages, device=CPU, top_terms=2.5)
+    with pytest.raises(ConfigError, match=r"^top_terms must be a positive integer, got 2.5$"):
+        splade.encode(passages, "passage", top_terms=2.5)
+    colbert.save(tmp_path / "cb")
+    with pytest.raises(ConfigError, match="colbert"):
+        SpladeEncoder.from_pretrained(str(tmp_path / "cb"), config=SpladeArchitecture())

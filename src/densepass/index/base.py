@@ -252,6 +252,13 @@ class SearchResults:
         return (self.hits(i) for i in range(len(self)))
 
 
+def check_positive(name: str, value: Any) -> int:
+    """``value`` as an int, or a one-line error unless it is a positive integer (a float, a bool: refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def check_k(k: int) -> int:
     """``k`` as an int, or a one-line error unless it is a positive integer."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:

@@ -49,6 +49,7 @@ from densepass.index.base import (
     SearchResults,
     as_corpus,
     check_k,
+    check_positive,
     check_queries,
     concat_corpora,
     is_vectors,
@@ -125,9 +126,11 @@ class ColbertIndex(Index):
             raise ConfigError(
                 f"residual_bits must be 1, 2, 4 or 8 with dim x bits a multiple of 8, got {residual_bits}"
             )
-        for name, value in (("centroids", centroids or 1), ("nprobe", nprobe), ("candidates", candidates)):
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
+        for name, value in (("centroids", centroids), ("nprobe", nprobe), ("candidates", candidates)):
+            if value is not None or name != "centroids":  # centroids None: chosen from the corpus's size
+                check_positive(name, value)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
         self.model, self.compression, self.residual_bits = model, compression, residual_bits
         self.n_centroids, self.nprobe, self.candidates, self.seed = centroids, nprobe, candidates, seed
         self.batch_size, self.device, self.show_progress = batch_size, device, show_progress

@@ -42,7 +42,7 @@ from densepass.data.dataset import Corpus
 from densepass.device import default_device, resolve_precision
 from densepass.errors import ConfigError, DataError
 from densepass.fingerprints import fingerprint_corpus, fingerprint_weights
-from densepass.index.base import Index, Passages, concat_corpora, register
+from densepass.index.base import Index, Passages, check_positive, concat_corpora, register
 from densepass.index.checks import model_for_index, model_settings
 from densepass.index.dense import query_embeddings, require_model_path
 from densepass.index.faiss_index import default_pq_m, faiss_search, load_faiss_index, new_ivfpq, save_faiss_index
@@ -58,13 +58,6 @@ POINTS_PER_LIST = 64  # default training sample per list (FAISS wants 39 to 256)
 MIN_SAMPLE = 10_000  # and at least this many rows: about 39 per product-quantiser centroid at 8 bits
 MIN_POINTS_PER_LIST = 39  # default lists are capped so that each gets this many training rows
 MAX_LISTS = 65_536
-
-
-def check_positive(name: str, value: Any) -> int:
-    """``value`` as an int, or a one-line error unless it is a positive integer."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)

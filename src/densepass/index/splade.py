@@ -41,6 +41,7 @@ from densepass.index.base import (
     Index,
     Passages,
     as_corpus,
+    check_positive,
     check_queries,
     concat_corpora,
     is_vectors,
@@ -94,8 +95,8 @@ class SpladeIndex(Index):
         if not isinstance(model, SpladeEncoder):
             raise ConfigError(f"a splade index needs a SPLADE model, got a {type(model).__name__}")
         float_precision(precision, device or default_device(), "splade")  # a bad setting fails before any work
-        if top_terms is not None and top_terms < 1:
-            raise ConfigError(f"top_terms must be >= 1, got {top_terms}")
+        if top_terms is not None:
+            check_positive("top_terms", top_terms)
         if batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {batch_size}")
         self.model, self.top_terms, self.batch_size, self.device = model, top_terms, batch_size, device

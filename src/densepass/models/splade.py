@@ -166,8 +166,8 @@ class SpladeEncoder(SidedInputs, nn.Module):
         ``top_terms`` keeps each row's heaviest terms only (index pruning). ``precision``: fp32, bf16 (a bfloat16
         copy of the model, its encoder with fused layers on the CPU: ``models.copies``; the max over tokens is
         taken in bf16, log(1 + ReLU) in float32) or auto (bf16 where it is fast)."""
-        if top_terms is not None and top_terms < 1:
-            raise ConfigError(f"top_terms must be >= 1, got {top_terms}")
+        if top_terms is not None and (isinstance(top_terms, bool) or not isinstance(top_terms, int) or top_terms < 1):
+            raise ConfigError(f"top_terms must be a positive integer, got {top_terms!r}")
         check_texts(texts, f"{side} text")
         device = device if isinstance(device, torch.device) else resolve_device(device)
         precision = float_precision(precision, device, "splade")
@@ -224,7 +224,8 @@ class SpladeEncoder(SidedInputs, nn.Module):
         """Load a saved SPLADE model, or start one from any BERT-style model (see the module docstring for
         how a missing MLM head is initialised; ``head_bias``: its vocabulary bias)."""
         path = resolve_model_path(name_or_path)
-        config = config or saved_architecture(path, "splade", SpladeArchitecture, "a SPLADE model")
+        saved = saved_architecture(path, "splade", SpladeArchitecture, "a SPLADE model")  # another kind: refused
+        config = config or saved
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # a missing head is expected here, and reported below as head_source
         try:
