@@ -125,6 +125,21 @@ def test_scoring_batches_pairs_of_similar_token_length_padded_to_their_longest(s
             assert tensors["input_ids"][j, : lengths[r]].tolist() == encoded["input_ids"][r]
 
 
+def test_gpu_batches_round_up_to_8_but_never_past_the_tokens_the_model_reads(monkeypatch):
+    """On a GPU a batch is padded to a multiple of 8 (tensor cores): a BERT of 36 positions got 40-token batches,
+    past its position embeddings."""
+    from types import SimpleNamespace
+
+    from densepass.models.cross_encoder import length_sorted_batches
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # (no CUDA here: pinning is beside the point)
+    tokenizer = SimpleNamespace(pad_token_id=0, padding_side="right")
+    scorer = SimpleNamespace(device=torch.device("cuda"), tokenizer=tokenizer, batch_size=2, max_length=36)
+    encoded = {"input_ids": [[1] * 36, [1] * 20, [1] * 11, [1] * 3]}
+    widths = [tensors["input_ids"].shape[1] for _, tensors in length_sorted_batches(encoded, scorer)]
+    assert widths == [36, 16]  # 36 (not 40), and 11 rounded up to 16
+
+
 def test_training_logits_in_pieces_equal_one_forward(saved_cross_encoder):
     """The trainer scores a batch's pairs in length-sorted pieces on the CPU: same logits as one forward."""
     model, _ = saved_cross_encoder

@@ -100,6 +100,23 @@ def test_a_setting_that_changes_scores_without_changing_weights_is_another_entry
     np.testing.assert_allclose(reused.score_pairs(QUERIES, passages), after, rtol=1e-5)  # not its first entry's
 
 
+def test_saving_a_model_keeps_its_key_and_the_model_loaded_back_finds_its_scores(model, tmp_path):
+    """Saving set the live model's architectures and sentence-transformers activation in its configuration: a
+    model scored before it was saved keyed otherwise than after, and than its copy loaded from disk (under torchrun
+    the rank that saved a teacher and the one that did not disagreed about one file of its scores)."""
+    from densepass.models.score_cache import scorer_identity
+
+    before = scorer_identity(model, "fp32")
+    first = CachedPairScores(model, tmp_path / "cache").score_pairs(QUERIES, PASSAGES)
+    model.save(tmp_path / "saved")
+    assert scorer_identity(model, "fp32") == before
+    loaded = CrossEncoder.from_pretrained(str(tmp_path / "saved"), device=CPU, precision="fp32")
+    assert scorer_identity(loaded, "fp32") == before
+    counted = Counting(loaded)
+    np.testing.assert_array_equal(CachedPairScores(counted, tmp_path / "cache").score_pairs(QUERIES, PASSAGES), first)
+    assert counted.asked == []
+
+
 def test_int8_scores_and_empty_calls_are_not_kept_and_an_empty_folder_is_refused(model, tmp_path):
     counted = Counting(model)
     cache = CachedPairScores(counted, tmp_path)

@@ -168,3 +168,61 @@ def test_a_teacher_score_that_is_not_finite_is_refused(setup, tmp_path):
     path.write_text("\n".join([lines[0], json.dumps(record), *lines[2:]]) + "\n")
     with pytest.raises(DataError, match=r"s\.jsonl:2: a teacher score beyond \+-1\.7e38"):
         load_teacher_scores(path, pairs)
+
+
+def test_a_file_of_other_texts_or_scoring_settings_is_refused_and_one_written_before_them_warned(setup, tmp_path):
+    """The file was matched by ids alone: a passage rewritten under its id, or a teacher scoring in bf16 instead of
+    fp32, was served the old scores in silence (the content cache, ``models.score_cache``, keys on both)."""
+    import dataclasses
+    import warnings
+
+    from densepass.data.dataset import Corpus
+    from densepass.errors import DataWarning
+
+    dataset, pairs, teacher = setup
+    path = tmp_path / "s.jsonl"
+    scores = compute_teacher_scores(teacher, dataset, pairs, path, show_progress=False, precision="fp32")
+    assert compute_teacher_scores(teacher, dataset, pairs, path, show_progress=False, precision="fp32") == scores
+    c = dataset.corpus
+    rewritten = Corpus(c.ids, c.titles, [t + " (revised)" for t in c.texts], c.doc_ids)
+    changed = dataclasses.replace(dataset, corpus=rewritten)
+    with pytest.raises(DataError, match="scored other texts for query .* than the data's now"):
+        compute_teacher_scores(teacher, changed, pairs, path, show_progress=False, precision="fp32")
+    with pytest.raises(DataError, match=r"scored in other settings \(precision differ\)"):
+        compute_teacher_scores(teacher, dataset, pairs, path, show_progress=False, precision="bf16")
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    old = {k: v for k, v in header.items() if k != "scoring"} | {"version": 1}
+    records = [{k: v for k, v in json.loads(line).items() if k != "texts"} for line in lines[1:]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in [old, *records]))  # as densepass wrote it before
+    with pytest.warns(DataWarning, match="written before teacher-score files recorded the texts"):
+        assert compute_teacher_scores(teacher, changed, pairs, path, show_progress=False) == scores
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_teacher_scores(path, pairs, teacher_identity(teacher)) == scores  # nothing asked: nothing said
+
+
+def test_a_partial_file_of_other_texts_starts_over_and_a_file_covering_more_queries_checks_only_those_asked(
+    setup, tmp_path
+):
+    import dataclasses
+
+    from densepass.data.dataset import Corpus
+    from densepass.errors import DataWarning
+
+    dataset, pairs, teacher = setup
+    path = tmp_path / "s.jsonl"
+    full = compute_teacher_scores(teacher, dataset, pairs, path, show_progress=False, precision="fp32")
+    first, last = list(pairs)[0], list(pairs)[-1]
+    revised = next(p for p in pairs[last] if p not in pairs[first])  # a passage of the last query, not the first's
+    c = dataset.corpus
+    texts = [t + " (revised)" if pid == revised else t for pid, t in zip(c.ids, c.texts)]
+    changed = dataclasses.replace(dataset, corpus=Corpus(c.ids, c.titles, texts, c.doc_ids))
+    assert load_teacher_scores(path, {first: pairs[first]}, dataset=changed) == {first: full[first]}
+    partial = tmp_path / "p.jsonl.partial"
+    partial.write_text(path.read_text())  # every line written, not yet renamed: then the texts changed
+    with pytest.warns(DataWarning, match="was scored for other texts; starting it over"):
+        again = compute_teacher_scores(
+            teacher, changed, pairs, partial.with_suffix(""), show_progress=False, precision="fp32"
+        )
+    assert again[first] == pytest.approx(full[first]) and again[last] != full[last]

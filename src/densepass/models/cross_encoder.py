@@ -226,7 +226,8 @@ def length_sorted_batches(encoded, scorer: CrossEncoder) -> list[tuple[np.ndarra
     for start in range(0, len(order), scorer.batch_size):
         rows = order[start : start + scorer.batch_size]
         width = int(lengths[rows[0]])
-        width = -(-width // 8) * 8 if cuda else width
+        if cuda:  # rounded up, never past the positions the model reads (a limit that is no multiple of 8)
+            width = max(width, min(-(-width // 8) * 8, scorer.max_length))
         tensors = {"input_ids": np.full((len(rows), width), pad), "attention_mask": np.zeros((len(rows), width))}
         if types is not None:
             tensors["token_type_ids"] = np.zeros((len(rows), width))

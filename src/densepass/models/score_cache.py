@@ -44,7 +44,11 @@ from densepass.models.quantize import weights_key
 CACHE_FOLDER = "pair-scores"
 DATABASE = "scores.sqlite"
 IDENTITY_FILE = "scorer.json"
-SCORES_VERSION = 2  # how a score is computed and kept; a change that alters either bumps it
+SCORES_VERSION = 3  # how a score is computed and kept, and how a scorer is keyed; a change to either bumps it
+# configuration keys that name or describe a model without changing its scores: saving a model sets them
+# (``save_pretrained`` its architectures, ``CrossEncoder.save`` sentence-transformers' activation), so a model
+# scored before it was saved and the same one loaded from disk key alike
+NAMING_KEYS = ("architectures", "sentence_transformers", "_name_or_path", "transformers_version")
 LOOKUP_BATCH = 500  # keys per SELECT: under the 999 parameters of SQLite builds before 3.32
 LOCK_TIMEOUT_S = 60.0  # how long a call waits for another process's transaction on the same entry (its
 # transactions only read or add rows: seconds)
@@ -68,7 +72,7 @@ def scorer_identity(model: Any, precision: str) -> dict:
     return {
         "version": SCORES_VERSION,
         "weights": fingerprint_weights(model.model),
-        "config": fingerprint_json(model.model.config.to_dict()),
+        "config": fingerprint_json({k: v for k, v in model.model.config.to_dict().items() if k not in NAMING_KEYS}),
         "tokenizer": fingerprint_tokenizer(tokenizer),
         "sides": [getattr(tokenizer, "truncation_side", None), getattr(tokenizer, "padding_side", None)],
         "max_length": model.max_length,

@@ -29,6 +29,7 @@ from densepass.training.teacher_scores import (
     Scores,
     compute_teacher_scores,
     load_teacher_scores,
+    scoring_settings,
     teacher_identity,
 )
 
@@ -104,14 +105,19 @@ def fixed_teacher(
     return reranker
 
 
-def check_existing_scores(config: ExperimentConfig, pairs: Pairs, teacher: CrossEncoder | None) -> None:
+def check_existing_scores(
+    config: ExperimentConfig, pairs: Pairs, teacher: CrossEncoder | None, dataset: RetrievalDataset | None = None
+) -> None:
     """A one-line DataError when a scores file exists and does not cover ``pairs`` (or, with a known teacher,
-    was scored by another one); nothing to check when there is no file yet (nor with the rows' scores)."""
+    was scored by another one or in other settings; with the ``dataset``, of other texts); nothing to check when
+    there is no file yet (nor with the rows' scores)."""
     if from_rows(config):
         return
     path = scores_path(config)
     if path.is_file():
-        load_teacher_scores(path, pairs, teacher_identity(teacher) if teacher is not None else None)
+        identity = teacher_identity(teacher) if teacher is not None else None
+        scoring = scoring_settings(teacher, automatic_precision(config, teacher.device)) if teacher else None
+        load_teacher_scores(path, pairs, identity, dataset, scoring)
 
 
 def teacher_scores(

@@ -656,7 +656,7 @@ def distillation_inputs(exp: Experiment, pool: TrainingPool) -> Pairs | None:
     if not distilling(exp.config):
         return None
     pairs = distillation_pairs(exp.dataset, exp.config.data.train_split, pool.query_ids, pool.mined.pool)
-    check_existing_scores(exp.config, pairs, exp.teacher)
+    check_existing_scores(exp.config, pairs, exp.teacher, exp.dataset)
     return pairs
 
 

@@ -4,15 +4,21 @@ once into a file that any number of student runs then read.
 
 The file is JSONL: a header line, then one line per query::
 
-    {"format": "densepass-teacher-scores", "version": 1, "teacher": {"path": ..., "weights": ..., "max_length": 256},
+    {"format": "densepass-teacher-scores", "version": 2, "teacher": {"path": ..., "weights": ..., "max_length": 256},
+     "scoring": {"config": ..., "tokenizer": ..., "sides": [...], "precision": "fp32", "device": "cpu"},
      "pairs": "<fingerprint of the (query, passages) lists>", "queries": 2048, "pair_count": 63488}
-    {"query_id": "q7", "scores": {"p12": 7.31, "p9": -2.04, ...}}
+    {"query_id": "q7", "scores": {"p12": 7.31, "p9": -2.04, ...}, "texts": "<fingerprint of what was scored>"}
 
 ``teacher`` is the teacher's identity: its path and the fingerprint of its weights (``fingerprints``)
-and its truncation length. Computing is resumable: lines go to ``<file>.partial`` (flushed every
-``chunk`` queries) and a re-run continues after the last complete line; the finished file replaces
-``<file>`` atomically. Reading checks the header and that every pair asked for has a score: a file from
-another teacher, other queries or another pool is a one-line ``DataError`` naming what differs.
+and its truncation length; ``scoring`` what else a score depends on (``models.score_cache.scorer_identity`` but
+the library versions); each line's ``texts`` fingerprints the query's text and its passages' inputs, in the
+line's order (a file is keyed by what was scored, not by ids alone: a passage rewritten under its id is refused,
+and scored again in a new file). Computing is resumable: lines go to ``<file>.partial`` (flushed every ``chunk``
+queries) and a re-run continues after the last complete line; the finished file replaces ``<file>``
+atomically. Reading checks the header and that every pair asked for has a score: a file from another teacher,
+other scoring settings or texts, other queries or another pool is a one-line ``DataError`` naming what differs.
+A version-1 file (written before ``scoring`` and ``texts`` were recorded) is read with a warning that they could
+not be checked.
 """
 
 from __future__ import annotations
@@ -30,14 +36,16 @@ from tqdm.auto import tqdm
 from densepass import distributed
 from densepass.data.dataset import RetrievalDataset
 from densepass.data.keys import passage_input
+from densepass.device import resolve_precision
 from densepass.errors import DataError, DataWarning
 from densepass.fingerprints import fingerprint_strings, fingerprint_weights
 from densepass.models.cross_encoder import PASSAGE_SEP, CrossEncoder
-from densepass.models.score_cache import CachedPairScores
+from densepass.models.score_cache import CachedPairScores, scorer_identity
 from densepass.negatives.pool import NegativePool
 
 FORMAT = "densepass-teacher-scores"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)  # version 1: no texts or scoring settings recorded (read with a warning)
 Pairs = dict[str, list[str]]  # query id -> passage ids to score
 Scores = dict[str, dict[str, float]]  # query id -> passage id -> teacher score
 
@@ -72,20 +80,38 @@ def pairs_fingerprint(pairs: Pairs) -> str:
     return fingerprint_strings(f"{q}\t" + "\t".join(pids) for q, pids in pairs.items())
 
 
-def _header(pairs: Pairs, teacher: dict) -> dict:
+def texts_fingerprint(dataset: RetrievalDataset, query_id: str, passage_ids: Sequence[str]) -> str:
+    """Fingerprint of what the teacher scores for one query: its text, then its passages' inputs in order."""
+    return fingerprint_strings(
+        [dataset.queries[query_id], *(passage_input(dataset.corpus, p, PASSAGE_SEP) for p in passage_ids)]
+    )
+
+
+def scoring_settings(teacher: CrossEncoder, precision: str | None) -> dict:
+    """What a teacher's score depends on besides its weights and the texts (``scorer_identity``: its config,
+    tokenizer, the sides it truncates and pads, the precision and kind of device it scores in); the library versions
+    are left out, so that a shared file outlives an upgrade."""
+    resolved = teacher.precision if precision is None else resolve_precision(precision, teacher.device)
+    settings = scorer_identity(teacher, resolved)
+    return {k: settings[k] for k in ("config", "tokenizer", "sides", "precision", "device")}
+
+
+def _header(pairs: Pairs, teacher: dict, scoring: dict | None = None) -> dict:
     return {
         "format": FORMAT,
         "version": VERSION,
         "teacher": teacher,
+        "scoring": scoring,
         "pairs": pairs_fingerprint(pairs),
         "queries": len(pairs),
         "pair_count": sum(map(len, pairs.values())),
     }
 
 
-def _read(path: Path, complete: bool) -> tuple[dict, Scores, int]:
-    """(header, scores, bytes of complete lines) of a scores file; ``complete=False`` tolerates a last line
-    cut short by an interruption (a partial file)."""
+def _read(path: Path, complete: bool, digests: dict[str, str] | None = None) -> tuple[dict, Scores, int]:
+    """(header, scores, bytes of complete lines) of a scores file, each line's ``texts`` fingerprint put in
+    ``digests`` (when given); ``complete=False`` tolerates a last line cut short by an interruption (a partial
+    file)."""
     with open(path, "rb") as handle:
         data = handle.read()
     lines = data.split(b"\n")
@@ -95,7 +121,7 @@ def _read(path: Path, complete: bool) -> tuple[dict, Scores, int]:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise DataError(f"{path}: not a teacher-scores file (no {FORMAT!r} header line)")
-    if header.get("version") != VERSION:
+    if header.get("version") not in READABLE:
         raise DataError(f"{path}: teacher-scores format version {header.get('version')!r}, expected {VERSION}")
     scores: Scores = {}
     good = len(lines[0]) + 1
@@ -111,6 +137,8 @@ def _read(path: Path, complete: bool) -> tuple[dict, Scores, int]:
             if not isinstance(qid, str) or not isinstance(values, dict):
                 raise TypeError
             scores[qid] = {str(p): float(v) for p, v in values.items()}
+            if digests is not None and isinstance(record.get("texts"), str):
+                digests[qid] = record["texts"]
             if not all(math.isfinite(v) for v in scores[qid].values()):
                 raise DataError(f"{path}:{line_no}: a teacher score that is not a finite number (NaN or infinity)")
             if not all(abs(v) <= SCORE_LIMIT for v in scores[qid].values()):  # float32 margins: infinite
@@ -140,15 +168,62 @@ def _check_teacher(path: Path, header: dict, teacher: Mapping | None) -> None:
     )
 
 
-def load_teacher_scores(path: str | Path, pairs: Pairs, teacher: Mapping | None = None) -> Scores:
+def _check_scored(
+    path: Path,
+    header: dict,
+    scores: Scores,
+    digests: Mapping[str, str],
+    pairs: Pairs,
+    dataset: RetrievalDataset | None,
+    scoring: dict | None,
+) -> None:
+    """A DataError where the file scored, for a query of ``pairs``, other texts than the ``dataset``'s (when given),
+    or scored in other settings than ``scoring`` (when given); a version-1 file, which recorded neither, with a
+    warning."""
+    if dataset is None and scoring is None:
+        return
+    if header.get("version") == 1:
+        warnings.warn(
+            f"{path} was written before teacher-score files recorded the texts and settings they scored: read "
+            "without checking them (delete it to score them again)",
+            DataWarning,
+            stacklevel=3,
+        )
+        return
+    if scoring is not None and header.get("scoring") != scoring:
+        differ = sorted(k for k in scoring if (header.get("scoring") or {}).get(k) != scoring[k])
+        raise DataError(
+            f"{path} was scored in other settings ({', '.join(differ)} differ): delete it or point "
+            "reranker.distill.scores_file elsewhere"
+        )
+    if dataset is None:
+        return
+    for qid in pairs:
+        if qid in scores and digests.get(qid) != texts_fingerprint(dataset, qid, list(scores[qid])):
+            raise DataError(
+                f"{path} scored other texts for query {qid!r} than the data's now (the query or a passage changed "
+                "under its id): delete it or point reranker.distill.scores_file elsewhere"
+            )
+
+
+def load_teacher_scores(
+    path: str | Path,
+    pairs: Pairs,
+    teacher: Mapping | None = None,
+    dataset: RetrievalDataset | None = None,
+    scoring: dict | None = None,
+) -> Scores:
     """The scores of ``pairs`` read from a finished file; a file of another teacher (when ``teacher`` is
-    given), or one missing a query or a pair of ``pairs`` (other queries, another pool), is a DataError."""
+    given), of scoring settings other than ``scoring`` or texts other than the ``dataset``'s (when given), or one
+    missing a query or a pair of ``pairs`` (other queries, another pool), is a DataError."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"teacher-scores file not found: {path}")
-    header, scores, _ = _read(path, complete=True)
+    digests: dict[str, str] = {}
+    header, scores, _ = _read(path, complete=True, digests=digests)
     _check_teacher(path, header, teacher)
     if header.get("pairs") == pairs_fingerprint(pairs) and len(scores) == len(pairs):
+        _check_scored(path, header, scores, digests, pairs, dataset, scoring)
         return scores
     for qid, pids in pairs.items():
         if qid not in scores:
@@ -162,6 +237,7 @@ def load_teacher_scores(path: str | Path, pairs: Pairs, teacher: Mapping | None 
                 f"{path} has no teacher score for query {qid!r} and passage {missing!r}: it was computed for "
                 "another hard-negative pool"
             )
+    _check_scored(path, header, scores, digests, pairs, dataset, scoring)
     return {q: scores[q] for q in pairs}
 
 
@@ -183,22 +259,26 @@ def compute_teacher_scores(
     identity = teacher_identity(teacher)
     if path.is_symlink() or path.exists() and not path.is_file():
         raise DataError(f"{path} exists and is not a teacher-scores file (a folder, a pipe or a link): choose another")
+    scoring = scoring_settings(teacher, precision)
     if path.is_file():
-        return load_teacher_scores(path, pairs, identity)
-    header = _header(pairs, identity)
+        return load_teacher_scores(path, pairs, identity, dataset, scoring)
+    header = _header(pairs, identity, scoring)
     partial = path.with_name(path.name + ".partial")
     done: Scores = {}
     if partial.is_symlink() or partial.exists() and not partial.is_file():
         raise DataError(f"{partial}, where teacher scores are written as they are computed, is not a plain file")
     if partial.is_file():
         try:
-            old, done, good = _read(partial, complete=False)
+            digests: dict[str, str] = {}
+            old, done, good = _read(partial, complete=False, digests=digests)
         except DataError:  # not densepass's: a user's file bearing the name is never written over
             raise DataError(
                 f"{partial} is not a teacher-scores file densepass began (no {FORMAT!r} header): move it away"
             ) from None
-        if old != header:
-            warnings.warn(f"{partial} belongs to another teacher or pool; starting it over", DataWarning, stacklevel=2)
+        stale = any(digests.get(q) != texts_fingerprint(dataset, q, list(done[q])) for q in done if q in pairs)
+        if old != header or stale:
+            what = "other texts" if old == header else "another teacher, scoring settings or pool"
+            warnings.warn(f"{partial} was scored for {what}; starting it over", DataWarning, stacklevel=2)
             done = {}
         else:
             os.truncate(partial, good)
@@ -224,7 +304,11 @@ def compute_teacher_scores(
                         "number a student could learn from (a diverged teacher?)"
                     )
                 done.setdefault(q, {})[p] = value
-            handle.write("".join(json.dumps({"query_id": q, "scores": done.get(q, {})}) + "\n" for q in queries))
+            records = [
+                {"query_id": q, "scores": done.get(q, {}), "texts": texts_fingerprint(dataset, q, pairs[q])}
+                for q in queries
+            ]
+            handle.write("".join(json.dumps(record) + "\n" for record in records))
             handle.flush()
             os.fsync(handle.fileno())
             progress.update(len(queries))
