@@ -399,13 +399,15 @@ class CrossEncoder:
             )
             return [(chunk.start + rows, tokens) for rows, tokens in length_sorted_batches(encoded, self)]
 
-        for batches in prefetched(chunks, prepare):
-            for rows, tokens in batches:
-                tokens = {k: v.to(self.device, non_blocking=v.is_pinned()) for k, v in tokens.items()}
-                with autocast_context(self.device, precision == "bf16" and not fused):  # a fused copy is bf16
-                    out[rows] = forward_in_pieces(forward, tokens, piece_tokens(self.device)).cpu().numpy()
-        if was_training:
-            self.model.train()
+        try:
+            for batches in prefetched(chunks, prepare):
+                for rows, tokens in batches:
+                    tokens = {k: v.to(self.device, non_blocking=v.is_pinned()) for k, v in tokens.items()}
+                    with autocast_context(self.device, precision == "bf16" and not fused):  # a fused copy is bf16
+                        out[rows] = forward_in_pieces(forward, tokens, piece_tokens(self.device)).cpu().numpy()
+        finally:  # a call that fails (a bad input, an interruption) leaves a model in training as it was
+            if was_training:
+                self.model.train()
         return out
 
     def describe(self) -> dict:
