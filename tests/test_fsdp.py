@@ -72,6 +72,27 @@ class Stop(Exception):
     """The interruption of a run (raised by both processes at the same step)."""
 
 
+def stopped_in_fourth_step(run) -> None:
+    """``run()`` stopped in its fourth step, as a kill would stop it (every process at the same step)."""
+    from densepass.training import trainer
+
+    real, calls = trainer.forward_backward, []
+
+    def stop_in_fourth_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise Stop
+        return real(*args, **kwargs)
+
+    trainer.forward_backward = stop_in_fourth_step
+    try:
+        run()
+    except Stop:
+        pass
+    finally:
+        trainer.forward_backward = real
+
+
 def _worker(rank, world, port, model_dir, beir_dir, out_dir):
     from torch.distributed.tensor import DTensor
 
@@ -90,20 +111,11 @@ def _worker(rank, world, port, model_dir, beir_dir, out_dir):
 
         # the same run stopped in its fourth step (after the checkpoint of step 2), then run again: it resumes
         real, calls = trainer.forward_backward, []
-
-        def stop_in_fourth_step(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 4:
-                raise Stop
-            return real(*args, **kwargs)
-
-        trainer.forward_backward = stop_in_fourth_step
-        try:
-            train(BiEncoder.from_pretrained(str(model_dir)), _data(beir_dir), _config(fsdp=True), out / "stopped", CPU)
-        except Stop:
-            pass
-        finally:
-            trainer.forward_backward = real
+        stopped_in_fourth_step(
+            lambda: train(
+                BiEncoder.from_pretrained(str(model_dir)), _data(beir_dir), _config(fsdp=True), out / "stopped", CPU
+            )
+        )
         steps = sorted(p.name for p in (out / "stopped" / "checkpoints").glob("step-*"))
         resumed = BiEncoder.from_pretrained(str(model_dir))
         calls.clear()
@@ -284,7 +296,6 @@ def _ragged_beir(root: Path) -> Path:
 
 def _dropout_worker(rank, world, port, model_dir, beir_dir, out_dir):
     from densepass.models.biencoder import BiEncoderConfig
-    from densepass.training import trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -295,21 +306,7 @@ def _dropout_worker(rank, world, port, model_dir, beir_dir, out_dir):
         model = lambda: BiEncoder.from_pretrained(str(model_dir), config=BiEncoderConfig(passage_max_length=128))  # noqa: E731
         full = model()
         train(full, _data(beir_dir), config, out / "full", CPU)
-        real, calls = trainer.forward_backward, []
-
-        def stop_in_fourth_step(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 4:
-                raise Stop
-            return real(*args, **kwargs)
-
-        trainer.forward_backward = stop_in_fourth_step
-        try:
-            train(model(), _data(beir_dir), config, out / "stopped", CPU)
-        except Stop:
-            pass
-        finally:
-            trainer.forward_backward = real
+        stopped_in_fourth_step(lambda: train(model(), _data(beir_dir), config, out / "stopped", CPU))
         resumed = model()
         train(resumed, _data(beir_dir), config, out / "stopped", CPU)
         torch.save({"full": _weights(full), "resumed": _weights(resumed)}, out / f"dropout-rank{rank}.pt")
