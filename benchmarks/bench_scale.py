@@ -348,12 +348,12 @@ def main() -> None:
 
     if args.st_faiss_batch_size is not None and args.st_faiss_batch_size < 1:
         raise SystemExit(f"--st-faiss-batch-size must be >= 1, got {args.st_faiss_batch_size}")
-    if args.random_model:
-        args.model = random_model(args.random_model, args.work_dir)
     unknown = sorted(set(args.systems) - {"encode", "st-encode", "mine", "st-mine"})
     if unknown:
         parser.error(f"unknown --systems {', '.join(unknown)} (encode, st-encode, mine, st-mine)")
     check_run_folders(args)
+    if args.random_model:
+        args.model = random_model(args.random_model, args.work_dir)
     data = build_corpus(args.dataset, args.data_dir, args.n, args.queries, Path(args.work_dir) / f"data-{args.n}", 13)
     with open(data / "queries.jsonl") as handle:
         queries = sum(1 for line in handle if line.strip())  # those with a positive among the n passages

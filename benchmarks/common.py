@@ -192,7 +192,7 @@ def _checked(path: Path, what: str, ours: Callable[[Path], bool]) -> None:
 
     try:
         check_output_file(path, what, ours)
-    except DensepassError as err:
+    except (DensepassError, OSError) as err:  # (OSError: a path no file can be made at)
         raise argparse.ArgumentTypeError(str(err).replace("--output ", "", 1)) from None
 
 

@@ -560,6 +560,7 @@ def test_mine_takes_the_options_its_strategy_uses(tiny_beir, tiny_model_dir, tmp
         (["--miner-steps", "2"], ["negatives.source=mixed", 'negatives.mix=["dense:25"]']),
         (["--model", "m"], ['negatives.filters=["relative-margin"]', "negatives.relative_teacher=bi-encoder"]),
         (["--cross-encoder", "ce"], ['negatives.filters=["relative-margin"]']),
+        (["--file", "f.jsonl"], ["negatives.source=mixed", 'negatives.mix=["bm25","file"]']),  # a bare file entry
     ]:
         parsed = parser.parse_args(["mine", str(tiny_beir), "--output", str(tmp_path / "o.jsonl"), *args])
         check_mine_options(parsed, load_config(None, overrides).negatives)

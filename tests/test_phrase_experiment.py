@@ -164,6 +164,10 @@ def test_densepass_index_builds_a_phrase_index_with_a_filter_threshold(tiny_run,
     assert manifest["kind"] == "phrase" and manifest["options"]["threshold"] == 0.0
     logits = np.load(root / "idx" / "start_logits.npy")
     assert manifest["stats"]["start_vectors"] == int((logits > 0.0).sum())
+    # searched with the same encoder saved without its filter (best-model): the threshold applies to the stored
+    # logits, so it loads (the filter is needed to build a thresholded index, not to read one)
+    best = root / "outputs" / "tiny" / "best-model"
+    assert main(["search", str(root / "idx"), "kernel driver?", "--model", str(best), "--device", "cpu"]) == 0
 
 
 def test_phrase_runs_refuse_a_layout_without_offsets_and_hard_negatives_with_eq1(tiny_run):
@@ -268,11 +272,15 @@ def test_a_rerun_with_other_settings_is_refused_and_a_refused_restart_removes_no
     shutil.copytree(root / "outputs" / "tiny", tmp_path / "tiny")
     here = [*overrides, f"output_dir={tmp_path}"]
     saved = (tmp_path / "tiny" / "config.yaml").read_text()
-    with pytest.raises(ConfigError, match=r"holds a phrase run of other settings \(train.learning_rate differ"):
+    refused = r"holds a phrase run whose finished stages \(.*\) had other settings \(train.learning_rate differ"
+    with pytest.raises(ConfigError, match=refused):
         run_phrase(load_config(None, [*here, "train.learning_rate=0.1"], PhraseConfig), show_progress=False)
     assert (tmp_path / "tiny" / "config.yaml").read_text() == saved
-    again = run_phrase(load_config(None, [*here, "train.log_every=7"], PhraseConfig), show_progress=False)
-    assert again["train"]["steps"] == 3  # how often it logs is no setting of the results: the stages are kept
+    # how often it logs, where its data is read from and how many windows evaluation encodes at once change no
+    # result: the stages are kept
+    kept = ["train.log_every=7", f"data.data_dir={root}", "eval.batch_size=8"]
+    again = run_phrase(load_config(None, [*here, *kept], PhraseConfig), show_progress=False)
+    assert again["train"]["steps"] == 3
     files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     missing = [*here, "train.hard_negatives=1", f"train.hard_negatives_file={tmp_path / 'none.jsonl'}"]
     with pytest.raises(DataError, match="hard-negatives file not found"):

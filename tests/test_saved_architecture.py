@@ -93,10 +93,15 @@ def test_lower_casing_only_sentence_transformers_does_is_refused_and_a_module_wi
     settings = json.loads((path / "sentence_bert_config.json").read_text())
     (path / "sentence_bert_config.json").write_text(json.dumps({**settings, "do_lower_case": True}))
     BiEncoder.from_pretrained(str(path))  # MiniLM's tokenizer lower-cases: the same tokens
-    tokenizer = json.loads((path / "tokenizer.json").read_text())
-    assert tokenizer["normalizer"]["type"] == "BertNormalizer"
+    tokenizer = json.loads((path / "tokenizer.json").read_text())  # a cased tokenizer: both its files say so
     tokenizer["normalizer"]["lowercase"] = False
     (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    settings_file = path / "tokenizer_config.json"
+    settings_file.write_text(json.dumps({**json.loads(settings_file.read_text()), "do_lower_case": False}))
+    from transformers import AutoTokenizer
+
+    cased = AutoTokenizer.from_pretrained(str(path))
+    assert cased("Audio")["input_ids"] != cased("audio")["input_ids"]  # the tokens do differ
     with pytest.raises(ConfigError, match=r"lower-cases the texts \(do_lower_case\) where its tokenizer does not"):
         BiEncoder.from_pretrained(str(path))
     (path / "sentence_bert_config.json").write_text(json.dumps(settings))

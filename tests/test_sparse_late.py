@@ -705,3 +705,9 @@ def test_index_settings_of_another_type_and_a_model_of_another_kind_are_one_line
     colbert.save(tmp_path / "cb")
     with pytest.raises(ConfigError, match="colbert"):
         SpladeEncoder.from_pretrained(str(tmp_path / "cb"), config=SpladeArchitecture())
+    # an index an earlier densepass saved with centroids 0 ("from the corpus's size") still loads
+    ColbertIndex.build(colbert, passages, device=CPU, centroids=None).save(tmp_path / "idx")
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    manifest["options"]["centroids"] = 0
+    (tmp_path / "idx" / "manifest.json").write_text(json.dumps(manifest))
+    assert len(load_index(tmp_path / "idx").search(["audio"], k=2)) == 1

@@ -125,6 +125,10 @@ def test_loss_objects_compose_and_describe_themselves():
             r"args.matryoshka_dims \[8\] and the loss's \[32, 16\]: give them once",
         ),
         ({"args": dp.TrainConfig(passage_max_length=1000)}, r"longer than the model's passage_max_length"),
+        (  # a dimension of weight 0 trains nothing, yet the loss cuts it: checked against the model too
+            {"loss": dp.losses.Matryoshka(dp.losses.InfoNCE(), [1024, 16], [0, 1])},
+            r"the Matryoshka dimensions asks for 1024 dimensions of a 32-dimensional model",
+        ),
         # checked after the pool was mined and the directory claimed, as they were
         ({"schedule": dp.ScheduleConfig(method="abs-beam", beam_width=1)}, r"beam_width must be >= 2"),
         ({"args": dp.TrainConfig(fsdp=True)}, r"^args.fsdp shards the model over torchrun's processes"),
@@ -195,6 +199,11 @@ def test_a_loss_setting_past_its_description_s_rounding_still_refuses_a_resume(t
             {"objective": "FLOPS", "lambda_q": 1e-3, "lambda_d": 2e-3, "warmup": 4},
         ],
     }
+    import json
+
+    import numpy as np
+
+    json.dumps(dp.losses.InfoNCE(temperature=np.float32(0.05)).identity())  # numpy numbers given: JSON's identity
     identity = {"loss": near[0].describe(), "objective": near[0].identity()}
     Checkpoints(tmp_path, 1, identity)._check_identity(tmp_path / "step-1", {"loss": near[0].describe()})  # older
 
@@ -206,11 +215,10 @@ import densepass as dp
 from densepass import distributed
 
 model_dir, data, out = sys.argv[1:4]
-with distributed.process_group():
-    model = dp.BiEncoder.from_pretrained(model_dir)
-    args = dp.TrainConfig(max_steps=3, batch_size=6, cpu_bf16=False, checkpoint_every=1, learning_rate=1e-3)
-    done = dp.train(model, data, output_dir=out, args=args, device="cpu", max_queries=18)
-    print("steps", done.steps, "rank", distributed.rank())
+model = dp.BiEncoder.from_pretrained(model_dir)
+args = dp.TrainConfig(max_steps=3, batch_size=6, cpu_bf16=False, checkpoint_every=1, learning_rate=1e-3)
+done = dp.train(model, data, output_dir=out, args=args, device="cpu", max_queries=18)  # joins the group itself
+print("steps", done.steps, "world", distributed.world_size())
 """
 
 

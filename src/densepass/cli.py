@@ -444,7 +444,7 @@ def check_mine_options(args: argparse.Namespace, negatives) -> None:
     bi_encoder_teacher = margin and negatives.relative_teacher == "bi-encoder"
     owners = {
         "--model": (args.model, "model" in specs or bi_encoder_teacher, "--strategy model (or mixed with model)"),
-        "--file": (args.file, negatives.source == "file", "--strategy file"),
+        "--file": (args.file, "file" in strategy_specs(negatives), "--strategy file (or mixed with file)"),
         "--mix": (args.mix, negatives.source == "mixed", "--strategy mixed"),
         "--dense-dim": (args.dense_dim, "dense" in dense_specs(negatives), "--strategy dense (or mixed with dense)"),
         "--miner-steps": (args.miner_steps, bool(dense_specs(negatives)), "--strategy dense (or mixed with dense)"),

@@ -391,6 +391,8 @@ class ColbertIndex(Index):
         recorded = manifest["model"]
         model = model_for_index(directory, "colbert", recorded, model, ColBERT)
         settings = {**manifest["options"], **options}
+        if settings.get("centroids") == 0:  # written by a densepass that took 0 as "chosen from the corpus's size"
+            settings["centroids"] = None
         index = cls(model, model_path=recorded["path"], **settings)
         for name in ARRAYS:
             setattr(index, name, np.load(directory / f"{name}.npy", allow_pickle=False))

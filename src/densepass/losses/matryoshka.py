@@ -82,8 +82,8 @@ class Matryoshka(Objective):
         """Its dimensions and weights, and the base objective's."""
         return {
             "objective": "Matryoshka",
-            "dims": list(self.dims),
-            "weights": list(self.weights),
+            "dims": [int(d) for d in self.dims],
+            "weights": [float(w) for w in self.weights],
             "base": self.base.identity(),
         }
 
@@ -102,9 +102,12 @@ def _stateless(objective: Objective) -> bool:
     return not objective.parameters() and not objective.state_dict()
 
 
-def trained_dims(objective: Objective) -> tuple[int, ...] | None:
+def trained_dims(objective: Objective, weighted: bool = True) -> tuple[int, ...] | None:
     """The prefix dimensions ``objective`` trains (a ``Matryoshka``, alone or a term of a sum; a dimension of
-    weight 0 is not trained), None when it trains the full embedding only: what a saved model records."""
+    weight 0 is not trained), None when it trains the full embedding only: what a saved model records. With
+    ``weighted`` False, every dimension it names, of weight 0 too (what it must be able to cut)."""
     if isinstance(objective, Matryoshka):
-        return tuple(d for d, w in zip(objective.dims, objective.weights) if w > 0) or None
-    return next((dims for term in getattr(objective, "terms", ()) if (dims := trained_dims(term))), None)
+        dims = [d for d, w in zip(objective.dims, objective.weights) if w > 0 or not weighted]
+        return tuple(dims) or None
+    terms = getattr(objective, "terms", ())
+    return next((dims for term in terms if (dims := trained_dims(term, weighted))), None)

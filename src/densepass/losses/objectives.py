@@ -170,7 +170,8 @@ class InfoNCE(Objective):
 
     def identity(self) -> dict:
         """Its direction and temperature."""
-        return {"objective": "InfoNCE", "bidirectional": self.bidirectional, "temperature": self.temperature}
+        temperature = None if self.temperature is None else float(self.temperature)  # (a numpy number: JSON's)
+        return {"objective": "InfoNCE", "bidirectional": bool(self.bidirectional), "temperature": temperature}
 
     def describe(self) -> str:
         """One line for reports."""
@@ -255,7 +256,7 @@ class Distillation(Objective):
     def identity(self) -> dict:
         """Its loss, weight and temperature, and the contrastive term's."""
         contrastive = self.contrastive.identity() if self.contrastive is not None else None
-        settings = {"loss": self.loss, "weight": self.weight, "temperature": self.temperature}
+        settings = {"loss": self.loss, "weight": float(self.weight), "temperature": float(self.temperature)}
         return {"objective": "Distillation", **settings, "contrastive": contrastive}
 
 
@@ -309,4 +310,5 @@ class FLOPS(Objective):
 
     def identity(self) -> dict:
         """Its weights and warm-up (the step reached is state, not a setting)."""
-        return {"objective": "FLOPS", "lambda_q": self.lambda_q, "lambda_d": self.lambda_d, "warmup": self.warmup_steps}
+        lambdas = {"lambda_q": float(self.lambda_q), "lambda_d": float(self.lambda_d)}
+        return {"objective": "FLOPS", **lambdas, "warmup": int(self.warmup_steps)}

@@ -375,31 +375,36 @@ class CrossEncoder:
         was_training = self.model.training
         if was_training:  # (eval() walks every module: a serving call's fixed cost)
             self.model.eval()
-        shortcut = reads_first_position(self.model)
-        fused = precision == "bf16" and self.device.type == "cpu" and shortcut and fusable_base(self.model) is not None
-        if precision == "int8" and self.int8_fuses():
-            forward = partial(fused_int8_logits, self.quantized_model())
-        elif precision == "int8":  # one activation scale per batch: the shortcut's smaller batches round differently
-            forward = partial(_logits, self.quantized_model())
-        elif fused:
-            forward = partial(fused_first_position_logits, self.fused_model())
-        else:
-            forward = partial(first_position_logits if shortcut else _logits, self.model)
-        out = np.empty(len(queries), dtype=np.float32)
-        chunks = [range(s, min(s + TOKENIZE_CHUNK, len(queries))) for s in range(0, len(queries), TOKENIZE_CHUNK)]
-        # a worker thread tokenises while this one scores. With several chunks it gets its own tokenizer (a fast
-        # tokenizer's truncation settings are shared state); with one, this thread just waits, and a copy would be
-        # a large fixed cost of a small call (a one-document /rerank request: docs/benchmarks.md, "/rerank against
-        # infinity-emb").
-        tokenizer = self.tokenizer if len(chunks) == 1 else copy.deepcopy(self.tokenizer)
-
-        def prepare(chunk: range) -> list[tuple[np.ndarray, dict[str, torch.Tensor]]]:
-            encoded = tokenizer(
-                [queries[i] for i in chunk], [passages[i] for i in chunk], truncation=True, max_length=self.max_length
-            )
-            return [(chunk.start + rows, tokens) for rows, tokens in length_sorted_batches(encoded, self)]
-
         try:
+            shortcut = reads_first_position(self.model)
+            fused = (
+                precision == "bf16" and self.device.type == "cpu" and shortcut and fusable_base(self.model) is not None
+            )
+            if precision == "int8" and self.int8_fuses():
+                forward = partial(fused_int8_logits, self.quantized_model())
+            elif precision == "int8":  # one activation scale a batch: no shortcut (its batches round otherwise)
+                forward = partial(_logits, self.quantized_model())
+            elif fused:
+                forward = partial(fused_first_position_logits, self.fused_model())
+            else:
+                forward = partial(first_position_logits if shortcut else _logits, self.model)
+            out = np.empty(len(queries), dtype=np.float32)
+            chunks = [range(s, min(s + TOKENIZE_CHUNK, len(queries))) for s in range(0, len(queries), TOKENIZE_CHUNK)]
+            # a worker thread tokenises while this one scores. With several chunks it gets its own tokenizer (a
+            # fast tokenizer's truncation settings are shared state); with one, this thread just waits, and a copy
+            # would be a large fixed cost of a small call (a one-document /rerank request: docs/benchmarks.md,
+            # "/rerank against infinity-emb").
+            tokenizer = self.tokenizer if len(chunks) == 1 else copy.deepcopy(self.tokenizer)
+
+            def prepare(chunk: range) -> list[tuple[np.ndarray, dict[str, torch.Tensor]]]:
+                encoded = tokenizer(
+                    [queries[i] for i in chunk],
+                    [passages[i] for i in chunk],
+                    truncation=True,
+                    max_length=self.max_length,
+                )
+                return [(chunk.start + rows, tokens) for rows, tokens in length_sorted_batches(encoded, self)]
+
             for batches in prefetched(chunks, prepare):
                 for rows, tokens in batches:
                     tokens = {k: v.to(self.device, non_blocking=v.is_pinned()) for k, v in tokens.items()}

@@ -51,30 +51,17 @@ def _kind(module: dict) -> str:
 
 def _lower_cases_alone(path: Path) -> bool:
     """Whether the transformer module's ``sentence_bert_config.json`` has sentence-transformers lower-case the
-    texts (``do_lower_case``) and the tokenizer would not: its normaliser (``tokenizer.json``) has no lower-casing
-    step, or, without one, its ``tokenizer_config.json`` no ``do_lower_case``."""
+    texts (``do_lower_case``) where the model's tokenizer, as it loads, does not: it tokenises a capitalised text
+    otherwise than the same text in lower case."""
     settings = path / "sentence_bert_config.json"
     values = read_model_json(settings) if settings.is_file() else {}
     if not isinstance(values, dict) or values.get("do_lower_case") is not True:
         return False
-    tokenizer = path / "tokenizer.json"
-    if tokenizer.is_file():
-        found = read_model_json(tokenizer)
-        return not (isinstance(found, dict) and _lower_casing(found.get("normalizer")))
-    config = path / "tokenizer_config.json"
-    values = read_model_json(config) if config.is_file() else {}
-    return not (isinstance(values, dict) and values.get("do_lower_case") is True)
+    from transformers import AutoTokenizer
 
-
-def _lower_casing(normalizer: object) -> bool:
-    """Whether a ``tokenizers`` normaliser (as JSON) lower-cases: a Lowercase step, a BertNormalizer with
-    lowercase, or a Sequence holding one."""
-    if not isinstance(normalizer, dict):
-        return False
-    kind = normalizer.get("type")
-    if kind == "Sequence":
-        return any(_lower_casing(step) for step in normalizer.get("normalizers") or [])
-    return kind == "Lowercase" or (kind == "BertNormalizer" and normalizer.get("lowercase") is True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))  # a tokenizer's files: no code of the model's runs
+    sample = "Audio Editor For The Desktop"
+    return tokenizer(sample)["input_ids"] != tokenizer(sample.lower())["input_ids"]
 
 
 def dense_folder(path: str | Path) -> Path | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -210,32 +210,51 @@ def prepare(
     )
 
 
-def settings_identity(config: PhraseConfig) -> dict:
-    """What a phrase run's stages are of: every setting but where it is written, its device and the bookkeeping of
-    its training sections (``checkpoints.BOOKKEEPING``: how often it logs and checkpoints), as JSON values."""
+# the config sections each stage's results follow (a stage finished under other values is refused, not skipped)
+STAGE_SECTIONS = {
+    "hard_negatives": ("data", "model", "train"),
+    "train": ("data", "model", "train", "validation"),
+    "filter": ("filter",),
+    "evaluate": ("eval", "filter"),
+    "query_tuning": ("query_tuning", "eval"),
+}
+# keys of those sections that change how the work is done, not its results: where the data is read from (its files
+# are fingerprinted: check_data_files), how many windows an evaluation encodes at once, and the training sections'
+# bookkeeping (checkpoints.BOOKKEEPING)
+UNRESULTING = {"data": ("data_dir",), "eval": ("batch_size",)}
+
+
+def settings_identity(config: PhraseConfig, stages: Collection[str] = tuple(STAGE_SECTIONS)) -> dict:
+    """The settings the results of ``stages`` follow (``STAGE_SECTIONS``), as JSON values."""
     values = json.loads(json.dumps(asdict(config)))
-    for key in ("name", "output_dir", "device"):
-        values.pop(key)
-    for section in ("train", "query_tuning"):
-        values[section] = {k: v for k, v in values[section].items() if k not in BOOKKEEPING}
-    return values
+    sections = sorted({section for stage in stages for section in STAGE_SECTIONS.get(stage, ())})
+    kept = {}
+    for section in sections:
+        left_out = (*UNRESULTING.get(section, ()), *(BOOKKEEPING if section in ("train", "query_tuning") else ()))
+        kept[section] = {k: v for k, v in values[section].items() if k not in left_out}
+    return kept
 
 
 def check_same_settings(config: PhraseConfig) -> None:
     """Refuse to go on with a run directory whose finished stages were computed with other settings: they would
-    be skipped and their results reported as this config's (and its ``config.yaml`` replaced by this one)."""
+    be skipped and their results reported as this config's (and its ``config.yaml`` replaced by this one). Settings
+    of stages still to run may change."""
     saved, stages = config.run_dir / "config.yaml", config.run_dir / STAGES
     if not (saved.is_file() and stages.is_file()):
         return
     hint = "use another name or output_dir, or --restart to discard it"
     try:
-        earlier = settings_identity(load_config(saved, None, PhraseConfig))
-    except ConfigError as err:
-        raise ConfigError(f"{config.run_dir} holds a config.yaml that does not load ({err}); {hint}") from err
-    changed = differences(earlier, settings_identity(config))
+        finished = list(Stages(config.run_dir).done)
+        earlier = settings_identity(load_config(saved, None, PhraseConfig), finished)
+    except (ConfigError, ValueError) as err:
+        raise ConfigError(
+            f"{config.run_dir} holds a config.yaml or {STAGES} that does not load ({err}); {hint}"
+        ) from err
+    changed = differences(earlier, settings_identity(config, finished))
     if changed:
         raise ConfigError(
-            f"{config.run_dir} holds a phrase run of other settings ({changed} differ from its config.yaml); {hint}"
+            f"{config.run_dir} holds a phrase run whose finished stages ({', '.join(finished)}) had other settings "
+            f"({changed} differ from its config.yaml); {hint}"
         )
 
 

@@ -105,8 +105,6 @@ class PhraseIndex(Index):
     ) -> None:
         if vector_dtype not in ("float16", "float32"):
             raise ConfigError(f"vector_dtype must be float16 or float32, got {vector_dtype!r}")
-        if threshold is not None and getattr(model, "filter", None) is None:  # before any passage is encoded
-            raise ConfigError("a filter threshold needs a model with a trained token filter")
         self.model, self.device, self.batch_size = model, device, batch_size
         self.vector_dtype, self.threshold, self.show_progress = vector_dtype, threshold, show_progress
         self.max_answer_tokens = max_answer_tokens or model.config.max_answer_tokens
@@ -122,6 +120,8 @@ class PhraseIndex(Index):
     @classmethod
     def build(cls, model: PhraseEncoder, passages: Passages, **options: Any) -> PhraseIndex:
         """Encode ``passages`` (a Corpus, texts, or {id, title, text} records) with ``model`` and index them."""
+        if options.get("threshold") is not None and getattr(model, "filter", None) is None:  # before any encoding
+            raise ConfigError("a filter threshold needs a model with a trained token filter")
         index = cls(model, **options)
         index.add(passages)
         return index

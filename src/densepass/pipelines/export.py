@@ -69,7 +69,10 @@ def model_card(model_dir: Path, model, onnx: bool = False) -> str:
     run = model_dir.parent
     run_config = _read_yaml(run / "config.yaml") if (run / "config.yaml").is_file() else None
     metrics = _read_json(run / "metrics.json") if (run / "metrics.json").is_file() else None
-    base = public_name((run_config or {}).get("model", {}).get("name_or_path"))
+    # what it started from: the run's model, else (no run beside it) where it was loaded from, if a Hub name
+    base = public_name(
+        run_config.get("model", {}).get("name_or_path") if run_config else getattr(model, "source", None)
+    )
     library = "onnx" if onnx else "sentence-transformers"
     lines = ["---", f"library_name: {library}", f"tags: [densepass, {library}, retrieval]"]
     lines += ["pipeline_tag: sentence-similarity", "---", "", f"# {model_dir.name}", ""]

@@ -333,7 +333,11 @@ def train(
     (None: cuda when available). ``on_step_end(step)`` runs after every step. With ``restart``, what an earlier call
     wrote in ``output_dir`` is removed first; otherwise an interrupted call resumes from its checkpoints. ``mix``:
     other datasets' pairs mixed into every batch (``MixConfig``: name, format, split, fraction; ``data.mix`` of a
-    run, a forgetting guard), their names read under ``data_dir`` like ``densepass.load_dataset``'s."""
+    run, a forgetting guard), their names read under ``data_dir`` like ``densepass.load_dataset``'s.
+
+    Under torchrun (``torchrun --nproc_per_node N script.py``) every process calls it: it joins torchrun's process
+    group for the call (unless the caller has), each process encodes its share of every batch, and rank 0 claims
+    ``output_dir`` and saves the model (docs/guide/scale-out.md)."""
     for name, given, kind, shown in [
         ("args", args, TrainConfig, "dp.TrainConfig"),
         ("negatives", negatives, NegativesConfig, "dp.NegativesConfig"),
@@ -366,10 +370,11 @@ def train(
         args.matryoshka_dims
         and loss is not None
         and trained_dims(loss)
-        and (list(trained_dims(loss)) != list(args.matryoshka_dims))
+        and (list(trained_dims(loss, weighted=False)) != list(args.matryoshka_dims))
     ):
         raise ConfigError(
-            f"args.matryoshka_dims {args.matryoshka_dims} and the loss's {list(trained_dims(loss))}: give them once"
+            f"args.matryoshka_dims {args.matryoshka_dims} and the loss's {list(trained_dims(loss, weighted=False))}: "
+            "give them once"
         )
     longest = getattr(getattr(model, "config", None), "passage_max_length", None)
     check_crop(args.passage_max_length, longest, "args.passage_max_length", "the model's passage_max_length")
@@ -385,7 +390,7 @@ def train(
             raise ConfigError(
                 f"{objective.describe()} trains prefixes of one embedding: a {type(model).__name__} has none"
             )
-        check_dims(trained_dims(objective), model.dim, "the Matryoshka dimensions")
+        check_dims(trained_dims(objective, weighted=False), model.dim, "the Matryoshka dimensions")
     elif args.matryoshka_init != "none":
         raise ConfigError("args.matryoshka_init starts Matryoshka training: give args.matryoshka_dims too")
     if args.matryoshka_init == "pca":
@@ -428,40 +433,43 @@ def train(
         DATA_FILES: data_fingerprints([dataset, *mixed]),
         **({"mix": [asdict(entry) for entry in mix]} if mix else {}),
     }
-    main = distributed.rank() == 0
-    with distributed.rank_zero_run_directory(run_dir, "training", OUTPUT_ENTRIES, restart, ("model",)) as claim:
-        claim()  # under torchrun: every process goes on once rank 0 has claimed the directory
-        if args.matryoshka_init == "pca":
-            start_at_principal_axes(model, dataset.corpus, args.seed, torch_device)  # as a run: train.seed
-        sep = model.tokenizer.sep_token or " "
-        data = TrainingData(dataset, split, sep, query_ids=query_ids)
-        if needs_mining(negatives):
-            context = MiningContext(
-                split,
-                torch_device,
-                BM25Index.build(dataset.corpus.passage_inputs(" ")) if uses_bm25(negatives) else None,
-                run_dir / "negatives",
-                base_model=getattr(model, "source", None) or DEFAULT_MODEL,  # where dense miners start from
-                architecture=model.config,
-                train_config=args,
-                seed=seed,
-                pools_dir=run_dir / "negatives",  # a resumed run reads its pool back
+    with distributed.process_group():  # under torchrun: joined for the call, unless the caller has joined
+        main = distributed.rank() == 0
+        with distributed.rank_zero_run_directory(run_dir, "training", OUTPUT_ENTRIES, restart, ("model",)) as claim:
+            claim()  # under torchrun: every process goes on once rank 0 has claimed the directory
+            if args.matryoshka_init == "pca":
+                start_at_principal_axes(model, dataset.corpus, args.seed, torch_device)  # as a run: train.seed
+            sep = model.tokenizer.sep_token or " "
+            data = TrainingData(dataset, split, sep, query_ids=query_ids)
+            if needs_mining(negatives):
+                context = MiningContext(
+                    split,
+                    torch_device,
+                    BM25Index.build(dataset.corpus.passage_inputs(" ")) if uses_bm25(negatives) else None,
+                    run_dir / "negatives",
+                    base_model=getattr(model, "source", None) or DEFAULT_MODEL,  # where dense miners start from
+                    architecture=model.config,
+                    train_config=args,
+                    seed=seed,
+                    pools_dir=run_dir / "negatives",  # a resumed run reads its pool back
+                )
+                mined = mine_pool(dataset, query_ids, negatives, context, sep)
+                data = TrainingData(
+                    dataset, split, sep, passage_ids(mined.pool), negatives.per_query, query_ids=query_ids
+                )
+            elif given is not None:
+                teacher = getattr(dataset, "teacher_scores", None)
+                data = TrainingData(
+                    dataset, split, sep, given, negatives.per_query, query_ids=query_ids, teacher_scores=teacher
+                )
+            add_mix(data, mixed, mix, args.batch_size, args.seed)
+            planner = batch_planner(model, data, args, schedule, run_dir, torch_device)
+            result = fine_tune_model(
+                model, data, args, planner, run_dir, torch_device, identity, objective, None, on_step_end
             )
-            mined = mine_pool(dataset, query_ids, negatives, context, sep)
-            data = TrainingData(dataset, split, sep, passage_ids(mined.pool), negatives.per_query, query_ids=query_ids)
-        elif given is not None:
-            teacher = getattr(dataset, "teacher_scores", None)
-            data = TrainingData(
-                dataset, split, sep, given, negatives.per_query, query_ids=query_ids, teacher_scores=teacher
-            )
-        add_mix(data, mixed, mix, args.batch_size, args.seed)
-        planner = batch_planner(model, data, args, schedule, run_dir, torch_device)
-        result = fine_tune_model(
-            model, data, args, planner, run_dir, torch_device, identity, objective, None, on_step_end
-        )
-        if main:
-            model.save(run_dir / "model")
-        distributed.barrier()
+            if main:
+                model.save(run_dir / "model")
+            distributed.barrier()
     log = read_log(result.log_path)  # a damaged line is left out (trim_log dropped those it found already)
     return TrainOutput(model, run_dir / "model", result.steps, result.final_loss, log)
 

@@ -60,7 +60,7 @@ class PretrainModelConfig:
 class MaskingConfig:
     """BERT masking (bert): select ``probability`` of the tokens (or whole words)."""
 
-    probability: float = option(0.15, "share of the tokens selected for prediction", above=0, max=0.99)
+    probability: float = option(0.15, "share of the tokens selected for prediction", above=0, max=1)
     mask_fraction: float = option(0.8, "of the selected tokens, the share replaced by [MASK]", min=0, max=1)
     random_fraction: float = option(0.1, "of the selected tokens, the share replaced by a random token", min=0, max=1)
     whole_word: bool = option(False, "select whole words rather than word pieces")

@@ -11,7 +11,9 @@ The file is JSONL: a header line, then one line per query::
 
 ``teacher`` is the teacher's identity: its path and the fingerprint of its weights (``fingerprints``)
 and its truncation length; ``scoring`` what else a score depends on (``models.score_cache.scorer_identity`` but
-the library versions); each line's ``texts`` fingerprints the query's text and its passages' inputs, in the
+the library versions), of which the configuration, tokenizer and sides must match (the precision and device are
+recorded, not compared: a file a GPU scored in bf16 serves a student on a CPU, its targets a rounding away from
+fp32's); each line's ``texts`` fingerprints the query's text and its passages' inputs, in the
 line's order (a file is keyed by what was scored, not by ids alone: a passage rewritten under its id is refused,
 and scored again in a new file). Computing is resumable: lines go to ``<file>.partial`` (flushed every ``chunk``
 queries) and a re-run continues after the last complete line; the finished file replaces ``<file>``
@@ -35,7 +37,7 @@ from tqdm.auto import tqdm
 
 from densepass import distributed
 from densepass.data.dataset import RetrievalDataset
-from densepass.data.keys import passage_input
+from densepass.data.keys import parse_half_id, passage_input
 from densepass.device import resolve_precision
 from densepass.errors import DataError, DataWarning
 from densepass.fingerprints import fingerprint_strings, fingerprint_weights
@@ -46,6 +48,7 @@ from densepass.negatives.pool import NegativePool
 FORMAT = "densepass-teacher-scores"
 VERSION = 2
 READABLE = (1, 2)  # version 1: no texts or scoring settings recorded (read with a warning)
+MATCHED_SETTINGS = ("config", "tokenizer", "sides")  # of ``scoring``: those a file must share to be read
 Pairs = dict[str, list[str]]  # query id -> passage ids to score
 Scores = dict[str, dict[str, float]]  # query id -> passage id -> teacher score
 
@@ -78,6 +81,14 @@ def is_teacher_scores_file(path: Path) -> bool:
 def pairs_fingerprint(pairs: Pairs) -> str:
     """Fingerprint of the (query, passages) lists, in query order."""
     return fingerprint_strings(f"{q}\t" + "\t".join(pids) for q, pids in pairs.items())
+
+
+def holds(corpus, pid: str) -> bool:
+    """Whether ``pid`` names a passage of ``corpus``, or a half of one (``data.keys``)."""
+    if pid in corpus:
+        return True
+    base, _ = parse_half_id(pid) or (None, None)
+    return base is not None and base in corpus
 
 
 def texts_fingerprint(dataset: RetrievalDataset, query_id: str, passage_ids: Sequence[str]) -> str:
@@ -190,16 +201,23 @@ def _check_scored(
             stacklevel=3,
         )
         return
-    if scoring is not None and header.get("scoring") != scoring:
-        differ = sorted(k for k in scoring if (header.get("scoring") or {}).get(k) != scoring[k])
+    saved = header.get("scoring") or {}
+    differ = sorted(k for k in MATCHED_SETTINGS if scoring is not None and saved.get(k) != scoring.get(k))
+    if differ:
         raise DataError(
             f"{path} was scored in other settings ({', '.join(differ)} differ): delete it or point "
             "reranker.distill.scores_file elsewhere"
         )
     if dataset is None:
         return
+    corpus = dataset.corpus
     for qid in pairs:
-        if qid in scores and digests.get(qid) != texts_fingerprint(dataset, qid, list(scores[qid])):
+        if qid not in scores:
+            continue
+        gone = next((p for p in scores[qid] if not holds(corpus, p)), None) if qid in dataset.queries else qid
+        if gone is not None:  # (its passages are the file's own: one may have left the corpus since)
+            raise DataError(f"{path} scored {gone!r} for query {qid!r}, which the data no longer holds")
+        if digests.get(qid) != texts_fingerprint(dataset, qid, list(scores[qid])):
             raise DataError(
                 f"{path} scored other texts for query {qid!r} than the data's now (the query or a passage changed "
                 "under its id): delete it or point reranker.distill.scores_file elsewhere"
