@@ -261,9 +261,7 @@ def check_positive(name: str, value: Any) -> int:
 
 def check_k(k: int) -> int:
     """``k`` as an int, or a one-line error unless it is a positive integer."""
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ConfigError(f"k must be a positive integer, got {k!r}")
-    return int(k)
+    return check_positive("k", k)
 
 
 def is_vectors(queries: Any) -> bool:

@@ -106,7 +106,7 @@ from densepass.pipelines.training import (
 from densepass.pipelines.validation import Validator
 from densepass.training.adapters import check_adapters
 from densepass.training.batches import TrainingData
-from densepass.training.engine import seed_everything
+from densepass.training.engine import check_fsdp_combinations, seed_everything
 from densepass.training.l2sp import check_l2sp
 from densepass.training.more_negatives import check_loss
 from densepass.training.planner import check_schedule
@@ -297,8 +297,7 @@ def check_fsdp(config: ExperimentConfig) -> None:
             raise ConfigError(
                 f"{section}.fsdp shards the model over torchrun's processes: run under torchrun --nproc_per_node N"
             )
-        if optim.lora_rank or optim.gradient_checkpointing or optim.packing is True:  # auto: padded under FSDP
-            raise ConfigError(f"{section}.fsdp does not combine with lora_rank, gradient_checkpointing or packing yet")
+        check_fsdp_combinations(optim, f"{section}.fsdp")
     if reranker:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if r.batch_size % world:

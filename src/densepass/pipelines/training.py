@@ -46,6 +46,7 @@ from densepass.plots import read_log
 from densepass.training.adapters import check_adapters
 from densepass.training.batches import TrainingData
 from densepass.training.dense_miners import prepare_miners
+from densepass.training.engine import check_fsdp_combinations
 from densepass.training.planner import EpochPlanner, check_schedule
 from densepass.training.trainer import TrainResult
 from densepass.training.trainer import train as run_training
@@ -486,8 +487,7 @@ def check_processes(args: TrainConfig, hooked: bool) -> None:
         return
     if world < 2:
         raise ConfigError("args.fsdp shards the model over torchrun's processes: run under torchrun --nproc_per_node N")
-    if args.lora_rank or args.gradient_checkpointing or args.packing is True:  # auto: padded under FSDP
-        raise ConfigError("args.fsdp does not combine with lora_rank, gradient_checkpointing or packing yet")
+    check_fsdp_combinations(args, "args.fsdp")
     if hooked:
         raise ConfigError("args.fsdp does not combine yet with on_step_end (it would use the model mid-training)")
 

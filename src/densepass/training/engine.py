@@ -251,6 +251,13 @@ def enable_gradient_checkpointing(network: torch.nn.Module) -> int:
     return len(found)
 
 
+def check_fsdp_combinations(optim: OptimConfig, section: str) -> None:
+    """What ``fsdp: true`` does not combine with yet (``section``: the setting named, e.g. ``train.fsdp``):
+    LoRA, gradient checkpointing and packed steps (``packing: auto`` resolves to padded under FSDP)."""
+    if optim.lora_rank or optim.gradient_checkpointing or getattr(optim, "packing", False) is True:
+        raise ConfigError(f"{section} does not combine with lora_rank, gradient_checkpointing or packing yet")
+
+
 def check_sharding(task: Task, optim: OptimConfig, world: int, callbacks: Sequence[Callback] = ()) -> None:
     """The one-line errors of ``fsdp: true`` that need no work: FSDP shards over the ``world`` processes of
     torchrun, for a task that declares ``shardable``, without what it does not combine with yet."""
@@ -261,8 +268,7 @@ def check_sharding(task: Task, optim: OptimConfig, world: int, callbacks: Sequen
         )
     if not task.shardable:
         raise ConfigError(f"{section}: {task.description} does not train with FSDP yet")
-    if optim.lora_rank or optim.gradient_checkpointing or getattr(optim, "packing", False) is True:  # auto: padded
-        raise ConfigError(f"{section} does not combine with lora_rank, gradient_checkpointing or packing yet")
+    check_fsdp_combinations(optim, section)
     if callbacks:
         raise ConfigError(
             f"{section} does not combine yet with what uses the model during training (validation each epoch, "

@@ -98,6 +98,14 @@ def texts_fingerprint(dataset: RetrievalDataset, query_id: str, passage_ids: Seq
     )
 
 
+def _scored_as_now(dataset: RetrievalDataset, query_id: str, passage_ids: Sequence[str], digest: str | None) -> bool:
+    """Whether a line's ``texts`` fingerprint ``digest`` is that of the data now (its query and passages still
+    there, their texts unchanged)."""
+    if query_id not in dataset.queries or not all(holds(dataset.corpus, p) for p in passage_ids):
+        return False
+    return digest == texts_fingerprint(dataset, query_id, passage_ids)
+
+
 def scoring_settings(teacher: CrossEncoder, precision: str | None) -> dict:
     """What a teacher's score depends on besides its weights and the texts (``scorer_identity``: its config,
     tokenizer, the sides it truncates and pads, the precision and kind of device it scores in); the library versions
@@ -293,7 +301,7 @@ def compute_teacher_scores(
             raise DataError(
                 f"{partial} is not a teacher-scores file densepass began (no {FORMAT!r} header): move it away"
             ) from None
-        stale = any(digests.get(q) != texts_fingerprint(dataset, q, list(done[q])) for q in done if q in pairs)
+        stale = any(not _scored_as_now(dataset, q, list(done[q]), digests.get(q)) for q in done if q in pairs)
         if old != header or stale:
             what = "other texts" if old == header else "another teacher, scoring settings or pool"
             warnings.warn(f"{partial} was scored for {what}; starting it over", DataWarning, stacklevel=2)
