@@ -221,3 +221,54 @@ def test_densepass_index_and_search_encode_in_the_precision_asked_for(tiny_beir,
     assert capsys.readouterr().err.strip().count("\n") == 0
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         cli.main(["index", str(tiny_beir), "--model", model, "--output", index, "--precision", "fp16"])
+
+
+@pytest.mark.parametrize("kind", ["exact", "splade", "colbert"])
+def test_a_saved_index_searches_in_the_precision_its_passages_were_encoded_in(tiny_model_dir, tmp_path, kind):
+    """An index built in fp32 on a CPU whose ``auto`` is bf16 encodes its queries in fp32 once reloaded (not in
+    this machine's ``auto``); a precision given on load still wins."""
+    from densepass.index.base import load_index
+    from densepass.index.colbert import ColbertIndex
+    from densepass.index.dense import DenseIndex
+    from densepass.index.splade import SpladeIndex
+    from densepass.models.colbert import ColBERT
+    from densepass.models.splade import SpladeEncoder
+
+    cls, index_cls = {
+        "exact": (BiEncoder, DenseIndex),
+        "splade": (SpladeEncoder, SpladeIndex),
+        "colbert": (ColBERT, ColbertIndex),
+    }[kind]
+    cls.from_pretrained(str(tiny_model_dir)).save(tmp_path / "model")
+    model = cls.from_pretrained(str(tmp_path / "model"))
+    passages = [f"passage {i} about package number {i * 7}" for i in range(12)]
+    index_cls.build(model, passages, device=CPU, precision="fp32", show_progress=False).save(tmp_path / "index")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(device_module, "cpu_has_fast_bf16", lambda: True)  # auto would be bf16 here
+        assert resolve_precision("auto", CPU) == "bf16"
+        reloaded = load_index(tmp_path / "index", device=CPU)
+        assert reloaded.precision == "fp32"
+        again = load_index(tmp_path / "index", device=CPU, precision="bf16")
+        assert again.precision == "bf16"
+    queries = ["audio editor", "a package"]
+    expected = model.encode_queries(queries, 8, device=CPU, precision="fp32")
+    got = reloaded.encode_queries(queries)
+    if kind == "splade":
+        expected, got = expected.toarray(), got.toarray()
+    elif kind == "colbert":
+        expected, got = np.concatenate(list(expected)), np.concatenate(list(got))
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_a_precision_the_device_does_not_run_well_keeps_auto_on_load(monkeypatch):
+    from densepass.index.checks import precision_as_built
+
+    monkeypatch.setattr(device_module, "cpu_has_fast_bf16", lambda: False)
+    gpu = torch.device("cuda")
+    assert precision_as_built({"precision": "int8"}, {"device": gpu}) == {"device": gpu}  # int8: CPU only
+    assert precision_as_built({"precision": "int8"}, {"device": CPU})["precision"] == "int8"
+    assert precision_as_built({"precision": "bf16"}, {"device": CPU}) == {"device": CPU}  # slow bf16 here
+    assert precision_as_built({"precision": "bf16"}, {"device": gpu})["precision"] == "bf16"
+    assert precision_as_built({}, {"device": CPU}) == {"device": CPU}  # saved before precisions were recorded
+    given = {"device": CPU, "precision": "int8"}
+    assert precision_as_built({"precision": "fp32"}, given) == given  # given on load: kept

@@ -600,7 +600,8 @@ def _precision_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> 
         help="encoding precision: fp32, bf16, int8 (CPU only, bi-encoders only: BERT-style towers on int8 products "
         "with a scale per token where AVX512-BF16 and -VNNI run densepass's kernels, dynamic quantisation "
         "otherwise) or auto (bf16 on "
-        "GPU and on a CPU with fast bf16, else fp32)" + ("" if default else "; default: the config's eval.precision"),
+        "GPU and on a CPU with fast bf16, else fp32; searching a saved index: the precision its passages were "
+        "encoded in, where this device runs it fast)" + ("" if default else "; default: the config's eval.precision"),
     )
 
 

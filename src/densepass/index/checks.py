@@ -14,6 +14,31 @@ SETTINGS = ("shared", "pooling", "normalize", "projection_dim", "query_prompt", 
             "markers")  # fmt: skip
 
 
+def encoded_precision(precision: str, device: Any) -> str:
+    """What the manifest records as the precision an index encodes in: its ``precision`` setting as ``device``
+    resolves it (``auto``: bf16 or fp32 by the device)."""
+    from densepass.device import default_device, resolve_precision
+
+    return resolve_precision(precision, device or default_device())
+
+
+def precision_as_built(manifest: dict, options: dict) -> dict:
+    """Load ``options`` with ``precision`` the one a saved index's passages were encoded in (its manifest's), where
+    the caller left it to ``auto``: queries then encode as the passages did, not as this machine's ``auto`` would
+    (an index built in fp32 keeps searching in fp32 on a CPU with fast bf16). A precision the device does not run
+    (int8 off the CPU) or runs slowly (bf16 on a CPU without fast bf16) keeps ``auto``, as does a manifest of an
+    index saved before the precision was recorded."""
+    from densepass.device import default_device, fast_bf16
+
+    built = manifest.get("precision")
+    if built is None or options.get("precision", "auto") != "auto":
+        return options
+    device = options.get("device") or default_device()
+    if (built == "int8" and device.type != "cpu") or (built == "bf16" and not fast_bf16(device)):
+        return options
+    return {**options, "precision": built}
+
+
 def model_settings(model: Any) -> dict:
     """What an index records of its model besides the weights' fingerprint: the :data:`SETTINGS` its config has."""
     return config_settings(getattr(model, "config", None))

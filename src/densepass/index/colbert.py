@@ -57,7 +57,7 @@ from densepass.index.base import (
     records_corpus,
     register,
 )
-from densepass.index.checks import model_for_index, model_settings
+from densepass.index.checks import encoded_precision, model_for_index, model_settings, precision_as_built
 from densepass.models.colbert import ColBERT
 from densepass.models.copies import float_precision
 from densepass.models.inputs import warn_long_queries
@@ -361,6 +361,7 @@ class ColbertIndex(Index):
                 "settings": model_settings(self.model),  # what else shapes its embeddings (index.checks)
             },
             "dim": self.model.dim,
+            "precision": encoded_precision(self.precision, self.device),  # reloaded, queries encode the same way
             "options": {
                 "compression": self.compression,
                 "residual_bits": self.residual_bits,
@@ -390,7 +391,7 @@ class ColbertIndex(Index):
     ) -> ColbertIndex:
         recorded = manifest["model"]
         model = model_for_index(directory, "colbert", recorded, model, ColBERT)
-        settings = {**manifest["options"], **options}
+        settings = {**manifest["options"], **precision_as_built(manifest, options)}
         if settings.get("centroids") == 0:  # written by a densepass that took 0 as "chosen from the corpus's size"
             settings["centroids"] = None
         index = cls(model, model_path=recorded["path"], **settings)

@@ -42,7 +42,7 @@ from densepass.index.base import (
     records_corpus,
     register,
 )
-from densepass.index.checks import model_for_index, model_settings
+from densepass.index.checks import encoded_precision, model_for_index, model_settings, precision_as_built
 from densepass.index.exact import SEARCH_PRECISIONS, ReducedPassages, exact_search, passages_on
 from densepass.index.faiss_index import (
     build_faiss_index,
@@ -338,6 +338,7 @@ class DenseIndex(Index):
                 "settings": model_settings(self.model),  # what else shapes its embeddings (index.checks)
             },
             "dim": self.dim,
+            "precision": encoded_precision(self.precision, self.device),  # reloaded, queries encode the same way
             "options": self.faiss_options,
             # an index of Matryoshka prefixes: queries are cut to the same dimension when it is searched
             **({"truncate_dim": self.truncate_dim} if self.truncate_dim is not None else {}),
@@ -384,6 +385,7 @@ class DenseIndex(Index):
         **options: Any,
     ) -> DenseIndex:
         saved = {name: value for name, value in manifest["options"].items() if name in FAISS_OPTIONS[manifest["kind"]]}
+        options = precision_as_built(manifest, options)
         index = cls._from_manifest(directory, manifest, model, dict(**options, **saved))  # (others: saved unused)
         embeddings = np.load(directory / EMBEDDINGS, mmap_mode="r" if mmap else None, allow_pickle=False)
         if embeddings.shape != (len(passages), manifest["dim"]):

@@ -49,7 +49,7 @@ from densepass.index.base import (
     records_corpus,
     register,
 )
-from densepass.index.checks import model_for_index, model_settings
+from densepass.index.checks import encoded_precision, model_for_index, model_settings, precision_as_built
 from densepass.models.copies import float_precision
 from densepass.models.inputs import warn_long_queries
 from densepass.models.splade import SpladeEncoder
@@ -233,6 +233,7 @@ class SpladeIndex(Index):
                 "settings": model_settings(self.model),  # what else shapes its embeddings (index.checks)
             },
             "dim": self.model.dim,
+            "precision": encoded_precision(self.precision, self.device),  # reloaded, queries encode the same way
             "options": {"top_terms": self.top_terms},
             "stats": self.stats(),
         }
@@ -250,6 +251,7 @@ class SpladeIndex(Index):
     def _read(cls, directory: Path, manifest: dict, passages: Corpus, model: Any = None, **options: Any) -> SpladeIndex:
         recorded = manifest["model"]
         model = model_for_index(directory, "splade", recorded, model, SpladeEncoder)
+        options = precision_as_built(manifest, options)
         index = cls(model, model_path=recorded["path"], **options, **manifest["options"])
         postings = sp.load_npz(directory / POSTINGS).tocsr()
         if postings.shape != (manifest["dim"], len(passages)):
