@@ -413,7 +413,9 @@ def test_a_colbert_without_a_saved_projection_is_not_indexed(tiny_model_dir, tin
 
 
 @pytest.mark.parametrize("kind", ["splade", "colbert"])
-def test_both_train_end_to_end_with_abs_batches_validation_resume_and_reload(tiny_beir, tiny_model_dir, tmp_path, kind):
+def test_both_train_end_to_end_with_abs_batches_validation_resume_and_reload(
+    tiny_beir, tiny_model_dir, tmp_path, kind, monkeypatch
+):
     overrides = [
         f"data.name={tiny_beir}",
         f"model.name_or_path={tiny_model_dir}",
@@ -443,7 +445,17 @@ def test_both_train_end_to_end_with_abs_batches_validation_resume_and_reload(tin
         "eval.baselines=[zero-shot]",
     ]
     config = load_config(None, overrides)
+    import densepass.pipelines.validation as validation
+
+    built, build = [], validation.index_for_model  # validation searches as the final evaluation will
+
+    def recorded(model, corpus, model_config=None, batch_size=64, device=None, **options):
+        built.append((model_config, batch_size, options.get("precision")))
+        return build(model, corpus, model_config, batch_size, device, **options)
+
+    monkeypatch.setattr(validation, "index_for_model", recorded)
     results = run_experiment(config)
+    assert built and all(b == (config.model, config.eval.batch_size, config.eval.precision) for b in built)
     log = [json.loads(line) for line in (tmp_path / "t" / "train_log.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in log] == [0] * (len(log) // 2) + [1] * (len(log) // 2)  # learning: the test above
     assert all(np.isfinite(r["loss"]) for r in log)

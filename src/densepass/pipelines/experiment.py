@@ -548,7 +548,7 @@ def evaluate_retriever(exp: Experiment, model, name: str) -> dict[str, float]:
     evalset, settings = exp.evalset, exp.config.eval
     if evalset.candidates is None:
         index = retrievers.index_for_model(
-            model, evalset.corpus, exp.config.model, device=exp.device, precision=settings.precision
+            model, evalset.corpus, exp.config.model, settings.batch_size, exp.device, precision=settings.precision
         )
         results = index.search(evalset.query_texts, search_depth(exp))
         exp.notes.append(f"{name}: {retrievers.describe_index(index, evalset.query_texts)}")
@@ -746,7 +746,18 @@ def fine_tune(
         if config.data.eval_part == "report" and config.validation.split == config.data.eval_split:
             parts = query_parts(validated, config.data)  # choosing a checkpoint is tuning: on the tuning part only
             held_out = parts.report if parts else ()
-        validator = Validator(config.validation, validated, model, exp.device, run_dir, config.eval.metrics, held_out)
+        validator = Validator(
+            config.validation,
+            validated,
+            model,
+            exp.device,
+            run_dir,
+            config.eval.metrics,
+            held_out,
+            model_config=config.model,
+            precision=config.eval.precision,
+            batch_size=config.eval.batch_size,
+        )
         callbacks.append(validator)
     result = fine_tune_model(
         model,

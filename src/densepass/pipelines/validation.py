@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from densepass.config import ValidationConfig
+from densepass.config import ModelConfig, ValidationConfig
 from densepass.data.dataset import Corpus, RetrievalDataset
 from densepass.errors import ConfigError
 from densepass.evaluation.metrics import depth_for, evaluate_run, refuse_answer_metrics
@@ -76,6 +76,9 @@ class Validator:
         run_dir: Path,
         metrics: list[str],
         exclude: Collection[str] = (),
+        model_config: ModelConfig | None = None,
+        precision: str = "auto",
+        batch_size: int = 64,
     ) -> None:
         if config.every_steps < 1:
             raise ConfigError(f"validation.every_steps must be >= 1, got {config.every_steps}")
@@ -85,6 +88,9 @@ class Validator:
         if config.metric not in metrics:
             metrics = [*metrics, config.metric]
         self.config, self.model, self.device, self.run_dir, self.metrics = config, model, device, run_dir, metrics
+        # the final evaluation's index settings (SPLADE pruning, ColBERT storage and search), precision and batch:
+        # the checkpoint kept is the best on the searches the evaluation will run, not on other ones
+        self.model_config, self.precision, self.batch_size = model_config, precision, batch_size
         # deep enough for every cutoff (recall@1000 of a top 100 was recall@100), and at least the top 100
         self.depth = depth_for(metrics)
         self.subcorpus, self.qrels, self.query_texts = build_subcorpus(dataset, config, exclude)
@@ -106,7 +112,9 @@ class Validator:
     def evaluate(self) -> dict[str, float]:
         """The metrics of the model as it is now, on the subcorpus (its top 100 per query, or as deep as the
         deepest cutoff)."""
-        index = index_for_model(self.model, self.passages, device=self.device)  # any retriever kind
+        index = index_for_model(  # any retriever kind
+            self.model, self.passages, self.model_config, self.batch_size, self.device, precision=self.precision
+        )
         run = index.search(self.query_texts, min(self.depth, len(self.passages))).as_run(list(self.qrels))
         return evaluate_run(self.qrels, run, self.metrics)
 
