@@ -19,6 +19,7 @@ import torch
 from conftest import needs_onednn_bf16
 from densepass.cli import main
 from densepass.config import load_config
+from densepass.device import resolve_precision
 from densepass.errors import ConfigError, DataWarning
 from densepass.index.base import load_index
 from densepass.index.colbert import ColbertIndex, pack_bits, unpack_bits
@@ -615,14 +616,14 @@ def test_splade_objective_adds_flops_to_any_base_objective(splade, tiny_beir):
 
 
 def test_a_hybrid_of_a_dense_part_and_splade_builds_and_searches_in_int8(splade, tiny_beir, tiny_model_dir, tmp_path):
-    # SPLADE runs no int8: next to an int8 dense part it encodes in auto, at build and at load
+    # SPLADE runs no int8: next to an int8 dense part it encodes in auto at build, and at load as it was built
     splade.save(tmp_path / "splade")
     out = tmp_path / "idx-hybrid"
     args = ["index", str(tiny_beir), "--kind", "hybrid", "--model", str(tiny_model_dir), "--output", str(out)]
     assert main([*args, "--sparse-model", str(tmp_path / "splade"), "--device", "cpu", "--precision", "int8"]) == 0
     hybrid = load_index(out, device=CPU, precision="int8")
     assert [part.kind for part in (hybrid.first, hybrid.second)] == ["exact", "splade"]
-    assert hybrid.second.precision == "auto"
+    assert hybrid.first.precision == "int8" and hybrid.second.precision == resolve_precision("auto", CPU)
     scores, rows = hybrid.search_rows(["audio editor"], k=3)
     assert rows.shape == (1, 3) and (rows >= 0).all() and np.isfinite(scores).all()
     assert load_index(out, device=CPU, precision="fp32").second.precision == "fp32"
