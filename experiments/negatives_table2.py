@@ -35,6 +35,7 @@ from densepass.io import atomic_write_text
 from densepass.negatives.mine import MiningContext, mine_negatives
 from densepass.negatives.pool import save_pool
 from densepass.pipelines.ensemble import EnsembleSettings, evaluate_ensemble
+from densepass.pipelines.evalset import eval_qrels
 from densepass.pipelines.experiment import run_experiment
 from densepass.training.dense_miners import prepare_miners
 
@@ -179,8 +180,10 @@ def main() -> None:
         max_queries=base.data.max_eval_queries,
         seed=base.data.seed,
         batch_size=base.eval.batch_size,
+        precision=base.eval.precision,
     )
-    ensemble = evaluate_ensemble(dataset, [model_dirs[m] for m in members], settings, labels=members)
+    qrels, _ = eval_qrels(dataset, base.data)  # the queries the rows were evaluated on (data.eval_part's)
+    ensemble = evaluate_ensemble(dataset, [model_dirs[m] for m in members], settings, members, qrels)
     timings["ensemble_s"] = time.perf_counter() - started
     results["Ensemble (embedding)"] = ensemble["results"]["ensemble (embedding)"]
     results["Ensemble (rank)"] = ensemble["results"]["ensemble (rank)"]
@@ -200,9 +203,13 @@ def main() -> None:
         lines.append(f"| {label} | " + " | ".join(f"{values[m]:.4f}" for m in metrics) + " |")
     lines += [
         "",
-        f"Embedding-fusion weights (tuned on {base.data.eval_split}, "
-        f"{ensemble.get('evaluations', 0)} evaluations): "
-        + ", ".join(f"{k} {v:g}" for k, v in ensemble["weights"].items()),
+        f"Embedding-fusion weights (tuned on every {base.data.eval_split} query, "
+        f"{ensemble.get('evaluations', 0)} evaluations with its folds'): "
+        + ", ".join(f"{k} {v:g}" for k, v in ensemble["weights"].items())
+        + f". Its row is cross-fitted: each of {settings.folds} seeded folds of the queries scored with the weights "
+        "tuned on the others ("
+        + "; ".join(", ".join(f"{k} {v:g}" for k, v in w.items()) for w in ensemble["fold_weights"])
+        + ").",
         "",
         "Pools: " + "; ".join(f"{k}: {v['summary']}" for k, v in pools.items()),
         "",

@@ -576,17 +576,67 @@ def test_ensemble_of_two_models(tiny_beir, tiny_model_dir, tmp_path):
         BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(projection_dim=dim)).save(path)
         paths.append(str(path))
     dataset = load_dataset(str(tiny_beir))
-    settings = EnsembleSettings(metrics=("mrr@10", "recall@5"), depth=10, grid=(0.0, 1.0), device=torch_cpu())
-    out = evaluate_ensemble(dataset, paths, settings, labels=["a", "b"])
-    results = out["results"]
+    options = dict(metrics=("mrr@10", "recall@5"), depth=10, grid=(0.0, 0.5, 1.0), device=torch_cpu())
+    in_sample = evaluate_ensemble(dataset, paths, EnsembleSettings(folds=1, **options), labels=["a", "b"])
+    results = in_sample["results"]
     assert set(results) == {"a", "b", "ensemble (embedding)", "ensemble (rank)"}
-    weights = tuple(out["weights"].values())
+    weights = tuple(in_sample["weights"].values())
     best_single = max(results["a"]["mrr@10"], results["b"]["mrr@10"])
     assert results["ensemble (embedding)"]["mrr@10"] >= best_single - 1e-9  # (1,0) and (0,1) are on the grid
     if weights == (1.0, 0.0):
         assert results["ensemble (embedding)"] == results["a"]
     with pytest.raises(ConfigError, match="at least two"):
         evaluate_ensemble(dataset, paths[:1])
+
+
+def test_the_ensemble_row_is_cross_fitted_each_fold_scored_with_the_weights_tuned_on_the_others(
+    tiny_beir, tiny_model_dir, tmp_path
+):
+    """The reference: each fold's weights are the in-sample weights of the other folds' queries alone, and the
+    row is the fused search of each fold's queries with its fold's weights, evaluated over all the queries."""
+    import torch
+
+    from densepass.evaluation.fusion import fuse_embeddings
+    from densepass.evaluation.metrics import evaluate_run, make_run
+    from densepass.models.biencoder import BiEncoder, BiEncoderConfig
+    from densepass.models.encode import encode_texts
+    from densepass.pipelines.ensemble import EnsembleSettings, evaluate_ensemble
+
+    paths = []
+    for seed, dim in ((1, 8), (2, 16)):
+        torch.manual_seed(seed)
+        path = tmp_path / f"m{dim}"
+        BiEncoder.from_pretrained(str(tiny_model_dir), config=BiEncoderConfig(projection_dim=dim)).save(path)
+        paths.append(str(path))
+    dataset = load_dataset(str(tiny_beir))
+    options = dict(metrics=("mrr@10", "recall@5"), depth=10, grid=(0.0, 0.5, 1.0, 2.0), device=torch_cpu())
+    settings = EnsembleSettings(folds=3, seed=5, methods=["embedding"], **options)
+    out = evaluate_ensemble(dataset, paths, settings, labels=["a", "b"])
+    qrels = dataset.sample("dev", None, 5)
+    qids = sorted(qrels)
+    fold_of = np.empty(len(qids), dtype=np.int64)
+    fold_of[np.random.default_rng(5).permutation(len(qids))] = np.arange(len(qids)) % 3
+    models = [BiEncoder.from_pretrained(p) for p in paths]
+    queries = [encode_texts(m, [dataset.queries[q] for q in qids], "query", device=torch_cpu()) for m in models]
+    texts = dataset.corpus.passage_inputs("[SEP]")
+    passages = [encode_texts(m, texts, "passage", device=torch_cpu()) for m in models]
+    run = {}
+    for fold in range(3):
+        others = {q: qrels[q] for q, f in zip(qids, fold_of) if f != fold}
+        alone = evaluate_ensemble(dataset, paths, EnsembleSettings(folds=1, **options), ["a", "b"], others)
+        assert out["fold_weights"][fold] == alone["weights"]
+        w = tuple(alone["weights"].values())
+        held = np.flatnonzero(fold_of == fold)
+        q = fuse_embeddings([e[held] for e in queries], w)
+        scores = q @ fuse_embeddings(passages, w).T
+        rows = np.argsort(-scores, axis=1, kind="stable")[:, :10]
+        run.update(make_run([qids[i] for i in held], dataset.corpus.ids, np.take_along_axis(scores, rows, 1), rows))
+    expected = evaluate_run(qrels, run, ["mrr@10", "recall@5"])
+    assert out["results"]["ensemble (embedding)"] == pytest.approx(expected, abs=1e-6)
+    in_sample = evaluate_ensemble(dataset, paths, EnsembleSettings(folds=1, seed=5, **options), ["a", "b"])
+    assert out["weights"] == in_sample["weights"]  # the weights for other queries: tuned on all of these
+    with pytest.raises(ConfigError, match="folds must be >= 1"):
+        EnsembleSettings(folds=0)
 
 
 # ---- ANCE-style refresh -----------------------------------------------------------------------

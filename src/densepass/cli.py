@@ -523,7 +523,11 @@ def _ensemble(args: argparse.Namespace) -> None:
         save_ensemble_report,
     )
 
-    for flag, value, method in [("--tune-metric", args.tune_metric, "embedding"), ("--rrf-k", args.rrf_k, "rrf")]:
+    for flag, value, method in [
+        ("--tune-metric", args.tune_metric, "embedding"),
+        ("--folds", args.folds, "embedding"),
+        ("--rrf-k", args.rrf_k, "rrf"),
+    ]:
         if value is not None and args.method not in (method, "both"):  # (it was ignored)
             raise ConfigError(f"{flag}: an option of --method {method} (or both), not of --method {args.method}")
     if args.output:  # before the work: densepass overwrites only its own report
@@ -537,12 +541,17 @@ def _ensemble(args: argparse.Namespace) -> None:
         args.max_queries,
         tune_metric=args.tune_metric or "mrr@10",
         rrf_k=args.rrf_k or 60,
+        precision=args.precision,
+        folds=args.folds or 2,
     )
     dataset = load_dataset(args.dataset, args.data_dir, args.format)
     out = evaluate_ensemble(dataset, args.models, settings)
     print_table(out["results"], args.metrics, f"{args.dataset} {args.split}: {out['queries']} queries")
     if "weights" in out:
-        print("embedding-fusion weights:", json.dumps(out["weights"]))
+        print("embedding-fusion weights (tuned on every query):", json.dumps(out["weights"]))
+        if settings.folds > 1:
+            crossed = f"its row: each of {settings.folds} folds scored with the weights tuned on the others:"
+            print(crossed, json.dumps(out["fold_weights"]))
     if args.output:
         save_ensemble_report(out, args.output)
 
@@ -949,6 +958,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--tune-metric", default=None, help="metric the embedding fusion's weights maximise (default: mrr@10)"
     )
     ensemble.add_argument("--rrf-k", type=positive_int, default=None, help="RRF's k (default: 60)")
+    ensemble.add_argument(
+        "--folds",
+        type=positive_int,
+        default=None,
+        help="the embedding fusion's row: each of this many seeded folds of the queries scored with the weights "
+        "tuned on the others (default: 2; 1: tuned on the reported queries themselves)",
+    )
+    _precision_arg(ensemble)
     ensemble.add_argument("--output", default=None, help="write the results as JSON here")
     ensemble.set_defaults(func=_ensemble)
 
