@@ -27,7 +27,8 @@ from densepass.cli import run_guarded
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset
 from densepass.device import default_device
-from densepass.evaluation.metrics import paired_significance, read_trec_run
+from densepass.evaluation.metrics import check_runs_cover, paired_significance, read_trec_run
+from densepass.pipelines.evalset import eval_qrels
 from densepass.pipelines.experiment import run_experiment
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.trainer import pretrain
@@ -161,7 +162,9 @@ def significance_lines(args: argparse.Namespace, dataset) -> list[str]:
             trec = config.run_dir / "runs" / "fine-tuned.trec"
             if trec.is_file():
                 runs[label] = read_trec_run(trec)
-        qrels = dataset.sample(config.data.eval_split, config.data.max_eval_queries, config.data.seed)
+        qrels, _ = eval_qrels(dataset, config.data)  # the queries the runs evaluated (data.eval_part's)
+        if runs:
+            check_runs_cover(qrels, runs)
         for baseline in ("MiniLM", "MLM"):
             if baseline not in runs or len(runs) < 2:
                 continue

@@ -22,8 +22,9 @@ from pathlib import Path
 
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset
-from densepass.evaluation.metrics import paired_significance, read_trec_run
+from densepass.evaluation.metrics import check_runs_cover, paired_significance, read_trec_run
 from densepass.models.load import save_random_bert
+from densepass.pipelines.evalset import eval_qrels
 from densepass.pipelines.experiment import run_experiment
 from densepass.pretraining.config import PretrainConfig
 from densepass.pretraining.trainer import pretrain
@@ -162,7 +163,7 @@ def report(args: argparse.Namespace) -> None:
                 pretraining[(init, method)] = log[-1]
     config = finetune_config(args, next(iter(initialisers(args))), "none")
     dataset = load_dataset(config.data.name, config.data.data_dir)
-    qrels = dataset.sample(config.data.eval_split, config.data.max_eval_queries, config.data.seed)
+    qrels, _ = eval_qrels(dataset, config.data)  # the queries the runs evaluated (data.eval_part's)
     names = {"minilm": "all-MiniLM-L6-v2", "random": f"random BERT ({args.random_layers} x {args.random_hidden})"}
     header = "| initialiser | pre-training | pooling | " + " | ".join(f"{m} zero-shot" for m in METRICS)
     header += " | " + " | ".join(f"{m} fine-tuned" for m in METRICS) + " |"
@@ -179,6 +180,7 @@ def report(args: argparse.Namespace) -> None:
             group = {m: runs[(init, m, system)] for m in args.methods if (init, m, system) in runs}
             if "none" not in group or len(group) < 2:
                 continue
+            check_runs_cover(qrels, group)
             for method, test in paired_significance(qrels, group, "none").items():
                 tests.append(
                     f"| {names[init]} | {system} | {METHODS[method]} | {test['delta']:+.4f} | "

@@ -35,8 +35,16 @@ from densepass.cli import run_guarded
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset
 from densepass.evaluation.answers import has_answer
-from densepass.evaluation.metrics import Run, evaluate_run, paired_significance, randomization_p, read_trec_run
+from densepass.evaluation.metrics import (
+    Run,
+    check_runs_cover,
+    evaluate_run,
+    paired_significance,
+    randomization_p,
+    read_trec_run,
+)
 from densepass.io import atomic_write_text
+from densepass.pipelines.evalset import eval_qrels
 from densepass.pipelines.experiment import run_experiment
 
 BASELINE = "bi-encoder (contrastive, BM25 negatives)"
@@ -107,7 +115,7 @@ def main() -> None:
         print(f"{row}: done")
 
     dataset = load_dataset(config.data.name, config.data.data_dir, config.data.format)
-    qrels = dataset.sample(config.data.eval_split, config.data.max_eval_queries, config.data.seed)
+    qrels, _ = eval_qrels(dataset, config.data)  # the queries the runs evaluated (data.eval_part's)
     qids = sorted(qrels)
     depth = config.reranker.depth
     run_files = {
@@ -123,6 +131,7 @@ def main() -> None:
         label: read_trec_run(out / f"{name}-{row}" / "runs" / f"{file}.trec", dataset.corpus)
         for label, (row, file) in run_files.items()
     }
+    check_runs_cover(qrels, runs)
     metrics = list(config.eval.metrics)
     answers = {q: dataset.answers[q] for q in qids if dataset.answers.get(q)}
     texts = dict(zip(dataset.corpus.ids, dataset.corpus.texts))

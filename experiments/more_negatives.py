@@ -22,7 +22,8 @@ from pathlib import Path
 
 from densepass.config import ExperimentConfig, load_config
 from densepass.data import load_dataset
-from densepass.evaluation.metrics import paired_significance, read_trec_run
+from densepass.evaluation.metrics import check_runs_cover, paired_significance, read_trec_run
+from densepass.pipelines.evalset import eval_qrels
 from densepass.pipelines.experiment import run_experiment
 
 BASELINE = "in-batch"
@@ -138,9 +139,10 @@ def report(args: argparse.Namespace) -> None:
             baselines = {k: v for k, v in stored["results"].items() if k != "fine-tuned"}
     config = variant_config(args, BASELINE)
     dataset = load_dataset(config.data.name, config.data.data_dir)
-    qrels = dataset.sample(config.data.eval_split, config.data.max_eval_queries, config.data.seed)
+    qrels, _ = eval_qrels(dataset, config.data)  # the queries the runs evaluated (data.eval_part's)
     tests = {}
     if BASELINE in runs and len(runs) > 1:
+        check_runs_cover(qrels, runs)
         for metric in ("mrr@10", "recall@100"):
             for name, test in paired_significance(qrels, runs, BASELINE, metric).items():
                 tests.setdefault(name, {})[metric] = test

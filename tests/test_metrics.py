@@ -16,6 +16,7 @@ from densepass.errors import DataError, DataWarning, DensepassError
 from densepass.evaluation.answers import has_answer, normalize_answer, top_k_accuracy
 from densepass.evaluation.metrics import (
     answered_qrels,
+    check_runs_cover,
     evaluate_run,
     make_run,
     paired_significance,
@@ -263,6 +264,16 @@ def test_paired_significance_unknown_baseline_is_a_clear_error():
     qrels, run_a, _ = _rank_runs([1, 2], [1, 2])
     with pytest.raises(DensepassError, match="baseline 'nope'"):
         paired_significance(qrels, {"a": run_a}, "nope")
+
+
+def test_runs_made_for_other_queries_are_refused_before_a_paired_test():
+    qrels = {"q1": {"p1": 1}, "q2": {"p2": 1}, "q3": {"p3": 1}}
+    runs = {"a": {"q1": {"p1": 1.0}, "q2": {}}, "b": {"q1": {"p2": 1.0}, "q2": {"p2": 1.0}}}
+    with pytest.raises(DataError, match="1 of the 3 evaluated queries are in none of the runs .*'q3'") as err:
+        check_runs_cover(qrels, runs)
+    assert "\n" not in str(err.value)
+    check_runs_cover({q: qrels[q] for q in ("q1", "q2")}, runs)  # an empty ranking is a ranking: q2 is held
+    check_runs_cover(qrels, {**runs, "c": {"q3": {}}})  # one run holding it is enough
 
 
 def test_trec_run_round_trip(tmp_path):

@@ -343,6 +343,18 @@ def per_query_scores(qrels: Qrels, run: Run, metric: str) -> np.ndarray:
         raise DensepassError(f"cannot compute {metric}: {err}") from None
 
 
+def check_runs_cover(qrels: Qrels, runs: Mapping[str, Run]) -> None:
+    """A one-line DataError where a query of ``qrels`` is in none of ``runs``: the runs were made for other
+    queries (another sample size or ``data.eval_part``), and scoring the missing ones 0 in every run would turn
+    them into ties that dilute every difference and test."""
+    missing = [q for q in qrels if not any(q in run for run in runs.values())]
+    if missing:
+        raise DataError(
+            f"{len(missing)} of the {len(qrels)} evaluated queries are in none of the runs (the first: "
+            f"{missing[0]!r}): they were made for other queries (another sample size or data.eval_part?)"
+        )
+
+
 def paired_significance(
     qrels: Qrels,
     runs: Mapping[str, Run],
