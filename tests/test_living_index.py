@@ -692,3 +692,58 @@ def test_an_array_of_query_texts_searches_as_a_list_does(biencoder, splade, colb
     queries = ["kernel", "audio editor"]
     for texts in (np.array(queries), np.array(queries, dtype=object)):
         assert ids_of(index, texts, 2) == ids_of(index, queries, 2)
+
+
+@pytest.mark.parametrize("name", ["../victim.txt", "/ABSOLUTE", "sub/../../victim.txt", "./../victim.txt"])
+def test_an_update_never_deletes_a_file_outside_the_index_its_ownership_list_names(tmp_path, name):
+    """The ownership list is not covered by the manifest's digests: an index copied from someone else may name
+    any path in it, and cleaning up version 0 after two updates must not delete what lies outside the index."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file")
+    index = tmp_path / "index"
+    BM25Index.build(["the tar archiver", "a kernel driver", "an audio editor", "kernel module"]).save(index)
+    owned = json.loads((index / ".densepass-owned").read_text())
+    (index / ".densepass-owned").write_text(json.dumps([*owned, name.replace("/ABSOLUTE", str(victim))]))
+    update_index(index, delete=["1"])
+    update_index(index, delete=["2"])  # version 0 is neither current nor previous now: its files go
+    assert victim.read_text() == "the user's own file"
+    assert load_index(index).search(["kernel"], k=2).ids(0) == ["3"]
+    assert sorted(p.name for p in index.iterdir()) == [".densepass-owned", ".lock", "manifest.json", "v000001",
+                                                       "v000002"]  # fmt: skip  (version 0's own files did go)
+
+
+def test_a_save_over_an_index_being_updated_is_refused_and_the_update_lands(tmp_path, monkeypatch):
+    """A rebuild (``densepass index --output D``) while ``index-update D`` runs: before, the rebuild landed and the
+    update then wrote its version (the old passages) over it, or the rebuild landed between the update's two last
+    writes and the index no longer loaded. Both take the directory's lock now: the second is refused in one line."""
+    import densepass.index.living as living
+
+    index = tmp_path / "index"
+    BM25Index.build(["old tar archiver", "old kernel driver", "old audio editor"]).save(index)
+    save_version, refused = living.save_version, []
+
+    def racing(updated, directory):
+        with pytest.raises(DensepassError, match="in use") as err:
+            BM25Index.build(["fresh one", "fresh two", "fresh three", "fresh four"]).save(directory)
+        refused.append(str(err.value))
+        return save_version(updated, directory)
+
+    monkeypatch.setattr(living, "save_version", racing)
+    update_index(index, delete=["1"])
+    assert refused and "\n" not in refused[0]
+    loaded = load_index(index)
+    assert loaded.version == 1 and loaded.search(["old"], k=3).ids(0) == ["0", "2"]
+
+
+def test_save_version_refuses_an_index_loaded_before_another_version_was_saved(tmp_path):
+    index = tmp_path / "index"
+    BM25Index.build(["the tar archiver", "a kernel driver", "an audio editor", "kernel module"]).save(index)
+    stale = load_index(index)
+    update_index(index, delete=["1"])  # another process's update, after ``stale`` was loaded
+    stale.delete(["2"])
+    with pytest.raises(DensepassError, match="saved again .* since this index was loaded at version 0"):
+        save_version(stale, index)
+    assert load_index(index).search(["kernel"], k=3).ids(0) == ["3"]  # the other update is kept
+    fresh = load_index(index)
+    fresh.delete(["2"])
+    assert save_version(fresh, index) == 2 and save_version(fresh, index) == 3  # its own saves: in turn

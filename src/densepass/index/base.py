@@ -25,6 +25,7 @@ corrupted file, or another model than the one that built the index, is a one-lin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from abc import ABC, abstractmethod
@@ -47,6 +48,7 @@ from densepass.io import (
     atomic_directory,
     check_replaceable,
     disk_errors,
+    exclusive_lock,
     hold_temporaries,
     read_manifest,
     remove_stale_temporaries,
@@ -425,7 +427,7 @@ class Index(ABC):
 
     def _tombstone(self, rows: np.ndarray) -> None:
         """Mark ``rows`` deleted, and free their ids (a tombstoned row's id becomes ``DELETED_ID`` + its row)."""
-        deleted = self.deleted
+        deleted = self.deleted.copy()  # set once the new ids are in: a failure leaves the index as it was
         deleted[rows] = True
         ids = list(self.passages.ids)
         for row in rows.tolist():
@@ -473,10 +475,14 @@ class Index(ABC):
         if (directory / MANIFEST).is_file() and not directory.is_symlink():  # a killed update's half-written version
             remove_stale_temporaries(directory, r"v\d{6}")  # (index.living): densepass's own, else it blocks the save
         check_index_target(directory)
-        remove_stale_temporaries(directory.parent, re.escape(directory.name))  # a killed save's
-        with disk_errors(directory), hold_temporaries() as hold, atomic_directory(directory) as tmp:
-            hold(tmp)
-            self.write_into(tmp)
+        # an index there: its updates' lock (index.living), so that a save and an update never interleave (the save
+        # would land under an update that then writes its version over it, or between its two last writes)
+        held = exclusive_lock(directory, "index update") if directory.is_dir() else contextlib.nullcontext()
+        with held:
+            remove_stale_temporaries(directory.parent, re.escape(directory.name))  # a killed save's
+            with disk_errors(directory), hold_temporaries() as hold, atomic_directory(directory) as tmp:
+                hold(tmp)
+                self.write_into(tmp)
         return directory
 
     def write_into(self, directory: Path) -> None:
@@ -523,7 +529,7 @@ class Index(ABC):
                 raise DataError(f"{directory}: {len(passages)} passages but the manifest says {manifest['size']}")
             index = kind._read(directory, manifest, passages, **options)
             index._deleted = read_tombstones(directory, len(passages))
-            index.version = int(manifest.get("version", 0))
+            index.version = index.loaded_version = int(manifest.get("version", 0))
             return index
         except (ValueError, EOFError) as err:  # NumPy, SciPy, JSON: files of another format under a matching manifest
             raise DataError(f"{directory} is not a usable densepass index: its files do not load ({err})") from None
@@ -532,6 +538,9 @@ class Index(ABC):
 
     version: int = 0
     """Which saved version of its directory the index was loaded from (0: as built; ``index.living``)."""
+    loaded_version: int | None = None
+    """The version it was loaded at or last saved as (None: built here): ``save_version`` refuses to write over a
+    newer version another process saved since."""
 
 
 def with_absolute_model_path(facts: dict) -> dict:

@@ -30,7 +30,7 @@ import json
 import re
 import shutil
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from densepass.data.beir import read_corpus
 from densepass.data.files import reading
@@ -174,6 +174,12 @@ def save_version(index: Index, directory: str | Path) -> int:
     top = read_index_manifest(directory)  # the current version: verified, and left untouched
     if top.get("kind") != index.kind:
         raise ConfigError(f"{directory} holds a {top.get('kind')} index, not a {index.kind} index")
+    loaded = index.loaded_version
+    if loaded is not None and int(top.get("version", 0)) != loaded:  # saved since it was loaded: it would undo that
+        raise ConfigError(
+            f"{directory} was saved again (version {top.get('version')}) since this index was loaded at version "
+            f"{loaded}: load it again and apply the update to that"
+        )
     previous = top.get("current")
     version = int(top.get("version", 0)) + 1
     name = version_name(version)
@@ -192,7 +198,7 @@ def save_version(index: Index, directory: str | Path) -> int:
         files={f"{name}/{MANIFEST}": {"bytes": entry.stat().st_size, "blake2b": fingerprint_file(entry)}},
     )
     atomic_write_text(directory / MANIFEST, json.dumps(pointer, indent=1))  # the swap
-    index.version = version
+    index.version = index.loaded_version = version
     reopen = getattr(index, "reopen", None)  # a kind that searches files of its directory reads the new version's
     if reopen is not None:
         reopen(directory / name)
@@ -208,14 +214,24 @@ def clear_killed_update(directory: Path, name: str) -> None:
 
 
 def _owned(directory: Path, manifest: dict) -> set[str]:
-    """The files densepass wrote in ``directory``: its ``OWNED`` list, else (an older save) its manifest's files."""
+    """The files densepass wrote in ``directory``: its ``OWNED`` list, else (an older save) its manifest's files;
+    only names of files inside ``directory`` (``_inside``): neither list is covered by a digest, and an index copied
+    from someone else must not name a file of this user's for an update to delete."""
     try:
         listed = json.loads((directory / OWNED).read_text(encoding="utf-8"))
         if isinstance(listed, list):
-            return {str(name) for name in listed} | {OWNED, MANIFEST}
+            return {name for name in listed if _inside(name)} | {OWNED, MANIFEST}
     except (OSError, ValueError):
         pass
-    return set(manifest.get("files", {})) | {MANIFEST}
+    return {name for name in manifest.get("files", {}) if _inside(name)} | {MANIFEST}
+
+
+def _inside(name: object) -> bool:
+    """Whether ``name`` is a relative path that stays inside its directory: no ``..``, no root, no backslash."""
+    if not isinstance(name, str) or not name or "\\" in name or "\x00" in name:
+        return False
+    path = PurePosixPath(name)
+    return not path.is_absolute() and all(part not in ("..", ".") for part in path.parts) and "//" not in name
 
 
 def _remove_version(folder: Path) -> None:
@@ -238,8 +254,8 @@ def _remove_old_versions(directory: Path, keep: set[str | None]) -> None:
             if name in (OWNED, MANIFEST) or VERSION.fullmatch(first):
                 continue
             path = directory / name
-            if path.is_file() and not path.is_symlink():
-                path.unlink()
+            if path.is_file() and not path.is_symlink() and path.resolve().is_relative_to(directory.resolve()):
+                path.unlink()  # (resolved: not through a folder linked elsewhere)
         folders = {(directory / name).parent for name in owned if not VERSION.fullmatch(name.split("/", 1)[0])}
         for folder in sorted(folders - {directory}, key=lambda f: -len(f.parts)):  # a hybrid's parts: deepest first
             if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
