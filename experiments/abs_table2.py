@@ -17,6 +17,8 @@ from pathlib import Path
 
 from densepass.cli import run_guarded
 from densepass.config import from_dict, load_config
+from densepass.errors import ConfigError
+from densepass.io import atomic_write_text
 from densepass.pipelines.experiment import run_experiment
 
 VARIANTS = {
@@ -42,20 +44,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/abs_table2.yaml")
     parser.add_argument("--set", action="append", default=[])
-    parser.add_argument("--only", nargs="*", default=None, help="run only these variants")
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="run only these variants (the table still shows every finished one)"
+    )
     parser.add_argument("--out", default="outputs/abs-table2")
     args = parser.parse_args()
+    unknown = sorted(set(args.only or ()) - set(VARIANTS))
+    if unknown:
+        raise ConfigError(f"--only: unknown variant(s) {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, curves = [], {}
     for label, overrides in VARIANTS.items():
-        if args.only and label not in args.only:
-            continue
         slug = label.lower()
         config = load_config(args.config, [*args.set, *overrides, f"name={slug}"])
         run_dir = config.run_dir
         if finished(config):
             print(f"{label}: finished earlier with the same config, reusing {run_dir / 'metrics.json'}")
+        elif args.only and label not in args.only:
+            continue  # not asked for, and no finished run of this config to show
         else:
             run_experiment(config)
         metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -83,7 +90,7 @@ def main() -> None:
             + " | ".join(f"{results[m]:.4f}" for m in metric_names)
             + f" | {train_s:.0f} | {sched_s} | {waited} | {ratio} |"
         )
-    (out / "table2.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out / "table2.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
 

@@ -387,6 +387,10 @@ def test_experiment_scripts_report_errors_in_one_line():
     assert done.stderr.strip() == (
         "abs_table2.py: error: config.train: unknown key 'batch_szie' (did you mean 'batch_size'?)"
     )
+    done = subprocess.run([sys.executable, str(script), "--only", "ABS-BM26"], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.strip().startswith(
+        "abs_table2.py: error: --only: unknown variant(s) ABS-BM26 (known: Non-ABS-Sequential"
+    )
 
 
 # ---- ranges, duplicate keys and the help of every key ---------------------------------------------
