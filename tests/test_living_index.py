@@ -747,3 +747,14 @@ def test_save_version_refuses_an_index_loaded_before_another_version_was_saved(t
     fresh = load_index(index)
     fresh.delete(["2"])
     assert save_version(fresh, index) == 2 and save_version(fresh, index) == 3  # its own saves: in turn
+
+
+def test_an_index_saved_as_a_version_folder_of_an_index_not_updated_yet_is_refused(tmp_path):
+    """Its first update would have taken the folder for a killed update's version and removed it."""
+    index = tmp_path / "index"
+    BM25Index.build(["the tar archiver", "a kernel driver", "an audio editor"]).save(index)
+    with pytest.raises(DensepassError, match="named as the versions of the index .* choose a path outside it"):
+        BM25Index.build(["another index", "of its own"]).save(index / "v000001")
+    assert not (index / "v000001").exists()
+    update_index(index, delete=["1"])
+    assert load_index(index).version == 1

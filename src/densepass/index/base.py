@@ -180,13 +180,17 @@ def check_not_a_part(directory: str | Path, what: str) -> None:
     if re.fullmatch(r"v\d{6}", name):
         try:
             manifest = json.loads((parent / MANIFEST).read_text(encoding="utf-8"))
-            living = isinstance(manifest, dict) and manifest.get("format") == FORMAT and "current" in manifest
+            index = isinstance(manifest, dict) and manifest.get("format") == FORMAT
         except (OSError, ValueError):
-            living = False
-        if living:
+            index = False
+        if index and "current" in manifest:
             raise ConfigError(
                 f"{what} {directory} is version {name} of the updated index {parent}: update or replace {parent} "
                 "itself (changing one of its versions breaks it)"
+            )
+        if index:  # not updated yet: its first update would take the folder for a killed update's, and remove it
+            raise ConfigError(
+                f"{what} {directory} is named as the versions of the index {parent} are: choose a path outside it"
             )
     for enclosing in directory.parents:
         inside = directory.relative_to(enclosing).as_posix()
