@@ -440,7 +440,11 @@ def test_an_ondisk_ivfpq_index_takes_deletes_upserts_and_compaction_like_a_fresh
     options = IVFPQOptions(lists=8, pq_m=8, train_size=600, nprobe=8)
     corpus = as_corpus([{"id": f"p{i}", "text": f"passage {i}"} for i in range(600)])
     shards = ShardedEmbeddings.whole(vectors, block=200)
-    build_ondisk_ivfpq(biencoder, shards, corpus, tmp_path / "work", options, device=CPU).save(tmp_path / "index")
+    unsaved = build_ondisk_ivfpq(biencoder, shards, corpus, tmp_path / "work", options, device=CPU)
+    unsaved.delete(["p1"])  # (p1 is upserted again below)
+    with pytest.raises(DensepassError, match="save the index first"):  # (its first save dropped it in silence)
+        unsaved.compact()
+    unsaved.save(tmp_path / "index")
     index = load_index(tmp_path / "index", model=biencoder)
     gone = [f"p{i}" for i in range(0, 600, 5)]
     index.delete(gone)

@@ -280,6 +280,8 @@ class OnDiskIVFPQIndex(Index):
         if self._deleted is not None and self._deleted.any():
             if self._deleted.all():
                 raise ConfigError("every passage of the index is deleted: compacting would leave an empty index")
+            if self.faiss is None:  # its first save merges the shards' lists as they are, deleted rows and all
+                raise ConfigError("save the index first (its shards' lists are merged on disk then), then compact it")
             self._compact_pending = True
 
     def write_into(self, directory: Path) -> None:
