@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from densepass.data.dataset import Corpus, RetrievalDataset
 from densepass.data.msmarco import load_msmarco
 from densepass.data.pairs import load_pairs
 from densepass.errors import DataError, DataWarning
+from densepass.evaluation.metrics import read_trec_run
 from densepass.pipelines.training import data_fingerprints
 from test_data_readers import BEIR_CORPUS, jsonl, write, write_beir, write_msmarco
 
@@ -53,6 +55,34 @@ def test_a_line_of_unicode_whitespace_between_passages_reads_back_from_the_file(
         corpus = read_corpus(path, on_disk=True)
         assert list(corpus.texts) == [f"text {i}" for i in range(4)]
         assert corpus.texts[2] == "text 2" and list(corpus.titles[1:3]) == ["t1", "t2"]
+
+
+def crlf(root: Path) -> Path:
+    """Every file under ``root`` (gzipped or not) rewritten with Windows line ends (``\\r\\n``)."""
+    for path in (p for p in root.rglob("*") if p.is_file()):
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        raw = raw.replace(b"\n", b"\r\n")
+        path.write_bytes(gzip.compress(raw) if path.suffix == ".gz" else raw)
+    return root
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_windows_line_ends_read_as_unix_ones_in_every_text_reader(tmp_path, gz):
+    """Only \\n ends a line (``files.open_text``): the \\r of a \\r\\n is no part of an id, a text or a grade."""
+    for name, write_files, load in (("beir", write_beir, load_beir), ("marco", write_msmarco, load_msmarco)):
+        unix = load(write_files(tmp_path / name, gz))
+        for on_disk in (False, True) if name == "beir" else (False,):
+            kw = {"passages_on_disk": on_disk} if on_disk else {}
+            windows = load(crlf(write_files(tmp_path / f"{name}-crlf", gz)), **kw)
+            assert windows.corpus.ids == unix.corpus.ids and list(windows.corpus.texts) == list(unix.corpus.texts)
+            assert list(windows.corpus.titles) == list(unix.corpus.titles)
+            assert (windows.queries, windows.qrels, windows.answers) == (unix.queries, unix.qrels, unix.answers)
+    run = write(tmp_path / "run" / "run.trec", "q1 Q0 p1 1 2.5 bm25\nq1 Q0 p2 2 1.5 bm25\n\n", gz)
+    crlf(run.parent)
+    assert read_trec_run(run) == {"q1": {"p1": 2.5, "p2": 1.5}}
+    rows = write(tmp_path / "rows" / "r.jsonl", '{"anchor": "a", "positive": "p", "negative": "n"}\n\n', gz)
+    crlf(rows.parent)
+    assert load_pairs(rows).corpus.texts == ["p", "n"]
 
 
 def test_files_named_in_capitals_are_gzipped_all_the_same(tmp_path):

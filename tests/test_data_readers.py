@@ -716,6 +716,17 @@ def test_a_judgement_whose_grade_is_not_an_integer_is_refused_even_on_the_first_
         load_beir(root)
 
 
+@pytest.mark.parametrize("end", ["\t", "\t\t", "\t \t"])
+def test_a_qrels_line_ending_in_a_tab_says_so(tmp_path, end):
+    """Its empty 4th column made it a TREC line (qid 0 pid grade) with an empty grade: "relevance '' is not an
+    integer" of a line whose grade is 1."""
+    root = write_beir(tmp_path / "beir", qrels={"dev": f"query-id\tcorpus-id\tscore\nq1\tp1\t1{end}\n"})
+    with pytest.raises(
+        DataError, match=r"dev\.tsv:2: the line ends in an empty column \(a tab at its end\?\); expected"
+    ):
+        load_beir(root)
+
+
 @pytest.mark.parametrize("twin", ["corpus.jsonl", "queries.jsonl", "qrels/dev.tsv"])
 def test_a_file_beside_its_gzipped_copy_is_refused_instead_of_one_read_in_silence(tmp_path, twin):
     root = write_beir(tmp_path / "beir")

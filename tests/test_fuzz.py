@@ -91,9 +91,10 @@ KEYS = {name: leaves(cls) for name, cls in CONFIGS.items()}
 
 @pytest.mark.parametrize("which", sorted(CONFIGS))
 def test_the_walk_finds_every_key(which):
-    """The keys fuzzed are every key ``densepass config --explain`` lists, and the sections."""
+    """The keys fuzzed are every key ``densepass config --explain`` lists, and the sections (a list of sections'
+    entry keys, ``data.mix[].name``, are fuzzed with the list: no override path names them)."""
     fuzzed = {key for key, _, _ in KEYS[which]}
-    assert fuzzed >= {key for key, *_ in explain(CONFIGS[which])}
+    assert fuzzed >= {key for key, *_ in explain(CONFIGS[which]) if "[]." not in key}
     assert {"data", "model", "train"} <= fuzzed
 
 

@@ -3,6 +3,7 @@ the reader builds, its one-line errors, the same weights from every source, and 
 
 from __future__ import annotations
 
+import csv
 import gzip
 import json
 import random
@@ -131,6 +132,7 @@ def test_a_column_mapping_lists_and_teacher_scores(tmp_path):
         ([{"anchor": "a", "positive": "p"}], {"labels": "x"}, r"data.columns: unknown key 'labels'"),
         ([{"anchor": "a", "positive": "p", "negative": "n", "scores": [1.0]}], None, r"r.jsonl:1: .*1 scores for 2"),
         ([{"anchor": "a", "positive": "p", "scores": [float("nan")]}], None, r"r.jsonl:1: .*not a finite number"),
+        ([{"anchor": "a", "positive": "p", "scores": [10**400]}], None, r"r.jsonl:1: .*not a finite number"),
         (
             [{"anchor": "a", "positive": "p", "scores": [1.0]}, {"anchor": "a", "positive": "p", "scores": [2.0]}],
             None,
@@ -173,6 +175,45 @@ def test_parquet_csv_and_datasets_errors_name_the_row(tmp_path):
         load_pairs(tmp_path / "bad.parquet")
     with pytest.raises(DataError, match=r"training rows not found"):
         load_pairs(tmp_path / "missing.jsonl")
+
+
+def test_a_csv_file_of_quoted_multi_line_cells_reads_past_its_first_block(tmp_path):
+    """csv.writer quotes a text holding a line break; pyarrow reads a CSV file in blocks of 1 MB, cut at a line break
+    unless told a cell may hold one: "CSV parser got out of sync with chunker" after the first block."""
+    path = tmp_path / "rows.csv"
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["anchor", "positive", "negative"])
+        for i in range(3000):
+            writer.writerow([f"query {i}", f"positive {i}\n" + "another line, quoted\n" * 20, f"negative {i}\nend"])
+    assert path.stat().st_size > 2**20  # more than one block
+    data = load_pairs(path)
+    assert len(data.queries) == 3000 and len(data.corpus) == 6000
+    assert data.corpus.texts[-2:] == ["positive 2999\n" + "another line, quoted\n" * 20, "negative 2999\nend"]
+
+
+def test_a_score_beyond_a_floats_range_is_one_line_in_csv_as_in_jsonl(tmp_path):
+    """An integer of 401 digits is valid JSON, and float() of it an OverflowError: a traceback."""
+    (tmp_path / "r.csv").write_text('anchor,positive,scores\nq,p,[1.0]\nr,s,"[1' + "0" * 400 + ']"\n')
+    with pytest.raises(DataError, match=r"r\.csv: row 2: column 'scores' holds a score that is not a finite number$"):
+        load_pairs(tmp_path / "r.csv")
+    (tmp_path / "deep.csv").write_text('anchor,positive,scores\nq,p,"' + "[" * 100_000 + '"\n')  # RecursionError
+    with pytest.raises(DataError, match=r"deep\.csv: row 1: column 'scores' should hold a list of numbers"):
+        load_pairs(tmp_path / "deep.csv")
+
+
+@pytest.mark.parametrize(
+    "text", ['[{"anchor": "a", "positive": "p"}]\n', '\n [\n  {"anchor": "a", "positive": "p"}\n]\n']
+)
+def test_a_json_file_holding_an_array_says_rows_are_json_lines(tmp_path, text):
+    """It said "r.json:1: not valid JSON" of valid JSON (or "expected a JSON object")."""
+    (tmp_path / "r.json").write_text(text)
+    with pytest.raises(
+        DataError, match=r"r\.json: a JSON array; training rows are read as JSON lines: one JSON object"
+    ):
+        load_pairs(tmp_path / "r.json")
+    (tmp_path / "ok.json").write_text('{"anchor": "a", "positive": "p"}\n')  # JSON lines named .json: read
+    assert load_pairs(tmp_path / "ok.json").corpus.texts == ["p"]
 
 
 def train_once(source, out: Path, model_dir: Path, **kw) -> dict[str, torch.Tensor]:

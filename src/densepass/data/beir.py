@@ -24,7 +24,7 @@ from typing import BinaryIO
 import numpy as np
 
 from densepass.data.dataset import Corpus, LazyTexts, Qrels, RetrievalDataset, passage_input
-from densepass.data.files import Tally, is_gzip_name, open_text, reading, records_files
+from densepass.data.files import LONE_CR, Tally, is_gzip_name, open_text, reading, records_files
 from densepass.data.reader_helpers import (
     EMPTY_PASSAGES,
     HEADER_KEYS,
@@ -78,6 +78,8 @@ def _record(line: str | bytes, path: Path, line_no: int, unique_keys: bool = Fal
     except json.JSONDecodeError as err:
         if not line.strip():
             return None
+        if "\r" in line.rstrip("\r\n"):  # records ended by \r alone are one line (a JSON string cannot hold one)
+            raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg}): {LONE_CR}") from None
         raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
     except (ValueError, RecursionError) as err:  # not JSONDecodeErrors: a 5000-digit number, [[[[...]]]]
         raise DataError(f"{path}:{line_no}: not valid JSON ({json_limit(err)})") from None
@@ -113,8 +115,9 @@ def read_jsonl(path: Path, unique_keys: bool = False) -> Iterator[tuple[int, dic
 
 
 def _passage(rec: dict, where: str, id_key: str = "_id") -> tuple[str, str, str, str]:
-    """``(id, title, text, doc_id)`` of a corpus record (its id under ``id_key``), each field type-checked."""
-    pid = get_id(rec, id_key, where)
+    """``(id, title, text, doc_id)`` of a corpus record (its id under ``id_key``), each field type-checked; a
+    saved index's passages (ids under ``id``: ``PassageFile``) hold its deleted rows' ids (``RESERVED_ID_PREFIX``)."""
+    pid = get_id(rec, id_key, where, reserved_ok=id_key != "_id")
     doc_id = str(get_field(rec, "doc_id", (str, int), where, default=""))
     return (pid, get_field(rec, "title", str, where, default=""), get_field(rec, "text", str, where), doc_id or pid)
 
@@ -125,6 +128,7 @@ def _checked_passage(rec: dict, path: Path, line_no: int, id_key: str = "_id") -
     if (
         pid.__class__ is str
         and pid
+        and pid[0] != "\x00"  # RESERVED_ID_PREFIX, checked by _passage
         and WHITESPACE.search(pid) is None
         and title.__class__ is str
         and text.__class__ is str
@@ -299,7 +303,13 @@ def read_queries(path: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
     repeats = Tally(path, "repeated query ids with the same text, ignored")
     for line_no, rec in read_jsonl(path):
         qid, text = rec.get("_id"), rec.get("text")
-        if not (qid.__class__ is str and qid and text.__class__ is str and WHITESPACE.search(qid) is None):
+        if not (
+            qid.__class__ is str
+            and qid
+            and qid[0] != "\x00"  # RESERVED_ID_PREFIX, checked by get_id
+            and text.__class__ is str
+            and WHITESPACE.search(qid) is None
+        ):
             where = f"{path}:{line_no}"
             qid, text = get_id(rec, "_id", where), get_field(rec, "text", str, where)
         if qid in queries:
@@ -362,6 +372,8 @@ def _csv_rows(reader: Iterator[list[str]], path: Path) -> Iterator[list[str]]:
     try:
         yield from reader
     except csv.Error as err:
+        if "new-line character" in str(err):  # a \r alone: open_text ends lines at \n only
+            raise DataError(f"{path}:{reader.line_num}: {LONE_CR}") from None
         raise DataError(f"{path}:{reader.line_num}: not a qrels line ({err})") from None
 
 
@@ -394,6 +406,11 @@ def read_qrels_tsv(path: Path) -> Qrels:
                 first_row = False
                 continue
             first_row = False
+            if len(row) > 3 and not row[-1].strip():  # not TREC's 4 columns with an empty grade: a tab at the end
+                raise DataError(
+                    f"{path}:{line_no}: the line ends in an empty column (a tab at its end?); expected "
+                    "query-id<TAB>corpus-id<TAB>score, or TREC's 'qid 0 pid grade'"
+                )
             if len(row) == 4:
                 row = [row[0], row[2], row[3]]
             if len(row) != 3:

@@ -30,10 +30,16 @@ def is_gzip_name(path: Path) -> bool:
 
 def open_text(path: Path) -> io.TextIOBase:
     """``path`` opened for reading as UTF-8 text, through gzip when its name ends in ``.gz``; a byte-order mark at
-    its start (files saved by Windows editors) is not part of its first line."""
+    its start (files saved by Windows editors) is not part of its first line. Only ``\n`` ends a line (a line of a
+    CRLF file keeps its ``\r\n``, which the readers strip): a carriage return alone is a character of the line,
+    not a line break that would split a record in two (and count lines unlike every other reader of the file)."""
     if is_gzip_name(path):
-        return gzip.open(path, "rt", encoding="utf-8-sig")
-    return open(path, encoding="utf-8-sig")
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="\n")
+    return open(path, encoding="utf-8-sig", newline="\n")
+
+
+LONE_CR = "a carriage return (\\r) inside a line: only \\n (or \\r\\n) ends a line; convert lines ending in \\r"
+"""What a reader's error says of a ``\\r`` not followed by ``\\n`` (:func:`open_text` does not end a line there)."""
 
 
 def _bad_utf8(path: Path) -> DataError:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from densepass.data.beir import find_file, read_qrels_tsv
 from densepass.data.dataset import Corpus, Qrels, RetrievalDataset
-from densepass.data.files import Tally, read_lines, records_files
+from densepass.data.files import LONE_CR, Tally, read_lines, records_files
 from densepass.data.reader_helpers import HEADER_KEYS, CorpusBuilder, check_id, require_dir, split_files
 from densepass.errors import DataError
 
@@ -36,6 +36,8 @@ def read_id_text_tsv(path: Path) -> Iterator[tuple[int, str, str]]:
         line = line.rstrip("\r\n")
         if not line.strip():
             continue
+        if "\r" in line:  # a file whose lines end in \r alone would be one line: one passage, in silence
+            raise DataError(f"{path}:{line_no}: {LONE_CR}")
         first = first or line_no
         key, tab, text = line.partition("\t")
         key = key.strip()

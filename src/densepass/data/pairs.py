@@ -149,6 +149,8 @@ def _file_rows(path: Path) -> tuple[Iterator[tuple[str, dict]], list[str] | None
     if name.endswith((".jsonl", ".json")):
         from densepass.data.beir import read_jsonl
 
+        if name.endswith(".json"):
+            _refuse_json_array(path)
         return ((f"{path}:{line_no}", record) for line_no, record in read_jsonl(path, unique_keys=True)), None
     import pyarrow as pa
 
@@ -162,18 +164,36 @@ def _file_rows(path: Path) -> tuple[Iterator[tuple[str, dict]], list[str] | None
         else:
             import pyarrow.csv as pacsv
 
-            with pacsv.open_csv(path) as reader:  # the header: every column is then read as text
+            # a quoted cell may hold line breaks (csv.writer writes a multi-line text so): without
+            # newlines_in_values, a file of more than one block (1 MB) is cut inside such a cell
+            parse = pacsv.ParseOptions(newlines_in_values=True)
+            with pacsv.open_csv(path, parse_options=parse) as reader:  # the header: every column is read as text
                 known = list(reader.schema.names)
             convert = pacsv.ConvertOptions(
                 column_types={c: pa.string() for c in known}, null_values=[""], strings_can_be_null=True
             )
-            batches = pacsv.open_csv(path, convert_options=convert)
+            batches = pacsv.open_csv(path, parse_options=parse, convert_options=convert)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path}: not a readable {name.rsplit('.', 1)[-1].upper()} file ({_one_line(err)})") from None
     repeated = next((column for column in known if known.count(column) > 1), None)
     if repeated is not None:  # a row (a dict) would keep one of them
         raise DataError(f"{path}: column {repeated!r} appears twice; give each column its own name (negative_1, ...)")
     return _arrow_rows(batches, str(path)), known
+
+
+def _refuse_json_array(path: Path) -> None:
+    """A one-line DataError for a ``.json`` file holding a JSON array (of rows): a ``.json`` file is read as JSON
+    lines, where the array's first line would be "not valid JSON" (though it is valid JSON)."""
+    from densepass.data.files import open_text, reading
+
+    with reading(path), open_text(path) as handle:
+        while (chunk := handle.read(1 << 16)) and not chunk.strip():
+            pass
+    if chunk.lstrip().startswith("["):
+        raise DataError(
+            f"{path}: a JSON array; training rows are read as JSON lines: one JSON object per line, no enclosing "
+            "[...] (a .jsonl file)"
+        )
 
 
 def _arrow_rows(batches: Iterable, label: str) -> Iterator[tuple[str, dict]]:
@@ -280,7 +300,7 @@ def _scores(value: Any, count: int, column: str, where: str) -> list[float] | No
     if isinstance(value, str):  # a CSV cell: the list written as JSON
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or beyond json's limits (5000 digits, [[[[...]]]])
             raise DataError(f"{where}: column {column!r} should hold a list of numbers, got {value[:40]!r}") from None
     if not isinstance(value, (list, tuple)) or any(
         isinstance(v, bool) or not isinstance(v, (int, float)) for v in value
@@ -291,9 +311,13 @@ def _scores(value: Any, count: int, column: str, where: str) -> list[float] | No
             f"{where}: column {column!r} holds {len(value)} scores for {count} passages (one per positive, then one "
             "per negative)"
         )
-    if not all(math.isfinite(v) for v in value):
+    try:
+        scores = [float(v) for v in value]
+    except OverflowError:  # an integer beyond a float's range (10**400 written out): no finite score
+        scores = [math.inf]
+    if not all(math.isfinite(v) for v in scores):
         raise DataError(f"{where}: column {column!r} holds a score that is not a finite number")
-    return [float(v) for v in value]
+    return scores
 
 
 class _Builder:

@@ -120,29 +120,40 @@ HEADER_KEYS = frozenset(
 """First-column names that mark a header line rather than an id (an MS MARCO TSV file's, a qrels file's)."""
 
 
-def check_id(value: str, what: str, where: str) -> str:
+RESERVED_ID_PREFIX = "\x00deleted:"
+"""How the id densepass gives a deleted row of an index starts (``index.base.DELETED_ID``, which imports this module:
+the two are kept equal by a test): a dataset's id starting so would be taken for a deleted passage."""
+
+
+def check_id(value: str, what: str, where: str, reserved_ok: bool = False) -> str:
     """``value``, an id (of a query or passage), or a one-line DataError when it holds whitespace: a TREC run or
     qrels line (``qid Q0 pid rank score tag``) cannot represent it, so a run written with it could not be read back
-    (``where`` locates it, ``what`` names it: ``query id``, ``field '_id'``)."""
+    (``where`` locates it, ``what`` names it: ``query id``, ``field '_id'``); or, unless ``reserved_ok`` (a saved
+    index's own passages), when it starts with :data:`RESERVED_ID_PREFIX`."""
     found = WHITESPACE.search(value)
     if found is not None:
         raise DataError(
             f"{where}: {what} {value!r} holds whitespace ({found.group()!r}), which TREC run and qrels files cannot "
             "represent (their columns are separated by whitespace)"
         )
+    if not reserved_ok and value.startswith(RESERVED_ID_PREFIX):
+        raise DataError(
+            f"{where}: {what} {value!r} starts with {RESERVED_ID_PREFIX!r}, which densepass keeps for the deleted "
+            "rows of an index"
+        )
     return value
 
 
-def get_id(record: Any, key: str, where: str) -> str:
-    """An id field: a non-empty string, or an integer (returned as its decimal string), without whitespace
-    (``check_id``)."""
+def get_id(record: Any, key: str, where: str, reserved_ok: bool = False) -> str:
+    """An id field: a non-empty string, or an integer (returned as its decimal string), without whitespace, not
+    starting with :data:`RESERVED_ID_PREFIX` unless ``reserved_ok`` (``check_id``)."""
     value = record.get(key) if isinstance(record, dict) else None
-    if value.__class__ is str and value and WHITESPACE.search(value) is None:
+    if value.__class__ is str and value and value[0] != "\x00" and WHITESPACE.search(value) is None:
         return value
     value = get_field(record, key, (str, int), where)
     if value == "":
         raise DataError(f"{where}: empty field {key!r}")
-    return check_id(str(value), f"field {key!r}", where)
+    return check_id(str(value), f"field {key!r}", where, reserved_ok)
 
 
 def get_strings(record: Any, key: str, where: str) -> list[str]:
