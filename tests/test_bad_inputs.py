@@ -664,6 +664,108 @@ def test_a_mix_of_strategies_that_cannot_mine_is_refused_before_any_work(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+RERANKER_ONLY = [  # no bi-encoder training: the pool is mined for the cross-encoder alone
+    "train.enabled=false",
+    "reranker.enabled=true",
+    "reranker.first_stages=[]",
+    "reranker.max_length=64",
+    "reranker.train.negatives_per_query=4",
+    "reranker.train.max_steps=1",
+]
+
+
+def _earlier_run(run_dir: Path) -> Path:
+    """A run directory as an earlier run left it: what --restart removes once the run claims it."""
+    from densepass.io import claim_run_directory
+    from densepass.pipelines.experiment import RUN_ENTRIES
+
+    claim_run_directory(run_dir, "run", RUN_ENTRIES, False)
+    (run_dir / "metrics.json").write_text("earlier")
+    return run_dir / "metrics.json"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["negatives.source=model"], "negatives.source=model needs negatives.model"),
+        (["negatives.source=model", "negatives.model={missing}"], "model not found"),
+        (["negatives.source=mixed", "negatives.mix=[bm25, model]"], "negatives.mix's 'model' needs negatives.model"),
+        (["negatives.source=file"], "negatives.source=file needs negatives.file"),
+        (["negatives.source=file", "negatives.file={missing}.jsonl"], "hard-negatives file not found"),
+        (["negatives.source=mixed", "negatives.mix=['file:{missing}.jsonl']"], "hard-negatives file not found"),
+        (["negatives.source=mixed", "negatives.mix=[bm25, given]"], "'given' takes the negatives of training rows"),
+        (["validation.enabled=true", "validation.retriever={missing}"], "validation.retriever .* model not found"),
+        ([*RERANKER_ONLY, "negatives.source=mixed", "negatives.mix=[bm25, bogus]"], "unknown negatives strategy"),
+        ([*RERANKER_ONLY, "negatives.filters=[qrels, cross-encoder]"], "the cross-encoder filter needs a"),
+        ([*RERANKER_ONLY, "negatives.source=model"], "negatives.source=model needs negatives.model"),
+    ],
+)
+def test_what_mining_and_validation_read_is_checked_before_restart_removes_the_earlier_run(
+    tiny_beir, tiny_model_dir, tmp_path, overrides, message
+):
+    """A model or pool file the negatives or validation read, `given` on data that are no training rows, and the
+    strategies and filters of a pool mined for the cross-encoder alone failed only after --restart had removed the
+    earlier run's outputs (the validation retriever: after mining, once training had started)."""
+    from conftest import small_run_overrides
+    from densepass.pipelines.experiment import run_experiment
+
+    runs, missing = tmp_path / "runs", tmp_path / "no" / "such"
+    earlier = _earlier_run(runs / "r")
+    settings = [*small_run_overrides(tiny_beir, tiny_model_dir, runs, "r"), "train.max_steps=1", "train.batch_size=4"]
+    settings += [f"reranker.name_or_path={tiny_model_dir}"] + [o.format(missing=missing) for o in overrides]
+    with pytest.raises(DensepassError, match=message):
+        run_experiment(load_config(None, settings), restart=True)
+    assert earlier.read_text() == "earlier"
+
+
+def _pairs_rows(path: Path, negatives: bool) -> Path:
+    rows = [
+        {"anchor": f"query {i} audio", "positive": f"passage {i} audio editor"}
+        | ({"negative": f"other {i} kernel"} if negatives else {})
+        for i in range(8)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_given_negatives_are_checked_before_the_claim_and_never_refreshed(tiny_beir, tiny_model_dir, tmp_path):
+    """`negatives.source: given` with `refresh_every` crashed at the first refresh (a TypeError: the given pool has
+    no mining context); rows that give no negatives were refused only after --restart removed the earlier run."""
+    from conftest import small_run_overrides
+    from densepass.pipelines.experiment import check, run_experiment
+
+    runs = tmp_path / "runs"
+    pairs = ["data.format=pairs", f"data.eval_name={tiny_beir}", "train.batch_size=4", "train.max_steps=1"]
+    settings = [*small_run_overrides(_pairs_rows(tmp_path / "r.jsonl", True), tiny_model_dir, runs, "r"), *pairs]
+    with pytest.raises(ConfigError, match=r"^negatives\.refresh_every re-mines .*\.source: given mines nothing"):
+        check(load_config(None, [*settings, "negatives.source=given", "negatives.refresh_every=1"]))
+    earlier = _earlier_run(runs / "r")
+    _pairs_rows(tmp_path / "r.jsonl", False)
+    for source in (["negatives.source=given"], ["negatives.source=mixed", "negatives.mix=[bm25, given]"]):
+        with pytest.raises(ConfigError, match="give no negatives"):
+            run_experiment(load_config(None, [*settings, *source]), restart=True)
+        assert earlier.read_text() == "earlier"
+
+
+def test_an_eval_index_that_cannot_be_built_or_would_be_ignored_is_refused_before_any_work(
+    tiny_beir, tiny_model_dir, tmp_path
+):
+    """faiss-ivfpq over a corpus too small to train it failed after training (and after --restart's removal);
+    eval.index was silently ignored for SPLADE, ColBERT and rerank mode."""
+    from conftest import small_run_overrides
+    from densepass.pipelines.experiment import check, run_experiment
+
+    for overrides in (["model.kind=splade"], ["model.kind=colbert"], ["eval.mode=rerank"]):
+        with pytest.raises(ConfigError, match=r"^eval\.index=faiss-hnsw.*leave eval\.index at exact$"):
+            check(load_config(None, ["eval.index=faiss-hnsw", "device=cpu", *overrides]))
+    runs = tmp_path / "runs"
+    earlier = _earlier_run(runs / "r")
+    settings = [*small_run_overrides(tiny_beir, tiny_model_dir, runs, "r"), "train.max_steps=1", "train.batch_size=4"]
+    with pytest.raises(ConfigError, match="faiss-ivfpq index .* needs at least 256 passages, got 40"):
+        run_experiment(load_config(None, [*settings, "eval.index=faiss-ivfpq"]), restart=True)
+    assert earlier.read_text() == "earlier"
+
+
 def test_mining_into_the_pool_it_reads_is_refused(tmp_path):
     from densepass.config import ExperimentConfig
     from densepass.pipelines.mine_command import mine_training_negatives
@@ -1070,6 +1172,70 @@ def test_query_ids_with_whitespace_are_refused_by_every_reader(tmp_path):
     write(root / "dev.json", json.dumps([{"question": "q", "positive_ctxs": [ctx("T", "t", passage_id="1 2")]}]))
     with pytest.raises(DataError, match=r"dev\.json: record 0\.positive_ctxs\[0\]: field 'passage_id' '1 2' holds"):
         load_dpr(root)
+
+
+DELETED_LOOKALIKE = "\x00deleted:7"
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_an_id_starting_as_a_deleted_rows_does_is_refused_by_every_reader(tmp_path, on_disk):
+    """``\\x00deleted:`` starts the id an index gives a deleted row (``index.base.DELETED_ID``): a passage so named
+    was read, then taken for a deleted one by the index."""
+    from densepass.data.beir import read_corpus
+    from densepass.data.reader_helpers import RESERVED_ID_PREFIX
+    from densepass.index.base import DELETED_ID
+
+    assert RESERVED_ID_PREFIX == DELETED_ID
+    bad = re.escape(repr(DELETED_LOOKALIKE))
+    says = r" starts with '\\x00deleted:', which densepass keeps for the deleted rows of an index$"
+    root = write_beir(tmp_path / "beir")
+    for record in ({"_id": DELETED_LOOKALIKE, "text": "fine"}, {"_id": DELETED_LOOKALIKE, "title": None, "text": "x"}):
+        write(root / "corpus.jsonl", jsonl([*BEIR_CORPUS, record]))
+        with pytest.raises(DataError, match=rf"corpus\.jsonl:4: field '_id' {bad}{says}"):
+            load_beir(root, passages_on_disk=on_disk)
+    root = write_beir(tmp_path / "beir2")
+    write(root / "queries.jsonl", jsonl([*BEIR_QUERIES, {"_id": DELETED_LOOKALIKE, "text": "what"}]))
+    with pytest.raises(DataError, match=rf"queries\.jsonl:4: field '_id' {bad}{says}"):
+        load_beir(root, passages_on_disk=on_disk)
+    root = write_beir(tmp_path / "beir3", qrels={"dev": f"q1\t{DELETED_LOOKALIKE}\t1\n"})
+    with pytest.raises(DataError, match=rf"dev\.tsv:1: passage id {bad}{says}"):
+        load_beir(root, passages_on_disk=on_disk)
+    root = write_msmarco(tmp_path / "marco")
+    write(root / "collection.tsv", f"0\tfirst\n{DELETED_LOOKALIKE}\tsecond\n")
+    with pytest.raises(DataError, match=rf"collection\.tsv:2: id {bad}{says}"):
+        load_msmarco(root)
+    root = write_dpr(tmp_path / "dpr")
+    write(
+        root / "dev.json",
+        json.dumps([{"question": "q", "positive_ctxs": [ctx("T", "t", passage_id=DELETED_LOOKALIKE)]}]),
+    )
+    with pytest.raises(DataError, match=rf"field 'passage_id' {bad}{says}"):
+        load_dpr(root)
+    write(root / "corpus.jsonl", jsonl([{"_id": "\x00", "text": "a NUL alone is an id"}]))
+    assert read_corpus(root / "corpus.jsonl", on_disk).ids == ["\x00"]
+
+
+def test_a_carriage_return_alone_ends_no_line_and_is_one_line_naming_its_line(tmp_path):
+    """Text mode read a lone \\r as a line end: a TSV text holding one became a passage that does not exist (or an
+    error naming the next line), and a corpus.jsonl whose lines end in \\r loaded in memory but not from the file."""
+    says = r"a carriage return \(\\r\) inside a line: only \\n \(or \\r\\n\) ends a line"
+    root = write_msmarco(tmp_path / "marco")
+    for raw, line in (
+        (b"0\tfirst\n1\thello\r7\tinjected\n2\tx\n", 2),
+        (b"0\ta\n1\thello\rworld\n", 2),
+        (b"0\ta\r1\tb\r", 1),
+    ):
+        (root / "collection.tsv").write_bytes(raw)
+        with pytest.raises(DataError, match=rf"collection\.tsv:{line}: {says}"):
+            load_msmarco(root)
+    root = write_beir(tmp_path / "beir")
+    (root / "corpus.jsonl").write_bytes(jsonl(BEIR_CORPUS).replace("\n", "\r").encode())
+    for on_disk in (False, True):  # the same error from either reader of the file
+        with pytest.raises(DataError, match=rf"corpus\.jsonl:1: not valid JSON \(Extra data\): {says}"):
+            load_beir(root, passages_on_disk=on_disk)
+    root = write_beir(tmp_path / "beir2", qrels={"dev": "q1\tp1\t1\rq2\tp3\t1\r"})
+    with pytest.raises(DataError, match=rf"dev\.tsv:1: {says}"):
+        load_beir(root)
 
 
 def test_a_qrels_id_with_a_quote_is_read_as_written(tmp_path):

@@ -494,3 +494,81 @@ def test_every_shipped_config_loads(path):
     )
     config = load_config(path, [], cls) if cls else load_config(path, [])
     assert config.name
+
+
+@pytest.mark.parametrize(
+    "override, read_as",
+    [
+        ("train.batch_size=010", "8"),  # YAML 1.1 octal
+        ("eval.depth=1:40", "100"),  # base 60
+        ("train.learning_rate=0x10", "16"),
+        ("train.batch_size=0b11", "3"),
+        ("train.learning_rate=1:30.5", "90.5"),
+        ("name=010", "8"),
+    ],
+)
+def test_numbers_yaml_1_1_reads_otherwise_are_refused_naming_the_key(tmp_path, override, read_as):
+    """`--set train.batch_size=010` trained with batches of 8, `eval.depth=1:40` retrieved 100 passages."""
+    key, value = override.split("=")
+    message = rf"^config\.{re.escape(key)}: YAML reads {re.escape(value)} as {re.escape(read_as)} "
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+    section, _, leaf = key.rpartition(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {leaf}: {value}\n" if section else f"{leaf}: {value}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    assert load_config(None, ["train.batch_size=8", "eval.depth=100", "name='010'"]).name == "010"
+
+
+@pytest.mark.parametrize("text", ["1_0", "inf", " 1", "0x10", "١"])
+def test_a_text_becomes_a_float_only_as_plain_decimal_text(text):
+    """Python's float() read '1_0' as 10.0 (and 'inf', ' 1', Arabic-Indic digits): only 5e-5-like text is taken."""
+    with pytest.raises(ConfigError, match=r"^config\.train\.learning_rate: expected a number, got "):
+        load_config(None, [f"train.learning_rate='{text}'"])
+    assert load_config(None, ["train.learning_rate='5e-5'"]).train.learning_rate == 5e-5
+    assert load_config(None, ["negatives.cross_encoder_threshold='-.5E+2'"]).negatives.cross_encoder_threshold == -50
+
+
+def test_a_section_whose_keys_are_all_commented_out_takes_its_defaults(tmp_path):
+    """`train:` followed only by comments is null in YAML: it was refused ("expected a mapping, got NoneType")."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  # batch_size: 8\nmodel:\n  pooling: cls\n")
+    assert load_config(path).train.batch_size == 64
+    assert load_config(path, ["train.batch_size=8"]).train.batch_size == 8  # an override into the null section
+    path.write_text("data:\n  mix:\n    -\n")  # an entry of a list, though, is no section left out
+    with pytest.raises(ConfigError, match=r"config\.data\.mix\[0\]: expected a mapping, got NoneType"):
+        load_config(path)
+
+
+def test_explain_shows_exclusive_bounds_and_the_keys_of_list_entries():
+    """`data.eval_part_fraction` was shown "<= 1" though 1 is refused, and `data.mix` without its entries' keys."""
+    from densepass.config import explain
+
+    rows = {key: kind for key, kind, _, _ in explain(ExperimentConfig)}
+    assert rows["data.eval_part_fraction"] == "float, > 0, < 1"
+    assert rows["data.mix[].fraction"] == "float, <= 0.9, > 0" and rows["data.mix[].format"] == "beir|msmarco|dpr|squad"
+    assert {"data.mix[].name", "data.mix[].split"} <= set(rows)
+    with pytest.raises(ConfigError, match=r"data\.eval_part_fraction: must be < 1, got 1"):
+        load_config(None, ["data.eval_part=tune", "data.eval_part_fraction=1"])
+
+
+def test_config_prints_the_saved_architecture_the_run_uses(tmp_path, tiny_model_dir, capsys):
+    """`densepass config` printed the defaults (mean pooling, no projection) where `densepass run` takes the saved
+    model's (``with_saved_architecture``): running the printed YAML failed or pooled otherwise."""
+    import yaml
+
+    from densepass.config import BiEncoderConfig
+    from densepass.models.biencoder import BiEncoder
+    from densepass.pipelines.retrievers import with_saved_architecture
+
+    saved = BiEncoderConfig(pooling="cls", projection_dim=8, passage_max_length=64)
+    BiEncoder.from_pretrained(str(tiny_model_dir), config=saved).save(tmp_path / "m")
+    overrides = [f"model.name_or_path={tmp_path / 'm'}"]
+    assert main(["config", "--set", overrides[0]]) == 0
+    model = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert (model["pooling"], model["projection_dim"], model["passage_max_length"]) == ("cls", 8, 64)
+    assert main(["config", "--set", overrides[0], "--output", str(tmp_path / "x.yaml")]) == 0
+    printed = load_config(tmp_path / "x.yaml")
+    assert printed == with_saved_architecture(load_config(None, overrides))  # what run runs
+    assert with_saved_architecture(printed).model.architecture() == saved

@@ -101,11 +101,14 @@ def test_config_validation(tmp_path):
         load_config(None, ["data.eval_part=dev"])
     with pytest.raises(ConfigError, match="data.eval_part_fraction: must be > 0"):
         load_config(None, ["data.eval_part=tune", "data.eval_part_fraction=0"])
-    with pytest.raises(ConfigError, match="data.eval_part_fraction: must be <= 1"):
-        load_config(None, ["data.eval_part=tune", "data.eval_part_fraction=1.5"])
+    for fraction in ("1.5", "1"):  # 1 too: the reporting part would hold no query (--explain shows "< 1")
+        with pytest.raises(ConfigError, match="data.eval_part_fraction: must be < 1"):
+            load_config(None, ["data.eval_part=tune", f"data.eval_part_fraction={fraction}"])
     cpu = ["device=cpu"]
+    built = load_config(None, [*cpu, "data.eval_part=report"])
+    built.data.eval_part_fraction = 1.0  # a config built in Python: check() refuses it
     with pytest.raises(ConfigError, match="data.eval_part_fraction must be below 1"):
-        check(load_config(None, [*cpu, "data.eval_part=report", "data.eval_part_fraction=1"]))
+        check(built)
     with pytest.raises(ConfigError, match="need data.eval_part: tune or report"):
         check(load_config(None, [*cpu, "data.eval_part_seed=7"]))
     check(load_config(None, [*cpu, "data.eval_part=report", "data.eval_part_fraction=0.3", "data.eval_part_seed=7"]))

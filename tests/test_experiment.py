@@ -176,3 +176,15 @@ def test_metrics_cut_deeper_than_the_evaluation_retrieves_are_warned_about(tiny_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check(tiny_config(tiny_beir, tiny_model_dir, tmp_path, "eval.depth=10", "eval.metrics=[mrr@10, map]"))
+
+
+def test_eval_hard_k_builds_no_bm25_index_without_the_subcorpus(tiny_beir, tiny_model_dir, tmp_path):
+    """`--set data.eval_subcorpus=false` on a config with eval_hard_k (configs/main.yaml) searches the full corpus,
+    yet a BM25 index of the whole training corpus was still built for the unused subcorpus."""
+    from densepass.pipelines.experiment import check, prepare
+
+    config = tiny_config(tiny_beir, tiny_model_dir, tmp_path, "data.eval_hard_k=3", "negatives.source=context")
+    exp = prepare(config, check(config), main=True)
+    assert exp.full_bm25 is None and len(exp.evalset.corpus) == 40
+    config = tiny_config(tiny_beir, tiny_model_dir, tmp_path, "data.eval_hard_k=3", "data.eval_subcorpus=true")
+    assert prepare(config, check(config), main=True).full_bm25 is not None

@@ -15,7 +15,7 @@ from densepass.config import NegativesConfig, TrainConfig
 from densepass.data import load_dataset
 from densepass.data.dataset import Corpus, RetrievalDataset
 from densepass.data.keys import half_id, split_in_half
-from densepass.errors import ConfigError, DataError
+from densepass.errors import ConfigError, DataError, DataWarning
 from densepass.evaluation.fusion import fuse_embeddings, linear_fusion, reciprocal_rank_fusion, tune_weights
 from densepass.negatives.context import mine_context_negatives
 from densepass.negatives.filters import AnswerFilter, CrossEncoderFilter, DuplicateFilter, QrelsFilter, apply_filters
@@ -41,7 +41,7 @@ def small_dataset() -> RetrievalDataset:
         ],
         doc_ids=["A", "A", "A", "B", "C", "A2"],
     )
-    queries = {"q0": "audio editor", "q1": "greek letters", "q2": "counting words", "q3": "Audio editor!"}
+    queries = {"q0": "audio editor", "q1": "greek letters", "q2": "counting words", "q3": "Audio  Editor"}
     qrels = {"train": {"q0": {"p0": 1}, "q1": {"p3": 1}, "q2": {"p4": 1}, "q3": {"p1": 1}}, "dev": {"q0": {"p2": 1}}}
     return RetrievalDataset("small", corpus, queries, qrels, answers={"q1": ["delta"], "q0": ["with effects"]})
 
@@ -125,6 +125,18 @@ def test_context_negatives_share_the_document_or_are_a_half():
     (half,) = pool["q2"]
     assert half.passage_id in (half_id("p4", 0), half_id("p4", 1))
     assert mine_context_negatives(dataset, ["q2"], 5, seed=1)["q2"] == [half]
+
+
+def test_context_negatives_skip_the_nearest_skip_top():
+    """negatives.skip_top applies to the context strategy too (it was ignored): its candidates are ranked, nearest in
+    the document first; the depth counts what is left, and a lone half is its first candidate."""
+    dataset = small_dataset()
+    pool = mine_context_negatives(dataset, ["q0", "q1"], depth=1, seed=1, skip_top=1)
+    assert [c.passage_id for c in pool["q0"]] == ["p2"] and pool["q1"] == []  # p1 (the nearest) and q1's half skipped
+    for skip_top, kept in ((0, ["p1"]), (1, [])):  # (p2 is q0's dev positive: the qrels filter drops it)
+        config = NegativesConfig(source="context", pool_depth=5, skip_top=skip_top, filters=["qrels"])
+        result = mine_negatives(dataset, ["q0"], config, MiningContext(show_progress=False))
+        assert [c.passage_id for c in result.pool["q0"]] == kept
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "debian-packages").is_dir(), reason="debian-packages not available")
@@ -262,6 +274,23 @@ def test_each_filter_removes_exactly_what_it_reports():
         pool,
         {("q0", "p1"), ("q3", "p0"), ("q3", "p1"), ("q3", "p5"), ("q0", "p0"), ("q1", "p3")},
     )
+
+
+def test_duplicates_filter_matches_query_texts_only_up_to_case_and_spaces():
+    """The filter grouped queries by their answer-normalised text (punctuation and articles gone): "C++ compiler" and
+    "C compiler" lost each other's positive, the hardest legitimate negatives, and queries with no words left ("the",
+    "?") all shared theirs."""
+    corpus = Corpus(
+        [f"p{i}" for i in range(7)], [""] * 7, [f"passage {i}" for i in range(7)], [f"d{i}" for i in range(7)]
+    )
+    queries = {"a": "C++ compiler", "b": "C compiler", "c": " c  COMPILER ", "d": "the", "e": "?", "f": "", "g": " "}
+    qrels = {"train": {q: {f"p{i}": 1} for i, q in enumerate(queries)}}
+    with pytest.warns(DataWarning, match="2 of its 7 queries have an empty text"):
+        dataset = RetrievalDataset("d", corpus, queries, qrels)
+    everything = [f"p{i}" for i in range(7)]
+    pool = {q: _pool(everything) for q in queries}
+    own = {(q, f"p{i}") for i, q in enumerate(queries)}  # each query's positive: its content, dropped
+    _check(DuplicateFilter(dataset, "train"), pool, own | {("b", "p2"), ("c", "p1")})  # only b and c are one text
 
 
 @settings(max_examples=30, deadline=None)
@@ -657,6 +686,20 @@ def test_replaced_pool_serves_batches_from_its_first_step_on():
     assert first_words(None) == old  # no step: the pool given at construction
     with pytest.raises(ConfigError, match="nothing to refresh"):
         TrainingData(dataset, "train", "[SEP]", query_ids=["q0"]).replace_negatives({"q0": ["p1"]}, 1)
+
+
+def test_a_short_re_mined_pool_is_warned_as_the_first_pool_is():
+    import warnings
+
+    from densepass.errors import DataWarning
+
+    dataset = small_dataset()
+    data = TrainingData(dataset, "train", "[SEP]", {"q0": ["p3", "p1"], "q1": ["p4", "p0"]}, 2, query_ids=["q0", "q1"])
+    with pytest.warns(DataWarning, match="1 of 2 training queries .* in the pool re-mined for step 4 .* holds 1"):
+        data.replace_negatives({"q0": ["p1"], "q1": ["p0", "p4"]}, from_step=4)  # (p3 is q1's positive)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data.replace_negatives({"q0": ["p1", "p4"], "q1": ["p0", "p4"]}, from_step=8)  # full pools: no warning
 
 
 def test_refresh_during_training_is_saved_filtered_and_resumable(tiny_beir, tiny_model_dir, tmp_path):

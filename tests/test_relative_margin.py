@@ -163,3 +163,66 @@ def test_a_bi_encoder_teacher_encodes_each_text_once_and_scores_as_one_query_at_
         pv = reference.encode_passages([p], show_progress=False, precision="fp32")[0]
         assert abs(score - float(qv @ pv)) < 1e-5
     assert scorer("text editor", ["vim - vi improved"]) == pytest.approx([got[1]], abs=1e-9)
+
+
+def _with_another_separator(model_dir, tmp_path):
+    """A copy of the model at ``model_dir`` whose tokenizer's separator is not [SEP]."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    copy = tmp_path / "other-sep"
+    shutil.copytree(model_dir, copy)
+    AutoTokenizer.from_pretrained(str(copy), sep_token="[unused1]").save_pretrained(str(copy))
+    return copy
+
+
+def test_densepass_mine_gives_a_bi_encoder_teacher_the_runs_separator(tiny_beir, tiny_model_dir, tmp_path):
+    """``densepass mine`` built its filters with the literal [SEP], ``densepass run`` with its model's separator: for a
+    model whose separator is another, a bi-encoder teacher read other passage texts and the file was not the pool a
+    run mines."""
+    from densepass.config import load_config
+    from densepass.models.biencoder import BiEncoder
+    from densepass.pipelines.mine_command import mine_training_negatives
+
+    model = _with_another_separator(tiny_model_dir, tmp_path)
+    sep = BiEncoder.from_pretrained(str(model)).tokenizer.sep_token
+    assert sep == "[unused1]"
+    overrides = [f"data.name={tiny_beir}", f"model.name_or_path={model}", "negatives.pool_depth=10", "device=cpu"]
+    overrides += ["negatives.filters=[qrels, relative-margin]", "negatives.relative_teacher=bi-encoder"]
+    config = load_config(None, [*overrides, "negatives.relative_margin=0.99"])
+    mined = mine_training_negatives(config, tmp_path / "pool.jsonl").pool
+    dataset = load_dataset(str(tiny_beir))
+    queries = sorted(dataset.positives("train"))
+    context = MiningContext(base_model=str(model), precision=config.eval.precision, show_progress=False)
+
+    def ids(pool):
+        return {q: [c.passage_id for c in cands] for q, cands in pool.items()}
+
+    as_run = mine_negatives(dataset, queries, config.negatives, context, sep).pool  # as densepass run calls it
+    with_sep = mine_negatives(dataset, queries, config.negatives, context, "[SEP]").pool
+    assert ids(mined) == ids(as_run) != ids(with_sep)
+
+
+def test_densepass_mine_takes_a_precision_for_a_bi_encoder_teacher(tiny_beir, tiny_model_dir, tmp_path, monkeypatch):
+    """``--precision`` was refused for a strategy that mines with no model (bm25) though a bi-encoder relative-margin
+    teacher encodes in it."""
+    from densepass.config import load_config
+    from densepass.negatives import mine as mine_module
+    from densepass.pipelines.mine_command import mine_training_negatives
+
+    precisions = []
+    real = mine_module.bi_encoder_scorer
+
+    def spy(path, batch_size=64, device=None, precision="auto"):
+        precisions.append(precision)
+        return real(path, batch_size, device, precision)
+
+    monkeypatch.setattr(mine_module, "bi_encoder_scorer", spy)
+    overrides = [f"data.name={tiny_beir}", f"model.name_or_path={tiny_model_dir}", "negatives.source=bm25"]
+    overrides += ["negatives.filters=[qrels, relative-margin]", "negatives.relative_teacher=bi-encoder", "device=cpu"]
+    mine_training_negatives(load_config(None, overrides), tmp_path / "pool.jsonl", "fp32")
+    assert precisions == ["fp32"] and (tmp_path / "pool.jsonl").is_file()
+    cross = load_config(None, [*overrides[:3], "negatives.filters=[qrels, relative-margin]"])  # a cross-encoder's
+    with pytest.raises(ConfigError, match="^--precision sets how a model encodes; the bm25 strategy mines with no"):
+        mine_training_negatives(cross, tmp_path / "other.jsonl", "fp32")

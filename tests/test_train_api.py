@@ -9,7 +9,7 @@ import torch
 import densepass as dp
 from conftest import small_run_overrides
 from densepass.config import load_config
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DensepassError
 from densepass.models.biencoder import BiEncoder
 from densepass.pipelines.experiment import run_experiment
 
@@ -249,3 +249,33 @@ def test_dp_train_under_torchrun_trains_as_one_process_does(tiny_model_dir, tiny
         results[processes] = dp.BiEncoder.from_pretrained(str(out / "model")).state_dict()
     for key, value in results[1].items():
         torch.testing.assert_close(results[2][key], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "negatives, message",
+    [
+        (dict(source="mixed", mix=["bm25", "bogus"]), "unknown negatives strategy 'bogus'"),
+        (dict(source="model"), "negatives.source=model needs negatives.model"),
+        (dict(source="file", file="/no/such/pool.jsonl"), "hard-negatives file not found"),
+        (dict(source="mixed", mix=["bm25", "given"]), "'given' takes the negatives of training rows"),
+        (dict(filters=["qrels", "cross-encoder"]), "the cross-encoder filter needs a cross-encoder"),
+    ],
+)
+def test_negatives_that_cannot_be_mined_are_refused_before_the_folder_is_claimed(
+    tiny_model_dir, tiny_beir, tmp_path, negatives, message
+):
+    """dp.train checked its strategies and filters only while mining, after claiming (with restart: emptying) its
+    output folder."""
+    model = dp.BiEncoder.from_pretrained(str(tiny_model_dir))
+    args = dp.TrainConfig(max_steps=1, batch_size=4, cpu_bf16=False)
+    with pytest.raises(DensepassError, match=message):
+        dp.train(
+            model,
+            str(tiny_beir),
+            output_dir=tmp_path / "out",
+            args=args,
+            negatives=dp.NegativesConfig(pool_depth=5, **negatives),
+            device="cpu",
+            restart=True,
+        )
+    assert not (tmp_path / "out").exists()

@@ -358,3 +358,18 @@ def test_resuming_a_selecting_run_with_other_validation_settings_is_refused(tiny
     with pytest.raises(ConfigError, match=r"validation\.seed"):
         run(seed=1)
     run(seed=2)  # the same settings resume
+
+
+def test_the_validation_retriever_is_checked_before_any_work(tiny_model_dir, tmp_path):
+    """A retriever that is neither bm25 nor a model was loaded only once training had started (after mining, and
+    after ~30 s of Hub retries for a name such as BM25)."""
+    from densepass.pipelines.experiment import check
+
+    base = ["device=cpu", f"output_dir={tmp_path}", "validation.enabled=true"]
+    with pytest.raises(ConfigError, match=r"^validation\.retriever 'BM25': write bm25"):
+        check(load_config(None, [*base, "validation.retriever=BM25"]))
+    with pytest.raises(ConfigError, match=r"^validation\.retriever '/no/such/model' \(bm25 or a saved model\): model"):
+        check(load_config(None, [*base, "validation.retriever=/no/such/model"]))
+    check(load_config(None, [*base, f"validation.retriever={tiny_model_dir}"]))
+    check(load_config(None, [*base, "validation.retriever=/no/such/model", "validation.subcorpus=gold"]))  # unused
+    assert list(tmp_path.iterdir()) == []

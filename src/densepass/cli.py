@@ -80,6 +80,10 @@ def _config(args: argparse.Namespace) -> None:
             print(f"{key}  ({kind}; default {default})\n    {meaning}")
         return
     config = load_config(args.config, args.set, cls)
+    if cls is ExperimentConfig:  # what `densepass run` runs: the starting model's saved architecture filled in
+        from densepass.pipelines.retrievers import with_saved_architecture
+
+        config = with_saved_architecture(config)
     if args.output:
         export_config(config, args.output)
     else:

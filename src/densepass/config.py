@@ -47,10 +47,11 @@ def option(
     min: float | None = None,
     max: float | None = None,
     above: float | None = None,
+    below: float | None = None,
 ) -> Any:
-    """A config field with its help text and range: ``min``/``max`` inclusive, ``above`` exclusive.
+    """A config field with its help text and range: ``min``/``max`` inclusive, ``above``/``below`` exclusive.
     None (for optional fields) is always accepted."""
-    metadata = {"help": help, "min": min, "max": max, "above": above}
+    metadata = {"help": help, "min": min, "max": max, "above": above, "below": below}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -142,7 +143,7 @@ class DataConfig:
         " choose settings on tune, report on report (data.parts)",
     )
     eval_part_fraction: float = option(
-        0.5, "eval_part: the share of the eval split's queries in the tuning part (strictly below 1)", above=0, max=1
+        0.5, "eval_part: the share of the eval split's queries in the tuning part (strictly below 1)", above=0, below=1
     )
     eval_part_seed: int = option(
         13, "eval_part: seed of the split into tuning and reporting parts", min=0, max=SEED_MAX
@@ -665,7 +666,14 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
     """Convert a plain YAML/JSON value to the annotated field type, or raise ConfigError."""
     if isinstance(annotation, str):
         raise ConfigError(f"{where}: unresolved annotation {annotation!r}")
+    if isinstance(value, _Yaml11Number):
+        raise ConfigError(
+            f"{where}: YAML reads {value.text} as {value.value} (a leading 0 is octal, ':' base 60, 0x / 0b hex and "
+            f"binary): write {value.value} if that is meant, or quote it for text"
+        )
     if dataclasses.is_dataclass(annotation):
+        if value is None and not where.endswith("]"):  # a section whose keys are all commented out: its defaults
+            value = {}
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
         return from_dict(annotation, value, where)
@@ -703,10 +711,9 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
         return value
     if annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads exponents without a dot (5e-5) as strings
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{where}: expected a number, got {_short(value)}") from None
+            if not _DECIMAL.fullmatch(value):  # not Python's float() rules: '1_0', ' 1', 'inf', non-ASCII digits
+                raise ConfigError(f"{where}: expected a number, got {_short(value)}")
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {_short(value)}")
         if value != value or value in (float("inf"), float("-inf")) or abs(value) > _FLOAT_MAX:
@@ -725,6 +732,7 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
+_DECIMAL = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")  # a number as text: 5e-5, -.5
 _FLOAT_MAX = 1.7976931348623157e308  # an integer above it (10**400 in a YAML or JSON file) has no float
 _INT_MAX = 2**63 - 1  # sizes, counts and seeds go to NumPy and torch as int64
 
@@ -767,6 +775,8 @@ def _check_range(value: Any, meta: typing.Mapping[str, Any], where: str) -> None
         raise ConfigError(f"{where}: must be <= {_bound(meta['max'])}, got {_short(value)}")
     if meta.get("above") is not None and value <= meta["above"]:
         raise ConfigError(f"{where}: must be > {_bound(meta['above'])}, got {_short(value)}")
+    if meta.get("below") is not None and value >= meta["below"]:
+        raise ConfigError(f"{where}: must be < {_bound(meta['below'])}, got {_short(value)}")
 
 
 def from_dict(cls: type[T], values: dict[str, Any], where: str = "config") -> T:
@@ -836,7 +846,9 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
         node = values
         *parents, leaf = path.split(".")
         for part in parents:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or a section whose keys are all commented out
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
         quote = f"""quote text holding ': ' or '#' (--set '{path}="a: b"', or ["a #b"] in a list)"""
@@ -866,6 +878,35 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 raise ConfigError(f"{self.name}:{line}: key {key!r} appears twice (first on line {seen[key]})")
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+@dataclass(frozen=True)
+class _Yaml11Number:
+    """A number YAML 1.1 reads unlike the decimal it looks like (``010`` is 8, ``1:40`` is 100, ``0x10`` is 16):
+    kept as written, so that ``_convert`` refuses it naming its key."""
+
+    text: str
+    value: int | float
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> Any:
+    value = yaml.SafeLoader.construct_yaml_int(loader, node)
+    digits = str(node.value).replace("_", "").lstrip("+-")
+    if ":" in digits or digits[:2].lower() in ("0x", "0b") or len(digits) > 1 and digits.startswith("0"):
+        return _Yaml11Number(node.value, value)
+    return value
+
+
+def _construct_float(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> Any:
+    value = yaml.SafeLoader.construct_yaml_float(loader, node)
+    return _Yaml11Number(node.value, value) if ":" in str(node.value) else value
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 
 
 class _YamlProblem(Exception):
@@ -978,9 +1019,13 @@ def explain(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             f">= {_bound(meta['min'])}" if meta.get("min") is not None else "",
             f"<= {_bound(meta['max'])}" if meta.get("max") is not None else "",
             f"> {_bound(meta['above'])}" if meta.get("above") is not None else "",
+            f"< {_bound(meta['below'])}" if meta.get("below") is not None else "",
         ]
         kind = _type_name(hints[f.name]) + "".join(f", {b}" for b in bounds if b)
         rows.append((key, kind, json.dumps(getattr(defaults, f.name)), meta.get("help", "")))
+        item = get_args(hints[f.name])[0] if get_origin(hints[f.name]) is list else None
+        if dataclasses.is_dataclass(item):  # a list of sections (data.mix): the keys of each entry
+            rows.extend(explain(item, f"{key}[]."))
     return rows
 
 

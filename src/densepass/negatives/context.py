@@ -31,10 +31,16 @@ def _half_negative(corpus: Corpus, pid: str, answers: Sequence[str], rng: random
 
 
 def mine_context_negatives(
-    dataset: RetrievalDataset, query_ids: Sequence[str], depth: int, split: str = "train", seed: int = 13
+    dataset: RetrievalDataset,
+    query_ids: Sequence[str],
+    depth: int,
+    split: str = "train",
+    seed: int = 13,
+    skip_top: int = 0,
 ) -> NegativePool:
     """Per query: up to ``depth`` passages of its positives' documents, nearest in the document first
-    (score = minus the distance in passages); or one half of its positive (score 0)."""
+    (score = minus the distance in passages); or one half of its positive (score 0). The first ``skip_top`` of
+    these are dropped (the nearest: the likeliest unlabelled positives; the half, where it is the only one)."""
     corpus = dataset.corpus
     positives = dataset.positives(split)
     by_doc: dict[str, list[int]] = {}
@@ -50,11 +56,11 @@ def mine_context_negatives(
             for k, row in enumerate(siblings):
                 if row not in pos_rows:
                     distance[row] = min(distance.get(row, len(siblings)), abs(k - at))
-        ranked = sorted(distance, key=lambda r: (distance[r], r))[:depth]
+        ranked = sorted(distance, key=lambda r: (distance[r], r))[: depth + skip_top]
         cands = [Candidate(corpus.ids[r], "context", -float(distance[r])) for r in ranked]
         if not cands and pos_rows and depth > 0:
             rng = random.Random(f"{seed}:{qid}")
             half = _half_negative(corpus, corpus.ids[pos_rows[0]], dataset.answers.get(qid, []), rng)
             cands = [Candidate(half, "context", 0.0)] if half else []
-        pool[qid] = cands
+        pool[qid] = cands[skip_top:]
     return pool

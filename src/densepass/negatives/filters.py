@@ -4,7 +4,7 @@
 - ``answers``: passages containing one of the query's answer strings (DPR/SQuAD normalisation,
   ``evaluation.answers``); queries without answers keep everything.
 - ``duplicates``: passages with the same content as one of the query's positives
-  (``data.keys.content_key``), and positives of other queries with the same text
+  (``data.keys.content_key``), and positives of other queries with the same text, case and whitespace aside
   (debian-packages: two packages with the same synopsis).
 - ``cross-encoder``: RocketQA-style denoising; candidates a cross-encoder scores above a threshold
   are likely unlabeled positives. The scorer is any ``(query, [passage, ...]) -> scores`` callable,
@@ -32,7 +32,7 @@ import numpy as np
 from densepass.data.dataset import RetrievalDataset
 from densepass.data.keys import content_key, passage_input, passage_text
 from densepass.errors import ConfigError
-from densepass.evaluation.answers import has_answer, normalize_answer
+from densepass.evaluation.answers import has_answer
 from densepass.negatives.pool import Candidate, NegativePool
 
 if TYPE_CHECKING:
@@ -74,6 +74,12 @@ class AnswerFilter:
         return [not has_answer(passage_text(self.dataset.corpus, c.passage_id), answers) for c in cands]
 
 
+def query_text_key(text: str) -> str:
+    """What the duplicates filter compares queries by: the text with case and runs of whitespace folded, nothing
+    else (punctuation and articles stay: "C++ compiler" is not "C compiler")."""
+    return " ".join(text.split()).casefold()
+
+
 @dataclass
 class DuplicateFilter:
     """Drops passages with a positive's content, and other queries' positives with the same text."""
@@ -87,7 +93,9 @@ class DuplicateFilter:
         by_text: dict[str, set[str]] = {}
         self.positives = self.dataset.positives(self.split)
         for qid, pos in self.positives.items():
-            by_text.setdefault(normalize_answer(self.dataset.queries[qid]), set()).update(pos)
+            text = query_text_key(self.dataset.queries[qid])
+            if text:  # an empty query repeats no other
+                by_text.setdefault(text, set()).update(pos)
         self._by_text = by_text
         self._keys: dict[str, int] = {}
 
@@ -100,7 +108,7 @@ class DuplicateFilter:
         """For each candidate, whether it stays."""
         pos = self.positives.get(qid, [])
         pos_keys = {self._key(p) for p in pos}
-        same_text = self._by_text.get(normalize_answer(self.dataset.queries[qid]), set()) - set(pos)
+        same_text = self._by_text.get(query_text_key(self.dataset.queries[qid]), set()) - set(pos)
         return [c.passage_id not in same_text and self._key(c.passage_id) not in pos_keys for c in cands]
 
 
@@ -203,6 +211,12 @@ def scored_in_batches(
         out[qid] = scores[start : start + len(pids)]
         start += len(pids)
     return out
+
+
+def bi_encoder_teacher(config) -> bool:
+    """Whether ``config`` (a ``NegativesConfig``) runs the relative-margin filter with a bi-encoder teacher: a model
+    that encodes, in the mining's precision, passages read with the mining's separator."""
+    return "relative-margin" in config.filters and config.relative_teacher == "bi-encoder"
 
 
 def check_denoising(config, base_model: str) -> None:

@@ -88,22 +88,39 @@ def check_draws(config: NegativesConfig) -> None:
         )
 
 
-def check_strategies(config: NegativesConfig, strategy: str | None = None) -> None:
+def check_strategies(
+    config: NegativesConfig, strategy: str | None = None, *, inputs: bool = False, pairs: bool | None = None
+) -> None:
     """A one-line ConfigError for an unknown strategy, a ``dense:DIM`` out of range, an empty ``mix`` or one that
     holds ``mixed``: called by ``raw_pool`` and, before any work (a BM25 index built, a dense miner trained), by
-    the run's and ``densepass mine``'s checks."""
+    the run's and ``densepass mine``'s checks. ``inputs``: also what the strategies read, before a run claims its
+    directory (a ``model``'s negatives.model, a ``file``'s pool: given, and found); ``pairs`` False: the data are no
+    training rows, which ``given`` needs."""
     strategy = strategy or config.source
     if strategy == "mixed" and (not config.mix or "mixed" in config.mix):
         raise ConfigError("negatives.mix must list the strategies to mix (and not 'mixed')")
     for spec in strategy_specs(config, strategy):
-        name = spec.partition(":")[0]
+        name, _, arg = spec.partition(":")
         if name not in KNOWN or name in ("given", "context", "bm25", "model") and ":" in spec:
             raise ConfigError(
                 f"unknown negatives strategy {spec!r} (known: bm25, dense[:DIM], model, context, mixed, file[:PATH], "
                 "given)"
             )
+        where = f"negatives.source={spec}" if strategy != "mixed" else f"negatives.mix's {spec!r}"
         if name == "dense":
             dense_dim(spec, config)
+        if name == "given" and pairs is False:
+            raise ConfigError(f"{where} takes the negatives of training rows: it needs data.format: pairs")
+        if inputs and name == "model":
+            if not config.model:
+                raise ConfigError(f"{where} needs negatives.model (a saved model)")
+            from densepass.models.biencoder import resolve_model_path
+
+            resolve_model_path(config.model)  # a missing folder or Hub model: one line
+        if inputs and name == "file":
+            if not (arg or config.file):
+                raise ConfigError(f"{where} needs negatives.file (a hard-negatives file) or file:PATH")
+            load_pool(arg or config.file)  # missing, not UTF-8, not JSON, no negatives: one line
 
 
 def dense_specs(config: NegativesConfig, strategy: str | None = None) -> list[str]:
@@ -155,7 +172,7 @@ def raw_pool(
     if name == "context":
         from densepass.negatives.context import mine_context_negatives
 
-        return mine_context_negatives(dataset, query_ids, depth, ctx.split, ctx.seed)
+        return mine_context_negatives(dataset, query_ids, depth, ctx.split, ctx.seed, config.skip_top)
     if name in ("model", "dense"):
         from densepass.negatives.dense import mine_dense_negatives
 
@@ -240,8 +257,9 @@ def mining_inputs(dataset: RetrievalDataset, config: NegativesConfig, ctx: Minin
             index = ctx.bm25_index or BM25Index()
             texts = bm25_texts(index.passages if ctx.bm25_index is not None else as_corpus(bm25_corpus(dataset)))
             inputs[spec] = {"k1": index.k1, "b": index.b, "passages": fingerprint_strings(texts)}
-        elif name == "context":
-            inputs[spec] = {"split": ctx.split, "seed": ctx.seed}
+        elif name == "context":  # a skip_top keyed again: pools mined before the strategy applied it skipped none
+            skipped = {"skip_top": config.skip_top} if config.skip_top else {}
+            inputs[spec] = {"split": ctx.split, "seed": ctx.seed, **skipped}
     # a filter's cross-encoder scores on the default device, in negatives.filter_precision, passages read as it reads
     # them (filters.build_filters)
     scorer = default_device()
@@ -263,8 +281,8 @@ def mining_inputs(dataset: RetrievalDataset, config: NegativesConfig, ctx: Minin
             "split": ctx.split,
             **scored,
         }
-    if "duplicates" in config.filters:
-        inputs["duplicates filter"] = {"split": ctx.split}
+    if "duplicates" in config.filters:  # queries matched by text with case and spaces folded (not answer-normalised)
+        inputs["duplicates filter"] = {"split": ctx.split, "query text": "case and spaces folded"}
     return inputs
 
 

@@ -56,6 +56,7 @@ from densepass.evaluation.metrics import (
 from densepass.evaluation.tables import print_table
 from densepass.index.bm25 import BM25Index
 from densepass.index.dense import DenseIndex
+from densepass.index.faiss_index import check_trainable
 from densepass.index.sharded import encode_cached
 from densepass.io import atomic_write_text, check_cache_dir, locked_run_directory, written_by_densepass
 from densepass.losses.objectives import Objective
@@ -65,8 +66,15 @@ from densepass.models.freeze import freeze_bottom
 from densepass.models.interpolate import interpolate_weights, snapshot
 from densepass.models.packing import enable_packing
 from densepass.negatives.filters import check_denoising
-from densepass.negatives.mine import MiningContext, MiningResult, check_draws, check_strategies
-from densepass.negatives.pool import load_pool, passage_ids, save_pool
+from densepass.negatives.mine import (
+    MiningContext,
+    MiningResult,
+    check_draws,
+    check_strategies,
+    given_candidates,
+    strategy_specs,
+)
+from densepass.negatives.pool import passage_ids, save_pool
 from densepass.pipelines import retrievers
 from densepass.pipelines.distillation import (
     check_existing_scores,
@@ -103,7 +111,7 @@ from densepass.pipelines.training import (
     training_queries,
     uses_bm25,
 )
-from densepass.pipelines.validation import Validator
+from densepass.pipelines.validation import Validator, check_retriever
 from densepass.training.adapters import check_adapters
 from densepass.training.batches import TrainingData
 from densepass.training.engine import check_fsdp_combinations, seed_everything
@@ -211,6 +219,7 @@ def check(config: ExperimentConfig) -> torch.device:
     resolve_precision(config.eval.precision, device)  # int8 on a GPU fails here
     resolve_precision(config.reranker.precision, device)  # the reranker's too
     retrievers.check_kind(config)
+    check_eval_index(config)
     check_metrics(config.eval.metrics)
     warn_if_shallow(config.eval.metrics, config.eval.depth, "eval.depth", "eval.metrics")
     check_metrics([config.validation.metric])
@@ -226,19 +235,21 @@ def check(config: ExperimentConfig) -> torch.device:
     if config.negatives.source == "given" and config.data.format != "pairs":
         raise ConfigError("negatives.source: given takes the negatives of training rows: it needs data.format: pairs")
     neg = config.negatives
-    if config.train.enabled and neg.source != "none":
-        check_strategies(neg)  # an unknown or malformed strategy: before --restart removes anything, before mining
-    for spec in (neg.source, *(neg.mix if neg.source == "mixed" else ())) if config.train.enabled else ():
-        name, _, arg = spec.partition(":")
-        if name == "file" and (arg or neg.file):
-            load_pool(arg or neg.file)  # read once before any work: not UTF-8, not JSON, no negatives: one line
-    if config.train.enabled and neg.source not in ("none", "given"):
+    mines = neg.source != "none" and (config.train.enabled or needs_pool(config))  # (a pool for the reranker too)
+    if mines:  # a malformed strategy, a model or pool file it reads: before --restart removes anything, before mining
+        check_strategies(neg, inputs=True, pairs=config.data.format == "pairs")
+    if mines and neg.source != "given":
         check_denoising(neg, config.model.name_or_path)  # its models' files, before any work
     if config.train.enabled:
         check_schedule(config.schedule)
         check_loss(config.loss, config.train)
         if neg.refresh_every is not None and (neg.source == "none" or neg.per_query == 0):
             raise ConfigError("negatives.refresh_every needs hard negatives (a negatives.source and per_query > 0)")
+        if neg.refresh_every is not None and neg.source == "given":
+            raise ConfigError(
+                "negatives.refresh_every re-mines the pool with the model being trained; negatives.source: given mines"
+                " nothing (the rows' own negatives): leave refresh_every null"
+            )
         check_draws(neg)
         check_crop(
             config.train.passage_max_length,
@@ -248,6 +259,7 @@ def check(config: ExperimentConfig) -> torch.device:
         )
         if config.validation.enabled:
             refuse_answer_metrics([config.validation.metric], "validation")
+            check_retriever(config.validation)  # its model, before mining and training
         if config.validation.select and not config.validation.enabled:
             raise ConfigError("validation.select needs validation.enabled: true (nothing is validated otherwise)")
         check_fsdp(config)
@@ -267,6 +279,24 @@ def check(config: ExperimentConfig) -> torch.device:
     if config.reranker.enabled and config.reranker.train.enabled:
         check_l2sp(config.reranker.train, "reranker.train")
     return device
+
+
+def check_eval_index(config: ExperimentConfig) -> None:
+    """``eval.index`` other than exact where no dense index is searched (it was ignored): SPLADE and ColBERT search
+    their own index, and rerank mode scores each query's candidates."""
+    index = config.eval.index
+    if index == "exact":
+        return
+    if config.model.kind != "bi-encoder":
+        raise ConfigError(
+            f"eval.index={index} indexes a bi-encoder's vectors: model.kind={config.model.kind} searches its own index "
+            f"(model.{config.model.kind}); leave eval.index at exact"
+        )
+    if config.eval.mode == "rerank":
+        raise ConfigError(
+            f"eval.index={index}: eval.mode=rerank scores each query's candidates and searches no index; leave "
+            "eval.index at exact"
+        )
 
 
 def check_eval_part(config: ExperimentConfig) -> None:
@@ -442,7 +472,9 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
             identity = run_identity(config, dataset, mix)  # refuses another run's checkpoints:
             resume_step(config.run_dir, config.train, identity, packing_of(config, device))
     neg = config.negatives
-    subcorpus_bm25 = config.data.eval_hard_k > 0
+    if needs_pool(config) and "given" in strategy_specs(neg):  # rows that give no negatives: before the claim
+        given_candidates(dataset, training_queries(dataset, data.train_split, data.max_train_queries, data.seed))
+    subcorpus_bm25 = config.data.eval_subcorpus and config.data.eval_hard_k > 0  # (eval_hard_k is of the subcorpus)
     need_full_bm25 = (
         uses_bm25(neg) and neg.per_query > 0 and config.train.enabled or subcorpus_bm25 and eval_data is dataset
     )
@@ -451,6 +483,8 @@ def prepare(config: ExperimentConfig, device: torch.device, main: bool, restart:
         evalset = build_eval_set(eval_data, config.data, BM25Index.build(eval_data.corpus.passage_inputs(" ")))
     else:
         evalset = build_eval_set(eval_data, config.data, full_bm25)
+    if config.eval.mode == "full":  # an index too small to train (faiss-ivfpq): before any training
+        check_trainable(config.eval.index, len(evalset.corpus))
     eval_bm25 = None
     if "bm25" in config.eval.baselines or config.eval.mode == "rerank":
         eval_bm25 = BM25Index.build(evalset.corpus)  # the passages with their ids: its runs name them

@@ -30,7 +30,7 @@ from densepass.data import hub_options, load_dataset
 from densepass.device import resolve_device, resolve_precision
 from densepass.errors import ConfigError, DataError
 from densepass.io import check_output_file, every_line
-from densepass.negatives.filters import check_denoising
+from densepass.negatives.filters import bi_encoder_teacher, check_denoising
 from densepass.negatives.mine import (
     MiningContext,
     MiningResult,
@@ -49,9 +49,10 @@ from densepass.training.dense_miners import prepare_miners
 
 def mine_training_negatives(config: ExperimentConfig, output: str | Path, precision: str | None = None) -> MiningResult:
     """Mine ``config.negatives`` for the training queries of ``config.data`` and write them to ``output``;
-    ``precision`` (given: in place of ``config.eval.precision``) is how a model encodes, refused for strategies that
-    mine with no model. ``output`` is checked before any work: a file path densepass may write (missing, empty, or a
-    hard-negatives file it wrote: ``io.check_output_file``), in a place where a file can be made."""
+    ``precision`` (given: in place of ``config.eval.precision``) is how a model encodes, refused where none does (no
+    strategy mines with one, no bi-encoder relative-margin teacher scores). ``output`` is checked before any work: a
+    file path densepass may write (missing, empty, or a hard-negatives file it wrote: ``io.check_output_file``), in a
+    place where a file can be made."""
     output = Path(output)
     check_strategies(config.negatives)
     if dense_specs(config.negatives):  # its miners start from the model as densepass run would (its saved settings)
@@ -66,12 +67,13 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path, precis
     check_output_file(output, "hard-negatives file", every_line(is_pool_line))
     if precision is not None:
         negatives = config.negatives
-        if strategy_specs(negatives) and not mines_with_a_model(negatives):
+        if strategy_specs(negatives) and not (mines_with_a_model(negatives) or bi_encoder_teacher(negatives)):
             raise ConfigError(
                 f"--precision sets how a model encodes; the {negatives.source} strategy mines with no model"
             )
         config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, precision=precision))
     check_denoising(config.negatives, config.model.name_or_path)  # before the dataset loads
+    sep_token = run_sep_token(config)
     work_dir = output.with_name(output.name + ".miners") if dense_specs(config.negatives) else None
     if work_dir is not None:
         check_private_work_dir(work_dir, f"where the miners of {output} are kept")
@@ -105,7 +107,7 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path, precis
         )
     with _miners_dir(work_dir, output) if work_dir is not None else contextlib.nullcontext():
         prepare_miners(dataset, query_ids, config.negatives, ctx)
-        result = mine_negatives(dataset, query_ids, config.negatives, ctx)
+        result = mine_negatives(dataset, query_ids, config.negatives, ctx, sep_token)
         if not any(result.pool.values()):  # a file no run could read (load_pool refuses it): nothing written
             raise DataError(
                 f"no negative is left for any of the {len(result.pool)} queries (skip_top, depth and filters "
@@ -114,6 +116,21 @@ def mine_training_negatives(config: ExperimentConfig, output: str | Path, precis
         if main:
             save_pool(result.pool, output)
     return result
+
+
+def run_sep_token(config: ExperimentConfig) -> str:
+    """What ``densepass run`` gives the filters between a passage's title and text, so that both mine one pool: its
+    model's separator (``" "`` for a tokenizer with none). The model's tokenizer is read only where a filter reads
+    the separator (the duplicates filter, a bi-encoder relative-margin teacher); the pool is the same whatever it is
+    elsewhere."""
+    negatives = config.negatives
+    if "duplicates" not in negatives.filters and not bi_encoder_teacher(negatives):
+        return "[SEP]"  # mine_negatives' default: read by no filter
+    from transformers import AutoTokenizer
+
+    from densepass.models.biencoder import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(config.model.name_or_path)).sep_token or " "
 
 
 @contextlib.contextmanager

@@ -40,7 +40,16 @@ from densepass.losses.objectives import Distillation, InfoNCE, Objective
 from densepass.models.biencoder import BiEncoder, model_name
 from densepass.models.freeze import check_freeze
 from densepass.models.matryoshka import check_dims, principal_rotation
-from densepass.negatives.mine import MiningContext, MiningResult, check_draws, given_candidates, mine_negatives
+from densepass.negatives.filters import check_denoising
+from densepass.negatives.mine import (
+    MiningContext,
+    MiningResult,
+    check_draws,
+    check_strategies,
+    given_candidates,
+    mine_negatives,
+    strategy_specs,
+)
 from densepass.negatives.pool import passage_ids
 from densepass.plots import read_log
 from densepass.training.adapters import check_adapters
@@ -409,6 +418,11 @@ def train(
     given = None
     if negatives.source == "given" and negatives.per_query > 0:  # its errors before anything is written
         given = passage_ids(given_pool(dataset, query_ids).pool)
+    if needs_mining(negatives):  # a malformed strategy, a model or file it reads, a filter's model: before the claim
+        check_strategies(negatives, inputs=True, pairs=isinstance(dataset, PairsDataset))
+        if "given" in strategy_specs(negatives):  # (mixed) rows that give no negatives
+            given_candidates(dataset, query_ids)
+        check_denoising(negatives, getattr(model, "source", None) or DEFAULT_MODEL)  # as the context's base_model
     if distils(objective) and given is None:  # dp.train has no cross-encoder: the scores come with the rows
         raise ConfigError(
             f"{objective.describe()}: train distils the teacher scores of training rows over their given negatives "

@@ -16,7 +16,7 @@ import torch
 
 from densepass.config import ModelConfig, ValidationConfig
 from densepass.data.dataset import Corpus, RetrievalDataset
-from densepass.errors import ConfigError
+from densepass.errors import ConfigError, DataError
 from densepass.evaluation.metrics import depth_for, evaluate_run, refuse_answer_metrics
 from densepass.evaluation.subcorpus import Retriever, Subcorpus, gold_subcorpus, hard_subcorpus, random_subcorpus
 from densepass.index.bm25 import BM25Index
@@ -41,6 +41,22 @@ def dense_retriever(corpus: Corpus, model_path: str, batch_size: int = 256) -> R
         model, corpus.passage_inputs(model.tokenizer.sep_token or " "), "passage", batch_size=batch_size
     )
     return lambda queries, k: exact_search(encode_texts(model, queries, "query", batch_size=batch_size), passages, k)[1]
+
+
+def check_retriever(config: ValidationConfig) -> None:
+    """Before any work: a hard subcorpus's ``retriever`` is bm25 or a model that resolves (it was first loaded after
+    mining, once training had started)."""
+    name = config.retriever
+    if config.subcorpus != "hard" or name == "bm25":
+        return
+    if name.strip().lower() == "bm25":
+        raise ConfigError(f"validation.retriever {name!r}: write bm25 (lower case) for BM25, or give a saved model")
+    from densepass.models.biencoder import resolve_model_path
+
+    try:
+        resolve_model_path(name)
+    except (ConfigError, DataError) as err:  # a missing folder, a Hub model not found, files that do not load
+        raise type(err)(f"validation.retriever {name!r} (bm25 or a saved model): {err}") from None
 
 
 def build_subcorpus(

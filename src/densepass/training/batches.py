@@ -118,11 +118,12 @@ class PoolSizes:
             text += f"; {self.empty} of the {self.queries} have an empty pool (random passages instead)"
         return text + "."
 
-    def warn(self) -> None:
-        """One DataWarning when some pools are shorter than ``per_query`` (never one per query)."""
+    def warn(self, which: str = "their pool") -> None:
+        """One DataWarning when some pools are shorter than ``per_query`` (never one per query); ``which`` names
+        the pools (a refresh's)."""
         if self.short:
             warnings.warn(
-                f"{self.short} of {self.queries} training queries have fewer distinct hard negatives in their pool "
+                f"{self.short} of {self.queries} training queries have fewer distinct hard negatives in {which} "
                 f"than the {self.per_query} drawn per query (the smallest pool holds {self.smallest}): their draws "
                 "repeat negatives",
                 DataWarning,
@@ -302,6 +303,7 @@ class TrainingData:
         if not self.negatives_per_query:
             raise ConfigError("this training data samples no hard negatives: nothing to refresh")
         pools = self._negative_pools(negatives)
+        PoolSizes.of(pools, self.negatives_per_query).warn(f"the pool re-mined for step {from_step}")
         # a new list, swapped in at once: the trainer's prefetch thread may be reading the old one
         self._refreshed = sorted([*self._refreshed, (from_step, pools)], key=lambda item: item[0])
 
