@@ -12,6 +12,9 @@ Each method may stop at --time-limit seconds; it then reports the batches it mad
 those batches (an overestimate: the greedy's products run over the unscheduled instances alone, which shrink).
 ``--compact-below 0.5 0.875`` runs the exact greedy's rows once per share (``scheduling.greedy.COMPACT_BELOW``: how
 soon the products' matrix is rebuilt from the unscheduled rows; 0: never), the same batches at different speeds.
+``--profile FILE`` then runs the first ``--concurrent`` greedy again under torch.profiler for ``--profile-seconds``
+and writes where its time goes (operators by self time on the host and on the device; one ``aten::bmm`` per round)
+to FILE: what a GPU session brings back to see what bounds the schedule beside its products.
 """
 
 from __future__ import annotations
@@ -121,6 +124,8 @@ def bench(sim: BilinearSimilarity, label: str, b: int, args, dense: np.ndarray |
             )
             name = f"**ABS greedy, {slots} batches at once (densepass)**{compacted} {label}"
             row(name, n, b, batches, sec, done, sim, random_h, total)
+    if args.profile and args.concurrent:
+        profile(sim, b, args.concurrent[0], args.profile_seconds, args.profile, f"{n:,} instances {label}")
     if not sim.sparse and n <= args.restricted_max:
         t = time.perf_counter()
         neighbours = neighbour_lists(sim, 100)
@@ -151,6 +156,29 @@ def bench(sim: BilinearSimilarity, label: str, b: int, args, dense: np.ndarray |
         row("ABS beam search k=4 (densepass)", n, b, batches, sec, done, sim, random_h, total)
 
 
+def profile(sim: BilinearSimilarity, b: int, slots: int, seconds: float, path: str, label: str) -> None:
+    """The ``slots``-batch greedy for ``seconds`` under torch.profiler: operators by self time, appended to
+    ``path``."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if sim.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    made, started = 0, time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in iter_concurrent_batches(sim, b, slots, seed=0):
+            made += 1
+            if time.perf_counter() - started > seconds:
+                break
+        if sim.device.type == "cuda":
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    averages = prof.key_averages()
+    with open(path, "a") as out:
+        out.write(f"## {slots} batches at once, batch {b}, {label}: {made} batches in {wall:.1f} s (profiled)\n\n")
+        for key in ["self_cpu_time_total"] + (["self_device_time_total"] if sim.device.type == "cuda" else []):
+            out.write(f"by {key}\n{averages.table(sort_by=key, row_limit=30)}\n\n")
+    print(f"(profile of {made} batches in {wall:.1f} s written to {path})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000])
@@ -177,6 +205,8 @@ def main() -> None:
     parser.add_argument(
         "--skip-clusters", action="store_true", help="leave out the topic clusters (FAISS k-means) on synthetic data"
     )
+    parser.add_argument("--profile", default=None, help="profile the first --concurrent greedy into this file")
+    parser.add_argument("--profile-seconds", type=float, default=20.0, help="how long --profile profiles")
     parser.add_argument("--bm25", action="store_true", help="also schedule debian-packages train with BM25")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()

@@ -15,7 +15,8 @@
 # abs      issue 54: bench_abs.py, the 256-slot greedy over 500,000 instances (goal: under 2 minutes).
 #
 # Each part's log (and JSON) goes to $OUT (the device tool's folder; default outputs/gpu-checks): six files for the
-# teacher, five for train and abs, so each call stays within the eight files the device tool brings back.
+# teacher, six for train and abs (abs-profile.txt: where the 256-slot greedy's time goes), so each call stays within
+# the eight files the device tool brings back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu-checks}
@@ -68,10 +69,10 @@ train() {
 }
 
 abs() {
-    local size=(--sizes 500000 --time-limit 125)
-    [ "$SMALL" = 1 ] && size=(--sizes 2000 --time-limit 5)
+    local size=(--sizes 500000 --time-limit 125 --profile-seconds 20)
+    [ "$SMALL" = 1 ] && size=(--sizes 2000 --time-limit 5 --profile-seconds 2)
     python3 benchmarks/bench_abs.py "${size[@]}" --batch-sizes 64 --concurrent 256 --skip-sequential --skip-clusters \
-        > "$OUT/abs.log" 2>&1
+        --profile "$OUT/abs-profile.txt" > "$OUT/abs.log" 2>&1
 }
 
 for part in "${parts[@]}"; do  # every part checked before any runs

@@ -32,31 +32,22 @@ from densepass.scheduling.similarity import BilinearSimilarity
 from densepass.scheduling.unscheduled import Unscheduled, pack_remainder
 
 
-class _ConflictCounts:
-    """``counts[s, x]``: how many members of the batch in slot s conflict with instance x, updated for
-    many (slot, instance) pairs at once from the conflict lists held as one flat index."""
+class _ConflictLists:
+    """The conflict lists held as one flat index, so that many instances' lists are expanded at once."""
 
-    def __init__(self, conflicts: Sequence[Sequence[int]], slots: int, n: int, device: torch.device) -> None:
+    def __init__(self, conflicts: Sequence[Sequence[int]], device: torch.device) -> None:
         sizes = torch.tensor([len(c) for c in conflicts], dtype=torch.long)
         self.start = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)]).to(device)
         self.flat = torch.tensor([j for c in conflicts for j in c], dtype=torch.long, device=device)
-        self.counts = torch.zeros((slots, n), dtype=torch.int32, device=device)
-        self.any = len(self.flat) > 0  # without conflicts every count stays 0
+        self.any = len(self.flat) > 0  # without conflicts nothing is ever blocked
 
-    def add(self, slots: torch.Tensor, instances: torch.Tensor, sign: int) -> None:
-        """counts[s, x] += sign for every (s, i) pair and every x in conflicts[i]."""
-        if not self.any:  # no conflict lists: nothing to count, and no wait for the device to say so
-            return
+    def expand(self, rows: torch.Tensor, instances: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(row, x)`` for every ``(row, i)`` pair of ``rows`` and ``instances`` and every x in conflicts[i]."""
         sizes = self.start[instances + 1] - self.start[instances]
         total = int(sizes.sum())
-        if total == 0:
-            return
-        rows = torch.repeat_interleave(slots, sizes)
         first = torch.repeat_interleave(self.start[instances], sizes)
         offset = torch.arange(total, device=sizes.device) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
-        cols = self.flat[first + offset]
-        ones = torch.full((total,), sign, dtype=torch.int32, device=sizes.device)
-        self.counts.index_put_((rows, cols), ones, accumulate=True)
+        return torch.repeat_interleave(rows, sizes), self.flat[first + offset]
 
 
 def iter_concurrent_batches(
@@ -76,7 +67,7 @@ def iter_concurrent_batches(
     max_swaps = max_swaps if max_swaps is not None else 4 * batch_size
     unscheduled = Unscheduled(n, seed)
     available = torch.ones(n, dtype=torch.bool, device=device)  # in U and in no open batch
-    blocked = _ConflictCounts(conflicts, slots, n, device)
+    lists = _ConflictLists(conflicts, device)
     members = torch.zeros((slots, batch_size), dtype=torch.long, device=device)
     valid = torch.zeros((slots, batch_size), dtype=torch.bool, device=device)  # a seed may be short (conflicts)
     sums = torch.zeros((slots, 2 * sim.dim), dtype=sim.dtype, device=device)
@@ -100,14 +91,12 @@ def iter_concurrent_batches(
             rows_of[slot, : len(ids)] = sim.stacked[ids]
         sums[slot] = sim.sums(seed_ids)
         available[ids] = False
-        blocked.add(torch.full_like(ids, slot), ids, +1)
         swaps[slot] = 0
         unassigned -= len(ids)
         open_slots.append(slot)
 
     def close_batch(slot: int) -> list[int]:
         ids = members[slot][valid[slot]]
-        blocked.counts[slot].zero_()
         open_slots.remove(slot)
         unscheduled.take(ids.tolist())
         return ids.tolist()
@@ -130,11 +119,17 @@ def iter_concurrent_batches(
             removed = batch.gather(1, removal_pos[:, None]).squeeze(1)
             reduced = sums[slot_t] - sim.dense_rows(removed)
             gains = sim.cross_each(reduced, active.matrix)  # [k, |U|]: eq. 4 for B_p - r_p
-            blocked.add(slot_t, removed, -1)  # instances blocked only by r_p become allowed
-            allowed = available[active.ids][None, :]
-            if blocked.any:  # the k open batches' conflict counts over U alone (not over all N)
-                allowed = allowed & (blocked.counts[slot_t[:, None], active.ids[None, :]] == 0)
-            gains.masked_fill_(~allowed, -inf)
+            # what no batch may take: the columns of instances in an open batch (or scheduled since U was last
+            # compacted), and each batch's instances in conflict with a member other than r_p. Only those entries
+            # are written: a mask over all of [k, |U|] cost more than the product itself
+            gains.index_fill_(1, torch.nonzero(~available[active.ids]).squeeze(1), -inf)
+            if lists.any:
+                others = valid[slot_t].scatter(1, removal_pos[:, None], False)  # the members of B_p - r_p
+                row = torch.arange(len(rows), device=device)[:, None].expand_as(batch)
+                row, conflicting = lists.expand(row[others], batch[others])
+                position = active.position[conflicting]
+                inside = position >= 0  # (the others are scheduled: in no column)
+                gains[row[inside], position[inside]] = -inf
             addition_pos = torch.argmax(gains, 1)  # first on ties
             best = gains.gather(1, addition_pos[:, None]).squeeze(1)
             addition = active.ids[addition_pos]
@@ -146,8 +141,6 @@ def iter_concurrent_batches(
             owner = torch.full((n,), slots, dtype=torch.long, device=device)
             owner.scatter_reduce_(0, addition[wants_most], slot_t[wants_most], "amin")
             wins = wants_most & (owner[addition] == slot_t)
-            keep = ~wins
-            blocked.add(slot_t[keep], removed[keep], +1)
             if wins.any():
                 won = slot_t[wins]
                 members[won, removal_pos[wins]] = addition[wins]
@@ -156,7 +149,6 @@ def iter_concurrent_batches(
                 sums[won] = reduced[wins] + sim.dense_rows(addition[wins])
                 available[removed[wins]] = True
                 available[addition[wins]] = False
-                blocked.add(won, addition[wins], +1)
             for slot, won_swap, wanted in zip(rows, wins.tolist(), wants.tolist()):
                 if won_swap:
                     swaps[slot] += 1
