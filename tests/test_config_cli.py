@@ -572,3 +572,18 @@ def test_config_prints_the_saved_architecture_the_run_uses(tmp_path, tiny_model_
     printed = load_config(tmp_path / "x.yaml")
     assert printed == with_saved_architecture(load_config(None, overrides))  # what run runs
     assert with_saved_architecture(printed).model.architecture() == saved
+
+
+def test_a_mapping_given_for_a_section_sets_its_keys_and_keeps_the_others(tmp_path):
+    """`--set 'train={epochs: 2}'` replaced the whole section: the file's batch size and learning rate went back to
+    their defaults, in silence. `section=null` is how a section is put back to its defaults."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  batch_size: 16\n  learning_rate: 1.0e-4\nnegatives:\n  source: bm25\n  pool_depth: 9\n")
+    config = load_config(str(path), ["train={epochs: 3}", "negatives={pool_depth: 7}"])
+    assert (config.train.epochs, config.train.batch_size, config.train.learning_rate) == (3, 16, 1e-4)
+    assert (config.negatives.source, config.negatives.pool_depth) == ("bm25", 7)
+    reset = load_config(str(path), ["train=null", "train={epochs: 3}"])
+    default = load_config(None, [])
+    assert (reset.train.epochs, reset.train.batch_size) == (3, default.train.batch_size)
+    with pytest.raises(ConfigError, match="bogus"):
+        load_config(str(path), ["train={bogus: 1}"])

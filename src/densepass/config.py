@@ -838,7 +838,10 @@ def _loads_as(text: str, value: Any) -> bool:
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.key=value`` overrides (value parsed as YAML) to a nested mapping."""
+    """Apply ``section.key=value`` overrides (value parsed as YAML) to a nested mapping. A mapping given for a
+    section sets the keys it names and keeps the others (``train={epochs: 2}`` leaves the file's batch size as it
+    is, where replacing the section would put every other key back to its default, in silence); ``section=null``
+    puts a whole section back to its defaults."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
@@ -853,13 +856,25 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
         quote = f"""quote text holding ': ' or '#' (--set '{path}="a: b"', or ["a #b"] in a list)"""
         try:
-            node[leaf] = _load_yaml(raw, "<unicode string>")
+            value = _load_yaml(raw, "<unicode string>")
         except _YamlProblem as err:
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({err}); {quote}") from None
         for comment in re.finditer(r"(?:^|\s)#", raw):  # YAML drops a '#' after a space or first, and what follows
-            if _loads_as(raw[: comment.start()], node[leaf]):
+            if _loads_as(raw[: comment.start()], value):
                 raise ConfigError(f"override {item!r}: YAML reads what follows '#' as a comment and drops it; {quote}")
+        node[leaf] = (
+            _merged(node[leaf], value) if isinstance(value, dict) and isinstance(node.get(leaf), dict) else value
+        )
     return values
+
+
+def _merged(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``update``'s keys set, mappings inside merged the same way (every mapping of a config is a
+    section: ``from_dict`` checks the keys)."""
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
