@@ -511,6 +511,55 @@ def test_an_ondisk_ivfpq_save_that_fails_midway_leaves_the_index_in_memory_answe
     assert load_index(tmp_path / "index", model=biencoder).passages.ids == index.passages.ids
 
 
+def test_an_ondisk_ivfpq_update_reserves_its_lists_file_before_writing_it(biencoder, tmp_path, monkeypatch):
+    """An update's lists were written through FAISS's memory map as the file grew, without reserving its blocks: a
+    full disk killed the process with SIGBUS halfway through. The file is now sized once, its blocks reserved first
+    (a full disk is then one line and the saved version stays the one that loads)."""
+    import errno
+
+    from densepass.errors import DiskError
+    from densepass.index import ondisk
+    from densepass.index.base import as_corpus, records_corpus
+    from densepass.index.ondisk import LISTS_FILE, IVFPQOptions, build_ondisk_ivfpq
+    from densepass.index.sharded import ShardedEmbeddings
+
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((400, biencoder.dim)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    corpus = as_corpus([{"id": f"p{i}", "text": f"passage {i}"} for i in range(400)])
+    options = IVFPQOptions(lists=4, pq_m=8, train_size=400, nprobe=4)
+    shards = ShardedEmbeddings.whole(vectors, block=400)
+    build_ondisk_ivfpq(biencoder, shards, corpus, tmp_path / "work", options, device=CPU).save(tmp_path / "index")
+    index = load_index(tmp_path / "index", model=biencoder)
+    index.delete([f"p{i}" for i in range(0, 400, 7)])
+    new = rng.standard_normal((30, biencoder.dim)).astype(np.float32)
+    index.upsert_encoded(records_corpus([{"id": f"n{i}", "text": "new"} for i in range(30)]), new)
+    index.compact()
+    reserved = []
+    real = ondisk.reserve_space
+
+    def recorded(path, size=None):
+        reserved.append((Path(path).name, size))
+        real(path, size)
+
+    def full(path, size=None):
+        raise DiskError(f"no space left on device writing {path}", errno.ENOSPC, size)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ondisk, "reserve_space", full)
+        with pytest.raises(DiskError, match="no space left"):
+            save_version(index, tmp_path / "index")
+    assert load_index(tmp_path / "index", model=biencoder).version == 0
+    monkeypatch.setattr(ondisk, "reserve_space", recorded)
+    save_version(index, tmp_path / "index")
+    [(name, size)] = reserved
+    written = tmp_path / "index" / "v000001" / LISTS_FILE
+    assert name == LISTS_FILE and written.stat().st_size == size  # reserved once, grown no further
+    loaded = load_index(tmp_path / "index", model=biencoder)
+    assert len(loaded) == 400 - len(range(0, 400, 7)) + 30
+    assert loaded.search(new[:3], k=1).ids(0) == index.search(new[:3], k=1).ids(0)
+
+
 def test_search_with_hybrid_over_an_updated_dense_index_leaves_the_deleted_passages_out(biencoder, tmp_path):
     """``--hybrid`` builds BM25 over the dense index's rows at load time: the tombstoned ones too, which its BM25
     part must leave out as the dense part does (they came back, under their tombstone ids)."""

@@ -309,33 +309,46 @@ class OnDiskIVFPQIndex(Index):
 
     def _write_lists(self, directory: Path, remap: np.ndarray) -> None:
         """Write ``directory``'s lists file and index file: every list's entries of the saved lists and of the
-        upserted passages, ids mapped through ``remap`` (old row -> new row, -1: left out)."""
+        upserted passages, ids mapped through ``remap`` (old row -> new row, -1: left out). FAISS writes the file
+        through a memory map, growing it as lists are added; its final size is known beforehand (each list takes
+        a slot of the power of two at or above its length), so the file is sized once and its blocks reserved
+        first: a full disk is a one-line error here, never SIGBUS halfway through the lists."""
         import faiss
 
         index = faiss.read_index(str(self.directory / INDEX_FILE), faiss.IO_FLAG_SKIP_IVF_DATA)
         ivf = faiss.extract_index_ivf(index)
-        lists = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(directory / LISTS_FILE))
         sources = [faiss.extract_index_ivf(self.faiss).invlists]
         if self.delta is not None:
             sources.append(faiss.extract_index_ivf(self.delta).invlists)
-        total = 0
-        for number in range(ivf.nlist):
+
+        def stored_ids(source, number: int) -> np.ndarray:
+            size = source.list_size(number)
+            return faiss.rev_swig_ptr(source.get_ids(number), size).copy() if size else np.zeros(0, dtype=np.int64)
+
+        lengths = [sum(int((remap[stored_ids(s, number)] >= 0).sum()) for s in sources) for number in range(ivf.nlist)]
+        size = sum((1 << (length - 1).bit_length()) * (ivf.code_size + 8) for length in lengths if length)
+        lists = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(directory / LISTS_FILE))
+        if size:
+            lists.update_totsize(size)  # one free slot the lists are cut from: the file grows no further
+            reserve_space(directory / LISTS_FILE, size)
+        for number, length in enumerate(lengths):
+            if not length:
+                continue
+            new_ids, new_codes = [], []
             for source in sources:
-                size = source.list_size(number)
-                if not size:
+                ids = stored_ids(source, number)
+                if not len(ids):
                     continue
-                ids = faiss.rev_swig_ptr(source.get_ids(number), size).copy()
-                codes = faiss.rev_swig_ptr(source.get_codes(number), size * ivf.code_size).copy()
-                new = remap[ids]
-                kept = new >= 0
-                if kept.any():
-                    new_ids = np.ascontiguousarray(new[kept], dtype=np.int64)
-                    new_codes = np.ascontiguousarray(codes.reshape(size, ivf.code_size)[kept])
-                    lists.add_entries(number, len(new_ids), faiss.swig_ptr(new_ids), faiss.swig_ptr(new_codes))
-                    total += len(new_ids)
+                codes = faiss.rev_swig_ptr(source.get_codes(number), len(ids) * ivf.code_size)
+                kept = remap[ids] >= 0
+                new_ids.append(remap[ids][kept])
+                new_codes.append(codes.reshape(len(ids), ivf.code_size)[kept])
+            ids_out = np.ascontiguousarray(np.concatenate(new_ids), dtype=np.int64)
+            codes_out = np.ascontiguousarray(np.concatenate(new_codes))
+            lists.add_entries(number, length, faiss.swig_ptr(ids_out), faiss.swig_ptr(codes_out))  # one slot each
         lists.this.disown()  # the index owns and frees it
         ivf.replace_invlists(lists, True)
-        index.ntotal = total
+        index.ntotal = sum(lengths)
         save_faiss_index(index, directory / INDEX_FILE)
 
     def reopen(self, directory: Path) -> None:
